@@ -1,0 +1,159 @@
+"""Engine configuration: one validated dataclass tree; CLI flags map onto its fields.
+
+Every field that a user may set carries a `help` string in its metadata; the
+CLI builds `--flag-name` options from those, so adding a setting is one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+BATCHING_MODES = ("continuous", "static", "dynamic")
+STEP_POLICIES = ("mixed", "prefill-first")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, said so at start-up."""
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_memory: float = _opt(1.0, "memory for the KV cache, in GiB")
+    num_kv_blocks: int | None = _opt(
+        None, "exact number of KV blocks (overrides --kv-cache-memory)"
+    )
+    enable_prefix_caching: bool = _opt(
+        True, "share KV blocks between requests with a common prefix"
+    )
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"--block-size must be at least 1, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = _opt(64, "most requests running at once")
+    max_num_batched_tokens: int = _opt(512, "token budget of one step (prefill chunks + decodes)")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps under the budget")
+    max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
+    batching: str = _opt("continuous", "batching mode", choices=BATCHING_MODES)
+    batch_size: int = _opt(8, "requests per batch for static and dynamic batching")
+    max_wait_ms: float = _opt(50.0, "dynamic batching: start a partial batch after this wait")
+    step_policy: str = _opt("mixed", "step composition", choices=STEP_POLICIES)
+    long_prefill_token_threshold: int = _opt(
+        0, "at most this many tokens of one prompt per step (0: no limit)"
+    )
+    max_long_partial_prefills: int = _opt(
+        0, "at most this many prompts over the threshold prefill at once (0: no limit)"
+    )
+    batch_lane_min_share: float = _opt(
+        0.1, "share of each step's token budget the batch lane is guaranteed when it waits"
+    )
+    max_running_batch_lane: int | None = _opt(None, "most batch-lane requests running at once")
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.batching not in BATCHING_MODES:
+            raise ConfigError(f"--batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        if self.step_policy not in STEP_POLICIES:
+            raise ConfigError(
+                f"--step-policy must be one of {STEP_POLICIES}, got {self.step_policy!r}"
+            )
+        if self.batching != "continuous" and self.batch_size < 1:
+            raise ConfigError(f"{self.batching} batching needs --batch-size >= 1")
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
+        if not 0.0 <= self.batch_lane_min_share <= 1.0:
+            raise ConfigError("--batch-lane-min-share must be in [0, 1]")
+        if self.long_prefill_token_threshold < 0 or self.max_long_partial_prefills < 0:
+            raise ConfigError("long-prefill limits must be >= 0")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = _opt(None, "HF directory or GGUF file (default: bundled SmolLM2-135M)")
+    dtype: str = _opt("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
+    device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
+    seed: int = _opt(0, "seed for requests that give none")
+    num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> EngineConfig:
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ConfigError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        self.cache.validate()
+        self.scheduler.validate()
+        return self
+
+
+# ---- CLI mapping ---------------------------------------------------------------
+
+_SECTIONS = ("cache", "scheduler")
+
+
+def _leaf_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one `--flag` per EngineConfig setting."""
+    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+        group = parser.add_argument_group(cls.__name__)
+        for f in _leaf_fields(cls):
+            kwargs: dict[str, Any] = {
+                "dest": f.name,
+                "default": f.default,
+                "help": f.metadata["help"],
+            }
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _parse_type(f.type)
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(_flag(f.name), **kwargs)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    def pick(cls: type) -> dict[str, Any]:
+        return {f.name: getattr(args, f.name) for f in _leaf_fields(cls) if hasattr(args, f.name)}
+
+    return EngineConfig(
+        **pick(EngineConfig),
+        cache=CacheConfig(**pick(CacheConfig)),
+        scheduler=SchedulerConfig(**pick(SchedulerConfig)),
+    ).validate()
+
+
+def _parse_type(type_name: Any) -> Any:
+    text = str(type_name)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str

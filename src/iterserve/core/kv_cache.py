@@ -1,0 +1,205 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, per-request
+block tables, reference counts and a prefix cache over full blocks.
+
+Pure Python: the tensors live in the executor; this file only decides which
+block holds which tokens.
+
+Prefix caching follows vLLM: a full block is named by hash(parent block's hash,
+its tokens), so a block's name covers everything before it. Freed blocks keep
+their contents and their name until the pool needs them again; the free queue
+is LRU, so the blocks used longest ago are reused first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from iterserve.core.request import Request
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+def hash_block(parent_hash: int | None, tokens: Sequence[int]) -> int:
+    return hash((parent_hash, tuple(tokens)))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV cache needs at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently used first: the order they are reused in.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        # Hash chain of each live request's full blocks, computed once per block.
+        self._request_hashes: dict[str, list[int]] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ---- queries -------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=len(self._free),
+            num_cached_blocks=len(self._cached),
+            prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits,
+        )
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks already holding a prefix of this request's tokens.
+
+        At least one token is always left to compute, since the step that
+        computes the last known token is the one that yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._hashes_for(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in hashes[:max_blocks]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Counted once per admission, not per scheduling attempt."""
+        self._prefix_queries += num_queried
+        self._prefix_hits += num_hit
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()
+    ) -> bool:
+        return self._num_new_blocks(request, num_new_tokens, cached) <= self._available(cached)
+
+    # ---- changes -------------------------------------------------------------
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Give `request` the blocks to compute `num_new_tokens` more tokens.
+
+        `cached` are prefix-cache hits to attach first (only when the request
+        holds no blocks yet); `num_new_tokens` counts tokens after them, and the
+        caller advances `num_computed_tokens` past the hits. All or nothing: returns False and changes nothing
+        when the pool is short.
+        """
+        assert not cached or not request.block_ids, "prefix hits attach to an empty block table"
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, cached)
+        if num_new_blocks > self._available(cached):
+            return False
+        for block_id in cached:
+            self._take(block_id)
+        request.block_ids.extend(cached)
+        for _ in range(num_new_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict: its contents are about to be overwritten
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            request.block_ids.append(block_id)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Name the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = self._hashes_for(request)
+        for index in range(num_full):
+            block = self.blocks[request.block_ids[index]]
+            if block.block_hash is not None:
+                continue
+            block_hash = hashes[index]
+            if block_hash in self._cached:  # the same content was computed twice; keep the first
+                continue
+            block.block_hash = block_hash
+            self._cached[block_hash] = block.block_id
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references. Its tail blocks are queued for reuse
+        before its head, since a shared prefix is the part most worth keeping."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:  # nothing worth keeping: reuse it first
+                    self._free.move_to_end(block_id, last=False)
+        request.block_ids.clear()
+
+    def forget(self, request: Request) -> None:
+        """Drop per-request memo when the request is gone for good."""
+        self._request_hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self._cached.items()):
+            if self.blocks[block_id].ref_count == 0:
+                self.blocks[block_id].block_hash = None
+                del self._cached[block_hash]
+
+    # ---- internals -----------------------------------------------------------
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, cached: Sequence[int]) -> int:
+        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        return max(0, self.blocks_needed(num_tokens) - len(request.block_ids) - len(cached))
+
+    def _available(self, cached: Sequence[int]) -> int:
+        # A cached hit with no other user sits in the free queue; taking it uses it up.
+        return len(self._free) - sum(1 for b in cached if self.blocks[b].ref_count == 0)
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _hashes_for(self, request: Request) -> list[int]:
+        hashes = self._request_hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for index in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tokens[index * bs : (index + 1) * bs]))
+        return hashes

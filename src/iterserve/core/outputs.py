@@ -1,0 +1,69 @@
+"""The dataclasses that cross the boundaries of one engine step:
+
+Scheduler.schedule() -> SchedulerOutput -> Executor.execute() -> ModelOutput
+-> Scheduler.update() -> list[RequestUpdate]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.core.request import Request
+from iterserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: compute `token_ids` at positions
+    `num_computed_tokens`..., and sample the next token if `sample`."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]  # the request's block table; read-only for the executor
+    sample: bool
+    sampling_params: SamplingParams
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    # Requests gone since the last step, so executors can drop per-request state.
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: Any = None  # the sampler's TokenLogprobs, opaque to the scheduler
+
+
+@dataclass
+class ModelOutput:
+    sampled: dict[str, SampledToken]
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did for one request, for the engine to detokenize and emit."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[Any]
+    finished: bool

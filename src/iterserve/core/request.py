@@ -1,0 +1,101 @@
+"""A request as the scheduler sees it: tokens, progress, blocks, status, timings.
+
+There are no prefill and decode phases here: a request simply has `num_tokens`
+(prompt + generated so far) of which `num_computed_tokens` are in the KV cache.
+Prefill is the catch-up of many tokens, decode the catch-up of one.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from iterserve.sampling_params import SamplingParams
+
+LANES = ("interactive", "batch")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock (or virtual-clock) instants, in seconds, set by the scheduler."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: tuple[int, ...] = ()
+    lane: str = "interactive"
+    priority: int = 0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens of the prompt found in the prefix cache when the request was last admitted.
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # Output length when last preempted: a request is not preempted for another's
+    # sake again until it has produced more, so two requests cannot thrash.
+    outputs_at_preemption: int = -1
+    # Order of the latest admission to the running set: the newest gives way first.
+    admission_seq: int = -1
+    timings: RequestTimings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timings = RequestTimings(arrival=self.arrival_time)
+        # One list for prompt + output so a step can slice it without concatenating.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the request may hold at most when it finishes by length."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

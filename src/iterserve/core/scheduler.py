@@ -1,0 +1,369 @@
+"""The step plan: which requests compute how many tokens this iteration.
+
+Every request has `num_tokens` (prompt + generated) and `num_computed_tokens`
+(in the KV cache); a step lets some of them catch up, within a token budget.
+A request one token behind is a decode; more than one behind, a prefill
+(a prompt, the rest of a chunked prompt, or a preempted request recomputing).
+
+A step is composed in two phases:
+  decodes   every running request one token behind, in admission order;
+  prefills  running partial prefills, then (continuous batching) waiting
+            requests, interactive lane before batch lane, under the budget
+            left, with a share of it reserved for the batch lane.
+`mixed` runs both phases in one step (decodes first, Sarathi-Serve / vLLM V1);
+`prefill-first` runs prefills alone whenever there are any (ORCA / vLLM V0).
+
+When the KV pool runs dry, a running request is preempted by recompute: its
+blocks are freed, its tokens kept, and it waits to be prefilled again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from iterserve.config import SchedulerConfig
+from iterserve.core.kv_cache import KVCacheManager
+from iterserve.core.outputs import (
+    ModelOutput,
+    RequestUpdate,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+from iterserve.core.policies import WaitingQueues, form_batch, outranks, victim_key
+from iterserve.core.request import LANES, Request, RequestStatus
+from iterserve.sampling_params import InvalidRequestError
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting = WaitingQueues()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Static batching starts a short batch only once no more requests will come.
+        self.no_more_arrivals = False
+        self._finished_ids: list[str] = []
+        self._admissions = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse at once a request that could never finish."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's context is {self.max_model_len} tokens, but the request needs "
+                f"{total} ({num_prompt_tokens} in the prompt + {max_tokens} max_tokens); "
+                "shorten the prompt or lower max_tokens",
+                "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
+            )
+        blocks = self.kv.blocks_needed(total)
+        if blocks > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {blocks} KV cache blocks ({total} tokens) but the whole "
+                f"cache holds {self.kv.num_blocks}; raise --kv-cache-memory or shorten it",
+                "max_tokens",
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.lane not in LANES:
+            raise InvalidRequestError(f"lane must be one of {LANES}, got {request.lane!r}", "lane")
+        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string): frees its blocks now. Unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_running(self, lane: str | None = None) -> int:
+        return sum(1 for r in self.running if lane is None or r.lane == lane)
+
+    def num_waiting(self, lane: str | None = None) -> int:
+        return self.waiting.count(lane)
+
+    # ---- one step --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        if self.config.batching != "continuous" and not self.running:
+            self._admit_batch(now)
+        if self.config.step_policy == "prefill-first":
+            self._schedule_prefills(step, now)
+            if not step.tokens:
+                self._schedule_decodes(step)
+        else:
+            self._schedule_decodes(step)
+            self._schedule_prefills(step, now)
+        return self._output(step, now)
+
+    def update(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[RequestUpdate]:
+        now = self.clock()
+        updates: list[RequestUpdate] = []
+        for seq in scheduled.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # ended between schedule and update
+            request.num_computed_tokens += seq.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            if not seq.sample:
+                continue
+            sampled = model_output.sampled[seq.request_id]
+            request.append_output_token(sampled.token_id)
+            timings = request.timings
+            if timings.first_token is None:
+                timings.first_token = now
+            timings.token_times.append(now)
+            status = self._stop_status(request, sampled.token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updates.append(
+                RequestUpdate(request, [sampled.token_id], [sampled.logprobs], status is not None)
+            )
+        return updates
+
+    # ---- phases ----------------------------------------------------------------
+
+    def _schedule_decodes(self, step: _StepPlan) -> None:
+        for request in list(self.running):
+            if step.budget < 1:
+                return
+            if request in step.tokens or request.status != RequestStatus.RUNNING:
+                continue
+            if request.num_tokens - request.num_computed_tokens == 1:
+                self._allocate_or_preempt(request, 1, step)
+
+    def _schedule_prefills(self, step: _StepPlan, now: float) -> None:
+        # While the batch lane has work, interactive prefills leave it a share of the budget.
+        reserve = 0
+        if self._lane_has_prefill_work("batch") and self._lane_has_prefill_work("interactive"):
+            reserve = math.ceil(
+                self.config.batch_lane_min_share * self.config.max_num_batched_tokens
+            )
+        self._schedule_lane_prefills("interactive", reserve, step, now)
+        self._schedule_lane_prefills("batch", 0, step, now)
+
+    def _schedule_lane_prefills(self, lane: str, reserve: int, step: _StepPlan, now: float) -> None:
+        for request in [r for r in self.running if r.lane == lane]:
+            budget = step.budget - reserve
+            if budget < 1:
+                return
+            remaining = request.num_tokens - request.num_computed_tokens
+            if request in step.tokens or request.status != RequestStatus.RUNNING or remaining < 2:
+                continue
+            n = self._chunk(request, remaining, budget, step)
+            if n:
+                self._allocate_or_preempt(request, n, step)
+        if self.config.batching != "continuous" or step.preempted:
+            return  # a step that preempted admits nobody: memory is short
+        for request in self.waiting.lane(lane):
+            budget = step.budget - reserve
+            if (
+                budget < 1
+                or not self._has_seat(lane)
+                or not self._admit(request, budget, step, now)
+            ):
+                break  # the head of the line does not fit: later ones wait behind it (FCFS)
+
+    # ---- admission -------------------------------------------------------------
+
+    def _admit(self, request: Request, budget: int, step: _StepPlan, now: float) -> bool:
+        """Move a waiting request to running with its first chunk, if it fits."""
+        cached = self.kv.find_cached_prefix(request)
+        num_cached = len(cached) * self.kv.block_size
+        n = self._chunk(request, request.num_tokens - num_cached, budget, step)
+        if not n:
+            return False
+        while not self.kv.allocate(request, n, cached):
+            victim = self._priority_victim(request)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        self.waiting.remove(request)
+        self._start_running(request, num_cached, now)
+        step.add(request, n)
+        return True
+
+    def _admit_batch(self, now: float) -> None:
+        """Static / dynamic batching: the next batch joins the running set together."""
+        batch = form_batch(self.config, self.waiting, now, self.no_more_arrivals)
+        for request in batch[: self.config.max_num_seqs]:
+            cached = self.kv.find_cached_prefix(request)
+            if not self.kv.allocate(request, 0, cached):
+                cached = []
+            num_cached = len(cached) * self.kv.block_size
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self.waiting.remove(request)
+            self._start_running(request, num_cached, now)
+
+    def _start_running(self, request: Request, num_cached: int, now: float) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        request.num_cached_tokens = num_cached
+        request.admission_seq = self._admissions
+        self._admissions += 1
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = now
+        self.running.append(request)
+
+    def _has_seat(self, lane: str) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        cap = self.config.max_running_batch_lane
+        return lane != "batch" or cap is None or self.num_running("batch") < cap
+
+    def _chunk(self, request: Request, remaining: int, budget: int, step: _StepPlan) -> int:
+        """Tokens of this prefill to compute now (0: not this step)."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and remaining > threshold:
+            cap = self.config.max_long_partial_prefills
+            if cap and step.num_long_prefills >= cap:
+                return 0
+            step.num_long_prefills += 1
+            remaining = threshold
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            return 0
+        return min(remaining, budget)
+
+    def _lane_has_prefill_work(self, lane: str) -> bool:
+        if self.config.batching == "continuous" and self.waiting.count(lane):
+            return True
+        return any(
+            r.lane == lane and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
+        )
+
+    # ---- memory pressure -------------------------------------------------------
+
+    def _allocate_or_preempt(self, request: Request, n: int, step: _StepPlan) -> bool:
+        """Allocate for a running request, preempting the lowest-ranked running
+        request (possibly this one) until it fits."""
+        while not self.kv.allocate(request, n):
+            victim = max(self.running, key=victim_key)
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        step.add(request, n)
+        return True
+
+    def _priority_victim(self, candidate: Request) -> Request | None:
+        """A running request a waiting one outranks, that has progressed since it
+        was last preempted (so no two requests take turns preempting each other)."""
+        eligible = [
+            r
+            for r in self.running
+            if outranks(candidate, r) and r.num_output_tokens > r.outputs_at_preemption
+        ]
+        return max(eligible, key=victim_key) if eligible else None
+
+    def _preempt(self, request: Request, step: _StepPlan) -> None:
+        step.remove(request)
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        request.outputs_at_preemption = request.num_output_tokens
+        self.num_preemptions += 1
+        step.preempted.append(request)
+        self.waiting.push(request)
+
+    # ---- endings ---------------------------------------------------------------
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.kv.free(request)
+        self.kv.forget(request)
+        request.status = status
+        request.timings.finished = self.clock()
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _output(self, step: _StepPlan, now: float) -> SchedulerOutput:
+        seqs: list[ScheduledSeq] = []
+        num_decode = 0
+        # Decodes first: the executor batches the one-token queries together.
+        for request, n in sorted(step.tokens.items(), key=lambda item: item[1] != 1):
+            start = request.num_computed_tokens
+            seqs.append(
+                ScheduledSeq(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids[start : start + n],
+                    num_computed_tokens=start,
+                    block_ids=request.block_ids,
+                    sample=start + n == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                )
+            )
+            if start + n == request.num_tokens and n == 1 and request.num_output_tokens:
+                num_decode += 1
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            seqs=seqs,
+            num_prefill_tokens=step.num_tokens - num_decode,
+            num_decode_tokens=num_decode,
+            preempted_ids=[r.request_id for r in step.preempted],
+            finished_ids=finished,
+        )
+
+
+class _StepPlan:
+    """The step being composed: tokens per request and the budget left."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.tokens: dict[Request, int] = {}
+        self.preempted: list[Request] = []
+        self.num_long_prefills = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def add(self, request: Request, n: int) -> None:
+        self.tokens[request] = n
+        self.budget -= n
+
+    def remove(self, request: Request) -> None:
+        self.budget += self.tokens.pop(request, 0)

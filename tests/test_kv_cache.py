@@ -1,0 +1,145 @@
+"""The block pool under random sequences of operations (hypothesis state machine)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from iterserve.core.kv_cache import KVCacheManager
+from iterserve.core.request import Request
+from iterserve.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def make_request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8), arrival_time=0.0)
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(num_blocks=24, block_size=BLOCK, enable_prefix_caching=True)
+        self.live: dict[str, Request] = {}
+        self.counter = 0
+
+    @rule(
+        prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]]),
+        tail=st.lists(st.integers(0, 5), min_size=1, max_size=14),
+    )
+    def admit(self, prefix: list[int], tail: list[int]) -> None:
+        """A new request: attach prefix hits, allocate its first chunk."""
+        self.counter += 1
+        request = make_request(f"r{self.counter}", prefix + tail)
+        cached = self.kv.find_cached_prefix(request)
+        num_cached = len(cached) * BLOCK
+        assert num_cached < request.num_tokens
+        for block_id in cached:  # a hit really holds these tokens' name
+            assert self.kv.blocks[block_id].block_hash is not None
+        chunk = min(request.num_tokens - num_cached, 6)
+        if self.kv.allocate(request, chunk, cached):
+            request.num_computed_tokens = num_cached + chunk
+            self.kv.cache_full_blocks(request)
+            self.live[request.request_id] = request
+        else:
+            assert not request.block_ids
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """A running request computes more: the rest of its prompt, or a new token."""
+        request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token(data.draw(st.integers(0, 5)))
+        n = request.num_tokens - request.num_computed_tokens
+        if self.kv.allocate(request, n):
+            request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
+            assert len(request.block_ids) == self.kv.blocks_needed(request.num_computed_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), preempt=st.booleans())
+    def release(self, data: st.DataObject, preempt: bool) -> None:
+        """A request finishes, or is preempted (blocks freed, tokens kept for later)."""
+        request = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+        self.kv.free(request)
+        if not preempt:
+            self.kv.forget(request)
+        request.num_computed_tokens = 0
+        assert not request.block_ids
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        in_use: dict[int, int] = {}
+        for request in self.live.values():
+            for block_id in request.block_ids:
+                in_use[block_id] = in_use.get(block_id, 0) + 1
+        free = set(self.kv._free)
+        for block in self.kv.blocks:
+            assert block.ref_count >= 0
+            assert block.ref_count == in_use.get(block.block_id, 0)
+            assert (block.block_id in free) == (block.ref_count == 0), "free xor used"
+        for block_hash, block_id in self.kv._cached.items():
+            assert self.kv.blocks[block_id].block_hash == block_hash
+
+    def teardown(self) -> None:
+        for request in self.live.values():
+            self.kv.free(request)
+        assert self.kv.num_free_blocks == self.kv.num_blocks, "every block back in the pool"
+
+
+TestBlockPool = BlockPoolMachine.TestCase
+TestBlockPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_shared_prefix_shares_blocks_and_lru_keeps_them() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BLOCK)
+    first = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert kv.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    kv.cache_full_blocks(first)
+    kv.free(first)  # blocks stay cached with ref count 0
+
+    second = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 42, 43])
+    cached = kv.find_cached_prefix(second)
+    assert len(cached) == 2 and kv.blocks[cached[0]].ref_count == 0
+    assert kv.allocate(second, second.num_tokens - 8, cached)
+    assert second.block_ids[:2] == cached
+    assert kv.stats().num_used_blocks == 3
+
+
+def test_full_hit_still_computes_the_last_token() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    first = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert kv.allocate(first, 8)
+    first.num_computed_tokens = 8
+    kv.cache_full_blocks(first)
+    again = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert len(kv.find_cached_prefix(again)) == 1  # the second block holds the last token
+
+
+def test_allocation_is_all_or_nothing() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=BLOCK)
+    request = make_request("a", list(range(12)))
+    assert not kv.allocate(request, 12)
+    assert request.block_ids == [] and kv.num_free_blocks == 2
+
+
+def test_eviction_takes_uncached_then_least_recently_used() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=BLOCK)
+    old = make_request("old", [1, 1, 1, 1])
+    assert kv.allocate(old, 4)
+    old.num_computed_tokens = 4
+    kv.cache_full_blocks(old)
+    kv.free(old)
+    newer = make_request("new", [2, 2, 2, 2])
+    assert kv.allocate(newer, 4)
+    newer.num_computed_tokens = 4
+    kv.cache_full_blocks(newer)
+    kv.free(newer)
+    # One fresh block remains; a 2-block request takes it and then evicts the oldest cached.
+    taker = make_request("t", list(range(10, 18)))
+    assert kv.allocate(taker, 8)
+    assert kv.find_cached_prefix(make_request("x", [1, 1, 1, 1, 9])) == []
+    assert len(kv.find_cached_prefix(make_request("y", [2, 2, 2, 2, 9]))) == 1
