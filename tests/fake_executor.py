@@ -82,9 +82,10 @@ def run(
     clock: Clock | None = None,
     max_steps: int = 10_000,
     on_step: object = None,
+    executor: FakeExecutor | None = None,
 ) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
     """Step until every request ends; returns outputs by id and the step plans."""
-    executor = FakeExecutor()
+    executor = executor or FakeExecutor()
     outputs: dict[str, list[int]] = {}
     plans: list[SchedulerOutput] = []
     for _ in range(max_steps):

@@ -19,6 +19,7 @@ blocks are freed, its tokens kept, and it waits to be prefilled again.
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Callable
@@ -187,32 +188,34 @@ class Scheduler:
             return  # a step that preempted admits nobody: memory is short
         for request in self.waiting.lane(lane):
             budget = step.budget - reserve
-            if (
-                budget < 1
-                or not self._has_seat(lane)
-                or not self._admit(request, budget, step, now)
-            ):
+            if budget < 1 or not self._has_seat(lane):
+                break
+            admission = self._admit(request, budget, step, now)
+            if admission is _Admission.BLOCKED:
                 break  # the head of the line does not fit: later ones wait behind it (FCFS)
 
     # ---- admission -------------------------------------------------------------
 
-    def _admit(self, request: Request, budget: int, step: _StepPlan, now: float) -> bool:
+    def _admit(self, request: Request, budget: int, step: _StepPlan, now: float) -> _Admission:
         """Move a waiting request to running with its first chunk, if it fits."""
         cached = self.kv.find_cached_prefix(request)
         num_cached = len(cached) * self.kv.block_size
-        n = self._chunk(request, request.num_tokens - num_cached, budget, step)
+        remaining = request.num_tokens - num_cached
+        if self._long_prefill_slots_taken(remaining, step):
+            return _Admission.SKIPPED  # a short request behind it may still go
+        n = self._chunk(request, remaining, budget, step)
         if not n:
-            return False
+            return _Admission.BLOCKED
         while not self.kv.allocate(request, n, cached):
             victim = self._priority_victim(request)
             if victim is None:
-                return False
+                return _Admission.BLOCKED
             self._preempt(victim, step)
         self.kv.record_prefix_lookup(request.num_tokens, num_cached)
         self.waiting.remove(request)
         self._start_running(request, num_cached, now)
         step.add(request, n)
-        return True
+        return _Admission.ADMITTED
 
     def _admit_batch(self, now: float) -> None:
         """Static / dynamic batching: the next batch joins the running set together."""
@@ -242,13 +245,17 @@ class Scheduler:
         cap = self.config.max_running_batch_lane
         return lane != "batch" or cap is None or self.num_running("batch") < cap
 
+    def _long_prefill_slots_taken(self, remaining: int, step: _StepPlan) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        cap = self.config.max_long_partial_prefills
+        return bool(threshold and cap and remaining > threshold and step.num_long_prefills >= cap)
+
     def _chunk(self, request: Request, remaining: int, budget: int, step: _StepPlan) -> int:
         """Tokens of this prefill to compute now (0: not this step)."""
+        if self._long_prefill_slots_taken(remaining, step):
+            return 0
         threshold = self.config.long_prefill_token_threshold
         if threshold and remaining > threshold:
-            cap = self.config.max_long_partial_prefills
-            if cap and step.num_long_prefills >= cap:
-                return 0
             step.num_long_prefills += 1
             remaining = threshold
         if not self.config.enable_chunked_prefill and remaining > budget:
@@ -273,7 +280,7 @@ class Scheduler:
             if victim is request:
                 return False
         step.add(request, n)
-        return True
+        return _Admission.ADMITTED
 
     def _priority_victim(self, candidate: Request) -> Request | None:
         """A running request a waiting one outranks, that has progressed since it
@@ -346,6 +353,12 @@ class Scheduler:
             preempted_ids=[r.request_id for r in step.preempted],
             finished_ids=finished,
         )
+
+
+class _Admission(enum.Enum):
+    ADMITTED = "admitted"
+    SKIPPED = "skipped"  # held back by a policy limit; the next in line may go
+    BLOCKED = "blocked"  # no memory or budget; everyone behind it waits too
 
 
 class _StepPlan:
