@@ -1,0 +1,84 @@
+"""`iterserve serve | generate | ...`: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from iterserve.config import add_engine_args, engine_config_from_args
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from iterserve.engine.llm import LLM
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(config=engine_config_from_args(args))
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outputs[0].text)
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete one prompt and print the text")
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_args(p)
+    p.set_defaults(func=_generate)
+
+
+# Subcommands register here; each module adds its parser and handler.
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate]
+
+
+def _optional_subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    adders = []
+    for module_name in ("iterserve.server.cli", "iterserve.bench.cli"):
+        try:
+            module = __import__(module_name, fromlist=["add_subcommands"])
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            continue
+        adders.append(module.add_subcommands)
+    return adders
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS + _optional_subcommands():
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (InvalidRequestError, ValueError, FileNotFoundError) as err:
+        print(f"iterserve: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Offline use: `LLM(model).generate(prompts, params)` and `LLM(model).chat(...)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm import tqdm
+
+from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.outputs import RequestOutput
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> EngineConfig:
+    """LLM(model, max_num_seqs=..., block_size=...) -> EngineConfig, by field name."""
+    sections: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    for key, value in kwargs.items():
+        owner = next((cls for cls in sections if key in cls.__dataclass_fields__), None)
+        if owner is None or key in ("cache", "scheduler"):
+            raise TypeError(f"LLM() got an unknown setting {key!r}")
+        sections[owner][key] = value
+    return EngineConfig(
+        **sections[EngineConfig],
+        cache=CacheConfig(**sections[CacheConfig]),
+        scheduler=SchedulerConfig(**sections[SchedulerConfig]),
+    )
+
+
+class LLM:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs: Any):
+        if config is None:
+            config = _split_kwargs({"model": model, **kwargs})
+        elif model is not None or kwargs:
+            raise TypeError("give either config= or settings, not both")
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order (n > 1: n per prompt)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(params)
+        if len(params_list) != len(prompt_list):
+            raise InvalidRequestError("give one SamplingParams, or one per prompt")
+
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompt_list, params_list, strict=True):
+                for index in range(p.n):
+                    seed = None if p.seed is None else p.seed + index
+                    ids.append(self.engine.add_request(prompt, replace(p, n=1, seed=seed)))
+        except Exception:
+            for request_id in ids:  # all or nothing: no half-queued batch left behind
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, use_tqdm)
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        if not self.engine.chat_template:
+            raise InvalidRequestError("this model has no chat template; use generate()")
+        return self.tokenizer.apply_chat_template(
+            list(messages),
+            chat_template=self.engine.chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        engine.scheduler.no_more_arrivals = True  # static batching may start a short last batch
+        done: dict[str, RequestOutput] = {}
+        start_stats = (engine.stats.prefill_tokens, engine.stats.decode_tokens)
+        start = time.perf_counter()
+        bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished():
+                for output in engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(
+                    f"prefill {(engine.stats.prefill_tokens - start_stats[0]) / elapsed:.0f} tok/s, "
+                    f"decode {(engine.stats.decode_tokens - start_stats[1]) / elapsed:.0f} tok/s",
+                    refresh=False,
+                )
+        finally:
+            bar.close()
+            engine.scheduler.no_more_arrivals = False
+        return [done[request_id] for request_id in ids]

@@ -1,0 +1,206 @@
+"""The engine loop: schedule -> execute -> update -> detokenize -> emit.
+
+Single-threaded and synchronous; `AsyncEngine` runs it in a background
+thread for the server, `LLM` drives it to completion for offline use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from iterserve.config import EngineConfig
+from iterserve.core.kv_cache import KVCacheManager
+from iterserve.core.request import Request, RequestStatus
+from iterserve.core.scheduler import Scheduler
+from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from iterserve.engine.outputs import RequestOutput
+from iterserve.executor.torch_runner import TorchRunner
+from iterserve.model.attention import allocate_kv_caches
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import LoadedModel, load_model
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass
+class StepStats:
+    """Totals over the engine's life, for progress bars and metrics."""
+
+    num_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_time: float = 0.0  # wall time of steps that computed prompt tokens
+    busy_time: float = 0.0
+
+
+@dataclass
+class _Stream:
+    """Engine-side state of one request: text so far and stop-string matching."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
+        loaded = loaded or load_model(config.model, dtype)
+        self.model_config = loaded.config
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.chat_template = loaded.chat_template
+        model = LlamaForCausalLM(loaded.config, dtype, self.device)
+        model.load_weights(loaded.weights)
+        del loaded.weights  # the model holds its own (fused) copies
+
+        cache = config.cache
+        block_bytes = loaded.config.kv_bytes_per_token(dtype.itemsize) * cache.block_size
+        num_blocks = cache.num_kv_blocks or int(cache.kv_cache_memory * 2**30 // block_bytes)
+        self.max_model_len = min(
+            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+        )
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        kv_caches = allocate_kv_caches(
+            loaded.config, num_blocks, cache.block_size, dtype, self.device
+        )
+        self.executor = TorchRunner(model, kv_caches, cache.block_size, self.device, config.seed)
+
+        eos = set(loaded.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self.stats = StepStats()
+
+    # ---- requests --------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lane: str = "interactive",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequestError (nothing queued) if it cannot run."""
+        params = params or SamplingParams()
+        params.validate()
+        if params.n != 1:
+            raise InvalidRequestError(
+                "the engine runs one sequence per request; fan out n above it"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=self.tokenize(prompt),
+            sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            lane=lane,
+            priority=priority,
+        )
+        self.scheduler.add_request(request)
+        self._streams[request_id] = _Stream(
+            request,
+            IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            ),
+            StopStringMatcher(params.stop),
+        )
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now and free its KV blocks; None if it is unknown or done."""
+        if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is None:
+            return None
+        stream = self._streams.pop(request_id)
+        return self._output(stream, [], [], "", "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        model_output = self.executor.execute(scheduled)
+        updates = self.scheduler.update(scheduled, model_output)
+        outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in updates]
+        elapsed = time.perf_counter() - start
+        stats = self.stats
+        stats.num_steps += 1
+        stats.prefill_tokens += scheduled.num_prefill_tokens
+        stats.decode_tokens += scheduled.num_decode_tokens
+        stats.busy_time += elapsed
+        if scheduled.num_prefill_tokens:
+            stats.prefill_time += elapsed
+        return outputs
+
+    def _emit(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
+        stream = self._streams[request.request_id]
+        delta, stopped = stream.stops.feed(stream.detokenizer.add_tokens(token_ids))
+        finish_reason = request.status.value if request.is_finished else None
+        if stopped and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            finish_reason = "stop"
+        elif finish_reason is not None and not stopped:
+            delta += stream.stops.flush()
+        if finish_reason is not None:
+            del self._streams[request.request_id]
+        return self._output(stream, token_ids, logprobs, delta, finish_reason)
+
+    def _output(
+        self,
+        stream: _Stream,
+        token_ids: list[int],
+        logprobs: list,
+        delta: str,
+        finish_reason: str | None,
+    ) -> RequestOutput:
+        request = stream.request
+        stream.text += delta
+        wants_logprobs = request.sampling_params.logprobs is not None
+        if wants_logprobs:
+            stream.logprobs.extend(logprobs)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            text=stream.text,
+            token_ids=list(request.output_token_ids),
+            delta_text=delta,
+            delta_token_ids=token_ids,
+            finish_reason=finish_reason,
+            logprobs=stream.logprobs if wants_logprobs else None,
+            delta_logprobs=logprobs if wants_logprobs else [],
+            num_cached_tokens=request.num_cached_tokens,
+            timings=request.timings,
+        )

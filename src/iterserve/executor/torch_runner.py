@@ -1,0 +1,86 @@
+"""Runs one step on the model: flattens the step plan into one ragged batch.
+
+Every scheduled sequence contributes its new tokens to a single flat batch
+(decodes first, then prefill chunks); attention metadata is built once per
+step; logits are computed only where a token is sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
+from iterserve.model.attention import SeqSpan, build_attention_metadata
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.sample.sampler import Sampler, make_generator
+
+
+class TorchRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = list(kv_caches)
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        # Per-request generators for requests that give a seed: their draws then
+        # never depend on what else shares the batch.
+        self._generators: dict[str, torch.Generator] = {}
+        # Requests without a seed share one stream, seeded so runs are repeatable.
+        torch.manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        for request_id in scheduled.finished_ids:
+            self._generators.pop(request_id, None)
+        if scheduled.is_empty:
+            return ModelOutput({})
+        input_ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        logits_indices: list[int] = []
+        for seq in scheduled.seqs:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(start, start + seq.num_new_tokens))
+            spans.append(SeqSpan(seq.block_ids, start, seq.num_new_tokens))
+            if seq.sample:
+                logits_indices.append(len(input_ids) - 1)
+        meta = build_attention_metadata(spans, self.block_size, self.device)
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta,
+            self.kv_caches,
+            torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+        )
+        sampling = [seq for seq in scheduled.seqs if seq.sample]
+        result = self.sampler(
+            logits,
+            [seq.sampling_params for seq in sampling],
+            [self._generator(seq.request_id, seq.sampling_params.seed) for seq in sampling],
+        )
+        return ModelOutput(
+            {
+                seq.request_id: SampledToken(token_id, logprobs)
+                for seq, token_id, logprobs in zip(
+                    sampling, result.token_ids, result.logprobs, strict=True
+                )
+            }
+        )
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = self._generators[request_id] = make_generator(seed, self.device)
+        return generator
