@@ -1,0 +1,378 @@
+"""The engine loop in a background thread, feeding per-request async streams (request_stream.py).
+
+`LLMEngine` is synchronous and not thread-safe, so exactly one thread (the
+loop below) ever touches it. asyncio code talks to that thread through an
+inbox of commands (add, abort) that the loop applies between steps, and gets
+each step's outputs back through `loop.call_soon_threadsafe`, one callback per
+step for all requests. Tokenization also happens on the loop thread, so the
+tokenizer is never used from two threads at once.
+
+Backpressure: at most `max_waiting_requests` requests wait (queued in the
+engine or in the inbox); beyond that `add` raises EngineOverloadedError and
+the server answers 429 instead of growing a queue without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
+from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.request_stream import (
+    EngineOverloadedError,
+    EngineStoppedError,
+    GenerationRequest,
+    RequestFailedError,
+    RequestStream,
+    expand_n,
+)
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "EngineOverloadedError",
+    "EngineStoppedError",
+    "GenerationRequest",
+    "RequestFailedError",
+    "RequestStream",
+    "expand_n",
+]
+
+logger = logging.getLogger("iterserve.engine")
+
+# How long the loop naps after a step that scheduled nothing (e.g. dynamic
+# batching waiting for its batch to fill), so it does not spin on a core.
+_IDLE_STEP_NAP = 0.002
+
+
+# Called on the event loop for every request that ends: (last output, reason).
+# The reason is the finish reason, or "error" when the engine failed it.
+FinishedCallback = Callable[[RequestOutput | None, str], None]
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    requests: list[GenerationRequest]
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+# (stream, index within it, output or the error that ended it)
+_Delivery = tuple[RequestStream, int, RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: int = 256,
+        retry_after: float = 1.0,
+        on_finished: FinishedCallback | None = None,
+    ) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.retry_after = retry_after
+        self.on_finished = on_finished
+        self.num_step_errors = 0
+        self._wake = threading.Condition()
+        self._inbox: list[_Add | _Abort] = []  # guarded by _wake
+        self._stop = False  # guarded by _wake
+        self._closed = False  # guarded by _wake: the loop has exited, the inbox is dead
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._dead: BaseException | None = None
+        # Requests handed to the inbox and not yet accepted (event loop side).
+        self._pending = 0
+        # Written by the loop thread, read anywhere: a whole object swapped atomically.
+        self.snapshot: EngineSnapshot = snapshot_engine(engine)
+        # Loop thread only: which stream each live request's outputs go to.
+        self._routes: dict[str, tuple[RequestStream, int]] = {}
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting and self.is_healthy
+
+    def stop_accepting(self) -> None:
+        """New requests get EngineStoppedError from now on; running ones go on."""
+        self._accepting = False
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `timeout`
+        seconds, abort the rest and stop the loop thread."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self.is_healthy and time.monotonic() < deadline and self._has_requests():
+            await asyncio.sleep(0.05)
+        if self._has_requests():
+            logger.warning("shutdown deadline reached: aborting %d requests", self._num_live())
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    def _has_requests(self) -> bool:
+        return self._num_live() > 0
+
+    def _num_live(self) -> int:
+        snap = self.snapshot
+        return self._pending + snap.num_running + snap.num_waiting
+
+    # ---- requests (event loop side) -------------------------------------------------
+
+    def num_waiting_estimate(self) -> int:
+        return self._pending + self.snapshot.num_waiting
+
+    async def add(self, requests: list[GenerationRequest]) -> RequestStream:
+        """Queue a group of requests, all or none; returns once the engine accepted them.
+
+        Raises InvalidRequestError (bad input), EngineOverloadedError (queue full)
+        or EngineStoppedError (shutting down).
+        """
+        if not self.is_accepting:
+            raise EngineStoppedError(
+                "the server is shutting down" if self._dead is None else "the engine has stopped"
+            )
+        if len(requests) > self.max_waiting_requests:
+            raise InvalidRequestError(
+                f"this request asks for {len(requests)} sequences but the server queues at most "
+                f"{self.max_waiting_requests}; lower n or send fewer prompts",
+                "n",
+            )
+        if self.num_waiting_estimate() + len(requests) > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the server is at capacity ({self.max_waiting_requests} requests waiting); "
+                "retry later",
+                self.retry_after,
+            )
+        stream = RequestStream([r.request_id for r in requests], self.abort)
+        accepted: asyncio.Future[None] = stream.loop.create_future()
+        self._pending += len(requests)
+        try:
+            self._post(_Add(stream, requests, accepted))
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(stream.request_ids)  # queued after the add: harmless if it failed
+            raise
+        finally:
+            self._pending -= len(requests)
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        lane: str = "interactive",
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """One request's outputs as it runs; closing or cancelling the iterator aborts it."""
+        request = GenerationRequest(prompt, params, request_id, lane, priority, time.monotonic())
+        async with await self.add([request]) as stream:
+            async for _, output in stream:
+                yield output
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (thread-safe, returns at once); their KV blocks are freed
+        before the next step. Unknown or finished ids are ignored."""
+        if request_ids:
+            self._post(_Abort(list(request_ids)))
+
+    def _post(self, command: _Add | _Abort) -> None:
+        with self._wake:
+            if self._closed:  # nobody would ever read it
+                if isinstance(command, _Add):
+                    raise EngineStoppedError("the engine has stopped")
+                return
+            self._inbox.append(command)
+            self._wake.notify()
+
+    def _deliver(self, deliveries: list[_Delivery]) -> None:
+        """On the event loop: hand outputs to their streams, report finished requests."""
+        for stream, index, item in deliveries:
+            stream._push(index, item)
+            if self.on_finished is None:
+                continue
+            try:
+                if isinstance(item, RequestFailedError):
+                    self.on_finished(item.output, "error")
+                elif isinstance(item, RequestOutput) and item.finished:
+                    self.on_finished(item, item.finish_reason or "stop")
+            except Exception:  # a metrics bug must not lose outputs
+                logger.exception("on_finished callback failed")
+
+    # ---- the loop thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and not self._stop and not engine.has_unfinished():
+                        self._wake.wait()
+                    commands, self._inbox = self._inbox, []
+                    stop = self._stop
+                deliveries: list[_Delivery] = []
+                for command in commands:
+                    self._apply(command, deliveries)
+                if stop:
+                    self._abort_all(deliveries)
+                    self._finish_iteration(deliveries)
+                    self._close()
+                    return
+                if engine.has_unfinished():
+                    tokens_before = engine.stats.prefill_tokens + engine.stats.decode_tokens
+                    self._step(deliveries)
+                    if engine.stats.prefill_tokens + engine.stats.decode_tokens == tokens_before:
+                        time.sleep(_IDLE_STEP_NAP)
+                self._finish_iteration(deliveries)
+        except BaseException as error:  # noqa: BLE001 - reported to every waiting client
+            logger.exception("the engine loop died")
+            self._dead = error
+            deliveries = []
+            self._fail_routes(list(self._routes), "the engine loop stopped", deliveries)
+            self._send(deliveries)
+            self._close()
+
+    def _close(self) -> None:
+        """Refuse further commands, and answer the adds that came in too late."""
+        with self._wake:
+            self._closed = True
+            leftover, self._inbox = self._inbox, []
+        for command in leftover:
+            if isinstance(command, _Add):
+                self._resolve(command, EngineStoppedError("the engine has stopped"))
+
+    def _finish_iteration(self, deliveries: list[_Delivery]) -> None:
+        self.snapshot = snapshot_engine(self.engine)
+        self._send(deliveries)
+
+    def _apply(self, command: _Add | _Abort, deliveries: list[_Delivery]) -> None:
+        if isinstance(command, _Abort):
+            for request_id in command.request_ids:
+                output = self.engine.abort_request(request_id)
+                route = self._routes.pop(request_id, None)
+                if route is not None and output is not None:
+                    deliveries.append((*route, output))
+            return
+        added: list[str] = []
+        try:
+            for index, request in enumerate(command.requests):
+                self._add_one(request)
+                added.append(request.request_id)
+                self._routes[request.request_id] = (command.stream, index)
+        except Exception as error:
+            for request_id in added:  # all or nothing
+                self.engine.abort_request(request_id)
+                self._routes.pop(request_id, None)
+            self._resolve(command, error)
+            return
+        self._resolve(command, None)
+
+    def _add_one(self, request: GenerationRequest) -> None:
+        engine = self.engine
+        token_ids = engine.tokenize(request.prompt)
+        params = request.params
+        if request.fill_context:
+            kv = engine.scheduler.kv
+            room = min(engine.max_model_len, kv.num_blocks * kv.block_size) - len(token_ids)
+            params = replace(params, max_tokens=max(1, room))
+        engine.add_request(
+            token_ids,
+            params,
+            request_id=request.request_id,
+            lane=request.lane,
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+        )
+
+    def _resolve(self, command: _Add, error: Exception | None) -> None:
+        def settle() -> None:
+            if command.accepted.done():  # the client gave up; its abort is queued
+                return
+            if error is None:
+                command.accepted.set_result(None)
+            else:
+                command.accepted.set_exception(error)
+
+        self._call_soon(command.stream.loop, settle)
+
+    def _step(self, deliveries: list[_Delivery]) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # The scheduler may be mid-update: fail what the step ran (the running
+            # set), or everything if nothing ran, and keep serving the rest.
+            logger.exception("an engine step failed; failing the requests it ran")
+            self.num_step_errors += 1
+            scheduler = self.engine.scheduler
+            victims = [r.request_id for r in scheduler.running] or list(scheduler.requests)
+            # Routes the engine no longer knows (half-emitted outputs) would hang forever.
+            victims += [rid for rid in self._routes if rid not in scheduler.requests]
+            self._fail_routes(victims, "the engine failed while running this request", deliveries)
+            return
+        for output in outputs:
+            route = self._routes.get(output.request_id)
+            if route is None:
+                continue
+            deliveries.append((*route, output))
+            if output.finished:
+                del self._routes[output.request_id]
+
+    def _fail_routes(
+        self, request_ids: list[str], message: str, deliveries: list[_Delivery]
+    ) -> None:
+        for request_id in dict.fromkeys(request_ids):
+            try:
+                output = self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort %s after a failure", request_id)
+                output = None
+            route = self._routes.pop(request_id, None)
+            if route is not None:
+                deliveries.append((*route, RequestFailedError(message, output)))
+
+    def _abort_all(self, deliveries: list[_Delivery]) -> None:
+        self._apply(_Abort(list(self._routes)), deliveries)
+        for request_id in list(self.engine.scheduler.requests):  # added outside the server
+            self.engine.abort_request(request_id)
+
+    def _send(self, deliveries: list[_Delivery]) -> None:
+        if not deliveries:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Delivery]] = {}
+        for delivery in deliveries:
+            by_loop.setdefault(delivery[0].loop, []).append(delivery)
+        for loop, batch in by_loop.items():
+            self._call_soon(loop, lambda batch=batch: self._deliver(batch))
+
+    @staticmethod
+    def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(callback)

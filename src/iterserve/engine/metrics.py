@@ -1,0 +1,106 @@
+"""Latency of one request from its timings, and a snapshot of the engine's gauges.
+
+Vocabulary (DESIGN.md): queue time is arrival -> first scheduled; TTFT is
+arrival -> first token, queueing included; TBT (a.k.a. ITL) are the gaps
+between consecutive tokens; TPOT is their mean, i.e. the time per output token
+after the first; E2E is arrival -> finished. No HTTP here: the server turns
+these numbers into Prometheus series, the benchmark into reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from iterserve.core.request import LANES, RequestTimings
+
+if TYPE_CHECKING:  # the engine pulls in torch; these numbers need none of it
+    from iterserve.engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Latencies of one request, in seconds; None where the request never got that far."""
+
+    queue_time: float | None
+    ttft: float | None
+    tbt: list[float]
+    tpot: float | None
+    e2e: float | None
+    num_output_tokens: int
+
+    @classmethod
+    def from_timings(cls, timings: RequestTimings) -> RequestMetrics:
+        arrival = timings.arrival
+        # Copied once: the engine thread may still append to a live request's list.
+        times = list(timings.token_times)
+        gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+        return cls(
+            queue_time=_since(arrival, timings.first_scheduled),
+            ttft=_since(arrival, timings.first_token),
+            tbt=gaps,
+            tpot=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            e2e=_since(arrival, timings.finished),
+            num_output_tokens=len(times),
+        )
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else max(0.0, end - start)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges at one instant, taken on the engine's own thread.
+
+    The engine is not thread-safe, so readers on other threads (a metrics
+    scrape, a health check) read the latest snapshot instead of the engine.
+    """
+
+    running: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LANES, 0))
+    waiting: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LANES, 0))
+    num_kv_blocks: int = 0
+    num_used_kv_blocks: int = 0
+    num_cached_kv_blocks: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def num_running(self) -> int:
+        return sum(self.running.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(self.waiting.values())
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
+    """Read an LLMEngine's gauges; call it only from the thread that steps the engine."""
+    scheduler = engine.scheduler
+    kv = scheduler.kv.stats()
+    stats = engine.stats
+    return EngineSnapshot(
+        running={lane: scheduler.num_running(lane) for lane in LANES},
+        waiting={lane: scheduler.num_waiting(lane) for lane in LANES},
+        num_kv_blocks=kv.num_blocks,
+        num_used_kv_blocks=kv.num_used_blocks,
+        num_cached_kv_blocks=kv.num_cached_blocks,
+        prefix_queries=kv.prefix_queries,
+        prefix_hits=kv.prefix_hits,
+        num_preemptions=scheduler.num_preemptions,
+        num_steps=stats.num_steps,
+        prefill_tokens=stats.prefill_tokens,
+        decode_tokens=stats.decode_tokens,
+    )

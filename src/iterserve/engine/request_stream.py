@@ -1,0 +1,112 @@
+"""What a caller of the async engine holds: the request it submits and the
+stream of outputs it gets back, plus the errors submitting can raise.
+
+Kept apart from the loop (async_engine.py) because these are the event-loop
+side only: nothing here touches the engine or its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from iterserve.engine.outputs import RequestOutput
+from iterserve.sampling_params import SamplingParams
+
+
+class EngineOverloadedError(Exception):
+    """The waiting queue is full; the client should retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down or its loop died: no new requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (not the client's fault)."""
+
+    def __init__(self, message: str, output: RequestOutput | None = None) -> None:
+        super().__init__(message)
+        self.output = output
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    lane: str = "interactive"
+    priority: int = 0
+    arrival_time: float | None = None
+    # OpenAI chat semantics: no max_tokens means "as many as the context leaves",
+    # which is only known once the prompt is tokenized on the loop thread.
+    fill_context: bool = False
+
+
+def expand_n(
+    prompt: str | list[int], params: SamplingParams, request_id: str, **kwargs: object
+) -> list[GenerationRequest]:
+    """The engine runs one sequence per request: n choices are n requests,
+    seeded seed, seed+1, ... so each is reproducible and they differ."""
+    return [
+        GenerationRequest(
+            prompt,
+            replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+            f"{request_id}-{i}",
+            **kwargs,  # type: ignore[arg-type]
+        )
+        for i in range(params.n)
+    ]
+
+
+class RequestStream:
+    """Outputs of one admitted group of requests (n choices, several prompts),
+    as `(index, RequestOutput)` in the order they were produced.
+
+    Use it as an async context manager: leaving it early (an exception, a
+    cancelled task, a client gone) aborts whatever is unfinished.
+    """
+
+    def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None]) -> None:
+        self._abort = abort  # thread-safe: posts an abort to the engine loop
+        self.request_ids = request_ids
+        self.loop = asyncio.get_running_loop()  # where the loop thread delivers outputs
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._unfinished = set(range(len(request_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def _push(self, index: int, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait((index, item))
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        index, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.discard(index)
+            raise item
+        if item.finished:
+            self._unfinished.discard(index)
+        return index, item
+
+    def abort(self) -> None:
+        if self._unfinished:
+            self._abort([self.request_ids[i] for i in sorted(self._unfinished)])
+            self._unfinished.clear()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.abort()

@@ -1,0 +1,110 @@
+"""The FastAPI app: OpenAI routes under /v1, plus /health and /metrics.
+
+`create_app(AsyncEngine(LLMEngine(config)))` gives an ASGI app; its lifespan
+starts the engine loop and, on shutdown, drains it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from iterserve.engine.async_engine import AsyncEngine
+from iterserve.server.access_log import AccessLogMiddleware
+from iterserve.server.chat import create_chat_completion
+from iterserve.server.completions import create_completion
+from iterserve.server.errors import APIError, install_error_handlers
+from iterserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from iterserve.server.serving import ServingContext
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
+    api_key: str | None = None
+    # Seconds in-flight requests get to finish once shutdown starts.
+    shutdown_timeout: float = 30.0
+
+
+def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):  # constant time: no timing oracle
+            raise APIError(
+                401,
+                "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    engine = async_engine.engine
+    ctx = ServingContext(
+        engine=async_engine,
+        served_model_names=settings.served_model_names or [engine.model_name],
+        tokenizer=engine.tokenizer,
+        chat_template=engine.chat_template,
+        max_model_len=engine.max_model_len,
+    )
+    metrics = ServerMetrics(lambda: async_engine.snapshot)
+    async_engine.on_finished = metrics.observe_finished
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await async_engine.shutdown(settings.shutdown_timeout)
+
+    app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.serving = ctx
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(AccessLogMiddleware, on_response=metrics.observe_http)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(settings.api_key))])
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=ctx.served_model_names[0], max_model_len=ctx.max_model_len)
+                for name in ctx.served_model_names
+            ]
+        )
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, ctx)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, ctx)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        # 503 while draining too, so a load balancer stops sending before we stop.
+        if async_engine.is_accepting:
+            return JSONResponse({"status": "ok"})
+        status = "draining" if async_engine.is_healthy else "dead"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

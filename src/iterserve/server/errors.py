@@ -1,0 +1,152 @@
+"""Every failure as an OpenAI-shaped error: {"error": {"message", "type", "param", "code"}}.
+
+OpenAI clients turn these into typed exceptions (BadRequestError, ...), so a
+user reads the message, not a stack trace. What the user sent wrong is a 4xx
+with a message a person understands; only the server's own faults are 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from iterserve.engine.async_engine import (
+    EngineOverloadedError,
+    EngineStoppedError,
+    RequestFailedError,
+)
+from iterserve.sampling_params import InvalidRequestError
+
+logger = logging.getLogger("iterserve.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            ),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def as_api_error(error: Exception) -> APIError:
+    """The HTTP face of an exception raised while serving a request."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return APIError(400, str(error), error.param)
+    if isinstance(error, EngineOverloadedError):
+        retry = str(max(1, round(error.retry_after)))
+        return APIError(429, str(error), code="rate_limit_exceeded", headers={"Retry-After": retry})
+    if isinstance(error, EngineStoppedError):
+        return APIError(503, str(error), code="service_unavailable")
+    if isinstance(error, RequestFailedError):
+        return APIError(500, str(error), code="engine_error")
+    logger.exception("unexpected error while serving a request", exc_info=error)
+    return APIError(500, "internal server error; the server log has the details")
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(error.status, error.message, error.param, error.code),
+        status_code=error.status,
+        headers=error.headers,
+    )
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """The first problem pydantic found, said plainly, and the field it is about."""
+    first = error.errors()[0] if error.errors() else {}
+    kind = first.get("type", "")
+    # loc is ("body", "field", ...) for body errors; drop the "body" prefix.
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    field = ".".join(loc) or None
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return f"the request body is not valid JSON ({detail})".replace(" ()", ""), None
+    if not loc:  # the body as a whole: absent, not an object, or not parsed as JSON at all
+        if kind == "missing":
+            return "the request body is empty; send a JSON object", None
+        if isinstance(first.get("input"), str | bytes) and not _is_json(first["input"]):
+            return "the request body is not valid JSON", None
+        return (
+            "the request body must be a JSON object, sent with Content-Type: application/json",
+            None,
+        )
+    if kind == "missing":
+        return f"the field '{field}' is required", field
+    return f"invalid value for '{field}': {first.get('msg', 'invalid')}", field
+
+
+def _is_json(text: str | bytes) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_validation(_: Request, error: RequestValidationError) -> JSONResponse:
+        message, field = _validation_message(error)
+        return error_response(APIError(400, message, field))
+
+    async def on_http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = str(error.detail)
+        if error.status_code in (404, 405):  # the router's own: say what was asked for
+            message = f"{message}: there is no {request.method} {request.url.path} on this server"
+        return error_response(APIError(error.status_code, message, headers=error.headers))
+
+    async def on_error(_: Request, error: Exception) -> JSONResponse:
+        return error_response(as_api_error(error))
+
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+    for kind in (
+        APIError,
+        InvalidRequestError,
+        EngineOverloadedError,
+        EngineStoppedError,
+        RequestFailedError,
+        Exception,  # anything else: still an OpenAI-shaped 500, never a bare traceback
+    ):
+        app.add_exception_handler(kind, on_error)

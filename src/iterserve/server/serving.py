@@ -1,0 +1,149 @@
+"""What the completion and chat endpoints share: the serving context, the
+per-request record the access log prints, waiting for the engine while
+watching for the client to leave, and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from iterserve.engine.async_engine import AsyncEngine, EngineStoppedError, RequestStream
+from iterserve.engine.outputs import RequestOutput
+from iterserve.server.errors import APIError, as_api_error, error_body
+from iterserve.server.logprobs import token_decoder
+
+T = TypeVar("T")
+
+# The scope key under which a handler leaves what the access log should print.
+ACCESS_RECORD_KEY = "iterserve.access"
+
+
+@dataclass
+class AccessRecord:
+    """Filled in by a handler as it goes, printed by the access log when the response ends."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    request_id: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def saw(self, output: RequestOutput) -> None:
+        # A stand-in until the handler reports usage; right unless the client left early.
+        self.prompt_tokens = self.prompt_tokens or len(output.prompt_token_ids)
+        if self.ttft is None and output.delta_token_ids:
+            self.ttft = time.monotonic() - self.arrival
+        if output.finished:
+            self.completion_tokens += len(output.token_ids)
+            self.finish_reasons.append(output.finish_reason or "")
+
+
+def access_record(request: Request) -> AccessRecord:
+    record = request.scope.get(ACCESS_RECORD_KEY)
+    if record is None:
+        record = request.scope[ACCESS_RECORD_KEY] = AccessRecord()
+    return record
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    served_model_names: list[str]
+    tokenizer: Any
+    chat_template: str | None
+    max_model_len: int
+    decode_token: Callable[[int], str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decode_token = token_decoder(self.tokenizer)
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The name to answer with; an unknown model is the client's mistake (400)."""
+        if requested is None or requested in self.served_model_names:
+            return self.served_model_names[0]
+        served = ", ".join(repr(name) for name in self.served_model_names)
+        raise APIError(
+            400,
+            f"the model {requested!r} does not exist here; this server serves {served}",
+            "model",
+            "model_not_found",
+        )
+
+
+async def _client_gone(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the
+    client disconnects first: a non-streaming client that gives up must not
+    keep its KV blocks busy until max_tokens."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise APIError(499, "the client closed the connection")
+
+
+async def collect_final(stream: RequestStream, record: AccessRecord) -> list[RequestOutput]:
+    """Run a group of requests to the end; their last outputs in index order."""
+    finals: dict[int, RequestOutput] = {}
+    async with stream:
+        async for index, output in stream:
+            record.saw(output)
+            if output.finished:
+                finals[index] = output
+    if any(output.finish_reason == "abort" for output in finals.values()):
+        raise EngineStoppedError("the server shut down before the request finished")
+    return [finals[i] for i in range(len(stream.request_ids))]
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def sse_error(error: Exception) -> str:
+    """An error after the 200 went out can only be told in the stream itself."""
+    api_error = as_api_error(error)
+    return sse(json.dumps(error_body(api_error.status, api_error.message, api_error.param)))
+
+
+class EngineStreamResponse(StreamingResponse):
+    """A streaming response that aborts its engine requests however it ends:
+    finished, client gone, cancelled before its first chunk (when the body
+    generator never started, so its own cleanup would never run)."""
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._engine_stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine_stream.abort()

@@ -1,0 +1,105 @@
+"""Helpers for the server tests: an engine on a tiny model, a real uvicorn
+server on a free loopback port in a background thread, metrics scraping."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.engine.async_engine import AsyncEngine
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.server.app import ServerSettings, create_app
+
+MODEL_NAME = "tiny-llama"
+
+
+def engine_config(model_dir: Path, **scheduler: Any) -> EngineConfig:
+    # fp32: the server's greedy text is compared with offline LLM.generate's.
+    return EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(block_size=16, num_kv_blocks=512),
+        scheduler=SchedulerConfig(max_model_len=512, **scheduler),
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    async_engine: AsyncEngine
+    server: uvicorn.Server
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.async_engine.engine
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{label="v",...}': value}."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+
+@contextmanager
+def running_server(
+    model_dir: Path,
+    settings: ServerSettings | None = None,
+    max_waiting_requests: int = 256,
+    **scheduler: Any,
+) -> Iterator[RunningServer]:
+    engine = LLMEngine(engine_config(model_dir, **scheduler))
+    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
+    settings = settings or ServerSettings(served_model_names=[MODEL_NAME])
+    app = create_app(async_engine, settings)
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", async_engine, server)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,383 @@
+"""The OpenAI-compatible server over real sockets, driven by the official openai client.
+
+A tiny random Llama (fp32) keeps it fast; greedy output is compared with the
+offline `LLM` on the same checkpoint, so the server adds nothing and loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from iterserve import LLM, SamplingParams
+from iterserve.server.app import ServerSettings
+from server_fixtures import MODEL_NAME, RunningServer, engine_config, running_server, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path) -> Iterator[RunningServer]:
+    with running_server(tiny_llama_dir, max_num_seqs=64) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path) -> LLM:
+    return LLM(config=engine_config(tiny_llama_dir))
+
+
+def greedy_params(max_tokens: int = 8, **extra: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)  # type: ignore[arg-type]
+
+
+# ---- completions and chat ------------------------------------------------------------------
+
+
+def test_completion_matches_offline_generate(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.generate(PROMPT, greedy_params(), use_tqdm=False)[0]
+
+    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY)
+    assert result.object == "text_completion" and result.model == MODEL_NAME
+    assert result.choices[0].text == expected.text
+    assert result.choices[0].finish_reason == expected.finish_reason
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert result.usage.completion_tokens == len(expected.token_ids)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == expected.finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == result.usage
+
+
+def test_chat_matches_offline_chat(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.chat(MESSAGES, greedy_params(), use_tqdm=False)[0]
+
+    result = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert result.object == "chat.completion"
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == expected.text
+    assert result.choices[0].finish_reason == expected.finish_reason
+    assert result.usage is not None and result.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_completion_tokens=8,
+            temperature=0.0,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(
+        expected.token_ids
+    )
+
+
+def test_prompt_batch_n_and_seed(client: openai.OpenAI, offline: LLM) -> None:
+    prompts = ["Once upon a time", "1 2 3 4"]
+    params = {"n": 2, "seed": 7, "temperature": 1.0, "max_tokens": 6, "ignore_eos": True}
+    first = client.completions.create(model=MODEL_NAME, prompt=prompts, extra_body=params)
+    again = client.completions.create(model=MODEL_NAME, prompt=prompts, extra_body=params)
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded
+    assert all(c.finish_reason == "length" for c in first.choices)
+    # A prompt counts once however many choices it has.
+    prompt_lengths = [len(offline.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    assert first.usage is not None
+    assert first.usage.prompt_tokens == sum(prompt_lengths)
+    assert first.usage.completion_tokens == 4 * 6
+
+    seeded = offline.generate(prompts[0], SamplingParams(**params), use_tqdm=False)  # type: ignore[arg-type]
+    assert [o.text for o in seeded] == [c.text for c in first.choices[:2]]
+
+
+def test_chat_stream_with_n_lane_and_priority(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            stream=True,
+            n=2,
+            seed=3,
+            max_tokens=5,
+            extra_body={"lane": "batch", "priority": 1, "ignore_eos": True},
+        )
+    )
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks}
+    assert sorted(roles) == [0, 1] and finished == {0: "length", 1: "length"}
+
+
+def test_stop_strings(client: openai.OpenAI, offline: LLM) -> None:
+    text = offline.generate(PROMPT, greedy_params(12, ignore_eos=True), use_tqdm=False)[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, stop=[stop], temperature=0.0, max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert result.choices[0].text == text[: text.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, logprobs=2, **GREEDY)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and result.usage is not None
+    assert len(logprobs.tokens or []) == result.usage.completion_tokens
+    assert "".join(logprobs.tokens or []) == result.choices[0].text
+    for token, logprob, top in zip(
+        logprobs.tokens or [],
+        logprobs.token_logprobs or [],
+        logprobs.top_logprobs or [],
+        strict=True,
+    ):
+        assert logprob <= 0 and top is not None and top[token] == logprob  # greedy: the best
+        assert max(top.values()) == logprob and 1 <= len(top) <= 3
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(entry.top_logprobs) == 3 for entry in content)
+    assert all(entry.top_logprobs[0].logprob == entry.logprob for entry in content)
+
+
+def test_models_and_health(client: openai.OpenAI, server: RunningServer) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+BAD_INPUTS = [
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None),  # malformed JSON
+    ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
+    ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"prompt": list(range(100, 700))}, 400, "prompt"),  # over 512 tokens
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "lane": "vip"}, 400, "lane"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/nothing-here", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_INPUTS)
+def test_bad_input_gets_openai_error(
+    server: RunningServer, path: str, body: object, status: int, param: str | None
+) -> None:
+    url = f"{server.base_url}{path}"
+    if isinstance(body, bytes):
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(url, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and len(error["message"]) > 10
+
+
+def test_bad_input_raises_typed_client_error(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL_NAME, prompt="hi", temperature=-1)
+
+
+# ---- engine-facing behaviour -----------------------------------------------------------------
+
+
+def test_metrics_parse_and_counters_move(
+    client: openai.OpenAI, server: RunningServer, offline: LLM
+) -> None:
+    prompt_tokens = len(offline.tokenizer.encode(PROMPT, add_special_tokens=False))
+    before = server.metrics()
+    client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, **GREEDY, extra_body={"ignore_eos": True}
+    )
+    after = server.metrics()
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved('iterserve:requests_received_total{endpoint="/v1/completions"}') == 1
+    assert moved('iterserve:requests_finished_total{finish_reason="length"}') == 1
+    assert moved("iterserve:generation_tokens_total") == 8
+    assert moved("iterserve:prompt_tokens_total") == prompt_tokens
+    assert moved("iterserve:time_to_first_token_seconds_count") == 1
+    assert moved("iterserve:inter_token_latency_seconds_count") == 7
+    assert moved("iterserve:e2e_request_latency_seconds_count") == 1
+    assert moved("iterserve:request_queue_time_seconds_count") == 1
+    assert moved("iterserve:engine_steps_total") >= 8
+    for gauge in (
+        'iterserve:num_requests_running{lane="interactive"}',
+        'iterserve:num_requests_waiting{lane="batch"}',
+        "iterserve:kv_cache_usage_perc",
+        "iterserve:prefix_cache_hit_rate",
+    ):
+        assert gauge in after
+
+
+def test_concurrent_streams_with_disconnects(server: RunningServer, offline: LLM) -> None:
+    prompts = [f"Request number {i} asks about" for i in range(32)]
+    expected = [
+        o.text
+        for o in offline.generate(prompts, greedy_params(12, ignore_eos=True), use_tqdm=False)
+    ]
+    rng = random.Random(4)
+    leavers = set(rng.sample(range(32), 11))  # a third of the clients go away mid-stream
+    aborted_before = server.metrics().get("iterserve:requests_aborted_total", 0.0)
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompts[i],
+            stream=True,
+            temperature=0.0,
+            # Leavers ask for far more than they read, so they are surely mid-run when they go.
+            max_tokens=200 if i in leavers else 12,
+            extra_body={"ignore_eos": True},
+        )
+        if i in leavers:
+            stop_after = rng.randint(0, 5)
+            async for n, _ in aiter_enumerate(stream):
+                if n >= stop_after:
+                    break
+            await stream.close()  # drops the connection: the server sees the disconnect
+            return None
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def main() -> list[str | None]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0
+        ) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    for i, text in enumerate(results):
+        if i not in leavers:
+            assert text == expected[i], f"stream {i}"
+
+    def drained() -> bool:
+        m = server.metrics()
+        return (
+            m['iterserve:num_requests_running{lane="interactive"}'] == 0
+            and m['iterserve:num_requests_waiting{lane="interactive"}'] == 0
+            and m["iterserve:kv_cache_used_blocks"] == 0
+            and m["iterserve:requests_aborted_total"] - aborted_before == len(leavers)
+        )
+
+    assert wait_until(drained, timeout=10), server.metrics()
+    # The engine agrees with its metrics: nothing left, no block held (ref-0 cached ones are free).
+    assert server.async_engine.snapshot.num_used_kv_blocks == 0
+
+
+async def aiter_enumerate(stream: openai.AsyncStream) -> object:
+    n = 0
+    async for item in stream:
+        yield n, item
+        n += 1
+
+
+def test_engine_error_fails_the_request_and_keeps_serving(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    executor = server.engine.executor
+    original = executor.execute
+
+    def fail_once(*args: object, **kwargs: object) -> object:
+        executor.execute = original  # type: ignore[method-assign]
+        raise RuntimeError("injected failure")
+
+    executor.execute = fail_once  # type: ignore[method-assign]
+    try:
+        with pytest.raises(openai.InternalServerError, match="engine failed"):
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY)
+    finally:
+        executor.execute = original  # type: ignore[method-assign]
+    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY)
+    assert result.choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert server.metrics()["iterserve:requests_failed_total"] >= 1
+    assert server.async_engine.snapshot.num_used_kv_blocks == 0
+
+
+# ---- servers with other settings ---------------------------------------------------------------
+
+
+def test_api_key_required(tiny_llama_dir: Path) -> None:
+    settings = ServerSettings(served_model_names=[MODEL_NAME], api_key="s3cret")
+    with running_server(tiny_llama_dir, settings) as server:
+        url = f"{server.base_url}/v1"
+        wrong = openai.OpenAI(base_url=url, api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+        response = httpx.get(f"{url}/models")
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        right = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
+        assert right.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).choices
+        assert httpx.get(f"{server.base_url}/health").status_code == 200  # probes need no key
+        assert server.metrics()['iterserve:requests_rejected_total{reason="unauthorized"}'] == 1
+
+
+def test_full_queue_gets_429_with_retry_after(tiny_llama_dir: Path) -> None:
+    # One running seat and one waiting slot: of 8 simultaneous requests most must be refused.
+    with running_server(tiny_llama_dir, max_waiting_requests=1, max_num_seqs=1) as server:
+        body = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True}
+
+        async def main() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+                return await asyncio.gather(
+                    *(http.post("/v1/completions", json=body) for _ in range(8))
+                )
+
+        responses = asyncio.run(main())
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses.count(200) >= 1 and statuses.count(429) >= 1, statuses
+        assert set(statuses) <= {200, 429}
+        for response in responses:
+            if response.status_code == 429:
+                assert int(response.headers["Retry-After"]) >= 1
+                assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        rejected = server.metrics()['iterserve:requests_rejected_total{reason="overloaded"}']
+        assert rejected == statuses.count(429)

@@ -1,0 +1,173 @@
+"""The server's edges in time: clients that leave, SIGTERM, shutdown deadlines,
+and an engine loop that dies. Tiny random Llama, fp32."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from iterserve.engine.async_engine import AsyncEngine, EngineStoppedError, GenerationRequest
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.sampling_params import SamplingParams
+from server_fixtures import MODEL_NAME, engine_config, free_port, running_server, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "The capital of France is"
+LONG = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_non_streaming_client_that_leaves_frees_its_blocks(tiny_llama_dir: Path) -> None:
+    with running_server(tiny_llama_dir) as server:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.base_url}/v1/completions", json=LONG, timeout=0.3)
+
+        def aborted() -> bool:
+            m = server.metrics()
+            return (
+                m["iterserve:requests_aborted_total"] == 1
+                and m["iterserve:kv_cache_used_blocks"] == 0
+                and m['iterserve:num_requests_running{lane="interactive"}'] == 0
+            )
+
+        assert wait_until(aborted, timeout=10), server.metrics()
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "iterserve.cli", "serve", "--model", str(tiny_llama_dir),
+        "--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
+        "--max-model-len", "512", "--num-kv-blocks", "256", "--shutdown-timeout", "30",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{base}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(healthy, timeout=90, interval=0.2), "the server did not come up"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=120, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        first = next(chunks)
+        proc.send_signal(signal.SIGTERM)
+
+        def refusing() -> bool:
+            try:
+                httpx.get(f"{base}/health", timeout=1)
+            except httpx.TransportError:
+                return True
+            return False
+
+        assert wait_until(refusing, timeout=10), "still taking new connections after SIGTERM"
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
+        assert len(rest) >= 119 and text
+        # uvicorn re-raises the signal once it has shut down cleanly, as a supervisor expects.
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0]
+    access = [
+        json.loads(line[line.index("{") :])
+        for line in output.splitlines()
+        if "iterserve.access" in line
+    ]
+    assert any(
+        entry["status"] == 200
+        and entry["completion_tokens"] == 120
+        and entry["ttft_ms"] is not None
+        for entry in access
+    ), output
+
+
+# ---- the async engine on its own ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path) -> LLMEngine:
+    return LLMEngine(engine_config(tiny_llama_dir))
+
+
+def _request(request_id: str, max_tokens: int = 400) -> GenerationRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return GenerationRequest(PROMPT, params, request_id)
+
+
+def test_shutdown_deadline_aborts_what_is_left(engine: LLMEngine) -> None:
+    async def main() -> None:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        stream = await async_engine.add([_request("slow")])
+        start = time.monotonic()
+        await async_engine.shutdown(timeout=0.2)
+        assert time.monotonic() - start < 5
+        outputs = [output async for _, output in stream]
+        assert outputs[-1].finish_reason == "abort"
+        with pytest.raises(EngineStoppedError):
+            await async_engine.add([_request("late")])
+        assert not engine.has_unfinished()
+        assert engine.scheduler.kv.stats().num_used_blocks == 0
+
+    asyncio.run(main())
+
+
+def test_cancelled_generate_aborts_its_request(engine: LLMEngine) -> None:
+    async def main() -> None:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+
+        async def consume() -> None:
+            params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            async for _ in async_engine.generate(PROMPT, params, "cancel-me"):
+                pass
+
+        task = asyncio.create_task(consume())
+        while not async_engine.snapshot.num_running:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if async_engine.snapshot.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        snap = async_engine.snapshot
+        assert snap.num_running == 0 and snap.num_used_kv_blocks == 0
+        await async_engine.shutdown(timeout=1)
+
+    asyncio.run(main())
+
+
+def test_a_dead_loop_fails_waiting_clients_and_health(tiny_llama_dir: Path) -> None:
+    with running_server(tiny_llama_dir) as server:
+
+        def explode() -> bool:
+            raise SystemError("the loop itself broke")
+
+        server.engine.has_unfinished = explode  # type: ignore[method-assign]
+        response = httpx.post(f"{server.base_url}/v1/completions", json=LONG, timeout=10)
+        assert response.status_code in (500, 503), response.text
+        assert response.json()["error"]["message"]
+        assert wait_until(lambda: httpx.get(f"{server.base_url}/health").status_code == 503)
+        again = httpx.post(f"{server.base_url}/v1/completions", json=LONG, timeout=10)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "service_unavailable"
