@@ -28,7 +28,7 @@ def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+        ids = torch.tensor([tokenizer.encode(prompt)])
         generated = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -95,7 +95,8 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            # The tokenizer's own settings decide on BOS (Llama adds it, SmolLM2 does not).
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -167,7 +168,10 @@ class LLMEngine:
 
     def _emit(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
         stream = self._streams[request.request_id]
-        delta, stopped = stream.stops.feed(stream.detokenizer.add_tokens(token_ids))
+        text = stream.detokenizer.add_tokens(token_ids)
+        if request.is_finished:  # release a held-back partial character
+            text += stream.detokenizer.flush()
+        delta, stopped = stream.stops.feed(text)
         finish_reason = request.status.value if request.is_finished else None
         if stopped and not request.is_finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -199,8 +203,9 @@ class LLMEngine:
             delta_text=delta,
             delta_token_ids=token_ids,
             finish_reason=finish_reason,
-            logprobs=stream.logprobs if wants_logprobs else None,
+            # Copies: outputs may be read on another thread while later steps go on.
+            logprobs=list(stream.logprobs) if wants_logprobs else None,
             delta_logprobs=logprobs if wants_logprobs else [],
             num_cached_tokens=request.num_cached_tokens,
-            timings=request.timings,
+            timings=replace(request.timings, token_times=list(request.timings.token_times)),
         )

@@ -1,0 +1,358 @@
+"""Turns one step's logits into one token per sequence: greedy, temperature, top-k/p, min-p.
+
+The sampler runs every engine step for every sequence that samples, so it is
+built around what is cheap on a CPU at vocab 49152 and batch ~256, where each
+pass over the [S, V] logits costs milliseconds and sorting a row costs more:
+
+- Greedy rows never see a softmax, only an exact argmax (`_LogitRows.argmax`).
+- Random rows are drawn by inverse CDF, which needs one uniform per row; drawing
+  S x V noise for a Gumbel/exponential race costs ~10x the rest of the sampler.
+- Top-k/top-p rows never sort the vocabulary unless they must: they take the
+  best few candidates and fall back to more only when the support provably
+  does not fit (an exact test, not a heuristic).
+- Vocab-sized intermediates live in a reusable workspace: a fresh 50 MB tensor
+  per step costs more in page faults than the arithmetic done on it.
+
+Seeds: every random row consumes exactly one uniform per call. A row with its
+own generator draws it from that generator, and everything else the row
+computes depends only on its own logits and parameters, so a seeded request
+samples the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from iterserve.sampling_params import SamplingParams
+
+# Below this temperature the distribution is a point mass for any practical
+# purpose and dividing by it would overflow; treat it as greedy, as vLLM does.
+_GREEDY_TEMPERATURE = 1e-5
+# Candidate-set sizes tried in turn for top-k/top-p rows; a full stable sort of
+# the vocab is the implicit last level. Most nuclei fit in the first.
+_CANDIDATE_LEVELS = (64, 1024)
+# Chunk width of the two-level row reductions below; divides common vocab sizes.
+_CHUNK = 64
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities under the model's raw distribution (log_softmax of raw logits)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-n (token_id, logprob), best first; empty if n == 0
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where that row's params.logprobs is None
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator; its draws are independent of the global RNG."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+# -- exact row operations, faster than torch's on long CPU rows ----------------------------------
+
+
+class _LogitRows:
+    """The step's logits plus the max of every _CHUNK-wide chunk of each row.
+
+    One pass computes the chunk maxima; after it, a row's max, argmax and small
+    top-k touch only the few chunks that matter, so no op copies whole rows
+    (on CPU torch's argmax alone is ~4x slower than that pass, and topk more).
+    Falls back to plain torch ops where the view is not free (odd vocab, GPU).
+    """
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self.chunks = _chunked(logits)
+        self.chunk_max = None if self.chunks is None else self.chunks.amax(-1)
+
+    def select(self, rows: torch.Tensor | None) -> torch.Tensor:
+        return self.logits if rows is None else self.logits.index_select(0, rows)
+
+    def max(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """Row maxima as [n, 1]."""
+        if self.chunk_max is None:
+            return self.select(rows).amax(-1, keepdim=True)
+        cm = self.chunk_max if rows is None else self.chunk_max[rows]
+        return cm.amax(-1, keepdim=True)
+
+    def argmax(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """argmax, ties to the lowest index like torch's: the first maximal
+        entry of the first chunk holding the row max is the row's first."""
+        if self.chunks is None or self.chunk_max is None:
+            return self.select(rows).argmax(-1)
+        if rows is None:
+            rows = torch.arange(self.logits.shape[0], device=self.logits.device)
+        best = self.chunk_max[rows].argmax(-1)
+        return best * _CHUNK + self.chunks[rows, best].argmax(-1)
+
+    def topk(self, rows: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`torch.topk(row, k)`, best first. The k best entries lie in the k chunks
+        with the largest maxima: a chunk left out has k chunks above it, each
+        holding an entry at least as large."""
+        if self.chunks is None or self.chunk_max is None or k * _CHUNK * 4 > self.logits.shape[1]:
+            return torch.topk(self.select(rows), k, dim=-1)
+        if rows is None:
+            rows = torch.arange(self.logits.shape[0], device=self.logits.device)
+        best = self.chunk_max[rows].topk(k, dim=-1).indices
+        candidates = self.chunks[rows.unsqueeze(1), best].flatten(1)
+        values, pos = candidates.topk(k, dim=-1)
+        return values, best.gather(1, pos // _CHUNK) * _CHUNK + pos % _CHUNK
+
+
+def _chunked(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [rows, chunks, _CHUNK] when that is a free view and worth it, else None."""
+    rows, width = x.shape
+    if x.device.type != "cpu" or width % _CHUNK or width < 16 * _CHUNK or not x.is_contiguous():
+        return None
+    return x.view(rows, width // _CHUNK, _CHUNK)
+
+
+def _invert_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw per row: (index, the uniform's unused part rescaled to [0, 1)).
+
+    A zero weight is never chosen: searchsorted(right=True) finds the first cdf
+    entry above the target, and a zero weight repeats the previous entry;
+    keeping the target below the total keeps the answer inside the row.
+    """
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, cdf.new_zeros(())))
+    index = torch.searchsorted(cdf, target, right=True)
+    weight = weights.gather(1, index)
+    residual = ((target - (cdf.gather(1, index) - weight)) / weight).clamp_(0.0, 1.0 - 1e-12)
+    return index.squeeze(1), residual.squeeze(1)
+
+
+def _draw_from_weights(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, index i with probability weights[i] / sum(weights); float64 uniforms.
+
+    Long rows pick a chunk from chunk sums, then an entry inside it with the
+    rest of the same uniform: an exact draw that needs one summing pass over
+    the row instead of a full-length cumsum.
+    """
+    chunks = _chunked(weights)
+    if chunks is None:
+        return _invert_cdf(weights.double(), uniforms)[0]
+    chunk, rest = _invert_cdf(chunks.sum(-1).double(), uniforms)
+    inside = chunks[torch.arange(weights.shape[0], device=weights.device), chunk]
+    return chunk * _CHUNK + _invert_cdf(inside.double(), rest)[0]
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < _GREEDY_TEMPERATURE or p.top_k == 1
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    """The request's k, or 0 when top-k is off or keeps the whole vocab anyway."""
+    return p.top_k if 0 < p.top_k < vocab else 0
+
+
+class Sampler:
+    """Samples one token per row of a [S, V] float32 logits tensor; see the module doc.
+
+    Holds only a scratch buffer, so one instance serves every step; not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplerOutput:
+        logits = logits.float().contiguous()  # no-ops for the float32 rows we expect
+        num_rows, device = logits.shape[0], logits.device
+        if len(params) != num_rows or len(generators) != num_rows:
+            raise ValueError(
+                f"{num_rows} logit rows but {len(params)} params and {len(generators)} generators"
+            )
+        rows = _LogitRows(logits)
+        random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        if not random_rows:
+            tokens = rows.argmax(None)
+        else:
+            tokens = torch.empty(num_rows, dtype=torch.long, device=device)
+            greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
+            if greedy:
+                greedy_t = torch.tensor(greedy, device=device)
+                tokens[greedy_t] = rows.argmax(greedy_t)
+            self._sample_random(rows, params, generators, random_rows, tokens)
+        token_ids: list[int] = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(rows, params, tokens, token_ids))
+
+    def _sample_random(
+        self,
+        rows: _LogitRows,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        random_rows: list[int],
+        tokens: torch.Tensor,
+    ) -> None:
+        device, vocab = rows.logits.device, rows.logits.shape[1]
+        # float64: the two-level draw spends some of the uniform's bits choosing a chunk.
+        uniforms = torch.rand(len(random_rows), dtype=torch.float64, device=device)
+        for j, i in enumerate(random_rows):
+            gen = generators[i]
+            if gen is not None:
+                drawn = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device)
+                uniforms[j] = drawn.to(device)[0]
+        # Temperature-only (and min-p) rows sample from the whole vocab; top-k
+        # and top-p rows go through candidate sets.
+        truncated = [_top_k(params[i], vocab) > 0 or params[i].top_p < 1.0 for i in random_rows]
+        for want, sample in ((False, self._sample_full), (True, self._sample_truncated)):
+            group = [j for j, t in enumerate(truncated) if t == want]
+            if group:
+                row_ids = [random_rows[j] for j in group]
+                picked = sample(rows, row_ids, [params[i] for i in row_ids], uniforms[group])
+                tokens[torch.tensor(row_ids, device=device)] = picked
+
+    def _ratios(self, rows: _LogitRows, row_ids: list[int], inv_temp: torch.Tensor) -> torch.Tensor:
+        """exp((x - max) / T) = p_i / p_max for the given rows, in the workspace.
+
+        This unnormalised distribution is also exactly what min-p compares
+        against, and the best token's ratio is exactly 1.
+        """
+        logits = rows.logits
+        n, vocab = len(row_ids), logits.shape[1]
+        ws = self._workspace
+        if ws is None or ws.numel() < n * vocab or ws.device != logits.device:
+            ws = self._workspace = torch.empty(n * vocab, dtype=torch.float32, device=logits.device)
+        out = ws[: n * vocab].view(n, vocab)
+        if n == logits.shape[0]:
+            selected, src = None, logits  # read the caller's tensor directly: no copy
+        else:
+            selected = torch.tensor(row_ids, device=logits.device)
+            src = torch.index_select(logits, 0, selected, out=out)
+        torch.sub(src, rows.max(selected), out=out)
+        if bool((inv_temp != 1.0).any()):
+            out.mul_(inv_temp.unsqueeze(1))
+        return out.exp_()
+
+    def _sample_full(
+        self,
+        rows: _LogitRows,
+        row_ids: list[int],
+        params: list[SamplingParams],
+        uniforms: torch.Tensor,
+    ) -> torch.Tensor:
+        device = rows.logits.device
+        inv_temp = torch.tensor([1.0 / p.temperature for p in params], device=device)
+        weights = self._ratios(rows, row_ids, inv_temp)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
+            weights.masked_fill_(weights < min_p.unsqueeze(1), 0.0)
+        return _draw_from_weights(weights, uniforms)
+
+    def _sample_truncated(
+        self,
+        rows: _LogitRows,
+        row_ids: list[int],
+        params: list[SamplingParams],
+        uniforms: torch.Tensor,
+    ) -> torch.Tensor:
+        """Top-k, then top-p over the top-k survivors, then min-p, over growing candidate sets.
+
+        A row is resolved with K candidates when its support provably lies in
+        them: top-k with k <= K, or a nucleus whose mass is reached within the K
+        best tokens (every later token then has >= p of mass above it and is cut).
+        """
+        device, vocab = rows.logits.device, rows.logits.shape[1]
+        n = len(row_ids)
+        inv_temp = torch.tensor([1.0 / p.temperature for p in params], device=device)
+        top_k = torch.tensor([_top_k(p, vocab) or vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        # Without top-k a nucleus is measured against the whole vocab: one pass
+        # over the row for sum_i p_i / p_max, done once, not once per level.
+        vocab_mass = torch.full((n,), float("nan"), device=device)
+        needs_mass = [j for j, p in enumerate(params) if not _top_k(p, vocab) and p.top_p < 1.0]
+        if needs_mass:
+            ratios = self._ratios(rows, [row_ids[j] for j in needs_mass], inv_temp[needs_mass])
+            vocab_mass[needs_mass] = ratios.sum(-1)
+
+        picked = torch.empty(n, dtype=torch.long, device=device)
+        pending = list(range(n))
+        for level in sorted({min(k, vocab) for k in _CANDIDATE_LEVELS} | {vocab}):
+            # A top-k row cannot start below its k: renormalising the top-k
+            # distribution needs all k candidates.
+            here = [j for j in pending if _top_k(params[j], vocab) <= level]
+            if not here:
+                continue
+            selected = (
+                None
+                if n == rows.logits.shape[0] and len(here) == n
+                else (torch.tensor([row_ids[j] for j in here], device=device))
+            )
+            if level >= vocab:
+                # Stable, so equal logits keep vocab order and the draw is reproducible.
+                values, indices = torch.sort(
+                    rows.select(selected), dim=-1, descending=True, stable=True
+                )
+            else:
+                values, indices = rows.topk(selected, level)
+            h = torch.tensor(here, device=device)
+            ratio = ((values - values[:, :1]) * inv_temp[h].unsqueeze(1)).exp_()
+            position = torch.arange(values.shape[1], device=device)
+            ratio.masked_fill_(position >= top_k[h].unsqueeze(1), 0.0)
+            has_top_k = top_k[h] <= level
+            probs = ratio / torch.where(has_top_k, ratio.sum(-1), vocab_mass[h]).unsqueeze(1)
+            cumulative = probs.cumsum(-1)
+            # vLLM's rule: drop the low tail whose total mass is <= 1 - p, i.e.
+            # keep a token while the mass strictly above it is < p (the best always).
+            keep = (cumulative - probs) < top_p[h].unsqueeze(1)
+            keep &= ratio >= min_p[h].unsqueeze(1)
+            positions = _draw_from_weights(ratio * keep, uniforms[h])
+            chosen = indices.gather(1, positions.unsqueeze(1)).squeeze(1)
+            done = has_top_k | (top_p[h] >= 1.0) | (cumulative[:, -1] >= top_p[h])
+            picked[h[done]] = chosen[done]
+            finished = set(h[done].tolist())
+            pending = [j for j in pending if j not in finished]
+            if not pending:
+                break
+        return picked
+
+    def _logprobs(
+        self,
+        rows: _LogitRows,
+        params: Sequence[SamplingParams],
+        tokens: torch.Tensor,
+        token_ids: list[int],
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return out
+        # log_softmax(x) = x - logsumexp(x): never materialise [S, V] log-probs;
+        # the top-n log-probs are the top-n logits, shifted.
+        device = rows.logits.device
+        selected = None if len(wanted) == len(params) else torch.tensor(wanted, device=device)
+        row_t = torch.arange(len(params), device=device) if selected is None else selected
+        ones = torch.ones(len(wanted), device=device)
+        lse = self._ratios(rows, wanted, ones).sum(-1, keepdim=True).log_() + rows.max(selected)
+        raw = rows.logits[row_t, tokens[row_t]].unsqueeze(1)
+        sampled = (raw - lse).squeeze(1).tolist()
+        top_n = max(params[i].logprobs or 0 for i in wanted)
+        top_values: list[list[float]] = [[] for _ in wanted]
+        top_indices: list[list[int]] = [[] for _ in wanted]
+        if top_n > 0:
+            values, indices = rows.topk(selected, min(top_n, rows.logits.shape[1]))
+            top_values, top_indices = (values - lse).tolist(), indices.tolist()
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs or 0
+            top = list(zip(top_indices[j][:n], top_values[j][:n], strict=True))
+            out[i] = TokenLogprobs(token_ids[i], sampled[j], top)
+        return out
