@@ -1,0 +1,324 @@
+"""LlamaForCausalLM + paged attention against transformers on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+import transformers
+
+from iterserve.model import attention
+from iterserve.model.attention import SeqSpan, allocate_kv_caches, build_attention_metadata
+from iterserve.model.config import ModelConfig
+from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
+
+VOCAB = 128
+ATOL = 1e-4
+
+
+def _hf_model(kind: str = "llama", **overrides: object) -> transformers.PreTrainedModel:
+    """A tiny random HF model whose every weight (biases and norms too) is non-trivial."""
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    shape.update(overrides)
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.7, 1.3)
+            else:
+                param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def _model_config(hf: transformers.PreTrainedModel) -> ModelConfig:
+    c = hf.config
+    rope = dict(c.rope_parameters)
+    arch = "qwen2" if c.model_type == "qwen2" else "llama"
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=rope["rope_theta"],
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
+        rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+    )
+
+
+def _ours(hf: transformers.PreTrainedModel, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(_model_config(hf), dtype, torch.device("cpu"))
+    model.load_weights(hf.state_dict())
+    return model
+
+
+@torch.inference_mode()
+def _reference(hf: transformers.PreTrainedModel, tokens: Sequence[int]) -> torch.Tensor:
+    return hf(torch.tensor([list(tokens)])).logits[0].float()
+
+
+class PagedRunner:
+    """A miniature engine: hands out shuffled block ids and tracks num_computed_tokens."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        block_size: int = 4,
+        num_blocks: int = 96,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.caches = allocate_kv_caches(
+            model.config, num_blocks, block_size, model.dtype, torch.device("cpu")
+        )
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)  # non-contiguous block tables
+        self.tokens: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def add(self, name: str, tokens: Sequence[int]) -> None:
+        self.tokens[name], self.blocks[name], self.computed[name] = list(tokens), [], 0
+
+    def step(self, plan: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor]:
+        """Compute `k` new tokens of each named sequence in one flat batch; logits of every row."""
+        plan = sorted(plan, key=lambda item: item[1] != 1)  # the decode group goes first
+        ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        for name, k in plan:
+            n = self.computed[name]
+            assert n + k <= len(self.tokens[name])
+            while len(self.blocks[name]) * self.block_size < n + k:
+                self.blocks[name].append(self.free.pop())
+            spans.append(SeqSpan(tuple(self.blocks[name]), n, k))
+            ids.extend(self.tokens[name][n : n + k])
+            positions.extend(range(n, n + k))
+        meta = build_attention_metadata(spans, self.block_size, torch.device("cpu"))
+        logits = self.model(
+            torch.tensor(ids),
+            torch.tensor(positions),
+            meta,
+            self.caches,
+            torch.arange(len(ids)),
+        )
+        out: dict[str, torch.Tensor] = {}
+        row = 0
+        for name, k in plan:
+            out[name] = logits[row : row + k]
+            row += k
+            self.computed[name] += k
+        return out
+
+
+def _prompts(lengths: Sequence[int], seed: int = 1) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate(lengths)}
+
+
+def _check(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def llama() -> transformers.PreTrainedModel:
+    return _hf_model()
+
+
+@pytest.fixture(params=["sdpa", "embedding_bag"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through each decode kernel: tiny models would otherwise only meet SDPA."""
+    if request.param == "embedding_bag":
+        monkeypatch.setattr(attention, "_SDPA_DECODE_MAX_BYTES", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_batched_prefill_matches_transformers(
+    llama: transformers.PreTrainedModel, block_size: int
+) -> None:
+    runner = PagedRunner(_ours(llama), block_size=block_size)
+    prompts = _prompts([5, 17, 1, 33, 8])
+    for name, tokens in prompts.items():
+        runner.add(name, tokens)
+    out = runner.step([(name, len(t)) for name, t in prompts.items()])
+    for name, tokens in prompts.items():
+        _check(out[name], _reference(llama, tokens))
+
+
+def test_chunked_prefill_mixed_with_decodes(
+    llama: transformers.PreTrainedModel, decode_path: str
+) -> None:
+    runner = PagedRunner(_ours(llama), block_size=4, seed=3)
+    seqs = _prompts([23, 19, 6, 12], seed=2)  # s0, s1 chunked; s2, s3 decode alongside
+    for name, tokens in seqs.items():
+        runner.add(name, tokens)
+    refs = {name: _reference(llama, tokens) for name, tokens in seqs.items()}
+    got: dict[str, list[torch.Tensor]] = {name: [] for name in seqs}
+
+    def run(plan: list[tuple[str, int]]) -> None:
+        for name, logits in runner.step(plan).items():
+            got[name].append(logits)
+
+    run([("s2", 3), ("s3", 9)])
+    run([("s0", 3), ("s2", 1), ("s3", 1)])
+    run([("s3", 1), ("s0", 5), ("s1", 3), ("s2", 1)])  # two chunks after cached prefixes
+    run([("s1", 5), ("s2", 1), ("s0", 15)])
+    run([("s1", 11)])
+    run([("s3", 1)])  # a lone row takes the matrix-vector path
+    for name in seqs:
+        _check(torch.cat(got[name]), refs[name][: runner.computed[name]])
+
+
+def test_greedy_decode_steps_match_full_sequence(
+    llama: transformers.PreTrainedModel, decode_path: str
+) -> None:
+    runner = PagedRunner(_ours(llama), block_size=4, seed=5)
+    prompts = _prompts([9, 14, 3], seed=4)
+    for name, tokens in prompts.items():
+        runner.add(name, tokens + [0] * 8)  # room for the generated tokens
+    last = runner.step([(name, len(t)) for name, t in prompts.items()])
+    step_logits: dict[str, list[torch.Tensor]] = {name: [] for name in prompts}
+    for _ in range(7):
+        for name, logits in last.items():
+            runner.tokens[name][runner.computed[name]] = int(logits[-1].argmax())
+        last = runner.step([(name, 1) for name in prompts])
+        for name, logits in last.items():
+            step_logits[name].append(logits[0])
+    for name, prompt in prompts.items():
+        full = runner.tokens[name][: runner.computed[name]]
+        ref = _reference(llama, full)
+        _check(torch.stack(step_logits[name]), ref[len(prompt) :])
+
+
+def test_llama3_rope_scaling_untied() -> None:
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,  # all three bands at head_dim 16
+    }
+    hf = _hf_model(tie_word_embeddings=False, rope_parameters=rope)
+    assert "lm_head.weight" in hf.state_dict()
+    # Bit-exact frequencies, not merely close logits.
+    assert torch.equal(rope_inv_freq(_model_config(hf)), hf.model.rotary_emb.inv_freq)
+    runner = PagedRunner(_ours(hf), block_size=4)
+    seqs = _prompts([40, 7], seed=6)
+    for name, tokens in seqs.items():
+        runner.add(name, tokens)
+    first = runner.step([("s0", 25), ("s1", 7)])
+    second = runner.step([("s0", 15)])
+    _check(torch.cat([first["s0"], second["s0"]]), _reference(hf, seqs["s0"]))
+    _check(first["s1"], _reference(hf, seqs["s1"]))
+
+
+def test_qwen2_qkv_bias() -> None:
+    hf = _hf_model("qwen2", num_key_value_heads=1)
+    assert "model.layers.0.self_attn.q_proj.bias" in hf.state_dict()
+    runner = PagedRunner(_ours(hf), block_size=8)
+    seqs = _prompts([12, 30, 1], seed=7)
+    for name, tokens in seqs.items():
+        runner.add(name, tokens)
+    out = runner.step([(name, len(t)) for name, t in seqs.items()])
+    for name, tokens in seqs.items():
+        _check(out[name], _reference(hf, tokens))
+
+
+def test_bf16_keeps_greedy_argmax(llama: transformers.PreTrainedModel, decode_path: str) -> None:
+    """bf16 vs fp32 over the same tokens: same argmax wherever fp32 is not near a tie."""
+    tokens = _prompts([10], seed=8)["s0"] + [0] * 10
+    logits: dict[torch.dtype, list[torch.Tensor]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = PagedRunner(_ours(llama, dtype), block_size=4)
+        runner.add("s", tokens)
+        rows = [runner.step([("s", 10)])["s"][-1]]
+        for _ in range(10):
+            if dtype == torch.float32:  # fp32 chooses the continuation, bf16 follows it
+                runner.tokens["s"][runner.computed["s"]] = int(rows[-1].argmax())
+            rows.append(runner.step([("s", 1)])["s"][0])
+        logits[dtype] = rows
+        tokens = runner.tokens["s"]
+    ref, low = torch.stack(logits[torch.float32]), torch.stack(logits[torch.bfloat16])
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()
+    assert clear.sum() >= len(ref) // 2
+    assert torch.equal(ref.argmax(-1)[clear], low.argmax(-1)[clear])
+    assert (ref - low).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_tied_checkpoint_without_lm_head_loads(llama: transformers.PreTrainedModel) -> None:
+    weights = {n: t for n, t in llama.state_dict().items() if n != "lm_head.weight"}
+    model = LlamaForCausalLM(_model_config(llama), torch.float32, torch.device("cpu"))
+    model.load_weights(weights)
+    assert model.lm_head is model.embed_tokens
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), "missing"),
+        (lambda w: w.__setitem__("model.layers.0.extra.weight", torch.zeros(1)), "unexpected"),
+        (lambda w: w.__setitem__("model.norm.weight", torch.zeros(3)), "mis-shaped"),
+    ],
+)
+def test_load_weights_rejects_bad_checkpoints(
+    llama: transformers.PreTrainedModel,
+    edit: Callable[[dict[str, torch.Tensor]], object],
+    message: str,
+) -> None:
+    weights = dict(llama.state_dict())
+    edit(weights)
+    model = LlamaForCausalLM(_model_config(llama), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=message):
+        model.load_weights(weights)
+
+
+def test_untied_checkpoint_requires_lm_head() -> None:
+    hf = _hf_model(tie_word_embeddings=False)
+    weights = {n: t for n, t in hf.state_dict().items() if n != "lm_head.weight"}
+    model = LlamaForCausalLM(_model_config(hf), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        model.load_weights(weights)
+
+
+def test_metadata_pads_decode_tables_with_own_blocks() -> None:
+    spans = [SeqSpan((7, 2), 5, 1), SeqSpan((9,), 0, 1), SeqSpan((4, 1, 3), 6, 3)]
+    meta = build_attention_metadata(spans, 4, torch.device("cpu"))
+    assert meta.num_decodes == 2 and meta.decode_max_blocks == 2
+    assert meta.decode_block_table.tolist() == [7, 2, 9, 9]
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 9 * 4 + 0, 1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
+    assert meta.decode_context_lens == [6, 1]
+    visible = torch.isfinite(meta.decode_mask.view(2, -1)).sum(-1).tolist()
+    assert visible == [6, 1]
+    (chunk,) = meta.prefills
+    assert (chunk.query_start, chunk.query_end, chunk.num_cached_tokens) == (2, 5, 6)
+    assert chunk.attn_mask is not None
+    assert torch.isfinite(chunk.attn_mask[0, 0]).sum(-1).tolist() == [7, 8, 9]
+    assert meta.max_context_len == 9
