@@ -194,3 +194,11 @@ def test_a_request_is_not_preempted_again_before_it_progresses() -> None:
 def test_invalid_configurations_are_refused(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         SchedulerConfig(**overrides).validate()
+
+
+def test_lanes_off_puts_everyone_in_one_queue() -> None:
+    scheduler, _ = make_scheduler(enable_lanes=False, max_num_batched_tokens=8)
+    scheduler.add_request(make_request("doc", [1] * 30, max_tokens=1, lane="batch", arrival=0))
+    scheduler.add_request(make_request("chat", [2] * 4, max_tokens=1, arrival=1))
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.seqs] == ["doc"], "FCFS across what were lanes"

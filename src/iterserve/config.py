@@ -59,6 +59,9 @@ class SchedulerConfig:
     max_long_partial_prefills: int = _opt(
         0, "at most this many prompts over the threshold prefill at once (0: no limit)"
     )
+    enable_lanes: bool = _opt(
+        True, "honour request lanes (off: every request waits in one interactive queue)"
+    )
     batch_lane_min_share: float = _opt(
         0.1, "share of each step's token budget the batch lane is guaranteed when it waits"
     )

@@ -86,6 +86,8 @@ class Scheduler:
         if request.lane not in LANES:
             raise InvalidRequestError(f"lane must be one of {LANES}, got {request.lane!r}", "lane")
         self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        if not self.config.enable_lanes:
+            request.lane = "interactive"
         self.requests[request.request_id] = request
         self.waiting.push(request)
 

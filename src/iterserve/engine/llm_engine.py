@@ -67,7 +67,6 @@ class LLMEngine:
         self.chat_template = loaded.chat_template
         model = LlamaForCausalLM(loaded.config, dtype, self.device)
         model.load_weights(loaded.weights)
-        del loaded.weights  # the model holds its own (fused) copies
 
         cache = config.cache
         block_bytes = loaded.config.kv_bytes_per_token(dtype.itemsize) * cache.block_size
