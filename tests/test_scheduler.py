@@ -30,8 +30,8 @@ def test_core_never_imports_torch() -> None:
 @pytest.mark.parametrize("budget", [5, 16, 512])
 @pytest.mark.parametrize("chunked", [True, False])
 def test_every_request_gets_its_exact_output(budget: int, chunked: bool) -> None:
-    if not chunked and budget < 60:
-        budget = 64
+    if not chunked:
+        budget = max(budget, 80)  # unchunked: a whole request must fit one step
     scheduler, clock = make_scheduler(max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     prompts = random_prompts(12)
     for i, prompt in enumerate(prompts):
@@ -137,3 +137,9 @@ def test_max_num_seqs_caps_the_running_set() -> None:
 
 def _sample_all(out: SchedulerOutput) -> ModelOutput:
     return FakeExecutor().execute(out)
+
+
+def test_unchunked_request_over_the_step_budget_is_refused() -> None:
+    scheduler, _ = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=32)
+    with pytest.raises(InvalidRequestError, match="chunked prefill off"):
+        scheduler.add_request(make_request("a", [1] * 30, max_tokens=8))

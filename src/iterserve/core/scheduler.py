@@ -72,6 +72,16 @@ class Scheduler:
                 "shorten the prompt or lower max_tokens",
                 "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
             )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and total > budget:
+            # Unchunked, a prompt (and, after a preemption, its output too) is computed
+            # in one step; a request over the step budget would wait forever.
+            raise InvalidRequestError(
+                f"with chunked prefill off, a request must fit one step's budget of {budget} "
+                f"tokens but needs {total}; enable chunked prefill or raise "
+                "--max-num-batched-tokens",
+                "prompt",
+            )
         blocks = self.kv.blocks_needed(total)
         if blocks > self.kv.num_blocks:
             raise InvalidRequestError(
