@@ -52,7 +52,12 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generat
 
 def _optional_subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
     adders = []
-    for module_name in ("iterserve.server.cli", "iterserve.bench.cli", "iterserve.bench.compare"):
+    for module_name in (
+        "iterserve.server.cli",
+        "iterserve.bench.cli",
+        "iterserve.bench.compare",
+        "iterserve.bench.simulate",
+    ):
         try:
             module = __import__(module_name, fromlist=["add_subcommands"])
         except ModuleNotFoundError as err:

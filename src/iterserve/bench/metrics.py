@@ -1,0 +1,256 @@
+"""The metric math: RequestRecords -> a throughput block, a latency block, goodput.
+
+Throughput and latency stay separate: a fast server that makes every user wait shows high
+tok/s *and* high TTFT, never one blended score. Latency percentiles use linear interpolation
+between order statistics (numpy's default, the same as `vllm bench serve`), so p50 of
+[1, 2, 3, 4] is 2.5. Failed requests count in `failed` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from iterserve.bench.records import RequestRecord
+
+PERCENTILES = (50, 90, 99)
+
+# SLO name -> how to read the request's value for it (seconds). `tbt` is the request's worst
+# gap: one long stall is what a reader of a stream notices, however smooth the rest was.
+_SLO_METRICS: dict[str, Callable[[RequestRecord], float | None]] = {
+    "ttft": lambda r: r.ttft,
+    "tpot": lambda r: r.tpot,
+    "tbt": lambda r: r.max_itl,
+    "e2e": lambda r: r.e2e,
+    "queue": lambda r: r.queue_time,
+}
+_SLO_ALIASES = {"itl": "tbt", "e2el": "e2e", "queue_time": "queue"}
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linearly interpolated between order statistics."""
+    if not values:
+        raise ValueError("percentile of no values")
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+@dataclass
+class Distribution:
+    """Summary of one latency metric, in milliseconds."""
+
+    mean: float
+    std: float
+    median: float
+    p90: float
+    p99: float
+    count: int
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Distribution | None:
+        if not seconds:
+            return None
+        ms = np.asarray(seconds, dtype=float) * 1e3
+        p50, p90, p99 = (float(np.percentile(ms, q)) for q in PERCENTILES)
+        return cls(float(ms.mean()), float(ms.std()), p50, p90, p99, len(ms))
+
+
+@dataclass
+class ThroughputBlock:
+    duration: float  # seconds, run origin -> last request finished
+    completed: int
+    failed: int
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # req/s
+    input_throughput: float  # tok/s
+    output_throughput: float
+    total_token_throughput: float
+    max_output_tokens_per_s: float  # busiest one-second window
+    max_concurrent_requests: int
+    request_goodput: float | None = None  # req/s meeting every SLO; None when none given
+
+
+@dataclass
+class LatencyBlock:
+    ttft: Distribution | None
+    itl: Distribution | None  # TBT: every gap between consecutive tokens, all requests pooled
+    tpot: Distribution | None
+    e2el: Distribution | None
+    queue: Distribution | None  # None when the runner cannot see admission (an HTTP client)
+
+    def items(self) -> list[tuple[str, Distribution | None]]:
+        return [
+            ("ttft", self.ttft),
+            ("itl", self.itl),
+            ("tpot", self.tpot),
+            ("e2el", self.e2el),
+            ("queue", self.queue),
+        ]
+
+
+@dataclass
+class Goodput:
+    slos_ms: dict[str, float]
+    num_met: int
+    request_goodput: float  # req/s
+
+    @property
+    def description(self) -> str:
+        return ",".join(f"{name}<={value:g}ms" for name, value in self.slos_ms.items())
+
+
+@dataclass
+class BenchMetrics:
+    throughput: ThroughputBlock
+    latency: LatencyBlock
+    goodput: Goodput | None = None
+    # Per-lane latency when a workload mixes lanes (interactive chats vs batch documents).
+    lanes: dict[str, LatencyBlock] = field(default_factory=dict)
+    prefix_cache_hit_rate: float | None = None  # cached / total prompt tokens, when reported
+
+
+# ---- SLOs ----------------------------------------------------------------------------
+
+
+def parse_slos(text: str | None) -> dict[str, float]:
+    """ "ttft=500ms,tpot=100ms" -> {"ttft": 0.5, "tpot": 0.1} (seconds).
+
+    Units us, ms or s; a bare number is milliseconds (as in `vllm bench serve --goodput`).
+    """
+    slos: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"SLO {part!r} is not name=value (e.g. ttft=500ms)")
+        name = _SLO_ALIASES.get(name.strip().lower(), name.strip().lower())
+        if name not in _SLO_METRICS:
+            raise ValueError(f"unknown SLO {name!r}; know {', '.join(_SLO_METRICS)}")
+        match = re.fullmatch(r"\s*([0-9.]+(?:e-?[0-9]+)?)\s*(us|ms|s)?\s*", value)
+        if not match:
+            raise ValueError(f"SLO value {value!r} is not a time such as 500ms or 0.5s")
+        seconds = float(match.group(1)) * _UNITS[match.group(2) or "ms"]
+        if seconds <= 0:
+            raise ValueError(f"SLO {name} must be positive")
+        slos[name] = seconds
+    return slos
+
+
+def meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
+    """A successful request meets an SLO unless its value exceeds the bound.
+
+    A request without a value (TPOT of a one-token answer) has nothing that could violate it.
+    """
+    if not record.success:
+        return False
+    for name, bound in slos.items():
+        value = _SLO_METRICS[name](record)
+        if value is not None and value > bound:
+            return False
+    return True
+
+
+# ---- the blocks ----------------------------------------------------------------------
+
+
+def peak_output_throughput(records: Iterable[RequestRecord], window: float = 1.0) -> float:
+    """Most output tokens finished in any one `window`-second bucket, per second.
+
+    Tokens a server reported (usage) beyond the chunks it streamed are counted with the last
+    chunk: they arrived no later than it.
+    """
+    buckets: Counter[int] = Counter()
+    for record in records:
+        if not record.success or not record.token_times:
+            continue
+        for t in record.token_times:
+            buckets[math.floor(t / window)] += 1
+        extra = record.output_len - len(record.token_times)
+        if extra > 0:
+            buckets[math.floor(record.token_times[-1] / window)] += extra
+    return max(buckets.values(), default=0) / window
+
+
+def max_concurrency(records: Iterable[RequestRecord]) -> int:
+    events = []
+    for record in records:
+        if record.finish_time is not None:
+            events += [(record.arrival_time, 1), (record.finish_time, -1)]
+    events.sort(key=lambda e: (e[0], e[1]))  # a finish at t frees its seat before t's arrival
+    level = peak = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def latency_block(records: Sequence[RequestRecord]) -> LatencyBlock:
+    ok = [r for r in records if r.success]
+
+    def dist(values: Iterable[float | None]) -> Distribution | None:
+        return Distribution.of([v for v in values if v is not None])
+
+    return LatencyBlock(
+        ttft=dist(r.ttft for r in ok),
+        itl=dist(gap for r in ok for gap in r.itls),
+        tpot=dist(r.tpot for r in ok),
+        e2el=dist(r.e2e for r in ok),
+        queue=dist(r.queue_time for r in ok),
+    )
+
+
+def compute_metrics(
+    records: Sequence[RequestRecord],
+    duration: float | None = None,
+    slos: dict[str, float] | None = None,
+) -> BenchMetrics:
+    """Both blocks (and goodput when SLOs are given) from one run's records.
+
+    `duration` defaults to the run origin -> the last finish, so a tail of slow requests
+    lowers throughput the way it would on a real server.
+    """
+    ok = [r for r in records if r.success]
+    if duration is None:
+        duration = max((r.finish_time or 0.0 for r in records), default=0.0)
+    per_s = 1.0 / duration if duration > 0 else 0.0
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+
+    goodput = None
+    if slos:
+        met = sum(meets_slos(r, slos) for r in ok)
+        goodput = Goodput({k: v * 1e3 for k, v in slos.items()}, met, met * per_s)
+
+    throughput = ThroughputBlock(
+        duration=duration,
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        total_input_tokens=input_tokens,
+        total_output_tokens=output_tokens,
+        request_throughput=len(ok) * per_s,
+        input_throughput=input_tokens * per_s,
+        output_throughput=output_tokens * per_s,
+        total_token_throughput=(input_tokens + output_tokens) * per_s,
+        max_output_tokens_per_s=peak_output_throughput(ok),
+        max_concurrent_requests=max_concurrency(records),
+        request_goodput=goodput.request_goodput if goodput else None,
+    )
+
+    lanes = sorted({r.lane for r in records})
+    per_lane = (
+        {lane: latency_block([r for r in records if r.lane == lane]) for lane in lanes}
+        if len(lanes) > 1
+        else {}
+    )
+    cached = [r for r in ok if r.num_cached_tokens is not None]
+    hit_rate = (
+        sum(r.num_cached_tokens or 0 for r in cached) / max(1, sum(r.prompt_len for r in cached))
+        if cached
+        else None
+    )
+    return BenchMetrics(throughput, latency_block(records), goodput, per_lane, hit_rate)

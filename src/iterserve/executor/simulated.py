@@ -1,0 +1,134 @@
+"""An executor with no model: a cost model says how long each step takes and a
+virtual clock advances by that much. The scheduler is the real one, so the
+simulator answers "what if" (a bigger GPU, a longer trace, another policy)
+with exactly the decisions the engine would make.
+
+Tokens are placeholders: simulated requests run to `max_tokens` (ignore_eos).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float  # sustained dense matmul FLOP/s in the serving dtype
+    bandwidth: float  # sustained memory read bytes/s
+    step_overhead: float  # seconds per step that no FLOP or byte explains (launches, Python)
+    memory_bytes: float  # for weights + KV cache
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_params: float  # parameters touched per token (lm head included)
+    weight_bytes: float
+    kv_bytes_per_token: float  # K and V, all layers
+    attn_flops_per_pair: float  # FLOPs per (query token, context token) pair, all layers
+
+
+HARDWARE = {
+    # Measured on this project's 2-core machine (DESIGN.md): bf16 ~380 GFLOP/s, ~31 GB/s.
+    "cpu-2core": Hardware(
+        "cpu-2core", flops=380e9, bandwidth=31e9, step_overhead=8e-3, memory_bytes=24 * 2**30
+    ),
+    # Datasheet peaks derated to what serving engines sustain.
+    "a100-80g": Hardware(
+        "a100-80g",
+        flops=0.6 * 312e12,
+        bandwidth=0.8 * 2.0e12,
+        step_overhead=4e-3,
+        memory_bytes=80e9,
+    ),
+    "h100-80g": Hardware(
+        "h100-80g",
+        flops=0.6 * 989e12,
+        bandwidth=0.8 * 3.35e12,
+        step_overhead=3e-3,
+        memory_bytes=80e9,
+    ),
+}
+
+MODELS = {
+    "smollm2-135m": ModelShape(
+        "smollm2-135m",
+        num_params=135e6,
+        weight_bytes=2 * 135e6,
+        kv_bytes_per_token=2 * 30 * 3 * 64 * 2,
+        attn_flops_per_pair=4 * 30 * 9 * 64,
+    ),
+    "llama3-8b": ModelShape(
+        "llama3-8b",
+        num_params=8.0e9,
+        weight_bytes=2 * 8.0e9,
+        kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+        attn_flops_per_pair=4 * 32 * 32 * 128,
+    ),
+}
+
+
+class RooflineCostModel:
+    """Step time = overhead + max(compute time, memory time).
+
+    Compute: 2 FLOPs per parameter per token, plus attention's query x context
+    pairs. Memory: the weights once per step, plus every context token's KV.
+    A step is as slow as whichever roof it hits: small decode batches are
+    memory-bound, prefill-heavy steps compute-bound.
+    """
+
+    def __init__(self, hardware: Hardware, model: ModelShape) -> None:
+        self.hardware = hardware
+        self.model = model
+
+    def step_time(self, scheduled: SchedulerOutput) -> float:
+        tokens = scheduled.num_batched_tokens
+        if tokens == 0:
+            return 0.0
+        pairs = 0
+        kv_tokens = 0
+        for seq in scheduled.seqs:
+            context = seq.num_computed_tokens + seq.num_new_tokens
+            kv_tokens += context
+            # Causal chunk: query i sees the cached prefix and i + 1 of its own tokens.
+            pairs += seq.num_new_tokens * seq.num_computed_tokens
+            pairs += seq.num_new_tokens * (seq.num_new_tokens + 1) // 2
+        compute = 2 * self.model.num_params * tokens + self.model.attn_flops_per_pair * pairs
+        memory = self.model.weight_bytes + self.model.kv_bytes_per_token * kv_tokens
+        hw = self.hardware
+        return hw.step_overhead + max(compute / hw.flops, memory / hw.bandwidth)
+
+
+class VirtualClock:
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_to(self, when: float) -> None:
+        self.now = max(self.now, when)
+
+
+class SimulatedExecutor:
+    PLACEHOLDER_TOKEN = 0
+
+    def __init__(self, cost_model: RooflineCostModel, clock: VirtualClock) -> None:
+        self.cost_model = cost_model
+        self.clock = clock
+        self.busy_time = 0.0
+
+    def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        elapsed = self.cost_model.step_time(scheduled)
+        self.clock.now += elapsed
+        self.busy_time += elapsed
+        return ModelOutput(
+            {
+                seq.request_id: SampledToken(self.PLACEHOLDER_TOKEN)
+                for seq in scheduled.seqs
+                if seq.sample
+            }
+        )
