@@ -106,8 +106,10 @@ def run_engine(
                     bar.update(1)
                     if seats is not None:
                         heapq.heappush(seats, now)
-            # Static batching may start a short last batch only once nothing else will come.
-            scheduler.no_more_arrivals = not pending
+            # Static batching may start a short batch only once nothing else will come: after
+            # the last arrival, or while the concurrency cap is full (nothing can arrive until
+            # a request finishes; a closed loop below the batch size would otherwise deadlock).
+            scheduler.no_more_arrivals = not pending or (seats is not None and not seats)
             if not engine.has_unfinished():
                 if pending:
                     time.sleep(max(0.0, origin + offsets[pending[-1]] - time.monotonic()))
@@ -120,12 +122,6 @@ def run_engine(
                     if seats is not None:
                         heapq.heappush(seats, output.timings.finished or time.monotonic())
             if engine.stats.prefill_tokens + engine.stats.decode_tokens == before:
-                stuck = seats is not None and not seats and pending
-                if stuck and engine.config.scheduler.batching == "static":
-                    raise RuntimeError(
-                        "the engine waits for more requests than --max-concurrency lets in "
-                        "(static batching needs --max-concurrency >= --batch-size)"
-                    )
                 time.sleep(_IDLE_NAP)
     finally:
         scheduler.no_more_arrivals = False
