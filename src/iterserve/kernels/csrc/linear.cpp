@@ -1,0 +1,342 @@
+// Weight-streaming linear layers for the few-row steps of decoding (x [M, K] @ W[N, K]^T).
+//
+// At one to a few rows a step is nothing but reading weights, so these kernels read each
+// weight once for every row of the step, in a layout made for AVX-512 BF16: outputs come in
+// tiles of 16 (one fp32 register), and within a tile the weights of two consecutive inputs
+// sit side by side, so `vdpbf16ps` with a broadcast pair of activations advances 16 outputs
+// by two inputs at once with no horizontal sums. Three weight formats share that layout:
+//
+//   bf16  [N/16, K/2, 16, 2] bf16                  the model's own weights
+//   q4    [N/16, K/32, 256] uint8 + [N/16, K/32, 2, 16] fp16 (scale d, offset m)
+//         GGUF Q4_0/Q4_1 blocks of 32 inputs: w = d * q + m, q in 0..15 (Q4_0: m = -8d)
+//   q8    [N/16, K/32, 512] int8  + [N/16, K/32, 16] fp16 (scale d)
+//         GGUF Q8_0 blocks: w = d * q
+//
+// Quantized weights are turned into exact bf16 integers in registers (0..15 by a table
+// lookup, -128..127 by conversion), so every product x * q is exact in fp32 and the block's
+// scale and offset are applied to the fp32 block sum: the result equals "dequantize to fp32,
+// then matmul" up to the order of fp32 additions. The residual (and bias) are added in fp32
+// before the single rounding to bf16, as oneDNN's fused add does.
+//
+// Above `max_tile_rows` rows a step is compute-bound and oneDNN's GEMM on pre-packed bf16
+// weights wins (benchmarks/linear_kernels.py measures the crossover), so the op hands those
+// steps to `mkldnn::_linear_pointwise` with the packed weight it is given.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+namespace iterserve {
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kTile = 16;   // outputs per tile: one zmm of fp32 accumulators
+constexpr int64_t kBlock = 32;  // inputs per quantization block
+
+enum class Format : int64_t { kBf16 = 0, kQ4 = 1, kQ8 = 2 };
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// Two consecutive bf16 activations, broadcast to every 32-bit lane.
+inline __m512bh pair_of(const at::BFloat16* x, int64_t k) {
+  uint32_t bits;
+  std::memcpy(&bits, x + k, sizeof(bits));
+  return as_bh(_mm512_set1_epi32(static_cast<int>(bits)));
+}
+
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 load_f16x16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Where a tile's outputs go: + bias + residual in fp32, then one rounding to bf16.
+struct Epilogue {
+  at::BFloat16* out;
+  int64_t ld_out;
+  const at::BFloat16* bias;      // [N] or nullptr
+  const at::BFloat16* residual;  // [M, ld_res] or nullptr
+  int64_t ld_res;
+
+  inline void store(int64_t row, int64_t n0, __m512 acc) const {
+    if (bias) acc = _mm512_add_ps(acc, load_bf16x16(bias + n0));
+    if (residual) acc = _mm512_add_ps(acc, load_bf16x16(residual + row * ld_res + n0));
+    __m256i packed = (__m256i)_mm512_cvtneps_pbh(acc);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * ld_out + n0), packed);
+  }
+};
+
+struct Rows {
+  const at::BFloat16* x;
+  int64_t ld_x;
+  const float* block_sums;  // [M, K/32] sum of each row's inputs per block (q4 only)
+};
+
+// ---- bf16 -----------------------------------------------------------------------------
+
+template <int MR, int NT>
+inline void bf16_tiles(const Rows& rows, int64_t m0, const at::BFloat16* w, int64_t tile0,
+                       int64_t K, const Epilogue& ep) {
+  const int64_t tile_elems = K * kTile;
+  const at::BFloat16* wt = w + tile0 * tile_elems;
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh wv[NT];
+    for (int j = 0; j < NT; ++j)
+      wv[j] = as_bh(_mm512_loadu_si512(wt + j * tile_elems + k * kTile));
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xv = pair_of(rows.x + (m0 + r) * rows.ld_x, k);
+      for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+}
+
+// ---- q4 (GGUF Q4_0 / Q4_1) --------------------------------------------------------------
+
+// A block's 256 bytes hold 16 outputs x 32 inputs as 4 chunks of 64 bytes, i.e. 32 16-bit
+// words; word 2j+e of chunk c holds output j's input 2p+e for the four pairs p = 4c..4c+3,
+// pair 4c+i in bits 4i..4i+3. Moving a nibble to bits 3..6 and setting 0x3F80 makes the
+// bf16 number 1 + q/16 with no cross-lane shuffle (a shift and one ternary-logic op), so
+//   sum_k x_k w_k = sum_k x_k (d q_k + m) = 16d * sum_k x_k (1 + q_k/16) + (m - 16d) * sum_k x_k
+// where every product x_k (1 + q_k/16) is exact in fp32.
+template <int I>
+inline __m512bh q4_pair(__m512i words) {
+  const __m512i field = _mm512_set1_epi16(0x0078);
+  const __m512i one = _mm512_set1_epi16(0x3F80);
+  const __m512i moved = I == 0 ? _mm512_slli_epi16(words, 3) : _mm512_srli_epi16(words, 4 * I - 3);
+  return as_bh(_mm512_ternarylogic_epi32(moved, field, one, 0xEA));  // (moved & field) | one
+}
+
+template <int MR, int NT>
+inline void q4_tiles(const Rows& rows, int64_t m0, const uint8_t* q, const at::Half* scales,
+                     int64_t tile0, int64_t K, const Epilogue& ep) {
+  const int64_t blocks = K / kBlock;
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 part[MR][NT];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NT; ++j) part[r][j] = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = b * kBlock + 8 * c;
+      __m512bh xv[MR][4];
+      for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < 4; ++i) xv[r][i] = pair_of(rows.x + (m0 + r) * rows.ld_x, k + 2 * i);
+      for (int j = 0; j < NT; ++j) {
+        const __m512i words = _mm512_loadu_si512(q + ((tile0 + j) * blocks + b) * 256 + c * 64);
+        const __m512bh w0 = q4_pair<0>(words), w1 = q4_pair<1>(words);
+        const __m512bh w2 = q4_pair<2>(words), w3 = q4_pair<3>(words);
+        for (int r = 0; r < MR; ++r) {
+          part[r][j] = _mm512_dpbf16_ps(part[r][j], w0, xv[r][0]);
+          part[r][j] = _mm512_dpbf16_ps(part[r][j], w1, xv[r][1]);
+          part[r][j] = _mm512_dpbf16_ps(part[r][j], w2, xv[r][2]);
+          part[r][j] = _mm512_dpbf16_ps(part[r][j], w3, xv[r][3]);
+        }
+      }
+    }
+    for (int j = 0; j < NT; ++j) {
+      const at::Half* s = scales + ((tile0 + j) * blocks + b) * 2 * kTile;
+      const __m512 d16 = _mm512_mul_ps(load_f16x16(s), _mm512_set1_ps(16.0f));
+      const __m512 offset = _mm512_sub_ps(load_f16x16(s + kTile), d16);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 xsum = _mm512_set1_ps(rows.block_sums[(m0 + r) * blocks + b]);
+        acc[r][j] = _mm512_fmadd_ps(part[r][j], d16, _mm512_fmadd_ps(offset, xsum, acc[r][j]));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+}
+
+// ---- q8 (GGUF Q8_0) --------------------------------------------------------------------
+
+// A block's 512 bytes are its 16 input pairs in order, 32 bytes each: outputs 0..7 (even,
+// odd input) then outputs 8..15, the order vcvtne2ps2bf16 puts two converted halves in.
+inline __m512bh q8_pair(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+template <int MR, int NT>
+inline void q8_tiles(const Rows& rows, int64_t m0, const int8_t* q, const at::Half* scales,
+                     int64_t tile0, int64_t K, const Epilogue& ep) {
+  const int64_t blocks = K / kBlock;
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 part[MR][NT];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NT; ++j) part[r][j] = _mm512_setzero_ps();
+    for (int p = 0; p < kBlock / 2; ++p) {
+      const int64_t k = b * kBlock + 2 * p;
+      for (int j = 0; j < NT; ++j) {
+        const __m512bh wv = q8_pair(q + ((tile0 + j) * blocks + b) * 512 + p * 32);
+        for (int r = 0; r < MR; ++r)
+          part[r][j] = _mm512_dpbf16_ps(part[r][j], wv, pair_of(rows.x + (m0 + r) * rows.ld_x, k));
+      }
+    }
+    for (int j = 0; j < NT; ++j) {
+      const __m512 d = load_f16x16(scales + ((tile0 + j) * blocks + b) * kTile);
+      for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_fmadd_ps(part[r][j], d, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+}
+
+// ---- driver ----------------------------------------------------------------------------
+
+struct Weights {
+  Format format;
+  const void* data;
+  const at::Half* scales;
+  int64_t K;
+};
+
+// Tiles per register block: enough independent accumulators to hide the dot-product
+// latency at one row, few enough that MR rows of them fit the 32 zmm registers.
+template <int MR>
+constexpr int tiles_per_step() {
+  return MR <= 2 ? 4 : 2;
+}
+
+template <int MR, int NT>
+inline void run_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t tile0,
+                      const Epilogue& ep) {
+  switch (w.format) {
+    case Format::kBf16:
+      bf16_tiles<MR, NT>(rows, m0, static_cast<const at::BFloat16*>(w.data), tile0, w.K, ep);
+      break;
+    case Format::kQ4:
+      q4_tiles<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data), w.scales, tile0, w.K, ep);
+      break;
+    case Format::kQ8:
+      q8_tiles<MR, NT>(rows, m0, static_cast<const int8_t*>(w.data), w.scales, tile0, w.K, ep);
+      break;
+  }
+}
+
+template <int MR>
+void rows_over_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t t_begin,
+                     int64_t t_end, const Epilogue& ep) {
+  constexpr int NT = tiles_per_step<MR>();
+  int64_t t = t_begin;
+  for (; t + NT <= t_end; t += NT) run_tiles<MR, NT>(w, rows, m0, t, ep);
+  for (; t < t_end; ++t) run_tiles<MR, 1>(w, rows, m0, t, ep);
+}
+
+void tiles_range(const Weights& w, const Rows& rows, int64_t M, int64_t t_begin, int64_t t_end,
+                 const Epilogue& ep) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) rows_over_tiles<4>(w, rows, m, t_begin, t_end, ep);
+  switch (M - m) {
+    case 3: rows_over_tiles<3>(w, rows, m, t_begin, t_end, ep); break;
+    case 2: rows_over_tiles<2>(w, rows, m, t_begin, t_end, ep); break;
+    case 1: rows_over_tiles<1>(w, rows, m, t_begin, t_end, ep); break;
+    default: break;
+  }
+}
+
+Tensor onednn_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
+                     const std::optional<Tensor>& residual) {
+  // Boxed calls: these mkldnn ops have no C++ API, only their registered schemas.
+  static const auto unary = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "mkldnn::_linear_pointwise", "");
+  static const auto binary = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "mkldnn::_linear_pointwise", "binary");
+  torch::jit::Stack stack;
+  if (residual) {
+    stack = {x, *residual, packed, bias, c10::IValue(std::string("add"))};
+    binary.callBoxed(&stack);
+  } else {
+    stack = {x, packed, bias, c10::IValue(std::string("none")),
+             c10::IValue(c10::List<std::optional<c10::Scalar>>()), c10::IValue()};
+    unary.callBoxed(&stack);
+  }
+  return stack.back().toTensor();
+}
+
+Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& scales,
+                    const std::optional<Tensor>& bias, const std::optional<Tensor>& residual,
+                    const std::optional<Tensor>& packed, int64_t format, int64_t max_tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "tiled_linear: x must be 2-D bf16 with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t tiles = weight.size(0), N = tiles * kTile;
+  if (packed && packed->defined() && M > max_tile_rows) {
+    return onednn_linear(x, *packed, bias, residual);
+  }
+  const auto fmt = static_cast<Format>(format);
+  TORCH_CHECK(fmt == Format::kBf16 ? K % 2 == 0 : K % kBlock == 0,
+              "tiled_linear: K=", K, " does not fit the weight format");
+  TORCH_CHECK(weight.is_contiguous(), "tiled_linear: weight must be contiguous");
+  Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  Epilogue ep{out.data_ptr<at::BFloat16>(), N, nullptr, nullptr, 0};
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous());
+    ep.bias = bias->data_ptr<at::BFloat16>();
+  }
+  if (residual && residual->defined()) {
+    TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->size(0) == M &&
+                residual->size(1) == N && residual->stride(1) == 1);
+    ep.residual = residual->data_ptr<at::BFloat16>();
+    ep.ld_res = residual->stride(0);
+  }
+  Weights w{fmt, weight.data_ptr(), nullptr, K};
+  Rows rows{x.data_ptr<at::BFloat16>(), x.stride(0), nullptr};
+  if (fmt != Format::kBf16) {
+    TORCH_CHECK(scales && scales->scalar_type() == at::kHalf && scales->is_contiguous());
+    w.scales = scales->data_ptr<at::Half>();
+  }
+  std::vector<float> block_sums;
+  if (fmt == Format::kQ4) {
+    block_sums.resize(M * (K / kBlock));
+    for (int64_t m = 0; m < M; ++m) {
+      const at::BFloat16* row = rows.x + m * rows.ld_x;
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        __m512 sum = _mm512_add_ps(load_bf16x16(row + b * kBlock), load_bf16x16(row + b * kBlock + 16));
+        block_sums[m * (K / kBlock) + b] = _mm512_reduce_add_ps(sum);
+      }
+    }
+    rows.block_sums = block_sums.data();
+  }
+  // Split the tiles among threads; each thread reads its share of the weights once.
+  const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    tiles_range(w, rows, M, begin, end, ep);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def(
+      "tiled_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? residual, "
+      "Tensor? packed, int format, int max_tile_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) { m.impl("tiled_linear", &tiled_linear); }
+// The oneDNN-packed weight argument makes the dispatcher pick its backend key.
+TORCH_LIBRARY_IMPL(iterserve, MkldnnCPU, m) { m.impl("tiled_linear", &tiled_linear); }
+
+}  // namespace iterserve

@@ -1,0 +1,21 @@
+"""Shapes of the C++ ops' results, so torch.compile can trace through them without running them."""
+
+from __future__ import annotations
+
+import torch
+
+TILE = 16  # outputs per weight tile, as in csrc/linear.cpp
+
+
+@torch.library.register_fake("iterserve::tiled_linear")
+def _tiled_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    format: int,
+    max_tile_rows: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] * TILE)

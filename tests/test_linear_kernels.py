@@ -1,0 +1,112 @@
+"""The C++ tiled linear kernels against dequantize-then-matmul in fp32, and the repacking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from iterserve import kernels
+from iterserve.model import quant
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+
+BF16, Q4, Q8 = 0, 1, 2
+
+
+def _tiled(x, weight, scales, fmt, bias=None, residual=None, packed=None, max_rows=64):
+    return torch.ops.iterserve.tiled_linear(
+        x, weight, scales, bias, residual, packed, fmt, max_rows
+    )
+
+
+def _random_q4(n: int, k: int, gen: torch.Generator) -> quant.QuantizedWeight:
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+    m = (-torch.rand(n, k // 32, generator=gen) * 0.15).half()
+    return quant.QuantizedWeight("q4", q, d, m)
+
+
+def _close_to_bf16_rounding(out: torch.Tensor, reference: torch.Tensor) -> None:
+    """out is reference rounded once to bf16, up to fp32 summation order."""
+    error = (out.float() - reference).abs()
+    # Half a bf16 ulp of each value, plus fp32 accumulation slack.
+    allowed = reference.abs() * 2.0**-8 + 1e-4 * reference.abs().max()
+    assert bool((error <= allowed).all()), f"max excess {(error - allowed).max().item()}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("n,k", [(16, 32), (96, 64), (208, 576)])
+def test_bf16_tiles_match_fp32_matmul_with_bias_and_residual(rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    out = _tiled(x, quant.tile_bf16(w), None, BF16, bias, residual)
+    reference = x.float() @ w.float().T + bias.float() + residual.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    _close_to_bf16_rounding(out, reference)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 9])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (208, 576)])
+def test_q4_tiles_match_dequantize_then_matmul(rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 100 + k)
+    weight = _random_q4(n, k, gen)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    q, scales = quant.tile_quantized(weight)
+    out = _tiled(x, q, scales, Q4, residual=residual)
+    _close_to_bf16_rounding(out, x.float() @ weight.dequantize().T + residual.float())
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_q8_tiles_match_dequantize_then_matmul(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 128, 96
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    weight = quant.QuantizedWeight("q8", q, (torch.rand(n, 3, generator=gen) * 0.01).half(), None)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    out = _tiled(x, *quant.tile_quantized(weight), Q8)
+    _close_to_bf16_rounding(out, x.float() @ weight.dequantize().T)
+
+
+def test_rows_past_the_tile_limit_go_to_the_packed_gemm() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    w = (torch.randn(32, 64, generator=gen) * 0.1).bfloat16()
+    residual = torch.randn(9, 32, generator=gen).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    tiles = quant.tile_bf16(w)
+    for res in (None, residual):
+        expected = torch.nn.functional.linear(x, w) + (0 if res is None else res)
+        via_gemm = _tiled(x, tiles, None, BF16, residual=res, packed=packed, max_rows=4)
+        via_tiles = _tiled(x, tiles, None, BF16, residual=res, packed=packed, max_rows=9)
+        torch.testing.assert_close(via_gemm.float(), expected.float(), rtol=2**-7, atol=1e-2)
+        torch.testing.assert_close(via_tiles.float(), expected.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_a_strided_row_view_is_read_in_place() -> None:
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(3, 200, generator=gen).bfloat16()
+    x = wide[:, 8:72]  # rows 200 apart, as a slice of a fused projection is
+    w = (torch.randn(16, 64, generator=gen) * 0.1).bfloat16()
+    out = _tiled(x, quant.tile_bf16(w), None, BF16)
+    _close_to_bf16_rounding(out, x.float() @ w.float().T)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_unpack_like_the_gguf_reference_dequantizer(qtype: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((32, 96)).astype(np.float32)
+    kind = GGMLQuantizationType[qtype]
+    raw = quantize(values, kind)
+    expected = dequantize(raw, kind)
+    weight = quant.from_gguf_blocks(raw.reshape(-1), qtype, (32, 96))
+    np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
