@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from iterserve.model import attention
-from iterserve.model.attention import SeqSpan, allocate_kv_caches, build_attention_metadata
+from iterserve.model.attention import allocate_kv_caches
+from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
 

