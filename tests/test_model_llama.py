@@ -9,11 +9,12 @@ import pytest
 import torch
 import transformers
 
+from iterserve import kernels
 from iterserve.model import attention
-from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
+from paged_runner import PagedRunner
 
 VOCAB = 128
 ATOL = 1e-4
@@ -29,6 +30,7 @@ def _hf_model(kind: str = "llama", **overrides: object) -> transformers.PreTrain
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=32,  # wider than hidden/heads: the C++ attention op takes multiples of 32
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
@@ -81,61 +83,6 @@ def _reference(hf: transformers.PreTrainedModel, tokens: Sequence[int]) -> torch
     return hf(torch.tensor([list(tokens)])).logits[0].float()
 
 
-class PagedRunner:
-    """A miniature engine: hands out shuffled block ids and tracks num_computed_tokens."""
-
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        block_size: int = 4,
-        num_blocks: int = 96,
-        seed: int = 0,
-    ) -> None:
-        self.model = model
-        self.block_size = block_size
-        self.caches = allocate_kv_caches(
-            model.config, num_blocks, block_size, model.dtype, torch.device("cpu")
-        )
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)  # non-contiguous block tables
-        self.tokens: dict[str, list[int]] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}
-
-    def add(self, name: str, tokens: Sequence[int]) -> None:
-        self.tokens[name], self.blocks[name], self.computed[name] = list(tokens), [], 0
-
-    def step(self, plan: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        """Compute `k` new tokens of each named sequence in one flat batch; logits of every row."""
-        plan = sorted(plan, key=lambda item: item[1] != 1)  # the decode group goes first
-        ids: list[int] = []
-        positions: list[int] = []
-        spans: list[SeqSpan] = []
-        for name, k in plan:
-            n = self.computed[name]
-            assert n + k <= len(self.tokens[name])
-            while len(self.blocks[name]) * self.block_size < n + k:
-                self.blocks[name].append(self.free.pop())
-            spans.append(SeqSpan(tuple(self.blocks[name]), n, k))
-            ids.extend(self.tokens[name][n : n + k])
-            positions.extend(range(n, n + k))
-        meta = build_attention_metadata(spans, self.block_size, torch.device("cpu"))
-        logits = self.model(
-            torch.tensor(ids),
-            torch.tensor(positions),
-            meta,
-            self.caches,
-            torch.arange(len(ids)),
-        )
-        out: dict[str, torch.Tensor] = {}
-        row = 0
-        for name, k in plan:
-            out[name] = logits[row : row + k]
-            row += k
-            self.computed[name] += k
-        return out
-
-
 def _prompts(lengths: Sequence[int], seed: int = 1) -> dict[str, list[int]]:
     rng = random.Random(seed)
     return {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate(lengths)}
@@ -151,12 +98,19 @@ def llama() -> transformers.PreTrainedModel:
     return _hf_model()
 
 
-@pytest.fixture(params=["sdpa", "embedding_bag"])
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test through each decode kernel: tiny models would otherwise only meet SDPA."""
+@pytest.fixture(params=["sdpa", "embedding_bag", "paged_kernel"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Run a test through each decode path: tiny models would otherwise only meet SDPA.
+
+    Returns the PagedRunner settings that select it; "paged_kernel" is the C++ op.
+    """
     if request.param == "embedding_bag":
         monkeypatch.setattr(attention, "_SDPA_DECODE_MAX_BYTES", 0)
-    return request.param
+    if request.param == "paged_kernel":
+        if not kernels.available():
+            pytest.skip(f"C++ kernels unavailable: {kernels.why_unavailable()}")
+        return {"kernel_max_query_len": 16}
+    return {}
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -173,9 +127,9 @@ def test_batched_prefill_matches_transformers(
 
 
 def test_chunked_prefill_mixed_with_decodes(
-    llama: transformers.PreTrainedModel, decode_path: str
+    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
 ) -> None:
-    runner = PagedRunner(_ours(llama), block_size=4, seed=3)
+    runner = PagedRunner(_ours(llama), block_size=4, seed=3, **decode_path)
     seqs = _prompts([23, 19, 6, 12], seed=2)  # s0, s1 chunked; s2, s3 decode alongside
     for name, tokens in seqs.items():
         runner.add(name, tokens)
@@ -197,9 +151,9 @@ def test_chunked_prefill_mixed_with_decodes(
 
 
 def test_greedy_decode_steps_match_full_sequence(
-    llama: transformers.PreTrainedModel, decode_path: str
+    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
 ) -> None:
-    runner = PagedRunner(_ours(llama), block_size=4, seed=5)
+    runner = PagedRunner(_ours(llama), block_size=4, seed=5, **decode_path)
     prompts = _prompts([9, 14, 3], seed=4)
     for name, tokens in prompts.items():
         runner.add(name, tokens + [0] * 8)  # room for the generated tokens
@@ -252,12 +206,14 @@ def test_qwen2_qkv_bias() -> None:
         _check(out[name], _reference(hf, tokens))
 
 
-def test_bf16_keeps_greedy_argmax(llama: transformers.PreTrainedModel, decode_path: str) -> None:
+def test_bf16_keeps_greedy_argmax(
+    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
+) -> None:
     """bf16 vs fp32 over the same tokens: same argmax wherever fp32 is not near a tie."""
     tokens = _prompts([10], seed=8)["s0"] + [0] * 10
     logits: dict[torch.dtype, list[torch.Tensor]] = {}
     for dtype in (torch.float32, torch.bfloat16):
-        runner = PagedRunner(_ours(llama, dtype), block_size=4)
+        runner = PagedRunner(_ours(llama, dtype), block_size=4, **decode_path)
         runner.add("s", tokens)
         rows = [runner.step([("s", 10)])["s"][-1]]
         for _ in range(10):

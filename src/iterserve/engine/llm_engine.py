@@ -79,7 +79,14 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, cache.block_size, dtype, self.device
         )
-        self.executor = TorchRunner(model, kv_caches, cache.block_size, self.device, config.seed)
+        self.executor = TorchRunner(
+            model,
+            kv_caches,
+            cache.block_size,
+            self.device,
+            config.seed,
+            self.model_plan.attention_kernel_max_query_len,
+        )
         # Compile (or load compiled graphs) and build kernels now, not in a user's first step.
         self.warm_up_seconds = self.executor.warm_up()
 

@@ -26,11 +26,13 @@ class TorchRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        kernel_max_query_len: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
         self.device = device
+        self.kernel_max_query_len = kernel_max_query_len
         self.sampler = Sampler()
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
@@ -55,7 +57,9 @@ class TorchRunner:
             spans.append(SeqSpan(seq.block_ids, start, seq.num_new_tokens))
             if seq.sample:
                 logits_indices.append(len(input_ids) - 1)
-        meta = build_attention_metadata(spans, self.block_size, self.device)
+        meta = build_attention_metadata(
+            spans, self.block_size, self.device, self.kernel_max_query_len
+        )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -101,7 +105,9 @@ class TorchRunner:
                 for s in spans
                 for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
             ]
-            meta = build_attention_metadata(spans, self.block_size, self.device)
+            meta = build_attention_metadata(
+                spans, self.block_size, self.device, self.kernel_max_query_len
+            )
             self.model(
                 torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device),

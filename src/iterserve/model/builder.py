@@ -18,12 +18,20 @@ from iterserve.model.quant import QuantizedWeight
 
 logger = logging.getLogger("iterserve.model")
 
+# Spans up to this many new tokens (decodes, speculative verification) attend through the
+# C++ paged attention op; longer prefill chunks are compute-bound and flash SDPA's blocked
+# GEMMs serve them better.
+KERNEL_MAX_QUERY_LEN = 16
+
 
 @dataclass(frozen=True)
 class ModelPlan:
     """What `build_model` chose, for logs, /health and benchmarks."""
 
     backend: Backend
+    # Leading spans of at most this many new tokens go to the C++ paged attention op (0: the
+    # op is off and torch attention serves every row).
+    attention_kernel_max_query_len: int
     weights: str  # "bf16", "int4" (4-bit layers, 8-bit head where the checkpoint has it), ...
     compiled: bool
     linears: dict[str, str]
@@ -67,16 +75,25 @@ def build_model(
         _use_persistent_compile_cache()
         model.compile_layers()
     formats = sorted({q.kind for q in quantized.values()})
+    use_kernel = (
+        config.kernels == "auto"
+        and device.type == "cpu"
+        and loaded.config.head_dim % 32 == 0  # what csrc/paged_attention.cpp is built for
+        and loaded.config.head_dim <= 256
+        and kernels.available()
+    )
     plan = ModelPlan(
         backend=backend,
+        attention_kernel_max_query_len=KERNEL_MAX_QUERY_LEN if use_kernel else 0,
         weights="+".join(formats) if formats else str(dtype).removeprefix("torch."),
         compiled=compiled,
         linears=model.describe_linears(),
     )
     logger.info(
-        "model %s: %s kernels, weights %s, %s",
+        "model %s: %s linears, %s attention, weights %s, %s",
         loaded.name,
         plan.backend,
+        "paged-kernel" if use_kernel else "torch",
         plan.weights,
         "compiled" if compiled else "eager",
     )

@@ -303,6 +303,9 @@ class LlamaForCausalLM(nn.Module):
         OpenMP fork and barrier per kernel per step; the projections and attention parallelise
         inside their own kernels.
         """
+        # Dynamo keeps its graphs per code object, so every model in a process (tests,
+        # benchmarks comparing paths) adds its two to the same `_layers` cache.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._run_layers = torch.compile(self._layers, fullgraph=True)
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
