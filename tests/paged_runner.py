@@ -53,7 +53,11 @@ class PagedRunner:
             ids.extend(self.tokens[name][n : n + k])
             positions.extend(range(n, n + k))
         meta = build_attention_metadata(
-            spans, self.block_size, torch.device("cpu"), self.kernel_max_query_len
+            spans,
+            self.block_size,
+            torch.device("cpu"),
+            self.kernel_max_query_len,
+            self.model.config.sliding_window,
         )
         logits = self.model(
             torch.tensor(ids),

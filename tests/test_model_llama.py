@@ -39,6 +39,8 @@ def _hf_model(kind: str = "llama", **overrides: object) -> transformers.PreTrain
     shape.update(overrides)
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
     with torch.no_grad():
@@ -53,7 +55,7 @@ def _hf_model(kind: str = "llama", **overrides: object) -> transformers.PreTrain
 def _model_config(hf: transformers.PreTrainedModel) -> ModelConfig:
     c = hf.config
     rope = dict(c.rope_parameters)
-    arch = "qwen2" if c.model_type == "qwen2" else "llama"
+    arch = c.model_type if c.model_type in ("qwen2", "mistral") else "llama"
     return ModelConfig(
         architecture=arch,
         vocab_size=c.vocab_size,
@@ -69,6 +71,7 @@ def _model_config(hf: transformers.PreTrainedModel) -> ModelConfig:
         tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
         rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+        sliding_window=getattr(c, "sliding_window", None) if arch == "mistral" else None,
     )
 
 
@@ -192,6 +195,27 @@ def test_llama3_rope_scaling_untied() -> None:
     second = runner.step([("s0", 15)])
     _check(torch.cat([first["s0"], second["s0"]]), _reference(hf, seqs["s0"]))
     _check(first["s1"], _reference(hf, seqs["s1"]))
+
+
+def test_mistral_sliding_window_matches_transformers_past_the_window(
+    decode_path: dict[str, int],
+) -> None:
+    hf = _hf_model("mistral", sliding_window=5)
+    runner = PagedRunner(_ours(hf), block_size=4, seed=9, **decode_path)
+    seqs = _prompts([23, 14, 9], seed=10)
+    for name, tokens in seqs.items():
+        runner.add(name, tokens)
+    got: dict[str, list[torch.Tensor]] = {name: [] for name in seqs}
+    plans = [
+        [("s2", 1), ("s0", 12), ("s1", 3)],  # a fresh 12-token chunk longer than the window
+        [("s2", 1), ("s1", 1), ("s0", 7)],  # a chunk over a cached prefix past the window
+        *[[("s0", 1), ("s1", 1), ("s2", 1)] for _ in range(4)],  # decodes past the window
+    ]
+    for plan in plans:
+        for name, logits in runner.step(plan).items():
+            got[name].append(logits)
+    for name, tokens in seqs.items():
+        _check(torch.cat(got[name]), _reference(hf, tokens)[: runner.computed[name]])
 
 
 def test_qwen2_qkv_bias() -> None:

@@ -13,7 +13,11 @@ from collections.abc import Sequence
 import torch
 
 from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
-from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
+from iterserve.model.attention_metadata import (
+    AttentionMetadata,
+    SeqSpan,
+    build_attention_metadata,
+)
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.sample.sampler import Sampler, make_generator
 
@@ -57,9 +61,7 @@ class TorchRunner:
             spans.append(SeqSpan(seq.block_ids, start, seq.num_new_tokens))
             if seq.sample:
                 logits_indices.append(len(input_ids) - 1)
-        meta = build_attention_metadata(
-            spans, self.block_size, self.device, self.kernel_max_query_len
-        )
+        meta = self._metadata(spans)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -105,9 +107,7 @@ class TorchRunner:
                 for s in spans
                 for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
             ]
-            meta = build_attention_metadata(
-                spans, self.block_size, self.device, self.kernel_max_query_len
-            )
+            meta = self._metadata(spans)
             self.model(
                 torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -116,6 +116,15 @@ class TorchRunner:
                 torch.arange(num_tokens, device=self.device),
             )
         return time.perf_counter() - start
+
+    def _metadata(self, spans: Sequence[SeqSpan]) -> AttentionMetadata:
+        return build_attention_metadata(
+            spans,
+            self.block_size,
+            self.device,
+            self.kernel_max_query_len,
+            self.model.config.sliding_window,
+        )
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

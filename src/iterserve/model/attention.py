@@ -205,7 +205,7 @@ def paged_attention(
                 rows.seq_lens,
                 rows.query_start_loc,
                 scale,
-                0,  # no sliding window
+                meta.sliding_window,
             )
         )
     if meta.num_decodes:
@@ -228,7 +228,7 @@ def paged_attention(
             keys,
             values,
             attn_mask=mask,
-            is_causal=rows is None,
+            is_causal=rows is None and mask is None,
             scale=scale,
             enable_gqa=True,
         )

@@ -49,8 +49,9 @@ class PrefillChunk:
     # this step's k/v directly, so nothing needs gathering.
     context_blocks: torch.Tensor | None
     # [1, 1, k, len(context_blocks) * block_size] additive (0 / -inf): query i sees keys
-    # j <= n + i, which also hides the tail padding of the last block. None when n == 0
-    # (plain causal attention over the chunk itself).
+    # j <= n + i (and, with a sliding window, j > n + i - window), which also hides the tail
+    # padding of the last block. When n == 0, [1, 1, k, k] over the chunk itself if a window
+    # cuts into it, else None (plain causal attention).
     attn_mask: torch.Tensor | None
 
 
@@ -60,6 +61,7 @@ class AttentionMetadata:
 
     block_size: int
     num_tokens: int  # T, rows of the flat batch
+    sliding_window: int  # keys further back than this are hidden from a query; 0: none
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     kernel: KernelRows | None  # rows for the C++ op, or None
     num_decodes: int  # B, the torch decode group's size (0 when the C++ op runs)
@@ -113,13 +115,16 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     kernel_max_query_len: int = 0,
+    sliding_window: int | None = None,
 ) -> AttentionMetadata:
     """Turn the step's spans (flat-batch order, short spans first) into layer-ready tensors.
 
     `kernel_max_query_len` > 0 hands the leading spans of at most that many new tokens to the
-    C++ paged attention op; 0 keeps every row on the torch paths. Everything is built on the
-    host with a handful of vectorised ops and moved once.
+    C++ paged attention op; 0 keeps every row on the torch paths. `sliding_window` (Mistral)
+    hides keys more than that many positions back, in every path's masks. Everything is built
+    on the host with a handful of vectorised ops and moved once.
     """
+    window = sliding_window or 0
     if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
         raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
     num_kernel = _leading(spans, kernel_max_query_len) if kernel_max_query_len > 0 else 0
@@ -137,8 +142,11 @@ def build_attention_metadata(
     decode_mask = torch.zeros(num_decodes, max_blocks * block_size)
     if num_decodes:
         key_pos = torch.arange(max_blocks * block_size)
-        beyond = key_pos[None, :] >= torch.tensor(decode_lens)[:, None]
-        decode_mask.masked_fill_(beyond, float("-inf"))
+        lens = torch.tensor(decode_lens)[:, None]
+        hidden = key_pos[None, :] >= lens
+        if window:
+            hidden |= key_pos[None, :] <= lens - 1 - window
+        decode_mask.masked_fill_(hidden, float("-inf"))
 
     slots: list[int] = []
     prefills: list[PrefillChunk] = []
@@ -154,11 +162,14 @@ def build_attention_metadata(
         if index >= first_chunk:
             blocks = torch.tensor(block_list, dtype=torch.int64)
             mask = None
-            if n > 0:
+            if n > 0 or (window and k > window):
                 positions = torch.arange(n, n + k)
-                key_pos = torch.arange(len(blocks) * block_size)
-                future = key_pos[None, :] > positions[:, None]
-                mask = torch.zeros(k, len(key_pos)).masked_fill_(future, float("-inf"))
+                # Keys are the cached context (n > 0) or this chunk itself.
+                key_pos = torch.arange(len(blocks) * block_size if n > 0 else k)
+                hidden = key_pos[None, :] > positions[:, None]
+                if window:
+                    hidden |= key_pos[None, :] <= positions[:, None] - window
+                mask = torch.zeros(k, len(key_pos)).masked_fill_(hidden, float("-inf"))
                 mask = mask[None, None].to(device)
             prefills.append(
                 PrefillChunk(
@@ -174,6 +185,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         block_size=block_size,
         num_tokens=start,
+        sliding_window=window,
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
         kernel=kernel,
         num_decodes=num_decodes,
