@@ -62,10 +62,22 @@ constexpr int64_t kMaxQueriesPerGroup = 64;  // rows are chunked so that M stays
 constexpr int64_t kMinPartKeys = 128;    // partitions shorter than this cost more than they save
 constexpr int64_t kMaxPartKeys = 512;    // bounds the per-thread score scratch
 constexpr int64_t kItemsPerThread = 4;   // enough items for the atomic counter to balance
+constexpr int64_t kMinParallelWork = 3000;  // keys x queries: ~10 us on one thread
 constexpr int kTransposeMinQueries = 4;  // from this many queries the transposed tile wins
 constexpr int kMaxHeadDimChunks = 8;     // head_dim up to 256, in chunks of 32
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// Keys are read in block-sized runs from scattered blocks, too short for the hardware
+// prefetcher to get ahead, so every loop over keys asks for the rows this far ahead itself.
+constexpr int64_t kPrefetchKeys = 64;
+
+// Into L2 (T1): an L1 prefetch waits for one of the core's few L1 miss buffers and measured
+// no faster than none; L2 prefetches 64 keys ahead read scattered blocks ~1.3-1.5x faster.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
 
 // exp for x <= 0 (and -inf): Cephes' expf polynomial (~1 ulp), 2^n applied by scalef.
 inline __m512 exp_nonpositive(__m512 x) {
@@ -279,6 +291,7 @@ inline void pv_block(const T* cache, const int64_t* off, int64_t n, const float*
   for (int i = 0; i < MB; ++i)
     for (int c = 0; c < R; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t k = 0; k < n; ++k) {
+    if (k + kPrefetchKeys < n) prefetch_row(cache + off[k + kPrefetchKeys], 32 * NC * sizeof(T));
     __m512 v[R];
     widen_row<NC>(cache + off[k], v);
     for (int i = 0; i < MB; ++i) {
@@ -420,8 +433,21 @@ void merge_partitions(const Plan& plan, const Group& g, std::vector<float>& acc)
   }
 }
 
+// The first keys an item will read, asked for while the previous item still computes.
+template <typename T>
+void prefetch_item(const Plan& plan, const Item& item) {
+  const Group& g = plan.groups[item.group];
+  const int64_t k0 = g.key_lo + item.part * plan.part_keys;
+  const int64_t n = std::min({g.key_hi - k0, plan.part_keys, kPrefetchKeys});
+  int64_t off[kPrefetchKeys];
+  key_offsets(plan.tables + g.seq * plan.table_stride, g.kv_head * plan.num_blocks,
+              plan.block_size, plan.head_dim, k0, n, off);
+  const T* keys = static_cast<const T*>(plan.key_cache);
+  for (int64_t i = 0; i < n; ++i) prefetch_row(keys + off[i], plan.head_dim * sizeof(T));
+}
+
 template <typename T, int NC>
-void run_item(const Plan& plan, const Item& item, Scratch& sc) {
+void run_item(const Plan& plan, const Item& item, const Item* next, bool first, Scratch& sc) {
   const Group& g = plan.groups[item.group];
   const int64_t D = plan.head_dim, G = plan.group_size;
   const int M = static_cast<int>(g.rows * G);
@@ -442,8 +468,14 @@ void run_item(const Plan& plan, const Item& item, Scratch& sc) {
 
   // 1. scores
   const T* keys = static_cast<const T*>(plan.key_cache);
+  const T* values = static_cast<const T*>(plan.value_cache);
+  const int64_t row_bytes = D * sizeof(T);
   float* S = sc.scores.data();
+  if (first)  // later items were prefetched by the one before
+    for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(keys + off[t], row_bytes);
   for (int64_t t = 0; t < n16; t += kTile) {
+    for (int64_t k = t + kPrefetchKeys; k < std::min(n, t + kPrefetchKeys + kTile); ++k)
+      prefetch_row(keys + off[k], row_bytes);
     if constexpr (std::is_same_v<T, BFloat16>) {
       if (M >= kTransposeMinQueries)
         scores_transposed_bf16<NC>(keys, off + t, qp, M, S + t, n16, sc.tile.data());
@@ -454,7 +486,8 @@ void run_item(const Plan& plan, const Item& item, Scratch& sc) {
     }
   }
 
-  // 2. softmax, each query over its own window
+  // 2. softmax, each query over its own window (while the first V rows arrive)
+  for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(values + off[t], row_bytes);
   for (int m = 0; m < M; ++m) {
     const auto [lo, hi] = key_window(g.first_pos + m / G, plan.window);
     const int64_t a = std::clamp<int64_t>(lo - k0, 0, n), b = std::clamp<int64_t>(hi - k0, 0, n);
@@ -462,7 +495,7 @@ void run_item(const Plan& plan, const Item& item, Scratch& sc) {
   }
 
   // 3. P.V, in blocks of queries whose accumulators fit the registers
-  const T* values = static_cast<const T*>(plan.value_cache);
+  if (next != nullptr) prefetch_item<T>(plan, *next);
   constexpr int MB = NC >= 12 ? 1 : 12 / NC;
   const int blocks = (M + MB - 1) / MB;
   for (int bi = 0, m = 0; bi < blocks; ++bi) {
@@ -495,15 +528,22 @@ void run_plan(const Plan& plan, bool parallel) {
   const int64_t count = static_cast<int64_t>(plan.items.size());
   if (!parallel) {
     thread_local Scratch sc;
-    for (int64_t i = 0; i < count; ++i) run_item<T, NC>(plan, plan.items[i], sc);
+    for (int64_t i = 0; i < count; ++i)
+      run_item<T, NC>(plan, plan.items[i], i + 1 < count ? &plan.items[i + 1] : nullptr, i == 0,
+                      sc);
     return;
   }
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local Scratch sc;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;)
-      run_item<T, NC>(plan, plan.items[i], sc);
+    // Claim the next item before running this one, so its first rows can be prefetched.
+    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    for (bool first = true; i < count; first = false) {
+      const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+      run_item<T, NC>(plan, plan.items[i], j < count ? &plan.items[j] : nullptr, first, sc);
+      i = j;
+    }
   });
 }
 
@@ -616,12 +656,18 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
   }
   if (plan.groups.empty()) return out;
 
-  // Partition size: enough items for every thread (flash-decoding), within [min, max] keys.
+  // Below this much work a parallel region costs more than it saves. Otherwise partitions
+  // are sized for enough items to keep every thread busy (flash-decoding), within limits.
   const int64_t threads = at::get_num_threads();
-  int64_t total_keys = 0;
-  for (const Group& g : plan.groups) total_keys += g.key_hi - g.key_lo;
-  const int64_t want = (total_keys + kItemsPerThread * threads - 1) / (kItemsPerThread * threads);
-  plan.part_keys = std::clamp<int64_t>((want + 31) / 32 * 32, kMinPartKeys, kMaxPartKeys);
+  const bool parallel = threads > 1 && work >= kMinParallelWork;
+  plan.part_keys = kMaxPartKeys;
+  if (parallel) {
+    int64_t total_keys = 0;
+    for (const Group& g : plan.groups) total_keys += g.key_hi - g.key_lo;
+    const int64_t items = kItemsPerThread * threads;
+    const int64_t want = (total_keys + items - 1) / items;
+    plan.part_keys = std::clamp<int64_t>((want + 31) / 32 * 32, kMinPartKeys, kMaxPartKeys);
+  }
 
   int64_t slots = 0;
   for (int64_t gi = 0; gi < static_cast<int64_t>(plan.groups.size()); ++gi) {
@@ -642,8 +688,6 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
     plan.done.reset(new std::atomic<int64_t>[plan.groups.size()]);
     for (size_t i = 0; i < plan.groups.size(); ++i) plan.done[i].store(0);
   }
-  // Below this much work a parallel region costs more than it saves.
-  const bool parallel = threads > 1 && plan.items.size() > 1 && work >= (int64_t{1} << 13);
   if (dtype == at::kBFloat16)
     run_plan_for_head_dim<BFloat16>(plan, parallel);
   else
