@@ -324,7 +324,8 @@ inline void pv_blocks(int mb, const T* cache, const int64_t* off, int64_t n, con
 template <int NC>
 inline void store_row(BFloat16* dst, const float* acc, float inv) {
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   const __m512 vinv = _mm512_set1_ps(inv);
   for (int c = 0; c < NC; ++c) {
     const __m512 even = _mm512_loadu_ps(acc + 32 * c), odd = _mm512_loadu_ps(acc + 32 * c + 16);
@@ -584,8 +585,8 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
               "paged_attention: q must be bfloat16 or float32, got ", dtype);
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "paged_attention: q, key_cache and value_cache must share a dtype");
-  TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
-              "paged_attention: CPU tensors only");
+  for (const Tensor* t : {&q, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = key_cache.size(0), NB = key_cache.size(1), BS = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == D, "paged_attention: cache head_dim ", key_cache.size(3),
