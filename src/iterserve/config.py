@@ -34,6 +34,9 @@ class CacheConfig:
         True, "share KV blocks between requests with a common prefix"
     )
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"--block-size must be at least 1, got {self.block_size}")
@@ -63,31 +66,64 @@ class SchedulerConfig:
         True, "honour request lanes (off: every request waits in one interactive queue)"
     )
     batch_lane_min_share: float = _opt(
-        0.1, "share of each step's token budget the batch lane is guaranteed when it waits"
+        0.1,
+        "share of each step's token budget, and of the seats, the batch lane is guaranteed "
+        "while it waits",
     )
     max_running_batch_lane: int | None = _opt(None, "most batch-lane requests running at once")
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
+        """Refuse settings that cannot work, or that would starve or hang a request."""
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            # Every running request needs one token of a step's budget to decode; with
+            # more seats than tokens, the requests at the tail would wait for ever.
+            raise ConfigError(
+                f"--max-num-seqs ({self.max_num_seqs}) must not exceed --max-num-batched-tokens "
+                f"({self.max_num_batched_tokens}): a step could not give every running request "
+                "its decode token; lower --max-num-seqs or raise --max-num-batched-tokens"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.batching not in BATCHING_MODES:
             raise ConfigError(f"--batching must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.step_policy not in STEP_POLICIES:
             raise ConfigError(
                 f"--step-policy must be one of {STEP_POLICIES}, got {self.step_policy!r}"
             )
-        if self.batching != "continuous" and self.batch_size < 1:
-            raise ConfigError(f"{self.batching} batching needs --batch-size >= 1")
+        if self.batching != "continuous":
+            if self.batch_size < 1:
+                raise ConfigError(f"{self.batching} batching needs --batch-size >= 1")
+            if self.batch_size > self.max_num_seqs:
+                raise ConfigError(
+                    f"--batch-size ({self.batch_size}) must not exceed --max-num-seqs "
+                    f"({self.max_num_seqs}): a {self.batching} batch runs all its requests at "
+                    "once; lower --batch-size or raise --max-num-seqs"
+                )
         if self.max_wait_ms < 0:
             raise ConfigError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
-        if not 0.0 <= self.batch_lane_min_share <= 1.0:
-            raise ConfigError("--batch-lane-min-share must be in [0, 1]")
+        if not 0.0 <= self.batch_lane_min_share < 1.0:
+            raise ConfigError(
+                "--batch-lane-min-share must be in [0, 1) (1 would leave interactive prompts "
+                f"nothing while batch work waits), got {self.batch_lane_min_share}"
+            )
+        if self.max_running_batch_lane is not None and self.max_running_batch_lane < 1:
+            raise ConfigError(
+                "--max-running-batch-lane must be at least 1 (leave it unset for no cap; 0 "
+                f"would never run a batch-lane request), got {self.max_running_batch_lane}"
+            )
         if self.long_prefill_token_threshold < 0 or self.max_long_partial_prefills < 0:
-            raise ConfigError("long-prefill limits must be >= 0")
+            raise ConfigError(
+                "--long-prefill-token-threshold and --max-long-partial-prefills must be >= 0"
+            )
 
 
 @dataclass
@@ -100,11 +136,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> EngineConfig:
+        """Check every section; called when a config is built and again before an engine
+        uses it, since callers may change fields in between."""
         if self.dtype not in ("bfloat16", "float32"):
             raise ConfigError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--num-threads must be at least 1, got {self.num_threads}")
         self.cache.validate()
         self.scheduler.validate()
         return self
