@@ -75,6 +75,17 @@ def test_static_waits_for_a_full_batch() -> None:
     assert len(scheduler.schedule().seqs) == 3
 
 
+def test_static_starts_a_partial_batch_after_its_max_wait() -> None:
+    # A server never learns that no more requests will come: without a maximum wait,
+    # a partial static batch would wait for ever.
+    scheduler, clock = make_scheduler(batching="static", batch_size=3, static_max_wait_ms=2000)
+    scheduler.add_request(make_request("a", [1, 2], max_tokens=2, arrival=0.0))
+    clock.now = 1.9
+    assert scheduler.schedule().is_empty, "static waits far longer than dynamic's default"
+    clock.now = 2.0
+    assert [s.request_id for s in scheduler.schedule().seqs] == ["a"]
+
+
 def test_dynamic_starts_on_size_or_timeout_whichever_first() -> None:
     scheduler, clock = make_scheduler(batching="dynamic", batch_size=3, max_wait_ms=100)
     scheduler.add_request(make_request("a", [1, 2], max_tokens=2, arrival=0.0))
@@ -188,6 +199,7 @@ def test_a_request_is_not_preempted_again_before_it_progresses() -> None:
         ({"batching": "sideways"}, "batching"),
         ({"step_policy": "random"}, "step-policy"),
         ({"max_num_seqs": 0}, "max-num-seqs"),
+        ({"batching": "static", "static_max_wait_ms": float("inf")}, "static-max-wait-ms"),
         ({"batch_lane_min_share": 1.5}, "min-share"),
         # Settings that used to be accepted and then starved or hung requests:
         ({"batch_lane_min_share": 1.0}, "batch-lane-min-share"),

@@ -360,6 +360,19 @@ def test_api_key_required(tiny_llama_dir: Path) -> None:
         assert server.metrics()['iterserve:requests_rejected_total{reason="unauthorized"}'] == 1
 
 
+def test_static_batching_behind_a_server_starts_a_partial_batch(tiny_llama_dir: Path) -> None:
+    # One request and a batch of four: the server cannot know no more will come, so
+    # the batch starts once the request has waited static_max_wait_ms.
+    with running_server(
+        tiny_llama_dir, batching="static", batch_size=4, static_max_wait_ms=300
+    ) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        result = client.with_options(timeout=30).completions.create(
+            model=MODEL_NAME, prompt=PROMPT, **GREEDY
+        )
+        assert result.choices[0].finish_reason in ("stop", "length")
+
+
 def test_full_queue_gets_429_with_retry_after(tiny_llama_dir: Path) -> None:
     # One running seat and one waiting slot: of 8 simultaneous requests most must be refused.
     with running_server(tiny_llama_dir, max_waiting_requests=1, max_num_seqs=1) as server:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,14 @@ class SchedulerConfig:
     max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
     batching: str = _opt("continuous", "batching mode", choices=BATCHING_MODES)
     batch_size: int = _opt(8, "requests per batch for static and dynamic batching")
-    max_wait_ms: float = _opt(50.0, "dynamic batching: start a partial batch after this wait")
+    max_wait_ms: float = _opt(
+        50.0, "dynamic batching: start a partial batch once its oldest request waited this long"
+    )
+    static_max_wait_ms: float = _opt(
+        10_000.0,
+        "static batching: start a partial batch once its oldest request waited this long "
+        "(a backstop so a server's last requests never wait for ever, not a latency knob)",
+    )
     step_policy: str = _opt("mixed", "step composition", choices=STEP_POLICIES)
     long_prefill_token_threshold: int = _opt(
         0, "at most this many tokens of one prompt per step (0: no limit)"
@@ -108,8 +116,12 @@ class SchedulerConfig:
                     f"({self.max_num_seqs}): a {self.batching} batch runs all its requests at "
                     "once; lower --batch-size or raise --max-num-seqs"
                 )
-        if self.max_wait_ms < 0:
-            raise ConfigError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
+        for flag, wait in (
+            ("--max-wait-ms", self.max_wait_ms),
+            ("--static-max-wait-ms", self.static_max_wait_ms),
+        ):
+            if not 0 <= wait < math.inf:  # also refuses NaN
+                raise ConfigError(f"{flag} must be a finite number >= 0, got {wait}")
         if not 0.0 <= self.batch_lane_min_share < 1.0:
             raise ConfigError(
                 "--batch-lane-min-share must be in [0, 1) (1 would leave interactive prompts "
