@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.core.kv_cache import PREFIX_HASH_ALGOS
+
 BATCHING_MODES = ("continuous", "static", "dynamic")
 STEP_POLICIES = ("mixed", "prefill-first")
 
@@ -34,6 +36,12 @@ class CacheConfig:
     enable_prefix_caching: bool = _opt(
         True, "share KV blocks between requests with a common prefix"
     )
+    prefix_caching_hash_algo: str = _opt(
+        "sha256",
+        "how a cached block is named: sha256 (collision-resistant) or builtin (Python's "
+        "64-bit hash: faster, but crafted prompts can collide and share another's KV)",
+        choices=PREFIX_HASH_ALGOS,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -45,6 +53,11 @@ class CacheConfig:
             raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
+            raise ConfigError(
+                f"--prefix-caching-hash-algo must be one of {PREFIX_HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
 
 
 @dataclass

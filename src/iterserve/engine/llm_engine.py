@@ -75,7 +75,12 @@ class LLMEngine:
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        kv = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            cache.prefix_caching_hash_algo,
+        )
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, cache.block_size, dtype, self.device
