@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from iterserve import LLM, SamplingParams
+from iterserve.bench.client import ClientConfig, reset_prefix_cache
 from iterserve.server.app import ServerSettings
 from server_fixtures import MODEL_NAME, RunningServer, engine_config, running_server, wait_until
 
@@ -371,6 +372,35 @@ def test_static_batching_behind_a_server_starts_a_partial_batch(tiny_llama_dir: 
             model=MODEL_NAME, prompt=PROMPT, **GREEDY
         )
         assert result.choices[0].finish_reason in ("stop", "length")
+
+
+def test_cached_tokens_in_usage_and_a_guarded_reset_prefix_cache(tiny_llama_dir: Path) -> None:
+    settings = ServerSettings(served_model_names=[MODEL_NAME], api_key="k3y")
+    with running_server(tiny_llama_dir, settings) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="k3y", max_retries=0)
+        prompt = "A long shared system prompt that several requests begin with. " * 4
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+
+        def cached() -> int:
+            usage = client.completions.create(**body).usage  # type: ignore[arg-type]
+            assert usage is not None and usage.prompt_tokens_details is not None
+            return usage.prompt_tokens_details.cached_tokens or 0
+
+        assert cached() == 0
+        hit = cached()
+        assert hit > 0 and hit % 16 == 0, "whole blocks of the repeated prompt"
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                stream=True, stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
+        assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details is not None
+
+        assert httpx.post(f"{server.base_url}/reset_prefix_cache").status_code == 401
+        assert reset_prefix_cache(ClientConfig(server.base_url, api_key="k3y"))
+        assert cached() == 0, "the reset dropped the cached blocks"
+        assert server.metrics()["iterserve:prefix_cache_hits_total"] == hit
 
 
 def test_full_queue_gets_429_with_retry_after(tiny_llama_dir: Path) -> None:

@@ -42,6 +42,10 @@ class ClientConfig:
     progress: bool = True
 
     @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
     def api_root(self) -> str:
         root = self.base_url.rstrip("/")
         return root if root.endswith("/v1") else root + "/v1"
@@ -150,10 +154,9 @@ async def run_client_async(
     offsets: list[float],
     max_concurrency: int | None = None,
 ) -> RunResult:
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
-        timeout=httpx.Timeout(config.timeout), limits=limits, headers=headers
+        timeout=httpx.Timeout(config.timeout), limits=limits, headers=config.headers
     ) as client:
         model = await resolve_model(client, config)
         if workload.warmup is not None and config.num_warmups > 0:
@@ -219,11 +222,12 @@ def reset_prefix_cache(config: ClientConfig) -> bool:
     """Ask the server to drop its prefix cache (vLLM's endpoint), so sweep points start cold.
 
     Servers without it simply answer 404; the benchmark then notes that points may share
-    cached prefixes.
+    cached prefixes. It sits behind the API key like the rest of the API.
     """
     root = config.base_url.rstrip("/").removesuffix("/v1")
     try:
-        return httpx.post(f"{root}/reset_prefix_cache", timeout=10).status_code < 300
+        response = httpx.post(f"{root}/reset_prefix_cache", headers=config.headers, timeout=10)
+        return response.status_code < 300
     except httpx.HTTPError:
         return False
 

@@ -42,8 +42,12 @@ class KVCacheStats:
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
-    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_queries: int  # prompt tokens looked up in the prefix cache at first admission
     prefix_hits: int  # of those, tokens found
+    # Re-admissions after a preemption, kept apart: finding one's own freed blocks
+    # again is recompute saved, not a prefix shared, and would flatter the hit rate.
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -99,6 +103,8 @@ class KVCacheManager:
         self._request_hashes: dict[str, list[BlockHash]] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._preempted_queries = 0
+        self._preempted_hits = 0
 
     # ---- queries -------------------------------------------------------------
 
@@ -116,6 +122,8 @@ class KVCacheManager:
             num_cached_blocks=len(self._cached),
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
+            preempted_queries=self._preempted_queries,
+            preempted_hits=self._preempted_hits,
         )
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -136,10 +144,16 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+    def record_prefix_lookup(
+        self, num_queried: int, num_hit: int, after_preemption: bool = False
+    ) -> None:
         """Counted once per admission, not per scheduling attempt."""
-        self._prefix_queries += num_queried
-        self._prefix_hits += num_hit
+        if after_preemption:
+            self._preempted_queries += num_queried
+            self._preempted_hits += num_hit
+        else:
+            self._prefix_queries += num_queried
+            self._prefix_hits += num_hit
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()
@@ -206,11 +220,16 @@ class KVCacheManager:
         """Drop per-request memo when the request is gone for good."""
         self._request_hashes.pop(request.request_id, None)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds; returns how many. Blocks in use
+        keep their names, so their requests can still share them."""
+        dropped = 0
         for block_hash, block_id in list(self._cached.items()):
             if self.blocks[block_id].ref_count == 0:
                 self.blocks[block_id].block_hash = None
                 del self._cached[block_hash]
+                dropped += 1
+        return dropped
 
     # ---- internals -----------------------------------------------------------
 

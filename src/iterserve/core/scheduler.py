@@ -224,7 +224,7 @@ class Scheduler:
             if victim is None:
                 return _Admission.BLOCKED
             self._preempt(victim, step)
-        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached, request.num_preemptions > 0)
         self.waiting.remove(request)
         self._start_running(request, num_cached, now)
         step.add(request, n)
@@ -238,18 +238,22 @@ class Scheduler:
             if not self.kv.allocate(request, 0, cached):
                 cached = []
             num_cached = len(cached) * self.kv.block_size
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self.kv.record_prefix_lookup(
+                request.num_tokens, num_cached, request.num_preemptions > 0
+            )
             self.waiting.remove(request)
             self._start_running(request, num_cached, now)
 
     def _start_running(self, request: Request, num_cached: int, now: float) -> None:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
-        request.num_cached_tokens = num_cached
         request.admission_seq = self._admissions
         self._admissions += 1
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = now
+            # What the prompt found in the cache; a re-admission after a preemption
+            # finding its own blocks again is not a prefix hit.
+            request.num_cached_tokens = num_cached
         self.running.append(request)
 
     def _has_seat(self, lane: str) -> bool:

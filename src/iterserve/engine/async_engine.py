@@ -2,7 +2,7 @@
 
 `LLMEngine` is synchronous and not thread-safe, so exactly one thread (the
 loop below) ever touches it. asyncio code talks to that thread through an
-inbox of commands (add, abort) that the loop applies between steps, and gets
+inbox of commands (add, abort, call) that the loop applies between steps, and gets
 each step's outputs back through `loop.call_soon_threadsafe`, one callback per
 step for all requests. Tokenization also happens on the loop thread, so the
 tokenizer is never used from two threads at once.
@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
@@ -47,6 +48,8 @@ __all__ = [
 
 logger = logging.getLogger("iterserve.engine")
 
+T = TypeVar("T")
+
 # How long the loop naps after a step that scheduled nothing (e.g. dynamic
 # batching waiting for its batch to fill), so it does not spin on a core.
 _IDLE_STEP_NAP = 0.002
@@ -69,6 +72,21 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the loop thread between steps; its result settles `done`."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
+
+
+_Command = _Add | _Abort | _Call
+
+
+def _future_of(command: _Add | _Call) -> asyncio.Future[Any]:
+    return command.accepted if isinstance(command, _Add) else command.done
+
+
 # (stream, index within it, output or the error that ended it)
 _Delivery = tuple[RequestStream, int, RequestOutput | BaseException]
 
@@ -89,7 +107,7 @@ class AsyncEngine:
         self.on_finished = on_finished
         self.num_step_errors = 0
         self._wake = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []  # guarded by _wake
+        self._inbox: list[_Command] = []  # guarded by _wake
         self._stop = False  # guarded by _wake
         self._closed = False  # guarded by _wake: the loop has exited, the inbox is dead
         self._thread: threading.Thread | None = None
@@ -203,10 +221,23 @@ class AsyncEngine:
         if request_ids:
             self._post(_Abort(list(request_ids)))
 
-    def _post(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the loop thread between two steps, where touching the
+        engine is safe; its result or exception comes back here."""
+        if not self.is_healthy:
+            raise EngineStoppedError("the engine has stopped")
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._post(_Call(fn, done))
+        return await done
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's unused blocks; returns how many were dropped."""
+        return await self.call(lambda engine: engine.reset_prefix_cache())
+
+    def _post(self, command: _Command) -> None:
         with self._wake:
             if self._closed:  # nobody would ever read it
-                if isinstance(command, _Add):
+                if not isinstance(command, _Abort):
                     raise EngineStoppedError("the engine has stopped")
                 return
             self._inbox.append(command)
@@ -265,14 +296,22 @@ class AsyncEngine:
             self._closed = True
             leftover, self._inbox = self._inbox, []
         for command in leftover:
-            if isinstance(command, _Add):
-                self._resolve(command, EngineStoppedError("the engine has stopped"))
+            if not isinstance(command, _Abort):
+                self._settle(_future_of(command), EngineStoppedError("the engine has stopped"))
 
     def _finish_iteration(self, deliveries: list[_Delivery]) -> None:
         self.snapshot = snapshot_engine(self.engine)
         self._send(deliveries)
 
-    def _apply(self, command: _Add | _Abort, deliveries: list[_Delivery]) -> None:
+    def _apply(self, command: _Command, deliveries: list[_Delivery]) -> None:
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as error:
+                self._settle(command.done, error)
+            else:
+                self._settle(command.done, None, result)
+            return
         if isinstance(command, _Abort):
             for request_id in command.request_ids:
                 output = self.engine.abort_request(request_id)
@@ -290,9 +329,9 @@ class AsyncEngine:
             for request_id in added:  # all or nothing
                 self.engine.abort_request(request_id)
                 self._routes.pop(request_id, None)
-            self._resolve(command, error)
+            self._settle(command.accepted, error)
             return
-        self._resolve(command, None)
+        self._settle(command.accepted, None)
 
     def _add_one(self, request: GenerationRequest) -> None:
         engine = self.engine
@@ -311,16 +350,20 @@ class AsyncEngine:
             arrival_time=request.arrival_time,
         )
 
-    def _resolve(self, command: _Add, error: Exception | None) -> None:
+    def _settle(
+        self, future: asyncio.Future[Any], error: Exception | None, result: Any = None
+    ) -> None:
+        """Answer a waiting caller on its own event loop."""
+
         def settle() -> None:
-            if command.accepted.done():  # the client gave up; its abort is queued
+            if future.done():  # the caller gave up (an add's abort is queued)
                 return
             if error is None:
-                command.accepted.set_result(None)
+                future.set_result(result)
             else:
-                command.accepted.set_exception(error)
+                future.set_exception(error)
 
-        self._call_soon(command.stream.loop, settle)
+        self._call_soon(future.get_loop(), settle)
 
     def _step(self, deliveries: list[_Delivery]) -> None:
         try:

@@ -152,6 +152,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (benchmarks start cold); returns
+        how many."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     # ---- the loop ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

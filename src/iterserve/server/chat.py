@@ -34,6 +34,7 @@ from iterserve.server.serving import (
     sse,
     sse_error,
     until_disconnected,
+    usage_of,
 )
 
 
@@ -104,7 +105,7 @@ async def create_chat_completion(
         )
         for index, output in enumerate(outputs)
     ]
-    usage = _usage(outputs)
+    usage = usage_of(outputs, len(outputs))
     record.prompt_tokens = usage.prompt_tokens
     result = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
     return JSONResponse(result.model_dump(mode="json"), headers=headers)
@@ -116,11 +117,6 @@ def _logprobs(
     if wanted is None:
         return None
     return ChatChoiceLogprobs(content=chat_logprobs(entries or [], ctx.decode_token))
-
-
-def _usage(outputs: list[RequestOutput]) -> UsageInfo:
-    prompt_tokens = len(outputs[0].prompt_token_ids) if outputs else 0
-    return UsageInfo.of(prompt_tokens, sum(len(out.token_ids) for out in outputs))
 
 
 async def _stream(
@@ -168,7 +164,7 @@ async def _stream(
         yield sse_error(error)
         yield SSE_DONE
         return
-    usage = _usage([finals[i] for i in sorted(finals)])
+    usage = usage_of([finals[i] for i in sorted(finals)], len(finals))
     record.prompt_tokens = usage.prompt_tokens
     if body.include_usage:
         yield chunk([], usage)

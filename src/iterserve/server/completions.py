@@ -19,7 +19,6 @@ from iterserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
 )
 from iterserve.server.serving import (
     SSE_DONE,
@@ -31,6 +30,7 @@ from iterserve.server.serving import (
     sse,
     sse_error,
     until_disconnected,
+    usage_of,
 )
 
 
@@ -67,7 +67,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
 
     outputs = await until_disconnected(raw, collect_final(stream, record))
     choices = [_choice(i, out, body.logprobs is not None, ctx) for i, out in enumerate(outputs)]
-    usage = _usage(outputs, params.n)
+    usage = usage_of(outputs, params.n)
     record.prompt_tokens = usage.prompt_tokens
     result = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
     return JSONResponse(result.model_dump(mode="json"), headers=headers)
@@ -84,12 +84,6 @@ def _choice(
         else None,
         finish_reason=output.finish_reason,
     )
-
-
-def _usage(outputs: list[RequestOutput], n: int) -> UsageInfo:
-    # A prompt is counted once however many choices it has (OpenAI's convention).
-    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs[::n])
-    return UsageInfo.of(prompt_tokens, sum(len(out.token_ids) for out in outputs))
 
 
 async def _stream(
@@ -136,7 +130,7 @@ async def _stream(
         yield SSE_DONE
         return
     outputs = [finals[i] for i in sorted(finals)]
-    usage = _usage(outputs, n)
+    usage = usage_of(outputs, n)
     record.prompt_tokens = usage.prompt_tokens
     if body.include_usage:
         chunk = CompletionResponse(

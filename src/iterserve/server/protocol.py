@@ -150,17 +150,23 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 
@@ -260,3 +266,8 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ResetPrefixCacheResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    num_blocks_dropped: int  # cached blocks forgotten; blocks in use keep their names
