@@ -201,6 +201,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "lane": "vip"}, 400, "lane"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "", "content": "hi"}]}, 400, "messages.0.role"),
     ("/v1/nothing-here", {}, 404, None),
 ]
 
@@ -344,6 +345,22 @@ def test_engine_error_fails_the_request_and_keeps_serving(
 
 
 # ---- servers with other settings ---------------------------------------------------------------
+
+
+def test_chat_has_one_bos_like_offline_chat(tiny_llama_bos_dir: Path) -> None:
+    # The template writes BOS and the tokenizer adds one to plain text: the chat prompt
+    # must be encoded without the tokenizer's, on the server as offline.
+    offline = LLM(config=engine_config(tiny_llama_bos_dir))
+    bos = offline.tokenizer.bos_token_id
+    assert offline.engine.tokenize("hi")[0] == bos, "the fixture's tokenizer adds BOS"
+    expected = offline.chat(MESSAGES, greedy_params(), use_tqdm=False)[0]
+    assert expected.prompt_token_ids[:2].count(bos) == 1
+    with running_server(tiny_llama_bos_dir) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        result = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert result.choices[0].message.content == expected.text
 
 
 def test_api_key_required(tiny_llama_dir: Path) -> None:

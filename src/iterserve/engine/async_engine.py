@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import Prompt
 from iterserve.engine.request_stream import (
     EngineOverloadedError,
     EngineStoppedError,
@@ -203,7 +204,7 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str,
         lane: str = "interactive",

@@ -18,6 +18,7 @@ from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import Prompt, RenderedChat
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.llama import LlamaForCausalLM
@@ -97,7 +98,10 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, RenderedChat):
+            # The chat template already wrote BOS and the rest; adding more would double them.
+            return self.tokenizer.encode(prompt.text, add_special_tokens=False)
         if isinstance(prompt, str):
             # The tokenizer's own settings decide on BOS (Llama adds it, SmolLM2 does not).
             return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -108,7 +112,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lane: str = "interactive",

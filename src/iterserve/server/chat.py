@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from iterserve.engine.async_engine import RequestStream, expand_n
 from iterserve.engine.outputs import RequestOutput
-from iterserve.sampling_params import InvalidRequestError
+from iterserve.engine.prompts import RenderedChat, render_chat
 from iterserve.server.logprobs import chat_logprobs
 from iterserve.server.protocol import (
     AssistantMessage,
@@ -38,30 +38,17 @@ from iterserve.server.serving import (
 )
 
 
-def render_prompt(body: ChatCompletionRequest, ctx: ServingContext) -> str:
-    """The conversation as text; the engine tokenizes it on its own thread.
-
-    Rendering to text and encoding without special tokens gives the same ids
-    as `apply_chat_template(tokenize=True)` (which is exactly that), so the
-    server sees the same prompt as `LLM.chat`.
-    """
-    if not ctx.chat_template:
-        raise InvalidRequestError("this model has no chat template; use /v1/completions")
-    if not body.messages:
-        raise InvalidRequestError("messages must not be empty", "messages")
+def render_prompt(body: ChatCompletionRequest, ctx: ServingContext) -> RenderedChat:
+    """The conversation through the template, as `LLM.chat` renders it; the engine
+    tokenizes it on its own thread."""
     messages = [message.as_template_input() for message in body.messages]
-    try:
-        return ctx.tokenizer.apply_chat_template(
-            messages,
-            chat_template=ctx.chat_template,
-            add_generation_prompt=body.add_generation_prompt,
-            tokenize=False,
-            **(body.chat_template_kwargs or {}),
-        )
-    except Exception as error:  # jinja raises for conversations the template forbids
-        raise InvalidRequestError(
-            f"the chat template cannot render these messages: {error}", "messages"
-        ) from error
+    return render_chat(
+        ctx.tokenizer,
+        ctx.chat_template,
+        messages,
+        body.add_generation_prompt,
+        body.chat_template_kwargs,
+    )
 
 
 async def create_chat_completion(
