@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 
 from iterserve import LLM, SamplingParams
 from iterserve.bench.client import ClientConfig, reset_prefix_cache
+from iterserve.core.outputs import ModelOutput, SchedulerOutput
 from iterserve.server.app import ServerSettings
 from server_fixtures import MODEL_NAME, RunningServer, engine_config, running_server, wait_until
 
@@ -138,6 +140,50 @@ def test_chat_stream_with_n_lane_and_priority(client: openai.OpenAI) -> None:
     roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
     finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks}
     assert sorted(roles) == [0, 1] and finished == {0: "length", 1: "length"}
+
+
+@contextmanager
+def scripted_tokens(server: RunningServer, script: list[int]) -> Iterator[None]:
+    """Every request samples `script` in order, whatever the model says."""
+    executor = server.engine.executor
+    original = executor.execute
+    position: dict[str, int] = {}
+
+    def execute(scheduled: SchedulerOutput) -> ModelOutput:
+        output = original(scheduled)
+        for request_id, sampled in output.sampled.items():
+            index = position.get(request_id, 0)
+            position[request_id] = index + 1
+            sampled.token_id = script[index % len(script)]
+        return output
+
+    executor.execute = execute  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        executor.execute = original  # type: ignore[method-assign]
+
+
+def test_a_chunk_per_token_even_without_text(
+    client: openai.OpenAI, server: RunningServer, offline: LLM
+) -> None:
+    # A lama split over three byte tokens (no text until the third) and two special tokens
+    # (no text at all): each still gets its chunk, so a client's TBT sees every token.
+    tokenizer = offline.tokenizer
+    hi, there = (tokenizer.encode(t, add_special_tokens=False) for t in (" Hi", " there"))
+    lama = tokenizer.encode("🦙", add_special_tokens=False)
+    special = [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    script = hi + lama + special + there
+    assert len(lama) == 3 and len(hi) == len(there) == 1
+    args = {"model": MODEL_NAME, "max_tokens": len(script), "stream": True}
+    extra = {"extra_body": {"ignore_eos": True}}
+    with scripted_tokens(server, script):
+        completion = list(client.completions.create(prompt=PROMPT, **args, **extra))
+        chat = list(client.chat.completions.create(messages=MESSAGES, **args, **extra))
+    assert [c.choices[0].text for c in completion] == [" Hi", "", "", "🦙", "", "", " there"]
+    assert completion[-1].choices[0].finish_reason == "length"
+    contents = [c.choices[0].delta.content for c in chat[1:]]  # after the role chunk
+    assert contents == [" Hi", "", "", "🦙", "", "", " there"]
 
 
 def test_stop_strings(client: openai.OpenAI, offline: LLM) -> None:

@@ -135,11 +135,14 @@ async def _stream(
                 record.saw(output)
                 if output.finished:
                     finals[index] = output
-                if not (output.delta_text or output.delta_logprobs or output.finished):
-                    continue  # held back (a possible stop string, half a character)
-                delta = (
-                    DeltaMessage(content=output.delta_text) if output.delta_text else DeltaMessage()
-                )
+                if not (output.delta_token_ids or output.finished):
+                    continue
+                # A token whose text is held back (half a UTF-8 character, a possible stop
+                # string) or has none (a special token) still gets its chunk, with empty
+                # text, as vLLM sends it: a client's TBT then sees every token.
+                # The last chunk carries only the finish reason unless text came with it.
+                text = output.delta_text if output.delta_text or not output.finished else None
+                delta = DeltaMessage(content=text)
                 choice = ChatStreamChoice(
                     index=index,
                     delta=delta,

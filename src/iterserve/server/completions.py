@@ -104,8 +104,11 @@ async def _stream(
                 record.saw(output)
                 if output.finished:
                     finals[index] = output
-                if not (output.delta_text or output.delta_logprobs or output.finished):
-                    continue  # held back (a possible stop string, half a character)
+                if not (output.delta_token_ids or output.finished):
+                    continue
+                # A token whose text is held back (half a UTF-8 character, a possible stop
+                # string) or has none (a special token) still gets its chunk, with empty
+                # text, as vLLM sends it: a client's TBT then sees every token.
                 logprobs = None
                 if body.logprobs is not None:
                     offset = text_length.get(index, 0)
