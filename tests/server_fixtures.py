@@ -31,7 +31,7 @@ def engine_config(model_dir: Path, **scheduler: Any) -> EngineConfig:
         dtype="float32",
         device="cpu",
         cache=CacheConfig(block_size=16, num_kv_blocks=512),
-        scheduler=SchedulerConfig(max_model_len=512, **scheduler),
+        scheduler=SchedulerConfig(**{"max_model_len": 512, **scheduler}),
     )
 
 

@@ -238,7 +238,22 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": list(range(100, 700))}, 400, "prompt"),  # over 512 tokens
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    ("/v1/completions", {"prompt": "hi", "n": 10**12}, 400, "n"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
@@ -265,6 +280,16 @@ def test_bad_input_gets_openai_error(
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and len(error["message"]) > 10
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"top_p": 1e-85}, {"top_p": 1e-85, "top_k": 5}, {"seed": 2**70}, {"seed": -(2**70)}],
+)
+def test_values_that_once_crashed_the_server_now_work(server: RunningServer, extra: dict) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 2, **extra}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
 
 
 def test_bad_input_raises_typed_client_error(client: openai.OpenAI) -> None:

@@ -167,6 +167,15 @@ class AsyncEngine:
     def num_waiting_estimate(self) -> int:
         return self._pending + self.snapshot.num_waiting
 
+    def check_group_size(self, count: int) -> None:
+        """Refuse a group that could never be queued whole (n choices x prompts)."""
+        if count > self.max_waiting_requests:
+            raise InvalidRequestError(
+                f"this request asks for {count} sequences but the server queues at most "
+                f"{self.max_waiting_requests}; lower n or send fewer prompts",
+                "n",
+            )
+
     async def add(self, requests: list[GenerationRequest]) -> RequestStream:
         """Queue a group of requests, all or none; returns once the engine accepted them.
 
@@ -177,12 +186,7 @@ class AsyncEngine:
             raise EngineStoppedError(
                 "the server is shutting down" if self._dead is None else "the engine has stopped"
             )
-        if len(requests) > self.max_waiting_requests:
-            raise InvalidRequestError(
-                f"this request asks for {len(requests)} sequences but the server queues at most "
-                f"{self.max_waiting_requests}; lower n or send fewer prompts",
-                "n",
-            )
+        self.check_group_size(len(requests))
         if self.num_waiting_estimate() + len(requests) > self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the server is at capacity ({self.max_waiting_requests} requests waiting); "

@@ -101,14 +101,26 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, RenderedChat):
             # The chat template already wrote BOS and the rest; adding more would double them.
-            return self.tokenizer.encode(prompt.text, add_special_tokens=False)
+            return self._encode(prompt.text, False, "messages")
         if isinstance(prompt, str):
             # The tokenizer's own settings decide on BOS (Llama adds it, SmolLM2 does not).
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self._encode(prompt, True, "prompt")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
+
+    def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as error:
+            # JSON can carry what Unicode cannot: a lone surrogate ("\ud800") is a valid
+            # JSON string, and the tokenizer refuses it.
+            if any("\ud800" <= ch <= "\udfff" for ch in text):
+                raise InvalidRequestError(
+                    f"the {field} is not valid Unicode text (it holds a lone surrogate)", field
+                ) from error
+            raise
 
     def add_request(
         self,

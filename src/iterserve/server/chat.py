@@ -55,11 +55,9 @@ async def create_chat_completion(
     body: ChatCompletionRequest, raw: Request, ctx: ServingContext
 ) -> Response:
     model = ctx.resolve_model(body.model)
-    limit = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    logprobs = body.requested_logprobs()
-    params = body.to_sampling_params(16 if limit is None else limit, logprobs)
+    params = body.sampling_params()
+    ctx.engine.check_group_size(params.n)
+    logprobs = params.logprobs
     prompt = render_prompt(body, ctx)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = access_record(raw)
@@ -71,7 +69,7 @@ async def create_chat_completion(
         lane=body.lane,
         priority=body.priority,
         arrival_time=time.monotonic(),
-        fill_context=limit is None,  # OpenAI chat: no limit means what the context leaves
+        fill_context=body.token_limit is None,  # OpenAI chat: no limit means what is left
     )
     stream = await ctx.engine.add(requests)
     headers = {"X-Request-Id": request_id}

@@ -46,6 +46,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     record.request_id = request_id
     arrival = time.monotonic()
     prompts = body.prompts()
+    ctx.engine.check_group_size(params.n * len(prompts))  # before building them all
     requests = []
     for prompt_index, prompt in enumerate(prompts):
         requests += expand_n(
