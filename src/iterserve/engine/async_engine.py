@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.llm_engine import LLMEngine, StepFailedError
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
@@ -373,15 +373,24 @@ class AsyncEngine:
     def _step(self, deliveries: list[_Delivery]) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:
-            # The scheduler may be mid-update: fail what the step ran (the running
-            # set), or everything if nothing ran, and keep serving the rest.
-            logger.exception("an engine step failed; failing the requests it ran")
+        except StepFailedError as error:
+            # Exactly the step's requests fail; the rest of the engine is untouched.
             self.num_step_errors += 1
-            scheduler = self.engine.scheduler
-            victims = [r.request_id for r in scheduler.running] or list(scheduler.requests)
-            # Routes the engine no longer knows (half-emitted outputs) would hang forever.
-            victims += [rid for rid in self._routes if rid not in scheduler.requests]
+            logger.error(
+                "an engine step failed; failing the %d requests it ran: %s",
+                len(error.request_ids), ", ".join(error.request_ids),
+                exc_info=error.cause,
+            )  # fmt: skip
+            self._fail_routes(
+                error.request_ids, "the engine failed while running this request", deliveries
+            )
+            return
+        except Exception:
+            # Planning the step failed: which requests it touched is unknown, so every
+            # request fails (freeing its blocks) and the engine serves new ones.
+            self.num_step_errors += 1
+            logger.exception("scheduling a step failed; failing every request")
+            victims = list(self.engine.scheduler.requests) + list(self._routes)
             self._fail_routes(victims, "the engine failed while running this request", deliveries)
             return
         for output in outputs:

@@ -26,6 +26,17 @@ from iterserve.model.loader import LoadedModel, load_model
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 
+class StepFailedError(RuntimeError):
+    """Running a planned step raised. `request_ids` are exactly the requests in that
+    step: their KV (written or not) and bookkeeping may be half-updated, so they must
+    end; requests outside the step were not touched and go on."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"a step of {len(request_ids)} requests failed: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 @dataclass
 class StepStats:
     """Totals over the engine's life, for progress bars and metrics."""
@@ -176,11 +187,17 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. Raises StepFailedError, naming the step's requests, when running
+        the planned step fails; the caller ends those requests (abort_request) and may
+        step again: no other request was touched."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        model_output = self.executor.execute(scheduled)
-        updates = self.scheduler.update(scheduled, model_output)
-        outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in updates]
+        try:
+            model_output = self.executor.execute(scheduled)
+            updates = self.scheduler.update(scheduled, model_output)
+            outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in updates]
+        except Exception as error:
+            raise StepFailedError([seq.request_id for seq in scheduled.seqs], error) from error
         elapsed = time.perf_counter() - start
         stats = self.stats
         stats.num_steps += 1
