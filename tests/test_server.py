@@ -17,9 +17,7 @@ import openai
 import pytest
 
 from iterserve import LLM, SamplingParams
-from iterserve.bench.client import ClientConfig, reset_prefix_cache
 from iterserve.core.outputs import ModelOutput, SchedulerOutput
-from iterserve.server.app import ServerSettings
 from server_fixtures import MODEL_NAME, RunningServer, engine_config, running_server, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -413,102 +411,3 @@ def test_engine_error_fails_the_request_and_keeps_serving(
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert server.metrics()["iterserve:requests_failed_total"] >= 1
     assert server.async_engine.snapshot.num_used_kv_blocks == 0
-
-
-# ---- servers with other settings ---------------------------------------------------------------
-
-
-def test_chat_has_one_bos_like_offline_chat(tiny_llama_bos_dir: Path) -> None:
-    # The template writes BOS and the tokenizer adds one to plain text: the chat prompt
-    # must be encoded without the tokenizer's, on the server as offline.
-    offline = LLM(config=engine_config(tiny_llama_bos_dir))
-    bos = offline.tokenizer.bos_token_id
-    assert offline.engine.tokenize("hi")[0] == bos, "the fixture's tokenizer adds BOS"
-    expected = offline.chat(MESSAGES, greedy_params(), use_tqdm=False)[0]
-    assert expected.prompt_token_ids[:2].count(bos) == 1
-    with running_server(tiny_llama_bos_dir) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-        result = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
-    assert result.usage is not None
-    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert result.choices[0].message.content == expected.text
-
-
-def test_api_key_required(tiny_llama_dir: Path) -> None:
-    settings = ServerSettings(served_model_names=[MODEL_NAME], api_key="s3cret")
-    with running_server(tiny_llama_dir, settings) as server:
-        url = f"{server.base_url}/v1"
-        wrong = openai.OpenAI(base_url=url, api_key="guess", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            wrong.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-        response = httpx.get(f"{url}/models")
-        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
-        right = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
-        assert right.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).choices
-        assert httpx.get(f"{server.base_url}/health").status_code == 200  # probes need no key
-        assert server.metrics()['iterserve:requests_rejected_total{reason="unauthorized"}'] == 1
-
-
-def test_static_batching_behind_a_server_starts_a_partial_batch(tiny_llama_dir: Path) -> None:
-    # One request and a batch of four: the server cannot know no more will come, so
-    # the batch starts once the request has waited static_max_wait_ms.
-    with running_server(
-        tiny_llama_dir, batching="static", batch_size=4, static_max_wait_ms=300
-    ) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-        result = client.with_options(timeout=30).completions.create(
-            model=MODEL_NAME, prompt=PROMPT, **GREEDY
-        )
-        assert result.choices[0].finish_reason in ("stop", "length")
-
-
-def test_cached_tokens_in_usage_and_a_guarded_reset_prefix_cache(tiny_llama_dir: Path) -> None:
-    settings = ServerSettings(served_model_names=[MODEL_NAME], api_key="k3y")
-    with running_server(tiny_llama_dir, settings) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="k3y", max_retries=0)
-        prompt = "A long shared system prompt that several requests begin with. " * 4
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
-
-        def cached() -> int:
-            usage = client.completions.create(**body).usage  # type: ignore[arg-type]
-            assert usage is not None and usage.prompt_tokens_details is not None
-            return usage.prompt_tokens_details.cached_tokens or 0
-
-        assert cached() == 0
-        hit = cached()
-        assert hit > 0 and hit % 16 == 0, "whole blocks of the repeated prompt"
-        chunks = list(
-            client.chat.completions.create(
-                model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=2,
-                stream=True, stream_options={"include_usage": True},
-            )
-        )  # fmt: skip
-        assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details is not None
-
-        assert httpx.post(f"{server.base_url}/reset_prefix_cache").status_code == 401
-        assert reset_prefix_cache(ClientConfig(server.base_url, api_key="k3y"))
-        assert cached() == 0, "the reset dropped the cached blocks"
-        assert server.metrics()["iterserve:prefix_cache_hits_total"] == hit
-
-
-def test_full_queue_gets_429_with_retry_after(tiny_llama_dir: Path) -> None:
-    # One running seat and one waiting slot: of 8 simultaneous requests most must be refused.
-    with running_server(tiny_llama_dir, max_waiting_requests=1, max_num_seqs=1) as server:
-        body = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True}
-
-        async def main() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
-                return await asyncio.gather(
-                    *(http.post("/v1/completions", json=body) for _ in range(8))
-                )
-
-        responses = asyncio.run(main())
-        statuses = sorted(r.status_code for r in responses)
-        assert statuses.count(200) >= 1 and statuses.count(429) >= 1, statuses
-        assert set(statuses) <= {200, 429}
-        for response in responses:
-            if response.status_code == 429:
-                assert int(response.headers["Retry-After"]) >= 1
-                assert response.json()["error"]["code"] == "rate_limit_exceeded"
-        rejected = server.metrics()['iterserve:requests_rejected_total{reason="overloaded"}']
-        assert rejected == statuses.count(429)

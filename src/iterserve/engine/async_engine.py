@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -88,6 +89,15 @@ def _future_of(command: _Add | _Call) -> asyncio.Future[Any]:
     return command.accepted if isinstance(command, _Add) else command.done
 
 
+def _set(future: asyncio.Future[Any], error: Exception | None, result: Any) -> None:
+    if future.done():  # the caller gave up (an add's abort is queued)
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
 # (stream, index within it, output or the error that ended it)
 _Delivery = tuple[RequestStream, int, RequestOutput | BaseException]
 
@@ -118,8 +128,10 @@ class AsyncEngine:
         self._pending = 0
         # Written by the loop thread, read anywhere: a whole object swapped atomically.
         self.snapshot: EngineSnapshot = snapshot_engine(engine)
-        # Loop thread only: which stream each live request's outputs go to.
+        # Loop thread only: which stream each live request's outputs go to, and answers
+        # to adds and calls not sent yet.
         self._routes: dict[str, tuple[RequestStream, int]] = {}
+        self._answers: list[tuple[asyncio.Future[Any], Exception | None, Any]] = []
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -276,6 +288,11 @@ class AsyncEngine:
                 deliveries: list[_Delivery] = []
                 for command in commands:
                     self._apply(command, deliveries)
+                if commands:
+                    # Callers hear back only once the snapshot counts what they added, or
+                    # the queue check of the next add would miss it (and overfill).
+                    self.snapshot = snapshot_engine(engine)
+                    self._answer()
                 if stop:
                     self._abort_all(deliveries)
                     self._finish_iteration(deliveries)
@@ -303,6 +320,7 @@ class AsyncEngine:
         for command in leftover:
             if not isinstance(command, _Abort):
                 self._settle(_future_of(command), EngineStoppedError("the engine has stopped"))
+        self._answer()
 
     def _finish_iteration(self, deliveries: list[_Delivery]) -> None:
         self.snapshot = snapshot_engine(self.engine)
@@ -358,17 +376,14 @@ class AsyncEngine:
     def _settle(
         self, future: asyncio.Future[Any], error: Exception | None, result: Any = None
     ) -> None:
-        """Answer a waiting caller on its own event loop."""
+        """Queue the answer to a waiting caller; `_answer` sends it."""
+        self._answers.append((future, error, result))
 
-        def settle() -> None:
-            if future.done():  # the caller gave up (an add's abort is queued)
-                return
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
-
-        self._call_soon(future.get_loop(), settle)
+    def _answer(self) -> None:
+        """Answer the callers queued by `_settle`, each on its own event loop."""
+        answers, self._answers = self._answers, []
+        for future, error, result in answers:
+            self._call_soon(future.get_loop(), functools.partial(_set, future, error, result))
 
     def _step(self, deliveries: list[_Delivery]) -> None:
         try:
