@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.bench.client import parse_sse_line
-from iterserve.bench.server_process import launch_server
+from iterserve.bench.server_process import launch_server, scrape_metrics
 from iterserve.bench.tokenizer import load_tokenizer, ordinary_token_ids
 from iterserve.config import add_engine_args, engine_config_from_args
 
@@ -116,16 +115,6 @@ async def one_client(
         result.error = f"{type(err).__name__}: {err}"[:200]
 
 
-def scrape(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples
-
-
 def lane_total(metrics: dict[str, float], name: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(f"iterserve:{name}{{"))
 
@@ -196,13 +185,13 @@ def main() -> int:
         base_url, pid = args.base_url.rstrip("/"), args.pid
     memory = MemoryTrace(pid)
     try:
-        before = scrape(base_url)
+        before = scrape_metrics(base_url)
         started = time.monotonic()
         results = asyncio.run(soak(args, base_url, memory))
         elapsed = time.monotonic() - started
 
         def settled() -> bool:
-            m = scrape(base_url)
+            m = scrape_metrics(base_url)
             return (
                 lane_total(m, "num_requests_running") == lane_total(m, "num_requests_waiting") == 0
             )
@@ -210,7 +199,7 @@ def main() -> int:
         deadline = time.monotonic() + 60
         while not settled() and time.monotonic() < deadline:
             time.sleep(0.5)
-        after = scrape(base_url)
+        after = scrape_metrics(base_url)
     finally:
         if server is not None:
             server.stop()
