@@ -23,12 +23,8 @@ import torch.nn.functional as F
 import transformers
 
 from iterserve.model import attention
-from iterserve.model.attention import (
-    SeqSpan,
-    allocate_kv_caches,
-    build_attention_metadata,
-    paged_attention,
-)
+from iterserve.model.attention import allocate_kv_caches, paged_attention
+from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.llama import LlamaForCausalLM
 
@@ -154,14 +150,14 @@ def decode_kernels(bench: StepBench, spans: list[SeqSpan], repeats: int) -> dict
     q = torch.randn(batch, heads, head_dim, dtype=DTYPE)
     k = torch.randn(batch, kv_heads, head_dim, dtype=DTYPE)
     meta = build_attention_metadata(spans, BLOCK_SIZE, CPU)
-    rows = meta.plan(heads, bench.caches[0][0]).decode_key_rows
+    rows = attention._plan(meta, heads, bench.caches[0][0]).decode_key_rows
     bias = meta.decode_mask.view(batch, 1, 1, -1)
 
     def paged(threshold: int) -> Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         step_meta = build_attention_metadata(spans, BLOCK_SIZE, CPU)
         saved, attention._SDPA_DECODE_MAX_BYTES = attention._SDPA_DECODE_MAX_BYTES, threshold
         try:  # the path is fixed when a step's plan is built, i.e. right here
-            step_meta.plan(heads, bench.caches[0][0])
+            attention._plan(step_meta, heads, bench.caches[0][0])
         finally:
             attention._SDPA_DECODE_MAX_BYTES = saved
         return lambda kv: paged_attention(q, k, k, kv, step_meta, scale)  # writes 1 token too

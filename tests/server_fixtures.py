@@ -29,6 +29,7 @@ def engine_config(model_dir: Path, **scheduler: Any) -> EngineConfig:
         model=str(model_dir),
         dtype="float32",
         device="cpu",
+        compile=False,  # compiling is tested on its own; here it would only cost time
         cache=CacheConfig(block_size=16, num_kv_blocks=512),
         scheduler=SchedulerConfig(**{"max_model_len": 512, **scheduler}),
     )

@@ -24,6 +24,7 @@ SMALL = ["--input-len", "24", "--output-len", "8", "--disable-tqdm"]
 def tiny_config(model_dir: Path, **scheduler: object) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir),
+        compile=False,
         cache=CacheConfig(num_kv_blocks=256),
         scheduler=SchedulerConfig(max_model_len=512, **scheduler),  # type: ignore[arg-type]
     )

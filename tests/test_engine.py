@@ -52,7 +52,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.mark.parametrize(
     "settings",
     [
-        {},
+        {"compile": True},  # the default path, compiled graph included
         {"max_num_batched_tokens": 7, "max_num_seqs": 7},  # every prompt chunked, decodes mixed in
         {"num_kv_blocks": 20, "block_size": 4},  # preemption: prompts fit, outputs do not
         {"enable_prefix_caching": False, "enable_chunked_prefill": False},
@@ -65,7 +65,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 def test_greedy_matches_transformers(
     tiny_llama_dir: Path, llama_reference: list[list[int]], settings: dict
 ) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32", **settings)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", **{"compile": False, **settings})
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == llama_reference
     assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
@@ -79,7 +79,7 @@ def test_prefix_cache_hits_keep_the_text(tiny_llama_dir: Path) -> None:
     system = "You are a helpful assistant who answers briefly and precisely. " * 3
     prompts = [system + "What is two plus two?", system + "Name a colour."]
     expected = reference(tiny_llama_dir, prompts, 8)
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False, block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = llm.generate(prompts[:1], params, use_tqdm=False)
     second = llm.generate(prompts, params, use_tqdm=False)
@@ -91,13 +91,19 @@ def test_prefix_cache_hits_keep_the_text(tiny_llama_dir: Path) -> None:
 
 def test_qwen2_matches_transformers(tiny_qwen2_dir: Path) -> None:
     expected = reference(tiny_qwen2_dir, PROMPTS, MAX_TOKENS)
-    llm = LLM(str(tiny_qwen2_dir), dtype="float32", max_num_batched_tokens=16, max_num_seqs=16)
+    llm = LLM(
+        str(tiny_qwen2_dir),
+        dtype="float32",
+        compile=False,
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+    )
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected
 
 
 def test_seed_gives_the_same_text_whatever_the_batch(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
@@ -112,7 +118,7 @@ def test_seed_gives_the_same_text_whatever_the_batch(tiny_llama_dir: Path) -> No
 
 
 def test_stop_strings_and_stop_tokens(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
     full = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
     cut_at = full.text[len(full.text) // 2 :][:3]
     assert cut_at
@@ -136,7 +142,7 @@ def test_stop_strings_and_stop_tokens(tiny_llama_dir: Path) -> None:
 
 
 def test_bad_input_is_refused_clearly(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate("", GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="context is 512 tokens"):

@@ -189,6 +189,16 @@ def test_config_json_spellings() -> None:
     assert config.eos_token_ids == (2,)
 
 
+def test_sliding_window_is_read_for_mistral_and_refused_for_qwen2() -> None:
+    raw = {"architectures": ["MistralForCausalLM"], **TINY_SHAPE, "sliding_window": 4096}
+    assert hf_model_config(raw).sliding_window == 4096
+    assert hf_model_config({**raw, "sliding_window": None}).sliding_window is None
+    raw = {"architectures": ["Qwen2ForCausalLM"], **TINY_SHAPE, "sliding_window": 4096}
+    assert hf_model_config(raw).sliding_window is None  # stored, but off unless asked for
+    with pytest.raises(ModelLoadError, match="use_sliding_window"):
+        hf_model_config({**raw, "use_sliding_window": True})
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -399,3 +409,13 @@ def test_bundled_weights_match_transformers(smollm2: LoadedModel) -> None:
         str(default_model_path()), return_tensors=True, model_to_load=skeleton
     )["tensors"]
     _assert_same_weights(smollm2, reference)
+
+
+def test_bundled_blocks_kept_quantized_equal_the_dequantized_weights(smollm2: LoadedModel) -> None:
+    """The 4/8-bit blocks the fast kernels read are the same weights, rows un-permuted alike."""
+    kinds = {name: q.kind for name, q in smollm2.quantized.items()}
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4"
+    assert kinds["model.embed_tokens.weight"] == "q8"
+    assert len(kinds) == 1 + 7 * smollm2.config.num_hidden_layers
+    for name, blocks in smollm2.quantized.items():
+        assert torch.equal(blocks.dequantize(), smollm2.weights[name]), name

@@ -9,10 +9,12 @@ import pytest
 import torch
 import transformers
 
+from iterserve import kernels
 from iterserve.model import attention
-from iterserve.model.attention import SeqSpan, allocate_kv_caches, build_attention_metadata
+from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
+from paged_runner import PagedRunner
 
 VOCAB = 128
 ATOL = 1e-4
@@ -28,6 +30,7 @@ def _hf_model(kind: str = "llama", **overrides: object) -> transformers.PreTrain
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=32,  # wider than hidden/heads: the C++ attention op takes multiples of 32
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
@@ -36,6 +39,8 @@ def _hf_model(kind: str = "llama", **overrides: object) -> transformers.PreTrain
     shape.update(overrides)
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
     with torch.no_grad():
@@ -50,7 +55,7 @@ def _hf_model(kind: str = "llama", **overrides: object) -> transformers.PreTrain
 def _model_config(hf: transformers.PreTrainedModel) -> ModelConfig:
     c = hf.config
     rope = dict(c.rope_parameters)
-    arch = "qwen2" if c.model_type == "qwen2" else "llama"
+    arch = c.model_type if c.model_type in ("qwen2", "mistral") else "llama"
     return ModelConfig(
         architecture=arch,
         vocab_size=c.vocab_size,
@@ -66,6 +71,7 @@ def _model_config(hf: transformers.PreTrainedModel) -> ModelConfig:
         tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
         rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+        sliding_window=getattr(c, "sliding_window", None) if arch == "mistral" else None,
     )
 
 
@@ -78,61 +84,6 @@ def _ours(hf: transformers.PreTrainedModel, dtype: torch.dtype = torch.float32) 
 @torch.inference_mode()
 def _reference(hf: transformers.PreTrainedModel, tokens: Sequence[int]) -> torch.Tensor:
     return hf(torch.tensor([list(tokens)])).logits[0].float()
-
-
-class PagedRunner:
-    """A miniature engine: hands out shuffled block ids and tracks num_computed_tokens."""
-
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        block_size: int = 4,
-        num_blocks: int = 96,
-        seed: int = 0,
-    ) -> None:
-        self.model = model
-        self.block_size = block_size
-        self.caches = allocate_kv_caches(
-            model.config, num_blocks, block_size, model.dtype, torch.device("cpu")
-        )
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)  # non-contiguous block tables
-        self.tokens: dict[str, list[int]] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}
-
-    def add(self, name: str, tokens: Sequence[int]) -> None:
-        self.tokens[name], self.blocks[name], self.computed[name] = list(tokens), [], 0
-
-    def step(self, plan: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        """Compute `k` new tokens of each named sequence in one flat batch; logits of every row."""
-        plan = sorted(plan, key=lambda item: item[1] != 1)  # the decode group goes first
-        ids: list[int] = []
-        positions: list[int] = []
-        spans: list[SeqSpan] = []
-        for name, k in plan:
-            n = self.computed[name]
-            assert n + k <= len(self.tokens[name])
-            while len(self.blocks[name]) * self.block_size < n + k:
-                self.blocks[name].append(self.free.pop())
-            spans.append(SeqSpan(tuple(self.blocks[name]), n, k))
-            ids.extend(self.tokens[name][n : n + k])
-            positions.extend(range(n, n + k))
-        meta = build_attention_metadata(spans, self.block_size, torch.device("cpu"))
-        logits = self.model(
-            torch.tensor(ids),
-            torch.tensor(positions),
-            meta,
-            self.caches,
-            torch.arange(len(ids)),
-        )
-        out: dict[str, torch.Tensor] = {}
-        row = 0
-        for name, k in plan:
-            out[name] = logits[row : row + k]
-            row += k
-            self.computed[name] += k
-        return out
 
 
 def _prompts(lengths: Sequence[int], seed: int = 1) -> dict[str, list[int]]:
@@ -150,12 +101,19 @@ def llama() -> transformers.PreTrainedModel:
     return _hf_model()
 
 
-@pytest.fixture(params=["sdpa", "embedding_bag"])
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test through each decode kernel: tiny models would otherwise only meet SDPA."""
+@pytest.fixture(params=["sdpa", "embedding_bag", "paged_kernel"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Run a test through each decode path: tiny models would otherwise only meet SDPA.
+
+    Returns the PagedRunner settings that select it; "paged_kernel" is the C++ op.
+    """
     if request.param == "embedding_bag":
         monkeypatch.setattr(attention, "_SDPA_DECODE_MAX_BYTES", 0)
-    return request.param
+    if request.param == "paged_kernel":
+        if not kernels.available():
+            pytest.skip(f"C++ kernels unavailable: {kernels.why_unavailable()}")
+        return {"kernel_max_query_len": 16}
+    return {}
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -172,9 +130,9 @@ def test_batched_prefill_matches_transformers(
 
 
 def test_chunked_prefill_mixed_with_decodes(
-    llama: transformers.PreTrainedModel, decode_path: str
+    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
 ) -> None:
-    runner = PagedRunner(_ours(llama), block_size=4, seed=3)
+    runner = PagedRunner(_ours(llama), block_size=4, seed=3, **decode_path)
     seqs = _prompts([23, 19, 6, 12], seed=2)  # s0, s1 chunked; s2, s3 decode alongside
     for name, tokens in seqs.items():
         runner.add(name, tokens)
@@ -196,9 +154,9 @@ def test_chunked_prefill_mixed_with_decodes(
 
 
 def test_greedy_decode_steps_match_full_sequence(
-    llama: transformers.PreTrainedModel, decode_path: str
+    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
 ) -> None:
-    runner = PagedRunner(_ours(llama), block_size=4, seed=5)
+    runner = PagedRunner(_ours(llama), block_size=4, seed=5, **decode_path)
     prompts = _prompts([9, 14, 3], seed=4)
     for name, tokens in prompts.items():
         runner.add(name, tokens + [0] * 8)  # room for the generated tokens
@@ -239,6 +197,27 @@ def test_llama3_rope_scaling_untied() -> None:
     _check(first["s1"], _reference(hf, seqs["s1"]))
 
 
+def test_mistral_sliding_window_matches_transformers_past_the_window(
+    decode_path: dict[str, int],
+) -> None:
+    hf = _hf_model("mistral", sliding_window=5)
+    runner = PagedRunner(_ours(hf), block_size=4, seed=9, **decode_path)
+    seqs = _prompts([23, 14, 9], seed=10)
+    for name, tokens in seqs.items():
+        runner.add(name, tokens)
+    got: dict[str, list[torch.Tensor]] = {name: [] for name in seqs}
+    plans = [
+        [("s2", 1), ("s0", 12), ("s1", 3)],  # a fresh 12-token chunk longer than the window
+        [("s2", 1), ("s1", 1), ("s0", 7)],  # a chunk over a cached prefix past the window
+        *[[("s0", 1), ("s1", 1), ("s2", 1)] for _ in range(4)],  # decodes past the window
+    ]
+    for plan in plans:
+        for name, logits in runner.step(plan).items():
+            got[name].append(logits)
+    for name, tokens in seqs.items():
+        _check(torch.cat(got[name]), _reference(hf, tokens)[: runner.computed[name]])
+
+
 def test_qwen2_qkv_bias() -> None:
     hf = _hf_model("qwen2", num_key_value_heads=1)
     assert "model.layers.0.self_attn.q_proj.bias" in hf.state_dict()
@@ -251,12 +230,14 @@ def test_qwen2_qkv_bias() -> None:
         _check(out[name], _reference(hf, tokens))
 
 
-def test_bf16_keeps_greedy_argmax(llama: transformers.PreTrainedModel, decode_path: str) -> None:
+def test_bf16_keeps_greedy_argmax(
+    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
+) -> None:
     """bf16 vs fp32 over the same tokens: same argmax wherever fp32 is not near a tie."""
     tokens = _prompts([10], seed=8)["s0"] + [0] * 10
     logits: dict[torch.dtype, list[torch.Tensor]] = {}
     for dtype in (torch.float32, torch.bfloat16):
-        runner = PagedRunner(_ours(llama, dtype), block_size=4)
+        runner = PagedRunner(_ours(llama, dtype), block_size=4, **decode_path)
         runner.add("s", tokens)
         rows = [runner.step([("s", 10)])["s"][-1]]
         for _ in range(10):

@@ -55,6 +55,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits(tiny_llama_dir: Path)
         sys.executable, "-m", "iterserve.cli", "serve", "--model", str(tiny_llama_dir),
         "--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
         "--max-model-len", "512", "--num-kv-blocks", "256", "--shutdown-timeout", "30",
+        "--enforce-eager",
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

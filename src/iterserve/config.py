@@ -16,6 +16,8 @@ from iterserve.core.kv_cache import PREFIX_HASH_ALGOS
 
 BATCHING_MODES = ("continuous", "static", "dynamic")
 STEP_POLICIES = ("mixed", "prefill-first")
+WEIGHT_FORMATS = ("auto", "bf16", "int4")
+KERNEL_CHOICES = ("auto", "torch")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -158,6 +160,22 @@ class EngineConfig:
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
     seed: int = _opt(0, "seed for requests that give none")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+    weights: str = _opt(
+        "auto",
+        "weight format: auto (a 4-bit GGUF stays 4-bit where the fast kernels run), bf16, int4",
+        choices=WEIGHT_FORMATS,
+    )
+    kernels: str = _opt(
+        "auto",
+        "auto: iterserve's C++ kernels and oneDNN-packed weights where this CPU runs them; "
+        "torch: plain torch ops everywhere (the reference path)",
+        choices=KERNEL_CHOICES,
+    )
+    compile: bool = _opt(
+        True,
+        "compile the layer stack into one graph at start-up (torch.compile; cached)",
+        off_alias="--enforce-eager",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -173,6 +191,15 @@ class EngineConfig:
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be at least 1, got {self.num_threads}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ConfigError(f"--weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ConfigError(f"--kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.weights == "int4" and (self.dtype != "bfloat16" or self.kernels == "torch"):
+            raise ConfigError(
+                "--weights int4 runs on iterserve's kernels: it needs --dtype "
+                "bfloat16 and --kernels auto"
+            )
         self.cache.validate()
         self.scheduler.validate()
         return self
@@ -208,6 +235,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 if "choices" in f.metadata:
                     kwargs["choices"] = f.metadata["choices"]
             group.add_argument(_flag(f.name), **kwargs)
+            if "off_alias" in f.metadata:  # e.g. vLLM's --enforce-eager for --no-compile
+                group.add_argument(
+                    f.metadata["off_alias"],
+                    dest=f.name,
+                    action="store_false",
+                    help=f"same as --no-{f.name.replace('_', '-')}",
+                )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

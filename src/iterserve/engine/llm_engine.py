@@ -21,7 +21,7 @@ from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
-from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.builder import build_model
 from iterserve.model.loader import LoadedModel, load_model
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -77,8 +77,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
-        model = LlamaForCausalLM(loaded.config, dtype, self.device)
-        model.load_weights(loaded.weights)
+        model, self.model_plan = build_model(config, loaded, dtype, self.device)
 
         cache = config.cache
         block_bytes = loaded.config.kv_bytes_per_token(dtype.itemsize) * cache.block_size
@@ -97,7 +96,16 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, cache.block_size, dtype, self.device
         )
-        self.executor = TorchRunner(model, kv_caches, cache.block_size, self.device, config.seed)
+        self.executor = TorchRunner(
+            model,
+            kv_caches,
+            cache.block_size,
+            self.device,
+            config.seed,
+            self.model_plan.attention_kernel_max_query_len,
+        )
+        # Compile (or load compiled graphs) and build kernels now, not in a user's first step.
+        self.warm_up_seconds = self.executor.warm_up()
 
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

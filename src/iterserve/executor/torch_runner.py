@@ -7,12 +7,17 @@ step; logits are computed only where a token is sampled.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
-from iterserve.model.attention import SeqSpan, build_attention_metadata
+from iterserve.model.attention_metadata import (
+    AttentionMetadata,
+    SeqSpan,
+    build_attention_metadata,
+)
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.sample.sampler import Sampler, make_generator
 
@@ -25,11 +30,13 @@ class TorchRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        kernel_max_query_len: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
         self.device = device
+        self.kernel_max_query_len = kernel_max_query_len
         self.sampler = Sampler()
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
@@ -54,7 +61,7 @@ class TorchRunner:
             spans.append(SeqSpan(seq.block_ids, start, seq.num_new_tokens))
             if seq.sample:
                 logits_indices.append(len(input_ids) - 1)
-        meta = build_attention_metadata(spans, self.block_size, self.device)
+        meta = self._metadata(spans)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -75,6 +82,48 @@ class TorchRunner:
                     sampling, result.token_ids, result.logprobs, strict=True
                 )
             }
+        )
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Run dummy steps of the shapes serving meets (a lone decode, a prompt, decodes beside
+        a chunk over a cached prefix), so compiling, loading compiled graphs and the kernels'
+        first-call set-up happen before the first request. Returns the seconds it took.
+
+        The steps write K/V into blocks 0 and 1, which are free at start-up: any request that
+        gets them later overwrites every slot before reading it.
+        """
+        start = time.perf_counter()
+        two_blocks = min(2, self.kv_caches[0][0].shape[1])
+        steps = [
+            [SeqSpan((0,), 0, 1)],
+            [SeqSpan((0,), 0, 3)],
+            [SeqSpan((0,), 2, 1), SeqSpan((two_blocks - 1,), 1, 2)],
+        ]
+        for spans in steps:
+            num_tokens = sum(s.num_new_tokens for s in spans)
+            positions = [
+                p
+                for s in spans
+                for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
+            ]
+            meta = self._metadata(spans)
+            self.model(
+                torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                meta,
+                self.kv_caches,
+                torch.arange(num_tokens, device=self.device),
+            )
+        return time.perf_counter() - start
+
+    def _metadata(self, spans: Sequence[SeqSpan]) -> AttentionMetadata:
+        return build_attention_metadata(
+            spans,
+            self.block_size,
+            self.device,
+            self.kernel_max_query_len,
+            self.model.config.sliding_window,
         )
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:

@@ -19,3 +19,17 @@ def _tiled_linear(
     max_tile_rows: int,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0] * TILE)
+
+
+@torch.library.register_fake("iterserve::paged_attention")
+def _paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)  # contiguous [T, num_heads, head_dim] in q's dtype

@@ -1,4 +1,9 @@
-"""Paged attention for one ragged step: a decode group plus prefill chunks over a block pool.
+"""Paged attention for one ragged step over a block pool, and the op the layers call.
+
+Rows are served in the runs attention_metadata.py describes: the C++ op (kernels/csrc/
+paged_attention.cpp, reading the pool in place) where it runs, otherwise the torch decode
+path below; then prefill chunks through flash SDPA. The torch paths are the reference the
+C++ op is tested against.
 
 Cache layout, per layer: K and V are each ``[num_kv_heads, num_blocks, block_size, head_dim]``.
 Head-major is what makes reading cheap: gathering whole blocks (``block_size * head_dim``
@@ -19,39 +24,15 @@ path is exact in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class SeqSpan:
-    """One sequence's part of the step, in the engine's terms."""
-
-    block_ids: Sequence[int]
-    num_computed_tokens: int  # tokens already in the KV cache (positions 0..n-1)
-    num_new_tokens: int  # tokens computed this step (positions n..n+k-1)
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """A multi-token span: its queries attend causally over the cached prefix and themselves."""
-
-    query_start: int  # first row of the chunk in the flat batch
-    query_end: int  # one past its last row
-    num_cached_tokens: int  # n: keys at positions < n come from earlier steps
-    # Block ids covering positions 0..n+k-1, or None when n == 0: a fresh prompt attends to
-    # this step's k/v directly, so nothing needs gathering.
-    context_blocks: torch.Tensor | None
-    # [1, 1, k, len(context_blocks) * block_size] additive (0 / -inf): query i sees keys
-    # j <= n + i, which also hides the tail padding of the last block. None when n == 0
-    # (plain causal attention over the chunk itself).
-    attn_mask: torch.Tensor | None
-
 
 # Up to this many bytes of gathered K+V (about an L2 cache), gather + flash SDPA wins decode.
 _SDPA_DECODE_MAX_BYTES = 2 << 20
@@ -112,120 +93,17 @@ def _build_plan(meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor
     )
 
 
-@dataclass
-class AttentionMetadata:
-    """Everything the layers need for one step, built once by `build_attention_metadata`.
+def _plan(meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor) -> _LayerPlan:
+    """Gather rows and typed masks for this cache; the first layer builds, the rest reuse.
 
-    Rows ``0..num_decodes-1`` of the flat batch are the decode group (one query each); the
-    rest are the `prefills`, in order.
+    They depend on the cache's shape and dtype, which `build_attention_metadata` is not told.
     """
-
-    block_size: int
-    num_tokens: int  # T, rows of the flat batch
-    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
-    num_decodes: int  # B, the decode group size
-    # [B * decode_max_blocks] int64: the group's block tables, row-major, each padded with its
-    # own first block so masked lanes still read finite K/V (0 * NaN would poison the output).
-    decode_block_table: torch.Tensor
-    decode_max_blocks: int
-    # [B, decode_max_blocks * block_size] float32 additive: -inf past each context end.
-    decode_mask: torch.Tensor
-    decode_context_lens: list[int]  # context length of each decode, new token included
-    prefills: list[PrefillChunk]
-    max_context_len: int  # longest context in the step, new tokens included
-    _plans: dict[tuple[object, ...], _LayerPlan] = field(default_factory=dict, repr=False)
-
-    def plan(self, num_heads: int, key_cache: torch.Tensor) -> _LayerPlan:
-        """Gather rows and typed masks for this cache; the first layer builds, the rest reuse.
-
-        They depend on the cache's shape and dtype, which `build_attention_metadata` is not told.
-        """
-        key = (num_heads, key_cache.shape, key_cache.dtype)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _build_plan(self, num_heads, key_cache)
-        return plan
-
-
-def _blocks_for(span: SeqSpan, num_tokens: int, block_size: int) -> list[int]:
-    needed = -(-num_tokens // block_size)
-    if len(span.block_ids) < needed:
-        raise ValueError(
-            f"span needs {needed} blocks for {num_tokens} tokens but has {len(span.block_ids)}"
-        )
-    return list(span.block_ids[:needed])
-
-
-def build_attention_metadata(
-    spans: Sequence[SeqSpan], block_size: int, device: torch.device
-) -> AttentionMetadata:
-    """Turn the step's spans (flat-batch order, 1-token spans first) into layer-ready tensors.
-
-    Everything is built on the host with a handful of vectorised ops and moved once.
-    """
-    if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
-        raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
-    num_decodes = 0
-    while num_decodes < len(spans) and spans[num_decodes].num_new_tokens == 1:
-        num_decodes += 1
-
-    # Decode group: one padded block table and one length mask serve every layer.
-    decode_lens = [s.num_computed_tokens + 1 for s in spans[:num_decodes]]
-    max_blocks = -(-max(decode_lens, default=0) // block_size)
-    table: list[int] = []
-    decode_slots: list[int] = []
-    for span, length in zip(spans[:num_decodes], decode_lens, strict=True):
-        blocks = _blocks_for(span, length, block_size)
-        table.extend(blocks)
-        table.extend([blocks[0]] * (max_blocks - len(blocks)))
-        last = length - 1
-        decode_slots.append(blocks[last // block_size] * block_size + last % block_size)
-    decode_mask = torch.zeros(num_decodes, max_blocks * block_size)
-    if num_decodes:
-        key_pos = torch.arange(max_blocks * block_size)
-        beyond = key_pos[None, :] >= torch.tensor(decode_lens)[:, None]
-        decode_mask.masked_fill_(beyond, float("-inf"))
-
-    slot_parts = [torch.tensor(decode_slots, dtype=torch.int64)]
-    prefills: list[PrefillChunk] = []
-    start = num_decodes
-    for span in spans[num_decodes:]:
-        n, k = span.num_computed_tokens, span.num_new_tokens
-        blocks = torch.tensor(_blocks_for(span, n + k, block_size), dtype=torch.int64)
-        positions = torch.arange(n, n + k)
-        slot_parts.append(blocks[positions // block_size] * block_size + positions % block_size)
-        mask = None
-        if n > 0:
-            key_pos = torch.arange(len(blocks) * block_size)
-            future = key_pos[None, :] > positions[:, None]
-            mask = torch.zeros(k, len(key_pos)).masked_fill_(future, float("-inf"))
-            mask = mask[None, None].to(device)
-        prefills.append(
-            PrefillChunk(
-                query_start=start,
-                query_end=start + k,
-                num_cached_tokens=n,
-                context_blocks=blocks.to(device) if n > 0 else None,
-                attn_mask=mask,
-            )
-        )
-        start += k
-
-    return AttentionMetadata(
-        block_size=block_size,
-        num_tokens=start,
-        slot_mapping=torch.cat(slot_parts).to(device),
-        num_decodes=num_decodes,
-        decode_block_table=torch.tensor(table, dtype=torch.int64).to(device),
-        decode_max_blocks=max_blocks,
-        decode_mask=decode_mask.to(device),
-        decode_context_lens=decode_lens,
-        prefills=prefills,
-        max_context_len=max(
-            [*decode_lens, *(c.num_cached_tokens + c.query_end - c.query_start for c in prefills)],
-            default=0,
-        ),
-    )
+    key = (num_heads, key_cache.shape, key_cache.dtype)
+    plan = meta.plans.get(key)
+    if plan is None:
+        plan = meta.plans[key] = _build_plan(meta, num_heads, key_cache)
+    assert isinstance(plan, _LayerPlan)
+    return plan
 
 
 def allocate_kv_caches(
@@ -313,9 +191,23 @@ def paged_attention(
     slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     slots = value_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
     slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    plan = meta.plan(q.shape[1], key_cache)
+    plan = _plan(meta, q.shape[1], key_cache)
 
     outputs: list[torch.Tensor] = []
+    if meta.kernel is not None:
+        rows = meta.kernel
+        outputs.append(
+            torch.ops.iterserve.paged_attention(
+                q[: rows.num_tokens],
+                key_cache,
+                value_cache,
+                rows.block_tables,
+                rows.seq_lens,
+                rows.query_start_loc,
+                scale,
+                meta.sliding_window,
+            )
+        )
     if meta.num_decodes:
         outputs.append(
             _decode_attention(q[: meta.num_decodes], key_cache, value_cache, plan, scale)
@@ -336,7 +228,7 @@ def paged_attention(
             keys,
             values,
             attn_mask=mask,
-            is_causal=rows is None,
+            is_causal=rows is None and mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -344,3 +236,54 @@ def paged_attention(
     if len(outputs) == 1:
         return outputs[0]
     return torch.cat(outputs) if outputs else q.new_empty(q.shape)
+
+
+# ---- the op the layers call ----------------------------------------------------------------
+
+
+@dataclass
+class _StepContext:
+    meta: AttentionMetadata
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+_step: _StepContext | None = None
+
+
+@contextlib.contextmanager
+def attention_context(
+    meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[None]:
+    """Make this step's metadata and KV caches what `attend` reads, for one forward.
+
+    They reach attention through this context rather than as arguments so that a compiled
+    layer stack sees one opaque op with tensor arguments: the step's Python-side metadata
+    (lists of chunks, block tables) never becomes part of the graph or its guards.
+    """
+    global _step
+    previous, _step = _step, _StepContext(meta, kv_caches)
+    try:
+        yield
+    finally:
+        _step = previous
+
+
+@torch.library.custom_op("iterserve::attend", mutates_args=())
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    """Write layer `layer`'s new K/V for the current step into its cache, then attend.
+
+    q [T, heads, head_dim]; k, v [T, kv_heads, head_dim] -> [T, heads, head_dim]. The cache
+    write is invisible to the compiler on purpose (the cache is not an argument); nothing in
+    a graph reads the cache except through this op, so no reordering can observe it.
+    """
+    if _step is None:
+        raise RuntimeError("attend() called outside attention_context()")
+    # Contiguous, as the fake promises: a compiled graph lays out what follows by it.
+    return paged_attention(q, k, v, _step.kv_caches[layer], _step.meta, scale).contiguous()
+
+
+@attend.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

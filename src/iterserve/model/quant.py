@@ -78,7 +78,8 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> Qua
     n, k = shape
     if k % BLOCK:
         raise ValueError(f"{qtype} rows of {k} inputs are not whole blocks of {BLOCK}")
-    blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(n, k // BLOCK, BLOCK_BYTES[qtype]))
+    # A copy: the bytes usually come straight from a read-only mmap of the file.
+    blocks = torch.from_numpy(np.array(raw).reshape(n, k // BLOCK, BLOCK_BYTES[qtype]))
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if qtype == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)

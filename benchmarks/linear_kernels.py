@@ -1,0 +1,204 @@
+"""The projections of a whole SmolLM2-135M step, kernel by kernel and row count by row count.
+
+For each row count M (tokens in the step) it times all 30 layers' four projections (each layer
+its own weights, so nothing stays in cache from one call to the next) and the tied LM head
+(49152 x 576), through:
+
+  torch.mv / F.linear   what a step used before (matrix-vector at one row, GEMM above)
+  onednn                oneDNN GEMM on weights packed once (mkldnn._linear_pointwise)
+  tiled-bf16            csrc/linear.cpp on bf16 weights
+  tiled-q4              csrc/linear.cpp on 4-bit blocks (GGUF Q4_1 layout, random values)
+  tiled-q8 (head)       csrc/linear.cpp on 8-bit blocks (the bundled GGUF's head is Q8_0)
+  int4pack (torch)      torch's _weight_int4pack_mm_for_cpu, group 32, for comparison
+
+and prints ms per step, the effective weight bandwidth (GB/s) and, per format, the largest M
+at which the tiled kernel still beats oneDNN: the source of MAX_TILE_ROWS in model/linear.py.
+Medians of interleaved repeats; asserts nothing.
+
+    .venv/bin/python benchmarks/linear_kernels.py [--rows 1,2,4,8,16,32,64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from iterserve import kernels
+from iterserve.model import quant
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+HEAD = (49152, 576)
+LAYERS = 30
+NO_LIMIT = 1 << 20  # max_tile_rows that keeps every row count on the tiled kernel
+LAYER_BYTES = {
+    "bf16": 2 * LAYERS * sum(n * k for n, k in SHAPES),
+    "q4": LAYERS * sum(n * k for n, k in SHAPES) * 5 // 8,  # 4 bits + fp16 d, m per 32
+}
+HEAD_BYTES = {"bf16": 2 * HEAD[0] * HEAD[1], "q8": HEAD[0] * HEAD[1] * 34 // 32}
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms per call, calls alternating so a noisy spell hits every contender."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+
+
+def random_q4(n: int, k: int) -> quant.QuantizedWeight:
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    d = (torch.rand(n, k // 32) * 0.01).half()
+    return quant.QuantizedWeight("q4", q, d, (-torch.rand(n, k // 32) * 0.08).half())
+
+
+@dataclass
+class Weights:
+    """Every layer's projections and the head, in each kernel's own layout."""
+
+    dense: list[list[torch.Tensor]]
+    packed: list[list[torch.Tensor]]
+    tiles: list[list[torch.Tensor]]
+    q4: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    int4pack: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    head: torch.Tensor
+    head_packed: torch.Tensor
+    head_tiles: torch.Tensor
+    head_q8: tuple[torch.Tensor, torch.Tensor]
+
+    @staticmethod
+    def random() -> Weights:
+        torch.manual_seed(0)
+        dense = [[(torch.randn(n, k) * 0.02).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
+
+        def int4pack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            return packed, torch.randn(k // 32, n, 2, dtype=torch.bfloat16)
+
+        head = (torch.randn(*HEAD) * 0.02).bfloat16()
+        q8 = torch.randint(-128, 128, HEAD, dtype=torch.int8)
+        head_scales = (torch.rand(HEAD[0], HEAD[1] // 32) * 0.01).half()
+        return Weights(
+            dense=dense,
+            packed=[[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in dense],
+            tiles=[[quant.tile_bf16(w) for w in ws] for ws in dense],
+            q4=[[quant.tile_quantized(random_q4(n, k)) for n, k in SHAPES] for _ in range(LAYERS)],
+            int4pack=[[int4pack(n, k) for n, k in SHAPES] for _ in range(LAYERS)],
+            head=head,
+            head_packed=torch.ops.mkldnn._reorder_linear_weight(head, None),
+            head_tiles=quant.tile_bf16(head),
+            head_q8=quant.tile_quantized(quant.QuantizedWeight("q8", q8, head_scales, None)),
+        )
+
+
+def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int | str]]:
+    """One row count through every kernel: layer and head timings in ms."""
+    tiled = torch.ops.iterserve.tiled_linear.default
+    onednn = torch.ops.mkldnn._linear_pointwise
+    xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in SHAPES]
+    xh = torch.randn(rows, HEAD[1], dtype=torch.bfloat16)
+
+    def layers(call: Callable[[torch.Tensor, int, int], object]) -> Callable[[], None]:
+        def run() -> None:
+            for layer in range(LAYERS):
+                for j, x in enumerate(xs):
+                    call(x, layer, j)
+
+        return run
+
+    if rows == 1:  # what a one-row step used before: the matrix-vector kernel
+        torch_layers = layers(lambda x, i, j: torch.mv(w.dense[i][j], x[0]))
+        torch_head: Callable[[], object] = lambda: torch.mv(w.head, xh[0])  # noqa: E731
+    else:
+        torch_layers = layers(lambda x, i, j: F.linear(x, w.dense[i][j]))
+        torch_head = lambda: F.linear(xh, w.head)  # noqa: E731
+    layer_fns: dict[str, Callable[[], object]] = {
+        "torch": torch_layers,
+        "onednn": layers(lambda x, i, j: onednn(x, w.packed[i][j], None, "none", [], "")),
+        "tiled-bf16": layers(
+            lambda x, i, j: tiled(x, w.tiles[i][j], None, None, None, None, 0, NO_LIMIT)
+        ),
+        "tiled-q4": layers(lambda x, i, j: tiled(x, *w.q4[i][j], None, None, None, 1, NO_LIMIT)),
+        "int4pack": layers(
+            lambda x, i, j: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, w.int4pack[i][j][0], 32, w.int4pack[i][j][1]
+            )
+        ),
+    }
+    head_fns: dict[str, Callable[[], object]] = {
+        "torch": torch_head,
+        "onednn": lambda: onednn(xh, w.head_packed, None, "none", [], ""),
+        "tiled-bf16": lambda: tiled(xh, w.head_tiles, None, None, None, None, 0, NO_LIMIT),
+        "tiled-q8": lambda: tiled(xh, *w.head_q8, None, None, None, 2, NO_LIMIT),
+    }
+    layer_ms = interleaved(layer_fns, repeats)
+    head_ms = interleaved(head_fns, repeats * 4)
+    results: list[dict[str, float | int | str]] = []
+    for name in dict.fromkeys([*layer_fns, *head_fns]):
+        fmt = "q4" if name in ("tiled-q4", "int4pack") else "q8" if name == "tiled-q8" else "bf16"
+        lm, hm = layer_ms.get(name), head_ms.get(name)
+        lbw = f"{LAYER_BYTES[fmt] / lm / 1e6:6.1f}" if lm and fmt in LAYER_BYTES else ""
+        hbw = f"{HEAD_BYTES[fmt] / hm / 1e6:6.1f}" if hm and fmt in HEAD_BYTES else ""
+        lms = f"{lm:10.2f}" if lm else ""
+        hms = f"{hm:8.2f}" if hm else ""
+        print(f"{rows:4d}  {name:12s} {lms:>10s} {lbw:>6s}   {hms:>8s} {hbw:>6s}", flush=True)
+        results.append({"rows": rows, "kernel": name, "layers_ms": lm or 0.0, "head_ms": hm or 0.0})
+    return results
+
+
+def crossover(results: list[dict[str, float | int | str]], kernel: str, key: str) -> int:
+    """Largest row count at which `kernel` beats oneDNN on `key`."""
+    onednn = {r["rows"]: r[key] for r in results if r["kernel"] == "onednn"}
+    wins = [
+        int(r["rows"])
+        for r in results
+        if r["kernel"] == kernel and r[key] and float(r[key]) < float(onednn[r["rows"]])
+    ]
+    return max(wins, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", default="bench_results/linear_kernels.json")
+    args = parser.parse_args()
+    if not kernels.available():
+        raise SystemExit(f"C++ kernels unavailable: {kernels.why_unavailable()}")
+    weights = Weights.random()
+    print(
+        f"{'rows':>4s}  {'kernel':12s} {'layers ms':>10s} {'GB/s':>6s}   {'head ms':>8s} {'GB/s':>6s}"
+    )
+    results: list[dict[str, float | int | str]] = []
+    for rows in [int(r) for r in args.rows.split(",")]:
+        results.extend(measure(rows, weights, args.repeats))
+    print("largest row count at which the tiled kernel beats oneDNN:")
+    for kernel, key in (
+        ("tiled-bf16", "layers_ms"),
+        ("tiled-q4", "layers_ms"),
+        ("tiled-bf16", "head_ms"),
+        ("tiled-q8", "head_ms"),
+    ):
+        where = "layers" if key == "layers_ms" else "head"
+        print(f"  {kernel:12s} {where:6s}: {crossover(results, kernel, key)}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,717 @@
+// Paged attention for the query rows of one engine step, reading K/V where they lie in the
+// block pool (no gather copy).
+//
+// Layout. Caches are [num_kv_heads, num_blocks, block_size, head_dim] (model/attention.py), so
+// one kv head's keys in one block are block_size contiguous rows of head_dim; K and V share
+// that layout, so a key's element offset, found once through the block table, serves both.
+// q is [T, num_heads, head_dim] with contiguous head_dim rows but any row stride (a slice of
+// the fused qkv projection); out is [T, num_heads, head_dim] contiguous.
+//
+// Work. A *group* is one (sequence, kv head, chunk of the sequence's query rows): its
+// M = rows x (num_heads / num_kv_heads) queries all read the same K/V rows, so each row is
+// loaded once for all of them. A group's key range (the union of its rows' causal / sliding
+// windows) is cut into partitions of at most `part_keys` keys (flash-decoding): enough work
+// items to keep every thread busy at batch 1, and bounded scratch. Threads take items from an
+// atomic counter (contexts differ in length, so static splits would idle). An item is:
+//   1. scores  S[m][k] = q_m . k_k for 16 keys at a time,
+//   2. softmax exp(scale*S - max) per query over its own keys (0 elsewhere), max and sum,
+//   3. P.V     accumulated in fp32,
+//   4. out = acc / sum, rounded once to q's dtype; or, if the group has several partitions,
+//      (acc, max, sum) saved, and whoever finishes the group's last partition merges them
+//      with log-sum-exp rescaling.
+// Everything from scores on is fp32 (bf16 inputs are exact in fp32). Only keys inside a
+// group's key range are ever read: padding entries of the block table and the unused tail of
+// a sequence's last block (which may hold NaN) are never touched, and a key that lies in the
+// range but outside one query's window is read (it is a written, finite row) with weight 0.
+//
+// Scores with AVX-512 BF16. A key row is head_dim contiguous bf16, so `vdpbf16ps` against a
+// query gives 16 partial sums per key, which need a horizontal sum; doing that one key at a
+// time costs more than the dot product. Two ways round it, picked by M:
+//   - few queries (decode with a small GQA group): 16 keys' partial-sum vectors are reduced
+//     together by a transpose-and-add tree (30 shuffles + 15 adds per 16 keys per query);
+//   - more queries (speculative q_len > 1, big groups): the 16-key tile is transposed once
+//     into [head_dim/2 pairs][16 keys] (64 shuffles per 32 dims) and each query then needs
+//     only head_dim/2 `vdpbf16ps` with a broadcast pair of its own: no reductions at all.
+// P.V keeps probabilities in fp32: each V row is widened to fp32 (a shift and a mask: even
+// and odd dims land in separate registers, undone when the row is written) and FMA'd into
+// register-resident accumulators for a block of queries, so V is read once per block.
+// fp32 caches take the same path with FMA in place of `vdpbf16ps`.
+//
+// Where the time goes (Zen 4, one thread, K/V in cache): decode with SmolLM2's group of 3
+// costs ~27 cycles per key per kv head (~9 per key and query), about half of it the fp32
+// P.V FMAs; with 12+ queries (speculative steps) ~6.3 cycles per key and query. From DRAM,
+// reading blocks scattered over a large pool runs at ~5-15 GB/s here, well below sequential
+// bandwidth, so big batches are bound by memory latency: K/V rows are prefetched into L2 a
+// fixed distance ahead, and each thread claims its next item early to prefetch its start.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace iterserve {
+namespace {
+
+using at::BFloat16;
+using at::Tensor;
+
+constexpr int kTile = 16;                // keys per score tile: one zmm of fp32 scores
+constexpr int64_t kMaxQueriesPerGroup = 64;  // rows are chunked so that M stays near this
+constexpr int64_t kMinPartKeys = 128;    // partitions shorter than this cost more than they save
+constexpr int64_t kMaxPartKeys = 512;    // bounds the per-thread score scratch
+constexpr int64_t kItemsPerThread = 4;   // enough items for the atomic counter to balance
+constexpr int64_t kMinParallelWork = 3000;  // keys x queries: ~10 us on one thread
+constexpr int kMaxHeadDimChunks = 8;     // head_dim up to 256, in chunks of 32
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// Keys are read in block-sized runs from scattered blocks, too short for the hardware
+// prefetcher to get ahead, so every loop over keys asks for the rows this far ahead itself.
+constexpr int64_t kPrefetchKeys = 64;
+
+// Into L2 (T1): an L1 prefetch waits for one of the core's few L1 miss buffers and measured
+// no faster than none; L2 prefetches 64 keys ahead read scattered blocks ~1.3-1.5x faster.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
+
+// exp for x <= 0 (and -inf): Cephes' expf polynomial (~1 ulp), 2^n applied by scalef.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // exp(-104) underflows to 0; no -inf - -inf
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane j of the result = sum of the 16 lanes of a[j].
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x, y, x, y] partials of keys 2i, 2i+1
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3
+    const __m512d lo = _mm512_castps_pd(b[2 * i]), hi = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: keys 8i..8i+3 twice, then 8i+4..8i+7 twice
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// r[j] (16 dwords each) -> r[p] lane j = old r[j] dword p.
+inline void transpose16x16(__m512i* r) {
+  __m512i a[16], b[16];
+  for (int k = 0; k < 8; ++k) {
+    a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // b[4k+e] 128-bit lane L = rows 4k..4k+3 at dword 4L+e
+    b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+    b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88);
+    const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
+    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88);
+    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
+    r[4 + e] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
+  }
+}
+
+inline __m512bh pair_at(const BFloat16* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return as_bh(_mm512_set1_epi32(static_cast<int>(bits)));
+}
+
+// ---- 1. scores: S[m][col + j] = q_m . key_j for the 16 keys at element offsets off[j] ----
+
+template <int NC>
+inline void scores_tree_bf16(const BFloat16* cache, const int64_t* off, const BFloat16* const* qp,
+                             int M, float* S, int64_t ldS) {
+  for (int m = 0; m < M; ++m) {
+    __m512bh qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = as_bh(_mm512_loadu_si512(qp[m] + 32 * c));
+    __m512 acc[kTile];
+    for (int j = 0; j < kTile; ++j) {
+      const BFloat16* key = cache + off[j];
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_loadu_si512(key)), qv[0]);
+      for (int c = 1; c < NC; ++c)
+        a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(key + 32 * c)), qv[c]);
+      acc[j] = a;
+    }
+    _mm512_storeu_ps(S + m * ldS, reduce16(acc));
+  }
+}
+
+template <int NC, int QB>
+inline void scores_block_bf16(const uint32_t* tile, const BFloat16* const* qp, float* S,
+                              int64_t ldS) {
+  __m512 acc[QB];
+  for (int i = 0; i < QB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int p = 0; p < 16 * NC; ++p) {
+    const __m512bh keys = as_bh(_mm512_loadu_si512(tile + p * kTile));
+    for (int i = 0; i < QB; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], keys, pair_at(qp[i] + 2 * p));
+  }
+  for (int i = 0; i < QB; ++i) _mm512_storeu_ps(S + i * ldS, acc[i]);
+}
+
+template <int NC, int QB>
+inline void scores_blocks_bf16(int qb, const uint32_t* tile, const BFloat16* const* qp, float* S,
+                               int64_t ldS) {
+  if constexpr (QB >= 1) {
+    if (qb == QB) return scores_block_bf16<NC, QB>(tile, qp, S, ldS);
+    scores_blocks_bf16<NC, QB - 1>(qb, tile, qp, S, ldS);
+  }
+}
+
+template <int NC>
+inline void scores_transposed_bf16(const BFloat16* cache, const int64_t* off,
+                                   const BFloat16* const* qp, int M, float* S, int64_t ldS,
+                                   uint32_t* tile) {
+  for (int c = 0; c < NC; ++c) {
+    __m512i r[kTile];
+    for (int j = 0; j < kTile; ++j) r[j] = _mm512_loadu_si512(cache + off[j] + 32 * c);
+    transpose16x16(r);
+    for (int p = 0; p < kTile; ++p) _mm512_storeu_si512(tile + (16 * c + p) * kTile, r[p]);
+  }
+  constexpr int QB = 8;
+  const int blocks = (M + QB - 1) / QB;
+  for (int b = 0, m = 0; b < blocks; ++b) {
+    const int qb = (M - m) / (blocks - b);  // even blocks: M = 9 runs as 5 + 4, not 8 + 1
+    const int size = qb + ((M - m) % (blocks - b) != 0);
+    scores_blocks_bf16<NC, QB>(size, tile, qp + m, S + m * ldS, ldS);
+    m += size;
+  }
+}
+
+template <int NC>
+inline void scores_tree_f32(const float* cache, const int64_t* off, const float* const* qp, int M,
+                            float* S, int64_t ldS) {
+  for (int m = 0; m < M; ++m) {
+    __m512 qv[2 * NC];
+    for (int c = 0; c < 2 * NC; ++c) qv[c] = _mm512_loadu_ps(qp[m] + 16 * c);
+    __m512 acc[kTile];
+    for (int j = 0; j < kTile; ++j) {
+      const float* key = cache + off[j];
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(key), qv[0]);
+      for (int c = 1; c < 2 * NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(key + 16 * c), qv[c], a);
+      acc[j] = a;
+    }
+    _mm512_storeu_ps(S + m * ldS, reduce16(acc));
+  }
+}
+
+// ---- 2. softmax over one query's keys [a, b) of a partition's n16 (padded) scores ----------
+
+// Scores become exp(scale * s - max) inside [a, b) and 0 outside; returns (max, sum).
+inline void softmax_row(float* s, int64_t n16, int64_t a, int64_t b, float scale, float* max_out,
+                        float* sum_out) {
+  if (a >= b) {  // none of this query's keys fall in the partition
+    std::memset(s, 0, n16 * sizeof(float));
+    *max_out = -std::numeric_limits<float>::infinity();
+    *sum_out = 0.0f;
+    return;
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i va = _mm512_set1_epi32(static_cast<int>(a));
+  const __m512i vb = _mm512_set1_epi32(static_cast<int>(b));
+  const int64_t t0 = a & ~int64_t{15}, t1 = (b + 15) & ~int64_t{15};
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = t0; t < t1; t += kTile) {
+    const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(t)));
+    const __mmask16 in = _mm512_cmpge_epi32_mask(idx, va) & _mm512_cmplt_epi32_mask(idx, vb);
+    vmax = _mm512_mask_max_ps(vmax, in, vmax, _mm512_mul_ps(_mm512_loadu_ps(s + t), vscale));
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n16; t += kTile) {
+    if (t < t0 || t >= t1) {
+      _mm512_storeu_ps(s + t, _mm512_setzero_ps());
+      continue;
+    }
+    const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(t)));
+    const __mmask16 in = _mm512_cmpge_epi32_mask(idx, va) & _mm512_cmplt_epi32_mask(idx, vb);
+    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + t), vscale, vmx);
+    const __m512 e = _mm512_maskz_mov_ps(in, exp_nonpositive(x));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm512_storeu_ps(s + t, e);
+  }
+  *max_out = mx;
+  *sum_out = _mm512_reduce_add_ps(vsum);
+}
+
+// ---- 3. P.V: acc[i][:] = sum_k P[i][k] * v_k for a block of MB queries ----------------------
+
+// A bf16 V row widened to fp32: register 2c holds dims 32c + 0, 2, .., 30, register 2c+1 the
+// odd ones (a shift and a mask, no shuffles). Rows are written back in order by `store_row`.
+template <int NC>
+inline void widen_row(const BFloat16* v, __m512* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < NC; ++c) {
+    const __m512i raw = _mm512_loadu_si512(v + 32 * c);
+    out[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    out[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+  }
+}
+
+template <int NC>
+inline void widen_row(const float* v, __m512* out) {
+  for (int c = 0; c < 2 * NC; ++c) out[c] = _mm512_loadu_ps(v + 16 * c);
+}
+
+template <typename T, int NC, int MB>
+inline void pv_block(const T* cache, const int64_t* off, int64_t n, const float* P, int64_t ldP,
+                     float* acc_out) {
+  constexpr int R = 2 * NC;  // fp32 registers per row
+  __m512 acc[MB][R];
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < R; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; ++k) {
+    if (k + kPrefetchKeys < n) prefetch_row(cache + off[k + kPrefetchKeys], 32 * NC * sizeof(T));
+    __m512 v[R];
+    widen_row<NC>(cache + off[k], v);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 p = _mm512_set1_ps(P[i * ldP + k]);
+      for (int c = 0; c < R; ++c) acc[i][c] = _mm512_fmadd_ps(v[c], p, acc[i][c]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < R; ++c) _mm512_storeu_ps(acc_out + i * 32 * NC + 16 * c, acc[i][c]);
+}
+
+template <typename T, int NC, int MB>
+inline void pv_blocks(int mb, const T* cache, const int64_t* off, int64_t n, const float* P,
+                      int64_t ldP, float* acc_out) {
+  if constexpr (MB >= 1) {
+    if (mb == MB) return pv_block<T, NC, MB>(cache, off, n, P, ldP, acc_out);
+    pv_blocks<T, NC, MB - 1>(mb, cache, off, n, P, ldP, acc_out);
+  }
+}
+
+// ---- 4. output rows -----------------------------------------------------------------------
+
+// acc (fp32, in the order widen_row left it) * inv -> one row of out, rounded once.
+template <int NC>
+inline void store_row(BFloat16* dst, const float* acc, float inv) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int c = 0; c < NC; ++c) {
+    const __m512 even = _mm512_loadu_ps(acc + 32 * c), odd = _mm512_loadu_ps(acc + 32 * c + 16);
+    const __m512 first = _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), vinv);
+    const __m512 second = _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), vinv);
+    _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+  }
+}
+
+template <int NC>
+inline void store_row(float* dst, const float* acc, float inv) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int c = 0; c < 2 * NC; ++c)
+    _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), vinv));
+}
+
+// ---- the plan: groups, partitions, items ----------------------------------------------------
+
+struct Group {
+  int64_t seq, kv_head;
+  int64_t row0, rows;       // query rows row0 .. row0+rows-1 of q
+  int64_t first_pos;        // position of row0 in its sequence
+  int64_t key_lo, key_hi;   // the union of the rows' key windows
+  int64_t parts;            // partitions of [key_lo, key_hi)
+  int64_t slot;             // first partial slot (in queries) when parts > 1
+};
+
+struct Item {
+  int64_t group, part;
+};
+
+struct Plan {
+  const void* q;
+  int64_t q_row_stride, q_head_stride;
+  const void* key_cache;
+  const void* value_cache;
+  void* out;
+  const int32_t* tables;
+  int64_t table_stride;
+  int64_t num_heads, group_size, head_dim, num_blocks, block_size;
+  int64_t window;
+  float scale;
+  int64_t part_keys;
+  std::vector<Group> groups;
+  std::vector<Item> items;
+  // Partitions' un-normalized outputs [slots, head_dim], maxima and sums [slots].
+  float* partial_acc = nullptr;
+  float* partial_max = nullptr;
+  float* partial_sum = nullptr;
+  std::unique_ptr<std::atomic<int64_t>[]> done;  // partitions finished, per group
+};
+
+// Per-thread scratch, kept between calls (sizes only grow), so steady state allocates nothing.
+struct Scratch {
+  std::vector<int64_t> offsets;   // [part_keys + 16] element offsets of the keys' rows
+  std::vector<float> scores;      // [M, round_up(part_keys, 16)]
+  std::vector<float> acc;         // [M, head_dim]
+  std::vector<float> maxima, sums;
+  std::vector<const void*> queries;
+  std::vector<uint32_t> tile;     // [head_dim / 2, 16] transposed bf16 pairs
+  void fit(int64_t M, int64_t keys16, int64_t head_dim) {
+    if (offsets.size() < static_cast<size_t>(keys16 + kTile)) offsets.resize(keys16 + kTile);
+    if (scores.size() < static_cast<size_t>(M * keys16)) scores.resize(M * keys16);
+    if (acc.size() < static_cast<size_t>(M * head_dim)) acc.resize(M * head_dim);
+    if (maxima.size() < static_cast<size_t>(M)) maxima.resize(M), sums.resize(M);
+    if (queries.size() < static_cast<size_t>(M)) queries.resize(M);
+    if (tile.size() < static_cast<size_t>(head_dim * kTile / 2)) tile.resize(head_dim * kTile / 2);
+  }
+};
+
+inline void key_offsets(const int32_t* table, int64_t head_base, int64_t block_size,
+                        int64_t head_dim, int64_t k0, int64_t n, int64_t* out) {
+  int64_t b = k0 / block_size, in_block = k0 % block_size;
+  int64_t base = (head_base + table[b]) * block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = (base + in_block) * head_dim;
+    if (++in_block == block_size && i + 1 < n) {
+      in_block = 0;
+      base = (head_base + table[++b]) * block_size;
+    }
+  }
+}
+
+inline std::pair<int64_t, int64_t> key_window(int64_t pos, int64_t window) {
+  return {window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, pos + 1};
+}
+
+template <typename T, int NC>
+void merge_partitions(const Plan& plan, const Group& g, std::vector<float>& acc) {
+  const int64_t D = plan.head_dim, M = g.rows * plan.group_size;
+  T* out = static_cast<T*>(plan.out);
+  for (int64_t m = 0; m < M; ++m) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < g.parts; ++p)
+      top = std::max(top, plan.partial_max[g.slot + p * M + m]);
+    std::fill(acc.begin(), acc.begin() + D, 0.0f);
+    float total = 0.0f;
+    for (int64_t p = 0; p < g.parts; ++p) {
+      const int64_t slot = g.slot + p * M + m;
+      if (plan.partial_sum[slot] == 0.0f) continue;  // no keys of this query in the partition
+      const float w = std::exp(plan.partial_max[slot] - top);
+      total += w * plan.partial_sum[slot];
+      const __m512 vw = _mm512_set1_ps(w);
+      const float* part = plan.partial_acc + slot * D;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(acc.data() + d, _mm512_fmadd_ps(_mm512_loadu_ps(part + d), vw,
+                                                         _mm512_loadu_ps(acc.data() + d)));
+    }
+    const int64_t row = g.row0 + m / plan.group_size;
+    const int64_t head = g.kv_head * plan.group_size + m % plan.group_size;
+    store_row<NC>(out + (row * plan.num_heads + head) * D, acc.data(), 1.0f / total);
+  }
+}
+
+// The first keys an item will read, asked for while the previous item still computes.
+template <typename T>
+void prefetch_item(const Plan& plan, const Item& item) {
+  const Group& g = plan.groups[item.group];
+  const int64_t k0 = g.key_lo + item.part * plan.part_keys;
+  const int64_t n = std::min({g.key_hi - k0, plan.part_keys, kPrefetchKeys});
+  int64_t off[kPrefetchKeys];
+  key_offsets(plan.tables + g.seq * plan.table_stride, g.kv_head * plan.num_blocks,
+              plan.block_size, plan.head_dim, k0, n, off);
+  const T* keys = static_cast<const T*>(plan.key_cache);
+  for (int64_t i = 0; i < n; ++i) prefetch_row(keys + off[i], plan.head_dim * sizeof(T));
+}
+
+template <typename T, int NC>
+void run_item(const Plan& plan, const Item& item, const Item* next, bool first, Scratch& sc) {
+  const Group& g = plan.groups[item.group];
+  const int64_t D = plan.head_dim, G = plan.group_size;
+  const int M = static_cast<int>(g.rows * G);
+  const int64_t k0 = g.key_lo + item.part * plan.part_keys;
+  const int64_t n = std::min(g.key_hi, k0 + plan.part_keys) - k0;
+  const int64_t n16 = (n + kTile - 1) / kTile * kTile;
+  sc.fit(M, n16, D);
+
+  const T* q = static_cast<const T*>(plan.q);
+  const T** qp = reinterpret_cast<const T**>(sc.queries.data());
+  for (int m = 0; m < M; ++m)
+    qp[m] = q + (g.row0 + m / G) * plan.q_row_stride + (g.kv_head * G + m % G) * plan.q_head_stride;
+
+  int64_t* off = sc.offsets.data();
+  key_offsets(plan.tables + g.seq * plan.table_stride, g.kv_head * plan.num_blocks,
+              plan.block_size, D, k0, n, off);
+  for (int64_t i = n; i < n16; ++i) off[i] = off[0];  // pad the last tile with a real row
+
+  // 1. scores
+  const T* keys = static_cast<const T*>(plan.key_cache);
+  const T* values = static_cast<const T*>(plan.value_cache);
+  const int64_t row_bytes = D * sizeof(T);
+  float* S = sc.scores.data();
+  if (first)  // later items were prefetched by the one before
+    for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(keys + off[t], row_bytes);
+  for (int64_t t = 0; t < n16; t += kTile) {
+    for (int64_t k = t + kPrefetchKeys; k < std::min(n, t + kPrefetchKeys + kTile); ++k)
+      prefetch_row(keys + off[k], row_bytes);
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      // Measured crossover (one thread, warm cache): the transposed tile is ~10% faster from
+      // 6 queries at head_dim 64 and 8 at 128, and up to 1.5x slower below.
+      if (M >= (NC <= 2 ? 6 : 8))
+        scores_transposed_bf16<NC>(keys, off + t, qp, M, S + t, n16, sc.tile.data());
+      else
+        scores_tree_bf16<NC>(keys, off + t, qp, M, S + t, n16);
+    } else {
+      scores_tree_f32<NC>(keys, off + t, qp, M, S + t, n16);
+    }
+  }
+
+  // 2. softmax, each query over its own window (while the first V rows arrive)
+  for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(values + off[t], row_bytes);
+  for (int m = 0; m < M; ++m) {
+    const auto [lo, hi] = key_window(g.first_pos + m / G, plan.window);
+    const int64_t a = std::clamp<int64_t>(lo - k0, 0, n), b = std::clamp<int64_t>(hi - k0, 0, n);
+    softmax_row(S + m * n16, n16, a, b, plan.scale, &sc.maxima[m], &sc.sums[m]);
+  }
+
+  // 3. P.V, in blocks of queries whose accumulators fit the registers
+  if (next != nullptr) prefetch_item<T>(plan, *next);
+  constexpr int MB = NC >= 12 ? 1 : 12 / NC;
+  const int blocks = (M + MB - 1) / MB;
+  for (int bi = 0, m = 0; bi < blocks; ++bi) {
+    const int size = (M - m) / (blocks - bi) + ((M - m) % (blocks - bi) != 0);
+    pv_blocks<T, NC, MB>(size, values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
+    m += size;
+  }
+
+  // 4. out, or this partition's share of it
+  if (g.parts == 1) {
+    T* out = static_cast<T*>(plan.out);
+    for (int m = 0; m < M; ++m) {
+      const int64_t row = g.row0 + m / G, head = g.kv_head * G + m % G;
+      store_row<NC>(out + (row * plan.num_heads + head) * D, sc.acc.data() + m * D,
+                    1.0f / sc.sums[m]);
+    }
+    return;
+  }
+  const int64_t slot = g.slot + item.part * M;
+  std::memcpy(plan.partial_acc + slot * D, sc.acc.data(), M * D * sizeof(float));
+  std::memcpy(plan.partial_max + slot, sc.maxima.data(), M * sizeof(float));
+  std::memcpy(plan.partial_sum + slot, sc.sums.data(), M * sizeof(float));
+  // acq_rel: the last finisher sees every other partition's writes.
+  if (plan.done[item.group].fetch_add(1, std::memory_order_acq_rel) == g.parts - 1)
+    merge_partitions<T, NC>(plan, g, sc.acc);
+}
+
+template <typename T, int NC>
+void run_plan(const Plan& plan, bool parallel) {
+  const int64_t count = static_cast<int64_t>(plan.items.size());
+  if (!parallel) {
+    thread_local Scratch sc;
+    for (int64_t i = 0; i < count; ++i)
+      run_item<T, NC>(plan, plan.items[i], i + 1 < count ? &plan.items[i + 1] : nullptr, i == 0,
+                      sc);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    thread_local Scratch sc;
+    // Claim the next item before running this one, so its first rows can be prefetched.
+    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    for (bool first = true; i < count; first = false) {
+      const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+      run_item<T, NC>(plan, plan.items[i], j < count ? &plan.items[j] : nullptr, first, sc);
+      i = j;
+    }
+  });
+}
+
+template <typename T>
+void run_plan_for_head_dim(const Plan& plan, bool parallel) {
+  switch (plan.head_dim / 32) {
+    case 1: return run_plan<T, 1>(plan, parallel);
+    case 2: return run_plan<T, 2>(plan, parallel);
+    case 3: return run_plan<T, 3>(plan, parallel);
+    case 4: return run_plan<T, 4>(plan, parallel);
+    case 5: return run_plan<T, 5>(plan, parallel);
+    case 6: return run_plan<T, 6>(plan, parallel);
+    case 7: return run_plan<T, 7>(plan, parallel);
+    case 8: return run_plan<T, 8>(plan, parallel);
+    default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", plan.head_dim);
+  }
+}
+
+Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& block_tables, const Tensor& seq_lens,
+                       const Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3, "paged_attention: q must be [tokens, num_heads, head_dim], got ",
+              q.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "paged_attention: key_cache and value_cache must both be [num_kv_heads, "
+              "num_blocks, block_size, head_dim], got ", key_cache.sizes(), " and ",
+              value_cache.sizes());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+              "paged_attention: q must be bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "paged_attention: q, key_cache and value_cache must share a dtype");
+  for (const Tensor* t : {&q, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = key_cache.size(0), NB = key_cache.size(1), BS = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D, "paged_attention: cache head_dim ", key_cache.size(3),
+              " != q head_dim ", D);
+  TORCH_CHECK(D % 32 == 0 && D >= 32 && D <= 32 * kMaxHeadDimChunks,
+              "paged_attention: head_dim must be a multiple of 32 up to 256, got ", D);
+  TORCH_CHECK(KVH >= 1 && H % KVH == 0, "paged_attention: num_heads ", H,
+              " is not a multiple of num_kv_heads ", KVH);
+  TORCH_CHECK(BS >= 1, "paged_attention: block_size must be >= 1");
+  TORCH_CHECK(q.stride(2) == 1, "paged_attention: q's head_dim must be contiguous (stride 1)");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "paged_attention: key_cache and value_cache must be contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
+                  block_tables.stride(1) == 1,
+              "paged_attention: block_tables must be [num_seqs, max_blocks] int32 with "
+              "contiguous rows");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt,
+              "paged_attention: seq_lens and query_start_loc must be 1-D int32");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == S && query_start_loc.size(0) == S + 1,
+              "paged_attention: block_tables has ", block_tables.size(0), " rows and ",
+              "query_start_loc ", query_start_loc.size(0), " entries for ", S, " sequences");
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: off)");
+
+  Tensor out = at::empty({T, H, D}, q.options());
+  const Tensor lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  const int32_t* start = starts.data_ptr<int32_t>();
+  TORCH_CHECK(S > 0 ? start[0] == 0 && start[S] == T : T == 0,
+              "paged_attention: query_start_loc must run from 0 to the ", T, " rows of q");
+
+  Plan plan;
+  plan.q = q.data_ptr();
+  plan.q_row_stride = q.stride(0);
+  plan.q_head_stride = q.stride(1);
+  plan.key_cache = key_cache.data_ptr();
+  plan.value_cache = value_cache.data_ptr();
+  plan.out = out.data_ptr();
+  plan.tables = block_tables.data_ptr<int32_t>();
+  plan.table_stride = block_tables.stride(0);
+  plan.num_heads = H;
+  plan.group_size = H / KVH;
+  plan.head_dim = D;
+  plan.num_blocks = NB;
+  plan.block_size = BS;
+  plan.window = sliding_window;
+  plan.scale = static_cast<float>(scale);
+
+  const int64_t G = plan.group_size;
+  const int64_t rows_per_group = std::max<int64_t>(1, kMaxQueriesPerGroup / G);
+  int64_t work = 0;  // sum over groups of keys x queries
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = start[s + 1] - start[s], ctx = len[s];
+    TORCH_CHECK(q_len >= 1, "paged_attention: sequence ", s, " has no query rows");
+    TORCH_CHECK(ctx >= q_len, "paged_attention: sequence ", s, " has seq_len ", ctx,
+                " < its ", q_len, " query rows");
+    // Validate exactly the blocks that will be read.
+    const int64_t first_key = key_window(ctx - q_len, sliding_window).first;
+    const int64_t last_block = (ctx - 1) / BS;
+    TORCH_CHECK(last_block < block_tables.size(1), "paged_attention: sequence ", s, " needs ",
+                last_block + 1, " blocks, block_tables has ", block_tables.size(1));
+    const int32_t* table = plan.tables + s * plan.table_stride;
+    for (int64_t b = first_key / BS; b <= last_block; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < NB, "paged_attention: sequence ", s, " block ", b,
+                  " is ", table[b], ", outside the pool's ", NB, " blocks");
+    for (int64_t r = 0; r < q_len; r += rows_per_group) {
+      const int64_t rows = std::min(rows_per_group, q_len - r);
+      const int64_t first_pos = ctx - q_len + r;
+      const int64_t key_lo = key_window(first_pos, sliding_window).first;
+      const int64_t key_hi = first_pos + rows;
+      for (int64_t h = 0; h < KVH; ++h)
+        plan.groups.push_back({s, h, start[s] + r, rows, first_pos, key_lo, key_hi, 1, 0});
+      work += KVH * (key_hi - key_lo) * rows * G;
+    }
+  }
+  if (plan.groups.empty()) return out;
+
+  // Below this much work a parallel region costs more than it saves. Otherwise partitions
+  // are sized for enough items to keep every thread busy (flash-decoding), within limits.
+  const int64_t threads = at::get_num_threads();
+  const bool parallel = threads > 1 && work >= kMinParallelWork;
+  plan.part_keys = kMaxPartKeys;
+  if (parallel) {
+    int64_t total_keys = 0;
+    for (const Group& g : plan.groups) total_keys += g.key_hi - g.key_lo;
+    const int64_t items = kItemsPerThread * threads;
+    const int64_t want = (total_keys + items - 1) / items;
+    plan.part_keys = std::clamp<int64_t>((want + 31) / 32 * 32, kMinPartKeys, kMaxPartKeys);
+  }
+
+  int64_t slots = 0;
+  for (int64_t gi = 0; gi < static_cast<int64_t>(plan.groups.size()); ++gi) {
+    Group& g = plan.groups[gi];
+    g.parts = (g.key_hi - g.key_lo + plan.part_keys - 1) / plan.part_keys;
+    if (g.parts > 1) {
+      g.slot = slots;
+      slots += g.parts * g.rows * G;
+    }
+    for (int64_t p = 0; p < g.parts; ++p) plan.items.push_back({gi, p});
+  }
+  Tensor partials;
+  if (slots > 0) {
+    partials = at::empty({slots * (D + 2)}, q.options().dtype(at::kFloat));
+    plan.partial_acc = partials.data_ptr<float>();
+    plan.partial_max = plan.partial_acc + slots * D;
+    plan.partial_sum = plan.partial_max + slots;
+    plan.done.reset(new std::atomic<int64_t>[plan.groups.size()]);
+    for (size_t i = 0; i < plan.groups.size(); ++i) plan.done[i].store(0);
+  }
+  if (dtype == at::kBFloat16)
+    run_plan_for_head_dim<BFloat16>(plan, parallel);
+  else
+    run_plan_for_head_dim<float>(plan, parallel);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
+
+}  // namespace iterserve

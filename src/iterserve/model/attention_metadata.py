@@ -1,0 +1,201 @@
+"""One step's attention metadata: which rows attend how, over which blocks, built once per step.
+
+The flat batch's rows come in up to three runs, in order:
+
+1. *kernel rows*: leading sequences with at most `kernel_max_query_len` new tokens (decodes,
+   and short spans such as speculative verification), served in one call by the C++ paged
+   attention op, which reads K/V in place through each sequence's block table;
+2. *decode rows* (only without that op): leading one-token sequences, served together by the
+   torch decode path in attention.py;
+3. *prefill chunks*: every other sequence, each attending causally over its cached prefix and
+   itself through flash SDPA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's part of the step, in the engine's terms."""
+
+    block_ids: Sequence[int]
+    num_computed_tokens: int  # tokens already in the KV cache (positions 0..n-1)
+    num_new_tokens: int  # tokens computed this step (positions n..n+k-1)
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """The leading rows the C++ paged attention op serves, in its argument form."""
+
+    num_tokens: int
+    block_tables: torch.Tensor  # [S, max_blocks] int32; padding entries are never read
+    seq_lens: torch.Tensor  # [S] int32: context length, this step's tokens included
+    query_start_loc: torch.Tensor  # [S + 1] int32: sequence s owns rows [loc[s], loc[s+1])
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A multi-token span: its queries attend causally over the cached prefix and themselves."""
+
+    query_start: int  # first row of the chunk in the flat batch
+    query_end: int  # one past its last row
+    num_cached_tokens: int  # n: keys at positions < n come from earlier steps
+    # Block ids covering positions 0..n+k-1, or None when n == 0: a fresh prompt attends to
+    # this step's k/v directly, so nothing needs gathering.
+    context_blocks: torch.Tensor | None
+    # [1, 1, k, len(context_blocks) * block_size] additive (0 / -inf): query i sees keys
+    # j <= n + i (and, with a sliding window, j > n + i - window), which also hides the tail
+    # padding of the last block. When n == 0, [1, 1, k, k] over the chunk itself if a window
+    # cuts into it, else None (plain causal attention).
+    attn_mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the layers need for one step, built once by `build_attention_metadata`."""
+
+    block_size: int
+    num_tokens: int  # T, rows of the flat batch
+    sliding_window: int  # keys further back than this are hidden from a query; 0: none
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    kernel: KernelRows | None  # rows for the C++ op, or None
+    num_decodes: int  # B, the torch decode group's size (0 when the C++ op runs)
+    # [B * decode_max_blocks] int64: the group's block tables, row-major, each padded with its
+    # own first block so masked lanes still read finite K/V (0 * NaN would poison the output).
+    decode_block_table: torch.Tensor
+    decode_max_blocks: int
+    # [B, decode_max_blocks * block_size] float32 additive: -inf past each context end.
+    decode_mask: torch.Tensor
+    decode_context_lens: list[int]  # context length of each decode, new token included
+    prefills: list[PrefillChunk]
+    max_context_len: int  # longest context in the step, new tokens included
+    # Per-cache derived tensors, built by the first layer that needs them (attention.py).
+    plans: dict[tuple[object, ...], object] = field(default_factory=dict, repr=False)
+
+
+def _blocks_for(span: SeqSpan, num_tokens: int, block_size: int) -> list[int]:
+    needed = -(-num_tokens // block_size)
+    if len(span.block_ids) < needed:
+        raise ValueError(
+            f"span needs {needed} blocks for {num_tokens} tokens but has {len(span.block_ids)}"
+        )
+    return list(span.block_ids[:needed])
+
+
+def _leading(spans: Sequence[SeqSpan], max_query_len: int) -> int:
+    count = 0
+    while count < len(spans) and spans[count].num_new_tokens <= max_query_len:
+        count += 1
+    return count
+
+
+def _kernel_rows(spans: Sequence[SeqSpan], block_size: int, device: torch.device) -> KernelRows:
+    tables = [_blocks_for(s, s.num_computed_tokens + s.num_new_tokens, block_size) for s in spans]
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    lens = [s.num_computed_tokens + s.num_new_tokens for s in spans]
+    starts = [0]
+    for s in spans:
+        starts.append(starts[-1] + s.num_new_tokens)
+    return KernelRows(
+        num_tokens=starts[-1],
+        block_tables=torch.tensor(padded, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32).to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
+    )
+
+
+def build_attention_metadata(
+    spans: Sequence[SeqSpan],
+    block_size: int,
+    device: torch.device,
+    kernel_max_query_len: int = 0,
+    sliding_window: int | None = None,
+) -> AttentionMetadata:
+    """Turn the step's spans (flat-batch order, short spans first) into layer-ready tensors.
+
+    `kernel_max_query_len` > 0 hands the leading spans of at most that many new tokens to the
+    C++ paged attention op; 0 keeps every row on the torch paths. `sliding_window` (Mistral)
+    hides keys more than that many positions back, in every path's masks. Everything is built
+    on the host with a handful of vectorised ops and moved once.
+    """
+    window = sliding_window or 0
+    if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
+        raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
+    num_kernel = _leading(spans, kernel_max_query_len) if kernel_max_query_len > 0 else 0
+    kernel = _kernel_rows(spans[:num_kernel], block_size, device) if num_kernel else None
+    num_decodes = 0 if kernel_max_query_len > 0 else _leading(spans, 1)
+
+    # Torch decode group: one padded block table and one length mask serve every layer.
+    decode_lens = [s.num_computed_tokens + 1 for s in spans[:num_decodes]]
+    max_blocks = -(-max(decode_lens, default=0) // block_size)
+    table: list[int] = []
+    for span, length in zip(spans[:num_decodes], decode_lens, strict=True):
+        blocks = _blocks_for(span, length, block_size)
+        table.extend(blocks)
+        table.extend([blocks[0]] * (max_blocks - len(blocks)))
+    decode_mask = torch.zeros(num_decodes, max_blocks * block_size)
+    if num_decodes:
+        key_pos = torch.arange(max_blocks * block_size)
+        lens = torch.tensor(decode_lens)[:, None]
+        hidden = key_pos[None, :] >= lens
+        if window:
+            hidden |= key_pos[None, :] <= lens - 1 - window
+        decode_mask.masked_fill_(hidden, float("-inf"))
+
+    slots: list[int] = []
+    prefills: list[PrefillChunk] = []
+    first_chunk = num_kernel + num_decodes
+    start = 0
+    for index, span in enumerate(spans):
+        n, k = span.num_computed_tokens, span.num_new_tokens
+        block_list = _blocks_for(span, n + k, block_size)
+        # Plain Python: a step is mostly decodes, one slot each, and tensors cost more here.
+        slots.extend(
+            block_list[p // block_size] * block_size + p % block_size for p in range(n, n + k)
+        )
+        if index >= first_chunk:
+            blocks = torch.tensor(block_list, dtype=torch.int64)
+            mask = None
+            if n > 0 or (window and k > window):
+                positions = torch.arange(n, n + k)
+                # Keys are the cached context (n > 0) or this chunk itself.
+                key_pos = torch.arange(len(blocks) * block_size if n > 0 else k)
+                hidden = key_pos[None, :] > positions[:, None]
+                if window:
+                    hidden |= key_pos[None, :] <= positions[:, None] - window
+                mask = torch.zeros(k, len(key_pos)).masked_fill_(hidden, float("-inf"))
+                mask = mask[None, None].to(device)
+            prefills.append(
+                PrefillChunk(
+                    query_start=start,
+                    query_end=start + k,
+                    num_cached_tokens=n,
+                    context_blocks=blocks.to(device) if n > 0 else None,
+                    attn_mask=mask,
+                )
+            )
+        start += k
+
+    return AttentionMetadata(
+        block_size=block_size,
+        num_tokens=start,
+        sliding_window=window,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        kernel=kernel,
+        num_decodes=num_decodes,
+        decode_block_table=torch.tensor(table, dtype=torch.int64).to(device),
+        decode_max_blocks=max_blocks,
+        decode_mask=decode_mask.to(device),
+        decode_context_lens=decode_lens,
+        prefills=prefills,
+        max_context_len=max(
+            (s.num_computed_tokens + s.num_new_tokens for s in spans),
+            default=0,
+        ),
+    )

@@ -1,0 +1,119 @@
+"""From loaded weights and the engine's settings to a ready network: which kernels, which
+weight format, compiled or not. Every choice is made here, once, and said in one log line."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from iterserve import kernels
+from iterserve.config import ConfigError, EngineConfig
+from iterserve.model.linear import Backend, onednn_usable
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import LoadedModel
+from iterserve.model.quant import QuantizedWeight
+
+logger = logging.getLogger("iterserve.model")
+
+# Spans up to this many new tokens (decodes, speculative verification) attend through the
+# C++ paged attention op; longer prefill chunks are compute-bound and flash SDPA's blocked
+# GEMMs serve them better.
+KERNEL_MAX_QUERY_LEN = 16
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What `build_model` chose, for logs, /health and benchmarks."""
+
+    backend: Backend
+    # Leading spans of at most this many new tokens go to the C++ paged attention op (0: the
+    # op is off and torch attention serves every row).
+    attention_kernel_max_query_len: int
+    weights: str  # "bf16", "int4" (4-bit layers, 8-bit head where the checkpoint has it), ...
+    compiled: bool
+    linears: dict[str, str]
+    compile_seconds: float = 0.0
+
+
+def choose_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Backend:
+    if config.kernels == "torch" or not onednn_usable(dtype, device):
+        return "torch"
+    return "tiled" if kernels.available() else "onednn"
+
+
+def choose_quantized(
+    config: EngineConfig, loaded: LoadedModel, backend: Backend
+) -> dict[str, QuantizedWeight]:
+    """The checkpoint blocks to keep as they are; {} means every projection runs in bf16."""
+    has_4bit = any(q.kind == "q4" for q in loaded.quantized.values())
+    if config.weights == "int4":
+        if backend != "tiled":
+            reason = kernels.why_unavailable() or "they are off on this device/dtype"
+            raise ConfigError(f"--weights int4 needs iterserve's C++ kernels ({reason})")
+        if not has_4bit:
+            raise ConfigError(
+                "--weights int4 needs a checkpoint with 4-bit weights (a Q4_0 or Q4_1 GGUF)"
+            )
+    if config.weights == "bf16" or backend != "tiled" or not has_4bit:
+        return {}
+    return dict(loaded.quantized)
+
+
+def build_model(
+    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, ModelPlan]:
+    model = LlamaForCausalLM(loaded.config, dtype, device)
+    model.load_weights(loaded.weights)
+    backend = choose_backend(config, dtype, device)
+    quantized = choose_quantized(config, loaded, backend)
+    model.prepare(backend, quantized)
+    compiled = config.compile and _can_compile(device)
+    if compiled:
+        _use_persistent_compile_cache()
+        model.compile_layers()
+    formats = sorted({q.kind for q in quantized.values()})
+    use_kernel = (
+        config.kernels == "auto"
+        and device.type == "cpu"
+        and loaded.config.head_dim % 32 == 0  # what csrc/paged_attention.cpp is built for
+        and loaded.config.head_dim <= 256
+        and kernels.available()
+    )
+    plan = ModelPlan(
+        backend=backend,
+        attention_kernel_max_query_len=KERNEL_MAX_QUERY_LEN if use_kernel else 0,
+        weights="+".join(formats) if formats else str(dtype).removeprefix("torch."),
+        compiled=compiled,
+        linears=model.describe_linears(),
+    )
+    logger.info(
+        "model %s: %s linears, %s attention, weights %s, %s",
+        loaded.name,
+        plan.backend,
+        "paged-kernel" if use_kernel else "torch",
+        plan.weights,
+        "compiled" if compiled else "eager",
+    )
+    return model, plan
+
+
+def _can_compile(device: torch.device) -> bool:
+    """torch.compile's CPU backend writes C++; without a compiler the engine runs eager."""
+    if device.type != "cpu":
+        return True
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as error:  # noqa: BLE001  any failure to find one means eager
+        logger.warning("no C++ compiler for torch.compile (%s); running eager", error)
+        return False
+    return True
+
+
+def _use_persistent_compile_cache() -> None:
+    """Keep inductor's compiled graphs next to our kernels, across runs and reboots of /tmp."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.cache_dir() / "inductor"))

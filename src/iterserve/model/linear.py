@@ -1,0 +1,124 @@
+"""A projection's weights in the form its kernels read, and the kernel each step takes.
+
+    y = x @ W.T (+ bias) (+ residual)
+
+Backends, chosen once when the model is built:
+
+- ``torch``: F.linear / addmm on the plain weight. The reference path: exact against
+  transformers, and what runs on GPUs, in fp32, and wherever nothing faster is available.
+- ``onednn``: oneDNN's GEMM on weights packed once at load (CPU, bf16). About 2x torch at
+  every batch size, because torch re-lays the weight out on every call
+  (benchmarks/linear_kernels.py).
+- ``tiled``: iterserve's C++ kernel (kernels/csrc/linear.cpp) for steps of at most
+  `max_tile_rows` rows: it streams each weight once per step near memory bandwidth, in bf16
+  or kept in the checkpoint's 4- or 8-bit blocks; larger steps go to the oneDNN GEMM inside
+  the same op, so a compiled graph holds one call per projection whatever the batch.
+
+The residual add rides inside the product in every backend (one op, one rounding).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from iterserve.model.quant import BLOCK, TILE, QuantizedWeight, tile_bf16, tile_quantized
+
+Backend = Literal["torch", "onednn", "tiled"]
+
+_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2}
+
+# Rows up to which the tiled kernel beats oneDNN's GEMM, per weight format, for projections
+# of a few thousand outputs (benchmarks/linear_kernels.py). A vocabulary-sized head has far
+# more outputs to amortise a GEMM's set-up over, so it hands over sooner.
+MAX_TILE_ROWS = {"bf16": 16, "q4": 8, "q8": 4}
+MAX_TILE_ROWS_WIDE = {"bf16": 4, "q4": 4, "q8": 4}
+_WIDE = 16384
+
+
+def onednn_usable(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN packed GEMM runs here: CPU, bf16, and a CPU oneDNN does bf16 on."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class Linear:
+    """One projection; call it with [M, K] activations (rows may be strided)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        backend: Backend = "torch",
+        quantized: QuantizedWeight | None = None,
+    ) -> None:
+        """`weight` is the dense [N, K] matrix in the model dtype. `quantized`, when given,
+        is the same matrix in its checkpoint blocks: the tiled backend then keeps it so."""
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.backend: Backend = backend
+        self.format = "dense"
+        self.weight: torch.Tensor | None = None  # torch backend only
+        self.packed: torch.Tensor | None = None  # oneDNN layout
+        self.tiles: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+        self.max_tile_rows = 0
+        if backend == "tiled" and not self._tileable(quantized):
+            backend = self.backend = "onednn"
+        if backend == "torch":
+            self.weight = weight
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        if backend == "onednn":
+            return
+        if quantized is not None:
+            self.format = quantized.kind
+            self.tiles, self.scales = tile_quantized(quantized)
+        else:
+            self.format = "bf16"
+            self.tiles = tile_bf16(weight)
+        limits = MAX_TILE_ROWS_WIDE if self.out_features >= _WIDE else MAX_TILE_ROWS
+        self.max_tile_rows = limits[self.format]
+
+    def _tileable(self, quantized: QuantizedWeight | None) -> bool:
+        if self.out_features % TILE:
+            return False
+        if quantized is not None:
+            return self.in_features % BLOCK == 0
+        return self.in_features % 2 == 0
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.backend == "tiled":
+            return torch.ops.iterserve.tiled_linear(
+                x,
+                self.tiles,
+                self.scales,
+                self.bias,
+                residual,
+                self.packed,
+                _FORMAT_CODES[self.format],
+                self.max_tile_rows,
+            )
+        if self.backend == "onednn":
+            if residual is None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(
+                x, residual, self.packed, self.bias, "add"
+            )
+        assert self.weight is not None
+        if residual is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            residual = residual + self.bias
+        return torch.addmm(residual, x, self.weight.t())
+
+    def describe(self) -> str:
+        if self.backend == "tiled":
+            return f"tiled-{self.format}(<={self.max_tile_rows} rows)+onednn"
+        return self.backend

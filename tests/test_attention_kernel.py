@@ -1,0 +1,268 @@
+"""The C++ paged attention op against a plain torch reference over a shuffled, NaN-poisoned pool."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from iterserve import kernels
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+
+HUGE_BLOCK_ID = 2**31 - 1  # padding entries of block_tables: reading one would crash
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [T, heads, head_dim], a strided view unless asked otherwise
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scale: float
+    window: int
+
+    def run(self) -> torch.Tensor:
+        return torch.ops.iterserve.paged_attention(
+            self.q,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+            self.window,
+        )
+
+
+def make_case(
+    contexts: list[int],
+    q_lens: list[int],
+    *,
+    num_kv_heads: int = 2,
+    group: int = 3,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    window: int = 0,
+    strided_q: bool = True,
+    seed: int = 0,
+) -> Case:
+    """Sequences on scattered blocks of a pool whose every unused slot holds NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    blocks_per_seq = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
+    order = torch.randperm(num_blocks, generator=gen)
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    tables = torch.full((len(contexts), max(blocks_per_seq) + 2), HUGE_BLOCK_ID, dtype=torch.int32)
+    used = 0
+    for s, (context, count) in enumerate(zip(contexts, blocks_per_seq, strict=True)):
+        blocks = order[used : used + count]
+        used += count
+        tables[s, :count] = blocks.int()
+        slots = torch.arange(context)
+        ids, offsets = blocks[slots // block_size], slots % block_size
+        for cache in (key_cache, value_cache):
+            values = torch.randn(num_kv_heads, context, head_dim, generator=gen).to(dtype)
+            cache[:, ids, offsets] = values
+    total = sum(q_lens)
+    if strided_q:  # q as the first slice of a fused qkv projection's output
+        wide = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+        q = wide.to(dtype)[:, : num_heads * head_dim].view(total, num_heads, head_dim)
+        assert total == 1 or not q.is_contiguous()
+    else:
+        q = torch.randn(total, num_heads, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    return Case(
+        q=q,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=tables,
+        seq_lens=torch.tensor(contexts, dtype=torch.int32),
+        query_start_loc=starts,
+        scale=head_dim**-0.5,
+        window=window,
+    )
+
+
+def reference(case: Case) -> torch.Tensor:
+    """Per sequence: gather the context by its block table, mask, softmax, all in fp64."""
+    num_kv_heads, _, block_size, head_dim = case.key_cache.shape
+    group = case.q.shape[1] // num_kv_heads
+    out = torch.empty(case.q.shape, dtype=torch.float64)
+    for s, context in enumerate(case.seq_lens.tolist()):
+        lo, hi = case.query_start_loc[s].item(), case.query_start_loc[s + 1].item()
+        blocks = case.block_tables[s, : -(-context // block_size)].long()
+
+        def gather(cache: torch.Tensor, blocks: torch.Tensor = blocks, n: int = context):
+            rows = cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :n]
+            return rows.double().repeat_interleave(group, 0)  # [heads, context, head_dim]
+
+        keys, values = gather(case.key_cache), gather(case.value_cache)
+        queries = case.q[lo:hi].double()  # [rows, heads, head_dim]
+        scores = torch.einsum("rhd,hkd->hrk", queries, keys) * case.scale
+        positions = torch.arange(context - (hi - lo), context)[:, None]
+        key_pos = torch.arange(context)[None, :]
+        allowed = key_pos <= positions
+        if case.window > 0:
+            allowed &= key_pos > positions - case.window
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        out[lo:hi] = torch.einsum("hrk,hkd->rhd", probs, values)
+    return out
+
+
+def assert_matches(out: torch.Tensor, case: Case) -> None:
+    expected = reference(case)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype and out.is_contiguous()
+    assert not out.isnan().any()
+    error = (out.double() - expected).abs()
+    if out.dtype == torch.float32:
+        allowed = 1e-5 + 1e-5 * expected.abs()
+    else:  # one rounding to bf16 (half an ulp, at most 2^-8 relative) plus fp32 slack
+        allowed = 2.0**-8 * expected.abs() + 1e-5
+    excess = (error - allowed).max().item()
+    assert excess <= 0, f"max error {error.max().item():.3g}, exceeds the bound by {excess:.3g}"
+
+
+# Contexts from a single token to past several partitions (at most 512 keys each).
+MIXED_CONTEXTS = [1, 9, 16, 17, 100, 700, 1100]
+MIXED_Q_LENS = [1, 1, 8, 3, 1, 5, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_mixed_query_lengths_match_reference(
+    block_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
+    case = make_case(
+        MIXED_CONTEXTS,
+        MIXED_Q_LENS,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=block_size + head_dim + group,
+    )
+    assert_matches(case.run(), case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 5, 33])
+def test_decode_batches_match_reference(batch: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(batch)
+    contexts = torch.randint(1, 900, (batch,), generator=gen).tolist()
+    case = make_case(contexts, [1] * batch, dtype=dtype, seed=batch)
+    assert_matches(case.run(), case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 100, 600])
+def test_sliding_window(window: int, dtype: torch.dtype) -> None:
+    case = make_case(MIXED_CONTEXTS, MIXED_Q_LENS, dtype=dtype, window=window, seed=window)
+    assert_matches(case.run(), case)
+
+
+def test_sliding_window_never_reads_blocks_before_the_window() -> None:
+    """Blocks wholly outside every window may be freed: give them garbage ids."""
+    case = make_case([900, 40], [2, 1], block_size=16, window=64, dtype=torch.bfloat16)
+    expected = case.run()
+    case.block_tables[0, : (900 - 2 - 64) // 16] = HUGE_BLOCK_ID
+    torch.testing.assert_close(case.run(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [0, 300])
+def test_long_query_over_a_cached_prefix(cached: int, dtype: torch.dtype) -> None:
+    # 70 rows x group 3 exceed one query chunk, so rows are split and K/V read per chunk.
+    case = make_case([cached + 70, 50, 1], [70, 1, 1], dtype=dtype, group=3, seed=cached)
+    assert_matches(case.run(), case)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_other_head_dims(head_dim: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        case = make_case([5, 300], [1, 4], head_dim=head_dim, dtype=dtype, seed=head_dim)
+        assert_matches(case.run(), case)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_thread_counts_change_partitions_not_results(threads: int) -> None:
+    case = make_case([1300, 260, 2], [1, 4, 2], dtype=torch.float32, seed=threads)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = case.run()
+    finally:
+        torch.set_num_threads(saved)
+    assert_matches(out, case)
+
+
+def test_contiguous_q() -> None:
+    case = make_case([33, 2], [3, 1], strided_q=False, dtype=torch.bfloat16)
+    assert_matches(case.run(), case)
+
+
+def test_empty_step() -> None:
+    case = make_case([4], [1])
+    empty = Case(
+        case.q[:0],
+        case.key_cache,
+        case.value_cache,
+        case.block_tables[:0],
+        case.seq_lens[:0],
+        torch.zeros(1, dtype=torch.int32),
+        case.scale,
+        0,
+    )
+    assert empty.run().shape == (0, *case.q.shape[1:])
+
+
+def test_bad_inputs_are_refused() -> None:
+    case = make_case([20, 3], [1, 1], dtype=torch.bfloat16)
+    case.block_tables[0, 1] = HUGE_BLOCK_ID  # a block the context needs
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        case.run()
+    odd = make_case([4], [1], head_dim=48)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        odd.run()
+    short = make_case([4], [1])
+    short.seq_lens[0] = 0
+    with pytest.raises(RuntimeError, match="seq_len"):
+        short.run()
+    mixed = make_case([4], [1])
+    mixed.q = mixed.q.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        mixed.run()
+
+
+def test_torch_compile_fullgraph_matches_eager() -> None:
+    case = make_case([40, 7, 300], [1, 3, 1], dtype=torch.bfloat16)
+
+    def attend(q: torch.Tensor, case: Case = case) -> torch.Tensor:
+        out = torch.ops.iterserve.paged_attention(
+            q * 1.0,  # an op around it, so the graph is not just the call
+            case.key_cache,
+            case.value_cache,
+            case.block_tables,
+            case.seq_lens,
+            case.query_start_loc,
+            case.scale,
+            case.window,
+        )
+        return out.flatten(1)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    eager = attend(case.q)
+    torch.testing.assert_close(compiled(case.q), eager, rtol=0, atol=0)
+    assert math.isfinite(eager.float().abs().sum().item())
