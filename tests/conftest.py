@@ -76,3 +76,37 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     return _save_tiny(
         "qwen2", tmp_path_factory.mktemp("tiny-qwen2"), tokenizer_dir, tie_word_embeddings=False
     )
+
+
+# A Llama-2-style chat template: it writes BOS itself, and the tokenizer adds BOS too.
+BOS_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bos_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """The tiny Llama with a tokenizer that adds BOS and a template that starts with it,
+    as Llama 2/3 and Mistral checkpoints have (the bundled SmolLM2 tokenizer adds none)."""
+    from tokenizers import processors
+
+    from iterserve.model.tokenizer import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    bos = tokenizer.bos_token
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A",
+        pair=f"{bos} $A {bos} $B",
+        special_tokens=[(bos, tokenizer.bos_token_id)],
+    )
+    tokenizer.chat_template = BOS_CHAT_TEMPLATE
+    bos_tokenizer_dir = tmp_path_factory.mktemp("bos-tokenizer")
+    tokenizer.save_pretrained(bos_tokenizer_dir)
+    return _save_tiny(
+        "llama",
+        tmp_path_factory.mktemp("tiny-llama-bos"),
+        bos_tokenizer_dir,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+    )

@@ -57,6 +57,8 @@ def make_scheduler(
     **config: object,
 ) -> tuple[Scheduler, Clock]:
     clock = Clock()
+    # The config refuses more seats than a step has tokens; small budgets get fewer seats.
+    config.setdefault("max_num_seqs", min(64, config.get("max_num_batched_tokens", 512)))  # type: ignore[call-overload]
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     return Scheduler(SchedulerConfig(**config), kv, max_model_len, clock), clock  # type: ignore[arg-type]
 

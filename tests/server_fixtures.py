@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
+from iterserve.bench.server_process import scrape_metrics
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.llm_engine import LLMEngine
@@ -32,7 +31,7 @@ def engine_config(model_dir: Path, **scheduler: Any) -> EngineConfig:
         device="cpu",
         compile=False,  # compiling is tested on its own; here it would only cost time
         cache=CacheConfig(block_size=16, num_kv_blocks=512),
-        scheduler=SchedulerConfig(max_model_len=512, **scheduler),
+        scheduler=SchedulerConfig(**{"max_model_len": 512, **scheduler}),
     )
 
 
@@ -54,13 +53,7 @@ class RunningServer:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics as {'name{label="v",...}': value}."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        return scrape_metrics(self.base_url)
 
 
 @contextmanager

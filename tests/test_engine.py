@@ -53,7 +53,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     "settings",
     [
         {"compile": True},  # the default path, compiled graph included
-        {"max_num_batched_tokens": 7},  # every prompt chunked, decodes mixed in
+        {"max_num_batched_tokens": 7, "max_num_seqs": 7},  # every prompt chunked, decodes mixed in
         {"num_kv_blocks": 20, "block_size": 4},  # preemption: prompts fit, outputs do not
         {"enable_prefix_caching": False, "enable_chunked_prefill": False},
         {"step_policy": "prefill-first", "max_num_seqs": 2},
@@ -91,7 +91,13 @@ def test_prefix_cache_hits_keep_the_text(tiny_llama_dir: Path) -> None:
 
 def test_qwen2_matches_transformers(tiny_qwen2_dir: Path) -> None:
     expected = reference(tiny_qwen2_dir, PROMPTS, MAX_TOKENS)
-    llm = LLM(str(tiny_qwen2_dir), dtype="float32", compile=False, max_num_batched_tokens=16)
+    llm = LLM(
+        str(tiny_qwen2_dir),
+        dtype="float32",
+        compile=False,
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+    )
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -143,3 +144,32 @@ def test_eviction_takes_uncached_then_least_recently_used() -> None:
     assert kv.allocate(taker, 8)
     assert kv.find_cached_prefix(make_request("x", [1, 1, 1, 1, 9])) == []
     assert len(kv.find_cached_prefix(make_request("y", [2, 2, 2, 2, 9]))) == 1
+
+
+def _computed(kv: KVCacheManager, request_id: str, tokens: list[int]) -> None:
+    """Run a request's prompt through the pool and free it, leaving its blocks cached."""
+    request = make_request(request_id, tokens)
+    assert kv.allocate(request, request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_full_blocks(request)
+    kv.free(request)
+
+
+@pytest.mark.parametrize("algo, collides", [("builtin", True), ("sha256", False)])
+def test_a_hash_collision_shares_kv_only_with_the_weak_hash(algo: str, collides: bool) -> None:
+    # Python hashes ints modulo 2**61 - 1, so these two blocks differ yet hash alike.
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, hash_algo=algo)
+    _computed(kv, "victim", [0, 1, 2, 3, 9])
+    attacker = make_request("attacker", [2**61 - 1, 1, 2, 3, 9])
+    assert bool(kv.find_cached_prefix(attacker)) == collides
+
+
+def test_sha256_is_the_default_and_chains_parent_digests() -> None:
+    import hashlib
+    from array import array
+
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    _computed(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    first = hashlib.sha256(array("q", [1, 2, 3, 4]).tobytes()).digest()
+    second = hashlib.sha256(first + array("q", [5, 6, 7, 8]).tobytes()).digest()
+    assert set(kv._cached) == {first, second}

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from fake_executor import FakeExecutor, expected_output, make_request, make_scheduler, run
-from iterserve.config import ConfigError, SchedulerConfig
+from iterserve.config import ConfigError, EngineConfig, SchedulerConfig
 from iterserve.core.outputs import SchedulerOutput
 
 
@@ -73,6 +73,17 @@ def test_static_waits_for_a_full_batch() -> None:
     assert scheduler.schedule().is_empty
     scheduler.add_request(make_request("c", [1, 2], max_tokens=2))
     assert len(scheduler.schedule().seqs) == 3
+
+
+def test_static_starts_a_partial_batch_after_its_max_wait() -> None:
+    # A server never learns that no more requests will come: without a maximum wait,
+    # a partial static batch would wait for ever.
+    scheduler, clock = make_scheduler(batching="static", batch_size=3, static_max_wait_ms=2000)
+    scheduler.add_request(make_request("a", [1, 2], max_tokens=2, arrival=0.0))
+    clock.now = 1.9
+    assert scheduler.schedule().is_empty, "static waits far longer than dynamic's default"
+    clock.now = 2.0
+    assert [s.request_id for s in scheduler.schedule().seqs] == ["a"]
 
 
 def test_dynamic_starts_on_size_or_timeout_whichever_first() -> None:
@@ -188,12 +199,45 @@ def test_a_request_is_not_preempted_again_before_it_progresses() -> None:
         ({"batching": "sideways"}, "batching"),
         ({"step_policy": "random"}, "step-policy"),
         ({"max_num_seqs": 0}, "max-num-seqs"),
+        ({"batching": "static", "static_max_wait_ms": float("inf")}, "static-max-wait-ms"),
         ({"batch_lane_min_share": 1.5}, "min-share"),
+        # Settings that used to be accepted and then starved or hung requests:
+        ({"batch_lane_min_share": 1.0}, "batch-lane-min-share"),
+        ({"max_running_batch_lane": 0}, "max-running-batch-lane"),
+        ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "max-num-seqs.*max-num-batched"),
+        ({"batching": "static", "batch_size": 16, "max_num_seqs": 8}, "batch-size.*max-num-seqs"),
+        ({"batching": "dynamic", "batch_size": 16, "max_num_seqs": 8}, "batch-size.*max-num-seqs"),
     ],
 )
 def test_invalid_configurations_are_refused(overrides: dict, message: str) -> None:
+    # Building the dataclass is enough: not only the CLI validates.
     with pytest.raises(ConfigError, match=message):
-        SchedulerConfig(**overrides).validate()
+        SchedulerConfig(**overrides)
+    config = EngineConfig()
+    for key, value in overrides.items():
+        setattr(config.scheduler, key, value)  # changed after building: caught on use
+    with pytest.raises(ConfigError, match=message):
+        config.validate()
+
+
+def test_batch_lane_gets_a_seat_when_chats_hold_every_seat() -> None:
+    # Two seats, a chat arriving every step: before seats were part of the batch lane's
+    # share, each freed seat went to the next chat and the document never started.
+    scheduler, clock = make_scheduler(
+        max_num_seqs=2, max_num_batched_tokens=64, batch_lane_min_share=0.1
+    )
+    executor = FakeExecutor()
+    for name in ("first", "second"):
+        scheduler.add_request(make_request(name, [5] * 4, max_tokens=3))
+    step(scheduler, executor)
+    scheduler.add_request(make_request("doc", [7] * 20, max_tokens=2, lane="batch"))
+    for t in range(80):
+        clock.now = t * 0.01
+        scheduler.add_request(make_request(f"c{t}", [5] * 4, max_tokens=3, arrival=clock.now))
+        step(scheduler, executor)
+        if "doc" not in scheduler.requests:
+            break
+    assert "doc" not in scheduler.requests, "the batch lane was starved of seats"
 
 
 def test_lanes_off_puts_everyone_in_one_queue() -> None:

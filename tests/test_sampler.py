@@ -19,7 +19,7 @@ from iterserve.sample.sampler import (
     _LogitRows,
     make_generator,
 )
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 VOCAB = 49152  # the bundled model's: exercises the chunked fast paths
 ODD_VOCAB = 1000  # not a multiple of the chunk width: exercises the fallbacks
@@ -117,6 +117,32 @@ def test_tiny_top_p_and_min_p_1_pick_the_max(vocab: int, temperature: float) -> 
     assert _sample(logits, SamplingParams(temperature=temperature, top_p=1e-6)).token_ids == argmax
     assert _sample(logits, SamplingParams(temperature=temperature, min_p=1.0)).token_ids == argmax
     assert _sample(logits, SamplingParams(temperature=1e-7)).token_ids == argmax
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, ODD_VOCAB])
+@pytest.mark.parametrize("top_p", [1e-85, 5e-324])
+def test_top_p_below_float32_range_is_greedy(vocab: int, top_p: float) -> None:
+    # Found by fuzzing the server: top_p rounds to 0 in float32, which used to leave no
+    # token kept and index past the candidate row.
+    logits = _logits(4, vocab, seed=5)
+    params = [SamplingParams(top_p=top_p), SamplingParams(top_p=top_p, top_k=50, min_p=0.5)]
+    out = _sample(logits, params * 2)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("seed", [2**64, 10**30, -(2**70)])
+def test_any_integer_is_a_seed(seed: int) -> None:
+    logits = _logits(1)
+    first = _sample(logits, SamplingParams(seed=seed), [make_generator(seed)]).token_ids
+    again = _sample(logits, SamplingParams(seed=seed), [make_generator(seed)]).token_ids
+    assert first == again
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_sampling_values_are_refused(name: str, value: float) -> None:
+    with pytest.raises(InvalidRequestError, match=name):
+        SamplingParams(**{name: value})  # type: ignore[arg-type]
 
 
 # -- distributions ------------------------------------------------------------------------------

@@ -74,6 +74,28 @@ def test_preemption_under_a_tiny_pool_loses_nothing() -> None:
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
 
 
+def test_readmission_after_preemption_is_not_a_prefix_hit() -> None:
+    # Distinct prompts share nothing; a preempted request finding its own freed blocks
+    # again saves recompute, and must not show up as a prefix-cache hit.
+    scheduler, clock = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=32)
+    prompts = [[100 + i] + p for i, p in enumerate(random_prompts(8, seed=3, lo=10, hi=20))]
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=16))
+    cached_at_first_admission = {}
+
+    def watch(out: SchedulerOutput) -> None:
+        for seq in out.seqs:
+            request = scheduler.requests[seq.request_id]
+            cached_at_first_admission.setdefault(seq.request_id, request.num_cached_tokens)
+
+    run(scheduler, clock, on_step=watch)
+    stats = scheduler.kv.stats()
+    assert scheduler.num_preemptions > 0 and stats.preempted_hits > 0
+    assert stats.prefix_hits == 0 and stats.prefix_hit_rate == 0.0
+    assert stats.prefix_queries == sum(len(p) for p in prompts)
+    assert set(cached_at_first_admission.values()) == {0}
+
+
 def test_victim_is_the_most_recently_admitted() -> None:
     scheduler, _ = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
     for i in range(3):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -15,7 +16,13 @@ import httpx
 import openai
 import pytest
 
-from iterserve.engine.async_engine import AsyncEngine, EngineStoppedError, GenerationRequest
+from iterserve.core.outputs import ModelOutput, SchedulerOutput
+from iterserve.engine.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    GenerationRequest,
+    RequestFailedError,
+)
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.sampling_params import SamplingParams
 from server_fixtures import MODEL_NAME, engine_config, free_port, running_server, wait_until
@@ -157,6 +164,47 @@ def test_cancelled_generate_aborts_its_request(engine: LLMEngine) -> None:
         await async_engine.shutdown(timeout=1)
 
     asyncio.run(main())
+
+
+def test_a_failed_step_fails_exactly_its_requests(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # prefill-first: the new request's prompt runs in a step of its own, without the
+    # running request's decode; only the new one may fail with that step.
+    engine = LLMEngine(engine_config(tiny_llama_dir, step_policy="prefill-first"))
+    executor = engine.executor
+    original = executor.execute
+
+    def fail_with_doomed(scheduled: SchedulerOutput) -> ModelOutput:
+        if any(seq.request_id == "doomed" for seq in scheduled.seqs):
+            raise RuntimeError("injected model failure")
+        return original(scheduled)
+
+    executor.execute = fail_with_doomed  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        survivor = await async_engine.add([_request("survivor", max_tokens=40)])
+        _, first = await survivor.__anext__()  # decoding by now
+        assert first.token_ids
+        doomed = await async_engine.add([_request("doomed", max_tokens=5)])
+        with pytest.raises(RequestFailedError):
+            async for _ in doomed:
+                pass
+        outputs = [output async for _, output in survivor]
+        assert outputs[-1].finish_reason == "length" and len(outputs[-1].token_ids) == 40
+        after = await async_engine.add([_request("after", max_tokens=3)])
+        assert [o async for _, o in after][-1].finish_reason == "length"
+        assert async_engine.num_step_errors == 1
+        assert engine.scheduler.kv.stats().num_used_blocks == 0
+        await async_engine.shutdown(timeout=1)
+
+    with caplog.at_level(logging.ERROR, logger="iterserve.engine"):
+        asyncio.run(main())
+    failures = [r for r in caplog.records if "step failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].getMessage().endswith(": doomed")
+    assert failures[0].exc_info is not None  # the model's own traceback is in the log
 
 
 def test_a_dead_loop_fails_waiting_clients_and_health(tiny_llama_dir: Path) -> None:

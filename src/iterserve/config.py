@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from iterserve.core.kv_cache import PREFIX_HASH_ALGOS
 
 BATCHING_MODES = ("continuous", "static", "dynamic")
 STEP_POLICIES = ("mixed", "prefill-first")
@@ -35,6 +38,15 @@ class CacheConfig:
     enable_prefix_caching: bool = _opt(
         True, "share KV blocks between requests with a common prefix"
     )
+    prefix_caching_hash_algo: str = _opt(
+        "sha256",
+        "how a cached block is named: sha256 (collision-resistant) or builtin (Python's "
+        "64-bit hash: faster, but crafted prompts can collide and share another's KV)",
+        choices=PREFIX_HASH_ALGOS,
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -43,6 +55,11 @@ class CacheConfig:
             raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
+            raise ConfigError(
+                f"--prefix-caching-hash-algo must be one of {PREFIX_HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
 
 
 @dataclass
@@ -53,7 +70,14 @@ class SchedulerConfig:
     max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
     batching: str = _opt("continuous", "batching mode", choices=BATCHING_MODES)
     batch_size: int = _opt(8, "requests per batch for static and dynamic batching")
-    max_wait_ms: float = _opt(50.0, "dynamic batching: start a partial batch after this wait")
+    max_wait_ms: float = _opt(
+        50.0, "dynamic batching: start a partial batch once its oldest request waited this long"
+    )
+    static_max_wait_ms: float = _opt(
+        10_000.0,
+        "static batching: start a partial batch once its oldest request waited this long "
+        "(a backstop so a server's last requests never wait for ever, not a latency knob)",
+    )
     step_policy: str = _opt("mixed", "step composition", choices=STEP_POLICIES)
     long_prefill_token_threshold: int = _opt(
         0, "at most this many tokens of one prompt per step (0: no limit)"
@@ -65,31 +89,68 @@ class SchedulerConfig:
         True, "honour request lanes (off: every request waits in one interactive queue)"
     )
     batch_lane_min_share: float = _opt(
-        0.1, "share of each step's token budget the batch lane is guaranteed when it waits"
+        0.1,
+        "share of each step's token budget, and of the seats, the batch lane is guaranteed "
+        "while it waits",
     )
     max_running_batch_lane: int | None = _opt(None, "most batch-lane requests running at once")
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
+        """Refuse settings that cannot work, or that would starve or hang a request."""
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            # Every running request needs one token of a step's budget to decode; with
+            # more seats than tokens, the requests at the tail would wait for ever.
+            raise ConfigError(
+                f"--max-num-seqs ({self.max_num_seqs}) must not exceed --max-num-batched-tokens "
+                f"({self.max_num_batched_tokens}): a step could not give every running request "
+                "its decode token; lower --max-num-seqs or raise --max-num-batched-tokens"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.batching not in BATCHING_MODES:
             raise ConfigError(f"--batching must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.step_policy not in STEP_POLICIES:
             raise ConfigError(
                 f"--step-policy must be one of {STEP_POLICIES}, got {self.step_policy!r}"
             )
-        if self.batching != "continuous" and self.batch_size < 1:
-            raise ConfigError(f"{self.batching} batching needs --batch-size >= 1")
-        if self.max_wait_ms < 0:
-            raise ConfigError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
-        if not 0.0 <= self.batch_lane_min_share <= 1.0:
-            raise ConfigError("--batch-lane-min-share must be in [0, 1]")
+        if self.batching != "continuous":
+            if self.batch_size < 1:
+                raise ConfigError(f"{self.batching} batching needs --batch-size >= 1")
+            if self.batch_size > self.max_num_seqs:
+                raise ConfigError(
+                    f"--batch-size ({self.batch_size}) must not exceed --max-num-seqs "
+                    f"({self.max_num_seqs}): a {self.batching} batch runs all its requests at "
+                    "once; lower --batch-size or raise --max-num-seqs"
+                )
+        for flag, wait in (
+            ("--max-wait-ms", self.max_wait_ms),
+            ("--static-max-wait-ms", self.static_max_wait_ms),
+        ):
+            if not 0 <= wait < math.inf:  # also refuses NaN
+                raise ConfigError(f"{flag} must be a finite number >= 0, got {wait}")
+        if not 0.0 <= self.batch_lane_min_share < 1.0:
+            raise ConfigError(
+                "--batch-lane-min-share must be in [0, 1) (1 would leave interactive prompts "
+                f"nothing while batch work waits), got {self.batch_lane_min_share}"
+            )
+        if self.max_running_batch_lane is not None and self.max_running_batch_lane < 1:
+            raise ConfigError(
+                "--max-running-batch-lane must be at least 1 (leave it unset for no cap; 0 "
+                f"would never run a batch-lane request), got {self.max_running_batch_lane}"
+            )
         if self.long_prefill_token_threshold < 0 or self.max_long_partial_prefills < 0:
-            raise ConfigError("long-prefill limits must be >= 0")
+            raise ConfigError(
+                "--long-prefill-token-threshold and --max-long-partial-prefills must be >= 0"
+            )
 
 
 @dataclass
@@ -118,11 +179,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> EngineConfig:
+        """Check every section; called when a config is built and again before an engine
+        uses it, since callers may change fields in between."""
         if self.dtype not in ("bfloat16", "float32"):
             raise ConfigError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--num-threads must be at least 1, got {self.num_threads}")
         if self.weights not in WEIGHT_FORMATS:
             raise ConfigError(f"--weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.kernels not in KERNEL_CHOICES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -53,6 +54,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
             )
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):  # NaN slips past every range test
+                raise InvalidRequestError(f"{name} must be a finite number", name)
         if self.temperature < 0:
             raise InvalidRequestError(
                 f"temperature must be >= 0, got {self.temperature}", "temperature"

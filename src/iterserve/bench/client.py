@@ -42,6 +42,10 @@ class ClientConfig:
     progress: bool = True
 
     @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
     def api_root(self) -> str:
         root = self.base_url.rstrip("/")
         return root if root.endswith("/v1") else root + "/v1"
@@ -88,6 +92,15 @@ def parse_sse_line(line: str) -> dict[str, Any] | None:
     return json.loads(data)
 
 
+# Raised while sending, before any response: on a pooled keep-alive connection this is
+# the server having closed it meanwhile ("Server disconnected without sending a response").
+_NEVER_ANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class _NeverAnsweredError(Exception):
+    """The request got no response at all; it may be sent again."""
+
+
 async def stream_request(
     client: httpx.AsyncClient,
     config: ClientConfig,
@@ -96,51 +109,101 @@ async def stream_request(
     record: RequestRecord,
     origin: float,
 ) -> bool:
-    """Send one request and fill `record` in; returns whether the server reported usage."""
-    got_usage = False
+    """Send one request and fill `record` in; returns whether the server reported usage.
+
+    A request that got no response at all, because the pooled connection it went out on
+    had been closed by the server, is sent once more on a fresh connection: nothing was
+    generated for it, so nothing is counted twice. Its latency counts from the first try.
+    """
+    body = request_body(config, model, request)
     try:
-        url = f"{config.api_root}/completions"
-        async with client.stream("POST", url, json=request_body(config, model, request)) as resp:
+        return await _send(client, config, body, record, origin)
+    except _NeverAnsweredError:
+        record.retried = True
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(config.timeout), headers=config.headers
+    ) as fresh:
+        try:
+            return await _send(fresh, config, body, record, origin)
+        except _NeverAnsweredError as err:
+            cause = err.__cause__
+            record.error = f"{type(cause).__name__}: {cause} (retried on a fresh connection)"[:300]
+            return False
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    config: ClientConfig,
+    body: dict[str, Any],
+    record: RequestRecord,
+    origin: float,
+) -> bool:
+    try:
+        try:
+            request = client.build_request("POST", f"{config.api_root}/completions", json=body)
+            resp = await client.send(request, stream=True)
+        except _NEVER_ANSWERED as err:
+            raise _NeverAnsweredError from err
+        try:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                record.error = f"HTTP {resp.status_code}: {text[:300]}"
+                record.error = f"HTTP {resp.status_code}: {_error_message(text)}"[:300]
                 return False
-            async for line in resp.aiter_lines():
-                chunk = parse_sse_line(line)
-                if chunk is None:
-                    continue
-                now = time.perf_counter() - origin
-                if "error" in chunk:
-                    record.error = str(chunk["error"])[:300]
-                    return got_usage
-                choices = chunk.get("choices") or []
-                # A chunk carries a token unless it is only a finish marker after others: an
-                # empty-text chunk mid-stream is a token whose bytes the server held back (half
-                # a UTF-8 character), and its gap still belongs to TBT; a lone finish chunk is
-                # the first output the client sees at all.
-                if choices and (
-                    choices[0].get("text")
-                    or choices[0].get("finish_reason") is None
-                    or record.first_token_time is None
-                ):
-                    if record.first_token_time is None:
-                        record.first_token_time = now
-                    record.token_times.append(now)
-                usage = chunk.get("usage")
-                if usage:
-                    got_usage = True
-                    record.output_len = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        record.num_cached_tokens = int(details["cached_tokens"])
-        record.finish_time = time.perf_counter() - origin
-        if not got_usage:
-            record.output_len = len(record.token_times)
-        record.success = record.first_token_time is not None
-        if not record.success:
-            record.error = "the stream ended without a token"
+            return await _read_stream(resp, record, origin)
+        finally:
+            await resp.aclose()
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as err:
         record.error = f"{type(err).__name__}: {err}"[:300]
+        return False
+
+
+def _error_message(text: str) -> str:
+    """The message of an OpenAI-shaped error body, else the body itself."""
+    try:
+        error = json.loads(text)["error"]
+        return str(error["message"] if isinstance(error, dict) else error)
+    except (ValueError, KeyError, TypeError):
+        return text.strip()
+
+
+async def _read_stream(resp: httpx.Response, record: RequestRecord, origin: float) -> bool:
+    got_usage = False
+    async for line in resp.aiter_lines():
+        chunk = parse_sse_line(line)
+        if chunk is None:
+            continue
+        now = time.perf_counter() - origin
+        if "error" in chunk:
+            error = chunk["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            record.error = f"error in the stream: {message}"[:300]
+            return got_usage
+        choices = chunk.get("choices") or []
+        # A chunk carries a token unless it is only a finish marker after others: an
+        # empty-text chunk mid-stream is a token whose bytes the server held back (half
+        # a UTF-8 character), and its gap still belongs to TBT; a lone finish chunk is
+        # the first output the client sees at all.
+        if choices and (
+            choices[0].get("text")
+            or choices[0].get("finish_reason") is None
+            or record.first_token_time is None
+        ):
+            if record.first_token_time is None:
+                record.first_token_time = now
+            record.token_times.append(now)
+        usage = chunk.get("usage")
+        if usage:
+            got_usage = True
+            record.output_len = int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                record.num_cached_tokens = int(details["cached_tokens"])
+    record.finish_time = time.perf_counter() - origin
+    if not got_usage:
+        record.output_len = len(record.token_times)
+    record.success = record.first_token_time is not None
+    if not record.success:
+        record.error = "the stream ended without a token"
     return got_usage
 
 
@@ -150,10 +213,9 @@ async def run_client_async(
     offsets: list[float],
     max_concurrency: int | None = None,
 ) -> RunResult:
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
-        timeout=httpx.Timeout(config.timeout), limits=limits, headers=headers
+        timeout=httpx.Timeout(config.timeout), limits=limits, headers=config.headers
     ) as client:
         model = await resolve_model(client, config)
         if workload.warmup is not None and config.num_warmups > 0:
@@ -198,6 +260,12 @@ async def run_client_async(
         bar.close()
 
     notes = []
+    retried = sum(r.retried for r in records)
+    if retried:
+        notes.append(
+            f"{retried} requests got no response on a pooled connection the server had closed "
+            "and were sent once more on a fresh one (their latency counts from the first try)"
+        )
     if any(r.success and not usage_seen.get(r.request_id) for r in records):
         notes.append(
             "the server sent no usage for some requests: their output tokens were counted "
@@ -219,11 +287,12 @@ def reset_prefix_cache(config: ClientConfig) -> bool:
     """Ask the server to drop its prefix cache (vLLM's endpoint), so sweep points start cold.
 
     Servers without it simply answer 404; the benchmark then notes that points may share
-    cached prefixes.
+    cached prefixes. It sits behind the API key like the rest of the API.
     """
     root = config.base_url.rstrip("/").removesuffix("/v1")
     try:
-        return httpx.post(f"{root}/reset_prefix_cache", timeout=10).status_code < 300
+        response = httpx.post(f"{root}/reset_prefix_cache", headers=config.headers, timeout=10)
+        return response.status_code < 300
     except httpx.HTTPError:
         return False
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from iterserve.bench.arrivals import ArrivalSpec
 from iterserve.bench.metrics import BenchMetrics, Distribution
 from iterserve.bench.offline import OfflineOptions, benchmark_engine
+from iterserve.bench.report import BenchReport
 from iterserve.bench.workloads import Workload, build_workload
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
 
@@ -43,9 +44,12 @@ POLICIES: dict[str, dict[str, Any]] = {
 class PolicyRow:
     policy: str
     settings: dict[str, Any]
-    metrics: BenchMetrics
+    report: BenchReport
     num_preemptions: int
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> BenchMetrics:
+        return self.report.metrics
 
 
 def policy_config(base: EngineConfig, settings: dict[str, Any]) -> EngineConfig:
@@ -82,7 +86,7 @@ def run_comparison(
             label=name,
             seed=base.seed,
         )
-        rows.append(PolicyRow(name, settings, report.metrics, engine.scheduler.num_preemptions))
+        rows.append(PolicyRow(name, settings, report, engine.scheduler.num_preemptions))
         del engine
     return rows
 
@@ -114,8 +118,8 @@ def format_table(rows: list[PolicyRow]) -> str:
 
 
 def rows_to_json(rows: list[PolicyRow], workload: Workload, arrival: ArrivalSpec) -> dict:
-    from dataclasses import asdict
-
+    """Each policy's figures in the very shape `iterserve bench --result-json` writes (and
+    a sweep point), plus what only a comparison knows: the policy and its settings."""
     return {
         "workload": workload.summary(),
         "arrivals": arrival.describe(),
@@ -124,9 +128,7 @@ def rows_to_json(rows: list[PolicyRow], workload: Workload, arrival: ArrivalSpec
                 "policy": row.policy,
                 "settings": row.settings,
                 "num_preemptions": row.num_preemptions,
-                "throughput": asdict(row.metrics.throughput),
-                "latency": asdict(row.metrics.latency),
-                "lanes": {lane: asdict(block) for lane, block in row.metrics.lanes.items()},
+                **row.report.to_dict(),
             }
             for row in rows
         ],

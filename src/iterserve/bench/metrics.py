@@ -113,6 +113,8 @@ class BenchMetrics:
     # Per-lane latency when a workload mixes lanes (interactive chats vs batch documents).
     lanes: dict[str, LatencyBlock] = field(default_factory=dict)
     prefix_cache_hit_rate: float | None = None  # cached / total prompt tokens, when reported
+    # Why requests failed: each distinct error with its count, most frequent first.
+    failure_reasons: dict[str, int] = field(default_factory=dict)
 
 
 # ---- SLOs ----------------------------------------------------------------------------
@@ -253,4 +255,12 @@ def compute_metrics(
         if cached
         else None
     )
-    return BenchMetrics(throughput, latency_block(records), goodput, per_lane, hit_rate)
+    reasons = Counter(r.error or "no error recorded" for r in records if not r.success)
+    return BenchMetrics(
+        throughput,
+        latency_block(records),
+        goodput,
+        per_lane,
+        hit_rate,
+        dict(reasons.most_common()),
+    )

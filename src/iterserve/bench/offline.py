@@ -161,7 +161,7 @@ def benchmark_engine(
     offsets = arrival_offsets(arrival, len(workload.requests), seed, trace)
     warm_up(engine, workload, options)
     # Measured runs start cold, whatever earlier runs on this engine left in the cache.
-    engine.scheduler.kv.reset_prefix_cache()
+    engine.reset_prefix_cache()
     result = run_engine(engine, workload, offsets, arrival.max_concurrency, options)
     config: EngineConfig = engine.config
     return BenchReport(

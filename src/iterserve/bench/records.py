@@ -31,6 +31,8 @@ class RequestRecord:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     success: bool = False
     error: str = ""
+    # Sent a second time, on a fresh connection, after the first got no response at all.
+    retried: bool = False
 
     # ---- per-request metrics (seconds; None when the request cannot define one) ------------
 

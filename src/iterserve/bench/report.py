@@ -68,6 +68,13 @@ class BenchReport:
             "goodput": asdict(m.goodput) if m.goodput else None,
             "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
             "lanes": {lane: latency_dict(block) for lane, block in m.lanes.items()},
+            "failure_reasons": m.failure_reasons,
+            # Every failed request's error, kept whether or not records are saved.
+            "failures": [
+                {"request_id": r.request_id, "error": r.error}
+                for r in self.records
+                if not r.success
+            ],
             "engine_config": self.engine_config,
             "notes": self.notes,
         }
@@ -108,6 +115,13 @@ def format_throughput(block: ThroughputBlock, metrics: BenchMetrics | None = Non
         _title("Throughput"),
         _row("Successful requests:", block.completed),
         _row("Failed requests:", block.failed),
+    ]
+    if metrics is not None:
+        # Distinct reasons with counts: "2 failed" says nothing about what to fix.
+        lines += [
+            f"  {count} x {reason[:100]}" for reason, count in metrics.failure_reasons.items()
+        ]
+    lines += [
         _row("Benchmark duration (s):", block.duration),
         _row("Total input tokens:", block.total_input_tokens),
         _row("Total generated tokens:", block.total_output_tokens),

@@ -53,6 +53,19 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """Every sample of a server's /metrics as {'name{label="v",...}': value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
 @dataclass
 class ServerProcess:
     process: subprocess.Popen[bytes]

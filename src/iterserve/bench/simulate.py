@@ -58,7 +58,10 @@ def simulate(
     clock = VirtualClock()
     cache = config.cache
     kv = KVCacheManager(
-        kv_blocks_for(config, hardware, model), cache.block_size, cache.enable_prefix_caching
+        kv_blocks_for(config, hardware, model),
+        cache.block_size,
+        cache.enable_prefix_caching,
+        cache.prefix_caching_hash_algo,
     )
     scheduler = Scheduler(config.scheduler, kv, config.scheduler.max_model_len or 131072, clock)
     executor = SimulatedExecutor(RooflineCostModel(HARDWARE[hardware], MODELS[model]), clock)

@@ -8,22 +8,33 @@ Prefix caching follows vLLM: a full block is named by hash(parent block's hash,
 its tokens), so a block's name covers everything before it. Freed blocks keep
 their contents and their name until the pool needs them again; the free queue
 is LRU, so the blocks used longest ago are reused first.
+
+A name is the block's identity: two blocks with the same name share KV, so a
+collision would serve one prompt another's cache (vLLM's CVE-2025-25183). The
+default name is therefore sha256; Python's 64-bit `hash` is offered as a
+faster choice for trusted workloads (its collisions are easy to construct:
+hash(0) == hash(2**61 - 1)).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from iterserve.core.request import Request
+
+BlockHash = bytes | int
+PREFIX_HASH_ALGOS = ("sha256", "builtin")
 
 
 @dataclass
 class KVBlock:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 @dataclass(frozen=True)
@@ -31,8 +42,12 @@ class KVCacheStats:
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
-    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_queries: int  # prompt tokens looked up in the prefix cache at first admission
     prefix_hits: int  # of those, tokens found
+    # Re-admissions after a preemption, kept apart: finding one's own freed blocks
+    # again is recompute saved, not a prefix shared, and would flatter the hit rate.
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -47,25 +62,49 @@ class KVCacheStats:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
-def hash_block(parent_hash: int | None, tokens: Sequence[int]) -> int:
+def sha256_block_hash(parent_hash: BlockHash | None, tokens: Sequence[int]) -> bytes:
+    """sha256(parent digest || token ids as int64). Unambiguous for one block size: the
+    first block hashes block_size * 8 bytes, every later one 32 more."""
+    parent = parent_hash if isinstance(parent_hash, bytes) else b""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def builtin_block_hash(parent_hash: BlockHash | None, tokens: Sequence[int]) -> int:
     return hash((parent_hash, tuple(tokens)))
 
 
+_BLOCK_HASHES: dict[str, Callable[[BlockHash | None, Sequence[int]], BlockHash]] = {
+    "sha256": sha256_block_hash,
+    "builtin": builtin_block_hash,
+}
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "sha256",
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
+        if hash_algo not in _BLOCK_HASHES:
+            raise ValueError(f"prefix hash must be one of {PREFIX_HASH_ALGOS}, got {hash_algo!r}")
+        self._hash_block = _BLOCK_HASHES[hash_algo]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, least recently used first: the order they are reused in.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         # Hash chain of each live request's full blocks, computed once per block.
-        self._request_hashes: dict[str, list[int]] = {}
+        self._request_hashes: dict[str, list[BlockHash]] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._preempted_queries = 0
+        self._preempted_hits = 0
 
     # ---- queries -------------------------------------------------------------
 
@@ -83,6 +122,8 @@ class KVCacheManager:
             num_cached_blocks=len(self._cached),
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
+            preempted_queries=self._preempted_queries,
+            preempted_hits=self._preempted_hits,
         )
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -103,10 +144,16 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+    def record_prefix_lookup(
+        self, num_queried: int, num_hit: int, after_preemption: bool = False
+    ) -> None:
         """Counted once per admission, not per scheduling attempt."""
-        self._prefix_queries += num_queried
-        self._prefix_hits += num_hit
+        if after_preemption:
+            self._preempted_queries += num_queried
+            self._preempted_hits += num_hit
+        else:
+            self._prefix_queries += num_queried
+            self._prefix_hits += num_hit
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()
@@ -173,11 +220,16 @@ class KVCacheManager:
         """Drop per-request memo when the request is gone for good."""
         self._request_hashes.pop(request.request_id, None)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds; returns how many. Blocks in use
+        keep their names, so their requests can still share them."""
+        dropped = 0
         for block_hash, block_id in list(self._cached.items()):
             if self.blocks[block_id].ref_count == 0:
                 self.blocks[block_id].block_hash = None
                 del self._cached[block_hash]
+                dropped += 1
+        return dropped
 
     # ---- internals -----------------------------------------------------------
 
@@ -195,11 +247,11 @@ class KVCacheManager:
             del self._free[block_id]
         block.ref_count += 1
 
-    def _hashes_for(self, request: Request) -> list[int]:
+    def _hashes_for(self, request: Request) -> list[BlockHash]:
         hashes = self._request_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         bs = self.block_size
         for index in range(len(hashes), len(tokens) // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[index * bs : (index + 1) * bs]))
+            hashes.append(self._hash_block(parent, tokens[index * bs : (index + 1) * bs]))
         return hashes

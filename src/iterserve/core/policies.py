@@ -81,9 +81,13 @@ def form_batch(
 ) -> list[Request]:
     """Static and dynamic batching: the requests of the next batch, or [] to keep waiting.
 
-    Static starts when `batch_size` requests wait (or when no more will come);
-    dynamic also starts when the oldest has waited `max_wait_ms`. When more
-    wait than fit, the batch is the oldest request plus those closest to it
+    Both start when `batch_size` requests wait, when no more will come (an
+    offline run knows; a server never does), or when the oldest has waited
+    long enough. The difference is that wait: dynamic batching's
+    `max_wait_ms` is short, trading batch size for latency; static batching's
+    `static_max_wait_ms` is long, a backstop that keeps batches full whenever
+    the load allows yet never lets a request wait for ever.
+    When more wait than fit, the batch is the oldest request plus those closest to it
     in prompt length, which cuts the work spent on padding-like imbalance
     (short prompts finishing early while long ones hold the batch).
     """
@@ -91,9 +95,8 @@ def form_batch(
     if not queued:
         return []
     full = len(queued) >= config.batch_size
-    timed_out = config.batching == "dynamic" and (
-        now - min(r.arrival_time for r in queued) >= config.max_wait_ms / 1000.0
-    )
+    wait_ms = config.max_wait_ms if config.batching == "dynamic" else config.static_max_wait_ms
+    timed_out = now - min(r.arrival_time for r in queued) >= wait_ms / 1000.0
     if not (full or timed_out or no_more_arrivals):
         return []
     if len(queued) <= config.batch_size:

@@ -58,7 +58,7 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # Tokens of the prompt found in the prefix cache when the request was last admitted.
+    # Tokens of the prompt found in the prefix cache when the request was first admitted.
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

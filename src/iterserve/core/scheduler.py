@@ -9,7 +9,8 @@ A step is composed in two phases:
   decodes   every running request one token behind, in admission order;
   prefills  running partial prefills, then (continuous batching) waiting
             requests, interactive lane before batch lane, under the budget
-            left, with a share of it reserved for the batch lane.
+            left, with a share of it (and of the seats) reserved for the
+            batch lane while it waits.
 `mixed` runs both phases in one step (decodes first, Sarathi-Serve / vLLM V1);
 `prefill-first` runs prefills alone whenever there are any (ORCA / vLLM V0).
 
@@ -223,7 +224,7 @@ class Scheduler:
             if victim is None:
                 return _Admission.BLOCKED
             self._preempt(victim, step)
-        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached, request.num_preemptions > 0)
         self.waiting.remove(request)
         self._start_running(request, num_cached, now)
         step.add(request, n)
@@ -237,25 +238,43 @@ class Scheduler:
             if not self.kv.allocate(request, 0, cached):
                 cached = []
             num_cached = len(cached) * self.kv.block_size
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self.kv.record_prefix_lookup(
+                request.num_tokens, num_cached, request.num_preemptions > 0
+            )
             self.waiting.remove(request)
             self._start_running(request, num_cached, now)
 
     def _start_running(self, request: Request, num_cached: int, now: float) -> None:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
-        request.num_cached_tokens = num_cached
         request.admission_seq = self._admissions
         self._admissions += 1
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = now
+            # What the prompt found in the cache; a re-admission after a preemption
+            # finding its own blocks again is not a prefix hit.
+            request.num_cached_tokens = num_cached
         self.running.append(request)
 
     def _has_seat(self, lane: str) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
+        free = self.config.max_num_seqs - len(self.running)
+        if lane == "batch":
+            cap = self.config.max_running_batch_lane
+            return free > 0 and (cap is None or self.num_running("batch") < cap)
+        # The batch lane's share covers seats as well as tokens: a budget share is no use
+        # to a waiting document if chats hold every seat.
+        return free > self._batch_seats_owed()
+
+    def _batch_seats_owed(self) -> int:
+        """Seats interactive admissions leave free while batch-lane requests wait."""
+        waiting = self.waiting.count("batch")
+        if not waiting or not self.config.batch_lane_min_share:
+            return 0
+        guaranteed = math.ceil(self.config.batch_lane_min_share * self.config.max_num_seqs)
         cap = self.config.max_running_batch_lane
-        return lane != "batch" or cap is None or self.num_running("batch") < cap
+        if cap is not None:
+            guaranteed = min(guaranteed, cap)
+        return max(0, min(guaranteed, waiting) - self.num_running("batch"))
 
     def _long_prefill_slots_taken(self, remaining: int, step: _StepPlan) -> bool:
         threshold = self.config.long_prefill_token_threshold

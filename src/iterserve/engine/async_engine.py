@@ -2,7 +2,7 @@
 
 `LLMEngine` is synchronous and not thread-safe, so exactly one thread (the
 loop below) ever touches it. asyncio code talks to that thread through an
-inbox of commands (add, abort) that the loop applies between steps, and gets
+inbox of commands (add, abort, call) that the loop applies between steps, and gets
 each step's outputs back through `loop.call_soon_threadsafe`, one callback per
 step for all requests. Tokenization also happens on the loop thread, so the
 tokenizer is never used from two threads at once.
@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.llm_engine import LLMEngine, StepFailedError
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import Prompt
 from iterserve.engine.request_stream import (
     EngineOverloadedError,
     EngineStoppedError,
@@ -46,6 +49,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("iterserve.engine")
+
+T = TypeVar("T")
 
 # How long the loop naps after a step that scheduled nothing (e.g. dynamic
 # batching waiting for its batch to fill), so it does not spin on a core.
@@ -69,6 +74,30 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the loop thread between steps; its result settles `done`."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
+
+
+_Command = _Add | _Abort | _Call
+
+
+def _future_of(command: _Add | _Call) -> asyncio.Future[Any]:
+    return command.accepted if isinstance(command, _Add) else command.done
+
+
+def _set(future: asyncio.Future[Any], error: Exception | None, result: Any) -> None:
+    if future.done():  # the caller gave up (an add's abort is queued)
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
 # (stream, index within it, output or the error that ended it)
 _Delivery = tuple[RequestStream, int, RequestOutput | BaseException]
 
@@ -89,7 +118,7 @@ class AsyncEngine:
         self.on_finished = on_finished
         self.num_step_errors = 0
         self._wake = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []  # guarded by _wake
+        self._inbox: list[_Command] = []  # guarded by _wake
         self._stop = False  # guarded by _wake
         self._closed = False  # guarded by _wake: the loop has exited, the inbox is dead
         self._thread: threading.Thread | None = None
@@ -99,8 +128,10 @@ class AsyncEngine:
         self._pending = 0
         # Written by the loop thread, read anywhere: a whole object swapped atomically.
         self.snapshot: EngineSnapshot = snapshot_engine(engine)
-        # Loop thread only: which stream each live request's outputs go to.
+        # Loop thread only: which stream each live request's outputs go to, and answers
+        # to adds and calls not sent yet.
         self._routes: dict[str, tuple[RequestStream, int]] = {}
+        self._answers: list[tuple[asyncio.Future[Any], Exception | None, Any]] = []
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -148,6 +179,15 @@ class AsyncEngine:
     def num_waiting_estimate(self) -> int:
         return self._pending + self.snapshot.num_waiting
 
+    def check_group_size(self, count: int) -> None:
+        """Refuse a group that could never be queued whole (n choices x prompts)."""
+        if count > self.max_waiting_requests:
+            raise InvalidRequestError(
+                f"this request asks for {count} sequences but the server queues at most "
+                f"{self.max_waiting_requests}; lower n or send fewer prompts",
+                "n",
+            )
+
     async def add(self, requests: list[GenerationRequest]) -> RequestStream:
         """Queue a group of requests, all or none; returns once the engine accepted them.
 
@@ -158,12 +198,7 @@ class AsyncEngine:
             raise EngineStoppedError(
                 "the server is shutting down" if self._dead is None else "the engine has stopped"
             )
-        if len(requests) > self.max_waiting_requests:
-            raise InvalidRequestError(
-                f"this request asks for {len(requests)} sequences but the server queues at most "
-                f"{self.max_waiting_requests}; lower n or send fewer prompts",
-                "n",
-            )
+        self.check_group_size(len(requests))
         if self.num_waiting_estimate() + len(requests) > self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the server is at capacity ({self.max_waiting_requests} requests waiting); "
@@ -185,7 +220,7 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str,
         lane: str = "interactive",
@@ -203,10 +238,23 @@ class AsyncEngine:
         if request_ids:
             self._post(_Abort(list(request_ids)))
 
-    def _post(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the loop thread between two steps, where touching the
+        engine is safe; its result or exception comes back here."""
+        if not self.is_healthy:
+            raise EngineStoppedError("the engine has stopped")
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._post(_Call(fn, done))
+        return await done
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's unused blocks; returns how many were dropped."""
+        return await self.call(lambda engine: engine.reset_prefix_cache())
+
+    def _post(self, command: _Command) -> None:
         with self._wake:
             if self._closed:  # nobody would ever read it
-                if isinstance(command, _Add):
+                if not isinstance(command, _Abort):
                     raise EngineStoppedError("the engine has stopped")
                 return
             self._inbox.append(command)
@@ -240,6 +288,11 @@ class AsyncEngine:
                 deliveries: list[_Delivery] = []
                 for command in commands:
                     self._apply(command, deliveries)
+                if commands:
+                    # Callers hear back only once the snapshot counts what they added, or
+                    # the queue check of the next add would miss it (and overfill).
+                    self.snapshot = snapshot_engine(engine)
+                    self._answer()
                 if stop:
                     self._abort_all(deliveries)
                     self._finish_iteration(deliveries)
@@ -265,14 +318,23 @@ class AsyncEngine:
             self._closed = True
             leftover, self._inbox = self._inbox, []
         for command in leftover:
-            if isinstance(command, _Add):
-                self._resolve(command, EngineStoppedError("the engine has stopped"))
+            if not isinstance(command, _Abort):
+                self._settle(_future_of(command), EngineStoppedError("the engine has stopped"))
+        self._answer()
 
     def _finish_iteration(self, deliveries: list[_Delivery]) -> None:
         self.snapshot = snapshot_engine(self.engine)
         self._send(deliveries)
 
-    def _apply(self, command: _Add | _Abort, deliveries: list[_Delivery]) -> None:
+    def _apply(self, command: _Command, deliveries: list[_Delivery]) -> None:
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as error:
+                self._settle(command.done, error)
+            else:
+                self._settle(command.done, None, result)
+            return
         if isinstance(command, _Abort):
             for request_id in command.request_ids:
                 output = self.engine.abort_request(request_id)
@@ -290,9 +352,9 @@ class AsyncEngine:
             for request_id in added:  # all or nothing
                 self.engine.abort_request(request_id)
                 self._routes.pop(request_id, None)
-            self._resolve(command, error)
+            self._settle(command.accepted, error)
             return
-        self._resolve(command, None)
+        self._settle(command.accepted, None)
 
     def _add_one(self, request: GenerationRequest) -> None:
         engine = self.engine
@@ -311,29 +373,39 @@ class AsyncEngine:
             arrival_time=request.arrival_time,
         )
 
-    def _resolve(self, command: _Add, error: Exception | None) -> None:
-        def settle() -> None:
-            if command.accepted.done():  # the client gave up; its abort is queued
-                return
-            if error is None:
-                command.accepted.set_result(None)
-            else:
-                command.accepted.set_exception(error)
+    def _settle(
+        self, future: asyncio.Future[Any], error: Exception | None, result: Any = None
+    ) -> None:
+        """Queue the answer to a waiting caller; `_answer` sends it."""
+        self._answers.append((future, error, result))
 
-        self._call_soon(command.stream.loop, settle)
+    def _answer(self) -> None:
+        """Answer the callers queued by `_settle`, each on its own event loop."""
+        answers, self._answers = self._answers, []
+        for future, error, result in answers:
+            self._call_soon(future.get_loop(), functools.partial(_set, future, error, result))
 
     def _step(self, deliveries: list[_Delivery]) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:
-            # The scheduler may be mid-update: fail what the step ran (the running
-            # set), or everything if nothing ran, and keep serving the rest.
-            logger.exception("an engine step failed; failing the requests it ran")
+        except StepFailedError as error:
+            # Exactly the step's requests fail; the rest of the engine is untouched.
             self.num_step_errors += 1
-            scheduler = self.engine.scheduler
-            victims = [r.request_id for r in scheduler.running] or list(scheduler.requests)
-            # Routes the engine no longer knows (half-emitted outputs) would hang forever.
-            victims += [rid for rid in self._routes if rid not in scheduler.requests]
+            logger.error(
+                "an engine step failed; failing the %d requests it ran: %s",
+                len(error.request_ids), ", ".join(error.request_ids),
+                exc_info=error.cause,
+            )  # fmt: skip
+            self._fail_routes(
+                error.request_ids, "the engine failed while running this request", deliveries
+            )
+            return
+        except Exception:
+            # Planning the step failed: which requests it touched is unknown, so every
+            # request fails (freeing its blocks) and the engine serves new ones.
+            self.num_step_errors += 1
+            logger.exception("scheduling a step failed; failing every request")
+            victims = list(self.engine.scheduler.requests) + list(self._routes)
             self._fail_routes(victims, "the engine failed while running this request", deliveries)
             return
         for output in outputs:

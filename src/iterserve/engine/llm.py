@@ -12,9 +12,9 @@ from tqdm import tqdm
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import Prompt, RenderedChat, render_chat
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
-Prompt = str | list[int]
 Message = dict[str, str]
 
 
@@ -52,7 +52,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order (n > 1: n per prompt)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | RenderedChat) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -81,19 +81,15 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(conv) for conv in conversations]  # type: ignore[arg-type]
+        prompts: list[Prompt] = [self._render(conv) for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params, use_tqdm)
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
-        if not self.engine.chat_template:
-            raise InvalidRequestError("this model has no chat template; use generate()")
-        return self.tokenizer.apply_chat_template(
-            list(messages),
-            chat_template=self.engine.chat_template,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
+        """The token ids `chat` would run for this conversation (the server's too)."""
+        return self.engine.tokenize(self._render(messages))
+
+    def _render(self, messages: Sequence[Message]) -> RenderedChat:
+        return render_chat(self.tokenizer, self.engine.chat_template, messages)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

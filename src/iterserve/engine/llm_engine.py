@@ -18,11 +18,23 @@ from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import Prompt, RenderedChat
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import build_model
 from iterserve.model.loader import LoadedModel, load_model
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
+
+
+class StepFailedError(RuntimeError):
+    """Running a planned step raised. `request_ids` are exactly the requests in that
+    step: their KV (written or not) and bookkeeping may be half-updated, so they must
+    end; requests outside the step were not touched and go on."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"a step of {len(request_ids)} requests failed: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
 
 
 @dataclass
@@ -74,7 +86,12 @@ class LLMEngine:
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        kv = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            cache.prefix_caching_hash_algo,
+        )
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, cache.block_size, dtype, self.device
@@ -100,18 +117,33 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, RenderedChat):
+            # The chat template already wrote BOS and the rest; adding more would double them.
+            return self._encode(prompt.text, False, "messages")
         if isinstance(prompt, str):
             # The tokenizer's own settings decide on BOS (Llama adds it, SmolLM2 does not).
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self._encode(prompt, True, "prompt")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
 
+    def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as error:
+            # JSON can carry what Unicode cannot: a lone surrogate ("\ud800") is a valid
+            # JSON string, and the tokenizer refuses it.
+            if any("\ud800" <= ch <= "\udfff" for ch in text):
+                raise InvalidRequestError(
+                    f"the {field} is not valid Unicode text (it holds a lone surrogate)", field
+                ) from error
+            raise
+
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lane: str = "interactive",
@@ -155,14 +187,25 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (benchmarks start cold); returns
+        how many."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     # ---- the loop ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. Raises StepFailedError, naming the step's requests, when running
+        the planned step fails; the caller ends those requests (abort_request) and may
+        step again: no other request was touched."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        model_output = self.executor.execute(scheduled)
-        updates = self.scheduler.update(scheduled, model_output)
-        outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in updates]
+        try:
+            model_output = self.executor.execute(scheduled)
+            updates = self.scheduler.update(scheduled, model_output)
+            outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in updates]
+        except Exception as error:
+            raise StepFailedError([seq.request_id for seq in scheduled.seqs], error) from error
         elapsed = time.perf_counter() - start
         stats = self.stats
         stats.num_steps += 1

@@ -64,6 +64,8 @@ class EngineSnapshot:
     num_cached_kv_blocks: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    preempted_prefix_queries: int = 0
+    preempted_prefix_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
     prefill_tokens: int = 0
@@ -99,6 +101,8 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         num_cached_kv_blocks=kv.num_cached_blocks,
         prefix_queries=kv.prefix_queries,
         prefix_hits=kv.prefix_hits,
+        preempted_prefix_queries=kv.preempted_queries,
+        preempted_prefix_hits=kv.preempted_hits,
         num_preemptions=scheduler.num_preemptions,
         num_steps=stats.num_steps,
         prefill_tokens=stats.prefill_tokens,

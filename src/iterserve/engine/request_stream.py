@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import Prompt
 from iterserve.sampling_params import SamplingParams
 
 
@@ -37,7 +38,7 @@ class RequestFailedError(RuntimeError):
 
 @dataclass
 class GenerationRequest:
-    prompt: str | list[int]
+    prompt: Prompt
     params: SamplingParams
     request_id: str
     lane: str = "interactive"
@@ -49,7 +50,7 @@ class GenerationRequest:
 
 
 def expand_n(
-    prompt: str | list[int], params: SamplingParams, request_id: str, **kwargs: object
+    prompt: Prompt, params: SamplingParams, request_id: str, **kwargs: object
 ) -> list[GenerationRequest]:
     """The engine runs one sequence per request: n choices are n requests,
     seeded seed, seed+1, ... so each is reproducible and they differ."""

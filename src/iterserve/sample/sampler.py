@@ -54,9 +54,13 @@ class SamplerOutput:
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A per-request generator; its draws are independent of the global RNG."""
+    """A per-request generator; its draws are independent of the global RNG.
+
+    Any integer is a seed: torch takes 64 bits (and already wraps negative seeds
+    modulo 2**64), so larger ones are wrapped the same way instead of overflowing.
+    """
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % 2**64)
     return generator
 
 
@@ -315,6 +319,9 @@ class Sampler:
             # keep a token while the mass strictly above it is < p (the best always).
             keep = (cumulative - probs) < top_p[h].unsqueeze(1)
             keep &= ratio >= min_p[h].unsqueeze(1)
+            # The best token always stays, whatever the rounding: a top_p below float32's
+            # range (1e-85) is 0 here, and an empty support would index past the row.
+            keep[:, 0] = True
             positions = _draw_from_weights(ratio * keep, uniforms[h])
             chosen = indices.gather(1, positions.unsqueeze(1)).squeeze(1)
             done = has_top_k | (top_p[h] >= 1.0) | (cumulative[:, -1] >= top_p[h])

@@ -20,7 +20,13 @@ from iterserve.server.chat import create_chat_completion
 from iterserve.server.completions import create_completion
 from iterserve.server.errors import APIError, install_error_handlers
 from iterserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from iterserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ResetPrefixCacheResponse,
+)
 from iterserve.server.serving import ServingContext
 
 
@@ -74,7 +80,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     install_error_handlers(app)
     app.add_middleware(AccessLogMiddleware, on_response=metrics.observe_http)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(settings.api_key))])
+    guarded = [Depends(_api_key_check(settings.api_key))]
+    v1 = APIRouter(prefix="/v1", dependencies=guarded)
 
     @v1.get("/models")
     async def list_models() -> ModelList:
@@ -94,6 +101,17 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
         return await create_chat_completion(body, request, ctx)
 
     app.include_router(v1)
+
+    # vLLM's path, outside /v1 but behind the same key: benchmarks call it between runs.
+    admin = APIRouter(dependencies=guarded)
+
+    @admin.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> ResetPrefixCacheResponse:
+        """Forget the prefix cache's blocks that no running request holds."""
+        dropped = await async_engine.reset_prefix_cache()
+        return ResetPrefixCacheResponse(num_blocks_dropped=dropped)
+
+    app.include_router(admin)
 
     @app.get("/health")
     async def health() -> Response:

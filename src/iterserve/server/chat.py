@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from iterserve.engine.async_engine import RequestStream, expand_n
 from iterserve.engine.outputs import RequestOutput
-from iterserve.sampling_params import InvalidRequestError
+from iterserve.engine.prompts import RenderedChat, render_chat
 from iterserve.server.logprobs import chat_logprobs
 from iterserve.server.protocol import (
     AssistantMessage,
@@ -34,44 +34,30 @@ from iterserve.server.serving import (
     sse,
     sse_error,
     until_disconnected,
+    usage_of,
 )
 
 
-def render_prompt(body: ChatCompletionRequest, ctx: ServingContext) -> str:
-    """The conversation as text; the engine tokenizes it on its own thread.
-
-    Rendering to text and encoding without special tokens gives the same ids
-    as `apply_chat_template(tokenize=True)` (which is exactly that), so the
-    server sees the same prompt as `LLM.chat`.
-    """
-    if not ctx.chat_template:
-        raise InvalidRequestError("this model has no chat template; use /v1/completions")
-    if not body.messages:
-        raise InvalidRequestError("messages must not be empty", "messages")
+def render_prompt(body: ChatCompletionRequest, ctx: ServingContext) -> RenderedChat:
+    """The conversation through the template, as `LLM.chat` renders it; the engine
+    tokenizes it on its own thread."""
     messages = [message.as_template_input() for message in body.messages]
-    try:
-        return ctx.tokenizer.apply_chat_template(
-            messages,
-            chat_template=ctx.chat_template,
-            add_generation_prompt=body.add_generation_prompt,
-            tokenize=False,
-            **(body.chat_template_kwargs or {}),
-        )
-    except Exception as error:  # jinja raises for conversations the template forbids
-        raise InvalidRequestError(
-            f"the chat template cannot render these messages: {error}", "messages"
-        ) from error
+    return render_chat(
+        ctx.tokenizer,
+        ctx.chat_template,
+        messages,
+        body.add_generation_prompt,
+        body.chat_template_kwargs,
+    )
 
 
 async def create_chat_completion(
     body: ChatCompletionRequest, raw: Request, ctx: ServingContext
 ) -> Response:
     model = ctx.resolve_model(body.model)
-    limit = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    logprobs = body.requested_logprobs()
-    params = body.to_sampling_params(16 if limit is None else limit, logprobs)
+    params = body.sampling_params()
+    ctx.engine.check_group_size(params.n)
+    logprobs = params.logprobs
     prompt = render_prompt(body, ctx)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = access_record(raw)
@@ -83,7 +69,7 @@ async def create_chat_completion(
         lane=body.lane,
         priority=body.priority,
         arrival_time=time.monotonic(),
-        fill_context=limit is None,  # OpenAI chat: no limit means what the context leaves
+        fill_context=body.token_limit is None,  # OpenAI chat: no limit means what is left
     )
     stream = await ctx.engine.add(requests)
     headers = {"X-Request-Id": request_id}
@@ -104,7 +90,7 @@ async def create_chat_completion(
         )
         for index, output in enumerate(outputs)
     ]
-    usage = _usage(outputs)
+    usage = usage_of(outputs, len(outputs))
     record.prompt_tokens = usage.prompt_tokens
     result = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
     return JSONResponse(result.model_dump(mode="json"), headers=headers)
@@ -116,11 +102,6 @@ def _logprobs(
     if wanted is None:
         return None
     return ChatChoiceLogprobs(content=chat_logprobs(entries or [], ctx.decode_token))
-
-
-def _usage(outputs: list[RequestOutput]) -> UsageInfo:
-    prompt_tokens = len(outputs[0].prompt_token_ids) if outputs else 0
-    return UsageInfo.of(prompt_tokens, sum(len(out.token_ids) for out in outputs))
 
 
 async def _stream(
@@ -152,11 +133,14 @@ async def _stream(
                 record.saw(output)
                 if output.finished:
                     finals[index] = output
-                if not (output.delta_text or output.delta_logprobs or output.finished):
-                    continue  # held back (a possible stop string, half a character)
-                delta = (
-                    DeltaMessage(content=output.delta_text) if output.delta_text else DeltaMessage()
-                )
+                if not (output.delta_token_ids or output.finished):
+                    continue
+                # A token whose text is held back (half a UTF-8 character, a possible stop
+                # string) or has none (a special token) still gets its chunk, with empty
+                # text, as vLLM sends it: a client's TBT then sees every token.
+                # The last chunk carries only the finish reason unless text came with it.
+                text = output.delta_text if output.delta_text or not output.finished else None
+                delta = DeltaMessage(content=text)
                 choice = ChatStreamChoice(
                     index=index,
                     delta=delta,
@@ -168,7 +152,7 @@ async def _stream(
         yield sse_error(error)
         yield SSE_DONE
         return
-    usage = _usage([finals[i] for i in sorted(finals)])
+    usage = usage_of([finals[i] for i in sorted(finals)], len(finals))
     record.prompt_tokens = usage.prompt_tokens
     if body.include_usage:
         yield chunk([], usage)

@@ -19,7 +19,6 @@ from iterserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
 )
 from iterserve.server.serving import (
     SSE_DONE,
@@ -31,6 +30,7 @@ from iterserve.server.serving import (
     sse,
     sse_error,
     until_disconnected,
+    usage_of,
 )
 
 
@@ -46,6 +46,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     record.request_id = request_id
     arrival = time.monotonic()
     prompts = body.prompts()
+    ctx.engine.check_group_size(params.n * len(prompts))  # before building them all
     requests = []
     for prompt_index, prompt in enumerate(prompts):
         requests += expand_n(
@@ -67,7 +68,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
 
     outputs = await until_disconnected(raw, collect_final(stream, record))
     choices = [_choice(i, out, body.logprobs is not None, ctx) for i, out in enumerate(outputs)]
-    usage = _usage(outputs, params.n)
+    usage = usage_of(outputs, params.n)
     record.prompt_tokens = usage.prompt_tokens
     result = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
     return JSONResponse(result.model_dump(mode="json"), headers=headers)
@@ -84,12 +85,6 @@ def _choice(
         else None,
         finish_reason=output.finish_reason,
     )
-
-
-def _usage(outputs: list[RequestOutput], n: int) -> UsageInfo:
-    # A prompt is counted once however many choices it has (OpenAI's convention).
-    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs[::n])
-    return UsageInfo.of(prompt_tokens, sum(len(out.token_ids) for out in outputs))
 
 
 async def _stream(
@@ -110,8 +105,11 @@ async def _stream(
                 record.saw(output)
                 if output.finished:
                     finals[index] = output
-                if not (output.delta_text or output.delta_logprobs or output.finished):
-                    continue  # held back (a possible stop string, half a character)
+                if not (output.delta_token_ids or output.finished):
+                    continue
+                # A token whose text is held back (half a UTF-8 character, a possible stop
+                # string) or has none (a special token) still gets its chunk, with empty
+                # text, as vLLM sends it: a client's TBT then sees every token.
                 logprobs = None
                 if body.logprobs is not None:
                     offset = text_length.get(index, 0)
@@ -136,7 +134,7 @@ async def _stream(
         yield SSE_DONE
         return
     outputs = [finals[i] for i in sorted(finals)]
-    usage = _usage(outputs, n)
+    usage = usage_of(outputs, n)
     record.prompt_tokens = usage.prompt_tokens
     if body.include_usage:
         chunk = CompletionResponse(

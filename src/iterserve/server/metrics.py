@@ -66,11 +66,21 @@ class _EngineCollector(Collector):
         )
         yield _gauge(
             "prefix_cache_hit_rate",
-            "Prompt tokens found in the prefix cache / prompt tokens looked up",
+            "Prompt tokens found in the prefix cache / prompt tokens looked up, at first admission",
             snap.prefix_hit_rate,
         )
         yield _counter("prefix_cache_queries", "Prompt tokens looked up", snap.prefix_queries)
         yield _counter("prefix_cache_hits", "Prompt tokens found in the cache", snap.prefix_hits)
+        yield _counter(
+            "prefix_cache_preempted_queries",
+            "Tokens looked up when a preempted request was re-admitted (not in the hit rate)",
+            snap.preempted_prefix_queries,
+        )
+        yield _counter(
+            "prefix_cache_preempted_hits",
+            "Of those, tokens found again in the cache (recompute saved)",
+            snap.preempted_prefix_hits,
+        )
         yield _counter(
             "num_preemptions", "Requests preempted to free KV memory", snap.num_preemptions
         )

@@ -137,10 +137,34 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @property
+    def token_limit(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) or max_tokens; None: no limit."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling_params(self) -> SamplingParams:
+        limit = self.token_limit
+        try:
+            return self.to_sampling_params(
+                16 if limit is None else limit, self.requested_logprobs()
+            )
+        except InvalidRequestError as error:
+            # Name the field as this request spelled it, not as SamplingParams does.
+            spelled = {
+                "max_tokens": "max_completion_tokens"
+                if self.max_completion_tokens is not None
+                else "max_tokens",
+                "logprobs": "top_logprobs",
+            }
+            error.param = spelled.get(error.param or "", error.param)
+            raise
 
 
 # ---- responses ------------------------------------------------------------------------
@@ -150,17 +174,23 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 
@@ -260,3 +290,8 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ResetPrefixCacheResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    num_blocks_dropped: int  # cached blocks forgotten; blocks in use keep their names

@@ -20,6 +20,7 @@ from iterserve.engine.async_engine import AsyncEngine, EngineStoppedError, Reque
 from iterserve.engine.outputs import RequestOutput
 from iterserve.server.errors import APIError, as_api_error, error_body
 from iterserve.server.logprobs import token_decoder
+from iterserve.server.protocol import UsageInfo
 
 T = TypeVar("T")
 
@@ -118,6 +119,18 @@ async def collect_final(stream: RequestStream, record: AccessRecord) -> list[Req
     if any(output.finish_reason == "abort" for output in finals.values()):
         raise EngineStoppedError("the server shut down before the request finished")
     return [finals[i] for i in range(len(stream.request_ids))]
+
+
+def usage_of(outputs: list[RequestOutput], n: int) -> UsageInfo:
+    """Usage of prompts with n choices each, outputs in choice order: a prompt counts
+    once however many choices it has (OpenAI's convention), with what its first
+    choice found in the prefix cache."""
+    firsts = outputs[::n] if n else []
+    return UsageInfo.of(
+        sum(len(out.prompt_token_ids) for out in firsts),
+        sum(len(out.token_ids) for out in outputs),
+        sum(out.num_cached_tokens for out in firsts),
+    )
 
 
 def sse(payload: str) -> str:

@@ -1,0 +1,93 @@
+"""What a prompt can be, and a conversation through the model's chat template.
+
+A prompt is text (encoded with the tokenizer's own special tokens, so Llama gets
+its BOS), token ids (used as given), or a `RenderedChat`. Rendering a chat lives
+here, in one place for `LLM.chat` and the server. The template writes every special token the model expects (a Llama 2/3 or Mistral
+template starts with BOS), so the rendered text must be encoded *without* the
+tokenizer adding its own: encoding it like a plain prompt would give such models
+two BOS tokens. `RenderedChat` carries that rule to wherever the text is
+tokenized (the engine loop thread, for the server).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from iterserve.sampling_params import InvalidRequestError
+
+# OpenAI's roles that any chat template is expected to take; a template may name more.
+STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+# A role literal the template compares against: `message['role'] == 'ipython'`,
+# `'system' != messages[0].role`, `message.role in ['tool', 'ipython']`.
+_ROLE_COMPARED = re.compile(
+    r"""role['"]?\]?\s*[!=]=\s*['"](\w+)['"]|['"](\w+)['"]\s*[!=]=\s*[\w.\[\]'"]*role\b"""
+)
+_ROLE_IN_LIST = re.compile(r"""role['"]?\]?\s+in\s+[\[(]([^\])]*)[\])]""")
+_QUOTED = re.compile(r"""['"](\w+)['"]""")
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A conversation rendered by the chat template: text that already holds the
+    special tokens the model expects, so it is encoded without adding any."""
+
+    text: str
+
+
+Prompt = str | RenderedChat | list[int]
+
+
+@lru_cache(maxsize=8)
+def template_roles(template: str) -> frozenset[str]:
+    """The roles a template accepts: OpenAI's, plus any it names itself."""
+    named = {a or b for a, b in _ROLE_COMPARED.findall(template)}
+    for listed in _ROLE_IN_LIST.findall(template):
+        named.update(_QUOTED.findall(listed))
+    return STANDARD_ROLES | named
+
+
+def render_chat(
+    tokenizer: Any,
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> RenderedChat:
+    """Render `messages`; raises InvalidRequestError for a conversation the template
+    cannot take (no template, no messages, an unknown role, a template error)."""
+    if not template:
+        raise InvalidRequestError("this model has no chat template; send a plain prompt")
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", "messages")
+    roles = template_roles(template)
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if role not in roles:
+            raise InvalidRequestError(
+                f"messages[{index}] has role {role!r}; this model's chat template takes "
+                f"{', '.join(sorted(roles))}",
+                f"messages.{index}.role",
+            )
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(message) for message in messages],
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),  # a clash with the names above is a TypeError: a 400
+        )
+    except Exception as error:  # jinja raises for conversations the template forbids
+        raise InvalidRequestError(
+            f"the chat template cannot render these messages: {error}", "messages"
+        ) from error
+    if not isinstance(text, str):  # chat_template_kwargs asked for something else
+        raise InvalidRequestError(
+            "the chat template did not render to text; check chat_template_kwargs",
+            "chat_template_kwargs",
+        )
+    return RenderedChat(text)
