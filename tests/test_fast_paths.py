@@ -148,10 +148,13 @@ def test_compiled_stack_equals_eager_in_fp32(hf) -> None:
 
 
 @needs_kernels
-def test_compiled_stack_with_kernels_keeps_the_reference_greedy_tokens(hf) -> None:
+@pytest.mark.parametrize("backend", ["onednn", "tiled"])
+def test_compiled_stack_with_fast_linears_keeps_the_reference_greedy_tokens(
+    hf, backend: Backend
+) -> None:
     tokens = _tokens(4, (50, 30, 45))
     reference = _run(_model(hf, torch.bfloat16), tokens, kernel=False)
-    fast = _run(_model(hf, torch.bfloat16, "tiled", compiled=True), tokens, kernel=True)
+    fast = _run(_model(hf, torch.bfloat16, backend, compiled=True), tokens, kernel=True)
     _assert_same_greedy(reference, fast)
 
 

@@ -38,6 +38,30 @@ MAX_TILE_ROWS_WIDE = {"bf16": 4, "q4": 4, "q8": 4}
 _WIDE = 16384
 
 
+def _onednn(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    if residual is None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+
+@torch.library.custom_op("iterserve::onednn_linear", mutates_args=())
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """The oneDNN call as one opaque op for compiled graphs: inductor's own lowering of these
+    mkldnn ops expects weights it froze itself, and the fused-add form has no shape function."""
+    return _onednn(x, packed, bias, residual)
+
+
+@onednn_linear.register_fake
+def _(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
 def onednn_usable(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN packed GEMM runs here: CPU, bf16, and a CPU oneDNN does bf16 on."""
     return (
@@ -106,11 +130,10 @@ class Linear:
                 self.max_tile_rows,
             )
         if self.backend == "onednn":
-            if residual is None:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x, residual, self.packed, self.bias, "add"
-            )
+            assert self.packed is not None
+            if torch.compiler.is_compiling():
+                return onednn_linear(x, self.packed, self.bias, residual)
+            return _onednn(x, self.packed, self.bias, residual)
         assert self.weight is not None
         if residual is None:
             return F.linear(x, self.weight, self.bias)
