@@ -21,11 +21,11 @@ class PagedRunner:
         block_size: int = 4,
         num_blocks: int = 96,
         seed: int = 0,
-        kernel_max_query_len: int = 0,
+        paged_kernel: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.kernel_max_query_len = kernel_max_query_len
+        self.paged_kernel = paged_kernel
         self.caches = allocate_kv_caches(
             model.config, num_blocks, block_size, model.dtype, torch.device("cpu")
         )
@@ -56,7 +56,7 @@ class PagedRunner:
             spans,
             self.block_size,
             torch.device("cpu"),
-            self.kernel_max_query_len,
+            self.paged_kernel,
             self.model.config.sliding_window,
         )
         logits = self.model(

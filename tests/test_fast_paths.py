@@ -89,7 +89,7 @@ def _run(model: LlamaForCausalLM, tokens: list[list[int]], kernel: bool) -> list
 
     Returns each sequence's logits rows, in position order.
     """
-    runner = PagedRunner(model, block_size=16, num_blocks=64, kernel_max_query_len=16 * kernel)
+    runner = PagedRunner(model, block_size=16, num_blocks=64, paged_kernel=kernel)
     for i, seq in enumerate(tokens):
         runner.add(f"s{i}", seq)
     rows: list[list[torch.Tensor]] = [[] for _ in tokens]
@@ -156,6 +156,33 @@ def test_compiled_stack_with_fast_linears_keeps_the_reference_greedy_tokens(
     reference = _run(_model(hf, torch.bfloat16), tokens, kernel=False)
     fast = _run(_model(hf, torch.bfloat16, backend, compiled=True), tokens, kernel=True)
     _assert_same_greedy(reference, fast)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "backend"),
+    [(torch.float32, "torch"), pytest.param(torch.bfloat16, "tiled", marks=needs_kernels)],
+)
+def test_frozen_graphs_run_without_guards_and_compute_the_same(
+    hf, dtype: torch.dtype, backend: Backend
+) -> None:
+    """After a one-token and a many-token step, calls bypass dynamo's guards: still the same
+    logits for steps of every shape (mixed chunks, decodes, a lone decode)."""
+    kernel = backend == "tiled"
+    tokens = _tokens(6, (40, 20, 35))
+    compiled = _model(hf, dtype, backend, compiled=True)
+    warm = PagedRunner(compiled, block_size=16, num_blocks=64, paged_kernel=kernel)
+    warm.add("w", [1, 2, 3, 4])
+    warm.step([("w", 1)])
+    warm.step([("w", 3)])
+    compiled.freeze_compiled()
+    assert compiled._run_layers.frozen
+    eager = _run(_model(hf, dtype, backend), tokens, kernel=kernel)
+    frozen = _run(compiled, tokens, kernel=kernel)
+    if dtype == torch.bfloat16:  # the graph keeps fp32 between fused ops where eager rounds
+        _assert_same_greedy(eager, frozen)
+        return
+    for ref, got in zip(eager, frozen, strict=True):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
 
 
 def _quantized_checkpoint(

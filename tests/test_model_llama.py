@@ -102,7 +102,7 @@ def llama() -> transformers.PreTrainedModel:
 
 
 @pytest.fixture(params=["sdpa", "embedding_bag", "paged_kernel"])
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
     """Run a test through each decode path: tiny models would otherwise only meet SDPA.
 
     Returns the PagedRunner settings that select it; "paged_kernel" is the C++ op.
@@ -112,7 +112,7 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     if request.param == "paged_kernel":
         if not kernels.available():
             pytest.skip(f"C++ kernels unavailable: {kernels.why_unavailable()}")
-        return {"kernel_max_query_len": 16}
+        return {"paged_kernel": True}
     return {}
 
 
@@ -130,7 +130,7 @@ def test_batched_prefill_matches_transformers(
 
 
 def test_chunked_prefill_mixed_with_decodes(
-    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
+    llama: transformers.PreTrainedModel, decode_path: dict[str, bool]
 ) -> None:
     runner = PagedRunner(_ours(llama), block_size=4, seed=3, **decode_path)
     seqs = _prompts([23, 19, 6, 12], seed=2)  # s0, s1 chunked; s2, s3 decode alongside
@@ -154,7 +154,7 @@ def test_chunked_prefill_mixed_with_decodes(
 
 
 def test_greedy_decode_steps_match_full_sequence(
-    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
+    llama: transformers.PreTrainedModel, decode_path: dict[str, bool]
 ) -> None:
     runner = PagedRunner(_ours(llama), block_size=4, seed=5, **decode_path)
     prompts = _prompts([9, 14, 3], seed=4)
@@ -198,7 +198,7 @@ def test_llama3_rope_scaling_untied() -> None:
 
 
 def test_mistral_sliding_window_matches_transformers_past_the_window(
-    decode_path: dict[str, int],
+    decode_path: dict[str, bool],
 ) -> None:
     hf = _hf_model("mistral", sliding_window=5)
     runner = PagedRunner(_ours(hf), block_size=4, seed=9, **decode_path)
@@ -231,7 +231,7 @@ def test_qwen2_qkv_bias() -> None:
 
 
 def test_bf16_keeps_greedy_argmax(
-    llama: transformers.PreTrainedModel, decode_path: dict[str, int]
+    llama: transformers.PreTrainedModel, decode_path: dict[str, bool]
 ) -> None:
     """bf16 vs fp32 over the same tokens: same argmax wherever fp32 is not near a tie."""
     tokens = _prompts([10], seed=8)["s0"] + [0] * 10

@@ -102,7 +102,7 @@ class LLMEngine:
             cache.block_size,
             self.device,
             config.seed,
-            self.model_plan.attention_kernel_max_query_len,
+            self.model_plan.paged_attention_kernel,
         )
         # Compile (or load compiled graphs) and build kernels now, not in a user's first step.
         self.warm_up_seconds = self.executor.warm_up()

@@ -30,13 +30,13 @@ class TorchRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
-        kernel_max_query_len: int = 0,
+        paged_attention_kernel: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
         self.device = device
-        self.kernel_max_query_len = kernel_max_query_len
+        self.paged_attention_kernel = paged_attention_kernel
         self.sampler = Sampler()
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
@@ -115,6 +115,7 @@ class TorchRunner:
                 self.kv_caches,
                 torch.arange(num_tokens, device=self.device),
             )
+        self.model.freeze_compiled()
         return time.perf_counter() - start
 
     def _metadata(self, spans: Sequence[SeqSpan]) -> AttentionMetadata:
@@ -122,7 +123,7 @@ class TorchRunner:
             spans,
             self.block_size,
             self.device,
-            self.kernel_max_query_len,
+            self.paged_attention_kernel,
             self.model.config.sliding_window,
         )
 

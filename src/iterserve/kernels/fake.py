@@ -33,3 +33,18 @@ def _paged_attention(
     sliding_window: int,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)  # contiguous [T, num_heads, head_dim] in q's dtype
+
+
+@torch.library.register_fake("iterserve::store_and_attend")
+def _store_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    step: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)

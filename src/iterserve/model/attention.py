@@ -186,6 +186,8 @@ def paged_attention(
     (slices of a fused qkv projection) are fine: nothing here needs them contiguous.
     """
     key_cache, value_cache = kv_cache
+    if meta.kernel is not None:
+        raise ValueError("this step's metadata is for the C++ op: the layers call it directly")
     num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
     slots = key_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
     slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
@@ -194,20 +196,6 @@ def paged_attention(
     plan = _plan(meta, q.shape[1], key_cache)
 
     outputs: list[torch.Tensor] = []
-    if meta.kernel is not None:
-        rows = meta.kernel
-        outputs.append(
-            torch.ops.iterserve.paged_attention(
-                q[: rows.num_tokens],
-                key_cache,
-                value_cache,
-                rows.block_tables,
-                rows.seq_lens,
-                rows.query_start_loc,
-                scale,
-                meta.sliding_window,
-            )
-        )
     if meta.num_decodes:
         outputs.append(
             _decode_attention(q[: meta.num_decodes], key_cache, value_cache, plan, scale)

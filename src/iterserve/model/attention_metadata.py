@@ -1,13 +1,16 @@
 """One step's attention metadata: which rows attend how, over which blocks, built once per step.
 
-The flat batch's rows come in up to three runs, in order:
+With the C++ paged attention op (kernels/csrc/paged_attention.cpp) every row of the step is a
+*kernel row*: one call per layer stores the step's K/V and attends every sequence, decode or
+prefill chunk, reading K/V in place through its block table. It beats the torch paths at
+every shape measured, prefill included (2.8x on a 512-token prompt, 30 layers;
+benchmarks/attention_kernel.py has the decode shapes).
 
-1. *kernel rows*: leading sequences with at most `kernel_max_query_len` new tokens (decodes,
-   and short spans such as speculative verification), served in one call by the C++ paged
-   attention op, which reads K/V in place through each sequence's block table;
-2. *decode rows* (only without that op): leading one-token sequences, served together by the
-   torch decode path in attention.py;
-3. *prefill chunks*: every other sequence, each attending causally over its cached prefix and
+Without it the rows come in two runs, in order:
+
+1. *decode rows*: leading one-token sequences, served together by the torch decode path in
+   attention.py;
+2. *prefill chunks*: every other sequence, each attending causally over its cached prefix and
    itself through flash SDPA.
 """
 
@@ -30,12 +33,13 @@ class SeqSpan:
 
 @dataclass(frozen=True)
 class KernelRows:
-    """The leading rows the C++ paged attention op serves, in its argument form."""
+    """The step's sequences for the C++ op, packed in one int32 tensor (see csrc/
+    paged_attention.cpp, store_and_attend): [S, max_blocks, block tables (S x max_blocks,
+    padding never read), seq_lens (context lengths, this step's tokens included),
+    query_start_loc (S + 1: sequence s owns rows loc[s]..loc[s+1]-1)]."""
 
     num_tokens: int
-    block_tables: torch.Tensor  # [S, max_blocks] int32; padding entries are never read
-    seq_lens: torch.Tensor  # [S] int32: context length, this step's tokens included
-    query_start_loc: torch.Tensor  # [S + 1] int32: sequence s owns rows [loc[s], loc[s+1])
+    packed: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class AttentionMetadata:
     num_tokens: int  # T, rows of the flat batch
     sliding_window: int  # keys further back than this are hidden from a query; 0: none
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
-    kernel: KernelRows | None  # rows for the C++ op, or None
+    kernel: KernelRows | None  # every row, for the C++ op; None: the torch paths run
     num_decodes: int  # B, the torch decode group's size (0 when the C++ op runs)
     # [B * decode_max_blocks] int64: the group's block tables, row-major, each padded with its
     # own first block so masked lanes still read finite K/V (0 * NaN would poison the output).
@@ -102,11 +106,9 @@ def _kernel_rows(spans: Sequence[SeqSpan], block_size: int, device: torch.device
     starts = [0]
     for s in spans:
         starts.append(starts[-1] + s.num_new_tokens)
+    packed = [len(spans), width, *(b for row in padded for b in row), *lens, *starts]
     return KernelRows(
-        num_tokens=starts[-1],
-        block_tables=torch.tensor(padded, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32).to(device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
+        num_tokens=starts[-1], packed=torch.tensor(packed, dtype=torch.int32).to(device)
     )
 
 
@@ -114,22 +116,22 @@ def build_attention_metadata(
     spans: Sequence[SeqSpan],
     block_size: int,
     device: torch.device,
-    kernel_max_query_len: int = 0,
+    paged_kernel: bool = False,
     sliding_window: int | None = None,
 ) -> AttentionMetadata:
-    """Turn the step's spans (flat-batch order, short spans first) into layer-ready tensors.
+    """Turn the step's spans (flat-batch order, one-token spans first) into layer-ready tensors.
 
-    `kernel_max_query_len` > 0 hands the leading spans of at most that many new tokens to the
-    C++ paged attention op; 0 keeps every row on the torch paths. `sliding_window` (Mistral)
+    `paged_kernel` hands every row to the C++ paged attention op; otherwise rows take the
+    torch paths. `sliding_window` (Mistral)
     hides keys more than that many positions back, in every path's masks. Everything is built
     on the host with a handful of vectorised ops and moved once.
     """
     window = sliding_window or 0
     if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
         raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
-    num_kernel = _leading(spans, kernel_max_query_len) if kernel_max_query_len > 0 else 0
-    kernel = _kernel_rows(spans[:num_kernel], block_size, device) if num_kernel else None
-    num_decodes = 0 if kernel_max_query_len > 0 else _leading(spans, 1)
+    num_kernel = len(spans) if paged_kernel else 0
+    kernel = _kernel_rows(spans, block_size, device) if num_kernel else None
+    num_decodes = 0 if paged_kernel else _leading(spans, 1)
 
     # Torch decode group: one padded block table and one length mask serve every layer.
     decode_lens = [s.num_computed_tokens + 1 for s in spans[:num_decodes]]

@@ -18,20 +18,13 @@ from iterserve.model.quant import QuantizedWeight
 
 logger = logging.getLogger("iterserve.model")
 
-# Spans up to this many new tokens (decodes, speculative verification) attend through the
-# C++ paged attention op; longer prefill chunks are compute-bound and flash SDPA's blocked
-# GEMMs serve them better.
-KERNEL_MAX_QUERY_LEN = 16
-
 
 @dataclass(frozen=True)
 class ModelPlan:
     """What `build_model` chose, for logs, /health and benchmarks."""
 
     backend: Backend
-    # Leading spans of at most this many new tokens go to the C++ paged attention op (0: the
-    # op is off and torch attention serves every row).
-    attention_kernel_max_query_len: int
+    paged_attention_kernel: bool  # the C++ op serves every row; False: torch attention
     weights: str  # "bf16", "int4" (4-bit layers, 8-bit head where the checkpoint has it), ...
     compiled: bool
     linears: dict[str, str]
@@ -84,7 +77,7 @@ def build_model(
     )
     plan = ModelPlan(
         backend=backend,
-        attention_kernel_max_query_len=KERNEL_MAX_QUERY_LEN if use_kernel else 0,
+        paged_attention_kernel=use_kernel,
         weights="+".join(formats) if formats else str(dtype).removeprefix("torch."),
         compiled=compiled,
         linears=model.describe_linears(),

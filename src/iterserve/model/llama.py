@@ -20,6 +20,7 @@ from torch import nn
 
 from iterserve.model.attention import attend, attention_context
 from iterserve.model.attention_metadata import AttentionMetadata
+from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
 from iterserve.model.linear import Backend, Linear
 from iterserve.model.quant import QuantizedWeight
@@ -127,6 +128,7 @@ class _DecoderLayer(nn.Module):
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.scale = head_dim**-0.5
+        self.sliding_window = config.sliding_window or 0
         like = {"dtype": dtype, "device": device}
         self.input_norm = _weight(hidden, **like)
         self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, hidden, **like)
@@ -155,7 +157,13 @@ class _DecoderLayer(nn.Module):
                 setattr(self, f"{name}_weight", None)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        step: torch.Tensor | None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         linears = self.linears
@@ -164,7 +172,13 @@ class _DecoderLayer(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         qk = _apply_rope(qk, cos, signed_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = attend(qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.index, self.scale)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if step is not None:  # the C++ op: store K/V, attend every row, one call
+            attn = torch.ops.iterserve.store_and_attend(
+                q, k, v, *kv_cache, slot_mapping, step, self.scale, self.sliding_window
+            )
+        else:
+            attn = attend(q, k, v, self.index, self.scale)
         hidden = linears["o"](attn.reshape(num_tokens, self.q_size), residual=hidden)
         gate_up = linears["gate_up"](_rms_norm(hidden, self.post_norm, self.eps))
         act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
@@ -196,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
         self.head: Linear | None = None
         self.backend: Backend = "torch"
-        self._run_layers: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._layers
+        self._run_layers: Callable[..., torch.Tensor] = self._layers
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
         """HF name -> (destination view in our fused tensors, expected shape)."""
@@ -293,7 +307,12 @@ class LlamaForCausalLM(nn.Module):
         }
 
     def compile_layers(self) -> None:
-        """Compile embedding + layer stack; attention is an opaque op, so the step's metadata
+        """Compile embedding + layer stack into graphs that every later step reuses.
+
+        With the C++ paged attention op, attention is one call per layer on tensors the
+        graph takes as inputs (the K/V caches, the step's slots and its packed sequence
+        table), so a step runs the graph and nothing else in Python; without it, attention is
+        an opaque op reading the step from a context, so the step's Python-side metadata
         never enters the graph or its guards.
 
         Two graphs serve every step: the first call (one token: a lone decode) is compiled
@@ -303,17 +322,26 @@ class LlamaForCausalLM(nn.Module):
         OpenMP fork and barrier per kernel per step; the projections and attention parallelise
         inside their own kernels.
         """
-        # Dynamo keeps its graphs per code object, so every model in a process (tests,
-        # benchmarks comparing paths) adds its two to the same `_layers` cache.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._run_layers = torch.compile(self._layers, fullgraph=True)
+        self._run_layers = CompiledLayers(self._layers, dynamic_arg=4)
 
-    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def freeze_compiled(self) -> None:
+        """After warm-up has run both graphs: call them without dynamo's guard checks."""
+        if isinstance(self._run_layers, CompiledLayers):
+            self._run_layers.freeze()
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        slot_mapping: torch.Tensor,
+        step: torch.Tensor | None,
+    ) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
         signed_sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, signed_sin)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)
         return hidden
 
     @torch.inference_mode()
@@ -330,7 +358,8 @@ class LlamaForCausalLM(nn.Module):
             self.prepare()
         assert self.head is not None
         with attention_context(meta, kv_caches):
-            hidden = self._run_layers(input_ids, positions)
+            step = None if meta.kernel is None else meta.kernel.packed
+            hidden = self._run_layers(input_ids, positions, kv_caches, meta.slot_mapping, step)
         # Norm and head only where logits are wanted: the head is the largest matrix here.
         hidden = _rms_norm(
             hidden.index_select(0, logits_indices), self.norm_weight, self.config.rms_norm_eps

@@ -704,14 +704,91 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
   return out;
 }
 
+// The step's new K/V rows into their slots: [T, kv_heads, head_dim] (any row and head
+// stride, head_dim contiguous) -> cache[h, slot / block_size, slot % block_size, :].
+template <typename T>
+void store_rows(const Tensor& src, const Tensor& cache, const int64_t* slots) {
+  const int64_t tokens = src.size(0), heads = src.size(1), D = src.size(2);
+  const int64_t slots_per_head = cache.size(1) * cache.size(2);
+  const T* in = src.data_ptr<T>();
+  T* out = cache.data_ptr<T>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(out + (h * slots_per_head + slots[t]) * D,
+                  in + t * src.stride(0) + h * src.stride(1), D * sizeof(T));
+}
+
+void store_kv(const Tensor& k, const Tensor& v, const Tensor& key_cache,
+              const Tensor& value_cache, const Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "store_kv: k and v must be [tokens, kv_heads, head_dim] with contiguous rows");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(0) == k.size(1) &&
+                  key_cache.size(3) == k.size(2) && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "store_kv: caches must be contiguous [kv_heads, blocks, block_size, head_dim] "
+              "matching k");
+  TORCH_CHECK(k.scalar_type() == key_cache.scalar_type() &&
+                  v.scalar_type() == key_cache.scalar_type(),
+              "store_kv: k, v and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "store_kv: slot_mapping must be int64 [tokens]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(1) * key_cache.size(2);
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "store_kv: slot ", slots[t],
+                " is outside the pool of ", num_slots);
+  if (k.scalar_type() == at::kBFloat16) {
+    store_rows<BFloat16>(k, key_cache, slots);
+    store_rows<BFloat16>(v, value_cache, slots);
+  } else {
+    TORCH_CHECK(k.scalar_type() == at::kFloat, "store_kv: bfloat16 or float32 only");
+    store_rows<float>(k, key_cache, slots);
+    store_rows<float>(v, value_cache, slots);
+  }
+}
+
+// One layer's attention for a whole step in one call: the new K/V into the pool, then every
+// query row over its sequence's context. What the engine runs per layer when these kernels
+// are on (model/llama.py). The step's sequences come packed in one int32 tensor, built once
+// per step and shared by every layer (model/attention_metadata.py), so that a compiled graph
+// sees one input of one dynamic length rather than three of independent shapes:
+//   [S, max_blocks, block_tables (S * max_blocks), seq_lens (S), query_start_loc (S + 1)]
+Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& key_cache, const Tensor& value_cache,
+                        const Tensor& slot_mapping, const Tensor& step, double scale,
+                        int64_t sliding_window) {
+  TORCH_CHECK(step.dim() == 1 && step.scalar_type() == at::kInt && step.is_contiguous() &&
+                  step.numel() >= 3,
+              "store_and_attend: step must be the packed int32 step description");
+  const int32_t* head = step.data_ptr<int32_t>();
+  const int64_t S = head[0], width = head[1];
+  TORCH_CHECK(S >= 0 && width >= 0 && step.numel() == 2 + S * width + S + S + 1,
+              "store_and_attend: step holds ", step.numel(), " values, not the ",
+              2 + S * width + 2 * S + 1, " that S=", S, ", max_blocks=", width, " need");
+  const Tensor block_tables = step.narrow(0, 2, S * width).view({S, width});
+  const Tensor seq_lens = step.narrow(0, 2 + S * width, S);
+  const Tensor query_start_loc = step.narrow(0, 2 + S * width + S, S + 1);
+  store_kv(k, v, key_cache, value_cache, slot_mapping);
+  return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                         scale, sliding_window);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
+  m.def(
+      "store_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, float scale, "
+      "int sliding_window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(iterserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("store_and_attend", &store_and_attend);
+}
 
 }  // namespace iterserve
