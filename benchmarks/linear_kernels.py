@@ -11,8 +11,9 @@ its own weights, so nothing stays in cache from one call to the next) and the ti
   tiled-q8 (head)       csrc/linear.cpp on 8-bit blocks (the bundled GGUF's head is Q8_0)
   int4pack (torch)      torch's _weight_int4pack_mm_for_cpu, group 32, for comparison
 
-and prints ms per step, the effective weight bandwidth (GB/s) and, per format, the largest M
-at which the tiled kernel still beats oneDNN: the source of MAX_TILE_ROWS in model/linear.py.
+and prints ms per step, the effective weight bandwidth (GB/s), the largest M at which the
+tiled bf16 kernel still beats oneDNN, and the largest at which 4/8-bit weights still beat
+their bf16 copy in the tiled kernel: the source of MAX_QUANTIZED_ROWS in model/linear.py.
 Medians of interleaved repeats; asserts nothing.
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1,2,4,8,16,32,64] [--json out.json]
@@ -129,9 +130,9 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
         "torch": torch_layers,
         "onednn": layers(lambda x, i, j: onednn(x, w.packed[i][j], None, "none", [], "")),
         "tiled-bf16": layers(
-            lambda x, i, j: tiled(x, w.tiles[i][j], None, None, None, None, 0, NO_LIMIT)
+            lambda x, i, j: tiled(x, w.tiles[i][j], None, None, None, 0, None, NO_LIMIT)
         ),
-        "tiled-q4": layers(lambda x, i, j: tiled(x, *w.q4[i][j], None, None, None, 1, NO_LIMIT)),
+        "tiled-q4": layers(lambda x, i, j: tiled(x, *w.q4[i][j], None, None, 1, None, NO_LIMIT)),
         "int4pack": layers(
             lambda x, i, j: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, w.int4pack[i][j][0], 32, w.int4pack[i][j][1]
@@ -141,8 +142,8 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     head_fns: dict[str, Callable[[], object]] = {
         "torch": torch_head,
         "onednn": lambda: onednn(xh, w.head_packed, None, "none", [], ""),
-        "tiled-bf16": lambda: tiled(xh, w.head_tiles, None, None, None, None, 0, NO_LIMIT),
-        "tiled-q8": lambda: tiled(xh, *w.head_q8, None, None, None, 2, NO_LIMIT),
+        "tiled-bf16": lambda: tiled(xh, w.head_tiles, None, None, None, 0, None, NO_LIMIT),
+        "tiled-q8": lambda: tiled(xh, *w.head_q8, None, None, 2, None, NO_LIMIT),
     }
     layer_ms = interleaved(layer_fns, repeats)
     head_ms = interleaved(head_fns, repeats * 4)
@@ -159,13 +160,15 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     return results
 
 
-def crossover(results: list[dict[str, float | int | str]], kernel: str, key: str) -> int:
-    """Largest row count at which `kernel` beats oneDNN on `key`."""
-    onednn = {r["rows"]: r[key] for r in results if r["kernel"] == "onednn"}
+def crossover(
+    results: list[dict[str, float | int | str]], kernel: str, rival: str, key: str
+) -> int:
+    """Largest row count at which `kernel` beats `rival` on `key`."""
+    theirs = {r["rows"]: r[key] for r in results if r["kernel"] == rival}
     wins = [
         int(r["rows"])
         for r in results
-        if r["kernel"] == kernel and r[key] and float(r[key]) < float(onednn[r["rows"]])
+        if r["kernel"] == kernel and r[key] and float(r[key]) < float(theirs[r["rows"]])
     ]
     return max(wins, default=0)
 
@@ -185,15 +188,15 @@ def main() -> None:
     results: list[dict[str, float | int | str]] = []
     for rows in [int(r) for r in args.rows.split(",")]:
         results.extend(measure(rows, weights, args.repeats))
-    print("largest row count at which the tiled kernel beats oneDNN:")
-    for kernel, key in (
-        ("tiled-bf16", "layers_ms"),
-        ("tiled-q4", "layers_ms"),
-        ("tiled-bf16", "head_ms"),
-        ("tiled-q8", "head_ms"),
+    print("largest row count at which a kernel beats its rival:")
+    for kernel, rival, key in (
+        ("tiled-bf16", "onednn", "layers_ms"),
+        ("tiled-bf16", "onednn", "head_ms"),
+        ("tiled-q4", "tiled-bf16", "layers_ms"),
+        ("tiled-q8", "tiled-bf16", "head_ms"),
     ):
         where = "layers" if key == "layers_ms" else "head"
-        print(f"  {kernel:12s} {where:6s}: {crossover(results, kernel, key)}")
+        print(f"  {kernel} vs {rival} ({where}): {crossover(results, kernel, rival, key)}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

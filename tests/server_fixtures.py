@@ -65,6 +65,15 @@ def running_server(
 ) -> Iterator[RunningServer]:
     engine = LLMEngine(engine_config(model_dir, **scheduler))
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
+    with serving(async_engine, settings) as running:
+        yield running
+
+
+@contextmanager
+def serving(
+    async_engine: AsyncEngine, settings: ServerSettings | None = None
+) -> Iterator[RunningServer]:
+    """The app over `async_engine`, served by uvicorn on a free port in a thread."""
     settings = settings or ServerSettings(served_model_names=[MODEL_NAME])
     app = create_app(async_engine, settings)
     port = free_port()

@@ -75,10 +75,11 @@ def _model(
     weights: dict[str, torch.Tensor] | None = None,
     quantized: dict[str, quant.QuantizedWeight] | None = None,
     compiled: bool = False,
+    wide: bool = True,
 ) -> LlamaForCausalLM:
     model = LlamaForCausalLM(_config(hf), dtype, torch.device("cpu"))
     model.load_weights(weights or hf.state_dict())
-    model.prepare(backend, quantized)
+    model.prepare(backend, quantized, wide)
     if compiled:
         model.compile_layers()
     return model
@@ -208,13 +209,17 @@ def _quantized_checkpoint(
 
 
 @needs_kernels
-def test_int4_weights_compute_what_their_dequantized_values_do(hf) -> None:
+@pytest.mark.parametrize("wide", [True, False], ids=["with-bf16-copy", "4-bit-only"])
+def test_int4_weights_compute_what_their_dequantized_values_do(hf, wide: bool) -> None:
+    """4-bit layers and 8-bit head on decode steps; prefill chunks (20-43 rows) take the bf16
+    copy when there is one, else the blocks too."""
     weights, quantized = _quantized_checkpoint(hf)
     tokens = _tokens(5)
     reference = _run(_model(hf, torch.float32, weights=weights), tokens, kernel=False)
-    int4 = _model(hf, torch.bfloat16, "tiled", weights=weights, quantized=quantized)
-    assert int4.describe_linears()["qkv"].startswith("tiled-q4")
-    assert int4.describe_linears()["lm_head"].startswith("tiled-q8")
+    int4 = _model(hf, torch.bfloat16, "tiled", weights=weights, quantized=quantized, wide=wide)
+    kinds = int4.describe_linears()
+    assert kinds["qkv"].startswith("tiled-q4") and kinds["lm_head"].startswith("tiled-q8")
+    assert ("bf16 above" in kinds["qkv"]) == wide
     fast = _run(int4, tokens, kernel=True)
     # bf16 activations round where the fp32 reference does not: measure the 4-bit path by the
     # yardstick of plain bf16 over the same dequantized weights.

@@ -16,10 +16,8 @@ pytestmark = pytest.mark.skipif(
 BF16, Q4, Q8 = 0, 1, 2
 
 
-def _tiled(x, weight, scales, fmt, bias=None, residual=None, packed=None, max_rows=64):
-    return torch.ops.iterserve.tiled_linear(
-        x, weight, scales, bias, residual, packed, fmt, max_rows
-    )
+def _tiled(x, weight, scales, fmt, bias=None, residual=None, wide=None, max_rows=64):
+    return torch.ops.iterserve.tiled_linear(x, weight, scales, bias, residual, fmt, wide, max_rows)
 
 
 def _random_q4(n: int, k: int, gen: torch.Generator) -> quant.QuantizedWeight:
@@ -74,19 +72,30 @@ def test_q8_tiles_match_dequantize_then_matmul(rows: int) -> None:
     _close_to_bf16_rounding(out, x.float() @ weight.dequantize().T)
 
 
-def test_rows_past_the_tile_limit_go_to_the_packed_gemm() -> None:
+def test_rows_past_the_quantized_limit_run_the_bf16_copy() -> None:
     gen = torch.Generator().manual_seed(1)
+    weight = _random_q4(32, 64, gen)
+    dense = weight.dequantize(torch.bfloat16)
     x = torch.randn(9, 64, generator=gen).bfloat16()
-    w = (torch.randn(32, 64, generator=gen) * 0.1).bfloat16()
     residual = torch.randn(9, 32, generator=gen).bfloat16()
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    tiles = quant.tile_bf16(w)
+    q, scales = quant.tile_quantized(weight)
+    wide = quant.tile_bf16(dense)
     for res in (None, residual):
-        expected = torch.nn.functional.linear(x, w) + (0 if res is None else res)
-        via_gemm = _tiled(x, tiles, None, BF16, residual=res, packed=packed, max_rows=4)
-        via_tiles = _tiled(x, tiles, None, BF16, residual=res, packed=packed, max_rows=9)
-        torch.testing.assert_close(via_gemm.float(), expected.float(), rtol=2**-7, atol=1e-2)
-        torch.testing.assert_close(via_tiles.float(), expected.float(), rtol=2**-7, atol=1e-2)
+        extra = 0 if res is None else res.float()
+        as_bf16 = _tiled(x, q, scales, Q4, residual=res, wide=wide, max_rows=4)
+        _close_to_bf16_rounding(as_bf16, x.float() @ dense.float().T + extra)
+        as_q4 = _tiled(x, q, scales, Q4, residual=res, wide=wide, max_rows=9)
+        _close_to_bf16_rounding(as_q4, x.float() @ weight.dequantize().T + extra)
+        assert not torch.equal(as_bf16, as_q4)  # the copy is rounded to bf16, the blocks not
+
+
+@pytest.mark.parametrize("rows", [1, 37, 130])
+def test_many_rows_over_many_tiles(rows: int) -> None:
+    """Passes of a few tiles over every block of rows: a head-sized N and prefill-sized M."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    w = (torch.randn(16 * 37, 96, generator=gen) * 0.1).bfloat16()  # 37 tiles: ragged passes
+    _close_to_bf16_rounding(_tiled(x, quant.tile_bf16(w), None, BF16), x.float() @ w.float().T)
 
 
 def test_a_strided_row_view_is_read_in_place() -> None:

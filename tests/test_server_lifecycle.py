@@ -9,7 +9,9 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,14 @@ from iterserve.engine.async_engine import (
 )
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.sampling_params import SamplingParams
-from server_fixtures import MODEL_NAME, engine_config, free_port, running_server, wait_until
+from server_fixtures import (
+    MODEL_NAME,
+    engine_config,
+    free_port,
+    running_server,
+    serving,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -220,3 +229,42 @@ def test_a_dead_loop_fails_waiting_clients_and_health(tiny_llama_dir: Path) -> N
         assert wait_until(lambda: httpx.get(f"{server.base_url}/health").status_code == 503)
         again = httpx.post(f"{server.base_url}/v1/completions", json=LONG, timeout=10)
         assert again.status_code == 503 and again.json()["error"]["code"] == "service_unavailable"
+
+
+def test_health_says_warming_up_until_the_engine_thread_has_warmed_up(
+    tiny_llama_dir: Path,
+) -> None:
+    """`iterserve serve` builds and warms the engine on its own thread (one OpenMP pool for
+    every kernel) and opens the port before compiling is done: /health says so, requests
+    sent meanwhile wait rather than fail, and everything runs once warm."""
+    release = threading.Event()
+    built_on: list[str] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        engine = LLMEngine(engine_config(tiny_llama_dir), warm_up=False)
+        warm_up = engine.warm_up
+
+        def held_warm_up() -> float:
+            release.wait(30)
+            return warm_up()
+
+        engine.warm_up = held_warm_up  # type: ignore[method-assign]
+        return engine
+
+    async_engine = AsyncEngine.launch(build)
+    assert built_on == ["iterserve-engine"]
+    with serving(async_engine) as server:
+        health = httpx.get(f"{server.base_url}/health", timeout=5)
+        assert (health.status_code, health.json()) == (503, {"status": "warming up"})
+        body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        with ThreadPoolExecutor(1) as pool:
+            early = pool.submit(
+                httpx.post, f"{server.base_url}/v1/completions", json=body, timeout=30
+            )
+            time.sleep(0.3)
+            assert not early.done()  # queued behind the warm-up, not refused
+            release.set()
+            assert early.result().status_code == 200
+        assert wait_until(lambda: httpx.get(f"{server.base_url}/health").status_code == 200)
+        assert async_engine.engine.warm_up_seconds > 0

@@ -162,7 +162,8 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     weights: str = _opt(
         "auto",
-        "weight format: auto (a 4-bit GGUF stays 4-bit where the fast kernels run), bf16, int4",
+        "weight format: auto (a 4/8-bit GGUF stays so for few-token steps, with a bf16 copy "
+        "for large ones), int4 (4/8-bit only: least memory), bf16",
         choices=WEIGHT_FORMATS,
     )
     kernels: str = _opt(

@@ -7,6 +7,7 @@ thread for the server, `LLM` drives it to completion for offline use.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +36,9 @@ class StepFailedError(RuntimeError):
         super().__init__(f"a step of {len(request_ids)} requests failed: {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
+
+
+logger = logging.getLogger("iterserve.engine")
 
 
 @dataclass
@@ -66,7 +70,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, warm_up: bool = True
+    ) -> None:
+        """Load the model and set everything up; `warm_up` also compiles (or loads compiled
+        graphs) and runs each kernel once now, else `warm_up()` must be called before the
+        first step that should be fast (the server does it on its engine thread)."""
         self.config = config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -104,8 +113,9 @@ class LLMEngine:
             config.seed,
             self.model_plan.paged_attention_kernel,
         )
-        # Compile (or load compiled graphs) and build kernels now, not in a user's first step.
-        self.warm_up_seconds = self.executor.warm_up()
+        self.warm_up_seconds = 0.0
+        if warm_up:
+            self.warm_up()
 
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -114,6 +124,13 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self.stats = StepStats()
+
+    def warm_up(self) -> float:
+        """Compile (or load compiled graphs) and run every kernel once, so that a user's first
+        step is not the slow one; returns and records the seconds it took."""
+        self.warm_up_seconds = self.executor.warm_up()
+        logger.info("engine warm: %.1f s", self.warm_up_seconds)
+        return self.warm_up_seconds
 
     # ---- requests --------------------------------------------------------------
 

@@ -14,8 +14,8 @@ def _tiled_linear(
     scales: torch.Tensor | None,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
-    packed: torch.Tensor | None,
     format: int,
+    wide_weight: torch.Tensor | None,
     max_tile_rows: int,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0] * TILE)

@@ -25,7 +25,7 @@ class ModelPlan:
 
     backend: Backend
     paged_attention_kernel: bool  # the C++ op serves every row; False: torch attention
-    weights: str  # "bf16", "int4" (4-bit layers, 8-bit head where the checkpoint has it), ...
+    weights: str  # "bfloat16", "q4+q8" (the checkpoint's 4-bit layers and 8-bit head), ...
     compiled: bool
     linears: dict[str, str]
     compile_seconds: float = 0.0
@@ -62,7 +62,9 @@ def build_model(
     model.load_weights(loaded.weights)
     backend = choose_backend(config, dtype, device)
     quantized = choose_quantized(config, loaded, backend)
-    model.prepare(backend, quantized)
+    # auto: 4-bit where it is fastest, a bf16 copy for large steps; int4: 4-bit only (least
+    # memory, slower prefill and large batches).
+    model.prepare(backend, quantized, wide=config.weights != "int4")
     compiled = config.compile and _can_compile(device)
     if compiled:
         _use_persistent_compile_cache()

@@ -6,13 +6,12 @@ Backends, chosen once when the model is built:
 
 - ``torch``: F.linear / addmm on the plain weight. The reference path: exact against
   transformers, and what runs on GPUs, in fp32, and wherever nothing faster is available.
-- ``onednn``: oneDNN's GEMM on weights packed once at load (CPU, bf16). About 2x torch at
-  every batch size, because torch re-lays the weight out on every call
-  (benchmarks/linear_kernels.py).
-- ``tiled``: iterserve's C++ kernel (kernels/csrc/linear.cpp) for steps of at most
-  `max_tile_rows` rows: it streams each weight once per step near memory bandwidth, in bf16
-  or kept in the checkpoint's 4- or 8-bit blocks; larger steps go to the oneDNN GEMM inside
-  the same op, so a compiled graph holds one call per projection whatever the batch.
+- ``onednn``: oneDNN's GEMM on weights packed once at load (CPU, bf16), for CPUs where
+  iterserve's kernels do not run. About 2x torch at every batch size, because torch re-lays
+  the weight out on every call (benchmarks/linear_kernels.py).
+- ``tiled``: iterserve's C++ kernel (kernels/csrc/linear.cpp). At a few rows it streams the
+  weights once per step near memory bandwidth, in bf16 or kept in the checkpoint's 4- or
+  8-bit blocks; at hundreds of rows it runs at the bf16 peak, level with oneDNN.
 
 The residual add rides inside the product in every backend (one op, one rounding).
 """
@@ -30,12 +29,12 @@ Backend = Literal["torch", "onednn", "tiled"]
 
 _FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2}
 
-# Rows up to which the tiled kernel beats oneDNN's GEMM, per weight format, for projections
-# of a few thousand outputs (benchmarks/linear_kernels.py). A vocabulary-sized head has far
-# more outputs to amortise a GEMM's set-up over, so it hands over sooner.
-MAX_TILE_ROWS = {"bf16": 16, "q4": 8, "q8": 4}
-MAX_TILE_ROWS_WIDE = {"bf16": 4, "q4": 4, "q8": 4}
-_WIDE = 16384
+# Rows up to which 4/8-bit weights beat their own bf16 copy in the tiled kernel: past them a
+# step is compute-bound and unpacking costs more than the bytes saved (benchmarks/
+# linear_kernels.py: 4-bit layers 12.2 vs 13.7 ms at 16 rows, 22.0 vs 21.1 at 32; the 8-bit
+# head 1.5 vs 2.0 ms at 4 rows, 3.9 vs 3.2 at 16).
+MAX_QUANTIZED_ROWS = {"q4": 16, "q8": 4}
+_NO_LIMIT = 1 << 62
 
 
 def _onednn(
@@ -81,34 +80,36 @@ class Linear:
         bias: torch.Tensor | None = None,
         backend: Backend = "torch",
         quantized: QuantizedWeight | None = None,
+        wide: bool = True,
     ) -> None:
         """`weight` is the dense [N, K] matrix in the model dtype. `quantized`, when given,
-        is the same matrix in its checkpoint blocks: the tiled backend then keeps it so."""
+        is the same matrix in its checkpoint blocks: the tiled backend then keeps it so for
+        few-row steps, plus (`wide`) a bf16 copy for the others, or alone if not `wide`."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend: Backend = backend
         self.format = "dense"
-        self.weight: torch.Tensor | None = None  # torch backend only
-        self.packed: torch.Tensor | None = None  # oneDNN layout
-        self.tiles: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None  # torch backend
+        self.packed: torch.Tensor | None = None  # onednn backend
+        self.tiles: torch.Tensor | None = None  # tiled backend
         self.scales: torch.Tensor | None = None
-        self.max_tile_rows = 0
+        self.wide: torch.Tensor | None = None  # bf16 tiles for steps past max_tile_rows
+        self.max_tile_rows = _NO_LIMIT
         if backend == "tiled" and not self._tileable(quantized):
             backend = self.backend = "onednn"
         if backend == "torch":
             self.weight = weight
-            return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        if backend == "onednn":
-            return
-        if quantized is not None:
-            self.format = quantized.kind
-            self.tiles, self.scales = tile_quantized(quantized)
-        else:
+        elif backend == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        elif quantized is None:
             self.format = "bf16"
             self.tiles = tile_bf16(weight)
-        limits = MAX_TILE_ROWS_WIDE if self.out_features >= _WIDE else MAX_TILE_ROWS
-        self.max_tile_rows = limits[self.format]
+        else:
+            self.format = quantized.kind
+            self.tiles, self.scales = tile_quantized(quantized)
+            if wide:
+                self.wide = tile_bf16(weight)
+                self.max_tile_rows = MAX_QUANTIZED_ROWS[quantized.kind]
 
     def _tileable(self, quantized: QuantizedWeight | None) -> bool:
         if self.out_features % TILE:
@@ -125,8 +126,8 @@ class Linear:
                 self.scales,
                 self.bias,
                 residual,
-                self.packed,
                 _FORMAT_CODES[self.format],
+                self.wide,
                 self.max_tile_rows,
             )
         if self.backend == "onednn":
@@ -142,6 +143,8 @@ class Linear:
         return torch.addmm(residual, x, self.weight.t())
 
     def describe(self) -> str:
-        if self.backend == "tiled":
-            return f"tiled-{self.format}(<={self.max_tile_rows} rows)+onednn"
-        return self.backend
+        if self.backend != "tiled":
+            return self.backend
+        if self.wide is not None:
+            return f"tiled-{self.format}(<={self.max_tile_rows} rows, bf16 above)"
+        return f"tiled-{self.format}"

@@ -144,14 +144,16 @@ class _DecoderLayer(nn.Module):
         self.down_weight = _weight(hidden, self.intermediate, **like)
         self.linears: dict[str, Linear] = {}
 
-    def prepare(self, backend: Backend, quantized: Mapping[str, QuantizedWeight]) -> None:
+    def prepare(
+        self, backend: Backend, quantized: Mapping[str, QuantizedWeight], wide: bool
+    ) -> None:
         """Build the projections' kernels; the dense weights are dropped unless torch runs."""
         prefix = f"model.layers.{self.index}."
         biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
         for name, parts in _FUSED.items():
             weight = getattr(self, f"{name}_weight")
             self.linears[name] = Linear(
-                weight, biases[name], backend, _fused_quantized(quantized, prefix, parts)
+                weight, biases[name], backend, _fused_quantized(quantized, prefix, parts), wide
             )
             if backend != "torch":  # the kernels hold their own copies
                 setattr(self, f"{name}_weight", None)
@@ -280,22 +282,26 @@ class LlamaForCausalLM(nn.Module):
                 dest.copy_(weights[name])
 
     def prepare(
-        self, backend: Backend = "torch", quantized: Mapping[str, QuantizedWeight] | None = None
+        self,
+        backend: Backend = "torch",
+        quantized: Mapping[str, QuantizedWeight] | None = None,
+        wide: bool = True,
     ) -> None:
         """Choose the projections' kernels once the weights are in.
 
         `quantized` holds checkpoint weights to keep in their own 4/8-bit blocks (HF names);
-        only the tiled backend reads them. Until this is called the torch backend runs.
+        only the tiled backend reads them, for few-row steps, with a bf16 copy for larger
+        ones unless not `wide`. Until this is called the torch backend runs.
         """
         quantized = quantized or {}
         self.backend = backend
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
-            layer.prepare(backend, quantized)
+            layer.prepare(backend, quantized, wide)
         head_name = (
             "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         )
-        self.head = Linear(self.lm_head, None, backend, quantized.get(head_name))
+        self.head = Linear(self.lm_head, None, backend, quantized.get(head_name), wide)
 
     def describe_linears(self) -> dict[str, str]:
         """Kernel of each projection kind, e.g. {"qkv": "tiled-q4(<=8 rows)+onednn", ...}."""

@@ -115,10 +115,16 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
 
     @app.get("/health")
     async def health() -> Response:
-        # 503 while draining too, so a load balancer stops sending before we stop.
-        if async_engine.is_accepting:
+        # 503 while warming up (compiling) and while draining too, so a load balancer sends
+        # nothing before we are fast, and stops sending before we stop.
+        if async_engine.is_accepting and async_engine.is_ready:
             return JSONResponse({"status": "ok"})
-        status = "draining" if async_engine.is_healthy else "dead"
+        if not async_engine.is_healthy:
+            status = "dead"
+        elif not async_engine.is_ready:
+            status = "warming up"
+        else:
+            status = "draining"
         return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/metrics")

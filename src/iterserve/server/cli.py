@@ -65,8 +65,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 1:
         raise ValueError("--max-waiting-requests must be at least 1")
     config = engine_config_from_args(args)
-    engine = LLMEngine(config)
-    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    # Built and warmed up on the engine's own thread (see AsyncEngine.launch); the port
+    # opens once the weights are in, and /health says "warming up" until compiling is done.
+    async_engine = AsyncEngine.launch(
+        lambda: LLMEngine(config, warm_up=False), max_waiting_requests=args.max_waiting_requests
+    )
+    engine = async_engine.engine
     settings = ServerSettings(
         served_model_names=args.served_model_name or [],
         api_key=args.api_key or os.environ.get("ITERSERVE_API_KEY") or None,

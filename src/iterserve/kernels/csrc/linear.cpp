@@ -18,16 +18,18 @@
 // then matmul" up to the order of fp32 additions. The residual (and bias) are added in fp32
 // before the single rounding to bf16, as oneDNN's fused add does.
 //
-// Above `max_tile_rows` rows a step is compute-bound and oneDNN's GEMM on pre-packed bf16
-// weights wins (benchmarks/linear_kernels.py measures the crossover), so the op hands those
-// steps to `mkldnn::_linear_pointwise` with the packed weight it is given.
+// The same kernel serves large steps too: each pass keeps a few tiles' weights in L2 while
+// every block of rows reads them, and at 512 rows it runs at the machine's bf16 peak, level
+// with oneDNN's GEMM (benchmarks/linear_kernels.py). For 4/8-bit weights, steps of more than
+// `max_tile_rows` rows are compute-bound and the unpacking costs more than the bytes it
+// saves, so they run the bf16 copy given as `wide_weight`.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -243,47 +245,41 @@ void rows_over_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t t_b
   for (; t < t_end; ++t) run_tiles<MR, 1>(w, rows, m0, t, ep);
 }
 
+// Tiles per pass over the rows: their weights (8 x 16 outputs x K inputs, ~150 KB of bf16 at
+// K = 576) stay in L2 while every block of rows reads them, so a weight comes from memory
+// once per step however many rows there are. The loop the other way round streamed a
+// vocabulary-sized head from DRAM once per 4 rows (2.5x slower than oneDNN at 64 rows).
+constexpr int64_t kTilesPerPass = 8;
+
 void tiles_range(const Weights& w, const Rows& rows, int64_t M, int64_t t_begin, int64_t t_end,
                  const Epilogue& ep) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) rows_over_tiles<4>(w, rows, m, t_begin, t_end, ep);
-  switch (M - m) {
-    case 3: rows_over_tiles<3>(w, rows, m, t_begin, t_end, ep); break;
-    case 2: rows_over_tiles<2>(w, rows, m, t_begin, t_end, ep); break;
-    case 1: rows_over_tiles<1>(w, rows, m, t_begin, t_end, ep); break;
-    default: break;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
+    const int64_t t1 = std::min(t0 + kTilesPerPass, t_end);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) rows_over_tiles<4>(w, rows, m, t0, t1, ep);
+    switch (M - m) {
+      case 3: rows_over_tiles<3>(w, rows, m, t0, t1, ep); break;
+      case 2: rows_over_tiles<2>(w, rows, m, t0, t1, ep); break;
+      case 1: rows_over_tiles<1>(w, rows, m, t0, t1, ep); break;
+      default: break;
+    }
   }
-}
-
-Tensor onednn_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
-                     const std::optional<Tensor>& residual) {
-  // Boxed calls: these mkldnn ops have no C++ API, only their registered schemas.
-  static const auto unary = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_linear_pointwise", "");
-  static const auto binary = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_linear_pointwise", "binary");
-  torch::jit::Stack stack;
-  if (residual) {
-    stack = {x, *residual, packed, bias, c10::IValue(std::string("add"))};
-    binary.callBoxed(&stack);
-  } else {
-    stack = {x, packed, bias, c10::IValue(std::string("none")),
-             c10::IValue(c10::List<std::optional<c10::Scalar>>()), c10::IValue()};
-    unary.callBoxed(&stack);
-  }
-  return stack.back().toTensor();
 }
 
 Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& scales,
                     const std::optional<Tensor>& bias, const std::optional<Tensor>& residual,
-                    const std::optional<Tensor>& packed, int64_t format, int64_t max_tile_rows) {
+                    int64_t format, const std::optional<Tensor>& wide_weight,
+                    int64_t max_tile_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "tiled_linear: x must be 2-D bf16 with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
-  const int64_t tiles = weight.size(0), N = tiles * kTile;
-  if (packed && packed->defined() && M > max_tile_rows) {
-    return onednn_linear(x, *packed, bias, residual);
+  if (wide_weight && wide_weight->defined() && M > max_tile_rows) {
+    // Past a few rows a step is compute-bound and the 4/8-bit unpacking costs more than the
+    // bytes it saves: run the same weights in bf16 (benchmarks/linear_kernels.py).
+    return tiled_linear(x, *wide_weight, std::nullopt, bias, residual,
+                        static_cast<int64_t>(Format::kBf16), std::nullopt, 0);
   }
+  const int64_t tiles = weight.size(0), N = tiles * kTile;
   const auto fmt = static_cast<Format>(format);
   TORCH_CHECK(fmt == Format::kBf16 ? K % 2 == 0 : K % kBlock == 0,
               "tiled_linear: K=", K, " does not fit the weight format");
@@ -332,11 +328,9 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def(
       "tiled_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? residual, "
-      "Tensor? packed, int format, int max_tile_rows) -> Tensor");
+      "int format, Tensor? wide_weight, int max_tile_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve, CPU, m) { m.impl("tiled_linear", &tiled_linear); }
-// The oneDNN-packed weight argument makes the dispatcher pick its backend key.
-TORCH_LIBRARY_IMPL(iterserve, MkldnnCPU, m) { m.impl("tiled_linear", &tiled_linear); }
 
 }  // namespace iterserve
