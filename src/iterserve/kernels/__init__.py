@@ -3,8 +3,8 @@
 Nothing requires them. `available()` says whether they run here: the CPU must have
 AVX-512 with BF16 dot products (checked at run time, not at build time), a C++ compiler
 must be present, and the build must succeed. Otherwise the engine says why, once, and
-every caller takes its torch path. The build lands in `cache_dir()` (keyed by the sources'
-hash, so an edit rebuilds and an unchanged tree loads in milliseconds).
+every caller takes its torch path. The build lands in `cache_dir()`, keyed by the sources'
+hash, so an edit rebuilds and an unchanged tree loads in milliseconds.
 
 Set ITERSERVE_KERNELS=0 to turn them off (the torch reference paths then run everywhere).
 """
@@ -12,6 +12,7 @@ Set ITERSERVE_KERNELS=0 to turn them off (the torch reference paths then run eve
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -100,12 +101,17 @@ def _build_and_load() -> None:
 
     _ensure_ninja_on_path()
     sources = sorted(str(p) for p in _CSRC.glob("*.cpp"))
-    build_dir = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    # Keyed by every source and header byte: an edit builds afresh, an unchanged tree loads.
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    build_dir = cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="iterserve_kernels",
         sources=sources,
         extra_cflags=_CFLAGS,
+        extra_include_paths=[str(_CSRC)],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         is_python_module=False,

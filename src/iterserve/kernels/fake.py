@@ -48,3 +48,26 @@ def _store_and_attend(
     sliding_window: int,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("iterserve::decoder_layer")
+def _decoder_layer(
+    hidden: torch.Tensor,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    weights: list[torch.Tensor | None],
+    formats: list[int],
+    max_rows: list[int],
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    step: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    return hidden.new_empty(hidden.shape)

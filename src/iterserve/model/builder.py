@@ -26,9 +26,10 @@ class ModelPlan:
     backend: Backend
     paged_attention_kernel: bool  # the C++ op serves every row; False: torch attention
     weights: str  # "bfloat16", "q4+q8" (the checkpoint's 4-bit layers and 8-bit head), ...
-    compiled: bool
+    # How a step runs: "fused-layers" (one C++ op per layer), "compiled" (torch.compile'd
+    # layer stack) or "eager".
+    step: str
     linears: dict[str, str]
-    compile_seconds: float = 0.0
 
 
 def choose_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Backend:
@@ -65,11 +66,6 @@ def build_model(
     # auto: 4-bit where it is fastest, a bf16 copy for large steps; int4: 4-bit only (least
     # memory, slower prefill and large batches).
     model.prepare(backend, quantized, wide=config.weights != "int4")
-    compiled = config.compile and _can_compile(device)
-    if compiled:
-        _use_persistent_compile_cache()
-        model.compile_layers()
-    formats = sorted({q.kind for q in quantized.values()})
     use_kernel = (
         config.kernels == "auto"
         and device.type == "cpu"
@@ -77,20 +73,30 @@ def build_model(
         and loaded.config.head_dim <= 256
         and kernels.available()
     )
+    # With iterserve's kernels each layer is one C++ op already: a step is ~32 calls with
+    # nothing between them to fuse, and wrapping those in a compiled graph measured ~1 ms a
+    # step slower at one token (its runtime wrapper), besides a minute of compiling. So the
+    # fused layers are the compiled step there; torch.compile serves the other backends.
+    fused = use_kernel and model.fused_layers
+    compiled = config.compile and not fused and _can_compile(device)
+    if compiled:
+        _use_persistent_compile_cache()
+        model.compile_layers()
+    formats = sorted({q.kind for q in quantized.values()})
     plan = ModelPlan(
         backend=backend,
         paged_attention_kernel=use_kernel,
         weights="+".join(formats) if formats else str(dtype).removeprefix("torch."),
-        compiled=compiled,
+        step="fused-layers" if fused else "compiled" if compiled else "eager",
         linears=model.describe_linears(),
     )
     logger.info(
-        "model %s: %s linears, %s attention, weights %s, %s",
+        "model %s: %s linears, %s attention, weights %s, step %s",
         loaded.name,
         plan.backend,
         "paged-kernel" if use_kernel else "torch",
         plan.weights,
-        "compiled" if compiled else "eager",
+        plan.step,
     )
     return model, plan
 

@@ -111,6 +111,11 @@ class Linear:
                 self.wide = tile_bf16(weight)
                 self.max_tile_rows = MAX_QUANTIZED_ROWS[quantized.kind]
 
+    @property
+    def format_code(self) -> int:
+        """The tile format as csrc/linear.cpp numbers it."""
+        return _FORMAT_CODES[self.format]
+
     def _tileable(self, quantized: QuantizedWeight | None) -> bool:
         if self.out_features % TILE:
             return False
@@ -126,7 +131,7 @@ class Linear:
                 self.scales,
                 self.bias,
                 residual,
-                _FORMAT_CODES[self.format],
+                self.format_code,
                 self.wide,
                 self.max_tile_rows,
             )

@@ -143,9 +143,17 @@ class _DecoderLayer(nn.Module):
         self.gate_up_weight = _weight(2 * self.intermediate, hidden, **like)
         self.down_weight = _weight(hidden, self.intermediate, **like)
         self.linears: dict[str, Linear] = {}
+        # The whole layer as one C++ op (kernels/csrc/layer.cpp), when every part fits it:
+        # its projections' weights in order, their formats and row limits, and rope tables.
+        self.fused: tuple[list[torch.Tensor | None], list[int], list[int]] | None = None
+        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(
-        self, backend: Backend, quantized: Mapping[str, QuantizedWeight], wide: bool
+        self,
+        backend: Backend,
+        quantized: Mapping[str, QuantizedWeight],
+        wide: bool,
+        rope_tables: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """Build the projections' kernels; the dense weights are dropped unless torch runs."""
         prefix = f"model.layers.{self.index}."
@@ -157,6 +165,40 @@ class _DecoderLayer(nn.Module):
             )
             if backend != "torch":  # the kernels hold their own copies
                 setattr(self, f"{name}_weight", None)
+        self.fused = None
+        tiled = [self.linears[name] for name in _FUSED]
+        if all(lin.backend == "tiled" for lin in tiled) and self.head_dim % 32 == 0:
+            self.rope_tables = rope_tables
+            self.fused = (
+                [t for lin in tiled for t in (lin.tiles, lin.scales, lin.bias, lin.wide)],
+                [lin.format_code for lin in tiled],
+                [lin.max_tile_rows for lin in tiled],
+            )
+
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        step: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` in one call of the C++ layer op (which reads positions from `step`)."""
+        assert self.fused is not None and self.rope_tables is not None
+        return torch.ops.iterserve.decoder_layer(
+            hidden,
+            self.input_norm,
+            self.post_norm,
+            self.eps,
+            *self.fused,
+            *kv_cache,
+            slot_mapping,
+            step,
+            *self.rope_tables,
+            self.num_heads,
+            self.num_kv_heads,
+            self.scale,
+            self.sliding_window,
+        )
 
     def forward(
         self,
@@ -211,6 +253,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
         self.head: Linear | None = None
+        self.fused_layers = False
         self.backend: Backend = "torch"
         self._run_layers: Callable[..., torch.Tensor] = self._layers
 
@@ -297,11 +340,14 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
-            layer.prepare(backend, quantized, wide)
+            layer.prepare(backend, quantized, wide, (self.rope_cos, self.rope_signed_sin))
         head_name = (
             "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         )
         self.head = Linear(self.lm_head, None, backend, quantized.get(head_name), wide)
+        # One C++ op per layer wherever the paged attention op also runs (the step's
+        # packed table tells each layer its rows' positions).
+        self.fused_layers = all(layer.fused is not None for layer in self.layers)
 
     def describe_linears(self) -> dict[str, str]:
         """Kernel of each projection kind, e.g. {"qkv": "tiled-q4(<=8 rows)+onednn", ...}."""
@@ -344,6 +390,10 @@ class LlamaForCausalLM(nn.Module):
         step: torch.Tensor | None,
     ) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if step is not None and self.fused_layers:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
+            return hidden
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
         signed_sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -29,6 +29,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
+#include "simd.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -52,11 +55,6 @@ inline __m512bh pair_of(const at::BFloat16* x, int64_t k) {
   return as_bh(_mm512_set1_epi32(static_cast<int>(bits)));
 }
 
-inline __m512 load_bf16x16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 inline __m512 load_f16x16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -72,8 +70,7 @@ struct Epilogue {
   inline void store(int64_t row, int64_t n0, __m512 acc) const {
     if (bias) acc = _mm512_add_ps(acc, load_bf16x16(bias + n0));
     if (residual) acc = _mm512_add_ps(acc, load_bf16x16(residual + row * ld_res + n0));
-    __m256i packed = (__m256i)_mm512_cvtneps_pbh(acc);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * ld_out + n0), packed);
+    store_bf16x16(out + row * ld_out + n0, acc);
   }
 };
 
@@ -266,6 +263,8 @@ void tiles_range(const Weights& w, const Rows& rows, int64_t M, int64_t t_begin,
   }
 }
 
+}  // namespace
+
 Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& scales,
                     const std::optional<Tensor>& bias, const std::optional<Tensor>& residual,
                     int64_t format, const std::optional<Tensor>& wide_weight,
@@ -323,7 +322,6 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
   return out;
 }
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def(

@@ -49,6 +49,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -83,23 +86,6 @@ constexpr int64_t kPrefetchKeys = 64;
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = static_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-}
-
-// exp for x <= 0 (and -inf): Cephes' expf polynomial (~1 ulp), 2^n applied by scalef.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // exp(-104) underflows to 0; no -inf - -inf
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Lane j of the result = sum of the 16 lanes of a[j].
@@ -748,6 +734,8 @@ void store_kv(const Tensor& k, const Tensor& v, const Tensor& key_cache,
   }
 }
 
+}  // namespace
+
 // One layer's attention for a whole step in one call: the new K/V into the pool, then every
 // query row over its sequence's context. What the engine runs per layer when these kernels
 // are on (model/llama.py). The step's sequences come packed in one int32 tensor, built once
@@ -774,7 +762,6 @@ Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
                          scale, sliding_window);
 }
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def(

@@ -1,0 +1,204 @@
+// One whole decoder layer of the Llama family in one call, for the engine's fast path.
+//
+//   x   = rms_norm(hidden) ; qkv = x W_qkv^T (+b) ; rope(q, k) at each row's position
+//   a   = attention(q, k, v) over the paged cache (this step's K/V stored first)
+//   h   = hidden + a W_o^T (+b)
+//   g,u = rms_norm(h) W_gate_up^T ; out = h + (silu(g) * u) W_down^T
+//
+// The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
+// this file adds is the glue between them (norms, rope, SiLU) and, above all, one dispatch
+// per layer instead of ~9: at one token a step's arithmetic is a few milliseconds and the
+// per-op cost of ~270 calls (Python, dispatcher, buffer allocation) was a fifth of it.
+//
+// Rounding follows transformers' bf16 forward: norms in fp32, rounded, then times the bf16
+// weight; SiLU rounded before the product with up; rope in fp32 rounded once (transformers
+// rounds its two products and their sum separately: one bf16 rounding apart, as a compiled
+// graph is). Hidden, head and intermediate sizes must be multiples of 16 (32 for head_dim);
+// the model only takes this path when they are.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace iterserve {
+namespace {
+
+using at::BFloat16;
+using at::Tensor;
+
+inline float to_float(BFloat16 v) { return static_cast<float>(v); }
+
+// transformers' LlamaRMSNorm in bf16: normalise in fp32, round, multiply by the weight, round.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 16 == 0, "decoder_layer: hidden size ", K, " is not a multiple of 16");
+  Tensor out = at::empty({M, K}, x.options());
+  const BFloat16* w = weight.data_ptr<BFloat16>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const BFloat16* row = x.data_ptr<BFloat16>() + m * x.stride(0);
+      BFloat16* dst = out.data_ptr<BFloat16>() + m * K;
+      __m512 sum_sq = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = load_bf16x16(row + k);
+        sum_sq = _mm512_fmadd_ps(v, v, sum_sq);
+      }
+      const float mean = _mm512_reduce_add_ps(sum_sq) / static_cast<float>(K);
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16x16(row + k), inv));
+        store_bf16x16(dst + k, _mm512_mul_ps(normed, load_bf16x16(w + k)));
+      }
+    }
+  });
+  return out;
+}
+
+// Rotate q and k in place: `heads` head_dim-wide slices at the start of each qkv row, at the
+// row's position. cos and the sign-folded sin are [max_positions, head_dim] tables (the first
+// half of sin carries rotate_half's minus), so x' = x * cos + swap_halves(x) * sin.
+void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vector<int64_t>& pos,
+                  const Tensor& cos, const Tensor& sin) {
+  const int64_t M = qkv.size(0), half = head_dim / 2;
+  TORCH_CHECK(half % 16 == 0, "decoder_layer: head_dim ", head_dim, " is not a multiple of 32");
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const BFloat16* c = cos.data_ptr<BFloat16>() + pos[m] * head_dim;
+      const BFloat16* s = sin.data_ptr<BFloat16>() + pos[m] * head_dim;
+      BFloat16* row = qkv.data_ptr<BFloat16>() + m * qkv.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        BFloat16* x = row + h * head_dim;
+        for (int64_t d = 0; d < half; d += 16) {
+          const __m512 lo = load_bf16x16(x + d), hi = load_bf16x16(x + half + d);
+          const __m512 new_lo = _mm512_fmadd_ps(
+              lo, load_bf16x16(c + d), _mm512_mul_ps(hi, load_bf16x16(s + d)));
+          const __m512 new_hi = _mm512_fmadd_ps(
+              hi, load_bf16x16(c + half + d), _mm512_mul_ps(lo, load_bf16x16(s + half + d)));
+          store_bf16x16(x + d, new_lo);
+          store_bf16x16(x + half + d, new_hi);
+        }
+      }
+    }
+  });
+}
+
+// silu(g) * u for gate_up rows [g | u], each rounded as transformers' bf16 MLP does:
+// sigmoid from exp(-|g|) (never overflows), then g * sigmoid rounded, times u rounded.
+Tensor silu_mul(const Tensor& gate_up) {
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
+  Tensor out = at::empty({M, I}, gate_up.options());
+  const __m512 one = _mm512_set1_ps(1.0f);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const BFloat16* g = gate_up.data_ptr<BFloat16>() + m * gate_up.stride(0);
+      const BFloat16* u = g + I;
+      BFloat16* dst = out.data_ptr<BFloat16>() + m * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __m512 x = load_bf16x16(g + i);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __m512 denom = _mm512_add_ps(one, e);
+        const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), denom);
+        const __m512 act = round_bf16(_mm512_mul_ps(x, sigmoid));
+        store_bf16x16(dst + i, _mm512_mul_ps(act, load_bf16x16(u + i)));
+      }
+    }
+  });
+  return out;
+}
+
+// Position of every row from the packed step (see store_and_attend): row i of a sequence with
+// q_len new tokens and a context of seq_len sits at seq_len - q_len + i.
+std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
+  const int32_t* p = step.data_ptr<int32_t>();
+  const int64_t S = p[0], width = p[1];
+  const int32_t* lens = p + 2 + S * width;
+  const int32_t* starts = lens + S;
+  TORCH_CHECK(starts[S] == rows, "decoder_layer: the step has ", starts[S], " rows, hidden ",
+              rows);
+  std::vector<int64_t> pos(rows);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    for (int64_t i = 0; i < q_len; ++i) pos[starts[s] + i] = lens[s] - q_len + i;
+  }
+  return pos;
+}
+
+// One projection's arguments inside `weights`: tiles, scales, bias, bf16 copy.
+struct Projection {
+  const c10::List<std::optional<Tensor>>& weights;
+  const std::vector<int64_t>& formats;
+  const std::vector<int64_t>& max_rows;
+  Tensor operator()(int64_t i, const Tensor& x, const std::optional<Tensor>& residual) const {
+    const std::optional<Tensor> tiles = weights.get(4 * i);
+    TORCH_CHECK(tiles.has_value(), "decoder_layer: projection ", i, " has no weights");
+    return tiled_linear(x, *tiles, weights.get(4 * i + 1), weights.get(4 * i + 2), residual,
+                        formats[i], weights.get(4 * i + 3), max_rows[i]);
+  }
+};
+
+Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tensor& post_norm,
+                     double eps, const c10::List<std::optional<Tensor>>& weights,
+                     c10::IntArrayRef formats, c10::IntArrayRef max_rows,
+                     const Tensor& key_cache, const Tensor& value_cache,
+                     const Tensor& slot_mapping, const Tensor& step, const Tensor& rope_cos,
+                     const Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads,
+                     double scale, int64_t sliding_window) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
+                  hidden.stride(1) == 1,
+              "decoder_layer: hidden must be [tokens, hidden] bf16 with contiguous rows");
+  TORCH_CHECK(weights.size() == 16 && formats.size() == 4 && max_rows.size() == 4,
+              "decoder_layer: 4 projections (qkv, o, gate_up, down) x (tiles, scales, bias, "
+              "bf16 copy)");
+  for (const Tensor* t : {&input_norm, &post_norm, &rope_cos, &rope_sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+                "decoder_layer: norms and rope tables must be contiguous bf16");
+  const int64_t head_dim = key_cache.size(3);
+  TORCH_CHECK(rope_cos.size(1) == head_dim && rope_sin.sizes() == rope_cos.sizes(),
+              "decoder_layer: rope tables must be [positions, head_dim]");
+  const std::vector<int64_t> fmt(formats.begin(), formats.end());
+  const std::vector<int64_t> rows_limit(max_rows.begin(), max_rows.end());
+  const Projection project{weights, fmt, rows_limit};
+  const int64_t M = hidden.size(0);
+  const std::vector<int64_t> pos = positions_of(step, M);
+  for (int64_t p : pos)
+    TORCH_CHECK(p >= 0 && p < rope_cos.size(0), "decoder_layer: position ", p,
+                " is past the rope table's ", rope_cos.size(0));
+
+  Tensor qkv = project(0, rms_norm(hidden, input_norm, eps), std::nullopt);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1),
+              " outputs, not ", q_size + 2 * kv_size);
+  rope_inplace(qkv, num_heads + num_kv_heads, head_dim, pos, rope_cos, rope_sin);
+  const Tensor q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
+  const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
+  const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
+  const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
+                                       scale, sliding_window);
+  const Tensor mid = project(1, attn.view({M, q_size}), hidden);
+  const Tensor act = silu_mul(project(2, rms_norm(mid, post_norm, eps), std::nullopt));
+  return project(3, act, mid);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def(
+      "decoder_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, "
+      "Tensor?[] weights, int[] formats, int[] max_rows, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
+      "Tensor rope_sin, int num_heads, int num_kv_heads, float scale, int sliding_window) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+
+}  // namespace iterserve
