@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve import LLM, SamplingParams
+from iterserve import LLM, SamplingParams, kernels
 
 
 @pytest.fixture(scope="module")
@@ -24,3 +24,26 @@ def test_chat_template_from_the_gguf(llm: LLM) -> None:
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
+
+
+@pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+def test_batch_invariant_seeded_text_and_logprobs_whatever_shares_the_steps() -> None:
+    """--batch-invariant: a seeded request alone, then among others of other lengths (its
+    prompt chunked beside theirs, decoding in batches of every size as they finish): the
+    same tokens and the same logprobs to the last bit."""
+    llm = LLM(batch_invariant=True, max_num_batched_tokens=64, enable_prefix_caching=False)
+    prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True, logprobs=2)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]
+    others = [f"Tell me fact number {i} about the ocean, in detail." * (i + 1) for i in range(6)]
+    crowd_params = [SamplingParams(temperature=0.8, max_tokens=4 * i + 3) for i in range(6)]
+    crowd = llm.generate(
+        [*others[:3], prompt, *others[3:]],
+        [*crowd_params[:3], seeded, *crowd_params[3:]],
+        use_tqdm=False,
+    )
+    together = crowd[3]
+    assert together.token_ids == alone.token_ids
+    assert together.logprobs == alone.logprobs

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from iterserve import LLM, SamplingParams
+from iterserve.config import ConfigError
 from iterserve.sampling_params import InvalidRequestError
 
 PROMPTS = [
@@ -163,3 +164,10 @@ def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:
 
     with pytest.raises(ModelLoadError):
         LLM(str(tmp_path / "no-such-model"))
+
+
+def test_batch_invariant_is_refused_where_the_fused_kernels_do_not_run(
+    tiny_llama_dir: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="--batch-invariant"):
+        LLM(str(tiny_llama_dir), kernels="torch", batch_invariant=True, compile=False)

@@ -172,6 +172,11 @@ class EngineConfig:
         "torch: plain torch ops everywhere (the reference path)",
         choices=KERNEL_CHOICES,
     )
+    batch_invariant: bool = _opt(
+        False,
+        "a request's logits are the same bits whatever else shares its steps (so a seeded "
+        "request samples the same text): fixed kernel choices, on iterserve's kernels only",
+    )
     compile: bool = _opt(
         True,
         "compile the layer stack into one graph at start-up (torch.compile; cached)",

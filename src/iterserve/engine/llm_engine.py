@@ -112,6 +112,7 @@ class LLMEngine:
             self.device,
             config.seed,
             self.model_plan.paged_attention_kernel,
+            self.model_plan.batch_invariant,
         )
         self.warm_up_seconds = 0.0
         if warm_up:

@@ -31,12 +31,14 @@ class TorchRunner:
         device: torch.device,
         seed: int = 0,
         paged_attention_kernel: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
         self.device = device
         self.paged_attention_kernel = paged_attention_kernel
+        self.batch_invariant = batch_invariant
         self.sampler = Sampler()
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
@@ -125,6 +127,7 @@ class TorchRunner:
             self.device,
             self.paged_attention_kernel,
             self.model.config.sliding_window,
+            self.batch_invariant,
         )
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:

@@ -33,10 +33,11 @@ class SeqSpan:
 
 @dataclass(frozen=True)
 class KernelRows:
-    """The step's sequences for the C++ op, packed in one int32 tensor (see csrc/
-    paged_attention.cpp, store_and_attend): [S, max_blocks, block tables (S x max_blocks,
-    padding never read), seq_lens (context lengths, this step's tokens included),
-    query_start_loc (S + 1: sequence s owns rows loc[s]..loc[s+1]-1)]."""
+    """The step's sequences for the C++ ops, packed in one int32 tensor (StepTable in
+    kernels/csrc/ops.h): [S, max_blocks, flags, block tables (S x max_blocks, padding never
+    read), seq_lens (context lengths, this step's tokens included), query_start_loc (S + 1:
+    sequence s owns rows loc[s]..loc[s+1]-1)]; flags bit 0 asks for batch-invariant
+    arithmetic."""
 
     num_tokens: int
     packed: torch.Tensor
@@ -98,7 +99,12 @@ def _leading(spans: Sequence[SeqSpan], max_query_len: int) -> int:
     return count
 
 
-def _kernel_rows(spans: Sequence[SeqSpan], block_size: int, device: torch.device) -> KernelRows:
+BATCH_INVARIANT = 1  # StepTable::kBatchInvariant
+
+
+def _kernel_rows(
+    spans: Sequence[SeqSpan], block_size: int, device: torch.device, batch_invariant: bool
+) -> KernelRows:
     tables = [_blocks_for(s, s.num_computed_tokens + s.num_new_tokens, block_size) for s in spans]
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
@@ -106,7 +112,8 @@ def _kernel_rows(spans: Sequence[SeqSpan], block_size: int, device: torch.device
     starts = [0]
     for s in spans:
         starts.append(starts[-1] + s.num_new_tokens)
-    packed = [len(spans), width, *(b for row in padded for b in row), *lens, *starts]
+    flags = BATCH_INVARIANT if batch_invariant else 0
+    packed = [len(spans), width, flags, *(b for row in padded for b in row), *lens, *starts]
     return KernelRows(
         num_tokens=starts[-1], packed=torch.tensor(packed, dtype=torch.int32).to(device)
     )
@@ -118,11 +125,12 @@ def build_attention_metadata(
     device: torch.device,
     paged_kernel: bool = False,
     sliding_window: int | None = None,
+    batch_invariant: bool = False,
 ) -> AttentionMetadata:
     """Turn the step's spans (flat-batch order, one-token spans first) into layer-ready tensors.
 
-    `paged_kernel` hands every row to the C++ paged attention op; otherwise rows take the
-    torch paths. `sliding_window` (Mistral)
+    `paged_kernel` hands every row to the C++ paged attention op, asked for batch-invariant
+    arithmetic if `batch_invariant`; otherwise rows take the torch paths. `sliding_window` (Mistral)
     hides keys more than that many positions back, in every path's masks. Everything is built
     on the host with a handful of vectorised ops and moved once.
     """
@@ -130,7 +138,7 @@ def build_attention_metadata(
     if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
         raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
     num_kernel = len(spans) if paged_kernel else 0
-    kernel = _kernel_rows(spans, block_size, device) if num_kernel else None
+    kernel = _kernel_rows(spans, block_size, device, batch_invariant) if num_kernel else None
     num_decodes = 0 if paged_kernel else _leading(spans, 1)
 
     # Torch decode group: one padded block table and one length mask serve every layer.

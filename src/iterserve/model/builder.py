@@ -25,6 +25,7 @@ class ModelPlan:
 
     backend: Backend
     paged_attention_kernel: bool  # the C++ op serves every row; False: torch attention
+    batch_invariant: bool
     weights: str  # "bfloat16", "q4+q8" (the checkpoint's 4-bit layers and 8-bit head), ...
     # How a step runs: "fused-layers" (one C++ op per layer), "compiled" (torch.compile'd
     # layer stack) or "eager".
@@ -64,8 +65,9 @@ def build_model(
     backend = choose_backend(config, dtype, device)
     quantized = choose_quantized(config, loaded, backend)
     # auto: 4-bit where it is fastest, a bf16 copy for large steps; int4: 4-bit only (least
-    # memory, slower prefill and large batches).
-    model.prepare(backend, quantized, wide=config.weights != "int4")
+    # memory, slower prefill and large batches). Batch-invariant runs keep one format for
+    # every step size: switching by row count would make a request's logits depend on it.
+    model.prepare(backend, quantized, wide=config.weights != "int4" and not config.batch_invariant)
     use_kernel = (
         config.kernels == "auto"
         and device.type == "cpu"
@@ -78,6 +80,12 @@ def build_model(
     # step slower at one token (its runtime wrapper), besides a minute of compiling. So the
     # fused layers are the compiled step there; torch.compile serves the other backends.
     fused = use_kernel and model.fused_layers
+    if config.batch_invariant and not fused:
+        reason = kernels.why_unavailable() or "this model or dtype does not fit them"
+        raise ConfigError(
+            f"--batch-invariant needs iterserve's fused kernels (bf16 on an AVX-512 BF16 CPU): "
+            f"{reason}"
+        )
     compiled = config.compile and not fused and _can_compile(device)
     if compiled:
         _use_persistent_compile_cache()
@@ -86,6 +94,7 @@ def build_model(
     plan = ModelPlan(
         backend=backend,
         paged_attention_kernel=use_kernel,
+        batch_invariant=config.batch_invariant,
         weights="+".join(formats) if formats else str(dtype).removeprefix("torch."),
         step="fused-layers" if fused else "compiled" if compiled else "eager",
         linears=model.describe_linears(),

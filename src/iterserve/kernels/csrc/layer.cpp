@@ -115,13 +115,13 @@ Tensor silu_mul(const Tensor& gate_up) {
   return out;
 }
 
-// Position of every row from the packed step (see store_and_attend): row i of a sequence with
-// q_len new tokens and a context of seq_len sits at seq_len - q_len + i.
+// Position of every row, from the step table (see ops.h).
 std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
-  const int32_t* p = step.data_ptr<int32_t>();
-  const int64_t S = p[0], width = p[1];
-  const int32_t* lens = p + 2 + S * width;
-  const int32_t* starts = lens + S;
+  const StepTable table(step);
+  const Tensor lens_t = table.seq_lens(), starts_t = table.query_start_loc();
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  const int32_t* starts = starts_t.data_ptr<int32_t>();
+  const int64_t S = table.num_seqs();
   TORCH_CHECK(starts[S] == rows, "decoder_layer: the step has ", starts[S], " rows, hidden ",
               rows);
   std::vector<int64_t> pos(rows);

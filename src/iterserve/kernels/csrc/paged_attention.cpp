@@ -355,6 +355,10 @@ struct Plan {
   int64_t window;
   float scale;
   int64_t part_keys;
+  // Batch-invariant: every query's arithmetic is fixed by its own sequence alone (partition
+  // size and score kernel no longer adapt to the step's size), so its output is the same
+  // bits whatever else shares the step.
+  bool invariant = false;
   std::vector<Group> groups;
   std::vector<Item> items;
   // Partitions' un-normalized outputs [slots, head_dim], maxima and sums [slots].
@@ -472,7 +476,7 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
     if constexpr (std::is_same_v<T, BFloat16>) {
       // Measured crossover (one thread, warm cache): the transposed tile is ~10% faster from
       // 6 queries at head_dim 64 and 8 at 128, and up to 1.5x slower below.
-      if (M >= (NC <= 2 ? 6 : 8))
+      if (!plan.invariant && M >= (NC <= 2 ? 6 : 8))
         scores_transposed_bf16<NC>(keys, off + t, qp, M, S + t, n16, sc.tile.data());
       else
         scores_tree_bf16<NC>(keys, off + t, qp, M, S + t, n16);
@@ -557,9 +561,10 @@ void run_plan_for_head_dim(const Plan& plan, bool parallel) {
   }
 }
 
-Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
-                       const Tensor& block_tables, const Tensor& seq_lens,
-                       const Tensor& query_start_loc, double scale, int64_t sliding_window) {
+Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
+                   const Tensor& block_tables, const Tensor& seq_lens,
+                   const Tensor& query_start_loc, double scale, int64_t sliding_window,
+                   bool invariant) {
   TORCH_CHECK(q.dim() == 3, "paged_attention: q must be [tokens, num_heads, head_dim], got ",
               q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
@@ -621,6 +626,7 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
   plan.block_size = BS;
   plan.window = sliding_window;
   plan.scale = static_cast<float>(scale);
+  plan.invariant = invariant;
 
   const int64_t G = plan.group_size;
   const int64_t rows_per_group = std::max<int64_t>(1, kMaxQueriesPerGroup / G);
@@ -656,7 +662,7 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
   const int64_t threads = at::get_num_threads();
   const bool parallel = threads > 1 && work >= kMinParallelWork;
   plan.part_keys = kMaxPartKeys;
-  if (parallel) {
+  if (parallel && !invariant) {
     int64_t total_keys = 0;
     for (const Group& g : plan.groups) total_keys += g.key_hi - g.key_lo;
     const int64_t items = kItemsPerThread * threads;
@@ -688,6 +694,13 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
   else
     run_plan_for_head_dim<float>(plan, parallel);
   return out;
+}
+
+Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& block_tables, const Tensor& seq_lens,
+                       const Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  return attend_rows(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                     sliding_window, /*invariant=*/false);
 }
 
 // The step's new K/V rows into their slots: [T, kv_heads, head_dim] (any row and head
@@ -738,30 +751,17 @@ void store_kv(const Tensor& k, const Tensor& v, const Tensor& key_cache,
 
 // One layer's attention for a whole step in one call: the new K/V into the pool, then every
 // query row over its sequence's context. What the engine runs per layer when these kernels
-// are on (model/llama.py). The step's sequences come packed in one int32 tensor, built once
-// per step and shared by every layer (model/attention_metadata.py), so that a compiled graph
-// sees one input of one dynamic length rather than three of independent shapes:
-//   [S, max_blocks, block_tables (S * max_blocks), seq_lens (S), query_start_loc (S + 1)]
+// are on (model/llama.py, csrc/layer.cpp). The step's sequences come packed in one int32
+// tensor built once per step and shared by every layer (see StepTable in ops.h).
 Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& key_cache, const Tensor& value_cache,
                         const Tensor& slot_mapping, const Tensor& step, double scale,
                         int64_t sliding_window) {
-  TORCH_CHECK(step.dim() == 1 && step.scalar_type() == at::kInt && step.is_contiguous() &&
-                  step.numel() >= 3,
-              "store_and_attend: step must be the packed int32 step description");
-  const int32_t* head = step.data_ptr<int32_t>();
-  const int64_t S = head[0], width = head[1];
-  TORCH_CHECK(S >= 0 && width >= 0 && step.numel() == 2 + S * width + S + S + 1,
-              "store_and_attend: step holds ", step.numel(), " values, not the ",
-              2 + S * width + 2 * S + 1, " that S=", S, ", max_blocks=", width, " need");
-  const Tensor block_tables = step.narrow(0, 2, S * width).view({S, width});
-  const Tensor seq_lens = step.narrow(0, 2 + S * width, S);
-  const Tensor query_start_loc = step.narrow(0, 2 + S * width + S, S + 1);
+  const StepTable table(step);
   store_kv(k, v, key_cache, value_cache, slot_mapping);
-  return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                         scale, sliding_window);
+  return attend_rows(q, key_cache, value_cache, table.block_tables(), table.seq_lens(),
+                     table.query_start_loc(), scale, sliding_window, table.batch_invariant());
 }
-
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def(
