@@ -2,8 +2,8 @@
 
 A block is hashed once, when it first fills, so a step hashes at most
 (tokens computed this step) / block_size blocks. This times both algorithms
-on real-sized blocks and sets the cost against the model step times measured
-by benchmarks/model_step.py (pass yours with --prefill-ms / --decode-ms).
+on real-sized blocks and sets the cost against the bundled model's step times as
+benchmarks/decode_speed.py measured them (pass yours with --prefill-ms / --decode-ms).
 
     .venv/bin/python benchmarks/prefix_hash.py
 """
@@ -25,9 +25,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prefill-tokens", type=int, default=512)
-    parser.add_argument("--prefill-ms", type=float, default=260.0, help="a 512-token prefill step")
+    parser.add_argument("--prefill-ms", type=float, default=318.0, help="a 512-token prefill step")
     parser.add_argument("--decode-batch", type=int, default=64)
-    parser.add_argument("--decode-ms", type=float, default=192.0, help="a batch-64 decode step")
+    parser.add_argument("--decode-ms", type=float, default=70.0, help="a batch-64 decode step")
     args = parser.parse_args()
 
     rng = random.Random(0)

@@ -17,9 +17,9 @@ that, copying the context out of the pool first doubles the memory traffic, so K
 once for a grouped matmul (q viewed [kv_heads, B, group, head_dim]; K never repeated per query
 head) and V is not gathered at all: ``embedding_bag`` sums probability-weighted V rows
 straight from the pool. At SmolLM2 shapes on the 2-core CPU that halved decode attention at
-batch 32 x 256 tokens and at batch 8 x 1024 (benchmarks/model_step.py --kernels). Prefill
-chunks (many queries) use flash SDPA, which beat fp32 SDPA and grouped matmul there. Every
-path is exact in fp32.
+batch 32 x 256 tokens and at batch 8 x 1024 against gathering both. Prefill chunks (many
+queries) use flash SDPA, which beat fp32 SDPA and grouped matmul there. Every path is exact
+in fp32. (benchmarks/attention_kernel.py sets these paths against the C++ op.)
 """
 
 from __future__ import annotations
