@@ -9,6 +9,8 @@ and batch size it prints:
   output tok/s    all generated tokens / the batch's wall time (what a user waits for)
   step ms         median wall time of a decode-only step (the engine's whole step: schedule,
                   forward, sample, detokenize)
+  outside fwd     share of the decode steps' time spent outside the network's forward
+                  (scheduling, batch and metadata building, sampling, detokenizing)
 
 plus each path's start-up time (load + kernel build + compile/warm-up). Paths (--paths):
 
@@ -55,6 +57,7 @@ class Row:
     decode_tok_s: float
     output_tok_s: float
     decode_step_ms: float
+    outside_forward: float
 
 
 def run_batch(
@@ -64,12 +67,13 @@ def run_batch(
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)
-    prefill_time = decode_time = 0.0
+    prefill_time = decode_time = decode_forward = 0.0
     decode_tokens = 0
     decode_steps: list[float] = []
     start = time.perf_counter()
     while engine.has_unfinished():
         before = engine.stats.prefill_tokens, engine.stats.decode_tokens
+        forward_before = engine.stats.forward_time
         step_start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - step_start
@@ -77,6 +81,7 @@ def run_batch(
             prefill_time += elapsed
         else:
             decode_time += elapsed
+            decode_forward += engine.stats.forward_time - forward_before
             decode_tokens += engine.stats.decode_tokens - before[1]
             decode_steps.append(elapsed)
     total = time.perf_counter() - start
@@ -86,6 +91,7 @@ def run_batch(
         decode_tokens / decode_time if decode_time else float("nan"),
         len(prompts) * output_len / total,
         statistics.median(decode_steps) * 1e3 if decode_steps else float("nan"),
+        1 - decode_forward / decode_time if decode_time else float("nan"),
     )
 
 
@@ -133,14 +139,17 @@ def main() -> None:
         run_batch(llm, prompts[:2], 4)
 
     rows: list[Row] = []
-    header = f"{'path':14s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'output tok/s':>13s} {'step ms':>8s}"
+    header = f"{'path':14s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'output tok/s':>13s} {'step ms':>8s} {'outside fwd':>12s}"
     print(header)
     for batch in batch_sizes:
         for name, llm in engines.items():
-            prefill, decode, output, step_ms = run_batch(llm, prompts[:batch], args.output_len)
-            rows.append(Row(name, batch, prefill, decode, output, step_ms))
+            prefill, decode, output, step_ms, outside = run_batch(
+                llm, prompts[:batch], args.output_len
+            )
+            rows.append(Row(name, batch, prefill, decode, output, step_ms, outside))
             print(
-                f"{name:14s} {batch:5d} {prefill:14.0f} {decode:13.1f} {output:13.1f} {step_ms:8.2f}",
+                f"{name:14s} {batch:5d} {prefill:14.0f} {decode:13.1f} {output:13.1f} "
+                f"{step_ms:8.2f} {100 * outside:11.1f}%",
                 flush=True,
             )
     out = Path(args.json)

@@ -57,6 +57,9 @@ class SampledToken:
 @dataclass
 class ModelOutput:
     sampled: dict[str, SampledToken]
+    # Seconds the network's forward took (the rest of a step is scheduling, batch and
+    # metadata building, sampling, detokenizing): what engine stats report it against.
+    forward_time: float = 0.0
 
 
 @dataclass

@@ -50,6 +50,7 @@ class StepStats:
     decode_tokens: int = 0
     prefill_time: float = 0.0  # wall time of steps that computed prompt tokens
     busy_time: float = 0.0
+    forward_time: float = 0.0  # of busy_time, in the network's forward
 
 
 @dataclass
@@ -230,6 +231,7 @@ class LLMEngine:
         stats.prefill_tokens += scheduled.num_prefill_tokens
         stats.decode_tokens += scheduled.num_decode_tokens
         stats.busy_time += elapsed
+        stats.forward_time += model_output.forward_time
         if scheduled.num_prefill_tokens:
             stats.prefill_time += elapsed
         return outputs

@@ -64,6 +64,7 @@ class TorchRunner:
             if seq.sample:
                 logits_indices.append(len(input_ids) - 1)
         meta = self._metadata(spans)
+        forward_start = time.perf_counter()
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -71,6 +72,7 @@ class TorchRunner:
             self.kv_caches,
             torch.tensor(logits_indices, dtype=torch.long, device=self.device),
         )
+        forward_time = time.perf_counter() - forward_start
         sampling = [seq for seq in scheduled.seqs if seq.sample]
         result = self.sampler(
             logits,
@@ -83,7 +85,8 @@ class TorchRunner:
                 for seq, token_id, logprobs in zip(
                     sampling, result.token_ids, result.logprobs, strict=True
                 )
-            }
+            },
+            forward_time,
         )
 
     @torch.inference_mode()
