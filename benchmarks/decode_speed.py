@@ -72,7 +72,7 @@ def run_batch(
     decode_steps: list[float] = []
     start = time.perf_counter()
     while engine.has_unfinished():
-        before = engine.stats.prefill_tokens, engine.stats.decode_tokens
+        before = engine.stats.prefill_tokens, engine.stats.generated_tokens
         forward_before = engine.stats.forward_time
         step_start = time.perf_counter()
         engine.step()
@@ -82,7 +82,7 @@ def run_batch(
         else:
             decode_time += elapsed
             decode_forward += engine.stats.forward_time - forward_before
-            decode_tokens += engine.stats.decode_tokens - before[1]
+            decode_tokens += engine.stats.generated_tokens - before[1]
             decode_steps.append(elapsed)
     total = time.perf_counter() - start
     num_prompt = sum(len(p) for p in prompts)

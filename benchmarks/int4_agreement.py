@@ -51,7 +51,7 @@ def teacher_forced_argmax(llm: LLM, prompt: list[int], continuation: list[int]) 
 
     def step(tokens: list[int], done: int) -> int:
         seq = ScheduledSeq("forced", tokens, done, blocks, True, greedy)
-        return runner.execute(SchedulerOutput([seq])).sampled["forced"].token_id
+        return runner.execute(SchedulerOutput([seq])).sampled["forced"][0].token_id
 
     picks = [step(prompt, 0)]
     for i, token in enumerate(continuation[:-1]):

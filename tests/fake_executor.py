@@ -8,7 +8,9 @@ on the tokens, never on how a policy batched them.
 
 from __future__ import annotations
 
-from iterserve.config import SchedulerConfig
+from collections.abc import Callable
+
+from iterserve.config import SchedulerConfig, SpeculativeConfig
 from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
 from iterserve.core.request import Request
@@ -21,8 +23,9 @@ def next_token(tokens: list[int]) -> int:
 
 
 class FakeExecutor:
-    def __init__(self) -> None:
+    def __init__(self, model: Callable[[list[int]], int] = next_token) -> None:
         self.cache: dict[str, list[int]] = {}
+        self.model = model
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for rid in out.finished_ids:
@@ -37,7 +40,15 @@ class FakeExecutor:
                 history.extend([-1] * (seq.num_computed_tokens - len(history)))
             history.extend(seq.token_ids)
             if seq.sample:
-                sampled[seq.request_id] = SampledToken(next_token(history))
+                # Like the real executor: the model's token after the last real token and
+                # after each draft, kept up to the first draft that differs from it.
+                real = len(history) - len(seq.draft_token_ids)
+                tokens = [SampledToken(self.model(history[:real]))]
+                for i, draft in enumerate(seq.draft_token_ids):
+                    if draft != tokens[-1].token_id:
+                        break
+                    tokens.append(SampledToken(self.model(history[: real + i + 1])))
+                sampled[seq.request_id] = tokens
         return ModelOutput(sampled)
 
 
@@ -54,13 +65,15 @@ def make_scheduler(
     block_size: int = 4,
     max_model_len: int = 4096,
     prefix_caching: bool = True,
+    speculative: SpeculativeConfig | None = None,
     **config: object,
 ) -> tuple[Scheduler, Clock]:
     clock = Clock()
     # The config refuses more seats than a step has tokens; small budgets get fewer seats.
     config.setdefault("max_num_seqs", min(64, config.get("max_num_batched_tokens", 512)))  # type: ignore[call-overload]
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
-    return Scheduler(SchedulerConfig(**config), kv, max_model_len, clock), clock  # type: ignore[arg-type]
+    scheduler = Scheduler(SchedulerConfig(**config), kv, max_model_len, clock, speculative)  # type: ignore[arg-type]
+    return scheduler, clock
 
 
 def make_request(

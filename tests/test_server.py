@@ -149,10 +149,11 @@ def scripted_tokens(server: RunningServer, script: list[int]) -> Iterator[None]:
 
     def execute(scheduled: SchedulerOutput) -> ModelOutput:
         output = original(scheduled)
-        for request_id, sampled in output.sampled.items():
-            index = position.get(request_id, 0)
-            position[request_id] = index + 1
-            sampled.token_id = script[index % len(script)]
+        for request_id, tokens in output.sampled.items():
+            for sampled in tokens:
+                index = position.get(request_id, 0)
+                position[request_id] = index + 1
+                sampled.token_id = script[index % len(script)]
         return output
 
     executor.execute = execute  # type: ignore[method-assign]

@@ -18,6 +18,7 @@ BATCHING_MODES = ("continuous", "static", "dynamic")
 STEP_POLICIES = ("mixed", "prefill-first")
 WEIGHT_FORMATS = ("auto", "bf16", "int4")
 KERNEL_CHOICES = ("auto", "torch")
+SPECULATIVE_METHODS = ("ngram",)
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -154,6 +155,59 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    speculative_method: str | None = _opt(
+        None,
+        "propose draft tokens each decode step and verify them in the same forward: "
+        "ngram (prompt lookup: the tokens that followed the latest earlier occurrence of the "
+        "context's last n-gram)",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = _opt(4, "most draft tokens per request per step")
+    ngram_min: int = _opt(2, "ngram: shortest suffix n-gram to look up")
+    ngram_max: int = _opt(4, "ngram: longest suffix n-gram to look up (tried first)")
+    speculative_disable_by_batch_size: int | None = _opt(
+        None,
+        "no drafts in a step while this many requests or more are running (large batches are "
+        "compute-bound: a rejected draft then costs what it was meant to save)",
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+    def validate(self) -> None:
+        if self.speculative_method is not None and (
+            self.speculative_method not in SPECULATIVE_METHODS
+        ):
+            raise ConfigError(
+                f"--speculative-method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(
+                "--num-speculative-tokens must be between 1 and 16, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(
+                f"--ngram-min ({self.ngram_min}) must be at least 1 and at most --ngram-max "
+                f"({self.ngram_max})"
+            )
+        if (
+            self.speculative_disable_by_batch_size is not None
+            and self.speculative_disable_by_batch_size < 1
+        ):
+            raise ConfigError(
+                "--speculative-disable-by-batch-size must be at least 1 (leave it unset to "
+                f"always speculate), got {self.speculative_disable_by_batch_size}"
+            )
+
+
+@dataclass
 class EngineConfig:
     model: str | None = _opt(None, "HF directory or GGUF file (default: bundled SmolLM2-135M)")
     dtype: str = _opt("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
@@ -184,6 +238,7 @@ class EngineConfig:
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -208,12 +263,33 @@ class EngineConfig:
             )
         self.cache.validate()
         self.scheduler.validate()
+        self.speculative.validate()
         return self
 
 
 # ---- CLI mapping ---------------------------------------------------------------
 
-_SECTIONS = ("cache", "scheduler")
+# EngineConfig's sub-sections; every leaf setting's name is unique across all of them.
+SECTIONS: dict[str, type] = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
+}
+
+
+def engine_config(settings: dict[str, Any]) -> EngineConfig:
+    """An EngineConfig from flat settings ({"max_num_seqs": 8, "block_size": 32, ...}),
+    each routed to the section that owns its name; unknown names raise TypeError."""
+    split: dict[str, dict[str, Any]] = {name: {} for name in ("", *SECTIONS)}
+    owners = {f.name: "" for f in _leaf_fields(EngineConfig)}
+    for section, cls in SECTIONS.items():
+        owners.update({f.name: section for f in _leaf_fields(cls)})
+    for key, value in settings.items():
+        if key not in owners:
+            raise TypeError(f"unknown setting {key!r}")
+        split[owners[key]][key] = value
+    sections = {name: cls(**split[name]) for name, cls in SECTIONS.items()}
+    return EngineConfig(**split[""], **sections).validate()
 
 
 def _leaf_fields(cls: type) -> list[dataclasses.Field[Any]]:
@@ -226,7 +302,7 @@ def _flag(name: str) -> str:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one `--flag` per EngineConfig setting."""
-    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+    for cls in (EngineConfig, *SECTIONS.values()):
         group = parser.add_argument_group(cls.__name__)
         for f in _leaf_fields(cls):
             kwargs: dict[str, Any] = {
@@ -251,14 +327,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    def pick(cls: type) -> dict[str, Any]:
-        return {f.name: getattr(args, f.name) for f in _leaf_fields(cls) if hasattr(args, f.name)}
-
-    return EngineConfig(
-        **pick(EngineConfig),
-        cache=CacheConfig(**pick(CacheConfig)),
-        scheduler=SchedulerConfig(**pick(SchedulerConfig)),
-    ).validate()
+    names = [f.name for cls in (EngineConfig, *SECTIONS.values()) for f in _leaf_fields(cls)]
+    return engine_config({name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def _parse_type(type_name: Any) -> Any:

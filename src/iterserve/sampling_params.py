@@ -37,6 +37,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Opt out of speculative decoding when the engine runs it (the output is the same
+    # either way; a request may prefer steady token timing to bursts of accepted drafts).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

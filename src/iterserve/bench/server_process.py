@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.config import SECTIONS, EngineConfig
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,10 +33,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def engine_flags(config: EngineConfig) -> list[str]:
     """CLI flags that reproduce `config` (only settings that differ from the defaults)."""
     flags: list[str] = []
-    sections: list[tuple[Any, Any]] = [
-        (config, EngineConfig()),
-        (config.cache, CacheConfig()),
-        (config.scheduler, SchedulerConfig()),
+    sections: list[tuple[Any, Any]] = [(config, EngineConfig())] + [
+        (getattr(config, name), cls()) for name, cls in SECTIONS.items()
     ]
     for obj, default in sections:
         for f in dataclasses.fields(obj):

@@ -16,7 +16,12 @@ from iterserve.sampling_params import SamplingParams
 @dataclass
 class ScheduledSeq:
     """One request's share of a step: compute `token_ids` at positions
-    `num_computed_tokens`..., and sample the next token if `sample`."""
+    `num_computed_tokens`..., and sample the next token if `sample`.
+
+    A speculating request's `token_ids` end with its `draft_token_ids`, guesses of the
+    tokens after its last one: the executor samples at the last token and at every
+    draft, and returns the drafts up to the first its own sample disagrees with, plus
+    that sample (so 1 to 1 + len(draft_token_ids) tokens)."""
 
     request_id: str
     token_ids: list[int]
@@ -24,10 +29,16 @@ class ScheduledSeq:
     block_ids: list[int]  # the request's block table; read-only for the executor
     sample: bool
     sampling_params: SamplingParams
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Positions the executor samples at: the last token's and every draft's."""
+        return 1 + len(self.draft_token_ids) if self.sample else 0
 
 
 @dataclass
@@ -35,13 +46,14 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq]
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative tokens (counted in neither of the above)
     preempted_ids: list[str] = field(default_factory=list)
     # Requests gone since the last step, so executors can drop per-request state.
     finished_ids: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return self.num_prefill_tokens + self.num_decode_tokens + self.num_draft_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -56,7 +68,9 @@ class SampledToken:
 
 @dataclass
 class ModelOutput:
-    sampled: dict[str, SampledToken]
+    # Per request that sampled: the tokens the step produced, in order (one, or with
+    # speculation the accepted drafts and then the target's own next token).
+    sampled: dict[str, list[SampledToken]]
     # Seconds the network's forward took (the rest of a step is scheduling, batch and
     # metadata building, sampling, detokenizing): what engine stats report it against.
     forward_time: float = 0.0

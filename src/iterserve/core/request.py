@@ -68,6 +68,9 @@ class Request:
     outputs_at_preemption: int = -1
     # Order of the latest admission to the running set: the newest gives way first.
     admission_seq: int = -1
+    # Speculative decoding: draft tokens proposed for this request, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,3 +102,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def drop_output_tokens(self, n: int) -> None:
+        """Forget the last n output tokens (and their timings)."""
+        if n > 0:
+            del self.output_token_ids[-n:]
+            del self.all_token_ids[-n:]
+            del self.timings.token_times[-n:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable
 
-from iterserve.config import SchedulerConfig
+from iterserve.config import SchedulerConfig, SpeculativeConfig
 from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.outputs import (
     ModelOutput,
@@ -35,6 +35,7 @@ from iterserve.core.outputs import (
 )
 from iterserve.core.policies import WaitingQueues, form_batch, outranks, victim_key
 from iterserve.core.request import LANES, Request, RequestStatus
+from iterserve.core.speculation import NgramProposer, SpecDecodeStats
 from iterserve.sampling_params import InvalidRequestError
 
 
@@ -45,8 +46,16 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
+        self.speculative = speculative or SpeculativeConfig()
+        self.proposer = (
+            NgramProposer(self.speculative.ngram_min, self.speculative.ngram_max)
+            if self.speculative.enabled
+            else None
+        )
+        self.spec_stats = SpecDecodeStats()
         self.kv = kv
         self.max_model_len = max_model_len
         self.clock = clock
@@ -102,11 +111,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request (abort, stop string): frees its blocks now. Unknown ids are ignored."""
+    def finish_request(
+        self, request_id: str, status: RequestStatus, num_dropped: int = 0
+    ) -> Request | None:
+        """End a request (abort, stop string): frees its blocks now. Unknown ids are ignored.
+        `num_dropped`: output tokens past the end (a stop string met inside a step's run of
+        accepted drafts) that the request does not keep."""
         request = self.requests.get(request_id)
         if request is None:
             return None
+        request.drop_output_tokens(num_dropped)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -146,22 +160,43 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended between schedule and update
-            request.num_computed_tokens += seq.num_new_tokens
-            self.kv.cache_full_blocks(request)
             if not seq.sample:
+                request.num_computed_tokens += seq.num_new_tokens
+                self.kv.cache_full_blocks(request)
                 continue
             sampled = model_output.sampled[seq.request_id]
-            request.append_output_token(sampled.token_id)
+            num_drafts = len(seq.draft_token_ids)
+            if num_drafts:
+                request.num_draft_tokens += num_drafts
+                request.num_accepted_tokens += len(sampled) - 1
+                self.spec_stats.record(num_drafts, len(sampled) - 1)
+            # The K/V of the accepted drafts is written and right; a rejected draft's slot
+            # lies past num_computed_tokens and is overwritten by the token that lands there.
+            request.num_computed_tokens += seq.num_new_tokens - num_drafts + len(sampled) - 1
             timings = request.timings
             if timings.first_token is None:
                 timings.first_token = now
-            timings.token_times.append(now)
-            status = self._stop_status(request, sampled.token_id)
+            status = None
+            taken = 0
+            while status is None and taken < len(sampled):
+                token_id = sampled[taken].token_id
+                request.append_output_token(token_id)
+                timings.token_times.append(now)
+                taken += 1
+                status = self._stop_status(request, token_id)
+            # A stop inside an accepted run leaves computed drafts past the end: drop them.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self.kv.cache_full_blocks(request)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
             updates.append(
-                RequestUpdate(request, [sampled.token_id], [sampled.logprobs], status is not None)
+                RequestUpdate(
+                    request,
+                    [s.token_id for s in sampled[:taken]],
+                    [s.logprobs for s in sampled[:taken]],
+                    status is not None,
+                )
             )
         return updates
 
@@ -174,7 +209,35 @@ class Scheduler:
             if request in step.tokens or request.status != RequestStatus.RUNNING:
                 continue
             if request.num_tokens - request.num_computed_tokens == 1:
-                self._allocate_or_preempt(request, 1, step)
+                drafts = self._propose(request, step.budget - 1)
+                # Drafts take only free blocks: no one is preempted for a guess.
+                if drafts and self.kv.allocate(request, 1 + len(drafts)):
+                    step.add(request, 1 + len(drafts))
+                    step.drafts[request] = drafts
+                else:
+                    self._allocate_or_preempt(request, 1, step)
+
+    def _propose(self, request: Request, room: int) -> list[int]:
+        """Draft tokens for a decode, as many as fit the step's budget (`room`), the
+        request's max_tokens and the context; none when speculation is off for it."""
+        spec = self.speculative
+        if (
+            self.proposer is None
+            or not request.sampling_params.speculative
+            or (
+                spec.speculative_disable_by_batch_size is not None
+                and len(self.running) >= spec.speculative_disable_by_batch_size
+            )
+        ):
+            return []
+        # The step yields up to k + 1 tokens: all must fit max_tokens and the context.
+        k = min(
+            spec.num_speculative_tokens,
+            room,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return self.proposer.propose(request.request_id, request.all_token_ids, k)
 
     def _schedule_prefills(self, step: _StepPlan, now: float) -> None:
         # While the batch lane has work, interactive prefills leave it a share of the budget.
@@ -311,7 +374,7 @@ class Scheduler:
             if victim is request:
                 return False
         step.add(request, n)
-        return _Admission.ADMITTED
+        return True
 
     def _priority_victim(self, candidate: Request) -> Request | None:
         """A running request a waiting one outranks, that has progressed since it
@@ -353,6 +416,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.kv.free(request)
         self.kv.forget(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         request.status = status
         request.timings.finished = self.clock()
         del self.requests[request.request_id]
@@ -360,27 +425,33 @@ class Scheduler:
 
     def _output(self, step: _StepPlan, now: float) -> SchedulerOutput:
         seqs: list[ScheduledSeq] = []
-        num_decode = 0
+        num_decode = num_draft = 0
         # Decodes first: the executor batches the one-token queries together.
-        for request, n in sorted(step.tokens.items(), key=lambda item: item[1] != 1):
+        for request, n in sorted(step.tokens.items(), key=lambda item: step.real(*item) != 1):
             start = request.num_computed_tokens
+            drafts = step.drafts.get(request, [])
+            real = n - len(drafts)
+            sample = start + real == request.num_tokens
             seqs.append(
                 ScheduledSeq(
                     request_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + n],
+                    token_ids=request.all_token_ids[start : start + real] + drafts,
                     num_computed_tokens=start,
                     block_ids=request.block_ids,
-                    sample=start + n == request.num_tokens,
+                    sample=sample,
                     sampling_params=request.sampling_params,
+                    draft_token_ids=drafts,
                 )
             )
-            if start + n == request.num_tokens and n == 1 and request.num_output_tokens:
+            num_draft += len(drafts)
+            if sample and real == 1 and request.num_output_tokens:
                 num_decode += 1
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             seqs=seqs,
-            num_prefill_tokens=step.num_tokens - num_decode,
+            num_prefill_tokens=step.num_tokens - num_decode - num_draft,
             num_decode_tokens=num_decode,
+            num_draft_tokens=num_draft,
             preempted_ids=[r.request_id for r in step.preempted],
             finished_ids=finished,
         )
@@ -398,6 +469,7 @@ class _StepPlan:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.tokens: dict[Request, int] = {}
+        self.drafts: dict[Request, list[int]] = {}  # speculating decodes' guesses
         self.preempted: list[Request] = []
         self.num_long_prefills = 0
 
@@ -411,3 +483,8 @@ class _StepPlan:
 
     def remove(self, request: Request) -> None:
         self.budget += self.tokens.pop(request, 0)
+        self.drafts.pop(request, None)
+
+    def real(self, request: Request, n: int) -> int:
+        """Of a request's n tokens in this step, those that are not drafts."""
+        return n - len(self.drafts.get(request, ()))

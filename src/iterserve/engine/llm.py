@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.config import EngineConfig, engine_config
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, render_chat
@@ -18,25 +18,13 @@ from iterserve.sampling_params import InvalidRequestError, SamplingParams
 Message = dict[str, str]
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> EngineConfig:
-    """LLM(model, max_num_seqs=..., block_size=...) -> EngineConfig, by field name."""
-    sections: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
-    for key, value in kwargs.items():
-        owner = next((cls for cls in sections if key in cls.__dataclass_fields__), None)
-        if owner is None or key in ("cache", "scheduler"):
-            raise TypeError(f"LLM() got an unknown setting {key!r}")
-        sections[owner][key] = value
-    return EngineConfig(
-        **sections[EngineConfig],
-        cache=CacheConfig(**sections[CacheConfig]),
-        scheduler=SchedulerConfig(**sections[SchedulerConfig]),
-    )
-
-
 class LLM:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs: Any):
         if config is None:
-            config = _split_kwargs({"model": model, **kwargs})
+            try:
+                config = engine_config({"model": model, **kwargs})
+            except TypeError as error:
+                raise TypeError(f"LLM() got an {error}") from None
         elif model is not None or kwargs:
             raise TypeError("give either config= or settings, not both")
         self.engine = LLMEngine(config)

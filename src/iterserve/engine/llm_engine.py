@@ -47,7 +47,9 @@ class StepStats:
 
     num_steps: int = 0
     prefill_tokens: int = 0
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # query tokens of decodes (speculative drafts not included)
+    draft_tokens: int = 0  # speculative query tokens
+    generated_tokens: int = 0  # tokens sampled and kept (with speculation, > decode steps)
     prefill_time: float = 0.0  # wall time of steps that computed prompt tokens
     busy_time: float = 0.0
     forward_time: float = 0.0  # of busy_time, in the network's forward
@@ -102,7 +104,9 @@ class LLMEngine:
             cache.enable_prefix_caching,
             cache.prefix_caching_hash_algo,
         )
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, kv, self.max_model_len, speculative=config.speculative
+        )
         kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, cache.block_size, dtype, self.device
         )
@@ -230,6 +234,8 @@ class LLMEngine:
         stats.num_steps += 1
         stats.prefill_tokens += scheduled.num_prefill_tokens
         stats.decode_tokens += scheduled.num_decode_tokens
+        stats.draft_tokens += scheduled.num_draft_tokens
+        stats.generated_tokens += sum(len(u.new_token_ids) for u in updates)
         stats.busy_time += elapsed
         stats.forward_time += model_output.forward_time
         if scheduled.num_prefill_tokens:
@@ -238,19 +244,31 @@ class LLMEngine:
 
     def _emit(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
         stream = self._streams[request.request_id]
-        text = stream.detokenizer.add_tokens(token_ids)
-        if request.is_finished:  # release a held-back partial character
-            text += stream.detokenizer.flush()
-        delta, stopped = stream.stops.feed(text)
+        delta, stopped, kept = "", False, 0
+        # Token by token, so a stop string ends the request at the token that completed
+        # it even when a step produced several (accepted speculative drafts).
+        for token_id in token_ids:
+            text = stream.detokenizer.add_tokens([token_id])
+            kept += 1
+            if kept == len(token_ids) and request.is_finished:
+                text += stream.detokenizer.flush()  # release a held-back partial character
+            piece, stopped = stream.stops.feed(text)
+            delta += piece
+            if stopped:
+                break
         finish_reason = request.status.value if request.is_finished else None
         if stopped and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_request(
+                request.request_id,
+                RequestStatus.FINISHED_STOPPED,
+                num_dropped=len(token_ids) - kept,
+            )
             finish_reason = "stop"
         elif finish_reason is not None and not stopped:
             delta += stream.stops.flush()
         if finish_reason is not None:
             del self._streams[request.request_id]
-        return self._output(stream, token_ids, logprobs, delta, finish_reason)
+        return self._output(stream, token_ids[:kept], logprobs[:kept], delta, finish_reason)
 
     def _output(
         self,
@@ -277,5 +295,7 @@ class LLMEngine:
             logprobs=list(stream.logprobs) if wants_logprobs else None,
             delta_logprobs=logprobs if wants_logprobs else [],
             num_cached_tokens=request.num_cached_tokens,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
             timings=replace(request.timings, token_times=list(request.timings.token_times)),
         )

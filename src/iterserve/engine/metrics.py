@@ -9,10 +9,11 @@ these numbers into Prometheus series, the benchmark into reports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from iterserve.core.request import LANES, RequestTimings
+from iterserve.core.speculation import SpecDecodeStats
 
 if TYPE_CHECKING:  # the engine pulls in torch; these numbers need none of it
     from iterserve.engine.llm_engine import LLMEngine
@@ -70,6 +71,7 @@ class EngineSnapshot:
     num_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     @property
     def num_running(self) -> int:
@@ -107,4 +109,8 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         num_steps=stats.num_steps,
         prefill_tokens=stats.prefill_tokens,
         decode_tokens=stats.decode_tokens,
+        spec=replace(
+            scheduler.spec_stats,
+            accepted_per_position=list(scheduler.spec_stats.accepted_per_position),
+        ),
     )

@@ -23,6 +23,9 @@ class RequestOutput:
     logprobs: list[Any] | None = None  # the sampler's TokenLogprobs, when asked for
     delta_logprobs: list[Any] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Speculative decoding: draft tokens proposed for this request so far, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     timings: RequestTimings | None = None
 
     @property

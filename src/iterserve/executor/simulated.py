@@ -4,10 +4,15 @@ simulator answers "what if" (a bigger GPU, a longer trace, another policy)
 with exactly the decisions the engine would make.
 
 Tokens are placeholders: simulated requests run to `max_tokens` (ignore_eos).
+Speculation is modelled too: the n-gram proposer always finds the placeholders
+repeating, so a speculating request drafts its full k tokens; the step costs their
+query tokens, and each draft is accepted with `acceptance_rate` (independently, up to
+the first rejection), so `iterserve simulate` can say whether speculation pays.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
@@ -116,10 +121,20 @@ class VirtualClock:
 class SimulatedExecutor:
     PLACEHOLDER_TOKEN = 0
 
-    def __init__(self, cost_model: RooflineCostModel, clock: VirtualClock) -> None:
+    def __init__(
+        self,
+        cost_model: RooflineCostModel,
+        clock: VirtualClock,
+        acceptance_rate: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= acceptance_rate <= 1.0:
+            raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
         self.cost_model = cost_model
         self.clock = clock
+        self.acceptance_rate = acceptance_rate
         self.busy_time = 0.0
+        self._rng = random.Random(seed)
 
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
         elapsed = self.cost_model.step_time(scheduled)
@@ -127,8 +142,17 @@ class SimulatedExecutor:
         self.busy_time += elapsed
         return ModelOutput(
             {
-                seq.request_id: SampledToken(self.PLACEHOLDER_TOKEN)
+                seq.request_id: [
+                    SampledToken(self.PLACEHOLDER_TOKEN)
+                    for _ in range(1 + self._accepted(len(seq.draft_token_ids)))
+                ]
                 for seq in scheduled.seqs
                 if seq.sample
             }
         )
+
+    def _accepted(self, num_drafts: int) -> int:
+        accepted = 0
+        while accepted < num_drafts and self._rng.random() < self.acceptance_rate:
+            accepted += 1
+        return accepted

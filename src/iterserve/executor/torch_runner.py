@@ -61,8 +61,8 @@ class TorchRunner:
             input_ids.extend(seq.token_ids)
             positions.extend(range(start, start + seq.num_new_tokens))
             spans.append(SeqSpan(seq.block_ids, start, seq.num_new_tokens))
-            if seq.sample:
-                logits_indices.append(len(input_ids) - 1)
+            # The last token's position and every draft's (num_logits is 0 without sampling).
+            logits_indices.extend(range(len(input_ids) - seq.num_logits, len(input_ids)))
         meta = self._metadata(spans)
         forward_start = time.perf_counter()
         logits = self.model(
@@ -74,20 +74,34 @@ class TorchRunner:
         )
         forward_time = time.perf_counter() - forward_start
         sampling = [seq for seq in scheduled.seqs if seq.sample]
+        generators = [self._generator(seq.request_id, seq.sampling_params.seed) for seq in sampling]
+        # A speculating seeded request draws a uniform per position; only those of the
+        # tokens it keeps may count, so its draws stay those of one token per step.
+        rewind = {
+            i: generator.get_state()
+            for i, (seq, generator) in enumerate(zip(sampling, generators, strict=True))
+            if seq.draft_token_ids and generator is not None
+        }
         result = self.sampler(
             logits,
-            [seq.sampling_params for seq in sampling],
-            [self._generator(seq.request_id, seq.sampling_params.seed) for seq in sampling],
+            [seq.sampling_params for seq in sampling for _ in range(seq.num_logits)],
+            [g for seq, g in zip(sampling, generators, strict=True) for _ in range(seq.num_logits)],
         )
-        return ModelOutput(
-            {
-                seq.request_id: SampledToken(token_id, logprobs)
-                for seq, token_id, logprobs in zip(
-                    sampling, result.token_ids, result.logprobs, strict=True
+        sampled: dict[str, list[SampledToken]] = {}
+        row = 0
+        for i, seq in enumerate(sampling):
+            tokens = result.token_ids[row : row + seq.num_logits]
+            kept = 1 + num_accepted(seq.draft_token_ids, tokens)
+            sampled[seq.request_id] = [
+                SampledToken(token_id, logprobs)
+                for token_id, logprobs in zip(
+                    tokens[:kept], result.logprobs[row : row + kept], strict=True
                 )
-            },
-            forward_time,
-        )
+            ]
+            if i in rewind and kept < seq.num_logits:
+                self.sampler.replay_draws(generators[i], rewind[i], kept, seq.sampling_params)
+            row += seq.num_logits
+        return ModelOutput(sampled, forward_time)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -140,3 +154,18 @@ class TorchRunner:
         if generator is None:
             generator = self._generators[request_id] = make_generator(seed, self.device)
         return generator
+
+
+def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """Drafts kept: those before the first that differs from the target's own token at
+    its position. `sampled[i]` was drawn from the target's distribution given the
+    context and drafts[:i], so keeping drafts[i] only where it equals that draw leaves
+    every kept token distributed exactly as in one-token decoding (for a draft that is
+    a fixed guess this is the Leviathan et al. rule: accept with probability p(draft),
+    otherwise a draw from p without the draft)."""
+    accepted = 0
+    for draft, token in zip(drafts, sampled, strict=False):
+        if draft != token:
+            break
+        accepted += 1
+    return accepted

@@ -198,6 +198,22 @@ class Sampler:
         token_ids: list[int] = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(rows, params, tokens, token_ids))
 
+    @staticmethod
+    def replay_draws(
+        generator: torch.Generator, state: torch.Tensor, num_rows: int, params: SamplingParams
+    ) -> None:
+        """Put `generator` where it would be had a call drawn for only `num_rows` of the
+        rows it served (from `state`, its state before that call)."""
+        if _is_greedy(params):
+            return  # greedy rows draw nothing
+        generator.set_state(state)
+        for _ in range(num_rows):
+            Sampler._draw(generator)
+
+    @staticmethod
+    def _draw(generator: torch.Generator) -> torch.Tensor:
+        return torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)
+
     def _sample_random(
         self,
         rows: _LogitRows,
@@ -212,8 +228,7 @@ class Sampler:
         for j, i in enumerate(random_rows):
             gen = generators[i]
             if gen is not None:
-                drawn = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device)
-                uniforms[j] = drawn.to(device)[0]
+                uniforms[j] = self._draw(gen).to(device)[0]
         # Temperature-only (and min-p) rows sample from the whole vocab; top-k
         # and top-p rows go through candidate sets.
         truncated = [_top_k(params[i], vocab) > 0 or params[i].top_p < 1.0 for i in random_rows]

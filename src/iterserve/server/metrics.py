@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from iterserve.core.speculation import SpecDecodeStats
 from iterserve.engine.metrics import EngineSnapshot, RequestMetrics
 from iterserve.engine.outputs import RequestOutput
 
@@ -91,6 +92,25 @@ class _EngineCollector(Collector):
         yield _counter(
             "decode_tokens_computed", "Decode tokens run through the model", snap.decode_tokens
         )
+        yield from _spec_decode_metrics(snap.spec)
+
+
+def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens,
+    mean accepted length = 1 + accepted / drafts."""
+    yield _counter("spec_decode_num_drafts", "Steps in which a request speculated", spec.num_drafts)
+    yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens)
+    yield _counter(
+        "spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens
+    )
+    per_position = CounterMetricFamily(
+        "iterserve:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft",
+        labels=["position"],
+    )
+    for position, count in enumerate(spec.accepted_per_position):
+        per_position.add_metric([str(position)], count)
+    yield per_position
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

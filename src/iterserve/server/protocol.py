@@ -46,6 +46,7 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float = 1.0
     priority: int = 0
     lane: str = "interactive"
+    speculative: bool = True  # False: this request never speculates
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         for name, value, neutral in (
@@ -71,6 +72,7 @@ class _GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            speculative=self.speculative,
         )
 
     @property
