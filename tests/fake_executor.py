@@ -85,6 +85,7 @@ def run(
     max_steps: int = 10_000,
     on_step: object = None,
     executor: FakeExecutor | None = None,
+    no_more_arrivals: bool = False,
 ) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
     """Step until every request ends; returns outputs by id and the step plans."""
     executor = executor or FakeExecutor()
@@ -93,7 +94,7 @@ def run(
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
             return outputs, plans
-        out = scheduler.schedule()
+        out = scheduler.schedule(no_more_arrivals)
         plans.append(out)
         if callable(on_step):
             on_step(out)

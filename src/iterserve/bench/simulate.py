@@ -74,8 +74,7 @@ def simulate(
     while order or scheduler.has_unfinished():
         while order and offsets[order[-1]] <= clock.now:
             _arrive(scheduler, workload, records, order.pop())
-        scheduler.no_more_arrivals = not order
-        scheduler_output = scheduler.schedule()
+        scheduler_output = scheduler.schedule(no_more_arrivals=not order)
         if scheduler_output.is_empty:
             # Nothing runnable: jump to the next arrival (or let a dynamic batch's wait pass).
             wait = config.scheduler.max_wait_ms / 1000 if scheduler.has_unfinished() else None
@@ -163,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
         metrics=compute_metrics(records, slos=parse_slos(args.slo)),
         engine_config=asdict(config),
         notes=[
-            f"{scheduler.kv.num_blocks} KV blocks, {scheduler.num_preemptions} preemptions, "
+            f"{scheduler.kv_cache_stats().num_blocks} KV blocks, {scheduler.num_preemptions} preemptions, "
             f"accelerator busy {executor.busy_time:.1f}s of virtual time; "
             f"simulated in {time.perf_counter() - started:.1f}s of wall time"
         ],

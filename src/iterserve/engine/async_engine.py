@@ -419,8 +419,7 @@ class AsyncEngine:
         token_ids = engine.tokenize(request.prompt)
         params = request.params
         if request.fill_context:
-            kv = engine.scheduler.kv
-            room = min(engine.max_model_len, kv.num_blocks * kv.block_size) - len(token_ids)
+            room = engine.max_request_tokens() - len(token_ids)
             params = replace(params, max_tokens=max(1, room))
         engine.add_request(
             token_ids,
@@ -463,7 +462,7 @@ class AsyncEngine:
             # request fails (freeing its blocks) and the engine serves new ones.
             self.num_step_errors += 1
             logger.exception("scheduling a step failed; failing every request")
-            victims = list(self.engine.scheduler.requests) + list(self._routes)
+            victims = self.engine.unfinished_request_ids() + list(self._routes)
             self._fail_routes(victims, "the engine failed while running this request", deliveries)
             return
         for output in outputs:
@@ -489,7 +488,7 @@ class AsyncEngine:
 
     def _abort_all(self, deliveries: list[_Delivery]) -> None:
         self._apply(_Abort(list(self._routes)), deliveries)
-        for request_id in list(self.engine.scheduler.requests):  # added outside the server
+        for request_id in self.engine.unfinished_request_ids():  # added outside the server
             self.engine.abort_request(request_id)
 
     def _send(self, deliveries: list[_Delivery]) -> None:

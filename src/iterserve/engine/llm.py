@@ -93,14 +93,14 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        engine.scheduler.no_more_arrivals = True  # static batching may start a short last batch
         done: dict[str, RequestOutput] = {}
         start_stats = (engine.stats.prefill_tokens, engine.stats.decode_tokens)
         start = time.perf_counter()
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm)
         try:
             while engine.has_unfinished():
-                for output in engine.step():
+                # Everything is added: static batching may start a short last batch.
+                for output in engine.step(no_more_arrivals=True):
                     if output.finished:
                         done[output.request_id] = output
                         bar.update(1)
@@ -112,5 +112,4 @@ class LLM:
                 )
         finally:
             bar.close()
-            engine.scheduler.no_more_arrivals = False
         return [done[request_id] for request_id in ids]

@@ -209,16 +209,24 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (benchmarks start cold); returns
         how many."""
-        return self.scheduler.kv.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.request_ids()
+
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request can hold here."""
+        return self.scheduler.token_capacity()
 
     # ---- the loop ----------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, no_more_arrivals: bool = False) -> list[RequestOutput]:
         """One iteration. Raises StepFailedError, naming the step's requests, when running
         the planned step fails; the caller ends those requests (abort_request) and may
-        step again: no other request was touched."""
+        step again: no other request was touched. `no_more_arrivals`: see
+        Scheduler.schedule (an offline caller that has added everything says so)."""
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(no_more_arrivals)
         try:
             model_output = self.executor.execute(scheduled)
             updates = self.scheduler.update(scheduled, model_output)
