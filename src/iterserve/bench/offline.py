@@ -109,14 +109,14 @@ def run_engine(
                 if pending:
                     time.sleep(max(0.0, origin + offsets[pending[-1]] - time.monotonic()))
                 continue
-            before = engine.stats.prefill_tokens + engine.stats.decode_tokens
-            for output in engine.step(no_more_arrivals):
+            step = engine.step(no_more_arrivals)
+            for output in step.outputs:
                 if output.finished:
                     _fill(by_id[output.request_id], output, origin)
                     bar.update(1)
                     if seats is not None:
                         heapq.heappush(seats, output.timings.finished or time.monotonic())
-            if engine.stats.prefill_tokens + engine.stats.decode_tokens == before:
+            if not step.did_work:
                 time.sleep(_IDLE_NAP)
     finally:
         bar.close()

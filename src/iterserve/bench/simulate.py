@@ -1,7 +1,7 @@
 """`iterserve simulate`: the real scheduler against a cost model, on a virtual clock.
 
-The same `core/` scheduler and block pool the engine runs decide every step; only the
-executor differs (executor/simulated.py): it prices a step with a roofline model of a
+The same engine loop (engine/engine_core.py), with the same `core/` scheduler and block
+pool, decides every step; only the executor differs (executor/simulated.py): it prices a step with a roofline model of a
 chosen accelerator and model, and never computes a token. So a whole hour of the Azure
 trace on an A100 running Llama-3-8B takes seconds here, and a change of policy shows
 what it would do at a scale this machine cannot reach.
@@ -19,9 +19,9 @@ from iterserve.bench.records import RequestRecord
 from iterserve.bench.report import BenchReport
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
-from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.request import Request
 from iterserve.core.scheduler import Scheduler
+from iterserve.engine.engine_core import EngineCore, num_kv_blocks
 from iterserve.executor.simulated import (
     HARDWARE,
     MODELS,
@@ -37,14 +37,12 @@ _MEMORY_UTILIZATION = 0.9
 
 def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
     """Blocks that fit beside the weights, unless the config names an exact count."""
-    if config.cache.num_kv_blocks:
-        return config.cache.num_kv_blocks
     hw, shape = HARDWARE[hardware], MODELS[model]
     free = hw.memory_bytes * _MEMORY_UTILIZATION - shape.weight_bytes
-    block_bytes = shape.kv_bytes_per_token * config.cache.block_size
-    if free < block_bytes:
+    num_blocks = num_kv_blocks(config.cache, shape.kv_bytes_per_token, free)
+    if num_blocks < 1:
         raise ValueError(f"{model} does not fit in {hardware}'s memory")
-    return int(free // block_bytes)
+    return num_blocks
 
 
 def simulate(
@@ -56,39 +54,37 @@ def simulate(
 ) -> tuple[list[RequestRecord], Scheduler, SimulatedExecutor]:
     """Replay the workload on the virtual clock; one record per request."""
     clock = VirtualClock()
-    cache = config.cache
-    kv = KVCacheManager(
-        kv_blocks_for(config, hardware, model),
-        cache.block_size,
-        cache.enable_prefix_caching,
-        cache.prefix_caching_hash_algo,
-    )
-    scheduler = Scheduler(config.scheduler, kv, config.scheduler.max_model_len or 131072, clock)
     executor = SimulatedExecutor(RooflineCostModel(HARDWARE[hardware], MODELS[model]), clock)
+    engine = EngineCore.build(
+        config,
+        executor,
+        kv_blocks_for(config, hardware, model),
+        config.scheduler.max_model_len or 131072,
+        clock,
+    )
     records = [
         RequestRecord(f"sim-{i}", r.prompt_len, r.output_len, r.lane, offsets[i], offsets[i])
         for i, r in enumerate(workload.requests)
     ]
     by_id = {record.request_id: record for record in records}
     order = sorted(range(len(records)), key=lambda i: offsets[i], reverse=True)
-    while order or scheduler.has_unfinished():
+    while order or engine.has_unfinished():
         while order and offsets[order[-1]] <= clock.now:
-            _arrive(scheduler, workload, records, order.pop())
-        scheduler_output = scheduler.schedule(no_more_arrivals=not order)
-        if scheduler_output.is_empty:
+            _arrive(engine.scheduler, workload, records, order.pop())
+        step = engine.step(no_more_arrivals=not order)
+        if not step.did_work:
             # Nothing runnable: jump to the next arrival (or let a dynamic batch's wait pass).
-            wait = config.scheduler.max_wait_ms / 1000 if scheduler.has_unfinished() else None
+            wait = config.scheduler.max_wait_ms / 1000 if engine.has_unfinished() else None
             next_arrival = offsets[order[-1]] if order else None
             candidates = [t for t in (next_arrival, wait and clock.now + wait) if t]
             if not candidates:
                 raise RuntimeError("the simulated scheduler is stuck with nothing to run")
             clock.advance_to(min(candidates))
             continue
-        model_output = executor.execute(scheduler_output)
-        for update in scheduler.update(scheduler_output, model_output):
+        for update in step.updates:
             if update.finished:
                 _record(by_id[update.request.request_id], update.request)
-    return records, scheduler, executor
+    return records, engine.scheduler, executor
 
 
 def _arrive(scheduler: Scheduler, workload: Workload, records: list[RequestRecord], i: int) -> None:

@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from iterserve.engine.llm_engine import LLMEngine, StepFailedError
+from iterserve.engine.engine_core import StepFailedError
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
@@ -356,11 +357,8 @@ class AsyncEngine:
                     self._finish_iteration(deliveries)
                     self._close()
                     return
-                if engine.has_unfinished():
-                    tokens_before = engine.stats.prefill_tokens + engine.stats.decode_tokens
-                    self._step(deliveries)
-                    if engine.stats.prefill_tokens + engine.stats.decode_tokens == tokens_before:
-                        time.sleep(_IDLE_STEP_NAP)
+                if engine.has_unfinished() and not self._step(deliveries):
+                    time.sleep(_IDLE_STEP_NAP)
                 self._finish_iteration(deliveries)
         except BaseException as error:  # noqa: BLE001 - reported to every waiting client
             logger.exception("the engine loop died")
@@ -442,9 +440,11 @@ class AsyncEngine:
         for future, error, result in answers:
             self._call_soon(future.get_loop(), functools.partial(_set, future, error, result))
 
-    def _step(self, deliveries: list[_Delivery]) -> None:
+    def _step(self, deliveries: list[_Delivery]) -> bool:
+        """One engine step, its outputs routed; whether it computed anything (a step that
+        failed did not: the loop naps before the next, as after an idle one)."""
         try:
-            outputs = self.engine.step()
+            step = self.engine.step()
         except StepFailedError as error:
             # Exactly the step's requests fail; the rest of the engine is untouched.
             self.num_step_errors += 1
@@ -456,7 +456,7 @@ class AsyncEngine:
             self._fail_routes(
                 error.request_ids, "the engine failed while running this request", deliveries
             )
-            return
+            return False
         except Exception:
             # Planning the step failed: which requests it touched is unknown, so every
             # request fails (freeing its blocks) and the engine serves new ones.
@@ -464,14 +464,15 @@ class AsyncEngine:
             logger.exception("scheduling a step failed; failing every request")
             victims = self.engine.unfinished_request_ids() + list(self._routes)
             self._fail_routes(victims, "the engine failed while running this request", deliveries)
-            return
-        for output in outputs:
+            return False
+        for output in step.outputs:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue
             deliveries.append((*route, output))
             if output.finished:
                 del self._routes[output.request_id]
+        return step.did_work
 
     def _fail_routes(
         self, request_ids: list[str], message: str, deliveries: list[_Delivery]

@@ -100,7 +100,7 @@ class LLM:
         try:
             while engine.has_unfinished():
                 # Everything is added: static batching may start a short last batch.
-                for output in engine.step(no_more_arrivals=True):
+                for output in engine.step(no_more_arrivals=True).outputs:
                     if output.finished:
                         done[output.request_id] = output
                         bar.update(1)

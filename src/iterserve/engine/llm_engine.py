@@ -1,4 +1,5 @@
-"""The engine loop: schedule -> execute -> update -> detokenize -> emit.
+"""The engine: schedule -> execute -> update (EngineCore, engine_core.py) -> detokenize
+-> emit, with the model loaded and run by the torch runner.
 
 Single-threaded and synchronous; `AsyncEngine` runs it in a background
 thread for the server, `LLM` drives it to completion for offline use.
@@ -14,11 +15,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from iterserve.config import EngineConfig
-from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats, num_kv_blocks
+from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
@@ -26,31 +27,7 @@ from iterserve.model.builder import build_model
 from iterserve.model.loader import LoadedModel, load_model
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
-
-class StepFailedError(RuntimeError):
-    """Running a planned step raised. `request_ids` are exactly the requests in that
-    step: their KV (written or not) and bookkeeping may be half-updated, so they must
-    end; requests outside the step were not touched and go on."""
-
-    def __init__(self, request_ids: list[str], cause: Exception) -> None:
-        super().__init__(f"a step of {len(request_ids)} requests failed: {cause!r}")
-        self.request_ids = request_ids
-        self.cause = cause
-
-
 logger = logging.getLogger("iterserve.engine")
-
-
-@dataclass
-class StepStats:
-    """Totals over the engine's life, for progress bars and metrics."""
-
-    num_steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_time: float = 0.0  # wall time of steps that computed prompt tokens
-    busy_time: float = 0.0
-    forward_time: float = 0.0  # of busy_time, in the network's forward
 
 
 @dataclass
@@ -90,19 +67,13 @@ class LLMEngine:
         model, self.model_plan = build_model(config, loaded, dtype, self.device)
 
         cache = config.cache
-        block_bytes = loaded.config.kv_bytes_per_token(dtype.itemsize) * cache.block_size
-        num_blocks = cache.num_kv_blocks or int(cache.kv_cache_memory * 2**30 // block_bytes)
+        num_blocks = num_kv_blocks(
+            cache, loaded.config.kv_bytes_per_token(dtype.itemsize), cache.kv_cache_memory * 2**30
+        )
         self.max_model_len = min(
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        kv = KVCacheManager(
-            num_blocks,
-            cache.block_size,
-            cache.enable_prefix_caching,
-            cache.prefix_caching_hash_algo,
-        )
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, cache.block_size, dtype, self.device
         )
@@ -115,6 +86,8 @@ class LLMEngine:
             self.model_plan.paged_attention_kernel,
             self.model_plan.batch_invariant,
         )
+        # The loop `iterserve simulate` runs too, here with the model as its executor.
+        self.core = EngineCore.build(config, self.executor, num_blocks, self.max_model_len)
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up()
@@ -125,7 +98,14 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self.stats = StepStats()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def stats(self) -> StepStats:
+        return self.core.stats
 
     def warm_up(self) -> float:
         """Compile (or load compiled graphs) and run every kernel once, so that a user's first
@@ -220,29 +200,18 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------
 
-    def step(self, no_more_arrivals: bool = False) -> list[RequestOutput]:
-        """One iteration. Raises StepFailedError, naming the step's requests, when running
-        the planned step fails; the caller ends those requests (abort_request) and may
-        step again: no other request was touched. `no_more_arrivals`: see
-        Scheduler.schedule (an offline caller that has added everything says so)."""
-        start = time.perf_counter()
-        scheduled = self.scheduler.schedule(no_more_arrivals)
+    def step(self, no_more_arrivals: bool = False) -> EngineStep:
+        """One iteration: its outputs, and whether it computed anything. Raises
+        StepFailedError, naming the step's requests, when running the planned step
+        fails; the caller ends those requests (abort_request) and may step again: no
+        other request was touched. `no_more_arrivals`: see Scheduler.schedule (an
+        offline caller that has added everything says so)."""
+        step = self.core.step(no_more_arrivals)
         try:
-            model_output = self.executor.execute(scheduled)
-            updates = self.scheduler.update(scheduled, model_output)
-            outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in updates]
+            outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in step.updates]
         except Exception as error:
-            raise StepFailedError([seq.request_id for seq in scheduled.seqs], error) from error
-        elapsed = time.perf_counter() - start
-        stats = self.stats
-        stats.num_steps += 1
-        stats.prefill_tokens += scheduled.num_prefill_tokens
-        stats.decode_tokens += scheduled.num_decode_tokens
-        stats.busy_time += elapsed
-        stats.forward_time += model_output.forward_time
-        if scheduled.num_prefill_tokens:
-            stats.prefill_time += elapsed
-        return outputs
+            raise StepFailedError(step.request_ids, error) from error
+        return EngineStep(outputs, step.did_work)
 
     def _emit(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
         stream = self._streams[request.request_id]

@@ -28,3 +28,11 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EngineStep:
+    """What one `LLMEngine.step` did."""
+
+    outputs: list[RequestOutput]
+    did_work: bool  # whether any token was computed (False: nothing was runnable yet)
