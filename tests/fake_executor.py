@@ -99,7 +99,7 @@ def run(
         if callable(on_step):
             on_step(out)
         for update in scheduler.update(out, executor.execute(out)):
-            outputs.setdefault(update.request.request_id, []).extend(update.new_token_ids)
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
         if clock is not None:
             clock.now += 0.01
     raise AssertionError("the scheduler did not finish: a request is stuck")

@@ -54,7 +54,7 @@ def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill() -> 
 
     def step(n_new: int, n_seqs: int, computed: int) -> float:
         seqs = [
-            ScheduledSeq(str(i), [0] * n_new, computed, [], True, params) for i in range(n_seqs)
+            ScheduledSeq(str(i), [0] * n_new, computed, (), True, params) for i in range(n_seqs)
         ]
         return cost.step_time(SchedulerOutput(seqs, num_prefill_tokens=n_new * n_seqs))
 

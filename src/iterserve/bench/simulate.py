@@ -67,10 +67,13 @@ def simulate(
         for i, r in enumerate(workload.requests)
     ]
     by_id = {record.request_id: record for record in records}
+    requests: dict[str, Request] = {}  # the ones the scheduler took, until they finish
     order = sorted(range(len(records)), key=lambda i: offsets[i], reverse=True)
     while order or engine.has_unfinished():
         while order and offsets[order[-1]] <= clock.now:
-            _arrive(engine.scheduler, workload, records, order.pop())
+            request = _arrive(engine.scheduler, workload, records, order.pop())
+            if request is not None:
+                requests[request.request_id] = request
         step = engine.step(no_more_arrivals=not order)
         if not step.did_work:
             # Nothing runnable: jump to the next arrival (or let a dynamic batch's wait pass).
@@ -83,11 +86,13 @@ def simulate(
             continue
         for update in step.updates:
             if update.finished:
-                _record(by_id[update.request.request_id], update.request)
+                _record(by_id[update.request_id], requests.pop(update.request_id))
     return records, engine.scheduler, executor
 
 
-def _arrive(scheduler: Scheduler, workload: Workload, records: list[RequestRecord], i: int) -> None:
+def _arrive(
+    scheduler: Scheduler, workload: Workload, records: list[RequestRecord], i: int
+) -> Request | None:
     wanted = workload.requests[i]
     params = SamplingParams(max_tokens=wanted.output_len, ignore_eos=True)
     request = Request(
@@ -101,6 +106,8 @@ def _arrive(scheduler: Scheduler, workload: Workload, records: list[RequestRecor
         scheduler.add_request(request)
     except InvalidRequestError as err:
         records[i].error = str(err)
+        return None
+    return request
 
 
 def _record(record: RequestRecord, request: Request) -> None:

@@ -184,7 +184,12 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             updates.append(
-                RequestUpdate(request, [sampled.token_id], [sampled.logprobs], status is not None)
+                RequestUpdate(
+                    request.request_id,
+                    [sampled.token_id],
+                    [sampled.logprobs],
+                    None if status is None else status.finish_reason,
+                )
             )
         return updates
 
@@ -392,7 +397,7 @@ class Scheduler:
                     request_id=request.request_id,
                     token_ids=request.all_token_ids[start : start + n],
                     num_computed_tokens=start,
-                    block_ids=request.block_ids,
+                    block_ids=tuple(request.block_ids),
                     sample=start + n == request.num_tokens,
                     sampling_params=request.sampling_params,
                 )

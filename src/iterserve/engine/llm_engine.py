@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from iterserve.config import EngineConfig
-from iterserve.core.request import Request, RequestStatus
+from iterserve.core.outputs import RequestUpdate, TokenLogprobs
+from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats, num_kv_blocks
@@ -38,7 +39,7 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     text: str = ""
-    logprobs: list = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -208,34 +209,35 @@ class LLMEngine:
         offline caller that has added everything says so)."""
         step = self.core.step(no_more_arrivals)
         try:
-            outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in step.updates]
+            outputs = [self._emit(update) for update in step.updates]
         except Exception as error:
             raise StepFailedError(step.request_ids, error) from error
         return EngineStep(outputs, step.did_work)
 
-    def _emit(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
-        stream = self._streams[request.request_id]
-        text = stream.detokenizer.add_tokens(token_ids)
-        if request.is_finished:  # release a held-back partial character
+    def _emit(self, update: RequestUpdate) -> RequestOutput:
+        request_id = update.request_id
+        stream = self._streams[request_id]
+        text = stream.detokenizer.add_tokens(update.new_token_ids)
+        finish_reason = update.finish_reason
+        if finish_reason is not None:  # release a held-back partial character
             text += stream.detokenizer.flush()
         delta, stopped = stream.stops.feed(text)
-        finish_reason = request.status.value if request.is_finished else None
-        if stopped and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        if stopped and finish_reason is None:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
             finish_reason = "stop"
         elif finish_reason is not None and not stopped:
             delta += stream.stops.flush()
         if finish_reason is not None:
-            del self._streams[request.request_id]
-        return self._output(stream, token_ids, logprobs, delta, finish_reason)
+            del self._streams[request_id]
+        return self._output(stream, update.new_token_ids, update.new_logprobs, delta, finish_reason)
 
     def _output(
         self,
         stream: _Stream,
         token_ids: list[int],
-        logprobs: list,
+        logprobs: list[TokenLogprobs | None],
         delta: str,
-        finish_reason: str | None,
+        finish_reason: FinishReason | None,
     ) -> RequestOutput:
         request = stream.request
         stream.text += delta
