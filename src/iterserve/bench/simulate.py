@@ -125,7 +125,7 @@ def _record(record: RequestRecord, request: Request) -> None:
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    from iterserve.bench.cli import _add_arrival_args, _add_report_args, _add_workload_args
+    from iterserve.bench.args import add_arrival_args, add_report_args, add_workload_args
 
     p = sub.add_parser(
         "simulate",
@@ -135,15 +135,15 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="a100-80g")
     p.add_argument("--sim-model", choices=sorted(MODELS), default="llama3-8b")
-    _add_workload_args(p, with_seed=False)
-    _add_arrival_args(p)
-    _add_report_args(p)
+    add_workload_args(p, with_seed=False)
+    add_arrival_args(p)
+    add_report_args(p)
     add_engine_args(p)  # scheduler and cache settings; --model names the tokenizer
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from iterserve.bench.cli import arrival_spec, finish, workload_spec
+    from iterserve.bench.args import arrival_spec, finish, workload_spec
     from iterserve.bench.tokenizer import load_tokenizer
     from iterserve.bench.workloads import build_workload
 

@@ -25,7 +25,8 @@ from iterserve.engine.prompts import Prompt, RenderedChat
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import build_model
-from iterserve.model.loader import LoadedModel, load_model
+from iterserve.model.loaded import LoadedModel
+from iterserve.model.loader import load_model
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("iterserve.engine")
