@@ -244,3 +244,19 @@ def test_lanes_off_puts_everyone_in_one_queue() -> None:
     scheduler.add_request(make_request("chat", [2] * 4, max_tokens=1, arrival=1))
     out = scheduler.schedule()
     assert [s.request_id for s in out.seqs] == ["doc"], "FCFS across what were lanes"
+
+
+def test_choice_settings_take_their_cli_choices_from_their_types() -> None:
+    import argparse
+    import typing
+
+    from iterserve.config import Batching, StepPolicy, add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    choices = {a.dest: a.choices for a in parser._actions if a.choices}
+    assert tuple(choices["batching"]) == typing.get_args(Batching)
+    assert tuple(choices["step_policy"]) == typing.get_args(StepPolicy)
+    assert {"dtype", "weights", "kernels", "prefix_caching_hash_algo"} <= choices.keys()
+    with pytest.raises(ConfigError, match="--dtype"):
+        EngineConfig(dtype="float16")  # type: ignore[arg-type]

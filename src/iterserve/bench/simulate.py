@@ -1,8 +1,9 @@
 """`iterserve simulate`: the real scheduler against a cost model, on a virtual clock.
 
 The same engine loop (engine/engine_core.py), with the same `core/` scheduler and block
-pool, decides every step; only the executor differs (executor/simulated.py): it prices a step with a roofline model of a
-chosen accelerator and model, and never computes a token. So a whole hour of the Azure
+pool, decides every step; only the executor differs (executor/simulated.py): it prices
+a step with a roofline model of a chosen accelerator and model, and never computes a
+token. So a whole hour of the Azure
 trace on an A100 running Llama-3-8B takes seconds here, and a change of policy shows
 what it would do at a scale this machine cannot reach.
 """
