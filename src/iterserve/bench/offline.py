@@ -172,16 +172,9 @@ def benchmark_engine(
 
 
 def benchmark_config(
-    config: EngineConfig,
-    workload: Workload,
-    arrival: ArrivalSpec,
-    slos: dict[str, float] | None = None,
-    options: OfflineOptions | None = None,
-    label: str | None = None,
-    seed: int = 0,
+    config: EngineConfig, workload: Workload, arrival: ArrivalSpec, **run: Any
 ) -> BenchReport:
-    """Build an engine from `config`, run the workload through it, return the report."""
+    """Build an engine from `config` and run `benchmark_engine` on it (same keywords)."""
     from iterserve.engine.llm_engine import LLMEngine  # torch: only when an engine is built
 
-    engine = LLMEngine(config)
-    return benchmark_engine(engine, workload, arrival, slos, options, label, seed)
+    return benchmark_engine(LLMEngine(config), workload, arrival, **run)

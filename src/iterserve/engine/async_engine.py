@@ -115,8 +115,10 @@ class AsyncEngine:
         on_finished: FinishedCallback | None = None,
     ) -> None:
         """`engine`: a built, warmed-up engine; None only from `launch`, which builds one."""
-        if max_waiting_requests < 1:
-            raise ValueError("max_waiting_requests must be at least 1")
+        if max_waiting_requests < 1:  # checked here only: launch builds this object first
+            raise ValueError(
+                f"--max-waiting-requests must be at least 1, got {max_waiting_requests}"
+            )
         self.engine: LLMEngine = engine  # type: ignore[assignment]  # set by launch otherwise
         self._ready = engine is not None  # warmed up: /health says ok
         self.max_waiting_requests = max_waiting_requests

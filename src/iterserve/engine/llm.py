@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -65,9 +64,8 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompt_list, params_list, strict=True):
-                for index in range(p.n):
-                    seed = None if p.seed is None else p.seed + index
-                    ids.append(self.engine.add_request(prompt, replace(p, n=1, seed=seed)))
+                for child in p.per_choice():
+                    ids.append(self.engine.add_request(prompt, child))
         except Exception:
             for request_id in ids:  # all or nothing: no half-queued batch left behind
                 self.engine.abort_request(request_id)
