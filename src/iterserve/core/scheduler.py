@@ -130,10 +130,6 @@ class Scheduler:
     def kv_cache_stats(self) -> KVCacheStats:
         return self.kv.stats()
 
-    def kv_cache_usage(self) -> float:
-        """Share of the KV blocks in use, in [0, 1]."""
-        return self.kv.stats().usage
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds; returns how many."""
         return self.kv.reset_prefix_cache()
