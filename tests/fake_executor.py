@@ -98,6 +98,7 @@ def run(
     max_steps: int = 10_000,
     on_step: object = None,
     executor: FakeExecutor | None = None,
+    no_more_arrivals: bool = False,
 ) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
     """Step until every request ends; returns outputs by id and the step plans."""
     executor = executor or FakeExecutor()
@@ -106,12 +107,12 @@ def run(
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
             return outputs, plans
-        out = scheduler.schedule()
+        out = scheduler.schedule(no_more_arrivals)
         plans.append(out)
         if callable(on_step):
             on_step(out)
         for update in scheduler.update(out, executor.execute(out)):
-            outputs.setdefault(update.request.request_id, []).extend(update.new_token_ids)
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
         if clock is not None:
             clock.now += 0.01
     raise AssertionError("the scheduler did not finish: a request is stuck")

@@ -70,8 +70,7 @@ def test_greedy_matches_transformers(
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == llama_reference
     assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
-    kv = llm.engine.scheduler.kv
-    assert kv.num_free_blocks == kv.num_blocks, "every block back in the pool"
+    assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0, "every block back"
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0
 
@@ -87,7 +86,7 @@ def test_prefix_cache_hits_keep_the_text(tiny_llama_dir: Path) -> None:
     assert [first[0].token_ids] == expected[:1]
     assert [o.token_ids for o in second] == expected
     assert second[0].num_cached_tokens > 0 and second[1].num_cached_tokens > 0
-    assert llm.engine.scheduler.kv.stats().prefix_hits > 0
+    assert llm.engine.scheduler.kv_cache_stats().prefix_hits > 0
 
 
 def test_qwen2_matches_transformers(tiny_qwen2_dir: Path) -> None:
@@ -138,8 +137,7 @@ def test_stop_strings_and_stop_tokens(tiny_llama_dir: Path) -> None:
     )[0]
     assert by_token.finish_reason == "stop"
     assert by_token.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
-    kv = llm.engine.scheduler.kv
-    assert kv.num_free_blocks == kv.num_blocks
+    assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0
 
 
 def test_bad_input_is_refused_clearly(tiny_llama_dir: Path) -> None:

@@ -16,8 +16,8 @@ def prompts(n: int, seed: int = 1) -> list[list[int]]:
     return [[rng.randrange(1, 60) for _ in range(rng.randint(4, 40))] for _ in range(n)]
 
 
-def step(scheduler, executor: FakeExecutor) -> SchedulerOutput:  # type: ignore[no-untyped-def]
-    out = scheduler.schedule()
+def step(scheduler, executor: FakeExecutor, no_more_arrivals: bool = False) -> SchedulerOutput:  # type: ignore[no-untyped-def]
+    out = scheduler.schedule(no_more_arrivals)
     scheduler.update(out, executor.execute(out))
     return out
 
@@ -38,8 +38,7 @@ def test_outputs_do_not_depend_on_the_policy(policy: dict) -> None:
     for i, prompt in enumerate(batch):
         lane = "batch" if i % 3 == 0 else "interactive"
         scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=3 + i, lane=lane))
-    scheduler.no_more_arrivals = True
-    outputs, plans = run(scheduler, clock)
+    outputs, plans = run(scheduler, clock, no_more_arrivals=True)
     for i, prompt in enumerate(batch):
         assert outputs[f"r{i}"] == expected_output(prompt, 3 + i)
     assert all(p.num_batched_tokens <= 24 for p in plans)
@@ -61,8 +60,7 @@ def test_static_never_admits_mid_batch_and_holds_finished_slots() -> None:
     assert not seen_late_before_batch_done, "nothing joins a static batch mid-way"
     out = step(scheduler, executor)
     assert [s.request_id for s in out.seqs] == []  # a batch of 1 waits for more (or the end)
-    scheduler.no_more_arrivals = True
-    out = step(scheduler, executor)
+    out = step(scheduler, executor, no_more_arrivals=True)
     assert [s.request_id for s in out.seqs] == ["late"]
 
 
@@ -246,3 +244,19 @@ def test_lanes_off_puts_everyone_in_one_queue() -> None:
     scheduler.add_request(make_request("chat", [2] * 4, max_tokens=1, arrival=1))
     out = scheduler.schedule()
     assert [s.request_id for s in out.seqs] == ["doc"], "FCFS across what were lanes"
+
+
+def test_choice_settings_take_their_cli_choices_from_their_types() -> None:
+    import argparse
+    import typing
+
+    from iterserve.config import Batching, StepPolicy, add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    choices = {a.dest: a.choices for a in parser._actions if a.choices}
+    assert tuple(choices["batching"]) == typing.get_args(Batching)
+    assert tuple(choices["step_policy"]) == typing.get_args(StepPolicy)
+    assert {"dtype", "weights", "kernels", "prefix_caching_hash_algo"} <= choices.keys()
+    with pytest.raises(ConfigError, match="--dtype"):
+        EngineConfig(dtype="float16")  # type: ignore[arg-type]

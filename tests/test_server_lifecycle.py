@@ -143,7 +143,7 @@ def test_shutdown_deadline_aborts_what_is_left(engine: LLMEngine) -> None:
         with pytest.raises(EngineStoppedError):
             await async_engine.add([_request("late")])
         assert not engine.has_unfinished()
-        assert engine.scheduler.kv.stats().num_used_blocks == 0
+        assert engine.scheduler.kv_cache_stats().num_used_blocks == 0
 
     asyncio.run(main())
 
@@ -206,7 +206,7 @@ def test_a_failed_step_fails_exactly_its_requests(
         after = await async_engine.add([_request("after", max_tokens=3)])
         assert [o async for _, o in after][-1].finish_reason == "length"
         assert async_engine.num_step_errors == 1
-        assert engine.scheduler.kv.stats().num_used_blocks == 0
+        assert engine.scheduler.kv_cache_stats().num_used_blocks == 0
         await async_engine.shutdown(timeout=1)
 
     with caplog.at_level(logging.ERROR, logger="iterserve.engine"):

@@ -37,7 +37,7 @@ def test_every_request_completes_with_its_length(workload) -> None:  # type: ign
     metrics, scheduler, _ = run(workload)
     assert metrics.throughput.completed == 60 and metrics.throughput.failed == 0
     assert metrics.throughput.total_output_tokens == sum(r.output_len for r in workload.requests)
-    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+    assert scheduler.kv_cache_stats().num_used_blocks == 0
 
 
 def test_continuous_batching_beats_static_on_mixed_lengths(workload) -> None:  # type: ignore[no-untyped-def]
@@ -54,7 +54,7 @@ def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill() -> 
 
     def step(n_new: int, n_seqs: int, computed: int) -> float:
         seqs = [
-            ScheduledSeq(str(i), [0] * n_new, computed, [], True, params) for i in range(n_seqs)
+            ScheduledSeq(str(i), [0] * n_new, computed, (), True, params) for i in range(n_seqs)
         ]
         return cost.step_time(SchedulerOutput(seqs, num_prefill_tokens=n_new * n_seqs))
 

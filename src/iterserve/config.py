@@ -2,23 +2,28 @@
 
 Every field that a user may set carries a `help` string in its metadata; the
 CLI builds `--flag-name` options from those, so adding a setting is one line.
+A setting with a fixed set of values has a Literal type: the CLI's choices and
+the check at construction both come from it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
+import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from iterserve.core.kv_cache import PREFIX_HASH_ALGOS
+from iterserve.core.kv_cache import PrefixHashAlgo
 
-BATCHING_MODES = ("continuous", "static", "dynamic")
-STEP_POLICIES = ("mixed", "prefill-first")
-WEIGHT_FORMATS = ("auto", "bf16", "int4")
-KERNEL_CHOICES = ("auto", "torch")
-SPECULATIVE_METHODS = ("ngram",)
+Batching = Literal["continuous", "static", "dynamic"]
+StepPolicy = Literal["mixed", "prefill-first"]
+WeightFormat = Literal["auto", "bf16", "int4"]
+Kernels = Literal["auto", "torch"]
+DType = Literal["bfloat16", "float32"]
+SpeculativeMethod = Literal["ngram"]
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -39,28 +44,23 @@ class CacheConfig:
     enable_prefix_caching: bool = _opt(
         True, "share KV blocks between requests with a common prefix"
     )
-    prefix_caching_hash_algo: str = _opt(
+    prefix_caching_hash_algo: PrefixHashAlgo = _opt(
         "sha256",
         "how a cached block is named: sha256 (collision-resistant) or builtin (Python's "
         "64-bit hash: faster, but crafted prompts can collide and share another's KV)",
-        choices=PREFIX_HASH_ALGOS,
     )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
+        _check_choices(self)
         if self.block_size < 1:
             raise ConfigError(f"--block-size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
-            raise ConfigError(
-                f"--prefix-caching-hash-algo must be one of {PREFIX_HASH_ALGOS}, "
-                f"got {self.prefix_caching_hash_algo!r}"
-            )
 
 
 @dataclass
@@ -69,7 +69,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _opt(512, "token budget of one step (prefill chunks + decodes)")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps under the budget")
     max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
-    batching: str = _opt("continuous", "batching mode", choices=BATCHING_MODES)
+    batching: Batching = _opt("continuous", "batching mode")
     batch_size: int = _opt(8, "requests per batch for static and dynamic batching")
     max_wait_ms: float = _opt(
         50.0, "dynamic batching: start a partial batch once its oldest request waited this long"
@@ -79,7 +79,7 @@ class SchedulerConfig:
         "static batching: start a partial batch once its oldest request waited this long "
         "(a backstop so a server's last requests never wait for ever, not a latency knob)",
     )
-    step_policy: str = _opt("mixed", "step composition", choices=STEP_POLICIES)
+    step_policy: StepPolicy = _opt("mixed", "step composition")
     long_prefill_token_threshold: int = _opt(
         0, "at most this many tokens of one prompt per step (0: no limit)"
     )
@@ -101,6 +101,7 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         """Refuse settings that cannot work, or that would starve or hang a request."""
+        _check_choices(self)
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -117,12 +118,6 @@ class SchedulerConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
-        if self.batching not in BATCHING_MODES:
-            raise ConfigError(f"--batching must be one of {BATCHING_MODES}, got {self.batching!r}")
-        if self.step_policy not in STEP_POLICIES:
-            raise ConfigError(
-                f"--step-policy must be one of {STEP_POLICIES}, got {self.step_policy!r}"
-            )
         if self.batching != "continuous":
             if self.batch_size < 1:
                 raise ConfigError(f"{self.batching} batching needs --batch-size >= 1")
@@ -156,12 +151,11 @@ class SchedulerConfig:
 
 @dataclass
 class SpeculativeConfig:
-    speculative_method: str | None = _opt(
+    speculative_method: SpeculativeMethod | None = _opt(
         None,
         "propose draft tokens each decode step and verify them in the same forward: "
         "ngram (prompt lookup: the tokens that followed the latest earlier occurrence of the "
         "context's last n-gram)",
-        choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = _opt(4, "most draft tokens per request per step")
     ngram_min: int = _opt(2, "ngram: shortest suffix n-gram to look up")
@@ -180,13 +174,8 @@ class SpeculativeConfig:
         return self.speculative_method is not None
 
     def validate(self) -> None:
-        if self.speculative_method is not None and (
-            self.speculative_method not in SPECULATIVE_METHODS
-        ):
-            raise ConfigError(
-                f"--speculative-method must be one of {SPECULATIVE_METHODS}, "
-                f"got {self.speculative_method!r}"
-            )
+        if self.speculative_method is not None:
+            _check_choices(self)
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(
                 "--num-speculative-tokens must be between 1 and 16, "
@@ -210,21 +199,19 @@ class SpeculativeConfig:
 @dataclass
 class EngineConfig:
     model: str | None = _opt(None, "HF directory or GGUF file (default: bundled SmolLM2-135M)")
-    dtype: str = _opt("bfloat16", "weights and activations", choices=("bfloat16", "float32"))
+    dtype: DType = _opt("bfloat16", "weights and activations")
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
     seed: int = _opt(0, "seed for requests that give none")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
-    weights: str = _opt(
+    weights: WeightFormat = _opt(
         "auto",
         "weight format: auto (a 4/8-bit GGUF stays so for few-token steps, with a bf16 copy "
         "for large ones), int4 (4/8-bit only: least memory), bf16",
-        choices=WEIGHT_FORMATS,
     )
-    kernels: str = _opt(
+    kernels: Kernels = _opt(
         "auto",
         "auto: iterserve's C++ kernels and oneDNN-packed weights where this CPU runs them; "
         "torch: plain torch ops everywhere (the reference path)",
-        choices=KERNEL_CHOICES,
     )
     batch_invariant: bool = _opt(
         False,
@@ -246,16 +233,11 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         """Check every section; called when a config is built and again before an engine
         uses it, since callers may change fields in between."""
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ConfigError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
+        _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be at least 1, got {self.num_threads}")
-        if self.weights not in WEIGHT_FORMATS:
-            raise ConfigError(f"--weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
-        if self.kernels not in KERNEL_CHOICES:
-            raise ConfigError(f"--kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.weights == "int4" and (self.dtype != "bfloat16" or self.kernels == "torch"):
             raise ConfigError(
                 "--weights int4 runs on iterserve's kernels: it needs --dtype "
@@ -296,6 +278,29 @@ def _leaf_fields(cls: type) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[type, tuple[str, ...] | None]]:
+    """Each setting's value type (None stripped from an optional one) and, for a Literal,
+    its allowed values."""
+    out: dict[str, tuple[type, tuple[str, ...] | None]] = {}
+    for name, hint in get_type_hints(cls).items():
+        if get_origin(hint) in (Union, types.UnionType):
+            (hint,) = [arg for arg in get_args(hint) if arg is not type(None)]
+        if get_origin(hint) is Literal:
+            out[name] = (str, get_args(hint))
+        else:
+            out[name] = (hint, None)
+    return out
+
+
+def _check_choices(config: Any) -> None:
+    for f in _leaf_fields(type(config)):
+        choices = _field_types(type(config))[f.name][1]
+        value = getattr(config, f.name)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{_flag(f.name)} must be one of {choices}, got {value!r}")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -310,12 +315,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 "default": f.default,
                 "help": f.metadata["help"],
             }
-            if f.type in ("bool", bool):
+            value_type, choices = _field_types(cls)[f.name]
+            if value_type is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = _parse_type(f.type)
-                if "choices" in f.metadata:
-                    kwargs["choices"] = f.metadata["choices"]
+                kwargs["type"] = value_type
+                if choices is not None:
+                    kwargs["choices"] = choices
             group.add_argument(_flag(f.name), **kwargs)
             if "off_alias" in f.metadata:  # e.g. vLLM's --enforce-eager for --no-compile
                 group.add_argument(
@@ -329,12 +335,3 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = [f.name for cls in (EngineConfig, *SECTIONS.values()) for f in _leaf_fields(cls)]
     return engine_config({name: getattr(args, name) for name in names if hasattr(args, name)})
-
-
-def _parse_type(type_name: Any) -> Any:
-    text = str(type_name)
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str

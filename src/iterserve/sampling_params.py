@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class InvalidRequestError(ValueError):
@@ -49,6 +49,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def per_choice(self) -> list[SamplingParams]:
+        """The engine runs one sequence per request: n choices are n requests with
+        n=1, seeded seed, seed+1, ... so each is reproducible and they differ."""
+        return [
+            replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+            for index in range(self.n)
+        ]
 
     def validate(self) -> None:
         if self.n < 1:

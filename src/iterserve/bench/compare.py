@@ -139,15 +139,15 @@ def rows_to_json(rows: list[PolicyRow], workload: Workload, arrival: ArrivalSpec
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    from iterserve.bench.cli import _add_arrival_args, _add_workload_args
+    from iterserve.bench.args import add_arrival_args, add_workload_args
 
     p = sub.add_parser(
         "compare",
         help="run one workload through every batching policy and print one table",
         description=__doc__,
     )
-    _add_workload_args(p, with_seed=False)
-    _add_arrival_args(p)
+    add_workload_args(p, with_seed=False)
+    add_arrival_args(p)
     p.add_argument(
         "--policies",
         default=",".join(POLICIES),
@@ -172,7 +172,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from iterserve.bench.cli import arrival_spec, workload_spec
+    from iterserve.bench.args import arrival_spec, workload_spec
     from iterserve.bench.tokenizer import load_tokenizer
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

@@ -52,14 +52,10 @@ def _params(request: WorkloadRequest, options: OfflineOptions) -> SamplingParams
 def warm_up(engine: Any, workload: Workload, options: OfflineOptions) -> None:
     if workload.warmup is None:
         return
-    engine.scheduler.no_more_arrivals = True  # a static batch of one must not wait for more
-    try:
-        for _ in range(options.num_warmups):
-            engine.add_request(workload.warmup.prompt, _params(workload.warmup, options))
-            while engine.has_unfinished():
-                engine.step()
-    finally:
-        engine.scheduler.no_more_arrivals = False
+    for _ in range(options.num_warmups):
+        engine.add_request(workload.warmup.prompt, _params(workload.warmup, options))
+        while engine.has_unfinished():
+            engine.step(no_more_arrivals=True)  # a static batch of one must not wait for more
 
 
 def run_engine(
@@ -82,7 +78,6 @@ def run_engine(
     # When each seat under the cap became free: a capped request arrives when it gets one.
     seats = [float("-inf")] * max_concurrency if max_concurrency else None
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not options.progress)
-    scheduler = engine.scheduler
     origin = time.monotonic()
     try:
         while pending or engine.has_unfinished():
@@ -109,22 +104,21 @@ def run_engine(
             # Static batching may start a short batch only once nothing else will come: after
             # the last arrival, or while the concurrency cap is full (nothing can arrive until
             # a request finishes; a closed loop below the batch size would otherwise deadlock).
-            scheduler.no_more_arrivals = not pending or (seats is not None and not seats)
+            no_more_arrivals = not pending or (seats is not None and not seats)
             if not engine.has_unfinished():
                 if pending:
                     time.sleep(max(0.0, origin + offsets[pending[-1]] - time.monotonic()))
                 continue
-            before = engine.stats.prefill_tokens + engine.stats.decode_tokens
-            for output in engine.step():
+            step = engine.step(no_more_arrivals)
+            for output in step.outputs:
                 if output.finished:
                     _fill(by_id[output.request_id], output, origin)
                     bar.update(1)
                     if seats is not None:
                         heapq.heappush(seats, output.timings.finished or time.monotonic())
-            if engine.stats.prefill_tokens + engine.stats.decode_tokens == before:
+            if not step.did_work:
                 time.sleep(_IDLE_NAP)
     finally:
-        scheduler.no_more_arrivals = False
         bar.close()
     return RunResult(records, getattr(engine, "model_name", ""))
 
@@ -178,16 +172,9 @@ def benchmark_engine(
 
 
 def benchmark_config(
-    config: EngineConfig,
-    workload: Workload,
-    arrival: ArrivalSpec,
-    slos: dict[str, float] | None = None,
-    options: OfflineOptions | None = None,
-    label: str | None = None,
-    seed: int = 0,
+    config: EngineConfig, workload: Workload, arrival: ArrivalSpec, **run: Any
 ) -> BenchReport:
-    """Build an engine from `config`, run the workload through it, return the report."""
+    """Build an engine from `config` and run `benchmark_engine` on it (same keywords)."""
     from iterserve.engine.llm_engine import LLMEngine  # torch: only when an engine is built
 
-    engine = LLMEngine(config)
-    return benchmark_engine(engine, workload, arrival, slos, options, label, seed)
+    return benchmark_engine(LLMEngine(config), workload, arrival, **run)

@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.cli import (
-    _add_arrival_args,
-    _add_workload_args,
+from iterserve.bench.args import (
+    add_arrival_args,
+    add_workload_args,
     arrival_spec,
     parse_list,
     workload_spec,
 )
+from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.metrics import parse_slos
 from iterserve.bench.report import BenchReport
 from iterserve.bench.sweep import CONFIG_AXES, SweepPoint, format_table, run_sweep, variants_from
@@ -44,8 +44,8 @@ def add_sweep_parser(runners: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_workload_args(p, with_seed=False)
-    _add_arrival_args(p)
+    add_workload_args(p, with_seed=False)
+    add_arrival_args(p)
     add_engine_args(p)
     g = p.add_argument_group("sweep")
     g.add_argument("--request-rates", default=None, help="x axis: req/s list, e.g. 1,2,4,inf")

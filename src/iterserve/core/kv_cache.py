@@ -23,11 +23,13 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from iterserve.core.request import Request
 
 BlockHash = bytes | int
-PREFIX_HASH_ALGOS = ("sha256", "builtin")
+PrefixHashAlgo = Literal["sha256", "builtin"]
+PREFIX_HASH_ALGOS: tuple[str, ...] = get_args(PrefixHashAlgo)
 
 
 @dataclass

@@ -7,9 +7,8 @@ Scheduler.schedule() -> SchedulerOutput -> Executor.execute() -> ModelOutput
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from iterserve.core.request import Request
+from iterserve.core.request import FinishReason
 from iterserve.sampling_params import SamplingParams
 
 
@@ -26,7 +25,7 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    block_ids: list[int]  # the request's block table; read-only for the executor
+    block_ids: tuple[int, ...]  # the request's block table as it stands for this step
     sample: bool
     sampling_params: SamplingParams
     draft_token_ids: list[int] = field(default_factory=list)
@@ -61,9 +60,18 @@ class SchedulerOutput:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities under the model's raw distribution (log_softmax of raw logits)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-n (token_id, logprob), best first; empty if n == 0
+
+
+@dataclass
 class SampledToken:
     token_id: int
-    logprobs: Any = None  # the sampler's TokenLogprobs, opaque to the scheduler
+    logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -80,7 +88,11 @@ class ModelOutput:
 class RequestUpdate:
     """What one step did for one request, for the engine to detokenize and emit."""
 
-    request: Request
+    request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[Any]
-    finished: bool
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: FinishReason | None = None  # set when this step ended the request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

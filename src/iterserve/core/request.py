@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 from iterserve.sampling_params import SamplingParams
 
 LANES = ("interactive", "batch")
+# Why a request ended, in the OpenAI API's words.
+FinishReason = Literal["stop", "length", "abort"]
 
 
 class RequestStatus(enum.Enum):
@@ -25,13 +28,18 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The reason a finished status reports; None while the request runs or waits."""
+        return _FINISH_REASONS.get(self)
 
 
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
 }
 
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from iterserve.config import SchedulerConfig, SpeculativeConfig
-from iterserve.core.kv_cache import KVCacheManager
+from iterserve.core.kv_cache import KVCacheManager, KVCacheStats
 from iterserve.core.outputs import (
     ModelOutput,
     RequestUpdate,
@@ -62,8 +62,6 @@ class Scheduler:
         self.waiting = WaitingQueues()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Static batching starts a short batch only once no more requests will come.
-        self.no_more_arrivals = False
         self._finished_ids: list[str] = []
         self._admissions = 0
         self.num_preemptions = 0
@@ -137,13 +135,34 @@ class Scheduler:
     def num_waiting(self, lane: str | None = None) -> int:
         return self.waiting.count(lane)
 
+    def request_ids(self) -> list[str]:
+        """Every request not yet finished, waiting or running."""
+        return list(self.requests)
+
+    # ---- memory, for callers outside the step ------------------------------------
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        return self.kv.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds; returns how many."""
+        return self.kv.reset_prefix_cache()
+
+    def token_capacity(self) -> int:
+        """Most tokens one request can ever hold: the context length or the whole KV
+        pool, whichever is less."""
+        return min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
+
     # ---- one step --------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, no_more_arrivals: bool = False) -> SchedulerOutput:
+        """Plan one step. `no_more_arrivals`: the caller knows no further request will
+        come (an offline run past its last arrival), so static and dynamic batching may
+        start a short batch now instead of waiting for it to fill."""
         now = self.clock()
         step = _StepPlan(self.config.max_num_batched_tokens)
         if self.config.batching != "continuous" and not self.running:
-            self._admit_batch(now)
+            self._admit_batch(now, no_more_arrivals)
         if self.config.step_policy == "prefill-first":
             self._schedule_prefills(step, now)
             if not step.tokens:
@@ -192,10 +211,10 @@ class Scheduler:
                 self._finish(request, status)
             updates.append(
                 RequestUpdate(
-                    request,
+                    request.request_id,
                     [s.token_id for s in sampled[:taken]],
                     [s.logprobs for s in sampled[:taken]],
-                    status is not None,
+                    None if status is None else status.finish_reason,
                 )
             )
         return updates
@@ -293,9 +312,9 @@ class Scheduler:
         step.add(request, n)
         return _Admission.ADMITTED
 
-    def _admit_batch(self, now: float) -> None:
+    def _admit_batch(self, now: float, no_more_arrivals: bool) -> None:
         """Static / dynamic batching: the next batch joins the running set together."""
-        batch = form_batch(self.config, self.waiting, now, self.no_more_arrivals)
+        batch = form_batch(self.config, self.waiting, now, no_more_arrivals)
         for request in batch[: self.config.max_num_seqs]:
             cached = self.kv.find_cached_prefix(request)
             if not self.kv.allocate(request, 0, cached):
@@ -437,7 +456,7 @@ class Scheduler:
                     request_id=request.request_id,
                     token_ids=request.all_token_ids[start : start + real] + drafts,
                     num_computed_tokens=start,
-                    block_ids=request.block_ids,
+                    block_ids=tuple(request.block_ids),
                     sample=sample,
                     sampling_params=request.sampling_params,
                     draft_token_ids=drafts,

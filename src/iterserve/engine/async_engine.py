@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from iterserve.engine.llm_engine import LLMEngine, StepFailedError
+from iterserve.engine.engine_core import StepFailedError
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
@@ -114,8 +115,10 @@ class AsyncEngine:
         on_finished: FinishedCallback | None = None,
     ) -> None:
         """`engine`: a built, warmed-up engine; None only from `launch`, which builds one."""
-        if max_waiting_requests < 1:
-            raise ValueError("max_waiting_requests must be at least 1")
+        if max_waiting_requests < 1:  # checked here only: launch builds this object first
+            raise ValueError(
+                f"--max-waiting-requests must be at least 1, got {max_waiting_requests}"
+            )
         self.engine: LLMEngine = engine  # type: ignore[assignment]  # set by launch otherwise
         self._ready = engine is not None  # warmed up: /health says ok
         self.max_waiting_requests = max_waiting_requests
@@ -356,11 +359,8 @@ class AsyncEngine:
                     self._finish_iteration(deliveries)
                     self._close()
                     return
-                if engine.has_unfinished():
-                    tokens_before = engine.stats.prefill_tokens + engine.stats.decode_tokens
-                    self._step(deliveries)
-                    if engine.stats.prefill_tokens + engine.stats.decode_tokens == tokens_before:
-                        time.sleep(_IDLE_STEP_NAP)
+                if engine.has_unfinished() and not self._step(deliveries):
+                    time.sleep(_IDLE_STEP_NAP)
                 self._finish_iteration(deliveries)
         except BaseException as error:  # noqa: BLE001 - reported to every waiting client
             logger.exception("the engine loop died")
@@ -419,8 +419,7 @@ class AsyncEngine:
         token_ids = engine.tokenize(request.prompt)
         params = request.params
         if request.fill_context:
-            kv = engine.scheduler.kv
-            room = min(engine.max_model_len, kv.num_blocks * kv.block_size) - len(token_ids)
+            room = engine.max_request_tokens() - len(token_ids)
             params = replace(params, max_tokens=max(1, room))
         engine.add_request(
             token_ids,
@@ -443,9 +442,11 @@ class AsyncEngine:
         for future, error, result in answers:
             self._call_soon(future.get_loop(), functools.partial(_set, future, error, result))
 
-    def _step(self, deliveries: list[_Delivery]) -> None:
+    def _step(self, deliveries: list[_Delivery]) -> bool:
+        """One engine step, its outputs routed; whether it computed anything (a step that
+        failed did not: the loop naps before the next, as after an idle one)."""
         try:
-            outputs = self.engine.step()
+            step = self.engine.step()
         except StepFailedError as error:
             # Exactly the step's requests fail; the rest of the engine is untouched.
             self.num_step_errors += 1
@@ -457,22 +458,23 @@ class AsyncEngine:
             self._fail_routes(
                 error.request_ids, "the engine failed while running this request", deliveries
             )
-            return
+            return False
         except Exception:
             # Planning the step failed: which requests it touched is unknown, so every
             # request fails (freeing its blocks) and the engine serves new ones.
             self.num_step_errors += 1
             logger.exception("scheduling a step failed; failing every request")
-            victims = list(self.engine.scheduler.requests) + list(self._routes)
+            victims = self.engine.unfinished_request_ids() + list(self._routes)
             self._fail_routes(victims, "the engine failed while running this request", deliveries)
-            return
-        for output in outputs:
+            return False
+        for output in step.outputs:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue
             deliveries.append((*route, output))
             if output.finished:
                 del self._routes[output.request_id]
+        return step.did_work
 
     def _fail_routes(
         self, request_ids: list[str], message: str, deliveries: list[_Delivery]
@@ -489,7 +491,7 @@ class AsyncEngine:
 
     def _abort_all(self, deliveries: list[_Delivery]) -> None:
         self._apply(_Abort(list(self._routes)), deliveries)
-        for request_id in list(self.engine.scheduler.requests):  # added outside the server
+        for request_id in self.engine.unfinished_request_ids():  # added outside the server
             self.engine.abort_request(request_id)
 
     def _send(self, deliveries: list[_Delivery]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -53,9 +52,8 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompt_list, params_list, strict=True):
-                for index in range(p.n):
-                    seed = None if p.seed is None else p.seed + index
-                    ids.append(self.engine.add_request(prompt, replace(p, n=1, seed=seed)))
+                for child in p.per_choice():
+                    ids.append(self.engine.add_request(prompt, child))
         except Exception:
             for request_id in ids:  # all or nothing: no half-queued batch left behind
                 self.engine.abort_request(request_id)
@@ -81,14 +79,14 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        engine.scheduler.no_more_arrivals = True  # static batching may start a short last batch
         done: dict[str, RequestOutput] = {}
         start_stats = (engine.stats.prefill_tokens, engine.stats.decode_tokens)
         start = time.perf_counter()
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm)
         try:
             while engine.has_unfinished():
-                for output in engine.step():
+                # Everything is added: static batching may start a short last batch.
+                for output in engine.step(no_more_arrivals=True).outputs:
                     if output.finished:
                         done[output.request_id] = output
                         bar.update(1)
@@ -100,5 +98,4 @@ class LLM:
                 )
         finally:
             bar.close()
-            engine.scheduler.no_more_arrivals = False
         return [done[request_id] for request_id in ids]

@@ -1,4 +1,5 @@
-"""The engine loop: schedule -> execute -> update -> detokenize -> emit.
+"""The engine: schedule -> execute -> update (EngineCore, engine_core.py) -> detokenize
+-> emit, with the model loaded and run by the torch runner.
 
 Single-threaded and synchronous; `AsyncEngine` runs it in a background
 thread for the server, `LLM` drives it to completion for offline use.
@@ -14,45 +15,21 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from iterserve.config import EngineConfig
-from iterserve.core.kv_cache import KVCacheManager
-from iterserve.core.request import Request, RequestStatus
+from iterserve.core.outputs import RequestUpdate, TokenLogprobs
+from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats, num_kv_blocks
+from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import build_model
-from iterserve.model.loader import LoadedModel, load_model
+from iterserve.model.loaded import LoadedModel
+from iterserve.model.loader import load_model
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
-
-class StepFailedError(RuntimeError):
-    """Running a planned step raised. `request_ids` are exactly the requests in that
-    step: their KV (written or not) and bookkeeping may be half-updated, so they must
-    end; requests outside the step were not touched and go on."""
-
-    def __init__(self, request_ids: list[str], cause: Exception) -> None:
-        super().__init__(f"a step of {len(request_ids)} requests failed: {cause!r}")
-        self.request_ids = request_ids
-        self.cause = cause
-
-
 logger = logging.getLogger("iterserve.engine")
-
-
-@dataclass
-class StepStats:
-    """Totals over the engine's life, for progress bars and metrics."""
-
-    num_steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0  # query tokens of decodes (speculative drafts not included)
-    draft_tokens: int = 0  # speculative query tokens
-    generated_tokens: int = 0  # tokens sampled and kept (with speculation, > decode steps)
-    prefill_time: float = 0.0  # wall time of steps that computed prompt tokens
-    busy_time: float = 0.0
-    forward_time: float = 0.0  # of busy_time, in the network's forward
 
 
 @dataclass
@@ -63,7 +40,7 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     text: str = ""
-    logprobs: list = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,20 +69,12 @@ class LLMEngine:
         model, self.model_plan = build_model(config, loaded, dtype, self.device)
 
         cache = config.cache
-        block_bytes = loaded.config.kv_bytes_per_token(dtype.itemsize) * cache.block_size
-        num_blocks = cache.num_kv_blocks or int(cache.kv_cache_memory * 2**30 // block_bytes)
+        num_blocks = num_kv_blocks(
+            cache, loaded.config.kv_bytes_per_token(dtype.itemsize), cache.kv_cache_memory * 2**30
+        )
         self.max_model_len = min(
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
-        )
-        kv = KVCacheManager(
-            num_blocks,
-            cache.block_size,
-            cache.enable_prefix_caching,
-            cache.prefix_caching_hash_algo,
-        )
-        self.scheduler = Scheduler(
-            config.scheduler, kv, self.max_model_len, speculative=config.speculative
         )
         kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, cache.block_size, dtype, self.device
@@ -119,6 +88,8 @@ class LLMEngine:
             self.model_plan.paged_attention_kernel,
             self.model_plan.batch_invariant,
         )
+        # The loop `iterserve simulate` runs too, here with the model as its executor.
+        self.core = EngineCore.build(config, self.executor, num_blocks, self.max_model_len)
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up()
@@ -129,7 +100,14 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self.stats = StepStats()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def stats(self) -> StepStats:
+        return self.core.stats
 
     def warm_up(self) -> float:
         """Compile (or load compiled graphs) and run every kernel once, so that a user's first
@@ -213,70 +191,67 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (benchmarks start cold); returns
         how many."""
-        return self.scheduler.kv.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.request_ids()
+
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request can hold here."""
+        return self.scheduler.token_capacity()
 
     # ---- the loop ----------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration. Raises StepFailedError, naming the step's requests, when running
-        the planned step fails; the caller ends those requests (abort_request) and may
-        step again: no other request was touched."""
-        start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+    def step(self, no_more_arrivals: bool = False) -> EngineStep:
+        """One iteration: its outputs, and whether it computed anything. Raises
+        StepFailedError, naming the step's requests, when running the planned step
+        fails; the caller ends those requests (abort_request) and may step again: no
+        other request was touched. `no_more_arrivals`: see Scheduler.schedule (an
+        offline caller that has added everything says so)."""
+        step = self.core.step(no_more_arrivals)
         try:
-            model_output = self.executor.execute(scheduled)
-            updates = self.scheduler.update(scheduled, model_output)
-            outputs = [self._emit(u.request, u.new_token_ids, u.new_logprobs) for u in updates]
+            outputs = [self._emit(update) for update in step.updates]
         except Exception as error:
-            raise StepFailedError([seq.request_id for seq in scheduled.seqs], error) from error
-        elapsed = time.perf_counter() - start
-        stats = self.stats
-        stats.num_steps += 1
-        stats.prefill_tokens += scheduled.num_prefill_tokens
-        stats.decode_tokens += scheduled.num_decode_tokens
-        stats.draft_tokens += scheduled.num_draft_tokens
-        stats.generated_tokens += sum(len(u.new_token_ids) for u in updates)
-        stats.busy_time += elapsed
-        stats.forward_time += model_output.forward_time
-        if scheduled.num_prefill_tokens:
-            stats.prefill_time += elapsed
-        return outputs
+            raise StepFailedError(step.request_ids, error) from error
+        return EngineStep(outputs, step.did_work)
 
-    def _emit(self, request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
-        stream = self._streams[request.request_id]
+    def _emit(self, update: RequestUpdate) -> RequestOutput:
+        request_id = update.request_id
+        stream = self._streams[request_id]
+        token_ids = update.new_token_ids
+        finish_reason = update.finish_reason
         delta, stopped, kept = "", False, 0
         # Token by token, so a stop string ends the request at the token that completed
         # it even when a step produced several (accepted speculative drafts).
         for token_id in token_ids:
             text = stream.detokenizer.add_tokens([token_id])
             kept += 1
-            if kept == len(token_ids) and request.is_finished:
+            if kept == len(token_ids) and finish_reason is not None:
                 text += stream.detokenizer.flush()  # release a held-back partial character
             piece, stopped = stream.stops.feed(text)
             delta += piece
             if stopped:
                 break
-        finish_reason = request.status.value if request.is_finished else None
-        if stopped and not request.is_finished:
+        if stopped and finish_reason is None:
             self.scheduler.finish_request(
-                request.request_id,
-                RequestStatus.FINISHED_STOPPED,
-                num_dropped=len(token_ids) - kept,
+                request_id, RequestStatus.FINISHED_STOPPED, num_dropped=len(token_ids) - kept
             )
             finish_reason = "stop"
         elif finish_reason is not None and not stopped:
             delta += stream.stops.flush()
         if finish_reason is not None:
-            del self._streams[request.request_id]
-        return self._output(stream, token_ids[:kept], logprobs[:kept], delta, finish_reason)
+            del self._streams[request_id]
+        return self._output(
+            stream, token_ids[:kept], update.new_logprobs[:kept], delta, finish_reason
+        )
 
     def _output(
         self,
         stream: _Stream,
         token_ids: list[int],
-        logprobs: list,
+        logprobs: list[TokenLogprobs | None],
         delta: str,
-        finish_reason: str | None,
+        finish_reason: FinishReason | None,
     ) -> RequestOutput:
         request = stream.request
         stream.text += delta

@@ -93,7 +93,7 @@ class EngineSnapshot:
 def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
     """Read an LLMEngine's gauges; call it only from the thread that steps the engine."""
     scheduler = engine.scheduler
-    kv = scheduler.kv.stats()
+    kv = scheduler.kv_cache_stats()
     stats = engine.stats
     return EngineSnapshot(
         running={lane: scheduler.num_running(lane) for lane in LANES},

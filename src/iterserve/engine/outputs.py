@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from iterserve.core.request import RequestTimings
+from iterserve.core.outputs import TokenLogprobs
+from iterserve.core.request import FinishReason, RequestTimings
 
 
 @dataclass
@@ -19,9 +19,9 @@ class RequestOutput:
     token_ids: list[int]
     delta_text: str
     delta_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    logprobs: list[Any] | None = None  # the sampler's TokenLogprobs, when asked for
-    delta_logprobs: list[Any] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # set once finished
+    logprobs: list[TokenLogprobs | None] | None = None  # when the request asked for them
+    delta_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_cached_tokens: int = 0
     # Speculative decoding: draft tokens proposed for this request so far, and accepted.
     num_draft_tokens: int = 0
@@ -31,3 +31,11 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EngineStep:
+    """What one `LLMEngine.step` did."""
+
+    outputs: list[RequestOutput]
+    did_work: bool  # whether any token was computed (False: nothing was runnable yet)

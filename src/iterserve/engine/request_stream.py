@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
@@ -52,16 +52,10 @@ class GenerationRequest:
 def expand_n(
     prompt: Prompt, params: SamplingParams, request_id: str, **kwargs: object
 ) -> list[GenerationRequest]:
-    """The engine runs one sequence per request: n choices are n requests,
-    seeded seed, seed+1, ... so each is reproducible and they differ."""
+    """n choices as n requests (SamplingParams.per_choice), ids `{request_id}-{i}`."""
     return [
-        GenerationRequest(
-            prompt,
-            replace(params, n=1, seed=None if params.seed is None else params.seed + i),
-            f"{request_id}-{i}",
-            **kwargs,  # type: ignore[arg-type]
-        )
-        for i in range(params.n)
+        GenerationRequest(prompt, child, f"{request_id}-{i}", **kwargs)  # type: ignore[arg-type]
+        for i, child in enumerate(params.per_choice())
     ]
 
 

@@ -1,7 +1,7 @@
 """What the engine needs of an executor: turn a step plan into sampled tokens.
 
 The real executor runs the model; the simulated one runs a cost model on a
-virtual clock. Both are driven by the same scheduler.
+virtual clock. Both are driven by the same loop (engine/engine_core.py) and scheduler.
 """
 
 from __future__ import annotations

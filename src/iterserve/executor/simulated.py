@@ -36,26 +36,20 @@ class ModelShape:
     attn_flops_per_pair: float  # FLOPs per (query token, context token) pair, all layers
 
 
+def _datasheet(
+    name: str, peak_flops: float, peak_bandwidth: float, step_overhead: float, memory_bytes: float
+) -> Hardware:
+    """Datasheet peaks derated to what serving engines sustain."""
+    return Hardware(name, 0.6 * peak_flops, 0.8 * peak_bandwidth, step_overhead, memory_bytes)
+
+
 HARDWARE = {
     # Measured on this project's 2-core machine (DESIGN.md): bf16 ~380 GFLOP/s, ~31 GB/s.
     "cpu-2core": Hardware(
         "cpu-2core", flops=380e9, bandwidth=31e9, step_overhead=8e-3, memory_bytes=24 * 2**30
     ),
-    # Datasheet peaks derated to what serving engines sustain.
-    "a100-80g": Hardware(
-        "a100-80g",
-        flops=0.6 * 312e12,
-        bandwidth=0.8 * 2.0e12,
-        step_overhead=4e-3,
-        memory_bytes=80e9,
-    ),
-    "h100-80g": Hardware(
-        "h100-80g",
-        flops=0.6 * 989e12,
-        bandwidth=0.8 * 3.35e12,
-        step_overhead=3e-3,
-        memory_bytes=80e9,
-    ),
+    "a100-80g": _datasheet("a100-80g", 312e12, 2.0e12, step_overhead=4e-3, memory_bytes=80e9),
+    "h100-80g": _datasheet("h100-80g", 989e12, 3.35e12, step_overhead=3e-3, memory_bytes=80e9),
 }
 
 MODELS = {

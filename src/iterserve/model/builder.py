@@ -13,7 +13,7 @@ from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.model.linear import Backend, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
-from iterserve.model.loader import LoadedModel
+from iterserve.model.loaded import LoadedModel
 from iterserve.model.quant import QuantizedWeight
 
 logger = logging.getLogger("iterserve.model")

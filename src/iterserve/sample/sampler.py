@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.core.outputs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
 # Below this temperature the distribution is a point mass for any practical
@@ -36,15 +37,6 @@ _GREEDY_TEMPERATURE = 1e-5
 _CANDIDATE_LEVELS = (64, 1024)
 # Chunk width of the two-level row reductions below; divides common vocab sizes.
 _CHUNK = 64
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities under the model's raw distribution (log_softmax of raw logits)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-n (token_id, logprob), best first; empty if n == 0
 
 
 @dataclass

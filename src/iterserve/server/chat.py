@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from iterserve.engine.async_engine import RequestStream, expand_n
+from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import RenderedChat, render_chat
 from iterserve.server.logprobs import chat_logprobs
@@ -25,16 +26,12 @@ from iterserve.server.protocol import (
     UsageInfo,
 )
 from iterserve.server.serving import (
-    SSE_DONE,
-    AccessRecord,
-    EngineStreamResponse,
     ServingContext,
-    access_record,
-    collect_final,
+    Submitted,
+    respond,
     sse,
-    sse_error,
-    until_disconnected,
-    usage_of,
+    stream_events,
+    submit,
 )
 
 
@@ -56,48 +53,39 @@ async def create_chat_completion(
 ) -> Response:
     model = ctx.resolve_model(body.model)
     params = body.sampling_params()
-    ctx.engine.check_group_size(params.n)
+    ctx.engine.check_group_size(params.n)  # before rendering the template
     logprobs = params.logprobs
     prompt = render_prompt(body, ctx)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    record = access_record(raw)
-    record.request_id = request_id
-    requests = expand_n(
-        prompt,
-        params,
+    submitted = await submit(
+        raw,
+        ctx,
         request_id,
-        lane=body.lane,
-        priority=body.priority,
-        arrival_time=time.monotonic(),
+        [(request_id, prompt)],
+        params,
+        body.lane,
+        body.priority,
         fill_context=body.token_limit is None,  # OpenAI chat: no limit means what is left
     )
-    stream = await ctx.engine.add(requests)
-    headers = {"X-Request-Id": request_id}
-    if body.stream:
-        response = EngineStreamResponse(
-            _stream(body, stream, ctx, model, request_id, record), stream
-        )
-        response.headers.update(headers)
-        return response
 
-    outputs = await until_disconnected(raw, collect_final(stream, record))
-    choices = [
-        ChatChoice(
-            index=index,
-            message=AssistantMessage(content=output.text),
-            logprobs=_logprobs(output.logprobs, logprobs, ctx),
-            finish_reason=output.finish_reason,
-        )
-        for index, output in enumerate(outputs)
-    ]
-    usage = usage_of(outputs, len(outputs))
-    record.prompt_tokens = usage.prompt_tokens
-    result = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
-    return JSONResponse(result.model_dump(mode="json"), headers=headers)
+    def final(outputs: list[RequestOutput], usage: UsageInfo) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=output.text),
+                logprobs=_logprobs(output.logprobs, logprobs, ctx),
+                finish_reason=output.finish_reason,
+            )
+            for index, output in enumerate(outputs)
+        ]
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    events = functools.partial(_stream, body, submitted, ctx, model)
+    return await respond(raw, submitted, params.n, body.stream, events, final)
 
 
 def _logprobs(
-    entries: list | None, wanted: int | None, ctx: ServingContext
+    entries: list[TokenLogprobs | None] | None, wanted: int | None, ctx: ServingContext
 ) -> ChatChoiceLogprobs | None:
     if wanted is None:
         return None
@@ -105,55 +93,33 @@ def _logprobs(
 
 
 async def _stream(
-    body: ChatCompletionRequest,
-    stream: RequestStream,
-    ctx: ServingContext,
-    model: str,
-    request_id: str,
-    record: AccessRecord,
+    body: ChatCompletionRequest, submitted: Submitted, ctx: ServingContext, model: str
 ) -> AsyncIterator[str]:
     created = int(time.time())
     wanted = body.requested_logprobs()
 
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        message = ChatCompletionChunk(
-            id=request_id, created=created, model=model, choices=choices, usage=usage
+    def message(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=submitted.request_id, created=created, model=model, choices=choices, usage=usage
         )
-        return sse(message.model_dump_json())
+        return sse(chunk.model_dump_json())
+
+    def chunk(index: int, output: RequestOutput) -> str:
+        # The last chunk carries only the finish reason unless text came with it.
+        text = output.delta_text if output.delta_text or not output.finished else None
+        choice = ChatStreamChoice(
+            index=index,
+            delta=DeltaMessage(content=text),
+            logprobs=_logprobs(output.delta_logprobs, wanted, ctx),
+            finish_reason=output.finish_reason,
+        )
+        return message([choice])
 
     # The role first, for every choice, as OpenAI does: clients build the message from it.
-    for index in range(len(stream.request_ids)):
-        yield chunk(
+    for index in range(len(submitted.stream.request_ids)):
+        yield message(
             [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
         )
-    finals: dict[int, RequestOutput] = {}
-    try:
-        async with stream:
-            async for index, output in stream:
-                record.saw(output)
-                if output.finished:
-                    finals[index] = output
-                if not (output.delta_token_ids or output.finished):
-                    continue
-                # A token whose text is held back (half a UTF-8 character, a possible stop
-                # string) or has none (a special token) still gets its chunk, with empty
-                # text, as vLLM sends it: a client's TBT then sees every token.
-                # The last chunk carries only the finish reason unless text came with it.
-                text = output.delta_text if output.delta_text or not output.finished else None
-                delta = DeltaMessage(content=text)
-                choice = ChatStreamChoice(
-                    index=index,
-                    delta=delta,
-                    logprobs=_logprobs(output.delta_logprobs, wanted, ctx),
-                    finish_reason=output.finish_reason,
-                )
-                yield chunk([choice])
-    except Exception as error:  # the 200 is out: report it in the stream
-        yield sse_error(error)
-        yield SSE_DONE
-        return
-    usage = usage_of([finals[i] for i in sorted(finals)], len(finals))
-    record.prompt_tokens = usage.prompt_tokens
-    if body.include_usage:
-        yield chunk([], usage)
-    yield SSE_DONE
+    usage_chunk = (lambda usage: message([], usage)) if body.include_usage else None
+    async for event in stream_events(submitted, None, chunk, usage_chunk):
+        yield event

@@ -62,8 +62,6 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.max_waiting_requests < 1:
-        raise ValueError("--max-waiting-requests must be at least 1")
     config = engine_config_from_args(args)
     # Built and warmed up on the engine's own thread (see AsyncEngine.launch); the port
     # opens once the weights are in, and /health says "warming up" until compiling is done.

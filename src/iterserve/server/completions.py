@@ -5,32 +5,29 @@ Choice `i * n + j` is choice j of prompt i, as in OpenAI's API.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from iterserve.engine.async_engine import RequestStream, expand_n
 from iterserve.engine.outputs import RequestOutput
 from iterserve.server.logprobs import completion_logprobs
 from iterserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
 )
 from iterserve.server.serving import (
-    SSE_DONE,
-    AccessRecord,
-    EngineStreamResponse,
     ServingContext,
-    access_record,
-    collect_final,
+    Submitted,
+    respond,
     sse,
-    sse_error,
-    until_disconnected,
-    usage_of,
+    stream_events,
+    submit,
 )
 
 
@@ -42,36 +39,25 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     params = body.to_sampling_params(max_tokens, body.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    record = access_record(raw)
-    record.request_id = request_id
-    arrival = time.monotonic()
-    prompts = body.prompts()
-    ctx.engine.check_group_size(params.n * len(prompts))  # before building them all
-    requests = []
-    for prompt_index, prompt in enumerate(prompts):
-        requests += expand_n(
-            prompt,
-            params,
-            f"{request_id}-{prompt_index}",
-            lane=body.lane,
-            priority=body.priority,
-            arrival_time=arrival,
-            fill_context=body.max_tokens is None,
-        )
-    stream = await ctx.engine.add(requests)
-    headers = {"X-Request-Id": request_id}
-    if body.stream:
-        chunks = _stream(body, stream, ctx, model, request_id, record, n=params.n)
-        response = EngineStreamResponse(chunks, stream)
-        response.headers.update(headers)
-        return response
+    prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(body.prompts())]
+    submitted = await submit(
+        raw,
+        ctx,
+        request_id,
+        prompts,
+        params,
+        body.lane,
+        body.priority,
+        fill_context=body.max_tokens is None,
+    )
 
-    outputs = await until_disconnected(raw, collect_final(stream, record))
-    choices = [_choice(i, out, body.logprobs is not None, ctx) for i, out in enumerate(outputs)]
-    usage = usage_of(outputs, params.n)
-    record.prompt_tokens = usage.prompt_tokens
-    result = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
-    return JSONResponse(result.model_dump(mode="json"), headers=headers)
+    def final(outputs: list[RequestOutput], usage: UsageInfo) -> CompletionResponse:
+        wants_logprobs = body.logprobs is not None
+        choices = [_choice(i, out, wants_logprobs, ctx) for i, out in enumerate(outputs)]
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    events = functools.partial(_stream, body, submitted, ctx, model, params.n)
+    return await respond(raw, submitted, params.n, body.stream, events, final)
 
 
 def _choice(
@@ -87,58 +73,33 @@ def _choice(
     )
 
 
-async def _stream(
-    body: CompletionRequest,
-    stream: RequestStream,
-    ctx: ServingContext,
-    model: str,
-    request_id: str,
-    record: AccessRecord,
-    n: int,
+def _stream(
+    body: CompletionRequest, submitted: Submitted, ctx: ServingContext, model: str, n: int
 ) -> AsyncIterator[str]:
     created = int(time.time())
     text_length: dict[int, int] = {}  # where the next delta starts, for logprobs' text_offset
-    finals: dict[int, RequestOutput] = {}
-    try:
-        async with stream:
-            async for index, output in stream:
-                record.saw(output)
-                if output.finished:
-                    finals[index] = output
-                if not (output.delta_token_ids or output.finished):
-                    continue
-                # A token whose text is held back (half a UTF-8 character, a possible stop
-                # string) or has none (a special token) still gets its chunk, with empty
-                # text, as vLLM sends it: a client's TBT then sees every token.
-                logprobs = None
-                if body.logprobs is not None:
-                    offset = text_length.get(index, 0)
-                    logprobs = completion_logprobs(output.delta_logprobs, ctx.decode_token, offset)
-                text_length[index] = text_length.get(index, 0) + len(output.delta_text)
-                chunk = CompletionResponse(
-                    id=request_id,
-                    created=created,
-                    model=model,
-                    choices=[
-                        CompletionChoice(
-                            index=index,
-                            text=output.delta_text,
-                            logprobs=logprobs,
-                            finish_reason=output.finish_reason,
-                        )
-                    ],
-                )
-                yield sse(chunk.model_dump_json())
-    except Exception as error:  # the 200 is out: report it in the stream
-        yield sse_error(error)
-        yield SSE_DONE
-        return
-    outputs = [finals[i] for i in sorted(finals)]
-    usage = usage_of(outputs, n)
-    record.prompt_tokens = usage.prompt_tokens
-    if body.include_usage:
-        chunk = CompletionResponse(
-            id=request_id, created=created, model=model, choices=[], usage=usage
+
+    def chunk(index: int, output: RequestOutput) -> str:
+        logprobs = None
+        if body.logprobs is not None:
+            offset = text_length.get(index, 0)
+            logprobs = completion_logprobs(output.delta_logprobs, ctx.decode_token, offset)
+        text_length[index] = text_length.get(index, 0) + len(output.delta_text)
+        choice = CompletionChoice(
+            index=index,
+            text=output.delta_text,
+            logprobs=logprobs,
+            finish_reason=output.finish_reason,
         )
-        yield sse(chunk.model_dump_json())
-    yield SSE_DONE
+        return message([choice])
+
+    def message(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        response = CompletionResponse(
+            id=submitted.request_id, created=created, model=model, choices=choices, usage=usage
+        )
+        return sse(response.model_dump_json())
+
+    def usage_chunk(usage: UsageInfo) -> str:
+        return message([], usage)
+
+    return stream_events(submitted, n, chunk, usage_chunk if body.include_usage else None)

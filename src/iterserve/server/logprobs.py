@@ -1,4 +1,4 @@
-"""The sampler's TokenLogprobs in the two OpenAI shapes: completions' parallel
+"""TokenLogprobs (core/outputs.py) in the two OpenAI shapes: completions' parallel
 lists and chat's list of {token, logprob, bytes, top_logprobs}."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
+from iterserve.core.outputs import TokenLogprobs
 from iterserve.server.protocol import ChatLogprob, ChatTokenLogprob, CompletionLogprobs
 
 # JSON has no -inf; vLLM sends this floor instead, and clients expect a number.
@@ -32,9 +33,9 @@ def token_decoder(tokenizer: Any) -> Callable[[int], str]:
 
 
 def completion_logprobs(
-    entries: Sequence[Any], decode: Callable[[int], str], text_offset: int
+    entries: Sequence[TokenLogprobs | None], decode: Callable[[int], str], text_offset: int
 ) -> CompletionLogprobs:
-    """`entries` are TokenLogprobs; `text_offset` is where their text starts in the choice."""
+    """`text_offset` is where the entries' text starts in the choice."""
     result = CompletionLogprobs()
     for entry in entries:
         if entry is None:
@@ -51,7 +52,9 @@ def completion_logprobs(
     return result
 
 
-def chat_logprobs(entries: Sequence[Any], decode: Callable[[int], str]) -> list[ChatTokenLogprob]:
+def chat_logprobs(
+    entries: Sequence[TokenLogprobs | None], decode: Callable[[int], str]
+) -> list[ChatTokenLogprob]:
     content = []
     for entry in entries:
         if entry is None:

@@ -9,7 +9,7 @@ instead of being silently dropped.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -210,13 +210,23 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+ChoiceT = TypeVar("ChoiceT")
+
+
+class _ChoicesResponse(BaseModel, Generic[ChoiceT]):
+    """The envelope every generation answer shares (a whole response or a stream chunk);
+    subclasses fix `object` to their own literal."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[ChoiceT]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(_ChoicesResponse[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
 
 
 class ChatLogprob(BaseModel):
@@ -245,13 +255,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_ChoicesResponse[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -271,13 +276,8 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ChoicesResponse[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

@@ -1,6 +1,7 @@
 """What the completion and chat endpoints share: the serving context, the
-per-request record the access log prints, waiting for the engine while
-watching for the client to leave, and server-sent events."""
+per-request record the access log prints, submitting a group of requests,
+waiting for the engine while watching for the client to leave, and the
+streaming loop (server-sent events, the error event, usage, [DONE])."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from iterserve.engine.async_engine import AsyncEngine, EngineStoppedError, RequestStream
+from iterserve.engine.async_engine import AsyncEngine, EngineStoppedError, RequestStream, expand_n
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import Prompt
+from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
 from iterserve.server.logprobs import token_decoder
 from iterserve.server.protocol import UsageInfo
@@ -160,3 +165,101 @@ class EngineStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._engine_stream.abort()
+
+
+# ---- one request group, from submission to response -------------------------------------
+
+
+@dataclass
+class Submitted:
+    """A handler's group of engine requests (prompts x n choices), accepted."""
+
+    request_id: str
+    record: AccessRecord
+    stream: RequestStream
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.request_id}
+
+
+async def submit(
+    raw: Request,
+    ctx: ServingContext,
+    request_id: str,
+    prompts: list[tuple[str, Prompt]],
+    params: SamplingParams,
+    lane: str,
+    priority: int,
+    fill_context: bool,
+) -> Submitted:
+    """Queue `params.n` choices of each (id, prompt) as one group, all or none."""
+    record = access_record(raw)
+    record.request_id = request_id
+    arrival = time.monotonic()
+    ctx.engine.check_group_size(params.n * len(prompts))  # before building them all
+    requests = []
+    for base_id, prompt in prompts:
+        requests += expand_n(
+            prompt,
+            params,
+            base_id,
+            lane=lane,
+            priority=priority,
+            arrival_time=arrival,
+            fill_context=fill_context,
+        )
+    return Submitted(request_id, record, await ctx.engine.add(requests))
+
+
+async def respond(
+    raw: Request,
+    submitted: Submitted,
+    n: int,
+    streaming: bool,
+    events: Callable[[], AsyncIterator[str]],
+    final: Callable[[list[RequestOutput], UsageInfo], BaseModel],
+) -> Response:
+    """The SSE stream `events()`, or once every choice is done the JSON of `final`."""
+    if streaming:
+        response = EngineStreamResponse(events(), submitted.stream)
+        response.headers.update(submitted.headers)
+        return response
+    outputs = await until_disconnected(raw, collect_final(submitted.stream, submitted.record))
+    usage = usage_of(outputs, n)
+    submitted.record.prompt_tokens = usage.prompt_tokens
+    body = final(outputs, usage)
+    return JSONResponse(body.model_dump(mode="json"), headers=submitted.headers)
+
+
+async def stream_events(
+    submitted: Submitted,
+    n: int | None,
+    chunk: Callable[[int, RequestOutput], str],
+    usage_chunk: Callable[[UsageInfo], str] | None,
+) -> AsyncIterator[str]:
+    """The streaming loop: `chunk(index, output)` for every output that carries a token or
+    a finish, an error event if the engine fails after the 200 went out, then usage (with
+    `n` choices a prompt; None: all choices are of one prompt) and [DONE]."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async with submitted.stream as stream:
+            async for index, output in stream:
+                submitted.record.saw(output)
+                if output.finished:
+                    finals[index] = output
+                if not (output.delta_token_ids or output.finished):
+                    continue
+                # A token whose text is held back (half a UTF-8 character, a possible stop
+                # string) or has none (a special token) still gets its chunk, with empty
+                # text, as vLLM sends it: a client's TBT then sees every token.
+                yield chunk(index, output)
+    except Exception as error:  # the 200 is out: report it in the stream
+        yield sse_error(error)
+        yield SSE_DONE
+        return
+    usage = usage_of([finals[i] for i in sorted(finals)], len(finals) if n is None else n)
+    submitted.record.prompt_tokens = usage.prompt_tokens
+    if usage_chunk is not None:
+        yield usage_chunk(usage)
+    yield SSE_DONE

@@ -1,0 +1,28 @@
+"""What a loader hands back, whatever the checkpoint's format: shared by loader.py
+(HF directories) and gguf_loader.py (GGUF files)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from iterserve.model.config import ModelConfig
+from iterserve.model.quant import QuantizedWeight
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message is meant for the person who named it."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF parameter names; no "lm_head.weight" when tied
+    tokenizer: PreTrainedTokenizerBase
+    chat_template: str | None
+    name: str  # the served model name
+    # Weights the checkpoint stores in a block format our kernels read as is (GGUF Q4_0, Q4_1,
+    # Q8_0), by HF name; `weights` holds every tensor dequantized all the same.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)

@@ -1,0 +1,124 @@
+"""The code's shape, checked: no import cycles among iterserve's modules, and no
+component reaching into the scheduler's state from outside (DESIGN.md, rules of the
+house). Reads the sources with `ast`; imports nothing of iterserve."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "iterserve"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
+    """iterserve modules `path` imports, at any depth of the file (a function-level
+    import is an edge too: it runs whenever that function does)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` mod.
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            if target in known:
+                found.add(target)
+    found.discard(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    graph = {name: imported_modules(path, name, known) for name, path in mods.items()}
+    # A module naming its own package (`from iterserve.bench import x`) is reached from
+    # that package's __init__ as a matter of course: not a cycle of design.
+    return {
+        name: {t for t in targets if not name.startswith(t + ".")}
+        for name, targets in graph.items()
+    }
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert len(graph) > 50, "the sources were not found"
+    assert find_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Only the scheduler's own package and the engine that owns it touch its internals.
+_SCHEDULER_STATE = re.compile(r"scheduler\.kv\b|\.scheduler\.running\b|\.scheduler\.requests\b")
+_OWNERS = ("core/", "engine/llm_engine.py", "engine/engine_core.py")
+
+
+def test_nothing_outside_the_owners_reads_the_schedulers_state() -> None:
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith(_OWNERS):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _SCHEDULER_STATE.search(line):
+                offenders.append(f"{relative}:{number}: {line.strip()}")
+    assert offenders == []
