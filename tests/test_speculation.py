@@ -9,6 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from conftest import VOCAB, _save_tiny
 from fake_executor import FakeExecutor, make_request, make_scheduler, run
 from iterserve.config import ConfigError, SpeculativeConfig
 from iterserve.core.speculation import NgramProposer, SpecDecodeStats
@@ -28,18 +29,18 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:
     proposer = NgramProposer(2, 3)
     tokens = [5, 6, 7, 1, 2, 5, 6, 9, 8, 5, 6]
     # The suffix (5, 6) occurred twice before; the latest was followed by 9, 8.
-    assert proposer.propose("a", tokens, 2) == [9, 8]
+    assert proposer.lookup("a", tokens, 2) == [9, 8]
     # Past the end, the guess goes on as the text repeated: with the period of the match.
-    assert proposer.propose("a", tokens, 6) == [9, 8, 5, 6, 9, 8]
+    assert proposer.lookup("a", tokens, 6) == [9, 8, 5, 6, 9, 8]
 
 
 def test_ngram_prefers_the_longest_suffix_and_never_matches_itself() -> None:
     proposer = NgramProposer(1, 3)
     # (7,) alone last occurred before 4; (3, 7) occurred before 1: the longer match wins.
     tokens = [3, 7, 1, 9, 7, 4, 3, 7]
-    assert proposer.propose("a", tokens, 1) == [1]
-    assert NgramProposer(2, 2).propose("b", [1, 2, 3, 4], 3) == []  # no earlier match
-    assert NgramProposer(1, 1).propose("c", [8], 3) == []  # the suffix is all there is
+    assert proposer.lookup("a", tokens, 1) == [1]
+    assert NgramProposer(2, 2).lookup("b", [1, 2, 3, 4], 3) == []  # no earlier match
+    assert NgramProposer(1, 1).lookup("c", [8], 3) == []  # the suffix is all there is
 
 
 def test_ngram_index_grows_with_the_tokens() -> None:
@@ -47,10 +48,10 @@ def test_ngram_index_grows_with_the_tokens() -> None:
     tokens = [1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2]
     grown = NgramProposer(2, 3)
     for end in range(1, len(tokens) + 1):
-        fresh = NgramProposer(2, 3).propose("x", tokens[:end], 3)
-        assert grown.propose("r", tokens[:end], 3) == fresh
+        fresh = NgramProposer(2, 3).lookup("x", tokens[:end], 3)
+        assert grown.lookup("r", tokens[:end], 3) == fresh
     grown.forget("r")
-    assert grown.propose("r", [1, 2, 5, 1, 2], 3) == [5, 1, 2]
+    assert grown.lookup("r", [1, 2, 5, 1, 2], 3) == [5, 1, 2]
 
 
 def test_stats_count_acceptance_by_position() -> None:
@@ -271,3 +272,82 @@ def test_served_streams_speculate_and_report_it(tiny_llama_dir: Path) -> None:
         )
         assert opted_out.choices[0].text == want
         assert server.metrics()["iterserve:spec_decode_num_draft_tokens_total"] == drafted
+
+
+# ---- a draft model ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A different, smaller network with the same tokenizer: one layer, its own head."""
+    return _save_tiny(
+        "llama",
+        tmp_path_factory.mktemp("tiny-draft"),
+        tokenizer_dir,
+        tie_word_embeddings=False,
+        num_hidden_layers=1,
+    )
+
+
+def draft_llm(target: Path, draft: Path, **settings: object) -> LLM:
+    return LLM(
+        str(target),
+        dtype="float32",
+        compile=False,
+        speculative_method="draft",
+        draft_model=str(draft),
+        **settings,
+    )
+
+
+@pytest.mark.parametrize("draft_is_target", [True, False])
+def test_draft_model_guesses_change_no_token(
+    tiny_llama_dir: Path, tiny_draft_dir: Path, draft_is_target: bool
+) -> None:
+    """The target drafting for itself has every guess accepted; another model far fewer;
+    the text is the target's own either way, greedy and seeded."""
+    draft = tiny_llama_dir if draft_is_target else tiny_draft_dir
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.05, seed=7, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+    ]
+    plain = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
+    spec = draft_llm(tiny_llama_dir, draft, num_speculative_tokens=3)
+    want = plain.generate(REAL_PROMPTS, params, use_tqdm=False)
+    got = spec.generate(REAL_PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = spec.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0
+    if draft_is_target:
+        assert stats.acceptance_rate > 0.9
+    else:
+        assert stats.acceptance_rate < 0.9
+    assert spec.engine.scheduler.kv_cache_stats().num_used_blocks == 0
+    assert spec.engine.draft is not None and spec.engine.draft.pool.num_free_blocks == (
+        spec.engine.draft.pool.num_blocks
+    )
+
+
+def test_a_small_draft_pool_evicts_and_still_serves(
+    tiny_llama_dir: Path, tiny_draft_dir: Path
+) -> None:
+    """Six blocks of 16 tokens cannot hold three requests' draft caches: the least recently
+    used lose theirs and catch up later, or go without guesses; the text does not change."""
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(str(tiny_llama_dir), dtype="float32", compile=False, num_kv_blocks=6)
+    spec = draft_llm(tiny_llama_dir, tiny_llama_dir, num_kv_blocks=6)
+    want = [plain.generate(p, greedy, use_tqdm=False)[0].token_ids for p in REAL_PROMPTS]
+    got = spec.generate(REAL_PROMPTS, greedy, use_tqdm=False)
+    assert [o.token_ids for o in got] == want
+    assert spec.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_draft_model_must_share_the_vocabulary(
+    tiny_llama_dir: Path, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    other = _save_tiny("llama", tmp_path / "other", tokenizer_dir, vocab_size=VOCAB + 64)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        draft_llm(tiny_llama_dir, other)
+    with pytest.raises(ConfigError, match="--draft-model"):
+        SpeculativeConfig(speculative_method="draft")

@@ -23,7 +23,7 @@ StepPolicy = Literal["mixed", "prefill-first"]
 WeightFormat = Literal["auto", "bf16", "int4"]
 Kernels = Literal["auto", "torch"]
 DType = Literal["bfloat16", "float32"]
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "draft"]
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -155,7 +155,12 @@ class SpeculativeConfig:
         None,
         "propose draft tokens each decode step and verify them in the same forward: "
         "ngram (prompt lookup: the tokens that followed the latest earlier occurrence of the "
-        "context's last n-gram)",
+        "context's last n-gram) or draft (a smaller model's greedy guesses: --draft-model)",
+    )
+    draft_model: str | None = _opt(
+        None,
+        "draft: HF directory or GGUF file of a smaller model with the target's tokenizer "
+        "(its KV pool has as many blocks as the target's)",
     )
     num_speculative_tokens: int = _opt(4, "most draft tokens per request per step")
     ngram_min: int = _opt(2, "ngram: shortest suffix n-gram to look up")
@@ -176,6 +181,11 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.speculative_method is not None:
             _check_choices(self)
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ConfigError(
+                "--speculative-method draft needs --draft-model PATH, and --draft-model "
+                "needs --speculative-method draft"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(
                 "--num-speculative-tokens must be between 1 and 16, "

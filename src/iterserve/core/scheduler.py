@@ -35,7 +35,7 @@ from iterserve.core.outputs import (
 )
 from iterserve.core.policies import WaitingQueues, form_batch, outranks, victim_key
 from iterserve.core.request import LANES, Request, RequestStatus
-from iterserve.core.speculation import NgramProposer, SpecDecodeStats
+from iterserve.core.speculation import DraftQuery, NgramProposer, Proposer, SpecDecodeStats
 from iterserve.sampling_params import InvalidRequestError
 
 
@@ -47,14 +47,15 @@ class Scheduler:
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """`proposer`: where speculative drafts come from when `speculative` is on (default:
+        n-gram prompt lookup; the engine passes a draft model's)."""
         self.config = config
         self.speculative = speculative or SpeculativeConfig()
-        self.proposer = (
-            NgramProposer(self.speculative.ngram_min, self.speculative.ngram_max)
-            if self.speculative.enabled
-            else None
-        )
+        if self.speculative.enabled and proposer is None:
+            proposer = NgramProposer(self.speculative.ngram_min, self.speculative.ngram_max)
+        self.proposer = proposer if self.speculative.enabled else None
         self.spec_stats = SpecDecodeStats()
         self.kv = kv
         self.max_model_len = max_model_len
@@ -222,41 +223,48 @@ class Scheduler:
     # ---- phases ----------------------------------------------------------------
 
     def _schedule_decodes(self, step: _StepPlan) -> None:
-        for request in list(self.running):
+        decodes = [
+            r
+            for r in self.running
+            if r not in step.tokens and r.num_tokens - r.num_computed_tokens == 1
+        ]
+        drafts = self._propose(decodes, step.budget - len(decodes))
+        for request in decodes:
             if step.budget < 1:
                 return
-            if request in step.tokens or request.status != RequestStatus.RUNNING:
-                continue
-            if request.num_tokens - request.num_computed_tokens == 1:
-                drafts = self._propose(request, step.budget - 1)
-                # Drafts take only free blocks: no one is preempted for a guess.
-                if drafts and self.kv.allocate(request, 1 + len(drafts)):
-                    step.add(request, 1 + len(drafts))
-                    step.drafts[request] = drafts
-                else:
-                    self._allocate_or_preempt(request, 1, step)
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted for an earlier one's sake
+            guesses = drafts.get(request, [])[: step.budget - 1]
+            # Drafts take only free blocks: no one is preempted for a guess.
+            if guesses and self.kv.allocate(request, 1 + len(guesses)):
+                step.add(request, 1 + len(guesses))
+                step.drafts[request] = guesses
+            else:
+                self._allocate_or_preempt(request, 1, step)
 
-    def _propose(self, request: Request, room: int) -> list[int]:
-        """Draft tokens for a decode, as many as fit the step's budget (`room`), the
-        request's max_tokens and the context; none when speculation is off for it."""
+    def _propose(self, decodes: list[Request], room: int) -> dict[Request, list[int]]:
+        """Drafts for this step's decodes, as many as fit the budget left once every decode
+        has its token (`room`), each request's max_tokens and the context."""
         spec = self.speculative
-        if (
-            self.proposer is None
-            or not request.sampling_params.speculative
-            or (
-                spec.speculative_disable_by_batch_size is not None
-                and len(self.running) >= spec.speculative_disable_by_batch_size
+        limit = spec.speculative_disable_by_batch_size
+        if self.proposer is None or (limit is not None and len(self.running) >= limit):
+            return {}
+        queries: dict[Request, DraftQuery] = {}
+        for request in decodes:
+            # The step yields up to k + 1 tokens: all must fit max_tokens and the context.
+            k = min(
+                spec.num_speculative_tokens,
+                room,
+                request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
             )
-        ):
-            return []
-        # The step yields up to k + 1 tokens: all must fit max_tokens and the context.
-        k = min(
-            spec.num_speculative_tokens,
-            room,
-            request.sampling_params.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
-        return self.proposer.propose(request.request_id, request.all_token_ids, k)
+            if k >= 1 and request.sampling_params.speculative:
+                queries[request] = DraftQuery(request.request_id, request.all_token_ids, k)
+                room -= k
+        if not queries:
+            return {}
+        proposals = self.proposer.propose(list(queries.values()))
+        return dict(zip(queries, proposals, strict=True))
 
     def _schedule_prefills(self, step: _StepPlan, now: float) -> None:
         # While the batch lane has work, interactive prefills leave it a share of the budget.

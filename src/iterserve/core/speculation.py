@@ -7,14 +7,35 @@ sample (executor/torch_runner.py). Each kept guess is a token for the price of a
 row in a step that streams the weights anyway, and the text is exactly what one token
 per step would have given: a guess is kept only where it equals the target's own draw.
 
-The proposer here is prompt lookup (n-gram matching, vLLM's `ngram`): code, documents
-being edited and chats that quote their context repeat themselves, and a repeated
-n-gram's continuation is a good guess that costs no model.
+Proposers: prompt lookup here (n-gram matching, vLLM's `ngram`: code, documents being
+edited and chats that quote their context repeat themselves, and a repeated n-gram's
+continuation is a good guess that costs no model), and a smaller draft model
+(executor/draft_model.py), which the engine injects.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class DraftQuery:
+    """Guess up to `k` tokens to follow `token_ids` (the request's prompt and output so
+    far, which only ever grow for one request id; read, never changed)."""
+
+    request_id: str
+    token_ids: list[int]
+    k: int
+
+
+class Proposer(Protocol):
+    """Where drafts come from. Called once per step with every request that may speculate,
+    so a proposer that runs a model batches them; `forget` when a request is gone."""
+
+    def propose(self, queries: list[DraftQuery]) -> list[list[int]]: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 class NgramProposer:
@@ -34,7 +55,10 @@ class NgramProposer:
         self.n_max = n_max
         self._indexes: dict[str, _NgramIndex] = {}
 
-    def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+    def propose(self, queries: list[DraftQuery]) -> list[list[int]]:
+        return [self.lookup(q.request_id, q.token_ids, q.k) for q in queries]
+
+    def lookup(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens guessed to follow `tokens` (which only ever grow per request)."""
         if k < 1 or len(tokens) <= self.n_min:
             return []

@@ -16,6 +16,7 @@ from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.outputs import RequestUpdate, SchedulerOutput
 from iterserve.core.scheduler import Scheduler
+from iterserve.core.speculation import Proposer
 from iterserve.executor.base import Executor
 
 
@@ -83,8 +84,10 @@ class EngineCore:
         num_blocks: int,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        proposer: Proposer | None = None,
     ) -> EngineCore:
-        """A scheduler over a block pool of `num_blocks`, driving `executor`."""
+        """A scheduler over a block pool of `num_blocks`, driving `executor`; `proposer`
+        makes speculative drafts if config.speculative asks for them (default: n-gram)."""
         cache = config.cache
         kv = KVCacheManager(
             num_blocks,
@@ -93,7 +96,7 @@ class EngineCore:
             cache.prefix_caching_hash_algo,
         )
         scheduler = Scheduler(
-            config.scheduler, kv, max_model_len, clock, speculative=config.speculative
+            config.scheduler, kv, max_model_len, clock, config.speculative, proposer
         )
         return cls(scheduler, executor)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from iterserve.config import EngineConfig
+from iterserve.config import ConfigError, EngineConfig
 from iterserve.core.outputs import RequestUpdate, TokenLogprobs
 from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
@@ -22,9 +22,12 @@ from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatch
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats, num_kv_blocks
 from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat
+from iterserve.executor.draft_model import DraftModelProposer
+from iterserve.executor.paged_model import PagedModel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
-from iterserve.model.builder import build_model
+from iterserve.model.builder import ModelPlan, build_model
+from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
@@ -76,20 +79,16 @@ class LLMEngine:
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        kv_caches = allocate_kv_caches(
-            loaded.config, num_blocks, cache.block_size, dtype, self.device
-        )
         self.executor = TorchRunner(
-            model,
-            kv_caches,
-            cache.block_size,
-            self.device,
-            config.seed,
-            self.model_plan.paged_attention_kernel,
-            self.model_plan.batch_invariant,
+            self._paged(model, self.model_plan, loaded, num_blocks, dtype), config.seed
         )
+        self.draft: DraftModelProposer | None = None
+        if config.speculative.speculative_method == "draft":
+            self.draft = self._draft_proposer(loaded, num_blocks, dtype)
         # The loop `iterserve simulate` runs too, here with the model as its executor.
-        self.core = EngineCore.build(config, self.executor, num_blocks, self.max_model_len)
+        self.core = EngineCore.build(
+            config, self.executor, num_blocks, self.max_model_len, proposer=self.draft
+        )
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up()
@@ -100,6 +99,44 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+
+    def _paged(
+        self,
+        model: LlamaForCausalLM,
+        plan: ModelPlan,
+        loaded: LoadedModel,
+        num_blocks: int,
+        dtype: torch.dtype,
+    ) -> PagedModel:
+        block_size = self.config.cache.block_size
+        return PagedModel(
+            model,
+            allocate_kv_caches(loaded.config, num_blocks, block_size, dtype, self.device),
+            block_size,
+            self.device,
+            plan.paged_attention_kernel,
+            plan.batch_invariant,
+        )
+
+    def _draft_proposer(
+        self, target: LoadedModel, num_blocks: int, dtype: torch.dtype
+    ) -> DraftModelProposer:
+        path = self.config.speculative.draft_model
+        draft = load_model(path, dtype)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(
+                f"--draft-model {path} has a vocabulary of {draft.config.vocab_size} tokens but "
+                f"the model's has {target.config.vocab_size}: a draft must share the model's "
+                "tokenizer"
+            )
+        if draft.config.max_position_embeddings < self.max_model_len:
+            raise ConfigError(
+                f"--draft-model {path} handles {draft.config.max_position_embeddings} positions, "
+                f"fewer than the {self.max_model_len} requests may reach; lower --max-model-len"
+            )
+        model, plan = build_model(self.config, draft, dtype, self.device)
+        logger.info("draft model %s: %s kernels, step %s", draft.name, plan.backend, plan.step)
+        return DraftModelProposer(self._paged(model, plan, draft, num_blocks, dtype), num_blocks)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -113,6 +150,8 @@ class LLMEngine:
         """Compile (or load compiled graphs) and run every kernel once, so that a user's first
         step is not the slow one; returns and records the seconds it took."""
         self.warm_up_seconds = self.executor.warm_up()
+        if self.draft is not None:
+            self.warm_up_seconds += self.draft.warm_up()
         logger.info("engine warm: %.1f s", self.warm_up_seconds)
         return self.warm_up_seconds
 

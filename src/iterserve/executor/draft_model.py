@@ -1,0 +1,116 @@
+"""Draft tokens from a smaller model with the target's tokenizer (`--speculative-method
+draft --draft-model PATH`).
+
+The draft keeps its own paged KV cache, with its own block pool (core/kv_cache.py's,
+prefix caching off) and a block table per request. Each step, for all the requests that
+may speculate at once:
+
+  1. catch up: the tokens the draft has not seen (the prompt the first time; then the
+     tokens the target kept last step) run as one ragged batch; a request whose guesses
+     were rejected first forgets the cache past the tokens it still shares;
+  2. guess: k - 1 one-token steps over the batch, each feeding back the previous guess.
+
+Guesses are the draft's greedy picks. The target keeps a guess only where it equals its
+own draw (executor/torch_runner.py), which is exact for any fixed guess, so the text is
+the target's whatever the draft says; a better draft only makes more guesses land. (The
+Leviathan et al. rule with the draft's probabilities would accept more of them at high
+temperature; it is not implemented.)
+
+When the draft's pool is full, the least recently speculating requests lose their draft
+cache (they catch up again if they speculate later); a request that still does not fit
+gets no guesses that step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from iterserve.core.kv_cache import KVCacheManager
+from iterserve.core.request import Request
+from iterserve.core.speculation import DraftQuery
+from iterserve.executor.paged_model import ForwardSeq, PagedModel
+from iterserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _DraftSeq:
+    """One request in the draft's cache: `tokens` are those whose K/V it holds."""
+
+    blocks: Request  # the pool's bookkeeping: request_id, block_ids, num_computed_tokens
+    tokens: list[int] = field(default_factory=list)
+
+    def shared_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` the cache already holds (at most all but the last, which
+        must run to give the first guess)."""
+        n = min(len(self.tokens), len(token_ids) - 1)
+        if self.tokens[:n] == token_ids[:n]:
+            return n
+        return next(i for i in range(n) if self.tokens[i] != token_ids[i])
+
+
+class DraftModelProposer:
+    def __init__(self, network: PagedModel, num_blocks: int) -> None:
+        self.network = network
+        self.pool = KVCacheManager(num_blocks, network.block_size, enable_prefix_caching=False)
+        self._seqs: OrderedDict[str, _DraftSeq] = OrderedDict()  # least recently used first
+
+    def warm_up(self) -> float:
+        return self.network.warm_up()
+
+    @torch.inference_mode()
+    def propose(self, queries: list[DraftQuery]) -> list[list[int]]:
+        asked = {q.request_id for q in queries}
+        live: list[tuple[int, DraftQuery, _DraftSeq, int]] = []
+        for i, query in enumerate(queries):
+            seq = self._seqs.pop(query.request_id, None) or _DraftSeq(
+                Request(query.request_id, [], SamplingParams(), 0.0)
+            )
+            self._seqs[query.request_id] = seq
+            start = seq.shared_prefix(query.token_ids)
+            del seq.tokens[start:]
+            seq.blocks.num_computed_tokens = start
+            # The unseen tokens, then k - 1 guesses fed back (the last guess is not).
+            if self._allocate(seq, len(query.token_ids) - start + query.k - 1, asked):
+                live.append((i, query, seq, start))
+        drafts: list[list[int]] = [[] for _ in queries]
+        if not live:
+            return drafts
+        batch = [
+            ForwardSeq(tuple(seq.blocks.block_ids), start, query.token_ids[start:], 1)
+            for _, query, seq, start in live
+        ]
+        guesses = self.network.forward(batch).argmax(-1).tolist()
+        for (i, query, seq, _), guess in zip(live, guesses, strict=True):
+            seq.tokens = list(query.token_ids)
+            drafts[i].append(guess)
+        for step in range(1, max(query.k for _, query, _, _ in live)):
+            going = [(i, seq) for i, query, seq, _ in live if query.k > step]
+            batch = [
+                ForwardSeq(tuple(seq.blocks.block_ids), len(seq.tokens), [drafts[i][-1]], 1)
+                for i, seq in going
+            ]
+            guesses = self.network.forward(batch).argmax(-1).tolist()
+            for (i, seq), guess in zip(going, guesses, strict=True):
+                seq.tokens.append(drafts[i][-1])
+                drafts[i].append(guess)
+        for _, _, seq, _ in live:
+            seq.blocks.num_computed_tokens = len(seq.tokens)
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.pool.free(seq.blocks)
+
+    def _allocate(self, seq: _DraftSeq, num_tokens: int, keep: set[str]) -> bool:
+        """Blocks for `num_tokens` more tokens of `seq`, evicting the least recently used
+        sequences outside `keep` while the pool is short; False if it still is."""
+        while not self.pool.allocate(seq.blocks, num_tokens):
+            victim = next((rid for rid in self._seqs if rid not in keep), None)
+            if victim is None:
+                return False
+            self.forget(victim)
+        return True

@@ -1,0 +1,98 @@
+"""A network with its paged KV cache: one forward over a flat ragged batch of sequences.
+
+Each sequence contributes its new tokens (at positions `start`...) to one flat batch,
+attention metadata is built once for the batch, and logits are computed only at the
+last `num_logits` positions of each sequence. The target model's executor and the
+draft model's proposer both run their networks through this.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
+from iterserve.model.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class ForwardSeq:
+    block_ids: Sequence[int]  # the sequence's block table
+    start: int  # tokens already in the cache; the new ones go at positions start...
+    token_ids: Sequence[int]
+    num_logits: int  # logits at this many of the last positions (0: none)
+
+
+class PagedModel:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+        paged_attention_kernel: bool = False,
+        batch_invariant: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_caches = list(kv_caches)
+        self.block_size = block_size
+        self.device = device
+        self.paged_attention_kernel = paged_attention_kernel
+        self.batch_invariant = batch_invariant
+        # The network's own share of the last forward() (batch and metadata building aside).
+        self.last_forward_seconds = 0.0
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor:
+        """Write every sequence's new tokens' K/V into the cache; logits [rows, vocab] for
+        the asked positions, sequence by sequence."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        logits_indices: list[int] = []
+        for seq in seqs:
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start, seq.start + len(seq.token_ids)))
+            spans.append(SeqSpan(seq.block_ids, seq.start, len(seq.token_ids)))
+            logits_indices.extend(range(len(input_ids) - seq.num_logits, len(input_ids)))
+        meta = build_attention_metadata(
+            spans,
+            self.block_size,
+            self.device,
+            self.paged_attention_kernel,
+            self.model.config.sliding_window,
+            self.batch_invariant,
+        )
+        inputs = (
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+        )
+        indices = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        start = time.perf_counter()
+        logits = self.model(*inputs, meta, self.kv_caches, indices)
+        self.last_forward_seconds = time.perf_counter() - start
+        return logits
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Run dummy steps of the shapes serving meets (a lone decode, a prompt, decodes beside
+        a chunk over a cached prefix), so compiling, loading compiled graphs and the kernels'
+        first-call set-up happen before the first request. Returns the seconds it took.
+
+        The steps write K/V into blocks 0 and 1, which are free at start-up: any request that
+        gets them later overwrites every slot before reading it.
+        """
+        start = time.perf_counter()
+        last = min(2, self.kv_caches[0][0].shape[1]) - 1
+        steps = [
+            [ForwardSeq((0,), 0, [0], 1)],
+            [ForwardSeq((0,), 0, [0] * 3, 3)],
+            [ForwardSeq((0,), 2, [0], 1), ForwardSeq((last,), 1, [0] * 2, 2)],
+        ]
+        for seqs in steps:
+            self.forward(seqs)
+        self.model.freeze_compiled()
+        return time.perf_counter() - start
