@@ -1,4 +1,4 @@
-"""When speculative decoding (n-gram prompt lookup) pays, on the bundled model, in one run.
+"""When speculative decoding pays, on the bundled model, in one run.
 
 Two workloads, greedy, ignore_eos, `--output-len` tokens each:
 
@@ -7,7 +7,9 @@ Two workloads, greedy, ignore_eos, `--output-len` tokens each:
   free   open-ended story and question prompts (completions): less repeats
 
 For each workload and batch size, the same requests run on an engine without speculation
-and on one with `--speculative-method ngram --num-speculative-tokens K`, alternately,
+and on one with `--speculative-method METHOD --num-speculative-tokens K` (ngram, or draft
+with `--draft-model`, e.g. self-int4: the bundled GGUF's own 4-bit weights guessing for
+its bf16 weights, run with `--weights bf16`), alternately,
 and the script prints output tok/s (generated tokens / wall time of the batch), the ratio,
 the acceptance rate (accepted / proposed draft tokens) and the mean accepted length
 (tokens a speculating request gains per step), and whether the two engines produced the
@@ -17,6 +19,7 @@ near-tie can flip and the texts part there, as they would for any other change o
 Asserts nothing about time: the machine is shared; compare within one run.
 
     .venv/bin/python benchmarks/spec_decode.py [--batch-sizes 1,4,16,64] [--k 4]
+        [--method ngram | --method draft --draft-model self-int4 --weights bf16]
         [--batch-invariant] [--json out.json]
 """
 
@@ -85,6 +88,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-invariant", action="store_true")
+    parser.add_argument("--method", default="ngram", choices=("ngram", "draft"))
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--weights", default="auto", help="both engines' --weights")
     parser.add_argument("--json", default="bench_results/spec_decode.json")
     args = parser.parse_args()
 
@@ -93,9 +99,15 @@ def main() -> None:
         "max_num_seqs": max(batch_sizes),
         "enable_prefix_caching": False,
         "batch_invariant": args.batch_invariant,
+        "weights": args.weights,
     }
     plain = LLM(**settings)
-    spec = LLM(speculative_method="ngram", num_speculative_tokens=args.k, **settings)
+    spec = LLM(
+        speculative_method=args.method,
+        draft_model=args.draft_model,
+        num_speculative_tokens=args.k,
+        **settings,
+    )
     copy_prompts = [
         plain.apply_chat_template([{"role": "user", "content": f"{ask}\n```python\n{CODE}```"}])
         for ask in COPY_MESSAGES
@@ -109,7 +121,7 @@ def main() -> None:
         llm.generate(FREE_PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
 
     print(
-        f"{'workload':8s} {'batch':>5s} {'plain tok/s':>12s} {'ngram tok/s':>12s} "
+        f"{'workload':8s} {'batch':>5s} {'plain tok/s':>12s} {args.method + ' tok/s':>12s} "
         f"{'ratio':>6s} {'accept':>7s} {'mean len':>9s} {'same':>5s}"
     )
     rows: list[Row] = []
@@ -146,7 +158,9 @@ def main() -> None:
             )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"k": args.k, "rows": [asdict(r) for r in rows]}, indent=2))
+    setup = {"k": args.k, "method": args.method, "draft_model": args.draft_model}
+    setup |= {"weights": args.weights, "batch_invariant": args.batch_invariant}
+    out.write_text(json.dumps(setup | {"rows": [asdict(r) for r in rows]}, indent=2))
     print(f"wrote {out}")
 
 

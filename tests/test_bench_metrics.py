@@ -145,6 +145,19 @@ def test_per_lane_blocks_and_prefix_hit_rate() -> None:
     assert m.prefix_cache_hit_rate == pytest.approx(20 / 40)
 
 
+def test_draft_acceptance_pools_the_requests_that_report_it() -> None:
+    a, b, plain = record(0.0, [0.1, 0.2]), record(0.0, [0.1, 0.2]), record(0.0, [0.1, 0.2])
+    a.num_draft_tokens, a.num_accepted_tokens = 10, 9
+    b.num_draft_tokens, b.num_accepted_tokens = 30, 3
+    m = compute_metrics([a, b, plain])
+    assert m.spec_acceptance_rate == pytest.approx(12 / 40)
+    workload = {"name": "synthetic", "num_requests": 3, "mean_prompt_len": 10.0}
+    report = BenchReport("x", "offline", "m", workload | {"mean_output_len": 2.0}, "all", m)
+    assert "Draft acceptance rate:" in format_report(report)
+    assert report.to_dict()["spec_acceptance_rate"] == pytest.approx(0.3)
+    assert compute_metrics([plain]).spec_acceptance_rate is None
+
+
 def test_report_prints_the_blocks_apart() -> None:
     m = compute_metrics([record(0.0, [0.1, 0.2])], slos=parse_slos("ttft=1s"))
     workload = {"name": "synthetic", "num_requests": 1, "mean_prompt_len": 10.0}

@@ -253,14 +253,22 @@ def test_served_streams_speculate_and_report_it(tiny_llama_dir: Path) -> None:
             max_tokens=32,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        assert "".join(chunk.choices[0].text for chunk in stream) == want
+        chunks = list(stream)
+        assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == want
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens_details is not None
+        details = usage.completion_tokens_details
         after = server.metrics()
         drafted = after["iterserve:spec_decode_num_draft_tokens_total"]
         accepted = after["iterserve:spec_decode_num_accepted_tokens_total"]
         assert drafted > before.get("iterserve:spec_decode_num_draft_tokens_total", 0.0)
         assert 0 < accepted <= drafted
+        # usage reports them per request as OpenAI's accepted/rejected prediction tokens
+        assert details.accepted_prediction_tokens == accepted
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == drafted
         assert after['iterserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
 
         opted_out = client.completions.create(
@@ -351,3 +359,5 @@ def test_a_draft_model_must_share_the_vocabulary(
         draft_llm(tiny_llama_dir, other)
     with pytest.raises(ConfigError, match="--draft-model"):
         SpeculativeConfig(speculative_method="draft")
+    with pytest.raises(ConfigError, match="4-bit GGUF"):
+        draft_llm(tiny_llama_dir, Path("self-int4"))

@@ -24,6 +24,7 @@ WeightFormat = Literal["auto", "bf16", "int4"]
 Kernels = Literal["auto", "torch"]
 DType = Literal["bfloat16", "float32"]
 SpeculativeMethod = Literal["ngram", "draft"]
+SELF_INT4_DRAFT = "self-int4"  # --draft-model value: the model's own 4-bit weights
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -160,7 +161,8 @@ class SpeculativeConfig:
     draft_model: str | None = _opt(
         None,
         "draft: HF directory or GGUF file of a smaller model with the target's tokenizer "
-        "(its KV pool has as many blocks as the target's)",
+        "(its KV pool has as many blocks as the target's), or self-int4: the model's own "
+        "4-bit GGUF weights guessing for it (useful with --weights bf16)",
     )
     num_speculative_tokens: int = _opt(4, "most draft tokens per request per step")
     ngram_min: int = _opt(2, "ngram: shortest suffix n-gram to look up")

@@ -198,6 +198,13 @@ async def _read_stream(resp: httpx.Response, record: RequestRecord, origin: floa
             details = usage.get("prompt_tokens_details") or {}
             if details.get("cached_tokens") is not None:
                 record.num_cached_tokens = int(details["cached_tokens"])
+            predicted = usage.get("completion_tokens_details") or {}
+            if predicted.get("accepted_prediction_tokens") is not None:
+                accepted = int(predicted["accepted_prediction_tokens"])
+                record.num_accepted_tokens = accepted
+                record.num_draft_tokens = accepted + int(
+                    predicted.get("rejected_prediction_tokens") or 0
+                )
     record.finish_time = time.perf_counter() - origin
     if not got_usage:
         record.output_len = len(record.token_times)

@@ -113,6 +113,8 @@ class BenchMetrics:
     # Per-lane latency when a workload mixes lanes (interactive chats vs batch documents).
     lanes: dict[str, LatencyBlock] = field(default_factory=dict)
     prefix_cache_hit_rate: float | None = None  # cached / total prompt tokens, when reported
+    # Speculative decoding: accepted / proposed draft tokens, when any were proposed.
+    spec_acceptance_rate: float | None = None
     # Why requests failed: each distinct error with its count, most frequent first.
     failure_reasons: dict[str, int] = field(default_factory=dict)
 
@@ -255,6 +257,8 @@ def compute_metrics(
         if cached
         else None
     )
+    drafted = sum(r.num_draft_tokens or 0 for r in ok)
+    accepted = sum(r.num_accepted_tokens or 0 for r in ok)
     reasons = Counter(r.error or "no error recorded" for r in records if not r.success)
     return BenchMetrics(
         throughput,
@@ -262,5 +266,6 @@ def compute_metrics(
         goodput,
         per_lane,
         hit_rate,
-        dict(reasons.most_common()),
+        spec_acceptance_rate=accepted / drafted if drafted else None,
+        failure_reasons=dict(reasons.most_common()),
     )

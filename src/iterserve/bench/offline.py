@@ -135,6 +135,8 @@ def _fill(record: RequestRecord, output: Any, origin: float) -> None:
     record.finish_time = rel(timings.finished)
     record.output_len = len(output.token_ids)
     record.num_cached_tokens = output.num_cached_tokens
+    record.num_draft_tokens = output.num_draft_tokens
+    record.num_accepted_tokens = output.num_accepted_tokens
     record.success = output.finish_reason in ("stop", "length") and bool(output.token_ids)
     if not record.success:
         record.error = f"finished with {output.finish_reason!r}"

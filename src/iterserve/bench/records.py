@@ -29,6 +29,9 @@ class RequestRecord:
     finish_time: float | None = None
     output_len: int = 0  # tokens actually generated (usage.completion_tokens on a server)
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    # Speculative decoding: draft tokens proposed and accepted (None: not reported).
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
     success: bool = False
     error: str = ""
     # Sent a second time, on a fresh connection, after the first got no response at all.

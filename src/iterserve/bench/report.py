@@ -67,6 +67,7 @@ class BenchReport:
             "latency": latency_dict(m.latency),
             "goodput": asdict(m.goodput) if m.goodput else None,
             "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
+            "spec_acceptance_rate": m.spec_acceptance_rate,
             "lanes": {lane: latency_dict(block) for lane, block in m.lanes.items()},
             "failure_reasons": m.failure_reasons,
             # Every failed request's error, kept whether or not records are saved.
@@ -140,6 +141,8 @@ def format_throughput(block: ThroughputBlock, metrics: BenchMetrics | None = Non
     ]
     if metrics is not None and metrics.prefix_cache_hit_rate is not None:
         lines.append(_row("Prefix cache hit rate:", f"{metrics.prefix_cache_hit_rate:.1%}"))
+    if metrics is not None and metrics.spec_acceptance_rate is not None:
+        lines.append(_row("Draft acceptance rate:", f"{metrics.spec_acceptance_rate:.1%}"))
     return lines
 
 

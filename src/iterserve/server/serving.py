@@ -135,6 +135,8 @@ def usage_of(outputs: list[RequestOutput], n: int) -> UsageInfo:
         sum(len(out.prompt_token_ids) for out in firsts),
         sum(len(out.token_ids) for out in outputs),
         sum(out.num_cached_tokens for out in firsts),
+        sum(out.num_draft_tokens for out in outputs),
+        sum(out.num_accepted_tokens for out in outputs),
     )
 
 
