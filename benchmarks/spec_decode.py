@@ -2,23 +2,25 @@
 
 Two workloads, greedy, ignore_eos, `--output-len` tokens each:
 
-  copy   chat requests to edit a block of code: the answer repeats most of the context,
-         which is what prompt lookup guesses (editing, refactoring, quoting)
+  copy   `iterserve bench`'s copy-edit workload: chat requests to edit code or prose, whose
+         answers repeat most of their prompts (what prompt lookup guesses)
   free   open-ended story and question prompts (completions): less repeats
 
 For each workload and batch size, the same requests run on an engine without speculation
 and on one with `--speculative-method METHOD --num-speculative-tokens K` (ngram, or draft
 with `--draft-model`, e.g. self-int4: the bundled GGUF's own 4-bit weights guessing for
-its bf16 weights, run with `--weights bf16`), alternately,
-and the script prints output tok/s (generated tokens / wall time of the batch), the ratio,
-the acceptance rate (accepted / proposed draft tokens) and the mean accepted length
-(tokens a speculating request gains per step), and whether the two engines produced the
-same tokens. With --batch-invariant they must (speculation never changes the text); without
-it, bf16 logits depend on a step's shape (a verify step has 1 + k rows a request), so a
-near-tie can flip and the texts part there, as they would for any other change of batch.
+its bf16 weights, run with `--weights bf16`) and `--speculative-disable-by-batch-size`,
+one after the other. Printed per row: output tok/s (generated tokens / the batch's wall
+time) for both and their ratio, mean TPOT (ms per output token after the first) for both,
+the acceptance rate (accepted / proposed draft tokens), the mean accepted length (tokens a
+speculating request gains per step), and whether the two produced the same tokens. With
+--batch-invariant they must (speculation never changes the text); without it, bf16 logits
+depend on a step's shape (a verify step has 1 + k rows a request), so a near-tie can flip
+and the texts part there, as they would for any other change of batch.
 Asserts nothing about time: the machine is shared; compare within one run.
 
-    .venv/bin/python benchmarks/spec_decode.py [--batch-sizes 1,4,16,64] [--k 4]
+    .venv/bin/python benchmarks/spec_decode.py [--batch-sizes 1,8,32] [--k 4]
+        [--disable-by-batch-size 16]
         [--method ngram | --method draft --draft-model self-int4 --weights bf16]
         [--batch-invariant] [--json out.json]
 """
@@ -27,34 +29,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from iterserve.bench.tokenizer import load_tokenizer
+from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.engine.llm import LLM
+from iterserve.engine.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 
-CODE = '''def merge_intervals(intervals):
-    """Merge overlapping [start, end] intervals and return them sorted."""
-    if not intervals:
-        return []
-    intervals = sorted(intervals, key=lambda pair: pair[0])
-    merged = [list(intervals[0])]
-    for start, end in intervals[1:]:
-        last = merged[-1]
-        if start <= last[1]:
-            last[1] = max(last[1], end)
-        else:
-            merged.append([start, end])
-    return merged
-'''
-
-# Chat requests to edit code: the answer repeats most of the prompt.
-COPY_MESSAGES = [
-    "Add a docstring line to this function and return the whole function:",
-    "Rename the variable `merged` to `result` in this code:",
-    "Add type hints to this function and show all of it:",
-]
 FREE_PROMPTS = [
     "Once upon a time, in a village by the sea, there lived",
     "The three most important things to know about the French Revolution are",
@@ -69,23 +54,39 @@ class Row:
     batch: int
     plain_tok_s: float
     spec_tok_s: float
+    plain_tpot_ms: float
+    spec_tpot_ms: float
     acceptance_rate: float
     mean_accepted_length: float
     same_tokens: bool
 
 
-def timed_generate(
+def run(
     llm: LLM, prompts: list[str] | list[list[int]], params: SamplingParams
-) -> tuple[float, list[list[int]]]:
+) -> tuple[float, float, list[list[int]]]:
+    """Output tok/s, mean TPOT in ms, and the tokens."""
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, [o.token_ids for o in outputs]
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    return (
+        generated / elapsed,
+        1e3 * statistics.mean(map(tpot, outputs)),
+        [o.token_ids for o in outputs],
+    )
+
+
+def tpot(output: RequestOutput) -> float:
+    assert output.timings is not None
+    times = output.timings.token_times
+    return (times[-1] - times[0]) / (len(times) - 1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", default="1,4,16,64")
+    parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--disable-by-batch-size", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--method", default="ngram", choices=("ngram", "draft"))
@@ -106,14 +107,15 @@ def main() -> None:
         speculative_method=args.method,
         draft_model=args.draft_model,
         num_speculative_tokens=args.k,
+        speculative_disable_by_batch_size=args.disable_by_batch_size,
         **settings,
     )
-    copy_prompts = [
-        plain.apply_chat_template([{"role": "user", "content": f"{ask}\n```python\n{CODE}```"}])
-        for ask in COPY_MESSAGES
-    ]
+    copy = build_workload(
+        WorkloadSpec("copy-edit", num_requests=max(batch_sizes), output_len=args.output_len),
+        load_tokenizer(None),
+    )
     workloads: dict[str, list[str] | list[list[int]]] = {
-        "copy": copy_prompts,
+        "copy": [r.prompt_token_ids for r in copy.requests],
         "free": FREE_PROMPTS,
     }
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -122,29 +124,27 @@ def main() -> None:
 
     print(
         f"{'workload':8s} {'batch':>5s} {'plain tok/s':>12s} {args.method + ' tok/s':>12s} "
-        f"{'ratio':>6s} {'accept':>7s} {'mean len':>9s} {'same':>5s}"
+        f"{'ratio':>6s} {'plain TPOT':>11s} {'spec TPOT':>10s} {'accept':>7s} {'mean len':>9s} "
+        f"{'same':>5s}"
     )
     rows: list[Row] = []
     for name, pool in workloads.items():
         for batch in batch_sizes:
             prompts = [pool[i % len(pool)] for i in range(batch)]
             stats = spec.engine.scheduler.spec_stats
-            drafted, accepted, drafts = (
-                stats.num_draft_tokens,
-                stats.num_accepted_tokens,
-                stats.num_drafts,
-            )
-            plain_s, plain_tokens = timed_generate(plain, prompts, params)
-            spec_s, spec_tokens = timed_generate(spec, prompts, params)
-            proposed = stats.num_draft_tokens - drafted
-            kept = stats.num_accepted_tokens - accepted
-            steps = stats.num_drafts - drafts
-            generated = batch * args.output_len
+            before = stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts
+            plain_tok_s, plain_tpot, plain_tokens = run(plain, prompts, params)
+            spec_tok_s, spec_tpot, spec_tokens = run(spec, prompts, params)
+            proposed = stats.num_draft_tokens - before[0]
+            kept = stats.num_accepted_tokens - before[1]
+            steps = stats.num_drafts - before[2]
             row = Row(
                 name,
                 batch,
-                generated / plain_s,
-                generated / spec_s,
+                plain_tok_s,
+                spec_tok_s,
+                plain_tpot,
+                spec_tpot,
                 kept / proposed if proposed else 0.0,
                 1 + kept / steps if steps else 1.0,
                 plain_tokens == spec_tokens,
@@ -152,14 +152,16 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{name:8s} {batch:5d} {row.plain_tok_s:12.1f} {row.spec_tok_s:12.1f} "
-                f"{row.spec_tok_s / row.plain_tok_s:6.2f} {row.acceptance_rate:7.2f} "
-                f"{row.mean_accepted_length:9.2f} {str(row.same_tokens):>5s}",
+                f"{row.spec_tok_s / row.plain_tok_s:6.2f} {plain_tpot:9.1f}ms {spec_tpot:8.1f}ms "
+                f"{row.acceptance_rate:7.2f} {row.mean_accepted_length:9.2f} "
+                f"{str(row.same_tokens):>5s}",
                 flush=True,
             )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     setup = {"k": args.k, "method": args.method, "draft_model": args.draft_model}
     setup |= {"weights": args.weights, "batch_invariant": args.batch_invariant}
+    setup |= {"disable_by_batch_size": args.disable_by_batch_size}
     out.write_text(json.dumps(setup | {"rows": [asdict(r) for r in rows]}, indent=2))
     print(f"wrote {out}")
 

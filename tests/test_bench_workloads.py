@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from iterserve.bench.copy_texts import PASSAGES
 from iterserve.bench.tokenizer import load_tokenizer, ordinary_token_ids
 from iterserve.bench.workloads import WorkloadSpec, build_workload, sample_lengths
 
@@ -94,3 +95,19 @@ def test_azure_conv_workload_carries_trace_times(tokenizer: Any, tmp_path: Path)
         (0.0, 300, 20),
         (1.0, 40, 64),
     ]
+
+
+def test_copy_edit_is_chat_text_whose_answer_is_in_the_prompt(tokenizer: Any) -> None:
+    spec = WorkloadSpec(name="copy-edit", num_requests=6, output_len=40, prompt_format="text")
+    workload = build_workload(spec, tokenizer)
+    again = build_workload(spec, tokenizer)
+    assert [r.prompt_token_ids for r in workload.requests] == [
+        r.prompt_token_ids for r in again.requests
+    ]
+    for request in workload.requests:
+        assert request.output_len == 40
+        assert request.prompt_text is not None and "<|im_start|>assistant" in request.prompt_text
+        assert any(passage in request.prompt_text for passage in PASSAGES)
+        assert tokenizer.encode(request.prompt_text, add_special_tokens=False) == (
+            request.prompt_token_ids
+        )

@@ -11,6 +11,8 @@ Workloads:
   azure-conv       lengths and arrival times from a trace (see trace.py)
   shared-prefix    a common system prompt of `prefix_len` tokens before every prompt
   mixed-chat-docs  short interactive chats plus long documents in the batch lane
+  copy-edit        chat requests to edit code or prose: answers repeat their prompts
+                   (real text, through the model's chat template; for speculation)
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from iterserve.bench.copy_texts import INSTRUCTIONS, PASSAGES
 from iterserve.bench.tokenizer import ordinary_token_ids
 from iterserve.bench.trace import load_trace
 
-WORKLOADS = ("synthetic", "azure-conv", "shared-prefix", "mixed-chat-docs")
+WORKLOADS = ("synthetic", "azure-conv", "shared-prefix", "mixed-chat-docs", "copy-edit")
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 
 
@@ -170,6 +173,7 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> Workload:
         "azure-conv": _azure_conv,
         "shared-prefix": _shared_prefix,
         "mixed-chat-docs": _mixed_chat_docs,
+        "copy-edit": _copy_edit,
     }[spec.name]
     requests = builder(spec, rng, prompts)
     warmup = prompts.request(prompts.ids(16), 4)  # drawn last: the requests stay as they were
@@ -235,3 +239,23 @@ def _mixed_chat_docs(
         else p.request(p.ids(next(chat_in)), next(chat_out), lane="interactive")
         for doc in is_doc
     ]
+
+
+def _copy_edit(spec: WorkloadSpec, rng: np.random.Generator, p: _Prompts) -> list[WorkloadRequest]:
+    """An edit request (seeded pick of instruction and passage) in the model's chat
+    template; `output_len` tokens of answer each (lengths as for synthetic)."""
+    outs = _lengths(spec, rng, spec.num_requests, spec.output_len, spec.max_output_len)
+    requests = []
+    for out in outs:
+        ask = INSTRUCTIONS[rng.integers(len(INSTRUCTIONS))]
+        passage = PASSAGES[rng.integers(len(PASSAGES))]
+        content = f"{ask}\n\n```\n{passage}```"
+        if getattr(p.tokenizer, "chat_template", None):
+            text = p.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = f"{content}\n\nAnswer:\n"
+        ids = p.tokenizer.encode(text, add_special_tokens=False)
+        requests.append(WorkloadRequest(ids, int(out), prompt_text=text if p.as_text else None))
+    return requests
