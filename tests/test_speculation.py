@@ -4,6 +4,7 @@ single token, greedy or seeded."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import openai
@@ -361,3 +362,77 @@ def test_a_draft_model_must_share_the_vocabulary(
         SpeculativeConfig(speculative_method="draft")
     with pytest.raises(ConfigError, match="4-bit GGUF"):
         draft_llm(tiny_llama_dir, Path("self-int4"))
+
+
+# ---- exactness under every kind of step -----------------------------------------------------
+
+SHARED = "You are a careful assistant. Answer briefly and repeat the question first. " * 2
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_is_exact_through_chunks_prefix_hits_and_preemption(
+    tiny_llama_dir: Path, method: str, k: int
+) -> None:
+    """Prompts sharing a prefix (cache hits), chunked 16 tokens a step, in a pool too small
+    for all of them (preemptions, some in the middle of speculated runs): greedy text equal
+    to the same engine's without speculation."""
+    settings = {
+        "dtype": "float32",
+        "compile": False,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 4,
+        "num_kv_blocks": 7,
+    }
+    prompts = [SHARED + p for p in REAL_PROMPTS] + [SHARED + REAL_PROMPTS[0][::-1]]
+    greedy = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
+    plain = LLM(str(tiny_llama_dir), **settings)
+    extra = {"draft_model": str(tiny_llama_dir)} if method == "draft" else {}
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_method=method,
+        num_speculative_tokens=k,
+        **extra,
+        **settings,
+    )
+    want = plain.generate(prompts, greedy, use_tqdm=False)
+    got = spec.generate(prompts, greedy, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    scheduler = spec.engine.scheduler
+    assert scheduler.spec_stats.num_accepted_tokens > 0
+    assert scheduler.num_preemptions > 0, "no preemption: the test is moot"
+    assert scheduler.kv_cache_stats().prefix_hits > 0, "no prefix hit: the test is moot"
+
+
+def chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.001 (z = 3.09), Wilson-Hilferty's approximation."""
+    h = 2 / (9 * dof)
+    return dof * (1 - h + z * h**0.5) ** 3
+
+
+def test_sampling_with_speculation_keeps_the_distribution(tiny_llama_dir: Path) -> None:
+    """Unseeded draws of the first tokens, with and without a draft model, come from the
+    same distribution (chi-square test of homogeneity, per output position, p = 0.001)."""
+    n = 400
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=4, ignore_eos=True)
+    plain = LLM(str(tiny_llama_dir), dtype="float32", compile=False, max_num_seqs=64)
+    spec = draft_llm(tiny_llama_dir, tiny_llama_dir, max_num_seqs=64, num_speculative_tokens=3)
+    prompt = REAL_PROMPTS[1]
+    a = [o.token_ids for o in plain.generate([prompt] * n, params, use_tqdm=False)]
+    b = [o.token_ids for o in spec.generate([prompt] * n, params, use_tqdm=False)]
+    assert spec.engine.scheduler.spec_stats.num_accepted_tokens > n // 4
+    for position in range(1, 4):
+        counts_a = Counter(tokens[position] for tokens in a)
+        counts_b = Counter(tokens[position] for tokens in b)
+        cells = sorted(set(counts_a) | set(counts_b), key=lambda t: -(counts_a[t] + counts_b[t]))
+        big = [t for t in cells if counts_a[t] + counts_b[t] >= 10]
+        rows = [(counts_a[t], counts_b[t]) for t in big]
+        rest = (n - sum(x for x, _ in rows), n - sum(y for _, y in rows))
+        if sum(rest):
+            rows.append(rest)
+        statistic = sum(
+            (x - (x + y) / 2) ** 2 / ((x + y) / 2) + (y - (x + y) / 2) ** 2 / ((x + y) / 2)
+            for x, y in rows
+        )
+        assert len(rows) > 2
+        assert statistic < chi_square_critical(len(rows) - 1), (position, rows)
