@@ -157,11 +157,6 @@ class KVCacheManager:
             self._prefix_queries += num_queried
             self._prefix_hits += num_hit
 
-    def can_allocate(
-        self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()
-    ) -> bool:
-        return self._num_new_blocks(request, num_new_tokens, cached) <= self._available(cached)
-
     # ---- changes -------------------------------------------------------------
 
     def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
