@@ -12,8 +12,8 @@ is LRU, so the blocks used longest ago are reused first.
 A name is the block's identity: two blocks with the same name share KV, so a
 collision would serve one prompt another's cache (vLLM's CVE-2025-25183). The
 default name is therefore sha256; Python's 64-bit `hash` is offered as a
-faster choice for trusted workloads (its collisions are easy to construct:
-hash(0) == hash(2**61 - 1)).
+faster choice for trusted workloads (benchmarks/prefix_hash.py times both; its
+collisions are easy to construct: hash(0) == hash(2**61 - 1)).
 """
 
 from __future__ import annotations
