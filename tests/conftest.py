@@ -36,8 +36,14 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _save_tiny(kind: str, out: Path, tokenizer_dir: Path, **overrides: object) -> Path:
     from tiny_checkpoints import save_checkpoint, tiny_hf_model  # torch: only when used
 
-    shape = dict(max_position_embeddings=512, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
-    model = tiny_hf_model(kind, vocab_size=VOCAB, **{**shape, **overrides})
+    shape = dict(
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = tiny_hf_model(kind, **{**shape, **overrides})  # type: ignore[arg-type]
     return save_checkpoint(model, out, tokenizer_dir)
 
 
