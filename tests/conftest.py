@@ -34,34 +34,17 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _save_tiny(kind: str, out: Path, tokenizer_dir: Path, **overrides: object) -> Path:
-    import shutil
+    from tiny_checkpoints import save_checkpoint, tiny_hf_model  # torch: only when used
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    common = dict(
+    shape = dict(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
-        rms_norm_eps=1e-5,
         rope_theta=10000.0,
         bos_token_id=1,
         eos_token_id=2,
     )
-    common.update(overrides)
-    torch.manual_seed(0)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    model.save_pretrained(out)
-    for item in tokenizer_dir.iterdir():
-        shutil.copy(item, out / item.name)
-    return out
+    model = tiny_hf_model(kind, **{**shape, **overrides})  # type: ignore[arg-type]
+    return save_checkpoint(model, out, tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -100,7 +100,8 @@ def run(
     executor: FakeExecutor | None = None,
     no_more_arrivals: bool = False,
 ) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
-    """Step until every request ends; returns outputs by id and the step plans."""
+    """Step until every request ends, checking the block pool after each step; returns
+    outputs by id and the step plans."""
     executor = executor or FakeExecutor()
     outputs: dict[str, list[int]] = {}
     plans: list[SchedulerOutput] = []
@@ -113,6 +114,7 @@ def run(
             on_step(out)
         for update in scheduler.update(out, executor.execute(out)):
             outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+        scheduler.check_invariants()
         if clock is not None:
             clock.now += 0.01
     raise AssertionError("the scheduler did not finish: a request is stuck")

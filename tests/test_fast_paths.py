@@ -19,10 +19,10 @@ from gguf.quants import quantize
 
 from iterserve import kernels
 from iterserve.model import quant
-from iterserve.model.config import ModelConfig
 from iterserve.model.linear import Backend
 from iterserve.model.llama import LlamaForCausalLM
 from paged_runner import PagedRunner
+from tiny_checkpoints import model_config_of, tiny_hf_model
 
 VOCAB = 256
 needs_kernels = pytest.mark.skipif(
@@ -31,39 +31,14 @@ needs_kernels = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def hf() -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+def hf() -> transformers.PreTrainedModel:
+    return tiny_hf_model(
         vocab_size=VOCAB,
+        weight_std=0.1,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.uniform_(0.7, 1.3) if "norm" in name else param.normal_(0.0, 0.1)
-    return model.eval()
-
-
-def _config(hf: transformers.LlamaForCausalLM) -> ModelConfig:
-    c = hf.config
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_parameters["rope_theta"],
-        max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=True,
     )
 
@@ -77,7 +52,7 @@ def _model(
     compiled: bool = False,
     wide: bool = True,
 ) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(_config(hf), dtype, torch.device("cpu"))
+    model = LlamaForCausalLM(model_config_of(hf), dtype, torch.device("cpu"))
     model.load_weights(weights or hf.state_dict())
     model.prepare(backend, quantized, wide)
     if compiled:

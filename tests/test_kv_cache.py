@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from iterserve.core.kv_cache import KVCacheManager
+from iterserve.core.kv_cache import KVCacheInvariantError, KVCacheManager
 from iterserve.core.request import Request
 from iterserve.sampling_params import SamplingParams
 
@@ -72,17 +74,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def pool_is_consistent(self) -> None:
-        in_use: dict[int, int] = {}
-        for request in self.live.values():
-            for block_id in request.block_ids:
-                in_use[block_id] = in_use.get(block_id, 0) + 1
-        free = set(self.kv._free)
-        for block in self.kv.blocks:
-            assert block.ref_count >= 0
-            assert block.ref_count == in_use.get(block.block_id, 0)
-            assert (block.block_id in free) == (block.ref_count == 0), "free xor used"
-        for block_hash, block_id in self.kv._cached.items():
-            assert self.kv.blocks[block_id].block_hash == block_hash
+        self.kv.check_invariants(request.block_ids for request in self.live.values())
 
     def teardown(self) -> None:
         for request in self.live.values():
@@ -173,3 +165,55 @@ def test_sha256_is_the_default_and_chains_parent_digests() -> None:
     first = hashlib.sha256(array("q", [1, 2, 3, 4]).tobytes()).digest()
     second = hashlib.sha256(first + array("q", [5, 6, 7, 8]).tobytes()).digest()
     assert set(kv._cached) == {first, second}
+
+
+def _pool_with_a_shared_prefix() -> tuple[KVCacheManager, list[Request]]:
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    requests = []
+    for rid in ("a", "b"):
+        request = make_request(rid, [1, 2, 3, 4, 5, 6])
+        cached = kv.find_cached_prefix(request)
+        assert kv.allocate(request, request.num_tokens - len(cached) * BLOCK, cached)
+        request.num_computed_tokens = request.num_tokens
+        kv.cache_full_blocks(request)
+        requests.append(request)
+    assert requests[0].block_ids[0] == requests[1].block_ids[0], "the prefix is shared"
+    kv.check_invariants(r.block_ids for r in requests)
+    return kv, requests
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (
+            lambda kv, reqs: setattr(kv.blocks[reqs[0].block_ids[0]], "ref_count", 1),
+            "has ref_count 1 but 2 block tables hold it",
+        ),
+        (
+            lambda kv, reqs: kv._free.pop(7),
+            "block 7 with ref_count 0 is missing from the free queue",
+        ),
+        (
+            lambda kv, reqs: kv._free.__setitem__(reqs[1].block_ids[-1], None),
+            "is in the free queue",
+        ),
+        (
+            lambda kv, reqs: kv._cached.clear(),
+            "is named, but the prefix cache maps its name to None",
+        ),
+        (
+            lambda kv, reqs: setattr(kv.blocks[reqs[0].block_ids[0]], "block_hash", None),
+            "the prefix cache maps a name to block 0, not so named",
+        ),
+        (lambda kv, reqs: reqs[1].block_ids.append(reqs[1].block_ids[0]), "lists a block twice"),
+    ],
+    ids=["ref-count", "lost-free-block", "used-block-free", "map-lost", "name-lost", "twice"],
+)
+def test_a_corrupted_pool_fails_its_invariant_check(
+    corrupt: Callable[[KVCacheManager, list[Request]], object], message: str
+) -> None:
+    kv, requests = _pool_with_a_shared_prefix()
+    corrupt(kv, requests)
+    with pytest.raises(KVCacheInvariantError, match="KV block pool inconsistent") as failure:
+        kv.check_invariants(r.block_ids for r in requests)
+    assert message in str(failure.value)

@@ -11,14 +11,7 @@ import pytest
 import torch
 from gguf import GGUFWriter
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.loader import (
@@ -28,18 +21,10 @@ from iterserve.model.loader import (
     hf_model_config,
     load_model,
 )
+from tiny_checkpoints import TINY_SHAPE, save_checkpoint, tiny_hf_model
 
 VOCAB = 300
-TINY_SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-)
+SHAPE = {**TINY_SHAPE, "vocab_size": VOCAB}  # the tiny models' config.json fields
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -74,16 +59,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path, **kw) -> Path:
-    model.save_pretrained(path, **kw)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def _tiny_llama(tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(**TINY_SHAPE, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(config).eval()
+def _tiny_llama(tie: bool = False) -> PreTrainedModel:
+    return tiny_hf_model(vocab_size=VOCAB, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
 
 
 def _assert_same_weights(loaded: LoadedModel, reference: dict[str, torch.Tensor]) -> None:
@@ -106,7 +83,7 @@ def _state_dict(
 
 def test_llama_single_file(tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast) -> None:
     model = _tiny_llama()
-    directory = _save(model, tiny_tokenizer, tmp_path / "tiny-llama")
+    directory = save_checkpoint(model, tmp_path / "tiny-llama", tiny_tokenizer)
     assert (directory / "model.safetensors").exists()
 
     loaded = load_model(directory, dtype=torch.float32)
@@ -115,7 +92,7 @@ def test_llama_single_file(tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFa
     assert "lm_head.weight" in loaded.weights  # untied head kept
     assert loaded.config == ModelConfig(
         architecture="llama",
-        **TINY_SHAPE,
+        **SHAPE,
         head_dim=16,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -131,7 +108,7 @@ def test_llama_sharded_and_default_dtype(
     tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast
 ) -> None:
     model = _tiny_llama()
-    directory = _save(model, tiny_tokenizer, tmp_path / "sharded", max_shard_size="40KB")
+    directory = save_checkpoint(model, tmp_path / "sharded", tiny_tokenizer, max_shard_size="40KB")
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
 
@@ -143,15 +120,18 @@ def test_llama_sharded_and_default_dtype(
 
 def test_tied_llama_has_no_lm_head(tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast) -> None:
     model = _tiny_llama(tie=True)
-    loaded = load_model(_save(model, tiny_tokenizer, tmp_path / "tied"), dtype=torch.float32)
+    loaded = load_model(
+        save_checkpoint(model, tmp_path / "tied", tiny_tokenizer), dtype=torch.float32
+    )
     assert loaded.config.tie_word_embeddings
     _assert_same_weights(loaded, _state_dict(model))
 
 
 def test_qwen2_has_attention_bias(tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast) -> None:
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False)).eval()
-    loaded = load_model(_save(model, tiny_tokenizer, tmp_path / "qwen"), dtype=torch.float32)
+    model = tiny_hf_model("qwen2", vocab_size=VOCAB, tie_word_embeddings=False)
+    loaded = load_model(
+        save_checkpoint(model, tmp_path / "qwen", tiny_tokenizer), dtype=torch.float32
+    )
     assert loaded.config.architecture == "qwen2"
     assert loaded.config.attention_bias
     assert "model.layers.1.self_attn.q_proj.bias" in loaded.weights
@@ -169,7 +149,7 @@ def test_config_json_spellings() -> None:
     }
     raw = {
         "architectures": ["LlamaForCausalLM"],
-        **TINY_SHAPE,
+        **SHAPE,
         "head_dim": 32,
         "rope_theta": 500000.0,
         "rope_scaling": llama3_scaling,
@@ -182,7 +162,7 @@ def test_config_json_spellings() -> None:
     assert config.eos_token_ids == (128001, 128009, 128008)
 
     # transformers 5 folds both into rope_parameters; "default" means no scaling.
-    raw = {"architectures": ["MistralForCausalLM"], **TINY_SHAPE, "eos_token_id": 2}
+    raw = {"architectures": ["MistralForCausalLM"], **SHAPE, "eos_token_id": 2}
     raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
     config = hf_model_config(raw)
     assert (config.architecture, config.rope_theta, config.rope_scaling) == ("mistral", 1e6, None)
@@ -190,10 +170,10 @@ def test_config_json_spellings() -> None:
 
 
 def test_sliding_window_is_read_for_mistral_and_refused_for_qwen2() -> None:
-    raw = {"architectures": ["MistralForCausalLM"], **TINY_SHAPE, "sliding_window": 4096}
+    raw = {"architectures": ["MistralForCausalLM"], **SHAPE, "sliding_window": 4096}
     assert hf_model_config(raw).sliding_window == 4096
     assert hf_model_config({**raw, "sliding_window": None}).sliding_window is None
-    raw = {"architectures": ["Qwen2ForCausalLM"], **TINY_SHAPE, "sliding_window": 4096}
+    raw = {"architectures": ["Qwen2ForCausalLM"], **SHAPE, "sliding_window": 4096}
     assert hf_model_config(raw).sliding_window is None  # stored, but off unless asked for
     with pytest.raises(ModelLoadError, match="use_sliding_window"):
         hf_model_config({**raw, "use_sliding_window": True})
@@ -222,7 +202,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_missing_weights(tmp_path: Path) -> None:
-    config = {"architectures": ["LlamaForCausalLM"], **TINY_SHAPE}
+    config = {"architectures": ["LlamaForCausalLM"], **SHAPE}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="neither model.safetensors"):
         load_model(tmp_path)
@@ -321,12 +301,7 @@ def _write_gguf(
 def test_tiny_gguf_round_trip(
     tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast, arch: str
 ) -> None:
-    torch.manual_seed(0)
-    config_class, model_class = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[arch]
-    model = model_class(config_class(**TINY_SHAPE, tie_word_embeddings=False)).eval()
+    model = tiny_hf_model(arch, vocab_size=VOCAB, tie_word_embeddings=False)
     path = tmp_path / f"tiny-{arch}.F32.gguf"
     _write_gguf(path, arch, model, tiny_tokenizer)
 
@@ -401,7 +376,7 @@ def test_bundled_weights_match_transformers(smollm2: LoadedModel) -> None:
     with torch.device("meta"):  # only its parameter names are used, to map tensor names
         skeleton = LlamaForCausalLM(
             LlamaConfig(
-                **{k: getattr(config, k) for k in TINY_SHAPE},
+                **{k: getattr(config, k) for k in SHAPE},
                 tie_word_embeddings=True,
             )
         )

@@ -12,9 +12,9 @@ import transformers
 from iterserve import kernels
 from iterserve.model import attention
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
-from iterserve.model.config import ModelConfig
 from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
 from paged_runner import PagedRunner
+from tiny_checkpoints import model_config_of, tiny_hf_model
 
 VOCAB = 128
 ATOL = 1e-4
@@ -22,61 +22,17 @@ ATOL = 1e-4
 
 def _hf_model(kind: str = "llama", **overrides: object) -> transformers.PreTrainedModel:
     """A tiny random HF model whose every weight (biases and norms too) is non-trivial."""
-    torch.manual_seed(0)
     shape = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,  # wider than hidden/heads: the C++ attention op takes multiples of 32
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         attn_implementation="eager",
     )
-    shape.update(overrides)
-    if kind == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
-    elif kind == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.7, 1.3)
-            else:
-                param.normal_(0.0, 0.15)
-    return model.eval()
-
-
-def _model_config(hf: transformers.PreTrainedModel) -> ModelConfig:
-    c = hf.config
-    rope = dict(c.rope_parameters)
-    arch = c.model_type if c.model_type in ("qwen2", "mistral") else "llama"
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=rope["rope_theta"],
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
-        rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
-        sliding_window=getattr(c, "sliding_window", None) if arch == "mistral" else None,
-    )
+    return tiny_hf_model(kind, vocab_size=VOCAB, weight_std=0.15, **{**shape, **overrides})
 
 
 def _ours(hf: transformers.PreTrainedModel, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(_model_config(hf), dtype, torch.device("cpu"))
+    model = LlamaForCausalLM(model_config_of(hf), dtype, torch.device("cpu"))
     model.load_weights(hf.state_dict())
     return model
 
@@ -186,7 +142,7 @@ def test_llama3_rope_scaling_untied() -> None:
     hf = _hf_model(tie_word_embeddings=False, rope_parameters=rope)
     assert "lm_head.weight" in hf.state_dict()
     # Bit-exact frequencies, not merely close logits.
-    assert torch.equal(rope_inv_freq(_model_config(hf)), hf.model.rotary_emb.inv_freq)
+    assert torch.equal(rope_inv_freq(model_config_of(hf)), hf.model.rotary_emb.inv_freq)
     runner = PagedRunner(_ours(hf), block_size=4)
     seqs = _prompts([40, 7], seed=6)
     for name, tokens in seqs.items():
@@ -256,7 +212,7 @@ def test_bf16_keeps_greedy_argmax(
 
 def test_tied_checkpoint_without_lm_head_loads(llama: transformers.PreTrainedModel) -> None:
     weights = {n: t for n, t in llama.state_dict().items() if n != "lm_head.weight"}
-    model = LlamaForCausalLM(_model_config(llama), torch.float32, torch.device("cpu"))
+    model = LlamaForCausalLM(model_config_of(llama), torch.float32, torch.device("cpu"))
     model.load_weights(weights)
     assert model.lm_head is model.embed_tokens
 
@@ -276,7 +232,7 @@ def test_load_weights_rejects_bad_checkpoints(
 ) -> None:
     weights = dict(llama.state_dict())
     edit(weights)
-    model = LlamaForCausalLM(_model_config(llama), torch.float32, torch.device("cpu"))
+    model = LlamaForCausalLM(model_config_of(llama), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match=message):
         model.load_weights(weights)
 
@@ -284,7 +240,7 @@ def test_load_weights_rejects_bad_checkpoints(
 def test_untied_checkpoint_requires_lm_head() -> None:
     hf = _hf_model(tie_word_embeddings=False)
     weights = {n: t for n, t in hf.state_dict().items() if n != "lm_head.weight"}
-    model = LlamaForCausalLM(_model_config(hf), torch.float32, torch.device("cpu"))
+    model = LlamaForCausalLM(model_config_of(hf), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="lm_head.weight"):
         model.load_weights(weights)
 

@@ -9,8 +9,10 @@ import sys
 import pytest
 
 from fake_executor import FakeExecutor, expected_output, make_request, make_scheduler, run
+from iterserve.core.kv_cache import KVCacheInvariantError
 from iterserve.core.outputs import ModelOutput, SchedulerOutput
 from iterserve.core.request import RequestStatus
+from iterserve.core.scheduler import Scheduler
 from iterserve.sampling_params import InvalidRequestError
 
 
@@ -165,3 +167,28 @@ def test_unchunked_request_over_the_step_budget_is_refused() -> None:
     scheduler, _ = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=32)
     with pytest.raises(InvalidRequestError, match="chunked prefill off"):
         scheduler.add_request(make_request("a", [1] * 30, max_tokens=8))
+
+
+def _a_step_with_a_leaked_block() -> tuple[Scheduler, SchedulerOutput]:
+    scheduler, _ = make_scheduler()
+    scheduler.add_request(make_request("a", list(range(1, 10)), max_tokens=4))
+    out = scheduler.schedule()
+    scheduler.kv.blocks[out.seqs[0].block_ids[0]].ref_count += 1  # unseen by the pool itself
+    return scheduler, out
+
+
+def test_debug_invariants_check_the_pool_after_every_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ITERSERVE_DEBUG_INVARIANTS", "1")
+    scheduler, out = _a_step_with_a_leaked_block()
+    with pytest.raises(KVCacheInvariantError, match="has ref_count 2 but 1 block tables hold it"):
+        scheduler.update(out, _sample_all(out))
+
+
+def test_without_the_debug_switch_update_does_not_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ITERSERVE_DEBUG_INVARIANTS", raising=False)
+    scheduler, out = _a_step_with_a_leaked_block()
+    scheduler.update(out, _sample_all(out))
+    with pytest.raises(KVCacheInvariantError):
+        scheduler.check_invariants()

@@ -6,8 +6,11 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from iterserve.bench import cli as bench_cli
+from iterserve.bench import compare, simulate
 from iterserve.config import add_engine_args, engine_config_from_args
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server import cli as server_cli
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -47,31 +50,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 # Subcommands register here; each module adds its parser and handler.
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate]
-
-
-def _optional_subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    adders = []
-    for module_name in (
-        "iterserve.server.cli",
-        "iterserve.bench.cli",
-        "iterserve.bench.compare",
-        "iterserve.bench.simulate",
-    ):
-        try:
-            module = __import__(module_name, fromlist=["add_subcommands"])
-        except ModuleNotFoundError as err:
-            if err.name != module_name:
-                raise
-            continue
-        adders.append(module.add_subcommands)
-    return adders
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_generate,
+    server_cli.add_subcommands,
+    bench_cli.add_subcommands,
+    compare.add_subcommands,
+    simulate.add_subcommands,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in _SUBCOMMANDS + _optional_subcommands():
+    for add in _SUBCOMMANDS:
         add(sub)
     return parser
 

@@ -46,10 +46,6 @@ class SamplingParams:
             self.stop = [self.stop]
         self.validate()
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def per_choice(self) -> list[SamplingParams]:
         """The engine runs one sequence per request: n choices are n requests with
         n=1, seeded seed, seed+1, ... so each is reproducible and they differ."""

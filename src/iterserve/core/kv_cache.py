@@ -12,8 +12,8 @@ is LRU, so the blocks used longest ago are reused first.
 A name is the block's identity: two blocks with the same name share KV, so a
 collision would serve one prompt another's cache (vLLM's CVE-2025-25183). The
 default name is therefore sha256; Python's 64-bit `hash` is offered as a
-faster choice for trusted workloads (its collisions are easy to construct:
-hash(0) == hash(2**61 - 1)).
+faster choice for trusted workloads (benchmarks/prefix_hash.py times both; its
+collisions are easy to construct: hash(0) == hash(2**61 - 1)).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -79,6 +79,10 @@ _BLOCK_HASHES: dict[str, Callable[[BlockHash | None, Sequence[int]], BlockHash]]
     "sha256": sha256_block_hash,
     "builtin": builtin_block_hash,
 }
+
+
+class KVCacheInvariantError(AssertionError):
+    """The block pool's bookkeeping contradicts itself: a bug in whoever changed it."""
 
 
 class KVCacheManager:
@@ -157,10 +161,53 @@ class KVCacheManager:
             self._prefix_queries += num_queried
             self._prefix_hits += num_hit
 
-    def can_allocate(
-        self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()
-    ) -> bool:
-        return self._num_new_blocks(request, num_new_tokens, cached) <= self._available(cached)
+    def check_invariants(self, block_tables: Iterable[Sequence[int]]) -> None:
+        """Raise KVCacheInvariantError, naming every broken rule, unless the pool agrees
+        with itself and with `block_tables` (every live request's block ids): each
+        block's ref count is the number of tables holding it, a block is in the free
+        queue exactly when its ref count is 0 (so free + used is the whole pool), and
+        the prefix cache's map and the blocks' names point at each other. Costs
+        O(blocks + table entries): for tests and debugging (the scheduler runs it after
+        every update under ITERSERVE_DEBUG_INVARIANTS=1)."""
+        problems: list[str] = []
+        holders = [0] * self.num_blocks
+        for table in block_tables:
+            if len(set(table)) != len(table):
+                problems.append(f"a block table lists a block twice: {list(table)}")
+            for block_id in table:
+                if 0 <= block_id < self.num_blocks:
+                    holders[block_id] += 1
+                else:
+                    problems.append(f"a block table holds block {block_id}, not in the pool")
+        strays = [b for b in self._free if not 0 <= b < self.num_blocks]
+        if strays:
+            problems.append(f"the free queue holds blocks not in the pool: {strays}")
+        for index, block in enumerate(self.blocks):
+            if block.block_id != index:
+                problems.append(f"block {index} calls itself block {block.block_id}")
+            if block.ref_count != holders[index]:
+                problems.append(
+                    f"block {index} has ref_count {block.ref_count} but "
+                    f"{holders[index]} block tables hold it"
+                )
+            is_free = index in self._free
+            if is_free != (block.ref_count == 0):
+                where = "in" if is_free else "missing from"
+                problems.append(
+                    f"block {index} with ref_count {block.ref_count} is {where} the free queue"
+                )
+            if block.block_hash is not None:
+                mapped = self._cached.get(block.block_hash)
+                if mapped != index:
+                    problems.append(
+                        f"block {index} is named, but the prefix cache maps its name to {mapped}"
+                    )
+        for block_hash, block_id in self._cached.items():
+            in_pool = 0 <= block_id < self.num_blocks
+            if not in_pool or self.blocks[block_id].block_hash != block_hash:
+                problems.append(f"the prefix cache maps a name to block {block_id}, not so named")
+        if problems:
+            raise KVCacheInvariantError("KV block pool inconsistent:\n  " + "\n  ".join(problems))
 
     # ---- changes -------------------------------------------------------------
 

@@ -67,10 +67,6 @@ class WaitingQueues:
     def __len__(self) -> int:
         return self.count()
 
-    def oldest_arrival(self) -> float | None:
-        arrivals = [req.arrival_time for queue in self._queues.values() for _, req in queue]
-        return min(arrivals) if arrivals else None
-
     def all_in_order(self) -> list[Request]:
         """Every waiting request, interactive lane first."""
         return [req for lane in LANES for _, req in self._queues[lane]]

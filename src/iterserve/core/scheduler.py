@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -66,6 +67,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._admissions = 0
         self.num_preemptions = 0
+        # Check the block pool after every update: slow, for debugging and tests.
+        self._debug_invariants = os.environ.get("ITERSERVE_DEBUG_INVARIANTS", "0") not in ("", "0")
 
     # ---- requests in and out -------------------------------------------------
 
@@ -149,6 +152,11 @@ class Scheduler:
         """Forget every cached block no request holds; returns how many."""
         return self.kv.reset_prefix_cache()
 
+    def check_invariants(self) -> None:
+        """Raise KVCacheInvariantError if the block pool disagrees with the requests'
+        block tables (see KVCacheManager.check_invariants)."""
+        self.kv.check_invariants(r.block_ids for r in self.requests.values())
+
     def token_capacity(self) -> int:
         """Most tokens one request can ever hold: the context length or the whole KV
         pool, whichever is less."""
@@ -218,6 +226,8 @@ class Scheduler:
                     None if status is None else status.finish_reason,
                 )
             )
+        if self._debug_invariants:
+            self.check_invariants()
         return updates
 
     # ---- phases ----------------------------------------------------------------

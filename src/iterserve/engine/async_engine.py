@@ -153,9 +153,9 @@ class AsyncEngine:
         Everything torch runs on that one thread. OpenMP keeps a pool of worker threads for
         each thread that starts parallel work, so an engine built on the main thread and
         stepped on the loop thread has two pools contending for the cores: one stream's step
-        took 14 ms instead of 8 (bundled model, 2 cores). Returns once the weights and the
-        tokenizer are in (raising what the build raised); `is_ready` turns true, and /health
-        says ok, once warm-up (compiling) is done too.
+        took 14 ms instead of 8 (bundled model, 2 cores; measured once, no script). Returns
+        once the weights and the tokenizer are in (raising what the build raised);
+        `is_ready` turns true, and /health says ok, once warm-up (compiling) is done too.
         """
         async_engine = cls(None, **options)
         loaded = threading.Event()
@@ -502,7 +502,8 @@ class AsyncEngine:
         a core, and the next step's forward wants both cores for its kernels. Run side by
         side, the loop thread preempts a kernel thread mid-barrier and the forward stalls:
         one stream's time per token went from 7.5 ms offline to 17 ms served. Run one after
-        the other, the handlers' fraction of a millisecond is all the server adds.
+        the other, the handlers' fraction of a millisecond is all the server adds (both
+        measured once, no script).
         """
         if not deliveries:
             return

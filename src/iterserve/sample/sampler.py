@@ -6,7 +6,8 @@ pass over the [S, V] logits costs milliseconds and sorting a row costs more:
 
 - Greedy rows never see a softmax, only an exact argmax (`_LogitRows.argmax`).
 - Random rows are drawn by inverse CDF, which needs one uniform per row; drawing
-  S x V noise for a Gumbel/exponential race costs ~10x the rest of the sampler.
+  S x V noise for a Gumbel/exponential race costs ~10x the rest of the sampler
+  (measured once, no script).
 - Top-k/top-p rows never sort the vocabulary unless they must: they take the
   best few candidates and fall back to more only when the support provably
   does not fit (an exact test, not a heuristic).
@@ -64,7 +65,8 @@ class _LogitRows:
 
     One pass computes the chunk maxima; after it, a row's max, argmax and small
     top-k touch only the few chunks that matter, so no op copies whole rows
-    (on CPU torch's argmax alone is ~4x slower than that pass, and topk more).
+    (on CPU torch's argmax alone is ~4x slower than that pass, and topk more; measured
+    once, no script).
     Falls back to plain torch ops where the view is not free (odd vocab, GPU).
     """
 

@@ -13,7 +13,7 @@ Each server has its own registry, so several servers fit in one process (tests).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,18 +41,8 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        running = GaugeMetricFamily(
-            "iterserve:num_requests_running", "Requests running in the engine", labels=["lane"]
-        )
-        waiting = GaugeMetricFamily(
-            "iterserve:num_requests_waiting", "Requests waiting to run", labels=["lane"]
-        )
-        for lane, count in snap.running.items():
-            running.add_metric([lane], count)
-        for lane, count in snap.waiting.items():
-            waiting.add_metric([lane], count)
-        yield running
-        yield waiting
+        yield _per_lane("num_requests_running", "Requests running in the engine", snap.running)
+        yield _per_lane("num_requests_waiting", "Requests waiting to run", snap.waiting)
         yield _gauge(
             "kv_cache_usage_perc", "Fraction of KV cache blocks in use", snap.kv_cache_usage
         )
@@ -111,6 +101,13 @@ def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
     for position, count in enumerate(spec.accepted_per_position):
         per_position.add_metric([str(position)], count)
     yield per_position
+
+
+def _per_lane(name: str, documentation: str, counts: Mapping[str, int]) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(f"iterserve:{name}", documentation, labels=["lane"])
+    for lane, count in counts.items():
+        gauge.add_metric([lane], count)
+    return gauge
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,93 @@
+"""Tiny random Hugging Face checkpoints, built here and never downloaded: the one builder
+every test that needs a model uses, and the ModelConfig a test derives from one by hand
+(independently of the loader it may be testing)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+from iterserve.model.config import ModelConfig
+
+# The default shape; a test overrides what it needs (vocab_size always: it follows the
+# tokenizer the test pairs the model with).
+TINY_SHAPE: dict[str, object] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+_ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
+
+
+def tiny_hf_model(
+    kind: str = "llama", *, vocab_size: int, weight_std: float | None = None, **overrides: object
+) -> transformers.PreTrainedModel:
+    """A tiny random model in eval mode, seeded: the same arguments give the same weights.
+
+    `weight_std`: draw every weight afresh, norms uniform in [0.7, 1.3] and the rest normal
+    with this deviation, so biases and norms are non-trivial too (HF initialises them to
+    0 and 1, which would hide a bias or norm applied wrongly)."""
+    config_class, model_class = _ARCHITECTURES[kind]
+    torch.manual_seed(0)
+    model = model_class(config_class(**{**TINY_SHAPE, "vocab_size": vocab_size, **overrides}))
+    if weight_std is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.7, 1.3)
+                else:
+                    param.normal_(0.0, weight_std)
+    return model.eval()
+
+
+def save_checkpoint(
+    model: transformers.PreTrainedModel,
+    out: Path,
+    tokenizer: Path | transformers.PreTrainedTokenizerBase,
+    **save_kw: object,
+) -> Path:
+    """`model` as an HF directory (config.json + safetensors; `save_kw` go to
+    save_pretrained) with a tokenizer: one to save, or a directory of its files to copy."""
+    model.save_pretrained(out, **save_kw)
+    if isinstance(tokenizer, Path):
+        for item in tokenizer.iterdir():
+            shutil.copy(item, out / item.name)
+    else:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
+    """The ModelConfig of an HF model, read from its config object by hand."""
+    c = hf.config
+    rope = dict(c.rope_parameters)
+    arch = c.model_type if c.model_type in ("qwen2", "mistral") else "llama"
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=rope["rope_theta"],
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
+        rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+        sliding_window=getattr(c, "sliding_window", None) if arch == "mistral" else None,
+    )
