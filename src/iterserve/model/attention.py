@@ -18,7 +18,8 @@ once for a grouped matmul (q viewed [kv_heads, B, group, head_dim]; K never repe
 head) and V is not gathered at all: ``embedding_bag`` sums probability-weighted V rows
 straight from the pool. At SmolLM2 shapes on the 2-core CPU that halved decode attention at
 batch 32 x 256 tokens and at batch 8 x 1024 against gathering both. Prefill chunks (many
-queries) use flash SDPA, which beat fp32 SDPA and grouped matmul there. Every path is exact
+queries) use flash SDPA, which beat fp32 SDPA and grouped matmul there (both measured once,
+no script). Every path is exact
 in fp32. (benchmarks/attention_kernel.py sets these paths against the C++ op.)
 """
 
@@ -159,7 +160,8 @@ def _decode_attention(
     # mask and softmax then run in fp32 (torch.add promotes to the fp32 bias).
     scores = torch.matmul(grouped_q, keys.transpose(-1, -2))  # [kv_heads, B, group, context]
     probs = torch.softmax(torch.add(plan.decode_bias, scores, alpha=scale), dim=-1)
-    # The aten op directly: F.embedding_bag's Python checks cost ~10 us a layer.
+    # The aten op directly: F.embedding_bag's Python checks cost ~10 us a layer
+    # (measured once, no script).
     out, *_ = torch.embedding_bag(
         value_cache.view(-1, head_dim),
         plan.decode_value_rows,

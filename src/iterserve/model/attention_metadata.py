@@ -3,8 +3,8 @@
 With the C++ paged attention op (kernels/csrc/paged_attention.cpp) every row of the step is a
 *kernel row*: one call per layer stores the step's K/V and attends every sequence, decode or
 prefill chunk, reading K/V in place through its block table. It beats the torch paths at
-every shape measured, prefill included (2.8x on a 512-token prompt, 30 layers;
-benchmarks/attention_kernel.py has the decode shapes).
+every shape measured, prefill included (2.8x on a 512-token prompt, 30 layers,
+measured once; benchmarks/attention_kernel.py has the decode shapes).
 
 Without it the rows come in two runs, in order:
 

@@ -77,7 +77,7 @@ def build_model(
     )
     # With iterserve's kernels each layer is one C++ op already: a step is ~32 calls with
     # nothing between them to fuse, and wrapping those in a compiled graph measured ~1 ms a
-    # step slower at one token (its runtime wrapper), besides a minute of compiling. So the
+    # step slower at one token (its runtime wrapper), besides a minute of compiling (measured once). So the
     # fused layers are the compiled step there; torch.compile serves the other backends.
     fused = use_kernel and model.fused_layers
     if config.batch_invariant and not fused:

@@ -3,7 +3,7 @@
 torch.compile guards every call: it re-checks each input tensor's dtype, shape and strides,
 and that none of some 400 tensors (weights, K/V caches) alias, before it runs a graph. For
 a one-token decode step that check cost ~1-1.5 ms of a ~10 ms step (torch.profiler's
-"TorchDynamo Cache Lookup"). Nothing it checks can change between steps of one engine: the
+"TorchDynamo Cache Lookup", one profile, no script). Nothing it checks can change between steps of one engine: the
 weights and caches are fixed tensors, and the only shape that varies, the step's token
 count, is what picks between the two graphs (one token, or a dynamic count). So once both
 graphs exist, `freeze` takes dynamo's compiled bytecode for each and later calls go straight

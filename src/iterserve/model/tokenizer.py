@@ -56,7 +56,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], gguf_path: Path) -> PreTrai
 
     Byte-level BPE vocabularies with a known split are built directly (well under a second);
     anything else is handed to transformers' GGUF converter, which knows more tokenizer kinds
-    but re-parses the whole file slowly (~9 s for the bundled model).
+    but re-parses the whole file slowly (~9 s for the bundled model, measured once).
     """
     kind = metadata.get("tokenizer.ggml.model")
     pre = metadata.get("tokenizer.ggml.pre", "default")
