@@ -20,7 +20,7 @@ and the texts part there, as they would for any other change of batch.
 Asserts nothing about time: the machine is shared; compare within one run.
 
     .venv/bin/python benchmarks/spec_decode.py [--batch-sizes 1,8,32] [--k 4]
-        [--disable-by-batch-size 16]
+        [--disable-by-batch-size 16] [--ngram-min 2 --ngram-max 4]
         [--method ngram | --method draft --draft-model self-int4 --weights bf16]
         [--batch-invariant] [--json out.json]
 """
@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     parser.add_argument("--disable-by-batch-size", type=int, default=16)
+    parser.add_argument("--ngram-min", type=int, default=2)
+    parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--method", default="ngram", choices=("ngram", "draft"))
@@ -107,6 +109,8 @@ def main() -> None:
         speculative_method=args.method,
         draft_model=args.draft_model,
         num_speculative_tokens=args.k,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
         speculative_disable_by_batch_size=args.disable_by_batch_size,
         **settings,
     )
