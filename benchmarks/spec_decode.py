@@ -4,13 +4,15 @@ Two workloads, greedy, ignore_eos, `--output-len` tokens each:
 
   copy   `iterserve bench`'s copy-edit workload: chat requests to edit code or prose, whose
          answers repeat most of their prompts (what prompt lookup guesses)
+  code   the same, code edits only (each code passage with each code instruction)
   free   open-ended story and question prompts (completions): less repeats
 
 For each workload and batch size, the same requests run on an engine without speculation
 and on one with `--speculative-method METHOD --num-speculative-tokens K` (ngram, or draft
 with `--draft-model`, e.g. self-int4: the bundled GGUF's own 4-bit weights guessing for
 its bf16 weights, run with `--weights bf16`) and `--speculative-disable-by-batch-size`,
-one after the other. Printed per row: output tok/s (generated tokens / the batch's wall
+one after the other; a row runs the workload's prompts in rounds of `batch` (all of them,
+up to --max-rounds rounds), since one prompt's answer may copy much or little. Printed per row: output tok/s (generated tokens / the batch's wall
 time) for both and their ratio, mean TPOT (ms per output token after the first) for both,
 the acceptance rate (accepted / proposed draft tokens), the mean accepted length (tokens a
 speculating request gains per step), and whether the two produced the same tokens. With
@@ -34,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from iterserve.bench.copy_texts import INSTRUCTIONS, PASSAGES
 from iterserve.bench.tokenizer import load_tokenizer
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.engine.llm import LLM
@@ -62,11 +65,14 @@ class Row:
 
 
 def run(
-    llm: LLM, prompts: list[str] | list[list[int]], params: SamplingParams
+    llm: LLM, rounds: list[list[str]] | list[list[list[int]]], params: SamplingParams
 ) -> tuple[float, float, list[list[int]]]:
-    """Output tok/s, mean TPOT in ms, and the tokens."""
+    """Each round's prompts as one batch, one round after another: output tok/s over all
+    rounds, mean TPOT in ms, and the tokens."""
+    outputs = []
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompts in rounds:
+        outputs += llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)
     return (
@@ -90,6 +96,7 @@ def main() -> None:
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-rounds", type=int, default=9, help="batches per row, at most")
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--method", default="ngram", choices=("ngram", "draft"))
     parser.add_argument("--draft-model", default=None)
@@ -115,11 +122,17 @@ def main() -> None:
         **settings,
     )
     copy = build_workload(
-        WorkloadSpec("copy-edit", num_requests=max(batch_sizes), output_len=args.output_len),
+        WorkloadSpec("copy-edit", num_requests=9, output_len=args.output_len),
         load_tokenizer(None),
     )
+    code = [
+        plain.apply_chat_template([{"role": "user", "content": f"{ask}\n\n```\n{passage}```"}])
+        for passage in PASSAGES[:3]  # the code ones
+        for ask in INSTRUCTIONS[:3]  # the code edits
+    ]
     workloads: dict[str, list[str] | list[list[int]]] = {
         "copy": [r.prompt_token_ids for r in copy.requests],
+        "code": code,
         "free": FREE_PROMPTS,
     }
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -134,11 +147,16 @@ def main() -> None:
     rows: list[Row] = []
     for name, pool in workloads.items():
         for batch in batch_sizes:
-            prompts = [pool[i % len(pool)] for i in range(batch)]
+            # Enough rounds that every prompt of the pool runs (at most --max-rounds): one
+            # prompt's answer may copy much or little, so batch 1 needs several.
+            count = min(max(batch, len(pool)), batch * args.max_rounds)
+            count = -(-count // batch) * batch
+            prompts = [pool[i % len(pool)] for i in range(count)]
+            rounds = [prompts[i : i + batch] for i in range(0, count, batch)]
             stats = spec.engine.scheduler.spec_stats
             before = stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts
-            plain_tok_s, plain_tpot, plain_tokens = run(plain, prompts, params)
-            spec_tok_s, spec_tpot, spec_tokens = run(spec, prompts, params)
+            plain_tok_s, plain_tpot, plain_tokens = run(plain, rounds, params)
+            spec_tok_s, spec_tpot, spec_tokens = run(spec, rounds, params)
             proposed = stats.num_draft_tokens - before[0]
             kept = stats.num_accepted_tokens - before[1]
             steps = stats.num_drafts - before[2]

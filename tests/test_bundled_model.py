@@ -55,7 +55,8 @@ def test_batch_invariant_seeded_text_and_logprobs_whatever_shares_the_steps() ->
 def test_self_int4_draft_keeps_the_bf16_text() -> None:
     """--weights bf16 with the GGUF's own 4-bit weights as the draft: most guesses land,
     and (batch-invariant, so a verify step's rows compute as a lone decode's would) the
-    tokens are the bf16 model's own, greedy and seeded."""
+    greedy tokens are the bf16 model's own. (Sampled guesses are kept by the probability
+    ratio: the same distribution, other draws; tests/test_rejection.py.)"""
     settings = {"weights": "bf16", "batch_invariant": True, "enable_prefix_caching": False}
     plain = LLM(**settings)
     spec = LLM(
@@ -63,12 +64,10 @@ def test_self_int4_draft_keeps_the_bf16_text() -> None:
     )
     messages = [{"role": "user", "content": "Name three rivers in Europe and their countries."}]
     prompt = plain.apply_chat_template(messages)
-    params = [
-        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-        SamplingParams(temperature=0.7, seed=3, max_tokens=32, ignore_eos=True),
-    ]
-    want = plain.generate([prompt, prompt], params, use_tqdm=False)
-    got = spec.generate([prompt, prompt], params, use_tqdm=False)
+    other = plain.apply_chat_template([{"role": "user", "content": "Describe a cat."}])
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = plain.generate([prompt, other], params, use_tqdm=False)
+    got = spec.generate([prompt, other], params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = spec.engine.scheduler.spec_stats
     assert stats.acceptance_rate > 0.5, stats

@@ -269,7 +269,9 @@ class Scheduler:
                 self.max_model_len - request.num_tokens - 1,
             )
             if k >= 1 and request.sampling_params.speculative:
-                queries[request] = DraftQuery(request.request_id, request.all_token_ids, k)
+                queries[request] = DraftQuery(
+                    request.request_id, request.all_token_ids, k, request.sampling_params
+                )
                 room -= k
         if not queries:
             return {}

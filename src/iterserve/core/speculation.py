@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from iterserve.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class DraftQuery:
@@ -27,6 +29,9 @@ class DraftQuery:
     request_id: str
     token_ids: list[int]
     k: int
+    # How the request samples: a draft model samples its guesses the same way, so the
+    # target can accept them by the ratio of the two distributions.
+    sampling_params: SamplingParams | None = None
 
 
 class Proposer(Protocol):

@@ -84,7 +84,7 @@ class LLMEngine:
         )
         self.draft: DraftModelProposer | None = None
         if config.speculative.speculative_method == "draft":
-            self.draft = self._draft_proposer(loaded, num_blocks, dtype)
+            self.draft = self.executor.drafts = self._draft_proposer(loaded, num_blocks, dtype)
         # The loop `iterserve simulate` runs too, here with the model as its executor.
         self.core = EngineCore.build(
             config, self.executor, num_blocks, self.max_model_len, proposer=self.draft

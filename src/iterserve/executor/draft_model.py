@@ -10,11 +10,12 @@ may speculate at once:
      were rejected first forgets the cache past the tokens it still shares;
   2. guess: k - 1 one-token steps over the batch, each feeding back the previous guess.
 
-Guesses are the draft's greedy picks. The target keeps a guess only where it equals its
-own draw (executor/torch_runner.py), which is exact for any fixed guess, so the text is
-the target's whatever the draft says; a better draft only makes more guesses land. (The
-Leviathan et al. rule with the draft's probabilities would accept more of them at high
-temperature; it is not implemented.)
+For a greedy request the guesses are the draft's greedy picks, and the target keeps a
+guess where it equals its own pick. For a sampling request the draft samples each guess
+from its own distribution q under the request's settings (temperature, top-k/p, min-p),
+and the target keeps it by the ratio of its distribution to q (Leviathan et al.;
+executor/torch_runner.py), which accepts far more than matching draws would at high
+temperature. Either way the text is distributed as the target's own, whatever the draft.
 
 When the draft's pool is full, the least recently speculating requests lose their draft
 cache (they catch up again if they speculate later); a request that still does not fit
@@ -32,6 +33,7 @@ from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.request import Request
 from iterserve.core.speculation import DraftQuery
 from iterserve.executor.paged_model import ForwardSeq, PagedModel
+from iterserve.sample.sampler import Sampler, make_generator
 from iterserve.sampling_params import SamplingParams
 
 
@@ -55,7 +57,17 @@ class DraftModelProposer:
     def __init__(self, network: PagedModel, num_blocks: int) -> None:
         self.network = network
         self.pool = KVCacheManager(num_blocks, network.block_size, enable_prefix_caching=False)
+        self.sampler = Sampler()
         self._seqs: OrderedDict[str, _DraftSeq] = OrderedDict()  # least recently used first
+        # Sampled guesses' distributions [k, vocab], until the verifying step takes them.
+        self._probs: dict[str, list[torch.Tensor]] = {}
+        self._generators: dict[str, torch.Generator] = {}
+
+    def take_probs(self, request_id: str) -> torch.Tensor | None:
+        """The distributions the last guesses for this request were sampled from (None:
+        they were greedy picks)."""
+        probs = self._probs.pop(request_id, None)
+        return None if probs is None else torch.stack(probs)
 
     def warm_up(self) -> float:
         return self.network.warm_up()
@@ -82,25 +94,42 @@ class DraftModelProposer:
             ForwardSeq(tuple(seq.blocks.block_ids), start, query.token_ids[start:], 1)
             for _, query, seq, start in live
         ]
-        guesses = self.network.forward(batch).argmax(-1).tolist()
-        for (i, query, seq, _), guess in zip(live, guesses, strict=True):
+        logits = self.network.forward(batch)
+        for row, (i, query, seq, _) in enumerate(live):
             seq.tokens = list(query.token_ids)
-            drafts[i].append(guess)
+            self._probs.pop(query.request_id, None)
+            drafts[i].append(self._guess(query, logits[row]))
         for step in range(1, max(query.k for _, query, _, _ in live)):
-            going = [(i, seq) for i, query, seq, _ in live if query.k > step]
+            going = [(i, query, seq) for i, query, seq, _ in live if query.k > step]
             batch = [
                 ForwardSeq(tuple(seq.blocks.block_ids), len(seq.tokens), [drafts[i][-1]], 1)
-                for i, seq in going
+                for i, _, seq in going
             ]
-            guesses = self.network.forward(batch).argmax(-1).tolist()
-            for (i, seq), guess in zip(going, guesses, strict=True):
+            logits = self.network.forward(batch)
+            for row, (i, query, seq) in enumerate(going):
                 seq.tokens.append(drafts[i][-1])
-                drafts[i].append(guess)
+                drafts[i].append(self._guess(query, logits[row]))
         for _, _, seq, _ in live:
             seq.blocks.num_computed_tokens = len(seq.tokens)
         return drafts
 
+    def _guess(self, query: DraftQuery, logits: torch.Tensor) -> int:
+        params = query.sampling_params
+        if params is None or self.sampler.is_greedy(params):
+            return int(logits.argmax())
+        q = self.sampler.probs(logits.unsqueeze(0), params)[0]
+        self._probs.setdefault(query.request_id, []).append(q)
+        generator = None
+        if params.seed is not None:  # a seeded request's guesses are repeatable too
+            generator = self._generators.get(query.request_id)
+            if generator is None:
+                generator = make_generator(params.seed + 1, q.device)
+                self._generators[query.request_id] = generator
+        return int(torch.multinomial(q, 1, generator=generator))
+
     def forget(self, request_id: str) -> None:
+        self._probs.pop(request_id, None)
+        self._generators.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.pool.free(seq.blocks)

@@ -8,19 +8,26 @@ against the samples.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 
-from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
+from iterserve.core.outputs import ModelOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.paged_model import ForwardSeq, PagedModel
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.sample.rejection import verify_by_ratio
 from iterserve.sample.sampler import Sampler, make_generator
 
 
 class TorchRunner:
-    def __init__(self, network: PagedModel, seed: int = 0) -> None:
+    def __init__(
+        self, network: PagedModel, seed: int = 0, drafts: DraftModelProposer | None = None
+    ) -> None:
         self.network = network
+        # The draft model's proposer, whose sampled guesses come with their distributions.
+        self.drafts = drafts
         self.sampler = Sampler()
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
@@ -51,22 +58,50 @@ class TorchRunner:
         )
         forward_time = self.network.last_forward_seconds
         sampling = [seq for seq in scheduled.seqs if seq.sample]
-        generators = [self._generator(seq.request_id, seq.sampling_params.seed) for seq in sampling]
+        starts = list(itertools.accumulate((seq.num_logits for seq in sampling), initial=0))
+        # Guesses a draft model sampled from its own distribution q are accepted by the
+        # ratio rule; fixed guesses (n-gram, greedy drafts) by matching the target's draw.
+        by_ratio = {
+            i: q
+            for i, seq in enumerate(sampling)
+            if seq.draft_token_ids and (q := self._draft_probs(seq.request_id)) is not None
+        }
+        by_match = [i for i in range(len(sampling)) if i not in by_ratio]
+        sampled: dict[str, list[SampledToken]] = {}
+        if by_match:
+            rows = [r for i in by_match for r in range(starts[i], starts[i + 1])]
+            sampled |= self._sample_matching(
+                logits if len(rows) == logits.shape[0] else logits[rows],
+                [sampling[i] for i in by_match],
+            )
+        for i, q in by_ratio.items():
+            seq = sampling[i]
+            sampled[seq.request_id] = self._sample_by_ratio(
+                logits[starts[i] : starts[i + 1]], seq, q
+            )
+        return ModelOutput(sampled, forward_time)
+
+    def _sample_matching(
+        self, logits: torch.Tensor, seqs: list[ScheduledSeq]
+    ) -> dict[str, list[SampledToken]]:
+        """One draw per position; drafts kept up to the first that differs from the draw
+        at its position, then that draw."""
+        generators = [self._generator(seq.request_id, seq.sampling_params.seed) for seq in seqs]
         # A speculating seeded request draws a uniform per position; only those of the
         # tokens it keeps may count, so its draws stay those of one token per step.
         rewind = {
             i: generator.get_state()
-            for i, (seq, generator) in enumerate(zip(sampling, generators, strict=True))
+            for i, (seq, generator) in enumerate(zip(seqs, generators, strict=True))
             if seq.draft_token_ids and generator is not None
         }
         result = self.sampler(
             logits,
-            [seq.sampling_params for seq in sampling for _ in range(seq.num_logits)],
-            [g for seq, g in zip(sampling, generators, strict=True) for _ in range(seq.num_logits)],
+            [seq.sampling_params for seq in seqs for _ in range(seq.num_logits)],
+            [g for seq, g in zip(seqs, generators, strict=True) for _ in range(seq.num_logits)],
         )
         sampled: dict[str, list[SampledToken]] = {}
         row = 0
-        for i, seq in enumerate(sampling):
+        for i, seq in enumerate(seqs):
             tokens = result.token_ids[row : row + seq.num_logits]
             kept = 1 + num_accepted(seq.draft_token_ids, tokens)
             sampled[seq.request_id] = [
@@ -78,7 +113,26 @@ class TorchRunner:
             if i in rewind and kept < seq.num_logits:
                 self.sampler.replay_draws(generators[i], rewind[i], kept, seq.sampling_params)
             row += seq.num_logits
-        return ModelOutput(sampled, forward_time)
+        return sampled
+
+    def _sample_by_ratio(
+        self, logits: torch.Tensor, seq: ScheduledSeq, q: torch.Tensor
+    ) -> list[SampledToken]:
+        """Guesses the draft sampled, kept by the ratio rule (sample/rejection.py)."""
+        params = seq.sampling_params
+        generator = self._generator(seq.request_id, params.seed)
+        tokens = verify_by_ratio(
+            self.sampler.probs(logits, params),
+            q,
+            seq.draft_token_ids,
+            lambda: self.sampler.uniform(generator),
+            generator,
+        )
+        logprobs = self.sampler.logprobs_of(logits[: len(tokens)], params, tokens)
+        return [SampledToken(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+
+    def _draft_probs(self, request_id: str) -> torch.Tensor | None:
+        return None if self.drafts is None else self.drafts.take_probs(request_id)
 
     def warm_up(self) -> float:
         return self.network.warm_up()

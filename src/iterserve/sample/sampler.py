@@ -192,6 +192,52 @@ class Sampler:
         token_ids: list[int] = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(rows, params, tokens, token_ids))
 
+    def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The distribution one row of `logits` is sampled from under `params`, dense
+        ([rows, vocab], rows sum to 1): temperature, then top-k, then top-p over the top-k
+        survivors, then min-p, with the same rules as the draws above. For speculative
+        decoding's acceptance test, on a handful of rows."""
+        logits = logits.float()
+        vocab = logits.shape[-1]
+        if _is_greedy(params):
+            return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        ratio = ((logits - logits.amax(-1, keepdim=True)) / params.temperature).exp_()
+        keep = torch.ones_like(ratio, dtype=torch.bool)
+        top_k = _top_k(params, vocab)
+        if top_k or params.top_p < 1.0:
+            values, order = torch.sort(ratio, dim=-1, descending=True, stable=True)
+            ranked = torch.ones_like(values, dtype=torch.bool)
+            if top_k:
+                ranked[:, top_k:] = False
+            if params.top_p < 1.0:
+                mass = values * ranked
+                share = mass / mass.sum(-1, keepdim=True)
+                ranked &= (share.cumsum(-1) - share) < params.top_p
+                ranked[:, 0] = True
+            keep = torch.zeros_like(keep).scatter_(-1, order, ranked)
+        if params.min_p > 0.0:
+            keep &= ratio >= params.min_p
+        weights = ratio * keep
+        return weights / weights.sum(-1, keepdim=True)
+
+    def logprobs_of(
+        self, logits: torch.Tensor, params: SamplingParams, token_ids: list[int]
+    ) -> list[TokenLogprobs | None]:
+        """Logprobs (as the sampler reports them) of given tokens, one per row."""
+        logits = logits.float().contiguous()
+        tokens = torch.tensor(token_ids, device=logits.device)
+        return self._logprobs(_LogitRows(logits), [params] * len(token_ids), tokens, token_ids)
+
+    @staticmethod
+    def is_greedy(params: SamplingParams) -> bool:
+        return _is_greedy(params)
+
+    @staticmethod
+    def uniform(generator: torch.Generator | None) -> float:
+        if generator is None:
+            return float(torch.rand(1, dtype=torch.float64))
+        return float(Sampler._draw(generator))
+
     @staticmethod
     def replay_draws(
         generator: torch.Generator, state: torch.Tensor, num_rows: int, params: SamplingParams
