@@ -10,7 +10,7 @@ from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.metrics import compute_metrics
 from iterserve.bench.simulate import simulate
 from iterserve.bench.workloads import WorkloadSpec, build_workload
-from iterserve.config import EngineConfig, SchedulerConfig
+from iterserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
 from iterserve.executor.simulated import HARDWARE, MODELS, RooflineCostModel
 from iterserve.sampling_params import SamplingParams
@@ -61,3 +61,25 @@ def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill() -> 
     one, eight = step(1, 1, 100), step(1, 8, 100)
     assert eight < 1.2 * one, "small decode batches cost about the weights' read time"
     assert step(2048, 1, 0) > 4 * step(256, 1, 0) > 0, "long prefills cost their FLOPs"
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.6, 1.0])
+def test_speculation_is_modelled_at_its_acceptance_rate(workload, rate: float) -> None:  # type: ignore[no-untyped-def]
+    """Each of k guesses kept with chance `rate` up to the first refusal: the measured rate
+    is sum(rate^i, i=1..k) / k, every request still gets exactly its length, and at a
+    light load a high rate shortens the time per output token."""
+    k = 4
+    config = EngineConfig(speculative=SpeculativeConfig("ngram", num_speculative_tokens=k))
+    offsets = arrival_offsets(ArrivalSpec(request_rate=2.0), len(workload.requests), seed=1)
+    records, scheduler, _ = simulate(
+        config, workload, offsets, "a100-80g", "llama3-8b", acceptance_rate=rate
+    )
+    metrics = compute_metrics(records)
+    assert metrics.throughput.total_output_tokens == sum(r.output_len for r in workload.requests)
+    stats = scheduler.spec_stats
+    expected = sum(rate**i for i in range(1, k + 1)) / k
+    assert stats.num_draft_tokens > 0
+    assert stats.acceptance_rate == pytest.approx(expected, abs=0.05)
+    plain = compute_metrics(simulate(EngineConfig(), workload, offsets, "a100-80g", "llama3-8b")[0])
+    if rate == 1.0:
+        assert metrics.latency.tpot.mean < 0.6 * plain.latency.tpot.mean
