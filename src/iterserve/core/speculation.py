@@ -31,7 +31,7 @@ class DraftQuery:
     k: int
     # How the request samples: a draft model samples its guesses the same way, so the
     # target can accept them by the ratio of the two distributions.
-    sampling_params: SamplingParams | None = None
+    sampling_params: SamplingParams
 
 
 class Proposer(Protocol):

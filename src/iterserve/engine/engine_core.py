@@ -38,7 +38,6 @@ class StepStats:
     num_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0  # query tokens of decodes (speculative drafts not included)
-    draft_tokens: int = 0  # speculative query tokens
     generated_tokens: int = 0  # tokens sampled and kept (with speculation, > decode steps)
     prefill_time: float = 0.0  # wall time of steps that computed prompt tokens
     busy_time: float = 0.0
@@ -118,7 +117,6 @@ class EngineCore:
         stats.num_steps += 1
         stats.prefill_tokens += scheduled.num_prefill_tokens
         stats.decode_tokens += scheduled.num_decode_tokens
-        stats.draft_tokens += scheduled.num_draft_tokens
         stats.generated_tokens += sum(len(u.new_token_ids) for u in updates)
         stats.busy_time += elapsed
         stats.forward_time += model_output.forward_time

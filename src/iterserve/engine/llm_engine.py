@@ -79,12 +79,12 @@ class LLMEngine:
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        self.executor = TorchRunner(
-            self._paged(model, self.model_plan, loaded, num_blocks, dtype), config.seed
-        )
         self.draft: DraftModelProposer | None = None
         if config.speculative.speculative_method == "draft":
-            self.draft = self.executor.drafts = self._draft_proposer(loaded, num_blocks, dtype)
+            self.draft = self._draft_proposer(loaded, num_blocks, dtype)
+        self.executor = TorchRunner(
+            self._paged(model, self.model_plan, loaded, num_blocks, dtype), config.seed, self.draft
+        )
         # The loop `iterserve simulate` runs too, here with the model as its executor.
         self.core = EngineCore.build(
             config, self.executor, num_blocks, self.max_model_len, proposer=self.draft

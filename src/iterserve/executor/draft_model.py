@@ -115,7 +115,7 @@ class DraftModelProposer:
 
     def _guess(self, query: DraftQuery, logits: torch.Tensor) -> int:
         params = query.sampling_params
-        if params is None or self.sampler.is_greedy(params):
+        if self.sampler.is_greedy(params):
             return int(logits.argmax())
         q = self.sampler.probs(logits.unsqueeze(0), params)[0]
         self._probs.setdefault(query.request_id, []).append(q)

@@ -58,7 +58,6 @@ class TorchRunner:
         )
         forward_time = self.network.last_forward_seconds
         sampling = [seq for seq in scheduled.seqs if seq.sample]
-        starts = list(itertools.accumulate((seq.num_logits for seq in sampling), initial=0))
         # Guesses a draft model sampled from its own distribution q are accepted by the
         # ratio rule; fixed guesses (n-gram, greedy drafts) by matching the target's draw.
         by_ratio = {
@@ -66,14 +65,14 @@ class TorchRunner:
             for i, seq in enumerate(sampling)
             if seq.draft_token_ids and (q := self._draft_probs(seq.request_id)) is not None
         }
+        if not by_ratio:  # every step without a draft model's sampled guesses
+            return ModelOutput(self._sample_matching(logits, sampling), forward_time)
+        starts = list(itertools.accumulate((seq.num_logits for seq in sampling), initial=0))
         by_match = [i for i in range(len(sampling)) if i not in by_ratio]
         sampled: dict[str, list[SampledToken]] = {}
         if by_match:
             rows = [r for i in by_match for r in range(starts[i], starts[i + 1])]
-            sampled |= self._sample_matching(
-                logits if len(rows) == logits.shape[0] else logits[rows],
-                [sampling[i] for i in by_match],
-            )
+            sampled |= self._sample_matching(logits[rows], [sampling[i] for i in by_match])
         for i, q in by_ratio.items():
             seq = sampling[i]
             sampled[seq.request_id] = self._sample_by_ratio(
