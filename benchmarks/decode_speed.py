@@ -17,8 +17,9 @@ plus each path's start-up time (load + kernel build + compile/warm-up). Paths (-
   eager-bf16     --kernels torch --no-compile --weights bf16: plain torch ops, the reference
   compiled-bf16  --kernels torch --weights bf16: the same network through torch.compile
   bf16           --weights bf16: iterserve's kernels, one fused C++ op per layer
+  int8           --weights int8: int8 weights and activations (W8A8) at every step size
   default        the engine's defaults: for the bundled Q4_1 GGUF, its 4-bit layers and
-                 8-bit head on few-token steps, a bf16 copy on larger ones
+                 8-bit head on few-token steps, an int8 copy (W8A8) on larger ones
 
 Batch sizes run in order, each through every path before the next, so a noisy spell on
 this shared machine hits all paths alike; compare ratios within one run. Asserts nothing.
@@ -45,6 +46,7 @@ PATHS: dict[str, dict[str, object]] = {
     "eager-bf16": {"kernels": "torch", "compile": False, "weights": "bf16"},
     "compiled-bf16": {"kernels": "torch", "weights": "bf16"},
     "bf16": {"weights": "bf16"},
+    "int8": {"weights": "int8"},
     "default": {},
 }
 

@@ -9,11 +9,13 @@ its own weights, so nothing stays in cache from one call to the next) and the ti
   tiled-bf16            csrc/linear.cpp on bf16 weights
   tiled-q4              csrc/linear.cpp on 4-bit blocks (GGUF Q4_1 layout, random values)
   tiled-q8 (head)       csrc/linear.cpp on 8-bit blocks (the bundled GGUF's head is Q8_0)
+  tiled-i8              csrc/linear.cpp on int8 weights with int8 activations (W8A8)
   int4pack (torch)      torch's _weight_int4pack_mm_for_cpu, group 32, for comparison
 
-and prints ms per step, the effective weight bandwidth (GB/s), the largest M at which the
-tiled bf16 kernel still beats oneDNN, and the largest at which 4/8-bit weights still beat
-their bf16 copy in the tiled kernel: the source of MAX_QUANTIZED_ROWS in model/linear.py.
+and prints ms per step, the effective weight bandwidth (GB/s) or arithmetic rate (GOP/s
+from 512 rows), the largest M at which the tiled bf16 kernel still beats oneDNN, and the
+largest at which 4/8-bit weights still beat their int8 copy in the tiled kernel: the source
+of MAX_QUANTIZED_ROWS in model/linear.py.
 Medians of interleaved repeats; asserts nothing.
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1,2,4,8,16,32,64] [--json out.json]
@@ -42,8 +44,13 @@ NO_LIMIT = 1 << 20  # max_tile_rows that keeps every row count on the tiled kern
 LAYER_BYTES = {
     "bf16": 2 * LAYERS * sum(n * k for n, k in SHAPES),
     "q4": LAYERS * sum(n * k for n, k in SHAPES) * 5 // 8,  # 4 bits + fp16 d, m per 32
+    "i8": LAYERS * sum(n * k for n, k in SHAPES),
 }
-HEAD_BYTES = {"bf16": 2 * HEAD[0] * HEAD[1], "q8": HEAD[0] * HEAD[1] * 34 // 32}
+HEAD_BYTES = {
+    "bf16": 2 * HEAD[0] * HEAD[1],
+    "q8": HEAD[0] * HEAD[1] * 34 // 32,
+    "i8": HEAD[0] * HEAD[1],
+}
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -73,11 +80,13 @@ class Weights:
     packed: list[list[torch.Tensor]]
     tiles: list[list[torch.Tensor]]
     q4: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    i8: list[list[tuple[torch.Tensor, torch.Tensor]]]
     int4pack: list[list[tuple[torch.Tensor, torch.Tensor]]]
     head: torch.Tensor
     head_packed: torch.Tensor
     head_tiles: torch.Tensor
     head_q8: tuple[torch.Tensor, torch.Tensor]
+    head_i8: tuple[torch.Tensor, torch.Tensor]
 
     @staticmethod
     def random() -> Weights:
@@ -89,6 +98,10 @@ class Weights:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             return packed, torch.randn(k // 32, n, 2, dtype=torch.bfloat16)
 
+        def i8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, scales = quant.quantize_int8(w)
+            return quant.tile_int8(q), scales
+
         head = (torch.randn(*HEAD) * 0.02).bfloat16()
         q8 = torch.randint(-128, 128, HEAD, dtype=torch.int8)
         head_scales = (torch.rand(HEAD[0], HEAD[1] // 32) * 0.01).half()
@@ -97,17 +110,25 @@ class Weights:
             packed=[[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in dense],
             tiles=[[quant.tile_bf16(w) for w in ws] for ws in dense],
             q4=[[quant.tile_quantized(random_q4(n, k)) for n, k in SHAPES] for _ in range(LAYERS)],
+            i8=[[i8(w) for w in ws] for ws in dense],
             int4pack=[[int4pack(n, k) for n, k in SHAPES] for _ in range(LAYERS)],
             head=head,
             head_packed=torch.ops.mkldnn._reorder_linear_weight(head, None),
             head_tiles=quant.tile_bf16(head),
             head_q8=quant.tile_quantized(quant.QuantizedWeight("q8", q8, head_scales, None)),
+            head_i8=i8(head),
         )
 
 
 def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int | str]]:
     """One row count through every kernel: layer and head timings in ms."""
-    tiled = torch.ops.iterserve.tiled_linear.default
+    op = torch.ops.iterserve.tiled_linear.default
+
+    def tiled(
+        x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None, fmt: int
+    ) -> object:
+        return op(x, tiles, scales, None, None, fmt, None, None, 0, NO_LIMIT)
+
     onednn = torch.ops.mkldnn._linear_pointwise
     xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in SHAPES]
     xh = torch.randn(rows, HEAD[1], dtype=torch.bfloat16)
@@ -129,10 +150,9 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     layer_fns: dict[str, Callable[[], object]] = {
         "torch": torch_layers,
         "onednn": layers(lambda x, i, j: onednn(x, w.packed[i][j], None, "none", [], "")),
-        "tiled-bf16": layers(
-            lambda x, i, j: tiled(x, w.tiles[i][j], None, None, None, 0, None, NO_LIMIT)
-        ),
-        "tiled-q4": layers(lambda x, i, j: tiled(x, *w.q4[i][j], None, None, 1, None, NO_LIMIT)),
+        "tiled-bf16": layers(lambda x, i, j: tiled(x, w.tiles[i][j], None, 0)),
+        "tiled-q4": layers(lambda x, i, j: tiled(x, *w.q4[i][j], 1)),
+        "tiled-i8": layers(lambda x, i, j: tiled(x, *w.i8[i][j], 3)),
         "int4pack": layers(
             lambda x, i, j: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, w.int4pack[i][j][0], 32, w.int4pack[i][j][1]
@@ -142,17 +162,24 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     head_fns: dict[str, Callable[[], object]] = {
         "torch": torch_head,
         "onednn": lambda: onednn(xh, w.head_packed, None, "none", [], ""),
-        "tiled-bf16": lambda: tiled(xh, w.head_tiles, None, None, None, 0, None, NO_LIMIT),
-        "tiled-q8": lambda: tiled(xh, *w.head_q8, None, None, 2, None, NO_LIMIT),
+        "tiled-bf16": lambda: tiled(xh, w.head_tiles, None, 0),
+        "tiled-q8": lambda: tiled(xh, *w.head_q8, 2),
+        "tiled-i8": lambda: tiled(xh, *w.head_i8, 3),
     }
     layer_ms = interleaved(layer_fns, repeats)
     head_ms = interleaved(head_fns, repeats * 4)
     results: list[dict[str, float | int | str]] = []
     for name in dict.fromkeys([*layer_fns, *head_fns]):
-        fmt = "q4" if name in ("tiled-q4", "int4pack") else "q8" if name == "tiled-q8" else "bf16"
+        fmt = {"tiled-q4": "q4", "int4pack": "q4", "tiled-q8": "q8", "tiled-i8": "i8"}.get(
+            name, "bf16"
+        )
         lm, hm = layer_ms.get(name), head_ms.get(name)
-        lbw = f"{LAYER_BYTES[fmt] / lm / 1e6:6.1f}" if lm and fmt in LAYER_BYTES else ""
-        hbw = f"{HEAD_BYTES[fmt] / hm / 1e6:6.1f}" if hm and fmt in HEAD_BYTES else ""
+        if rows >= 512:  # compute-bound: the arithmetic rate says more than bytes
+            lbw = f"{2 * rows * LAYER_BYTES['i8'] / lm / 1e6:6.0f}" if lm else ""
+            hbw = f"{2 * rows * HEAD_BYTES['i8'] / hm / 1e6:6.0f}" if hm else ""
+        else:
+            lbw = f"{LAYER_BYTES[fmt] / lm / 1e6:6.1f}" if lm and fmt in LAYER_BYTES else ""
+            hbw = f"{HEAD_BYTES[fmt] / hm / 1e6:6.1f}" if hm and fmt in HEAD_BYTES else ""
         lms = f"{lm:10.2f}" if lm else ""
         hms = f"{hm:8.2f}" if hm else ""
         print(f"{rows:4d}  {name:12s} {lms:>10s} {lbw:>6s}   {hms:>8s} {hbw:>6s}", flush=True)
@@ -192,8 +219,9 @@ def main() -> None:
     for kernel, rival, key in (
         ("tiled-bf16", "onednn", "layers_ms"),
         ("tiled-bf16", "onednn", "head_ms"),
-        ("tiled-q4", "tiled-bf16", "layers_ms"),
-        ("tiled-q8", "tiled-bf16", "head_ms"),
+        ("tiled-q4", "tiled-i8", "layers_ms"),
+        ("tiled-q8", "tiled-i8", "head_ms"),
+        ("tiled-i8", "tiled-bf16", "layers_ms"),
     ):
         where = "layers" if key == "layers_ms" else "head"
         print(f"  {kernel} vs {rival} ({where}): {crossover(results, kernel, rival, key)}")

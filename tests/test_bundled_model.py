@@ -13,6 +13,8 @@ def llm() -> LLM:
 
 
 def test_capital_of_france_is_paris(llm: LLM) -> None:
+    if kernels.available():
+        assert llm.engine.model_plan.weights == "q4+q8+i8"
     out = llm.generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
     )[0]
@@ -24,6 +26,24 @@ def test_chat_template_from_the_gguf(llm: LLM) -> None:
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
+
+
+@pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+@pytest.mark.parametrize(
+    "weights,formats",
+    [("int4", "q4+q8"), ("int8", "i8"), ("bf16", "bfloat16")],
+)
+def test_every_weight_format_answers_paris(weights: str, formats: str) -> None:
+    """The other --weights choices (the fixture above is `auto`: 4-bit few-row steps, an int8
+    copy for many-row ones); a prompt of over 16 tokens runs the many-row kernels."""
+    llm = LLM(weights=weights, max_num_seqs=2)
+    assert llm.engine.model_plan.weights == formats
+    prompt = "The Eiffel Tower is a famous landmark. It stands in the capital city of France, which is called"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert len(llm.engine.tokenize(prompt)) > 16
+    assert "Paris" in out.text, out.text
 
 
 @pytest.mark.skipif(

@@ -13,11 +13,16 @@ pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
 )
 
-BF16, Q4, Q8 = 0, 1, 2
+BF16, Q4, Q8, I8 = 0, 1, 2, 3
 
 
-def _tiled(x, weight, scales, fmt, bias=None, residual=None, wide=None, max_rows=64):
-    return torch.ops.iterserve.tiled_linear(x, weight, scales, bias, residual, fmt, wide, max_rows)
+def _tiled(
+    x, weight, scales, fmt, bias=None, residual=None, wide=None, max_rows=64, wide_fmt=BF16,
+    wide_scales=None,
+):  # fmt: skip
+    return torch.ops.iterserve.tiled_linear(
+        x, weight, scales, bias, residual, fmt, wide, wide_scales, wide_fmt, max_rows
+    )
 
 
 def _random_q4(n: int, k: int, gen: torch.Generator) -> quant.QuantizedWeight:
@@ -87,6 +92,61 @@ def test_rows_past_the_quantized_limit_run_the_bf16_copy() -> None:
         as_q4 = _tiled(x, q, scales, Q4, residual=res, wide=wide, max_rows=9)
         _close_to_bf16_rounding(as_q4, x.float() @ weight.dequantize().T + extra)
         assert not torch.equal(as_bf16, as_q4)  # the copy is rounded to bf16, the blocks not
+
+
+def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Quantize the activations as documented, then an exact matmul of the int8 values."""
+    xq, xs = quant.quantize_activations(x)
+    m, k = x.shape
+    dequantized = (xq.double().view(m, k // 32, 32) * xs.double()[..., None]).view(m, k)
+    return (dequantized @ (q.double() * scales.double()[:, None]).T).float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (208, 576)])
+def test_i8_tiles_match_quantize_then_exact_matmul(rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 10 + n)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by it
+    bias = torch.randn(n, generator=gen).bfloat16()
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    q, scales = quant.quantize_int8(w)
+    out = _tiled(x, quant.tile_int8(q), scales, I8, bias, residual)
+    _close_to_bf16_rounding(out, _w8a8_reference(x, q, scales) + bias.float() + residual.float())
+
+
+def test_i8_rounds_activations_as_the_documented_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 96, generator=gen) * 4).bfloat16()
+    x[1, 40] = 100.0  # one outlier: its block's scale, not the row's
+    q, s = torch.ops.iterserve.quantize_rows(x)
+    q_ref, s_ref = quant.quantize_activations(x)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert int(q.abs().max()) == 127 and int(q[1, 32:64].abs().max()) == 127
+    # Per-block scales keep small blocks precise: within half a step of each input.
+    step = s.repeat_interleave(32, dim=1)
+    assert bool(((q.float() * step - x.float()).abs() <= step / 2 + 1e-6).all())
+
+
+def test_quantize_int8_is_symmetric_per_output_row() -> None:
+    w = torch.tensor([[0.5, -1.0, 0.25, 0.0], [2.0, 1.0, -0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    q, s = quant.quantize_int8(w)
+    assert torch.equal(s, torch.tensor([1.0, 2.0, 0.0]) / 127)
+    assert q.tolist() == [[64, -127, 32, 0], [127, 64, -32, 0], [0, 0, 0, 0]]
+
+
+def test_rows_past_the_quantized_limit_run_the_int8_copy() -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = _random_q4(32, 64, gen)
+    q8, s8 = quant.quantize_int8(weight.dequantize())
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    q, scales = quant.tile_quantized(weight)
+    wide = dict(wide=quant.tile_int8(q8), wide_scales=s8, wide_fmt=I8)
+    as_i8 = _tiled(x, q, scales, Q4, max_rows=4, **wide)
+    _close_to_bf16_rounding(as_i8, _w8a8_reference(x, q8, s8))
+    as_q4 = _tiled(x, q, scales, Q4, max_rows=9, **wide)
+    _close_to_bf16_rounding(as_q4, x.float() @ weight.dequantize().T)
 
 
 @pytest.mark.parametrize("rows", [1, 37, 130])

@@ -20,7 +20,7 @@ from iterserve.core.kv_cache import PrefixHashAlgo
 
 Batching = Literal["continuous", "static", "dynamic"]
 StepPolicy = Literal["mixed", "prefill-first"]
-WeightFormat = Literal["auto", "bf16", "int4"]
+WeightFormat = Literal["auto", "bf16", "int4", "int8"]
 Kernels = Literal["auto", "torch"]
 DType = Literal["bfloat16", "float32"]
 SpeculativeMethod = Literal["ngram", "draft"]
@@ -217,8 +217,10 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     weights: WeightFormat = _opt(
         "auto",
-        "weight format: auto (a 4/8-bit GGUF stays so for few-token steps, with a bf16 copy "
-        "for large ones), int4 (4/8-bit only: least memory), bf16",
+        "weight format: auto (a 4/8-bit GGUF stays so for few-token steps, with an int8 copy "
+        "for large ones run with int8 activations; other checkpoints bf16), int4 (the "
+        "GGUF's 4/8-bit blocks only: least memory), int8 (int8 weights and activations "
+        "for every step, any checkpoint), bf16",
     )
     kernels: Kernels = _opt(
         "auto",
@@ -250,9 +252,11 @@ class EngineConfig:
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be at least 1, got {self.num_threads}")
-        if self.weights == "int4" and (self.dtype != "bfloat16" or self.kernels == "torch"):
+        if self.weights in ("int4", "int8") and (
+            self.dtype != "bfloat16" or self.kernels == "torch"
+        ):
             raise ConfigError(
-                "--weights int4 runs on iterserve's kernels: it needs --dtype "
+                f"--weights {self.weights} runs on iterserve's kernels: it needs --dtype "
                 "bfloat16 and --kernels auto"
             )
         self.cache.validate()

@@ -1,7 +1,7 @@
 """iterserve's own CPU kernels: C++ in `csrc/`, built at first use and cached.
 
 Nothing requires them. `available()` says whether they run here: the CPU must have
-AVX-512 with BF16 dot products (checked at run time, not at build time), a C++ compiler
+AVX-512 with BF16 and VNNI dot products (checked at run time, not at build time), a C++ compiler
 must be present, and the build must succeed. Otherwise the engine says why, once, and
 every caller takes its torch path. The build lands in `cache_dir()`, keyed by the sources'
 hash, so an edit rebuilds and an unchanged tree loads in milliseconds.
@@ -27,7 +27,16 @@ logger = logging.getLogger("iterserve.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 # The instruction sets the sources are compiled for; `available()` checks the CPU has them.
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c", "fma")
+_CPU_FLAGS = (
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_bf16",
+    "avx512_vnni",
+    "f16c",
+    "fma",
+)
 _CFLAGS = [
     "-O3",
     "-mavx512f",
@@ -35,6 +44,7 @@ _CFLAGS = [
     "-mavx512vl",
     "-mavx512dq",
     "-mavx512bf16",
+    "-mavx512vnni",
     "-mf16c",
     "-mfma",
     "-fopenmp",

@@ -16,9 +16,20 @@ def _tiled_linear(
     residual: torch.Tensor | None,
     format: int,
     wide_weight: torch.Tensor | None,
+    wide_scales: torch.Tensor | None,
+    wide_format: int,
     max_tile_rows: int,
+    fp32_out: bool = False,
 ) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0] * TILE)
+    dtype = torch.float32 if fp32_out else x.dtype
+    return x.new_empty(x.shape[0], weight.shape[0] * TILE, dtype=dtype)
+
+
+@torch.library.register_fake("iterserve::quantize_rows")
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(
+        (x.shape[0], x.shape[1] // 32), dtype=torch.float32
+    )
 
 
 @torch.library.register_fake("iterserve::paged_attention")

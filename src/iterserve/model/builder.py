@@ -11,7 +11,7 @@ import torch
 
 from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
-from iterserve.model.linear import Backend, onednn_usable
+from iterserve.model.linear import Backend, DenseFormat, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.quant import QuantizedWeight
@@ -39,22 +39,35 @@ def choose_backend(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     return "tiled" if kernels.available() else "onednn"
 
 
-def choose_quantized(
-    config: EngineConfig, loaded: LoadedModel, backend: Backend
-) -> dict[str, QuantizedWeight]:
-    """The checkpoint blocks to keep as they are; {} means every projection runs in bf16."""
+@dataclass(frozen=True)
+class WeightChoice:
+    """How the tiled kernels hold the projections (see model/linear.py)."""
+
+    quantized: dict[str, QuantizedWeight]  # checkpoint blocks kept as they are, by HF name
+    dense_format: DenseFormat  # the dense weights: bf16, or int8 run with int8 activations
+    wide: bool  # quantized weights get a dense copy for steps of many rows
+
+
+def choose_weights(config: EngineConfig, loaded: LoadedModel, backend: Backend) -> WeightChoice:
     has_4bit = any(q.kind == "q4" for q in loaded.quantized.values())
-    if config.weights == "int4":
-        if backend != "tiled":
-            reason = kernels.why_unavailable() or "they are off on this device/dtype"
-            raise ConfigError(f"--weights int4 needs iterserve's C++ kernels ({reason})")
-        if not has_4bit:
-            raise ConfigError(
-                "--weights int4 needs a checkpoint with 4-bit weights (a Q4_0 or Q4_1 GGUF)"
-            )
+    if config.weights in ("int4", "int8") and backend != "tiled":
+        reason = kernels.why_unavailable() or "they are off on this device/dtype"
+        raise ConfigError(f"--weights {config.weights} needs iterserve's C++ kernels ({reason})")
+    if config.weights == "int4" and not has_4bit:
+        raise ConfigError(
+            "--weights int4 needs a checkpoint with 4-bit weights (a Q4_0 or Q4_1 GGUF)"
+        )
+    if config.weights == "int8":
+        return WeightChoice({}, "i8", wide=False)
     if config.weights == "bf16" or backend != "tiled" or not has_4bit:
-        return {}
-    return dict(loaded.quantized)
+        return WeightChoice({}, "bf16", wide=False)
+    # 4-bit checkpoint: its blocks for few-row steps (weight streaming), and for many rows
+    # (compute-bound) an int8 copy run on int8 activations, twice bf16's arithmetic rate
+    # (benchmarks/linear_kernels.py). int4 alone: least memory, slower prefill and large
+    # batches. Batch-invariant runs keep one format for every step size: switching by row
+    # count would make a request's logits depend on it.
+    wide = config.weights == "auto" and not config.batch_invariant
+    return WeightChoice(dict(loaded.quantized), "i8", wide)
 
 
 def build_model(
@@ -63,11 +76,8 @@ def build_model(
     model = LlamaForCausalLM(loaded.config, dtype, device)
     model.load_weights(loaded.weights)
     backend = choose_backend(config, dtype, device)
-    quantized = choose_quantized(config, loaded, backend)
-    # auto: 4-bit where it is fastest, a bf16 copy for large steps; int4: 4-bit only (least
-    # memory, slower prefill and large batches). Batch-invariant runs keep one format for
-    # every step size: switching by row count would make a request's logits depend on it.
-    model.prepare(backend, quantized, wide=config.weights != "int4" and not config.batch_invariant)
+    choice = choose_weights(config, loaded, backend)
+    model.prepare(backend, choice.quantized, choice.wide, choice.dense_format)
     use_kernel = (
         config.kernels == "auto"
         and device.type == "cpu"
@@ -90,7 +100,9 @@ def build_model(
     if compiled:
         _use_persistent_compile_cache()
         model.compile_layers()
-    formats = sorted({q.kind for q in quantized.values()})
+    formats = sorted({q.kind for q in choice.quantized.values()})
+    if choice.dense_format == "i8" and (choice.wide or not formats):
+        formats.append("i8")
     plan = ModelPlan(
         backend=backend,
         paged_attention_kernel=use_kernel,

@@ -11,7 +11,9 @@ Backends, chosen once when the model is built:
   the weight out on every call (benchmarks/linear_kernels.py).
 - ``tiled``: iterserve's C++ kernel (kernels/csrc/linear.cpp). At a few rows it streams the
   weights once per step near memory bandwidth, in bf16 or kept in the checkpoint's 4- or
-  8-bit blocks; at hundreds of rows it runs at the bf16 peak, level with oneDNN.
+  8-bit blocks; at hundreds of rows it runs at the bf16 peak, level with oneDNN. Its
+  ``i8`` format (W8A8: int8 weights per output row, activations quantized per block of 32
+  as they come) doubles that peak with integer dot products.
 
 The residual add rides inside the product in every backend (one op, one rounding).
 """
@@ -23,11 +25,20 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from iterserve.model.quant import BLOCK, TILE, QuantizedWeight, tile_bf16, tile_quantized
+from iterserve.model.quant import (
+    BLOCK,
+    TILE,
+    QuantizedWeight,
+    quantize_int8,
+    tile_bf16,
+    tile_int8,
+    tile_quantized,
+)
 
 Backend = Literal["torch", "onednn", "tiled"]
+DenseFormat = Literal["bf16", "i8"]  # what the tiled kernel makes of a dense weight
 
-_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2}
+_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3}
 
 # Rows up to which 4/8-bit weights beat their own bf16 copy in the tiled kernel: past them a
 # step is compute-bound and unpacking costs more than the bytes saved (benchmarks/
@@ -81,10 +92,12 @@ class Linear:
         backend: Backend = "torch",
         quantized: QuantizedWeight | None = None,
         wide: bool = True,
+        dense_format: DenseFormat = "bf16",
     ) -> None:
-        """`weight` is the dense [N, K] matrix in the model dtype. `quantized`, when given,
-        is the same matrix in its checkpoint blocks: the tiled backend then keeps it so for
-        few-row steps, plus (`wide`) a bf16 copy for the others, or alone if not `wide`."""
+        """`weight` is the dense [N, K] matrix in the model dtype, which the tiled backend
+        keeps in `dense_format`. `quantized`, when given, is the same matrix in its
+        checkpoint blocks: the tiled backend then keeps it so for few-row steps, plus
+        (`wide`) the dense copy for the others, or alone if not `wide`."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend: Backend = backend
@@ -93,47 +106,62 @@ class Linear:
         self.packed: torch.Tensor | None = None  # onednn backend
         self.tiles: torch.Tensor | None = None  # tiled backend
         self.scales: torch.Tensor | None = None
-        self.wide: torch.Tensor | None = None  # bf16 tiles for steps past max_tile_rows
+        self.wide_format = "bf16"
+        self.wide: torch.Tensor | None = None  # dense tiles for steps past max_tile_rows
+        self.wide_scales: torch.Tensor | None = None
         self.max_tile_rows = _NO_LIMIT
-        if backend == "tiled" and not self._tileable(quantized):
+        if backend == "tiled" and not self._tileable(quantized, dense_format):
             backend = self.backend = "onednn"
         if backend == "torch":
             self.weight = weight
         elif backend == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif quantized is None:
-            self.format = "bf16"
-            self.tiles = tile_bf16(weight)
+            self.format = dense_format
+            self.tiles, self.scales = _tile_dense(weight, dense_format)
         else:
             self.format = quantized.kind
             self.tiles, self.scales = tile_quantized(quantized)
             if wide:
-                self.wide = tile_bf16(weight)
+                self.wide_format = dense_format
+                self.wide, self.wide_scales = _tile_dense(weight, dense_format)
                 self.max_tile_rows = MAX_QUANTIZED_ROWS[quantized.kind]
 
     @property
-    def format_code(self) -> int:
-        """The tile format as csrc/linear.cpp numbers it."""
-        return _FORMAT_CODES[self.format]
+    def format_codes(self) -> tuple[int, int]:
+        """The tiles' format and the wide copy's, as csrc/linear.cpp numbers them."""
+        return _FORMAT_CODES[self.format], _FORMAT_CODES[self.wide_format]
 
-    def _tileable(self, quantized: QuantizedWeight | None) -> bool:
+    @property
+    def kernel_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tiled kernel's tensor arguments: tiles, scales, bias, wide copy, its scales."""
+        return (self.tiles, self.scales, self.bias, self.wide, self.wide_scales)
+
+    def _tileable(self, quantized: QuantizedWeight | None, dense_format: DenseFormat) -> bool:
         if self.out_features % TILE:
             return False
-        if quantized is not None:
+        if quantized is not None or dense_format == "i8":
             return self.in_features % BLOCK == 0
         return self.in_features % 2 == 0
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp32_out: bool = False
+    ) -> torch.Tensor:
+        """`fp32_out`: the tiled kernel may skip rounding the result (others round anyway)."""
         if self.backend == "tiled":
+            code, wide_code = self.format_codes
             return torch.ops.iterserve.tiled_linear(
                 x,
                 self.tiles,
                 self.scales,
                 self.bias,
                 residual,
-                self.format_code,
+                code,
                 self.wide,
+                self.wide_scales,
+                wide_code,
                 self.max_tile_rows,
+                fp32_out,
             )
         if self.backend == "onednn":
             assert self.packed is not None
@@ -151,5 +179,15 @@ class Linear:
         if self.backend != "tiled":
             return self.backend
         if self.wide is not None:
-            return f"tiled-{self.format}(<={self.max_tile_rows} rows, bf16 above)"
+            return f"tiled-{self.format}(<={self.max_tile_rows} rows, {self.wide_format} above)"
         return f"tiled-{self.format}"
+
+
+def _tile_dense(
+    weight: torch.Tensor, dense_format: DenseFormat
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A dense weight in the tiled kernel's layout: bf16 as it is, or int8 with its scales."""
+    if dense_format == "bf16":
+        return tile_bf16(weight), None
+    q, scales = quantize_int8(weight)
+    return tile_int8(q), scales

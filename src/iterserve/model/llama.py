@@ -22,7 +22,7 @@ from iterserve.model.attention import attend, attention_context
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
-from iterserve.model.linear import Backend, Linear
+from iterserve.model.linear import Backend, DenseFormat, Linear
 from iterserve.model.quant import QuantizedWeight
 
 
@@ -153,6 +153,7 @@ class _DecoderLayer(nn.Module):
         backend: Backend,
         quantized: Mapping[str, QuantizedWeight],
         wide: bool,
+        dense_format: DenseFormat,
         rope_tables: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """Build the projections' kernels; the dense weights are dropped unless torch runs."""
@@ -161,7 +162,12 @@ class _DecoderLayer(nn.Module):
         for name, parts in _FUSED.items():
             weight = getattr(self, f"{name}_weight")
             self.linears[name] = Linear(
-                weight, biases[name], backend, _fused_quantized(quantized, prefix, parts), wide
+                weight,
+                biases[name],
+                backend,
+                _fused_quantized(quantized, prefix, parts),
+                wide,
+                dense_format,
             )
             if backend != "torch":  # the kernels hold their own copies
                 setattr(self, f"{name}_weight", None)
@@ -170,8 +176,8 @@ class _DecoderLayer(nn.Module):
         if all(lin.backend == "tiled" for lin in tiled) and self.head_dim % 32 == 0:
             self.rope_tables = rope_tables
             self.fused = (
-                [t for lin in tiled for t in (lin.tiles, lin.scales, lin.bias, lin.wide)],
-                [lin.format_code for lin in tiled],
+                [t for lin in tiled for t in lin.kernel_tensors],
+                [code for lin in tiled for code in lin.format_codes],
                 [lin.max_tile_rows for lin in tiled],
             )
 
@@ -329,22 +335,28 @@ class LlamaForCausalLM(nn.Module):
         backend: Backend = "torch",
         quantized: Mapping[str, QuantizedWeight] | None = None,
         wide: bool = True,
+        dense_format: DenseFormat = "bf16",
     ) -> None:
         """Choose the projections' kernels once the weights are in.
 
         `quantized` holds checkpoint weights to keep in their own 4/8-bit blocks (HF names);
-        only the tiled backend reads them, for few-row steps, with a bf16 copy for larger
-        ones unless not `wide`. Until this is called the torch backend runs.
+        only the tiled backend reads them, for few-row steps, with a dense copy in
+        `dense_format` for larger ones unless not `wide`. Until this is called the torch
+        backend runs.
         """
         quantized = quantized or {}
         self.backend = backend
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
-            layer.prepare(backend, quantized, wide, (self.rope_cos, self.rope_signed_sin))
+            layer.prepare(
+                backend, quantized, wide, dense_format, (self.rope_cos, self.rope_signed_sin)
+            )
         head_name = (
             "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         )
-        self.head = Linear(self.lm_head, None, backend, quantized.get(head_name), wide)
+        self.head = Linear(
+            self.lm_head, None, backend, quantized.get(head_name), wide, dense_format
+        )
         # One C++ op per layer wherever the paged attention op also runs (the step's
         # packed table tells each layer its rows' positions).
         self.fused_layers = all(layer.fused is not None for layer in self.layers)
@@ -420,4 +432,6 @@ class LlamaForCausalLM(nn.Module):
         hidden = _rms_norm(
             hidden.index_select(0, logits_indices), self.norm_weight, self.config.rms_norm_eps
         )
-        return self.head(hidden).float()
+        # Logits unrounded where the kernel allows: in bf16, logits near 16 are 1/8 apart and
+        # close calls become ties (the bundled model's first answer token was one).
+        return self.head(hidden, fp32_out=True).float()

@@ -125,3 +125,33 @@ def tile_quantized(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]
     packed = words.contiguous().view(torch.uint8).reshape(tiles, blocks, 256)
     scales = torch.stack((per_tile(weight.d), per_tile(weight.m)), dim=2)
     return packed.contiguous(), scales.contiguous()
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q [N, K] int8 in -127..127, s [N] fp32) with weight ~ s * q: one
+    symmetric scale per output row, the weight half of W8A8."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1) / 127.0
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = torch.round(w * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (q [M, K] int8, s [M, K/32] fp32) with x ~ s * q per block of 32 inputs:
+    the activation half of W8A8, rounded exactly as csrc/linear.cpp rounds it."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    # A true division (`127.0 / amax` would multiply by a rounded reciprocal).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv[..., None]).to(torch.int8).reshape(m, k)
+    return q, amax / 127.0
+
+
+def tile_int8(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> [N/16, K/4, 16, 4] uint8 (q + 128): 16 outputs' weights for each four
+    inputs, unsigned as `vpdpbusd` takes its first operand."""
+    n, k = q.shape
+    biased = (q.to(torch.int16) + 128).to(torch.uint8)
+    return biased.reshape(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()

@@ -132,16 +132,20 @@ std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
   return pos;
 }
 
-// One projection's arguments inside `weights`: tiles, scales, bias, bf16 copy.
+// One projection's arguments: in `weights` its tiles, scales, bias, wide copy and the wide
+// copy's scales; in `formats` the tiles' format and the wide copy's.
 struct Projection {
+  static constexpr int64_t kTensors = 5;
   const c10::List<std::optional<Tensor>>& weights;
   const std::vector<int64_t>& formats;
   const std::vector<int64_t>& max_rows;
   Tensor operator()(int64_t i, const Tensor& x, const std::optional<Tensor>& residual) const {
-    const std::optional<Tensor> tiles = weights.get(4 * i);
+    const int64_t at = kTensors * i;
+    const std::optional<Tensor> tiles = weights.get(at);
     TORCH_CHECK(tiles.has_value(), "decoder_layer: projection ", i, " has no weights");
-    return tiled_linear(x, *tiles, weights.get(4 * i + 1), weights.get(4 * i + 2), residual,
-                        formats[i], weights.get(4 * i + 3), max_rows[i]);
+    return tiled_linear(x, *tiles, weights.get(at + 1), weights.get(at + 2), residual,
+                        formats[2 * i], weights.get(at + 3), weights.get(at + 4),
+                        formats[2 * i + 1], max_rows[i]);
   }
 };
 
@@ -155,9 +159,10 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
                   hidden.stride(1) == 1,
               "decoder_layer: hidden must be [tokens, hidden] bf16 with contiguous rows");
-  TORCH_CHECK(weights.size() == 16 && formats.size() == 4 && max_rows.size() == 4,
+  TORCH_CHECK(weights.size() == 4 * Projection::kTensors && formats.size() == 8 &&
+                  max_rows.size() == 4,
               "decoder_layer: 4 projections (qkv, o, gate_up, down) x (tiles, scales, bias, "
-              "bf16 copy)");
+              "wide copy, its scales), 2 formats each");
   for (const Tensor* t : {&input_norm, &post_norm, &rope_cos, &rope_sin})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
                 "decoder_layer: norms and rope tables must be contiguous bf16");

@@ -11,6 +11,8 @@
 //         GGUF Q4_0/Q4_1 blocks of 32 inputs: w = d * q + m, q in 0..15 (Q4_0: m = -8d)
 //   q8    [N/16, K/32, 512] int8  + [N/16, K/32, 16] fp16 (scale d)
 //         GGUF Q8_0 blocks: w = d * q
+//   i8    [N/16, K/4, 16, 4] uint8 (q + 128) + [N] fp32 (scale s)
+//         w = s * q, q in -127..127 per output row (W8A8; see "i8" below)
 //
 // Quantized weights are turned into exact bf16 integers in registers (0..15 by a table
 // lookup, -128..127 by conversion), so every product x * q is exact in fp32 and the block's
@@ -22,7 +24,9 @@
 // every block of rows reads them, and at 512 rows it runs at the machine's bf16 peak, level
 // with oneDNN's GEMM (benchmarks/linear_kernels.py). For 4/8-bit weights, steps of more than
 // `max_tile_rows` rows are compute-bound and the unpacking costs more than the bytes it
-// saves, so they run the bf16 copy given as `wide_weight`.
+// saves, so they run the copy given as `wide_weight`: bf16, or i8 with the activations
+// quantized too, whose integer dot products (`vpdpbusd`, 64 multiply-adds an instruction
+// against `vdpbf16ps`'s 32) double the compute ceiling of those steps.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,6 +38,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace iterserve {
@@ -44,7 +50,7 @@ using at::Tensor;
 constexpr int64_t kTile = 16;   // outputs per tile: one zmm of fp32 accumulators
 constexpr int64_t kBlock = 32;  // inputs per quantization block
 
-enum class Format : int64_t { kBf16 = 0, kQ4 = 1, kQ8 = 2 };
+enum class Format : int64_t { kBf16 = 0, kQ4 = 1, kQ8 = 2, kI8 = 3 };
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -59,9 +65,11 @@ inline __m512 load_f16x16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Where a tile's outputs go: + bias + residual in fp32, then one rounding to bf16.
+// Where a tile's outputs go: + bias + residual in fp32, then one rounding to bf16, or none
+// (`out_f32`: logits, whose bf16 rounding, 1/8 apart near 16, makes ties of close calls).
 struct Epilogue {
   at::BFloat16* out;
+  float* out_f32;  // instead of `out`
   int64_t ld_out;
   const at::BFloat16* bias;      // [N] or nullptr
   const at::BFloat16* residual;  // [M, ld_res] or nullptr
@@ -70,7 +78,10 @@ struct Epilogue {
   inline void store(int64_t row, int64_t n0, __m512 acc) const {
     if (bias) acc = _mm512_add_ps(acc, load_bf16x16(bias + n0));
     if (residual) acc = _mm512_add_ps(acc, load_bf16x16(residual + row * ld_res + n0));
-    store_bf16x16(out + row * ld_out + n0, acc);
+    if (out_f32)
+      _mm512_storeu_ps(out_f32 + row * ld_out + n0, acc);
+    else
+      store_bf16x16(out + row * ld_out + n0, acc);
   }
 };
 
@@ -78,6 +89,11 @@ struct Rows {
   const at::BFloat16* x;
   int64_t ld_x;
   const float* block_sums;  // [M, K/32] sum of each row's inputs per block (q4 only)
+  // i8 only: the rows quantized ([M, K] int8), their blocks' scales ([M, K/32]) and the
+  // offset each row's sums carry ([M]); see QuantizedRows.
+  const int8_t* xq;
+  const float* x_scales;
+  const float* x_offsets;
 };
 
 // ---- bf16 -----------------------------------------------------------------------------
@@ -201,12 +217,92 @@ inline void q8_tiles(const Rows& rows, int64_t m0, const int8_t* q, const at::Ha
     for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
 }
 
+// ---- i8 (W8A8) --------------------------------------------------------------------------
+
+// Activations quantized per block of 32 inputs (as llama.cpp quantizes them for its 4-bit
+// dot products; one scale per row measured twice the greedy disagreement with bf16 on the
+// bundled model): x ~ s_b * q with q = round(x * 127 / max|x| over the block), q in
+// -127..127. `vpdpbusd` multiplies unsigned by signed bytes, so the weights are stored as
+// q_w + 128 and each row's sum picks up 128 * sum_b s_b * sum(q over b), which `offset`
+// holds and the epilogue takes away: y = s_w * (sum_b s_b * dot_b - offset).
+struct QuantizedRows {
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> scales;   // [M, K/32]
+  std::vector<float> offsets;  // [M]
+
+  QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K)
+      : q(M * K), scales(M * (K / kBlock)), offsets(M) {
+    const int64_t blocks = K / kBlock;
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        float offset = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const at::BFloat16* src = x + m * ld_x + b * kBlock;
+          const __m512 lo = load_bf16x16(src), hi = load_bf16x16(src + 16);
+          const float amax =
+              _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+          const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+          // Round half to even (the default rounding mode), as torch.round does.
+          const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+          const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+          int8_t* dst = q.data() + m * K + b * kBlock;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+          const float scale = amax / 127.0f;
+          scales[m * blocks + b] = scale;
+          offset += scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+        }
+        offsets[m] = 128.0f * offset;
+      }
+    });
+  }
+};
+
+template <int MR, int NT>
+inline void i8_tiles(const Rows& rows, int64_t m0, const uint8_t* w, const float* w_scales,
+                     int64_t tile0, int64_t K, const Epilogue& ep) {
+  const int64_t tile_bytes = K * kTile, blocks = K / kBlock;
+  const int8_t* xq = rows.xq;
+  const uint8_t* wt = w + tile0 * tile_bytes;
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i part[MR][NT];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NT; ++j) part[r][j] = _mm512_setzero_si512();
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 4) {
+      __m512i wv[NT];
+      for (int j = 0; j < NT; ++j) wv[j] = _mm512_loadu_si512(wt + j * tile_bytes + k * kTile);
+      for (int r = 0; r < MR; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + (m0 + r) * K + k, sizeof(quad));
+        const __m512i xv = _mm512_set1_epi32(quad);
+        for (int j = 0; j < NT; ++j) part[r][j] = _mm512_dpbusd_epi32(part[r][j], wv[j], xv);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 s = _mm512_set1_ps(rows.x_scales[(m0 + r) * blocks + b]);
+      for (int j = 0; j < NT; ++j)
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][j]), s, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m512 offset = _mm512_set1_ps(rows.x_offsets[m0 + r]);
+    for (int j = 0; j < NT; ++j) {
+      const int64_t n0 = (tile0 + j) * kTile;
+      const __m512 y = _mm512_mul_ps(_mm512_sub_ps(acc[r][j], offset), _mm512_loadu_ps(w_scales + n0));
+      ep.store(m0 + r, n0, y);
+    }
+  }
+}
+
 // ---- driver ----------------------------------------------------------------------------
 
 struct Weights {
   Format format;
   const void* data;
-  const at::Half* scales;
+  const void* scales;  // fp16 blocks (q4, q8), fp32 rows (i8)
   int64_t K;
 };
 
@@ -225,10 +321,16 @@ inline void run_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t ti
       bf16_tiles<MR, NT>(rows, m0, static_cast<const at::BFloat16*>(w.data), tile0, w.K, ep);
       break;
     case Format::kQ4:
-      q4_tiles<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data), w.scales, tile0, w.K, ep);
+      q4_tiles<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
+                       static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
       break;
     case Format::kQ8:
-      q8_tiles<MR, NT>(rows, m0, static_cast<const int8_t*>(w.data), w.scales, tile0, w.K, ep);
+      q8_tiles<MR, NT>(rows, m0, static_cast<const int8_t*>(w.data),
+                       static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
+      break;
+    case Format::kI8:
+      i8_tiles<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
+                       static_cast<const float*>(w.scales), tile0, w.K, ep);
       break;
   }
 }
@@ -268,24 +370,29 @@ void tiles_range(const Weights& w, const Rows& rows, int64_t M, int64_t t_begin,
 Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& scales,
                     const std::optional<Tensor>& bias, const std::optional<Tensor>& residual,
                     int64_t format, const std::optional<Tensor>& wide_weight,
-                    int64_t max_tile_rows) {
+                    const std::optional<Tensor>& wide_scales, int64_t wide_format,
+                    int64_t max_tile_rows, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "tiled_linear: x must be 2-D bf16 with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
   if (wide_weight && wide_weight->defined() && M > max_tile_rows) {
     // Past a few rows a step is compute-bound and the 4/8-bit unpacking costs more than the
-    // bytes it saves: run the same weights in bf16 (benchmarks/linear_kernels.py).
-    return tiled_linear(x, *wide_weight, std::nullopt, bias, residual,
-                        static_cast<int64_t>(Format::kBf16), std::nullopt, 0);
+    // bytes it saves: run the wide copy (benchmarks/linear_kernels.py).
+    return tiled_linear(x, *wide_weight, wide_scales, bias, residual, wide_format, std::nullopt,
+                        std::nullopt, 0, 0, fp32_out);
   }
   const int64_t tiles = weight.size(0), N = tiles * kTile;
   const auto fmt = static_cast<Format>(format);
   TORCH_CHECK(fmt == Format::kBf16 ? K % 2 == 0 : K % kBlock == 0,
               "tiled_linear: K=", K, " does not fit the weight format");
   TORCH_CHECK(weight.is_contiguous(), "tiled_linear: weight must be contiguous");
-  Tensor out = at::empty({M, N}, x.options());
+  Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  Epilogue ep{out.data_ptr<at::BFloat16>(), N, nullptr, nullptr, 0};
+  Epilogue ep{nullptr, nullptr, N, nullptr, nullptr, 0};
+  if (fp32_out)
+    ep.out_f32 = out.data_ptr<float>();
+  else
+    ep.out = out.data_ptr<at::BFloat16>();
   if (bias && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous());
     ep.bias = bias->data_ptr<at::BFloat16>();
@@ -297,8 +404,13 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     ep.ld_res = residual->stride(0);
   }
   Weights w{fmt, weight.data_ptr(), nullptr, K};
-  Rows rows{x.data_ptr<at::BFloat16>(), x.stride(0), nullptr};
-  if (fmt != Format::kBf16) {
+  Rows rows{x.data_ptr<at::BFloat16>(), x.stride(0), nullptr, nullptr, nullptr, nullptr};
+  if (fmt == Format::kI8) {
+    TORCH_CHECK(scales && scales->scalar_type() == at::kFloat && scales->numel() == N &&
+                    scales->is_contiguous(),
+                "tiled_linear: i8 weights need [N] fp32 scales");
+    w.scales = scales->data_ptr<float>();
+  } else if (fmt != Format::kBf16) {
     TORCH_CHECK(scales && scales->scalar_type() == at::kHalf && scales->is_contiguous());
     w.scales = scales->data_ptr<at::Half>();
   }
@@ -314,6 +426,13 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     }
     rows.block_sums = block_sums.data();
   }
+  std::optional<QuantizedRows> quantized;
+  if (fmt == Format::kI8) {
+    const QuantizedRows& q = quantized.emplace(rows.x, rows.ld_x, M, K);
+    rows.xq = q.q.data();
+    rows.x_scales = q.scales.data();
+    rows.x_offsets = q.offsets.data();
+  }
   // Split the tiles among threads; each thread reads its share of the weights once.
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
@@ -322,13 +441,31 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
   return out;
 }
 
+// Activations as the i8 kernel quantizes them (for tests): (q [M, K] int8, scales [M, K/32]).
+std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+                  x.size(1) % kBlock == 0,
+              "quantize_rows: x must be 2-D bf16 with contiguous rows of whole blocks");
+  const int64_t M = x.size(0), K = x.size(1);
+  const QuantizedRows rows(x.data_ptr<at::BFloat16>(), x.stride(0), M, K);
+  Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  Tensor s = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
+  std::memcpy(q.data_ptr<int8_t>(), rows.q.data(), rows.q.size());
+  std::memcpy(s.data_ptr<float>(), rows.scales.data(), rows.scales.size() * sizeof(float));
+  return {q, s};
+}
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def(
       "tiled_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? residual, "
-      "int format, Tensor? wide_weight, int max_tile_rows) -> Tensor");
+      "int format, Tensor? wide_weight, Tensor? wide_scales, int wide_format, "
+      "int max_tile_rows, bool fp32_out=False) -> Tensor");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(iterserve, CPU, m) { m.impl("tiled_linear", &tiled_linear); }
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+  m.impl("tiled_linear", &tiled_linear);
+  m.impl("quantize_rows", &quantize_rows);
+}
 
 }  // namespace iterserve

@@ -48,12 +48,16 @@ class StepTable {
   int32_t flags_;
 };
 
-// linear.cpp: x [M, K] bf16 @ W^T (+ bias) (+ residual), W in a tile layout (`format`).
+// linear.cpp: x [M, K] bf16 @ W^T (+ bias) (+ residual), W in a tile layout (`format`); steps
+// of more than `max_tile_rows` rows take the wide copy (`wide_format`) when there is one.
+// The result is bf16, or fp32 with `fp32_out`.
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& scales,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual, int64_t format,
-                        const std::optional<at::Tensor>& wide_weight, int64_t max_tile_rows);
+                        const std::optional<at::Tensor>& wide_weight,
+                        const std::optional<at::Tensor>& wide_scales, int64_t wide_format,
+                        int64_t max_tile_rows, bool fp32_out = false);
 
 // paged_attention.cpp: store the step's K/V into the pool, then attend every query row.
 at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
