@@ -40,11 +40,13 @@ DenseFormat = Literal["bf16", "i8"]  # what the tiled kernel makes of a dense we
 
 _FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3}
 
-# Rows up to which 4/8-bit weights beat their own bf16 copy in the tiled kernel: past them a
-# step is compute-bound and unpacking costs more than the bytes saved (benchmarks/
-# linear_kernels.py: 4-bit layers 12.2 vs 13.7 ms at 16 rows, 22.0 vs 21.1 at 32; the 8-bit
-# head 1.5 vs 2.0 ms at 4 rows, 3.9 vs 3.2 at 16).
-MAX_QUANTIZED_ROWS = {"q4": 16, "q8": 4}
+# Rows up to which a checkpoint's 4/8-bit blocks run rather than their dense copy. The 4-bit
+# layers beat the int8 copy up to 4 rows (benchmarks/linear_kernels.py: 3.6 vs 4.3 ms a step
+# at 1 row, 4.9 vs 5.0 at 4, 7.2 vs 6.2 at 8; decode_speed.py: batch 16 656 vs 796 tok/s).
+# The 8-bit head is slower than its int8 copy at every size (1.1 vs 0.9 ms at 1 row, 1.4 vs
+# 1.1 at 4) but exact to the checkpoint, with no activation rounding, where greedy decoding
+# picks its tokens: kept for the few-row steps, the 0.2-0.3 ms knowingly paid.
+MAX_QUANTIZED_ROWS = {"q4": 4, "q8": 4}
 _NO_LIMIT = 1 << 62
 
 
