@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.metrics import compute_metrics, parse_slos
@@ -21,6 +21,7 @@ from iterserve.bench.report import BenchReport
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
 from iterserve.core.request import Request
+from iterserve.core.router import ROUTERS, ReplicaLoad, make_router
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore, num_kv_blocks
 from iterserve.executor.simulated import (
@@ -46,6 +47,43 @@ def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
     return num_blocks
 
 
+@dataclass
+class Replica:
+    """One simulated engine of a fleet: its own clock, cost model, scheduler and KV pool."""
+
+    clock: VirtualClock
+    executor: SimulatedExecutor
+    engine: EngineCore
+    # Each routed, unfinished request: [prompt tokens, until its first token; output
+    # tokens still to come]. Their sum is the load a router sees.
+    work: dict[str, list[int]] = field(default_factory=dict)
+    num_routed: int = 0
+
+    @classmethod
+    def build(
+        cls, config: EngineConfig, hardware: str, model: str, acceptance_rate: float, seed: int
+    ) -> Replica:
+        clock = VirtualClock()
+        executor = SimulatedExecutor(
+            RooflineCostModel(HARDWARE[hardware], MODELS[model]), clock, acceptance_rate, seed
+        )
+        engine = EngineCore.build(
+            config,
+            executor,
+            kv_blocks_for(config, hardware, model),
+            config.scheduler.max_model_len or 131072,
+            clock,
+        )
+        return cls(clock, executor, engine)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(sum(p + o for p, o in self.work.values()), len(self.work))
+
+
 def simulate(
     config: EngineConfig,
     workload: Workload,
@@ -54,45 +92,82 @@ def simulate(
     model: str,
     acceptance_rate: float = 0.0,
 ) -> tuple[list[RequestRecord], Scheduler, SimulatedExecutor]:
-    """Replay the workload on the virtual clock; one record per request. With speculation
-    on (config.speculative), each draft token is accepted with `acceptance_rate`."""
-    clock = VirtualClock()
-    executor = SimulatedExecutor(
-        RooflineCostModel(HARDWARE[hardware], MODELS[model]), clock, acceptance_rate, config.seed
-    )
-    engine = EngineCore.build(
-        config,
-        executor,
-        kv_blocks_for(config, hardware, model),
-        config.scheduler.max_model_len or 131072,
-        clock,
-    )
+    """Replay the workload on one simulated engine; one record per request. With
+    speculation on (config.speculative), each draft token is accepted with
+    `acceptance_rate`."""
+    records, fleet = simulate_fleet(config, workload, offsets, hardware, model, acceptance_rate)
+    return records, fleet[0].scheduler, fleet[0].executor
+
+
+def simulate_fleet(
+    config: EngineConfig,
+    workload: Workload,
+    offsets: list[float],
+    hardware: str,
+    model: str,
+    acceptance_rate: float = 0.0,
+    replicas: int = 1,
+    router: str = "round-robin",
+) -> tuple[list[RequestRecord], list[Replica]]:
+    """Replay the workload on `replicas` engines behind a router (core/router.py).
+
+    Discrete events in virtual time: the next thing to happen is either the next arrival
+    (routed on the replicas' loads at that moment) or a step of the busy replica furthest
+    behind, whose clock then moves on by the step's cost. Replicas run side by side; an
+    idle one waits for its next request. One replica makes exactly the decisions of a
+    single engine."""
+    if replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {replicas}")
+    fleet = [
+        Replica.build(config, hardware, model, acceptance_rate, config.seed + i)
+        for i in range(replicas)
+    ]
+    routing = make_router(router, config.cache.block_size, config.seed)
     records = [
         RequestRecord(f"sim-{i}", r.prompt_len, r.output_len, r.lane, offsets[i], offsets[i])
         for i, r in enumerate(workload.requests)
     ]
     by_id = {record.request_id: record for record in records}
-    requests: dict[str, Request] = {}  # the ones the scheduler took, until they finish
+    requests: dict[str, Request] = {}  # the ones a scheduler took, until they finish
     order = sorted(range(len(records)), key=lambda i: offsets[i], reverse=True)
-    while order or engine.has_unfinished():
-        while order and offsets[order[-1]] <= clock.now:
-            request = _arrive(engine.scheduler, workload, records, order.pop())
+    while True:
+        busy = [r for r in fleet if r.engine.has_unfinished()]
+        if not order and not busy:
+            break
+        laggard = min(busy, key=lambda r: r.clock.now) if busy else None
+        if order and (laggard is None or offsets[order[-1]] <= laggard.clock.now):
+            i = order.pop()
+            for replica in fleet:
+                if not replica.engine.has_unfinished():
+                    replica.clock.advance_to(offsets[i])
+            prompt = workload.requests[i].prompt_token_ids
+            target = fleet[routing.route(prompt, [r.load() for r in fleet])]
+            request = _arrive(target.scheduler, workload, records, i)
             if request is not None:
                 requests[request.request_id] = request
-        step = engine.step(no_more_arrivals=not order)
+                target.work[request.request_id] = [len(prompt), request.sampling_params.max_tokens]
+                target.num_routed += 1
+            continue
+        assert laggard is not None
+        step = laggard.engine.step(no_more_arrivals=not order)
         if not step.did_work:
             # Nothing runnable: jump to the next arrival (or let a dynamic batch's wait pass).
-            wait = config.scheduler.max_wait_ms / 1000 if engine.has_unfinished() else None
+            wait = config.scheduler.max_wait_ms / 1000
             next_arrival = offsets[order[-1]] if order else None
-            candidates = [t for t in (next_arrival, wait and clock.now + wait) if t]
+            candidates = [t for t in (next_arrival, wait and laggard.clock.now + wait) if t]
             if not candidates:
                 raise RuntimeError("the simulated scheduler is stuck with nothing to run")
-            clock.advance_to(min(candidates))
+            laggard.clock.advance_to(min(candidates))
             continue
         for update in step.updates:
+            work = laggard.work[update.request_id]
+            if update.new_token_ids:
+                work[0] = 0
+                work[1] -= len(update.new_token_ids)
             if update.finished:
+                del laggard.work[update.request_id]
                 _record(by_id[update.request_id], requests.pop(update.request_id))
-    return records, engine.scheduler, executor
+    return records, fleet
 
 
 def _arrive(
@@ -141,6 +216,18 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="a100-80g")
     p.add_argument("--sim-model", choices=sorted(MODELS), default="llama3-8b")
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engines behind a router, each with its own KV cache (a fleet of accelerators)",
+    )
+    p.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="least-tokens",
+        help="with --replicas: how a request picks its engine (core/router.py)",
+    )
+    p.add_argument(
         "--spec-acceptance-rate",
         type=float,
         default=0.7,
@@ -164,24 +251,29 @@ def _run(args: argparse.Namespace) -> int:
     trace = [r.arrival or 0.0 for r in workload.requests] if workload.has_arrival_times else None
     offsets = arrival_offsets(arrival, len(workload.requests), config.seed, trace)
     started = time.perf_counter()
-    records, scheduler, executor = simulate(
-        config, workload, offsets, args.hardware, args.sim_model, args.spec_acceptance_rate
+    records, fleet = simulate_fleet(
+        config,
+        workload,
+        offsets,
+        args.hardware,
+        args.sim_model,
+        args.spec_acceptance_rate,
+        args.replicas,
+        args.router,
     )
+    wall = time.perf_counter() - started
+    steps = sum(r.engine.stats.num_steps for r in fleet)
     notes = [
-        f"{scheduler.kv_cache_stats().num_blocks} KV blocks, {scheduler.num_preemptions} "
-        f"preemptions, accelerator busy {executor.busy_time:.1f}s of virtual time; "
-        f"simulated in {time.perf_counter() - started:.1f}s of wall time"
+        f"{len(fleet)} x {args.sim_model} on {args.hardware}"
+        + (f" behind the {args.router} router" if len(fleet) > 1 else "")
+        + f"; simulated in {wall:.1f}s of wall time ({steps} steps, "
+        f"{1e6 * wall / max(1, steps):.0f} us a step)"
     ]
-    spec = scheduler.spec_stats
-    if spec.num_drafts:
-        notes.append(
-            f"speculation: {spec.num_draft_tokens} draft tokens, acceptance "
-            f"{spec.acceptance_rate:.2f}, mean accepted length {spec.mean_accepted_length:.2f}"
-        )
+    notes += [_replica_note(i, replica, len(fleet) > 1) for i, replica in enumerate(fleet)]
     report = BenchReport(
         label=args.label or f"simulated {args.sim_model} on {args.hardware}",
         backend="simulated",
-        target=f"{args.sim_model} @ {args.hardware} (roofline cost model)",
+        target=f"{len(fleet)} x {args.sim_model} @ {args.hardware} (roofline cost model)",
         workload=workload.summary(),
         arrivals=arrival.describe(),
         metrics=compute_metrics(records, slos=parse_slos(args.slo)),
@@ -190,3 +282,23 @@ def _run(args: argparse.Namespace) -> int:
         records=records,
     )
     return finish(report, args)
+
+
+def _replica_note(index: int, replica: Replica, named: bool) -> str:
+    """One replica's share and state: the fleet figures are the report's own."""
+    scheduler, stats = replica.scheduler, replica.engine.stats
+    kv = scheduler.kv_cache_stats()
+    hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
+    note = (
+        f"{f'replica {index}: ' if named else ''}{replica.num_routed} requests, "
+        f"{stats.generated_tokens} output tokens, prefix-cache hit rate {hit_rate:.2f}, "
+        f"{kv.num_blocks} KV blocks, {scheduler.num_preemptions} preemptions, accelerator "
+        f"busy {replica.executor.busy_time:.1f}s of {replica.clock.now:.1f}s virtual"
+    )
+    spec = scheduler.spec_stats
+    if spec.num_drafts:
+        note += (
+            f"; speculation: {spec.num_draft_tokens} draft tokens, acceptance "
+            f"{spec.acceptance_rate:.2f}, mean accepted length {spec.mean_accepted_length:.2f}"
+        )
+    return note
