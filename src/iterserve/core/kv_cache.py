@@ -107,6 +107,8 @@ class KVCacheManager:
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         # Hash chain of each live request's full blocks, computed once per block.
         self._request_hashes: dict[str, list[BlockHash]] = {}
+        # How many of each request's leading blocks cache_full_blocks has been through.
+        self._named_upto: dict[str, int] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._preempted_queries = 0
@@ -241,8 +243,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
+        # Blocks before the watermark were named (or left as duplicates) in earlier steps:
+        # looping over all of them every step made this O(context) per request per step.
+        start = self._named_upto.get(request.request_id, 0)
+        if start >= num_full:
+            return
         hashes = self._hashes_for(request)
-        for index in range(num_full):
+        self._named_upto[request.request_id] = num_full
+        for index in range(start, num_full):
             block = self.blocks[request.block_ids[index]]
             if block.block_hash is not None:
                 continue
@@ -264,6 +272,7 @@ class KVCacheManager:
                 if block.block_hash is None:  # nothing worth keeping: reuse it first
                     self._free.move_to_end(block_id, last=False)
         request.block_ids.clear()
+        self._named_upto.pop(request.request_id, None)
 
     def forget(self, request: Request) -> None:
         """Drop per-request memo when the request is gone for good."""
