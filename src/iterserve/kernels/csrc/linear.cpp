@@ -4,7 +4,7 @@
 // weight once for every row of the step, in a layout made for AVX-512 BF16: outputs come in
 // tiles of 16 (one fp32 register), and within a tile the weights of two consecutive inputs
 // sit side by side, so `vdpbf16ps` with a broadcast pair of activations advances 16 outputs
-// by two inputs at once with no horizontal sums. Three weight formats share that layout:
+// by two inputs at once with no horizontal sums. The weight formats:
 //
 //   bf16  [N/16, K/2, 16, 2] bf16                  the model's own weights
 //   q4    [N/16, K/32, 256] uint8 + [N/16, K/32, 2, 16] fp16 (scale d, offset m)
@@ -12,13 +12,16 @@
 //   q8    [N/16, K/32, 512] int8  + [N/16, K/32, 16] fp16 (scale d)
 //         GGUF Q8_0 blocks: w = d * q
 //   i8    [N/16, K/4, 16, 4] uint8 (q + 128) + [N] fp32 (scale s)
-//         w = s * q, q in -127..127 per output row (W8A8; see "i8" below)
+//         w = s * q, q in -127..127 per output row; four inputs side by side, as the
+//         integer dot product `vpdpbusd` takes them (W8A8; see "i8" below)
 //
-// Quantized weights are turned into exact bf16 integers in registers (0..15 by a table
+// q4 and q8 weights are turned into exact bf16 integers in registers (0..15 by a table
 // lookup, -128..127 by conversion), so every product x * q is exact in fp32 and the block's
 // scale and offset are applied to the fp32 block sum: the result equals "dequantize to fp32,
-// then matmul" up to the order of fp32 additions. The residual (and bias) are added in fp32
-// before the single rounding to bf16, as oneDNN's fused add does.
+// then matmul" up to the order of fp32 additions. i8 rounds the activations too (to 8 bits
+// per block of 32 inputs) and is exact against that rounding. The residual (and bias) are
+// added in fp32 before the single rounding to bf16 (none for fp32 output), as oneDNN's
+// fused add does.
 //
 // The same kernel serves large steps too: each pass keeps a few tiles' weights in L2 while
 // every block of rows reads them, and at 512 rows it runs at the machine's bf16 peak, level
