@@ -9,7 +9,7 @@ import pytest
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.metrics import compute_metrics
-from iterserve.bench.simulate import simulate, simulate_fleet
+from iterserve.bench.simulate import simulate_fleet
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.router import (
@@ -93,20 +93,19 @@ def tokenizer(tokenizer_dir: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def test_one_replica_makes_the_single_engines_decisions(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_with_one_replica_every_router_gives_the_same_run(tokenizer) -> None:  # type: ignore[no-untyped-def]
     workload = build_workload(
         WorkloadSpec(num_requests=40, input_len=300, output_len=60), tokenizer
     )
     offsets = arrival_offsets(ArrivalSpec(request_rate=30.0), 40, seed=2)
-    config = EngineConfig()
-    single, _, _ = simulate(config, workload, offsets, "a100-80g", "llama3-8b")
-    fleet, replicas = simulate_fleet(
-        config, workload, offsets, "a100-80g", "llama3-8b", replicas=1, router="power-of-two"
-    )
-    assert len(replicas) == 1
-    assert [(r.first_token_time, r.token_times) for r in single] == [
-        (r.first_token_time, r.token_times) for r in fleet
-    ]
+    runs = []
+    for router in ("round-robin", "least-tokens", "power-of-two", "prefix-affinity"):
+        records, fleet = simulate_fleet(
+            EngineConfig(), workload, offsets, "a100-80g", "llama3-8b", router=router
+        )
+        assert len(fleet) == 1 and fleet[0].num_routed == 40
+        runs.append([(r.first_token_time, r.token_times) for r in records])
+    assert all(run == runs[0] for run in runs)
 
 
 def test_a_fleet_serves_everyone_and_prefix_affinity_finds_more_cached_prefixes(tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ import pytest
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.metrics import compute_metrics
-from iterserve.bench.simulate import simulate
+from iterserve.bench.simulate import simulate_fleet
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
@@ -29,8 +29,8 @@ def workload(tokenizer_dir: Path):  # type: ignore[no-untyped-def]
 def run(workload, **scheduler: object):  # type: ignore[no-untyped-def]
     config = EngineConfig(scheduler=SchedulerConfig(**scheduler))  # type: ignore[arg-type]
     offsets = arrival_offsets(ArrivalSpec(request_rate=20.0), len(workload.requests), seed=1)
-    records, sched, executor = simulate(config, workload, offsets, "a100-80g", "llama3-8b")
-    return compute_metrics(records), sched, executor
+    records, fleet = simulate_fleet(config, workload, offsets, "a100-80g", "llama3-8b")
+    return compute_metrics(records), fleet[0].scheduler, fleet[0].executor
 
 
 def test_every_request_completes_with_its_length(workload) -> None:  # type: ignore[no-untyped-def]
@@ -71,15 +71,16 @@ def test_speculation_is_modelled_at_its_acceptance_rate(workload, rate: float) -
     k = 4
     config = EngineConfig(speculative=SpeculativeConfig("ngram", num_speculative_tokens=k))
     offsets = arrival_offsets(ArrivalSpec(request_rate=2.0), len(workload.requests), seed=1)
-    records, scheduler, _ = simulate(
+    records, fleet = simulate_fleet(
         config, workload, offsets, "a100-80g", "llama3-8b", acceptance_rate=rate
     )
     metrics = compute_metrics(records)
     assert metrics.throughput.total_output_tokens == sum(r.output_len for r in workload.requests)
-    stats = scheduler.spec_stats
+    stats = fleet[0].scheduler.spec_stats
     expected = sum(rate**i for i in range(1, k + 1)) / k
     assert stats.num_draft_tokens > 0
     assert stats.acceptance_rate == pytest.approx(expected, abs=0.05)
-    plain = compute_metrics(simulate(EngineConfig(), workload, offsets, "a100-80g", "llama3-8b")[0])
+    plain_records, _ = simulate_fleet(EngineConfig(), workload, offsets, "a100-80g", "llama3-8b")
+    plain = compute_metrics(plain_records)
     if rate == 1.0:
         assert metrics.latency.tpot.mean < 0.6 * plain.latency.tpot.mean

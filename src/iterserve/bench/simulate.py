@@ -84,21 +84,6 @@ class Replica:
         return ReplicaLoad(sum(p + o for p, o in self.work.values()), len(self.work))
 
 
-def simulate(
-    config: EngineConfig,
-    workload: Workload,
-    offsets: list[float],
-    hardware: str,
-    model: str,
-    acceptance_rate: float = 0.0,
-) -> tuple[list[RequestRecord], Scheduler, SimulatedExecutor]:
-    """Replay the workload on one simulated engine; one record per request. With
-    speculation on (config.speculative), each draft token is accepted with
-    `acceptance_rate`."""
-    records, fleet = simulate_fleet(config, workload, offsets, hardware, model, acceptance_rate)
-    return records, fleet[0].scheduler, fleet[0].executor
-
-
 def simulate_fleet(
     config: EngineConfig,
     workload: Workload,
