@@ -229,13 +229,19 @@ inline void q8_tiles(const Rows& rows, int64_t m0, const int8_t* q, const at::Ha
 // q_w + 128 and each row's sum picks up 128 * sum_b s_b * sum(q over b), which `offset`
 // holds and the epilogue takes away: y = s_w * (sum_b s_b * dot_b - offset).
 struct QuantizedRows {
-  std::vector<int8_t> q;       // [M, K]
-  std::vector<float> scales;   // [M, K/32]
-  std::vector<float> offsets;  // [M]
+  Tensor q;        // [M, K] int8
+  Tensor scales;   // [M, K/32] fp32
+  Tensor offsets;  // [M] fp32
 
+  // Every element is written below: uninitialised buffers, no fill.
   QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K)
-      : q(M * K), scales(M * (K / kBlock)), offsets(M) {
+      : q(at::empty({M, K}, at::kChar)),
+        scales(at::empty({M, K / kBlock}, at::kFloat)),
+        offsets(at::empty({M}, at::kFloat)) {
     const int64_t blocks = K / kBlock;
+    int8_t* q_data = q.data_ptr<int8_t>();
+    float* scale_data = scales.data_ptr<float>();
+    float* offset_data = offsets.data_ptr<float>();
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         float offset = 0.0f;
@@ -248,14 +254,14 @@ struct QuantizedRows {
           // Round half to even (the default rounding mode), as torch.round does.
           const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
           const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-          int8_t* dst = q.data() + m * K + b * kBlock;
+          int8_t* dst = q_data + m * K + b * kBlock;
           _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
           const float scale = amax / 127.0f;
-          scales[m * blocks + b] = scale;
+          scale_data[m * blocks + b] = scale;
           offset += scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
         }
-        offsets[m] = 128.0f * offset;
+        offset_data[m] = 128.0f * offset;
       }
     });
   }
@@ -432,9 +438,9 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
   std::optional<QuantizedRows> quantized;
   if (fmt == Format::kI8) {
     const QuantizedRows& q = quantized.emplace(rows.x, rows.ld_x, M, K);
-    rows.xq = q.q.data();
-    rows.x_scales = q.scales.data();
-    rows.x_offsets = q.offsets.data();
+    rows.xq = q.q.data_ptr<int8_t>();
+    rows.x_scales = q.scales.data_ptr<float>();
+    rows.x_offsets = q.offsets.data_ptr<float>();
   }
   // Split the tiles among threads; each thread reads its share of the weights once.
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
@@ -449,13 +455,8 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
                   x.size(1) % kBlock == 0,
               "quantize_rows: x must be 2-D bf16 with contiguous rows of whole blocks");
-  const int64_t M = x.size(0), K = x.size(1);
-  const QuantizedRows rows(x.data_ptr<at::BFloat16>(), x.stride(0), M, K);
-  Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-  Tensor s = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
-  std::memcpy(q.data_ptr<int8_t>(), rows.q.data(), rows.q.size());
-  std::memcpy(s.data_ptr<float>(), rows.scales.data(), rows.scales.size() * sizeof(float));
-  return {q, s};
+  const QuantizedRows rows(x.data_ptr<at::BFloat16>(), x.stride(0), x.size(0), x.size(1));
+  return {rows.q, rows.scales};
 }
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
