@@ -55,8 +55,9 @@ class Replica:
     executor: SimulatedExecutor
     engine: EngineCore
     # Each routed, unfinished request: [prompt tokens, until its first token; output
-    # tokens still to come]. Their sum is the load a router sees.
+    # tokens still to come]; `outstanding` is their running sum, the load a router sees.
     work: dict[str, list[int]] = field(default_factory=dict)
+    outstanding: int = 0
     num_routed: int = 0
 
     @classmethod
@@ -81,7 +82,21 @@ class Replica:
         return self.engine.scheduler
 
     def load(self) -> ReplicaLoad:
-        return ReplicaLoad(sum(p + o for p, o in self.work.values()), len(self.work))
+        return ReplicaLoad(self.outstanding, len(self.work))
+
+    def take(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        self.work[request_id] = [prompt_tokens, max_tokens]
+        self.outstanding += prompt_tokens + max_tokens
+        self.num_routed += 1
+
+    def progress(self, request_id: str, new_tokens: int, finished: bool) -> None:
+        work = self.work[request_id]
+        if new_tokens:
+            self.outstanding -= work[0] + new_tokens
+            work[0] = 0
+            work[1] -= new_tokens
+        if finished:
+            self.outstanding -= sum(self.work.pop(request_id))
 
 
 def simulate_fleet(
@@ -130,8 +145,7 @@ def simulate_fleet(
             request = _arrive(target.scheduler, workload, records, i)
             if request is not None:
                 requests[request.request_id] = request
-                target.work[request.request_id] = [len(prompt), request.sampling_params.max_tokens]
-                target.num_routed += 1
+                target.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
             continue
         assert laggard is not None
         step = laggard.engine.step(no_more_arrivals=not order)
@@ -145,12 +159,8 @@ def simulate_fleet(
             laggard.clock.advance_to(min(candidates))
             continue
         for update in step.updates:
-            work = laggard.work[update.request_id]
-            if update.new_token_ids:
-                work[0] = 0
-                work[1] -= len(update.new_token_ids)
+            laggard.progress(update.request_id, len(update.new_token_ids), update.finished)
             if update.finished:
-                del laggard.work[update.request_id]
                 _record(by_id[update.request_id], requests.pop(update.request_id))
     return records, fleet
 
