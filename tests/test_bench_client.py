@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from iterserve.bench.arrivals import ArrivalSpec
 from iterserve.bench.client import ClientConfig, client_report, run_client_async
 from iterserve.bench.compare import PolicyRow, rows_to_json
@@ -118,3 +120,12 @@ def test_compare_json_has_the_bench_report_s_shape() -> None:
     assert set(policy) >= set(report.to_dict())
     assert policy["latency"] == latency_dict(report.metrics.latency)  # flat p99_ttft_ms names
     assert "p99_ttft_ms" in policy["latency"]
+
+
+def test_a_server_that_is_not_there_is_named_in_the_error() -> None:
+    from iterserve.bench.server_process import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    config = ClientConfig(url, progress=False, num_warmups=0)
+    with pytest.raises(ConnectionError, match=f"cannot reach the server at {url}"):
+        asyncio.run(run_client_async(config, _workload(1), [0.0]))

@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (InvalidRequestError, ValueError, FileNotFoundError) as err:
+    except (InvalidRequestError, ValueError, FileNotFoundError, ConnectionError) as err:
         print(f"iterserve: error: {err}", file=sys.stderr)
         return 2
 

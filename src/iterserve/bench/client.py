@@ -4,6 +4,11 @@ Each request is a streamed `/v1/completions` call with `stream_options.include_u
 the server's own token count arrives in the last chunk; TTFT and the gaps between chunks
 are measured here, on the client, which is what a user of the server experiences.
 
+The transport is aiohttp, as in vLLM's and SGLang's serving benchmarks: the client shares
+this machine's two cores with the server it measures, and per streamed token aiohttp costs
+0.23-0.25 ms of CPU where httpx (pure-Python HTTP parsing) cost 0.47-0.56
+(`benchmarks/served_overhead.py` prints the client's CPU per token).
+
 Prompts are sent as token-id lists by default (exact lengths whatever the server's text
 handling; the completions API accepts them); a workload built with prompt_format="text"
 sends text that re-tokenizes to the same ids.
@@ -17,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 from tqdm import tqdm
 
@@ -51,12 +57,15 @@ class ClientConfig:
         return root if root.endswith("/v1") else root + "/v1"
 
 
-async def resolve_model(client: httpx.AsyncClient, config: ClientConfig) -> str:
+async def resolve_model(client: aiohttp.ClientSession, config: ClientConfig) -> str:
     if config.model:
         return config.model
-    response = await client.get(f"{config.api_root}/models")
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    try:
+        async with client.get(f"{config.api_root}/models") as response:
+            response.raise_for_status()
+            models = (await response.json()).get("data") or []
+    except aiohttp.ClientConnectionError as err:
+        raise ConnectionError(f"cannot reach the server at {config.base_url}: {err}") from None
     if not models:
         raise ValueError(f"{config.api_root}/models lists no model; pass --model")
     return models[0]["id"]
@@ -82,8 +91,10 @@ def request_body(config: ClientConfig, model: str, request: WorkloadRequest) -> 
     return body | config.extra_body
 
 
-def parse_sse_line(line: str) -> dict[str, Any] | None:
+def parse_sse_line(line: str | bytes) -> dict[str, Any] | None:
     """One `data: {...}` line -> its JSON; None for comments, events and `[DONE]`."""
+    if isinstance(line, bytes):
+        line = line.decode()
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
@@ -92,9 +103,18 @@ def parse_sse_line(line: str) -> dict[str, Any] | None:
     return json.loads(data)
 
 
+def _session(config: ClientConfig, **connector: Any) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=config.timeout),
+        headers=config.headers,
+        connector=aiohttp.TCPConnector(limit=0, **connector),
+        read_bufsize=1 << 20,  # one SSE line can carry many logprobs
+    )
+
+
 # Raised while sending, before any response: on a pooled keep-alive connection this is
-# the server having closed it meanwhile ("Server disconnected without sending a response").
-_NEVER_ANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# the server having closed it meanwhile ("Server disconnected").
+_NEVER_ANSWERED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 class _NeverAnsweredError(Exception):
@@ -102,7 +122,7 @@ class _NeverAnsweredError(Exception):
 
 
 async def stream_request(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     config: ClientConfig,
     model: str,
     request: WorkloadRequest,
@@ -120,9 +140,7 @@ async def stream_request(
         return await _send(client, config, body, record, origin)
     except _NeverAnsweredError:
         record.retried = True
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(config.timeout), headers=config.headers
-    ) as fresh:
+    async with _session(config, force_close=True) as fresh:
         try:
             return await _send(fresh, config, body, record, origin)
         except _NeverAnsweredError as err:
@@ -132,7 +150,7 @@ async def stream_request(
 
 
 async def _send(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     config: ClientConfig,
     body: dict[str, Any],
     record: RequestRecord,
@@ -140,19 +158,16 @@ async def _send(
 ) -> bool:
     try:
         try:
-            request = client.build_request("POST", f"{config.api_root}/completions", json=body)
-            resp = await client.send(request, stream=True)
+            resp = await client.post(f"{config.api_root}/completions", json=body)
         except _NEVER_ANSWERED as err:
             raise _NeverAnsweredError from err
-        try:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                record.error = f"HTTP {resp.status_code}: {_error_message(text)}"[:300]
+        async with resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
+                record.error = f"HTTP {resp.status}: {_error_message(text)}"[:300]
                 return False
             return await _read_stream(resp, record, origin)
-        finally:
-            await resp.aclose()
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as err:
+    except (aiohttp.ClientError, json.JSONDecodeError, OSError, TimeoutError) as err:
         record.error = f"{type(err).__name__}: {err}"[:300]
         return False
 
@@ -166,9 +181,9 @@ def _error_message(text: str) -> str:
         return text.strip()
 
 
-async def _read_stream(resp: httpx.Response, record: RequestRecord, origin: float) -> bool:
+async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, origin: float) -> bool:
     got_usage = False
-    async for line in resp.aiter_lines():
+    async for line in resp.content:
         chunk = parse_sse_line(line)
         if chunk is None:
             continue
@@ -220,10 +235,7 @@ async def run_client_async(
     offsets: list[float],
     max_concurrency: int | None = None,
 ) -> RunResult:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(config.timeout), limits=limits, headers=config.headers
-    ) as client:
+    async with _session(config) as client:
         model = await resolve_model(client, config)
         if workload.warmup is not None and config.num_warmups > 0:
             # Sent together: a static-batching server starts nothing until a batch is full.
