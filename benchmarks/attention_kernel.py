@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from iterserve import kernels
-from iterserve.model.attention import SeqSpan, build_attention_metadata, paged_attention
+from iterserve.model.attention import paged_attention
+from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 NUM_LAYERS, BLOCK_SIZE, DTYPE = 30, 16, torch.bfloat16
