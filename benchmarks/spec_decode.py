@@ -11,11 +11,13 @@ For each workload and batch size, the same requests run on an engine without spe
 and on one with `--speculative-method METHOD --num-speculative-tokens K` (ngram, or draft
 with `--draft-model`, e.g. self-int4: the bundled GGUF's own 4-bit weights guessing for
 its bf16 weights, run with `--weights bf16`) and `--speculative-disable-by-batch-size`,
-one after the other; a row runs the workload's prompts in rounds of `batch` (all of them,
-up to --max-rounds rounds), since one prompt's answer may copy much or little. Printed per row: output tok/s (generated tokens / the batch's wall
-time) for both and their ratio, mean TPOT (ms per output token after the first) for both,
-the acceptance rate (accepted / proposed draft tokens), the mean accepted length (tokens a
-speculating request gains per step), and whether the two produced the same tokens. With
+round by round in turn; a row runs the workload's prompts in rounds of `batch` (all of
+them, up to --max-rounds rounds), since one prompt's answer may copy much or little.
+Printed per row: output tok/s (generated tokens / the batch's wall time, prefill included)
+for both and their ratio, mean TPOT (ms per output token after the first) for both and
+their ratio (`decode x`: the decode speed-up, prefill excluded), the acceptance rate
+(accepted / proposed draft tokens), the mean accepted length (tokens a speculating
+request gains per step), and whether the two produced the same tokens. With
 --batch-invariant they must (speculation never changes the text); without it, bf16 logits
 depend on a step's shape (a verify step has 1 + k rows a request), so a near-tie can flip
 and the texts part there, as they would for any other change of batch.
@@ -64,22 +66,29 @@ class Row:
     same_tokens: bool
 
 
-def run(
-    llm: LLM, rounds: list[list[str]] | list[list[list[int]]], params: SamplingParams
-) -> tuple[float, float, list[list[int]]]:
-    """Each round's prompts as one batch, one round after another: output tok/s over all
-    rounds, mean TPOT in ms, and the tokens."""
-    outputs = []
-    start = time.perf_counter()
+def run_alternating(
+    engines: tuple[LLM, LLM],
+    rounds: list[list[str]] | list[list[list[int]]],
+    params: SamplingParams,
+) -> list[tuple[float, float, list[list[int]]]]:
+    """Each round's prompts as one batch on each engine in turn, round after round (so a
+    noisy spell of the machine hits both alike). Per engine: output tok/s over all rounds,
+    mean TPOT in ms, and the tokens."""
+    elapsed = [0.0, 0.0]
+    outputs: list[list[RequestOutput]] = [[], []]
     for prompts in rounds:
-        outputs += llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outputs)
-    return (
-        generated / elapsed,
-        1e3 * statistics.mean(map(tpot, outputs)),
-        [o.token_ids for o in outputs],
-    )
+        for i, llm in enumerate(engines):
+            start = time.perf_counter()
+            outputs[i] += llm.generate(prompts, params, use_tqdm=False)
+            elapsed[i] += time.perf_counter() - start
+    return [
+        (
+            sum(len(o.token_ids) for o in outs) / seconds,
+            1e3 * statistics.mean(map(tpot, outs)),
+            [o.token_ids for o in outs],
+        )
+        for outs, seconds in zip(outputs, elapsed, strict=True)
+    ]
 
 
 def tpot(output: RequestOutput) -> float:
@@ -141,7 +150,8 @@ def main() -> None:
 
     print(
         f"{'workload':8s} {'batch':>5s} {'plain tok/s':>12s} {args.method + ' tok/s':>12s} "
-        f"{'ratio':>6s} {'plain TPOT':>11s} {'spec TPOT':>10s} {'accept':>7s} {'mean len':>9s} "
+        f"{'ratio':>6s} {'plain TPOT':>11s} {'spec TPOT':>10s} {'decode x':>9s} {'accept':>7s} "
+        f"{'mean len':>9s} "
         f"{'same':>5s}"
     )
     rows: list[Row] = []
@@ -155,8 +165,9 @@ def main() -> None:
             rounds = [prompts[i : i + batch] for i in range(0, count, batch)]
             stats = spec.engine.scheduler.spec_stats
             before = stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts
-            plain_tok_s, plain_tpot, plain_tokens = run(plain, rounds, params)
-            spec_tok_s, spec_tpot, spec_tokens = run(spec, rounds, params)
+            (plain_tok_s, plain_tpot, plain_tokens), (spec_tok_s, spec_tpot, spec_tokens) = (
+                run_alternating((plain, spec), rounds, params)
+            )
             proposed = stats.num_draft_tokens - before[0]
             kept = stats.num_accepted_tokens - before[1]
             steps = stats.num_drafts - before[2]
@@ -175,7 +186,7 @@ def main() -> None:
             print(
                 f"{name:8s} {batch:5d} {row.plain_tok_s:12.1f} {row.spec_tok_s:12.1f} "
                 f"{row.spec_tok_s / row.plain_tok_s:6.2f} {plain_tpot:9.1f}ms {spec_tpot:8.1f}ms "
-                f"{row.acceptance_rate:7.2f} {row.mean_accepted_length:9.2f} "
+                f"{plain_tpot / spec_tpot:9.2f} {row.acceptance_rate:7.2f} {row.mean_accepted_length:9.2f} "
                 f"{str(row.same_tokens):>5s}",
                 flush=True,
             )
