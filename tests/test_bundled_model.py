@@ -91,3 +91,25 @@ def test_self_int4_draft_keeps_the_bf16_text() -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = spec.engine.scheduler.spec_stats
     assert stats.acceptance_rate > 0.5, stats
+
+
+@pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+def test_ngram_speculation_keeps_the_text() -> None:
+    """Prompt lookup on the default weights, k = 1, 3 and 5, on a request that copies its
+    prompt (guesses land and miss): batch-invariant, so a verify step's rows compute as
+    lone decodes would, the greedy tokens are exactly those of plain decoding."""
+    settings = {"batch_invariant": True, "enable_prefix_caching": False}
+    plain = LLM(**settings)
+    passage = "def area(width, height):\n    return width * height\n\nprint(area(3, 4))\n"
+    ask = f"Rename the function area to rectangle_area:\n\n{passage}"
+    prompt = plain.apply_chat_template([{"role": "user", "content": ask}])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain.generate([prompt], params, use_tqdm=False)[0].token_ids
+    for k in (1, 3, 5):
+        spec = LLM(speculative_method="ngram", num_speculative_tokens=k, **settings)
+        got = spec.generate([prompt], params, use_tqdm=False)[0].token_ids
+        stats = spec.engine.scheduler.spec_stats
+        assert got == want, f"k={k}"
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (k, stats)
