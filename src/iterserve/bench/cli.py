@@ -62,9 +62,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     add_engine_args(offline)
     offline.set_defaults(func=_run_offline)
 
+    from iterserve.bench.fidelity import add_fidelity_parser
+    from iterserve.bench.profile import add_profile_parser
     from iterserve.bench.sweep_cli import add_sweep_parser
 
     add_sweep_parser(runners)
+    add_profile_parser(runners)
+    add_fidelity_parser(runners)
 
 
 # ---- shared flag groups ---------------------------------------------------------------

@@ -24,9 +24,11 @@ from iterserve.core.request import Request
 from iterserve.core.router import ROUTERS, ReplicaLoad, make_router
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore, num_kv_blocks
+from iterserve.executor.cost_profile import CostProfile, ProfiledCostModel, shipped_profile
 from iterserve.executor.simulated import (
     HARDWARE,
     MODELS,
+    CostModel,
     RooflineCostModel,
     SimulatedExecutor,
     VirtualClock,
@@ -62,16 +64,28 @@ class Replica:
 
     @classmethod
     def build(
-        cls, config: EngineConfig, hardware: str, model: str, acceptance_rate: float, seed: int
+        cls,
+        config: EngineConfig,
+        hardware: str,
+        model: str,
+        acceptance_rate: float,
+        seed: int,
+        profile: CostProfile | None = None,
+        num_kv_blocks: int | None = None,
     ) -> Replica:
+        """A replica priced by `profile` if given, else by the roofline model of `hardware`
+        and `model`; with `num_kv_blocks` blocks, else what fits beside the weights."""
         clock = VirtualClock()
-        executor = SimulatedExecutor(
-            RooflineCostModel(HARDWARE[hardware], MODELS[model]), clock, acceptance_rate, seed
+        cost: CostModel = (
+            ProfiledCostModel(profile)
+            if profile is not None
+            else RooflineCostModel(HARDWARE[hardware], MODELS[model])
         )
+        executor = SimulatedExecutor(cost, clock, acceptance_rate, seed)
         engine = EngineCore.build(
             config,
             executor,
-            kv_blocks_for(config, hardware, model),
+            num_kv_blocks or kv_blocks_for(config, hardware, model),
             config.scheduler.max_model_len or 131072,
             clock,
         )
@@ -108,6 +122,8 @@ def simulate_fleet(
     acceptance_rate: float = 0.0,
     replicas: int = 1,
     router: str = "round-robin",
+    profile: CostProfile | None = None,
+    num_kv_blocks: int | None = None,
 ) -> tuple[list[RequestRecord], list[Replica]]:
     """Replay the workload on `replicas` engines behind a router (core/router.py).
 
@@ -119,7 +135,9 @@ def simulate_fleet(
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
     fleet = [
-        Replica.build(config, hardware, model, acceptance_rate, config.seed + i)
+        Replica.build(
+            config, hardware, model, acceptance_rate, config.seed + i, profile, num_kv_blocks
+        )
         for i in range(replicas)
     ]
     routing = make_router(router, config.cache.block_size, config.seed)
@@ -223,6 +241,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="with --replicas: how a request picks its engine (core/router.py)",
     )
     p.add_argument(
+        "--cost-profile",
+        default=None,
+        help="price steps by this profile (`iterserve bench profile`); default: the one "
+        "shipped for --hardware and --sim-model if any, else the roofline model",
+    )
+    p.add_argument(
         "--spec-acceptance-rate",
         type=float,
         default=0.7,
@@ -245,6 +269,10 @@ def _run(args: argparse.Namespace) -> int:
     workload = build_workload(workload_spec(args), load_tokenizer(config.model))
     trace = [r.arrival or 0.0 for r in workload.requests] if workload.has_arrival_times else None
     offsets = arrival_offsets(arrival, len(workload.requests), config.seed, trace)
+    if args.cost_profile:
+        profile = CostProfile.load(args.cost_profile)
+    else:
+        profile = shipped_profile(args.hardware, args.sim_model)
     started = time.perf_counter()
     records, fleet = simulate_fleet(
         config,
@@ -255,6 +283,7 @@ def _run(args: argparse.Namespace) -> int:
         args.spec_acceptance_rate,
         args.replicas,
         args.router,
+        profile,
     )
     wall = time.perf_counter() - started
     steps = sum(r.engine.stats.num_steps for r in fleet)
@@ -264,11 +293,13 @@ def _run(args: argparse.Namespace) -> int:
         + f"; simulated in {wall:.1f}s of wall time ({steps} steps, "
         f"{1e6 * wall / max(1, steps):.0f} us a step)"
     ]
+    notes.append(_cost_note(profile, args.cost_profile))
     notes += [_replica_note(i, replica, len(fleet) > 1) for i, replica in enumerate(fleet)]
     report = BenchReport(
         label=args.label or f"simulated {args.sim_model} on {args.hardware}",
         backend="simulated",
-        target=f"{len(fleet)} x {args.sim_model} @ {args.hardware} (roofline cost model)",
+        target=f"{len(fleet)} x {args.sim_model} @ {args.hardware} "
+        f"({'roofline' if profile is None else 'profiled'} cost model)",
         workload=workload.summary(),
         arrivals=arrival.describe(),
         metrics=compute_metrics(records, slos=parse_slos(args.slo)),
@@ -277,6 +308,23 @@ def _run(args: argparse.Namespace) -> int:
         records=records,
     )
     return finish(report, args)
+
+
+def _cost_note(profile: CostProfile | None, path: str | None) -> str:
+    if profile is None:
+        return (
+            "cost model: roofline (no profile for this hardware and model: steps are priced "
+            "by peak FLOP/s and bandwidth, not measured)"
+        )
+    about = profile.about
+    where = path or "the shipped profile"
+    if not profile.measured:
+        return f"cost model: {where}, derived from the roofline model (NOT measured)"
+    return (
+        f"cost model: {where}, measured on {about.get('cpu', '?')} with "
+        f"{about.get('threads', '?')} threads, {about.get('weights', '?')} weights, "
+        f"{about.get('date', '?')}"
+    )
 
 
 def _replica_note(index: int, replica: Replica, named: bool) -> str:

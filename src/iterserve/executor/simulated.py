@@ -14,8 +14,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Protocol
 
 from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
+
+
+class CostModel(Protocol):
+    """Seconds a step takes: RooflineCostModel below, or ProfiledCostModel
+    (cost_profile.py), which interpolates steps measured on real hardware."""
+
+    def step_time(self, scheduled: SchedulerOutput) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ class SimulatedExecutor:
 
     def __init__(
         self,
-        cost_model: RooflineCostModel,
+        cost_model: CostModel,
         clock: VirtualClock,
         acceptance_rate: float = 0.0,
         seed: int = 0,

@@ -1,0 +1,172 @@
+"""`iterserve bench fidelity`: one workload through the real engine and through the simulator
+priced by a cost profile, side by side, with the simulator's error on every figure.
+
+Both runs take the same engine settings, the same requests and the same arrival times; the
+simulated engine gets the real one's KV pool size, so where their step times agree they
+admit, chunk and preempt alike (the step and preemption counts of both are printed to show
+it). Arrivals must be open-loop (Poisson, gamma or a trace): a closed loop's arrivals
+depend on when earlier requests finished, which is what is being compared.
+
+    iterserve bench fidelity --workload azure-conv --time-scale 0.5 --num-requests 100 \
+        [--cost-profile PROFILE.json] [--result-json out.json]
+
+Without --cost-profile the profile shipped for the bundled model on this project's 2-core
+CPU is used (executor/profiles/); profile another model or machine with `iterserve bench
+profile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from iterserve.bench.metrics import BenchMetrics, compute_metrics
+
+# (label, how to read it off BenchMetrics); latencies in ms.
+FIGURES: list[tuple[str, Any]] = [
+    ("output tok/s", lambda m: m.throughput.output_throughput),
+    ("req/s", lambda m: m.throughput.request_throughput),
+    ("TTFT p50", lambda m: m.latency.ttft and m.latency.ttft.median),
+    ("TTFT p90", lambda m: m.latency.ttft and m.latency.ttft.p90),
+    ("TTFT p99", lambda m: m.latency.ttft and m.latency.ttft.p99),
+    ("TBT p50", lambda m: m.latency.itl and m.latency.itl.median),
+    ("TBT p99", lambda m: m.latency.itl and m.latency.itl.p99),
+    ("E2E p50", lambda m: m.latency.e2el and m.latency.e2el.median),
+    ("E2E p99", lambda m: m.latency.e2el and m.latency.e2el.p99),
+    ("queue p50", lambda m: m.latency.queue and m.latency.queue.median),
+    ("queue p99", lambda m: m.latency.queue and m.latency.queue.p99),
+]
+
+
+@dataclass
+class Side:
+    metrics: BenchMetrics
+    steps: int
+    preemptions: int
+
+
+def compare(real: Side, simulated: Side) -> list[dict[str, Any]]:
+    """Each figure on both sides and the simulator's relative error."""
+    rows = []
+    for label, read in FIGURES:
+        a, b = read(real.metrics), read(simulated.metrics)
+        error = (b - a) / a if a and b is not None else None
+        rows.append({"figure": label, "real": a, "simulated": b, "error": error})
+    for label, a, b in [
+        ("steps", real.steps, simulated.steps),
+        ("preemptions", real.preemptions, simulated.preemptions),
+    ]:
+        rows.append({"figure": label, "real": a, "simulated": b, "error": None})
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'':14s} {'real':>10s} {'simulated':>10s} {'error':>8s}"]
+    for row in rows:
+        real, sim, error = row["real"], row["simulated"], row["error"]
+        lines.append(
+            f"{row['figure']:14s} {_num(real):>10s} {_num(sim):>10s} "
+            f"{'' if error is None else f'{100 * error:+.1f}%':>8s}"
+        )
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 100 or float(value).is_integer() else f"{value:.2f}"
+
+
+def add_fidelity_parser(runners: argparse._SubParsersAction) -> None:
+    from iterserve.bench.args import add_arrival_args, add_workload_args
+    from iterserve.config import add_engine_args
+
+    p = runners.add_parser(
+        "fidelity",
+        help="run a workload for real and in the simulator (cost profile), and compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--cost-profile", default=None, help="default: the shipped one (see above)")
+    p.add_argument("--result-json", default=None)
+    add_workload_args(p, with_seed=False)
+    add_arrival_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_run_fidelity)
+
+
+def _run_fidelity(args: argparse.Namespace) -> int:
+    from iterserve.bench.args import arrival_spec, workload_spec
+    from iterserve.bench.arrivals import arrival_offsets
+    from iterserve.bench.offline import OfflineOptions, run_engine, warm_up
+    from iterserve.bench.simulate import simulate_fleet
+    from iterserve.bench.tokenizer import load_tokenizer
+    from iterserve.bench.workloads import build_workload
+    from iterserve.config import engine_config_from_args
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.executor.cost_profile import CostProfile, shipped_profile
+
+    config = engine_config_from_args(args)
+    arrival = arrival_spec(args)
+    if arrival.max_concurrency is not None or arrival.process == "closed":
+        raise ValueError("bench fidelity needs open-loop arrivals (poisson, gamma or trace)")
+    if args.cost_profile:
+        profile = CostProfile.load(args.cost_profile)
+    elif config.model is None:
+        profile = shipped_profile("cpu-2core", "smollm2-135m")
+    else:
+        raise ValueError("profile this model first (`iterserve bench profile`), then pass it")
+    assert profile is not None
+    workload = build_workload(workload_spec(args), load_tokenizer(config.model))
+    trace = [r.arrival or 0.0 for r in workload.requests] if workload.has_arrival_times else None
+    offsets = arrival_offsets(arrival, len(workload.requests), config.seed, trace)
+
+    engine = LLMEngine(config)
+    options = OfflineOptions(progress=False)
+    warm_up(engine, workload, options)
+    engine.reset_prefix_cache()
+    steps, preemptions = engine.stats.num_steps, engine.scheduler.num_preemptions
+    started = time.perf_counter()
+    result = run_engine(engine, workload, offsets, None, options)
+    real_seconds = time.perf_counter() - started
+    real = Side(
+        compute_metrics(result.records),
+        engine.stats.num_steps - steps,
+        engine.scheduler.num_preemptions - preemptions,
+    )
+    started = time.perf_counter()
+    records, fleet = simulate_fleet(
+        config,
+        workload,
+        offsets,
+        "cpu-2core",
+        "smollm2-135m",
+        profile=profile,
+        num_kv_blocks=engine.scheduler.kv_cache_stats().num_blocks,
+    )
+    sim_seconds = time.perf_counter() - started
+    replica = fleet[0]
+    simulated = Side(
+        compute_metrics(records), replica.engine.stats.num_steps, replica.scheduler.num_preemptions
+    )
+    rows = compare(real, simulated)
+    print(f"workload: {workload.summary()['name']}, {len(workload.requests)} requests, "
+          f"{arrival.describe()}")  # fmt: skip
+    print(f"profile: {profile.about.get('model')} on {profile.about.get('cpu')}, "
+          f"{profile.about.get('date')}{'' if profile.measured else ' (NOT measured)'}")  # fmt: skip
+    print(format_rows(rows))
+    print(f"real run {real_seconds:.0f}s, simulated in {sim_seconds:.1f}s")
+    if args.result_json:
+        body = {
+            "workload": workload.summary(),
+            "arrivals": arrival.describe(),
+            "profile": profile.about,
+            "rows": rows,
+        }
+        Path(args.result_json).write_text(json.dumps(body, indent=2))
+        print(f"wrote {args.result_json}")
+    return 0

@@ -1,0 +1,248 @@
+"""`iterserve bench profile`: time the real engine's steps over a grid of shapes and write a
+cost profile (executor/cost_profile.py) for the simulator.
+
+Whole `LLMEngine.step()` calls are timed on the wall clock, so a profiled step costs what
+the engine loop pays for it: scheduling, the forward, sampling and detokenizing.
+
+  decode   for each context C: B_max requests with C-token prompts are prefilled (untimed),
+           then the decode steps of B_max, and of fewer and fewer as requests are aborted
+           down to each batch size of the grid, are timed (`--repeats` steps each, median)
+  prefill  for each prefix P: one request with a P-token prompt is run to put P in the
+           prefix cache (P a multiple of the block size; 0 needs none), then requests of
+           P + n tokens, whose first P come from the cache, are timed on the one step that
+           computes their n new tokens (median of `--repeats`)
+
+Prompts are ordinary tokens drawn at random, so no two requests share a block by chance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+
+from iterserve.config import EngineConfig
+from iterserve.executor.cost_profile import CostProfile, Grid
+from iterserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    contexts: tuple[int, ...] = (128, 512)
+    prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024)
+    prefixes: tuple[int, ...] = (0, 1024)
+    repeats: int = 5
+
+
+def profile_engine(
+    engine: Any,
+    grid: ProfileGrid,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> CostProfile:
+    """Time `engine` (an LLMEngine, idle, nothing queued) over `grid`."""
+    from iterserve.bench.tokenizer import ordinary_token_ids
+
+    vocab = np.asarray(ordinary_token_ids(engine.tokenizer))
+    rng = np.random.default_rng(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [int(t) for t in rng.choice(vocab, size=n)]
+
+    say = progress or (lambda _: None)
+    decode = []
+    for context in grid.contexts:
+        column = _decode_column(engine, grid, context, prompt)
+        say(f"decode, context {context}: " + _ms(column))
+        decode.append(column)
+    prefill = []
+    for tokens in grid.prefill_tokens:
+        row = [_prefill_point(engine, grid, tokens, prefix, prompt) for prefix in grid.prefixes]
+        say(f"prefill of {tokens} tokens, prefixes {list(grid.prefixes)}: " + _ms(row))
+        prefill.append(row)
+    return CostProfile(
+        decode=Grid(
+            [float(b) for b in grid.batch_sizes],
+            [float(c) for c in grid.contexts],
+            [list(r) for r in zip(*decode, strict=True)],  # [batch][context]
+        ),
+        prefill=Grid(
+            [float(n) for n in grid.prefill_tokens], [float(p) for p in grid.prefixes], prefill
+        ),
+        about=_about(engine, grid),
+    )
+
+
+def _ms(seconds: Sequence[float]) -> str:
+    return ", ".join(f"{1e3 * s:.1f}" for s in seconds) + " ms"
+
+
+def _step_seconds(engine: Any) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def _decode_column(
+    engine: Any, grid: ProfileGrid, context: int, prompt: Callable[[int], list[int]]
+) -> list[float]:
+    """Median decode step seconds at each batch size (ascending), at `context` tokens."""
+    sizes = sorted(grid.batch_sizes)
+    # Early requests decode while later ones still prefill, for however many steps that
+    # takes: they may run to the end of the context, and are aborted when done with.
+    room = engine.max_request_tokens() - context
+    params = SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True)
+    stats = engine.scheduler.kv_cache_stats()
+    budget = engine.config.scheduler.max_num_batched_tokens
+    growth = -(-sizes[-1] * context // max(1, budget - sizes[-1])) + grid.repeats * len(sizes)
+    needed = sizes[-1] * -(-(context + growth + len(sizes)) // engine.config.cache.block_size)
+    if needed > stats.num_blocks:  # the batch would preempt itself: not a decode step any more
+        raise ValueError(
+            f"{sizes[-1]} requests of {context} tokens need ~{needed} KV blocks, the pool has "
+            f"{stats.num_blocks}: lower --batch-sizes or --contexts, or raise the KV cache"
+        )
+    live = [engine.add_request(prompt(context), params) for _ in range(sizes[-1])]
+    started: set[str] = set()
+    while len(started) < len(live):  # prefill everyone (untimed)
+        started.update(o.request_id for o in engine.step().outputs if o.token_ids)
+    seconds: dict[int, float] = {}
+    for size in reversed(sizes):
+        for request_id in live[size:]:
+            engine.abort_request(request_id)
+        live = live[:size]
+        _step_seconds(engine)  # the first step after a change of batch: not counted
+        seconds[size] = statistics.median(_step_seconds(engine) for _ in range(grid.repeats))
+    for request_id in live:
+        engine.abort_request(request_id)
+    return [seconds[size] for size in sizes]
+
+
+def _prefill_point(
+    engine: Any, grid: ProfileGrid, tokens: int, prefix: int, prompt: Callable[[int], list[int]]
+) -> float:
+    """Median seconds of the step that computes `tokens` new prompt tokens after `prefix`
+    cached ones."""
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    shared = prompt(prefix)
+    if prefix:
+        engine.add_request(shared + prompt(1), one)  # caches the prefix's blocks
+        while engine.has_unfinished():
+            engine.step()
+    samples = []
+    for _ in range(grid.repeats):
+        engine.add_request(shared + prompt(tokens), one)
+        samples.append(_step_seconds(engine))
+        while engine.has_unfinished():
+            engine.step()
+    engine.reset_prefix_cache()
+    return statistics.median(samples)
+
+
+def _about(engine: Any, grid: ProfileGrid) -> dict[str, Any]:
+    import torch
+
+    config: EngineConfig = engine.config
+    plan = engine.model_plan
+    return {
+        "measured": True,
+        "model": engine.model_name,
+        "weights": plan.weights,
+        "kernels": plan.backend,
+        "step": plan.step,
+        "device": config.device,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "block_size": config.cache.block_size,
+        "engine_version": metadata.version("iterserve"),
+        "torch_version": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "repeats": grid.repeats,
+    }
+
+
+def check_grid(grid: ProfileGrid, config: EngineConfig) -> None:
+    """Refuse a grid the engine's settings cannot run as asked."""
+    block = config.cache.block_size
+    if any(p % block for p in grid.prefixes):
+        raise ValueError(f"--prefixes must be multiples of the block size ({block})")
+    if max(grid.prefill_tokens) > config.scheduler.max_num_batched_tokens:
+        raise ValueError(
+            f"a {max(grid.prefill_tokens)}-token prefill does not fit one step of "
+            f"--max-num-batched-tokens {config.scheduler.max_num_batched_tokens}"
+        )
+    if max(grid.batch_sizes) > config.scheduler.max_num_seqs:
+        raise ValueError(
+            f"batch size {max(grid.batch_sizes)} is above --max-num-seqs "
+            f"{config.scheduler.max_num_seqs}"
+        )
+    if grid.repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+
+
+def add_profile_parser(runners: argparse._SubParsersAction) -> None:
+    from iterserve.config import add_engine_args
+
+    p = runners.add_parser(
+        "profile",
+        help="time the real engine's steps over a grid and write a cost profile for simulate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    defaults = ProfileGrid()
+    p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
+    p.add_argument("--batch-sizes", default=_csv(defaults.batch_sizes))
+    p.add_argument("--contexts", default=_csv(defaults.contexts))
+    p.add_argument("--prefill-tokens", default=_csv(defaults.prefill_tokens))
+    p.add_argument("--prefixes", default=_csv(defaults.prefixes))
+    p.add_argument("--repeats", type=int, default=defaults.repeats)
+    add_engine_args(p)
+    p.set_defaults(func=_run_profile)
+
+
+def _csv(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from iterserve.config import engine_config_from_args
+    from iterserve.engine.llm_engine import LLMEngine
+
+    grid = ProfileGrid(
+        _ints(args.batch_sizes),
+        _ints(args.contexts),
+        _ints(args.prefill_tokens),
+        _ints(args.prefixes),
+        args.repeats,
+    )
+    config = engine_config_from_args(args)
+    # One prefill chunk per step, however large the grid's: the profile prices chunks by
+    # size, and a run's own --max-num-batched-tokens decides which sizes it meets.
+    scheduler = config.scheduler
+    if max(grid.prefill_tokens) > scheduler.max_num_batched_tokens:
+        scheduler = dataclasses.replace(scheduler, max_num_batched_tokens=max(grid.prefill_tokens))
+    if max(grid.batch_sizes) > scheduler.max_num_seqs:
+        scheduler = dataclasses.replace(scheduler, max_num_seqs=max(grid.batch_sizes))
+    config = dataclasses.replace(config, scheduler=scheduler)
+    check_grid(grid, config)
+    started = time.perf_counter()
+    engine = LLMEngine(config)
+    profile = profile_engine(engine, grid, config.seed, progress=print)
+    profile.save(args.output)
+    print(f"wrote {args.output} in {time.perf_counter() - started:.0f}s")
+    return 0

@@ -1,0 +1,200 @@
+"""Cost profiles: measured on the real engine, saved, loaded, and read back by the
+simulator exactly at the points that were profiled (executor/cost_profile.py,
+bench/profile.py, bench/fidelity.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from iterserve.bench.profile import ProfileGrid, profile_engine
+from iterserve.cli import main
+from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
+from iterserve.executor.cost_profile import (
+    CostProfile,
+    Grid,
+    ProfiledCostModel,
+    StepFeatures,
+    shipped_profile,
+)
+from iterserve.sampling_params import SamplingParams
+
+PARAMS = SamplingParams()
+
+
+def decode_step(rows: int, context: int, drafts: int = 0) -> SchedulerOutput:
+    """`rows` sequences decoding one token (plus `drafts` guesses) after context - 1."""
+    seqs = [
+        ScheduledSeq(str(i), [1] * (1 + drafts), context - 1, (), True, PARAMS, [2] * drafts)
+        for i in range(rows)
+    ]
+    return SchedulerOutput(seqs, num_decode_tokens=rows, num_draft_tokens=rows * drafts)
+
+
+def prefill_step(tokens: int, prefix: int) -> SchedulerOutput:
+    seq = ScheduledSeq("p", [1] * tokens, prefix, (), True, PARAMS)
+    return SchedulerOutput([seq], num_prefill_tokens=tokens)
+
+
+def mixed(a: SchedulerOutput, b: SchedulerOutput) -> SchedulerOutput:
+    return SchedulerOutput(
+        a.seqs + b.seqs,
+        a.num_prefill_tokens + b.num_prefill_tokens,
+        a.num_decode_tokens + b.num_decode_tokens,
+    )
+
+
+def toy_profile() -> CostProfile:
+    decode = Grid([1, 2, 8], [100, 1000], [[0.010, 0.012], [0.011, 0.014], [0.020, 0.030]])
+    prefill = Grid([16, 512], [0, 1024], [[0.02, 0.03], [0.2, 0.4]])
+    return CostProfile(decode, prefill, {"model": "toy"})
+
+
+def test_the_grid_is_exact_at_its_points_and_linear_between_and_beyond() -> None:
+    grid = toy_profile().decode
+    for i, x in enumerate(grid.xs):
+        for j, y in enumerate(grid.ys):
+            assert grid.at(x, y) == pytest.approx(grid.seconds[i][j])
+    assert grid.at(1.5, 100) == pytest.approx(0.0105)
+    assert grid.at(1, 550) == pytest.approx(0.011)
+    assert grid.at(5, 550) == pytest.approx((0.0125 + 0.025) / 2)  # bilinear
+    assert grid.at(16, 100) == pytest.approx(0.020 + 8 * (0.020 - 0.011) / 6)  # beyond: linear
+    assert Grid([4], [7], [[0.5]]).at(100, 0) == 0.5  # one point: constant
+
+
+def test_bad_grids_are_refused() -> None:
+    with pytest.raises(ValueError, match="ascending"):
+        Grid([2, 1], [1], [[0.1], [0.2]])
+    with pytest.raises(ValueError, match="rows"):
+        Grid([1, 2], [1], [[0.1]])
+
+
+def test_step_features_tell_decodes_from_prefill_chunks() -> None:
+    step = mixed(decode_step(3, 200, drafts=2), prefill_step(64, 128))
+    assert StepFeatures.of(step) == StepFeatures(9, 200.0, 64, 128.0)
+
+
+def test_profiled_points_come_back_exactly_and_mixed_steps_add_up() -> None:
+    profile = toy_profile()
+    model = ProfiledCostModel(profile)
+    for i, rows in enumerate(profile.decode.xs):
+        for j, context in enumerate(profile.decode.ys):
+            step = decode_step(int(rows), int(context))
+            assert model.step_time(step) == pytest.approx(profile.decode.seconds[i][j])
+    for i, tokens in enumerate(profile.prefill.xs):
+        for j, prefix in enumerate(profile.prefill.ys):
+            step = prefill_step(int(tokens), int(prefix))
+            assert model.step_time(step) == pytest.approx(profile.prefill.seconds[i][j])
+    # Two decodes beside a 16-token chunk: the chunk, plus the decodes less the fixed cost
+    # (the decode grid at zero rows: 0.010 - (0.011 - 0.010) at context 100).
+    step = mixed(decode_step(2, 100), prefill_step(16, 0))
+    assert model.step_time(step) == pytest.approx(0.02 + 0.011 - 0.009)
+    assert model.step_time(SchedulerOutput([])) == 0.0
+
+
+def test_a_profile_round_trips_through_json(tmp_path: Path) -> None:
+    profile = toy_profile()
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert CostProfile.load(path) == profile
+    body = json.loads(path.read_text())
+    path.write_text(json.dumps(body | {"format": 99}))
+    with pytest.raises(ValueError, match="format"):
+        CostProfile.load(path)
+    path.write_text("{}")
+    with pytest.raises(ValueError):
+        CostProfile.load(path)
+
+
+def tiny_config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        compile=False,
+        cache=CacheConfig(block_size=16, num_kv_blocks=256),
+        scheduler=SchedulerConfig(max_model_len=512, max_num_batched_tokens=128, max_num_seqs=8),
+    )
+
+
+def test_a_profile_of_the_real_engine_is_what_the_simulator_reads(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from iterserve.engine.llm_engine import LLMEngine
+
+    grid = ProfileGrid((1, 2, 8), (32, 96), (16, 64, 128), (0, 32), repeats=2)
+    engine = LLMEngine(tiny_config(tiny_llama_dir))
+    profile = profile_engine(engine, grid)
+    assert not engine.has_unfinished()
+    path = tmp_path / "tiny.json"
+    profile.save(path)
+    loaded = CostProfile.load(path)
+    assert loaded == profile and loaded.measured
+    assert loaded.about["model"] == engine.model_name and loaded.about["threads"] >= 1
+    seconds = [s for row in loaded.decode.seconds + loaded.prefill.seconds for s in row]
+    assert all(s > 0 for s in seconds)  # every point ran (no step found nothing to do)
+    model = ProfiledCostModel(loaded)
+    for i, rows in enumerate(grid.batch_sizes):
+        for j, context in enumerate(grid.contexts):
+            predicted = model.step_time(decode_step(rows, context))
+            assert predicted == pytest.approx(loaded.decode.seconds[i][j])
+    for i, tokens in enumerate(grid.prefill_tokens):
+        for j, prefix in enumerate(grid.prefixes):
+            predicted = model.step_time(prefill_step(tokens, prefix))
+            assert predicted == pytest.approx(loaded.prefill.seconds[i][j])
+
+
+def test_the_shipped_profile_prices_the_bundled_model_on_this_cpu() -> None:
+    profile = shipped_profile("cpu-2core", "smollm2-135m")
+    assert profile is not None and profile.measured
+    assert profile.about["model"].startswith("SmolLM2-135M")
+    model = ProfiledCostModel(profile)
+    one, many = model.step_time(decode_step(1, 256)), model.step_time(decode_step(32, 256))
+    assert 0.001 < one < many < 0.5  # milliseconds a step, growing with the batch
+    assert shipped_profile("a100-80g", "nope") is None
+
+
+def test_simulate_says_which_cost_model_priced_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tokenizer_dir: Path
+) -> None:
+    base = ["simulate", "--model", str(tokenizer_dir), "--num-requests", "6"]
+    base += ["--input-len", "64", "--output-len", "8", "--request-rate", "4"]
+    assert main([*base, "--hardware", "cpu-2core", "--sim-model", "smollm2-135m"]) == 0
+    assert "cost model: the shipped profile, measured on" in capsys.readouterr().out
+    assert main([*base, "--hardware", "a100-80g", "--sim-model", "llama3-8b"]) == 0
+    assert "cost model: roofline" in capsys.readouterr().out
+    path = tmp_path / "toy.json"
+    toy_profile().save(path)
+    argv = [*base, "--hardware", "a100-80g", "--sim-model", "llama3-8b"]
+    assert main([*argv, "--cost-profile", str(path)]) == 0
+    assert f"cost model: {path}" in capsys.readouterr().out
+
+
+def test_fidelity_runs_both_sides_and_reports_each_error(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from iterserve.engine.llm_engine import LLMEngine
+
+    config = tiny_config(tiny_llama_dir)
+    grid = ProfileGrid((1, 2, 8), (32, 96), (16, 64, 128), (0,), repeats=2)
+    profile_path = tmp_path / "tiny.json"
+    profile_engine(LLMEngine(config), grid).save(profile_path)
+    result = tmp_path / "fidelity.json"
+    argv = ["bench", "fidelity", "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    argv += ["--device", "cpu", "--no-compile", "--num-kv-blocks", "256"]
+    argv += ["--max-model-len", "512", "--max-num-batched-tokens", "128"]
+    argv += ["--num-requests", "12", "--input-len", "48", "--output-len", "6"]
+    argv += ["--request-rate", "40", "--cost-profile", str(profile_path)]
+    argv += ["--result-json", str(result)]
+    assert main(argv) == 0
+    assert "TTFT p50" in capsys.readouterr().out
+    rows = {row["figure"]: row for row in json.loads(result.read_text())["rows"]}
+    assert rows["steps"]["real"] > 0 and rows["steps"]["simulated"] > 0
+    tok_s = rows["output tok/s"]
+    assert tok_s["real"] > 0 and tok_s["simulated"] > 0
+    assert tok_s["error"] == pytest.approx((tok_s["simulated"] - tok_s["real"]) / tok_s["real"])
+    closed = ["--arrival", "closed", "--max-concurrency", "2"]
+    assert main([*argv[:-2], *closed]) == 2  # a closed loop cannot be replayed: refused
