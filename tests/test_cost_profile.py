@@ -77,7 +77,7 @@ def test_step_features_tell_decodes_from_prefill_chunks() -> None:
     assert StepFeatures.of(step) == StepFeatures(9, 200.0, 64, 128.0)
 
 
-def test_profiled_points_come_back_exactly_and_mixed_steps_add_up() -> None:
+def test_profiled_points_come_back_exactly_and_mixed_steps_are_chunks_plus_attention() -> None:
     profile = toy_profile()
     model = ProfiledCostModel(profile)
     for i, rows in enumerate(profile.decode.xs):
@@ -88,10 +88,13 @@ def test_profiled_points_come_back_exactly_and_mixed_steps_add_up() -> None:
         for j, prefix in enumerate(profile.prefill.ys):
             step = prefill_step(int(tokens), int(prefix))
             assert model.step_time(step) == pytest.approx(profile.prefill.seconds[i][j])
-    # Two decodes beside a 16-token chunk: the chunk, plus the decodes less the fixed cost
-    # (the decode grid at zero rows: 0.010 - (0.011 - 0.010) at context 100).
+    # Two decodes beside a 16-token chunk: an 18-row chunk, plus the decodes' attention
+    # beyond the decode grid's shortest context (none at 100, 0.014 - 0.011 at 1000).
+    eighteen_rows = 0.02 + 2 * (0.2 - 0.02) / (512 - 16)
     step = mixed(decode_step(2, 100), prefill_step(16, 0))
-    assert model.step_time(step) == pytest.approx(0.02 + 0.011 - 0.009)
+    assert model.step_time(step) == pytest.approx(eighteen_rows)
+    step = mixed(decode_step(2, 1000), prefill_step(16, 0))
+    assert model.step_time(step) == pytest.approx(eighteen_rows + 0.003)
     assert model.step_time(SchedulerOutput([])) == 0.0
 
 
@@ -173,28 +176,24 @@ def test_simulate_says_which_cost_model_priced_it(
     assert f"cost model: {path}" in capsys.readouterr().out
 
 
-def test_fidelity_runs_both_sides_and_reports_each_error(
+def test_fidelity_profiles_runs_both_sides_and_reports_each_error(
     tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from iterserve.engine.llm_engine import LLMEngine
-
-    config = tiny_config(tiny_llama_dir)
-    grid = ProfileGrid((1, 2, 8), (32, 96), (16, 64, 128), (0,), repeats=2)
-    profile_path = tmp_path / "tiny.json"
-    profile_engine(LLMEngine(config), grid).save(profile_path)
     result = tmp_path / "fidelity.json"
     argv = ["bench", "fidelity", "--model", str(tiny_llama_dir), "--dtype", "float32"]
     argv += ["--device", "cpu", "--no-compile", "--num-kv-blocks", "256"]
-    argv += ["--max-model-len", "512", "--max-num-batched-tokens", "128"]
+    argv += ["--max-model-len", "512", "--max-num-batched-tokens", "128", "--max-num-seqs", "8"]
     argv += ["--num-requests", "12", "--input-len", "48", "--output-len", "6"]
-    argv += ["--request-rate", "40", "--cost-profile", str(profile_path)]
-    argv += ["--result-json", str(result)]
+    argv += ["--request-rate", "40", "--result-json", str(result)]
     assert main(argv) == 0
-    assert "TTFT p50" in capsys.readouterr().out
-    rows = {row["figure"]: row for row in json.loads(result.read_text())["rows"]}
+    out = capsys.readouterr().out
+    assert "profiled the engine" in out and "TTFT p50" in out
+    body = json.loads(result.read_text())
+    assert body["profile"]["measured"] and body["profile"]["max_num_batched_tokens"] == 128
+    rows = {row["figure"]: row for row in body["rows"]}
     assert rows["steps"]["real"] > 0 and rows["steps"]["simulated"] > 0
     tok_s = rows["output tok/s"]
     assert tok_s["real"] > 0 and tok_s["simulated"] > 0
     assert tok_s["error"] == pytest.approx((tok_s["simulated"] - tok_s["real"]) / tok_s["real"])
     closed = ["--arrival", "closed", "--max-concurrency", "2"]
-    assert main([*argv[:-2], *closed]) == 2  # a closed loop cannot be replayed: refused
+    assert main([*argv, *closed]) == 2  # a closed loop cannot be replayed: refused

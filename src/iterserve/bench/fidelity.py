@@ -10,9 +10,9 @@ depend on when earlier requests finished, which is what is being compared.
     iterserve bench fidelity --workload azure-conv --time-scale 0.5 --num-requests 100 \
         [--cost-profile PROFILE.json] [--result-json out.json]
 
-Without --cost-profile the profile shipped for the bundled model on this project's 2-core
-CPU is used (executor/profiles/); profile another model or machine with `iterserve bench
-profile`.
+Without --cost-profile the engine is profiled first (`iterserve bench profile`'s default
+grid, about a minute on the bundled model), right before the real run: the same settings,
+and the same spell of a machine whose speed drifts over minutes.
 """
 
 from __future__ import annotations
@@ -91,7 +91,11 @@ def add_fidelity_parser(runners: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--cost-profile", default=None, help="default: the shipped one (see above)")
+    p.add_argument(
+        "--cost-profile",
+        default=None,
+        help="price steps by this profile; default: profile the engine first (about a minute)",
+    )
     p.add_argument("--result-json", default=None)
     add_workload_args(p, with_seed=False)
     add_arrival_args(p)
@@ -103,29 +107,32 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     from iterserve.bench.args import arrival_spec, workload_spec
     from iterserve.bench.arrivals import arrival_offsets
     from iterserve.bench.offline import OfflineOptions, run_engine, warm_up
+    from iterserve.bench.profile import ProfileGrid, profile_engine
     from iterserve.bench.simulate import simulate_fleet
     from iterserve.bench.tokenizer import load_tokenizer
     from iterserve.bench.workloads import build_workload
     from iterserve.config import engine_config_from_args
     from iterserve.engine.llm_engine import LLMEngine
-    from iterserve.executor.cost_profile import CostProfile, shipped_profile
+    from iterserve.executor.cost_profile import CostProfile
 
     config = engine_config_from_args(args)
     arrival = arrival_spec(args)
     if arrival.max_concurrency is not None or arrival.process == "closed":
         raise ValueError("bench fidelity needs open-loop arrivals (poisson, gamma or trace)")
-    if args.cost_profile:
-        profile = CostProfile.load(args.cost_profile)
-    elif config.model is None:
-        profile = shipped_profile("cpu-2core", "smollm2-135m")
-    else:
-        raise ValueError("profile this model first (`iterserve bench profile`), then pass it")
-    assert profile is not None
     workload = build_workload(workload_spec(args), load_tokenizer(config.model))
     trace = [r.arrival or 0.0 for r in workload.requests] if workload.has_arrival_times else None
     offsets = arrival_offsets(arrival, len(workload.requests), config.seed, trace)
 
     engine = LLMEngine(config)
+    if args.cost_profile:
+        profile = CostProfile.load(args.cost_profile)
+    else:
+        # Profiled here and now: the same engine settings, and the same spell of a machine
+        # whose speed drifts by 10-20% over minutes.
+        started = time.perf_counter()
+        grid = ProfileGrid().fitting(config, engine.max_request_tokens())
+        profile = profile_engine(engine, grid, config.seed)
+        print(f"profiled the engine in {time.perf_counter() - started:.0f}s")
     options = OfflineOptions(progress=False)
     warm_up(engine, workload, options)
     engine.reset_prefix_cache()

@@ -23,7 +23,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any
 
@@ -39,8 +39,29 @@ class ProfileGrid:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     contexts: tuple[int, ...] = (128, 512)
     prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024)
-    prefixes: tuple[int, ...] = (0, 1024)
+    prefixes: tuple[int, ...] = (0, 1024, 4096)
     repeats: int = 5
+
+    def fitting(self, config: EngineConfig, max_request_tokens: int) -> ProfileGrid:
+        """This grid cut to what one engine with `config` runs as asked: prefill chunks up
+        to one step's token budget (which then is the largest), batches up to its
+        --max-num-seqs (likewise), contexts and prefix + chunk within one request's
+        room (`max_request_tokens`), keeping at least the smallest of each."""
+        budget = config.scheduler.max_num_batched_tokens
+        seqs = config.scheduler.max_num_seqs
+        tokens = sorted({n for n in self.prefill_tokens if n < budget} | {budget})
+        room = max_request_tokens // 2  # decodes go on growing while the batch fills
+        return replace(
+            self,
+            batch_sizes=tuple(sorted({b for b in self.batch_sizes if b < seqs} | {seqs})),
+            prefill_tokens=tuple(tokens),
+            contexts=_within(self.contexts, room),
+            prefixes=_within(self.prefixes, max_request_tokens - tokens[-1]),
+        )
+
+
+def _within(values: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    return tuple(v for v in values if v <= limit) or values[:1]
 
 
 def profile_engine(

@@ -14,10 +14,11 @@ grids:
 A step is priced from its features: its decoding sequences' query rows and mean context
 give the decode part, its prefill chunks' tokens and (token-weighted) mean prefix the
 prefill part, each by bilinear interpolation on its grid (linear beyond the edges). A step
-that mixes both is the sum of the two parts less one step's fixed cost (counted once),
-the decode grid extrapolated to zero rows. At a profiled point the model returns the
-profiled time exactly; between points and for mixed steps it is an estimate, which `iterserve
-bench fidelity` checks against real runs.
+that mixes both is priced as a chunk of all its query rows (decode rows cost what a chunk's
+rows cost: the projections dominate and run them together) plus the decodes' attention
+beyond the decode grid's shortest context. At a profiled point the model returns the
+profiled time exactly; between points and for mixed steps it is an estimate, which
+`iterserve bench fidelity` checks against real runs.
 
 Profiles are JSON with what they were measured on (model, weights, device, threads, engine
 version); a profile made from the roofline model for hardware this project cannot run says
@@ -168,14 +169,15 @@ class ProfiledCostModel:
         decode, prefill = self.profile.decode, self.profile.prefill
         if f.prefill_tokens == 0:
             return max(0.0, decode.at(f.decode_rows, f.decode_context))
-        chunk = prefill.at(f.prefill_tokens, f.prefill_prefix)
         if f.decode_rows == 0:
-            return max(0.0, chunk)
-        with_decodes = decode.at(f.decode_rows, f.decode_context)
-        # A step's fixed cost, counted in both parts: the decode grid at zero rows.
-        fixed = decode.at(0, f.decode_context)
-        fixed = min(max(fixed, 0.0), with_decodes, chunk)
-        return max(0.0, chunk + with_decodes - fixed)
+            return max(0.0, prefill.at(f.prefill_tokens, f.prefill_prefix))
+        # Decode rows ride along in the chunk's projections at its per-row cost (a 512-row
+        # step is far cheaper a row than an 8-row one); what they add beyond that is their
+        # attention over contexts longer than the decode grid's shortest.
+        rows = prefill.at(f.prefill_tokens + f.decode_rows, f.prefill_prefix)
+        shortest = decode.ys[0]
+        attention = decode.at(f.decode_rows, f.decode_context) - decode.at(f.decode_rows, shortest)
+        return max(0.0, rows + max(0.0, attention))
 
 
 def shipped_profile(hardware: str, model: str) -> CostProfile | None:
