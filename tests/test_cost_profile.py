@@ -18,6 +18,7 @@ from iterserve.executor.cost_profile import (
     Grid,
     ProfiledCostModel,
     StepFeatures,
+    per_kv_token,
     shipped_profile,
 )
 from iterserve.sampling_params import SamplingParams
@@ -70,6 +71,20 @@ def test_bad_grids_are_refused() -> None:
         Grid([2, 1], [1], [[0.1], [0.2]])
     with pytest.raises(ValueError, match="rows"):
         Grid([1, 2], [1], [[0.1]])
+
+
+def test_decode_context_costs_one_fitted_price_per_kv_token() -> None:
+    # 2 us a KV token, but the one-request row's long context was measured in a slow spell.
+    xs, ys = [1, 8, 64], [128, 512]
+    true = [[0.006 + 2e-6 * b * (c - 128) for c in ys] for b in xs]
+    noisy = [row[:] for row in true]
+    noisy[0][1] += 0.003
+    fitted = per_kv_token(Grid(xs, ys, noisy))
+    assert [row[0] for row in fitted.seconds] == [row[0] for row in noisy]  # shortest: as is
+    assert fitted.seconds[2][1] == pytest.approx(true[2][1], rel=1e-3)  # big batches: kept
+    assert fitted.seconds[0][1] == pytest.approx(true[0][1], rel=0.05)  # the outlier: mended
+    exact = per_kv_token(Grid(xs, ys, true)).seconds
+    assert [t for row in exact for t in row] == pytest.approx([t for row in true for t in row])
 
 
 def test_step_features_tell_decodes_from_prefill_chunks() -> None:

@@ -83,6 +83,28 @@ def _segment(axis: list[float], v: float) -> tuple[int, float]:
     return i, (v - axis[i]) / (axis[i + 1] - axis[i])
 
 
+def per_kv_token(decode: Grid) -> Grid:
+    """The decode grid with its longer contexts re-derived from the shortest one plus one
+    cost per KV token read, fitted over every batch size (least squares: the big batches,
+    whose extra context is thousands of tokens, weigh most). Decode attention streams K/V,
+    so its cost grows with the tokens read; a few requests' own differences between two
+    contexts are within this machine's step-to-step noise, and extrapolating them to long
+    contexts made small decode steps up to 1.6x too slow (`iterserve bench fidelity`)."""
+    c0 = decode.ys[0]
+    num = den = 0.0
+    for b, row in zip(decode.xs, decode.seconds, strict=True):
+        for c, t in zip(decode.ys[1:], row[1:], strict=True):
+            tokens = b * (c - c0)
+            num += tokens * (t - row[0])
+            den += tokens * tokens
+    per_token = max(0.0, num / den) if den else 0.0
+    seconds = [
+        [row[0] + per_token * b * (c - c0) for c in decode.ys]
+        for b, row in zip(decode.xs, decode.seconds, strict=True)
+    ]
+    return Grid(decode.xs, decode.ys, seconds)
+
+
 @dataclass(frozen=True)
 class StepFeatures:
     """What a step's time is read off the profile by."""
