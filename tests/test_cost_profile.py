@@ -203,8 +203,11 @@ def test_fidelity_profiles_runs_both_sides_and_reports_each_error(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "profiled the engine" in out and "TTFT p50" in out
+    assert "the profile's price of the real run's own steps:" in out
     body = json.loads(result.read_text())
     assert body["profile"]["measured"] and body["profile"]["max_num_batched_tokens"] == 128
+    priced = {row["steps"]: row for row in body["step_errors"]}
+    assert "prefill" in priced and sum(row["count"] for row in priced.values()) > 0
     rows = {row["figure"]: row for row in body["rows"]}
     assert rows["steps"]["real"] > 0 and rows["steps"]["simulated"] > 0
     tok_s = rows["output tok/s"]

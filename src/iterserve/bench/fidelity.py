@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.bench.metrics import BenchMetrics, compute_metrics
+from iterserve.executor.cost_profile import ProfiledCostModel, StepFeatures
 
 # (label, how to read it off BenchMetrics); latencies in ms.
 FIGURES: list[tuple[str, Any]] = [
@@ -40,6 +41,48 @@ FIGURES: list[tuple[str, Any]] = [
     ("queue p50", lambda m: m.latency.queue and m.latency.queue.median),
     ("queue p99", lambda m: m.latency.queue and m.latency.queue.p99),
 ]
+
+
+class StepLog:
+    """An engine whose steps are timed (whole `LLMEngine.step` calls, as a profile times
+    them) and kept with their features; everything else is the engine's own."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.steps: list[tuple[StepFeatures, float]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def step(self, no_more_arrivals: bool = False) -> Any:
+        start = time.perf_counter()
+        step = self._engine.step(no_more_arrivals)
+        seconds = time.perf_counter() - start
+        if step.scheduled is not None and step.scheduled.num_batched_tokens:
+            self.steps.append((StepFeatures.of(step.scheduled), seconds))
+        return step
+
+
+def step_errors(
+    steps: list[tuple[StepFeatures, float]], model: ProfiledCostModel
+) -> list[dict[str, Any]]:
+    """The cost model against the real run's own steps, by kind: how much of a fidelity
+    error is the price of a step (and the machine's drift since the profile) rather than
+    the scheduling around it."""
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for features, seconds in steps:
+        if features.prefill_tokens == 0:
+            kind = "decode, 1-4 rows" if features.decode_rows <= 4 else "decode, 5+ rows"
+        else:
+            kind = "prefill" if features.decode_rows == 0 else "prefill + decode"
+        kinds.setdefault(kind, []).append((model.time_of(features), seconds))
+    rows = []
+    for kind, pairs in sorted(kinds.items()):
+        predicted = sum(p for p, _ in pairs)
+        real = sum(r for _, r in pairs)
+        rows.append({"steps": kind, "count": len(pairs), "real_s": real, "predicted_s": predicted,
+                     "error": predicted / real - 1})  # fmt: skip
+    return rows
 
 
 @dataclass
@@ -138,7 +181,8 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     engine.reset_prefix_cache()
     steps, preemptions = engine.stats.num_steps, engine.scheduler.num_preemptions
     started = time.perf_counter()
-    result = run_engine(engine, workload, offsets, None, options)
+    logged = StepLog(engine)
+    result = run_engine(logged, workload, offsets, None, options)
     real_seconds = time.perf_counter() - started
     real = Side(
         compute_metrics(result.records),
@@ -167,12 +211,18 @@ def _run_fidelity(args: argparse.Namespace) -> int:
           f"{profile.about.get('date')}{'' if profile.measured else ' (NOT measured)'}")  # fmt: skip
     print(format_rows(rows))
     print(f"real run {real_seconds:.0f}s, simulated in {sim_seconds:.1f}s")
+    steps_priced = step_errors(logged.steps, ProfiledCostModel(profile))
+    print("the profile's price of the real run's own steps:")
+    for row in steps_priced:
+        print(f"  {row['steps']:18s} {row['count']:6d} steps, real {row['real_s']:6.1f}s, "
+              f"priced {row['predicted_s']:6.1f}s ({100 * row['error']:+.1f}%)")  # fmt: skip
     if args.result_json:
         body = {
             "workload": workload.summary(),
             "arrivals": arrival.describe(),
             "profile": profile.about,
             "rows": rows,
+            "step_errors": steps_priced,
         }
         Path(args.result_json).write_text(json.dumps(body, indent=2))
         print(f"wrote {args.result_json}")

@@ -261,7 +261,7 @@ class LLMEngine:
             outputs = [self._emit(update) for update in step.updates]
         except Exception as error:
             raise StepFailedError(step.request_ids, error) from error
-        return EngineStep(outputs, step.did_work)
+        return EngineStep(outputs, step.did_work, step.scheduled)
 
     def _emit(self, update: RequestUpdate) -> RequestOutput:
         request_id = update.request_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from iterserve.core.outputs import TokenLogprobs
+from iterserve.core.outputs import SchedulerOutput, TokenLogprobs
 from iterserve.core.request import FinishReason, RequestTimings
 
 
@@ -39,3 +39,5 @@ class EngineStep:
 
     outputs: list[RequestOutput]
     did_work: bool  # whether any token was computed (False: nothing was runnable yet)
+    # What the step ran, for tools that price or log steps (bench fidelity).
+    scheduled: SchedulerOutput | None = None
