@@ -7,12 +7,12 @@ admit, chunk and preempt alike (the step and preemption counts of both are print
 it). Arrivals must be open-loop (Poisson, gamma or a trace): a closed loop's arrivals
 depend on when earlier requests finished, which is what is being compared.
 
-    iterserve bench fidelity --workload azure-conv --time-scale 0.5 --num-requests 100 \
+    iterserve bench fidelity --workload azure-conv --time-scale 2 --num-requests 100 \
         [--cost-profile PROFILE.json] [--result-json out.json]
 
 Without --cost-profile the engine is profiled first (`iterserve bench profile`'s default
-grid, about a minute on the bundled model), right before the real run: the same settings,
-and the same spell of a machine whose speed drifts over minutes.
+grid, about a minute and a half on the bundled model), right before the real run: the same
+settings, and the same spell of a machine whose speed drifts over minutes.
 """
 
 from __future__ import annotations

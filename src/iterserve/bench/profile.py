@@ -119,10 +119,10 @@ def _decode_column(
 ) -> list[float]:
     """Median decode step seconds at each batch size (ascending), at `context` tokens.
 
-    Each batch size gets requests of its own, prefilled afresh, so their KV blocks lie as
-    a run's would: cutting one big batch down to a few requests instead left those few
-    with blocks strewn across the pool, and decoding them measured up to 2.5x slower per
-    context token than the same batch in a real run (`iterserve bench fidelity`)."""
+    Each batch size gets requests of its own, prefilled afresh, rather than the survivors
+    of a bigger batch cut down (whose blocks were handed out among many others'). That
+    alone did not make the few-request rows' context slopes agree with real runs; the
+    profile prices context by `per_kv_token` instead (cost_profile.py)."""
     room = engine.max_request_tokens() - context
     params = SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True)
     _check_fits(engine, grid, context)

@@ -21,8 +21,8 @@ profiled time exactly; between points and for mixed steps it is an estimate, whi
 `iterserve bench fidelity` checks against real runs.
 
 Profiles are JSON with what they were measured on (model, weights, device, threads, engine
-version); a profile made from the roofline model for hardware this project cannot run says
-so (`measured: false`).
+version, date); `about.measured: false` marks one that was not measured (none ships: the
+GPU presets are priced by the roofline model itself, and the report says so).
 """
 
 from __future__ import annotations
