@@ -74,6 +74,9 @@ constexpr int64_t kMaxPartKeys = 512;    // bounds the per-thread score scratch
 constexpr int64_t kItemsPerThread = 4;   // enough items for the atomic counter to balance
 constexpr int64_t kMinParallelWork = 3000;  // keys x queries: ~10 us on one thread
 constexpr int kMaxHeadDimChunks = 8;     // head_dim up to 256, in chunks of 32
+// From this many queries an item rounds P to bf16 and uses `vdpbf16ps` for P.V (the
+// interleaving of V is paid once per item, the products per query).
+constexpr int kMinPairQueries = 6;
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -304,6 +307,63 @@ inline void pv_blocks(int mb, const T* cache, const int64_t* off, int64_t n, con
   }
 }
 
+// P.V with bf16 probabilities, for items with many queries (prefill chunks, verify steps):
+// `vdpbf16ps` does two multiply-adds a lane where the fp32 path does one FMA. Pairs of keys
+// are interleaved once per item into `pairs` (for each pair and 32-dim chunk, two registers:
+// even dims and odd dims, word 2l = key 2i's value, word 2l+1 = key 2i+1's, the same dim
+// order widen_row leaves, so store_row writes them back), and each query's probabilities are
+// rounded to bf16 pairs. Rounding costs each weight at most 2^-8 of itself (half a bf16
+// ulp), so an output moves by at most 2^-8 sum_k p_k |v_k| (tests/test_attention_kernel.py).
+template <int NC>
+inline void interleave_pairs(const BFloat16* cache, const int64_t* off, int64_t n_pairs,
+                             __m512i* pairs) {
+  const __mmask32 odd_words = 0xAAAAAAAAu;
+  for (int64_t i = 0; i < n_pairs; ++i) {
+    const BFloat16* a = cache + off[2 * i];
+    const BFloat16* b = cache + off[2 * i + 1];
+    for (int c = 0; c < NC; ++c) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
+      pairs[(i * NC + c) * 2] = _mm512_mask_blend_epi16(odd_words, va, _mm512_slli_epi32(vb, 16));
+      pairs[(i * NC + c) * 2 + 1] = _mm512_mask_blend_epi16(odd_words, _mm512_srli_epi32(va, 16), vb);
+    }
+  }
+}
+
+// One query's probabilities [n16] as bf16 pairs [n16 / 2] (dword j: keys 2j and 2j+1).
+inline void round_probabilities(const float* p, int64_t n16, uint32_t* out) {
+  for (int64_t k = 0; k < n16; k += kTile) {
+    const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + k));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k / 2), packed);
+  }
+}
+
+template <int NC, int MB>
+inline void pv_block_pairs(const __m512i* pairs, int64_t n_pairs, const uint32_t* Pb,
+                           int64_t ldPb, float* acc_out) {
+  constexpr int R = 2 * NC;
+  __m512 acc[MB][R];
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < R; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n_pairs; ++j) {
+    const __m512i* v = pairs + j * R;
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(Pb[i * ldPb + j])));
+      for (int c = 0; c < R; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(v[c]), p);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < R; ++c) _mm512_storeu_ps(acc_out + i * 32 * NC + 16 * c, acc[i][c]);
+}
+
+template <int NC, int MB>
+inline void pv_blocks_pairs(int mb, const __m512i* pairs, int64_t n_pairs, const uint32_t* Pb,
+                            int64_t ldPb, float* acc_out) {
+  if constexpr (MB >= 1) {
+    if (mb == MB) return pv_block_pairs<NC, MB>(pairs, n_pairs, Pb, ldPb, acc_out);
+    pv_blocks_pairs<NC, MB - 1>(mb, pairs, n_pairs, Pb, ldPb, acc_out);
+  }
+}
+
 // ---- 4. output rows -----------------------------------------------------------------------
 
 // acc (fp32, in the order widen_row left it) * inv -> one row of out, rounded once.
@@ -376,6 +436,8 @@ struct Scratch {
   std::vector<float> maxima, sums;
   std::vector<const void*> queries;
   std::vector<uint32_t> tile;     // [head_dim / 2, 16] transposed bf16 pairs
+  std::vector<__m512i> pairs;     // [keys16 / 2, head_dim / 32, 2] interleaved V (bf16 P.V)
+  std::vector<uint32_t> rounded;  // [M, keys16 / 2] probabilities as bf16 pairs
   void fit(int64_t M, int64_t keys16, int64_t head_dim) {
     if (offsets.size() < static_cast<size_t>(keys16 + kTile)) offsets.resize(keys16 + kTile);
     if (scores.size() < static_cast<size_t>(M * keys16)) scores.resize(M * keys16);
@@ -383,6 +445,10 @@ struct Scratch {
     if (maxima.size() < static_cast<size_t>(M)) maxima.resize(M), sums.resize(M);
     if (queries.size() < static_cast<size_t>(M)) queries.resize(M);
     if (tile.size() < static_cast<size_t>(head_dim * kTile / 2)) tile.resize(head_dim * kTile / 2);
+  }
+  void fit_pairs(int64_t M, int64_t keys16, int64_t head_dim) {
+    if (pairs.size() < static_cast<size_t>(keys16 * head_dim / 32)) pairs.resize(keys16 * head_dim / 32);
+    if (rounded.size() < static_cast<size_t>(M * keys16 / 2)) rounded.resize(M * keys16 / 2);
   }
 };
 
@@ -497,10 +563,28 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   if (next != nullptr) prefetch_item<T>(plan, *next);
   constexpr int MB = NC >= 12 ? 1 : 12 / NC;
   const int blocks = (M + MB - 1) / MB;
-  for (int bi = 0, m = 0; bi < blocks; ++bi) {
-    const int size = (M - m) / (blocks - bi) + ((M - m) % (blocks - bi) != 0);
-    pv_blocks<T, NC, MB>(size, values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
-    m += size;
+  bool paired = false;
+  if constexpr (std::is_same_v<T, BFloat16>) paired = !plan.invariant && M >= kMinPairQueries;
+  if (paired) {
+    // Padding keys (n .. n16) are real rows with probability 0: whole tiles pair up.
+    const int64_t n_pairs = n16 / 2;
+    sc.fit_pairs(M, n16, D);
+    interleave_pairs<NC>(reinterpret_cast<const BFloat16*>(values), off, n_pairs,
+                         sc.pairs.data());
+    for (int m = 0; m < M; ++m)
+      round_probabilities(S + m * n16, n16, sc.rounded.data() + m * n_pairs);
+    for (int bi = 0, m = 0; bi < blocks; ++bi) {
+      const int size = (M - m) / (blocks - bi) + ((M - m) % (blocks - bi) != 0);
+      pv_blocks_pairs<NC, MB>(size, sc.pairs.data(), n_pairs, sc.rounded.data() + m * n_pairs,
+                              n_pairs, sc.acc.data() + m * D);
+      m += size;
+    }
+  } else {
+    for (int bi = 0, m = 0; bi < blocks; ++bi) {
+      const int size = (M - m) / (blocks - bi) + ((M - m) % (blocks - bi) != 0);
+      pv_blocks<T, NC, MB>(size, values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
+      m += size;
+    }
   }
 
   // 4. out, or this partition's share of it
