@@ -84,3 +84,18 @@ def test_speculation_is_modelled_at_its_acceptance_rate(workload, rate: float) -
     plain = compute_metrics(plain_records)
     if rate == 1.0:
         assert metrics.latency.tpot.mean < 0.6 * plain.latency.tpot.mean
+
+
+def test_this_machine_s_preset_sizes_the_kv_pool_as_the_engine_does() -> None:
+    """cpu-2core: --kv-cache-memory (what `iterserve serve` here allocates), not 24 GiB;
+    a GPU preset: the device's memory less the weights, as GPU serving engines do."""
+    from iterserve.bench.simulate import kv_blocks_for
+    from iterserve.config import CacheConfig
+
+    shape = MODELS["smollm2-135m"]
+    per_block = shape.kv_bytes_per_token * 16
+    assert kv_blocks_for(EngineConfig(), "cpu-2core", "smollm2-135m") == int(2**30 // per_block)
+    half = EngineConfig(cache=CacheConfig(kv_cache_memory=0.5))
+    assert kv_blocks_for(half, "cpu-2core", "smollm2-135m") == int(2**29 // per_block)
+    gpu = kv_blocks_for(EngineConfig(), "a100-80g", "smollm2-135m")
+    assert gpu == int((0.9 * 80e9 - shape.weight_bytes) // per_block)

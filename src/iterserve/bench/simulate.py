@@ -40,9 +40,14 @@ _MEMORY_UTILIZATION = 0.9
 
 
 def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
-    """Blocks that fit beside the weights, unless the config names an exact count."""
+    """Blocks that fit beside the weights in the device's memory, or in --kv-cache-memory
+    for a preset sized as iterserve's engine sizes its pool; the config's exact count if
+    it names one."""
     hw, shape = HARDWARE[hardware], MODELS[model]
-    free = hw.memory_bytes * _MEMORY_UTILIZATION - shape.weight_bytes
+    if hw.kv_cache_from_config:
+        free = config.cache.kv_cache_memory * 2**30
+    else:
+        free = hw.memory_bytes * _MEMORY_UTILIZATION - shape.weight_bytes
     num_blocks = num_kv_blocks(config.cache, shape.kv_bytes_per_token, free)
     if num_blocks < 1:
         raise ValueError(f"{model} does not fit in {hardware}'s memory")

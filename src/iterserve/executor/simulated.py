@@ -33,6 +33,10 @@ class Hardware:
     bandwidth: float  # sustained memory read bytes/s
     step_overhead: float  # seconds per step that no FLOP or byte explains (launches, Python)
     memory_bytes: float  # for weights + KV cache
+    # The KV pool is sized as iterserve's own engine sizes it (--kv-cache-memory), not from
+    # the device's memory as a GPU serving engine does: the preset of this machine, so a
+    # simulation of it admits and preempts as `iterserve serve` here would.
+    kv_cache_from_config: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,12 @@ def _datasheet(
 HARDWARE = {
     # Measured on this project's 2-core machine (DESIGN.md): bf16 ~380 GFLOP/s, ~31 GB/s.
     "cpu-2core": Hardware(
-        "cpu-2core", flops=380e9, bandwidth=31e9, step_overhead=8e-3, memory_bytes=24 * 2**30
+        "cpu-2core",
+        flops=380e9,
+        bandwidth=31e9,
+        step_overhead=8e-3,
+        memory_bytes=24 * 2**30,
+        kv_cache_from_config=True,
     ),
     "a100-80g": _datasheet("a100-80g", 312e12, 2.0e12, step_overhead=4e-3, memory_bytes=80e9),
     "h100-80g": _datasheet("h100-80g", 989e12, 3.35e12, step_overhead=3e-3, memory_bytes=80e9),
