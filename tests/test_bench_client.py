@@ -129,3 +129,34 @@ def test_a_server_that_is_not_there_is_named_in_the_error() -> None:
     config = ClientConfig(url, progress=False, num_warmups=0)
     with pytest.raises(ConnectionError, match=f"cannot reach the server at {url}"):
         asyncio.run(run_client_async(config, _workload(1), [0.0]))
+
+
+def stream_with_pauses(pauses: list[float]):  # type: ignore[no-untyped-def]
+    """One request against a server that sends STREAM's chunks after these pauses."""
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        for chunk, pause in zip(STREAM.split("\n\n")[:-1], pauses, strict=True):
+            await asyncio.sleep(pause)
+            writer.write((chunk + "\n\n").encode())
+            await writer.drain()
+        writer.close()
+
+    async def main():  # type: ignore[no-untyped-def]
+        server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            config = ClientConfig(url, model="m", progress=False, num_warmups=0, timeout=0.6)
+            return await run_client_async(config, _workload(1), [0.0])
+
+    return asyncio.run(main()).records[0]
+
+
+def test_the_timeout_bounds_each_wait_not_a_whole_stream() -> None:
+    """--timeout is per connect and per read (as it was with httpx): a stream that keeps
+    sending outlives it; a server that goes quiet for longer does not."""
+    record = stream_with_pauses([0.25] * 4)  # 1 s in all, no wait over 0.6 s
+    assert record.success, record.error
+    record = stream_with_pauses([0.0, 1.0, 0.0, 0.0])  # one silence of 1 s
+    assert not record.success and "Timeout" in (record.error or ""), record.error

@@ -6,7 +6,7 @@ are measured here, on the client, which is what a user of the server experiences
 
 The transport is aiohttp, as in vLLM's and SGLang's serving benchmarks: the client shares
 this machine's two cores with the server it measures, and per streamed token aiohttp costs
-0.23-0.25 ms of CPU where httpx (pure-Python HTTP parsing) cost 0.47-0.56
+0.24-0.28 ms of CPU where httpx (pure-Python HTTP parsing) cost 0.51-0.61
 (`benchmarks/served_overhead.py` prints the client's CPU per token).
 
 Prompts are sent as token-id lists by default (exact lengths whatever the server's text
@@ -105,7 +105,10 @@ def parse_sse_line(line: str | bytes) -> dict[str, Any] | None:
 
 def _session(config: ClientConfig, **connector: Any) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=config.timeout),
+        # Per connect and per read, as before with httpx: a long stream is not cut short.
+        timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=config.timeout, sock_read=config.timeout
+        ),
         headers=config.headers,
         connector=aiohttp.TCPConnector(limit=0, **connector),
         read_bufsize=1 << 20,  # one SSE line can carry many logprobs
