@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.bench.metrics import BenchMetrics, compute_metrics
+from iterserve.core.outputs import SchedulerOutput
 from iterserve.executor.cost_profile import ProfiledCostModel, StepFeatures
 
 # (label, how to read it off BenchMetrics); latencies in ms.
@@ -45,11 +46,12 @@ FIGURES: list[tuple[str, Any]] = [
 
 class StepLog:
     """An engine whose steps are timed (whole `LLMEngine.step` calls, as a profile times
-    them) and kept with their features; everything else is the engine's own."""
+    them) and kept with what they ran; everything else is the engine's own. Only the plan
+    is kept during the run: pricing it waits until the run is over."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        self.steps: list[tuple[StepFeatures, float]] = []
+        self.steps: list[tuple[SchedulerOutput, float]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -59,18 +61,19 @@ class StepLog:
         step = self._engine.step(no_more_arrivals)
         seconds = time.perf_counter() - start
         if step.scheduled is not None and step.scheduled.num_batched_tokens:
-            self.steps.append((StepFeatures.of(step.scheduled), seconds))
+            self.steps.append((step.scheduled, seconds))
         return step
 
 
 def step_errors(
-    steps: list[tuple[StepFeatures, float]], model: ProfiledCostModel
+    steps: list[tuple[SchedulerOutput, float]], model: ProfiledCostModel
 ) -> list[dict[str, Any]]:
     """The cost model against the real run's own steps, by kind: how much of a fidelity
     error is the price of a step (and the machine's drift since the profile) rather than
     the scheduling around it."""
     kinds: dict[str, list[tuple[float, float]]] = {}
-    for features, seconds in steps:
+    for scheduled, seconds in steps:
+        features = StepFeatures.of(scheduled)
         if features.prefill_tokens == 0:
             kind = "decode, 1-4 rows" if features.decode_rows <= 4 else "decode, 5+ rows"
         else:
@@ -137,7 +140,7 @@ def add_fidelity_parser(runners: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cost-profile",
         default=None,
-        help="price steps by this profile; default: profile the engine first (about a minute)",
+        help="price steps by this profile; default: profile the engine first (~1.5 minutes)",
     )
     p.add_argument("--result-json", default=None)
     add_workload_args(p, with_seed=False)
@@ -194,7 +197,7 @@ def _run_fidelity(args: argparse.Namespace) -> int:
         config,
         workload,
         offsets,
-        "cpu-2core",
+        "cpu-2core",  # hardware and model presets: unused, the profile and pool size decide
         "smollm2-135m",
         profile=profile,
         num_kv_blocks=engine.scheduler.kv_cache_stats().num_blocks,

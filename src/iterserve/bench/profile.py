@@ -199,20 +199,11 @@ def _about(engine: Any, grid: ProfileGrid) -> dict[str, Any]:
 
 
 def check_grid(grid: ProfileGrid, config: EngineConfig) -> None:
-    """Refuse a grid the engine's settings cannot run as asked."""
+    """Refuse a grid no engine settings can run as asked (a step's token budget and the
+    number of sequences are raised to the grid's, by `_run_profile`)."""
     block = config.cache.block_size
     if any(p % block for p in grid.prefixes):
         raise ValueError(f"--prefixes must be multiples of the block size ({block})")
-    if max(grid.prefill_tokens) > config.scheduler.max_num_batched_tokens:
-        raise ValueError(
-            f"a {max(grid.prefill_tokens)}-token prefill does not fit one step of "
-            f"--max-num-batched-tokens {config.scheduler.max_num_batched_tokens}"
-        )
-    if max(grid.batch_sizes) > config.scheduler.max_num_seqs:
-        raise ValueError(
-            f"batch size {max(grid.batch_sizes)} is above --max-num-seqs "
-            f"{config.scheduler.max_num_seqs}"
-        )
     if grid.repeats < 1:
         raise ValueError("--repeats must be at least 1")
 
@@ -246,8 +237,6 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from iterserve.config import engine_config_from_args
     from iterserve.engine.llm_engine import LLMEngine
 
@@ -263,10 +252,10 @@ def _run_profile(args: argparse.Namespace) -> int:
     # size, and a run's own --max-num-batched-tokens decides which sizes it meets.
     scheduler = config.scheduler
     if max(grid.prefill_tokens) > scheduler.max_num_batched_tokens:
-        scheduler = dataclasses.replace(scheduler, max_num_batched_tokens=max(grid.prefill_tokens))
+        scheduler = replace(scheduler, max_num_batched_tokens=max(grid.prefill_tokens))
     if max(grid.batch_sizes) > scheduler.max_num_seqs:
-        scheduler = dataclasses.replace(scheduler, max_num_seqs=max(grid.batch_sizes))
-    config = dataclasses.replace(config, scheduler=scheduler)
+        scheduler = replace(scheduler, max_num_seqs=max(grid.batch_sizes))
+    config = replace(config, scheduler=scheduler)
     check_grid(grid, config)
     started = time.perf_counter()
     engine = LLMEngine(config)

@@ -324,7 +324,7 @@ def _cost_note(profile: CostProfile | None, path: str | None) -> str:
     about = profile.about
     where = path or "the shipped profile"
     if not profile.measured:
-        return f"cost model: {where}, derived from the roofline model (NOT measured)"
+        return f"cost model: {where}, NOT measured"
     return (
         f"cost model: {where}, measured on {about.get('cpu', '?')} with "
         f"{about.get('threads', '?')} threads, {about.get('weights', '?')} weights, "

@@ -138,12 +138,12 @@ class StepFeatures:
 
 @dataclass
 class CostProfile:
-    """Measured (or roofline-derived) step times of one model on one device."""
+    """Step times of one model on one device, as `iterserve bench profile` measured them."""
 
     decode: Grid  # xs: query rows, ys: context
     prefill: Grid  # xs: prompt tokens in the step, ys: cached prefix
     # What it was measured on: model, weights, device, threads, engine version, date; and
-    # whether it was measured at all (False: computed from the roofline model).
+    # whether it was measured at all (`measured: false`: a profile made some other way).
     about: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -140,6 +140,18 @@ inline __m512bh pair_at(const BFloat16* p) {
   return as_bh(_mm512_set1_epi32(static_cast<int>(bits)));
 }
 
+// Calls f(first, size) for M queries cut into blocks of at most MB, as even as can be
+// (M = 9, MB = 8 runs as 5 + 4, not 8 + 1): a block's accumulators live in registers.
+template <int MB, typename F>
+inline void for_each_query_block(int M, F&& f) {
+  const int blocks = (M + MB - 1) / MB;
+  for (int b = 0, m = 0; b < blocks; ++b) {
+    const int size = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
+    f(m, size);
+    m += size;
+  }
+}
+
 // ---- 1. scores: S[m][col + j] = q_m . key_j for the 16 keys at element offsets off[j] ----
 
 template <int NC>
@@ -192,13 +204,9 @@ inline void scores_transposed_bf16(const BFloat16* cache, const int64_t* off,
     for (int p = 0; p < kTile; ++p) _mm512_storeu_si512(tile + (16 * c + p) * kTile, r[p]);
   }
   constexpr int QB = 8;
-  const int blocks = (M + QB - 1) / QB;
-  for (int b = 0, m = 0; b < blocks; ++b) {
-    const int qb = (M - m) / (blocks - b);  // even blocks: M = 9 runs as 5 + 4, not 8 + 1
-    const int size = qb + ((M - m) % (blocks - b) != 0);
+  for_each_query_block<QB>(M, [&](int m, int size) {
     scores_blocks_bf16<NC, QB>(size, tile, qp + m, S + m * ldS, ldS);
-    m += size;
-  }
+  });
 }
 
 template <int NC>
@@ -509,6 +517,21 @@ void prefetch_item(const Plan& plan, const Item& item) {
   for (int64_t i = 0; i < n; ++i) prefetch_row(keys + off[i], plan.head_dim * sizeof(T));
 }
 
+// P.V of one item's M queries over its n16 keys (padding keys are real rows with probability
+// 0, so whole tiles pair up) into acc [M, 32 * NC].
+template <int NC, int MB>
+inline void pv_paired(const BFloat16* values, const int64_t* off, int64_t n16, const float* S,
+                      int M, Scratch& sc, float* acc) {
+  const int64_t n_pairs = n16 / 2;
+  sc.fit_pairs(M, n16, 32 * NC);
+  interleave_pairs<NC>(values, off, n_pairs, sc.pairs.data());
+  for (int m = 0; m < M; ++m) round_probabilities(S + m * n16, n16, sc.rounded.data() + m * n_pairs);
+  for_each_query_block<MB>(M, [&](int m, int size) {
+    pv_blocks_pairs<NC, MB>(size, sc.pairs.data(), n_pairs, sc.rounded.data() + m * n_pairs,
+                            n_pairs, acc + m * 32 * NC);
+  });
+}
+
 template <typename T, int NC>
 void run_item(const Plan& plan, const Item& item, const Item* next, bool first, Scratch& sc) {
   const Group& g = plan.groups[item.group];
@@ -562,30 +585,15 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   // 3. P.V, in blocks of queries whose accumulators fit the registers
   if (next != nullptr) prefetch_item<T>(plan, *next);
   constexpr int MB = NC >= 12 ? 1 : 12 / NC;
-  const int blocks = (M + MB - 1) / MB;
   bool paired = false;
-  if constexpr (std::is_same_v<T, BFloat16>) paired = !plan.invariant && M >= kMinPairQueries;
-  if (paired) {
-    // Padding keys (n .. n16) are real rows with probability 0: whole tiles pair up.
-    const int64_t n_pairs = n16 / 2;
-    sc.fit_pairs(M, n16, D);
-    interleave_pairs<NC>(reinterpret_cast<const BFloat16*>(values), off, n_pairs,
-                         sc.pairs.data());
-    for (int m = 0; m < M; ++m)
-      round_probabilities(S + m * n16, n16, sc.rounded.data() + m * n_pairs);
-    for (int bi = 0, m = 0; bi < blocks; ++bi) {
-      const int size = (M - m) / (blocks - bi) + ((M - m) % (blocks - bi) != 0);
-      pv_blocks_pairs<NC, MB>(size, sc.pairs.data(), n_pairs, sc.rounded.data() + m * n_pairs,
-                              n_pairs, sc.acc.data() + m * D);
-      m += size;
-    }
-  } else {
-    for (int bi = 0, m = 0; bi < blocks; ++bi) {
-      const int size = (M - m) / (blocks - bi) + ((M - m) % (blocks - bi) != 0);
-      pv_blocks<T, NC, MB>(size, values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
-      m += size;
-    }
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    paired = !plan.invariant && M >= kMinPairQueries;
+    if (paired) pv_paired<NC, MB>(values, off, n16, S, M, sc, sc.acc.data());
   }
+  if (!paired)
+    for_each_query_block<MB>(M, [&](int m, int size) {
+      pv_blocks<T, NC, MB>(size, values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
+    });
 
   // 4. out, or this partition's share of it
   if (g.parts == 1) {
