@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
+from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.metrics import compute_metrics
-from iterserve.bench.simulate import simulate_fleet
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.router import (

@@ -44,7 +44,8 @@ class Router(Protocol):
 
 
 def _least_loaded(loads: Sequence[ReplicaLoad]) -> int:
-    return min(range(len(loads)), key=lambda i: (loads[i].outstanding_tokens, i))
+    tokens = [load.outstanding_tokens for load in loads]
+    return tokens.index(min(tokens))  # the first of equals
 
 
 class RoundRobin:
@@ -94,7 +95,8 @@ class PrefixAffinity:
         prefix = hash(tuple(prompt_token_ids[: full_blocks * self.block_size]))
         # Rendezvous hashing: each prefix ranks the replicas its own way, so adding or
         # losing one moves only the prefixes it ranked first.
-        home = max(range(len(loads)), key=lambda i: hash((prefix, i)))
+        ranks = [hash((prefix, i)) for i in range(len(loads))]
+        home = ranks.index(max(ranks))
         allowed = self.balance_factor * loads[least].outstanding_tokens + len(prompt_token_ids)
         return home if loads[home].outstanding_tokens <= allowed else least
 
