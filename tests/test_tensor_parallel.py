@@ -18,13 +18,13 @@ import httpx
 import pytest
 import torch
 
-from conftest import VOCAB
+from conftest import _save_tiny
 from iterserve.bench.server_process import launch_server
 from iterserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, engine_config
 from iterserve.engine.llm import LLM
 from iterserve.model.tensor_parallel import shard_weights
 from iterserve.sampling_params import SamplingParams
-from tiny_checkpoints import model_config_of, save_checkpoint, tiny_hf_model
+from tiny_checkpoints import model_config_of, tiny_hf_model
 
 # Prompts of different lengths, prefilled in chunks of 16 tokens over blocks of 4, then
 # decoded across several more blocks, all batched together.
@@ -50,15 +50,14 @@ SETTINGS = dict(
 def _checkpoint(kind: str, out: Path, tokenizer_dir: Path) -> Path:
     # Every weight drawn afresh (biases, norms too: Llama's o_proj bias is added by rank 0
     # only), so greedy text is varied rather than one token repeated.
-    model = tiny_hf_model(
+    return _save_tiny(
         kind,
-        vocab_size=VOCAB,
+        out,
+        tokenizer_dir,
         weight_std=0.15,
-        max_position_embeddings=512,
         attention_bias=True,
         tie_word_embeddings=kind == "llama",
     )
-    return save_checkpoint(model, out, tokenizer_dir)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
