@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,17 +96,43 @@ def _rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _join_group(spec: ShardSpec, rank: int) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """Meet the other ranks; returns the all-reduce group and the plan-broadcast group."""
+def _join_group(
+    spec: ShardSpec, rank: int, workers: Sequence[multiprocessing.process.BaseProcess] = ()
+) -> tuple[TensorParallel, dist.ProcessGroup]:
+    """Meet the other ranks; returns the all-reduce group and the plan-broadcast group.
+    Rank 0 passes the worker processes, to notice one that dies before it joins."""
+    store = dist.FileStore(spec.store_path, spec.size)
+    if rank:
+        store.set(f"up/{rank}", "1")
+    else:
+        _await_workers(store, workers)
     dist.init_process_group(
         "nccl" if spec.device_type == "cuda" else "gloo",
-        init_method=f"file://{spec.store_path}",
+        store=store,
         rank=rank,
         world_size=spec.size,
         timeout=_COLLECTIVE_TIMEOUT,
     )
     control = dist.new_group(backend="gloo", timeout=_PLAN_TIMEOUT)
     return TensorParallel(rank, spec.size), control
+
+
+def _await_workers(
+    store: dist.Store, workers: Sequence[multiprocessing.process.BaseProcess]
+) -> None:
+    """Wait for every worker to be up (started, weights in hand), failing as soon as one
+    exits: the rendezvous itself would only give up after its timeout."""
+    deadline = time.monotonic() + _COLLECTIVE_TIMEOUT.total_seconds()
+    for rank, process in enumerate(workers, 1):
+        while not store.check([f"up/{rank}"]):
+            if not process.is_alive():
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} exited (code {process.exitcode}) before "
+                    "joining; its error is above"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel rank {rank} did not start in time")
+            time.sleep(0.05)
 
 
 def _build_shard(spec: ShardSpec, tp: TensorParallel, device: torch.device) -> PagedModel:
@@ -240,7 +267,7 @@ def launch_tensor_parallel(
     try:
         for process in workers:
             process.start()
-        tp, control = _join_group(spec, 0)
+        tp, control = _join_group(spec, 0, workers)
         network = TensorParallelModel(
             share(0), workers, tp, control, _rank_device(device_type, 0), threads_before
         )
@@ -275,15 +302,16 @@ def launch_tensor_parallel(
 # ---- ranks 1..T-1 -------------------------------------------------------------------------
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(store_dir: str) -> None:
     """End this worker when the engine process dies, however it dies (even SIGKILL, which
-    leaves no chance to send Shutdown)."""
+    leaves it no chance to send Shutdown or remove the store)."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
+        shutil.rmtree(store_dir, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="iterserve-tp-parent-watch", daemon=True).start()
@@ -291,7 +319,7 @@ def _exit_with_parent() -> None:
 
 def _worker_main(rank: int, spec: ShardSpec) -> None:
     """Rank `rank`: build the shard, then run every broadcast plan until Shutdown."""
-    _exit_with_parent()
+    _exit_with_parent(os.path.dirname(spec.store_path))
     torch.set_num_threads(spec.num_threads)
     tp, control = _join_group(spec, rank)
     try:
