@@ -267,10 +267,9 @@ def launch_tensor_parallel(
     try:
         for process in workers:
             process.start()
+        rank_device = _rank_device(device_type, 0)  # NCCL wants the device before joining
         tp, control = _join_group(spec, 0, workers)
-        network = TensorParallelModel(
-            share(0), workers, tp, control, _rank_device(device_type, 0), threads_before
-        )
+        network = TensorParallelModel(share(0), workers, tp, control, rank_device, threads_before)
     except BaseException:
         torch.set_num_threads(threads_before)
         for process in workers:
@@ -321,9 +320,10 @@ def _worker_main(rank: int, spec: ShardSpec) -> None:
     """Rank `rank`: build the shard, then run every broadcast plan until Shutdown."""
     _exit_with_parent(os.path.dirname(spec.store_path))
     torch.set_num_threads(spec.num_threads)
+    device = _rank_device(spec.device_type, rank)
     tp, control = _join_group(spec, rank)
     try:
-        network = _build_shard(spec, tp, _rank_device(spec.device_type, rank))
+        network = _build_shard(spec, tp, device)
         # The network copied the weights into its own tensors: let the shared memory go
         # (the Process object still holds `spec`).
         spec.weights.clear()
