@@ -21,7 +21,7 @@ from iterserve.bench.report import BenchReport
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
 from iterserve.core.request import Request
-from iterserve.core.router import ROUTERS, ReplicaLoad, make_router
+from iterserve.core.router import ROUTERS, ReplicaLoadTracker, make_router
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore, num_kv_blocks
 from iterserve.executor.cost_profile import CostProfile, ProfiledCostModel, shipped_profile
@@ -61,11 +61,7 @@ class Replica:
     clock: VirtualClock
     executor: SimulatedExecutor
     engine: EngineCore
-    # Each routed, unfinished request: [prompt tokens, until its first token; output
-    # tokens still to come]; `outstanding` is their running sum, the load a router sees.
-    work: dict[str, list[int]] = field(default_factory=dict)
-    outstanding: int = 0
-    num_routed: int = 0
+    tracker: ReplicaLoadTracker = field(default_factory=ReplicaLoadTracker)  # what routing sees
 
     @classmethod
     def build(
@@ -99,23 +95,6 @@ class Replica:
     @property
     def scheduler(self) -> Scheduler:
         return self.engine.scheduler
-
-    def load(self) -> ReplicaLoad:
-        return ReplicaLoad(self.outstanding, len(self.work))
-
-    def take(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
-        self.work[request_id] = [prompt_tokens, max_tokens]
-        self.outstanding += prompt_tokens + max_tokens
-        self.num_routed += 1
-
-    def progress(self, request_id: str, new_tokens: int, finished: bool) -> None:
-        work = self.work[request_id]
-        if new_tokens:
-            self.outstanding -= work[0] + new_tokens
-            work[0] = 0
-            work[1] -= new_tokens
-        if finished:
-            self.outstanding -= sum(self.work.pop(request_id))
 
 
 def simulate_fleet(
@@ -164,11 +143,11 @@ def simulate_fleet(
                 if not replica.engine.has_unfinished():
                     replica.clock.advance_to(offsets[i])
             prompt = workload.requests[i].prompt_token_ids
-            target = fleet[routing.route(prompt, [r.load() for r in fleet])]
+            target = fleet[routing.route(prompt, [r.tracker.load() for r in fleet])]
             request = _arrive(target.scheduler, workload, records, i)
             if request is not None:
                 requests[request.request_id] = request
-                target.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
+                target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
             continue
         assert laggard is not None
         step = laggard.engine.step(no_more_arrivals=not order)
@@ -182,7 +161,7 @@ def simulate_fleet(
             laggard.clock.advance_to(min(candidates))
             continue
         for update in step.updates:
-            laggard.progress(update.request_id, len(update.new_token_ids), update.finished)
+            laggard.tracker.progress(update.request_id, len(update.new_token_ids), update.finished)
             if update.finished:
                 _record(by_id[update.request_id], requests.pop(update.request_id))
     return records, fleet
@@ -338,7 +317,7 @@ def _replica_note(index: int, replica: Replica, named: bool) -> str:
     kv = scheduler.kv_cache_stats()
     hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
     note = (
-        f"{f'replica {index}: ' if named else ''}{replica.num_routed} requests, "
+        f"{f'replica {index}: ' if named else ''}{replica.tracker.num_routed} requests, "
         f"{stats.generated_tokens} output tokens, prefix-cache hit rate {hit_rate:.2f}, "
         f"{kv.num_blocks} KV blocks, {scheduler.num_preemptions} preemptions, accelerator "
         f"busy {replica.executor.busy_time:.1f}s of {replica.clock.now:.1f}s virtual"

@@ -4,9 +4,9 @@ Pure Python, no torch: the simulator's fleet (`iterserve simulate --replicas N`)
 with these, and a real front end over several engines is meant to route with the same
 ones, so a policy evaluated in simulation is the one deployed.
 
-The caller owns the load figures (it knows what it sent each replica and what came back)
-and hands them in; a router keeps only its policy's own state (a turn counter, a seeded
-generator). Policies (`--router`):
+The caller owns the load figures (it knows what it sent each replica and what came back),
+keeps them with a `ReplicaLoadTracker` per replica and hands them in; a router keeps only
+its policy's own state (a turn counter, a seeded generator). Policies (`--router`):
 
 - ``round-robin``: replicas in turn, blind to load.
 - ``least-tokens``: the replica with the fewest outstanding tokens (prompt tokens not yet
@@ -35,6 +35,50 @@ class ReplicaLoad:
 
     outstanding_tokens: int  # prompt tokens still to compute + output tokens still to make
     num_requests: int  # requests sent to it and not yet finished
+
+
+class ReplicaLoadTracker:
+    """One replica's load as its router's caller sees it: what was sent, less what came back.
+
+    Both callers keep it the same way (the simulator's fleet and the data-parallel front
+    end), so a policy sees the same figures in simulation as when deployed. Each routed,
+    unfinished request is [prompt tokens, until its first token; output tokens still to
+    come]; `outstanding` is their running sum.
+    """
+
+    def __init__(self) -> None:
+        self.work: dict[str, list[int]] = {}
+        self.outstanding = 0
+        self.num_routed = 0
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(self.outstanding, len(self.work))
+
+    def take(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        self.work[request_id] = [prompt_tokens, max_tokens]
+        self.outstanding += prompt_tokens + max_tokens
+        self.num_routed += 1
+
+    def progress(self, request_id: str, new_tokens: int, finished: bool) -> None:
+        """`new_tokens` more output tokens came back; `finished`: the request ended (done,
+        aborted or failed), whatever it had left no longer counts. Unknown ids are ignored
+        (a request forgotten already, e.g. its replica died)."""
+        work = self.work.get(request_id)
+        if work is None:
+            return
+        if new_tokens:
+            self.outstanding -= work[0] + min(new_tokens, work[1])
+            work[0] = 0
+            work[1] = max(0, work[1] - new_tokens)
+        if finished:
+            self.outstanding -= sum(self.work.pop(request_id))
+
+    def forget_all(self) -> list[str]:
+        """Drop every request (its replica is gone); returns their ids."""
+        ids = list(self.work)
+        self.work.clear()
+        self.outstanding = 0
+        return ids
 
 
 class Router(Protocol):
