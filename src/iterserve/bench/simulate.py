@@ -147,7 +147,9 @@ def simulate_fleet(
             request = _arrive(target.scheduler, workload, records, i)
             if request is not None:
                 requests[request.request_id] = request
-                target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
+                target.tracker.take(
+                    request.request_id, len(prompt), request.sampling_params.max_tokens
+                )
             continue
         assert laggard is not None
         step = laggard.engine.step(no_more_arrivals=not order)

@@ -37,6 +37,7 @@ from iterserve.engine.request_stream import (
     RequestStream,
     expand_n,
 )
+from iterserve.engine.serving_engine import FinishedCallback, ServedModel
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 __all__ = [
@@ -61,9 +62,6 @@ _IDLE_STEP_NAP = 0.002
 _HANDOFF_TIMEOUT = 0.02
 
 
-# Called on the event loop for every request that ends: (last output, reason).
-# The reason is the finish reason, or "error" when the engine failed it.
-FinishedCallback = Callable[[RequestOutput | None, str], None]
 
 
 @dataclass
@@ -107,6 +105,10 @@ _Delivery = tuple[RequestStream, int, RequestOutput | BaseException]
 
 
 class AsyncEngine:
+    """One engine in this process, for the server (a ServingEngine)."""
+
+    replica_labels: tuple[str, ...] = ()
+
     def __init__(
         self,
         engine: LLMEngine | None,
@@ -208,6 +210,19 @@ class AsyncEngine:
     @property
     def is_accepting(self) -> bool:
         return self._accepting and self.is_healthy
+
+    @property
+    def served_model(self) -> ServedModel:
+        engine = self.engine
+        return ServedModel(
+            engine.model_name, engine.tokenizer, engine.chat_template, engine.max_model_len
+        )
+
+    def replica_health(self) -> list[str]:
+        return []
+
+    def snapshots(self) -> list[EngineSnapshot]:
+        return [self.snapshot]
 
     def stop_accepting(self) -> None:
         """New requests get EngineStoppedError from now on; running ones go on."""
@@ -329,9 +344,9 @@ class AsyncEngine:
                 continue
             try:
                 if isinstance(item, RequestFailedError):
-                    self.on_finished(item.output, "error")
+                    self.on_finished(item.output, "error", 0)
                 elif isinstance(item, RequestOutput) and item.finished:
-                    self.on_finished(item, item.finish_reason or "stop")
+                    self.on_finished(item, item.finish_reason or "stop", 0)
             except Exception:  # a metrics bug must not lose outputs
                 logger.exception("on_finished callback failed")
 
