@@ -62,8 +62,6 @@ _IDLE_STEP_NAP = 0.002
 _HANDOFF_TIMEOUT = 0.02
 
 
-
-
 @dataclass
 class _Add:
     stream: RequestStream

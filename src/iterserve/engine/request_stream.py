@@ -95,6 +95,17 @@ class RequestStream:
             self._unfinished.discard(index)
         return index, item
 
+    async def next_batch(self) -> list[tuple[int, RequestOutput | BaseException]]:
+        """Every item delivered so far, waiting for the first: errors come as items here,
+        not raised, for a caller that relays them (a data-parallel replica)."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for index, item in items:
+            if isinstance(item, BaseException) or item.finished:
+                self._unfinished.discard(index)
+        return items
+
     def abort(self) -> None:
         if self._unfinished:
             self._abort([self.request_ids[i] for i in sorted(self._unfinished)])
