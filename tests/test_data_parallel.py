@@ -23,7 +23,15 @@ import pytest
 
 from iterserve import LLM, SamplingParams
 from iterserve.core.router import RoundRobin, make_router
-from server_fixtures import MODEL_NAME, RunningServer, engine_config, free_port, serving, wait_until
+from server_fixtures import (
+    MODEL_NAME,
+    RunningServer,
+    engine_config,
+    free_port,
+    is_healthy,
+    serving,
+    wait_until,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -284,14 +292,7 @@ def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_
     )
     base = f"http://127.0.0.1:{port}"
     try:
-
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{base}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(healthy, timeout=90, interval=0.3), "the server did not come up"
+        assert wait_until(lambda: is_healthy(base), timeout=90, interval=0.3), "no server"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         streams = [
             client.completions.create(

@@ -35,10 +35,13 @@ from iterserve.engine.request_stream import (
     GenerationRequest,
     RequestFailedError,
     RequestStream,
+    accepted_stream,
+    check_group_size,
+    check_room,
     expand_n,
 )
 from iterserve.engine.serving_engine import FinishedCallback, ServedModel
-from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.sampling_params import SamplingParams
 
 __all__ = [
     "AsyncEngine",
@@ -254,13 +257,7 @@ class AsyncEngine:
         return self._pending + self.snapshot.num_waiting
 
     def check_group_size(self, count: int) -> None:
-        """Refuse a group that could never be queued whole (n choices x prompts)."""
-        if count > self.max_waiting_requests:
-            raise InvalidRequestError(
-                f"this request asks for {count} sequences but the server queues at most "
-                f"{self.max_waiting_requests}; lower n or send fewer prompts",
-                "n",
-            )
+        check_group_size(count, self.max_waiting_requests)
 
     async def add(self, requests: list[GenerationRequest]) -> RequestStream:
         """Queue a group of requests, all or none; returns once the engine accepted them.
@@ -273,24 +270,17 @@ class AsyncEngine:
                 "the server is shutting down" if self._dead is None else "the engine has stopped"
             )
         self.check_group_size(len(requests))
-        if self.num_waiting_estimate() + len(requests) > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the server is at capacity ({self.max_waiting_requests} requests waiting); "
-                "retry later",
-                self.retry_after,
-            )
+        check_room(
+            self.num_waiting_estimate(), len(requests), self.max_waiting_requests, self.retry_after
+        )
         stream = RequestStream([r.request_id for r in requests], self.abort)
         accepted: asyncio.Future[None] = stream.loop.create_future()
         self._pending += len(requests)
         try:
             self._post(_Add(stream, requests, accepted))
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(stream.request_ids)  # queued after the add: harmless if it failed
-            raise
+            return await accepted_stream(stream, accepted)
         finally:
             self._pending -= len(requests)
-        return stream
 
     async def generate(
         self,

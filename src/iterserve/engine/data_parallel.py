@@ -33,13 +33,13 @@ from iterserve.engine.ray_cluster import RayCluster, disconnect
 from iterserve.engine.replica_actor import EngineReplica
 from iterserve.engine.replica_client import ReplicaClient, awaited
 from iterserve.engine.request_stream import (
-    EngineOverloadedError,
     EngineStoppedError,
     GenerationRequest,
     RequestStream,
+    check_group_size,
+    check_room,
 )
 from iterserve.engine.serving_engine import FinishedCallback, ServedModel
-from iterserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("iterserve.data_parallel")
 
@@ -144,12 +144,7 @@ class DataParallelEngine:
         return sum(replica.num_waiting_estimate() for replica in self.replicas)
 
     def check_group_size(self, count: int) -> None:
-        if count > self.max_waiting_requests:
-            raise InvalidRequestError(
-                f"this request asks for {count} sequences but the server queues at most "
-                f"{self.max_waiting_requests}; lower n or send fewer prompts",
-                "n",
-            )
+        check_group_size(count, self.max_waiting_requests)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -161,12 +156,10 @@ class DataParallelEngine:
                 "the server is shutting down" if self.is_healthy else "every replica has died"
             )
         self.check_group_size(len(requests))
-        if self.num_waiting_estimate() + len(requests) > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the server is at capacity ({self.max_waiting_requests} requests waiting); "
-                "retry later",
-                self.retry_after,
-            )
+        # The fleet's queue, all replicas together: the bound a single engine keeps.
+        check_room(
+            self.num_waiting_estimate(), len(requests), self.max_waiting_requests, self.retry_after
+        )
         # Tokenized here, on the event loop, as chat templates are rendered: the
         # tokenizer is only ever used from this one thread.
         sent = [replace(r, prompt=self._token_ids(r)) for r in requests]

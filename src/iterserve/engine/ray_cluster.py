@@ -40,9 +40,10 @@ def threads_per_replica(num_replicas: int, num_threads: int | None) -> int:
 
 
 def connect(address: str | None, num_cpus: int) -> RayCluster:
-    """Use the Ray this process already joined, else join `address` ("auto", "ray://...",
-    an IP:port; "local" starts a fresh cluster), else start a local cluster of `num_cpus`
-    CPUs. Ray must not phone home: usage stats are off, and there is no dashboard."""
+    """Use the Ray this process already joined, else join `address` ("auto": $RAY_ADDRESS
+    or the cluster this machine started last; an IP:port; "ray://..."), else ("local" or
+    None) start a fresh local cluster of `num_cpus` CPUs. Ray must not phone home: usage
+    stats are off, and there is no dashboard."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
@@ -57,7 +58,9 @@ def connect(address: str | None, num_cpus: int) -> RayCluster:
         ray.init(address=address, **options)
         logger.info("joined the Ray cluster at %s", address)
         return RayCluster(address, connected_here=True, started_here=False)
-    ray.init(address=address, num_cpus=num_cpus, object_store_memory=_OBJECT_STORE_BYTES, **options)
+    # "local", not None: ray.init(None) would join whatever cluster this machine ran last
+    # (another server's, say) rather than start this server's own.
+    ray.init(address="local", num_cpus=num_cpus, object_store_memory=_OBJECT_STORE_BYTES, **options)
     logger.info("started a local Ray cluster (%d CPUs)", num_cpus)
     return RayCluster("started here", connected_here=True, started_here=True)
 

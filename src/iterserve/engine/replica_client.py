@@ -26,6 +26,7 @@ from iterserve.engine.request_stream import (
     GenerationRequest,
     RequestFailedError,
     RequestStream,
+    accepted_stream,
 )
 from iterserve.engine.serving_engine import (
     REPLICA_DEAD,
@@ -83,13 +84,9 @@ class ReplicaClient:
         self._relays.add(relay)
         relay.add_done_callback(self._relays.discard)
         try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(stream.request_ids)  # queued after the add: harmless if it failed
-            raise
+            return await accepted_stream(stream, accepted)
         finally:
             self._pending -= len(requests)
-        return stream
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests on the replica (returns at once); their abort outputs come back

@@ -69,9 +69,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     dp.add_argument(
         "--ray-address",
         default=None,
-        help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) so replicas can span "
-        "machines; 'local' starts a fresh one; default: start a local cluster on demand. "
-        "Given with --data-parallel-size 1, the one replica runs on Ray too",
+        help="join this Ray cluster (HEAD_IP:6379, or auto: $RAY_ADDRESS or this machine's "
+        "latest) so replicas can span machines; 'local' starts a fresh one, as the default "
+        "does, on demand. Given with --data-parallel-size 1, the one replica runs on Ray too",
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
