@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -35,8 +36,14 @@ from server_fixtures import (
 
 ray = pytest.importorskip("ray")
 
-from iterserve.engine import ray_cluster  # noqa: E402  (after the skip: it needs Ray)
+from ray.exceptions import ActorDiedError  # noqa: E402  (after the skip)
+
+from iterserve.engine import ray_cluster  # noqa: E402
 from iterserve.engine.data_parallel import DataParallelEngine  # noqa: E402
+from iterserve.engine.outputs import RequestOutput  # noqa: E402
+from iterserve.engine.replica_events import ReplicaEvent  # noqa: E402
+from iterserve.engine.request_stream import GenerationRequest  # noqa: E402
+from iterserve.engine.serving_engine import ServedModel  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,19 +127,19 @@ def test_concurrent_streams_give_a_single_engines_text_and_use_both_replicas(
 ) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24)
     expected = [out.text for out in offline.generate(PROMPTS, params, use_tqdm=False)]
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages: list = [{"role": "user", "content": "What is the capital of France?"}]
     chat_expected = offline.chat(messages, params, use_tqdm=False)[0].text
 
     async def main() -> tuple[list[str], str | None]:
-        client = _client(fleet.base_url)
-        texts = await asyncio.gather(*(_stream_text(client, p, 24) for p in PROMPTS))
-        chat = await client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=messages,
-            max_tokens=24,
-            temperature=0.0,  # type: ignore[arg-type]
-        )
-        return list(texts), chat.choices[0].message.content
+        async with _client(fleet.base_url) as client:
+            texts = await asyncio.gather(*(_stream_text(client, p, 24) for p in PROMPTS))
+            chat = await client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=messages,
+                max_tokens=24,
+                temperature=0.0,
+            )
+            return list(texts), chat.choices[0].message.content
 
     texts, chat = asyncio.run(main())
     assert texts == expected
@@ -171,12 +178,12 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(fleet: RunningServ
     }
 
     async def main() -> None:
-        client = _client(fleet.base_url)
-        for i in range(4):  # one after another: the fleet is idle, so affinity decides
-            await client.completions.create(
-                model=MODEL_NAME, prompt=f"{SHARED_PREFIX}Question {i}:", max_tokens=4,
-                temperature=0.0, extra_body={"ignore_eos": True},
-            )  # fmt: skip
+        async with _client(fleet.base_url) as client:
+            for i in range(4):  # one after another: the fleet is idle, so affinity decides
+                await client.completions.create(
+                    model=MODEL_NAME, prompt=f"{SHARED_PREFIX}Question {i}:", max_tokens=4,
+                    temperature=0.0, extra_body={"ignore_eos": True},
+                )  # fmt: skip
 
     asyncio.run(main())
 
@@ -198,6 +205,9 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(fleet: RunningServ
 
     assert wait_until(lambda: hits() >= 3 * 64, timeout=5), hits()
     assert _replica_metric(fleet, "prefix_cache_hits_total", other) == before[other]
+    # Every replica forgets its cache on request (the home one had the prefix's blocks).
+    reset = httpx.post(f"{fleet.base_url}/reset_prefix_cache").json()
+    assert reset["num_blocks_dropped"] >= 4
 
 
 def test_a_client_that_leaves_is_aborted_on_its_replica(fleet: RunningServer) -> None:
@@ -238,37 +248,46 @@ def test_a_dead_replica_fails_only_its_requests(fleet: RunningServer) -> None:
     engine.router = RoundRobin()  # streams 0 and 2 on replica 0, 1 and 3 on replica 1
 
     async def main() -> list[str]:
-        client = _client(fleet.base_url)
-        streams = []
-        for prompt in PROMPTS:  # in turn, so round-robin places them in this order
-            stream = await client.completions.create(
-                model=MODEL_NAME, prompt=prompt, max_tokens=300, temperature=0.0,
-                stream=True, extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            await stream.__anext__()
-            streams.append(stream)
-        ray.kill(engine.replicas[1].actor)
+        async with _client(fleet.base_url) as client:
+            streams = []
+            for prompt in PROMPTS:  # in turn, so round-robin places them in this order
+                stream = await client.completions.create(
+                    model=MODEL_NAME, prompt=prompt, max_tokens=300, temperature=0.0,
+                    stream=True, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                await stream.__anext__()
+                streams.append(stream)
+            ray.kill(engine.replicas[1].actor)
 
-        async def finish(stream: openai.AsyncStream) -> str:
-            try:
-                chunks = [chunk async for chunk in stream]
-            except openai.APIError as error:
-                return f"error: {error.message}"
-            return chunks[-1].choices[0].finish_reason or "none"
+            async def finish(stream: openai.AsyncStream) -> str:
+                try:
+                    chunks = [chunk async for chunk in stream]
+                except openai.APIError as error:
+                    return f"error: {error.message}"
+                return chunks[-1].choices[0].finish_reason or "none"
 
-        return list(await asyncio.gather(*(finish(s) for s in streams)))
+            # Sent at once, two new requests take the next turns, 0 and 1: the one routed to
+            # the dead replica before the front end hears of its death is sent on to replica
+            # 0 (it never ran), so both succeed whenever the death is noticed.
+            return list(
+                await asyncio.gather(
+                    *(finish(s) for s in streams),
+                    *(_stream_text(client, p, 4) for p in PROMPTS[:2]),
+                )
+            )
 
     outcomes = asyncio.run(main())
     assert outcomes[0] == outcomes[2] == "length", outcomes
-    assert all("replica 1 died" in outcome for outcome in outcomes[1::2]), outcomes
+    assert all("replica 1 died" in outcome for outcome in outcomes[1:4:2]), outcomes
+    assert all(outcomes[4:]), outcomes
     assert wait_until(lambda: not engine.replicas[1].alive, timeout=10)
     health = httpx.get(f"{fleet.base_url}/health")
     assert health.status_code == 200
     assert health.json() == {"status": "degraded", "replicas": ["ok", "dead"]}
 
     async def after() -> list[str]:
-        client = _client(fleet.base_url)
-        return list(await asyncio.gather(*(_stream_text(client, p, 4) for p in PROMPTS)))
+        async with _client(fleet.base_url) as client:
+            return list(await asyncio.gather(*(_stream_text(client, p, 4) for p in PROMPTS)))
 
     assert all(asyncio.run(after()))  # the survivor takes everything
     m = fleet.metrics()
@@ -322,3 +341,64 @@ def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_
         output = proc.communicate()[0]
     assert wait_until(lambda: not _ray_daemons() - before, timeout=30), output
     print(output)
+
+
+# ---- the front end's routing over stand-in actors (no Ray processes) ----------------------
+
+
+class _Method:
+    """`actor.method.options(...).remote(...)`, as a Ray actor handle offers it."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    def options(self, **_: object) -> _Method:
+        return self
+
+    def remote(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+
+class _StandInReplica:
+    """A replica's actor handle: it answers each group with one token per request, or,
+    dead, raises as Ray does for a dead actor's stream."""
+
+    def __init__(self, dead: bool) -> None:
+        self.dead = dead
+        self.generate = _Method(self._generate)
+        self.abort = _Method(lambda ids: None)
+
+    async def _generate(self, requests: list[GenerationRequest], waited: float) -> Any:
+        if self.dead:
+            raise ActorDiedError()
+        yield _ready(ReplicaEvent())  # taken
+        outputs = [
+            RequestOutput(r.request_id, list(r.prompt), "x", [7], "x", [7], "length")  # type: ignore[arg-type]
+            for r in requests
+        ]
+        yield _ready(ReplicaEvent(list(enumerate(outputs))))
+
+
+async def _ready(event: ReplicaEvent) -> ReplicaEvent:  # what awaiting an ObjectRef gives
+    return event
+
+
+def test_a_request_routed_to_a_replica_just_dead_goes_to_another() -> None:
+    async def main() -> None:
+        engine = DataParallelEngine(
+            [_StandInReplica(dead=True), _StandInReplica(dead=False)],
+            ServedModel("stand-in", None, None, 64),
+            RoundRobin(),  # replica 0 first: the dead one, not yet known dead
+            ray_cluster.RayCluster("none", connected_here=False, started_here=False),
+        )
+        finished: list[tuple[str, int]] = []
+        engine.on_finished = lambda output, reason, replica: finished.append((reason, replica))
+        params = SamplingParams(max_tokens=1)
+        stream = await engine.add([GenerationRequest([1, 2, 3], params, "r-0")])
+        outputs = [output async for _, output in stream]
+        assert [o.finish_reason for o in outputs] == ["length"]
+        assert [r.alive for r in engine.replicas] == [False, True]
+        assert finished == [("length", 1)]
+        assert all(not r.tracker.work for r in engine.replicas)  # loads back to zero
+
+    asyncio.run(main())

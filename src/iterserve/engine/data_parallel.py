@@ -31,7 +31,7 @@ from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import encode_prompt
 from iterserve.engine.ray_cluster import RayCluster, disconnect
 from iterserve.engine.replica_actor import EngineReplica
-from iterserve.engine.replica_client import ReplicaClient, awaited
+from iterserve.engine.replica_client import ReplicaClient, ReplicaDiedError, awaited
 from iterserve.engine.request_stream import (
     EngineStoppedError,
     GenerationRequest,
@@ -104,13 +104,17 @@ class DataParallelEngine:
             models = ray.get(
                 [actor.served_model.remote() for actor in actors], timeout=_LOAD_TIMEOUT
             )
+            failures = [(i, model) for i, model in enumerate(models) if isinstance(model, str)]
+            if failures:
+                raise ValueError(f"replica {failures[0][0]} could not start: {failures[0][1]}")
         except BaseException:
             for actor in actors:
                 ray.kill(actor)
             disconnect(cluster)
             raise
-        logger.info("%d replicas of %s up (%d threads each)", num_replicas, models[0].name, threads)
-        return cls(actors, models[0], router, cluster, max_waiting_requests)
+        model = models[0]
+        logger.info("%d replicas of %s up (%d threads each)", num_replicas, model.name, threads)
+        return cls(actors, model, router, cluster, max_waiting_requests)
 
     # ---- state ---------------------------------------------------------------------
 
@@ -164,9 +168,20 @@ class DataParallelEngine:
         # tokenizer is only ever used from this one thread.
         sent = [replace(r, prompt=self._token_ids(r)) for r in requests]
         counts = [(len(r.prompt), self._most_tokens(r)) for r in sent]
-        live = self._live()
-        target = live[self.router.route(sent[0].prompt, [r.tracker.load() for r in live])]  # type: ignore[arg-type]
-        return await target.submit(sent, counts)
+        while True:
+            live = self._live()
+            if not live:
+                raise EngineStoppedError("every replica has died")
+            loads = [replica.tracker.load() for replica in live]
+            target = live[self.router.route(sent[0].prompt, loads)]  # type: ignore[arg-type]
+            try:
+                return await target.submit(sent, counts)
+            except ReplicaDiedError:
+                # Died before taking the group (the router had not heard yet): nothing of
+                # it ran, so the next live replica gets it; the dead one is skipped now.
+                logger.warning(
+                    "replica %d died before taking a request: routing it again", target.index
+                )
 
     def _token_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, list):

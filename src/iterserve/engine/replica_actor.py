@@ -33,12 +33,20 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, max_waiting_requests: int) -> None:
         # config.num_threads is this replica's share of the cores; Ray already set
         # OMP_NUM_THREADS to the CPUs the actor asked for, before torch loaded here.
-        self.engine = AsyncEngine.launch(
-            lambda: LLMEngine(config, warm_up=False), max_waiting_requests=max_waiting_requests
-        )
+        self.start_error: str | None = None
+        try:
+            self.engine = AsyncEngine.launch(
+                lambda: LLMEngine(config, warm_up=False),
+                max_waiting_requests=max_waiting_requests,
+            )
+        except (ValueError, OSError) as error:
+            # A setting (a model path missing on this machine, say): said to the front
+            # end in a sentence, as a single engine says it, not as an actor's traceback.
+            self.start_error = str(error)
 
-    def served_model(self) -> ServedModel:
-        return self.engine.served_model
+    def served_model(self) -> ServedModel | str:
+        """The model, once loaded; or why it could not be."""
+        return self.start_error or self.engine.served_model
 
     def status(self) -> ReplicaStatus:
         engine = self.engine

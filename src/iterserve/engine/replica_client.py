@@ -38,6 +38,10 @@ from iterserve.engine.serving_engine import (
 logger = logging.getLogger("iterserve.data_parallel")
 
 
+class ReplicaDiedError(RequestFailedError):
+    """The replica died before it took the group: nothing ran, another replica may."""
+
+
 class ReplicaClient:
     def __init__(self, index: int, actor: Any, report: FinishedCallback) -> None:
         self.index = index
@@ -116,10 +120,12 @@ class ReplicaClient:
                     self._deliver(stream, requests[index].request_id, index, item, unfinished)
         except RayActorError as error:
             self.mark_dead(f"its actor died ({type(error).__name__})")
-            self._fail(stream, requests, unfinished, accepted, f"replica {self.index} died")
+            message = f"replica {self.index} died"
+            self._fail(stream, unfinished, accepted, ReplicaDiedError(message), message)
         except Exception as error:  # a bug or a lost object: this group only
             logger.exception("replica %d: relaying a group failed", self.index)
-            self._fail(stream, requests, unfinished, accepted, f"replica {self.index}: {error}")
+            message = f"replica {self.index}: {error}"
+            self._fail(stream, unfinished, accepted, RequestFailedError(message), message)
         finally:
             for request in requests:
                 self.tracker.progress(request.request_id, 0, finished=True)
@@ -149,13 +155,15 @@ class ReplicaClient:
     def _fail(
         self,
         stream: RequestStream,
-        requests: list[GenerationRequest],
         unfinished: dict[int, None],
         accepted: asyncio.Future[None],
+        refusal: RequestFailedError,
         message: str,
     ) -> None:
-        if not accepted.done():  # no stream yet: the add itself fails
-            _settle(accepted, RequestFailedError(message))
+        """End the group's unfinished requests with `message`; or, if the replica never
+        took the group, fail its add with `refusal`."""
+        if not accepted.done():
+            _settle(accepted, refusal)
             return
         for index in unfinished:
             stream._push(index, RequestFailedError(message))
