@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from iterserve.config import EngineConfig
 from iterserve.core.router import Router
@@ -94,7 +95,9 @@ class DataParallelEngine:
             actor_class.options(  # type: ignore[attr-defined]
                 num_cpus=threads,
                 scheduling_strategy="SPREAD",
-                max_concurrency=1000,  # streaming groups at once, per replica
+                # One call per group streaming from it (waiting or running) and a few
+                # more (status, aborts): Ray queues what goes beyond.
+                max_concurrency=max_waiting_requests + config.scheduler.max_num_seqs + 64,
             ).remote(config, max_waiting_requests)
             for _ in range(num_replicas)
         ]
@@ -113,7 +116,9 @@ class DataParallelEngine:
             disconnect(cluster)
             raise
         model = models[0]
-        logger.info("%d replicas of %s up (%d threads each)", num_replicas, model.name, threads)
+        logger.info(
+            "%d replicas of %s up, %d torch threads each", num_replicas, model.name, threads
+        )
         return cls(actors, model, router, cluster, max_waiting_requests)
 
     # ---- state ---------------------------------------------------------------------
@@ -202,12 +207,19 @@ class DataParallelEngine:
             logger.exception("on_finished callback failed")
 
     async def reset_prefix_cache(self) -> int:
-        """Forget every live replica's unused cached blocks; returns how many in all."""
+        """Forget every live replica's unused cached blocks; returns how many in all (a
+        replica that dies meanwhile has none left to forget)."""
         live = self._live()
         dropped = await asyncio.gather(
-            *(awaited(replica.actor.reset_prefix_cache.remote()) for replica in live)
+            *(awaited(replica.actor.reset_prefix_cache.remote()) for replica in live),
+            return_exceptions=True,
         )
-        return sum(dropped)
+        for replica, result in zip(live, dropped, strict=True):
+            if isinstance(result, RayActorError):
+                replica.actor_died(result)
+            elif isinstance(result, BaseException):
+                raise result
+        return sum(n for n in dropped if isinstance(n, int))
 
     # ---- lifecycle ---------------------------------------------------------------------
 

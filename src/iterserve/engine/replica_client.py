@@ -119,7 +119,7 @@ class ReplicaClient:
                 for index, item in event.deliveries:
                     self._deliver(stream, requests[index].request_id, index, item, unfinished)
         except RayActorError as error:
-            self.mark_dead(f"its actor died ({type(error).__name__})")
+            self.actor_died(error)
             message = f"replica {self.index} died"
             self._fail(stream, unfinished, accepted, ReplicaDiedError(message), message)
         except Exception as error:  # a bug or a lost object: this group only
@@ -170,6 +170,9 @@ class ReplicaClient:
             self._report(None, "error", self.index)
         unfinished.clear()
 
+    def actor_died(self, error: RayActorError) -> None:
+        self.mark_dead(f"its actor died ({type(error).__name__})")
+
     def mark_dead(self, reason: str) -> None:
         if self.death is not None:
             return
@@ -189,7 +192,7 @@ class ReplicaClient:
                 awaited(self.actor.status.remote()), timeout
             )
         except RayActorError as error:
-            self.mark_dead(f"its actor died ({type(error).__name__})")
+            self.actor_died(error)
             return
         except TimeoutError:
             logger.warning("replica %d did not answer a status call in %.0f s", self.index, timeout)
