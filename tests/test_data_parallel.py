@@ -57,18 +57,35 @@ PROMPTS = [
 SHARED_PREFIX = "You are a helpful assistant who answers questions about geography. " * 6
 
 
-def _ray_daemons() -> set[int]:
-    """Pids of Ray's cluster processes on this machine."""
+def _ray_daemons(parent: int) -> set[int]:
+    """Pids of the Ray cluster processes (GCS, raylet) that `parent` started: ray.init
+    starts them as its children. (Other users' Ray clusters on this machine are not ours
+    to count.)"""
     out = subprocess.run(
-        ["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True, check=False
+        ["pgrep", "-P", str(parent), "-f", "raylet|gcs_server"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     return {int(pid) for pid in out.stdout.split()}
+
+
+def _running(pids: set[int]) -> set[int]:
+    """Those of `pids` still running (an exited child not yet reaped is a zombie: gone)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    before = _ray_daemons()
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -76,11 +93,12 @@ def cluster() -> Iterator[None]:
         logging_level="warning",
         namespace="iterserve-test",
     )
+    daemons = _ray_daemons(os.getpid())
     try:
         yield
     finally:
         ray.shutdown()
-        assert wait_until(lambda: not _ray_daemons() - before, timeout=30), "Ray left processes"
+        assert daemons and wait_until(lambda: not _running(daemons), timeout=30), daemons
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +315,6 @@ def test_a_dead_replica_fails_only_its_requests(fleet: RunningServer) -> None:
 
 
 def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_dir: Path) -> None:
-    before = _ray_daemons()
     port = free_port()
     command = [
         sys.executable, "-m", "iterserve.cli", "serve", "--model", str(tiny_llama_dir),
@@ -312,6 +329,8 @@ def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_
     base = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: is_healthy(base), timeout=90, interval=0.3), "no server"
+        daemons = _ray_daemons(proc.pid)  # the local cluster it started
+        assert daemons
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         streams = [
             client.completions.create(
@@ -339,8 +358,7 @@ def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_
         if proc.poll() is None:
             proc.kill()
         output = proc.communicate()[0]
-    assert wait_until(lambda: not _ray_daemons() - before, timeout=30), output
-    print(output)
+    assert wait_until(lambda: not _running(daemons), timeout=30), output
 
 
 # ---- the front end's routing over stand-in actors (no Ray processes) ----------------------
