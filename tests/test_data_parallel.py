@@ -1,10 +1,11 @@
 """Data parallelism: two engine replicas on Ray behind one OpenAI front end.
 
-One Ray cluster (2 CPUs, no dashboard) and one two-replica server serve the whole module;
-the test that kills a replica runs last. A last test runs the real
-`iterserve serve --data-parallel-size 2` as a process, drains it with SIGTERM, and checks
-that the Ray cluster it started is gone with it. Tiny random Llama, fp32, greedy text
-compared with the offline `LLM`.
+One Ray cluster (2 CPUs, no dashboard) and one two-replica server serve the module's first
+tests; the one that kills a replica runs last of them. Then the real
+`iterserve serve --data-parallel-size 2` runs as a process, drains on SIGTERM, and takes
+the Ray cluster it started with it; and the front end reroutes around a dead replica
+over stand-in actors (no Ray processes). Tiny random Llama, fp32, greedy text compared
+with the offline `LLM`. About a minute in all.
 """
 
 from __future__ import annotations
