@@ -16,7 +16,7 @@ Each server has its own registry, so several servers fit in one process (tests).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -100,57 +100,58 @@ class _EngineCollector(Collector):
         yield from out
 
 
+_Kind = type[GaugeMetricFamily | CounterMetricFamily]
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+# What a snapshot says beyond its per-lane counts: (kind, name, documentation, value).
+# Speculative decoding has vLLM's names: acceptance rate = accepted / draft tokens, mean
+# accepted length = 1 + accepted / drafts.
+_SNAPSHOT_SERIES: tuple[tuple[_Kind, str, str, Callable[[EngineSnapshot], float]], ...] = (
+    (_G, "kv_cache_usage_perc", "Fraction of KV cache blocks in use", lambda s: s.kv_cache_usage),
+    (_G, "kv_cache_used_blocks", "KV cache blocks held by requests", lambda s: s.num_used_kv_blocks),
+    (_G, "kv_cache_total_blocks", "KV cache blocks in the pool", lambda s: s.num_kv_blocks),
+    (_G, "kv_cache_cached_blocks", "Blocks named in the prefix cache (free ones are reusable)",
+     lambda s: s.num_cached_kv_blocks),
+    (_G, "prefix_cache_hit_rate",
+     "Prompt tokens found in the prefix cache / prompt tokens looked up, at first admission",
+     lambda s: s.prefix_hit_rate),
+    (_C, "prefix_cache_queries", "Prompt tokens looked up", lambda s: s.prefix_queries),
+    (_C, "prefix_cache_hits", "Prompt tokens found in the cache", lambda s: s.prefix_hits),
+    (_C, "prefix_cache_preempted_queries",
+     "Tokens looked up when a preempted request was re-admitted (not in the hit rate)",
+     lambda s: s.preempted_prefix_queries),
+    (_C, "prefix_cache_preempted_hits", "Of those, tokens found again in the cache (recompute saved)",
+     lambda s: s.preempted_prefix_hits),
+    (_C, "num_preemptions", "Requests preempted to free KV memory", lambda s: s.num_preemptions),
+    (_C, "engine_steps", "Engine iterations run", lambda s: s.num_steps),
+    (_C, "prefill_tokens_computed", "Prompt tokens run through the model",
+     lambda s: s.prefill_tokens),
+    (_C, "decode_tokens_computed", "Decode tokens run through the model",
+     lambda s: s.decode_tokens),
+    (_C, "spec_decode_num_drafts", "Steps in which a request speculated",
+     lambda s: s.spec.num_drafts),
+    (_C, "spec_decode_num_draft_tokens", "Draft tokens proposed",
+     lambda s: s.spec.num_draft_tokens),
+    (_C, "spec_decode_num_accepted_tokens", "Draft tokens accepted",
+     lambda s: s.spec.num_accepted_tokens),
+)  # fmt: skip
+_PER_LANE = (
+    ("num_requests_running", "Requests running in the engine", "running"),
+    ("num_requests_waiting", "Requests waiting to run", "waiting"),
+)
+_PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position")
+
+
 def _engine_metrics(out: _Families, snap: EngineSnapshot, replica: str | None, up: float) -> None:
-    def gauge(name: str, documentation: str, value: float, **extra: str) -> None:
-        out.add(GaugeMetricFamily, name, documentation, value, replica, **extra)
-
-    def counter(name: str, documentation: str, value: float, **extra: str) -> None:
-        out.add(CounterMetricFamily, name, documentation, value, replica, **extra)
-
-    gauge("replica_up", f"1 while the engine serves (replica={FLEET!r}: how many do)", up)
-    for lane, count in snap.running.items():
-        gauge("num_requests_running", "Requests running in the engine", count, lane=lane)
-    for lane, count in snap.waiting.items():
-        gauge("num_requests_waiting", "Requests waiting to run", count, lane=lane)
-    gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use", snap.kv_cache_usage)
-    gauge("kv_cache_used_blocks", "KV cache blocks held by requests", snap.num_used_kv_blocks)
-    gauge("kv_cache_total_blocks", "KV cache blocks in the pool", snap.num_kv_blocks)
-    gauge(
-        "kv_cache_cached_blocks",
-        "Blocks named in the prefix cache (free ones are reusable)",
-        snap.num_cached_kv_blocks,
-    )
-    gauge(
-        "prefix_cache_hit_rate",
-        "Prompt tokens found in the prefix cache / prompt tokens looked up, at first admission",
-        snap.prefix_hit_rate,
-    )
-    counter("prefix_cache_queries", "Prompt tokens looked up", snap.prefix_queries)
-    counter("prefix_cache_hits", "Prompt tokens found in the cache", snap.prefix_hits)
-    counter(
-        "prefix_cache_preempted_queries",
-        "Tokens looked up when a preempted request was re-admitted (not in the hit rate)",
-        snap.preempted_prefix_queries,
-    )
-    counter(
-        "prefix_cache_preempted_hits",
-        "Of those, tokens found again in the cache (recompute saved)",
-        snap.preempted_prefix_hits,
-    )
-    counter("num_preemptions", "Requests preempted to free KV memory", snap.num_preemptions)
-    counter("engine_steps", "Engine iterations run", snap.num_steps)
-    counter("prefill_tokens_computed", "Prompt tokens run through the model", snap.prefill_tokens)
-    counter("decode_tokens_computed", "Decode tokens run through the model", snap.decode_tokens)
-    # Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens, mean
-    # accepted length = 1 + accepted / drafts.
-    spec = snap.spec
-    counter("spec_decode_num_drafts", "Steps in which a request speculated", spec.num_drafts)
-    counter("spec_decode_num_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens)
-    counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)
-    per_position = ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position")
-    out.declare(CounterMetricFamily, *per_position, replica, "position")
-    for position, count in enumerate(spec.accepted_per_position):
-        counter(*per_position, count, position=str(position))
+    up_help = f"1 while the engine serves (replica={FLEET!r}: how many do)"
+    out.add(_G, "replica_up", up_help, up, replica)
+    for name, documentation, attribute in _PER_LANE:
+        for lane, count in getattr(snap, attribute).items():
+            out.add(_G, name, documentation, count, replica, lane=lane)
+    for kind, name, documentation, value in _SNAPSHOT_SERIES:
+        out.add(kind, name, documentation, value(snap), replica)
+    out.declare(_C, *_PER_POSITION, replica, "position")
+    for position, count in enumerate(snap.spec.accepted_per_position):
+        out.add(_C, *_PER_POSITION, count, replica, position=str(position))
 
 
 class ServerMetrics:
