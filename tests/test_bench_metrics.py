@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import random
+from collections import Counter
+
 import pytest
 
 from iterserve.bench.metrics import (
     Distribution,
     compute_metrics,
+    inter_token_gaps,
     max_concurrency,
     meets_slos,
     parse_slos,
@@ -175,3 +180,37 @@ def test_knee_is_the_last_point_before_latency_outruns_throughput() -> None:
     assert find_knee([100, 90], [10, 12]) == 0  # falling throughput, rising latency
     assert find_knee([], []) is None
     assert find_knee([1, 2, 3], [1, 1.5, 5]) == 1
+
+
+def test_pooled_figures_match_their_per_token_definitions() -> None:
+    """peak_output_throughput, the TBT gaps and max_concurrency run in numpy (a simulated
+    million requests carry ~2e8 token times); each against its plain definition."""
+    rng = random.Random(1)
+    for _ in range(200):
+        records = []
+        for i in range(rng.randint(0, 8)):
+            start = rng.uniform(0, 5)
+            times = sorted(start + rng.uniform(0, 3) for _ in range(rng.choice([0, 1, 2, 5])))
+            records.append(
+                RequestRecord(
+                    f"r{i}", 3, 4, arrival_time=start, token_times=times,
+                    finish_time=times[-1] if times else None,
+                    output_len=len(times) + rng.choice([0, 0, 2]), success=rng.random() < 0.9,
+                )  # fmt: skip
+            )
+        buckets: Counter[int] = Counter()
+        for r in records:
+            if r.success and r.token_times:
+                for t in r.token_times:
+                    buckets[math.floor(t / 0.5)] += 1
+                buckets[math.floor(r.token_times[-1] / 0.5)] += r.output_len - len(r.token_times)
+        assert peak_output_throughput(records, 0.5) == max(buckets.values(), default=0) / 0.5
+        ok = [r for r in records if r.success]
+        assert sorted(inter_token_gaps(ok)) == sorted(g for r in ok for g in r.itls)
+        level = peak = 0
+        events = [(r.arrival_time, 1) for r in records if r.finish_time is not None]
+        events += [(r.finish_time, -1) for r in records if r.finish_time is not None]
+        for _, delta in sorted(events):
+            level += delta
+            peak = max(peak, level)
+        assert max_concurrency(records) == peak

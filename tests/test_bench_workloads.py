@@ -97,6 +97,29 @@ def test_azure_conv_workload_carries_trace_times(tokenizer: Any, tmp_path: Path)
     ]
 
 
+def test_azure_lengths_draws_trace_lengths_for_any_number_of_requests(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "arrived_at,num_prefill_tokens,num_decode_tokens\n0,300,20\n2,40,500\n3,77,3\n"
+    )
+    spec = WorkloadSpec("azure-lengths", num_requests=50, trace=str(trace), max_output_len=64)
+    w = build_workload(spec, tokenizer)
+    assert len(w.requests) == 50 and not w.has_arrival_times  # arrivals come from --arrival
+    pairs = {(r.prompt_len, r.output_len) for r in w.requests}
+    assert pairs == {(300, 20), (40, 64), (77, 3)}
+    ordinary = set(ordinary_token_ids(tokenizer))
+    for r in w.requests:
+        assert len(r.token_ids()) == r.prompt_len and set(r.token_ids()) <= ordinary
+        assert r.prompt == r.token_ids()  # what a client sends: a plain list
+    assert len({tuple(r.token_ids()[:16]) for r in w.requests}) == 50  # no shared first block
+    again = build_workload(spec, tokenizer)
+    assert [r.token_ids() for r in again.requests] == [r.token_ids() for r in w.requests]
+    with pytest.raises(ValueError, match="token ids"):
+        build_workload(WorkloadSpec("azure-lengths", trace=str(trace), prompt_format="text"), tokenizer)
+
+
 def test_copy_edit_is_chat_text_whose_answer_is_in_the_prompt(tokenizer: Any) -> None:
     spec = WorkloadSpec(name="copy-edit", num_requests=6, output_len=40, prompt_format="text")
     workload = build_workload(spec, tokenizer)

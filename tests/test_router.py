@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
+from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.metrics import compute_metrics
-from iterserve.bench.simulate import simulate_fleet
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.router import (
@@ -142,11 +142,11 @@ def test_the_load_tracker_counts_what_was_sent_less_what_came_back() -> None:
     tracker.take("a", prompt_tokens=100, max_tokens=10)
     tracker.take("b", prompt_tokens=20, max_tokens=5)
     assert tracker.load() == ReplicaLoad(135, 2)
-    tracker.progress("a", new_tokens=1, finished=False)  # its prompt is computed now
+    tracker.progress("a", new_tokens=1)  # its prompt is computed now
     assert tracker.load() == ReplicaLoad(34, 2)
-    tracker.progress("a", new_tokens=20, finished=False)  # more than it asked for: floored
-    assert tracker.load() == ReplicaLoad(25, 2)
-    tracker.progress("b", new_tokens=0, finished=True)  # aborted before its first token
-    tracker.progress("gone", new_tokens=3, finished=True)  # unknown ids are ignored
-    assert tracker.load() == ReplicaLoad(0, 1) and tracker.num_routed == 2
-    assert tracker.forget_all() == ["a"] and tracker.load() == ReplicaLoad(0, 0)
+    tracker.made(3)  # three more of a's, counted in aggregate
+    assert tracker.load() == ReplicaLoad(31, 2)
+    tracker.finish("b", unmade=5)  # aborted before its first token
+    assert tracker.load() == ReplicaLoad(6, 1)
+    tracker.finish("a", unmade=6)  # stopped after 4 of its 10
+    assert tracker.load() == ReplicaLoad(0, 0) and tracker.num_routed == 2

@@ -25,11 +25,11 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop or [],
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(config=engine_config_from_args(args))
-    if args.chat:
-        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    with LLM(config=engine_config_from_args(args)) as llm:
+        if args.chat:
+            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
     print(outputs[0].text)
     return 0
 

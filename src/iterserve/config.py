@@ -237,6 +237,14 @@ class EngineConfig:
         "compile the layer stack into one graph at start-up (torch.compile; cached)",
         off_alias="--enforce-eager",
     )
+    tensor_parallel_size: int = _opt(
+        1,
+        "shard attention heads, KV cache and MLP across this many processes (torch.distributed: "
+        "gloo on CPU, NCCL on CUDA, one GPU per rank); the heads and intermediate size must "
+        "divide by it. Over 1 runs torch's projections and attention eager (the C++ kernels and "
+        "compiled graphs are set aside; --weights int4/int8, --batch-invariant and draft "
+        "models are refused)",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -259,10 +267,30 @@ class EngineConfig:
                 f"--weights {self.weights} runs on iterserve's kernels: it needs --dtype "
                 "bfloat16 and --kernels auto"
             )
+        self._validate_tensor_parallel()
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()
         return self
+
+    def _validate_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be at least 1, got {size}")
+        if size == 1:
+            return
+        # Each of these runs on iterserve's C++ kernels or a second network, not sharded.
+        refused = {
+            f"--weights {self.weights}": self.weights in ("int4", "int8"),
+            "--batch-invariant": self.batch_invariant,
+            "--speculative-method draft": self.speculative.speculative_method == "draft",
+        }
+        for flag, given in refused.items():
+            if given:
+                raise ConfigError(
+                    f"{flag} is not supported with --tensor-parallel-size {size}: tensor "
+                    "parallelism shards the torch path only"
+                )
 
 
 # ---- CLI mapping ---------------------------------------------------------------

@@ -152,9 +152,9 @@ def add_fidelity_parser(runners: argparse._SubParsersAction) -> None:
 def _run_fidelity(args: argparse.Namespace) -> int:
     from iterserve.bench.args import arrival_spec, workload_spec
     from iterserve.bench.arrivals import arrival_offsets
+    from iterserve.bench.fleet import simulate_fleet
     from iterserve.bench.offline import OfflineOptions, run_engine, warm_up
     from iterserve.bench.profile import ProfileGrid, profile_engine
-    from iterserve.bench.simulate import simulate_fleet
     from iterserve.bench.tokenizer import load_tokenizer
     from iterserve.bench.workloads import build_workload
     from iterserve.config import engine_config_from_args

@@ -8,7 +8,7 @@ between order statistics (numpy's default, the same as `vllm bench serve`), so p
 
 from __future__ import annotations
 
-import math
+import itertools
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -52,11 +52,11 @@ class Distribution:
     count: int
 
     @classmethod
-    def of(cls, seconds: Sequence[float]) -> Distribution | None:
-        if not seconds:
+    def of(cls, seconds: Sequence[float] | np.ndarray) -> Distribution | None:
+        if len(seconds) == 0:
             return None
         ms = np.asarray(seconds, dtype=float) * 1e3
-        p50, p90, p99 = (float(np.percentile(ms, q)) for q in PERCENTILES)
+        p50, p90, p99 = np.percentile(ms, PERCENTILES).tolist()  # one partition, not three
         return cls(float(ms.mean()), float(ms.std()), p50, p90, p99, len(ms))
 
 
@@ -168,29 +168,48 @@ def peak_output_throughput(records: Iterable[RequestRecord], window: float = 1.0
     Tokens a server reported (usage) beyond the chunks it streamed are counted with the last
     chunk: they arrived no later than it.
     """
-    buckets: Counter[int] = Counter()
-    for record in records:
-        if not record.success or not record.token_times:
-            continue
-        for t in record.token_times:
-            buckets[math.floor(t / window)] += 1
-        extra = record.output_len - len(record.token_times)
-        if extra > 0:
-            buckets[math.floor(record.token_times[-1] / window)] += extra
-    return max(buckets.values(), default=0) / window
+    streamed = [r for r in records if r.success and r.token_times]
+    if not streamed:
+        return 0.0
+    times, _ = _token_times(streamed)
+    counts = np.ones(len(times), dtype=np.int64)
+    ends = np.cumsum([len(r.token_times) for r in streamed]) - 1
+    counts[ends] += np.maximum(0, [r.output_len - len(r.token_times) for r in streamed])
+    buckets = np.floor(times / window).astype(np.int64)
+    return float(np.bincount(buckets - buckets.min(), weights=counts).max()) / window
+
+
+def _token_times(records: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """Every record's token times end to end, and where each record's start: one pass in
+    C rather than a Python loop per token (a simulated million requests have ~2e8)."""
+    lengths = np.fromiter((len(r.token_times) for r in records), np.int64, len(records))
+    total = int(lengths.sum())
+    times = np.fromiter(
+        itertools.chain.from_iterable(r.token_times for r in records), np.float64, total
+    )
+    return times, np.cumsum(lengths) - lengths
+
+
+def inter_token_gaps(records: Sequence[RequestRecord]) -> np.ndarray:
+    """Every gap between consecutive tokens of one request, over all records."""
+    times, starts = _token_times(records)
+    if len(times) < 2:
+        return np.empty(0)
+    gaps = np.diff(times)
+    first_of_record = starts[(starts > 0) & (starts < len(times))]
+    keep = np.ones(len(gaps), dtype=bool)
+    keep[first_of_record - 1] = False  # the step from one record's last to the next's first
+    return gaps[keep]
 
 
 def max_concurrency(records: Iterable[RequestRecord]) -> int:
-    events = []
-    for record in records:
-        if record.finish_time is not None:
-            events += [(record.arrival_time, 1), (record.finish_time, -1)]
-    events.sort(key=lambda e: (e[0], e[1]))  # a finish at t frees its seat before t's arrival
-    level = peak = 0
-    for _, delta in events:
-        level += delta
-        peak = max(peak, level)
-    return peak
+    done = [r for r in records if r.finish_time is not None]
+    arrivals = np.fromiter((r.arrival_time for r in done), np.float64, len(done))
+    finishes = np.fromiter((r.finish_time for r in done), np.float64, len(done))
+    times = np.concatenate([arrivals, finishes])
+    deltas = np.concatenate([np.ones(len(done)), -np.ones(len(done))])
+    order = np.lexsort((deltas, times))  # a finish at t frees its seat before t's arrival
+    return int(np.cumsum(deltas[order]).max(initial=0))
 
 
 def latency_block(records: Sequence[RequestRecord]) -> LatencyBlock:
@@ -201,7 +220,7 @@ def latency_block(records: Sequence[RequestRecord]) -> LatencyBlock:
 
     return LatencyBlock(
         ttft=dist(r.ttft for r in ok),
-        itl=dist(gap for r in ok for gap in r.itls),
+        itl=Distribution.of(inter_token_gaps(ok)),
         tpot=dist(r.tpot for r in ok),
         e2el=dist(r.e2e for r in ok),
         queue=dist(r.queue_time for r in ok),

@@ -117,7 +117,7 @@ def generate_batch(model: Any, batch: list[WorkloadRequest], pad_id: int) -> Non
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, request in enumerate(batch):
-        ids[row, width - request.prompt_len :] = torch.tensor(request.prompt_token_ids)
+        ids[row, width - request.prompt_len :] = torch.tensor(list(request.prompt_token_ids))
         mask[row, width - request.prompt_len :] = 1
     steps = max(r.output_len for r in batch)
     with torch.inference_mode():

@@ -2,203 +2,27 @@
 
 The same engine loop (engine/engine_core.py), with the same `core/` scheduler and block
 pool, decides every step; only the executor differs (executor/simulated.py): it prices
-a step with a roofline model of a chosen accelerator and model, and never computes a
-token. So a whole hour of the Azure
-trace on an A100 running Llama-3-8B takes seconds here, and a change of policy shows
-what it would do at a scale this machine cannot reach.
+a step with a measured profile or a roofline model of a chosen accelerator and model,
+and never computes a token. So a whole hour of the Azure trace on an A100 running
+Llama-3-8B takes seconds here, a fleet of replicas behind a router (bench/fleet.py) a few
+minutes for a million requests, and a change of policy shows what it would do at a scale
+this machine cannot reach.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
+from iterserve.bench.fleet import Replica, simulate_fleet
 from iterserve.bench.metrics import compute_metrics, parse_slos
-from iterserve.bench.records import RequestRecord
 from iterserve.bench.report import BenchReport
-from iterserve.bench.workloads import Workload
-from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
-from iterserve.core.request import Request
-from iterserve.core.router import ROUTERS, ReplicaLoadTracker, make_router
-from iterserve.core.scheduler import Scheduler
-from iterserve.engine.engine_core import EngineCore, num_kv_blocks
-from iterserve.executor.cost_profile import CostProfile, ProfiledCostModel, shipped_profile
-from iterserve.executor.simulated import (
-    HARDWARE,
-    MODELS,
-    CostModel,
-    RooflineCostModel,
-    SimulatedExecutor,
-    VirtualClock,
-)
-from iterserve.sampling_params import InvalidRequestError, SamplingParams
-
-# Share of the accelerator's memory left to weights + KV cache (the rest: activations).
-_MEMORY_UTILIZATION = 0.9
-
-
-def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
-    """Blocks that fit beside the weights in the device's memory, or in --kv-cache-memory
-    for a preset sized as iterserve's engine sizes its pool; the config's exact count if
-    it names one."""
-    hw, shape = HARDWARE[hardware], MODELS[model]
-    if hw.kv_cache_from_config:
-        free = config.cache.kv_cache_memory * 2**30
-    else:
-        free = hw.memory_bytes * _MEMORY_UTILIZATION - shape.weight_bytes
-    num_blocks = num_kv_blocks(config.cache, shape.kv_bytes_per_token, free)
-    if num_blocks < 1:
-        raise ValueError(f"{model} does not fit in {hardware}'s memory")
-    return num_blocks
-
-
-@dataclass
-class Replica:
-    """One simulated engine of a fleet: its own clock, cost model, scheduler and KV pool."""
-
-    clock: VirtualClock
-    executor: SimulatedExecutor
-    engine: EngineCore
-    tracker: ReplicaLoadTracker = field(default_factory=ReplicaLoadTracker)  # what routing sees
-
-    @classmethod
-    def build(
-        cls,
-        config: EngineConfig,
-        hardware: str,
-        model: str,
-        acceptance_rate: float,
-        seed: int,
-        profile: CostProfile | None = None,
-        num_kv_blocks: int | None = None,
-    ) -> Replica:
-        """A replica priced by `profile` if given, else by the roofline model of `hardware`
-        and `model`; with `num_kv_blocks` blocks, else what fits beside the weights."""
-        clock = VirtualClock()
-        cost: CostModel = (
-            ProfiledCostModel(profile)
-            if profile is not None
-            else RooflineCostModel(HARDWARE[hardware], MODELS[model])
-        )
-        executor = SimulatedExecutor(cost, clock, acceptance_rate, seed)
-        engine = EngineCore.build(
-            config,
-            executor,
-            num_kv_blocks or kv_blocks_for(config, hardware, model),
-            config.scheduler.max_model_len or 131072,
-            clock,
-        )
-        return cls(clock, executor, engine)
-
-    @property
-    def scheduler(self) -> Scheduler:
-        return self.engine.scheduler
-
-
-def simulate_fleet(
-    config: EngineConfig,
-    workload: Workload,
-    offsets: list[float],
-    hardware: str,
-    model: str,
-    acceptance_rate: float = 0.0,
-    replicas: int = 1,
-    router: str = "round-robin",
-    profile: CostProfile | None = None,
-    num_kv_blocks: int | None = None,
-) -> tuple[list[RequestRecord], list[Replica]]:
-    """Replay the workload on `replicas` engines behind a router (core/router.py).
-
-    Discrete events in virtual time: the next thing to happen is either the next arrival
-    (routed on the replicas' loads at that moment) or a step of the busy replica furthest
-    behind, whose clock then moves on by the step's cost. Replicas run side by side; an
-    idle one waits for its next request. One replica makes exactly the decisions of a
-    single engine."""
-    if replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    fleet = [
-        Replica.build(
-            config, hardware, model, acceptance_rate, config.seed + i, profile, num_kv_blocks
-        )
-        for i in range(replicas)
-    ]
-    routing = make_router(router, config.cache.block_size, config.seed)
-    records = [
-        RequestRecord(f"sim-{i}", r.prompt_len, r.output_len, r.lane, offsets[i], offsets[i])
-        for i, r in enumerate(workload.requests)
-    ]
-    by_id = {record.request_id: record for record in records}
-    requests: dict[str, Request] = {}  # the ones a scheduler took, until they finish
-    order = sorted(range(len(records)), key=lambda i: offsets[i], reverse=True)
-    while True:
-        busy = [r for r in fleet if r.engine.has_unfinished()]
-        if not order and not busy:
-            break
-        laggard = min(busy, key=lambda r: r.clock.now) if busy else None
-        if order and (laggard is None or offsets[order[-1]] <= laggard.clock.now):
-            i = order.pop()
-            for replica in fleet:
-                if not replica.engine.has_unfinished():
-                    replica.clock.advance_to(offsets[i])
-            prompt = workload.requests[i].prompt_token_ids
-            target = fleet[routing.route(prompt, [r.tracker.load() for r in fleet])]
-            request = _arrive(target.scheduler, workload, records, i)
-            if request is not None:
-                requests[request.request_id] = request
-                target.tracker.take(
-                    request.request_id, len(prompt), request.sampling_params.max_tokens
-                )
-            continue
-        assert laggard is not None
-        step = laggard.engine.step(no_more_arrivals=not order)
-        if not step.did_work:
-            # Nothing runnable: jump to the next arrival (or let a dynamic batch's wait pass).
-            wait = config.scheduler.max_wait_ms / 1000
-            next_arrival = offsets[order[-1]] if order else None
-            candidates = [t for t in (next_arrival, wait and laggard.clock.now + wait) if t]
-            if not candidates:
-                raise RuntimeError("the simulated scheduler is stuck with nothing to run")
-            laggard.clock.advance_to(min(candidates))
-            continue
-        for update in step.updates:
-            laggard.tracker.progress(update.request_id, len(update.new_token_ids), update.finished)
-            if update.finished:
-                _record(by_id[update.request_id], requests.pop(update.request_id))
-    return records, fleet
-
-
-def _arrive(
-    scheduler: Scheduler, workload: Workload, records: list[RequestRecord], i: int
-) -> Request | None:
-    wanted = workload.requests[i]
-    params = SamplingParams(max_tokens=wanted.output_len, ignore_eos=True)
-    request = Request(
-        records[i].request_id,
-        wanted.prompt_token_ids,
-        params,
-        records[i].arrival_time,
-        lane=wanted.lane,
-    )
-    try:
-        scheduler.add_request(request)
-    except InvalidRequestError as err:
-        records[i].error = str(err)
-        return None
-    return request
-
-
-def _record(record: RequestRecord, request: Request) -> None:
-    t = request.timings
-    record.first_scheduled_time = t.first_scheduled
-    record.first_token_time = t.first_token
-    record.token_times = list(t.token_times)
-    record.finish_time = t.finished
-    record.output_len = request.num_output_tokens
-    record.num_cached_tokens = request.num_cached_tokens
-    record.success = True
-
+from iterserve.config import add_engine_args, engine_config_from_args
+from iterserve.core.router import ROUTERS
+from iterserve.executor.cost_profile import CostProfile, shipped_profile
+from iterserve.executor.simulated import HARDWARE, MODELS
 
 # ---- CLI -------------------------------------------------------------------------------
 
@@ -238,11 +62,19 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         default=0.7,
         help="with --speculative-method: chance that each draft token is accepted",
     )
+    p.add_argument(
+        "--step-by-step",
+        action="store_true",
+        help="update every decoding request every step, as the engine does, instead of "
+        "advancing steady decodes together (the same results, slower)",
+    )
     add_workload_args(p, with_seed=False)
     add_arrival_args(p)
     add_report_args(p)
     add_engine_args(p)  # scheduler and cache settings; --model names the tokenizer
-    p.set_defaults(func=_run)
+    # Block names need no collision resistance where no one crafts prompts, and sha256 of
+    # every block was a fifth of a large simulation's time (the decisions are the same).
+    p.set_defaults(func=_run, prefix_caching_hash_algo="builtin")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -270,6 +102,7 @@ def _run(args: argparse.Namespace) -> int:
         args.replicas,
         args.router,
         profile,
+        step_by_step=args.step_by_step,
     )
     wall = time.perf_counter() - started
     steps = sum(r.engine.stats.num_steps for r in fleet)

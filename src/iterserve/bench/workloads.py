@@ -9,6 +9,9 @@ text), by decoding and re-encoding until the two agree.
 Workloads:
   synthetic        fixed / uniform / lognormal prompt and output lengths
   azure-conv       lengths and arrival times from a trace (see trace.py)
+  azure-lengths    (prompt, output) lengths drawn from that trace, as many requests as
+                   asked, arrivals from --arrival; prompts are windows of one shared pool
+                   of random ids, so a million of them fit in memory (`iterserve simulate`)
   shared-prefix    a common system prompt of `prefix_len` tokens before every prompt
   mixed-chat-docs  short interactive chats plus long documents in the batch lane
   copy-edit        chat requests to edit code or prose: answers repeat their prompts
@@ -18,6 +21,7 @@ Workloads:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,13 +31,36 @@ from iterserve.bench.copy_texts import INSTRUCTIONS, PASSAGES
 from iterserve.bench.tokenizer import ordinary_token_ids
 from iterserve.bench.trace import load_trace
 
-WORKLOADS = ("synthetic", "azure-conv", "shared-prefix", "mixed-chat-docs", "copy-edit")
+WORKLOADS = (
+    "synthetic",
+    "azure-conv",
+    "azure-lengths",
+    "shared-prefix",
+    "mixed-chat-docs",
+    "copy-edit",
+)
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
+
+
+class PoolWindow(Sequence[int]):
+    """Tokens `start:stop` of a pool shared by many prompts, not copied until asked for."""
+
+    def __init__(self, pool: list[int], start: int, stop: int) -> None:
+        self.pool, self.start, self.stop = pool, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        return self.tolist()[index]
+
+    def tolist(self) -> list[int]:
+        return self.pool[self.start : self.stop]
 
 
 @dataclass
 class WorkloadRequest:
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a list, or a window of a shared pool (azure-lengths)
     output_len: int
     lane: str = "interactive"
     prompt_text: str | None = None  # set in text mode; re-tokenizes to prompt_token_ids
@@ -45,7 +72,11 @@ class WorkloadRequest:
 
     @property
     def prompt(self) -> str | list[int]:
-        return self.prompt_text if self.prompt_text is not None else self.prompt_token_ids
+        return self.prompt_text if self.prompt_text is not None else self.token_ids()
+
+    def token_ids(self) -> list[int]:
+        ids = self.prompt_token_ids
+        return ids.tolist() if isinstance(ids, PoolWindow) else list(ids)
 
 
 @dataclass
@@ -137,7 +168,7 @@ class _Prompts:
         self.as_text = as_text
 
     def ids(self, n: int) -> list[int]:
-        return [int(t) for t in self.rng.choice(self.pool, size=n)]
+        return self.rng.choice(self.pool, size=n).tolist()
 
     def request(self, ids: list[int], output_len: int, **kw: Any) -> WorkloadRequest:
         text = None
@@ -171,6 +202,7 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> Workload:
     builder = {
         "synthetic": _synthetic,
         "azure-conv": _azure_conv,
+        "azure-lengths": _azure_lengths,
         "shared-prefix": _shared_prefix,
         "mixed-chat-docs": _mixed_chat_docs,
         "copy-edit": _copy_edit,
@@ -198,6 +230,25 @@ def _azure_conv(spec: WorkloadSpec, rng: np.random.Generator, p: _Prompts) -> li
         spec.trace, spec.num_requests, spec.time_scale, spec.max_prompt_len, spec.max_output_len
     )
     return [p.request(p.ids(row.prompt_len), row.output_len, arrival=row.arrival) for row in rows]
+
+
+def _azure_lengths(
+    spec: WorkloadSpec, rng: np.random.Generator, p: _Prompts
+) -> list[WorkloadRequest]:
+    if p.as_text:
+        raise ValueError("azure-lengths prompts are token ids; use --prompt-format ids")
+    rows = load_trace(spec.trace, None, 1.0, spec.max_prompt_len, spec.max_output_len)
+    picks = rng.integers(len(rows), size=spec.num_requests)
+    longest = max(row.prompt_len for row in rows)
+    # Each prompt is a window at a random start of one pool of random ids, copied out when
+    # it is sent (a list apiece would need ~9 GB for a million 1k-token prompts): distinct
+    # prompts almost surely, no two alike in their first block unless they start alike.
+    pool = p.ids(max(1 << 20, 4 * longest))
+    starts = rng.integers(len(pool) - longest, size=spec.num_requests)
+    return [
+        WorkloadRequest(PoolWindow(pool, start, start + rows[i].prompt_len), rows[i].output_len)
+        for i, start in zip(picks.tolist(), starts.tolist(), strict=True)
+    ]
 
 
 def _shared_prefix(

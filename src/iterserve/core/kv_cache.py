@@ -32,7 +32,7 @@ PrefixHashAlgo = Literal["sha256", "builtin"]
 PREFIX_HASH_ALGOS: tuple[str, ...] = get_args(PrefixHashAlgo)
 
 
-@dataclass
+@dataclass(slots=True)
 class KVBlock:
     block_id: int
     ref_count: int = 0
@@ -72,7 +72,7 @@ def sha256_block_hash(parent_hash: BlockHash | None, tokens: Sequence[int]) -> b
 
 
 def builtin_block_hash(parent_hash: BlockHash | None, tokens: Sequence[int]) -> int:
-    return hash((parent_hash, tuple(tokens)))
+    return hash((parent_hash, tokens if isinstance(tokens, tuple) else tuple(tokens)))
 
 
 _BLOCK_HASHES: dict[str, Callable[[BlockHash | None, Sequence[int]], BlockHash]] = {
@@ -228,15 +228,23 @@ class KVCacheManager:
         for block_id in cached:
             self._take(block_id)
         request.block_ids.extend(cached)
-        for _ in range(num_new_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
+        request.block_ids += self.take_free_blocks(num_new_blocks)
+        return True
+
+    def take_free_blocks(self, count: int) -> list[int]:
+        """`count` free blocks (the caller checked there are), least recently used first,
+        for a holder that puts them in block tables itself (core/decode_cohort.py)."""
+        taken = []
+        pop, blocks = self._free.popitem, self.blocks  # hot in large simulations
+        for _ in range(count):
+            block_id, _ = pop(last=False)
+            block = blocks[block_id]
             if block.block_hash is not None:  # evict: its contents are about to be overwritten
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_count = 1
-            request.block_ids.append(block_id)
-        return True
+            taken.append(block_id)
+        return taken
 
     def cache_full_blocks(self, request: Request) -> None:
         """Name the request's blocks that are now full of computed tokens."""
@@ -250,27 +258,28 @@ class KVCacheManager:
             return
         hashes = self._hashes_for(request)
         self._named_upto[request.request_id] = num_full
-        for index in range(start, num_full):
-            block = self.blocks[request.block_ids[index]]
-            if block.block_hash is not None:
-                continue
-            block_hash = hashes[index]
-            if block_hash in self._cached:  # the same content was computed twice; keep the first
-                continue
-            block.block_hash = block_hash
-            self._cached[block_hash] = block.block_id
+        blocks, cached = self.blocks, self._cached
+        for block_id, block_hash in zip(
+            request.block_ids[start:num_full], hashes[start:num_full], strict=True
+        ):
+            block = blocks[block_id]
+            # Named already, or the same content computed twice (keep the first name).
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block_id
 
     def free(self, request: Request) -> None:
         """Drop the request's references. Its tail blocks are queued for reuse
         before its head, since a shared prefix is the part most worth keeping."""
+        free, blocks = self._free, self.blocks
         for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
             if block.ref_count == 0:
-                self._free[block_id] = None
+                free[block_id] = None
                 if block.block_hash is None:  # nothing worth keeping: reuse it first
-                    self._free.move_to_end(block_id, last=False)
+                    free.move_to_end(block_id, last=False)
         request.block_ids.clear()
         self._named_upto.pop(request.request_id, None)
 
@@ -309,7 +318,11 @@ class KVCacheManager:
         hashes = self._request_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         bs = self.block_size
-        for index in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(self._hash_block(parent, tokens[index * bs : (index + 1) * bs]))
+        start = len(hashes) * bs
+        parent = hashes[-1] if hashes else None
+        hash_block = self._hash_block
+        # Full blocks not yet hashed, each as a tuple, cut in C (zip over one iterator).
+        for block in zip(*[iter(tokens[start : len(tokens) // bs * bs])] * bs, strict=False):
+            parent = hash_block(parent, block)
+            hashes.append(parent)
         return hashes

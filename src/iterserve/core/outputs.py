@@ -40,6 +40,16 @@ class ScheduledSeq:
         return 1 + len(self.draft_token_ids) if self.sample else 0
 
 
+@dataclass(frozen=True)
+class SteadyDecodes:
+    """Decodes of a step that are not listed one by one (core/decode_cohort.py): each
+    computes one token and samples the executor's known token; only the simulator's
+    executor takes steps with them."""
+
+    num_seqs: int
+    total_context: int  # tokens they attend over, each its new one included
+
+
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
@@ -49,6 +59,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Requests gone since the last step, so executors can drop per-request state.
     finished_ids: list[str] = field(default_factory=list)
+    steady: SteadyDecodes | None = None  # counted in num_decode_tokens too
 
     @property
     def num_batched_tokens(self) -> int:
@@ -56,7 +67,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and self.steady is None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections import Counter
 from collections.abc import Iterator
 
 from iterserve.config import SchedulerConfig
@@ -32,6 +33,13 @@ def outranks(candidate: Request, victim: Request) -> bool:
         _LANE_RANK[candidate.lane],
         candidate.priority,
     )
+
+
+def outranks_any(candidate: Request, ranks: Counter[tuple[str, int]]) -> bool:
+    """Whether a waiting request outranks any running one of these (lane, priority)
+    ranks (counted; a rank with count 0 has no request left)."""
+    mine = (_LANE_RANK[candidate.lane], candidate.priority)
+    return any(n and (_LANE_RANK[lane], priority) > mine for (lane, priority), n in ranks.items())
 
 
 class WaitingQueues:

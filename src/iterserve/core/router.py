@@ -41,13 +41,15 @@ class ReplicaLoadTracker:
     """One replica's load as its router's caller sees it: what was sent, less what came back.
 
     Both callers keep it the same way (the simulator's fleet and the data-parallel front
-    end), so a policy sees the same figures in simulation as when deployed. Each routed,
-    unfinished request is [prompt tokens, until its first token; output tokens still to
-    come]; `outstanding` is their running sum.
+    end), so a policy sees the same figures in simulation as when deployed. `work` holds
+    each routed, unfinished request's prompt tokens until its first token (then 0);
+    `outstanding` is those plus the output tokens still to come.
     """
 
+    __slots__ = ("work", "outstanding", "num_routed")
+
     def __init__(self) -> None:
-        self.work: dict[str, list[int]] = {}
+        self.work: dict[str, int] = {}
         self.outstanding = 0
         self.num_routed = 0
 
@@ -55,30 +57,25 @@ class ReplicaLoadTracker:
         return ReplicaLoad(self.outstanding, len(self.work))
 
     def take(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
-        self.work[request_id] = [prompt_tokens, max_tokens]
+        self.work[request_id] = prompt_tokens
         self.outstanding += prompt_tokens + max_tokens
         self.num_routed += 1
 
-    def progress(self, request_id: str, new_tokens: int, finished: bool) -> None:
-        """`new_tokens` more output tokens came back; `finished`: the request ended (done,
-        aborted or failed), whatever it had left no longer counts. Unknown ids are ignored
-        (a request forgotten already, e.g. its replica died)."""
-        work = self.work.get(request_id)
-        if work is None:
-            return
+    def progress(self, request_id: str, new_tokens: int) -> None:
+        """`new_tokens` more output tokens of a request came back (its prompt is done)."""
         if new_tokens:
-            self.outstanding -= work[0] + min(new_tokens, work[1])
-            work[0] = 0
-            work[1] = max(0, work[1] - new_tokens)
-        if finished:
-            self.outstanding -= sum(self.work.pop(request_id))
+            self.outstanding -= self.work[request_id] + new_tokens
+            self.work[request_id] = 0
 
-    def forget_all(self) -> list[str]:
-        """Drop every request (its replica is gone); returns their ids."""
-        ids = list(self.work)
-        self.work.clear()
-        self.outstanding = 0
-        return ids
+    def made(self, num_tokens: int) -> None:
+        """Output tokens counted in aggregate, not per request (the simulator's steady
+        decodes); each request's `unmade` at its finish must then count them as made."""
+        self.outstanding -= num_tokens
+
+    def finish(self, request_id: str, unmade: int) -> None:
+        """A request ended (done, aborted or failed) with `unmade` of its output tokens
+        never made: they, and a prompt never started, no longer count."""
+        self.outstanding -= self.work.pop(request_id) + unmade
 
 
 class Router(Protocol):
@@ -88,7 +85,8 @@ class Router(Protocol):
 
 
 def _least_loaded(loads: Sequence[ReplicaLoad]) -> int:
-    return min(range(len(loads)), key=lambda i: (loads[i].outstanding_tokens, i))
+    tokens = [load.outstanding_tokens for load in loads]
+    return tokens.index(min(tokens))  # the first of equals
 
 
 class RoundRobin:
@@ -138,7 +136,8 @@ class PrefixAffinity:
         prefix = hash(tuple(prompt_token_ids[: full_blocks * self.block_size]))
         # Rendezvous hashing: each prefix ranks the replicas its own way, so adding or
         # losing one moves only the prefixes it ranked first.
-        home = max(range(len(loads)), key=lambda i: hash((prefix, i)))
+        ranks = [hash((prefix, i)) for i in range(len(loads))]
+        home = ranks.index(max(ranks))
         allowed = self.balance_factor * loads[least].outstanding_tokens + len(prompt_token_ids)
         return home if loads[home].outstanding_tokens <= allowed else least
 

@@ -20,6 +20,7 @@ blocks are freed, its tokens kept, and it waits to be prefilled again.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import os
@@ -27,14 +28,16 @@ import time
 from collections.abc import Callable
 
 from iterserve.config import SchedulerConfig, SpeculativeConfig
+from iterserve.core.decode_cohort import DecodeCohort
 from iterserve.core.kv_cache import KVCacheManager, KVCacheStats
 from iterserve.core.outputs import (
     ModelOutput,
     RequestUpdate,
     ScheduledSeq,
     SchedulerOutput,
+    SteadyDecodes,
 )
-from iterserve.core.policies import WaitingQueues, form_batch, outranks, victim_key
+from iterserve.core.policies import WaitingQueues, form_batch, outranks, outranks_any, victim_key
 from iterserve.core.request import LANES, Request, RequestStatus
 from iterserve.core.speculation import DraftQuery, NgramProposer, Proposer, SpecDecodeStats
 from iterserve.sampling_params import InvalidRequestError
@@ -66,6 +69,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._admissions = 0
+        # Steady decodes kept aside and advanced together (advance_decodes_together).
+        self._cohort: DecodeCohort | None = None
         self.num_preemptions = 0
         # Check the block pool after every update: slow, for debugging and tests.
         self._debug_invariants = os.environ.get("ITERSERVE_DEBUG_INVARIANTS", "0") not in ("", "0")
@@ -122,11 +127,13 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        request.drop_output_tokens(num_dropped)
-        if request.status == RequestStatus.RUNNING:
+        if self._cohort is not None and request in self._cohort:
+            self._cohort.release(request)  # its tokens first, then drop the ones past the end
+        elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        request.drop_output_tokens(num_dropped)
         self._finish(request, status)
         return request
 
@@ -134,7 +141,21 @@ class Scheduler:
         return bool(self.requests)
 
     def num_running(self, lane: str | None = None) -> int:
-        return sum(1 for r in self.running if lane is None or r.lane == lane)
+        cohort = self._cohort
+        steady = 0 if not cohort else len(cohort) if lane is None else cohort.lanes[lane]
+        return steady + sum(1 for r in self.running if lane is None or r.lane == lane)
+
+    def advance_decodes_together(self, token_id: int) -> bool:
+        """Keep steady decodes aside and advance them in aggregate (core/decode_cohort.py):
+        for an executor that samples `token_id` for every decode and prices a step without
+        each decode's inputs (the simulator). Same decisions, same timings; steps whose
+        plan depends on each request (speculation, prefill-first steps, static and
+        dynamic batches) go on one by one. Returns whether it took effect."""
+        config = self.config
+        if self.proposer or config.batching != "continuous" or config.step_policy != "mixed":
+            return False
+        self._cohort = DecodeCohort(self.kv.block_size, token_id)
+        return True
 
     def num_waiting(self, lane: str | None = None) -> int:
         return self.waiting.count(lane)
@@ -155,7 +176,10 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise KVCacheInvariantError if the block pool disagrees with the requests'
         block tables (see KVCacheManager.check_invariants)."""
-        self.kv.check_invariants(r.block_ids for r in self.requests.values())
+        tables = [r.block_ids for r in self.requests.values()]
+        if self._cohort:
+            tables.append(self._cohort.blocks)  # members' newest blocks, not yet in their tables
+        self.kv.check_invariants(tables)
 
     def token_capacity(self) -> int:
         """Most tokens one request can ever hold: the context length or the whole KV
@@ -172,6 +196,8 @@ class Scheduler:
         step = _StepPlan(self.config.max_num_batched_tokens)
         if self.config.batching != "continuous" and not self.running:
             self._admit_batch(now, no_more_arrivals)
+        if self._cohort is not None:
+            self._schedule_steady_decodes(step)
         if self.config.step_policy == "prefill-first":
             self._schedule_prefills(step, now)
             if not step.tokens:
@@ -214,7 +240,11 @@ class Scheduler:
                 status = self._stop_status(request, token_id)
             # A stop inside an accepted run leaves computed drafts past the end: drop them.
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            self.kv.cache_full_blocks(request)
+            if seq.num_new_tokens > 1:
+                # Prompt blocks are named as they are computed, so a request arriving
+                # meanwhile finds them; a decode's blocks are named when released (_finish,
+                # _preempt), which only a request's own recompute could have used sooner.
+                self.kv.cache_full_blocks(request)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -226,11 +256,120 @@ class Scheduler:
                     None if status is None else status.finish_reason,
                 )
             )
+        if scheduled.steady is not None:
+            self._cohort.end_step(now)  # type: ignore[union-attr]
         if self._debug_invariants:
             self.check_invariants()
         return updates
 
     # ---- phases ----------------------------------------------------------------
+
+    def _schedule_steady_decodes(self, step: _StepPlan) -> None:
+        """The cohort's part of a step: members due their last decode go back to the
+        running list, running decodes with two or more left join, the members' new
+        blocks are taken. Unless the step's decodes would not all fit the budget and the
+        free blocks: then the cohort dissolves first, so the step goes by the book (the
+        same, since decodes that all fit are planned alike in any order)."""
+        cohort = self._cohort
+        assert cohort is not None
+        for request in cohort.last_decodes():
+            cohort.release(request)
+            self._run_again(request)
+        staying: list[Request] = []
+        decodes = 0  # ones that stay in the running list
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                staying.append(request)
+                continue
+            steps_left = self._decodes_left(request, cohort.token_id)
+            computed = request.num_computed_tokens
+            # A prompt's last token (one behind, nothing out yet) makes the first token:
+            # update() times that one.
+            if (
+                steps_left > 1
+                and request.num_output_tokens
+                and len(request.block_ids) == self.kv.blocks_needed(computed)
+            ):
+                cohort.join(request, steps_left)
+            else:
+                staying.append(request)
+                decodes += 1
+        self.running = staying
+        new_blocks = cohort.num_new_blocks() + sum(
+            1
+            for r in staying
+            if r.num_tokens - r.num_computed_tokens == 1
+            and len(r.block_ids) < self.kv.blocks_needed(r.num_tokens)
+        )
+        if decodes + len(cohort) > step.budget or new_blocks > self.kv.num_free_blocks:
+            self._dissolve_cohort()
+            return
+        cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
+        step.budget -= len(cohort)
+
+    def steady_outlook(self, limit: int) -> list[SteadyDecodes]:
+        """The next steps (at most `limit`) if they will be the cohort's decodes alone,
+        should no request arrive: none other runs or waits, and each step's new blocks
+        are free. Up to the cohort's next change (a member's last decode, or a step whose
+        blocks would not all be free); empty when the next step is not such a step."""
+        cohort = self._cohort
+        if (
+            not cohort
+            or self.running
+            or self.waiting.count()
+            or len(cohort) > self.config.max_num_batched_tokens
+        ):
+            return []
+        free = self.kv.num_free_blocks
+        steps = []
+        for ahead in range(min(limit, cohort.steps_before_last_decode())):
+            free -= cohort.num_new_blocks(ahead)
+            if free < 0:
+                break
+            steps.append(SteadyDecodes(len(cohort), cohort.total_context(ahead)))
+        return steps
+
+    def run_steady(self, ends: list[float]) -> None:
+        """Run the first len(ends) steps steady_outlook() foresaw, as schedule() and update()
+        would have, the clock reading `ends[i]` after step i."""
+        cohort = self._cohort
+        assert cohort is not None
+        self._finished_ids.clear()  # the first step would have told the executor
+        for end in ends:
+            cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
+            cohort.end_step(end)
+        if self._debug_invariants:
+            self.check_invariants()
+
+    def _decodes_left(self, request: Request, token_id: int) -> int:
+        """Decodes until the request finishes if every one samples `token_id`."""
+        params = request.sampling_params
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in request.eos_token_ids
+        ):
+            return 1
+        return min(
+            params.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+
+    def _dissolve_cohort(self, step: _StepPlan | None = None) -> None:
+        """Every member back in the running list, whole. Mid-step (`step`), their decodes
+        of this step, budget and blocks already taken, become ordinary ones."""
+        cohort = self._cohort
+        assert cohort is not None
+        members = cohort.members
+        if step is not None:
+            step.budget += len(members)
+        for request in members:
+            cohort.release(request, decoding=step is not None)
+            self._run_again(request)
+            if step is not None:
+                step.add(request, 1)
+
+    def _run_again(self, request: Request) -> None:
+        """Back into the running list, which stays in admission order."""
+        bisect.insort(self.running, request, key=lambda r: r.admission_seq)
 
     def _schedule_decodes(self, step: _StepPlan) -> None:
         decodes = [
@@ -322,6 +461,8 @@ class Scheduler:
         if not n:
             return _Admission.BLOCKED
         while not self.kv.allocate(request, n, cached):
+            if self._cohort and outranks_any(request, self._cohort.ranks):
+                self._dissolve_cohort(step)  # a member may have to give way
             victim = self._priority_victim(request)
             if victim is None:
                 return _Admission.BLOCKED
@@ -359,7 +500,7 @@ class Scheduler:
         self.running.append(request)
 
     def _has_seat(self, lane: str) -> bool:
-        free = self.config.max_num_seqs - len(self.running)
+        free = self.config.max_num_seqs - len(self.running) - len(self._cohort or ())
         if lane == "batch":
             cap = self.config.max_running_batch_lane
             return free > 0 and (cap is None or self.num_running("batch") < cap)
@@ -408,6 +549,8 @@ class Scheduler:
         """Allocate for a running request, preempting the lowest-ranked running
         request (possibly this one) until it fits."""
         while not self.kv.allocate(request, n):
+            if self._cohort:
+                self._dissolve_cohort(step)  # the victim may be a member
             victim = max(self.running, key=victim_key)
             self._preempt(victim, step)
             if victim is request:
@@ -428,6 +571,7 @@ class Scheduler:
     def _preempt(self, request: Request, step: _StepPlan) -> None:
         step.remove(request)
         self.running.remove(request)
+        self.kv.cache_full_blocks(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -453,6 +597,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.kv.cache_full_blocks(request)
         self.kv.free(request)
         self.kv.forget(request)
         if self.proposer is not None:
@@ -465,8 +610,13 @@ class Scheduler:
     def _output(self, step: _StepPlan, now: float) -> SchedulerOutput:
         seqs: list[ScheduledSeq] = []
         num_decode = num_draft = 0
-        # Decodes first: the executor batches the one-token queries together.
-        for request, n in sorted(step.tokens.items(), key=lambda item: step.real(*item) != 1):
+        # Decodes first, the executor batching the one-token queries together; each part in
+        # the order its requests were planned (decodes: admission order).
+        def decodes_first(item: tuple[Request, int]) -> tuple[bool, int]:
+            decode = step.real(*item) == 1
+            return not decode, item[0].admission_seq if decode else 0
+
+        for request, n in sorted(step.tokens.items(), key=decodes_first):
             start = request.num_computed_tokens
             drafts = step.drafts.get(request, [])
             real = n - len(drafts)
@@ -486,13 +636,16 @@ class Scheduler:
             if sample and real == 1 and request.num_output_tokens:
                 num_decode += 1
         finished, self._finished_ids = self._finished_ids, []
+        cohort = self._cohort
+        steady = SteadyDecodes(len(cohort), cohort.total_context()) if cohort else None
         return SchedulerOutput(
             seqs=seqs,
             num_prefill_tokens=step.num_tokens - num_decode - num_draft,
-            num_decode_tokens=num_decode,
+            num_decode_tokens=num_decode + (steady.num_seqs if steady else 0),
             num_draft_tokens=num_draft,
             preempted_ids=[r.request_id for r in step.preempted],
             finished_ids=finished,
+            steady=steady,
         )
 
 

@@ -244,6 +244,11 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
 
+    def close(self) -> None:
+        """Release the engine's worker processes, if any (after shutdown)."""
+        if self.engine is not None:
+            self.engine.close()
+
     def _has_requests(self) -> bool:
         return self._num_live() > 0
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.kv_cache import KVCacheManager
-from iterserve.core.outputs import RequestUpdate, SchedulerOutput
+from iterserve.core.outputs import RequestUpdate, SchedulerOutput, SteadyDecodes
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import Proposer
 from iterserve.executor.base import Executor
@@ -84,9 +84,13 @@ class EngineCore:
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         proposer: Proposer | None = None,
+        steady_token_id: int | None = None,
     ) -> EngineCore:
         """A scheduler over a block pool of `num_blocks`, driving `executor`; `proposer`
-        makes speculative drafts if config.speculative asks for them (default: n-gram)."""
+        makes speculative drafts if config.speculative asks for them (default: n-gram).
+        `steady_token_id`: the token the executor samples for every decode, if it always
+        samples the same one and prices decodes it is not shown one by one (the
+        simulator's): the scheduler then advances them together."""
         cache = config.cache
         kv = KVCacheManager(
             num_blocks,
@@ -97,10 +101,22 @@ class EngineCore:
         scheduler = Scheduler(
             config.scheduler, kv, max_model_len, clock, config.speculative, proposer
         )
+        if steady_token_id is not None:
+            scheduler.advance_decodes_together(steady_token_id)
         return cls(scheduler, executor)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def run_steady(self, steps: list[SteadyDecodes], ends: list[float]) -> None:
+        """Run the first len(ends) of `steps` (Scheduler.steady_outlook) at once: the
+        simulator prices them itself and jumps its clock to `ends[-1]`."""
+        self.scheduler.run_steady(ends)
+        tokens = sum(step.num_seqs for step in steps[: len(ends)])
+        stats = self.stats
+        stats.num_steps += len(ends)
+        stats.decode_tokens += tokens
+        stats.generated_tokens += tokens
 
     def step(self, no_more_arrivals: bool = False) -> CoreStep:
         """One iteration. Raises StepFailedError naming the step's requests when running
@@ -118,6 +134,8 @@ class EngineCore:
         stats.prefill_tokens += scheduled.num_prefill_tokens
         stats.decode_tokens += scheduled.num_decode_tokens
         stats.generated_tokens += sum(len(u.new_token_ids) for u in updates)
+        if scheduled.steady is not None:
+            stats.generated_tokens += scheduled.steady.num_seqs
         stats.busy_time += elapsed
         stats.forward_time += model_output.forward_time
         if scheduled.num_prefill_tokens:

@@ -28,6 +28,17 @@ class LLM:
             raise TypeError("give either config= or settings, not both")
         self.engine = LLMEngine(config)
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also on leaving a
+        `with LLM(...) as llm:` block, and at exit for an LLM never closed."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -24,6 +24,7 @@ from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.paged_model import PagedModel
+from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import ModelPlan, build_model
@@ -69,7 +70,6 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
-        model, self.model_plan = build_model(config, loaded, dtype, self.device)
 
         cache = config.cache
         num_blocks = num_kv_blocks(
@@ -79,19 +79,30 @@ class LLMEngine:
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        self.draft: DraftModelProposer | None = None
-        if config.speculative.speculative_method == "draft":
-            self.draft = self._draft_proposer(loaded, num_blocks, dtype)
-        self.executor = TorchRunner(
-            self._paged(model, self.model_plan, loaded, num_blocks, dtype), config.seed, self.draft
-        )
-        # The loop `iterserve simulate` runs too, here with the model as its executor.
-        self.core = EngineCore.build(
-            config, self.executor, num_blocks, self.max_model_len, proposer=self.draft
-        )
-        self.warm_up_seconds = 0.0
-        if warm_up:
-            self.warm_up()
+        network: PagedModel
+        if config.tensor_parallel_size > 1:
+            # Rank 0 of T: the worker ranks start now and run their shards of every step.
+            network, self.model_plan = launch_tensor_parallel(
+                config, loaded, dtype, self.device, num_blocks
+            )
+        else:
+            model, self.model_plan = build_model(config, loaded, dtype, self.device)
+            network = self._paged(model, self.model_plan, loaded, num_blocks, dtype)
+        try:
+            self.draft: DraftModelProposer | None = None
+            if config.speculative.speculative_method == "draft":
+                self.draft = self._draft_proposer(loaded, num_blocks, dtype)
+            self.executor = TorchRunner(network, config.seed, self.draft)
+            # The loop `iterserve simulate` runs too, here with the model as its executor.
+            self.core = EngineCore.build(
+                config, self.executor, num_blocks, self.max_model_len, proposer=self.draft
+            )
+            self.warm_up_seconds = 0.0
+            if warm_up:
+                self.warm_up()
+        except BaseException:
+            network.close()  # no worker process outlives an engine that failed to start
+            raise
 
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -146,6 +157,11 @@ class LLMEngine:
         model, plan = build_model(config, draft, dtype, self.device)
         logger.info("draft model %s: %s kernels, step %s", draft.name, plan.backend, plan.step)
         return DraftModelProposer(self._paged(model, plan, draft, num_blocks, dtype), num_blocks)
+
+    def close(self) -> None:
+        """Release what outlives the engine object: the tensor-parallel worker processes.
+        Idempotent; a single-process engine has nothing to release."""
+        self.executor.close()
 
     @property
     def scheduler(self) -> Scheduler:

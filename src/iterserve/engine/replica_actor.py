@@ -9,6 +9,7 @@ reader costs fewer, larger objects rather than one per token).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -84,8 +85,10 @@ class EngineReplica:
         return await self.engine.reset_prefix_cache()
 
     async def shutdown(self, timeout: float) -> None:
-        """Let running requests finish for up to `timeout` seconds, abort the rest."""
+        """Let running requests finish for up to `timeout` seconds, abort the rest, and
+        release the engine's own workers (tensor parallelism) before Ray ends us."""
         await self.engine.shutdown(timeout)
+        await asyncio.to_thread(self.engine.close)
 
     def _waiting(self) -> int:
         return self.engine.num_waiting_estimate()

@@ -84,7 +84,8 @@ class ReplicaClient:
             self.tracker.take(request.request_id, prompt, most)
         self._pending += len(requests)
         waited = time.monotonic() - (requests[0].arrival_time or time.monotonic())
-        relay = asyncio.ensure_future(self._relay(requests, waited, stream, accepted))
+        mosts = [most for _, most in token_counts]
+        relay = asyncio.ensure_future(self._relay(requests, mosts, waited, stream, accepted))
         self._relays.add(relay)
         relay.add_done_callback(self._relays.discard)
         try:
@@ -101,11 +102,14 @@ class ReplicaClient:
     async def _relay(
         self,
         requests: list[GenerationRequest],
+        mosts: list[int],
         waited: float,
         stream: RequestStream,
         accepted: asyncio.Future[None],
     ) -> None:
-        unfinished = dict.fromkeys(range(len(requests)))
+        # Each unfinished request's output tokens still to come, by index in the group:
+        # what its load is less when it ends.
+        left = dict(enumerate(mosts))
         try:
             events = self.actor.generate.options(num_returns="streaming").remote(requests, waited)
             async for ref in events:
@@ -113,22 +117,21 @@ class ReplicaClient:
                 self._num_waiting = event.num_waiting
                 if event.refused is not None:
                     _settle(accepted, event.refused.error())
-                    unfinished.clear()  # never ran: nothing to report
-                    return
+                    return  # never ran: nothing to report
                 _settle(accepted, None)
                 for index, item in event.deliveries:
-                    self._deliver(stream, requests[index].request_id, index, item, unfinished)
+                    self._deliver(stream, requests[index].request_id, index, item, left)
         except RayActorError as error:
             self.actor_died(error)
             message = f"replica {self.index} died"
-            self._fail(stream, unfinished, accepted, ReplicaDiedError(message), message)
+            self._fail(stream, left, accepted, ReplicaDiedError(message), message)
         except Exception as error:  # a bug or a lost object: this group only
             logger.exception("replica %d: relaying a group failed", self.index)
             message = f"replica {self.index}: {error}"
-            self._fail(stream, unfinished, accepted, RequestFailedError(message), message)
+            self._fail(stream, left, accepted, RequestFailedError(message), message)
         finally:
-            for request in requests:
-                self.tracker.progress(request.request_id, 0, finished=True)
+            for index, unmade in left.items():  # refused, or failed with its replica
+                self.tracker.finish(requests[index].request_id, unmade)
             if not accepted.done():  # the stream ended before saying anything
                 _settle(accepted, RequestFailedError(f"replica {self.index} sent nothing"))
 
@@ -138,24 +141,25 @@ class ReplicaClient:
         request_id: str,
         index: int,
         item: RequestOutput | ReplicaFailure,
-        unfinished: dict[int, None],
+        left: dict[int, int],
     ) -> None:
         if isinstance(item, ReplicaFailure):
-            unfinished.pop(index, None)
-            self.tracker.progress(request_id, 0, finished=True)
+            self.tracker.finish(request_id, left.pop(index))
             stream._push(index, item.error())
             self._report(item.output, "error", self.index)
             return
-        self.tracker.progress(request_id, len(item.delta_token_ids), item.finished)
+        new = min(len(item.delta_token_ids), left[index])
+        self.tracker.progress(request_id, new)
+        left[index] -= new
         stream._push(index, item)
         if item.finished:
-            unfinished.pop(index, None)
+            self.tracker.finish(request_id, left.pop(index))
             self._report(item, item.finish_reason or "stop", self.index)
 
     def _fail(
         self,
         stream: RequestStream,
-        unfinished: dict[int, None],
+        left: dict[int, int],
         accepted: asyncio.Future[None],
         refusal: RequestFailedError,
         message: str,
@@ -165,10 +169,9 @@ class ReplicaClient:
         if not accepted.done():
             _settle(accepted, refusal)
             return
-        for index in unfinished:
+        for index in left:
             stream._push(index, RequestFailedError(message))
             self._report(None, "error", self.index)
-        unfinished.clear()
 
     def actor_died(self, error: RayActorError) -> None:
         self.mark_dead(f"its actor died ({type(error).__name__})")

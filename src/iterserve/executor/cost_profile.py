@@ -116,8 +116,10 @@ class StepFeatures:
 
     @classmethod
     def of(cls, scheduled: SchedulerOutput) -> StepFeatures:
-        decode_rows = decode_seqs = 0
-        context = 0
+        decode_rows = decode_seqs = context = 0
+        if scheduled.steady is not None:
+            decode_rows = decode_seqs = scheduled.steady.num_seqs
+            context = scheduled.steady.total_context
         prefill = prefix = 0
         for seq in scheduled.seqs:
             guesses = len(seq.draft_token_ids)

@@ -76,6 +76,9 @@ class PagedModel:
         self.last_forward_seconds = time.perf_counter() - start
         return logits
 
+    def close(self) -> None:
+        """Nothing to release in one process (a tensor-parallel network stops its workers)."""
+
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Run dummy steps of the shapes serving meets (a lone decode, a prompt, decodes beside

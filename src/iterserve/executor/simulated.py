@@ -104,8 +104,8 @@ class RooflineCostModel:
         tokens = scheduled.num_batched_tokens
         if tokens == 0:
             return 0.0
-        pairs = 0
-        kv_tokens = 0
+        # A steady decode's single query sees its context, its own token included.
+        pairs = kv_tokens = scheduled.steady.total_context if scheduled.steady else 0
         for seq in scheduled.seqs:
             context = seq.num_computed_tokens + seq.num_new_tokens
             kv_tokens += context

@@ -136,6 +136,9 @@ class TorchRunner:
     def warm_up(self) -> float:
         return self.network.warm_up()
 
+    def close(self) -> None:
+        self.network.close()
+
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None

@@ -24,6 +24,7 @@ from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
 from iterserve.model.linear import Backend, DenseFormat, Linear
 from iterserve.model.quant import QuantizedWeight
+from iterserve.model.tensor_parallel import TensorParallel
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,11 +116,18 @@ def _fused_quantized(
 
 class _DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, index: int
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        index: int,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """`config` is this rank's share of the model under tensor parallelism (`tp`)."""
         super().__init__()
         hidden, head_dim = config.hidden_size, config.head_dim
         self.index = index
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim
@@ -229,25 +237,42 @@ class _DecoderLayer(nn.Module):
             )
         else:
             attn = attend(q, k, v, self.index, self.scale)
-        hidden = linears["o"](attn.reshape(num_tokens, self.q_size), residual=hidden)
+        hidden = self._project_out(linears["o"], attn.reshape(num_tokens, self.q_size), hidden)
         gate_up = linears["gate_up"](_rms_norm(hidden, self.post_norm, self.eps))
         act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-        return linears["down"](act, residual=hidden)
+        return self._project_out(linears["down"], act, hidden)
+
+    def _project_out(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + residual. Under tensor parallelism W is split by input columns: each
+        rank's partial product, the residual added by rank 0 only so that the sum counts it
+        once, then the layer's one all-reduce (per block: attention, MLP)."""
+        if self.tp is None:
+            return linear(x, residual=residual)
+        return self.tp.all_reduce(linear(x, residual=residual if self.tp.rank == 0 else None))
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family decoder over a paged KV cache; weights come from `load_weights`."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """`tp`: this network is one rank's shard (`config` then being the shard's shape,
+        model/tensor_parallel.py); it runs the torch backend, eager."""
         super().__init__()
         if config.architecture not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported architecture {config.architecture!r}")
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         like = {"dtype": dtype, "device": device}
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **like)
         self.layers = nn.ModuleList(
-            _DecoderLayer(config, dtype, device, i) for i in range(config.num_hidden_layers)
+            _DecoderLayer(config, dtype, device, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm_weight = _weight(config.hidden_size, **like)
         self.lm_head = (
@@ -345,6 +370,10 @@ class LlamaForCausalLM(nn.Module):
         backend runs.
         """
         quantized = quantized or {}
+        if self.tp is not None and (backend != "torch" or quantized):
+            # The fused C++ layer adds the residual inside one op, with no point at which to
+            # all-reduce; only the plain torch projections are sharded.
+            raise ValueError("a tensor-parallel shard runs the torch backend, dense weights")
         self.backend = backend
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
@@ -386,6 +415,8 @@ class LlamaForCausalLM(nn.Module):
         OpenMP fork and barrier per kernel per step; the projections and attention parallelise
         inside their own kernels.
         """
+        if self.tp is not None:
+            raise ValueError("a tensor-parallel shard runs eager (its all-reduces are not traced)")
         self._run_layers = CompiledLayers(self._layers, dynamic_arg=4)
 
     def freeze_compiled(self) -> None:

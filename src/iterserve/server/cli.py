@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import socket
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +108,13 @@ def serve(args: argparse.Namespace) -> int:
             # once uvicorn has waited for open connections.
             async_engine.stop_accepting()
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)  # ends with the app's: the engine loop stops
+            # Here rather than after run(): uvicorn re-raises the signal that stopped it
+            # once run() is done, and the default SIGTERM handler would end this process
+            # with the tensor-parallel workers never told to stop.
+            await asyncio.to_thread(async_engine.close)
 
     uvicorn_config: dict[str, Any] = {
         "host": args.host,

@@ -1,0 +1,352 @@
+"""A fleet of simulated engines behind a router, on one virtual clock.
+
+Each replica is the real engine loop (engine/engine_core.py) with the real scheduler and
+block pool, and a simulated executor (executor/simulated.py) that prices steps with a cost
+model. The fleet is a discrete-event simulation: the next event is an arrival (routed by
+core/router.py on the loads of that moment) or the step of the replica furthest behind.
+
+Two things make a million requests affordable without changing a single decision:
+steady decodes advance together inside the scheduler (core/decode_cohort.py), and a
+replica whose next steps are only those decodes "glides": it prices them ahead and runs
+them all at once, as far as an arrival lets it (tests/test_fleet.py checks both give the
+same records as stepping every request, `--step-by-step`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from iterserve.bench.records import RequestRecord
+from iterserve.bench.workloads import Workload
+from iterserve.config import EngineConfig
+from iterserve.core.outputs import SchedulerOutput, SteadyDecodes
+from iterserve.core.request import Request
+from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, make_router
+from iterserve.core.scheduler import Scheduler
+from iterserve.engine.engine_core import EngineCore, num_kv_blocks
+from iterserve.executor.cost_profile import CostProfile, ProfiledCostModel
+from iterserve.executor.simulated import (
+    HARDWARE,
+    MODELS,
+    CostModel,
+    RooflineCostModel,
+    SimulatedExecutor,
+    VirtualClock,
+)
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+
+# Share of the accelerator's memory left to weights + KV cache (the rest: activations).
+_MEMORY_UTILIZATION = 0.9
+
+
+def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
+    """Blocks that fit beside the weights in the device's memory, or in --kv-cache-memory
+    for a preset sized as iterserve's engine sizes its pool; the config's exact count if
+    it names one."""
+    hw, shape = HARDWARE[hardware], MODELS[model]
+    if hw.kv_cache_from_config:
+        free = config.cache.kv_cache_memory * 2**30
+    else:
+        free = hw.memory_bytes * _MEMORY_UTILIZATION - shape.weight_bytes
+    num_blocks = num_kv_blocks(config.cache, shape.kv_bytes_per_token, free)
+    if num_blocks < 1:
+        raise ValueError(f"{model} does not fit in {hardware}'s memory")
+    return num_blocks
+
+
+# Most steps a replica glides over at once: bounds the prices computed ahead (and thrown
+# away when a request arrives first).
+_GLIDE_LIMIT = 256
+
+
+@dataclass
+class Glide:
+    """Steps a replica will run if no request reaches it first, priced ahead: only its
+    steady decodes run in them (Scheduler.steady_outlook), so nothing but an arrival can
+    change them. The fleet runs them lazily, all at once, up to the moment it must."""
+
+    steps: list[SteadyDecodes]
+    costs: list[float]
+    ends: list[float]  # the clock after each step
+    starts: list[float]
+    outstanding: int  # the replica's load before the first
+
+    def steps_started_before(self, when: float) -> int:
+        return bisect.bisect_left(self.starts, when)
+
+
+@dataclass
+class Replica:
+    """One simulated engine of a fleet: its own clock, cost model, scheduler and KV pool."""
+
+    clock: VirtualClock
+    executor: SimulatedExecutor
+    engine: EngineCore
+    # The load a router sees, kept as the data-parallel front end keeps its replicas'.
+    tracker: ReplicaLoadTracker = field(default_factory=ReplicaLoadTracker)
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        hardware: str,
+        model: str,
+        acceptance_rate: float,
+        seed: int,
+        profile: CostProfile | None = None,
+        num_kv_blocks: int | None = None,
+        step_by_step: bool = False,
+    ) -> Replica:
+        """A replica priced by `profile` if given, else by the roofline model of `hardware`
+        and `model`; with `num_kv_blocks` blocks, else what fits beside the weights.
+        Steady decodes advance together (core/decode_cohort.py) unless `step_by_step`."""
+        clock = VirtualClock()
+        cost: CostModel = (
+            ProfiledCostModel(profile)
+            if profile is not None
+            else RooflineCostModel(HARDWARE[hardware], MODELS[model])
+        )
+        executor = SimulatedExecutor(cost, clock, acceptance_rate, seed)
+        engine = EngineCore.build(
+            config,
+            executor,
+            num_kv_blocks or kv_blocks_for(config, hardware, model),
+            config.scheduler.max_model_len or 131072,
+            clock,
+            steady_token_id=None if step_by_step else executor.PLACEHOLDER_TOKEN,
+        )
+        return cls(clock, executor, engine)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    def load(self) -> ReplicaLoad:
+        return self.tracker.load()
+
+    def plan_glide(self) -> Glide | None:
+        steps = self.scheduler.steady_outlook(_GLIDE_LIMIT)
+        if len(steps) < 2:
+            return None
+        price = self.executor.cost_model.step_time
+        costs = [price(SchedulerOutput([], num_decode_tokens=s.num_seqs, steady=s)) for s in steps]
+        ends = []
+        now = self.clock.now
+        for cost in costs:  # added up as SimulatedExecutor.execute adds, to the last bit
+            now += cost
+            ends.append(now)
+        return Glide(steps, costs, ends, [self.clock.now, *ends[:-1]], self.tracker.outstanding)
+
+    def land(self, glide: Glide, num_steps: int) -> None:
+        """Run the glide's first `num_steps` steps."""
+        if not num_steps:
+            return
+        for cost in glide.costs[:num_steps]:
+            self.executor.busy_time += cost
+        self.clock.now = glide.ends[num_steps - 1]
+        self.engine.run_steady(glide.steps, glide.ends[:num_steps])
+        self.tracker.made(sum(step.num_seqs for step in glide.steps[:num_steps]))
+
+    def progress(self, request: Request, new_tokens: int, finished: bool) -> None:
+        self.tracker.progress(request.request_id, new_tokens)
+        if finished:  # what it will not make after all (glided tokens count as made)
+            unmade = request.sampling_params.max_tokens - request.num_output_tokens
+            self.tracker.finish(request.request_id, unmade)
+
+
+def simulate_fleet(
+    config: EngineConfig,
+    workload: Workload,
+    offsets: list[float],
+    hardware: str,
+    model: str,
+    acceptance_rate: float = 0.0,
+    replicas: int = 1,
+    router: str = "round-robin",
+    profile: CostProfile | None = None,
+    num_kv_blocks: int | None = None,
+    step_by_step: bool = False,
+) -> tuple[list[RequestRecord], list[Replica]]:
+    """Replay the workload on `replicas` engines behind a router (core/router.py).
+
+    Discrete events in virtual time: the next thing to happen is either the next arrival
+    (routed on the replicas' loads at that moment) or a step of the busy replica furthest
+    behind, whose clock then moves on by the step's cost. Replicas run side by side; an
+    idle one waits for its next request. One replica makes exactly the decisions of a
+    single engine. `step_by_step`: no steady decodes advanced together (the same
+    results, slower; for checking that they are the same)."""
+    if replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {replicas}")
+    # The cycle collector, walking millions of live token times and blocks again and
+    # again, took ~40% of a 20k-request fleet's time; the simulation makes no cycles
+    # worth collecting, so it is off while it runs.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate_fleet(
+            config, workload, offsets, hardware, model, acceptance_rate, replicas, router,
+            profile, num_kv_blocks, step_by_step,
+        )  # fmt: skip
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _simulate_fleet(
+    config: EngineConfig,
+    workload: Workload,
+    offsets: list[float],
+    hardware: str,
+    model: str,
+    acceptance_rate: float,
+    replicas: int,
+    router: str,
+    profile: CostProfile | None,
+    num_kv_blocks: int | None,
+    step_by_step: bool,
+) -> tuple[list[RequestRecord], list[Replica]]:
+    fleet = [
+        Replica.build(
+            config,
+            hardware,
+            model,
+            acceptance_rate,
+            config.seed + i,
+            profile,
+            num_kv_blocks,
+            step_by_step,
+        )
+        for i in range(replicas)
+    ]
+    routing = make_router(router, config.cache.block_size, config.seed)
+    records = [
+        RequestRecord(f"sim-{i}", r.prompt_len, r.output_len, r.lane, offsets[i], offsets[i])
+        for i, r in enumerate(workload.requests)
+    ]
+    by_id = {record.request_id: record for record in records}
+    requests: dict[str, Request] = {}  # the ones a scheduler took, until they finish
+    order = sorted(range(len(records)), key=lambda i: offsets[i], reverse=True)
+    # Busy replicas by the time their next step starts, or their glide ends (ties: the
+    # lower index first), with the version of their plan (a glide cut short leaves its
+    # entry behind, outdated).
+    busy: list[tuple[float, int, int]] = []
+    versions = [0] * len(fleet)
+    glides: dict[int, Glide] = {}
+    # Gliding replicas by when their next glided step starts: an arrival after that sees
+    # their load lower (tagged like `busy`).
+    glide_steps: list[tuple[float, int, int]] = []
+    loads = [replica.load() for replica in fleet]  # renewed as each replica's changes
+    wait = config.scheduler.max_wait_ms / 1000
+    while order or busy:
+        next_arrival = offsets[order[-1]] if order else math.inf
+        if not busy or next_arrival <= busy[0][0]:
+            i = order.pop()
+            # What gliding replicas have done by now: the steps that started before.
+            while glide_steps and glide_steps[0][0] < next_arrival:
+                _, index, version = heapq.heappop(glide_steps)
+                if version != versions[index] or index not in glides:
+                    continue
+                glide = glides[index]
+                done = glide.steps_started_before(next_arrival)
+                steady = glide.steps[0].num_seqs
+                loads[index] = ReplicaLoad(
+                    glide.outstanding - steady * done, loads[index].num_requests
+                )
+                if done < len(glide.starts):
+                    heapq.heappush(glide_steps, (glide.starts[done], index, version))
+            prompt = workload.requests[i].token_ids()
+            index = routing.route(prompt, loads)
+            target = fleet[index]
+            if index in glides:  # it glides no further: run what it did by now
+                glide = glides.pop(index)
+                target.land(glide, glide.steps_started_before(next_arrival))
+                versions[index] += 1
+                heapq.heappush(busy, (target.clock.now, index, versions[index]))
+            was_idle = not target.engine.has_unfinished()
+            request = _arrive(target.scheduler, prompt, workload, records, i)
+            if request is None:
+                continue
+            requests[request.request_id] = request
+            target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
+            loads[index] = target.load()
+            if was_idle:
+                target.clock.advance_to(next_arrival)
+                heapq.heappush(busy, (target.clock.now, index, versions[index]))
+            continue
+        _, index, version = heapq.heappop(busy)
+        if version != versions[index]:
+            continue
+        replica = fleet[index]
+        if index in glides:  # glided all the way
+            replica.land(glides[index], len(glides.pop(index).steps))
+            loads[index] = replica.load()
+            heapq.heappush(busy, (replica.clock.now, index, version))
+            continue
+        step = replica.engine.step(no_more_arrivals=not order)
+        if not step.did_work:
+            # Nothing runnable: jump to the next arrival (or let a dynamic batch's wait pass).
+            candidates = [t for t in (next_arrival, wait and replica.clock.now + wait) if t]
+            if not candidates or min(candidates) == math.inf:
+                raise RuntimeError("the simulated scheduler is stuck with nothing to run")
+            replica.clock.advance_to(min(candidates))
+        else:
+            if step.scheduled.steady is not None:
+                replica.tracker.made(step.scheduled.steady.num_seqs)
+            for update in step.updates:
+                request = requests[update.request_id]
+                replica.progress(request, len(update.new_token_ids), update.finished)
+                if update.finished:
+                    _record(by_id[update.request_id], requests.pop(update.request_id))
+            loads[index] = replica.load()
+        if not replica.engine.has_unfinished():
+            continue
+        glide = None if step_by_step else replica.plan_glide()
+        if glide is None:
+            heapq.heappush(busy, (replica.clock.now, index, version))
+        else:
+            glides[index] = glide
+            heapq.heappush(busy, (glide.ends[-1], index, version))
+            heapq.heappush(glide_steps, (glide.starts[0], index, version))
+    if offsets:  # idle replicas waited out the arrivals
+        for replica in fleet:
+            replica.clock.advance_to(max(offsets))
+    return records, fleet
+
+
+def _arrive(
+    scheduler: Scheduler,
+    prompt: list[int],
+    workload: Workload,
+    records: list[RequestRecord],
+    i: int,
+) -> Request | None:
+    wanted = workload.requests[i]
+    params = SamplingParams(max_tokens=wanted.output_len, ignore_eos=True)
+    request = Request(
+        records[i].request_id,
+        prompt,
+        params,
+        records[i].arrival_time,
+        lane=wanted.lane,
+    )
+    try:
+        scheduler.add_request(request)
+    except InvalidRequestError as err:
+        records[i].error = str(err)
+        return None
+    return request
+
+
+def _record(record: RequestRecord, request: Request) -> None:
+    t = request.timings
+    record.first_scheduled_time = t.first_scheduled
+    record.first_token_time = t.first_token
+    record.token_times = list(t.token_times)
+    record.finish_time = t.finished
+    record.output_len = request.num_output_tokens
+    record.num_cached_tokens = request.num_cached_tokens
+    record.success = True

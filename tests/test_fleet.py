@@ -1,0 +1,166 @@
+"""The fleet simulator's shortcuts change nothing: steady decodes advanced together
+(core/decode_cohort.py) and replicas gliding over steps only they run (bench/fleet.py)
+give exactly the records, steps, preemptions and clocks of stepping every request."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
+from iterserve.bench.fleet import simulate_fleet
+from iterserve.bench.tokenizer import load_tokenizer
+from iterserve.bench.workloads import WorkloadSpec, build_workload
+from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.core.request import Request, RequestStatus
+from iterserve.core.scheduler import Scheduler
+from iterserve.engine.engine_core import EngineCore
+from iterserve.executor.simulated import (
+    HARDWARE,
+    MODELS,
+    RooflineCostModel,
+    SimulatedExecutor,
+    VirtualClock,
+)
+from iterserve.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer()
+
+
+def _trace(tmp_path: Path) -> str:
+    path = tmp_path / "trace.csv"
+    rows = [(0, 900, 180), (1, 120, 40), (2, 2000, 300), (3, 600, 90), (4, 300, 500)]
+    path.write_text(
+        "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+        + "".join(f"{t},{p},{o}\n" for t, p, o in rows)
+    )
+    return str(path)
+
+
+CASES = {
+    # name: (workload spec, req/s, replicas, router, KV blocks, scheduler settings)
+    "one replica": (WorkloadSpec(num_requests=200, input_len=400, output_len=150,
+                                 length_dist="lognormal"), 25.0, 1, "round-robin", None, {}),
+    "preemptions": (WorkloadSpec(num_requests=200, input_len=400, output_len=150,
+                                 length_dist="lognormal"), 25.0, 1, "round-robin", 300, {}),
+    "prefix hits": (WorkloadSpec("shared-prefix", 200, input_len=100, output_len=80,
+                                 length_dist="uniform", num_prefixes=3, prefix_len=300),
+                    40.0, 3, "prefix-affinity", 600, {}),
+    "lanes": (WorkloadSpec("mixed-chat-docs", 200, input_len=100, output_len=80,
+                           length_dist="uniform"), 30.0, 2, "least-tokens", 500,
+              {"enable_lanes": True}),
+    "seats full": (WorkloadSpec(num_requests=200, input_len=200, output_len=200,
+                                length_dist="uniform"), 60.0, 2, "power-of-two", None,
+                   {"max_num_seqs": 8}),
+    "azure lengths": (WorkloadSpec("azure-lengths", 400), 60.0, 8, "prefix-affinity", None,
+                      {"max_num_seqs": 128, "max_num_batched_tokens": 2048}),
+}  # fmt: skip
+
+
+def _simulate(case: str, tokenizer: Any, trace: str, step_by_step: bool):  # type: ignore[no-untyped-def]
+    spec, rate, replicas, router, blocks, scheduler = CASES[case]
+    spec.trace = trace
+    workload = build_workload(spec, tokenizer)
+    offsets = arrival_offsets(ArrivalSpec(request_rate=rate), len(workload.requests), seed=3)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(num_kv_blocks=blocks)
+    )
+    calls = 0
+    schedule = Scheduler.schedule
+
+    def counting(self: Scheduler, no_more_arrivals: bool = False):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return schedule(self, no_more_arrivals)
+
+    Scheduler.schedule = counting  # type: ignore[method-assign]
+    try:
+        records, fleet = simulate_fleet(
+            config, workload, offsets, "a100-80g", "llama3-8b",
+            replicas=replicas, router=router, step_by_step=step_by_step,
+        )  # fmt: skip
+    finally:
+        Scheduler.schedule = schedule  # type: ignore[method-assign]
+    state = [
+        (
+            r.engine.stats.num_steps,
+            r.engine.stats.generated_tokens,
+            r.scheduler.num_preemptions,
+            r.scheduler.kv_cache_stats(),
+            r.clock.now,
+            r.executor.busy_time,
+            r.tracker.num_routed,
+        )
+        for r in fleet
+    ]
+    return [asdict(record) for record in records], state, calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_shortcuts_give_the_records_of_stepping_every_request(
+    case: str, tokenizer: Any, tmp_path: Path
+) -> None:
+    trace = _trace(tmp_path)
+    exact, exact_state, exact_calls = _simulate(case, tokenizer, trace, step_by_step=True)
+    fast, fast_state, fast_calls = _simulate(case, tokenizer, trace, step_by_step=False)
+    assert all(r["success"] for r in exact)
+    assert fast == exact
+    assert fast_state == exact_state
+    steps = sum(state[0] for state in exact_state)
+    assert exact_calls == steps  # one schedule() a step, stepping every request
+    if case in ("preemptions", "seats full"):  # requests wait most of the time: few glides
+        assert fast_calls < steps
+        if case == "preemptions":
+            assert sum(state[2] for state in exact_state) > 20
+    else:
+        assert fast_calls < 0.8 * steps  # replicas glided
+    if case == "prefix hits":
+        assert sum(state[3].prefix_hits for state in exact_state) > 0
+
+
+def _engine(steady: bool) -> EngineCore:
+    clock = VirtualClock()
+    executor = SimulatedExecutor(
+        RooflineCostModel(HARDWARE["a100-80g"], MODELS["llama3-8b"]), clock
+    )
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=200))
+    token = executor.PLACEHOLDER_TOKEN if steady else None
+    return EngineCore.build(config, executor, 200, 4096, clock, steady_token_id=token)
+
+
+def test_an_aborted_member_leaves_with_the_tokens_it_made() -> None:
+    """Aborts and a stop token: members catch up before they go, as if never aside."""
+    finished = {}
+    for steady in (False, True):
+        engine = _engine(steady)
+        for i in range(6):
+            params = SamplingParams(max_tokens=40 + 7 * i, ignore_eos=True)
+            if i == 5:
+                params = SamplingParams(max_tokens=50, stop_token_ids=[0])  # stops at once
+            engine.scheduler.add_request(Request(str(i), list(range(1, 30 + 9 * i)), params, 0.0))
+        ended: list[Request] = []
+        step = 0
+        while engine.has_unfinished():
+            engine.step()
+            step += 1
+            if step in (9, 17):
+                request = engine.scheduler.finish_request(
+                    str(step % 5), RequestStatus.FINISHED_ABORTED
+                )
+                assert request is not None
+                ended.append(request)
+            engine.scheduler.check_invariants()
+        assert engine.scheduler.kv_cache_stats().num_used_blocks == 0
+        finished[steady] = [
+            (r.request_id, r.output_token_ids, r.num_computed_tokens, r.timings) for r in ended
+        ]
+        finished[steady, "steps"] = engine.stats.num_steps
+    assert finished[True] == finished[False]
+    assert finished[True, "steps"] == finished[False, "steps"]
+    assert len(finished[True][0][1]) == 9  # aborted mid-decode: a token a step, prefill's too
