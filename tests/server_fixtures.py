@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 from iterserve.bench.server_process import scrape_metrics
@@ -97,6 +98,14 @@ def serving(
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def is_healthy(base_url: str) -> bool:
+    """/health answers 200 (False while the port is not open yet)."""
+    try:
+        return httpx.get(f"{base_url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:

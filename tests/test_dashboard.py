@@ -68,3 +68,9 @@ def test_dashboard_panels_are_laid_out_and_cover_the_issue_list() -> None:
         assert f"iterserve:{needed}" in text, needed
     # Per server (Prometheus' instance label, selectable) and in total.
     assert "by (instance" in text and 'instance=~"$instance"' in text
+    # Per data-parallel replica too (selectable), never counting the fleet's own
+    # replica="all" series in a sum.
+    assert "by (instance, replica" in text and 'replica=~"$replica"' in text
+    for query in _queries(dashboard):
+        if "replica=~" in query or "replica_up" in query:
+            assert query.count('replica!="all"') == query.count("iterserve:"), query

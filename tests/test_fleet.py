@@ -95,7 +95,7 @@ def _simulate(case: str, tokenizer: Any, trace: str, step_by_step: bool):  # typ
             r.scheduler.kv_cache_stats(),
             r.clock.now,
             r.executor.busy_time,
-            r.num_routed,
+            r.tracker.num_routed,
         )
         for r in fleet
     ]

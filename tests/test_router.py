@@ -17,6 +17,7 @@ from iterserve.core.router import (
     PowerOfTwoChoices,
     PrefixAffinity,
     ReplicaLoad,
+    ReplicaLoadTracker,
     RoundRobin,
     make_router,
 )
@@ -103,7 +104,7 @@ def test_with_one_replica_every_router_gives_the_same_run(tokenizer) -> None:  #
         records, fleet = simulate_fleet(
             EngineConfig(), workload, offsets, "a100-80g", "llama3-8b", router=router
         )
-        assert len(fleet) == 1 and fleet[0].num_routed == 40
+        assert len(fleet) == 1 and fleet[0].tracker.num_routed == 40
         runs.append([(r.first_token_time, r.token_times) for r in records])
     assert all(run == runs[0] for run in runs)
 
@@ -128,9 +129,24 @@ def test_a_fleet_serves_everyone_and_prefix_affinity_finds_more_cached_prefixes(
         )
         metrics = compute_metrics(records)
         assert metrics.throughput.completed == 400
-        assert all(replica.num_routed > 40 for replica in fleet)  # every replica works
-        assert all(not replica.work for replica in fleet)  # loads drain to zero
+        assert all(replica.tracker.num_routed > 40 for replica in fleet)  # every replica works
+        assert all(not replica.tracker.work for replica in fleet)  # loads drain to zero
         results[router] = metrics
     rr, affinity = results["round-robin"], results["prefix-affinity"]
     assert affinity.prefix_cache_hit_rate > rr.prefix_cache_hit_rate + 0.3
     assert affinity.latency.ttft.median < rr.latency.ttft.median
+
+
+def test_the_load_tracker_counts_what_was_sent_less_what_came_back() -> None:
+    tracker = ReplicaLoadTracker()
+    tracker.take("a", prompt_tokens=100, max_tokens=10)
+    tracker.take("b", prompt_tokens=20, max_tokens=5)
+    assert tracker.load() == ReplicaLoad(135, 2)
+    tracker.progress("a", new_tokens=1)  # its prompt is computed now
+    assert tracker.load() == ReplicaLoad(34, 2)
+    tracker.made(3)  # three more of a's, counted in aggregate
+    assert tracker.load() == ReplicaLoad(31, 2)
+    tracker.finish("b", unmade=5)  # aborted before its first token
+    assert tracker.load() == ReplicaLoad(6, 1)
+    tracker.finish("a", unmade=6)  # stopped after 4 of its 10
+    assert tracker.load() == ReplicaLoad(0, 0) and tracker.num_routed == 2

@@ -31,6 +31,7 @@ from server_fixtures import (
     MODEL_NAME,
     engine_config,
     free_port,
+    is_healthy,
     running_server,
     serving,
     wait_until,
@@ -69,14 +70,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits(tiny_llama_dir: Path)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{base}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(healthy, timeout=90, interval=0.2), "the server did not come up"
+        assert wait_until(lambda: is_healthy(base), timeout=90, interval=0.2), "no server"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         stream = client.completions.create(
             model=MODEL_NAME, prompt=PROMPT, max_tokens=120, temperature=0.0, stream=True,

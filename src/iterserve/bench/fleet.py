@@ -25,7 +25,7 @@ from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
 from iterserve.core.outputs import SchedulerOutput, SteadyDecodes
 from iterserve.core.request import Request
-from iterserve.core.router import ReplicaLoad, make_router
+from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, make_router
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore, num_kv_blocks
 from iterserve.executor.cost_profile import CostProfile, ProfiledCostModel
@@ -86,11 +86,8 @@ class Replica:
     clock: VirtualClock
     executor: SimulatedExecutor
     engine: EngineCore
-    # Each routed, unfinished request's prompt tokens, until its first token (then 0);
-    # `outstanding`: those plus the output tokens still to come, the load a router sees.
-    work: dict[str, int] = field(default_factory=dict)
-    outstanding: int = 0
-    num_routed: int = 0
+    # The load a router sees, kept as the data-parallel front end keeps its replicas'.
+    tracker: ReplicaLoadTracker = field(default_factory=ReplicaLoadTracker)
 
     @classmethod
     def build(
@@ -129,7 +126,7 @@ class Replica:
         return self.engine.scheduler
 
     def load(self) -> ReplicaLoad:
-        return ReplicaLoad(self.outstanding, len(self.work))
+        return self.tracker.load()
 
     def plan_glide(self) -> Glide | None:
         steps = self.scheduler.steady_outlook(_GLIDE_LIMIT)
@@ -142,7 +139,7 @@ class Replica:
         for cost in costs:  # added up as SimulatedExecutor.execute adds, to the last bit
             now += cost
             ends.append(now)
-        return Glide(steps, costs, ends, [self.clock.now, *ends[:-1]], self.outstanding)
+        return Glide(steps, costs, ends, [self.clock.now, *ends[:-1]], self.tracker.outstanding)
 
     def land(self, glide: Glide, num_steps: int) -> None:
         """Run the glide's first `num_steps` steps."""
@@ -152,21 +149,13 @@ class Replica:
             self.executor.busy_time += cost
         self.clock.now = glide.ends[num_steps - 1]
         self.engine.run_steady(glide.steps, glide.ends[:num_steps])
-        self.outstanding -= sum(step.num_seqs for step in glide.steps[:num_steps])
-
-    def take(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
-        self.work[request_id] = prompt_tokens
-        self.outstanding += prompt_tokens + max_tokens
-        self.num_routed += 1
+        self.tracker.made(sum(step.num_seqs for step in glide.steps[:num_steps]))
 
     def progress(self, request: Request, new_tokens: int, finished: bool) -> None:
-        request_id = request.request_id
-        if new_tokens:
-            self.outstanding -= self.work[request_id] + new_tokens
-            self.work[request_id] = 0
-        if finished:  # what it will not make after all, and a prompt never started
+        self.tracker.progress(request.request_id, new_tokens)
+        if finished:  # what it will not make after all (glided tokens count as made)
             unmade = request.sampling_params.max_tokens - request.num_output_tokens
-            self.outstanding -= self.work.pop(request_id) + unmade
+            self.tracker.finish(request.request_id, unmade)
 
 
 def simulate_fleet(
@@ -282,7 +271,7 @@ def _simulate_fleet(
             if request is None:
                 continue
             requests[request.request_id] = request
-            target.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
+            target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
             loads[index] = target.load()
             if was_idle:
                 target.clock.advance_to(next_arrival)
@@ -306,7 +295,7 @@ def _simulate_fleet(
             replica.clock.advance_to(min(candidates))
         else:
             if step.scheduled.steady is not None:
-                replica.outstanding -= step.scheduled.steady.num_seqs
+                replica.tracker.made(step.scheduled.steady.num_seqs)
             for update in step.updates:
                 request = requests[update.request_id]
                 replica.progress(request, len(update.new_token_ids), update.finished)

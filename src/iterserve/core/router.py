@@ -4,9 +4,9 @@ Pure Python, no torch: the simulator's fleet (`iterserve simulate --replicas N`)
 with these, and a real front end over several engines is meant to route with the same
 ones, so a policy evaluated in simulation is the one deployed.
 
-The caller owns the load figures (it knows what it sent each replica and what came back)
-and hands them in; a router keeps only its policy's own state (a turn counter, a seeded
-generator). Policies (`--router`):
+The caller owns the load figures (it knows what it sent each replica and what came back),
+keeps them with a `ReplicaLoadTracker` per replica and hands them in; a router keeps only
+its policy's own state (a turn counter, a seeded generator). Policies (`--router`):
 
 - ``round-robin``: replicas in turn, blind to load.
 - ``least-tokens``: the replica with the fewest outstanding tokens (prompt tokens not yet
@@ -35,6 +35,47 @@ class ReplicaLoad:
 
     outstanding_tokens: int  # prompt tokens still to compute + output tokens still to make
     num_requests: int  # requests sent to it and not yet finished
+
+
+class ReplicaLoadTracker:
+    """One replica's load as its router's caller sees it: what was sent, less what came back.
+
+    Both callers keep it the same way (the simulator's fleet and the data-parallel front
+    end), so a policy sees the same figures in simulation as when deployed. `work` holds
+    each routed, unfinished request's prompt tokens until its first token (then 0);
+    `outstanding` is those plus the output tokens still to come.
+    """
+
+    __slots__ = ("work", "outstanding", "num_routed")
+
+    def __init__(self) -> None:
+        self.work: dict[str, int] = {}
+        self.outstanding = 0
+        self.num_routed = 0
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(self.outstanding, len(self.work))
+
+    def take(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        self.work[request_id] = prompt_tokens
+        self.outstanding += prompt_tokens + max_tokens
+        self.num_routed += 1
+
+    def progress(self, request_id: str, new_tokens: int) -> None:
+        """`new_tokens` more output tokens of a request came back (its prompt is done)."""
+        if new_tokens:
+            self.outstanding -= self.work[request_id] + new_tokens
+            self.work[request_id] = 0
+
+    def made(self, num_tokens: int) -> None:
+        """Output tokens counted in aggregate, not per request (the simulator's steady
+        decodes); each request's `unmade` at its finish must then count them as made."""
+        self.outstanding -= num_tokens
+
+    def finish(self, request_id: str, unmade: int) -> None:
+        """A request ended (done, aborted or failed) with `unmade` of its output tokens
+        never made: they, and a prompt never started, no longer count."""
+        self.outstanding -= self.work.pop(request_id) + unmade
 
 
 class Router(Protocol):

@@ -35,9 +35,13 @@ from iterserve.engine.request_stream import (
     GenerationRequest,
     RequestFailedError,
     RequestStream,
+    accepted_stream,
+    check_group_size,
+    check_room,
     expand_n,
 )
-from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.engine.serving_engine import FinishedCallback, ServedModel
+from iterserve.sampling_params import SamplingParams
 
 __all__ = [
     "AsyncEngine",
@@ -59,11 +63,6 @@ _IDLE_STEP_NAP = 0.002
 # Longest the engine waits for an event loop to handle a step's outputs before it starts the
 # next step anyway (a busy loop must not stall generation for everyone).
 _HANDOFF_TIMEOUT = 0.02
-
-
-# Called on the event loop for every request that ends: (last output, reason).
-# The reason is the finish reason, or "error" when the engine failed it.
-FinishedCallback = Callable[[RequestOutput | None, str], None]
 
 
 @dataclass
@@ -107,6 +106,10 @@ _Delivery = tuple[RequestStream, int, RequestOutput | BaseException]
 
 
 class AsyncEngine:
+    """One engine in this process, for the server (a ServingEngine)."""
+
+    replica_labels: tuple[str, ...] = ()
+
     def __init__(
         self,
         engine: LLMEngine | None,
@@ -209,6 +212,19 @@ class AsyncEngine:
     def is_accepting(self) -> bool:
         return self._accepting and self.is_healthy
 
+    @property
+    def served_model(self) -> ServedModel:
+        engine = self.engine
+        return ServedModel(
+            engine.model_name, engine.tokenizer, engine.chat_template, engine.max_model_len
+        )
+
+    def replica_health(self) -> list[str]:
+        return []
+
+    def snapshots(self) -> list[EngineSnapshot]:
+        return [self.snapshot]
+
     def stop_accepting(self) -> None:
         """New requests get EngineStoppedError from now on; running ones go on."""
         self._accepting = False
@@ -228,6 +244,11 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
 
+    def close(self) -> None:
+        """Release the engine's worker processes, if any (after shutdown)."""
+        if self.engine is not None:
+            self.engine.close()
+
     def _has_requests(self) -> bool:
         return self._num_live() > 0
 
@@ -241,13 +262,7 @@ class AsyncEngine:
         return self._pending + self.snapshot.num_waiting
 
     def check_group_size(self, count: int) -> None:
-        """Refuse a group that could never be queued whole (n choices x prompts)."""
-        if count > self.max_waiting_requests:
-            raise InvalidRequestError(
-                f"this request asks for {count} sequences but the server queues at most "
-                f"{self.max_waiting_requests}; lower n or send fewer prompts",
-                "n",
-            )
+        check_group_size(count, self.max_waiting_requests)
 
     async def add(self, requests: list[GenerationRequest]) -> RequestStream:
         """Queue a group of requests, all or none; returns once the engine accepted them.
@@ -260,24 +275,17 @@ class AsyncEngine:
                 "the server is shutting down" if self._dead is None else "the engine has stopped"
             )
         self.check_group_size(len(requests))
-        if self.num_waiting_estimate() + len(requests) > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the server is at capacity ({self.max_waiting_requests} requests waiting); "
-                "retry later",
-                self.retry_after,
-            )
+        check_room(
+            self.num_waiting_estimate(), len(requests), self.max_waiting_requests, self.retry_after
+        )
         stream = RequestStream([r.request_id for r in requests], self.abort)
         accepted: asyncio.Future[None] = stream.loop.create_future()
         self._pending += len(requests)
         try:
             self._post(_Add(stream, requests, accepted))
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(stream.request_ids)  # queued after the add: harmless if it failed
-            raise
+            return await accepted_stream(stream, accepted)
         finally:
             self._pending -= len(requests)
-        return stream
 
     async def generate(
         self,
@@ -329,9 +337,9 @@ class AsyncEngine:
                 continue
             try:
                 if isinstance(item, RequestFailedError):
-                    self.on_finished(item.output, "error")
+                    self.on_finished(item.output, "error", 0)
                 elif isinstance(item, RequestOutput) and item.finished:
-                    self.on_finished(item, item.finish_reason or "stop")
+                    self.on_finished(item, item.finish_reason or "stop", 0)
             except Exception:  # a metrics bug must not lose outputs
                 logger.exception("on_finished callback failed")
 

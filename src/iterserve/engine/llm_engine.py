@@ -21,7 +21,7 @@ from iterserve.core.scheduler import Scheduler
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats, num_kv_blocks
 from iterserve.engine.outputs import EngineStep, RequestOutput
-from iterserve.engine.prompts import Prompt, RenderedChat
+from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.paged_model import PagedModel
 from iterserve.executor.tensor_parallel import launch_tensor_parallel
@@ -183,28 +183,12 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, RenderedChat):
-            # The chat template already wrote BOS and the rest; adding more would double them.
-            return self._encode(prompt.text, False, "messages")
-        if isinstance(prompt, str):
-            # The tokenizer's own settings decide on BOS (Llama adds it, SmolLM2 does not).
-            return self._encode(prompt, True, "prompt")
+        if isinstance(prompt, str | RenderedChat):
+            return encode_prompt(self.tokenizer, prompt)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
-
-    def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except (TypeError, ValueError) as error:
-            # JSON can carry what Unicode cannot: a lone surrogate ("\ud800") is a valid
-            # JSON string, and the tokenizer refuses it.
-            if any("\ud800" <= ch <= "\udfff" for ch in text):
-                raise InvalidRequestError(
-                    f"the {field} is not valid Unicode text (it holds a lone surrogate)", field
-                ) from error
-            raise
 
     def add_request(
         self,

@@ -9,7 +9,8 @@ these numbers into Prometheus series, the benchmark into reports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from iterserve.core.request import LANES, RequestTimings
@@ -113,4 +114,41 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
             scheduler.spec_stats,
             accepted_per_position=list(scheduler.spec_stats.accepted_per_position),
         ),
+    )
+
+
+def merge_snapshots(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
+    """A fleet's gauges as one engine's: counts summed per lane and overall, so the ratios
+    (KV usage, prefix hit rate, acceptance) come out as the fleet's, not a mean of ratios."""
+    spec = SpecDecodeStats()
+    for snap in snapshots:
+        spec.num_drafts += snap.spec.num_drafts
+        spec.num_draft_tokens += snap.spec.num_draft_tokens
+        spec.num_accepted_tokens += snap.spec.num_accepted_tokens
+        for position, count in enumerate(snap.spec.accepted_per_position):
+            if position == len(spec.accepted_per_position):
+                spec.accepted_per_position.append(0)
+            spec.accepted_per_position[position] += count
+    sums = {name: sum(getattr(snap, name) for snap in snapshots) for name in _COUNTS}
+    return EngineSnapshot(
+        running={lane: sum(s.running.get(lane, 0) for s in snapshots) for lane in LANES},
+        waiting={lane: sum(s.waiting.get(lane, 0) for s in snapshots) for lane in LANES},
+        spec=spec,
+        **sums,
+    )
+
+
+_COUNTS = tuple(
+    f.name for f in fields(EngineSnapshot) if f.name not in ("running", "waiting", "spec")
+)
+
+
+def idle_snapshot(snapshot: EngineSnapshot) -> EngineSnapshot:
+    """What a dead engine still counts for: its counters (they must not go back), with
+    nothing running, waiting or holding KV blocks any more."""
+    return replace(
+        snapshot,
+        running=dict.fromkeys(LANES, 0),
+        waiting=dict.fromkeys(LANES, 0),
+        num_used_kv_blocks=0,
     )

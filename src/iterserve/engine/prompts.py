@@ -91,3 +91,26 @@ def render_chat(
             "chat_template_kwargs",
         )
     return RenderedChat(text)
+
+
+def encode_prompt(tokenizer: Any, prompt: str | RenderedChat) -> list[int]:
+    """The token ids of a text prompt or a rendered chat: one rule for the engine and for a
+    data-parallel front end, which tokenizes to route (both must see the same ids)."""
+    if isinstance(prompt, RenderedChat):
+        # The chat template already wrote BOS and the rest; adding more would double them.
+        return _encode(tokenizer, prompt.text, False, "messages")
+    # The tokenizer's own settings decide on BOS (Llama adds it, SmolLM2 does not).
+    return _encode(tokenizer, prompt, True, "prompt")
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool, field: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except (TypeError, ValueError) as error:
+        # JSON can carry what Unicode cannot: a lone surrogate ("\ud800") is a valid
+        # JSON string, and the tokenizer refuses it.
+        if any("\ud800" <= ch <= "\udfff" for ch in text):
+            raise InvalidRequestError(
+                f"the {field} is not valid Unicode text (it holds a lone surrogate)", field
+            ) from error
+        raise

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 
 class EngineOverloadedError(Exception):
@@ -34,6 +34,26 @@ class RequestFailedError(RuntimeError):
     def __init__(self, message: str, output: RequestOutput | None = None) -> None:
         super().__init__(message)
         self.output = output
+
+
+def check_group_size(count: int, max_waiting_requests: int) -> None:
+    """Refuse a group that could never be queued whole (n choices x prompts)."""
+    if count > max_waiting_requests:
+        raise InvalidRequestError(
+            f"this request asks for {count} sequences but the server queues at most "
+            f"{max_waiting_requests}; lower n or send fewer prompts",
+            "n",
+        )
+
+
+def check_room(num_waiting: int, count: int, max_waiting_requests: int, retry_after: float) -> None:
+    """Backpressure: a group that would take the waiting queue past its bound gets
+    EngineOverloadedError (a 429), rather than a queue that grows without bound."""
+    if num_waiting + count > max_waiting_requests:
+        raise EngineOverloadedError(
+            f"the server is at capacity ({max_waiting_requests} requests waiting); retry later",
+            retry_after,
+        )
 
 
 @dataclass
@@ -57,6 +77,18 @@ def expand_n(
         GenerationRequest(prompt, child, f"{request_id}-{i}", **kwargs)  # type: ignore[arg-type]
         for i, child in enumerate(params.per_choice())
     ]
+
+
+async def accepted_stream(stream: RequestStream, accepted: asyncio.Future[None]) -> RequestStream:
+    """`stream` once its engine took the group (raising what the engine refused it with);
+    a caller that gives up meanwhile aborts the group (the abort is queued after the add:
+    harmless if the add failed)."""
+    try:
+        await accepted
+    except asyncio.CancelledError:
+        stream.abort()
+        raise
+    return stream
 
 
 class RequestStream:
@@ -94,6 +126,17 @@ class RequestStream:
         if item.finished:
             self._unfinished.discard(index)
         return index, item
+
+    async def next_batch(self) -> list[tuple[int, RequestOutput | BaseException]]:
+        """Every item delivered so far, waiting for the first: errors come as items here,
+        not raised, for a caller that relays them (a data-parallel replica)."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for index, item in items:
+            if isinstance(item, BaseException) or item.finished:
+                self._unfinished.discard(index)
+        return items
 
     def abort(self) -> None:
         if self._unfinished:

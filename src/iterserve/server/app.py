@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes under /v1, plus /health and /metrics.
 
 `create_app(AsyncEngine(LLMEngine(config)))` gives an ASGI app; its lifespan
-starts the engine loop and, on shutdown, drains it.
+starts the engine loop and, on shutdown, drains it. Any ServingEngine will do: a
+DataParallelEngine puts a fleet of replicas behind the same routes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from iterserve.engine.async_engine import AsyncEngine
+from iterserve.engine.serving_engine import REPLICA_OK, ServingEngine
 from iterserve.server.access_log import AccessLogMiddleware
 from iterserve.server.chat import create_chat_completion
 from iterserve.server.completions import create_completion
@@ -55,17 +56,17 @@ def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(async_engine: ServingEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    engine = async_engine.engine
+    model = async_engine.served_model
     ctx = ServingContext(
         engine=async_engine,
-        served_model_names=settings.served_model_names or [engine.model_name],
-        tokenizer=engine.tokenizer,
-        chat_template=engine.chat_template,
-        max_model_len=engine.max_model_len,
+        served_model_names=settings.served_model_names or [model.name],
+        tokenizer=model.tokenizer,
+        chat_template=model.chat_template,
+        max_model_len=model.max_model_len,
     )
-    metrics = ServerMetrics(lambda: async_engine.snapshot)
+    metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe_finished
 
     @asynccontextmanager
@@ -116,16 +117,20 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     @app.get("/health")
     async def health() -> Response:
         # 503 while warming up (compiling) and while draining too, so a load balancer sends
-        # nothing before we are fast, and stops sending before we stop.
+        # nothing before we are fast, and stops sending before we stop. A fleet that lost
+        # replicas but still has one serving says "degraded" with a 200: it does serve.
+        replicas = async_engine.replica_health()
+        extra = {"replicas": replicas} if replicas else {}
         if async_engine.is_accepting and async_engine.is_ready:
-            return JSONResponse({"status": "ok"})
+            degraded = any(state != REPLICA_OK for state in replicas)
+            return JSONResponse({"status": "degraded" if degraded else "ok", **extra})
         if not async_engine.is_healthy:
             status = "dead"
         elif not async_engine.is_ready:
             status = "warming up"
         else:
             status = "draining"
-        return JSONResponse({"status": status}, status_code=503)
+        return JSONResponse({"status": status, **extra}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

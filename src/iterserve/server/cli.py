@@ -8,9 +8,13 @@ import logging
 import os
 import socket
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from iterserve.config import add_engine_args, engine_config_from_args
+from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
+from iterserve.core.router import ROUTERS
+
+if TYPE_CHECKING:
+    from iterserve.engine.serving_engine import ServingEngine
 
 logger = logging.getLogger("iterserve.server")
 
@@ -46,6 +50,31 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM",
     )
+    dp = p.add_argument_group("data parallelism")
+    dp.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas, each a Ray actor with its own weights, KV cache and scheduler, "
+        "behind this one front end; by default they share this machine's cores (set "
+        "--num-threads for each replica's share on other machines)",
+    )
+    dp.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=None,
+        help="how a request picks its replica (core/router.py, as `iterserve simulate "
+        "--replicas`); default prefix-affinity when prefix caching is on (requests sharing "
+        "a prompt prefix meet that prefix's cached blocks on one replica, within a load "
+        "bound), else least-tokens (with no cache to find, balance is all that matters)",
+    )
+    dp.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (HEAD_IP:6379, or auto: $RAY_ADDRESS or this machine's "
+        "latest) so replicas can span machines; 'local' starts a fresh one, as the default "
+        "does, on demand. Given with --data-parallel-size 1, the one replica runs on Ray too",
+    )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -57,20 +86,13 @@ def serve(args: argparse.Namespace) -> int:
     # Deferred: torch and the web stack load only for this subcommand.
     import uvicorn
 
-    from iterserve.engine.async_engine import AsyncEngine
-    from iterserve.engine.llm_engine import LLMEngine
     from iterserve.server.app import ServerSettings, create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = engine_config_from_args(args)
-    # Built and warmed up on the engine's own thread (see AsyncEngine.launch); the port
-    # opens once the weights are in, and /health says "warming up" until compiling is done.
-    async_engine = AsyncEngine.launch(
-        lambda: LLMEngine(config, warm_up=False), max_waiting_requests=args.max_waiting_requests
-    )
-    engine = async_engine.engine
+    async_engine = _launch_engine(args, config)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [],
         api_key=args.api_key or os.environ.get("ITERSERVE_API_KEY") or None,
@@ -92,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
             # Here rather than after run(): uvicorn re-raises the signal that stopped it
             # once run() is done, and the default SIGTERM handler would end this process
             # with the tensor-parallel workers never told to stop.
-            await asyncio.to_thread(engine.close)
+            await asyncio.to_thread(async_engine.close)
 
     uvicorn_config: dict[str, Any] = {
         "host": args.host,
@@ -102,8 +124,46 @@ def serve(args: argparse.Namespace) -> int:
         "timeout_graceful_shutdown": args.shutdown_timeout,
     }
     logger.info(
-        "serving %s on http://%s:%d/v1", settings.served_model_names or engine.model_name,
+        "serving %s on http://%s:%d/v1",
+        settings.served_model_names or async_engine.served_model.name,
         args.host, args.port,
     )  # fmt: skip
     Server(uvicorn.Config(app, **uvicorn_config)).run()
     return 0
+
+
+def _launch_engine(args: argparse.Namespace, config: EngineConfig) -> ServingEngine:
+    """One engine in this process, or --data-parallel-size replicas on Ray (Ray is imported
+    only then). Either way the port opens once the weights are in, and /health says
+    "warming up" until compiling is done."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size == 1 and args.ray_address is None:
+        from iterserve.engine.async_engine import AsyncEngine
+        from iterserve.engine.llm_engine import LLMEngine
+
+        # Built and warmed up on the engine's own thread (see AsyncEngine.launch).
+        return AsyncEngine.launch(
+            lambda: LLMEngine(config, warm_up=False),
+            max_waiting_requests=args.max_waiting_requests,
+        )
+    from iterserve.core.router import make_router
+    from iterserve.engine import ray_cluster
+    from iterserve.engine.data_parallel import DataParallelEngine
+
+    size = args.data_parallel_size
+    threads = ray_cluster.threads_per_replica(size, config.num_threads)
+    router_name = args.router or (
+        "prefix-affinity" if config.cache.enable_prefix_caching else "least-tokens"
+    )
+    # A local cluster gets room for every replica even when they outnumber the cores.
+    cluster = ray_cluster.connect(args.ray_address, max(ray_cluster.local_cores(), size * threads))
+    logger.info("routing over %d replicas with %s", size, router_name)
+    return DataParallelEngine.launch(
+        config,
+        size,
+        make_router(router_name, config.cache.block_size, config.seed),
+        cluster,
+        args.max_waiting_requests,
+        threads,
+    )

@@ -7,21 +7,25 @@ Three sources feed it:
 - the engine snapshot, read at scrape time: running / waiting per lane, KV
   cache usage, prefix-cache hit rate, preemptions.
 
+Behind a data-parallel front end the engine series come per replica and for the fleet
+(see ServerMetrics).
+
 Units: an engine request is one choice, so a request with n=4 finishes 4.
 Each server has its own registry, so several servers fit in one process (tests).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from iterserve.core.speculation import SpecDecodeStats
-from iterserve.engine.metrics import EngineSnapshot, RequestMetrics
+from iterserve.engine.metrics import EngineSnapshot, RequestMetrics, merge_snapshots
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.serving_engine import REPLICA_DEAD, ServingEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -30,98 +34,138 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
     0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
+# The `replica` label value of a fleet's own series (its sums, its ratios).
+FLEET = "all"
+M = TypeVar("M", Counter, Histogram)
 _REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 429: "overloaded"}
 
 
-class _EngineCollector(Collector):
-    """Gauges read from the latest engine snapshot at scrape time."""
+class _Families:
+    """Metric families filled sample by sample: a fleet adds each replica's samples, and
+    the fleet's, under a `replica` label; a single engine adds its own without one."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
-        self._snapshot = snapshot
+    def __init__(self) -> None:
+        self._families: dict[str, Metric] = {}
+
+    def add(
+        self,
+        kind: type[GaugeMetricFamily | CounterMetricFamily],
+        name: str,
+        documentation: str,
+        value: float,
+        replica: str | None,
+        **extra: str,
+    ) -> None:
+        family = self.declare(kind, name, documentation, replica, *extra)
+        family.add_metric([*extra.values(), *([replica] if replica is not None else [])], value)
+
+    def declare(
+        self,
+        kind: type[GaugeMetricFamily | CounterMetricFamily],
+        name: str,
+        documentation: str,
+        replica: str | None,
+        *extra: str,
+    ) -> GaugeMetricFamily | CounterMetricFamily:
+        """The family, made if new: declared even before its first sample, so its name is
+        always on /metrics (a dashboard query checked against it finds it)."""
+        family = self._families.get(name)
+        if family is None:
+            labels = [*extra, *(["replica"] if replica is not None else [])]
+            family = self._families[name] = kind(f"iterserve:{name}", documentation, labels=labels)
+        return family  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._families.values())
+
+
+class _EngineCollector(Collector):
+    """Gauges read from the engines' latest snapshots at scrape time."""
+
+    def __init__(self, engine: ServingEngine) -> None:
+        self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
-        yield _per_lane("num_requests_running", "Requests running in the engine", snap.running)
-        yield _per_lane("num_requests_waiting", "Requests waiting to run", snap.waiting)
-        yield _gauge(
-            "kv_cache_usage_perc", "Fraction of KV cache blocks in use", snap.kv_cache_usage
-        )
-        yield _gauge(
-            "kv_cache_used_blocks", "KV cache blocks held by requests", snap.num_used_kv_blocks
-        )
-        yield _gauge("kv_cache_total_blocks", "KV cache blocks in the pool", snap.num_kv_blocks)
-        yield _gauge(
-            "kv_cache_cached_blocks",
-            "Blocks named in the prefix cache (free ones are reusable)",
-            snap.num_cached_kv_blocks,
-        )
-        yield _gauge(
-            "prefix_cache_hit_rate",
-            "Prompt tokens found in the prefix cache / prompt tokens looked up, at first admission",
-            snap.prefix_hit_rate,
-        )
-        yield _counter("prefix_cache_queries", "Prompt tokens looked up", snap.prefix_queries)
-        yield _counter("prefix_cache_hits", "Prompt tokens found in the cache", snap.prefix_hits)
-        yield _counter(
-            "prefix_cache_preempted_queries",
-            "Tokens looked up when a preempted request was re-admitted (not in the hit rate)",
-            snap.preempted_prefix_queries,
-        )
-        yield _counter(
-            "prefix_cache_preempted_hits",
-            "Of those, tokens found again in the cache (recompute saved)",
-            snap.preempted_prefix_hits,
-        )
-        yield _counter(
-            "num_preemptions", "Requests preempted to free KV memory", snap.num_preemptions
-        )
-        yield _counter("engine_steps", "Engine iterations run", snap.num_steps)
-        yield _counter(
-            "prefill_tokens_computed", "Prompt tokens run through the model", snap.prefill_tokens
-        )
-        yield _counter(
-            "decode_tokens_computed", "Decode tokens run through the model", snap.decode_tokens
-        )
-        yield from _spec_decode_metrics(snap.spec)
+        engine, out = self._engine, _Families()
+        snaps = engine.snapshots()
+        if not engine.replica_labels:
+            _engine_metrics(out, snaps[0], None, 1.0 if engine.is_healthy else 0.0)
+            yield from out
+            return
+        health = engine.replica_health()
+        up = [0.0 if state == REPLICA_DEAD else 1.0 for state in health]
+        for label, snap, alive in zip(engine.replica_labels, snaps, up, strict=True):
+            _engine_metrics(out, snap, label, alive)
+        _engine_metrics(out, merge_snapshots(snaps), FLEET, sum(up))
+        yield from out
 
 
-def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
-    """Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens,
-    mean accepted length = 1 + accepted / drafts."""
-    yield _counter("spec_decode_num_drafts", "Steps in which a request speculated", spec.num_drafts)
-    yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens)
-    yield _counter(
-        "spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens
-    )
-    per_position = CounterMetricFamily(
-        "iterserve:spec_decode_num_accepted_tokens_per_pos",
-        "Draft tokens accepted, by position in the draft",
-        labels=["position"],
-    )
-    for position, count in enumerate(spec.accepted_per_position):
-        per_position.add_metric([str(position)], count)
-    yield per_position
+_Kind = type[GaugeMetricFamily | CounterMetricFamily]
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+# What a snapshot says beyond its per-lane counts: (kind, name, documentation, value).
+# Speculative decoding has vLLM's names: acceptance rate = accepted / draft tokens, mean
+# accepted length = 1 + accepted / drafts.
+_SNAPSHOT_SERIES: tuple[tuple[_Kind, str, str, Callable[[EngineSnapshot], float]], ...] = (
+    (_G, "kv_cache_usage_perc", "Fraction of KV cache blocks in use", lambda s: s.kv_cache_usage),
+    (_G, "kv_cache_used_blocks", "KV cache blocks held by requests", lambda s: s.num_used_kv_blocks),
+    (_G, "kv_cache_total_blocks", "KV cache blocks in the pool", lambda s: s.num_kv_blocks),
+    (_G, "kv_cache_cached_blocks", "Blocks named in the prefix cache (free ones are reusable)",
+     lambda s: s.num_cached_kv_blocks),
+    (_G, "prefix_cache_hit_rate",
+     "Prompt tokens found in the prefix cache / prompt tokens looked up, at first admission",
+     lambda s: s.prefix_hit_rate),
+    (_C, "prefix_cache_queries", "Prompt tokens looked up", lambda s: s.prefix_queries),
+    (_C, "prefix_cache_hits", "Prompt tokens found in the cache", lambda s: s.prefix_hits),
+    (_C, "prefix_cache_preempted_queries",
+     "Tokens looked up when a preempted request was re-admitted (not in the hit rate)",
+     lambda s: s.preempted_prefix_queries),
+    (_C, "prefix_cache_preempted_hits", "Of those, tokens found again in the cache (recompute saved)",
+     lambda s: s.preempted_prefix_hits),
+    (_C, "num_preemptions", "Requests preempted to free KV memory", lambda s: s.num_preemptions),
+    (_C, "engine_steps", "Engine iterations run", lambda s: s.num_steps),
+    (_C, "prefill_tokens_computed", "Prompt tokens run through the model",
+     lambda s: s.prefill_tokens),
+    (_C, "decode_tokens_computed", "Decode tokens run through the model",
+     lambda s: s.decode_tokens),
+    (_C, "spec_decode_num_drafts", "Steps in which a request speculated",
+     lambda s: s.spec.num_drafts),
+    (_C, "spec_decode_num_draft_tokens", "Draft tokens proposed",
+     lambda s: s.spec.num_draft_tokens),
+    (_C, "spec_decode_num_accepted_tokens", "Draft tokens accepted",
+     lambda s: s.spec.num_accepted_tokens),
+)  # fmt: skip
+_PER_LANE = (
+    ("num_requests_running", "Requests running in the engine", "running"),
+    ("num_requests_waiting", "Requests waiting to run", "waiting"),
+)
+_PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position")
 
 
-def _per_lane(name: str, documentation: str, counts: Mapping[str, int]) -> GaugeMetricFamily:
-    gauge = GaugeMetricFamily(f"iterserve:{name}", documentation, labels=["lane"])
-    for lane, count in counts.items():
-        gauge.add_metric([lane], count)
-    return gauge
-
-
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"iterserve:{name}", documentation, value=value)
-
-
-def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(f"iterserve:{name}", documentation, value=value)
+def _engine_metrics(out: _Families, snap: EngineSnapshot, replica: str | None, up: float) -> None:
+    up_help = f"1 while the engine serves (replica={FLEET!r}: how many do)"
+    out.add(_G, "replica_up", up_help, up, replica)
+    for name, documentation, attribute in _PER_LANE:
+        for lane, count in getattr(snap, attribute).items():
+            out.add(_G, name, documentation, count, replica, lane=lane)
+    for kind, name, documentation, value in _SNAPSHOT_SERIES:
+        out.add(kind, name, documentation, value(snap), replica)
+    out.declare(_C, *_PER_POSITION, replica, "position")
+    for position, count in enumerate(snap.spec.accepted_per_position):
+        out.add(_C, *_PER_POSITION, count, replica, position=str(position))
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    """The server's registry. Over a fleet (`engine.replica_labels` not empty) every engine
+    series carries a `replica` label: one series per replica and one, replica="all", for
+    the fleet (ratios such as the prefix hit rate computed from the fleet's sums). Sum
+    across replicas with `replica!="all"`. The HTTP series stay unlabelled: there is one
+    front end."""
+
+    def __init__(self, engine: ServingEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._replica_labels = engine.replica_labels
+        per = ["replica"] if engine.replica_labels else []
         self.requests_received = Counter(
             "iterserve:requests_received", "API requests received", ["endpoint"], registry=r
         )
@@ -134,37 +178,47 @@ class ServerMetrics:
         self.requests_finished = Counter(
             "iterserve:requests_finished",
             "Engine requests that ran to the end",
-            ["finish_reason"],
+            ["finish_reason", *per],
             registry=r,
         )
         self.requests_aborted = Counter(
             "iterserve:requests_aborted",
             "Engine requests aborted (client gone, shutdown)",
+            per,
             registry=r,
         )
         self.requests_failed = Counter(
-            "iterserve:requests_failed", "Engine requests failed by an engine error", registry=r
+            "iterserve:requests_failed",
+            "Engine requests failed by an engine error (or their replica's death)",
+            per,
+            registry=r,
         )
         self.prompt_tokens = Counter(
-            "iterserve:prompt_tokens", "Prompt tokens of ended requests", registry=r
+            "iterserve:prompt_tokens", "Prompt tokens of ended requests", per, registry=r
         )
         self.generation_tokens = Counter(
-            "iterserve:generation_tokens", "Tokens generated", registry=r
+            "iterserve:generation_tokens", "Tokens generated", per, registry=r
         )
-        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token")
-        self.tbt = self._histogram("inter_token_latency_seconds", "Gap between consecutive tokens")
+        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token", per)
+        self.tbt = self._histogram(
+            "inter_token_latency_seconds", "Gap between consecutive tokens", per
+        )
         self.tpot = self._histogram(
-            "time_per_output_token_seconds", "Mean gap after the first token"
+            "time_per_output_token_seconds", "Mean gap after the first token", per
         )
-        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish", per)
         self.queue_time = self._histogram(
-            "request_queue_time_seconds", "Arrival to first scheduled"
+            "request_queue_time_seconds", "Arrival to first scheduled", per
         )
-        r.register(_EngineCollector(snapshot))
+        r.register(_EngineCollector(engine))
 
-    def _histogram(self, name: str, documentation: str) -> Histogram:
+    def _histogram(self, name: str, documentation: str, labels: list[str]) -> Histogram:
         return Histogram(
-            f"iterserve:{name}", documentation, buckets=_LATENCY_BUCKETS, registry=self.registry
+            f"iterserve:{name}",
+            documentation,
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
 
     def observe_http(self, endpoint: str, status: int) -> None:
@@ -175,18 +229,26 @@ class ServerMetrics:
             reason = _REJECT_REASONS.get(status, "unavailable" if status == 503 else str(status))
             self.requests_rejected.labels(reason).inc()
 
-    def observe_finished(self, output: RequestOutput | None, reason: str) -> None:
-        """One engine request ended (called by the async engine on the event loop)."""
-        if reason == "abort":
-            self.requests_aborted.inc()
-        elif reason == "error":
-            self.requests_failed.inc()
+    def observe_finished(self, output: RequestOutput | None, reason: str, replica: int) -> None:
+        """One engine request ended on engine `replica` (called on the event loop): counted
+        for that replica and for the fleet, or once for a single engine."""
+        if self._replica_labels:
+            self._observe(output, reason, (self._replica_labels[replica],))
+            self._observe(output, reason, (FLEET,))
         else:
-            self.requests_finished.labels(reason).inc()
+            self._observe(output, reason, ())
+
+    def _observe(self, output: RequestOutput | None, reason: str, labels: tuple[str, ...]) -> None:
+        if reason == "abort":
+            _child(self.requests_aborted, labels).inc()
+        elif reason == "error":
+            _child(self.requests_failed, labels).inc()
+        else:
+            self.requests_finished.labels(reason, *labels).inc()
         if output is None:
             return
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(len(output.token_ids))
+        _child(self.prompt_tokens, labels).inc(len(output.prompt_token_ids))
+        _child(self.generation_tokens, labels).inc(len(output.token_ids))
         if output.timings is None:
             return
         latency = RequestMetrics.from_timings(output.timings)
@@ -197,9 +259,15 @@ class ServerMetrics:
             (self.queue_time, latency.queue_time),
         ):
             if value is not None:
-                histogram.observe(value)
+                _child(histogram, labels).observe(value)
+        tbt = _child(self.tbt, labels)
         for gap in latency.tbt:
-            self.tbt.observe(gap)
+            tbt.observe(gap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _child(metric: M, labels: tuple[str, ...]) -> M:
+    """The series of `metric` under `labels` (itself when it has no labels)."""
+    return metric.labels(*labels) if labels else metric

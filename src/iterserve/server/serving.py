@@ -19,9 +19,10 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from iterserve.engine.async_engine import AsyncEngine, EngineStoppedError, RequestStream, expand_n
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
+from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
+from iterserve.engine.serving_engine import ServingEngine
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
 from iterserve.server.logprobs import token_decoder
@@ -63,7 +64,7 @@ def access_record(request: Request) -> AccessRecord:
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: ServingEngine
     served_model_names: list[str]
     tokenizer: Any
     chat_template: str | None

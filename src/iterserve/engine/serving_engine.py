@@ -1,0 +1,86 @@
+"""What the server talks to: one engine in this process (AsyncEngine) or a fleet of
+replicas behind a router (DataParallelEngine). Both satisfy `ServingEngine`, so the
+HTTP layer never knows how many engines answer it.
+
+Torch-free and Ray-free: the server imports this, and a front end over Ray replicas
+runs no model itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from iterserve.engine.metrics import EngineSnapshot
+from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.request_stream import GenerationRequest, RequestStream
+
+# Called on the event loop for every engine request that ends: (last output, reason,
+# replica index). The reason is the finish reason, or "error" when the engine failed it;
+# the index is 0 for a single engine.
+FinishedCallback = Callable[[RequestOutput | None, str, int], None]
+
+# What /health reports of one replica.
+REPLICA_OK, REPLICA_WARMING, REPLICA_DEAD = "ok", "warming up", "dead"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the API needs of the model, beside generating: its name, the tokenizer and chat
+    template to render prompts and decode logprobs with, and its context length."""
+
+    name: str
+    tokenizer: Any
+    chat_template: str | None
+    max_model_len: int
+
+
+class ServingEngine(Protocol):
+    on_finished: FinishedCallback | None
+    # Label values of the engines behind this one, for metrics: () for a single engine
+    # (its series carry no `replica` label, as before data parallelism).
+    replica_labels: tuple[str, ...]
+
+    @property
+    def served_model(self) -> ServedModel: ...
+
+    @property
+    def is_ready(self) -> bool:
+        """Warmed up and serving."""
+        ...
+
+    @property
+    def is_healthy(self) -> bool:
+        """At least one engine can still run requests."""
+        ...
+
+    @property
+    def is_accepting(self) -> bool: ...
+
+    def replica_health(self) -> list[str]:
+        """REPLICA_OK / REPLICA_WARMING / REPLICA_DEAD per replica; [] for a single engine."""
+        ...
+
+    def snapshots(self) -> list[EngineSnapshot]:
+        """Latest gauges of each engine, in `replica_labels` order (one for a single engine)."""
+        ...
+
+    def start(self) -> None: ...
+
+    def stop_accepting(self) -> None: ...
+
+    async def shutdown(self, timeout: float = 30.0) -> None: ...
+
+    def close(self) -> None:
+        """After shutdown: release what outlives the engine loop (tensor-parallel worker
+        processes). Blocking and idempotent."""
+        ...
+
+    def check_group_size(self, count: int) -> None: ...
+
+    def num_waiting_estimate(self) -> int: ...
+
+    async def add(self, requests: list[GenerationRequest]) -> RequestStream: ...
+
+    async def reset_prefix_cache(self) -> int: ...

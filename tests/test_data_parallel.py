@@ -1,0 +1,423 @@
+"""Data parallelism: two engine replicas on Ray behind one OpenAI front end.
+
+One Ray cluster (2 CPUs, no dashboard) and one two-replica server serve the module's first
+tests; the one that kills a replica runs last of them. Then the real
+`iterserve serve --data-parallel-size 2` runs as a process, drains on SIGTERM, and takes
+the Ray cluster it started with it; and the front end reroutes around a dead replica
+over stand-in actors (no Ray processes). Tiny random Llama, fp32, greedy text compared
+with the offline `LLM`. About a minute in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from iterserve import LLM, SamplingParams
+from iterserve.core.router import RoundRobin, make_router
+from server_fixtures import (
+    MODEL_NAME,
+    RunningServer,
+    engine_config,
+    free_port,
+    is_healthy,
+    serving,
+    wait_until,
+)
+
+ray = pytest.importorskip("ray")
+
+from ray.exceptions import ActorDiedError  # noqa: E402  (after the skip)
+
+from iterserve.engine import ray_cluster  # noqa: E402
+from iterserve.engine.data_parallel import DataParallelEngine  # noqa: E402
+from iterserve.engine.outputs import RequestOutput  # noqa: E402
+from iterserve.engine.replica_events import ReplicaEvent  # noqa: E402
+from iterserve.engine.request_stream import GenerationRequest  # noqa: E402
+from iterserve.engine.serving_engine import ServedModel  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "The quick brown fox",
+    "In the beginning",
+]
+# 8 blocks of 16 tokens and more: prefix-affinity routes by the first 4 blocks.
+SHARED_PREFIX = "You are a helpful assistant who answers questions about geography. " * 6
+
+
+def _ray_daemons(parent: int) -> set[int]:
+    """Pids of the Ray cluster processes (GCS, raylet) that `parent` started: ray.init
+    starts them as its children. (Other users' Ray clusters on this machine are not ours
+    to count.)"""
+    out = subprocess.run(
+        ["pgrep", "-P", str(parent), "-f", "raylet|gcs_server"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return {int(pid) for pid in out.stdout.split()}
+
+
+def _running(pids: set[int]) -> set[int]:
+    """Those of `pids` still running (an exited child not yet reaped is a zombie: gone)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 * 2**20,
+        logging_level="warning",
+        namespace="iterserve-test",
+    )
+    daemons = _ray_daemons(os.getpid())
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        assert daemons and wait_until(lambda: not _running(daemons), timeout=30), daemons
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster: None, tiny_llama_dir: Path) -> Iterator[RunningServer]:
+    engine = DataParallelEngine.launch(
+        engine_config(tiny_llama_dir),
+        2,
+        make_router("prefix-affinity", 16),
+        ray_cluster.connect(None, 2),  # the module's cluster: joined before, left running
+        threads=1,
+    )
+    with serving(engine) as running:  # type: ignore[arg-type]
+        assert wait_until(lambda: engine.is_ready, timeout=60), engine.replica_health()
+        yield running
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path) -> LLM:
+    return LLM(config=engine_config(tiny_llama_dir))
+
+
+def _engine(fleet: RunningServer) -> DataParallelEngine:
+    return fleet.async_engine  # type: ignore[return-value]
+
+
+def _client(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _replica_metric(fleet: RunningServer, name: str, replica: str, **labels: str) -> float:
+    pairs = ",".join(f'{k}="{v}"' for k, v in sorted({**labels, "replica": replica}.items()))
+    return fleet.metrics().get(f"iterserve:{name}{{{pairs}}}", 0.0)
+
+
+async def _stream_text(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
+    stream = await client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+    )
+    return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+
+def test_concurrent_streams_give_a_single_engines_text_and_use_both_replicas(
+    fleet: RunningServer, offline: LLM
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    expected = [out.text for out in offline.generate(PROMPTS, params, use_tqdm=False)]
+    messages: list = [{"role": "user", "content": "What is the capital of France?"}]
+    chat_expected = offline.chat(messages, params, use_tqdm=False)[0].text
+
+    async def main() -> tuple[list[str], str | None]:
+        async with _client(fleet.base_url) as client:
+            texts = await asyncio.gather(*(_stream_text(client, p, 24) for p in PROMPTS))
+            chat = await client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=messages,
+                max_tokens=24,
+                temperature=0.0,
+            )
+            return list(texts), chat.choices[0].message.content
+
+    texts, chat = asyncio.run(main())
+    assert texts == expected
+    assert chat == chat_expected
+
+    def both_served() -> bool:
+        return all(
+            _replica_metric(fleet, "requests_finished_total", r, finish_reason="length") >= 1
+            for r in ("0", "1")
+        )
+
+    assert wait_until(both_served, timeout=5), fleet.metrics()
+    m = fleet.metrics()
+    assert m['iterserve:requests_finished_total{finish_reason="length",replica="all"}'] == 5
+    assert m['iterserve:replica_up{replica="all"}'] == 2
+    # The fleet's series sums the replicas' (gauges come from polls: wait for one).
+    assert wait_until(
+        lambda: (
+            _replica_metric(fleet, "engine_steps_total", "all")
+            == sum(_replica_metric(fleet, "engine_steps_total", r) for r in ("0", "1"))
+            > 0
+        ),
+        timeout=5,
+    )
+    assert httpx.get(f"{fleet.base_url}/health").json() == {
+        "status": "ok",
+        "replicas": ["ok", "ok"],
+    }
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(fleet: RunningServer) -> None:
+    before = {r: _replica_metric(fleet, "prefix_cache_hits_total", r) for r in ("0", "1")}
+    finished = {
+        r: _replica_metric(fleet, "requests_finished_total", r, finish_reason="length")
+        for r in ("0", "1")
+    }
+
+    async def main() -> None:
+        async with _client(fleet.base_url) as client:
+            for i in range(4):  # one after another: the fleet is idle, so affinity decides
+                await client.completions.create(
+                    model=MODEL_NAME, prompt=f"{SHARED_PREFIX}Question {i}:", max_tokens=4,
+                    temperature=0.0, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+
+    asyncio.run(main())
+
+    def routed() -> dict[str, float]:
+        return {
+            r: _replica_metric(fleet, "requests_finished_total", r, finish_reason="length")
+            - finished[r]
+            for r in ("0", "1")
+        }
+
+    assert wait_until(lambda: sum(routed().values()) == 4, timeout=5), routed()
+    home = max(routed(), key=routed().__getitem__)
+    other = "1" if home == "0" else "0"
+    assert routed() == {home: 4, other: 0}
+    # Three of the four found the shared blocks (at least 4 blocks each) in the home's cache.
+
+    def hits() -> float:
+        return _replica_metric(fleet, "prefix_cache_hits_total", home) - before[home]
+
+    assert wait_until(lambda: hits() >= 3 * 64, timeout=5), hits()
+    assert _replica_metric(fleet, "prefix_cache_hits_total", other) == before[other]
+    # Every replica forgets its cache on request (the home one had the prefix's blocks).
+    reset = httpx.post(f"{fleet.base_url}/reset_prefix_cache").json()
+    assert reset["num_blocks_dropped"] >= 4
+
+
+def test_a_client_that_leaves_is_aborted_on_its_replica(fleet: RunningServer) -> None:
+    aborted = _replica_metric(fleet, "requests_aborted_total", "all")
+    with httpx.stream(
+        "POST",
+        f"{fleet.base_url}/v1/completions",
+        json={"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True},
+    ) as response:
+        for _ in zip(range(3), response.iter_lines(), strict=False):
+            pass
+
+    def freed() -> bool:
+        return (
+            _replica_metric(fleet, "requests_aborted_total", "all") == aborted + 1
+            and _replica_metric(fleet, "kv_cache_used_blocks", "all") == 0
+        )
+
+    assert wait_until(freed, timeout=10), fleet.metrics()
+
+
+def test_the_fleets_waiting_bound_answers_429(
+    fleet: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(fleet)
+    # As if the replicas' queues together were full.
+    monkeypatch.setattr(engine, "num_waiting_estimate", lambda: engine.max_waiting_requests)
+    response = httpx.post(
+        f"{fleet.base_url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2}
+    )
+    monkeypatch.undo()
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_dead_replica_fails_only_its_requests(fleet: RunningServer) -> None:
+    engine = _engine(fleet)
+    engine.router = RoundRobin()  # streams 0 and 2 on replica 0, 1 and 3 on replica 1
+
+    async def main() -> list[str]:
+        async with _client(fleet.base_url) as client:
+            streams = []
+            for prompt in PROMPTS:  # in turn, so round-robin places them in this order
+                stream = await client.completions.create(
+                    model=MODEL_NAME, prompt=prompt, max_tokens=300, temperature=0.0,
+                    stream=True, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                await stream.__anext__()
+                streams.append(stream)
+            ray.kill(engine.replicas[1].actor)
+
+            async def finish(stream: openai.AsyncStream) -> str:
+                try:
+                    chunks = [chunk async for chunk in stream]
+                except openai.APIError as error:
+                    return f"error: {error.message}"
+                return chunks[-1].choices[0].finish_reason or "none"
+
+            # Sent at once, two new requests take the next turns, 0 and 1: the one routed to
+            # the dead replica before the front end hears of its death is sent on to replica
+            # 0 (it never ran), so both succeed whenever the death is noticed.
+            return list(
+                await asyncio.gather(
+                    *(finish(s) for s in streams),
+                    *(_stream_text(client, p, 4) for p in PROMPTS[:2]),
+                )
+            )
+
+    outcomes = asyncio.run(main())
+    assert outcomes[0] == outcomes[2] == "length", outcomes
+    assert all("replica 1 died" in outcome for outcome in outcomes[1:4:2]), outcomes
+    assert all(outcomes[4:]), outcomes
+    assert wait_until(lambda: not engine.replicas[1].alive, timeout=10)
+    health = httpx.get(f"{fleet.base_url}/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "degraded", "replicas": ["ok", "dead"]}
+
+    async def after() -> list[str]:
+        async with _client(fleet.base_url) as client:
+            return list(await asyncio.gather(*(_stream_text(client, p, 4) for p in PROMPTS)))
+
+    assert all(asyncio.run(after()))  # the survivor takes everything
+    m = fleet.metrics()
+    assert m['iterserve:requests_failed_total{replica="1"}'] == 2
+    assert m['iterserve:replica_up{replica="1"}'] == 0
+    assert m['iterserve:replica_up{replica="all"}'] == 1
+
+
+def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "iterserve.cli", "serve", "--model", str(tiny_llama_dir),
+        "--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
+        "--max-model-len", "512", "--num-kv-blocks", "256", "--enforce-eager",
+        "--data-parallel-size", "2", "--router", "round-robin", "--log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: is_healthy(base), timeout=90, interval=0.3), "no server"
+        daemons = _ray_daemons(proc.pid)  # the local cluster it started
+        assert daemons
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        streams = [
+            client.completions.create(
+                model=MODEL_NAME,
+                prompt=prompt,
+                max_tokens=60,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for prompt in PROMPTS[:2]
+        ]
+        firsts = [next(iter(stream)) for stream in streams]
+        text = httpx.get(f"{base}/metrics").text
+        assert 'replica="1"' in text and 'replica="all"' in text
+        proc.send_signal(signal.SIGTERM)
+        for first, stream in zip(firsts, streams, strict=True):
+            rest = list(stream)  # both replicas finish what they started
+            assert rest[-1].choices[0].finish_reason == "length"
+            assert len(rest) >= 59 and first.choices[0].text is not None
+        # uvicorn re-raises the signal once shut down; Ray's handler (ray.init installs it
+        # to stop the cluster it started) turns that into exit status 15.
+        assert proc.wait(timeout=60) in (0, signal.SIGTERM, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0]
+    assert wait_until(lambda: not _running(daemons), timeout=30), output
+
+
+# ---- the front end's routing over stand-in actors (no Ray processes) ----------------------
+
+
+class _Method:
+    """`actor.method.options(...).remote(...)`, as a Ray actor handle offers it."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    def options(self, **_: object) -> _Method:
+        return self
+
+    def remote(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+
+class _StandInReplica:
+    """A replica's actor handle: it answers each group with one token per request, or,
+    dead, raises as Ray does for a dead actor's stream."""
+
+    def __init__(self, dead: bool) -> None:
+        self.dead = dead
+        self.generate = _Method(self._generate)
+        self.abort = _Method(lambda ids: None)
+
+    async def _generate(self, requests: list[GenerationRequest], waited: float) -> Any:
+        if self.dead:
+            raise ActorDiedError()
+        yield _ready(ReplicaEvent())  # taken
+        outputs = [
+            RequestOutput(r.request_id, list(r.prompt), "x", [7], "x", [7], "length")  # type: ignore[arg-type]
+            for r in requests
+        ]
+        yield _ready(ReplicaEvent(list(enumerate(outputs))))
+
+
+async def _ready(event: ReplicaEvent) -> ReplicaEvent:  # what awaiting an ObjectRef gives
+    return event
+
+
+def test_a_request_routed_to_a_replica_just_dead_goes_to_another() -> None:
+    async def main() -> None:
+        engine = DataParallelEngine(
+            [_StandInReplica(dead=True), _StandInReplica(dead=False)],
+            ServedModel("stand-in", None, None, 64),
+            RoundRobin(),  # replica 0 first: the dead one, not yet known dead
+            ray_cluster.RayCluster("none", connected_here=False, started_here=False),
+        )
+        finished: list[tuple[str, int]] = []
+        engine.on_finished = lambda output, reason, replica: finished.append((reason, replica))
+        params = SamplingParams(max_tokens=1)
+        stream = await engine.add([GenerationRequest([1, 2, 3], params, "r-0")])
+        outputs = [output async for _, output in stream]
+        assert [o.finish_reason for o in outputs] == ["length"]
+        assert [r.alive for r in engine.replicas] == [False, True]
+        assert finished == [("length", 1)]
+        assert all(not r.tracker.work for r in engine.replicas)  # loads back to zero
+
+    asyncio.run(main())
