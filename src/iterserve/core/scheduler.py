@@ -16,11 +16,14 @@ A step is composed in two phases:
 
 When the KV pool runs dry, a running request is preempted by recompute: its
 blocks are freed, its tokens kept, and it waits to be prefilled again.
+
+For the simulator, steady decodes can be kept aside and advanced together (the decode
+cohort: core/decode_cohort.py, and this class's part that plans with it,
+core/steady_decodes.py).
 """
 
 from __future__ import annotations
 
-import bisect
 import enum
 import math
 import os
@@ -40,10 +43,12 @@ from iterserve.core.outputs import (
 from iterserve.core.policies import WaitingQueues, form_batch, outranks, outranks_any, victim_key
 from iterserve.core.request import LANES, Request, RequestStatus
 from iterserve.core.speculation import DraftQuery, NgramProposer, Proposer, SpecDecodeStats
+from iterserve.core.steady_decodes import SteadyDecodePlanning
+from iterserve.core.step_plan import StepPlan
 from iterserve.sampling_params import InvalidRequestError
 
 
-class Scheduler:
+class Scheduler(SteadyDecodePlanning):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -145,18 +150,6 @@ class Scheduler:
         steady = 0 if not cohort else len(cohort) if lane is None else cohort.lanes[lane]
         return steady + sum(1 for r in self.running if lane is None or r.lane == lane)
 
-    def advance_decodes_together(self, token_id: int) -> bool:
-        """Keep steady decodes aside and advance them in aggregate (core/decode_cohort.py):
-        for an executor that samples `token_id` for every decode and prices a step without
-        each decode's inputs (the simulator). Same decisions, same timings; steps whose
-        plan depends on each request (speculation, prefill-first steps, static and
-        dynamic batches) go on one by one. Returns whether it took effect."""
-        config = self.config
-        if self.proposer or config.batching != "continuous" or config.step_policy != "mixed":
-            return False
-        self._cohort = DecodeCohort(self.kv.block_size, token_id)
-        return True
-
     def num_waiting(self, lane: str | None = None) -> int:
         return self.waiting.count(lane)
 
@@ -193,7 +186,7 @@ class Scheduler:
         come (an offline run past its last arrival), so static and dynamic batching may
         start a short batch now instead of waiting for it to fill."""
         now = self.clock()
-        step = _StepPlan(self.config.max_num_batched_tokens)
+        step = StepPlan(self.config.max_num_batched_tokens)
         if self.config.batching != "continuous" and not self.running:
             self._admit_batch(now, no_more_arrivals)
         if self._cohort is not None:
@@ -264,114 +257,7 @@ class Scheduler:
 
     # ---- phases ----------------------------------------------------------------
 
-    def _schedule_steady_decodes(self, step: _StepPlan) -> None:
-        """The cohort's part of a step: members due their last decode go back to the
-        running list, running decodes with two or more left join, the members' new
-        blocks are taken. Unless the step's decodes would not all fit the budget and the
-        free blocks: then the cohort dissolves first, so the step goes by the book (the
-        same, since decodes that all fit are planned alike in any order)."""
-        cohort = self._cohort
-        assert cohort is not None
-        for request in cohort.last_decodes():
-            cohort.release(request)
-            self._run_again(request)
-        staying: list[Request] = []
-        decodes = 0  # ones that stay in the running list
-        for request in self.running:
-            if request.num_tokens - request.num_computed_tokens != 1:
-                staying.append(request)
-                continue
-            steps_left = self._decodes_left(request, cohort.token_id)
-            computed = request.num_computed_tokens
-            # A prompt's last token (one behind, nothing out yet) makes the first token:
-            # update() times that one.
-            if (
-                steps_left > 1
-                and request.num_output_tokens
-                and len(request.block_ids) == self.kv.blocks_needed(computed)
-            ):
-                cohort.join(request, steps_left)
-            else:
-                staying.append(request)
-                decodes += 1
-        self.running = staying
-        new_blocks = cohort.num_new_blocks() + sum(
-            1
-            for r in staying
-            if r.num_tokens - r.num_computed_tokens == 1
-            and len(r.block_ids) < self.kv.blocks_needed(r.num_tokens)
-        )
-        if decodes + len(cohort) > step.budget or new_blocks > self.kv.num_free_blocks:
-            self._dissolve_cohort()
-            return
-        cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
-        step.budget -= len(cohort)
-
-    def steady_outlook(self, limit: int) -> list[SteadyDecodes]:
-        """The next steps (at most `limit`) if they will be the cohort's decodes alone,
-        should no request arrive: none other runs or waits, and each step's new blocks
-        are free. Up to the cohort's next change (a member's last decode, or a step whose
-        blocks would not all be free); empty when the next step is not such a step."""
-        cohort = self._cohort
-        if (
-            not cohort
-            or self.running
-            or self.waiting.count()
-            or len(cohort) > self.config.max_num_batched_tokens
-        ):
-            return []
-        free = self.kv.num_free_blocks
-        steps = []
-        for ahead in range(min(limit, cohort.steps_before_last_decode())):
-            free -= cohort.num_new_blocks(ahead)
-            if free < 0:
-                break
-            steps.append(SteadyDecodes(len(cohort), cohort.total_context(ahead)))
-        return steps
-
-    def run_steady(self, ends: list[float]) -> None:
-        """Run the first len(ends) steps steady_outlook() foresaw, as schedule() and update()
-        would have, the clock reading `ends[i]` after step i."""
-        cohort = self._cohort
-        assert cohort is not None
-        self._finished_ids.clear()  # the first step would have told the executor
-        for end in ends:
-            cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
-            cohort.end_step(end)
-        if self._debug_invariants:
-            self.check_invariants()
-
-    def _decodes_left(self, request: Request, token_id: int) -> int:
-        """Decodes until the request finishes if every one samples `token_id`."""
-        params = request.sampling_params
-        if token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in request.eos_token_ids
-        ):
-            return 1
-        return min(
-            params.max_tokens - request.num_output_tokens,
-            self.max_model_len - request.num_tokens,
-        )
-
-    def _dissolve_cohort(self, step: _StepPlan | None = None) -> None:
-        """Every member back in the running list, whole. Mid-step (`step`), their decodes
-        of this step, budget and blocks already taken, become ordinary ones."""
-        cohort = self._cohort
-        assert cohort is not None
-        members = cohort.members
-        if step is not None:
-            step.budget += len(members)
-        for request in members:
-            cohort.release(request, decoding=step is not None)
-            self._run_again(request)
-            if step is not None:
-                step.add(request, 1)
-
-    def _run_again(self, request: Request) -> None:
-        """Back into the running list, which stays in admission order."""
-        bisect.insort(self.running, request, key=lambda r: r.admission_seq)
-
-    def _schedule_decodes(self, step: _StepPlan) -> None:
+    def _schedule_decodes(self, step: StepPlan) -> None:
         decodes = [
             r
             for r in self.running
@@ -417,7 +303,7 @@ class Scheduler:
         proposals = self.proposer.propose(list(queries.values()))
         return dict(zip(queries, proposals, strict=True))
 
-    def _schedule_prefills(self, step: _StepPlan, now: float) -> None:
+    def _schedule_prefills(self, step: StepPlan, now: float) -> None:
         # While the batch lane has work, interactive prefills leave it a share of the budget.
         reserve = 0
         if self._lane_has_prefill_work("batch") and self._lane_has_prefill_work("interactive"):
@@ -427,7 +313,7 @@ class Scheduler:
         self._schedule_lane_prefills("interactive", reserve, step, now)
         self._schedule_lane_prefills("batch", 0, step, now)
 
-    def _schedule_lane_prefills(self, lane: str, reserve: int, step: _StepPlan, now: float) -> None:
+    def _schedule_lane_prefills(self, lane: str, reserve: int, step: StepPlan, now: float) -> None:
         for request in [r for r in self.running if r.lane == lane]:
             budget = step.budget - reserve
             if budget < 1:
@@ -450,7 +336,7 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------
 
-    def _admit(self, request: Request, budget: int, step: _StepPlan, now: float) -> _Admission:
+    def _admit(self, request: Request, budget: int, step: StepPlan, now: float) -> _Admission:
         """Move a waiting request to running with its first chunk, if it fits."""
         cached = self.kv.find_cached_prefix(request)
         num_cached = len(cached) * self.kv.block_size
@@ -519,12 +405,12 @@ class Scheduler:
             guaranteed = min(guaranteed, cap)
         return max(0, min(guaranteed, waiting) - self.num_running("batch"))
 
-    def _long_prefill_slots_taken(self, remaining: int, step: _StepPlan) -> bool:
+    def _long_prefill_slots_taken(self, remaining: int, step: StepPlan) -> bool:
         threshold = self.config.long_prefill_token_threshold
         cap = self.config.max_long_partial_prefills
         return bool(threshold and cap and remaining > threshold and step.num_long_prefills >= cap)
 
-    def _chunk(self, request: Request, remaining: int, budget: int, step: _StepPlan) -> int:
+    def _chunk(self, request: Request, remaining: int, budget: int, step: StepPlan) -> int:
         """Tokens of this prefill to compute now (0: not this step)."""
         if self._long_prefill_slots_taken(remaining, step):
             return 0
@@ -545,7 +431,7 @@ class Scheduler:
 
     # ---- memory pressure -------------------------------------------------------
 
-    def _allocate_or_preempt(self, request: Request, n: int, step: _StepPlan) -> bool:
+    def _allocate_or_preempt(self, request: Request, n: int, step: StepPlan) -> bool:
         """Allocate for a running request, preempting the lowest-ranked running
         request (possibly this one) until it fits."""
         while not self.kv.allocate(request, n):
@@ -568,7 +454,7 @@ class Scheduler:
         ]
         return max(eligible, key=victim_key) if eligible else None
 
-    def _preempt(self, request: Request, step: _StepPlan) -> None:
+    def _preempt(self, request: Request, step: StepPlan) -> None:
         step.remove(request)
         self.running.remove(request)
         self.kv.cache_full_blocks(request)
@@ -607,7 +493,7 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
-    def _output(self, step: _StepPlan, now: float) -> SchedulerOutput:
+    def _output(self, step: StepPlan, now: float) -> SchedulerOutput:
         seqs: list[ScheduledSeq] = []
         num_decode = num_draft = 0
         # Decodes first, the executor batching the one-token queries together; each part in
@@ -653,30 +539,3 @@ class _Admission(enum.Enum):
     ADMITTED = "admitted"
     SKIPPED = "skipped"  # held back by a policy limit; the next in line may go
     BLOCKED = "blocked"  # no memory or budget; everyone behind it waits too
-
-
-class _StepPlan:
-    """The step being composed: tokens per request and the budget left."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.tokens: dict[Request, int] = {}
-        self.drafts: dict[Request, list[int]] = {}  # speculating decodes' guesses
-        self.preempted: list[Request] = []
-        self.num_long_prefills = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.tokens.values())
-
-    def add(self, request: Request, n: int) -> None:
-        self.tokens[request] = n
-        self.budget -= n
-
-    def remove(self, request: Request) -> None:
-        self.budget += self.tokens.pop(request, 0)
-        self.drafts.pop(request, None)
-
-    def real(self, request: Request, n: int) -> int:
-        """Of a request's n tokens in this step, those that are not drafts."""
-        return n - len(self.drafts.get(request, ()))

@@ -1,0 +1,158 @@
+"""The scheduler's side of the decode cohort (core/decode_cohort.py): which decodes join
+it, when it gives them back, and the stretches of steps it runs alone.
+
+A part of `Scheduler` (it inherits this), kept apart because only the simulator turns it
+on: the state is the scheduler's own (running list, block pool, the cohort).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+from iterserve.core.decode_cohort import DecodeCohort
+from iterserve.core.outputs import SteadyDecodes
+from iterserve.core.request import Request
+from iterserve.core.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from iterserve.config import SchedulerConfig
+    from iterserve.core.kv_cache import KVCacheManager
+    from iterserve.core.policies import WaitingQueues
+    from iterserve.core.speculation import Proposer
+
+
+class SteadyDecodePlanning:
+    # The scheduler's state this part reads and changes.
+    config: SchedulerConfig
+    kv: KVCacheManager
+    waiting: WaitingQueues
+    running: list[Request]
+    proposer: Proposer | None
+    max_model_len: int
+    _cohort: DecodeCohort | None
+    _finished_ids: list[str]
+    _debug_invariants: bool
+
+    if TYPE_CHECKING:
+
+        def check_invariants(self) -> None: ...
+
+    def advance_decodes_together(self, token_id: int) -> bool:
+        """Keep steady decodes aside and advance them in aggregate (core/decode_cohort.py):
+        for an executor that samples `token_id` for every decode and prices a step without
+        each decode's inputs (the simulator). Same decisions, same timings; steps whose
+        plan depends on each request (speculation, prefill-first steps, static and
+        dynamic batches) go on one by one. Returns whether it took effect."""
+        config = self.config
+        if self.proposer or config.batching != "continuous" or config.step_policy != "mixed":
+            return False
+        self._cohort = DecodeCohort(self.kv.block_size, token_id)
+        return True
+
+    def _schedule_steady_decodes(self, step: StepPlan) -> None:
+        """The cohort's part of a step: members due their last decode go back to the
+        running list, running decodes with two or more left join, the members' new
+        blocks are taken. Unless the step's decodes would not all fit the budget and the
+        free blocks: then the cohort dissolves first, so the step goes by the book (the
+        same, since decodes that all fit are planned alike in any order)."""
+        cohort = self._cohort
+        assert cohort is not None
+        for request in cohort.last_decodes():
+            cohort.release(request)
+            self._run_again(request)
+        staying: list[Request] = []
+        decodes = 0  # ones that stay in the running list
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                staying.append(request)
+                continue
+            steps_left = self._decodes_left(request, cohort.token_id)
+            computed = request.num_computed_tokens
+            # A prompt's last token (one behind, nothing out yet) makes the first token:
+            # update() times that one.
+            if (
+                steps_left > 1
+                and request.num_output_tokens
+                and len(request.block_ids) == self.kv.blocks_needed(computed)
+            ):
+                cohort.join(request, steps_left)
+            else:
+                staying.append(request)
+                decodes += 1
+        self.running = staying
+        new_blocks = cohort.num_new_blocks() + sum(
+            1
+            for r in staying
+            if r.num_tokens - r.num_computed_tokens == 1
+            and len(r.block_ids) < self.kv.blocks_needed(r.num_tokens)
+        )
+        if decodes + len(cohort) > step.budget or new_blocks > self.kv.num_free_blocks:
+            self._dissolve_cohort()
+            return
+        cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
+        step.budget -= len(cohort)
+
+    def steady_outlook(self, limit: int) -> list[SteadyDecodes]:
+        """The next steps (at most `limit`) if they will be the cohort's decodes alone,
+        should no request arrive: none other runs or waits, and each step's new blocks
+        are free. Up to the cohort's next change (a member's last decode, or a step whose
+        blocks would not all be free); empty when the next step is not such a step."""
+        cohort = self._cohort
+        if (
+            not cohort
+            or self.running
+            or self.waiting.count()
+            or len(cohort) > self.config.max_num_batched_tokens
+        ):
+            return []
+        free = self.kv.num_free_blocks
+        steps = []
+        for ahead in range(min(limit, cohort.steps_before_last_decode())):
+            free -= cohort.num_new_blocks(ahead)
+            if free < 0:
+                break
+            steps.append(SteadyDecodes(len(cohort), cohort.total_context(ahead)))
+        return steps
+
+    def run_steady(self, ends: list[float]) -> None:
+        """Run the first len(ends) steps steady_outlook() foresaw, as schedule() and update()
+        would have, the clock reading `ends[i]` after step i."""
+        cohort = self._cohort
+        assert cohort is not None
+        self._finished_ids.clear()  # the first step would have told the executor
+        for end in ends:
+            cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
+            cohort.end_step(end)
+        if self._debug_invariants:
+            self.check_invariants()
+
+    def _decodes_left(self, request: Request, token_id: int) -> int:
+        """Decodes until the request finishes if every one samples `token_id`."""
+        params = request.sampling_params
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in request.eos_token_ids
+        ):
+            return 1
+        return min(
+            params.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+
+    def _dissolve_cohort(self, step: StepPlan | None = None) -> None:
+        """Every member back in the running list, whole. Mid-step (`step`), their decodes
+        of this step, budget and blocks already taken, become ordinary ones."""
+        cohort = self._cohort
+        assert cohort is not None
+        members = cohort.members
+        if step is not None:
+            step.budget += len(members)
+        for request in members:
+            cohort.release(request, decoding=step is not None)
+            self._run_again(request)
+            if step is not None:
+                step.add(request, 1)
+
+    def _run_again(self, request: Request) -> None:
+        """Back into the running list, which stays in admission order."""
+        bisect.insort(self.running, request, key=lambda r: r.admission_seq)
