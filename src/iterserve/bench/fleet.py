@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
-from iterserve.core.outputs import SchedulerOutput, SteadyDecodes
+from iterserve.core.outputs import SchedulerOutput
 from iterserve.core.request import Request
 from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, make_router
 from iterserve.core.scheduler import Scheduler
@@ -69,7 +69,7 @@ class Glide:
     steady decodes run in them (Scheduler.steady_outlook), so nothing but an arrival can
     change them. The fleet runs them lazily, all at once, up to the moment it must."""
 
-    steps: list[SteadyDecodes]
+    num_seqs: int  # decodes in each step (no member leaves during a glide)
     costs: list[float]
     ends: list[float]  # the clock after each step
     starts: list[float]
@@ -139,7 +139,8 @@ class Replica:
         for cost in costs:  # added up as SimulatedExecutor.execute adds, to the last bit
             now += cost
             ends.append(now)
-        return Glide(steps, costs, ends, [self.clock.now, *ends[:-1]], self.tracker.outstanding)
+        starts = [self.clock.now, *ends[:-1]]
+        return Glide(steps[0].num_seqs, costs, ends, starts, self.tracker.outstanding)
 
     def land(self, glide: Glide, num_steps: int) -> None:
         """Run the glide's first `num_steps` steps."""
@@ -148,8 +149,8 @@ class Replica:
         for cost in glide.costs[:num_steps]:
             self.executor.busy_time += cost
         self.clock.now = glide.ends[num_steps - 1]
-        self.engine.run_steady(glide.steps, glide.ends[:num_steps])
-        self.tracker.made(sum(step.num_seqs for step in glide.steps[:num_steps]))
+        self.engine.run_steady(glide.num_seqs, glide.ends[:num_steps])
+        self.tracker.made(glide.num_seqs * num_steps)
 
     def progress(self, request: Request, new_tokens: int, finished: bool) -> None:
         self.tracker.progress(request.request_id, new_tokens)
@@ -252,9 +253,8 @@ def _simulate_fleet(
                     continue
                 glide = glides[index]
                 done = glide.steps_started_before(next_arrival)
-                steady = glide.steps[0].num_seqs
                 loads[index] = ReplicaLoad(
-                    glide.outstanding - steady * done, loads[index].num_requests
+                    glide.outstanding - glide.num_seqs * done, loads[index].num_requests
                 )
                 if done < len(glide.starts):
                     heapq.heappush(glide_steps, (glide.starts[done], index, version))
@@ -282,7 +282,7 @@ def _simulate_fleet(
             continue
         replica = fleet[index]
         if index in glides:  # glided all the way
-            replica.land(glides[index], len(glides.pop(index).steps))
+            replica.land(glides[index], len(glides.pop(index).ends))
             loads[index] = replica.load()
             heapq.heappush(busy, (replica.clock.now, index, version))
             continue
@@ -345,7 +345,7 @@ def _record(record: RequestRecord, request: Request) -> None:
     t = request.timings
     record.first_scheduled_time = t.first_scheduled
     record.first_token_time = t.first_token
-    record.token_times = list(t.token_times)
+    record.token_times = t.token_times  # the request is done with them
     record.finish_time = t.finished
     record.output_len = request.num_output_tokens
     record.num_cached_tokens = request.num_cached_tokens

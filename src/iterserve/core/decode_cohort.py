@@ -10,7 +10,7 @@ how many cross into a new block (members are bucketed by position modulo block s
 A member's own fields catch up (`release`) when the scheduler needs it whole: on its
 last decode (done explicitly, so it finishes the ordinary way), or when the cohort
 dissolves (preemption, abort). So `iterserve simulate` pays per arrival and per finish,
-not per request per step; tests/test_simulate.py checks the results are identical to
+not per request per step; tests/test_fleet.py checks the results are identical to
 stepping every request (`--step-by-step`).
 
 The real engine never uses it: its executor needs each request's inputs every step.

@@ -27,19 +27,21 @@ def victim_key(request: Request) -> tuple[int, int, int]:
     return (_LANE_RANK[request.lane], request.priority, request.admission_seq)
 
 
+def _rank(lane: str, priority: int) -> tuple[int, int]:
+    """Higher yields memory to lower."""
+    return _LANE_RANK[lane], priority
+
+
 def outranks(candidate: Request, victim: Request) -> bool:
     """Whether a waiting request may take a running one's memory."""
-    return (_LANE_RANK[victim.lane], victim.priority) > (
-        _LANE_RANK[candidate.lane],
-        candidate.priority,
-    )
+    return _rank(victim.lane, victim.priority) > _rank(candidate.lane, candidate.priority)
 
 
 def outranks_any(candidate: Request, ranks: Counter[tuple[str, int]]) -> bool:
     """Whether a waiting request outranks any running one of these (lane, priority)
     ranks (counted; a rank with count 0 has no request left)."""
-    mine = (_LANE_RANK[candidate.lane], candidate.priority)
-    return any(n and (_LANE_RANK[lane], priority) > mine for (lane, priority), n in ranks.items())
+    mine = _rank(candidate.lane, candidate.priority)
+    return any(n and _rank(*rank) > mine for rank, n in ranks.items())
 
 
 class WaitingQueues:

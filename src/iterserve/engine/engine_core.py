@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.kv_cache import KVCacheManager
-from iterserve.core.outputs import RequestUpdate, SchedulerOutput, SteadyDecodes
+from iterserve.core.outputs import RequestUpdate, SchedulerOutput
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import Proposer
 from iterserve.executor.base import Executor
@@ -108,11 +108,12 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def run_steady(self, steps: list[SteadyDecodes], ends: list[float]) -> None:
-        """Run the first len(ends) of `steps` (Scheduler.steady_outlook) at once: the
-        simulator prices them itself and jumps its clock to `ends[-1]`."""
+    def run_steady(self, num_seqs: int, ends: list[float]) -> None:
+        """Run the first len(ends) steps Scheduler.steady_outlook foresaw, `num_seqs`
+        decodes each, at once: the simulator prices them itself and jumps its clock to
+        `ends[-1]`."""
         self.scheduler.run_steady(ends)
-        tokens = sum(step.num_seqs for step in steps[: len(ends)])
+        tokens = num_seqs * len(ends)
         stats = self.stats
         stats.num_steps += len(ends)
         stats.decode_tokens += tokens
