@@ -8,6 +8,7 @@ clocks (client wall clock, engine monotonic clock) compare directly.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 
@@ -24,8 +25,9 @@ class RequestRecord:
     # The engine first admitted it (offline runner only: a client cannot see this).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    # One instant per output token (engine) or per streamed chunk with a token (client).
-    token_times: list[float] = field(default_factory=list)
+    # One instant per output token (engine) or per streamed chunk with a token (client);
+    # the simulator hands over its requests' float arrays as they are.
+    token_times: list[float] | array[float] = field(default_factory=list)
     finish_time: float | None = None
     output_len: int = 0  # tokens actually generated (usage.completion_tokens on a server)
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache

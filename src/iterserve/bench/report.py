@@ -82,7 +82,9 @@ class BenchReport:
         if self.peer is not None:
             out["peer"] = asdict(self.peer) | {"output_throughput_ratio": self.peer_ratio}
         if include_records:
-            out["records"] = [asdict(r) for r in self.records]
+            out["records"] = [
+                asdict(r) | {"token_times": list(r.token_times)} for r in self.records
+            ]
         return out
 
     def save(self, path: str | Path, include_records: bool = False) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ class DecodeCohort:
         self.block_size = block_size
         self.token_id = token_id  # what the executor samples for every decode
         self.step = 0  # cohort steps run so far
-        self._step_times: list[float] = []  # when each cohort step ended (its token time)
+        self._step_times = array("d")  # when each cohort step ended (its token time)
         self._members: dict[Request, _Member] = {}
         # Heap of (last, admission order, join number, member, request); entries of members
         # released early stay until they surface.
@@ -130,6 +131,6 @@ class DecodeCohort:
             del self.blocks[-owed:]
         if not self._members:  # start afresh: the step times served their last member
             assert not self.blocks, "blocks taken for members are left over"
-            self._step_times.clear()
+            del self._step_times[:]
             self._last_steps.clear()
             self.step = 0

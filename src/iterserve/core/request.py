@@ -8,6 +8,7 @@ Prefill is the catch-up of many tokens, decode the catch-up of one.
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,7 +51,9 @@ class RequestTimings:
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    # A float array, not a list: 8 bytes a token rather than ~32, and numpy reads it
+    # without a copy (a simulated million requests make ~2e8 of them).
+    token_times: array[float] = field(default_factory=lambda: array("d"))
     finished: float | None = None
 
 

@@ -320,5 +320,5 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
-            timings=replace(request.timings, token_times=list(request.timings.token_times)),
+            timings=replace(request.timings, token_times=request.timings.token_times[:]),
         )

@@ -34,7 +34,7 @@ class RequestMetrics:
     @classmethod
     def from_timings(cls, timings: RequestTimings) -> RequestMetrics:
         arrival = timings.arrival
-        # Copied once: the engine thread may still append to a live request's list.
+        # Copied once: the engine thread may still append to a live request's times.
         times = list(timings.token_times)
         gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
         return cls(
