@@ -60,7 +60,7 @@ def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
 
 # Most steps a replica glides over at once: bounds the prices computed ahead (and thrown
 # away when a request arrives first).
-_GLIDE_LIMIT = 256
+_GLIDE_LIMIT = 16
 
 
 @dataclass
@@ -151,6 +151,26 @@ class Replica:
         self.clock.now = glide.ends[num_steps - 1]
         self.engine.run_steady(glide.num_seqs, glide.ends[:num_steps])
         self.tracker.made(glide.num_seqs * num_steps)
+
+    def step(
+        self,
+        requests: dict[str, Request],
+        records: dict[str, RequestRecord],
+        no_more_arrivals: bool,
+    ) -> bool:
+        """One engine step by the book; whether it did any work. A request it finishes
+        leaves `requests` for its entry in `records`."""
+        step = self.engine.step(no_more_arrivals)
+        if not step.did_work:
+            return False
+        if step.scheduled.steady is not None:
+            self.tracker.made(step.scheduled.steady.num_seqs)
+        for update in step.updates:
+            request = requests[update.request_id]
+            self.progress(request, len(update.new_token_ids), update.finished)
+            if update.finished:
+                _record(records[update.request_id], requests.pop(update.request_id))
+        return True
 
     def progress(self, request: Request, new_tokens: int, finished: bool) -> None:
         self.tracker.progress(request.request_id, new_tokens)
@@ -281,27 +301,16 @@ def _simulate_fleet(
         if version != versions[index]:
             continue
         replica = fleet[index]
-        if index in glides:  # glided all the way
+        if index in glides:  # glided all the way (it may glide on)
             replica.land(glides[index], len(glides.pop(index).ends))
             loads[index] = replica.load()
-            heapq.heappush(busy, (replica.clock.now, index, version))
-            continue
-        step = replica.engine.step(no_more_arrivals=not order)
-        if not step.did_work:
-            # Nothing runnable: jump to the next arrival (or let a dynamic batch's wait pass).
+        elif replica.step(requests, by_id, not order):
+            loads[index] = replica.load()
+        else:  # nothing runnable: on to the next arrival (or let a dynamic batch wait)
             candidates = [t for t in (next_arrival, wait and replica.clock.now + wait) if t]
             if not candidates or min(candidates) == math.inf:
                 raise RuntimeError("the simulated scheduler is stuck with nothing to run")
             replica.clock.advance_to(min(candidates))
-        else:
-            if step.scheduled.steady is not None:
-                replica.tracker.made(step.scheduled.steady.num_seqs)
-            for update in step.updates:
-                request = requests[update.request_id]
-                replica.progress(request, len(update.new_token_ids), update.finished)
-                if update.finished:
-                    _record(by_id[update.request_id], requests.pop(update.request_id))
-            loads[index] = replica.load()
         if not replica.engine.has_unfinished():
             continue
         glide = None if step_by_step else replica.plan_glide()

@@ -61,8 +61,20 @@ class SteadyDecodePlanning:
         for request in cohort.last_decodes():
             cohort.release(request)
             self._run_again(request)
+        self._join_cohort(cohort)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        new_blocks = cohort.num_new_blocks() + sum(
+            1 for r in decoding if len(r.block_ids) < self.kv.blocks_needed(r.num_tokens)
+        )
+        if len(decoding) + len(cohort) > step.budget or new_blocks > self.kv.num_free_blocks:
+            self._dissolve_cohort()
+            return
+        cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
+        step.budget -= len(cohort)
+
+    def _join_cohort(self, cohort: DecodeCohort) -> None:
+        """Running decodes with two or more steps left join the cohort."""
         staying: list[Request] = []
-        decodes = 0  # ones that stay in the running list
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1:
                 staying.append(request)
@@ -79,26 +91,20 @@ class SteadyDecodePlanning:
                 cohort.join(request, steps_left)
             else:
                 staying.append(request)
-                decodes += 1
         self.running = staying
-        new_blocks = cohort.num_new_blocks() + sum(
-            1
-            for r in staying
-            if r.num_tokens - r.num_computed_tokens == 1
-            and len(r.block_ids) < self.kv.blocks_needed(r.num_tokens)
-        )
-        if decodes + len(cohort) > step.budget or new_blocks > self.kv.num_free_blocks:
-            self._dissolve_cohort()
-            return
-        cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
-        step.budget -= len(cohort)
 
     def steady_outlook(self, limit: int) -> list[SteadyDecodes]:
         """The next steps (at most `limit`) if they will be the cohort's decodes alone,
         should no request arrive: none other runs or waits, and each step's new blocks
         are free. Up to the cohort's next change (a member's last decode, or a step whose
-        blocks would not all be free); empty when the next step is not such a step."""
+        blocks would not all be free); empty when the next step is not such a step.
+
+        Running decodes that the next step would let join the cohort join it first (they
+        can: none is due its last decode in that step), so a request whose prompt was
+        just computed does not hold a replica to one more step by the book."""
         cohort = self._cohort
+        if cohort is not None and self.running:
+            self._join_cohort(cohort)
         if (
             not cohort
             or self.running
