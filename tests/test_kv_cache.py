@@ -39,7 +39,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         num_cached = len(cached) * BLOCK
         assert num_cached < request.num_tokens
         for block_id in cached:  # a hit really holds these tokens' name
-            assert self.kv.blocks[block_id].block_hash is not None
+            assert self.kv.block_name(block_id) is not None
         chunk = min(request.num_tokens - num_cached, 6)
         if self.kv.allocate(request, chunk, cached):
             request.num_computed_tokens = num_cached + chunk
@@ -96,7 +96,7 @@ def test_shared_prefix_shares_blocks_and_lru_keeps_them() -> None:
 
     second = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 42, 43])
     cached = kv.find_cached_prefix(second)
-    assert len(cached) == 2 and kv.blocks[cached[0]].ref_count == 0
+    assert len(cached) == 2 and kv.ref_count(cached[0]) == 0
     assert kv.allocate(second, second.num_tokens - 8, cached)
     assert second.block_ids[:2] == cached
     assert kv.stats().num_used_blocks == 3
@@ -186,15 +186,15 @@ def _pool_with_a_shared_prefix() -> tuple[KVCacheManager, list[Request]]:
     ("corrupt", "message"),
     [
         (
-            lambda kv, reqs: setattr(kv.blocks[reqs[0].block_ids[0]], "ref_count", 1),
+            lambda kv, reqs: kv._refs.__setitem__(reqs[0].block_ids[0], 1),
             "has ref_count 1 but 2 block tables hold it",
         ),
         (
-            lambda kv, reqs: kv._free.pop(7),
+            lambda kv, reqs: kv._free.remove(7),
             "block 7 with ref_count 0 is missing from the free queue",
         ),
         (
-            lambda kv, reqs: kv._free.__setitem__(reqs[1].block_ids[-1], None),
+            lambda kv, reqs: kv._free.push_back(reqs[1].block_ids[-1]),
             "is in the free queue",
         ),
         (
@@ -202,7 +202,7 @@ def _pool_with_a_shared_prefix() -> tuple[KVCacheManager, list[Request]]:
             "is named, but the prefix cache maps its name to None",
         ),
         (
-            lambda kv, reqs: setattr(kv.blocks[reqs[0].block_ids[0]], "block_hash", None),
+            lambda kv, reqs: kv._names.__setitem__(reqs[0].block_ids[0], None),
             "the prefix cache maps a name to block 0, not so named",
         ),
         (lambda kv, reqs: reqs[1].block_ids.append(reqs[1].block_ids[0]), "lists a block twice"),

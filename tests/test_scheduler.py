@@ -173,7 +173,7 @@ def _a_step_with_a_leaked_block() -> tuple[Scheduler, SchedulerOutput]:
     scheduler, _ = make_scheduler()
     scheduler.add_request(make_request("a", list(range(1, 10)), max_tokens=4))
     out = scheduler.schedule()
-    scheduler.kv.blocks[out.seqs[0].block_ids[0]].ref_count += 1  # unseen by the pool itself
+    scheduler.kv._refs[out.seqs[0].block_ids[0]] += 1  # unseen by the pool itself
     return scheduler, out
 
 

@@ -7,7 +7,7 @@ block holds which tokens.
 Prefix caching follows vLLM: a full block is named by hash(parent block's hash,
 its tokens), so a block's name covers everything before it. Freed blocks keep
 their contents and their name until the pool needs them again; the free queue
-is LRU, so the blocks used longest ago are reused first.
+is LRU, so the blocks used longest ago are reused first (core/free_blocks.py).
 
 A name is the block's identity: two blocks with the same name share KV, so a
 collision would serve one prompt another's cache (vLLM's CVE-2025-25183). The
@@ -20,23 +20,16 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from iterserve.core.free_blocks import FreeBlockQueue
 from iterserve.core.request import Request
 
 BlockHash = bytes | int
 PrefixHashAlgo = Literal["sha256", "builtin"]
 PREFIX_HASH_ALGOS: tuple[str, ...] = get_args(PrefixHashAlgo)
-
-
-@dataclass(slots=True)
-class KVBlock:
-    block_id: int
-    ref_count: int = 0
-    block_hash: BlockHash | None = None
 
 
 @dataclass(frozen=True)
@@ -101,9 +94,13 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Blocks with ref_count 0, least recently used first: the order they are reused in.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Per block id: how many block tables hold it, and its name in the prefix cache.
+        # Two flat lists rather than an object a block: a large simulation's pools do not
+        # fit in cache, and each object was one more miss.
+        self._refs = [0] * num_blocks
+        self._names: list[BlockHash | None] = [None] * num_blocks
+        # Blocks with ref_count 0, in the order they are reused.
+        self._free = FreeBlockQueue(num_blocks)
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         # Hash chain of each live request's full blocks, computed once per block.
         self._request_hashes: dict[str, list[BlockHash]] = {}
@@ -122,6 +119,14 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables hold the block."""
+        return self._refs[block_id]
+
+    def block_name(self, block_id: int) -> BlockHash | None:
+        """The block's name in the prefix cache; None while it holds nothing reusable."""
+        return self._names[block_id]
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
@@ -181,32 +186,36 @@ class KVCacheManager:
                     holders[block_id] += 1
                 else:
                     problems.append(f"a block table holds block {block_id}, not in the pool")
-        strays = [b for b in self._free if not 0 <= b < self.num_blocks]
+        queued = list(self._free)
+        if len(queued) != len(self._free) or len(set(queued)) != len(queued):
+            problems.append(
+                f"the free queue counts {len(self._free)} blocks but lists {len(queued)} "
+                f"({len(set(queued))} distinct)"
+            )
+        strays = [b for b in queued if not 0 <= b < self.num_blocks]
         if strays:
             problems.append(f"the free queue holds blocks not in the pool: {strays}")
-        for index, block in enumerate(self.blocks):
-            if block.block_id != index:
-                problems.append(f"block {index} calls itself block {block.block_id}")
-            if block.ref_count != holders[index]:
+        for index, (ref_count, name) in enumerate(zip(self._refs, self._names, strict=True)):
+            if ref_count != holders[index]:
                 problems.append(
-                    f"block {index} has ref_count {block.ref_count} but "
+                    f"block {index} has ref_count {ref_count} but "
                     f"{holders[index]} block tables hold it"
                 )
             is_free = index in self._free
-            if is_free != (block.ref_count == 0):
+            if is_free != (ref_count == 0):
                 where = "in" if is_free else "missing from"
                 problems.append(
-                    f"block {index} with ref_count {block.ref_count} is {where} the free queue"
+                    f"block {index} with ref_count {ref_count} is {where} the free queue"
                 )
-            if block.block_hash is not None:
-                mapped = self._cached.get(block.block_hash)
+            if name is not None:
+                mapped = self._cached.get(name)
                 if mapped != index:
                     problems.append(
                         f"block {index} is named, but the prefix cache maps its name to {mapped}"
                     )
         for block_hash, block_id in self._cached.items():
             in_pool = 0 <= block_id < self.num_blocks
-            if not in_pool or self.blocks[block_id].block_hash != block_hash:
+            if not in_pool or self._names[block_id] != block_hash:
                 problems.append(f"the prefix cache maps a name to block {block_id}, not so named")
         if problems:
             raise KVCacheInvariantError("KV block pool inconsistent:\n  " + "\n  ".join(problems))
@@ -234,16 +243,14 @@ class KVCacheManager:
     def take_free_blocks(self, count: int) -> list[int]:
         """`count` free blocks (the caller checked there are), least recently used first,
         for a holder that puts them in block tables itself (core/decode_cohort.py)."""
-        taken = []
-        pop, blocks = self._free.popitem, self.blocks  # hot in large simulations
-        for _ in range(count):
-            block_id, _ = pop(last=False)
-            block = blocks[block_id]
-            if block.block_hash is not None:  # evict: its contents are about to be overwritten
-                del self._cached[block.block_hash]
-                block.block_hash = None
-            block.ref_count = 1
-            taken.append(block_id)
+        taken = self._free.take(count)
+        refs, names, cached = self._refs, self._names, self._cached  # hot in large simulations
+        for block_id in taken:
+            name = names[block_id]
+            if name is not None:  # evict: its contents are about to be overwritten
+                del cached[name]
+                names[block_id] = None
+            refs[block_id] = 1
         return taken
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -258,28 +265,28 @@ class KVCacheManager:
             return
         hashes = self._hashes_for(request)
         self._named_upto[request.request_id] = num_full
-        blocks, cached = self.blocks, self._cached
+        names, name = self._names, self._cached.setdefault  # one dict lookup a block
         for block_id, block_hash in zip(
             request.block_ids[start:num_full], hashes[start:num_full], strict=True
         ):
-            block = blocks[block_id]
-            # Named already, or the same content computed twice (keep the first name).
-            if block.block_hash is None and block_hash not in cached:
-                block.block_hash = block_hash
-                cached[block_hash] = block_id
+            # Named already, or the same content computed twice (keep the first name: an
+            # unnamed block is no name's block, so setdefault gives it back only if new).
+            if names[block_id] is None and name(block_hash, block_id) == block_id:
+                names[block_id] = block_hash
 
     def free(self, request: Request) -> None:
         """Drop the request's references. Its tail blocks are queued for reuse
         before its head, since a shared prefix is the part most worth keeping."""
-        free, blocks = self._free, self.blocks
+        free, refs, names = self._free, self._refs, self._names
         for block_id in reversed(request.block_ids):
-            block = blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
-            if block.ref_count == 0:
-                free[block_id] = None
-                if block.block_hash is None:  # nothing worth keeping: reuse it first
-                    free.move_to_end(block_id, last=False)
+            refs[block_id] -= 1
+            if refs[block_id] == 0:
+                if names[block_id] is None:  # nothing worth keeping: reuse it first
+                    free.push_front(block_id)
+                else:
+                    free.push_back(block_id)
+            elif refs[block_id] < 0:
+                raise KVCacheInvariantError(f"block {block_id} freed more often than taken")
         request.block_ids.clear()
         self._named_upto.pop(request.request_id, None)
 
@@ -292,8 +299,8 @@ class KVCacheManager:
         keep their names, so their requests can still share them."""
         dropped = 0
         for block_hash, block_id in list(self._cached.items()):
-            if self.blocks[block_id].ref_count == 0:
-                self.blocks[block_id].block_hash = None
+            if self._refs[block_id] == 0:
+                self._names[block_id] = None
                 del self._cached[block_hash]
                 dropped += 1
         return dropped
@@ -306,13 +313,12 @@ class KVCacheManager:
 
     def _available(self, cached: Sequence[int]) -> int:
         # A cached hit with no other user sits in the free queue; taking it uses it up.
-        return len(self._free) - sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return len(self._free) - sum(1 for b in cached if self._refs[b] == 0)
 
     def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self._free[block_id]
-        block.ref_count += 1
+        if self._refs[block_id] == 0:
+            self._free.remove(block_id)
+        self._refs[block_id] += 1
 
     def _hashes_for(self, request: Request) -> list[BlockHash]:
         hashes = self._request_hashes.setdefault(request.request_id, [])
