@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import hypothesis.strategies as st
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from iterserve.core.free_blocks import FreeBlockQueue
 from iterserve.core.kv_cache import KVCacheInvariantError, KVCacheManager
 from iterserve.core.request import Request
 from iterserve.sampling_params import SamplingParams
@@ -217,3 +219,70 @@ def test_a_corrupted_pool_fails_its_invariant_check(
     with pytest.raises(KVCacheInvariantError, match="KV block pool inconsistent") as failure:
         kv.check_invariants(r.block_ids for r in requests)
     assert message in str(failure.value)
+
+
+NUM_QUEUED = 64
+
+
+class FreeQueueMachine(RuleBasedStateMachine):
+    """FreeBlockQueue against the OrderedDict it replaced (core/free_blocks.py): the same
+    blocks, reused in the same order, through takes long enough to compact its list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = FreeBlockQueue(NUM_QUEUED)
+        self.model: OrderedDict[int, None] = OrderedDict.fromkeys(range(NUM_QUEUED))
+        self.held: list[int] = []
+
+    @rule(count=st.integers(1, NUM_QUEUED))
+    def take(self, count: int) -> None:
+        count = min(count, len(self.model))
+        expected = [self.model.popitem(last=False)[0] for _ in range(count)]
+        assert self.queue.take(count) == expected
+        self.held += expected
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), front=st.booleans())
+    def give_back(self, data: st.DataObject, front: bool) -> None:
+        block_id = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.model[block_id] = None
+        if front:
+            self.model.move_to_end(block_id, last=False)
+            self.queue.push_front(block_id)
+        else:
+            self.queue.push_back(block_id)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def take_out_of_turn(self, data: st.DataObject) -> None:
+        block_id = data.draw(st.sampled_from(list(self.model)))
+        del self.model[block_id]
+        self.queue.remove(block_id)
+        self.held.append(block_id)
+
+    @invariant()
+    def same_order(self) -> None:
+        assert list(self.queue) == list(self.model)
+        assert len(self.queue) == len(self.model)
+        assert all(block_id in self.queue for block_id in self.model)
+        assert not any(block_id in self.queue for block_id in self.held)
+
+
+TestFreeQueue = FreeQueueMachine.TestCase
+TestFreeQueue.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
+def test_free_queue_compacts_and_keeps_its_order() -> None:
+    queue = FreeBlockQueue(8)
+    model = OrderedDict.fromkeys(range(8))
+    for round_ in range(6000):  # ~20k entries pass the head, past the compaction point
+        taken = queue.take(3)
+        assert taken == [model.popitem(last=False)[0] for _ in range(3)]
+        if round_ % 7 == 0:
+            queue.remove(next(iter(queue)))
+            taken.append(model.popitem(last=False)[0])
+        for block_id in reversed(taken):
+            queue.push_back(block_id)
+            model[block_id] = None
+    assert list(queue) == list(model)
+    assert len(queue._back) < 10_000, "the consumed head was dropped"
