@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from iterserve.core.free_blocks import FreeBlockQueue
-from iterserve.core.kv_cache import KVCacheInvariantError, KVCacheManager
+from iterserve.core.kv_cache import KVCacheInvariantError, KVCacheManager, builtin_block_hash
 from iterserve.core.request import Request
 from iterserve.sampling_params import SamplingParams
 
@@ -286,3 +286,14 @@ def test_free_queue_compacts_and_keeps_its_order() -> None:
             model[block_id] = None
     assert list(queue) == list(model)
     assert len(queue._back) < 10_000, "the consumed head was dropped"
+
+
+def test_builtin_names_are_the_chain_of_builtin_block_hash() -> None:
+    """The pool inlines the builtin hash in its loop; the names must stay the function's."""
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, hash_algo="builtin")
+    request = make_request("a", list(range(3, 3 + 4 * BLOCK + 2)))
+    parent, expected = None, []
+    for start in range(0, 4 * BLOCK, BLOCK):
+        parent = builtin_block_hash(parent, request.all_token_ids[start : start + BLOCK])
+        expected.append(parent)
+    assert kv._hashes_for(request) == expected

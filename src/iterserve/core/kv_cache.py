@@ -326,9 +326,14 @@ class KVCacheManager:
         bs = self.block_size
         start = len(hashes) * bs
         parent = hashes[-1] if hashes else None
-        hash_block = self._hash_block
         # Full blocks not yet hashed, each as a tuple, cut in C (zip over one iterator).
-        for block in zip(*[iter(tokens[start : len(tokens) // bs * bs])] * bs, strict=False):
-            parent = hash_block(parent, block)
+        blocks = zip(*[iter(tokens[start : len(tokens) // bs * bs])] * bs, strict=False)
+        if self._hash_block is builtin_block_hash:  # inlined: a large simulation's hot loop
+            for block in blocks:
+                parent = hash((parent, block))
+                hashes.append(parent)
+            return hashes
+        for block in blocks:
+            parent = self._hash_block(parent, block)
             hashes.append(parent)
         return hashes
