@@ -8,17 +8,16 @@ block out of the middle.
 An OrderedDict does all of that, but its pop from the front and insert at the back were
 the two hottest lines of a large simulation (a million requests take and free ~1e8
 blocks, and each OrderedDict operation touches a hash table and a linked node). Here the
-back is a list read from a moving head, the front a stack, and a block taken out of the
-middle leaves its entry behind, stale, to be skipped when the head reaches it: each free
-block knows the position of its one live entry.
+back is a list read from a moving head, so taking blocks in turn is a slice and freeing
+one an append, and the front is a stack. A block taken out of turn leaves its entry in
+the back list behind, stale: the queue counts such entries per block, and skips one when
+the head reaches it (a block's stale entries all come before its live one, if any).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-_HELD = -1  # the block is not free
-_FRONT = -2  # the block is in the front stack
 # The back list drops its consumed head once the head is past this and past half the list.
 _COMPACT_AFTER = 4096
 
@@ -29,48 +28,39 @@ class FreeBlockQueue:
         self._front: list[int] = []  # its last element is reused first
         self._back = list(range(num_blocks))
         self._head = 0  # index in _back of the next entry to read
-        self._base = 0  # position of _back[0]; positions count every entry ever queued
-        # Per block: the position of its live entry in _back, or _FRONT, or _HELD.
-        self._pos = list(range(num_blocks))
+        self._stale: dict[int, int] = {}  # block -> its stale entries ahead of the head
         self._size = num_blocks
 
     def __len__(self) -> int:
         return self._size
 
-    def __contains__(self, block_id: int) -> bool:
-        return self._pos[block_id] != _HELD
-
     def __iter__(self) -> Iterator[int]:
         """The free blocks in the order they would be reused."""
         yield from reversed(self._front)
-        pos, first = self._pos, self._base + self._head
-        for offset, block_id in enumerate(self._back[self._head :]):
-            if pos[block_id] == first + offset:
+        stale = dict(self._stale)
+        for block_id in self._back[self._head :]:
+            if stale.get(block_id):
+                stale[block_id] -= 1
+            else:
                 yield block_id
 
     def take(self, count: int) -> list[int]:
         """The next `count` blocks to reuse, no longer free (the caller checked there are)."""
         if count > self._size:
             raise ValueError(f"{count} blocks wanted, {self._size} free")
-        front, pos = self._front, self._pos
+        front = self._front
         split = max(0, len(front) - count)
         taken = front[split:][::-1]
         del front[split:]
-        for block_id in taken:
-            pos[block_id] = _HELD
         if len(taken) < count:
-            back, head = self._back, self._head
-            position = self._base + head
-            while len(taken) < count:
-                block_id = back[head]
-                if pos[block_id] == position:  # else a stale entry: the block left early
-                    pos[block_id] = _HELD
-                    taken.append(block_id)
-                head += 1
-                position += 1
+            back, head, wanted = self._back, self._head, count - len(taken)
+            if not self._stale:  # the usual case: the next entries are all live
+                taken += back[head : head + wanted]
+                head += wanted
+            else:
+                head = self._take_skipping_stale(taken, count, head)
             if head > _COMPACT_AFTER and 2 * head > len(back):
                 del back[:head]
-                self._base += head
                 head = 0
             self._head = head
         self._size -= count
@@ -78,22 +68,33 @@ class FreeBlockQueue:
 
     def push_back(self, block_id: int) -> None:
         """Free a block worth keeping: reused after every block free now."""
-        self._pos[block_id] = self._base + len(self._back)
         self._back.append(block_id)
         self._size += 1
 
     def push_front(self, block_id: int) -> None:
         """Free a block with nothing worth keeping: reused before every block free now."""
-        self._pos[block_id] = _FRONT
         self._front.append(block_id)
         self._size += 1
 
     def remove(self, block_id: int) -> None:
-        """Take one free block out of turn (a prefix hit on a block no request holds)."""
-        where = self._pos[block_id]
-        if where == _HELD:
-            raise ValueError(f"block {block_id} is not free")
-        if where == _FRONT:
+        """Take one free block out of turn (a prefix hit on a block no request holds); the
+        caller knows it is free."""
+        if block_id in self._front:  # never a named block, so never for a prefix hit
             self._front.remove(block_id)
-        self._pos[block_id] = _HELD  # an entry in _back stays, stale, until the head passes
+        else:
+            self._stale[block_id] = self._stale.get(block_id, 0) + 1
         self._size -= 1
+
+    def _take_skipping_stale(self, taken: list[int], count: int, head: int) -> int:
+        back, stale = self._back, self._stale
+        while len(taken) < count:
+            block_id = back[head]
+            head += 1
+            left = stale.get(block_id)
+            if left is None:
+                taken.append(block_id)
+            elif left == 1:
+                del stale[block_id]
+            else:
+                stale[block_id] = left - 1
+        return head

@@ -195,13 +195,14 @@ class KVCacheManager:
         strays = [b for b in queued if not 0 <= b < self.num_blocks]
         if strays:
             problems.append(f"the free queue holds blocks not in the pool: {strays}")
+        free = set(queued)
         for index, (ref_count, name) in enumerate(zip(self._refs, self._names, strict=True)):
             if ref_count != holders[index]:
                 problems.append(
                     f"block {index} has ref_count {ref_count} but "
                     f"{holders[index]} block tables hold it"
                 )
-            is_free = index in self._free
+            is_free = index in free
             if is_free != (ref_count == 0):
                 where = "in" if is_free else "missing from"
                 problems.append(
