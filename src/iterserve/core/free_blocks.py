@@ -54,8 +54,9 @@ class FreeBlockQueue:
         del front[split:]
         if len(taken) < count:
             back, head, wanted = self._back, self._head, count - len(taken)
-            if not self._stale:  # the usual case: the next entries are all live
-                taken += back[head : head + wanted]
+            run = back[head : head + wanted]
+            if self._stale.keys().isdisjoint(run):  # the usual case: all of them are live
+                taken += run
                 head += wanted
             else:
                 head = self._take_skipping_stale(taken, count, head)

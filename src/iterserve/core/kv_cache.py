@@ -328,7 +328,10 @@ class KVCacheManager:
 
     def _rebuild_map(self) -> None:
         """The prefix cache's map from the names alone, without stale entries."""
-        self._cached = {name: b for b, name in enumerate(self._names) if name is not None}
+        # Names are unique, so zip pairs each with its block; None pairs with the last
+        # unnamed block and goes. In C: the pass over the names is per block.
+        self._cached = dict(zip(self._names, range(self.num_blocks), strict=True))
+        self._cached.pop(None, None)  # type: ignore[call-overload]
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, cached: Sequence[int]) -> int:
         num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
