@@ -196,7 +196,7 @@ def _pool_with_a_shared_prefix() -> tuple[KVCacheManager, list[Request]]:
             "block 7 with ref_count 0 is missing from the free queue",
         ),
         (
-            lambda kv, reqs: kv._free.push_back(reqs[1].block_ids[-1]),
+            lambda kv, reqs: kv._free.push_back([reqs[1].block_ids[-1]]),
             "is in the free queue",
         ),
         (
@@ -248,9 +248,9 @@ class FreeQueueMachine(RuleBasedStateMachine):
         self.model[block_id] = None
         if front:
             self.model.move_to_end(block_id, last=False)
-            self.queue.push_front(block_id)
+            self.queue.push_front([block_id])
         else:
-            self.queue.push_back(block_id)
+            self.queue.push_back([block_id])
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -279,9 +279,8 @@ def test_free_queue_compacts_and_keeps_its_order() -> None:
         if round_ % 7 == 0:
             queue.remove(next(iter(queue)))
             taken.append(model.popitem(last=False)[0])
-        for block_id in reversed(taken):
-            queue.push_back(block_id)
-            model[block_id] = None
+        queue.push_back(taken[::-1])
+        model.update(dict.fromkeys(taken[::-1]))
     assert list(queue) == list(model)
     assert len(queue._back) < 10_000, "the consumed head was dropped"
 

@@ -67,15 +67,16 @@ class FreeBlockQueue:
         self._size -= count
         return taken
 
-    def push_back(self, block_id: int) -> None:
-        """Free a block worth keeping: reused after every block free now."""
-        self._back.append(block_id)
-        self._size += 1
+    def push_back(self, block_ids: list[int]) -> None:
+        """Free blocks worth keeping: reused after every block free now, in this order."""
+        self._back += block_ids
+        self._size += len(block_ids)
 
-    def push_front(self, block_id: int) -> None:
-        """Free a block with nothing worth keeping: reused before every block free now."""
-        self._front.append(block_id)
-        self._size += 1
+    def push_front(self, block_ids: list[int]) -> None:
+        """Free blocks with nothing worth keeping, one after another: each is reused before
+        every block free before it (so the last of them first)."""
+        self._front += block_ids
+        self._size += len(block_ids)
 
     def remove(self, block_id: int) -> None:
         """Take one free block out of turn (a prefix hit on a block no request holds); the

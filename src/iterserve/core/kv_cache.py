@@ -295,16 +295,17 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Drop the request's references. Its tail blocks are queued for reuse
         before its head, since a shared prefix is the part most worth keeping."""
-        free, refs, names = self._free, self._refs, self._names
+        refs, names = self._refs, self._names
+        keep: list[int] = []
+        drop: list[int] = []  # nothing worth keeping in them: reused first
         for block_id in reversed(request.block_ids):
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                if names[block_id] is None:  # nothing worth keeping: reuse it first
-                    free.push_front(block_id)
-                else:
-                    free.push_back(block_id)
+                (keep if names[block_id] is not None else drop).append(block_id)
             elif refs[block_id] < 0:
                 raise KVCacheInvariantError(f"block {block_id} freed more often than taken")
+        self._free.push_back(keep)
+        self._free.push_front(drop)
         request.block_ids.clear()
         self._named_upto.pop(request.request_id, None)
 
