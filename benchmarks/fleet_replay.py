@@ -1,0 +1,123 @@
+"""How fast the fleet simulator replays a large trace, against a baseline revision run at
+the same time.
+
+This machine's speed drifts by 10-20% from one minute to the next, more than most changes
+to the simulator are worth, so the two runs go side by side, one on each core, and are
+compared by their ratio. Each simulates 64 A100s behind the prefix-affinity router on
+azure-lengths requests at 380 req/s (the README's million-request command, shorter) and
+reports its wall time per `--every` arrivals: the first block is the fleet filling up, the
+later ones its steady state, which is what a million requests cost.
+
+    .venv/bin/python benchmarks/fleet_replay.py --baseline main~3 --num-requests 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def replay(num_requests: int, every: int) -> dict[str, object]:
+    """Simulate in this process; the wall time of each block of `every` arrivals."""
+    from iterserve.bench import fleet
+    from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
+    from iterserve.bench.tokenizer import load_tokenizer
+    from iterserve.bench.workloads import WorkloadSpec, build_workload
+    from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
+        cache=CacheConfig(prefix_caching_hash_algo="builtin"),
+    )
+    spec = WorkloadSpec(name="azure-lengths", num_requests=num_requests)
+    workload = build_workload(spec, load_tokenizer(config.model))
+    offsets = arrival_offsets(ArrivalSpec("poisson", 380.0), num_requests, config.seed)
+    blocks: list[float] = []
+    arrive, arrived, mark = fleet._arrive, [0], [time.perf_counter()]
+
+    def timed_arrive(*args):  # type: ignore[no-untyped-def]
+        arrived[0] += 1
+        if arrived[0] % every == 0:
+            now = time.perf_counter()
+            blocks.append(now - mark[0])
+            mark[0] = now
+        return arrive(*args)
+
+    fleet._arrive = timed_arrive
+    started = time.perf_counter()
+    _, replicas = fleet.simulate_fleet(
+        config, workload, offsets, "a100-80g", "llama3-8b", replicas=64, router="prefix-affinity"
+    )
+    wall = time.perf_counter() - started
+    steps = sum(r.engine.stats.num_steps for r in replicas)
+    return {"wall_s": wall, "steps": steps, "block_s": blocks, "source": fleet.__file__}
+
+
+def side_by_side(baseline: str, num_requests: int, every: int) -> dict[str, dict[str, object]]:
+    """This tree and `baseline` (a git revision, checked out in a temporary worktree),
+    each in its own process, at the same time."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = Path(scratch) / "baseline"
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(tree), baseline],
+            check=True,
+        )
+        try:
+            command = [sys.executable, __file__, "--child", f"--num-requests={num_requests}"]
+            command.append(f"--every={every}")
+            runs = {
+                "this tree": subprocess.Popen(
+                    command, stdout=subprocess.PIPE, env=_with_source(REPO / "src")
+                ),
+                baseline: subprocess.Popen(
+                    command, stdout=subprocess.PIPE, env=_with_source(tree / "src")
+                ),
+            }
+            return {name: json.loads(run.communicate()[0]) for name, run in runs.items()}
+        finally:
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True
+            )
+
+
+def _with_source(src: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(src)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="git revision to run beside this tree")
+    parser.add_argument("--num-requests", type=int, default=200_000)
+    parser.add_argument("--every", type=int, default=50_000, help="arrivals a timed block")
+    parser.add_argument("--result-json", default="bench_results/fleet_replay.json")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(replay(args.num_requests, args.every)))
+        return
+    if args.baseline:
+        results = side_by_side(args.baseline, args.num_requests, args.every)
+    else:
+        results = {"this tree": replay(args.num_requests, args.every)}
+    for name, result in results.items():
+        blocks = " ".join(f"{s:5.1f}" for s in result["block_s"])  # type: ignore[attr-defined]
+        print(
+            f"{name:>12}: {result['wall_s']:6.1f} s, {result['steps']} steps; per block: {blocks}"
+        )
+    if args.baseline:
+        ratio = results["this tree"]["wall_s"] / results[args.baseline]["wall_s"]  # type: ignore[operator]
+        print(f"this tree / {args.baseline}: x{ratio:.3f} wall time")
+    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.result_json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
