@@ -74,6 +74,10 @@ _BLOCK_HASHES: dict[str, Callable[[BlockHash | None, Sequence[int]], BlockHash]]
 }
 
 
+# The prefix cache's map is rebuilt when stale entries make it this many times the pool.
+_STALE_FACTOR = 4
+
+
 class KVCacheInvariantError(AssertionError):
     """The block pool's bookkeeping contradicts itself: a bug in whoever changed it."""
 
@@ -103,8 +107,9 @@ class KVCacheManager:
         self._free = FreeBlockQueue(num_blocks)
         # Block hash -> block id. Evicting a block only clears its name: its entry here
         # stays, stale (the block bears another name or none), until the map is rebuilt
-        # from the names at twice the pool's size. A dict deletion per evicted block was
-        # ~5% of a large fleet simulation; the rebuild is one pass over the names.
+        # from the names at _STALE_FACTOR times the pool's size. A dict deletion per
+        # evicted block cost a fleet simulation more than a rebuild every so often
+        # (benchmarks/fleet_replay.py).
         self._cached: dict[BlockHash, int] = {}
         self._num_named = 0
         # Hash chain of each live request's full blocks, computed once per block.
@@ -289,7 +294,7 @@ class KVCacheManager:
             names[block_id] = block_hash
             named += 1
         self._num_named += named
-        if len(cached) > 2 * self.num_blocks:
+        if len(cached) > _STALE_FACTOR * self.num_blocks:
             self._rebuild_map()
 
     def free(self, request: Request) -> None:
