@@ -205,7 +205,9 @@ def peak_output_throughput(
     streamed = pooled.lengths > 0
     unstreamed = np.fromiter((r.output_len for r in ok), np.int64, len(ok)) - pooled.lengths
     ends = (pooled.starts + pooled.lengths - 1)[streamed]
-    np.add.at(tokens, buckets[ends], np.maximum(0, unstreamed[streamed]))
+    extra = np.maximum(0, unstreamed[streamed])
+    if extra.any():  # bincount, not np.add.at (an unbuffered loop an element)
+        tokens += np.bincount(buckets[ends], extra, len(tokens)).astype(np.int64)
     return float(tokens.max()) / window
 
 
