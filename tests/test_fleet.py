@@ -4,6 +4,7 @@ give exactly the records, steps, preemptions and clocks of stepping every reques
 
 from __future__ import annotations
 
+import random
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,28 @@ def test_an_aborted_member_leaves_with_the_tokens_it_made() -> None:
     assert finished[True] == finished[False]
     assert finished[True, "steps"] == finished[False, "steps"]
     assert len(finished[True][0][1]) == 9  # aborted mid-decode: a token a step, prefill's too
+
+
+def test_requests_finish_in_the_order_and_steps_of_stepping_every_request() -> None:
+    """Members finish among a step's own decodes in admission order, as by the book: the
+    order frees their blocks, which decides what the pool evicts later."""
+    rng = random.Random(5)
+    plan = [(rng.randrange(12), rng.randrange(1, 14), rng.randrange(5, 60)) for _ in range(40)]
+    seen = {}
+    for steady in (False, True):
+        engine = _engine(steady)
+        finishes: list[list[str]] = []
+        step = 0
+        while step < 12 or engine.has_unfinished():
+            for i, (arrival, max_tokens, prompt_len) in enumerate(plan):
+                if arrival == step:
+                    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                    prompt = [1 + (i + t) % 97 for t in range(prompt_len)]
+                    engine.scheduler.add_request(Request(str(i), prompt, params, 0.0))
+            updates = engine.step().updates
+            finishes.append([u.request_id for u in updates if u.finished])
+            step += 1
+        kv = engine.scheduler.kv
+        seen[steady] = finishes, [kv.block_name(b) for b in kv._free]
+    assert seen[True] == seen[False]
+    assert sum(len(ids) > 1 for ids in seen[True][0]) >= 5  # steps that finish several

@@ -7,23 +7,24 @@ computed token, one more output token, one more token time, a new KV block every
 `block_size` tokens. The cohort keeps those requests aside and does that bookkeeping in
 aggregate: per step it needs only how many members there are, their summed context, and
 how many cross into a new block (members are bucketed by position modulo block size).
-A member's own fields catch up (`release`) when the scheduler needs it whole: on its
-last decode (done explicitly, so it finishes the ordinary way), or when the cohort
-dissolves (preemption, abort). So `iterserve simulate` pays per arrival and per finish,
-not per request per step; tests/test_fleet.py checks the results are identical to
-stepping every request (`--step-by-step`).
+A member makes its last decode in the cohort too, and then the scheduler finishes it
+the ordinary way (`done` after the step); its own fields catch up (`release`) then, or
+whenever the scheduler needs it whole: when the cohort dissolves (preemption, abort). So
+`iterserve simulate` pays per arrival and per finish, not per request per step;
+tests/test_fleet.py checks the results are identical to stepping every request
+(`--step-by-step`).
 
 The real engine never uses it: its executor needs each request's inputs every step.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from array import array
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from iterserve.core.outputs import SteadyDecodes
 from iterserve.core.request import Request
 
 
@@ -31,7 +32,7 @@ from iterserve.core.request import Request
 class _Member:
     joined: int  # cohort step at which it joined
     offset: int  # computed tokens at joining, minus `joined`: position = offset + step
-    last: int  # cohort step of its final decode, which it makes outside the cohort
+    last: int  # cohort step of its final decode
 
 
 class DecodeCohort:
@@ -41,10 +42,9 @@ class DecodeCohort:
         self.step = 0  # cohort steps run so far
         self._step_times = array("d")  # when each cohort step ended (its token time)
         self._members: dict[Request, _Member] = {}
-        # Heap of (last, admission order, join number, member, request); entries of members
-        # released early stay until they surface.
-        self._last_steps: list[tuple[int, int, int, _Member, Request]] = []
-        self._joins = itertools.count()
+        # Members by the cohort step of their last decode; entries of members released
+        # early stay until their step comes (a member is live while _members maps it).
+        self._last_steps: dict[int, list[tuple[_Member, Request]]] = {}
         # Members by position modulo block size: those at 0 need a new block this step.
         self._phases = [0] * block_size
         self._offset_sum = 0
@@ -65,30 +65,44 @@ class DecodeCohort:
 
     # ---- this step -------------------------------------------------------------
 
-    def total_context(self, ahead: int = 0) -> int:
-        """Tokens the members attend over this step (each its own new one included), or
-        `ahead` steps later if none leaves meanwhile."""
-        return self._offset_sum + len(self._members) * (self.step + ahead + 1)
+    def num_new_blocks(self) -> int:
+        """Members whose token this step starts a new KV block."""
+        return self._phases[-self.step % self.block_size]
 
-    def num_new_blocks(self, ahead: int = 0) -> int:
-        """Members whose token this step (or `ahead` steps later) starts a new KV block."""
-        return self._phases[-(self.step + ahead) % self.block_size]
+    def decodes(self) -> SteadyDecodes:
+        """This step's decodes (the cohort must not be empty)."""
+        return next(self.ahead(1))[0]
 
-    def steps_before_last_decode(self) -> int:
-        """Steps from this one before the first that holds a member's last decode."""
-        heap = self._last_steps
-        while heap and self._members.get(heap[0][4]) is not heap[0][3]:
-            heapq.heappop(heap)  # a member that left early
-        return heap[0][0] - self.step if heap else 0
+    def ahead(self, limit: int) -> Iterator[tuple[SteadyDecodes, int]]:
+        """For each of the next `limit` steps while any member is left: its decodes, and
+        how many of them start a new KV block; as members leave after their last decode
+        and no one joins."""
+        count, offset_sum, phases = len(self._members), self._offset_sum, self._phases
+        for step in range(self.step, self.step + limit):
+            if not count:
+                return
+            entries = self._last_steps.get(step)
+            leaving = self._live(entries) if entries else ()
+            context = offset_sum + count * (step + 1)
+            yield SteadyDecodes(count, context, len(leaving)), phases[-step % self.block_size]
+            if leaving:
+                phases = phases.copy()
+                for member, _ in leaving:
+                    count -= 1
+                    offset_sum -= member.offset
+                    phases[member.offset % self.block_size] -= 1
 
-    def last_decodes(self) -> list[Request]:
-        """Members whose final decode is this step, in admission order."""
-        due: list[Request] = []
-        while self._last_steps and self._last_steps[0][0] <= self.step:
-            *_, member, request = heapq.heappop(self._last_steps)
-            if self._members.get(request) is member:
-                due.append(request)
-        return due
+    def done(self) -> list[Request]:
+        """Members whose last decode was the step just ended, in admission order: they
+        leave the cohort caught up, for the scheduler to finish."""
+        entries = self._last_steps.pop(self.step - 1, None)
+        if not entries:
+            return []
+        leaving = self._live(entries)
+        leaving.sort(key=lambda entry: entry[1].admission_seq)
+        for _, request in leaving:
+            self.release(request)
+        return [request for _, request in leaving]
 
     def end_step(self, now: float) -> None:
         self._step_times.append(now)
@@ -102,8 +116,7 @@ class DecodeCohort:
         offset = request.num_computed_tokens - self.step
         member = _Member(self.step, offset, self.step + steps_left - 1)
         self._members[request] = member
-        entry = (member.last, request.admission_seq, next(self._joins), member, request)
-        heapq.heappush(self._last_steps, entry)
+        self._last_steps.setdefault(member.last, []).append((member, request))
         self._phases[offset % self.block_size] += 1
         self._offset_sum += offset
         self.lanes[request.lane] += 1
@@ -134,3 +147,7 @@ class DecodeCohort:
             del self._step_times[:]
             self._last_steps.clear()
             self.step = 0
+
+    def _live(self, entries: Iterable[tuple[_Member, Request]]) -> list[tuple[_Member, Request]]:
+        members = self._members
+        return [(member, request) for member, request in entries if members.get(request) is member]

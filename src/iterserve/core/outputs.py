@@ -48,6 +48,7 @@ class SteadyDecodes:
 
     num_seqs: int
     total_context: int  # tokens they attend over, each its new one included
+    num_last: int = 0  # of them, decodes that end their request (known ahead: max_tokens)
 
 
 @dataclass

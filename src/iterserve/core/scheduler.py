@@ -38,7 +38,6 @@ from iterserve.core.outputs import (
     RequestUpdate,
     ScheduledSeq,
     SchedulerOutput,
-    SteadyDecodes,
 )
 from iterserve.core.policies import WaitingQueues, form_batch, outranks, outranks_any, victim_key
 from iterserve.core.request import LANES, Request, RequestStatus
@@ -139,7 +138,7 @@ class Scheduler(SteadyDecodePlanning):
         else:
             self.waiting.remove(request)
         request.drop_output_tokens(num_dropped)
-        self._finish(request, status)
+        self._finish(request, status, self.clock())
         return request
 
     def has_unfinished(self) -> bool:
@@ -203,10 +202,21 @@ class Scheduler(SteadyDecodePlanning):
     def update(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[RequestUpdate]:
         now = self.clock()
         updates: list[RequestUpdate] = []
+        members_done: list[Request] = []
+        if scheduled.steady is not None:
+            self._cohort.end_step(now)  # type: ignore[union-attr]
+            members_done = self._cohort.done()  # type: ignore[union-attr]
         for seq in scheduled.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended between schedule and update
+            if members_done:
+                # Members finish where their decodes would have stood by the book: among
+                # the step's decodes (first), in admission order (see _output).
+                decode = seq.num_new_tokens - len(seq.draft_token_ids) == 1
+                place = request.admission_seq if decode else math.inf
+                while members_done and members_done[0].admission_seq < place:
+                    updates.append(self._finish_member(members_done.pop(0), now))
             if not seq.sample:
                 request.num_computed_tokens += seq.num_new_tokens
                 self.kv.cache_full_blocks(request)
@@ -240,7 +250,7 @@ class Scheduler(SteadyDecodePlanning):
                 self.kv.cache_full_blocks(request)
             if status is not None:
                 self.running.remove(request)
-                self._finish(request, status)
+                self._finish(request, status, now)
             updates.append(
                 RequestUpdate(
                     request.request_id,
@@ -249,8 +259,7 @@ class Scheduler(SteadyDecodePlanning):
                     None if status is None else status.finish_reason,
                 )
             )
-        if scheduled.steady is not None:
-            self._cohort.end_step(now)  # type: ignore[union-attr]
+        updates += [self._finish_member(request, now) for request in members_done]
         if self._debug_invariants:
             self.check_invariants()
         return updates
@@ -482,14 +491,14 @@ class Scheduler(SteadyDecodePlanning):
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
         self.kv.cache_full_blocks(request)
         self.kv.free(request)
         self.kv.forget(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
         request.status = status
-        request.timings.finished = self.clock()
+        request.timings.finished = now
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
@@ -523,7 +532,7 @@ class Scheduler(SteadyDecodePlanning):
                 num_decode += 1
         finished, self._finished_ids = self._finished_ids, []
         cohort = self._cohort
-        steady = SteadyDecodes(len(cohort), cohort.total_context()) if cohort else None
+        steady = cohort.decodes() if cohort else None
         return SchedulerOutput(
             seqs=seqs,
             num_prefill_tokens=step.num_tokens - num_decode - num_draft,

@@ -11,8 +11,8 @@ import bisect
 from typing import TYPE_CHECKING
 
 from iterserve.core.decode_cohort import DecodeCohort
-from iterserve.core.outputs import SteadyDecodes
-from iterserve.core.request import Request
+from iterserve.core.outputs import RequestUpdate, SteadyDecodes
+from iterserve.core.request import Request, RequestStatus
 from iterserve.core.step_plan import StepPlan
 
 if TYPE_CHECKING:
@@ -38,6 +38,8 @@ class SteadyDecodePlanning:
 
         def check_invariants(self) -> None: ...
 
+        def _finish(self, request: Request, status: RequestStatus, now: float) -> None: ...
+
     def advance_decodes_together(self, token_id: int) -> bool:
         """Keep steady decodes aside and advance them in aggregate (core/decode_cohort.py):
         for an executor that samples `token_id` for every decode and prices a step without
@@ -51,16 +53,12 @@ class SteadyDecodePlanning:
         return True
 
     def _schedule_steady_decodes(self, step: StepPlan) -> None:
-        """The cohort's part of a step: members due their last decode go back to the
-        running list, running decodes with two or more left join, the members' new
-        blocks are taken. Unless the step's decodes would not all fit the budget and the
-        free blocks: then the cohort dissolves first, so the step goes by the book (the
-        same, since decodes that all fit are planned alike in any order)."""
+        """The cohort's part of a step: running decodes with two or more left join, the
+        members' new blocks are taken. Unless the step's decodes would not all fit the
+        budget and the free blocks: then the cohort dissolves first, so the step goes by
+        the book (the same, since decodes that all fit are planned alike in any order)."""
         cohort = self._cohort
         assert cohort is not None
-        for request in cohort.last_decodes():
-            cohort.release(request)
-            self._run_again(request)
         self._join_cohort(cohort)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         new_blocks = cohort.num_new_blocks() + sum(
@@ -96,8 +94,10 @@ class SteadyDecodePlanning:
     def steady_outlook(self, limit: int) -> list[SteadyDecodes]:
         """The next steps (at most `limit`) if they will be the cohort's decodes alone,
         should no request arrive: none other runs or waits, and each step's new blocks
-        are free. Up to the cohort's next change (a member's last decode, or a step whose
-        blocks would not all be free); empty when the next step is not such a step.
+        are free (counting none that finishing members give back: a glide that stops
+        early only leaves the rest to steps by the book). Members leave after their last
+        decode, the last one ending the outlook; empty when the next step is not such a
+        step.
 
         Running decodes that the next step would let join the cohort join it first (they
         can: none is due its last decode in that step), so a request whose prompt was
@@ -114,24 +114,38 @@ class SteadyDecodePlanning:
             return []
         free = self.kv.num_free_blocks
         steps = []
-        for ahead in range(min(limit, cohort.steps_before_last_decode())):
-            free -= cohort.num_new_blocks(ahead)
+        for decodes, new_blocks in cohort.ahead(limit):
+            free -= new_blocks
             if free < 0:
                 break
-            steps.append(SteadyDecodes(len(cohort), cohort.total_context(ahead)))
+            steps.append(decodes)
         return steps
 
-    def run_steady(self, ends: list[float]) -> None:
+    def run_steady(self, ends: list[float]) -> list[Request]:
         """Run the first len(ends) steps steady_outlook() foresaw, as schedule() and update()
-        would have, the clock reading `ends[i]` after step i."""
+        would have, the clock reading `ends[i]` after step i; returns the members that
+        finished in them, in order."""
         cohort = self._cohort
         assert cohort is not None
-        self._finished_ids.clear()  # the first step would have told the executor
+        finished: list[Request] = []
         for end in ends:
+            self._finished_ids.clear()  # the step would have told the executor
             cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
             cohort.end_step(end)
+            for request in cohort.done():
+                self._finish_member(request, end)
+                finished.append(request)
         if self._debug_invariants:
             self.check_invariants()
+        return finished
+
+    def _finish_member(self, request: Request, now: float) -> RequestUpdate:
+        """A member after its last decode (cohort.done): finished the ordinary way. Its
+        tokens were counted with the cohort's (SteadyDecodes.num_seqs), so the update
+        carries none."""
+        status = RequestStatus.FINISHED_LENGTH  # a stop token would not have let it join
+        self._finish(request, status, now)
+        return RequestUpdate(request.request_id, [], [], status.finish_reason)
 
     def _decodes_left(self, request: Request, token_id: int) -> int:
         """Decodes until the request finishes if every one samples `token_id`."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.outputs import RequestUpdate, SchedulerOutput
+from iterserve.core.request import Request
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import Proposer
 from iterserve.executor.base import Executor
@@ -108,16 +109,17 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def run_steady(self, num_seqs: int, ends: list[float]) -> None:
-        """Run the first len(ends) steps Scheduler.steady_outlook foresaw, `num_seqs`
-        decodes each, at once: the simulator prices them itself and jumps its clock to
-        `ends[-1]`."""
-        self.scheduler.run_steady(ends)
-        tokens = num_seqs * len(ends)
+    def run_steady(self, num_seqs: list[int], ends: list[float]) -> list[Request]:
+        """Run the first len(ends) steps Scheduler.steady_outlook foresaw, `num_seqs[i]`
+        decodes in step i, at once: the simulator prices them itself and jumps its clock
+        to `ends[-1]`. Returns the requests that finished in them."""
+        finished = self.scheduler.run_steady(ends)
+        tokens = sum(num_seqs[: len(ends)])
         stats = self.stats
         stats.num_steps += len(ends)
         stats.decode_tokens += tokens
         stats.generated_tokens += tokens
+        return finished
 
     def step(self, no_more_arrivals: bool = False) -> CoreStep:
         """One iteration. Raises StepFailedError naming the step's requests when running
