@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
+from iterserve.bench import block_hash_feed
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.tokenizer import load_tokenizer
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore
@@ -64,14 +66,15 @@ CASES = {
 }  # fmt: skip
 
 
-def _simulate(case: str, tokenizer: Any, trace: str, step_by_step: bool):  # type: ignore[no-untyped-def]
+def _simulate(  # type: ignore[no-untyped-def]
+    case: str, tokenizer: Any, trace: str, step_by_step: bool, hash_algo: str = "sha256"
+):
     spec, rate, replicas, router, blocks, scheduler = CASES[case]
     spec.trace = trace
     workload = build_workload(spec, tokenizer)
     offsets = arrival_offsets(ArrivalSpec(request_rate=rate), len(workload.requests), seed=3)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(num_kv_blocks=blocks)
-    )
+    cache = CacheConfig(num_kv_blocks=blocks, prefix_caching_hash_algo=hash_algo)
+    config = EngineConfig(scheduler=SchedulerConfig(**scheduler), cache=cache)
     calls = 0
     schedule = Scheduler.schedule
 
@@ -123,6 +126,49 @@ def test_shortcuts_give_the_records_of_stepping_every_request(
         assert fast_calls < 0.8 * steps  # replicas glided
     if case == "prefix hits":
         assert sum(state[3].prefix_hits for state in exact_state) > 0
+
+
+@pytest.mark.parametrize("case", ["preemptions", "prefix hits"])
+def test_block_hashes_computed_ahead_change_nothing(
+    case: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chains hashed ahead in another process (bench/block_hash_feed.py) are the ones the
+    pool would hash itself: the same records, hits and re-admissions."""
+    trace = _trace(tmp_path)
+    made = []
+    feed = block_hash_feed.BlockHashFeed.__init__
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        made.append(self)
+        feed(self, *args)
+
+    monkeypatch.setattr(block_hash_feed.BlockHashFeed, "__init__", counting)
+    monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 1)
+    ahead = _simulate(case, tokenizer, trace, step_by_step=False, hash_algo="builtin")
+    assert len(made) == 1 and made[0]._turn > 0  # the fleet took its chains from the feed
+    monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 10**9)
+    inline = _simulate(case, tokenizer, trace, step_by_step=False, hash_algo="builtin")
+    assert len(made) == 1
+    assert ahead == inline
+
+
+def test_a_fed_chain_is_the_one_the_pool_hashes_for_the_finished_request(
+    tokenizer: Any,
+) -> None:
+    spec = WorkloadSpec("azure-lengths", 30, max_prompt_len=300, max_output_len=60)
+    workload = build_workload(spec, tokenizer)
+    order = list(range(29, -1, -1))
+    feed = block_hash_feed.BlockHashFeed(workload.requests, order, 16, 0)
+    try:
+        for i in order:
+            wanted = workload.requests[i]
+            request = Request(str(i), wanted.token_ids(), SamplingParams(), 0.0)
+            for _ in range(wanted.output_len):  # what the simulated executor samples
+                request.append_output_token(SimulatedExecutor.PLACEHOLDER_TOKEN)
+            pool = KVCacheManager(1, 16, hash_algo="builtin")
+            assert feed.next() == pool._hashes_for(request)
+    finally:
+        feed.close()
 
 
 def _engine(steady: bool) -> EngineCore:

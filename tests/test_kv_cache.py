@@ -64,13 +64,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert len(request.block_ids) == self.kv.blocks_needed(request.num_computed_tokens)
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), preempt=st.booleans())
-    def release(self, data: st.DataObject, preempt: bool) -> None:
-        """A request finishes, or is preempted (blocks freed, tokens kept for later)."""
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        """A request finishes, or is preempted (blocks freed, tokens kept for later): the
+        pool sees the same."""
         request = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
         self.kv.free(request)
-        if not preempt:
-            self.kv.forget(request)
         request.num_computed_tokens = 0
         assert not request.block_ids
 

@@ -20,6 +20,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from iterserve.bench.block_hash_feed import BlockHashFeed
 from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
@@ -60,7 +61,8 @@ def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
 
 # Most steps a replica glides over at once: bounds the prices computed ahead (and thrown
 # away when a request arrives first, after ~7 steps on the README's million-request
-# fleet). 8 against 16: x0.92 side by side (benchmarks/fleet_replay.py, 200k requests).
+# fleet). Since glides pass through finishes, 16 cost x1.07 of the commit before and 8
+# x0.92, side by side (benchmarks/fleet_replay.py, 200k requests).
 _GLIDE_LIMIT = 8
 
 
@@ -227,12 +229,20 @@ def simulate_fleet(
     # worth collecting, so it is off while it runs.
     collecting = gc.isenabled()
     gc.disable()
+    # Arrival order; requests arriving together, the later listed first.
+    order = sorted(reversed(range(len(offsets))), key=offsets.__getitem__)
+    feed = None
+    if BlockHashFeed.wanted(config.cache, len(order)):
+        token = SimulatedExecutor.PLACEHOLDER_TOKEN
+        feed = BlockHashFeed(workload.requests, order, config.cache.block_size, token)
     try:
         return _simulate_fleet(
-            config, workload, offsets, hardware, model, acceptance_rate, replicas, router,
-            profile, num_kv_blocks, step_by_step,
+            config, workload, offsets, order, feed, hardware, model, acceptance_rate,
+            replicas, router, profile, num_kv_blocks, step_by_step,
         )  # fmt: skip
     finally:
+        if feed is not None:
+            feed.close()
         if collecting:
             gc.enable()
 
@@ -241,6 +251,8 @@ def _simulate_fleet(
     config: EngineConfig,
     workload: Workload,
     offsets: list[float],
+    order: list[int],
+    feed: BlockHashFeed | None,
     hardware: str,
     model: str,
     acceptance_rate: float,
@@ -270,7 +282,7 @@ def _simulate_fleet(
     ]
     by_id = {record.request_id: record for record in records}
     requests: dict[str, Request] = {}  # the ones a scheduler took, until they finish
-    order = sorted(range(len(records)), key=lambda i: offsets[i], reverse=True)
+    order = order[::-1]  # popped from the end: the first arrival last
     # Busy replicas by the time their next step starts, or their glide ends (ties: the
     # lower index first), with the version of their plan (a glide cut short leaves its
     # entry behind, outdated).
@@ -306,7 +318,8 @@ def _simulate_fleet(
                 if target.engine.has_unfinished():  # else it finished them all: idle
                     heapq.heappush(busy, (target.clock.now, index, versions[index]))
             was_idle = not target.engine.has_unfinished()
-            request = _arrive(target.scheduler, prompt, workload, records, i)
+            hashes = feed.next() if feed is not None else []
+            request = _arrive(target.scheduler, prompt, hashes, workload, records, i)
             if request is None:
                 continue
             requests[request.request_id] = request
@@ -349,6 +362,7 @@ def _simulate_fleet(
 def _arrive(
     scheduler: Scheduler,
     prompt: list[int],
+    block_hashes: list[int],
     workload: Workload,
     records: list[RequestRecord],
     i: int,
@@ -361,6 +375,7 @@ def _arrive(
         params,
         records[i].arrival_time,
         lane=wanted.lane,
+        block_hashes=block_hashes,  # type: ignore[arg-type]
     )
     try:
         scheduler.add_request(request)

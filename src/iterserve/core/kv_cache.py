@@ -74,6 +74,26 @@ _BLOCK_HASHES: dict[str, Callable[[BlockHash | None, Sequence[int]], BlockHash]]
 }
 
 
+def block_hash_chain(
+    tokens: Sequence[int], block_size: int, algo: str, parent: BlockHash | None = None
+) -> list[BlockHash]:
+    """The names of the full blocks of `tokens` by hash function `algo`, each chained to
+    the one before; the first to `parent` (the name of the block before them, if any)."""
+    hashes: list[BlockHash] = []
+    # Each full block as a tuple, cut in C (zip over one iterator drops a partial last).
+    blocks = zip(*[iter(tokens)] * block_size, strict=False)
+    if algo == "builtin":  # builtin_block_hash inlined: a large simulation's hot loop
+        for block in blocks:
+            parent = hash((parent, block))
+            hashes.append(parent)
+        return hashes
+    hash_block = _BLOCK_HASHES[algo]
+    for block in blocks:
+        parent = hash_block(parent, block)
+        hashes.append(parent)
+    return hashes
+
+
 # The prefix cache's map is rebuilt when stale entries make it this many times the pool.
 _STALE_FACTOR = 4
 
@@ -94,7 +114,7 @@ class KVCacheManager:
             raise ValueError("the KV cache needs at least one block of at least one token")
         if hash_algo not in _BLOCK_HASHES:
             raise ValueError(f"prefix hash must be one of {PREFIX_HASH_ALGOS}, got {hash_algo!r}")
-        self._hash_block = _BLOCK_HASHES[hash_algo]
+        self.hash_algo = hash_algo
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -112,8 +132,6 @@ class KVCacheManager:
         # (benchmarks/fleet_replay.py).
         self._cached: dict[BlockHash, int] = {}
         self._num_named = 0
-        # Hash chain of each live request's full blocks, computed once per block.
-        self._request_hashes: dict[str, list[BlockHash]] = {}
         # How many of each request's leading blocks cache_full_blocks has been through.
         self._named_upto: dict[str, int] = {}
         self._prefix_queries = 0
@@ -314,10 +332,6 @@ class KVCacheManager:
         request.block_ids.clear()
         self._named_upto.pop(request.request_id, None)
 
-    def forget(self, request: Request) -> None:
-        """Drop per-request memo when the request is gone for good."""
-        self._request_hashes.pop(request.request_id, None)
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds; returns how many. Blocks in use
         keep their names, so their requests can still share them."""
@@ -353,19 +367,12 @@ class KVCacheManager:
         self._refs[block_id] += 1
 
     def _hashes_for(self, request: Request) -> list[BlockHash]:
-        hashes = self._request_hashes.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
-        bs = self.block_size
-        start = len(hashes) * bs
-        parent = hashes[-1] if hashes else None
-        # Full blocks not yet hashed, each as a tuple, cut in C (zip over one iterator).
-        blocks = zip(*[iter(tokens[start : len(tokens) // bs * bs])] * bs, strict=False)
-        if self._hash_block is builtin_block_hash:  # inlined: a large simulation's hot loop
-            for block in blocks:
-                parent = hash((parent, block))
-                hashes.append(parent)
-            return hashes
-        for block in blocks:
-            parent = self._hash_block(parent, block)
-            hashes.append(parent)
+        """The request's hash chain (Request.block_hashes), extended over its full blocks;
+        each block is hashed once in the request's life, however often it is looked up."""
+        hashes = request.block_hashes
+        start = len(hashes) * self.block_size
+        if start + self.block_size <= request.num_tokens:
+            parent = hashes[-1] if hashes else None
+            tokens = request.all_token_ids[start:]
+            hashes += block_hash_chain(tokens, self.block_size, self.hash_algo, parent)
         return hashes

@@ -72,6 +72,12 @@ class Request:
     # Tokens of the prompt found in the prefix cache when the request was first admitted.
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Hash chain of its full KV blocks (core/kv_cache.py), as far as the block pool has
+    # needed it: the pool extends it. A caller that knows every token ahead (the
+    # simulator: its executor samples one known token) may fill it in advance, with the
+    # pool's own hash function; tokens dropped (a stop string) end the request, so its
+    # chain never covers tokens it lost.
+    block_hashes: list[bytes | int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     # Output length when last preempted: a request is not preempted for another's

@@ -494,7 +494,6 @@ class Scheduler(SteadyDecodePlanning):
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
         self.kv.cache_full_blocks(request)
         self.kv.free(request)
-        self.kv.forget(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
         request.status = status

@@ -1,0 +1,116 @@
+"""The block hash chains of a simulated workload, computed ahead on the other core.
+
+A simulated request's every token is known before it arrives: its prompt, then the
+executor's placeholder until max_tokens (executor/simulated.py samples nothing else). So
+the names its KV blocks will bear (core/kv_cache.py) are known too, and hashing them was
+~9% of a million-request replay on the one core that runs the fleet. A forked process
+hashes the requests in arrival order and streams the chains back as int64; the fleet
+hands each to its request (Request.block_hashes), and the pool finds nothing left to hash.
+The pool's own function computes them, so the names, and every decision, are the same
+(tests/test_fleet.py runs a fleet both ways).
+
+Only for Python's builtin hash (an int64; sha256 names do not pack so), with prefix
+caching on, more than one core to run on, and enough requests to be worth a process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from array import array
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+from iterserve.bench.workloads import WorkloadRequest
+from iterserve.config import CacheConfig
+from iterserve.core.kv_cache import block_hash_chain
+
+# Requests a message carries, and the fewest for which a feed is worth its process.
+_CHUNK = 1000
+MIN_REQUESTS = 20_000
+
+
+class BlockHashFeed:
+    """Each request's chain, in the order given, one `next()` an arrival."""
+
+    def __init__(
+        self,
+        requests: Sequence[WorkloadRequest],
+        order: Sequence[int],
+        block_size: int,
+        token_id: int,
+    ) -> None:
+        # Forked, not spawned: the child shares the workload without a copy, and
+        # hash(None), which starts every chain, is the address of None in this process.
+        context = multiprocessing.get_context("fork")
+        self._conn, child_end = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_produce,
+            args=(child_end, requests, order, block_size, token_id),
+            name="iterserve-block-hashes",
+            daemon=True,
+        )
+        self._process.start()
+        child_end.close()
+        self._lengths: list[int] = []
+        self._flat = memoryview(b"").cast("q")
+        self._turn = 0  # index in _lengths of the next request
+        self._at = 0  # its chain's offset in _flat
+
+    @staticmethod
+    def wanted(cache: CacheConfig, num_requests: int) -> bool:
+        return (
+            cache.enable_prefix_caching
+            and cache.prefix_caching_hash_algo == "builtin"
+            and num_requests >= MIN_REQUESTS
+            and len(os.sched_getaffinity(0)) > 1
+        )
+
+    def next(self) -> list[int]:
+        if self._turn == len(self._lengths):
+            self._receive()
+        n = self._lengths[self._turn]
+        chain = self._flat[self._at : self._at + n].tolist()
+        self._turn += 1
+        self._at += n
+        return chain
+
+    def close(self) -> None:
+        self._conn.close()  # a producer still sending meets a closed pipe and ends
+        self._process.join(timeout=5)
+        if self._process.is_alive():
+            self._process.terminate()
+
+    def _receive(self) -> None:
+        message = memoryview(self._conn.recv_bytes()).cast("q")
+        count = message[0]
+        self._lengths = message[1 : 1 + count].tolist()
+        self._flat = message[1 + count :]
+        self._turn = self._at = 0
+
+
+def _produce(
+    conn: Connection,
+    requests: Sequence[WorkloadRequest],
+    order: Sequence[int],
+    block_size: int,
+    token_id: int,
+) -> None:
+    """The chains of `requests` in `order`, _CHUNK to a message: [count, lengths, hashes]."""
+    try:
+        for first in range(0, len(order), _CHUNK):
+            lengths = array("q")
+            flat = array("q")
+            for i in order[first : first + _CHUNK]:
+                request = requests[i]
+                tokens = request.token_ids() + [token_id] * request.output_len
+                chain = block_hash_chain(tokens, block_size, "builtin")
+                lengths.append(len(chain))
+                flat.extend(chain)
+            conn.send_bytes(
+                array("q", [len(lengths)]).tobytes() + lengths.tobytes() + flat.tobytes()
+            )
+    except (BrokenPipeError, OSError):
+        pass  # the fleet stopped early and closed its end
+    finally:
+        conn.close()
