@@ -12,7 +12,7 @@ import pytest
 from iterserve.bench.profile import ProfileGrid, profile_engine
 from iterserve.cli import main
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
+from iterserve.core.outputs import ScheduledSeq, SchedulerOutput, SteadyDecodes
 from iterserve.executor.cost_profile import (
     CostProfile,
     Grid,
@@ -21,6 +21,7 @@ from iterserve.executor.cost_profile import (
     per_kv_token,
     shipped_profile,
 )
+from iterserve.executor.simulated import HARDWARE, MODELS, RooflineCostModel
 from iterserve.sampling_params import SamplingParams
 
 PARAMS = SamplingParams()
@@ -215,3 +216,17 @@ def test_fidelity_profiles_runs_both_sides_and_reports_each_error(
     assert tok_s["error"] == pytest.approx((tok_s["simulated"] - tok_s["real"]) / tok_s["real"])
     closed = ["--arrival", "closed", "--max-concurrency", "2"]
     assert main([*argv, *closed]) == 2  # a closed loop cannot be replayed: refused
+
+
+@pytest.mark.parametrize("priced_by", ["profile", "roofline"])
+def test_steady_decodes_alone_are_priced_as_a_step_of_them(priced_by: str) -> None:
+    """The fleet prices a glide's steps by steady_step_time: to the last bit step_time's."""
+    model = (
+        ProfiledCostModel(toy_profile())
+        if priced_by == "profile"
+        else RooflineCostModel(HARDWARE["a100-80g"], MODELS["llama3-8b"])
+    )
+    for num_seqs, context in [(0, 0), (1, 17), (3, 4000), (64, 70001), (255, 1 << 20)]:
+        steady = SteadyDecodes(num_seqs, context)
+        step = SchedulerOutput([], num_decode_tokens=num_seqs, steady=steady)
+        assert model.steady_step_time(steady) == model.step_time(step)

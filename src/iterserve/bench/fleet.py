@@ -24,7 +24,7 @@ from iterserve.bench.block_hash_feed import BlockHashFeed
 from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
-from iterserve.core.outputs import SchedulerOutput, SteadyDecodes
+from iterserve.core.outputs import SteadyDecodes
 from iterserve.core.request import Request
 from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, make_router
 from iterserve.core.scheduler import Scheduler
@@ -77,16 +77,17 @@ class Glide:
     ends: list[float]  # the clock after each step
     starts: list[float]
     load: ReplicaLoad  # the replica's before the first
+    made: list[int]  # tokens made in the first i steps, for i up to all
+    finished: list[int]  # requests finished in the first i steps
 
     def steps_started_before(self, when: float) -> int:
         return bisect.bisect_left(self.starts, when)
 
     def load_after(self, num_steps: int) -> ReplicaLoad:
         """The replica's load once its first `num_steps` steps have run."""
-        steps = self.steps[:num_steps]
         return ReplicaLoad(
-            self.load.outstanding_tokens - sum(s.num_seqs for s in steps),
-            self.load.num_requests - sum(s.num_last for s in steps),
+            self.load.outstanding_tokens - self.made[num_steps],
+            self.load.num_requests - self.finished[num_steps],
         )
 
 
@@ -143,15 +144,18 @@ class Replica:
         steps = self.scheduler.steady_outlook(_GLIDE_LIMIT)
         if len(steps) < 2:
             return None
-        price = self.executor.cost_model.step_time
-        costs = [price(SchedulerOutput([], num_decode_tokens=s.num_seqs, steady=s)) for s in steps]
-        ends = []
+        price = self.executor.cost_model.steady_step_time
+        costs = [price(s) for s in steps]
+        ends: list[float] = []
+        made, finished = [0], [0]
         now = self.clock.now
-        for cost in costs:  # added up as SimulatedExecutor.execute adds, to the last bit
-            now += cost
+        for step, cost in zip(steps, costs, strict=True):
+            now += cost  # added up as SimulatedExecutor.execute adds, to the last bit
             ends.append(now)
+            made.append(made[-1] + step.num_seqs)
+            finished.append(finished[-1] + step.num_last)
         starts = [self.clock.now, *ends[:-1]]
-        return Glide(steps, costs, ends, starts, self.load())
+        return Glide(steps, costs, ends, starts, self.load(), made, finished)
 
     def land(
         self,
@@ -167,9 +171,8 @@ class Replica:
         for cost in glide.costs[:num_steps]:
             self.executor.busy_time += cost
         self.clock.now = glide.ends[num_steps - 1]
-        steps = glide.steps[:num_steps]
-        finished = self.engine.run_steady([s.num_seqs for s in steps], glide.ends[:num_steps])
-        self.tracker.made(sum(s.num_seqs for s in steps))
+        finished = self.engine.run_steady(glide.made[num_steps], glide.ends[:num_steps])
+        self.tracker.made(glide.made[num_steps])
         for request in finished:  # their tokens were counted as made
             self.tracker.finish(request.request_id, 0)
             _record(records[request.request_id], requests.pop(request.request_id))

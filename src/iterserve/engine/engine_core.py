@@ -109,12 +109,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def run_steady(self, num_seqs: list[int], ends: list[float]) -> list[Request]:
-        """Run the first len(ends) steps Scheduler.steady_outlook foresaw, `num_seqs[i]`
-        decodes in step i, at once: the simulator prices them itself and jumps its clock
-        to `ends[-1]`. Returns the requests that finished in them."""
+    def run_steady(self, tokens: int, ends: list[float]) -> list[Request]:
+        """Run the first len(ends) steps Scheduler.steady_outlook foresaw, `tokens` decodes
+        in all, at once: the simulator prices them itself and jumps its clock to
+        `ends[-1]`. Returns the requests that finished in them."""
         finished = self.scheduler.run_steady(ends)
-        tokens = sum(num_seqs[: len(ends)])
         stats = self.stats
         stats.num_steps += len(ends)
         stats.decode_tokens += tokens

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from iterserve.core.outputs import SchedulerOutput
+from iterserve.core.outputs import SchedulerOutput, SteadyDecodes
 
 FORMAT_VERSION = 1
 # Profiles that ship with iterserve, one file per (hardware preset, model preset).
@@ -188,6 +188,10 @@ class ProfiledCostModel:
         if scheduled.num_batched_tokens == 0:
             return 0.0
         return self.time_of(StepFeatures.of(scheduled))
+
+    def steady_step_time(self, steady: SteadyDecodes) -> float:
+        n = steady.num_seqs
+        return self.time_of(StepFeatures(n, steady.total_context / n, 0, 0.0)) if n else 0.0
 
     def time_of(self, f: StepFeatures) -> float:
         decode, prefill = self.profile.decode, self.profile.prefill

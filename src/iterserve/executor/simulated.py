@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
+from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput, SteadyDecodes
 
 
 class CostModel(Protocol):
@@ -24,6 +24,11 @@ class CostModel(Protocol):
     (cost_profile.py), which interpolates steps measured on real hardware."""
 
     def step_time(self, scheduled: SchedulerOutput) -> float: ...
+
+    def steady_step_time(self, steady: SteadyDecodes) -> float:
+        """A step of these steady decodes alone, as step_time prices it, without building
+        its SchedulerOutput (the fleet prices ~8 such steps a request ahead)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,13 @@ class RooflineCostModel:
             # Causal chunk: query i sees the cached prefix and i + 1 of its own tokens.
             pairs += seq.num_new_tokens * seq.num_computed_tokens
             pairs += seq.num_new_tokens * (seq.num_new_tokens + 1) // 2
+        return self._time(tokens, pairs, kv_tokens)
+
+    def steady_step_time(self, steady: SteadyDecodes) -> float:
+        context = steady.total_context
+        return self._time(steady.num_seqs, context, context) if steady.num_seqs else 0.0
+
+    def _time(self, tokens: int, pairs: int, kv_tokens: int) -> float:
         compute = 2 * self.model.num_params * tokens + self.model.attn_flops_per_pair * pairs
         memory = self.model.weight_bytes + self.model.kv_bytes_per_token * kv_tokens
         hw = self.hardware
