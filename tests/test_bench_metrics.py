@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from dataclasses import astuple
 
+import numpy as np
 import pytest
 
+from iterserve.bench import metrics
 from iterserve.bench.metrics import (
     Distribution,
+    TokenTimes,
     compute_metrics,
     inter_token_gaps,
     max_concurrency,
@@ -182,9 +186,14 @@ def test_knee_is_the_last_point_before_latency_outruns_throughput() -> None:
     assert find_knee([1, 2, 3], [1, 1.5, 5]) == 1
 
 
-def test_pooled_figures_match_their_per_token_definitions() -> None:
+@pytest.mark.parametrize("chunk", [3, 1 << 22])
+def test_pooled_figures_match_their_per_token_definitions(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """peak_output_throughput, the TBT gaps and max_concurrency run in numpy (a simulated
-    million requests carry ~2e8 token times); each against its plain definition."""
+    million requests carry ~2e8 token times), a chunk at a time; each against its plain
+    definition."""
+    monkeypatch.setattr(metrics, "_CHUNK", chunk)
     rng = random.Random(1)
     for _ in range(200):
         records = []
@@ -206,7 +215,12 @@ def test_pooled_figures_match_their_per_token_definitions() -> None:
                 buckets[math.floor(r.token_times[-1] / 0.5)] += r.output_len - len(r.token_times)
         assert peak_output_throughput(records, 0.5) == max(buckets.values(), default=0) / 0.5
         ok = [r for r in records if r.success]
-        assert sorted(inter_token_gaps(ok)) == sorted(g for r in ok for g in r.itls)
+        gaps = sorted(g for r in ok for g in r.itls)
+        assert sorted(inter_token_gaps(ok)) == gaps
+        assert sorted(inter_token_gaps(ok, TokenTimes.of(ok), reuse=True)) == gaps
+        if gaps:
+            plain = astuple(Distribution.of(np.array(gaps)))
+            assert astuple(Distribution.of(np.array(gaps), in_place=True)) == pytest.approx(plain)
         level = peak = 0
         events = [(r.arrival_time, 1) for r in records if r.finish_time is not None]
         events += [(r.finish_time, -1) for r in records if r.finish_time is not None]
