@@ -128,7 +128,7 @@ def test_shortcuts_give_the_records_of_stepping_every_request(
         assert sum(state[3].prefix_hits for state in exact_state) > 0
 
 
-@pytest.mark.parametrize("case", ["preemptions", "prefix hits"])
+@pytest.mark.parametrize("case", ["preemptions", "prefix hits", "azure lengths"])
 def test_block_hashes_computed_ahead_change_nothing(
     case: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,7 +166,7 @@ def test_a_fed_chain_is_the_one_the_pool_hashes_for_the_finished_request(
             for _ in range(wanted.output_len):  # what the simulated executor samples
                 request.append_output_token(SimulatedExecutor.PLACEHOLDER_TOKEN)
             pool = KVCacheManager(1, 16, hash_algo="builtin")
-            assert feed.next() == pool._hashes_for(request)
+            assert feed.next() == (pool._hashes_for(request), None)
     finally:
         feed.close()
 

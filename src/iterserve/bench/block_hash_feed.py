@@ -7,7 +7,8 @@ the names its KV blocks will bear (core/kv_cache.py) are known too, and hashing 
 hashes the requests in arrival order and streams the chains back as int64; the fleet
 hands each to its request (Request.block_hashes), and the pool finds nothing left to hash.
 The pool's own function computes them, so the names, and every decision, are the same
-(tests/test_fleet.py runs a fleet both ways).
+(tests/test_fleet.py runs a fleet both ways). The router's reading of each prompt
+(Router.prepare: prefix-affinity's rendezvous hashing, another ~6%) comes along.
 
 Only for Python's builtin hash (an int64; sha256 names do not pack so), with prefix
 caching on, more than one core to run on, and enough requests to be worth a process.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 from iterserve.bench.workloads import WorkloadRequest
@@ -31,7 +32,8 @@ MIN_REQUESTS = 20_000
 
 
 class BlockHashFeed:
-    """Each request's chain, in the order given, one `next()` an arrival."""
+    """Each request's chain and `prepare(prompt)`, in the order given, one `next()` an
+    arrival."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class BlockHashFeed:
         order: Sequence[int],
         block_size: int,
         token_id: int,
+        prepare: Callable[[list[int]], object] = lambda prompt: None,
     ) -> None:
         # Forked, not spawned: the child shares the workload without a copy, and
         # hash(None), which starts every chain, is the address of None in this process.
@@ -46,13 +49,14 @@ class BlockHashFeed:
         self._conn, child_end = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_produce,
-            args=(child_end, requests, order, block_size, token_id),
+            args=(child_end, requests, order, block_size, token_id, prepare),
             name="iterserve-block-hashes",
             daemon=True,
         )
         self._process.start()
         child_end.close()
         self._lengths: list[int] = []
+        self._prepared: list[object] = []
         self._flat = memoryview(b"").cast("q")
         self._turn = 0  # index in _lengths of the next request
         self._at = 0  # its chain's offset in _flat
@@ -66,14 +70,15 @@ class BlockHashFeed:
             and len(os.sched_getaffinity(0)) > 1
         )
 
-    def next(self) -> list[int]:
+    def next(self) -> tuple[list[int], object]:
         if self._turn == len(self._lengths):
             self._receive()
         n = self._lengths[self._turn]
         chain = self._flat[self._at : self._at + n].tolist()
+        prepared = self._prepared[self._turn]
         self._turn += 1
         self._at += n
-        return chain
+        return chain, prepared
 
     def close(self) -> None:
         self._conn.close()  # a producer still sending meets a closed pipe and ends
@@ -86,6 +91,7 @@ class BlockHashFeed:
         count = message[0]
         self._lengths = message[1 : 1 + count].tolist()
         self._flat = message[1 + count :]
+        self._prepared = self._conn.recv()
         self._turn = self._at = 0
 
 
@@ -95,21 +101,27 @@ def _produce(
     order: Sequence[int],
     block_size: int,
     token_id: int,
+    prepare: Callable[[list[int]], object],
 ) -> None:
-    """The chains of `requests` in `order`, _CHUNK to a message: [count, lengths, hashes]."""
+    """The chains of `requests` in `order`, _CHUNK to a message: [count, lengths, hashes];
+    then their prepare() answers, pickled."""
     try:
         for first in range(0, len(order), _CHUNK):
             lengths = array("q")
             flat = array("q")
+            prepared = []
             for i in order[first : first + _CHUNK]:
                 request = requests[i]
-                tokens = request.token_ids() + [token_id] * request.output_len
+                prompt = request.token_ids()
+                tokens = prompt + [token_id] * request.output_len
                 chain = block_hash_chain(tokens, block_size, "builtin")
                 lengths.append(len(chain))
                 flat.extend(chain)
+                prepared.append(prepare(prompt))
             conn.send_bytes(
                 array("q", [len(lengths)]).tobytes() + lengths.tobytes() + flat.tobytes()
             )
+            conn.send(prepared)
     except (BrokenPipeError, OSError):
         pass  # the fleet stopped early and closed its end
     finally:

@@ -26,7 +26,7 @@ from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
 from iterserve.core.outputs import SteadyDecodes
 from iterserve.core.request import Request
-from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, make_router
+from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore, num_kv_blocks
 from iterserve.executor.cost_profile import CostProfile, ProfiledCostModel
@@ -234,14 +234,18 @@ def simulate_fleet(
     gc.disable()
     # Arrival order; requests arriving together, the later listed first.
     order = sorted(reversed(range(len(offsets))), key=offsets.__getitem__)
+    routing = make_router(router, config.cache.block_size, config.seed)
     feed = None
     if BlockHashFeed.wanted(config.cache, len(order)):
         token = SimulatedExecutor.PLACEHOLDER_TOKEN
-        feed = BlockHashFeed(workload.requests, order, config.cache.block_size, token)
+        feed = BlockHashFeed(
+            workload.requests, order, config.cache.block_size, token,
+            lambda prompt: routing.prepare(prompt, replicas),
+        )  # fmt: skip
     try:
         return _simulate_fleet(
-            config, workload, offsets, order, feed, hardware, model, acceptance_rate,
-            replicas, router, profile, num_kv_blocks, step_by_step,
+            config, workload, offsets, order, feed, routing, hardware, model,
+            acceptance_rate, replicas, profile, num_kv_blocks, step_by_step,
         )  # fmt: skip
     finally:
         if feed is not None:
@@ -256,11 +260,11 @@ def _simulate_fleet(
     offsets: list[float],
     order: list[int],
     feed: BlockHashFeed | None,
+    routing: Router,
     hardware: str,
     model: str,
     acceptance_rate: float,
     replicas: int,
-    router: str,
     profile: CostProfile | None,
     num_kv_blocks: int | None,
     step_by_step: bool,
@@ -278,7 +282,6 @@ def _simulate_fleet(
         )
         for i in range(replicas)
     ]
-    routing = make_router(router, config.cache.block_size, config.seed)
     records = [
         RequestRecord(f"sim-{i}", r.prompt_len, r.output_len, r.lane, offsets[i], offsets[i])
         for i, r in enumerate(workload.requests)
@@ -312,7 +315,11 @@ def _simulate_fleet(
                 if done < len(glide.starts):
                     heapq.heappush(glide_steps, (glide.starts[done], index, version))
             prompt = workload.requests[i].token_ids()
-            index = routing.route(prompt, loads)
+            if feed is not None:
+                hashes, prepared = feed.next()
+            else:
+                hashes, prepared = [], routing.prepare(prompt, len(fleet))
+            index = routing.choose(prepared, loads)
             target = fleet[index]
             if index in glides:  # it glides no further: run what it did by now
                 glide = glides.pop(index)
@@ -321,7 +328,6 @@ def _simulate_fleet(
                 if target.engine.has_unfinished():  # else it finished them all: idle
                     heapq.heappush(busy, (target.clock.now, index, versions[index]))
             was_idle = not target.engine.has_unfinished()
-            hashes = feed.next() if feed is not None else []
             request = _arrive(target.scheduler, prompt, hashes, workload, records, i)
             if request is None:
                 continue

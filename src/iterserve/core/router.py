@@ -83,39 +83,61 @@ class Router(Protocol):
         """The index in `loads` of the replica that takes this request."""
         ...
 
+    def prepare(self, prompt_token_ids: Sequence[int], num_replicas: int) -> object:
+        """What the policy reads from the prompt alone: pure, so a caller may work it out
+        ahead, elsewhere (the fleet simulator does, on its other core)."""
+        ...
+
+    def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
+        """route(), given prepare()'s answer for the prompt."""
+        ...
+
+
+class _Policy:
+    """route() is prepare() then choose(); most policies read nothing from the prompt."""
+
+    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+        return self.choose(self.prepare(prompt_token_ids, len(loads)), loads)
+
+    def prepare(self, prompt_token_ids: Sequence[int], num_replicas: int) -> object:
+        return None
+
+    def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
+        raise NotImplementedError
+
 
 def _least_loaded(loads: Sequence[ReplicaLoad]) -> int:
     tokens = [load.outstanding_tokens for load in loads]
     return tokens.index(min(tokens))  # the first of equals
 
 
-class RoundRobin:
+class RoundRobin(_Policy):
     def __init__(self) -> None:
         self._turn = 0
 
-    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+    def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
         choice = self._turn % len(loads)
         self._turn += 1
         return choice
 
 
-class LeastOutstandingTokens:
-    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+class LeastOutstandingTokens(_Policy):
+    def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
         return _least_loaded(loads)
 
 
-class PowerOfTwoChoices:
+class PowerOfTwoChoices(_Policy):
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+    def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
         if len(loads) == 1:
             return 0
         a, b = self._rng.sample(range(len(loads)), 2)
         return min((a, b), key=lambda i: (loads[i].outstanding_tokens, i))
 
 
-class PrefixAffinity:
+class PrefixAffinity(_Policy):
     def __init__(
         self, block_size: int, affinity_blocks: int = 4, balance_factor: float = 2.0
     ) -> None:
@@ -128,17 +150,24 @@ class PrefixAffinity:
         self.affinity_blocks = affinity_blocks
         self.balance_factor = balance_factor
 
-    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+    def prepare(self, prompt_token_ids: Sequence[int], num_replicas: int) -> object:
+        """(the prefix's home replica, or None for a prompt shorter than a block; the
+        prompt's length)."""
         full_blocks = min(len(prompt_token_ids) // self.block_size, self.affinity_blocks)
-        least = _least_loaded(loads)
         if full_blocks == 0:
-            return least
+            return None, len(prompt_token_ids)
         prefix = hash(tuple(prompt_token_ids[: full_blocks * self.block_size]))
         # Rendezvous hashing: each prefix ranks the replicas its own way, so adding or
         # losing one moves only the prefixes it ranked first.
-        ranks = [hash((prefix, i)) for i in range(len(loads))]
-        home = ranks.index(max(ranks))
-        allowed = self.balance_factor * loads[least].outstanding_tokens + len(prompt_token_ids)
+        ranks = [hash((prefix, i)) for i in range(num_replicas)]
+        return ranks.index(max(ranks)), len(prompt_token_ids)
+
+    def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
+        home, prompt_len = prepared  # type: ignore[misc]
+        least = _least_loaded(loads)
+        if home is None:
+            return least
+        allowed = self.balance_factor * loads[least].outstanding_tokens + prompt_len
         return home if loads[home].outstanding_tokens <= allowed else least
 
 

@@ -515,10 +515,13 @@ class Scheduler(SteadyDecodePlanning):
             drafts = step.drafts.get(request, [])
             real = n - len(drafts)
             sample = start + real == request.num_tokens
+            token_ids = request.all_token_ids[start : start + real]
+            if drafts:  # not `+ drafts` always: a prompt chunk's copy would be copied again
+                token_ids += drafts
             seqs.append(
                 ScheduledSeq(
                     request_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + real] + drafts,
+                    token_ids=token_ids,
                     num_computed_tokens=start,
                     block_ids=tuple(request.block_ids),
                     sample=sample,
