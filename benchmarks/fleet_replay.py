@@ -8,7 +8,12 @@ azure-lengths requests at 380 req/s (the README's million-request command, short
 reports its wall time per `--every` arrivals: the first block is the fleet filling up, the
 later ones its steady state, which is what a million requests cost.
 
+A change that puts work on the second core (bench/block_hash_feed.py does) cannot be
+timed beside another run: `--alternate ROUNDS` runs the two one after the other instead,
+each alone, ROUNDS times, and compares their summed wall times.
+
     .venv/bin/python benchmarks/fleet_replay.py --baseline main~3 --num-requests 200000
+    .venv/bin/python benchmarks/fleet_replay.py --baseline main~1 --alternate 2
 """
 
 from __future__ import annotations
@@ -61,9 +66,12 @@ def replay(num_requests: int, every: int) -> dict[str, object]:
     return {"wall_s": wall, "steps": steps, "block_s": blocks, "source": fleet.__file__}
 
 
-def side_by_side(baseline: str, num_requests: int, every: int) -> dict[str, dict[str, object]]:
+def against(
+    baseline: str, num_requests: int, every: int, rounds: int
+) -> dict[str, list[dict[str, object]]]:
     """This tree and `baseline` (a git revision, checked out in a temporary worktree),
-    each in its own process, at the same time."""
+    each in its own process: at the same time (`rounds` 0), or one after the other,
+    `rounds` times."""
     with tempfile.TemporaryDirectory() as scratch:
         tree = Path(scratch) / "baseline"
         subprocess.run(
@@ -73,15 +81,19 @@ def side_by_side(baseline: str, num_requests: int, every: int) -> dict[str, dict
         try:
             command = [sys.executable, __file__, "--child", f"--num-requests={num_requests}"]
             command.append(f"--every={every}")
-            runs = {
-                "this tree": subprocess.Popen(
-                    command, stdout=subprocess.PIPE, env=_with_source(REPO / "src")
-                ),
-                baseline: subprocess.Popen(
-                    command, stdout=subprocess.PIPE, env=_with_source(tree / "src")
-                ),
-            }
-            return {name: json.loads(run.communicate()[0]) for name, run in runs.items()}
+            sources = {"this tree": REPO / "src", baseline: tree / "src"}
+            results: dict[str, list[dict[str, object]]] = {name: [] for name in sources}
+            for _ in range(max(1, rounds)):
+                runs = {}
+                for name, src in sources.items():
+                    runs[name] = subprocess.Popen(
+                        command, stdout=subprocess.PIPE, env=_with_source(src)
+                    )
+                    if rounds:  # alone: wait for it before the next starts
+                        runs[name].wait()
+                for name, run in runs.items():
+                    results[name].append(json.loads(run.communicate()[0]))
+            return results
         finally:
             subprocess.run(
                 ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True
@@ -95,6 +107,13 @@ def _with_source(src: Path) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="git revision to run beside this tree")
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="with --baseline: run the two one after the other, ROUNDS times, not side by side",
+    )
     parser.add_argument("--num-requests", type=int, default=200_000)
     parser.add_argument("--every", type=int, default=50_000, help="arrivals a timed block")
     parser.add_argument("--result-json", default="bench_results/fleet_replay.json")
@@ -104,17 +123,21 @@ def main() -> None:
         print(json.dumps(replay(args.num_requests, args.every)))
         return
     if args.baseline:
-        results = side_by_side(args.baseline, args.num_requests, args.every)
+        results = against(args.baseline, args.num_requests, args.every, args.alternate)
     else:
-        results = {"this tree": replay(args.num_requests, args.every)}
-    for name, result in results.items():
-        blocks = " ".join(f"{s:5.1f}" for s in result["block_s"])  # type: ignore[attr-defined]
-        print(
-            f"{name:>12}: {result['wall_s']:6.1f} s, {result['steps']} steps; per block: {blocks}"
-        )
+        results = {"this tree": [replay(args.num_requests, args.every)]}
+    for name, runs in results.items():
+        for result in runs:
+            blocks = " ".join(f"{s:5.1f}" for s in result["block_s"])  # type: ignore[attr-defined]
+            print(
+                f"{name:>12}: {result['wall_s']:6.1f} s, {result['steps']} steps; "
+                f"per block: {blocks}"
+            )
     if args.baseline:
-        ratio = results["this tree"]["wall_s"] / results[args.baseline]["wall_s"]  # type: ignore[operator]
-        print(f"this tree / {args.baseline}: x{ratio:.3f} wall time")
+        wall = {name: sum(r["wall_s"] for r in runs) for name, runs in results.items()}  # type: ignore[misc]
+        print(
+            f"this tree / {args.baseline}: x{wall['this tree'] / wall[args.baseline]:.3f} wall time"
+        )
     Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.result_json).write_text(json.dumps(results, indent=2) + "\n")
 
