@@ -9,7 +9,9 @@ Two things make a million requests affordable without changing a single decision
 steady decodes advance together inside the scheduler (core/decode_cohort.py), and a
 replica whose next steps are only those decodes "glides": it prices them ahead and runs
 them all at once, as far as an arrival lets it (tests/test_fleet.py checks both give the
-same records as stepping every request, `--step-by-step`).
+same records as stepping every request, `--step-by-step`). What depends on a request's
+tokens alone, the names of its KV blocks and the router's reading of its prompt, is
+worked out ahead on another core (bench/block_hash_feed.py).
 """
 
 from __future__ import annotations
