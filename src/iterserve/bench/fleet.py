@@ -176,7 +176,7 @@ class Replica:
         finished = self.engine.run_steady(glide.made[num_steps], glide.ends[:num_steps])
         self.tracker.made(glide.made[num_steps])
         for request in finished:  # their tokens were counted as made
-            self.tracker.finish(request.request_id, 0)
+            self.progress(request, 0, True)
             _record(records[request.request_id], requests.pop(request.request_id))
 
     def step(
