@@ -4,7 +4,9 @@ give exactly the records, steps, preemptions and clocks of stepping every reques
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from iterserve.bench import block_hash_feed
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.tokenizer import load_tokenizer
-from iterserve.bench.workloads import WorkloadSpec, build_workload
+from iterserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.request import Request, RequestStatus
@@ -236,3 +238,16 @@ def test_requests_finish_in_the_order_and_steps_of_stepping_every_request() -> N
         seen[steady] = finishes, [kv.block_name(b) for b in kv._free]
     assert seen[True] == seen[False]
     assert sum(len(ids) > 1 for ids in seen[True][0]) >= 5  # steps that finish several
+
+
+def test_a_feed_whose_process_dies_says_so() -> None:
+    requests = [WorkloadRequest(list(range(100)), 10) for _ in range(3000)]
+    feed = block_hash_feed.BlockHashFeed(requests, list(range(3000)), 16, 0)
+    try:
+        assert len(feed.next()[0]) == 6  # (100 + 10) // 16 full blocks
+        os.kill(feed._process.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="block hash process ended early"):
+            for _ in range(3000):
+                feed.next()
+    finally:
+        feed.close()

@@ -67,6 +67,7 @@ class BlockHashFeed:
             cache.enable_prefix_caching
             and cache.prefix_caching_hash_algo == "builtin"
             and num_requests >= MIN_REQUESTS
+            and hasattr(os, "sched_getaffinity")  # Linux, where fork is safe to use
             and len(os.sched_getaffinity(0)) > 1
         )
 
@@ -87,7 +88,13 @@ class BlockHashFeed:
             self._process.terminate()
 
     def _receive(self) -> None:
-        message = memoryview(self._conn.recv_bytes()).cast("q")
+        try:
+            message = memoryview(self._conn.recv_bytes()).cast("q")
+        except EOFError:
+            self._process.join(timeout=5)
+            raise RuntimeError(
+                f"the block hash process ended early (exit code {self._process.exitcode})"
+            ) from None
         count = message[0]
         self._lengths = message[1 : 1 + count].tolist()
         self._flat = message[1 + count :]
