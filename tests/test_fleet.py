@@ -241,13 +241,14 @@ def test_requests_finish_in_the_order_and_steps_of_stepping_every_request() -> N
 
 
 def test_a_feed_whose_process_dies_says_so() -> None:
-    requests = [WorkloadRequest(list(range(100)), 10) for _ in range(3000)]
-    feed = block_hash_feed.BlockHashFeed(requests, list(range(3000)), 16, 0)
+    # 8 MB of chains in all: more than a pipe holds, so most are never sent.
+    requests = [WorkloadRequest(list(range(1590)), 10) for _ in range(10_000)]
+    feed = block_hash_feed.BlockHashFeed(requests, list(range(10_000)), 16, 0)
     try:
-        assert len(feed.next()[0]) == 6  # (100 + 10) // 16 full blocks
+        assert len(feed.next()[0]) == 100  # (1590 + 10) // 16 full blocks
         os.kill(feed._process.pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match="block hash process ended early"):
-            for _ in range(3000):
+            for _ in range(10_000):
                 feed.next()
     finally:
         feed.close()

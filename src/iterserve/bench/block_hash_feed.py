@@ -90,7 +90,8 @@ class BlockHashFeed:
     def _receive(self) -> None:
         try:
             message = memoryview(self._conn.recv_bytes()).cast("q")
-        except EOFError:
+            prepared = self._conn.recv()
+        except (EOFError, OSError):  # nothing more, or a message cut short
             self._process.join(timeout=5)
             raise RuntimeError(
                 f"the block hash process ended early (exit code {self._process.exitcode})"
@@ -98,7 +99,7 @@ class BlockHashFeed:
         count = message[0]
         self._lengths = message[1 : 1 + count].tolist()
         self._flat = message[1 + count :]
-        self._prepared = self._conn.recv()
+        self._prepared = prepared
         self._turn = self._at = 0
 
 

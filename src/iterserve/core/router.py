@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,13 @@ class PowerOfTwoChoices(_Policy):
         return min((a, b), key=lambda i: (loads[i].outstanding_tokens, i))
 
 
+class PrefixHome(NamedTuple):
+    """What prefix-affinity reads from a prompt."""
+
+    home: int | None  # the replica its prefix belongs to; None: shorter than a block
+    prompt_len: int
+
+
 class PrefixAffinity(_Policy):
     def __init__(
         self, block_size: int, affinity_blocks: int = 4, balance_factor: float = 2.0
@@ -150,20 +157,19 @@ class PrefixAffinity(_Policy):
         self.affinity_blocks = affinity_blocks
         self.balance_factor = balance_factor
 
-    def prepare(self, prompt_token_ids: Sequence[int], num_replicas: int) -> object:
-        """(the prefix's home replica, or None for a prompt shorter than a block; the
-        prompt's length)."""
+    def prepare(self, prompt_token_ids: Sequence[int], num_replicas: int) -> PrefixHome:
         full_blocks = min(len(prompt_token_ids) // self.block_size, self.affinity_blocks)
         if full_blocks == 0:
-            return None, len(prompt_token_ids)
+            return PrefixHome(None, len(prompt_token_ids))
         prefix = hash(tuple(prompt_token_ids[: full_blocks * self.block_size]))
         # Rendezvous hashing: each prefix ranks the replicas its own way, so adding or
         # losing one moves only the prefixes it ranked first.
         ranks = [hash((prefix, i)) for i in range(num_replicas)]
-        return ranks.index(max(ranks)), len(prompt_token_ids)
+        return PrefixHome(ranks.index(max(ranks)), len(prompt_token_ids))
 
     def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
-        home, prompt_len = prepared  # type: ignore[misc]
+        assert isinstance(prepared, PrefixHome)
+        home, prompt_len = prepared
         least = _least_loaded(loads)
         if home is None:
             return least
