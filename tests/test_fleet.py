@@ -155,9 +155,9 @@ def test_block_hashes_computed_ahead_change_nothing(
 
 
 def test_a_fed_chain_is_the_one_the_pool_hashes_for_the_finished_request(
-    tokenizer: Any,
+    tokenizer: Any, tmp_path: Path
 ) -> None:
-    spec = WorkloadSpec("azure-lengths", 30, max_prompt_len=300, max_output_len=60)
+    spec = WorkloadSpec("azure-lengths", 30, trace=_trace(tmp_path))
     workload = build_workload(spec, tokenizer)
     order = list(range(29, -1, -1))
     feed = block_hash_feed.BlockHashFeed(workload.requests, order, 16, 0)
