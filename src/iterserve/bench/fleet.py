@@ -26,7 +26,6 @@ from iterserve.bench.block_hash_feed import BlockHashFeed
 from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
-from iterserve.core.outputs import SteadyDecodes
 from iterserve.core.request import Request
 from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.core.scheduler import Scheduler
@@ -74,7 +73,6 @@ class Glide:
     steady decodes run in them (Scheduler.steady_outlook), so nothing but an arrival can
     change them. The fleet runs them lazily, all at once, up to the moment it must."""
 
-    steps: list[SteadyDecodes]
     costs: list[float]
     ends: list[float]  # the clock after each step
     starts: list[float]
@@ -157,7 +155,7 @@ class Replica:
             made.append(made[-1] + step.num_seqs)
             finished.append(finished[-1] + step.num_last)
         starts = [self.clock.now, *ends[:-1]]
-        return Glide(steps, costs, ends, starts, self.load(), made, finished)
+        return Glide(costs, ends, starts, self.load(), made, finished)
 
     def land(
         self,
