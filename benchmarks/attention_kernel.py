@@ -7,14 +7,18 @@ write the new K/V into the cache and attend.
 
     torch: attention.paged_attention (today's path; its per-step plan, built by the first
            layer from a fresh AttentionMetadata, is inside the timing)
-    C++:   the same cache write + torch.ops.iterserve.paged_attention
+    C++:   the same cache write + kernels.ops(isa).paged_attention, for each ISA variant
+           asked for (--isa avx512bf16,avx2; default: the one the engine would run, which
+           ITERSERVE_ISA overrides)
 
 Per-step metadata (build_attention_metadata for torch; int32 block tables, seq_lens and
 query_start_loc for the op) is built outside the timed step and timed on its own.
-The two alternate call by call and the medians are printed, with their ratio. Nothing is
-asserted about time: the machine is shared and noisy; compare numbers from one run.
+All contenders alternate call by call and the medians are printed, each variant with its
+speedup over torch in the same run. Nothing is asserted about time: the machine is shared
+and noisy; compare numbers from one run.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/attention_kernel.py [--threads 2] [--json out.json]
+    PYTHONPATH=src .venv/bin/python benchmarks/attention_kernel.py [--threads 2] \
+        [--isa avx512bf16,avx2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def write_kv(
 
 
 def steps(
-    batch: int, context: int
+    batch: int, context: int, isas: list[str]
 ) -> tuple[dict[str, Callable[[], list[torch.Tensor]]], dict[str, float], Callable[[], None]]:
     num_blocks = batch * -(-context // BLOCK_SIZE) + 4
     pool = make_pool(num_blocks)
@@ -100,15 +104,20 @@ def steps(
     tables, lens, starts, slots = kernel_metadata(spans)
 
     def torch_step() -> list[torch.Tensor]:
-        step_meta = dataclasses.replace(meta, _plans={})  # the plan is rebuilt every step
+        step_meta = dataclasses.replace(meta, plans={})  # the plan is rebuilt every step
         return [paged_attention(q, k, v, kv, step_meta, SCALE) for kv in pool]
 
-    def kernel_step() -> list[torch.Tensor]:
-        outs = []
-        for kv in pool:
-            write_kv(kv, k, v, slots)
-            outs.append(torch.ops.iterserve.paged_attention(q, *kv, tables, lens, starts, SCALE, 0))
-        return outs
+    def kernel_step(isa: str) -> Callable[[], list[torch.Tensor]]:
+        attend = kernels.ops(isa).paged_attention
+
+        def step() -> list[torch.Tensor]:
+            outs = []
+            for kv in pool:
+                write_kv(kv, k, v, slots)
+                outs.append(attend(q, *kv, tables, lens, starts, SCALE, 0))
+            return outs
+
+        return step
 
     def release() -> None:
         pool.clear()
@@ -117,7 +126,8 @@ def steps(
         "torch": timed(lambda: build_attention_metadata(spans, BLOCK_SIZE, CPU)) * 1e6,
         "C++": timed(lambda: kernel_metadata(spans)) * 1e6,
     }
-    return {"torch": torch_step, "C++": kernel_step}, metadata_us, release
+    fns = {"torch": torch_step} | {isa: kernel_step(isa) for isa in isas}
+    return fns, metadata_us, release
 
 
 def timed(fn: Callable[[], object], repeats: int = 50) -> float:
@@ -151,41 +161,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=2.5, help="timing budget per scenario")
+    parser.add_argument(
+        "--isa",
+        default=None,
+        help="kernel variants to time, comma-separated (default: the selected one)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not kernels.available():
-        raise SystemExit(f"C++ kernels unavailable: {kernels.why_unavailable()}")
+    isas = args.isa.split(",") if args.isa else [kernels.isa() or ""]
+    for isa in isas:
+        if not kernels.available(isa):
+            raise SystemExit(f"C++ kernels {isa} unavailable: {kernels.why_unavailable(isa)}")
 
     print(
         f"decode attention, {NUM_LAYERS} layers, SmolLM2-135M shapes ({NUM_HEADS}q/{NUM_KV_HEADS}kv"
         f" heads, head_dim {HEAD_DIM}), block {BLOCK_SIZE}, bf16, {args.threads} threads"
     )
     print("ms per step (30 layers: cache write + attention), medians of interleaved calls;")
+    print("speedup: torch ms / the variant's ms; max|diff|: largest difference from torch;")
     print("metadata: per-step metadata build, us (outside the step)")
-    print(
-        f"{'batch':>6} {'context':>8} {'torch ms':>10} {'C++ ms':>10} {'speedup':>8}"
-        f" {'max|diff|':>10} {'metadata torch/C++ us':>22}"
-    )
+    columns = "".join(f" {isa + ' ms':>15} {'speedup':>8} {'max|diff|':>10}" for isa in isas)
+    print(f"{'batch':>6} {'context':>8} {'torch ms':>10}{columns} {'metadata torch/C++ us':>22}")
     results = []
     with torch.inference_mode():
         for batch, context in SCENARIOS:
-            fns, metadata_us, release = steps(batch, context)
-            diff = max(
-                (a.float() - b.float()).abs().max().item()
-                for a, b in zip(fns["torch"](), fns["C++"](), strict=True)
-            )
+            fns, metadata_us, release = steps(batch, context, isas)
+            expected = fns["torch"]()
+            diff = {
+                isa: max(
+                    (a.float() - b.float()).abs().max().item()
+                    for a, b in zip(expected, fns[isa](), strict=True)
+                )
+                for isa in isas
+            }
             ms = {name: t * 1e3 for name, t in interleaved(fns, args.seconds).items()}
             release()
-            speedup = ms["torch"] / ms["C++"]
+            speedup = {isa: ms["torch"] / ms[isa] for isa in isas}
             results.append(
-                {"batch": batch, "context": context, "torch_ms": ms["torch"], "kernel_ms": ms["C++"],
-                 "speedup": speedup, "max_abs_diff": diff,
+                {"batch": batch, "context": context, "torch_ms": ms["torch"],
+                 "kernels": {isa: {"ms": ms[isa], "speedup": speedup[isa], "max_abs_diff": diff[isa]}
+                             for isa in isas},
                  "metadata_torch_us": metadata_us["torch"], "metadata_kernel_us": metadata_us["C++"]}
             )  # fmt: skip
+            cells = "".join(
+                f" {ms[isa]:>15.2f} {speedup[isa]:>7.2f}x {diff[isa]:>10.2g}" for isa in isas
+            )
             print(
-                f"{batch:>6} {context:>8} {ms['torch']:>10.2f} {ms['C++']:>10.2f}"
-                f" {speedup:>7.2f}x {diff:>10.2g}"
+                f"{batch:>6} {context:>8} {ms['torch']:>10.2f}{cells}"
                 f" {metadata_us['torch']:>12.0f} / {metadata_us['C++']:<7.0f}"
             )
     if args.json is not None:

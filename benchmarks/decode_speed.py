@@ -14,17 +14,22 @@ and batch size it prints:
 
 plus each path's start-up time (load + kernel build + compile/warm-up). Paths (--paths):
 
-  eager-bf16     --kernels torch --no-compile --weights bf16: plain torch ops, the reference
-  compiled-bf16  --kernels torch --weights bf16: the same network through torch.compile
+  eager-bf16     --kernels torch --no-compile --dtype bfloat16: plain torch ops, the reference
+  compiled-bf16  --kernels torch --dtype bfloat16: the same network through torch.compile
+  compiled-fp32  --kernels torch --dtype float32: torch.compile in fp32, the best torch does
+                 on a CPU without bf16 arithmetic (where it emulates bf16)
   bf16           --weights bf16: iterserve's kernels, one fused C++ op per layer
   int8           --weights int8: int8 weights and activations (W8A8) at every step size
   default        the engine's defaults: for the bundled Q4_1 GGUF, its 4-bit layers and
                  8-bit head on few-token steps, an int8 copy (W8A8) on larger ones
 
 Batch sizes run in order, each through every path before the next, so a noisy spell on
-this shared machine hits all paths alike; compare ratios within one run. Asserts nothing.
+this shared machine hits all paths alike; compare ratios within one run. The kernels run in
+the ISA variant the CPU picks or ITERSERVE_ISA names; the first line says which, and the
+CPU's vector extensions. Asserts nothing.
 
     .venv/bin/python benchmarks/decode_speed.py [--batch-sizes 1,4,16,32,64] [--json out.json]
+    ITERSERVE_ISA=avx2 .venv/bin/python benchmarks/decode_speed.py   # the AVX2 path
 """
 
 from __future__ import annotations
@@ -38,13 +43,15 @@ from pathlib import Path
 
 import numpy as np
 
+from iterserve.bench.machine import cpu_line
 from iterserve.bench.tokenizer import load_tokenizer, ordinary_token_ids
 from iterserve.engine.llm import LLM
 from iterserve.sampling_params import SamplingParams
 
 PATHS: dict[str, dict[str, object]] = {
-    "eager-bf16": {"kernels": "torch", "compile": False, "weights": "bf16"},
-    "compiled-bf16": {"kernels": "torch", "weights": "bf16"},
+    "eager-bf16": {"kernels": "torch", "compile": False, "weights": "bf16", "dtype": "bfloat16"},
+    "compiled-bf16": {"kernels": "torch", "weights": "bf16", "dtype": "bfloat16"},
+    "compiled-fp32": {"kernels": "torch", "weights": "bf16", "dtype": "float32"},
     "bf16": {"weights": "bf16"},
     "int8": {"weights": "int8"},
     "default": {},
@@ -107,6 +114,7 @@ def main() -> None:
     parser.add_argument("--json", default="bench_results/decode_speed.json")
     args = parser.parse_args()
 
+    print(cpu_line(), flush=True)
     vocab = np.asarray(ordinary_token_ids(load_tokenizer(None)))
     rng = np.random.default_rng(0)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -127,13 +135,16 @@ def main() -> None:
             "seconds": time.perf_counter() - start,
             "warm_up_seconds": llm.engine.warm_up_seconds,
             "kernels": plan.backend,
+            "kernels_isa": plan.kernels_isa or "",
+            "dtype": plan.dtype,
             "weights": plan.weights,
             "step": plan.step,
         }
         engines[name] = llm
         print(
             f"{name:14s} start-up {startup[name]['seconds']:6.1f} s "
-            f"(warm-up/compile {llm.engine.warm_up_seconds:5.1f} s): {plan.backend} kernels, "
+            f"(warm-up/compile {llm.engine.warm_up_seconds:5.1f} s): {plan.backend} kernels"
+            f"{f' ({plan.kernels_isa})' if plan.kernels_isa else ''}, {plan.dtype}, "
             f"weights {plan.weights}, step {plan.step}",
             flush=True,
         )
@@ -156,7 +167,11 @@ def main() -> None:
             )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"startup": startup, "rows": [asdict(r) for r in rows]}, indent=2))
+    out.write_text(
+        json.dumps(
+            {"cpu": cpu_line(), "startup": startup, "rows": [asdict(r) for r in rows]}, indent=2
+        )
+    )
     print(f"wrote {out}")
 
 

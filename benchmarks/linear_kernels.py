@@ -5,7 +5,9 @@ its own weights, so nothing stays in cache from one call to the next) and the ti
 (49152 x 576), through:
 
   torch.mv / F.linear   what a step used before (matrix-vector at one row, GEMM above)
-  onednn                oneDNN GEMM on weights packed once (mkldnn._linear_pointwise)
+  torch-fp32            F.linear on fp32 copies: what --dtype float32 runs without kernels
+  onednn                oneDNN GEMM on weights packed once (mkldnn._linear_pointwise; only
+                        where oneDNN has bf16 arithmetic)
   tiled-bf16            csrc/linear.cpp on bf16 weights
   tiled-q4              csrc/linear.cpp on 4-bit blocks (GGUF Q4_1 layout, random values)
   tiled-q8 (head)       csrc/linear.cpp on 8-bit blocks (the bundled GGUF's head is Q8_0)
@@ -16,9 +18,11 @@ and prints ms per step, the effective weight bandwidth (GB/s) or arithmetic rate
 from 512 rows), the largest M at which the tiled bf16 kernel still beats oneDNN, and the
 largest at which 4/8-bit weights still beat their int8 copy in the tiled kernel: the source
 of MAX_QUANTIZED_ROWS in model/linear.py.
-Medians of interleaved repeats; asserts nothing.
+Medians of interleaved repeats; asserts nothing. The kernels run in the ISA variant the CPU
+picks or ITERSERVE_ISA names (printed first).
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1,2,4,8,16,32,64] [--json out.json]
+    ITERSERVE_ISA=avx2 .venv/bin/python benchmarks/linear_kernels.py
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 
 from iterserve import kernels
 from iterserve.model import quant
+from iterserve.model.linear import onednn_usable
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEAD = (49152, 576)
@@ -77,13 +82,15 @@ class Weights:
     """Every layer's projections and the head, in each kernel's own layout."""
 
     dense: list[list[torch.Tensor]]
-    packed: list[list[torch.Tensor]]
+    dense32: list[list[torch.Tensor]]
+    packed: list[list[torch.Tensor]] | None
     tiles: list[list[torch.Tensor]]
     q4: list[list[tuple[torch.Tensor, torch.Tensor]]]
     i8: list[list[tuple[torch.Tensor, torch.Tensor]]]
     int4pack: list[list[tuple[torch.Tensor, torch.Tensor]]]
     head: torch.Tensor
-    head_packed: torch.Tensor
+    head32: torch.Tensor
+    head_packed: torch.Tensor | None
     head_tiles: torch.Tensor
     head_q8: tuple[torch.Tensor, torch.Tensor]
     head_i8: tuple[torch.Tensor, torch.Tensor]
@@ -103,17 +110,24 @@ class Weights:
             return quant.tile_int8(q), scales
 
         head = (torch.randn(*HEAD) * 0.02).bfloat16()
+        bf16_onednn = onednn_usable(torch.bfloat16, torch.device("cpu"))
         q8 = torch.randint(-128, 128, HEAD, dtype=torch.int8)
         head_scales = (torch.rand(HEAD[0], HEAD[1] // 32) * 0.01).half()
         return Weights(
             dense=dense,
-            packed=[[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in dense],
+            dense32=[[w.float() for w in ws] for ws in dense],
+            packed=[[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in dense]
+            if bf16_onednn
+            else None,
             tiles=[[quant.tile_bf16(w) for w in ws] for ws in dense],
             q4=[[quant.tile_quantized(random_q4(n, k)) for n, k in SHAPES] for _ in range(LAYERS)],
             i8=[[i8(w) for w in ws] for ws in dense],
             int4pack=[[int4pack(n, k) for n, k in SHAPES] for _ in range(LAYERS)],
             head=head,
-            head_packed=torch.ops.mkldnn._reorder_linear_weight(head, None),
+            head32=head.float(),
+            head_packed=torch.ops.mkldnn._reorder_linear_weight(head, None)
+            if bf16_onednn
+            else None,
             head_tiles=quant.tile_bf16(head),
             head_q8=quant.tile_quantized(quant.QuantizedWeight("q8", q8, head_scales, None)),
             head_i8=i8(head),
@@ -122,7 +136,7 @@ class Weights:
 
 def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int | str]]:
     """One row count through every kernel: layer and head timings in ms."""
-    op = torch.ops.iterserve.tiled_linear.default
+    op = kernels.ops().tiled_linear.default
 
     def tiled(
         x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None, fmt: int
@@ -132,6 +146,7 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     onednn = torch.ops.mkldnn._linear_pointwise
     xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in SHAPES]
     xh = torch.randn(rows, HEAD[1], dtype=torch.bfloat16)
+    xs32, xh32 = [x.float() for x in xs], xh.float()
 
     def layers(call: Callable[[torch.Tensor, int, int], object]) -> Callable[[], None]:
         def run() -> None:
@@ -149,6 +164,7 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
         torch_head = lambda: F.linear(xh, w.head)  # noqa: E731
     layer_fns: dict[str, Callable[[], object]] = {
         "torch": torch_layers,
+        "torch-fp32": layers(lambda x, i, j: F.linear(xs32[j], w.dense32[i][j])),
         "onednn": layers(lambda x, i, j: onednn(x, w.packed[i][j], None, "none", [], "")),
         "tiled-bf16": layers(lambda x, i, j: tiled(x, w.tiles[i][j], None, 0)),
         "tiled-q4": layers(lambda x, i, j: tiled(x, *w.q4[i][j], 1)),
@@ -161,11 +177,14 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     }
     head_fns: dict[str, Callable[[], object]] = {
         "torch": torch_head,
+        "torch-fp32": lambda: F.linear(xh32, w.head32),
         "onednn": lambda: onednn(xh, w.head_packed, None, "none", [], ""),
         "tiled-bf16": lambda: tiled(xh, w.head_tiles, None, 0),
         "tiled-q8": lambda: tiled(xh, *w.head_q8, 2),
         "tiled-i8": lambda: tiled(xh, *w.head_i8, 3),
     }
+    if w.packed is None:  # no bf16 oneDNN on this CPU
+        del layer_fns["onednn"], head_fns["onednn"]
     layer_ms = interleaved(layer_fns, repeats)
     head_ms = interleaved(head_fns, repeats * 4)
     results: list[dict[str, float | int | str]] = []
@@ -208,6 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     if not kernels.available():
         raise SystemExit(f"C++ kernels unavailable: {kernels.why_unavailable()}")
+    print(f"kernels: {kernels.isa()} (CPU runs {', '.join(kernels.runnable_isas())})")
     weights = Weights.random()
     print(
         f"{'rows':>4s}  {'kernel':12s} {'layers ms':>10s} {'GB/s':>6s}   {'head ms':>8s} {'GB/s':>6s}"
@@ -216,9 +236,10 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         results.extend(measure(rows, weights, args.repeats))
     print("largest row count at which a kernel beats its rival:")
+    rival_of_bf16 = "onednn" if weights.packed is not None else "torch-fp32"
     for kernel, rival, key in (
-        ("tiled-bf16", "onednn", "layers_ms"),
-        ("tiled-bf16", "onednn", "head_ms"),
+        ("tiled-bf16", rival_of_bf16, "layers_ms"),
+        ("tiled-bf16", rival_of_bf16, "head_ms"),
         ("tiled-q4", "tiled-i8", "layers_ms"),
         ("tiled-q8", "tiled-i8", "head_ms"),
         ("tiled-i8", "tiled-bf16", "layers_ms"),

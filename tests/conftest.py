@@ -93,3 +93,42 @@ def tiny_llama_bos_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: 
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
     )
+
+
+def kernel_test_isas(with_generic: bool = False) -> list[str | None]:
+    """The kernels' ISA variants the tests run here: the best this CPU has, and AVX2 too on
+    a bigger CPU (ITERSERVE_ISA forces it), so that CI on either kind of machine checks both
+    paths; `with_generic` adds the build with no intrinsics, the stand-in on x86 for the code
+    an Arm build takes where simd.h has no NEON version."""
+    from iterserve import kernels
+
+    runnable = kernels.runnable_isas()
+    if not runnable:
+        return [None]  # the tests skip, saying why
+    chosen = [runnable[0]]
+    chosen += [name for name in ("avx2",) if name in runnable and name not in chosen]
+    if with_generic and "generic" in runnable:
+        chosen.append("generic")
+    return chosen
+
+
+def _use_isa(name: str | None, monkeypatch: pytest.MonkeyPatch) -> str:
+    from iterserve import kernels
+
+    if name is not None:
+        monkeypatch.setenv("ITERSERVE_ISA", name)
+    if not kernels.available():
+        pytest.skip(f"C++ kernels unavailable: {kernels.why_unavailable()}")
+    return kernels.isa() or ""
+
+
+@pytest.fixture(params=kernel_test_isas())
+def kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test once per ISA variant of the kernels (see kernel_test_isas)."""
+    return _use_isa(request.param, monkeypatch)
+
+
+@pytest.fixture(params=kernel_test_isas(with_generic=True))
+def any_kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """kernel_isa plus the generic build: for the kernels' own unit tests."""
+    return _use_isa(request.param, monkeypatch)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from iterserve import kernels
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 from iterserve.model.llama import LlamaForCausalLM
@@ -26,6 +27,8 @@ class PagedRunner:
         self.model = model
         self.block_size = block_size
         self.paged_kernel = paged_kernel
+        if paged_kernel:  # the C++ ops of the ISA variant selected now (ITERSERVE_ISA)
+            model.use_kernel_ops(kernels.ops())
         self.caches = allocate_kv_caches(
             model.config, num_blocks, block_size, model.dtype, torch.device("cpu")
         )

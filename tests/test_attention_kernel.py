@@ -10,9 +10,9 @@ import torch
 
 from iterserve import kernels
 
-pytestmark = pytest.mark.skipif(
-    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
-)
+# Every test runs once per ISA variant of the kernels (conftest.kernel_test_isas).
+pytestmark = pytest.mark.usefixtures("any_kernel_isa")
+
 
 HUGE_BLOCK_ID = 2**31 - 1  # padding entries of block_tables: reading one would crash
 
@@ -29,7 +29,7 @@ class Case:
     window: int
 
     def run(self) -> torch.Tensor:
-        return torch.ops.iterserve.paged_attention(
+        return kernels.ops().paged_attention(
             self.q,
             self.key_cache,
             self.value_cache,
@@ -255,9 +255,10 @@ def test_bad_inputs_are_refused() -> None:
 
 def test_torch_compile_fullgraph_matches_eager() -> None:
     case = make_case([40, 7, 300], [1, 3, 1], dtype=torch.bfloat16)
+    paged_attention = kernels.ops().paged_attention
 
     def attend(q: torch.Tensor, case: Case = case) -> torch.Tensor:
-        out = torch.ops.iterserve.paged_attention(
+        out = paged_attention(
             q * 1.0,  # an op around it, so the graph is not just the call
             case.key_cache,
             case.value_cache,

@@ -182,7 +182,16 @@ def test_simulate_says_which_cost_model_priced_it(
     base = ["simulate", "--model", str(tokenizer_dir), "--num-requests", "6"]
     base += ["--input-len", "64", "--output-len", "8", "--request-rate", "4"]
     assert main([*base, "--hardware", "cpu-2core", "--sim-model", "smollm2-135m"]) == 0
-    assert "cost model: the shipped profile, measured on" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cost model: the shipped profile, measured on" in out
+    assert "(avx512bf16 kernels)" in out and "NOTE" not in out  # the preset's own ISA
+    other_isa = tmp_path / "avx2.json"
+    CostProfile(toy_profile().decode, toy_profile().prefill, {"isa": "avx2"}).save(other_isa)
+    cpu = [*base, "--hardware", "cpu-2core", "--sim-model", "smollm2-135m"]
+    assert main([*cpu, "--cost-profile", str(other_isa)]) == 0
+    assert "NOTE: measured with avx2 kernels, the preset describes avx512bf16" in (
+        capsys.readouterr().out
+    )
     assert main([*base, "--hardware", "a100-80g", "--sim-model", "llama3-8b"]) == 0
     assert "cost model: roofline" in capsys.readouterr().out
     path = tmp_path / "toy.json"

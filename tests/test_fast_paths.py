@@ -20,14 +20,20 @@ from gguf.quants import quantize
 
 from iterserve import kernels
 from iterserve.model import quant
-from iterserve.model.linear import Backend, DenseFormat
+from iterserve.model.linear import Backend, DenseFormat, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
 from paged_runner import PagedRunner
 from tiny_checkpoints import model_config_of, tiny_hf_model
 
 VOCAB = 256
-needs_kernels = pytest.mark.skipif(
-    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+# Runs the test once per ISA variant of the kernels (conftest.kernel_test_isas).
+needs_kernels = pytest.mark.usefixtures("kernel_isa")
+ONEDNN = pytest.param(
+    "onednn",
+    marks=pytest.mark.skipif(
+        not onednn_usable(torch.bfloat16, torch.device("cpu")),
+        reason="oneDNN has no bf16 arithmetic on this CPU",
+    ),
 )
 
 
@@ -101,7 +107,7 @@ def _assert_same_greedy(reference: list[torch.Tensor], fast: list[torch.Tensor])
 
 
 @needs_kernels
-@pytest.mark.parametrize("backend", ["onednn", "tiled"])
+@pytest.mark.parametrize("backend", [ONEDNN, "tiled"])
 def test_bf16_fast_linears_keep_the_reference_greedy_tokens(hf, backend: Backend) -> None:
     tokens = _tokens(1)
     reference = _run(_model(hf, torch.bfloat16), tokens, kernel=False)
@@ -126,7 +132,7 @@ def test_compiled_stack_equals_eager_in_fp32(hf) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("backend", ["onednn", "tiled"])
+@pytest.mark.parametrize("backend", [ONEDNN, "tiled"])
 def test_compiled_stack_with_fast_linears_keeps_the_reference_greedy_tokens(
     hf, backend: Backend
 ) -> None:
@@ -138,7 +144,14 @@ def test_compiled_stack_with_fast_linears_keeps_the_reference_greedy_tokens(
 
 @pytest.mark.parametrize(
     ("dtype", "backend"),
-    [(torch.float32, "torch"), pytest.param(torch.bfloat16, "tiled", marks=needs_kernels)],
+    [
+        (torch.float32, "torch"),
+        pytest.param(
+            torch.bfloat16,
+            "tiled",
+            marks=pytest.mark.skipif(not kernels.available(), reason="no C++ kernels here"),
+        ),
+    ],
 )
 def test_frozen_graphs_run_without_guards_and_compute_the_same(
     hf, dtype: torch.dtype, backend: Backend

@@ -223,7 +223,12 @@ def test_logprobs(client: openai.OpenAI) -> None:
 def test_models_and_health(client: openai.OpenAI, server: RunningServer) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
-    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    health = httpx.get(f"{server.base_url}/health")
+    assert health.status_code == 200
+    # Which path serves, and why: dtype, kernels and their ISA.
+    model = health.json()["model"]
+    assert model["dtype"] in ("bfloat16", "float32") and model["dtype_reason"]
+    assert {"kernels", "kernels_isa", "attention", "weights", "step"} <= model.keys()
 
 
 # ---- bad input ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ Batching = Literal["continuous", "static", "dynamic"]
 StepPolicy = Literal["mixed", "prefill-first"]
 WeightFormat = Literal["auto", "bf16", "int4", "int8"]
 Kernels = Literal["auto", "torch"]
-DType = Literal["bfloat16", "float32"]
+DType = Literal["auto", "bfloat16", "float32"]
 SpeculativeMethod = Literal["ngram", "draft"]
 SELF_INT4_DRAFT = "self-int4"  # --draft-model value: the model's own 4-bit weights
 
@@ -211,7 +211,12 @@ class SpeculativeConfig:
 @dataclass
 class EngineConfig:
     model: str | None = _opt(None, "HF directory or GGUF file (default: bundled SmolLM2-135M)")
-    dtype: DType = _opt("bfloat16", "weights and activations")
+    dtype: DType = _opt(
+        "auto",
+        "weights and activations: auto is bfloat16 where this CPU computes it natively or "
+        "iterserve's kernels run (they keep bf16 in memory and multiply in fp32 where the CPU "
+        "has no bf16 arithmetic), float32 where only torch's emulated bf16 would be left",
+    )
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
     seed: int = _opt(0, "seed for requests that give none")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
@@ -261,7 +266,7 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be at least 1, got {self.num_threads}")
         if self.weights in ("int4", "int8") and (
-            self.dtype != "bfloat16" or self.kernels == "torch"
+            self.dtype == "float32" or self.kernels == "torch"
         ):
             raise ConfigError(
                 f"--weights {self.weights} runs on iterserve's kernels: it needs --dtype "

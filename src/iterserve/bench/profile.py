@@ -178,6 +178,8 @@ def _prefill_point(
 def _about(engine: Any, grid: ProfileGrid) -> dict[str, Any]:
     import torch
 
+    from iterserve.bench.machine import cpu_line
+
     config: EngineConfig = engine.config
     plan = engine.model_plan
     return {
@@ -188,6 +190,8 @@ def _about(engine: Any, grid: ProfileGrid) -> dict[str, Any]:
         "step": plan.step,
         "device": config.device,
         "cpu": platform.processor() or platform.machine(),
+        "isa": plan.kernels_isa or "none",  # the kernels' variant (ITERSERVE_ISA), if any
+        "cpu_line": cpu_line(),
         "threads": torch.get_num_threads(),
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "block_size": config.cache.block_size,

@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         + f"; simulated in {wall:.1f}s of wall time ({steps} steps, "
         f"{1e6 * wall / max(1, steps):.0f} us a step)"
     ]
-    notes.append(_cost_note(profile, args.cost_profile))
+    notes.append(_cost_note(profile, args.cost_profile, HARDWARE[args.hardware].isa))
     notes += [_replica_note(i, replica, len(fleet) > 1) for i, replica in enumerate(fleet)]
     report = BenchReport(
         label=args.label or f"simulated {args.sim_model} on {args.hardware}",
@@ -129,7 +129,9 @@ def _run(args: argparse.Namespace) -> int:
     return finish(report, args)
 
 
-def _cost_note(profile: CostProfile | None, path: str | None) -> str:
+def _cost_note(profile: CostProfile | None, path: str | None, isa: str | None) -> str:
+    """Where the step prices come from; `isa`: the kernels' ISA variant the hardware preset
+    describes (a profile measured with another one is flagged)."""
     if profile is None:
         return (
             "cost model: roofline (no profile for this hardware and model: steps are priced "
@@ -139,11 +141,15 @@ def _cost_note(profile: CostProfile | None, path: str | None) -> str:
     where = path or "the shipped profile"
     if not profile.measured:
         return f"cost model: {where}, NOT measured"
-    return (
-        f"cost model: {where}, measured on {about.get('cpu', '?')} with "
-        f"{about.get('threads', '?')} threads, {about.get('weights', '?')} weights, "
+    measured_isa = about.get("isa", "?")
+    note = (
+        f"cost model: {where}, measured on {about.get('cpu', '?')} ({measured_isa} kernels) "
+        f"with {about.get('threads', '?')} threads, {about.get('weights', '?')} weights, "
         f"{about.get('date', '?')}"
     )
+    if isa is not None and measured_isa != isa:
+        note += f"; NOTE: measured with {measured_isa} kernels, the preset describes {isa}"
+    return note
 
 
 def _replica_note(index: int, replica: Replica, named: bool) -> str:

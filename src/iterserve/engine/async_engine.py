@@ -216,7 +216,11 @@ class AsyncEngine:
     def served_model(self) -> ServedModel:
         engine = self.engine
         return ServedModel(
-            engine.model_name, engine.tokenizer, engine.chat_template, engine.max_model_len
+            engine.model_name,
+            engine.tokenizer,
+            engine.chat_template,
+            engine.max_model_len,
+            engine.model_plan.describe(),
         )
 
     def replica_health(self) -> list[str]:

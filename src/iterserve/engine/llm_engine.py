@@ -27,7 +27,7 @@ from iterserve.executor.paged_model import PagedModel
 from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
-from iterserve.model.builder import ModelPlan, build_model
+from iterserve.model.builder import ModelPlan, build_model, choose_dtype
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
@@ -64,7 +64,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
+        dtype, dtype_reason = choose_dtype(config, self.device)
         loaded = loaded or load_model(config.model, dtype)
         self.model_config = loaded.config
         self.model_name = loaded.name
@@ -86,7 +86,7 @@ class LLMEngine:
                 config, loaded, dtype, self.device, num_blocks
             )
         else:
-            model, self.model_plan = build_model(config, loaded, dtype, self.device)
+            model, self.model_plan = build_model(config, loaded, dtype, self.device, dtype_reason)
             network = self._paged(model, self.model_plan, loaded, num_blocks, dtype)
         try:
             self.draft: DraftModelProposer | None = None

@@ -9,7 +9,7 @@ runs no model itself.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from iterserve.engine.metrics import EngineSnapshot
@@ -34,6 +34,9 @@ class ServedModel:
     tokenizer: Any
     chat_template: str | None
     max_model_len: int
+    # How the model computes (dtype and why, kernels and their ISA, weights, step), for
+    # /health (a data-parallel front end reports its first replica's).
+    compute: dict[str, str] = field(default_factory=dict)
 
 
 class ServingEngine(Protocol):

@@ -42,6 +42,10 @@ class Hardware:
     # the device's memory as a GPU serving engine does: the preset of this machine, so a
     # simulation of it admits and preempts as `iterserve serve` here would.
     kv_cache_from_config: bool = False
+    # For a CPU preset, the kernels' ISA variant it describes (kernels/__init__.py): a
+    # profile measured with another one prices steps of another machine, and the report
+    # says so.
+    isa: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ HARDWARE = {
         step_overhead=8e-3,
         memory_bytes=24 * 2**30,
         kv_cache_from_config=True,
+        isa="avx512bf16",
     ),
     "a100-80g": _datasheet("a100-80g", 312e12, 2.0e12, step_overhead=4e-3, memory_bytes=80e9),
     "h100-80g": _datasheet("h100-80g", 989e12, 3.35e12, step_overhead=3e-3, memory_bytes=80e9),

@@ -1,12 +1,17 @@
-"""iterserve's own CPU kernels: C++ in `csrc/`, built at first use and cached.
+"""iterserve's own CPU kernels: C++ in `csrc/`, one source built per instruction set.
 
-Nothing requires them. `available()` says whether they run here: the CPU must have
-AVX-512 with BF16 and VNNI dot products (checked at run time, not at build time), a C++ compiler
-must be present, and the build must succeed. Otherwise the engine says why, once, and
-every caller takes its torch path. The build lands in `cache_dir()`, keyed by the sources'
-hash, so an edit rebuilds and an unchanged tree loads in milliseconds.
+The sources are written in a 16-lane vector layer (csrc/simd.h, over torch's `at::vec`)
+and compiled once for each ISA variant below, at first use, with that variant's flags; the
+build is cached in `cache_dir()`, keyed by the sources' hash, so an edit rebuilds and an
+unchanged tree loads in milliseconds. Each variant registers its ops in its own torch library
+namespace (`torch.ops.iterserve_avx2`, ...), so several can be loaded in one process and
+compared (the tests run every variant this CPU can run against the torch reference).
 
-Set ITERSERVE_KERNELS=0 to turn them off (the torch reference paths then run everywhere).
+Which variant runs: the best one this CPU has, or the one named by ITERSERVE_ISA (for
+example `ITERSERVE_ISA=avx2` on an AVX-512 machine runs and tests the AVX2 path). Nothing
+requires the kernels: without a compiler, on another architecture, or with
+ITERSERVE_KERNELS=0, `available()` is False, the engine says why once, and every caller takes
+its torch path.
 """
 
 from __future__ import annotations
@@ -19,36 +24,52 @@ import platform
 import shutil
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger("iterserve.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
-# The instruction sets the sources are compiled for; `available()` checks the CPU has them.
-_CPU_FLAGS = (
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512dq",
-    "avx512_bf16",
-    "avx512_vnni",
-    "f16c",
-    "fma",
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One build of the kernels: what the CPU must have, and how to compile for it."""
+
+    name: str
+    machine: str  # platform.machine() it runs on
+    cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags it needs
+    capability: str  # at::vec's CPU_CAPABILITY
+    cflags: tuple[str, ...]
+    # Arithmetic on bf16 values without emulation (bf16 dot products): where it is missing,
+    # bf16 weights are widened to fp32 in registers and multiplied there.
+    native_bf16: bool = False
+
+
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c")
+
+# Best first: the first one the CPU runs is the default.
+ISAS: tuple[Isa, ...] = (
+    Isa(
+        "avx512bf16",
+        "x86_64",
+        (*_AVX512, "avx512_bf16", "avx512_vnni"),
+        "AVX512",
+        (*_AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni"),
+        native_bf16=True,
+    ),
+    Isa("avx512", "x86_64", _AVX512, "AVX512", _AVX512_FLAGS),
+    Isa("avx2", "x86_64", ("avx2", "fma", "f16c"), "AVX2", ("-mavx2", "-mfma", "-mf16c")),
+    Isa("neon", "aarch64", ("asimd",), "DEFAULT", ("-march=armv8-a",)),
+    # The same source with no intrinsics at all (what a CPU the list above misses would run);
+    # tested on x86 as the stand-in for the paths the Arm build takes.
+    Isa("generic", "x86_64", (), "DEFAULT", ()),
 )
-_CFLAGS = [
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512dq",
-    "-mavx512bf16",
-    "-mavx512vnni",
-    "-mf16c",
-    "-mfma",
-    "-fopenmp",
-]
+_BY_NAME = {isa.name: isa for isa in ISAS}
 
 
 def cache_dir() -> Path:
@@ -59,29 +80,97 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (x86 "flags", Arm "Features")."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(("flags", "Features")):  # x86, Arm
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
-def why_unavailable() -> str | None:
-    """None when the kernels can be built and run here, else the reason they cannot."""
+def _machine() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def _cpu_runs(isa: Isa) -> bool:
+    return _machine() == isa.machine and set(isa.cpu_flags) <= cpu_flags()
+
+
+def runnable_isas() -> list[str]:
+    """The variants this CPU can run, best first."""
+    if not sys.platform.startswith("linux"):
+        return []
+    return [isa.name for isa in ISAS if _cpu_runs(isa)]
+
+
+def isa() -> str | None:
+    """The variant the engine runs: ITERSERVE_ISA if set, else the best this CPU has."""
+    forced = os.environ.get("ITERSERVE_ISA")
+    if forced:
+        return forced
+    runnable = runnable_isas()
+    return runnable[0] if runnable else None
+
+
+def describe(name: str | None = None) -> Isa | None:
+    """The variant's description (flags, native bf16), or None for an unknown name."""
+    return _BY_NAME.get(name or isa() or "")
+
+
+def why_unavailable(name: str | None = None) -> str | None:
+    """None when the (selected) variant can be built and run here, else why it cannot."""
     if os.environ.get("ITERSERVE_KERNELS", "1") == "0":
         return "turned off by ITERSERVE_KERNELS=0"
-    if platform.machine() not in ("x86_64", "AMD64") or not sys.platform.startswith("linux"):
-        return f"built for x86-64 Linux only (this is {platform.machine()} {sys.platform})"
-    missing = [flag for flag in _CPU_FLAGS if flag not in _cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+    name = name or isa()
+    if name is None:
+        return f"no kernel build for this CPU ({platform.machine()} {sys.platform})"
+    variant = _BY_NAME.get(name)
+    if variant is None:
+        return f"ITERSERVE_ISA={name} is not one of {', '.join(_BY_NAME)}"
+    if not _cpu_runs(variant):
+        missing = sorted(set(variant.cpu_flags) - cpu_flags())
+        what = f"lacks {', '.join(missing)}" if missing else f"is not {variant.machine}"
+        return f"the {name} kernels cannot run here: the CPU {what}"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++) on PATH"
     return None
+
+
+def available(name: str | None = None) -> bool:
+    """Build (first time) and load the (selected) variant; False, said once, if it cannot run."""
+    return _load(name or isa() or "") is not None
+
+
+def ops(name: str | None = None) -> Any:
+    """The ops of the (selected) variant: `ops().tiled_linear(...)`. Call `available()` first."""
+    name = name or isa() or ""
+    if _load(name) is None:
+        raise RuntimeError(f"iterserve kernels unavailable: {why_unavailable(name)}")
+    return getattr(torch.ops, _namespace(name))
+
+
+def _namespace(name: str) -> str:
+    return f"iterserve_{name}"
+
+
+@functools.cache
+def _load(name: str) -> str | None:
+    reason = why_unavailable(name)
+    if reason is None:
+        try:
+            _build_and_load(_BY_NAME[name])
+        except Exception as error:  # a failed build must never stop the engine
+            reason = f"the build failed: {str(error).strip().splitlines()[-1:]}"
+    if reason is not None:
+        logger.warning("iterserve C++ kernels are off (%s); using the torch paths", reason)
+        return None
+    return name
 
 
 def _ensure_ninja_on_path() -> None:
@@ -91,22 +180,21 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
-@functools.cache
-def available() -> bool:
-    """Build (first time) and load the kernels; False, said once, if they cannot run here."""
-    reason = why_unavailable()
-    if reason is None:
-        try:
-            _build_and_load()
-        except Exception as error:  # a failed build must never stop the engine
-            reason = f"the build failed: {str(error).strip().splitlines()[-1:]}"
-    if reason is not None:
-        logger.warning("iterserve C++ kernels are off (%s); using the torch paths", reason)
-        return False
-    return True
+def compile_flags(variant: Isa) -> list[str]:
+    """Everything the variant's sources are compiled with (also used by the cross-build test)."""
+    return [
+        "-O3",
+        f"-DCPU_CAPABILITY={variant.capability}",
+        f"-DCPU_CAPABILITY_{variant.capability}",
+        f"-DITERSERVE_OPS={_namespace(variant.name)}",
+        # Each variant's copies of at::vec's inline functions stay its own.
+        "-fvisibility=hidden",
+        "-fopenmp",
+        *variant.cflags,
+    ]
 
 
-def _build_and_load() -> None:
+def _build_and_load(variant: Isa) -> None:
     from torch.utils import cpp_extension
 
     _ensure_ninja_on_path()
@@ -115,16 +203,19 @@ def _build_and_load() -> None:
     digest = hashlib.sha256()
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
-    build_dir = cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+    tag = f"{variant.name}-torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+    build_dir = cache_dir() / "kernels" / tag
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name="iterserve_kernels",
+        name=f"iterserve_kernels_{variant.name}",
         sources=sources,
-        extra_cflags=_CFLAGS,
+        extra_cflags=compile_flags(variant),
         extra_include_paths=[str(_CSRC)],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=os.environ.get("ITERSERVE_KERNELS_VERBOSE") == "1",
     )
-    from iterserve.kernels import fake  # noqa: F401  shapes for torch.compile
+    from iterserve.kernels.fake import register_fakes
+
+    register_fakes(_namespace(variant.name))

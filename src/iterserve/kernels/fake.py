@@ -1,4 +1,7 @@
-"""Shapes of the C++ ops' results, so torch.compile can trace through them without running them."""
+"""Shapes of the C++ ops' results, so torch.compile can trace through them without running them.
+
+Each ISA variant registers the same ops in its own namespace (see kernels/__init__.py);
+`register_fakes` gives that namespace these shape functions."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import torch
 TILE = 16  # outputs per weight tile, as in csrc/linear.cpp
 
 
-@torch.library.register_fake("iterserve::tiled_linear")
 def _tiled_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -25,14 +27,12 @@ def _tiled_linear(
     return x.new_empty(x.shape[0], weight.shape[0] * TILE, dtype=dtype)
 
 
-@torch.library.register_fake("iterserve::quantize_rows")
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(
         (x.shape[0], x.shape[1] // 32), dtype=torch.float32
     )
 
 
-@torch.library.register_fake("iterserve::paged_attention")
 def _paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -46,7 +46,6 @@ def _paged_attention(
     return q.new_empty(q.shape)  # contiguous [T, num_heads, head_dim] in q's dtype
 
 
-@torch.library.register_fake("iterserve::store_and_attend")
 def _store_and_attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,7 +60,6 @@ def _store_and_attend(
     return q.new_empty(q.shape)
 
 
-@torch.library.register_fake("iterserve::decoder_layer")
 def _decoder_layer(
     hidden: torch.Tensor,
     input_norm: torch.Tensor,
@@ -82,3 +80,18 @@ def _decoder_layer(
     sliding_window: int,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
+
+
+_FAKES = {
+    "tiled_linear": _tiled_linear,
+    "quantize_rows": _quantize_rows,
+    "paged_attention": _paged_attention,
+    "store_and_attend": _store_and_attend,
+    "decoder_layer": _decoder_layer,
+}
+
+
+def register_fakes(namespace: str) -> None:
+    """Shape functions for one variant's ops (`namespace`: iterserve_avx2, ...)."""
+    for op, fake in _FAKES.items():
+        torch.library.register_fake(f"{namespace}::{op}")(fake)

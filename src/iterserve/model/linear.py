@@ -20,11 +20,12 @@ The residual add rides inside the product in every backend (one op, one rounding
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
+from iterserve import kernels
 from iterserve.model.quant import (
     BLOCK,
     TILE,
@@ -112,16 +113,21 @@ class Linear:
         self.wide: torch.Tensor | None = None  # dense tiles for steps past max_tile_rows
         self.wide_scales: torch.Tensor | None = None
         self.max_tile_rows = _NO_LIMIT
+        self.ops: Any = None  # the kernels' ops (tiled backend), of the ISA variant chosen
         if backend == "tiled" and not self._tileable(quantized, dense_format):
-            backend = self.backend = "onednn"
+            backend = self.backend = (
+                "onednn" if onednn_usable(weight.dtype, weight.device) else "torch"
+            )
         if backend == "torch":
             self.weight = weight
         elif backend == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif quantized is None:
+            self.ops = kernels.ops()
             self.format = dense_format
             self.tiles, self.scales = _tile_dense(weight, dense_format)
         else:
+            self.ops = kernels.ops()
             self.format = quantized.kind
             self.tiles, self.scales = tile_quantized(quantized)
             if wide:
@@ -152,7 +158,7 @@ class Linear:
         """`fp32_out`: the tiled kernel may skip rounding the result (others round anyway)."""
         if self.backend == "tiled":
             code, wide_code = self.format_codes
-            return torch.ops.iterserve.tiled_linear(
+            return self.ops.tiled_linear(
                 x,
                 self.tiles,
                 self.scales,

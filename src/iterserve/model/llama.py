@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +156,8 @@ class _DecoderLayer(nn.Module):
         # its projections' weights in order, their formats and row limits, and rope tables.
         self.fused: tuple[list[torch.Tensor | None], list[int], list[int]] | None = None
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The C++ ops of the kernels' ISA variant (kernels/__init__.py), set when they run.
+        self.kernel_ops: Any = None
 
     def prepare(
         self,
@@ -198,7 +201,7 @@ class _DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`forward` in one call of the C++ layer op (which reads positions from `step`)."""
         assert self.fused is not None and self.rope_tables is not None
-        return torch.ops.iterserve.decoder_layer(
+        return self.kernel_ops.decoder_layer(
             hidden,
             self.input_norm,
             self.post_norm,
@@ -232,7 +235,7 @@ class _DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if step is not None:  # the C++ op: store K/V, attend every row, one call
-            attn = torch.ops.iterserve.store_and_attend(
+            attn = self.kernel_ops.store_and_attend(
                 q, k, v, *kv_cache, slot_mapping, step, self.scale, self.sliding_window
             )
         else:
@@ -389,6 +392,13 @@ class LlamaForCausalLM(nn.Module):
         # One C++ op per layer wherever the paged attention op also runs (the step's
         # packed table tells each layer its rows' positions).
         self.fused_layers = all(layer.fused is not None for layer in self.layers)
+
+    def use_kernel_ops(self, ops: Any) -> None:
+        """Run attention (and whole layers, where `fused_layers`) through these C++ ops: one
+        ISA variant's namespace of them (kernels.ops())."""
+        for layer in self.layers:
+            assert isinstance(layer, _DecoderLayer)
+            layer.kernel_ops = ops
 
     def describe_linears(self) -> dict[str, str]:
         """Kernel of each projection kind, e.g. {"qkv": "tiled-q4(<=8 rows)+onednn", ...}."""

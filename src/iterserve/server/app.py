@@ -120,7 +120,9 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
         # nothing before we are fast, and stops sending before we stop. A fleet that lost
         # replicas but still has one serving says "degraded" with a 200: it does serve.
         replicas = async_engine.replica_health()
-        extra = {"replicas": replicas} if replicas else {}
+        extra: dict[str, object] = {"replicas": replicas} if replicas else {}
+        if compute := async_engine.served_model.compute:
+            extra["model"] = compute  # which dtype, kernels and ISA serve, and why
         if async_engine.is_accepting and async_engine.is_ready:
             degraded = any(state != REPLICA_OK for state in replicas)
             return JSONResponse({"status": "degraded" if degraded else "ok", **extra})

@@ -18,10 +18,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -45,16 +45,16 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
     for (int64_t m = begin; m < end; ++m) {
       const BFloat16* row = x.data_ptr<BFloat16>() + m * x.stride(0);
       BFloat16* dst = out.data_ptr<BFloat16>() + m * K;
-      __m512 sum_sq = _mm512_setzero_ps();
+      F16 sum_sq = F16::zero();
       for (int64_t k = 0; k < K; k += 16) {
-        const __m512 v = load_bf16x16(row + k);
-        sum_sq = _mm512_fmadd_ps(v, v, sum_sq);
+        const F16 v = load_bf16x16(row + k);
+        sum_sq = fmadd(v, v, sum_sq);
       }
-      const float mean = _mm512_reduce_add_ps(sum_sq) / static_cast<float>(K);
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+      const float mean = sum_sq.sum() / static_cast<float>(K);
+      const F16 inv = F16::splat(1.0f / std::sqrt(mean + static_cast<float>(eps)));
       for (int64_t k = 0; k < K; k += 16) {
-        const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16x16(row + k), inv));
-        store_bf16x16(dst + k, _mm512_mul_ps(normed, load_bf16x16(w + k)));
+        const F16 normed = round_bf16(load_bf16x16(row + k) * inv);
+        store_bf16x16(dst + k, normed * load_bf16x16(w + k));
       }
     }
   });
@@ -76,11 +76,9 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
       for (int64_t h = 0; h < heads; ++h) {
         BFloat16* x = row + h * head_dim;
         for (int64_t d = 0; d < half; d += 16) {
-          const __m512 lo = load_bf16x16(x + d), hi = load_bf16x16(x + half + d);
-          const __m512 new_lo = _mm512_fmadd_ps(
-              lo, load_bf16x16(c + d), _mm512_mul_ps(hi, load_bf16x16(s + d)));
-          const __m512 new_hi = _mm512_fmadd_ps(
-              hi, load_bf16x16(c + half + d), _mm512_mul_ps(lo, load_bf16x16(s + half + d)));
+          const F16 lo = load_bf16x16(x + d), hi = load_bf16x16(x + half + d);
+          const F16 new_lo = fmadd(lo, load_bf16x16(c + d), hi * load_bf16x16(s + d));
+          const F16 new_hi = fmadd(hi, load_bf16x16(c + half + d), lo * load_bf16x16(s + half + d));
           store_bf16x16(x + d, new_lo);
           store_bf16x16(x + half + d, new_hi);
         }
@@ -95,20 +93,19 @@ Tensor silu_mul(const Tensor& gate_up) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
   Tensor out = at::empty({M, I}, gate_up.options());
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const F16 one = F16::splat(1.0f), zero = F16::zero();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const BFloat16* g = gate_up.data_ptr<BFloat16>() + m * gate_up.stride(0);
       const BFloat16* u = g + I;
       BFloat16* dst = out.data_ptr<BFloat16>() + m * I;
       for (int64_t i = 0; i < I; i += 16) {
-        const __m512 x = load_bf16x16(g + i);
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-        const __m512 denom = _mm512_add_ps(one, e);
-        const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), denom);
-        const __m512 act = round_bf16(_mm512_mul_ps(x, sigmoid));
-        store_bf16x16(dst + i, _mm512_mul_ps(act, load_bf16x16(u + i)));
+        const F16 x = load_bf16x16(g + i);
+        const F16 e = exp_nonpositive(zero - abs(x));
+        // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below.
+        const F16 sigmoid = select(less_than(x, zero), one, e) / (one + e);
+        const F16 act = round_bf16(x * sigmoid);
+        store_bf16x16(dst + i, act * load_bf16x16(u + i));
       }
     }
   });
@@ -195,7 +192,11 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+// Which build this is (simd.h's kIsaName), so a caller can check the variant it loaded.
+std::string isa() { return kIsaName; }
+
+TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
+  m.def("isa() -> str");
   m.def(
       "decoder_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, "
       "Tensor?[] weights, int[] formats, int[] max_rows, Tensor(a!) key_cache, "
@@ -204,6 +205,8 @@ TORCH_LIBRARY_FRAGMENT(iterserve, m) {
       "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(iterserve, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+
+TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CatchAll, m) { m.impl("isa", &isa); }
 
 }  // namespace iterserve

@@ -1,10 +1,13 @@
 // Weight-streaming linear layers for the few-row steps of decoding (x [M, K] @ W[N, K]^T).
 //
 // At one to a few rows a step is nothing but reading weights, so these kernels read each
-// weight once for every row of the step, in a layout made for AVX-512 BF16: outputs come in
-// tiles of 16 (one fp32 register), and within a tile the weights of two consecutive inputs
-// sit side by side, so `vdpbf16ps` with a broadcast pair of activations advances 16 outputs
-// by two inputs at once with no horizontal sums. The weight formats:
+// weight once for every row of the step. Outputs come in tiles of 16 (one F16 of simd.h: a
+// zmm on AVX-512, two ymm on AVX2), and within a tile the weights of two consecutive inputs
+// sit side by side, so one `pair_dot` with a broadcast pair of activations advances 16
+// outputs by two inputs with no horizontal sums: one `vdpbf16ps` on AVX-512 BF16; elsewhere
+// the pair is widened to fp32 once (a shift and a mask) and every row of the step takes two
+// FMAs on it, against activations widened to fp32 once per call. Every CPU reads the same
+// layouts. The weight formats:
 //
 //   bf16  [N/16, K/2, 16, 2] bf16                  the model's own weights
 //   q4    [N/16, K/32, 256] uint8 + [N/16, K/32, 2, 16] fp16 (scale d, offset m)
@@ -15,8 +18,7 @@
 //         w = s * q, q in -127..127 per output row; four inputs side by side, as the
 //         integer dot product `vpdpbusd` takes them (W8A8; see "i8" below)
 //
-// q4 and q8 weights are turned into exact bf16 integers in registers (0..15 by a table
-// lookup, -128..127 by conversion), so every product x * q is exact in fp32 and the block's
+// q4 and q8 weights are turned into exact bf16 (or fp32) numbers in registers, so every product x * q is exact in fp32 and the block's
 // scale and offset are applied to the fp32 block sum: the result equals "dequantize to fp32,
 // then matmul" up to the order of fp32 additions. i8 rounds the activations too (to 8 bits
 // per block of 32 inputs) and is exact against that rounding. The residual (and bias) are
@@ -29,11 +31,11 @@
 // `max_tile_rows` rows are compute-bound and the unpacking costs more than the bytes it
 // saves, so they run the copy given as `wide_weight`: bf16, or i8 with the activations
 // quantized too, whose integer dot products (`vpdpbusd`, 64 multiply-adds an instruction
-// against `vdpbf16ps`'s 32) double the compute ceiling of those steps.
+// against `vdpbf16ps`'s 32; `vpmaddubsw` + `vpmaddwd` on AVX2) raise the compute ceiling of
+// those steps.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include "ops.h"
@@ -43,6 +45,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace iterserve {
@@ -55,18 +58,9 @@ constexpr int64_t kBlock = 32;  // inputs per quantization block
 
 enum class Format : int64_t { kBf16 = 0, kQ4 = 1, kQ8 = 2, kI8 = 3 };
 
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-// Two consecutive bf16 activations, broadcast to every 32-bit lane.
-inline __m512bh pair_of(const at::BFloat16* x, int64_t k) {
-  uint32_t bits;
-  std::memcpy(&bits, x + k, sizeof(bits));
-  return as_bh(_mm512_set1_epi32(static_cast<int>(bits)));
-}
-
-inline __m512 load_f16x16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// What `pair_dot` reads activations as: bf16 as they come with bf16 dot products, else fp32
+// (widened once per call).
+using XElem = std::conditional_t<kBf16Dot, at::BFloat16, float>;
 
 // Where a tile's outputs go: + bias + residual in fp32, then one rounding to bf16, or none
 // (`out_f32`: logits, whose bf16 rounding, 1/8 apart near 16, makes ties of close calls).
@@ -78,11 +72,11 @@ struct Epilogue {
   const at::BFloat16* residual;  // [M, ld_res] or nullptr
   int64_t ld_res;
 
-  inline void store(int64_t row, int64_t n0, __m512 acc) const {
-    if (bias) acc = _mm512_add_ps(acc, load_bf16x16(bias + n0));
-    if (residual) acc = _mm512_add_ps(acc, load_bf16x16(residual + row * ld_res + n0));
+  ITERSERVE_INLINE void store(int64_t row, int64_t n0, F16 acc) const {
+    if (bias) acc = acc + load_bf16x16(bias + n0);
+    if (residual) acc = acc + load_bf16x16(residual + row * ld_res + n0);
     if (out_f32)
-      _mm512_storeu_ps(out_f32 + row * ld_out + n0, acc);
+      acc.store(out_f32 + row * ld_out + n0);
     else
       store_bf16x16(out + row * ld_out + n0, acc);
   }
@@ -91,6 +85,9 @@ struct Epilogue {
 struct Rows {
   const at::BFloat16* x;
   int64_t ld_x;
+  const XElem* xp;  // the rows as pair_dot reads them: x itself, or x in fp32
+  int64_t ld_xp;
+  ITERSERVE_INLINE XPair pair(int64_t m, int64_t k) const { return x_pair(xp + m * ld_xp + k); }
   const float* block_sums;  // [M, K/32] sum of each row's inputs per block (q4 only)
   // i8 only: the rows quantized ([M, K] int8), their blocks' scales ([M, K/32]) and the
   // offset each row's sums carry ([M]); see QuantizedRows.
@@ -106,16 +103,15 @@ inline void bf16_tiles(const Rows& rows, int64_t m0, const at::BFloat16* w, int6
                        int64_t K, const Epilogue& ep) {
   const int64_t tile_elems = K * kTile;
   const at::BFloat16* wt = w + tile0 * tile_elems;
-  __m512 acc[MR][NT];
+  F16 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
   for (int64_t k = 0; k < K; k += 2) {
-    __m512bh wv[NT];
-    for (int j = 0; j < NT; ++j)
-      wv[j] = as_bh(_mm512_loadu_si512(wt + j * tile_elems + k * kTile));
+    Pairs wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = load_pairs(wt + j * tile_elems + k * kTile);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh xv = pair_of(rows.x + (m0 + r) * rows.ld_x, k);
-      for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+      const XPair xv = rows.pair(m0 + r, k);
+      for (int j = 0; j < NT; ++j) acc[r][j] = pair_dot(acc[r][j], wv[j], xv);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -130,49 +126,46 @@ inline void bf16_tiles(const Rows& rows, int64_t m0, const at::BFloat16* w, int6
 // bf16 number 1 + q/16 with no cross-lane shuffle (a shift and one ternary-logic op), so
 //   sum_k x_k w_k = sum_k x_k (d q_k + m) = 16d * sum_k x_k (1 + q_k/16) + (m - 16d) * sum_k x_k
 // where every product x_k (1 + q_k/16) is exact in fp32.
+// (Shifting 32-bit lanes moves bits across the two words, but only into bits the mask drops.)
 template <int I>
-inline __m512bh q4_pair(__m512i words) {
-  const __m512i field = _mm512_set1_epi16(0x0078);
-  const __m512i one = _mm512_set1_epi16(0x3F80);
-  const __m512i moved = I == 0 ? _mm512_slli_epi16(words, 3) : _mm512_srli_epi16(words, 4 * I - 3);
-  return as_bh(_mm512_ternarylogic_epi32(moved, field, one, 0xEA));  // (moved & field) | one
+ITERSERVE_INLINE Pairs q4_pair(const I16& words) {
+  const I16 field = I16::splat(0x00780078);
+  const I16 one = I16::splat(0x3F803F80);
+  const I16 moved = I == 0 ? shift_left<3>(words) : shift_right<4 * I - 3>(words);
+  return pairs_from_bits((moved & field) | one);
 }
 
 template <int MR, int NT>
 inline void q4_tiles(const Rows& rows, int64_t m0, const uint8_t* q, const at::Half* scales,
                      int64_t tile0, int64_t K, const Epilogue& ep) {
   const int64_t blocks = K / kBlock;
-  __m512 acc[MR][NT];
+  F16 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 part[MR][NT];
+    F16 part[MR][NT];
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NT; ++j) part[r][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NT; ++j) part[r][j] = F16::zero();
     for (int c = 0; c < 4; ++c) {
       const int64_t k = b * kBlock + 8 * c;
-      __m512bh xv[MR][4];
+      XPair xv[MR][4];
       for (int r = 0; r < MR; ++r)
-        for (int i = 0; i < 4; ++i) xv[r][i] = pair_of(rows.x + (m0 + r) * rows.ld_x, k + 2 * i);
+        for (int i = 0; i < 4; ++i) xv[r][i] = rows.pair(m0 + r, k + 2 * i);
       for (int j = 0; j < NT; ++j) {
-        const __m512i words = _mm512_loadu_si512(q + ((tile0 + j) * blocks + b) * 256 + c * 64);
-        const __m512bh w0 = q4_pair<0>(words), w1 = q4_pair<1>(words);
-        const __m512bh w2 = q4_pair<2>(words), w3 = q4_pair<3>(words);
-        for (int r = 0; r < MR; ++r) {
-          part[r][j] = _mm512_dpbf16_ps(part[r][j], w0, xv[r][0]);
-          part[r][j] = _mm512_dpbf16_ps(part[r][j], w1, xv[r][1]);
-          part[r][j] = _mm512_dpbf16_ps(part[r][j], w2, xv[r][2]);
-          part[r][j] = _mm512_dpbf16_ps(part[r][j], w3, xv[r][3]);
-        }
+        const I16 words = I16::load(q + ((tile0 + j) * blocks + b) * 256 + c * 64);
+        const Pairs w[4] = {q4_pair<0>(words), q4_pair<1>(words), q4_pair<2>(words),
+                            q4_pair<3>(words)};
+        for (int r = 0; r < MR; ++r)
+          for (int i = 0; i < 4; ++i) part[r][j] = pair_dot(part[r][j], w[i], xv[r][i]);
       }
     }
     for (int j = 0; j < NT; ++j) {
       const at::Half* s = scales + ((tile0 + j) * blocks + b) * 2 * kTile;
-      const __m512 d16 = _mm512_mul_ps(load_f16x16(s), _mm512_set1_ps(16.0f));
-      const __m512 offset = _mm512_sub_ps(load_f16x16(s + kTile), d16);
+      const F16 d16 = load_f16x16(s) * F16::splat(16.0f);
+      const F16 offset = load_f16x16(s + kTile) - d16;
       for (int r = 0; r < MR; ++r) {
-        const __m512 xsum = _mm512_set1_ps(rows.block_sums[(m0 + r) * blocks + b]);
-        acc[r][j] = _mm512_fmadd_ps(part[r][j], d16, _mm512_fmadd_ps(offset, xsum, acc[r][j]));
+        const F16 xsum = F16::splat(rows.block_sums[(m0 + r) * blocks + b]);
+        acc[r][j] = fmadd(part[r][j], d16, fmadd(offset, xsum, acc[r][j]));
       }
     }
   }
@@ -180,40 +173,91 @@ inline void q4_tiles(const Rows& rows, int64_t m0, const uint8_t* q, const at::H
     for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
 }
 
+// Without bf16 dot products the exact kernel above unpacks each nibble to fp32 and spends an
+// FMA on it, which makes a one-row step compute-bound; this one multiplies the nibbles as
+// bytes by the activations quantized to int8 per block of 32 (as the i8 format does, and as
+// llama.cpp's 4-bit kernels do), four products an instruction lane (simd.h's dot_q4):
+//   sum_k x_k w_k ~ d * s_x * sum_k q_k xq_k + m * sum_k x_k
+// with the block sum of x exact. A chunk's lane dword holds inputs (0, 4, 1, 5) of its 8 in
+// its bytes' low nibbles and (2, 6, 3, 7) in the high ones (see the layout above), so the
+// rows are quantized in that order (QuantizedRows with `q4_order`).
+template <int MR, int NT>
+inline void q4_tiles_int8(const Rows& rows, int64_t m0, const uint8_t* q, const at::Half* scales,
+                          int64_t tile0, int64_t K, const Epilogue& ep) {
+  const int64_t blocks = K / kBlock;
+  F16 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    I16 part[MR][NT];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NT; ++j) part[r][j] = I16::zero();
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = b * kBlock + 8 * c;
+      for (int j = 0; j < NT; ++j) {
+        const Q4Chunk w = load_q4_chunk(q + ((tile0 + j) * blocks + b) * 256 + c * 64);
+        for (int r = 0; r < MR; ++r) {
+          int32_t quads[2];
+          std::memcpy(quads, rows.xq + (m0 + r) * K + k, sizeof(quads));
+          part[r][j] = dot_q4(part[r][j], w, quads[0], quads[1]);
+        }
+      }
+    }
+    for (int j = 0; j < NT; ++j) {
+      const at::Half* s = scales + ((tile0 + j) * blocks + b) * 2 * kTile;
+      const F16 d = load_f16x16(s), offset = load_f16x16(s + kTile);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (m0 + r) * blocks + b;
+        const F16 xsum = F16::splat(rows.block_sums[at]);
+        acc[r][j] = fmadd(to_float(q4_block_sums(part[r][j])), d * F16::splat(rows.x_scales[at]),
+                          fmadd(offset, xsum, acc[r][j]));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+}
+
+// q4 on this CPU: exact bf16 products where it has bf16 dot products, int8 ones elsewhere.
+constexpr bool kQ4Int8 = !kBf16Dot;
+
 // ---- q8 (GGUF Q8_0) --------------------------------------------------------------------
 
 // A block's 512 bytes are its 16 input pairs in order, 32 bytes each: outputs 0..7 (even,
 // odd input) then outputs 8..15, the order vcvtne2ps2bf16 puts two converted halves in.
-inline __m512bh q8_pair(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
+ITERSERVE_INLINE Pairs q8_pair(const int8_t* p) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  const __m512 lo = load_i8x16(p).v[0], hi = load_i8x16(p + 16).v[0];
+  return Pairs{_mm512_cvtne2ps_pbh(hi, lo)};
+#else
+  // Each lane's two bytes widened to 16 bits each, then each half to fp32 (exact).
+  const I16 words = widen_i8_pairs(p);
+  return Pairs{to_float(shift_right_signed<16>(shift_left<16>(words))),
+               to_float(shift_right_signed<16>(words))};
+#endif
 }
 
 template <int MR, int NT>
 inline void q8_tiles(const Rows& rows, int64_t m0, const int8_t* q, const at::Half* scales,
                      int64_t tile0, int64_t K, const Epilogue& ep) {
   const int64_t blocks = K / kBlock;
-  __m512 acc[MR][NT];
+  F16 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 part[MR][NT];
+    F16 part[MR][NT];
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NT; ++j) part[r][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NT; ++j) part[r][j] = F16::zero();
     for (int p = 0; p < kBlock / 2; ++p) {
       const int64_t k = b * kBlock + 2 * p;
       for (int j = 0; j < NT; ++j) {
-        const __m512bh wv = q8_pair(q + ((tile0 + j) * blocks + b) * 512 + p * 32);
-        for (int r = 0; r < MR; ++r)
-          part[r][j] = _mm512_dpbf16_ps(part[r][j], wv, pair_of(rows.x + (m0 + r) * rows.ld_x, k));
+        const Pairs wv = q8_pair(q + ((tile0 + j) * blocks + b) * 512 + p * 32);
+        for (int r = 0; r < MR; ++r) part[r][j] = pair_dot(part[r][j], wv, rows.pair(m0 + r, k));
       }
     }
     for (int j = 0; j < NT; ++j) {
-      const __m512 d = load_f16x16(scales + ((tile0 + j) * blocks + b) * kTile);
-      for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_fmadd_ps(part[r][j], d, acc[r][j]);
+      const F16 d = load_f16x16(scales + ((tile0 + j) * blocks + b) * kTile);
+      for (int r = 0; r < MR; ++r) acc[r][j] = fmadd(part[r][j], d, acc[r][j]);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -228,13 +272,16 @@ inline void q8_tiles(const Rows& rows, int64_t m0, const int8_t* q, const at::Ha
 // -127..127. `vpdpbusd` multiplies unsigned by signed bytes, so the weights are stored as
 // q_w + 128 and each row's sum picks up 128 * sum_b s_b * sum(q over b), which `offset`
 // holds and the epilogue takes away: y = s_w * (sum_b s_b * dot_b - offset).
+constexpr int kQ4Order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
 struct QuantizedRows {
   Tensor q;        // [M, K] int8
   Tensor scales;   // [M, K/32] fp32
   Tensor offsets;  // [M] fp32
 
-  // Every element is written below: uninitialised buffers, no fill.
-  QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K)
+  // Every element is written below: uninitialised buffers, no fill. `q4_order`: each 8
+  // inputs stored as (0, 4, 1, 5, 2, 6, 3, 7), the order q4_tiles_int8 reads them in.
+  QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K, bool q4_order = false)
       : q(at::empty({M, K}, at::kChar)),
         scales(at::empty({M, K / kBlock}, at::kFloat)),
         offsets(at::empty({M}, at::kFloat)) {
@@ -247,19 +294,23 @@ struct QuantizedRows {
         float offset = 0.0f;
         for (int64_t b = 0; b < blocks; ++b) {
           const at::BFloat16* src = x + m * ld_x + b * kBlock;
-          const __m512 lo = load_bf16x16(src), hi = load_bf16x16(src + 16);
-          const float amax =
-              _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-          const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-          // Round half to even (the default rounding mode), as torch.round does.
-          const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-          const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+          const F16 lo = load_bf16x16(src), hi = load_bf16x16(src + 16);
+          const float amax = maximum(abs(lo), abs(hi)).max();
+          const F16 inv = F16::splat(amax > 0.0f ? 127.0f / amax : 0.0f);
+          // Round half to even, as torch.round does.
+          const I16 qlo = round_to_int(lo * inv), qhi = round_to_int(hi * inv);
           int8_t* dst = q_data + m * K + b * kBlock;
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+          store_i8x16(dst, qlo);
+          store_i8x16(dst + 16, qhi);
+          if (q4_order) {
+            int8_t natural[kBlock];
+            std::memcpy(natural, dst, kBlock);
+            for (int c = 0; c < kBlock; c += 8)
+              for (int t = 0; t < 8; ++t) dst[c + t] = natural[c + kQ4Order[t]];
+          }
           const float scale = amax / 127.0f;
           scale_data[m * blocks + b] = scale;
-          offset += scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+          if (kI8Biased) offset += scale * static_cast<float>((qlo + qhi).sum());
         }
         offset_data[m] = 128.0f * offset;
       }
@@ -273,35 +324,32 @@ inline void i8_tiles(const Rows& rows, int64_t m0, const uint8_t* w, const float
   const int64_t tile_bytes = K * kTile, blocks = K / kBlock;
   const int8_t* xq = rows.xq;
   const uint8_t* wt = w + tile0 * tile_bytes;
-  __m512 acc[MR][NT];
+  F16 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i part[MR][NT];
+    I16 part[MR][NT];
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NT; ++j) part[r][j] = _mm512_setzero_si512();
+      for (int j = 0; j < NT; ++j) part[r][j] = I16::zero();
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 4) {
-      __m512i wv[NT];
-      for (int j = 0; j < NT; ++j) wv[j] = _mm512_loadu_si512(wt + j * tile_bytes + k * kTile);
+      I8Quads wv[NT];
+      for (int j = 0; j < NT; ++j) wv[j] = load_i8_quads(wt + j * tile_bytes + k * kTile);
       for (int r = 0; r < MR; ++r) {
         int32_t quad;
         std::memcpy(&quad, xq + (m0 + r) * K + k, sizeof(quad));
-        const __m512i xv = _mm512_set1_epi32(quad);
-        for (int j = 0; j < NT; ++j) part[r][j] = _mm512_dpbusd_epi32(part[r][j], wv[j], xv);
+        for (int j = 0; j < NT; ++j) part[r][j] = dot_i8(part[r][j], wv[j], quad);
       }
     }
     for (int r = 0; r < MR; ++r) {
-      const __m512 s = _mm512_set1_ps(rows.x_scales[(m0 + r) * blocks + b]);
-      for (int j = 0; j < NT; ++j)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][j]), s, acc[r][j]);
+      const F16 s = F16::splat(rows.x_scales[(m0 + r) * blocks + b]);
+      for (int j = 0; j < NT; ++j) acc[r][j] = fmadd(to_float(part[r][j]), s, acc[r][j]);
     }
   }
   for (int r = 0; r < MR; ++r) {
-    const __m512 offset = _mm512_set1_ps(rows.x_offsets[m0 + r]);
+    const F16 offset = F16::splat(rows.x_offsets[m0 + r]);
     for (int j = 0; j < NT; ++j) {
       const int64_t n0 = (tile0 + j) * kTile;
-      const __m512 y = _mm512_mul_ps(_mm512_sub_ps(acc[r][j], offset), _mm512_loadu_ps(w_scales + n0));
-      ep.store(m0 + r, n0, y);
+      ep.store(m0 + r, n0, (acc[r][j] - offset) * F16::load(w_scales + n0));
     }
   }
 }
@@ -316,10 +364,12 @@ struct Weights {
 };
 
 // Tiles per register block: enough independent accumulators to hide the dot-product
-// latency at one row, few enough that MR rows of them fit the 32 zmm registers.
+// latency at one row, few enough that MR rows of them fit the registers (32 zmm, each an F16;
+// 16 ymm on AVX2, two to an F16, and a widened weight pair takes four).
 template <int MR>
 constexpr int tiles_per_step() {
-  return MR <= 2 ? 4 : 2;
+  if constexpr (kParts == 1) return MR <= 2 ? 4 : 2;
+  return 1;
 }
 
 template <int MR, int NT>
@@ -330,8 +380,12 @@ inline void run_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t ti
       bf16_tiles<MR, NT>(rows, m0, static_cast<const at::BFloat16*>(w.data), tile0, w.K, ep);
       break;
     case Format::kQ4:
-      q4_tiles<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
-                       static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
+      if constexpr (kQ4Int8)
+        q4_tiles_int8<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
+                              static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
+      else
+        q4_tiles<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
+                         static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
       break;
     case Format::kQ8:
       q8_tiles<MR, NT>(rows, m0, static_cast<const int8_t*>(w.data),
@@ -413,7 +467,12 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     ep.ld_res = residual->stride(0);
   }
   Weights w{fmt, weight.data_ptr(), nullptr, K};
-  Rows rows{x.data_ptr<at::BFloat16>(), x.stride(0), nullptr, nullptr, nullptr, nullptr};
+  Rows rows{x.data_ptr<at::BFloat16>(), x.stride(0), nullptr, 0, nullptr, nullptr, nullptr,
+            nullptr};
+  // The rows as pair_dot takes them: x itself, or widened to fp32 once here.
+  const Tensor x_pairs = kBf16Dot ? x : x.to(at::kFloat);
+  rows.xp = static_cast<const XElem*>(x_pairs.data_ptr());
+  rows.ld_xp = x_pairs.stride(0);
   if (fmt == Format::kI8) {
     TORCH_CHECK(scales && scales->scalar_type() == at::kFloat && scales->numel() == N &&
                     scales->is_contiguous(),
@@ -429,15 +488,16 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     for (int64_t m = 0; m < M; ++m) {
       const at::BFloat16* row = rows.x + m * rows.ld_x;
       for (int64_t b = 0; b < K / kBlock; ++b) {
-        __m512 sum = _mm512_add_ps(load_bf16x16(row + b * kBlock), load_bf16x16(row + b * kBlock + 16));
-        block_sums[m * (K / kBlock) + b] = _mm512_reduce_add_ps(sum);
+        block_sums[m * (K / kBlock) + b] =
+            (load_bf16x16(row + b * kBlock) + load_bf16x16(row + b * kBlock + 16)).sum();
       }
     }
     rows.block_sums = block_sums.data();
   }
   std::optional<QuantizedRows> quantized;
-  if (fmt == Format::kI8) {
-    const QuantizedRows& q = quantized.emplace(rows.x, rows.ld_x, M, K);
+  const bool q4_int8 = kQ4Int8 && fmt == Format::kQ4;
+  if (fmt == Format::kI8 || q4_int8) {
+    const QuantizedRows& q = quantized.emplace(rows.x, rows.ld_x, M, K, q4_int8);
     rows.xq = q.q.data_ptr<int8_t>();
     rows.x_scales = q.scales.data_ptr<float>();
     rows.x_offsets = q.offsets.data_ptr<float>();
@@ -459,7 +519,7 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x) {
   return {rows.q, rows.scales};
 }
 
-TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def(
       "tiled_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? residual, "
       "int format, Tensor? wide_weight, Tensor? wide_scales, int wide_format, "
@@ -467,7 +527,7 @@ TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
   m.impl("tiled_linear", &tiled_linear);
   m.impl("quantize_rows", &quantize_rows);
 }

@@ -5,6 +5,13 @@
 
 #include <optional>
 
+// The torch library namespace the ops register in: one per ISA variant (iterserve_avx2, ...),
+// so that several variants can be loaded in one process (the tests compare them). The build
+// sets it; see kernels/__init__.py.
+#ifndef ITERSERVE_OPS
+#define ITERSERVE_OPS iterserve
+#endif
+
 namespace iterserve {
 
 // One engine step's sequences, packed in one int32 tensor shared by every layer's call

@@ -24,41 +24,65 @@
 // a sequence's last block (which may hold NaN) are never touched, and a key that lies in the
 // range but outside one query's window is read (it is a written, finite row) with weight 0.
 //
-// Scores with AVX-512 BF16. A key row is head_dim contiguous bf16, so `vdpbf16ps` against a
-// query gives 16 partial sums per key, which need a horizontal sum; doing that one key at a
-// time costs more than the dot product. Two ways round it, picked by M:
-//   - few queries (decode with a small GQA group): 16 keys' partial-sum vectors are reduced
-//     together by a transpose-and-add tree (30 shuffles + 15 adds per 16 keys per query);
-//   - more queries (speculative q_len > 1, big groups): the 16-key tile is transposed once
-//     into [head_dim/2 pairs][16 keys] (64 shuffles per 32 dims) and each query then needs
-//     only head_dim/2 `vdpbf16ps` with a broadcast pair of its own: no reductions at all.
-// P.V keeps probabilities in fp32: each V row is widened to fp32 (a shift and a mask: even
-// and odd dims land in separate registers, undone when the row is written) and FMA'd into
-// register-resident accumulators for a block of queries, so V is read once per block.
-// fp32 caches take the same path with FMA in place of `vdpbf16ps`.
+// One source, every ISA. The kernels are written in simd.h's 16-lane vectors (F16: one zmm
+// on AVX-512, two ymm on AVX2, four q registers on NEON), so a score tile is 16 keys and a
+// 32-dim chunk of a row is two F16s everywhere. Only the AVX-512 BF16 build has code of its
+// own (`#if` blocks): `vdpbf16ps` paths for items of many queries, gathered in one block
+// below, and a shorter exp.
+//
+// Scores. A dot product of a key row with a query gives 16 lane-wise partial sums per key,
+// which need a horizontal sum; done one key at a time that costs more than the dot product.
+//   - The tree (every build, any M): 16 keys' partial-sum vectors are summed across lanes
+//     together by a transpose-and-add tree (`reduce16`). With AVX-512 BF16 a key's partial
+//     sums are `vdpbf16ps` of its raw bf16 pairs with the query's; elsewhere bf16 keys are
+//     widened to fp32 (a shift and a mask: even and odd dims in separate vectors, two FMAs
+//     per 32 dims against the query, widened the same way once per item), and each widened
+//     key serves a block of queries, so a GQA group widens it once.
+//   - AVX-512 BF16, more queries (speculative q_len > 1, prefill, big groups): the 16-key tile
+//     is transposed once into [head_dim/2 pairs][16 keys] (64 shuffles per 32 dims) and each
+//     query then needs only head_dim/2 `vdpbf16ps` with a broadcast pair of its own: no
+//     reductions at all.
+// P.V keeps probabilities in fp32: each V row is widened to fp32 (even and odd dims apart,
+// undone when the row is written) and FMA'd into register-resident accumulators for a block
+// of queries, so V is read once per block. How much of a row a block holds follows the
+// registers: AVX-512's 32 take the whole row for up to 12 / (head_dim / 32) queries; AVX2's
+// 16 ymm (and NEON's 32 q registers: 8 F16s either way) take 16 dims for 4 queries, the keys
+// being walked once per 16 dims. With AVX-512 BF16 and 6+ queries, P is rounded to bf16 and
+// V interleaved into key pairs once per item for `vdpbf16ps` (two multiply-adds a lane per
+// instruction). fp32 caches take the same paths as bf16 without the bf16 instructions (plain
+// loads and FMAs).
 //
 // Where the time goes (Zen 4, one thread, K/V in cache): decode with SmolLM2's group of 3
-// costs ~27 cycles per key per kv head (~9 per key and query), about half of it the fp32
-// P.V FMAs; with 12+ queries (speculative steps) ~6.3 cycles per key and query. From DRAM,
-// reading blocks scattered over a large pool runs at ~5-15 GB/s here, well below sequential
-// bandwidth, so big batches are bound by memory latency: K/V rows are prefetched into L2 a
-// fixed distance ahead, and each thread claims its next item early to prefetch its start.
+// costs ~27 cycles per key per kv head (~9 per key and query) with AVX-512 BF16, about half
+// of it the fp32 P.V FMAs; with 12+ queries (speculative steps) ~6.3 cycles per key and
+// query. The AVX2 build, on the same machine, takes ~1.4-1.6x the AVX-512 BF16 time for
+// decode and ~2.3x with 48 queries per item. From DRAM, reading blocks scattered over a large
+// pool runs at ~5-15 GB/s here, well below sequential bandwidth, so big batches are bound by
+// memory latency: K/V rows are prefetched into L2 a fixed distance ahead, and each thread
+// claims its next item early to prefetch its start.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include <ATen/cpu/vec/functional.h>
 #include <torch/library.h>
 
 #include "ops.h"
 #include "simd.h"
 
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace iterserve {
@@ -67,333 +91,230 @@ namespace {
 using at::BFloat16;
 using at::Tensor;
 
-constexpr int kTile = 16;                // keys per score tile: one zmm of fp32 scores
+constexpr int kTile = 16;                // keys per score tile: one F16 of scores
 constexpr int64_t kMaxQueriesPerGroup = 64;  // rows are chunked so that M stays near this
 constexpr int64_t kMinPartKeys = 128;    // partitions shorter than this cost more than they save
 constexpr int64_t kMaxPartKeys = 512;    // bounds the per-thread score scratch
 constexpr int64_t kItemsPerThread = 4;   // enough items for the atomic counter to balance
 constexpr int64_t kMinParallelWork = 3000;  // keys x queries: ~10 us on one thread
 constexpr int kMaxHeadDimChunks = 8;     // head_dim up to 256, in chunks of 32
-// From this many queries an item rounds P to bf16 and uses `vdpbf16ps` for P.V (the
-// interleaving of V is paid once per item, the products per query).
+// From this many queries an AVX-512 BF16 item rounds P to bf16 and uses `vdpbf16ps` for P.V
+// (the interleaving of V is paid once per item, the products per query).
 constexpr int kMinPairQueries = 6;
-
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 // Keys are read in block-sized runs from scattered blocks, too short for the hardware
 // prefetcher to get ahead, so every loop over keys asks for the rows this far ahead itself.
 constexpr int64_t kPrefetchKeys = 64;
 
-// Into L2 (T1): an L1 prefetch waits for one of the core's few L1 miss buffers and measured
-// no faster than none; L2 prefetches 64 keys ahead read scattered blocks ~1.3-1.5x faster.
+// Into L2 (locality 2: prefetcht1 on x86, pldl2keep on Arm): an L1 prefetch waits for one of
+// the core's few L1 miss buffers and measured no faster than none; L2 prefetches 64 keys
+// ahead read scattered blocks ~1.3-1.5x faster.
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = static_cast<const char*>(row);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
-// Lane j of the result = sum of the 16 lanes of a[j].
-inline __m512 reduce16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x, y, x, y] partials of keys 2i, 2i+1
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3
-    const __m512d lo = _mm512_castps_pd(b[2 * i]), hi = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+// Calls f(std::integral_constant<int, size>{}) for 1 <= size <= MAX: a block's size becomes a
+// compile-time constant, so its accumulators can be registers.
+template <int MAX, typename F>
+inline void with_block_size(int size, F&& f) {
+  if constexpr (MAX > 1) {
+    if (size < MAX) return with_block_size<MAX - 1>(size, std::forward<F>(f));
   }
-  for (int i = 0; i < 2; ++i)  // 128-bit lanes: keys 8i..8i+3 twice, then 8i+4..8i+7 twice
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
-                       _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
-}
-
-// r[j] (16 dwords each) -> r[p] lane j = old r[j] dword p.
-inline void transpose16x16(__m512i* r) {
-  __m512i a[16], b[16];
-  for (int k = 0; k < 8; ++k) {
-    a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-    a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {  // b[4k+e] 128-bit lane L = rows 4k..4k+3 at dword 4L+e
-    b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
-    b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
-    b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
-    b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88);
-    const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
-    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88);
-    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
-    r[e] = _mm512_shuffle_i32x4(c0, d0, 0x88);
-    r[8 + e] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
-    r[4 + e] = _mm512_shuffle_i32x4(c1, d1, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
-  }
-}
-
-inline __m512bh pair_at(const BFloat16* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return as_bh(_mm512_set1_epi32(static_cast<int>(bits)));
+  f(std::integral_constant<int, MAX>{});
 }
 
 // Calls f(first, size) for M queries cut into blocks of at most MB, as even as can be
-// (M = 9, MB = 8 runs as 5 + 4, not 8 + 1): a block's accumulators live in registers.
+// (M = 9, MB = 8 runs as 5 + 4, not 8 + 1), size as a compile-time constant.
 template <int MB, typename F>
 inline void for_each_query_block(int M, F&& f) {
   const int blocks = (M + MB - 1) / MB;
   for (int b = 0, m = 0; b < blocks; ++b) {
     const int size = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
-    f(m, size);
+    with_block_size<MB>(size, [&](auto mb) { f(m, mb); });
     m += size;
   }
 }
 
 // ---- 1. scores: S[m][col + j] = q_m . key_j for the 16 keys at element offsets off[j] ----
 
-template <int NC>
-inline void scores_tree_bf16(const BFloat16* cache, const int64_t* off, const BFloat16* const* qp,
-                             int M, float* S, int64_t ldS) {
-  for (int m = 0; m < M; ++m) {
-    __m512bh qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = as_bh(_mm512_loadu_si512(qp[m] + 32 * c));
-    __m512 acc[kTile];
-    for (int j = 0; j < kTile; ++j) {
-      const BFloat16* key = cache + off[j];
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_loadu_si512(key)), qv[0]);
-      for (int c = 1; c < NC; ++c)
-        a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(key + 32 * c)), qv[c]);
-      acc[j] = a;
+// 32 dims of a key or query row as the tree's dot products take them. bf16: simd.h's `Pairs`
+// (key) and `XPair` (query), raw bits for `vdpbf16ps` or else widened to fp32 even and odd
+// dims; fp32: two F16s as the dims lie (key and query split alike, any split would do).
+struct Halves {
+  F16 first, second;
+};
+
+inline Pairs key_chunk(const BFloat16* p) { return load_pairs(p); }
+inline Halves key_chunk(const float* p) { return {F16::load(p), F16::load(p + 16)}; }
+
+inline XPair query_chunk(const BFloat16* p) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  return XPair{load_pairs(p).raw};
+#else
+  const Pairs w = load_pairs(p);
+  return XPair{w.even, w.odd};
+#endif
+}
+inline Halves query_chunk(const float* p) { return key_chunk(p); }
+
+template <typename T>
+using QueryChunk = decltype(query_chunk(static_cast<const T*>(nullptr)));
+
+inline F16 chunk_dot(const F16& acc, const Pairs& k, const XPair& q) { return pair_dot(acc, k, q); }
+inline F16 chunk_dot(const F16& acc, const Halves& k, const Halves& q) {
+  return fmadd(k.second, q.second, fmadd(k.first, q.first, acc));
+}
+
+// Queries per tree block. Where a key chunk is used as loaded (raw bf16 for `vdpbf16ps`, fp32
+// as FMA memory operands) one query at a time keeps its 16 keys' partial sums in registers
+// (AVX-512); where bf16 keys are widened, each widened chunk serves as many queries as have
+// an accumulator in registers beside it (AVX2 and NEON: 4 of their 8 F16s).
+template <typename T>
+constexpr int kTreeQueries =
+    std::is_same_v<T, float> || kBf16Dot ? 1 : (kParts == 1 ? 8 : 4);
+
+// Per key and query a 16-lane vector of partial sums; then, per query, 16 keys' vectors are
+// summed across lanes together. q: the block's QB queries' chunks, [QB][NC].
+template <typename T, int NC, int QB>
+inline void scores_tree(const T* cache, const int64_t* off, const QueryChunk<T>* q, float* S,
+                        int64_t ldS) {
+  auto dots = zeros<QB * kTile>();  // [QB][kTile]
+  ITERSERVE_UNROLL for (int j = 0; j < kTile; ++j) {
+    const T* key = cache + off[j];
+    auto acc = zeros<QB>();
+    ITERSERVE_UNROLL for (int c = 0; c < NC; ++c) {
+      const auto k = key_chunk(key + 32 * c);
+      ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i] = chunk_dot(acc[i], k, q[i * NC + c]);
     }
-    _mm512_storeu_ps(S + m * ldS, reduce16(acc));
+    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) dots[i * kTile + j] = acc[i];
   }
-}
-
-template <int NC, int QB>
-inline void scores_block_bf16(const uint32_t* tile, const BFloat16* const* qp, float* S,
-                              int64_t ldS) {
-  __m512 acc[QB];
-  for (int i = 0; i < QB; ++i) acc[i] = _mm512_setzero_ps();
-  for (int p = 0; p < 16 * NC; ++p) {
-    const __m512bh keys = as_bh(_mm512_loadu_si512(tile + p * kTile));
-    for (int i = 0; i < QB; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], keys, pair_at(qp[i] + 2 * p));
-  }
-  for (int i = 0; i < QB; ++i) _mm512_storeu_ps(S + i * ldS, acc[i]);
-}
-
-template <int NC, int QB>
-inline void scores_blocks_bf16(int qb, const uint32_t* tile, const BFloat16* const* qp, float* S,
-                               int64_t ldS) {
-  if constexpr (QB >= 1) {
-    if (qb == QB) return scores_block_bf16<NC, QB>(tile, qp, S, ldS);
-    scores_blocks_bf16<NC, QB - 1>(qb, tile, qp, S, ldS);
-  }
-}
-
-template <int NC>
-inline void scores_transposed_bf16(const BFloat16* cache, const int64_t* off,
-                                   const BFloat16* const* qp, int M, float* S, int64_t ldS,
-                                   uint32_t* tile) {
-  for (int c = 0; c < NC; ++c) {
-    __m512i r[kTile];
-    for (int j = 0; j < kTile; ++j) r[j] = _mm512_loadu_si512(cache + off[j] + 32 * c);
-    transpose16x16(r);
-    for (int p = 0; p < kTile; ++p) _mm512_storeu_si512(tile + (16 * c + p) * kTile, r[p]);
-  }
-  constexpr int QB = 8;
-  for_each_query_block<QB>(M, [&](int m, int size) {
-    scores_blocks_bf16<NC, QB>(size, tile, qp + m, S + m * ldS, ldS);
-  });
-}
-
-template <int NC>
-inline void scores_tree_f32(const float* cache, const int64_t* off, const float* const* qp, int M,
-                            float* S, int64_t ldS) {
-  for (int m = 0; m < M; ++m) {
-    __m512 qv[2 * NC];
-    for (int c = 0; c < 2 * NC; ++c) qv[c] = _mm512_loadu_ps(qp[m] + 16 * c);
-    __m512 acc[kTile];
-    for (int j = 0; j < kTile; ++j) {
-      const float* key = cache + off[j];
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(key), qv[0]);
-      for (int c = 1; c < 2 * NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(key + 16 * c), qv[c], a);
-      acc[j] = a;
-    }
-    _mm512_storeu_ps(S + m * ldS, reduce16(acc));
-  }
+  ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) reduce16(&dots[i * kTile]).store(S + i * ldS);
 }
 
 // ---- 2. softmax over one query's keys [a, b) of a partition's n16 (padded) scores ----------
 
 // Scores become exp(scale * s - max) inside [a, b) and 0 outside; returns (max, sum).
-inline void softmax_row(float* s, int64_t n16, int64_t a, int64_t b, float scale, float* max_out,
-                        float* sum_out) {
+inline void softmax_row(float* s, int64_t n16, int64_t a, int64_t b, float scale,
+                        float* max_out, float* sum_out) {
   if (a >= b) {  // none of this query's keys fall in the partition
     std::memset(s, 0, n16 * sizeof(float));
     *max_out = -std::numeric_limits<float>::infinity();
     *sum_out = 0.0f;
     return;
   }
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i va = _mm512_set1_epi32(static_cast<int>(a));
-  const __m512i vb = _mm512_set1_epi32(static_cast<int>(b));
+  static constexpr float kLaneIndex[kTile] = {0, 1, 2,  3,  4,  5,  6,  7,
+                                              8, 9, 10, 11, 12, 13, 14, 15};
+  const F16 lanes = F16::load(kLaneIndex);
+  const F16 fa = F16::splat(static_cast<float>(a)), fb = F16::splat(static_cast<float>(b));
+  // Lanes of tile t outside [a, b) replaced by `fill` (indices are small: exact in fp32).
+  const auto outside = [&](int64_t t, const F16& x, const F16& fill) {
+    if (t >= a && t + kTile <= b) return x;  // whole tile inside
+    const F16 idx = lanes + F16::splat(static_cast<float>(t));
+    return select(less_than(idx, fb), fill, select(less_than(idx, fa), x, fill));
+  };
+  const F16 vscale = F16::splat(scale);
+  const F16 ninf = F16::splat(-std::numeric_limits<float>::infinity());
   const int64_t t0 = a & ~int64_t{15}, t1 = (b + 15) & ~int64_t{15};
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = t0; t < t1; t += kTile) {
-    const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(t)));
-    const __mmask16 in = _mm512_cmpge_epi32_mask(idx, va) & _mm512_cmplt_epi32_mask(idx, vb);
-    vmax = _mm512_mask_max_ps(vmax, in, vmax, _mm512_mul_ps(_mm512_loadu_ps(s + t), vscale));
-  }
-  const float mx = _mm512_reduce_max_ps(vmax);
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 vsum = _mm512_setzero_ps();
+  F16 vmax = ninf;
+  for (int64_t t = t0; t < t1; t += kTile)
+    vmax = maximum(vmax, outside(t, F16::load(s + t) * vscale, ninf));
+  const float mx = vmax.max();
+  const F16 neg_mx = F16::splat(-mx);
+  F16 vsum = F16::zero();
   for (int64_t t = 0; t < n16; t += kTile) {
     if (t < t0 || t >= t1) {
-      _mm512_storeu_ps(s + t, _mm512_setzero_ps());
+      F16::zero().store(s + t);
       continue;
     }
-    const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(t)));
-    const __mmask16 in = _mm512_cmpge_epi32_mask(idx, va) & _mm512_cmplt_epi32_mask(idx, vb);
-    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + t), vscale, vmx);
-    const __m512 e = _mm512_maskz_mov_ps(in, exp_nonpositive(x));
-    vsum = _mm512_add_ps(vsum, e);
-    _mm512_storeu_ps(s + t, e);
+    const F16 e = outside(t, exp_nonpositive(fmadd(F16::load(s + t), vscale, neg_mx)), F16::zero());
+    vsum = vsum + e;
+    e.store(s + t);
   }
   *max_out = mx;
-  *sum_out = _mm512_reduce_add_ps(vsum);
+  *sum_out = vsum.sum();
 }
 
 // ---- 3. P.V: acc[i][:] = sum_k P[i][k] * v_k for a block of MB queries ----------------------
 
-// A bf16 V row widened to fp32: register 2c holds dims 32c + 0, 2, .., 30, register 2c+1 the
-// odd ones (a shift and a mask, no shuffles). Rows are written back in order by `store_row`.
-template <int NC>
-inline void widen_row(const BFloat16* v, __m512* out) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int c = 0; c < NC; ++c) {
-    const __m512i raw = _mm512_loadu_si512(v + 32 * c);
-    out[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    out[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-  }
+// A V row as fp32 is 2 * NC pieces of 16 lanes. For bf16, piece 2c holds the even dims of
+// the 32-dim chunk c and piece 2c + 1 the odd ones (a shift or a mask, no shuffles;
+// `store_row` puts them back in order); fp32 pieces are the dims as they lie.
+inline F16 widen_piece(const BFloat16* row, int piece) {
+  const I16 bits = I16::load(row + 32 * (piece / 2));
+  return bits_to_float(piece % 2 == 0 ? shift_left<16>(bits)
+                                      : bits & I16::splat(static_cast<int32_t>(0xFFFF0000u)));
 }
+inline F16 widen_piece(const float* row, int piece) { return F16::load(row + 16 * piece); }
 
+// A P.V block keeps MB queries' accumulators for PB pieces of the row in registers. AVX-512's
+// 32 registers take the whole row (PB = 2 * NC) for 12 / NC queries. AVX2's 16 ymm (and
+// NEON's 32 q registers: 8 F16s either way) take one piece for 4 queries (4 accumulators, the
+// widened piece, 4 probabilities: 14 ymm). A whole 32-dim chunk for 3 queries needs 17: the
+// accumulator spilled then chains every key through a store and a reload, and a decode step
+// measured ~15% slower than walking the V rows once per piece (each row is read 2 * NC times,
+// from L1 or L2 after the first).
 template <int NC>
-inline void widen_row(const float* v, __m512* out) {
-  for (int c = 0; c < 2 * NC; ++c) out[c] = _mm512_loadu_ps(v + 16 * c);
-}
+constexpr int kPvPieces = kParts == 1 ? 2 * NC : 1;
+template <int NC>
+constexpr int kPvQueries = kParts == 1 ? (NC >= 12 ? 1 : 12 / NC) : 4;
 
+// MB queries' sums over n keys, PB pieces of the row at a time, into acc_out [MB, 32 * NC].
 template <typename T, int NC, int MB>
 inline void pv_block(const T* cache, const int64_t* off, int64_t n, const float* P, int64_t ldP,
                      float* acc_out) {
-  constexpr int R = 2 * NC;  // fp32 registers per row
-  __m512 acc[MB][R];
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < R; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < n; ++k) {
-    if (k + kPrefetchKeys < n) prefetch_row(cache + off[k + kPrefetchKeys], 32 * NC * sizeof(T));
-    __m512 v[R];
-    widen_row<NC>(cache + off[k], v);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 p = _mm512_set1_ps(P[i * ldP + k]);
-      for (int c = 0; c < R; ++c) acc[i][c] = _mm512_fmadd_ps(v[c], p, acc[i][c]);
+  constexpr int PB = kPvPieces<NC>;
+  static_assert(2 * NC % PB == 0, "a row is whole blocks of pieces");
+  ITERSERVE_UNROLL for (int r0 = 0; r0 < 2 * NC; r0 += PB) {
+    auto acc = zeros<MB * PB>();  // [MB][PB]
+    for (int64_t k = 0; k < n; ++k) {
+      if (r0 == 0 && k + kPrefetchKeys < n)  // the later passes find the rows in cache
+        prefetch_row(cache + off[k + kPrefetchKeys], 32 * NC * sizeof(T));
+      auto v = zeros<PB>();
+      ITERSERVE_UNROLL for (int r = 0; r < PB; ++r) v[r] = widen_piece(cache + off[k], r0 + r);
+      ITERSERVE_UNROLL for (int i = 0; i < MB; ++i) {
+        const F16 p = F16::splat(P[i * ldP + k]);
+        ITERSERVE_UNROLL for (int r = 0; r < PB; ++r)
+          acc[i * PB + r] = fmadd(v[r], p, acc[i * PB + r]);
+      }
     }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < R; ++c) _mm512_storeu_ps(acc_out + i * 32 * NC + 16 * c, acc[i][c]);
-}
-
-template <typename T, int NC, int MB>
-inline void pv_blocks(int mb, const T* cache, const int64_t* off, int64_t n, const float* P,
-                      int64_t ldP, float* acc_out) {
-  if constexpr (MB >= 1) {
-    if (mb == MB) return pv_block<T, NC, MB>(cache, off, n, P, ldP, acc_out);
-    pv_blocks<T, NC, MB - 1>(mb, cache, off, n, P, ldP, acc_out);
-  }
-}
-
-// P.V with bf16 probabilities, for items with many queries (prefill chunks, verify steps):
-// `vdpbf16ps` does two multiply-adds a lane where the fp32 path does one FMA. Pairs of keys
-// are interleaved once per item into `pairs` (for each pair and 32-dim chunk, two registers:
-// even dims and odd dims, word 2l = key 2i's value, word 2l+1 = key 2i+1's, the same dim
-// order widen_row leaves, so store_row writes them back), and each query's probabilities are
-// rounded to bf16 pairs. Rounding costs each weight at most 2^-8 of itself (half a bf16
-// ulp), so an output moves by at most 2^-8 sum_k p_k |v_k| (tests/test_attention_kernel.py).
-template <int NC>
-inline void interleave_pairs(const BFloat16* cache, const int64_t* off, int64_t n_pairs,
-                             __m512i* pairs) {
-  const __mmask32 odd_words = 0xAAAAAAAAu;
-  for (int64_t i = 0; i < n_pairs; ++i) {
-    const BFloat16* a = cache + off[2 * i];
-    const BFloat16* b = cache + off[2 * i + 1];
-    for (int c = 0; c < NC; ++c) {
-      const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
-      pairs[(i * NC + c) * 2] = _mm512_mask_blend_epi16(odd_words, va, _mm512_slli_epi32(vb, 16));
-      pairs[(i * NC + c) * 2 + 1] = _mm512_mask_blend_epi16(odd_words, _mm512_srli_epi32(va, 16), vb);
-    }
-  }
-}
-
-// One query's probabilities [n16] as bf16 pairs [n16 / 2] (dword j: keys 2j and 2j+1).
-inline void round_probabilities(const float* p, int64_t n16, uint32_t* out) {
-  for (int64_t k = 0; k < n16; k += kTile) {
-    const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + k));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k / 2), packed);
-  }
-}
-
-template <int NC, int MB>
-inline void pv_block_pairs(const __m512i* pairs, int64_t n_pairs, const uint32_t* Pb,
-                           int64_t ldPb, float* acc_out) {
-  constexpr int R = 2 * NC;
-  __m512 acc[MB][R];
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < R; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n_pairs; ++j) {
-    const __m512i* v = pairs + j * R;
-    for (int i = 0; i < MB; ++i) {
-      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(Pb[i * ldPb + j])));
-      for (int c = 0; c < R; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(v[c]), p);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < R; ++c) _mm512_storeu_ps(acc_out + i * 32 * NC + 16 * c, acc[i][c]);
-}
-
-template <int NC, int MB>
-inline void pv_blocks_pairs(int mb, const __m512i* pairs, int64_t n_pairs, const uint32_t* Pb,
-                            int64_t ldPb, float* acc_out) {
-  if constexpr (MB >= 1) {
-    if (mb == MB) return pv_block_pairs<NC, MB>(pairs, n_pairs, Pb, ldPb, acc_out);
-    pv_blocks_pairs<NC, MB - 1>(mb, pairs, n_pairs, Pb, ldPb, acc_out);
+    ITERSERVE_UNROLL for (int i = 0; i < MB; ++i)
+      ITERSERVE_UNROLL for (int r = 0; r < PB; ++r)
+        acc[i * PB + r].store(acc_out + i * 32 * NC + 16 * (r0 + r));
   }
 }
 
 // ---- 4. output rows -----------------------------------------------------------------------
 
-// acc (fp32, in the order widen_row left it) * inv -> one row of out, rounded once.
+// Lanes of `even` and `odd` interleaved: (e0 o0 e1 o1 .. e7 o7), (e8 o8 .. e15 o15).
+inline std::pair<F16, F16> interleave(const F16& even, const F16& odd) {
+  Vec parts[2 * kParts];
+  for (int i = 0; i < kParts; ++i)
+    std::tie(parts[2 * i], parts[2 * i + 1]) = at::vec::interleave2(even.v[i], odd.v[i]);
+  F16 first, second;
+  for (int i = 0; i < kParts; ++i) {
+    first.v[i] = parts[i];
+    second.v[i] = parts[kParts + i];
+  }
+  return {first, second};
+}
+
+// acc (fp32, in the order widen_piece left it) * inv -> one row of out, rounded once.
 template <int NC>
 inline void store_row(BFloat16* dst, const float* acc, float inv) {
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi =
-      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __m512 vinv = _mm512_set1_ps(inv);
+  const F16 vinv = F16::splat(inv);
   for (int c = 0; c < NC; ++c) {
-    const __m512 even = _mm512_loadu_ps(acc + 32 * c), odd = _mm512_loadu_ps(acc + 32 * c + 16);
-    const __m512 first = _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), vinv);
-    const __m512 second = _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), vinv);
-    _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    const auto [first, second] =
+        interleave(F16::load(acc + 32 * c) * vinv, F16::load(acc + 32 * c + 16) * vinv);
+    store_bf16x16(dst + 32 * c, first);
+    store_bf16x16(dst + 32 * c + 16, second);
   }
 }
 
 template <int NC>
 inline void store_row(float* dst, const float* acc, float inv) {
-  const __m512 vinv = _mm512_set1_ps(inv);
-  for (int c = 0; c < 2 * NC; ++c)
-    _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), vinv));
+  const F16 vinv = F16::splat(inv);
+  for (int c = 0; c < 2 * NC; ++c) (F16::load(acc + 16 * c) * vinv).store(dst + 16 * c);
 }
 
 // ---- the plan: groups, partitions, items ----------------------------------------------------
@@ -443,8 +364,12 @@ struct Scratch {
   std::vector<float> acc;         // [M, head_dim]
   std::vector<float> maxima, sums;
   std::vector<const void*> queries;
+  // [M, head_dim / 32] the queries as the score tree takes them
+  std::vector<QueryChunk<BFloat16>> bf16_queries;
+  std::vector<QueryChunk<float>> f32_queries;
+  // AVX-512 BF16 paths only
   std::vector<uint32_t> tile;     // [head_dim / 2, 16] transposed bf16 pairs
-  std::vector<__m512i> pairs;     // [keys16 / 2, head_dim / 32, 2] interleaved V (bf16 P.V)
+  std::vector<I16> pairs;         // [keys16 / 2, head_dim / 32, 2] interleaved V (bf16 P.V)
   std::vector<uint32_t> rounded;  // [M, keys16 / 2] probabilities as bf16 pairs
   void fit(int64_t M, int64_t keys16, int64_t head_dim) {
     if (offsets.size() < static_cast<size_t>(keys16 + kTile)) offsets.resize(keys16 + kTile);
@@ -452,6 +377,17 @@ struct Scratch {
     if (acc.size() < static_cast<size_t>(M * head_dim)) acc.resize(M * head_dim);
     if (maxima.size() < static_cast<size_t>(M)) maxima.resize(M), sums.resize(M);
     if (queries.size() < static_cast<size_t>(M)) queries.resize(M);
+  }
+  template <typename T>
+  QueryChunk<T>* query_chunks(int64_t M, int64_t head_dim) {
+    auto& chunks = [this]() -> auto& {
+      if constexpr (std::is_same_v<T, BFloat16>) return bf16_queries;
+      else return f32_queries;
+    }();
+    if (chunks.size() < static_cast<size_t>(M * head_dim / 32)) chunks.resize(M * head_dim / 32);
+    return chunks.data();
+  }
+  void fit_tile(int64_t head_dim) {
     if (tile.size() < static_cast<size_t>(head_dim * kTile / 2)) tile.resize(head_dim * kTile / 2);
   }
   void fit_pairs(int64_t M, int64_t keys16, int64_t head_dim) {
@@ -492,11 +428,10 @@ void merge_partitions(const Plan& plan, const Group& g, std::vector<float>& acc)
       if (plan.partial_sum[slot] == 0.0f) continue;  // no keys of this query in the partition
       const float w = std::exp(plan.partial_max[slot] - top);
       total += w * plan.partial_sum[slot];
-      const __m512 vw = _mm512_set1_ps(w);
+      const F16 vw = F16::splat(w);
       const float* part = plan.partial_acc + slot * D;
       for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(acc.data() + d, _mm512_fmadd_ps(_mm512_loadu_ps(part + d), vw,
-                                                         _mm512_loadu_ps(acc.data() + d)));
+        fmadd(F16::load(part + d), vw, F16::load(acc.data() + d)).store(acc.data() + d);
     }
     const int64_t row = g.row0 + m / plan.group_size;
     const int64_t head = g.kv_head * plan.group_size + m % plan.group_size;
@@ -517,20 +452,133 @@ void prefetch_item(const Plan& plan, const Item& item) {
   for (int64_t i = 0; i < n; ++i) prefetch_row(keys + off[i], plan.head_dim * sizeof(T));
 }
 
+// ---- AVX-512 BF16 only: many queries per item ----------------------------------------------
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+
+// r[j] (16 dwords each) -> r[p] lane j = old r[j] dword p.
+inline void transpose16x16(__m512i* r) {
+  __m512i a[16], b[16];
+  for (int k = 0; k < 8; ++k) {
+    a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // b[4k+e] 128-bit lane L = rows 4k..4k+3 at dword 4L+e
+    b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+    b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88);
+    const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
+    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88);
+    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
+    r[4 + e] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
+  }
+}
+
+// Scores of QB queries against a transposed tile: per pair of dims, the 16 keys' pairs
+// against a broadcast pair of each query's.
+template <int NC, int QB>
+inline void scores_block_bf16(const uint32_t* tile, const BFloat16* const* qp, float* S,
+                              int64_t ldS) {
+  auto acc = zeros<QB>();
+  for (int p = 0; p < 16 * NC; ++p) {
+    const Pairs keys = pairs_from_bits(I16::load(tile + p * kTile));
+    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
+      acc[i] = pair_dot(acc[i], keys, x_pair(qp[i] + 2 * p));
+  }
+  ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i].store(S + i * ldS);
+}
+
+template <int NC>
+inline void scores_transposed_bf16(const BFloat16* cache, const int64_t* off,
+                                   const BFloat16* const* qp, int M, float* S, int64_t ldS,
+                                   uint32_t* tile) {
+  for (int c = 0; c < NC; ++c) {
+    __m512i r[kTile];
+    for (int j = 0; j < kTile; ++j) r[j] = _mm512_loadu_si512(cache + off[j] + 32 * c);
+    transpose16x16(r);
+    for (int p = 0; p < kTile; ++p) _mm512_storeu_si512(tile + (16 * c + p) * kTile, r[p]);
+  }
+  for_each_query_block<8>(M, [&](int m, auto qb) {
+    scores_block_bf16<NC, decltype(qb)::value>(tile, qp + m, S + m * ldS, ldS);
+  });
+}
+
+// P.V with bf16 probabilities, for items with many queries (prefill chunks, verify steps):
+// `vdpbf16ps` does two multiply-adds a lane where the fp32 path does one FMA. Pairs of keys
+// are interleaved once per item into `pairs` (for each pair and 32-dim chunk, two registers:
+// even dims and odd dims, word 2l = key 2i's value, word 2l+1 = key 2i+1's, the same dim
+// order widen_piece leaves, so store_row writes them back), and each query's probabilities
+// are rounded to bf16 pairs. Rounding costs each weight at most 2^-8 of itself (half a bf16
+// ulp), so an output moves by at most 2^-8 sum_k p_k |v_k| (tests/test_attention_kernel.py).
+template <int NC>
+inline void interleave_pairs(const BFloat16* cache, const int64_t* off, int64_t n_pairs,
+                             I16* pairs) {
+  const __mmask32 odd_words = 0xAAAAAAAAu;
+  for (int64_t i = 0; i < n_pairs; ++i) {
+    const BFloat16* a = cache + off[2 * i];
+    const BFloat16* b = cache + off[2 * i + 1];
+    for (int c = 0; c < NC; ++c) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
+      pairs[(i * NC + c) * 2] =
+          I16{{IVec(_mm512_mask_blend_epi16(odd_words, va, _mm512_slli_epi32(vb, 16)))}};
+      pairs[(i * NC + c) * 2 + 1] =
+          I16{{IVec(_mm512_mask_blend_epi16(odd_words, _mm512_srli_epi32(va, 16), vb))}};
+    }
+  }
+}
+
+// One query's probabilities [n16] as bf16 pairs [n16 / 2] (dword j: keys 2j and 2j+1).
+inline void round_probabilities(const float* p, int64_t n16, uint32_t* out) {
+  for (int64_t k = 0; k < n16; k += kTile) {
+    const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + k));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k / 2), packed);
+  }
+}
+
+template <int NC, int MB>
+inline void pv_block_pairs(const I16* pairs, int64_t n_pairs, const uint32_t* Pb, int64_t ldPb,
+                           float* acc_out) {
+  constexpr int R = 2 * NC;
+  auto acc = zeros<MB * R>();  // [MB][R]
+  for (int64_t j = 0; j < n_pairs; ++j) {
+    const I16* v = pairs + j * R;
+    ITERSERVE_UNROLL for (int i = 0; i < MB; ++i) {
+      const XPair p = x_pair(reinterpret_cast<const BFloat16*>(Pb + i * ldPb + j));
+      ITERSERVE_UNROLL for (int c = 0; c < R; ++c)
+        acc[i * R + c] = pair_dot(acc[i * R + c], pairs_from_bits(v[c]), p);
+    }
+  }
+  ITERSERVE_UNROLL for (int i = 0; i < MB; ++i)
+    ITERSERVE_UNROLL for (int c = 0; c < R; ++c)
+      acc[i * R + c].store(acc_out + i * 32 * NC + 16 * c);
+}
+
 // P.V of one item's M queries over its n16 keys (padding keys are real rows with probability
 // 0, so whole tiles pair up) into acc [M, 32 * NC].
-template <int NC, int MB>
+template <int NC>
 inline void pv_paired(const BFloat16* values, const int64_t* off, int64_t n16, const float* S,
                       int M, Scratch& sc, float* acc) {
   const int64_t n_pairs = n16 / 2;
   sc.fit_pairs(M, n16, 32 * NC);
   interleave_pairs<NC>(values, off, n_pairs, sc.pairs.data());
   for (int m = 0; m < M; ++m) round_probabilities(S + m * n16, n16, sc.rounded.data() + m * n_pairs);
-  for_each_query_block<MB>(M, [&](int m, int size) {
-    pv_blocks_pairs<NC, MB>(size, sc.pairs.data(), n_pairs, sc.rounded.data() + m * n_pairs,
-                            n_pairs, acc + m * 32 * NC);
+  for_each_query_block<kPvQueries<NC>>(M, [&](int m, auto mb) {
+    pv_block_pairs<NC, decltype(mb)::value>(sc.pairs.data(), n_pairs,
+                                            sc.rounded.data() + m * n_pairs, n_pairs,
+                                            acc + m * 32 * NC);
   });
 }
+
+#endif  // AVX-512 BF16
+
+// ---- one item ----------------------------------------------------------------------------
 
 template <typename T, int NC>
 void run_item(const Plan& plan, const Item& item, const Item* next, bool first, Scratch& sc) {
@@ -544,8 +592,11 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
 
   const T* q = static_cast<const T*>(plan.q);
   const T** qp = reinterpret_cast<const T**>(sc.queries.data());
-  for (int m = 0; m < M; ++m)
+  QueryChunk<T>* qc = sc.query_chunks<T>(M, D);
+  for (int m = 0; m < M; ++m) {
     qp[m] = q + (g.row0 + m / G) * plan.q_row_stride + (g.kv_head * G + m % G) * plan.q_head_stride;
+    for (int c = 0; c < NC; ++c) qc[m * NC + c] = query_chunk(qp[m] + 32 * c);
+  }
 
   int64_t* off = sc.offsets.data();
   key_offsets(plan.tables + g.seq * plan.table_stride, g.kv_head * plan.num_blocks,
@@ -557,21 +608,27 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   const T* values = static_cast<const T*>(plan.value_cache);
   const int64_t row_bytes = D * sizeof(T);
   float* S = sc.scores.data();
+  // Measured crossover (AVX-512 BF16, one thread, warm cache): the transposed tile is ~10%
+  // faster from 6 queries at head_dim 64 and 8 at 128, and up to 1.5x slower below.
+  const bool transposed = kBf16Dot && std::is_same_v<T, BFloat16> && !plan.invariant &&
+                          M >= (NC <= 2 ? 6 : 8);
+  if (transposed) sc.fit_tile(D);
   if (first)  // later items were prefetched by the one before
     for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(keys + off[t], row_bytes);
   for (int64_t t = 0; t < n16; t += kTile) {
     for (int64_t k = t + kPrefetchKeys; k < std::min(n, t + kPrefetchKeys + kTile); ++k)
       prefetch_row(keys + off[k], row_bytes);
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
     if constexpr (std::is_same_v<T, BFloat16>) {
-      // Measured crossover (one thread, warm cache): the transposed tile is ~10% faster from
-      // 6 queries at head_dim 64 and 8 at 128, and up to 1.5x slower below.
-      if (!plan.invariant && M >= (NC <= 2 ? 6 : 8))
+      if (transposed) {
         scores_transposed_bf16<NC>(keys, off + t, qp, M, S + t, n16, sc.tile.data());
-      else
-        scores_tree_bf16<NC>(keys, off + t, qp, M, S + t, n16);
-    } else {
-      scores_tree_f32<NC>(keys, off + t, qp, M, S + t, n16);
+        continue;
+      }
     }
+#endif
+    for_each_query_block<kTreeQueries<T>>(M, [&](int m, auto qb) {
+      scores_tree<T, NC, decltype(qb)::value>(keys, off + t, qc + m * NC, S + m * n16 + t, n16);
+    });
   }
 
   // 2. softmax, each query over its own window (while the first V rows arrive)
@@ -584,15 +641,16 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
 
   // 3. P.V, in blocks of queries whose accumulators fit the registers
   if (next != nullptr) prefetch_item<T>(plan, *next);
-  constexpr int MB = NC >= 12 ? 1 : 12 / NC;
   bool paired = false;
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, BFloat16>) {
     paired = !plan.invariant && M >= kMinPairQueries;
-    if (paired) pv_paired<NC, MB>(values, off, n16, S, M, sc, sc.acc.data());
+    if (paired) pv_paired<NC>(values, off, n16, S, M, sc, sc.acc.data());
   }
+#endif
   if (!paired)
-    for_each_query_block<MB>(M, [&](int m, int size) {
-      pv_blocks<T, NC, MB>(size, values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
+    for_each_query_block<kPvQueries<NC>>(M, [&](int m, auto mb) {
+      pv_block<T, NC, decltype(mb)::value>(values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
     });
 
   // 4. out, or this partition's share of it
@@ -855,7 +913,7 @@ Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
                      table.query_start_loc(), scale, sliding_window, table.batch_invariant());
 }
 
-TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
@@ -865,7 +923,7 @@ TORCH_LIBRARY_FRAGMENT(iterserve, m) {
       "int sliding_window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("store_and_attend", &store_and_attend);
 }

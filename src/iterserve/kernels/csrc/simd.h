@@ -1,14 +1,662 @@
-// AVX-512 helpers shared by the kernel files.
+// The vector layer every kernel file is written in: 16 fp32 lanes (`F16`) and 16 int32 lanes
+// (`I16`) made of however many of the CPU's own vectors that takes (one zmm on AVX-512, two
+// ymm on AVX2, four q registers on Arm NEON), on top of torch's `at::vec::Vectorized`.
+//
+// The kernels' tiles are 16 outputs or 16 keys wide on every CPU, so one weight layout and one
+// kernel source serve every ISA; the compiler keeps an F16 in 1, 2 or 4 registers. The build
+// (kernels/__init__.py) compiles this source once per ISA with that ISA's flags and
+// CPU_CAPABILITY, which selects at::vec's implementation.
+//
+// Most operations are at::vec's. Written per ISA here, where at::vec has no equivalent:
+//   - `pair_dot`: 16 outputs += w(2 inputs) . x(2 inputs) for bf16 weight pairs. AVX-512 BF16
+//     has an instruction for it (`vdpbf16ps`); elsewhere the pair is widened to two fp32
+//     vectors (a shift and a mask) and takes two FMAs.
+//   - the int8 dot product of W8A8 (`dot_i8`): VNNI `vpdpbusd` on AVX-512, `vpmaddubsw` +
+//     `vpmaddwd` on AVX2, a plain loop elsewhere (the compiler vectorizes it on Arm).
+//   - lane-wise bit tricks that at::vec spells slowly (bf16 <-> fp32, sums across lanes).
 #pragma once
 
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <array>
+#include <cstdint>
+#include <utility>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// Every primitive is forced inline: GCC otherwise keeps some as calls from the big kernel
+// loops, and a call there sends the accumulators through memory (measured: the AVX2 bf16
+// projection at 4 rows ran 4x slower than at 1 row).
+#define ITERSERVE_INLINE inline __attribute__((always_inline))
 
 namespace iterserve {
 
-// exp for x <= 0 (and -inf): Cephes' expf polynomial (~1 ulp), 2^n applied by scalef.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // exp(-104) underflows to 0; no -inf - -inf
+using Vec = at::vec::Vectorized<float>;
+using IVec = at::vec::Vectorized<int32_t>;
+
+constexpr int kLanes = 16;
+constexpr int kNative = Vec::size();
+static_assert(kLanes % kNative == 0, "16 lanes must be whole native vectors");
+constexpr int kParts = kLanes / kNative;
+
+// The CPU has bf16 pair dot products (vdpbf16ps): the bf16 paths use them directly.
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// The name of the ISA this file was compiled for (reported by the `isa` op).
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+constexpr const char* kIsaName = "avx512bf16";
+#elif defined(CPU_CAPABILITY_AVX512)
+constexpr const char* kIsaName = "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr const char* kIsaName = "avx2";
+#elif defined(__aarch64__)
+constexpr const char* kIsaName = "neon";
+#else
+constexpr const char* kIsaName = "generic";
+#endif
+
+struct I16;
+
+// 16 fp32 lanes.
+struct F16 {
+  Vec v[kParts];
+
+  ITERSERVE_INLINE static F16 zero() { return splat(0.0f); }
+  ITERSERVE_INLINE static F16 splat(float x) {
+    F16 r;
+    for (int i = 0; i < kParts; ++i) r.v[i] = Vec(x);
+    return r;
+  }
+  ITERSERVE_INLINE static F16 load(const float* p) {
+    F16 r;
+    for (int i = 0; i < kParts; ++i) r.v[i] = Vec::loadu(p + i * kNative);
+    return r;
+  }
+  ITERSERVE_INLINE void store(float* p) const {
+    for (int i = 0; i < kParts; ++i) v[i].store(p + i * kNative);
+  }
+  // The sum and the maximum of the 16 lanes (a shuffle tree on x86 and Arm).
+  ITERSERVE_INLINE float sum() const {
+    Vec s = v[0];
+    for (int i = 1; i < kParts; ++i) s = s + v[i];
+    return at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, s);
+  }
+  ITERSERVE_INLINE float max() const {
+    Vec s = v[0];
+    for (int i = 1; i < kParts; ++i) s = at::vec::maximum(s, v[i]);
+    return at::vec::vec_reduce_all<float>(
+        [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); }, s);
+  }
+};
+
+// 16 int32 lanes (bit patterns, quantized sums).
+struct I16 {
+  IVec v[kParts];
+
+  ITERSERVE_INLINE static I16 zero() { return splat(0); }
+  ITERSERVE_INLINE static I16 splat(int32_t x) {
+    I16 r;
+    for (int i = 0; i < kParts; ++i) r.v[i] = IVec(x);
+    return r;
+  }
+  ITERSERVE_INLINE static I16 load(const void* p) {
+    I16 r;
+    for (int i = 0; i < kParts; ++i)
+      r.v[i] = IVec::loadu(static_cast<const int32_t*>(p) + i * kNative);
+    return r;
+  }
+  ITERSERVE_INLINE void store(void* p) const {
+    for (int i = 0; i < kParts; ++i) v[i].store(static_cast<int32_t*>(p) + i * kNative);
+  }
+  ITERSERVE_INLINE int32_t sum() const {
+    alignas(64) int32_t lanes[kLanes];
+    store(lanes);
+    int32_t s = 0;
+    for (int i = 0; i < kLanes; ++i) s += lanes[i];
+    return s;
+  }
+};
+
+#define ITERSERVE_LANEWISE(T, name, expr)        \
+  ITERSERVE_INLINE T name(const T& a, const T& b) {  \
+    T r;                                         \
+    for (int i = 0; i < kParts; ++i) r.v[i] = (expr); \
+    return r;                                    \
+  }
+ITERSERVE_LANEWISE(F16, operator+, a.v[i] + b.v[i])
+ITERSERVE_LANEWISE(F16, operator-, a.v[i] - b.v[i])
+ITERSERVE_LANEWISE(F16, operator*, a.v[i] * b.v[i])
+ITERSERVE_LANEWISE(F16, operator/, a.v[i] / b.v[i])
+ITERSERVE_LANEWISE(F16, maximum, at::vec::maximum(a.v[i], b.v[i]))
+ITERSERVE_LANEWISE(I16, operator+, a.v[i] + b.v[i])
+ITERSERVE_LANEWISE(I16, operator-, a.v[i] - b.v[i])
+ITERSERVE_LANEWISE(I16, operator&, a.v[i] & b.v[i])
+ITERSERVE_LANEWISE(I16, operator|, a.v[i] | b.v[i])
+#undef ITERSERVE_LANEWISE
+
+// Arrays of accumulators must end up in registers. GCC keeps such an array in memory (a store
+// and a reload per use) unless every loop indexing it is unrolled in full early, hence
+// ITERSERVE_UNROLL on those loops, and unless it is built without a loop: `F16 acc[N];` runs
+// each element's constructor (at::vec zeroes a vector) in one, so arrays are `zeros<N>()`.
+#define ITERSERVE_UNROLL _Pragma("GCC unroll 32")
+
+template <int... I>
+ITERSERVE_INLINE std::array<F16, sizeof...(I)> zeros(std::integer_sequence<int, I...>) {
+  return {{((void)I, F16::zero())...}};
+}
+template <int N>
+ITERSERVE_INLINE std::array<F16, N> zeros() {
+  return zeros(std::make_integer_sequence<int, N>{});
+}
+
+// a * b + c, one rounding.
+ITERSERVE_INLINE F16 fmadd(const F16& a, const F16& b, const F16& c) {
+  F16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = at::vec::fmadd(a.v[i], b.v[i], c.v[i]);
+  return r;
+}
+
+ITERSERVE_INLINE F16 abs(const F16& a) {
+  F16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = a.v[i].abs();
+  return r;
+}
+
+// Lanes where `mask` is all ones take b, the others a (masks come from the comparisons).
+ITERSERVE_INLINE F16 select(const F16& mask, const F16& a, const F16& b) {
+  F16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = Vec::blendv(a.v[i], b.v[i], mask.v[i]);
+  return r;
+}
+ITERSERVE_INLINE F16 less_than(const F16& a, const F16& b) {
+  F16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = a.v[i] < b.v[i];
+  return r;
+}
+
+// Shifts by a constant (at::vec's operators shift by a vector of counts, which costs a
+// register to hold them).
+template <int N>
+ITERSERVE_INLINE I16 shift_left(const I16& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_slli_epi32(a.v[0], N))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  I16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = IVec(_mm256_slli_epi32(a.v[i], N));
+  return r;
+#else
+  I16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = a.v[i] << IVec(N);
+  return r;
+#endif
+}
+// Logical (zero-filling) right shift by a constant.
+template <int N>
+ITERSERVE_INLINE I16 shift_right(const I16& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_srli_epi32(a.v[0], N))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  I16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = IVec(_mm256_srli_epi32(a.v[i], N));
+  return r;
+#else
+  alignas(64) uint32_t lanes[kLanes];
+  a.store(lanes);
+  for (int i = 0; i < kLanes; ++i) lanes[i] >>= N;
+  return I16::load(lanes);
+#endif
+}
+// Arithmetic (sign-filling) right shift.
+template <int N>
+ITERSERVE_INLINE I16 shift_right_signed(const I16& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_srai_epi32(a.v[0], N))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  I16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = IVec(_mm256_srai_epi32(a.v[i], N));
+  return r;
+#else
+  I16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = a.v[i] >> IVec(N);
+  return r;
+#endif
+}
+
+ITERSERVE_INLINE F16 bits_to_float(const I16& a) {
+  F16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = at::vec::cast<float>(a.v[i]);
+  return r;
+}
+ITERSERVE_INLINE I16 float_to_bits(const F16& a) {
+  I16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = at::vec::cast<int32_t>(a.v[i]);
+  return r;
+}
+// int32 -> fp32 values.
+ITERSERVE_INLINE F16 to_float(const I16& a) {
+  F16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = at::vec::convert<float>(a.v[i]);
+  return r;
+}
+// fp32 -> int32, rounding half to even (as torch.round does).
+ITERSERVE_INLINE I16 round_to_int(const F16& a) {
+  I16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = at::vec::convert_to_int_of_same_size(a.v[i].round());
+  return r;
+}
+
+// ---- bf16 and fp16 ------------------------------------------------------------------------
+
+// 16 bf16 values <-> 16 fp32 lanes (widening is exact; narrowing rounds to nearest even).
+ITERSERVE_INLINE F16 load_bf16x16(const c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return F16{{Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  F16 r;
+  for (int i = 0; i < 2; ++i) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i));
+    r.v[i] = Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+  }
+  return r;
+#else
+  alignas(64) uint32_t lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<uint32_t>(p[i].x) << 16;
+  return bits_to_float(I16::load(lanes));
+#endif
+}
+
+// Round each lane to bf16 (nearest even; NaN stays NaN), as bits in the high half of a lane.
+ITERSERVE_INLINE I16 bf16_bits(const F16& a) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  const __m256i packed = (__m256i)_mm512_cvtneps_pbh(a.v[0]);
+  return I16{{IVec(_mm512_slli_epi32(_mm512_cvtepu16_epi32(packed), 16))}};
+#else
+  const I16 bits = float_to_bits(a);
+  // Round to nearest even: add 0x7FFF plus the lowest kept bit, then drop the low half.
+  const I16 lsb = shift_right<16>(bits) & I16::splat(1);
+  I16 rounded = (bits + I16::splat(0x7FFF) + lsb) & I16::splat(static_cast<int32_t>(0xFFFF0000u));
+  // NaN: keep it a (quiet) NaN rather than let the carry turn it into infinity.
+  F16 r;
+  for (int i = 0; i < kParts; ++i) {
+    const Vec nan = a.v[i] != a.v[i];
+    r.v[i] = Vec::blendv(at::vec::cast<float>(rounded.v[i]), Vec(std::numeric_limits<float>::quiet_NaN()), nan);
+  }
+  return float_to_bits(r);
+#endif
+}
+
+// bf16 rounding of each lane, kept in fp32 (what storing and reloading would give).
+ITERSERVE_INLINE F16 round_bf16(const F16& a) { return bits_to_float(bf16_bits(a)); }
+
+ITERSERVE_INLINE void store_bf16x16(c10::BFloat16* p, const F16& a) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(a.v[0]));
+#elif defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(a).v[0], 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const I16 bits = shift_right<16>(bf16_bits(a));
+  // packus saturates to 0..65535 per 128-bit lane: the halves come out interleaved.
+  const __m256i packed = _mm256_packus_epi32(bits.v[0], bits.v[1]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+#else
+  alignas(64) uint32_t lanes[kLanes];
+  bf16_bits(a).store(lanes);
+  for (int i = 0; i < kLanes; ++i) p[i].x = static_cast<uint16_t>(lanes[i] >> 16);
+#endif
+}
+
+ITERSERVE_INLINE F16 load_f16x16(const c10::Half* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return F16{{Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  F16 r;
+  for (int i = 0; i < 2; ++i)
+    r.v[i] = Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i))));
+  return r;
+#else
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  return F16::load(lanes);
+#endif
+}
+
+// 16 int8 values as fp32 lanes.
+ITERSERVE_INLINE F16 load_i8x16(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return F16{{Vec(_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return F16{{Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))),
+              Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))))}};
+#else
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  return F16::load(lanes);
+#endif
+}
+
+// ---- bf16 pair dot products ---------------------------------------------------------------
+
+// 16 lanes of bf16 pairs (lane j: the weights of output j for two consecutive inputs, the
+// first in the low half), ready for `pair_dot`. With bf16 dot products the raw bits; otherwise
+// widened once to fp32 (even = first input, odd = second), so that several rows reuse them.
+struct Pairs {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  __m512bh raw;
+#else
+  F16 even, odd;
+#endif
+};
+
+ITERSERVE_INLINE Pairs pairs_from_bits(const I16& bits) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  return Pairs{(__m512bh)(__m512i)bits.v[0]};
+#else
+  return Pairs{bits_to_float(shift_left<16>(bits)),
+               bits_to_float(bits & I16::splat(static_cast<int32_t>(0xFFFF0000u)))};
+#endif
+}
+
+ITERSERVE_INLINE Pairs load_pairs(const c10::BFloat16* p) { return pairs_from_bits(I16::load(p)); }
+
+// Two consecutive activations, as `pair_dot` takes them.
+struct XPair {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  __m512bh raw;
+#else
+  F16 first, second;
+#endif
+};
+
+ITERSERVE_INLINE XPair x_pair(const c10::BFloat16* x) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  uint32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return XPair{(__m512bh)_mm512_set1_epi32(static_cast<int>(bits))};
+#else
+  return XPair{F16::splat(static_cast<float>(x[0])), F16::splat(static_cast<float>(x[1]))};
+#endif
+}
+
+// Two consecutive activations already widened to fp32 (the portable path widens a step's
+// rows once, not once per weight tile).
+ITERSERVE_INLINE XPair x_pair(const float* x) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  const uint32_t bits =
+      c10::BFloat16(x[0]).x | static_cast<uint32_t>(c10::BFloat16(x[1]).x) << 16;
+  return XPair{(__m512bh)_mm512_set1_epi32(static_cast<int>(bits))};
+#else
+  return XPair{F16::splat(x[0]), F16::splat(x[1])};
+#endif
+}
+
+// acc + w.first * x.first + w.second * x.second, lane by lane.
+ITERSERVE_INLINE F16 pair_dot(const F16& acc, const Pairs& w, const XPair& x) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  return F16{{Vec(_mm512_dpbf16_ps(acc.v[0], w.raw, x.raw))}};
+#else
+  return fmadd(w.odd, x.second, fmadd(w.even, x.first, acc));
+#endif
+}
+
+// ---- int8 dot products (W8A8) -------------------------------------------------------------
+
+// Weights in the i8 tile layout are stored as q + 128 (unsigned, as VNNI takes them), 64
+// bytes for 16 lanes x 4 inputs. `dot_i8` adds to each lane j the dot product of lane j's 4
+// weights with 4 activations (one int32 holding 4 int8, broadcast). With VNNI the result is
+// sum (q_w + 128) q_x, and the caller takes 128 * sum q_x away (kI8Biased); elsewhere it is
+// sum q_w q_x itself.
+#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+constexpr bool kI8Biased = true;
+#else
+constexpr bool kI8Biased = false;
+#endif
+
+// 16 lanes x 4 int8 weights, loaded once for every row that multiplies them.
+struct I8Quads {
+#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+  __m512i biased;
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256i q[2];  // signed
+#else
+  const uint8_t* p;
+#endif
+};
+
+ITERSERVE_INLINE I8Quads load_i8_quads(const uint8_t* w) {
+#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+  return I8Quads{_mm512_loadu_si512(w)};
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // q + 128 -> q
+  return I8Quads{{_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip),
+                  _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)),
+                                   flip)}};
+#else
+  return I8Quads{w};
+#endif
+}
+
+ITERSERVE_INLINE I16 dot_i8(const I16& acc, const I8Quads& w, int32_t x_quad) {
+#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_dpbusd_epi32(acc.v[0], w.biased, _mm512_set1_epi32(x_quad)))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  // vpmaddubsw multiplies unsigned by signed bytes and saturates pair sums at 16 bits, so the
+  // activations' signs move onto the weights: |x| (<= 127) times sign(x) * q_w (|.| <= 127)
+  // sums pairs to at most 2 * 127 * 127, in range.
+  const __m256i x = _mm256_set1_epi32(x_quad);
+  const __m256i abs_x = _mm256_sign_epi8(x, x);
+  const __m256i ones = _mm256_set1_epi16(1);
+  I16 r;
+  for (int i = 0; i < 2; ++i) {
+    const __m256i pairs = _mm256_maddubs_epi16(abs_x, _mm256_sign_epi8(w.q[i], x));
+    r.v[i] = IVec(_mm256_add_epi32(acc.v[i], _mm256_madd_epi16(pairs, ones)));
+  }
+  return r;
+#else
+  int8_t xs[4];
+  std::memcpy(xs, &x_quad, sizeof(xs));
+  alignas(64) int32_t lanes[kLanes];
+  acc.store(lanes);
+  for (int j = 0; j < kLanes; ++j)
+    for (int t = 0; t < 4; ++t)
+      lanes[j] += (static_cast<int32_t>(w.p[4 * j + t]) - 128) * static_cast<int32_t>(xs[t]);
+  return I16::load(lanes);
+#endif
+}
+
+// 4-bit weights (0..15) against int8 activations, for CPUs without bf16 dot products: a
+// q4 chunk's 64 bytes (simd.h does not know the tile layout: lane j's dword holds 8 nibbles,
+// see linear.cpp) split into two bytes-per-input halves once for every row, `lo` (each
+// byte's low nibble) and `hi` (its high nibble). `dot_q4` adds to each lane the products of
+// its lo bytes with the 4 int8 activations in `x_lo` and of its hi bytes with `x_hi`, in
+// exact integers (u8 x s8 pair sums reach 2 * 15 * 127, far from the 16 bits that
+// vpmaddubsw saturates at).
+struct Q4Chunk {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512i lo, hi;
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256i lo[2], hi[2];
+#else
+  uint8_t lo[4 * kLanes], hi[4 * kLanes];
+#endif
+};
+
+ITERSERVE_INLINE Q4Chunk load_q4_chunk(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i raw = _mm512_loadu_si512(p), mask = _mm512_set1_epi8(0x0F);
+  return Q4Chunk{_mm512_and_si512(raw, mask), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask)};
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  Q4Chunk c;
+  for (int i = 0; i < 2; ++i) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+    c.lo[i] = _mm256_and_si256(raw, mask);
+    c.hi[i] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  }
+  return c;
+#else
+  Q4Chunk c;
+  for (int i = 0; i < 4 * kLanes; ++i) c.lo[i] = p[i] & 0x0F, c.hi[i] = p[i] >> 4;
+  return c;
+#endif
+}
+
+// One block's (4 chunks') products, in the cheapest exact form: int16 pair sums on AVX2 and
+// AVX-512 without VNNI (4 chunks x lo + hi x 2 products x 15 x 127 < 2^15), added up once a
+// block by `q4_block_sums` (a chain of 16-bit adds, not of multiply-adds, per chunk), or
+// int32 lanes directly with VNNI and the generic build.
+ITERSERVE_INLINE I16 dot_q4(const I16& partial, const Q4Chunk& w, int32_t x_lo, int32_t x_hi) {
+#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+  const __m512i sum = _mm512_dpbusd_epi32(partial.v[0], w.lo, _mm512_set1_epi32(x_lo));
+  return I16{{IVec(_mm512_dpbusd_epi32(sum, w.hi, _mm512_set1_epi32(x_hi)))}};
+#elif defined(CPU_CAPABILITY_AVX512)
+  const __m512i lo = _mm512_maddubs_epi16(w.lo, _mm512_set1_epi32(x_lo));
+  const __m512i hi = _mm512_maddubs_epi16(w.hi, _mm512_set1_epi32(x_hi));
+  return I16{{IVec(_mm512_add_epi16(partial.v[0], _mm512_add_epi16(lo, hi)))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i xl = _mm256_set1_epi32(x_lo), xh = _mm256_set1_epi32(x_hi);
+  I16 r;
+  for (int i = 0; i < 2; ++i) {
+    const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo[i], xl),
+                                          _mm256_maddubs_epi16(w.hi[i], xh));
+    r.v[i] = IVec(_mm256_add_epi16(partial.v[i], sums));
+  }
+  return r;
+#else
+  int8_t xl[4], xh[4];
+  std::memcpy(xl, &x_lo, 4);
+  std::memcpy(xh, &x_hi, 4);
+  alignas(64) int32_t lanes[kLanes];
+  partial.store(lanes);
+  for (int j = 0; j < kLanes; ++j)
+    for (int t = 0; t < 4; ++t)
+      lanes[j] += w.lo[4 * j + t] * static_cast<int32_t>(xl[t]) +
+                  w.hi[4 * j + t] * static_cast<int32_t>(xh[t]);
+  return I16::load(lanes);
+#endif
+}
+
+// A block's dot_q4 partials as one int32 sum a lane.
+ITERSERVE_INLINE I16 q4_block_sums(const I16& partial) {
+#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+  return partial;
+#elif defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_madd_epi16(partial.v[0], _mm512_set1_epi16(1)))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  I16 r;
+  for (int i = 0; i < 2; ++i) r.v[i] = IVec(_mm256_madd_epi16(partial.v[i], _mm256_set1_epi16(1)));
+  return r;
+#else
+  return partial;
+#endif
+}
+
+// 16 int32 lanes in -128..127 stored as 16 int8.
+ITERSERVE_INLINE void store_i8x16(int8_t* p, const I16& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(a.v[0]));
+#elif defined(CPU_CAPABILITY_AVX2)
+  // Packing works within 128-bit halves: words hold lanes 0-3, 8-11 | 4-7, 12-15, and the
+  // bytes come out as dwords of lanes 0-3, 8-11, 4-7, 12-15, put in order by the shuffle.
+  const __m256i words = _mm256_packs_epi32(a.v[0], a.v[1]);
+  const __m128i lo = _mm256_castsi256_si128(words), hi = _mm256_extracti128_si256(words, 1);
+  const __m128i bytes = _mm_packs_epi16(lo, hi);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0)));
+#else
+  alignas(64) int32_t lanes[kLanes];
+  a.store(lanes);
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(lanes[i]);
+#endif
+}
+
+// 32 int8 weights of 16 lanes' input pairs (lane j: bytes 2j, 2j+1 of the lane's half: lanes
+// 0..7 in the first 16 bytes, 8..15 in the next) as bf16-style pairs for `pair_dot`.
+ITERSERVE_INLINE I16 widen_i8_pairs(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  return I16{{IVec(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))),
+              IVec(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))))}};
+#else
+  alignas(64) int16_t words[2 * kLanes];
+  for (int i = 0; i < 2 * kLanes; ++i) words[i] = p[i];
+  return I16::load(words);
+#endif
+}
+
+// ---- sums across lanes ---------------------------------------------------------------------
+
+// Lane j of the result = the sum of the 16 lanes of a[j].
+ITERSERVE_INLINE F16 reduce16(const F16* a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x, y, x, y] partials of keys 2i, 2i+1
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i].v[0], a[2 * i + 1].v[0]),
+                         _mm512_unpackhi_ps(a[2 * i].v[0], a[2 * i + 1].v[0]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3
+    const __m512d lo = _mm512_castps_pd(b[2 * i]), hi = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: keys 8i..8i+3 twice, then 8i+4..8i+7 twice
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return F16{{Vec(_mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                                _mm512_shuffle_f32x4(d[0], d[1], 0xDD)))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  // Each key's two halves added, then three rounds of horizontal adds over 8 keys at a time;
+  // hadd works within 128-bit lanes, so the last step swaps and adds the lanes.
+  F16 r;
+  for (int half = 0; half < 2; ++half) {
+    __m256 s[8];
+    for (int i = 0; i < 8; ++i) s[i] = _mm256_add_ps(a[8 * half + i].v[0], a[8 * half + i].v[1]);
+    const __m256 h0 = _mm256_hadd_ps(s[0], s[1]), h1 = _mm256_hadd_ps(s[2], s[3]);
+    const __m256 h2 = _mm256_hadd_ps(s[4], s[5]), h3 = _mm256_hadd_ps(s[6], s[7]);
+    const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
+    // g0 lane L: keys 0..3 partial over 128-bit lane L; g1: keys 4..7.
+    const __m256 lo = _mm256_permute2f128_ps(g0, g1, 0x20);
+    const __m256 hi = _mm256_permute2f128_ps(g0, g1, 0x31);
+    r.v[half] = Vec(_mm256_add_ps(lo, hi));
+  }
+  return r;
+#else
+  alignas(64) float lanes[kLanes];
+  alignas(64) float out[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    a[j].store(lanes);
+    float s = 0.0f;
+    for (int i = 0; i < kLanes; ++i) s += lanes[i];
+    out[j] = s;
+  }
+  return F16::load(out);
+#endif
+}
+
+// ---- exp --------------------------------------------------------------------------------
+
+// exp for x <= 0 (and -inf): Cephes' expf polynomial (~1 ulp), times 2^n. 2^n is built as
+// two powers of two so that neither leaves the normal range for n down to -150; the product
+// rounds once, as a scale instruction would.
+ITERSERVE_INLINE F16 exp_nonpositive(const F16& in) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // The same polynomial and results in ~12 fewer instructions: `vscalefps` applies 2^n with
+  // one rounding, the max needs no NaN handling (the input is never NaN).
+  const __m512 x = _mm512_max_ps(in.v[0], _mm512_set1_ps(-104.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -20,23 +668,26 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 16 bf16 values <-> 16 fp32 lanes (widening is exact; narrowing rounds to nearest even).
-inline __m512 load_bf16x16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline void store_bf16x16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// bf16 rounding of each lane, kept in fp32 (what storing and reloading would give).
-inline __m512 round_bf16(__m512 v) {
-  const __m256i packed = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(packed), 16));
+  return F16{{Vec(_mm512_scalef_ps(p, n))}};
+#else
+  const F16 x = maximum(in, F16::splat(-104.0f));  // exp(-104) underflows to 0; no -inf - -inf
+  const I16 n = round_to_int(x * F16::splat(1.44269504088896341f));
+  const F16 nf = to_float(n);
+  F16 r = fmadd(nf, F16::splat(-0.693359375f), x);
+  r = fmadd(nf, F16::splat(2.12194440e-4f), r);
+  F16 p = F16::splat(1.9875691500e-4f);
+  p = fmadd(p, r, F16::splat(1.3981999507e-3f));
+  p = fmadd(p, r, F16::splat(8.3334519073e-3f));
+  p = fmadd(p, r, F16::splat(4.1665795894e-2f));
+  p = fmadd(p, r, F16::splat(1.6666665459e-1f));
+  p = fmadd(p, r, F16::splat(5.0000001201e-1f));
+  p = fmadd(p, r * r, r + F16::splat(1.0f));
+  const I16 half = shift_right_signed<1>(n);
+  const I16 rest = n - half;
+  const F16 scale_a = bits_to_float(shift_left<23>(half + I16::splat(127)));
+  const F16 scale_b = bits_to_float(shift_left<23>(rest + I16::splat(127)));
+  return (p * scale_a) * scale_b;
+#endif
 }
 
 }  // namespace iterserve

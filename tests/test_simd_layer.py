@@ -1,0 +1,73 @@
+"""The kernels' vector layer on every ISA: simd_check.cpp (each primitive of csrc/simd.h
+against a scalar reference) built and run for each variant this CPU runs, and for Arm64 with
+a cross compiler under qemu-user; and the kernel sources themselves built for Arm64.
+
+The Arm tools come from Debian (`g++-aarch64-linux-gnu`, `qemu-user`); .ci/run installs
+them. Without them the Arm tests skip, saying so, except under CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from torch.utils import cpp_extension
+
+from iterserve import kernels
+
+CHECK = Path(__file__).parent / "simd_check.cpp"
+CSRC = Path(kernels.__file__).parent / "csrc"
+CROSS = "aarch64-linux-gnu-g++"
+QEMU = "qemu-aarch64"
+
+
+def _includes() -> list[str]:
+    return [f"-I{CSRC}", *(f"-I{p}" for p in cpp_extension.include_paths())]
+
+
+def _build(compiler: str, isa: kernels.Isa, source: Path, out: Path, *extra: str) -> None:
+    flags = [f for f in kernels.compile_flags(isa) if f != "-fopenmp"]
+    command = [compiler, "-std=c++17", *flags, *_includes(), str(source), "-o", str(out), *extra]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", [isa.name for isa in kernels.ISAS if isa.machine == "x86_64"])
+def test_vector_layer_on_each_x86_variant(name: str, tmp_path: Path) -> None:
+    if name not in kernels.runnable_isas():
+        pytest.skip(f"this CPU does not run {name}")
+    binary = tmp_path / f"simd_check_{name}"
+    _build("c++", kernels.describe(name), CHECK, binary)  # type: ignore[arg-type]
+    done = subprocess.run([str(binary)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert done.stdout.split()[:2] == ["ok", name]
+
+
+def _need(tool: str) -> None:
+    if shutil.which(tool) is None:
+        why = f"{tool} is not installed (apt-get install g++-aarch64-linux-gnu qemu-user)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def test_vector_layer_on_arm64_under_qemu(tmp_path: Path) -> None:
+    _need(CROSS)
+    _need(QEMU)
+    binary = tmp_path / "simd_check_neon"
+    _build(CROSS, kernels.describe("neon"), CHECK, binary, "-static")  # type: ignore[arg-type]
+    done = subprocess.run([QEMU, str(binary)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert done.stdout.split() == ["ok", "neon", "4"]  # at::vec's NEON floats: 4 lanes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cpp")))
+def test_kernels_build_for_arm64(source: str, tmp_path: Path) -> None:
+    """Each kernel source compiles for Arm64 with the flags the neon variant builds with
+    (linking needs an Arm64 torch, which this machine has not)."""
+    _need(CROSS)
+    _build(CROSS, kernels.describe("neon"), CSRC / source, tmp_path / "out.o", "-c", "-fPIC")  # type: ignore[arg-type]
