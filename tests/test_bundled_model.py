@@ -28,16 +28,15 @@ def test_chat_template_from_the_gguf(llm: LLM) -> None:
     assert out.finish_reason in ("stop", "length")
 
 
-@pytest.mark.skipif(
-    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
-)
+@pytest.mark.usefixtures("kernel_isa")  # once per ISA variant (conftest.kernel_test_isas)
 @pytest.mark.parametrize(
     "weights,formats",
-    [("int4", "q4+q8"), ("int8", "i8"), ("bf16", "bfloat16")],
+    [("auto", "q4+q8+i8"), ("int4", "q4+q8"), ("int8", "i8"), ("bf16", "bfloat16")],
 )
 def test_every_weight_format_answers_paris(weights: str, formats: str) -> None:
-    """The other --weights choices (the fixture above is `auto`: 4-bit few-row steps, an int8
-    copy for many-row ones); a prompt of over 16 tokens runs the many-row kernels."""
+    """Every --weights choice on every ISA variant (auto: 4-bit blocks for few-row steps, an
+    int8 copy for many-row ones where that is faster); a prompt of over 16 tokens runs the
+    many-row kernels."""
     llm = LLM(weights=weights, max_num_seqs=2)
     assert llm.engine.model_plan.weights == formats
     prompt = "The Eiffel Tower is a famous landmark. It stands in the capital city of France, which is called"

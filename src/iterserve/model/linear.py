@@ -41,14 +41,29 @@ DenseFormat = Literal["bf16", "i8"]  # what the tiled kernel makes of a dense we
 
 _FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3}
 
-# Rows up to which a checkpoint's 4/8-bit blocks run rather than their dense copy. The 4-bit
-# layers beat the int8 copy up to 4 rows (benchmarks/linear_kernels.py: 3.6 vs 4.3 ms a step
-# at 1 row, 4.9 vs 5.0 at 4, 7.2 vs 6.2 at 8; decode_speed.py: batch 16 656 vs 796 tok/s).
-# The 8-bit head is slower than its int8 copy at every size (1.1 vs 0.9 ms at 1 row, 1.4 vs
-# 1.1 at 4) but exact to the checkpoint, with no activation rounding, where greedy decoding
-# picks its tokens: kept for the few-row steps, the 0.2-0.3 ms knowingly paid.
-MAX_QUANTIZED_ROWS = {"q4": 4, "q8": 4}
 _NO_LIMIT = 1 << 62
+
+# Rows up to which a checkpoint's 4/8-bit blocks run rather than their dense copy, by whether
+# the kernels' ISA variant has bf16 dot products (benchmarks/linear_kernels.py).
+# With them (AVX-512 BF16) the 4-bit layers multiply exactly in bf16 and beat the int8 copy
+# up to 4 rows (3.6 vs 4.3 ms a step at 1 row, 4.9 vs 5.0 at 4, 7.2 vs 6.2 at 8;
+# decode_speed.py: batch 16 656 vs 796 tok/s). Without them (AVX2, NEON) the 4-bit layers
+# run on int8 activations, as the int8 copy does, with fewer bytes and no sign handling: they
+# beat it at every row count measured (1-64 rows, ITERSERVE_ISA=avx2), so no copy is made.
+# The 8-bit head is slower than its int8 copy at every size everywhere (AVX-512 BF16: 1.1 vs
+# 0.9 ms at 1 row; AVX2: 1.1 vs 0.9) but exact to the checkpoint, with no activation
+# rounding, where greedy decoding picks its tokens: kept for the few-row steps, the 0.2 ms
+# knowingly paid.
+MAX_QUANTIZED_ROWS = {
+    True: {"q4": 4, "q8": 4},  # native bf16
+    False: {"q4": _NO_LIMIT, "q8": 4},
+}
+
+
+def max_quantized_rows(kind: str) -> int:
+    """Rows up to which `kind` blocks run rather than a dense copy, on this kernel variant."""
+    variant = kernels.describe()
+    return MAX_QUANTIZED_ROWS[variant is not None and variant.native_bf16][kind]
 
 
 def _onednn(
@@ -130,10 +145,11 @@ class Linear:
             self.ops = kernels.ops()
             self.format = quantized.kind
             self.tiles, self.scales = tile_quantized(quantized)
-            if wide:
+            limit = max_quantized_rows(quantized.kind)
+            if wide and limit < _NO_LIMIT:
                 self.wide_format = dense_format
                 self.wide, self.wide_scales = _tile_dense(weight, dense_format)
-                self.max_tile_rows = MAX_QUANTIZED_ROWS[quantized.kind]
+                self.max_tile_rows = limit
 
     @property
     def format_codes(self) -> tuple[int, int]:
