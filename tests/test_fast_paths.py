@@ -203,10 +203,12 @@ def _assert_as_close_as_bf16(
     fast: list[torch.Tensor],
     bf16: list[torch.Tensor],
     error_factor: float = 1.5,
+    miss_share: float = 0.01,
 ) -> None:
     """`fast` (bf16 activations over quantized weights) against the fp32 `reference` over the
     same weights, by the yardstick of plain bf16 there: bf16 activations round where fp32
-    does not, so no bf16 path can match fp32 exactly."""
+    does not, so no bf16 path can match fp32 exactly. `miss_share`: the greedy picks it may
+    miss beyond bf16's, as a share of the rows that are no near-tie."""
     ref = torch.cat(reference)
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()
@@ -214,7 +216,7 @@ def _assert_as_close_as_bf16(
     def misses(rows: list[torch.Tensor]) -> int:
         return int((torch.cat(rows).argmax(-1) != ref.argmax(-1))[clear].sum())
 
-    assert misses(fast) <= misses(bf16) + max(2, int(0.01 * int(clear.sum())))
+    assert misses(fast) <= misses(bf16) + max(2, int(miss_share * int(clear.sum())))
     fast_error = (torch.cat(fast) - ref).abs().mean()
     bf16_error = (torch.cat(bf16) - ref).abs().mean()
     assert fast_error <= error_factor * bf16_error
@@ -230,7 +232,13 @@ def test_int4_weights_compute_what_their_dequantized_values_do(
     hf, wide: bool, dense_format: DenseFormat
 ) -> None:
     """4-bit layers and 8-bit head on decode steps; prefill chunks (20-43 rows) take the dense
-    copy when there is one (bf16, or int8 run on int8 activations), else the blocks too."""
+    copy when there is one (bf16, or int8 run on int8 activations), else the blocks too.
+    Without bf16 dot products (AVX2, Arm) the 4-bit layers run on int8 activations at every
+    step size, with no copy (model/linear.py): the activations' rounding to 8 bits per block
+    of 32 is then the error that dominates: measured 2.9x bf16's mean error here, against
+    2.0-2.3x for W8A8 below (the difference not investigated)."""
+    variant = kernels.describe()
+    native_bf16 = variant is not None and variant.native_bf16
     weights, quantized = _quantized_checkpoint(hf)
     tokens = _tokens(5)
     reference = _run(_model(hf, torch.float32, weights=weights), tokens, kernel=False)
@@ -239,9 +247,13 @@ def test_int4_weights_compute_what_their_dequantized_values_do(
     )
     kinds = int4.describe_linears()
     assert kinds["qkv"].startswith("tiled-q4") and kinds["lm_head"].startswith("tiled-q8")
-    assert (f"{dense_format} above" in kinds["qkv"]) == wide
+    assert (f"{dense_format} above" in kinds["qkv"]) == (wide and native_bf16)
     bf16 = _run(_model(hf, torch.bfloat16, weights=weights), tokens, kernel=False)
-    _assert_as_close_as_bf16(reference, _run(int4, tokens, kernel=True), bf16)
+    fast = _run(int4, tokens, kernel=True)
+    if native_bf16:
+        _assert_as_close_as_bf16(reference, fast, bf16)
+    else:
+        _assert_as_close_as_bf16(reference, fast, bf16, error_factor=3.5, miss_share=0.03)
 
 
 @needs_kernels

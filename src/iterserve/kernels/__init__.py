@@ -64,6 +64,7 @@ ISAS: tuple[Isa, ...] = (
     ),
     Isa("avx512", "x86_64", _AVX512, "AVX512", _AVX512_FLAGS),
     Isa("avx2", "x86_64", ("avx2", "fma", "f16c"), "AVX2", ("-mavx2", "-mfma", "-mf16c")),
+    Isa("neondot", "aarch64", ("asimd", "asimddp"), "DEFAULT", ("-march=armv8.2-a+dotprod",)),
     Isa("neon", "aarch64", ("asimd",), "DEFAULT", ("-march=armv8-a",)),
     # The same source with no intrinsics at all (what a CPU the list above misses would run);
     # tested on x86 as the stand-in for the paths the Arm build takes.

@@ -11,8 +11,9 @@
 //   - `pair_dot`: 16 outputs += w(2 inputs) . x(2 inputs) for bf16 weight pairs. AVX-512 BF16
 //     has an instruction for it (`vdpbf16ps`); elsewhere the pair is widened to two fp32
 //     vectors (a shift and a mask) and takes two FMAs.
-//   - the int8 dot product of W8A8 (`dot_i8`): VNNI `vpdpbusd` on AVX-512, `vpmaddubsw` +
-//     `vpmaddwd` on AVX2, a plain loop elsewhere (the compiler vectorizes it on Arm).
+//   - the int8 dot products of W8A8 and of 4-bit weights (`dot_i8`, `dot_q4`): VNNI
+//     `vpdpbusd` on AVX-512, `vpmaddubsw` + `vpmaddwd` on AVX2, `sdot` on Arm with the
+//     dot-product extension, a plain loop elsewhere.
 //   - lane-wise bit tricks that at::vec spells slowly (bf16 <-> fp32, sums across lanes).
 #pragma once
 
@@ -29,6 +30,10 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#define ITERSERVE_ARM_DOT 1  // sdot: four int8 products a 32-bit lane an instruction
 #endif
 
 // Every primitive is forced inline: GCC otherwise keeps some as calls from the big kernel
@@ -60,6 +65,8 @@ constexpr const char* kIsaName = "avx512bf16";
 constexpr const char* kIsaName = "avx512";
 #elif defined(CPU_CAPABILITY_AVX2)
 constexpr const char* kIsaName = "avx2";
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+constexpr const char* kIsaName = "neondot";
 #elif defined(__aarch64__)
 constexpr const char* kIsaName = "neon";
 #else
@@ -432,6 +439,8 @@ struct I8Quads {
   __m512i biased;
 #elif defined(CPU_CAPABILITY_AVX2)
   __m256i q[2];  // signed
+#elif defined(ITERSERVE_ARM_DOT)
+  int8x16_t q[4];  // signed
 #else
   const uint8_t* p;
 #endif
@@ -445,6 +454,11 @@ ITERSERVE_INLINE I8Quads load_i8_quads(const uint8_t* w) {
   return I8Quads{{_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip),
                   _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)),
                                    flip)}};
+#elif defined(ITERSERVE_ARM_DOT)
+  I8Quads r;
+  for (int i = 0; i < 4; ++i)
+    r.q[i] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + 16 * i), vdupq_n_u8(0x80)));
+  return r;
 #else
   return I8Quads{w};
 #endif
@@ -465,6 +479,11 @@ ITERSERVE_INLINE I16 dot_i8(const I16& acc, const I8Quads& w, int32_t x_quad) {
     const __m256i pairs = _mm256_maddubs_epi16(abs_x, _mm256_sign_epi8(w.q[i], x));
     r.v[i] = IVec(_mm256_add_epi32(acc.v[i], _mm256_madd_epi16(pairs, ones)));
   }
+  return r;
+#elif defined(ITERSERVE_ARM_DOT)
+  const int8x16_t x = vreinterpretq_s8_s32(vdupq_n_s32(x_quad));
+  I16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = IVec(vdotq_s32(acc.v[i], w.q[i], x));
   return r;
 #else
   int8_t xs[4];
@@ -490,6 +509,8 @@ struct Q4Chunk {
   __m512i lo, hi;
 #elif defined(CPU_CAPABILITY_AVX2)
   __m256i lo[2], hi[2];
+#elif defined(ITERSERVE_ARM_DOT)
+  int8x16_t lo[4], hi[4];  // 0..15, as signed bytes for sdot
 #else
   uint8_t lo[4 * kLanes], hi[4 * kLanes];
 #endif
@@ -506,6 +527,14 @@ ITERSERVE_INLINE Q4Chunk load_q4_chunk(const uint8_t* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
     c.lo[i] = _mm256_and_si256(raw, mask);
     c.hi[i] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  }
+  return c;
+#elif defined(ITERSERVE_ARM_DOT)
+  Q4Chunk c;
+  for (int i = 0; i < 4; ++i) {
+    const uint8x16_t raw = vld1q_u8(p + 16 * i);
+    c.lo[i] = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F)));
+    c.hi[i] = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
   }
   return c;
 #else
@@ -535,6 +564,13 @@ ITERSERVE_INLINE I16 dot_q4(const I16& partial, const Q4Chunk& w, int32_t x_lo, 
                                           _mm256_maddubs_epi16(w.hi[i], xh));
     r.v[i] = IVec(_mm256_add_epi16(partial.v[i], sums));
   }
+  return r;
+#elif defined(ITERSERVE_ARM_DOT)
+  const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(x_lo));
+  const int8x16_t xh = vreinterpretq_s8_s32(vdupq_n_s32(x_hi));
+  I16 r;
+  for (int i = 0; i < 4; ++i)
+    r.v[i] = IVec(vdotq_s32(vdotq_s32(partial.v[i], w.lo[i], xl), w.hi[i], xh));
   return r;
 #else
   int8_t xl[4], xh[4];
