@@ -192,6 +192,11 @@ def test_simulate_says_which_cost_model_priced_it(
     assert "NOTE: measured with avx2 kernels, the preset describes avx512bf16" in (
         capsys.readouterr().out
     )
+    # The AVX2 preset has its own profile, measured with ITERSERVE_ISA=avx2.
+    assert main([*base, "--hardware", "cpu-2core-avx2", "--sim-model", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert "cost model: the shipped profile" in out and "(avx2 kernels)" in out
+    assert "NOTE" not in out
     assert main([*base, "--hardware", "a100-80g", "--sim-model", "llama3-8b"]) == 0
     assert "cost model: roofline" in capsys.readouterr().out
     path = tmp_path / "toy.json"
