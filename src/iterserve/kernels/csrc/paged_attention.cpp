@@ -28,7 +28,7 @@
 // on AVX-512, two ymm on AVX2, four q registers on NEON), so a score tile is 16 keys and a
 // 32-dim chunk of a row is two F16s everywhere. Only the AVX-512 BF16 build has code of its
 // own (`#if` blocks): `vdpbf16ps` paths for items of many queries, gathered in one block
-// below, and a shorter exp.
+// below.
 //
 // Scores. A dot product of a key row with a query gives 16 lane-wise partial sums per key,
 // which need a horizontal sum; done one key at a time that costs more than the dot product.
