@@ -64,29 +64,27 @@ def _datasheet(
     return Hardware(name, 0.6 * peak_flops, 0.8 * peak_bandwidth, step_overhead, memory_bytes)
 
 
-HARDWARE = {
-    # Measured on this project's 2-core machine (DESIGN.md): bf16 ~380 GFLOP/s, ~31 GB/s.
-    "cpu-2core": Hardware(
-        "cpu-2core",
-        flops=380e9,
+def _this_machine(name: str, flops: float, isa: str) -> Hardware:
+    """This project's 2-core machine (~31 GB/s) with one of the kernels' ISA variants; its
+    KV pool sized as `iterserve serve` sizes it here."""
+    return Hardware(
+        name,
+        flops=flops,
         bandwidth=31e9,
         step_overhead=8e-3,
         memory_bytes=24 * 2**30,
         kv_cache_from_config=True,
-        isa="avx512bf16",
-    ),
+        isa=isa,
+    )
+
+
+HARDWARE = {
+    # Measured on this project's 2-core machine: bf16 ~380 GFLOP/s, ~31 GB/s.
+    "cpu-2core": _this_machine("cpu-2core", flops=380e9, isa="avx512bf16"),
     # The same machine running the kernels' AVX2 variant (ITERSERVE_ISA=avx2), as its shipped
     # profile was measured: the 4-bit layers on int8 dot products reach ~270 GOP/s at 64
     # rows (benchmarks/linear_kernels.py with ITERSERVE_ISA=avx2).
-    "cpu-2core-avx2": Hardware(
-        "cpu-2core-avx2",
-        flops=270e9,
-        bandwidth=31e9,
-        step_overhead=8e-3,
-        memory_bytes=24 * 2**30,
-        kv_cache_from_config=True,
-        isa="avx2",
-    ),
+    "cpu-2core-avx2": _this_machine("cpu-2core-avx2", flops=270e9, isa="avx2"),
     "a100-80g": _datasheet("a100-80g", 312e12, 2.0e12, step_overhead=4e-3, memory_bytes=80e9),
     "h100-80g": _datasheet("h100-80g", 989e12, 3.35e12, step_overhead=3e-3, memory_bytes=80e9),
 }

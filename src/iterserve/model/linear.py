@@ -133,16 +133,16 @@ class Linear:
             backend = self.backend = (
                 "onednn" if onednn_usable(weight.dtype, weight.device) else "torch"
             )
+        if backend == "tiled":
+            self.ops = kernels.ops()
         if backend == "torch":
             self.weight = weight
         elif backend == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif quantized is None:
-            self.ops = kernels.ops()
             self.format = dense_format
             self.tiles, self.scales = _tile_dense(weight, dense_format)
         else:
-            self.ops = kernels.ops()
             self.format = quantized.kind
             self.tiles, self.scales = tile_quantized(quantized)
             limit = max_quantized_rows(quantized.kind)
