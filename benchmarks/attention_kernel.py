@@ -7,12 +7,14 @@ write the new K/V into the cache and attend.
 
     torch: attention.paged_attention (today's path; its per-step plan, built by the first
            layer from a fresh AttentionMetadata, is inside the timing)
-    C++:   the same cache write + kernels.ops(isa).paged_attention, for each ISA variant
-           asked for (--isa avx512bf16,avx2; default: the one the engine would run, which
-           ITERSERVE_ISA overrides)
+    C++:   kernels.ops(isa).store_and_attend (the cache write and attention, one call per
+           layer, as the engine runs it), for each ISA variant asked for (--isa
+           avx512bf16,avx2; default: the one the engine would run, which ITERSERVE_ISA
+           overrides); with --int8-cache also over an int8 pool of the same values
+           (`isa/int8`: --kv-cache-dtype int8, half the bytes)
 
-Per-step metadata (build_attention_metadata for torch; int32 block tables, seq_lens and
-query_start_loc for the op) is built outside the timed step and timed on its own.
+Per-step metadata (build_attention_metadata for torch; the packed step table and slot
+mapping for the op) is built outside the timed step and timed on its own.
 All contenders alternate call by call and the medians are printed, each variant with its
 speedup over torch in the same run. Nothing is asserted about time: the machine is shared
 and noisy; compare numbers from one run.
@@ -37,6 +39,7 @@ import torch
 from iterserve import kernels
 from iterserve.model.attention import paged_attention
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
+from iterserve.model.kv_cache_format import quantize_rows
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 NUM_LAYERS, BLOCK_SIZE, DTYPE = 30, 16, torch.bfloat16
@@ -61,38 +64,19 @@ def decode_spans(batch: int, context: int, num_blocks: int) -> list[SeqSpan]:
     ]
 
 
-def kernel_metadata(spans: list[SeqSpan]) -> tuple[torch.Tensor, ...]:
-    """What the op takes: block tables, seq_lens, query_start_loc (int32) and slot mapping."""
-    lens = [s.num_computed_tokens + s.num_new_tokens for s in spans]
-    width = max(len(s.block_ids) for s in spans)
-    tables = torch.tensor([[*s.block_ids, *[0] * (width - len(s.block_ids))] for s in spans])
-    q_lens = torch.tensor([0, *(s.num_new_tokens for s in spans)])
-    last = torch.tensor(lens) - 1
-    rows = torch.arange(len(spans))
-    slots = tables[rows, last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE
-    return (
-        tables.to(torch.int32),
-        torch.tensor(lens, dtype=torch.int32),
-        q_lens.cumsum(0).to(torch.int32),
-        slots,
-    )
-
-
-def write_kv(
-    kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """The cache write attention.paged_attention does, so both paths pay for it."""
-    for cache, new in zip(kv, (k, v), strict=True):
-        num_kv_heads, num_blocks, block_size, head_dim = cache.shape
-        flat = cache.view(num_kv_heads, num_blocks * block_size, head_dim)
-        flat.index_copy_(1, slots, new.transpose(0, 1))
+def kernel_metadata(spans: list[SeqSpan]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the op takes: the packed step table and the slot mapping."""
+    meta = build_attention_metadata(spans, BLOCK_SIZE, CPU, paged_kernel=True)
+    assert meta.kernel is not None
+    return meta.kernel.packed, meta.slot_mapping
 
 
 def steps(
-    batch: int, context: int, isas: list[str]
+    batch: int, context: int, isas: list[str], int8_cache: bool
 ) -> tuple[dict[str, Callable[[], list[torch.Tensor]]], dict[str, float], Callable[[], None]]:
     num_blocks = batch * -(-context // BLOCK_SIZE) + 4
     pool = make_pool(num_blocks)
+    int8_pool = [(quantize_rows(k), quantize_rows(v)) for k, v in pool] if int8_cache else []
     spans = decode_spans(batch, context, num_blocks)
     qkv = torch.randn(batch, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM).to(DTYPE)
     q, k, v = qkv.split([NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], 1)
@@ -101,32 +85,33 @@ def steps(
     v = v.view(batch, NUM_KV_HEADS, HEAD_DIM)
 
     meta = build_attention_metadata(spans, BLOCK_SIZE, CPU)
-    tables, lens, starts, slots = kernel_metadata(spans)
+    step_table, slots = kernel_metadata(spans)
 
     def torch_step() -> list[torch.Tensor]:
         step_meta = dataclasses.replace(meta, plans={})  # the plan is rebuilt every step
         return [paged_attention(q, k, v, kv, step_meta, SCALE) for kv in pool]
 
-    def kernel_step(isa: str) -> Callable[[], list[torch.Tensor]]:
-        attend = kernels.ops(isa).paged_attention
+    def kernel_step(
+        isa: str, layers: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[[], list[torch.Tensor]]:
+        store_and_attend = kernels.ops(isa).store_and_attend
 
         def step() -> list[torch.Tensor]:
-            outs = []
-            for kv in pool:
-                write_kv(kv, k, v, slots)
-                outs.append(attend(q, *kv, tables, lens, starts, SCALE, 0))
-            return outs
+            return [store_and_attend(q, k, v, *kv, slots, step_table, SCALE, 0) for kv in layers]
 
         return step
 
     def release() -> None:
         pool.clear()
+        int8_pool.clear()
 
     metadata_us = {
         "torch": timed(lambda: build_attention_metadata(spans, BLOCK_SIZE, CPU)) * 1e6,
         "C++": timed(lambda: kernel_metadata(spans)) * 1e6,
     }
-    fns = {"torch": torch_step} | {isa: kernel_step(isa) for isa in isas}
+    fns = {"torch": torch_step} | {isa: kernel_step(isa, pool) for isa in isas}
+    if int8_cache:
+        fns |= {f"{isa}/int8": kernel_step(isa, int8_pool) for isa in isas}
     return fns, metadata_us, release
 
 
@@ -166,27 +151,32 @@ def main() -> None:
         default=None,
         help="kernel variants to time, comma-separated (default: the selected one)",
     )
+    parser.add_argument(
+        "--int8-cache", action="store_true", help="also time each variant over an int8 pool"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    isas = args.isa.split(",") if args.isa else [kernels.isa() or ""]
-    for isa in isas:
+    variants = args.isa.split(",") if args.isa else [kernels.isa() or ""]
+    for isa in variants:
         if not kernels.available(isa):
             raise SystemExit(f"C++ kernels {isa} unavailable: {kernels.why_unavailable(isa)}")
+    isas = variants + [f"{isa}/int8" for isa in variants] if args.int8_cache else variants
 
     print(
         f"decode attention, {NUM_LAYERS} layers, SmolLM2-135M shapes ({NUM_HEADS}q/{NUM_KV_HEADS}kv"
         f" heads, head_dim {HEAD_DIM}), block {BLOCK_SIZE}, bf16, {args.threads} threads"
     )
     print("ms per step (30 layers: cache write + attention), medians of interleaved calls;")
-    print("speedup: torch ms / the variant's ms; max|diff|: largest difference from torch;")
+    print("speedup: torch ms / the variant's ms; max|diff|: largest difference from torch")
+    print("(for an int8 pool, mostly the 8-bit rounding of K and V);")
     print("metadata: per-step metadata build, us (outside the step)")
     columns = "".join(f" {isa + ' ms':>15} {'speedup':>8} {'max|diff|':>10}" for isa in isas)
     print(f"{'batch':>6} {'context':>8} {'torch ms':>10}{columns} {'metadata torch/C++ us':>22}")
     results = []
     with torch.inference_mode():
         for batch, context in SCENARIOS:
-            fns, metadata_us, release = steps(batch, context, isas)
+            fns, metadata_us, release = steps(batch, context, variants, args.int8_cache)
             expected = fns["torch"]()
             diff = {
                 isa: max(

@@ -22,6 +22,8 @@ plus each path's start-up time (load + kernel build + compile/warm-up). Paths (-
   int8           --weights int8: int8 weights and activations (W8A8) at every step size
   default        the engine's defaults: for the bundled Q4_1 GGUF, its 4-bit layers and
                  8-bit head on few-token steps, an int8 copy (W8A8) on larger ones
+  default-kv8    the defaults with --kv-cache-dtype int8 (K/V in 8 bits, a scale per row)
+  bf16-kv8       --weights bf16 --kv-cache-dtype int8
 
 Batch sizes run in order, each through every path before the next, so a noisy spell on
 this shared machine hits all paths alike; compare ratios within one run. The kernels run in
@@ -55,6 +57,8 @@ PATHS: dict[str, dict[str, object]] = {
     "bf16": {"weights": "bf16"},
     "int8": {"weights": "int8"},
     "default": {},
+    "default-kv8": {"kv_cache_dtype": "int8"},
+    "bf16-kv8": {"weights": "bf16", "kv_cache_dtype": "int8"},
 }
 
 

@@ -3,7 +3,8 @@
 Every path reads the same GGUF: `--weights bf16` dequantizes every projection to bf16; the
 default (`auto`) keeps the 4-bit layers (and the 8-bit head) as they are for few-row steps
 and runs an int8 copy on int8 activations for many-row ones; `--weights int8` runs the
-int8 copy at every step size. For each prompt the bf16 path generates greedily; then each
+int8 copy at every step size; the `-kv8` paths are those with `--kv-cache-dtype int8` (K/V
+stored in 8 bits). For each prompt the bf16 path generates greedily; then each
 path is teacher-forced over exactly those tokens twice, and its argmax compared with the
 bf16 path's at every position:
 
@@ -14,7 +15,7 @@ bf16 path's at every position:
 Free-running outputs are compared too (how far they go before the first different token),
 and every path answers the Paris check. Asserts nothing.
 
-    .venv/bin/python benchmarks/weights_agreement.py [--tokens 128] [--json out.json]
+    .venv/bin/python benchmarks/weights_agreement.py [--tokens 128] [--paths auto,bf16-kv8]
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ PROMPTS = [
     "Photosynthesis is the process by which",
     "A good way to learn a new language is",
 ]
+PATHS: dict[str, dict[str, str]] = {
+    "bf16": {"weights": "bf16"},
+    "auto": {"weights": "auto"},
+    "int8": {"weights": "int8"},
+    "bf16-kv8": {"weights": "bf16", "kv_cache_dtype": "int8"},
+    "auto-kv8": {"weights": "auto", "kv_cache_dtype": "int8"},
+}
 CHATS = [
     "Name three colours.",
     "Write a haiku about autumn.",
@@ -79,13 +87,19 @@ def prefill_argmax(llm: LLM, prompt: list[int], continuation: list[int]) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument(
+        "--paths", default="auto,int8", help="compared with bf16: " + ",".join(PATHS)
+    )
     parser.add_argument("--json", default="bench_results/weights_agreement.json")
     args = parser.parse_args()
 
-    paths = {name: LLM(weights=name) for name in ("bf16", "auto", "int8")}
+    names = ["bf16", *(n for n in args.paths.split(",") if n != "bf16")]
+    paths = {name: LLM(**PATHS[name]) for name in names}
     for name, llm in paths.items():
         plan = llm.engine.model_plan
-        print(f"{name}: weights {plan.weights}, linears {plan.linears}")
+        print(
+            f"{name}: weights {plan.weights}, kv cache {plan.kv_cache_dtype}, linears {plan.linears}"
+        )
     bf16 = paths["bf16"]
     prompts = [bf16.engine.tokenize(p) for p in PROMPTS]
     prompts += [bf16.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
@@ -120,7 +134,7 @@ def main() -> None:
         print({k: v for k, v in row.items()})
     print(f"teacher-forced over {compared} positions, picks that differ from bf16 decoding:")
     for (name, mode), miss in different.items():
-        print(f"  {name:5s} {mode:8s} {miss:4d} ({100 * miss / compared:.1f}%)")
+        print(f"  {name:8s} {mode:8s} {miss:4d} ({100 * miss / compared:.1f}%)")
     paris = SamplingParams(temperature=0.0, max_tokens=8)
     for name, llm in paths.items():
         print(

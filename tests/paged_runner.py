@@ -23,6 +23,7 @@ class PagedRunner:
         num_blocks: int = 96,
         seed: int = 0,
         paged_kernel: bool = False,
+        kv_dtype: torch.dtype | None = None,  # the pool's; None: the model's
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -30,7 +31,7 @@ class PagedRunner:
         if paged_kernel:  # the C++ ops of the ISA variant selected now (ITERSERVE_ISA)
             model.use_kernel_ops(kernels.ops())
         self.caches = allocate_kv_caches(
-            model.config, num_blocks, block_size, model.dtype, torch.device("cpu")
+            model.config, num_blocks, block_size, kv_dtype or model.dtype, torch.device("cpu")
         )
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous block tables

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from iterserve import kernels
+from iterserve.model.kv_cache_format import dequantize_rows, quantize_rows
 
 # Every test runs once per ISA variant of the kernels (conftest.kernel_test_isas).
 pytestmark = pytest.mark.usefixtures("any_kernel_isa")
@@ -53,16 +54,23 @@ def make_case(
     window: int = 0,
     strided_q: bool = True,
     seed: int = 0,
+    int8_cache: bool = False,
 ) -> Case:
-    """Sequences on scattered blocks of a pool whose every unused slot holds NaN."""
+    """Sequences on scattered blocks of a pool whose every unused slot holds NaN (in an int8
+    pool, rows of -1 bytes: each one's scale is a NaN)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     blocks_per_seq = [-(-c // block_size) for c in contexts]
     num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
     order = torch.randperm(num_blocks, generator=gen)
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    if int8_cache:
+        shape = (num_kv_heads, num_blocks, block_size, head_dim + 4)
+        key_cache = torch.full(shape, -1, dtype=torch.int8)
+        value_cache = torch.full(shape, -1, dtype=torch.int8)
+    else:
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        key_cache = torch.full(shape, float("nan"), dtype=dtype)
+        value_cache = torch.full(shape, float("nan"), dtype=dtype)
     tables = torch.full((len(contexts), max(blocks_per_seq) + 2), HUGE_BLOCK_ID, dtype=torch.int32)
     used = 0
     for s, (context, count) in enumerate(zip(contexts, blocks_per_seq, strict=True)):
@@ -73,7 +81,7 @@ def make_case(
         ids, offsets = blocks[slots // block_size], slots % block_size
         for cache in (key_cache, value_cache):
             values = torch.randn(num_kv_heads, context, head_dim, generator=gen).to(dtype)
-            cache[:, ids, offsets] = values
+            cache[:, ids, offsets] = quantize_rows(values) if int8_cache else values
     total = sum(q_lens)
     if strided_q:  # q as the first slice of a fused qkv projection's output
         wide = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
@@ -98,7 +106,7 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: gather the context by its block table, mask, softmax, all in fp64.
     Also sum_k p_k |v_k| per output element: how far rounding each weight p_k by a
     relative e can move the output (by at most e times it)."""
-    num_kv_heads, _, block_size, head_dim = case.key_cache.shape
+    num_kv_heads, _, block_size, _ = case.key_cache.shape
     group = case.q.shape[1] // num_kv_heads
     out = torch.empty(case.q.shape, dtype=torch.float64)
     spread = torch.empty(case.q.shape, dtype=torch.float64)
@@ -107,7 +115,9 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = case.block_tables[s, : -(-context // block_size)].long()
 
         def gather(cache: torch.Tensor, blocks: torch.Tensor = blocks, n: int = context):
-            rows = cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :n]
+            rows = cache[:, blocks].reshape(num_kv_heads, -1, cache.shape[-1])[:, :n]
+            if rows.dtype == torch.int8:  # the values the int8 rows stand for
+                rows = dequantize_rows(rows, torch.float64)
             return rows.double().repeat_interleave(group, 0)  # [heads, context, head_dim]
 
         keys, values = gather(case.key_cache), gather(case.value_cache)
@@ -233,6 +243,33 @@ def test_empty_step() -> None:
         0,
     )
     assert empty.run().shape == (0, *case.q.shape[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128)])
+def test_int8_cache_matches_reference(group: int, head_dim: int, dtype: torch.dtype) -> None:
+    """The kernels read an int8 pool's rows as scale * values (the reference dequantizes)."""
+    case = make_case(
+        MIXED_CONTEXTS,
+        MIXED_Q_LENS,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        int8_cache=True,
+        seed=group + head_dim,
+    )
+    assert_matches(case.run(), case)
+
+
+def test_int8_cache_under_a_sliding_window_and_over_threads() -> None:
+    case = make_case([1300, 260, 2], [1, 4, 2], window=100, int8_cache=True, seed=5)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        out = case.run()
+    finally:
+        torch.set_num_threads(saved)
+    assert_matches(out, case)
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -89,6 +89,54 @@ def test_prefix_cache_hits_keep_the_text(tiny_llama_dir: Path) -> None:
     assert llm.engine.scheduler.kv_cache_stats().prefix_hits > 0
 
 
+def test_int8_kv_cache_through_chunking_preemption_and_prefix_hits(tiny_llama_dir: Path) -> None:
+    """The 8-bit pool changes the numbers a little (so no transformers comparison here), but
+    never with the schedule: chunked prompts, preempted and recomputed sequences and prefix
+    hits read and write the same rows as one plain pass."""
+    plain = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        kv_cache_dtype="int8",
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+    )
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    stressed = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        kv_cache_dtype="int8",
+        max_num_batched_tokens=7,
+        max_num_seqs=7,
+        num_kv_blocks=20,
+        block_size=4,
+    )
+    for _ in range(2):  # the second pass starts from prefix-cache hits
+        outputs = stressed.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected
+    assert stressed.engine.scheduler.num_preemptions > 0
+    assert stressed.engine.scheduler.kv_cache_stats().prefix_hits > 0
+    assert stressed.engine.scheduler.kv_cache_stats().num_used_blocks == 0
+
+
+def test_int8_kv_cache_holds_more_tokens_in_the_same_memory(tiny_llama_dir: Path) -> None:
+    engines = {
+        kind: LLM(
+            str(tiny_llama_dir),
+            dtype="bfloat16",
+            compile=False,
+            kv_cache_memory=0.01,
+            kv_cache_dtype=kind,
+        ).engine
+        for kind in ("auto", "int8")
+    }
+    blocks = {kind: e.scheduler.kv_cache_stats().num_blocks for kind, e in engines.items()}
+    head_dim = engines["auto"].model_config.head_dim
+    # A row: head_dim bf16 values (2 bytes each), or head_dim int8 values and a 4-byte scale.
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.01)
+
+
 def test_qwen2_matches_transformers(tiny_qwen2_dir: Path) -> None:
     expected = reference(tiny_qwen2_dir, PROMPTS, MAX_TOKENS)
     llm = LLM(

@@ -68,12 +68,23 @@ def _model(
     return model
 
 
-def _run(model: LlamaForCausalLM, tokens: list[list[int]], kernel: bool) -> list[torch.Tensor]:
+def _run(
+    model: LlamaForCausalLM,
+    tokens: list[list[int]],
+    kernel: bool,
+    kv_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
     """Teacher-forced over fixed tokens: prefill chunks (mixed with decodes), then decodes.
 
     Returns each sequence's logits rows, in position order.
     """
-    runner = PagedRunner(model, block_size=16, num_blocks=64, paged_kernel=kernel)
+    runner = PagedRunner(
+        model, block_size=16, num_blocks=64, paged_kernel=kernel, kv_dtype=kv_dtype
+    )
+    return _teacher_force(runner, tokens)
+
+
+def _teacher_force(runner: PagedRunner, tokens: list[list[int]]) -> list[torch.Tensor]:
     for i, seq in enumerate(tokens):
         runner.add(f"s{i}", seq)
     rows: list[list[torch.Tensor]] = [[] for _ in tokens]
@@ -140,6 +151,43 @@ def test_compiled_stack_with_fast_linears_keeps_the_reference_greedy_tokens(
     reference = _run(_model(hf, torch.bfloat16), tokens, kernel=False)
     fast = _run(_model(hf, torch.bfloat16, backend, compiled=True), tokens, kernel=True)
     _assert_same_greedy(reference, fast)
+
+
+@needs_kernels
+def test_int8_kv_cache_kernels_store_and_read_what_torch_does() -> None:
+    """fp32 model, int8 pool: the C++ store writes the bytes model/kv_cache_format.py does,
+    and the C++ attention reads them as the torch path does. One layer, so that both paths
+    quantize the same K/V (deeper, fp32 rounding differences in attention would flip some
+    roundings to int8 and the comparison would measure quantization noise instead)."""
+    one_layer = tiny_hf_model(
+        vocab_size=VOCAB,
+        weight_std=0.1,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+    )
+    tokens = _tokens(7, (70, 40, 90))
+    model = _model(one_layer, torch.float32)
+    runs = {}
+    for kernel in (False, True):
+        runner = PagedRunner(
+            model, block_size=16, num_blocks=64, paged_kernel=kernel, kv_dtype=torch.int8
+        )
+        runs[kernel] = (_teacher_force(runner, tokens), runner.caches)
+    (ref, ref_caches), (got, got_caches) = runs[False], runs[True]
+    assert all(torch.equal(g, r) for g, r in zip(got_caches[0], ref_caches[0], strict=True))
+    for ref_rows, got_rows in zip(ref, got, strict=True):
+        torch.testing.assert_close(got_rows, ref_rows, atol=2e-5, rtol=0)
+
+
+@needs_kernels
+def test_int8_kv_cache_keeps_the_reference_greedy_tokens(hf) -> None:
+    """bf16 model on the fused-layer kernels with an int8 pool against the fp32 reference
+    with an exact (fp32) pool."""
+    tokens = _tokens(8)
+    reference = _run(_model(hf, torch.float32), tokens, kernel=False)
+    fast = _run(_model(hf, torch.bfloat16, "tiled"), tokens, kernel=True, kv_dtype=torch.int8)
+    _assert_same_greedy(reference, [rows.float() for rows in fast])
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import ModelPlan, build_model, choose_dtype
+from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
@@ -72,8 +73,9 @@ class LLMEngine:
         self.chat_template = loaded.chat_template
 
         cache = config.cache
+        self.kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype)
         num_blocks = num_kv_blocks(
-            cache, loaded.config.kv_bytes_per_token(dtype.itemsize), cache.kv_cache_memory * 2**30
+            cache, kv_bytes_per_token(loaded.config, self.kv_dtype), cache.kv_cache_memory * 2**30
         )
         self.max_model_len = min(
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
@@ -83,11 +85,20 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             # Rank 0 of T: the worker ranks start now and run their shards of every step.
             network, self.model_plan = launch_tensor_parallel(
-                config, loaded, dtype, self.device, num_blocks
+                config, loaded, dtype, self.kv_dtype, self.device, num_blocks
             )
         else:
             model, self.model_plan = build_model(config, loaded, dtype, self.device, dtype_reason)
-            network = self._paged(model, self.model_plan, loaded, num_blocks, dtype)
+            network = self._paged(model, self.model_plan, loaded, num_blocks)
+        kv_name = str(self.kv_dtype).removeprefix("torch.")
+        self.model_plan = replace(self.model_plan, kv_cache_dtype=kv_name)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens), %s",
+            num_blocks,
+            cache.block_size,
+            num_blocks * cache.block_size,
+            kv_name if cache.kv_cache_dtype == "int8" else f"{kv_name} (the model's dtype)",
+        )
         try:
             self.draft: DraftModelProposer | None = None
             if config.speculative.speculative_method == "draft":
@@ -117,12 +128,11 @@ class LLMEngine:
         plan: ModelPlan,
         loaded: LoadedModel,
         num_blocks: int,
-        dtype: torch.dtype,
     ) -> PagedModel:
         block_size = self.config.cache.block_size
         return PagedModel(
             model,
-            allocate_kv_caches(loaded.config, num_blocks, block_size, dtype, self.device),
+            allocate_kv_caches(loaded.config, num_blocks, block_size, self.kv_dtype, self.device),
             block_size,
             self.device,
             plan.paged_attention_kernel,
@@ -156,7 +166,7 @@ class LLMEngine:
             )
         model, plan = build_model(config, draft, dtype, self.device)
         logger.info("draft model %s: %s kernels, step %s", draft.name, plan.backend, plan.step)
-        return DraftModelProposer(self._paged(model, plan, draft, num_blocks, dtype), num_blocks)
+        return DraftModelProposer(self._paged(model, plan, draft, num_blocks), num_blocks)
 
     def close(self) -> None:
         """Release what outlives the engine object: the tensor-parallel worker processes.

@@ -72,6 +72,7 @@ class ShardSpec:
     config: ModelConfig  # the whole model's shape
     weights: dict[str, torch.Tensor]  # this rank's share (CPU; shared memory in transit)
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV pool's: dtype, or int8 (model/kv_cache_format.py)
     device_type: str  # "cpu" or "cuda"
     num_blocks: int
     block_size: int
@@ -140,7 +141,7 @@ def _build_shard(spec: ShardSpec, tp: TensorParallel, device: torch.device) -> P
     model = LlamaForCausalLM(config, spec.dtype, device, tp)
     model.load_weights(spec.weights)
     model.prepare("torch")
-    caches = allocate_kv_caches(config, spec.num_blocks, spec.block_size, spec.dtype, device)
+    caches = allocate_kv_caches(config, spec.num_blocks, spec.block_size, spec.kv_dtype, device)
     return PagedModel(model, caches, spec.block_size, device)
 
 
@@ -217,6 +218,7 @@ def launch_tensor_parallel(
     config: EngineConfig,
     loaded: LoadedModel,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     device: torch.device,
     num_blocks: int,
 ) -> tuple[TensorParallelModel, ModelPlan]:
@@ -242,6 +244,7 @@ def launch_tensor_parallel(
         config=model_config,
         weights={},
         dtype=dtype,
+        kv_dtype=kv_dtype,
         device_type=device_type,
         num_blocks=num_blocks,
         block_size=config.cache.block_size,

@@ -5,7 +5,8 @@ paged_attention.cpp, reading the pool in place) where it runs, otherwise the tor
 path below; then prefill chunks through flash SDPA. The torch paths are the reference the
 C++ op is tested against.
 
-Cache layout, per layer: K and V are each ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+Cache layout, per layer: K and V are each ``[num_kv_heads, num_blocks, block_size, head_dim]``
+(with an int8 cache, rows of ``head_dim + 4`` bytes: model/kv_cache_format.py).
 Head-major is what makes reading cheap: gathering whole blocks (``block_size * head_dim``
 contiguous elements each) from a ``[num_kv_heads * num_blocks, block_size * head_dim]`` view
 yields ``[kv_heads, batch, context, head_dim]`` directly, in one ``index_select`` and with no
@@ -34,6 +35,13 @@ import torch.nn.functional as F
 
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.config import ModelConfig
+from iterserve.model.kv_cache_format import (
+    dequantize_rows,
+    head_dim_of,
+    is_quantized,
+    quantize_rows,
+    row_width,
+)
 
 # Up to this many bytes of gathered K+V (about an L2 cache), gather + flash SDPA wins decode.
 _SDPA_DECODE_MAX_BYTES = 2 << 20
@@ -49,17 +57,20 @@ class _LayerPlan:
     decode_value_rows: torch.Tensor | None
     decode_value_offsets: torch.Tensor | None
     # decode_mask shaped for the chosen path: [1, B, 1, context] float32 for the grouped
-    # matmul, [B, 1, 1, context] in the cache dtype for SDPA.
+    # matmul, [B, 1, 1, context] in the compute dtype for SDPA.
     decode_bias: torch.Tensor | None
     prefill_rows: list[torch.Tensor | None]
-    prefill_masks: list[torch.Tensor | None]  # cast to the cache dtype
+    prefill_masks: list[torch.Tensor | None]  # cast to the compute dtype
 
 
-def _build_plan(meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor) -> _LayerPlan:
-    num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
+def _build_plan(
+    meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor, dtype: torch.dtype
+) -> _LayerPlan:
+    num_kv_heads, num_blocks, block_size, _ = key_cache.shape
+    head_dim = head_dim_of(key_cache)
     if block_size != meta.block_size:
         raise ValueError(f"cache blocks hold {block_size} tokens, metadata says {meta.block_size}")
-    device, dtype = key_cache.device, key_cache.dtype
+    device = key_cache.device
     heads = torch.arange(num_kv_heads, device=device) * num_blocks
 
     def rows(blocks: torch.Tensor | None) -> torch.Tensor | None:
@@ -70,8 +81,9 @@ def _build_plan(meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor
     if batch:
         key_rows = rows(meta.decode_block_table)
         context = meta.decode_max_blocks * block_size
-        gathered_bytes = 2 * batch * context * num_kv_heads * head_dim * key_cache.element_size()
-        if gathered_bytes <= _SDPA_DECODE_MAX_BYTES:
+        gathered_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
+        # An int8 pool is always gathered (and dequantized): embedding_bag reads V in place.
+        if gathered_bytes <= _SDPA_DECODE_MAX_BYTES or is_quantized(key_cache):
             bias = meta.decode_mask.view(batch, 1, 1, context).to(dtype)
         else:
             table = meta.decode_block_table.view(batch, meta.decode_max_blocks)
@@ -94,15 +106,17 @@ def _build_plan(meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor
     )
 
 
-def _plan(meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor) -> _LayerPlan:
+def _plan(
+    meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor, dtype: torch.dtype
+) -> _LayerPlan:
     """Gather rows and typed masks for this cache; the first layer builds, the rest reuse.
 
-    They depend on the cache's shape and dtype, which `build_attention_metadata` is not told.
+    They depend on the cache's shape and dtypes, which `build_attention_metadata` is not told.
     """
-    key = (num_heads, key_cache.shape, key_cache.dtype)
+    key = (num_heads, key_cache.shape, key_cache.dtype, dtype)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = _build_plan(meta, num_heads, key_cache)
+        plan = meta.plans[key] = _build_plan(meta, num_heads, key_cache, dtype)
     assert isinstance(plan, _LayerPlan)
     return plan
 
@@ -110,12 +124,14 @@ def _plan(meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor) -> _
 def allocate_kv_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim].
+    """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim] of `dtype`, the
+    model's or int8 (then rows of head_dim + 4 bytes).
 
     Zero-filled rather than empty: never-written slots then hold finite values, a second line
     of defence (after the padding rule above) against NaN leaking through masked lanes.
     """
-    shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+    width = row_width(config.head_dim, dtype)
+    shape = (config.num_key_value_heads, num_blocks, block_size, width)
     return [
         (
             torch.zeros(shape, dtype=dtype, device=device),
@@ -125,11 +141,24 @@ def allocate_kv_caches(
     ]
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
-    """Whole blocks of every kv head -> [kv_heads, batch, blocks_per_seq * block_size, head_dim]."""
-    num_kv_heads, num_blocks, block_size, head_dim = cache.shape
-    flat = cache.view(num_kv_heads * num_blocks, block_size * head_dim)
-    return flat.index_select(0, rows).view(num_kv_heads, batch, -1, head_dim)
+def _gather(
+    cache: torch.Tensor, rows: torch.Tensor, batch: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Whole blocks of every kv head -> [kv_heads, batch, blocks_per_seq * block_size, head_dim]
+    of `dtype` (an int8 pool's rows dequantized)."""
+    num_kv_heads, num_blocks, block_size, width = cache.shape
+    flat = cache.view(num_kv_heads * num_blocks, block_size * width)
+    gathered = flat.index_select(0, rows).view(num_kv_heads, batch, -1, width)
+    return dequantize_rows(gathered, dtype) if is_quantized(cache) else gathered
+
+
+def _store(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """This step's rows [T, kv_heads, head_dim] into their slots (quantized for an int8 pool)."""
+    num_kv_heads, num_blocks, block_size, width = cache.shape
+    slots = cache.view(num_kv_heads, num_blocks * block_size, width)
+    if is_quantized(cache):
+        rows = quantize_rows(rows)
+    slots.index_copy_(1, slot_mapping, rows.transpose(0, 1))
 
 
 def _decode_attention(
@@ -143,12 +172,12 @@ def _decode_attention(
     assert plan.decode_key_rows is not None
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[0]
-    keys = _gather(key_cache, plan.decode_key_rows, batch)
+    keys = _gather(key_cache, plan.decode_key_rows, batch, q.dtype)
     if plan.decode_value_rows is None:
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, heads, 1, head_dim]
             keys.transpose(0, 1),
-            _gather(value_cache, plan.decode_key_rows, batch).transpose(0, 1),
+            _gather(value_cache, plan.decode_key_rows, batch, q.dtype).transpose(0, 1),
             attn_mask=plan.decode_bias,
             scale=scale,
             enable_gqa=True,
@@ -190,12 +219,11 @@ def paged_attention(
     key_cache, value_cache = kv_cache
     if meta.kernel is not None:
         raise ValueError("this step's metadata is for the C++ op: the layers call it directly")
-    num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
-    slots = key_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
-    slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    slots = value_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
-    slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    plan = _plan(meta, q.shape[1], key_cache)
+    _store(key_cache, meta.slot_mapping, k)
+    _store(value_cache, meta.slot_mapping, v)
+    if is_quantized(key_cache):  # a chunk's own K/V as the pool holds them, as the kernels read
+        k, v = (dequantize_rows(quantize_rows(x), q.dtype) for x in (k, v))
+    plan = _plan(meta, q.shape[1], key_cache, q.dtype)
 
     outputs: list[torch.Tensor] = []
     if meta.num_decodes:
@@ -209,8 +237,8 @@ def paged_attention(
             keys = k[lo:hi].transpose(0, 1).unsqueeze(0)
             values = v[lo:hi].transpose(0, 1).unsqueeze(0)
         else:
-            keys = _gather(key_cache, rows, 1).transpose(0, 1)
-            values = _gather(value_cache, rows, 1).transpose(0, 1)
+            keys = _gather(key_cache, rows, 1, q.dtype).transpose(0, 1)
+            values = _gather(value_cache, rows, 1, q.dtype).transpose(0, 1)
         # Flash SDPA (fp32 scores inside, bf16 in and out) is the fastest exact choice for
         # many queries; enable_gqa keeps K/V unrepeated.
         out = F.scaled_dot_product_attention(

@@ -34,6 +34,7 @@ class ModelPlan:
     dtype: str = "bfloat16"
     dtype_reason: str = ""
     kernels_isa: str | None = None  # the C++ kernels' ISA variant, when they run
+    kv_cache_dtype: str = "bfloat16"  # how the pool stores K/V (model/kv_cache_format.py)
 
     def describe(self) -> dict[str, str]:
         """The plan as /health reports it."""
@@ -43,6 +44,7 @@ class ModelPlan:
             "kernels": self.backend,
             "kernels_isa": self.kernels_isa or "none",
             "attention": "paged-kernel" if self.paged_attention_kernel else "torch",
+            "kv_cache_dtype": self.kv_cache_dtype,
             "weights": self.weights,
             "step": self.step,
         }

@@ -33,6 +33,3 @@ class ModelConfig:
     # Mistral's sliding window: a query at position p sees keys p - window + 1 .. p only.
     sliding_window: int | None = None
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes

@@ -163,7 +163,7 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
   for (const Tensor* t : {&input_norm, &post_norm, &rope_cos, &rope_sin})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
                 "decoder_layer: norms and rope tables must be contiguous bf16");
-  const int64_t head_dim = key_cache.size(3);
+  const int64_t head_dim = cache_head_dim(key_cache);
   TORCH_CHECK(rope_cos.size(1) == head_dim && rope_sin.sizes() == rope_cos.sizes(),
               "decoder_layer: rope tables must be [positions, head_dim]");
   const std::vector<int64_t> fmt(formats.begin(), formats.end());

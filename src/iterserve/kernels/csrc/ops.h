@@ -55,6 +55,17 @@ class StepTable {
   int32_t flags_;
 };
 
+// The 8-bit KV cache (--kv-cache-dtype int8). A row of an int8 cache is a llama.cpp-style q8
+// block the size of the row: head_dim int8 values q, then their fp32 scale s (value = s * q,
+// s = max|row| / 127). One scale per token and kv head because rows are written one token at
+// a time: a scale per block would have to change as the block fills. So an int8 cache is
+// [kv_heads, blocks, block_size, head_dim + 4] bytes, and its head_dim is size(3) - 4.
+constexpr int64_t kRowScaleBytes = 4;
+inline bool is_int8_cache(const at::Tensor& cache) { return cache.scalar_type() == at::kChar; }
+inline int64_t cache_head_dim(const at::Tensor& cache) {
+  return is_int8_cache(cache) ? cache.size(3) - kRowScaleBytes : cache.size(3);
+}
+
 // linear.cpp: x [M, K] bf16 @ W^T (+ bias) (+ residual), W in a tile layout (`format`); steps
 // of more than `max_tile_rows` rows take the wide copy (`wide_format`) when there is one.
 // The result is bf16, or fp32 with `fp32_out`.

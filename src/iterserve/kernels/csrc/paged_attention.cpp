@@ -147,6 +147,7 @@ struct Halves {
 
 inline Pairs key_chunk(const BFloat16* p) { return load_pairs(p); }
 inline Halves key_chunk(const float* p) { return {F16::load(p), F16::load(p + 16)}; }
+inline Halves key_chunk(const int8_t* p) { return {load_i8x16(p), load_i8x16(p + 16)}; }
 
 inline XPair query_chunk(const BFloat16* p) {
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
@@ -158,8 +159,19 @@ inline XPair query_chunk(const BFloat16* p) {
 }
 inline Halves query_chunk(const float* p) { return key_chunk(p); }
 
-template <typename T>
-using QueryChunk = decltype(query_chunk(static_cast<const T*>(nullptr)));
+// Against an int8 cache the keys are widened to fp32 as their dims lie, and so are queries.
+inline Halves query_halves(const BFloat16* p) { return {load_bf16x16(p), load_bf16x16(p + 16)}; }
+inline Halves query_halves(const float* p) { return key_chunk(p); }
+
+template <typename T, typename C>
+inline auto make_query_chunk(const T* p) {
+  if constexpr (std::is_same_v<C, int8_t>) return query_halves(p);
+  else return query_chunk(p);
+}
+
+// How a query row of type T is held for the score tree against a cache of type C.
+template <typename T, typename C>
+using QueryChunk = decltype(make_query_chunk<T, C>(static_cast<const T*>(nullptr)));
 
 inline F16 chunk_dot(const F16& acc, const Pairs& k, const XPair& q) { return pair_dot(acc, k, q); }
 inline F16 chunk_dot(const F16& acc, const Halves& k, const Halves& q) {
@@ -168,20 +180,36 @@ inline F16 chunk_dot(const F16& acc, const Halves& k, const Halves& q) {
 
 // Queries per tree block. Where a key chunk is used as loaded (raw bf16 for `vdpbf16ps`, fp32
 // as FMA memory operands) one query at a time keeps its 16 keys' partial sums in registers
-// (AVX-512); where bf16 keys are widened, each widened chunk serves as many queries as have
-// an accumulator in registers beside it (AVX2 and NEON: 4 of their 8 F16s).
-template <typename T>
+// (AVX-512); where keys are widened (bf16 without bf16 dot products, int8 everywhere), each
+// widened chunk serves as many queries as have an accumulator in registers beside it (AVX2 and
+// NEON: 4 of their 8 F16s).
+template <typename C>
 constexpr int kTreeQueries =
-    std::is_same_v<T, float> || kBf16Dot ? 1 : (kParts == 1 ? 8 : 4);
+    std::is_same_v<C, float> || (std::is_same_v<C, BFloat16> && kBf16Dot) ? 1
+                                                                          : (kParts == 1 ? 8 : 4);
+
+// Bytes of one cache row: head_dim values, and for int8 their fp32 scale (ops.h).
+template <typename C>
+constexpr int64_t row_bytes(int64_t head_dim) {
+  return head_dim * static_cast<int64_t>(sizeof(C)) +
+         (std::is_same_v<C, int8_t> ? kRowScaleBytes : 0);
+}
+
+// The scales of int8 rows, stored after each row's head_dim values.
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(float));
+  return scale;
+}
 
 // Per key and query a 16-lane vector of partial sums; then, per query, 16 keys' vectors are
-// summed across lanes together. q: the block's QB queries' chunks, [QB][NC].
-template <typename T, int NC, int QB>
-inline void scores_tree(const T* cache, const int64_t* off, const QueryChunk<T>* q, float* S,
-                        int64_t ldS) {
+// summed across lanes together. q: the block's QB queries' chunks, [QB][NC]. An int8 key's
+// dot products are of its int8 values, times its scale once summed.
+template <typename C, typename QC, int NC, int QB>
+inline void scores_tree(const C* cache, const int64_t* off, const QC* q, float* S, int64_t ldS) {
   auto dots = zeros<QB * kTile>();  // [QB][kTile]
   ITERSERVE_UNROLL for (int j = 0; j < kTile; ++j) {
-    const T* key = cache + off[j];
+    const C* key = cache + off[j];
     auto acc = zeros<QB>();
     ITERSERVE_UNROLL for (int c = 0; c < NC; ++c) {
       const auto k = key_chunk(key + 32 * c);
@@ -189,7 +217,15 @@ inline void scores_tree(const T* cache, const int64_t* off, const QueryChunk<T>*
     }
     ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) dots[i * kTile + j] = acc[i];
   }
-  ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) reduce16(&dots[i * kTile]).store(S + i * ldS);
+  if constexpr (std::is_same_v<C, int8_t>) {
+    alignas(64) float scales[kTile];
+    for (int j = 0; j < kTile; ++j) scales[j] = row_scale(cache + off[j], 32 * NC);
+    const F16 vscales = F16::load(scales);
+    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
+      (reduce16(&dots[i * kTile]) * vscales).store(S + i * ldS);
+  } else {
+    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) reduce16(&dots[i * kTile]).store(S + i * ldS);
+  }
 }
 
 // ---- 2. softmax over one query's keys [a, b) of a partition's n16 (padded) scores ----------
@@ -246,6 +282,18 @@ inline F16 widen_piece(const BFloat16* row, int piece) {
                                       : bits & I16::splat(static_cast<int32_t>(0xFFFF0000u)));
 }
 inline F16 widen_piece(const float* row, int piece) { return F16::load(row + 16 * piece); }
+inline F16 widen_piece(const int8_t* row, int piece) { return load_i8x16(row + 16 * piece); }
+
+// An int8 V row's scale moves into its probabilities (p_k s_k, for every query of the item) so
+// that P.V runs on the int8 values as they are; the softmax sums stay those of the p_k.
+inline void scale_by_value_rows(const int8_t* values, const int64_t* off, int64_t n16,
+                                int64_t head_dim, float* S, int M, std::vector<float>& scales) {
+  if (scales.size() < static_cast<size_t>(n16)) scales.resize(n16);
+  for (int64_t k = 0; k < n16; ++k) scales[k] = row_scale(values + off[k], head_dim);
+  for (int m = 0; m < M; ++m)
+    for (int64_t t = 0; t < n16; t += kTile)
+      (F16::load(S + m * n16 + t) * F16::load(scales.data() + t)).store(S + m * n16 + t);
+}
 
 // A P.V block keeps MB queries' accumulators for PB pieces of the row in registers. AVX-512's
 // 32 registers take the whole row (PB = 2 * NC) for 12 / NC queries. AVX2's 16 ymm (and
@@ -260,8 +308,8 @@ template <int NC>
 constexpr int kPvQueries = kParts == 1 ? (NC >= 12 ? 1 : 12 / NC) : 4;
 
 // MB queries' sums over n keys, PB pieces of the row at a time, into acc_out [MB, 32 * NC].
-template <typename T, int NC, int MB>
-inline void pv_block(const T* cache, const int64_t* off, int64_t n, const float* P, int64_t ldP,
+template <typename C, int NC, int MB>
+inline void pv_block(const C* cache, const int64_t* off, int64_t n, const float* P, int64_t ldP,
                      float* acc_out) {
   constexpr int PB = kPvPieces<NC>;
   static_assert(2 * NC % PB == 0, "a row is whole blocks of pieces");
@@ -269,7 +317,7 @@ inline void pv_block(const T* cache, const int64_t* off, int64_t n, const float*
     auto acc = zeros<MB * PB>();  // [MB][PB]
     for (int64_t k = 0; k < n; ++k) {
       if (r0 == 0 && k + kPrefetchKeys < n)  // the later passes find the rows in cache
-        prefetch_row(cache + off[k + kPrefetchKeys], 32 * NC * sizeof(T));
+        prefetch_row(cache + off[k + kPrefetchKeys], row_bytes<C>(32 * NC));
       auto v = zeros<PB>();
       ITERSERVE_UNROLL for (int r = 0; r < PB; ++r) v[r] = widen_piece(cache + off[k], r0 + r);
       ITERSERVE_UNROLL for (int i = 0; i < MB; ++i) {
@@ -299,19 +347,20 @@ inline std::pair<F16, F16> interleave(const F16& even, const F16& odd) {
   return {first, second};
 }
 
-// acc (fp32, in the order widen_piece left it) * inv -> one row of out, rounded once.
-template <int NC>
+// acc (fp32, in the order widen_piece left it for a cache of type C: even and odd dims apart
+// for bf16, as they lie otherwise) * inv -> one row of out, rounded once.
+template <typename C, int NC>
 inline void store_row(BFloat16* dst, const float* acc, float inv) {
   const F16 vinv = F16::splat(inv);
   for (int c = 0; c < NC; ++c) {
-    const auto [first, second] =
-        interleave(F16::load(acc + 32 * c) * vinv, F16::load(acc + 32 * c + 16) * vinv);
+    F16 first = F16::load(acc + 32 * c) * vinv, second = F16::load(acc + 32 * c + 16) * vinv;
+    if constexpr (std::is_same_v<C, BFloat16>) std::tie(first, second) = interleave(first, second);
     store_bf16x16(dst + 32 * c, first);
     store_bf16x16(dst + 32 * c + 16, second);
   }
 }
 
-template <int NC>
+template <typename C, int NC>
 inline void store_row(float* dst, const float* acc, float inv) {
   const F16 vinv = F16::splat(inv);
   for (int c = 0; c < 2 * NC; ++c) (F16::load(acc + 16 * c) * vinv).store(dst + 16 * c);
@@ -337,6 +386,7 @@ struct Plan {
   int64_t q_row_stride, q_head_stride;
   const void* key_cache;
   const void* value_cache;
+  int64_t row_stride;  // cache elements from one key's row to the next (head_dim, + scale)
   void* out;
   const int32_t* tables;
   int64_t table_stride;
@@ -363,10 +413,11 @@ struct Scratch {
   std::vector<float> scores;      // [M, round_up(part_keys, 16)]
   std::vector<float> acc;         // [M, head_dim]
   std::vector<float> maxima, sums;
+  std::vector<float> value_scales;  // int8 caches: [keys16] the V rows' scales
   std::vector<const void*> queries;
   // [M, head_dim / 32] the queries as the score tree takes them
-  std::vector<QueryChunk<BFloat16>> bf16_queries;
-  std::vector<QueryChunk<float>> f32_queries;
+  std::vector<QueryChunk<BFloat16, BFloat16>> bf16_queries;
+  std::vector<Halves> f32_queries;
   // AVX-512 BF16 paths only
   std::vector<uint32_t> tile;     // [head_dim / 2, 16] transposed bf16 pairs
   std::vector<I16> pairs;         // [keys16 / 2, head_dim / 32, 2] interleaved V (bf16 P.V)
@@ -378,11 +429,11 @@ struct Scratch {
     if (maxima.size() < static_cast<size_t>(M)) maxima.resize(M), sums.resize(M);
     if (queries.size() < static_cast<size_t>(M)) queries.resize(M);
   }
-  template <typename T>
-  QueryChunk<T>* query_chunks(int64_t M, int64_t head_dim) {
+  template <typename QC>
+  QC* query_chunks(int64_t M, int64_t head_dim) {
     auto& chunks = [this]() -> auto& {
-      if constexpr (std::is_same_v<T, BFloat16>) return bf16_queries;
-      else return f32_queries;
+      if constexpr (std::is_same_v<QC, Halves>) return f32_queries;
+      else return bf16_queries;
     }();
     if (chunks.size() < static_cast<size_t>(M * head_dim / 32)) chunks.resize(M * head_dim / 32);
     return chunks.data();
@@ -397,11 +448,11 @@ struct Scratch {
 };
 
 inline void key_offsets(const int32_t* table, int64_t head_base, int64_t block_size,
-                        int64_t head_dim, int64_t k0, int64_t n, int64_t* out) {
+                        int64_t row_stride, int64_t k0, int64_t n, int64_t* out) {
   int64_t b = k0 / block_size, in_block = k0 % block_size;
   int64_t base = (head_base + table[b]) * block_size;
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = (base + in_block) * head_dim;
+    out[i] = (base + in_block) * row_stride;
     if (++in_block == block_size && i + 1 < n) {
       in_block = 0;
       base = (head_base + table[++b]) * block_size;
@@ -413,7 +464,7 @@ inline std::pair<int64_t, int64_t> key_window(int64_t pos, int64_t window) {
   return {window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, pos + 1};
 }
 
-template <typename T, int NC>
+template <typename T, typename C, int NC>
 void merge_partitions(const Plan& plan, const Group& g, std::vector<float>& acc) {
   const int64_t D = plan.head_dim, M = g.rows * plan.group_size;
   T* out = static_cast<T*>(plan.out);
@@ -435,21 +486,21 @@ void merge_partitions(const Plan& plan, const Group& g, std::vector<float>& acc)
     }
     const int64_t row = g.row0 + m / plan.group_size;
     const int64_t head = g.kv_head * plan.group_size + m % plan.group_size;
-    store_row<NC>(out + (row * plan.num_heads + head) * D, acc.data(), 1.0f / total);
+    store_row<C, NC>(out + (row * plan.num_heads + head) * D, acc.data(), 1.0f / total);
   }
 }
 
 // The first keys an item will read, asked for while the previous item still computes.
-template <typename T>
+template <typename C>
 void prefetch_item(const Plan& plan, const Item& item) {
   const Group& g = plan.groups[item.group];
   const int64_t k0 = g.key_lo + item.part * plan.part_keys;
   const int64_t n = std::min({g.key_hi - k0, plan.part_keys, kPrefetchKeys});
   int64_t off[kPrefetchKeys];
   key_offsets(plan.tables + g.seq * plan.table_stride, g.kv_head * plan.num_blocks,
-              plan.block_size, plan.head_dim, k0, n, off);
-  const T* keys = static_cast<const T*>(plan.key_cache);
-  for (int64_t i = 0; i < n; ++i) prefetch_row(keys + off[i], plan.head_dim * sizeof(T));
+              plan.block_size, plan.row_stride, k0, n, off);
+  const C* keys = static_cast<const C*>(plan.key_cache);
+  for (int64_t i = 0; i < n; ++i) prefetch_row(keys + off[i], row_bytes<C>(plan.head_dim));
 }
 
 // ---- AVX-512 BF16 only: many queries per item ----------------------------------------------
@@ -580,7 +631,8 @@ inline void pv_paired(const BFloat16* values, const int64_t* off, int64_t n16, c
 
 // ---- one item ----------------------------------------------------------------------------
 
-template <typename T, int NC>
+// T: the type of q and out (the model's); C: the cache's (T, or int8).
+template <typename T, typename C, int NC>
 void run_item(const Plan& plan, const Item& item, const Item* next, bool first, Scratch& sc) {
   const Group& g = plan.groups[item.group];
   const int64_t D = plan.head_dim, G = plan.group_size;
@@ -592,65 +644,68 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
 
   const T* q = static_cast<const T*>(plan.q);
   const T** qp = reinterpret_cast<const T**>(sc.queries.data());
-  QueryChunk<T>* qc = sc.query_chunks<T>(M, D);
+  QueryChunk<T, C>* qc = sc.query_chunks<QueryChunk<T, C>>(M, D);
   for (int m = 0; m < M; ++m) {
     qp[m] = q + (g.row0 + m / G) * plan.q_row_stride + (g.kv_head * G + m % G) * plan.q_head_stride;
-    for (int c = 0; c < NC; ++c) qc[m * NC + c] = query_chunk(qp[m] + 32 * c);
+    for (int c = 0; c < NC; ++c) qc[m * NC + c] = make_query_chunk<T, C>(qp[m] + 32 * c);
   }
 
   int64_t* off = sc.offsets.data();
   key_offsets(plan.tables + g.seq * plan.table_stride, g.kv_head * plan.num_blocks,
-              plan.block_size, D, k0, n, off);
+              plan.block_size, plan.row_stride, k0, n, off);
   for (int64_t i = n; i < n16; ++i) off[i] = off[0];  // pad the last tile with a real row
 
   // 1. scores
-  const T* keys = static_cast<const T*>(plan.key_cache);
-  const T* values = static_cast<const T*>(plan.value_cache);
-  const int64_t row_bytes = D * sizeof(T);
+  const C* keys = static_cast<const C*>(plan.key_cache);
+  const C* values = static_cast<const C*>(plan.value_cache);
+  const int64_t bytes = row_bytes<C>(D);
   float* S = sc.scores.data();
   // Measured crossover (AVX-512 BF16, one thread, warm cache): the transposed tile is ~10%
   // faster from 6 queries at head_dim 64 and 8 at 128, and up to 1.5x slower below.
-  const bool transposed = kBf16Dot && std::is_same_v<T, BFloat16> && !plan.invariant &&
+  const bool transposed = kBf16Dot && std::is_same_v<C, BFloat16> && !plan.invariant &&
                           M >= (NC <= 2 ? 6 : 8);
   if (transposed) sc.fit_tile(D);
   if (first)  // later items were prefetched by the one before
-    for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(keys + off[t], row_bytes);
+    for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(keys + off[t], bytes);
   for (int64_t t = 0; t < n16; t += kTile) {
     for (int64_t k = t + kPrefetchKeys; k < std::min(n, t + kPrefetchKeys + kTile); ++k)
-      prefetch_row(keys + off[k], row_bytes);
+      prefetch_row(keys + off[k], bytes);
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<T, BFloat16>) {
+    if constexpr (std::is_same_v<C, BFloat16>) {
       if (transposed) {
         scores_transposed_bf16<NC>(keys, off + t, qp, M, S + t, n16, sc.tile.data());
         continue;
       }
     }
 #endif
-    for_each_query_block<kTreeQueries<T>>(M, [&](int m, auto qb) {
-      scores_tree<T, NC, decltype(qb)::value>(keys, off + t, qc + m * NC, S + m * n16 + t, n16);
+    for_each_query_block<kTreeQueries<C>>(M, [&](int m, auto qb) {
+      scores_tree<C, QueryChunk<T, C>, NC, decltype(qb)::value>(keys, off + t, qc + m * NC,
+                                                                S + m * n16 + t, n16);
     });
   }
 
   // 2. softmax, each query over its own window (while the first V rows arrive)
-  for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(values + off[t], row_bytes);
+  for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(values + off[t], bytes);
   for (int m = 0; m < M; ++m) {
     const auto [lo, hi] = key_window(g.first_pos + m / G, plan.window);
     const int64_t a = std::clamp<int64_t>(lo - k0, 0, n), b = std::clamp<int64_t>(hi - k0, 0, n);
     softmax_row(S + m * n16, n16, a, b, plan.scale, &sc.maxima[m], &sc.sums[m]);
   }
+  if constexpr (std::is_same_v<C, int8_t>)
+    scale_by_value_rows(values, off, n16, D, S, M, sc.value_scales);
 
   // 3. P.V, in blocks of queries whose accumulators fit the registers
-  if (next != nullptr) prefetch_item<T>(plan, *next);
+  if (next != nullptr) prefetch_item<C>(plan, *next);
   bool paired = false;
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, BFloat16>) {
+  if constexpr (std::is_same_v<C, BFloat16>) {
     paired = !plan.invariant && M >= kMinPairQueries;
     if (paired) pv_paired<NC>(values, off, n16, S, M, sc, sc.acc.data());
   }
 #endif
   if (!paired)
     for_each_query_block<kPvQueries<NC>>(M, [&](int m, auto mb) {
-      pv_block<T, NC, decltype(mb)::value>(values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
+      pv_block<C, NC, decltype(mb)::value>(values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
     });
 
   // 4. out, or this partition's share of it
@@ -658,8 +713,8 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
     T* out = static_cast<T*>(plan.out);
     for (int m = 0; m < M; ++m) {
       const int64_t row = g.row0 + m / G, head = g.kv_head * G + m % G;
-      store_row<NC>(out + (row * plan.num_heads + head) * D, sc.acc.data() + m * D,
-                    1.0f / sc.sums[m]);
+      store_row<C, NC>(out + (row * plan.num_heads + head) * D, sc.acc.data() + m * D,
+                       1.0f / sc.sums[m]);
     }
     return;
   }
@@ -669,17 +724,17 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   std::memcpy(plan.partial_sum + slot, sc.sums.data(), M * sizeof(float));
   // acq_rel: the last finisher sees every other partition's writes.
   if (plan.done[item.group].fetch_add(1, std::memory_order_acq_rel) == g.parts - 1)
-    merge_partitions<T, NC>(plan, g, sc.acc);
+    merge_partitions<T, C, NC>(plan, g, sc.acc);
 }
 
-template <typename T, int NC>
+template <typename T, typename C, int NC>
 void run_plan(const Plan& plan, bool parallel) {
   const int64_t count = static_cast<int64_t>(plan.items.size());
   if (!parallel) {
     thread_local Scratch sc;
     for (int64_t i = 0; i < count; ++i)
-      run_item<T, NC>(plan, plan.items[i], i + 1 < count ? &plan.items[i + 1] : nullptr, i == 0,
-                      sc);
+      run_item<T, C, NC>(plan, plan.items[i], i + 1 < count ? &plan.items[i + 1] : nullptr,
+                         i == 0, sc);
     return;
   }
   std::atomic<int64_t> next{0};
@@ -690,23 +745,23 @@ void run_plan(const Plan& plan, bool parallel) {
     int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     for (bool first = true; i < count; first = false) {
       const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
-      run_item<T, NC>(plan, plan.items[i], j < count ? &plan.items[j] : nullptr, first, sc);
+      run_item<T, C, NC>(plan, plan.items[i], j < count ? &plan.items[j] : nullptr, first, sc);
       i = j;
     }
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void run_plan_for_head_dim(const Plan& plan, bool parallel) {
   switch (plan.head_dim / 32) {
-    case 1: return run_plan<T, 1>(plan, parallel);
-    case 2: return run_plan<T, 2>(plan, parallel);
-    case 3: return run_plan<T, 3>(plan, parallel);
-    case 4: return run_plan<T, 4>(plan, parallel);
-    case 5: return run_plan<T, 5>(plan, parallel);
-    case 6: return run_plan<T, 6>(plan, parallel);
-    case 7: return run_plan<T, 7>(plan, parallel);
-    case 8: return run_plan<T, 8>(plan, parallel);
+    case 1: return run_plan<T, C, 1>(plan, parallel);
+    case 2: return run_plan<T, C, 2>(plan, parallel);
+    case 3: return run_plan<T, C, 3>(plan, parallel);
+    case 4: return run_plan<T, C, 4>(plan, parallel);
+    case 5: return run_plan<T, C, 5>(plan, parallel);
+    case 6: return run_plan<T, C, 6>(plan, parallel);
+    case 7: return run_plan<T, C, 7>(plan, parallel);
+    case 8: return run_plan<T, C, 8>(plan, parallel);
     default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", plan.head_dim);
   }
 }
@@ -724,14 +779,17 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
               "paged_attention: q must be bfloat16 or float32, got ", dtype);
-  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "paged_attention: q, key_cache and value_cache must share a dtype");
+  const bool int8_cache = is_int8_cache(key_cache);
+  TORCH_CHECK((key_cache.scalar_type() == dtype || int8_cache) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention: q, key_cache and value_cache must share a dtype (or the caches "
+              "be int8)");
   for (const Tensor* t : {&q, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = key_cache.size(0), NB = key_cache.size(1), BS = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == D, "paged_attention: cache head_dim ", key_cache.size(3),
-              " != q head_dim ", D);
+  TORCH_CHECK(cache_head_dim(key_cache) == D, "paged_attention: cache head_dim ",
+              cache_head_dim(key_cache), " != q head_dim ", D);
   TORCH_CHECK(D % 32 == 0 && D >= 32 && D <= 32 * kMaxHeadDimChunks,
               "paged_attention: head_dim must be a multiple of 32 up to 256, got ", D);
   TORCH_CHECK(KVH >= 1 && H % KVH == 0, "paged_attention: num_heads ", H,
@@ -766,6 +824,7 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   plan.q_head_stride = q.stride(1);
   plan.key_cache = key_cache.data_ptr();
   plan.value_cache = value_cache.data_ptr();
+  plan.row_stride = key_cache.size(3);
   plan.out = out.data_ptr();
   plan.tables = block_tables.data_ptr<int32_t>();
   plan.table_stride = block_tables.stride(0);
@@ -839,10 +898,13 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
     plan.done.reset(new std::atomic<int64_t>[plan.groups.size()]);
     for (size_t i = 0; i < plan.groups.size(); ++i) plan.done[i].store(0);
   }
-  if (dtype == at::kBFloat16)
-    run_plan_for_head_dim<BFloat16>(plan, parallel);
-  else
-    run_plan_for_head_dim<float>(plan, parallel);
+  if (dtype == at::kBFloat16) {
+    if (int8_cache) run_plan_for_head_dim<BFloat16, int8_t>(plan, parallel);
+    else run_plan_for_head_dim<BFloat16, BFloat16>(plan, parallel);
+  } else {
+    if (int8_cache) run_plan_for_head_dim<float, int8_t>(plan, parallel);
+    else run_plan_for_head_dim<float, float>(plan, parallel);
+  }
   return out;
 }
 
@@ -867,18 +929,62 @@ void store_rows(const Tensor& src, const Tensor& cache, const int64_t* slots) {
                   in + t * src.stride(0) + h * src.stride(1), D * sizeof(T));
 }
 
+inline F16 load16(const BFloat16* p) { return load_bf16x16(p); }
+inline F16 load16(const float* p) { return F16::load(p); }
+
+// One row of head_dim values -> its int8 values and scale (ops.h): s = max|x| / 127 and
+// q = round(x * (127 / max|x|)), half to even, as model/kv_quant.py computes them.
+template <typename T>
+void quantize_row(const T* x, int64_t D, int8_t* dst) {
+  F16 amax = F16::zero();
+  for (int64_t d = 0; d < D; d += 16) amax = maximum(amax, abs(load16(x + d)));
+  const float top = amax.max();
+  const F16 inv = F16::splat(top > 0.0f ? 127.0f / top : 0.0f);
+  for (int64_t d = 0; d < D; d += 16) store_i8x16(dst + d, round_to_int(load16(x + d) * inv));
+  const float scale = top / 127.0f;
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+
+template <typename T>
+void store_quantized_rows(const Tensor& src, const Tensor& cache, const int64_t* slots) {
+  const int64_t tokens = src.size(0), heads = src.size(1), D = src.size(2);
+  const int64_t slots_per_head = cache.size(1) * cache.size(2), stride = cache.size(3);
+  const T* in = src.data_ptr<T>();
+  int8_t* out = cache.data_ptr<int8_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      quantize_row(in + t * src.stride(0) + h * src.stride(1), D,
+                   out + (h * slots_per_head + slots[t]) * stride);
+}
+
+template <typename T>
+void store_kv_as(const Tensor& k, const Tensor& v, const Tensor& key_cache,
+                 const Tensor& value_cache, const int64_t* slots) {
+  if (is_int8_cache(key_cache)) {
+    store_quantized_rows<T>(k, key_cache, slots);
+    store_quantized_rows<T>(v, value_cache, slots);
+  } else {
+    store_rows<T>(k, key_cache, slots);
+    store_rows<T>(v, value_cache, slots);
+  }
+}
+
 void store_kv(const Tensor& k, const Tensor& v, const Tensor& key_cache,
               const Tensor& value_cache, const Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "store_kv: k and v must be [tokens, kv_heads, head_dim] with contiguous rows");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(0) == k.size(1) &&
-                  key_cache.size(3) == k.size(2) && key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.is_contiguous() && value_cache.is_contiguous(),
+                  cache_head_dim(key_cache) == k.size(2) &&
+                  key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous(),
               "store_kv: caches must be contiguous [kv_heads, blocks, block_size, head_dim] "
               "matching k");
-  TORCH_CHECK(k.scalar_type() == key_cache.scalar_type() &&
-                  v.scalar_type() == key_cache.scalar_type(),
-              "store_kv: k, v and the caches must share a dtype");
+  TORCH_CHECK((k.scalar_type() == key_cache.scalar_type() || is_int8_cache(key_cache)) &&
+                  v.scalar_type() == k.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "store_kv: k, v and the caches must share a dtype (or the caches be int8)");
+  TORCH_CHECK(!is_int8_cache(key_cache) || k.size(2) % 16 == 0,
+              "store_kv: an int8 cache needs head_dim a multiple of 16");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "store_kv: slot_mapping must be int64 [tokens]");
@@ -888,12 +994,10 @@ void store_kv(const Tensor& k, const Tensor& v, const Tensor& key_cache,
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "store_kv: slot ", slots[t],
                 " is outside the pool of ", num_slots);
   if (k.scalar_type() == at::kBFloat16) {
-    store_rows<BFloat16>(k, key_cache, slots);
-    store_rows<BFloat16>(v, value_cache, slots);
+    store_kv_as<BFloat16>(k, v, key_cache, value_cache, slots);
   } else {
     TORCH_CHECK(k.scalar_type() == at::kFloat, "store_kv: bfloat16 or float32 only");
-    store_rows<float>(k, key_cache, slots);
-    store_rows<float>(v, value_cache, slots);
+    store_kv_as<float>(k, v, key_cache, value_cache, slots);
   }
 }
 
