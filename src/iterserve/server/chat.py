@@ -33,18 +33,27 @@ from iterserve.server.serving import (
     stream_events,
     submit,
 )
+from iterserve.server.tool_parsers.streaming import ToolCallStream, new_call_id, parse_answer
+from iterserve.server.tool_protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from iterserve.server.tools import ToolPlan, plan_tools
 
 
-def render_prompt(body: ChatCompletionRequest, ctx: ServingContext) -> RenderedChat:
+def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan) -> RenderedChat:
     """The conversation through the template, as `LLM.chat` renders it; the engine
     tokenizes it on its own thread."""
-    messages = [message.as_template_input() for message in body.messages]
+    messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
     return render_chat(
         ctx.tokenizer,
         ctx.chat_template,
         messages,
         body.add_generation_prompt,
         body.chat_template_kwargs,
+        plan.template_tools,
     )
 
 
@@ -53,9 +62,18 @@ async def create_chat_completion(
 ) -> Response:
     model = ctx.resolve_model(body.model)
     params = body.sampling_params()
+    plan = plan_tools(
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        ctx.chat_template,
+        ctx.tool_parser,
+        params,
+        ctx.special_tokens,
+    )
     ctx.engine.check_group_size(params.n)  # before rendering the template
     logprobs = params.logprobs
-    prompt = render_prompt(body, ctx)
+    prompt = render_prompt(body, ctx, plan)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     submitted = await submit(
         raw,
@@ -70,18 +88,39 @@ async def create_chat_completion(
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> ChatCompletionResponse:
         choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=output.text),
-                logprobs=_logprobs(output.logprobs, logprobs, ctx),
-                finish_reason=output.finish_reason,
-            )
+            _choice(index, output, plan, _logprobs(output.logprobs, logprobs, ctx))
             for index, output in enumerate(outputs)
         ]
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    events = functools.partial(_stream, body, submitted, ctx, model)
+    events = functools.partial(_stream, body, submitted, ctx, model, plan)
     return await respond(raw, submitted, params.n, body.stream, events, final)
+
+
+def _choice(
+    index: int, output: RequestOutput, plan: ToolPlan, logprobs: ChatChoiceLogprobs | None
+) -> ChatChoice:
+    if plan.parser is None:
+        message = AssistantMessage(content=output.text)
+        return ChatChoice(
+            index=index, message=message, logprobs=logprobs, finish_reason=output.finish_reason
+        )
+    answer = parse_answer(plan.parser, output.text, plan.max_calls)
+    calls = [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+        for call in answer.calls
+    ]
+    return ChatChoice(
+        index=index,
+        message=AssistantMessage(content=answer.content, tool_calls=calls),
+        logprobs=logprobs,
+        finish_reason=_finish_reason(output.finish_reason, bool(calls)),
+    )
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    # An answer cut by max_tokens says so even when it holds calls: the last may be missing.
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _logprobs(
@@ -93,7 +132,11 @@ def _logprobs(
 
 
 async def _stream(
-    body: ChatCompletionRequest, submitted: Submitted, ctx: ServingContext, model: str
+    body: ChatCompletionRequest,
+    submitted: Submitted,
+    ctx: ServingContext,
+    model: str,
+    plan: ToolPlan,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     wanted = body.requested_logprobs()
@@ -115,11 +158,51 @@ async def _stream(
         )
         return message([choice])
 
+    parser = plan.parser
+    calls: dict[int, ToolCallStream] = {}
+
+    def tool_chunks(index: int, output: RequestOutput) -> str:
+        # Content the parser is sure of, then each finished call: its id and name, then
+        # its arguments; the finish reason goes on the last of this output's chunks.
+        assert parser is not None
+        stream = calls.setdefault(index, ToolCallStream(parser, plan.max_calls))
+        found = stream.feed(output.delta_text, output.finished)
+        deltas = [DeltaMessage(content=found.content)] if found.content else []
+        for call_index, call_id, call in found.new_calls:
+            head = DeltaFunctionCall(name=call.name, arguments="")
+            deltas.append(
+                DeltaMessage(
+                    tool_calls=[
+                        DeltaToolCall(index=call_index, id=call_id, type="function", function=head)
+                    ]
+                )
+            )
+            tail = DeltaFunctionCall(arguments=call.arguments)
+            deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=call_index, function=tail)]))
+        if not deltas:  # every token gets a chunk (see stream_events), if an empty one
+            deltas.append(DeltaMessage(content=""))
+        entries = _logprobs(output.delta_logprobs, wanted, ctx)
+        reason = _finish_reason(output.finish_reason, stream.called)
+        return "".join(
+            message(
+                [
+                    ChatStreamChoice(
+                        index=index,
+                        delta=delta,
+                        logprobs=entries if last else None,
+                        finish_reason=reason if last else None,
+                    )
+                ]
+            )
+            for last, delta in ((i == len(deltas) - 1, d) for i, d in enumerate(deltas))
+        )
+
     # The role first, for every choice, as OpenAI does: clients build the message from it.
     for index in range(len(submitted.stream.request_ids)):
         yield message(
             [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
         )
     usage_chunk = (lambda usage: message([], usage)) if body.include_usage else None
-    async for event in stream_events(submitted, None, chunk, usage_chunk):
+    on_output = chunk if parser is None else tool_chunks
+    async for event in stream_events(submitted, None, on_output, usage_chunk):
         yield event

@@ -1,0 +1,93 @@
+"""What a chat request's `tools` and `tool_choice` mean for serving it: which tools the
+chat template gets, whether (and how) the answer is parsed into calls, and, for
+`required` or a named function, the JSON schema the answer must follow.
+
+`tool_choice` (OpenAI): `none` never parses calls (the tools still go to the template,
+as vLLM does by default); `auto` lets the model choose and parses whatever calls it
+wrote with the server's parser; `required` and a named function must be *enforced*,
+which takes grammar-constrained decoding: `forced_call_schema` is the schema, and
+`enforce_schema` is the one hook that hands it to the request. Until the engine can
+constrain decoding, that hook refuses the request (a 400 naming `tool_choice`) rather
+than return unconstrained text that may not be a call at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.tool_parsers import ToolParser
+from iterserve.server.tool_parsers.forced import forced_call_schema
+from iterserve.server.tool_protocol import ToolChoice, ToolDefinition
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    template_tools: list[dict[str, Any]] | None  # what the chat template's `tools` gets
+    parser: ToolParser | None  # None: the answer is plain content
+    max_calls: int | None  # 1 when the client turned parallel_tool_calls off
+
+
+NO_TOOLS = ToolPlan(None, None, None)
+
+
+def plan_tools(
+    tools: list[ToolDefinition] | None,
+    tool_choice: ToolChoice | None,
+    parallel_tool_calls: bool,
+    chat_template: str | None,
+    parser: ToolParser | None,
+    params: SamplingParams,
+    special_tokens: set[str],
+) -> ToolPlan:
+    """Check the request's tools against this server and template; may adjust `params`
+    (special tokens kept, a schema enforced). Raises InvalidRequestError naming the field."""
+    if not tools:
+        if tool_choice is not None and tool_choice != "none":
+            raise InvalidRequestError("tool_choice needs tools to choose from", "tool_choice")
+        return NO_TOOLS
+    _check_unique_names(tools)
+    template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
+    choice = tool_choice or "auto"  # OpenAI's default when tools are given
+    if choice == "none":
+        return ToolPlan(template_tools, None, None)
+    if not chat_template or "tools" not in chat_template:
+        raise InvalidRequestError(
+            "this model's chat template does not show tools to the model", "tools"
+        )
+    max_calls = None if parallel_tool_calls else 1
+    if choice != "auto":
+        enforce_schema(params, forced_call_schema(tools, choice, max_calls))
+    if parser is None:
+        raise InvalidRequestError(
+            "tool_choice 'auto' needs a tool call parser, and none was chosen for this "
+            "model's chat template: start the server with --tool-call-parser",
+            "tool_choice",
+        )
+    if any(marker in special_tokens for marker in parser.markers):
+        params.skip_special_tokens = False  # or the call's marker vanishes from the text
+    return ToolPlan(template_tools, parser, max_calls)
+
+
+def _check_unique_names(tools: list[ToolDefinition]) -> None:
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        if tool.function.name in seen:
+            raise InvalidRequestError(
+                f"two tools are named {tool.function.name!r}", f"tools.{index}.function.name"
+            )
+        seen.add(tool.function.name)
+
+
+def enforce_schema(params: SamplingParams, schema: dict[str, Any]) -> None:
+    """THE HOOK: constrain this request's decoding to `schema`. Structured output (guided
+    JSON) is not in this engine yet, so a forced call is refused instead of answered with
+    text that may not be one. Once it is, this sets the request's guided-JSON spec and the
+    chat handler reads the answer with `parse_forced_answer`."""
+    del params, schema
+    raise InvalidRequestError(
+        "tool_choice 'required' or a named function needs grammar-constrained decoding, "
+        "which this server does not have yet; use tool_choice 'auto'",
+        "tool_choice",
+    )
