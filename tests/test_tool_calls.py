@@ -16,11 +16,18 @@ import openai
 import pytest
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server import tools as tools_module
 from iterserve.server.tool_parsers import ParsedCall, ToolParser, select_tool_parser
 from iterserve.server.tool_parsers.forced import forced_call_schema, parse_forced_answer
 from iterserve.server.tool_parsers.hermes import HermesToolParser
 from iterserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from iterserve.server.tool_parsers.streaming import ToolCallStream, parse_answer
+from iterserve.server.tool_prompt import (
+    shows_tool_calls,
+    shows_tools,
+    with_calls_as_text,
+    with_tools_in_system_message,
+)
 from iterserve.server.tool_protocol import NamedToolChoice, ToolDefinition
 from iterserve.server.tools import plan_tools
 from server_fixtures import MODEL_NAME, RunningServer, running_server, scripted_tokens
@@ -158,7 +165,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
 def test_auto_picks_the_parser_by_template() -> None:
     assert isinstance(select_tool_parser("auto", QWEN_TEMPLATE), HermesToolParser)
     assert isinstance(select_tool_parser("auto", LLAMA3_TEMPLATE_LINE), Llama3JsonToolParser)
-    assert select_tool_parser("auto", "{{ messages }}") is None
+    # No place for tools: the system message will teach Hermes' format (tool_prompt.py).
+    assert isinstance(select_tool_parser("auto", "{{ messages }}"), HermesToolParser)
+    assert select_tool_parser("auto", "{{ tools }}{{ messages }}") is None  # unknown format
     assert select_tool_parser("none", QWEN_TEMPLATE) is None
     assert isinstance(select_tool_parser("llama3_json", QWEN_TEMPLATE), Llama3JsonToolParser)
 
@@ -177,7 +186,6 @@ def _plan(tool_choice: Any, template: str = QWEN_TEMPLATE, tools: Any = TOOLS) -
     ("tool_choice", "template", "tools", "param"),
     [
         ("auto", QWEN_TEMPLATE, None, "tool_choice"),  # nothing to choose from
-        ("auto", "{{ messages }}", TOOLS, "tools"),  # a template that shows no tools
         ("required", QWEN_TEMPLATE, TOOLS, "tool_choice"),  # not enforceable yet
         ({"type": "function", "function": {"name": "nope"}}, QWEN_TEMPLATE, TOOLS, "tool_choice"),
         ("auto", QWEN_TEMPLATE, TOOLS + TOOLS[:1], "tools.2.function.name"),  # a twin name
@@ -195,9 +203,46 @@ def test_requests_the_server_cannot_honour_are_400s_naming_the_field(
 
 def test_tool_choice_none_keeps_tools_in_the_template_and_parses_nothing() -> None:
     plan = _plan("none")
-    assert plan.parser is None and [t["function"]["name"] for t in plan.template_tools] == [
+    assert plan.reader is None and [t["function"]["name"] for t in plan.template_tools] == [
         "get_weather",
         "get_time",
+    ]
+
+
+def test_auto_without_a_parser_is_a_400_naming_tool_choice() -> None:
+    definitions = [ToolDefinition.model_validate(tool) for tool in TOOLS]
+    with pytest.raises(InvalidRequestError) as error:
+        plan_tools(definitions, "auto", True, QWEN_TEMPLATE, None, SamplingParams(), set())
+    assert error.value.param == "tool_choice"
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message(tokenizer_dir: Path) -> None:
+    # The bundled SmolLM2's template knows neither tools nor calls: the tools and the
+    # format go into the system message, and an earlier call is written in that format,
+    # which the parser reads back as the same call.
+    from iterserve.engine.prompts import render_chat
+    from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    template = chat_template_of(tokenizer)
+    assert template and not shows_tools(template) and not shows_tool_calls(template)
+    plan = _plan("auto", template)
+    assert plan.tools_in_system_message and isinstance(plan.reader, HermesToolParser)
+    call = {"name": "get_weather", "arguments": PARIS}
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": call}]},
+        {"role": "tool", "tool_call_id": "c", "content": "18 C"},
+    ]
+    messages = with_tools_in_system_message(
+        with_calls_as_text(history, plan.call_format), plan.template_tools, plan.call_format
+    )
+    text = render_chat(tokenizer, template, messages).text
+    assert text.startswith("<|im_start|>system\nYou can call these functions")
+    assert json.dumps(TOOLS[0]) in text and "<|im_start|>tool\n18 C<|im_end|>" in text
+    written = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert parse_answer(plan.reader, written, None).calls == [
+        ParsedCall("get_weather", json.dumps(PARIS))
     ]
 
 
@@ -255,9 +300,7 @@ def _script(server: RunningServer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
-def test_tool_loop_through_the_openai_client(
-    client: openai.OpenAI, server: RunningServer
-) -> None:
+def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: RunningServer) -> None:
     question = [{"role": "user", "content": "Weather and time in Paris?"}]
     with scripted_tokens(server, _script(server, QWEN_TWO_CALLS)):
         answer = client.chat.completions.create(
@@ -279,21 +322,11 @@ def test_tool_loop_through_the_openai_client(
     assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
 
     # Streamed: content first, then per call its id and name, then its arguments.
-    content, streamed, finish = "", {}, []
-    for chunk in chunks:
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for piece in delta.tool_calls or []:
-            if piece.id is not None:
-                assert piece.index not in streamed and piece.function.name
-                streamed[piece.index] = [piece.id, piece.function.name, ""]
-            streamed[piece.index][2] += piece.function.arguments or ""
-        finish.append(chunk.choices[0].finish_reason)
-    assert content == choice.message.content
-    assert [(name, args) for _, name, args in streamed.values()] == [
-        (c.function.name, c.function.arguments) for c in calls
-    ]
-    assert finish[-1] == "tool_calls" and not any(finish[:-1])
+    assert _reassembled(chunks) == (
+        choice.message.content,
+        [(c.function.name, c.function.arguments) for c in calls],
+        "tool_calls",
+    )
 
     # The results go back: the assistant's calls (content null) and a tool message each.
     history = [
@@ -347,6 +380,50 @@ def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model=MODEL_NAME, **extra)  # type: ignore[call-overload]
         assert error.value.body["param"] == param  # type: ignore[index]
+
+
+def _reassembled(chunks: list[Any]) -> tuple[str, list[tuple[str, str]], str | None]:
+    """A stream's content, calls (name, arguments) and finish reason, as a client builds
+    them: a delta with an id opens a call, later ones append to its arguments."""
+    content, calls, finish = "", {}, []
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            if piece.id is not None:
+                assert piece.index not in calls and piece.function.name
+                calls[piece.index] = [piece.function.name, ""]
+            calls[piece.index][1] += piece.function.arguments or ""
+        finish.append(chunk.choices[0].finish_reason)
+    assert not any(finish[:-1])
+    return content, [(name, args) for name, args in calls.values()], finish[-1]
+
+
+def test_forced_calls_are_read_back_once_decoding_is_constrained(
+    client: openai.OpenAI, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Everything after the hook: the hook passes and the "model" writes what the schema
+    # allows (scripted); the answer must come back as calls, streamed or not.
+    monkeypatch.setattr(tools_module, "enforce_schema", lambda params, schema: None)
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for tool_choice, answer, expected in (
+        (
+            "required",
+            '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}]',
+            [("get_weather", PARIS)],
+        ),
+        (named, '{"tz": "UTC"}', [("get_time", {"tz": "UTC"})]),
+    ):
+        request = dict(model=MODEL_NAME, messages=question, tools=TOOLS, tool_choice=tool_choice)
+        with scripted_tokens(server, _script(server, answer)):
+            whole = client.chat.completions.create(**request)  # type: ignore[call-overload]
+            chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
+        message = whole.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        assert [(name, json.loads(args)) for name, args in calls] == expected
+        assert message.content is None and whole.choices[0].finish_reason == "tool_calls"
+        assert _reassembled(chunks) == ("", calls, "tool_calls")
 
 
 @pytest.mark.xfail(

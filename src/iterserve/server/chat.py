@@ -34,6 +34,11 @@ from iterserve.server.serving import (
     submit,
 )
 from iterserve.server.tool_parsers.streaming import ToolCallStream, new_call_id, parse_answer
+from iterserve.server.tool_prompt import (
+    shows_tool_calls,
+    with_calls_as_text,
+    with_tools_in_system_message,
+)
 from iterserve.server.tool_protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
@@ -47,6 +52,11 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
     """The conversation through the template, as `LLM.chat` renders it; the engine
     tokenizes it on its own thread."""
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
+    template = ctx.chat_template or ""
+    if not shows_tool_calls(template):
+        messages = with_calls_as_text(messages, plan.call_format)
+    if plan.tools_in_system_message and plan.template_tools:
+        messages = with_tools_in_system_message(messages, plan.template_tools, plan.call_format)
     return render_chat(
         ctx.tokenizer,
         ctx.chat_template,
@@ -100,12 +110,12 @@ async def create_chat_completion(
 def _choice(
     index: int, output: RequestOutput, plan: ToolPlan, logprobs: ChatChoiceLogprobs | None
 ) -> ChatChoice:
-    if plan.parser is None:
+    if plan.reader is None:
         message = AssistantMessage(content=output.text)
         return ChatChoice(
             index=index, message=message, logprobs=logprobs, finish_reason=output.finish_reason
         )
-    answer = parse_answer(plan.parser, output.text, plan.max_calls)
+    answer = parse_answer(plan.reader, output.text, plan.max_calls)
     calls = [
         ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in answer.calls
@@ -158,14 +168,14 @@ async def _stream(
         )
         return message([choice])
 
-    parser = plan.parser
+    reader = plan.reader
     calls: dict[int, ToolCallStream] = {}
 
     def tool_chunks(index: int, output: RequestOutput) -> str:
         # Content the parser is sure of, then each finished call: its id and name, then
         # its arguments; the finish reason goes on the last of this output's chunks.
-        assert parser is not None
-        stream = calls.setdefault(index, ToolCallStream(parser, plan.max_calls))
+        assert reader is not None
+        stream = calls.setdefault(index, ToolCallStream(reader, plan.max_calls))
         found = stream.feed(output.delta_text, output.finished)
         deltas = [DeltaMessage(content=found.content)] if found.content else []
         for call_index, call_id, call in found.new_calls:
@@ -203,6 +213,6 @@ async def _stream(
             [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
         )
     usage_chunk = (lambda usage: message([], usage)) if body.include_usage else None
-    on_output = chunk if parser is None else tool_chunks
+    on_output = chunk if reader is None else tool_chunks
     async for event in stream_events(submitted, None, on_output, usage_chunk):
         yield event

@@ -17,19 +17,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.server.tool_parsers import ToolParser
-from iterserve.server.tool_parsers.forced import forced_call_schema
+from iterserve.server.tool_parsers import AnswerReader, ToolParser
+from iterserve.server.tool_parsers.forced import ForcedCallReader, forced_call_schema
+from iterserve.server.tool_parsers.hermes import HermesToolParser
+from iterserve.server.tool_prompt import shows_tools
 from iterserve.server.tool_protocol import ToolChoice, ToolDefinition
 
 
 @dataclass(frozen=True)
 class ToolPlan:
     template_tools: list[dict[str, Any]] | None  # what the chat template's `tools` gets
-    parser: ToolParser | None  # None: the answer is plain content
+    reader: AnswerReader | None  # reads the answer into calls; None: plain content
     max_calls: int | None  # 1 when the client turned parallel_tool_calls off
-
-
-NO_TOOLS = ToolPlan(None, None, None)
+    # The call format earlier calls are written in, and taught in the system message
+    # when `tools_in_system_message` (a template with no place for tools).
+    call_format: ToolParser
+    tools_in_system_message: bool = False
 
 
 def plan_tools(
@@ -43,22 +46,22 @@ def plan_tools(
 ) -> ToolPlan:
     """Check the request's tools against this server and template; may adjust `params`
     (special tokens kept, a schema enforced). Raises InvalidRequestError naming the field."""
+    call_format = parser or HermesToolParser()
     if not tools:
         if tool_choice is not None and tool_choice != "none":
             raise InvalidRequestError("tool_choice needs tools to choose from", "tool_choice")
-        return NO_TOOLS
+        return ToolPlan(None, None, None, call_format)
     _check_unique_names(tools)
     template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
     choice = tool_choice or "auto"  # OpenAI's default when tools are given
     if choice == "none":
-        return ToolPlan(template_tools, None, None)
-    if not chat_template or "tools" not in chat_template:
-        raise InvalidRequestError(
-            "this model's chat template does not show tools to the model", "tools"
-        )
+        return ToolPlan(template_tools, None, None, call_format)
     max_calls = None if parallel_tool_calls else 1
+    in_system = not shows_tools(chat_template or "")
     if choice != "auto":
         enforce_schema(params, forced_call_schema(tools, choice, max_calls))
+        reader = ForcedCallReader(choice)
+        return ToolPlan(template_tools, reader, max_calls, call_format, in_system)
     if parser is None:
         raise InvalidRequestError(
             "tool_choice 'auto' needs a tool call parser, and none was chosen for this "
@@ -67,7 +70,7 @@ def plan_tools(
         )
     if any(marker in special_tokens for marker in parser.markers):
         params.skip_special_tokens = False  # or the call's marker vanishes from the text
-    return ToolPlan(template_tools, parser, max_calls)
+    return ToolPlan(template_tools, parser, max_calls, call_format, in_system)
 
 
 def _check_unique_names(tools: list[ToolDefinition]) -> None:
@@ -81,10 +84,10 @@ def _check_unique_names(tools: list[ToolDefinition]) -> None:
 
 
 def enforce_schema(params: SamplingParams, schema: dict[str, Any]) -> None:
-    """THE HOOK: constrain this request's decoding to `schema`. Structured output (guided
-    JSON) is not in this engine yet, so a forced call is refused instead of answered with
-    text that may not be one. Once it is, this sets the request's guided-JSON spec and the
-    chat handler reads the answer with `parse_forced_answer`."""
+    """THE HOOK: constrain this request's decoding to `schema` (a guided-JSON spec on
+    `params`). Structured output is not in this engine yet, so a forced call is refused
+    instead of answered with text that may not be one. Everything after the hook is in
+    place: the answer is read back by `ForcedCallParser`, streamed or not."""
     del params, schema
     raise InvalidRequestError(
         "tool_choice 'required' or a named function needs grammar-constrained decoding, "

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from iterserve.server.tool_parsers.base import ParsedCall, Piece, ToolParser
+from iterserve.server.tool_parsers.base import AnswerReader, ParsedCall, Piece, ToolParser
 from iterserve.server.tool_parsers.hermes import HermesToolParser
 from iterserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from iterserve.server.tool_prompt import shows_tools
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
@@ -13,8 +14,10 @@ TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS, "none")
 
 
 def select_tool_parser(choice: str, chat_template: str | None) -> ToolParser | None:
-    """The parser `--tool-call-parser choice` names; `auto` picks the one whose format
-    the chat template asks for, and None when no template does (or `none`)."""
+    """The parser `--tool-call-parser choice` names (None for `none`). `auto` picks the
+    format the chat template asks for; a template with no place for tools gets Hermes',
+    which the system message then teaches (tool_prompt.py); a template that shows tools
+    in a format no parser here reads gets None."""
     if choice == "none":
         return None
     if choice != "auto":
@@ -23,13 +26,15 @@ def select_tool_parser(choice: str, chat_template: str | None) -> ToolParser | N
                 f"unknown tool call parser {choice!r}; choose from {', '.join(TOOL_PARSER_CHOICES)}"
             )
         return TOOL_PARSERS[choice]()
+    template = chat_template or ""
     for parser in TOOL_PARSERS.values():
-        if chat_template and parser.detects(chat_template):
+        if parser.detects(template):
             return parser()
-    return None
+    return None if shows_tools(template) else HermesToolParser()
 
 
 __all__ = [
+    "AnswerReader",
     "TOOL_PARSERS",
     "TOOL_PARSER_CHOICES",
     "ParsedCall",

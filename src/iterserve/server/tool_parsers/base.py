@@ -1,6 +1,6 @@
-"""What every tool-call parser shares: the parsed call, and the one method a parser has.
+"""What every tool-call parser shares: the parsed call, and how an answer is read.
 
-A parser reads the model's text and splits it into content and calls. It is written
+An `AnswerReader` reads the model's text and splits it into content and calls. It is written
 once for both ways an answer leaves the server: `scan(text, final=True)` is the whole
 answer's parse, and `scan(prefix, final=False)` is what is already certain about a
 streamed prefix, holding back anything that could still turn out to be (part of) a call.
@@ -27,18 +27,28 @@ class ParsedCall:
 Piece = str | ParsedCall
 
 
-class ToolParser(ABC):
-    name: ClassVar[str]
-    # Text that opens a call; when the tokenizer makes one a special token, the server
-    # keeps special tokens in the output text so the parser can see it.
-    markers: ClassVar[tuple[str, ...]]
-
+class AnswerReader(ABC):
     @abstractmethod
     def scan(self, text: str, final: bool) -> list[Piece]:
         """The pieces of `text` that are certain. With `final` False, a later, longer
         text's pieces must extend these: content may only grow at its end (the last
         piece) and calls are never taken back; a possible call is left out until it is
         complete. With `final` True, the whole text is accounted for."""
+
+
+class ToolParser(AnswerReader):
+    """A model family's call format: how to read it, and how to write or describe it."""
+
+    name: ClassVar[str]
+    # Text that opens a call; when the tokenizer makes one a special token, the server
+    # keeps special tokens in the output text so the parser can see it.
+    markers: ClassVar[tuple[str, ...]]
+    # How a call looks, for a system prompt that teaches the format (tool_prompt.py).
+    call_format: ClassVar[str]
+
+    @abstractmethod
+    def write_call(self, function: dict[str, Any]) -> str:
+        """A call ({"name", "arguments": {...}}) as the model would write it."""
 
     @classmethod
     def detects(cls, chat_template: str) -> bool:

@@ -1,6 +1,6 @@
 """Forced calls (`tool_choice` `required` or a named function): the JSON schema the answer
-must follow, and that answer read back into calls. Decoding constrained to the schema
-makes the answer valid; this module only says what valid is."""
+must follow, and the parser that reads such an answer back into calls. Decoding
+constrained to the schema makes the answer valid; this module only says what valid is."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from iterserve.sampling_params import InvalidRequestError
-from iterserve.server.tool_parsers.base import ParsedCall, call_from_object
+from iterserve.server.tool_parsers.base import AnswerReader, ParsedCall, Piece, call_from_object
 from iterserve.server.tool_protocol import NamedToolChoice, ToolDefinition
 
 
@@ -60,3 +60,16 @@ def parse_forced_answer(text: str, choice: str | NamedToolChoice) -> list[Parsed
         return []
     calls = [call_from_object(item, ("parameters",)) for item in value]
     return [call for call in calls if call is not None]
+
+
+class ForcedCallReader(AnswerReader):
+    """The whole answer is the call(s), as JSON: nothing is certain before its end."""
+
+    def __init__(self, choice: str | NamedToolChoice) -> None:
+        self.choice = choice
+
+    def scan(self, text: str, final: bool) -> list[Piece]:
+        if not final:
+            return []
+        # An answer cut short by max_tokens is not JSON: the client gets it as content.
+        return list(parse_forced_answer(text, self.choice)) or [text]

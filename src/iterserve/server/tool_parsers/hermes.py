@@ -5,7 +5,7 @@ content, tags and all, so nothing the model wrote is lost."""
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from iterserve.server.tool_parsers.base import (
     Piece,
@@ -21,6 +21,13 @@ CLOSE = "</tool_call>"
 class HermesToolParser(ToolParser):
     name = "hermes"
     markers: ClassVar[tuple[str, ...]] = (OPEN,)
+    call_format = (
+        f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}'
+    )
+
+    def write_call(self, function: dict[str, Any]) -> str:
+        call = {"name": function["name"], "arguments": function["arguments"]}
+        return f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}"
 
     def scan(self, text: str, final: bool) -> list[Piece]:
         pieces: list[Piece] = []

@@ -6,7 +6,7 @@ content too."""
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from iterserve.server.tool_parsers.base import Piece, ToolParser, call_from_object
 
@@ -18,6 +18,11 @@ _DECODER = json.JSONDecoder()
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     markers: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)
+    call_format = '{"name": <function name>, "parameters": <arguments as a JSON object>}'
+
+    def write_call(self, function: dict[str, Any]) -> str:
+        call = {"name": function["name"], "parameters": function["arguments"]}
+        return json.dumps(call, ensure_ascii=False)
 
     @classmethod
     def detects(cls, chat_template: str) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from iterserve.server.tool_parsers.base import ParsedCall, ToolParser
+from iterserve.server.tool_parsers.base import AnswerReader, ParsedCall
 
 
 def new_call_id() -> str:
@@ -19,16 +19,16 @@ class ParsedAnswer:
     calls: list[ParsedCall]
 
 
-def parse_answer(parser: ToolParser, text: str, max_calls: int | None) -> ParsedAnswer:
+def parse_answer(reader: AnswerReader, text: str, max_calls: int | None) -> ParsedAnswer:
     """The whole answer split into content and calls (the non-streamed response)."""
-    content, calls = _split(parser, text, final=True, max_calls=max_calls)
+    content, calls = _split(reader, text, final=True, max_calls=max_calls)
     return ParsedAnswer((content or None) if calls else content, calls)
 
 
 def _split(
-    parser: ToolParser, text: str, final: bool, max_calls: int | None
+    reader: AnswerReader, text: str, final: bool, max_calls: int | None
 ) -> tuple[str, list[ParsedCall]]:
-    pieces = parser.scan(text, final)
+    pieces = reader.scan(text, final)
     calls = [piece for piece in pieces if isinstance(piece, ParsedCall)][:max_calls]
     content = "".join(piece for piece in pieces if isinstance(piece, str))
     # Whitespace before a call is the call's layout, not an answer: it is held while
@@ -46,7 +46,7 @@ class StreamDelta:
 
 @dataclass
 class ToolCallStream:
-    parser: ToolParser
+    reader: AnswerReader
     max_calls: int | None
     text: str = ""
     sent_content: int = 0
@@ -55,7 +55,7 @@ class ToolCallStream:
     def feed(self, delta_text: str, final: bool) -> StreamDelta:
         """What `delta_text` (and, when `final`, the end of the answer) makes certain."""
         self.text += delta_text
-        content, calls = _split(self.parser, self.text, final, self.max_calls)
+        content, calls = _split(self.reader, self.text, final, self.max_calls)
         new_content = content[self.sent_content :]
         self.sent_content = len(content)
         fresh = []
