@@ -431,19 +431,39 @@ def test_forced_calls_are_read_back_once_decoding_is_constrained(
     strict=True,  # passes once enforce_schema (server/tools.py) constrains decoding
     reason="tool_choice 'required' needs grammar-constrained decoding (structured-output)",
 )
-def test_required_tool_choice_gives_arguments_valid_for_the_tool(client: openai.OpenAI) -> None:
+def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.OpenAI) -> None:
+    # A random tiny model, so only constrained decoding can make these calls. The schemas
+    # are closed, as OpenAI's strict mode has them, and strings bounded: such a model
+    # would never end an open-ended object or string before max_tokens.
     jsonschema = pytest.importorskip("jsonschema")
-    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    tools = json.loads(json.dumps(TOOLS))
+    for tool in tools:
+        parameters = tool["function"]["parameters"]
+        parameters["additionalProperties"] = False
+        for spec in parameters["properties"].values():
+            if "enum" not in spec:
+                spec["maxLength"] = 12
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
     question = [{"role": "user", "content": "Weather in Paris?"}]
-    answer = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=question,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=100,
-        temperature=0.0,
-    )
-    calls = answer.choices[0].message.tool_calls
-    assert calls and answer.choices[0].finish_reason == "tool_calls"
-    for call in calls:
-        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        request = dict(
+            model=MODEL_NAME,
+            messages=question,
+            tools=tools,
+            tool_choice=tool_choice,
+            max_tokens=200,
+            temperature=0.0,
+        )
+        answer = client.chat.completions.create(**request)  # type: ignore[call-overload]
+        calls = [
+            (c.function.name, c.function.arguments)
+            for c in answer.choices[0].message.tool_calls or []
+        ]
+        assert calls and answer.choices[0].finish_reason == "tool_calls"
+        if tool_choice == named:
+            assert [name for name, _ in calls] == ["get_weather"]
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), schemas[name])
+        chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
+        assert _reassembled(chunks) == ("", calls, "tool_calls")

@@ -87,7 +87,7 @@ def enforce_schema(params: SamplingParams, schema: dict[str, Any]) -> None:
     """THE HOOK: constrain this request's decoding to `schema` (a guided-JSON spec on
     `params`). Structured output is not in this engine yet, so a forced call is refused
     instead of answered with text that may not be one. Everything after the hook is in
-    place: the answer is read back by `ForcedCallParser`, streamed or not."""
+    place: the answer is read back by `ForcedCallReader`, streamed or not."""
     del params, schema
     raise InvalidRequestError(
         "tool_choice 'required' or a named function needs grammar-constrained decoding, "
