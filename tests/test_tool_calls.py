@@ -375,6 +375,8 @@ def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
     ]
     for extra, param in (
         ({"messages": question, "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": question, "tools": TOOLS, "tool_choice": "maybe"}, "tool_choice"),
+        ({"messages": question, "tools": [{"type": "retrieval"}]}, "tools.0.type"),
         ({"messages": bad_history}, "messages.1.tool_calls.0.function.arguments"),
     ):
         with pytest.raises(openai.BadRequestError) as error:

@@ -7,9 +7,17 @@ Kept apart from protocol.py, which only imports these into the chat request and 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_serializer,
+)
+from pydantic_core import PydanticCustomError
 
 from iterserve.sampling_params import InvalidRequestError
 
@@ -41,7 +49,22 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+def _one_tool_choice(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    # One message naming `tool_choice` itself, rather than pydantic's per-member errors
+    # (`tool_choice.literal['none','auto','required']`).
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "tool_choice",
+            "must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+        ) from None
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice, WrapValidator(_one_tool_choice)
+]
 
 
 # ---- calls ------------------------------------------------------------------------------
