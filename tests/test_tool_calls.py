@@ -306,9 +306,9 @@ def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: Runn
         answer = client.chat.completions.create(
             model=MODEL_NAME, messages=question, tools=TOOLS, max_tokens=200
         )
-        chunks = list(
+        chunks = list(  # two choices: each is parsed on its own
             client.chat.completions.create(
-                model=MODEL_NAME, messages=question, tools=TOOLS, max_tokens=200, stream=True
+                model=MODEL_NAME, messages=question, tools=TOOLS, max_tokens=200, stream=True, n=2
             )
         )
     choice = answer.choices[0]
@@ -322,11 +322,12 @@ def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: Runn
     assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
 
     # Streamed: content first, then per call its id and name, then its arguments.
-    assert _reassembled(chunks) == (
-        choice.message.content,
-        [(c.function.name, c.function.arguments) for c in calls],
-        "tool_calls",
-    )
+    for index in (0, 1):
+        assert _reassembled(chunks, index) == (
+            choice.message.content,
+            [(c.function.name, c.function.arguments) for c in calls],
+            "tool_calls",
+        )
 
     # The results go back: the assistant's calls (content null) and a tool message each.
     history = [
@@ -384,11 +385,15 @@ def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
         assert error.value.body["param"] == param  # type: ignore[index]
 
 
-def _reassembled(chunks: list[Any]) -> tuple[str, list[tuple[str, str]], str | None]:
-    """A stream's content, calls (name, arguments) and finish reason, as a client builds
-    them: a delta with an id opens a call, later ones append to its arguments."""
+def _reassembled(
+    chunks: list[Any], index: int = 0
+) -> tuple[str, list[tuple[str, str]], str | None]:
+    """Choice `index`'s content, calls (name, arguments) and finish reason in a stream, as
+    a client builds them: a delta with an id opens a call, later ones add arguments."""
     content, calls, finish = "", {}, []
     for chunk in chunks:
+        if not chunk.choices or chunk.choices[0].index != index:
+            continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for piece in delta.tool_calls or []:
