@@ -8,6 +8,7 @@ DataParallelEngine puts a fleet of replicas behind the same routes.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from iterserve.server.protocol import (
 )
 from iterserve.server.serving import ServingContext
 from iterserve.server.tool_parsers import select_tool_parser
+
+logger = logging.getLogger("iterserve.server")
 
 
 @dataclass
@@ -68,6 +71,11 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
         chat_template=model.chat_template,
         max_model_len=model.max_model_len,
         tool_parser=select_tool_parser(settings.tool_call_parser, model.chat_template),
+    )
+    logger.info(
+        "tool calls: %s (--tool-call-parser %s)",
+        ctx.tool_parser.name if ctx.tool_parser else "not parsed",
+        settings.tool_call_parser,
     )
     metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe_finished

@@ -33,7 +33,12 @@ from iterserve.server.serving import (
     stream_events,
     submit,
 )
-from iterserve.server.tool_parsers.streaming import ToolCallStream, new_call_id, parse_answer
+from iterserve.server.tool_parsers.streaming import (
+    StreamDelta,
+    ToolCallStream,
+    new_call_id,
+    parse_answer,
+)
 from iterserve.server.tool_prompt import (
     shows_tool_calls,
     with_calls_as_text,
@@ -141,6 +146,18 @@ def _logprobs(
     return ChatChoiceLogprobs(content=chat_logprobs(entries or [], ctx.decode_token))
 
 
+def _tool_deltas(found: StreamDelta) -> list[DeltaMessage]:
+    """The content the parser is sure of, then per finished call its id, type and name,
+    then its arguments (OpenAI's order: clients open a call on its id)."""
+    deltas = [DeltaMessage(content=found.content)] if found.content else []
+    for index, call_id, call in found.new_calls:
+        head = DeltaFunctionCall(name=call.name, arguments="")
+        opening = DeltaToolCall(index=index, id=call_id, type="function", function=head)
+        arguments = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))
+        deltas += [DeltaMessage(tool_calls=[opening]), DeltaMessage(tool_calls=[arguments])]
+    return deltas
+
+
 async def _stream(
     body: ChatCompletionRequest,
     submitted: Submitted,
@@ -172,40 +189,16 @@ async def _stream(
     calls: dict[int, ToolCallStream] = {}
 
     def tool_chunks(index: int, output: RequestOutput) -> str:
-        # Content the parser is sure of, then each finished call: its id and name, then
-        # its arguments; the finish reason goes on the last of this output's chunks.
         assert reader is not None
         stream = calls.setdefault(index, ToolCallStream(reader, plan.max_calls))
         found = stream.feed(output.delta_text, output.finished)
-        deltas = [DeltaMessage(content=found.content)] if found.content else []
-        for call_index, call_id, call in found.new_calls:
-            head = DeltaFunctionCall(name=call.name, arguments="")
-            deltas.append(
-                DeltaMessage(
-                    tool_calls=[
-                        DeltaToolCall(index=call_index, id=call_id, type="function", function=head)
-                    ]
-                )
-            )
-            tail = DeltaFunctionCall(arguments=call.arguments)
-            deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=call_index, function=tail)]))
-        if not deltas:  # every token gets a chunk (see stream_events), if an empty one
-            deltas.append(DeltaMessage(content=""))
-        entries = _logprobs(output.delta_logprobs, wanted, ctx)
-        reason = _finish_reason(output.finish_reason, stream.called)
-        return "".join(
-            message(
-                [
-                    ChatStreamChoice(
-                        index=index,
-                        delta=delta,
-                        logprobs=entries if last else None,
-                        finish_reason=reason if last else None,
-                    )
-                ]
-            )
-            for last, delta in ((i == len(deltas) - 1, d) for i, d in enumerate(deltas))
-        )
+        # Every token gets a chunk (see stream_events), an empty one while text is held.
+        deltas = _tool_deltas(found) or [DeltaMessage(content="")]
+        choices = [ChatStreamChoice(index=index, delta=delta) for delta in deltas]
+        # The token's logprobs and the finish reason go on the last of them.
+        choices[-1].logprobs = _logprobs(output.delta_logprobs, wanted, ctx)
+        choices[-1].finish_reason = _finish_reason(output.finish_reason, stream.called)
+        return "".join(message([choice]) for choice in choices)
 
     # The role first, for every choice, as OpenAI does: clients build the message from it.
     for index in range(len(submitted.stream.request_ids)):
