@@ -52,7 +52,7 @@ def plan_tools(
             raise InvalidRequestError("tool_choice needs tools to choose from", "tool_choice")
         return ToolPlan(None, None, None, call_format)
     _check_unique_names(tools)
-    template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
+    template_tools = [_template_tool(tool) for tool in tools]
     choice = tool_choice or "auto"  # OpenAI's default when tools are given
     if choice == "none":
         return ToolPlan(template_tools, None, None, call_format)
@@ -71,6 +71,16 @@ def plan_tools(
     if any(marker in special_tokens for marker in parser.markers):
         params.skip_special_tokens = False  # or the call's marker vanishes from the text
     return ToolPlan(template_tools, parser, max_calls, call_format, in_system)
+
+
+def _template_tool(tool: ToolDefinition) -> dict[str, Any]:
+    # Templates read `function.parameters` unguarded: a function without arguments gets
+    # OpenAI's meaning of that, an empty object schema.
+    function = tool.function.model_dump(exclude_none=True)
+    return {
+        "type": tool.type,
+        "function": {**function, "parameters": tool.function.parameters_schema()},
+    }
 
 
 def _check_unique_names(tools: list[ToolDefinition]) -> None:

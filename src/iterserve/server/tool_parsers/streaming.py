@@ -1,5 +1,6 @@
-"""One choice's streamed answer through a tool-call parser: the content and calls that
-each new piece of text makes certain, as OpenAI-shaped deltas."""
+"""An answer split into content and calls by an AnswerReader: whole (`parse_answer`, the
+non-streamed response) or as it streams (`ToolCallStream`, one per choice: the content
+and calls each new piece of text makes certain), both from the same scans."""
 
 from __future__ import annotations
 
