@@ -361,6 +361,15 @@ def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: Runn
     assert final.usage.prompt_tokens == len(
         server.engine.tokenizer.encode(expected, add_special_tokens=False)
     )
+    # Agents often send the SDK's message object back as it came (nulls and all).
+    with scripted_tokens(server, _script(server, "Sunny.")):
+        again = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[*question, choice.message, *history[2:]],  # type: ignore[list-item]
+            tools=TOOLS,
+            max_tokens=50,
+        )
+    assert again.choices[0].message.content == "Sunny."
 
 
 def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
