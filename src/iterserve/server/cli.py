@@ -82,7 +82,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="how chat answers are read into tool calls: hermes (<tool_call>{...}</tool_call>, "
         "Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON); auto: the format the chat "
-        "template asks for, if any; none: tool_choice 'auto' is refused",
+        "template asks for (Hermes', taught in the system message, when the template has no "
+        "place for tools); none: tool_choice 'auto' is refused",
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
