@@ -209,6 +209,16 @@ def test_tool_choice_none_keeps_tools_in_the_template_and_parses_nothing() -> No
     ]
 
 
+def test_special_token_markers_are_kept_in_the_text() -> None:
+    # Where the tokenizer makes `<tool_call>` a special token (Hermes 2 Pro), skipping
+    # special tokens would erase the marker the parser looks for.
+    definitions = [ToolDefinition.model_validate(tool) for tool in TOOLS]
+    for special, kept in ((set(), False), ({"<tool_call>", "</tool_call>"}, True)):
+        params = SamplingParams()
+        plan_tools(definitions, "auto", True, QWEN_TEMPLATE, HermesToolParser(), params, special)
+        assert params.skip_special_tokens is not kept
+
+
 def test_auto_without_a_parser_is_a_400_naming_tool_choice() -> None:
     definitions = [ToolDefinition.model_validate(tool) for tool in TOOLS]
     with pytest.raises(InvalidRequestError) as error:
