@@ -33,17 +33,14 @@ from iterserve.server.serving import (
     stream_events,
     submit,
 )
+from iterserve.server.tool_parsers import shows_tool_calls
 from iterserve.server.tool_parsers.streaming import (
     StreamDelta,
     ToolCallStream,
     new_call_id,
     parse_answer,
 )
-from iterserve.server.tool_prompt import (
-    shows_tool_calls,
-    with_calls_as_text,
-    with_tools_in_system_message,
-)
+from iterserve.server.tool_prompt import with_calls_as_text, with_tools_in_system_message
 from iterserve.server.tool_protocol import (
     DeltaFunctionCall,
     DeltaToolCall,

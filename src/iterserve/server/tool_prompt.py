@@ -9,20 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the parsers' package picks its `auto` default with shows_tools
-    from iterserve.server.tool_parsers import ToolParser
+from iterserve.server.tool_parsers.base import ToolParser
 
 Message = dict[str, Any]
-
-
-def shows_tools(chat_template: str) -> bool:
-    return "tools" in chat_template
-
-
-def shows_tool_calls(chat_template: str) -> bool:
-    return "tool_calls" in chat_template
 
 
 def with_tools_in_system_message(

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.server.tool_parsers import AnswerReader, ToolParser
+from iterserve.server.tool_parsers import AnswerReader, ToolParser, shows_tools
 from iterserve.server.tool_parsers.forced import ForcedCallReader, forced_call_schema
 from iterserve.server.tool_parsers.hermes import HermesToolParser
-from iterserve.server.tool_prompt import shows_tools
 from iterserve.server.tool_protocol import ToolChoice, ToolDefinition
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from iterserve.server.tool_parsers.base import AnswerReader, ParsedCall, Piece, ToolParser
+from iterserve.server.tool_parsers.base import (
+    AnswerReader,
+    ParsedCall,
+    Piece,
+    ToolParser,
+    shows_tool_calls,
+    shows_tools,
+)
 from iterserve.server.tool_parsers.hermes import HermesToolParser
 from iterserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
-from iterserve.server.tool_prompt import shows_tools
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
@@ -41,4 +47,6 @@ __all__ = [
     "Piece",
     "ToolParser",
     "select_tool_parser",
+    "shows_tool_calls",
+    "shows_tools",
 ]

@@ -56,6 +56,16 @@ class ToolParser(AnswerReader):
         return any(marker in chat_template for marker in cls.markers)
 
 
+def shows_tools(chat_template: str) -> bool:
+    """Whether a chat template has a place for tool definitions (else tool_prompt.py)."""
+    return "tools" in chat_template
+
+
+def shows_tool_calls(chat_template: str) -> bool:
+    """Whether a chat template writes an assistant's earlier calls itself."""
+    return "tool_calls" in chat_template
+
+
 def call_from_object(value: Any, argument_keys: Sequence[str]) -> ParsedCall | None:
     """A call from decoded JSON {"name": ..., <argument key>: {...}}; None when the
     object is not one (the text then stays content)."""
