@@ -17,6 +17,7 @@ import uvicorn
 
 from iterserve.bench.server_process import scrape_metrics
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.core.outputs import ModelOutput, SchedulerOutput
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.server.app import ServerSettings, create_app
@@ -115,3 +116,26 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) ->
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+@contextmanager
+def scripted_tokens(server: RunningServer, script: list[int]) -> Iterator[None]:
+    """Every request samples `script` in order, whatever the model says."""
+    executor = server.engine.executor
+    original = executor.execute
+    position: dict[str, int] = {}
+
+    def execute(scheduled: SchedulerOutput) -> ModelOutput:
+        output = original(scheduled)
+        for request_id, tokens in output.sampled.items():
+            for sampled in tokens:
+                index = position.get(request_id, 0)
+                position[request_id] = index + 1
+                sampled.token_id = script[index % len(script)]
+        return output
+
+    executor.execute = execute  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        executor.execute = original  # type: ignore[method-assign]

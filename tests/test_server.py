@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -17,8 +16,14 @@ import openai
 import pytest
 
 from iterserve import LLM, SamplingParams
-from iterserve.core.outputs import ModelOutput, SchedulerOutput
-from server_fixtures import MODEL_NAME, RunningServer, engine_config, running_server, wait_until
+from server_fixtures import (
+    MODEL_NAME,
+    RunningServer,
+    engine_config,
+    running_server,
+    scripted_tokens,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -138,29 +143,6 @@ def test_chat_stream_with_n_lane_and_priority(client: openai.OpenAI) -> None:
     roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
     finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks}
     assert sorted(roles) == [0, 1] and finished == {0: "length", 1: "length"}
-
-
-@contextmanager
-def scripted_tokens(server: RunningServer, script: list[int]) -> Iterator[None]:
-    """Every request samples `script` in order, whatever the model says."""
-    executor = server.engine.executor
-    original = executor.execute
-    position: dict[str, int] = {}
-
-    def execute(scheduled: SchedulerOutput) -> ModelOutput:
-        output = original(scheduled)
-        for request_id, tokens in output.sampled.items():
-            for sampled in tokens:
-                index = position.get(request_id, 0)
-                position[request_id] = index + 1
-                sampled.token_id = script[index % len(script)]
-        return output
-
-    executor.execute = execute  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        executor.execute = original  # type: ignore[method-assign]
 
 
 def test_a_chunk_per_token_even_without_text(

@@ -57,6 +57,7 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> RenderedChat:
     """Render `messages`; raises InvalidRequestError for a conversation the template
     cannot take (no template, no messages, an unknown role, a template error)."""
@@ -79,6 +80,7 @@ def render_chat(
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=[dict(tool) for tool in tools] if tools else None,  # HF's tool schemas
             **(template_kwargs or {}),  # a clash with the names above is a TypeError: a 400
         )
     except Exception as error:  # jinja raises for conversations the template forbids

@@ -8,6 +8,7 @@ DataParallelEngine puts a fleet of replicas behind the same routes.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ from iterserve.server.protocol import (
     ResetPrefixCacheResponse,
 )
 from iterserve.server.serving import ServingContext
+from iterserve.server.tool_parsers import select_tool_parser
+
+logger = logging.getLogger("iterserve.server")
 
 
 @dataclass
@@ -37,6 +41,7 @@ class ServerSettings:
     api_key: str | None = None
     # Seconds in-flight requests get to finish once shutdown starts.
     shutdown_timeout: float = 30.0
+    tool_call_parser: str = "auto"  # a name in TOOL_PARSER_CHOICES
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -65,6 +70,12 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
         tokenizer=model.tokenizer,
         chat_template=model.chat_template,
         max_model_len=model.max_model_len,
+        tool_parser=select_tool_parser(settings.tool_call_parser, model.chat_template),
+    )
+    logger.info(
+        "tool calls: %s (--tool-call-parser %s)",
+        ctx.tool_parser.name if ctx.tool_parser else "not parsed",
+        settings.tool_call_parser,
     )
     metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe_finished

@@ -33,18 +33,39 @@ from iterserve.server.serving import (
     stream_events,
     submit,
 )
+from iterserve.server.tool_parsers import shows_tool_calls
+from iterserve.server.tool_parsers.streaming import (
+    StreamDelta,
+    ToolCallStream,
+    new_call_id,
+    parse_answer,
+)
+from iterserve.server.tool_prompt import with_calls_as_text, with_tools_in_system_message
+from iterserve.server.tool_protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from iterserve.server.tools import ToolPlan, plan_tools
 
 
-def render_prompt(body: ChatCompletionRequest, ctx: ServingContext) -> RenderedChat:
+def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan) -> RenderedChat:
     """The conversation through the template, as `LLM.chat` renders it; the engine
     tokenizes it on its own thread."""
-    messages = [message.as_template_input() for message in body.messages]
+    messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
+    template = ctx.chat_template or ""
+    if not shows_tool_calls(template):
+        messages = with_calls_as_text(messages, plan.call_format)
+    if plan.tools_in_system_message and plan.template_tools:
+        messages = with_tools_in_system_message(messages, plan.template_tools, plan.call_format)
     return render_chat(
         ctx.tokenizer,
         ctx.chat_template,
         messages,
         body.add_generation_prompt,
         body.chat_template_kwargs,
+        plan.template_tools,
     )
 
 
@@ -53,9 +74,18 @@ async def create_chat_completion(
 ) -> Response:
     model = ctx.resolve_model(body.model)
     params = body.sampling_params()
+    plan = plan_tools(
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        ctx.chat_template,
+        ctx.tool_parser,
+        params,
+        ctx.special_tokens,
+    )
     ctx.engine.check_group_size(params.n)  # before rendering the template
     logprobs = params.logprobs
-    prompt = render_prompt(body, ctx)
+    prompt = render_prompt(body, ctx, plan)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     submitted = await submit(
         raw,
@@ -70,18 +100,39 @@ async def create_chat_completion(
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> ChatCompletionResponse:
         choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=output.text),
-                logprobs=_logprobs(output.logprobs, logprobs, ctx),
-                finish_reason=output.finish_reason,
-            )
+            _choice(index, output, plan, _logprobs(output.logprobs, logprobs, ctx))
             for index, output in enumerate(outputs)
         ]
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    events = functools.partial(_stream, body, submitted, ctx, model)
+    events = functools.partial(_stream, body, submitted, ctx, model, plan)
     return await respond(raw, submitted, params.n, body.stream, events, final)
+
+
+def _choice(
+    index: int, output: RequestOutput, plan: ToolPlan, logprobs: ChatChoiceLogprobs | None
+) -> ChatChoice:
+    if plan.reader is None:
+        message = AssistantMessage(content=output.text)
+        return ChatChoice(
+            index=index, message=message, logprobs=logprobs, finish_reason=output.finish_reason
+        )
+    answer = parse_answer(plan.reader, output.text, plan.max_calls)
+    calls = [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+        for call in answer.calls
+    ]
+    return ChatChoice(
+        index=index,
+        message=AssistantMessage(content=answer.content, tool_calls=calls),
+        logprobs=logprobs,
+        finish_reason=_finish_reason(output.finish_reason, bool(calls)),
+    )
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    # An answer cut by max_tokens says so even when it holds calls: the last may be missing.
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _logprobs(
@@ -92,8 +143,24 @@ def _logprobs(
     return ChatChoiceLogprobs(content=chat_logprobs(entries or [], ctx.decode_token))
 
 
+def _tool_deltas(found: StreamDelta) -> list[DeltaMessage]:
+    """The content the parser is sure of, then per finished call its id, type and name,
+    then its arguments (OpenAI's order: clients open a call on its id)."""
+    deltas = [DeltaMessage(content=found.content)] if found.content else []
+    for index, call_id, call in found.new_calls:
+        head = DeltaFunctionCall(name=call.name, arguments="")
+        opening = DeltaToolCall(index=index, id=call_id, type="function", function=head)
+        arguments = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))
+        deltas += [DeltaMessage(tool_calls=[opening]), DeltaMessage(tool_calls=[arguments])]
+    return deltas
+
+
 async def _stream(
-    body: ChatCompletionRequest, submitted: Submitted, ctx: ServingContext, model: str
+    body: ChatCompletionRequest,
+    submitted: Submitted,
+    ctx: ServingContext,
+    model: str,
+    plan: ToolPlan,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     wanted = body.requested_logprobs()
@@ -115,11 +182,27 @@ async def _stream(
         )
         return message([choice])
 
+    reader = plan.reader
+    calls: dict[int, ToolCallStream] = {}
+
+    def tool_chunks(index: int, output: RequestOutput) -> str:
+        assert reader is not None
+        stream = calls.setdefault(index, ToolCallStream(reader, plan.max_calls))
+        found = stream.feed(output.delta_text, output.finished)
+        # Every token gets a chunk (see stream_events), an empty one while text is held.
+        deltas = _tool_deltas(found) or [DeltaMessage(content="")]
+        choices = [ChatStreamChoice(index=index, delta=delta) for delta in deltas]
+        # The token's logprobs and the finish reason go on the last of them.
+        choices[-1].logprobs = _logprobs(output.delta_logprobs, wanted, ctx)
+        choices[-1].finish_reason = _finish_reason(output.finish_reason, stream.called)
+        return "".join(message([choice]) for choice in choices)
+
     # The role first, for every choice, as OpenAI does: clients build the message from it.
     for index in range(len(submitted.stream.request_ids)):
         yield message(
             [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
         )
     usage_chunk = (lambda usage: message([], usage)) if body.include_usage else None
-    async for event in stream_events(submitted, None, chunk, usage_chunk):
+    on_output = chunk if reader is None else tool_chunks
+    async for event in stream_events(submitted, None, on_output, usage_chunk):
         yield event

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
 from iterserve.core.router import ROUTERS
+from iterserve.server.tool_parsers import TOOL_PARSER_CHOICES
 
 if TYPE_CHECKING:
     from iterserve.engine.serving_engine import ServingEngine
@@ -76,6 +77,15 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "does, on demand. Given with --data-parallel-size 1, the one replica runs on Ray too",
     )
     p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSER_CHOICES,
+        default="auto",
+        help="how chat answers are read into tool calls: hermes (<tool_call>{...}</tool_call>, "
+        "Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON); auto: the format the chat "
+        "template asks for (Hermes', taught in the system message, when the template has no "
+        "place for tools); none: tool_choice 'auto' is refused",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     add_engine_args(p)
@@ -99,6 +109,7 @@ def serve(args: argparse.Namespace) -> int:
         # uvicorn already gave in-flight requests the full timeout before the app's
         # shutdown runs; what is left then is only a backstop.
         shutdown_timeout=min(5.0, args.shutdown_timeout),
+        tool_call_parser=args.tool_call_parser,
     )
     app = create_app(async_engine, settings)
 

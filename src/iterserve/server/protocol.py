@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, Field, model_serializer
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
 
 # ---- requests -------------------------------------------------------------------------
 
@@ -115,8 +116,10 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the chat
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_input(self) -> dict[str, Any]:
+    def as_template_input(self, index: int) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
@@ -127,6 +130,13 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            where = f"messages.{index}.tool_calls"
+            message["tool_calls"] = [
+                call.as_template_input(f"{where}.{i}") for i, call in enumerate(self.tool_calls)
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -138,6 +148,9 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def token_limit(self) -> int | None:
@@ -267,6 +280,7 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -283,6 +297,7 @@ class ChatCompletionResponse(_ChoicesResponse[ChatChoice]):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

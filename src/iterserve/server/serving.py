@@ -27,6 +27,7 @@ from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
 from iterserve.server.logprobs import token_decoder
 from iterserve.server.protocol import UsageInfo
+from iterserve.server.tool_parsers import ToolParser
 
 T = TypeVar("T")
 
@@ -69,10 +70,13 @@ class ServingContext:
     tokenizer: Any
     chat_template: str | None
     max_model_len: int
+    tool_parser: ToolParser | None = None  # --tool-call-parser, or what `auto` found
     decode_token: Callable[[int], str] = field(init=False)
+    special_tokens: set[str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.decode_token = token_decoder(self.tokenizer)
+        self.special_tokens = set(getattr(self.tokenizer, "all_special_tokens", ()))
 
     def resolve_model(self, requested: str | None) -> str:
         """The name to answer with; an unknown model is the client's mistake (400)."""

@@ -1,0 +1,52 @@
+"""Tool-call parsers, chosen with `--tool-call-parser`: one small class per output format."""
+
+from __future__ import annotations
+
+from iterserve.server.tool_parsers.base import (
+    AnswerReader,
+    ParsedCall,
+    Piece,
+    ToolParser,
+    shows_tool_calls,
+    shows_tools,
+)
+from iterserve.server.tool_parsers.hermes import HermesToolParser
+from iterserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+}
+TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS, "none")
+
+
+def select_tool_parser(choice: str, chat_template: str | None) -> ToolParser | None:
+    """The parser `--tool-call-parser choice` names (None for `none`). `auto` picks the
+    format the chat template asks for; a template with no place for tools gets Hermes',
+    which the system message then teaches (tool_prompt.py); a template that shows tools
+    in a format no parser here reads gets None."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        if choice not in TOOL_PARSERS:
+            raise ValueError(
+                f"unknown tool call parser {choice!r}; choose from {', '.join(TOOL_PARSER_CHOICES)}"
+            )
+        return TOOL_PARSERS[choice]()
+    template = chat_template or ""
+    for parser in TOOL_PARSERS.values():
+        if parser.detects(template):
+            return parser()
+    return None if shows_tools(template) else HermesToolParser()
+
+
+__all__ = [
+    "AnswerReader",
+    "TOOL_PARSERS",
+    "TOOL_PARSER_CHOICES",
+    "ParsedCall",
+    "Piece",
+    "ToolParser",
+    "select_tool_parser",
+    "shows_tool_calls",
+    "shows_tools",
+]
