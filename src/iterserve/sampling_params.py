@@ -37,6 +37,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Logprobs of the prompt's tokens (the first has none), top-n as for `logprobs`.
+    prompt_logprobs: int | None = None
+    # Controls that reshape the logits before sampling (sample/logits_controls.py): the
+    # penalties with vLLM's semantics (presence/frequency over the output so far,
+    # repetition over prompt + output), OpenAI's logit_bias (token id -> bias), a minimum
+    # output length (EOS and stop_token_ids masked until then), and vLLM's bad_words.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
     # Opt out of speculative decoding when the engine runs it (the output is the same
     # either way; a request may prefer steady token timing to bursts of accepted drafts).
     speculative: bool = True
@@ -45,6 +57,22 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
+
+    @property
+    def uses_token_history(self) -> bool:
+        """Whether sampling reads the request's tokens so far (penalties, min_tokens,
+        bad_words): the scheduler sends them with such requests only."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.bad_words
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.uses_token_history or bool(self.logit_bias)
 
     def per_choice(self) -> list[SamplingParams]:
         """The engine runs one sequence per request: n choices are n requests with
@@ -61,7 +89,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
             )
-        for name in ("temperature", "top_p", "min_p"):
+        names = ("temperature", "top_p", "min_p", *_PENALTY_RANGES)
+        for name in names:
             if not math.isfinite(getattr(self, name)):  # NaN slips past every range test
                 raise InvalidRequestError(f"{name} must be a finite number", name)
         if self.temperature < 0:
@@ -83,3 +112,47 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",
+                "prompt_logprobs",
+            )
+        self._validate_logit_controls()
+
+    def _validate_logit_controls(self) -> None:
+        for name, (low, high) in _PENALTY_RANGES.items():
+            value = getattr(self, name)
+            if not low <= value <= high or (name == "repetition_penalty" and value == 0):
+                raise InvalidRequestError(
+                    f"{name} must be in {_describe_range(name, low, high)}, got {value}", name
+                )
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}",
+                    "logit_bias",
+                )
+            if not -100.0 <= bias <= 100.0:  # also refuses NaN
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}",
+                    "logit_bias",
+                )
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+                "min_tokens",
+            )
+        if any(not word.strip() for word in self.bad_words):
+            raise InvalidRequestError("bad_words must not hold empty words", "bad_words")
+
+
+# vLLM's ranges; repetition_penalty excludes 0 as well (it divides by it).
+_PENALTY_RANGES = {
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.0, math.inf),
+}
+
+
+def _describe_range(name: str, low: float, high: float) -> str:
+    return "(0, inf)" if name == "repetition_penalty" else f"[{low}, {high}]"

@@ -171,7 +171,10 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        raw_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """`raw_logits`: the model's logits when `logits` are those after the sampling
+        controls (sample/logits_controls.py); logprobs are reported from them."""
         logits = logits.float().contiguous()  # no-ops for the float32 rows we expect
         num_rows, device = logits.shape[0], logits.device
         if len(params) != num_rows or len(generators) != num_rows:
@@ -190,6 +193,9 @@ class Sampler:
                 tokens[greedy_t] = rows.argmax(greedy_t)
             self._sample_random(rows, params, generators, random_rows, tokens)
         token_ids: list[int] = tokens.tolist()
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if raw_logits is not None and raw_logits is not logits and wants_logprobs:
+            rows = _LogitRows(raw_logits.float().contiguous())
         return SamplerOutput(token_ids, self._logprobs(rows, params, tokens, token_ids))
 
     def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""The sampling controls that reshape logits before a token is drawn, vLLM's semantics:
+
+- bad_words: a word's last token is banned where the output so far ends with the rest
+  of the word (a one-token word is banned everywhere);
+- min_tokens: EOS and stop_token_ids are banned until the output is that long;
+- logit_bias: OpenAI's token id -> bias, added to the logit;
+- repetition_penalty: logits of tokens seen in prompt or output are divided by it when
+  positive and multiplied by it when negative;
+- frequency_penalty / presence_penalty: subtract penalty x (count in the output so far)
+  and penalty x (seen in the output so far).
+
+Applied in that order (vLLM's: bad words, then the argmax-changing processors, then the
+penalties). Each is one batched tensor operation over the rows that ask for it: the
+Python work is per row and per token of history, never per vocabulary entry. A batch
+where no row asks costs one flag test per row and nothing else.
+
+The logprobs a request gets back stay those of the raw logits (vLLM's default,
+`logprobs_mode=raw_logprobs`); the caller keeps the raw tensor for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from iterserve.core.outputs import ScheduledSeq, TokenContext
+from iterserve.sampling_params import SamplingParams
+
+
+def apply_logits_controls(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    contexts: Sequence[TokenContext | None],
+) -> torch.Tensor:
+    """The logits to sample from: `logits` itself when no row asks for a control, else a
+    copy with every row's controls applied (`logits` is left as it was, for logprobs).
+    `contexts[i]` holds row i's tokens so far; it may be None for rows whose params do
+    not look back (SamplingParams.uses_token_history)."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits.float().clone()
+    banned: list[tuple[int, int]] = []  # (row, token) pairs set to -inf
+    bias: list[tuple[int, int, float]] = []
+    penalized: list[int] = []
+    for i in rows:
+        p, context = params[i], contexts[i]
+        if p.logit_bias:
+            bias += [(i, token_id, value) for token_id, value in p.logit_bias.items()]
+        if context is None:
+            continue
+        banned += [(i, token_id) for token_id in _bad_word_bans(context)]
+        if len(context.output_token_ids) < p.min_tokens:
+            banned += [(i, token_id) for token_id in context.stop_token_ids]
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            penalized.append(i)
+    device = out.device
+    if banned:
+        row_ids, token_ids = zip(*banned, strict=True)
+        index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+        out.index_put_(index, torch.tensor(float("-inf"), device=device))
+    if bias:
+        row_ids, token_ids, values = zip(*bias, strict=True)
+        index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+        out.index_put_(index, torch.tensor(values, dtype=out.dtype, device=device), accumulate=True)
+    if penalized:
+        rows_t = torch.tensor(penalized, device=device)
+        out[rows_t] = _penalize(
+            out[rows_t],
+            [params[i] for i in penalized],
+            [contexts[i] for i in penalized],  # type: ignore[misc]
+        )
+    return out
+
+
+def row_contexts(seqs: Sequence[ScheduledSeq]) -> list[TokenContext | None]:
+    """One context per sampled position (ScheduledSeq.num_samples rows per sequence): a
+    speculating sequence's draft j is sampled after drafts 0..j-1, which count as output
+    there. Rejected drafts never reach the scheduler's record, so they count nowhere else."""
+    contexts: list[TokenContext | None] = []
+    for seq in seqs:
+        context = seq.context
+        for j in range(seq.num_samples):
+            if context is not None and j:
+                output = context.output_token_ids + seq.draft_token_ids[:j]
+                contexts.append(replace(context, output_token_ids=output))
+            else:
+                contexts.append(context)
+    return contexts
+
+
+def _bad_word_bans(context: TokenContext) -> list[int]:
+    output = context.output_token_ids
+    banned = []
+    for word in context.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
+def _penalize(
+    logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[TokenContext]
+) -> torch.Tensor:
+    """vLLM's penalties on [rows, vocab] logits: repetition, then frequency and presence."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+
+    def flat(histories: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index, token id) of every token of every row's history."""
+        lengths = torch.tensor([len(h) for h in histories], device=device)
+        tokens = torch.tensor([t for h in histories for t in h], dtype=torch.long, device=device)
+        return torch.arange(num_rows, device=device).repeat_interleave(lengths), tokens
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], device=device).unsqueeze(1)
+
+    counts = torch.zeros(num_rows, vocab, device=device)
+    counts.index_put_(
+        flat([c.output_token_ids for c in contexts]),
+        torch.ones((), device=device),
+        accumulate=True,
+    )
+    in_output = counts > 0
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = in_output.clone()
+        seen.index_put_(flat([c.prompt_token_ids for c in contexts]), torch.tensor(True))
+        scale = torch.where(seen, column("repetition_penalty"), 1.0)
+        logits = torch.where(logits > 0, logits / scale, logits * scale)
+    logits = logits - column("frequency_penalty") * counts
+    return logits - column("presence_penalty") * in_output
