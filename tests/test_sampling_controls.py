@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,9 +68,32 @@ def test_controls_match_the_reference() -> None:
     assert torch.equal(logits, logits.clone()), "the raw logits are left for logprobs"
 
 
+@pytest.mark.parametrize("penalty", [4e-128, 1e-40, 1e39, 1e308])
+def test_extreme_repetition_penalties_stay_numbers(penalty: float) -> None:
+    """Penalties float32 cannot hold, on banned (-inf) and zero logits: never NaN."""
+    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0, 0.5]])
+    params = [SamplingParams(repetition_penalty=penalty, min_tokens=1)]
+    context = TokenContext([0, 1, 2, 4], [], (4,), [])
+    controlled = apply_logits_controls(logits, params, [context])
+    assert not controlled.isnan().any() and controlled[0, 4] == float("-inf")
+    assert controlled[0].argmax() == (1 if penalty < 1 else 3)
+
+
 def test_a_batch_without_controls_is_untouched() -> None:
     logits = torch.randn(3, VOCAB)
     assert apply_logits_controls(logits, [SamplingParams()] * 3, [None] * 3) is logits
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.8}, {"min_p": 0.5}])
+def test_banned_tokens_stay_banned_at_any_temperature(extra: dict) -> None:
+    """At T = 1e308, 1 / T underflows float32; a banned token's -inf must still weigh 0."""
+    from iterserve.sample.sampler import Sampler
+
+    logits = torch.zeros(4, 2048)
+    logits[:, :2000] = float("-inf")
+    params = [SamplingParams(temperature=1e308, seed=i, **extra) for i in range(4)]
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    assert all(t >= 2000 for t in Sampler()(logits, params, generators).token_ids)
 
 
 def test_drafts_count_as_output_at_later_positions() -> None:
@@ -105,11 +129,13 @@ def test_out_of_range_values_name_their_field(fields: dict, param: str) -> None:
 # ---- through the engine, against transformers -------------------------------------------
 
 
-def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def hf(tiny_llama_dir: Path) -> tuple[Any, Any]:
+    """The same checkpoint in transformers, fp32: (model, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
 REPEATING = "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2"
@@ -123,10 +149,12 @@ REPEATING = "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2"
     ],
     ids=["chunked", "speculative"],
 )
-def test_repetition_penalty_matches_transformers(tiny_llama_dir: Path, settings: dict) -> None:
+def test_repetition_penalty_matches_transformers(
+    tiny_llama_dir: Path, hf: tuple[Any, Any], settings: dict
+) -> None:
     """Greedy under repetition_penalty (prompt + output, vLLM's and transformers' rule)
     gives transformers' tokens, with the prompt chunked or drafts proposed and rejected."""
-    model, tokenizer = _hf(tiny_llama_dir)
+    model, tokenizer = hf
     ids = torch.tensor([tokenizer.encode(REPEATING)])
     expected = model.generate(
         ids,
@@ -161,8 +189,10 @@ def test_bad_words_and_logit_bias_ban_tokens(tiny_llama_dir: Path) -> None:
     assert error.value.param == "logit_bias"
 
 
-def _reference_prompt_logprobs(model_dir: Path, prompt: str, top_n: int):  # type: ignore[no-untyped-def]
-    model, tokenizer = _hf(model_dir)
+def _reference_prompt_logprobs(
+    hf: tuple[Any, Any], prompt: str, top_n: int
+) -> tuple[list[int], list[float], list[list[int]]]:
+    model, tokenizer = hf
     ids = tokenizer.encode(prompt)
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
@@ -182,8 +212,10 @@ LONG_PROMPT = (
     [{"max_num_batched_tokens": 7, "max_num_seqs": 7, "block_size": 4}, {"block_size": 4}],
     ids=["chunked", "whole"],
 )
-def test_prompt_logprobs_match_transformers(tiny_llama_dir: Path, settings: dict) -> None:
-    ids, expected, top = _reference_prompt_logprobs(tiny_llama_dir, LONG_PROMPT, 2)
+def test_prompt_logprobs_match_transformers(
+    tiny_llama_dir: Path, hf: tuple[Any, Any], settings: dict
+) -> None:
+    ids, expected, top = _reference_prompt_logprobs(hf, LONG_PROMPT, 2)
     llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False, **settings)
     plain = SamplingParams(temperature=0.0, max_tokens=2)
     scored = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)

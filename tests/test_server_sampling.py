@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
+
 from server_fixtures import MODEL_NAME, RunningServer, running_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -122,6 +123,7 @@ def test_tokenize_and_detokenize(server: RunningServer, tiny_llama_dir: Path) ->
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"min_tokens": 100}, "min_tokens"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ],
 )
 def test_bad_controls_are_400s_naming_the_field(
@@ -130,3 +132,8 @@ def test_bad_controls_are_400s_naming_the_field(
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 4, **fields}
     answer = httpx.post(f"{server.base_url}/v1/completions", json=body)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+
+
+def test_unhonoured_fields_at_their_neutral_value_pass(server: RunningServer) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "spaces_between_special_tokens": True, "foo": 1}
+    assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200

@@ -49,6 +49,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     bad_words: list[str] = field(default_factory=list)
+    # Derived by validate(), read every step for every row (plain attributes: a property
+    # testing six fields costs ~1 us a row, 0.25 ms a step at batch 256). Whether sampling
+    # reads the request's tokens so far (penalties, min_tokens, bad_words; the scheduler
+    # sends them with such requests only), and whether any control reshapes the logits.
+    uses_token_history: bool = field(default=False, init=False, repr=False, compare=False)
+    adjusts_logits: bool = field(default=False, init=False, repr=False, compare=False)
     # Opt out of speculative decoding when the engine runs it (the output is the same
     # either way; a request may prefer steady token timing to bursts of accepted drafts).
     speculative: bool = True
@@ -57,22 +63,6 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
-
-    @property
-    def uses_token_history(self) -> bool:
-        """Whether sampling reads the request's tokens so far (penalties, min_tokens,
-        bad_words): the scheduler sends them with such requests only."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.min_tokens
-            or self.bad_words
-        )
-
-    @property
-    def adjusts_logits(self) -> bool:
-        return self.uses_token_history or bool(self.logit_bias)
 
     def per_choice(self) -> list[SamplingParams]:
         """The engine runs one sequence per request: n choices are n requests with
@@ -118,6 +108,14 @@ class SamplingParams:
                 "prompt_logprobs",
             )
         self._validate_logit_controls()
+        self.uses_token_history = bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.bad_words
+        )
+        self.adjusts_logits = self.uses_token_history or bool(self.logit_bias)
 
     def _validate_logit_controls(self) -> None:
         for name, (low, high) in _PENALTY_RANGES.items():

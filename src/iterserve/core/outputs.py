@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from iterserve.core.logprobs import TokenLogprobs
 from iterserve.core.request import FinishReason
 from iterserve.sampling_params import SamplingParams
 
@@ -93,15 +94,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs and self.steady is None
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities under the model's raw distribution (log_softmax of raw logits)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-n (token_id, logprob), best first; empty if n == 0
 
 
 @dataclass

@@ -10,12 +10,10 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from iterserve.core.logprobs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from iterserve.core.outputs import TokenLogprobs  # which imports this module
 
 LANES = ("interactive", "batch")
 # Why a request ended, in the OpenAI API's words.

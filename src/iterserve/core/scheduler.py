@@ -537,10 +537,13 @@ class Scheduler(SteadyDecodePlanning):
                     sample=sample,
                     sampling_params=request.sampling_params,
                     draft_token_ids=drafts,
-                    context=_token_context(request) if sample else None,
-                    scored_prompt_token_ids=request.prompt_tokens_to_score(start, real),
                 )
             )
+            params = request.sampling_params
+            if sample and params.uses_token_history:
+                seqs[-1].context = _token_context(request)
+            if params.prompt_logprobs is not None:
+                seqs[-1].scored_prompt_token_ids = request.prompt_tokens_to_score(start, real)
             num_draft += len(drafts)
             if sample and real == 1 and request.num_output_tokens:
                 num_decode += 1
@@ -558,11 +561,9 @@ class Scheduler(SteadyDecodePlanning):
         )
 
 
-def _token_context(request: Request) -> TokenContext | None:
-    """What the sampler's look-back controls read, for requests that use any."""
+def _token_context(request: Request) -> TokenContext:
+    """What the sampler's look-back controls read (for requests that use any)."""
     params = request.sampling_params
-    if not params.uses_token_history:
-        return None
     stops = tuple(params.stop_token_ids)
     if not params.ignore_eos:
         stops += request.eos_token_ids

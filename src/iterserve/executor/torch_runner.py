@@ -71,11 +71,13 @@ class TorchRunner:
             logits, prompt_logprobs = take_prompt_logprobs(logits, scheduled.seqs)
         sampling = [seq for seq in scheduled.seqs if seq.sample]
         # The controls' logits are sampled from; the raw ones give the logprobs.
-        controlled = apply_logits_controls(
-            logits,
-            [seq.sampling_params for seq in sampling for _ in range(seq.num_samples)],
-            row_contexts(sampling),
-        )
+        controlled = logits
+        if any(seq.sampling_params.adjusts_logits for seq in sampling):
+            controlled = apply_logits_controls(
+                logits,
+                [seq.sampling_params for seq in sampling for _ in range(seq.num_samples)],
+                row_contexts(sampling),
+            )
         # Guesses a draft model sampled from its own distribution q are accepted by the
         # ratio rule; fixed guesses (n-gram, greedy drafts) by matching the target's draw.
         by_ratio = {

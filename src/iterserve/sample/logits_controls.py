@@ -127,7 +127,13 @@ def _penalize(
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = in_output.clone()
         seen.index_put_(flat([c.prompt_token_ids for c in contexts]), torch.tensor(True))
-        scale = torch.where(seen, column("repetition_penalty"), 1.0)
+        # Any positive penalty is allowed, but in float32 one below ~1e-45 is 0 and one
+        # above ~3e38 is inf, and a banned token's -inf x 0 or a 0 logit x inf is NaN.
+        penalty = column("repetition_penalty").clamp(1e-30, 1e30)
+        scale = torch.where(seen, penalty, 1.0)
         logits = torch.where(logits > 0, logits / scale, logits * scale)
+        # Nor may a seen token's logit become +inf (inf - inf is NaN downstream): the
+        # largest float keeps it the favourite.
+        logits = logits.clamp(max=torch.finfo(logits.dtype).max)
     logits = logits - column("frequency_penalty") * counts
     return logits - column("presence_penalty") * in_output

@@ -50,7 +50,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(body.prompts())]
     # One per prompt; choice i * n + j is of prompt i.
     echoes = [
-        Echo(prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt), body.echo_only)
+        Echo(prompt if isinstance(prompt, str) else None, ctx.tokenizer.decode, body.echo_only)
         if body.echo
         else None
         for _, prompt in prompts
@@ -86,7 +86,7 @@ def _choice(
     )
     text = output.text
     if echo is not None:
-        text, entries = echo.text(text), echo.logprobs(output, entries, ctx.decode_token)
+        text, entries = echo.text(output, text), echo.logprobs(output, entries, ctx.decode_token)
     return CompletionChoice(
         index=index, text=text, logprobs=entries, finish_reason=output.finish_reason
     )
@@ -111,12 +111,12 @@ def _stream(
         if body.logprobs is not None:
             offset = text_length.get(index, 0)
             if echo is not None and first:
-                offset = len(echo.prompt_text)
+                offset = len(echo.prompt_text(output))
             logprobs = completion_logprobs(output.delta_logprobs, ctx.decode_token, offset)
         if echo is not None and first:  # the prompt goes out with the first chunk
             if body.logprobs is not None:
                 logprobs = echo.logprobs(output, logprobs, ctx.decode_token)
-            text = echo.prompt_text + text
+            text = echo.prompt_text(output) + text
         elif echo is not None and echo.only:
             logprobs = None if logprobs is None else CompletionLogprobs()
         text_length[index] = text_length.get(index, 0) + len(text)

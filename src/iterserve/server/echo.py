@@ -18,11 +18,16 @@ from iterserve.server.protocol import CompletionLogprobs
 
 @dataclass(frozen=True)
 class Echo:
-    prompt_text: str
+    # The prompt as sent; None for token ids, decoded once the engine has checked them.
+    prompt: str | None
+    decode_ids: Callable[[list[int]], str]
     only: bool  # max_tokens 0: the prompt alone, no completion
 
-    def text(self, completion: str) -> str:
-        return self.prompt_text + ("" if self.only else completion)
+    def prompt_text(self, output: RequestOutput) -> str:
+        return self.prompt if self.prompt is not None else self.decode_ids(output.prompt_token_ids)
+
+    def text(self, output: RequestOutput, completion: str) -> str:
+        return self.prompt_text(output) + ("" if self.only else completion)
 
     def logprobs(
         self,
@@ -42,7 +47,7 @@ class Echo:
         rest = completion_logprobs(scored[1:], decode, len(first))
         _extend(result, rest)
         if not self.only:
-            shift = len(self.prompt_text)
+            shift = len(self.prompt_text(output))
             completion.text_offset = [offset + shift for offset in completion.text_offset]
             _extend(result, completion)
         return result

@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.unhonoured import refuse_unhonoured
 
 # ---- requests -------------------------------------------------------------------------
 
@@ -24,6 +25,9 @@ class StreamOptions(BaseModel):
 
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    # Kept, not dropped, so the ones that would change the output can be refused.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float | None = None
@@ -53,6 +57,7 @@ class _GenerationRequest(BaseModel):
     def to_sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
+        refuse_unhonoured(self.model_extra)
         # SamplingParams validates every range and names the offending field.
         return SamplingParams(
             n=self.n,
