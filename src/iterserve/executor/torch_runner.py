@@ -70,13 +70,16 @@ class TorchRunner:
         if any(seq.scored_prompt_token_ids for seq in scheduled.seqs):
             logits, prompt_logprobs = take_prompt_logprobs(logits, scheduled.seqs)
         sampling = [seq for seq in scheduled.seqs if seq.sample]
-        # The controls' logits are sampled from; the raw ones give the logprobs.
+        # The controls' logits are sampled from; the raw ones give the logprobs, so they
+        # are copied first only when a controlled row reports logprobs.
         controlled = logits
-        if any(seq.sampling_params.adjusts_logits for seq in sampling):
+        controlled_params = [s.sampling_params for s in sampling if s.sampling_params.adjusts_logits]
+        if controlled_params:
             controlled = apply_logits_controls(
                 logits,
                 [seq.sampling_params for seq in sampling for _ in range(seq.num_samples)],
                 row_contexts(sampling),
+                keep_raw=any(p.logprobs is not None for p in controlled_params),
             )
         # Guesses a draft model sampled from its own distribution q are accepted by the
         # ratio rule; fixed guesses (n-gram, greedy drafts) by matching the target's draw.
