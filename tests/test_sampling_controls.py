@@ -146,8 +146,9 @@ REPEATING = "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2"
     [
         {"max_num_batched_tokens": 5, "max_num_seqs": 4, "block_size": 4},
         {"speculative_method": "ngram", "num_speculative_tokens": 3},
+        {"num_kv_blocks": 16, "block_size": 4},  # preempted and recomputed
     ],
-    ids=["chunked", "speculative"],
+    ids=["chunked", "speculative", "preemption"],
 )
 def test_repetition_penalty_matches_transformers(
     tiny_llama_dir: Path, hf: tuple[Any, Any], settings: dict
@@ -172,6 +173,8 @@ def test_repetition_penalty_matches_transformers(
     outputs = llm.generate([REPEATING, REPEATING, REPEATING], [plain, params, params], False)
     assert outputs[1].token_ids == expected and outputs[2].token_ids == expected
     assert outputs[0].token_ids != expected, "the penalty changes this output"
+    if "num_kv_blocks" in settings:
+        assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_bad_words_and_logit_bias_ban_tokens(tiny_llama_dir: Path) -> None:

@@ -24,6 +24,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (False, None),
     "continue_final_message": (False, None),
+    "echo": (False, None),  # vLLM's on chat (the last message repeated); completions has it
     "chat_template": (None,),
     "documents": (None, []),
     "modalities": (None, ["text"]),
