@@ -187,6 +187,12 @@ def test_bad_words_and_logit_bias_ban_tokens(tiny_llama_dir: Path) -> None:
     banned = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, bad_words=[word])
     for params in (biased, banned):
         assert token not in llm.generate(REPEATING, params, use_tqdm=False)[0].token_ids
+    # min_tokens holds back a stop token id: without it the request ends at once.
+    stop_at_first = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[token])
+    assert llm.generate(REPEATING, stop_at_first, use_tqdm=False)[0].token_ids == [token]
+    held = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[token], min_tokens=3)
+    out = llm.generate(REPEATING, held, use_tqdm=False)[0].token_ids
+    assert len(out) >= 3 and token not in out[:3]
     with pytest.raises(InvalidRequestError) as error:
         llm.generate("x", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     assert error.value.param == "logit_bias"
