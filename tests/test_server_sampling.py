@@ -89,11 +89,15 @@ def test_echo_with_a_completion_and_streamed(client: openai.OpenAI) -> None:
         model=MODEL_NAME,
         prompt="1 2 3",
         echo=True,
+        logprobs=0,
         max_tokens=4,
         temperature=0.0,
         stream=True,
     )
-    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == choice.text
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs or []]
+    assert streamed == choice.logprobs.token_logprobs and streamed[0] is None
 
 
 def test_tokenize_and_detokenize(server: RunningServer, tiny_llama_dir: Path) -> None:
