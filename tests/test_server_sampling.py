@@ -98,6 +98,10 @@ def test_echo_with_a_completion_and_streamed(client: openai.OpenAI) -> None:
     assert "".join(c.text for c in chunks) == choice.text
     streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs or []]
     assert streamed == choice.logprobs.token_logprobs and streamed[0] is None
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset or []]
+    assert offsets == choice.logprobs.text_offset
+    tokens = choice.logprobs.tokens or []
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
 def test_tokenize_and_detokenize(server: RunningServer, tiny_llama_dir: Path) -> None:

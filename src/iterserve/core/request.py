@@ -126,9 +126,10 @@ class Request:
     def num_unscored_prompt_positions(self) -> int:
         """Positions before the first whose logits still owe a prompt logprob: the
         prefix cache may serve these, the rest must be computed (and scored)."""
-        if self.sampling_params.prompt_logprobs is None:
-            return self.num_tokens
-        return len(self.prompt_logprobs)
+        scored = len(self.prompt_logprobs)
+        if self.sampling_params.prompt_logprobs is None or scored >= self.num_prompt_tokens - 1:
+            return self.num_tokens  # none owed (any more: a preempted request's recompute)
+        return scored
 
     def prompt_tokens_to_score(self, start: int, num_new: int) -> list[int]:
         """The prompt tokens whose logprobs a step computing positions start..start+num_new

@@ -18,7 +18,6 @@ from iterserve.server.echo import Echo
 from iterserve.server.logprobs import completion_logprobs
 from iterserve.server.protocol import (
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
@@ -106,20 +105,13 @@ def _stream(
     def chunk(index: int, output: RequestOutput) -> str:
         echo = echoes[index // n]
         first = index not in text_length
-        text = "" if echo is not None and echo.only else output.delta_text
-        logprobs = None
+        offset = text_length.get(index, 0)
+        text, logprobs = output.delta_text, None
         if body.logprobs is not None:
-            offset = text_length.get(index, 0)
-            if echo is not None and first:
-                offset = len(echo.prompt_text(output))
             logprobs = completion_logprobs(output.delta_logprobs, ctx.decode_token, offset)
-        if echo is not None and first:  # the prompt goes out with the first chunk
-            if body.logprobs is not None:
-                logprobs = echo.logprobs(output, logprobs, ctx.decode_token)
-            text = echo.prompt_text(output) + text
-        elif echo is not None and echo.only:
-            logprobs = None if logprobs is None else CompletionLogprobs()
-        text_length[index] = text_length.get(index, 0) + len(text)
+        if echo is not None:
+            text, logprobs = echo.delta(output, text, logprobs, first, ctx.decode_token)
+        text_length[index] = offset + len(text)
         choice = CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason
         )

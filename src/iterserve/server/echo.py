@@ -53,6 +53,23 @@ class Echo:
         return result
 
 
+    def delta(
+        self,
+        output: RequestOutput,
+        text: str,
+        logprobs: CompletionLogprobs | None,
+        first: bool,
+        decode: Callable[[int], str],
+    ) -> tuple[str, CompletionLogprobs | None]:
+        """A stream chunk's text and logprobs: the prompt's go out with the first chunk
+        (whose completion offsets are relative to the completion: shifted here)."""
+        if first:
+            return self.text(output, text), self.logprobs(output, logprobs, decode)
+        if self.only:
+            return "", None if logprobs is None else CompletionLogprobs()
+        return text, logprobs
+
+
 def _extend(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
     into.text_offset += more.text_offset
     into.token_logprobs += more.token_logprobs
