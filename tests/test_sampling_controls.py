@@ -148,7 +148,7 @@ REPEATING = "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2"
         {"speculative_method": "ngram", "num_speculative_tokens": 3},
         {"num_kv_blocks": 16, "block_size": 4},  # preempted and recomputed
     ],
-    ids=["chunked", "speculative", "preemption"],
+    ids=["chunked", "ngram", "preemption"],
 )
 def test_repetition_penalty_matches_transformers(
     tiny_llama_dir: Path, hf: tuple[Any, Any], settings: dict
@@ -175,6 +175,29 @@ def test_repetition_penalty_matches_transformers(
     assert outputs[0].token_ids != expected, "the penalty changes this output"
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+
+def test_penalties_hold_through_rejected_drafts(tiny_llama_dir: Path) -> None:
+    """The model drafts for itself, unpenalised: under strong frequency and presence
+    penalties the target turns its guesses down, and the text is the one decoding
+    without speculation gives (the rejected drafts never count as output)."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, frequency_penalty=2, presence_penalty=2
+    )
+    plain = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
+    expected = plain.generate(REPEATING, params, use_tqdm=False)[0].token_ids
+    drafting = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        speculative_method="draft",
+        draft_model=str(tiny_llama_dir),
+        num_speculative_tokens=3,
+    )
+    out = drafting.generate(REPEATING, params, use_tqdm=False)[0]
+    assert out.token_ids == expected and len(set(expected)) > 5, "the penalties bite"
+    assert out.num_draft_tokens > out.num_accepted_tokens, "some drafts were turned down"
 
 
 def test_bad_words_and_logit_bias_ban_tokens(tiny_llama_dir: Path) -> None:

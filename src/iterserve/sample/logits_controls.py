@@ -122,7 +122,7 @@ def _penalize(
     token."""
     vocab = logits.shape[1]
     flat_logits = logits.view(-1)
-    device = logits.device
+    device, dtype = logits.device, logits.dtype  # a penalty may be given as an int
 
     def keys(histories: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat key, index into `rows`) of every token of every row's history."""
@@ -132,7 +132,7 @@ def _penalize(
         return torch.tensor(rows, device=device)[owner] * vocab + tokens, owner
 
     def per_key(name: str, owner: torch.Tensor) -> torch.Tensor:
-        values = torch.tensor([getattr(p, name) for p in params], device=device)
+        values = torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
         return values[owner]
 
     output_keys, output_owner = keys([c.output_token_ids for c in contexts])
