@@ -36,8 +36,7 @@ EXAMPLES = {"raw": 60, "tamed": 100, "negative": 30}
 # role no template knows, token ids outside the vocabulary, a prompt longer than the
 # context), and the request ends there with a 400. Tamed examples fix those up and keep
 # every other generated value.
-REFUSED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "echo",
-           "suffix", "best_of", "model")  # fmt: skip
+REFUSED = ("suffix", "best_of", "model")
 ROLES = ("user", "assistant", "system", "tool")
 
 
@@ -65,6 +64,15 @@ SAMPLING = st.fixed_dictionaries(
         "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
         "ignore_eos": st.booleans(),
         "skip_special_tokens": st.booleans(),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0, 1e308, exclude_min=True),
+        "logit_bias": st.dictionaries(
+            st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3
+        ),
+        "min_tokens": st.integers(0, 2**70),
+        "bad_words": st.lists(st.text(min_size=1, max_size=4).filter(str.strip), max_size=2),
+        "echo": st.booleans(),
     },
 )
 
@@ -81,6 +89,9 @@ def tame(drawn: tuple[schemathesis.Case, dict[str, object]]) -> schemathesis.Cas
                             ("logprobs", 0, 5), ("top_logprobs", 0, 5)):  # fmt: skip
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = low + abs(body[name]) % (high - low + 1)
+    if isinstance(body.get("min_tokens"), int):  # at most max_tokens (16 when unset)
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        body["min_tokens"] = body["min_tokens"] % (limit + 1) if isinstance(limit, int) else 0
     if "prompt" in body:
         body["prompt"] = _short(body["prompt"])
     if "messages" in body:

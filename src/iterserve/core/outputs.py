@@ -6,10 +6,24 @@ Scheduler.schedule() -> SchedulerOutput -> Executor.execute() -> ModelOutput
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from iterserve.core.logprobs import TokenLogprobs
 from iterserve.core.request import FinishReason
 from iterserve.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenContext:
+    """What sampling controls that look back read (penalties, min_tokens, bad_words):
+    the request's tokens before this step's samples, from the scheduler's own record,
+    so a preemption's recompute or rejected drafts can never leave it out of date."""
+
+    prompt_token_ids: Sequence[int]  # the whole prompt, prefix-cached blocks' tokens too
+    output_token_ids: list[int]
+    stop_token_ids: tuple[int, ...]  # what min_tokens holds back: EOS and stop_token_ids
+    bad_words_token_ids: list[list[int]]
 
 
 @dataclass
@@ -29,15 +43,26 @@ class ScheduledSeq:
     sample: bool
     sampling_params: SamplingParams
     draft_token_ids: list[int] = field(default_factory=list)
+    # Set when the sampling params look back at the tokens so far (else None: free).
+    context: TokenContext | None = None
+    # Prompt logprobs: the prompt tokens this step scores, in order. The logits at position
+    # p give token p + 1's logprob, so these are scored by the rows of the positions just
+    # before them, which end the step's new tokens (or precede its sample when it has one).
+    scored_prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
-    def num_logits(self) -> int:
+    def num_samples(self) -> int:
         """Positions the executor samples at: the last token's and every draft's."""
         return 1 + len(self.draft_token_ids) if self.sample else 0
+
+    @property
+    def num_logits(self) -> int:
+        """Logit rows the step needs: the prompt-scoring ones, then the samples'."""
+        return len(self.scored_prompt_token_ids) + self.num_samples
 
 
 @dataclass(frozen=True)
@@ -72,15 +97,6 @@ class SchedulerOutput:
 
 
 @dataclass
-class TokenLogprobs:
-    """Log-probabilities under the model's raw distribution (log_softmax of raw logits)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-n (token_id, logprob), best first; empty if n == 0
-
-
-@dataclass
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
@@ -94,6 +110,8 @@ class ModelOutput:
     # Seconds the network's forward took (the rest of a step is scheduling, batch and
     # metadata building, sampling, detokenizing): what engine stats report it against.
     forward_time: float = 0.0
+    # Per request that scored prompt tokens: their logprobs, in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
+from iterserve.core.logprobs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
 LANES = ("interactive", "batch")
@@ -88,6 +89,11 @@ class Request:
     # Speculative decoding: draft tokens proposed for this request, and accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # vLLM's bad_words as token sequences (the engine tokenizes them).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Logprobs of prompt tokens 1, 2, ... as far as they are scored
+    # (SamplingParams.prompt_logprobs; the first token has none).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +121,24 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def num_unscored_prompt_positions(self) -> int:
+        """Positions before the first whose logits still owe a prompt logprob: the
+        prefix cache may serve these, the rest must be computed (and scored)."""
+        scored = len(self.prompt_logprobs)
+        if self.sampling_params.prompt_logprobs is None or scored >= self.num_prompt_tokens - 1:
+            return self.num_tokens  # none owed (any more: a preempted request's recompute)
+        return scored
+
+    def prompt_tokens_to_score(self, start: int, num_new: int) -> list[int]:
+        """The prompt tokens whose logprobs a step computing positions start..start+num_new
+        yields: the logits at position p score token p + 1."""
+        if self.sampling_params.prompt_logprobs is None:
+            return []
+        first = max(start, len(self.prompt_logprobs))
+        end = min(start + num_new, self.num_prompt_tokens - 1)
+        return self.prompt_token_ids[first + 1 : end + 1]
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

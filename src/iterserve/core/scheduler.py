@@ -38,6 +38,7 @@ from iterserve.core.outputs import (
     RequestUpdate,
     ScheduledSeq,
     SchedulerOutput,
+    TokenContext,
 )
 from iterserve.core.policies import WaitingQueues, form_batch, outranks, outranks_any, victim_key
 from iterserve.core.request import LANES, Request, RequestStatus
@@ -217,6 +218,8 @@ class Scheduler(SteadyDecodePlanning):
                 place = request.admission_seq if decode else math.inf
                 while members_done and members_done[0].admission_seq < place:
                     updates.append(self._finish_member(members_done.pop(0), now))
+            if seq.scored_prompt_token_ids:
+                request.prompt_logprobs += model_output.prompt_logprobs[seq.request_id]
             if not seq.sample:
                 request.num_computed_tokens += seq.num_new_tokens
                 self.kv.cache_full_blocks(request)
@@ -347,7 +350,7 @@ class Scheduler(SteadyDecodePlanning):
 
     def _admit(self, request: Request, budget: int, step: StepPlan, now: float) -> _Admission:
         """Move a waiting request to running with its first chunk, if it fits."""
-        cached = self.kv.find_cached_prefix(request)
+        cached = self._cached_prefix(request)
         num_cached = len(cached) * self.kv.block_size
         remaining = request.num_tokens - num_cached
         if self._long_prefill_slots_taken(remaining, step):
@@ -372,7 +375,7 @@ class Scheduler(SteadyDecodePlanning):
         """Static / dynamic batching: the next batch joins the running set together."""
         batch = form_batch(self.config, self.waiting, now, no_more_arrivals)
         for request in batch[: self.config.max_num_seqs]:
-            cached = self.kv.find_cached_prefix(request)
+            cached = self._cached_prefix(request)
             if not self.kv.allocate(request, 0, cached):
                 cached = []
             num_cached = len(cached) * self.kv.block_size
@@ -381,6 +384,13 @@ class Scheduler(SteadyDecodePlanning):
             )
             self.waiting.remove(request)
             self._start_running(request, num_cached, now)
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The prefix cache's blocks the request may use: a request still owed prompt
+        logprobs recomputes the blocks whose positions score them (their logits were
+        never kept), and only such a request pays for that."""
+        cached = self.kv.find_cached_prefix(request)
+        return cached[: request.num_unscored_prompt_positions // self.kv.block_size]
 
     def _start_running(self, request: Request, num_cached: int, now: float) -> None:
         request.status = RequestStatus.RUNNING
@@ -529,6 +539,11 @@ class Scheduler(SteadyDecodePlanning):
                     draft_token_ids=drafts,
                 )
             )
+            params = request.sampling_params
+            if sample and params.uses_token_history:
+                seqs[-1].context = _token_context(request)
+            if params.prompt_logprobs is not None:
+                seqs[-1].scored_prompt_token_ids = request.prompt_tokens_to_score(start, real)
             num_draft += len(drafts)
             if sample and real == 1 and request.num_output_tokens:
                 num_decode += 1
@@ -544,6 +559,20 @@ class Scheduler(SteadyDecodePlanning):
             finished_ids=finished,
             steady=steady,
         )
+
+
+def _token_context(request: Request) -> TokenContext:
+    """What the sampler's look-back controls read (for requests that use any)."""
+    params = request.sampling_params
+    stops = tuple(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops += request.eos_token_ids
+    return TokenContext(
+        request.prompt_token_ids,
+        list(request.output_token_ids),
+        stops,
+        request.bad_words_token_ids,
+    )
 
 
 class _Admission(enum.Enum):

@@ -22,6 +22,7 @@ from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatch
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats, num_kv_blocks
 from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
+from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.paged_model import PagedModel
 from iterserve.executor.tensor_parallel import launch_tensor_parallel
@@ -216,6 +217,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 "the engine runs one sequence per request; fan out n above it"
             )
+        vocab = self.model_config.vocab_size
+        check_token_ids(params, vocab)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(
             request_id=request_id,
@@ -225,6 +228,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             lane=lane,
             priority=priority,
+            bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words, vocab),
         )
         self.scheduler.add_request(request)
         self._streams[request_id] = _Stream(
@@ -327,6 +331,9 @@ class LLMEngine:
             # Copies: outputs may be read on another thread while later steps go on.
             logprobs=list(stream.logprobs) if wants_logprobs else None,
             delta_logprobs=logprobs if wants_logprobs else [],
+            prompt_logprobs=None
+            if request.sampling_params.prompt_logprobs is None
+            else [None, *request.prompt_logprobs],
             num_cached_tokens=request.num_cached_tokens,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,

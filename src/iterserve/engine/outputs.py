@@ -22,6 +22,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None  # set once finished
     logprobs: list[TokenLogprobs | None] | None = None  # when the request asked for them
     delta_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one per prompt token (the first None), as far as the
+    # prefill has come (complete once the first token is out).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     # Speculative decoding: draft tokens proposed for this request so far, and accepted.
     num_draft_tokens: int = 0

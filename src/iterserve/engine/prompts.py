@@ -100,12 +100,12 @@ def encode_prompt(tokenizer: Any, prompt: str | RenderedChat) -> list[int]:
     data-parallel front end, which tokenizes to route (both must see the same ids)."""
     if isinstance(prompt, RenderedChat):
         # The chat template already wrote BOS and the rest; adding more would double them.
-        return _encode(tokenizer, prompt.text, False, "messages")
+        return encode_text(tokenizer, prompt.text, False, "messages")
     # The tokenizer's own settings decide on BOS (Llama adds it, SmolLM2 does not).
-    return _encode(tokenizer, prompt, True, "prompt")
+    return encode_text(tokenizer, prompt, True, "prompt")
 
 
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool, field: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool, field: str) -> list[int]:
     try:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except (TypeError, ValueError) as error:

@@ -2,8 +2,9 @@
 
 Every scheduled sequence contributes its new tokens to a single flat batch
 (decodes first, then prefill chunks; executor/paged_model.py); logits are
-computed only where a token is sampled, and speculative drafts are verified
-against the samples.
+computed only where a token is sampled or a prompt token is scored (prompt
+logprobs), the sampling controls reshape the sampled rows (penalties, logit
+bias, ...), and speculative drafts are verified against the samples.
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from collections.abc import Sequence
 
 import torch
 
-from iterserve.core.outputs import ModelOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from iterserve.core.outputs import (
+    ModelOutput,
+    SampledToken,
+    ScheduledSeq,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.paged_model import ForwardSeq, PagedModel
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.sample.logits_controls import apply_logits_controls, row_contexts
+from iterserve.sample.prompt_logprobs import take_prompt_logprobs
 from iterserve.sample.rejection import verify_by_ratio
 from iterserve.sample.sampler import Sampler, make_generator
 
@@ -49,7 +58,7 @@ class TorchRunner:
             self._generators.pop(request_id, None)
         if scheduled.is_empty:
             return ModelOutput({})
-        # The last token's position and every draft's (num_logits is 0 without sampling).
+        # The last token's position and every draft's, after any prompt-scoring rows.
         logits = self.network.forward(
             [
                 ForwardSeq(seq.block_ids, seq.num_computed_tokens, seq.token_ids, seq.num_logits)
@@ -57,7 +66,21 @@ class TorchRunner:
             ]
         )
         forward_time = self.network.last_forward_seconds
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if any(seq.scored_prompt_token_ids for seq in scheduled.seqs):
+            logits, prompt_logprobs = take_prompt_logprobs(logits, scheduled.seqs)
         sampling = [seq for seq in scheduled.seqs if seq.sample]
+        # The controls' logits are sampled from; the raw ones give the logprobs, so they
+        # are copied first only when a controlled row reports logprobs.
+        controlled = logits
+        controlled_params = [s.sampling_params for s in sampling if s.sampling_params.adjusts_logits]
+        if controlled_params:
+            controlled = apply_logits_controls(
+                logits,
+                [seq.sampling_params for seq in sampling for _ in range(seq.num_samples)],
+                row_contexts(sampling),
+                keep_raw=any(p.logprobs is not None for p in controlled_params),
+            )
         # Guesses a draft model sampled from its own distribution q are accepted by the
         # ratio rule; fixed guesses (n-gram, greedy drafts) by matching the target's draw.
         by_ratio = {
@@ -66,22 +89,25 @@ class TorchRunner:
             if seq.draft_token_ids and (q := self._draft_probs(seq.request_id)) is not None
         }
         if not by_ratio:  # every step without a draft model's sampled guesses
-            return ModelOutput(self._sample_matching(logits, sampling), forward_time)
-        starts = list(itertools.accumulate((seq.num_logits for seq in sampling), initial=0))
+            sampled = self._sample_matching(controlled, logits, sampling)
+            return ModelOutput(sampled, forward_time, prompt_logprobs)
+        starts = list(itertools.accumulate((seq.num_samples for seq in sampling), initial=0))
         by_match = [i for i in range(len(sampling)) if i not in by_ratio]
         sampled: dict[str, list[SampledToken]] = {}
         if by_match:
             rows = [r for i in by_match for r in range(starts[i], starts[i + 1])]
-            sampled |= self._sample_matching(logits[rows], [sampling[i] for i in by_match])
-        for i, q in by_ratio.items():
-            seq = sampling[i]
-            sampled[seq.request_id] = self._sample_by_ratio(
-                logits[starts[i] : starts[i + 1]], seq, q
+            sampled |= self._sample_matching(
+                controlled[rows], logits[rows], [sampling[i] for i in by_match]
             )
-        return ModelOutput(sampled, forward_time)
+        for i, q in by_ratio.items():
+            seq, rows_i = sampling[i], slice(starts[i], starts[i + 1])
+            sampled[seq.request_id] = self._sample_by_ratio(
+                controlled[rows_i], logits[rows_i], seq, q
+            )
+        return ModelOutput(sampled, forward_time, prompt_logprobs)
 
     def _sample_matching(
-        self, logits: torch.Tensor, seqs: list[ScheduledSeq]
+        self, logits: torch.Tensor, raw_logits: torch.Tensor, seqs: list[ScheduledSeq]
     ) -> dict[str, list[SampledToken]]:
         """One draw per position; drafts kept up to the first that differs from the draw
         at its position, then that draw."""
@@ -95,13 +121,14 @@ class TorchRunner:
         }
         result = self.sampler(
             logits,
-            [seq.sampling_params for seq in seqs for _ in range(seq.num_logits)],
-            [g for seq, g in zip(seqs, generators, strict=True) for _ in range(seq.num_logits)],
+            [seq.sampling_params for seq in seqs for _ in range(seq.num_samples)],
+            [g for seq, g in zip(seqs, generators, strict=True) for _ in range(seq.num_samples)],
+            raw_logits,
         )
         sampled: dict[str, list[SampledToken]] = {}
         row = 0
         for i, seq in enumerate(seqs):
-            tokens = result.token_ids[row : row + seq.num_logits]
+            tokens = result.token_ids[row : row + seq.num_samples]
             kept = 1 + num_accepted(seq.draft_token_ids, tokens)
             sampled[seq.request_id] = [
                 SampledToken(token_id, logprobs)
@@ -109,13 +136,13 @@ class TorchRunner:
                     tokens[:kept], result.logprobs[row : row + kept], strict=True
                 )
             ]
-            if i in rewind and kept < seq.num_logits:
+            if i in rewind and kept < seq.num_samples:
                 self.sampler.replay_draws(generators[i], rewind[i], kept, seq.sampling_params)
-            row += seq.num_logits
+            row += seq.num_samples
         return sampled
 
     def _sample_by_ratio(
-        self, logits: torch.Tensor, seq: ScheduledSeq, q: torch.Tensor
+        self, logits: torch.Tensor, raw_logits: torch.Tensor, seq: ScheduledSeq, q: torch.Tensor
     ) -> list[SampledToken]:
         """Guesses the draft sampled, kept by the ratio rule (sample/rejection.py)."""
         params = seq.sampling_params
@@ -127,7 +154,7 @@ class TorchRunner:
             lambda: self.sampler.uniform(generator),
             generator,
         )
-        logprobs = self.sampler.logprobs_of(logits[: len(tokens)], params, tokens)
+        logprobs = self.sampler.logprobs_of(raw_logits[: len(tokens)], params, tokens)
         return [SampledToken(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
 
     def _draft_probs(self, request_id: str) -> torch.Tensor | None:

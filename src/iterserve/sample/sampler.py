@@ -148,6 +148,12 @@ def _draw_from_weights(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     return chunk * _CHUNK + _invert_cdf(inside.double(), rest)[0]
 
 
+def _inverse_temperatures(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
+    """1 / T per row, kept above float32's underflow: at T ~ 1e38 it would round to 0, and
+    a banned token's -inf logit (sample/logits_controls.py) times 0 is NaN, not 0."""
+    return torch.tensor([max(1.0 / p.temperature, 1e-30) for p in params], device=device)
+
+
 def _is_greedy(p: SamplingParams) -> bool:
     return p.temperature < _GREEDY_TEMPERATURE or p.top_k == 1
 
@@ -171,7 +177,10 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        raw_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """`raw_logits`: the model's logits when `logits` are those after the sampling
+        controls (sample/logits_controls.py); logprobs are reported from them."""
         logits = logits.float().contiguous()  # no-ops for the float32 rows we expect
         num_rows, device = logits.shape[0], logits.device
         if len(params) != num_rows or len(generators) != num_rows:
@@ -190,6 +199,9 @@ class Sampler:
                 tokens[greedy_t] = rows.argmax(greedy_t)
             self._sample_random(rows, params, generators, random_rows, tokens)
         token_ids: list[int] = tokens.tolist()
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if raw_logits is not None and raw_logits is not logits and wants_logprobs:
+            rows = _LogitRows(raw_logits.float().contiguous())
         return SamplerOutput(token_ids, self._logprobs(rows, params, tokens, token_ids))
 
     def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -309,7 +321,7 @@ class Sampler:
         uniforms: torch.Tensor,
     ) -> torch.Tensor:
         device = rows.logits.device
-        inv_temp = torch.tensor([1.0 / p.temperature for p in params], device=device)
+        inv_temp = _inverse_temperatures(params, device)
         weights = self._ratios(rows, row_ids, inv_temp)
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=device)
@@ -331,7 +343,7 @@ class Sampler:
         """
         device, vocab = rows.logits.device, rows.logits.shape[1]
         n = len(row_ids)
-        inv_temp = torch.tensor([1.0 / p.temperature for p in params], device=device)
+        inv_temp = _inverse_temperatures(params, device)
         top_k = torch.tensor([_top_k(p, vocab) or vocab for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         min_p = torch.tensor([p.min_p for p in params], device=device)

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes under /v1, plus /health and /metrics.
+"""The FastAPI app: OpenAI routes under /v1, plus /tokenize, /detokenize, /health and
+/metrics.
 
 `create_app(AsyncEngine(LLMEngine(config)))` gives an ASGI app; its lifespan
 starts the engine loop and, on shutdown, drains it. Any ServingEngine will do: a
@@ -30,6 +31,7 @@ from iterserve.server.protocol import (
     ResetPrefixCacheResponse,
 )
 from iterserve.server.serving import ServingContext
+from iterserve.server.tokenize import tokenizer_routes
 from iterserve.server.tool_parsers import select_tool_parser
 
 logger = logging.getLogger("iterserve.server")
@@ -124,6 +126,8 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
         return ResetPrefixCacheResponse(num_blocks_dropped=dropped)
 
     app.include_router(admin)
+    # vLLM's paths, outside /v1 too.
+    app.include_router(tokenizer_routes(ctx), dependencies=guarded)
 
     @app.get("/health")
     async def health() -> Response:

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from iterserve.engine.outputs import RequestOutput
+from iterserve.server.echo import Echo
 from iterserve.server.logprobs import completion_logprobs
 from iterserve.server.protocol import (
     CompletionChoice,
@@ -37,9 +38,22 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     # An explicit null means "all the context allows": the engine fills it in once the
     # prompt is tokenized; 16 only stands in until then.
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    params = body.to_sampling_params(max_tokens, body.logprobs)
+    # Echo-only still samples one token (the engine always does); it is left out.
+    scores_prompt = body.echo and body.logprobs is not None
+    params = body.to_sampling_params(
+        1 if body.echo_only else max_tokens,
+        body.logprobs,
+        body.logprobs if scores_prompt else None,
+    )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(body.prompts())]
+    # One per prompt; choice i * n + j is of prompt i.
+    echoes = [
+        Echo(prompt if isinstance(prompt, str) else None, ctx.tokenizer.decode, body.echo_only)
+        if body.echo
+        else None
+        for _, prompt in prompts
+    ]
     submitted = await submit(
         raw,
         ctx,
@@ -53,43 +67,53 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> CompletionResponse:
         wants_logprobs = body.logprobs is not None
-        choices = [_choice(i, out, wants_logprobs, ctx) for i, out in enumerate(outputs)]
+        choices = [
+            _choice(i, out, wants_logprobs, ctx, echoes[i // params.n])
+            for i, out in enumerate(outputs)
+        ]
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    events = functools.partial(_stream, body, submitted, ctx, model, params.n)
+    events = functools.partial(_stream, body, submitted, ctx, model, params.n, echoes)
     return await respond(raw, submitted, params.n, body.stream, events, final)
 
 
 def _choice(
-    index: int, output: RequestOutput, logprobs: bool, ctx: ServingContext
+    index: int, output: RequestOutput, logprobs: bool, ctx: ServingContext, echo: Echo | None
 ) -> CompletionChoice:
+    entries = (
+        completion_logprobs(output.logprobs or [], ctx.decode_token, 0) if logprobs else None
+    )
+    text = output.text
+    if echo is not None:
+        text, entries = echo.text(output, text), echo.logprobs(output, entries, ctx.decode_token)
     return CompletionChoice(
-        index=index,
-        text=output.text,
-        logprobs=completion_logprobs(output.logprobs or [], ctx.decode_token, 0)
-        if logprobs
-        else None,
-        finish_reason=output.finish_reason,
+        index=index, text=text, logprobs=entries, finish_reason=output.finish_reason
     )
 
 
 def _stream(
-    body: CompletionRequest, submitted: Submitted, ctx: ServingContext, model: str, n: int
+    body: CompletionRequest,
+    submitted: Submitted,
+    ctx: ServingContext,
+    model: str,
+    n: int,
+    echoes: list[Echo | None],
 ) -> AsyncIterator[str]:
     created = int(time.time())
     text_length: dict[int, int] = {}  # where the next delta starts, for logprobs' text_offset
 
     def chunk(index: int, output: RequestOutput) -> str:
-        logprobs = None
+        echo = echoes[index // n]
+        first = index not in text_length
+        offset = text_length.get(index, 0)
+        text, logprobs = output.delta_text, None
         if body.logprobs is not None:
-            offset = text_length.get(index, 0)
             logprobs = completion_logprobs(output.delta_logprobs, ctx.decode_token, offset)
-        text_length[index] = text_length.get(index, 0) + len(output.delta_text)
+        if echo is not None:
+            text, logprobs = echo.delta(output, text, logprobs, first, ctx.decode_token)
+        text_length[index] = offset + len(text)
         choice = CompletionChoice(
-            index=index,
-            text=output.delta_text,
-            logprobs=logprobs,
-            finish_reason=output.finish_reason,
+            index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason
         )
         return message([choice])
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
+from iterserve.server.unhonoured import refuse_unhonoured
 
 # ---- requests -------------------------------------------------------------------------
 
@@ -25,6 +26,9 @@ class StreamOptions(BaseModel):
 
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    # Kept, not dropped, so the ones that would change the output can be refused.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float | None = None
@@ -45,20 +49,16 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
     priority: int = 0
     lane: str = "interactive"
     speculative: bool = True  # False: this request never speculates
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        for name, value, neutral in (
-            ("presence_penalty", self.presence_penalty, 0.0),
-            ("frequency_penalty", self.frequency_penalty, 0.0),
-            ("repetition_penalty", self.repetition_penalty, 1.0),
-        ):
-            if value != neutral:
-                raise InvalidRequestError(f"{name} is not supported by this server", name)
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported by this server", "logit_bias")
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        refuse_unhonoured(self.model_extra)
         # SamplingParams validates every range and names the offending field.
         return SamplingParams(
             n=self.n,
@@ -72,13 +72,32 @@ class _GenerationRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             speculative=self.speculative,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=_token_id_keys(self.logit_bias),
+            min_tokens=self.min_tokens,
+            bad_words=list(self.bad_words or []),
         )
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias has token ids as JSON object keys, hence strings."""
+    if not logit_bias:
+        return None
+    try:
+        return {int(key): value for key, value in logit_bias.items()}
+    except ValueError:
+        raise InvalidRequestError(
+            "logit_bias keys must be token ids (integers as strings)", "logit_bias"
+        ) from None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -98,9 +117,12 @@ class CompletionRequest(_GenerationRequest):
             raise InvalidRequestError("the prompt is empty", "prompt")
         return list(prompt)  # type: ignore[arg-type]
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM: echo with max_tokens 0 scores the prompt and generates nothing."""
+        return self.echo and self.max_tokens == 0
+
     def check_supported(self) -> None:
-        if self.echo:
-            raise InvalidRequestError("echo is not supported by this server", "echo")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -1,0 +1,41 @@
+"""Request fields of OpenAI's or vLLM's API that would change the output and that this
+server does not honour. Unknown fields are otherwise ignored (as vLLM does), so without
+this list a client setting one would get a 200 and an answer that silently disregards
+it; here it gets a 400 naming the field. A field sent at its neutral value (what clients
+often send by default) changes nothing and passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from iterserve.sampling_params import InvalidRequestError
+
+# name -> the values that leave the output as this server makes it.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False, None),
+    "length_penalty": (1.0, None),
+    "include_stop_str_in_output": (False, None),
+    "allowed_token_ids": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (True, None),
+    "prompt_logprobs": (None,),  # vLLM's separate field; echo + logprobs gives them here
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (False, None),
+    "continue_final_message": (False, None),
+    "echo": (False, None),  # vLLM's on chat (the last message repeated); completions has it
+    "chat_template": (None,),
+    "documents": (None, []),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "web_search_options": (None,),
+}
+
+
+def refuse_unhonoured(extra: Mapping[str, Any] | None) -> None:
+    for name, value in (extra or {}).items():
+        neutral = _NEUTRAL.get(name)
+        if neutral is not None and value not in neutral:
+            raise InvalidRequestError(f"{name} is not supported by this server", name)
+
