@@ -54,7 +54,7 @@ def tokenizer_routes(ctx: ServingContext) -> APIRouter:
     def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         ctx.resolve_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            messages = [message.as_template_input() for message in body.messages]
+            messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
             text = render_chat(
                 ctx.tokenizer,
                 ctx.chat_template,
