@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from iterserve.structured_output import StructuredOutput
 
 
 class InvalidRequestError(ValueError):
@@ -40,10 +44,16 @@ class SamplingParams:
     # Opt out of speculative decoding when the engine runs it (the output is the same
     # either way; a request may prefer steady token timing to bursts of accepted drafts).
     speculative: bool = True
+    # Output constrained to a JSON schema, regex, choice or grammar (structured_output.py).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.structured_output is not None:
+            # Constrained requests do not speculate: drafts would have to be checked
+            # against the grammar (docs/structured_output.md).
+            self.speculative = False
         self.validate()
 
     def per_choice(self) -> list[SamplingParams]:
@@ -83,3 +93,9 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if self.structured_output is not None and self.ignore_eos:
+            raise InvalidRequestError(
+                "ignore_eos cannot be combined with structured output: a complete output "
+                "ends with EOS",
+                "ignore_eos",
+            )

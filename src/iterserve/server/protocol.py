@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, Field, model_serializer
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.structured_output import GuidedDecodingFields
 
 # ---- requests -------------------------------------------------------------------------
 
@@ -22,8 +23,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _GenerationRequest(GuidedDecodingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (and the output
+    constraints: server/structured_output.py)."""
 
     model: str | None = None
     temperature: float | None = None
@@ -73,6 +75,7 @@ class _GenerationRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             speculative=self.speculative,
+            structured_output=self.structured_output(),
         )
 
     @property
