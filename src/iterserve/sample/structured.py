@@ -116,7 +116,7 @@ class GrammarCompiler:
     def compile_uncached(self, spec: StructuredOutput) -> CompiledGrammar:
         try:
             text = grammar_text(spec)
-        except ValueError as error:
+        except Exception as error:  # the GBNF converter raises bare Exceptions
             raise InvalidRequestError(f"invalid {spec.kind}: {error}", spec.param) from None
         template = llguidance.LLMatcher(self.lltokenizer, text, log_level=0)
         if template.is_error():
