@@ -20,7 +20,9 @@ Nothing is asserted about time: the machine is shared; compare numbers from one 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import time
@@ -70,6 +72,18 @@ def bundled_tokenizer() -> Any:
     return tokenizer_from_gguf(metadata, path)
 
 
+def cpu_isa() -> str:
+    """The widest x86 vector ISA the CPU has (what the masking's loops may use)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return platform.machine()
+    for isa in ("avx512_bf16", "avx512f", "avx2"):
+        if isa in flags:
+            return isa
+    return platform.machine()
+
+
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -92,7 +106,7 @@ def bench_xgrammar(
         return compiler.compile_json_schema(schema)
 
     compiled = compile_cold()
-    result: dict[str, Any] = {"version": getattr(xgr, "__version__", "?")}
+    result: dict[str, Any] = {"version": importlib.metadata.version("xgrammar")}
     result["compile_ms"] = median_ms(compile_cold, repeats)
     for batch in batches:
         matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
@@ -128,9 +142,7 @@ def bench_llguidance(
         llt.fill_next_token_bitmask(matcher, mask, 0)
         return matcher
 
-    result: dict[str, Any] = {
-        "version": llguidance.get_version() if hasattr(llguidance, "get_version") else "?"
-    }
+    result: dict[str, Any] = {"version": importlib.metadata.version("llguidance")}
     result["compile_ms"] = median_ms(compile_cold, repeats)
     executor = llguidance.LLExecutor(num_threads=threads)
     for batch in batches:
@@ -157,7 +169,7 @@ def bench_engine(
     """The engine's own path: compile through its cache-less compiler, then its batched
     mask-and-advance as TorchRunner calls it."""
     from iterserve.sample.structured import GrammarCompiler, StructuredBatch
-    from iterserve.sampling_params import StructuredOutput
+    from iterserve.structured_output import StructuredOutput
 
     spec = StructuredOutput(json_schema=SCHEMA)
     compiler = GrammarCompiler(tokenizer, vocab)
@@ -198,6 +210,8 @@ def main() -> None:
         "document_tokens": len(tokens),
         "threads": args.threads,
         "cpu": platform.processor() or platform.machine(),
+        "isa": cpu_isa(),
+        "load_average": os.getloadavg(),  # the machine is shared: context for the figures
         "torch": torch.__version__,
         "libraries": {},
     }

@@ -211,3 +211,38 @@ def test_bad_constraint_is_a_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=4, extra_body=extra)
     assert error.value.body["param"] == param, error.value.body  # type: ignore[index]
+
+
+def test_mask_allows_exactly_the_tokens_the_grammar_accepts(tokenizer_dir: Path) -> None:
+    """The one-pass mask against the matcher asked token by token, on rows scattered
+    through a batch (the runner's mixed steps) and on a slice (all-constrained steps)."""
+    import torch
+
+    from iterserve.model.tokenizer import load_hf_tokenizer
+    from iterserve.sample.structured import GrammarCompiler, StructuredBatch
+
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    vocab = 49152
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    grammars = {
+        "digits": compiler.compile(StructuredOutput(regex=r"[0-9]{2,4}")),
+        "colour": compiler.compile(StructuredOutput(choice=["red", "green"])),
+    }
+    batch = StructuredBatch(vocab)
+    batch.add("digits", grammars["digits"])
+    batch.add("colour", grammars["colour"])
+    batch.advance("digits", tokenizer.encode("7", add_special_tokens=False))
+    probe = torch.randint(vocab, (400,)).tolist() + tokenizer.encode(
+        "0 1 g r re", add_special_tokens=False
+    )
+    probe.append(tokenizer.eos_token_id)
+    for rows in ([3, 1], [0, 1]):
+        logits = torch.zeros(4, vocab)
+        batch.mask(logits, ["digits", "colour"], rows)
+        for request_id, row in zip(["digits", "colour"], rows, strict=True):
+            matcher = batch._matchers[request_id]
+            for token in probe:
+                accepted = matcher.deep_copy().consume_token(token)
+                assert (logits[row, token] == 0) == accepted, (request_id, token)
+        untouched = ({0, 1, 2, 3} - set(rows)).pop()
+        assert bool((logits[untouched] == 0).all())

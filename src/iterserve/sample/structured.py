@@ -17,6 +17,8 @@ A matcher whose grammar is complete allows only EOS, so the request ends with `s
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -26,6 +28,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -39,8 +42,6 @@ _CACHE_SIZE = 256
 # JSON as compact as a person writes it: a small model given free whitespace may emit
 # newlines until max_tokens (a known failure with flexible whitespace).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# Bit i of a bitmask word is token 32 * word + i.
-_BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,6 @@ def grammar_text(spec: StructuredOutput) -> str:
         return matcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         # Lark string literals take JSON's escapes, so any choice is matched literally.
-        import json
-
         return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
     assert spec.grammar is not None
     lark = gbnf_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar
@@ -75,9 +74,7 @@ def grammar_text(spec: StructuredOutput) -> str:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary, caching by constraint."""
 
-    library = (
-        f"llguidance {llguidance.__version__ if hasattr(llguidance, '__version__') else ''}".strip()
-    )
+    library = f"llguidance {importlib.metadata.version('llguidance')}"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
         self._hf_tokenizer = tokenizer
@@ -156,23 +153,30 @@ class StructuredBatch:
         self, logits: torch.Tensor, request_ids: Sequence[str], rows: Sequence[int] | None = None
     ) -> None:
         """Set to -inf, in place, every logit a request's grammar forbids next: row
-        `rows[i]` (default i) for `request_ids[i]`. One bitmask fill for all, one pass."""
-        count = len(request_ids)
-        bitmask = torch.empty(count, self._words, dtype=torch.int32)
+        `rows[i]` (default i) for `request_ids[i]`. One bitmask fill for all (in the
+        library's threads), then one masked pass over those rows."""
+        count, width = len(request_ids), logits.shape[1]
+        bitmask = np.empty((count, self._words), dtype=np.int32)
         pairs = [(self._matchers[request_id], i) for i, request_id in enumerate(request_ids)]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self._words * 4, count)
-        allowed = (bitmask.unsqueeze(-1) & _BITS).ne(0).view(count, -1)
-        width = logits.shape[1]
-        if allowed.shape[1] < width:  # rows past the tokenizer's ids: never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]))
-        allowed = allowed[:, :width].to(logits.device)
-        if rows is None and count == logits.shape[0]:
-            logits.masked_fill_(~allowed, float("-inf"))
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, self._words * 4, count)
+        # Bit i of word w is token 32w + i: little-endian words, bits unpacked low first
+        # (numpy's unpack is ~15x faster than shifting and masking with torch ops).
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=width, bitorder="little")
+        forbidden = bits == 0
+        rows = list(range(count)) if rows is None else list(rows)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            # numpy's masked copy: one thread, no OpenMP handoff, which on a busy 2-core
+            # machine cost torch's masked_fill_ ~15 ms a call (measured).
+            view = logits.numpy()
+            if rows == list(range(rows[0], rows[0] + count)):
+                np.copyto(view[rows[0] : rows[0] + count], -np.inf, where=forbidden)
+            else:
+                for i, row in enumerate(rows):
+                    np.copyto(view[row], -np.inf, where=forbidden[i])
             return
-        index = torch.tensor(
-            list(range(count)) if rows is None else list(rows), device=logits.device
-        )
-        logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+        index = torch.tensor(rows, device=logits.device)
+        mask = torch.from_numpy(forbidden).to(logits.device)
+        logits[index] = logits[index].masked_fill_(mask, float("-inf"))
 
     def advance(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Follow the tokens sampled for a request (all allowed by its last mask)."""
