@@ -6,19 +6,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+# Defined apart so that structured_output.py, which SamplingParams carries, can raise it.
+from iterserve.invalid_request import InvalidRequestError
+
 if TYPE_CHECKING:
     from iterserve.structured_output import StructuredOutput
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses, with a message meant for the person who sent it.
-
-    `param` names the offending field (OpenAI error shape) when there is one.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.sampling_params import InvalidRequestError
+from iterserve.invalid_request import InvalidRequestError
 
 # The kinds, in the order a request may spell them (exactly one is set).
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
