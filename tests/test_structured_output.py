@@ -173,6 +173,14 @@ def test_json_object_choice_and_regex_always_hold(client: openai.OpenAI) -> None
         extra_body={"guided_choice": choices},
     )
     assert all(c.message.content in choices for c in answer.choices)
+    streamed = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Sentiment of 'meh'?"}],
+        max_tokens=10,
+        stream=True,
+        extra_body={"structured_outputs": {"choice": choices}},  # vLLM's newer spelling
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) in choices
     regex = r"\d{3}-\d{3}-\d{4}"
     completion = client.completions.create(
         model="tiny-llama",
@@ -203,6 +211,8 @@ def test_json_object_choice_and_regex_always_hold(client: openai.OpenAI) -> None
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ],
 )
 def test_bad_constraint_is_a_400_naming_the_field(

@@ -75,7 +75,7 @@ class _GenerationRequest(GuidedDecodingFields):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             speculative=self.speculative,
-            structured_output=self.structured_output(),
+            structured_output=self.output_constraint(),
         )
 
     @property

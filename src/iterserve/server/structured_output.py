@@ -1,6 +1,6 @@
-"""The request fields that constrain the output: OpenAI's `response_format` and vLLM's
-`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, into one
-`StructuredOutput` (at most one of them may be given)."""
+"""The request fields that constrain the output: OpenAI's `response_format`, vLLM's
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and their newer
+spelling `structured_outputs`, into one `StructuredOutput` (at most one constraint)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,30 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaSpec | None = None
 
 
+class StructuredOutputsSpec(BaseModel):
+    """vLLM's `structured_outputs` object (its successor to the guided_* fields)."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def to_spec(self) -> StructuredOutput:
+        param = "structured_outputs"
+        if self.json_schema is not None:
+            if self.regex or self.choice is not None or self.grammar or self.json_object:
+                raise InvalidRequestError("give only one constraint", param)
+            return StructuredOutput.from_json_schema(self.json_schema, param)
+        return StructuredOutput(
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            param=param,
+        )
+
+
 class GuidedDecodingFields(BaseModel):
     """The constraint fields, shared by /v1/completions and /v1/chat/completions."""
 
@@ -36,8 +60,17 @@ class GuidedDecodingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
+    # Changes the output and is not honoured: refused rather than dropped.
+    guided_whitespace_pattern: str | None = None
 
-    def structured_output(self) -> StructuredOutput | None:
+    def output_constraint(self) -> StructuredOutput | None:
+        if self.guided_whitespace_pattern is not None:
+            raise InvalidRequestError(
+                "guided_whitespace_pattern is not supported by this server: JSON is "
+                "generated compact",
+                "guided_whitespace_pattern",
+            )
         given = [
             (name, value)
             for name, value in (
@@ -45,6 +78,7 @@ class GuidedDecodingFields(BaseModel):
                 ("guided_regex", self.guided_regex),
                 ("guided_choice", self.guided_choice),
                 ("guided_grammar", self.guided_grammar),
+                ("structured_outputs", self.structured_outputs),
             )
             if value is not None
         ]
@@ -61,6 +95,8 @@ class GuidedDecodingFields(BaseModel):
         name, value = given[0]
         if isinstance(value, ResponseFormat):
             return _from_response_format(value)
+        if isinstance(value, StructuredOutputsSpec):
+            return value.to_spec()
         if name == "guided_json":
             return StructuredOutput.from_json_schema(value, name)
         if name == "guided_regex":
