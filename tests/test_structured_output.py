@@ -41,9 +41,14 @@ def _words(seed: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def unconstrained_run(tiny_llama_dir: Path) -> list[str]:
+def tiny_llm(tiny_llama_dir: Path) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", compile=False)
+
+
+@pytest.fixture(scope="module")
+def unconstrained_run(tiny_llm: LLM) -> list[str]:
     """The texts with plenty of memory and budget: no preemption, no chunking."""
-    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
+    llm = tiny_llm
     outputs = llm.generate(PROMPTS, [_words(i) for i in range(len(PROMPTS))], use_tqdm=False)
     for output in outputs:
         assert re.fullmatch(WORDS, output.text), output.text
@@ -76,8 +81,8 @@ def test_matchers_follow_the_output_through_the_scheduler(
     assert len(llm.engine.executor._structured) == 0, "every finished request's matcher dropped"
 
 
-def test_n_choices_each_have_their_own_matcher(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
+def test_n_choices_each_have_their_own_matcher(tiny_llm: LLM) -> None:
+    llm = tiny_llm
     params = SamplingParams(
         n=4,
         temperature=1.0,
@@ -93,8 +98,8 @@ def test_n_choices_each_have_their_own_matcher(tiny_llama_dir: Path) -> None:
     assert [o.text for o in again[1:]] == texts
 
 
-def test_bad_constraints_are_refused_naming_the_field(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
+def test_bad_constraints_are_refused_naming_the_field(tiny_llm: LLM) -> None:
+    llm = tiny_llm
     for spec, param in (
         (StructuredOutput(regex="a(b", param="guided_regex"), "guided_regex"),
         (

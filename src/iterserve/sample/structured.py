@@ -12,14 +12,14 @@ Why llguidance (and not xgrammar): docs/structured_output.md, with the measureme
   parallel, in llguidance's threads), applies it to the logits in one pass, and after
   sampling advances each matcher by its token.
 
-A matcher whose grammar is complete allows only EOS, so the request ends with `stop`.
+A matcher whose grammar can go no further allows only EOS, so the request ends with
+`stop`; where it is complete but could go on, EOS is one of the tokens it allows.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,8 +34,6 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.structured_output import StructuredOutput
-
-logger = logging.getLogger("iterserve.structured")
 
 # Compiled grammars kept; a schema is a few kB of automaton, a server sees few distinct ones.
 _CACHE_SIZE = 256
