@@ -40,17 +40,28 @@ def _words(seed: int) -> SamplingParams:
     )
 
 
+# Beside the constrained requests, one free one, whose rows (several a step when it
+# speculates) shift the constrained rows within the step's logits.
+FREE_PROMPT = "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3"
+FREE = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _run(llm: LLM) -> list:
+    prompts = [FREE_PROMPT, *PROMPTS]  # first: its rows come before theirs
+    params = [FREE, *(_words(i) for i in range(len(PROMPTS)))]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama_dir: Path) -> LLM:
     return LLM(str(tiny_llama_dir), dtype="float32", compile=False)
 
 
 @pytest.fixture(scope="module")
-def unconstrained_run(tiny_llm: LLM) -> list[str]:
-    """The texts with plenty of memory and budget: no preemption, no chunking."""
-    llm = tiny_llm
-    outputs = llm.generate(PROMPTS, [_words(i) for i in range(len(PROMPTS))], use_tqdm=False)
-    for output in outputs:
+def reference_run(tiny_llm: LLM) -> list[str]:
+    """The texts with plenty of memory and budget: no preemption, chunking or drafts."""
+    outputs = _run(tiny_llm)
+    for output in outputs[1:]:
         assert re.fullmatch(WORDS, output.text), output.text
         assert output.finish_reason == "stop"  # the grammar completed: EOS was all it allowed
     return [output.text for output in outputs]
@@ -66,14 +77,16 @@ def unconstrained_run(tiny_llm: LLM) -> list[str]:
     ids=["chunked", "preemption", "ngram-speculation"],
 )
 def test_matchers_follow_the_output_through_the_scheduler(
-    tiny_llama_dir: Path, unconstrained_run: list[str], settings: dict
+    tiny_llama_dir: Path, reference_run: list[str], settings: dict
 ) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False, **settings)
-    outputs = llm.generate(PROMPTS, [_words(i) for i in range(len(PROMPTS))], use_tqdm=False)
+    outputs = _run(llm)
     # Seeded draws do not depend on the batch, and a matcher that lost its place would
     # mask differently: the same texts prove every matcher stayed where its output was.
-    assert [output.text for output in outputs] == unconstrained_run
-    assert all(output.num_draft_tokens == 0 for output in outputs)  # they never speculate
+    assert [output.text for output in outputs] == reference_run
+    assert all(output.num_draft_tokens == 0 for output in outputs[1:])  # never speculate
+    if "speculative_method" in settings:
+        assert outputs[0].num_draft_tokens > 0, "the free request speculated beside them"
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.executor._structured is not None
