@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from iterserve.sampling_params import SamplingParams
+from iterserve.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from iterserve.config import EngineConfig
     from iterserve.engine.llm import LLM
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutput"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
+# Defined apart so that structured_output.py, which SamplingParams carries, can raise it.
+from iterserve.invalid_request import InvalidRequestError
 
-class InvalidRequestError(ValueError):
-    """A request the engine refuses, with a message meant for the person who sent it.
-
-    `param` names the offending field (OpenAI error shape) when there is one.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+if TYPE_CHECKING:
+    from iterserve.structured_output import StructuredOutput
 
 
 @dataclass
@@ -58,10 +54,16 @@ class SamplingParams:
     # Opt out of speculative decoding when the engine runs it (the output is the same
     # either way; a request may prefer steady token timing to bursts of accepted drafts).
     speculative: bool = True
+    # Output constrained to a JSON schema, regex, choice or grammar (structured_output.py).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.structured_output is not None:
+            # Constrained requests do not speculate: drafts would have to be checked
+            # against the grammar (docs/structured_output.md).
+            self.speculative = False
         self.validate()
 
     def per_choice(self) -> list[SamplingParams]:
@@ -106,6 +108,19 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",
                 "prompt_logprobs",
+            )
+        if self.structured_output is not None and self.ignore_eos:
+            raise InvalidRequestError(
+                "ignore_eos cannot be combined with structured output: a complete output "
+                "ends with EOS",
+                "ignore_eos",
+            )
+        if self.structured_output is not None and self.min_tokens:
+            # A grammar that completes before min_tokens would leave no token to sample.
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with structured output: a complete output "
+                "ends with EOS, which min_tokens holds back",
+                "min_tokens",
             )
         self._validate_logit_controls()
         self.uses_token_history = bool(

@@ -282,6 +282,7 @@ class AsyncEngine:
         check_room(
             self.num_waiting_estimate(), len(requests), self.max_waiting_requests, self.retry_after
         )
+        await self._compile_grammars(requests)
         stream = RequestStream([r.request_id for r in requests], self.abort)
         accepted: asyncio.Future[None] = stream.loop.create_future()
         self._pending += len(requests)
@@ -290,6 +291,18 @@ class AsyncEngine:
             return await accepted_stream(stream, accepted)
         finally:
             self._pending -= len(requests)
+
+    async def _compile_grammars(self, requests: list[GenerationRequest]) -> None:
+        """Compile the group's output constraints on worker threads (cached by constraint),
+        so the engine thread never waits for a grammar; a bad one raises
+        InvalidRequestError before anything is queued."""
+        specs = {
+            id(spec): spec
+            for request in requests
+            if (spec := request.params.structured_output) is not None and spec.compiled is None
+        }
+        for spec in specs.values():
+            await asyncio.to_thread(self.engine.grammars.attach, spec)
 
     async def generate(
         self,

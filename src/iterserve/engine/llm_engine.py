@@ -33,6 +33,7 @@ from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
+from iterserve.sample.structured import GrammarCompiler
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("iterserve.engine")
@@ -120,6 +121,10 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        # Structured output's grammars; thread-safe, so the server compiles off this thread.
+        self.grammars = GrammarCompiler(
+            self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
+        )
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
 
@@ -219,6 +224,8 @@ class LLMEngine:
             )
         vocab = self.model_config.vocab_size
         check_token_ids(params, vocab)
+        if params.structured_output is not None:
+            self.grammars.attach(params.structured_output)  # a cache hit from the server
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(
             request_id=request_id,

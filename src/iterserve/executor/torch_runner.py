@@ -28,6 +28,7 @@ from iterserve.sample.logits_controls import apply_logits_controls, row_contexts
 from iterserve.sample.prompt_logprobs import take_prompt_logprobs
 from iterserve.sample.rejection import verify_by_ratio
 from iterserve.sample.sampler import Sampler, make_generator
+from iterserve.sample.structured import StructuredBatch
 
 
 class TorchRunner:
@@ -41,6 +42,8 @@ class TorchRunner:
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
         self._generators: dict[str, torch.Generator] = {}
+        # Grammar matchers of constrained requests (structured output), made on first use.
+        self._structured: StructuredBatch | None = None
         # Requests without a seed share one stream, seeded so runs are repeatable.
         torch.manual_seed(seed)
 
@@ -56,6 +59,8 @@ class TorchRunner:
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
         for request_id in scheduled.finished_ids:
             self._generators.pop(request_id, None)
+            if self._structured is not None:
+                self._structured.drop(request_id)
         if scheduled.is_empty:
             return ModelOutput({})
         # The last token's position and every draft's, after any prompt-scoring rows.
@@ -81,6 +86,9 @@ class TorchRunner:
                 row_contexts(sampling),
                 keep_raw=any(p.logprobs is not None for p in controlled_params),
             )
+        constrained = [seq for seq in sampling if seq.sampling_params.structured_output]
+        if constrained:  # after the controls: the grammar has the last word
+            self._mask_by_grammar(controlled, sampling, constrained)
         # Guesses a draft model sampled from its own distribution q are accepted by the
         # ratio rule; fixed guesses (n-gram, greedy drafts) by matching the target's draw.
         by_ratio = {
@@ -90,7 +98,7 @@ class TorchRunner:
         }
         if not by_ratio:  # every step without a draft model's sampled guesses
             sampled = self._sample_matching(controlled, logits, sampling)
-            return ModelOutput(sampled, forward_time, prompt_logprobs)
+            return self._advanced(sampled, constrained, forward_time, prompt_logprobs)
         starts = list(itertools.accumulate((seq.num_samples for seq in sampling), initial=0))
         by_match = [i for i in range(len(sampling)) if i not in by_ratio]
         sampled: dict[str, list[SampledToken]] = {}
@@ -104,6 +112,47 @@ class TorchRunner:
             sampled[seq.request_id] = self._sample_by_ratio(
                 controlled[rows_i], logits[rows_i], seq, q
             )
+        return self._advanced(sampled, constrained, forward_time, prompt_logprobs)
+
+    def _mask_by_grammar(
+        self, logits: torch.Tensor, sampling: list[ScheduledSeq], constrained: list[ScheduledSeq]
+    ) -> None:
+        """Forbid, in one pass, every token a constrained request's grammar rejects next.
+        Its matcher is made when it first samples: after its whole prompt, so a chunked
+        prefill or a recompute after preemption (whose tokens were sampled already and are
+        not sampled again) leaves the matcher where the output is."""
+        structured = self._structured
+        if structured is None:
+            structured = self._structured = StructuredBatch(logits.shape[1])
+        row_of = {}
+        row = 0
+        for seq in sampling:
+            row_of[seq.request_id] = row
+            row += seq.num_samples
+        for seq in constrained:
+            spec = seq.sampling_params.structured_output
+            assert spec is not None
+            if seq.draft_token_ids:  # the scheduler never drafts for them (SamplingParams)
+                raise RuntimeError(f"request {seq.request_id}: drafts for a constrained request")
+            if seq.request_id not in structured:
+                if spec.compiled is None:
+                    raise RuntimeError(f"request {seq.request_id}: its grammar was not compiled")
+                structured.add(seq.request_id, spec.compiled)
+        ids = [seq.request_id for seq in constrained]
+        structured.mask(logits, ids, [row_of[request_id] for request_id in ids])
+
+    def _advanced(
+        self,
+        sampled: dict[str, list[SampledToken]],
+        constrained: list[ScheduledSeq],
+        forward_time: float,
+        prompt_logprobs: dict[str, list[TokenLogprobs]],
+    ) -> ModelOutput:
+        """The step's output, once each constrained request's matcher took its token."""
+        if self._structured is not None:
+            for seq in constrained:
+                tokens = [token.token_id for token in sampled[seq.request_id]]
+                self._structured.advance(seq.request_id, tokens)
         return ModelOutput(sampled, forward_time, prompt_logprobs)
 
     def _sample_matching(

@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.server.structured_output import GuidedDecodingFields
 from iterserve.server.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
 from iterserve.server.unhonoured import refuse_unhonoured
 
@@ -24,8 +25,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _GenerationRequest(GuidedDecodingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (and the output
+    constraints: server/structured_output.py)."""
 
     # Kept, not dropped, so the ones that would change the output can be refused.
     model_config = ConfigDict(extra="allow")
@@ -81,6 +83,7 @@ class _GenerationRequest(BaseModel):
             logit_bias=_token_id_keys(self.logit_bias),
             min_tokens=self.min_tokens,
             bad_words=list(self.bad_words or []),
+            structured_output=self.output_constraint(),
         )
 
     @property

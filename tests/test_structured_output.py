@@ -1,0 +1,276 @@
+"""Structured output: the constraint decides the text whatever the batching does.
+
+Every check is against the constraint itself (a regex, a JSON schema through pydantic,
+the list of choices), not against outputs recorded from this code. The tiny random
+model would write anything; only the grammar keeps its text in shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from iterserve import LLM, SamplingParams
+from iterserve.engine.async_engine import AsyncEngine
+from iterserve.sampling_params import InvalidRequestError
+from iterserve.structured_output import StructuredOutput
+from server_fixtures import serving
+
+# Bounded, so the grammar itself ends every output (in at most 59 tokens); the digits
+# (one token each in this vocabulary) make every output long enough to be preempted.
+WORDS = r"[a-z]{1,6}( [a-z]{1,6}){2,5} [0-9]{12,16}\."
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "1 2 3",
+    "A long prompt that keeps going so that it spans several KV cache blocks and is split "
+    "into chunks when the token budget is small: the quick brown fox jumps over the lazy dog.",
+]
+
+
+def _words(seed: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=64, structured_output=StructuredOutput(regex=WORDS)
+    )
+
+
+# Beside the constrained requests, one free one, whose rows (several a step when it
+# speculates) shift the constrained rows within the step's logits.
+FREE_PROMPT = "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3"
+FREE = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _run(llm: LLM) -> list:
+    prompts = [FREE_PROMPT, *PROMPTS]  # first: its rows come before theirs
+    params = [FREE, *(_words(i) for i in range(len(PROMPTS)))]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir: Path) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", compile=False)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_llm: LLM) -> list[str]:
+    """The texts with plenty of memory and budget: no preemption, chunking or drafts."""
+    outputs = _run(tiny_llm)
+    for output in outputs[1:]:
+        assert re.fullmatch(WORDS, output.text), output.text
+        assert output.finish_reason == "stop"  # the grammar completed: EOS was all it allowed
+    return [output.text for output in outputs]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_num_batched_tokens": 7, "max_num_seqs": 7},  # chunked prefill, decodes mixed in
+        {"num_kv_blocks": 28, "block_size": 4},  # preemption: prompts fit, outputs do not
+        {"speculative_method": "ngram", "num_speculative_tokens": 3},
+    ],
+    ids=["chunked", "preemption", "ngram-speculation"],
+)
+def test_matchers_follow_the_output_through_the_scheduler(
+    tiny_llama_dir: Path, reference_run: list[str], settings: dict
+) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False, **settings)
+    outputs = _run(llm)
+    # Seeded draws do not depend on the batch, and a matcher that lost its place would
+    # mask differently: the same texts prove every matcher stayed where its output was.
+    assert [output.text for output in outputs] == reference_run
+    assert all(output.num_draft_tokens == 0 for output in outputs[1:])  # never speculate
+    if "speculative_method" in settings:
+        assert outputs[0].num_draft_tokens > 0, "the free request speculated beside them"
+    if "num_kv_blocks" in settings:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.executor._structured is not None
+    llm.engine.step()  # the executor hears of the last finished requests with the next step
+    assert len(llm.engine.executor._structured) == 0, "every finished request's matcher dropped"
+
+
+def test_n_choices_each_have_their_own_matcher(tiny_llm: LLM) -> None:
+    llm = tiny_llm
+    params = SamplingParams(
+        n=4,
+        temperature=1.0,
+        seed=11,
+        max_tokens=64,
+        structured_output=StructuredOutput(json_schema={"enum": ["red", "green", "blue"]}),
+    )
+    texts = [o.text for o in llm.generate(["Pick a colour:"], params, use_tqdm=False)]
+    assert len(texts) == 4
+    assert all(json.loads(text) in ("red", "green", "blue") for text in texts), texts
+    # Seeded choices are reproducible whatever runs beside them.
+    again = llm.generate(["Other prompt", "Pick a colour:"], [_words(0), params], use_tqdm=False)
+    assert [o.text for o in again[1:]] == texts
+
+
+def test_bad_constraints_are_refused_naming_the_field(tiny_llm: LLM) -> None:
+    llm = tiny_llm
+    for spec, param in (
+        (StructuredOutput(regex="a(b", param="guided_regex"), "guided_regex"),
+        (
+            StructuredOutput.from_json_schema({"type": "integer", "minimum": 5, "maximum": 1}),
+            "json_schema",
+        ),
+        (
+            StructuredOutput(grammar="start: undefined_rule", param="guided_grammar"),
+            "guided_grammar",
+        ),
+    ):
+        with pytest.raises(InvalidRequestError) as error:
+            llm.generate(["x"], SamplingParams(structured_output=spec), use_tqdm=False)
+        assert error.value.param == param
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(ignore_eos=True, structured_output=StructuredOutput(json_object=True))
+    assert error.value.param == "ignore_eos"
+
+
+# ---- the bundled model behind a real server, through the official client --------------
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+    is_capital: bool
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    llm = LLM(max_num_seqs=8, compile=False)  # compiling costs a minute here, tested elsewhere
+    with serving(AsyncEngine(llm.engine)) as server:
+        yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.mark.slow
+def test_parse_returns_the_pydantic_object(client: openai.OpenAI) -> None:
+    for city in ("Paris", "Tokyo", "Lima", "Oslo"):
+        completion = client.beta.chat.completions.parse(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": f"Describe the city of {city} as JSON."}],
+            response_format=City,
+            max_tokens=80,
+            temperature=0.7,
+            seed=1,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, City)
+
+
+@pytest.mark.slow
+def test_json_object_choice_and_regex_always_hold(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "A JSON object with a cat's name and age."}],
+        response_format={"type": "json_object"},
+        max_tokens=60,
+        n=4,
+        seed=5,
+    )
+    # A small model may loop inside an array until max_tokens ("length"): that text is cut,
+    # but every answer the grammar let finish is a JSON object.
+    finished = [c.message.content or "" for c in chat.choices if c.finish_reason == "stop"]
+    assert finished, [c.message.content for c in chat.choices]
+    assert all(isinstance(json.loads(text), dict) for text in finished), finished
+    assert all((c.message.content or "").startswith("{") for c in chat.choices)
+    choices = ["positive", "negative", "neutral"]
+    answer = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Sentiment of 'I love it'?"}],
+        max_tokens=10,
+        n=4,
+        seed=2,
+        extra_body={"guided_choice": choices},
+    )
+    assert all(c.message.content in choices for c in answer.choices)
+    streamed = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Sentiment of 'meh'?"}],
+        max_tokens=10,
+        stream=True,
+        extra_body={"structured_outputs": {"choice": choices}},  # vLLM's newer spelling
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) in choices
+    regex = r"\d{3}-\d{3}-\d{4}"
+    completion = client.completions.create(
+        model="tiny-llama",
+        prompt="Call me at",
+        max_tokens=20,
+        n=3,
+        seed=3,
+        extra_body={"guided_regex": regex},
+    )
+    assert all(re.fullmatch(regex, c.text) for c in completion.choices), completion.choices
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ],
+)
+def test_bad_constraint_is_a_400_naming_the_field(
+    client: openai.OpenAI, extra: dict, param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=4, extra_body=extra)
+    assert error.value.body["param"] == param, error.value.body  # type: ignore[index]
+
+
+def test_mask_allows_exactly_the_tokens_the_grammar_accepts(tokenizer_dir: Path) -> None:
+    """The one-pass mask against the matcher asked token by token, on rows scattered
+    through a batch (the runner's mixed steps) and on a slice (all-constrained steps)."""
+    import torch
+
+    from iterserve.model.tokenizer import load_hf_tokenizer
+    from iterserve.sample.structured import GrammarCompiler, StructuredBatch
+
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    vocab = 49152
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    grammars = {
+        "digits": compiler.compile(StructuredOutput(regex=r"[0-9]{2,4}")),
+        "colour": compiler.compile(StructuredOutput(choice=["red", "green"])),
+    }
+    batch = StructuredBatch(vocab)
+    batch.add("digits", grammars["digits"])
+    batch.add("colour", grammars["colour"])
+    batch.advance("digits", tokenizer.encode("7", add_special_tokens=False))
+    probe = torch.randint(vocab, (400,)).tolist() + tokenizer.encode(
+        "0 1 g r re", add_special_tokens=False
+    )
+    probe.append(tokenizer.eos_token_id)
+    for rows in ([3, 1], [0, 1]):
+        logits = torch.zeros(4, vocab)
+        batch.mask(logits, ["digits", "colour"], rows)
+        for request_id, row in zip(["digits", "colour"], rows, strict=True):
+            matcher = batch._matchers[request_id]
+            for token in probe:
+                accepted = matcher.deep_copy().consume_token(token)
+                assert (logits[row, token] == 0) == accepted, (request_id, token)
+        untouched = ({0, 1, 2, 3} - set(rows)).pop()
+        assert bool((logits[untouched] == 0).all())
