@@ -187,7 +187,6 @@ def _plan(tool_choice: Any, template: str = QWEN_TEMPLATE, tools: Any = TOOLS) -
     ("tool_choice", "template", "tools", "param"),
     [
         ("auto", QWEN_TEMPLATE, None, "tool_choice"),  # nothing to choose from
-        ("required", QWEN_TEMPLATE, TOOLS, "tool_choice"),  # not enforceable yet
         ({"type": "function", "function": {"name": "nope"}}, QWEN_TEMPLATE, TOOLS, "tool_choice"),
         ("auto", QWEN_TEMPLATE, TOOLS + TOOLS[:1], "tools.2.function.name"),  # a twin name
     ],
@@ -453,11 +452,6 @@ def test_forced_calls_are_read_back_once_decoding_is_constrained(
         assert _reassembled(chunks) == ("", calls, "tool_calls")
 
 
-@pytest.mark.xfail(
-    raises=openai.BadRequestError,
-    strict=True,  # passes once enforce_schema (server/tools.py) constrains decoding
-    reason="tool_choice 'required' needs grammar-constrained decoding (structured-output)",
-)
 def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.OpenAI) -> None:
     # A random tiny model, so only constrained decoding can make these calls. The schemas
     # are closed, as OpenAI's strict mode has them, and strings bounded: such a model

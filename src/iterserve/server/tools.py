@@ -6,9 +6,7 @@ chat template gets, whether (and how) the answer is parsed into calls, and, for
 as vLLM does by default); `auto` lets the model choose and parses whatever calls it
 wrote with the server's parser; `required` and a named function must be *enforced*,
 which takes grammar-constrained decoding: `forced_call_schema` is the schema, and
-`enforce_schema` is the one hook that hands it to the request. Until the engine can
-constrain decoding, that hook refuses the request (a 400 naming `tool_choice`) rather
-than return unconstrained text that may not be a call at all.
+`enforce_schema` hands it to the request as its structured output.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.structured_output import StructuredOutput
 from iterserve.server.tool_parsers import AnswerReader, ToolParser, shows_tools
 from iterserve.server.tool_parsers.forced import ForcedCallReader, forced_call_schema
 from iterserve.server.tool_parsers.hermes import HermesToolParser
@@ -93,13 +92,14 @@ def _check_unique_names(tools: list[ToolDefinition]) -> None:
 
 
 def enforce_schema(params: SamplingParams, schema: dict[str, Any]) -> None:
-    """THE HOOK: constrain this request's decoding to `schema` (a guided-JSON spec on
-    `params`). Structured output is not in this engine yet, so a forced call is refused
-    instead of answered with text that may not be one. Everything after the hook is in
-    place: the answer is read back by `ForcedCallReader`, streamed or not."""
-    del params, schema
-    raise InvalidRequestError(
-        "tool_choice 'required' or a named function needs grammar-constrained decoding, "
-        "which this server does not have yet; use tool_choice 'auto'",
-        "tool_choice",
-    )
+    """Constrain this request's decoding to `schema`: the forced call is then valid JSON
+    for its tool, whatever the model (structured output, docs/structured_output.md)."""
+    if params.structured_output is not None:
+        raise InvalidRequestError(
+            f"tool_choice forces a call, and {params.structured_output.param} constrains "
+            "the output too; give only one",
+            "tool_choice",
+        )
+    params.structured_output = StructuredOutput.from_json_schema(schema, "tool_choice")
+    params.speculative = False  # as SamplingParams does for every constrained request
+    params.validate()  # ignore_eos or min_tokens with a constraint are refused
