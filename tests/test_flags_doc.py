@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
+
+from iterserve.cli import main
 from iterserve.config import SECTIONS, EngineConfig, _leaf_fields
 from iterserve.flags_doc import REGENERATE, render_markdown
 
@@ -27,8 +28,6 @@ def test_every_engine_setting_and_server_flag_is_listed() -> None:
         assert f"`{flag}`" in text
 
 
-def test_the_cli_prints_it() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "iterserve.cli", "flags"], capture_output=True, text=True, check=True
-    ).stdout
-    assert out == render_markdown()
+def test_the_cli_prints_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["flags"]) == 0
+    assert capsys.readouterr().out == render_markdown()
