@@ -1,6 +1,7 @@
 """The code's shape, checked: no import cycles among iterserve's modules, and no
-component reaching into the scheduler's state from outside (DESIGN.md, rules of the
-house). Reads the sources with `ast`; imports nothing of iterserve."""
+component reaching into the scheduler's state from outside, nothing in the repository
+pointing outside it (docs/architecture.md, "Rules the tests enforce"). Reads the files;
+imports nothing of iterserve."""
 
 from __future__ import annotations
 
@@ -105,6 +106,103 @@ def test_no_import_cycles() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# --- The repository stands alone: a clone with nothing beside it has all it refers to. ---
+
+REPO = SRC.parent
+_NOT_OURS = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache",
+             ".hypothesis", "bench_results", "node_modules"}  # fmt: skip
+# A sibling directory of the checkout, or this machine's absolute paths.
+_OUTSIDE = re.compile(r"\.\./shared\b|(?<![\w.])/work/")
+# Result files record the machine they ran on (a model's path in a label): data, not a reference.
+_RECORDS = "benchmarks/results/"
+_MD_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+_MD_NAME = re.compile(r"(?<![\w/.-])([\w/.-]+\.md)\b")
+_FILE_ANCHORED = re.compile(r"Path\(__file__\)(?:\.resolve\(\))?((?:\.parent\b)+|\.parents\[(\d+)\])")
+
+
+def repository_text_files() -> dict[str, str]:
+    """Every text file of the checkout, by path relative to its root."""
+    files: dict[str, str] = {}
+    for path in sorted(REPO.rglob("*")):
+        relative = path.relative_to(REPO)
+        if not path.is_file() or any(
+            part in _NOT_OURS or part.endswith(".egg-info") for part in relative.parts
+        ):
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue
+        try:
+            files[relative.as_posix()] = data.decode()
+        except UnicodeDecodeError:
+            continue
+    return files
+
+
+def test_no_file_refers_outside_the_repository() -> None:
+    files = repository_text_files()
+    assert "src/iterserve/bench/traces/azure_conv_2023.csv" in files, "the trace must ship"
+    offenders = [
+        f"{name}:{number}: {line.strip()[:120]}"
+        for name, text in files.items()
+        if name != "tests/test_structure.py"
+        for number, line in enumerate(text.splitlines(), 1)
+        for match in _OUTSIDE.finditer(line)
+        if not (name.startswith(_RECORDS) and match.group().startswith("/"))
+    ]
+    assert offenders == []
+
+
+def test_markdown_links_and_named_documents_exist_in_the_repository() -> None:
+    files = repository_text_files()
+    basenames = {Path(name).name for name in files}
+    broken = []
+    for name, text in files.items():
+        if name.endswith(".md"):
+            for target in _MD_LINK.findall(text):
+                if "://" in target or target.startswith("mailto:"):
+                    continue
+                resolved = (REPO / name).parent.joinpath(target).resolve()
+                if not resolved.is_relative_to(REPO) or not resolved.exists():
+                    broken.append(f"{name}: link to {target}")
+        if name.endswith((".py", ".md", ".sh", ".toml")) and name != "tests/test_structure.py":
+            for doc in _MD_NAME.findall(text):
+                if Path(doc).name not in basenames:
+                    broken.append(f"{name}: names {doc}")
+    assert broken == []
+
+
+def test_file_anchored_paths_stay_inside_the_repository() -> None:
+    """`Path(__file__).parents[n]` that climbs above the checkout reads what a clone lacks."""
+    offenders = []
+    for name, text in repository_text_files().items():
+        if not name.endswith(".py") or name == "tests/test_structure.py":
+            continue
+        for match in _FILE_ANCHORED.finditer(text):
+            levels = int(match.group(2)) + 1 if match.group(2) else match.group(1).count(".parent")
+            reached = (REPO / name).parents[levels - 1] if levels <= len(Path(name).parts) else None
+            if reached is None or not reached.is_relative_to(REPO):
+                offenders.append(f"{name}: {match.group()}")
+    assert offenders == []
+
+
+def test_the_outside_reference_checks_can_fail() -> None:
+    sibling = ".." + "/shared"  # spelled apart so that grep finds no such reference here
+    assert _OUTSIDE.search(f"path = repo.parent / '{sibling}/traces'")
+    assert _OUTSIDE.search("see /" + "work/main/README.md")
+    assert not _OUTSIDE.search("src/iterserve/bench/traces/azure_conv_2023.csv")
+    assert _MD_LINK.findall("see [the flags](docs/flags.md#engine) and [x](https://a.b/c)") == [
+        "docs/flags.md",
+        "https://a.b/c",
+    ]
+    assert _MD_NAME.findall("Vocabulary (DESIGN.md), docs/architecture.md.") == [
+        "DESIGN.md",
+        "docs/architecture.md",
+    ]
+    match = _FILE_ANCHORED.search("Path(__file__).resolve().parents[4]")
+    assert match and match.group(2) == "4"
 
 
 # Only the scheduler's own package and the engine that owns it touch its internals.

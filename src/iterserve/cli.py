@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from iterserve import flags_doc
 from iterserve.bench import cli as bench_cli
 from iterserve.bench import compare, simulate
 from iterserve.config import add_engine_args, engine_config_from_args
@@ -56,6 +57,7 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     bench_cli.add_subcommands,
     compare.add_subcommands,
     simulate.add_subcommands,
+    flags_doc.add_subcommands,
 ]
 
 

@@ -1,8 +1,8 @@
 """A request trace on disk (arrival time, prompt length, output length per row) -> TraceRows.
 
-The default is the Azure LLM inference trace (conversation, 2023) that ships beside the
-repository in ../shared/traces; any CSV with the columns `arrived_at`, `num_prefill_tokens`,
-`num_decode_tokens` can be given instead. The full trace (~5.5 req/s of ~1k-token prompts)
+The default is the Azure LLM inference trace (conversation, 2023), shipped inside the
+package in bench/traces/ with its MIT licence beside it (LICENSE.vidur); any CSV with the
+columns `arrived_at`, `num_prefill_tokens`, `num_decode_tokens` can be given instead. The full trace (~5.5 req/s of ~1k-token prompts)
 would swamp a CPU, so it is cut to fit: the first `num_requests` rows (keeping the trace's
 own bursts), lengths clipped, and time stretched or squeezed.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 TRACE_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
 AZURE_CONV_FILE = "azure_conv_2023.csv"
+TRACES_DIR = Path(__file__).resolve().with_name("traces")
 
 
 @dataclass(frozen=True)
@@ -25,23 +26,15 @@ class TraceRow:
 
 
 def default_trace_path() -> Path:
-    """../shared/traces/azure_conv_2023.csv relative to the repository root.
-
-    Looked up from this file (src/iterserve/bench/ -> repo root) rather than the working
-    directory, so the command works from anywhere inside a checkout.
-    """
-    repo_root = Path(__file__).resolve().parents[3]
-    candidates = [
-        repo_root.parent / "shared" / "traces" / AZURE_CONV_FILE,
-        Path.cwd().parent / "shared" / "traces" / AZURE_CONV_FILE,
-    ]
-    for path in candidates:
-        if path.exists():
-            return path
-    raise FileNotFoundError(
-        f"no {AZURE_CONV_FILE} at {candidates[0]}; pass --trace PATH to a CSV with columns "
-        + ", ".join(TRACE_COLUMNS)
-    )
+    """The Azure conversation trace shipped with the package (package data, so a wheel or a
+    non-editable install has it too)."""
+    path = TRACES_DIR / AZURE_CONV_FILE
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no {AZURE_CONV_FILE} at {path} (a broken install?); pass --trace PATH to a CSV "
+            "with columns " + ", ".join(TRACE_COLUMNS)
+        )
+    return path
 
 
 def load_trace(

@@ -1,6 +1,6 @@
 """Latency of one request from its timings, and a snapshot of the engine's gauges.
 
-Vocabulary (DESIGN.md): queue time is arrival -> first scheduled; TTFT is
+Vocabulary (docs/architecture.md): queue time is arrival -> first scheduled; TTFT is
 arrival -> first token, queueing included; TBT (a.k.a. ITL) are the gaps
 between consecutive tokens; TPOT is their mean, i.e. the time per output token
 after the first; E2E is arrival -> finished. No HTTP here: the server turns
