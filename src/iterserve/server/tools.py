@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.structured_output import StructuredOutput
 from iterserve.server.tool_parsers import AnswerReader, ToolParser, shows_tools
 from iterserve.server.tool_parsers.forced import ForcedCallReader, forced_call_schema
 from iterserve.server.tool_parsers.hermes import HermesToolParser
 from iterserve.server.tool_protocol import ToolChoice, ToolDefinition
+from iterserve.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True)
