@@ -38,8 +38,16 @@
 
 // Every primitive is forced inline: GCC otherwise keeps some as calls from the big kernel
 // loops, and a call there sends the accumulators through memory (measured: the AVX2 bf16
-// projection at 4 rows ran 4x slower than at 1 row).
+// projection at 4 rows ran 4x slower than at 1 row). The generic build (no vector ISA:
+// at::vec's scalar loops) has no vector registers to keep accumulators in, and forced
+// inlining and full unrolls (ITERSERVE_UNROLL below) only multiply its compile time there
+// (paged_attention.cpp: minutes), so it leaves both to the compiler.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2) || defined(__aarch64__)
+#define ITERSERVE_VECTOR_BUILD 1
 #define ITERSERVE_INLINE inline __attribute__((always_inline))
+#else
+#define ITERSERVE_INLINE inline
+#endif
 
 namespace iterserve {
 
@@ -156,7 +164,11 @@ ITERSERVE_LANEWISE(I16, operator|, a.v[i] | b.v[i])
 // and a reload per use) unless every loop indexing it is unrolled in full early, hence
 // ITERSERVE_UNROLL on those loops, and unless it is built without a loop: `F16 acc[N];` runs
 // each element's constructor (at::vec zeroes a vector) in one, so arrays are `zeros<N>()`.
+#ifdef ITERSERVE_VECTOR_BUILD
 #define ITERSERVE_UNROLL _Pragma("GCC unroll 32")
+#else
+#define ITERSERVE_UNROLL
+#endif
 
 template <int... I>
 ITERSERVE_INLINE std::array<F16, sizeof...(I)> zeros(std::integer_sequence<int, I...>) {
