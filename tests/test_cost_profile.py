@@ -1,6 +1,6 @@
 """Cost profiles: measured on the real engine, saved, loaded, and read back by the
-simulator exactly at the points that were profiled (executor/cost_profile.py,
-bench/profile.py, bench/fidelity.py)."""
+simulator exactly at the points that were profiled (sim/cost_profile.py,
+sim/profile.py, sim/fidelity.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench.profile import ProfileGrid, profile_engine
 from iterserve.cli import main
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.core.outputs import ScheduledSeq, SchedulerOutput, SteadyDecodes
-from iterserve.executor.cost_profile import (
+from iterserve.sampling_params import SamplingParams
+from iterserve.sim.cost_profile import (
     CostProfile,
     Grid,
     ProfiledCostModel,
@@ -21,8 +21,8 @@ from iterserve.executor.cost_profile import (
     per_kv_token,
     shipped_profile,
 )
-from iterserve.executor.simulated import HARDWARE, MODELS, RooflineCostModel
-from iterserve.sampling_params import SamplingParams
+from iterserve.sim.executor import HARDWARE, MODELS, RooflineCostModel
+from iterserve.sim.profile import ProfileGrid, profile_engine
 
 PARAMS = SamplingParams()
 

@@ -1,5 +1,5 @@
 """The fleet simulator's shortcuts change nothing: steady decodes advanced together
-(core/decode_cohort.py) and replicas gliding over steps only they run (bench/fleet.py)
+(core/decode_cohort.py) and replicas gliding over steps only they run (sim/fleet.py)
 give exactly the records, steps, preemptions and clocks of stepping every request."""
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from typing import Any
 
 import pytest
 
-from iterserve.bench import block_hash_feed
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.tokenizer import load_tokenizer
 from iterserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -23,14 +21,16 @@ from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore
-from iterserve.executor.simulated import (
+from iterserve.sampling_params import SamplingParams
+from iterserve.sim import block_hash_feed
+from iterserve.sim.executor import (
     HARDWARE,
     MODELS,
     RooflineCostModel,
     SimulatedExecutor,
     VirtualClock,
 )
-from iterserve.sampling_params import SamplingParams
+from iterserve.sim.fleet import simulate_fleet
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_shortcuts_give_the_records_of_stepping_every_request(
 def test_block_hashes_computed_ahead_change_nothing(
     case: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chains hashed ahead in another process (bench/block_hash_feed.py) are the ones the
+    """Chains hashed ahead in another process (sim/block_hash_feed.py) are the ones the
     pool would hash itself: the same records, hits and re-admissions."""
     trace = _trace(tmp_path)
     made = []

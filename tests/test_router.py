@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.metrics import compute_metrics
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig
@@ -21,6 +20,7 @@ from iterserve.core.router import (
     RoundRobin,
     make_router,
 )
+from iterserve.sim.fleet import simulate_fleet
 
 
 def loads(*tokens: int) -> list[ReplicaLoad]:

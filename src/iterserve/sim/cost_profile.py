@@ -1,7 +1,7 @@
 """Step costs measured on real hardware: a profile of the engine's steps, and a cost model
 that prices a simulated step by interpolating it.
 
-The roofline model (simulated.py) knows peaks, not this engine: on the 2-core CPU it priced
+The roofline model (executor.py) knows peaks, not this engine: on the 2-core CPU it priced
 a decode step at under half its real cost. A profile instead holds what `iterserve bench
 profile` timed, whole engine steps (scheduling, forward, sampling, detokenizing), on two
 grids:

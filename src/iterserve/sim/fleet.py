@@ -1,7 +1,7 @@
 """A fleet of simulated engines behind a router, on one virtual clock.
 
 Each replica is the real engine loop (engine/engine_core.py) with the real scheduler and
-block pool, and a simulated executor (executor/simulated.py) that prices steps with a cost
+block pool, and a simulated executor (sim/executor.py) that prices steps with a cost
 model. The fleet is a discrete-event simulation: the next event is an arrival (routed by
 core/router.py on the loads of that moment) or the step of the replica furthest behind.
 
@@ -11,7 +11,7 @@ replica whose next steps are only those decodes "glides": it prices them ahead a
 them all at once, as far as an arrival lets it (tests/test_fleet.py checks both give the
 same records as stepping every request, `--step-by-step`). What depends on a request's
 tokens alone, the names of its KV blocks and the router's reading of its prompt, is
-worked out ahead on another core (bench/block_hash_feed.py).
+worked out ahead on another core (sim/block_hash_feed.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from iterserve.bench.block_hash_feed import BlockHashFeed
 from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
@@ -30,8 +29,10 @@ from iterserve.core.request import Request
 from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore, num_kv_blocks
-from iterserve.executor.cost_profile import CostProfile, ProfiledCostModel
-from iterserve.executor.simulated import (
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.sim.block_hash_feed import BlockHashFeed
+from iterserve.sim.cost_profile import CostProfile, ProfiledCostModel
+from iterserve.sim.executor import (
     HARDWARE,
     MODELS,
     CostModel,
@@ -39,7 +40,6 @@ from iterserve.executor.simulated import (
     SimulatedExecutor,
     VirtualClock,
 )
-from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 # Share of the accelerator's memory left to weights + KV cache (the rest: activations).
 _MEMORY_UTILIZATION = 0.9

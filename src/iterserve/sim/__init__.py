@@ -1,0 +1,14 @@
+"""The simulator: the real scheduler (core/) and engine loop (engine/engine_core.py)
+stepping against a cost model on a virtual clock, no model run.
+
+  executor.py         the simulated executor, virtual clock and roofline cost model
+  cost_profile.py     step prices measured on the real engine (profiles/ ships some)
+  profile.py          `iterserve bench profile`: measure such a profile
+  fidelity.py         `iterserve bench fidelity`: one workload real and simulated, compared
+  fleet.py            replicas behind a router, replayed on one process
+  block_hash_feed.py  the fleet's KV block names, hashed ahead on the second core
+  simulate.py         `iterserve simulate`
+
+Nothing in core/, engine/, executor/ or server/ imports this package
+(tests/test_structure.py).
+"""
