@@ -11,7 +11,7 @@ import pytest
 
 from iterserve.cli import main
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from iterserve.core.outputs import ScheduledSeq, SchedulerOutput, SteadyDecodes
+from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.sim.cost_profile import (
     CostProfile,
@@ -21,6 +21,7 @@ from iterserve.sim.cost_profile import (
     per_kv_token,
     shipped_profile,
 )
+from iterserve.sim.decode_cohort import SteadyDecodes, SteadyStep
 from iterserve.sim.executor import HARDWARE, MODELS, RooflineCostModel
 from iterserve.sim.profile import ProfileGrid, profile_engine
 
@@ -242,5 +243,5 @@ def test_steady_decodes_alone_are_priced_as_a_step_of_them(priced_by: str) -> No
     )
     for num_seqs, context in [(0, 0), (1, 17), (3, 4000), (64, 70001), (255, 1 << 20)]:
         steady = SteadyDecodes(num_seqs, context)
-        step = SchedulerOutput([], num_decode_tokens=num_seqs, steady=steady)
+        step = SteadyStep([], num_decode_tokens=num_seqs, steady=steady)
         assert model.steady_step_time(steady) == model.step_time(step)

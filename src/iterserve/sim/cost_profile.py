@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from iterserve.core.outputs import SchedulerOutput, SteadyDecodes
+from iterserve.core.outputs import SchedulerOutput
+from iterserve.sim.decode_cohort import SteadyDecodes, steady_part
 
 FORMAT_VERSION = 1
 # Profiles that ship with iterserve, one file per (hardware preset, model preset).
@@ -117,9 +118,10 @@ class StepFeatures:
     @classmethod
     def of(cls, scheduled: SchedulerOutput) -> StepFeatures:
         decode_rows = decode_seqs = context = 0
-        if scheduled.steady is not None:
-            decode_rows = decode_seqs = scheduled.steady.num_seqs
-            context = scheduled.steady.total_context
+        steady = steady_part(scheduled)
+        if steady is not None:
+            decode_rows = decode_seqs = steady.num_seqs
+            context = steady.total_context
         prefill = prefix = 0
         for seq in scheduled.seqs:
             guesses = len(seq.draft_token_ids)
