@@ -8,7 +8,7 @@ azure-lengths requests at 380 req/s (the README's million-request command, short
 reports its wall time per `--every` arrivals: the first block is the fleet filling up, the
 later ones its steady state, which is what a million requests cost.
 
-A change that puts work on the second core (bench/block_hash_feed.py does) cannot be
+A change that puts work on the second core (sim/block_hash_feed.py does) cannot be
 timed beside another run: `--alternate ROUNDS` runs the two one after the other instead,
 each alone, ROUNDS times, and compares their summed wall times.
 
@@ -32,7 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 def replay(num_requests: int, every: int) -> dict[str, object]:
     """Simulate in this process; the wall time of each block of `every` arrivals."""
-    from iterserve.bench import fleet
+    try:
+        from iterserve.sim import fleet
+    except ImportError:  # a baseline revision from before the simulator had its package
+        from iterserve.bench import fleet  # type: ignore[no-redef]
     from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
     from iterserve.bench.tokenizer import load_tokenizer
     from iterserve.bench.workloads import WorkloadSpec, build_workload

@@ -1,6 +1,6 @@
 """Cost profiles: measured on the real engine, saved, loaded, and read back by the
-simulator exactly at the points that were profiled (executor/cost_profile.py,
-bench/profile.py, bench/fidelity.py)."""
+simulator exactly at the points that were profiled (sim/cost_profile.py,
+sim/profile.py, sim/fidelity.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench.profile import ProfileGrid, profile_engine
 from iterserve.cli import main
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from iterserve.core.outputs import ScheduledSeq, SchedulerOutput, SteadyDecodes
-from iterserve.executor.cost_profile import (
+from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
+from iterserve.sampling_params import SamplingParams
+from iterserve.sim.cost_profile import (
     CostProfile,
     Grid,
     ProfiledCostModel,
@@ -21,8 +21,9 @@ from iterserve.executor.cost_profile import (
     per_kv_token,
     shipped_profile,
 )
-from iterserve.executor.simulated import HARDWARE, MODELS, RooflineCostModel
-from iterserve.sampling_params import SamplingParams
+from iterserve.sim.decode_cohort import SteadyDecodes, SteadyStep
+from iterserve.sim.executor import HARDWARE, MODELS, RooflineCostModel
+from iterserve.sim.profile import ProfileGrid, profile_engine
 
 PARAMS = SamplingParams()
 
@@ -242,5 +243,5 @@ def test_steady_decodes_alone_are_priced_as_a_step_of_them(priced_by: str) -> No
     )
     for num_seqs, context in [(0, 0), (1, 17), (3, 4000), (64, 70001), (255, 1 << 20)]:
         steady = SteadyDecodes(num_seqs, context)
-        step = SchedulerOutput([], num_decode_tokens=num_seqs, steady=steady)
+        step = SteadyStep([], num_decode_tokens=num_seqs, steady=steady)
         assert model.steady_step_time(steady) == model.step_time(step)

@@ -1,5 +1,5 @@
 """The fleet simulator's shortcuts change nothing: steady decodes advanced together
-(core/decode_cohort.py) and replicas gliding over steps only they run (bench/fleet.py)
+(sim/decode_cohort.py) and replicas gliding over steps only they run (sim/fleet.py)
 give exactly the records, steps, preemptions and clocks of stepping every request."""
 
 from __future__ import annotations
@@ -13,24 +13,24 @@ from typing import Any
 
 import pytest
 
-from iterserve.bench import block_hash_feed
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.tokenizer import load_tokenizer
 from iterserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.request import Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
-from iterserve.engine.engine_core import EngineCore
-from iterserve.executor.simulated import (
+from iterserve.sampling_params import SamplingParams
+from iterserve.sim import block_hash_feed
+from iterserve.sim.engine import SteadyEngineCore
+from iterserve.sim.executor import (
     HARDWARE,
     MODELS,
     RooflineCostModel,
     SimulatedExecutor,
     VirtualClock,
 )
-from iterserve.sampling_params import SamplingParams
+from iterserve.sim.fleet import simulate_fleet
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_shortcuts_give_the_records_of_stepping_every_request(
 def test_block_hashes_computed_ahead_change_nothing(
     case: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chains hashed ahead in another process (bench/block_hash_feed.py) are the ones the
+    """Chains hashed ahead in another process (sim/block_hash_feed.py) are the ones the
     pool would hash itself: the same records, hits and re-admissions."""
     trace = _trace(tmp_path)
     made = []
@@ -173,14 +173,16 @@ def test_a_fed_chain_is_the_one_the_pool_hashes_for_the_finished_request(
         feed.close()
 
 
-def _engine(steady: bool) -> EngineCore:
+def _engine(steady: bool) -> SteadyEngineCore:
     clock = VirtualClock()
     executor = SimulatedExecutor(
         RooflineCostModel(HARDWARE["a100-80g"], MODELS["llama3-8b"]), clock
     )
     config = EngineConfig(cache=CacheConfig(num_kv_blocks=200))
-    token = executor.PLACEHOLDER_TOKEN if steady else None
-    return EngineCore.build(config, executor, 200, 4096, clock, steady_token_id=token)
+    engine = SteadyEngineCore.build(config, executor, 200, 4096, clock)
+    if steady:
+        engine.scheduler.advance_decodes_together(executor.PLACEHOLDER_TOKEN)
+    return engine
 
 
 def test_an_aborted_member_leaves_with_the_tokens_it_made() -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.metrics import compute_metrics
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig
@@ -17,10 +16,10 @@ from iterserve.core.router import (
     PowerOfTwoChoices,
     PrefixAffinity,
     ReplicaLoad,
-    ReplicaLoadTracker,
     RoundRobin,
     make_router,
 )
+from iterserve.sim.fleet import FleetLoadTracker, simulate_fleet
 
 
 def loads(*tokens: int) -> list[ReplicaLoad]:
@@ -138,7 +137,7 @@ def test_a_fleet_serves_everyone_and_prefix_affinity_finds_more_cached_prefixes(
 
 
 def test_the_load_tracker_counts_what_was_sent_less_what_came_back() -> None:
-    tracker = ReplicaLoadTracker()
+    tracker = FleetLoadTracker()  # the front end's tracker, with the fleet's made()
     tracker.take("a", prompt_tokens=100, max_tokens=10)
     tracker.take("b", prompt_tokens=20, max_tokens=5)
     assert tracker.load() == ReplicaLoad(135, 2)

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.fleet import simulate_fleet
 from iterserve.bench.metrics import compute_metrics
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
-from iterserve.executor.simulated import HARDWARE, MODELS, RooflineCostModel
 from iterserve.sampling_params import SamplingParams
+from iterserve.sim.executor import HARDWARE, MODELS, RooflineCostModel
+from iterserve.sim.fleet import simulate_fleet
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,8 @@ def test_speculation_is_modelled_at_its_acceptance_rate(workload, rate: float) -
 def test_this_machine_s_preset_sizes_the_kv_pool_as_the_engine_does() -> None:
     """cpu-2core: --kv-cache-memory (what `iterserve serve` here allocates), not 24 GiB;
     a GPU preset: the device's memory less the weights, as GPU serving engines do."""
-    from iterserve.bench.fleet import kv_blocks_for
     from iterserve.config import CacheConfig
+    from iterserve.sim.fleet import kv_blocks_for
 
     shape = MODELS["smollm2-135m"]
     per_block = shape.kv_bytes_per_token * 16

@@ -220,3 +220,21 @@ def test_nothing_outside_the_owners_reads_the_schedulers_state() -> None:
             if _SCHEDULER_STATE.search(line):
                 offenders.append(f"{relative}:{number}: {line.strip()}")
     assert offenders == []
+
+
+# The simulator builds on the engine; the engine never needs the simulator to run.
+_SIMULATOR = "iterserve.sim"
+_SIMULATOR_FREE = ("iterserve.core", "iterserve.engine", "iterserve.executor", "iterserve.server")
+
+
+def test_the_engine_and_server_import_nothing_from_the_simulator() -> None:
+    graph = import_graph()
+    assert any(name.startswith(_SIMULATOR + ".") for name in graph), "no simulator package"
+    offenders = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if name.startswith(_SIMULATOR_FREE)
+        for target in targets
+        if target == _SIMULATOR or target.startswith(_SIMULATOR + ".")
+    )
+    assert offenders == []

@@ -8,10 +8,13 @@ from collections.abc import Callable, Sequence
 
 from iterserve import flags_doc
 from iterserve.bench import cli as bench_cli
-from iterserve.bench import compare, simulate
+from iterserve.bench import compare
 from iterserve.config import add_engine_args, engine_config_from_args
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server import cli as server_cli
+from iterserve.sim import simulate
+from iterserve.sim.fidelity import add_fidelity_parser
+from iterserve.sim.profile import add_profile_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -50,11 +53,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    # `bench profile` and `bench fidelity` measure the real engine for the simulator.
+    bench_cli.add_subcommands(sub, more_runners=(add_profile_parser, add_fidelity_parser))
+
+
 # Subcommands register here; each module adds its parser and handler.
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_generate,
     server_cli.add_subcommands,
-    bench_cli.add_subcommands,
+    _add_bench,
     compare.add_subcommands,
     simulate.add_subcommands,
     flags_doc.add_subcommands,

@@ -1,4 +1,4 @@
-"""`iterserve bench serve | offline | sweep`: flags -> specs -> runners -> reports.
+"""`iterserve bench serve | offline | sweep` (and the simulator's `profile | fidelity`): flags -> specs -> runners -> reports.
 
 Flag names follow `vllm bench serve` where they overlap (--num-requests, --request-rate,
 --burstiness, --max-concurrency, --base-url, --ignore-eos, --num-warmups, --disable-tqdm).
@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from iterserve.bench.args import (
@@ -27,7 +28,12 @@ from iterserve.bench.report import BenchReport
 from iterserve.config import add_engine_args, engine_config_from_args
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
+def add_subcommands(
+    sub: argparse._SubParsersAction,
+    more_runners: Sequence[Callable[[argparse._SubParsersAction], None]] = (),
+) -> None:
+    """`bench` and its runners; `more_runners` add theirs after these (the simulator's
+    calibration, which builds on this package and so cannot be imported from it)."""
     bench = sub.add_parser(
         "bench",
         help="benchmark a server or the engine: throughput and latency, reported apart",
@@ -62,13 +68,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     add_engine_args(offline)
     offline.set_defaults(func=_run_offline)
 
-    from iterserve.bench.fidelity import add_fidelity_parser
-    from iterserve.bench.profile import add_profile_parser
     from iterserve.bench.sweep_cli import add_sweep_parser
 
     add_sweep_parser(runners)
-    add_profile_parser(runners)
-    add_fidelity_parser(runners)
+    for add in more_runners:
+        add(runners)
 
 
 # ---- shared flag groups ---------------------------------------------------------------

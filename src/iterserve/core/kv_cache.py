@@ -273,7 +273,8 @@ class KVCacheManager:
 
     def take_free_blocks(self, count: int) -> list[int]:
         """`count` free blocks (the caller checked there are), least recently used first,
-        for a holder that puts them in block tables itself (core/decode_cohort.py)."""
+        for a holder that puts them in block tables itself (allocate, and the simulator's
+        decode cohort, sim/cohort_scheduler.py)."""
         taken = self._free.take(count)
         refs, names = self._refs, self._names  # hot in large simulations
         evicted = 0

@@ -65,17 +65,6 @@ class ScheduledSeq:
         return len(self.scored_prompt_token_ids) + self.num_samples
 
 
-@dataclass(frozen=True)
-class SteadyDecodes:
-    """Decodes of a step that are not listed one by one (core/decode_cohort.py): each
-    computes one token and samples the executor's known token; only the simulator's
-    executor takes steps with them."""
-
-    num_seqs: int
-    total_context: int  # tokens they attend over, each its new one included
-    num_last: int = 0  # of them, decodes that end their request (known ahead: max_tokens)
-
-
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
@@ -85,7 +74,6 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Requests gone since the last step, so executors can drop per-request state.
     finished_ids: list[str] = field(default_factory=list)
-    steady: SteadyDecodes | None = None  # counted in num_decode_tokens too
 
     @property
     def num_batched_tokens(self) -> int:
@@ -93,7 +81,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and self.steady is None
+        return not self.seqs
 
 
 @dataclass

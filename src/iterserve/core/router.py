@@ -67,11 +67,6 @@ class ReplicaLoadTracker:
             self.outstanding -= self.work[request_id] + new_tokens
             self.work[request_id] = 0
 
-    def made(self, num_tokens: int) -> None:
-        """Output tokens counted in aggregate, not per request (the simulator's steady
-        decodes); each request's `unmade` at its finish must then count them as made."""
-        self.outstanding -= num_tokens
-
     def finish(self, request_id: str, unmade: int) -> None:
         """A request ended (done, aborted or failed) with `unmade` of its output tokens
         never made: they, and a prompt never started, no longer count."""

@@ -17,9 +17,9 @@ A step is composed in two phases:
 When the KV pool runs dry, a running request is preempted by recompute: its
 blocks are freed, its tokens kept, and it waits to be prefilled again.
 
-For the simulator, steady decodes can be kept aside and advanced together (the decode
-cohort: core/decode_cohort.py, and this class's part that plans with it,
-core/steady_decodes.py).
+A subclass may hold some running requests aside, outside `running`, and advance them
+itself (the simulator's decode cohort, sim/cohort_scheduler.py); the `_held` methods are
+where it hooks in, and do nothing here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 
 from iterserve.config import SchedulerConfig, SpeculativeConfig
-from iterserve.core.decode_cohort import DecodeCohort
 from iterserve.core.kv_cache import KVCacheManager, KVCacheStats
 from iterserve.core.outputs import (
     ModelOutput,
@@ -40,15 +39,14 @@ from iterserve.core.outputs import (
     SchedulerOutput,
     TokenContext,
 )
-from iterserve.core.policies import WaitingQueues, form_batch, outranks, outranks_any, victim_key
+from iterserve.core.policies import WaitingQueues, form_batch, outranks, victim_key
 from iterserve.core.request import LANES, Request, RequestStatus
 from iterserve.core.speculation import DraftQuery, NgramProposer, Proposer, SpecDecodeStats
-from iterserve.core.steady_decodes import SteadyDecodePlanning
 from iterserve.core.step_plan import StepPlan
 from iterserve.sampling_params import InvalidRequestError
 
 
-class Scheduler(SteadyDecodePlanning):
+class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
@@ -74,8 +72,6 @@ class Scheduler(SteadyDecodePlanning):
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._admissions = 0
-        # Steady decodes kept aside and advanced together (advance_decodes_together).
-        self._cohort: DecodeCohort | None = None
         self.num_preemptions = 0
         # Check the block pool after every update: slow, for debugging and tests.
         self._debug_invariants = os.environ.get("ITERSERVE_DEBUG_INVARIANTS", "0") not in ("", "0")
@@ -132,12 +128,7 @@ class Scheduler(SteadyDecodePlanning):
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if self._cohort is not None and request in self._cohort:
-            self._cohort.release(request)  # its tokens first, then drop the ones past the end
-        elif request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        self._unlist(request)  # (a held request catches up first, then drops what is past)
         request.drop_output_tokens(num_dropped)
         self._finish(request, status, self.clock())
         return request
@@ -146,9 +137,8 @@ class Scheduler(SteadyDecodePlanning):
         return bool(self.requests)
 
     def num_running(self, lane: str | None = None) -> int:
-        cohort = self._cohort
-        steady = 0 if not cohort else len(cohort) if lane is None else cohort.lanes[lane]
-        return steady + sum(1 for r in self.running if lane is None or r.lane == lane)
+        held = self._num_held(lane)
+        return held + sum(1 for r in self.running if lane is None or r.lane == lane)
 
     def num_waiting(self, lane: str | None = None) -> int:
         return self.waiting.count(lane)
@@ -169,10 +159,7 @@ class Scheduler(SteadyDecodePlanning):
     def check_invariants(self) -> None:
         """Raise KVCacheInvariantError if the block pool disagrees with the requests'
         block tables (see KVCacheManager.check_invariants)."""
-        tables = [r.block_ids for r in self.requests.values()]
-        if self._cohort:
-            tables.append(self._cohort.blocks)  # members' newest blocks, not yet in their tables
-        self.kv.check_invariants(tables)
+        self.kv.check_invariants(self._block_tables())
 
     def token_capacity(self) -> int:
         """Most tokens one request can ever hold: the context length or the whole KV
@@ -189,8 +176,7 @@ class Scheduler(SteadyDecodePlanning):
         step = StepPlan(self.config.max_num_batched_tokens)
         if self.config.batching != "continuous" and not self.running:
             self._admit_batch(now, no_more_arrivals)
-        if self._cohort is not None:
-            self._schedule_steady_decodes(step)
+        self._schedule_held(step)
         if self.config.step_policy == "prefill-first":
             self._schedule_prefills(step, now)
             if not step.tokens:
@@ -203,21 +189,19 @@ class Scheduler(SteadyDecodePlanning):
     def update(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[RequestUpdate]:
         now = self.clock()
         updates: list[RequestUpdate] = []
-        members_done: list[Request] = []
-        if scheduled.steady is not None:
-            self._cohort.end_step(now)  # type: ignore[union-attr]
-            members_done = self._cohort.done()  # type: ignore[union-attr]
+        held_done = self._end_held_step(scheduled, now)
         for seq in scheduled.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended between schedule and update
-            if members_done:
-                # Members finish where their decodes would have stood by the book: among
-                # the step's decodes (first), in admission order (see _output).
+            if held_done:
+                # Held requests finish where their decodes would have stood had they been
+                # listed: among the step's decodes (first), in admission order (see
+                # _output); the order frees their blocks, which decides later evictions.
                 decode = seq.num_new_tokens - len(seq.draft_token_ids) == 1
                 place = request.admission_seq if decode else math.inf
-                while members_done and members_done[0].admission_seq < place:
-                    updates.append(self._finish_member(members_done.pop(0), now))
+                while held_done and held_done[0].admission_seq < place:
+                    updates.append(self._finish_held(held_done.pop(0), now))
             if seq.scored_prompt_token_ids:
                 request.prompt_logprobs += model_output.prompt_logprobs[seq.request_id]
             if not seq.sample:
@@ -262,7 +246,7 @@ class Scheduler(SteadyDecodePlanning):
                     None if status is None else status.finish_reason,
                 )
             )
-        updates += [self._finish_member(request, now) for request in members_done]
+        updates += [self._finish_held(request, now) for request in held_done]
         if self._debug_invariants:
             self.check_invariants()
         return updates
@@ -359,8 +343,7 @@ class Scheduler(SteadyDecodePlanning):
         if not n:
             return _Admission.BLOCKED
         while not self.kv.allocate(request, n, cached):
-            if self._cohort and outranks_any(request, self._cohort.ranks):
-                self._dissolve_cohort(step)  # a member may have to give way
+            self._return_held(step, outranking=request)  # one of them may have to give way
             victim = self._priority_victim(request)
             if victim is None:
                 return _Admission.BLOCKED
@@ -405,7 +388,7 @@ class Scheduler(SteadyDecodePlanning):
         self.running.append(request)
 
     def _has_seat(self, lane: str) -> bool:
-        free = self.config.max_num_seqs - len(self.running) - len(self._cohort or ())
+        free = self.config.max_num_seqs - len(self.running) - self._num_held()
         if lane == "batch":
             cap = self.config.max_running_batch_lane
             return free > 0 and (cap is None or self.num_running("batch") < cap)
@@ -454,8 +437,7 @@ class Scheduler(SteadyDecodePlanning):
         """Allocate for a running request, preempting the lowest-ranked running
         request (possibly this one) until it fits."""
         while not self.kv.allocate(request, n):
-            if self._cohort:
-                self._dissolve_cohort(step)  # the victim may be a member
+            self._return_held(step)  # the victim may be one of them
             victim = max(self.running, key=victim_key)
             self._preempt(victim, step)
             if victim is request:
@@ -548,17 +530,50 @@ class Scheduler(SteadyDecodePlanning):
             if sample and real == 1 and request.num_output_tokens:
                 num_decode += 1
         finished, self._finished_ids = self._finished_ids, []
-        cohort = self._cohort
-        steady = cohort.decodes() if cohort else None
         return SchedulerOutput(
             seqs=seqs,
             num_prefill_tokens=step.num_tokens - num_decode - num_draft,
-            num_decode_tokens=num_decode + (steady.num_seqs if steady else 0),
+            num_decode_tokens=num_decode,
             num_draft_tokens=num_draft,
             preempted_ids=[r.request_id for r in step.preempted],
             finished_ids=finished,
-            steady=steady,
         )
+
+    # ---- requests held aside by a subclass (none here) ----------------------------
+
+    def _num_held(self, lane: str | None = None) -> int:
+        """Running requests held outside `running` (of `lane`): they take seats too."""
+        return 0
+
+    def _unlist(self, request: Request) -> None:
+        """Take an unfinished request out of the list that holds it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def _block_tables(self) -> list[list[int]]:
+        """Every block table, for check_invariants: all blocks requests hold."""
+        return [r.block_ids for r in self.requests.values()]
+
+    def _schedule_held(self, step: StepPlan) -> None:
+        """The held requests' part of a step, planned before anyone else's."""
+
+    def _return_held(self, step: StepPlan, outranking: Request | None = None) -> None:
+        """Put held requests back into `running`, before a victim is chosen from it: all,
+        or only if `outranking` might outrank one of them."""
+
+    def _end_held_step(self, scheduled: SchedulerOutput, now: float) -> list[Request]:
+        """After a step: the held requests it finished, in admission order, caught up
+        (their tokens are counted where they were made); update() finishes them."""
+        return []
+
+    def _finish_held(self, request: Request, now: float) -> RequestUpdate:
+        """Finish a held request whose last token is in: its update carries no tokens."""
+        status = self._stop_status(request, request.output_token_ids[-1])
+        assert status is not None, "a held request finished before its end"
+        self._finish(request, status, now)
+        return RequestUpdate(request.request_id, [], [], status.finish_reason)
 
 
 def _token_context(request: Request) -> TokenContext:

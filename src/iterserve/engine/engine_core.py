@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.outputs import RequestUpdate, SchedulerOutput
-from iterserve.core.request import Request
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import Proposer
 from iterserve.executor.base import Executor
@@ -71,6 +71,9 @@ def num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: float, memory_bytes: f
 
 
 class EngineCore:
+    # What build() makes: a subclass may plan with a Scheduler subclass (sim/engine.py).
+    scheduler_type: type[Scheduler] = Scheduler
+
     def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -85,13 +88,9 @@ class EngineCore:
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         proposer: Proposer | None = None,
-        steady_token_id: int | None = None,
-    ) -> EngineCore:
+    ) -> Self:
         """A scheduler over a block pool of `num_blocks`, driving `executor`; `proposer`
-        makes speculative drafts if config.speculative asks for them (default: n-gram).
-        `steady_token_id`: the token the executor samples for every decode, if it always
-        samples the same one and prices decodes it is not shown one by one (the
-        simulator's): the scheduler then advances them together."""
+        makes speculative drafts if config.speculative asks for them (default: n-gram)."""
         cache = config.cache
         kv = KVCacheManager(
             num_blocks,
@@ -99,26 +98,13 @@ class EngineCore:
             cache.enable_prefix_caching,
             cache.prefix_caching_hash_algo,
         )
-        scheduler = Scheduler(
+        scheduler = cls.scheduler_type(
             config.scheduler, kv, max_model_len, clock, config.speculative, proposer
         )
-        if steady_token_id is not None:
-            scheduler.advance_decodes_together(steady_token_id)
         return cls(scheduler, executor)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    def run_steady(self, tokens: int, ends: list[float]) -> list[Request]:
-        """Run the first len(ends) steps Scheduler.steady_outlook foresaw, `tokens` decodes
-        in all, at once: the simulator prices them itself and jumps its clock to
-        `ends[-1]`. Returns the requests that finished in them."""
-        finished = self.scheduler.run_steady(ends)
-        stats = self.stats
-        stats.num_steps += len(ends)
-        stats.decode_tokens += tokens
-        stats.generated_tokens += tokens
-        return finished
 
     def step(self, no_more_arrivals: bool = False) -> CoreStep:
         """One iteration. Raises StepFailedError naming the step's requests when running
@@ -136,8 +122,6 @@ class EngineCore:
         stats.prefill_tokens += scheduled.num_prefill_tokens
         stats.decode_tokens += scheduled.num_decode_tokens
         stats.generated_tokens += sum(len(u.new_token_ids) for u in updates)
-        if scheduled.steady is not None:
-            stats.generated_tokens += scheduled.steady.num_seqs
         stats.busy_time += elapsed
         stats.forward_time += model_output.forward_time
         if scheduled.num_prefill_tokens:

@@ -16,7 +16,8 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput, SteadyDecodes
+from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
+from iterserve.sim.decode_cohort import SteadyDecodes, steady_part
 
 
 class CostModel(Protocol):
@@ -125,7 +126,8 @@ class RooflineCostModel:
         if tokens == 0:
             return 0.0
         # A steady decode's single query sees its context, its own token included.
-        pairs = kv_tokens = scheduled.steady.total_context if scheduled.steady else 0
+        steady = steady_part(scheduled)
+        pairs = kv_tokens = steady.total_context if steady else 0
         for seq in scheduled.seqs:
             context = seq.num_computed_tokens + seq.num_new_tokens
             kv_tokens += context

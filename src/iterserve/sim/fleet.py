@@ -1,17 +1,17 @@
 """A fleet of simulated engines behind a router, on one virtual clock.
 
 Each replica is the real engine loop (engine/engine_core.py) with the real scheduler and
-block pool, and a simulated executor (executor/simulated.py) that prices steps with a cost
+block pool, and a simulated executor (sim/executor.py) that prices steps with a cost
 model. The fleet is a discrete-event simulation: the next event is an arrival (routed by
 core/router.py on the loads of that moment) or the step of the replica furthest behind.
 
 Two things make a million requests affordable without changing a single decision:
-steady decodes advance together inside the scheduler (core/decode_cohort.py), and a
+steady decodes advance together inside the scheduler (sim/decode_cohort.py), and a
 replica whose next steps are only those decodes "glides": it prices them ahead and runs
 them all at once, as far as an arrival lets it (tests/test_fleet.py checks both give the
 same records as stepping every request, `--step-by-step`). What depends on a request's
 tokens alone, the names of its KV blocks and the router's reading of its prompt, is
-worked out ahead on another core (bench/block_hash_feed.py).
+worked out ahead on another core (sim/block_hash_feed.py).
 """
 
 from __future__ import annotations
@@ -22,16 +22,19 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from iterserve.bench.block_hash_feed import BlockHashFeed
 from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
 from iterserve.core.request import Request
 from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.core.scheduler import Scheduler
-from iterserve.engine.engine_core import EngineCore, num_kv_blocks
-from iterserve.executor.cost_profile import CostProfile, ProfiledCostModel
-from iterserve.executor.simulated import (
+from iterserve.engine.engine_core import num_kv_blocks
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.sim.block_hash_feed import BlockHashFeed
+from iterserve.sim.cohort_scheduler import CohortScheduler, steady_part
+from iterserve.sim.cost_profile import CostProfile, ProfiledCostModel
+from iterserve.sim.engine import SteadyEngineCore
+from iterserve.sim.executor import (
     HARDWARE,
     MODELS,
     CostModel,
@@ -39,7 +42,6 @@ from iterserve.executor.simulated import (
     SimulatedExecutor,
     VirtualClock,
 )
-from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 # Share of the accelerator's memory left to weights + KV cache (the rest: activations).
 _MEMORY_UTILIZATION = 0.9
@@ -70,7 +72,7 @@ _GLIDE_LIMIT = 8
 @dataclass
 class Glide:
     """Steps a replica will run if no request reaches it first, priced ahead: only its
-    steady decodes run in them (Scheduler.steady_outlook), so nothing but an arrival can
+    steady decodes run in them (CohortScheduler.steady_outlook), so nothing but an arrival can
     change them. The fleet runs them lazily, all at once, up to the moment it must."""
 
     costs: list[float]
@@ -91,15 +93,26 @@ class Glide:
         )
 
 
+class FleetLoadTracker(ReplicaLoadTracker):
+    """The front end's load tracking, plus tokens the cohort makes in aggregate."""
+
+    __slots__ = ()
+
+    def made(self, num_tokens: int) -> None:
+        """Output tokens counted in aggregate, not per request (the cohort's decodes); each
+        request's `unmade` at its finish must then count them as made."""
+        self.outstanding -= num_tokens
+
+
 @dataclass
 class Replica:
     """One simulated engine of a fleet: its own clock, cost model, scheduler and KV pool."""
 
     clock: VirtualClock
     executor: SimulatedExecutor
-    engine: EngineCore
+    engine: SteadyEngineCore
     # The load a router sees, kept as the data-parallel front end keeps its replicas'.
-    tracker: ReplicaLoadTracker = field(default_factory=ReplicaLoadTracker)
+    tracker: FleetLoadTracker = field(default_factory=FleetLoadTracker)
 
     @classmethod
     def build(
@@ -115,7 +128,7 @@ class Replica:
     ) -> Replica:
         """A replica priced by `profile` if given, else by the roofline model of `hardware`
         and `model`; with `num_kv_blocks` blocks, else what fits beside the weights.
-        Steady decodes advance together (core/decode_cohort.py) unless `step_by_step`."""
+        Steady decodes advance together (sim/decode_cohort.py) unless `step_by_step`."""
         clock = VirtualClock()
         cost: CostModel = (
             ProfiledCostModel(profile)
@@ -123,18 +136,19 @@ class Replica:
             else RooflineCostModel(HARDWARE[hardware], MODELS[model])
         )
         executor = SimulatedExecutor(cost, clock, acceptance_rate, seed)
-        engine = EngineCore.build(
+        engine = SteadyEngineCore.build(
             config,
             executor,
             num_kv_blocks or kv_blocks_for(config, hardware, model),
             config.scheduler.max_model_len or 131072,
             clock,
-            steady_token_id=None if step_by_step else executor.PLACEHOLDER_TOKEN,
         )
+        if not step_by_step:
+            engine.scheduler.advance_decodes_together(executor.PLACEHOLDER_TOKEN)
         return cls(clock, executor, engine)
 
     @property
-    def scheduler(self) -> Scheduler:
+    def scheduler(self) -> CohortScheduler:
         return self.engine.scheduler
 
     def load(self) -> ReplicaLoad:
@@ -188,8 +202,9 @@ class Replica:
         step = self.engine.step(no_more_arrivals)
         if not step.did_work:
             return False
-        if step.scheduled.steady is not None:
-            self.tracker.made(step.scheduled.steady.num_seqs)
+        steady = steady_part(step.scheduled)
+        if steady is not None:
+            self.tracker.made(steady.num_seqs)
         for update in step.updates:
             request = requests[update.request_id]
             self.progress(request, len(update.new_token_ids), update.finished)

@@ -1,5 +1,5 @@
 """`iterserve bench profile`: time the real engine's steps over a grid of shapes and write a
-cost profile (executor/cost_profile.py) for the simulator.
+cost profile (sim/cost_profile.py) for the simulator.
 
 Whole `LLMEngine.step()` calls are timed on the wall clock, so a profiled step costs what
 the engine loop pays for it: scheduling, the forward, sampling and detokenizing.
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from iterserve.config import EngineConfig
-from iterserve.executor.cost_profile import CostProfile, Grid, per_kv_token
 from iterserve.sampling_params import SamplingParams
+from iterserve.sim.cost_profile import CostProfile, Grid, per_kv_token
 
 
 @dataclass(frozen=True)

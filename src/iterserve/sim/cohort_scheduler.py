@@ -1,47 +1,27 @@
-"""The scheduler's side of the decode cohort (core/decode_cohort.py): which decodes join
-it, when it gives them back, and the stretches of steps it runs alone.
-
-A part of `Scheduler` (it inherits this), kept apart because only the simulator turns it
-on: the state is the scheduler's own (running list, block pool, the cohort).
+"""The core scheduler with steady decodes held aside in a decode cohort
+(sim/decode_cohort.py): which decodes join it, when it gives them back, and the stretches
+of steps it runs alone. It fills the hooks `Scheduler` offers for requests held aside
+(its `_held` methods); every other decision is the core scheduler's own.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
 
-from iterserve.core.decode_cohort import DecodeCohort
-from iterserve.core.outputs import RequestUpdate, SteadyDecodes
-from iterserve.core.request import Request, RequestStatus
+from iterserve.core.outputs import SchedulerOutput
+from iterserve.core.policies import outranks_any
+from iterserve.core.request import Request
+from iterserve.core.scheduler import Scheduler
 from iterserve.core.step_plan import StepPlan
-
-if TYPE_CHECKING:
-    from iterserve.config import SchedulerConfig
-    from iterserve.core.kv_cache import KVCacheManager
-    from iterserve.core.policies import WaitingQueues
-    from iterserve.core.speculation import Proposer
+from iterserve.sim.decode_cohort import DecodeCohort, SteadyDecodes, SteadyStep, steady_part
 
 
-class SteadyDecodePlanning:
-    # The scheduler's state this part reads and changes.
-    config: SchedulerConfig
-    kv: KVCacheManager
-    waiting: WaitingQueues
-    running: list[Request]
-    proposer: Proposer | None
-    max_model_len: int
-    _cohort: DecodeCohort | None
-    _finished_ids: list[str]
-    _debug_invariants: bool
-
-    if TYPE_CHECKING:
-
-        def check_invariants(self) -> None: ...
-
-        def _finish(self, request: Request, status: RequestStatus, now: float) -> None: ...
+class CohortScheduler(Scheduler):
+    # Steady decodes held aside and advanced together, once advance_decodes_together().
+    _cohort: DecodeCohort | None = None
 
     def advance_decodes_together(self, token_id: int) -> bool:
-        """Keep steady decodes aside and advance them in aggregate (core/decode_cohort.py):
+        """Keep steady decodes aside and advance them in aggregate (sim/decode_cohort.py):
         for an executor that samples `token_id` for every decode and prices a step without
         each decode's inputs (the simulator). Same decisions, same timings; steps whose
         plan depends on each request (speculation, prefill-first steps, static and
@@ -65,7 +45,7 @@ class SteadyDecodePlanning:
             1 for r in decoding if len(r.block_ids) < self.kv.blocks_needed(r.num_tokens)
         )
         if len(decoding) + len(cohort) > step.budget or new_blocks > self.kv.num_free_blocks:
-            self._dissolve_cohort()
+            self._return_held(step=None)
             return
         cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
         step.budget -= len(cohort)
@@ -133,19 +113,11 @@ class SteadyDecodePlanning:
             cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
             cohort.end_step(end)
             for request in cohort.done():
-                self._finish_member(request, end)
+                self._finish_held(request, end)
                 finished.append(request)
         if self._debug_invariants:
             self.check_invariants()
         return finished
-
-    def _finish_member(self, request: Request, now: float) -> RequestUpdate:
-        """A member after its last decode (cohort.done): finished the ordinary way. Its
-        tokens were counted with the cohort's (SteadyDecodes.num_seqs), so the update
-        carries none."""
-        status = RequestStatus.FINISHED_LENGTH  # a stop token would not have let it join
-        self._finish(request, status, now)
-        return RequestUpdate(request.request_id, [], [], status.finish_reason)
 
     def _decodes_left(self, request: Request, token_id: int) -> int:
         """Decodes until the request finishes if every one samples `token_id`."""
@@ -159,11 +131,58 @@ class SteadyDecodePlanning:
             self.max_model_len - request.num_tokens,
         )
 
-    def _dissolve_cohort(self, step: StepPlan | None = None) -> None:
-        """Every member back in the running list, whole. Mid-step (`step`), their decodes
-        of this step, budget and blocks already taken, become ordinary ones."""
+    # ---- the core scheduler's hooks for requests held aside ---------------------------
+
+    def _num_held(self, lane: str | None = None) -> int:
         cohort = self._cohort
-        assert cohort is not None
+        return 0 if not cohort else len(cohort) if lane is None else cohort.lanes[lane]
+
+    def _unlist(self, request: Request) -> None:
+        if self._cohort is not None and request in self._cohort:
+            self._cohort.release(request)
+        else:
+            super()._unlist(request)
+
+    def _block_tables(self) -> list[list[int]]:
+        tables = super()._block_tables()
+        if self._cohort:
+            tables.append(self._cohort.blocks)  # members' newest blocks, not yet in their tables
+        return tables
+
+    def _schedule_held(self, step: StepPlan) -> None:
+        if self._cohort is not None:
+            self._schedule_steady_decodes(step)
+
+    def _end_held_step(self, scheduled: SchedulerOutput, now: float) -> list[Request]:
+        cohort = self._cohort
+        if cohort is None or steady_part(scheduled) is None:
+            return []
+        cohort.end_step(now)
+        return cohort.done()
+
+    def _output(self, step: StepPlan, now: float) -> SchedulerOutput:
+        plain = super()._output(step, now)
+        cohort = self._cohort
+        steady = cohort.decodes() if cohort else None
+        return SteadyStep(
+            seqs=plain.seqs,
+            num_prefill_tokens=plain.num_prefill_tokens,
+            num_decode_tokens=plain.num_decode_tokens + (steady.num_seqs if steady else 0),
+            num_draft_tokens=plain.num_draft_tokens,
+            preempted_ids=plain.preempted_ids,
+            finished_ids=plain.finished_ids,
+            steady=steady,
+        )
+
+    def _return_held(self, step: StepPlan | None, outranking: Request | None = None) -> None:
+        """Every member back in the running list, whole (with `outranking`, only if that
+        request might outrank one of them). Mid-step (`step`), their decodes of this
+        step, budget and blocks already taken, become ordinary ones."""
+        cohort = self._cohort
+        if not cohort:
+            return
+        if outranking is not None and not outranks_any(outranking, cohort.ranks):
+            return
         members = cohort.members
         if step is not None:
             step.budget += len(members)

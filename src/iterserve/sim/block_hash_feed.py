@@ -1,7 +1,7 @@
 """The block hash chains of a simulated workload, computed ahead on the other core.
 
 A simulated request's every token is known before it arrives: its prompt, then the
-executor's placeholder until max_tokens (executor/simulated.py samples nothing else). So
+executor's placeholder until max_tokens (sim/executor.py samples nothing else). So
 the names its KV blocks will bear (core/kv_cache.py) are known too, and hashing them was
 ~9% of a million-request replay on the one core that runs the fleet. A forked process
 hashes the requests in arrival order and streams the chains back as int64; the fleet

@@ -26,7 +26,7 @@ from typing import Any
 
 from iterserve.bench.metrics import BenchMetrics, compute_metrics
 from iterserve.core.outputs import SchedulerOutput
-from iterserve.executor.cost_profile import ProfiledCostModel, StepFeatures
+from iterserve.sim.cost_profile import ProfiledCostModel, StepFeatures
 
 # (label, how to read it off BenchMetrics); latencies in ms.
 FIGURES: list[tuple[str, Any]] = [
@@ -152,14 +152,14 @@ def add_fidelity_parser(runners: argparse._SubParsersAction) -> None:
 def _run_fidelity(args: argparse.Namespace) -> int:
     from iterserve.bench.args import arrival_spec, workload_spec
     from iterserve.bench.arrivals import arrival_offsets
-    from iterserve.bench.fleet import simulate_fleet
     from iterserve.bench.offline import OfflineOptions, run_engine, warm_up
-    from iterserve.bench.profile import ProfileGrid, profile_engine
     from iterserve.bench.tokenizer import load_tokenizer
     from iterserve.bench.workloads import build_workload
     from iterserve.config import engine_config_from_args
     from iterserve.engine.llm_engine import LLMEngine
-    from iterserve.executor.cost_profile import CostProfile
+    from iterserve.sim.cost_profile import CostProfile
+    from iterserve.sim.fleet import simulate_fleet
+    from iterserve.sim.profile import ProfileGrid, profile_engine
 
     config = engine_config_from_args(args)
     arrival = arrival_spec(args)

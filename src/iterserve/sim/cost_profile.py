@@ -1,7 +1,7 @@
 """Step costs measured on real hardware: a profile of the engine's steps, and a cost model
 that prices a simulated step by interpolating it.
 
-The roofline model (simulated.py) knows peaks, not this engine: on the 2-core CPU it priced
+The roofline model (executor.py) knows peaks, not this engine: on the 2-core CPU it priced
 a decode step at under half its real cost. A profile instead holds what `iterserve bench
 profile` timed, whole engine steps (scheduling, forward, sampling, detokenizing), on two
 grids:
@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from iterserve.core.outputs import SchedulerOutput, SteadyDecodes
+from iterserve.core.outputs import SchedulerOutput
+from iterserve.sim.decode_cohort import SteadyDecodes, steady_part
 
 FORMAT_VERSION = 1
 # Profiles that ship with iterserve, one file per (hardware preset, model preset).
@@ -117,9 +118,10 @@ class StepFeatures:
     @classmethod
     def of(cls, scheduled: SchedulerOutput) -> StepFeatures:
         decode_rows = decode_seqs = context = 0
-        if scheduled.steady is not None:
-            decode_rows = decode_seqs = scheduled.steady.num_seqs
-            context = scheduled.steady.total_context
+        steady = steady_part(scheduled)
+        if steady is not None:
+            decode_rows = decode_seqs = steady.num_seqs
+            context = steady.total_context
         prefill = prefix = 0
         for seq in scheduled.seqs:
             guesses = len(seq.draft_token_ids)

@@ -1,10 +1,10 @@
 """`iterserve simulate`: the real scheduler against a cost model, on a virtual clock.
 
 The same engine loop (engine/engine_core.py), with the same `core/` scheduler and block
-pool, decides every step; only the executor differs (executor/simulated.py): it prices
+pool, decides every step; only the executor differs (sim/executor.py): it prices
 a step with a measured profile or a roofline model of a chosen accelerator and model,
 and never computes a token. So a whole hour of the Azure trace on an A100 running
-Llama-3-8B takes seconds here, a fleet of replicas behind a router (bench/fleet.py) a few
+Llama-3-8B takes seconds here, a fleet of replicas behind a router (sim/fleet.py) a few
 minutes for a million requests, and a change of policy shows what it would do at a scale
 this machine cannot reach.
 """
@@ -16,13 +16,13 @@ import time
 from dataclasses import asdict
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.fleet import Replica, simulate_fleet
 from iterserve.bench.metrics import compute_metrics, parse_slos
 from iterserve.bench.report import BenchReport
 from iterserve.config import add_engine_args, engine_config_from_args
 from iterserve.core.router import ROUTERS
-from iterserve.executor.cost_profile import CostProfile, shipped_profile
-from iterserve.executor.simulated import HARDWARE, MODELS
+from iterserve.sim.cost_profile import CostProfile, shipped_profile
+from iterserve.sim.executor import HARDWARE, MODELS
+from iterserve.sim.fleet import Replica, simulate_fleet
 
 # ---- CLI -------------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ tests/test_fleet.py checks the results are identical to stepping every request
 (`--step-by-step`).
 
 The real engine never uses it: its executor needs each request's inputs every step.
+The scheduler's side, which decides who joins and when the cohort gives them back, is
+sim/cohort_scheduler.py.
 """
 
 from __future__ import annotations
@@ -24,8 +26,34 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from iterserve.core.outputs import SteadyDecodes
+from iterserve.core.outputs import SchedulerOutput
 from iterserve.core.request import Request
+
+
+@dataclass(frozen=True)
+class SteadyDecodes:
+    """A step's decodes by the cohort's members, not listed one by one: each computes one
+    token and samples the executor's known token (sim/executor.py prices them)."""
+
+    num_seqs: int
+    total_context: int  # tokens they attend over, each its new one included
+    num_last: int = 0  # of them, decodes that end their request (known ahead: max_tokens)
+
+
+@dataclass
+class SteadyStep(SchedulerOutput):
+    """A step with the cohort's decodes: only the simulated executor is given these."""
+
+    steady: SteadyDecodes | None = None  # counted in num_decode_tokens too
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and self.steady is None
+
+
+def steady_part(scheduled: SchedulerOutput) -> SteadyDecodes | None:
+    """A step's decodes by the cohort, if any (a plain step, the real engine's, has none)."""
+    return scheduled.steady if isinstance(scheduled, SteadyStep) else None
 
 
 @dataclass
