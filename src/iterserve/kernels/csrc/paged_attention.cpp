@@ -4,6 +4,9 @@
 // Layout. Caches are [num_kv_heads, num_blocks, block_size, head_dim] (model/attention.py), so
 // one kv head's keys in one block are block_size contiguous rows of head_dim; K and V share
 // that layout, so a key's element offset, found once through the block table, serves both.
+// An int8 cache (--kv-cache-dtype int8, ops.h) has rows of head_dim int8 values and their
+// fp32 scale: a key's dot products are scaled once summed, a V row's scale is folded into
+// its probabilities, and the rest is as for bf16.
 // q is [T, num_heads, head_dim] with contiguous head_dim rows but any row stride (a slice of
 // the fused qkv projection); out is [T, num_heads, head_dim] contiguous.
 //
@@ -159,14 +162,40 @@ inline XPair query_chunk(const BFloat16* p) {
 }
 inline Halves query_chunk(const float* p) { return key_chunk(p); }
 
-// Against an int8 cache the keys are widened to fp32 as their dims lie, and so are queries.
+// Against an int8 cache the keys are widened to fp32 as their dims lie, and so are queries;
+// except with bf16 dot products and bf16 queries, where int8 keys become bf16 pairs instead
+// (exactly: |q| <= 127 fits bf16's 8-bit significand), one `vdpbf16ps` per 32 dims a query
+// rather than two FMAs.
 inline Halves query_halves(const BFloat16* p) { return {load_bf16x16(p), load_bf16x16(p + 16)}; }
 inline Halves query_halves(const float* p) { return key_chunk(p); }
 
 template <typename T, typename C>
+constexpr bool kInt8KeysAsPairs = kBf16Dot && std::is_same_v<T, BFloat16> && std::is_same_v<C, int8_t>;
+
+template <typename T, typename C>
 inline auto make_query_chunk(const T* p) {
-  if constexpr (std::is_same_v<C, int8_t>) return query_halves(p);
+  if constexpr (std::is_same_v<C, int8_t> && !kInt8KeysAsPairs<T, C>) return query_halves(p);
   else return query_chunk(p);
+}
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+// 32 int8 dims as bf16 pairs in memory order: vcvtne2ps2bf16 puts its second operand's 16
+// values in the low words, so (dims 16-31, dims 0-15) come out as dims 0-31.
+inline Pairs int8_key_pairs(const int8_t* p) {
+  const __m512 lo = load_i8x16(p).v[0], hi = load_i8x16(p + 16).v[0];
+  return Pairs{_mm512_cvtne2ps_pbh(hi, lo)};
+}
+#endif
+
+// A key's 32-dim chunk as the query chunk QC takes it.
+template <typename QC, typename C>
+inline auto load_key_chunk(const C* p) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<C, int8_t> && std::is_same_v<QC, XPair>) return int8_key_pairs(p);
+  else return key_chunk(p);
+#else
+  return key_chunk(p);
+#endif
 }
 
 // How a query row of type T is held for the score tree against a cache of type C.
@@ -212,7 +241,7 @@ inline void scores_tree(const C* cache, const int64_t* off, const QC* q, float* 
     const C* key = cache + off[j];
     auto acc = zeros<QB>();
     ITERSERVE_UNROLL for (int c = 0; c < NC; ++c) {
-      const auto k = key_chunk(key + 32 * c);
+      const auto k = load_key_chunk<QC>(key + 32 * c);
       ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i] = chunk_dot(acc[i], k, q[i * NC + c]);
     }
     ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) dots[i * kTile + j] = acc[i];
