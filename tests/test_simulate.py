@@ -86,6 +86,21 @@ def test_speculation_is_modelled_at_its_acceptance_rate(workload, rate: float) -
         assert metrics.latency.tpot.mean < 0.6 * plain.latency.tpot.mean
 
 
+def test_an_int8_kv_pool_holds_more_tokens_and_reads_fewer_bytes() -> None:
+    """--kv-cache-dtype int8 in the simulator: rows of head_dim bytes and a 4-byte scale
+    (model/kv_cache_format.py) where bf16 ones are 2 * head_dim bytes."""
+    from iterserve.config import CacheConfig
+    from iterserve.sim.fleet import kv_blocks_for
+
+    int8 = EngineConfig(cache=CacheConfig(kv_cache_dtype="int8"))
+    for model, head_dim in (("smollm2-135m", 64), ("llama3-8b", 128)):
+        bf16_blocks = kv_blocks_for(EngineConfig(), "cpu-2core", model)
+        int8_blocks = kv_blocks_for(int8, "cpu-2core", model)
+        assert int8_blocks / bf16_blocks == pytest.approx(2 * head_dim / (head_dim + 4), rel=1e-3)
+    shape = MODELS["smollm2-135m"]
+    assert shape.with_kv_cache_dtype("int8").kv_bytes_per_token == 2 * 30 * 3 * (64 + 4)
+
+
 def test_this_machine_s_preset_sizes_the_kv_pool_as_the_engine_does() -> None:
     """cpu-2core: --kv-cache-memory (what `iterserve serve` here allocates), not 24 GiB;
     a GPU preset: the device's memory less the weights, as GPU serving engines do."""

@@ -13,7 +13,7 @@ the first rejection), so `iterserve simulate` can say whether speculation pays.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
@@ -54,8 +54,19 @@ class ModelShape:
     name: str
     num_params: float  # parameters touched per token (lm head included)
     weight_bytes: float
-    kv_bytes_per_token: float  # K and V, all layers
+    kv_bytes_per_token: float  # K and V, all layers, in bf16
     attn_flops_per_pair: float  # FLOPs per (query token, context token) pair, all layers
+    head_dim: int
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> ModelShape:
+        """The shape with K/V stored as --kv-cache-dtype says: int8 rows are head_dim bytes
+        and a 4-byte scale where bf16 ones are 2 * head_dim (model/kv_cache_format.py)."""
+        if kv_cache_dtype == "auto":
+            return self
+        if kv_cache_dtype != "int8":
+            raise ValueError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}")
+        ratio = (self.head_dim + 4) / (2 * self.head_dim)
+        return replace(self, kv_bytes_per_token=self.kv_bytes_per_token * ratio)
 
 
 def _datasheet(
@@ -97,6 +108,7 @@ MODELS = {
         weight_bytes=2 * 135e6,
         kv_bytes_per_token=2 * 30 * 3 * 64 * 2,
         attn_flops_per_pair=4 * 30 * 9 * 64,
+        head_dim=64,
     ),
     "llama3-8b": ModelShape(
         "llama3-8b",
@@ -104,6 +116,7 @@ MODELS = {
         weight_bytes=2 * 8.0e9,
         kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
         attn_flops_per_pair=4 * 32 * 32 * 128,
+        head_dim=128,
     ),
 }
 

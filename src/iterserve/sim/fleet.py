@@ -51,7 +51,8 @@ def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
     """Blocks that fit beside the weights in the device's memory, or in --kv-cache-memory
     for a preset sized as iterserve's engine sizes its pool; the config's exact count if
     it names one."""
-    hw, shape = HARDWARE[hardware], MODELS[model]
+    hw = HARDWARE[hardware]
+    shape = MODELS[model].with_kv_cache_dtype(config.cache.kv_cache_dtype)
     if hw.kv_cache_from_config:
         free = config.cache.kv_cache_memory * 2**30
     else:
@@ -133,7 +134,9 @@ class Replica:
         cost: CostModel = (
             ProfiledCostModel(profile)
             if profile is not None
-            else RooflineCostModel(HARDWARE[hardware], MODELS[model])
+            else RooflineCostModel(
+                HARDWARE[hardware], MODELS[model].with_kv_cache_dtype(config.cache.kv_cache_dtype)
+            )
         )
         executor = SimulatedExecutor(cost, clock, acceptance_rate, seed)
         engine = SteadyEngineCore.build(

@@ -112,7 +112,11 @@ def _run(args: argparse.Namespace) -> int:
         + f"; simulated in {wall:.1f}s of wall time ({steps} steps, "
         f"{1e6 * wall / max(1, steps):.0f} us a step)"
     ]
-    notes.append(_cost_note(profile, args.cost_profile, HARDWARE[args.hardware].isa))
+    notes.append(
+        _cost_note(
+            profile, args.cost_profile, HARDWARE[args.hardware].isa, config.cache.kv_cache_dtype
+        )
+    )
     notes += [_replica_note(i, replica, len(fleet) > 1) for i, replica in enumerate(fleet)]
     report = BenchReport(
         label=args.label or f"simulated {args.sim_model} on {args.hardware}",
@@ -129,9 +133,12 @@ def _run(args: argparse.Namespace) -> int:
     return finish(report, args)
 
 
-def _cost_note(profile: CostProfile | None, path: str | None, isa: str | None) -> str:
+def _cost_note(
+    profile: CostProfile | None, path: str | None, isa: str | None, kv_cache_dtype: str = "auto"
+) -> str:
     """Where the step prices come from; `isa`: the kernels' ISA variant the hardware preset
-    describes (a profile measured with another one is flagged)."""
+    describes (a profile measured with another one is flagged), and a profile priced for
+    an int8 KV pool (profiles are measured over a bf16 one) is flagged too."""
     if profile is None:
         return (
             "cost model: roofline (no profile for this hardware and model: steps are priced "
@@ -149,6 +156,11 @@ def _cost_note(profile: CostProfile | None, path: str | None, isa: str | None) -
     )
     if isa is not None and measured_isa != isa:
         note += f"; NOTE: measured with {measured_isa} kernels, the preset describes {isa}"
+    if kv_cache_dtype == "int8":
+        note += (
+            "; NOTE: measured over a bf16 KV pool: the int8 pool's size is simulated, its "
+            "steps are priced as bf16 ones"
+        )
     return note
 
 
