@@ -152,13 +152,14 @@ def _gather(
     return dequantize_rows(gathered, dtype) if is_quantized(cache) else gathered
 
 
-def _store(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """This step's rows [T, kv_heads, head_dim] into their slots (quantized for an int8 pool)."""
+def _store(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """This step's rows [T, kv_heads, head_dim] into their slots (quantized for an int8 pool);
+    returns them as the pool now holds them, in the rows' dtype."""
     num_kv_heads, num_blocks, block_size, width = cache.shape
     slots = cache.view(num_kv_heads, num_blocks * block_size, width)
-    if is_quantized(cache):
-        rows = quantize_rows(rows)
-    slots.index_copy_(1, slot_mapping, rows.transpose(0, 1))
+    stored = quantize_rows(rows) if is_quantized(cache) else rows
+    slots.index_copy_(1, slot_mapping, stored.transpose(0, 1))
+    return dequantize_rows(stored, rows.dtype) if is_quantized(cache) else rows
 
 
 def _decode_attention(
@@ -219,10 +220,10 @@ def paged_attention(
     key_cache, value_cache = kv_cache
     if meta.kernel is not None:
         raise ValueError("this step's metadata is for the C++ op: the layers call it directly")
-    _store(key_cache, meta.slot_mapping, k)
-    _store(value_cache, meta.slot_mapping, v)
-    if is_quantized(key_cache):  # a chunk's own K/V as the pool holds them, as the kernels read
-        k, v = (dequantize_rows(quantize_rows(x), q.dtype) for x in (k, v))
+    # A chunk attends its own K/V as the pool holds them (8-bit rounded in an int8 pool), as
+    # the kernels read them.
+    k = _store(key_cache, meta.slot_mapping, k)
+    v = _store(value_cache, meta.slot_mapping, v)
     plan = _plan(meta, q.shape[1], key_cache, q.dtype)
 
     outputs: list[torch.Tensor] = []
