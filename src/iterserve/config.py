@@ -102,6 +102,13 @@ class SchedulerConfig:
         "while it waits",
     )
     max_running_batch_lane: int | None = _opt(None, "most batch-lane requests running at once")
+    async_scheduling: bool | None = _opt(
+        None,
+        "plan each step while the one before it computes, so the forward never waits for "
+        "scheduling, detokenizing and streaming (a request ending with a stop token or string "
+        "costs one discarded step); default: what measures faster on this device "
+        "(docs/async_scheduling.md). Off with speculative decoding",
+    )
 
     def __post_init__(self) -> None:
         self.validate()

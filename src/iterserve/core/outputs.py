@@ -13,6 +13,10 @@ from iterserve.core.logprobs import TokenLogprobs
 from iterserve.core.request import FinishReason
 from iterserve.sampling_params import SamplingParams
 
+# A token id the scheduler does not know yet: the sample of the step in flight, written in
+# by the executor's pipeline (ScheduledSeq.last_token_in_flight) before the step runs.
+IN_FLIGHT_TOKEN = -1
+
 
 @dataclass
 class TokenContext:
@@ -49,6 +53,10 @@ class ScheduledSeq:
     # p give token p + 1's logprob, so these are scored by the rows of the positions just
     # before them, which end the step's new tokens (or precede its sample when it has one).
     scored_prompt_token_ids: list[int] = field(default_factory=list)
+    # Asynchronous scheduling: the last of `token_ids` (before any drafts) is IN_FLIGHT_TOKEN,
+    # the token the step still running samples for this request; it, and `context`, get
+    # it written in before this step runs (engine/step_pipeline.py).
+    last_token_in_flight: bool = False
 
     @property
     def num_new_tokens(self) -> int:

@@ -86,6 +86,10 @@ class Request:
     outputs_at_preemption: int = -1
     # Order of the latest admission to the running set: the newest gives way first.
     admission_seq: int = -1
+    # Tokens sampled by planned steps and not yet applied (update() fills them in): 1
+    # between a step's schedule() and update(), 2 while asynchronous scheduling plans a
+    # step on top of one in flight. num_computed_tokens already counts the planned steps.
+    num_output_placeholders: int = 0
     # Speculative decoding: draft tokens proposed for this request, and accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -112,6 +116,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens, known or planned, not yet counted as computed: 1 for a decode."""
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def max_total_tokens(self) -> int:

@@ -17,6 +17,12 @@ A step is composed in two phases:
 When the KV pool runs dry, a running request is preempted by recompute: its
 blocks are freed, its tokens kept, and it waits to be prefilled again.
 
+schedule() counts a planned step's tokens as computed at once, and each token it will
+sample as a placeholder (Request.num_output_placeholders) that update() fills in. So
+the next step can be planned before this one's samples are known (asynchronous
+scheduling, engine/engine_core.py): a decode whose last token is still being sampled
+takes it as ScheduledSeq.last_token_in_flight, and the executor writes it in.
+
 A subclass may hold some running requests aside, outside `running`, and advance them
 itself (the simulator's decode cohort, sim/cohort_scheduler.py); the `_held` methods are
 where it hooks in, and do nothing here.
@@ -33,8 +39,10 @@ from collections.abc import Callable
 from iterserve.config import SchedulerConfig, SpeculativeConfig
 from iterserve.core.kv_cache import KVCacheManager, KVCacheStats
 from iterserve.core.outputs import (
+    IN_FLIGHT_TOKEN,
     ModelOutput,
     RequestUpdate,
+    SampledToken,
     ScheduledSeq,
     SchedulerOutput,
     TokenContext,
@@ -73,6 +81,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._admissions = 0
         self.num_preemptions = 0
+        # Tokens computed for requests that had ended by the time their step's results came
+        # (asynchronous scheduling plans a step before the last one's stop is known).
+        self.num_discarded_tokens = 0
         # Check the block pool after every update: slow, for debugging and tests.
         self._debug_invariants = os.environ.get("ITERSERVE_DEBUG_INVARIANTS", "0") not in ("", "0")
 
@@ -192,9 +203,12 @@ class Scheduler:
         held_done = self._end_held_step(scheduled, now)
         for seq in scheduled.seqs:
             request = self.requests.get(seq.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # ended between schedule and update
-            if held_done:
+            if request is None:
+                # It ended (stop string, abort) after this step was planned: only a step
+                # planned ahead of the last one's results computes for nothing like this.
+                self.num_discarded_tokens += seq.num_new_tokens
+                continue
+            if held_done and request.status == RequestStatus.RUNNING:
                 # Held requests finish where their decodes would have stood had they been
                 # listed: among the step's decodes (first), in admission order (see
                 # _output); the order frees their blocks, which decides later evictions.
@@ -205,29 +219,47 @@ class Scheduler:
             if seq.scored_prompt_token_ids:
                 request.prompt_logprobs += model_output.prompt_logprobs[seq.request_id]
             if not seq.sample:
-                request.num_computed_tokens += seq.num_new_tokens
-                self.kv.cache_full_blocks(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.kv.cache_full_blocks(request)
                 continue
-            sampled = model_output.sampled[seq.request_id]
-            num_drafts = len(seq.draft_token_ids)
-            if num_drafts:
-                request.num_draft_tokens += num_drafts
-                request.num_accepted_tokens += len(sampled) - 1
-                self.spec_stats.record(num_drafts, len(sampled) - 1)
+            updates.append(
+                self._take_samples(request, seq, model_output.sampled[seq.request_id], now)
+            )
+        updates += [self._finish_held(request, now) for request in held_done]
+        if self._debug_invariants:
+            self.check_invariants()
+        return updates
+
+    def _take_samples(
+        self, request: Request, seq: ScheduledSeq, sampled: list[SampledToken], now: float
+    ) -> RequestUpdate:
+        """Fill in the request's placeholder with the step's samples (with speculation, the
+        accepted drafts and the target's next token) up to the first that ends it."""
+        request.num_output_placeholders -= 1
+        # Preempted while the step ran (planned ahead of it): its tokens still count, its
+        # recompute will take them in.
+        running = request.status == RequestStatus.RUNNING
+        num_drafts = len(seq.draft_token_ids)
+        if num_drafts:
+            request.num_draft_tokens += num_drafts
+            request.num_accepted_tokens += len(sampled) - 1
+            self.spec_stats.record(num_drafts, len(sampled) - 1)
             # The K/V of the accepted drafts is written and right; a rejected draft's slot
             # lies past num_computed_tokens and is overwritten by the token that lands there.
-            request.num_computed_tokens += seq.num_new_tokens - num_drafts + len(sampled) - 1
-            timings = request.timings
-            if timings.first_token is None:
-                timings.first_token = now
-            status = None
-            taken = 0
-            while status is None and taken < len(sampled):
-                token_id = sampled[taken].token_id
-                request.append_output_token(token_id)
-                timings.token_times.append(now)
-                taken += 1
-                status = self._stop_status(request, token_id)
+            if running:
+                request.num_computed_tokens -= num_drafts - (len(sampled) - 1)
+        timings = request.timings
+        if timings.first_token is None:
+            timings.first_token = now
+        status = None
+        taken = 0
+        while status is None and taken < len(sampled):
+            token_id = sampled[taken].token_id
+            request.append_output_token(token_id)
+            timings.token_times.append(now)
+            taken += 1
+            status = self._stop_status(request, token_id)
+        if running:
             # A stop inside an accepted run leaves computed drafts past the end: drop them.
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             if seq.num_new_tokens > 1:
@@ -235,21 +267,26 @@ class Scheduler:
                 # meanwhile finds them; a decode's blocks are named when released (_finish,
                 # _preempt), which only a request's own recompute could have used sooner.
                 self.kv.cache_full_blocks(request)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status, now)
-            updates.append(
-                RequestUpdate(
-                    request.request_id,
-                    [s.token_id for s in sampled[:taken]],
-                    [s.logprobs for s in sampled[:taken]],
-                    None if status is None else status.finish_reason,
-                )
-            )
-        updates += [self._finish_held(request, now) for request in held_done]
-        if self._debug_invariants:
-            self.check_invariants()
-        return updates
+        if status is not None:
+            (self.running if running else self.waiting).remove(request)
+            self._finish(request, status, now)
+        return RequestUpdate(
+            request.request_id,
+            [s.token_id for s in sampled[:taken]],
+            [s.logprobs for s in sampled[:taken]],
+            None if status is None else status.finish_reason,
+        )
+
+    def unplan(self, scheduled: SchedulerOutput) -> None:
+        """Undo schedule()'s bookkeeping for a step that will never run (running it failed,
+        or the step before it did), so its requests end, or run again, from where they
+        stood; nothing of it is named in the prefix cache."""
+        for seq in scheduled.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = seq.num_computed_tokens
+            request.num_output_placeholders -= seq.sample
 
     # ---- phases ----------------------------------------------------------------
 
@@ -257,7 +294,7 @@ class Scheduler:
         decodes = [
             r
             for r in self.running
-            if r not in step.tokens and r.num_tokens - r.num_computed_tokens == 1
+            if r not in step.tokens and r.num_uncomputed_tokens == 1 and not self._ends_planned(r)
         ]
         drafts = self._propose(decodes, step.budget - len(decodes))
         for request in decodes:
@@ -314,7 +351,7 @@ class Scheduler:
             budget = step.budget - reserve
             if budget < 1:
                 return
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = request.num_uncomputed_tokens
             if request in step.tokens or request.status != RequestStatus.RUNNING or remaining < 2:
                 continue
             n = self._chunk(request, remaining, budget, step)
@@ -326,6 +363,8 @@ class Scheduler:
             budget = step.budget - reserve
             if budget < 1 or not self._has_seat(lane):
                 break
+            if request.num_output_placeholders:
+                continue  # preempted while its step runs: back once its last token is known
             admission = self._admit(request, budget, step, now)
             if admission is _Admission.BLOCKED:
                 break  # the head of the line does not fit: later ones wait behind it (FCFS)
@@ -427,9 +466,7 @@ class Scheduler:
     def _lane_has_prefill_work(self, lane: str) -> bool:
         if self.config.batching == "continuous" and self.waiting.count(lane):
             return True
-        return any(
-            r.lane == lane and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
-        )
+        return any(r.lane == lane and r.num_uncomputed_tokens > 1 for r in self.running)
 
     # ---- memory pressure -------------------------------------------------------
 
@@ -470,6 +507,15 @@ class Scheduler:
 
     # ---- endings ---------------------------------------------------------------
 
+    def _ends_planned(self, request: Request) -> bool:
+        """Whether the tokens already planned for the request reach its max_tokens or the
+        context (a step planned ahead of its last one's results must not go past them)."""
+        planned = request.num_output_placeholders
+        return bool(planned) and (
+            request.num_output_tokens + planned >= request.sampling_params.max_tokens
+            or request.num_tokens + planned >= self.max_model_len
+        )
+
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if not params.ignore_eos and token_id in request.eos_token_ids:
@@ -496,6 +542,7 @@ class Scheduler:
     def _output(self, step: StepPlan, now: float) -> SchedulerOutput:
         seqs: list[ScheduledSeq] = []
         num_decode = num_draft = 0
+
         # Decodes first, the executor batching the one-token queries together; each part in
         # the order its requests were planned (decodes: admission order).
         def decodes_first(item: tuple[Request, int]) -> tuple[bool, int]:
@@ -506,8 +553,12 @@ class Scheduler:
             start = request.num_computed_tokens
             drafts = step.drafts.get(request, [])
             real = n - len(drafts)
-            sample = start + real == request.num_tokens
+            outputs = request.num_output_tokens + request.num_output_placeholders
+            sample = start + real == request.num_prompt_tokens + outputs
             token_ids = request.all_token_ids[start : start + real]
+            in_flight = len(token_ids) < real  # its last token is the step in flight's sample
+            if in_flight:
+                token_ids.append(IN_FLIGHT_TOKEN)
             if drafts:  # not `+ drafts` always: a prompt chunk's copy would be copied again
                 token_ids += drafts
             seqs.append(
@@ -519,6 +570,7 @@ class Scheduler:
                     sample=sample,
                     sampling_params=request.sampling_params,
                     draft_token_ids=drafts,
+                    last_token_in_flight=in_flight,
                 )
             )
             params = request.sampling_params
@@ -527,8 +579,12 @@ class Scheduler:
             if params.prompt_logprobs is not None:
                 seqs[-1].scored_prompt_token_ids = request.prompt_tokens_to_score(start, real)
             num_draft += len(drafts)
-            if sample and real == 1 and request.num_output_tokens:
+            if sample and real == 1 and outputs:
                 num_decode += 1
+            # Planned is as good as computed for the next plan; update() corrects for
+            # rejected drafts, unplan() for a step that never ran.
+            request.num_computed_tokens = start + n
+            request.num_output_placeholders += sample
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             seqs=seqs,

@@ -4,20 +4,31 @@ Torch-free: the executor is injected and follows executor/base.py's protocol. `L
 puts tokenizing, detokenizing and stop strings around this loop and runs it with the
 torch runner; `iterserve simulate` runs it with the simulated executor on a virtual
 clock. So both make exactly the same scheduling decisions, step by step.
+
+With asynchronous scheduling the loop runs one step ahead: each call plans step N+1 and
+hands it to a worker thread (engine/step_pipeline.py), which runs it as soon as step N
+is done, then takes step N's results. Everything on the engine thread between two
+forwards (planning, update, and the caller's detokenizing and streaming) then happens
+while a forward computes. The price: a request that ends in step N (an EOS, a stop
+string, an abort) is computed once more in step N+1 for nothing
+(Scheduler.num_discarded_tokens counts these tokens).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Self
 
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.core.kv_cache import KVCacheManager
-from iterserve.core.outputs import RequestUpdate, SchedulerOutput
+from iterserve.core.outputs import ModelOutput, RequestUpdate, SchedulerOutput
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import Proposer
+from iterserve.engine.step_pipeline import StepPipeline
 from iterserve.executor.base import Executor
 
 
@@ -47,19 +58,16 @@ class StepStats:
 
 @dataclass
 class CoreStep:
-    """What one iteration of the loop did."""
+    """What one iteration of the loop did: the step whose results it took, and whether
+    it computed or started anything (False: nothing was runnable yet)."""
 
     scheduled: SchedulerOutput
     updates: list[RequestUpdate]
-
-    @property
-    def did_work(self) -> bool:
-        """Whether any token was computed (False: nothing was runnable yet)."""
-        return not self.scheduled.is_empty
+    did_work: bool
 
     @property
     def request_ids(self) -> list[str]:
-        return [seq.request_id for seq in self.scheduled.seqs]
+        return _request_ids(self.scheduled)
 
 
 def num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: float, memory_bytes: float) -> int:
@@ -70,14 +78,27 @@ def num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: float, memory_bytes: f
     return max(0, int(memory_bytes // (kv_bytes_per_token * cache.block_size)))
 
 
+@dataclass
+class _InFlight:
+    scheduled: SchedulerOutput
+    output: Future[ModelOutput]
+
+
 class EngineCore:
     # What build() makes: a subclass may plan with a Scheduler subclass (sim/engine.py).
     scheduler_type: type[Scheduler] = Scheduler
 
-    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+    def __init__(
+        self, scheduler: Scheduler, executor: Executor, async_scheduling: bool = False
+    ) -> None:
+        """`async_scheduling`: plan each step while the one before it runs (ignored with
+        speculative decoding, whose guesses need the last step's accepted tokens)."""
         self.scheduler = scheduler
         self.executor = executor
         self.stats = StepStats()
+        self.async_scheduling = async_scheduling and scheduler.proposer is None
+        self._pipeline = StepPipeline(executor) if self.async_scheduling else None
+        self._in_flight: _InFlight | None = None
 
     @classmethod
     def build(
@@ -88,6 +109,7 @@ class EngineCore:
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         proposer: Proposer | None = None,
+        async_scheduling: bool = False,
     ) -> Self:
         """A scheduler over a block pool of `num_blocks`, driving `executor`; `proposer`
         makes speculative drafts if config.speculative asks for them (default: n-gram)."""
@@ -101,22 +123,90 @@ class EngineCore:
         scheduler = cls.scheduler_type(
             config.scheduler, kv, max_model_len, clock, config.speculative, proposer
         )
-        return cls(scheduler, executor)
+        return cls(scheduler, executor, async_scheduling)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self, no_more_arrivals: bool = False) -> CoreStep:
         """One iteration. Raises StepFailedError naming the step's requests when running
-        the planned step fails (planning it is not covered: no request is named then)."""
+        the planned step fails (planning it is not covered: no request is named then).
+        Their planned tokens are taken back, so ending them names nothing unwritten in
+        the prefix cache."""
+        if self._pipeline is not None:
+            return self._step_ahead(self._pipeline, no_more_arrivals)
         start = time.perf_counter()
         scheduled = self.scheduler.schedule(no_more_arrivals)
         try:
             model_output = self.executor.execute(scheduled)
+        except Exception as error:
+            self.scheduler.unplan(scheduled)
+            raise StepFailedError(_request_ids(scheduled), error) from error
+        try:
             updates = self.scheduler.update(scheduled, model_output)
         except Exception as error:
-            raise StepFailedError([seq.request_id for seq in scheduled.seqs], error) from error
-        elapsed = time.perf_counter() - start
+            raise StepFailedError(_request_ids(scheduled), error) from error
+        self._record(scheduled, model_output, updates, time.perf_counter() - start)
+        return CoreStep(scheduled, updates, not scheduled.is_empty)
+
+    def _step_ahead(self, pipeline: StepPipeline, no_more_arrivals: bool) -> CoreStep:
+        """Plan and start the next step, then take the results of the one in flight."""
+        start = time.perf_counter()
+        previous, self._in_flight = self._in_flight, None
+        scheduled = self.scheduler.schedule(no_more_arrivals)
+        if not scheduled.is_empty or scheduled.finished_ids:
+            self._in_flight = _InFlight(scheduled, pipeline.submit(scheduled))
+        if previous is None:
+            return CoreStep(SchedulerOutput([]), [], self._in_flight is not None)
+        try:
+            model_output = previous.output.result()
+        except Exception as error:
+            self._take_back_in_flight(pipeline)
+            self.scheduler.unplan(previous.scheduled)
+            raise StepFailedError(_request_ids(previous.scheduled), error) from error
+        try:
+            updates = self.scheduler.update(previous.scheduled, model_output)
+        except Exception as error:
+            raise StepFailedError(_request_ids(previous.scheduled), error) from error
+        self._record(previous.scheduled, model_output, updates, time.perf_counter() - start)
+        return CoreStep(previous.scheduled, updates, True)
+
+    def _take_back_in_flight(self, pipeline: StepPipeline) -> None:
+        """The step before the one in flight failed, so that one is skipped: take back its
+        plan (its requests run again from where they stood) and let steps run again."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            with contextlib.suppress(Exception):  # skipped, as it should be
+                in_flight.output.result()
+            self.scheduler.unplan(in_flight.scheduled)
+        pipeline.recover()
+
+    def drain(self) -> list[RequestUpdate]:
+        """Wait for the step in flight, if any, and take its results (an engine about to
+        close, or a caller that wants every request's state settled)."""
+        if self._pipeline is None or self._in_flight is None:
+            return []
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            model_output = in_flight.output.result()
+        except Exception as error:
+            self._pipeline.recover()
+            self.scheduler.unplan(in_flight.scheduled)
+            raise StepFailedError(_request_ids(in_flight.scheduled), error) from error
+        return self.scheduler.update(in_flight.scheduled, model_output)
+
+    def close(self) -> None:
+        """Stop the step worker (after the step in flight, whose results are dropped)."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+    def _record(
+        self,
+        scheduled: SchedulerOutput,
+        model_output: ModelOutput,
+        updates: list[RequestUpdate],
+        elapsed: float,
+    ) -> None:
         stats = self.stats
         stats.num_steps += 1
         stats.prefill_tokens += scheduled.num_prefill_tokens
@@ -126,4 +216,7 @@ class EngineCore:
         stats.forward_time += model_output.forward_time
         if scheduled.num_prefill_tokens:
             stats.prefill_time += elapsed
-        return CoreStep(scheduled, updates)
+
+
+def _request_ids(scheduled: SchedulerOutput) -> list[str]:
+    return [seq.request_id for seq in scheduled.seqs]

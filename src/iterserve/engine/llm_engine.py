@@ -56,6 +56,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def choose_async_scheduling(config: EngineConfig, device: torch.device) -> tuple[bool, str]:
+    """Whether the engine plans each step while the one before computes, and why."""
+    if config.speculative.enabled:
+        return False, "speculative decoding plans each step from the last one's accepted tokens"
+    chosen = config.scheduler.async_scheduling
+    if chosen is not None:
+        return chosen, "--async-scheduling" if chosen else "--no-async-scheduling"
+    return True, f"the default on {device.type}"
+
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel | None = None, warm_up: bool = True
@@ -107,9 +117,16 @@ class LLMEngine:
                 self.draft = self._draft_proposer(loaded, num_blocks, dtype)
             self.executor = TorchRunner(network, config.seed, self.draft)
             # The loop `iterserve simulate` runs too, here with the model as its executor.
+            overlap, why = choose_async_scheduling(config, self.device)
             self.core = EngineCore.build(
-                config, self.executor, num_blocks, self.max_model_len, proposer=self.draft
+                config,
+                self.executor,
+                num_blocks,
+                self.max_model_len,
+                proposer=self.draft,
+                async_scheduling=overlap,
             )
+            logger.info("asynchronous scheduling: %s (%s)", "on" if overlap else "off", why)
             self.warm_up_seconds = 0.0
             if warm_up:
                 self.warm_up()
@@ -177,6 +194,7 @@ class LLMEngine:
     def close(self) -> None:
         """Release what outlives the engine object: the tensor-parallel worker processes.
         Idempotent; a single-process engine has nothing to release."""
+        self.core.close()
         self.executor.close()
 
     @property

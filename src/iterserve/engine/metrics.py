@@ -69,6 +69,7 @@ class EngineSnapshot:
     preempted_prefix_queries: int = 0
     preempted_prefix_hits: int = 0
     num_preemptions: int = 0
+    num_discarded_tokens: int = 0
     num_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -107,6 +108,7 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         preempted_prefix_queries=kv.preempted_queries,
         preempted_prefix_hits=kv.preempted_hits,
         num_preemptions=scheduler.num_preemptions,
+        num_discarded_tokens=scheduler.num_discarded_tokens,
         num_steps=stats.num_steps,
         prefill_tokens=stats.prefill_tokens,
         decode_tokens=stats.decode_tokens,

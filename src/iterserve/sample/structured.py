@@ -179,6 +179,10 @@ class StructuredBatch:
     def advance(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Follow the tokens sampled for a request (all allowed by its last mask)."""
         matcher = self._matchers[request_id]
+        if matcher.is_stopped():
+            # Its request ended with the grammar; this step was planned before that was
+            # known (asynchronous scheduling) and its token is discarded.
+            return
         for token_id in token_ids:
             if not matcher.consume_token(token_id):
                 # Cannot happen for a masked draw; if it does, say so rather than go on

@@ -122,6 +122,9 @@ _SNAPSHOT_SERIES: tuple[tuple[_Kind, str, str, Callable[[EngineSnapshot], float]
     (_C, "prefix_cache_preempted_hits", "Of those, tokens found again in the cache (recompute saved)",
      lambda s: s.preempted_prefix_hits),
     (_C, "num_preemptions", "Requests preempted to free KV memory", lambda s: s.num_preemptions),
+    (_C, "discarded_tokens",
+     "Tokens computed for requests that had ended: asynchronous scheduling plans a step "
+     "before the last one's stop tokens and strings are known", lambda s: s.num_discarded_tokens),
     (_C, "engine_steps", "Engine iterations run", lambda s: s.num_steps),
     (_C, "prefill_tokens_computed", "Prompt tokens run through the model",
      lambda s: s.prefill_tokens),
