@@ -168,10 +168,9 @@ def _replica_note(index: int, replica: Replica, named: bool) -> str:
     """One replica's share and state: the fleet figures are the report's own."""
     scheduler, stats = replica.scheduler, replica.engine.stats
     kv = scheduler.kv_cache_stats()
-    hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
     note = (
         f"{f'replica {index}: ' if named else ''}{replica.tracker.num_routed} requests, "
-        f"{stats.generated_tokens} output tokens, prefix-cache hit rate {hit_rate:.2f}, "
+        f"{stats.generated_tokens} output tokens, prefix-cache hit rate {kv.prefix_hit_rate:.2f}, "
         f"{kv.num_blocks} KV blocks, {scheduler.num_preemptions} preemptions, accelerator "
         f"busy {replica.executor.busy_time:.1f}s of {replica.clock.now:.1f}s virtual"
     )
