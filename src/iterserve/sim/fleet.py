@@ -3,7 +3,7 @@
 Each replica is the real engine loop (engine/engine_core.py) with the real scheduler and
 block pool, and a simulated executor (sim/executor.py) that prices steps with a cost
 model. The fleet is a discrete-event simulation: the next event is an arrival (routed by
-core/router.py on the loads of that moment) or the step of the replica furthest behind.
+replicas/router.py on the loads of that moment) or the step of the replica furthest behind.
 
 Two things make a million requests affordable without changing a single decision:
 steady decodes advance together inside the scheduler (sim/decode_cohort.py), and a
@@ -26,9 +26,9 @@ from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
 from iterserve.core.request import Request
-from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import num_kv_blocks
+from iterserve.replicas.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.sim.block_hash_feed import BlockHashFeed
 from iterserve.sim.cohort_scheduler import CohortScheduler, steady_part
@@ -238,7 +238,7 @@ def simulate_fleet(
     num_kv_blocks: int | None = None,
     step_by_step: bool = False,
 ) -> tuple[list[RequestRecord], list[Replica]]:
-    """Replay the workload on `replicas` engines behind a router (core/router.py).
+    """Replay the workload on `replicas` engines behind a router (replicas/router.py).
 
     Discrete events in virtual time: the next thing to happen is either the next arrival
     (routed on the replicas' loads at that moment) or a step of the busy replica furthest
