@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from iterserve import LLM, SamplingParams
-from iterserve.core.router import RoundRobin, make_router
+from iterserve.replicas.router import RoundRobin, make_router
 from server_fixtures import (
     MODEL_NAME,
     RunningServer,
@@ -39,12 +39,12 @@ ray = pytest.importorskip("ray")
 
 from ray.exceptions import ActorDiedError  # noqa: E402  (after the skip)
 
-from iterserve.engine import ray_cluster  # noqa: E402
-from iterserve.engine.data_parallel import DataParallelEngine  # noqa: E402
 from iterserve.engine.outputs import RequestOutput  # noqa: E402
-from iterserve.engine.replica_events import ReplicaEvent  # noqa: E402
 from iterserve.engine.request_stream import GenerationRequest  # noqa: E402
 from iterserve.engine.serving_engine import ServedModel  # noqa: E402
+from iterserve.replicas import ray_cluster  # noqa: E402
+from iterserve.replicas.data_parallel import DataParallelEngine  # noqa: E402
+from iterserve.replicas.events import ReplicaEvent  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

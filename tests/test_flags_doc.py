@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from iterserve.cli import main
+from iterserve.cli.flags_doc import REGENERATE, render_markdown
 from iterserve.config import SECTIONS, EngineConfig, _leaf_fields
-from iterserve.flags_doc import REGENERATE, render_markdown
 
 FLAGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
 

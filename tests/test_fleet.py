@@ -165,8 +165,8 @@ def test_a_fed_chain_is_the_one_the_pool_hashes_for_the_finished_request(
         for i in order:
             wanted = workload.requests[i]
             request = Request(str(i), wanted.token_ids(), SamplingParams(), 0.0)
-            for _ in range(wanted.output_len):  # what the simulated executor samples
-                request.append_output_token(SimulatedExecutor.PLACEHOLDER_TOKEN)
+            placeholders = [SimulatedExecutor.PLACEHOLDER_TOKEN] * wanted.output_len
+            request.append_output_tokens(placeholders, [0.0] * wanted.output_len)  # as sampled
             pool = KVCacheManager(1, 16, hash_algo="builtin")
             assert feed.next() == (pool._hashes_for(request), None)
     finally:

@@ -56,7 +56,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         """A running request computes more: the rest of its prompt, or a new token."""
         request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         if request.num_computed_tokens == request.num_tokens:
-            request.append_output_token(data.draw(st.integers(0, 5)))
+            request.append_output_tokens([data.draw(st.integers(0, 5))], [0.0])
         n = request.num_tokens - request.num_computed_tokens
         if self.kv.allocate(request, n):
             request.num_computed_tokens += n

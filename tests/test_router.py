@@ -1,8 +1,10 @@
-"""Routing policies (core/router.py) and the simulator's fleet behind them."""
+"""Routing policies (replicas/router.py) and the simulator's fleet behind them."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.metrics import compute_metrics
 from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig
-from iterserve.core.router import (
+from iterserve.replicas.router import (
     LeastOutstandingTokens,
     PowerOfTwoChoices,
     PrefixAffinity,
@@ -149,3 +151,12 @@ def test_the_load_tracker_counts_what_was_sent_less_what_came_back() -> None:
     assert tracker.load() == ReplicaLoad(6, 1)
     tracker.finish("a", unmade=6)  # stopped after 4 of its 10
     assert tracker.load() == ReplicaLoad(0, 0) and tracker.num_routed == 2
+
+
+def test_the_router_loads_neither_torch_nor_ray() -> None:
+    """The simulator's fleet routes with it too, on a machine that may have neither."""
+    code = (
+        "import sys, iterserve.replicas.router; "
+        "sys.exit('torch' in sys.modules or 'ray' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

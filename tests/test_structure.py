@@ -224,7 +224,13 @@ def test_nothing_outside_the_owners_reads_the_schedulers_state() -> None:
 
 # The simulator builds on the engine; the engine never needs the simulator to run.
 _SIMULATOR = "iterserve.sim"
-_SIMULATOR_FREE = ("iterserve.core", "iterserve.engine", "iterserve.executor", "iterserve.server")
+_SIMULATOR_FREE = (
+    "iterserve.core",
+    "iterserve.engine",
+    "iterserve.executor",
+    "iterserve.server",
+    "iterserve.replicas",
+)
 
 
 def test_the_engine_and_server_import_nothing_from_the_simulator() -> None:
@@ -236,5 +242,29 @@ def test_the_engine_and_server_import_nothing_from_the_simulator() -> None:
         if name.startswith(_SIMULATOR_FREE)
         for target in targets
         if target == _SIMULATOR or target.startswith(_SIMULATOR + ".")
+    )
+    assert offenders == []
+
+
+# Packages by role, layered: the command line sits on top (nothing imports it); one engine
+# knows nothing of the fleets (replicas/) or the HTTP front end (server/) built on it.
+_ABOVE_THE_ENGINE = ("iterserve.cli", "iterserve.replicas", "iterserve.server")
+_THE_ENGINE_AND_BELOW = ("iterserve.core", "iterserve.engine", "iterserve.executor",
+                         "iterserve.model", "iterserve.sample", "iterserve.kernels")  # fmt: skip
+
+
+def _inside(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_packages_import_only_downwards() -> None:
+    graph = import_graph()
+    assert any(name.startswith("iterserve.replicas.") for name in graph), "no replicas package"
+    offenders = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if (_inside(target, ("iterserve.cli",)) and not _inside(name, ("iterserve.cli",)))
+        or (_inside(name, _THE_ENGINE_AND_BELOW) and _inside(target, _ABOVE_THE_ENGINE))
     )
     assert offenders == []

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from iterserve.bench.records import RequestRecord
+from iterserve.core.kv_cache import hit_rate
 
 PERCENTILES = (50, 90, 99)
 
@@ -350,8 +351,8 @@ def compute_metrics(
         else {}
     )
     cached = [r for r in ok if r.num_cached_tokens is not None]
-    hit_rate = (
-        sum(r.num_cached_tokens or 0 for r in cached) / max(1, sum(r.prompt_len for r in cached))
+    prefix_hit_rate = (
+        hit_rate(sum(r.num_cached_tokens or 0 for r in cached), sum(r.prompt_len for r in cached))
         if cached
         else None
     )
@@ -363,7 +364,7 @@ def compute_metrics(
         latency_block(records, pooled),
         goodput,
         per_lane,
-        hit_rate,
+        prefix_hit_rate,
         spec_acceptance_rate=accepted / drafted if drafted else None,
         failure_reasons=dict(reasons.most_common()),
     )

@@ -54,7 +54,13 @@ class KVCacheStats:
 
     @property
     def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+        return hit_rate(self.prefix_hits, self.prefix_queries)
+
+
+def hit_rate(hits: int, queries: int) -> float:
+    """Share of prompt tokens looked up in the prefix cache that were found (0 when none
+    were looked up): an engine's, a fleet's summed counts, or a benchmark client's."""
+    return hits / queries if queries else 0.0
 
 
 def sha256_block_hash(parent_hash: BlockHash | None, tokens: Sequence[int]) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -149,9 +150,12 @@ class Request:
         end = min(start + num_new, self.num_prompt_tokens - 1)
         return self.prompt_token_ids[first + 1 : end + 1]
 
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+    def append_output_tokens(self, token_ids: list[int], times: Sequence[float]) -> None:
+        """Tokens made, and when each was: one a step (Scheduler.update) or several at once
+        (a decode the simulator's cohort advanced in aggregate, catching up)."""
+        self.output_token_ids += token_ids
+        self.all_token_ids += token_ids
+        self.timings.token_times.extend(times)
 
     def drop_output_tokens(self, n: int) -> None:
         """Forget the last n output tokens (and their timings)."""

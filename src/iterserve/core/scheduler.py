@@ -255,8 +255,7 @@ class Scheduler:
         taken = 0
         while status is None and taken < len(sampled):
             token_id = sampled[taken].token_id
-            request.append_output_token(token_id)
-            timings.token_times.append(now)
+            request.append_output_tokens([token_id], [now])
             taken += 1
             status = self._stop_status(request, token_id)
         if running:
@@ -511,23 +510,30 @@ class Scheduler:
         """Whether the tokens already planned for the request reach its max_tokens or the
         context (a step planned ahead of its last one's results must not go past them)."""
         planned = request.num_output_placeholders
-        return bool(planned) and (
-            request.num_output_tokens + planned >= request.sampling_params.max_tokens
-            or request.num_tokens + planned >= self.max_model_len
-        )
+        return bool(planned) and self._tokens_left(request) <= planned
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if not params.ignore_eos and token_id in request.eos_token_ids:
+        """Whether the request ends with `token_id`, its newest output token, and how."""
+        if self._stops_on(request, token_id):
             return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        if self._tokens_left(request) <= 0:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @staticmethod
+    def _stops_on(request: Request, token_id: int) -> bool:
+        """Whether sampling `token_id` ends the request: a stop token, or EOS unless ignored."""
+        params = request.sampling_params
+        return token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in request.eos_token_ids
+        )
+
+    def _tokens_left(self, request: Request) -> int:
+        """Output tokens the request may still make before it ends by length."""
+        return min(
+            request.sampling_params.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
         self.kv.cache_full_blocks(request)

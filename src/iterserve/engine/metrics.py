@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
+from iterserve.core.kv_cache import hit_rate
 from iterserve.core.request import LANES, RequestTimings
 from iterserve.core.speculation import SpecDecodeStats
 
@@ -89,7 +90,7 @@ class EngineSnapshot:
 
     @property
     def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+        return hit_rate(self.prefix_hits, self.prefix_queries)
 
 
 def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:

@@ -120,16 +120,9 @@ class CohortScheduler(Scheduler):
         return finished
 
     def _decodes_left(self, request: Request, token_id: int) -> int:
-        """Decodes until the request finishes if every one samples `token_id`."""
-        params = request.sampling_params
-        if token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in request.eos_token_ids
-        ):
-            return 1
-        return min(
-            params.max_tokens - request.num_output_tokens,
-            self.max_model_len - request.num_tokens,
-        )
+        """Decodes until the request finishes if every one samples `token_id`: the core
+        scheduler's stop rules (_stop_status), read ahead."""
+        return 1 if self._stops_on(request, token_id) else self._tokens_left(request)
 
     # ---- the core scheduler's hooks for requests held aside ---------------------------
 

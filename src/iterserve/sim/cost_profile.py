@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from iterserve.core.outputs import SchedulerOutput
+from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
 from iterserve.sim.decode_cohort import SteadyDecodes, steady_part
+from iterserve.sim.executor import CostModel
 
 FORMAT_VERSION = 1
 # Profiles that ship with iterserve, one file per (hardware preset, model preset).
@@ -117,13 +119,19 @@ class StepFeatures:
 
     @classmethod
     def of(cls, scheduled: SchedulerOutput) -> StepFeatures:
+        return cls.of_parts(steady_part(scheduled), scheduled.seqs)
+
+    @classmethod
+    def of_parts(
+        cls, steady: SteadyDecodes | None, seqs: Sequence[ScheduledSeq]
+    ) -> StepFeatures:
+        """The features of a step of the cohort's decodes (`steady`) and these sequences."""
         decode_rows = decode_seqs = context = 0
-        steady = steady_part(scheduled)
         if steady is not None:
             decode_rows = decode_seqs = steady.num_seqs
             context = steady.total_context
         prefill = prefix = 0
-        for seq in scheduled.seqs:
+        for seq in seqs:
             guesses = len(seq.draft_token_ids)
             if seq.num_computed_tokens > 0 and seq.num_new_tokens - guesses == 1:
                 decode_rows += seq.num_new_tokens
@@ -180,20 +188,14 @@ class CostProfile:
             raise ValueError(f"{path} is not a cost profile: {err}") from None
 
 
-class ProfiledCostModel:
+class ProfiledCostModel(CostModel):
     """Prices a step by interpolating a CostProfile (see the module docstring)."""
 
     def __init__(self, profile: CostProfile) -> None:
         self.profile = profile
 
-    def step_time(self, scheduled: SchedulerOutput) -> float:
-        if scheduled.num_batched_tokens == 0:
-            return 0.0
-        return self.time_of(StepFeatures.of(scheduled))
-
-    def steady_step_time(self, steady: SteadyDecodes) -> float:
-        n = steady.num_seqs
-        return self.time_of(StepFeatures(n, steady.total_context / n, 0, 0.0)) if n else 0.0
+    def price(self, steady: SteadyDecodes | None, seqs: Sequence[ScheduledSeq]) -> float:
+        return self.time_of(StepFeatures.of_parts(steady, seqs))
 
     def time_of(self, f: StepFeatures) -> float:
         decode, prefill = self.profile.decode, self.profile.prefill

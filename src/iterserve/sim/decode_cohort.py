@@ -160,10 +160,8 @@ class DecodeCohort:
         self.ranks[request.lane, request.priority] -= 1
         steps = self.step - member.joined
         if steps:
-            tokens = [self.token_id] * steps
-            request.output_token_ids += tokens
-            request.all_token_ids += tokens
-            request.timings.token_times += self._step_times[member.joined : self.step]
+            times = self._step_times[member.joined : self.step]
+            request.append_output_tokens([self.token_id] * steps, times)
             request.num_computed_tokens += steps
         covered = request.num_computed_tokens + decoding
         owed = -(-covered // self.block_size) - len(request.block_ids)

@@ -13,23 +13,32 @@ the first rejection), so `iterserve simulate` can say whether speculation pays.
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
-from iterserve.core.outputs import ModelOutput, SampledToken, SchedulerOutput
+from iterserve.core.outputs import ModelOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from iterserve.sim.decode_cohort import SteadyDecodes, steady_part
 
 
-class CostModel(Protocol):
+class CostModel(ABC):
     """Seconds a step takes: RooflineCostModel below, or ProfiledCostModel
-    (cost_profile.py), which interpolates steps measured on real hardware."""
+    (cost_profile.py), which interpolates steps measured on real hardware. A model prices
+    a step in one place, `price`; the two entry points only say what the step holds."""
 
-    def step_time(self, scheduled: SchedulerOutput) -> float: ...
+    def step_time(self, scheduled: SchedulerOutput) -> float:
+        if scheduled.num_batched_tokens == 0:
+            return 0.0
+        return self.price(steady_part(scheduled), scheduled.seqs)
 
     def steady_step_time(self, steady: SteadyDecodes) -> float:
         """A step of these steady decodes alone, as step_time prices it, without building
         its SchedulerOutput (the fleet prices ~8 such steps a request ahead)."""
-        ...
+        return self.price(steady, ()) if steady.num_seqs else 0.0
+
+    @abstractmethod
+    def price(self, steady: SteadyDecodes | None, seqs: Sequence[ScheduledSeq]) -> float:
+        """A step of the cohort's decodes (`steady`) and the listed sequences, not empty."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,7 @@ MODELS = {
 }
 
 
-class RooflineCostModel:
+class RooflineCostModel(CostModel):
     """Step time = overhead + max(compute time, memory time).
 
     Compute: 2 FLOPs per parameter per token, plus attention's query x context
@@ -134,24 +143,18 @@ class RooflineCostModel:
         self.hardware = hardware
         self.model = model
 
-    def step_time(self, scheduled: SchedulerOutput) -> float:
-        tokens = scheduled.num_batched_tokens
-        if tokens == 0:
-            return 0.0
+    def price(self, steady: SteadyDecodes | None, seqs: Sequence[ScheduledSeq]) -> float:
         # A steady decode's single query sees its context, its own token included.
-        steady = steady_part(scheduled)
+        tokens = steady.num_seqs if steady else 0
         pairs = kv_tokens = steady.total_context if steady else 0
-        for seq in scheduled.seqs:
+        for seq in seqs:
+            tokens += seq.num_new_tokens
             context = seq.num_computed_tokens + seq.num_new_tokens
             kv_tokens += context
             # Causal chunk: query i sees the cached prefix and i + 1 of its own tokens.
             pairs += seq.num_new_tokens * seq.num_computed_tokens
             pairs += seq.num_new_tokens * (seq.num_new_tokens + 1) // 2
         return self._time(tokens, pairs, kv_tokens)
-
-    def steady_step_time(self, steady: SteadyDecodes) -> float:
-        context = steady.total_context
-        return self._time(steady.num_seqs, context, context) if steady.num_seqs else 0.0
 
     def _time(self, tokens: int, pairs: int, kv_tokens: int) -> float:
         compute = 2 * self.model.num_params * tokens + self.model.attn_flops_per_pair * pairs

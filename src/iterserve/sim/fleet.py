@@ -3,7 +3,7 @@
 Each replica is the real engine loop (engine/engine_core.py) with the real scheduler and
 block pool, and a simulated executor (sim/executor.py) that prices steps with a cost
 model. The fleet is a discrete-event simulation: the next event is an arrival (routed by
-core/router.py on the loads of that moment) or the step of the replica furthest behind.
+replicas/router.py on the loads of that moment) or the step of the replica furthest behind.
 
 Two things make a million requests affordable without changing a single decision:
 steady decodes advance together inside the scheduler (sim/decode_cohort.py), and a
@@ -26,9 +26,9 @@ from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig
 from iterserve.core.request import Request
-from iterserve.core.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import num_kv_blocks
+from iterserve.replicas.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.sim.block_hash_feed import BlockHashFeed
 from iterserve.sim.cohort_scheduler import CohortScheduler, steady_part
@@ -63,35 +63,11 @@ def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
     return num_blocks
 
 
-# Most steps a replica glides over at once: bounds the prices computed ahead (and thrown
-# away when a request arrives first, after ~7 steps on the README's million-request
-# fleet). Since glides pass through finishes, 16 cost x1.07 of the commit before and 8
-# x0.92, side by side (benchmarks/fleet_replay.py, 200k requests).
+# Most steps a replica glides over at once: bounds the prices computed ahead, which are
+# thrown away when a request arrives first (after ~7 steps on the million-request fleet of
+# docs/simulator.md). Longer limits price more steps for nothing: 8 replays the fleet
+# faster than 16 (`benchmarks/fleet_replay.py --baseline REV` times two limits side by side).
 _GLIDE_LIMIT = 8
-
-
-@dataclass
-class Glide:
-    """Steps a replica will run if no request reaches it first, priced ahead: only its
-    steady decodes run in them (CohortScheduler.steady_outlook), so nothing but an arrival can
-    change them. The fleet runs them lazily, all at once, up to the moment it must."""
-
-    costs: list[float]
-    ends: list[float]  # the clock after each step
-    starts: list[float]
-    load: ReplicaLoad  # the replica's before the first
-    made: list[int]  # tokens made in the first i steps, for i up to all
-    finished: list[int]  # requests finished in the first i steps
-
-    def steps_started_before(self, when: float) -> int:
-        return bisect.bisect_left(self.starts, when)
-
-    def load_after(self, num_steps: int) -> ReplicaLoad:
-        """The replica's load once its first `num_steps` steps have run."""
-        return ReplicaLoad(
-            self.load.outstanding_tokens - self.made[num_steps],
-            self.load.num_requests - self.finished[num_steps],
-        )
 
 
 class FleetLoadTracker(ReplicaLoadTracker):
@@ -103,6 +79,33 @@ class FleetLoadTracker(ReplicaLoadTracker):
         """Output tokens counted in aggregate, not per request (the cohort's decodes); each
         request's `unmade` at its finish must then count them as made."""
         self.outstanding -= num_tokens
+
+    def load_after(self, num_made: int, num_finished: int) -> ReplicaLoad:
+        """The load once `num_made` more tokens are counted by made() and `num_finished`
+        requests have finished with all their tokens made: what a gliding replica's
+        tracker will hold when it lands, read before."""
+        return ReplicaLoad(self.outstanding - num_made, len(self.work) - num_finished)
+
+
+@dataclass
+class Glide:
+    """Steps a replica will run if no request reaches it first, priced ahead: only its
+    steady decodes run in them (CohortScheduler.steady_outlook), so nothing but an arrival can
+    change them. The fleet runs them lazily, all at once, up to the moment it must."""
+
+    costs: list[float]
+    ends: list[float]  # the clock after each step
+    starts: list[float]
+    tracker: FleetLoadTracker  # the replica's, unchanged until the glide lands
+    made: list[int]  # tokens made in the first i steps, for i up to all
+    finished: list[int]  # requests finished in the first i steps
+
+    def steps_started_before(self, when: float) -> int:
+        return bisect.bisect_left(self.starts, when)
+
+    def load_after(self, num_steps: int) -> ReplicaLoad:
+        """The replica's load once its first `num_steps` steps have run."""
+        return self.tracker.load_after(self.made[num_steps], self.finished[num_steps])
 
 
 @dataclass
@@ -172,7 +175,7 @@ class Replica:
             made.append(made[-1] + step.num_seqs)
             finished.append(finished[-1] + step.num_last)
         starts = [self.clock.now, *ends[:-1]]
-        return Glide(costs, ends, starts, self.load(), made, finished)
+        return Glide(costs, ends, starts, self.tracker, made, finished)
 
     def land(
         self,
@@ -235,7 +238,7 @@ def simulate_fleet(
     num_kv_blocks: int | None = None,
     step_by_step: bool = False,
 ) -> tuple[list[RequestRecord], list[Replica]]:
-    """Replay the workload on `replicas` engines behind a router (core/router.py).
+    """Replay the workload on `replicas` engines behind a router (replicas/router.py).
 
     Discrete events in virtual time: the next thing to happen is either the next arrival
     (routed on the replicas' loads at that moment) or a step of the busy replica furthest

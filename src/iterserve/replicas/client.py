@@ -18,10 +18,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from iterserve.core.router import ReplicaLoadTracker
 from iterserve.engine.metrics import EngineSnapshot, idle_snapshot
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.replica_events import ReplicaEvent, ReplicaFailure, ReplicaStatus
 from iterserve.engine.request_stream import (
     GenerationRequest,
     RequestFailedError,
@@ -34,6 +32,8 @@ from iterserve.engine.serving_engine import (
     REPLICA_WARMING,
     FinishedCallback,
 )
+from iterserve.replicas.events import ReplicaEvent, ReplicaFailure, ReplicaStatus
+from iterserve.replicas.router import ReplicaLoadTracker
 
 logger = logging.getLogger("iterserve.data_parallel")
 

@@ -6,15 +6,13 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from iterserve import flags_doc
-from iterserve.bench import cli as bench_cli
-from iterserve.bench import compare
+from iterserve.cli import bench as bench_cli
+from iterserve.cli import compare, flags_doc, simulate
+from iterserve.cli import serve as server_cli
+from iterserve.cli.bench_fidelity import add_fidelity_parser
+from iterserve.cli.bench_profile import add_profile_parser
 from iterserve.config import add_engine_args, engine_config_from_args
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.server import cli as server_cli
-from iterserve.sim import simulate
-from iterserve.sim.fidelity import add_fidelity_parser
-from iterserve.sim.profile import add_profile_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -85,6 +83,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"iterserve: error: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
 from iterserve.bench.metrics import compute_metrics, parse_slos
 from iterserve.bench.report import BenchReport
 from iterserve.config import add_engine_args, engine_config_from_args
-from iterserve.core.router import ROUTERS
+from iterserve.replicas.router import ROUTERS
 from iterserve.sim.cost_profile import CostProfile, shipped_profile
 from iterserve.sim.executor import HARDWARE, MODELS
 from iterserve.sim.fleet import Replica, simulate_fleet
@@ -28,7 +28,7 @@ from iterserve.sim.fleet import Replica, simulate_fleet
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    from iterserve.bench.args import add_arrival_args, add_report_args, add_workload_args
+    from iterserve.cli.bench_args import add_arrival_args, add_report_args, add_workload_args
 
     p = sub.add_parser(
         "simulate",
@@ -48,7 +48,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "--router",
         choices=ROUTERS,
         default="least-tokens",
-        help="with --replicas: how a request picks its engine (core/router.py)",
+        help="with --replicas: how a request picks its engine (replicas/router.py)",
     )
     p.add_argument(
         "--cost-profile",
@@ -78,9 +78,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from iterserve.bench.args import arrival_spec, finish, workload_spec
     from iterserve.bench.tokenizer import load_tokenizer
     from iterserve.bench.workloads import build_workload
+    from iterserve.cli.bench_args import arrival_spec, finish, workload_spec
 
     config = engine_config_from_args(args)
     arrival: ArrivalSpec = arrival_spec(args)
@@ -168,10 +168,9 @@ def _replica_note(index: int, replica: Replica, named: bool) -> str:
     """One replica's share and state: the fleet figures are the report's own."""
     scheduler, stats = replica.scheduler, replica.engine.stats
     kv = scheduler.kv_cache_stats()
-    hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
     note = (
         f"{f'replica {index}: ' if named else ''}{replica.tracker.num_routed} requests, "
-        f"{stats.generated_tokens} output tokens, prefix-cache hit rate {hit_rate:.2f}, "
+        f"{stats.generated_tokens} output tokens, prefix-cache hit rate {kv.prefix_hit_rate:.2f}, "
         f"{kv.num_blocks} KV blocks, {scheduler.num_preemptions} preemptions, accelerator "
         f"busy {replica.executor.busy_time:.1f}s of {replica.clock.now:.1f}s virtual"
     )

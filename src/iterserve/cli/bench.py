@@ -13,7 +13,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from iterserve.bench.args import (
+from iterserve.bench.metrics import parse_slos
+from iterserve.bench.peer_transformers import PEERS
+from iterserve.bench.report import BenchReport
+from iterserve.cli.bench_args import (
     add_arrival_args,
     add_report_args,
     add_workload_args,
@@ -22,9 +25,6 @@ from iterserve.bench.args import (
     parse_list,
     workload_spec,
 )
-from iterserve.bench.metrics import parse_slos
-from iterserve.bench.peer_transformers import PEERS
-from iterserve.bench.report import BenchReport
 from iterserve.config import add_engine_args, engine_config_from_args
 
 
@@ -68,7 +68,7 @@ def add_subcommands(
     add_engine_args(offline)
     offline.set_defaults(func=_run_offline)
 
-    from iterserve.bench.sweep_cli import add_sweep_parser
+    from iterserve.cli.bench_sweep import add_sweep_parser
 
     add_sweep_parser(runners)
     for add in more_runners:

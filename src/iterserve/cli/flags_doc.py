@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from iterserve.server import cli as server_cli
+from iterserve.cli import serve as server_cli
 
 REGENERATE = "iterserve flags > docs/flags.md"
 # Argparse names a parser's ungrouped options "options"; here they are the server's.
@@ -57,7 +57,7 @@ def render_markdown(parser: argparse.ArgumentParser | None = None) -> str:
     lines = [
         "# `iterserve serve` flags",
         "",
-        "Generated from the parser (`src/iterserve/config.py` and `src/iterserve/server/cli.py`)"
+        "Generated from the parser (`src/iterserve/config.py` and `src/iterserve/cli/serve.py`)"
         f" by `{REGENERATE}`; a test fails when this file is stale. `iterserve generate` takes "
         "the same engine flags (every group but Server). Every engine setting is also a "
         "keyword of `LLM(...)` and `EngineConfig`, with `-` written `_`.",

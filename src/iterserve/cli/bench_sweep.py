@@ -19,18 +19,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.args import (
+from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
+from iterserve.bench.metrics import parse_slos
+from iterserve.bench.report import BenchReport
+from iterserve.bench.sweep import CONFIG_AXES, SweepPoint, format_table, run_sweep, variants_from
+from iterserve.bench.workloads import Workload
+from iterserve.cli.bench_args import (
     add_arrival_args,
     add_workload_args,
     arrival_spec,
     parse_list,
     workload_spec,
 )
-from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.metrics import parse_slos
-from iterserve.bench.report import BenchReport
-from iterserve.bench.sweep import CONFIG_AXES, SweepPoint, format_table, run_sweep, variants_from
-from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
 
 

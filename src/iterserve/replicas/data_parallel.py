@@ -4,7 +4,7 @@ scheduler, behind one front end that the server talks to as it would to one engi
 
 The front end tokenizes each prompt (it renders chat templates anyway, and routing needs
 the ids), picks a replica with the same router `iterserve simulate --replicas` uses
-(core/router.py), on loads it keeps itself from what it sent and what came back, and
+(replicas/router.py), on loads it keeps itself from what it sent and what came back, and
 relays the replica's outputs into the request's stream (replica_client.py). A group (n
 choices, or several prompts of one API request) goes whole to one replica.
 
@@ -26,13 +26,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from iterserve.config import EngineConfig
-from iterserve.core.router import Router
 from iterserve.engine.metrics import EngineSnapshot
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import encode_prompt
-from iterserve.engine.ray_cluster import RayCluster, disconnect
-from iterserve.engine.replica_actor import EngineReplica
-from iterserve.engine.replica_client import ReplicaClient, ReplicaDiedError, awaited
 from iterserve.engine.request_stream import (
     EngineStoppedError,
     GenerationRequest,
@@ -41,6 +37,10 @@ from iterserve.engine.request_stream import (
     check_room,
 )
 from iterserve.engine.serving_engine import FinishedCallback, ServedModel
+from iterserve.replicas.actor import EngineReplica
+from iterserve.replicas.client import ReplicaClient, ReplicaDiedError, awaited
+from iterserve.replicas.ray_cluster import RayCluster, disconnect
+from iterserve.replicas.router import Router
 
 logger = logging.getLogger("iterserve.data_parallel")
 

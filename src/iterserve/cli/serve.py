@@ -11,7 +11,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
-from iterserve.core.router import ROUTERS
+from iterserve.replicas.router import ROUTERS
 from iterserve.server.tool_parsers import TOOL_PARSER_CHOICES
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "--router",
         choices=ROUTERS,
         default=None,
-        help="how a request picks its replica (core/router.py, as `iterserve simulate "
+        help="how a request picks its replica (replicas/router.py, as `iterserve simulate "
         "--replicas`); default prefix-affinity when prefix caching is on (requests sharing "
         "a prompt prefix meet that prefix's cached blocks on one replica, within a load "
         "bound), else least-tokens (with no cache to find, balance is all that matters)",
@@ -158,9 +158,9 @@ def _launch_engine(args: argparse.Namespace, config: EngineConfig) -> ServingEng
             lambda: LLMEngine(config, warm_up=False),
             max_waiting_requests=args.max_waiting_requests,
         )
-    from iterserve.core.router import make_router
-    from iterserve.engine import ray_cluster
-    from iterserve.engine.data_parallel import DataParallelEngine
+    from iterserve.replicas import ray_cluster
+    from iterserve.replicas.data_parallel import DataParallelEngine
+    from iterserve.replicas.router import make_router
 
     size = args.data_parallel_size
     threads = ray_cluster.threads_per_replica(size, config.num_threads)

@@ -17,13 +17,13 @@ from dataclasses import replace
 from iterserve.config import EngineConfig
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.replica_events import Refusal, ReplicaEvent, ReplicaFailure, ReplicaStatus
 from iterserve.engine.request_stream import (
     EngineOverloadedError,
     EngineStoppedError,
     GenerationRequest,
 )
 from iterserve.engine.serving_engine import ServedModel
+from iterserve.replicas.events import Refusal, ReplicaEvent, ReplicaFailure, ReplicaStatus
 from iterserve.sampling_params import InvalidRequestError
 
 
