@@ -246,3 +246,68 @@ def test_engine_greedy_and_seeded_text_is_the_same_ahead(
     assert none_discarded == 0
     if "speculative_method" not in settings:
         assert discarded >= 2  # the stop string's and the stop token's requests, one step each
+
+
+# ---- the simulator -------------------------------------------------------------------------
+
+
+def test_the_simulator_hides_the_step_overhead_only_beside_a_gpu() -> None:
+    from iterserve.config import EngineConfig, resolve_async_scheduling
+    from iterserve.core.outputs import ScheduledSeq
+    from iterserve.sim.executor import HARDWARE, MODELS, RooflineCostModel
+
+    seqs = [ScheduledSeq(str(i), [0], 100, (), True, Params()) for i in range(8)]
+    step = SchedulerOutput(seqs, num_decode_tokens=8)
+    for name, hides in [("a100-80g", True), ("cpu-2core", False)]:
+        hardware = HARDWARE[name]
+        model = MODELS["llama3-8b"] if hides else MODELS["smollm2-135m"]
+        in_order = RooflineCostModel(hardware, model).step_time(step)
+        ahead = RooflineCostModel(hardware, model, async_scheduling=True).step_time(step)
+        device = in_order - hardware.step_overhead
+        assert ahead == pytest.approx(max(hardware.step_overhead, device) if hides else in_order)
+        # And the engine's own default on that device is what the simulator takes.
+        assert resolve_async_scheduling(EngineConfig(), hardware.device_type)[0] == hides
+
+
+# ---- served -------------------------------------------------------------------------------
+
+
+def test_served_streams_are_the_same_ahead(tiny_llama_dir: Path) -> None:
+    """Concurrent streams through `iterserve serve --async-scheduling` (the official client)
+    get the in-order engine's greedy text; a stop string costs a discarded step, counted on
+    /metrics; a client that goes away mid-stream frees its blocks."""
+    import concurrent.futures
+
+    import openai
+
+    from server_fixtures import MODEL_NAME, running_server, wait_until
+
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), dtype="float32", compile=False) as llm:
+        expected = [o.text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    stop = expected[1][3:6]
+    with running_server(tiny_llama_dir, async_scheduling=True) as server:
+        assert server.engine.core.async_scheduling
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+
+        def stream(prompt: str, stops: list[str] | None = None) -> str:
+            chunks = client.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                stop=stops, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return "".join(chunk.choices[0].text for chunk in chunks)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(stream, PROMPTS))
+            stopped = pool.submit(stream, PROMPTS[1], [stop]).result()
+        assert texts == expected
+        assert stopped == expected[1][: expected[1].index(stop)]
+        assert server.metrics()["iterserve:discarded_tokens_total"] >= 1
+
+        chunks = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=200, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(chunks))
+        chunks.close()  # the client goes away mid-stream
+        assert wait_until(lambda: server.metrics()["iterserve:kv_cache_used_blocks"] == 0)

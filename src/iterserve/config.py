@@ -363,6 +363,21 @@ def _check_choices(config: Any) -> None:
             raise ConfigError(f"{_flag(f.name)} must be one of {choices}, got {value!r}")
 
 
+def resolve_async_scheduling(config: EngineConfig, device_type: str) -> tuple[bool, str]:
+    """Whether an engine on `device_type` ("cpu", "cuda") plans each step while the one
+    before computes, and why. Not given: on where the host's work runs beside the device's
+    (a GPU), off on a CPU, whose forward computes on every core the host's work would take
+    (measured: docs/async_scheduling.md)."""
+    if config.speculative.enabled:
+        return False, "speculative decoding plans each step from the last one's accepted tokens"
+    chosen = config.scheduler.async_scheduling
+    if chosen is not None:
+        return chosen, "--async-scheduling" if chosen else "--no-async-scheduling"
+    if device_type == "cpu":
+        return False, "the default on a CPU: its forward uses the cores the overlap would need"
+    return True, f"the default on {device_type}"
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from iterserve.config import SELF_INT4_DRAFT, ConfigError, EngineConfig
+from iterserve.config import (
+    SELF_INT4_DRAFT,
+    ConfigError,
+    EngineConfig,
+    resolve_async_scheduling,
+)
 from iterserve.core.outputs import RequestUpdate, TokenLogprobs
 from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
@@ -54,16 +59,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def choose_async_scheduling(config: EngineConfig, device: torch.device) -> tuple[bool, str]:
-    """Whether the engine plans each step while the one before computes, and why."""
-    if config.speculative.enabled:
-        return False, "speculative decoding plans each step from the last one's accepted tokens"
-    chosen = config.scheduler.async_scheduling
-    if chosen is not None:
-        return chosen, "--async-scheduling" if chosen else "--no-async-scheduling"
-    return True, f"the default on {device.type}"
 
 
 class LLMEngine:
@@ -117,7 +112,7 @@ class LLMEngine:
                 self.draft = self._draft_proposer(loaded, num_blocks, dtype)
             self.executor = TorchRunner(network, config.seed, self.draft)
             # The loop `iterserve simulate` runs too, here with the model as its executor.
-            overlap, why = choose_async_scheduling(config, self.device)
+            overlap, why = resolve_async_scheduling(config, self.device.type)
             self.core = EngineCore.build(
                 config,
                 self.executor,
@@ -300,6 +295,10 @@ class LLMEngine:
             outputs = [self._emit(update) for update in step.updates]
         except Exception as error:
             raise StepFailedError(step.request_ids, error) from error
+        if not self.has_unfinished():
+            # All that can be in flight now is ended requests' tokens: an idle engine keeps
+            # no step pending, so its counters and the executor's state are settled.
+            self.core.drain()
         return EngineStep(outputs, step.did_work, step.scheduled)
 
     def _emit(self, update: RequestUpdate) -> RequestOutput:

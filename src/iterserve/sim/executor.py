@@ -56,6 +56,16 @@ class Hardware:
     # profile measured with another one prices steps of another machine, and the report
     # says so.
     isa: str | None = None
+    # Whether the host's work (scheduling, sampling bookkeeping, detokenizing) runs beside
+    # the forward rather than on the cores the forward computes with: a GPU's host CPU.
+    # Only then can asynchronous scheduling hide it (a step costs the longer of the two,
+    # not their sum); a CPU's forward uses every core (docs/async_scheduling.md).
+    host_beside_device: bool = True
+
+    @property
+    def device_type(self) -> str:
+        """ "cpu" or "cuda": which device's defaults (async scheduling) the engine takes."""
+        return "cuda" if self.host_beside_device else "cpu"
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,7 @@ def _this_machine(name: str, flops: float, isa: str) -> Hardware:
         memory_bytes=24 * 2**30,
         kv_cache_from_config=True,
         isa=isa,
+        host_beside_device=False,
     )
 
 
@@ -136,12 +147,17 @@ class RooflineCostModel(CostModel):
     Compute: 2 FLOPs per parameter per token, plus attention's query x context
     pairs. Memory: the weights once per step, plus every context token's KV.
     A step is as slow as whichever roof it hits: small decode batches are
-    memory-bound, prefill-heavy steps compute-bound.
+    memory-bound, prefill-heavy steps compute-bound. With asynchronous scheduling on a
+    device beside its host, the overhead overlaps the roofline time instead of adding to it.
     """
 
-    def __init__(self, hardware: Hardware, model: ModelShape) -> None:
+    def __init__(
+        self, hardware: Hardware, model: ModelShape, async_scheduling: bool = False
+    ) -> None:
         self.hardware = hardware
         self.model = model
+        # The step overhead hides behind the forward (Hardware.host_beside_device).
+        self.overlap = async_scheduling and hardware.host_beside_device
 
     def price(self, steady: SteadyDecodes | None, seqs: Sequence[ScheduledSeq]) -> float:
         # A steady decode's single query sees its context, its own token included.
@@ -160,7 +176,8 @@ class RooflineCostModel(CostModel):
         compute = 2 * self.model.num_params * tokens + self.model.attn_flops_per_pair * pairs
         memory = self.model.weight_bytes + self.model.kv_bytes_per_token * kv_tokens
         hw = self.hardware
-        return hw.step_overhead + max(compute / hw.flops, memory / hw.bandwidth)
+        device = max(compute / hw.flops, memory / hw.bandwidth)
+        return max(hw.step_overhead, device) if self.overlap else hw.step_overhead + device
 
 
 class VirtualClock:

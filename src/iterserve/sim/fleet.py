@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
-from iterserve.config import EngineConfig
+from iterserve.config import EngineConfig, resolve_async_scheduling
 from iterserve.core.request import Request
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import num_kv_blocks
@@ -138,7 +138,9 @@ class Replica:
             ProfiledCostModel(profile)
             if profile is not None
             else RooflineCostModel(
-                HARDWARE[hardware], MODELS[model].with_kv_cache_dtype(config.cache.kv_cache_dtype)
+                HARDWARE[hardware],
+                MODELS[model].with_kv_cache_dtype(config.cache.kv_cache_dtype),
+                resolve_async_scheduling(config, HARDWARE[hardware].device_type)[0],
             )
         )
         executor = SimulatedExecutor(cost, clock, acceptance_rate, seed)
