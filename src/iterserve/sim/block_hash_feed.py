@@ -7,7 +7,7 @@ the names its KV blocks will bear (core/kv_cache.py) are known too, and hashing 
 hashes the requests in arrival order and streams the chains back as int64; the fleet
 hands each to its request (Request.block_hashes), and the pool finds nothing left to hash.
 The pool's own function computes them, so the names, and every decision, are the same
-(tests/test_fleet.py runs a fleet both ways). The router's reading of each prompt
+(tests/sim/test_fleet.py runs a fleet both ways). The router's reading of each prompt
 (Router.prepare: prefix-affinity's rendezvous hashing, another ~6%) comes along.
 
 Only for Python's builtin hash (an int64; sha256 names do not pack so), with prefix

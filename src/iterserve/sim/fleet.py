@@ -8,7 +8,7 @@ replicas/router.py on the loads of that moment) or the step of the replica furth
 Two things make a million requests affordable without changing a single decision:
 steady decodes advance together inside the scheduler (sim/decode_cohort.py), and a
 replica whose next steps are only those decodes "glides": it prices them ahead and runs
-them all at once, as far as an arrival lets it (tests/test_fleet.py checks both give the
+them all at once, as far as an arrival lets it (tests/sim/test_fleet.py checks both give the
 same records as stepping every request, `--step-by-step`). What depends on a request's
 tokens alone, the names of its KV blocks and the router's reading of its prompt, is
 worked out ahead on another core (sim/block_hash_feed.py).
