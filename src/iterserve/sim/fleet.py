@@ -248,9 +248,9 @@ def simulate_fleet(
     results, slower; for checking that they are the same)."""
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    # The cycle collector, walking millions of live token times and blocks again and
-    # again, took ~40% of a 20k-request fleet's time; the simulation makes no cycles
-    # worth collecting, so it is off while it runs.
+    # The replay keeps millions of objects alive (token times, blocks, requests) that the
+    # cycle collector would walk again and again, and makes no cycles worth collecting: the
+    # collector is off while it runs (benchmarks/fleet_replay.py times the replay).
     collecting = gc.isenabled()
     gc.disable()
     # Arrival order; requests arriving together, the later listed first.
