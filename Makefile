@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-quick lint bench clean
 
 setup: $(STAMP)
 
@@ -24,9 +24,14 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/iterserve serve --host $(HOST) --port $(PORT)
 
+# Every test, the slow ones included (nothing is deselected by default).
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q
+
+# The inner loop: the tests marked slow (a model load, a real server, a long replay) left out.
+test-quick: setup
+	$(PY) -m pytest -q -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -23,8 +23,8 @@ from iterserve.core.kv_cache import hit_rate
 PERCENTILES = (50, 90, 99)
 
 # Pooled token times go through numpy this many at a time: a fresh array of a large
-# simulation's 2e8 floats costs this machine ~3 s of page faults (1.6 GB), a 32 MB
-# buffer used again costs none.
+# simulation's 2e8 floats is 1.6 GB of new pages to fault in; a 32 MB buffer used again
+# costs none.
 _CHUNK = 1 << 22
 
 # SLO name -> how to read the request's value for it (seconds). `tbt` is the request's worst

@@ -1,7 +1,7 @@
 """`iterserve flags`: every `iterserve serve` flag, with its default and help, as Markdown.
 
 Rendered from the serve parser itself (server flags plus one flag per EngineConfig field),
-so docs/flags.md, which is this output, cannot drift from the code: tests/test_flags_doc.py
+so docs/flags.md, which is this output, cannot drift from the code: tests/cli/test_flags_doc.py
 renders it again and compares.
 """
 

@@ -30,8 +30,8 @@ _REPLACEMENT = "\ufffd"
 def _make_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """The cheapest faithful `ids -> text` the tokenizer offers.
 
-    A fast tokenizer's Rust backend decodes a few ids in ~1.5 us against ~7 us
-    through the Python wrapper (measured once, no script). Tokenization-space cleanup is left off either
+    A fast tokenizer's Rust backend decodes a few ids without the Python wrapper's
+    per-call work (benchmarks/detokenize.py times both). Tokenization-space cleanup is left off either
     way: it rewrites text across token boundaries (" ." -> "."), so it cannot
     be streamed, and for BPE models it corrupts text anyway.
     """

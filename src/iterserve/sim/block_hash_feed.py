@@ -2,13 +2,14 @@
 
 A simulated request's every token is known before it arrives: its prompt, then the
 executor's placeholder until max_tokens (sim/executor.py samples nothing else). So
-the names its KV blocks will bear (core/kv_cache.py) are known too, and hashing them was
-~9% of a million-request replay on the one core that runs the fleet. A forked process
+the names its KV blocks will bear (core/kv_cache.py) are known too, and hashing them need
+not take the one core that runs the fleet (benchmarks/fleet_replay.py --alternate times a
+replay with and without the feed). A forked process
 hashes the requests in arrival order and streams the chains back as int64; the fleet
 hands each to its request (Request.block_hashes), and the pool finds nothing left to hash.
 The pool's own function computes them, so the names, and every decision, are the same
-(tests/test_fleet.py runs a fleet both ways). The router's reading of each prompt
-(Router.prepare: prefix-affinity's rendezvous hashing, another ~6%) comes along.
+(tests/sim/test_fleet.py runs a fleet both ways). The router's reading of each prompt
+(Router.prepare: prefix-affinity's rendezvous hashing, as pure) comes along.
 
 Only for Python's builtin hash (an int64; sha256 names do not pack so), with prefix
 caching on, more than one core to run on, and enough requests to be worth a process.

@@ -11,7 +11,7 @@ A member makes its last decode in the cohort too, and then the scheduler finishe
 the ordinary way (`done` after the step); its own fields catch up (`release`) then, or
 whenever the scheduler needs it whole: when the cohort dissolves (preemption, abort). So
 `iterserve simulate` pays per arrival and per finish, not per request per step;
-tests/test_fleet.py checks the results are identical to stepping every request
+tests/sim/test_fleet.py checks the results are identical to stepping every request
 (`--step-by-step`).
 
 The real engine never uses it: its executor needs each request's inputs every step.

@@ -111,7 +111,8 @@ def _this_machine(name: str, flops: float, isa: str) -> Hardware:
 
 
 HARDWARE = {
-    # Measured on this project's 2-core machine: bf16 ~380 GFLOP/s, ~31 GB/s.
+    # This project's 2-core machine: bf16 ~380 GFLOP/s, ~31 GB/s, the rates the linear
+    # layers reach at many rows and at one (benchmarks/linear_kernels.py prints both).
     "cpu-2core": _this_machine("cpu-2core", flops=380e9, isa="avx512bf16"),
     # The same machine running the kernels' AVX2 variant (ITERSERVE_ISA=avx2), as its shipped
     # profile was measured: the 4-bit layers on int8 dot products reach ~270 GOP/s at 64

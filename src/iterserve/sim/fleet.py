@@ -8,7 +8,7 @@ replicas/router.py on the loads of that moment) or the step of the replica furth
 Two things make a million requests affordable without changing a single decision:
 steady decodes advance together inside the scheduler (sim/decode_cohort.py), and a
 replica whose next steps are only those decodes "glides": it prices them ahead and runs
-them all at once, as far as an arrival lets it (tests/test_fleet.py checks both give the
+them all at once, as far as an arrival lets it (tests/sim/test_fleet.py checks both give the
 same records as stepping every request, `--step-by-step`). What depends on a request's
 tokens alone, the names of its KV blocks and the router's reading of its prompt, is
 worked out ahead on another core (sim/block_hash_feed.py).
@@ -250,9 +250,9 @@ def simulate_fleet(
     results, slower; for checking that they are the same)."""
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    # The cycle collector, walking millions of live token times and blocks again and
-    # again, took ~40% of a 20k-request fleet's time; the simulation makes no cycles
-    # worth collecting, so it is off while it runs.
+    # The replay keeps millions of objects alive (token times, blocks, requests) that the
+    # cycle collector would walk again and again, and makes no cycles worth collecting: the
+    # collector is off while it runs (benchmarks/fleet_replay.py times the replay).
     collecting = gc.isenabled()
     gc.disable()
     # Arrival order; requests arriving together, the later listed first.
@@ -266,10 +266,21 @@ def simulate_fleet(
             lambda prompt: routing.prepare(prompt, replicas),
         )  # fmt: skip
     try:
-        return _simulate_fleet(
-            config, workload, offsets, order, feed, routing, hardware, model,
-            acceptance_rate, replicas, profile, num_kv_blocks, step_by_step,
-        )  # fmt: skip
+        fleet = [
+            Replica.build(
+                config,
+                hardware,
+                model,
+                acceptance_rate,
+                config.seed + i,
+                profile,
+                num_kv_blocks,
+                step_by_step,
+            )
+            for i in range(replicas)
+        ]
+        replay = FleetReplay(config, workload, offsets, order, fleet, routing, feed, step_by_step)
+        return replay.run(), fleet
     finally:
         if feed is not None:
             feed.close()
@@ -277,121 +288,133 @@ def simulate_fleet(
             gc.enable()
 
 
-def _simulate_fleet(
-    config: EngineConfig,
-    workload: Workload,
-    offsets: list[float],
-    order: list[int],
-    feed: BlockHashFeed | None,
-    routing: Router,
-    hardware: str,
-    model: str,
-    acceptance_rate: float,
-    replicas: int,
-    profile: CostProfile | None,
-    num_kv_blocks: int | None,
-    step_by_step: bool,
-) -> tuple[list[RequestRecord], list[Replica]]:
-    fleet = [
-        Replica.build(
-            config,
-            hardware,
-            model,
-            acceptance_rate,
-            config.seed + i,
-            profile,
-            num_kv_blocks,
-            step_by_step,
-        )
-        for i in range(replicas)
-    ]
-    records = [
-        RequestRecord(f"sim-{i}", r.prompt_len, r.output_len, r.lane, offsets[i], offsets[i])
-        for i, r in enumerate(workload.requests)
-    ]
-    by_id = {record.request_id: record for record in records}
-    requests: dict[str, Request] = {}  # the ones a scheduler took, until they finish
-    order = order[::-1]  # popped from the end: the first arrival last
-    # Busy replicas by the time their next step starts, or their glide ends (ties: the
-    # lower index first), with the version of their plan (a glide cut short leaves its
-    # entry behind, outdated).
-    busy: list[tuple[float, int, int]] = []
-    versions = [0] * len(fleet)
-    glides: dict[int, Glide] = {}
-    # Gliding replicas by when their next glided step starts: an arrival after that sees
-    # their load lower (tagged like `busy`).
-    glide_steps: list[tuple[float, int, int]] = []
-    loads = [replica.load() for replica in fleet]  # renewed as each replica's changes
-    wait = config.scheduler.max_wait_ms / 1000
-    while order or busy:
-        next_arrival = offsets[order[-1]] if order else math.inf
-        if not busy or next_arrival <= busy[0][0]:
-            i = order.pop()
-            # What gliding replicas have done by now: the steps that started before.
-            while glide_steps and glide_steps[0][0] < next_arrival:
-                _, index, version = heapq.heappop(glide_steps)
-                if version != versions[index] or index not in glides:
-                    continue
-                glide = glides[index]
-                done = glide.steps_started_before(next_arrival)
-                loads[index] = glide.load_after(done)
-                if done < len(glide.starts):
-                    heapq.heappush(glide_steps, (glide.starts[done], index, version))
-            prompt = workload.requests[i].token_ids()
-            if feed is not None:
-                hashes, prepared = feed.next()
+class FleetReplay:
+    """The discrete-event loop of simulate_fleet over replicas already built, and what it
+    keeps between events: which replica is busy until when, which glide, and the loads
+    the router reads."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        workload: Workload,
+        offsets: list[float],
+        order: list[int],
+        fleet: list[Replica],
+        routing: Router,
+        feed: BlockHashFeed | None,
+        step_by_step: bool = False,
+    ) -> None:
+        self.workload, self.offsets, self.fleet = workload, offsets, fleet
+        self.step_by_step = step_by_step  # no glides either (to check they change nothing)
+        self.routing, self.feed = routing, feed
+        self.records = [
+            RequestRecord(f"sim-{i}", r.prompt_len, r.output_len, r.lane, offsets[i], offsets[i])
+            for i, r in enumerate(workload.requests)
+        ]
+        self.by_id = {record.request_id: record for record in self.records}
+        self.requests: dict[str, Request] = {}  # the ones a scheduler took, until they finish
+        self.arrivals = order[::-1]  # popped from the end: the first arrival last
+        # Busy replicas by the time their next step starts, or their glide ends (ties: the
+        # lower index first), with the version of their plan (a glide cut short leaves its
+        # entry behind, outdated).
+        self.busy: list[tuple[float, int, int]] = []
+        self.versions = [0] * len(fleet)
+        self.glides: dict[int, Glide] = {}
+        # Gliding replicas by when their next glided step starts: an arrival after that
+        # sees their load lower (tagged like `busy`).
+        self.glide_steps: list[tuple[float, int, int]] = []
+        self.loads = [replica.load() for replica in fleet]  # renewed as each one's changes
+        self.wait = config.scheduler.max_wait_ms / 1000
+
+    def run(self) -> list[RequestRecord]:
+        """Events until every request is done: the next arrival, or else the step of the
+        replica furthest behind."""
+        arrivals, busy, offsets = self.arrivals, self.busy, self.offsets
+        while arrivals or busy:
+            next_arrival = offsets[arrivals[-1]] if arrivals else math.inf
+            if not busy or next_arrival <= busy[0][0]:
+                self._arrive(arrivals.pop(), next_arrival)
             else:
-                hashes, prepared = [], routing.prepare(prompt, len(fleet))
-            index = routing.choose(prepared, loads)
-            target = fleet[index]
-            if index in glides:  # it glides no further: run what it did by now
-                glide = glides.pop(index)
-                target.land(glide, glide.steps_started_before(next_arrival), requests, by_id)
-                versions[index] += 1
-                if target.engine.has_unfinished():  # else it finished them all: idle
-                    heapq.heappush(busy, (target.clock.now, index, versions[index]))
-            was_idle = not target.engine.has_unfinished()
-            request = _arrive(target.scheduler, prompt, hashes, workload, records, i)
-            if request is None:
+                self._step(*heapq.heappop(busy), next_arrival)
+        if offsets:  # idle replicas waited out the arrivals
+            for replica in self.fleet:
+                replica.clock.advance_to(max(offsets))
+        return self.records
+
+    def _arrive(self, i: int, now: float) -> None:
+        """Request i arrives: routed on the loads of this moment, to a replica that first
+        runs what it glided over by now."""
+        self._glide_until(now)
+        prompt = self.workload.requests[i].token_ids()
+        if self.feed is not None:
+            hashes, prepared = self.feed.next()
+        else:
+            hashes, prepared = [], self.routing.prepare(prompt, len(self.fleet))
+        index = self.routing.choose(prepared, self.loads)
+        target = self.fleet[index]
+        if index in self.glides:  # it glides no further: run what it did by now
+            glide = self.glides.pop(index)
+            target.land(glide, glide.steps_started_before(now), self.requests, self.by_id)
+            self.versions[index] += 1
+            if target.engine.has_unfinished():  # else it finished them all: idle
+                heapq.heappush(self.busy, (target.clock.now, index, self.versions[index]))
+        was_idle = not target.engine.has_unfinished()
+        request = _admit(target.scheduler, prompt, hashes, self.workload, self.records, i)
+        if request is None:
+            return
+        self.requests[request.request_id] = request
+        target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
+        self.loads[index] = target.load()
+        if was_idle:
+            target.clock.advance_to(now)
+            heapq.heappush(self.busy, (target.clock.now, index, self.versions[index]))
+
+    def _glide_until(self, now: float) -> None:
+        """The loads of gliding replicas as of `now`: their steps that started before."""
+        glide_steps = self.glide_steps
+        while glide_steps and glide_steps[0][0] < now:
+            _, index, version = heapq.heappop(glide_steps)
+            if version != self.versions[index] or index not in self.glides:
                 continue
-            requests[request.request_id] = request
-            target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
-            loads[index] = target.load()
-            if was_idle:
-                target.clock.advance_to(next_arrival)
-                heapq.heappush(busy, (target.clock.now, index, versions[index]))
-            continue
-        _, index, version = heapq.heappop(busy)
-        if version != versions[index]:
-            continue
-        replica = fleet[index]
-        if index in glides:  # glided all the way (it may glide on)
-            glide = glides.pop(index)
-            replica.land(glide, len(glide.ends), requests, by_id)
-            loads[index] = replica.load()
-        elif replica.step(requests, by_id, not order):
-            loads[index] = replica.load()
+            glide = self.glides[index]
+            done = glide.steps_started_before(now)
+            self.loads[index] = glide.load_after(done)
+            if done < len(glide.starts):
+                heapq.heappush(glide_steps, (glide.starts[done], index, version))
+
+    def _step(self, _: float, index: int, version: int, next_arrival: float) -> None:
+        """The replica furthest behind runs its glide to the end, or one step by the book
+        (or waits for the next arrival), then plans what it does next."""
+        if version != self.versions[index]:
+            return
+        replica = self.fleet[index]
+        if index in self.glides:  # glided all the way (it may glide on)
+            glide = self.glides.pop(index)
+            replica.land(glide, len(glide.ends), self.requests, self.by_id)
+            self.loads[index] = replica.load()
+        elif replica.step(self.requests, self.by_id, not self.arrivals):
+            self.loads[index] = replica.load()
         else:  # nothing runnable: on to the next arrival (or let a dynamic batch wait)
+            wait = self.wait
             candidates = [t for t in (next_arrival, wait and replica.clock.now + wait) if t]
             if not candidates or min(candidates) == math.inf:
                 raise RuntimeError("the simulated scheduler is stuck with nothing to run")
             replica.clock.advance_to(min(candidates))
-        if not replica.engine.has_unfinished():
-            continue
-        glide = None if step_by_step else replica.plan_glide()
+        if replica.engine.has_unfinished():
+            self._plan(index, replica, version)
+
+    def _plan(self, index: int, replica: Replica, version: int) -> None:
+        """Its next step by the book, or a glide over the steps only its steady decodes run."""
+        glide = None if self.step_by_step else replica.plan_glide()
         if glide is None:
-            heapq.heappush(busy, (replica.clock.now, index, version))
+            heapq.heappush(self.busy, (replica.clock.now, index, version))
         else:
-            glides[index] = glide
-            heapq.heappush(busy, (glide.ends[-1], index, version))
-            heapq.heappush(glide_steps, (glide.starts[0], index, version))
-    if offsets:  # idle replicas waited out the arrivals
-        for replica in fleet:
-            replica.clock.advance_to(max(offsets))
-    return records, fleet
+            self.glides[index] = glide
+            heapq.heappush(self.busy, (glide.ends[-1], index, version))
+            heapq.heappush(self.glide_steps, (glide.starts[0], index, version))
 
 
-def _arrive(
+def _admit(
     scheduler: Scheduler,
     prompt: list[int],
     block_hashes: list[int],

@@ -75,7 +75,7 @@ def test_self_int4_draft_keeps_the_bf16_text() -> None:
     """--weights bf16 with the GGUF's own 4-bit weights as the draft: most guesses land,
     and (batch-invariant, so a verify step's rows compute as a lone decode's would) the
     greedy tokens are the bf16 model's own. (Sampled guesses are kept by the probability
-    ratio: the same distribution, other draws; tests/test_rejection.py.)"""
+    ratio: the same distribution, other draws; tests/sample/test_rejection.py.)"""
     settings = {"weights": "bf16", "batch_invariant": True, "enable_prefix_caching": False}
     plain = LLM(**settings)
     spec = LLM(

@@ -444,7 +444,7 @@ def test_sampling_with_speculation_keeps_the_distribution(
     """Unseeded draws of the first tokens, with and without speculation, come from the
     same distribution (chi-square test of homogeneity, per output position, p = 0.001):
     n-gram guesses kept by matching draws, a draft model's sampled guesses by the
-    probability ratio. (tests/test_sampler.py tests the ratio rule itself, sharply.)"""
+    probability ratio. (tests/sample/test_sampler.py tests the ratio rule itself, sharply.)"""
     n = 400
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=4, ignore_eos=True)
     plain = LLM(str(tiny_llama_dir), dtype="float32", compile=False, max_num_seqs=64)

@@ -10,7 +10,7 @@ import httpx
 
 from server_fixtures import running_server
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "iterserve.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "iterserve.json"
 _METRIC = re.compile(r"iterserve:[A-Za-z0-9_:]+")
 # The sample names each Prometheus metric type exposes, from the name on its `# TYPE` line
 # (prometheus_client writes a counter's there with its `_total`).

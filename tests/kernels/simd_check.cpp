@@ -1,5 +1,5 @@
 // The vector layer of the kernels (src/iterserve/kernels/csrc/simd.h) against scalar
-// references, as a standalone program: tests/test_simd_layer.py compiles it for every ISA
+// references, as a standalone program: tests/kernels/test_simd_layer.py compiles it for every ISA
 // variant this machine runs and, with a cross compiler and qemu-user, for Arm64, where no
 // torch build is at hand to load the kernels themselves. Prints one line per failed check
 // and "ok <isa> <lanes per native vector>" when all pass; exits 1 on any failure.

@@ -10,7 +10,7 @@ from iterserve.cli import main
 from iterserve.cli.flags_doc import REGENERATE, render_markdown
 from iterserve.config import SECTIONS, EngineConfig, _leaf_fields
 
-FLAGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
+FLAGS_DOC = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 
 
 def test_flags_doc_is_current() -> None:
