@@ -216,6 +216,7 @@ def _generate(
     return [(o.token_ids, o.text, o.finish_reason) for o in outputs], discarded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "settings",
     [
@@ -272,6 +273,7 @@ def test_the_simulator_hides_the_step_overhead_only_beside_a_gpu() -> None:
 # ---- served -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_served_streams_are_the_same_ahead(tiny_llama_dir: Path) -> None:
     """Concurrent streams through `iterserve serve --async-scheduling` (the official client)
     get the in-order engine's greedy text; a stop string costs a discarded step, counted on
