@@ -58,6 +58,8 @@ def _run_profile(args: argparse.Namespace) -> int:
         scheduler = replace(scheduler, max_num_batched_tokens=max(grid.prefill_tokens))
     if max(grid.batch_sizes) > scheduler.max_num_seqs:
         scheduler = replace(scheduler, max_num_seqs=max(grid.batch_sizes))
+    # Steps timed one by one (profile_engine): none planned ahead of the last one's results.
+    scheduler = replace(scheduler, async_scheduling=False)
     config = replace(config, scheduler=scheduler)
     check_grid(grid, config)
     started = time.perf_counter()

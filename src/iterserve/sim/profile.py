@@ -68,8 +68,16 @@ def profile_engine(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> CostProfile:
-    """Time `engine` (an LLMEngine, idle, nothing queued) over `grid`."""
+    """Time `engine` (an LLMEngine, idle, nothing queued) over `grid`. It must run its steps
+    in order: with asynchronous scheduling a step() call takes the results of the step
+    before the one it plans, so a timed call would price another step than its own."""
     from iterserve.bench.tokenizer import ordinary_token_ids
+
+    if engine.core.async_scheduling:
+        raise ValueError(
+            "a cost profile times steps one by one: profile an engine with "
+            "--no-async-scheduling (or give --cost-profile)"
+        )
 
     vocab = np.asarray(ordinary_token_ids(engine.tokenizer))
     rng = np.random.default_rng(seed)
