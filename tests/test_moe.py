@@ -1,0 +1,228 @@
+"""Mixtral (model/moe.py) against transformers on tiny random checkpoints, fp32: the logits
+of steps whose tokens go to several experts, greedy tokens through the engine (chunked
+prefill, prefix-cache hits, preemption, tensor parallelism), and the same model as a GGUF."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGUFWriter
+from safetensors.torch import load_file
+
+from conftest import BUNDLED_GGUF, _save_tiny, bundled_dir
+from iterserve import LLM, SamplingParams
+from iterserve.model import moe
+from iterserve.model.gguf_loader import read_gguf_header
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
+from paged_runner import PagedRunner
+from test_engine import PROMPTS, reference
+from test_loader import _llama_cpp_permute
+from tiny_checkpoints import model_config_of, tiny_hf_model
+
+EXPERTS, TOP_K = 4, 2
+SHAPE = dict(
+    num_local_experts=EXPERTS,
+    num_experts_per_tok=TOP_K,
+    intermediate_size=96,
+    weight_std=0.15,  # every weight drawn afresh: routing varies from token to token
+    tie_word_embeddings=False,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return _save_tiny("mixtral", tmp_path_factory.mktemp("tiny-mixtral"), tokenizer_dir, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def mixtral_reference(mixtral_dir: Path) -> list[list[int]]:
+    tokens = reference(mixtral_dir, PROMPTS, GREEDY.max_tokens)
+    assert all(len(set(t)) > 3 for t in tokens), "degenerate text would prove little"
+    return tokens
+
+
+@pytest.fixture
+def routed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[torch.Tensor]]:
+    """Every layer call's chosen experts [T, k], as the MoE block routed them."""
+    calls: list[torch.Tensor] = []
+
+    def recording(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(logits, top_k)
+        calls.append(experts)
+        return weights, experts
+
+    route = moe.route
+    monkeypatch.setattr(moe, "route", recording)
+    yield calls
+
+
+def test_steps_routed_to_several_experts_match_transformers_logits(
+    tmp_path: Path, routed: list[torch.Tensor]
+) -> None:
+    hf = tiny_hf_model("mixtral", vocab_size=128, attn_implementation="eager", **SHAPE)
+    hf.save_pretrained(tmp_path)  # Mixtral's checkpoint names: experts.E.w1/w2/w3
+    ours = LlamaForCausalLM(model_config_of(hf), torch.float32, torch.device("cpu"))
+    ours.load_weights(load_file(tmp_path / "model.safetensors"))
+    runner = PagedRunner(ours, block_size=4, seed=1)
+    rng = random.Random(0)
+    seqs = {f"s{i}": [rng.randrange(128) for _ in range(n)] for i, n in enumerate([21, 12, 14])}
+    for name, tokens in seqs.items():
+        runner.add(name, tokens)
+    got: dict[str, list[torch.Tensor]] = {name: [] for name in seqs}
+    # A mixed prefill step, a chunked one beside a decode, then decodes alone and together.
+    for plan in (
+        [("s0", 12), ("s1", 9)],
+        [("s0", 9), ("s2", 5), ("s1", 1)],
+        [("s2", 9), ("s1", 1)],
+        [("s1", 1)],
+    ):
+        for name, logits in runner.step(plan).items():
+            got[name].append(logits)
+    with torch.inference_mode():
+        for name, tokens in seqs.items():
+            expected = hf(torch.tensor([tokens])).logits[0]
+            torch.testing.assert_close(torch.cat(got[name]), expected, atol=1e-4, rtol=0)
+    assert routed[0].shape == (21, TOP_K)
+    assert len(routed[0].unique()) == EXPERTS, "the first step's tokens should use every expert"
+
+
+def test_a_lone_decode_token_matches_transformers(tmp_path: Path) -> None:
+    """One token: only its k experts run."""
+    hf = tiny_hf_model("mixtral", vocab_size=128, attn_implementation="eager", **SHAPE)
+    hf.save_pretrained(tmp_path)
+    ours = LlamaForCausalLM(model_config_of(hf), torch.float32, torch.device("cpu"))
+    ours.load_weights(load_file(tmp_path / "model.safetensors"))
+    runner = PagedRunner(ours, block_size=4)
+    tokens = [5, 17, 99, 3, 64, 2]
+    runner.add("s", tokens)
+    rows = [runner.step([("s", 1)])["s"] for _ in tokens]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(torch.cat(rows), expected, atol=1e-4, rtol=0)
+
+
+def test_engine_greedy_through_chunks_preemption_and_prefix_hits(
+    mixtral_dir: Path, mixtral_reference: list[list[int]]
+) -> None:
+    llm = LLM(
+        str(mixtral_dir),
+        dtype="float32",
+        max_num_batched_tokens=7,  # every prompt chunked, decodes mixed in
+        max_num_seqs=7,
+        num_kv_blocks=20,  # prompts fit, outputs do not: preemption
+        block_size=4,
+    )
+    assert llm.engine.model_plan.step == "eager"
+    for _ in range(2):  # the second pass starts from prefix-cache hits
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == mixtral_reference
+    stats = llm.engine.scheduler.kv_cache_stats()
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert stats.prefix_hits > 0 and stats.num_used_blocks == 0
+
+
+def test_tensor_parallel_greedy_is_transformers(
+    mixtral_dir: Path, mixtral_reference: list[list[int]]
+) -> None:
+    """TP=2: each rank holds half of every expert's width; one all-reduce per MoE layer."""
+    with LLM(
+        str(mixtral_dir),
+        dtype="float32",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    ) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == mixtral_reference
+
+
+def _write_mixtral_gguf(path: Path, model_dir: Path) -> None:
+    """The checkpoint as llama.cpp's converter writes Mixtral: arch "llama", q/k rows permuted,
+    each layer's experts stacked [experts, rows, cols] per projection; F32 throughout."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    metadata, _ = read_gguf_header(bundled_dir() / BUNDLED_GGUF)  # its tokenizer, as is
+    writer = GGUFWriter(path, "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_tokenizer_model(metadata["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(metadata["tokenizer.ggml.pre"])
+    writer.add_token_list(metadata["tokenizer.ggml.tokens"])
+    writer.add_token_merges(metadata["tokenizer.ggml.merges"])
+    writer.add_token_types(metadata["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        writer.add_tensor(name, np.ascontiguousarray(tensor.float().numpy()))
+
+    add("token_embd.weight", weights["model.embed_tokens.weight"])
+    add("output_norm.weight", weights["model.norm.weight"])
+    add("output.weight", weights["lm_head.weight"])
+    heads = {"q": config.num_attention_heads, "k": config.num_key_value_heads}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for part in "qkvo":
+            tensor = weights[f"{p}self_attn.{part}_proj.weight"]
+            if part in heads:
+                tensor = torch.from_numpy(_llama_cpp_permute(tensor.numpy(), heads[part]))
+            add(f"blk.{i}.attn_{'output' if part == 'o' else part}.weight", tensor)
+        add(f"blk.{i}.attn_norm.weight", weights[f"{p}input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", weights[f"{p}post_attention_layernorm.weight"])
+        add(f"blk.{i}.ffn_gate_inp.weight", weights[f"{p}block_sparse_moe.gate.weight"])
+        for gguf_part, hf_part in (("gate", "w1"), ("down", "w2"), ("up", "w3")):
+            experts = [
+                weights[f"{p}block_sparse_moe.experts.{e}.{hf_part}.weight"]
+                for e in range(config.num_local_experts)
+            ]
+            add(f"blk.{i}.ffn_{gguf_part}_exps.weight", torch.stack(experts))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_loads_the_same_weights_and_tokens(
+    tmp_path: Path, mixtral_dir: Path, mixtral_reference: list[list[int]]
+) -> None:
+    path = tmp_path / "tiny-mixtral.F32.gguf"
+    _write_mixtral_gguf(path, mixtral_dir)
+    from_gguf = load_model(path, torch.float32)
+    from_hf = load_model(mixtral_dir, torch.float32)
+    assert from_gguf.config.architecture == "mixtral"
+    assert (from_gguf.config.num_local_experts, from_gguf.config.num_experts_per_tok) == (
+        EXPERTS,
+        TOP_K,
+    )
+    assert set(from_gguf.weights) == set(from_hf.weights)
+    for name, tensor in from_hf.weights.items():
+        torch.testing.assert_close(from_gguf.weights[name], tensor, rtol=0, atol=0, msg=name)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7, max_num_seqs=7)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == mixtral_reference
+
+
+@pytest.mark.parametrize(
+    "architecture", ["Qwen3MoeForCausalLM", "OlmoeForCausalLM", "DeepseekV3ForCausalLM"]
+)
+def test_other_moe_families_are_refused_by_name(architecture: str) -> None:
+    raw = {"architectures": [architecture], "hidden_size": 64, "num_attention_heads": 4}
+    with pytest.raises(ModelLoadError, match=f"{architecture} is not supported.*Mixtral"):
+        hf_model_config(raw)
+
