@@ -16,7 +16,7 @@ from gguf import GGUFWriter
 from safetensors.torch import load_file
 
 from conftest import BUNDLED_GGUF, _save_tiny, bundled_dir
-from iterserve import LLM, SamplingParams
+from iterserve import LLM, SamplingParams, kernels
 from iterserve.model import moe
 from iterserve.model.gguf_loader import read_gguf_header
 from iterserve.model.llama import LlamaForCausalLM
@@ -107,6 +107,44 @@ def test_a_lone_decode_token_matches_transformers(tmp_path: Path) -> None:
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(torch.cat(rows), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
+def test_kernels_path_matches_the_torch_reference_in_bf16(
+    tmp_path: Path, routed: list[torch.Tensor]
+) -> None:
+    """The experts on iterserve's tiled kernels (and attention on the paged op) against the
+    same bf16 weights through plain torch: the fast path computes the same function. In bf16
+    two router logits can tie or nearly so, and then a rounding upstream flips a token's
+    experts (transformers' own bf16 path flips them too): such rows are left out, and must
+    be rare."""
+    hf = tiny_hf_model("mixtral", vocab_size=128, head_dim=32, **SHAPE)
+    hf.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    logits = {}
+    for backend in ("torch", "tiled"):
+        ours = LlamaForCausalLM(model_config_of(hf), torch.bfloat16, torch.device("cpu"))
+        ours.load_weights(weights)
+        ours.prepare(backend)
+        runner = PagedRunner(ours, block_size=4, paged_kernel=backend == "tiled")
+        runner.add("a", list(range(3, 40)))
+        runner.add("b", list(range(60, 71)))
+        prefill = runner.step([("a", 30), ("b", 10)])
+        decode = runner.step([("a", 1), ("b", 1)])
+        logits[backend] = torch.cat([prefill["a"], prefill["b"], decode["a"], decode["b"]])
+    assert ours.describe_linears()["experts"].endswith("tiled-bf16")
+    # Per path, per step, one routing per layer: a row is routed alike if every layer agrees.
+    torch_path, tiled_path = routed[:4], routed[4:]
+    same = torch.ones(42, dtype=torch.bool)
+    for step, layer in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        rows = slice(0, 40) if step == 0 else slice(40, 42)
+        a, b = torch_path[2 * step + layer], tiled_path[2 * step + layer]
+        same[rows] &= (a.sort(dim=1).values == b.sort(dim=1).values).all(dim=1)
+    assert same.sum() >= 40, f"{int((~same).sum())} of 42 rows routed differently"
+    # bf16 roundings in different places (the kernels round each projection's output once,
+    # torch's bf16 matmuls too, but attention and the residual adds differ) over logits of
+    # magnitude ~1-5.
+    torch.testing.assert_close(logits["tiled"][same], logits["torch"][same], atol=0.1, rtol=0.02)
 
 
 def test_engine_greedy_through_chunks_preemption_and_prefix_hits(
@@ -225,4 +263,3 @@ def test_other_moe_families_are_refused_by_name(architecture: str) -> None:
     raw = {"architectures": [architecture], "hidden_size": 64, "num_attention_heads": 4}
     with pytest.raises(ModelLoadError, match=f"{architecture} is not supported.*Mixtral"):
         hf_model_config(raw)
-

@@ -90,7 +90,7 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
         rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
-        sliding_window=getattr(c, "sliding_window", None) if arch in ("mistral", "mixtral") else None,
+        sliding_window=getattr(c, "sliding_window", None) if arch != "qwen2" else None,
         num_local_experts=getattr(c, "num_local_experts", 0),
         num_experts_per_tok=getattr(c, "num_experts_per_tok", 0),
     )

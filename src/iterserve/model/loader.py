@@ -24,6 +24,8 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
 }
+# The architectures whose config's sliding_window applies to every layer.
+_WINDOWED = ("mistral", "mixtral")
 # Mixture-of-experts families with routing Mixtral's experts do not reproduce (shared
 # experts, unnormalised top-k, grouped routing): refused by name.
 _UNSUPPORTED_MOE = {
@@ -159,7 +161,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         # Qwen2 always has q/k/v biases and its config has no flag for them.
         attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling,
-        sliding_window=raw.get("sliding_window") if architecture in ("mistral", "mixtral") else None,
+        sliding_window=raw.get("sliding_window") if architecture in _WINDOWED else None,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         # MixtralConfig's defaults: 8 experts, 2 per token.

@@ -88,7 +88,9 @@ class SparseMoeBlock(nn.Module):
         self.intermediate = inter
         like = {"dtype": dtype, "device": device}
         self.router_weight = _weight(self.num_experts, hidden, **like)
-        self.gate_up_weight: torch.Tensor | None = _weight(self.num_experts, 2 * inter, hidden, **like)
+        self.gate_up_weight: torch.Tensor | None = _weight(
+            self.num_experts, 2 * inter, hidden, **like
+        )
         self.down_weight: torch.Tensor | None = _weight(self.num_experts, hidden, inter, **like)
         self.gate_up: list[Linear] = []
         self.down: list[Linear] = []
