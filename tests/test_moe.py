@@ -49,6 +49,26 @@ def mixtral_reference(mixtral_dir: Path) -> list[list[int]]:
     return tokens
 
 
+@pytest.fixture(scope="module")
+def tiny_mixtral(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]]:
+    """A 128-token-vocabulary Mixtral and its weights as its checkpoint names them
+    (experts.E.w1/w2/w3: transformers' in-memory names differ)."""
+    hf = tiny_hf_model("mixtral", vocab_size=128, head_dim=32, attn_implementation="eager", **SHAPE)
+    out = tmp_path_factory.mktemp("tiny-mixtral-128")
+    hf.save_pretrained(out)
+    return hf, load_file(out / "model.safetensors")
+
+
+def _ours(
+    tiny: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]], dtype: torch.dtype
+) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(model_config_of(tiny[0]), dtype, torch.device("cpu"))
+    model.load_weights(tiny[1])
+    return model
+
+
 @pytest.fixture
 def routed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[torch.Tensor]]:
     """Every layer call's chosen experts [T, k], as the MoE block routed them."""
@@ -65,13 +85,11 @@ def routed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[torch.Tensor]]:
 
 
 def test_steps_routed_to_several_experts_match_transformers_logits(
-    tmp_path: Path, routed: list[torch.Tensor]
+    tiny_mixtral: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+    routed: list[torch.Tensor],
 ) -> None:
-    hf = tiny_hf_model("mixtral", vocab_size=128, attn_implementation="eager", **SHAPE)
-    hf.save_pretrained(tmp_path)  # Mixtral's checkpoint names: experts.E.w1/w2/w3
-    ours = LlamaForCausalLM(model_config_of(hf), torch.float32, torch.device("cpu"))
-    ours.load_weights(load_file(tmp_path / "model.safetensors"))
-    runner = PagedRunner(ours, block_size=4, seed=1)
+    hf = tiny_mixtral[0]
+    runner = PagedRunner(_ours(tiny_mixtral, torch.float32), block_size=4, seed=1)
     rng = random.Random(0)
     seqs = {f"s{i}": [rng.randrange(128) for _ in range(n)] for i, n in enumerate([21, 12, 14])}
     for name, tokens in seqs.items():
@@ -94,13 +112,12 @@ def test_steps_routed_to_several_experts_match_transformers_logits(
     assert len(routed[0].unique()) == EXPERTS, "the first step's tokens should use every expert"
 
 
-def test_a_lone_decode_token_matches_transformers(tmp_path: Path) -> None:
+def test_a_lone_decode_token_matches_transformers(
+    tiny_mixtral: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+) -> None:
     """One token: only its k experts run."""
-    hf = tiny_hf_model("mixtral", vocab_size=128, attn_implementation="eager", **SHAPE)
-    hf.save_pretrained(tmp_path)
-    ours = LlamaForCausalLM(model_config_of(hf), torch.float32, torch.device("cpu"))
-    ours.load_weights(load_file(tmp_path / "model.safetensors"))
-    runner = PagedRunner(ours, block_size=4)
+    hf = tiny_mixtral[0]
+    runner = PagedRunner(_ours(tiny_mixtral, torch.float32), block_size=4)
     tokens = [5, 17, 99, 3, 64, 2]
     runner.add("s", tokens)
     rows = [runner.step([("s", 1)])["s"] for _ in tokens]
@@ -111,20 +128,17 @@ def test_a_lone_decode_token_matches_transformers(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
 def test_kernels_path_matches_the_torch_reference_in_bf16(
-    tmp_path: Path, routed: list[torch.Tensor]
+    tiny_mixtral: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+    routed: list[torch.Tensor],
 ) -> None:
     """The experts on iterserve's tiled kernels (and attention on the paged op) against the
     same bf16 weights through plain torch: the fast path computes the same function. In bf16
     two router logits can tie or nearly so, and then a rounding upstream flips a token's
     experts (transformers' own bf16 path flips them too): such rows are left out, and must
     be rare."""
-    hf = tiny_hf_model("mixtral", vocab_size=128, head_dim=32, **SHAPE)
-    hf.save_pretrained(tmp_path)
-    weights = load_file(tmp_path / "model.safetensors")
     logits = {}
     for backend in ("torch", "tiled"):
-        ours = LlamaForCausalLM(model_config_of(hf), torch.bfloat16, torch.device("cpu"))
-        ours.load_weights(weights)
+        ours = _ours(tiny_mixtral, torch.bfloat16)
         ours.prepare(backend)
         runner = PagedRunner(ours, block_size=4, paged_kernel=backend == "tiled")
         runner.add("a", list(range(3, 40)))
@@ -195,6 +209,9 @@ def _write_mixtral_gguf(path: Path, model_dir: Path) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_expert_count(config.num_local_experts)
