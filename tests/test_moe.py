@@ -161,18 +161,20 @@ def test_kernels_path_matches_the_torch_reference_in_bf16(
     torch.testing.assert_close(logits["tiled"][same], logits["torch"][same], atol=0.1, rtol=0.02)
 
 
-def test_engine_greedy_through_chunks_preemption_and_prefix_hits(
+def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(
     mixtral_dir: Path, mixtral_reference: list[list[int]]
 ) -> None:
+    """The compiled step (the experts one opaque op in the graph) on every kind of step."""
     llm = LLM(
         str(mixtral_dir),
         dtype="float32",
+        compile=True,
         max_num_batched_tokens=7,  # every prompt chunked, decodes mixed in
         max_num_seqs=7,
         num_kv_blocks=20,  # prompts fit, outputs do not: preemption
         block_size=4,
     )
-    assert llm.engine.model_plan.step == "eager"
+    assert llm.engine.model_plan.step == "compiled"
     for _ in range(2):  # the second pass starts from prefix-cache hits
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outputs] == mixtral_reference
@@ -268,7 +270,7 @@ def test_gguf_loads_the_same_weights_and_tokens(
     assert set(from_gguf.weights) == set(from_hf.weights)
     for name, tensor in from_hf.weights.items():
         torch.testing.assert_close(from_gguf.weights[name], tensor, rtol=0, atol=0, msg=name)
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7, max_num_seqs=7)
+    llm = LLM(str(path), dtype="float32", compile=False, max_num_batched_tokens=7, max_num_seqs=7)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == mixtral_reference
 

@@ -142,9 +142,7 @@ def build_model(
             f"--batch-invariant needs iterserve's fused kernels (bf16 on a CPU they run on): "
             f"{reason}"
         )
-    # MoE layers group tokens by expert, a data-dependent shape: such a model runs eager.
-    moe = loaded.config.num_local_experts > 0
-    compiled = config.compile and not fused and not moe and _can_compile(device)
+    compiled = config.compile and not fused and _can_compile(device)
     if compiled:
         _use_persistent_compile_cache()
         model.compile_layers()

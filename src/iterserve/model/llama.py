@@ -448,8 +448,6 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.tp is not None:
             raise ValueError("a tensor-parallel shard runs eager (its all-reduces are not traced)")
-        if self.config.num_local_experts:
-            raise ValueError("a mixture-of-experts model runs eager (see model/moe.py)")
         self._run_layers = CompiledLayers(self._layers, dynamic_arg=4)
 
     def freeze_compiled(self) -> None:

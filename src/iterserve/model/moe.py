@@ -16,13 +16,15 @@ Weights are stacked per layer, [experts, 2 * intermediate, hidden] and
 (views of the stack under the torch backend; the kernels' own layout otherwise).
 
 Sorting by expert needs the count of rows per expert on the host, a data-dependent shape:
-the layer stack is not torch.compile'd when it holds MoE layers (model/builder.py runs it
-eager).
+in a compiled layer stack the block is one opaque op (`moe_mlp`, like attention's `attend`),
+so the graph around it (norms, rope, projections) compiles for every token count and never
+sees the grouping.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +96,8 @@ class SparseMoeBlock(nn.Module):
         self.down_weight: torch.Tensor | None = _weight(self.num_experts, hidden, inter, **like)
         self.gate_up: list[Linear] = []
         self.down: list[Linear] = []
+        self.block_id = id(self)
+        _BLOCKS[self.block_id] = self
 
     def targets(self, prefix: str) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
         """HF name -> (destination view in the stacks, expected shape), for load_weights."""
@@ -129,6 +133,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """x: the normed hidden states [T, hidden]; the result is `residual` (or zeros, for a
         tensor-parallel rank other than 0) plus the weighted expert outputs."""
+        if torch.compiler.is_compiling():
+            return moe_mlp(x, residual, self.block_id)
+        return self.run(x, residual)
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         weights, experts = route(F.linear(x, self.router_weight), self.top_k)
         # The step's T*k (token, expert) pairs in expert order: pair i is token i // k.
         flat = experts.flatten()
@@ -150,3 +159,19 @@ class SparseMoeBlock(nn.Module):
         weighted = (torch.cat(outputs).float() * pair_weights).to(x.dtype)
         base = residual if residual is not None else torch.zeros_like(x)
         return base.index_add(0, token_rows, weighted)
+
+
+# The blocks a compiled layer stack reaches through `moe_mlp`, by id (held weakly).
+_BLOCKS: weakref.WeakValueDictionary[int, SparseMoeBlock] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("iterserve::moe_mlp", mutates_args=())
+def moe_mlp(x: torch.Tensor, residual: torch.Tensor | None, block: int) -> torch.Tensor:
+    """`SparseMoeBlock.run` as one opaque op of a compiled graph: the grouping by expert has
+    data-dependent shapes (and a host read of the counts), which the graph need not see."""
+    return _BLOCKS[block].run(x, residual)
+
+
+@moe_mlp.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor | None, block: int) -> torch.Tensor:
+    return torch.empty_like(x)
