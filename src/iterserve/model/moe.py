@@ -23,6 +23,7 @@ sees the grouping.
 
 from __future__ import annotations
 
+import itertools
 import re
 import weakref
 
@@ -96,7 +97,7 @@ class SparseMoeBlock(nn.Module):
         self.down_weight: torch.Tensor | None = _weight(self.num_experts, hidden, inter, **like)
         self.gate_up: list[Linear] = []
         self.down: list[Linear] = []
-        self.block_id = id(self)
+        self.block_id = next(_BLOCK_IDS)
         _BLOCKS[self.block_id] = self
 
     def targets(self, prefix: str) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
@@ -138,6 +139,8 @@ class SparseMoeBlock(nn.Module):
         return self.run(x, residual)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """`forward`, eager: route, group the (token, expert) pairs by expert, one product
+        pair per expert hit, weight, scatter onto the residual."""
         weights, experts = route(F.linear(x, self.router_weight), self.top_k)
         # The step's T*k (token, expert) pairs in expert order: pair i is token i // k.
         flat = experts.flatten()
@@ -161,8 +164,12 @@ class SparseMoeBlock(nn.Module):
         return base.index_add(0, token_rows, weighted)
 
 
-# The blocks a compiled layer stack reaches through `moe_mlp`, by id (held weakly).
+# The blocks a compiled layer stack reaches through `moe_mlp`, by a number (held weakly).
+# Numbered in order of creation rather than by id(): the number is a constant of the
+# compiled graph, and the same model built by the next process must give the same graph for
+# inductor's on-disk cache to serve it.
 _BLOCKS: weakref.WeakValueDictionary[int, SparseMoeBlock] = weakref.WeakValueDictionary()
+_BLOCK_IDS = itertools.count()
 
 
 @torch.library.custom_op("iterserve::moe_mlp", mutates_args=())
