@@ -270,7 +270,7 @@ def test_gguf_loads_the_same_weights_and_tokens(
     assert set(from_gguf.weights) == set(from_hf.weights)
     for name, tensor in from_hf.weights.items():
         torch.testing.assert_close(from_gguf.weights[name], tensor, rtol=0, atol=0, msg=name)
-    llm = LLM(str(path), dtype="float32", compile=False, max_num_batched_tokens=7, max_num_seqs=7)
+    llm = LLM(str(path), dtype="float32", compile=False)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == mixtral_reference
 
