@@ -28,6 +28,7 @@ _ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
 
 
@@ -73,7 +74,7 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
     """The ModelConfig of an HF model, read from its config object by hand."""
     c = hf.config
     rope = dict(c.rope_parameters)
-    arch = c.model_type if c.model_type in ("qwen2", "mistral") else "llama"
+    arch = c.model_type if c.model_type in ("qwen2", "mistral", "mixtral") else "llama"
     return ModelConfig(
         architecture=arch,
         vocab_size=c.vocab_size,
@@ -89,5 +90,7 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
         rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
-        sliding_window=getattr(c, "sliding_window", None) if arch == "mistral" else None,
+        sliding_window=getattr(c, "sliding_window", None) if arch != "qwen2" else None,
+        num_local_experts=getattr(c, "num_local_experts", 0),
+        num_experts_per_tok=getattr(c, "num_experts_per_tok", 0),
     )

@@ -10,7 +10,7 @@ from typing import Any
 class ModelConfig:
     """Architecture hyper-parameters in Hugging Face `config.json` terms.
 
-    `architecture` is one of "llama", "mistral", "qwen2" (SmolLM is "llama").
+    `architecture` is one of "llama", "mistral", "qwen2", "mixtral" (SmolLM is "llama").
     `rope_scaling` is the HF dict (e.g. {"rope_type": "llama3", "factor": 8.0, ...}) or None.
     """
 
@@ -32,4 +32,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Mistral's sliding window: a query at position p sees keys p - window + 1 .. p only.
     sliding_window: int | None = None
-
+    # Mixtral's sparse MLP (model/moe.py): experts per layer (0: a dense MLP) and how many
+    # of them each token is routed to. `intermediate_size` is then one expert's width.
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0

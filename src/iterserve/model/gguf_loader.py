@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.loaded import LoadedModel, ModelLoadError
+from iterserve.model.moe import GGUF_ROUTER, ROUTER, split_gguf_experts
 from iterserve.model.quant import BLOCK_BYTES, QuantizedWeight, from_gguf_blocks
 from iterserve.model.tokenizer import tokenizer_from_gguf
 
@@ -38,6 +39,7 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    GGUF_ROUTER: ROUTER.removesuffix(".weight"),
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # "SmolLM2-135M-Instruct.Q4_1", "Llama-3.1-8B-Instruct-Q4_K_M": the served name drops the quant.
@@ -190,8 +192,17 @@ def gguf_model_config(metadata: dict[str, Any], tensors: dict[str, GGUFTensorInf
     hidden = key("embedding_length")
     heads = key("attention.head_count")
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    # llama.cpp stores Mixtral as "llama" with experts (model/moe.py).
+    experts = metadata.get(f"{arch}.expert_count", 0)
+    if experts and arch != "llama":
+        raise ModelLoadError(f"GGUF {arch!r} with experts is not supported; only Mixtral is")
+    if experts and "blk.0.ffn_gate_exps.weight" not in tensors:
+        raise ModelLoadError(
+            "GGUF Mixtral files with one tensor per expert (blk.N.ffn_gate.E.weight, an old "
+            "llama.cpp layout) are not supported; convert again to get ffn_*_exps tensors"
+        )
     return ModelConfig(
-        architecture=SUPPORTED_GGUF_ARCHITECTURES[arch],
+        architecture="mixtral" if experts else SUPPORTED_GGUF_ARCHITECTURES[arch],
         # The embedding's rows, not the token list: the weights must agree with the config, and
         # some files pad the embedding past the tokenizer's vocabulary.
         vocab_size=tensors["token_embd.weight"].shape[0],
@@ -208,6 +219,8 @@ def gguf_model_config(metadata: dict[str, Any], tensors: dict[str, GGUFTensorInf
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+        num_local_experts=experts,
+        num_experts_per_tok=key("expert_used_count") if experts else 0,
     )
 
 
@@ -258,7 +271,6 @@ def _load_weights(
         # thousands of times and every np.memmap slice pays for __array_finalize__ (2.5x slower, once).
         data = np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
     for info in tensors.values():
-        name = hf_tensor_name(info.name)
         raw = data[info.offset : info.offset + info.nbytes]
         try:
             array = dequantize(raw.reshape(*info.shape[:-1], -1), info.qtype).reshape(info.shape)
@@ -266,6 +278,10 @@ def _load_weights(
             raise ModelLoadError(f"{path}: tensor {info.name}: {error}") from error
         # F32 tensors come back as views of the read-only file; everything else is fresh memory.
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        if (experts := split_gguf_experts(info.name, tensor)) is not None:
+            weights.update((n, t.to(dtype).contiguous()) for n, t in experts.items())
+            continue
+        name = hf_tensor_name(info.name)
         blocks = None
         if info.qtype.name in BLOCK_BYTES and len(info.shape) == 2:
             blocks = from_gguf_blocks(raw, info.qtype.name, info.shape)  # type: ignore[arg-type]

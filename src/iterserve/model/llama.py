@@ -24,6 +24,7 @@ from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
 from iterserve.model.linear import Backend, DenseFormat, Linear
+from iterserve.model.moe import SparseMoeBlock
 from iterserve.model.quant import QuantizedWeight
 from iterserve.model.tensor_parallel import TensorParallel
 
@@ -149,8 +150,11 @@ class _DecoderLayer(nn.Module):
         has_o_bias = config.attention_bias and config.architecture != "qwen2"
         self.o_bias = _weight(hidden, **like) if has_o_bias else None
         self.post_norm = _weight(hidden, **like)
-        self.gate_up_weight = _weight(2 * self.intermediate, hidden, **like)
-        self.down_weight = _weight(hidden, self.intermediate, **like)
+        # The MLP: dense (fused gate+up, then down), or Mixtral's experts (model/moe.py).
+        self.moe = SparseMoeBlock(config, dtype, device) if config.num_local_experts else None
+        dense = self.moe is None
+        self.gate_up_weight = _weight(2 * self.intermediate, hidden, **like) if dense else None
+        self.down_weight = _weight(hidden, self.intermediate, **like) if dense else None
         self.linears: dict[str, Linear] = {}
         # The whole layer as one C++ op (kernels/csrc/layer.cpp), when every part fits it:
         # its projections' weights in order, their formats and row limits, and rope tables.
@@ -170,7 +174,12 @@ class _DecoderLayer(nn.Module):
         """Build the projections' kernels; the dense weights are dropped unless torch runs."""
         prefix = f"model.layers.{self.index}."
         biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
+        self.fused = None
+        if self.moe is not None:
+            self.moe.prepare(backend, dense_format)
         for name, parts in _FUSED.items():
+            if self.moe is not None and name in ("gate_up", "down"):
+                continue
             weight = getattr(self, f"{name}_weight")
             self.linears[name] = Linear(
                 weight,
@@ -182,7 +191,8 @@ class _DecoderLayer(nn.Module):
             )
             if backend != "torch":  # the kernels hold their own copies
                 setattr(self, f"{name}_weight", None)
-        self.fused = None
+        if self.moe is not None:  # the C++ layer op has a dense MLP
+            return
         tiled = [self.linears[name] for name in _FUSED]
         if all(lin.backend == "tiled" for lin in tiled) and self.head_dim % 32 == 0:
             self.rope_tables = rope_tables
@@ -241,7 +251,12 @@ class _DecoderLayer(nn.Module):
         else:
             attn = attend(q, k, v, self.index, self.scale)
         hidden = self._project_out(linears["o"], attn.reshape(num_tokens, self.q_size), hidden)
-        gate_up = linears["gate_up"](_rms_norm(hidden, self.post_norm, self.eps))
+        normed = _rms_norm(hidden, self.post_norm, self.eps)
+        if self.moe is not None:
+            if self.tp is None:
+                return self.moe(normed, hidden)
+            return self.tp.all_reduce(self.moe(normed, hidden if self.tp.rank == 0 else None))
+        gate_up = linears["gate_up"](normed)
         act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
         return self._project_out(linears["down"], act, hidden)
 
@@ -267,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         """`tp`: this network is one rank's shard (`config` then being the shard's shape,
         model/tensor_parallel.py); it runs the torch backend, eager."""
         super().__init__()
-        if config.architecture not in ("llama", "mistral", "qwen2"):
+        if config.architecture not in ("llama", "mistral", "qwen2", "mixtral"):
             raise ValueError(f"unsupported architecture {config.architecture!r}")
         self.config = config
         self.dtype = dtype
@@ -315,15 +330,19 @@ class LlamaForCausalLM(nn.Module):
             targets[f"{p}self_attn.o_proj.weight"] = (layer.o_weight, (c.hidden_size, q))
             if layer.o_bias is not None:
                 targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, (c.hidden_size,))
-            targets[f"{p}mlp.gate_proj.weight"] = (
-                layer.gate_up_weight[:inter],
-                (inter, c.hidden_size),
-            )
-            targets[f"{p}mlp.up_proj.weight"] = (
-                layer.gate_up_weight[inter:],
-                (inter, c.hidden_size),
-            )
-            targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
+            if layer.moe is not None:
+                targets.update(layer.moe.targets(p))
+            else:
+                assert layer.gate_up_weight is not None and layer.down_weight is not None
+                targets[f"{p}mlp.gate_proj.weight"] = (
+                    layer.gate_up_weight[:inter],
+                    (inter, c.hidden_size),
+                )
+                targets[f"{p}mlp.up_proj.weight"] = (
+                    layer.gate_up_weight[inter:],
+                    (inter, c.hidden_size),
+                )
+                targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
             targets[f"{p}input_layernorm.weight"] = (layer.input_norm, (c.hidden_size,))
             targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))
         return targets
@@ -404,8 +423,10 @@ class LlamaForCausalLM(nn.Module):
         """Kernel of each projection kind, e.g. {"qkv": "tiled-q4(<=8 rows)+onednn", ...}."""
         first = self.layers[0]
         assert isinstance(first, _DecoderLayer) and self.head is not None
+        experts = {"experts": first.moe.describe()} if first.moe is not None else {}
         return {
             **{n: lin.describe() for n, lin in first.linears.items()},
+            **experts,
             "lm_head": self.head.describe(),
         }
 

@@ -22,6 +22,18 @@ SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+}
+# The architectures whose config's sliding_window applies to every layer.
+_WINDOWED = ("mistral", "mixtral")
+# Mixture-of-experts families with routing Mixtral's experts do not reproduce (shared
+# experts, unnormalised top-k, grouped routing): refused by name.
+_UNSUPPORTED_MOE = {
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 }
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -105,6 +117,11 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         and raw.get("model_type") in SUPPORTED_HF_ARCHITECTURES.values()
     ):
         architecture = raw["model_type"]  # a bare config.json saved without a model class
+    if moe := [n for n in names if n in _UNSUPPORTED_MOE]:
+        raise ModelLoadError(
+            f"mixture-of-experts architecture {moe[0]} is not supported; the one MoE family "
+            "supported is Mixtral (MixtralForCausalLM)"
+        )
     if architecture is None:
         found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
         raise ModelLoadError(
@@ -144,9 +161,12 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         # Qwen2 always has q/k/v biases and its config has no flag for them.
         attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling,
-        sliding_window=raw.get("sliding_window") if architecture == "mistral" else None,
+        sliding_window=raw.get("sliding_window") if architecture in _WINDOWED else None,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        # MixtralConfig's defaults: 8 experts, 2 per token.
+        num_local_experts=raw.get("num_local_experts", 8) if architecture == "mixtral" else 0,
+        num_experts_per_tok=raw.get("num_experts_per_tok", 2) if architecture == "mixtral" else 0,
     )
 
 

@@ -5,9 +5,11 @@ Each of T ranks holds whole KV heads (T divides the KV heads) and the query head
 groups, so attention runs rank-locally on its own slice of the paged KV cache. q/k/v and
 gate/up are split by output rows (column-parallel); o_proj and down_proj by input columns
 (row-parallel), whose partial products one all-reduce sums: one after attention, one after
-the MLP. Norms and RoPE are replicated. The embedding and the LM head stay replicated too:
-at the sizes this engine serves they are a small share of the weights, and keeping them whole
-spares a gather of logits every step (only rank 0, which samples, runs the head).
+the MLP. Norms and RoPE are replicated. Mixtral's experts are each split the same way (the
+router replicated), so an MoE layer also ends in one all-reduce. The embedding and the LM
+head stay replicated too: at the sizes this engine serves they are a small share of the
+weights, and keeping them whole spares a gather of logits every step (only rank 0, which
+samples, runs the head).
 """
 
 from __future__ import annotations
@@ -94,16 +96,22 @@ def shard_weights(
             part = rows(tensor, q_rows)
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             part = rows(tensor, kv_rows)
-        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name or _is_expert(name, "w1", "w3"):
             part = rows(tensor, inter)
         elif name.endswith("self_attn.o_proj.weight"):
             part = cols(tensor, q_rows)
-        elif name.endswith("mlp.down_proj.weight"):
+        elif name.endswith("mlp.down_proj.weight") or _is_expert(name, "w2"):
             part = cols(tensor, inter)
         elif name.endswith("self_attn.o_proj.bias"):
             # Added once to the sum, like the residual: rank 0 holds it, the others zeros.
             part = tensor if rank == 0 else torch.zeros_like(tensor)
-        else:  # embedding, LM head, norms: replicated
+        else:  # embedding, LM head, norms, MoE routers: replicated
             part = tensor
         shard[name] = part.clone()
     return shard
+
+
+def _is_expert(name: str, *projections: str) -> bool:
+    """A Mixtral expert's projection (model/moe.py): each rank holds every expert, split
+    like the dense MLP, so a token's experts all run on every rank over its 1/T width."""
+    return ".block_sparse_moe.experts." in name and name.rsplit(".", 2)[-2] in projections
