@@ -17,6 +17,7 @@ from iterserve.core.request import RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.engine_core import EngineCore, StepFailedError
 from iterserve.sampling_params import SamplingParams as Params
+from transformers_reference import PROMPTS
 
 
 class PagedFakeExecutor:
@@ -191,14 +192,6 @@ def test_a_failed_step_ends_its_requests_and_the_rest_go_on(async_scheduling: bo
 
 
 # ---- the real engine ----------------------------------------------------------------------
-
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a land far away, there lived a",
-    "1 2 3",
-    "A long prompt that keeps going so that it spans several KV cache blocks and is split "
-    "into chunks when the token budget is small: the quick brown fox jumps over the lazy dog.",
-]
 
 
 def _generate(

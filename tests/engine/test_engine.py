@@ -6,40 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from iterserve import LLM, SamplingParams
 from iterserve.config import ConfigError
 from iterserve.sampling_params import InvalidRequestError
+from transformers_reference import PROMPTS, reference
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a land far away, there lived a",
-    "1 2 3",
-    "A long prompt that keeps going so that it spans several KV cache blocks and is split "
-    "into chunks when the token budget is small: the quick brown fox jumps over the lazy dog.",
-]
 MAX_TOKENS = 12
-
-
-def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        generated = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            pad_token_id=0,
-        )
-        outputs.append(generated[0, ids.shape[1] :].tolist())
-    return outputs
 
 
 @pytest.fixture(scope="module")

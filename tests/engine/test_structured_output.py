@@ -21,17 +21,11 @@ from iterserve.engine.async_engine import AsyncEngine
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.structured_output import StructuredOutput
 from server_fixtures import serving
+from transformers_reference import PROMPTS
 
 # Bounded, so the grammar itself ends every output (in at most 59 tokens); the digits
 # (one token each in this vocabulary) make every output long enough to be preempted.
 WORDS = r"[a-z]{1,6}( [a-z]{1,6}){2,5} [0-9]{12,16}\."
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a land far away, there lived a",
-    "1 2 3",
-    "A long prompt that keeps going so that it spans several KV cache blocks and is split "
-    "into chunks when the token budget is small: the quick brown fox jumps over the lazy dog.",
-]
 
 
 def _words(seed: int) -> SamplingParams:

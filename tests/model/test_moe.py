@@ -14,6 +14,7 @@ import torch
 import transformers
 from gguf import GGUFWriter
 from safetensors.torch import load_file
+from test_loader import _llama_cpp_permute
 
 from conftest import BUNDLED_GGUF, _save_tiny, bundled_dir
 from iterserve import LLM, SamplingParams, kernels
@@ -22,9 +23,8 @@ from iterserve.model.gguf_loader import read_gguf_header
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
 from paged_runner import PagedRunner
-from test_engine import PROMPTS, reference
-from test_loader import _llama_cpp_permute
 from tiny_checkpoints import model_config_of, tiny_hf_model
+from transformers_reference import PROMPTS, reference
 
 EXPERTS, TOP_K = 4, 2
 SHAPE = dict(
