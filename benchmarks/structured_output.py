@@ -177,7 +177,7 @@ def bench_engine(
     result["compile_ms"] = median_ms(lambda: compiler.compile_uncached(spec), repeats)
     grammar = compiler.compile_uncached(spec)
     for batch in batches:
-        matchers = StructuredBatch(vocab)
+        matchers = StructuredBatch()
         ids = [f"r{i}" for i in range(batch)]
         for request_id in ids:
             matchers.add(request_id, grammar)

@@ -84,14 +84,77 @@ def test_matchers_follow_the_output_through_the_scheduler(
     # Seeded draws do not depend on the batch, and a matcher that lost its place would
     # mask differently: the same texts prove every matcher stayed where its output was.
     assert [output.text for output in outputs] == reference_run
-    assert all(output.num_draft_tokens == 0 for output in outputs[1:])  # never speculate
     if "speculative_method" in settings:
+        # Guesses cut at the grammar's first refusal, rows masked after each guess: the
+        # constrained requests speculate too, and their seeded texts do not change.
         assert outputs[0].num_draft_tokens > 0, "the free request speculated beside them"
+        assert sum(output.num_accepted_tokens for output in outputs[1:]) > 0
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.executor._structured is not None
     llm.engine.step()  # the executor hears of the last finished requests with the next step
-    assert len(llm.engine.executor._structured) == 0, "every finished request's matcher dropped"
+    assert len(llm.engine.executor.structured) == 0, "every finished request's matcher dropped"
+
+
+# Greedy constraints whose outputs repeat themselves (so prompt lookup has guesses to make).
+GREEDY_CONSTRAINTS = [
+    StructuredOutput(regex=r"(ab|cd|[0-9]){8,40}"),
+    StructuredOutput.from_json_schema(
+        {
+            "type": "object",
+            "properties": {"items": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["items"],
+        }
+    ),
+    StructuredOutput(choice=["one two three one two three", "four five"]),
+]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_constrained_text_is_the_same_with_speculation(
+    tiny_llama_dir: Path, tiny_llm: LLM, method: str
+) -> None:
+    """Every guess is checked against the grammar (n-gram guesses cut, the draft model's
+    drawn from masked logits) and each verified position masked after the guesses before
+    it: the greedy texts are those of one token per step, and guesses are kept."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=48, structured_output=spec)
+        for spec in GREEDY_CONSTRAINTS
+    ]
+    prompts = ["1 2 3 1 2 3 1 2", "A list of numbers:", "Count:"]
+    want = tiny_llm.generate(prompts, params, use_tqdm=False)
+    extra = {"draft_model": str(tiny_llama_dir)} if method == "draft" else {}
+    spec_llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        speculative_method=method,
+        num_speculative_tokens=3,
+        **extra,
+    )
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch(r"(ab|cd|[0-9]){8,40}", got[0].text) or got[0].finish_reason == "length"
+    assert sum(o.num_accepted_tokens for o in got) > 0, "constrained requests speculated"
+
+
+def test_sampled_guesses_of_a_draft_model_keep_the_grammar(
+    tiny_llama_dir: Path, reference_run: list[str]
+) -> None:
+    """The draft samples its guesses from its logits masked by the grammar, the target
+    accepts them by the ratio of the masked distributions: every text matches."""
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        speculative_method="draft",
+        draft_model=str(tiny_llama_dir),
+        num_speculative_tokens=3,
+    )
+    outputs = _run(llm)
+    for output in outputs[1:]:
+        assert re.fullmatch(WORDS, output.text), output.text
+        assert output.finish_reason == "stop"
+    assert sum(output.num_accepted_tokens for output in outputs[1:]) > 0
 
 
 def test_n_choices_each_have_their_own_matcher(tiny_llm: LLM) -> None:
@@ -256,7 +319,7 @@ def test_mask_allows_exactly_the_tokens_the_grammar_accepts(tokenizer_dir: Path)
         "digits": compiler.compile(StructuredOutput(regex=r"[0-9]{2,4}")),
         "colour": compiler.compile(StructuredOutput(choice=["red", "green"])),
     }
-    batch = StructuredBatch(vocab)
+    batch = StructuredBatch()
     batch.add("digits", grammars["digits"])
     batch.add("colour", grammars["colour"])
     batch.advance("digits", tokenizer.encode("7", add_special_tokens=False))
