@@ -234,16 +234,15 @@ def test_json_object_choice_and_regex_always_hold(client: openai.OpenAI) -> None
         model="tiny-llama",
         messages=[{"role": "user", "content": "A JSON object with a cat's name and age."}],
         response_format={"type": "json_object"},
-        max_tokens=60,
+        max_tokens=400,
         n=4,
         seed=5,
     )
-    # A small model may loop inside an array until max_tokens ("length"): that text is cut,
-    # but every answer the grammar let finish is a JSON object.
-    finished = [c.message.content or "" for c in chat.choices if c.finish_reason == "stop"]
-    assert finished, [c.message.content for c in chat.choices]
-    assert all(isinstance(json.loads(text), dict) for text in finished), finished
-    assert all((c.message.content or "").startswith("{") for c in chat.choices)
+    # Room enough for every answer to finish: a text cut by max_tokens ("length") is a
+    # prefix of a JSON object, not one, and would prove nothing.
+    texts = [c.message.content or "" for c in chat.choices]
+    assert all(c.finish_reason == "stop" for c in chat.choices), texts
+    assert all(isinstance(json.loads(text), dict) for text in texts), texts
     choices = ["positive", "negative", "neutral"]
     answer = client.chat.completions.create(
         model="tiny-llama",
