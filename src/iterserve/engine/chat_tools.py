@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -28,9 +28,6 @@ from iterserve.server.tool_prompt import render_with_tools
 from iterserve.server.tool_protocol import ToolChoice, ToolDefinition
 from iterserve.server.tools import ToolPlan, plan_tools
 
-if TYPE_CHECKING:
-    from iterserve.engine.llm import LLM
-
 _TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(ToolChoice)
 
 
@@ -40,13 +37,15 @@ class ChatWithTools:
 
     def __init__(
         self,
-        llm: LLM,
+        tokenizer: Any,
+        chat_template: str | None,
         tools: Sequence[Mapping[str, Any]] | None,
         tool_choice: str | Mapping[str, Any] | None,
         parallel_tool_calls: bool,
         tool_parser: str,
     ) -> None:
-        self.llm = llm
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.tools = [
             _validated(ToolDefinition, tool, f"tools.{i}") for i, tool in enumerate(tools or ())
         ]
@@ -55,10 +54,10 @@ class ChatWithTools:
         )
         self.parallel_tool_calls = parallel_tool_calls
         try:
-            self.parser = select_tool_parser(tool_parser, llm.engine.chat_template)
+            self.parser = select_tool_parser(tool_parser, chat_template)
         except ValueError as error:
             raise InvalidRequestError(str(error), "tool_parser") from None
-        self.special_tokens = set(getattr(llm.tokenizer, "all_special_tokens", ()))
+        self.special_tokens = set(getattr(tokenizer, "all_special_tokens", ()))
         self.plans: list[ToolPlan] = []
 
     def prepare(
@@ -71,7 +70,7 @@ class ChatWithTools:
             self.tools or None,
             self.tool_choice,
             self.parallel_tool_calls,
-            self.llm.engine.chat_template,
+            self.chat_template,
             self.parser,
             params,
             self.special_tokens,
@@ -81,9 +80,7 @@ class ChatWithTools:
             _validated(ChatMessage, message, f"messages.{i}").as_template_input(i)
             for i, message in enumerate(conversation)
         ]
-        prompt = render_with_tools(
-            self.llm.tokenizer, self.llm.engine.chat_template, messages, plan
-        )
+        prompt = render_with_tools(self.tokenizer, self.chat_template, messages, plan)
         return prompt, params
 
     def read_calls(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

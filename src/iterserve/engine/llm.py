@@ -87,7 +87,14 @@ class LLM:
             return self.generate(prompts, params, use_tqdm)
         from iterserve.engine.chat_tools import ChatWithTools  # the server's parsers
 
-        chat = ChatWithTools(self, tools, tool_choice, parallel_tool_calls, tool_parser)
+        chat = ChatWithTools(
+            self.tokenizer,
+            self.engine.chat_template,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            tool_parser,
+        )
         each = _per_prompt(params, len(conversations))
         prepared = [chat.prepare(conv, p) for conv, p in zip(conversations, each, strict=True)]  # type: ignore[arg-type]
         outputs = self.generate([prompt for prompt, _ in prepared], [p for _, p in prepared], use_tqdm)
