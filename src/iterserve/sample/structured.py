@@ -191,14 +191,7 @@ class StructuredBatch:
                 drafted, bitmask.ctypes.data, stride, count
             )
             for matcher, offset, draft in drafted:
-                # The library leaves unwritten the row after a draft that completes the
-                # grammar (seen with llguidance 1.9.1): write the row after the last draft
-                # the grammar accepts (at the grammar's end, EOS only) again here.
-                accepted = matcher.try_consume_tokens(draft)
-                pointer = bitmask.ctypes.data + (offset + accepted) * stride
-                matcher.unsafe_compute_mask_ptr(pointer, stride)
-                if accepted and not matcher.rollback(accepted):
-                    raise RuntimeError("a grammar matcher could not roll its drafts back")
+                self._fill_after_completion(matcher, bitmask, offset, draft)
         # Bit i of word w is token 32w + i: little-endian words, bits unpacked low first
         # (numpy's unpack is ~15x faster than shifting and masking with torch ops).
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=width, bitorder="little")
@@ -217,6 +210,27 @@ class StructuredBatch:
         index = torch.tensor(targets, device=logits.device)
         mask = torch.from_numpy(forbidden).to(logits.device)
         logits[index] = logits[index].masked_fill_(mask, float("-inf"))
+
+    @staticmethod
+    def _fill_after_completion(
+        matcher: Any, bitmask: np.ndarray, offset: int, draft: Sequence[int]
+    ) -> None:
+        """The library leaves unwritten (all allowed) the rows after a draft it refuses,
+        which verification never reaches, but also the row after a draft that completes
+        the grammar (llguidance 1.9.1), whose draw must be EOS: find the first unwritten
+        row and, if the draft before it was allowed, write its mask here."""
+        for j in range(1, len(draft) + 1):
+            row = bitmask[offset + j]
+            if row[0] != -1 or not (row == -1).all():
+                continue  # written
+            token = draft[j - 1]
+            if (int(bitmask[offset + j - 1, token >> 5]) >> (token & 31)) & 1:
+                # A complete grammar takes no EOS as a token, but its mask is EOS only.
+                consumed = matcher.try_consume_tokens(list(draft[:j]))
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                if consumed and not matcher.rollback(consumed):
+                    raise RuntimeError("a grammar matcher could not roll its drafts back")
+            return
 
     def valid_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """How many of `token_ids`, from the start, the request's grammar accepts next
