@@ -336,3 +336,54 @@ def test_mask_allows_exactly_the_tokens_the_grammar_accepts(tokenizer_dir: Path)
                 assert (logits[row, token] == 0) == accepted, (request_id, token)
         untouched = ({0, 1, 2, 3} - set(rows)).pop()
         assert bool((logits[untouched] == 0).all())
+
+
+def test_draft_positions_are_masked_after_the_guesses_before_them(tokenizer_dir: Path) -> None:
+    """Speculation's masks against matchers advanced by hand: position j of a request
+    allows what its grammar allows after its first j guesses; after a guess that
+    completes the grammar only EOS; past a refused guess nothing is masked (verification
+    never gets there); and the matchers are left where they were."""
+    import torch
+
+    from iterserve.model.tokenizer import load_hf_tokenizer
+    from iterserve.sample.structured import GrammarCompiler, StructuredBatch
+
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    vocab, eos = 49152, tokenizer.eos_token_id
+    compiler = GrammarCompiler(tokenizer, vocab, [eos])
+    batch = StructuredBatch()
+    batch.add("digits", compiler.compile(StructuredOutput(regex=r"[0-9]{2,4}")))
+    batch.add("dot", compiler.compile(StructuredOutput(regex=r"[0-9]\.")))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    batch.add("done", compiler.compile(StructuredOutput(regex=r"[0-9]\.")))
+    batch.advance("done", ids("1") + ids("."))  # complete: EOS is its guess
+    drafts = {"digits": ids("1") + ids("x") + ids("2"), "dot": ids("1") + ids(".")}
+    starts = {"digits": 0, "dot": 4}  # rows 0-3 and 4-6; row 7 is another request's
+    before = {name: batch._matchers[name].deep_copy() for name in drafts}
+    logits = torch.zeros(10, vocab)
+    batch.mask(logits, [*drafts, "done"], [*starts.values(), 8], [*drafts.values(), [eos]])
+    for row in (8, 9):  # llguidance 1.9.1 leaves the row after that EOS unwritten
+        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == [eos], row
+    probe = torch.randint(vocab, (300,)).tolist() + ids("0 1 9 . x a") + [eos]
+    for name, draft in drafts.items():
+        reachable = 1 + before[name].validate_tokens(draft)  # positions up to the refusal
+        for j in range(len(draft) + 1):
+            row = logits[starts[name] + j]
+            if j >= reachable:
+                assert bool((row == 0).all()), (name, j)
+                continue
+            state = before[name].deep_copy()
+            assert state.consume_tokens(draft[:j])
+            if state.is_stopped():  # complete: EOS is all that may follow
+                assert torch.isfinite(row).nonzero().flatten().tolist() == [eos], (name, j)
+                continue
+            for token in probe:
+                assert bool(row[token] == 0) == state.deep_copy().consume_token(token), (name, j)
+    assert bool((logits[7] == 0).all())
+    for name in before:  # rolled back: the same masks again
+        again = torch.zeros(1, vocab)
+        batch.mask(again, [name])
+        assert torch.equal(again[0], logits[starts[name]])
