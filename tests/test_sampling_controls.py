@@ -5,7 +5,6 @@ prompt logprobs against a transformers fp32 forward."""
 from __future__ import annotations
 
 import random
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -203,11 +202,14 @@ def test_penalties_hold_through_rejected_drafts(tiny_llama_dir: Path) -> None:
     assert out.num_draft_tokens > out.num_accepted_tokens, "some drafts were turned down"
 
 
-def test_sampled_drafts_ignore_the_controls_and_the_text_keeps_them(tiny_llama_dir: Path) -> None:
-    """The draft samples its guesses without the request's logit bias; the target keeps a
-    guess by the ratio of its own biased distribution to the draft's, so a guess of a
-    banned token (p ~ 0) is turned down and the text never has one. (Verifying against
-    the unbiased distribution would keep them all: this draft is the target itself.)"""
+def test_sampled_drafts_ignore_the_controls_and_the_text_keeps_them(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft proposes without the request's logit bias. Here the target's raw logits
+    favour one token by far, the bias bans it, and the draft proposes nothing else (its
+    q all on that token): the target keeps a guess by the ratio of its own *biased*
+    distribution to q, so it keeps none and the text never has the token. Verifying
+    against the raw distribution would keep nearly all of them."""
     llm = LLM(
         str(tiny_llama_dir),
         dtype="float32",
@@ -216,12 +218,35 @@ def test_sampled_drafts_ignore_the_controls_and_the_text_keeps_them(tiny_llama_d
         draft_model=str(tiny_llama_dir),
         num_speculative_tokens=3,
     )
-    free = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
-    liked = [t for t, _ in Counter(llm.generate(REPEATING, free, False)[0].token_ids).most_common(3)]
-    biased = replace(free, logit_bias={token: -100.0 for token in liked})
-    out = llm.generate(REPEATING, biased, use_tqdm=False)[0]
-    assert not set(out.token_ids) & set(liked), (out.token_ids, liked)
-    assert out.num_draft_tokens > out.num_accepted_tokens > 0
+    banned = 1234
+    network = llm.engine.executor.network
+    forward = network.forward
+
+    def favouring(seqs: list[Any]) -> torch.Tensor:
+        logits = forward(seqs)
+        logits[:, banned] += 30.0
+        return logits
+
+    monkeypatch.setattr(network, "forward", favouring)
+    draft = llm.engine.draft
+    assert draft is not None
+
+    def guess_banned(query: Any, logits: torch.Tensor) -> int:
+        q = torch.zeros(logits.shape[-1])
+        q[banned] = 1.0
+        draft._probs.setdefault(query.request_id, []).append(q)
+        return banned
+
+    monkeypatch.setattr(draft, "_guess", guess_banned)
+    # logprobs: the runner keeps the raw logits apart from the biased ones.
+    params = SamplingParams(
+        seed=3, max_tokens=16, ignore_eos=True, logit_bias={banned: -100.0}, logprobs=0
+    )
+    out = llm.generate(REPEATING, params, use_tqdm=False)[0]
+    assert banned not in out.token_ids
+    assert out.num_draft_tokens > 0 and out.num_accepted_tokens == 0
+    unbiased = llm.generate(REPEATING, replace(params, logit_bias=None), use_tqdm=False)[0]
+    assert unbiased.token_ids.count(banned) > 8, "the raw logits do favour it"
 
 
 def test_bad_words_and_logit_bias_ban_tokens(tiny_llama_dir: Path) -> None:
