@@ -8,6 +8,9 @@ For each library that is importable (xgrammar, llguidance):
                  bitmask (the library's batch fill), apply it to [B, V] float32 logits in
                  one call, advance every matcher by its token; median over the steps of
                  generating a valid document of the schema (each row its own matcher)
+    spec_step_ms[Bx4]  (engine only) the same with 3 guesses per row, as speculative
+                 decoding verifies them: 4 positions per row, each masked after the
+                 guesses before it
 
 The engine's own path is timed too (`engine_*`: iterserve.sample.structured, whatever
 library it uses), so the figures in docs/structured_output.md are the ones a step pays.
@@ -48,6 +51,8 @@ SCHEMA: dict[str, Any] = {
     },
     "required": ["name", "age", "email", "role", "tags", "address"],
 }
+# Guesses per speculating row (--num-speculative-tokens) for the engine's speculative step.
+DRAFTS = 3
 DOCUMENT = {
     "name": "Ada Lovelace",
     "age": 36,
@@ -177,7 +182,7 @@ def bench_engine(
     result["compile_ms"] = median_ms(lambda: compiler.compile_uncached(spec), repeats)
     grammar = compiler.compile_uncached(spec)
     for batch in batches:
-        matchers = StructuredBatch(vocab)
+        matchers = StructuredBatch()
         ids = [f"r{i}" for i in range(batch)]
         for request_id in ids:
             matchers.add(request_id, grammar)
@@ -190,6 +195,22 @@ def bench_engine(
                 matchers.advance(request_id, [token])
             times.append(time.perf_counter() - start)
         result[f"step_ms[{batch}]"] = 1e3 * statistics.median(times)
+        # Speculating: each row masked at its position and after each of its next
+        # DRAFTS document tokens (its guesses), then advanced by one token.
+        logits = torch.randn(batch * (DRAFTS + 1), vocab)
+        rows = [i * (DRAFTS + 1) for i in range(batch)]
+        times = []
+        for request_id in ids:
+            matchers.drop(request_id)
+            matchers.add(request_id, grammar)
+        for position, token in enumerate(tokens[: len(tokens) - DRAFTS]):
+            guesses = [tokens[position + 1 : position + 1 + DRAFTS]] * batch
+            start = time.perf_counter()
+            matchers.mask(logits, ids, rows, guesses)
+            for request_id in ids:
+                matchers.advance(request_id, [token])
+            times.append(time.perf_counter() - start)
+        result[f"spec_step_ms[{batch}x{DRAFTS + 1}]"] = 1e3 * statistics.median(times)
     return result
 
 

@@ -60,10 +60,6 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.structured_output is not None:
-            # Constrained requests do not speculate: drafts would have to be checked
-            # against the grammar (docs/structured_output.md).
-            self.speculative = False
         self.validate()
 
     def per_choice(self) -> list[SamplingParams]:

@@ -78,14 +78,77 @@ def test_matchers_follow_the_output_through_the_scheduler(
     # Seeded draws do not depend on the batch, and a matcher that lost its place would
     # mask differently: the same texts prove every matcher stayed where its output was.
     assert [output.text for output in outputs] == reference_run
-    assert all(output.num_draft_tokens == 0 for output in outputs[1:])  # never speculate
     if "speculative_method" in settings:
+        # Guesses cut at the grammar's first refusal, rows masked after each guess: the
+        # constrained requests speculate too, and their seeded texts do not change.
         assert outputs[0].num_draft_tokens > 0, "the free request speculated beside them"
+        assert sum(output.num_accepted_tokens for output in outputs[1:]) > 0
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.executor._structured is not None
     llm.engine.step()  # the executor hears of the last finished requests with the next step
-    assert len(llm.engine.executor._structured) == 0, "every finished request's matcher dropped"
+    assert len(llm.engine.executor.structured) == 0, "every finished request's matcher dropped"
+
+
+# Greedy constraints whose outputs repeat themselves (so prompt lookup has guesses to make).
+GREEDY_CONSTRAINTS = [
+    StructuredOutput(regex=r"(ab|cd|[0-9]){8,40}"),
+    StructuredOutput.from_json_schema(
+        {
+            "type": "object",
+            "properties": {"items": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["items"],
+        }
+    ),
+    StructuredOutput(choice=["one two three one two three", "four five"]),
+]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_constrained_text_is_the_same_with_speculation(
+    tiny_llama_dir: Path, tiny_llm: LLM, method: str
+) -> None:
+    """Every guess is checked against the grammar (n-gram guesses cut, the draft model's
+    drawn from masked logits) and each verified position masked after the guesses before
+    it: the greedy texts are those of one token per step, and guesses are kept."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=48, structured_output=spec)
+        for spec in GREEDY_CONSTRAINTS
+    ]
+    prompts = ["1 2 3 1 2 3 1 2", "A list of numbers:", "Count:"]
+    want = tiny_llm.generate(prompts, params, use_tqdm=False)
+    extra = {"draft_model": str(tiny_llama_dir)} if method == "draft" else {}
+    spec_llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        speculative_method=method,
+        num_speculative_tokens=3,
+        **extra,
+    )
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch(r"(ab|cd|[0-9]){8,40}", got[0].text) or got[0].finish_reason == "length"
+    assert sum(o.num_accepted_tokens for o in got) > 0, "constrained requests speculated"
+
+
+def test_sampled_guesses_of_a_draft_model_keep_the_grammar(
+    tiny_llama_dir: Path, reference_run: list[str]
+) -> None:
+    """The draft samples its guesses from its logits masked by the grammar, the target
+    accepts them by the ratio of the masked distributions: every text matches."""
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        speculative_method="draft",
+        draft_model=str(tiny_llama_dir),
+        num_speculative_tokens=3,
+    )
+    outputs = _run(llm)
+    for output in outputs[1:]:
+        assert re.fullmatch(WORDS, output.text), output.text
+        assert output.finish_reason == "stop"
+    assert sum(output.num_accepted_tokens for output in outputs[1:]) > 0
 
 
 def test_n_choices_each_have_their_own_matcher(tiny_llm: LLM) -> None:
@@ -165,16 +228,15 @@ def test_json_object_choice_and_regex_always_hold(client: openai.OpenAI) -> None
         model="tiny-llama",
         messages=[{"role": "user", "content": "A JSON object with a cat's name and age."}],
         response_format={"type": "json_object"},
-        max_tokens=60,
+        max_tokens=400,
         n=4,
         seed=5,
     )
-    # A small model may loop inside an array until max_tokens ("length"): that text is cut,
-    # but every answer the grammar let finish is a JSON object.
-    finished = [c.message.content or "" for c in chat.choices if c.finish_reason == "stop"]
-    assert finished, [c.message.content for c in chat.choices]
-    assert all(isinstance(json.loads(text), dict) for text in finished), finished
-    assert all((c.message.content or "").startswith("{") for c in chat.choices)
+    # Room enough for every answer to finish: a text cut by max_tokens ("length") is a
+    # prefix of a JSON object, not one, and would prove nothing.
+    texts = [c.message.content or "" for c in chat.choices]
+    assert all(c.finish_reason == "stop" for c in chat.choices), texts
+    assert all(isinstance(json.loads(text), dict) for text in texts), texts
     choices = ["positive", "negative", "neutral"]
     answer = client.chat.completions.create(
         model="tiny-llama",
@@ -250,7 +312,7 @@ def test_mask_allows_exactly_the_tokens_the_grammar_accepts(tokenizer_dir: Path)
         "digits": compiler.compile(StructuredOutput(regex=r"[0-9]{2,4}")),
         "colour": compiler.compile(StructuredOutput(choice=["red", "green"])),
     }
-    batch = StructuredBatch(vocab)
+    batch = StructuredBatch()
     batch.add("digits", grammars["digits"])
     batch.add("colour", grammars["colour"])
     batch.advance("digits", tokenizer.encode("7", add_special_tokens=False))
@@ -268,3 +330,54 @@ def test_mask_allows_exactly_the_tokens_the_grammar_accepts(tokenizer_dir: Path)
                 assert (logits[row, token] == 0) == accepted, (request_id, token)
         untouched = ({0, 1, 2, 3} - set(rows)).pop()
         assert bool((logits[untouched] == 0).all())
+
+
+def test_draft_positions_are_masked_after_the_guesses_before_them(tokenizer_dir: Path) -> None:
+    """Speculation's masks against matchers advanced by hand: position j of a request
+    allows what its grammar allows after its first j guesses; after a guess that
+    completes the grammar only EOS; past a refused guess nothing is masked (verification
+    never gets there); and the matchers are left where they were."""
+    import torch
+
+    from iterserve.model.tokenizer import load_hf_tokenizer
+    from iterserve.sample.structured import GrammarCompiler, StructuredBatch
+
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    vocab, eos = 49152, tokenizer.eos_token_id
+    compiler = GrammarCompiler(tokenizer, vocab, [eos])
+    batch = StructuredBatch()
+    batch.add("digits", compiler.compile(StructuredOutput(regex=r"[0-9]{2,4}")))
+    batch.add("dot", compiler.compile(StructuredOutput(regex=r"[0-9]\.")))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    batch.add("done", compiler.compile(StructuredOutput(regex=r"[0-9]\.")))
+    batch.advance("done", ids("1") + ids("."))  # complete: EOS is its guess
+    drafts = {"digits": ids("1") + ids("x") + ids("2"), "dot": ids("1") + ids(".")}
+    starts = {"digits": 0, "dot": 4}  # rows 0-3 and 4-6; row 7 is another request's
+    before = {name: batch._matchers[name].deep_copy() for name in drafts}
+    logits = torch.zeros(10, vocab)
+    batch.mask(logits, [*drafts, "done"], [*starts.values(), 8], [*drafts.values(), [eos]])
+    for row in (8, 9):  # llguidance 1.9.1 leaves the row after that EOS unwritten
+        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == [eos], row
+    probe = torch.randint(vocab, (300,)).tolist() + ids("0 1 9 . x a") + [eos]
+    for name, draft in drafts.items():
+        reachable = 1 + before[name].validate_tokens(draft)  # positions up to the refusal
+        for j in range(len(draft) + 1):
+            row = logits[starts[name] + j]
+            if j >= reachable:
+                assert bool((row == 0).all()), (name, j)
+                continue
+            state = before[name].deep_copy()
+            assert state.consume_tokens(draft[:j])
+            if state.is_stopped():  # complete: EOS is all that may follow
+                assert torch.isfinite(row).nonzero().flatten().tolist() == [eos], (name, j)
+                continue
+            for token in probe:
+                assert bool(row[token] == 0) == state.deep_copy().consume_token(token), (name, j)
+    assert bool((logits[7] == 0).all())
+    for name in before:  # rolled back: the same masks again
+        again = torch.zeros(1, vocab)
+        batch.mask(again, [name])
+        assert torch.equal(again[0], logits[starts[name]])

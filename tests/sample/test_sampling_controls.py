@@ -5,6 +5,7 @@ prompt logprobs against a transformers fp32 forward."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from iterserve import LLM, SamplingParams
+from iterserve.core import step_plan
 from iterserve.core.outputs import ScheduledSeq, TokenContext
 from iterserve.sample.logits_controls import apply_logits_controls, row_contexts
 from iterserve.sampling_params import InvalidRequestError
@@ -200,6 +202,53 @@ def test_penalties_hold_through_rejected_drafts(tiny_llama_dir: Path) -> None:
     assert out.num_draft_tokens > out.num_accepted_tokens, "some drafts were turned down"
 
 
+def test_sampled_drafts_ignore_the_controls_and_the_text_keeps_them(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft proposes without the request's logit bias. Here the target's raw logits
+    favour one token by far, the bias bans it, and the draft proposes nothing else (its
+    q all on that token): the target keeps a guess by the ratio of its own *biased*
+    distribution to q, so it keeps none and the text never has the token. Verifying
+    against the raw distribution would keep nearly all of them."""
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        speculative_method="draft",
+        draft_model=str(tiny_llama_dir),
+        num_speculative_tokens=3,
+    )
+    banned = 1234
+    network = llm.engine.executor.network
+    forward = network.forward
+
+    def favouring(seqs: list[Any]) -> torch.Tensor:
+        logits = forward(seqs)
+        logits[:, banned] += 30.0
+        return logits
+
+    monkeypatch.setattr(network, "forward", favouring)
+    draft = llm.engine.draft
+    assert draft is not None
+
+    def guess_banned(query: Any, logits: torch.Tensor) -> int:
+        q = torch.zeros(logits.shape[-1])
+        q[banned] = 1.0
+        draft._probs.setdefault(query.request_id, []).append(q)
+        return banned
+
+    monkeypatch.setattr(draft, "_guess", guess_banned)
+    # logprobs: the runner keeps the raw logits apart from the biased ones.
+    params = SamplingParams(
+        seed=3, max_tokens=16, ignore_eos=True, logit_bias={banned: -100.0}, logprobs=0
+    )
+    out = llm.generate(REPEATING, params, use_tqdm=False)[0]
+    assert banned not in out.token_ids
+    assert out.num_draft_tokens > 0 and out.num_accepted_tokens == 0
+    unbiased = llm.generate(REPEATING, replace(params, logit_bias=None), use_tqdm=False)[0]
+    assert unbiased.token_ids.count(banned) > 8, "the raw logits do favour it"
+
+
 def test_bad_words_and_logit_bias_ban_tokens(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -241,14 +290,33 @@ LONG_PROMPT = (
 
 @pytest.mark.parametrize(
     "settings",
-    [{"max_num_batched_tokens": 7, "max_num_seqs": 7, "block_size": 4}, {"block_size": 4}],
-    ids=["chunked", "whole"],
+    [
+        {"max_num_batched_tokens": 7, "max_num_seqs": 7, "block_size": 4},
+        {"block_size": 4},
+        {"block_size": 4, "scored_rows_cap": 6},  # the budget allows the whole prompt
+    ],
+    ids=["chunked", "whole", "capped"],
 )
 def test_prompt_logprobs_match_transformers(
-    tiny_llama_dir: Path, hf: tuple[Any, Any], settings: dict
+    tiny_llama_dir: Path,
+    hf: tuple[Any, Any],
+    settings: dict,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ids, expected, top = _reference_prompt_logprobs(hf, LONG_PROMPT, 2)
+    cap = settings.pop("scored_rows_cap", None)
+    if cap is not None:
+        monkeypatch.setattr(step_plan, "MAX_SCORED_PROMPT_ROWS", cap)
     llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False, **settings)
+    rows: list[int] = []  # rows of logits of each step
+    network = llm.engine.executor.network
+    forward = network.forward
+
+    def counted(seqs: list[Any]) -> torch.Tensor:
+        rows.append(sum(seq.num_logits for seq in seqs))
+        return forward(seqs)
+
+    monkeypatch.setattr(network, "forward", counted)
     plain = SamplingParams(temperature=0.0, max_tokens=2)
     scored = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     # First a plain run fills the prefix cache; the scored one must not use it, and a
@@ -263,3 +331,5 @@ def test_prompt_logprobs_match_transformers(
     assert [[t for t, _ in e.top] for e in entries if e] == top
     assert out.num_cached_tokens == 0 and runs[2].num_cached_tokens > 0
     assert out.token_ids == runs[0].token_ids
+    if cap is not None:  # the scored prompt came in chunks of at most `cap` rows of logits
+        assert max(rows) <= cap and len(rows) > len(ids) // cap, rows

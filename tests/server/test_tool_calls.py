@@ -10,11 +10,13 @@ import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import openai
 import pytest
 
+from iterserve import LLM
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server import tools as tools_module
 from iterserve.server.tool_parsers import (
@@ -356,7 +358,14 @@ def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: Runn
         )
     assert final.choices[0].finish_reason == "stop"
     assert final.choices[0].message.content == "Sunny, 18 C; it is 14:05."
-    assert not final.choices[0].message.tool_calls
+    # No calls: no `tool_calls` at all, as OpenAI answers (the SDK reads None; `[]`
+    # would read as a call list to loop over).
+    assert final.choices[0].message.tool_calls is None
+    with scripted_tokens(server, _script(server, "Sunny.")):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME, messages=history, tools=TOOLS, max_tokens=50
+        )
+    assert "tool_calls" not in raw.http_response.json()["choices"][0]["message"]
     # The template saw the calls with their arguments as objects (as HF templates want
     # them) and the tool results: the prompt is transformers' own rendering of that.
     template_history = json.loads(json.dumps(history))
@@ -452,11 +461,10 @@ def test_forced_calls_are_read_back_once_decoding_is_constrained(
         assert _reassembled(chunks) == ("", calls, "tool_calls")
 
 
-def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.OpenAI) -> None:
-    # A random tiny model, so only constrained decoding can make these calls. The schemas
-    # are closed, as OpenAI's strict mode has them, and strings bounded: such a model
-    # would never end an open-ended object or string before max_tokens.
-    jsonschema = pytest.importorskip("jsonschema")
+def _closed_tools() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """TOOLS with closed schemas, as OpenAI's strict mode has them, and bounded strings:
+    a random tiny model would never end an open-ended object or string before max_tokens.
+    Also each tool's schema by name."""
     tools = json.loads(json.dumps(TOOLS))
     for tool in tools:
         parameters = tool["function"]["parameters"]
@@ -464,7 +472,15 @@ def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.Op
         for spec in parameters["properties"].values():
             if "enum" not in spec:
                 spec["maxLength"] = 12
-    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    return tools, {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+
+
+def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.OpenAI) -> None:
+    # A random tiny model, so only constrained decoding can make these calls. The schemas
+    # are closed, as OpenAI's strict mode has them, and strings bounded: such a model
+    # would never end an open-ended object or string before max_tokens.
+    jsonschema = pytest.importorskip("jsonschema")
+    tools, schemas = _closed_tools()
     question = [{"role": "user", "content": "Weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     for tool_choice in ("required", named):
@@ -488,3 +504,65 @@ def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.Op
             jsonschema.validate(json.loads(arguments), schemas[name])
         chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
         assert _reassembled(chunks) == ("", calls, "tool_calls")
+
+
+# ---- offline: LLM.chat with tools -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tools_llm(qwen_template_dir: Path) -> LLM:
+    return LLM(str(qwen_template_dir), dtype="float32", compile=False)
+
+
+def test_offline_chat_reads_calls_and_takes_them_back(tools_llm: LLM) -> None:
+    """The server's parser and rendering offline: the calls come back in OpenAI's shape,
+    and an assistant message carrying them, with the tool results, continues the chat
+    as transformers renders that conversation."""
+    model = SimpleNamespace(engine=tools_llm.engine)  # what scripted_tokens drives
+    question = [{"role": "user", "content": "Weather and time in Paris?"}]
+    params = SamplingParams(max_tokens=100)
+    with scripted_tokens(model, _script(model, QWEN_TWO_CALLS)):  # type: ignore[arg-type]
+        out = tools_llm.chat(question, params, use_tqdm=False, tools=TOOLS)[0]
+    calls = out.tool_calls or []
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", PARIS),
+        ("get_time", {"tz": "Europe/Paris"}),
+    ]
+    assert out.content == "I'll check both." and QWEN_TWO_CALLS.startswith(out.text[:16])
+    history = [
+        *question,
+        {"role": "assistant", "content": out.content, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18 C, sunny"},
+        {"role": "tool", "tool_call_id": calls[1]["id"], "content": "14:05"},
+    ]
+    with scripted_tokens(model, _script(model, "Sunny.")):  # type: ignore[arg-type]
+        final = tools_llm.chat(history, params, use_tqdm=False, tools=TOOLS)[0]
+    assert final.tool_calls == [] and final.content == final.text == "Sunny."
+    template_history = json.loads(json.dumps(history))
+    for call in template_history[1]["tool_calls"]:
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    expected = tools_llm.tokenizer.apply_chat_template(
+        template_history, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert final.prompt_token_ids == tools_llm.tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_offline_forced_call_is_valid_for_its_tool(tools_llm: LLM) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    tools, schemas = _closed_tools()
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    params = SamplingParams(max_tokens=120, temperature=0.0)
+    out = tools_llm.chat(question, params, use_tqdm=False, tools=tools, tool_choice="required")[0]
+    assert out.tool_calls and out.content is None
+    for call in out.tool_calls:
+        jsonschema.validate(
+            json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]]
+        )
+    for extra, param in (
+        ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice"),
+        ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+    ):
+        with pytest.raises(InvalidRequestError) as error:
+            tools_llm.chat(question, params, use_tqdm=False, **extra)  # type: ignore[arg-type]
+        assert error.value.param == param

@@ -460,6 +460,11 @@ class Scheduler:
             remaining = threshold
         if not self.config.enable_chunked_prefill and remaining > budget:
             return 0
+        room = step.scored_prompt_room(request) if self.config.enable_chunked_prefill else None
+        if room is not None:  # each scored position is a row of logits: capped (step_plan.py)
+            n = min(remaining, budget, room)
+            step.num_scored_prompt_rows += max(n, 0)
+            return max(n, 0)
         return min(remaining, budget)
 
     def _lane_has_prefill_work(self, lane: str) -> bool:

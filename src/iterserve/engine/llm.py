@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -53,12 +53,7 @@ class LLM:
         if isinstance(prompts, str | RenderedChat) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(prompt_list)
-        else:
-            params_list = list(params)
-        if len(params_list) != len(prompt_list):
-            raise InvalidRequestError("give one SamplingParams, or one per prompt")
+        params_list = _per_prompt(params, len(prompt_list))
 
         ids: list[str] = []
         try:
@@ -76,10 +71,34 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        tool_parser: str = "auto",
     ) -> list[RequestOutput]:
+        """Chat completions for one conversation or several. With `tools` (OpenAI's
+        function definitions) and `tool_choice`, as the server takes them: the tools go to
+        the template, and each answer is read into `output.tool_calls` by `tool_parser`
+        (as `--tool-call-parser`; engine/chat_tools.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = [self._render(conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params, use_tqdm)
+        if tools is None and tool_choice is None:
+            prompts: list[Prompt] = [self._render(conv) for conv in conversations]  # type: ignore[arg-type]
+            return self.generate(prompts, params, use_tqdm)
+        from iterserve.engine.chat_tools import ChatWithTools  # the server's parsers
+
+        chat = ChatWithTools(
+            self.tokenizer,
+            self.engine.chat_template,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            tool_parser,
+        )
+        each = _per_prompt(params, len(conversations))
+        prepared = [chat.prepare(conv, p) for conv, p in zip(conversations, each, strict=True)]  # type: ignore[arg-type]
+        outputs = self.generate([prompt for prompt, _ in prepared], [p for _, p in prepared], use_tqdm)
+        return chat.read_calls(outputs)
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
         """The token ids `chat` would run for this conversation (the server's too)."""
@@ -110,3 +129,14 @@ class LLM:
         finally:
             bar.close()
         return [done[request_id] for request_id in ids]
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params_list = list(params)
+    if len(params_list) != count:
+        raise InvalidRequestError("give one SamplingParams, or one per prompt")
+    return params_list

@@ -23,12 +23,14 @@ from iterserve.config import (
 from iterserve.core.outputs import RequestUpdate, TokenLogprobs
 from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
+from iterserve.core.speculation import NgramProposer
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats, num_kv_blocks
 from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
 from iterserve.executor.draft_model import DraftModelProposer
+from iterserve.executor.grammar_checked_proposer import GrammarCheckedProposer
 from iterserve.executor.paged_model import PagedModel
 from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
@@ -111,6 +113,12 @@ class LLMEngine:
             if config.speculative.speculative_method == "draft":
                 self.draft = self._draft_proposer(loaded, num_blocks, dtype)
             self.executor = TorchRunner(network, config.seed, self.draft)
+            spec = config.speculative
+            # The draft model masks its guesses by a constrained request's grammar; prompt
+            # lookup's are cut at the first token the grammar rejects.
+            proposer = self.draft or GrammarCheckedProposer(
+                NgramProposer(spec.ngram_min, spec.ngram_max), self.executor.structured
+            )
             # The loop `iterserve simulate` runs too, here with the model as its executor.
             overlap, why = resolve_async_scheduling(config, self.device.type)
             self.core = EngineCore.build(
@@ -118,7 +126,7 @@ class LLMEngine:
                 self.executor,
                 num_blocks,
                 self.max_model_len,
-                proposer=self.draft,
+                proposer=proposer,
                 async_scheduling=overlap,
             )
             logger.info("asynchronous scheduling: %s (%s)", "on" if overlap else "off", why)

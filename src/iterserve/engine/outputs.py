@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from iterserve.core.outputs import SchedulerOutput, TokenLogprobs
 from iterserve.core.request import FinishReason, RequestTimings
@@ -30,6 +31,10 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     timings: RequestTimings | None = None
+    # LLM.chat with tools: the answer's calls in OpenAI's shape ([] for none) and its
+    # content without them (None: all calls); both None when nothing was parsed.
+    tool_calls: list[dict[str, Any]] | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,14 @@ and the target keeps it by the ratio of its distribution to q (Leviathan et al.;
 executor/torch_runner.py), which accepts far more than matching draws would at high
 temperature. Either way the text is distributed as the target's own, whatever the draft.
 
+A request under a grammar (structured output) guesses from the draft's logits masked by
+its matcher, advanced along its guesses and rolled back after, so every guess is one the
+grammar accepts and q is the masked distribution the guess was drawn from. The target's
+sampling controls (penalties, logit bias, bad words, min_tokens) are not applied to the
+draft: both acceptance rules stay exact for any guesses (a fixed guess is kept only where
+the target draws it; a sampled one by the ratio to the q it was drawn from), so the
+controls only lower how many guesses are kept (tests/test_sampling_controls.py).
+
 When the draft's pool is full, the least recently speculating requests lose their draft
 cache (they catch up again if they speculate later); a request that still does not fit
 gets no guesses that step.
@@ -34,6 +42,7 @@ from iterserve.core.request import Request
 from iterserve.core.speculation import DraftQuery
 from iterserve.executor.paged_model import ForwardSeq, PagedModel
 from iterserve.sample.sampler import Sampler, make_generator
+from iterserve.sample.structured import StructuredBatch
 from iterserve.sampling_params import SamplingParams
 
 
@@ -62,6 +71,8 @@ class DraftModelProposer:
         # Sampled guesses' distributions [k, vocab], until the verifying step takes them.
         self._probs: dict[str, list[torch.Tensor]] = {}
         self._generators: dict[str, torch.Generator] = {}
+        # The target's grammar matchers (set by the runner that verifies the guesses).
+        self.structured: StructuredBatch | None = None
 
     def take_probs(self, request_id: str) -> torch.Tensor | None:
         """The distributions the last guesses for this request were sampled from (None:
@@ -94,21 +105,34 @@ class DraftModelProposer:
             ForwardSeq(tuple(seq.blocks.block_ids), start, query.token_ids[start:], 1)
             for _, query, seq, start in live
         ]
+        grammar = _Grammars(self.structured, [query for _, query, _, _ in live])
         logits = self.network.forward(batch)
+        grammar.mask(logits, [query for _, query, _, _ in live])
         for row, (i, query, seq, _) in enumerate(live):
             seq.tokens = list(query.token_ids)
             self._probs.pop(query.request_id, None)
-            drafts[i].append(self._guess(query, logits[row]))
+            if grammar.allows_guess(query):
+                drafts[i].append(self._guess(query, logits[row]))
+                grammar.follow(query, drafts[i][-1])
         for step in range(1, max(query.k for _, query, _, _ in live)):
-            going = [(i, query, seq) for i, query, seq, _ in live if query.k > step]
+            going = [
+                (i, query, seq)
+                for i, query, seq, _ in live
+                if query.k > step and len(drafts[i]) == step and grammar.allows_guess(query)
+            ]
+            if not going:
+                break
             batch = [
                 ForwardSeq(tuple(seq.blocks.block_ids), len(seq.tokens), [drafts[i][-1]], 1)
                 for i, _, seq in going
             ]
             logits = self.network.forward(batch)
+            grammar.mask(logits, [query for _, query, _ in going])
             for row, (i, query, seq) in enumerate(going):
                 seq.tokens.append(drafts[i][-1])
                 drafts[i].append(self._guess(query, logits[row]))
+                grammar.follow(query, drafts[i][-1])
+        grammar.rollback()
         for _, _, seq, _ in live:
             seq.blocks.num_computed_tokens = len(seq.tokens)
         return drafts
@@ -143,3 +167,48 @@ class DraftModelProposer:
                 return False
             self.forget(victim)
         return True
+
+
+class _Grammars:
+    """One propose call's view of the constrained requests' matchers: each guesses from
+    logits masked by its grammar after its guesses so far, then the matchers go back to
+    where the target's output is."""
+
+    def __init__(self, structured: StructuredBatch | None, queries: list[DraftQuery]) -> None:
+        self.structured = structured
+        self._followed: dict[str, int] = {}  # request id -> guesses its matcher consumed
+        self._done: set[str] = set()
+        if structured is None:
+            return
+        for query in queries:
+            if query.sampling_params.structured_output is None:
+                continue
+            if query.request_id in structured:
+                self._followed[query.request_id] = 0
+            else:  # no matcher yet (nothing sampled): no guesses rather than unchecked ones
+                self._done.add(query.request_id)
+
+    def allows_guess(self, query: DraftQuery) -> bool:
+        return query.request_id not in self._done
+
+    def mask(self, logits: torch.Tensor, queries: list[DraftQuery]) -> None:
+        """Mask row r of `logits` (one per query) for the constrained queries."""
+        rows = [r for r, q in enumerate(queries) if q.request_id in self._followed]
+        if rows and self.structured is not None:
+            self.structured.mask(logits, [queries[r].request_id for r in rows], rows)
+
+    def follow(self, query: DraftQuery, token_id: int) -> None:
+        """Advance the matcher by a guess; a grammar that is complete (the guess was EOS)
+        or refuses the guess ends this request's guessing."""
+        if query.request_id not in self._followed or self.structured is None:
+            return
+        if self.structured.try_advance(query.request_id, token_id):
+            self._followed[query.request_id] += 1
+            if not self.structured.is_finished(query.request_id):
+                return
+        self._done.add(query.request_id)
+
+    def rollback(self) -> None:
+        if self.structured is not None:
+            for request_id, count in self._followed.items():
+                self.structured.rollback(request_id, count)

@@ -42,8 +42,11 @@ class TorchRunner:
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
         self._generators: dict[str, torch.Generator] = {}
-        # Grammar matchers of constrained requests (structured output), made on first use.
-        self._structured: StructuredBatch | None = None
+        # Grammar matchers of constrained requests (structured output), by request id; the
+        # draft model masks its guesses with them too.
+        self.structured = StructuredBatch()
+        if drafts is not None:
+            drafts.structured = self.structured
         # Requests without a seed share one stream, seeded so runs are repeatable.
         torch.manual_seed(seed)
 
@@ -59,8 +62,7 @@ class TorchRunner:
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
         for request_id in scheduled.finished_ids:
             self._generators.pop(request_id, None)
-            if self._structured is not None:
-                self._structured.drop(request_id)
+            self.structured.drop(request_id)
         if scheduled.is_empty:
             return ModelOutput({})
         # The last token's position and every draft's, after any prompt-scoring rows.
@@ -117,13 +119,14 @@ class TorchRunner:
     def _mask_by_grammar(
         self, logits: torch.Tensor, sampling: list[ScheduledSeq], constrained: list[ScheduledSeq]
     ) -> None:
-        """Forbid, in one pass, every token a constrained request's grammar rejects next.
+        """Forbid, in one pass, every token a constrained request's grammar rejects next,
+        at each of its positions: a speculating request's row j is masked by its grammar
+        after its first j drafts, so verification keeps only drafts the grammar accepts
+        and draws every token from the masked distribution (sample/structured.py).
         Its matcher is made when it first samples: after its whole prompt, so a chunked
         prefill or a recompute after preemption (whose tokens were sampled already and are
         not sampled again) leaves the matcher where the output is."""
-        structured = self._structured
-        if structured is None:
-            structured = self._structured = StructuredBatch(logits.shape[1])
+        structured = self.structured
         row_of = {}
         row = 0
         for seq in sampling:
@@ -132,14 +135,14 @@ class TorchRunner:
         for seq in constrained:
             spec = seq.sampling_params.structured_output
             assert spec is not None
-            if seq.draft_token_ids:  # the scheduler never drafts for them (SamplingParams)
-                raise RuntimeError(f"request {seq.request_id}: drafts for a constrained request")
             if seq.request_id not in structured:
                 if spec.compiled is None:
                     raise RuntimeError(f"request {seq.request_id}: its grammar was not compiled")
                 structured.add(seq.request_id, spec.compiled)
         ids = [seq.request_id for seq in constrained]
-        structured.mask(logits, ids, [row_of[request_id] for request_id in ids])
+        rows = [row_of[request_id] for request_id in ids]
+        drafts = [seq.draft_token_ids for seq in constrained]
+        structured.mask(logits, ids, rows, drafts if any(drafts) else None)
 
     def _advanced(
         self,
@@ -149,10 +152,9 @@ class TorchRunner:
         prompt_logprobs: dict[str, list[TokenLogprobs]],
     ) -> ModelOutput:
         """The step's output, once each constrained request's matcher took its token."""
-        if self._structured is not None:
-            for seq in constrained:
-                tokens = [token.token_id for token in sampled[seq.request_id]]
-                self._structured.advance(seq.request_id, tokens)
+        for seq in constrained:
+            tokens = [token.token_id for token in sampled[seq.request_id]]
+            self.structured.advance(seq.request_id, tokens)
         return ModelOutput(sampled, forward_time, prompt_logprobs)
 
     def _sample_matching(

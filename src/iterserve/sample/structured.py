@@ -9,8 +9,9 @@ Why llguidance (and not xgrammar): docs/structured_output.md, with the measureme
 - `StructuredBatch` is the executor's side (executor/torch_runner.py): one matcher per
   request id, created from the compiled grammar when the request first samples and
   dropped when it finishes. Each step fills one bitmask for all constrained rows (in
-  parallel, in llguidance's threads), applies it to the logits in one pass, and after
-  sampling advances each matcher by its token.
+  parallel, in llguidance's threads; a speculating request's rows each masked after
+  the guesses before it), applies it to the logits in one pass, and after sampling
+  advances each matcher by its kept tokens.
 
 A matcher whose grammar can go no further allows only EOS, so the request ends with
 `stop`; where it is complete but could go on, EOS is one of the tokens it allows.
@@ -19,6 +20,7 @@ A matcher whose grammar can go no further allows only EOS, so the request ends w
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import json
 import threading
 from collections import OrderedDict
@@ -129,11 +131,9 @@ class GrammarCompiler:
 class StructuredBatch:
     """The matchers of the requests being decoded under a constraint, by request id."""
 
-    def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, num_threads: int | None = None) -> None:
         self._matchers: dict[str, Any] = {}
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
-        self._words = (vocab_size + 31) // 32
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -148,33 +148,105 @@ class StructuredBatch:
         self._matchers.pop(request_id, None)
 
     def mask(
-        self, logits: torch.Tensor, request_ids: Sequence[str], rows: Sequence[int] | None = None
+        self,
+        logits: torch.Tensor,
+        request_ids: Sequence[str],
+        rows: Sequence[int] | None = None,
+        drafts: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Set to -inf, in place, every logit a request's grammar forbids next: row
-        `rows[i]` (default i) for `request_ids[i]`. One bitmask fill for all (in the
+        `rows[i]` (default i) for `request_ids[i]`. With `drafts` (speculation), request i
+        owns rows `rows[i]` to `rows[i] + len(drafts[i])`, and row `rows[i] + j` is masked
+        by its matcher's state after drafts[i][:j] (the library consumes them and rolls
+        back); rows past a draft the grammar rejects stay unmasked: verification never
+        gets past that draft (its own row forbids it). One bitmask fill for all (in the
         library's threads), then one masked pass over those rows."""
-        count, width = len(request_ids), logits.shape[1]
-        bitmask = np.empty((count, self._words), dtype=np.int32)
-        pairs = [(self._matchers[request_id], i) for i, request_id in enumerate(request_ids)]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, self._words * 4, count)
+        width = logits.shape[1]
+        words = (width + 31) // 32
+        starts = list(range(len(request_ids))) if rows is None else list(rows)
+        lengths = [1] * len(request_ids) if drafts is None else [1 + len(d) for d in drafts]
+        count = sum(lengths)
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        matchers = [self._matchers[request_id] for request_id in request_ids]
+        stride = words * 4
+        if drafts is not None and any(drafts):
+            # Rows past a refused draft are not written: they stay all allowed.
+            bitmask = np.full((count, words), -1, dtype=np.int32)
+        else:
+            bitmask = np.empty((count, words), dtype=np.int32)
+        plain = [
+            (matcher, offset)
+            for matcher, offset, n in zip(matchers, offsets, lengths, strict=False)
+            if n == 1
+        ]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bitmask.ctypes.data, stride, count)
+        if drafts is not None and any(drafts):  # the library takes non-empty drafts only
+            drafted = [
+                (matcher, offset, list(draft))
+                for matcher, offset, draft in zip(matchers, offsets, drafts, strict=False)
+                if draft
+            ]
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafted, bitmask.ctypes.data, stride, count
+            )
+            for matcher, offset, draft in drafted:
+                self._fill_after_completion(matcher, bitmask, offset, draft)
         # Bit i of word w is token 32w + i: little-endian words, bits unpacked low first
         # (numpy's unpack is ~15x faster than shifting and masking with torch ops).
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=width, bitorder="little")
         forbidden = bits == 0
-        rows = list(range(count)) if rows is None else list(rows)
+        targets = [start + j for start, n in zip(starts, lengths, strict=True) for j in range(n)]
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             # numpy's masked copy: one thread, no OpenMP handoff, which on a busy 2-core
             # machine cost torch's masked_fill_ ~15 ms a call (measured).
             view = logits.numpy()
-            if rows == list(range(rows[0], rows[0] + count)):
-                np.copyto(view[rows[0] : rows[0] + count], -np.inf, where=forbidden)
+            if targets == list(range(targets[0], targets[0] + count)):
+                np.copyto(view[targets[0] : targets[0] + count], -np.inf, where=forbidden)
             else:
-                for i, row in enumerate(rows):
+                for i, row in enumerate(targets):
                     np.copyto(view[row], -np.inf, where=forbidden[i])
             return
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor(targets, device=logits.device)
         mask = torch.from_numpy(forbidden).to(logits.device)
         logits[index] = logits[index].masked_fill_(mask, float("-inf"))
+
+    @staticmethod
+    def _fill_after_completion(
+        matcher: Any, bitmask: np.ndarray, offset: int, draft: Sequence[int]
+    ) -> None:
+        """The library leaves unwritten (all allowed) the rows after a draft it refuses,
+        which verification never reaches, but also the row after a draft that completes
+        the grammar (llguidance 1.9.1), whose draw must be EOS: find the first unwritten
+        row and, if the draft before it was allowed, write its mask here."""
+        for j in range(1, len(draft) + 1):
+            row = bitmask[offset + j]
+            if row[0] != -1 or not (row == -1).all():
+                continue  # written
+            token = draft[j - 1]
+            if (int(bitmask[offset + j - 1, token >> 5]) >> (token & 31)) & 1:
+                # A complete grammar takes no EOS as a token, but its mask is EOS only.
+                consumed = matcher.try_consume_tokens(list(draft[:j]))
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                if consumed and not matcher.rollback(consumed):
+                    raise RuntimeError("a grammar matcher could not roll its drafts back")
+            return
+
+    def valid_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, from the start, the request's grammar accepts next
+        (0 for a request without a matcher yet)."""
+        matcher = self._matchers.get(request_id)
+        return 0 if matcher is None else int(matcher.validate_tokens(list(token_ids)))
+
+    def try_advance(self, request_id: str, token_id: int) -> bool:
+        """Follow one guessed token if the grammar accepts it and is not already complete
+        (a draft model's guesses; `rollback` undoes them). False, and no change, if not."""
+        matcher = self._matchers[request_id]
+        return not matcher.is_stopped() and matcher.try_consume_tokens([token_id]) == 1
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        if num_tokens and not self._matchers[request_id].rollback(num_tokens):
+            raise RuntimeError(f"request {request_id}: cannot roll its grammar back")
 
     def advance(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Follow the tokens sampled for a request (all allowed by its last mask)."""
@@ -184,6 +256,12 @@ class StructuredBatch:
             # known (asynchronous scheduling) and its token is discarded.
             return
         for token_id in token_ids:
+            if matcher.is_stopped():
+                if matcher.try_consume_tokens([token_id]):
+                    continue  # EOS after a complete output
+                # Past EOS: an accepted EOS draft's next row was sampled unmasked, and the
+                # scheduler drops that token with the output's end.
+                return
             if not matcher.consume_token(token_id):
                 # Cannot happen for a masked draw; if it does, say so rather than go on
                 # with a matcher that no longer knows where the output is.

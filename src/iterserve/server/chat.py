@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import RenderedChat, render_chat
+from iterserve.engine.prompts import RenderedChat
 from iterserve.server.logprobs import chat_logprobs
 from iterserve.server.protocol import (
     AssistantMessage,
@@ -33,14 +33,13 @@ from iterserve.server.serving import (
     stream_events,
     submit,
 )
-from iterserve.server.tool_parsers import shows_tool_calls
 from iterserve.server.tool_parsers.streaming import (
     StreamDelta,
     ToolCallStream,
     new_call_id,
     parse_answer,
 )
-from iterserve.server.tool_prompt import with_calls_as_text, with_tools_in_system_message
+from iterserve.server.tool_prompt import render_with_tools
 from iterserve.server.tool_protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
@@ -54,18 +53,13 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
     """The conversation through the template, as `LLM.chat` renders it; the engine
     tokenizes it on its own thread."""
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
-    template = ctx.chat_template or ""
-    if not shows_tool_calls(template):
-        messages = with_calls_as_text(messages, plan.call_format)
-    if plan.tools_in_system_message and plan.template_tools:
-        messages = with_tools_in_system_message(messages, plan.template_tools, plan.call_format)
-    return render_chat(
+    return render_with_tools(
         ctx.tokenizer,
         ctx.chat_template,
         messages,
+        plan,
         body.add_generation_prompt,
         body.chat_template_kwargs,
-        plan.template_tools,
     )
 
 
@@ -124,7 +118,7 @@ def _choice(
     ]
     return ChatChoice(
         index=index,
-        message=AssistantMessage(content=answer.content, tool_calls=calls),
+        message=AssistantMessage(content=answer.content, tool_calls=calls or None),
         logprobs=logprobs,
         finish_reason=_finish_reason(output.finish_reason, bool(calls)),
     )

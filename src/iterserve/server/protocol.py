@@ -305,7 +305,17 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    # Left out of an answer without calls, as OpenAI does: the SDK then reads None, and
+    # `[]` (vLLM's) breaks clients that loop `while message.tool_calls is not None` and
+    # templates that assert on the calls of a replayed message (vLLM #44104, #13978).
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: Any) -> dict[str, Any]:
+        message: dict[str, Any] = handler(self)
+        if not message.get("tool_calls"):
+            message.pop("tool_calls", None)
+        return message
 
 
 class ChatChoice(BaseModel):

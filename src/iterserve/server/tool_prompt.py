@@ -8,12 +8,41 @@ this the tools would silently never reach the model, or the history would not re
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from iterserve.engine.prompts import RenderedChat, render_chat
+from iterserve.server.tool_parsers import shows_tool_calls
 from iterserve.server.tool_parsers.base import ToolParser
 
+if TYPE_CHECKING:
+    from iterserve.server.tools import ToolPlan
+
 Message = dict[str, Any]
+
+
+def render_with_tools(
+    tokenizer: Any,
+    chat_template: str | None,
+    messages: Sequence[Message],
+    plan: ToolPlan,
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> RenderedChat:
+    """A conversation (template inputs: calls' arguments as objects) through the chat
+    template with the plan's tools; the server's chat route and `LLM.chat` both."""
+    if not shows_tool_calls(chat_template or ""):
+        messages = with_calls_as_text(messages, plan.call_format)
+    if plan.tools_in_system_message and plan.template_tools:
+        messages = with_tools_in_system_message(messages, plan.template_tools, plan.call_format)
+    return render_chat(
+        tokenizer,
+        chat_template,
+        messages,
+        add_generation_prompt,
+        template_kwargs,
+        plan.template_tools,
+    )
 
 
 def with_tools_in_system_message(

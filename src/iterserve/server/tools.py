@@ -101,5 +101,4 @@ def enforce_schema(params: SamplingParams, schema: dict[str, Any]) -> None:
             "tool_choice",
         )
     params.structured_output = StructuredOutput.from_json_schema(schema, "tool_choice")
-    params.speculative = False  # as SamplingParams does for every constrained request
     params.validate()  # ignore_eos or min_tokens with a constraint are refused
