@@ -17,22 +17,22 @@ import openai
 import pytest
 
 from iterserve import LLM
-from iterserve.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.server import tools as tools_module
-from iterserve.server.tool_parsers import (
+from iterserve.chat import tools as tools_module
+from iterserve.chat.tool_parsers import (
     ParsedCall,
     ToolParser,
     select_tool_parser,
     shows_tool_calls,
     shows_tools,
 )
-from iterserve.server.tool_parsers.forced import forced_call_schema, parse_forced_answer
-from iterserve.server.tool_parsers.hermes import HermesToolParser
-from iterserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
-from iterserve.server.tool_parsers.streaming import ToolCallStream, parse_answer
-from iterserve.server.tool_prompt import with_calls_as_text, with_tools_in_system_message
-from iterserve.server.tool_protocol import NamedToolChoice, ToolDefinition
-from iterserve.server.tools import plan_tools
+from iterserve.chat.tool_parsers.forced import forced_call_schema, parse_forced_answer
+from iterserve.chat.tool_parsers.hermes import HermesToolParser
+from iterserve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
+from iterserve.chat.tool_parsers.streaming import ToolCallStream, parse_answer
+from iterserve.chat.tool_prompt import with_calls_as_text, with_tools_in_system_message
+from iterserve.chat.tool_protocol import NamedToolChoice, ToolDefinition
+from iterserve.chat.tools import plan_tools
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from server_fixtures import MODEL_NAME, RunningServer, running_server, scripted_tokens
 
 pytestmark = pytest.mark.timeout(180)

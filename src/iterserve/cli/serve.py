@@ -10,9 +10,9 @@ import socket
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from iterserve.chat.tool_parsers import TOOL_PARSER_CHOICES
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
 from iterserve.replicas.router import ROUTERS
-from iterserve.server.tool_parsers import TOOL_PARSER_CHOICES
 
 if TYPE_CHECKING:
     from iterserve.engine.serving_engine import ServingEngine

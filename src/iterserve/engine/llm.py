@@ -80,12 +80,12 @@ class LLM:
         """Chat completions for one conversation or several. With `tools` (OpenAI's
         function definitions) and `tool_choice`, as the server takes them: the tools go to
         the template, and each answer is read into `output.tool_calls` by `tool_parser`
-        (as `--tool-call-parser`; engine/chat_tools.py)."""
+        (as `--tool-call-parser`; chat/offline_tools.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if tools is None and tool_choice is None:
             prompts: list[Prompt] = [self._render(conv) for conv in conversations]  # type: ignore[arg-type]
             return self.generate(prompts, params, use_tqdm)
-        from iterserve.engine.chat_tools import ChatWithTools  # the server's parsers
+        from iterserve.chat.offline_tools import ChatWithTools  # the server's parsers
 
         chat = ChatWithTools(
             self.tokenizer,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from iterserve.chat.tool_parsers import select_tool_parser
 from iterserve.engine.serving_engine import REPLICA_OK, ServingEngine
 from iterserve.server.access_log import AccessLogMiddleware
 from iterserve.server.chat import create_chat_completion
@@ -32,7 +33,6 @@ from iterserve.server.protocol import (
 )
 from iterserve.server.serving import ServingContext
 from iterserve.server.tokenize import tokenizer_routes
-from iterserve.server.tool_parsers import select_tool_parser
 
 logger = logging.getLogger("iterserve.server")
 

@@ -10,6 +10,20 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from iterserve.chat.tool_parsers.streaming import (
+    StreamDelta,
+    ToolCallStream,
+    new_call_id,
+    parse_answer,
+)
+from iterserve.chat.tool_prompt import render_with_tools
+from iterserve.chat.tool_protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from iterserve.chat.tools import ToolPlan, plan_tools
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import RenderedChat
@@ -33,20 +47,6 @@ from iterserve.server.serving import (
     stream_events,
     submit,
 )
-from iterserve.server.tool_parsers.streaming import (
-    StreamDelta,
-    ToolCallStream,
-    new_call_id,
-    parse_answer,
-)
-from iterserve.server.tool_prompt import render_with_tools
-from iterserve.server.tool_protocol import (
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
-)
-from iterserve.server.tools import ToolPlan, plan_tools
 
 
 def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan) -> RenderedChat:

@@ -13,9 +13,10 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from iterserve.chat.messages import ChatMessage
+from iterserve.chat.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.structured_output import GuidedDecodingFields
-from iterserve.server.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
 from iterserve.server.unhonoured import refuse_unhonoured
 
 # ---- requests -------------------------------------------------------------------------
@@ -130,39 +131,6 @@ class CompletionRequest(_GenerationRequest):
             raise InvalidRequestError("suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported by this server", "best_of")
-
-
-class TextContentPart(BaseModel):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the chat
-    tool_call_id: str | None = None  # a tool message: the call it answers
-
-    def as_template_input(self, index: int) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequestError(
-                    "only text content parts are supported by this model", "messages"
-                )
-            content = "".join(part.text or "" for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_calls:
-            where = f"messages.{index}.tool_calls"
-            message["tool_calls"] = [
-                call.as_template_input(f"{where}.{i}") for i, call in enumerate(self.tool_calls)
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from iterserve.chat.tool_parsers import ToolParser
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
@@ -27,7 +28,6 @@ from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
 from iterserve.server.logprobs import token_decoder
 from iterserve.server.protocol import UsageInfo
-from iterserve.server.tool_parsers import ToolParser
 
 T = TypeVar("T")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel
 
+from iterserve.chat.messages import ChatMessage
 from iterserve.engine.prompts import encode_text, render_chat
 from iterserve.sampling_params import InvalidRequestError
-from iterserve.server.protocol import ChatMessage
 from iterserve.server.serving import ServingContext
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from iterserve.chat.tool_parsers import AnswerReader, ToolParser, shows_tools
+from iterserve.chat.tool_parsers.forced import ForcedCallReader, forced_call_schema
+from iterserve.chat.tool_parsers.hermes import HermesToolParser
+from iterserve.chat.tool_protocol import ToolChoice, ToolDefinition
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.server.tool_parsers import AnswerReader, ToolParser, shows_tools
-from iterserve.server.tool_parsers.forced import ForcedCallReader, forced_call_schema
-from iterserve.server.tool_parsers.hermes import HermesToolParser
-from iterserve.server.tool_protocol import ToolChoice, ToolDefinition
 from iterserve.structured_output import StructuredOutput
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from iterserve.server.tool_parsers.base import AnswerReader, ParsedCall
+from iterserve.chat.tool_parsers.base import AnswerReader, ParsedCall
 
 
 def new_call_id() -> str:

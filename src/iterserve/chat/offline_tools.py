@@ -1,8 +1,8 @@
 """`LLM.chat(..., tools=...)`: the server's tool calling, offline.
 
-The same plan (server/tools.py: which tools the template gets, `tool_choice`, a forced
+The same plan (chat/tools.py: which tools the template gets, `tool_choice`, a forced
 call's schema), the same rendering (tools in the system message for a template with no
-place for them) and the same parsers (server/tool_parsers/), so an offline answer is read
+place for them) and the same parsers (chat/tool_parsers/), so an offline answer is read
 into calls exactly as `/v1/chat/completions` reads it. The calls are returned in OpenAI's
 shape (`{"id", "type": "function", "function": {"name", "arguments"}}`, arguments as
 JSON text), so an assistant message `{"role": "assistant", "content": ...,
@@ -17,16 +17,16 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from iterserve.chat.messages import ChatMessage
+from iterserve.chat.tool_parsers import select_tool_parser
+from iterserve.chat.tool_parsers.streaming import new_call_id, parse_answer
+from iterserve.chat.tool_prompt import render_with_tools
+from iterserve.chat.tool_protocol import ToolChoice, ToolDefinition
+from iterserve.chat.tools import ToolPlan, plan_tools
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import RenderedChat
 from iterserve.invalid_request import InvalidRequestError
 from iterserve.sampling_params import SamplingParams
-from iterserve.server.protocol import ChatMessage
-from iterserve.server.tool_parsers import select_tool_parser
-from iterserve.server.tool_parsers.streaming import new_call_id, parse_answer
-from iterserve.server.tool_prompt import render_with_tools
-from iterserve.server.tool_protocol import ToolChoice, ToolDefinition
-from iterserve.server.tools import ToolPlan, plan_tools
 
 _TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(ToolChoice)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from iterserve.chat.tool_parsers.base import AnswerReader, ParsedCall, Piece, call_from_object
+from iterserve.chat.tool_protocol import NamedToolChoice, ToolDefinition
 from iterserve.sampling_params import InvalidRequestError
-from iterserve.server.tool_parsers.base import AnswerReader, ParsedCall, Piece, call_from_object
-from iterserve.server.tool_protocol import NamedToolChoice, ToolDefinition
 
 
 def forced_call_schema(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from iterserve.server.tool_parsers.base import Piece, ToolParser, call_from_object
+from iterserve.chat.tool_parsers.base import Piece, ToolParser, call_from_object
 
 PYTHON_TAG = "<|python_tag|>"
 _ARGUMENT_KEYS = ("parameters", "arguments")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from iterserve.server.tool_parsers.base import (
+from iterserve.chat.tool_parsers.base import (
     AnswerReader,
     ParsedCall,
     Piece,
@@ -10,8 +10,8 @@ from iterserve.server.tool_parsers.base import (
     shows_tool_calls,
     shows_tools,
 )
-from iterserve.server.tool_parsers.hermes import HermesToolParser
-from iterserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from iterserve.chat.tool_parsers.hermes import HermesToolParser
+from iterserve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)

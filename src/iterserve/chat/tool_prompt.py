@@ -11,12 +11,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from iterserve.chat.tool_parsers import shows_tool_calls
+from iterserve.chat.tool_parsers.base import ToolParser
 from iterserve.engine.prompts import RenderedChat, render_chat
-from iterserve.server.tool_parsers import shows_tool_calls
-from iterserve.server.tool_parsers.base import ToolParser
 
 if TYPE_CHECKING:
-    from iterserve.server.tools import ToolPlan
+    from iterserve.chat.tools import ToolPlan
 
 Message = dict[str, Any]
 

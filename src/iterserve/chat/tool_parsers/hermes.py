@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from iterserve.server.tool_parsers.base import (
+from iterserve.chat.tool_parsers.base import (
     Piece,
     ToolParser,
     call_from_object,

@@ -1,0 +1,44 @@
+"""A chat message as the OpenAI API sends it, and as a chat template takes it: shared by
+the server's /v1/chat/completions and the offline LLM.chat."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from iterserve.chat.tool_protocol import ToolCall
+from iterserve.sampling_params import InvalidRequestError
+
+
+class TextContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the chat
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def as_template_input(self, index: int) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidRequestError(
+                    "only text content parts are supported by this model", "messages"
+                )
+            content = "".join(part.text or "" for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            where = f"messages.{index}.tool_calls"
+            message["tool_calls"] = [
+                call.as_template_input(f"{where}.{i}") for i, call in enumerate(self.tool_calls)
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
