@@ -16,6 +16,8 @@ its torch path.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -24,6 +26,7 @@ import platform
 import shutil
 import sys
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,28 +198,51 @@ def compile_flags(variant: Isa) -> list[str]:
     ]
 
 
+def build_directory(variant: Isa) -> Path:
+    """Where a variant's kernels are built and cached. Keyed by every source and header
+    byte: an edit builds afresh, an unchanged tree loads. And by where the sources are:
+    ninja's build file names them by path, so two checkouts sharing one directory would
+    rebuild each other's kernels on every load."""
+    digest = hashlib.sha256(str(_CSRC).encode())
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    tag = f"{variant.name}-torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+    return cache_dir() / "kernels" / tag
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (blocking); released on exit or when the process dies."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build_and_load(variant: Isa) -> None:
     from torch.utils import cpp_extension
 
     _ensure_ninja_on_path()
     sources = sorted(str(p) for p in _CSRC.glob("*.cpp"))
-    # Keyed by every source and header byte: an edit builds afresh, an unchanged tree loads.
-    digest = hashlib.sha256()
-    for path in sorted(_CSRC.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
-    tag = f"{variant.name}-torch-{torch.__version__}-{digest.hexdigest()[:16]}"
-    build_dir = cache_dir() / "kernels" / tag
+    build_dir = build_directory(variant)
     build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=f"iterserve_kernels_{variant.name}",
-        sources=sources,
-        extra_cflags=compile_flags(variant),
-        extra_include_paths=[str(_CSRC)],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=os.environ.get("ITERSERVE_KERNELS_VERBOSE") == "1",
-    )
+    with _exclusive(build_dir / "iterserve.lock"):
+        # torch's own baton is a plain file: a process killed mid-build leaves it behind and
+        # every later load waits for it for ever. Under this lock, which the OS lets go when
+        # its holder dies, no build of ours is running, so a baton left there is stale.
+        (build_dir / "lock").unlink(missing_ok=True)
+        cpp_extension.load(
+            name=f"iterserve_kernels_{variant.name}",
+            sources=sources,
+            extra_cflags=compile_flags(variant),
+            extra_include_paths=[str(_CSRC)],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=os.environ.get("ITERSERVE_KERNELS_VERBOSE") == "1",
+        )
     from iterserve.kernels.fake import register_fakes
 
     register_fakes(_namespace(variant.name))
