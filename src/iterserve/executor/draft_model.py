@@ -23,7 +23,7 @@ grammar accepts and q is the masked distribution the guess was drawn from. The t
 sampling controls (penalties, logit bias, bad words, min_tokens) are not applied to the
 draft: both acceptance rules stay exact for any guesses (a fixed guess is kept only where
 the target draws it; a sampled one by the ratio to the q it was drawn from), so the
-controls only lower how many guesses are kept (tests/test_sampling_controls.py).
+controls only lower how many guesses are kept (tests/sample/test_sampling_controls.py).
 
 When the draft's pool is full, the least recently speculating requests lose their draft
 cache (they catch up again if they speculate later); a request that still does not fit

@@ -9,7 +9,7 @@ row of SmolLM2's head_dim 64 takes 68 bytes instead of 128, so the same memory h
 the tokens and a decode step reads half the K/V bytes.
 
 The C++ kernels (kernels/csrc/paged_attention.cpp, ops.h) read and write the same layout,
-and compute the same q and s bit for bit (tests/test_attention_kernel.py); the torch paths
+and compute the same q and s bit for bit (tests/kernels/test_attention_kernel.py); the torch paths
 of model/attention.py quantize and dequantize with the functions here.
 """
 

@@ -596,7 +596,7 @@ inline void scores_transposed_bf16(const BFloat16* cache, const int64_t* off,
 // even dims and odd dims, word 2l = key 2i's value, word 2l+1 = key 2i+1's, the same dim
 // order widen_piece leaves, so store_row writes them back), and each query's probabilities
 // are rounded to bf16 pairs. Rounding costs each weight at most 2^-8 of itself (half a bf16
-// ulp), so an output moves by at most 2^-8 sum_k p_k |v_k| (tests/test_attention_kernel.py).
+// ulp), so an output moves by at most 2^-8 sum_k p_k |v_k| (tests/kernels/test_attention_kernel.py).
 template <int NC>
 inline void interleave_pairs(const BFloat16* cache, const int64_t* off, int64_t n_pairs,
                              I16* pairs) {
