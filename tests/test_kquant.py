@@ -1,0 +1,65 @@
+"""K-quant (Q4_K, Q5_K, Q6_K) and 5-bit (Q5_0, Q5_1) blocks: unpacked exactly as the `gguf`
+package's reference dequantizer reads them, and the qk kernel against dequantize-then-matmul."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from iterserve import kernels
+from iterserve.model.kquant import BLOCK_SIZES, KQuantWeight, from_gguf_kquant
+
+QK = 4
+
+# Byte offsets of each type's fp16 fields within a block (the rest is random bits).
+_FP16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, k] weights' worth of random GGUF blocks, with finite small scales."""
+    nbytes, size = BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n * k // size, nbytes), dtype=np.uint8)
+    for at in _FP16_AT[qtype]:
+        scale = rng.uniform(-0.01, 0.01, raw.shape[0]).astype(np.float16)
+        raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
+def test_blocks_unpack_bit_exactly_like_the_gguf_reference(qtype: str) -> None:
+    n, k = 16, 512
+    raw = random_blocks(qtype, n, k)
+    expected = dequantize(raw, GGMLQuantizationType[qtype])
+    weight = from_gguf_kquant(raw, qtype, (n, k))
+    np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
+    # Row selection and fusing keep every element where it was.
+    order = torch.randperm(n)
+    fused = KQuantWeight.cat([weight.rows(order), weight])
+    np.testing.assert_array_equal(
+        fused.dequantize().numpy(), np.concatenate([expected[order], expected])
+    )
+
+
+@pytest.mark.usefixtures("any_kernel_isa")
+@pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_qk_tiles_match_dequantize_then_matmul(qtype: str, rows: int) -> None:
+    n, k = 48, 512
+    weight = from_gguf_kquant(random_blocks(qtype, n, k, seed=rows), qtype, (n, k))
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    tiles, scales = weight.tiles()
+    out = kernels.ops().tiled_linear(
+        x, tiles, scales, None, residual, QK + 256 * weight.zero, None, None, 0, 64
+    )
+    reference = x.double() @ weight.dequantize().double().T + residual.double()
+    # One rounding to bf16 plus fp32 summation slack (the kernel takes the block's
+    # 2^B-scaled offset away from the sum, so allow for the size of the terms it cancels).
+    scale = (x.double().abs() @ weight.dequantize().double().abs().T).max()
+    allowed = reference.abs() * 2.0**-8 + 2e-5 * scale
+    assert bool(((out.double() - reference).abs() <= allowed).all())
