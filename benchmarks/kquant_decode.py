@@ -45,7 +45,10 @@ def run_one(model: str, weights: str, prompt_len: int, output_len: int) -> dict[
     from iterserve.engine.llm import LLM
     from iterserve.sampling_params import SamplingParams
 
-    llm = LLM(model, weights=weights, max_num_seqs=1, enable_prefix_caching=False)
+    # A small KV cache, so that the resident set is the weights' (the default reserves 1 GiB).
+    llm = LLM(
+        model, weights=weights, max_num_seqs=1, enable_prefix_caching=False, kv_cache_memory=0.03
+    )
     vocab = np.asarray(ordinary_token_ids(load_tokenizer(model)))
     prompt = np.random.default_rng(0).choice(vocab, size=prompt_len).tolist()
     engine = llm.engine

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from iterserve import kernels
 from iterserve.model.kquant import BLOCK_SIZES, KQuantWeight, from_gguf_kquant
+from test_fast_paths import _assert_as_close_as_bf16, _model, _run, _tokens
+from tiny_checkpoints import tiny_hf_model
 
 QK = 4
 
@@ -18,14 +20,14 @@ QK = 4
 _FP16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
 
 
-def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """[n, k] weights' worth of random GGUF blocks, with finite small scales."""
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """[n, k] weights' worth of random GGUF blocks, with fp16 scales in [-scale, scale]."""
     nbytes, size = BLOCK_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n * k // size, nbytes), dtype=np.uint8)
     for at in _FP16_AT[qtype]:
-        scale = rng.uniform(-0.01, 0.01, raw.shape[0]).astype(np.float16)
-        raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+        values = rng.uniform(-scale, scale, raw.shape[0]).astype(np.float16)
+        raw[:, at : at + 2] = values.view(np.uint8).reshape(-1, 2)
     return raw.reshape(n, -1)
 
 
@@ -63,3 +65,38 @@ def test_qk_tiles_match_dequantize_then_matmul(qtype: str, rows: int) -> None:
     scale = (x.double().abs() @ weight.dequantize().double().abs().T).max()
     allowed = reference.abs() * 2.0**-8 + 2e-5 * scale
     assert bool(((out.double() - reference).abs() <= allowed).all())
+
+
+@pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("down_type", ["Q4_K", "Q6_K"])
+def test_a_k_quant_model_computes_what_its_dequantized_weights_do(down_type: str) -> None:
+    """A tiny model as llama.cpp's Q4_K_M stores one whose rows are too short for K-quants:
+    Q5_1 q/k/v and gate/up (quantized from its weights with the gguf package), Q5_0 o, and a
+    K-quant down projection (256 inputs: one super-block; random blocks). Its fast path
+    against the fp32 reference over the same dequantized weights, by bf16's yardstick."""
+    hf = tiny_hf_model(
+        vocab_size=300, weight_std=0.1, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    weights, quantized = {}, {}
+    for name, tensor in hf.state_dict().items():
+        shape = tuple(tensor.shape)
+        if name.endswith("down_proj.weight"):
+            raw = random_blocks(down_type, *shape, seed=len(weights), scale=3e-4)
+            qtype = down_type
+        elif name.endswith("proj.weight"):
+            qtype = "Q5_0" if name.endswith("o_proj.weight") else "Q5_1"
+            raw = quantize(tensor.numpy().astype(np.float32), GGMLQuantizationType[qtype])
+        else:
+            weights[name] = tensor
+            continue
+        quantized[name] = from_gguf_kquant(raw, qtype, shape)  # type: ignore[arg-type]
+        weights[name] = quantized[name].dequantize()
+    tokens = _tokens(7)
+    reference = _run(_model(hf, torch.float32, weights=weights), tokens, kernel=False)
+    bf16 = _run(_model(hf, torch.bfloat16, weights=weights), tokens, kernel=False)
+    blocks = _model(hf, torch.bfloat16, "tiled", weights, quantized, wide=False)  # type: ignore[arg-type]
+    assert {kind for name, kind in blocks.describe_linears().items() if name != "lm_head"} == {
+        "tiled-qk"
+    }
+    _assert_as_close_as_bf16(reference, _run(blocks, tokens, kernel=True), bf16)

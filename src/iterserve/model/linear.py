@@ -54,11 +54,14 @@ _NO_LIMIT = 1 << 62
 # 0.9 ms at 1 row; AVX2: 1.1 vs 0.9) but exact to the checkpoint, with no activation
 # rounding, where greedy decoding picks its tokens: kept for the few-row steps, the 0.2 ms
 # knowingly paid.
-# The K-quant / 5-bit kernel (qk) multiplies exact bf16 (AVX-512 BF16) or fp32 products
-# everywhere: QKROWS
+# The K-quant / 5-bit blocks (qk) multiply exact products everywhere: in bf16 dot products
+# they beat the int8 copy at one row (one 3072 x 576 projection, cached: 31-45 vs 19 us, but
+# 4.9-6.9 bits a weight against 8 from memory) and lose from 4 rows (74-85 vs 46 us); unpacked
+# to fp32 (AVX2, NEON) they lose at every size (AVX2, one row: 80-96 vs 30 us), so there a
+# `--weights auto` model keeps the int8 copy alone (0: no blocks) and `int4` the blocks alone.
 MAX_QUANTIZED_ROWS = {
-    True: {"q4": 4, "q8": 4, "qk": 4},  # native bf16
-    False: {"q4": _NO_LIMIT, "q8": 4, "qk": 4},
+    True: {"q4": 4, "q8": 4, "qk": 2},  # native bf16
+    False: {"q4": _NO_LIMIT, "q8": 4, "qk": 0},
 }
 
 
@@ -132,6 +135,8 @@ class Linear:
         self.max_tile_rows = _NO_LIMIT
         self.qk_zero = 0  # the qk format's zero point, carried in its format code
         self.ops: Any = None  # the kernels' ops (tiled backend), of the ISA variant chosen
+        if quantized is not None and wide and max_quantized_rows(quantized.kind) == 0:
+            quantized = None  # the dense copy is faster at every step size: keep it alone
         if backend == "tiled" and not self._tileable(quantized, dense_format):
             backend = self.backend = (
                 "onednn" if onednn_usable(weight.dtype, weight.device) else "torch"
