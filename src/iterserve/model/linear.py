@@ -173,9 +173,7 @@ class Linear:
         """The tiled kernel's tensor arguments: tiles, scales, bias, wide copy, its scales."""
         return (self.tiles, self.scales, self.bias, self.wide, self.wide_scales)
 
-    def _tileable(
-        self, quantized: BlockWeight | None, dense_format: DenseFormat
-    ) -> bool:
+    def _tileable(self, quantized: BlockWeight | None, dense_format: DenseFormat) -> bool:
         if self.out_features % TILE:
             return False
         if quantized is not None or dense_format == "i8":
