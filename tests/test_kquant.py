@@ -3,15 +3,19 @@ package's reference dequantizer reads them, and the qk kernel against dequantize
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from transformers import PreTrainedTokenizerFast
 
 from iterserve import kernels
 from iterserve.model.kquant import BLOCK_SIZES, KQuantWeight, from_gguf_kquant
 from test_fast_paths import _assert_as_close_as_bf16, _model, _run, _tokens
+from test_loader import _write_gguf, tiny_tokenizer  # noqa: F401 (a fixture)
 from tiny_checkpoints import tiny_hf_model
 
 QK = 4
@@ -100,3 +104,51 @@ def test_a_k_quant_model_computes_what_its_dequantized_weights_do() -> None:
         "tiled-qk"
     }
     _assert_as_close_as_bf16(reference, _run(blocks, tokens, kernel=True), bf16)
+
+
+def test_a_gguf_keeps_k_quants_and_says_which_types_it_expands(
+    tmp_path: Path,
+    tiny_tokenizer: PreTrainedTokenizerFast,  # noqa: F811 (test_loader's fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Written with the gguf package: layer 0's down projection in Q4_K, layer 1's in Q2_K
+    (no kernel). The first stays in its blocks, the second is dequantized with a log line
+    naming Q2_K, and both load as the gguf reference dequantizes them."""
+    import gguf
+
+    from iterserve.model.loader import load_model
+
+    raw = {"blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q2_K"}
+    written: dict[str, np.ndarray] = {}
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_quantized(self, name, tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name not in raw:
+            return add_tensor(self, name, tensor, *args, **kwargs)
+        qtype = GGMLQuantizationType[raw[name]]
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        rows, k = tensor.shape
+        blocks = np.random.default_rng(rows).integers(0, 256, (rows * k // block, nbytes))
+        blocks = blocks.astype(np.uint8)
+        at = 0 if raw[name] == "Q4_K" else nbytes - 4  # Q2_K: d, dmin at its end
+        scales = np.random.default_rng(k).uniform(-1e-3, 1e-3, (len(blocks), 2))
+        blocks[:, at : at + 4] = scales.astype(np.float16).view(np.uint8)
+        written[name] = blocks.reshape(rows, -1)
+        return add_tensor(self, name, written[name], raw_dtype=qtype)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_quantized)
+    model = tiny_hf_model("llama", vocab_size=300, intermediate_size=256)
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", model, tiny_tokenizer)
+    with caplog.at_level("WARNING", logger="iterserve.gguf"):
+        loaded = load_model(path, dtype=torch.float32)
+    assert "Q2_K" in caplog.text and "dequantized" in caplog.text
+    kept = loaded.quantized["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(kept, KQuantWeight) and kept.bits == 4
+    assert "model.layers.1.mlp.down_proj.weight" not in loaded.quantized
+    for layer, name in enumerate(raw):
+        qtype = GGMLQuantizationType[raw[name]]
+        expected = torch.from_numpy(dequantize(written[name], qtype))
+        assert torch.equal(loaded.weights[f"model.layers.{layer}.mlp.down_proj.weight"], expected)
+    assert torch.equal(kept.dequantize(), loaded.weights["model.layers.0.mlp.down_proj.weight"])
