@@ -298,12 +298,14 @@ constexpr int32_t half_mask(int bits, int at) {
 template <int B, int C, int I>
 ITERSERVE_INLINE Pairs qk_pair(const I16& low, const I16& high) {
   constexpr int kHigh = B - 4, kLowAt = 7 - B;
-  I16 bits = shift_by<kLowAt - 4 * I>(low) & I16::splat(half_mask(4, kLowAt));
+  I16 bits = and_or(shift_by<kLowAt - 4 * I>(low), I16::splat(half_mask(4, kLowAt)),
+                    I16::splat(0x3F803F80));
   if constexpr (kHigh > 0) {
     constexpr int from = kHigh * (4 * (C % (4 / kHigh)) + I);
-    bits = bits | (shift_by<kLowAt + 4 - from>(high) & I16::splat(half_mask(kHigh, kLowAt + 4)));
+    bits = and_or(shift_by<kLowAt + 4 - from>(high), I16::splat(half_mask(kHigh, kLowAt + 4)),
+                  bits);
   }
-  return pairs_from_bits(bits | I16::splat(0x3F803F80));
+  return pairs_from_bits(bits);
 }
 
 template <int B, int C, int MR, int NT>
