@@ -55,8 +55,8 @@ _NO_LIMIT = 1 << 62
 # rounding, where greedy decoding picks its tokens: kept for the few-row steps, the 0.2 ms
 # knowingly paid.
 # The K-quant / 5-bit blocks (qk) multiply exact products everywhere: in bf16 dot products
-# they beat the int8 copy at one row (one 3072 x 576 projection, cached: 31-45 vs 19 us, but
-# 4.9-6.9 bits a weight against 8 from memory) and lose from 4 rows (74-85 vs 46 us); unpacked
+# they beat the int8 copy at one row (one 3072 x 576 projection, cached: 29-42 vs 19 us, but
+# 4.9-6.9 bits a weight against 8 from memory) and lose from 4 rows (59-71 vs 31 us); unpacked
 # to fp32 (AVX2, NEON) they lose at every size (AVX2, one row: 80-96 vs 30 us), so there a
 # `--weights auto` model keeps the int8 copy alone (0: no blocks) and `int4` the blocks alone.
 MAX_QUANTIZED_ROWS = {
