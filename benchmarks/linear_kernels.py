@@ -11,6 +11,9 @@ its own weights, so nothing stays in cache from one call to the next) and the ti
   tiled-bf16            csrc/linear.cpp on bf16 weights
   tiled-q4              csrc/linear.cpp on 4-bit blocks (GGUF Q4_1 layout, random values)
   tiled-q8 (head)       csrc/linear.cpp on 8-bit blocks (the bundled GGUF's head is Q8_0)
+  tiled-qk4/5/6         csrc/linear.cpp's qk format (K-quants, Q5_x) at 4, 5 and 6 bits
+                        (random values; d per 32 inputs, as Q5_0, since K = 576 is not
+                        whole 256-input super-blocks)
   tiled-i8              csrc/linear.cpp on int8 weights with int8 activations (W8A8)
   int4pack (torch)      torch's _weight_int4pack_mm_for_cpu, group 32, for comparison
 
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 
 from iterserve import kernels
 from iterserve.model import quant
+from iterserve.model.kquant import KQuantWeight
 from iterserve.model.linear import onednn_usable
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -77,6 +81,26 @@ def random_q4(n: int, k: int) -> quant.QuantizedWeight:
     return quant.QuantizedWeight("q4", q, d, (-torch.rand(n, k // 32) * 0.08).half())
 
 
+def random_kquant(n: int, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    zero = 32 if bits == 6 else 0
+    weight = KQuantWeight(
+        bits, zero, 32,
+        torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8),
+        torch.randint(1, 64, (n, k // 16), dtype=torch.int8),
+        torch.randint(0, 64, (n, k // 32), dtype=torch.uint8),
+        (torch.rand(n, k // 32) * 1e-3).half(),
+        (torch.rand(n, k // 32) * 1e-3).half(),
+    )  # fmt: skip
+    return weight.tiles()
+
+
+QK_BITS = (4, 5, 6)
+for _bits in QK_BITS:  # bytes a step reads: the tiles and their super-block scales
+    LAYER_BYTES[f"qk{_bits}"] = LAYERS * sum(
+        n * k * (256 + 64 * (_bits - 4) + 48) // 512 + n * k // 32 * 4 for n, k in SHAPES
+    )
+
+
 @dataclass
 class Weights:
     """Every layer's projections and the head, in each kernel's own layout."""
@@ -87,6 +111,7 @@ class Weights:
     tiles: list[list[torch.Tensor]]
     q4: list[list[tuple[torch.Tensor, torch.Tensor]]]
     i8: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    qk: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]]
     int4pack: list[list[tuple[torch.Tensor, torch.Tensor]]]
     head: torch.Tensor
     head32: torch.Tensor
@@ -122,6 +147,10 @@ class Weights:
             tiles=[[quant.tile_bf16(w) for w in ws] for ws in dense],
             q4=[[quant.tile_quantized(random_q4(n, k)) for n, k in SHAPES] for _ in range(LAYERS)],
             i8=[[i8(w) for w in ws] for ws in dense],
+            qk={
+                bits: [[random_kquant(n, k, bits) for n, k in SHAPES] for _ in range(LAYERS)]
+                for bits in QK_BITS
+            },
             int4pack=[[int4pack(n, k) for n, k in SHAPES] for _ in range(LAYERS)],
             head=head,
             head32=head.float(),
@@ -169,6 +198,12 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
         "tiled-bf16": layers(lambda x, i, j: tiled(x, w.tiles[i][j], None, 0)),
         "tiled-q4": layers(lambda x, i, j: tiled(x, *w.q4[i][j], 1)),
         "tiled-i8": layers(lambda x, i, j: tiled(x, *w.i8[i][j], 3)),
+        **{
+            f"tiled-qk{bits}": layers(
+                lambda x, i, j, b=bits: tiled(x, *w.qk[b][i][j], 4 + 256 * (32 if b == 6 else 0))
+            )
+            for bits in QK_BITS
+        },
         "int4pack": layers(
             lambda x, i, j: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, w.int4pack[i][j][0], 32, w.int4pack[i][j][1]
@@ -190,7 +225,7 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     results: list[dict[str, float | int | str]] = []
     for name in dict.fromkeys([*layer_fns, *head_fns]):
         fmt = {"tiled-q4": "q4", "int4pack": "q4", "tiled-q8": "q8", "tiled-i8": "i8"}.get(
-            name, "bf16"
+            name, name.removeprefix("tiled-") if name.startswith("tiled-qk") else "bf16"
         )
         lm, hm = layer_ms.get(name), head_ms.get(name)
         if rows >= 512:  # compute-bound: the arithmetic rate says more than bytes

@@ -11,10 +11,10 @@ import torch
 
 from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
+from iterserve.model.kquant import BlockWeight
 from iterserve.model.linear import Backend, DenseFormat, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
-from iterserve.model.quant import QuantizedWeight
 
 logger = logging.getLogger("iterserve.model")
 
@@ -83,19 +83,19 @@ def choose_backend(config: EngineConfig, dtype: torch.dtype, device: torch.devic
 class WeightChoice:
     """How the tiled kernels hold the projections (see model/linear.py)."""
 
-    quantized: dict[str, QuantizedWeight]  # checkpoint blocks kept as they are, by HF name
+    quantized: dict[str, BlockWeight]  # checkpoint blocks kept as they are, by HF name
     dense_format: DenseFormat  # the dense weights: bf16, or int8 run with int8 activations
     wide: bool  # quantized weights get a dense copy for steps of many rows
 
 
 def choose_weights(config: EngineConfig, loaded: LoadedModel, backend: Backend) -> WeightChoice:
-    has_4bit = any(q.kind == "q4" for q in loaded.quantized.values())
+    has_4bit = any(q.kind in ("q4", "qk") for q in loaded.quantized.values())
     if config.weights in ("int4", "int8") and backend != "tiled":
         reason = kernels.why_unavailable() or "they are off on this device/dtype"
         raise ConfigError(f"--weights {config.weights} needs iterserve's C++ kernels ({reason})")
     if config.weights == "int4" and not has_4bit:
         raise ConfigError(
-            "--weights int4 needs a checkpoint with 4-bit weights (a Q4_0 or Q4_1 GGUF)"
+            "--weights int4 needs a checkpoint with 4-bit weights (a Q4_0, Q4_1, Q5_x or K-quant GGUF)"
         )
     if config.weights == "int8":
         return WeightChoice({}, "i8", wide=False)

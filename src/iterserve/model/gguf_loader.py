@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import mmap
 import re
 import struct
@@ -15,10 +16,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.kquant import BLOCK_SIZES as KQUANT_BLOCK_SIZES
+from iterserve.model.kquant import BlockWeight, from_gguf_kquant
 from iterserve.model.loaded import LoadedModel, ModelLoadError
 from iterserve.model.moe import GGUF_ROUTER, ROUTER, split_gguf_experts
-from iterserve.model.quant import BLOCK_BYTES, QuantizedWeight, from_gguf_blocks
+from iterserve.model.quant import BLOCK_BYTES, from_gguf_blocks
 from iterserve.model.tokenizer import tokenizer_from_gguf
+
+logger = logging.getLogger("iterserve.gguf")
+
+# Float types: nothing to keep quantized.
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 # GGUF architectures we can run, and the ModelConfig architecture each becomes. llama.cpp stores
 # Mistral as "llama".
@@ -255,9 +263,10 @@ def _load_weights(
     config: ModelConfig,
     gguf_arch: str,
     dtype: torch.dtype,
-) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
     """Every tensor dequantized to `dtype`, plus the 2-D ones in a block format our kernels
-    read kept as they are (rows un-permuted alike)."""
+    read kept as they are (rows un-permuted alike). Other quantized types (Q2_K, Q3_K, IQ*,
+    ...) are only dequantized, and the log says so."""
     # Only llama.cpp's "llama" converter permutes; its Qwen2 uses NEOX rope, i.e. rotate_half.
     rope_heads = (
         {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
@@ -265,7 +274,8 @@ def _load_weights(
         else {}
     )
     weights: dict[str, torch.Tensor] = {}
-    quantized: dict[str, QuantizedWeight] = {}
+    quantized: dict[str, BlockWeight] = {}
+    expanded: set[str] = set()  # quantized types with no kernel: dequantized to `dtype`
     with path.open("rb") as file:
         # A plain ndarray over an mmap, not np.memmap: gguf's dequantizer slices its input
         # thousands of times and every np.memmap slice pays for __array_finalize__ (2.5x slower, once).
@@ -282,9 +292,14 @@ def _load_weights(
             weights.update((n, t.to(dtype).contiguous()) for n, t in experts.items())
             continue
         name = hf_tensor_name(info.name)
-        blocks = None
-        if info.qtype.name in BLOCK_BYTES and len(info.shape) == 2:
-            blocks = from_gguf_blocks(raw, info.qtype.name, info.shape)  # type: ignore[arg-type]
+        blocks: BlockWeight | None = None
+        qtype = info.qtype.name
+        if qtype in BLOCK_BYTES and len(info.shape) == 2:
+            blocks = from_gguf_blocks(raw, qtype, info.shape)  # type: ignore[arg-type]
+        elif qtype in KQUANT_BLOCK_SIZES and len(info.shape) == 2:
+            blocks = from_gguf_kquant(raw, qtype, info.shape)  # type: ignore[arg-type]
+        elif qtype not in _FLOAT_TYPES and len(info.shape) == 2:
+            expanded.add(qtype)
         projection = name.split(".")[-2]
         if projection in rope_heads:
             tensor = unpermute_rope_rows(tensor, rope_heads[projection])
@@ -294,4 +309,13 @@ def _load_weights(
         weights[name] = tensor.to(dtype).contiguous()
         if blocks is not None:
             quantized[name] = blocks
+    if expanded:
+        logger.warning(
+            "%s: tensors in %s have no quantized kernel and are dequantized to %s at load "
+            "(kept quantized: %s)",
+            path.name,
+            ", ".join(sorted(expanded)),
+            str(dtype).removeprefix("torch."),
+            ", ".join(sorted({*BLOCK_BYTES, *KQUANT_BLOCK_SIZES})),
+        )
     return weights, quantized

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
+from iterserve.model.kquant import BlockWeight, KQuantWeight
 from iterserve.model.quant import (
     BLOCK,
     TILE,
-    QuantizedWeight,
     quantize_int8,
     tile_bf16,
     tile_int8,
@@ -39,7 +39,7 @@ from iterserve.model.quant import (
 Backend = Literal["torch", "onednn", "tiled"]
 DenseFormat = Literal["bf16", "i8"]  # what the tiled kernel makes of a dense weight
 
-_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3}
+_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3, "qk": 4}
 
 _NO_LIMIT = 1 << 62
 
@@ -54,9 +54,14 @@ _NO_LIMIT = 1 << 62
 # 0.9 ms at 1 row; AVX2: 1.1 vs 0.9) but exact to the checkpoint, with no activation
 # rounding, where greedy decoding picks its tokens: kept for the few-row steps, the 0.2 ms
 # knowingly paid.
+# The K-quant / 5-bit blocks (qk) multiply exact products everywhere: in bf16 dot products
+# they beat the int8 copy at one row (one 3072 x 576 projection, cached: 29-42 vs 19 us, but
+# 4.9-6.9 bits a weight against 8 from memory) and lose from 4 rows (59-71 vs 31 us); unpacked
+# to fp32 (AVX2, NEON) they lose at every size (AVX2, one row: 80-96 vs 30 us), so there a
+# `--weights auto` model keeps the int8 copy alone (0: no blocks) and `int4` the blocks alone.
 MAX_QUANTIZED_ROWS = {
-    True: {"q4": 4, "q8": 4},  # native bf16
-    False: {"q4": _NO_LIMIT, "q8": 4},
+    True: {"q4": 4, "q8": 4, "qk": 2},  # native bf16
+    False: {"q4": _NO_LIMIT, "q8": 4, "qk": 0},
 }
 
 
@@ -108,7 +113,7 @@ class Linear:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         backend: Backend = "torch",
-        quantized: QuantizedWeight | None = None,
+        quantized: BlockWeight | None = None,
         wide: bool = True,
         dense_format: DenseFormat = "bf16",
     ) -> None:
@@ -128,7 +133,10 @@ class Linear:
         self.wide: torch.Tensor | None = None  # dense tiles for steps past max_tile_rows
         self.wide_scales: torch.Tensor | None = None
         self.max_tile_rows = _NO_LIMIT
+        self.qk_zero = 0  # the qk format's zero point, carried in its format code
         self.ops: Any = None  # the kernels' ops (tiled backend), of the ISA variant chosen
+        if quantized is not None and wide and max_quantized_rows(quantized.kind) == 0:
+            quantized = None  # the dense copy is faster at every step size: keep it alone
         if backend == "tiled" and not self._tileable(quantized, dense_format):
             backend = self.backend = (
                 "onednn" if onednn_usable(weight.dtype, weight.device) else "torch"
@@ -144,7 +152,11 @@ class Linear:
             self.tiles, self.scales = _tile_dense(weight, dense_format)
         else:
             self.format = quantized.kind
-            self.tiles, self.scales = tile_quantized(quantized)
+            if isinstance(quantized, KQuantWeight):
+                self.qk_zero = quantized.zero
+                self.tiles, self.scales = quantized.tiles()
+            else:
+                self.tiles, self.scales = tile_quantized(quantized)
             limit = max_quantized_rows(quantized.kind)
             if wide and limit < _NO_LIMIT:
                 self.wide_format = dense_format
@@ -154,14 +166,14 @@ class Linear:
     @property
     def format_codes(self) -> tuple[int, int]:
         """The tiles' format and the wide copy's, as csrc/linear.cpp numbers them."""
-        return _FORMAT_CODES[self.format], _FORMAT_CODES[self.wide_format]
+        return _FORMAT_CODES[self.format] + 256 * self.qk_zero, _FORMAT_CODES[self.wide_format]
 
     @property
     def kernel_tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The tiled kernel's tensor arguments: tiles, scales, bias, wide copy, its scales."""
         return (self.tiles, self.scales, self.bias, self.wide, self.wide_scales)
 
-    def _tileable(self, quantized: QuantizedWeight | None, dense_format: DenseFormat) -> bool:
+    def _tileable(self, quantized: BlockWeight | None, dense_format: DenseFormat) -> bool:
         if self.out_features % TILE:
             return False
         if quantized is not None or dense_format == "i8":

@@ -113,7 +113,11 @@ def _fused_quantized(
     found = [quantized.get(f"{prefix}{part}.weight") for part in parts]
     if any(q is None for q in found):
         return None
-    return QuantizedWeight.cat(found)  # type: ignore[arg-type]
+    if len({q.layout for q in found}) > 1:  # type: ignore[union-attr]
+        # Parts in different block formats (Q4_K_M stores v in Q6_K, q and k in Q4_K): the
+        # fused projection runs dense.
+        return None
+    return type(found[0]).cat(found)  # type: ignore[arg-type]
 
 
 class _DecoderLayer(nn.Module):

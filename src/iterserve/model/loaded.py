@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
-from iterserve.model.quant import QuantizedWeight
+from iterserve.model.kquant import BlockWeight
 
 
 class ModelLoadError(ValueError):
@@ -24,5 +24,6 @@ class LoadedModel:
     chat_template: str | None
     name: str  # the served model name
     # Weights the checkpoint stores in a block format our kernels read as is (GGUF Q4_0, Q4_1,
-    # Q8_0), by HF name; `weights` holds every tensor dequantized all the same.
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), by HF name; `weights` holds every tensor
+    # dequantized all the same.
+    quantized: dict[str, BlockWeight] = field(default_factory=dict)

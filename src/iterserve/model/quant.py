@@ -41,6 +41,11 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
 
+    @property
+    def layout(self) -> tuple[str]:
+        """What must agree for two matrices to be stacked into one (fused q/k/v)."""
+        return (self.kind,)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The exact weights in fp32 (then cast): what every kernel must agree with."""
         n, k = self.shape
@@ -118,13 +123,22 @@ def tile_quantized(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]
     if weight.kind == "q8":
         return q.reshape(tiles, blocks, 512).contiguous(), per_tile(weight.d).contiguous()
     assert weight.m is not None
+    scales = torch.stack((per_tile(weight.d), per_tile(weight.m)), dim=2)
+    return pack_nibble_tiles(weight.q), scales.contiguous()
+
+
+def pack_nibble_tiles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] uint8 in 0..15 -> [N/16, K/32, 256]: the q4 tiles' nibbles (also the low bits of
+    the K-quant tiles, model/kquant.py)."""
+    n, k = q.shape
+    tiles, blocks = n // TILE, k // BLOCK
+    # [tiles, blocks, pair, lane, even/odd]
+    q = q.reshape(tiles, TILE, blocks, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)
     # Chunk c of a block packs pairs 4c..4c+3 into 16-bit words: pair 4c+i in bits 4i..4i+3.
     pairs = q.reshape(tiles, blocks, 4, 4, 2 * TILE).to(torch.int16)
     words = pairs[:, :, :, 0] | pairs[:, :, :, 1] << 4 | pairs[:, :, :, 2] << 8
     words = words | pairs[:, :, :, 3] << 12
-    packed = words.contiguous().view(torch.uint8).reshape(tiles, blocks, 256)
-    scales = torch.stack((per_tile(weight.d), per_tile(weight.m)), dim=2)
-    return packed.contiguous(), scales.contiguous()
+    return words.contiguous().view(torch.uint8).reshape(tiles, blocks, 256).contiguous()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,6 +160,16 @@ ITERSERVE_LANEWISE(I16, operator&, a.v[i] & b.v[i])
 ITERSERVE_LANEWISE(I16, operator|, a.v[i] | b.v[i])
 #undef ITERSERVE_LANEWISE
 
+// (a & mask) | b in one instruction where there is one (vpternlogd), for building numbers
+// from bit fields.
+ITERSERVE_INLINE I16 and_or(const I16& a, const I16& mask, const I16& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_ternarylogic_epi32(a.v[0], mask.v[0], b.v[0], 0xEA))}};
+#else
+  return (a & mask) | b;
+#endif
+}
+
 // Arrays of accumulators must end up in registers. GCC keeps such an array in memory (a store
 // and a reload per use) unless every loop indexing it is unrolled in full early, hence
 // ITERSERVE_UNROLL on those loops, and unless it is built without a loop: `F16 acc[N];` runs
