@@ -9,8 +9,11 @@ one token at a time past the original context, over its own KV cache.
 
 from __future__ import annotations
 
+import math
 import random
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -18,9 +21,11 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import load_model
 from iterserve.model.rope import rope_tables
 from paged_runner import PagedRunner
-from tiny_checkpoints import model_config_of, tiny_hf_model
+from tiny_checkpoints import hf_token_by_token, model_config_of, tiny_hf_model
+from tiny_gguf import write_gguf
 
 ORIGINAL = 64
 HEAD_DIM = 32
@@ -105,18 +110,6 @@ def test_tables_match_transformers_rotary_embedding_token_by_token(name: str) ->
         torch.testing.assert_close(signed_sin[p, :half], -ref_sin[0, 0, :half], **tol)
 
 
-@torch.inference_mode()
-def _hf_token_by_token(hf: transformers.PreTrainedModel, tokens: list[int], prompt: int) -> torch.Tensor:
-    """Logits of every position: the prompt in one forward, then one token per forward."""
-    out = hf(torch.tensor([tokens[:prompt]]), use_cache=True)
-    rows, cache = [out.logits[0]], out.past_key_values
-    for p in range(prompt, len(tokens)):
-        out = hf(torch.tensor([[tokens[p]]]), past_key_values=cache, use_cache=True)
-        rows.append(out.logits[0])
-        cache = out.past_key_values
-    return torch.cat(rows).float()
-
-
 @pytest.mark.parametrize("name", ["linear", "yarn", "longrope", "dynamic"])
 def test_model_matches_transformers_past_the_original_context(name: str) -> None:
     hf = tiny_hf_model(
@@ -132,10 +125,57 @@ def test_model_matches_transformers_past_the_original_context(name: str) -> None
     ours.load_weights(hf.state_dict())
     rng = random.Random(1)
     tokens = [rng.randrange(VOCAB) for _ in range(180)]
-    ref = _hf_token_by_token(hf, tokens, prompt=40)
+    ref = hf_token_by_token(hf, tokens, prompt=40)
     runner = PagedRunner(ours, block_size=8, num_blocks=64)
     runner.add("s", tokens)
     # Chunks inside, across and past the original context, then decodes around position 180.
     got = [runner.step([("s", n)])["s"] for n in (40, 30, 70, 35)]
     got += [runner.step([("s", 1)])["s"] for _ in range(5)]
     torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
+
+
+def _llama_cpp_rope_freqs(scaling: dict[str, object], theta: float) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py for Llama 3.1: per-frequency divisors, transcribed."""
+    factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
+    freqs = 1.0 / (theta ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_gguf_rope_freqs_match_transformers(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A Llama 3.1-style GGUF (rope_freqs tensor) runs like the HF model past the original
+    context."""
+    hf = tiny_hf_model(
+        vocab_size=VOCAB,
+        weight_std=0.15,
+        num_hidden_layers=2,
+        attn_implementation="eager",
+        **_hf_config_kwargs("llama3"),
+    )
+    path = tmp_path / "tiny-llama3.gguf"
+    freqs = _llama_cpp_rope_freqs(_variants()["llama3"], 10000.0)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    write_gguf(path, "llama", hf, tokenizer, rope_tensors={"rope_freqs": freqs})
+    loaded = load_model(path, dtype=torch.float32)
+    assert loaded.config.rope_scaling is not None
+    assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
+    ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
+    ours.load_weights(loaded.weights)
+    rng = random.Random(2)
+    tokens = [rng.randrange(VOCAB) for _ in range(200)]
+    runner = PagedRunner(ours, block_size=8, num_blocks=64)
+    runner.add("s", tokens)
+    got = torch.cat([runner.step([("s", n)])["s"] for n in (50, 150)])
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0].float()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)

@@ -99,3 +99,19 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         rope_scaling=rope_scaling,
         sliding_window=getattr(c, "sliding_window", None) if arch in ("mistral", "phi3") else None,
     )
+
+
+@torch.inference_mode()
+def hf_token_by_token(
+    hf: transformers.PreTrainedModel, tokens: list[int], prompt: int
+) -> torch.Tensor:
+    """transformers' fp32 logits of every position: the first `prompt` tokens in one forward,
+    then one token per forward over its KV cache (how it generates; longrope and dynamic NTK
+    rotate differently in one long forward, model/rope.py)."""
+    out = hf(torch.tensor([tokens[:prompt]]), use_cache=True)
+    rows, cache = [out.logits[0]], out.past_key_values
+    for p in range(prompt, len(tokens)):
+        out = hf(torch.tensor([[tokens[p]]]), cache=cache, use_cache=True)
+        rows.append(out.logits[0])
+        cache = out.past_key_values
+    return torch.cat(rows).float()
