@@ -36,6 +36,23 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Mistral's sliding window: a query at position p sees keys p - window + 1 .. p only.
     sliding_window: int | None = None
+    # Which layers the window applies to (Gemma: alternating); None: every layer.
+    sliding_window_layers: tuple[bool, ...] | None = None
+    # Gemma 2: scores -> cap * tanh(scores / cap) in attention, and likewise the logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 3: the sliding-window layers' own (plain) RoPE base; None: all layers share one.
+    local_rope_theta: float | None = None
+
+    def layer_window(self, index: int) -> int:
+        """Layer `index`'s sliding window; 0: full attention."""
+        if not self.sliding_window:
+            return 0
+        if self.sliding_window_layers is None or self.sliding_window_layers[index]:
+            return self.sliding_window
+        return 0
 
 
     @property

@@ -7,6 +7,7 @@ A family's quirks are documented here, next to its traits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,16 @@ class FamilyTraits:
     # row order iterserve fuses them in anyway ([q; k; v], [gate; up]): they load as they are.
     # Phi-3/3.5.
     fused_checkpoint: bool = False
+    # Norms scale by (1 + weight) (Gemma); iterserve adds the 1 when it loads them.
+    norm_offset: bool = False
+    # "Sandwich" norms: the attention and MLP outputs are normed before their residual adds
+    # (Gemma 2/3). HF calls them post_attention_layernorm and post_feedforward_layernorm, and
+    # the pre-MLP norm pre_feedforward_layernorm (Llama's post_attention_layernorm).
+    sandwich_norms: bool = False
+    # The gated MLP's activation: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    # Token embeddings times sqrt(hidden_size), rounded to the model dtype first (Gemma).
+    embed_scale: bool = False
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -34,4 +45,19 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Phi-3/3.5: Llama with fused checkpoint projections, usually longrope scaling
     # (model/rope.py) and, for the 4k models, a sliding window of 2047 on every layer.
     "phi3": FamilyTraits(fused_checkpoint=True),
+    # Gemma 2: GeGLU, (1 + w) norms, sandwich norms, scaled embeddings, attention scale from
+    # query_pre_attn_scalar, attention and final logit soft-caps, a sliding window on every
+    # other layer (ModelConfig has the numbers). head_dim 256 in the released models.
+    "gemma2": FamilyTraits(
+        norm_offset=True, sandwich_norms=True, activation="gelu_tanh", embed_scale=True
+    ),
+    # Gemma 3 (text): Gemma 2 without soft-caps, plus q/k norms, five sliding layers to one
+    # full, and a separate RoPE base for the sliding layers (local_rope_theta).
+    "gemma3": FamilyTraits(
+        qk_norm=True,
+        norm_offset=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        embed_scale=True,
+    ),
 }

@@ -89,8 +89,13 @@ class _DecoderLayer(nn.Module):
         self.kv_size = self.num_kv_heads * head_dim
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
-        self.scale = head_dim**-0.5
-        self.sliding_window = config.sliding_window or 0
+        self.scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
+        self.sliding_window = config.layer_window(index)
+        self.softcap = config.attn_logit_softcapping or 0.0
+        # Gemma 3: sliding layers rotate with their own RoPE base (the model's local tables).
+        self.local_rope = config.local_rope_theta is not None and self.sliding_window > 0
+        traits = config.traits
+        self.gelu = traits.activation == "gelu_tanh"
         self.checkpoint_parts = _FUSED_IN_CHECKPOINT if config.traits.fused_checkpoint else _FUSED
         like = {"dtype": dtype, "device": device}
         self.input_norm = _weight(hidden, **like)
@@ -108,7 +113,10 @@ class _DecoderLayer(nn.Module):
             if config.traits.qk_norm
             else None
         )
-        self.post_norm = _weight(hidden, **like)
+        self.post_norm = _weight(hidden, **like)  # before the MLP
+        # Sandwich norms (Gemma): on the attention and MLP outputs, before the residual adds.
+        self.attn_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
+        self.mlp_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
         self.gate_up_weight = _weight(2 * self.intermediate, hidden, **like)
         self.down_weight = _weight(hidden, self.intermediate, **like)
         self.linears: dict[str, Linear] = {}
@@ -144,8 +152,8 @@ class _DecoderLayer(nn.Module):
                 setattr(self, f"{name}_weight", None)
         self.fused = None
         tiled = [self.linears[name] for name in _FUSED]
-        # The C++ layer op has no q/k norm; such layers run op by op (the C++ attention still).
-        fits_layer_op = self.head_dim % 32 == 0 and self.qk_norm is None
+        # The C++ layer op is Llama's layer; others run op by op (the C++ attention still).
+        fits_layer_op = self.head_dim % 32 == 0 and self.is_llama_layer
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             self.fused = (
@@ -153,6 +161,17 @@ class _DecoderLayer(nn.Module):
                 [code for lin in tiled for code in lin.format_codes],
                 [lin.max_tile_rows for lin in tiled],
             )
+
+    @property
+    def is_llama_layer(self) -> bool:
+        """Nothing but Llama's parts (what the fused C++ layer op computes)."""
+        return (
+            self.qk_norm is None
+            and self.attn_out_norm is None
+            and not self.gelu
+            and not self.softcap
+            and not self.local_rope
+        )
 
     def forward_fused(
         self,
@@ -203,11 +222,27 @@ class _DecoderLayer(nn.Module):
                 q, k, v, *kv_cache, slot_mapping, step, self.scale, self.sliding_window
             )
         else:
-            attn = attend(q, k, v, self.index, self.scale)
-        hidden = self._project_out(linears["o"], attn.reshape(num_tokens, self.q_size), hidden)
+            attn = attend(q, k, v, self.index, self.scale, self.sliding_window, self.softcap)
+        attn = attn.reshape(num_tokens, self.q_size)
+        hidden = self._block_out(linears["o"], attn, hidden, self.attn_out_norm)
         gate_up = linears["gate_up"](_rms_norm(hidden, self.post_norm, self.eps))
-        act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-        return self._project_out(linears["down"], act, hidden)
+        gate = gate_up[:, : self.intermediate]
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        act = gate.mul_(gate_up[:, self.intermediate :])
+        return self._block_out(linears["down"], act, hidden, self.mlp_out_norm)
+
+    def _block_out(
+        self,
+        linear: Linear,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        out_norm: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """residual + the block's output projection, normed first with sandwich norms."""
+        if out_norm is None:
+            return self._project_out(linear, x, residual)
+        assert self.tp is None  # refused by tensor_parallel.check_shardable
+        return _rms_norm(linear(x), out_norm, self.eps).add_(residual)
 
     def _project_out(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x @ W.T + residual. Under tensor parallelism W is split by input columns: each
@@ -245,16 +280,23 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _weight(config.vocab_size, config.hidden_size, **like)
         )
+        positions = config.max_position_embeddings
         cos, signed_sin = rope_tables(
-            config.head_dim,
-            config.rope_theta,
-            config.rope_scaling,
-            config.max_position_embeddings,
-            dtype,
-            device,
+            config.head_dim, config.rope_theta, config.rope_scaling, positions, dtype, device
         )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
+        self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
+        if config.local_rope_theta is not None:  # Gemma 3's sliding layers: plain RoPE
+            self.rope_local = rope_tables(
+                config.head_dim, config.local_rope_theta, None, positions, dtype, device
+            )
+        # Gemma: sqrt(hidden) rounded to the model dtype, as transformers does.
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
+            if config.traits.embed_scale
+            else None
+        )
         self.head: Linear | None = None
         self.fused_layers = False
         self.backend: Backend = "torch"
@@ -306,7 +348,18 @@ class LlamaForCausalLM(nn.Module):
                 targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[heads:], (c.head_dim,))
             targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
             targets[f"{p}input_layernorm.weight"] = (layer.input_norm, (c.hidden_size,))
-            targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))
+            if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+                targets[f"{p}pre_feedforward_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))
+                targets[f"{p}post_attention_layernorm.weight"] = (
+                    layer.attn_out_norm,
+                    (c.hidden_size,),
+                )
+                targets[f"{p}post_feedforward_layernorm.weight"] = (
+                    layer.mlp_out_norm,
+                    (c.hidden_size,),
+                )
+            else:
+                targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))
         return targets
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -335,9 +388,13 @@ class LlamaForCausalLM(nn.Module):
             problems.append(f"mis-shaped {len(misshaped)}: {'; '.join(misshaped[:8])}")
         if problems:
             raise ValueError("cannot load weights: " + " | ".join(problems))
+        offset = self.config.traits.norm_offset
         with torch.no_grad():
             for name, (dest, _) in targets.items():
-                dest.copy_(weights[name])
+                weight = weights[name]
+                if offset and "norm" in name:  # Gemma's norms scale by (1 + weight)
+                    weight = weight.float() + 1
+                dest.copy_(weight)
 
     def prepare(
         self,
@@ -424,13 +481,21 @@ class LlamaForCausalLM(nn.Module):
         step: torch.Tensor | None,
     ) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         if step is not None and self.fused_layers:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
             return hidden
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
-        signed_sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
+        rope = [
+            table.index_select(0, positions).unsqueeze(1)
+            for table in (self.rope_cos, self.rope_signed_sin)
+        ]
+        local = rope
+        if self.rope_local is not None:
+            local = [table.index_select(0, positions).unsqueeze(1) for table in self.rope_local]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, signed_sin = local if layer.local_rope else rope
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)
         return hidden
 
@@ -456,4 +521,7 @@ class LlamaForCausalLM(nn.Module):
         )
         # Logits unrounded where the kernel allows: in bf16, logits near 16 are 1/8 apart and
         # close calls become ties (the bundled model's first answer token was one).
-        return self.head(hidden, fp32_out=True).float()
+        logits = self.head(hidden, fp32_out=True).float()
+        if cap := self.config.final_logit_softcapping:  # Gemma 2
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
