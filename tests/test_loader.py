@@ -242,9 +242,7 @@ def test_tiny_gguf_round_trip(
 ) -> None:
     model = tiny_hf_model(arch, vocab_size=VOCAB, tie_word_embeddings=False)
     path = tmp_path / f"tiny-{arch}.F32.gguf"
-    write_gguf(
-        path, arch, model, tiny_tokenizer, chat_template=CHAT_TEMPLATE, rope_freq_base=1e5
-    )
+    write_gguf(path, arch, model, tiny_tokenizer, chat_template=CHAT_TEMPLATE, rope_freq_base=1e5)
 
     loaded = load_model(path, dtype=torch.float32)
 

@@ -136,7 +136,9 @@ def test_model_matches_transformers_past_the_original_context(name: str) -> None
 
 def _llama_cpp_rope_freqs(scaling: dict[str, object], theta: float) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py for Llama 3.1: per-frequency divisors, transcribed."""
-    factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    factor, low, high = (
+        float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor")
+    )
     old = float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
     freqs = 1.0 / (theta ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM))
     factors = []

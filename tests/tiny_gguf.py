@@ -109,7 +109,12 @@ def write_gguf(
             heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
             array = llama_cpp_permute(array, heads)
         array = np.ascontiguousarray(array)
-        if qtype != GGMLQuantizationType.F32 and module and array.ndim == 2 and "norm" not in module:
+        if (
+            qtype != GGMLQuantizationType.F32
+            and module
+            and array.ndim == 2
+            and "norm" not in module
+        ):
             writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)

@@ -146,9 +146,7 @@ def _plan(
     key = (num_heads, key_cache.shape, key_cache.dtype, dtype, window, explicit)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = _build_plan(
-            meta, num_heads, key_cache, dtype, window, explicit
-        )
+        plan = meta.plans[key] = _build_plan(meta, num_heads, key_cache, dtype, window, explicit)
     assert isinstance(plan, _LayerPlan)
     return plan
 
@@ -296,9 +294,7 @@ def paged_attention(
     outputs: list[torch.Tensor] = []
     if meta.num_decodes:
         outputs.append(
-            _decode_attention(
-                q[: meta.num_decodes], key_cache, value_cache, plan, scale, softcap
-            )
+            _decode_attention(q[: meta.num_decodes], key_cache, value_cache, plan, scale, softcap)
         )
     for chunk, rows, mask in zip(meta.prefills, plan.prefill_rows, plan.prefill_masks, strict=True):
         lo, hi = chunk.query_start, chunk.query_end

@@ -116,7 +116,9 @@ def decode_mask(lens: Sequence[int], max_blocks: int, block_size: int, window: i
     return mask
 
 
-def chunk_mask(n: int, k: int, num_blocks: int, block_size: int, window: int) -> torch.Tensor | None:
+def chunk_mask(
+    n: int, k: int, num_blocks: int, block_size: int, window: int
+) -> torch.Tensor | None:
     """A prefill chunk's [1, 1, k, keys] additive mask (PrefillChunk.attn_mask); None when
     plain causal attention over the chunk itself is right."""
     if not (n > 0 or (window and k > window)):

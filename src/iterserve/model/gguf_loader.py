@@ -22,7 +22,12 @@ from iterserve.model.tokenizer import tokenizer_from_gguf
 
 # GGUF architectures we can run, and the ModelConfig architecture each becomes. llama.cpp stores
 # Mistral as "llama".
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+}
 # Tensors that are rope parameters, not weights: Llama 3's per-frequency divisors and Phi-3's
 # longrope factors (read into ModelConfig.rope_scaling).
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -218,7 +223,9 @@ def _gguf_rope(
         return {"rope_type": "linear", "factor": float(factor)}
     if scaling_type == "yarn":
         unmodelled = [
-            k for k in _YARN_UNMODELLED if metadata.get(f"{arch}.rope.scaling.{k}") not in (None, 1.0)
+            k
+            for k in _YARN_UNMODELLED
+            if metadata.get(f"{arch}.rope.scaling.{k}") not in (None, 1.0)
         ]
         if unmodelled:
             raise ModelLoadError(f"GGUF YaRN settings {', '.join(unmodelled)} are not supported")

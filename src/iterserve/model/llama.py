@@ -1,6 +1,6 @@
-"""The Llama-style decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, SmolLM) as one network over a
-paged KV cache; what sets a family apart is a named trait (model/family.py), RoPE variants
-live in model/rope.py.
+"""The Llama-style decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3, SmolLM) as one
+network over a paged KV cache; what sets a family apart is a named trait (model/family.py)
+or a number on ModelConfig, and RoPE variants live in model/rope.py.
 
 The engine calls `forward` once per step on a flat ragged batch. q/k/v and gate/up are fused
 into one projection each at load time, the rotary table is built once and indexed once per
@@ -96,7 +96,7 @@ class _DecoderLayer(nn.Module):
         self.local_rope = config.local_rope_theta is not None and self.sliding_window > 0
         traits = config.traits
         self.gelu = traits.activation == "gelu_tanh"
-        self.checkpoint_parts = _FUSED_IN_CHECKPOINT if config.traits.fused_checkpoint else _FUSED
+        self.checkpoint_parts = _FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED
         like = {"dtype": dtype, "device": device}
         self.input_norm = _weight(hidden, **like)
         self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, hidden, **like)
@@ -104,13 +104,13 @@ class _DecoderLayer(nn.Module):
             _weight(self.q_size + 2 * self.kv_size, **like) if config.attention_bias else None
         )
         self.o_weight = _weight(hidden, self.q_size, **like)
-        has_o_bias = config.attention_bias and config.traits.o_proj_bias
+        has_o_bias = config.attention_bias and traits.o_proj_bias
         self.o_bias = _weight(hidden, **like) if has_o_bias else None
-        # q/k norms (Qwen3) as one weight over the fused q and k heads: the q_norm row
+        # q/k norms (Qwen3, Gemma 3) as one weight over the fused q and k heads: the q_norm row
         # repeated per query head, then the k_norm row per kv head, so one norm call does both.
         self.qk_norm = (
             _weight(self.num_heads + self.num_kv_heads, head_dim, **like)
-            if config.traits.qk_norm
+            if traits.qk_norm
             else None
         )
         self.post_norm = _weight(hidden, **like)  # before the MLP
@@ -349,7 +349,10 @@ class LlamaForCausalLM(nn.Module):
             targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
             targets[f"{p}input_layernorm.weight"] = (layer.input_norm, (c.hidden_size,))
             if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
-                targets[f"{p}pre_feedforward_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))
+                targets[f"{p}pre_feedforward_layernorm.weight"] = (
+                    layer.post_norm,
+                    (c.hidden_size,),
+                )
                 targets[f"{p}post_attention_layernorm.weight"] = (
                     layer.attn_out_norm,
                     (c.hidden_size,),

@@ -181,7 +181,9 @@ def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) 
     sliding layers' RoPE base. Refuses the variants the family's traits do not cover."""
     activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
-        raise ModelLoadError(f"{architecture} with hidden_activation {activation!r} is not supported")
+        raise ModelLoadError(
+            f"{architecture} with hidden_activation {activation!r} is not supported"
+        )
     layers = raw["num_hidden_layers"]
     pattern = raw.get("sliding_window_pattern") or _GEMMA_WINDOW_PATTERN[architecture]
     layer_types = raw.get("layer_types") or [

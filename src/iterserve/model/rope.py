@@ -30,7 +30,15 @@ import torch
 
 # rope_type values (HF's spelling) iterserve runs. "freq_factors" is llama.cpp's form of
 # Llama 3 scaling: a GGUF stores the per-frequency divisors as the `rope_freqs` tensor.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "freq_factors")
+SUPPORTED_ROPE_TYPES = (
+    "default",
+    "linear",
+    "llama3",
+    "yarn",
+    "longrope",
+    "dynamic",
+    "freq_factors",
+)
 # Variants whose rotation changes with the position beyond the original context.
 _POSITION_DEPENDENT = ("longrope", "dynamic")
 
@@ -112,7 +120,9 @@ def _yarn(
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, float(attention_factor)
 
 
