@@ -17,11 +17,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
-from iterserve.model.loader import load_model
+from iterserve.model.loaded import ModelLoadError
+from iterserve.model.loader import hf_model_config, load_model
 from iterserve.model.rope import rope_tables
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, model_config_of, tiny_hf_model
@@ -181,3 +184,53 @@ def test_llama3_gguf_rope_freqs_match_transformers(tmp_path: Path, tokenizer_dir
     with torch.inference_mode():
         ref = hf(torch.tensor([tokens])).logits[0].float()
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_gguf_rope_metadata_is_read_or_refused_by_name() -> None:
+    base = {
+        "general.architecture": "llama",
+        "llama.context_length": 256,
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 2,
+        "llama.feed_forward_length": 128,
+        "llama.block_count": 1,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    }
+    embd = GGUFTensorInfo("token_embd.weight", (VOCAB, 64), GGMLQuantizationType.F32, 0, 0)
+    tensors = {embd.name: embd}
+    yarn = {
+        "llama.rope.scaling.type": "yarn",
+        "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 64,
+    }
+    config = gguf_model_config({**base, **yarn}, tensors)
+    assert config.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    assert config.max_position_embeddings == 256
+    linear = gguf_model_config(
+        {**base, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}, tensors
+    )
+    assert linear.rope_scaling is not None
+    assert (linear.rope_scaling["rope_type"], linear.rope_scaling["factor"]) == ("linear", 2.0)
+    with pytest.raises(ModelLoadError, match="'longrope' is not supported; supported: none"):
+        gguf_model_config({**base, "llama.rope.scaling.type": "longrope"}, tensors)
+    with pytest.raises(ModelLoadError, match="yarn_log_multiplier"):
+        gguf_model_config({**base, **yarn, "llama.rope.scaling.yarn_log_multiplier": 0.1}, tensors)
+
+
+def test_unsupported_hf_rope_is_refused_by_name() -> None:
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    with pytest.raises(ModelLoadError, match="'mrope' is not supported; supported: default"):
+        hf_model_config({**raw, "rope_scaling": {"rope_type": "mrope", "factor": 2.0}})
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor=0.5"):
+        hf_model_config({**raw, "partial_rotary_factor": 0.5})
