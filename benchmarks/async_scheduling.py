@@ -66,7 +66,7 @@ def served(
     ok = [r for r in result.records if r.success]
     tpot = statistics.median(r.tpot for r in ok if r.tpot is not None) * 1e3
     metrics = compute_metrics(result.records)
-    return tpot, metrics.output_throughput
+    return tpot, metrics.throughput.output_throughput
 
 
 def main() -> None:

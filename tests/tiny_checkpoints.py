@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.rope import served_rope
 
 # The default shape; a test overrides what it needs (vocab_size always: it follows the
 # tokenizer the test pairs the model with).
@@ -29,6 +30,10 @@ _ARCHITECTURES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 
@@ -71,10 +76,15 @@ def save_checkpoint(
 
 
 def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
-    """The ModelConfig of an HF model, read from its config object by hand."""
+    """The ModelConfig of an HF model, read from its config object by hand (the rope dict
+    through rope.served_rope, which says how far a scaled rope is served)."""
     c = hf.config
-    rope = dict(c.rope_parameters)
-    arch = c.model_type if c.model_type in ("qwen2", "mistral", "mixtral") else "llama"
+    rope_scaling, positions = served_rope(
+        c.rope_parameters,
+        c.max_position_embeddings,
+        getattr(c, "original_max_position_embeddings", None),
+    )
+    arch = c.model_type if c.model_type in ("qwen2", "mistral", "mixtral", "qwen3", "phi3") else "llama"
     return ModelConfig(
         architecture=arch,
         vocab_size=c.vocab_size,
@@ -85,12 +95,28 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         num_key_value_heads=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         rms_norm_eps=c.rms_norm_eps,
-        rope_theta=rope["rope_theta"],
-        max_position_embeddings=c.max_position_embeddings,
+        rope_theta=c.rope_parameters["rope_theta"],
+        max_position_embeddings=positions,
         tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
-        rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
-        sliding_window=getattr(c, "sliding_window", None) if arch != "qwen2" else None,
+        rope_scaling=rope_scaling,
+        sliding_window=getattr(c, "sliding_window", None) if arch in ("mistral", "mixtral", "phi3") else None,
         num_local_experts=getattr(c, "num_local_experts", 0),
         num_experts_per_tok=getattr(c, "num_experts_per_tok", 0),
     )
+
+
+@torch.inference_mode()
+def hf_token_by_token(
+    hf: transformers.PreTrainedModel, tokens: list[int], prompt: int
+) -> torch.Tensor:
+    """transformers' fp32 logits of every position: the first `prompt` tokens in one forward,
+    then one token per forward over its KV cache (how it generates; longrope and dynamic NTK
+    rotate differently in one long forward, model/rope.py)."""
+    out = hf(torch.tensor([tokens[:prompt]]), use_cache=True)
+    rows, cache = [out.logits[0]], out.past_key_values
+    for p in range(prompt, len(tokens)):
+        out = hf(torch.tensor([[tokens[p]]]), cache=cache, use_cache=True)
+        rows.append(out.logits[0])
+        cache = out.past_key_values
+    return torch.cat(rows).float()

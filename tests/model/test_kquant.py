@@ -11,12 +11,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from test_fast_paths import _assert_as_close_as_bf16, _model, _run, _tokens
-from test_loader import _write_gguf, tiny_tokenizer  # noqa: F401 (a fixture)
+from test_loader import tiny_tokenizer  # noqa: F401 (a fixture)
 from transformers import PreTrainedTokenizerFast
 
 from iterserve import kernels
 from iterserve.model.kquant import BLOCK_SIZES, KQuantWeight, from_gguf_kquant
 from tiny_checkpoints import tiny_hf_model
+from tiny_gguf import write_gguf
 
 QK = 4
 
@@ -140,7 +141,7 @@ def test_a_gguf_keeps_k_quants_and_says_which_types_it_expands(
     monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_quantized)
     model = tiny_hf_model("llama", vocab_size=300, intermediate_size=256)
     path = tmp_path / "tiny.gguf"
-    _write_gguf(path, "llama", model, tiny_tokenizer)
+    write_gguf(path, "llama", model, tiny_tokenizer, rope_freq_base=1e5)
     with caplog.at_level("WARNING", logger="iterserve.gguf"):
         loaded = load_model(path, dtype=torch.float32)
     assert "Q2_K" in caplog.text and "dequantized" in caplog.text

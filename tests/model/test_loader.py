@@ -6,7 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
@@ -22,6 +21,7 @@ from iterserve.model.loader import (
     load_model,
 )
 from tiny_checkpoints import TINY_SHAPE, save_checkpoint, tiny_hf_model
+from tiny_gguf import write_gguf
 
 VOCAB = 300
 SHAPE = {**TINY_SHAPE, "vocab_size": VOCAB}  # the tiny models' config.json fields
@@ -216,12 +216,13 @@ def test_missing_tokenizer(tmp_path: Path) -> None:
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     path = tmp_path / "phi.gguf"
-    writer = GGUFWriter(path, "phi3")
+    writer = GGUFWriter(path, "gemma2")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="'phi3' is not supported; supported: llama, qwen2"):
+    supported = "supported: llama, phi3, qwen2, qwen3"
+    with pytest.raises(ModelLoadError, match=f"'gemma2' is not supported; {supported}"):
         load_model(path)
 
 
@@ -235,75 +236,13 @@ def test_not_a_gguf(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- tiny GGUF written here
 
 
-def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to Q/K rows, transcribed independently."""
-    return (
-        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-def _write_gguf(
-    path: Path, arch: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
-) -> None:
-    config = model.config
-    writer = GGUFWriter(path, arch)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(1e5)
-    bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in bpe["merges"]])
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHAT_TEMPLATE)
-
-    block = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    for name, tensor in _state_dict(model).items():
-        stem, suffix = name.rsplit(".", 1)
-        layer, _, module = stem.removeprefix("model.layers.").partition(".")
-        gguf_name = (
-            f"{top[stem]}.{suffix}" if stem in top else f"blk.{layer}.{block[module]}.{suffix}"
-        )
-        array = tensor.numpy()
-        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
-            heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
-            array = _llama_cpp_permute(array, heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_gguf_round_trip(
     tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerFast, arch: str
 ) -> None:
     model = tiny_hf_model(arch, vocab_size=VOCAB, tie_word_embeddings=False)
     path = tmp_path / f"tiny-{arch}.F32.gguf"
-    _write_gguf(path, arch, model, tiny_tokenizer)
+    write_gguf(path, arch, model, tiny_tokenizer, chat_template=CHAT_TEMPLATE, rope_freq_base=1e5)
 
     loaded = load_model(path, dtype=torch.float32)
 

@@ -12,7 +12,8 @@ import transformers
 from iterserve import kernels
 from iterserve.model import attention
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
-from iterserve.model.llama import LlamaForCausalLM, rope_inv_freq
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.rope import rope_inv_freq
 from paged_runner import PagedRunner
 from tiny_checkpoints import model_config_of, tiny_hf_model
 
@@ -142,7 +143,9 @@ def test_llama3_rope_scaling_untied() -> None:
     hf = _hf_model(tie_word_embeddings=False, rope_parameters=rope)
     assert "lm_head.weight" in hf.state_dict()
     # Bit-exact frequencies, not merely close logits.
-    assert torch.equal(rope_inv_freq(model_config_of(hf)), hf.model.rotary_emb.inv_freq)
+    c = model_config_of(hf)
+    inv_freq, _ = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+    assert torch.equal(inv_freq, hf.model.rotary_emb.inv_freq)
     runner = PagedRunner(_ours(hf), block_size=4)
     seqs = _prompts([40, 7], seed=6)
     for name, tokens in seqs.items():

@@ -14,7 +14,6 @@ import torch
 import transformers
 from gguf import GGUFWriter
 from safetensors.torch import load_file
-from test_loader import _llama_cpp_permute
 
 from conftest import BUNDLED_GGUF, _save_tiny, bundled_dir
 from iterserve import LLM, SamplingParams, kernels
@@ -24,6 +23,7 @@ from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
 from paged_runner import PagedRunner
 from tiny_checkpoints import model_config_of, tiny_hf_model
+from tiny_gguf import llama_cpp_permute
 from transformers_reference import PROMPTS, reference
 
 EXPERTS, TOP_K = 4, 2
@@ -238,7 +238,7 @@ def _write_mixtral_gguf(path: Path, model_dir: Path) -> None:
         for part in "qkvo":
             tensor = weights[f"{p}self_attn.{part}_proj.weight"]
             if part in heads:
-                tensor = torch.from_numpy(_llama_cpp_permute(tensor.numpy(), heads[part]))
+                tensor = torch.from_numpy(llama_cpp_permute(tensor.numpy(), heads[part]))
             add(f"blk.{i}.attn_{'output' if part == 'o' else part}.weight", tensor)
         add(f"blk.{i}.attn_norm.weight", weights[f"{p}input_layernorm.weight"])
         add(f"blk.{i}.ffn_norm.weight", weights[f"{p}post_attention_layernorm.weight"])

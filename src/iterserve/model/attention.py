@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iterserve.model.attention_metadata import AttentionMetadata
+from iterserve.model.attention_metadata import AttentionMetadata, chunk_mask, decode_mask
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache_format import (
     dequantize_rows,
@@ -63,8 +63,31 @@ class _LayerPlan:
     prefill_masks: list[torch.Tensor | None]  # cast to the compute dtype
 
 
+def _masks_for_window(
+    meta: AttentionMetadata, window: int
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The step's decode and prefill masks for a layer whose window is not the step's
+    (Gemma's full-attention layers beside sliding ones)."""
+    if window == meta.sliding_window:
+        return meta.decode_mask, [c.attn_mask for c in meta.prefills]
+    device = meta.decode_mask.device
+    decode = decode_mask(meta.decode_context_lens, meta.decode_max_blocks, meta.block_size, window)
+    prefill = []
+    for c in meta.prefills:
+        blocks = 0 if c.context_blocks is None else len(c.context_blocks)
+        k = c.query_end - c.query_start
+        mask = chunk_mask(c.num_cached_tokens, k, blocks, meta.block_size, window)
+        prefill.append(None if mask is None else mask.to(device))
+    return decode.to(device), prefill
+
+
 def _build_plan(
-    meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor, dtype: torch.dtype
+    meta: AttentionMetadata,
+    num_heads: int,
+    key_cache: torch.Tensor,
+    dtype: torch.dtype,
+    window: int,
+    explicit: bool,
 ) -> _LayerPlan:
     num_kv_heads, num_blocks, block_size, _ = key_cache.shape
     head_dim = head_dim_of(key_cache)
@@ -76,15 +99,18 @@ def _build_plan(
     def rows(blocks: torch.Tensor | None) -> torch.Tensor | None:
         return None if blocks is None else (heads[:, None] + blocks[None, :]).reshape(-1)
 
+    decode_masks, prefill_masks = _masks_for_window(meta, window)
     key_rows = value_rows = value_offsets = bias = None
     batch = meta.num_decodes
     if batch:
         key_rows = rows(meta.decode_block_table)
         context = meta.decode_max_blocks * block_size
         gathered_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
-        # An int8 pool is always gathered (and dequantized): embedding_bag reads V in place.
-        if gathered_bytes <= _SDPA_DECODE_MAX_BYTES or is_quantized(key_cache):
-            bias = meta.decode_mask.view(batch, 1, 1, context).to(dtype)
+        # An int8 pool is always gathered (and dequantized): embedding_bag reads V in place;
+        # so is an `explicit` (soft-capped) layer's, for _attend_gathered.
+        small = gathered_bytes <= _SDPA_DECODE_MAX_BYTES
+        if small or is_quantized(key_cache) or explicit:
+            bias = decode_masks.view(batch, 1, 1, context).to(dtype)
         else:
             table = meta.decode_block_table.view(batch, meta.decode_max_blocks)
             in_block = torch.arange(block_size, device=device)
@@ -93,30 +119,34 @@ def _build_plan(
             value_rows = heads[:, None, None, None] * block_size + slots[None]
             value_rows = value_rows.expand(num_kv_heads, batch, group, context).reshape(-1)
             value_offsets = torch.arange(0, value_rows.numel(), context, device=device)
-            bias = meta.decode_mask.view(1, batch, 1, context)
+            bias = decode_masks.view(1, batch, 1, context)
     return _LayerPlan(
         decode_key_rows=key_rows,
         decode_value_rows=value_rows,
         decode_value_offsets=value_offsets,
         decode_bias=bias,
         prefill_rows=[rows(c.context_blocks) for c in meta.prefills],
-        prefill_masks=[
-            None if c.attn_mask is None else c.attn_mask.to(dtype) for c in meta.prefills
-        ],
+        prefill_masks=[None if m is None else m.to(dtype) for m in prefill_masks],
     )
 
 
 def _plan(
-    meta: AttentionMetadata, num_heads: int, key_cache: torch.Tensor, dtype: torch.dtype
+    meta: AttentionMetadata,
+    num_heads: int,
+    key_cache: torch.Tensor,
+    dtype: torch.dtype,
+    window: int,
+    explicit: bool,
 ) -> _LayerPlan:
     """Gather rows and typed masks for this cache; the first layer builds, the rest reuse.
 
-    They depend on the cache's shape and dtypes, which `build_attention_metadata` is not told.
+    They depend on the cache's shape and dtypes, which `build_attention_metadata` is not told,
+    and on the layer's window and whether its scores are soft-capped (`explicit`).
     """
-    key = (num_heads, key_cache.shape, key_cache.dtype, dtype)
+    key = (num_heads, key_cache.shape, key_cache.dtype, dtype, window, explicit)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = _build_plan(meta, num_heads, key_cache, dtype)
+        plan = meta.plans[key] = _build_plan(meta, num_heads, key_cache, dtype, window, explicit)
     assert isinstance(plan, _LayerPlan)
     return plan
 
@@ -168,6 +198,7 @@ def _decode_attention(
     value_cache: torch.Tensor,
     plan: _LayerPlan,
     scale: float,
+    softcap: float,
 ) -> torch.Tensor:
     """One query per sequence over its whole context: q [B, heads, head_dim] -> same shape."""
     assert plan.decode_key_rows is not None
@@ -175,13 +206,14 @@ def _decode_attention(
     num_kv_heads = key_cache.shape[0]
     keys = _gather(key_cache, plan.decode_key_rows, batch, q.dtype)
     if plan.decode_value_rows is None:
-        out = F.scaled_dot_product_attention(
+        out = _attend_gathered(
             q.unsqueeze(2),  # [B, heads, 1, head_dim]
             keys.transpose(0, 1),
             _gather(value_cache, plan.decode_key_rows, batch, q.dtype).transpose(0, 1),
-            attn_mask=plan.decode_bias,
-            scale=scale,
-            enable_gqa=True,
+            plan.decode_bias,
+            False,
+            scale,
+            softcap,
         )
         return out.squeeze(2)
     group = num_heads // num_kv_heads
@@ -204,6 +236,34 @@ def _decode_attention(
     return out.view(num_kv_heads, batch, group, head_dim).transpose(0, 1).reshape(q.shape)
 
 
+def _attend_gathered(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """query [N, heads, q, d] over keys/values [N, kv_heads, ctx, d]: flash SDPA, or with
+    `softcap` (Gemma 2: scores -> softcap * tanh(scores / softcap) before the mask, which SDPA
+    cannot express) the textbook form transformers' eager path computes, fp32 softmax."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.full(scores.shape[-2:], float("-inf"), device=scores.device).triu_(1)
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -211,11 +271,15 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns [T, num_heads, head_dim].
 
     q is [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim]. Strided views
     (slices of a fused qkv projection) are fine: nothing here needs them contiguous.
+    `window`: this layer's sliding window (0: none) when it is not the step's; `softcap`:
+    the attention logit soft-cap (0: none).
     """
     key_cache, value_cache = kv_cache
     if meta.kernel is not None:
@@ -224,12 +288,13 @@ def paged_attention(
     # the kernels read them.
     k = _store(key_cache, meta.slot_mapping, k)
     v = _store(value_cache, meta.slot_mapping, v)
-    plan = _plan(meta, q.shape[1], key_cache, q.dtype)
+    window = meta.sliding_window if window is None else window
+    plan = _plan(meta, q.shape[1], key_cache, q.dtype, window, softcap > 0)
 
     outputs: list[torch.Tensor] = []
     if meta.num_decodes:
         outputs.append(
-            _decode_attention(q[: meta.num_decodes], key_cache, value_cache, plan, scale)
+            _decode_attention(q[: meta.num_decodes], key_cache, value_cache, plan, scale, softcap)
         )
     for chunk, rows, mask in zip(meta.prefills, plan.prefill_rows, plan.prefill_masks, strict=True):
         lo, hi = chunk.query_start, chunk.query_end
@@ -242,15 +307,8 @@ def paged_attention(
             values = _gather(value_cache, rows, 1, q.dtype).transpose(0, 1)
         # Flash SDPA (fp32 scores inside, bf16 in and out) is the fastest exact choice for
         # many queries; enable_gqa keeps K/V unrepeated.
-        out = F.scaled_dot_product_attention(
-            query,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=rows is None and mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
+        causal = rows is None and mask is None
+        out = _attend_gathered(query, keys, values, mask, causal, scale, softcap)
         outputs.append(out.squeeze(0).transpose(0, 1))
     if len(outputs) == 1:
         return outputs[0]
@@ -289,20 +347,36 @@ def attention_context(
 
 @torch.library.custom_op("iterserve::attend", mutates_args=())
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """Write layer `layer`'s new K/V for the current step into its cache, then attend.
 
     q [T, heads, head_dim]; k, v [T, kv_heads, head_dim] -> [T, heads, head_dim]. The cache
     write is invisible to the compiler on purpose (the cache is not an argument); nothing in
     a graph reads the cache except through this op, so no reordering can observe it.
+    `window` (0: none) and `softcap` (0: none) are the layer's (paged_attention).
     """
     if _step is None:
         raise RuntimeError("attend() called outside attention_context()")
     # Contiguous, as the fake promises: a compiled graph lays out what follows by it.
-    return paged_attention(q, k, v, _step.kv_caches[layer], _step.meta, scale).contiguous()
+    kv_cache = _step.kv_caches[layer]
+    return paged_attention(q, k, v, kv_cache, _step.meta, scale, window, softcap).contiguous()
 
 
 @attend.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -102,6 +102,36 @@ def _leading(spans: Sequence[SeqSpan], max_query_len: int) -> int:
 BATCH_INVARIANT = 1  # StepTable::kBatchInvariant
 
 
+def decode_mask(lens: Sequence[int], max_blocks: int, block_size: int, window: int) -> torch.Tensor:
+    """[B, max_blocks * block_size] float32 additive: -inf past each context's end and, with a
+    window, at keys more than `window` positions back."""
+    mask = torch.zeros(len(lens), max_blocks * block_size)
+    if lens:
+        key_pos = torch.arange(max_blocks * block_size)
+        ends = torch.tensor(list(lens))[:, None]
+        hidden = key_pos[None, :] >= ends
+        if window:
+            hidden |= key_pos[None, :] <= ends - 1 - window
+        mask.masked_fill_(hidden, float("-inf"))
+    return mask
+
+
+def chunk_mask(
+    n: int, k: int, num_blocks: int, block_size: int, window: int
+) -> torch.Tensor | None:
+    """A prefill chunk's [1, 1, k, keys] additive mask (PrefillChunk.attn_mask); None when
+    plain causal attention over the chunk itself is right."""
+    if not (n > 0 or (window and k > window)):
+        return None
+    positions = torch.arange(n, n + k)
+    # Keys are the cached context (n > 0) or this chunk itself.
+    key_pos = torch.arange(num_blocks * block_size if n > 0 else k)
+    hidden = key_pos[None, :] > positions[:, None]
+    if window:
+        hidden |= key_pos[None, :] <= positions[:, None] - window
+    return torch.zeros(k, len(key_pos)).masked_fill_(hidden, float("-inf"))[None, None]
+
+
 def _kernel_rows(
     spans: Sequence[SeqSpan], block_size: int, device: torch.device, batch_invariant: bool
 ) -> KernelRows:
@@ -149,14 +179,7 @@ def build_attention_metadata(
         blocks = _blocks_for(span, length, block_size)
         table.extend(blocks)
         table.extend([blocks[0]] * (max_blocks - len(blocks)))
-    decode_mask = torch.zeros(num_decodes, max_blocks * block_size)
-    if num_decodes:
-        key_pos = torch.arange(max_blocks * block_size)
-        lens = torch.tensor(decode_lens)[:, None]
-        hidden = key_pos[None, :] >= lens
-        if window:
-            hidden |= key_pos[None, :] <= lens - 1 - window
-        decode_mask.masked_fill_(hidden, float("-inf"))
+    decode_masks = decode_mask(decode_lens, max_blocks, block_size, window)
 
     slots: list[int] = []
     prefills: list[PrefillChunk] = []
@@ -171,16 +194,8 @@ def build_attention_metadata(
         )
         if index >= first_chunk:
             blocks = torch.tensor(block_list, dtype=torch.int64)
-            mask = None
-            if n > 0 or (window and k > window):
-                positions = torch.arange(n, n + k)
-                # Keys are the cached context (n > 0) or this chunk itself.
-                key_pos = torch.arange(len(blocks) * block_size if n > 0 else k)
-                hidden = key_pos[None, :] > positions[:, None]
-                if window:
-                    hidden |= key_pos[None, :] <= positions[:, None] - window
-                mask = torch.zeros(k, len(key_pos)).masked_fill_(hidden, float("-inf"))
-                mask = mask[None, None].to(device)
+            mask = chunk_mask(n, k, len(blocks), block_size, window)
+            mask = None if mask is None else mask.to(device)
             prefills.append(
                 PrefillChunk(
                     query_start=start,
@@ -201,7 +216,7 @@ def build_attention_metadata(
         num_decodes=num_decodes,
         decode_block_table=torch.tensor(table, dtype=torch.int64).to(device),
         decode_max_blocks=max_blocks,
-        decode_mask=decode_mask.to(device),
+        decode_mask=decode_masks.to(device),
         decode_context_lens=decode_lens,
         prefills=prefills,
         max_context_len=max(

@@ -127,8 +127,12 @@ def build_model(
         and device.type == "cpu"
         and loaded.config.head_dim % 32 == 0  # what csrc/paged_attention.cpp is built for
         and loaded.config.head_dim <= 256
+        # The C++ op has no logit soft-cap (Gemma 2): those models attend in torch.
+        and not loaded.config.attn_logit_softcapping
         and kernels.available()
     )
+    if loaded.config.attn_logit_softcapping and kernels.available():
+        logger.info("attention in torch: the C++ paged attention has no logit soft-capping")
     if use_kernel:
         model.use_kernel_ops(kernels.ops())
     # With iterserve's kernels each layer is one C++ op already: a step is ~32 calls with

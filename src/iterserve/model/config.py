@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.model.family import FAMILIES, FamilyTraits
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters in Hugging Face `config.json` terms.
 
-    `architecture` is one of "llama", "mistral", "qwen2", "mixtral" (SmolLM is "llama").
-    `rope_scaling` is the HF dict (e.g. {"rope_type": "llama3", "factor": 8.0, ...}) or None.
+    `architecture` is a key of model/family.py's FAMILIES (SmolLM is "llama").
+    `rope_scaling` is the HF dict (e.g. {"rope_type": "llama3", "factor": 8.0, ...}) or None;
+    model/rope.py lists the variants. `max_position_embeddings` is the longest sequence
+    served (for dynamic NTK and YaRN, the scaled length).
     """
 
     architecture: str
@@ -36,3 +40,25 @@ class ModelConfig:
     # of them each token is routed to. `intermediate_size` is then one expert's width.
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
+    # Which layers the window applies to (Gemma: alternating); None: every layer.
+    sliding_window_layers: tuple[bool, ...] | None = None
+    # Gemma 2: scores -> cap * tanh(scores / cap) in attention, and likewise the logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 3: the sliding-window layers' own (plain) RoPE base; None: all layers share one.
+    local_rope_theta: float | None = None
+
+    def layer_window(self, index: int) -> int:
+        """Layer `index`'s sliding window; 0: full attention."""
+        if not self.sliding_window:
+            return 0
+        if self.sliding_window_layers is None or self.sliding_window_layers[index]:
+            return self.sliding_window
+        return 0
+
+
+    @property
+    def traits(self) -> FamilyTraits:
+        return FAMILIES[self.architecture]

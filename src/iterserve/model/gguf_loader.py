@@ -21,6 +21,7 @@ from iterserve.model.kquant import BlockWeight, from_gguf_kquant
 from iterserve.model.loaded import LoadedModel, ModelLoadError
 from iterserve.model.moe import GGUF_ROUTER, ROUTER, split_gguf_experts
 from iterserve.model.quant import BLOCK_BYTES, from_gguf_blocks
+from iterserve.model.rope import UnsupportedRope, served_rope
 from iterserve.model.tokenizer import tokenizer_from_gguf
 
 logger = logging.getLogger("iterserve.gguf")
@@ -30,7 +31,19 @@ _FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 # GGUF architectures we can run, and the ModelConfig architecture each becomes. llama.cpp stores
 # Mistral as "llama".
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+}
+# Tensors that are rope parameters, not weights: Llama 3's per-frequency divisors and Phi-3's
+# longrope factors (read into ModelConfig.rope_scaling).
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# {arch}.rope.scaling.type values read (llama.cpp's names), and the YaRN keys whose non-default
+# values would change the rotation in ways rope.py does not model.
+_GGUF_ROPE_SCALING = ("none", "linear", "yarn")
+_YARN_UNMODELLED = ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier", "attn_factor")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -43,6 +56,9 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -80,7 +96,7 @@ class GGUFTensorInfo:
 
 def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     metadata, tensors = read_gguf_header(path)
-    config = gguf_model_config(metadata, tensors)
+    config = gguf_model_config(metadata, tensors, _read_rope_tensors(path, tensors))
     weights, quantized = _load_weights(
         path, tensors, config, metadata["general.architecture"], dtype
     )
@@ -174,20 +190,76 @@ class _Cursor:
         return name, tuple(reversed(dims)), qtype, offset
 
 
-def gguf_model_config(metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]) -> ModelConfig:
+def _read_rope_tensors(path: Path, tensors: dict[str, GGUFTensorInfo]) -> dict[str, list[float]]:
+    found = {}
+    with path.open("rb") as file:
+        for name in _ROPE_TENSORS:
+            if (info := tensors.get(name)) is not None:
+                if info.qtype != GGMLQuantizationType.F32:
+                    raise ModelLoadError(f"GGUF tensor {name} is {info.qtype.name}, not F32")
+                file.seek(info.offset)
+                found[name] = np.frombuffer(file.read(info.nbytes), np.float32).tolist()
+    return found
+
+
+def _gguf_rope(
+    metadata: dict[str, Any], arch: str, rope_tensors: dict[str, list[float]], context: int
+) -> dict[str, Any]:
+    """The file's RoPE scaling in HF terms (model/rope.py), from metadata and rope tensors."""
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in _GGUF_ROPE_SCALING:
+        raise ModelLoadError(
+            f"GGUF rope scaling {scaling_type!r} is not supported; supported: "
+            f"{', '.join(_GGUF_ROPE_SCALING)}, Llama 3's rope_freqs and Phi-3's rope factors"
+        )
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in rope_tensors:  # Phi-3 longrope
+        rope: dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": rope_tensors["rope_factors_long.weight"],
+            "short_factor": rope_tensors["rope_factors_short.weight"],
+            "original_max_position_embeddings": original or context,
+        }
+        # llama.cpp's converter stores the attention factor it computed (the same formula).
+        if (attn_factor := metadata.get(f"{arch}.rope.scaling.attn_factor")) is not None:
+            rope["attention_factor"] = float(attn_factor)
+        return rope
+    if "rope_freqs.weight" in rope_tensors:  # Llama 3.1+: the divisors llama.cpp applies
+        if scaling_type != "none":
+            raise ModelLoadError(f"GGUF rope_freqs together with rope scaling {scaling_type!r}")
+        return {"rope_type": "freq_factors", "freq_factors": rope_tensors["rope_freqs.weight"]}
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if scaling_type == "yarn":
+        unmodelled = [
+            k
+            for k in _YARN_UNMODELLED
+            if metadata.get(f"{arch}.rope.scaling.{k}") not in (None, 1.0)
+        ]
+        if unmodelled:
+            raise ModelLoadError(f"GGUF YaRN settings {', '.join(unmodelled)} are not supported")
+        rope = {"rope_type": "yarn", "factor": float(factor)}
+        rope["original_max_position_embeddings"] = original or context
+        for beta in ("beta_fast", "beta_slow"):
+            if (value := metadata.get(f"{arch}.rope.scaling.yarn_{beta}")) is not None:
+                rope[beta] = float(value)
+        return rope
+    return {}
+
+
+def gguf_model_config(
+    metadata: dict[str, Any],
+    tensors: dict[str, GGUFTensorInfo],
+    rope_tensors: dict[str, list[float]] | None = None,
+) -> ModelConfig:
+    """`rope_tensors`: the file's rope tensors (_ROPE_TENSORS) by name, read as float32."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))}"
         )
-    if (
-        "rope_freqs.weight" in tensors
-        or metadata.get(f"{arch}.rope.scaling.type", "none") != "none"
-    ):
-        # Llama 3.1-style scaling is stored as a precomputed frequency tensor llama.cpp applies
-        # itself; running without it would be silently wrong, so refuse rather than guess.
-        raise ModelLoadError("GGUF files with RoPE scaling are not supported; use the HF directory")
 
     def key(name: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{name}", default)
@@ -195,10 +267,28 @@ def gguf_model_config(metadata: dict[str, Any], tensors: dict[str, GGUFTensorInf
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}")
         return value
 
+    rope_tensors = rope_tensors or {}
+    if missing := [n for n in _ROPE_TENSORS if n in tensors and n not in rope_tensors]:
+        raise ModelLoadError(f"GGUF rope tensors {', '.join(missing)} were not read")
+    context = key("context_length")
+    try:
+        rope_scaling, max_positions = served_rope(
+            _gguf_rope(metadata, arch, rope_tensors, context), context
+        )
+    except UnsupportedRope as error:
+        raise ModelLoadError(f"{error}") from error
+    rope_dims = metadata.get(f"{arch}.rope.dimension_count")
+
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
     hidden = key("embedding_length")
     heads = key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    if rope_dims is not None and rope_dims != head_dim:
+        raise ModelLoadError(
+            f"GGUF rope over {rope_dims} of {head_dim} head dimensions (partial rotary) "
+            "is not supported"
+        )
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     # llama.cpp stores Mixtral as "llama" with experts (model/moe.py).
     experts = metadata.get(f"{arch}.expert_count", 0)
@@ -219,12 +309,14 @@ def gguf_model_config(metadata: dict[str, Any], tensors: dict[str, GGUFTensorInf
         num_hidden_layers=key("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
-        head_dim=key("attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=key("context_length"),
+        max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        rope_scaling=rope_scaling,
+        sliding_window=metadata.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
         num_local_experts=experts,
@@ -232,9 +324,12 @@ def gguf_model_config(metadata: dict[str, Any], tensors: dict[str, GGUFTensorInf
     )
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] in _BLOCK_NAMES:
-        return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+        module = _BLOCK_NAMES[match[2]]
+        if gguf_arch == "phi3" and match[2] == "ffn_up":  # Phi-3's fused gate and up
+            module = "mlp.gate_up_proj"
+        return f"model.layers.{match[1]}.{module}.{match[3]}"
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
@@ -281,6 +376,8 @@ def _load_weights(
         # thousands of times and every np.memmap slice pays for __array_finalize__ (2.5x slower, once).
         data = np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
     for info in tensors.values():
+        if info.name in _ROPE_TENSORS:
+            continue
         raw = data[info.offset : info.offset + info.nbytes]
         try:
             array = dequantize(raw.reshape(*info.shape[:-1], -1), info.qtype).reshape(info.shape)
@@ -291,7 +388,7 @@ def _load_weights(
         if (experts := split_gguf_experts(info.name, tensor)) is not None:
             weights.update((n, t.to(dtype).contiguous()) for n, t in experts.items())
             continue
-        name = hf_tensor_name(info.name)
+        name = hf_tensor_name(info.name, gguf_arch)
         blocks: BlockWeight | None = None
         qtype = info.qtype.name
         if qtype in BLOCK_BYTES and len(info.shape) == 2:

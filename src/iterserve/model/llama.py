@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) as one network over a paged KV cache.
+"""The Llama-style decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3, SmolLM) as one
+network over a paged KV cache; what sets a family apart is a named trait (model/family.py)
+or a number on ModelConfig, and RoPE variants live in model/rope.py.
 
 The engine calls `forward` once per step on a flat ragged batch. q/k/v and gate/up are fused
 into one projection each at load time, the rotary table is built once and indexed once per
@@ -11,7 +13,6 @@ token count, attention being an opaque op that reads the step from a context.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from iterserve.model.config import ModelConfig
 from iterserve.model.linear import Backend, DenseFormat, Linear
 from iterserve.model.moe import SparseMoeBlock
 from iterserve.model.quant import QuantizedWeight
+from iterserve.model.rope import apply_rope, rope_tables
 from iterserve.model.tensor_parallel import TensorParallel
 
 
@@ -39,61 +41,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (x * inv_rms.to(x.dtype)).mul_(weight)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim / 2], float32, as transformers computes them."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type != "llama3":
-        raise NotImplementedError(f"rope scaling {rope_type!r} is not supported")
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling.get(
-        "original_max_position_embeddings", config.max_position_embeddings
-    )
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
-
-
-def _rope_tables(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin, each [max_positions, head_dim] in the model dtype.
-
-    Computed in fp32 then cast, like transformers. The sin table carries rotate_half's minus
-    sign on its first half, so applying rope is a swap of halves plus one addcmul.
-    """
-    inv_freq = rope_inv_freq(config)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq[None, :]
-    cos = torch.cat((freqs, freqs), dim=-1).cos()
-    sin = freqs.sin()
-    signed_sin = torch.cat((-sin, sin), dim=-1)
-    return cos.to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] with cos/sin [T, 1, head_dim]: x*cos + rotate_half(x)*sin."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
-
-
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -104,6 +51,12 @@ _FUSED = {
     "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
+}
+# The same for checkpoints that store them fused already (FamilyTraits.fused_checkpoint).
+_FUSED_IN_CHECKPOINT = {
+    **_FUSED,
+    "qkv": ("self_attn.qkv_proj",),
+    "gate_up": ("mlp.gate_up_proj",),
 }
 
 
@@ -141,8 +94,14 @@ class _DecoderLayer(nn.Module):
         self.kv_size = self.num_kv_heads * head_dim
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
-        self.scale = head_dim**-0.5
-        self.sliding_window = config.sliding_window or 0
+        self.scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
+        self.sliding_window = config.layer_window(index)
+        self.softcap = config.attn_logit_softcapping or 0.0
+        # Gemma 3: sliding layers rotate with their own RoPE base (the model's local tables).
+        self.local_rope = config.local_rope_theta is not None and self.sliding_window > 0
+        traits = config.traits
+        self.gelu = traits.activation == "gelu_tanh"
+        self.checkpoint_parts = _FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED
         like = {"dtype": dtype, "device": device}
         self.input_norm = _weight(hidden, **like)
         self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, hidden, **like)
@@ -150,10 +109,19 @@ class _DecoderLayer(nn.Module):
             _weight(self.q_size + 2 * self.kv_size, **like) if config.attention_bias else None
         )
         self.o_weight = _weight(hidden, self.q_size, **like)
-        # Llama's attention_bias also biases o_proj; Qwen2 biases only q/k/v.
-        has_o_bias = config.attention_bias and config.architecture != "qwen2"
+        has_o_bias = config.attention_bias and traits.o_proj_bias
         self.o_bias = _weight(hidden, **like) if has_o_bias else None
-        self.post_norm = _weight(hidden, **like)
+        # q/k norms (Qwen3, Gemma 3) as one weight over the fused q and k heads: the q_norm row
+        # repeated per query head, then the k_norm row per kv head, so one norm call does both.
+        self.qk_norm = (
+            _weight(self.num_heads + self.num_kv_heads, head_dim, **like)
+            if traits.qk_norm
+            else None
+        )
+        self.post_norm = _weight(hidden, **like)  # before the MLP
+        # Sandwich norms (Gemma): on the attention and MLP outputs, before the residual adds.
+        self.attn_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
+        self.mlp_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
         # The MLP: dense (fused gate+up, then down), or Mixtral's experts (model/moe.py).
         self.moe = SparseMoeBlock(config, dtype, device) if config.num_local_experts else None
         dense = self.moe is None
@@ -181,7 +149,7 @@ class _DecoderLayer(nn.Module):
         self.fused = None
         if self.moe is not None:
             self.moe.prepare(backend, dense_format)
-        for name, parts in _FUSED.items():
+        for name, parts in self.checkpoint_parts.items():
             if self.moe is not None and name in ("gate_up", "down"):
                 continue
             weight = getattr(self, f"{name}_weight")
@@ -198,13 +166,26 @@ class _DecoderLayer(nn.Module):
         if self.moe is not None:  # the C++ layer op has a dense MLP
             return
         tiled = [self.linears[name] for name in _FUSED]
-        if all(lin.backend == "tiled" for lin in tiled) and self.head_dim % 32 == 0:
+        # The C++ layer op is Llama's layer; others run op by op (the C++ attention still).
+        fits_layer_op = self.head_dim % 32 == 0 and self.is_llama_layer
+        if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             self.fused = (
                 [t for lin in tiled for t in lin.kernel_tensors],
                 [code for lin in tiled for code in lin.format_codes],
                 [lin.max_tile_rows for lin in tiled],
             )
+
+    @property
+    def is_llama_layer(self) -> bool:
+        """Nothing but Llama's parts (what the fused C++ layer op computes)."""
+        return (
+            self.qk_norm is None
+            and self.attn_out_norm is None
+            and not self.gelu
+            and not self.softcap
+            and not self.local_rope
+        )
 
     def forward_fused(
         self,
@@ -245,7 +226,9 @@ class _DecoderLayer(nn.Module):
         qkv = linears["qkv"](_rms_norm(hidden, self.input_norm, self.eps))
         # q and k share one rope call: they sit side by side in the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        qk = _apply_rope(qk, cos, signed_sin)
+        if self.qk_norm is not None:
+            qk = _rms_norm(qk, self.qk_norm, self.eps)
+        qk = apply_rope(qk, cos, signed_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if step is not None:  # the C++ op: store K/V, attend every row, one call
@@ -253,16 +236,32 @@ class _DecoderLayer(nn.Module):
                 q, k, v, *kv_cache, slot_mapping, step, self.scale, self.sliding_window
             )
         else:
-            attn = attend(q, k, v, self.index, self.scale)
-        hidden = self._project_out(linears["o"], attn.reshape(num_tokens, self.q_size), hidden)
+            attn = attend(q, k, v, self.index, self.scale, self.sliding_window, self.softcap)
+        attn = attn.reshape(num_tokens, self.q_size)
+        hidden = self._block_out(linears["o"], attn, hidden, self.attn_out_norm)
         normed = _rms_norm(hidden, self.post_norm, self.eps)
         if self.moe is not None:
             if self.tp is None:
                 return self.moe(normed, hidden)
             return self.tp.all_reduce(self.moe(normed, hidden if self.tp.rank == 0 else None))
         gate_up = linears["gate_up"](normed)
-        act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-        return self._project_out(linears["down"], act, hidden)
+        gate = gate_up[:, : self.intermediate]
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        act = gate.mul_(gate_up[:, self.intermediate :])
+        return self._block_out(linears["down"], act, hidden, self.mlp_out_norm)
+
+    def _block_out(
+        self,
+        linear: Linear,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        out_norm: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """residual + the block's output projection, normed first with sandwich norms."""
+        if out_norm is None:
+            return self._project_out(linear, x, residual)
+        assert self.tp is None  # refused by tensor_parallel.check_shardable
+        return _rms_norm(linear(x), out_norm, self.eps).add_(residual)
 
     def _project_out(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x @ W.T + residual. Under tensor parallelism W is split by input columns: each
@@ -286,8 +285,6 @@ class LlamaForCausalLM(nn.Module):
         """`tp`: this network is one rank's shard (`config` then being the shard's shape,
         model/tensor_parallel.py); it runs the torch backend, eager."""
         super().__init__()
-        if config.architecture not in ("llama", "mistral", "qwen2", "mixtral"):
-            raise ValueError(f"unsupported architecture {config.architecture!r}")
         self.config = config
         self.dtype = dtype
         self.tp = tp
@@ -302,9 +299,23 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _weight(config.vocab_size, config.hidden_size, **like)
         )
-        cos, signed_sin = _rope_tables(config, dtype, device)
+        positions = config.max_position_embeddings
+        cos, signed_sin = rope_tables(
+            config.head_dim, config.rope_theta, config.rope_scaling, positions, dtype, device
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
+        self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
+        if config.local_rope_theta is not None:  # Gemma 3's sliding layers: plain RoPE
+            self.rope_local = rope_tables(
+                config.head_dim, config.local_rope_theta, None, positions, dtype, device
+            )
+        # Gemma: sqrt(hidden) rounded to the model dtype, as transformers does.
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
+            if config.traits.embed_scale
+            else None
+        )
         self.head: Linear | None = None
         self.fused_layers = False
         self.backend: Backend = "torch"
@@ -324,6 +335,8 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate
             qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+            if c.traits.fused_checkpoint:  # Phi-3: already [q; k; v]
+                qkv_rows = {"qkv_proj": (0, q + 2 * kv)}
             for name, (lo, hi) in qkv_rows.items():
                 targets[f"{p}self_attn.{name}.weight"] = (
                     layer.qkv_weight[lo:hi],
@@ -336,8 +349,12 @@ class LlamaForCausalLM(nn.Module):
                 targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, (c.hidden_size,))
             if layer.moe is not None:
                 targets.update(layer.moe.targets(p))
+            elif c.traits.fused_checkpoint:  # Phi-3: already [gate; up]
+                targets[f"{p}mlp.gate_up_proj.weight"] = (
+                    layer.gate_up_weight,
+                    (2 * inter, c.hidden_size),
+                )
             else:
-                assert layer.gate_up_weight is not None and layer.down_weight is not None
                 targets[f"{p}mlp.gate_proj.weight"] = (
                     layer.gate_up_weight[:inter],
                     (inter, c.hidden_size),
@@ -346,9 +363,28 @@ class LlamaForCausalLM(nn.Module):
                     layer.gate_up_weight[inter:],
                     (inter, c.hidden_size),
                 )
+            if layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
+                heads = layer.num_heads
+                targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:heads], (c.head_dim,))
+                targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[heads:], (c.head_dim,))
+            if layer.down_weight is not None:
                 targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
             targets[f"{p}input_layernorm.weight"] = (layer.input_norm, (c.hidden_size,))
-            targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))
+            if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+                targets[f"{p}pre_feedforward_layernorm.weight"] = (
+                    layer.post_norm,
+                    (c.hidden_size,),
+                )
+                targets[f"{p}post_attention_layernorm.weight"] = (
+                    layer.attn_out_norm,
+                    (c.hidden_size,),
+                )
+                targets[f"{p}post_feedforward_layernorm.weight"] = (
+                    layer.mlp_out_norm,
+                    (c.hidden_size,),
+                )
+            else:
+                targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))
         return targets
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -377,9 +413,13 @@ class LlamaForCausalLM(nn.Module):
             problems.append(f"mis-shaped {len(misshaped)}: {'; '.join(misshaped[:8])}")
         if problems:
             raise ValueError("cannot load weights: " + " | ".join(problems))
+        offset = self.config.traits.norm_offset
         with torch.no_grad():
             for name, (dest, _) in targets.items():
-                dest.copy_(weights[name])
+                weight = weights[name]
+                if offset and "norm" in name:  # Gemma's norms scale by (1 + weight)
+                    weight = weight.float() + 1
+                dest.copy_(weight)
 
     def prepare(
         self,
@@ -468,13 +508,21 @@ class LlamaForCausalLM(nn.Module):
         step: torch.Tensor | None,
     ) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         if step is not None and self.fused_layers:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
             return hidden
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
-        signed_sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
+        rope = [
+            table.index_select(0, positions).unsqueeze(1)
+            for table in (self.rope_cos, self.rope_signed_sin)
+        ]
+        local = rope
+        if self.rope_local is not None:
+            local = [table.index_select(0, positions).unsqueeze(1) for table in self.rope_local]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, signed_sin = local if layer.local_rope else rope
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)
         return hidden
 
@@ -500,4 +548,7 @@ class LlamaForCausalLM(nn.Module):
         )
         # Logits unrounded where the kernel allows: in bf16, logits near 16 are 1/8 apart and
         # close calls become ties (the bundled model's first answer token was one).
-        return self.head(hidden, fp32_out=True).float()
+        logits = self.head(hidden, fp32_out=True).float()
+        if cap := self.config.final_logit_softcapping:  # Gemma 2
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits

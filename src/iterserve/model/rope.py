@@ -1,0 +1,240 @@
+"""Rotary position embeddings: every RoPE variant iterserve runs, as one table per model.
+
+A variant is a rule for the rotation frequencies of each position. The model never computes
+them per step: `rope_tables` builds cos and (sign-folded) sin for every position once, and a
+step indexes rows by position, in torch or in the C++ layer op alike. That also settles the
+two variants whose frequencies transformers changes with the sequence length:
+
+- ``longrope`` (Phi-3/3.5): transformers uses the short factors for a whole forward whose
+  longest position is inside ``original_max_position_embeddings`` and the long factors for
+  all of it otherwise. iterserve rotates position p with the long factors iff
+  p >= original_max_position_embeddings. That is exactly what transformers computes when it
+  generates token by token past the original context (each new token's forward is "long",
+  the cached keys keep the rotation they had), and exactly a single forward's result while the
+  sequence fits the original context; a single transformers forward over a longer prompt
+  rotates its early positions with the long factors instead.
+- ``dynamic`` (NTK): the base grows with the sequence length L = max(p + 1, original); iterserve
+  freezes position p at L = p + 1, again transformers' token-by-token result.
+
+Every variant is checked against transformers' own rotary embedding and model past the
+original context (tests/test_rope.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+# rope_type values (HF's spelling) iterserve runs. "freq_factors" is llama.cpp's form of
+# Llama 3 scaling: a GGUF stores the per-frequency divisors as the `rope_freqs` tensor.
+SUPPORTED_ROPE_TYPES = (
+    "default",
+    "linear",
+    "llama3",
+    "yarn",
+    "longrope",
+    "dynamic",
+    "freq_factors",
+)
+# Variants whose rotation changes with the position beyond the original context.
+_POSITION_DEPENDENT = ("longrope", "dynamic")
+
+
+class UnsupportedRope(ValueError):
+    """A rope configuration iterserve does not run; the message names it."""
+
+
+def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
+    scaling = scaling or {}
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
+    """Refuse what `rope_tables` cannot build, naming it and what is supported."""
+    rope_type = rope_type_of(scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedRope(
+            f"rope scaling {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = (scaling or {}).get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise UnsupportedRope(f"partial rotary embeddings (partial_rotary_factor={partial})")
+
+
+def _default_inv_freq(head_dim: int, theta: float | torch.Tensor) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(
+    head_dim: int, theta: float, scaling: Mapping[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, ramp between the
+    dimensions that turn beta_fast and beta_slow times over the original context; cos and
+    sin are scaled by the attention factor (0.1 ln(factor) + 1, or the configured one)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _longrope_attention_factor(scaling: Mapping[str, Any], max_positions: int) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Mapping[str, Any] | None, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] (float32, as transformers computes them) and the
+    factor cos/sin are scaled by, for the variants whose frequencies do not move with the
+    position. (longrope and dynamic: their frequencies inside the original context.)"""
+    check_rope_scaling(scaling)
+    scaling = scaling or {}
+    rope_type = rope_type_of(scaling)
+    inv_freq = _default_inv_freq(head_dim, theta)
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32), 1.0
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling, max_positions)
+    if rope_type == "longrope":
+        short = _longrope_inv_freq(head_dim, theta, scaling["short_factor"])
+        return short, _longrope_attention_factor(scaling, max_positions)
+    return inv_freq, 1.0  # default; dynamic inside its original context
+
+
+def _position_freqs(
+    head_dim: int, theta: float, scaling: Mapping[str, Any] | None, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """Rotation angles [max_positions, head_dim / 2] (float32) and the cos/sin factor."""
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
+    rope_type = rope_type_of(scaling)
+    if rope_type not in _POSITION_DEPENDENT:
+        return positions[:, None] * inv_freq[None, :], attention_factor
+    assert scaling is not None
+    original = scaling["original_max_position_embeddings"]
+    if rope_type == "longrope":
+        long = _longrope_inv_freq(head_dim, theta, scaling["long_factor"])
+        per_position = torch.where(positions[:, None] >= original, long, inv_freq)
+    else:  # dynamic NTK: the base transformers uses for a sequence of p + 1 tokens
+        factor = scaling["factor"]
+        seq_len = torch.clamp(positions + 1, min=original)
+        base = theta * ((factor * seq_len / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        per_position = _default_inv_freq(head_dim, base[:, None])
+    return positions[:, None] * per_position, attention_factor
+
+
+def rope_tables(
+    head_dim: int,
+    theta: float,
+    scaling: Mapping[str, Any] | None,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin, each [max_positions, head_dim] in the model dtype.
+
+    Computed in fp32 then cast, like transformers (which also scales both by the variant's
+    attention factor). The sin table carries rotate_half's minus sign on its first half, so
+    applying rope is a swap of halves plus one addcmul.
+    """
+    freqs, attention_factor = _position_freqs(head_dim, theta, scaling, max_positions)
+    cos = torch.cat((freqs, freqs), dim=-1).cos() * attention_factor
+    sin = freqs.sin() * attention_factor
+    signed_sin = torch.cat((-sin, sin), dim=-1)
+    return cos.to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] with cos/sin [T, 1, head_dim]: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+def served_rope(
+    scaling: Mapping[str, Any] | None, max_positions: int, original: int | None = None
+) -> tuple[dict[str, Any] | None, int]:
+    """A checkpoint's rope dict (HF keys) -> (the scaling rope_tables reads, or None for plain
+    RoPE; the number of positions served).
+
+    `original` is the pretraining context when the config keeps it outside the dict (Phi-3's
+    top-level original_max_position_embeddings). Dynamic NTK scales past max_position_embeddings
+    (which transformers treats as the original context), YaRN past its original context, by
+    `factor`: both are served that far. Raises UnsupportedRope for what is not run.
+    """
+    check_rope_scaling(scaling)
+    rope = {k: v for k, v in (scaling or {}).items() if k not in ("rope_theta", "type")}
+    rope_type = rope["rope_type"] = rope_type_of(scaling)
+    rope.pop("partial_rotary_factor", None)
+    if rope_type == "default":
+        return None, max_positions
+    if rope_type == "dynamic":
+        rope["original_max_position_embeddings"] = max_positions
+        return rope, int(max_positions * rope["factor"])
+    rope.setdefault("original_max_position_embeddings", original or max_positions)
+    if rope_type == "yarn":
+        extended = int(rope["original_max_position_embeddings"] * (rope.get("factor") or 1))
+        return rope, max(max_positions, extended)
+    return rope, max_positions

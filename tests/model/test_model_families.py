@@ -1,0 +1,231 @@
+"""Every dense family beyond Llama (model/family.py) against transformers: tiny random
+checkpoints written with transformers' own classes, as an HF directory and as GGUF (F32 and
+Q8_0) through the loader, the paged model and the engine; and the fast paths against eager."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType
+
+from iterserve import kernels
+from iterserve.engine.llm import LLM
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import load_model
+from iterserve.sampling_params import SamplingParams
+from paged_runner import PagedRunner
+from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
+from tiny_gguf import write_gguf
+
+VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
+ORIGINAL = 64  # Phi-3's original context: the tests run past it
+
+
+def _family_model(family: str) -> transformers.PreTrainedModel:
+    shape: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        weight_std=0.15,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=family == "qwen3",
+        attn_implementation="eager",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "qwen3":
+        return tiny_hf_model("qwen3", **shape, head_dim=64, max_position_embeddings=256)
+    gemma = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=24)
+    if family == "gemma2":  # soft-caps low enough to bite at these logit sizes
+        return tiny_hf_model(
+            "gemma2", **shape, **gemma, attn_logit_softcapping=4.0, final_logit_softcapping=15.0
+        )
+    if family == "gemma3":  # a sliding layer (local rope) then a full one (linear scaling)
+        rope = {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+        layer_types = ["sliding_attention", "full_attention"]
+        return tiny_hf_model(
+            "gemma3", **shape, **gemma, rope_parameters=rope, layer_types=layer_types
+        )
+    rng = random.Random(0)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + rng.random() * 0.5 for _ in range(16)],
+        "long_factor": [1.0 + rng.random() * 8 for _ in range(16)],
+    }
+    return tiny_hf_model(
+        "phi3",
+        **shape,
+        max_position_embeddings=4 * ORIGINAL,
+        original_max_position_embeddings=ORIGINAL,
+        rope_parameters=rope,
+        sliding_window=48,
+        pad_token_id=0,
+    )
+
+
+FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3"]
+GGUF_FAMILIES = ("qwen3", "phi3")  # Gemma GGUFs are refused (docs/models.md)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> tuple[str, transformers.PreTrainedModel]:
+    return request.param, _family_model(request.param)
+
+
+def _gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], dict]:
+    """What llama.cpp's converter adds for Phi-3: longrope factors and the window."""
+    c = hf.config
+    if c.model_type != "phi3":
+        return {}, {}
+    rope = c.rope_parameters
+    scale = c.max_position_embeddings / ORIGINAL
+    attn_factor = (1 + torch.tensor(scale).log() / torch.tensor(float(ORIGINAL)).log()).sqrt()
+    metadata = {
+        "rope.scaling.original_context_length": ORIGINAL,
+        "rope.scaling.attn_factor": float(attn_factor),
+        "attention.sliding_window": c.sliding_window,
+    }
+    factors = {
+        "rope_factors_long": torch.tensor(rope["long_factor"]).numpy(),
+        "rope_factors_short": torch.tensor(rope["short_factor"]).numpy(),
+    }
+    return metadata, factors
+
+
+def _checkpoint(
+    kind: str, hf: transformers.PreTrainedModel, out: Path, tokenizer_dir: Path
+) -> Path:
+    """`hf` saved as an HF directory or as a GGUF file of this kind (its q/k/v rows as
+    llama.cpp's converter writes them)."""
+    if kind == "hf":
+        return save_checkpoint(hf, out, tokenizer_dir)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    metadata, factors = _gguf_metadata(hf)
+    path = out / f"tiny.{kind}.gguf"
+    qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.F32
+    write_gguf(
+        path,
+        hf.config.model_type,
+        hf,
+        tokenizer,
+        qtype=qtype,
+        metadata=metadata,
+        rope_tensors=factors,
+    )
+    return path
+
+
+@pytest.mark.parametrize("kind", ["hf", "f32", "q8_0"])
+def test_checkpoints_match_transformers_through_chunks_and_decodes(
+    family: tuple[str, transformers.PreTrainedModel],
+    kind: str,
+    tmp_path: Path,
+    tokenizer_dir: Path,
+) -> None:
+    """Chunked prefill (over cached prefixes, past Phi-3's window and original context)
+    mixed with decodes, against transformers over the weights the loader produced (for Q8_0,
+    the dequantized ones: the format's rounding is not ours to check here)."""
+    name, hf = family
+    if kind != "hf" and name not in GGUF_FAMILIES:
+        pytest.skip(f"{name} GGUF files are not supported")
+    loaded = load_model(_checkpoint(kind, hf, tmp_path, tokenizer_dir), torch.float32)
+    assert loaded.config.architecture == name
+    reference = hf
+    if kind == "q8_0":
+        reference = _family_model(name)
+        missing = reference.load_state_dict(loaded.weights, strict=False).missing_keys
+        assert missing in ([], ["lm_head.weight"])  # tied: the embedding
+    ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
+    ours.load_weights(loaded.weights)
+    rng = random.Random(3)
+    seqs = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate((90, 20))}
+    runner = PagedRunner(ours, block_size=8, num_blocks=64)
+    for seq, tokens in seqs.items():
+        runner.add(seq, tokens)
+    got: dict[str, list[torch.Tensor]] = {seq: [] for seq in seqs}
+    for plan in ([("s0", 30), ("s1", 12)], [("s1", 1), ("s0", 45)], [("s1", 1), ("s0", 15)]):
+        for seq, logits in runner.step(plan).items():
+            got[seq].append(logits)
+    for seq, tokens in seqs.items():
+        computed = runner.computed[seq]
+        ref = hf_token_by_token(reference, tokens[:computed], prompt=min(computed, ORIGINAL))
+        torch.testing.assert_close(torch.cat(got[seq]), ref, atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def _greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):  # no generate(): Phi-3's recomputes its cache at the longrope switch
+        tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
+    family: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    _, hf = family
+    directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
+    rng = random.Random(4)
+    shared = [rng.randrange(3, VOCAB) for _ in range(24)]
+    prompts = [shared + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 9)]
+    expected = [_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(
+        str(directory),
+        dtype="float32",
+        compile=False,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
+    second = llm.generate(prompts, params, use_tqdm=False)
+    assert [first[0].token_ids] == expected[:1]
+    assert [o.token_ids for o in second] == expected
+    assert second[1].num_cached_tokens > 0  # the shared prefix came from the cache
+
+
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+
+
+@needs_kernels
+def test_fast_paths_keep_the_eager_greedy_tokens(
+    family: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """bf16 tiled kernels with the C++ attention (Phi-3: the fused layer op, window included;
+    the others op by op; Gemma 2 attends in torch, for its soft-cap) against bf16 eager."""
+    name, hf = family
+    config = load_model(save_checkpoint(hf, tmp_path, tokenizer_dir), torch.float32).config
+    rng = random.Random(5)
+    tokens = [rng.randrange(VOCAB) for _ in range(100)]
+    rows = {}
+    for fast in (False, True):
+        model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
+        model.load_weights(dict(hf.state_dict()))
+        model.prepare("tiled" if fast else "torch")
+        assert model.fused_layers == (fast and name == "phi3")
+        kernel = fast and name != "gemma2"
+        runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=kernel)
+        runner.add("s", tokens)
+        out = [runner.step([("s", n)])["s"] for n in (40, 30)]
+        out += [runner.step([("s", 1)])["s"] for _ in range(30)]
+        rows[fast] = torch.cat(out).float()
+    ref, got = rows[False], rows[True]
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()
+    # A vocabulary of 49152 random rows leaves many near-ties: a third of rows clear is plenty.
+    assert int(clear.sum()) >= 0.3 * len(ref)
+    assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()

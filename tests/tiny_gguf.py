@@ -1,0 +1,124 @@
+"""Tiny GGUF files written with the `gguf` package's writer from a transformers model, the way
+llama.cpp's convert_hf_to_gguf.py lays them out (transcribed independently of our loader)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+# HF module name in a layer -> GGUF tensor name in a block.
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: fused gate and up as one ffn_up
+    "mlp.down_proj": "ffn_down",
+}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Llama's Q/K rows."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    chat_template: str | None = None,
+    state: Mapping[str, torch.Tensor] | None = None,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    rope_freq_base: float | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    rope_tensors: Mapping[str, np.ndarray] | None = None,
+) -> None:
+    """`model`'s weights (or `state`, HF-named) as a GGUF of architecture `arch`; 2-D
+    projections in `qtype` (norms, embedding and head stay F32). `metadata`: extra keys
+    (without the `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}."""
+    config = model.config
+    writer = GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
+    for key, value in (metadata or {}).items():
+        full = f"{arch}.{key}"
+        if isinstance(value, str):
+            writer.add_string(full, value)
+        elif isinstance(value, float):
+            writer.add_float32(full, value)
+        else:
+            writer.add_uint32(full, value)
+    bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in bpe["merges"]])
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    for name, array in (rope_tensors or {}).items():
+        writer.add_tensor(f"{name}.weight", np.ascontiguousarray(array, dtype=np.float32))
+    if state is None:
+        state = dict(model.state_dict())
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+    for name, tensor in state.items():
+        stem, suffix = name.rsplit(".", 1)
+        layer, _, module = stem.removeprefix("model.layers.").partition(".")
+        gguf_name = (
+            f"{_TOP[stem]}.{suffix}" if stem in _TOP else f"blk.{layer}.{_BLOCK[module]}.{suffix}"
+        )
+        array = tensor.float().numpy()
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
+        array = np.ascontiguousarray(array)
+        if (
+            qtype != GGMLQuantizationType.F32
+            and module
+            and array.ndim == 2
+            and "norm" not in module
+        ):
+            writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
