@@ -9,6 +9,10 @@ p50 of one-at-a-time streams and output tok/s of `--streams` concurrent ones (th
 is iterserve's own, `iterserve bench serve`'s). Then the on/off ratio of each figure's
 median over the rounds. Prints the CPU's ISA; writes JSON. Asserts nothing.
 
+Each offline measurement runs in a process of its own: two engines in one process, one
+stepping on the main thread and one on a step thread, would make OpenMP slow both down
+(engine/step_pipeline.py says why), which is not what either setting costs.
+
     .venv/bin/python benchmarks/async_scheduling.py [--rounds 3] [--batches 1,16,64]
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,6 +59,29 @@ def offline(llm: LLM, batch: int, prompt_len: int, output_len: int, index: int) 
     return Figure(index, "", f"decode b{batch}", decode_tok_s, "tok/s", outside)
 
 
+def offline_child(
+    setting: str, batches: list[int], prompt_len: int, output_len: int, index: int
+) -> None:
+    """In a child process: one engine, every batch size; the figures as JSON on stdout."""
+    llm = LLM(enable_prefix_caching=False, async_scheduling=SETTINGS[setting])
+    figures = [offline(llm, b, prompt_len, output_len, index) for b in batches]
+    llm.close()
+    print(json.dumps([asdict(f) for f in figures]))
+
+
+def offline_in_child(
+    setting: str, batches: list[int], prompt_len: int, output_len: int, index: int
+) -> list[Figure]:
+    args = [setting, ",".join(map(str, batches)), str(prompt_len), str(output_len), str(index)]
+    result = subprocess.run(
+        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True
+    )
+    figures = [Figure(**f) for f in json.loads(result.stdout.strip().splitlines()[-1])]
+    for figure in figures:
+        figure.setting = setting
+    return figures
+
+
 def served(
     server: ServerProcess, streams: int, requests: int, prompt_len: int, output_len: int, seed: int
 ) -> tuple[float, float]:
@@ -84,9 +113,6 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     print(cpu_line(), flush=True)
 
-    engines = {
-        name: LLM(enable_prefix_caching=False, async_scheduling=on) for name, on in SETTINGS.items()
-    }
     servers: dict[str, ServerProcess] = {}
     if not args.no_served:
         for name, on in SETTINGS.items():
@@ -99,9 +125,8 @@ def main() -> None:
             # within a round does not favour one.
             order = list(SETTINGS) if index % 2 == 0 else list(reversed(SETTINGS))
             for name in order:
-                for batch in batches:
-                    figure = offline(engines[name], batch, args.prompt_len, args.output_len, index)
-                    figure.setting = name
+                lens = (args.prompt_len, args.output_len)
+                for figure in offline_in_child(name, batches, *lens, index):
                     figures.append(figure)
                     print(f"round {index} {name:3s} {figure.what:>18s} "
                           f"{figure.value:9.1f} tok/s  outside forward "
@@ -119,8 +144,6 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
-        for llm in engines.values():
-            llm.close()
     summary = {}
     for what in dict.fromkeys(f.what for f in figures):
         medians = {
@@ -144,4 +167,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--child"]:
+        setting, batches, prompt_len, output_len, index = sys.argv[2:7]
+        sizes = [int(b) for b in batches.split(",")]
+        offline_child(setting, sizes, int(prompt_len), int(output_len), int(index))
+    else:
+        main()

@@ -89,15 +89,20 @@ class EngineCore:
     scheduler_type: type[Scheduler] = Scheduler
 
     def __init__(
-        self, scheduler: Scheduler, executor: Executor, async_scheduling: bool = False
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        async_scheduling: bool = False,
+        pipeline: StepPipeline | None = None,
     ) -> None:
         """`async_scheduling`: plan each step while the one before it runs (ignored with
-        speculative decoding, whose guesses need the last step's accepted tokens)."""
+        speculative decoding, whose guesses need the last step's accepted tokens), on
+        `pipeline`'s thread if given (the one the executor was built on), else a new one."""
         self.scheduler = scheduler
         self.executor = executor
         self.stats = StepStats()
         self.async_scheduling = async_scheduling and scheduler.proposer is None
-        self._pipeline = StepPipeline(executor) if self.async_scheduling else None
+        self._pipeline = (pipeline or StepPipeline()) if self.async_scheduling else None
         self._in_flight: _InFlight | None = None
 
     @classmethod
@@ -110,6 +115,7 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         proposer: Proposer | None = None,
         async_scheduling: bool = False,
+        pipeline: StepPipeline | None = None,
     ) -> Self:
         """A scheduler over a block pool of `num_blocks`, driving `executor`; `proposer`
         makes speculative drafts if config.speculative asks for them (default: n-gram)."""
@@ -123,7 +129,7 @@ class EngineCore:
         scheduler = cls.scheduler_type(
             config.scheduler, kv, max_model_len, clock, config.speculative, proposer
         )
-        return cls(scheduler, executor, async_scheduling)
+        return cls(scheduler, executor, async_scheduling, pipeline)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -155,7 +161,7 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         scheduled = self.scheduler.schedule(no_more_arrivals)
         if not scheduled.is_empty or scheduled.finished_ids:
-            self._in_flight = _InFlight(scheduled, pipeline.submit(scheduled))
+            self._in_flight = _InFlight(scheduled, pipeline.submit(self.executor, scheduled))
         if previous is None:
             return CoreStep(SchedulerOutput([]), [], self._in_flight is not None)
         try:

@@ -29,6 +29,7 @@ from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats,
 from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
+from iterserve.engine.step_pipeline import StepPipeline
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.grammar_checked_proposer import GrammarCheckedProposer
 from iterserve.executor.paged_model import PagedModel
@@ -71,9 +72,21 @@ class LLMEngine:
         graphs) and runs each kernel once now, else `warm_up()` must be called before the
         first step that should be fast (the server does it on its engine thread)."""
         self.config = config.validate()
+        self.device = resolve_device(config.device)
+        overlap, why = resolve_async_scheduling(config, self.device.type)
+        self._pipeline = StepPipeline() if overlap else None
+        if self._pipeline is None:
+            self._set_up(loaded, warm_up)
+        else:
+            # Every torch op of this engine on the thread its steps will run on
+            # (engine/step_pipeline.py says why).
+            self._pipeline.call(self._set_up, loaded, warm_up)
+        logger.info("asynchronous scheduling: %s (%s)", "on" if overlap else "off", why)
+
+    def _set_up(self, loaded: LoadedModel | None, warm_up: bool) -> None:
+        config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
         dtype, dtype_reason = choose_dtype(config, self.device)
         loaded = loaded or load_model(config.model, dtype)
         self.model_config = loaded.config
@@ -120,19 +133,18 @@ class LLMEngine:
                 NgramProposer(spec.ngram_min, spec.ngram_max), self.executor.structured
             )
             # The loop `iterserve simulate` runs too, here with the model as its executor.
-            overlap, why = resolve_async_scheduling(config, self.device.type)
             self.core = EngineCore.build(
                 config,
                 self.executor,
                 num_blocks,
                 self.max_model_len,
                 proposer=proposer,
-                async_scheduling=overlap,
+                async_scheduling=self._pipeline is not None,
+                pipeline=self._pipeline,
             )
-            logger.info("asynchronous scheduling: %s (%s)", "on" if overlap else "off", why)
             self.warm_up_seconds = 0.0
             if warm_up:
-                self.warm_up()
+                self._warm_up()
         except BaseException:
             network.close()  # no worker process outlives an engine that failed to start
             raise
@@ -211,6 +223,11 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Compile (or load compiled graphs) and run every kernel once, so that a user's first
         step is not the slow one; returns and records the seconds it took."""
+        if self._pipeline is not None:
+            return self._pipeline.call(self._warm_up)
+        return self._warm_up()
+
+    def _warm_up(self) -> float:
         self.warm_up_seconds = self.executor.warm_up()
         if self.draft is not None:
             self.warm_up_seconds += self.draft.warm_up()
