@@ -437,6 +437,7 @@ def chi_square_critical(dof: int, z: float = 3.09) -> float:
     return dof * (1 - h + z * h**0.5) ** 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampling_with_speculation_keeps_the_distribution(
     tiny_llama_dir: Path, tiny_near_draft_dir: Path, method: str

@@ -26,6 +26,8 @@ from iterserve.model.tensor_parallel import shard_weights
 from iterserve.sampling_params import SamplingParams
 from tiny_checkpoints import model_config_of, tiny_hf_model
 
+pytestmark = pytest.mark.slow  # processes of their own, or the bundled model
+
 # Prompts of different lengths, prefilled in chunks of 16 tokens over blocks of 4, then
 # decoded across several more blocks, all batched together.
 PROMPTS = [

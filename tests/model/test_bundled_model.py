@@ -6,6 +6,8 @@ import pytest
 
 from iterserve import LLM, SamplingParams, kernels
 
+pytestmark = pytest.mark.slow  # processes of their own, or the bundled model
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:

@@ -183,6 +183,7 @@ def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(
     assert stats.prefix_hits > 0 and stats.num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_tensor_parallel_greedy_is_transformers(
     mixtral_dir: Path, mixtral_reference: list[list[int]]
 ) -> None:

@@ -46,7 +46,7 @@ from iterserve.replicas import ray_cluster  # noqa: E402
 from iterserve.replicas.data_parallel import DataParallelEngine  # noqa: E402
 from iterserve.replicas.events import ReplicaEvent  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # Ray clusters, real servers
 
 PROMPTS = [
     "The capital of France is",

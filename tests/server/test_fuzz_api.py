@@ -26,7 +26,7 @@ from schemathesis import GenerationMode
 from conftest import VOCAB
 from server_fixtures import MODEL_NAME, RunningServer, running_server, wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 SEED = 20250610
 GENERATION = ("POST /v1/completions", "POST /v1/chat/completions")

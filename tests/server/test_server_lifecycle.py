@@ -59,6 +59,7 @@ def test_non_streaming_client_that_leaves_frees_its_blocks(tiny_llama_dir: Path)
         assert wait_until(aborted, timeout=10), server.metrics()
 
 
+@pytest.mark.slow
 def test_sigterm_lets_in_flight_requests_finish_then_exits(tiny_llama_dir: Path) -> None:
     port = free_port()
     command = [
