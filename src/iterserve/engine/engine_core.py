@@ -164,18 +164,25 @@ class EngineCore:
             self._in_flight = _InFlight(scheduled, pipeline.submit(self.executor, scheduled))
         if previous is None:
             return CoreStep(SchedulerOutput([]), [], self._in_flight is not None)
-        try:
-            model_output = previous.output.result()
-        except Exception as error:
-            self._take_back_in_flight(pipeline)
-            self.scheduler.unplan(previous.scheduled)
-            raise StepFailedError(_request_ids(previous.scheduled), error) from error
-        try:
-            updates = self.scheduler.update(previous.scheduled, model_output)
-        except Exception as error:
-            raise StepFailedError(_request_ids(previous.scheduled), error) from error
+        model_output, updates = self._take_results(pipeline, previous)
         self._record(previous.scheduled, model_output, updates, time.perf_counter() - start)
         return CoreStep(previous.scheduled, updates, True)
+
+    def _take_results(
+        self, pipeline: StepPipeline, done: _InFlight
+    ) -> tuple[ModelOutput, list[RequestUpdate]]:
+        """Wait for step `done` and apply its samples. If it failed, the step planned on it
+        (in flight, if any) is taken back as well, and StepFailedError names its requests."""
+        try:
+            model_output = done.output.result()
+        except Exception as error:
+            self._take_back_in_flight(pipeline)
+            self.scheduler.unplan(done.scheduled)
+            raise StepFailedError(_request_ids(done.scheduled), error) from error
+        try:
+            return model_output, self.scheduler.update(done.scheduled, model_output)
+        except Exception as error:
+            raise StepFailedError(_request_ids(done.scheduled), error) from error
 
     def _take_back_in_flight(self, pipeline: StepPipeline) -> None:
         """The step before the one in flight failed, so that one is skipped: take back its
@@ -193,13 +200,7 @@ class EngineCore:
         if self._pipeline is None or self._in_flight is None:
             return []
         in_flight, self._in_flight = self._in_flight, None
-        try:
-            model_output = in_flight.output.result()
-        except Exception as error:
-            self._pipeline.recover()
-            self.scheduler.unplan(in_flight.scheduled)
-            raise StepFailedError(_request_ids(in_flight.scheduled), error) from error
-        return self.scheduler.update(in_flight.scheduled, model_output)
+        return self._take_results(self._pipeline, in_flight)[1]
 
     def close(self) -> None:
         """Stop the step worker (after the step in flight, whose results are dropped)."""
