@@ -39,14 +39,7 @@ from iterserve.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from iterserve.server.serving import (
-    ServingContext,
-    Submitted,
-    respond,
-    sse,
-    stream_events,
-    submit,
-)
+from iterserve.server.serving import ServingContext, Submitted, respond, sse, stream_events, submit
 
 
 def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan) -> RenderedChat:

@@ -22,14 +22,7 @@ from iterserve.server.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from iterserve.server.serving import (
-    ServingContext,
-    Submitted,
-    respond,
-    sse,
-    stream_events,
-    submit,
-)
+from iterserve.server.serving import ServingContext, Submitted, respond, sse, stream_events, submit
 
 
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingContext) -> Response:

@@ -1,0 +1,39 @@
+"""OpenAI's routes under /v1: the model list, completions and chat completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from iterserve.server.chat import create_chat_completion
+from iterserve.server.completions import create_completion
+from iterserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from iterserve.server.serving import ServingContext
+
+
+def openai_routes(ctx: ServingContext) -> APIRouter:
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=ctx.served_model_names[0], max_model_len=ctx.max_model_len)
+                for name in ctx.served_model_names
+            ]
+        )
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, ctx)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, ctx)
+
+    return v1
