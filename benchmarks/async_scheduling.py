@@ -24,8 +24,8 @@ import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from decode_speed import run_batch  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve.bench.client import ClientConfig, run_client
 from iterserve.bench.machine import cpu_line
@@ -155,15 +155,10 @@ def main() -> None:
         summary[what] = {**medians, "on/off": medians["on"] / medians["off"]}
         print(f"{what:>22s}: off {medians['off']:8.2f}  on {medians['on']:8.2f}  "
               f"on/off {medians['on'] / medians['off']:.3f}")  # fmt: skip
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"cpu": cpu_line(), "summary": summary, "figures": [asdict(f) for f in figures]},
-            indent=2,
-        )
+    write_results(
+        args.json,
+        {"cpu": cpu_line(), "summary": summary, "figures": [asdict(f) for f in figures]},
     )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

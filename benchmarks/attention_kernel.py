@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import statistics
 import time
@@ -36,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
+from _timing import interleaved, one_round  # type: ignore[import-not-found]
 from iterserve import kernels
 from iterserve.model.attention import paged_attention
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
@@ -125,21 +126,11 @@ def timed(fn: Callable[[], object], repeats: int = 50) -> float:
     return statistics.median(samples)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
-    """Median seconds per call, calls alternating so a noisy spell hits every contender."""
-    for fn in fns.values():  # warm up (and size the repeat count)
-        fn()
-    start = time.perf_counter()
-    for fn in fns.values():
-        fn()
-    repeats = max(5, min(40, int(seconds / max(time.perf_counter() - start, 1e-6))))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
+def interleaved_within(fns: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
+    """Median seconds per call, over as many interleaved rounds (5 to 40) as fit `seconds`."""
+    one_round(fns)  # warm up
+    repeats = max(5, min(40, int(seconds / max(one_round(fns), 1e-6))))
+    return interleaved(fns, repeats)
 
 
 def main() -> None:
@@ -185,7 +176,7 @@ def main() -> None:
                 )
                 for isa in isas
             }
-            ms = {name: t * 1e3 for name, t in interleaved(fns, args.seconds).items()}
+            ms = {name: t * 1e3 for name, t in interleaved_within(fns, args.seconds).items()}
             release()
             speedup = {isa: ms["torch"] / ms[isa] for isa in isas}
             results.append(
@@ -202,8 +193,7 @@ def main() -> None:
                 f" {metadata_us['torch']:>12.0f} / {metadata_us['C++']:<7.0f}"
             )
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json}")
+        write_results(args.json, results)
 
 
 if __name__ == "__main__":

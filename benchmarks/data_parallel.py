@@ -23,12 +23,11 @@ rounds (output tok/s, TTFT and TPOT p50/p99); writes JSON. Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve.bench.client import ClientConfig, reset_prefix_cache, run_client
 from iterserve.bench.metrics import compute_metrics
 from iterserve.bench.server_process import ServerProcess, launch_server
@@ -122,15 +121,10 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     summary = summarize(runs)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"server_args": extra, "summary": summary, "runs": [asdict(r) for r in runs]},
-            indent=2,
-        )
+    write_results(
+        args.json,
+        {"server_args": extra, "summary": summary, "runs": [asdict(r) for r in runs]},
     )
-    print(f"wrote {out}")
 
 
 def summarize(runs: list[Run]) -> dict[str, float]:

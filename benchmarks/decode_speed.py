@@ -37,14 +37,13 @@ CPU's vector extensions. Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve.bench.machine import cpu_line
 from iterserve.bench.tokenizer import load_tokenizer, ordinary_token_ids
 from iterserve.engine.llm import LLM
@@ -169,14 +168,9 @@ def main() -> None:
                 f"{step_ms:8.2f} {100 * outside:11.1f}%",
                 flush=True,
             )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"cpu": cpu_line(), "startup": startup, "rows": [asdict(r) for r in rows]}, indent=2
-        )
+    write_results(
+        args.json, {"cpu": cpu_line(), "startup": startup, "rows": [asdict(r) for r in rows]}
     )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
+
 
 def _linear_weight_mib() -> float:
     """Bytes of every projection's and the head's weights as the kernels hold them (blocks,
@@ -191,10 +193,7 @@ def main() -> None:
         print(f"    {name:26s} {value:6.1f}{vs}")
     results["runs"] = runs
     results["median_decode_tok_s"] = median
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":

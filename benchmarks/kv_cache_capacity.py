@@ -14,12 +14,11 @@ Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve.bench.machine import cpu_line
 from iterserve.bench.tokenizer import load_tokenizer, ordinary_token_ids
 from iterserve.engine.llm import LLM
@@ -72,10 +71,7 @@ def main() -> None:
                 f"{row['output_tok_s']:13.1f}",
                 flush=True,
             )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_line(), "args": vars(args), "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, {"cpu": cpu_line(), "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

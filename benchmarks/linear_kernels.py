@@ -31,16 +31,14 @@ picks or ITERSERVE_ISA names (printed first).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
+from _timing import interleaved, one_round  # type: ignore[import-not-found]
 from iterserve import kernels
 from iterserve.model import quant
 from iterserve.model.kquant import KQuantWeight
@@ -62,17 +60,10 @@ HEAD_BYTES = {
 }
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms per call, calls alternating so a noisy spell hits every contender."""
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms per call over `repeats` interleaved rounds, after one to warm up."""
+    one_round(fns)
+    return {name: seconds * 1e3 for name, seconds in interleaved(fns, repeats).items()}
 
 
 def random_q4(n: int, k: int) -> quant.QuantizedWeight:
@@ -220,8 +211,8 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     }
     if w.packed is None:  # no bf16 oneDNN on this CPU
         del layer_fns["onednn"], head_fns["onednn"]
-    layer_ms = interleaved(layer_fns, repeats)
-    head_ms = interleaved(head_fns, repeats * 4)
+    layer_ms = interleaved_ms(layer_fns, repeats)
+    head_ms = interleaved_ms(head_fns, repeats * 4)
     results: list[dict[str, float | int | str]] = []
     for name in dict.fromkeys([*layer_fns, *head_fns]):
         fmt = {"tiled-q4": "q4", "int4pack": "q4", "tiled-q8": "q8", "tiled-i8": "i8"}.get(
@@ -281,10 +272,7 @@ def main() -> None:
     ):
         where = "layers" if key == "layers_ms" else "head"
         print(f"  {kernel} vs {rival} ({where}): {crossover(results, kernel, rival, key)}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 import transformers
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve import kernels
 from iterserve.bench.machine import cpu_line
 from iterserve.bench.tokenizer import load_tokenizer, ordinary_token_ids
@@ -155,26 +155,20 @@ def main() -> None:
 
     isa = kernels.isa() if kernels.available() else "torch"
     day = datetime.now(UTC).strftime("%Y-%m-%d")
-    out = Path(args.json) if args.json else RESULTS / f"{day}-moe_decode-{isa}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "cpu": cpu_line(),
-                "shape": {
-                    k: getattr(args, k)
-                    for k in ("hidden", "layers", "experts", "top_k", "expert_width")
-                },
-                "plans": {
-                    name: plan.describe() | {"linears": plan.linears}
-                    for name, plan in plans.items()
-                },
-                "rows": rows,
+    write_results(
+        args.json or RESULTS / f"{day}-moe_decode-{isa}.json",
+        {
+            "cpu": cpu_line(),
+            "shape": {
+                k: getattr(args, k)
+                for k in ("hidden", "layers", "experts", "top_k", "expert_width")
             },
-            indent=2,
-        )
+            "plans": {
+                name: plan.describe() | {"linears": plan.linears} for name, plan in plans.items()
+            },
+            "rows": rows,
+        },
     )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

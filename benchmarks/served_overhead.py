@@ -24,7 +24,6 @@ and the median ratio over the rounds; writes JSON. Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -32,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from decode_speed import run_batch  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve.bench.client import ClientConfig, run_client
 from iterserve.bench.server_process import launch_server
@@ -109,19 +109,14 @@ def main() -> None:
         server.stop()
     median_ratio = statistics.median(r.ratio for r in rounds)
     print(f"median served/offline: {median_ratio:.2f}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "server_args": server_args,
-                "median_ratio": median_ratio,
-                "rounds": [asdict(r) for r in rounds],
-            },
-            indent=2,
-        )
+    write_results(
+        args.json,
+        {
+            "server_args": server_args,
+            "median_ratio": median_ratio,
+            "rounds": [asdict(r) for r in rounds],
+        },
     )
-    print(f"wrote {out}")
 
 
 def _engine_kwargs(server_args: list[str]) -> dict[str, str]:

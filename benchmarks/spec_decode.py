@@ -32,12 +32,11 @@ Asserts nothing about time: the machine is shared; compare within one run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve.bench.copy_texts import INSTRUCTIONS, PASSAGES
 from iterserve.bench.tokenizer import load_tokenizer
 from iterserve.bench.workloads import WorkloadSpec, build_workload
@@ -190,13 +189,10 @@ def main() -> None:
                 f"{str(row.same_tokens):>5s}",
                 flush=True,
             )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     setup = {"k": args.k, "method": args.method, "draft_model": args.draft_model}
     setup |= {"weights": args.weights, "batch_invariant": args.batch_invariant}
     setup |= {"disable_by_batch_size": args.disable_by_batch_size}
-    out.write_text(json.dumps(setup | {"rows": [asdict(r) for r in rows]}, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, setup | {"rows": [asdict(r) for r in rows]})
 
 
 if __name__ == "__main__":

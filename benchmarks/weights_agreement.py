@@ -21,9 +21,8 @@ and every path answers the Paris check. Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve.core.outputs import ScheduledSeq, SchedulerOutput
 from iterserve.engine.llm import LLM
 from iterserve.executor.paged_model import ForwardSeq
@@ -141,13 +140,8 @@ def main() -> None:
             f"{name}: 'The capital of France is' ->",
             repr(llm.generate(["The capital of France is"], paris, use_tqdm=False)[0].text),
         )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     summary = {f"{name}_{mode}": miss for (name, mode), miss in different.items()}
-    out.write_text(
-        json.dumps({"positions": compared, "different": summary, "prompts": rows}, indent=2)
-    )
-    print(f"wrote {out}")
+    write_results(args.json, {"positions": compared, "different": summary, "prompts": rows})
 
 
 if __name__ == "__main__":
