@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from conftest import VOCAB, _save_tiny
+from draft_llms import draft_llm
 from fake_executor import FakeExecutor, make_request, make_scheduler, run
 from iterserve.config import ConfigError, SpeculativeConfig
 from iterserve.core.speculation import NgramProposer, SpecDecodeStats
@@ -308,17 +309,6 @@ def tiny_near_draft_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir:
         tokenizer_dir,
         tie_word_embeddings=True,
         num_hidden_layers=1,
-    )
-
-
-def draft_llm(target: Path, draft: Path, **settings: object) -> LLM:
-    return LLM(
-        str(target),
-        dtype="float32",
-        compile=False,
-        speculative_method="draft",
-        draft_model=str(draft),
-        **settings,
     )
 
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from draft_llms import draft_llm
 from iterserve import LLM, SamplingParams
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.sampling_params import InvalidRequestError
@@ -136,14 +137,7 @@ def test_sampled_guesses_of_a_draft_model_keep_the_grammar(
 ) -> None:
     """The draft samples its guesses from its logits masked by the grammar, the target
     accepts them by the ratio of the masked distributions: every text matches."""
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        compile=False,
-        speculative_method="draft",
-        draft_model=str(tiny_llama_dir),
-        num_speculative_tokens=3,
-    )
+    llm = draft_llm(tiny_llama_dir, tiny_llama_dir, num_speculative_tokens=3)
     outputs = _run(llm)
     for output in outputs[1:]:
         assert re.fullmatch(WORDS, output.text), output.text

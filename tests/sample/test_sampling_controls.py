@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from draft_llms import draft_llm
 from iterserve import LLM, SamplingParams
 from iterserve.core import step_plan
 from iterserve.core.outputs import ScheduledSeq, TokenContext
@@ -189,14 +190,7 @@ def test_penalties_hold_through_rejected_drafts(tiny_llama_dir: Path) -> None:
     )
     plain = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
     expected = plain.generate(REPEATING, params, use_tqdm=False)[0].token_ids
-    drafting = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        compile=False,
-        speculative_method="draft",
-        draft_model=str(tiny_llama_dir),
-        num_speculative_tokens=3,
-    )
+    drafting = draft_llm(tiny_llama_dir, tiny_llama_dir, num_speculative_tokens=3)
     out = drafting.generate(REPEATING, params, use_tqdm=False)[0]
     assert out.token_ids == expected and len(set(expected)) > 5, "the penalties bite"
     assert out.num_draft_tokens > out.num_accepted_tokens, "some drafts were turned down"
@@ -210,14 +204,7 @@ def test_sampled_drafts_ignore_the_controls_and_the_text_keeps_them(
     q all on that token): the target keeps a guess by the ratio of its own *biased*
     distribution to q, so it keeps none and the text never has the token. Verifying
     against the raw distribution would keep nearly all of them."""
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        compile=False,
-        speculative_method="draft",
-        draft_model=str(tiny_llama_dir),
-        num_speculative_tokens=3,
-    )
+    llm = draft_llm(tiny_llama_dir, tiny_llama_dir, num_speculative_tokens=3)
     banned = 1234
     network = llm.engine.executor.network
     forward = network.forward
