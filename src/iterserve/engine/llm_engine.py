@@ -84,25 +84,50 @@ class LLMEngine:
         logger.info("asynchronous scheduling: %s (%s)", "on" if overlap else "off", why)
 
     def _set_up(self, loaded: LoadedModel | None, warm_up: bool) -> None:
+        """Everything that touches torch; with async scheduling it runs on the step thread
+        (see `__init__`), so every step below does too."""
         config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype, dtype_reason = choose_dtype(config, self.device)
         loaded = loaded or load_model(config.model, dtype)
+        self._take_model(loaded)
+        num_blocks = self._size_kv_cache(loaded, dtype)
+        network = self._network(loaded, dtype, dtype_reason, num_blocks)
+        try:
+            self._build_core(loaded, network, num_blocks, dtype)
+            self.warm_up_seconds = 0.0
+            if warm_up:
+                self._warm_up()
+        except BaseException:
+            network.close()  # no worker process outlives an engine that failed to start
+            raise
+        self._set_up_outputs(loaded)
+
+    def _take_model(self, loaded: LoadedModel) -> None:
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
 
-        cache = config.cache
+    def _size_kv_cache(self, loaded: LoadedModel, dtype: torch.dtype) -> int:
+        """The KV cache's dtype, the longest sequence, and the number of blocks that fit."""
+        cache = self.config.cache
         self.kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype)
         num_blocks = num_kv_blocks(
             cache, kv_bytes_per_token(loaded.config, self.kv_dtype), cache.kv_cache_memory * 2**30
         )
         self.max_model_len = min(
-            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
+            self.config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
+        return num_blocks
+
+    def _network(
+        self, loaded: LoadedModel, dtype: torch.dtype, dtype_reason: str, num_blocks: int
+    ) -> PagedModel:
+        """The model over its paged KV cache: here, or sharded over tensor-parallel ranks."""
+        config = self.config
         network: PagedModel
         if config.tensor_parallel_size > 1:
             # Rank 0 of T: the worker ranks start now and run their shards of every step.
@@ -114,6 +139,7 @@ class LLMEngine:
             network = self._paged(model, self.model_plan, loaded, num_blocks)
         kv_name = str(self.kv_dtype).removeprefix("torch.")
         self.model_plan = replace(self.model_plan, kv_cache_dtype=kv_name)
+        cache = config.cache
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %s",
             num_blocks,
@@ -121,34 +147,36 @@ class LLMEngine:
             num_blocks * cache.block_size,
             kv_name if cache.kv_cache_dtype == "int8" else f"{kv_name} (the model's dtype)",
         )
-        try:
-            self.draft: DraftModelProposer | None = None
-            if config.speculative.speculative_method == "draft":
-                self.draft = self._draft_proposer(loaded, num_blocks, dtype)
-            self.executor = TorchRunner(network, config.seed, self.draft)
-            spec = config.speculative
-            # The draft model masks its guesses by a constrained request's grammar; prompt
-            # lookup's are cut at the first token the grammar rejects.
-            proposer = self.draft or GrammarCheckedProposer(
-                NgramProposer(spec.ngram_min, spec.ngram_max), self.executor.structured
-            )
-            # The loop `iterserve simulate` runs too, here with the model as its executor.
-            self.core = EngineCore.build(
-                config,
-                self.executor,
-                num_blocks,
-                self.max_model_len,
-                proposer=proposer,
-                async_scheduling=self._pipeline is not None,
-                pipeline=self._pipeline,
-            )
-            self.warm_up_seconds = 0.0
-            if warm_up:
-                self._warm_up()
-        except BaseException:
-            network.close()  # no worker process outlives an engine that failed to start
-            raise
+        return network
 
+    def _build_core(
+        self, loaded: LoadedModel, network: PagedModel, num_blocks: int, dtype: torch.dtype
+    ) -> None:
+        """The runner (with a draft model if one guesses), the proposer and the engine core."""
+        config = self.config
+        self.draft: DraftModelProposer | None = None
+        if config.speculative.speculative_method == "draft":
+            self.draft = self._draft_proposer(loaded, num_blocks, dtype)
+        self.executor = TorchRunner(network, config.seed, self.draft)
+        spec = config.speculative
+        # The draft model masks its guesses by a constrained request's grammar; prompt
+        # lookup's are cut at the first token the grammar rejects.
+        proposer = self.draft or GrammarCheckedProposer(
+            NgramProposer(spec.ngram_min, spec.ngram_max), self.executor.structured
+        )
+        # The loop `iterserve simulate` runs too, here with the model as its executor.
+        self.core = EngineCore.build(
+            config,
+            self.executor,
+            num_blocks,
+            self.max_model_len,
+            proposer=proposer,
+            async_scheduling=self._pipeline is not None,
+            pipeline=self._pipeline,
+        )
+
+    def _set_up_outputs(self, loaded: LoadedModel) -> None:
+        """What turns tokens into outputs: the stop tokens, grammars and request streams."""
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
