@@ -26,6 +26,26 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="serve a model over the OpenAI API (/v1/completions, /v1/chat/completions)",
         description="Serve a model over the OpenAI API, with /health and /metrics.",
     )
+    _add_front_end_args(p)
+    _add_data_parallel_args(p.add_argument_group("data parallelism"))
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSER_CHOICES,
+        default="auto",
+        help="how chat answers are read into tool calls: hermes (<tool_call>{...}</tool_call>, "
+        "Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON); auto: the format the chat "
+        "template asks for (Hermes', taught in the system message, when the template has no "
+        "place for tools); none: tool_choice 'auto' is refused",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    add_engine_args(p)
+    p.set_defaults(func=serve)
+
+
+def _add_front_end_args(p: argparse.ArgumentParser) -> None:
+    """Where the server listens, who may call it, and how much it queues."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -51,7 +71,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM",
     )
-    dp = p.add_argument_group("data parallelism")
+
+
+def _add_data_parallel_args(dp: argparse._ArgumentGroup) -> None:
     dp.add_argument(
         "--data-parallel-size",
         type=int,
@@ -76,20 +98,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "latest) so replicas can span machines; 'local' starts a fresh one, as the default "
         "does, on demand. Given with --data-parallel-size 1, the one replica runs on Ray too",
     )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=TOOL_PARSER_CHOICES,
-        default="auto",
-        help="how chat answers are read into tool calls: hermes (<tool_call>{...}</tool_call>, "
-        "Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON); auto: the format the chat "
-        "template asks for (Hermes', taught in the system message, when the template has no "
-        "place for tools); none: tool_choice 'auto' is refused",
-    )
-    p.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
-    )
-    add_engine_args(p)
-    p.set_defaults(func=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
