@@ -162,9 +162,25 @@ class StructuredBatch:
         gets past that draft (its own row forbids it). One bitmask fill for all (in the
         library's threads), then one masked pass over those rows."""
         width = logits.shape[1]
-        words = (width + 31) // 32
         starts = list(range(len(request_ids))) if rows is None else list(rows)
         lengths = [1] * len(request_ids) if drafts is None else [1 + len(d) for d in drafts]
+        bitmask = self._bitmask(request_ids, lengths, drafts, width)
+        # Bit i of word w is token 32w + i: little-endian words, bits unpacked low first
+        # (numpy's unpack is ~15x faster than shifting and masking with torch ops).
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=width, bitorder="little")
+        targets = [start + j for start, n in zip(starts, lengths, strict=True) for j in range(n)]
+        _forbid(logits, targets, bits == 0)
+
+    def _bitmask(
+        self,
+        request_ids: Sequence[str],
+        lengths: list[int],
+        drafts: Sequence[Sequence[int]] | None,
+        width: int,
+    ) -> np.ndarray:
+        """One row of allowed-token bits (32 to a word) per masked logit row, request i's
+        `lengths[i]` rows one after the other, filled by the library's threads."""
+        words = (width + 31) // 32
         count = sum(lengths)
         offsets = list(itertools.accumulate(lengths, initial=0))
         matchers = [self._matchers[request_id] for request_id in request_ids]
@@ -192,24 +208,7 @@ class StructuredBatch:
             )
             for matcher, offset, draft in drafted:
                 self._fill_after_completion(matcher, bitmask, offset, draft)
-        # Bit i of word w is token 32w + i: little-endian words, bits unpacked low first
-        # (numpy's unpack is ~15x faster than shifting and masking with torch ops).
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=width, bitorder="little")
-        forbidden = bits == 0
-        targets = [start + j for start, n in zip(starts, lengths, strict=True) for j in range(n)]
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            # numpy's masked copy: one thread, no OpenMP handoff, which on a busy 2-core
-            # machine cost torch's masked_fill_ ~15 ms a call (measured).
-            view = logits.numpy()
-            if targets == list(range(targets[0], targets[0] + count)):
-                np.copyto(view[targets[0] : targets[0] + count], -np.inf, where=forbidden)
-            else:
-                for i, row in enumerate(targets):
-                    np.copyto(view[row], -np.inf, where=forbidden[i])
-            return
-        index = torch.tensor(targets, device=logits.device)
-        mask = torch.from_numpy(forbidden).to(logits.device)
-        logits[index] = logits[index].masked_fill_(mask, float("-inf"))
+        return bitmask
 
     @staticmethod
     def _fill_after_completion(
@@ -272,3 +271,21 @@ class StructuredBatch:
 
     def is_finished(self, request_id: str) -> bool:
         return bool(self._matchers[request_id].is_stopped())
+
+
+def _forbid(logits: torch.Tensor, targets: list[int], forbidden: np.ndarray) -> None:
+    """Set to -inf, in place, the logits of row `targets[i]` where `forbidden[i]` is set."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy's masked copy: one thread, no OpenMP handoff, which on a busy 2-core
+        # machine cost torch's masked_fill_ ~15 ms a call (measured).
+        view = logits.numpy()
+        count = len(targets)
+        if targets == list(range(targets[0], targets[0] + count)):
+            np.copyto(view[targets[0] : targets[0] + count], -np.inf, where=forbidden)
+        else:
+            for i, row in enumerate(targets):
+                np.copyto(view[row], -np.inf, where=forbidden[i])
+        return
+    index = torch.tensor(targets, device=logits.device)
+    mask = torch.from_numpy(forbidden).to(logits.device)
+    logits[index] = logits[index].masked_fill_(mask, float("-inf"))
