@@ -321,28 +321,11 @@ def compute_metrics(
     if duration is None:
         duration = max((r.finish_time or 0.0 for r in records), default=0.0)
     per_s = 1.0 / duration if duration > 0 else 0.0
-    input_tokens = sum(r.prompt_len for r in ok)
-    output_tokens = sum(r.output_len for r in ok)
-
     goodput = None
     if slos:
         met = sum(meets_slos(r, slos) for r in ok)
         goodput = Goodput({k: v * 1e3 for k, v in slos.items()}, met, met * per_s)
-
-    throughput = ThroughputBlock(
-        duration=duration,
-        completed=len(ok),
-        failed=len(records) - len(ok),
-        total_input_tokens=input_tokens,
-        total_output_tokens=output_tokens,
-        request_throughput=len(ok) * per_s,
-        input_throughput=input_tokens * per_s,
-        output_throughput=output_tokens * per_s,
-        total_token_throughput=(input_tokens + output_tokens) * per_s,
-        max_output_tokens_per_s=peak_output_throughput(ok, pooled=pooled),
-        max_concurrent_requests=max_concurrency(records),
-        request_goodput=goodput.request_goodput if goodput else None,
-    )
+    throughput = _throughput_block(records, ok, pooled, duration, goodput)
 
     lanes = sorted({r.lane for r in records})
     per_lane = (
@@ -367,4 +350,31 @@ def compute_metrics(
         prefix_hit_rate,
         spec_acceptance_rate=accepted / drafted if drafted else None,
         failure_reasons=dict(reasons.most_common()),
+    )
+
+
+def _throughput_block(
+    records: Sequence[RequestRecord],
+    ok: list[RequestRecord],
+    pooled: TokenTimes,
+    duration: float,
+    goodput: Goodput | None,
+) -> ThroughputBlock:
+    """Counts and rates over `duration`; only the successful requests' tokens count."""
+    per_s = 1.0 / duration if duration > 0 else 0.0
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+    return ThroughputBlock(
+        duration=duration,
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        total_input_tokens=input_tokens,
+        total_output_tokens=output_tokens,
+        request_throughput=len(ok) * per_s,
+        input_throughput=input_tokens * per_s,
+        output_throughput=output_tokens * per_s,
+        total_token_throughput=(input_tokens + output_tokens) * per_s,
+        max_output_tokens_per_s=peak_output_throughput(ok, pooled=pooled),
+        max_concurrent_requests=max_concurrency(records),
+        request_goodput=goodput.request_goodput if goodput else None,
     )
