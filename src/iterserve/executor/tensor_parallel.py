@@ -225,63 +225,23 @@ def launch_tensor_parallel(
     """Start ranks 1..T-1, join them as rank 0, and build rank 0's shard. On CUDA rank r
     runs on GPU r (whatever index `device` names)."""
     size = config.tensor_parallel_size
-    model_config = loaded.config
-    shard_config(model_config, size)  # refuse indivisible shapes before starting anything
-    if dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is already initialised in this process: one tensor-parallel "
-            "engine per process (close the other first)"
-        )
-    device_type = device.type
-    if device_type == "cuda" and torch.cuda.device_count() < size:
-        raise ValueError(
-            f"--tensor-parallel-size {size} needs {size} GPUs, found {torch.cuda.device_count()}"
-        )
+    _refuse_what_cannot_run(loaded.config, size, device.type)
     threads, threads_before = threads_per_rank(config.num_threads, size), torch.get_num_threads()
     torch.set_num_threads(threads)
     store_dir = tempfile.mkdtemp(prefix="iterserve-tp-")
     spec = ShardSpec(
-        config=model_config,
+        config=loaded.config,
         weights={},
         dtype=dtype,
         kv_dtype=kv_dtype,
-        device_type=device_type,
+        device_type=device.type,
         num_blocks=num_blocks,
         block_size=config.cache.block_size,
         size=size,
         store_path=os.path.join(store_dir, "store"),
         num_threads=threads,
     )
-
-    def share(rank: int) -> ShardSpec:
-        return dataclasses.replace(
-            spec, weights=shard_weights(loaded.weights, model_config, rank, size)
-        )
-
-    # torch's multiprocessing moves each rank's weights into shared memory on the way.
-    # Daemonic: multiprocessing ends them if this process exits without closing them.
-    context = torch_mp.get_context("spawn")
-    workers = [
-        context.Process(
-            target=_worker_main, args=(rank, share(rank)), name=f"iterserve-tp{rank}", daemon=True
-        )
-        for rank in range(1, size)
-    ]
-    try:
-        for process in workers:
-            process.start()
-        rank_device = _rank_device(device_type, 0)  # NCCL wants the device before joining
-        tp, control = _join_group(spec, 0, workers)
-        network = TensorParallelModel(share(0), workers, tp, control, rank_device, threads_before)
-    except BaseException:
-        torch.set_num_threads(threads_before)
-        for process in workers:
-            if process.is_alive():
-                process.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        shutil.rmtree(store_dir, ignore_errors=True)
-        raise
+    network = _start_ranks(spec, loaded, store_dir, threads_before)
     plan = ModelPlan(
         backend="torch",
         paged_attention_kernel=False,
@@ -295,10 +255,61 @@ def launch_tensor_parallel(
         "attention, eager (iterserve's kernels and compiled graphs are not sharded)",
         loaded.name,
         size,
-        "nccl" if device_type == "cuda" else "gloo",
+        "nccl" if device.type == "cuda" else "gloo",
         threads,
     )
     return network, plan
+
+
+def _refuse_what_cannot_run(model_config: ModelConfig, size: int, device_type: str) -> None:
+    """Before anything starts: shapes that do not split, a second group, too few GPUs."""
+    shard_config(model_config, size)
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialised in this process: one tensor-parallel "
+            "engine per process (close the other first)"
+        )
+    if device_type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs {size} GPUs, found {torch.cuda.device_count()}"
+        )
+
+
+def _start_ranks(
+    spec: ShardSpec, loaded: LoadedModel, store_dir: str, threads_before: int
+) -> TensorParallelModel:
+    """Ranks 1..T-1 in processes of their own, each with its shard, joined by rank 0 (this
+    process); on any failure nothing started is left running."""
+
+    def share(rank: int) -> ShardSpec:
+        return dataclasses.replace(
+            spec, weights=shard_weights(loaded.weights, spec.config, rank, spec.size)
+        )
+
+    # torch's multiprocessing moves each rank's weights into shared memory on the way.
+    # Daemonic: multiprocessing ends them if this process exits without closing them.
+    context = torch_mp.get_context("spawn")
+    workers = [
+        context.Process(
+            target=_worker_main, args=(rank, share(rank)), name=f"iterserve-tp{rank}", daemon=True
+        )
+        for rank in range(1, spec.size)
+    ]
+    try:
+        for process in workers:
+            process.start()
+        rank_device = _rank_device(spec.device_type, 0)  # NCCL wants the device before joining
+        tp, control = _join_group(spec, 0, workers)
+        return TensorParallelModel(share(0), workers, tp, control, rank_device, threads_before)
+    except BaseException:
+        torch.set_num_threads(threads_before)
+        for process in workers:
+            if process.is_alive():
+                process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(store_dir, ignore_errors=True)
+        raise
 
 
 # ---- ranks 1..T-1 -------------------------------------------------------------------------
