@@ -241,14 +241,7 @@ async def run_client_async(
     async with _session(config) as client:
         model = await resolve_model(client, config)
         if workload.warmup is not None and config.num_warmups > 0:
-            # Sent together: a static-batching server starts nothing until a batch is full.
-            warm = [RequestRecord("warmup", 16, 4) for _ in range(config.num_warmups)]
-            await asyncio.gather(
-                *(stream_request(client, config, model, workload.warmup, w, 0.0) for w in warm)
-            )
-            failed = [w.error for w in warm if not w.success]
-            if failed:
-                raise RuntimeError(f"warmup request failed: {failed[0]}")
+            await _warm_up(client, config, model, workload.warmup)
 
         records = [
             RequestRecord(f"bench-{i}", r.prompt_len, r.output_len, r.lane, offsets[i])
@@ -280,7 +273,22 @@ async def run_client_async(
             tasks.append(asyncio.create_task(one(request, record, origin)))
         await asyncio.gather(*tasks)
         bar.close()
+    return RunResult(records, model, _notes(records, usage_seen))
 
+
+async def _warm_up(
+    client: aiohttp.ClientSession, config: ClientConfig, model: str, request: WorkloadRequest
+) -> None:
+    # Sent together: a static-batching server starts nothing until a batch is full.
+    warm = [RequestRecord("warmup", 16, 4) for _ in range(config.num_warmups)]
+    await asyncio.gather(*(stream_request(client, config, model, request, w, 0.0) for w in warm))
+    failed = [w.error for w in warm if not w.success]
+    if failed:
+        raise RuntimeError(f"warmup request failed: {failed[0]}")
+
+
+def _notes(records: list[RequestRecord], usage_seen: dict[str, bool]) -> list[str]:
+    """What the report should say about how the figures were counted."""
     notes = []
     retried = sum(r.retried for r in records)
     if retried:
@@ -293,7 +301,7 @@ async def run_client_async(
             "the server sent no usage for some requests: their output tokens were counted "
             "as streamed chunks"
         )
-    return RunResult(records, model, notes)
+    return notes
 
 
 def run_client(
