@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -73,54 +74,91 @@ def run_engine(
         for i, r in enumerate(requests)
     ]
     by_id = {record.request_id: record for record in records}
-    pending = sorted(range(len(requests)), key=lambda i: offsets[i])
-    pending.reverse()  # pop() from the end takes the earliest
-    # When each seat under the cap became free: a capped request arrives when it gets one.
-    seats = [float("-inf")] * max_concurrency if max_concurrency else None
+    arrivals = _Arrivals(offsets, max_concurrency)
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not options.progress)
     origin = time.monotonic()
     try:
-        while pending or engine.has_unfinished():
+        while arrivals.pending or engine.has_unfinished():
             now = time.monotonic()
-            while pending and origin + offsets[pending[-1]] <= now and (seats is None or seats):
-                i = pending.pop()
-                arrival = origin + offsets[i]
-                if seats is not None:
-                    arrival = max(arrival, heapq.heappop(seats))
+            for i, arrival in arrivals.due(origin, now):
                 records[i].arrival_time = arrival - origin
-                try:
-                    engine.add_request(
-                        requests[i].prompt,
-                        _params(requests[i], options),
-                        request_id=records[i].request_id,
-                        lane=requests[i].lane,
-                        arrival_time=arrival,
-                    )
-                except InvalidRequestError as err:
-                    records[i].error = str(err)
+                if not _add(engine, requests[i], records[i], arrival, options):
                     bar.update(1)
-                    if seats is not None:
-                        heapq.heappush(seats, now)
-            # Static batching may start a short batch only once nothing else will come: after
-            # the last arrival, or while the concurrency cap is full (nothing can arrive until
-            # a request finishes; a closed loop below the batch size would otherwise deadlock).
-            no_more_arrivals = not pending or (seats is not None and not seats)
+                    arrivals.free_seat(now)
+            no_more_arrivals = arrivals.none_can_come()
             if not engine.has_unfinished():
-                if pending:
-                    time.sleep(max(0.0, origin + offsets[pending[-1]] - time.monotonic()))
+                if arrivals.pending:
+                    time.sleep(max(0.0, origin + arrivals.next_offset() - time.monotonic()))
                 continue
             step = engine.step(no_more_arrivals)
             for output in step.outputs:
                 if output.finished:
                     _fill(by_id[output.request_id], output, origin)
                     bar.update(1)
-                    if seats is not None:
-                        heapq.heappush(seats, output.timings.finished or time.monotonic())
+                    arrivals.free_seat(output.timings.finished or time.monotonic())
             if not step.did_work:
                 time.sleep(_IDLE_NAP)
     finally:
         bar.close()
     return RunResult(records, getattr(engine, "model_name", ""))
+
+
+class _Arrivals:
+    """The requests not yet added, by arrival offset, and under a concurrency cap when each
+    seat became free: a capped request arrives when it gets one."""
+
+    def __init__(self, offsets: list[float], max_concurrency: int | None) -> None:
+        self._offsets = offsets
+        self.pending = sorted(range(len(offsets)), key=lambda i: offsets[i])
+        self.pending.reverse()  # pop() from the end takes the earliest
+        self._seats = [float("-inf")] * max_concurrency if max_concurrency else None
+
+    def due(self, origin: float, now: float) -> Iterator[tuple[int, float]]:
+        """(request index, arrival time) of each request due by `now` that has a seat."""
+        while self.pending and origin + self._offsets[self.pending[-1]] <= now and self._seat():
+            i = self.pending.pop()
+            arrival = origin + self._offsets[i]
+            if self._seats is not None:
+                arrival = max(arrival, heapq.heappop(self._seats))
+            yield i, arrival
+
+    def free_seat(self, at: float) -> None:
+        if self._seats is not None:
+            heapq.heappush(self._seats, at)
+
+    def none_can_come(self) -> bool:
+        """Static batching may start a short batch only once nothing else will come: after
+        the last arrival, or while the concurrency cap is full (nothing can arrive until a
+        request finishes; a closed loop below the batch size would otherwise deadlock)."""
+        return not self.pending or not self._seat()
+
+    def next_offset(self) -> float:
+        return self._offsets[self.pending[-1]]
+
+    def _seat(self) -> bool:
+        return self._seats is None or bool(self._seats)
+
+
+def _add(
+    engine: Any,
+    request: WorkloadRequest,
+    record: RequestRecord,
+    arrival: float,
+    options: OfflineOptions,
+) -> bool:
+    """Add the request; False, with the error on its record, if the engine refuses it."""
+    try:
+        engine.add_request(
+            request.prompt,
+            _params(request, options),
+            request_id=record.request_id,
+            lane=request.lane,
+            arrival_time=arrival,
+        )
+    except InvalidRequestError as err:
+        record.error = str(err)
+        return False
+    return True
 
 
 def _fill(record: RequestRecord, output: Any, origin: float) -> None:
