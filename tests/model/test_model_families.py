@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 
 from iterserve import kernels
 from iterserve.engine.llm import LLM
+from iterserve.model.config import ModelConfig
+from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
-from iterserve.model.loaded import ModelLoadError
-from iterserve.model.loader import load_model
+from iterserve.model.loader import hf_model_config, load_model
 from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
@@ -26,7 +27,10 @@ VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
 
 
-def _family_model(family: str) -> transformers.PreTrainedModel:
+def _family_model(family: str, gguf: bool = False) -> transformers.PreTrainedModel:
+    """`gguf`: a Gemma with the attention scale a GGUF file can say (GGUF has no
+    query_pre_attn_scalar; llama.cpp, and so iterserve, scales by head_dim, or by hidden /
+    heads for the 27B layer counts)."""
     shape: dict[str, object] = dict(
         vocab_size=VOCAB,
         weight_std=0.15,
@@ -42,7 +46,7 @@ def _family_model(family: str) -> transformers.PreTrainedModel:
     )
     if family == "qwen3":
         return tiny_hf_model("qwen3", **shape, head_dim=64, max_position_embeddings=256)
-    gemma = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=24)
+    gemma = dict(head_dim=32, query_pre_attn_scalar=32 if gguf else 24, sliding_window=24)
     if family == "gemma2":  # soft-caps low enough to bite at these logit sizes
         return tiny_hf_model(
             "gemma2", **shape, **gemma, attn_logit_softcapping=4.0, final_logit_softcapping=15.0
@@ -75,7 +79,6 @@ def _family_model(family: str) -> transformers.PreTrainedModel:
 
 
 FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3"]
-GGUF_FAMILIES = ("qwen3", "phi3")  # Gemma GGUFs are refused (docs/models.md)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -84,8 +87,24 @@ def family(request: pytest.FixtureRequest) -> tuple[str, transformers.PreTrained
 
 
 def _gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], dict]:
-    """What llama.cpp's converter adds for Phi-3: longrope factors and the window."""
+    """What llama.cpp's converter adds for Phi-3 (longrope factors, the window) and Gemma
+    (soft-caps, the window; Gemma 3's full layers' linear scaling), plus Gemma 3's layer
+    pattern: these tiny models alternate, where llama.cpp assumes five sliding to one full."""
     c = hf.config
+    if c.model_type == "gemma2":
+        return {
+            "attn_logit_softcapping": c.attn_logit_softcapping,
+            "final_logit_softcapping": c.final_logit_softcapping,
+            "attention.sliding_window": c.sliding_window,
+        }, {}
+    if c.model_type == "gemma3_text":
+        full = c.rope_parameters["full_attention"]
+        return {
+            "attention.sliding_window": c.sliding_window,
+            "attention.sliding_window_pattern": [t == "sliding_attention" for t in c.layer_types],
+            "rope.scaling.type": full["rope_type"],
+            "rope.scaling.factor": full["factor"],
+        }, {}
     if c.model_type != "phi3":
         return {}, {}
     rope = c.rope_parameters
@@ -114,12 +133,14 @@ def _checkpoint(
     metadata, factors = _gguf_metadata(hf)
     path = out / f"tiny.{kind}.gguf"
     qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.F32
+    rope = hf.config.rope_parameters
     write_gguf(
         path,
-        hf.config.model_type,
+        hf.config.model_type.removesuffix("_text"),  # gemma3_text: GGUF's gemma3
         hf,
         tokenizer,
         qtype=qtype,
+        rope_freq_base=rope.get("full_attention", rope)["rope_theta"],  # Gemma 3: full layers'
         metadata=metadata,
         rope_tensors=factors,
     )
@@ -137,22 +158,13 @@ def test_checkpoints_match_transformers_through_chunks_and_decodes(
     mixed with decodes, against transformers over the weights the loader produced (for Q8_0,
     the dequantized ones: the format's rounding is not ours to check here)."""
     name, hf = family
-    if kind != "hf" and name not in GGUF_FAMILIES:
-        # Refused by name at load, never loaded wrong (docs/models.md).
-        path = tmp_path / f"{name}.gguf"
-        writer = GGUFWriter(path, name)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with pytest.raises(ModelLoadError, match=f"GGUF architecture '{name}' is not supported"):
-            load_model(path, torch.float32)
-        return
+    if kind != "hf" and name.startswith("gemma"):
+        hf = _family_model(name, gguf=True)
     loaded = load_model(_checkpoint(kind, hf, tmp_path, tokenizer_dir), torch.float32)
     assert loaded.config.architecture == name
     reference = hf
     if kind == "q8_0":
-        reference = _family_model(name)
+        reference = _family_model(name, gguf=True)
         missing = reference.load_state_dict(loaded.weights, strict=False).missing_keys
         assert missing in ([], ["lm_head.weight"])  # tied: the embedding
     ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
@@ -170,6 +182,91 @@ def test_checkpoints_match_transformers_through_chunks_and_decodes(
         computed = runner.computed[seq]
         ref = hf_token_by_token(reference, tokens[:computed], prompt=min(computed, ORIGINAL))
         torch.testing.assert_close(torch.cat(got[seq]), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # The released shapes whose attention scale or window pattern a GGUF file cannot
+        # state: Gemma 2 9B and 27B, Gemma 3 1B and 27B (27B: query_pre_attn_scalar is
+        # hidden / heads, not head_dim).
+        transformers.Gemma2Config(
+            num_hidden_layers=42,
+            hidden_size=3584,
+            num_attention_heads=16,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+        ),
+        transformers.Gemma2Config(
+            num_hidden_layers=46,
+            hidden_size=4608,
+            num_attention_heads=32,
+            head_dim=128,
+            query_pre_attn_scalar=144,
+        ),
+        transformers.Gemma3TextConfig(
+            num_hidden_layers=26,
+            hidden_size=1152,
+            num_attention_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+        ),
+        transformers.Gemma3TextConfig(
+            num_hidden_layers=62,
+            hidden_size=5376,
+            num_attention_heads=32,
+            head_dim=128,
+            query_pre_attn_scalar=168,
+        ),
+    ],
+    ids=["gemma2-9b", "gemma2-27b", "gemma3-1b", "gemma3-27b"],
+)
+def test_gemma_gguf_metadata_reads_as_the_hf_config(config: transformers.PretrainedConfig) -> None:
+    """What llama.cpp's converter writes for a Gemma (no layer pattern, no attention scale,
+    no local RoPE base) reads as transformers' config of the same model does."""
+    arch = config.model_type.removesuffix("_text")
+    metadata: dict[str, object] = {
+        "general.architecture": arch,
+        f"{arch}.context_length": config.max_position_embeddings,
+        f"{arch}.embedding_length": config.hidden_size,
+        f"{arch}.block_count": config.num_hidden_layers,
+        f"{arch}.feed_forward_length": config.intermediate_size,
+        f"{arch}.attention.head_count": config.num_attention_heads,
+        f"{arch}.attention.head_count_kv": config.num_key_value_heads,
+        f"{arch}.attention.key_length": config.head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+        f"{arch}.attention.sliding_window": config.sliding_window,
+        f"{arch}.rope.freq_base": config.rope_parameters.get(
+            "full_attention", config.rope_parameters
+        )["rope_theta"],
+    }
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, cap, None) is not None:
+            metadata[f"{arch}.{cap}"] = getattr(config, cap)
+    shape = (config.vocab_size, config.hidden_size)
+    tensors = {
+        "token_embd.weight": GGUFTensorInfo(
+            "token_embd.weight", shape, GGMLQuantizationType.F32, 0, 0
+        )
+    }
+    ours = gguf_model_config(metadata, tensors)
+    architecture = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]
+    hf = hf_model_config({**config.to_dict(), "architectures": [architecture]})
+
+    def gemma_fields(c: ModelConfig) -> tuple[object, ...]:
+        scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        return (
+            c.sliding_window,
+            c.sliding_window_layers,
+            c.attn_logit_softcapping,
+            c.final_logit_softcapping,
+            scale,
+            c.local_rope_theta,
+            c.rope_theta,
+        )
+
+    assert gemma_fields(ours) == gemma_fields(hf)
+    assert ours.sliding_window_layers == tuple(t == "sliding_attention" for t in config.layer_types)
 
 
 @torch.inference_mode()
