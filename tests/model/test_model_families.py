@@ -1,6 +1,7 @@
 """Every dense family beyond Llama (model/family.py) against transformers: tiny random
 checkpoints written with transformers' own classes, as an HF directory and as GGUF (F32 and
-Q8_0) through the loader, the paged model and the engine; and the fast paths against eager."""
+Q8_0) through the loader, the paged model and the engine (chunks, prefix hits, preemption,
+n-gram speculation); and the fast paths against eager."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
 
 
-def _family_model(family: str, gguf: bool = False) -> transformers.PreTrainedModel:
+def _family_model(
+    family: str, gguf: bool = False, vocab_size: int = VOCAB
+) -> transformers.PreTrainedModel:
     """`gguf`: a Gemma with the attention scale a GGUF file can say (GGUF has no
     query_pre_attn_scalar; llama.cpp, and so iterserve, scales by head_dim, or by hidden /
     heads for the 27B layer counts)."""
     shape: dict[str, object] = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         weight_std=0.15,
         hidden_size=128,
         intermediate_size=192,
@@ -300,6 +303,64 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
     assert [first[0].token_ids] == expected[:1]
     assert [o.token_ids for o in second] == expected
     assert second[1].num_cached_tokens > 0  # the shared prefix came from the cache
+
+
+# A small vocabulary: random weights then repeat themselves within a few tokens, so prompt
+# lookup finds drafts that are sometimes right.
+SMALL_VOCAB = 128
+
+
+def _engine_family_model(name: str) -> transformers.PreTrainedModel:
+    if name != "mixtral":
+        return _family_model(name, vocab_size=SMALL_VOCAB)
+    return tiny_hf_model(
+        "mixtral",
+        vocab_size=SMALL_VOCAB,
+        weight_std=0.15,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        attn_implementation="eager",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+@pytest.mark.slow  # ~4 s each
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2", "mixtral"])
+def test_engine_greedy_matches_transformers_through_preemption_and_ngram_speculation(
+    name: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """A KV pool too small for every sequence's output (preemption: prompts and outputs
+    recomputed, past Gemma 2's window) while prompt lookup proposes drafts (verify steps of
+    several rows, some drafts accepted, some rejected): the tokens of transformers run one
+    at a time."""
+    hf = _engine_family_model(name)
+    directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
+    rng = random.Random(6)
+    prompts = []
+    for n in (5, 6, 7):
+        phrase = [rng.randrange(3, SMALL_VOCAB) for _ in range(n)]
+        prompts.append(phrase * 3 + phrase[:2])  # ends as the phrase begins: a draft
+    expected = [_greedy(hf, p, 16) for p in prompts]
+    llm = LLM(
+        str(directory),
+        dtype="float32",
+        compile=False,
+        block_size=4,
+        num_kv_blocks=14,  # prompts fit (at most 6 blocks each), outputs do not
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(len(set(o.token_ids)) > 3 for o in outputs), "degenerate text would prove little"
+    assert llm.engine.scheduler.num_preemptions > 0
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 needs_kernels = pytest.mark.skipif(
