@@ -439,18 +439,18 @@ def _load_weights(
             raise ModelLoadError(f"{path}: tensor {info.name}: {error}") from error
         # F32 tensors come back as views of the read-only file; everything else is fresh memory.
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        qtype = info.qtype.name
         if (experts := split_gguf_experts(info.name, tensor)) is not None:
             weights.update((n, t.to(dtype).contiguous()) for n, t in experts.items())
+            # Each expert's bytes are one contiguous run of the stack's: its own blocks.
+            per_expert = info.nbytes // len(experts)
+            for e, expert_name in enumerate(experts):
+                expert_raw = raw[e * per_expert : (e + 1) * per_expert]
+                if (blocks := _blocks(expert_raw, qtype, info.shape[1:], expanded)) is not None:
+                    quantized[expert_name] = blocks
             continue
         name = hf_tensor_name(info.name, gguf_arch)
-        blocks: BlockWeight | None = None
-        qtype = info.qtype.name
-        if qtype in BLOCK_BYTES and len(info.shape) == 2:
-            blocks = from_gguf_blocks(raw, qtype, info.shape)  # type: ignore[arg-type]
-        elif qtype in KQUANT_BLOCK_SIZES and len(info.shape) == 2:
-            blocks = from_gguf_kquant(raw, qtype, info.shape)  # type: ignore[arg-type]
-        elif qtype not in _FLOAT_TYPES and len(info.shape) == 2:
-            expanded.add(qtype)
+        blocks = _blocks(raw, qtype, info.shape, expanded)
         if config.traits.norm_offset and "norm" in name:
             # llama.cpp's converter stores Gemma's norms with the 1 of (1 + w) added; HF
             # names carry HF's values (LlamaForCausalLM.load_weights adds the 1 again).
@@ -474,3 +474,19 @@ def _load_weights(
             ", ".join(sorted({*BLOCK_BYTES, *KQUANT_BLOCK_SIZES})),
         )
     return weights, quantized
+
+
+def _blocks(
+    raw: np.ndarray, qtype: str, shape: tuple[int, ...], expanded: set[str]
+) -> BlockWeight | None:
+    """A 2-D tensor's GGUF bytes kept in their blocks, if a kernel reads its type; else None,
+    and a quantized type is noted in `expanded`."""
+    if len(shape) != 2:
+        return None
+    if qtype in BLOCK_BYTES:
+        return from_gguf_blocks(raw, qtype, shape)  # type: ignore[arg-type]
+    if qtype in KQUANT_BLOCK_SIZES:
+        return from_gguf_kquant(raw, qtype, shape)  # type: ignore[arg-type]
+    if qtype not in _FLOAT_TYPES:
+        expanded.add(qtype)
+    return None
