@@ -357,9 +357,9 @@ def _gemma_fields(
     pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer, true: sliding
         sliding = tuple(bool(p) for p in pattern)
-    else:
-        n = int(pattern or _GEMMA_WINDOW_PATTERN[arch])
-        sliding = tuple(i % n < n - 1 for i in range(layers))
+    else:  # llama.cpp's set_swa_pattern(n): every n-th layer full; n = 0: none
+        n = _GEMMA_WINDOW_PATTERN[arch] if pattern is None else int(pattern)
+        sliding = tuple(n == 0 or i % n < n - 1 for i in range(layers))
     if len(sliding) != layers:
         raise ModelLoadError(
             f"GGUF {arch}.attention.sliding_window_pattern has {len(sliding)} entries "
