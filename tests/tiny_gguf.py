@@ -30,6 +30,12 @@ _BLOCK = {
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: fused gate and up as one ffn_up
     "mlp.down_proj": "ffn_down",
 }
+# Gemma's sandwich norms (gguf-py's ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM).
+_GEMMA_BLOCK = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -78,6 +84,8 @@ def write_gguf(
             writer.add_string(full, value)
         elif isinstance(value, float):
             writer.add_float32(full, value)
+        elif isinstance(value, list):
+            writer.add_array(full, value)
         else:
             writer.add_uint32(full, value)
     bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
@@ -101,10 +109,13 @@ def write_gguf(
     for name, tensor in state.items():
         stem, suffix = name.rsplit(".", 1)
         layer, _, module = stem.removeprefix("model.layers.").partition(".")
+        block = {**_BLOCK, **_GEMMA_BLOCK} if arch.startswith("gemma") else _BLOCK
         gguf_name = (
-            f"{_TOP[stem]}.{suffix}" if stem in _TOP else f"blk.{layer}.{_BLOCK[module]}.{suffix}"
+            f"{_TOP[stem]}.{suffix}" if stem in _TOP else f"blk.{layer}.{block[module]}.{suffix}"
         )
         array = tensor.float().numpy()
+        if arch.startswith("gemma") and stem.endswith("norm"):
+            array = array + 1  # convert_hf_to_gguf.py stores Gemma's (1 + w) norm scales
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
             array = llama_cpp_permute(array, heads)

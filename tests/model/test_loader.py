@@ -215,14 +215,14 @@ def test_missing_tokenizer(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
-    path = tmp_path / "phi.gguf"
-    writer = GGUFWriter(path, "gemma2")
+    path = tmp_path / "mamba.gguf"
+    writer = GGUFWriter(path, "mamba")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    supported = "supported: llama, phi3, qwen2, qwen3"
-    with pytest.raises(ModelLoadError, match=f"'gemma2' is not supported; {supported}"):
+    supported = "supported: gemma2, gemma3, llama, phi3, qwen2, qwen3"
+    with pytest.raises(ModelLoadError, match=f"'mamba' is not supported; {supported}"):
         load_model(path)
 
 

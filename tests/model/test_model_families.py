@@ -1,6 +1,7 @@
 """Every dense family beyond Llama (model/family.py) against transformers: tiny random
 checkpoints written with transformers' own classes, as an HF directory and as GGUF (F32 and
-Q8_0) through the loader, the paged model and the engine; and the fast paths against eager."""
+Q8_0) through the loader, the paged model and the engine (chunks, prefix hits, preemption,
+n-gram speculation); and the fast paths against eager."""
 
 from __future__ import annotations
 
@@ -10,120 +11,32 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 
 from iterserve import kernels
 from iterserve.engine.llm import LLM
+from iterserve.model.config import ModelConfig
+from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
-from iterserve.model.loaded import ModelLoadError
-from iterserve.model.loader import load_model
+from iterserve.model.loader import hf_model_config, load_model
 from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
-from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
-from tiny_gguf import write_gguf
-
-VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
-ORIGINAL = 64  # Phi-3's original context: the tests run past it
-
-
-def _family_model(family: str) -> transformers.PreTrainedModel:
-    shape: dict[str, object] = dict(
-        vocab_size=VOCAB,
-        weight_std=0.15,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=family == "qwen3",
-        attn_implementation="eager",
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if family == "qwen3":
-        return tiny_hf_model("qwen3", **shape, head_dim=64, max_position_embeddings=256)
-    gemma = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=24)
-    if family == "gemma2":  # soft-caps low enough to bite at these logit sizes
-        return tiny_hf_model(
-            "gemma2", **shape, **gemma, attn_logit_softcapping=4.0, final_logit_softcapping=15.0
-        )
-    if family == "gemma3":  # a sliding layer (local rope) then a full one (linear scaling)
-        rope = {
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        }
-        layer_types = ["sliding_attention", "full_attention"]
-        return tiny_hf_model(
-            "gemma3", **shape, **gemma, rope_parameters=rope, layer_types=layer_types
-        )
-    rng = random.Random(0)
-    rope = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0 + rng.random() * 0.5 for _ in range(16)],
-        "long_factor": [1.0 + rng.random() * 8 for _ in range(16)],
-    }
-    return tiny_hf_model(
-        "phi3",
-        **shape,
-        max_position_embeddings=4 * ORIGINAL,
-        original_max_position_embeddings=ORIGINAL,
-        rope_parameters=rope,
-        sliding_window=48,
-        pad_token_id=0,
-    )
-
+from tiny_checkpoints import hf_token_by_token, save_checkpoint
+from tiny_families import (
+    ORIGINAL,
+    SMALL_VOCAB,
+    VOCAB,
+    engine_family_model,
+    family_checkpoint,
+    family_model,
+)
 
 FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3"]
-GGUF_FAMILIES = ("qwen3", "phi3")  # Gemma GGUFs are refused (docs/models.md)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request: pytest.FixtureRequest) -> tuple[str, transformers.PreTrainedModel]:
-    return request.param, _family_model(request.param)
-
-
-def _gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], dict]:
-    """What llama.cpp's converter adds for Phi-3: longrope factors and the window."""
-    c = hf.config
-    if c.model_type != "phi3":
-        return {}, {}
-    rope = c.rope_parameters
-    scale = c.max_position_embeddings / ORIGINAL
-    attn_factor = (1 + torch.tensor(scale).log() / torch.tensor(float(ORIGINAL)).log()).sqrt()
-    metadata = {
-        "rope.scaling.original_context_length": ORIGINAL,
-        "rope.scaling.attn_factor": float(attn_factor),
-        "attention.sliding_window": c.sliding_window,
-    }
-    factors = {
-        "rope_factors_long": torch.tensor(rope["long_factor"]).numpy(),
-        "rope_factors_short": torch.tensor(rope["short_factor"]).numpy(),
-    }
-    return metadata, factors
-
-
-def _checkpoint(
-    kind: str, hf: transformers.PreTrainedModel, out: Path, tokenizer_dir: Path
-) -> Path:
-    """`hf` saved as an HF directory or as a GGUF file of this kind (its q/k/v rows as
-    llama.cpp's converter writes them)."""
-    if kind == "hf":
-        return save_checkpoint(hf, out, tokenizer_dir)
-    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-    metadata, factors = _gguf_metadata(hf)
-    path = out / f"tiny.{kind}.gguf"
-    qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.F32
-    write_gguf(
-        path,
-        hf.config.model_type,
-        hf,
-        tokenizer,
-        qtype=qtype,
-        metadata=metadata,
-        rope_tensors=factors,
-    )
-    return path
+    return request.param, family_model(request.param)
 
 
 @pytest.mark.parametrize("kind", ["hf", "f32", "q8_0"])
@@ -137,22 +50,13 @@ def test_checkpoints_match_transformers_through_chunks_and_decodes(
     mixed with decodes, against transformers over the weights the loader produced (for Q8_0,
     the dequantized ones: the format's rounding is not ours to check here)."""
     name, hf = family
-    if kind != "hf" and name not in GGUF_FAMILIES:
-        # Refused by name at load, never loaded wrong (docs/models.md).
-        path = tmp_path / f"{name}.gguf"
-        writer = GGUFWriter(path, name)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with pytest.raises(ModelLoadError, match=f"GGUF architecture '{name}' is not supported"):
-            load_model(path, torch.float32)
-        return
-    loaded = load_model(_checkpoint(kind, hf, tmp_path, tokenizer_dir), torch.float32)
+    if kind != "hf" and name.startswith("gemma"):
+        hf = family_model(name, gguf=True)
+    loaded = load_model(family_checkpoint(kind, hf, tmp_path, tokenizer_dir), torch.float32)
     assert loaded.config.architecture == name
     reference = hf
     if kind == "q8_0":
-        reference = _family_model(name)
+        reference = family_model(name, gguf=True)
         missing = reference.load_state_dict(loaded.weights, strict=False).missing_keys
         assert missing in ([], ["lm_head.weight"])  # tied: the embedding
     ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
@@ -170,6 +74,91 @@ def test_checkpoints_match_transformers_through_chunks_and_decodes(
         computed = runner.computed[seq]
         ref = hf_token_by_token(reference, tokens[:computed], prompt=min(computed, ORIGINAL))
         torch.testing.assert_close(torch.cat(got[seq]), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # The released shapes whose attention scale or window pattern a GGUF file cannot
+        # state: Gemma 2 9B and 27B, Gemma 3 1B and 27B (27B: query_pre_attn_scalar is
+        # hidden / heads, not head_dim).
+        transformers.Gemma2Config(
+            num_hidden_layers=42,
+            hidden_size=3584,
+            num_attention_heads=16,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+        ),
+        transformers.Gemma2Config(
+            num_hidden_layers=46,
+            hidden_size=4608,
+            num_attention_heads=32,
+            head_dim=128,
+            query_pre_attn_scalar=144,
+        ),
+        transformers.Gemma3TextConfig(
+            num_hidden_layers=26,
+            hidden_size=1152,
+            num_attention_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+        ),
+        transformers.Gemma3TextConfig(
+            num_hidden_layers=62,
+            hidden_size=5376,
+            num_attention_heads=32,
+            head_dim=128,
+            query_pre_attn_scalar=168,
+        ),
+    ],
+    ids=["gemma2-9b", "gemma2-27b", "gemma3-1b", "gemma3-27b"],
+)
+def test_gemma_gguf_metadata_reads_as_the_hf_config(config: transformers.PretrainedConfig) -> None:
+    """What llama.cpp's converter writes for a Gemma (no layer pattern, no attention scale,
+    no local RoPE base) reads as transformers' config of the same model does."""
+    arch = config.model_type.removesuffix("_text")
+    metadata: dict[str, object] = {
+        "general.architecture": arch,
+        f"{arch}.context_length": config.max_position_embeddings,
+        f"{arch}.embedding_length": config.hidden_size,
+        f"{arch}.block_count": config.num_hidden_layers,
+        f"{arch}.feed_forward_length": config.intermediate_size,
+        f"{arch}.attention.head_count": config.num_attention_heads,
+        f"{arch}.attention.head_count_kv": config.num_key_value_heads,
+        f"{arch}.attention.key_length": config.head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+        f"{arch}.attention.sliding_window": config.sliding_window,
+        f"{arch}.rope.freq_base": config.rope_parameters.get(
+            "full_attention", config.rope_parameters
+        )["rope_theta"],
+    }
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, cap, None) is not None:
+            metadata[f"{arch}.{cap}"] = getattr(config, cap)
+    shape = (config.vocab_size, config.hidden_size)
+    tensors = {
+        "token_embd.weight": GGUFTensorInfo(
+            "token_embd.weight", shape, GGMLQuantizationType.F32, 0, 0
+        )
+    }
+    ours = gguf_model_config(metadata, tensors)
+    architecture = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]
+    hf = hf_model_config({**config.to_dict(), "architectures": [architecture]})
+
+    def gemma_fields(c: ModelConfig) -> tuple[object, ...]:
+        scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        return (
+            c.sliding_window,
+            c.sliding_window_layers,
+            c.attn_logit_softcapping,
+            c.final_logit_softcapping,
+            scale,
+            c.local_rope_theta,
+            c.rope_theta,
+        )
+
+    assert gemma_fields(ours) == gemma_fields(hf)
+    assert ours.sliding_window_layers == tuple(t == "sliding_attention" for t in config.layer_types)
 
 
 @torch.inference_mode()
@@ -203,6 +192,43 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
     assert [first[0].token_ids] == expected[:1]
     assert [o.token_ids for o in second] == expected
     assert second[1].num_cached_tokens > 0  # the shared prefix came from the cache
+
+
+@pytest.mark.slow  # ~4 s each
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2", "mixtral"])
+def test_engine_greedy_matches_transformers_through_preemption_and_ngram_speculation(
+    name: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """A KV pool too small for every sequence's output (preemption: prompts and outputs
+    recomputed, past Gemma 2's window) while prompt lookup proposes drafts (verify steps of
+    several rows, some drafts accepted, some rejected): the tokens of transformers run one
+    at a time."""
+    hf = engine_family_model(name)
+    directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
+    rng = random.Random(6)
+    prompts = []
+    for n in (5, 6, 7):
+        phrase = [rng.randrange(3, SMALL_VOCAB) for _ in range(n)]
+        prompts.append(phrase * 3 + phrase[:2])  # ends as the phrase begins: a draft
+    expected = [_greedy(hf, p, 16) for p in prompts]
+    llm = LLM(
+        str(directory),
+        dtype="float32",
+        compile=False,
+        block_size=4,
+        num_kv_blocks=14,  # prompts fit (at most 6 blocks each), outputs do not
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(len(set(o.token_ids)) > 3 for o in outputs), "degenerate text would prove little"
+    assert llm.engine.scheduler.num_preemptions > 0
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 needs_kernels = pytest.mark.skipif(

@@ -12,13 +12,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 from safetensors.torch import load_file
+from test_fast_paths import _assert_as_close_as_bf16, _teacher_force
 
 from conftest import BUNDLED_GGUF, _save_tiny, bundled_dir
 from iterserve import LLM, SamplingParams, kernels
 from iterserve.model import moe
 from iterserve.model.gguf_loader import read_gguf_header
+from iterserve.model.linear import Backend
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
 from paged_runner import PagedRunner
@@ -199,9 +202,12 @@ def test_tensor_parallel_greedy_is_transformers(
     assert [o.token_ids for o in outputs] == mixtral_reference
 
 
-def _write_mixtral_gguf(path: Path, model_dir: Path) -> None:
+def _write_mixtral_gguf(
+    path: Path, model_dir: Path, experts_qtype: GGMLQuantizationType | None = None
+) -> None:
     """The checkpoint as llama.cpp's converter writes Mixtral: arch "llama", q/k rows permuted,
-    each layer's experts stacked [experts, rows, cols] per projection; F32 throughout."""
+    each layer's experts stacked [experts, rows, cols] per projection; F32 throughout, or
+    the expert stacks in `experts_qtype`."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     weights = load_file(model_dir / "model.safetensors")
     metadata, _ = read_gguf_header(bundled_dir() / BUNDLED_GGUF)  # its tokenizer, as is
@@ -249,7 +255,12 @@ def _write_mixtral_gguf(path: Path, model_dir: Path) -> None:
                 weights[f"{p}block_sparse_moe.experts.{e}.{hf_part}.weight"]
                 for e in range(config.num_local_experts)
             ]
-            add(f"blk.{i}.ffn_{gguf_part}_exps.weight", torch.stack(experts))
+            stack = torch.stack(experts).float().numpy()
+            name = f"blk.{i}.ffn_{gguf_part}_exps.weight"
+            if experts_qtype is None:
+                writer.add_tensor(name, np.ascontiguousarray(stack))
+            else:
+                writer.add_tensor(name, quantize(stack, experts_qtype), raw_dtype=experts_qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -274,6 +285,37 @@ def test_gguf_loads_the_same_weights_and_tokens(
     llm = LLM(str(path), dtype="float32", compile=False)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == mixtral_reference
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
+@pytest.mark.parametrize(("qtype", "kind"), [("Q4_0", "q4"), ("Q8_0", "q8")])
+def test_experts_from_a_quantized_gguf_run_in_their_blocks(
+    tmp_path: Path, mixtral_dir: Path, qtype: str, kind: str
+) -> None:
+    """Each expert of a 4/8-bit GGUF stack is kept in its own blocks (gate and up fused) and
+    runs on the block kernels alone (no dense copy): as close to fp32 over the dequantized
+    weights as plain bf16 is."""
+    path = tmp_path / f"tiny-mixtral.{qtype}.gguf"
+    _write_mixtral_gguf(path, mixtral_dir, GGMLQuantizationType[qtype])
+    loaded = load_model(path, torch.float32)
+    experts = {n for n in loaded.weights if ".experts." in n}
+    assert len(experts) == 2 * EXPERTS * 3 and experts <= set(loaded.quantized)
+    assert {loaded.quantized[n].kind for n in experts} == {kind}
+
+    def run(dtype: torch.dtype, backend: Backend, quantized: bool) -> list[torch.Tensor]:
+        model = LlamaForCausalLM(loaded.config, dtype, torch.device("cpu"))
+        model.load_weights(loaded.weights)
+        model.prepare(backend, loaded.quantized if quantized else None, wide=False)
+        if quantized:
+            assert model.describe_linears()["experts"].endswith(f"tiled-{kind}")
+        runner = PagedRunner(model, block_size=8, num_blocks=64, paged_kernel=False)
+        return _teacher_force(runner, tokens)
+
+    rng = random.Random(8)
+    tokens = [[rng.randrange(loaded.config.vocab_size) for _ in range(n)] for n in (48, 40, 44)]
+    reference = run(torch.float32, "torch", False)
+    bf16 = run(torch.bfloat16, "torch", False)
+    _assert_as_close_as_bf16(reference, run(torch.bfloat16, "tiled", True), bf16)
 
 
 @pytest.mark.parametrize(

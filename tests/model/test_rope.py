@@ -20,6 +20,7 @@ import transformers
 from gguf import GGMLQuantizationType
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from iterserve.bench.transformers_checkpoint import from_loaded
 from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
@@ -181,9 +182,13 @@ def test_llama3_gguf_rope_freqs_match_transformers(tmp_path: Path, tokenizer_dir
     runner = PagedRunner(ours, block_size=8, num_blocks=64)
     runner.add("s", tokens)
     got = torch.cat([runner.step([("s", n)])["s"] for n in (50, 150)])
+    # The benchmark's transformers peer, from the same file: its rope gets the factors too.
+    peer = from_loaded(loaded.config, loaded.weights, torch.float32)
     with torch.inference_mode():
         ref = hf(torch.tensor([tokens])).logits[0].float()
+        peer_logits = peer(torch.tensor([tokens])).logits[0].float()
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(peer_logits, ref, atol=1e-4, rtol=0)
 
 
 def test_gguf_rope_metadata_is_read_or_refused_by_name() -> None:

@@ -36,13 +36,16 @@ class PeerOptions:
 def load_transformers_model(path: str | None, dtype: str) -> tuple[Any, int]:
     """(transformers model, pad token id) for an HF directory or a GGUF file, local files only.
 
-    A GGUF file is read with iterserve's loader and its weights put into the matching
-    transformers class: both engines then run bit-identical weights, and transformers' own
-    GGUF path (which needs `accelerate`) is not required.
+    Any family transformers has a class for: an HF directory through
+    AutoModelForCausalLM; a GGUF file read with iterserve's loader and its weights put into
+    its family's transformers class (bench/transformers_checkpoint.py), so both engines run
+    bit-identical weights and transformers' own GGUF path (which needs `accelerate`) is not
+    required.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
+    from iterserve.bench.transformers_checkpoint import from_loaded
     from iterserve.model.loader import default_model_path, load_model
 
     location = default_model_path() if path is None else Path(path).expanduser()
@@ -53,7 +56,7 @@ def load_transformers_model(path: str | None, dtype: str) -> tuple[Any, int]:
         )
     else:
         loaded = load_model(location, torch_dtype)
-        model = _transformers_model(loaded.config, loaded.weights, torch_dtype)
+        model = from_loaded(loaded.config, loaded.weights, torch_dtype)
     model.eval()
     generation = model.generation_config
     pad = generation.pad_token_id if generation.pad_token_id is not None else None
@@ -62,51 +65,6 @@ def load_transformers_model(path: str | None, dtype: str) -> tuple[Any, int]:
     if isinstance(pad, list):
         pad = pad[0]
     return model, int(pad if pad is not None else 0)
-
-
-def _transformers_model(config: Any, weights: dict[str, Any], dtype: Any) -> Any:
-    """An iterserve ModelConfig + HF-named weights -> the transformers model of that family."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    classes = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }
-    config_cls, model_cls = classes[config.architecture]
-    hf_config = config_cls(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        rope_scaling=config.rope_scaling,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=list(config.eos_token_ids) or None,
-    )
-    if config.architecture == "llama":
-        hf_config.attention_bias = config.attention_bias
-    model = model_cls(hf_config).to(dtype)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if unexpected or set(missing) - allowed_missing:
-        raise ValueError(f"weights do not fit transformers' model: {missing=} {unexpected=}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model
 
 
 def generate_batch(model: Any, batch: list[WorkloadRequest], pad_id: int) -> None:
@@ -173,7 +131,7 @@ def run_transformers_peer(workload: Workload, options: PeerOptions | None = None
     full = probe_records[best] if best >= len(requests) else None
     records = full or run_static(model, requests, best, pad_id)
     return PeerResult(
-        name="transformers generate, static batching",
+        name=f"transformers generate ({type(model).__name__}), static batching",
         batch_size=best,
         throughput=compute_metrics(records).throughput,
         probes=probes,

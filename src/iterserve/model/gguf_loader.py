@@ -36,6 +36,8 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
 }
 # Tensors that are rope parameters, not weights: Llama 3's per-frequency divisors and Phi-3's
 # longrope factors (read into ModelConfig.rope_scaling).
@@ -43,6 +45,8 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 # {arch}.rope.scaling.type values read (llama.cpp's names), and the YaRN keys whose non-default
 # values would change the rotation in ways rope.py does not model.
 _GGUF_ROPE_SCALING = ("none", "linear", "yarn")
+# Architectures whose attention.sliding_window is read (Gemma's per layer, see _gemma_fields).
+_WINDOWED = ("phi3", "gemma2", "gemma3")
 _YARN_UNMODELLED = ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier", "attn_factor")
 
 _GLOBAL_NAMES = {
@@ -65,6 +69,21 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     GGUF_ROUTER: ROUTER.removesuffix(".weight"),
 }
+# Gemma's sandwich norms (gguf-py's ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM): its ffn_norm
+# is HF's pre_feedforward_layernorm, and HF's post_attention_layernorm is the attention output's.
+_GEMMA_BLOCK_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's Gemma layouts: every n-th layer attends fully (its set_swa_pattern), and the
+# sliding layers of Gemma 3 rotate with a plain base of 10000 unless the file says otherwise.
+_GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# The layer counts of the 27B models, whose attention scale is 1/sqrt(hidden / heads) instead
+# of 1/sqrt(head_dim): GGUF has no key for HF's query_pre_attn_scalar, and llama.cpp picks
+# the scale by model size exactly so.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # "SmolLM2-135M-Instruct.Q4_1", "Llama-3.1-8B-Instruct-Q4_K_M": the served name drops the quant.
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|FP?16|FP?32)$", re.IGNORECASE)
@@ -299,6 +318,9 @@ def gguf_model_config(
             "GGUF Mixtral files with one tensor per expert (blk.N.ffn_gate.E.weight, an old "
             "llama.cpp layout) are not supported; convert again to get ffn_*_exps tensors"
         )
+    gemma: dict[str, Any] = {}
+    if arch in _GEMMA_WINDOW_PATTERN:
+        gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)
     return ModelConfig(
         architecture="mixtral" if experts else SUPPORTED_GGUF_ARCHITECTURES[arch],
         # The embedding's rows, not the token list: the weights must agree with the config, and
@@ -316,17 +338,49 @@ def gguf_model_config(
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         rope_scaling=rope_scaling,
-        sliding_window=metadata.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
+        sliding_window=(
+            metadata.get(f"{arch}.attention.sliding_window") if arch in _WINDOWED else None
+        ),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
+        **gemma,
     )
 
 
+def _gemma_fields(
+    metadata: dict[str, Any], arch: str, layers: int, hidden_per_head: int
+) -> dict[str, Any]:
+    """The ModelConfig fields only Gemma sets (loader._gemma_fields reads the same from an HF
+    config), as llama.cpp reads them from a GGUF file."""
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag per layer, true: sliding
+        sliding = tuple(bool(p) for p in pattern)
+    else:  # llama.cpp's set_swa_pattern(n): every n-th layer full; n = 0: none
+        n = _GEMMA_WINDOW_PATTERN[arch] if pattern is None else int(pattern)
+        sliding = tuple(n == 0 or i % n < n - 1 for i in range(layers))
+    if len(sliding) != layers:
+        raise ModelLoadError(
+            f"GGUF {arch}.attention.sliding_window_pattern has {len(sliding)} entries "
+            f"for {layers} layers"
+        )
+    local_base = metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
+    return {
+        "sliding_window_layers": sliding,
+        "attn_logit_softcapping": metadata.get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": metadata.get(f"{arch}.final_logit_softcapping"),
+        "query_pre_attn_scalar": hidden_per_head if layers == _GEMMA_27B_LAYERS[arch] else None,
+        "local_rope_theta": float(local_base) if arch == "gemma3" else None,
+    }
+
+
 def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
-    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] in _BLOCK_NAMES:
-        module = _BLOCK_NAMES[match[2]]
+    names = (
+        {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES} if gguf_arch.startswith("gemma") else _BLOCK_NAMES
+    )
+    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] in names:
+        module = names[match[2]]
         if gguf_arch == "phi3" and match[2] == "ffn_up":  # Phi-3's fused gate and up
             module = "mlp.gate_up_proj"
         return f"model.layers.{match[1]}.{module}.{match[3]}"
@@ -385,18 +439,22 @@ def _load_weights(
             raise ModelLoadError(f"{path}: tensor {info.name}: {error}") from error
         # F32 tensors come back as views of the read-only file; everything else is fresh memory.
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        qtype = info.qtype.name
         if (experts := split_gguf_experts(info.name, tensor)) is not None:
             weights.update((n, t.to(dtype).contiguous()) for n, t in experts.items())
+            # Each expert's bytes are one contiguous run of the stack's: its own blocks.
+            per_expert = info.nbytes // len(experts)
+            for e, expert_name in enumerate(experts):
+                expert_raw = raw[e * per_expert : (e + 1) * per_expert]
+                if (blocks := _blocks(expert_raw, qtype, info.shape[1:], expanded)) is not None:
+                    quantized[expert_name] = blocks
             continue
         name = hf_tensor_name(info.name, gguf_arch)
-        blocks: BlockWeight | None = None
-        qtype = info.qtype.name
-        if qtype in BLOCK_BYTES and len(info.shape) == 2:
-            blocks = from_gguf_blocks(raw, qtype, info.shape)  # type: ignore[arg-type]
-        elif qtype in KQUANT_BLOCK_SIZES and len(info.shape) == 2:
-            blocks = from_gguf_kquant(raw, qtype, info.shape)  # type: ignore[arg-type]
-        elif qtype not in _FLOAT_TYPES and len(info.shape) == 2:
-            expanded.add(qtype)
+        blocks = _blocks(raw, qtype, info.shape, expanded)
+        if config.traits.norm_offset and "norm" in name:
+            # llama.cpp's converter stores Gemma's norms with the 1 of (1 + w) added; HF
+            # names carry HF's values (LlamaForCausalLM.load_weights adds the 1 again).
+            tensor = tensor.float() - 1
         projection = name.split(".")[-2]
         if projection in rope_heads:
             tensor = unpermute_rope_rows(tensor, rope_heads[projection])
@@ -416,3 +474,19 @@ def _load_weights(
             ", ".join(sorted({*BLOCK_BYTES, *KQUANT_BLOCK_SIZES})),
         )
     return weights, quantized
+
+
+def _blocks(
+    raw: np.ndarray, qtype: str, shape: tuple[int, ...], expanded: set[str]
+) -> BlockWeight | None:
+    """A 2-D tensor's GGUF bytes kept in their blocks, if a kernel reads its type; else None,
+    and a quantized type is noted in `expanded`."""
+    if len(shape) != 2:
+        return None
+    if qtype in BLOCK_BYTES:
+        return from_gguf_blocks(raw, qtype, shape)  # type: ignore[arg-type]
+    if qtype in KQUANT_BLOCK_SIZES:
+        return from_gguf_kquant(raw, qtype, shape)  # type: ignore[arg-type]
+    if qtype not in _FLOAT_TYPES:
+        expanded.add(qtype)
+    return None

@@ -25,7 +25,7 @@ from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
 from iterserve.model.linear import Backend, DenseFormat, Linear
-from iterserve.model.moe import SparseMoeBlock
+from iterserve.model.moe import EXPERT_PREFIX, SparseMoeBlock
 from iterserve.model.quant import QuantizedWeight
 from iterserve.model.rope import apply_rope, rope_tables
 from iterserve.model.tensor_parallel import TensorParallel
@@ -148,7 +148,17 @@ class _DecoderLayer(nn.Module):
         biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
         self.fused = None
         if self.moe is not None:
-            self.moe.prepare(backend, dense_format)
+            expert_prefixes = [
+                prefix + EXPERT_PREFIX.format(e) for e in range(self.moe.num_experts)
+            ]
+            experts = [
+                (
+                    _fused_quantized(quantized, p, ("w1", "w3")),
+                    _fused_quantized(quantized, p, ("w2",)),
+                )
+                for p in expert_prefixes
+            ]
+            self.moe.prepare(backend, dense_format, experts, wide)
         for name, parts in self.checkpoint_parts.items():
             if self.moe is not None and name in ("gate_up", "down"):
                 continue

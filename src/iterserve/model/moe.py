@@ -32,18 +32,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.kquant import BlockWeight
 from iterserve.model.linear import Backend, DenseFormat, Linear
 from iterserve.model.loaded import ModelLoadError
 
 # Mixtral's checkpoint names under model.layers.N.: the router, and per expert E its gate
 # (w1), down (w2) and up (w3) projections.
 ROUTER = "block_sparse_moe.gate.weight"
-EXPERT = "block_sparse_moe.experts.{}.{}.weight"
+EXPERT_PREFIX = "block_sparse_moe.experts.{}."
+EXPERT = EXPERT_PREFIX + "{}.weight"
 
 # llama.cpp stores each layer's experts as one tensor per projection, [experts, rows, cols]
 # in row-major terms, and the router as ffn_gate_inp.
 GGUF_EXPERT_STACKS = {"ffn_gate_exps": "w1", "ffn_down_exps": "w2", "ffn_up_exps": "w3"}
 GGUF_ROUTER = "ffn_gate_inp"
+# Per expert: its fused gate+up and its down projection in checkpoint blocks, or None.
+ExpertBlocks = list[tuple[BlockWeight | None, BlockWeight | None]]
 _GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|down|up)_exps)\.weight")
 
 
@@ -113,16 +117,27 @@ class SparseMoeBlock(nn.Module):
             out[prefix + EXPERT.format(e, "w2")] = (self.down_weight[e], (hidden, inter))
         return out
 
-    def prepare(self, backend: Backend, dense_format: DenseFormat) -> None:
+    def prepare(
+        self,
+        backend: Backend,
+        dense_format: DenseFormat,
+        quantized: ExpertBlocks | None = None,
+        wide: bool = True,
+    ) -> None:
         """One Linear per expert and projection; the stacks are dropped unless torch runs
-        (the kernels hold their own copies). The router stays a plain F.linear: E rows."""
+        (the kernels hold their own copies). The router stays a plain F.linear: E rows.
+
+        `quantized`: per expert, its fused gate+up and its down projection in checkpoint
+        blocks (a 4/8-bit GGUF), or None where there are none; kept so for the tiled
+        kernels, with a dense copy for many-row steps if `wide`, as dense layers are."""
         assert self.gate_up_weight is not None and self.down_weight is not None
+        blocks = quantized or [(None, None)] * self.num_experts
         self.gate_up = [
-            Linear(self.gate_up_weight[e], None, backend, None, False, dense_format)
+            Linear(self.gate_up_weight[e], None, backend, blocks[e][0], wide, dense_format)
             for e in range(self.num_experts)
         ]
         self.down = [
-            Linear(self.down_weight[e], None, backend, None, False, dense_format)
+            Linear(self.down_weight[e], None, backend, blocks[e][1], wide, dense_format)
             for e in range(self.num_experts)
         ]
         if backend != "torch":

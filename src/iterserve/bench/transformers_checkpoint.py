@@ -1,0 +1,124 @@
+"""A loaded GGUF file as the transformers model of its family, for the `transformers` peer.
+
+iterserve's GGUF loader gives a ModelConfig and HF-named weights (Gemma's norms back to HF's
+values, Llama's Q/K rows un-permuted). Written out as config.json + safetensors, transformers
+loads them with `AutoModelForCausalLM.from_pretrained`, which applies its own checkpoint
+conversions (e.g. Mixtral's per-expert tensors into its fused expert layout): any family
+iterserve loads from GGUF, with both engines then running bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from iterserve.model.config import ModelConfig
+
+# ModelConfig.architecture -> (HF architectures entry, HF model_type).
+HF_CLASSES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+
+
+def hf_config_json(config: ModelConfig) -> dict[str, Any]:
+    """config.json (transformers 5 spelling) for `config`'s family.
+
+    A GGUF's `rope_freqs` (Llama 3.1+) has no transformers rope type: the model is written
+    with default rope and `apply_freq_factors` divides its frequencies afterwards.
+    """
+    architecture, model_type = HF_CLASSES[config.architecture]
+    rope: dict[str, Any] = dict(config.rope_scaling or {"rope_type": "default"})
+    if rope.get("rope_type") == "freq_factors":
+        rope = {"rope_type": "default"}
+    rope["rope_theta"] = config.rope_theta
+    raw: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_ids) or None,
+        # Not Phi-3's default 32000, out of range of a smaller vocabulary (the peer pads
+        # with the generation config's pad or EOS id).
+        "pad_token_id": None,
+        "rope_parameters": rope,
+        "sliding_window": config.sliding_window,
+    }
+    if "original_max_position_embeddings" in rope:  # Phi-3 reads it from the top level
+        raw["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if config.num_local_experts:
+        raw["num_local_experts"] = config.num_local_experts
+        raw["num_experts_per_tok"] = config.num_experts_per_tok
+    if config.architecture in ("gemma2", "gemma3"):
+        windows = config.sliding_window_layers or (True,) * config.num_hidden_layers
+        raw["layer_types"] = [
+            "sliding_attention" if sliding else "full_attention" for sliding in windows
+        ]
+        raw["query_pre_attn_scalar"] = config.query_pre_attn_scalar or config.head_dim
+        raw["attn_logit_softcapping"] = config.attn_logit_softcapping
+        raw["final_logit_softcapping"] = config.final_logit_softcapping
+        raw["hidden_activation"] = "gelu_pytorch_tanh"
+    if config.local_rope_theta is not None:  # Gemma 3: rope per layer type
+        raw["rope_parameters"] = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": config.local_rope_theta},
+        }
+    return raw
+
+
+def from_loaded(
+    config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> Any:
+    """The transformers model of `config`'s family holding `weights` (HF names).
+
+    Passes through a temporary directory: from_pretrained is what knows each family's
+    checkpoint-to-module conversions. Costs one copy of the weights on disk, briefly."""
+    from transformers import AutoModelForCausalLM
+
+    tensors = {}
+    for name, tensor in weights.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        tensor = tensor.contiguous()
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # a view into a stack (GGUF experts): safetensors wants its own
+        tensors[name] = tensor
+    with tempfile.TemporaryDirectory(prefix="iterserve-peer-") as directory:
+        path = Path(directory)
+        (path / "config.json").write_text(json.dumps(hf_config_json(config)))
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    if config.rope_scaling and config.rope_scaling.get("rope_type") == "freq_factors":
+        apply_freq_factors(model, config.rope_scaling["freq_factors"])
+    return model
+
+
+def apply_freq_factors(model: Any, factors: list[float]) -> None:
+    """llama.cpp's Llama 3 scaling on a default-rope transformers model: each frequency
+    divided by its factor (what transformers' llama3 rope type computes from its parameters)."""
+    rotary = model.model.rotary_emb
+    divisors = torch.tensor(factors, dtype=rotary.inv_freq.dtype, device=rotary.inv_freq.device)
+    rotary.inv_freq = rotary.inv_freq / divisors
+    rotary.original_inv_freq = rotary.inv_freq

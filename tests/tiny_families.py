@@ -1,0 +1,154 @@
+"""The tiny checkpoints of the families beyond Llama (model/family.py), from transformers'
+own classes: as transformers models, and saved as an HF directory or as a GGUF file the way
+llama.cpp's converter writes them (tiny_gguf.py)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import transformers
+from gguf import GGMLQuantizationType
+
+from tiny_checkpoints import save_checkpoint, tiny_hf_model
+from tiny_gguf import write_gguf
+
+VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
+ORIGINAL = 64  # Phi-3's original context: the tests run past it
+
+
+def family_model(
+    family: str, gguf: bool = False, vocab_size: int = VOCAB
+) -> transformers.PreTrainedModel:
+    """`gguf`: a Gemma with the attention scale a GGUF file can say (GGUF has no
+    query_pre_attn_scalar; llama.cpp, and so iterserve, scales by head_dim, or by hidden /
+    heads for the 27B layer counts)."""
+    shape: dict[str, object] = dict(
+        vocab_size=vocab_size,
+        weight_std=0.15,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=family == "qwen3",
+        attn_implementation="eager",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "qwen3":
+        return tiny_hf_model("qwen3", **shape, head_dim=64, max_position_embeddings=256)
+    gemma = dict(head_dim=32, query_pre_attn_scalar=32 if gguf else 24, sliding_window=24)
+    if family == "gemma2":  # soft-caps low enough to bite at these logit sizes
+        return tiny_hf_model(
+            "gemma2", **shape, **gemma, attn_logit_softcapping=4.0, final_logit_softcapping=15.0
+        )
+    if family == "gemma3":  # a sliding layer (local rope) then a full one (linear scaling)
+        rope = {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+        layer_types = ["sliding_attention", "full_attention"]
+        return tiny_hf_model(
+            "gemma3", **shape, **gemma, rope_parameters=rope, layer_types=layer_types
+        )
+    rng = random.Random(0)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + rng.random() * 0.5 for _ in range(16)],
+        "long_factor": [1.0 + rng.random() * 8 for _ in range(16)],
+    }
+    return tiny_hf_model(
+        "phi3",
+        **shape,
+        max_position_embeddings=4 * ORIGINAL,
+        original_max_position_embeddings=ORIGINAL,
+        rope_parameters=rope,
+        sliding_window=48,
+        pad_token_id=0,
+    )
+
+
+def gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], dict]:
+    """What llama.cpp's converter adds for Phi-3 (longrope factors, the window) and Gemma
+    (soft-caps, the window; Gemma 3's full layers' linear scaling), plus Gemma 3's layer
+    pattern: these tiny models alternate, where llama.cpp assumes five sliding to one full."""
+    c = hf.config
+    if c.model_type == "gemma2":
+        return {
+            "attn_logit_softcapping": c.attn_logit_softcapping,
+            "final_logit_softcapping": c.final_logit_softcapping,
+            "attention.sliding_window": c.sliding_window,
+        }, {}
+    if c.model_type == "gemma3_text":
+        full = c.rope_parameters["full_attention"]
+        return {
+            "attention.sliding_window": c.sliding_window,
+            "attention.sliding_window_pattern": [t == "sliding_attention" for t in c.layer_types],
+            "rope.scaling.type": full["rope_type"],
+            "rope.scaling.factor": full["factor"],
+        }, {}
+    if c.model_type != "phi3":
+        return {}, {}
+    rope = c.rope_parameters
+    scale = c.max_position_embeddings / ORIGINAL
+    attn_factor = (1 + torch.tensor(scale).log() / torch.tensor(float(ORIGINAL)).log()).sqrt()
+    metadata = {
+        "rope.scaling.original_context_length": ORIGINAL,
+        "rope.scaling.attn_factor": float(attn_factor),
+        "attention.sliding_window": c.sliding_window,
+    }
+    factors = {
+        "rope_factors_long": torch.tensor(rope["long_factor"]).numpy(),
+        "rope_factors_short": torch.tensor(rope["short_factor"]).numpy(),
+    }
+    return metadata, factors
+
+
+def family_checkpoint(
+    kind: str, hf: transformers.PreTrainedModel, out: Path, tokenizer_dir: Path
+) -> Path:
+    """`hf` saved as an HF directory or as a GGUF file of this kind (its q/k/v rows as
+    llama.cpp's converter writes them)."""
+    if kind == "hf":
+        return save_checkpoint(hf, out, tokenizer_dir)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    metadata, factors = gguf_metadata(hf)
+    path = out / f"tiny.{kind}.gguf"
+    qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.F32
+    rope = hf.config.rope_parameters
+    write_gguf(
+        path,
+        hf.config.model_type.removesuffix("_text"),  # gemma3_text: GGUF's gemma3
+        hf,
+        tokenizer,
+        qtype=qtype,
+        rope_freq_base=rope.get("full_attention", rope)["rope_theta"],  # Gemma 3: full layers'
+        metadata=metadata,
+        rope_tensors=factors,
+    )
+    return path
+
+
+# A small vocabulary: random weights then repeat themselves within a few tokens, so prompt
+# lookup finds drafts that are sometimes right.
+SMALL_VOCAB = 128
+
+
+def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTrainedModel:
+    """A family's model with SMALL_VOCAB; Mixtral among them. `gguf`: as family_model's."""
+    if name != "mixtral":
+        return family_model(name, gguf=gguf, vocab_size=SMALL_VOCAB)
+    return tiny_hf_model(
+        "mixtral",
+        vocab_size=SMALL_VOCAB,
+        weight_std=0.15,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        attn_implementation="eager",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
