@@ -375,3 +375,32 @@ def test_draft_positions_are_masked_after_the_guesses_before_them(tokenizer_dir:
         again = torch.zeros(1, vocab)
         batch.mask(again, [name])
         assert torch.equal(again[0], logits[starts[name]])
+
+
+def test_the_grammar_wins_where_the_controls_leave_it_no_token(tokenizer_dir: Path) -> None:
+    """Penalties can send every token a grammar allows to -inf (a repetition penalty of
+    1e308 on seen tokens with negative logits: the server fuzz test found it); a row left
+    with no allowed token is drawn from the logits before the controls, under the grammar
+    alone, rather than from a row of -inf whose draw breaks the grammar."""
+    import torch
+
+    from iterserve.model.tokenizer import load_hf_tokenizer
+    from iterserve.sample.structured import GrammarCompiler, StructuredBatch
+
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    vocab = 49152
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    batch = StructuredBatch()
+    for name in ("emptied", "kept"):
+        batch.add(name, compiler.compile(StructuredOutput(choice=["red", "green"])))
+    raw = torch.randn(2, vocab)
+    allowed = raw.clone()
+    batch.mask(allowed, ["emptied", "kept"])
+    allowed = torch.isfinite(allowed)
+    controlled = raw.clone()
+    controlled[0, allowed[0]] = float("-inf")  # the controls took all the grammar allows
+    controlled[1, ~allowed[1]] = 0.0  # and moved only tokens the grammar forbids
+    expected_kept = controlled[1].masked_fill(~allowed[1], float("-inf"))
+    batch.mask(controlled, ["emptied", "kept"], fallback=raw)
+    assert torch.equal(controlled[0], raw[0].masked_fill(~allowed[0], float("-inf")))
+    assert torch.equal(controlled[1], expected_kept)

@@ -86,11 +86,15 @@ class TorchRunner:
                 logits,
                 [seq.sampling_params for seq in sampling for _ in range(seq.num_samples)],
                 row_contexts(sampling),
-                keep_raw=any(p.logprobs is not None for p in controlled_params),
+                # logprobs report the raw logits; a grammar falls back on them (below)
+                keep_raw=any(
+                    p.logprobs is not None or p.structured_output is not None
+                    for p in controlled_params
+                ),
             )
         constrained = [seq for seq in sampling if seq.sampling_params.structured_output]
         if constrained:  # after the controls: the grammar has the last word
-            self._mask_by_grammar(controlled, sampling, constrained)
+            self._mask_by_grammar(controlled, logits, sampling, constrained)
         # Guesses a draft model sampled from its own distribution q are accepted by the
         # ratio rule; fixed guesses (n-gram, greedy drafts) by matching the target's draw.
         by_ratio = {
@@ -117,7 +121,11 @@ class TorchRunner:
         return self._advanced(sampled, constrained, forward_time, prompt_logprobs)
 
     def _mask_by_grammar(
-        self, logits: torch.Tensor, sampling: list[ScheduledSeq], constrained: list[ScheduledSeq]
+        self,
+        logits: torch.Tensor,
+        raw_logits: torch.Tensor,
+        sampling: list[ScheduledSeq],
+        constrained: list[ScheduledSeq],
     ) -> None:
         """Forbid, in one pass, every token a constrained request's grammar rejects next,
         at each of its positions: a speculating request's row j is masked by its grammar
@@ -142,7 +150,8 @@ class TorchRunner:
         ids = [seq.request_id for seq in constrained]
         rows = [row_of[request_id] for request_id in ids]
         drafts = [seq.draft_token_ids for seq in constrained]
-        structured.mask(logits, ids, rows, drafts if any(drafts) else None)
+        fallback = raw_logits if raw_logits is not logits else None
+        structured.mask(logits, ids, rows, drafts if any(drafts) else None, fallback)
 
     def _advanced(
         self,

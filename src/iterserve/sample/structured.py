@@ -153,6 +153,7 @@ class StructuredBatch:
         request_ids: Sequence[str],
         rows: Sequence[int] | None = None,
         drafts: Sequence[Sequence[int]] | None = None,
+        fallback: torch.Tensor | None = None,
     ) -> None:
         """Set to -inf, in place, every logit a request's grammar forbids next: row
         `rows[i]` (default i) for `request_ids[i]`. With `drafts` (speculation), request i
@@ -160,7 +161,13 @@ class StructuredBatch:
         by its matcher's state after drafts[i][:j] (the library consumes them and rolls
         back); rows past a draft the grammar rejects stay unmasked: verification never
         gets past that draft (its own row forbids it). One bitmask fill for all (in the
-        library's threads), then one masked pass over those rows."""
+        library's threads), then one masked pass over those rows.
+
+        `fallback`: the logits before the request's own controls (bias, bans, min_tokens,
+        penalties). The grammar has the last word: a row where the controls left no token
+        the grammar allows (min_tokens against a finished JSON value, a -100 bias on the
+        only bracket that may come next) is drawn from `fallback` under the grammar alone,
+        instead of from a row of -inf whose draw would break the grammar."""
         width = logits.shape[1]
         starts = list(range(len(request_ids))) if rows is None else list(rows)
         lengths = [1] * len(request_ids) if drafts is None else [1 + len(d) for d in drafts]
@@ -169,7 +176,15 @@ class StructuredBatch:
         # (numpy's unpack is ~15x faster than shifting and masking with torch ops).
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=width, bitorder="little")
         targets = [start + j for start, n in zip(starts, lengths, strict=True) for j in range(n)]
-        _forbid(logits, targets, bits == 0)
+        forbidden = bits == 0
+        _forbid(logits, targets, forbidden)
+        if fallback is None:
+            return
+        emptied = (logits[targets] == float("-inf")).all(dim=1).tolist()
+        for i, (row, empty) in enumerate(zip(targets, emptied, strict=True)):
+            if empty:
+                logits[row] = fallback[row]
+                _forbid(logits, [row], forbidden[i : i + 1])
 
     def _bitmask(
         self,
