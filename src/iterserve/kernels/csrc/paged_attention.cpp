@@ -162,40 +162,14 @@ inline XPair query_chunk(const BFloat16* p) {
 }
 inline Halves query_chunk(const float* p) { return key_chunk(p); }
 
-// Against an int8 cache the keys are widened to fp32 as their dims lie, and so are queries;
-// except with bf16 dot products and bf16 queries, where int8 keys become bf16 pairs instead
-// (exactly: |q| <= 127 fits bf16's 8-bit significand), one `vdpbf16ps` per 32 dims a query
-// rather than two FMAs.
-inline Halves query_halves(const BFloat16* p) { return {load_bf16x16(p), load_bf16x16(p + 16)}; }
+// Against an int8 cache fp32 queries meet keys widened to fp32 as their dims lie (bf16
+// queries take the 16-bit path further down).
 inline Halves query_halves(const float* p) { return key_chunk(p); }
 
 template <typename T, typename C>
-constexpr bool kInt8KeysAsPairs = kBf16Dot && std::is_same_v<T, BFloat16> && std::is_same_v<C, int8_t>;
-
-template <typename T, typename C>
 inline auto make_query_chunk(const T* p) {
-  if constexpr (std::is_same_v<C, int8_t> && !kInt8KeysAsPairs<T, C>) return query_halves(p);
+  if constexpr (std::is_same_v<C, int8_t> && std::is_same_v<T, float>) return query_halves(p);
   else return query_chunk(p);
-}
-
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-// 32 int8 dims as bf16 pairs in memory order: vcvtne2ps2bf16 puts its second operand's 16
-// values in the low words, so (dims 16-31, dims 0-15) come out as dims 0-31.
-inline Pairs int8_key_pairs(const int8_t* p) {
-  const __m512 lo = load_i8x16(p).v[0], hi = load_i8x16(p + 16).v[0];
-  return Pairs{_mm512_cvtne2ps_pbh(hi, lo)};
-}
-#endif
-
-// A key's 32-dim chunk as the query chunk QC takes it.
-template <typename QC, typename C>
-inline auto load_key_chunk(const C* p) {
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<C, int8_t> && std::is_same_v<QC, XPair>) return int8_key_pairs(p);
-  else return key_chunk(p);
-#else
-  return key_chunk(p);
-#endif
 }
 
 // How a query row of type T is held for the score tree against a cache of type C.
@@ -241,7 +215,7 @@ inline void scores_tree(const C* cache, const int64_t* off, const QC* q, float* 
     const C* key = cache + off[j];
     auto acc = zeros<QB>();
     ITERSERVE_UNROLL for (int c = 0; c < NC; ++c) {
-      const auto k = load_key_chunk<QC>(key + 32 * c);
+      const auto k = key_chunk(key + 32 * c);
       ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i] = chunk_dot(acc[i], k, q[i * NC + c]);
     }
     ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) dots[i * kTile + j] = acc[i];
@@ -255,6 +229,48 @@ inline void scores_tree(const C* cache, const int64_t* off, const QC* q, float* 
   } else {
     ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) reduce16(&dots[i * kTile]).store(S + i * ldS);
   }
+}
+
+// Against an int8 pool, bf16 queries are put on a 16-bit grid (q ~ s_q * q16, s_q = max|q| /
+// 32767, one scale a row) once per item, and a key's 32 int8 dims, sign-extended to words
+// (one instruction), meet a query's in one 16-bit dot product (simd.h dot_i16: `vpdpwssd`,
+// `vpmaddwd`): the int8 key no longer becomes fp32 or bf16 (four widenings and, with bf16
+// dot products, a narrowing per 32 dims). The sums are exact in int32 and scaled once
+// summed. A bf16 query carries 8 significant bits, so the 16-bit grid moves it by at most
+// 2^-16 of the row's largest value (tests/kernels/test_attention_kernel.py puts its
+// reference queries on the same grid). fp32 queries keep the exact fp32 path.
+// benchmarks/attention_kernel.py --int8-cache measures it.
+template <typename T, typename C>
+constexpr bool kInt16Queries = std::is_same_v<T, BFloat16> && std::is_same_v<C, int8_t>;
+constexpr int kInt16QueryBlock = 4;  // accumulators in registers beside the widened key
+
+// An item's queries on the 16-bit grid: row m's head_dim words at words + m * head_dim, and
+// its scale.
+struct Int16Queries {
+  const int16_t* words;
+  const float* scales;
+};
+
+template <int NC, int QB>
+inline void scores_int16_queries(const int8_t* cache, const int64_t* off, const Int16Queries& q,
+                                 int m0, float* S, int64_t ldS) {
+  auto dots = zeros<QB * kTile>();  // [QB][kTile]
+  ITERSERVE_UNROLL for (int j = 0; j < kTile; ++j) {
+    const int8_t* key = cache + off[j];
+    I16 acc[QB];
+    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i] = I16::zero();
+    ITERSERVE_UNROLL for (int c = 0; c < NC; ++c) {
+      const I16 k = widen_i8_pairs(key + 32 * c);
+      ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
+        acc[i] = dot_i16(acc[i], k, I16::load(q.words + (m0 + i) * 32 * NC + 32 * c));
+    }
+    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) dots[i * kTile + j] = to_float(acc[i]);
+  }
+  alignas(64) float scales[kTile];
+  for (int j = 0; j < kTile; ++j) scales[j] = row_scale(cache + off[j], 32 * NC);
+  const F16 vscales = F16::load(scales);
+  ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
+    (reduce16(&dots[i * kTile]) * vscales * F16::splat(q.scales[m0 + i])).store(S + i * ldS);
 }
 
 // ---- 2. softmax over one query's keys [a, b) of a partition's n16 (padded) scores ----------
@@ -313,17 +329,6 @@ inline F16 widen_piece(const BFloat16* row, int piece) {
 inline F16 widen_piece(const float* row, int piece) { return F16::load(row + 16 * piece); }
 inline F16 widen_piece(const int8_t* row, int piece) { return load_i8x16(row + 16 * piece); }
 
-// An int8 V row's scale moves into its probabilities (p_k s_k, for every query of the item) so
-// that P.V runs on the int8 values as they are; the softmax sums stay those of the p_k.
-inline void scale_by_value_rows(const int8_t* values, const int64_t* off, int64_t n16,
-                                int64_t head_dim, float* S, int M, std::vector<float>& scales) {
-  if (scales.size() < static_cast<size_t>(n16)) scales.resize(n16);
-  for (int64_t k = 0; k < n16; ++k) scales[k] = row_scale(values + off[k], head_dim);
-  for (int m = 0; m < M; ++m)
-    for (int64_t t = 0; t < n16; t += kTile)
-      (F16::load(S + m * n16 + t) * F16::load(scales.data() + t)).store(S + m * n16 + t);
-}
-
 // A P.V block keeps MB queries' accumulators for PB pieces of the row in registers. AVX-512's
 // 32 registers take the whole row (PB = 2 * NC) for 12 / NC queries. AVX2's 16 ymm (and
 // NEON's 32 q registers: 8 F16s either way) take one piece for 4 queries (4 accumulators, the
@@ -337,6 +342,10 @@ template <int NC>
 constexpr int kPvQueries = kParts == 1 ? (NC >= 12 ? 1 : 12 / NC) : 4;
 
 // MB queries' sums over n keys, PB pieces of the row at a time, into acc_out [MB, 32 * NC].
+// An int8 V row's scale multiplies its probabilities (p_k s_k) as the row is read, so that
+// P.V runs on the int8 values as they are; the softmax sums stay those of the p_k. (Reading
+// the scales in a pass of their own touched every V row before its prefetch: 15% of an
+// int8 pool's attention at batch 64, benchmarks/attention_kernel.py --int8-cache.)
 template <typename C, int NC, int MB>
 inline void pv_block(const C* cache, const int64_t* off, int64_t n, const float* P, int64_t ldP,
                      float* acc_out) {
@@ -349,8 +358,11 @@ inline void pv_block(const C* cache, const int64_t* off, int64_t n, const float*
         prefetch_row(cache + off[k + kPrefetchKeys], row_bytes<C>(32 * NC));
       auto v = zeros<PB>();
       ITERSERVE_UNROLL for (int r = 0; r < PB; ++r) v[r] = widen_piece(cache + off[k], r0 + r);
+      float row_weight = 1.0f;
+      if constexpr (std::is_same_v<C, int8_t>) row_weight = row_scale(cache + off[k], 32 * NC);
       ITERSERVE_UNROLL for (int i = 0; i < MB; ++i) {
-        const F16 p = F16::splat(P[i * ldP + k]);
+        const F16 p = F16::splat(std::is_same_v<C, int8_t> ? P[i * ldP + k] * row_weight
+                                                           : P[i * ldP + k]);
         ITERSERVE_UNROLL for (int r = 0; r < PB; ++r)
           acc[i * PB + r] = fmadd(v[r], p, acc[i * PB + r]);
       }
@@ -442,7 +454,8 @@ struct Scratch {
   std::vector<float> scores;      // [M, round_up(part_keys, 16)]
   std::vector<float> acc;         // [M, head_dim]
   std::vector<float> maxima, sums;
-  std::vector<float> value_scales;  // int8 caches: [keys16] the V rows' scales
+  std::vector<int16_t> q16_words;  // kInt16Queries: [M, head_dim] the queries on the grid
+  std::vector<float> q16_scales;   // [M]
   std::vector<const void*> queries;
   // [M, head_dim / 32] the queries as the score tree takes them
   std::vector<QueryChunk<BFloat16, BFloat16>> bf16_queries;
@@ -658,6 +671,26 @@ inline void pv_paired(const BFloat16* values, const int64_t* off, int64_t n16, c
 
 #endif  // AVX-512 BF16
 
+// The item's M queries on the 16-bit grid, in the scratch: q16 = round(q * (32767 / max|q|)),
+// half to even, computed in fp32.
+inline Int16Queries quantize_queries(const BFloat16* const* qp, int M, int64_t D, Scratch& sc) {
+  if (sc.q16_words.size() < static_cast<size_t>(M * D)) sc.q16_words.resize(M * D);
+  if (sc.q16_scales.size() < static_cast<size_t>(M)) sc.q16_scales.resize(M);
+  alignas(64) int32_t lanes[kTile];
+  for (int m = 0; m < M; ++m) {
+    F16 amax = F16::zero();
+    for (int64_t d = 0; d < D; d += 16) amax = maximum(amax, abs(load_bf16x16(qp[m] + d)));
+    const float top = amax.max();
+    const F16 inv = F16::splat(top > 0.0f ? 32767.0f / top : 0.0f);
+    for (int64_t d = 0; d < D; d += 16) {
+      round_to_int(load_bf16x16(qp[m] + d) * inv).store(lanes);
+      for (int j = 0; j < kTile; ++j) sc.q16_words[m * D + d + j] = static_cast<int16_t>(lanes[j]);
+    }
+    sc.q16_scales[m] = top / 32767.0f;
+  }
+  return {sc.q16_words.data(), sc.q16_scales.data()};
+}
+
 // ---- one item ----------------------------------------------------------------------------
 
 // T: the type of q and out (the model's); C: the cache's (T, or int8).
@@ -676,7 +709,8 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   QueryChunk<T, C>* qc = sc.query_chunks<QueryChunk<T, C>>(M, D);
   for (int m = 0; m < M; ++m) {
     qp[m] = q + (g.row0 + m / G) * plan.q_row_stride + (g.kv_head * G + m % G) * plan.q_head_stride;
-    for (int c = 0; c < NC; ++c) qc[m * NC + c] = make_query_chunk<T, C>(qp[m] + 32 * c);
+    if constexpr (!kInt16Queries<T, C>)
+      for (int c = 0; c < NC; ++c) qc[m * NC + c] = make_query_chunk<T, C>(qp[m] + 32 * c);
   }
 
   int64_t* off = sc.offsets.data();
@@ -696,6 +730,8 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   if (transposed) sc.fit_tile(D);
   if (first)  // later items were prefetched by the one before
     for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(keys + off[t], bytes);
+  Int16Queries q16{};
+  if constexpr (kInt16Queries<T, C>) q16 = quantize_queries(qp, M, D, sc);
   for (int64_t t = 0; t < n16; t += kTile) {
     for (int64_t k = t + kPrefetchKeys; k < std::min(n, t + kPrefetchKeys + kTile); ++k)
       prefetch_row(keys + off[k], bytes);
@@ -707,10 +743,16 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
       }
     }
 #endif
-    for_each_query_block<kTreeQueries<C>>(M, [&](int m, auto qb) {
-      scores_tree<C, QueryChunk<T, C>, NC, decltype(qb)::value>(keys, off + t, qc + m * NC,
-                                                                S + m * n16 + t, n16);
-    });
+    if constexpr (kInt16Queries<T, C>) {
+      for_each_query_block<kInt16QueryBlock>(M, [&](int m, auto qb) {
+        scores_int16_queries<NC, decltype(qb)::value>(keys, off + t, q16, m, S + m * n16 + t, n16);
+      });
+    } else {
+      for_each_query_block<kTreeQueries<C>>(M, [&](int m, auto qb) {
+        scores_tree<C, QueryChunk<T, C>, NC, decltype(qb)::value>(keys, off + t, qc + m * NC,
+                                                                  S + m * n16 + t, n16);
+      });
+    }
   }
 
   // 2. softmax, each query over its own window (while the first V rows arrive)
@@ -720,8 +762,6 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
     const int64_t a = std::clamp<int64_t>(lo - k0, 0, n), b = std::clamp<int64_t>(hi - k0, 0, n);
     softmax_row(S + m * n16, n16, a, b, plan.scale, &sc.maxima[m], &sc.sums[m]);
   }
-  if constexpr (std::is_same_v<C, int8_t>)
-    scale_by_value_rows(values, off, n16, D, S, M, sc.value_scales);
 
   // 3. P.V, in blocks of queries whose accumulators fit the registers
   if (next != nullptr) prefetch_item<C>(plan, *next);

@@ -31,8 +31,10 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#if defined(__aarch64__)
 #include <arm_neon.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #define ITERSERVE_ARM_DOT 1  // sdot: four int8 products a 32-bit lane an instruction
 #endif
 
@@ -654,6 +656,40 @@ ITERSERVE_INLINE I16 widen_i8_pairs(const int8_t* p) {
   alignas(64) int16_t words[2 * kLanes];
   for (int i = 0; i < 2 * kLanes; ++i) words[i] = p[i];
   return I16::load(words);
+#endif
+}
+
+// Lane j += a's words (2j, 2j+1) times b's, summed: 16-bit products in 32-bit lanes
+// (`vpdpwssd` with AVX-512 VNNI, `vpmaddwd` + add elsewhere on x86, widening multiplies and a
+// pairwise add on Arm). The words of `widen_i8_pairs` and of 32 int16 values loaded in
+// memory order line up lane for lane.
+ITERSERVE_INLINE I16 dot_i16(const I16& acc, const I16& a, const I16& b) {
+#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_dpwssd_epi32(acc.v[0], a.v[0], b.v[0]))}};
+#elif defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_add_epi32(acc.v[0], _mm512_madd_epi16(a.v[0], b.v[0])))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  I16 r;
+  for (int i = 0; i < 2; ++i) r.v[i] = IVec(_mm256_add_epi32(acc.v[i], _mm256_madd_epi16(a.v[i], b.v[i])));
+  return r;
+#elif defined(__aarch64__)
+  I16 r;
+  for (int i = 0; i < kParts; ++i) {
+    const int16x8_t x = vreinterpretq_s16_s32(a.v[i]), y = vreinterpretq_s16_s32(b.v[i]);
+    const int32x4_t lo = vmull_s16(vget_low_s16(x), vget_low_s16(y));
+    const int32x4_t hi = vmull_high_s16(x, y);
+    r.v[i] = IVec(vaddq_s32(acc.v[i], vpaddq_s32(lo, hi)));
+  }
+  return r;
+#else
+  alignas(64) int16_t x[2 * kLanes], y[2 * kLanes];
+  alignas(64) int32_t lanes[kLanes];
+  a.store(x);
+  b.store(y);
+  acc.store(lanes);
+  for (int j = 0; j < kLanes; ++j)
+    lanes[j] += int32_t{x[2 * j]} * y[2 * j] + int32_t{x[2 * j + 1]} * y[2 * j + 1];
+  return I16::load(lanes);
 #endif
 }
 
