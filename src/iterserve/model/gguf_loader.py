@@ -267,6 +267,50 @@ def _gguf_rope(
     return {}
 
 
+def _gguf_served_rope(
+    metadata: dict[str, Any],
+    arch: str,
+    tensors: dict[str, GGUFTensorInfo],
+    rope_tensors: dict[str, list[float]] | None,
+    context: int,
+) -> tuple[dict[str, Any] | None, int]:
+    """(the scaling iterserve applies, max positions served) from the file's rope metadata
+    and tensors."""
+    rope_tensors = rope_tensors or {}
+    if missing := [n for n in _ROPE_TENSORS if n in tensors and n not in rope_tensors]:
+        raise ModelLoadError(f"GGUF rope tensors {', '.join(missing)} were not read")
+    try:
+        return served_rope(_gguf_rope(metadata, arch, rope_tensors, context), context)
+    except UnsupportedRope as error:
+        raise ModelLoadError(f"{error}") from error
+
+
+def _refuse_unsupported(
+    metadata: dict[str, Any],
+    tensors: dict[str, GGUFTensorInfo],
+    arch: str,
+    head_dim: int,
+    experts: int,
+) -> None:
+    """ModelLoadError naming what a file of a supported architecture holds that iterserve
+    does not run."""
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError("GGUF file has no token_embd.weight tensor")
+    rope_dims = metadata.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and rope_dims != head_dim:
+        raise ModelLoadError(
+            f"GGUF rope over {rope_dims} of {head_dim} head dimensions (partial rotary) "
+            "is not supported"
+        )
+    if experts and arch != "llama":
+        raise ModelLoadError(f"GGUF {arch!r} with experts is not supported; only Mixtral is")
+    if experts and "blk.0.ffn_gate_exps.weight" not in tensors:
+        raise ModelLoadError(
+            "GGUF Mixtral files with one tensor per expert (blk.N.ffn_gate.E.weight, an old "
+            "llama.cpp layout) are not supported; convert again to get ffn_*_exps tensors"
+        )
+
+
 def gguf_model_config(
     metadata: dict[str, Any],
     tensors: dict[str, GGUFTensorInfo],
@@ -286,38 +330,15 @@ def gguf_model_config(
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}")
         return value
 
-    rope_tensors = rope_tensors or {}
-    if missing := [n for n in _ROPE_TENSORS if n in tensors and n not in rope_tensors]:
-        raise ModelLoadError(f"GGUF rope tensors {', '.join(missing)} were not read")
     context = key("context_length")
-    try:
-        rope_scaling, max_positions = served_rope(
-            _gguf_rope(metadata, arch, rope_tensors, context), context
-        )
-    except UnsupportedRope as error:
-        raise ModelLoadError(f"{error}") from error
-    rope_dims = metadata.get(f"{arch}.rope.dimension_count")
-
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError("GGUF file has no token_embd.weight tensor")
+    rope_scaling, max_positions = _gguf_served_rope(metadata, arch, tensors, rope_tensors, context)
     hidden = key("embedding_length")
     heads = key("attention.head_count")
     head_dim = key("attention.key_length", hidden // heads)
-    if rope_dims is not None and rope_dims != head_dim:
-        raise ModelLoadError(
-            f"GGUF rope over {rope_dims} of {head_dim} head dimensions (partial rotary) "
-            "is not supported"
-        )
-    eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     # llama.cpp stores Mixtral as "llama" with experts (model/moe.py).
     experts = metadata.get(f"{arch}.expert_count", 0)
-    if experts and arch != "llama":
-        raise ModelLoadError(f"GGUF {arch!r} with experts is not supported; only Mixtral is")
-    if experts and "blk.0.ffn_gate_exps.weight" not in tensors:
-        raise ModelLoadError(
-            "GGUF Mixtral files with one tensor per expert (blk.N.ffn_gate.E.weight, an old "
-            "llama.cpp layout) are not supported; convert again to get ffn_*_exps tensors"
-        )
+    _refuse_unsupported(metadata, tensors, arch, head_dim, experts)
+    eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_WINDOW_PATTERN:
         gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)

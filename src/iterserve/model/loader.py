@@ -113,57 +113,12 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
 
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
     """ModelConfig from config.json, in both the transformers 4 and 5 spellings of RoPE."""
-    names = raw.get("architectures") or []
-    architecture = next(
-        (SUPPORTED_HF_ARCHITECTURES[a] for a in names if a in SUPPORTED_HF_ARCHITECTURES), None
-    )
-    if (
-        architecture is None
-        and not names
-        and raw.get("model_type") in SUPPORTED_HF_ARCHITECTURES.values()
-    ):
-        architecture = raw["model_type"]  # a bare config.json saved without a model class
-    if moe := [n for n in names if n in _UNSUPPORTED_MOE]:
-        raise ModelLoadError(
-            f"mixture-of-experts architecture {moe[0]} is not supported; the one MoE family "
-            "supported is Mixtral (MixtralForCausalLM)"
-        )
-    if architecture is None:
-        found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
-        raise ModelLoadError(
-            f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
-        )
-    if raw.get("mlp_bias"):
-        raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
-    if architecture in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
-        # Qwen windows only the layers past max_window_layers; rather than run every layer
-        # with full attention and answer differently from the model, refuse.
-        raise ModelLoadError(
-            f"{architecture} checkpoints with use_sliding_window=true are not supported"
-        )
+    architecture = _hf_architecture(raw)
     # transformers 5 writes `rope_parameters` = {"rope_type", "rope_theta", scaling fields...};
     # earlier versions write `rope_theta` and an optional `rope_scaling` dict.
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     gemma = _gemma_fields(architecture, raw, rope) if architecture in _GEMMA_WINDOW_PATTERN else {}
-    if "full_attention" in rope:  # per layer type (Gemma 3): the full layers' here
-        rope = dict(rope["full_attention"])
-    rope_theta = float(raw.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
-    rope.pop("rope_theta", None)
-    if "type" in rope:  # the older key for the same thing
-        rope.setdefault("rope_type", rope.pop("type"))
-    if architecture == "phi3" and rope.get("rope_type") in ("su", "yarn"):
-        rope["rope_type"] = "longrope"  # Phi-3's early names for it, as transformers reads them
-    if "partial_rotary_factor" in raw:
-        rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
-    try:
-        rope_scaling, max_positions = served_rope(
-            rope,
-            raw.get("max_position_embeddings", 2048),
-            raw.get("original_max_position_embeddings"),
-        )
-    except UnsupportedRope as error:
-        raise ModelLoadError(f"{error}") from error
-
+    rope_theta, rope_scaling, max_positions = _hf_rope(architecture, raw, rope)
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     # Llama 3 instruct models list their end-of-turn token only in generation_config.json.
     eos_ids = [*_as_ids(raw.get("eos_token_id")), *_as_ids((generation or {}).get("eos_token_id"))]
@@ -193,6 +148,65 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         num_experts_per_tok=raw.get("num_experts_per_tok", 2) if architecture == "mixtral" else 0,
         **gemma,
     )
+
+
+def _hf_architecture(raw: dict[str, Any]) -> str:
+    """The family config.json names, or ModelLoadError naming what is not supported."""
+    names = raw.get("architectures") or []
+    architecture = next(
+        (SUPPORTED_HF_ARCHITECTURES[a] for a in names if a in SUPPORTED_HF_ARCHITECTURES), None
+    )
+    if (
+        architecture is None
+        and not names
+        and raw.get("model_type") in SUPPORTED_HF_ARCHITECTURES.values()
+    ):
+        architecture = raw["model_type"]  # a bare config.json saved without a model class
+    if moe := [n for n in names if n in _UNSUPPORTED_MOE]:
+        raise ModelLoadError(
+            f"mixture-of-experts architecture {moe[0]} is not supported; the one MoE family "
+            "supported is Mixtral (MixtralForCausalLM)"
+        )
+    if architecture is None:
+        found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
+        raise ModelLoadError(
+            f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+        )
+    if raw.get("mlp_bias"):
+        raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
+    if architecture in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        # Qwen windows only the layers past max_window_layers; rather than run every layer
+        # with full attention and answer differently from the model, refuse.
+        raise ModelLoadError(
+            f"{architecture} checkpoints with use_sliding_window=true are not supported"
+        )
+    return architecture
+
+
+def _hf_rope(
+    architecture: str, raw: dict[str, Any], rope: dict[str, Any]
+) -> tuple[float, dict[str, Any] | None, int]:
+    """(rope_theta, the scaling iterserve applies, max positions served) from config.json's
+    RoPE fields `rope` (copied: this function changes it)."""
+    if "full_attention" in rope:  # per layer type (Gemma 3): the full layers' here
+        rope = dict(rope["full_attention"])
+    rope_theta = float(raw.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+    rope.pop("rope_theta", None)
+    if "type" in rope:  # the older key for the same thing
+        rope.setdefault("rope_type", rope.pop("type"))
+    if architecture == "phi3" and rope.get("rope_type") in ("su", "yarn"):
+        rope["rope_type"] = "longrope"  # Phi-3's early names for it, as transformers reads them
+    if "partial_rotary_factor" in raw:
+        rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    try:
+        rope_scaling, max_positions = served_rope(
+            rope,
+            raw.get("max_position_embeddings", 2048),
+            raw.get("original_max_position_embeddings"),
+        )
+    except UnsupportedRope as error:
+        raise ModelLoadError(f"{error}") from error
+    return rope_theta, rope_scaling, max_positions
 
 
 def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
