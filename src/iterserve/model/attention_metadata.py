@@ -149,41 +149,27 @@ def _kernel_rows(
     )
 
 
-def build_attention_metadata(
-    spans: Sequence[SeqSpan],
-    block_size: int,
-    device: torch.device,
-    paged_kernel: bool = False,
-    sliding_window: int | None = None,
-    batch_invariant: bool = False,
-) -> AttentionMetadata:
-    """Turn the step's spans (flat-batch order, one-token spans first) into layer-ready tensors.
-
-    `paged_kernel` hands every row to the C++ paged attention op, asked for batch-invariant
-    arithmetic if `batch_invariant`; otherwise rows take the torch paths. `sliding_window` (Mistral)
-    hides keys more than that many positions back, in every path's masks. Everything is built
-    on the host with a handful of vectorised ops and moved once.
-    """
-    window = sliding_window or 0
-    if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
-        raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
-    num_kernel = len(spans) if paged_kernel else 0
-    kernel = _kernel_rows(spans, block_size, device, batch_invariant) if num_kernel else None
-    num_decodes = 0 if paged_kernel else _leading(spans, 1)
-
-    # Torch decode group: one padded block table and one length mask serve every layer.
-    decode_lens = [s.num_computed_tokens + 1 for s in spans[:num_decodes]]
-    max_blocks = -(-max(decode_lens, default=0) // block_size)
+def _decode_table(
+    decodes: Sequence[SeqSpan], lengths: list[int], block_size: int
+) -> tuple[list[int], int]:
+    """The torch decode group's block table, flat, each row padded to the longest (one table
+    and one length mask serve every layer), and that row length in blocks."""
+    max_blocks = -(-max(lengths, default=0) // block_size)
     table: list[int] = []
-    for span, length in zip(spans[:num_decodes], decode_lens, strict=True):
+    for span, length in zip(decodes, lengths, strict=True):
         blocks = _blocks_for(span, length, block_size)
         table.extend(blocks)
         table.extend([blocks[0]] * (max_blocks - len(blocks)))
-    decode_masks = decode_mask(decode_lens, max_blocks, block_size, window)
+    return table, max_blocks
 
+
+def _slots_and_chunks(
+    spans: Sequence[SeqSpan], first_chunk: int, block_size: int, window: int, device: torch.device
+) -> tuple[list[int], list[PrefillChunk], int]:
+    """Every new token's cache slot, the torch prefill chunks (spans from `first_chunk` on)
+    and the step's token count."""
     slots: list[int] = []
     prefills: list[PrefillChunk] = []
-    first_chunk = num_kernel + num_decodes
     start = 0
     for index, span in enumerate(spans):
         n, k = span.num_computed_tokens, span.num_new_tokens
@@ -206,6 +192,37 @@ def build_attention_metadata(
                 )
             )
         start += k
+    return slots, prefills, start
+
+
+def build_attention_metadata(
+    spans: Sequence[SeqSpan],
+    block_size: int,
+    device: torch.device,
+    paged_kernel: bool = False,
+    sliding_window: int | None = None,
+    batch_invariant: bool = False,
+) -> AttentionMetadata:
+    """Turn the step's spans (flat-batch order, one-token spans first) into layer-ready tensors.
+
+    `paged_kernel` hands every row to the C++ paged attention op, asked for batch-invariant
+    arithmetic if `batch_invariant`; otherwise rows take the torch paths. `sliding_window` (Mistral)
+    hides keys more than that many positions back, in every path's masks. Everything is built
+    on the host with a handful of vectorised ops and moved once.
+    """
+    window = sliding_window or 0
+    if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
+        raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
+    num_kernel = len(spans) if paged_kernel else 0
+    kernel = _kernel_rows(spans, block_size, device, batch_invariant) if num_kernel else None
+    num_decodes = 0 if paged_kernel else _leading(spans, 1)
+
+    decode_lens = [s.num_computed_tokens + 1 for s in spans[:num_decodes]]
+    table, max_blocks = _decode_table(spans[:num_decodes], decode_lens, block_size)
+    decode_masks = decode_mask(decode_lens, max_blocks, block_size, window)
+    slots, prefills, start = _slots_and_chunks(
+        spans, num_kernel + num_decodes, block_size, window, device
+    )
 
     return AttentionMetadata(
         block_size=block_size,
