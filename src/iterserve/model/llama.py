@@ -343,58 +343,9 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, _DecoderLayer)
             p = f"model.layers.{i}."
-            q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate
-            qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-            if c.traits.fused_checkpoint:  # Phi-3: already [q; k; v]
-                qkv_rows = {"qkv_proj": (0, q + 2 * kv)}
-            for name, (lo, hi) in qkv_rows.items():
-                targets[f"{p}self_attn.{name}.weight"] = (
-                    layer.qkv_weight[lo:hi],
-                    (hi - lo, c.hidden_size),
-                )
-                if layer.qkv_bias is not None:
-                    targets[f"{p}self_attn.{name}.bias"] = (layer.qkv_bias[lo:hi], (hi - lo,))
-            targets[f"{p}self_attn.o_proj.weight"] = (layer.o_weight, (c.hidden_size, q))
-            if layer.o_bias is not None:
-                targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, (c.hidden_size,))
-            if layer.moe is not None:
-                targets.update(layer.moe.targets(p))
-            elif c.traits.fused_checkpoint:  # Phi-3: already [gate; up]
-                targets[f"{p}mlp.gate_up_proj.weight"] = (
-                    layer.gate_up_weight,
-                    (2 * inter, c.hidden_size),
-                )
-            else:
-                targets[f"{p}mlp.gate_proj.weight"] = (
-                    layer.gate_up_weight[:inter],
-                    (inter, c.hidden_size),
-                )
-                targets[f"{p}mlp.up_proj.weight"] = (
-                    layer.gate_up_weight[inter:],
-                    (inter, c.hidden_size),
-                )
-            if layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
-                heads = layer.num_heads
-                targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:heads], (c.head_dim,))
-                targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[heads:], (c.head_dim,))
-            if layer.down_weight is not None:
-                targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
-            targets[f"{p}input_layernorm.weight"] = (layer.input_norm, (c.hidden_size,))
-            if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
-                targets[f"{p}pre_feedforward_layernorm.weight"] = (
-                    layer.post_norm,
-                    (c.hidden_size,),
-                )
-                targets[f"{p}post_attention_layernorm.weight"] = (
-                    layer.attn_out_norm,
-                    (c.hidden_size,),
-                )
-                targets[f"{p}post_feedforward_layernorm.weight"] = (
-                    layer.mlp_out_norm,
-                    (c.hidden_size,),
-                )
-            else:
-                targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, (c.hidden_size,))
+            targets |= _attention_targets(p, layer, c)
+            targets |= _mlp_targets(p, layer, c)
+            targets |= _norm_targets(p, layer, c)
         return targets
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -562,3 +513,59 @@ class LlamaForCausalLM(nn.Module):
         if cap := self.config.final_logit_softcapping:  # Gemma 2
             logits = torch.tanh(logits / cap).mul_(cap)
         return logits
+
+
+_Targets = dict[str, tuple[torch.Tensor, tuple[int, ...]]]
+
+
+def _attention_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
+    """A layer's q/k/v (rows of its fused qkv), o and q/k norms under their HF names."""
+    q, kv = layer.q_size, layer.kv_size
+    qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    if c.traits.fused_checkpoint:  # Phi-3: already [q; k; v]
+        qkv_rows = {"qkv_proj": (0, q + 2 * kv)}
+    targets: _Targets = {}
+    for name, (lo, hi) in qkv_rows.items():
+        targets[f"{p}self_attn.{name}.weight"] = (layer.qkv_weight[lo:hi], (hi - lo, c.hidden_size))
+        if layer.qkv_bias is not None:
+            targets[f"{p}self_attn.{name}.bias"] = (layer.qkv_bias[lo:hi], (hi - lo,))
+    targets[f"{p}self_attn.o_proj.weight"] = (layer.o_weight, (c.hidden_size, q))
+    if layer.o_bias is not None:
+        targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, (c.hidden_size,))
+    if layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
+        heads = layer.num_heads
+        targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:heads], (c.head_dim,))
+        targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[heads:], (c.head_dim,))
+    return targets
+
+
+def _mlp_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
+    """A layer's gate/up (halves of its fused gate_up) and down, or its experts."""
+    if layer.moe is not None:
+        return layer.moe.targets(p)
+    inter = layer.intermediate
+    if c.traits.fused_checkpoint:  # Phi-3: already [gate; up]
+        targets: _Targets = {
+            f"{p}mlp.gate_up_proj.weight": (layer.gate_up_weight, (2 * inter, c.hidden_size))
+        }
+    else:
+        targets = {
+            f"{p}mlp.gate_proj.weight": (layer.gate_up_weight[:inter], (inter, c.hidden_size)),
+            f"{p}mlp.up_proj.weight": (layer.gate_up_weight[inter:], (inter, c.hidden_size)),
+        }
+    if layer.down_weight is not None:
+        targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
+    return targets
+
+
+def _norm_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
+    """A layer's RMS norms: before attention and the MLP, and Gemma's after each."""
+    hidden = (c.hidden_size,)
+    targets: _Targets = {f"{p}input_layernorm.weight": (layer.input_norm, hidden)}
+    if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+        targets[f"{p}pre_feedforward_layernorm.weight"] = (layer.post_norm, hidden)
+        targets[f"{p}post_attention_layernorm.weight"] = (layer.attn_out_norm, hidden)
+        targets[f"{p}post_feedforward_layernorm.weight"] = (layer.mlp_out_norm, hidden)
+    else:
+        targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, hidden)
+    return targets
