@@ -1,5 +1,6 @@
 """K-quant (Q4_K, Q5_K, Q6_K) and 5-bit (Q5_0, Q5_1) blocks: unpacked exactly as the `gguf`
-package's reference dequantizer reads them, and the qk kernel against dequantize-then-matmul."""
+package's reference dequantizer reads them, the qk kernel against dequantize-then-matmul, and
+the qk-int8 kernel against the dequantized weights times the int8-rounded activations."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from transformers import PreTrainedTokenizerFast
 
 from iterserve import kernels
 from iterserve.model.kquant import BLOCK_SIZES, KQuantWeight, from_gguf_kquant
+from iterserve.model.quant import quantize_activations
 from tiny_checkpoints import tiny_hf_model
 from tiny_gguf import write_gguf
 
-QK = 4
+QK, QK_INT8 = 4, 5
 
 # Byte offsets of each type's fp16 fields within a block (the rest is random bits).
 _FP16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
@@ -70,6 +72,35 @@ def test_qk_tiles_match_dequantize_then_matmul(qtype: str, rows: int) -> None:
     scale = (x.double().abs() @ weight.dequantize().double().abs().T).max()
     allowed = reference.abs() * 2.0**-8 + 2e-5 * scale
     assert bool(((out.double() - reference).abs() <= allowed).all())
+
+
+@pytest.mark.usefixtures("any_kernel_isa")
+@pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+def test_qk_int8_tiles_match_quantized_activations_times_dequantized_weights(
+    qtype: str, rows: int
+) -> None:
+    n, k = 80, 512
+    weight = from_gguf_kquant(random_blocks(qtype, n, k, seed=rows), qtype, (n, k))
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x[0, 32:64] = 0  # an all-zero block: scale 0
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    tiles, scales = weight.tiles(int8_activations=True)
+    out = kernels.ops().tiled_linear(
+        x, tiles, scales, None, residual, QK_INT8 + 256 * weight.zero, None, None, 0, 64
+    )
+    xq, xs = quantize_activations(x)
+    x_rounded = (xq.double().view(rows, k // 32, 32) * xs.double()[..., None]).view(rows, k)
+    w = weight.dequantize().double()
+    reference = x_rounded @ w.T + residual.double()
+    # One rounding to bf16 plus fp32 summation slack against the size of the terms summed.
+    scale = (x_rounded.abs() @ w.abs().T).max()
+    allowed = reference.abs() * 2.0**-8 + 2e-5 * scale
+    assert bool(((out.double() - reference).abs() <= allowed).all())
+    # And it is a fair stand-in for the exact product: int8 activations' error, no more.
+    exact = x.double() @ w.T + residual.double()
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
 
 
 @pytest.mark.usefixtures("kernel_isa")
