@@ -133,7 +133,7 @@ def test_a_k_quant_model_computes_what_its_dequantized_weights_do() -> None:
     bf16 = _run(_model(hf, torch.bfloat16, weights=weights), tokens, kernel=False)
     blocks = _model(hf, torch.bfloat16, "tiled", weights, quantized, wide=False)  # type: ignore[arg-type]
     assert {kind for name, kind in blocks.describe_linears().items() if name != "lm_head"} == {
-        "tiled-qk"
+        "tiled-qk-int8"
     }
     _assert_as_close_as_bf16(reference, _run(blocks, tokens, kernel=True), bf16)
 

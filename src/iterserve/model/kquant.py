@@ -109,6 +109,8 @@ class KQuantWeight:
         tiles, blocks = n // TILE, k // BLOCK
         parts = [pack_nibble_tiles(self.q & 0x0F)]
         high_bits = self.bits - 4
+        if int8_activations:
+            self._check_int8_form()
         if high_bits and int8_activations:
             parts.append(self._high_planes())
         elif high_bits:
@@ -125,6 +127,19 @@ class KQuantWeight:
         supers = k // self.super_size
         scales = torch.stack((self.d, self.dmin), dim=1).reshape(tiles, TILE, 2, supers)
         return torch.cat(parts, dim=2).contiguous(), scales.permute(0, 3, 2, 1).contiguous()
+
+    def _check_int8_form(self) -> None:
+        """What the qk-int8 kernel assumes of every GGUF type it takes: 6 bits (Q6_K) have a
+        scale per 16 inputs, a zero point and no minimum; fewer bits one scale per 32
+        inputs (both of its 16-input scales equal) and no zero point."""
+        n, k = self.shape
+        if self.bits == 6:
+            ok = not bool(self.mins.any())
+        else:
+            pairs = self.scales.view(n, k // BLOCK, 2)
+            ok = self.zero == 0 and torch.equal(pairs[..., 0], pairs[..., 1])
+        if not ok:
+            raise ValueError(f"{self.bits}-bit blocks of a form no GGUF type has (see qk-int8)")
 
     def _high_planes(self) -> torch.Tensor:
         """The high bits for the qk-int8 kernel, [N/16, K/32, 64 h]: 64-byte planes parallel to

@@ -413,6 +413,11 @@ inline void qk_tiles_int8(const Rows& rows, int64_t m0, const uint8_t* q, const 
                           int64_t blocks_per_super, float zero, int64_t tile0, int64_t K,
                           const Epilogue& ep) {
   constexpr int64_t kBytes = qk_block_bytes(B), kScalesAt = kBytes - 48;
+  // GGUF's 6-bit blocks (Q6_K) are the ones with a scale per 16 inputs and a zero point (32)
+  // but no minimum; every other type here has one scale per 32 inputs (both sc bytes equal),
+  // no zero point, and a minimum (KQuantWeight.tiles checks it), so its two halves' integer
+  // sums are added before the one conversion.
+  constexpr bool kPer16 = B == 6;
   const int64_t blocks = K / kBlock, n_supers = blocks / blocks_per_super;
   F16 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
@@ -420,28 +425,42 @@ inline void qk_tiles_int8(const Rows& rows, int64_t m0, const uint8_t* q, const 
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk[NT];
     for (int j = 0; j < NT; ++j) blk[j] = q + ((tile0 + j) * blocks + b) * kBytes;
-    I16 first[MR][NT], second[MR][NT];  // inputs 0-15 and 16-31: sc may differ
+    I16 first[MR][NT], second[MR][NT];  // inputs 0-15 and 16-31
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NT; ++j) first[r][j] = second[r][j] = I16::zero();
     qk_int8_chunk<B, 0, MR, NT>(rows, m0, blk, b * kBlock, K, first);
     qk_int8_chunk<B, 1, MR, NT>(rows, m0, blk, b * kBlock, K, first);
     qk_int8_chunk<B, 2, MR, NT>(rows, m0, blk, b * kBlock, K, second);
     qk_int8_chunk<B, 3, MR, NT>(rows, m0, blk, b * kBlock, K, second);
+    // Per row: the block's activation scale and -z s sum(xq) (Q6_K) or -s sum(xq) per half.
+    F16 sx[MR], sum0[MR], sum1[MR];
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (m0 + r) * blocks + b;
+      sx[r] = F16::splat(rows.x_scales[at]);
+      const float s0 = rows.half_sums[2 * at], s1 = rows.half_sums[2 * at + 1];
+      sum0[r] = F16::splat(kPer16 ? -zero * s0 : -(s0 + s1));
+      sum1[r] = F16::splat(-zero * s1);
+    }
     for (int j = 0; j < NT; ++j) {
       const at::Half* s = supers + ((tile0 + j) * n_supers + b / blocks_per_super) * 2 * kTile;
       const F16 d = load_f16x16(s);
       const auto* sc = reinterpret_cast<const int8_t*>(blk[j] + kScalesAt);
-      const F16 a0 = d * load_i8x16(sc), a1 = d * load_i8x16(sc + 16);
-      const F16 mins = load_f16x16(s + kTile) * load_i8x16(sc + 32);  // mn <= 63
-      const F16 z = F16::splat(zero);
-      const F16 off0 = fmadd(a0, z, mins), off1 = fmadd(a1, z, mins);
-      for (int r = 0; r < MR; ++r) {
-        const int64_t at = (m0 + r) * blocks + b;
-        const F16 sx = F16::splat(rows.x_scales[at]);
-        F16 sum = fmadd(to_float(first[r][j]), a0 * sx, acc[r][j]);
-        sum = fmadd(to_float(second[r][j]), a1 * sx, sum);
-        sum = fmadd(off0, F16::splat(-rows.half_sums[2 * at]), sum);
-        acc[r][j] = fmadd(off1, F16::splat(-rows.half_sums[2 * at + 1]), sum);
+      const F16 a0 = d * load_i8x16(sc);
+      if constexpr (kPer16) {
+        // a0 (s q.xq - z s sum xq) + a1 (...), per half.
+        const F16 a1 = d * load_i8x16(sc + 16);
+        for (int r = 0; r < MR; ++r) {
+          const F16 h0 = fmadd(to_float(first[r][j]), sx[r], sum0[r]);
+          const F16 h1 = fmadd(to_float(second[r][j]), sx[r], sum1[r]);
+          acc[r][j] = fmadd(a1, h1, fmadd(a0, h0, acc[r][j]));
+        }
+      } else {
+        // a s q.xq - dmin mn s sum xq over the 32 inputs.
+        const F16 mins = load_f16x16(s + kTile) * load_i8x16(sc + 32);  // mn <= 63
+        for (int r = 0; r < MR; ++r) {
+          const F16 dots = to_float(first[r][j] + second[r][j]);
+          acc[r][j] = fmadd(mins, sum0[r], fmadd(dots, a0 * sx[r], acc[r][j]));
+        }
       }
     }
   }
