@@ -239,6 +239,10 @@ def measure(
     }
     if w.packed is None:  # no bf16 oneDNN on this CPU
         del layer_fns["onednn"], head_fns["onednn"]
+    variant = kernels.describe()
+    if variant is None or not variant.native_bf16:  # the exact qk kernel is not built here
+        for bits in QK_BITS:
+            del layer_fns[f"tiled-qk{bits}"]
     if only:
         layer_fns = {k: f for k, f in layer_fns.items() if any(o in k for o in only)}
         head_fns = {k: f for k, f in head_fns.items() if any(o in k for o in only)}

@@ -57,6 +57,9 @@ def test_blocks_unpack_bit_exactly_like_the_gguf_reference(qtype: str) -> None:
 @pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
 def test_qk_tiles_match_dequantize_then_matmul(qtype: str, rows: int) -> None:
+    variant = kernels.describe()
+    if variant is None or not variant.native_bf16:
+        pytest.skip("the exact qk kernel is built only with bf16 dot products")
     n, k = 48, 512
     weight = from_gguf_kquant(random_blocks(qtype, n, k, seed=rows), qtype, (n, k))
     gen = torch.Generator().manual_seed(rows)

@@ -56,22 +56,29 @@ _NO_LIMIT = 1 << 62
 # knowingly paid.
 # The K-quant / 5-bit blocks (qk) run on int8 activations everywhere ("qk-int8", as q4 does
 # without bf16 dot products): on AVX-512 BF16 that beat the exact bf16 form of the same
-# blocks ("qk") at 1, 2 and 4 rows and every bit width (30 layers' projections, one thread:
-# see docs/kernels.md), and unpacked to fp32 (AVX2, NEON) the exact form lost to the int8
-# copy at every size. Their row limits against the int8 copy: QK_LIMITS below.
+# blocks ("qk") at 1, 2 and 4 rows and every width, and unpacked to fp32 (AVX2, NEON) the
+# exact form lost even to the int8 copy. Against the int8 copy (30 layers' projections, one
+# thread, us a layer at 1 / 2 / 4 rows; docs/benchmarks.md): 4-bit blocks win on both ISAs
+# (AVX-512 BF16 207 / 232 / 300 vs 226 / 237 / 308; AVX2 158 / 178 / 269 vs 173 / 200 / 317),
+# but building 5- and 6-bit bytes costs more than the bytes saved (AVX-512 BF16 251 / 248 vs
+# 226 at one row; AVX2 191 / 256 vs 173), and a Q4_K_M of the bundled model (mostly Q5_0)
+# decodes one sequence at 42.8 tok/s from its blocks against 49.4 from the int8 copy (one
+# thread): so `--weights auto` keeps the int8 copy alone for 5 and 6 bits and `int4` the
+# blocks alone (least memory).
 MAX_QUANTIZED_ROWS = {
-    True: {"q4": 4, "q8": 4, "qk-int8": 4},  # native bf16
-    False: {"q4": _NO_LIMIT, "q8": 4, "qk-int8": 4},
+    True: {"q4": 4, "q8": 4, "qk4": 4, "qk5": 0, "qk6": 0},  # native bf16
+    False: {"q4": _NO_LIMIT, "q8": 4, "qk4": 4, "qk5": 0, "qk6": 0},
 }
 
 # The kernel format each kind of checkpoint block runs as.
 KERNEL_FORMATS = {"q4": "q4", "q8": "q8", "qk": "qk-int8"}
 
 
-def max_quantized_rows(kind: str) -> int:
-    """Rows up to which `kind` blocks run rather than a dense copy, on this kernel variant."""
+def max_quantized_rows(quantized: BlockWeight) -> int:
+    """Rows up to which these blocks run rather than a dense copy, on this kernel variant."""
     variant = kernels.describe()
-    return MAX_QUANTIZED_ROWS[variant is not None and variant.native_bf16][KERNEL_FORMATS[kind]]
+    key = f"qk{quantized.bits}" if isinstance(quantized, KQuantWeight) else quantized.kind
+    return MAX_QUANTIZED_ROWS[variant is not None and variant.native_bf16][key]
 
 
 def _onednn(
@@ -138,7 +145,7 @@ class Linear:
         self.max_tile_rows = _NO_LIMIT
         self.qk_zero = 0  # the qk format's zero point, carried in its format code
         self.ops: Any = None  # the kernels' ops (tiled backend), of the ISA variant chosen
-        if quantized is not None and wide and max_quantized_rows(quantized.kind) == 0:
+        if quantized is not None and wide and max_quantized_rows(quantized) == 0:
             quantized = None  # the dense copy is faster at every step size: keep it alone
         if backend == "tiled" and not self._tileable(quantized, dense_format):
             backend = self.backend = (
@@ -160,7 +167,7 @@ class Linear:
                 self.tiles, self.scales = quantized.tiles(self.format == "qk-int8")
             else:
                 self.tiles, self.scales = tile_quantized(quantized)
-            limit = max_quantized_rows(quantized.kind)
+            limit = max_quantized_rows(quantized)
             if wide and limit < _NO_LIMIT:
                 self.wide_format = dense_format
                 self.wide, self.wide_scales = _tile_dense(weight, dense_format)

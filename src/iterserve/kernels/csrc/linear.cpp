@@ -607,15 +607,20 @@ inline void run_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t ti
                        static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
       break;
     case Format::kQK: {
-      const auto* q = static_cast<const uint8_t*>(w.data);
-      const auto* s = static_cast<const at::Half*>(w.scales);
-      const int64_t per = w.qk_blocks_per_super;
-      if (w.qk_bits == 4)
-        qk_tiles<4, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
-      else if (w.qk_bits == 5)
-        qk_tiles<5, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
-      else
-        qk_tiles<6, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+      // Built only where bf16 dot products make it a contender (tiled_linear refuses it
+      // elsewhere): unpacked to fp32 it lost even to the int8 copy, and each instantiation
+      // costs compile time in every ISA variant.
+      if constexpr (kBf16Dot) {
+        const auto* q = static_cast<const uint8_t*>(w.data);
+        const auto* s = static_cast<const at::Half*>(w.scales);
+        const int64_t per = w.qk_blocks_per_super;
+        if (w.qk_bits == 4)
+          qk_tiles<4, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+        else if (w.qk_bits == 5)
+          qk_tiles<5, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+        else
+          qk_tiles<6, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+      }
       break;
     }
     case Format::kQKInt8: {
@@ -724,6 +729,8 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     w.scales = scales->data_ptr<at::Half>();
   }
   std::vector<float> half_sums;
+  TORCH_CHECK(fmt != Format::kQK || kBf16Dot, "tiled_linear: the exact qk kernel is built only "
+              "where the CPU has bf16 dot products (", kIsaName, " has not): use qk-int8");
   const bool qk = fmt == Format::kQK || fmt == Format::kQKInt8;
   if (qk) {
     // Bits from the block's bytes, the super-block size from the scales' shape.
