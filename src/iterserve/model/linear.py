@@ -57,14 +57,14 @@ _NO_LIMIT = 1 << 62
 # The K-quant / 5-bit blocks (qk) run on int8 activations everywhere ("qk-int8", as q4 does
 # without bf16 dot products): on AVX-512 BF16 that beat the exact bf16 form of the same
 # blocks ("qk") at 1, 2 and 4 rows and every width, and unpacked to fp32 (AVX2, NEON) the
-# exact form lost even to the int8 copy. Against the int8 copy (30 layers' projections, one
-# thread, us a layer at 1 / 2 / 4 rows; docs/benchmarks.md): 4-bit blocks win on both ISAs
-# (AVX-512 BF16 207 / 232 / 300 vs 226 / 237 / 308; AVX2 158 / 178 / 269 vs 173 / 200 / 317),
-# but building 5- and 6-bit bytes costs more than the bytes saved (AVX-512 BF16 251 / 248 vs
-# 226 at one row; AVX2 191 / 256 vs 173), and a Q4_K_M of the bundled model (mostly Q5_0)
-# decodes one sequence at 42.8 tok/s from its blocks against 49.4 from the int8 copy (one
-# thread): so `--weights auto` keeps the int8 copy alone for 5 and 6 bits and `int4` the
-# blocks alone (least memory).
+# exact form lost even to the int8 copy. Against the int8 copy (benchmarks/qk_rows.py: 30
+# layers' projections, one thread, us a layer at 1 / 2 / 4 rows) 4-bit blocks win on both
+# ISAs (AVX-512 BF16 204 / 230 / 291 vs 227 / 242 / 327; AVX2 163 / 189 / 258 vs 183 / 203 /
+# 301), but building 5- and 6-bit bytes costs more than the bytes saved (one row: AVX-512
+# BF16 259 / 275 vs 227; AVX2 217 / 213 vs 183), and a Q4_K_M of the bundled model (mostly
+# Q5_0) decoded one sequence at 78 tok/s from its blocks against 90 from the int8 copy (one
+# thread, benchmarks/kquant_decode.py): so `--weights auto` keeps the int8 copy alone for 5
+# and 6 bits, and `int4` the blocks alone (least memory).
 MAX_QUANTIZED_ROWS = {
     True: {"q4": 4, "q8": 4, "qk4": 4, "qk5": 0, "qk6": 0},  # native bf16
     False: {"q4": _NO_LIMIT, "q8": 4, "qk4": 4, "qk5": 0, "qk6": 0},
