@@ -182,7 +182,8 @@ def _held_formats(model: LlamaForCausalLM) -> list[str]:
         linears.extend(layer.linears.values())
         if layer.moe is not None:
             linears.extend([*layer.moe.gate_up, *layer.moe.down])
-    return sorted({f for lin in linears for f in lin.held_formats()} - {"bf16"})
+    held = {f for lin in linears for f in lin.held_formats()}
+    return sorted(held - {"bf16", "i8"}) + (["i8"] if "i8" in held else [])  # blocks first
 
 
 def _can_compile(device: torch.device) -> bool:
