@@ -187,3 +187,25 @@ def test_a_gguf_keeps_k_quants_and_says_which_types_it_expands(
         expected = torch.from_numpy(dequantize(written[name], qtype))
         assert torch.equal(loaded.weights[f"model.layers.{layer}.mlp.down_proj.weight"], expected)
     assert torch.equal(kept.dequantize(), loaded.weights["model.layers.0.mlp.down_proj.weight"])
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_auto_keeps_4_bit_blocks_and_only_the_int8_copy_of_5_and_6_bit_ones() -> None:
+    """What `--weights auto` holds per K-quant width (model/linear.py MAX_QUANTIZED_ROWS), as
+    the startup log's weights line reports it, and that both forms compute the same layer."""
+    from iterserve.model.linear import Linear
+
+    n, k = 32, 256
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    for qtype, held in (("Q4_K", ["qk-int8", "i8"]), ("Q5_K", ["i8"]), ("Q6_K", ["i8"])):
+        weight = from_gguf_kquant(random_blocks(qtype, n, k), qtype, (n, k))
+        dense = weight.dequantize(torch.bfloat16)
+        auto = Linear(dense, backend="tiled", quantized=weight, dense_format="i8")
+        assert auto.held_formats() == held
+        blocks = Linear(dense, backend="tiled", quantized=weight, wide=False)
+        assert blocks.held_formats() == ["qk-int8"]
+        reference = x.double() @ dense.double().T
+        for linear in (auto, blocks):
+            error = (linear(x).double() - reference).norm() / reference.norm()
+            assert error.item() < 0.02
