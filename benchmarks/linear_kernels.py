@@ -14,6 +14,7 @@ its own weights, so nothing stays in cache from one call to the next) and the ti
   tiled-qk4/5/6         csrc/linear.cpp's qk format (K-quants, Q5_x) at 4, 5 and 6 bits
                         (random values; d per 32 inputs, as Q5_0, since K = 576 is not
                         whole 256-input super-blocks)
+  tiled-qk4/5/6-int8    the same blocks on int8 activations (the qk-int8 format)
   tiled-i8              csrc/linear.cpp on int8 weights with int8 activations (W8A8)
   int4pack (torch)      torch's _weight_int4pack_mm_for_cpu, group 32, for comparison
 
@@ -26,6 +27,7 @@ picks or ITERSERVE_ISA names (printed first).
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1,2,4,8,16,32,64] [--json out.json]
     ITERSERVE_ISA=avx2 .venv/bin/python benchmarks/linear_kernels.py
+    .venv/bin/python benchmarks/linear_kernels.py --rows 1,2,4 --kernels qk,i8   (only those)
 """
 
 from __future__ import annotations
@@ -72,17 +74,21 @@ def random_q4(n: int, k: int) -> quant.QuantizedWeight:
     return quant.QuantizedWeight("q4", q, d, (-torch.rand(n, k // 32) * 0.08).half())
 
 
-def random_kquant(n: int, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_kquant(n: int, k: int, bits: int) -> KQuantWeight:
     zero = 32 if bits == 6 else 0
     weight = KQuantWeight(
         bits, zero, 32,
         torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8),
-        torch.randint(1, 64, (n, k // 16), dtype=torch.int8),
-        torch.randint(0, 64, (n, k // 32), dtype=torch.uint8),
+        # As GGUF has them: a scale per 16 inputs and no minimum at 6 bits (Q6_K), else
+        # one scale per 32 and a minimum.
+        torch.randint(1, 64, (n, k // (16 if bits == 6 else 32)), dtype=torch.int8).repeat_interleave(
+            1 if bits == 6 else 2, dim=1
+        ),
+        torch.randint(0, 64 if bits < 6 else 1, (n, k // 32), dtype=torch.uint8),
         (torch.rand(n, k // 32) * 1e-3).half(),
         (torch.rand(n, k // 32) * 1e-3).half(),
     )  # fmt: skip
-    return weight.tiles()
+    return weight
 
 
 QK_BITS = (4, 5, 6)
@@ -103,6 +109,7 @@ class Weights:
     q4: list[list[tuple[torch.Tensor, torch.Tensor]]]
     i8: list[list[tuple[torch.Tensor, torch.Tensor]]]
     qk: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]]
+    qk_int8: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]]
     int4pack: list[list[tuple[torch.Tensor, torch.Tensor]]]
     head: torch.Tensor
     head32: torch.Tensor
@@ -128,6 +135,10 @@ class Weights:
         head = (torch.randn(*HEAD) * 0.02).bfloat16()
         bf16_onednn = onednn_usable(torch.bfloat16, torch.device("cpu"))
         q8 = torch.randint(-128, 128, HEAD, dtype=torch.int8)
+        kq = {
+            bits: [[random_kquant(n, k, bits) for n, k in SHAPES] for _ in range(LAYERS)]
+            for bits in QK_BITS
+        }
         head_scales = (torch.rand(HEAD[0], HEAD[1] // 32) * 0.01).half()
         return Weights(
             dense=dense,
@@ -138,10 +149,8 @@ class Weights:
             tiles=[[quant.tile_bf16(w) for w in ws] for ws in dense],
             q4=[[quant.tile_quantized(random_q4(n, k)) for n, k in SHAPES] for _ in range(LAYERS)],
             i8=[[i8(w) for w in ws] for ws in dense],
-            qk={
-                bits: [[random_kquant(n, k, bits) for n, k in SHAPES] for _ in range(LAYERS)]
-                for bits in QK_BITS
-            },
+            qk={bits: [[x.tiles() for x in ws] for ws in kq[bits]] for bits in QK_BITS},
+            qk_int8={bits: [[x.tiles(True) for x in ws] for ws in kq[bits]] for bits in QK_BITS},
             int4pack=[[int4pack(n, k) for n, k in SHAPES] for _ in range(LAYERS)],
             head=head,
             head32=head.float(),
@@ -154,7 +163,9 @@ class Weights:
         )
 
 
-def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int | str]]:
+def measure(
+    rows: int, w: Weights, repeats: int, only: list[str] | None = None
+) -> list[dict[str, float | int | str]]:
     """One row count through every kernel: layer and head timings in ms."""
     op = kernels.ops().tiled_linear.default
 
@@ -195,6 +206,14 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
             )
             for bits in QK_BITS
         },
+        **{
+            f"tiled-qk{bits}-int8": layers(
+                lambda x, i, j, b=bits: tiled(
+                    x, *w.qk_int8[b][i][j], 5 + 256 * (32 if b == 6 else 0)
+                )
+            )
+            for bits in QK_BITS
+        },
         "int4pack": layers(
             lambda x, i, j: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, w.int4pack[i][j][0], 32, w.int4pack[i][j][1]
@@ -211,12 +230,22 @@ def measure(rows: int, w: Weights, repeats: int) -> list[dict[str, float | int |
     }
     if w.packed is None:  # no bf16 oneDNN on this CPU
         del layer_fns["onednn"], head_fns["onednn"]
+    variant = kernels.describe()
+    if variant is None or not variant.native_bf16:  # the exact qk kernel is not built here
+        for bits in QK_BITS:
+            del layer_fns[f"tiled-qk{bits}"]
+    if only:
+        layer_fns = {k: f for k, f in layer_fns.items() if any(o in k for o in only)}
+        head_fns = {k: f for k, f in head_fns.items() if any(o in k for o in only)}
     layer_ms = interleaved_ms(layer_fns, repeats)
     head_ms = interleaved_ms(head_fns, repeats * 4)
     results: list[dict[str, float | int | str]] = []
     for name in dict.fromkeys([*layer_fns, *head_fns]):
         fmt = {"tiled-q4": "q4", "int4pack": "q4", "tiled-q8": "q8", "tiled-i8": "i8"}.get(
-            name, name.removeprefix("tiled-") if name.startswith("tiled-qk") else "bf16"
+            name,
+            name.removeprefix("tiled-").removesuffix("-int8")
+            if name.startswith("tiled-qk")
+            else "bf16",
         )
         lm, hm = layer_ms.get(name), head_ms.get(name)
         if rows >= 512:  # compute-bound: the arithmetic rate says more than bytes
@@ -240,7 +269,8 @@ def crossover(
     wins = [
         int(r["rows"])
         for r in results
-        if r["kernel"] == kernel and r[key] and float(r[key]) < float(theirs[r["rows"]])
+        if r["kernel"] == kernel and r[key] and r["rows"] in theirs
+        and float(r[key]) < float(theirs[r["rows"]])
     ]
     return max(wins, default=0)
 
@@ -250,6 +280,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default="bench_results/linear_kernels.json")
+    parser.add_argument("--kernels", default="", help="only kernels whose name has one of these")
     args = parser.parse_args()
     if not kernels.available():
         raise SystemExit(f"C++ kernels unavailable: {kernels.why_unavailable()}")
@@ -260,7 +291,8 @@ def main() -> None:
     )
     results: list[dict[str, float | int | str]] = []
     for rows in [int(r) for r in args.rows.split(",")]:
-        results.extend(measure(rows, weights, args.repeats))
+        only = [k for k in args.kernels.split(",") if k] or None
+        results.extend(measure(rows, weights, args.repeats, only))
     print("largest row count at which a kernel beats its rival:")
     rival_of_bf16 = "onednn" if weights.packed is not None else "torch-fp32"
     for kernel, rival, key in (
@@ -269,6 +301,8 @@ def main() -> None:
         ("tiled-q4", "tiled-i8", "layers_ms"),
         ("tiled-q8", "tiled-i8", "head_ms"),
         ("tiled-i8", "tiled-bf16", "layers_ms"),
+        *((f"tiled-qk{b}", "tiled-i8", "layers_ms") for b in QK_BITS),
+        *((f"tiled-qk{b}-int8", "tiled-i8", "layers_ms") for b in QK_BITS),
     ):
         where = "layers" if key == "layers_ms" else "head"
         print(f"  {kernel} vs {rival} ({where}): {crossover(results, kernel, rival, key)}")

@@ -183,6 +183,25 @@ int main() {
       check(lanes[j] == want, "dot_q4", j, lanes[j], want);
     }
 
+    // 6-bit bytes (0..63, the widest qk-int8 builds) against int8 activations, at the
+    // extremes that bring vpmaddubsw's pair sums nearest its int16 limit
+    alignas(64) uint8_t wide_lo[4 * kLanes], wide_hi[4 * kLanes];
+    for (int i = 0; i < 4 * kLanes; ++i)
+      wide_lo[i] = round % 2 ? 63 : rng() % 64, wide_hi[i] = round % 2 ? 63 : rng() % 64;
+    int8_t xs6[8];
+    for (int t = 0; t < 8; ++t)
+      xs6[t] = static_cast<int8_t>(round % 2 ? (round % 4 == 1 ? 127 : -127) : rng() % 255 - 127);
+    int32_t x_lo, x_hi;
+    std::memcpy(&x_lo, xs6, 4);
+    std::memcpy(&x_hi, xs6 + 4, 4);
+    dot_u8(I16::splat(-5), I16::load(wide_lo), I16::load(wide_hi), x_lo, x_hi).store(lanes);
+    for (int j = 0; j < kLanes; ++j) {
+      int32_t want = -5;
+      for (int t = 0; t < 4; ++t)
+        want += wide_lo[4 * j + t] * xs6[t] + wide_hi[4 * j + t] * xs6[4 + t];
+      check(lanes[j] == want, "dot_u8", j, lanes[j], want);
+    }
+
     // fp16 loads, logical shifts
     c10::Half halves[kLanes];
     for (int j = 0; j < kLanes; ++j) halves[j] = c10::Half(b[j]);

@@ -1,5 +1,6 @@
 """K-quant (Q4_K, Q5_K, Q6_K) and 5-bit (Q5_0, Q5_1) blocks: unpacked exactly as the `gguf`
-package's reference dequantizer reads them, and the qk kernel against dequantize-then-matmul."""
+package's reference dequantizer reads them, the qk kernel against dequantize-then-matmul, and
+the qk-int8 kernel against the dequantized weights times the int8-rounded activations."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from transformers import PreTrainedTokenizerFast
 
 from iterserve import kernels
 from iterserve.model.kquant import BLOCK_SIZES, KQuantWeight, from_gguf_kquant
+from iterserve.model.quant import quantize_activations
 from tiny_checkpoints import tiny_hf_model
 from tiny_gguf import write_gguf
 
-QK = 4
+QK, QK_INT8 = 4, 5
 
 # Byte offsets of each type's fp16 fields within a block (the rest is random bits).
 _FP16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
@@ -55,6 +57,9 @@ def test_blocks_unpack_bit_exactly_like_the_gguf_reference(qtype: str) -> None:
 @pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
 def test_qk_tiles_match_dequantize_then_matmul(qtype: str, rows: int) -> None:
+    variant = kernels.describe()
+    if variant is None or not variant.native_bf16:
+        pytest.skip("the exact qk kernel is built only with bf16 dot products")
     n, k = 48, 512
     weight = from_gguf_kquant(random_blocks(qtype, n, k, seed=rows), qtype, (n, k))
     gen = torch.Generator().manual_seed(rows)
@@ -70,6 +75,35 @@ def test_qk_tiles_match_dequantize_then_matmul(qtype: str, rows: int) -> None:
     scale = (x.double().abs() @ weight.dequantize().double().abs().T).max()
     allowed = reference.abs() * 2.0**-8 + 2e-5 * scale
     assert bool(((out.double() - reference).abs() <= allowed).all())
+
+
+@pytest.mark.usefixtures("any_kernel_isa")
+@pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+def test_qk_int8_tiles_match_quantized_activations_times_dequantized_weights(
+    qtype: str, rows: int
+) -> None:
+    n, k = 80, 512
+    weight = from_gguf_kquant(random_blocks(qtype, n, k, seed=rows), qtype, (n, k))
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x[0, 32:64] = 0  # an all-zero block: scale 0
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    tiles, scales = weight.tiles(int8_activations=True)
+    out = kernels.ops().tiled_linear(
+        x, tiles, scales, None, residual, QK_INT8 + 256 * weight.zero, None, None, 0, 64
+    )
+    xq, xs = quantize_activations(x)
+    x_rounded = (xq.double().view(rows, k // 32, 32) * xs.double()[..., None]).view(rows, k)
+    w = weight.dequantize().double()
+    reference = x_rounded @ w.T + residual.double()
+    # One rounding to bf16 plus fp32 summation slack against the size of the terms summed.
+    scale = (x_rounded.abs() @ w.abs().T).max()
+    allowed = reference.abs() * 2.0**-8 + 2e-5 * scale
+    assert bool(((out.double() - reference).abs() <= allowed).all())
+    # And it is a fair stand-in for the exact product: int8 activations' error, no more.
+    exact = x.double() @ w.T + residual.double()
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
 
 
 @pytest.mark.usefixtures("kernel_isa")
@@ -102,7 +136,7 @@ def test_a_k_quant_model_computes_what_its_dequantized_weights_do() -> None:
     bf16 = _run(_model(hf, torch.bfloat16, weights=weights), tokens, kernel=False)
     blocks = _model(hf, torch.bfloat16, "tiled", weights, quantized, wide=False)  # type: ignore[arg-type]
     assert {kind for name, kind in blocks.describe_linears().items() if name != "lm_head"} == {
-        "tiled-qk"
+        "tiled-qk-int8"
     }
     _assert_as_close_as_bf16(reference, _run(blocks, tokens, kernel=True), bf16)
 
@@ -153,3 +187,25 @@ def test_a_gguf_keeps_k_quants_and_says_which_types_it_expands(
         expected = torch.from_numpy(dequantize(written[name], qtype))
         assert torch.equal(loaded.weights[f"model.layers.{layer}.mlp.down_proj.weight"], expected)
     assert torch.equal(kept.dequantize(), loaded.weights["model.layers.0.mlp.down_proj.weight"])
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_auto_keeps_4_bit_blocks_and_only_the_int8_copy_of_5_and_6_bit_ones() -> None:
+    """What `--weights auto` holds per K-quant width (model/linear.py MAX_QUANTIZED_ROWS), as
+    the startup log's weights line reports it, and that both forms compute the same layer."""
+    from iterserve.model.linear import Linear
+
+    n, k = 32, 256
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    for qtype, held in (("Q4_K", ["qk-int8", "i8"]), ("Q5_K", ["i8"]), ("Q6_K", ["i8"])):
+        weight = from_gguf_kquant(random_blocks(qtype, n, k), qtype, (n, k))
+        dense = weight.dequantize(torch.bfloat16)
+        auto = Linear(dense, backend="tiled", quantized=weight, dense_format="i8")
+        assert auto.held_formats() == held
+        blocks = Linear(dense, backend="tiled", quantized=weight, wide=False)
+        assert blocks.held_formats() == ["qk-int8"]
+        reference = x.double() @ dense.double().T
+        for linear in (auto, blocks):
+            error = (linear(x).double() - reference).norm() / reference.norm()
+            assert error.item() < 0.02

@@ -150,9 +150,7 @@ def build_model(
     if compiled:
         _use_persistent_compile_cache()
         model.compile_layers()
-    formats = sorted({q.kind for q in choice.quantized.values()})
-    if choice.dense_format == "i8" and (choice.wide or not formats):
-        formats.append("i8")
+    formats = _held_formats(model)
     plan = ModelPlan(
         backend=backend,
         paged_attention_kernel=use_kernel,
@@ -174,6 +172,18 @@ def build_model(
         dtype_reason,
     )
     return model, plan
+
+
+def _held_formats(model: LlamaForCausalLM) -> list[str]:
+    """The weight formats the tiled kernels run, as the projections ended up holding them
+    (not the checkpoint's: blocks a CPU runs slower than their dense copy are dropped)."""
+    linears = [model.head] if model.head is not None else []
+    for layer in model.layers:
+        linears.extend(layer.linears.values())
+        if layer.moe is not None:
+            linears.extend([*layer.moe.gate_up, *layer.moe.down])
+    held = {f for lin in linears for f in lin.held_formats()}
+    return sorted(held - {"bf16", "i8"}) + (["i8"] if "i8" in held else [])  # blocks first
 
 
 def _can_compile(device: torch.device) -> bool:

@@ -93,14 +93,15 @@ class KQuantWeight:
             *(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scales", "mins", "d", "dmin")),
         )  # fmt: skip
 
-    def tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def tiles(self, int8_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(bytes [N/16, K/32, 256 + 64 h + 48], fp16 [N/16, K/super, 2, 16]): what the qk
         kernel reads, per tile of 16 outputs and block of 32 inputs:
 
             256 bytes   the low 4 bits of q, as the q4 tiles lay them out (see quant.py)
             64 h bytes  the h = bits - 4 high bits, in 16-bit words like the q4 ones: in lane
                         j's half e, the bit(s) of pair p = 4c + i (inputs 8c + 2i + e) of
-                        chunk c at h * (4 (c mod 4/h) + i), one 64-byte word per 4/h chunks
+                        chunk c at h * (4 (c mod 4/h) + i), one 64-byte word per 4/h chunks;
+                        `int8_activations` (the qk-int8 kernel): `_high_planes` instead
             32 bytes    sc of inputs 0-15 for the 16 outputs, then of inputs 16-31
             16 bytes    mn for the 16 outputs
         """
@@ -108,7 +109,11 @@ class KQuantWeight:
         tiles, blocks = n // TILE, k // BLOCK
         parts = [pack_nibble_tiles(self.q & 0x0F)]
         high_bits = self.bits - 4
-        if high_bits:
+        if int8_activations:
+            self._check_int8_form()
+        if high_bits and int8_activations:
+            parts.append(self._high_planes())
+        elif high_bits:
             per_word = 4 // high_bits
             # [tiles, blocks, word, chunk in word, pair, lane, even/odd]
             high = (self.q >> 4).reshape(tiles, TILE, blocks, 4 // per_word, per_word, 4, 2)
@@ -122,6 +127,37 @@ class KQuantWeight:
         supers = k // self.super_size
         scales = torch.stack((self.d, self.dmin), dim=1).reshape(tiles, TILE, 2, supers)
         return torch.cat(parts, dim=2).contiguous(), scales.permute(0, 3, 2, 1).contiguous()
+
+    def _check_int8_form(self) -> None:
+        """What the qk-int8 kernel assumes of every GGUF type it takes: 6 bits (Q6_K) have a
+        scale per 16 inputs, a zero point and no minimum; fewer bits one scale per 32
+        inputs (both of its 16-input scales equal) and no zero point."""
+        n, k = self.shape
+        if self.bits == 6:
+            ok = not bool(self.mins.any())
+        else:
+            pairs = self.scales.view(n, k // BLOCK, 2)
+            ok = self.zero == 0 and torch.equal(pairs[..., 0], pairs[..., 1])
+        if not ok:
+            raise ValueError(f"{self.bits}-bit blocks of a form no GGUF type has (see qk-int8)")
+
+    def _high_planes(self) -> torch.Tensor:
+        """The high bits for the qk-int8 kernel, [N/16, K/32, 64 h]: 64-byte planes parallel to
+        a chunk's 64 nibble bytes (lane j's byte t: its low nibble holds input 8c + u, its high
+        nibble 8c + u + 2, u = (0, 4, 1, 5)[t]), so that one shift puts them over the nibbles.
+        Plane P's byte holds, for chunks c of P, the bits of its low (e = 0) and high (e = 1)
+        nibble at h (2 (c mod 4/h) + e)."""
+        n, k = self.shape
+        tiles, blocks, high_bits = n // TILE, k // BLOCK, self.bits - 4
+        per_plane = 4 // high_bits
+        # Input within a chunk's 8 of nibble e of byte t.
+        inputs = torch.tensor([[0, 4, 1, 5], [2, 6, 3, 7]])
+        high = (self.q >> 4).reshape(tiles, TILE, blocks, 4, 8)[..., inputs].to(torch.int32)
+        # [tiles, lane, blocks, plane, chunk in plane, e, t]
+        high = high.reshape(tiles, TILE, blocks, high_bits, per_plane, 2, 4)
+        shifts = high_bits * torch.arange(2 * per_plane, dtype=torch.int32).view(per_plane, 2, 1)
+        planes = (high << shifts).sum(dim=(4, 5)).to(torch.uint8)  # [tiles, lane, blocks, P, t]
+        return planes.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 64 * high_bits)
 
 
 def from_gguf_kquant(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> KQuantWeight:

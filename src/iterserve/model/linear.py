@@ -39,7 +39,7 @@ from iterserve.model.quant import (
 Backend = Literal["torch", "onednn", "tiled"]
 DenseFormat = Literal["bf16", "i8"]  # what the tiled kernel makes of a dense weight
 
-_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3, "qk": 4}
+_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3, "qk": 4, "qk-int8": 5}
 
 _NO_LIMIT = 1 << 62
 
@@ -54,21 +54,31 @@ _NO_LIMIT = 1 << 62
 # 0.9 ms at 1 row; AVX2: 1.1 vs 0.9) but exact to the checkpoint, with no activation
 # rounding, where greedy decoding picks its tokens: kept for the few-row steps, the 0.2 ms
 # knowingly paid.
-# The K-quant / 5-bit blocks (qk) multiply exact products everywhere: in bf16 dot products
-# they beat the int8 copy at one row (one 3072 x 576 projection, cached: 29-42 vs 19 us, but
-# 4.9-6.9 bits a weight against 8 from memory) and lose from 4 rows (59-71 vs 31 us); unpacked
-# to fp32 (AVX2, NEON) they lose at every size (AVX2, one row: 80-96 vs 30 us), so there a
-# `--weights auto` model keeps the int8 copy alone (0: no blocks) and `int4` the blocks alone.
+# The K-quant / 5-bit blocks (qk) run on int8 activations everywhere ("qk-int8", as q4 does
+# without bf16 dot products): on AVX-512 BF16 that beat the exact bf16 form of the same
+# blocks ("qk") at 1, 2 and 4 rows and every width, and unpacked to fp32 (AVX2, NEON) the
+# exact form lost even to the int8 copy. Against the int8 copy (benchmarks/qk_rows.py: 30
+# layers' projections, one thread, us a layer at 1 / 2 / 4 rows) 4-bit blocks win on both
+# ISAs (AVX-512 BF16 204 / 230 / 291 vs 227 / 242 / 327; AVX2 163 / 189 / 258 vs 183 / 203 /
+# 301), but building 5- and 6-bit bytes costs more than the bytes saved (one row: AVX-512
+# BF16 259 / 275 vs 227; AVX2 217 / 213 vs 183), and a Q4_K_M of the bundled model (mostly
+# Q5_0) decoded one sequence at 78 tok/s from its blocks against 90 from the int8 copy (one
+# thread, benchmarks/kquant_decode.py): so `--weights auto` keeps the int8 copy alone for 5
+# and 6 bits, and `int4` the blocks alone (least memory).
 MAX_QUANTIZED_ROWS = {
-    True: {"q4": 4, "q8": 4, "qk": 2},  # native bf16
-    False: {"q4": _NO_LIMIT, "q8": 4, "qk": 0},
+    True: {"q4": 4, "q8": 4, "qk4": 4, "qk5": 0, "qk6": 0},  # native bf16
+    False: {"q4": _NO_LIMIT, "q8": 4, "qk4": 4, "qk5": 0, "qk6": 0},
 }
 
+# The kernel format each kind of checkpoint block runs as.
+KERNEL_FORMATS = {"q4": "q4", "q8": "q8", "qk": "qk-int8"}
 
-def max_quantized_rows(kind: str) -> int:
-    """Rows up to which `kind` blocks run rather than a dense copy, on this kernel variant."""
+
+def max_quantized_rows(quantized: BlockWeight) -> int:
+    """Rows up to which these blocks run rather than a dense copy, on this kernel variant."""
     variant = kernels.describe()
-    return MAX_QUANTIZED_ROWS[variant is not None and variant.native_bf16][kind]
+    key = f"qk{quantized.bits}" if isinstance(quantized, KQuantWeight) else quantized.kind
+    return MAX_QUANTIZED_ROWS[variant is not None and variant.native_bf16][key]
 
 
 def _onednn(
@@ -135,7 +145,7 @@ class Linear:
         self.max_tile_rows = _NO_LIMIT
         self.qk_zero = 0  # the qk format's zero point, carried in its format code
         self.ops: Any = None  # the kernels' ops (tiled backend), of the ISA variant chosen
-        if quantized is not None and wide and max_quantized_rows(quantized.kind) == 0:
+        if quantized is not None and wide and max_quantized_rows(quantized) == 0:
             quantized = None  # the dense copy is faster at every step size: keep it alone
         if backend == "tiled" and not self._tileable(quantized, dense_format):
             backend = self.backend = (
@@ -151,13 +161,13 @@ class Linear:
             self.format = dense_format
             self.tiles, self.scales = _tile_dense(weight, dense_format)
         else:
-            self.format = quantized.kind
+            self.format = KERNEL_FORMATS[quantized.kind]
             if isinstance(quantized, KQuantWeight):
                 self.qk_zero = quantized.zero
-                self.tiles, self.scales = quantized.tiles()
+                self.tiles, self.scales = quantized.tiles(self.format == "qk-int8")
             else:
                 self.tiles, self.scales = tile_quantized(quantized)
-            limit = max_quantized_rows(quantized.kind)
+            limit = max_quantized_rows(quantized)
             if wide and limit < _NO_LIMIT:
                 self.wide_format = dense_format
                 self.wide, self.wide_scales = _tile_dense(weight, dense_format)
@@ -210,6 +220,12 @@ class Linear:
         if self.bias is not None:
             residual = residual + self.bias
         return torch.addmm(residual, x, self.weight.t())
+
+    def held_formats(self) -> list[str]:
+        """The formats this projection's weights are held and run in (tiled backend)."""
+        if self.backend != "tiled":
+            return []
+        return [self.format] + ([self.wide_format] if self.wide is not None else [])
 
     def describe(self) -> str:
         if self.backend != "tiled":

@@ -18,6 +18,8 @@
 //         GGUF K-quants (Q4_K, Q5_K, Q6_K) and Q5_0/Q5_1: w = d sc (q - z) - dmin mn, q of
 //         4 + h bits, sc per 16 inputs and mn per 32 as bytes, d and dmin per super-block of
 //         S inputs (model/kquant.py has the byte layout)
+//   qk-int8  the qk bytes with the high bits in planes beside the nibble bytes, run on int8
+//         activations (see qk_tiles_int8)
 //   i8    [N/16, K/4, 16, 4] uint8 (q + 128) + [N] fp32 (scale s)
 //         w = s * q, q in -127..127 per output row; four inputs side by side, as the
 //         integer dot product `vpdpbusd` takes them (W8A8; see "i8" below)
@@ -60,7 +62,7 @@ using at::Tensor;
 constexpr int64_t kTile = 16;   // outputs per tile: one zmm of fp32 accumulators
 constexpr int64_t kBlock = 32;  // inputs per quantization block
 
-enum class Format : int64_t { kBf16 = 0, kQ4 = 1, kQ8 = 2, kI8 = 3, kQK = 4 };
+enum class Format : int64_t { kBf16 = 0, kQ4 = 1, kQ8 = 2, kI8 = 3, kQK = 4, kQKInt8 = 5 };
 
 // What `pair_dot` reads activations as: bf16 as they come with bf16 dot products, else fp32
 // (widened once per call).
@@ -93,7 +95,7 @@ struct Rows {
   int64_t ld_xp;
   ITERSERVE_INLINE XPair pair(int64_t m, int64_t k) const { return x_pair(xp + m * ld_xp + k); }
   const float* block_sums;  // [M, K/32] sum of each row's inputs per block (q4 only)
-  const float* half_sums;   // [M, K/16] the same per 16 inputs (qk only)
+  const float* half_sums;   // [M, K/16] the same per 16 inputs (qk; qk-int8: of the int8 rows)
   // i8 only: the rows quantized ([M, K] int8), their blocks' scales ([M, K/32]) and the
   // offset each row's sums carry ([M]); see QuantizedRows.
   const int8_t* xq;
@@ -370,6 +372,102 @@ inline void qk_tiles(const Rows& rows, int64_t m0, const uint8_t* q, const at::H
     for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
 }
 
+// The qk blocks on int8 activations ("qk-int8", the int8 road as q4_tiles_int8 takes it): the
+// activations quantized per block of 32 (QuantizedRows, in q4 order), each weight's q a whole
+// unsigned byte built in registers, 4 products an instruction lane (simd.h's dot_u8). The
+// bytes are qk's but for the high bits, laid out beside the nibble bytes they complete: in
+// plane P (64 bytes; one for 5 bits, two for 6), byte t holds the high bits of byte t's low
+// and high nibble of chunks c = P (4/h) .. (P + 1) (4/h) - 1 at bits h (2 (c mod 4/h) + e),
+// e = 0 for the low nibble. One shift moves them under bit 4; a 32-bit shift carries bits
+// across bytes only outside the mask. Per 16 inputs, with x ~ s xq,
+//   sum x w ~ a s sum q xq - (a z + dmin mn) s sum xq,     a = d sc,
+// the sums of xq per 16 from QuantizedRows: exact against the dequantized weights times the
+// quantized activations (tests/model/test_kquant.py), as llama.cpp's K-quant dots are.
+constexpr int32_t byte_mask(int bits, int at) {
+  return static_cast<int32_t>((((1u << bits) - 1) << at) * 0x01010101u);
+}
+
+template <int B, int C, int MR, int NT>
+ITERSERVE_INLINE void qk_int8_chunk(const Rows& rows, int64_t m0, const uint8_t* const* blk,
+                                    int64_t k, int64_t K, I16 (&part)[MR][NT]) {
+  constexpr int kHigh = B - 4, kPerPlane = kHigh ? 4 / kHigh : 4;
+  constexpr int kFromLo = kHigh * 2 * (C % kPerPlane), kFromHi = kFromLo + kHigh;
+  int32_t quads[MR][2];
+  for (int r = 0; r < MR; ++r) std::memcpy(quads[r], rows.xq + (m0 + r) * K + k + 8 * C, 8);
+  for (int j = 0; j < NT; ++j) {
+    const I16 raw = I16::load(blk[j] + C * 64);
+    const I16 nibble = I16::splat(byte_mask(4, 0));
+    I16 lo = raw & nibble, hi = shift_right<4>(raw) & nibble;
+    if constexpr (kHigh > 0) {
+      const I16 plane = I16::load(blk[j] + 256 + (C / kPerPlane) * 64);
+      const I16 top = I16::splat(byte_mask(kHigh, 4));
+      lo = and_or(shift_by<4 - kFromLo>(plane), top, lo);
+      hi = and_or(shift_by<4 - kFromHi>(plane), top, hi);
+    }
+    for (int r = 0; r < MR; ++r) part[r][j] = dot_u8(part[r][j], lo, hi, quads[r][0], quads[r][1]);
+  }
+}
+
+template <int B, int MR, int NT>
+inline void qk_tiles_int8(const Rows& rows, int64_t m0, const uint8_t* q, const at::Half* supers,
+                          int64_t blocks_per_super, float zero, int64_t tile0, int64_t K,
+                          const Epilogue& ep) {
+  constexpr int64_t kBytes = qk_block_bytes(B), kScalesAt = kBytes - 48;
+  // GGUF's 6-bit blocks (Q6_K) are the ones with a scale per 16 inputs and a zero point (32)
+  // but no minimum; every other type here has one scale per 32 inputs (both sc bytes equal),
+  // no zero point, and a minimum (KQuantWeight.tiles checks it), so its two halves' integer
+  // sums are added before the one conversion.
+  constexpr bool kPer16 = B == 6;
+  const int64_t blocks = K / kBlock, n_supers = blocks / blocks_per_super;
+  F16 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk[NT];
+    for (int j = 0; j < NT; ++j) blk[j] = q + ((tile0 + j) * blocks + b) * kBytes;
+    I16 first[MR][NT], second[MR][NT];  // inputs 0-15 and 16-31
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NT; ++j) first[r][j] = second[r][j] = I16::zero();
+    qk_int8_chunk<B, 0, MR, NT>(rows, m0, blk, b * kBlock, K, first);
+    qk_int8_chunk<B, 1, MR, NT>(rows, m0, blk, b * kBlock, K, first);
+    qk_int8_chunk<B, 2, MR, NT>(rows, m0, blk, b * kBlock, K, second);
+    qk_int8_chunk<B, 3, MR, NT>(rows, m0, blk, b * kBlock, K, second);
+    // Per row: the block's activation scale and -z s sum(xq) (Q6_K) or -s sum(xq) per half.
+    F16 sx[MR], sum0[MR], sum1[MR];
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (m0 + r) * blocks + b;
+      sx[r] = F16::splat(rows.x_scales[at]);
+      const float s0 = rows.half_sums[2 * at], s1 = rows.half_sums[2 * at + 1];
+      sum0[r] = F16::splat(kPer16 ? -zero * s0 : -(s0 + s1));
+      sum1[r] = F16::splat(-zero * s1);
+    }
+    for (int j = 0; j < NT; ++j) {
+      const at::Half* s = supers + ((tile0 + j) * n_supers + b / blocks_per_super) * 2 * kTile;
+      const F16 d = load_f16x16(s);
+      const auto* sc = reinterpret_cast<const int8_t*>(blk[j] + kScalesAt);
+      const F16 a0 = d * load_i8x16(sc);
+      if constexpr (kPer16) {
+        // a0 (s q.xq - z s sum xq) + a1 (...), per half.
+        const F16 a1 = d * load_i8x16(sc + 16);
+        for (int r = 0; r < MR; ++r) {
+          const F16 h0 = fmadd(to_float(first[r][j]), sx[r], sum0[r]);
+          const F16 h1 = fmadd(to_float(second[r][j]), sx[r], sum1[r]);
+          acc[r][j] = fmadd(a1, h1, fmadd(a0, h0, acc[r][j]));
+        }
+      } else {
+        // a s q.xq - dmin mn s sum xq over the 32 inputs.
+        const F16 mins = load_f16x16(s + kTile) * load_i8x16(sc + 32);  // mn <= 63
+        for (int r = 0; r < MR; ++r) {
+          const F16 dots = to_float(first[r][j] + second[r][j]);
+          acc[r][j] = fmadd(mins, sum0[r], fmadd(dots, a0 * sx[r], acc[r][j]));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+}
+
 // ---- i8 (W8A8) --------------------------------------------------------------------------
 
 // Activations quantized per block of 32 inputs (as llama.cpp quantizes them for its 4-bit
@@ -384,17 +482,21 @@ struct QuantizedRows {
   Tensor q;        // [M, K] int8
   Tensor scales;   // [M, K/32] fp32
   Tensor offsets;  // [M] fp32
+  Tensor half_sums;  // [M, K/16] fp32: s * (sum of q over 16 inputs), if asked for (qk-int8)
 
   // Every element is written below: uninitialised buffers, no fill. `q4_order`: each 8
   // inputs stored as (0, 4, 1, 5, 2, 6, 3, 7), the order q4_tiles_int8 reads them in.
-  QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K, bool q4_order = false)
+  QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K, bool q4_order = false,
+                bool with_half_sums = false)
       : q(at::empty({M, K}, at::kChar)),
         scales(at::empty({M, K / kBlock}, at::kFloat)),
-        offsets(at::empty({M}, at::kFloat)) {
+        offsets(at::empty({M}, at::kFloat)),
+        half_sums(at::empty({with_half_sums ? M : 0, K / 16}, at::kFloat)) {
     const int64_t blocks = K / kBlock;
     int8_t* q_data = q.data_ptr<int8_t>();
     float* scale_data = scales.data_ptr<float>();
     float* offset_data = offsets.data_ptr<float>();
+    float* half_sum_data = with_half_sums ? half_sums.data_ptr<float>() : nullptr;
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         float offset = 0.0f;
@@ -416,6 +518,10 @@ struct QuantizedRows {
           }
           const float scale = amax / 127.0f;
           scale_data[m * blocks + b] = scale;
+          if (half_sum_data) {
+            half_sum_data[2 * (m * blocks + b)] = scale * static_cast<float>(qlo.sum());
+            half_sum_data[2 * (m * blocks + b) + 1] = scale * static_cast<float>(qhi.sum());
+          }
           if (kI8Biased) offset += scale * static_cast<float>((qlo + qhi).sum());
         }
         offset_data[m] = 128.0f * offset;
@@ -501,15 +607,32 @@ inline void run_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t ti
                        static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
       break;
     case Format::kQK: {
+      // Built only where bf16 dot products make it a contender (tiled_linear refuses it
+      // elsewhere): unpacked to fp32 it lost even to the int8 copy, and each instantiation
+      // costs compile time in every ISA variant.
+      if constexpr (kBf16Dot) {
+        const auto* q = static_cast<const uint8_t*>(w.data);
+        const auto* s = static_cast<const at::Half*>(w.scales);
+        const int64_t per = w.qk_blocks_per_super;
+        if (w.qk_bits == 4)
+          qk_tiles<4, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+        else if (w.qk_bits == 5)
+          qk_tiles<5, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+        else
+          qk_tiles<6, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+      }
+      break;
+    }
+    case Format::kQKInt8: {
       const auto* q = static_cast<const uint8_t*>(w.data);
       const auto* s = static_cast<const at::Half*>(w.scales);
       const int64_t per = w.qk_blocks_per_super;
       if (w.qk_bits == 4)
-        qk_tiles<4, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+        qk_tiles_int8<4, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
       else if (w.qk_bits == 5)
-        qk_tiles<5, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+        qk_tiles_int8<5, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
       else
-        qk_tiles<6, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+        qk_tiles_int8<6, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
       break;
     }
     case Format::kI8:
@@ -606,7 +729,10 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     w.scales = scales->data_ptr<at::Half>();
   }
   std::vector<float> half_sums;
-  if (fmt == Format::kQK) {
+  TORCH_CHECK(fmt != Format::kQK || kBf16Dot, "tiled_linear: the exact qk kernel is built only "
+              "where the CPU has bf16 dot products (", kIsaName, " has not): use qk-int8");
+  const bool qk = fmt == Format::kQK || fmt == Format::kQKInt8;
+  if (qk) {
     // Bits from the block's bytes, the super-block size from the scales' shape.
     const int64_t bytes = weight.size(2);
     TORCH_CHECK(weight.dim() == 3 && weight.size(1) == K / kBlock && (bytes - 304) % 64 == 0 &&
@@ -617,6 +743,8 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     w.qk_bits = static_cast<int>(4 + (bytes - 304) / 64);
     w.qk_blocks_per_super = (K / kBlock) / scales->size(1);
     w.qk_zero = static_cast<float>(qk_zero);
+  }
+  if (fmt == Format::kQK) {
     half_sums.resize(M * (K / 16));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t h = 0; h < K / 16; ++h)
@@ -636,12 +764,14 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     rows.block_sums = block_sums.data();
   }
   std::optional<QuantizedRows> quantized;
-  const bool q4_int8 = kQ4Int8 && fmt == Format::kQ4;
-  if (fmt == Format::kI8 || q4_int8) {
-    const QuantizedRows& q = quantized.emplace(rows.x, rows.ld_x, M, K, q4_int8);
+  const bool q4_order = (kQ4Int8 && fmt == Format::kQ4) || fmt == Format::kQKInt8;
+  if (fmt == Format::kI8 || q4_order) {
+    const QuantizedRows& q =
+        quantized.emplace(rows.x, rows.ld_x, M, K, q4_order, fmt == Format::kQKInt8);
     rows.xq = q.q.data_ptr<int8_t>();
     rows.x_scales = q.scales.data_ptr<float>();
     rows.x_offsets = q.offsets.data_ptr<float>();
+    if (fmt == Format::kQKInt8) rows.half_sums = q.half_sums.data_ptr<float>();
   }
   // Split the tiles among threads; each thread reads its share of the weights once.
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));

@@ -11,7 +11,8 @@
 //   - `pair_dot`: 16 outputs += w(2 inputs) . x(2 inputs) for bf16 weight pairs. AVX-512 BF16
 //     has an instruction for it (`vdpbf16ps`); elsewhere the pair is widened to two fp32
 //     vectors (a shift and a mask) and takes two FMAs.
-//   - the int8 dot products of W8A8 and of 4-bit weights (`dot_i8`, `dot_q4`): VNNI
+//   - the int8 dot products of W8A8, of 4-bit weights and of the K-quants' 4-6 bit ones
+//     (`dot_i8`, `dot_q4`, `dot_u8`): VNNI
 //     `vpdpbusd` on AVX-512, `vpmaddubsw` + `vpmaddwd` on AVX2, `sdot` on Arm with the
 //     dot-product extension, a plain loop elsewhere.
 //   - lane-wise bit tricks that at::vec spells slowly (bf16 <-> fp32, sums across lanes).
@@ -622,6 +623,57 @@ ITERSERVE_INLINE I16 q4_block_sums(const I16& partial) {
   return r;
 #else
   return partial;
+#endif
+}
+
+// Unsigned weight bytes (0..63: the 4-6 bit q of the K-quants, built in I16 lanes by the
+// caller) against int8 activations, for the same 4 + 4 bytes a lane as `dot_q4`: each lane
+// of `acc` takes lo's 4 bytes times the 4 int8 in `x_lo` plus hi's times `x_hi`, exactly, in
+// int32. Without VNNI the `vpmaddubsw` pair sums reach 2 * 63 * 127 = 16002 and lo + hi
+// 32004, under the 32767 it saturates at, and are widened to int32 at once (`vpmaddwd`):
+// unlike q4's nibbles, two chunks of 6-bit products would not fit 16 bits.
+ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, int32_t x_lo,
+                            int32_t x_hi) {
+#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+  const __m512i sum = _mm512_dpbusd_epi32(acc.v[0], lo.v[0], _mm512_set1_epi32(x_lo));
+  return I16{{IVec(_mm512_dpbusd_epi32(sum, hi.v[0], _mm512_set1_epi32(x_hi)))}};
+#elif defined(CPU_CAPABILITY_AVX512)
+  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo.v[0], _mm512_set1_epi32(x_lo)),
+                                         _mm512_maddubs_epi16(hi.v[0], _mm512_set1_epi32(x_hi)));
+  return I16{{IVec(_mm512_add_epi32(acc.v[0], _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i xl = _mm256_set1_epi32(x_lo), xh = _mm256_set1_epi32(x_hi);
+  I16 r;
+  for (int i = 0; i < 2; ++i) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo.v[i], xl),
+                                           _mm256_maddubs_epi16(hi.v[i], xh));
+    r.v[i] = IVec(_mm256_add_epi32(acc.v[i], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
+  }
+  return r;
+#elif defined(ITERSERVE_ARM_DOT)
+  // Bytes of at most 63 read the same as signed: sdot's signed x signed products are exact.
+  const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(x_lo));
+  const int8x16_t xh = vreinterpretq_s8_s32(vdupq_n_s32(x_hi));
+  I16 r;
+  for (int i = 0; i < 4; ++i) {
+    const int32x4_t sum = vdotq_s32(acc.v[i], vreinterpretq_s8_s32(lo.v[i]), xl);
+    r.v[i] = IVec(vdotq_s32(sum, vreinterpretq_s8_s32(hi.v[i]), xh));
+  }
+  return r;
+#else
+  int8_t xl[4], xh[4];
+  std::memcpy(xl, &x_lo, 4);
+  std::memcpy(xh, &x_hi, 4);
+  alignas(64) uint8_t wl[4 * kLanes], wh[4 * kLanes];
+  alignas(64) int32_t lanes[kLanes];
+  lo.store(wl);
+  hi.store(wh);
+  acc.store(lanes);
+  for (int j = 0; j < kLanes; ++j)
+    for (int t = 0; t < 4; ++t)
+      lanes[j] += wl[4 * j + t] * static_cast<int32_t>(xl[t]) +
+                  wh[4 * j + t] * static_cast<int32_t>(xh[t]);
+  return I16::load(lanes);
 #endif
 }
 
