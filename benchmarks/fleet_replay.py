@@ -49,7 +49,9 @@ def replay(num_requests: int, every: int) -> dict[str, object]:
     workload = build_workload(spec, load_tokenizer(config.model))
     offsets = arrival_offsets(ArrivalSpec("poisson", 380.0), num_requests, config.seed)
     blocks: list[float] = []
-    arrive, arrived, mark = fleet._arrive, [0], [time.perf_counter()]
+    # The arrival hook: FleetReplay's method, or the module's function in older revisions.
+    owner = getattr(fleet, "FleetReplay", fleet)
+    arrive, arrived, mark = owner._arrive, [0], [time.perf_counter()]
 
     def timed_arrive(*args):  # type: ignore[no-untyped-def]
         arrived[0] += 1
@@ -59,7 +61,7 @@ def replay(num_requests: int, every: int) -> dict[str, object]:
             mark[0] = now
         return arrive(*args)
 
-    fleet._arrive = timed_arrive
+    owner._arrive = timed_arrive
     started = time.perf_counter()
     _, replicas = fleet.simulate_fleet(
         config, workload, offsets, "a100-80g", "llama3-8b", replicas=64, router="prefix-affinity"
