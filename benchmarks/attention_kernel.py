@@ -19,7 +19,7 @@ All contenders alternate call by call and the medians are printed, each variant 
 speedup over torch in the same run. Nothing is asserted about time: the machine is shared
 and noisy; compare numbers from one run.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/attention_kernel.py [--threads 2] \
+    PYTHONPATH=src .venv/bin/python benchmarks/attention_kernel.py [--threads 2 | --threads 1 --cpu-time] \
         [--isa avx512bf16,avx2] [--json out.json]
 """
 
@@ -126,16 +126,24 @@ def timed(fn: Callable[[], object], repeats: int = 50) -> float:
     return statistics.median(samples)
 
 
-def interleaved_within(fns: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
-    """Median seconds per call, over as many interleaved rounds (5 to 40) as fit `seconds`."""
+def interleaved_within(
+    fns: dict[str, Callable[[], object]], seconds: float, cpu_time: bool = False
+) -> dict[str, float]:
+    """Median seconds per call, over as many interleaved rounds (5 to 40) as fit `seconds`;
+    thread CPU time instead of wall time if `cpu_time`."""
     one_round(fns)  # warm up
     repeats = max(5, min(40, int(seconds / max(one_round(fns), 1e-6))))
-    return interleaved(fns, repeats)
+    return interleaved(fns, repeats, time.thread_time if cpu_time else time.perf_counter)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by this thread's CPU time (needs --threads 1): steadier on a loaded machine",
+    )
     parser.add_argument("--seconds", type=float, default=2.5, help="timing budget per scenario")
     parser.add_argument(
         "--isa",
@@ -147,6 +155,8 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time times this thread alone: use it with --threads 1")
     torch.set_num_threads(args.threads)
     variants = args.isa.split(",") if args.isa else [kernels.isa() or ""]
     for isa in variants:
@@ -176,7 +186,8 @@ def main() -> None:
                 )
                 for isa in isas
             }
-            ms = {name: t * 1e3 for name, t in interleaved_within(fns, args.seconds).items()}
+            timed_ms = interleaved_within(fns, args.seconds, args.cpu_time)
+            ms = {name: t * 1e3 for name, t in timed_ms.items()}
             release()
             speedup = {isa: ms["torch"] / ms[isa] for isa in isas}
             results.append(
