@@ -11,6 +11,7 @@ import torch
 
 from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
+from iterserve.model.config import ModelConfig
 from iterserve.model.kquant import BlockWeight
 from iterserve.model.linear import Backend, DenseFormat, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
@@ -122,17 +123,7 @@ def build_model(
     backend = choose_backend(config, dtype, device)
     choice = choose_weights(config, loaded, backend)
     model.prepare(backend, choice.quantized, choice.wide, choice.dense_format)
-    use_kernel = (
-        config.kernels == "auto"
-        and device.type == "cpu"
-        and loaded.config.head_dim % 32 == 0  # what csrc/paged_attention.cpp is built for
-        and loaded.config.head_dim <= 256
-        # The C++ op has no logit soft-cap (Gemma 2): those models attend in torch.
-        and not loaded.config.attn_logit_softcapping
-        and kernels.available()
-    )
-    if loaded.config.attn_logit_softcapping and kernels.available():
-        logger.info("attention in torch: the C++ paged attention has no logit soft-capping")
+    use_kernel = _attends_in_kernel(config, loaded.config, device)
     if use_kernel:
         model.use_kernel_ops(kernels.ops())
     # With iterserve's kernels each layer is one C++ op already: a step is ~32 calls with
@@ -172,6 +163,21 @@ def build_model(
         dtype_reason,
     )
     return model, plan
+
+
+def _attends_in_kernel(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:
+    """Whether the C++ paged attention op serves this model (else torch attends)."""
+    if model.attn_logit_softcapping and kernels.available():
+        logger.info("attention in torch: the C++ paged attention has no logit soft-capping")
+    return (
+        config.kernels == "auto"
+        and device.type == "cpu"
+        and model.head_dim % 32 == 0  # what csrc/paged_attention.cpp is built for
+        and model.head_dim <= 256
+        # The C++ op has no logit soft-cap (Gemma 2): those models attend in torch.
+        and not model.attn_logit_softcapping
+        and kernels.available()
+    )
 
 
 def _held_formats(model: LlamaForCausalLM) -> list[str]:
