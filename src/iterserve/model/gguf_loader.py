@@ -463,12 +463,7 @@ def _load_weights(
         qtype = info.qtype.name
         if (experts := split_gguf_experts(info.name, tensor)) is not None:
             weights.update((n, t.to(dtype).contiguous()) for n, t in experts.items())
-            # Each expert's bytes are one contiguous run of the stack's: its own blocks.
-            per_expert = info.nbytes // len(experts)
-            for e, expert_name in enumerate(experts):
-                expert_raw = raw[e * per_expert : (e + 1) * per_expert]
-                if (blocks := _blocks(expert_raw, qtype, info.shape[1:], expanded)) is not None:
-                    quantized[expert_name] = blocks
+            quantized.update(_expert_blocks(raw, info, list(experts), expanded))
             continue
         name = hf_tensor_name(info.name, gguf_arch)
         blocks = _blocks(raw, qtype, info.shape, expanded)
@@ -495,6 +490,20 @@ def _load_weights(
             ", ".join(sorted({*BLOCK_BYTES, *KQUANT_BLOCK_SIZES})),
         )
     return weights, quantized
+
+
+def _expert_blocks(
+    raw: np.ndarray, info: GGUFTensorInfo, names: list[str], expanded: set[str]
+) -> dict[str, BlockWeight]:
+    """The blocks of each expert of a stack (ffn_*_exps), by its HF name: each expert's bytes
+    are one contiguous run of the stack's."""
+    per_expert = info.nbytes // len(names)
+    found: dict[str, BlockWeight] = {}
+    for e, name in enumerate(names):
+        expert_raw = raw[e * per_expert : (e + 1) * per_expert]
+        if (blocks := _blocks(expert_raw, info.qtype.name, info.shape[1:], expanded)) is not None:
+            found[name] = blocks
+    return found
 
 
 def _blocks(
