@@ -15,6 +15,7 @@ from test_fast_paths import _assert_as_close_as_bf16, _model, _run, _tokens
 from test_loader import tiny_tokenizer  # noqa: F401 (a fixture)
 from transformers import PreTrainedTokenizerFast
 
+from conftest import _use_isa, kernel_test_isas
 from iterserve import kernels
 from iterserve.model.kquant import BLOCK_SIZES, KQuantWeight, from_gguf_kquant
 from iterserve.model.quant import quantize_activations
@@ -53,13 +54,24 @@ def test_blocks_unpack_bit_exactly_like_the_gguf_reference(qtype: str) -> None:
     )
 
 
-@pytest.mark.usefixtures("any_kernel_isa")
+def _builds_exact_qk(isa: str | None) -> bool:
+    variant = kernels.describe(isa)
+    return variant is not None and variant.native_bf16
+
+
+@pytest.fixture(
+    params=[isa for isa in kernel_test_isas(with_generic=True) if _builds_exact_qk(isa)]
+)
+def exact_qk_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The variants that build the exact qk kernel (bf16 dot products only: elsewhere the
+    int8 one runs the blocks, so a CPU without them has nothing here to test)."""
+    return _use_isa(request.param, monkeypatch)
+
+
+@pytest.mark.usefixtures("exact_qk_isa")
 @pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
 def test_qk_tiles_match_dequantize_then_matmul(qtype: str, rows: int) -> None:
-    variant = kernels.describe()
-    if variant is None or not variant.native_bf16:
-        pytest.skip("the exact qk kernel is built only with bf16 dot products")
     n, k = 48, 512
     weight = from_gguf_kquant(random_blocks(qtype, n, k, seed=rows), qtype, (n, k))
     gen = torch.Generator().manual_seed(rows)
