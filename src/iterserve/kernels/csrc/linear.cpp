@@ -578,6 +578,14 @@ struct Weights {
   float qk_zero;              // and the zero point z
 };
 
+// Calls f(std::integral_constant<int, B>{}) for a qk format's bit width B (4, 5 or 6).
+template <typename F>
+ITERSERVE_INLINE void with_qk_bits(int bits, F&& f) {
+  if (bits == 4) f(std::integral_constant<int, 4>{});
+  else if (bits == 5) f(std::integral_constant<int, 5>{});
+  else f(std::integral_constant<int, 6>{});
+}
+
 // Tiles per register block: enough independent accumulators to hide the dot-product
 // latency at one row, few enough that MR rows of them fit the registers (32 zmm, each an F16;
 // 16 ymm on AVX2, two to an F16, and a widened weight pair takes four).
@@ -606,35 +614,25 @@ inline void run_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t ti
       q8_tiles<MR, NT>(rows, m0, static_cast<const int8_t*>(w.data),
                        static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
       break;
-    case Format::kQK: {
+    case Format::kQK:
       // Built only where bf16 dot products make it a contender (tiled_linear refuses it
       // elsewhere): unpacked to fp32 it lost even to the int8 copy, and each instantiation
       // costs compile time in every ISA variant.
-      if constexpr (kBf16Dot) {
-        const auto* q = static_cast<const uint8_t*>(w.data);
-        const auto* s = static_cast<const at::Half*>(w.scales);
-        const int64_t per = w.qk_blocks_per_super;
-        if (w.qk_bits == 4)
-          qk_tiles<4, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
-        else if (w.qk_bits == 5)
-          qk_tiles<5, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
-        else
-          qk_tiles<6, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
-      }
+      if constexpr (kBf16Dot)
+        with_qk_bits(w.qk_bits, [&](auto bits) {
+          qk_tiles<decltype(bits)::value, MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
+                                                  static_cast<const at::Half*>(w.scales),
+                                                  w.qk_blocks_per_super, w.qk_zero, tile0, w.K,
+                                                  ep);
+        });
       break;
-    }
-    case Format::kQKInt8: {
-      const auto* q = static_cast<const uint8_t*>(w.data);
-      const auto* s = static_cast<const at::Half*>(w.scales);
-      const int64_t per = w.qk_blocks_per_super;
-      if (w.qk_bits == 4)
-        qk_tiles_int8<4, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
-      else if (w.qk_bits == 5)
-        qk_tiles_int8<5, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
-      else
-        qk_tiles_int8<6, MR, NT>(rows, m0, q, s, per, w.qk_zero, tile0, w.K, ep);
+    case Format::kQKInt8:
+      with_qk_bits(w.qk_bits, [&](auto bits) {
+        qk_tiles_int8<decltype(bits)::value, MR, NT>(
+            rows, m0, static_cast<const uint8_t*>(w.data), static_cast<const at::Half*>(w.scales),
+            w.qk_blocks_per_super, w.qk_zero, tile0, w.K, ep);
+      });
       break;
-    }
     case Format::kI8:
       i8_tiles<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
                        static_cast<const float*>(w.scales), tile0, w.K, ep);
