@@ -11,10 +11,9 @@ its own weights, so nothing stays in cache from one call to the next) and the ti
   tiled-bf16            csrc/linear.cpp on bf16 weights
   tiled-q4              csrc/linear.cpp on 4-bit blocks (GGUF Q4_1 layout, random values)
   tiled-q8 (head)       csrc/linear.cpp on 8-bit blocks (the bundled GGUF's head is Q8_0)
-  tiled-qk4/5/6         csrc/linear.cpp's qk format (K-quants, Q5_x) at 4, 5 and 6 bits
-                        (random values; d per 32 inputs, as Q5_0, since K = 576 is not
-                        whole 256-input super-blocks)
-  tiled-qk4/5/6-int8    the same blocks on int8 activations (the qk-int8 format)
+  tiled-qk4/5/6-int8    csrc/linear.cpp's qk-int8 format (K-quants, Q5_x) at 4, 5 and 6
+                        bits on int8 activations (random values; d per 32 inputs, as Q5_0,
+                        since K = 576 is not whole 256-input super-blocks)
   tiled-i8              csrc/linear.cpp on int8 weights with int8 activations (W8A8)
   int4pack (torch)      torch's _weight_int4pack_mm_for_cpu, group 32, for comparison
 
@@ -108,7 +107,6 @@ class Weights:
     tiles: list[list[torch.Tensor]]
     q4: list[list[tuple[torch.Tensor, torch.Tensor]]]
     i8: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    qk: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]]
     qk_int8: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]]
     int4pack: list[list[tuple[torch.Tensor, torch.Tensor]]]
     head: torch.Tensor
@@ -149,8 +147,7 @@ class Weights:
             tiles=[[quant.tile_bf16(w) for w in ws] for ws in dense],
             q4=[[quant.tile_quantized(random_q4(n, k)) for n, k in SHAPES] for _ in range(LAYERS)],
             i8=[[i8(w) for w in ws] for ws in dense],
-            qk={bits: [[x.tiles() for x in ws] for ws in kq[bits]] for bits in QK_BITS},
-            qk_int8={bits: [[x.tiles(True) for x in ws] for ws in kq[bits]] for bits in QK_BITS},
+            qk_int8={bits: [[x.tiles() for x in ws] for ws in kq[bits]] for bits in QK_BITS},
             int4pack=[[int4pack(n, k) for n, k in SHAPES] for _ in range(LAYERS)],
             head=head,
             head32=head.float(),
@@ -201,12 +198,6 @@ def measure(
         "tiled-q4": layers(lambda x, i, j: tiled(x, *w.q4[i][j], 1)),
         "tiled-i8": layers(lambda x, i, j: tiled(x, *w.i8[i][j], 3)),
         **{
-            f"tiled-qk{bits}": layers(
-                lambda x, i, j, b=bits: tiled(x, *w.qk[b][i][j], 4 + 256 * (32 if b == 6 else 0))
-            )
-            for bits in QK_BITS
-        },
-        **{
             f"tiled-qk{bits}-int8": layers(
                 lambda x, i, j, b=bits: tiled(
                     x, *w.qk_int8[b][i][j], 5 + 256 * (32 if b == 6 else 0)
@@ -230,10 +221,6 @@ def measure(
     }
     if w.packed is None:  # no bf16 oneDNN on this CPU
         del layer_fns["onednn"], head_fns["onednn"]
-    variant = kernels.describe()
-    if variant is None or not variant.native_bf16:  # the exact qk kernel is not built here
-        for bits in QK_BITS:
-            del layer_fns[f"tiled-qk{bits}"]
     if only:
         layer_fns = {k: f for k, f in layer_fns.items() if any(o in k for o in only)}
         head_fns = {k: f for k, f in head_fns.items() if any(o in k for o in only)}
@@ -269,7 +256,9 @@ def crossover(
     wins = [
         int(r["rows"])
         for r in results
-        if r["kernel"] == kernel and r[key] and r["rows"] in theirs
+        if r["kernel"] == kernel
+        and r[key]
+        and r["rows"] in theirs
         and float(r[key]) < float(theirs[r["rows"]])
     ]
     return max(wins, default=0)
@@ -301,7 +290,6 @@ def main() -> None:
         ("tiled-q4", "tiled-i8", "layers_ms"),
         ("tiled-q8", "tiled-i8", "head_ms"),
         ("tiled-i8", "tiled-bf16", "layers_ms"),
-        *((f"tiled-qk{b}", "tiled-i8", "layers_ms") for b in QK_BITS),
         *((f"tiled-qk{b}-int8", "tiled-i8", "layers_ms") for b in QK_BITS),
     ):
         where = "layers" if key == "layers_ms" else "head"

@@ -31,14 +31,11 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     op = kernels.ops().tiled_linear.default
-    variant = kernels.describe()
     formats: dict[str, tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], int]] = {}
     for bits in (4, 5, 6):
         blocks = [[random_kquant(n, k, bits) for n, k in SHAPES] for _ in range(LAYERS)]
         zero = 256 * (32 if bits == 6 else 0)
-        if variant is not None and variant.native_bf16:  # the exact kernel is built only there
-            formats[f"qk{bits}"] = ([[w.tiles() for w in ws] for ws in blocks], 4 + zero)
-        formats[f"qk{bits}-int8"] = ([[w.tiles(True) for w in ws] for ws in blocks], 5 + zero)
+        formats[f"qk{bits}-int8"] = ([[w.tiles() for w in ws] for ws in blocks], 5 + zero)
 
     def i8(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, scales = quant.quantize_int8((torch.randn(n, k) * 0.02).bfloat16())

@@ -15,14 +15,13 @@ from test_fast_paths import _assert_as_close_as_bf16, _model, _run, _tokens
 from test_loader import tiny_tokenizer  # noqa: F401 (a fixture)
 from transformers import PreTrainedTokenizerFast
 
-from conftest import _use_isa, kernel_test_isas
 from iterserve import kernels
 from iterserve.model.kquant import BLOCK_SIZES, KQuantWeight, from_gguf_kquant
 from iterserve.model.quant import quantize_activations
 from tiny_checkpoints import tiny_hf_model
 from tiny_gguf import write_gguf
 
-QK, QK_INT8 = 4, 5
+QK_INT8 = 5  # csrc/linear.cpp Format::kQKInt8
 
 # Byte offsets of each type's fp16 fields within a block (the rest is random bits).
 _FP16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
@@ -54,41 +53,6 @@ def test_blocks_unpack_bit_exactly_like_the_gguf_reference(qtype: str) -> None:
     )
 
 
-def _builds_exact_qk(isa: str | None) -> bool:
-    variant = kernels.describe(isa)
-    return variant is not None and variant.native_bf16
-
-
-@pytest.fixture(
-    params=[isa for isa in kernel_test_isas(with_generic=True) if _builds_exact_qk(isa)]
-)
-def exact_qk_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The variants that build the exact qk kernel (bf16 dot products only: elsewhere the
-    int8 one runs the blocks, so a CPU without them has nothing here to test)."""
-    return _use_isa(request.param, monkeypatch)
-
-
-@pytest.mark.usefixtures("exact_qk_isa")
-@pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
-@pytest.mark.parametrize("rows", [1, 3, 4, 6])
-def test_qk_tiles_match_dequantize_then_matmul(qtype: str, rows: int) -> None:
-    n, k = 48, 512
-    weight = from_gguf_kquant(random_blocks(qtype, n, k, seed=rows), qtype, (n, k))
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, k, generator=gen).bfloat16()
-    residual = torch.randn(rows, n, generator=gen).bfloat16()
-    tiles, scales = weight.tiles()
-    out = kernels.ops().tiled_linear(
-        x, tiles, scales, None, residual, QK + 256 * weight.zero, None, None, 0, 64
-    )
-    reference = x.double() @ weight.dequantize().double().T + residual.double()
-    # One rounding to bf16 plus fp32 summation slack (the kernel takes the block's
-    # 2^B-scaled offset away from the sum, so allow for the size of the terms it cancels).
-    scale = (x.double().abs() @ weight.dequantize().double().abs().T).max()
-    allowed = reference.abs() * 2.0**-8 + 2e-5 * scale
-    assert bool(((out.double() - reference).abs() <= allowed).all())
-
-
 @pytest.mark.usefixtures("any_kernel_isa")
 @pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
@@ -101,7 +65,7 @@ def test_qk_int8_tiles_match_quantized_activations_times_dequantized_weights(
     x = torch.randn(rows, k, generator=gen).bfloat16()
     x[0, 32:64] = 0  # an all-zero block: scale 0
     residual = torch.randn(rows, n, generator=gen).bfloat16()
-    tiles, scales = weight.tiles(int8_activations=True)
+    tiles, scales = weight.tiles()
     out = kernels.ops().tiled_linear(
         x, tiles, scales, None, residual, QK_INT8 + 256 * weight.zero, None, None, 0, 64
     )

@@ -10,7 +10,7 @@ signed 8 bits for Q6_K, 1 for Q5_x), mn an integer minimum per 32 inputs (6 bits
 Q6_K; Q5_0's -16d is 16 * d) and z the zero point (32 for Q6_K, else 0). `dequantize` computes
 it in that order of fp32 operations, which is the `gguf` package's (tests check it bit for bit).
 
-The kernel layout ("qk" in csrc/linear.cpp) keeps the 4-bit low parts as the q4 format's
+The kernel layout ("qk" in csrc/linear.cpp, run as qk-int8) keeps the 4-bit low parts as the q4 format's
 tiles, the 1-2 high bits beside them, the integer scales as bytes and the fp16 super-block
 scales apart: 4.9 bits a weight for Q4_K (4.5 in the file), 5.9 for Q5_K, 6.9 for Q6_K.
 """
@@ -93,34 +93,22 @@ class KQuantWeight:
             *(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scales", "mins", "d", "dmin")),
         )  # fmt: skip
 
-    def tiles(self, int8_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bytes [N/16, K/32, 256 + 64 h + 48], fp16 [N/16, K/super, 2, 16]): what the qk
-        kernel reads, per tile of 16 outputs and block of 32 inputs:
+    def tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bytes [N/16, K/32, 256 + 64 h + 48], fp16 [N/16, K/super, 2, 16]): what the
+        qk-int8 kernel reads, per tile of 16 outputs and block of 32 inputs:
 
             256 bytes   the low 4 bits of q, as the q4 tiles lay them out (see quant.py)
-            64 h bytes  the h = bits - 4 high bits, in 16-bit words like the q4 ones: in lane
-                        j's half e, the bit(s) of pair p = 4c + i (inputs 8c + 2i + e) of
-                        chunk c at h * (4 (c mod 4/h) + i), one 64-byte word per 4/h chunks;
-                        `int8_activations` (the qk-int8 kernel): `_high_planes` instead
+            64 h bytes  the h = bits - 4 high bits, in planes beside the nibble bytes they
+                        complete (`_high_planes`)
             32 bytes    sc of inputs 0-15 for the 16 outputs, then of inputs 16-31
             16 bytes    mn for the 16 outputs
         """
         n, k = self.shape
         tiles, blocks = n // TILE, k // BLOCK
+        self._check_int8_form()
         parts = [pack_nibble_tiles(self.q & 0x0F)]
-        high_bits = self.bits - 4
-        if int8_activations:
-            self._check_int8_form()
-        if high_bits and int8_activations:
+        if self.bits > 4:
             parts.append(self._high_planes())
-        elif high_bits:
-            per_word = 4 // high_bits
-            # [tiles, blocks, word, chunk in word, pair, lane, even/odd]
-            high = (self.q >> 4).reshape(tiles, TILE, blocks, 4 // per_word, per_word, 4, 2)
-            high = high.permute(0, 2, 3, 4, 5, 1, 6).to(torch.int32)
-            shifts = high_bits * torch.arange(4 * per_word, dtype=torch.int32).view(per_word, 4)
-            words = (high << shifts[..., None, None]).sum(dim=(3, 4)).to(torch.int16)
-            parts.append(words.contiguous().view(torch.uint8).reshape(tiles, blocks, -1))
         sc = self.scales.reshape(tiles, TILE, blocks, 2).permute(0, 2, 3, 1)
         parts.append(sc.contiguous().view(torch.uint8).reshape(tiles, blocks, 2 * TILE))
         parts.append(self.mins.reshape(tiles, TILE, blocks).transpose(1, 2))

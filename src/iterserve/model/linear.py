@@ -39,7 +39,7 @@ from iterserve.model.quant import (
 Backend = Literal["torch", "onednn", "tiled"]
 DenseFormat = Literal["bf16", "i8"]  # what the tiled kernel makes of a dense weight
 
-_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3, "qk": 4, "qk-int8": 5}
+_FORMAT_CODES = {"bf16": 0, "q4": 1, "q8": 2, "i8": 3, "qk-int8": 5}
 
 _NO_LIMIT = 1 << 62
 
@@ -55,9 +55,10 @@ _NO_LIMIT = 1 << 62
 # rounding, where greedy decoding picks its tokens: kept for the few-row steps, the 0.2 ms
 # knowingly paid.
 # The K-quant / 5-bit blocks (qk) run on int8 activations everywhere ("qk-int8", as q4 does
-# without bf16 dot products): on AVX-512 BF16 that beat the exact bf16 form of the same
-# blocks ("qk") at 1, 2 and 4 rows and every width, and unpacked to fp32 (AVX2, NEON) the
-# exact form lost even to the int8 copy. Against the int8 copy (benchmarks/qk_rows.py: 30
+# without bf16 dot products): on AVX-512 BF16 that beat an exact bf16 form of the same
+# blocks at 1, 2 and 4 rows and every width (qk_rows.py, 2026-11-26: qk4 260 / 285 / 422 us,
+# qk5 336 / 460 / 460, qk6 384 / 459 / 536; removed since), and unpacked to fp32 (AVX2,
+# NEON) the exact form lost even to the int8 copy. Against the int8 copy (benchmarks/qk_rows.py: 30
 # layers' projections, one thread, us a layer at 1 / 2 / 4 rows) 4-bit blocks win on both
 # ISAs (AVX-512 BF16 204 / 230 / 291 vs 227 / 242 / 327; AVX2 163 / 189 / 258 vs 183 / 203 /
 # 301), but building 5- and 6-bit bytes costs more than the bytes saved (one row: AVX-512
@@ -164,7 +165,7 @@ class Linear:
             self.format = KERNEL_FORMATS[quantized.kind]
             if isinstance(quantized, KQuantWeight):
                 self.qk_zero = quantized.zero
-                self.tiles, self.scales = quantized.tiles(self.format == "qk-int8")
+                self.tiles, self.scales = quantized.tiles()
             else:
                 self.tiles, self.scales = tile_quantized(quantized)
             limit = max_quantized_rows(quantized)

@@ -19,7 +19,7 @@
 //         4 + h bits, sc per 16 inputs and mn per 32 as bytes, d and dmin per super-block of
 //         S inputs (model/kquant.py has the byte layout)
 //   qk-int8  the qk bytes with the high bits in planes beside the nibble bytes, run on int8
-//         activations (see qk_tiles_int8)
+//         activations (see qk_tiles_int8): the one kernel for qk blocks
 //   i8    [N/16, K/4, 16, 4] uint8 (q + 128) + [N] fp32 (scale s)
 //         w = s * q, q in -127..127 per output row; four inputs side by side, as the
 //         integer dot product `vpdpbusd` takes them (W8A8; see "i8" below)
@@ -62,7 +62,8 @@ using at::Tensor;
 constexpr int64_t kTile = 16;   // outputs per tile: one zmm of fp32 accumulators
 constexpr int64_t kBlock = 32;  // inputs per quantization block
 
-enum class Format : int64_t { kBf16 = 0, kQ4 = 1, kQ8 = 2, kI8 = 3, kQK = 4, kQKInt8 = 5 };
+// 4 was an exact bf16 kernel for the qk blocks, which lost to qk-int8 everywhere.
+enum class Format : int64_t { kBf16 = 0, kQ4 = 1, kQ8 = 2, kI8 = 3, kQKInt8 = 5 };
 
 // What `pair_dot` reads activations as: bf16 as they come with bf16 dot products, else fp32
 // (widened once per call).
@@ -95,7 +96,7 @@ struct Rows {
   int64_t ld_xp;
   ITERSERVE_INLINE XPair pair(int64_t m, int64_t k) const { return x_pair(xp + m * ld_xp + k); }
   const float* block_sums;  // [M, K/32] sum of each row's inputs per block (q4 only)
-  const float* half_sums;   // [M, K/16] the same per 16 inputs (qk; qk-int8: of the int8 rows)
+  const float* half_sums;   // [M, K/16] the same per 16 inputs, of the int8 rows (qk-int8)
   // i8 only: the rows quantized ([M, K] int8), their blocks' scales ([M, K/32]) and the
   // offset each row's sums carry ([M]); see QuantizedRows.
   const int8_t* xq;
@@ -273,12 +274,7 @@ inline void q8_tiles(const Rows& rows, int64_t m0, const int8_t* q, const at::Ha
 
 // ---- qk (GGUF K-quants, Q5_0/Q5_1) ---------------------------------------------------------
 
-// The q4 trick with more bits: a weight's B-bit q sits in the top B bits of a bf16 mantissa
-// under 0x3F80, i.e. the number 1 + q / 2^B (exact: at most 7 bits), built from its low
-// nibble (the q4 words) and its B - 4 high bits (their own words, same lanes) with shifts
-// and masks. Each product x (1 + q / 2^B) is exact in fp32, and per 16 inputs
-//   sum x w = a 2^B sum x (1 + q / 2^B) - (a (2^B + z) + dmin mn) sum x,   a = d sc.
-// Measured against int8 activations (as q4 on AVX2 does): see docs/kernels.md.
+// Bytes of a qk block of 32 inputs: their low nibbles, their high bits, and the scales.
 constexpr int64_t qk_block_bytes(int bits) { return 256 + 64 * (bits - 4) + 48; }
 
 // a shifted left by N bits, or right by -N.
@@ -287,89 +283,6 @@ ITERSERVE_INLINE I16 shift_by(const I16& a) {
   if constexpr (N > 0) return shift_left<N>(a);
   else if constexpr (N < 0) return shift_right<-N>(a);
   else return a;
-}
-
-// Both 16-bit halves of every lane: `bits` ones from bit `at`.
-constexpr int32_t half_mask(int bits, int at) {
-  return static_cast<int32_t>(((((1u << bits) - 1) << at) * 0x10001u));
-}
-
-// Pair I of chunk C: the low nibble from bits 4I of `low`, the high bits from bits
-// h (4 (C mod 4/h) + I) of `high` (h = B - 4), moved under the mantissa's top. Bits that a
-// 32-bit shift carries across the halves land outside both masks (at most 11 places).
-template <int B, int C, int I>
-ITERSERVE_INLINE Pairs qk_pair(const I16& low, const I16& high) {
-  constexpr int kHigh = B - 4, kLowAt = 7 - B;
-  I16 bits = and_or(shift_by<kLowAt - 4 * I>(low), I16::splat(half_mask(4, kLowAt)),
-                    I16::splat(0x3F803F80));
-  if constexpr (kHigh > 0) {
-    constexpr int from = kHigh * (4 * (C % (4 / kHigh)) + I);
-    bits = and_or(shift_by<kLowAt + 4 - from>(high), I16::splat(half_mask(kHigh, kLowAt + 4)),
-                  bits);
-  }
-  return pairs_from_bits(bits);
-}
-
-template <int B, int C, int MR, int NT>
-ITERSERVE_INLINE void qk_chunk(const Rows& rows, int64_t m0, const uint8_t* const* blk,
-                               int64_t k0, F16 (&part)[MR][NT]) {
-  constexpr int kHigh = B - 4;
-  XPair xv[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < 4; ++i) xv[r][i] = rows.pair(m0 + r, k0 + 8 * C + 2 * i);
-  for (int j = 0; j < NT; ++j) {
-    const I16 low = I16::load(blk[j] + C * 64);
-    const I16 high = kHigh > 0 ? I16::load(blk[j] + 256 + (C / (4 / (kHigh ? kHigh : 4))) * 64)
-                               : low;
-    const Pairs w[4] = {qk_pair<B, C, 0>(low, high), qk_pair<B, C, 1>(low, high),
-                        qk_pair<B, C, 2>(low, high), qk_pair<B, C, 3>(low, high)};
-    for (int r = 0; r < MR; ++r)
-      for (int i = 0; i < 4; ++i) part[r][j] = pair_dot(part[r][j], w[i], xv[r][i]);
-  }
-}
-
-template <int B, int MR, int NT>
-inline void qk_tiles(const Rows& rows, int64_t m0, const uint8_t* q, const at::Half* supers,
-                     int64_t blocks_per_super, float zero, int64_t tile0, int64_t K,
-                     const Epilogue& ep) {
-  constexpr int64_t kBytes = qk_block_bytes(B), kScalesAt = kBytes - 48;
-  constexpr float kOne = static_cast<float>(1 << B);
-  const int64_t blocks = K / kBlock, n_supers = blocks / blocks_per_super;
-  F16 acc[MR][NT];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk[NT];
-    for (int j = 0; j < NT; ++j) blk[j] = q + ((tile0 + j) * blocks + b) * kBytes;
-    for (int half = 0; half < 2; ++half) {
-      F16 part[MR][NT];
-      for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < NT; ++j) part[r][j] = F16::zero();
-      if (half == 0) {
-        qk_chunk<B, 0, MR, NT>(rows, m0, blk, b * kBlock, part);
-        qk_chunk<B, 1, MR, NT>(rows, m0, blk, b * kBlock, part);
-      } else {
-        qk_chunk<B, 2, MR, NT>(rows, m0, blk, b * kBlock, part);
-        qk_chunk<B, 3, MR, NT>(rows, m0, blk, b * kBlock, part);
-      }
-      for (int j = 0; j < NT; ++j) {
-        const at::Half* s = supers + ((tile0 + j) * n_supers + b / blocks_per_super) * 2 * kTile;
-        const F16 a = load_f16x16(s) *
-                      load_i8x16(reinterpret_cast<const int8_t*>(blk[j] + kScalesAt + 16 * half));
-        const F16 mins =
-            load_f16x16(s + kTile) *
-            load_i8x16(reinterpret_cast<const int8_t*>(blk[j] + kScalesAt + 32));  // mn <= 63
-        const F16 x_coef = F16::zero() - fmadd(a, F16::splat(kOne + zero), mins);
-        const F16 p_coef = a * F16::splat(kOne);
-        for (int r = 0; r < MR; ++r) {
-          const F16 xsum = F16::splat(rows.half_sums[(m0 + r) * 2 * blocks + 2 * b + half]);
-          acc[r][j] = fmadd(part[r][j], p_coef, fmadd(x_coef, xsum, acc[r][j]));
-        }
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
 }
 
 // The qk blocks on int8 activations ("qk-int8", the int8 road as q4_tiles_int8 takes it): the
@@ -614,18 +527,6 @@ inline void run_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t ti
       q8_tiles<MR, NT>(rows, m0, static_cast<const int8_t*>(w.data),
                        static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
       break;
-    case Format::kQK:
-      // Built only where bf16 dot products make it a contender (tiled_linear refuses it
-      // elsewhere): unpacked to fp32 it lost even to the int8 copy, and each instantiation
-      // costs compile time in every ISA variant.
-      if constexpr (kBf16Dot)
-        with_qk_bits(w.qk_bits, [&](auto bits) {
-          qk_tiles<decltype(bits)::value, MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
-                                                  static_cast<const at::Half*>(w.scales),
-                                                  w.qk_blocks_per_super, w.qk_zero, tile0, w.K,
-                                                  ep);
-        });
-      break;
     case Format::kQKInt8:
       with_qk_bits(w.qk_bits, [&](auto bits) {
         qk_tiles_int8<decltype(bits)::value, MR, NT>(
@@ -687,7 +588,7 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
                         std::nullopt, 0, 0, fp32_out);
   }
   const int64_t tiles = weight.size(0), N = tiles * kTile;
-  // qk's zero point rides in the code's high bits: format = 4 + 256 z.
+  // qk's zero point rides in the code's high bits: format = 5 + 256 z.
   const auto fmt = static_cast<Format>(format & 0xFF);
   const int64_t qk_zero = format >> 8;
   TORCH_CHECK(fmt == Format::kBf16 ? K % 2 == 0 : K % kBlock == 0,
@@ -726,11 +627,10 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     TORCH_CHECK(scales && scales->scalar_type() == at::kHalf && scales->is_contiguous());
     w.scales = scales->data_ptr<at::Half>();
   }
-  std::vector<float> half_sums;
-  TORCH_CHECK(fmt != Format::kQK || kBf16Dot, "tiled_linear: the exact qk kernel is built only "
-              "where the CPU has bf16 dot products (", kIsaName, " has not): use qk-int8");
-  const bool qk = fmt == Format::kQK || fmt == Format::kQKInt8;
-  if (qk) {
+  TORCH_CHECK(fmt == Format::kBf16 || fmt == Format::kQ4 || fmt == Format::kQ8 ||
+                  fmt == Format::kI8 || fmt == Format::kQKInt8,
+              "tiled_linear: unknown weight format ", format & 0xFF);
+  if (fmt == Format::kQKInt8) {
     // Bits from the block's bytes, the super-block size from the scales' shape.
     const int64_t bytes = weight.size(2);
     TORCH_CHECK(weight.dim() == 3 && weight.size(1) == K / kBlock && (bytes - 304) % 64 == 0 &&
@@ -741,13 +641,6 @@ Tensor tiled_linear(const Tensor& x, const Tensor& weight, const std::optional<T
     w.qk_bits = static_cast<int>(4 + (bytes - 304) / 64);
     w.qk_blocks_per_super = (K / kBlock) / scales->size(1);
     w.qk_zero = static_cast<float>(qk_zero);
-  }
-  if (fmt == Format::kQK) {
-    half_sums.resize(M * (K / 16));
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t h = 0; h < K / 16; ++h)
-        half_sums[m * (K / 16) + h] = load_bf16x16(rows.x + m * rows.ld_x + h * 16).sum();
-    rows.half_sums = half_sums.data();
   }
   std::vector<float> block_sums;
   if (fmt == Format::kQ4) {
