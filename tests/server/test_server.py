@@ -249,6 +249,15 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "lane": "vip"}, 400, "lane"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "", "content": "hi"}]}, 400, "messages.0.role"),
+    # A value that fits no member of a union is about the field, not pydantic's member.
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": 5.5}, 400, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages.0.content",
+    ),
     ("/v1/nothing-here", {}, 404, None),
 ]
 

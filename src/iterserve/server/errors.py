@@ -95,10 +95,16 @@ def error_response(error: APIError) -> JSONResponse:
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     """The first problem pydantic found, said plainly, and the field it is about."""
-    first = error.errors()[0] if error.errors() else {}
+    errors = error.errors()
+    first = errors[0] if errors else {}
     kind = first.get("type", "")
     # loc is ("body", "field", ...) for body errors; drop the "body" prefix.
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    branch = next((i for i, part in enumerate(loc) if _is_union_branch(part)), None)
+    if branch is not None:  # a value that matched no member of a union (`stop`: str | list)
+        field = ".".join(loc[:branch])
+        forms = _union_branches(errors, first["loc"][: len(first["loc"]) - len(loc) + branch])
+        return f"invalid value for '{field}': expected one of {', '.join(forms)}", field
     field = ".".join(loc) or None
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
@@ -115,6 +121,25 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if kind == "missing":
         return f"the field '{field}' is required", field
     return f"invalid value for '{field}': {first.get('msg', 'invalid')}", field
+
+
+# Pydantic names each member of a union it tried in `loc`, after the field: `str`,
+# `list[str]`, a model's class name. The API's own field names are lower-case words.
+_BUILTIN_TYPES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_union_branch(part: str) -> bool:
+    return part in _BUILTIN_TYPES or "[" in part or part[:1].isupper()
+
+
+def _union_branches(errors: list[Any], prefix: tuple[Any, ...]) -> list[str]:
+    """The union members tried at `prefix`, in pydantic's order."""
+    forms = [
+        str(e["loc"][len(prefix)])
+        for e in errors
+        if tuple(e["loc"][: len(prefix)]) == prefix and len(e["loc"]) > len(prefix)
+    ]
+    return list(dict.fromkeys(forms))
 
 
 def _is_json(text: str | bytes) -> bool:
