@@ -185,6 +185,20 @@ def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:
         LLM(str(tmp_path / "no-such-model"))
 
 
+@pytest.mark.parametrize(
+    ("setting", "flag"),
+    [
+        ({"kv_cache_memory": 2.0**26}, "--kv-cache-memory"),
+        ({"num_kv_blocks": 2**40}, "--num-kv-blocks"),
+    ],
+)
+def test_a_kv_cache_larger_than_the_machine_is_a_clear_error(
+    tiny_llama_dir: Path, setting: dict[str, float], flag: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"{flag}.*more than this machine's"):
+        LLM(str(tiny_llama_dir), compile=False, **setting)
+
+
 def test_batch_invariant_is_refused_where_the_fused_kernels_do_not_run(
     tiny_llama_dir: Path,
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -16,6 +17,7 @@ import torch
 
 from iterserve.config import (
     SELF_INT4_DRAFT,
+    CacheConfig,
     ConfigError,
     EngineConfig,
     resolve_async_scheduling,
@@ -62,6 +64,23 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _check_fits_in_memory(kv_bytes: float, cache: CacheConfig) -> None:
+    """A KV pool larger than the machine's memory is the user's setting, not an allocator
+    failure deep in torch: say which flag asked for it."""
+    machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if kv_bytes <= machine:
+        return
+    asked = (
+        f"--num-kv-blocks {cache.num_kv_blocks}"
+        if cache.num_kv_blocks
+        else f"--kv-cache-memory {cache.kv_cache_memory:g} (GiB)"
+    )
+    raise ConfigError(
+        f"{asked} asks for a {kv_bytes / 2**30:,.1f} GiB KV cache, more than this machine's "
+        f"{machine / 2**30:,.1f} GiB of memory"
+    )
 
 
 class LLMEngine:
@@ -114,9 +133,10 @@ class LLMEngine:
         """The KV cache's dtype, the longest sequence, and the number of blocks that fit."""
         cache = self.config.cache
         self.kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype)
-        num_blocks = num_kv_blocks(
-            cache, kv_bytes_per_token(loaded.config, self.kv_dtype), cache.kv_cache_memory * 2**30
-        )
+        bytes_per_token = kv_bytes_per_token(loaded.config, self.kv_dtype)
+        num_blocks = num_kv_blocks(cache, bytes_per_token, cache.kv_cache_memory * 2**30)
+        if self.device.type == "cpu":
+            _check_fits_in_memory(num_blocks * cache.block_size * bytes_per_token, cache)
         self.max_model_len = min(
             self.config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
