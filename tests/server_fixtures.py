@@ -3,6 +3,7 @@ server on a free loopback port in a background thread, metrics scraping."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -23,6 +24,27 @@ from iterserve.engine.llm_engine import LLMEngine
 from iterserve.server.app import ServerSettings, create_app
 
 MODEL_NAME = "tiny-llama"
+# A tool-calling chat template (Qwen 2.5's), for tests of tools over a model without one.
+QWEN_TOOLS_TEMPLATE = (
+    Path(__file__).parent / "server" / "chat_templates" / "qwen2_5_tools.jinja"
+).read_text()
+
+
+def answer_tokens(server: RunningServer, text: str) -> list[int]:
+    """`text` as the model's tokens, then EOS: a script for `scripted_tokens`."""
+    tokenizer = server.engine.tokenizer
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:
+    """A copy of the checkpoint in `model_dir` at `out`, with `template` as its chat template."""
+    from iterserve.model.tokenizer import load_hf_tokenizer
+
+    shutil.copytree(model_dir, out)
+    tokenizer = load_hf_tokenizer(out)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def engine_config(model_dir: Path, **scheduler: Any) -> EngineConfig:

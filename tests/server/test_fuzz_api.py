@@ -29,14 +29,22 @@ from server_fixtures import MODEL_NAME, RunningServer, running_server, wait_unti
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 SEED = 20250610
-GENERATION = ("POST /v1/completions", "POST /v1/chat/completions")
+GENERATION = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses")
 # Examples per generation endpoint and kind; the other operations take no input to vary.
 EXAMPLES = {"raw": 60, "tamed": 100, "negative": 30}
 # A raw example nearly always holds one field the server refuses outright (a penalty, a
 # role no template knows, token ids outside the vocabulary, a prompt longer than the
 # context), and the request ends there with a 400. Tamed examples fix those up and keep
 # every other generated value.
-REFUSED = ("suffix", "best_of", "model")
+REFUSED = (
+    "suffix",
+    "best_of",
+    "model",
+    "previous_response_id",
+    "reasoning",
+    "include",
+    "truncation",
+)
 ROLES = ("user", "assistant", "system", "tool")
 
 
@@ -86,14 +94,16 @@ def tame(drawn: tuple[schemathesis.Case, dict[str, object]]) -> schemathesis.Cas
     for name in REFUSED:
         body.pop(name, None)
     for name, low, high in (("n", 1, 3), ("max_tokens", 1, 24), ("max_completion_tokens", 1, 24),
-                            ("logprobs", 0, 5), ("top_logprobs", 0, 5)):  # fmt: skip
+                            ("max_output_tokens", 1, 24), ("logprobs", 0, 5),
+                            ("top_logprobs", 0, 5)):  # fmt: skip
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = low + abs(body[name]) % (high - low + 1)
     if isinstance(body.get("min_tokens"), int):  # at most max_tokens (16 when unset)
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         body["min_tokens"] = body["min_tokens"] % (limit + 1) if isinstance(limit, int) else 0
-    if "prompt" in body:
-        body["prompt"] = _short(body["prompt"])
+    for name in ("prompt", "input", "instructions"):
+        if name in body:
+            body[name] = _short(body[name])
     if "messages" in body:
         messages = [m for m in body["messages"] or [] if isinstance(m, dict)][:4]
         for message in messages:
@@ -122,8 +132,12 @@ def check_response(label: str, curl: str, response: schemathesis.Response) -> No
     content_type = (response.headers.get("content-type") or [""])[0]
     if content_type.startswith("text/event-stream"):
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", where
-        for event in events[:-1]:
+        if label == "POST /v1/responses":  # ends on its own last event, not [DONE]
+            last = json.loads(events[-1])["type"] if events else None
+            assert last in ("response.completed", "response.incomplete"), where
+        else:
+            assert events and events.pop() == "[DONE]", where
+        for event in events:
             assert "error" not in json.loads(event), where  # a 5xx told after the 200
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,11 +32,19 @@ from iterserve.chat.tool_prompt import with_calls_as_text, with_tools_in_system_
 from iterserve.chat.tool_protocol import NamedToolChoice, ToolDefinition
 from iterserve.chat.tools import plan_tools
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
-from server_fixtures import MODEL_NAME, RunningServer, running_server, scripted_tokens
+from server_fixtures import (
+    MODEL_NAME,
+    QWEN_TOOLS_TEMPLATE,
+    RunningServer,
+    answer_tokens,
+    running_server,
+    scripted_tokens,
+    with_chat_template,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
-QWEN_TEMPLATE = (Path(__file__).parent / "chat_templates" / "qwen2_5_tools.jinja").read_text()
+QWEN_TEMPLATE = QWEN_TOOLS_TEMPLATE
 LLAMA3_TEMPLATE_LINE = (
     'Respond in the format {"name": function name, "parameters": dictionary of argument '
     "name and its value}. Do not use variables.\n\n{{ tools | tojson }}"
@@ -285,14 +292,8 @@ def test_forced_call_schema_accepts_exactly_the_calls_it_reads_back() -> None:
 @pytest.fixture(scope="module")
 def qwen_template_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with Qwen 2.5's tool-calling chat template."""
-    from iterserve.model.tokenizer import load_hf_tokenizer
-
     out = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
-    shutil.copytree(tiny_llama_dir, out)
-    tokenizer = load_hf_tokenizer(out)
-    tokenizer.chat_template = QWEN_TEMPLATE
-    tokenizer.save_pretrained(out)
-    return out
+    return with_chat_template(tiny_llama_dir, out, QWEN_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -306,15 +307,9 @@ def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
-def _script(server: RunningServer, text: str) -> list[int]:
-    """`text` as the model's tokens, then EOS."""
-    tokenizer = server.engine.tokenizer
-    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-
-
 def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: RunningServer) -> None:
     question = [{"role": "user", "content": "Weather and time in Paris?"}]
-    with scripted_tokens(server, _script(server, QWEN_TWO_CALLS)):
+    with scripted_tokens(server, answer_tokens(server, QWEN_TWO_CALLS)):
         answer = client.chat.completions.create(
             model=MODEL_NAME, messages=question, tools=TOOLS, max_tokens=200
         )
@@ -352,7 +347,7 @@ def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: Runn
         {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C, sunny"},
         {"role": "tool", "tool_call_id": calls[1].id, "content": "14:05"},
     ]
-    with scripted_tokens(server, _script(server, "Sunny, 18 C; it is 14:05.")):
+    with scripted_tokens(server, answer_tokens(server, "Sunny, 18 C; it is 14:05.")):
         final = client.chat.completions.create(
             model=MODEL_NAME, messages=history, tools=TOOLS, max_tokens=50
         )
@@ -361,7 +356,7 @@ def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: Runn
     # No calls: no `tool_calls` at all, as OpenAI answers (the SDK reads None; `[]`
     # would read as a call list to loop over).
     assert final.choices[0].message.tool_calls is None
-    with scripted_tokens(server, _script(server, "Sunny.")):
+    with scripted_tokens(server, answer_tokens(server, "Sunny.")):
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL_NAME, messages=history, tools=TOOLS, max_tokens=50
         )
@@ -381,7 +376,7 @@ def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: Runn
         server.engine.tokenizer.encode(expected, add_special_tokens=False)
     )
     # Agents often send the SDK's message object back as it came (nulls and all).
-    with scripted_tokens(server, _script(server, "Sunny.")):
+    with scripted_tokens(server, answer_tokens(server, "Sunny.")):
         again = client.chat.completions.create(
             model=MODEL_NAME,
             messages=[*question, choice.message, *history[2:]],  # type: ignore[list-item]
@@ -451,7 +446,7 @@ def test_forced_calls_are_read_back_once_decoding_is_constrained(
         (named, '{"tz": "UTC"}', [("get_time", {"tz": "UTC"})]),
     ):
         request = dict(model=MODEL_NAME, messages=question, tools=TOOLS, tool_choice=tool_choice)
-        with scripted_tokens(server, _script(server, answer)):
+        with scripted_tokens(server, answer_tokens(server, answer)):
             whole = client.chat.completions.create(**request)  # type: ignore[call-overload]
             chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
         message = whole.choices[0].message
@@ -521,7 +516,7 @@ def test_offline_chat_reads_calls_and_takes_them_back(tools_llm: LLM) -> None:
     model = SimpleNamespace(engine=tools_llm.engine)  # what scripted_tokens drives
     question = [{"role": "user", "content": "Weather and time in Paris?"}]
     params = SamplingParams(max_tokens=100)
-    with scripted_tokens(model, _script(model, QWEN_TWO_CALLS)):  # type: ignore[arg-type]
+    with scripted_tokens(model, answer_tokens(model, QWEN_TWO_CALLS)):  # type: ignore[arg-type]
         out = tools_llm.chat(question, params, use_tqdm=False, tools=TOOLS)[0]
     calls = out.tool_calls or []
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
@@ -535,7 +530,7 @@ def test_offline_chat_reads_calls_and_takes_them_back(tools_llm: LLM) -> None:
         {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18 C, sunny"},
         {"role": "tool", "tool_call_id": calls[1]["id"], "content": "14:05"},
     ]
-    with scripted_tokens(model, _script(model, "Sunny.")):  # type: ignore[arg-type]
+    with scripted_tokens(model, answer_tokens(model, "Sunny.")):  # type: ignore[arg-type]
         final = tools_llm.chat(history, params, use_tqdm=False, tools=TOOLS)[0]
     assert final.tool_calls == [] and final.content == final.text == "Sunny."
     template_history = json.loads(json.dumps(history))

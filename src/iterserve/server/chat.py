@@ -6,6 +6,7 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -27,6 +28,7 @@ from iterserve.chat.tools import ToolPlan, plan_tools
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import RenderedChat
+from iterserve.sampling_params import SamplingParams
 from iterserve.server.logprobs import chat_logprobs
 from iterserve.server.protocol import (
     AssistantMessage,
@@ -56,9 +58,22 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
     )
 
 
-async def create_chat_completion(
-    body: ChatCompletionRequest, raw: Request, ctx: ServingContext
-) -> Response:
+@dataclass
+class ChatRun:
+    """A chat request accepted by the engine: what answering it needs, in either API's shape
+    (this module's chat completions, responses.py's Responses)."""
+
+    body: ChatCompletionRequest
+    model: str  # the name to answer with
+    params: SamplingParams
+    plan: ToolPlan
+    submitted: Submitted
+
+
+async def start_chat(
+    body: ChatCompletionRequest, raw: Request, ctx: ServingContext, id_prefix: str = "chatcmpl-"
+) -> ChatRun:
+    """Check the request, render the conversation and queue its choices."""
     model = ctx.resolve_model(body.model)
     params = body.sampling_params()
     plan = plan_tools(
@@ -71,9 +86,8 @@ async def create_chat_completion(
         ctx.special_tokens,
     )
     ctx.engine.check_group_size(params.n)  # before rendering the template
-    logprobs = params.logprobs
     prompt = render_prompt(body, ctx, plan)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"{id_prefix}{uuid.uuid4().hex}"
     submitted = await submit(
         raw,
         ctx,
@@ -84,16 +98,26 @@ async def create_chat_completion(
         body.priority,
         fill_context=body.token_limit is None,  # OpenAI chat: no limit means what is left
     )
+    return ChatRun(body, model, params, plan, submitted)
+
+
+async def create_chat_completion(
+    body: ChatCompletionRequest, raw: Request, ctx: ServingContext
+) -> Response:
+    run = await start_chat(body, raw, ctx)
+    logprobs = run.params.logprobs
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> ChatCompletionResponse:
         choices = [
-            _choice(index, output, plan, _logprobs(output.logprobs, logprobs, ctx))
+            _choice(index, output, run.plan, _logprobs(output.logprobs, logprobs, ctx))
             for index, output in enumerate(outputs)
         ]
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return ChatCompletionResponse(
+            id=run.submitted.request_id, model=run.model, choices=choices, usage=usage
+        )
 
-    events = functools.partial(_stream, body, submitted, ctx, model, plan)
-    return await respond(raw, submitted, params.n, body.stream, events, final)
+    events = functools.partial(_stream, body, run.submitted, ctx, run.model, run.plan)
+    return await respond(raw, run.submitted, run.params.n, body.stream, events, final)
 
 
 def _choice(

@@ -1,4 +1,4 @@
-"""OpenAI's routes under /v1: the model list, completions and chat completions."""
+"""OpenAI's routes under /v1: the model list, completions, chat completions and responses."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from iterserve.server.protocol import (
     ModelCard,
     ModelList,
 )
+from iterserve.server.responses import create_response
+from iterserve.server.responses_protocol import ResponsesRequest
 from iterserve.server.serving import ServingContext
 
 
@@ -35,5 +37,9 @@ def openai_routes(ctx: ServingContext) -> APIRouter:
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, ctx)
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(body, request, ctx)
 
     return v1

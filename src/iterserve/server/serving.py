@@ -225,7 +225,7 @@ async def respond(
     n: int,
     streaming: bool,
     events: Callable[[], AsyncIterator[str]],
-    final: Callable[[list[RequestOutput], UsageInfo], BaseModel],
+    final: Callable[[list[RequestOutput], UsageInfo], BaseModel | dict[str, Any]],
 ) -> Response:
     """The SSE stream `events()`, or once every choice is done the JSON of `final`."""
     if streaming:
@@ -236,7 +236,8 @@ async def respond(
     usage = usage_of(outputs, n)
     submitted.record.prompt_tokens = usage.prompt_tokens
     body = final(outputs, usage)
-    return JSONResponse(body.model_dump(mode="json"), headers=submitted.headers)
+    content = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
+    return JSONResponse(content, headers=submitted.headers)
 
 
 async def stream_events(
@@ -244,10 +245,12 @@ async def stream_events(
     n: int | None,
     chunk: Callable[[int, RequestOutput], str],
     usage_chunk: Callable[[UsageInfo], str] | None,
+    done: bool = True,
 ) -> AsyncIterator[str]:
     """The streaming loop: `chunk(index, output)` for every output that carries a token or
     a finish, an error event if the engine fails after the 200 went out, then usage (with
-    `n` choices a prompt; None: all choices are of one prompt) and [DONE]."""
+    `n` choices a prompt; None: all choices are of one prompt) and [DONE] (unless not
+    `done`: the Responses API ends on its own last event)."""
     finals: dict[int, RequestOutput] = {}
     try:
         async with submitted.stream as stream:
@@ -269,4 +272,5 @@ async def stream_events(
     submitted.record.prompt_tokens = usage.prompt_tokens
     if usage_chunk is not None:
         yield usage_chunk(usage)
-    yield SSE_DONE
+    if done:
+        yield SSE_DONE

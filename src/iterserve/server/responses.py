@@ -1,0 +1,258 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat path.
+
+The request becomes a chat request (responses_protocol.py) and runs as one; the answer
+is shaped as Responses output items: a `message` with one `output_text` part, then a
+`function_call` item per call the tool parser read. Streamed, it is Responses' typed
+events (`response.created`, `response.output_item.added`, `response.output_text.delta`,
+..., `response.completed`), each with its `sequence_number`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from iterserve.chat.tool_parsers.streaming import ToolCallStream, new_call_id, parse_answer
+from iterserve.engine.outputs import RequestOutput
+from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.chat import ChatRun, start_chat
+from iterserve.server.protocol import UsageInfo
+from iterserve.server.responses_protocol import ResponsesRequest, responses_param
+from iterserve.server.serving import ServingContext, respond, stream_events
+
+
+async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingContext) -> Response:
+    try:
+        run = await start_chat(body.to_chat_request(), raw, ctx, id_prefix="resp_")
+    except InvalidRequestError as error:
+        error.param = responses_param(error.param)
+        raise
+    shape = _Shape(body, run, int(time.time()))
+
+    def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
+        output = outputs[0]
+        return shape.response(_status(output.finish_reason), _output_items(output, run), usage)
+
+    def events() -> AsyncIterator[str]:
+        return _stream(shape, run)
+
+    return await respond(raw, run.submitted, 1, body.stream, events, final)
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _item_id(kind: str) -> str:
+    return f"{kind}_{secrets.token_hex(12)}"
+
+
+def _message_item(text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": _item_id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text)],
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": _item_id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _output_items(output: RequestOutput, run: ChatRun) -> list[dict[str, Any]]:
+    """A message with the answer's text (unless it is calls alone), then its calls."""
+    status = _status(output.finish_reason)
+    reader = run.plan.reader
+    if reader is None:
+        return [_message_item(output.text, status)]
+    answer = parse_answer(reader, output.text, run.plan.max_calls)
+    items = (
+        [_message_item(answer.content or "", status)] if answer.content or not answer.calls else []
+    )
+    items += [
+        _call_item(new_call_id(), call.name, call.arguments, "completed") for call in answer.calls
+    ]
+    return items
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The fields of the Response object that do not change as it runs."""
+
+    body: ResponsesRequest
+    run: ChatRun
+    created_at: int
+
+    def response(
+        self, status: str, output: list[dict[str, Any]], usage: UsageInfo | None
+    ) -> dict[str, Any]:
+        body, params = self.body, self.run.params
+        tool_choice = body.tool_choice
+        text_format = body.text.format if body.text and body.text.format else None
+        return {
+            "id": self.run.submitted.request_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.run.model,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": params.temperature,
+            "text": {
+                "format": text_format.model_dump(by_alias=True, exclude_none=True)
+                if text_format
+                else {"type": "text"}
+            },
+            "tool_choice": (
+                tool_choice.model_dump() if hasattr(tool_choice, "model_dump") else tool_choice
+            )
+            or "auto",
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+            "top_p": params.top_p,
+            "truncation": "disabled",
+            "usage": None if usage is None else _usage(usage),
+            "metadata": body.metadata or {},
+            "user": body.user,
+        }
+
+
+def _usage(usage: UsageInfo) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+@dataclass
+class _Events:
+    """The stream's typed events, numbered, and the output items they have built."""
+
+    shape: _Shape
+    items: list[dict[str, Any]] = field(default_factory=list)
+    message: dict[str, Any] | None = None  # the message item being written, if any
+    sequence: int = 0
+
+    def event(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def response(self, kind: str, status: str, usage: UsageInfo | None = None) -> str:
+        return self.event(kind, response=self.shape.response(status, self.items, usage))
+
+    def open_message(self) -> str:
+        if self.message is not None:
+            return ""
+        self.message = _message_item("", "in_progress")
+        self.items.append(self.message)
+        where = {"item_id": self.message["id"], "output_index": len(self.items) - 1}
+        return self.event(
+            "response.output_item.added", output_index=where["output_index"], item=self.message
+        ) + self.event("response.content_part.added", **where, content_index=0, part=_text_part(""))
+
+    def text(self, delta: str) -> str:
+        opened = self.open_message()
+        assert self.message is not None
+        self.message["content"][0]["text"] += delta
+        where = {"item_id": self.message["id"], "output_index": len(self.items) - 1}
+        return opened + self.event(
+            "response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[]
+        )
+
+    def close_message(self, status: str) -> str:
+        message, self.message = self.message, None
+        if message is None:
+            return ""
+        message["status"] = status
+        where = {"item_id": message["id"], "output_index": self.items.index(message)}
+        part = message["content"][0]
+        return (
+            self.event(
+                "response.output_text.done",
+                **where,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
+            + self.event("response.content_part.done", **where, content_index=0, part=part)
+            + self.event(
+                "response.output_item.done", output_index=where["output_index"], item=message
+            )
+        )
+
+    def call(self, call_id: str, name: str, arguments: str) -> str:
+        events = self.close_message("completed")
+        item = _call_item(call_id, name, "", "in_progress")
+        self.items.append(item)
+        index = len(self.items) - 1
+        where = {"item_id": item["id"], "output_index": index}
+        events += self.event("response.output_item.added", output_index=index, item=item)
+        events += self.event("response.function_call_arguments.delta", **where, delta=arguments)
+        item["arguments"], item["status"] = arguments, "completed"
+        events += self.event("response.function_call_arguments.done", **where, arguments=arguments)
+        return events + self.event("response.output_item.done", output_index=index, item=item)
+
+
+async def _stream(shape: _Shape, run: ChatRun) -> AsyncIterator[str]:
+    events = _Events(shape)
+    yield events.response("response.created", "in_progress")
+    yield events.response("response.in_progress", "in_progress")
+    reader = run.plan.reader
+    calls = None if reader is None else ToolCallStream(reader, run.plan.max_calls)
+    finish: list[str | None] = [None]
+
+    def on_output(_: int, output: RequestOutput) -> str:
+        if calls is None:
+            text, new_calls = output.delta_text, []
+        else:
+            found = calls.feed(output.delta_text, output.finished)
+            text, new_calls = found.content, found.new_calls
+        chunk = events.text(text) if text else ""
+        for _, call_id, call in new_calls:
+            chunk += events.call(call_id, call.name, call.arguments)
+        if output.finished:
+            finish[0] = output.finish_reason
+        return chunk
+
+    def on_end(usage: UsageInfo) -> str:
+        status = _status(finish[0])
+        # An answer with neither text nor calls is still one (empty) message, as unstreamed.
+        opened = events.open_message() if not events.items else ""
+        closed = events.close_message(status)
+        return opened + closed + events.response(f"response.{status}", status, usage)
+
+    async for chunk in stream_events(run.submitted, None, on_output, on_end, done=False):
+        if chunk:  # a token whose text is held back (a stop string, a call) has no event
+            yield chunk

@@ -1,0 +1,267 @@
+"""OpenAI's Responses API (`POST /v1/responses`), read as the chat request it amounts to.
+
+A Responses request is a conversation (`input`: a string, or items: messages, the
+function calls an assistant made and their outputs) plus `instructions`, function tools
+and a text format. It is translated into a `ChatCompletionRequest`, so it runs exactly
+the chat path (template, tools, structured output, sampling); responses.py shapes the
+answer as Responses output items. Fields are named as this API spells them in errors.
+
+This server keeps no responses: `previous_response_id` is refused (send the whole
+conversation in `input`), and the answer says `store: false`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.protocol import ChatCompletionRequest
+
+# ---- request ----------------------------------------------------------------------------
+
+
+class FunctionTool(BaseModel):
+    """A Responses tool: the function's fields at the top level (chat nests them)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> dict[str, Any]:
+        function = self.model_dump(exclude={"type"}, exclude_none=True)
+        return {"type": "function", "function": function}
+
+
+class FunctionToolChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    format: TextFormat | None = None
+
+
+class _ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class _MessageItem(BaseModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[_ContentPart]
+
+
+class _FunctionCallItem(BaseModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class _FunctionCallOutputItem(BaseModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[_ContentPart]
+
+
+_ITEMS: dict[str, type[BaseModel]] = {
+    "message": _MessageItem,
+    "function_call": _FunctionCallItem,
+    "function_call_output": _FunctionCallOutputItem,
+}
+# Items a model of this server never made and that change nothing it reads.
+_SKIPPED_ITEMS = {"reasoning"}
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+class ResponsesRequest(BaseModel):
+    # Unknown fields pass on to the chat request: vLLM's sampling extensions (top_k, seed,
+    # repetition_penalty, ...) work here too, and ones that would change the output and
+    # are not honoured are refused there, by name.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        if self.previous_response_id is not None:
+            raise InvalidRequestError(
+                "this server stores no responses: send the whole conversation in input",
+                "previous_response_id",
+            )
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise InvalidRequestError("reasoning is not supported by this model", "reasoning")
+        if self.include:
+            raise InvalidRequestError(f"include {self.include[0]!r} is not supported", "include")
+        if self.truncation == "auto":
+            raise InvalidRequestError(
+                "truncation 'auto' is not supported: a conversation longer than the context "
+                "is refused, not cut",
+                "truncation",
+            )
+        if self.top_logprobs:
+            raise InvalidRequestError(
+                "top_logprobs is not supported on /v1/responses", "top_logprobs"
+            )
+        if self.model_extra and self.model_extra.get("n", 1) != 1:
+            raise InvalidRequestError("a response has one answer: n must be 1", "n")
+
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """The chat request this one amounts to (raises InvalidRequestError naming the
+        Responses field)."""
+        self.check_supported()
+        chat: dict[str, Any] = {
+            **(self.model_extra or {}),
+            "model": self.model,
+            "messages": self.chat_messages(),
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stream": self.stream,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "user": self.user,
+        }
+        if self.tools:
+            chat["tools"] = [tool.as_chat_tool() for tool in self.tools]
+        if isinstance(self.tool_choice, FunctionToolChoice):
+            chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            chat["tool_choice"] = self.tool_choice
+        text_format = self.text.format if self.text else None
+        if text_format is not None and text_format.type != "text":
+            schema = {"name": text_format.name, "schema": text_format.json_schema}
+            chat["response_format"] = {"type": text_format.type, "json_schema": schema}
+        try:
+            return ChatCompletionRequest.model_validate(chat)
+        except ValidationError as error:  # an extension field of the wrong type
+            first = error.errors()[0]
+            param = responses_param(".".join(str(part) for part in first["loc"]))
+            raise InvalidRequestError(
+                f"invalid value for '{param}': {first['msg']}", param
+            ) from None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """`instructions` and `input` as chat messages: an assistant's function calls join
+        its message (or start one), and each call's output becomes a tool message."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        if not self.input:
+            raise InvalidRequestError("input is empty", "input")
+        for index, raw in enumerate(self.input):
+            item = _parse_item(raw, index)
+            if item is None:
+                continue
+            if isinstance(item, _MessageItem):
+                role = "system" if item.role == "developer" else item.role
+                content = _text_of(item.content, f"input.{index}.content")
+                messages.append({"role": role, "content": content})
+            elif isinstance(item, _FunctionCallItem):
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                output = _text_of(item.output, f"input.{index}.output")
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        return messages
+
+
+def _parse_item(raw: dict[str, Any], index: int) -> BaseModel | None:
+    kind = raw.get("type", "message" if "role" in raw else None)
+    if kind in _SKIPPED_ITEMS:
+        return None
+    model = _ITEMS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        known = ", ".join(_ITEMS)
+        raise InvalidRequestError(
+            f"input items of type {kind!r} are not supported (only {known})",
+            f"input.{index}.type",
+        )
+    try:
+        return model.model_validate(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if not _is_branch(str(part)))
+        param = f"input.{index}.{where}".rstrip(".")
+        raise InvalidRequestError(f"invalid value for '{param}': {first['msg']}", param) from None
+
+
+def _is_branch(part: str) -> bool:
+    # pydantic names the union member it tried (`str`, `list[_ContentPart]`)
+    return part == "str" or "[" in part
+
+
+def _text_of(content: str | list[_ContentPart], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    for i, part in enumerate(content):
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise InvalidRequestError(
+                f"only text content parts are supported by this model, not {part.type!r}",
+                f"{param}.{i}",
+            )
+    return "".join(part.text or "" for part in content)
+
+
+# How the chat request names a field -> how this API does; `messages.N` is handled apart.
+_PARAMS = {
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+}
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat-request field name, in the Responses request's terms (best effort: a
+    message index counts instructions and merged calls, so it names `input` alone)."""
+    if param is None:
+        return None
+    head = param.split(".", 1)[0]
+    if head == "messages":
+        return "input"
+    if head == "tools":
+        return re.sub(r"^tools\.(\d+)\.function", r"tools.\1", param)
+    return _PARAMS.get(head, param)
