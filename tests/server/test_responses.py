@@ -129,6 +129,8 @@ def test_tool_loop_with_function_call_items(client: openai.OpenAI, server: Runni
             )
         )
     assert response.status == "completed"
+    assert [tool.name for tool in response.tools] == ["get_weather"]  # type: ignore[union-attr]
+    assert response.tool_choice == "auto"
     assert [item.type for item in response.output] == ["message", "function_call", "function_call"]
     assert response.output_text == "I'll check."
     calls = [item for item in response.output if item.type == "function_call"]
@@ -201,6 +203,8 @@ def test_text_format_json_schema_is_enforced(client: openai.OpenAI) -> None:
     )
     assert response.status == "completed"
     assert json.loads(response.output_text)["ok"] in (True, False)
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema"  # the request's settings, repeated
 
 
 @pytest.mark.parametrize(

@@ -107,41 +107,24 @@ class _Shape:
         self, status: str, output: list[dict[str, Any]], usage: UsageInfo | None
     ) -> dict[str, Any]:
         body, params = self.body, self.run.params
-        tool_choice = body.tool_choice
-        text_format = body.text.format if body.text and body.text.format else None
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.run.submitted.request_id,
             "object": "response",
             "created_at": self.created_at,
             "status": status,
             "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"}
-            if status == "incomplete"
-            else None,
-            "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens,
+            "incomplete_details": incomplete,
             "model": self.run.model,
             "output": output,
-            "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": None,
             "reasoning": None,
             "store": False,
             "temperature": params.temperature,
-            "text": {
-                "format": text_format.model_dump(by_alias=True, exclude_none=True)
-                if text_format
-                else {"type": "text"}
-            },
-            "tool_choice": (
-                tool_choice.model_dump() if hasattr(tool_choice, "model_dump") else tool_choice
-            )
-            or "auto",
-            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
             "top_p": params.top_p,
             "truncation": "disabled",
             "usage": None if usage is None else _usage(usage),
-            "metadata": body.metadata or {},
-            "user": body.user,
+            **body.settings(),
         }
 
 

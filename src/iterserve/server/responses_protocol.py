@@ -139,6 +139,27 @@ class ResponsesRequest(BaseModel):
         if self.model_extra and self.model_extra.get("n", 1) != 1:
             raise InvalidRequestError("a response has one answer: n must be 1", "n")
 
+    def settings(self) -> dict[str, Any]:
+        """The request's own settings, as a Response object repeats them."""
+        text_format = self.text.format if self.text else None
+        tool_choice = self.tool_choice or "auto"
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "text": {
+                "format": text_format.model_dump(by_alias=True, exclude_none=True)
+                if text_format
+                else {"type": "text"}
+            },
+            "tool_choice": tool_choice
+            if isinstance(tool_choice, str)
+            else tool_choice.model_dump(),
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
+            "metadata": self.metadata or {},
+            "user": self.user,
+        }
+
     def to_chat_request(self) -> ChatCompletionRequest:
         """The chat request this one amounts to (raises InvalidRequestError naming the
         Responses field)."""
