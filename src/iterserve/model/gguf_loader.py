@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,9 @@ from gguf.quants import dequantize
 from iterserve.model.config import ModelConfig
 from iterserve.model.kquant import BLOCK_SIZES as KQUANT_BLOCK_SIZES
 from iterserve.model.kquant import BlockWeight, from_gguf_kquant
+from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel, ModelLoadError
-from iterserve.model.moe import GGUF_ROUTER, ROUTER, split_gguf_experts
+from iterserve.model.moe import GGUF_ROUTER, ROUTER, gguf_expert_names
 from iterserve.model.quant import BLOCK_BYTES, from_gguf_blocks
 from iterserve.model.rope import UnsupportedRope, served_rope
 from iterserve.model.tokenizer import tokenizer_from_gguf
@@ -433,51 +436,54 @@ def _load_weights(
     config: ModelConfig,
     gguf_arch: str,
     dtype: torch.dtype,
-) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
-    """Every tensor dequantized to `dtype`, plus the 2-D ones in a block format our kernels
-    read kept as they are (rows un-permuted alike). Other quantized types (Q2_K, Q3_K, IQ*,
-    ...) are only dequantized, and the log says so."""
+) -> tuple[LazyWeights, dict[str, BlockWeight]]:
+    """Every tensor, dequantized to `dtype` when read (model/lazy_weights.py), plus the 2-D
+    ones in a block format our kernels read kept as they are (rows un-permuted alike).
+    Other quantized types (Q2_K, Q3_K, IQ*, ...) are only dequantized, and the log says so."""
     # Only llama.cpp's "llama" converter permutes; its Qwen2 uses NEOX rope, i.e. rotate_half.
     rope_heads = (
         {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
         if gguf_arch == "llama"
         else {}
     )
-    weights: dict[str, torch.Tensor] = {}
+    weights = LazyWeights()
     quantized: dict[str, BlockWeight] = {}
     expanded: set[str] = set()  # quantized types with no kernel: dequantized to `dtype`
     with path.open("rb") as file:
         # A plain ndarray over an mmap, not np.memmap: gguf's dequantizer slices its input
         # thousands of times and every np.memmap slice pays for __array_finalize__ (2.5x slower, once).
         data = np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+
+    def raw_of(info: GGUFTensorInfo) -> np.ndarray:
+        return data[info.offset : info.offset + info.nbytes]
+
+    # A layer's experts are read one after the other, each a slice of its projection's stack:
+    # the layer's three stacks are dequantized once each, not once per expert.
+    @functools.lru_cache(maxsize=3)
+    def stack(name: str) -> torch.Tensor:
+        return _dequantized(path, raw_of(tensors[name]), tensors[name])
+
     for info in tensors.values():
         if info.name in _ROPE_TENSORS:
             continue
-        raw = data[info.offset : info.offset + info.nbytes]
-        try:
-            array = dequantize(raw.reshape(*info.shape[:-1], -1), info.qtype).reshape(info.shape)
-        except NotImplementedError as error:
-            raise ModelLoadError(f"{path}: tensor {info.name}: {error}") from error
-        # F32 tensors come back as views of the read-only file; everything else is fresh memory.
-        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        raw = raw_of(info)
         qtype = info.qtype.name
-        if (experts := split_gguf_experts(info.name, tensor)) is not None:
-            weights.update((n, t.to(dtype).contiguous()) for n, t in experts.items())
-            quantized.update(_expert_blocks(raw, info, list(experts), expanded))
+        if (experts := gguf_expert_names(info.name, info.shape[0])) is not None:
+            for e, name in enumerate(experts):
+                make = functools.partial(_expert, stack, info.name, e, dtype)
+                weights.add(name, info.shape[1:], make)
+            quantized.update(_expert_blocks(raw, info, experts, expanded))
             continue
         name = hf_tensor_name(info.name, gguf_arch)
         blocks = _blocks(raw, qtype, info.shape, expanded)
-        if config.traits.norm_offset and "norm" in name:
-            # llama.cpp's converter stores Gemma's norms with the 1 of (1 + w) added; HF
-            # names carry HF's values (LlamaForCausalLM.load_weights adds the 1 again).
-            tensor = tensor.float() - 1
-        projection = name.split(".")[-2]
-        if projection in rope_heads:
-            tensor = unpermute_rope_rows(tensor, rope_heads[projection])
-            if blocks is not None:
-                order = unpermute_rope_rows(torch.arange(info.shape[0]), rope_heads[projection])
-                blocks = blocks.rows(order)
-        weights[name] = tensor.to(dtype).contiguous()
+        # llama.cpp's converter stores Gemma's norms with the 1 of (1 + w) added; HF
+        # names carry HF's values (LlamaForCausalLM.load_weights adds the 1 again).
+        norm_offset = bool(config.traits.norm_offset and "norm" in name)
+        heads = rope_heads.get(name.split(".")[-2])
+        if heads is not None and blocks is not None:
+            blocks = blocks.rows(unpermute_rope_rows(torch.arange(info.shape[0]), heads))
+        make = functools.partial(_tensor, path, raw, info, dtype, norm_offset, heads)
+        weights.add(name, info.shape, make)
         if blocks is not None:
             quantized[name] = blocks
     if expanded:
@@ -490,6 +496,37 @@ def _load_weights(
             ", ".join(sorted({*BLOCK_BYTES, *KQUANT_BLOCK_SIZES})),
         )
     return weights, quantized
+
+
+def _dequantized(path: Path, raw: np.ndarray, info: GGUFTensorInfo) -> torch.Tensor:
+    try:
+        array = dequantize(raw.reshape(*info.shape[:-1], -1), info.qtype).reshape(info.shape)
+    except NotImplementedError as error:
+        raise ModelLoadError(f"{path}: tensor {info.name}: {error}") from error
+    # F32 tensors come back as views of the read-only file; everything else is fresh memory.
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def _tensor(
+    path: Path,
+    raw: np.ndarray,
+    info: GGUFTensorInfo,
+    dtype: torch.dtype,
+    norm_offset: bool,
+    rope_heads: int | None,
+) -> torch.Tensor:
+    tensor = _dequantized(path, raw, info)
+    if norm_offset:
+        tensor = tensor.float() - 1
+    if rope_heads is not None:
+        tensor = unpermute_rope_rows(tensor, rope_heads)
+    return tensor.to(dtype).contiguous()
+
+
+def _expert(
+    stack: Callable[[str], torch.Tensor], stack_name: str, expert: int, dtype: torch.dtype
+) -> torch.Tensor:
+    return stack(stack_name)[expert].to(dtype).contiguous()
 
 
 def _expert_blocks(

@@ -24,6 +24,7 @@ from iterserve.model.attention import attend, attention_context
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
+from iterserve.model.lazy_weights import shape_of
 from iterserve.model.linear import Backend, DenseFormat, Linear
 from iterserve.model.moe import EXPERT_PREFIX, SparseMoeBlock
 from iterserve.model.quant import QuantizedWeight
@@ -361,9 +362,9 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(targets) - set(weights))
         unexpected = sorted(n for n in weights if n not in targets and not ignorable(n))
         misshaped = [
-            f"{n}: got {tuple(weights[n].shape)}, expected {shape}"
+            f"{n}: got {shape_of(weights, n)}, expected {shape}"
             for n, (_, shape) in targets.items()
-            if n in weights and tuple(weights[n].shape) != shape
+            if n in weights and shape_of(weights, n) != shape
         ]
         problems = []
         if missing:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,9 @@ class ModelLoadError(ValueError):
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF parameter names; no "lm_head.weight" when tied
+    # HF parameter names; no "lm_head.weight" when tied. A loader's are made when read
+    # (model/lazy_weights.py).
+    weights: Mapping[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase
     chat_template: str | None
     name: str  # the served model name

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel, ModelLoadError
 from iterserve.model.rope import UnsupportedRope, rope_type_of, served_rope
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
@@ -86,7 +88,7 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     config = hf_model_config(raw, _read_optional_json(directory / "generation_config.json"))
     weights = _load_safetensors(directory, dtype)
     if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
+        weights.discard("lm_head.weight")
     elif "lm_head.weight" not in weights:
         raise ModelLoadError(
             f"{directory}: config.json says the embeddings are not tied, but no lm_head.weight "
@@ -247,7 +249,7 @@ def _as_ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _load_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _load_safetensors(directory: Path, dtype: torch.dtype) -> LazyWeights:
     index = directory / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(_read_json(index)["weight_map"].values()))
@@ -259,15 +261,23 @@ def _load_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Te
         raise ModelLoadError(
             f"{directory} has neither model.safetensors nor model.safetensors.index.json{hint}"
         )
-    weights: dict[str, torch.Tensor] = {}
+    weights = LazyWeights()
     for shard in shards:
         if not (directory / shard).exists():
             raise ModelLoadError(f"{directory}: shard {shard} listed in the index is missing")
-        for name, tensor in load_file(directory / shard).items():
+        # Memory-mapped: a tensor is read (and cast) when the model copies it in.
+        file = safe_open(directory / shard, framework="pt")
+        for name in file.keys():  # noqa: SIM118 - safe_open is not a mapping
             if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
                 continue
-            weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            shape = tuple(file.get_slice(name).get_shape())
+            weights.add(name, shape, functools.partial(_read_tensor, file, name, dtype))
     return weights
+
+
+def _read_tensor(file: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
+    tensor = file.get_tensor(name)
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -51,17 +51,14 @@ ExpertBlocks = list[tuple[BlockWeight | None, BlockWeight | None]]
 _GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|down|up)_exps)\.weight")
 
 
-def split_gguf_experts(gguf_name: str, stacked: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """A GGUF expert stack as Mixtral's per-expert HF tensors (views), or None if
-    `gguf_name` is not one."""
+def gguf_expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """The Mixtral HF names of a GGUF expert stack's experts, in stack order, or None if
+    `gguf_name` is not a stack."""
     match = _GGUF_STACK_NAME.fullmatch(gguf_name)
     if match is None:
         return None
     layer, part = match[1], GGUF_EXPERT_STACKS[match[2]]
-    return {
-        f"model.layers.{layer}.{EXPERT.format(e, part)}": stacked[e]
-        for e in range(stacked.shape[0])
-    }
+    return [f"model.layers.{layer}.{EXPERT.format(e, part)}" for e in range(num_experts)]
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
