@@ -48,6 +48,22 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = None) -> None:
+    """The hyperparameters every Llama-like GGUF carries, from a transformers config."""
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
+
+
 def write_gguf(
     path: Path,
     arch: str,
@@ -66,18 +82,7 @@ def write_gguf(
     (without the `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}."""
     config = model.config
     writer = GGUFWriter(path, arch)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
+    add_shape(writer, config, rope_freq_base)
     for key, value in (metadata or {}).items():
         full = f"{arch}.{key}"
         if isinstance(value, str):

@@ -62,12 +62,10 @@ class CacheConfig:
 
     def validate(self) -> None:
         _check_choices(self)
-        if self.block_size < 1:
-            raise ConfigError(f"--block-size must be at least 1, got {self.block_size}")
+        _check_at_least_one(self, "block_size")
         if self.kv_cache_memory <= 0:
             raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ConfigError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        _check_at_least_one(self, "num_kv_blocks")
 
 
 @dataclass
@@ -116,12 +114,7 @@ class SchedulerConfig:
     def validate(self) -> None:
         """Refuse settings that cannot work, or that would starve or hang a request."""
         _check_choices(self)
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"
-            )
+        _check_at_least_one(self, "max_num_seqs", "max_num_batched_tokens")
         if self.max_num_seqs > self.max_num_batched_tokens:
             # Every running request needs one token of a step's budget to decode; with
             # more seats than tokens, the requests at the tail would wait for ever.
@@ -130,8 +123,7 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}): a step could not give every running request "
                 "its decode token; lower --max-num-seqs or raise --max-num-batched-tokens"
             )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        _check_at_least_one(self, "max_model_len")
         if self.batching != "continuous":
             if self.batch_size < 1:
                 raise ConfigError(f"{self.batching} batching needs --batch-size >= 1")
@@ -276,8 +268,7 @@ class EngineConfig:
         _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError(f"--num-threads must be at least 1, got {self.num_threads}")
+        _check_at_least_one(self, "num_threads")
         if self.weights in ("int4", "int8") and (
             self.dtype == "float32" or self.kernels == "torch"
         ):
@@ -292,9 +283,8 @@ class EngineConfig:
         return self
 
     def _validate_tensor_parallel(self) -> None:
+        _check_at_least_one(self, "tensor_parallel_size")
         size = self.tensor_parallel_size
-        if size < 1:
-            raise ConfigError(f"--tensor-parallel-size must be at least 1, got {size}")
         if size == 1:
             return
         # Each of these runs on iterserve's C++ kernels or a second network, not sharded.
@@ -361,6 +351,14 @@ def _check_choices(config: Any) -> None:
         value = getattr(config, f.name)
         if choices is not None and value not in choices:
             raise ConfigError(f"{_flag(f.name)} must be one of {choices}, got {value!r}")
+
+
+def _check_at_least_one(config: Any, *names: str) -> None:
+    """Refuse a count below 1, naming its flag; None (unset) passes."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag(name)} must be at least 1, got {value}")
 
 
 def resolve_async_scheduling(config: EngineConfig, device_type: str) -> tuple[bool, str]:

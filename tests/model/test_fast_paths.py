@@ -37,13 +37,16 @@ ONEDNN = pytest.param(
 )
 
 
+# The tiny model these tests run (3 layers; one test takes 1).
+_SHAPE: dict[str, object] = dict(
+    vocab_size=VOCAB, weight_std=0.1, hidden_size=128, intermediate_size=256
+)
+
+
 @pytest.fixture(scope="module")
 def hf() -> transformers.PreTrainedModel:
     return tiny_hf_model(
-        vocab_size=VOCAB,
-        weight_std=0.1,
-        hidden_size=128,
-        intermediate_size=256,
+        **_SHAPE,  # type: ignore[arg-type]
         num_hidden_layers=3,
         max_position_embeddings=512,
         tie_word_embeddings=True,
@@ -159,13 +162,7 @@ def test_int8_kv_cache_kernels_store_and_read_what_torch_does() -> None:
     and the C++ attention reads them as the torch path does. One layer, so that both paths
     quantize the same K/V (deeper, fp32 rounding differences in attention would flip some
     roundings to int8 and the comparison would measure quantization noise instead)."""
-    one_layer = tiny_hf_model(
-        vocab_size=VOCAB,
-        weight_std=0.1,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=1,
-    )
+    one_layer = tiny_hf_model(**_SHAPE, num_hidden_layers=1)  # type: ignore[arg-type]
     tokens = _tokens(7, (70, 40, 90))
     model = _model(one_layer, torch.float32)
     runs = {}

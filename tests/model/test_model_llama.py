@@ -53,6 +53,23 @@ def _check(got: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+def _add_prompts(runner: PagedRunner, lengths: Sequence[int], seed: int = 1) -> dict[str, list[int]]:
+    """Random prompts of these lengths, added to `runner` as s0, s1, ...; returned by name."""
+    prompts = _prompts(lengths, seed)
+    for name, tokens in prompts.items():
+        runner.add(name, tokens)
+    return prompts
+
+
+def _check_one_step_prefill(
+    runner: PagedRunner, hf: transformers.PreTrainedModel, prompts: dict[str, list[int]]
+) -> None:
+    """Every prompt prefilled whole in one step: each one's logits as transformers'."""
+    out = runner.step([(name, len(t)) for name, t in prompts.items()])
+    for name, tokens in prompts.items():
+        _check(out[name], _reference(hf, tokens))
+
+
 @pytest.fixture(scope="module")
 def llama() -> transformers.PreTrainedModel:
     return _hf_model()
@@ -78,21 +95,14 @@ def test_batched_prefill_matches_transformers(
     llama: transformers.PreTrainedModel, block_size: int
 ) -> None:
     runner = PagedRunner(_ours(llama), block_size=block_size)
-    prompts = _prompts([5, 17, 1, 33, 8])
-    for name, tokens in prompts.items():
-        runner.add(name, tokens)
-    out = runner.step([(name, len(t)) for name, t in prompts.items()])
-    for name, tokens in prompts.items():
-        _check(out[name], _reference(llama, tokens))
+    _check_one_step_prefill(runner, llama, _add_prompts(runner, [5, 17, 1, 33, 8]))
 
 
 def test_chunked_prefill_mixed_with_decodes(
     llama: transformers.PreTrainedModel, decode_path: dict[str, bool]
 ) -> None:
     runner = PagedRunner(_ours(llama), block_size=4, seed=3, **decode_path)
-    seqs = _prompts([23, 19, 6, 12], seed=2)  # s0, s1 chunked; s2, s3 decode alongside
-    for name, tokens in seqs.items():
-        runner.add(name, tokens)
+    seqs = _add_prompts(runner, [23, 19, 6, 12], seed=2)  # s0, s1 chunked; s2, s3 decode alongside
     refs = {name: _reference(llama, tokens) for name, tokens in seqs.items()}
     got: dict[str, list[torch.Tensor]] = {name: [] for name in seqs}
 
@@ -147,9 +157,7 @@ def test_llama3_rope_scaling_untied() -> None:
     inv_freq, _ = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
     assert torch.equal(inv_freq, hf.model.rotary_emb.inv_freq)
     runner = PagedRunner(_ours(hf), block_size=4)
-    seqs = _prompts([40, 7], seed=6)
-    for name, tokens in seqs.items():
-        runner.add(name, tokens)
+    seqs = _add_prompts(runner, [40, 7], seed=6)
     first = runner.step([("s0", 25), ("s1", 7)])
     second = runner.step([("s0", 15)])
     _check(torch.cat([first["s0"], second["s0"]]), _reference(hf, seqs["s0"]))
@@ -161,9 +169,7 @@ def test_mistral_sliding_window_matches_transformers_past_the_window(
 ) -> None:
     hf = _hf_model("mistral", sliding_window=5)
     runner = PagedRunner(_ours(hf), block_size=4, seed=9, **decode_path)
-    seqs = _prompts([23, 14, 9], seed=10)
-    for name, tokens in seqs.items():
-        runner.add(name, tokens)
+    seqs = _add_prompts(runner, [23, 14, 9], seed=10)
     got: dict[str, list[torch.Tensor]] = {name: [] for name in seqs}
     plans = [
         [("s2", 1), ("s0", 12), ("s1", 3)],  # a fresh 12-token chunk longer than the window
@@ -181,12 +187,7 @@ def test_qwen2_qkv_bias() -> None:
     hf = _hf_model("qwen2", num_key_value_heads=1)
     assert "model.layers.0.self_attn.q_proj.bias" in hf.state_dict()
     runner = PagedRunner(_ours(hf), block_size=8)
-    seqs = _prompts([12, 30, 1], seed=7)
-    for name, tokens in seqs.items():
-        runner.add(name, tokens)
-    out = runner.step([(name, len(t)) for name, t in seqs.items()])
-    for name, tokens in seqs.items():
-        _check(out[name], _reference(hf, tokens))
+    _check_one_step_prefill(runner, hf, _add_prompts(runner, [12, 30, 1], seed=7))
 
 
 def test_bf16_keeps_greedy_argmax(

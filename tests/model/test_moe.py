@@ -26,7 +26,7 @@ from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
 from paged_runner import PagedRunner
 from tiny_checkpoints import model_config_of, tiny_hf_model
-from tiny_gguf import llama_cpp_permute
+from tiny_gguf import add_shape, llama_cpp_permute
 from transformers_reference import PROMPTS, reference
 
 EXPERTS, TOP_K = 4, 2
@@ -212,17 +212,7 @@ def _write_mixtral_gguf(
     weights = load_file(model_dir / "model.safetensors")
     metadata, _ = read_gguf_header(bundled_dir() / BUNDLED_GGUF)  # its tokenizer, as is
     writer = GGUFWriter(path, "llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    add_shape(writer, config)
     writer.add_expert_count(config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_tokenizer_model(metadata["tokenizer.ggml.model"])

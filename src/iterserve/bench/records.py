@@ -41,24 +41,21 @@ class RequestRecord:
 
     # ---- per-request metrics (seconds; None when the request cannot define one) ------------
 
+    def _since_arrival(self, instant: float | None) -> float | None:
+        return None if instant is None else instant - self.arrival_time
+
     @property
     def ttft(self) -> float | None:
         """Arrival -> first token, queueing included."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return self._since_arrival(self.first_token_time)
 
     @property
     def e2e(self) -> float | None:
-        if self.finish_time is None:
-            return None
-        return self.finish_time - self.arrival_time
+        return self._since_arrival(self.finish_time)
 
     @property
     def queue_time(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
+        return self._since_arrival(self.first_scheduled_time)
 
     @property
     def itls(self) -> list[float]:

@@ -81,14 +81,18 @@ def _masks_for_window(
     return decode.to(device), prefill
 
 
-def _build_plan(
-    meta: AttentionMetadata,
-    num_heads: int,
-    key_cache: torch.Tensor,
-    dtype: torch.dtype,
-    window: int,
-    explicit: bool,
-) -> _LayerPlan:
+@dataclass(frozen=True)
+class _LayerKind:
+    """What a layer's plan depends on besides the step and the cache's shape and dtype."""
+
+    num_heads: int
+    dtype: torch.dtype  # of q and of the computation
+    window: int  # the layer's sliding window (0: none)
+    explicit: bool  # scores soft-capped: attention through _attend_gathered
+
+
+def _build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, kind: _LayerKind) -> _LayerPlan:
+    num_heads, dtype, window, explicit = kind.num_heads, kind.dtype, kind.window, kind.explicit
     num_kv_heads, num_blocks, block_size, _ = key_cache.shape
     head_dim = head_dim_of(key_cache)
     if block_size != meta.block_size:
@@ -130,23 +134,16 @@ def _build_plan(
     )
 
 
-def _plan(
-    meta: AttentionMetadata,
-    num_heads: int,
-    key_cache: torch.Tensor,
-    dtype: torch.dtype,
-    window: int,
-    explicit: bool,
-) -> _LayerPlan:
+def _plan(meta: AttentionMetadata, key_cache: torch.Tensor, kind: _LayerKind) -> _LayerPlan:
     """Gather rows and typed masks for this cache; the first layer builds, the rest reuse.
 
     They depend on the cache's shape and dtypes, which `build_attention_metadata` is not told,
-    and on the layer's window and whether its scores are soft-capped (`explicit`).
+    and on the layer's window and whether its scores are soft-capped (`kind`).
     """
-    key = (num_heads, key_cache.shape, key_cache.dtype, dtype, window, explicit)
+    key = (kind, key_cache.shape, key_cache.dtype)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = _build_plan(meta, num_heads, key_cache, dtype, window, explicit)
+        plan = meta.plans[key] = _build_plan(meta, key_cache, kind)
     assert isinstance(plan, _LayerPlan)
     return plan
 
@@ -289,7 +286,7 @@ def paged_attention(
     k = _store(key_cache, meta.slot_mapping, k)
     v = _store(value_cache, meta.slot_mapping, v)
     window = meta.sliding_window if window is None else window
-    plan = _plan(meta, q.shape[1], key_cache, q.dtype, window, softcap > 0)
+    plan = _plan(meta, key_cache, _LayerKind(q.shape[1], q.dtype, window, softcap > 0))
 
     outputs: list[torch.Tensor] = []
     if meta.num_decodes:
@@ -370,13 +367,7 @@ def attend(
 
 
 @attend.register_fake
-def _(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer: int,
-    scale: float,
-    window: int,
-    softcap: float,
-) -> torch.Tensor:
+def _(q: torch.Tensor, *_: object) -> torch.Tensor:
+    # The output is q's shape and dtype whatever the rest: the op's schema (from `attend`'s
+    # signature) already checks the other arguments, so the fake does not restate them.
     return torch.empty_like(q, memory_format=torch.contiguous_format)

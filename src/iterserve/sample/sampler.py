@@ -163,6 +163,87 @@ def _top_k(p: SamplingParams, vocab: int) -> int:
     return p.top_k if 0 < p.top_k < vocab else 0
 
 
+@dataclass(frozen=True)
+class _Draws:
+    """Random rows sampled together: their rows of the step's logits, their params (in
+    the same order) and the uniform each one consumes."""
+
+    rows: _LogitRows
+    row_ids: list[int]
+    params: list[SamplingParams]
+    uniforms: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Truncation:
+    """Truncated rows' settings as tensors, one entry a row."""
+
+    inv_temp: torch.Tensor
+    top_k: torch.Tensor  # the vocab size where top-k is off
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device) -> _Truncation:
+        return cls(
+            _inverse_temperatures(params, device),
+            torch.tensor([_top_k(p, vocab) or vocab for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device),
+        )
+
+    def rows(self, index: torch.Tensor) -> _Truncation:
+        return _Truncation(
+            self.inv_temp[index], self.top_k[index], self.top_p[index], self.min_p[index]
+        )
+
+
+def _candidates(draws: _Draws, here: list[int], level: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `level` best logits of draws `here` (values and token ids, best first), or at
+    the vocab size their whole rows sorted."""
+    rows = draws.rows
+    selected = (
+        None  # every row of the step: read the logits in place
+        if len(here) == len(draws.params) == rows.logits.shape[0]
+        else torch.tensor([draws.row_ids[j] for j in here], device=rows.logits.device)
+    )
+    if level >= rows.logits.shape[1]:
+        # Stable, so equal logits keep vocab order and the draw is reproducible.
+        return torch.sort(rows.select(selected), dim=-1, descending=True, stable=True)
+    return rows.topk(selected, level)
+
+
+def _draw_candidates(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    limits: _Truncation,
+    level: int,
+    vocab_mass: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token drawn among its `level` best candidates (`values` best first, their
+    token ids `indices`) under top-k, top-p and min-p; and whether the row's support
+    provably lies among them (where it does not, the draw is discarded and the row tries
+    the next level)."""
+    ratio = ((values - values[:, :1]) * limits.inv_temp.unsqueeze(1)).exp_()
+    position = torch.arange(values.shape[1], device=values.device)
+    ratio.masked_fill_(position >= limits.top_k.unsqueeze(1), 0.0)
+    has_top_k = limits.top_k <= level
+    probs = ratio / torch.where(has_top_k, ratio.sum(-1), vocab_mass).unsqueeze(1)
+    cumulative = probs.cumsum(-1)
+    # vLLM's rule: drop the low tail whose total mass is <= 1 - p, i.e.
+    # keep a token while the mass strictly above it is < p (the best always).
+    keep = (cumulative - probs) < limits.top_p.unsqueeze(1)
+    keep &= ratio >= limits.min_p.unsqueeze(1)
+    # The best token always stays, whatever the rounding: a top_p below float32's
+    # range (1e-85) is 0 here, and an empty support would index past the row.
+    keep[:, 0] = True
+    positions = _draw_from_weights(ratio * keep, uniforms)
+    chosen = indices.gather(1, positions.unsqueeze(1)).squeeze(1)
+    done = has_top_k | (limits.top_p >= 1.0) | (cumulative[:, -1] >= limits.top_p)
+    return chosen, done
+
+
 class Sampler:
     """Samples one token per row of a [S, V] float32 logits tensor; see the module doc.
 
@@ -288,8 +369,8 @@ class Sampler:
             group = [j for j, t in enumerate(truncated) if t == want]
             if group:
                 row_ids = [random_rows[j] for j in group]
-                picked = sample(rows, row_ids, [params[i] for i in row_ids], uniforms[group])
-                tokens[torch.tensor(row_ids, device=device)] = picked
+                draws = _Draws(rows, row_ids, [params[i] for i in row_ids], uniforms[group])
+                tokens[torch.tensor(row_ids, device=device)] = sample(draws)
 
     def _ratios(self, rows: _LogitRows, row_ids: list[int], inv_temp: torch.Tensor) -> torch.Tensor:
         """exp((x - max) / T) = p_i / p_max for the given rows, in the workspace.
@@ -313,91 +394,59 @@ class Sampler:
             out.mul_(inv_temp.unsqueeze(1))
         return out.exp_()
 
-    def _sample_full(
-        self,
-        rows: _LogitRows,
-        row_ids: list[int],
-        params: list[SamplingParams],
-        uniforms: torch.Tensor,
-    ) -> torch.Tensor:
-        device = rows.logits.device
+    def _sample_full(self, draws: _Draws) -> torch.Tensor:
+        params, device = draws.params, draws.rows.logits.device
         inv_temp = _inverse_temperatures(params, device)
-        weights = self._ratios(rows, row_ids, inv_temp)
+        weights = self._ratios(draws.rows, draws.row_ids, inv_temp)
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=device)
             weights.masked_fill_(weights < min_p.unsqueeze(1), 0.0)
-        return _draw_from_weights(weights, uniforms)
+        return _draw_from_weights(weights, draws.uniforms)
 
-    def _sample_truncated(
-        self,
-        rows: _LogitRows,
-        row_ids: list[int],
-        params: list[SamplingParams],
-        uniforms: torch.Tensor,
-    ) -> torch.Tensor:
+    def _sample_truncated(self, draws: _Draws) -> torch.Tensor:
         """Top-k, then top-p over the top-k survivors, then min-p, over growing candidate sets.
 
         A row is resolved with K candidates when its support provably lies in
         them: top-k with k <= K, or a nucleus whose mass is reached within the K
         best tokens (every later token then has >= p of mass above it and is cut).
         """
+        rows, params = draws.rows, draws.params
         device, vocab = rows.logits.device, rows.logits.shape[1]
-        n = len(row_ids)
-        inv_temp = _inverse_temperatures(params, device)
-        top_k = torch.tensor([_top_k(p, vocab) or vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        # Without top-k a nucleus is measured against the whole vocab: one pass
-        # over the row for sum_i p_i / p_max, done once, not once per level.
-        vocab_mass = torch.full((n,), float("nan"), device=device)
-        needs_mass = [j for j, p in enumerate(params) if not _top_k(p, vocab) and p.top_p < 1.0]
-        if needs_mass:
-            ratios = self._ratios(rows, [row_ids[j] for j in needs_mass], inv_temp[needs_mass])
-            vocab_mass[needs_mass] = ratios.sum(-1)
-
-        picked = torch.empty(n, dtype=torch.long, device=device)
-        pending = list(range(n))
+        limits = _Truncation.of(params, vocab, device)
+        vocab_mass = self._vocab_mass(draws, limits.inv_temp)
+        picked = torch.empty(len(params), dtype=torch.long, device=device)
+        pending = list(range(len(params)))
         for level in sorted({min(k, vocab) for k in _CANDIDATE_LEVELS} | {vocab}):
             # A top-k row cannot start below its k: renormalising the top-k
             # distribution needs all k candidates.
             here = [j for j in pending if _top_k(params[j], vocab) <= level]
             if not here:
                 continue
-            selected = (
-                None
-                if n == rows.logits.shape[0] and len(here) == n
-                else (torch.tensor([row_ids[j] for j in here], device=device))
-            )
-            if level >= vocab:
-                # Stable, so equal logits keep vocab order and the draw is reproducible.
-                values, indices = torch.sort(
-                    rows.select(selected), dim=-1, descending=True, stable=True
-                )
-            else:
-                values, indices = rows.topk(selected, level)
+            values, indices = _candidates(draws, here, level)
             h = torch.tensor(here, device=device)
-            ratio = ((values - values[:, :1]) * inv_temp[h].unsqueeze(1)).exp_()
-            position = torch.arange(values.shape[1], device=device)
-            ratio.masked_fill_(position >= top_k[h].unsqueeze(1), 0.0)
-            has_top_k = top_k[h] <= level
-            probs = ratio / torch.where(has_top_k, ratio.sum(-1), vocab_mass[h]).unsqueeze(1)
-            cumulative = probs.cumsum(-1)
-            # vLLM's rule: drop the low tail whose total mass is <= 1 - p, i.e.
-            # keep a token while the mass strictly above it is < p (the best always).
-            keep = (cumulative - probs) < top_p[h].unsqueeze(1)
-            keep &= ratio >= min_p[h].unsqueeze(1)
-            # The best token always stays, whatever the rounding: a top_p below float32's
-            # range (1e-85) is 0 here, and an empty support would index past the row.
-            keep[:, 0] = True
-            positions = _draw_from_weights(ratio * keep, uniforms[h])
-            chosen = indices.gather(1, positions.unsqueeze(1)).squeeze(1)
-            done = has_top_k | (top_p[h] >= 1.0) | (cumulative[:, -1] >= top_p[h])
+            chosen, done = _draw_candidates(
+                values, indices, limits.rows(h), level, vocab_mass[h], draws.uniforms[h]
+            )
             picked[h[done]] = chosen[done]
             finished = set(h[done].tolist())
             pending = [j for j in pending if j not in finished]
             if not pending:
                 break
         return picked
+
+    def _vocab_mass(self, draws: _Draws, inv_temp: torch.Tensor) -> torch.Tensor:
+        """sum_i p_i / p_max over the whole vocab for the rows with a nucleus and no top-k
+        (NaN for the others): such a nucleus is measured against the whole vocab, so one
+        pass over the row, done once, not once per candidate level."""
+        vocab = draws.rows.logits.shape[1]
+        mass = torch.full((len(draws.params),), float("nan"), device=draws.rows.logits.device)
+        needs_mass = [
+            j for j, p in enumerate(draws.params) if not _top_k(p, vocab) and p.top_p < 1.0
+        ]
+        if needs_mass:
+            row_ids = [draws.row_ids[j] for j in needs_mass]
+            mass[needs_mass] = self._ratios(draws.rows, row_ids, inv_temp[needs_mass]).sum(-1)
+        return mass
 
     def _logprobs(
         self,

@@ -104,6 +104,23 @@ struct Rows {
   const float* x_offsets;
 };
 
+// ---- the accumulators every format shares -------------------------------------------------
+
+// MR rows x NT tiles of 16 sums (fp32 F16 or int32 I16), all zero.
+template <typename V, int MR, int NT>
+ITERSERVE_INLINE void zero_all(V (&sums)[MR][NT]) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) sums[r][j] = V::zero();
+}
+
+// Row m0 + r's outputs of tile tile0 + j, through the epilogue.
+template <int MR, int NT>
+ITERSERVE_INLINE void store_all(const Epilogue& ep, int64_t m0, int64_t tile0,
+                                const F16 (&acc)[MR][NT]) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+}
+
 // ---- bf16 -----------------------------------------------------------------------------
 
 template <int MR, int NT>
@@ -112,8 +129,7 @@ inline void bf16_tiles(const Rows& rows, int64_t m0, const at::BFloat16* w, int6
   const int64_t tile_elems = K * kTile;
   const at::BFloat16* wt = w + tile0 * tile_elems;
   F16 acc[MR][NT];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
+  zero_all(acc);
   for (int64_t k = 0; k < K; k += 2) {
     Pairs wv[NT];
     for (int j = 0; j < NT; ++j) wv[j] = load_pairs(wt + j * tile_elems + k * kTile);
@@ -122,112 +138,115 @@ inline void bf16_tiles(const Rows& rows, int64_t m0, const at::BFloat16* w, int6
       for (int j = 0; j < NT; ++j) acc[r][j] = pair_dot(acc[r][j], wv[j], xv);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+  store_all(ep, m0, tile0, acc);
 }
 
 // ---- q4 (GGUF Q4_0 / Q4_1) --------------------------------------------------------------
 
 // A block's 256 bytes hold 16 outputs x 32 inputs as 4 chunks of 64 bytes, i.e. 32 16-bit
 // words; word 2j+e of chunk c holds output j's input 2p+e for the four pairs p = 4c..4c+3,
-// pair 4c+i in bits 4i..4i+3. Moving a nibble to bits 3..6 and setting 0x3F80 makes the
-// bf16 number 1 + q/16 with no cross-lane shuffle (a shift and one ternary-logic op), so
+// pair 4c+i in bits 4i..4i+3. The two roads below differ in how a chunk's products are
+// summed and how a block's scale d and offset m apply to the sums; q4_tiles walks the
+// blocks for both.
+//
+// Q4Bf16, exact: moving a nibble to bits 3..6 and setting 0x3F80 makes the bf16 number
+// 1 + q/16 with no cross-lane shuffle (a shift and one ternary-logic op), so
 //   sum_k x_k w_k = sum_k x_k (d q_k + m) = 16d * sum_k x_k (1 + q_k/16) + (m - 16d) * sum_k x_k
 // where every product x_k (1 + q_k/16) is exact in fp32.
 // (Shifting 32-bit lanes moves bits across the two words, but only into bits the mask drops.)
-template <int I>
-ITERSERVE_INLINE Pairs q4_pair(const I16& words) {
-  const I16 field = I16::splat(0x00780078);
-  const I16 one = I16::splat(0x3F803F80);
-  const I16 moved = I == 0 ? shift_left<3>(words) : shift_right<4 * I - 3>(words);
-  return pairs_from_bits((moved & field) | one);
-}
+struct Q4Bf16 {
+  using Sums = F16;
 
-template <int MR, int NT>
-inline void q4_tiles(const Rows& rows, int64_t m0, const uint8_t* q, const at::Half* scales,
-                     int64_t tile0, int64_t K, const Epilogue& ep) {
-  const int64_t blocks = K / kBlock;
-  F16 acc[MR][NT];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
-  for (int64_t b = 0; b < blocks; ++b) {
-    F16 part[MR][NT];
+  template <int I>
+  static ITERSERVE_INLINE Pairs pair(const I16& words) {
+    const I16 field = I16::splat(0x00780078);
+    const I16 one = I16::splat(0x3F803F80);
+    const I16 moved = I == 0 ? shift_left<3>(words) : shift_right<4 * I - 3>(words);
+    return pairs_from_bits((moved & field) | one);
+  }
+
+  // Inputs k..k+7 of rows m0.., against chunk j of `chunks` (one a tile, `stride` bytes apart).
+  template <int MR, int NT>
+  static ITERSERVE_INLINE void chunk(const Rows& rows, int64_t m0, int64_t k, int64_t /*K*/,
+                                     const uint8_t* chunks, int64_t stride, F16 (&part)[MR][NT]) {
+    XPair xv[MR][4];
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NT; ++j) part[r][j] = F16::zero();
-    for (int c = 0; c < 4; ++c) {
-      const int64_t k = b * kBlock + 8 * c;
-      XPair xv[MR][4];
-      for (int r = 0; r < MR; ++r)
-        for (int i = 0; i < 4; ++i) xv[r][i] = rows.pair(m0 + r, k + 2 * i);
-      for (int j = 0; j < NT; ++j) {
-        const I16 words = I16::load(q + ((tile0 + j) * blocks + b) * 256 + c * 64);
-        const Pairs w[4] = {q4_pair<0>(words), q4_pair<1>(words), q4_pair<2>(words),
-                            q4_pair<3>(words)};
-        for (int r = 0; r < MR; ++r)
-          for (int i = 0; i < 4; ++i) part[r][j] = pair_dot(part[r][j], w[i], xv[r][i]);
-      }
-    }
+      for (int i = 0; i < 4; ++i) xv[r][i] = rows.pair(m0 + r, k + 2 * i);
     for (int j = 0; j < NT; ++j) {
-      const at::Half* s = scales + ((tile0 + j) * blocks + b) * 2 * kTile;
-      const F16 d16 = load_f16x16(s) * F16::splat(16.0f);
-      const F16 offset = load_f16x16(s + kTile) - d16;
-      for (int r = 0; r < MR; ++r) {
-        const F16 xsum = F16::splat(rows.block_sums[(m0 + r) * blocks + b]);
-        acc[r][j] = fmadd(part[r][j], d16, fmadd(offset, xsum, acc[r][j]));
-      }
+      const I16 words = I16::load(chunks + j * stride);
+      const Pairs w[4] = {pair<0>(words), pair<1>(words), pair<2>(words), pair<3>(words)};
+      for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < 4; ++i) part[r][j] = pair_dot(part[r][j], w[i], xv[r][i]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
-}
 
-// Without bf16 dot products the exact kernel above unpacks each nibble to fp32 and spends an
-// FMA on it, which makes a one-row step compute-bound; this one multiplies the nibbles as
-// bytes by the activations quantized to int8 per block of 32 (as the i8 format does, and as
-// llama.cpp's 4-bit kernels do), four products an instruction lane (simd.h's dot_q4):
+  // acc plus a row's block `at` ((row, block) in Rows' per-block arrays) of scale d, offset m.
+  static ITERSERVE_INLINE F16 fold(const Rows& rows, int64_t at, const F16& part, const F16& d,
+                                   const F16& m, const F16& acc) {
+    const F16 d16 = d * F16::splat(16.0f);
+    const F16 xsum = F16::splat(rows.block_sums[at]);
+    return fmadd(part, d16, fmadd(m - d16, xsum, acc));
+  }
+};
+
+// Q4Int8: without bf16 dot products the exact road unpacks each nibble to fp32 and spends
+// an FMA on it, which makes a one-row step compute-bound; this one multiplies the nibbles
+// as bytes by the activations quantized to int8 per block of 32 (as the i8 format does,
+// and as llama.cpp's 4-bit kernels do), four products an instruction lane (simd.h's dot_q4):
 //   sum_k x_k w_k ~ d * s_x * sum_k q_k xq_k + m * sum_k x_k
 // with the block sum of x exact. A chunk's lane dword holds inputs (0, 4, 1, 5) of its 8 in
 // its bytes' low nibbles and (2, 6, 3, 7) in the high ones (see the layout above), so the
 // rows are quantized in that order (QuantizedRows with `q4_order`).
-template <int MR, int NT>
-inline void q4_tiles_int8(const Rows& rows, int64_t m0, const uint8_t* q, const at::Half* scales,
-                          int64_t tile0, int64_t K, const Epilogue& ep) {
-  const int64_t blocks = K / kBlock;
-  F16 acc[MR][NT];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
-  for (int64_t b = 0; b < blocks; ++b) {
-    I16 part[MR][NT];
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NT; ++j) part[r][j] = I16::zero();
-    for (int c = 0; c < 4; ++c) {
-      const int64_t k = b * kBlock + 8 * c;
-      for (int j = 0; j < NT; ++j) {
-        const Q4Chunk w = load_q4_chunk(q + ((tile0 + j) * blocks + b) * 256 + c * 64);
-        for (int r = 0; r < MR; ++r) {
-          int32_t quads[2];
-          std::memcpy(quads, rows.xq + (m0 + r) * K + k, sizeof(quads));
-          part[r][j] = dot_q4(part[r][j], w, quads[0], quads[1]);
-        }
-      }
-    }
+struct Q4Int8 {
+  using Sums = I16;
+
+  template <int MR, int NT>
+  static ITERSERVE_INLINE void chunk(const Rows& rows, int64_t m0, int64_t k, int64_t K,
+                                     const uint8_t* chunks, int64_t stride, I16 (&part)[MR][NT]) {
     for (int j = 0; j < NT; ++j) {
-      const at::Half* s = scales + ((tile0 + j) * blocks + b) * 2 * kTile;
-      const F16 d = load_f16x16(s), offset = load_f16x16(s + kTile);
+      const Q4Chunk w = load_q4_chunk(chunks + j * stride);
       for (int r = 0; r < MR; ++r) {
-        const int64_t at = (m0 + r) * blocks + b;
-        const F16 xsum = F16::splat(rows.block_sums[at]);
-        acc[r][j] = fmadd(to_float(q4_block_sums(part[r][j])), d * F16::splat(rows.x_scales[at]),
-                          fmadd(offset, xsum, acc[r][j]));
+        int32_t quads[2];
+        std::memcpy(quads, rows.xq + (m0 + r) * K + k, sizeof(quads));
+        part[r][j] = dot_q4(part[r][j], w, quads[0], quads[1]);
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
-}
+
+  static ITERSERVE_INLINE F16 fold(const Rows& rows, int64_t at, const I16& part, const F16& d,
+                                   const F16& m, const F16& acc) {
+    const F16 xsum = F16::splat(rows.block_sums[at]);
+    return fmadd(to_float(q4_block_sums(part)), d * F16::splat(rows.x_scales[at]),
+                 fmadd(m, xsum, acc));
+  }
+};
 
 // q4 on this CPU: exact bf16 products where it has bf16 dot products, int8 ones elsewhere.
-constexpr bool kQ4Int8 = !kBf16Dot;
+using Q4Road = std::conditional_t<kBf16Dot, Q4Bf16, Q4Int8>;
+constexpr bool kQ4Int8 = std::is_same_v<Q4Road, Q4Int8>;
+
+template <typename Road, int MR, int NT>
+inline void q4_tiles(const Rows& rows, int64_t m0, const uint8_t* q, const at::Half* scales,
+                     int64_t tile0, int64_t K, const Epilogue& ep) {
+  const int64_t blocks = K / kBlock, stride = blocks * 256;
+  F16 acc[MR][NT];
+  zero_all(acc);
+  for (int64_t b = 0; b < blocks; ++b) {
+    typename Road::Sums part[MR][NT];
+    zero_all(part);
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* chunks = q + (tile0 * blocks + b) * 256 + c * 64;
+      Road::template chunk<MR, NT>(rows, m0, b * kBlock + 8 * c, K, chunks, stride, part);
+    }
+    for (int j = 0; j < NT; ++j) {
+      const at::Half* s = scales + ((tile0 + j) * blocks + b) * 2 * kTile;
+      const F16 d = load_f16x16(s), m = load_f16x16(s + kTile);
+      for (int r = 0; r < MR; ++r)
+        acc[r][j] = Road::fold(rows, (m0 + r) * blocks + b, part[r][j], d, m, acc[r][j]);
+    }
+  }
+  store_all(ep, m0, tile0, acc);
+}
 
 // ---- q8 (GGUF Q8_0) --------------------------------------------------------------------
 
@@ -250,12 +269,10 @@ inline void q8_tiles(const Rows& rows, int64_t m0, const int8_t* q, const at::Ha
                      int64_t tile0, int64_t K, const Epilogue& ep) {
   const int64_t blocks = K / kBlock;
   F16 acc[MR][NT];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
+  zero_all(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     F16 part[MR][NT];
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NT; ++j) part[r][j] = F16::zero();
+    zero_all(part);
     for (int p = 0; p < kBlock / 2; ++p) {
       const int64_t k = b * kBlock + 2 * p;
       for (int j = 0; j < NT; ++j) {
@@ -268,8 +285,7 @@ inline void q8_tiles(const Rows& rows, int64_t m0, const int8_t* q, const at::Ha
       for (int r = 0; r < MR; ++r) acc[r][j] = fmadd(part[r][j], d, acc[r][j]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+  store_all(ep, m0, tile0, acc);
 }
 
 // ---- qk (GGUF K-quants, Q5_0/Q5_1) ---------------------------------------------------------
@@ -285,7 +301,7 @@ ITERSERVE_INLINE I16 shift_by(const I16& a) {
   else return a;
 }
 
-// The qk blocks on int8 activations ("qk-int8", the int8 road as q4_tiles_int8 takes it): the
+// The qk blocks on int8 activations ("qk-int8", the int8 road as q4's Q4Int8 takes it): the
 // activations quantized per block of 32 (QuantizedRows, in q4 order), each weight's q a whole
 // unsigned byte built in registers, 4 products an instruction lane (simd.h's dot_u8). The
 // bytes are qk's but for the high bits, laid out beside the nibble bytes they complete: in
@@ -333,14 +349,13 @@ inline void qk_tiles_int8(const Rows& rows, int64_t m0, const uint8_t* q, const 
   constexpr bool kPer16 = B == 6;
   const int64_t blocks = K / kBlock, n_supers = blocks / blocks_per_super;
   F16 acc[MR][NT];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
+  zero_all(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk[NT];
     for (int j = 0; j < NT; ++j) blk[j] = q + ((tile0 + j) * blocks + b) * kBytes;
     I16 first[MR][NT], second[MR][NT];  // inputs 0-15 and 16-31
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NT; ++j) first[r][j] = second[r][j] = I16::zero();
+    zero_all(first);
+    zero_all(second);
     qk_int8_chunk<B, 0, MR, NT>(rows, m0, blk, b * kBlock, K, first);
     qk_int8_chunk<B, 1, MR, NT>(rows, m0, blk, b * kBlock, K, first);
     qk_int8_chunk<B, 2, MR, NT>(rows, m0, blk, b * kBlock, K, second);
@@ -377,8 +392,7 @@ inline void qk_tiles_int8(const Rows& rows, int64_t m0, const uint8_t* q, const 
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+  store_all(ep, m0, tile0, acc);
 }
 
 // ---- i8 (W8A8) --------------------------------------------------------------------------
@@ -398,7 +412,7 @@ struct QuantizedRows {
   Tensor half_sums;  // [M, K/16] fp32: s * (sum of q over 16 inputs), if asked for (qk-int8)
 
   // Every element is written below: uninitialised buffers, no fill. `q4_order`: each 8
-  // inputs stored as (0, 4, 1, 5, 2, 6, 3, 7), the order q4_tiles_int8 reads them in.
+  // inputs stored as (0, 4, 1, 5, 2, 6, 3, 7), the order Q4Int8 reads them in.
   QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K, bool q4_order = false,
                 bool with_half_sums = false)
       : q(at::empty({M, K}, at::kChar)),
@@ -450,12 +464,10 @@ inline void i8_tiles(const Rows& rows, int64_t m0, const uint8_t* w, const float
   const int8_t* xq = rows.xq;
   const uint8_t* wt = w + tile0 * tile_bytes;
   F16 acc[MR][NT];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = F16::zero();
+  zero_all(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     I16 part[MR][NT];
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NT; ++j) part[r][j] = I16::zero();
+    zero_all(part);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 4) {
       I8Quads wv[NT];
       for (int j = 0; j < NT; ++j) wv[j] = load_i8_quads(wt + j * tile_bytes + k * kTile);
@@ -516,12 +528,8 @@ inline void run_tiles(const Weights& w, const Rows& rows, int64_t m0, int64_t ti
       bf16_tiles<MR, NT>(rows, m0, static_cast<const at::BFloat16*>(w.data), tile0, w.K, ep);
       break;
     case Format::kQ4:
-      if constexpr (kQ4Int8)
-        q4_tiles_int8<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
-                              static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
-      else
-        q4_tiles<MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
-                         static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
+      q4_tiles<Q4Road, MR, NT>(rows, m0, static_cast<const uint8_t*>(w.data),
+                               static_cast<const at::Half*>(w.scales), tile0, w.K, ep);
       break;
     case Format::kQ8:
       q8_tiles<MR, NT>(rows, m0, static_cast<const int8_t*>(w.data),
