@@ -440,12 +440,7 @@ def _load_weights(
     """Every tensor, dequantized to `dtype` when read (model/lazy_weights.py), plus the 2-D
     ones in a block format our kernels read kept as they are (rows un-permuted alike).
     Other quantized types (Q2_K, Q3_K, IQ*, ...) are only dequantized, and the log says so."""
-    # Only llama.cpp's "llama" converter permutes; its Qwen2 uses NEOX rope, i.e. rotate_half.
-    rope_heads = (
-        {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-        if gguf_arch == "llama"
-        else {}
-    )
+    rope_heads = _permuted_heads(config, gguf_arch)
     weights = LazyWeights()
     quantized: dict[str, BlockWeight] = {}
     expanded: set[str] = set()  # quantized types with no kernel: dequantized to `dtype`
@@ -470,8 +465,7 @@ def _load_weights(
         qtype = info.qtype.name
         if (experts := gguf_expert_names(info.name, info.shape[0])) is not None:
             for e, name in enumerate(experts):
-                make = functools.partial(_expert, stack, info.name, e, dtype)
-                weights.add(name, info.shape[1:], make)
+                weights.add(name, info.shape[1:], functools.partial(_expert, stack, info, e, dtype))
             quantized.update(_expert_blocks(raw, info, experts, expanded))
             continue
         name = hf_tensor_name(info.name, gguf_arch)
@@ -496,6 +490,14 @@ def _load_weights(
             ", ".join(sorted({*BLOCK_BYTES, *KQUANT_BLOCK_SIZES})),
         )
     return weights, quantized
+
+
+def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:
+    """Heads per projection whose rows llama.cpp permuted for its rope. Only its "llama"
+    converter permutes; its Qwen2 uses NEOX rope, i.e. rotate_half."""
+    if gguf_arch != "llama":
+        return {}
+    return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 
 
 def _dequantized(path: Path, raw: np.ndarray, info: GGUFTensorInfo) -> torch.Tensor:
@@ -524,9 +526,9 @@ def _tensor(
 
 
 def _expert(
-    stack: Callable[[str], torch.Tensor], stack_name: str, expert: int, dtype: torch.dtype
+    stack: Callable[[str], torch.Tensor], info: GGUFTensorInfo, expert: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    return stack(stack_name)[expert].to(dtype).contiguous()
+    return stack(info.name)[expert].to(dtype).contiguous()
 
 
 def _expert_blocks(
