@@ -25,15 +25,17 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from iterserve.core.outputs import SchedulerOutput
 from iterserve.core.request import Request
 
 
-@dataclass(frozen=True)
-class SteadyDecodes:
+class SteadyDecodes(NamedTuple):
     """A step's decodes by the cohort's members, not listed one by one: each computes one
-    token and samples the executor's known token (sim/executor.py prices them)."""
+    token and samples the executor's known token (sim/executor.py prices them). A tuple:
+    the fleet makes ~8 a request ahead (sim/fleet.py), and a frozen dataclass's
+    __init__ costs several times a tuple's."""
 
     num_seqs: int
     total_context: int  # tokens they attend over, each its new one included
