@@ -110,7 +110,9 @@ class CohortScheduler(Scheduler):
         finished: list[Request] = []
         for end in ends:
             self._finished_ids.clear()  # the step would have told the executor
-            cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
+            num_new_blocks = cohort.num_new_blocks()
+            if num_new_blocks:
+                cohort.blocks += self.kv.take_free_blocks(num_new_blocks)
             cohort.end_step(end)
             for request in cohort.done():
                 self._finish_held(request, end)

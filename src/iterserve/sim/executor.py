@@ -174,11 +174,15 @@ class RooflineCostModel(CostModel):
         return self._time(tokens, pairs, kv_tokens)
 
     def _time(self, tokens: int, pairs: int, kv_tokens: int) -> float:
-        compute = 2 * self.model.num_params * tokens + self.model.attn_flops_per_pair * pairs
-        memory = self.model.weight_bytes + self.model.kv_bytes_per_token * kv_tokens
-        hw = self.hardware
-        device = max(compute / hw.flops, memory / hw.bandwidth)
-        return max(hw.step_overhead, device) if self.overlap else hw.step_overhead + device
+        # Locals and comparisons, not max(): the fleet prices ~10 steps a request ahead
+        # (sim/fleet.py), and a builtin call costs more than the arithmetic.
+        model, hw = self.model, self.hardware
+        compute = (2 * model.num_params * tokens + model.attn_flops_per_pair * pairs) / hw.flops
+        memory = (model.weight_bytes + model.kv_bytes_per_token * kv_tokens) / hw.bandwidth
+        device = memory if memory > compute else compute
+        if self.overlap:
+            return device if device > hw.step_overhead else hw.step_overhead
+        return hw.step_overhead + device
 
 
 class VirtualClock:
