@@ -341,7 +341,8 @@ class FleetReplay:
         """Request i arrives: routed on the loads of this moment, to a replica that first
         runs what it glided over by now."""
         self._glide_until(now)
-        prompt = self.workload.requests[i].token_ids()
+        wanted = self.workload.requests[i]
+        prompt = wanted.token_ids()
         if self.feed is not None:
             hashes, prepared = self.feed.next()
         else:
@@ -355,7 +356,6 @@ class FleetReplay:
             if target.engine.has_unfinished():  # else it finished them all: idle
                 heapq.heappush(self.busy, (target.clock.now, index, self.versions[index]))
         was_idle = not target.engine.has_unfinished()
-        wanted = self.workload.requests[i]
         params = self._params_for(wanted.output_len)
         request = _admit(target.scheduler, prompt, hashes, params, wanted.lane, self.records[i])
         if request is None:
