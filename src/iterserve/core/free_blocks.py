@@ -55,7 +55,8 @@ class FreeBlockQueue:
         if len(taken) < count:
             back, head, wanted = self._back, self._head, count - len(taken)
             run = back[head : head + wanted]
-            if self._stale.keys().isdisjoint(run):  # the usual case: all of them are live
+            stale = self._stale
+            if not stale or stale.keys().isdisjoint(run):  # the usual case: all are live
                 taken += run
                 head += wanted
             else:

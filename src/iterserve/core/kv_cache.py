@@ -329,10 +329,11 @@ class KVCacheManager:
         keep: list[int] = []
         drop: list[int] = []  # nothing worth keeping in them: reused first
         for block_id in reversed(request.block_ids):
-            refs[block_id] -= 1
-            if refs[block_id] == 0:
+            holders = refs[block_id] - 1
+            refs[block_id] = holders
+            if not holders:
                 (keep if names[block_id] is not None else drop).append(block_id)
-            elif refs[block_id] < 0:
+            elif holders < 0:
                 raise KVCacheInvariantError(f"block {block_id} freed more often than taken")
         self._free.push_back(keep)
         self._free.push_front(drop)

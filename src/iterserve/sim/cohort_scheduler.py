@@ -108,12 +108,19 @@ class CohortScheduler(Scheduler):
         cohort = self._cohort
         assert cohort is not None
         finished: list[Request] = []
-        for end in ends:
-            self._finished_ids.clear()  # the step would have told the executor
-            cohort.blocks += self.kv.take_free_blocks(cohort.num_new_blocks())
-            cohort.end_step(end)
+        ran = 0
+        # Steps up to the next in which members leave run together: until then nobody
+        # frees blocks, so taking all their new blocks at once takes the same ones.
+        while ran < len(ends):
+            self._finished_ids.clear()  # the steps would have told the executor
+            num_steps = cohort.quiet_steps(len(ends) - ran)
+            num_new_blocks = cohort.num_new_blocks(num_steps)
+            if num_new_blocks:
+                cohort.blocks += self.kv.take_free_blocks(num_new_blocks)
+            cohort.end_steps(ends[ran : ran + num_steps])
+            ran += num_steps
             for request in cohort.done():
-                self._finish_held(request, end)
+                self._finish_held(request, ends[ran - 1])
                 finished.append(request)
         if self._debug_invariants:
             self.check_invariants()
@@ -150,7 +157,7 @@ class CohortScheduler(Scheduler):
         cohort = self._cohort
         if cohort is None or steady_part(scheduled) is None:
             return []
-        cohort.end_step(now)
+        cohort.end_steps([now])
         return cohort.done()
 
     def _output(self, step: StepPlan, now: float) -> SchedulerOutput:

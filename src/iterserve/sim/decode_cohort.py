@@ -25,15 +25,17 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from iterserve.core.outputs import SchedulerOutput
 from iterserve.core.request import Request
 
 
-@dataclass(frozen=True)
-class SteadyDecodes:
+class SteadyDecodes(NamedTuple):
     """A step's decodes by the cohort's members, not listed one by one: each computes one
-    token and samples the executor's known token (sim/executor.py prices them)."""
+    token and samples the executor's known token (sim/executor.py prices them). A tuple:
+    the fleet makes ~8 a request ahead (sim/fleet.py), and a frozen dataclass's
+    __init__ costs several times a tuple's."""
 
     num_seqs: int
     total_context: int  # tokens they attend over, each its new one included
@@ -93,9 +95,23 @@ class DecodeCohort:
 
     # ---- this step -------------------------------------------------------------
 
-    def num_new_blocks(self) -> int:
-        """Members whose token this step starts a new KV block."""
-        return self._phases[-self.step % self.block_size]
+    def num_new_blocks(self, num_steps: int = 1) -> int:
+        """Members whose token this step starts a new KV block; with `num_steps`, summed
+        over this step and the next ones (steps in which no member leaves: quiet_steps)."""
+        phases, size, step = self._phases, self.block_size, self.step
+        if num_steps == 1:
+            return phases[-step % size]
+        return sum(phases[-(step + k) % size] for k in range(num_steps))
+
+    def quiet_steps(self, limit: int) -> int:
+        """How many of the next `limit` steps run up to the first in which a member makes
+        its last decode, that one included (all `limit` if there is none): steps a
+        scheduler may run at once, as nobody leaves or gives blocks back between them."""
+        last_steps, step = self._last_steps, self.step
+        for n in range(1, limit):
+            if step + n - 1 in last_steps:
+                return n
+        return limit
 
     def decodes(self) -> SteadyDecodes:
         """This step's decodes (the cohort must not be empty)."""
@@ -132,9 +148,10 @@ class DecodeCohort:
             self.release(request)
         return [request for _, request in leaving]
 
-    def end_step(self, now: float) -> None:
-        self._step_times.append(now)
-        self.step += 1
+    def end_steps(self, ends: list[float]) -> None:
+        """Steps run, each ending at its time in `ends` (its members' token time)."""
+        self._step_times.extend(ends)
+        self.step += len(ends)
 
     # ---- membership ------------------------------------------------------------
 

@@ -122,23 +122,25 @@ HARDWARE = {
     "h100-80g": _datasheet("h100-80g", 989e12, 3.35e12, step_overhead=3e-3, memory_bytes=80e9),
 }
 
+def _decoder(
+    name: str, num_params: float, layers: int, heads: int, kv_heads: int, head_dim: int
+) -> ModelShape:
+    """A dense decoder's shape from its architecture, weights and KV in bf16: a token's K
+    and V are `kv_heads` rows of `head_dim` a layer; each (query, context) pair costs a
+    multiply-add per head dimension for QK^T and another for PV, per query head and layer."""
+    return ModelShape(
+        name,
+        num_params=num_params,
+        weight_bytes=2 * num_params,
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * 2,
+        attn_flops_per_pair=4 * layers * heads * head_dim,
+        head_dim=head_dim,
+    )
+
+
 MODELS = {
-    "smollm2-135m": ModelShape(
-        "smollm2-135m",
-        num_params=135e6,
-        weight_bytes=2 * 135e6,
-        kv_bytes_per_token=2 * 30 * 3 * 64 * 2,
-        attn_flops_per_pair=4 * 30 * 9 * 64,
-        head_dim=64,
-    ),
-    "llama3-8b": ModelShape(
-        "llama3-8b",
-        num_params=8.0e9,
-        weight_bytes=2 * 8.0e9,
-        kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
-        attn_flops_per_pair=4 * 32 * 32 * 128,
-        head_dim=128,
-    ),
+    "smollm2-135m": _decoder("smollm2-135m", 135e6, layers=30, heads=9, kv_heads=3, head_dim=64),
+    "llama3-8b": _decoder("llama3-8b", 8.0e9, layers=32, heads=32, kv_heads=8, head_dim=128),
 }
 
 
@@ -174,11 +176,15 @@ class RooflineCostModel(CostModel):
         return self._time(tokens, pairs, kv_tokens)
 
     def _time(self, tokens: int, pairs: int, kv_tokens: int) -> float:
-        compute = 2 * self.model.num_params * tokens + self.model.attn_flops_per_pair * pairs
-        memory = self.model.weight_bytes + self.model.kv_bytes_per_token * kv_tokens
-        hw = self.hardware
-        device = max(compute / hw.flops, memory / hw.bandwidth)
-        return max(hw.step_overhead, device) if self.overlap else hw.step_overhead + device
+        # Locals and comparisons, not max(): the fleet prices ~10 steps a request ahead
+        # (sim/fleet.py), and a builtin call costs more than the arithmetic.
+        model, hw = self.model, self.hardware
+        compute = (2 * model.num_params * tokens + model.attn_flops_per_pair * pairs) / hw.flops
+        memory = (model.weight_bytes + model.kv_bytes_per_token * kv_tokens) / hw.bandwidth
+        device = memory if memory > compute else compute
+        if self.overlap:
+            return device if device > hw.step_overhead else hw.step_overhead
+        return hw.step_overhead + device
 
 
 class VirtualClock:
