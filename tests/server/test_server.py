@@ -252,6 +252,7 @@ BAD_INPUTS = [
     # A value that fits no member of a union is about the field, not pydantic's member.
     ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": 5.5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"Str": "x"}}, 400, "logit_bias.Str"),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": 5}]},

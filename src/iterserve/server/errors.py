@@ -104,7 +104,9 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if branch is not None:  # a value that matched no member of a union (`stop`: str | list)
         field = ".".join(loc[:branch])
         forms = _union_branches(errors, first["loc"][: len(first["loc"]) - len(loc) + branch])
-        return f"invalid value for '{field}': expected one of {', '.join(forms)}", field
+        # One error per member tried; a lone one is a dict key that looks like a type.
+        if len(forms) > 1:
+            return f"invalid value for '{field}': expected one of {', '.join(forms)}", field
     field = ".".join(loc) or None
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
