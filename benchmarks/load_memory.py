@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -66,11 +67,11 @@ def bf16_bytes(model: str) -> int:
     """The checkpoint's tensors, all of them in bf16."""
     import torch
 
+    from iterserve.model.lazy_weights import shape_of
     from iterserve.model.loader import load_model
 
-    loaded = load_model(model or None, torch.bfloat16)
-    shapes = {name: loaded.weights[name].numel() for name in loaded.weights}
-    return 2 * sum(shapes.values())
+    weights = load_model(model or None, torch.bfloat16).weights
+    return 2 * sum(math.prod(shape_of(weights, name)) for name in weights)  # none is read
 
 
 def load_peak(src: Path, model: str) -> dict[str, int]:

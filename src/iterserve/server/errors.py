@@ -22,6 +22,7 @@ from iterserve.engine.async_engine import (
     RequestFailedError,
 )
 from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.error_paths import is_union_member
 
 logger = logging.getLogger("iterserve.server")
 
@@ -100,7 +101,7 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     kind = first.get("type", "")
     # loc is ("body", "field", ...) for body errors; drop the "body" prefix.
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    branch = next((i for i, part in enumerate(loc) if _is_union_branch(part)), None)
+    branch = next((i for i, part in enumerate(loc) if is_union_member(part)), None)
     if branch is not None:  # a value that matched no member of a union (`stop`: str | list)
         field = ".".join(loc[:branch])
         forms = _union_branches(errors, first["loc"][: len(first["loc"]) - len(loc) + branch])
@@ -123,15 +124,6 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if kind == "missing":
         return f"the field '{field}' is required", field
     return f"invalid value for '{field}': {first.get('msg', 'invalid')}", field
-
-
-# Pydantic names each member of a union it tried in `loc`, after the field: `str`,
-# `list[str]`, a model's class name. The API's own field names are lower-case words.
-_BUILTIN_TYPES = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _is_union_branch(part: str) -> bool:
-    return part in _BUILTIN_TYPES or "[" in part or part[:1].isupper()
 
 
 def _union_branches(errors: list[Any], prefix: tuple[Any, ...]) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.error_paths import field_path
 from iterserve.server.protocol import ChatCompletionRequest
 
 # ---- request ----------------------------------------------------------------------------
@@ -244,14 +245,8 @@ def _parse_item(raw: dict[str, Any], index: int) -> BaseModel | None:
         return model.model_validate(raw)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if not _is_branch(str(part)))
-        param = f"input.{index}.{where}".rstrip(".")
+        param = f"input.{index}.{field_path(first['loc'])}".rstrip(".")
         raise InvalidRequestError(f"invalid value for '{param}': {first['msg']}", param) from None
-
-
-def _is_branch(part: str) -> bool:
-    # pydantic names the union member it tried (`str`, `list[_ContentPart]`)
-    return part == "str" or "[" in part
 
 
 def _text_of(content: str | list[_ContentPart], param: str) -> str:
