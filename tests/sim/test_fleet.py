@@ -31,6 +31,7 @@ from iterserve.sim.executor import (
     VirtualClock,
 )
 from iterserve.sim.fleet import simulate_fleet
+from iterserve.sim.replay_pool import ReplayBlockPool
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,8 @@ def _simulate(  # type: ignore[no-untyped-def]
         )  # fmt: skip
     finally:
         Scheduler.schedule = schedule  # type: ignore[method-assign]
+    for replica in fleet:
+        replica.scheduler.check_invariants()
     state = [
         (
             r.engine.stats.num_steps,
@@ -135,7 +138,9 @@ def test_block_hashes_computed_ahead_change_nothing(
     case: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chains hashed ahead in another process (sim/block_hash_feed.py) are the ones the
-    pool would hash itself: the same records, hits and re-admissions."""
+    pool would hash itself, and keeping the names of requests that share no block out of
+    the prefix cache's map (sim/replay_pool.py) changes no lookup: the same records,
+    hits, evictions and re-admissions."""
     trace = _trace(tmp_path)
     made = []
     feed = block_hash_feed.BlockHashFeed.__init__
@@ -144,13 +149,28 @@ def test_block_hashes_computed_ahead_change_nothing(
         made.append(self)
         feed(self, *args)
 
+    unshared: list[str] = []
+    remapped: list[str] = []
+    keep, remap = ReplayBlockPool.keep_unshared, ReplayBlockPool._map_names
     monkeypatch.setattr(block_hash_feed.BlockHashFeed, "__init__", counting)
+    monkeypatch.setattr(
+        ReplayBlockPool, "keep_unshared", lambda pool, rid: (unshared.append(rid), keep(pool, rid))
+    )
+    monkeypatch.setattr(
+        ReplayBlockPool, "_map_names", lambda pool, r: (remapped.append(r), remap(pool, r))
+    )
     monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 1)
     ahead = _simulate(case, tokenizer, trace, step_by_step=False, hash_algo="builtin")
     assert len(made) == 1 and made[0]._turn > 0  # the fleet took its chains from the feed
+    if case == "prefix hits":  # every prompt starts with one of 3 prefixes
+        assert not unshared
+    else:  # random prompts: their names stayed out of the map, and preempted ones went in
+        assert len(unshared) > 100
+        assert (len(remapped) > 10) == (case == "preemptions")
+    unshared.clear()
     monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 10**9)
     inline = _simulate(case, tokenizer, trace, step_by_step=False, hash_algo="builtin")
-    assert len(made) == 1
+    assert len(made) == 1 and not unshared
     assert ahead == inline
 
 
@@ -168,7 +188,8 @@ def test_a_fed_chain_is_the_one_the_pool_hashes_for_the_finished_request(
             placeholders = [SimulatedExecutor.PLACEHOLDER_TOKEN] * wanted.output_len
             request.append_output_tokens(placeholders, [0.0] * wanted.output_len)  # as sampled
             pool = KVCacheManager(1, 16, hash_algo="builtin")
-            assert feed.next() == (pool._hashes_for(request), None)
+            fed = feed.next()
+            assert (fed.chain, fed.prepared) == (pool._hashes_for(request), None)
     finally:
         feed.close()
 

@@ -52,6 +52,9 @@ class PoolWindow(Sequence[int]):
         return self.stop - self.start
 
     def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        if isinstance(index, slice):  # a slice of the pool, not of a copy of the window
+            start, stop, step = index.indices(len(self))
+            return self.pool[self.start + start : self.start + stop : step]
         return self.tolist()[index]
 
     def tolist(self) -> list[int]:
@@ -77,6 +80,10 @@ class WorkloadRequest:
     def token_ids(self) -> list[int]:
         ids = self.prompt_token_ids
         return ids.tolist() if isinstance(ids, PoolWindow) else list(ids)
+
+    def head(self, n: int) -> list[int]:
+        """The prompt's first `n` token ids (all of them if it is shorter)."""
+        return list(self.prompt_token_ids[:n])
 
 
 @dataclass

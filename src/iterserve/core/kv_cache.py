@@ -242,12 +242,8 @@ class KVCacheManager:
                 problems.append(
                     f"block {index} with ref_count {ref_count} is {where} the free queue"
                 )
-            if name is not None:
-                mapped = self._cached.get(name)
-                if mapped != index:
-                    problems.append(
-                        f"block {index} is named, but the prefix cache maps its name to {mapped}"
-                    )
+            if name is not None and (problem := self._map_problem(index, name)):
+                problems.append(problem)
         strays = [b for b in self._cached.values() if not 0 <= b < self.num_blocks]
         if strays:
             problems.append(f"the prefix cache maps names to blocks not in the pool: {strays}")
@@ -256,6 +252,13 @@ class KVCacheManager:
             problems.append(f"the pool counts {self._num_named} named blocks, not {num_named}")
         if problems:
             raise KVCacheInvariantError("KV block pool inconsistent:\n  " + "\n  ".join(problems))
+
+    def _map_problem(self, block_id: int, name: BlockHash) -> str | None:
+        """What is wrong with the prefix cache's map for a block bearing `name`, if anything."""
+        mapped = self._cached.get(name)
+        if mapped != block_id:
+            return f"block {block_id} is named, but the prefix cache maps its name to {mapped}"
+        return None
 
     # ---- changes -------------------------------------------------------------
 
@@ -304,11 +307,13 @@ class KVCacheManager:
             return
         hashes = self._hashes_for(request)
         self._named_upto[request.request_id] = num_full
+        self._name_blocks(request, request.block_ids[start:num_full], hashes[start:num_full])
+
+    def _name_blocks(self, request: Request, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        """Name the request's newly full blocks and map the names to them."""
         names, cached = self._names, self._cached
         named = 0
-        for block_id, block_hash in zip(
-            request.block_ids[start:num_full], hashes[start:num_full], strict=True
-        ):
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
             if names[block_id] is not None:
                 continue
             holder = cached.setdefault(block_hash, block_id)  # one dict lookup a block

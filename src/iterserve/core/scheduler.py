@@ -499,10 +499,10 @@ class Scheduler:
     def _preempt(self, request: Request, step: StepPlan) -> None:
         step.remove(request)
         self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED  # first: the pool may keep such blocks apart
         self.kv.cache_full_blocks(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         request.outputs_at_preemption = request.num_output_tokens
         self.num_preemptions += 1

@@ -85,8 +85,10 @@ class _InFlight:
 
 
 class EngineCore:
-    # What build() makes: a subclass may plan with a Scheduler subclass (sim/engine.py).
+    # What build() makes: a subclass may plan with a Scheduler subclass and keep its
+    # blocks in a KVCacheManager subclass (sim/engine.py).
     scheduler_type: type[Scheduler] = Scheduler
+    pool_type: type[KVCacheManager] = KVCacheManager
 
     def __init__(
         self,
@@ -120,7 +122,7 @@ class EngineCore:
         """A scheduler over a block pool of `num_blocks`, driving `executor`; `proposer`
         makes speculative drafts if config.speculative asks for them (default: n-gram)."""
         cache = config.cache
-        kv = KVCacheManager(
+        kv = cls.pool_type(
             num_blocks,
             cache.block_size,
             cache.enable_prefix_caching,

@@ -9,7 +9,10 @@ hashes the requests in arrival order and streams the chains back as int64; the f
 hands each to its request (Request.block_hashes), and the pool finds nothing left to hash.
 The pool's own function computes them, so the names, and every decision, are the same
 (tests/sim/test_fleet.py runs a fleet both ways). The router's reading of each prompt
-(Router.prepare: prefix-affinity's rendezvous hashing, as pure) comes along.
+(Router.prepare: prefix-affinity's rendezvous hashing, as pure) comes along, and whether
+the request is the only one whose first block bears its name: then no other request can
+ask for any of its blocks, and the replay's pool keeps its names out of the prefix
+cache's map (sim/replay_pool.py).
 
 Only for Python's builtin hash (an int64; sha256 names do not pack so), with prefix
 caching on, more than one core to run on, and enough requests to be worth a process.
@@ -22,6 +25,7 @@ import os
 from array import array
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 from iterserve.bench.workloads import WorkloadRequest
 from iterserve.config import CacheConfig
@@ -32,8 +36,14 @@ _CHUNK = 1000
 MIN_REQUESTS = 20_000
 
 
+class FedRequest(NamedTuple):
+    chain: list[int]  # its blocks' names (Request.block_hashes)
+    prepared: object  # the router's reading of its prompt
+    unshared: bool  # no other request's first block bears its first block's name
+
+
 class BlockHashFeed:
-    """Each request's chain and `prepare(prompt)`, in the order given, one `next()` an
+    """What each request brings (FedRequest), in the order given, one `next()` an
     arrival."""
 
     def __init__(
@@ -57,6 +67,7 @@ class BlockHashFeed:
         self._process.start()
         child_end.close()
         self._lengths: list[int] = []
+        self._unshared: list[int] = []
         self._prepared: list[object] = []
         self._flat = memoryview(b"").cast("q")
         self._turn = 0  # index in _lengths of the next request
@@ -72,15 +83,15 @@ class BlockHashFeed:
             and len(os.sched_getaffinity(0)) > 1
         )
 
-    def next(self) -> tuple[list[int], object]:
+    def next(self) -> FedRequest:
         if self._turn == len(self._lengths):
             self._receive()
-        n = self._lengths[self._turn]
+        turn = self._turn
+        n = self._lengths[turn]
         chain = self._flat[self._at : self._at + n].tolist()
-        prepared = self._prepared[self._turn]
         self._turn += 1
         self._at += n
-        return chain, prepared
+        return FedRequest(chain, self._prepared[turn], bool(self._unshared[turn]))
 
     def close(self) -> None:
         self._conn.close()  # a producer still sending meets a closed pipe and ends
@@ -99,7 +110,8 @@ class BlockHashFeed:
             ) from None
         count = message[0]
         self._lengths = message[1 : 1 + count].tolist()
-        self._flat = message[1 + count :]
+        self._unshared = message[1 + count : 1 + 2 * count].tolist()
+        self._flat = message[1 + 2 * count :]
         self._prepared = prepared
         self._turn = self._at = 0
 
@@ -112,11 +124,13 @@ def _produce(
     token_id: int,
     prepare: Callable[[list[int]], object],
 ) -> None:
-    """The chains of `requests` in `order`, _CHUNK to a message: [count, lengths, hashes];
-    then their prepare() answers, pickled."""
+    """The chains of `requests` in `order`, _CHUNK to a message: [count, lengths, unshared
+    flags, hashes]; then their prepare() answers, pickled."""
     try:
+        shared = _shared_first_names(requests, block_size, token_id)
         for first in range(0, len(order), _CHUNK):
             lengths = array("q")
+            unshared = array("q")
             flat = array("q")
             prepared = []
             for i in order[first : first + _CHUNK]:
@@ -125,13 +139,34 @@ def _produce(
                 tokens = prompt + [token_id] * request.output_len
                 chain = block_hash_chain(tokens, block_size, "builtin")
                 lengths.append(len(chain))
+                unshared.append(not chain or chain[0] not in shared)
                 flat.extend(chain)
                 prepared.append(prepare(prompt))
             conn.send_bytes(
-                array("q", [len(lengths)]).tobytes() + lengths.tobytes() + flat.tobytes()
+                array("q", [len(lengths)]).tobytes()
+                + lengths.tobytes()
+                + unshared.tobytes()
+                + flat.tobytes()
             )
             conn.send(prepared)
     except (BrokenPipeError, OSError):
         pass  # the fleet stopped early and closed its end
     finally:
         conn.close()
+
+
+def _shared_first_names(
+    requests: Sequence[WorkloadRequest], block_size: int, token_id: int
+) -> set[int]:
+    """The names the first blocks of two or more requests bear. A name covers every token
+    before it, so a request whose first name is not among them shares no block."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for request in requests:
+        head = request.head(block_size)
+        head += [token_id] * min(request.output_len, block_size - len(head))
+        for name in block_hash_chain(head, block_size, "builtin"):  # none if too short
+            if name in seen:
+                shared.add(name)
+            seen.add(name)
+    return shared

@@ -1,16 +1,25 @@
 """The engine loop of a simulated replica: the core loop (engine/engine_core.py) with the
-cohort scheduler (sim/cohort_scheduler.py), and the cohort's glides run at once."""
+cohort scheduler (sim/cohort_scheduler.py) over the replay's block pool
+(sim/replay_pool.py), and the cohort's glides run at once."""
 
 from __future__ import annotations
 
 from iterserve.core.request import Request
 from iterserve.engine.engine_core import CoreStep, EngineCore
 from iterserve.sim.cohort_scheduler import CohortScheduler, steady_part
+from iterserve.sim.replay_pool import ReplayBlockPool
 
 
 class SteadyEngineCore(EngineCore):
     scheduler_type = CohortScheduler
     scheduler: CohortScheduler
+    pool_type = ReplayBlockPool
+
+    @property
+    def pool(self) -> ReplayBlockPool:
+        pool = self.scheduler.kv
+        assert isinstance(pool, ReplayBlockPool)
+        return pool
 
     def step(self, no_more_arrivals: bool = False) -> CoreStep:
         step = super().step(no_more_arrivals)

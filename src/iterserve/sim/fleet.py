@@ -43,6 +43,7 @@ from iterserve.sim.executor import (
     SimulatedExecutor,
     VirtualClock,
 )
+from iterserve.sim.replay_pool import ReplayBlockPool
 
 # Share of the accelerator's memory left to weights + KV cache (the rest: activations).
 _MEMORY_UTILIZATION = 0.9
@@ -159,6 +160,10 @@ class Replica:
     @property
     def scheduler(self) -> CohortScheduler:
         return self.engine.scheduler
+
+    @property
+    def pool(self) -> ReplayBlockPool:
+        return self.engine.pool
 
     def load(self) -> ReplicaLoad:
         return self.tracker.load()
@@ -344,9 +349,9 @@ class FleetReplay:
         wanted = self.workload.requests[i]
         prompt = wanted.token_ids()
         if self.feed is not None:
-            hashes, prepared = self.feed.next()
+            hashes, prepared, unshared = self.feed.next()
         else:
-            hashes, prepared = [], self.routing.prepare(prompt, len(self.fleet))
+            hashes, prepared, unshared = [], self.routing.prepare(prompt, len(self.fleet)), False
         index = self.routing.choose(prepared, self.loads)
         target = self.fleet[index]
         if index in self.glides:  # it glides no further: run what it did by now
@@ -360,6 +365,8 @@ class FleetReplay:
         request = _admit(target.scheduler, prompt, hashes, params, wanted.lane, self.records[i])
         if request is None:
             return
+        if unshared:
+            target.pool.keep_unshared(request.request_id)
         self.requests[request.request_id] = request
         target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
         self.loads[index] = target.load()
@@ -373,7 +380,9 @@ class FleetReplay:
         ~1%)."""
         params = self.params.get(output_len)
         if params is None:
-            params = self.params[output_len] = SamplingParams(max_tokens=output_len, ignore_eos=True)
+            params = self.params[output_len] = SamplingParams(
+                max_tokens=output_len, ignore_eos=True
+            )
         return params
 
     def _glide_until(self, now: float) -> None:
