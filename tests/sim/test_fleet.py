@@ -66,6 +66,11 @@ CASES = {
                    {"max_num_seqs": 8}),
     "azure lengths": (WorkloadSpec("azure-lengths", 400), 60.0, 8, "prefix-affinity", None,
                       {"max_num_seqs": 128, "max_num_batched_tokens": 2048}),
+    # 20 prefixes of 3 blocks, each back every 0.5 s: a request of a group finds the one
+    # before it still running, or its blocks still cached, or evicted.
+    "twins": (WorkloadSpec("shared-prefix", 300, input_len=20, output_len=60,
+                           length_dist="uniform", num_prefixes=20, prefix_len=48),
+              40.0, 2, "prefix-affinity", 80, {}),
 }  # fmt: skip
 
 
@@ -133,7 +138,7 @@ def test_shortcuts_give_the_records_of_stepping_every_request(
         assert sum(state[3].prefix_hits for state in exact_state) > 0
 
 
-@pytest.mark.parametrize("case", ["preemptions", "prefix hits", "azure lengths"])
+@pytest.mark.parametrize("case", ["preemptions", "prefix hits", "azure lengths", "twins"])
 def test_block_hashes_computed_ahead_change_nothing(
     case: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -149,28 +154,34 @@ def test_block_hashes_computed_ahead_change_nothing(
         made.append(self)
         feed(self, *args)
 
-    unshared: list[str] = []
-    remapped: list[str] = []
-    keep, remap = ReplayBlockPool.keep_unshared, ReplayBlockPool._map_names
+    grouped: list[str] = []
+    noted: list[tuple[bool, bool]] = []  # per member admitted: (names noted, any still on)
+    admit, map_noted = ReplayBlockPool.admit_to_group, ReplayBlockPool._map_noted
+
+    def mapping_noted(pool: ReplayBlockPool, group: int) -> bool:
+        had_noted = group in pool._noted
+        still_named = map_noted(pool, group)
+        noted.append((had_noted, still_named))
+        return still_named
+
     monkeypatch.setattr(block_hash_feed.BlockHashFeed, "__init__", counting)
     monkeypatch.setattr(
-        ReplayBlockPool, "keep_unshared", lambda pool, rid: (unshared.append(rid), keep(pool, rid))
+        ReplayBlockPool,
+        "admit_to_group",
+        lambda pool, r, later: (grouped.append(r.request_id), admit(pool, r, later)),
     )
-    monkeypatch.setattr(
-        ReplayBlockPool, "_map_names", lambda pool, r: (remapped.append(r), remap(pool, r))
-    )
+    monkeypatch.setattr(ReplayBlockPool, "_map_noted", mapping_noted)
     monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 1)
     ahead = _simulate(case, tokenizer, trace, step_by_step=False, hash_algo="builtin")
     assert len(made) == 1 and made[0]._turn > 0  # the fleet took its chains from the feed
-    if case == "prefix hits":  # every prompt starts with one of 3 prefixes
-        assert not unshared
-    else:  # random prompts: their names stayed out of the map, and preempted ones went in
-        assert len(unshared) > 100
-        assert (len(remapped) > 10) == (case == "preemptions")
-    unshared.clear()
+    assert len(grouped) > 100  # the pools kept their names out of the map while alone
+    if case == "twins":  # members came back to find their group's names mapped or gone
+        assert sum(still for _, still in noted) > 10
+        assert sum(had and not still for had, still in noted) > 10
+    grouped.clear()
     monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 10**9)
     inline = _simulate(case, tokenizer, trace, step_by_step=False, hash_algo="builtin")
-    assert len(made) == 1 and not unshared
+    assert len(made) == 1 and not grouped
     assert ahead == inline
 
 

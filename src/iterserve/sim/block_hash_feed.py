@@ -10,9 +10,8 @@ hands each to its request (Request.block_hashes), and the pool finds nothing lef
 The pool's own function computes them, so the names, and every decision, are the same
 (tests/sim/test_fleet.py runs a fleet both ways). The router's reading of each prompt
 (Router.prepare: prefix-affinity's rendezvous hashing, as pure) comes along, and whether
-the request is the only one whose first block bears its name: then no other request can
-ask for any of its blocks, and the replay's pool keeps its names out of the prefix
-cache's map (sim/replay_pool.py).
+a later request's first block bears the same name as the request's: until one does, the
+replay's pool need not map its names (sim/replay_pool.py).
 
 Only for Python's builtin hash (an int64; sha256 names do not pack so), with prefix
 caching on, more than one core to run on, and enough requests to be worth a process.
@@ -39,7 +38,7 @@ MIN_REQUESTS = 20_000
 class FedRequest(NamedTuple):
     chain: list[int]  # its blocks' names (Request.block_hashes)
     prepared: object  # the router's reading of its prompt
-    unshared: bool  # no other request's first block bears its first block's name
+    later_members: bool  # a later request's first block bears its first block's name
 
 
 class BlockHashFeed:
@@ -67,7 +66,7 @@ class BlockHashFeed:
         self._process.start()
         child_end.close()
         self._lengths: list[int] = []
-        self._unshared: list[int] = []
+        self._later: list[int] = []
         self._prepared: list[object] = []
         self._flat = memoryview(b"").cast("q")
         self._turn = 0  # index in _lengths of the next request
@@ -91,7 +90,7 @@ class BlockHashFeed:
         chain = self._flat[self._at : self._at + n].tolist()
         self._turn += 1
         self._at += n
-        return FedRequest(chain, self._prepared[turn], bool(self._unshared[turn]))
+        return FedRequest(chain, self._prepared[turn], bool(self._later[turn]))
 
     def close(self) -> None:
         self._conn.close()  # a producer still sending meets a closed pipe and ends
@@ -110,7 +109,7 @@ class BlockHashFeed:
             ) from None
         count = message[0]
         self._lengths = message[1 : 1 + count].tolist()
-        self._unshared = message[1 + count : 1 + 2 * count].tolist()
+        self._later = message[1 + count : 1 + 2 * count].tolist()
         self._flat = message[1 + 2 * count :]
         self._prepared = prepared
         self._turn = self._at = 0
@@ -124,13 +123,13 @@ def _produce(
     token_id: int,
     prepare: Callable[[list[int]], object],
 ) -> None:
-    """The chains of `requests` in `order`, _CHUNK to a message: [count, lengths, unshared
-    flags, hashes]; then their prepare() answers, pickled."""
+    """The chains of `requests` in `order`, _CHUNK to a message: [count, lengths,
+    later-members flags, hashes]; then their prepare() answers, pickled."""
     try:
-        shared = _shared_first_names(requests, block_size, token_id)
+        later = _later_members(requests, order, block_size, token_id)
         for first in range(0, len(order), _CHUNK):
             lengths = array("q")
-            unshared = array("q")
+            flags = array("q", list(later[first : first + _CHUNK]))
             flat = array("q")
             prepared = []
             for i in order[first : first + _CHUNK]:
@@ -139,13 +138,12 @@ def _produce(
                 tokens = prompt + [token_id] * request.output_len
                 chain = block_hash_chain(tokens, block_size, "builtin")
                 lengths.append(len(chain))
-                unshared.append(not chain or chain[0] not in shared)
                 flat.extend(chain)
                 prepared.append(prepare(prompt))
             conn.send_bytes(
                 array("q", [len(lengths)]).tobytes()
                 + lengths.tobytes()
-                + unshared.tobytes()
+                + flags.tobytes()
                 + flat.tobytes()
             )
             conn.send(prepared)
@@ -155,18 +153,18 @@ def _produce(
         conn.close()
 
 
-def _shared_first_names(
-    requests: Sequence[WorkloadRequest], block_size: int, token_id: int
-) -> set[int]:
-    """The names the first blocks of two or more requests bear. A name covers every token
-    before it, so a request whose first name is not among them shares no block."""
+def _later_members(
+    requests: Sequence[WorkloadRequest], order: Sequence[int], block_size: int, token_id: int
+) -> bytes:
+    """For each request in `order`, whether a later one's first block bears the same name
+    (a name covers every token before it: requests that differ there share no block)."""
+    later = bytearray(len(order))
     seen: set[int] = set()
-    shared: set[int] = set()
-    for request in requests:
+    for turn in range(len(order) - 1, -1, -1):
+        request = requests[order[turn]]
         head = request.head(block_size)
         head += [token_id] * min(request.output_len, block_size - len(head))
         for name in block_hash_chain(head, block_size, "builtin"):  # none if too short
-            if name in seen:
-                shared.add(name)
+            later[turn] = name in seen
             seen.add(name)
-    return shared
+    return bytes(later)

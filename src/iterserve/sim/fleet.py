@@ -349,9 +349,9 @@ class FleetReplay:
         wanted = self.workload.requests[i]
         prompt = wanted.token_ids()
         if self.feed is not None:
-            hashes, prepared, unshared = self.feed.next()
+            hashes, prepared, later_members = self.feed.next()
         else:
-            hashes, prepared, unshared = [], self.routing.prepare(prompt, len(self.fleet)), False
+            hashes, prepared = [], self.routing.prepare(prompt, len(self.fleet))
         index = self.routing.choose(prepared, self.loads)
         target = self.fleet[index]
         if index in self.glides:  # it glides no further: run what it did by now
@@ -365,8 +365,8 @@ class FleetReplay:
         request = _admit(target.scheduler, prompt, hashes, params, wanted.lane, self.records[i])
         if request is None:
             return
-        if unshared:
-            target.pool.keep_unshared(request.request_id)
+        if self.feed is not None:  # its chain is known: see sim/replay_pool.py
+            target.pool.admit_to_group(request, later_members)
         self.requests[request.request_id] = request
         target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
         self.loads[index] = target.load()
