@@ -176,7 +176,7 @@ def test_block_hashes_computed_ahead_change_nothing(
     assert len(made) == 1 and made[0]._turn > 0  # the fleet took its chains from the feed
     assert len(grouped) > 100  # the pools kept their names out of the map while alone
     if case == "twins":  # members came back to find their group's names mapped or gone
-        assert sum(still for _, still in noted) > 10
+        assert sum(still for _, still in noted) > 3
         assert sum(had and not still for had, still in noted) > 10
     grouped.clear()
     monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 10**9)

@@ -9,12 +9,14 @@ mostly come minutes apart, long after the pool reused the blocks. A replay knows
 request's chain in advance (sim/block_hash_feed.py), and with it whether a later
 request of its group will come. So a request that is alone in its group on this pool
 names its blocks as the core pool does (the name decides where a freed block goes in
-the free queue, and its eviction), but leaves the names out of the map, noting them only
-if a later member will come. The map catches up when it could be asked:
+the free queue, and its eviction), but leaves the names out of the map; if a later
+member will come, it leaves a note of its blocks when it finishes. The map catches up
+when it could be asked:
 
-- a member arrives while another is live, or while a noted name is still on a block:
-  the noted names go in, and the group's names go through the map on this pool for good;
-- a member is preempted: it will look up its own blocks; its names go in, likewise.
+- a member arrives while another is live, or while the note's first block still bears
+  its name: the names left go in, and the group's names go through the map on this
+  pool for good;
+- a member is preempted: it will look up its own blocks; likewise.
 
 So whenever a request looks up a name, or names a block whose twin may exist, the map
 holds every block bearing a name of its group, as the core pool's would: the same
@@ -23,6 +25,8 @@ replays fleets with and without the feed, which is what tells the pool of groups
 """
 
 from __future__ import annotations
+
+from array import array
 
 from iterserve.core.kv_cache import BlockHash, KVCacheManager
 from iterserve.core.request import Request, RequestStatus
@@ -40,8 +44,9 @@ class ReplayBlockPool(KVCacheManager):
         # Requests whose names may stay out of the map: their group, and whether a later
         # request of it will come.
         self._grouped: dict[str, tuple[BlockHash, bool]] = {}
-        self._live: dict[BlockHash, int] = {}  # members admitted and not finished, by group
-        self._noted: dict[BlockHash, list[tuple[int, BlockHash]]] = {}  # unmapped names
+        self._members: dict[BlockHash, list[Request]] = {}  # admitted, not finished
+        # The blocks a finished member named, while a later one may come to look them up.
+        self._noted: dict[BlockHash, array[int]] = {}
         self._mapped_groups: set[BlockHash] = set()  # named through the map here for good
 
     def admit_to_group(self, request: Request, later_members: bool) -> None:
@@ -51,34 +56,35 @@ class ReplayBlockPool(KVCacheManager):
         if not request.block_hashes:
             return  # not one full block: it names none
         group = request.block_hashes[0]
-        live = self._live.get(group, 0)
-        if group not in self._mapped_groups:
-            # A live member may name a block this one computes too. A noted name still
-            # on its block is one this request may find; it could not compute a twin of
-            # one as long as the pool frees a chain's tail first (core/kv_cache.py
-            # free()), but mapping the group then keeps this pool exact whatever order
-            # the core pool frees in.
-            still_named = self._map_noted(group)
-            if still_named or live:
-                self._mapped_groups.add(group)
-        self._live[group] = live + 1
+        members = self._members.setdefault(group, [])
+        # A live member may name a block this one computes too, and the blocks of the
+        # last one may still be there to find: then the group goes through the map.
+        if group not in self._mapped_groups and (self._map_noted(group) or members):
+            self._map_group(group)
+        members.append(request)
         self._grouped[request.request_id] = (group, later_members)
 
     def free(self, request: Request) -> None:
         grouped = self._grouped.get(request.request_id)
         if grouped is not None:
-            group = grouped[0]
+            group, later_members = grouped
             if request.status is RequestStatus.PREEMPTED:  # it will look its blocks up
-                self._map_group(group)
-                self._map_own_names(request)
+                if group not in self._mapped_groups:
+                    self._map_group(group)
             else:
-                del self._grouped[request.request_id]
-                live = self._live[group] - 1
-                if live:
-                    self._live[group] = live
-                else:
-                    del self._live[group]
+                self._leave_group(request, group, later_members)
         super().free(request)
+
+    def _leave_group(self, request: Request, group: BlockHash, later_members: bool) -> None:
+        del self._grouped[request.request_id]
+        members = self._members[group]
+        members.remove(request)
+        if not members:
+            del self._members[group]
+        if later_members and group not in self._mapped_groups:
+            named = self._named_upto.get(request.request_id, 0)  # all named, alone
+            if named:
+                self._noted[group] = array("i", request.block_ids[:named])
 
     def _name_blocks(self, request: Request, block_ids: list[int], hashes: list[BlockHash]) -> None:
         grouped = self._grouped.get(request.request_id)
@@ -94,31 +100,34 @@ class ReplayBlockPool(KVCacheManager):
                 names[block_id] = block_hash
                 named += 1
         self._num_named += named
-        group, later_members = grouped
-        if later_members:
-            self._noted.setdefault(group, []).extend(zip(block_ids, hashes, strict=True))
 
     def _map_group(self, group: BlockHash) -> None:
-        """From now on the group's names go through the map on this pool."""
+        """From now on the group's names go through the map on this pool: map those on
+        the live members' blocks and the noted ones."""
         self._map_noted(group)
+        names, cached = self._names, self._cached
+        for member in self._members.get(group, ()):
+            for block_id in member.block_ids:
+                name = names[block_id]
+                if name is not None:
+                    cached[name] = block_id
         self._mapped_groups.add(group)
 
     def _map_noted(self, group: BlockHash) -> bool:
-        """Map the group's noted names still on their blocks; whether any was."""
-        names, cached = self._names, self._cached
-        still_named = False
-        for block_id, name in self._noted.pop(group, ()):
-            if names[block_id] == name:
-                cached[name] = block_id
-                still_named = True
-        return still_named
-
-    def _map_own_names(self, request: Request) -> None:
-        names, cached = self._names, self._cached
-        for block_id in request.block_ids:
+        """Map the names left on the blocks the group's last finished member named;
+        whether there are any. The pool frees a chain's tail first and evicts from the
+        front of its queue, and nobody else touches a chain's blocks while its group has
+        no member here: its names go tail first, and the first block's goes last."""
+        noted = self._noted.pop(group, None)
+        names = self._names
+        if noted is None or names[noted[0]] != group:
+            return False
+        cached = self._cached
+        for block_id in noted:
             name = names[block_id]
-            if name is not None:  # named by this request, alone in its group
+            if name is not None:  # its name, or one a later request gave the block
                 cached[name] = block_id
+        return True
 
     def _map_problem(self, block_id: int, name: BlockHash) -> str | None:
         # A name may be missing from the map, or its entry stale, while its group is not
