@@ -340,6 +340,10 @@ class KVCacheManager:
                 (keep if names[block_id] is not None else drop).append(block_id)
             elif holders < 0:
                 raise KVCacheInvariantError(f"block {block_id} freed more often than taken")
+        self._queue_freed(request, keep, drop)
+
+    def _queue_freed(self, request: Request, keep: list[int], drop: list[int]) -> None:
+        """Queue the blocks the request held alone, named (`keep`) and not, tail first."""
         self._free.push_back(keep)
         self._free.push_front(drop)
         request.block_ids.clear()

@@ -68,12 +68,30 @@ class ReplayBlockPool(KVCacheManager):
         grouped = self._grouped.get(request.request_id)
         if grouped is not None:
             group, later_members = grouped
+            alone = group not in self._mapped_groups
             if request.status is RequestStatus.PREEMPTED:  # it will look its blocks up
-                if group not in self._mapped_groups:
+                if alone:
                     self._map_group(group)
             else:
                 self._leave_group(request, group, later_members)
+                if alone:
+                    self._free_alone(request)
+                    return
         super().free(request)
+
+    def _free_alone(self, request: Request) -> None:
+        """The core pool's free() for a request alone in its group all its life: it took
+        every block fresh (no hit: nothing of its group was left to find) and holds it
+        alone, and the blocks it named are its first ones."""
+        block_ids = request.block_ids
+        refs = self._refs
+        for block_id in block_ids:
+            refs[block_id] = 0
+        named = self._named_upto.get(request.request_id, 0)
+        keep, drop = block_ids[:named], block_ids[named:]
+        keep.reverse()
+        drop.reverse()
+        self._queue_freed(request, keep, drop)
 
     def _leave_group(self, request: Request, group: BlockHash, later_members: bool) -> None:
         del self._grouped[request.request_id]
@@ -91,15 +109,12 @@ class ReplayBlockPool(KVCacheManager):
         if grouped is None or grouped[0] in self._mapped_groups:
             super()._name_blocks(request, block_ids, hashes)
             return
-        # The core pool's loop without the map: alone in its group, the request meets no
-        # block bearing one of its names but its own.
+        # The core pool's loop without the map: alone in its group, the request took its
+        # blocks fresh (their names evicted), and meets no block bearing one of its names.
         names = self._names
-        named = 0
         for block_id, block_hash in zip(block_ids, hashes, strict=True):
-            if names[block_id] is None:
-                names[block_id] = block_hash
-                named += 1
-        self._num_named += named
+            names[block_id] = block_hash
+        self._num_named += len(block_ids)
 
     def _map_group(self, group: BlockHash) -> None:
         """From now on the group's names go through the map on this pool: map those on
