@@ -14,6 +14,7 @@ from iterserve.core.request import Request
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.step_plan import StepPlan
 from iterserve.sim.decode_cohort import DecodeCohort, SteadyDecodes, SteadyStep, steady_part
+from iterserve.sim.replay_pool import ReplayBlockPool
 
 
 class CohortScheduler(Scheduler):
@@ -31,6 +32,12 @@ class CohortScheduler(Scheduler):
             return False
         self._cohort = DecodeCohort(self.kv.block_size, token_id)
         return True
+
+    def admit_to_group(self, request: Request, later_members: bool) -> None:
+        """Tell the replay's block pool the group of a request just added, so its names
+        stay out of the prefix cache's map while it is alone in it (sim/replay_pool.py)."""
+        assert isinstance(self.kv, ReplayBlockPool), "built by SteadyEngineCore"
+        self.kv.admit_to_group(request, later_members)
 
     def _schedule_steady_decodes(self, step: StepPlan) -> None:
         """The cohort's part of a step: running decodes with two or more left join, the

@@ -15,12 +15,6 @@ class SteadyEngineCore(EngineCore):
     scheduler: CohortScheduler
     pool_type = ReplayBlockPool
 
-    @property
-    def pool(self) -> ReplayBlockPool:
-        pool = self.scheduler.kv
-        assert isinstance(pool, ReplayBlockPool)
-        return pool
-
     def step(self, no_more_arrivals: bool = False) -> CoreStep:
         step = super().step(no_more_arrivals)
         steady = steady_part(step.scheduled)

@@ -43,7 +43,6 @@ from iterserve.sim.executor import (
     SimulatedExecutor,
     VirtualClock,
 )
-from iterserve.sim.replay_pool import ReplayBlockPool
 
 # Share of the accelerator's memory left to weights + KV cache (the rest: activations).
 _MEMORY_UTILIZATION = 0.9
@@ -160,10 +159,6 @@ class Replica:
     @property
     def scheduler(self) -> CohortScheduler:
         return self.engine.scheduler
-
-    @property
-    def pool(self) -> ReplayBlockPool:
-        return self.engine.pool
 
     def load(self) -> ReplicaLoad:
         return self.tracker.load()
@@ -366,7 +361,7 @@ class FleetReplay:
         if request is None:
             return
         if self.feed is not None:  # its chain is known: see sim/replay_pool.py
-            target.pool.admit_to_group(request, later_members)
+            target.scheduler.admit_to_group(request, later_members)
         self.requests[request.request_id] = request
         target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
         self.loads[index] = target.load()

@@ -27,20 +27,15 @@ replays fleets with and without the feed, which is what tells the pool of groups
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 from iterserve.core.kv_cache import BlockHash, KVCacheManager
 from iterserve.core.request import Request, RequestStatus
 
 
 class ReplayBlockPool(KVCacheManager):
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool = True,
-        hash_algo: str = "sha256",
-    ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching, hash_algo)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # KVCacheManager's
+        super().__init__(*args, **kwargs)
         # Requests whose names may stay out of the map: their group, and whether a later
         # request of it will come.
         self._grouped: dict[str, tuple[BlockHash, bool]] = {}
