@@ -7,11 +7,11 @@ stepping against a cost model on a virtual clock, no model run.
   fidelity.py         `iterserve bench fidelity`: one workload real and simulated, compared
   fleet.py            replicas behind a router, replayed on one process
   block_hash_feed.py  the fleet's KV block names, hashed ahead on the second core
-  simulate.py         `iterserve simulate`
+  replay_pool.py      a replica's block pool, which maps those names only when asked
   decode_cohort.py    steady decodes advanced in aggregate (a million requests in minutes),
   cohort_scheduler.py   the Scheduler that holds them aside through core's hooks,
   engine.py             and the engine loop that runs their steps
 
-Nothing in core/, engine/, executor/ or server/ imports this package
-(tests/test_structure.py).
+`iterserve simulate` is cli/simulate.py. Nothing in core/, engine/, executor/ or
+server/ imports this package (tests/test_structure.py).
 """
