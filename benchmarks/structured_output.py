@@ -66,8 +66,8 @@ DOCUMENT = {
 def bundled_tokenizer() -> Any:
     import importlib.util
 
+    from iterserve.model.bundled import BUNDLED_FILE, BUNDLED_PACKAGE
     from iterserve.model.gguf_loader import read_gguf_header
-    from iterserve.model.loader import BUNDLED_FILE, BUNDLED_PACKAGE
     from iterserve.model.tokenizer import tokenizer_from_gguf
 
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)

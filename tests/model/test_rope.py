@@ -22,9 +22,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from iterserve.bench.transformers_checkpoint import from_loaded
 from iterserve.model.config import ModelConfig
+from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
-from iterserve.model.loaded import ModelLoadError
 from iterserve.model.loader import hf_model_config, load_model
 from iterserve.model.rope import rope_tables
 from paged_runner import PagedRunner

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from iterserve.model.loader import default_model_path
+from iterserve.model.bundled import default_model_path
 
 
 def load_tokenizer(spec: str | None = None) -> Any:

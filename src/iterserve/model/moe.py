@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.config import ModelConfig
+from iterserve.model.errors import ModelLoadError
 from iterserve.model.kquant import BlockWeight
 from iterserve.model.linear import Backend, DenseFormat, Linear
-from iterserve.model.loaded import ModelLoadError
 
 # Mixtral's checkpoint names under model.layers.N.: the router, and per expert E its gate
 # (w1), down (w2) and up (w3) projections.
