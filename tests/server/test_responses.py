@@ -1,8 +1,9 @@
 """POST /v1/responses through the official openai client against a real server: the same
-answer as the equivalent chat completion, streamed events that rebuild it, a tool loop
-with function calls and their outputs sent back as input items, a text format enforced,
-and bad requests refused naming the Responses field. The tiny Llama carries Qwen 2.5's
-tool-calling template; tool-call answers are scripted (a random model writes none)."""
+answer as the equivalent chat completion, streamed events that rebuild it, the output
+text's logprobs as chat's, a tool loop with function calls and their outputs sent back as
+input items, a text format enforced, and bad requests refused naming the Responses field.
+The tiny Llama carries Qwen 2.5's tool-calling template; tool-call answers are scripted
+(a random model writes none)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,52 @@ def test_streamed_events_rebuild_the_response(client: openai.OpenAI) -> None:
     added = [e.output_index for e in events if e.type == "response.output_item.added"]
     done = [e.output_index for e in events if e.type == "response.output_item.done"]
     assert added == done == list(range(len(final.output)))
+
+
+def test_logprobs_are_the_chat_completions(client: openai.OpenAI) -> None:
+    """include=["message.output_text.logprobs"]: the output text's token logprobs, as the
+    same chat completion gives them; streamed, each delta carries its tokens'."""
+    request: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "input": "Name a colour.",
+        "max_output_tokens": 6,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    response = client.responses.create(**request)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_completion_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    expected = chat.choices[0].logprobs
+    assert expected is not None and expected.content is not None
+
+    def rows(logprobs: Any) -> list[tuple[str, float, list[str]]]:
+        return [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in logprobs]
+
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert [row[::2] for row in rows(part.logprobs)] == [row[::2] for row in rows(expected.content)]
+    assert [lp.logprob for lp in part.logprobs] == pytest.approx(
+        [lp.logprob for lp in expected.content], abs=1e-4
+    )
+    assert response.usage is not None and len(part.logprobs) == response.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    events = list(client.responses.create(**request, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert len(done) == 1
+    assert rows(streamed) == rows(done[0].logprobs) == rows(part.logprobs)
+    # Without include, no logprobs are computed or sent.
+    plain = client.responses.create(
+        **{k: v for k, v in request.items() if k not in ("include", "top_logprobs")}
+    )
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
 
 
 def test_tool_loop_with_function_call_items(client: openai.OpenAI, server: RunningServer) -> None:
@@ -224,6 +271,8 @@ def test_text_format_json_schema_is_enforced(client: openai.OpenAI) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"top_k": "many"}, "top_k"),
+        ({"include": ["file_search_call.results"]}, "include"),
+        ({"top_logprobs": 1000}, "top_logprobs"),
     ],
 )
 def test_bad_requests_name_the_responses_field(

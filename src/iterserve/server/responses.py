@@ -20,9 +20,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from iterserve.chat.tool_parsers.streaming import ToolCallStream, new_call_id, parse_answer
+from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.chat import ChatRun, start_chat
+from iterserve.server.logprobs import chat_logprobs
 from iterserve.server.protocol import UsageInfo
 from iterserve.server.responses_protocol import ResponsesRequest, responses_param
 from iterserve.server.serving import ServingContext, respond, stream_events
@@ -35,13 +37,16 @@ async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingCont
         error.param = responses_param(error.param)
         raise
     shape = _Shape(body, run, int(time.time()))
+    logprobs = _Logprobs(ctx) if run.params.logprobs is not None else None
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
         output = outputs[0]
-        return shape.response(_status(output.finish_reason), _output_items(output, run), usage)
+        text_logprobs = logprobs.of(output.logprobs) if logprobs else []
+        items = _output_items(output, run, text_logprobs)
+        return shape.response(_status(output.finish_reason), items, usage)
 
     def events() -> AsyncIterator[str]:
-        return _stream(shape, run)
+        return _stream(shape, run, logprobs)
 
     return await respond(raw, run.submitted, 1, body.stream, events, final)
 
@@ -54,18 +59,29 @@ def _item_id(kind: str) -> str:
     return f"{kind}_{secrets.token_hex(12)}"
 
 
-def _message_item(text: str, status: str) -> dict[str, Any]:
+def _message_item(text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "type": "message",
         "id": _item_id("msg"),
         "status": status,
         "role": "assistant",
-        "content": [_text_part(text)],
+        "content": [_text_part(text, logprobs)],
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+@dataclass(frozen=True)
+class _Logprobs:
+    """Token logprobs in the Responses shape, which is chat's: {token, logprob, bytes,
+    top_logprobs}. With tool calls they cover every token, calls' included, as chat's do."""
+
+    ctx: ServingContext
+
+    def of(self, entries: list[TokenLogprobs | None] | None) -> list[dict[str, Any]]:
+        return [entry.model_dump() for entry in chat_logprobs(entries or [], self.ctx.decode_token)]
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -79,15 +95,19 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str
     }
 
 
-def _output_items(output: RequestOutput, run: ChatRun) -> list[dict[str, Any]]:
+def _output_items(
+    output: RequestOutput, run: ChatRun, logprobs: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """A message with the answer's text (unless it is calls alone), then its calls."""
     status = _status(output.finish_reason)
     reader = run.plan.reader
     if reader is None:
-        return [_message_item(output.text, status)]
+        return [_message_item(output.text, status, logprobs)]
     answer = parse_answer(reader, output.text, run.plan.max_calls)
     items = (
-        [_message_item(answer.content or "", status)] if answer.content or not answer.calls else []
+        [_message_item(answer.content or "", status, logprobs)]
+        if answer.content or not answer.calls
+        else []
     )
     items += [
         _call_item(new_call_id(), call.name, call.arguments, "completed") for call in answer.calls
@@ -146,6 +166,8 @@ class _Events:
     items: list[dict[str, Any]] = field(default_factory=list)
     message: dict[str, Any] | None = None  # the message item being written, if any
     sequence: int = 0
+    # Logprobs of tokens whose text is not out yet (held back: a stop string, a call).
+    pending: list[dict[str, Any]] = field(default_factory=list)
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -158,20 +180,26 @@ class _Events:
     def open_message(self) -> str:
         if self.message is not None:
             return ""
-        self.message = _message_item("", "in_progress")
+        self.message = _message_item("", "in_progress", [])
         self.items.append(self.message)
         where = {"item_id": self.message["id"], "output_index": len(self.items) - 1}
+        part = _text_part("", [])
         return self.event(
             "response.output_item.added", output_index=where["output_index"], item=self.message
-        ) + self.event("response.content_part.added", **where, content_index=0, part=_text_part(""))
+        ) + self.event("response.content_part.added", **where, content_index=0, part=part)
 
     def text(self, delta: str) -> str:
+        """The text made since the last event, with the logprobs of its tokens (and of
+        those held back before it)."""
         opened = self.open_message()
         assert self.message is not None
-        self.message["content"][0]["text"] += delta
+        part = self.message["content"][0]
+        part["text"] += delta
+        logprobs, self.pending = self.pending, []
+        part["logprobs"] += logprobs
         where = {"item_id": self.message["id"], "output_index": len(self.items) - 1}
         return opened + self.event(
-            "response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[]
+            "response.output_text.delta", **where, content_index=0, delta=delta, logprobs=logprobs
         )
 
     def close_message(self, status: str) -> str:
@@ -181,13 +209,15 @@ class _Events:
         message["status"] = status
         where = {"item_id": message["id"], "output_index": self.items.index(message)}
         part = message["content"][0]
+        part["logprobs"] += self.pending  # tokens whose text never came out
+        self.pending = []
         return (
             self.event(
                 "response.output_text.done",
                 **where,
                 content_index=0,
                 text=part["text"],
-                logprobs=[],
+                logprobs=part["logprobs"],
             )
             + self.event("response.content_part.done", **where, content_index=0, part=part)
             + self.event(
@@ -208,7 +238,7 @@ class _Events:
         return events + self.event("response.output_item.done", output_index=index, item=item)
 
 
-async def _stream(shape: _Shape, run: ChatRun) -> AsyncIterator[str]:
+async def _stream(shape: _Shape, run: ChatRun, logprobs: _Logprobs | None) -> AsyncIterator[str]:
     events = _Events(shape)
     yield events.response("response.created", "in_progress")
     yield events.response("response.in_progress", "in_progress")
@@ -217,6 +247,8 @@ async def _stream(shape: _Shape, run: ChatRun) -> AsyncIterator[str]:
     finish: list[str | None] = [None]
 
     def on_output(_: int, output: RequestOutput) -> str:
+        if logprobs is not None:
+            events.pending += logprobs.of(output.delta_logprobs)
         if calls is None:
             text, new_calls = output.delta_text, []
         else:

@@ -21,6 +21,9 @@ from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.error_paths import field_path
 from iterserve.server.protocol import ChatCompletionRequest
 
+# The one `include` value honoured: the output text's token logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
 # ---- request ----------------------------------------------------------------------------
 
 
@@ -125,20 +128,25 @@ class ResponsesRequest(BaseModel):
             )
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise InvalidRequestError("reasoning is not supported by this model", "reasoning")
-        if self.include:
-            raise InvalidRequestError(f"include {self.include[0]!r} is not supported", "include")
+        for value in self.include or ():
+            if value != LOGPROBS_INCLUDE:
+                raise InvalidRequestError(
+                    f"include {value!r} is not supported (only {LOGPROBS_INCLUDE!r})", "include"
+                )
         if self.truncation == "auto":
             raise InvalidRequestError(
                 "truncation 'auto' is not supported: a conversation longer than the context "
                 "is refused, not cut",
                 "truncation",
             )
-        if self.top_logprobs:
-            raise InvalidRequestError(
-                "top_logprobs is not supported on /v1/responses", "top_logprobs"
-            )
         if self.model_extra and self.model_extra.get("n", 1) != 1:
             raise InvalidRequestError("a response has one answer: n must be 1", "n")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The output text's token logprobs, asked for by `include` (or by top_logprobs,
+        which would mean nothing otherwise)."""
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
     def settings(self) -> dict[str, Any]:
         """The request's own settings, as a Response object repeats them."""
@@ -159,6 +167,7 @@ class ResponsesRequest(BaseModel):
             "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
             "metadata": self.metadata or {},
             "user": self.user,
+            "top_logprobs": self.top_logprobs,
         }
 
     def to_chat_request(self) -> ChatCompletionRequest:
@@ -176,6 +185,8 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "user": self.user,
         }
+        if self.wants_logprobs:
+            chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
         if self.tools:
             chat["tools"] = [tool.as_chat_tool() for tool in self.tools]
         if isinstance(self.tool_choice, FunctionToolChoice):
