@@ -9,6 +9,7 @@ import pytest
 from fake_executor import FakeExecutor, expected_output, make_request, make_scheduler, run
 from iterserve.config import ConfigError, EngineConfig, SchedulerConfig
 from iterserve.core.outputs import SchedulerOutput
+from iterserve.core.request import RequestStatus
 
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
@@ -168,7 +169,7 @@ def test_priority_preempts_a_lower_priority_request() -> None:
     step(scheduler, executor)
     scheduler.add_request(make_request("high", [2] * 20, max_tokens=4, priority=0))
     out = step(scheduler, executor)
-    assert out.preempted_ids == ["low"]
+    assert scheduler.requests["low"].status is RequestStatus.PREEMPTED
     assert [s.request_id for s in out.seqs] == ["high"]
     outputs, _ = run(scheduler, clock, executor=executor)
     assert outputs["high"] == expected_output([2] * 20, 4)[1:]
@@ -184,10 +185,10 @@ def test_a_request_is_not_preempted_again_before_it_progresses() -> None:
     low = scheduler.requests["low"]
     low.outputs_at_preemption = low.num_output_tokens  # as if just resumed after a preemption
     scheduler.add_request(make_request("high", [2] * 16, max_tokens=4, priority=0))
-    out = step(scheduler, executor)
-    assert out.preempted_ids == [] and scheduler.num_waiting() == 1, "low is protected"
-    out = step(scheduler, executor)  # low has produced a token since: now it may give way
-    assert out.preempted_ids == ["low"]
+    step(scheduler, executor)
+    assert low.status is RequestStatus.RUNNING and scheduler.num_waiting() == 1, "protected"
+    step(scheduler, executor)  # low has produced a token since: now it may give way
+    assert low.status is RequestStatus.PREEMPTED
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,6 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_draft_tokens: int = 0  # speculative tokens (counted in neither of the above)
-    preempted_ids: list[str] = field(default_factory=list)
     # Requests gone since the last step, so executors can drop per-request state.
     finished_ids: list[str] = field(default_factory=list)
 

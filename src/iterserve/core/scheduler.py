@@ -602,7 +602,6 @@ class Scheduler:
             num_prefill_tokens=step.num_tokens - num_decode - num_draft,
             num_decode_tokens=num_decode,
             num_draft_tokens=num_draft,
-            preempted_ids=[r.request_id for r in step.preempted],
             finished_ids=finished,
         )
 

@@ -176,7 +176,6 @@ class CohortScheduler(Scheduler):
             num_prefill_tokens=plain.num_prefill_tokens,
             num_decode_tokens=plain.num_decode_tokens + (steady.num_seqs if steady else 0),
             num_draft_tokens=plain.num_draft_tokens,
-            preempted_ids=plain.preempted_ids,
             finished_ids=plain.finished_ids,
             steady=steady,
         )
