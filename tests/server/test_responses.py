@@ -153,10 +153,14 @@ def test_logprobs_are_the_chat_completions(client: openai.OpenAI) -> None:
     done = [e for e in events if e.type == "response.output_text.done"]
     assert len(done) == 1
     assert rows(streamed) == rows(done[0].logprobs) == rows(part.logprobs)
-    # Without include, no logprobs are computed or sent.
+    # Without the logprobs include, none are computed or sent. A stateless client's
+    # include of reasoning content (there is none to add) changes nothing.
     plain = client.responses.create(
-        **{k: v for k, v in request.items() if k not in ("include", "top_logprobs")}
+        **{k: v for k, v in request.items() if k not in ("include", "top_logprobs")},
+        include=["reasoning.encrypted_content"],
     )
+    assert [item.type for item in plain.output] == ["message"]
+    assert plain.output_text == response.output_text
     assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
 
 
@@ -271,7 +275,7 @@ def test_text_format_json_schema_is_enforced(client: openai.OpenAI) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"top_k": "many"}, "top_k"),
-        ({"include": ["file_search_call.results"]}, "include"),
+        ({"include": ["message.output_text.tokens"]}, "include"),
         ({"top_logprobs": 1000}, "top_logprobs"),
     ],
 )

@@ -21,8 +21,22 @@ from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.error_paths import field_path
 from iterserve.server.protocol import ChatCompletionRequest
 
-# The one `include` value honoured: the output text's token logprobs.
+# The `include` value that adds to an answer here: the output text's token logprobs.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# The others OpenAI defines ask for parts of items this server never makes (reasoning,
+# built-in tools' calls, input images): there is nothing to add, so they are accepted.
+# Codex-style clients send "reasoning.encrypted_content" with every stateless request.
+_VACUOUS_INCLUDES = frozenset(
+    {
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "reasoning.encrypted_content",
+        "web_search_call.action.sources",
+        "web_search_call.results",
+    }
+)
 
 # ---- request ----------------------------------------------------------------------------
 
@@ -129,10 +143,8 @@ class ResponsesRequest(BaseModel):
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise InvalidRequestError("reasoning is not supported by this model", "reasoning")
         for value in self.include or ():
-            if value != LOGPROBS_INCLUDE:
-                raise InvalidRequestError(
-                    f"include {value!r} is not supported (only {LOGPROBS_INCLUDE!r})", "include"
-                )
+            if value != LOGPROBS_INCLUDE and value not in _VACUOUS_INCLUDES:
+                raise InvalidRequestError(f"include {value!r} is not a known value", "include")
         if self.truncation == "auto":
             raise InvalidRequestError(
                 "truncation 'auto' is not supported: a conversation longer than the context "
