@@ -68,7 +68,7 @@ class ReplayBlockPool(KVCacheManager):
                 if alone:
                     self._map_group(group)
             else:
-                self._leave_group(request, group, later_members)
+                self._leave_group(request, group, note=alone and later_members)
                 if alone:
                     self._free_alone(request)
                     return
@@ -88,13 +88,14 @@ class ReplayBlockPool(KVCacheManager):
         drop.reverse()
         self._queue_freed(request, keep, drop)
 
-    def _leave_group(self, request: Request, group: BlockHash, later_members: bool) -> None:
+    def _leave_group(self, request: Request, group: BlockHash, note: bool) -> None:
+        """A finished member leaves; `note`: it was alone, and a later member will come."""
         del self._grouped[request.request_id]
         members = self._members[group]
         members.remove(request)
         if not members:
             del self._members[group]
-        if later_members and group not in self._mapped_groups:
+        if note:
             named = self._named_upto.get(request.request_id, 0)  # all named, alone
             if named:
                 self._noted[group] = array("i", request.block_ids[:named])
