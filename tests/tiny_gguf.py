@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -64,6 +64,37 @@ def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = No
     writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
 
 
+# GGUF types the gguf package quantizes (real blocks of real weights); the others get random
+# blocks with finite fp16 fields (the offsets of those fields in each type's block struct).
+_QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+_HALF_FIELDS = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "IQ2_XXS": (0,),
+}
+
+
+def gguf_blocks(qtype: str, weight: np.ndarray, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """`weight` ([n, k]) as [n, row bytes] of GGUF type `qtype`: quantized where the gguf
+    package can, else random blocks whose fp16 scales are in [scale / 10, scale]."""
+    kind = GGMLQuantizationType[qtype]
+    if qtype in _QUANTIZABLE:
+        return quantize(np.ascontiguousarray(weight, dtype=np.float32), kind)
+    block, nbytes = GGML_QUANT_SIZES[kind]
+    n, k = weight.shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
+    for at in _HALF_FIELDS[qtype]:
+        halves = rng.uniform(scale / 10, scale, (n, k // block)).astype(np.float16)
+        blocks[..., at : at + 2] = halves.view(np.uint8).reshape(n, k // block, 2)
+    return blocks.reshape(n, -1)
+
+
 def write_gguf(
     path: Path,
     arch: str,
@@ -76,10 +107,12 @@ def write_gguf(
     rope_freq_base: float | None = None,
     metadata: Mapping[str, Any] | None = None,
     rope_tensors: Mapping[str, np.ndarray] | None = None,
+    qtypes: Mapping[str, str] | None = None,
 ) -> None:
     """`model`'s weights (or `state`, HF-named) as a GGUF of architecture `arch`; 2-D
-    projections in `qtype` (norms, embedding and head stay F32). `metadata`: extra keys
-    (without the `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}."""
+    projections in `qtype` (norms, embedding and head stay F32), or per HF name in `qtypes`
+    (a GGUF type name; `gguf_blocks` makes them). `metadata`: extra keys (without the
+    `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}."""
     config = model.config
     writer = GGUFWriter(path, arch)
     add_shape(writer, config, rope_freq_base)
@@ -125,7 +158,12 @@ def write_gguf(
             heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
             array = llama_cpp_permute(array, heads)
         array = np.ascontiguousarray(array)
-        if (
+        if qtypes and name in qtypes:
+            kind = GGMLQuantizationType[qtypes[name]]
+            writer.add_tensor(
+                gguf_name, gguf_blocks(qtypes[name], array, seed=len(gguf_name)), raw_dtype=kind
+            )
+        elif (
             qtype != GGMLQuantizationType.F32
             and module
             and array.ndim == 2

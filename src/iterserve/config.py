@@ -167,7 +167,7 @@ class SpeculativeConfig:
         None,
         "draft: HF directory or GGUF file of a smaller model with the target's tokenizer "
         "(its KV pool has as many blocks as the target's), or self-int4: the model's own "
-        "4-bit GGUF weights guessing for it (useful with --weights bf16)",
+        "quantized GGUF blocks guessing for it (useful with --weights bf16)",
     )
     num_speculative_tokens: int = _opt(4, "most draft tokens per request per step")
     ngram_min: int = _opt(2, "ngram: shortest suffix n-gram to look up")
@@ -227,10 +227,11 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     weights: WeightFormat = _opt(
         "auto",
-        "weight format: auto (a 4/8-bit GGUF stays so for few-token steps, with an int8 copy "
-        "for large ones run with int8 activations; other checkpoints bf16), int4 (the "
-        "GGUF's 4/8-bit blocks only: least memory), int8 (int8 weights and activations "
-        "for every step, any checkpoint), bf16",
+        "weight format: auto (a quantized GGUF runs from its own blocks at every step size, "
+        "on int8 activations, as llama.cpp does; fp16/bf16 weights stay 16-bit), int4 (auto, "
+        "refused for a checkpoint without quantized blocks), int8 (every projection made "
+        "Q8_0 at load: int8 weights and activations, any checkpoint), bf16 (everything "
+        "dense bf16: exact to the dequantized weights, 2-4x the memory of a 4-bit file)",
     )
     kernels: Kernels = _opt(
         "auto",

@@ -144,46 +144,43 @@ int main() {
     store_i8x16(stored, I16::load(lanes));
     for (int j = 0; j < kLanes; ++j)
       check(stored[j] == bytes[j], "store_i8x16", j, stored[j], bytes[j]);
-    uint8_t biased[4 * kLanes];
-    for (int i = 0; i < 4 * kLanes; ++i) biased[i] = static_cast<uint8_t>(rng() % 255 + 1);
-    int8_t xq[4];
-    for (int t = 0; t < 4; ++t) xq[t] = static_cast<int8_t>(rng() % 255 - 127);
-    int32_t quad;
-    std::memcpy(&quad, xq, 4);
-    dot_i8(I16::splat(7), load_i8_quads(biased), quad).store(lanes);
+    // signed weight bytes (Q8_0's, the IQ4 tables'): stored + kSignedBias, -127..127 in value,
+    // against int8 activations at the extremes of vpmaddubsw's pair sums
+    alignas(64) uint8_t signed_lo[4 * kLanes], signed_hi[4 * kLanes];
+    for (int i = 0; i < 4 * kLanes; ++i) {
+      const int lo = round % 2 ? (i % 3 ? 127 : -127) : static_cast<int>(rng() % 255) - 127;
+      const int hi = round % 2 ? -127 : static_cast<int>(rng() % 255) - 127;
+      signed_lo[i] = static_cast<uint8_t>(lo + kSignedBias);
+      signed_hi[i] = static_cast<uint8_t>(hi + kSignedBias);
+    }
+    int8_t xq[8];
+    for (int t = 0; t < 8; ++t)
+      xq[t] = static_cast<int8_t>(round % 2 ? (t % 2 ? 127 : -127) : rng() % 255 - 127);
+    int32_t sx_lo, sx_hi;
+    std::memcpy(&sx_lo, xq, 4);
+    std::memcpy(&sx_hi, xq + 4, 4);
+    dot_s8(I16::splat(7), I16::load(signed_lo), I16::load(signed_hi), sx_lo, sx_hi).store(lanes);
     for (int j = 0; j < kLanes; ++j) {
+      // What the kernels fold: sum (w + kSignedBias) x, the bias taken away by the caller.
       int32_t want = 7;
       for (int t = 0; t < 4; ++t)
-        want += (biased[4 * j + t] - (kI8Biased ? 0 : 128)) * static_cast<int32_t>(xq[t]);
-      check(lanes[j] == want, "dot_i8", j, lanes[j], want);
+        want += signed_lo[4 * j + t] * int32_t{xq[t]} * (kSignedBias ? 1 : 0) +
+                int8_t(signed_lo[4 * j + t]) * int32_t{xq[t]} * (kSignedBias ? 0 : 1) +
+                signed_hi[4 * j + t] * int32_t{xq[4 + t]} * (kSignedBias ? 1 : 0) +
+                int8_t(signed_hi[4 * j + t]) * int32_t{xq[4 + t]} * (kSignedBias ? 0 : 1);
+      check(lanes[j] == want, "dot_s8", j, lanes[j], want);
     }
 
-    // 4-bit chunks against int8 activations: four chunks of a block, then the block sums
-    uint8_t nibbles[4][4 * kLanes];
-    int32_t lo_quads[4], hi_quads[4];
-    I16 partial = I16::zero();
-    for (int c = 0; c < 4; ++c) {
-      for (int i = 0; i < 4 * kLanes; ++i) nibbles[c][i] = static_cast<uint8_t>(rng());
-      int8_t xs[8];
-      for (int t = 0; t < 8; ++t) xs[t] = static_cast<int8_t>(t % 2 ? -127 : rng() % 255 - 127);
-      std::memcpy(&lo_quads[c], xs, 4);
-      std::memcpy(&hi_quads[c], xs + 4, 4);
-      partial = dot_q4(partial, load_q4_chunk(nibbles[c]), lo_quads[c], hi_quads[c]);
-    }
-    q4_block_sums(partial).store(lanes);
-    for (int j = 0; j < kLanes; ++j) {
-      int32_t want = 0;
-      for (int c = 0; c < 4; ++c) {
-        int8_t xs[8];
-        std::memcpy(xs, &lo_quads[c], 4);
-        std::memcpy(xs + 4, &hi_quads[c], 4);
-        for (int t = 0; t < 4; ++t)
-          want += (nibbles[c][4 * j + t] & 15) * xs[t] + (nibbles[c][4 * j + t] >> 4) * xs[4 + t];
-      }
-      check(lanes[j] == want, "dot_q4", j, lanes[j], want);
-    }
+    // 16-entry byte tables (the IQ4 formats' values): each byte's low nibble picks an entry
+    alignas(64) int8_t table[4 * kLanes];
+    alignas(64) uint8_t index[4 * kLanes], looked[4 * kLanes];
+    for (int i = 0; i < 4 * kLanes; ++i) table[i] = static_cast<int8_t>(i % 16 * 13 - 100);
+    for (int i = 0; i < 4 * kLanes; ++i) index[i] = static_cast<uint8_t>(rng() % 16);
+    lookup16(I16::load(table), I16::load(index)).store(looked);
+    for (int i = 0; i < 4 * kLanes; ++i)
+      check(int8_t(looked[i]) == table[index[i]], "lookup16", i, int8_t(looked[i]), table[index[i]]);
 
-    // 6-bit bytes (0..63, the widest qk-int8 builds) against int8 activations, at the
+    // 6-bit bytes (0..63, the widest unsigned values the block formats build) against int8 activations, at the
     // extremes that bring vpmaddubsw's pair sums nearest its int16 limit
     alignas(64) uint8_t wide_lo[4 * kLanes], wide_hi[4 * kLanes];
     for (int i = 0; i < 4 * kLanes; ++i)

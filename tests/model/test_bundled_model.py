@@ -16,7 +16,7 @@ def llm() -> LLM:
 
 def test_capital_of_france_is_paris(llm: LLM) -> None:
     if kernels.available():
-        assert llm.engine.model_plan.weights == "q4+q8+i8"
+        assert llm.engine.model_plan.weights == "Q4_1+Q8_0"  # the file's blocks, as they are
     out = llm.generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
     )[0]
@@ -33,12 +33,12 @@ def test_chat_template_from_the_gguf(llm: LLM) -> None:
 @pytest.mark.usefixtures("kernel_isa")  # once per ISA variant (conftest.kernel_test_isas)
 @pytest.mark.parametrize(
     "weights,formats",
-    [("auto", "q4+q8+i8"), ("int4", "q4+q8"), ("int8", "i8"), ("bf16", "bfloat16")],
+    [("auto", "Q4_1+Q8_0"), ("int4", "Q4_1+Q8_0"), ("int8", "Q8_0"), ("bf16", "bf16")],
 )
 def test_every_weight_format_answers_paris(weights: str, formats: str) -> None:
-    """Every --weights choice on every ISA variant (auto: 4-bit blocks for few-row steps, an
-    int8 copy for many-row ones where that is faster); a prompt of over 16 tokens runs the
-    many-row kernels."""
+    """Every --weights choice on every ISA variant (auto: the file's blocks at every step
+    size; int8: everything made Q8_0; bf16: everything dense); a prompt of over 16 tokens runs
+    the many-row kernels (a panel of decoded tiles)."""
     llm = LLM(weights=weights, max_num_seqs=2)
     assert llm.engine.model_plan.weights == formats
     prompt = "The Eiffel Tower is a famous landmark. It stands in the capital city of France, which is called"

@@ -3,24 +3,25 @@ oneDNN-packed and tiled linears (bf16, 4-bit and int8), the compiled layer stack
 attention.
 
 fp32 paths must agree within a tight tolerance; bf16 ones must pick the reference's greedy
-token wherever the reference is not near a tie; 4-bit and int8 weights are checked against
-the same weights dequantized and run in fp32.
+token wherever the reference is not near a tie; weights in GGUF blocks are checked against
+the same weights dequantized and run in fp32 (here W8A8's Q8_0 blocks; every GGUF type, read
+from a file, in test_gguf_models.py).
 """
 
 from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
+from gguf.quants import dequantize
 
 from iterserve import kernels
-from iterserve.model import quant
-from iterserve.model.linear import Backend, DenseFormat, onednn_usable
+from iterserve.model.block_formats import quantize_q8_0
+from iterserve.model.gguf_blocks import GGUFBlocks
+from iterserve.model.linear import Backend, WeightMode, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
 from paged_runner import PagedRunner
 from tiny_checkpoints import model_config_of, tiny_hf_model
@@ -58,14 +59,12 @@ def _model(
     dtype: torch.dtype,
     backend: Backend = "torch",
     weights: dict[str, torch.Tensor] | None = None,
-    quantized: dict[str, quant.QuantizedWeight] | None = None,
+    quantized: dict[str, GGUFBlocks] | None = None,
     compiled: bool = False,
-    wide: bool = True,
-    dense_format: DenseFormat = "bf16",
+    mode: WeightMode = "blocks",
 ) -> LlamaForCausalLM:
     model = LlamaForCausalLM(model_config_of(hf), dtype, torch.device("cpu"))
-    model.load_weights(weights or hf.state_dict())
-    model.prepare(backend, quantized, wide, dense_format)
+    model.load(weights or hf.state_dict(), backend, quantized, mode)
     if compiled:
         model.compile_layers()
     return model
@@ -221,28 +220,6 @@ def test_frozen_graphs_run_without_guards_and_compute_the_same(
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
 
 
-def _quantized_checkpoint(
-    hf: transformers.LlamaForCausalLM,
-) -> tuple[dict[str, torch.Tensor], dict[str, quant.QuantizedWeight]]:
-    """The model's projections through GGUF Q4_1 (its embedding/head through Q8_0), as a GGUF
-    file would hold them, and every weight dequantized (what the 4-bit path must compute)."""
-    weights, quantized = {}, {}
-    for name, tensor in hf.state_dict().items():
-        kind = None
-        if name.endswith("proj.weight"):
-            kind = "Q4_1"
-        elif name == "model.embed_tokens.weight":
-            kind = "Q8_0"
-        if kind is None:
-            weights[name] = tensor
-            continue
-        raw = quantize(tensor.numpy().astype(np.float32), GGMLQuantizationType[kind])
-        blocks = quant.from_gguf_blocks(raw.reshape(-1), kind, tuple(tensor.shape))
-        quantized[name] = blocks
-        weights[name] = blocks.dequantize()
-    return weights, quantized
-
-
 def _assert_as_close_as_bf16(
     reference: list[torch.Tensor],
     fast: list[torch.Tensor],
@@ -268,50 +245,17 @@ def _assert_as_close_as_bf16(
 
 
 @needs_kernels
-@pytest.mark.parametrize(
-    "wide,dense_format",
-    [(True, "i8"), (True, "bf16"), (False, "bf16")],
-    ids=["with-int8-copy", "with-bf16-copy", "4-bit-only"],
-)
-def test_int4_weights_compute_what_their_dequantized_values_do(
-    hf, wide: bool, dense_format: DenseFormat
-) -> None:
-    """4-bit layers and 8-bit head on decode steps; prefill chunks (20-43 rows) take the dense
-    copy when there is one (bf16, or int8 run on int8 activations), else the blocks too.
-    Without bf16 dot products (AVX2, Arm) the 4-bit layers run on int8 activations at every
-    step size, with no copy (model/linear.py): the activations' rounding to 8 bits per block
-    of 32 is then the error that dominates: measured 2.9x bf16's mean error here, against
-    2.0-2.3x for W8A8 below (the difference not investigated)."""
-    variant = kernels.describe()
-    native_bf16 = variant is not None and variant.native_bf16
-    weights, quantized = _quantized_checkpoint(hf)
-    tokens = _tokens(5)
-    reference = _run(_model(hf, torch.float32, weights=weights), tokens, kernel=False)
-    int4 = _model(
-        hf, torch.bfloat16, "tiled", weights, quantized, wide=wide, dense_format=dense_format
-    )
-    kinds = int4.describe_linears()
-    assert kinds["qkv"].startswith("tiled-q4") and kinds["lm_head"].startswith("tiled-q8")
-    assert (f"{dense_format} above" in kinds["qkv"]) == (wide and native_bf16)
-    bf16 = _run(_model(hf, torch.bfloat16, weights=weights), tokens, kernel=False)
-    fast = _run(int4, tokens, kernel=True)
-    if native_bf16:
-        _assert_as_close_as_bf16(reference, fast, bf16)
-    else:
-        _assert_as_close_as_bf16(reference, fast, bf16, error_factor=3.5, miss_share=0.03)
-
-
-@needs_kernels
 def test_int8_weights_and_activations_keep_the_reference_greedy_tokens(hf) -> None:
-    """W8A8 at every step size on a bf16 checkpoint, against the same projections quantized
-    to int8 per output row and run in fp32. What remains is the activations' rounding to
-    8 bits per block of 32 (steps of 2^-7 of the block's largest), about twice the error of
-    bf16's 8-bit mantissa (measured 2.0-2.3x on these checkpoints)."""
+    """`--weights int8` on a bf16 checkpoint: every projection and the head made Q8_0 blocks
+    at load (W8A8 at every step size), against the same weights through Q8_0 and back, run in
+    fp32. What remains is the activations' rounding to 8 bits per block of 32 (steps of 2^-7
+    of the block's largest), about twice the error of bf16's 8-bit mantissa (measured 2.0-2.3x
+    on these checkpoints)."""
     tokens = _tokens(6)
-    int8 = _model(hf, torch.bfloat16, "tiled", dense_format="i8")
-    assert set(int8.describe_linears().values()) == {"tiled-i8"}
+    int8 = _model(hf, torch.bfloat16, "tiled", mode="int8")
+    assert set(int8.describe_linears().values()) == {"tiled-Q8_0"}
     weights = {
-        name: _int8_roundtrip(tensor) if name.endswith("proj.weight") else tensor
+        name: _q8_0_roundtrip(tensor) if name.endswith("proj.weight") or "embed" in name else tensor
         for name, tensor in hf.state_dict().items()
     }
     reference = _run(_model(hf, torch.float32, weights=weights), tokens, kernel=False)
@@ -320,6 +264,6 @@ def test_int8_weights_and_activations_keep_the_reference_greedy_tokens(hf) -> No
     _assert_as_close_as_bf16(reference, fast, bf16, error_factor=2.5)
 
 
-def _int8_roundtrip(weight: torch.Tensor) -> torch.Tensor:
-    q, scales = quant.quantize_int8(weight)
-    return q.float() * scales[:, None]
+def _q8_0_roundtrip(weight: torch.Tensor) -> torch.Tensor:
+    raw = quantize_q8_0(weight)
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0)).reshape(weight.shape)

@@ -326,10 +326,10 @@ def test_bundled_weights_match_transformers(smollm2: LoadedModel) -> None:
 
 
 def test_bundled_blocks_kept_quantized_equal_the_dequantized_weights(smollm2: LoadedModel) -> None:
-    """The 4/8-bit blocks the fast kernels read are the same weights, rows un-permuted alike."""
-    kinds = {name: q.kind for name, q in smollm2.quantized.items()}
-    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4"
-    assert kinds["model.embed_tokens.weight"] == "q8"
+    """The blocks the fast kernels read are the same weights, rows un-permuted alike."""
+    kinds = {name: q.format.name for name, q in smollm2.quantized.items()}
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "Q4_1"
+    assert kinds["model.embed_tokens.weight"] == "Q8_0"
     assert len(kinds) == 1 + 7 * smollm2.config.num_hidden_layers
     for name, blocks in smollm2.quantized.items():
         assert torch.equal(blocks.dequantize(), smollm2.weights[name]), name

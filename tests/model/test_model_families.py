@@ -242,8 +242,8 @@ needs_kernels = pytest.mark.skipif(
 def test_fast_paths_keep_the_eager_greedy_tokens(
     family: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
 ) -> None:
-    """bf16 tiled kernels with the C++ attention (Phi-3: the fused layer op, window included;
-    the others op by op; Gemma 2 attends in torch, for its soft-cap) against bf16 eager."""
+    """bf16 tiled kernels with the C++ attention (Phi-3 and Qwen3: the fused layer op, window and
+    q/k norms included; the others op by op; Gemma 2 attends in torch, for its soft-cap) against bf16 eager."""
     name, hf = family
     config = load_model(save_checkpoint(hf, tmp_path, tokenizer_dir), torch.float32).config
     rng = random.Random(5)
@@ -251,9 +251,8 @@ def test_fast_paths_keep_the_eager_greedy_tokens(
     rows = {}
     for fast in (False, True):
         model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
-        model.load_weights(dict(hf.state_dict()))
-        model.prepare("tiled" if fast else "torch")
-        assert model.fused_layers == (fast and name == "phi3")
+        model.load(dict(hf.state_dict()), "tiled" if fast else "torch")
+        assert model.fused_layers == (fast and name in ("phi3", "qwen3"))
         kernel = fast and name != "gemma2"
         runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=kernel)
         runner.add("s", tokens)

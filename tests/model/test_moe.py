@@ -65,10 +65,12 @@ def tiny_mixtral(
 
 
 def _ours(
-    tiny: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]], dtype: torch.dtype
+    tiny: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+    dtype: torch.dtype,
+    backend: Backend = "torch",
 ) -> LlamaForCausalLM:
     model = LlamaForCausalLM(model_config_of(tiny[0]), dtype, torch.device("cpu"))
-    model.load_weights(tiny[1])
+    model.load(tiny[1], backend)
     return model
 
 
@@ -141,8 +143,7 @@ def test_kernels_path_matches_the_torch_reference_in_bf16(
     be rare."""
     logits = {}
     for backend in ("torch", "tiled"):
-        ours = _ours(tiny_mixtral, torch.bfloat16)
-        ours.prepare(backend)
+        ours = _ours(tiny_mixtral, torch.bfloat16, backend)
         runner = PagedRunner(ours, block_size=4, paged_kernel=backend == "tiled")
         runner.add("a", list(range(3, 40)))
         runner.add("b", list(range(60, 71)))
@@ -278,26 +279,25 @@ def test_gguf_loads_the_same_weights_and_tokens(
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
-@pytest.mark.parametrize(("qtype", "kind"), [("Q4_0", "q4"), ("Q8_0", "q8")])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_experts_from_a_quantized_gguf_run_in_their_blocks(
-    tmp_path: Path, mixtral_dir: Path, qtype: str, kind: str
+    tmp_path: Path, mixtral_dir: Path, qtype: str
 ) -> None:
-    """Each expert of a 4/8-bit GGUF stack is kept in its own blocks (gate and up fused) and
-    runs on the block kernels alone (no dense copy): as close to fp32 over the dequantized
-    weights as plain bf16 is."""
+    """Each expert of a quantized GGUF stack is kept in its own blocks (gate and up one
+    projection of two parts) and runs on the block kernels (int8 activations): as close to
+    fp32 over the dequantized weights as int8 activations allow (~3x bf16's error)."""
     path = tmp_path / f"tiny-mixtral.{qtype}.gguf"
     _write_mixtral_gguf(path, mixtral_dir, GGMLQuantizationType[qtype])
     loaded = load_model(path, torch.float32)
     experts = {n for n in loaded.weights if ".experts." in n}
     assert len(experts) == 2 * EXPERTS * 3 and experts <= set(loaded.quantized)
-    assert {loaded.quantized[n].kind for n in experts} == {kind}
+    assert {loaded.quantized[n].format.name for n in experts} == {qtype}
 
     def run(dtype: torch.dtype, backend: Backend, quantized: bool) -> list[torch.Tensor]:
         model = LlamaForCausalLM(loaded.config, dtype, torch.device("cpu"))
-        model.load_weights(loaded.weights)
-        model.prepare(backend, loaded.quantized if quantized else None, wide=False)
+        model.load(loaded.weights, backend, loaded.quantized if quantized else None)
         if quantized:
-            assert model.describe_linears()["experts"].endswith(f"tiled-{kind}")
+            assert model.describe_linears()["experts"].endswith(f"tiled-{qtype}")
         runner = PagedRunner(model, block_size=8, num_blocks=64, paged_kernel=False)
         return _teacher_force(runner, tokens)
 
@@ -305,7 +305,8 @@ def test_experts_from_a_quantized_gguf_run_in_their_blocks(
     tokens = [[rng.randrange(loaded.config.vocab_size) for _ in range(n)] for n in (48, 40, 44)]
     reference = run(torch.float32, "torch", False)
     bf16 = run(torch.bfloat16, "torch", False)
-    _assert_as_close_as_bf16(reference, run(torch.bfloat16, "tiled", True), bf16)
+    fast = run(torch.bfloat16, "tiled", True)
+    _assert_as_close_as_bf16(reference, fast, bf16, error_factor=3.5, miss_share=0.03)
 
 
 @pytest.mark.parametrize(

@@ -231,11 +231,12 @@ class LLMEngine:
         path = self.config.speculative.draft_model
         config = self.config
         if path == SELF_INT4_DRAFT:
-            # The model's own 4-bit GGUF weights guess for it; with --weights bf16 the text
-            # is the bf16 model's, at part of the 4-bit speed.
+            # The model's own GGUF blocks guess for it; with --weights bf16 the text is the
+            # bf16 model's, at part of the quantized speed.
             if not target.quantized:
                 raise ConfigError(
-                    f"--draft-model {SELF_INT4_DRAFT} needs a 4-bit GGUF model (Q4_0/Q4_1)"
+                    f"--draft-model {SELF_INT4_DRAFT} needs a quantized GGUF model (Q4_K, "
+                    "Q4_0, ...)"
                 )
             path, config = self.config.model, replace(self.config, weights="int4")
         draft = load_model(path, dtype)

@@ -139,8 +139,7 @@ def _await_workers(
 def _build_shard(spec: ShardSpec, tp: TensorParallel, device: torch.device) -> PagedModel:
     config = shard_config(spec.config, spec.size)
     model = LlamaForCausalLM(config, spec.dtype, device, tp)
-    model.load_weights(spec.weights)
-    model.prepare("torch")
+    model.load(spec.weights)
     caches = allocate_kv_caches(config, spec.num_blocks, spec.block_size, spec.kv_dtype, device)
     return PagedModel(model, caches, spec.block_size, device)
 

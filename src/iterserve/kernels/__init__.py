@@ -65,6 +65,15 @@ ISAS: tuple[Isa, ...] = (
         (*_AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni"),
         native_bf16=True,
     ),
+    # AVX-512 with integer dot products but no bf16 ones: Intel's Cascade Lake and Ice Lake
+    # servers, common in clouds.
+    Isa(
+        "avx512vnni",
+        "x86_64",
+        (*_AVX512, "avx512_vnni"),
+        "AVX512",
+        (*_AVX512_FLAGS, "-mavx512vnni"),
+    ),
     Isa("avx512", "x86_64", _AVX512, "AVX512", _AVX512_FLAGS),
     Isa("avx2", "x86_64", ("avx2", "fma", "f16c"), "AVX2", ("-mavx2", "-mfma", "-mf16c")),
     Isa("neondot", "aarch64", ("asimd", "asimddp"), "DEFAULT", ("-march=armv8.2-a+dotprod",)),

@@ -12,19 +12,14 @@ TILE = 16  # outputs per weight tile, as in csrc/linear.cpp
 
 def _tiled_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor | None,
+    weights: list[torch.Tensor],
+    formats: list[int],
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
-    format: int,
-    wide_weight: torch.Tensor | None,
-    wide_scales: torch.Tensor | None,
-    wide_format: int,
-    max_tile_rows: int,
     fp32_out: bool = False,
 ) -> torch.Tensor:
     dtype = torch.float32 if fp32_out else x.dtype
-    return x.new_empty(x.shape[0], weight.shape[0] * TILE, dtype=dtype)
+    return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights) * TILE, dtype=dtype)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,9 +60,11 @@ def _decoder_layer(
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
     eps: float,
-    weights: list[torch.Tensor | None],
+    weights: list[torch.Tensor],
     formats: list[int],
-    max_rows: list[int],
+    segments: list[int],
+    biases: list[torch.Tensor | None],
+    qk_norm: torch.Tensor | None,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -82,12 +79,20 @@ def _decoder_layer(
     return hidden.new_empty(hidden.shape)
 
 
+def _dequantize_rows(
+    tiles: torch.Tensor, format: int, k: int, rows: torch.Tensor, bf16_out: bool
+) -> torch.Tensor:
+    dtype = torch.bfloat16 if bf16_out else torch.float32
+    return tiles.new_empty((rows.numel(), k), dtype=dtype)
+
+
 _FAKES = {
     "tiled_linear": _tiled_linear,
     "quantize_rows": _quantize_rows,
     "paged_attention": _paged_attention,
     "store_and_attend": _store_and_attend,
     "decoder_layer": _decoder_layer,
+    "dequantize_rows": _dequantize_rows,
 }
 
 

@@ -12,8 +12,8 @@ import torch
 from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.model.config import ModelConfig
-from iterserve.model.kquant import BlockWeight
-from iterserve.model.linear import Backend, DenseFormat, onednn_usable
+from iterserve.model.gguf_blocks import GGUFBlocks
+from iterserve.model.linear import Backend, WeightMode, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 
@@ -27,7 +27,7 @@ class ModelPlan:
     backend: Backend
     paged_attention_kernel: bool  # the C++ op serves every row; False: torch attention
     batch_invariant: bool
-    weights: str  # "bfloat16", "q4+q8" (the checkpoint's 4-bit layers and 8-bit head), ...
+    weights: str  # "bfloat16", "Q4_K+Q6_K" (the checkpoint's blocks as they are), ...
     # How a step runs: "fused-layers" (one C++ op per layer), "compiled" (torch.compile'd
     # layer stack) or "eager".
     step: str
@@ -36,6 +36,7 @@ class ModelPlan:
     dtype_reason: str = ""
     kernels_isa: str | None = None  # the C++ kernels' ISA variant, when they run
     kv_cache_dtype: str = "bfloat16"  # how the pool stores K/V (model/kv_cache_format.py)
+    weight_bytes: int = 0  # bytes of weights the network holds
 
     def describe(self) -> dict[str, str]:
         """The plan as /health reports it."""
@@ -47,6 +48,7 @@ class ModelPlan:
             "attention": "paged-kernel" if self.paged_attention_kernel else "torch",
             "kv_cache_dtype": self.kv_cache_dtype,
             "weights": self.weights,
+            "weight_bytes": str(self.weight_bytes),
             "step": self.step,
         }
 
@@ -82,33 +84,29 @@ def choose_backend(config: EngineConfig, dtype: torch.dtype, device: torch.devic
 
 @dataclass(frozen=True)
 class WeightChoice:
-    """How the tiled kernels hold the projections (see model/linear.py)."""
+    """How the projections are held (see model/linear.py)."""
 
-    quantized: dict[str, BlockWeight]  # checkpoint blocks kept as they are, by HF name
-    dense_format: DenseFormat  # the dense weights: bf16, or int8 run with int8 activations
-    wide: bool  # quantized weights get a dense copy for steps of many rows
+    quantized: dict[str, GGUFBlocks]  # checkpoint blocks kept as they are, by HF name
+    mode: WeightMode
 
 
 def choose_weights(config: EngineConfig, loaded: LoadedModel, backend: Backend) -> WeightChoice:
-    has_4bit = any(q.kind in ("q4", "qk") for q in loaded.quantized.values())
     if config.weights in ("int4", "int8") and backend != "tiled":
         reason = kernels.why_unavailable() or "they are off on this device/dtype"
         raise ConfigError(f"--weights {config.weights} needs iterserve's C++ kernels ({reason})")
-    if config.weights == "int4" and not has_4bit:
+    if config.weights == "int4" and not loaded.quantized:
         raise ConfigError(
-            "--weights int4 needs a checkpoint with 4-bit weights (a Q4_0, Q4_1, Q5_x or K-quant GGUF)"
+            "--weights int4 needs a checkpoint with quantized weights (a GGUF in a block format: "
+            "Q4_0, Q4_K, Q6_K, IQ4_XS, ...)"
         )
     if config.weights == "int8":
-        return WeightChoice({}, "i8", wide=False)
-    if config.weights == "bf16" or backend != "tiled" or not has_4bit:
-        return WeightChoice({}, "bf16", wide=False)
-    # 4-bit checkpoint: its blocks for few-row steps (weight streaming), and for many rows
-    # (compute-bound) an int8 copy run on int8 activations, twice bf16's arithmetic rate
-    # (benchmarks/linear_kernels.py). int4 alone: least memory, slower prefill and large
-    # batches. Batch-invariant runs keep one format for every step size: switching by row
-    # count would make a request's logits depend on it.
-    wide = config.weights == "auto" and not config.batch_invariant
-    return WeightChoice(dict(loaded.quantized), "i8", wide)
+        return WeightChoice({}, "int8")
+    if config.weights == "bf16" or backend != "tiled":
+        return WeightChoice({}, "bf16")
+    # The checkpoint's blocks at every step size, run on int8 activations (weight bytes are
+    # a decode step's cost; arithmetic a prefill's, which the kernels meet by decoding a few
+    # tiles at a time into a panel: csrc/linear.cpp); dense weights stay 16-bit.
+    return WeightChoice(dict(loaded.quantized), "blocks")
 
 
 def build_model(
@@ -119,10 +117,9 @@ def build_model(
     dtype_reason: str = "",
 ) -> tuple[LlamaForCausalLM, ModelPlan]:
     model = LlamaForCausalLM(loaded.config, dtype, device)
-    model.load_weights(loaded.weights)
     backend = choose_backend(config, dtype, device)
     choice = choose_weights(config, loaded, backend)
-    model.prepare(backend, choice.quantized, choice.wide, choice.dense_format)
+    model.load(loaded.weights, backend, choice.quantized, choice.mode)
     use_kernel = _attends_in_kernel(config, loaded.config, device)
     if use_kernel:
         model.use_kernel_ops(kernels.ops())
@@ -152,13 +149,15 @@ def build_model(
         dtype=str(dtype).removeprefix("torch."),
         dtype_reason=dtype_reason,
         kernels_isa=kernels.isa() if backend == "tiled" or use_kernel else None,
+        weight_bytes=model.weight_bytes(),
     )
     logger.info(
-        "model %s: %s linears, %s attention, weights %s, step %s; %s",
+        "model %s: %s linears, %s attention, weights %s (%.2f GiB), step %s; %s",
         loaded.name,
         f"{plan.backend} ({plan.kernels_isa})" if plan.kernels_isa else plan.backend,
         "paged-kernel" if use_kernel else "torch",
         plan.weights,
+        plan.weight_bytes / 2**30,
         plan.step,
         dtype_reason,
     )
@@ -181,15 +180,15 @@ def _attends_in_kernel(config: EngineConfig, model: ModelConfig, device: torch.d
 
 
 def _held_formats(model: LlamaForCausalLM) -> list[str]:
-    """The weight formats the tiled kernels run, as the projections ended up holding them
-    (not the checkpoint's: blocks a CPU runs slower than their dense copy are dropped)."""
+    """The weight formats the tiled kernels run, as the projections hold them: blocks first,
+    then dense ones."""
     linears = [model.head] if model.head is not None else []
     for layer in model.layers:
         linears.extend(layer.linears.values())
         if layer.moe is not None:
             linears.extend([*layer.moe.gate_up, *layer.moe.down])
     held = {f for lin in linears for f in lin.held_formats()}
-    return sorted(held - {"bf16", "i8"}) + (["i8"] if "i8" in held else [])  # blocks first
+    return sorted(held - {"bf16", "f16"}) + sorted(held & {"bf16", "f16"})
 
 
 def _can_compile(device: torch.device) -> bool:

@@ -17,14 +17,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
+from iterserve.model.block_formats import BLOCK_FORMATS
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
-from iterserve.model.kquant import BLOCK_SIZES as KQUANT_BLOCK_SIZES
-from iterserve.model.kquant import BlockWeight, from_gguf_kquant
+from iterserve.model.gguf_blocks import GGUFBlocks, expert_slices, read_bytes
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.moe import GGUF_ROUTER, ROUTER, gguf_expert_names
-from iterserve.model.quant import BLOCK_BYTES, from_gguf_blocks
 from iterserve.model.rope import UnsupportedRope, served_rope
 from iterserve.model.tokenizer import tokenizer_from_gguf
 
@@ -437,50 +436,54 @@ def _load_weights(
     config: ModelConfig,
     gguf_arch: str,
     dtype: torch.dtype,
-) -> tuple[LazyWeights, dict[str, BlockWeight]]:
-    """Every tensor, dequantized to `dtype` when read (model/lazy_weights.py), plus the 2-D
-    ones in a block format our kernels read kept as they are (rows un-permuted alike).
-    Other quantized types (Q2_K, Q3_K, IQ*, ...) are only dequantized, and the log says so."""
+) -> tuple[LazyWeights, dict[str, GGUFBlocks]]:
+    """Every tensor, made in `dtype` only if read (model/lazy_weights.py), plus the 2-D ones
+    in a block format the kernels run (model/block_formats.py) as references to their bytes,
+    rows un-permuted alike: the model builds its tiles from those without ever making the
+    dense weights. Other quantized types are only dequantized, and the log says so."""
     rope_heads = _permuted_heads(config, gguf_arch)
     weights = LazyWeights()
-    quantized: dict[str, BlockWeight] = {}
+    blocks: dict[str, GGUFBlocks] = {}
     expanded: set[str] = set()  # quantized types with no kernel: dequantized to `dtype`
-    with path.open("rb") as file:
-        # A plain ndarray over an mmap, not np.memmap: gguf's dequantizer slices its input
-        # thousands of times and every np.memmap slice pays for __array_finalize__ (2.5x slower, once).
-        data = np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
-
-    def raw_of(info: GGUFTensorInfo) -> np.ndarray:
-        return data[info.offset : info.offset + info.nbytes]
 
     # A layer's experts are read one after the other, each a slice of its projection's stack:
     # the layer's three stacks are dequantized once each, not once per expert.
     @functools.lru_cache(maxsize=3)
     def stack(name: str) -> torch.Tensor:
-        return _dequantized(path, raw_of(tensors[name]), tensors[name])
+        return _dequantized(path, tensors[name])
 
     for info in tensors.values():
         if info.name in _ROPE_TENSORS:
             continue
-        raw = raw_of(info)
         qtype = info.qtype.name
+        kept = qtype in BLOCK_FORMATS and len(info.shape) in (2, 3)
+        if qtype not in BLOCK_FORMATS and qtype not in _FLOAT_TYPES:
+            expanded.add(qtype)
         if (experts := gguf_expert_names(info.name, info.shape[0])) is not None:
             for e, name in enumerate(experts):
                 weights.add(name, info.shape[1:], functools.partial(_expert, stack, info, e, dtype))
-            quantized.update(_expert_blocks(raw, info, experts, expanded))
+            if kept:
+                whole = GGUFBlocks(
+                    path,
+                    info.offset,
+                    (info.shape[0] * info.shape[1], info.shape[2]),
+                    BLOCK_FORMATS[qtype],
+                )
+                blocks.update(zip(experts, expert_slices(whole, len(experts)), strict=True))
             continue
         name = hf_tensor_name(info.name, gguf_arch)
-        blocks = _blocks(raw, qtype, info.shape, expanded)
         # llama.cpp's converter stores Gemma's norms with the 1 of (1 + w) added; HF
         # names carry HF's values (LlamaForCausalLM.load_weights adds the 1 again).
         norm_offset = bool(config.traits.norm_offset and "norm" in name)
         heads = rope_heads.get(name.split(".")[-2])
-        if heads is not None and blocks is not None:
-            blocks = blocks.rows(unpermute_rope_rows(torch.arange(info.shape[0]), heads))
-        make = functools.partial(_tensor, path, raw, info, dtype, norm_offset, heads)
-        weights.add(name, info.shape, make)
-        if blocks is not None:
-            quantized[name] = blocks
+        make = functools.partial(_tensor, path, info, dtype, norm_offset, heads)
+        native = functools.partial(_tensor, path, info, None, norm_offset, heads)
+        weights.add(name, info.shape, make, native)
+        if kept and len(info.shape) == 2:
+            rows = (
+                None if heads is None else unpermute_rope_rows(torch.arange(info.shape[0]), heads)
+            )
+            blocks[name] = GGUFBlocks(path, info.offset, info.shape, BLOCK_FORMATS[qtype], rows)  # type: ignore[arg-type]
     if expanded:
         logger.warning(
             "%s: tensors in %s have no quantized kernel and are dequantized to %s at load "
@@ -488,9 +491,9 @@ def _load_weights(
             path.name,
             ", ".join(sorted(expanded)),
             str(dtype).removeprefix("torch."),
-            ", ".join(sorted({*BLOCK_BYTES, *KQUANT_BLOCK_SIZES})),
+            ", ".join(BLOCK_FORMATS),
         )
-    return weights, quantized
+    return weights, blocks
 
 
 def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:
@@ -501,62 +504,39 @@ def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:
     return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 
 
-def _dequantized(path: Path, raw: np.ndarray, info: GGUFTensorInfo) -> torch.Tensor:
+def _dequantized(path: Path, info: GGUFTensorInfo) -> torch.Tensor:
+    """A tensor's values: 16-bit floats as they are, every other type as fp32."""
+    raw = read_bytes(path, info.offset, info.nbytes)
+    if info.qtype == GGMLQuantizationType.F16:
+        return torch.from_numpy(raw.view(np.float16).reshape(info.shape))
+    if info.qtype == GGMLQuantizationType.BF16:
+        return torch.from_numpy(raw.view(np.int16).reshape(info.shape)).view(torch.bfloat16)
+    if info.qtype == GGMLQuantizationType.F32:
+        return torch.from_numpy(raw.view(np.float32).reshape(info.shape))
     try:
         array = dequantize(raw.reshape(*info.shape[:-1], -1), info.qtype).reshape(info.shape)
     except NotImplementedError as error:
         raise ModelLoadError(f"{path}: tensor {info.name}: {error}") from error
-    # F32 tensors come back as views of the read-only file; everything else is fresh memory.
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
+    return torch.from_numpy(array)
 
 
 def _tensor(
     path: Path,
-    raw: np.ndarray,
     info: GGUFTensorInfo,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     norm_offset: bool,
     rope_heads: int | None,
 ) -> torch.Tensor:
-    tensor = _dequantized(path, raw, info)
+    """The tensor in `dtype`, or (None) as stored: fp16 and bf16 stay so, the rest fp32."""
+    tensor = _dequantized(path, info)
     if norm_offset:
         tensor = tensor.float() - 1
     if rope_heads is not None:
         tensor = unpermute_rope_rows(tensor, rope_heads)
-    return tensor.to(dtype).contiguous()
+    return (tensor if dtype is None else tensor.to(dtype)).contiguous()
 
 
 def _expert(
     stack: Callable[[str], torch.Tensor], info: GGUFTensorInfo, expert: int, dtype: torch.dtype
 ) -> torch.Tensor:
     return stack(info.name)[expert].to(dtype).contiguous()
-
-
-def _expert_blocks(
-    raw: np.ndarray, info: GGUFTensorInfo, names: list[str], expanded: set[str]
-) -> dict[str, BlockWeight]:
-    """The blocks of each expert of a stack (ffn_*_exps), by its HF name: each expert's bytes
-    are one contiguous run of the stack's."""
-    per_expert = info.nbytes // len(names)
-    found: dict[str, BlockWeight] = {}
-    for e, name in enumerate(names):
-        expert_raw = raw[e * per_expert : (e + 1) * per_expert]
-        if (blocks := _blocks(expert_raw, info.qtype.name, info.shape[1:], expanded)) is not None:
-            found[name] = blocks
-    return found
-
-
-def _blocks(
-    raw: np.ndarray, qtype: str, shape: tuple[int, ...], expanded: set[str]
-) -> BlockWeight | None:
-    """A 2-D tensor's GGUF bytes kept in their blocks, if a kernel reads its type; else None,
-    and a quantized type is noted in `expanded`."""
-    if len(shape) != 2:
-        return None
-    if qtype in BLOCK_BYTES:
-        return from_gguf_blocks(raw, qtype, shape)  # type: ignore[arg-type]
-    if qtype in KQUANT_BLOCK_SIZES:
-        return from_gguf_kquant(raw, qtype, shape)  # type: ignore[arg-type]
-    if qtype not in _FLOAT_TYPES:
-        expanded.add(qtype)
-    return None

@@ -3,16 +3,19 @@ network over a paged KV cache; what sets a family apart is a named trait (model/
 or a number on ModelConfig, and RoPE variants live in model/rope.py.
 
 The engine calls `forward` once per step on a flat ragged batch. q/k/v and gate/up are fused
-into one projection each at load time, the rotary table is built once and indexed once per
-step, the residual adds ride inside the output projections, and the LM head only sees the
-rows that need logits. Each projection is a `Linear` whose backend (plain torch, oneDNN
-packed, or iterserve's tiled kernels over bf16 or 4/8-bit weights) is chosen once by
-`prepare`; the layer stack can then be compiled (`compile_layers`) into one graph for every
-token count, attention being an opaque op that reads the step from a context.
+into one projection each, the rotary table is built once and indexed once per step, the
+residual adds ride inside the output projections, and the LM head only sees the rows that
+need logits. The network is made without its projections; `load` builds each one as a
+`Linear` straight from its checkpoint tensors, one projection at a time, in the backend
+chosen (plain torch, oneDNN packed, or iterserve's tiled kernels over the checkpoint's own
+blocks or bf16), so a quantized checkpoint is never made dense. The layer stack can then be
+compiled (`compile_layers`) into one graph for every token count, attention being an opaque
+op that reads the step from a context.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,10 +27,10 @@ from iterserve.model.attention import attend, attention_context
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
-from iterserve.model.lazy_weights import shape_of
-from iterserve.model.linear import Backend, DenseFormat, Linear
-from iterserve.model.moe import EXPERT_PREFIX, SparseMoeBlock
-from iterserve.model.quant import QuantizedWeight
+from iterserve.model.gguf_blocks import GGUFBlocks
+from iterserve.model.lazy_weights import native_of, shape_of
+from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
+from iterserve.model.moe import SparseMoeBlock
 from iterserve.model.rope import apply_rope, rope_tables
 from iterserve.model.tensor_parallel import TensorParallel
 
@@ -61,17 +64,18 @@ _FUSED_IN_CHECKPOINT = {
 }
 
 
-def _fused_quantized(
-    quantized: Mapping[str, QuantizedWeight], prefix: str, parts: tuple[str, ...]
-) -> QuantizedWeight | None:
-    found = [quantized.get(f"{prefix}{part}.weight") for part in parts]
-    if any(q is None for q in found):
-        return None
-    if len({q.layout for q in found}) > 1:  # type: ignore[union-attr]
-        # Parts in different block formats (Q4_K_M stores v in Q6_K, q and k in Q4_K): the
-        # fused projection runs dense.
-        return None
-    return type(found[0]).cat(found)  # type: ignore[arg-type]
+def weight_part(
+    weights: Mapping[str, torch.Tensor], quantized: Mapping[str, GGUFBlocks], name: str
+) -> WeightPart:
+    """A checkpoint tensor as a projection's part: read only when the projection is built."""
+    shape = shape_of(weights, name)
+    return WeightPart(
+        name,
+        (shape[0], shape[1]),
+        functools.partial(weights.__getitem__, name),
+        functools.partial(native_of, weights, name),
+        quantized.get(name),
+    )
 
 
 class _DecoderLayer(nn.Module):
@@ -105,11 +109,10 @@ class _DecoderLayer(nn.Module):
         self.checkpoint_parts = _FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED
         like = {"dtype": dtype, "device": device}
         self.input_norm = _weight(hidden, **like)
-        self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, hidden, **like)
+        # The projections' weights are not parameters: `build` makes each one's Linear.
         self.qkv_bias = (
             _weight(self.q_size + 2 * self.kv_size, **like) if config.attention_bias else None
         )
-        self.o_weight = _weight(hidden, self.q_size, **like)
         has_o_bias = config.attention_bias and traits.o_proj_bias
         self.o_bias = _weight(hidden, **like) if has_o_bias else None
         # q/k norms (Qwen3, Gemma 3) as one weight over the fused q and k heads: the q_norm row
@@ -125,74 +128,63 @@ class _DecoderLayer(nn.Module):
         self.mlp_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
         # The MLP: dense (fused gate+up, then down), or Mixtral's experts (model/moe.py).
         self.moe = SparseMoeBlock(config, dtype, device) if config.num_local_experts else None
-        dense = self.moe is None
-        self.gate_up_weight = _weight(2 * self.intermediate, hidden, **like) if dense else None
-        self.down_weight = _weight(hidden, self.intermediate, **like) if dense else None
+        self.dtype = dtype
         self.linears: dict[str, Linear] = {}
         # The whole layer as one C++ op (kernels/csrc/layer.cpp), when every part fits it:
-        # its projections' weights in order, their formats and row limits, and rope tables.
-        self.fused: tuple[list[torch.Tensor | None], list[int], list[int]] | None = None
+        # its projections' weight segments in order, their formats, how many segments each
+        # projection has, and their biases.
+        self.fused: (
+            tuple[list[torch.Tensor], list[int], list[int], list[torch.Tensor | None]] | None
+        ) = None
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         # The C++ ops of the kernels' ISA variant (kernels/__init__.py), set when they run.
         self.kernel_ops: Any = None
 
-    def prepare(
+    def build(
         self,
+        part: Callable[[str], WeightPart],
         backend: Backend,
-        quantized: Mapping[str, QuantizedWeight],
-        wide: bool,
-        dense_format: DenseFormat,
+        mode: WeightMode,
         rope_tables: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
-        """Build the projections' kernels; the dense weights are dropped unless torch runs."""
+        """Make the projections' Linears from their checkpoint tensors (`part(name)`)."""
         prefix = f"model.layers.{self.index}."
         biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
         self.fused = None
         if self.moe is not None:
-            expert_prefixes = [
-                prefix + EXPERT_PREFIX.format(e) for e in range(self.moe.num_experts)
-            ]
-            experts = [
-                (
-                    _fused_quantized(quantized, p, ("w1", "w3")),
-                    _fused_quantized(quantized, p, ("w2",)),
-                )
-                for p in expert_prefixes
-            ]
-            self.moe.prepare(backend, dense_format, experts, wide)
+            self.moe.build(lambda name: part(prefix + name), backend, mode)
         for name, parts in self.checkpoint_parts.items():
             if self.moe is not None and name in ("gate_up", "down"):
                 continue
-            weight = getattr(self, f"{name}_weight")
             self.linears[name] = Linear(
-                weight,
+                [part(f"{prefix}{p}.weight") for p in parts],
                 biases[name],
                 backend,
-                _fused_quantized(quantized, prefix, parts),
-                wide,
-                dense_format,
+                mode,
+                self.dtype,
             )
-            if backend != "torch":  # the kernels hold their own copies
-                setattr(self, f"{name}_weight", None)
         if self.moe is not None:  # the C++ layer op has a dense MLP
             return
         tiled = [self.linears[name] for name in _FUSED]
-        # The C++ layer op is Llama's layer; others run op by op (the C++ attention still).
+        # The C++ layer op is Llama's layer (Qwen3's q/k norms too); others run op by op (the
+        # C++ attention still).
         fits_layer_op = self.head_dim % 32 == 0 and self.is_llama_layer
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
+            args = [lin.kernel_args for lin in tiled]
             self.fused = (
-                [t for lin in tiled for t in lin.kernel_tensors],
-                [code for lin in tiled for code in lin.format_codes],
-                [lin.max_tile_rows for lin in tiled],
+                [seg for segments, _, _ in args for seg in segments],
+                [code for _, codes, _ in args for code in codes],
+                [len(segments) for segments, _, _ in args],
+                [bias for _, _, bias in args],
             )
 
     @property
     def is_llama_layer(self) -> bool:
-        """Nothing but Llama's parts (what the fused C++ layer op computes)."""
+        """Nothing but Llama's parts (and Qwen3's q/k norms): what the fused C++ layer op
+        computes."""
         return (
-            self.qk_norm is None
-            and self.attn_out_norm is None
+            self.attn_out_norm is None
             and not self.gelu
             and not self.softcap
             and not self.local_rope
@@ -213,6 +205,7 @@ class _DecoderLayer(nn.Module):
             self.post_norm,
             self.eps,
             *self.fused,
+            self.qk_norm,
             *kv_cache,
             slot_mapping,
             step,
@@ -300,16 +293,10 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.tp = tp
         like = {"dtype": dtype, "device": device}
-        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **like)
         self.layers = nn.ModuleList(
             _DecoderLayer(config, dtype, device, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm_weight = _weight(config.hidden_size, **like)
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings
-            else _weight(config.vocab_size, config.hidden_size, **like)
-        )
         positions = config.max_position_embeddings
         cos, signed_sin = rope_tables(
             config.head_dim, config.rope_theta, config.rope_scaling, positions, dtype, device
@@ -327,20 +314,25 @@ class LlamaForCausalLM(nn.Module):
             if config.traits.embed_scale
             else None
         )
+        # Made by `load`: the LM head, and the token embedding (a dense table, or rows looked
+        # up in the head's or its own tiles, never a dense copy of a quantized table).
         self.head: Linear | None = None
+        self.embedding: TokenEmbedding | None = None
         self.fused_layers = False
         self.backend: Backend = "torch"
         self._run_layers: Callable[..., torch.Tensor] = self._layers
 
-    def _targets(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
-        """HF name -> (destination view in our fused tensors, expected shape)."""
+    def _targets(self) -> dict[str, tuple[torch.Tensor | None, tuple[int, ...]]]:
+        """HF name -> (destination of a small tensor, or None for a projection's part built
+        by `load`; expected shape)."""
         c = self.config
-        targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, (c.vocab_size, c.hidden_size)),
+        vocab = (c.vocab_size, c.hidden_size)
+        targets: dict[str, tuple[torch.Tensor | None, tuple[int, ...]]] = {
+            "model.embed_tokens.weight": (None, vocab),
             "model.norm.weight": (self.norm_weight, (c.hidden_size,)),
         }
         if not c.tie_word_embeddings:
-            targets["lm_head.weight"] = (self.lm_head, (c.vocab_size, c.hidden_size))
+            targets["lm_head.weight"] = (None, vocab)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, _DecoderLayer)
             p = f"model.layers.{i}."
@@ -349,10 +341,59 @@ class LlamaForCausalLM(nn.Module):
             targets |= _norm_targets(p, layer, c)
         return targets
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; all checks happen before any copy."""
+    def load(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        backend: Backend = "torch",
+        quantized: Mapping[str, GGUFBlocks] | None = None,
+        mode: WeightMode = "blocks",
+    ) -> None:
+        """Build the network's weights from HF-named tensors, one projection at a time, in
+        `backend`'s form: q/k/v and gate/up fused, small tensors copied in. `quantized` holds
+        checkpoint tensors kept in their file's blocks (the tiled backend reads them so in
+        `mode` "blocks"). All checks happen before anything is built."""
         targets = self._targets()
+        self._check(weights, targets)
+        quantized = quantized or {}
+        offset = self.config.traits.norm_offset
+        with torch.no_grad():
+            for name, (dest, _) in targets.items():
+                if dest is None:
+                    continue
+                weight = weights[name]
+                if offset and "norm" in name:  # Gemma's norms scale by (1 + weight)
+                    weight = weight.float() + 1
+                dest.copy_(weight)
+        if self.tp is not None and backend != "torch":
+            # The fused C++ layer adds the residual inside one op, with no point at which to
+            # all-reduce; only the plain torch projections are sharded.
+            raise ValueError("a tensor-parallel shard runs the torch backend, dense weights")
+        self.backend = backend
+        part = functools.partial(weight_part, weights, quantized)
+        for layer in self.layers:
+            assert isinstance(layer, _DecoderLayer)
+            layer.build(part, backend, mode, (self.rope_cos, self.rope_signed_sin))
+        table = part("model.embed_tokens.weight")
+        tied = self.config.tie_word_embeddings
+        self.head = Linear(
+            [table if tied else part("lm_head.weight")], None, backend, mode, self.dtype
+        )
+        self.embedding = TokenEmbedding(
+            table, self.head if tied else None, backend, mode, self.dtype
+        )
+        # One C++ op per layer wherever the paged attention op also runs (the step's
+        # packed table tells each layer its rows' positions).
+        self.fused_layers = all(layer.fused is not None for layer in self.layers)
 
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """`load` on the reference path: plain torch projections, dense weights."""
+        self.load(weights)
+
+    def _check(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        targets: Mapping[str, tuple[torch.Tensor | None, tuple[int, ...]]],
+    ) -> None:
         def ignorable(name: str) -> bool:
             # Old checkpoints store the rotary buffer; tied models' state_dict lists lm_head.
             return name.endswith("rotary_emb.inv_freq") or (
@@ -375,48 +416,18 @@ class LlamaForCausalLM(nn.Module):
             problems.append(f"mis-shaped {len(misshaped)}: {'; '.join(misshaped[:8])}")
         if problems:
             raise ValueError("cannot load weights: " + " | ".join(problems))
-        offset = self.config.traits.norm_offset
-        with torch.no_grad():
-            for name, (dest, _) in targets.items():
-                weight = weights[name]
-                if offset and "norm" in name:  # Gemma's norms scale by (1 + weight)
-                    weight = weight.float() + 1
-                dest.copy_(weight)
 
-    def prepare(
-        self,
-        backend: Backend = "torch",
-        quantized: Mapping[str, QuantizedWeight] | None = None,
-        wide: bool = True,
-        dense_format: DenseFormat = "bf16",
-    ) -> None:
-        """Choose the projections' kernels once the weights are in.
-
-        `quantized` holds checkpoint weights to keep in their own 4/8-bit blocks (HF names);
-        only the tiled backend reads them, for few-row steps, with a dense copy in
-        `dense_format` for larger ones unless not `wide`. Until this is called the torch
-        backend runs.
-        """
-        quantized = quantized or {}
-        if self.tp is not None and (backend != "torch" or quantized):
-            # The fused C++ layer adds the residual inside one op, with no point at which to
-            # all-reduce; only the plain torch projections are sharded.
-            raise ValueError("a tensor-parallel shard runs the torch backend, dense weights")
-        self.backend = backend
+    def weight_bytes(self) -> int:
+        """Bytes of weights the network holds: projections, head, embedding, small tensors."""
+        linears = [self.head] if self.head is not None else []
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
-            layer.prepare(
-                backend, quantized, wide, dense_format, (self.rope_cos, self.rope_signed_sin)
-            )
-        head_name = (
-            "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        )
-        self.head = Linear(
-            self.lm_head, None, backend, quantized.get(head_name), wide, dense_format
-        )
-        # One C++ op per layer wherever the paged attention op also runs (the step's
-        # packed table tells each layer its rows' positions).
-        self.fused_layers = all(layer.fused is not None for layer in self.layers)
+            linears.extend(layer.linears.values())
+            if layer.moe is not None:
+                linears.extend([*layer.moe.gate_up, *layer.moe.down])
+        small = sum(p.numel() * p.element_size() for p in self.parameters())
+        embedding = self.embedding.nbytes if self.embedding is not None else 0
+        return sum(lin.nbytes for lin in linears) + embedding + small
 
     def use_kernel_ops(self, ops: Any) -> None:
         """Run attention (and whole layers, where `fused_layers`) through these C++ ops: one
@@ -469,7 +480,8 @@ class LlamaForCausalLM(nn.Module):
         slot_mapping: torch.Tensor,
         step: torch.Tensor | None,
     ) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        assert self.embedding is not None
+        hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         if step is not None and self.fused_layers:
@@ -498,9 +510,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Flat step of T tokens -> float32 logits [S, vocab] for the rows in logits_indices."""
-        if self.head is None:
-            self.prepare()
-        assert self.head is not None
+        assert self.head is not None, "load() builds the network's weights first"
         with attention_context(meta, kv_caches):
             step = None if meta.kernel is None else meta.kernel.packed
             hidden = self._run_layers(input_ids, positions, kv_caches, meta.slot_mapping, step)
@@ -516,21 +526,21 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
 
-_Targets = dict[str, tuple[torch.Tensor, tuple[int, ...]]]
+_Targets = dict[str, tuple[torch.Tensor | None, tuple[int, ...]]]
 
 
 def _attention_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
-    """A layer's q/k/v (rows of its fused qkv), o and q/k norms under their HF names."""
+    """A layer's q/k/v (parts of its fused qkv), o and q/k norms under their HF names."""
     q, kv = layer.q_size, layer.kv_size
     qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     if c.traits.fused_checkpoint:  # Phi-3: already [q; k; v]
         qkv_rows = {"qkv_proj": (0, q + 2 * kv)}
     targets: _Targets = {}
     for name, (lo, hi) in qkv_rows.items():
-        targets[f"{p}self_attn.{name}.weight"] = (layer.qkv_weight[lo:hi], (hi - lo, c.hidden_size))
+        targets[f"{p}self_attn.{name}.weight"] = (None, (hi - lo, c.hidden_size))
         if layer.qkv_bias is not None:
             targets[f"{p}self_attn.{name}.bias"] = (layer.qkv_bias[lo:hi], (hi - lo,))
-    targets[f"{p}self_attn.o_proj.weight"] = (layer.o_weight, (c.hidden_size, q))
+    targets[f"{p}self_attn.o_proj.weight"] = (None, (c.hidden_size, q))
     if layer.o_bias is not None:
         targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, (c.hidden_size,))
     if layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
@@ -546,16 +556,13 @@ def _mlp_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
         return layer.moe.targets(p)
     inter = layer.intermediate
     if c.traits.fused_checkpoint:  # Phi-3: already [gate; up]
-        targets: _Targets = {
-            f"{p}mlp.gate_up_proj.weight": (layer.gate_up_weight, (2 * inter, c.hidden_size))
-        }
+        targets: _Targets = {f"{p}mlp.gate_up_proj.weight": (None, (2 * inter, c.hidden_size))}
     else:
         targets = {
-            f"{p}mlp.gate_proj.weight": (layer.gate_up_weight[:inter], (inter, c.hidden_size)),
-            f"{p}mlp.up_proj.weight": (layer.gate_up_weight[inter:], (inter, c.hidden_size)),
+            f"{p}mlp.gate_proj.weight": (None, (inter, c.hidden_size)),
+            f"{p}mlp.up_proj.weight": (None, (inter, c.hidden_size)),
         }
-    if layer.down_weight is not None:
-        targets[f"{p}mlp.down_proj.weight"] = (layer.down_weight, (c.hidden_size, inter))
+    targets[f"{p}mlp.down_proj.weight"] = (None, (c.hidden_size, inter))
     return targets
 
 
@@ -570,3 +577,51 @@ def _norm_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
     else:
         targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, hidden)
     return targets
+
+
+class TokenEmbedding:
+    """Token ids -> hidden rows. A table the head shares (tied) or kept in its own tiles is
+    looked up there, the rows decoded as the kernels multiply them (csrc/repack.cpp's
+    dequantize_rows): a quantized or tied table is never also held dense. Otherwise (the
+    torch backend, or an untied dense table) a plain tensor."""
+
+    def __init__(
+        self,
+        table: WeightPart,
+        head: Linear | None,
+        backend: Backend,
+        mode: WeightMode,
+        dtype: torch.dtype,
+    ) -> None:
+        self.dense: torch.Tensor | None = None
+        self.tiles: Linear | None = None
+        self.own = False  # holds a table of its own (not the head's)
+        if head is not None and head.backend == "tiled" and len(head.segments) == 1:
+            self.tiles = head
+        elif backend == "tiled" and mode == "blocks" and table.blocks is not None:
+            self.tiles, self.own = Linear([table], None, backend, mode, dtype), True
+        if self.tiles is None or self.tiles.backend != "tiled":
+            self.tiles = None
+            shared = head.weight if head is not None else None
+            if shared is not None:
+                self.dense = shared
+            else:
+                self.dense, self.own = table.dense().to(dtype), True
+        self.hidden = table.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for lookups alone (none where the head's weights serve)."""
+        if not self.own:
+            return 0
+        if self.dense is not None:
+            return self.dense.numel() * self.dense.element_size()
+        assert self.tiles is not None
+        return self.tiles.nbytes
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return F.embedding(ids, self.dense)
+        assert self.tiles is not None
+        segments, codes, _ = self.tiles.kernel_args
+        return self.tiles.ops.dequantize_rows(segments[0], codes[0], self.hidden, ids, True)

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
-from iterserve.model.kquant import BlockWeight
+from iterserve.model.gguf_blocks import GGUFBlocks
 
 
 @dataclass
@@ -22,7 +22,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     chat_template: str | None
     name: str  # the served model name
-    # Weights the checkpoint stores in a block format our kernels read as is (GGUF Q4_0, Q4_1,
-    # Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), by HF name; `weights` holds every tensor
-    # dequantized all the same.
-    quantized: dict[str, BlockWeight] = field(default_factory=dict)
+    # Weights the checkpoint stores in a block format the kernels run as is (model/
+    # block_formats.py), by HF name: references to their bytes in the file, read when the
+    # model is built. `weights` can make every tensor dequantized all the same.
+    quantized: dict[str, GGUFBlocks] = field(default_factory=dict)

@@ -10,10 +10,9 @@ over all of them. The weighted outputs are scattered back onto the residual with
 index_add. A step costs one gather, one product pair per expert hit and one scatter, whatever
 its token count; a decode of one token touches only its k experts' weights.
 
-Weights are stacked per layer, [experts, 2 * intermediate, hidden] and
-[experts, hidden, intermediate], in the model dtype; each expert's slice becomes a `Linear`
-(model/linear.py) at `prepare`, so experts run on the same kernels as the dense projections
-(views of the stack under the torch backend; the kernels' own layout otherwise).
+Each expert's fused gate+up and its down projection is a `Linear` (model/linear.py) built
+from its checkpoint tensors by `build`, so experts run on the same kernels as the dense
+projections (a GGUF's expert stacks in their own blocks, sliced per expert).
 
 Sorting by expert needs the count of rows per expert on the host, a data-dependent shape:
 in a compiled layer stack the block is one opaque op (`moe_mlp`, like attention's `attend`),
@@ -26,6 +25,7 @@ from __future__ import annotations
 import itertools
 import re
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +33,7 @@ from torch import nn
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
-from iterserve.model.kquant import BlockWeight
-from iterserve.model.linear import Backend, DenseFormat, Linear
+from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 
 # Mixtral's checkpoint names under model.layers.N.: the router, and per expert E its gate
 # (w1), down (w2) and up (w3) projections.
@@ -46,8 +45,6 @@ EXPERT = EXPERT_PREFIX + "{}.weight"
 # in row-major terms, and the router as ffn_gate_inp.
 GGUF_EXPERT_STACKS = {"ffn_gate_exps": "w1", "ffn_down_exps": "w2", "ffn_up_exps": "w3"}
 GGUF_ROUTER = "ffn_gate_inp"
-# Per expert: its fused gate+up and its down projection in checkpoint blocks, or None.
-ExpertBlocks = list[tuple[BlockWeight | None, BlockWeight | None]]
 _GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|down|up)_exps)\.weight")
 
 
@@ -92,53 +89,42 @@ class SparseMoeBlock(nn.Module):
         self.intermediate = inter
         like = {"dtype": dtype, "device": device}
         self.router_weight = _weight(self.num_experts, hidden, **like)
-        self.gate_up_weight: torch.Tensor | None = _weight(
-            self.num_experts, 2 * inter, hidden, **like
-        )
-        self.down_weight: torch.Tensor | None = _weight(self.num_experts, hidden, inter, **like)
+        self.dtype = dtype
         self.gate_up: list[Linear] = []
         self.down: list[Linear] = []
         self.block_id = next(_BLOCK_IDS)
         _BLOCKS[self.block_id] = self
 
-    def targets(self, prefix: str) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
-        """HF name -> (destination view in the stacks, expected shape), for load_weights."""
-        assert self.gate_up_weight is not None and self.down_weight is not None
+    def targets(self, prefix: str) -> dict[str, tuple[torch.Tensor | None, tuple[int, ...]]]:
+        """HF name -> (destination of a small tensor, or None for an expert's projection
+        part built by `build`; expected shape)."""
         hidden, inter = self.hidden, self.intermediate
-        out: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {
+        out: dict[str, tuple[torch.Tensor | None, tuple[int, ...]]] = {
             prefix + ROUTER: (self.router_weight, (self.num_experts, hidden)),
         }
         for e in range(self.num_experts):
-            out[prefix + EXPERT.format(e, "w1")] = (self.gate_up_weight[e, :inter], (inter, hidden))
-            out[prefix + EXPERT.format(e, "w3")] = (self.gate_up_weight[e, inter:], (inter, hidden))
-            out[prefix + EXPERT.format(e, "w2")] = (self.down_weight[e], (hidden, inter))
+            out[prefix + EXPERT.format(e, "w1")] = (None, (inter, hidden))
+            out[prefix + EXPERT.format(e, "w3")] = (None, (inter, hidden))
+            out[prefix + EXPERT.format(e, "w2")] = (None, (hidden, inter))
         return out
 
-    def prepare(
-        self,
-        backend: Backend,
-        dense_format: DenseFormat,
-        quantized: ExpertBlocks | None = None,
-        wide: bool = True,
-    ) -> None:
-        """One Linear per expert and projection; the stacks are dropped unless torch runs
-        (the kernels hold their own copies). The router stays a plain F.linear: E rows.
-
-        `quantized`: per expert, its fused gate+up and its down projection in checkpoint
-        blocks (a 4/8-bit GGUF), or None where there are none; kept so for the tiled
-        kernels, with a dense copy for many-row steps if `wide`, as dense layers are."""
-        assert self.gate_up_weight is not None and self.down_weight is not None
-        blocks = quantized or [(None, None)] * self.num_experts
+    def build(self, part: Callable[[str], WeightPart], backend: Backend, mode: WeightMode) -> None:
+        """One Linear per expert and projection, from its checkpoint tensors (`part(name)`, by
+        the name under the layer). The router stays a plain F.linear: E rows."""
         self.gate_up = [
-            Linear(self.gate_up_weight[e], None, backend, blocks[e][0], wide, dense_format)
+            Linear(
+                [part(EXPERT.format(e, "w1")), part(EXPERT.format(e, "w3"))],
+                None,
+                backend,
+                mode,
+                self.dtype,
+            )
             for e in range(self.num_experts)
         ]
         self.down = [
-            Linear(self.down_weight[e], None, backend, blocks[e][1], wide, dense_format)
+            Linear([part(EXPERT.format(e, "w2"))], None, backend, mode, self.dtype)
             for e in range(self.num_experts)
         ]
-        if backend != "torch":
-            self.gate_up_weight = self.down_weight = None
 
     def describe(self) -> str:
         return f"{self.num_experts} experts, top-{self.top_k}, {self.gate_up[0].describe()}"

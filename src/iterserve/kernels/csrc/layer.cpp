@@ -1,6 +1,7 @@
 // One whole decoder layer of the Llama family in one call, for the engine's fast path.
 //
-//   x   = rms_norm(hidden) ; qkv = x W_qkv^T (+b) ; rope(q, k) at each row's position
+//   x   = rms_norm(hidden) ; qkv = x W_qkv^T (+b) ; [per-head rms_norm(q, k) (Qwen3)] ;
+//         rope(q, k) at each row's position
 //   a   = attention(q, k, v) over the paged cache (this step's K/V stored first)
 //   h   = hidden + a W_o^T (+b)
 //   g,u = rms_norm(h) W_gate_up^T ; out = h + (silu(g) * u) W_down^T
@@ -129,37 +130,70 @@ std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
   return pos;
 }
 
-// One projection's arguments: in `weights` its tiles, scales, bias, wide copy and the wide
-// copy's scales; in `formats` the tiles' format and the wide copy's.
-struct Projection {
-  static constexpr int64_t kTensors = 5;
-  const c10::List<std::optional<Tensor>>& weights;
+// Each head of q and k normed in place over head_dim, by its row of `weight` ([heads, head_dim]:
+// Qwen3's q_norm repeated per query head, then k_norm per kv head), rounded as rms_norm is.
+void head_norm_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const Tensor& weight,
+                       double eps) {
+  const int64_t M = qkv.size(0);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.numel() == heads * head_dim,
+              "decoder_layer: qk_norm must be [", heads, ", ", head_dim, "] bf16");
+  const BFloat16* w = weight.data_ptr<BFloat16>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      BFloat16* row = qkv.data_ptr<BFloat16>() + m * qkv.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        BFloat16* x = row + h * head_dim;
+        F16 sum_sq = F16::zero();
+        for (int64_t d = 0; d < head_dim; d += 16) {
+          const F16 v = load_bf16x16(x + d);
+          sum_sq = fmadd(v, v, sum_sq);
+        }
+        const float mean = sum_sq.sum() / static_cast<float>(head_dim);
+        const F16 inv = F16::splat(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+        for (int64_t d = 0; d < head_dim; d += 16)
+          store_bf16x16(x + d, round_bf16(load_bf16x16(x + d) * inv) * load_bf16x16(w + h * head_dim + d));
+      }
+    }
+  });
+}
+
+// The layer's four projections (qkv, o, gate_up, down): each's weight segments and their
+// formats, in order in `weights` and `formats` (`segments` says how many each has), and its
+// bias.
+struct Projections {
+  const at::TensorList weights;
   const std::vector<int64_t>& formats;
-  const std::vector<int64_t>& max_rows;
+  std::vector<int64_t> first;  // index of each projection's first segment
+  const c10::List<std::optional<Tensor>>& biases;
+
   Tensor operator()(int64_t i, const Tensor& x, const std::optional<Tensor>& residual) const {
-    const int64_t at = kTensors * i;
-    const std::optional<Tensor> tiles = weights.get(at);
-    TORCH_CHECK(tiles.has_value(), "decoder_layer: projection ", i, " has no weights");
-    return tiled_linear(x, *tiles, weights.get(at + 1), weights.get(at + 2), residual,
-                        formats[2 * i], weights.get(at + 3), weights.get(at + 4),
-                        formats[2 * i + 1], max_rows[i]);
+    const int64_t begin = first[i], count = first[i + 1] - begin;
+    return tiled_linear(x, weights.slice(begin, count),
+                        c10::IntArrayRef(formats).slice(begin, count), biases.get(i), residual);
   }
 };
 
 Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tensor& post_norm,
-                     double eps, const c10::List<std::optional<Tensor>>& weights,
-                     c10::IntArrayRef formats, c10::IntArrayRef max_rows,
-                     const Tensor& key_cache, const Tensor& value_cache,
-                     const Tensor& slot_mapping, const Tensor& step, const Tensor& rope_cos,
-                     const Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads,
-                     double scale, int64_t sliding_window) {
+                     double eps, at::TensorList weights, c10::IntArrayRef formats,
+                     c10::IntArrayRef segments, const c10::List<std::optional<Tensor>>& biases,
+                     const std::optional<Tensor>& qk_norm, const Tensor& key_cache,
+                     const Tensor& value_cache, const Tensor& slot_mapping, const Tensor& step,
+                     const Tensor& rope_cos, const Tensor& rope_sin, int64_t num_heads,
+                     int64_t num_kv_heads, double scale, int64_t sliding_window) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
                   hidden.stride(1) == 1,
               "decoder_layer: hidden must be [tokens, hidden] bf16 with contiguous rows");
-  TORCH_CHECK(weights.size() == 4 * Projection::kTensors && formats.size() == 8 &&
-                  max_rows.size() == 4,
-              "decoder_layer: 4 projections (qkv, o, gate_up, down) x (tiles, scales, bias, "
-              "wide copy, its scales), 2 formats each");
+  TORCH_CHECK(segments.size() == 4 && biases.size() == 4 && weights.size() == formats.size(),
+              "decoder_layer: 4 projections (qkv, o, gate_up, down), each with its weight "
+              "segments, their formats and a bias");
+  std::vector<int64_t> first{0};
+  for (int64_t count : segments) {
+    TORCH_CHECK(count >= 1, "decoder_layer: a projection without weights");
+    first.push_back(first.back() + count);
+  }
+  TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()),
+              "decoder_layer: segments count ", first.back(), " weights, not ", weights.size());
   for (const Tensor* t : {&input_norm, &post_norm, &rope_cos, &rope_sin})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
                 "decoder_layer: norms and rope tables must be contiguous bf16");
@@ -167,8 +201,7 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
   TORCH_CHECK(rope_cos.size(1) == head_dim && rope_sin.sizes() == rope_cos.sizes(),
               "decoder_layer: rope tables must be [positions, head_dim]");
   const std::vector<int64_t> fmt(formats.begin(), formats.end());
-  const std::vector<int64_t> rows_limit(max_rows.begin(), max_rows.end());
-  const Projection project{weights, fmt, rows_limit};
+  const Projections project{weights, fmt, first, biases};
   const int64_t M = hidden.size(0);
   const std::vector<int64_t> pos = positions_of(step, M);
   for (int64_t p : pos)
@@ -179,6 +212,8 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1),
               " outputs, not ", q_size + 2 * kv_size);
+  if (qk_norm && qk_norm->defined())
+    head_norm_inplace(qkv, num_heads + num_kv_heads, head_dim, *qk_norm, eps);
   rope_inplace(qkv, num_heads + num_kv_heads, head_dim, pos, rope_cos, rope_sin);
   const Tensor q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
   const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
@@ -199,10 +234,10 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def("isa() -> str");
   m.def(
       "decoder_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor?[] weights, int[] formats, int[] max_rows, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
-      "Tensor rope_sin, int num_heads, int num_kv_heads, float scale, int sliding_window) "
-      "-> Tensor");
+      "Tensor[] weights, int[] formats, int[] segments, Tensor?[] biases, Tensor? qk_norm, "
+      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
+      "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
+      "int sliding_window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

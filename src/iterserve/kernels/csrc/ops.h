@@ -66,16 +66,12 @@ inline int64_t cache_head_dim(const at::Tensor& cache) {
   return is_int8_cache(cache) ? cache.size(3) - kRowScaleBytes : cache.size(3);
 }
 
-// linear.cpp: x [M, K] bf16 @ W^T (+ bias) (+ residual), W in a tile layout (`format`); steps
-// of more than `max_tile_rows` rows take the wide copy (`wide_format`) when there is one.
-// The result is bf16, or fp32 with `fp32_out`.
-at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight,
-                        const std::optional<at::Tensor>& scales,
+// linear.cpp: x [M, K] bf16 @ W^T (+ bias) (+ residual), W's output rows in segments, each
+// [tiles, bytes a tile] uint8 in one of blocks.h's formats. The result is bf16, or fp32 with
+// `fp32_out`.
+at::Tensor tiled_linear(const at::Tensor& x, at::TensorList weights, c10::IntArrayRef formats,
                         const std::optional<at::Tensor>& bias,
-                        const std::optional<at::Tensor>& residual, int64_t format,
-                        const std::optional<at::Tensor>& wide_weight,
-                        const std::optional<at::Tensor>& wide_scales, int64_t wide_format,
-                        int64_t max_tile_rows, bool fp32_out = false);
+                        const std::optional<at::Tensor>& residual, bool fp32_out = false);
 
 // paged_attention.cpp: store the step's K/V into the pool, then attend every query row.
 at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -11,10 +11,10 @@
 //   - `pair_dot`: 16 outputs += w(2 inputs) . x(2 inputs) for bf16 weight pairs. AVX-512 BF16
 //     has an instruction for it (`vdpbf16ps`); elsewhere the pair is widened to two fp32
 //     vectors (a shift and a mask) and takes two FMAs.
-//   - the int8 dot products of W8A8, of 4-bit weights and of the K-quants' 4-6 bit ones
-//     (`dot_i8`, `dot_q4`, `dot_u8`): VNNI
+//   - the int8 dot products of weights kept in GGUF blocks (`dot_u8`, `dot_s8`): VNNI
 //     `vpdpbusd` on AVX-512, `vpmaddubsw` + `vpmaddwd` on AVX2, `sdot` on Arm with the
-//     dot-product extension, a plain loop elsewhere.
+//     dot-product extension, a plain loop elsewhere; and `lookup16` (a byte table, for the
+//     IQ4 formats' values).
 //   - lane-wise bit tricks that at::vec spells slowly (bf16 <-> fp32, sums across lanes).
 #pragma once
 
@@ -72,6 +72,8 @@ constexpr bool kBf16Dot = false;
 // The name of the ISA this file was compiled for (reported by the `isa` op).
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 constexpr const char* kIsaName = "avx512bf16";
+#elif defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+constexpr const char* kIsaName = "avx512vnni";
 #elif defined(CPU_CAPABILITY_AVX512)
 constexpr const char* kIsaName = "avx512";
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -202,6 +204,12 @@ ITERSERVE_INLINE F16 fmadd(const F16& a, const F16& b, const F16& c) {
 ITERSERVE_INLINE F16 abs(const F16& a) {
   F16 r;
   for (int i = 0; i < kParts; ++i) r.v[i] = a.v[i].abs();
+  return r;
+}
+
+ITERSERVE_INLINE F16 floor(const F16& a) {
+  F16 r;
+  for (int i = 0; i < kParts; ++i) r.v[i] = a.v[i].floor();
   return r;
 }
 
@@ -445,196 +453,34 @@ ITERSERVE_INLINE F16 pair_dot(const F16& acc, const Pairs& w, const XPair& x) {
 #endif
 }
 
-// ---- int8 dot products (W8A8) -------------------------------------------------------------
+// ---- int8 dot products (weights in GGUF blocks against int8 activations) --------------------
 
-// Weights in the i8 tile layout are stored as q + 128 (unsigned, as VNNI takes them), 64
-// bytes for 16 lanes x 4 inputs. `dot_i8` adds to each lane j the dot product of lane j's 4
-// weights with 4 activations (one int32 holding 4 int8, broadcast). With VNNI the result is
-// sum (q_w + 128) q_x, and the caller takes 128 * sum q_x away (kI8Biased); elsewhere it is
-// sum q_w q_x itself.
+// The block formats (blocks.h) hand the kernels each chunk of 8 inputs of 16 rows as bytes, 4 a
+// 32-bit lane: `lo` the chunk's inputs 0-3, `hi` its inputs 4-7, one lane a row. Activations
+// come quantized to int8 (-127..127), 4 to an int32 (`x_lo`, `x_hi`), broadcast to every lane.
+//
+// Two kinds of weight bytes:
+//   - unsigned values of at most 6 bits (0..63: Q2_K-Q6_K, Q4_x, Q5_x), zero points applied
+//     by the caller through the activations' sums: `dot_u8`, on every ISA;
+//   - signed bytes (-127..127: Q8_0, the IQ4 tables' values): `dot_s8`. VNNI's `vpdpbusd`
+//     multiplies unsigned by signed bytes only, so there the formats store them + 128
+//     (kSignedBias) and the caller takes 128 * sum(x) away; AVX2 and AVX-512 without VNNI
+//     move the activations' signs onto the weights (vpmaddubsw's unsigned operand must be
+//     |x|); Arm's `sdot` takes signed bytes as they are.
 #if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
-constexpr bool kI8Biased = true;
+#define ITERSERVE_VNNI 1
+constexpr int kSignedBias = 128;
 #else
-constexpr bool kI8Biased = false;
+constexpr int kSignedBias = 0;
 #endif
 
-// 16 lanes x 4 int8 weights, loaded once for every row that multiplies them.
-struct I8Quads {
-#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
-  __m512i biased;
-#elif defined(CPU_CAPABILITY_AVX2)
-  __m256i q[2];  // signed
-#elif defined(ITERSERVE_ARM_DOT)
-  int8x16_t q[4];  // signed
-#else
-  const uint8_t* p;
-#endif
-};
-
-ITERSERVE_INLINE I8Quads load_i8_quads(const uint8_t* w) {
-#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
-  return I8Quads{_mm512_loadu_si512(w)};
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // q + 128 -> q
-  return I8Quads{{_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip),
-                  _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)),
-                                   flip)}};
-#elif defined(ITERSERVE_ARM_DOT)
-  I8Quads r;
-  for (int i = 0; i < 4; ++i)
-    r.q[i] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + 16 * i), vdupq_n_u8(0x80)));
-  return r;
-#else
-  return I8Quads{w};
-#endif
-}
-
-ITERSERVE_INLINE I16 dot_i8(const I16& acc, const I8Quads& w, int32_t x_quad) {
-#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
-  return I16{{IVec(_mm512_dpbusd_epi32(acc.v[0], w.biased, _mm512_set1_epi32(x_quad)))}};
-#elif defined(CPU_CAPABILITY_AVX2)
-  // vpmaddubsw multiplies unsigned by signed bytes and saturates pair sums at 16 bits, so the
-  // activations' signs move onto the weights: |x| (<= 127) times sign(x) * q_w (|.| <= 127)
-  // sums pairs to at most 2 * 127 * 127, in range.
-  const __m256i x = _mm256_set1_epi32(x_quad);
-  const __m256i abs_x = _mm256_sign_epi8(x, x);
-  const __m256i ones = _mm256_set1_epi16(1);
-  I16 r;
-  for (int i = 0; i < 2; ++i) {
-    const __m256i pairs = _mm256_maddubs_epi16(abs_x, _mm256_sign_epi8(w.q[i], x));
-    r.v[i] = IVec(_mm256_add_epi32(acc.v[i], _mm256_madd_epi16(pairs, ones)));
-  }
-  return r;
-#elif defined(ITERSERVE_ARM_DOT)
-  const int8x16_t x = vreinterpretq_s8_s32(vdupq_n_s32(x_quad));
-  I16 r;
-  for (int i = 0; i < 4; ++i) r.v[i] = IVec(vdotq_s32(acc.v[i], w.q[i], x));
-  return r;
-#else
-  int8_t xs[4];
-  std::memcpy(xs, &x_quad, sizeof(xs));
-  alignas(64) int32_t lanes[kLanes];
-  acc.store(lanes);
-  for (int j = 0; j < kLanes; ++j)
-    for (int t = 0; t < 4; ++t)
-      lanes[j] += (static_cast<int32_t>(w.p[4 * j + t]) - 128) * static_cast<int32_t>(xs[t]);
-  return I16::load(lanes);
-#endif
-}
-
-// 4-bit weights (0..15) against int8 activations, for CPUs without bf16 dot products: a
-// q4 chunk's 64 bytes (simd.h does not know the tile layout: lane j's dword holds 8 nibbles,
-// see linear.cpp) split into two bytes-per-input halves once for every row, `lo` (each
-// byte's low nibble) and `hi` (its high nibble). `dot_q4` adds to each lane the products of
-// its lo bytes with the 4 int8 activations in `x_lo` and of its hi bytes with `x_hi`, in
-// exact integers (u8 x s8 pair sums reach 2 * 15 * 127, far from the 16 bits that
-// vpmaddubsw saturates at).
-struct Q4Chunk {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512i lo, hi;
-#elif defined(CPU_CAPABILITY_AVX2)
-  __m256i lo[2], hi[2];
-#elif defined(ITERSERVE_ARM_DOT)
-  int8x16_t lo[4], hi[4];  // 0..15, as signed bytes for sdot
-#else
-  uint8_t lo[4 * kLanes], hi[4 * kLanes];
-#endif
-};
-
-ITERSERVE_INLINE Q4Chunk load_q4_chunk(const uint8_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512i raw = _mm512_loadu_si512(p), mask = _mm512_set1_epi8(0x0F);
-  return Q4Chunk{_mm512_and_si512(raw, mask), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask)};
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  Q4Chunk c;
-  for (int i = 0; i < 2; ++i) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
-    c.lo[i] = _mm256_and_si256(raw, mask);
-    c.hi[i] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-  }
-  return c;
-#elif defined(ITERSERVE_ARM_DOT)
-  Q4Chunk c;
-  for (int i = 0; i < 4; ++i) {
-    const uint8x16_t raw = vld1q_u8(p + 16 * i);
-    c.lo[i] = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F)));
-    c.hi[i] = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
-  }
-  return c;
-#else
-  Q4Chunk c;
-  for (int i = 0; i < 4 * kLanes; ++i) c.lo[i] = p[i] & 0x0F, c.hi[i] = p[i] >> 4;
-  return c;
-#endif
-}
-
-// One block's (4 chunks') products, in the cheapest exact form: int16 pair sums on AVX2 and
-// AVX-512 without VNNI (4 chunks x lo + hi x 2 products x 15 x 127 < 2^15), added up once a
-// block by `q4_block_sums` (a chain of 16-bit adds, not of multiply-adds, per chunk), or
-// int32 lanes directly with VNNI and the generic build.
-ITERSERVE_INLINE I16 dot_q4(const I16& partial, const Q4Chunk& w, int32_t x_lo, int32_t x_hi) {
-#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
-  const __m512i sum = _mm512_dpbusd_epi32(partial.v[0], w.lo, _mm512_set1_epi32(x_lo));
-  return I16{{IVec(_mm512_dpbusd_epi32(sum, w.hi, _mm512_set1_epi32(x_hi)))}};
-#elif defined(CPU_CAPABILITY_AVX512)
-  const __m512i lo = _mm512_maddubs_epi16(w.lo, _mm512_set1_epi32(x_lo));
-  const __m512i hi = _mm512_maddubs_epi16(w.hi, _mm512_set1_epi32(x_hi));
-  return I16{{IVec(_mm512_add_epi16(partial.v[0], _mm512_add_epi16(lo, hi)))}};
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256i xl = _mm256_set1_epi32(x_lo), xh = _mm256_set1_epi32(x_hi);
-  I16 r;
-  for (int i = 0; i < 2; ++i) {
-    const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo[i], xl),
-                                          _mm256_maddubs_epi16(w.hi[i], xh));
-    r.v[i] = IVec(_mm256_add_epi16(partial.v[i], sums));
-  }
-  return r;
-#elif defined(ITERSERVE_ARM_DOT)
-  const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(x_lo));
-  const int8x16_t xh = vreinterpretq_s8_s32(vdupq_n_s32(x_hi));
-  I16 r;
-  for (int i = 0; i < 4; ++i)
-    r.v[i] = IVec(vdotq_s32(vdotq_s32(partial.v[i], w.lo[i], xl), w.hi[i], xh));
-  return r;
-#else
-  int8_t xl[4], xh[4];
-  std::memcpy(xl, &x_lo, 4);
-  std::memcpy(xh, &x_hi, 4);
-  alignas(64) int32_t lanes[kLanes];
-  partial.store(lanes);
-  for (int j = 0; j < kLanes; ++j)
-    for (int t = 0; t < 4; ++t)
-      lanes[j] += w.lo[4 * j + t] * static_cast<int32_t>(xl[t]) +
-                  w.hi[4 * j + t] * static_cast<int32_t>(xh[t]);
-  return I16::load(lanes);
-#endif
-}
-
-// A block's dot_q4 partials as one int32 sum a lane.
-ITERSERVE_INLINE I16 q4_block_sums(const I16& partial) {
-#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
-  return partial;
-#elif defined(CPU_CAPABILITY_AVX512)
-  return I16{{IVec(_mm512_madd_epi16(partial.v[0], _mm512_set1_epi16(1)))}};
-#elif defined(CPU_CAPABILITY_AVX2)
-  I16 r;
-  for (int i = 0; i < 2; ++i) r.v[i] = IVec(_mm256_madd_epi16(partial.v[i], _mm256_set1_epi16(1)));
-  return r;
-#else
-  return partial;
-#endif
-}
-
-// Unsigned weight bytes (0..63: the 4-6 bit q of the K-quants, built in I16 lanes by the
-// caller) against int8 activations, for the same 4 + 4 bytes a lane as `dot_q4`: each lane
-// of `acc` takes lo's 4 bytes times the 4 int8 in `x_lo` plus hi's times `x_hi`, exactly, in
-// int32. Without VNNI the `vpmaddubsw` pair sums reach 2 * 63 * 127 = 16002 and lo + hi
-// 32004, under the 32767 it saturates at, and are widened to int32 at once (`vpmaddwd`):
-// unlike q4's nibbles, two chunks of 6-bit products would not fit 16 bits.
+// Each lane of `acc` plus lo's 4 bytes times the 4 int8 of `x_lo` plus hi's times `x_hi`,
+// exactly, in int32, for unsigned weight bytes of at most 63 (any byte with VNNI). Without
+// VNNI the `vpmaddubsw` pair sums reach 2 * 63 * 127 = 16002 and lo + hi 32004, under the 32767
+// it saturates at, and are widened to int32 at once (`vpmaddwd`).
 ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, int32_t x_lo,
                             int32_t x_hi) {
-#if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
+#if defined(ITERSERVE_VNNI)
   const __m512i sum = _mm512_dpbusd_epi32(acc.v[0], lo.v[0], _mm512_set1_epi32(x_lo));
   return I16{{IVec(_mm512_dpbusd_epi32(sum, hi.v[0], _mm512_set1_epi32(x_hi)))}};
 #elif defined(CPU_CAPABILITY_AVX512)
@@ -674,6 +520,106 @@ ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, int32_
       lanes[j] += wl[4 * j + t] * static_cast<int32_t>(xl[t]) +
                   wh[4 * j + t] * static_cast<int32_t>(xh[t]);
   return I16::load(lanes);
+#endif
+}
+
+// The same for signed weight bytes (-127..127), stored + kSignedBias: with VNNI the sum of
+// (w + 128) x, which the caller corrects; elsewhere sum w x itself.
+ITERSERVE_INLINE I16 dot_s8(const I16& acc, const I16& lo, const I16& hi, int32_t x_lo,
+                            int32_t x_hi) {
+#if defined(ITERSERVE_VNNI)
+  return dot_u8(acc, lo, hi, x_lo, x_hi);
+#elif defined(CPU_CAPABILITY_AVX512)
+  // No vpsignb on zmm: negate the weights where x is negative, a masked subtract.
+  const __m512i xl = _mm512_set1_epi32(x_lo), xh = _mm512_set1_epi32(x_hi);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i wl = _mm512_mask_sub_epi8(lo.v[0], _mm512_movepi8_mask(xl), zero, lo.v[0]);
+  const __m512i wh = _mm512_mask_sub_epi8(hi.v[0], _mm512_movepi8_mask(xh), zero, hi.v[0]);
+  // Each of the two pair sums reaches 2 * 127 * 127: widened to int32 apart.
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i sum = _mm512_add_epi32(
+      _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(xl), wl), ones),
+      _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(xh), wh), ones));
+  return I16{{IVec(_mm512_add_epi32(acc.v[0], sum))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  // vpmaddubsw multiplies unsigned by signed bytes and saturates pair sums at 16 bits, so the
+  // activations' signs move onto the weights: |x| (<= 127) times sign(x) * w (|.| <= 127)
+  // sums pairs to at most 2 * 127 * 127, in range; lo and hi are widened apart.
+  const __m256i xl = _mm256_set1_epi32(x_lo), xh = _mm256_set1_epi32(x_hi);
+  const __m256i al = _mm256_sign_epi8(xl, xl), ah = _mm256_sign_epi8(xh, xh);
+  const __m256i ones = _mm256_set1_epi16(1);
+  I16 r;
+  for (int i = 0; i < 2; ++i) {
+    const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(lo.v[i], xl));
+    const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(hi.v[i], xh));
+    r.v[i] = IVec(_mm256_add_epi32(
+        acc.v[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones))));
+  }
+  return r;
+#elif defined(ITERSERVE_ARM_DOT)
+  const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(x_lo));
+  const int8x16_t xh = vreinterpretq_s8_s32(vdupq_n_s32(x_hi));
+  I16 r;
+  for (int i = 0; i < 4; ++i) {
+    const int32x4_t sum = vdotq_s32(acc.v[i], vreinterpretq_s8_s32(lo.v[i]), xl);
+    r.v[i] = IVec(vdotq_s32(sum, vreinterpretq_s8_s32(hi.v[i]), xh));
+  }
+  return r;
+#else
+  int8_t xl[4], xh[4];
+  std::memcpy(xl, &x_lo, 4);
+  std::memcpy(xh, &x_hi, 4);
+  alignas(64) int8_t wl[4 * kLanes], wh[4 * kLanes];
+  alignas(64) int32_t lanes[kLanes];
+  lo.store(wl);
+  hi.store(wh);
+  acc.store(lanes);
+  for (int j = 0; j < kLanes; ++j)
+    for (int t = 0; t < 4; ++t)
+      lanes[j] += wl[4 * j + t] * static_cast<int32_t>(xl[t]) +
+                  wh[4 * j + t] * static_cast<int32_t>(xh[t]);
+  return I16::load(lanes);
+#endif
+}
+
+// Each byte of `index` (0..15) replaced by that entry of `table`, a 16-byte table repeated in
+// every 16 bytes of the I16 (x86's byte shuffles look up within 128-bit lanes; Arm's tbl reads
+// one q register).
+ITERSERVE_INLINE I16 lookup16(const I16& table, const I16& index) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_shuffle_epi8(table.v[0], index.v[0]))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  I16 r;
+  for (int i = 0; i < 2; ++i) r.v[i] = IVec(_mm256_shuffle_epi8(table.v[i], index.v[i]));
+  return r;
+#elif defined(__aarch64__)
+  const uint8x16_t t = vreinterpretq_u8_s32(table.v[0]);
+  I16 r;
+  for (int i = 0; i < kParts; ++i)
+    r.v[i] = IVec(vreinterpretq_s32_u8(vqtbl1q_u8(t, vreinterpretq_u8_s32(index.v[i]))));
+  return r;
+#else
+  alignas(64) uint8_t t[4 * kLanes], idx[4 * kLanes], out[4 * kLanes];
+  table.store(t);
+  index.store(idx);
+  for (int i = 0; i < 4 * kLanes; ++i) out[i] = t[idx[i] & 15];
+  return I16::load(out);
+#endif
+}
+
+// 16 unsigned bytes as fp32 lanes.
+ITERSERVE_INLINE F16 load_u8x16(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return F16{{Vec(_mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return F16{{Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw))),
+              Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))))}};
+#else
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  return F16::load(lanes);
 #endif
 }
 

@@ -1,0 +1,372 @@
+// GGUF's quantized weight formats as the kernels keep them: one codec a type, as llama.cpp's
+// type traits are. Each re-lays the file's blocks (repack.cpp, once at load) into tiles of 16
+// output rows, so that one 64-byte load gives 16 rows' weights for 4 inputs each, and decodes
+// them in registers (linear.cpp) into what every format has in common:
+//
+//   for each block of 32 inputs and chunk c of 8 (inputs 8c..8c+7): the 16 rows' values as
+//   bytes, `lo` (inputs 8c..8c+3) and `hi` (8c+4..8c+7), 4 bytes to a row's 32-bit lane;
+//   for the block (or each half of 16 inputs) a per-row scale a and offset o, such that
+//
+//       w = a * value - o
+//
+// Against activations quantized to int8 per block of 32 (x ~ s xq, linear.cpp) a block's
+// contribution is then a s (value . xq) - o (s sum xq): integer dot products, two fp32
+// multiply-adds and the activation sums that quantizing them gave. Exactly the dequantized
+// weights (the `gguf` package's) times the int8-rounded activations, up to fp32 rounding
+// (tests/kernels/test_block_formats.py).
+//
+// A tile's bytes are its units one after the other, a unit being 16 rows x one GGUF block
+// (32 or 256 inputs, kInputs), kBytes long. Within a unit the values sit in planes:
+//
+//   nibbles  4 bits a value, 64 bytes a chunk: row j's byte t holds input 8c+t in its low
+//            nibble and 8c+4+t in its high one, so lo = byte & 15 and hi = byte >> 4;
+//   crumbs   2 bits, 64 bytes per two chunks: row j's byte t holds, at bits 2f, field
+//            f = 2 (c mod 2) + e of chunks 2v, 2v+1 (e = 0: input 8c+t, e = 1: 8c+4+t);
+//   bits     1 bit, 64 bytes a block: row j's byte t holds, at bit 2c + e, that of input
+//            8c + 4e + t;
+//   bytes    8 bits, 128 bytes a chunk: lo's 64 bytes, then hi's.
+//
+// so that a shift and a mask (one ternary-logic op on AVX-512) put a value's high bits over its
+// low ones. Scales are fp16 and byte vectors of 16 lanes. Every format's bytes a weight are
+// the file's, but for 6-bit scales kept as bytes (Q3_K, Q4_K, Q5_K, IQ4_XS: 1.5-4% more).
+//
+// Signed values (Q8_0's bytes, the IQ4 tables') are stored + kSignedBias (128 with VNNI, see
+// simd.h), whose correction joins the offset: o = kSignedBias a.
+#pragma once
+
+#include "simd.h"
+
+#include <cstdint>
+
+namespace iterserve {
+
+// Every kernel weight format (model/block_formats.py names them); codes are part of the ops'
+// interface. Dense formats first.
+enum class Format : int64_t {
+  kBf16 = 0,
+  kF16 = 1,
+  kQ4_0 = 10,
+  kQ4_1 = 11,
+  kQ5_0 = 12,
+  kQ5_1 = 13,
+  kQ8_0 = 14,
+  kIQ4_NL = 15,
+  kQ2_K = 20,
+  kQ3_K = 21,
+  kQ4_K = 22,
+  kQ5_K = 23,
+  kQ6_K = 24,
+  kIQ4_XS = 25,
+};
+
+constexpr int64_t kTile = 16;   // output rows a tile: one I16/F16 of lanes
+constexpr int64_t kBlock = 32;  // inputs a block: what one activation scale covers
+
+// A chunk's 16 rows' values (see above).
+struct Quads {
+  I16 lo, hi;
+};
+
+// ---- planes ------------------------------------------------------------------------------
+
+ITERSERVE_INLINE I16 splat_bytes(uint32_t byte) { return I16::splat(static_cast<int32_t>(byte * 0x01010101u)); }
+
+// a shifted left by N bits, or right by -N (32-bit lanes; callers mask what crosses bytes).
+template <int N>
+ITERSERVE_INLINE I16 shift_by(const I16& a) {
+  if constexpr (N > 0) return shift_left<N>(a);
+  else if constexpr (N < 0) return shift_right<-N>(a);
+  else return a;
+}
+
+ITERSERVE_INLINE Quads nibbles(const uint8_t* chunk) {
+  const I16 raw = I16::load(chunk), mask = splat_bytes(0x0F);
+  return {raw & mask, shift_right<4>(raw) & mask};
+}
+
+// Field F (0..3) of a crumb plane, moved to bits At, At+1 of each byte, the rest cleared.
+template <int F, int At>
+ITERSERVE_INLINE I16 crumb(const I16& plane) {
+  return shift_by<At - 2 * F>(plane) & splat_bytes(3u << At);
+}
+
+// Bit F of a bit plane, moved to bit At; `low` ORed in (one vpternlogd on AVX-512).
+template <int F, int At>
+ITERSERVE_INLINE I16 with_bit(const I16& plane, const I16& low) {
+  return and_or(shift_by<At - F>(plane), splat_bytes(1u << At), low);
+}
+template <int F, int At>
+ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
+  return and_or(shift_by<At - 2 * F>(plane), splat_bytes(3u << At), low);
+}
+
+// ---- the formats ---------------------------------------------------------------------------
+//
+// Each is a struct of statics:
+//   kFormat, kInputs (a unit's inputs), kBytes (a unit's bytes), kHalves (1: a scale and offset
+//   per block of 32, 2: per 16 inputs), kSigned (values are signed bytes: dot_s8),
+//   kOffset (o can be non-zero);
+//   template <int C> Quads chunk(p, b): block b's chunk C;
+//   void scales(p, b, a, o): block b's a[kHalves], o[kHalves].
+
+// w = d (q - 8), q 4 bits.                                   [nibbles 256 | d 32]
+struct Q4_0 {
+  static constexpr Format kFormat = Format::kQ4_0;
+  static constexpr int kInputs = 32, kHalves = 1;
+  static constexpr int64_t kD = 256, kBytes = kD + 32;
+  static constexpr bool kSigned = false, kOffset = true;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return nibbles(p + 64 * C); }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+    a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
+    o[0] = a[0] * F16::splat(8.0f);
+  }
+};
+
+// w = d q + m, q 4 bits; o = -m is stored.                   [nibbles 256 | d 32 | -m 32]
+struct Q4_1 : Q4_0 {
+  static constexpr Format kFormat = Format::kQ4_1;
+  static constexpr int64_t kO = Q4_0::kD + 32, kBytes = kO + 32;
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+    a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
+    o[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kO));
+  }
+};
+
+// w = d (q - 16), q 5 bits.                                   [nibbles 256 | bits 64 | d 32]
+struct Q5_0 {
+  static constexpr Format kFormat = Format::kQ5_0;
+  static constexpr int kInputs = 32, kHalves = 1;
+  static constexpr int64_t kBits = 256, kD = kBits + 64, kBytes = kD + 32;
+  static constexpr bool kSigned = false, kOffset = true;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
+    const Quads low = nibbles(p + 64 * C);
+    const I16 bits = I16::load(p + kBits);
+    return {with_bit<2 * C, 4>(bits, low.lo), with_bit<2 * C + 1, 4>(bits, low.hi)};
+  }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+    a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
+    o[0] = a[0] * F16::splat(16.0f);
+  }
+};
+
+// w = d q + m, q 5 bits.                            [nibbles 256 | bits 64 | d 32 | -m 32]
+struct Q5_1 : Q5_0 {
+  static constexpr Format kFormat = Format::kQ5_1;
+  static constexpr int64_t kO = Q5_0::kD + 32, kBytes = kO + 32;
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+    a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
+    o[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kO));
+  }
+};
+
+// w = d q, q signed 8 bits.                                        [bytes 512 | d 32]
+struct Q8_0 {
+  static constexpr Format kFormat = Format::kQ8_0;
+  static constexpr int kInputs = 32, kHalves = 1;
+  static constexpr int64_t kD = 512, kBytes = kD + 32;
+  static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
+    return {I16::load(p + 128 * C), I16::load(p + 128 * C + 64)};
+  }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+    a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
+    o[0] = a[0] * F16::splat(static_cast<float>(kSignedBias));
+  }
+};
+
+// IQ4's non-linear values, and the table the kernels look them up in: + kSignedBias, repeated
+// in each 16 bytes (see byte lookups in simd.h), built at compile time so that loops load it
+// from constant memory.
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+struct ByteTable {
+  alignas(64) int8_t bytes[4 * kLanes];
+};
+constexpr ByteTable make_iq4_table() {
+  ByteTable table{};
+  for (int i = 0; i < 4 * kLanes; ++i)
+    table.bytes[i] = static_cast<int8_t>(kIQ4Values[i % 16] + kSignedBias);
+  return table;
+}
+inline constexpr ByteTable kIQ4Table = make_iq4_table();
+
+ITERSERVE_INLINE Quads iq4_values(const uint8_t* chunk) {
+  const Quads index = nibbles(chunk);
+  const I16 table = I16::load(kIQ4Table.bytes);
+  return {lookup16(table, index.lo), lookup16(table, index.hi)};
+}
+
+// w = d table[q], q a 4-bit index.                                 [nibbles 256 | d 32]
+struct IQ4_NL : Q8_0 {
+  static constexpr Format kFormat = Format::kIQ4_NL;
+  static constexpr int64_t kD = 256, kBytes = kD + 32;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return iq4_values(p + 64 * C); }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+    a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
+    o[0] = a[0] * F16::splat(static_cast<float>(kSignedBias));
+  }
+};
+
+// The K-quants: super-blocks of 256 inputs (8 blocks) with fp16 d (and dmin) per row, read
+// again for every block: GCC 12 at -O3 lost a block loop's stores when the two were held in
+// registers across it (AVX2, decode_panel<Q5_K>; reproduced outside the kernels), and the
+// reload is two conversions a block.
+ITERSERVE_INLINE F16 half_lanes(const uint8_t* p) {
+  return load_f16x16(reinterpret_cast<const c10::Half*>(p));
+}
+
+// w = d sc q - dmin mn, q 4 bits, sc and mn 6 bits a block.
+//                             [nibbles 8 x 256 | sc 8 x 16 | mn 8 x 16 | d 32 | dmin 32]
+struct Q4_K {
+  static constexpr Format kFormat = Format::kQ4_K;
+  static constexpr int kInputs = 256, kHalves = 1;
+  static constexpr int64_t kSc = 2048, kMn = kSc + 128, kD = kMn + 128, kBytes = kD + 64;
+  static constexpr bool kSigned = false, kOffset = true;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) { return nibbles(p + 256 * b + 64 * C); }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+    a[0] = half_lanes(p + kD) * load_u8x16(p + kSc + 16 * b);
+    o[0] = half_lanes(p + kD + 32) * load_u8x16(p + kMn + 16 * b);
+  }
+};
+
+// Q4_K with a fifth bit.   [nibbles 8 x 256 | bits 8 x 64 | sc 8 x 16 | mn 8 x 16 | d | dmin]
+struct Q5_K : Q4_K {
+  static constexpr Format kFormat = Format::kQ5_K;
+  static constexpr int64_t kBits = 2048, kSc = kBits + 512, kMn = kSc + 128, kD = kMn + 128,
+                           kBytes = kD + 64;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
+    const Quads low = nibbles(p + 256 * b + 64 * C);
+    const I16 bits = I16::load(p + kBits + 64 * b);
+    return {with_bit<2 * C, 4>(bits, low.lo), with_bit<2 * C + 1, 4>(bits, low.hi)};
+  }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+    a[0] = half_lanes(p + kD) * load_u8x16(p + kSc + 16 * b);
+    o[0] = half_lanes(p + kD + 32) * load_u8x16(p + kMn + 16 * b);
+  }
+};
+
+// w = d sc (q - 32), q 6 bits, sc signed 8 bits per 16 inputs.
+//                                   [nibbles 8 x 256 | crumbs 8 x 128 | sc 16 x 16 | d 32]
+struct Q6_K {
+  static constexpr Format kFormat = Format::kQ6_K;
+  static constexpr int kInputs = 256, kHalves = 2;
+  static constexpr int64_t kHigh = 2048, kSc = kHigh + 1024, kD = kSc + 256, kBytes = kD + 32;
+  static constexpr bool kSigned = false, kOffset = true;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
+    const Quads low = nibbles(p + 256 * b + 64 * C);
+    const I16 high = I16::load(p + kHigh + 128 * b + 64 * (C / 2));
+    constexpr int F = 2 * (C % 2);
+    return {with_crumb<F, 4>(high, low.lo), with_crumb<F + 1, 4>(high, low.hi)};
+  }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+    const auto* sc = reinterpret_cast<const int8_t*>(p + kSc + 32 * b);
+    for (int h = 0; h < 2; ++h) {
+      a[h] = half_lanes(p + kD) * load_i8x16(sc + 16 * h);
+      o[h] = a[h] * F16::splat(32.0f);
+    }
+  }
+};
+
+// w = d sc q - dmin mn, q 2 bits, sc and mn 4 bits per 16 inputs (one byte: sc | mn << 4).
+//                                        [crumbs 8 x 128 | sc|mn 16 x 16 | d 32 | dmin 32]
+struct Q2_K {
+  static constexpr Format kFormat = Format::kQ2_K;
+  static constexpr int kInputs = 256, kHalves = 2;
+  static constexpr int64_t kSc = 1024, kD = kSc + 256, kBytes = kD + 64;
+  static constexpr bool kSigned = false, kOffset = true;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
+    const I16 plane = I16::load(p + 128 * b + 64 * (C / 2));
+    constexpr int F = 2 * (C % 2);
+    return {crumb<F, 0>(plane), crumb<F + 1, 0>(plane)};
+  }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+    for (int h = 0; h < 2; ++h) {
+      const F16 packed = load_u8x16(p + kSc + 32 * b + 16 * h);
+      const F16 mn = floor(packed * F16::splat(1.0f / 16.0f));
+      a[h] = half_lanes(p + kD) * fmadd(mn, F16::splat(-16.0f), packed);
+      o[h] = half_lanes(p + kD + 32) * mn;
+    }
+  }
+};
+
+// w = d sc (q - 4), q 3 bits (2 low, 1 high), sc signed per 16 inputs.
+//                               [crumbs 8 x 128 | bits 8 x 64 | sc 16 x 16 | d 32]
+struct Q3_K {
+  static constexpr Format kFormat = Format::kQ3_K;
+  static constexpr int kInputs = 256, kHalves = 2;
+  static constexpr int64_t kBits = 1024, kSc = kBits + 512, kD = kSc + 256, kBytes = kD + 32;
+  static constexpr bool kSigned = false, kOffset = true;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
+    const I16 plane = I16::load(p + 128 * b + 64 * (C / 2));
+    const I16 bits = I16::load(p + kBits + 64 * b);
+    constexpr int F = 2 * (C % 2);
+    return {with_bit<2 * C, 2>(bits, crumb<F, 0>(plane)),
+            with_bit<2 * C + 1, 2>(bits, crumb<F + 1, 0>(plane))};
+  }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+    const auto* sc = reinterpret_cast<const int8_t*>(p + kSc + 32 * b);
+    for (int h = 0; h < 2; ++h) {
+      a[h] = half_lanes(p + kD) * load_i8x16(sc + 16 * h);
+      o[h] = a[h] * F16::splat(4.0f);
+    }
+  }
+};
+
+// w = d sc table[q], q a 4-bit index, sc signed (6 bits - 32) a block.
+//                                                 [nibbles 8 x 256 | sc 8 x 16 | d 32]
+struct IQ4_XS {
+  static constexpr Format kFormat = Format::kIQ4_XS;
+  static constexpr int kInputs = 256, kHalves = 1;
+  static constexpr int64_t kSc = 2048, kD = kSc + 128, kBytes = kD + 32;
+  static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
+    return iq4_values(p + 256 * b + 64 * C);
+  }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+    a[0] = half_lanes(p + kD) * load_i8x16(reinterpret_cast<const int8_t*>(p + kSc + 16 * b));
+    o[0] = a[0] * F16::splat(static_cast<float>(kSignedBias));
+  }
+};
+
+// Calls f(Codec{}) for a block format's codec; false for the dense formats and unknown codes.
+template <typename F>
+inline bool with_codec(Format format, F&& f) {
+  switch (format) {
+    case Format::kQ4_0: f(Q4_0{}); return true;
+    case Format::kQ4_1: f(Q4_1{}); return true;
+    case Format::kQ5_0: f(Q5_0{}); return true;
+    case Format::kQ5_1: f(Q5_1{}); return true;
+    case Format::kQ8_0: f(Q8_0{}); return true;
+    case Format::kIQ4_NL: f(IQ4_NL{}); return true;
+    case Format::kQ2_K: f(Q2_K{}); return true;
+    case Format::kQ3_K: f(Q3_K{}); return true;
+    case Format::kQ4_K: f(Q4_K{}); return true;
+    case Format::kQ5_K: f(Q5_K{}); return true;
+    case Format::kQ6_K: f(Q6_K{}); return true;
+    case Format::kIQ4_XS: f(IQ4_XS{}); return true;
+    default: return false;
+  }
+}
+
+// Bytes a tile of 16 rows holds for K inputs, in any format; -1 if K does not fit it.
+inline int64_t tile_bytes(Format format, int64_t K) {
+  if (format == Format::kBf16 || format == Format::kF16) return K % 2 ? -1 : 2 * kTile * K;
+  int64_t bytes = -1;
+  with_codec(format, [&](auto codec) {
+    using C = decltype(codec);
+    if (K % C::kInputs == 0) bytes = K / C::kInputs * C::kBytes;
+  });
+  return bytes;
+}
+
+}  // namespace iterserve

@@ -1,0 +1,101 @@
+"""A GGUF tensor's quantized blocks, found in the file but not read: what the model's
+projections are built from (model/linear.py), one tensor at a time, straight into the
+kernels' tiles.
+
+The bytes are read with positioned reads, a slice of rows at a time, into a buffer that is
+dropped after its rows are repacked: nothing keeps the file mapped, so a load's resident
+memory is the tiles it built plus one slice (a mapped file's touched pages would stay
+resident until unmapped).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from iterserve.model.block_formats import TILE, BlockFormat, padded_rows, repack
+
+# Bytes of file read at once when repacking a large tensor.
+_SLICE_BYTES = 64 << 20
+
+
+def read_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
+    """`nbytes` of the file from `offset`, as a writable uint8 array of its own."""
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    with path.open("rb", buffering=0) as file:
+        file.seek(offset)
+        view = memoryview(buffer)
+        done = 0
+        while done < nbytes:
+            count = file.readinto(view[done:])
+            if not count:
+                raise OSError(
+                    f"{path}: ended {nbytes - done} bytes early at offset {offset + done}"
+                )
+            done += count
+    return buffer
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """An [N, K] weight in a block format, at `offset` in the file (an expert's slice of a
+    stacked tensor is one too). `rows`: output row i is stored row rows[i] (llama.cpp's rope
+    permutation of q/k undone), or None for the stored order."""
+
+    path: Path
+    offset: int
+    shape: tuple[int, int]
+    format: BlockFormat
+    rows: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.format.row_bytes(self.shape[1])
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Stored rows [start, stop) as [rows, row_bytes] uint8."""
+        stop = self.shape[0] if stop is None else stop
+        row_bytes = self.format.row_bytes(self.shape[1])
+        raw = read_bytes(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes)
+        return raw.reshape(stop - start, row_bytes)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights in fp32, by the `gguf` package's dequantizer (the reference)."""
+        qtype = GGMLQuantizationType[self.format.name]
+        values = torch.from_numpy(dequantize(self.read(), qtype).reshape(self.shape))
+        return values if self.rows is None else values[self.rows]
+
+    def tiles(self, ops: object) -> torch.Tensor:
+        """The kernels' tiles ([N/16 padded, bytes] uint8), built a slice of rows at a time."""
+        n, k = self.shape
+        if self.rows is not None:  # a permutation reads rows anywhere: the whole tensor at once
+            padding = torch.full((padded_rows(n) - n,), -1, dtype=torch.long)
+            return repack(ops, self.read(), self.format, k, torch.cat((self.rows.long(), padding)))
+        out = torch.empty(
+            (padded_rows(n) // TILE, self.format.bytes_per_tile(k)), dtype=torch.uint8
+        )
+        step = max(TILE, _SLICE_BYTES // self.format.row_bytes(k) // TILE * TILE)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            repack(ops, self.read(start, stop), self.format, k, out=out, first_tile=start // TILE)
+        return out
+
+
+def expert_slices(blocks: GGUFBlocks, count: int) -> list[GGUFBlocks]:
+    """A stacked [E * N, K] tensor's experts, each [N, K] (their bytes are consecutive)."""
+    n = blocks.shape[0] // count
+    step = n * blocks.format.row_bytes(blocks.shape[1])
+    return [
+        GGUFBlocks(blocks.path, blocks.offset + e * step, (n, blocks.shape[1]), blocks.format)
+        for e in range(count)
+    ]
+
+
+def file_size(path: Path) -> int:
+    return os.stat(path).st_size

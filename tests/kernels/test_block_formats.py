@@ -1,0 +1,141 @@
+"""Every GGUF block format the kernels keep (model/block_formats.py), on every ISA variant
+this CPU runs: unpacked bit for bit as the `gguf` package dequantizes the file's bytes, and
+multiplied as "dequantize, then matmul against the int8-rounded activations", at every row
+count (the register road and the panel road), with the same bits for a row whatever else
+shares the step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from iterserve import kernels
+from iterserve.model import block_formats as bf
+from tiny_gguf import gguf_blocks
+
+pytestmark = pytest.mark.usefixtures("any_kernel_isa")
+
+
+def gguf_bytes(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, row bytes] of a weight in GGUF type `name`."""
+    weight = np.random.default_rng(seed).standard_normal((n, k)) * 0.05
+    return gguf_blocks(name, weight, seed=seed)
+
+
+def reference(raw: np.ndarray, name: str, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[name]).reshape(shape))
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    q, s = bf.quantize_activations(x)
+    m, k = x.shape
+    return (q.double().view(m, k // 32, 32) * s.double()[..., None]).view(m, k)
+
+
+def close(out: torch.Tensor, want: torch.Tensor, rounded: bool) -> None:
+    """out is `want` up to fp32 summation order (and one bf16 rounding if `rounded`)."""
+    error = (out.double() - want).abs()
+    allowed = want.abs() * (2.0**-8 if rounded else 0) + 2e-5 * want.abs().max() + 1e-6
+    assert bool((error <= allowed).all()), f"max excess {(error - allowed).max().item()}"
+
+
+@pytest.mark.parametrize("name", sorted(bf.BLOCK_FORMATS))
+def test_sizes_agree_with_the_kernels(name: str) -> None:
+    fmt = bf.BLOCK_FORMATS[name]
+    assert kernels.ops().format_sizes(fmt.code) == (fmt.inputs, fmt.tile_bytes, fmt.file_bytes)
+    assert GGMLQuantizationType[name].value is not None
+
+
+@pytest.mark.parametrize("name", sorted(bf.BLOCK_FORMATS))
+def test_tiles_unpack_bit_for_bit_as_gguf_dequantizes(name: str) -> None:
+    fmt = bf.BLOCK_FORMATS[name]
+    n, k = 40, 2 * max(fmt.inputs, 64)  # 40 rows: the last tile padded with zero rows
+    raw = gguf_bytes(name, n, k)
+    tiles = bf.repack(kernels.ops(), raw, fmt, k)
+    assert tiles.shape == (3, fmt.bytes_per_tile(k))
+    rows = torch.tensor([0, 39, 17, 5, 40, 47])  # 40-47: padding, all zero
+    got = kernels.ops().dequantize_rows(tiles, fmt.code, k, rows, False)
+    want = reference(raw, name, (n, k))
+    assert torch.equal(got[:4], want[rows[:4]])
+    assert not got[4:].any()
+    as_bf16 = kernels.ops().dequantize_rows(tiles, fmt.code, k, rows[:4], True)
+    assert torch.equal(as_bf16, want[rows[:4]].bfloat16())
+
+
+@pytest.mark.parametrize("name", sorted(bf.BLOCK_FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 33])
+def test_products_match_dequantize_then_matmul(name: str, rows: int) -> None:
+    fmt = bf.BLOCK_FORMATS[name]
+    n, k = 48, 2 * max(fmt.inputs, 64)
+    raw = gguf_bytes(name, n, k, seed=rows)
+    tiles = bf.repack(kernels.ops(), raw, fmt, k)
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, k, generator=gen) * 2).bfloat16()
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by it
+    want = int8_rounded(x) @ reference(raw, name, (n, k)).double().T
+    out = kernels.ops().tiled_linear(x, [tiles], [fmt.code], None, None, True)
+    close(out, want, rounded=False)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0"])
+def test_a_rows_result_does_not_depend_on_the_step(name: str) -> None:
+    """The same bits for row 0 alone, among 3 (registers), and among 12 (a panel)."""
+    fmt = bf.BLOCK_FORMATS[name]
+    n, k = 64, 512
+    tiles = bf.repack(kernels.ops(), gguf_bytes(name, n, k), fmt, k)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    results = [
+        kernels.ops().tiled_linear(x[:m], [tiles], [fmt.code], None, None, True)[0]
+        for m in (1, 3, 12)
+    ]
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6])
+def test_segments_of_different_formats_run_as_one_weight(rows: int) -> None:
+    """A fused q/k/v of Q4_K, Q4_K and Q6_K rows (as a Q4_K_M stores them), plus a bf16
+    part, with bias and residual: the concatenation of each part's product."""
+    k = 256
+    parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
+    raws = [gguf_bytes(name, n, k, seed=i) for i, (name, n) in enumerate(parts)]
+    segments = [
+        bf.repack(kernels.ops(), raw, bf.BLOCK_FORMATS[name], k)
+        for raw, (name, _) in zip(raws, parts, strict=True)
+    ]
+    codes = [bf.BLOCK_FORMATS[name].code for name, _ in parts]
+    gen = torch.Generator().manual_seed(rows)
+    dense = (torch.randn(16, k, generator=gen) * 0.05).bfloat16()
+    tiles, code = bf.tile_dense(dense)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    n = 64 + 32 + 32 + 16
+    bias = torch.randn(n, generator=gen).bfloat16()
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    out = kernels.ops().tiled_linear(x, [*segments, tiles], [*codes, code], bias, residual, False)
+    blocks = torch.cat(
+        [reference(raw, name, (m, k)) for raw, (name, m) in zip(raws, parts, strict=True)]
+    )
+    want = torch.cat((int8_rounded(x) @ blocks.double().T, x.double() @ dense.double().T), dim=1)
+    close(out, want + bias.double() + residual.double(), rounded=True)
+
+
+def test_q8_0_made_at_load_is_llamas_quantizer() -> None:
+    """`--weights int8` blocks: quantize_q8_0 gives the bytes gguf's Q8_0 quantizer gives."""
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(5)) * 0.1
+    ours = bf.quantize_q8_0(w)
+    theirs = quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(
+        dequantize(ours, GGMLQuantizationType.Q8_0), dequantize(theirs, GGMLQuantizationType.Q8_0)
+    )
+
+
+def test_a_row_permutation_and_padding_rows_are_applied_at_repack() -> None:
+    fmt = bf.BLOCK_FORMATS["Q4_0"]
+    raw = gguf_bytes("Q4_0", 20, 64)
+    order = torch.tensor([*range(19, -1, -1), -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1])
+    tiles = bf.repack(kernels.ops(), raw, fmt, 64, order)
+    got = kernels.ops().dequantize_rows(tiles, fmt.code, 64, torch.arange(32), False)
+    want = reference(raw, "Q4_0", (20, 64))
+    assert torch.equal(got[:20], want.flip(0)) and not got[20:].any()
