@@ -111,10 +111,9 @@ class LLMEngine:
         dtype, dtype_reason = choose_dtype(config, self.device)
         loaded = loaded or load_model(config.model, dtype)
         self._take_model(loaded)
-        num_blocks = self._size_kv_cache(loaded, dtype)
-        network = self._network(loaded, dtype, dtype_reason, num_blocks)
+        network = self._network(loaded, dtype, dtype_reason)
         try:
-            self._build_core(loaded, network, num_blocks, dtype)
+            self._build_core(loaded, network, self.num_kv_blocks, dtype)
             self.warm_up_seconds = 0.0
             if warm_up:
                 self._warm_up()
@@ -129,10 +128,9 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
 
-    def _size_kv_cache(self, loaded: LoadedModel, dtype: torch.dtype) -> int:
-        """The KV cache's dtype, the longest sequence, and the number of blocks that fit."""
+    def _size_kv_cache(self, loaded: LoadedModel) -> int:
+        """The longest sequence and the number of blocks that fit; keeps both on the engine."""
         cache = self.config.cache
-        self.kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype)
         bytes_per_token = kv_bytes_per_token(loaded.config, self.kv_dtype)
         num_blocks = num_kv_blocks(cache, bytes_per_token, cache.kv_cache_memory * 2**30)
         if self.device.type == "cpu":
@@ -141,21 +139,27 @@ class LLMEngine:
             self.config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
+        self.num_kv_blocks = num_blocks
         return num_blocks
 
-    def _network(
-        self, loaded: LoadedModel, dtype: torch.dtype, dtype_reason: str, num_blocks: int
-    ) -> PagedModel:
-        """The model over its paged KV cache: here, or sharded over tensor-parallel ranks."""
+    def _network(self, loaded: LoadedModel, dtype: torch.dtype, dtype_reason: str) -> PagedModel:
+        """The model over its paged KV cache, here or sharded over tensor-parallel ranks: the
+        network first, then the pool sized, then allocated (so a pool sized from the memory
+        the weights leave can be measured)."""
         config = self.config
+        self.kv_dtype = cache_dtype(config.cache.kv_cache_dtype, dtype)
         network: PagedModel
         if config.tensor_parallel_size > 1:
+            # The worker ranks allocate their shares of the pool as they start: it is sized
+            # before any shard exists.
+            num_blocks = self._size_kv_cache(loaded)
             # Rank 0 of T: the worker ranks start now and run their shards of every step.
             network, self.model_plan = launch_tensor_parallel(
                 config, loaded, dtype, self.kv_dtype, self.device, num_blocks
             )
         else:
             model, self.model_plan = build_model(config, loaded, dtype, self.device, dtype_reason)
+            num_blocks = self._size_kv_cache(loaded)
             network = self._paged(model, self.model_plan, loaded, num_blocks)
         kv_name = str(self.kv_dtype).removeprefix("torch.")
         self.model_plan = replace(self.model_plan, kv_cache_dtype=kv_name)
