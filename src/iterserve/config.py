@@ -24,6 +24,8 @@ WeightFormat = Literal["auto", "bf16", "int4", "int8"]
 Kernels = Literal["auto", "torch"]
 DType = Literal["auto", "bfloat16", "float32"]
 KVCacheDType = Literal["auto", "int8"]
+# --kv-cache-memory: GiB, or "auto" (a share of the memory left once the weights are in).
+KVCacheMemory = float | Literal["auto"]
 SpeculativeMethod = Literal["ngram", "draft"]
 SELF_INT4_DRAFT = "self-int4"  # --draft-model value: the model's own 4-bit weights
 
@@ -36,10 +38,37 @@ class ConfigError(ValueError):
     """A setting that cannot work, said so at start-up."""
 
 
+def _gib_or_auto(text: str) -> KVCacheMemory:
+    """--kv-cache-memory's value on the command line: `auto` or a number of GiB."""
+    if text == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected auto or a number of GiB, got {text!r}"
+        ) from None
+
+
 @dataclass
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV cache block")
-    kv_cache_memory: float = _opt(1.0, "memory for the KV cache, in GiB")
+    kv_cache_memory: KVCacheMemory = _opt(
+        "auto",
+        "memory for the KV cache: a number of GiB, or auto: --kv-cache-memory-fraction of the "
+        "memory available once the weights are loaded (the smaller of MemAvailable and the "
+        "cgroup's limit less its usage; free device memory on CUDA), at most what "
+        "--max-num-seqs sequences of the full context need. Pages are committed as blocks "
+        "are first used",
+        parse=_gib_or_auto,
+    )
+    kv_cache_memory_fraction: float = _opt(
+        0.5,
+        "--kv-cache-memory auto: the share of the available memory the KV cache takes. Half, "
+        "not vLLM's 0.9 of a GPU: on a CPU the pool shares the host with the step's "
+        "activations, the compile cache, the OS's page cache (the weights' files) and other "
+        "processes, which MemAvailable counts as free but may need back",
+    )
     num_kv_blocks: int | None = _opt(
         None, "exact number of KV blocks (overrides --kv-cache-memory)"
     )
@@ -63,8 +92,19 @@ class CacheConfig:
     def validate(self) -> None:
         _check_choices(self)
         _check_at_least_one(self, "block_size")
-        if self.kv_cache_memory <= 0:
-            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        memory = self.kv_cache_memory
+        if memory != "auto" and (
+            isinstance(memory, bool)
+            or not isinstance(memory, int | float)
+            or not 0 < memory < math.inf
+        ):
+            raise ConfigError(
+                f"--kv-cache-memory must be auto or a positive number of GiB, got {memory!r}"
+            )
+        if not 0 < self.kv_cache_memory_fraction <= 1:  # also refuses NaN
+            raise ConfigError(
+                f"--kv-cache-memory-fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         _check_at_least_one(self, "num_kv_blocks")
 
 
@@ -73,7 +113,9 @@ class SchedulerConfig:
     max_num_seqs: int = _opt(64, "most requests running at once")
     max_num_batched_tokens: int = _opt(512, "token budget of one step (prefill chunks + decodes)")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps under the budget")
-    max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
+    max_model_len: int | None = _opt(
+        None, "context length limit (default: the model's, cut to what the KV cache holds)"
+    )
     batching: Batching = _opt("continuous", "batching mode")
     batch_size: int = _opt(8, "requests per batch for static and dynamic batching")
     max_wait_ms: float = _opt(
@@ -338,7 +380,11 @@ def _field_types(cls: type) -> dict[str, tuple[type, tuple[str, ...] | None]]:
     out: dict[str, tuple[type, tuple[str, ...] | None]] = {}
     for name, hint in get_type_hints(cls).items():
         if get_origin(hint) in (Union, types.UnionType):
-            (hint,) = [arg for arg in get_args(hint) if arg is not type(None)]
+            kinds = [arg for arg in get_args(hint) if arg is not type(None)]
+            if len(kinds) > 1:  # a value of several kinds: the field's `parse` reads it
+                out[name] = (object, None)
+                continue
+            (hint,) = kinds
         if get_origin(hint) is Literal:
             out[name] = (str, get_args(hint))
         else:
@@ -395,7 +441,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             if value_type is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = value_type
+                kwargs["type"] = f.metadata.get("parse", value_type)
                 if choices is not None:
                     kwargs["choices"] = choices
             group.add_argument(_flag(f.name), **kwargs)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import _save_tiny
 from iterserve.bench.server_process import launch_server
@@ -128,6 +129,29 @@ def test_tp2_verifies_ngram_guesses_as_tp1_decodes(
     ) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert sum(o.num_accepted_tokens for o in outputs) > 0  # some steps verified guesses
+    assert [o.token_ids for o in outputs] == reference
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_tp2_sizes_an_auto_pool_from_an_estimate(
+    checkpoint: Path, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers allocate their shares as they start: the pool is sized before any shard
+    exists, from what is available less the checkpoint's bytes, then capped as ever."""
+    from iterserve.engine import available_memory
+    from iterserve.engine.kv_pool_size import AvailableMemory
+
+    gib = 2**30
+    monkeypatch.setattr(available_memory, "measure", lambda device: AvailableMemory(gib, "fake"))
+    auto = {**SETTINGS, "num_kv_blocks": None, "max_model_len": None}
+    with LLM(str(checkpoint), tensor_parallel_size=2, **auto) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        pool = llm.engine.kv_pool
+    weight_bytes = 4 * sum(t.numel() for t in load_file(checkpoint / "model.safetensors").values())
+    assert pool.available == AvailableMemory(
+        gib - weight_bytes, f"estimate: fake less the checkpoint's {weight_bytes / gib:.2f} GiB"
+    )
+    assert pool.capped and pool.num_blocks == 4 * 512 // 4  # 4 sequences of 512 tokens
     assert [o.token_ids for o in outputs] == reference
 
 

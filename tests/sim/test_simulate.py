@@ -102,14 +102,20 @@ def test_an_int8_kv_pool_holds_more_tokens_and_reads_fewer_bytes() -> None:
 
 
 def test_this_machine_s_preset_sizes_the_kv_pool_as_the_engine_does() -> None:
-    """cpu-2core: --kv-cache-memory (what `iterserve serve` here allocates), not 24 GiB;
-    a GPU preset: the device's memory less the weights, as GPU serving engines do."""
+    """cpu-2core: what `iterserve serve` here allocates (--kv-cache-memory GiB, or auto: its
+    share of the preset's 24 GiB less the weights, at most what the sequences can use); a GPU
+    preset: the device's memory less the weights, as GPU serving engines do."""
     from iterserve.config import CacheConfig
     from iterserve.sim.fleet import kv_blocks_for
 
     shape = MODELS["smollm2-135m"]
     per_block = shape.kv_bytes_per_token * 16
-    assert kv_blocks_for(EngineConfig(), "cpu-2core", "smollm2-135m") == int(2**30 // per_block)
+    auto = kv_blocks_for(EngineConfig(), "cpu-2core", "smollm2-135m")
+    assert auto == int(0.5 * (24 * 2**30 - shape.weight_bytes) // per_block)
+    quarter = EngineConfig(cache=CacheConfig(kv_cache_memory_fraction=0.25))
+    assert kv_blocks_for(quarter, "cpu-2core", "smollm2-135m") == pytest.approx(auto / 2, abs=1)
+    short = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1000))
+    assert kv_blocks_for(short, "cpu-2core", "smollm2-135m") == 8 * 63  # 1000 tokens: 63 blocks
     half = EngineConfig(cache=CacheConfig(kv_cache_memory=0.5))
     assert kv_blocks_for(half, "cpu-2core", "smollm2-135m") == int(2**29 // per_block)
     gpu = kv_blocks_for(EngineConfig(), "a100-80g", "smollm2-135m")

@@ -220,7 +220,7 @@ class AsyncEngine:
             engine.tokenizer,
             engine.chat_template,
             engine.max_model_len,
-            engine.model_plan.describe(),
+            {**engine.model_plan.describe(), **engine.kv_pool.as_dict()},
         )
 
     def replica_health(self) -> list[str]:

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Self
 
-from iterserve.config import CacheConfig, EngineConfig
+from iterserve.config import EngineConfig
 from iterserve.core.kv_cache import KVCacheManager
 from iterserve.core.outputs import ModelOutput, RequestUpdate, SchedulerOutput
 from iterserve.core.scheduler import Scheduler
@@ -68,14 +68,6 @@ class CoreStep:
     @property
     def request_ids(self) -> list[str]:
         return _request_ids(self.scheduled)
-
-
-def num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: float, memory_bytes: float) -> int:
-    """KV blocks for a cache: the config's exact count, else as many as fit in
-    `memory_bytes` (0 when not even one does)."""
-    if cache.num_kv_blocks:
-        return cache.num_kv_blocks
-    return max(0, int(memory_bytes // (kv_bytes_per_token * cache.block_size)))
 
 
 @dataclass

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -26,8 +27,15 @@ from iterserve.core.outputs import RequestUpdate, TokenLogprobs
 from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import NgramProposer
+from iterserve.engine import available_memory
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats, num_kv_blocks
+from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats
+from iterserve.engine.kv_pool_size import (
+    AvailableMemory,
+    KVPoolSize,
+    fit_max_model_len,
+    size_kv_pool,
+)
 from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
@@ -111,10 +119,9 @@ class LLMEngine:
         dtype, dtype_reason = choose_dtype(config, self.device)
         loaded = loaded or load_model(config.model, dtype)
         self._take_model(loaded)
-        num_blocks = self._size_kv_cache(loaded, dtype)
-        network = self._network(loaded, dtype, dtype_reason, num_blocks)
+        network = self._network(loaded, dtype, dtype_reason)
         try:
-            self._build_core(loaded, network, num_blocks, dtype)
+            self._build_core(loaded, network, self.kv_pool.num_blocks, dtype)
             self.warm_up_seconds = 0.0
             if warm_up:
                 self._warm_up()
@@ -129,43 +136,60 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
 
-    def _size_kv_cache(self, loaded: LoadedModel, dtype: torch.dtype) -> int:
-        """The KV cache's dtype, the longest sequence, and the number of blocks that fit."""
-        cache = self.config.cache
-        self.kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype)
-        bytes_per_token = kv_bytes_per_token(loaded.config, self.kv_dtype)
-        num_blocks = num_kv_blocks(cache, bytes_per_token, cache.kv_cache_memory * 2**30)
-        if self.device.type == "cpu":
-            _check_fits_in_memory(num_blocks * cache.block_size * bytes_per_token, cache)
-        self.max_model_len = min(
-            self.config.scheduler.max_model_len or loaded.config.max_position_embeddings,
-            loaded.config.max_position_embeddings,
-        )
-        return num_blocks
-
-    def _network(
-        self, loaded: LoadedModel, dtype: torch.dtype, dtype_reason: str, num_blocks: int
-    ) -> PagedModel:
-        """The model over its paged KV cache: here, or sharded over tensor-parallel ranks."""
+    def _size_kv_cache(
+        self, loaded: LoadedModel, available: Callable[[], AvailableMemory]
+    ) -> KVPoolSize:
+        """The pool's blocks (from `available` for --kv-cache-memory auto) and the longest
+        sequence, which the pool may cut; keeps both on the engine."""
         config = self.config
+        cache = config.cache
+        bytes_per_token = kv_bytes_per_token(loaded.config, self.kv_dtype)
+        context = loaded.config.max_position_embeddings
+        asked = config.scheduler.max_model_len
+        self.kv_pool = size_kv_pool(
+            cache,
+            bytes_per_token,
+            config.scheduler.max_num_seqs,
+            min(asked or context, context),
+            available,
+        )
+        if self.device.type == "cpu" and self.kv_pool.rule != "auto":  # auto fits by design
+            _check_fits_in_memory(self.kv_pool.bytes, cache)
+        self.max_model_len = fit_max_model_len(asked, context, self.kv_pool)
+        return self.kv_pool
+
+    def _network(self, loaded: LoadedModel, dtype: torch.dtype, dtype_reason: str) -> PagedModel:
+        """The model over its paged KV cache, here or sharded over tensor-parallel ranks: the
+        network first, then the pool sized from the memory it left, then allocated."""
+        config = self.config
+        self.kv_dtype = cache_dtype(config.cache.kv_cache_dtype, dtype)
         network: PagedModel
         if config.tensor_parallel_size > 1:
+            # The worker ranks allocate their shares of the pool as they start, before any
+            # shard exists to measure after: sized from an estimate (the checkpoint's
+            # weight bytes off what is available now), not a measurement.
+            size = config.tensor_parallel_size
+            pool = self._size_kv_cache(
+                loaded,
+                lambda: available_memory.estimate_after_weights(
+                    self.device, loaded.weights, dtype, size
+                ),
+            )
             # Rank 0 of T: the worker ranks start now and run their shards of every step.
             network, self.model_plan = launch_tensor_parallel(
-                config, loaded, dtype, self.kv_dtype, self.device, num_blocks
+                config, loaded, dtype, self.kv_dtype, self.device, pool.num_blocks
             )
         else:
             model, self.model_plan = build_model(config, loaded, dtype, self.device, dtype_reason)
-            network = self._paged(model, self.model_plan, loaded, num_blocks)
+            # The weights are in memory now: what is left is measured, not guessed.
+            pool = self._size_kv_cache(loaded, lambda: available_memory.measure(self.device))
+            network = self._paged(model, self.model_plan, loaded, pool.num_blocks)
         kv_name = str(self.kv_dtype).removeprefix("torch.")
         self.model_plan = replace(self.model_plan, kv_cache_dtype=kv_name)
-        cache = config.cache
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), %s",
-            num_blocks,
-            cache.block_size,
-            num_blocks * cache.block_size,
-            kv_name if cache.kv_cache_dtype == "int8" else f"{kv_name} (the model's dtype)",
+            "KV cache: %s, %s",
+            pool.describe(),
+            kv_name if config.cache.kv_cache_dtype == "int8" else f"{kv_name} (the model's dtype)",
         )
         return network
 

@@ -34,8 +34,9 @@ class ServedModel:
     tokenizer: Any
     chat_template: str | None
     max_model_len: int
-    # How the model computes (dtype and why, kernels and their ISA, weights, step), for
-    # /health (a data-parallel front end reports its first replica's).
+    # How the model computes (dtype and why, kernels and their ISA, weights, step) and how
+    # big its KV cache is and why, for /health (a data-parallel front end reports its first
+    # replica's).
     compute: dict[str, str] = field(default_factory=dict)
 
 

@@ -27,6 +27,8 @@ in fp32. (benchmarks/attention_kernel.py sets these paths against the C++ op.)
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -155,17 +157,36 @@ def allocate_kv_caches(
     model's or int8 (then rows of head_dim + 4 bytes).
 
     Zero-filled rather than empty: never-written slots then hold finite values, a second line
-    of defence (after the padding rule above) against NaN leaking through masked lanes.
+    of defence (after the padding rule above) against NaN leaking through masked lanes. On a
+    CPU the zeros cost nothing until used (`_zeroed_pages`).
     """
     width = row_width(config.head_dim, dtype)
     shape = (config.num_key_value_heads, num_blocks, block_size, width)
+    zeroed = _zeroed_pages if device.type == "cpu" else _zeroed_now
     return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
+        (zeroed(shape, dtype, device), zeroed(shape, dtype, device))
         for _ in range(config.num_hidden_layers)
     ]
+
+
+def _zeroed_now(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A CPU tensor over an anonymous private mapping of its own. The kernel gives such a
+    mapping's pages zero-filled (mmap(2): "its contents are initialized to zero") and only at
+    first touch, so the pool reads as zeros everywhere while only blocks written or read
+    are resident: --kv-cache-memory auto may reserve a large share of the machine that a
+    small load never commits (benchmarks/kv_pool_memory.py measures it). torch.zeros would
+    write, and so commit, every page at start-up; torch.empty gives no zeros."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return _zeroed_now(shape, dtype, device)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # frombuffer keeps `pages` alive as long as the tensor (and its views) are; the mapping
+    # is unmapped when the last goes.
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
 def _gather(

@@ -48,9 +48,10 @@ class Hardware:
     bandwidth: float  # sustained memory read bytes/s
     step_overhead: float  # seconds per step that no FLOP or byte explains (launches, Python)
     memory_bytes: float  # for weights + KV cache
-    # The KV pool is sized as iterserve's own engine sizes it (--kv-cache-memory), not from
-    # the device's memory as a GPU serving engine does: the preset of this machine, so a
-    # simulation of it admits and preempts as `iterserve serve` here would.
+    # The KV pool is sized as iterserve's own engine sizes it (--kv-cache-memory: GiB, or
+    # auto's share of memory_bytes less the weights), not from the device's memory as a GPU
+    # serving engine does: the preset of this machine, so a simulation of it admits and
+    # preempts as `iterserve serve` here would.
     kv_cache_from_config: bool = False
     # For a CPU preset, the kernels' ISA variant it describes (kernels/__init__.py): a
     # profile measured with another one prices steps of another machine, and the report

@@ -28,7 +28,7 @@ from iterserve.bench.workloads import Workload
 from iterserve.config import EngineConfig, resolve_async_scheduling
 from iterserve.core.request import Request
 from iterserve.core.scheduler import Scheduler
-from iterserve.engine.engine_core import num_kv_blocks
+from iterserve.engine.kv_pool_size import AvailableMemory, num_kv_blocks, size_kv_pool
 from iterserve.replicas.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.sim.block_hash_feed import BlockHashFeed
@@ -48,17 +48,39 @@ from iterserve.sim.executor import (
 _MEMORY_UTILIZATION = 0.9
 
 
+# The context a simulated request may reach without --max-model-len: long enough for any
+# trace's request (the presets do not say their models' context lengths).
+_MAX_MODEL_LEN = 131072
+
+
+def max_model_len(config: EngineConfig) -> int:
+    return config.scheduler.max_model_len or _MAX_MODEL_LEN
+
+
 def kv_blocks_for(config: EngineConfig, hardware: str, model: str) -> int:
-    """Blocks that fit beside the weights in the device's memory, or in --kv-cache-memory
-    for a preset sized as iterserve's engine sizes its pool; the config's exact count if
-    it names one."""
+    """Blocks that fit beside the weights in the device's memory, or, for a preset sized as
+    iterserve's engine sizes its pool, what `iterserve serve` would take on that machine; the
+    config's exact count if it names one."""
     hw = HARDWARE[hardware]
     shape = MODELS[model].with_kv_cache_dtype(config.cache.kv_cache_dtype)
     if hw.kv_cache_from_config:
-        free = config.cache.kv_cache_memory * 2**30
+        # The engine's rule (engine/kv_pool_size.py): --kv-cache-memory GiB as given, or
+        # auto's share of what the preset's machine would have available once the weights
+        # are loaded and nothing else runs: its memory less theirs.
+        def available() -> AvailableMemory:
+            left = int(hw.memory_bytes - shape.weight_bytes)
+            return AvailableMemory(left, f"{hardware}'s memory less the weights")
+
+        num_blocks = size_kv_pool(
+            config.cache,
+            shape.kv_bytes_per_token,
+            config.scheduler.max_num_seqs,
+            max_model_len(config),
+            available,
+        ).num_blocks
     else:
         free = hw.memory_bytes * _MEMORY_UTILIZATION - shape.weight_bytes
-    num_blocks = num_kv_blocks(config.cache, shape.kv_bytes_per_token, free)
+        num_blocks = num_kv_blocks(config.cache, shape.kv_bytes_per_token, free)
     if num_blocks < 1:
         raise ValueError(f"{model} does not fit in {hardware}'s memory")
     return num_blocks
@@ -149,7 +171,7 @@ class Replica:
             config,
             executor,
             num_kv_blocks or kv_blocks_for(config, hardware, model),
-            config.scheduler.max_model_len or 131072,
+            max_model_len(config),
             clock,
         )
         if not step_by_step:
