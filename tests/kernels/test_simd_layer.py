@@ -1,6 +1,7 @@
 """The kernels' vector layer on every ISA: simd_check.cpp (each primitive of csrc/simd.h
 against a scalar reference) built and run for each variant this CPU runs, and for Arm64 with
-a cross compiler under qemu-user; and the kernel sources themselves built for Arm64.
+a cross compiler under qemu-user; the block formats' kernels (blocks_check.cpp) for Arm64
+under qemu; and the kernel sources themselves built for Arm64.
 
 The Arm tools come from Debian (`g++-aarch64-linux-gnu`, `qemu-user`); .ci/run installs
 them. Without them the Arm tests skip, saying so, except under CI, where they fail.
@@ -10,13 +11,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from torch.utils import cpp_extension
 
 from iterserve import kernels
+from iterserve.model import block_formats as bf
+from tiny_gguf import gguf_blocks
 
 CHECK = Path(__file__).parent / "simd_check.cpp"
 CSRC = Path(kernels.__file__).parent / "csrc"
@@ -79,3 +87,53 @@ def test_kernels_build_for_arm64(source: str, tmp_path: Path) -> None:
     # Whether it builds, not how fast it runs: -O3 only adds inlining, which took 228 s of a
     # CI run for paged_attention.cpp (12 s at -O0); the qemu test runs -O3 code.
     _build(CROSS, variant, CSRC / source, tmp_path / "out.o", "-c", "-fPIC", opt="-O0")  # type: ignore[arg-type]
+
+
+# The block formats' kernels on Arm64: every GGUF type, decoded and multiplied by the very code
+# the kernels run (blocks_check.cpp), checked as test_block_formats.py checks the x86 builds.
+BLOCKS_CHECK = Path(__file__).parent / "blocks_check.cpp"
+
+
+def _block_cases() -> tuple[bytes, list[tuple[str, int, int, int, np.ndarray, torch.Tensor]]]:
+    """Every block format: (name, N, K, M, GGUF bytes, bf16 activations), and them as stdin."""
+    cases = []
+    for i, (name, fmt) in enumerate(sorted(bf.BLOCK_FORMATS.items())):
+        n, k, m = 24, 2 * max(fmt.inputs, 64), 6  # 24 rows: a padded tile; 6 rows: a panel
+        rng = np.random.default_rng(i)
+        raw = gguf_blocks(name, rng.standard_normal((n, k)) * 0.05, seed=i)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(i)).bfloat16()
+        x[0, :32] = 0  # an all-zero block
+        cases.append((name, n, k, m, raw, x))
+    stdin = struct.pack("<i", len(cases))
+    for name, n, k, m, raw, x in cases:
+        stdin += struct.pack("<4i", bf.BLOCK_FORMATS[name].code, n, k, m)
+        stdin += raw.tobytes() + x.view(torch.int16).numpy().tobytes()
+    return stdin, cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["neon", "neondot"])
+def test_block_formats_on_arm64_under_qemu(name: str, tmp_path: Path) -> None:
+    _need(CROSS)
+    _need(QEMU)
+    binary = tmp_path / f"blocks_check_{name}"
+    _build(CROSS, kernels.describe(name), BLOCKS_CHECK, binary, "-static")  # type: ignore[arg-type]
+    stdin, cases = _block_cases()
+    done = subprocess.run([QEMU, str(binary)], input=stdin, capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = np.frombuffer(done.stdout, dtype=np.float32)
+    at = 0
+    for qtype, n, k, m, raw, x in cases:
+        padded = -(-n // 16) * 16
+        decoded = out[at : at + n * k].reshape(n, k)
+        together = out[at + n * k : at + n * k + m * padded].reshape(m, padded)
+        alone = out[at + n * k + m * padded : at + n * k + 2 * m * padded].reshape(m, padded)
+        at += n * k + 2 * m * padded
+        weights = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
+        np.testing.assert_array_equal(decoded, weights, err_msg=qtype)
+        q, s = bf.quantize_activations(x)
+        rounded = (q.double().view(m, k // 32, 32) * s.double()[..., None]).view(m, k)
+        want = (rounded @ torch.from_numpy(weights).double().T).numpy()
+        np.testing.assert_allclose(together[:, :n], want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=qtype)
+        np.testing.assert_array_equal(alone, together, err_msg=qtype)  # the same bits alone
+    assert at == out.size

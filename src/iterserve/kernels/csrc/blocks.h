@@ -358,6 +358,40 @@ inline bool with_codec(Format format, F&& f) {
   }
 }
 
+// Row `lane` of a tile (K inputs, in a block format) as the weights the kernels multiply:
+// a value times its scale less its offset, through the codec's own decoder.
+template <typename Codec>
+inline void decode_row(const uint8_t* tile, int64_t K, int lane, float* out) {
+  constexpr int H = Codec::kHalves;
+  for (int64_t u = 0; u < K / Codec::kInputs; ++u) {
+    const uint8_t* p = tile + u * Codec::kBytes;
+    for (int blk = 0; blk < Codec::kInputs / kBlock; ++blk) {
+      alignas(64) uint8_t values[4][2][4 * kLanes];
+      const Quads quads[4] = {Codec::template chunk<0>(p, blk), Codec::template chunk<1>(p, blk),
+                              Codec::template chunk<2>(p, blk), Codec::template chunk<3>(p, blk)};
+      for (int c = 0; c < 4; ++c) quads[c].lo.store(values[c][0]), quads[c].hi.store(values[c][1]);
+      F16 a[H], o[H];
+      Codec::scales(p, blk, a, o);
+      alignas(64) float as[H][kLanes], os[H][kLanes];
+      for (int h = 0; h < H; ++h) a[h].store(as[h]), o[h].store(os[h]);
+      float* w = out + u * Codec::kInputs + blk * kBlock;
+      for (int k = 0; k < kBlock; ++k) {
+        const int h = H == 2 ? k / 16 : 0;
+        const uint8_t byte = values[k / 8][k % 8 / 4][4 * lane + k % 4];
+        // Signed values are stored as they are, or + 128 with VNNI (o corrects).
+        const float v = Codec::kSigned && kSignedBias == 0
+                            ? static_cast<float>(static_cast<int8_t>(byte))
+                            : static_cast<float>(byte);
+        w[k] = as[h][lane] * v - os[h][lane];
+      }
+    }
+  }
+}
+
+inline void decode_row(Format format, const uint8_t* tile, int64_t K, int lane, float* out) {
+  with_codec(format, [&](auto codec) { decode_row<decltype(codec)>(tile, K, lane, out); });
+}
+
 // Bytes a tile of 16 rows holds for K inputs, in any format; -1 if K does not fit it.
 inline int64_t tile_bytes(Format format, int64_t K) {
   if (format == Format::kBf16 || format == Format::kF16) return K % 2 ? -1 : 2 * kTile * K;
