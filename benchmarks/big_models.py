@@ -466,12 +466,16 @@ def main() -> None:
 
     bench_bin = args.llama_cpp or llama_cpp_bin(args.isa)
     quantize_bin = bench_bin or llama_cpp_bin(None) or llama_cpp_bin("avx2")
-    if "llama.cpp" in engines and not args.prepare_only and bench_bin is None:
-        print(f"llama.cpp{' (AVX2 build)' if args.isa else ''} is not built: make it with "
-              f"{how_to_build(args.isa)}; skipping llama.cpp", flush=True)  # fmt: skip
-        engines.remove("llama.cpp")
+    peer = f"not run (--engines {args.engines})"
+    if "llama.cpp" in engines:
+        peer = bench_bin or (
+            f"{'the AVX2 build ' if args.isa else ''}is not built: make it with "
+            f"{how_to_build(args.isa)}; skipping llama.cpp"
+        )
+        if bench_bin is None:
+            engines.remove("llama.cpp")
 
-    results: dict[str, Any] = {"args": vars(args), "files": {}, "runs": []}
+    results: dict[str, Any] = {"args": vars(args), "llama_cpp": peer, "files": {}, "runs": []}
     bandwidth = None
     if not args.prepare_only:
         warm_env = {**os.environ, **({"ITERSERVE_ISA": "avx2"} if args.isa else {})}
@@ -490,14 +494,14 @@ def main() -> None:
         how = "built now" if warm["kernels_built_now"] else "cached"
         print(f"kernels: {warm['kernels_isa'] or 'off'}, ready in {warm['kernels_seconds']:.1f} s ({how})")  # fmt: skip
         print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s ({warm['bandwidth_method']}, best of 10)")  # fmt: skip
-        print(f"llama.cpp: {bench_bin if 'llama.cpp' in engines else 'not run'}", flush=True)
+        print(f"llama.cpp: {peer}", flush=True)
 
     from iterserve.bench.bandwidth import decode_bytes_per_token
 
     for preset in models:
         files, made = prepare_files(preset, args, quantize_bin, logs)
         results["files"][preset] = {"made": made, "files": {t: str(p) for t, p in files.items()}}
-        if args.prepare_only:
+        if args.prepare_only or not engines:
             continue
         for qtype, path in files.items():
             per_token = decode_bytes_per_token(path)
