@@ -5,7 +5,8 @@
 #
 #   benchmarks/peers/llama_cpp.sh bench [GGUF] [BATCHES]   # default (GGUF ""): the bundled Q4_1 file and its BF16 copy; batches 1,32,64
 #   benchmarks/peers/llama_cpp.sh server GGUF PORT [-np N] # llama-server (continuous batching, OpenAI API) for bench serve
-#   benchmarks/peers/llama_cpp.sh path                     # where the binaries are
+#   benchmarks/peers/llama_cpp.sh path                     # where the binaries are (built first if need be)
+#   benchmarks/peers/llama_cpp.sh where                    # where they are if built, else exit 1 (never builds)
 #
 # LLAMA_CPP_ISA=avx2 builds (in its own directory) for AVX2 + FMA + F16C with AVX-512 off, to
 # compare with iterserve's ITERSERVE_ISA=avx2 on an AVX-512 machine; the default builds for
@@ -60,6 +61,10 @@ bf16_copy() {  # $1: a GGUF -> prints the path of its BF16 copy (made once)
 }
 
 cmd=${1:-bench}; shift || true
+if [ "$cmd" = where ]; then  # for scripts that must not start a ~10-minute build unasked
+  [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-quantize" ] && { echo "$BIN"; exit 0; }
+  echo "llama_cpp.sh: llama.cpp is not built in $BIN" >&2; exit 1
+fi
 build
 case "$cmd" in
   path) echo "$BIN" ;;
@@ -74,5 +79,5 @@ case "$cmd" in
   server)
     gguf=$1; port=$2; shift 2
     exec "$BIN/llama-server" -m "$gguf" --host 127.0.0.1 --port "$port" -t 2 "$@" ;;
-  *) echo "usage: $0 bench [GGUF] [BATCHES] | server GGUF PORT [args] | path" >&2; exit 2 ;;
+  *) echo "usage: $0 bench [GGUF] [BATCHES] | server GGUF PORT [args] | path | where" >&2; exit 2 ;;
 esac

@@ -1,0 +1,550 @@
+"""Real-size models on a CPU: iterserve and llama.cpp on GGUF files of the shapes people run
+(Llama 3.2 1B/3B, Llama 3.1 8B, Qwen3 4B/8B, Mistral 7B, Gemma 3 4B), made here with random
+weights, one engine at a time: load time, memory, decode and prompt speed, and the share of
+the machine's memory bandwidth a one-sequence decode reaches.
+
+Files. Each preset (src/iterserve/bench/shaped_gguf.py: the published configs, the bundled
+tokenizer, tied embeddings) is written as F16, tensor by tensor, by a child process whose
+peak RSS is printed, then quantized by llama.cpp's llama-quantize to each of --types. The
+quantized files stay in --workdir and are reused by later runs; the F16 file is deleted once
+they exist unless --keep-f16 (an 8B's F16 is 14 GB).
+
+Engines, one after the other, each in its own child process under a memory guard: the parent
+polls the child's RSS and kills it past --memory-limit-gib, and reports that instead of
+figures (a model that does not fit must not take the machine down with it).
+
+  iterserve  `LLM(FILE)`. load s: from the call to a ready engine, warm-up included; peak
+             RSS: the process's high-water mark (VmHWM) at the end of the load, imports
+             included; held: VmRSS after the load; KV pool: the engine's block pool. Then
+             for each batch B, B prompts of --prompt-len ordinary tokens and --output-len
+             generated ones (ignore_eos): decode tok/s over the decode-only steps, prompt
+             tok/s over the steps that computed prompt tokens (decode_speed.py's run_batch).
+             A warm-up process first builds or loads the C++ kernels, so no build is timed;
+             its time is printed apart.
+  llama.cpp  llama-batched-bench -npp P -ntg G -npl B1,B2.. -t T: S_TG t/s as decode tok/s,
+             S_PP t/s as prompt tok/s, per batch. load s: its own "load time" (model load to
+             the first evaluation); peak RSS: its VmHWM as polled over its run; held:
+             the median RSS polled after its load (its weights are mmapped, and their pages
+             count once touched); KV pool: its KV buffers.
+
+Bandwidth. The read bandwidth with --threads threads is measured once
+(iterserve.bench.bandwidth: a float32 sum over 1 GiB, checked against a C++ loop); beside
+every batch-1 decode stand the bytes a token reads (the file's tensors, the tied embedding
+once, as the head) and the share tok/s x bytes per token / bandwidth: 100% is the most one
+sequence can decode if every weight byte comes from memory once a step.
+
+The first line names the CPU's vector extensions and the kernels' variant. --isa avx2 runs
+iterserve with ITERSERVE_ISA=avx2 (and torch held to AVX2, as docs/benchmarks.md says) and
+llama.cpp's LLAMA_CPP_ISA=avx2 build. This script never starts llama.cpp's ~10-minute build:
+without it, it says how to make it and runs iterserve alone. Asserts nothing.
+
+    .venv/bin/python benchmarks/big_models.py      # llama-1b,llama-3b,llama-8b; Q4_K_M; both engines
+    .venv/bin/python benchmarks/big_models.py --models llama-1b --batches 1,16 --json out.json
+    .venv/bin/python benchmarks/big_models.py --models qwen3-4b,gemma3-4b,mistral-7b --types Q4_K_M,Q8_0
+    .venv/bin/python benchmarks/big_models.py --models llama-8b --engines llama.cpp
+    .venv/bin/python benchmarks/big_models.py --models llama-8b --prepare-only   # write, quantize, stop
+    .venv/bin/python benchmarks/big_models.py --isa avx2
+    LLAMA_CPP_ISA=avx2 benchmarks/peers/llama_cpp.sh path                       # llama.cpp's AVX2 build
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
+
+BENCHMARKS = Path(__file__).resolve().parent
+LLAMA_CPP_SH = BENCHMARKS / "peers" / "llama_cpp.sh"
+GIB, MIB = 2**30, 2**20
+# How often the guard reads a child's RSS: a load grows by a GB or two a second at most.
+_POLL_SECONDS = 0.1
+# docs/benchmarks.md: with ITERSERVE_ISA=avx2, torch's own paths held to AVX2 as well.
+_AVX2_ENV = {
+    "ITERSERVE_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+# ---- children, under a memory guard ------------------------------------------------------
+
+
+@dataclass
+class Child:
+    """How a child process ended."""
+
+    returncode: int
+    stdout: str
+    log: Path  # its stderr
+    seconds: float
+    # Bytes: the child's high-water mark (VmHWM) as last polled. Not its ru_maxrss: Linux
+    # carries the forking parent's high-water mark over the exec into that.
+    peak_rss: int
+    rss: list[tuple[float, int]]  # (seconds since the start, bytes) as polled
+    killed: bool  # by the guard, at the memory limit
+
+    def rss_after(self, seconds: float) -> int | None:
+        """The median RSS polled after `seconds` (e.g. once loaded), if any was."""
+        later = sorted(rss for t, rss in self.rss if t > seconds)
+        return later[len(later) // 2] if later else None
+
+    def failure(self, limit: int) -> str | None:
+        """None if it ran to the end, else what to print instead of its figures."""
+        if self.killed:
+            return (
+                f"killed at the memory limit ({limit / GIB:.0f} GiB) after {self.seconds:.0f} s "
+                f"(RSS {self.peak_rss / GIB:.1f} GiB)"
+            )
+        if self.returncode:
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:]
+            return f"failed (exit {self.returncode}): {tail[0][:160] if tail else ''} [{self.log}]"
+        return None
+
+
+def _memory_of(pid: int) -> tuple[int, int] | None:
+    """(VmRSS, VmHWM) of a process, in bytes; None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    rss, hwm = re.search(r"VmRSS:\s+(\d+) kB", status), re.search(r"VmHWM:\s+(\d+) kB", status)
+    return (int(rss[1]) * 1024, int(hwm[1]) * 1024) if rss and hwm else None
+
+
+def run_guarded(command: list[str], env: dict[str, str], limit: int, log: Path) -> Child:
+    """Run `command`, polling its RSS; SIGKILL it past `limit` bytes. Its stdout is kept (in a
+    file, so a chatty child never blocks on a full pipe), its stderr goes to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile() as out, log.open("wb") as err:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+        killed, peak = False, 0
+        polled: list[tuple[float, int]] = []
+        while process.poll() is None:
+            memory = _memory_of(process.pid)
+            if memory is not None:
+                rss, peak = memory[0], max(peak, memory[1])
+                polled.append((time.perf_counter() - start, rss))
+                if rss > limit and not killed:
+                    process.kill()
+                    killed = True
+            time.sleep(_POLL_SECONDS)
+        seconds = time.perf_counter() - start
+        out.seek(0)
+        stdout = out.read().decode(errors="replace")
+    return Child(process.returncode, stdout, log, seconds, peak, polled, killed)
+
+
+def _json_line(stdout: str) -> dict[str, Any]:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _python_child(*args: str) -> list[str]:
+    return [sys.executable, __file__, "--child", *args]
+
+
+# ---- what the children run ----------------------------------------------------------------
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status figure, in bytes."""
+    match = re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text())
+    return int(match[1]) * 1024 if match else 0
+
+
+def child_warm_up(threads: int) -> dict[str, Any]:
+    """Build (or load) the kernels of the selected variant, timed, so that no iterserve load
+    after it pays for a build; and measure the read bandwidth."""
+    from iterserve import kernels
+    from iterserve.bench.bandwidth import METHOD, read_bandwidth
+    from iterserve.bench.machine import cpu_line
+
+    variant = kernels.describe()
+    was_built = variant is not None and any(kernels.build_directory(variant).glob("*.so"))
+    start = time.perf_counter()
+    available = kernels.available()
+    seconds = time.perf_counter() - start
+    return {
+        "cpu": cpu_line(),
+        "kernels_isa": kernels.isa() if available else None,
+        "kernels_seconds": seconds,
+        "kernels_built_now": available and not was_built,
+        "bandwidth": read_bandwidth(threads),
+        "bandwidth_method": METHOD,
+    }
+
+
+def child_write(preset: str, path: str, seed: int) -> dict[str, Any]:
+    from iterserve.bench.shaped_gguf import write_shaped_gguf
+
+    start = time.perf_counter()
+    write_shaped_gguf(Path(path), preset, seed)
+    return {"seconds": time.perf_counter() - start, "bytes": Path(path).stat().st_size}
+
+
+def child_iterserve(
+    path: str, batches: list[int], prompt_len: int, output_len: int, threads: int
+) -> dict[str, Any]:
+    """Load `path`, time batch decodes, report memory: in this process, alone."""
+    import logging
+
+    import numpy as np
+
+    from decode_speed import run_batch  # type: ignore[import-not-found]
+    from iterserve.bench.tokenizer import ordinary_token_ids
+    from iterserve.engine.llm import LLM
+    from iterserve.model.kv_cache_format import kv_bytes_per_token
+
+    # The engine's own account (KV blocks, weights, warm-up) into this child's log.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    imports_peak = _status("VmHWM")
+    start = time.perf_counter()
+    llm = LLM(
+        path,
+        max_num_seqs=max(batches),
+        enable_prefix_caching=False,  # every batch reuses the same prompts
+        num_threads=threads,
+    )
+    load_seconds = time.perf_counter() - start
+    load_peak, held = _status("VmHWM"), _status("VmRSS")
+    engine = llm.engine
+    kv_pool = (
+        engine.scheduler.kv_cache_stats().num_blocks
+        * engine.config.cache.block_size
+        * kv_bytes_per_token(engine.model_config, engine.kv_dtype)
+    )
+    vocab = np.asarray(ordinary_token_ids(llm.tokenizer))
+    rng = np.random.default_rng(0)
+    prompts = [rng.choice(vocab, size=prompt_len).tolist() for _ in range(max(batches))]
+    run_batch(llm, prompts[:2], 4)  # first-step effects (allocator, caches) out of the way
+    decode, prompt = {}, {}
+    for batch in batches:
+        prefill_tok_s, decode_tok_s, *_ = run_batch(llm, prompts[:batch], output_len)
+        decode[batch], prompt[batch] = decode_tok_s, prefill_tok_s
+        print(f"batch {batch}: decode {decode_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+    plan = engine.model_plan
+    return {
+        "load_s": load_seconds,
+        "warm_up_s": engine.warm_up_seconds,
+        "imports_peak_rss": imports_peak,
+        "peak_rss": load_peak,
+        "held_rss": held,
+        "run_peak_rss": _status("VmHWM"),
+        "kv_pool": kv_pool,
+        "kv_cache_dtype": plan.kv_cache_dtype,
+        "weights": plan.weights,
+        "kernels_isa": plan.kernels_isa or "",
+        "step": plan.step,
+        "decode": decode,
+        "prompt": prompt,
+    }
+
+
+# ---- llama.cpp ----------------------------------------------------------------------------
+
+
+def llama_cpp_bin(isa: str | None) -> str | None:
+    """llama_cpp.sh's binary directory for this ISA if it is built (never builds it)."""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_ISA"}
+    if isa == "avx2":
+        env["LLAMA_CPP_ISA"] = "avx2"
+    found = subprocess.run(
+        ["bash", str(LLAMA_CPP_SH), "where"], env=env, capture_output=True, text=True
+    )
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def how_to_build(isa: str | None) -> str:
+    prefix = "LLAMA_CPP_ISA=avx2 " if isa == "avx2" else ""
+    return f"`{prefix}benchmarks/peers/llama_cpp.sh path` (~10 minutes, once)"
+
+
+def parse_batched_bench(stdout: str) -> dict[int, dict[str, float]]:
+    """llama-batched-bench's table, by batch: {B: {"S_PP t/s": .., "S_TG t/s": .., ...}}."""
+    header: list[str] | None = None
+    rows: dict[int, dict[str, float]] = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if "S_TG t/s" in cells:
+            header = cells
+        elif header and line.startswith("|") and cells[0].isdigit():
+            row = dict(zip(header, (float(c) for c in cells), strict=True))
+            rows[int(row["B"])] = row
+    return rows
+
+
+def run_llama_cpp(
+    bin_dir: str, path: Path, args: argparse.Namespace, batches: list[int], log: Path
+) -> dict[str, Any]:
+    # Each of the B sequences has its own prompt and its own share of the context (is_pp_shared
+    # off), which llama.cpp wants a whole number of 256-token pages.
+    per_sequence = -(-(args.prompt_len + args.output_len) // 256) * 256
+    context = max(batches) * per_sequence
+    command = [f"{bin_dir}/llama-batched-bench", "-m", str(path), "-c", str(context)]
+    command += ["-b", "2048", "-ub", "512", "-npp", str(args.prompt_len)]
+    command += ["-ntg", str(args.output_len), "-npl", ",".join(map(str, batches))]
+    # -v: its info lines (KV buffers, load time) are not printed at the default verbosity.
+    command += ["-t", str(args.threads), "-v"]
+    child = run_guarded(command, dict(os.environ), _limit(args), log)
+    row: dict[str, Any] = {"engine": "llama.cpp", "bin": bin_dir}
+    if failure := child.failure(_limit(args)):
+        return {**row, "status": failure}
+    table = parse_batched_bench(child.stdout)
+    stderr = log.read_text(errors="replace")
+    load = re.search(r"load time =\s+([\d.]+) ms", stderr)
+    load_s = float(load[1]) / 1e3 if load else None
+    kv = [float(m) for m in re.findall(r"KV buffer size =\s+([\d.]+) MiB", stderr)]
+    return {
+        **row,
+        "status": "ok",
+        "load_s": load_s,
+        "peak_rss": child.peak_rss,
+        "held_rss": child.rss_after(load_s) if load_s is not None else None,
+        "kv_pool": sum(kv) * MIB if kv else None,
+        "decode": {b: table[b]["S_TG t/s"] for b in batches if b in table},
+        "prompt": {b: table[b]["S_PP t/s"] for b in batches if b in table},
+    }
+
+
+# ---- files --------------------------------------------------------------------------------
+
+
+def _limit(args: argparse.Namespace) -> int:
+    return int(args.memory_limit_gib * GIB)
+
+
+def prepare_files(
+    preset: str, args: argparse.Namespace, quantize_bin: str | None, logs: Path
+) -> tuple[dict[str, Path], dict[str, Any]]:
+    """The preset's quantized files, made if missing (F16 first, then llama-quantize), and
+    what making them cost."""
+    work = Path(args.workdir).expanduser()
+    stem = preset if args.seed == 0 else f"{preset}-seed{args.seed}"
+    f16 = work / f"{stem}.F16.gguf"
+    wanted = {t: work / f"{stem}.{t}.gguf" for t in args.types.split(",")}
+    made: dict[str, Any] = {}
+    missing = [t for t, p in wanted.items() if not p.exists() and t != "F16"]
+    if (missing or "F16" in wanted) and not f16.exists():
+        child = run_guarded(
+            _python_child("write", preset, str(f16), "--seed", str(args.seed)),
+            dict(os.environ),
+            _limit(args),
+            logs / f"{stem}.write.log",
+        )
+        if failure := child.failure(_limit(args)):
+            print(f"{preset}: writing the F16 file {failure}", flush=True)
+            return {}, {"write": failure}
+        written = _json_line(child.stdout)
+        made["write"] = {**written, "peak_rss": child.peak_rss}
+        print(
+            f"{preset}: wrote {f16.name} ({written['bytes'] / GIB:.2f} GiB) in "
+            f"{written['seconds']:.0f} s, writer peak RSS {child.peak_rss / GIB:.2f} GiB",
+            flush=True,
+        )
+    for qtype in missing:
+        if quantize_bin is None:
+            print(f"{preset} {qtype}: no llama-quantize: build llama.cpp with {how_to_build(None)}")
+            made[qtype] = "no llama-quantize"
+            continue
+        out = wanted[qtype]
+        partial = out.with_name(out.name + ".partial")  # a file at `out` is always whole
+        command = [f"{quantize_bin}/llama-quantize", str(f16), str(partial), qtype]
+        child = run_guarded(
+            command + [str(args.threads)],
+            dict(os.environ),
+            _limit(args),
+            logs / f"{stem}.quantize-{qtype}.log",
+        )
+        if failure := child.failure(_limit(args)):
+            print(f"{preset} {qtype}: llama-quantize {failure}", flush=True)
+            partial.unlink(missing_ok=True)
+            made[qtype] = failure
+            continue
+        partial.rename(out)
+        made[qtype] = {"seconds": child.seconds, "bytes": out.stat().st_size, "peak_rss": child.peak_rss}
+        print(
+            f"{preset}: quantized to {out.name} ({out.stat().st_size / GIB:.2f} GiB) in "
+            f"{child.seconds:.0f} s, llama-quantize peak RSS {child.peak_rss / GIB:.2f} GiB",
+            flush=True,
+        )
+    have = {t: p for t, p in wanted.items() if p.exists()}
+    if f16.exists() and not args.keep_f16 and "F16" not in wanted and len(have) == len(wanted):
+        f16.unlink()  # disk: an 8B's F16 is 14 GB, and the quantized files are what runs
+    return have, made
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+
+def _size(nbytes: float | None) -> str:
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.0f} MiB"
+
+
+def print_table(
+    title: str, rows: list[dict[str, Any]], batches: list[int], bandwidth: float | None
+) -> None:
+    print(f"\n== {title} ==")
+    columns = ["engine", "load s", "peak RSS", "held RSS", "KV pool"]
+    columns += [f"dec B{b}" for b in batches] + [f"pp B{b}" for b in batches]
+    with_share = 1 in batches and bandwidth
+    if with_share:
+        columns.append("B1 bw share")
+    print("  ".join(f"{c:>10s}" if i else f"{c:10s}" for i, c in enumerate(columns)))
+    for row in rows:
+        if row["status"] != "ok":
+            print(f"{row['engine']:10s}  {row['status']}")
+            continue
+        load = row.get("load_s")
+        cells = [
+            f"{load:.1f}" if load is not None else "-",
+            _size(row.get("peak_rss")),
+            _size(row.get("held_rss")),
+            _size(row.get("kv_pool")),
+        ]
+        cells += [f"{row['decode'][b]:.1f}" if b in row["decode"] else "-" for b in batches]
+        cells += [f"{row['prompt'][b]:.0f}" if b in row["prompt"] else "-" for b in batches]
+        if with_share:
+            share = row.get("b1_bandwidth_share")
+            cells.append(f"{100 * share:.0f}%" if share is not None else "-")
+        print(f"{row['engine']:10s}  " + "  ".join(f"{c:>10s}" for c in cells), flush=True)
+
+
+def main() -> None:
+    from iterserve.bench.shaped_gguf import PRESETS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama-1b,llama-3b,llama-8b", help=f"of {', '.join(PRESETS)}")
+    parser.add_argument("--types", default="Q4_K_M", help="llama-quantize types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ4_XS, ... (F16: the unquantized file)")
+    parser.add_argument("--engines", default="iterserve,llama.cpp")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="for both engines and the bandwidth")
+    parser.add_argument("--seed", type=int, default=0, help="of the random weights")
+    parser.add_argument("--workdir", default="~/.cache/iterserve-bench/big_models")
+    parser.add_argument("--keep-f16", action="store_true", help="keep the F16 files (14 GB for an 8B)")
+    parser.add_argument("--memory-limit-gib", type=float, default=21.0, help="a child past it is killed")
+    parser.add_argument("--isa", choices=("avx2",), default=None, help="the AVX2 kernels of both engines")
+    parser.add_argument("--llama-cpp", default=None, help="llama.cpp's bin directory (default: llama_cpp.sh's, if built)")
+    parser.add_argument("--prepare-only", action="store_true", help="make the files, run nothing")
+    parser.add_argument("--json", default="bench_results/big_models.json")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # a child process's job
+    args = parser.parse_args()  # fmt: skip
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        job, *rest = args.child
+        if job == "warm-up":
+            result = child_warm_up(args.threads)
+        elif job == "write":
+            result = child_write(rest[0], rest[1], args.seed)
+        else:
+            result = child_iterserve(rest[0], batches, args.prompt_len, args.output_len, args.threads)  # fmt: skip
+        print(json.dumps(result))
+        return
+
+    models = args.models.split(",")
+    if unknown := [m for m in models if m not in PRESETS]:
+        parser.error(f"unknown models {unknown}; presets: {', '.join(PRESETS)}")
+    engines = args.engines.split(",")
+    work = Path(args.workdir).expanduser()
+    logs = work / "logs"
+    work.mkdir(parents=True, exist_ok=True)
+    iterserve_env = {**os.environ, **(_AVX2_ENV if args.isa == "avx2" else {})}
+
+    bench_bin = args.llama_cpp or llama_cpp_bin(args.isa)
+    quantize_bin = bench_bin or llama_cpp_bin(None) or llama_cpp_bin("avx2")
+    peer = f"not run (--engines {args.engines})"
+    if "llama.cpp" in engines:
+        peer = bench_bin or (
+            f"{'the AVX2 build ' if args.isa else ''}is not built: make it with "
+            f"{how_to_build(args.isa)}; skipping llama.cpp"
+        )
+        if bench_bin is None:
+            engines.remove("llama.cpp")
+
+    results: dict[str, Any] = {"args": vars(args), "llama_cpp": peer, "files": {}, "runs": []}
+    bandwidth = None
+    if not args.prepare_only:
+        warm_env = {**os.environ, **({"ITERSERVE_ISA": "avx2"} if args.isa else {})}
+        child = run_guarded(
+            _python_child("warm-up", "--threads", str(args.threads)),
+            warm_env,
+            _limit(args),
+            logs / "warm-up.log",
+        )
+        if failure := child.failure(_limit(args)):
+            sys.exit(f"the warm-up process {failure}")
+        warm = _json_line(child.stdout)
+        bandwidth = warm["bandwidth"]
+        results.update(cpu=warm["cpu"], warm_up=warm)
+        print(warm["cpu"], flush=True)
+        how = "built now" if warm["kernels_built_now"] else "cached"
+        print(f"kernels: {warm['kernels_isa'] or 'off'}, ready in {warm['kernels_seconds']:.1f} s ({how})")  # fmt: skip
+        print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s ({warm['bandwidth_method']}, best of 10)")  # fmt: skip
+        print(f"llama.cpp: {peer}", flush=True)
+
+    from iterserve.bench.bandwidth import decode_bytes_per_token
+
+    for preset in models:
+        files, made = prepare_files(preset, args, quantize_bin, logs)
+        results["files"][preset] = {"made": made, "files": {t: str(p) for t, p in files.items()}}
+        if args.prepare_only or not engines:
+            continue
+        for qtype, path in files.items():
+            per_token = decode_bytes_per_token(path)
+            rows: list[dict[str, Any]] = []
+            for engine in engines:
+                log = logs / f"{path.stem}.{engine}.log"
+                if engine == "iterserve":
+                    command = _python_child("iterserve", str(path), "--batches", args.batches)
+                    command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]  # fmt: skip
+                    command += ["--threads", str(args.threads)]
+                    child = run_guarded(command, iterserve_env, _limit(args), log)
+                    failure = child.failure(_limit(args))
+                    row = {"engine": "iterserve", "status": failure or "ok"}
+                    if not failure:
+                        row.update(_json_line(child.stdout))
+                        row["decode"] = {int(b): v for b, v in row["decode"].items()}
+                        row["prompt"] = {int(b): v for b, v in row["prompt"].items()}
+                elif engine == "llama.cpp":
+                    assert bench_bin is not None
+                    row = run_llama_cpp(bench_bin, path, args, batches, log)
+                else:
+                    row = {"engine": engine, "status": "unknown engine (iterserve, llama.cpp)"}
+                if row["status"] == "ok" and 1 in row["decode"] and bandwidth:
+                    row["b1_bandwidth_share"] = row["decode"][1] * per_token / bandwidth
+                rows.append(row)
+                results["runs"].append(
+                    {"model": preset, "type": qtype, "file_bytes": path.stat().st_size,
+                     "decode_bytes_per_token": per_token, **row}  # fmt: skip
+                )
+            title = (
+                f"{preset} {qtype}: {_size(path.stat().st_size)} file, {_size(per_token)} read "
+                f"a decode step"
+            )
+            print_table(title, rows, batches, bandwidth)
+    if not args.prepare_only:
+        print(
+            "\npeak RSS: iterserve's at the end of its load (VmHWM), llama.cpp's over its run; "
+            "held: iterserve's after its load, llama.cpp's median after its load. dec/pp: decode and "
+            "prompt tok/s at each batch; B1 bw share: batch-1 decode tok/s x bytes a step reads "
+            "/ the read bandwidth."
+        )
+    write_results(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Real-size GGUF files with random weights: the bodies of the models people run on CPUs
+(Llama 3.x, Qwen3, Mistral, Gemma 3), to time loading and decoding at their true sizes
+without downloading them.
+
+Each preset has its model's published shape (hidden size, layers, heads, context, rope),
+and every file the bundled model's tokenizer (its 49,152-token vocabulary and chat
+template) with the embedding tied to the head (no output.weight): a vocabulary of 49,152
+rows instead of the real 128-262k makes the files a little smaller than the real ones, and
+the decoder layers, which are most of a step's bytes, are the real ones. Weights are random
+normal (std 0.02, seeded), norms 1. `write_shaped_gguf` writes F16 with gguf's writer
+tensor by tensor (every tensor's info first, then each tensor's bytes as it is made), so
+its peak memory is one tensor, never the model; llama.cpp's `llama-quantize` makes the
+quantized types from it (benchmarks/big_models.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFWriter, LlamaFileType, RopeScalingType
+
+from iterserve.model.bundled import default_model_path
+
+WEIGHT_STD = 0.02
+# Elements drawn at a time: the float32 draws are a fixed 16 MiB beside the tensor.
+_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's body as its published config gives it (HF names in the comments)."""
+
+    arch: str  # the GGUF architecture (general.architecture)
+    source: str  # the model whose config these numbers are
+    hidden: int  # hidden_size
+    intermediate: int  # intermediate_size
+    layers: int  # num_hidden_layers
+    heads: int  # num_attention_heads
+    kv_heads: int  # num_key_value_heads
+    head_dim: int  # head_dim
+    rope_theta: float  # rope_theta
+    context: int  # max_position_embeddings
+    rms_eps: float  # rms_norm_eps
+    # Llama 3.x's rope_scaling (rope_type "llama3"): factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings; llama.cpp's converter turns it
+    # into a rope_freqs tensor.
+    llama3_rope: tuple[float, float, float, int] | None = None
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMS norms over each head's q and k
+    # Gemma 3: sliding-window layers (five in six), their own rope base, and a linear rope
+    # scaling of the global layers.
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    rope_linear_factor: float | None = None
+
+
+# The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
+# text_config). Vocabulary and head are not the real ones: every preset has the bundled
+# 49,152-token tokenizer and a tied head.
+# fmt: off
+PRESETS: dict[str, Shape] = {
+    #                    arch      source                 hidden  inter layers heads kv  hd  rope theta context  rms eps
+    "tiny":       Shape("llama",  "a few MB, for tests",      64,   128,   2,   4,   2,  16,  10000.0,   2048, 1e-5),
+    "llama-1b":   Shape("llama",  "Llama-3.2-1B",           2048,  8192,  16,  32,   8,  64, 500000.0, 131072, 1e-5,
+                        llama3_rope=(32.0, 1.0, 4.0, 8192)),
+    "llama-3b":   Shape("llama",  "Llama-3.2-3B",           3072,  8192,  28,  24,   8, 128, 500000.0, 131072, 1e-5,
+                        llama3_rope=(32.0, 1.0, 4.0, 8192)),
+    "llama-8b":   Shape("llama",  "Llama-3.1-8B",           4096, 14336,  32,  32,   8, 128, 500000.0, 131072, 1e-5,
+                        llama3_rope=(8.0, 1.0, 4.0, 8192)),
+    # llama.cpp stores Mistral as "llama"
+    "mistral-7b": Shape("llama",  "Mistral-7B-v0.3",        4096, 14336,  32,  32,   8, 128,      1e6,  32768, 1e-5),
+    "qwen3-4b":   Shape("qwen3",  "Qwen3-4B",               2560,  9728,  36,  32,   8, 128,      1e6,  40960, 1e-6,
+                        qk_norm=True),
+    "qwen3-8b":   Shape("qwen3",  "Qwen3-8B",               4096, 12288,  36,  32,   8, 128,      1e6,  40960, 1e-6,
+                        qk_norm=True),
+    "gemma3-4b":  Shape("gemma3", "gemma-3-4b-it",          2560, 10240,  34,   8,   4, 256,      1e6, 131072, 1e-6,
+                        qk_norm=True, sliding_window=1024, rope_local_theta=10000.0, rope_linear_factor=8.0),
+}
+# fmt: on
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # row-major (numpy's order; GGUF stores it reversed)
+    kind: str  # "weight" (random, F16), "norm" (ones, F32) or "rope_freqs" (F32)
+
+    @property
+    def dtype(self) -> type[np.floating[Any]]:
+        return np.float16 if self.kind == "weight" else np.float32
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
+    """The tensors of a file of this shape, in llama.cpp's converter's names and order."""
+    h, hd = shape.hidden, shape.head_dim
+    specs = [TensorSpec("token_embd.weight", (vocab, h), "weight")]
+    if shape.llama3_rope:
+        specs.append(TensorSpec("rope_freqs.weight", (hd // 2,), "rope_freqs"))
+    gemma = shape.arch.startswith("gemma")
+    for i in range(shape.layers):
+        blk = f"blk.{i}"
+        specs.append(TensorSpec(f"{blk}.attn_norm.weight", (h,), "norm"))
+        specs.append(TensorSpec(f"{blk}.attn_q.weight", (shape.heads * hd, h), "weight"))
+        specs.append(TensorSpec(f"{blk}.attn_k.weight", (shape.kv_heads * hd, h), "weight"))
+        specs.append(TensorSpec(f"{blk}.attn_v.weight", (shape.kv_heads * hd, h), "weight"))
+        if shape.qk_norm:
+            specs.append(TensorSpec(f"{blk}.attn_q_norm.weight", (hd,), "norm"))
+            specs.append(TensorSpec(f"{blk}.attn_k_norm.weight", (hd,), "norm"))
+        specs.append(TensorSpec(f"{blk}.attn_output.weight", (h, shape.heads * hd), "weight"))
+        if gemma:  # Gemma's sandwich norms around attention and the MLP
+            specs.append(TensorSpec(f"{blk}.post_attention_norm.weight", (h,), "norm"))
+        specs.append(TensorSpec(f"{blk}.ffn_norm.weight", (h,), "norm"))
+        specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (shape.intermediate, h), "weight"))
+        specs.append(TensorSpec(f"{blk}.ffn_up.weight", (shape.intermediate, h), "weight"))
+        specs.append(TensorSpec(f"{blk}.ffn_down.weight", (h, shape.intermediate), "weight"))
+        if gemma:
+            specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
+    specs.append(TensorSpec("output_norm.weight", (h,), "norm"))
+    return specs
+
+
+def llama3_rope_freqs(shape: Shape) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter computes from Llama 3's rope_scaling
+    (convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors)."""
+    assert shape.llama3_rope is not None
+    factor, low_freq_factor, high_freq_factor, old_context = shape.llama3_rope
+    dim = shape.head_dim
+    freqs = 1.0 / (shape.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def tokenizer_metadata(source: Path | None = None) -> dict[str, Any]:
+    """The `tokenizer.*` keys (vocabulary, merges, special ids, chat template) of a GGUF,
+    by default the bundled model's."""
+    from iterserve.model.gguf_loader import read_gguf_header
+
+    metadata, _ = read_gguf_header(source or default_model_path())
+    return {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
+
+
+def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
+    """One key with the type llama.cpp reads it as (read_gguf_header returns plain values)."""
+    if isinstance(value, bool):  # before int: a bool is an int
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)  # token ids
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:  # token strings and merges, token types (int32, as llama.cpp's converter writes)
+        writer.add_array(key, value)
+
+
+def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
+    """The hyperparameter keys llama.cpp and iterserve read for the architecture."""
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    writer.add_vocab_size(vocab)
+    if shape.sliding_window is not None:
+        writer.add_sliding_window(shape.sliding_window)
+    if shape.rope_local_theta is not None:
+        writer.add_rope_freq_base_swa(shape.rope_local_theta)
+    if shape.rope_linear_factor is not None:
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(shape.rope_linear_factor)
+
+
+def _random_weight(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    """N(0, WEIGHT_STD) in F16, drawn in float32 a chunk at a time, so that beside the
+    tensor itself only one chunk of draws is held."""
+    out = np.empty(spec.shape, dtype=np.float16)
+    flat = out.reshape(-1)
+    draws = np.empty(min(_CHUNK, flat.size), dtype=np.float32)
+    for start in range(0, flat.size, _CHUNK):
+        part = draws[: min(_CHUNK, flat.size - start)]
+        rng.standard_normal(out=part, dtype=np.float32)
+        np.multiply(part, WEIGHT_STD, out=flat[start : start + part.size], casting="same_kind")
+    return out
+
+
+def tensor_data(spec: TensorSpec, shape: Shape, seed: int, index: int) -> np.ndarray:
+    """One tensor's values. Each weight has its own stream, seeded by (seed, its index), so a
+    file is the same whatever order its tensors are made in.
+
+    Llama's HF-to-GGUF converter permutes the q/k rows for llama.cpp's rope layout (and
+    iterserve's loader undoes it); on random weights a permutation of rows is as random as
+    the rows were, so nothing is permuted here."""
+    if spec.kind == "norm":
+        return np.ones(spec.shape, dtype=np.float32)
+    if spec.kind == "rope_freqs":
+        return llama3_rope_freqs(shape)
+    return _random_weight(spec, np.random.default_rng([seed, index]))
+
+
+def write_shaped_gguf(
+    path: Path,
+    preset: str | Shape,
+    seed: int = 0,
+    tokenizer: dict[str, Any] | None = None,
+) -> Path:
+    """Write an F16 GGUF of `preset`'s shape with random weights to `path`.
+
+    Tensor by tensor: every tensor's info is declared first, then each tensor's data is made
+    and written, so at most one tensor (plus a 16 MiB chunk of draws) is in memory. Written to
+    `path` + ".partial" and renamed at the end, so a file at `path` is always whole.
+    `tokenizer`: the `tokenizer.*` keys (default: the bundled model's)."""
+    shape = PRESETS[preset] if isinstance(preset, str) else preset
+    name = preset if isinstance(preset, str) else shape.source
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_metadata()
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    specs = tensor_specs(shape, vocab)
+
+    partial = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(partial, shape.arch)
+    writer.add_name(f"{name} (random weights, shape of {shape.source})")
+    writer.add_type("model")
+    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    add_shape_metadata(writer, shape, vocab)
+    for key, value in tokenizer.items():
+        _add_value(writer, key, value)
+    for spec in specs:
+        writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    try:
+        for index, spec in enumerate(specs):
+            data = tensor_data(spec, shape, seed, index)
+            writer.write_tensor_data(data)
+            del data  # the next tensor is made only once this one is gone
+    finally:
+        writer.close()
+    os.replace(partial, path)
+    return path
+

@@ -1,0 +1,67 @@
+"""The shaped-GGUF writer benchmarks/big_models.py makes its real-size files with
+(iterserve.bench.shaped_gguf): its tiny preset must be a file iterserve's loader reads with
+the preset's shape and the bundled tokenizer, written one tensor at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from iterserve.bench.bandwidth import decode_bytes_per_token
+from iterserve.bench.shaped_gguf import PRESETS, WEIGHT_STD, tensor_specs, write_shaped_gguf
+from iterserve.bench.tokenizer import load_tokenizer
+from iterserve.model.gguf_loader import load_gguf, read_gguf_header
+
+
+def test_the_tiny_preset_loads_with_its_shape_and_the_bundled_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written: list[int] = []
+    write_tensor_data = GGUFWriter.write_tensor_data
+
+    def spy(self: GGUFWriter, tensor: np.ndarray, *args: Any, **kwargs: Any) -> None:
+        written.append(tensor.nbytes)
+        write_tensor_data(self, tensor, *args, **kwargs)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("add_tensor keeps every tensor until the end: the whole model")
+
+    monkeypatch.setattr(GGUFWriter, "write_tensor_data", spy)
+    monkeypatch.setattr(GGUFWriter, "add_tensor", refuse)
+    path = write_shaped_gguf(tmp_path / "tiny.F16.gguf", "tiny", seed=0)
+
+    shape = PRESETS["tiny"]
+    specs = tensor_specs(shape, 49152)
+    metadata, tensors = read_gguf_header(path)
+    # Written tensor by tensor, each as it was made.
+    assert written == [spec.nbytes for spec in specs]
+    assert list(tensors) == [spec.name for spec in specs]
+    assert "output.weight" not in tensors  # tied
+    assert tensors["token_embd.weight"].qtype == GGMLQuantizationType.F16
+    assert tensors["blk.0.attn_norm.weight"].qtype == GGMLQuantizationType.F32
+    assert metadata["general.file_type"] == 1  # llama.cpp's MOSTLY_F16
+    assert decode_bytes_per_token(path) == sum(spec.nbytes for spec in specs)
+
+    loaded = load_gguf(path, torch.float32)
+    config = loaded.config
+    assert config.architecture == "llama"
+    assert (config.hidden_size, config.intermediate_size) == (shape.hidden, shape.intermediate)
+    assert config.num_hidden_layers == shape.layers
+    assert (config.num_attention_heads, config.num_key_value_heads) == (shape.heads, shape.kv_heads)
+    assert config.head_dim == shape.head_dim
+    assert config.max_position_embeddings == shape.context
+    assert config.vocab_size == 49152
+    assert config.tie_word_embeddings
+    up = loaded.weights["model.layers.0.mlp.up_proj.weight"]
+    assert abs(up.std().item() - WEIGHT_STD) < 0.002
+    assert torch.equal(loaded.weights["model.norm.weight"], torch.ones(shape.hidden))
+
+    bundled = load_tokenizer(None)
+    text = "Hello, world! <|im_start|>user\nWhat is 2 + 2?<|im_end|>"
+    assert loaded.tokenizer.encode(text) == bundled.encode(text)
+    assert loaded.chat_template == bundled.chat_template
