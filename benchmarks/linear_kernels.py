@@ -8,7 +8,8 @@ of a 1B are ~140 MB in Q4_K against a 36 MB L3 here), and prints:
 
   ms        a pass over all the layers' projections
   GB/s      weight bytes read / time: at few rows what the step answers to
-  share     GB/s against the machine's read bandwidth with the same threads (measured first)
+  share     GB/s against the machine's read bandwidth with the same threads (measured first,
+            iterserve.bench.bandwidth)
   GOP/s     2 M N K / time: at many rows what the step answers to
 
 Weights are random blocks (the kernels' speed does not depend on the values). Medians of
@@ -29,6 +30,7 @@ import torch
 from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from _timing import interleaved, one_round  # type: ignore[import-not-found]
 from iterserve import kernels
+from iterserve.bench.bandwidth import read_bandwidth
 from iterserve.bench.machine import cpu_line
 from iterserve.model import block_formats as bf
 
@@ -50,14 +52,6 @@ def random_tiles(fmt: str, n: int, k: int, rng: np.random.Generator) -> tuple[to
     raw = rng.integers(0, 256, (n, block.row_bytes(k)), dtype=np.uint8)
     # The fp16 fields' bits are random too: the kernels' speed does not look at them.
     return bf.repack(kernels.ops(), raw, block, k), block.code
-
-
-def read_bandwidth(threads: int) -> float:
-    """Bytes/s of the best of a few sums over 1 GiB with `threads` threads (torch)."""
-    torch.set_num_threads(threads)
-    buffer = torch.ones(2**28, dtype=torch.int32)
-    seconds = min(interleaved({"sum": lambda: buffer.sum()}, 1)["sum"] for _ in range(5))
-    return buffer.numel() * 4 / seconds
 
 
 def main() -> None:

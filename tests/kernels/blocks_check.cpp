@@ -43,7 +43,7 @@ std::vector<float> products(const Segment& seg, const at::BFloat16* x, int64_t M
   for (int64_t m = 0; m < M; ++m)
     quantize_row(x + m * K, K, q.data() + m * K, scale.data() + m * K / kBlock,
                  sum32.data() + m * K / kBlock, sum16.data() + m * K / 16);
-  Rows rows{K, nullptr, 0, nullptr, 0, q.data(), scale.data(), sum32.data(), sum16.data()};
+  const Rows rows{K, nullptr, 0, nullptr, 0, q.data(), scale.data(), sum32.data(), sum16.data()};
   const int64_t N = seg.tiles * kTile;
   std::vector<float> out(M * N);
   Epilogue ep{nullptr, out.data(), N, nullptr, nullptr, 0};

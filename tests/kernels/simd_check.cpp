@@ -156,10 +156,7 @@ int main() {
     int8_t xq[8];
     for (int t = 0; t < 8; ++t)
       xq[t] = static_cast<int8_t>(round % 2 ? (t % 2 ? 127 : -127) : rng() % 255 - 127);
-    int32_t sx_lo, sx_hi;
-    std::memcpy(&sx_lo, xq, 4);
-    std::memcpy(&sx_hi, xq + 4, 4);
-    dot_s8(I16::splat(7), I16::load(signed_lo), I16::load(signed_hi), sx_lo, sx_hi).store(lanes);
+    dot_s8(I16::splat(7), I16::load(signed_lo), I16::load(signed_hi), xq).store(lanes);
     for (int j = 0; j < kLanes; ++j) {
       // What the kernels fold: sum (w + kSignedBias) x, the bias taken away by the caller.
       int32_t want = 7;
@@ -188,10 +185,7 @@ int main() {
     int8_t xs6[8];
     for (int t = 0; t < 8; ++t)
       xs6[t] = static_cast<int8_t>(round % 2 ? (round % 4 == 1 ? 127 : -127) : rng() % 255 - 127);
-    int32_t x_lo, x_hi;
-    std::memcpy(&x_lo, xs6, 4);
-    std::memcpy(&x_hi, xs6 + 4, 4);
-    dot_u8(I16::splat(-5), I16::load(wide_lo), I16::load(wide_hi), x_lo, x_hi).store(lanes);
+    dot_u8(I16::splat(-5), I16::load(wide_lo), I16::load(wide_hi), xs6).store(lanes);
     for (int j = 0; j < kLanes; ++j) {
       int32_t want = -5;
       for (int t = 0; t < 4; ++t)

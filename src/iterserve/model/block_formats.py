@@ -57,11 +57,11 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q8_0", 14, 32, 34, 544),
         BlockFormat("IQ4_NL", 15, 32, 18, 288),
         BlockFormat("Q2_K", 20, 256, 84, 1344),
-        BlockFormat("Q3_K", 21, 256, 110, 1824),
+        BlockFormat("Q3_K", 21, 256, 110, 1856),
         BlockFormat("Q4_K", 22, 256, 144, 2368),
         BlockFormat("Q5_K", 23, 256, 176, 2880),
-        BlockFormat("Q6_K", 24, 256, 210, 3360),
-        BlockFormat("IQ4_XS", 25, 256, 136, 2208),
+        BlockFormat("Q6_K", 24, 256, 210, 3392),
+        BlockFormat("IQ4_XS", 25, 256, 136, 2240),
     )
 }
 FORMAT_NAMES = {f.code: f.name for f in BLOCK_FORMATS.values()} | {BF16: "bf16", F16: "f16"}

@@ -28,7 +28,8 @@
 //
 // so that a shift and a mask (one ternary-logic op on AVX-512) put a value's high bits over its
 // low ones. Scales are fp16 and byte vectors of 16 lanes. Every format's bytes a weight are
-// the file's, but for 6-bit scales kept as bytes (Q3_K, Q4_K, Q5_K, IQ4_XS: 1.5-4% more).
+// the file's, but where 6-bit scales are kept as bytes and headers padded to 64 bytes (Q4_K,
+// Q5_K: +2.3-2.8%; Q6_K +1%, IQ4_XS +2.9%, Q3_K +5.5%).
 //
 // Signed values (Q8_0's bytes, the IQ4 tables') are stored + kSignedBias (128 with VNNI, see
 // simd.h), whose correction joins the offset: o = kSignedBias a.
@@ -101,11 +102,21 @@ ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
 }
 
 // ---- the formats ---------------------------------------------------------------------------
+
+// Rows of a step from which a format's tiles are decoded once into a panel for all the rows
+// (tiles.h) rather than in registers once every 4 rows: where values are assembled from
+// several planes (5-6 bits, Q3_K) or scaled per 16 inputs (Q2_K), decoding costs more than the
+// panel's stores from 9 rows on; nibbles, bytes and table lookups never pay for a panel
+// (a standalone timing of tiles.h, 1B layers, 2026-11-28, avx512vnni: Q4_K 16 rows 22.5 ms in
+// registers against 25.9 through a panel, Q8_0 26.1 / 28.6, IQ4_NL 21.7 / 24.7; Q6_K 36.4 /
+// 30.9, Q5_K 27.5 / 26.4 and 52.5 / 45.6 at 32 rows).
+constexpr int64_t kNoPanel = 1 << 30;
+constexpr int64_t kPlanesPanelFrom = 9;
 //
 // Each is a struct of statics:
 //   kFormat, kInputs (a unit's inputs), kBytes (a unit's bytes), kHalves (1: a scale and offset
 //   per block of 32, 2: per 16 inputs), kSigned (values are signed bytes: dot_s8),
-//   kOffset (o can be non-zero);
+//   kOffset (o can be non-zero), kPanelFrom (see above);
 //   template <int C> Quads chunk(p, b): block b's chunk C;
 //   void scales(p, b, a, o): block b's a[kHalves], o[kHalves].
 
@@ -115,6 +126,7 @@ struct Q4_0 {
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kD = 256, kBytes = kD + 32;
   static constexpr bool kSigned = false, kOffset = true;
+  static constexpr int64_t kPanelFrom = kNoPanel;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return nibbles(p + 64 * C); }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
@@ -139,6 +151,7 @@ struct Q5_0 {
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kBits = 256, kD = kBits + 64, kBytes = kD + 32;
   static constexpr bool kSigned = false, kOffset = true;
+  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
     const Quads low = nibbles(p + 64 * C);
@@ -167,6 +180,7 @@ struct Q8_0 {
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kD = 512, kBytes = kD + 32;
   static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
+  static constexpr int64_t kPanelFrom = kNoPanel;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
     return {I16::load(p + 128 * C), I16::load(p + 128 * C + 64)};
@@ -215,58 +229,68 @@ struct IQ4_NL : Q8_0 {
 // again for every block: GCC 12 at -O3 lost a block loop's stores when the two were held in
 // registers across it (AVX2, decode_panel<Q5_K>; reproduced outside the kernels), and the
 // reload is two conversions a block.
+//
+// A K-quant unit is a header of its scales (a multiple of 64 bytes, padded where needed),
+// then each block's planes one after the other: a tile is read as one ascending stream. With
+// the scales after the values, each unit was read in two places at once and one decode step
+// of Q4_K streamed at 59% of the memory's speed against 91% for Q4_0, whose scales follow
+// their own block (benchmarks/linear_kernels.py, 2026-11-28, avx512vnni).
 ITERSERVE_INLINE F16 half_lanes(const uint8_t* p) {
   return load_f16x16(reinterpret_cast<const c10::Half*>(p));
 }
 
 // w = d sc q - dmin mn, q 4 bits, sc and mn 6 bits a block.
-//                             [nibbles 8 x 256 | sc 8 x 16 | mn 8 x 16 | d 32 | dmin 32]
+//                [sc 8 x 16 | mn 8 x 16 | d 32 | dmin 32] then 8 x [nibbles 256]
 struct Q4_K {
   static constexpr Format kFormat = Format::kQ4_K;
   static constexpr int kInputs = 256, kHalves = 1;
-  static constexpr int64_t kSc = 2048, kMn = kSc + 128, kD = kMn + 128, kBytes = kD + 64;
+  static constexpr int64_t kMn = 128, kD = 256, kData = 320, kBlockBytes = 256;
+  static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
+  static constexpr int64_t kPanelFrom = kNoPanel;
   template <int C>
-  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) { return nibbles(p + 256 * b + 64 * C); }
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
+    return nibbles(p + kData + kBlockBytes * b + 64 * C);
+  }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
-    a[0] = half_lanes(p + kD) * load_u8x16(p + kSc + 16 * b);
+    a[0] = half_lanes(p + kD) * load_u8x16(p + 16 * b);
     o[0] = half_lanes(p + kD + 32) * load_u8x16(p + kMn + 16 * b);
   }
 };
 
-// Q4_K with a fifth bit.   [nibbles 8 x 256 | bits 8 x 64 | sc 8 x 16 | mn 8 x 16 | d | dmin]
+// Q4_K with a fifth bit.   [sc 8 x 16 | mn 8 x 16 | d | dmin] then 8 x [nibbles 256 | bits 64]
 struct Q5_K : Q4_K {
   static constexpr Format kFormat = Format::kQ5_K;
-  static constexpr int64_t kBits = 2048, kSc = kBits + 512, kMn = kSc + 128, kD = kMn + 128,
-                           kBytes = kD + 64;
+  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
+  static constexpr int64_t kBlockBytes = 320, kBytes = kData + 8 * kBlockBytes;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
-    const Quads low = nibbles(p + 256 * b + 64 * C);
-    const I16 bits = I16::load(p + kBits + 64 * b);
+    const uint8_t* block = p + kData + kBlockBytes * b;
+    const Quads low = nibbles(block + 64 * C);
+    const I16 bits = I16::load(block + 256);
     return {with_bit<2 * C, 4>(bits, low.lo), with_bit<2 * C + 1, 4>(bits, low.hi)};
-  }
-  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
-    a[0] = half_lanes(p + kD) * load_u8x16(p + kSc + 16 * b);
-    o[0] = half_lanes(p + kD + 32) * load_u8x16(p + kMn + 16 * b);
   }
 };
 
 // w = d sc (q - 32), q 6 bits, sc signed 8 bits per 16 inputs.
-//                                   [nibbles 8 x 256 | crumbs 8 x 128 | sc 16 x 16 | d 32]
+//                    [sc 16 x 16 | d 32 | 32 unused] then 8 x [nibbles 256 | crumbs 128]
 struct Q6_K {
   static constexpr Format kFormat = Format::kQ6_K;
   static constexpr int kInputs = 256, kHalves = 2;
-  static constexpr int64_t kHigh = 2048, kSc = kHigh + 1024, kD = kSc + 256, kBytes = kD + 32;
+  static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 384;
+  static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
+  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
-    const Quads low = nibbles(p + 256 * b + 64 * C);
-    const I16 high = I16::load(p + kHigh + 128 * b + 64 * (C / 2));
+    const uint8_t* block = p + kData + kBlockBytes * b;
+    const Quads low = nibbles(block + 64 * C);
+    const I16 high = I16::load(block + 256 + 64 * (C / 2));
     constexpr int F = 2 * (C % 2);
     return {with_crumb<F, 4>(high, low.lo), with_crumb<F + 1, 4>(high, low.hi)};
   }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
-    const auto* sc = reinterpret_cast<const int8_t*>(p + kSc + 32 * b);
+    const auto* sc = reinterpret_cast<const int8_t*>(p + 32 * b);
     for (int h = 0; h < 2; ++h) {
       a[h] = half_lanes(p + kD) * load_i8x16(sc + 16 * h);
       o[h] = a[h] * F16::splat(32.0f);
@@ -275,21 +299,23 @@ struct Q6_K {
 };
 
 // w = d sc q - dmin mn, q 2 bits, sc and mn 4 bits per 16 inputs (one byte: sc | mn << 4).
-//                                        [crumbs 8 x 128 | sc|mn 16 x 16 | d 32 | dmin 32]
+//                            [sc|mn 16 x 16 | d 32 | dmin 32] then 8 x [crumbs 128]
 struct Q2_K {
   static constexpr Format kFormat = Format::kQ2_K;
   static constexpr int kInputs = 256, kHalves = 2;
-  static constexpr int64_t kSc = 1024, kD = kSc + 256, kBytes = kD + 64;
+  static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 128;
+  static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
+  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
-    const I16 plane = I16::load(p + 128 * b + 64 * (C / 2));
+    const I16 plane = I16::load(p + kData + kBlockBytes * b + 64 * (C / 2));
     constexpr int F = 2 * (C % 2);
     return {crumb<F, 0>(plane), crumb<F + 1, 0>(plane)};
   }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
     for (int h = 0; h < 2; ++h) {
-      const F16 packed = load_u8x16(p + kSc + 32 * b + 16 * h);
+      const F16 packed = load_u8x16(p + 32 * b + 16 * h);
       const F16 mn = floor(packed * F16::splat(1.0f / 16.0f));
       a[h] = half_lanes(p + kD) * fmadd(mn, F16::splat(-16.0f), packed);
       o[h] = half_lanes(p + kD + 32) * mn;
@@ -298,22 +324,25 @@ struct Q2_K {
 };
 
 // w = d sc (q - 4), q 3 bits (2 low, 1 high), sc signed per 16 inputs.
-//                               [crumbs 8 x 128 | bits 8 x 64 | sc 16 x 16 | d 32]
+//                      [sc 16 x 16 | d 32 | 32 unused] then 8 x [crumbs 128 | bits 64]
 struct Q3_K {
   static constexpr Format kFormat = Format::kQ3_K;
   static constexpr int kInputs = 256, kHalves = 2;
-  static constexpr int64_t kBits = 1024, kSc = kBits + 512, kD = kSc + 256, kBytes = kD + 32;
+  static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 192;
+  static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
+  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
-    const I16 plane = I16::load(p + 128 * b + 64 * (C / 2));
-    const I16 bits = I16::load(p + kBits + 64 * b);
+    const uint8_t* block = p + kData + kBlockBytes * b;
+    const I16 plane = I16::load(block + 64 * (C / 2));
+    const I16 bits = I16::load(block + 128);
     constexpr int F = 2 * (C % 2);
     return {with_bit<2 * C, 2>(bits, crumb<F, 0>(plane)),
             with_bit<2 * C + 1, 2>(bits, crumb<F + 1, 0>(plane))};
   }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
-    const auto* sc = reinterpret_cast<const int8_t*>(p + kSc + 32 * b);
+    const auto* sc = reinterpret_cast<const int8_t*>(p + 32 * b);
     for (int h = 0; h < 2; ++h) {
       a[h] = half_lanes(p + kD) * load_i8x16(sc + 16 * h);
       o[h] = a[h] * F16::splat(4.0f);
@@ -322,23 +351,24 @@ struct Q3_K {
 };
 
 // w = d sc table[q], q a 4-bit index, sc signed (6 bits - 32) a block.
-//                                                 [nibbles 8 x 256 | sc 8 x 16 | d 32]
+//                                  [sc 8 x 16 | d 32 | 32 unused] then 8 x [nibbles 256]
 struct IQ4_XS {
   static constexpr Format kFormat = Format::kIQ4_XS;
   static constexpr int kInputs = 256, kHalves = 1;
-  static constexpr int64_t kSc = 2048, kD = kSc + 128, kBytes = kD + 32;
+  static constexpr int64_t kD = 128, kData = 192, kBlockBytes = 256;
+  static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
+  static constexpr int64_t kPanelFrom = kNoPanel;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
-    return iq4_values(p + 256 * b + 64 * C);
+    return iq4_values(p + kData + kBlockBytes * b + 64 * C);
   }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
-    a[0] = half_lanes(p + kD) * load_i8x16(reinterpret_cast<const int8_t*>(p + kSc + 16 * b));
+    a[0] = half_lanes(p + kD) * load_i8x16(reinterpret_cast<const int8_t*>(p + 16 * b));
     o[0] = a[0] * F16::splat(static_cast<float>(kSignedBias));
   }
 };
 
-// Calls f(Codec{}) for a block format's codec; false for the dense formats and unknown codes.
 template <typename F>
 inline bool with_codec(Format format, F&& f) {
   switch (format) {

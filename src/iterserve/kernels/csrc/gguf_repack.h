@@ -241,45 +241,53 @@ inline void pack(Format f, const Rows16& r, uint8_t* out) {
       put_halves(r, false, out + Q8_0::kD);
       break;
     case Format::kQ2_K:
-      for (int blk = 0; blk < 8; ++blk) put_crumbs(r, blk, 0, out + 128 * blk);
-      put_scale_bytes<16>(r, false, out + Q2_K::kSc);
+      put_scale_bytes<16>(r, false, out);
       put_halves(r, false, out + Q2_K::kD);
       put_halves(r, true, out + Q2_K::kD + 32);
+      for (int blk = 0; blk < 8; ++blk)
+        put_crumbs(r, blk, 0, out + Q2_K::kData + Q2_K::kBlockBytes * blk);
       break;
     case Format::kQ3_K:
-      for (int blk = 0; blk < 8; ++blk) {
-        put_crumbs(r, blk, 0, out + 128 * blk);
-        put_bits(r, blk, 2, out + Q3_K::kBits + 64 * blk);
-      }
-      put_scale_bytes<16>(r, false, out + Q3_K::kSc);
+      put_scale_bytes<16>(r, false, out);
       put_halves(r, false, out + Q3_K::kD);
+      std::memset(out + Q3_K::kD + 32, 0, Q3_K::kData - Q3_K::kD - 32);  // the header's padding
+      for (int blk = 0; blk < 8; ++blk) {
+        uint8_t* block = out + Q3_K::kData + Q3_K::kBlockBytes * blk;
+        put_crumbs(r, blk, 0, block);
+        put_bits(r, blk, 2, block + 128);
+      }
       break;
     case Format::kQ4_K:
     case Format::kQ5_K: {
       const bool five = f == Format::kQ5_K;
+      put_scale_bytes<8>(r, false, out);
+      put_scale_bytes<8>(r, true, out + Q4_K::kMn);
+      put_halves(r, false, out + Q4_K::kD);
+      put_halves(r, true, out + Q4_K::kD + 32);
+      const int64_t block_bytes = five ? Q5_K::kBlockBytes : Q4_K::kBlockBytes;
       for (int blk = 0; blk < 8; ++blk) {
-        put_nibbles(r, blk, 0, out + 256 * blk);
-        if (five) put_bits(r, blk, 4, out + Q5_K::kBits + 64 * blk);
+        uint8_t* block = out + Q4_K::kData + block_bytes * blk;
+        put_nibbles(r, blk, 0, block);
+        if (five) put_bits(r, blk, 4, block + 256);
       }
-      put_scale_bytes<8>(r, false, out + (five ? Q5_K::kSc : Q4_K::kSc));
-      put_scale_bytes<8>(r, true, out + (five ? Q5_K::kMn : Q4_K::kMn));
-      const int64_t d = five ? Q5_K::kD : Q4_K::kD;
-      put_halves(r, false, out + d);
-      put_halves(r, true, out + d + 32);
       break;
     }
     case Format::kQ6_K:
-      for (int blk = 0; blk < 8; ++blk) {
-        put_nibbles(r, blk, 0, out + 256 * blk);
-        put_crumbs(r, blk, 4, out + Q6_K::kHigh + 128 * blk);
-      }
-      put_scale_bytes<16>(r, false, out + Q6_K::kSc);
+      put_scale_bytes<16>(r, false, out);
       put_halves(r, false, out + Q6_K::kD);
+      std::memset(out + Q6_K::kD + 32, 0, Q6_K::kData - Q6_K::kD - 32);  // the header's padding
+      for (int blk = 0; blk < 8; ++blk) {
+        uint8_t* block = out + Q6_K::kData + Q6_K::kBlockBytes * blk;
+        put_nibbles(r, blk, 0, block);
+        put_crumbs(r, blk, 4, block + 256);
+      }
       break;
     case Format::kIQ4_XS:
-      for (int blk = 0; blk < 8; ++blk) put_nibbles(r, blk, 0, out + 256 * blk);
-      put_scale_bytes<8>(r, false, out + IQ4_XS::kSc);
+      put_scale_bytes<8>(r, false, out);
       put_halves(r, false, out + IQ4_XS::kD);
+      std::memset(out + IQ4_XS::kD + 32, 0, IQ4_XS::kData - IQ4_XS::kD - 32);  // padding
+      for (int blk = 0; blk < 8; ++blk)
+        put_nibbles(r, blk, 0, out + IQ4_XS::kData + IQ4_XS::kBlockBytes * blk);
       break;
     default: std::abort();  // callers check gguf_block_bytes(f) > 0 first
   }

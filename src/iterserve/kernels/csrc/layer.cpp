@@ -34,6 +34,10 @@ namespace {
 using at::BFloat16;
 using at::Tensor;
 
+// Rows a thread takes at least in the glue below: a row's norm, rope or SiLU is a few
+// microseconds, so a decode batch of 16 splits across the threads (a grain of 16 ran it on one).
+constexpr int64_t kRowGrain = 4;
+
 inline float to_float(BFloat16 v) { return static_cast<float>(v); }
 
 // transformers' LlamaRMSNorm in bf16: normalise in fp32, round, multiply by the weight, round.
@@ -42,7 +46,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   TORCH_CHECK(K % 16 == 0, "decoder_layer: hidden size ", K, " is not a multiple of 16");
   Tensor out = at::empty({M, K}, x.options());
   const BFloat16* w = weight.data_ptr<BFloat16>();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const BFloat16* row = x.data_ptr<BFloat16>() + m * x.stride(0);
       BFloat16* dst = out.data_ptr<BFloat16>() + m * K;
@@ -69,7 +73,7 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
                   const Tensor& cos, const Tensor& sin) {
   const int64_t M = qkv.size(0), half = head_dim / 2;
   TORCH_CHECK(half % 16 == 0, "decoder_layer: head_dim ", head_dim, " is not a multiple of 32");
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const BFloat16* c = cos.data_ptr<BFloat16>() + pos[m] * head_dim;
       const BFloat16* s = sin.data_ptr<BFloat16>() + pos[m] * head_dim;
@@ -95,7 +99,7 @@ Tensor silu_mul(const Tensor& gate_up) {
   TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
   Tensor out = at::empty({M, I}, gate_up.options());
   const F16 one = F16::splat(1.0f), zero = F16::zero();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const BFloat16* g = gate_up.data_ptr<BFloat16>() + m * gate_up.stride(0);
       const BFloat16* u = g + I;
@@ -139,7 +143,7 @@ void head_norm_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const Tenso
                   weight.numel() == heads * head_dim,
               "decoder_layer: qk_norm must be [", heads, ", ", head_dim, "] bf16");
   const BFloat16* w = weight.data_ptr<BFloat16>();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       BFloat16* row = qkv.data_ptr<BFloat16>() + m * qkv.stride(0);
       for (int64_t h = 0; h < heads; ++h) {

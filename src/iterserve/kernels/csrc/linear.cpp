@@ -30,21 +30,22 @@ using at::Tensor;
 struct QuantizedRows {
   Tensor q;       // [M, K] int8
   Tensor scales;  // [M, K/32] fp32
-  Tensor sum32;   // [M, K/32] fp32
-  Tensor sum16;   // [M, K/16] fp32
+  Tensor neg_sum32;  // [M, K/32] fp32
+  Tensor neg_sum16;  // [M, K/16] fp32
 
   // Every element is written below: uninitialised buffers, no fill.
   QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K)
       : q(at::empty({M, K}, at::kChar)),
         scales(at::empty({M, K / kBlock}, at::kFloat)),
-        sum32(at::empty({M, K / kBlock}, at::kFloat)),
-        sum16(at::empty({M, K / 16}, at::kFloat)) {
+        neg_sum32(at::empty({M, K / kBlock}, at::kFloat)),
+        neg_sum16(at::empty({M, K / 16}, at::kFloat)) {
     const int64_t blocks = K / kBlock;
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
         quantize_row(x + m * ld_x, K, q.data_ptr<int8_t>() + m * K,
-                     scales.data_ptr<float>() + m * blocks, sum32.data_ptr<float>() + m * blocks,
-                     sum16.data_ptr<float>() + m * 2 * blocks);
+                     scales.data_ptr<float>() + m * blocks,
+                     neg_sum32.data_ptr<float>() + m * blocks,
+                     neg_sum16.data_ptr<float>() + m * 2 * blocks);
     });
   }
 };
@@ -112,8 +113,8 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
     const QuantizedRows& q = quantized.emplace(x.data_ptr<at::BFloat16>(), x.stride(0), M, K);
     rows.xq = q.q.data_ptr<int8_t>();
     rows.scale = q.scales.data_ptr<float>();
-    rows.sum32 = q.sum32.data_ptr<float>();
-    rows.sum16 = q.sum16.data_ptr<float>();
+    rows.neg_sum32 = q.neg_sum32.data_ptr<float>();
+    rows.neg_sum16 = q.neg_sum16.data_ptr<float>();
   }
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
   const std::vector<int64_t> bounds = split_tiles(segs, M, threads);

@@ -457,7 +457,8 @@ ITERSERVE_INLINE F16 pair_dot(const F16& acc, const Pairs& w, const XPair& x) {
 
 // The block formats (blocks.h) hand the kernels each chunk of 8 inputs of 16 rows as bytes, 4 a
 // 32-bit lane: `lo` the chunk's inputs 0-3, `hi` its inputs 4-7, one lane a row. Activations
-// come quantized to int8 (-127..127), 4 to an int32 (`x_lo`, `x_hi`), broadcast to every lane.
+// come quantized to int8 (-127..127): the 8 of a chunk, read where they lie, 4 broadcast to
+// every lane against lo and 4 against hi.
 //
 // Two kinds of weight bytes:
 //   - unsigned values of at most 6 bits (0..63: Q2_K-Q6_K, Q4_x, Q5_x), zero points applied
@@ -474,21 +475,30 @@ constexpr int kSignedBias = 128;
 constexpr int kSignedBias = 0;
 #endif
 
-// Each lane of `acc` plus lo's 4 bytes times the 4 int8 of `x_lo` plus hi's times `x_hi`,
+// 4 activation bytes as one int32, read where they lie: broadcast from memory (a load-port
+// broadcast, or VNNI's embedded one), never through a general register, whose broadcast takes
+// the vector port the kernels' other work needs.
+ITERSERVE_INLINE int32_t quad_at(const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, sizeof(quad));
+  return quad;
+}
+
+// Each lane of `acc` plus lo's 4 bytes times the 4 int8 at x plus hi's times the 4 at x + 4,
 // exactly, in int32, for unsigned weight bytes of at most 63 (any byte with VNNI). Without
 // VNNI the `vpmaddubsw` pair sums reach 2 * 63 * 127 = 16002 and lo + hi 32004, under the 32767
 // it saturates at, and are widened to int32 at once (`vpmaddwd`).
-ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, int32_t x_lo,
-                            int32_t x_hi) {
+ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, const int8_t* x) {
 #if defined(ITERSERVE_VNNI)
-  const __m512i sum = _mm512_dpbusd_epi32(acc.v[0], lo.v[0], _mm512_set1_epi32(x_lo));
-  return I16{{IVec(_mm512_dpbusd_epi32(sum, hi.v[0], _mm512_set1_epi32(x_hi)))}};
+  const __m512i sum = _mm512_dpbusd_epi32(acc.v[0], lo.v[0], _mm512_set1_epi32(quad_at(x)));
+  return I16{{IVec(_mm512_dpbusd_epi32(sum, hi.v[0], _mm512_set1_epi32(quad_at(x + 4))))}};
 #elif defined(CPU_CAPABILITY_AVX512)
-  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo.v[0], _mm512_set1_epi32(x_lo)),
-                                         _mm512_maddubs_epi16(hi.v[0], _mm512_set1_epi32(x_hi)));
+  const __m512i pairs =
+      _mm512_add_epi16(_mm512_maddubs_epi16(lo.v[0], _mm512_set1_epi32(quad_at(x))),
+                       _mm512_maddubs_epi16(hi.v[0], _mm512_set1_epi32(quad_at(x + 4))));
   return I16{{IVec(_mm512_add_epi32(acc.v[0], _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))))}};
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m256i xl = _mm256_set1_epi32(x_lo), xh = _mm256_set1_epi32(x_hi);
+  const __m256i xl = _mm256_set1_epi32(quad_at(x)), xh = _mm256_set1_epi32(quad_at(x + 4));
   I16 r;
   for (int i = 0; i < 2; ++i) {
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo.v[i], xl),
@@ -498,8 +508,9 @@ ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, int32_
   return r;
 #elif defined(ITERSERVE_ARM_DOT)
   // Bytes of at most 63 read the same as signed: sdot's signed x signed products are exact.
-  const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(x_lo));
-  const int8x16_t xh = vreinterpretq_s8_s32(vdupq_n_s32(x_hi));
+  const int8x16_t xl = vreinterpretq_s8_s32(vld1q_dup_s32(reinterpret_cast<const int32_t*>(x)));
+  const int8x16_t xh =
+      vreinterpretq_s8_s32(vld1q_dup_s32(reinterpret_cast<const int32_t*>(x + 4)));
   I16 r;
   for (int i = 0; i < 4; ++i) {
     const int32x4_t sum = vdotq_s32(acc.v[i], vreinterpretq_s8_s32(lo.v[i]), xl);
@@ -507,9 +518,7 @@ ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, int32_
   }
   return r;
 #else
-  int8_t xl[4], xh[4];
-  std::memcpy(xl, &x_lo, 4);
-  std::memcpy(xh, &x_hi, 4);
+  const int8_t *xl = x, *xh = x + 4;
   alignas(64) uint8_t wl[4 * kLanes], wh[4 * kLanes];
   alignas(64) int32_t lanes[kLanes];
   lo.store(wl);
@@ -525,13 +534,12 @@ ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, int32_
 
 // The same for signed weight bytes (-127..127), stored + kSignedBias: with VNNI the sum of
 // (w + 128) x, which the caller corrects; elsewhere sum w x itself.
-ITERSERVE_INLINE I16 dot_s8(const I16& acc, const I16& lo, const I16& hi, int32_t x_lo,
-                            int32_t x_hi) {
+ITERSERVE_INLINE I16 dot_s8(const I16& acc, const I16& lo, const I16& hi, const int8_t* x) {
 #if defined(ITERSERVE_VNNI)
-  return dot_u8(acc, lo, hi, x_lo, x_hi);
+  return dot_u8(acc, lo, hi, x);
 #elif defined(CPU_CAPABILITY_AVX512)
   // No vpsignb on zmm: negate the weights where x is negative, a masked subtract.
-  const __m512i xl = _mm512_set1_epi32(x_lo), xh = _mm512_set1_epi32(x_hi);
+  const __m512i xl = _mm512_set1_epi32(quad_at(x)), xh = _mm512_set1_epi32(quad_at(x + 4));
   const __m512i zero = _mm512_setzero_si512();
   const __m512i wl = _mm512_mask_sub_epi8(lo.v[0], _mm512_movepi8_mask(xl), zero, lo.v[0]);
   const __m512i wh = _mm512_mask_sub_epi8(hi.v[0], _mm512_movepi8_mask(xh), zero, hi.v[0]);
@@ -545,7 +553,7 @@ ITERSERVE_INLINE I16 dot_s8(const I16& acc, const I16& lo, const I16& hi, int32_
   // vpmaddubsw multiplies unsigned by signed bytes and saturates pair sums at 16 bits, so the
   // activations' signs move onto the weights: |x| (<= 127) times sign(x) * w (|.| <= 127)
   // sums pairs to at most 2 * 127 * 127, in range; lo and hi are widened apart.
-  const __m256i xl = _mm256_set1_epi32(x_lo), xh = _mm256_set1_epi32(x_hi);
+  const __m256i xl = _mm256_set1_epi32(quad_at(x)), xh = _mm256_set1_epi32(quad_at(x + 4));
   const __m256i al = _mm256_sign_epi8(xl, xl), ah = _mm256_sign_epi8(xh, xh);
   const __m256i ones = _mm256_set1_epi16(1);
   I16 r;
@@ -557,8 +565,9 @@ ITERSERVE_INLINE I16 dot_s8(const I16& acc, const I16& lo, const I16& hi, int32_
   }
   return r;
 #elif defined(ITERSERVE_ARM_DOT)
-  const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(x_lo));
-  const int8x16_t xh = vreinterpretq_s8_s32(vdupq_n_s32(x_hi));
+  const int8x16_t xl = vreinterpretq_s8_s32(vld1q_dup_s32(reinterpret_cast<const int32_t*>(x)));
+  const int8x16_t xh =
+      vreinterpretq_s8_s32(vld1q_dup_s32(reinterpret_cast<const int32_t*>(x + 4)));
   I16 r;
   for (int i = 0; i < 4; ++i) {
     const int32x4_t sum = vdotq_s32(acc.v[i], vreinterpretq_s8_s32(lo.v[i]), xl);
@@ -566,9 +575,7 @@ ITERSERVE_INLINE I16 dot_s8(const I16& acc, const I16& lo, const I16& hi, int32_
   }
   return r;
 #else
-  int8_t xl[4], xh[4];
-  std::memcpy(xl, &x_lo, 4);
-  std::memcpy(xh, &x_hi, 4);
+  const int8_t *xl = x, *xh = x + 4;
   alignas(64) int8_t wl[4 * kLanes], wh[4 * kLanes];
   alignas(64) int32_t lanes[kLanes];
   lo.store(wl);

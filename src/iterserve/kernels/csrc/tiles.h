@@ -14,20 +14,25 @@
 // every step size, in the same order for every row and output, whatever else shares the
 // step: a request's logits do not depend on the batch.
 //
-//   - Few rows (decoding): each thread streams its tiles' blocks once, decoding them in
-//     registers for every row of the step (`block_tiles`): weight bytes are the cost.
-//   - Many rows (prefill, large batches): a few tiles at a time are decoded once into a
-//     panel of bytes and scales that stays in L2 (`decode_panel`), and every group of rows
-//     runs integer dot products over it (`panel_tiles`): the unpacking is paid once a step,
-//     not once a row group, and the loop is dot products and loads.
+//   - Each thread streams its tiles' blocks, a pass of a few tiles at a time, decoding them in
+//     registers for every group of up to 4 rows of the step (`block_tiles`); a pass's tiles
+//     stay in L2 while the later groups read them again, so a weight comes from memory once
+//     a step. At a few rows weight bytes are the cost, at many the dot products.
+//   - For formats whose values take several planes to build (Q5, Q6_K, Q3_K, Q2_K), steps of
+//     many rows have the first 4 rows also leave the pass's tiles decoded in a panel of
+//     bytes and scales in L2, and every later group runs dot products over it (`panel_tiles`):
+//     their unpacking is then paid once a step, not once a row group (blocks.h's kPanelFrom
+//     says when it pays).
 #pragma once
 
 #include "blocks.h"
 #include "simd.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace iterserve {
@@ -57,6 +62,15 @@ struct Epilogue {
     return e;
   }
 
+  // The same outputs, rows counted from row `first`.
+  Epilogue from_row(int64_t first) const {
+    Epilogue e = *this;
+    if (e.out) e.out += first * ld_out;
+    if (e.out_f32) e.out_f32 += first * ld_out;
+    if (e.residual) e.residual += first * ld_res;
+    return e;
+  }
+
   ITERSERVE_INLINE void store(int64_t row, int64_t n0, F16 acc) const {
     if (bias) acc = acc + load_bf16x16(bias + n0);
     if (residual) acc = acc + load_bf16x16(residual + row * ld_res + n0);
@@ -77,28 +91,47 @@ struct Rows {
   int64_t ld_xf;
   ITERSERVE_INLINE XPair pair(int64_t m, int64_t k) const { return x_pair(xp + m * ld_xp + k); }
   // Block formats: the rows quantized ([M, K] int8), each block's scale s ([M, K/32]) and
-  // s * sum(xq) per block ([M, K/32]) and per 16 inputs ([M, K/16]).
+  // -s * sum(xq) per block ([M, K/32]) and per 16 inputs ([M, K/16]), negated so that the
+  // fold broadcasts them straight from memory.
   const int8_t* xq;
   const float* scale;
-  const float* sum32;
-  const float* sum16;
+  const float* neg_sum32;
+  const float* neg_sum16;
+
+  // The same rows from row `first` on (the block formats' arrays).
+  Rows from(int64_t first) const {
+    Rows r = *this;
+    r.xq += first * K;
+    r.scale += first * (K / 32);
+    r.neg_sum32 += first * (K / 32);
+    r.neg_sum16 += first * (K / 16);
+    return r;
+  }
 };
 
 // ---- the accumulators every format shares -------------------------------------------------
+//
+// Accumulators are std::arrays made without a loop (zeros<N>(), izeros<N>()), flat, indexed
+// [r * NT + j], and every loop over them is unrolled in full (ITERSERVE_UNROLL): otherwise GCC
+// keeps them on the stack and every multiply-add loads and stores one (seen in the panel
+// loop's assembly: 8 of 8 accumulators spilled).
 
-// MR rows x NT tiles of 16 sums (fp32 F16 or int32 I16), all zero.
-template <typename V, int MR, int NT>
-ITERSERVE_INLINE void zero_all(V (&sums)[MR][NT]) {
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) sums[r][j] = V::zero();
+template <int... I>
+ITERSERVE_INLINE std::array<I16, sizeof...(I)> izeros(std::integer_sequence<int, I...>) {
+  return {{((void)I, I16::zero())...}};
+}
+template <int N>
+ITERSERVE_INLINE std::array<I16, N> izeros() {
+  return izeros(std::make_integer_sequence<int, N>{});
 }
 
 // Row m0 + r's outputs of tile tile0 + j, through the epilogue.
 template <int MR, int NT>
 ITERSERVE_INLINE void store_all(const Epilogue& ep, int64_t m0, int64_t tile0,
-                                const F16 (&acc)[MR][NT]) {
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NT; ++j) ep.store(m0 + r, (tile0 + j) * kTile, acc[r][j]);
+                                const std::array<F16, MR * NT>& acc) {
+  ITERSERVE_UNROLL for (int r = 0; r < MR; ++r)
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+      ep.store(m0 + r, (tile0 + j) * kTile, acc[r * NT + j]);
 }
 
 // ---- bf16 and fp16 -------------------------------------------------------------------------
@@ -109,17 +142,18 @@ inline void bf16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t t
                        const Epilogue& ep) {
   const int64_t K = rows.K, tile_elems = K * kTile;
   const auto* wt = reinterpret_cast<const at::BFloat16*>(w) + tile0 * tile_elems;
-  F16 acc[MR][NT];
-  zero_all(acc);
+  auto acc = zeros<MR * NT>();
   for (int64_t k = 0; k < K; k += 2) {
     Pairs wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = load_pairs(wt + j * tile_elems + k * kTile);
-    for (int r = 0; r < MR; ++r) {
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+      wv[j] = load_pairs(wt + j * tile_elems + k * kTile);
+    ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
       const XPair xv = rows.pair(m0 + r, k);
-      for (int j = 0; j < NT; ++j) acc[r][j] = pair_dot(acc[r][j], wv[j], xv);
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+        acc[r * NT + j] = pair_dot(acc[r * NT + j], wv[j], xv);
     }
   }
-  store_all(ep, m0, tile0, acc);
+  store_all<MR, NT>(ep, m0, tile0, acc);
 }
 
 // fp16 tiles: [K/2, 2, 16] a tile (a pair's first inputs for the 16 outputs, then its
@@ -129,21 +163,21 @@ inline void f16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t ti
                       const Epilogue& ep) {
   const int64_t K = rows.K, tile_elems = K * kTile;
   const auto* wt = reinterpret_cast<const c10::Half*>(w) + tile0 * tile_elems;
-  F16 acc[MR][NT];
-  zero_all(acc);
+  auto acc = zeros<MR * NT>();
   for (int64_t k = 0; k < K; k += 2) {
     F16 first[NT], second[NT];
-    for (int j = 0; j < NT; ++j) {
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
       first[j] = load_f16x16(wt + j * tile_elems + k * kTile);
       second[j] = load_f16x16(wt + j * tile_elems + k * kTile + kTile);
     }
-    for (int r = 0; r < MR; ++r) {
+    ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
       const float* x = rows.xf + (m0 + r) * rows.ld_xf + k;
       const F16 x0 = F16::splat(x[0]), x1 = F16::splat(x[1]);
-      for (int j = 0; j < NT; ++j) acc[r][j] = fmadd(second[j], x1, fmadd(first[j], x0, acc[r][j]));
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+        acc[r * NT + j] = fmadd(second[j], x1, fmadd(first[j], x0, acc[r * NT + j]));
     }
   }
-  store_all(ep, m0, tile0, acc);
+  store_all<MR, NT>(ep, m0, tile0, acc);
 }
 
 // ---- activations for the block formats ---------------------------------------------------------
@@ -151,9 +185,9 @@ inline void f16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t ti
 // One row quantized per block of 32 inputs: x ~ s q, q = round(x * 127 / max|x| over the
 // block) in -127..127 (as llama.cpp quantizes activations for its block dot products: one
 // scale a row measured twice the greedy disagreement with bf16 on the bundled model), with
-// s * sum(q) per block (sum32) and per 16 inputs (sum16) for the formats' offsets.
-inline void quantize_row(const at::BFloat16* x, int64_t K, int8_t* q, float* scale, float* sum32,
-                         float* sum16) {
+// -s * sum(q) per block (neg_sum32) and per 16 inputs (neg_sum16) for the formats' offsets.
+inline void quantize_row(const at::BFloat16* x, int64_t K, int8_t* q, float* scale,
+                         float* neg_sum32, float* neg_sum16) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const at::BFloat16* src = x + b * kBlock;
     const F16 lo = load_bf16x16(src), hi = load_bf16x16(src + 16);
@@ -166,86 +200,68 @@ inline void quantize_row(const at::BFloat16* x, int64_t K, int8_t* q, float* sca
     store_i8x16(q + b * kBlock + 16, qhi);
     const float s = amax / 127.0f;
     scale[b] = s;
-    sum16[2 * b] = s * static_cast<float>(qlo.sum());
-    sum16[2 * b + 1] = s * static_cast<float>(qhi.sum());
-    sum32[b] = s * static_cast<float>((qlo + qhi).sum());
+    neg_sum16[2 * b] = -(s * static_cast<float>(qlo.sum()));
+    neg_sum16[2 * b + 1] = -(s * static_cast<float>(qhi.sum()));
+    neg_sum32[b] = -(s * static_cast<float>((qlo + qhi).sum()));
   }
 }
 
 // ---- block formats -------------------------------------------------------------------------
 
-// A block's integer dot products folded into the fp32 sums: per half h of the block,
+// A block's integer dot products (dot[(h * MR + r) * NT + j]) folded into the fp32 sums, with
+// the tiles' scales and offsets (a[j * H + h], o[j * H + h]): per half h of the block,
 //   acc += (a_h s) dot_h  - o_h (s sum_h xq)
 // The one place this arithmetic is written, so that both roads below give the same bits.
 template <int H, bool Offset, int MR, int NT>
-ITERSERVE_INLINE void fold(F16 (&acc)[MR][NT], const I16 (&dot)[H][MR][NT], const F16 (&a)[NT][H],
-                           const F16 (&o)[NT][H], const Rows& rows, int64_t m0, int64_t blk) {
+ITERSERVE_INLINE void fold(std::array<F16, MR * NT>& acc, const std::array<I16, H * MR * NT>& dot,
+                           const F16* a, const F16* o, const Rows& rows, int64_t m0, int64_t blk) {
   const int64_t blocks = rows.K / kBlock;
-  for (int r = 0; r < MR; ++r) {
+  ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
     const int64_t at = (m0 + r) * blocks + blk;
     const F16 s = F16::splat(rows.scale[at]);
-    F16 minus_sum[H];
-    if constexpr (Offset) {
-      for (int h = 0; h < H; ++h)
-        minus_sum[h] = F16::splat(-(H == 1 ? rows.sum32[at] : rows.sum16[2 * at + h]));
-    }
-    for (int j = 0; j < NT; ++j) {
-      for (int h = 0; h < H; ++h) acc[r][j] = fmadd(to_float(dot[h][r][j]), a[j][h] * s, acc[r][j]);
-      if constexpr (Offset)
-        for (int h = 0; h < H; ++h) acc[r][j] = fmadd(o[j][h], minus_sum[h], acc[r][j]);
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+      F16& sum = acc[r * NT + j];
+      ITERSERVE_UNROLL for (int h = 0; h < H; ++h)
+        sum = fmadd(to_float(dot[(h * MR + r) * NT + j]), a[j * H + h] * s, sum);
+      if constexpr (Offset) {
+        ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
+          const float neg_sum = H == 1 ? rows.neg_sum32[at] : rows.neg_sum16[2 * at + h];
+          sum = fmadd(o[j * H + h], F16::splat(neg_sum), sum);
+        }
+      }
     }
   }
 }
 
-// Row m0 + r's two activation quads (inputs 8c..8c+3, 8c+4..8c+7) of block blk.
-ITERSERVE_INLINE void x_quads(const Rows& rows, int64_t m, int64_t blk, int c, int32_t* quads) {
-  std::memcpy(quads, rows.xq + m * rows.K + blk * kBlock + 8 * c, 8);
+// Row m's activations of chunk c of block blk (inputs 8c..8c+7).
+ITERSERVE_INLINE const int8_t* x_chunk(const Rows& rows, int64_t m, int64_t blk, int c) {
+  return rows.xq + m * rows.K + blk * kBlock + 8 * c;
 }
 
 template <bool Signed>
-ITERSERVE_INLINE I16 dot_quads(const I16& acc, const Quads& w, const int32_t* x) {
-  if constexpr (Signed) return dot_s8(acc, w.lo, w.hi, x[0], x[1]);
-  else return dot_u8(acc, w.lo, w.hi, x[0], x[1]);
+ITERSERVE_INLINE I16 dot_quads(const I16& acc, const Quads& w, const int8_t* x) {
+  if constexpr (Signed) return dot_s8(acc, w.lo, w.hi, x);
+  else return dot_u8(acc, w.lo, w.hi, x);
 }
 
-// Chunk C of block b of NT tiles (units at p[j]) against MR rows.
-template <typename Codec, int C, int MR, int NT>
+// Chunk C of block b of NT tiles (units at p[j]) against MR rows; `Store`: each tile's
+// decoded chunk is also left in its panel block (panel[j]).
+template <typename Codec, int C, int MR, int NT, bool Store>
 ITERSERVE_INLINE void chunk_dots(const Rows& rows, int64_t m0, int64_t blk, const uint8_t* const* p,
-                                 int b, I16 (&dot)[Codec::kHalves][MR][NT]) {
+                                 int b, std::array<I16, Codec::kHalves * MR * NT>& dot,
+                                 uint8_t* const* panel) {
   constexpr int h = Codec::kHalves == 2 ? C / 2 : 0;
-  int32_t quads[MR][2];
-  for (int r = 0; r < MR; ++r) x_quads(rows, m0 + r, blk, C, quads[r]);
-  for (int j = 0; j < NT; ++j) {
+  ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
     const Quads w = Codec::template chunk<C>(p[j], b);
-    for (int r = 0; r < MR; ++r) dot[h][r][j] = dot_quads<Codec::kSigned>(dot[h][r][j], w, quads[r]);
-  }
-}
-
-// Few rows: MR rows x NT tiles (from tile0), decoding each block in registers.
-template <typename Codec, int MR, int NT>
-inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t stride,
-                        int64_t tile0, const Epilogue& ep) {
-  constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
-  const int64_t units = rows.K / Codec::kInputs;
-  F16 acc[MR][NT];
-  zero_all(acc);
-  for (int64_t u = 0; u < units; ++u) {
-    const uint8_t* p[NT];
-    for (int j = 0; j < NT; ++j) p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
-    for (int b = 0; b < kBlocks; ++b) {
-      const int64_t blk = u * kBlocks + b;
-      I16 dot[H][MR][NT];
-      for (int h = 0; h < H; ++h) zero_all(dot[h]);
-      chunk_dots<Codec, 0, MR, NT>(rows, m0, blk, p, b, dot);
-      chunk_dots<Codec, 1, MR, NT>(rows, m0, blk, p, b, dot);
-      chunk_dots<Codec, 2, MR, NT>(rows, m0, blk, p, b, dot);
-      chunk_dots<Codec, 3, MR, NT>(rows, m0, blk, p, b, dot);
-      F16 a[NT][H], o[NT][H];
-      for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a[j], o[j]);
-      fold<H, Codec::kOffset>(acc, dot, a, o, rows, m0, blk);
+    if constexpr (Store) {
+      w.lo.store(panel[j] + 128 * C);
+      w.hi.store(panel[j] + 128 * C + 64);
+    }
+    ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
+      I16& d = dot[(h * MR + r) * NT + j];
+      d = dot_quads<Codec::kSigned>(d, w, x_chunk(rows, m0 + r, blk, C));
     }
   }
-  store_all(ep, m0, tile0, acc);
 }
 
 // Many rows: a panel holds a few tiles' blocks decoded, per tile and block of 32 inputs:
@@ -253,64 +269,98 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
 template <int H>
 constexpr int64_t panel_block_bytes() { return 512 + 2 * 64 * H; }
 
-template <typename Codec>
-void decode_panel(const uint8_t* w, int64_t stride, int64_t tile0, int64_t tiles, int64_t K,
-                  uint8_t* panel) {
+// Few rows: MR rows x NT tiles (from tile0), decoding each block in registers; `Store`: leaving
+// them decoded in `panel` (the first of these tiles' decoded blocks) for the rows after.
+template <typename Codec, int MR, int NT, bool Store = false>
+inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t stride,
+                        int64_t tile0, const Epilogue& ep, uint8_t* panel = nullptr) {
   constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
-  constexpr int64_t kBlockBytes = panel_block_bytes<H>();
-  for (int64_t j = 0; j < tiles; ++j) {
-    uint8_t* out = panel + j * (K / kBlock) * kBlockBytes;
-    for (int64_t u = 0; u < K / Codec::kInputs; ++u) {
-      const uint8_t* p = w + (tile0 + j) * stride + u * Codec::kBytes;
-      for (int b = 0; b < kBlocks; ++b, out += kBlockBytes) {
-        const Quads q[4] = {Codec::template chunk<0>(p, b), Codec::template chunk<1>(p, b),
-                            Codec::template chunk<2>(p, b), Codec::template chunk<3>(p, b)};
-        for (int c = 0; c < 4; ++c) {
-          q[c].lo.store(out + 128 * c);
-          q[c].hi.store(out + 128 * c + 64);
-        }
-        F16 a[H], o[H];
-        Codec::scales(p, b, a, o);
-        for (int h = 0; h < H; ++h) {
-          a[h].store(reinterpret_cast<float*>(out + 512 + 128 * h));
-          o[h].store(reinterpret_cast<float*>(out + 512 + 128 * h + 64));
+  constexpr int64_t kPanelBlock = panel_block_bytes<H>();
+  const int64_t units = rows.K / Codec::kInputs, panel_tile = rows.K / kBlock * kPanelBlock;
+  auto acc = zeros<MR * NT>();
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* p[NT];
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+      p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
+    for (int b = 0; b < kBlocks; ++b) {
+      const int64_t blk = u * kBlocks + b;
+      // Each tile's unit a unit or two ahead, a few lines a block: the hardware's streams
+      // alone left one-row steps at 81-92% of the memory's speed and four-row steps at 60-73%
+      // (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4).
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+        constexpr int64_t kLines = (Codec::kBytes + 63) / 64, kEach = (kLines + kBlocks - 1) / kBlocks;
+        constexpr int64_t kAhead = (MR == 1 ? 1 : 2) * Codec::kBytes;
+        ITERSERVE_UNROLL for (int i = 0; i < kEach; ++i)
+          __builtin_prefetch(p[j] + kAhead + (b * kEach + i) * 64, 0, 3);
+      }
+      uint8_t* out[NT];
+      if constexpr (Store)
+        ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+          out[j] = panel + j * panel_tile + blk * kPanelBlock;
+      auto dot = izeros<H * MR * NT>();
+      chunk_dots<Codec, 0, MR, NT, Store>(rows, m0, blk, p, b, dot, out);
+      chunk_dots<Codec, 1, MR, NT, Store>(rows, m0, blk, p, b, dot, out);
+      chunk_dots<Codec, 2, MR, NT, Store>(rows, m0, blk, p, b, dot, out);
+      chunk_dots<Codec, 3, MR, NT, Store>(rows, m0, blk, p, b, dot, out);
+      F16 a[NT * H], o[NT * H];
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+        Codec::scales(p[j], b, a + j * H, o + j * H);
+        if constexpr (Store) {
+          ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
+            a[j * H + h].store(reinterpret_cast<float*>(out[j] + 512 + 128 * h));
+            o[j * H + h].store(reinterpret_cast<float*>(out[j] + 512 + 128 * h + 64));
+          }
         }
       }
+      fold<H, Codec::kOffset, MR, NT>(acc, dot, a, o, rows, m0, blk);
     }
   }
+  store_all<MR, NT>(ep, m0, tile0, acc);
 }
+
+// The next pass's weights, asked for a few cache lines at a time while this pass computes,
+// so that decoding them finds them in L2: without it a 16-row step waited on memory while it
+// decoded a panel and computed while memory idled (benchmarks/linear_kernels.py).
+struct Prefetcher {
+  const char* next;
+  const char* end;
+  static constexpr int kLinesEach = 3;  // ~ the next pass's lines / the blocks computed now
+  ITERSERVE_INLINE void step() {
+    for (int i = 0; i < kLinesEach && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
+  }
+};
 
 template <bool Signed, int H, bool Offset, int MR, int NT>
 inline void panel_tiles(const Rows& rows, int64_t m0, const uint8_t* panel, int64_t j0,
-                        int64_t tile0, const Epilogue& ep) {
+                        int64_t tile0, const Epilogue& ep, Prefetcher& ahead) {
   constexpr int64_t kBlockBytes = panel_block_bytes<H>();
   const int64_t blocks = rows.K / kBlock, tile_bytes = blocks * kBlockBytes;
-  F16 acc[MR][NT];
-  zero_all(acc);
+  auto acc = zeros<MR * NT>();
   const uint8_t* p = panel + j0 * tile_bytes;
   for (int64_t blk = 0; blk < blocks; ++blk, p += kBlockBytes) {
-    I16 dot[H][MR][NT];
-    for (int h = 0; h < H; ++h) zero_all(dot[h]);
-    for (int c = 0; c < 4; ++c) {
+    ahead.step();
+    auto dot = izeros<H * MR * NT>();
+    ITERSERVE_UNROLL for (int c = 0; c < 4; ++c) {
       const int h = H == 2 ? c / 2 : 0;
-      int32_t quads[MR][2];
-      for (int r = 0; r < MR; ++r) x_quads(rows, m0 + r, blk, c, quads[r]);
-      for (int j = 0; j < NT; ++j) {
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
         const uint8_t* q = p + j * tile_bytes + 128 * c;
         const Quads wv{I16::load(q), I16::load(q + 64)};
-        for (int r = 0; r < MR; ++r) dot[h][r][j] = dot_quads<Signed>(dot[h][r][j], wv, quads[r]);
+        ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
+          I16& d = dot[(h * MR + r) * NT + j];
+          d = dot_quads<Signed>(d, wv, x_chunk(rows, m0 + r, blk, c));
+        }
       }
     }
-    F16 a[NT][H], o[NT][H];
-    for (int j = 0; j < NT; ++j)
-      for (int h = 0; h < H; ++h) {
+    F16 a[NT * H], o[NT * H];
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+      ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
         const auto* s = reinterpret_cast<const float*>(p + j * tile_bytes + 512 + 128 * h);
-        a[j][h] = F16::load(s);
-        o[j][h] = F16::load(s + kLanes);
+        a[j * H + h] = F16::load(s);
+        o[j * H + h] = F16::load(s + kLanes);
       }
-    fold<H, Offset>(acc, dot, a, o, rows, m0, blk);
+    fold<H, Offset, MR, NT>(acc, dot, a, o, rows, m0, blk);
   }
-  store_all(ep, m0, tile0, acc);
+  store_all<MR, NT>(ep, m0, tile0, acc);
 }
 
 // ---- driver ----------------------------------------------------------------------------
@@ -324,7 +374,8 @@ constexpr int tiles_per_step() {
   return 1;
 }
 
-// Steps of up to this many rows decode blocks in registers; larger ones through a panel.
+// Steps of up to this many rows are bound by the bytes they read (threads split the tiles by
+// bytes); larger ones by arithmetic (split by tiles).
 constexpr int64_t kRegisterRows = 4;
 // Tiles per pass of the register road: their weights (8 x 16 outputs x K inputs) stay in L2
 // while every block of rows reads them, so a weight comes from memory once per step however
@@ -372,7 +423,7 @@ template <typename Codec>
 void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begin, int64_t t_end,
                  const Epilogue& ep) {
   constexpr int H = Codec::kHalves;
-  if (M <= kRegisterRows) {
+  if (M < Codec::kPanelFrom) {
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
       const int64_t t1 = std::min(t0 + kTilesPerPass, t_end);
       row_groups<4>(M, [&](auto mr, int64_t m0) {
@@ -391,13 +442,24 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
   if (static_cast<int64_t>(panel.size()) < per_pass * panel_tile) panel.resize(per_pass * panel_tile);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += per_pass) {
     const int64_t t1 = std::min(t0 + per_pass, t_end);
-    decode_panel<Codec>(seg.data, seg.stride, t0, t1 - t0, rows.K, panel.data());
-    row_groups<panel_rows<H>()>(M, [&](auto mr, int64_t m0) {
+    const auto* next = reinterpret_cast<const char*>(seg.data + t1 * seg.stride);
+    Prefetcher ahead{next, next + (std::min(t1 + per_pass, t_end) - t1) * seg.stride};
+    // The first rows decode the tiles in registers as a few-row step does, leaving them in
+    // the panel: the weights stream from memory under their dot products.
+    constexpr int kFirst = 4;
+    tile_steps<tiles_per_step<kFirst, H>()>(t0, t1, [&](auto nt, int64_t t) {
+      constexpr int NT = decltype(nt)::value;
+      block_tiles<Codec, kFirst, NT, true>(rows, 0, seg.data, seg.stride, t,
+                                           ep.shifted(seg.first),
+                                           panel.data() + (t - t0) * panel_tile);
+    });
+    const Rows rest = rows.from(kFirst);
+    row_groups<panel_rows<H>()>(M - kFirst, [&](auto mr, int64_t m0) {
       constexpr int MR = decltype(mr)::value;
       tile_steps<panel_tiles_per_step<H>()>(t0, t1, [&](auto nt, int64_t t) {
         constexpr int NT = decltype(nt)::value;
-        panel_tiles<Codec::kSigned, H, Codec::kOffset, MR, NT>(rows, m0, panel.data(), t - t0, t,
-                                                                ep.shifted(seg.first));
+        panel_tiles<Codec::kSigned, H, Codec::kOffset, MR, NT>(
+            rest, m0, panel.data(), t - t0, t, ep.shifted(seg.first).from_row(kFirst), ahead);
       });
     });
   }
