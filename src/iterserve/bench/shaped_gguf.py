@@ -10,19 +10,23 @@ the decoder layers, which are most of a step's bytes, are the real ones. Weights
 normal (std 0.02, seeded), norms 1. `write_shaped_gguf` writes F16 with gguf's writer
 tensor by tensor (every tensor's info first, then each tensor's bytes as it is made), so
 its peak memory is one tensor, never the model; llama.cpp's `llama-quantize` makes the
-quantized types from it (benchmarks/big_models.py).
+quantized types from it (benchmarks/big_models.py). With `blocks` it writes random blocks of
+quantized types directly instead (`q4_k_m_types`: the types llama.cpp's Q4_K_M gives each
+tensor), for a file of a quantized model's true layout and size without llama.cpp: what a
+test of loading memory needs, not a model that says anything.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFWriter, LlamaFileType, RopeScalingType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
 
 from iterserve.model.bundled import default_model_path
 
@@ -208,6 +212,43 @@ def _random_weight(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
+# Byte offsets of the fp16 scales in each quantized type's block (ggml-common.h's structs).
+HALF_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
+    "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,),
+}  # fmt: skip
+
+
+def random_blocks(
+    qtype: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.01
+) -> np.ndarray:
+    """[rows, row bytes] of random blocks of GGUF type `qtype`: random bits, but for finite
+    fp16 scales in [scale / 10, scale] (a weight of a few hundredths at most)."""
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    out = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    for at in HALF_FIELDS[qtype]:
+        halves = rng.uniform(scale / 10, scale, (rows, cols // block)).astype(np.float16)
+        out[..., at : at + 2] = halves.view(np.uint8).reshape(rows, cols // block, 2)
+    return out.reshape(rows, -1)
+
+
+def q4_k_m_types(spec: TensorSpec, shape: Shape) -> str | None:
+    """The type llama.cpp's Q4_K_M gives a weight (llama-quantize's rules): Q6_K for the
+    tied embedding (the head) and for attn_v and ffn_down in the first and last eighth of the
+    layers and every third between; Q4_K elsewhere; None (as written) for norms and tables."""
+    if spec.kind != "weight":
+        return None
+    if spec.name == "token_embd.weight":
+        return "Q6_K"
+    part = spec.name.split(".")[2]
+    if part in ("attn_v", "ffn_down"):
+        i, n = int(spec.name.split(".")[1]), shape.layers
+        if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
 def tensor_data(spec: TensorSpec, shape: Shape, seed: int, index: int) -> np.ndarray:
     """One tensor's values. Each weight has its own stream, seeded by (seed, its index), so a
     file is the same whatever order its tensors are made in.
@@ -227,8 +268,10 @@ def write_shaped_gguf(
     preset: str | Shape,
     seed: int = 0,
     tokenizer: dict[str, Any] | None = None,
+    blocks: Callable[[TensorSpec, Shape], str | None] | None = None,
 ) -> Path:
-    """Write an F16 GGUF of `preset`'s shape with random weights to `path`.
+    """Write a GGUF of `preset`'s shape with random weights to `path`: F16, or where
+    `blocks` names a quantized type for a weight, random blocks of it.
 
     Tensor by tensor: every tensor's info is declared first, then each tensor's data is made
     and written, so at most one tensor (plus a 16 MiB chunk of draws) is in memory. Written to
@@ -248,14 +291,28 @@ def write_shaped_gguf(
     add_shape_metadata(writer, shape, vocab)
     for key, value in tokenizer.items():
         _add_value(writer, key, value)
+    qtypes = {spec.name: blocks(spec, shape) if blocks else None for spec in specs}
     for spec in specs:
-        writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes)
+        qtype = qtypes[spec.name]
+        if qtype is None:
+            writer.add_tensor_info(spec.name, spec.shape, np.dtype(spec.dtype), spec.nbytes)
+        else:
+            kind = GGMLQuantizationType[qtype]
+            block, nbytes = GGML_QUANT_SIZES[kind]
+            size = math.prod(spec.shape) // block * nbytes
+            byte_shape = (*spec.shape[:-1], spec.shape[-1] // block * nbytes)
+            writer.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), size, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     try:
         for index, spec in enumerate(specs):
-            data = tensor_data(spec, shape, seed, index)
+            qtype = qtypes[spec.name]
+            if qtype is None:
+                data = tensor_data(spec, shape, seed, index)
+            else:
+                rows, cols = math.prod(spec.shape[:-1]), spec.shape[-1]
+                data = random_blocks(qtype, rows, cols, np.random.default_rng([seed, index]))
             writer.write_tensor_data(data)
             del data  # the next tensor is made only once this one is gone
     finally:

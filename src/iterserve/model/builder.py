@@ -3,6 +3,7 @@ weight format, compiled or not. Every choice is made here, once, and said in one
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ def build_model(
     backend = choose_backend(config, dtype, device)
     choice = choose_weights(config, loaded, backend)
     model.load(loaded.weights, backend, choice.quantized, choice.mode)
+    release_freed_memory()
     use_kernel = _attends_in_kernel(config, loaded.config, device)
     if use_kernel:
         model.use_kernel_ops(kernels.ops())
@@ -162,6 +164,21 @@ def build_model(
         dtype_reason,
     )
     return model, plan
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim). A load frees
+    what it read a slice at a time and the tokenizer's building blocks, but glibc keeps
+    freed chunks under its mmap threshold (which grows to 32 MB as large buffers come and go)
+    resident for reuse: 30-50 MB held for nothing after a GGUF's load (measured once, the
+    bundled tokenizer and a 400 MB file). Elsewhere than glibc, nothing to do."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _attends_in_kernel(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:

@@ -64,6 +64,10 @@ _FUSED_IN_CHECKPOINT = {
 }
 
 
+# Rotary table rows made at start (more as steps reach further: LlamaForCausalLM.cover_positions).
+_ROPE_POSITIONS = 4096
+
+
 def weight_part(
     weights: Mapping[str, torch.Tensor], quantized: Mapping[str, GGUFBlocks], name: str
 ) -> WeightPart:
@@ -297,17 +301,14 @@ class LlamaForCausalLM(nn.Module):
             _DecoderLayer(config, dtype, device, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm_weight = _weight(config.hidden_size, **like)
-        positions = config.max_position_embeddings
-        cos, signed_sin = rope_tables(
-            config.head_dim, config.rope_theta, config.rope_scaling, positions, dtype, device
-        )
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
+        self.device = device
+        # The rotary tables cover the positions steps have reached so far and grow (doubling)
+        # when a step goes past them: a row depends on its position alone, and tables for a
+        # model's whole context (131072 positions for Llama 3) are 33-67 MB held for nothing
+        # by a server whose requests use a few thousand.
+        self.rope_positions = 0
         self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
-        if config.local_rope_theta is not None:  # Gemma 3's sliding layers: plain RoPE
-            self.rope_local = rope_tables(
-                config.head_dim, config.local_rope_theta, None, positions, dtype, device
-            )
+        self._grow_rope(min(config.max_position_embeddings, _ROPE_POSITIONS))
         # Gemma: sqrt(hidden) rounded to the model dtype, as transformers does.
         self.embed_scale = (
             torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
@@ -321,6 +322,30 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers = False
         self.backend: Backend = "torch"
         self._run_layers: Callable[..., torch.Tensor] = self._layers
+
+    def _grow_rope(self, positions: int) -> None:
+        """Rotary tables of `positions` rows (never past the model's context)."""
+        c = self.config
+        positions = min(positions, c.max_position_embeddings)
+        cos, signed_sin = rope_tables(
+            c.head_dim, c.rope_theta, c.rope_scaling, positions, self.dtype, self.device
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
+        if c.local_rope_theta is not None:  # Gemma 3's sliding layers: plain RoPE
+            self.rope_local = rope_tables(
+                c.head_dim, c.local_rope_theta, None, positions, self.dtype, self.device
+            )
+        self.rope_positions = positions
+        for layer in self.layers:
+            assert isinstance(layer, _DecoderLayer)
+            if layer.rope_tables is not None:
+                layer.rope_tables = (cos, signed_sin)
+
+    def cover_positions(self, needed: int) -> None:
+        """Make the rotary tables reach position `needed` - 1 (doubling, capped at the context)."""
+        if needed > self.rope_positions:
+            self._grow_rope(max(needed, 2 * self.rope_positions))
 
     def _targets(self) -> dict[str, tuple[torch.Tensor | None, tuple[int, ...]]]:
         """HF name -> (destination of a small tensor, or None for a projection's part built
@@ -465,6 +490,9 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.tp is not None:
             raise ValueError("a tensor-parallel shard runs eager (its all-reduces are not traced)")
+        # A compiled graph holds the tables it was traced with (frozen graphs skip the guards
+        # that would see new ones): its tables cover the whole context from the start.
+        self.cover_positions(self.config.max_position_embeddings)
         self._run_layers = CompiledLayers(self._layers, dynamic_arg=4)
 
     def freeze_compiled(self) -> None:
@@ -511,6 +539,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Flat step of T tokens -> float32 logits [S, vocab] for the rows in logits_indices."""
         assert self.head is not None, "load() builds the network's weights first"
+        if positions.numel():
+            self.cover_positions(int(positions.max()) + 1)
         with attention_context(meta, kv_caches):
             step = None if meta.kernel is None else meta.kernel.packed
             hidden = self._run_layers(input_ids, positions, kv_caches, meta.slot_mapping, step)
