@@ -377,7 +377,7 @@ def test_a_draft_model_must_share_the_vocabulary(
         draft_llm(tiny_llama_dir, other)
     with pytest.raises(ConfigError, match="--draft-model"):
         SpeculativeConfig(speculative_method="draft")
-    with pytest.raises(ConfigError, match="4-bit GGUF"):
+    with pytest.raises(ConfigError, match="needs a quantized GGUF"):
         draft_llm(tiny_llama_dir, Path("self-int4"))
 
 

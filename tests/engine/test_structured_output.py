@@ -174,6 +174,9 @@ def test_bad_constraints_are_refused_naming_the_field(tiny_llm: LLM) -> None:
             StructuredOutput(grammar="start: undefined_rule", param="guided_grammar"),
             "guided_grammar",
         ),
+        # U+B1BEC's first byte, 0xF2, has no token in this vocabulary (fuzzed by
+        # tests/server/test_fuzz_api.py): nothing could ever match.
+        (StructuredOutput(regex="\U000b1bec", param="guided_regex"), "guided_regex"),
     ):
         with pytest.raises(InvalidRequestError) as error:
             llm.generate(["x"], SamplingParams(structured_output=spec), use_tqdm=False)
@@ -181,6 +184,21 @@ def test_bad_constraints_are_refused_naming_the_field(tiny_llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as error:
         SamplingParams(ignore_eos=True, structured_output=StructuredOutput(json_object=True))
     assert error.value.param == "ignore_eos"
+
+
+def test_a_grammar_the_vocabulary_cannot_finish_ends_only_its_request(tiny_llm: LLM) -> None:
+    """After "a" the regex needs byte 0xF2, which no token writes; the library still
+    allows one token there. The request ends at that token; its batch-mate is untouched."""
+    stuck = SamplingParams(
+        max_tokens=8, structured_output=StructuredOutput(regex="a\U000b1bec", param="guided_regex")
+    )
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = tiny_llm.generate(["x", "y"], [stuck, free], use_tqdm=False)
+    assert outputs[0].finish_reason == "stop"
+    assert outputs[0].token_ids[0] == tiny_llm.engine.tokenizer.encode("a", add_special_tokens=False)[0]
+    assert len(outputs[0].token_ids) <= 3  # "a", the refused token, EOS
+    alone = tiny_llm.generate(["y"], free, use_tqdm=False)
+    assert outputs[1].token_ids == alone[0].token_ids
 
 
 # ---- the bundled model behind a real server, through the official client --------------
@@ -276,6 +294,7 @@ def test_json_object_choice_and_regex_always_hold(client: openai.OpenAI) -> None
         ),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_regex": "\U000b1bec"}, "guided_regex"),  # byte 0xF2 has no token
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,7 +39,11 @@ from iterserve.sampling_params import InvalidRequestError
 from iterserve.structured_output import StructuredOutput
 
 # Compiled grammars kept; a schema is a few kB of automaton, a server sees few distinct ones.
+logger = logging.getLogger(__name__)
+
 _CACHE_SIZE = 256
+# Tokens of a grammar's first mask tried before it is accepted (GrammarCompiler).
+_START_PROBES = 16
 # JSON as compact as a person writes it: a small model given free whitespace may emit
 # newlines until max_tokens (a known failure with flexible whitespace).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -119,6 +124,12 @@ class GrammarCompiler:
         if template.is_error():
             raise InvalidRequestError(
                 f"invalid {spec.kind}: {template.get_error().strip()}", spec.param
+            )
+        if not _can_start(template.deep_copy(), self.vocab_size):
+            raise InvalidRequestError(
+                f"invalid {spec.kind}: no token of this model's vocabulary can begin text "
+                "it matches (it needs bytes the tokenizer cannot write)",
+                spec.param,
             )
         return CompiledGrammar(template)
 
@@ -277,15 +288,31 @@ class StructuredBatch:
                 # scheduler drops that token with the output's end.
                 return
             if not matcher.consume_token(token_id):
-                # Cannot happen for a masked draw; if it does, say so rather than go on
-                # with a matcher that no longer knows where the output is.
-                raise RuntimeError(
-                    f"request {request_id}: token {token_id} breaks its grammar "
-                    f"({matcher.get_error()})"
-                )
+                # A masked draw the grammar then refuses: the library allowed a token for
+                # bytes no token of the vocabulary completes (a regex needing a byte the
+                # tokenizer lacks). The matcher is stopped, its next mask is EOS only: the
+                # request ends there, and the rest of the step is untouched.
+                logger.warning(
+                    "request %s: token %d breaks its grammar; ending it (%s)",
+                    request_id, token_id, matcher.get_error().splitlines()[0],
+                )  # fmt: skip
+                return
 
     def is_finished(self, request_id: str) -> bool:
         return bool(self._matchers[request_id].is_stopped())
+
+
+def _can_start(matcher: Any, vocab_size: int) -> bool:
+    """Whether the grammar's start state lets some token (or the end) through: its mask
+    allows a token that it then accepts. Only the first few are tried: where the
+    library's mask is wrong at all (bytes with no token of their own), it is wrong
+    for every token it allows."""
+    if matcher.is_accepting():
+        return True
+    bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+    allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+    return any(matcher.validate_tokens([int(token)]) for token in allowed[:_START_PROBES])
 
 
 def _forbid(logits: torch.Tensor, targets: list[int], forbidden: np.ndarray) -> None:
