@@ -1,16 +1,16 @@
 """How often the bundled model's quantized paths pick another greedy token than its bf16 path.
 
 Every path reads the same GGUF: `--weights bf16` dequantizes every projection to bf16; the
-default (`auto`) keeps the 4-bit layers (and the 8-bit head) as they are for few-row steps
-and runs an int8 copy on int8 activations for many-row ones; `--weights int8` runs the
-int8 copy at every step size; the `-kv8` paths are those with `--kv-cache-dtype int8` (K/V
-stored in 8 bits). For each prompt the bf16 path generates greedily; then each
-path is teacher-forced over exactly those tokens twice, and its argmax compared with the
-bf16 path's at every position:
+default (`auto`) runs the file's own blocks (Q4_1, Q8_0 head) on int8 activations at every
+step size; `--weights int8` runs every projection as Q8_0 blocks; the `-kv8` paths are those
+with `--kv-cache-dtype int8` (K/V stored in 8 bits). For each prompt the bf16 path
+generates greedily; then each path is teacher-forced over exactly those tokens twice, and
+its argmax compared with the bf16 path's at every position:
 
-  decode   one token a step, as decoding runs (few-row kernels: 4-bit for `auto`)
-  prefill  the whole prompt and answer in one step, logits at every position (many-row
-           kernels: int8 weights and activations for `auto` and `int8`)
+  decode   one token a step, as decoding runs (one row a step)
+  prefill  the whole prompt and answer in one step, logits at every position (many rows:
+           for the block formats the same arithmetic as one row, so decode and prefill
+           of one path agree exactly; bf16's many-row kernels differ in summation order)
 
 Free-running outputs are compared too (how far they go before the first different token),
 and every path answers the Paris check. Asserts nothing.

@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -76,17 +77,29 @@ def test_vector_layer_on_arm64_under_qemu(name: str, tmp_path: Path) -> None:
     assert done.stdout.split() == ["ok", name, "4"]  # at::vec's NEON floats: 4 lanes
 
 
+def _build_all(builds: list[tuple[str, Path, Path, tuple[str, ...], str]]) -> None:
+    """Cross builds (variant, source, output, extra flags, optimization), two at a time: a
+    compiler is one thread, and these are minutes of a CI run on two cores."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = [
+            pool.submit(_build, CROSS, kernels.describe(name), source, out, *extra, opt=opt)  # type: ignore[arg-type]
+            for name, source, out, extra, opt in builds
+        ]
+        for future in done:
+            future.result()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cpp")))
-def test_kernels_build_for_arm64(source: str, tmp_path: Path) -> None:
+def test_kernels_build_for_arm64(tmp_path: Path) -> None:
     """Each kernel source compiles for Arm64 with the flags of the neondot variant (the neon
-    one differs only in simd.h, which the qemu test covers both ways; linking needs an Arm64
+    one differs only in simd.h, which the qemu tests cover both ways; linking needs an Arm64
     torch, which this machine has not)."""
     _need(CROSS)
-    variant = kernels.describe("neondot")
     # Whether it builds, not how fast it runs: -O3 only adds inlining, which took 228 s of a
-    # CI run for paged_attention.cpp (12 s at -O0); the qemu test runs -O3 code.
-    _build(CROSS, variant, CSRC / source, tmp_path / "out.o", "-c", "-fPIC", opt="-O0")  # type: ignore[arg-type]
+    # CI run for paged_attention.cpp (12 s at -O0).
+    sources = sorted(CSRC.glob("*.cpp"))
+    assert {p.name for p in sources} >= {"layer.cpp", "linear.cpp", "paged_attention.cpp"}
+    _build_all([("neondot", p, tmp_path / f"{p.stem}.o", ("-c", "-fPIC"), "-O0") for p in sources])
 
 
 # The block formats' kernels on Arm64: every GGUF type, decoded and multiplied by the very code
@@ -112,15 +125,28 @@ def _block_cases() -> tuple[bytes, list[tuple[str, int, int, int, np.ndarray, to
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["neon", "neondot"])
-def test_block_formats_on_arm64_under_qemu(name: str, tmp_path: Path) -> None:
+def test_block_formats_on_arm64_under_qemu(tmp_path: Path) -> None:
+    """Both Arm64 variants (neon: widening multiplies; neondot: `sdot`), built side by side."""
     _need(CROSS)
     _need(QEMU)
-    binary = tmp_path / f"blocks_check_{name}"
-    _build(CROSS, kernels.describe(name), BLOCKS_CHECK, binary, "-static")  # type: ignore[arg-type]
+    variants = ["neon", "neondot"]
+    binaries = {name: tmp_path / f"blocks_check_{name}" for name in variants}
+    # -O1: this checks the loops' arithmetic on Arm's instructions; the -O3 build of the same
+    # loops runs on x86 (test_block_formats.py), and -O3 took 147 s a variant here (-O1: 45).
+    _build_all([(name, BLOCKS_CHECK, binaries[name], ("-static",), "-O1") for name in variants])
     stdin, cases = _block_cases()
+    for name in variants:
+        _check_block_formats(name, binaries[name], stdin, cases)
+
+
+def _check_block_formats(
+    name: str,
+    binary: Path,
+    stdin: bytes,
+    cases: list[tuple[str, int, int, int, np.ndarray, torch.Tensor]],
+) -> None:
     done = subprocess.run([QEMU, str(binary)], input=stdin, capture_output=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, (name, done.stderr[-3000:])
     out = np.frombuffer(done.stdout, dtype=np.float32)
     at = 0
     for qtype, n, k, m, raw, x in cases:
@@ -130,10 +156,12 @@ def test_block_formats_on_arm64_under_qemu(name: str, tmp_path: Path) -> None:
         alone = out[at + n * k + m * padded : at + n * k + 2 * m * padded].reshape(m, padded)
         at += n * k + 2 * m * padded
         weights = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
-        np.testing.assert_array_equal(decoded, weights, err_msg=qtype)
+        np.testing.assert_array_equal(decoded, weights, err_msg=f"{name} {qtype}")
         q, s = bf.quantize_activations(x)
         rounded = (q.double().view(m, k // 32, 32) * s.double()[..., None]).view(m, k)
         want = (rounded @ torch.from_numpy(weights).double().T).numpy()
-        np.testing.assert_allclose(together[:, :n], want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=qtype)
-        np.testing.assert_array_equal(alone, together, err_msg=qtype)  # the same bits alone
+        np.testing.assert_allclose(
+            together[:, :n], want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=f"{name} {qtype}"
+        )
+        np.testing.assert_array_equal(alone, together, err_msg=f"{name} {qtype}")  # alone too
     assert at == out.size
