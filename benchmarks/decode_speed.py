@@ -19,9 +19,9 @@ plus each path's start-up time (load + kernel build + compile/warm-up). Paths (-
   compiled-fp32  --kernels torch --dtype float32: torch.compile in fp32, the best torch does
                  on a CPU without bf16 arithmetic (where it emulates bf16)
   bf16           --weights bf16: iterserve's kernels, one fused C++ op per layer
-  int8           --weights int8: int8 weights and activations (W8A8) at every step size
-  default        the engine's defaults: for the bundled Q4_1 GGUF, its 4-bit layers and
-                 8-bit head on few-token steps, an int8 copy (W8A8) on larger ones
+  int8           --weights int8: every projection as Q8_0 blocks, int8 activations
+  default        the engine's defaults: for the bundled Q4_1 GGUF, its own Q4_1 layers and
+                 Q8_0 head at every step size, on int8 activations
   default-kv8    the defaults with --kv-cache-dtype int8 (K/V in 8 bits, a scale per row)
   bf16-kv8       --weights bf16 --kv-cache-dtype int8
 

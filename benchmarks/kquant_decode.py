@@ -1,8 +1,8 @@
 """A K-quant GGUF (e.g. Q4_K_M) kept quantized: resident memory and one sequence's decode
 speed, against the same file expanded to bf16 and against llama.cpp on the same file.
 
-Each weights mode (--weights: `int4` keeps only the checkpoint's blocks, `auto` adds a
-wide int8 copy for many-row steps, `bf16` is the expansion) runs in its own process, so its
+Each weights mode (--weights: `auto` runs the checkpoint's own blocks, `int8` every
+projection as Q8_0, `bf16` the expansion) runs in its own process, so its
 resident set (VmRSS once warm, and the peak, load included) is its own: one sequence of
 --prompt-len ordinary tokens then --output-len greedy tokens (ignore_eos), decode tok/s over
 the decode-only steps. With --llama-cpp BIN_DIR (`benchmarks/peers/llama_cpp.sh path`) the
@@ -133,7 +133,7 @@ def run_llama_cpp(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a GGUF file")
-    parser.add_argument("--weights", default="int4,auto,bf16")
+    parser.add_argument("--weights", default="auto,bf16")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     # On a loaded machine a thread descheduled at a barrier stalls the step: 1 is steadier.

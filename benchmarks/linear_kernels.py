@@ -12,11 +12,14 @@ of a 1B are ~140 MB in Q4_K against a 36 MB L3 here), and prints:
             iterserve.bench.bandwidth)
   GOP/s     2 M N K / time: at many rows what the step answers to
 
-Weights are random blocks (the kernels' speed does not depend on the values). Medians of
+Weights are random blocks (the kernels' speed does not depend on the values), on 2 MiB pages
+as the engine holds them (model/host_memory.py); `--pages 4k,2m` runs each format both on
+ordinary 4 KiB pages and on huge pages, to show what those are worth. Medians of
 interleaved repeats, so a noisy spell hits every format alike; asserts nothing. The kernels
 run in the ISA variant the CPU picks or ITERSERVE_ISA names (printed first).
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1,4,16,64,512] [--formats Q4_K,Q6_K]
+        [--body llama-8b --layers 2] [--pages 4k,2m]
     ITERSERVE_ISA=avx2 .venv/bin/python benchmarks/linear_kernels.py
 """
 
@@ -33,6 +36,7 @@ from iterserve import kernels
 from iterserve.bench.bandwidth import read_bandwidth
 from iterserve.bench.machine import cpu_line
 from iterserve.model import block_formats as bf
+from iterserve.model.host_memory import weight_buffer
 
 # (qkv, o, gate_up, down) as [N, K] of each body.
 BODIES = {
@@ -43,15 +47,20 @@ BODIES = {
 FORMATS = ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "Q3_K", "Q2_K", "bf16"]
 
 
-def random_tiles(fmt: str, n: int, k: int, rng: np.random.Generator) -> tuple[torch.Tensor, int]:
+def random_tiles(
+    fmt: str, n: int, k: int, rng: np.random.Generator, pages: str
+) -> tuple[torch.Tensor, int]:
     if fmt == "bf16":
-        return bf.tile_dense((torch.randn(n, k) * 0.02).bfloat16())
-    block = bf.BLOCK_FORMATS[fmt]
-    if k % block.inputs:
-        raise ValueError(f"{fmt} needs rows of whole {block.inputs}-input blocks, not {k}")
-    raw = rng.integers(0, 256, (n, block.row_bytes(k)), dtype=np.uint8)
-    # The fp16 fields' bits are random too: the kernels' speed does not look at them.
-    return bf.repack(kernels.ops(), raw, block, k), block.code
+        tiles, code = bf.tile_dense((torch.randn(n, k) * 0.02).bfloat16())
+    else:
+        block = bf.BLOCK_FORMATS[fmt]
+        if k % block.inputs:
+            raise ValueError(f"{fmt} needs rows of whole {block.inputs}-input blocks, not {k}")
+        raw = rng.integers(0, 256, (n, block.row_bytes(k)), dtype=np.uint8)
+        # The fp16 fields' bits are random too: the kernels' speed does not look at them.
+        tiles, code = bf.repack(kernels.ops(), raw, block, k), block.code
+    held = weight_buffer(*tiles.shape) if pages == "2m" else torch.empty_like(tiles)
+    return held.copy_(tiles), code
 
 
 def main() -> None:
@@ -61,6 +70,7 @@ def main() -> None:
     parser.add_argument("--body", default="llama-1b", choices=sorted(BODIES))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--pages", default="2m", help="4k, 2m or both: 4k,2m")
     parser.add_argument("--json", default="bench_results/linear_kernels.json")
     args = parser.parse_args()
     if not kernels.available():
@@ -72,14 +82,23 @@ def main() -> None:
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
     rng = np.random.default_rng(0)
     shapes = BODIES[args.body]
-    formats = args.formats.split(",")
+    pages = args.pages.split(",")
+    # A contender is a format on a page size ("Q4_K", or "Q4_K 4k" when both are run).
+    formats = [
+        fmt if len(pages) == 1 else f"{fmt} {page}"
+        for fmt in args.formats.split(",")
+        for page in pages
+    ]
     weights = {
-        fmt: [[random_tiles(fmt, n, k, rng) for n, k in shapes] for _ in range(args.layers)]
-        for fmt in formats
+        name: [
+            [random_tiles(name.split()[0], n, k, rng, page) for n, k in shapes]
+            for _ in range(args.layers)
+        ]
+        for name, page in zip(formats, pages * len(args.formats.split(",")), strict=True)
     }
     ops = kernels.ops()
     results = []
-    print(f"{'rows':>4}  {'format':8} {'ms':>9} {'GB/s':>6} {'share':>6} {'GOP/s':>7}")
+    print(f"{'rows':>4}  {'format':11} {'ms':>9} {'GB/s':>6} {'share':>6} {'GOP/s':>7}")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in shapes}
 
@@ -97,7 +116,7 @@ def main() -> None:
             s = seconds[fmt]
             gbs = nbytes / s / 1e9
             print(
-                f"{rows:4d}  {fmt:8} {s * 1e3:9.2f} {gbs:6.1f} {gbs * 1e9 / bandwidth:6.0%} "
+                f"{rows:4d}  {fmt:11} {s * 1e3:9.2f} {gbs:6.1f} {gbs * 1e9 / bandwidth:6.0%} "
                 f"{flops / s / 1e9:7.0f}",
                 flush=True,
             )
@@ -116,6 +135,7 @@ def main() -> None:
             "isa": kernels.isa(),
             "threads": threads,
             "body": args.body,
+            "pages": pages,
             "bandwidth": bandwidth,
             "results": results,
         },

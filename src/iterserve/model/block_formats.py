@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from iterserve.model.host_memory import weight_buffer
+
 TILE = 16  # output rows a tile
 
 
@@ -87,7 +89,7 @@ def repack(
     source = torch.from_numpy(raw)
     count = rows.numel() if rows is not None else padded_rows(raw.shape[0])
     if out is None:
-        out = torch.empty((count // TILE, fmt.bytes_per_tile(k)), dtype=torch.uint8)
+        out = weight_buffer(count // TILE, fmt.bytes_per_tile(k))
     ops.repack_gguf(source, fmt.code, k, rows, out, first_tile)  # type: ignore[attr-defined]
     return out
 

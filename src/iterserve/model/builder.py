@@ -3,7 +3,6 @@ weight format, compiled or not. Every choice is made here, once, and said in one
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_blocks import GGUFBlocks
+from iterserve.model.host_memory import release_freed_memory
 from iterserve.model.linear import Backend, WeightMode, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
@@ -164,21 +164,6 @@ def build_model(
         dtype_reason,
     )
     return model, plan
-
-
-def release_freed_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim). A load frees
-    what it read a slice at a time and the tokenizer's building blocks, but glibc keeps
-    freed chunks under its mmap threshold (which grows to 32 MB as large buffers come and go)
-    resident for reuse: 30-50 MB held for nothing after a GGUF's load (measured once, the
-    bundled tokenizer and a 400 MB file). Elsewhere than glibc, nothing to do."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def _attends_in_kernel(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from iterserve.model.block_formats import TILE, BlockFormat, padded_rows, repack
+from iterserve.model.host_memory import weight_buffer
 
 # Bytes of file read at once when repacking a large tensor.
 _SLICE_BYTES = 64 << 20
@@ -77,9 +78,7 @@ class GGUFBlocks:
         if self.rows is not None:  # a permutation reads rows anywhere: the whole tensor at once
             padding = torch.full((padded_rows(n) - n,), -1, dtype=torch.long)
             return repack(ops, self.read(), self.format, k, torch.cat((self.rows.long(), padding)))
-        out = torch.empty(
-            (padded_rows(n) // TILE, self.format.bytes_per_tile(k)), dtype=torch.uint8
-        )
+        out = weight_buffer(padded_rows(n) // TILE, self.format.bytes_per_tile(k))
         step = max(TILE, _SLICE_BYTES // self.format.row_bytes(k) // TILE * TILE)
         for start in range(0, n, step):
             stop = min(n, start + step)

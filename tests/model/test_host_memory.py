@@ -1,0 +1,39 @@
+"""The kernels' tiles live in their own mappings advised for huge pages (model/host_memory.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from iterserve.model.host_memory import weight_buffer
+
+SMAPS = Path("/proc/self/smaps")
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address`."""
+    text = SMAPS.read_text()
+    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) .*?^VmFlags:([^\n]*)", text, re.S | re.M):
+        if int(m.group(1), 16) <= address < int(m.group(2), 16):
+            return m.group(3).split()
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_large_buffer_is_its_own_mapping_advised_for_huge_pages() -> None:
+    if not SMAPS.exists():
+        pytest.skip("no /proc/self/smaps here")
+    tiles = weight_buffer(64, 64 << 10)  # 4 MiB
+    assert tiles.shape == (64, 64 << 10) and tiles.dtype == torch.uint8
+    tiles.fill_(7)  # writable, and outlives the mapping object it was made from
+    assert int(tiles[-1, -1]) == 7 and int(tiles.sum()) == 7 * tiles.numel()
+    assert "hg" in _vm_flags(tiles.data_ptr())  # MADV_HUGEPAGE given
+
+
+def test_a_small_buffer_is_ordinary_memory() -> None:
+    tiles = weight_buffer(4, 1024)
+    assert tiles.shape == (4, 1024) and tiles.dtype == torch.uint8
+    if SMAPS.exists():
+        assert "hg" not in _vm_flags(tiles.data_ptr())
