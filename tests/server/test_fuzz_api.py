@@ -7,7 +7,7 @@ endpoint: raw (as the schema allows), tamed (raw, with what is refused at once
 fixed up and sampling settings drawn in range, so requests reach the engine and
 the sampler) and negative (violating the schema). Bounded for CI: a fixed
 number of examples and a fixed seed, on the tiny model with a short context
-(so a chat asking for "all the context leaves" stays short); about 30 s.
+(so a chat asking for "all the context leaves" stays short); about 80 s on 2 cores.
 """
 
 from __future__ import annotations
