@@ -19,7 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from iterserve.chat.messages import ChatMessage
 from iterserve.chat.tool_parsers import select_tool_parser
-from iterserve.chat.tool_parsers.streaming import new_call_id, parse_answer
+from iterserve.chat.tool_parsers.streaming import parse_answer
 from iterserve.chat.tool_prompt import render_with_tools
 from iterserve.chat.tool_protocol import ToolChoice, ToolDefinition
 from iterserve.chat.tools import ToolPlan, plan_tools
@@ -87,12 +87,13 @@ class ChatWithTools:
         """Each answer's calls into `tool_calls` (None where the plan parses nothing,
         [] for an answer without calls); `text` stays the model's whole answer."""
         for output, plan in zip(outputs, self.plans, strict=True):
-            if plan.reader is None:
+            reader = plan.reader
+            if reader is None:
                 continue
-            answer = parse_answer(plan.reader, output.text, plan.max_calls)
+            answer = parse_answer(reader, output.text, plan.max_calls)
             output.tool_calls = [
                 {
-                    "id": new_call_id(),
+                    "id": reader.new_call_id(),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 }

@@ -58,7 +58,7 @@ def plan_tools(
     in_system = not shows_tools(chat_template or "")
     if choice != "auto":
         enforce_schema(params, forced_call_schema(tools, choice, max_calls))
-        reader = ForcedCallReader(choice)
+        reader = ForcedCallReader(choice, call_format)
         return ToolPlan(template_tools, reader, max_calls, call_format, in_system)
     if parser is None:
         raise InvalidRequestError(
@@ -68,7 +68,10 @@ def plan_tools(
         )
     if any(marker in special_tokens for marker in parser.markers):
         params.skip_special_tokens = False  # or the call's marker vanishes from the text
-    return ToolPlan(template_tools, parser, max_calls, call_format, in_system)
+    reader = parser.with_tools(
+        {tool.function.name: tool.function.parameters_schema() for tool in tools}
+    )
+    return ToolPlan(template_tools, reader, max_calls, call_format, in_system)
 
 
 def _template_tool(tool: ToolDefinition) -> dict[str, Any]:

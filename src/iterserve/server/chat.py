@@ -14,7 +14,6 @@ from fastapi.responses import Response
 from iterserve.chat.tool_parsers.streaming import (
     StreamDelta,
     ToolCallStream,
-    new_call_id,
     parse_answer,
 )
 from iterserve.chat.tool_prompt import render_with_tools
@@ -123,14 +122,17 @@ async def create_chat_completion(
 def _choice(
     index: int, output: RequestOutput, plan: ToolPlan, logprobs: ChatChoiceLogprobs | None
 ) -> ChatChoice:
-    if plan.reader is None:
+    reader = plan.reader
+    if reader is None:
         message = AssistantMessage(content=output.text)
         return ChatChoice(
             index=index, message=message, logprobs=logprobs, finish_reason=output.finish_reason
         )
-    answer = parse_answer(plan.reader, output.text, plan.max_calls)
+    answer = parse_answer(reader, output.text, plan.max_calls)
     calls = [
-        ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+        ToolCall(
+            id=reader.new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments)
+        )
         for call in answer.calls
     ]
     return ChatChoice(

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from iterserve.chat.tool_parsers.streaming import ToolCallStream, new_call_id, parse_answer
+from iterserve.chat.tool_parsers.streaming import ToolCallStream, parse_answer
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
 from iterserve.sampling_params import InvalidRequestError
@@ -110,7 +110,8 @@ def _output_items(
         else []
     )
     items += [
-        _call_item(new_call_id(), call.name, call.arguments, "completed") for call in answer.calls
+        _call_item(reader.new_call_id(), call.name, call.arguments, "completed")
+        for call in answer.calls
     ]
     return items
 

@@ -11,8 +11,9 @@ and content a client reassembles are those of the non-streamed answer by constru
 from __future__ import annotations
 
 import json
+import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +36,11 @@ class AnswerReader(ABC):
         piece) and calls are never taken back; a possible call is left out until it is
         complete. With `final` True, the whole text is accounted for."""
 
+    def new_call_id(self) -> str:
+        """The id a call read from the answer gets: the client sends it back with the
+        call and with its result, and the chat template may check it."""
+        return f"call_{secrets.token_hex(12)}"
+
 
 class ToolParser(AnswerReader):
     """A model family's call format: how to read it, and how to write or describe it."""
@@ -47,8 +53,13 @@ class ToolParser(AnswerReader):
     call_format: ClassVar[str]
 
     @abstractmethod
-    def write_call(self, function: dict[str, Any]) -> str:
+    def write_call(self, function: Mapping[str, Any]) -> str:
         """A call ({"name", "arguments": {...}}) as the model would write it."""
+
+    def with_tools(self, schemas: Mapping[str, Mapping[str, Any]]) -> ToolParser:
+        """The reader for one request, whose tools' parameter schemas are `schemas` (by
+        function name). A format whose calls carry their own types (JSON) ignores them."""
+        return self
 
     @classmethod
     def detects(cls, chat_template: str) -> bool:

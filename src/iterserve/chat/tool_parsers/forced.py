@@ -63,10 +63,16 @@ def parse_forced_answer(text: str, choice: str | NamedToolChoice) -> list[Parsed
 
 
 class ForcedCallReader(AnswerReader):
-    """The whole answer is the call(s), as JSON: nothing is certain before its end."""
+    """The whole answer is the call(s), as JSON: nothing is certain before its end. The
+    calls get ids as the model's own format has them (`call_format`), so a template that
+    checks ids takes them back."""
 
-    def __init__(self, choice: str | NamedToolChoice) -> None:
+    def __init__(self, choice: str | NamedToolChoice, call_format: AnswerReader) -> None:
         self.choice = choice
+        self.call_format = call_format
+
+    def new_call_id(self) -> str:
+        return self.call_format.new_call_id()
 
     def scan(self, text: str, final: bool) -> list[Piece]:
         if not final:

@@ -6,6 +6,7 @@ content too."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from iterserve.chat.tool_parsers.base import Piece, ToolParser, call_from_object
@@ -20,7 +21,7 @@ class Llama3JsonToolParser(ToolParser):
     markers: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)
     call_format = '{"name": <function name>, "parameters": <arguments as a JSON object>}'
 
-    def write_call(self, function: dict[str, Any]) -> str:
+    def write_call(self, function: Mapping[str, Any]) -> str:
         call = {"name": function["name"], "parameters": function["arguments"]}
         return json.dumps(call, ensure_ascii=False)
 

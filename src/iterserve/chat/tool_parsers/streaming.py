@@ -4,14 +4,9 @@ and calls each new piece of text makes certain), both from the same scans."""
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 
 from iterserve.chat.tool_parsers.base import AnswerReader, ParsedCall
-
-
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
 
 
 @dataclass(frozen=True)
@@ -61,7 +56,7 @@ class ToolCallStream:
         self.sent_content = len(content)
         fresh = []
         for index in range(len(self.call_ids), len(calls)):
-            self.call_ids.append(new_call_id())
+            self.call_ids.append(self.reader.new_call_id())
             fresh.append((index, self.call_ids[index], calls[index]))
         return StreamDelta(new_content, fresh)
 
