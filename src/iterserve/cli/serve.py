@@ -33,9 +33,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         choices=TOOL_PARSER_CHOICES,
         default="auto",
         help="how chat answers are read into tool calls: hermes (<tool_call>{...}</tool_call>, "
-        "Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON); auto: the format the chat "
-        "template asks for (Hermes', taught in the system message, when the template has no "
-        "place for tools); none: tool_choice 'auto' is refused",
+        "Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS]), "
+        "pythonic ([f(x=1), g()], LFM2), qwen3_coder (<tool_call><function=f>...), deepseek_v3 "
+        "(V3, R1), deepseek_v31 (V3.1); auto: the format the chat template asks for (Hermes', "
+        "taught in the system message, when the template has no place for tools); none: "
+        "tool_choice 'auto' is refused (docs/tool_calling.md)",
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

@@ -10,11 +10,26 @@ from iterserve.chat.tool_parsers.base import (
     shows_tool_calls,
     shows_tools,
 )
+from iterserve.chat.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from iterserve.chat.tool_parsers.hermes import HermesToolParser
 from iterserve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
+from iterserve.chat.tool_parsers.mistral import MistralToolParser
+from iterserve.chat.tool_parsers.pythonic import PythonicToolParser
+from iterserve.chat.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
+# The families' real templates each match exactly one `detects` (tests check it), so the
+# order here is only the order of the CLI's choices.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+    parser.name: parser
+    for parser in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        PythonicToolParser,
+        Qwen3CoderToolParser,
+        DeepSeekV3ToolParser,
+        DeepSeekV31ToolParser,
+    )
 }
 TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS, "none")
 
