@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from iterserve.engine.template_inputs import fitted_to_template
 from iterserve.sampling_params import InvalidRequestError
 
 # OpenAI's roles that any chat template is expected to take; a template may name more.
@@ -76,7 +77,7 @@ def render_chat(
             )
     try:
         text = tokenizer.apply_chat_template(
-            [dict(message) for message in messages],
+            [dict(message) for message in fitted_to_template(template, messages)],
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
