@@ -161,3 +161,22 @@ def scripted_tokens(server: RunningServer, script: list[int]) -> Iterator[None]:
         yield
     finally:
         executor.execute = original  # type: ignore[method-assign]
+
+
+def reassembled(chunks: list[Any], index: int = 0) -> tuple[str, list[tuple[str, str]], str | None]:
+    """Choice `index`'s content, calls (name, arguments) and finish reason in a stream, as
+    a client builds them: a delta with an id opens a call, later ones add arguments."""
+    content, calls, finish = "", {}, []
+    for chunk in chunks:
+        if not chunk.choices or chunk.choices[0].index != index:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            if piece.id is not None:
+                assert piece.index not in calls and piece.function.name
+                calls[piece.index] = [piece.function.name, ""]
+            calls[piece.index][1] += piece.function.arguments or ""
+        finish.append(chunk.choices[0].finish_reason)
+    assert not any(finish[:-1])
+    return content, [(name, args) for name, args in calls.values()], finish[-1]

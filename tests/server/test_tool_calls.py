@@ -37,6 +37,7 @@ from server_fixtures import (
     QWEN_TOOLS_TEMPLATE,
     RunningServer,
     answer_tokens,
+    reassembled,
     running_server,
     scripted_tokens,
     with_chat_template,
@@ -330,7 +331,7 @@ def test_tool_loop_through_the_openai_client(client: openai.OpenAI, server: Runn
 
     # Streamed: content first, then per call its id and name, then its arguments.
     for index in (0, 1):
-        assert _reassembled(chunks, index) == (
+        assert reassembled(chunks, index) == (
             choice.message.content,
             [(c.function.name, c.function.arguments) for c in calls],
             "tool_calls",
@@ -408,27 +409,6 @@ def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
         assert error.value.body["param"] == param  # type: ignore[index]
 
 
-def _reassembled(
-    chunks: list[Any], index: int = 0
-) -> tuple[str, list[tuple[str, str]], str | None]:
-    """Choice `index`'s content, calls (name, arguments) and finish reason in a stream, as
-    a client builds them: a delta with an id opens a call, later ones add arguments."""
-    content, calls, finish = "", {}, []
-    for chunk in chunks:
-        if not chunk.choices or chunk.choices[0].index != index:
-            continue
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for piece in delta.tool_calls or []:
-            if piece.id is not None:
-                assert piece.index not in calls and piece.function.name
-                calls[piece.index] = [piece.function.name, ""]
-            calls[piece.index][1] += piece.function.arguments or ""
-        finish.append(chunk.choices[0].finish_reason)
-    assert not any(finish[:-1])
-    return content, [(name, args) for name, args in calls.values()], finish[-1]
-
-
 def test_forced_calls_are_read_back_once_decoding_is_constrained(
     client: openai.OpenAI, server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -453,7 +433,7 @@ def test_forced_calls_are_read_back_once_decoding_is_constrained(
         calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
         assert [(name, json.loads(args)) for name, args in calls] == expected
         assert message.content is None and whole.choices[0].finish_reason == "tool_calls"
-        assert _reassembled(chunks) == ("", calls, "tool_calls")
+        assert reassembled(chunks) == ("", calls, "tool_calls")
 
 
 def _closed_tools() -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -498,7 +478,7 @@ def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.Op
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), schemas[name])
         chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
-        assert _reassembled(chunks) == ("", calls, "tool_calls")
+        assert reassembled(chunks) == ("", calls, "tool_calls")
 
 
 # ---- offline: LLM.chat with tools -------------------------------------------------------
