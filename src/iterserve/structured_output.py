@@ -83,6 +83,14 @@ class StructuredOutput:
         for name in ("regex", "grammar"):
             if getattr(self, name) == "":
                 raise InvalidRequestError(f"the {name} must not be empty", self.param)
+        if self.json_schema is not None and "x-guidance" in self.json_schema:
+            # llguidance's layout options would undo the bounds that make JSON end
+            # (compact whitespace; its `lenient` ignores keywords it cannot enforce).
+            raise InvalidRequestError(
+                "the JSON schema's x-guidance options are not taken: the server lays JSON "
+                "out itself (compact, numbers' digits bounded)",
+                self.param,
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         # The compiled grammar belongs to one process's library objects; another process

@@ -234,6 +234,33 @@ def test_parse_returns_the_pydantic_object(client: openai.OpenAI) -> None:
         assert isinstance(choice.message.parsed, City)
 
 
+class CityPopulation(BaseModel):
+    name: str
+    country: str
+    population_millions: float
+
+
+@pytest.mark.slow
+def test_parse_ends_objects_whose_numbers_would_loop(client: openai.OpenAI) -> None:
+    """Greedy, the bundled model loops on the population's digits for these four cities
+    (`"population_millions": 3111111...`): before numbers were bounded, all four ran
+    to max_tokens (`length`; checked on the commit before the bound). With a number's
+    digits bounded as llama.cpp's JSON grammar bounds them, each is a complete object,
+    as llama-server returns for the same requests."""
+    for city in ("Paris", "Lagos", "Oslo", "Cairo"):
+        # parse() raises LengthFinishReasonError for an answer cut by max_tokens.
+        completion = client.beta.chat.completions.parse(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": f"Describe {city} as JSON."}],
+            response_format=CityPopulation,
+            max_tokens=200,
+            temperature=0,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, CityPopulation)
+
+
 @pytest.mark.slow
 def test_json_object_choice_and_regex_always_hold(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(
@@ -293,6 +320,16 @@ def test_json_object_choice_and_regex_always_hold(client: openai.OpenAI) -> None
             "response_format",
         ),
         ({"guided_json": "{not json"}, "guided_json"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "response_format",
+        ),  # a keyword the grammar cannot enforce
+        ({"guided_json": {"type": "object", "x-guidance": {"lenient": True}}}, "guided_json"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
         ({"guided_regex": "\U000b1bec"}, "guided_regex"),  # byte 0xF2 has no token
         ({"guided_choice": []}, "guided_choice"),

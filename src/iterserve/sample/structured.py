@@ -15,6 +15,13 @@ Why llguidance (and not xgrammar): docs/structured_output.md, with the measureme
 
 A matcher whose grammar can go no further allows only EOS, so the request ends with
 `stop`; where it is complete but could go on, EOS is one of the tokens it allows.
+
+JSON (a schema or any object) gets a second matcher beside the schema's: the bound on
+its numbers' digits (sample/json_number_bounds.py), a regular language over the whole
+text. A token is allowed where both allow it. Where the bound would leave no token the
+schema allows (a schema needing more digits than the caps, e.g. a large `multipleOf`),
+the schema alone decides that row, and the request drops its bound once it takes a
+token the bound refuses: the bound steers, the schema has the last word.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import numpy as np
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from iterserve.sample.json_number_bounds import NumberBounds
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.structured_output import StructuredOutput
 
@@ -54,9 +62,14 @@ class CompiledGrammar:
     """A matcher in its start state; each request's matcher is a copy of it."""
 
     template: Any  # llguidance.LLMatcher
+    # JSON's bound on number digits, in its start state (None for other constraints).
+    bound: Any = None
 
     def new_matcher(self) -> Any:
         return self.template.deep_copy()
+
+    def new_bound(self) -> Any:
+        return None if self.bound is None else self.bound.deep_copy()
 
 
 def grammar_text(spec: StructuredOutput) -> str:
@@ -87,6 +100,8 @@ class GrammarCompiler:
         self._eos = list(eos_token_ids) or None
         self._lltokenizer: Any = None
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        # Bound matchers by their caps: nearly every schema shares the default ones.
+        self._bounds: dict[NumberBounds, Any] = {}
         self._lock = threading.Lock()
 
     @property
@@ -131,7 +146,26 @@ class GrammarCompiler:
                 "it matches (it needs bytes the tokenizer cannot write)",
                 spec.param,
             )
-        return CompiledGrammar(template)
+        return CompiledGrammar(template, self._bound_for(spec))
+
+    def _bound_for(self, spec: StructuredOutput) -> Any:
+        """The number bound's matcher in its start state, for JSON constraints."""
+        if spec.json_schema is not None:
+            bounds = NumberBounds.for_schema(spec.json_schema)
+        elif spec.json_object:
+            bounds = NumberBounds()
+        else:
+            return None
+        with self._lock:
+            bound = self._bounds.get(bounds)
+        if bound is None:
+            text = llguidance.LLMatcher.grammar_from_regex(bounds.text_regex())
+            bound = llguidance.LLMatcher(self.lltokenizer, text, log_level=0)
+            if bound.is_error():  # the regex is ours: a failure is iterserve's bug
+                raise RuntimeError(f"the JSON number bound does not compile: {bound.get_error()}")
+            with self._lock:
+                self._bounds[bounds] = bound
+        return bound
 
     def attach(self, spec: StructuredOutput) -> None:
         """Compile `spec` unless it already carries its grammar."""
@@ -144,6 +178,9 @@ class StructuredBatch:
 
     def __init__(self, num_threads: int | None = None) -> None:
         self._matchers: dict[str, Any] = {}
+        # The number bounds of JSON requests, each following the same tokens as its
+        # request's matcher until it refuses one the schema takes (then dropped).
+        self._bounds: dict[str, Any] = {}
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
 
     def __contains__(self, request_id: str) -> bool:
@@ -154,9 +191,13 @@ class StructuredBatch:
 
     def add(self, request_id: str, grammar: CompiledGrammar) -> None:
         self._matchers[request_id] = grammar.new_matcher()
+        bound = grammar.new_bound()
+        if bound is not None:
+            self._bounds[request_id] = bound
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._bounds.pop(request_id, None)
 
     def mask(
         self,
@@ -205,11 +246,40 @@ class StructuredBatch:
         width: int,
     ) -> np.ndarray:
         """One row of allowed-token bits (32 to a word) per masked logit row, request i's
-        `lengths[i]` rows one after the other, filled by the library's threads."""
+        `lengths[i]` rows one after the other: what its grammar allows, and its number
+        bound too where the two leave some token (the bound yields to the schema)."""
         words = (width + 31) // 32
+        matchers = [self._matchers[request_id] for request_id in request_ids]
+        bitmask = self._fill(matchers, lengths, drafts, words)
+        bounded = [i for i, request_id in enumerate(request_ids) if request_id in self._bounds]
+        if not bounded:
+            return bitmask
+        bound_bits = self._fill(
+            [self._bounds[request_ids[i]] for i in bounded],
+            [lengths[i] for i in bounded],
+            None if drafts is None else [drafts[i] for i in bounded],
+            words,
+        )
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        bound_offsets = itertools.accumulate((lengths[i] for i in bounded), initial=0)
+        for i, start in zip(bounded, bound_offsets, strict=False):
+            rows = bitmask[offsets[i] : offsets[i] + lengths[i]]
+            both = rows & bound_bits[start : start + lengths[i]]
+            kept = both.any(axis=1)
+            rows[kept] = both[kept]
+        return bitmask
+
+    def _fill(
+        self,
+        matchers: list[Any],
+        lengths: list[int],
+        drafts: Sequence[Sequence[int]] | None,
+        words: int,
+    ) -> np.ndarray:
+        """The allowed-token bits of `matchers`, matcher i's `lengths[i]` rows (after
+        each of its drafts) one after the other, filled by the library's threads."""
         count = sum(lengths)
         offsets = list(itertools.accumulate(lengths, initial=0))
-        matchers = [self._matchers[request_id] for request_id in request_ids]
         stride = words * 4
         if drafts is not None and any(drafts):
             # Rows past a refused draft are not written: they stay all allowed.
@@ -258,19 +328,40 @@ class StructuredBatch:
             return
 
     def valid_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """How many of `token_ids`, from the start, the request's grammar accepts next
-        (0 for a request without a matcher yet)."""
+        """How many of `token_ids`, from the start, the request's grammar (and number
+        bound) accepts next (0 for a request without a matcher yet)."""
         matcher = self._matchers.get(request_id)
-        return 0 if matcher is None else int(matcher.validate_tokens(list(token_ids)))
+        if matcher is None:
+            return 0
+        valid = int(matcher.validate_tokens(list(token_ids)))
+        bound = self._bounds.get(request_id)
+        if bound is not None and valid:
+            valid = min(valid, int(bound.validate_tokens(list(token_ids[:valid]))))
+        return valid
 
     def try_advance(self, request_id: str, token_id: int) -> bool:
-        """Follow one guessed token if the grammar accepts it and is not already complete
-        (a draft model's guesses; `rollback` undoes them). False, and no change, if not."""
+        """Follow one guessed token if the grammar (and number bound) accepts it and the
+        grammar is not already complete (a draft model's guesses; `rollback` undoes
+        them). False, and no change, if not."""
         matcher = self._matchers[request_id]
-        return not matcher.is_stopped() and matcher.try_consume_tokens([token_id]) == 1
+        if matcher.is_stopped() or matcher.try_consume_tokens([token_id]) != 1:
+            return False
+        bound = self._bounds.get(request_id)
+        if bound is not None and bound.try_consume_tokens([token_id]) != 1:
+            self._rollback(matcher, 1, request_id)
+            return False
+        return True
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
-        if num_tokens and not self._matchers[request_id].rollback(num_tokens):
+        if num_tokens:
+            self._rollback(self._matchers[request_id], num_tokens, request_id)
+            bound = self._bounds.get(request_id)
+            if bound is not None:
+                self._rollback(bound, num_tokens, request_id)
+
+    @staticmethod
+    def _rollback(matcher: Any, num_tokens: int, request_id: str) -> None:
+        if not matcher.rollback(num_tokens):
             raise RuntimeError(f"request {request_id}: cannot roll its grammar back")
 
     def advance(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -297,6 +388,18 @@ class StructuredBatch:
                     request_id, token_id, matcher.get_error().splitlines()[0],
                 )  # fmt: skip
                 return
+            self._follow_bound(request_id, token_id)
+
+    def _follow_bound(self, request_id: str, token_id: int) -> None:
+        """Advance the request's number bound, or drop it if it refuses the token: the
+        schema took a token the bound forbids, which only a row the bound would have
+        emptied allows (a schema needing more digits than the caps)."""
+        bound = self._bounds.get(request_id)
+        if bound is not None and not bound.consume_token(token_id):
+            del self._bounds[request_id]
+            logger.debug(
+                "request %s: its schema needs more digits than the bound; dropped", request_id
+            )
 
     def is_finished(self, request_id: str) -> bool:
         return bool(self._matchers[request_id].is_stopped())
