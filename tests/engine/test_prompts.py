@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.engine.prompts import STANDARD_ROLES, RenderedChat, render_chat, template_roles
+from iterserve.engine.prompts import (
+    STANDARD_ROLES,
+    RenderedChat,
+    continuing,
+    encode_prompt,
+    render_chat,
+    template_roles,
+)
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
 from iterserve.sampling_params import InvalidRequestError
 
@@ -51,3 +58,33 @@ def test_known_roles_render_and_template_errors_are_bad_requests(tokenizer) -> N
     assert caught.value.param == "messages"
     with pytest.raises(InvalidRequestError, match="no chat template"):
         render_chat(tokenizer, None, [{"role": "user", "content": "hi"}])
+
+
+def test_a_continued_chat_keeps_the_tokens_an_earlier_turn_ran(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The answer as the model wrote it, one token a character, is not how the tokenizer
+    splits its text: the continued prompt keeps the written tokens, and only when they
+    decode to exactly the rendering's start."""
+    template = chat_template_of(tokenizer)
+    question = [{"role": "user", "content": "Say hello."}]
+    first = render_chat(tokenizer, template, question)
+    answer = "hello world"
+    written = [tokenizer.encode(ch, add_special_tokens=False)[0] for ch in answer]
+    assert written != tokenizer.encode(answer, add_special_tokens=False)
+    ran = [*encode_prompt(tokenizer, first), *written, tokenizer.eos_token_id]
+    conversation = [*question, {"role": "assistant", "content": answer}]
+    second = render_chat(tokenizer, template, [*conversation, {"role": "user", "content": "Again."}])
+
+    continued = continuing(second, [ran], tokenizer)
+    ids = encode_prompt(tokenizer, continued)
+    assert ids[: len(ran)] == ran and ids != encode_prompt(tokenizer, second)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == second.text
+
+    # Text that is not the rendering's start, ids this vocabulary lacks: encoded anew.
+    other = [*encode_prompt(tokenizer, first), *written[:-1], tokenizer.eos_token_id]
+    assert continuing(second, [other], tokenizer) == second
+    assert continuing(second, [[*ran[:-1], len(tokenizer)]], tokenizer) == second
+    # The first candidate that fits is kept, longest first.
+    prompt_only = encode_prompt(tokenizer, first)
+    assert continuing(second, [other, prompt_only], tokenizer).known.token_ids == tuple(  # type: ignore[union-attr]
+        prompt_only
+    )

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 from iterserve.chat.tool_parsers import TOOL_PARSER_CHOICES
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
 from iterserve.replicas.router import ROUTERS
+from iterserve.server.response_store import Retention, default_store_path
 
 if TYPE_CHECKING:
     from iterserve.engine.serving_engine import ServingEngine
 
 logger = logging.getLogger("iterserve.server")
+_DAY = 86_400.0
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +29,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         description="Serve a model over the OpenAI API, with /health and /metrics.",
     )
     _add_front_end_args(p)
+    _add_stored_responses_args(p.add_argument_group("stored responses"))
     _add_data_parallel_args(p.add_argument_group("data parallelism"))
     p.add_argument(
         "--tool-call-parser",
@@ -75,6 +78,33 @@ def _add_front_end_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_stored_responses_args(group: argparse._ArgumentGroup) -> None:
+    """Where /v1/responses keeps what `previous_response_id` and GET/DELETE find."""
+    group.add_argument(
+        "--responses-store",
+        metavar="PATH",
+        default=None,
+        help="SQLite file of stored Responses (created with its directory if missing; "
+        "several servers may share one); ':memory:' keeps them in memory only, gone at exit "
+        "(default: $XDG_DATA_HOME/iterserve/responses.sqlite3, ~/.local/share when unset)",
+    )
+    group.add_argument(
+        "--responses-retention",
+        metavar="COUNT",
+        type=int,
+        default=Retention.max_count,
+        help="stored Responses kept; beyond it the oldest are deleted as new ones are stored "
+        "(0: no limit)",
+    )
+    group.add_argument(
+        "--responses-max-age",
+        metavar="DAYS",
+        type=float,
+        default=Retention.max_age_seconds / _DAY,
+        help="days a stored Response is kept, as OpenAI keeps them (0: no limit)",
+    )
+
+
 def _add_data_parallel_args(dp: argparse._ArgumentGroup) -> None:
     dp.add_argument(
         "--data-parallel-size",
@@ -120,7 +150,10 @@ def serve(args: argparse.Namespace) -> int:
         # shutdown runs; what is left then is only a backstop.
         shutdown_timeout=min(5.0, args.shutdown_timeout),
         tool_call_parser=args.tool_call_parser,
+        responses_store=args.responses_store or str(default_store_path()),
+        responses_retention=Retention(args.responses_retention, args.responses_max_age * _DAY),
     )
+    logger.info("stored responses: %s", settings.responses_store)
     app = create_app(async_engine, settings)
 
     class Server(uvicorn.Server):

@@ -1,7 +1,8 @@
 """What a prompt can be, and a conversation through the model's chat template.
 
 A prompt is text (encoded with the tokenizer's own special tokens, so Llama gets
-its BOS), token ids (used as given), or a `RenderedChat`. Rendering a chat lives
+its BOS), token ids (used as given), or a `RenderedChat` (whose start may come with
+its tokens already known: `continuing`). Rendering a chat lives
 here, in one place for `LLM.chat` and the server. The template writes every special token the model expects (a Llama 2/3 or Mistral
 template starts with BOS), so the rendered text must be encoded *without* the
 tokenizer adding its own: encoding it like a plain prompt would give such models
@@ -33,11 +34,44 @@ _QUOTED = re.compile(r"""['"](\w+)['"]""")
 
 
 @dataclass(frozen=True)
+class KnownTokens:
+    """The start of a rendered chat whose tokens are already known: `token_ids` decode to
+    its first `chars` characters. An earlier turn's prompt and answer are such a start, and
+    their KV may still be in the prefix cache under exactly those tokens; encoding the text
+    again could split it otherwise (a model's answer is rarely the tokenizer's own split),
+    and other tokens are other blocks."""
+
+    chars: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RenderedChat:
     """A conversation rendered by the chat template: text that already holds the
     special tokens the model expects, so it is encoded without adding any."""
 
     text: str
+    known: KnownTokens | None = None  # its start's tokens, used as they are
+
+
+def continuing(
+    rendered: RenderedChat, candidates: Sequence[Sequence[int]], tokenizer: Any
+) -> RenderedChat:
+    """`rendered`, starting with the first of `candidates` (token sequences, longest first)
+    whose text it starts with. A sequence counts only when it decodes, special tokens
+    included, to exactly the rendering's start, with ids this tokenizer knows: then those
+    tokens are that text for this model, whatever model wrote them down."""
+    vocab = len(tokenizer)
+    for token_ids in candidates:
+        if not token_ids or min(token_ids) < 0 or max(token_ids) >= vocab:
+            continue
+        text = tokenizer.decode(
+            list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        # A strictly shorter text: the rest (at least the generation prompt) is encoded anew.
+        if len(text) < len(rendered.text) and rendered.text.startswith(text):
+            return RenderedChat(rendered.text, KnownTokens(len(text), tuple(token_ids)))
+    return rendered
 
 
 Prompt = str | RenderedChat | list[int]
@@ -101,7 +135,11 @@ def encode_prompt(tokenizer: Any, prompt: str | RenderedChat) -> list[int]:
     data-parallel front end, which tokenizes to route (both must see the same ids)."""
     if isinstance(prompt, RenderedChat):
         # The chat template already wrote BOS and the rest; adding more would double them.
-        return encode_text(tokenizer, prompt.text, False, "messages")
+        known = prompt.known
+        if known is None:
+            return encode_text(tokenizer, prompt.text, False, "messages")
+        rest = encode_text(tokenizer, prompt.text[known.chars :], False, "messages")
+        return [*known.token_ids, *rest]
     # The tokenizer's own settings decide on BOS (Llama adds it, SmolLM2 does not).
     return encode_text(tokenizer, prompt, True, "prompt")
 

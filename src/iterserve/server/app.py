@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI routes under /v1, plus /tokenize, /detokenize, /health and
-/metrics.
+"""The FastAPI app: OpenAI routes under /v1 (stored Responses included), plus /tokenize,
+/detokenize, /health and /metrics.
 
 `create_app(AsyncEngine(LLMEngine(config)))` gives an ASGI app; its lifespan
 starts the engine loop and, on shutdown, drains it. Any ServingEngine will do: a
@@ -22,8 +22,10 @@ from iterserve.server.access_log import AccessLogMiddleware
 from iterserve.server.errors import APIError, install_error_handlers
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.openai_routes import openai_routes
+from iterserve.server.response_store import IN_MEMORY, ResponseStore, Retention
 from iterserve.server.serving import ServingContext
 from iterserve.server.status_routes import admin_routes, status_routes
+from iterserve.server.stored_response_routes import stored_response_routes
 from iterserve.server.tokenize import tokenizer_routes
 
 logger = logging.getLogger("iterserve.server")
@@ -36,6 +38,10 @@ class ServerSettings:
     # Seconds in-flight requests get to finish once shutdown starts.
     shutdown_timeout: float = 30.0
     tool_call_parser: str = "auto"  # a name in TOOL_PARSER_CHOICES
+    # Where stored Responses live: a SQLite file, or nowhere on disk (`iterserve serve`
+    # defaults to a file under the user's data directory; an app built here to memory).
+    responses_store: str = IN_MEMORY
+    responses_retention: Retention = field(default_factory=Retention)
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -57,7 +63,8 @@ def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
 
 def create_app(async_engine: ServingEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    ctx = _serving_context(async_engine, settings)
+    store = ResponseStore(settings.responses_store, settings.responses_retention)
+    ctx = _serving_context(async_engine, settings, store)
     metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe_finished
 
@@ -66,6 +73,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
         async_engine.start()
         yield
         await async_engine.shutdown(settings.shutdown_timeout)
+        store.close()  # after the engine: the last responses have been saved
 
     app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.serving = ctx
@@ -75,6 +83,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
 
     guarded = [Depends(_api_key_check(settings.api_key))]
     app.include_router(openai_routes(ctx), dependencies=guarded)
+    app.include_router(stored_response_routes(store), dependencies=guarded)
     # vLLM's paths, outside /v1 but behind the same key.
     app.include_router(admin_routes(async_engine), dependencies=guarded)
     app.include_router(tokenizer_routes(ctx), dependencies=guarded)
@@ -82,7 +91,9 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     return app
 
 
-def _serving_context(async_engine: ServingEngine, settings: ServerSettings) -> ServingContext:
+def _serving_context(
+    async_engine: ServingEngine, settings: ServerSettings, store: ResponseStore
+) -> ServingContext:
     model = async_engine.served_model
     ctx = ServingContext(
         engine=async_engine,
@@ -90,6 +101,7 @@ def _serving_context(async_engine: ServingEngine, settings: ServerSettings) -> S
         tokenizer=model.tokenizer,
         chat_template=model.chat_template,
         max_model_len=model.max_model_len,
+        response_store=store,
         tool_parser=select_tool_parser(settings.tool_call_parser, model.chat_template),
     )
     logger.info(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -26,7 +26,7 @@ from iterserve.chat.tool_protocol import (
 from iterserve.chat.tools import ToolPlan, plan_tools
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import RenderedChat
+from iterserve.engine.prompts import RenderedChat, continuing
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.logprobs import chat_logprobs
 from iterserve.server.protocol import (
@@ -70,9 +70,15 @@ class ChatRun:
 
 
 async def start_chat(
-    body: ChatCompletionRequest, raw: Request, ctx: ServingContext, id_prefix: str = "chatcmpl-"
+    body: ChatCompletionRequest,
+    raw: Request,
+    ctx: ServingContext,
+    id_prefix: str = "chatcmpl-",
+    known: Sequence[Sequence[int]] = (),
 ) -> ChatRun:
-    """Check the request, render the conversation and queue its choices."""
+    """Check the request, render the conversation and queue its choices. `known`: token
+    sequences an earlier turn ran, longest first; the prompt keeps the first its rendering
+    starts with (prompts.continuing), so that turn's cached blocks are found again."""
     model = ctx.resolve_model(body.model)
     params = body.sampling_params()
     plan = plan_tools(
@@ -85,7 +91,7 @@ async def start_chat(
         ctx.special_tokens,
     )
     ctx.engine.check_group_size(params.n)  # before rendering the template
-    prompt = render_prompt(body, ctx, plan)
+    prompt = continuing(render_prompt(body, ctx, plan), known, ctx.tokenizer)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     submitted = await submit(
         raw,

@@ -5,14 +5,17 @@ is shaped as Responses output items: a `message` with one `output_text` part, th
 `function_call` item per call the tool parser read. Streamed, it is Responses' typed
 events (`response.created`, `response.output_item.added`, `response.output_text.delta`,
 ..., `response.completed`), each with its `sequence_number`.
+
+A stored response (`store`, the default) is committed to the response store before the
+last event (or the body) leaves: a client that saw it complete can chain to it, whatever
+happens to the server next (response_chain.py).
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,27 +29,46 @@ from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.chat import ChatRun, start_chat
 from iterserve.server.logprobs import chat_logprobs
 from iterserve.server.protocol import UsageInfo
-from iterserve.server.responses_protocol import ResponsesRequest, responses_param
-from iterserve.server.serving import ServingContext, respond, stream_events
+from iterserve.server.response_chain import known_tokens, previous_response, stored_response
+from iterserve.server.responses_protocol import ResponsesRequest, new_item_id, responses_param
+from iterserve.server.serving import (
+    SSE_DONE,
+    ServingContext,
+    respond,
+    sse_error,
+    stream_events,
+)
+
+# Called with the final Response object and the engine's last output, before either leaves.
+_Keep = Callable[[dict[str, Any], RequestOutput], Awaitable[None]]
 
 
 async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingContext) -> Response:
+    store = ctx.response_store
+    previous = await previous_response(body, store)
     try:
-        run = await start_chat(body.to_chat_request(), raw, ctx, id_prefix="resp_")
+        chat = body.to_chat_request(previous.history if previous else [])
+        run = await start_chat(chat, raw, ctx, id_prefix="resp_", known=known_tokens(previous))
     except InvalidRequestError as error:
         error.param = responses_param(error.param)
         raise
     shape = _Shape(body, run, int(time.time()))
     logprobs = _Logprobs(ctx) if run.params.logprobs is not None else None
 
-    def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
+    async def keep(response: dict[str, Any], output: RequestOutput) -> None:
+        if body.stored:
+            await store.save(stored_response(response, body, previous, output))
+
+    async def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
         output = outputs[0]
         text_logprobs = logprobs.of(output.logprobs) if logprobs else []
         items = _output_items(output, run, text_logprobs)
-        return shape.response(_status(output.finish_reason), items, usage)
+        response = shape.response(_status(output.finish_reason), items, usage)
+        await keep(response, output)
+        return response
 
     def events() -> AsyncIterator[str]:
-        return _stream(shape, run, logprobs)
+        return _stream(shape, run, logprobs, keep)
 
     return await respond(raw, run.submitted, 1, body.stream, events, final)
 
@@ -55,14 +77,10 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _item_id(kind: str) -> str:
-    return f"{kind}_{secrets.token_hex(12)}"
-
-
 def _message_item(text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "type": "message",
-        "id": _item_id("msg"),
+        "id": new_item_id("msg"),
         "status": status,
         "role": "assistant",
         "content": [_text_part(text, logprobs)],
@@ -87,7 +105,7 @@ class _Logprobs:
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {
         "type": "function_call",
-        "id": _item_id("fc"),
+        "id": new_item_id("fc"),
         "call_id": call_id,
         "name": name,
         "arguments": arguments,
@@ -138,9 +156,9 @@ class _Shape:
             "incomplete_details": incomplete,
             "model": self.run.model,
             "output": output,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "reasoning": None,
-            "store": False,
+            "store": body.stored,
             "temperature": params.temperature,
             "top_p": params.top_p,
             "truncation": "disabled",
@@ -175,8 +193,8 @@ class _Events:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def response(self, kind: str, status: str, usage: UsageInfo | None = None) -> str:
-        return self.event(kind, response=self.shape.response(status, self.items, usage))
+    def response(self, kind: str, status: str) -> str:
+        return self.event(kind, response=self.shape.response(status, self.items, None))
 
     def open_message(self) -> str:
         if self.message is not None:
@@ -239,13 +257,16 @@ class _Events:
         return events + self.event("response.output_item.done", output_index=index, item=item)
 
 
-async def _stream(shape: _Shape, run: ChatRun, logprobs: _Logprobs | None) -> AsyncIterator[str]:
+async def _stream(
+    shape: _Shape, run: ChatRun, logprobs: _Logprobs | None, keep: _Keep
+) -> AsyncIterator[str]:
     events = _Events(shape)
     yield events.response("response.created", "in_progress")
     yield events.response("response.in_progress", "in_progress")
     reader = run.plan.reader
     calls = None if reader is None else ToolCallStream(reader, run.plan.max_calls)
-    finish: list[str | None] = [None]
+    last: list[RequestOutput] = []  # the finished output
+    final: list[dict[str, Any]] = []  # the Response object the last event will carry
 
     def on_output(_: int, output: RequestOutput) -> str:
         if logprobs is not None:
@@ -259,16 +280,26 @@ async def _stream(shape: _Shape, run: ChatRun, logprobs: _Logprobs | None) -> As
         for _, call_id, call in new_calls:
             chunk += events.call(call_id, call.name, call.arguments)
         if output.finished:
-            finish[0] = output.finish_reason
+            last.append(output)
         return chunk
 
     def on_end(usage: UsageInfo) -> str:
-        status = _status(finish[0])
+        status = _status(last[0].finish_reason)
         # An answer with neither text nor calls is still one (empty) message, as unstreamed.
         opened = events.open_message() if not events.items else ""
         closed = events.close_message(status)
-        return opened + closed + events.response(f"response.{status}", status, usage)
+        final.append(shape.response(status, events.items, usage))
+        return opened + closed
 
     async for chunk in stream_events(run.submitted, None, on_output, on_end, done=False):
         if chunk:  # a token whose text is held back (a stop string, a call) has no event
             yield chunk
+    if not final:  # the engine failed: stream_events has said so
+        return
+    response = final[0]
+    try:
+        await keep(response, last[0])
+    except Exception as error:  # not kept: the response must not say it completed
+        yield sse_error(error) + SSE_DONE  # as stream_events ends a failed stream
+        return
+    yield events.event(f"response.{response['status']}", response=response)

@@ -6,13 +6,16 @@ and a text format. It is translated into a `ChatCompletionRequest`, so it runs e
 the chat path (template, tools, structured output, sampling); responses.py shapes the
 answer as Responses output items. Fields are named as this API spells them in errors.
 
-This server keeps no responses: `previous_response_id` is refused (send the whole
-conversation in `input`), and the answer says `store: false`.
+A request chained with `previous_response_id` continues the stored history that
+response_chain.py finds: those items come first, then this request's `input`;
+`instructions` are this request's own (OpenAI's rule: they do not carry over).
 """
 
 from __future__ import annotations
 
 import re
+import secrets
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,6 +40,12 @@ _VACUOUS_INCLUDES = frozenset(
         "web_search_call.results",
     }
 )
+
+
+def new_item_id(kind: str) -> str:
+    """An id for an item (`msg`, `fc`, ...), unique as OpenAI's are."""
+    return f"{kind}_{secrets.token_hex(12)}"
+
 
 # ---- request ----------------------------------------------------------------------------
 
@@ -135,11 +144,6 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
 
     def check_supported(self) -> None:
-        if self.previous_response_id is not None:
-            raise InvalidRequestError(
-                "this server stores no responses: send the whole conversation in input",
-                "previous_response_id",
-            )
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise InvalidRequestError("reasoning is not supported by this model", "reasoning")
         for value in self.include or ():
@@ -182,14 +186,26 @@ class ResponsesRequest(BaseModel):
             "top_logprobs": self.top_logprobs,
         }
 
-    def to_chat_request(self) -> ChatCompletionRequest:
-        """The chat request this one amounts to (raises InvalidRequestError naming the
-        Responses field)."""
+    @property
+    def stored(self) -> bool:
+        """Whether the answer is kept (OpenAI's default: it is)."""
+        return self.store is not False
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """`input` as items: a string is one user message."""
+        if isinstance(self.input, str):
+            text = {"type": "input_text", "text": self.input}
+            return [{"type": "message", "role": "user", "content": [text]}]
+        return list(self.input)
+
+    def to_chat_request(self, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
+        """The chat request this one amounts to, after the `history` of the response it
+        continues (raises InvalidRequestError naming the Responses field)."""
         self.check_supported()
         chat: dict[str, Any] = {
             **(self.model_extra or {}),
             "model": self.model,
-            "messages": self.chat_messages(),
+            "messages": self.chat_messages(history),
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -218,42 +234,54 @@ class ResponsesRequest(BaseModel):
                 f"invalid value for '{param}': {first['msg']}", param
             ) from None
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """`instructions` and `input` as chat messages: an assistant's function calls join
-        its message (or start one), and each call's output becomes a tool message."""
+    def chat_messages(self, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """`instructions`, the `history` and `input` as chat messages."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
+        # The history was read (as input) or written (as output) here before: a problem in
+        # it is not this request's field, so it is named by the response it came from.
+        _add_items(messages, history, lambda _: "previous_response_id")
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
         if not self.input:
             raise InvalidRequestError("input is empty", "input")
-        for index, raw in enumerate(self.input):
-            item = _parse_item(raw, index)
-            if item is None:
-                continue
-            if isinstance(item, _MessageItem):
-                role = "system" if item.role == "developer" else item.role
-                content = _text_of(item.content, f"input.{index}.content")
-                messages.append({"role": role, "content": content})
-            elif isinstance(item, _FunctionCallItem):
-                call = {
-                    "id": item.call_id,
-                    "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
-                }
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant":
-                    last.setdefault("tool_calls", []).append(call)
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            else:
-                output = _text_of(item.output, f"input.{index}.output")
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        _add_items(messages, self.input, lambda index: f"input.{index}")
         return messages
 
 
-def _parse_item(raw: dict[str, Any], index: int) -> BaseModel | None:
+def _add_items(
+    messages: list[dict[str, Any]],
+    items: Sequence[dict[str, Any]],
+    param: Callable[[int], str],
+) -> None:
+    """Items as chat messages: an assistant's function calls join its message (or start
+    one), and each call's output becomes a tool message."""
+    for index, raw in enumerate(items):
+        item = _parse_item(raw, param(index))
+        if item is None:
+            continue
+        if isinstance(item, _MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            content = _text_of(item.content, f"{param(index)}.content")
+            messages.append({"role": role, "content": content})
+        elif isinstance(item, _FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            output = _text_of(item.output, f"{param(index)}.output")
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+
+
+def _parse_item(raw: dict[str, Any], where: str) -> BaseModel | None:
     kind = raw.get("type", "message" if "role" in raw else None)
     if kind in _SKIPPED_ITEMS:
         return None
@@ -261,14 +289,13 @@ def _parse_item(raw: dict[str, Any], index: int) -> BaseModel | None:
     if model is None:
         known = ", ".join(_ITEMS)
         raise InvalidRequestError(
-            f"input items of type {kind!r} are not supported (only {known})",
-            f"input.{index}.type",
+            f"input items of type {kind!r} are not supported (only {known})", f"{where}.type"
         )
     try:
         return model.model_validate(raw)
     except ValidationError as error:
         first = error.errors()[0]
-        param = f"input.{index}.{field_path(first['loc'])}".rstrip(".")
+        param = f"{where}.{field_path(first['loc'])}".rstrip(".")
         raise InvalidRequestError(f"invalid value for '{param}': {first['msg']}", param) from None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,8 +29,10 @@ from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
 from iterserve.server.logprobs import token_decoder
 from iterserve.server.protocol import UsageInfo
+from iterserve.server.response_store import ResponseStore
 
 T = TypeVar("T")
+_Body = BaseModel | dict[str, Any]
 
 # The scope key under which a handler leaves what the access log should print.
 ACCESS_RECORD_KEY = "iterserve.access"
@@ -70,6 +73,7 @@ class ServingContext:
     tokenizer: Any
     chat_template: str | None
     max_model_len: int
+    response_store: ResponseStore  # stored Responses (previous_response_id, GET, DELETE)
     tool_parser: ToolParser | None = None  # --tool-call-parser, or what `auto` found
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
@@ -225,9 +229,10 @@ async def respond(
     n: int,
     streaming: bool,
     events: Callable[[], AsyncIterator[str]],
-    final: Callable[[list[RequestOutput], UsageInfo], BaseModel | dict[str, Any]],
+    final: Callable[[list[RequestOutput], UsageInfo], _Body | Awaitable[_Body]],
 ) -> Response:
-    """The SSE stream `events()`, or once every choice is done the JSON of `final`."""
+    """The SSE stream `events()`, or once every choice is done the JSON of `final` (awaited
+    when it is a coroutine: a body that must be stored before it leaves)."""
     if streaming:
         response = EngineStreamResponse(events(), submitted.stream)
         response.headers.update(submitted.headers)
@@ -236,6 +241,8 @@ async def respond(
     usage = usage_of(outputs, n)
     submitted.record.prompt_tokens = usage.prompt_tokens
     body = final(outputs, usage)
+    if inspect.isawaitable(body):
+        body = await body
     content = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
     return JSONResponse(content, headers=submitted.headers)
 
