@@ -16,7 +16,9 @@ def test_a_baton_left_by_a_killed_build_does_not_block_later_loads() -> None:
     if variant is None or kernels.why_unavailable() is not None:
         pytest.skip(f"no kernels to build here: {kernels.why_unavailable()}")
     assert kernels.available()  # built (or loaded) once
-    baton = kernels.build_directory(variant) / "lock"
+    build_dir = kernels.build_directory(variant)
+    (build_dir / "built.ok").unlink()  # as if the build had not finished
+    baton = build_dir / "lock"
     baton.touch()  # what torch's builder leaves when its process is killed mid-build
     load = "from iterserve import kernels; print(kernels.available())"
     result = subprocess.run(
@@ -24,3 +26,4 @@ def test_a_baton_left_by_a_killed_build_does_not_block_later_loads() -> None:
     )
     assert result.stdout.strip() == "True", result.stderr
     assert not baton.exists()
+    assert (build_dir / "built.ok").exists()  # later loads take the library as it is

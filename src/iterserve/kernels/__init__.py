@@ -36,6 +36,9 @@ import torch
 logger = logging.getLogger("iterserve.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
+# The head sizes csrc/paged_attention.cpp is built for (its run_plan_for_head_dim says why
+# these); a model with another attends in torch.
+ATTENTION_HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -215,12 +218,17 @@ def compile_flags(variant: Isa) -> list[str]:
     ]
 
 
+# Written once a build has loaded: the directory's library is whole, and later loads take it
+# as it is.
+_BUILT = "built.ok"
+
+
 def build_directory(variant: Isa) -> Path:
     """Where a variant's kernels are built and cached. Keyed by every source and header
-    byte: an edit builds afresh, an unchanged tree loads. And by where the sources are:
-    ninja's build file names them by path, so two checkouts sharing one directory would
-    rebuild each other's kernels on every load."""
-    digest = hashlib.sha256(str(_CSRC).encode())
+    byte and the flags: an edit builds afresh, an unchanged tree loads, from any checkout of
+    it (a built library is loaded as it is; ninja, whose build file names the sources by
+    path, runs only to build)."""
+    digest = hashlib.sha256(" ".join(compile_flags(variant)).encode())
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     tag = f"{variant.name}-torch-{torch.__version__}-{digest.hexdigest()[:16]}"
@@ -243,23 +251,29 @@ def _build_and_load(variant: Isa) -> None:
 
     _ensure_ninja_on_path()
     sources = sorted(str(p) for p in _CSRC.glob("*.cpp"))
+    name = f"iterserve_kernels_{variant.name}"
     build_dir = build_directory(variant)
     build_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(build_dir / "iterserve.lock"):
-        # torch's own baton is a plain file: a process killed mid-build leaves it behind and
-        # every later load waits for it for ever. Under this lock, which the OS lets go when
-        # its holder dies, no build of ours is running, so a baton left there is stale.
-        (build_dir / "lock").unlink(missing_ok=True)
-        cpp_extension.load(
-            name=f"iterserve_kernels_{variant.name}",
-            sources=sources,
-            extra_cflags=compile_flags(variant),
-            extra_include_paths=[str(_CSRC)],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=os.environ.get("ITERSERVE_KERNELS_VERBOSE") == "1",
-        )
+    if (build_dir / _BUILT).exists():
+        torch.ops.load_library(str(build_dir / f"{name}.so"))
+    else:
+        with _exclusive(build_dir / "iterserve.lock"):
+            # torch's own baton is a plain file: a process killed mid-build leaves it behind
+            # and every later load waits for it for ever. Under this lock, which the OS lets
+            # go when its holder dies, no build of ours is running, so a baton left there is
+            # stale.
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=name,
+                sources=sources,
+                extra_cflags=compile_flags(variant),
+                extra_include_paths=[str(_CSRC)],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=os.environ.get("ITERSERVE_KERNELS_VERBOSE") == "1",
+            )
+            (build_dir / _BUILT).touch()
     from iterserve.kernels.fake import register_fakes
 
     register_fakes(_namespace(variant.name))
