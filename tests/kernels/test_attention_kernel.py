@@ -288,9 +288,10 @@ def test_bad_inputs_are_refused() -> None:
     case.block_tables[0, 1] = HUGE_BLOCK_ID  # a block the context needs
     with pytest.raises(RuntimeError, match="outside the pool"):
         case.run()
-    odd = make_case([4], [1], head_dim=48)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        odd.run()
+    for head_dim in (48, 160):  # not a multiple of 32; one not built (ATTENTION_HEAD_DIMS)
+        odd = make_case([4], [1], head_dim=head_dim)
+        with pytest.raises(RuntimeError, match="must be one of 32, 64, 96, 128, 256"):
+            odd.run()
     short = make_case([4], [1])
     short.seq_lens[0] = 0
     with pytest.raises(RuntimeError, match="seq_len"):
@@ -322,3 +323,28 @@ def test_torch_compile_fullgraph_matches_eager() -> None:
     eager = attend(case.q)
     torch.testing.assert_close(compiled(case.q), eager, rtol=0, atol=0)
     assert math.isfinite(eager.float().abs().sum().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_rows_output_is_the_lone_decode_rows_bits(dtype: torch.dtype) -> None:
+    """Speculative verify steps (1 + k rows of a sequence) beside other sequences give each
+    row exactly the output its lone decode step gives: partitions do not follow the step's
+    size, so greedy answers do not change under n-gram speculation."""
+    k = 4
+    contexts = [300, 600, 1030, 40]  # across partition boundaries; a short one beside
+    case = make_case(contexts, [k + 1] * len(contexts), dtype=dtype, seed=7)
+    verified = case.run()
+    for s, context in enumerate(contexts):
+        for i in range(k + 1):
+            row = s * (k + 1) + i
+            alone = Case(
+                q=case.q[row : row + 1],
+                key_cache=case.key_cache,
+                value_cache=case.value_cache,
+                block_tables=case.block_tables[s : s + 1],
+                seq_lens=torch.tensor([context - k + i], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                scale=case.scale,
+                window=case.window,
+            )
+            assert torch.equal(alone.run()[0], verified[row]), (s, i)

@@ -173,8 +173,7 @@ def _attends_in_kernel(config: EngineConfig, model: ModelConfig, device: torch.d
     return (
         config.kernels == "auto"
         and device.type == "cpu"
-        and model.head_dim % 32 == 0  # what csrc/paged_attention.cpp is built for
-        and model.head_dim <= 256
+        and model.head_dim in kernels.ATTENTION_HEAD_DIMS  # what paged_attention.cpp is built for
         # The C++ op has no logit soft-cap (Gemma 2): those models attend in torch.
         and not model.attn_logit_softcapping
         and kernels.available()

@@ -96,14 +96,21 @@ using at::Tensor;
 
 constexpr int kTile = 16;                // keys per score tile: one F16 of scores
 constexpr int64_t kMaxQueriesPerGroup = 64;  // rows are chunked so that M stays near this
-constexpr int64_t kMinPartKeys = 128;    // partitions shorter than this cost more than they save
-constexpr int64_t kMaxPartKeys = 512;    // bounds the per-thread score scratch
-constexpr int64_t kItemsPerThread = 4;   // enough items for the atomic counter to balance
+// Keys a partition: one size for every step, so that a query's partitions start at the same
+// keys whatever shares its step (a lone decode row, or one of a verify step's rows; a step's
+// total keys no longer size them): its output is then the same bits either way, and greedy
+// answers do not change under n-gram speculation (benchmarks/greedy_agreement.py). 256 keys
+// give a batch-1 decode 4 items a kv head by 1K of context and keep the score scratch small.
+constexpr int64_t kPartKeys = 256;
 constexpr int64_t kMinParallelWork = 3000;  // keys x queries: ~10 us on one thread
-constexpr int kMaxHeadDimChunks = 8;     // head_dim up to 256, in chunks of 32
 // From this many queries an AVX-512 BF16 item rounds P to bf16 and uses `vdpbf16ps` for P.V
 // (the interleaving of V is paid once per item, the products per query).
 constexpr int kMinPairQueries = 6;
+// Those two roads round differently from the one-query kernels, so a group of this many rows
+// or fewer (a decode row, a speculative verify step of up to 7 guesses) keeps the one-query
+// kernels: a verify row's output is the same bits as the lone decode row's. Prefill groups
+// (64 / group size rows) keep the fast roads up to a group of 8 heads.
+constexpr int64_t kMaxVerifyRows = 8;
 
 // Keys are read in block-sized runs from scattered blocks, too short for the hardware
 // prefetcher to get ahead, so every loop over keys asks for the rows this far ahead itself.
@@ -435,9 +442,9 @@ struct Plan {
   int64_t window;
   float scale;
   int64_t part_keys;
-  // Batch-invariant: every query's arithmetic is fixed by its own sequence alone (partition
-  // size and score kernel no longer adapt to the step's size), so its output is the same
-  // bits whatever else shares the step.
+  // Batch-invariant: every query's arithmetic is fixed by its own sequence alone (the score
+  // and P.V kernels no longer adapt to a prefill chunk's size either), so its output is the
+  // same bits whatever else shares the step and however its prompt was chunked.
   bool invariant = false;
   std::vector<Group> groups;
   std::vector<Item> items;
@@ -725,7 +732,8 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   float* S = sc.scores.data();
   // Measured crossover (AVX-512 BF16, one thread, warm cache): the transposed tile is ~10%
   // faster from 6 queries at head_dim 64 and 8 at 128, and up to 1.5x slower below.
-  const bool transposed = kBf16Dot && std::is_same_v<C, BFloat16> && !plan.invariant &&
+  const bool per_query = plan.invariant || g.rows <= kMaxVerifyRows;
+  const bool transposed = kBf16Dot && std::is_same_v<C, BFloat16> && !per_query &&
                           M >= (NC <= 2 ? 6 : 8);
   if (transposed) sc.fit_tile(D);
   if (first)  // later items were prefetched by the one before
@@ -768,7 +776,7 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   bool paired = false;
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<C, BFloat16>) {
-    paired = !plan.invariant && M >= kMinPairQueries;
+    paired = !per_query && M >= kMinPairQueries;
     if (paired) pv_paired<NC>(values, off, n16, S, M, sc, sc.acc.data());
   }
 #endif
@@ -820,18 +828,21 @@ void run_plan(const Plan& plan, bool parallel) {
   });
 }
 
+// The head sizes built (kernels.ATTENTION_HEAD_DIMS says the same to Python): those of the
+// models people run (64: Llama 3.2 1B, SmolLM; 96: Phi-3; 128: most; 256: Gemma) and 32 for
+// tiny test models. Each costs 4 instantiations of every loop above: 160, 192 and 224, which
+// no common model has, took 37% of this file's compile time (255 -> 160 s at -O3, AVX2), and
+// a cold build of every variant is paid by each new machine and CI run. Other multiples of 32
+// attend in torch (model/builder.py).
 template <typename T, typename C>
 void run_plan_for_head_dim(const Plan& plan, bool parallel) {
-  switch (plan.head_dim / 32) {
-    case 1: return run_plan<T, C, 1>(plan, parallel);
-    case 2: return run_plan<T, C, 2>(plan, parallel);
-    case 3: return run_plan<T, C, 3>(plan, parallel);
-    case 4: return run_plan<T, C, 4>(plan, parallel);
-    case 5: return run_plan<T, C, 5>(plan, parallel);
-    case 6: return run_plan<T, C, 6>(plan, parallel);
-    case 7: return run_plan<T, C, 7>(plan, parallel);
-    case 8: return run_plan<T, C, 8>(plan, parallel);
-    default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", plan.head_dim);
+  switch (plan.head_dim) {
+    case 32: return run_plan<T, C, 1>(plan, parallel);
+    case 64: return run_plan<T, C, 2>(plan, parallel);
+    case 96: return run_plan<T, C, 3>(plan, parallel);
+    case 128: return run_plan<T, C, 4>(plan, parallel);
+    case 256: return run_plan<T, C, 8>(plan, parallel);
+    default: TORCH_CHECK(false, "paged_attention: head_dim ", plan.head_dim, " is not built");
   }
 }
 
@@ -859,8 +870,8 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   const int64_t KVH = key_cache.size(0), NB = key_cache.size(1), BS = key_cache.size(2);
   TORCH_CHECK(cache_head_dim(key_cache) == D, "paged_attention: cache head_dim ",
               cache_head_dim(key_cache), " != q head_dim ", D);
-  TORCH_CHECK(D % 32 == 0 && D >= 32 && D <= 32 * kMaxHeadDimChunks,
-              "paged_attention: head_dim must be a multiple of 32 up to 256, got ", D);
+  TORCH_CHECK(D == 32 || D == 64 || D == 96 || D == 128 || D == 256,
+              "paged_attention: head_dim must be one of 32, 64, 96, 128, 256, got ", D);
   TORCH_CHECK(KVH >= 1 && H % KVH == 0, "paged_attention: num_heads ", H,
               " is not a multiple of num_kv_heads ", KVH);
   TORCH_CHECK(BS >= 1, "paged_attention: block_size must be >= 1");
@@ -939,14 +950,7 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   // are sized for enough items to keep every thread busy (flash-decoding), within limits.
   const int64_t threads = at::get_num_threads();
   const bool parallel = threads > 1 && work >= kMinParallelWork;
-  plan.part_keys = kMaxPartKeys;
-  if (parallel && !invariant) {
-    int64_t total_keys = 0;
-    for (const Group& g : plan.groups) total_keys += g.key_hi - g.key_lo;
-    const int64_t items = kItemsPerThread * threads;
-    const int64_t want = (total_keys + items - 1) / items;
-    plan.part_keys = std::clamp<int64_t>((want + 31) / 32 * 32, kMinPartKeys, kMaxPartKeys);
-  }
+  plan.part_keys = kPartKeys;
 
   int64_t slots = 0;
   for (int64_t gi = 0; gi < static_cast<int64_t>(plan.groups.size()); ++gi) {
