@@ -27,7 +27,7 @@ from tiny_checkpoints import save_checkpoint, tiny_hf_model
 
 TEMPLATES = Path(__file__).parent / "server" / "chat_templates"
 QWEN3_TEMPLATE = (TEMPLATES / "qwen3.jinja").read_text()
-R1_TEMPLATE = (TEMPLATES / "deepseek_r1_distill_qwen.jinja").read_text()
+R1_TEMPLATE = (TEMPLATES / "deepseek_r1_distill_qwen_32b.jinja").read_text()
 OPEN, CLOSE = "<think>", "</think>"
 
 

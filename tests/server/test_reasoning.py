@@ -26,7 +26,7 @@ import pytest
 
 from iterserve import LLM, SamplingParams
 from iterserve.structured_output import StructuredOutput
-from server_fixtures import MODEL_NAME, RunningServer, running_server
+from server_fixtures import MODEL_NAME, RunningServer, reassembled, running_server
 from thinking_models import (
     CLOSE,
     OPEN,
@@ -107,21 +107,17 @@ def _chat(server: RunningServer, **request: Any) -> tuple[Any, list[Any]]:
 def _reassembled(chunks: list[Any]) -> tuple[str | None, str | None, list[Any], str | None]:
     """Reasoning, content, calls (name, arguments) and finish reason as a client builds
     them from a stream; the thinking must all come before the answer."""
-    reasoning, content, calls, finish = "", "", {}, None
+    reasoning, answered = "", False
     for chunk in chunks:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         more_reasoning = getattr(delta, "reasoning_content", None) or ""
-        assert not (more_reasoning and (content or calls)), "thinking after the answer began"
+        assert not (more_reasoning and answered), "thinking after the answer began"
         reasoning += more_reasoning
-        content += delta.content or ""
-        for piece in delta.tool_calls or []:
-            if piece.id is not None:
-                calls[piece.index] = [piece.function.name, ""]
-            calls[piece.index][1] += piece.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    return reasoning or None, content or None, [tuple(c) for c in calls.values()], finish
+        answered = answered or bool(delta.content or delta.tool_calls)
+    content, calls, finish = reassembled(chunks)
+    return reasoning or None, content or None, calls, finish
 
 
 def _message(whole: Any) -> tuple[str | None, str | None, list[Any], str | None]:
