@@ -22,8 +22,6 @@ from iterserve.chat.reasoning_parsers import (
     ThinkingStart,
     select_reasoning_parser,
 )
-from iterserve.chat.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
-from iterserve.chat.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 from iterserve.chat.tool_parsers import ParsedCall
 from iterserve.chat.tool_parsers.hermes import HermesToolParser
 from iterserve.chat.tools import ToolPlan
@@ -38,7 +36,7 @@ QWEN_OFF_PROMPT = QWEN_PROMPT + "<think>\n\n</think>\n\n"  # enable_thinking fal
 R1_PROMPT = "<｜User｜>Hi<｜Assistant｜><think>\n"
 UNMARKED_PROMPT = "User: Hi\nAssistant:"
 
-QWEN3, R1 = Qwen3ReasoningParser(), DeepSeekR1ReasoningParser()
+QWEN3, R1 = ReasoningParser("qwen3"), ReasoningParser("deepseek_r1")
 # (parser, prompt, answer, reasoning, content)
 ANSWERS: list[tuple[ReasoningParser, str, str, str | None, str]] = [
     (
@@ -61,7 +59,9 @@ ANSWERS: list[tuple[ReasoningParser, str, str, str | None, str]] = [
     (R1, R1_PROMPT, "<think>\nWritten again.\n</think>\n\nHello!", "Written again.", "Hello!"),
     (R1, R1_PROMPT, "a < b and </thin is not it</think>c", "a < b and </thin is not it", "c"),
     (R1, R1_PROMPT, "A</think>B</think>C", "A", "B</think>C"),  # the first end ends it
-    (R1, UNMARKED_PROMPT, "R1 thinks anyway.</think>Hi", "R1 thinks anyway.", "Hi"),
+    # A prompt that opens no thinking (R1's template after tool results): the model may.
+    (R1, UNMARKED_PROMPT, "<think>R1 opens it.</think>Hi", "R1 opens it.", "Hi"),
+    (R1, UNMARKED_PROMPT, "Sunny.", None, "Sunny."),
     (QWEN3, UNMARKED_PROMPT, "Plain.", None, "Plain."),
     (R1, QWEN_OFF_PROMPT, "Off.", None, "Off."),
 ]
@@ -119,6 +119,15 @@ def test_the_prompt_says_where_the_answer_starts(tokenizer_dir: Path) -> None:
     assert R1.start_of(r1) is ThinkingStart.INSIDE
     assert QWEN3.start_of(r1) is ThinkingStart.INSIDE  # the prompt decides, whatever the parser
     assert R1.start_of(qwen_off) is ThinkingStart.CLOSED
+    # After tool results R1's template writes no generation prompt: no thinking opened.
+    results = [
+        *chat,
+        {"role": "assistant", "content": "Checking."},
+        {"role": "tool", "content": "18 C"},
+    ]
+    after_tools = render_chat(tokenizer, R1_TEMPLATE, results).text
+    assert after_tools.endswith("<｜tool▁outputs▁end｜>")
+    assert R1.start_of(after_tools) is ThinkingStart.MAY_OPEN
 
 
 def test_auto_picks_the_parser_by_template() -> None:
@@ -127,7 +136,8 @@ def test_auto_picks_the_parser_by_template() -> None:
 
     qwen = select_reasoning_parser("auto", QWEN3_TEMPLATE, probe(QWEN_PROMPT))
     r1 = select_reasoning_parser("auto", R1_TEMPLATE, probe(R1_PROMPT))
-    assert isinstance(qwen, Qwen3ReasoningParser) and isinstance(r1, DeepSeekR1ReasoningParser)
+    assert qwen is not None and qwen.name == "qwen3"
+    assert r1 is not None and r1.name == "deepseek_r1"
     qwen25 = Path(__file__).parents[1] / "server" / "chat_templates" / "qwen2_5_tools.jinja"
     assert select_reasoning_parser("auto", qwen25.read_text(), probe(QWEN_PROMPT)) is None
     assert select_reasoning_parser("auto", None, probe(None)) is None
@@ -137,7 +147,8 @@ def test_auto_picks_the_parser_by_template() -> None:
 
     assert select_reasoning_parser("auto", "{{ messages }}", never) is None
     assert select_reasoning_parser("none", R1_TEMPLATE, never) is None
-    assert isinstance(select_reasoning_parser("deepseek_r1", "", never), DeepSeekR1ReasoningParser)
+    named = select_reasoning_parser("deepseek_r1", "", never)
+    assert named is not None and named.name == "deepseek_r1"
     with pytest.raises(ValueError, match="qwen3, deepseek_r1"):
         select_reasoning_parser("granite", QWEN3_TEMPLATE, never)
 

@@ -47,11 +47,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "--reasoning-parser",
         choices=REASONING_PARSER_CHOICES,
         default="auto",
-        help="where a thinking model's answer keeps its thinking, which goes to "
-        "reasoning_content (Responses: a reasoning item): qwen3 (the model may open "
-        "<think>...</think> itself), deepseek_r1 (the prompt opens it, the answer starts "
-        "inside); auto: one of these where the chat template writes <think> (deepseek_r1 "
-        "when its generation prompt opens it); none: answers are not read for thinking",
+        help="read a thinking model's <think>...</think> into reasoning_content (Responses: "
+        "a reasoning item); qwen3 and deepseek_r1 are vLLM's names for this one format, and "
+        "each request's rendered prompt says whether its answer starts inside the thinking; "
+        "auto: where the chat template writes <think> (named deepseek_r1 when its generation "
+        "prompt opens it); none: answers are not read for thinking (docs/reasoning.md)",
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

@@ -1,5 +1,6 @@
-"""Reasoning parsers, chosen with `--reasoning-parser`: where a thinking model's answer
-keeps its thinking, so it goes to `reasoning_content` and the rest to `content`."""
+"""The reasoning parser, chosen with `--reasoning-parser`: where a thinking model's answer
+keeps its thinking, so it goes to `reasoning_content` and the rest to `content`. Qwen3's
+and DeepSeek-R1's are one format (base.py), under both of vLLM's names."""
 
 from __future__ import annotations
 
@@ -11,13 +12,10 @@ from iterserve.chat.reasoning_parsers.base import (
     ThinkingReader,
     ThinkingStart,
 )
-from iterserve.chat.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
-from iterserve.chat.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 from iterserve.chat.reasoning_parsers.streaming import ReasoningStream
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)
-}
+# vLLM's names for the `<think>...</think>` format (base.py).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 REASONING_PARSER_CHOICES = ("auto", *REASONING_PARSERS, "none")
 
 
@@ -25,11 +23,11 @@ def select_reasoning_parser(
     choice: str, chat_template: str | None, probe: Callable[[], str | None]
 ) -> ReasoningParser | None:
     """The parser `--reasoning-parser choice` names (None for `none`). `auto` reads
-    thinking only where the chat template writes `<think>` or `</think>`: deepseek_r1's
-    when the template's generation prompt opens the thinking (`probe()`, a one-message
-    conversation rendered by the template, ends with `<think>`), qwen3's otherwise (the
-    model opens it, or answers without). The two differ only in that default: a prompt
-    that opens or closes the thinking decides for itself with either."""
+    thinking only where the chat template writes `<think>` or `</think>`, and names it as
+    vLLM would: deepseek_r1 when the template's generation prompt opens the thinking
+    (`probe()`, a one-message conversation rendered by the template, ends with `<think>`),
+    qwen3 otherwise. Both read alike: each request's rendered prompt says where its answer
+    starts."""
     if choice == "none":
         return None
     if choice != "auto":
@@ -38,13 +36,14 @@ def select_reasoning_parser(
                 f"unknown reasoning parser {choice!r}; choose from "
                 f"{', '.join(REASONING_PARSER_CHOICES)}"
             )
-        return REASONING_PARSERS[choice]()
-    if not any(parser.detects(chat_template or "") for parser in REASONING_PARSERS.values()):
+        return ReasoningParser(choice)
+    if not ReasoningParser.detects(chat_template or ""):
         return None
     probe_prompt = probe()
-    if probe_prompt is not None and probe_prompt.rstrip().endswith(ReasoningParser.open_marker):
-        return DeepSeekR1ReasoningParser()
-    return Qwen3ReasoningParser()
+    opened = probe_prompt is not None and probe_prompt.rstrip().endswith(
+        ReasoningParser.open_marker
+    )
+    return ReasoningParser("deepseek_r1" if opened else "qwen3")
 
 
 __all__ = [

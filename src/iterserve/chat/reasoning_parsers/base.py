@@ -1,5 +1,14 @@
-"""What every reasoning parser shares: where an answer starts relative to the model's
-thinking, and how the answer is split into its reasoning and its content.
+"""The `<think>...</think>` format of Qwen3, DeepSeek-R1 and its distills, QwQ: where an
+answer starts relative to the model's thinking, and how it is split into its reasoning
+and its content.
+
+Where an answer starts is read from its rendered prompt, which holds for every family:
+a prompt ending with `<think>` (R1's template, Qwen3-2507 Thinking's) puts the answer
+inside the thinking, with no opening tag; one ending with `</think>` (Qwen3's with
+`enable_thinking: false`) has thinking off; any other prompt leaves the opening to the
+model (Qwen3 writes `<think>` first, or answers at once; R1's template opens no thinking
+after tool results). An answer inside a thinking it never ends (cut by max_tokens) is all
+reasoning; an answer that never opened one is all content.
 
 As with tool calls (chat/tool_parsers/base.py), one `scan(text, final)` serves both ways
 an answer leaves the server: `final=True` splits the whole answer, and `final=False` says
@@ -67,14 +76,17 @@ class ThinkingReader:
 
 
 class ReasoningParser:
-    """A model family's thinking: its markers, and where an answer starts when its prompt
-    neither opened nor closed the thinking (the prompt decides otherwise, as it is robust
-    for every family: a template that opens `<think>` or closes an empty block says so)."""
+    """The thinking markers, and the reader of each request's answer. `name` is the one
+    `--reasoning-parser` chose (vLLM's names for this one format: qwen3, deepseek_r1)."""
 
-    name: ClassVar[str]
     open_marker: ClassVar[str] = "<think>"
     close_marker: ClassVar[str] = "</think>"
-    unmarked_start: ClassVar[ThinkingStart]
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"ReasoningParser({self.name!r})"
 
     @property
     def markers(self) -> tuple[str, str]:
@@ -87,12 +99,12 @@ class ReasoningParser:
             return ThinkingStart.INSIDE
         if tail.endswith(self.close_marker):
             return ThinkingStart.CLOSED
-        return self.unmarked_start
+        return ThinkingStart.MAY_OPEN
 
     def reader(self, prompt: str) -> ThinkingReader:
         return ThinkingReader(self.open_marker, self.close_marker, self.start_of(prompt))
 
     @classmethod
     def detects(cls, chat_template: str) -> bool:
-        """Whether a chat template writes this family's thinking markers (for `auto`)."""
+        """Whether a chat template writes the thinking markers (for `auto`)."""
         return cls.open_marker in chat_template or cls.close_marker in chat_template
