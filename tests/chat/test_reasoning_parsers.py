@@ -189,6 +189,26 @@ def test_the_models_markers_and_switch_are_found(
     assert len(several.end_ids) > 1 and several.open_id is None
 
 
+def test_deepseek_v31s_thinking_switch_is_found(tokenizer_dir: Path) -> None:
+    """DeepSeek-V3.1's template closes the thinking unless its switch is on (llama.cpp's
+    copy takes `enable_thinking` for its own `thinking`; either turns it on)."""
+    template = Path(__file__).parents[1] / "server" / "chat_templates" / "deepseek_v3_1.jinja"
+    text = template.read_text()
+    tokenizer = thinking_tokenizer(tokenizer_dir, text)
+    support = ReasoningSupport.for_model("auto", tokenizer, text)
+    assert support is not None and support.switch in ("enable_thinking", "thinking")
+    chat = [{"role": "user", "content": "Hi"}]
+    for switch in ("enable_thinking", "thinking"):
+        on = render_chat(tokenizer, text, chat, True, {switch: True}).text
+        assert support.parser.start_of(on) is ThinkingStart.INSIDE
+    off = render_chat(tokenizer, text, chat).text
+    assert support.parser.start_of(off) is ThinkingStart.CLOSED
+    effort_off = thinking_template_kwargs(support, None, "none")
+    assert support.parser.start_of(render_chat(tokenizer, text, chat, True, effort_off).text) is (
+        ThinkingStart.CLOSED
+    )
+
+
 def test_the_grammar_starts_after_the_thinking_the_prompt_leaves_open(
     qwen_support: ReasoningSupport, r1_support: ReasoningSupport
 ) -> None:
