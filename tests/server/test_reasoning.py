@@ -354,6 +354,16 @@ def test_responses_put_the_thinking_in_a_reasoning_item(r1: RunningServer) -> No
     assert again.usage is not None
     assert again.usage.input_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
     assert again.output_text == "Fine."
+    # The same through the stored response: its reasoning item is skipped there too.
+    with forced_tokens(r1.engine, thinking_answer(tokenizer, "Hm.", "Fine.", opened=True)):
+        chained = client.responses.create(
+            model=MODEL_NAME,
+            previous_response_id=response.id,
+            input="And now?",
+            max_output_tokens=20,
+        )
+    assert chained.usage is not None and chained.usage.input_tokens == again.usage.input_tokens
+    assert [item.type for item in chained.output] == ["reasoning", "message"]
 
 
 def test_responses_thinking_cut_short_is_a_reasoning_item_alone(r1: RunningServer) -> None:
