@@ -1,6 +1,7 @@
 """What a request's output must match: a JSON schema, any JSON object, a regex, one of
-some strings, or a grammar. Pure Python, so core/ can carry it; the grammar library
-lives in sample/structured.py, on the executor's side.
+some strings, or a grammar, and, for a thinking model, from where on (after its thinking).
+Pure Python, so core/ can carry it; the grammar library lives in sample/structured.py, on
+the executor's side.
 """
 
 from __future__ import annotations
@@ -13,6 +14,22 @@ from iterserve.invalid_request import InvalidRequestError
 
 # The kinds, in the order a request may spell them (exactly one is set).
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class ThinkingMarkers:
+    """The grammar starts once the model's thinking ends (docs/reasoning.md): until the
+    output's tokens end with `end` (`</think>`'s ids) the grammar neither masks nor
+    follows them. `open`: where the model may open thinking itself (Qwen3 writes `<think>`
+    first, or answers at once), the one token that opens it; the first token may then be
+    it as well as one the grammar allows. None: the prompt already opened thinking."""
+
+    end: tuple[int, ...]
+    open: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.end:
+            raise ValueError("the end of thinking needs at least one token")
 
 
 @dataclass
@@ -30,6 +47,8 @@ class StructuredOutput:
     choice: list[str] | None = None
     grammar: str | None = None
     param: str = "structured_output"
+    # Set for a thinking model's answer: the grammar applies after the thinking only.
+    after_thinking: ThinkingMarkers | None = None
     # The compiled grammar (sample/structured.py), attached off the engine thread before
     # the request is queued; opaque here and never sent across processes.
     compiled: Any = field(default=None, compare=False, repr=False)

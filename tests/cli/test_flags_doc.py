@@ -24,7 +24,7 @@ def test_every_engine_setting_and_server_flag_is_listed() -> None:
         for f in _leaf_fields(cls):
             name = f.name.replace("_", "-")
             assert f"`--{name}`" in text or f"`--[no-]{name}`" in text, f.name
-    for flag in ("--served-model-name", "--tool-call-parser", "--data-parallel-size", "--port"):
+    for flag in ("--served-model-name", "--tool-call-parser", "--reasoning-parser", "--port"):
         assert f"`{flag}`" in text
 
 

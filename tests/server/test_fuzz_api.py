@@ -42,6 +42,7 @@ REFUSED = (
     "model",
     "previous_response_id",
     "reasoning",
+    "reasoning_effort",  # the tiny model does not think
     "include",
     "truncation",
 )

@@ -82,6 +82,12 @@ class Family:
     # The template tests `content is none`, which transformers' rendering never lets be
     # true (it drops None values): a calls-only message gets content "" instead.
     empty_content: bool = False
+    # What the family's models write first where the prompt opens their thinking (R1's
+    # template ends with `<think>\n`): it goes to reasoning_content (docs/reasoning.md).
+    thought: str = ""
+
+    def written(self, answer: str) -> str:
+        return f"{self.thought}\n</think>\n\n{answer}" if self.thought else answer
 
 
 FAMILIES = [
@@ -130,6 +136,7 @@ FAMILIES = [
         f'{BEGIN}{CALL}function{SEP}get_time\n{FENCE}json\n{{"tz": "UTC"}}\n{FENCE}{END}',
         arguments_as_text=True,
         empty_content=True,
+        thought="The user wants the weather and the time.",
     ),
     Family(
         "deepseek_v3_1.jinja",
@@ -185,12 +192,13 @@ def test_parallel_calls_come_back_and_go_back_through_the_template(
 ) -> None:
     question = ASKED
     request = dict(model=MODEL_NAME, messages=question, tools=TOOLS, max_tokens=200)
-    with scripted_tokens(server, answer_tokens(server, family.answer)):
+    with scripted_tokens(server, answer_tokens(server, family.written(family.answer))):
         answer = client.chat.completions.create(**request)  # type: ignore[call-overload]
         chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
     choice = answer.choices[0]
     assert _calls(choice.message) == CALLS
     assert choice.message.content == family.content
+    assert getattr(choice.message, "reasoning_content", None) == (family.thought or None)
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls or []
     if family.parser == "mistral":  # Nemo's template takes back only such ids
@@ -253,7 +261,7 @@ def test_a_malformed_call_is_content(
     family: Family, client: openai.OpenAI, server: RunningServer
 ) -> None:
     request = dict(model=MODEL_NAME, messages=ASKED, tools=TOOLS, max_tokens=100)
-    with scripted_tokens(server, answer_tokens(server, family.malformed)):
+    with scripted_tokens(server, answer_tokens(server, family.written(family.malformed))):
         answer = client.chat.completions.create(**request)  # type: ignore[call-overload]
         chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
     choice = answer.choices[0]
@@ -271,7 +279,7 @@ def test_a_forced_call_comes_back_and_goes_back(
     monkeypatch.setattr(tools_module, "enforce_schema", lambda params, schema: None)
     question = ASKED
     forced = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]'
-    with scripted_tokens(server, answer_tokens(server, forced)):
+    with scripted_tokens(server, answer_tokens(server, family.written(forced))):
         answer = client.chat.completions.create(
             model=MODEL_NAME, messages=question, tools=TOOLS, tool_choice="required", max_tokens=100
         )

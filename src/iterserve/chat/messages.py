@@ -22,6 +22,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the chat
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's earlier thinking, sent back: templates that show it read this (Qwen3's,
+    # within the turn of a tool loop).
+    reasoning_content: str | None = None
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         content = self.content
@@ -41,4 +44,6 @@ class ChatMessage(BaseModel):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message

@@ -2,11 +2,11 @@
 
 The same plan (chat/tools.py: which tools the template gets, `tool_choice`, a forced
 call's schema), the same rendering (tools in the system message for a template with no
-place for them) and the same parsers (chat/tool_parsers/), so an offline answer is read
-into calls exactly as `/v1/chat/completions` reads it. The calls are returned in OpenAI's
-shape (`{"id", "type": "function", "function": {"name", "arguments"}}`, arguments as
-JSON text), so an assistant message `{"role": "assistant", "content": ...,
-"tool_calls": output.tool_calls}` continues the conversation.
+place for them) and the same parsers (chat/tool_parsers/, read in chat/offline_chat.py),
+so an offline answer is read into calls exactly as `/v1/chat/completions` reads it. The
+calls are returned in OpenAI's shape (`{"id", "type": "function", "function": {"name",
+"arguments"}}`, arguments as JSON text), so an assistant message `{"role": "assistant",
+"content": ..., "tool_calls": output.tool_calls}` continues the conversation.
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from iterserve.chat.messages import ChatMessage
 from iterserve.chat.tool_parsers import select_tool_parser
-from iterserve.chat.tool_parsers.streaming import parse_answer
 from iterserve.chat.tool_prompt import render_with_tools
 from iterserve.chat.tool_protocol import ToolChoice, ToolDefinition
 from iterserve.chat.tools import ToolPlan, plan_tools
-from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import RenderedChat
 from iterserve.invalid_request import InvalidRequestError
 from iterserve.sampling_params import SamplingParams
@@ -32,8 +30,8 @@ _TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(ToolChoice)
 
 
 class ChatWithTools:
-    """One `LLM.chat` call's conversations, rendered with their tools, and the reading of
-    their answers into calls."""
+    """One `LLM.chat` call's conversations, rendered with their tools, and each output's
+    plan (`plans`, n per conversation) to read its answer by."""
 
     def __init__(
         self,
@@ -43,9 +41,11 @@ class ChatWithTools:
         tool_choice: str | Mapping[str, Any] | None,
         parallel_tool_calls: bool,
         tool_parser: str,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.template_kwargs = template_kwargs
         self.tools = [
             _validated(ToolDefinition, tool, f"tools.{i}") for i, tool in enumerate(tools or ())
         ]
@@ -80,27 +80,10 @@ class ChatWithTools:
             _validated(ChatMessage, message, f"messages.{i}").as_template_input(i)
             for i, message in enumerate(conversation)
         ]
-        prompt = render_with_tools(self.tokenizer, self.chat_template, messages, plan)
+        prompt = render_with_tools(
+            self.tokenizer, self.chat_template, messages, plan, True, self.template_kwargs
+        )
         return prompt, params
-
-    def read_calls(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Each answer's calls into `tool_calls` (None where the plan parses nothing,
-        [] for an answer without calls); `text` stays the model's whole answer."""
-        for output, plan in zip(outputs, self.plans, strict=True):
-            reader = plan.reader
-            if reader is None:
-                continue
-            answer = parse_answer(reader, output.text, plan.max_calls)
-            output.tool_calls = [
-                {
-                    "id": reader.new_call_id(),
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-                for call in answer.calls
-            ]
-            output.content = answer.content
-        return outputs
 
 
 def _validated(model: Any, value: Any, param: str) -> Any:

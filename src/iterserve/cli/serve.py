@@ -10,6 +10,7 @@ import socket
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from iterserve.chat.reasoning_parsers import REASONING_PARSER_CHOICES
 from iterserve.chat.tool_parsers import TOOL_PARSER_CHOICES
 from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
 from iterserve.replicas.router import ROUTERS
@@ -41,6 +42,16 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "(V3, R1), deepseek_v31 (V3.1); auto: the format the chat template asks for (Hermes', "
         "taught in the system message, when the template has no place for tools); none: "
         "tool_choice 'auto' is refused (docs/tool_calling.md)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSER_CHOICES,
+        default="auto",
+        help="read a thinking model's <think>...</think> into reasoning_content (Responses: "
+        "a reasoning item); qwen3 and deepseek_r1 are vLLM's names for this one format, and "
+        "each request's rendered prompt says whether its answer starts inside the thinking; "
+        "auto: where the chat template writes <think> (named deepseek_r1 when its generation "
+        "prompt opens it); none: answers are not read for thinking (docs/reasoning.md)",
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -152,6 +163,7 @@ def serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         responses_store=args.responses_store or str(default_store_path()),
         responses_retention=Retention(args.responses_retention, args.responses_max_age * _DAY),
+        reasoning_parser=args.reasoning_parser,
     )
     logger.info("stored responses: %s", settings.responses_store)
     app = create_app(async_engine, settings)

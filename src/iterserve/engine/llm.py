@@ -76,29 +76,34 @@ class LLM:
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         tool_parser: str = "auto",
+        reasoning_parser: str = "auto",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Chat completions for one conversation or several. With `tools` (OpenAI's
         function definitions) and `tool_choice`, as the server takes them: the tools go to
         the template, and each answer is read into `output.tool_calls` by `tool_parser`
-        (as `--tool-call-parser`; chat/offline_tools.py)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if tools is None and tool_choice is None:
-            prompts: list[Prompt] = [self._render(conv) for conv in conversations]  # type: ignore[arg-type]
-            return self.generate(prompts, params, use_tqdm)
-        from iterserve.chat.offline_tools import ChatWithTools  # the server's parsers
+        (as `--tool-call-parser`). A thinking model's thinking goes to
+        `output.reasoning_content` and the rest of the answer to `output.content`, as
+        `reasoning_parser` reads it (as `--reasoning-parser`). `chat_template_kwargs` go to
+        the template (`{"enable_thinking": False}` turns Qwen3's thinking off). Reading:
+        chat/offline_chat.py."""
+        from iterserve.chat.offline_chat import OfflineChat  # the server's parsers
 
-        chat = ChatWithTools(
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        chat = OfflineChat(
             self.tokenizer,
             self.engine.chat_template,
             tools,
             tool_choice,
             parallel_tool_calls,
             tool_parser,
+            reasoning_parser,
+            chat_template_kwargs,
         )
         each = _per_prompt(params, len(conversations))
         prepared = [chat.prepare(conv, p) for conv, p in zip(conversations, each, strict=True)]  # type: ignore[arg-type]
         outputs = self.generate([prompt for prompt, _ in prepared], [p for _, p in prepared], use_tqdm)
-        return chat.read_calls(outputs)
+        return chat.read(outputs)
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
         """The token ids `chat` would run for this conversation (the server's too)."""

@@ -35,6 +35,9 @@ class RequestOutput:
     # content without them (None: all calls); both None when nothing was parsed.
     tool_calls: list[dict[str, Any]] | None = None
     content: str | None = None
+    # LLM.chat with a thinking model: its thinking (None: none), and `content` is then
+    # what follows it (chat/offline_chat.py).
+    reasoning_content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -146,7 +146,7 @@ class TorchRunner:
             if seq.request_id not in structured:
                 if spec.compiled is None:
                     raise RuntimeError(f"request {seq.request_id}: its grammar was not compiled")
-                structured.add(seq.request_id, spec.compiled)
+                structured.add(seq.request_id, spec.compiled, spec.after_thinking)
         ids = [seq.request_id for seq in constrained]
         rows = [row_of[request_id] for request_id in ids]
         drafts = [seq.draft_token_ids for seq in constrained]

@@ -12,6 +12,10 @@ Why llguidance (and not xgrammar): docs/structured_output.md, with the measureme
   parallel, in llguidance's threads; a speculating request's rows each masked after
   the guesses before it), applies it to the logits in one pass, and after sampling
   advances each matcher by its kept tokens.
+- A thinking model's request may say its grammar starts after its thinking
+  (`StructuredOutput.after_thinking`): its `ThinkingGate` (sample/thinking_gate.py)
+  watches the tokens, and until the thinking ends its rows are left unmasked and its
+  matcher (and number bound) follow nothing.
 
 A matcher whose grammar can go no further allows only EOS, so the request ends with
 `stop`; where it is complete but could go on, EOS is one of the tokens it allows.
@@ -43,8 +47,9 @@ import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from iterserve.sample.json_number_bounds import NumberBounds
+from iterserve.sample.thinking_gate import Phase, ThinkingGate
 from iterserve.sampling_params import InvalidRequestError
-from iterserve.structured_output import StructuredOutput
+from iterserve.structured_output import StructuredOutput, ThinkingMarkers
 
 # Compiled grammars kept; a schema is a few kB of automaton, a server sees few distinct ones.
 logger = logging.getLogger(__name__)
@@ -173,6 +178,20 @@ class GrammarCompiler:
             spec.compiled = self.compile(spec)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """How a request's rows in one mask are masked: rows before `first` are its thinking
+    (left as they are), rows from `first` on by its matchers after `draft` (its guesses
+    from there). `first` None: every row is thinking. `lone_first`: row 0 is masked on its
+    own (an undecided gate whose first guess opens thinking); `opener`: the token row 0
+    allows beside the grammar's (the token that opens thinking)."""
+
+    first: int | None
+    draft: Sequence[int]
+    lone_first: bool = False
+    opener: int | None = None
+
+
 class StructuredBatch:
     """The matchers of the requests being decoded under a constraint, by request id."""
 
@@ -181,6 +200,11 @@ class StructuredBatch:
         # The number bounds of JSON requests, each following the same tokens as its
         # request's matcher until it refuses one the schema takes (then dropped).
         self._bounds: dict[str, Any] = {}
+        # Requests whose grammar starts after their thinking, and, for taking guesses back,
+        # what each followed guess changed: (the gate before it if it moved, whether the
+        # matchers took it).
+        self._gates: dict[str, ThinkingGate] = {}
+        self._trails: dict[str, list[tuple[ThinkingGate | None, bool]]] = {}
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
 
     def __contains__(self, request_id: str) -> bool:
@@ -189,15 +213,25 @@ class StructuredBatch:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def add(self, request_id: str, grammar: CompiledGrammar) -> None:
+    def add(
+        self,
+        request_id: str,
+        grammar: CompiledGrammar,
+        after_thinking: ThinkingMarkers | None = None,
+    ) -> None:
         self._matchers[request_id] = grammar.new_matcher()
         bound = grammar.new_bound()
         if bound is not None:
             self._bounds[request_id] = bound
+        if after_thinking is not None:
+            self._gates[request_id] = ThinkingGate.start(after_thinking)
+            self._trails[request_id] = []
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._bounds.pop(request_id, None)
+        self._gates.pop(request_id, None)
+        self._trails.pop(request_id, None)
 
     def mask(
         self,
@@ -213,7 +247,8 @@ class StructuredBatch:
         by its matcher's state after drafts[i][:j] (the library consumes them and rolls
         back); rows past a draft the grammar rejects stay unmasked: verification never
         gets past that draft (its own row forbids it). One bitmask fill for all (in the
-        library's threads), then one masked pass over those rows.
+        library's threads), then one masked pass over those rows. A request still
+        thinking has its rows up to the end of its thinking left as they are.
 
         `fallback`: the logits before the request's own controls (bias, bans, min_tokens,
         penalties). The grammar has the last word: a row where the controls left no token
@@ -223,7 +258,11 @@ class StructuredBatch:
         width = logits.shape[1]
         starts = list(range(len(request_ids))) if rows is None else list(rows)
         lengths = [1] * len(request_ids) if drafts is None else [1 + len(d) for d in drafts]
-        bitmask = self._bitmask(request_ids, lengths, drafts, width)
+        plans = [
+            self._rows(request_id, () if drafts is None else drafts[i])
+            for i, request_id in enumerate(request_ids)
+        ]
+        bitmask = self._bitmask(request_ids, lengths, plans, width)
         # Bit i of word w is token 32w + i: little-endian words, bits unpacked low first
         # (numpy's unpack is ~15x faster than shifting and masking with torch ops).
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=width, bitorder="little")
@@ -238,72 +277,97 @@ class StructuredBatch:
                 logits[row] = fallback[row]
                 _forbid(logits, [row], forbidden[i : i + 1])
 
+    def _rows(self, request_id: str, draft: Sequence[int]) -> _Rows:
+        """Which of a request's rows its grammar masks, given its guesses this step."""
+        gate = self._gates.get(request_id)
+        if gate is None or gate.is_open:
+            return _Rows(0, draft)
+        after, taken = gate.follow(draft)
+        undecided = gate.phase is Phase.UNDECIDED
+        first = taken if after.is_open or after.phase is Phase.UNDECIDED else None
+        return _Rows(
+            first,
+            draft[taken:] if first is not None else (),
+            # An undecided row 0 is always masked; by itself when the first guess opened
+            # thinking, so the batch call does not start this matcher there.
+            lone_first=undecided and first != 0,
+            opener=gate.markers.open if undecided else None,
+        )
+
     def _bitmask(
         self,
         request_ids: Sequence[str],
         lengths: list[int],
-        drafts: Sequence[Sequence[int]] | None,
+        plans: list[_Rows],
         width: int,
     ) -> np.ndarray:
         """One row of allowed-token bits (32 to a word) per masked logit row, request i's
         `lengths[i]` rows one after the other: what its grammar allows, and its number
-        bound too where the two leave some token (the bound yields to the schema)."""
+        bound too where the two leave some token (the bound yields to the schema); a
+        thinking request's rows allow everything, an undecided one's first row the token
+        that opens thinking too."""
         words = (width + 31) // 32
         matchers = [self._matchers[request_id] for request_id in request_ids]
-        bitmask = self._fill(matchers, lengths, drafts, words)
+        bitmask = self._fill(matchers, lengths, plans, words)
         bounded = [i for i, request_id in enumerate(request_ids) if request_id in self._bounds]
-        if not bounded:
-            return bitmask
-        bound_bits = self._fill(
-            [self._bounds[request_ids[i]] for i in bounded],
-            [lengths[i] for i in bounded],
-            None if drafts is None else [drafts[i] for i in bounded],
-            words,
-        )
         offsets = list(itertools.accumulate(lengths, initial=0))
-        bound_offsets = itertools.accumulate((lengths[i] for i in bounded), initial=0)
-        for i, start in zip(bounded, bound_offsets, strict=False):
-            rows = bitmask[offsets[i] : offsets[i] + lengths[i]]
-            both = rows & bound_bits[start : start + lengths[i]]
-            kept = both.any(axis=1)
-            rows[kept] = both[kept]
+        if bounded:
+            bound_bits = self._fill(
+                [self._bounds[request_ids[i]] for i in bounded],
+                [lengths[i] for i in bounded],
+                [plans[i] for i in bounded],
+                words,
+            )
+            bound_offsets = itertools.accumulate((lengths[i] for i in bounded), initial=0)
+            for i, start in zip(bounded, bound_offsets, strict=False):
+                rows = bitmask[offsets[i] : offsets[i] + lengths[i]]
+                both = rows & bound_bits[start : start + lengths[i]]
+                kept = both.any(axis=1)
+                rows[kept] = both[kept]
+        for offset, plan in zip(offsets, plans, strict=False):
+            if plan.opener is not None:  # after the bound: the opener is not JSON's text
+                row = bitmask[offset].view(np.uint32)
+                row[plan.opener >> 5] |= np.uint32(1 << (plan.opener & 31))
         return bitmask
 
     def _fill(
         self,
         matchers: list[Any],
         lengths: list[int],
-        drafts: Sequence[Sequence[int]] | None,
+        plans: list[_Rows],
         words: int,
     ) -> np.ndarray:
-        """The allowed-token bits of `matchers`, matcher i's `lengths[i]` rows (after
-        each of its drafts) one after the other, filled by the library's threads."""
+        """The allowed-token bits of `matchers`, matcher i's `lengths[i]` rows one after
+        the other, from row `plans[i].first` on after each of its guesses from there (the
+        rows before, thinking, all allowed), filled by the library's threads."""
         count = sum(lengths)
         offsets = list(itertools.accumulate(lengths, initial=0))
         stride = words * 4
-        if drafts is not None and any(drafts):
-            # Rows past a refused draft are not written: they stay all allowed.
+        if count > len(plans) or any(plan.first != 0 for plan in plans):
+            # Rows past a refused draft, and a thinking request's, are not written: they
+            # stay all allowed.
             bitmask = np.full((count, words), -1, dtype=np.int32)
         else:
             bitmask = np.empty((count, words), dtype=np.int32)
-        plain = [
-            (matcher, offset)
-            for matcher, offset, n in zip(matchers, offsets, lengths, strict=False)
-            if n == 1
+        masked = [
+            (matcher, offset + plan.first, list(plan.draft))
+            for matcher, offset, plan in zip(matchers, offsets, plans, strict=False)
+            if plan.first is not None
         ]
+        plain = [(matcher, offset) for matcher, offset, draft in masked if not draft]
         if plain:
             self._executor.unsafe_compute_mask_ptr(plain, bitmask.ctypes.data, stride, count)
-        if drafts is not None and any(drafts):  # the library takes non-empty drafts only
-            drafted = [
-                (matcher, offset, list(draft))
-                for matcher, offset, draft in zip(matchers, offsets, drafts, strict=False)
-                if draft
-            ]
+        drafted = [segment for segment in masked if segment[2]]
+        if drafted:  # the library takes non-empty drafts only
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 drafted, bitmask.ctypes.data, stride, count
             )
             for matcher, offset, draft in drafted:
                 self._fill_after_completion(matcher, bitmask, offset, draft)
+        for matcher, offset, plan in zip(matchers, offsets, plans, strict=False):
+            if plan.lone_first:  # the same matcher is not in the batch call at this row
+                row = bitmask[offset]
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         return bitmask
 
     @staticmethod
@@ -329,20 +393,42 @@ class StructuredBatch:
 
     def valid_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """How many of `token_ids`, from the start, the request's grammar (and number
-        bound) accepts next (0 for a request without a matcher yet)."""
+        bound) accepts next (0 for a request without a matcher yet; thinking accepts
+        anything)."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return 0
-        valid = int(matcher.validate_tokens(list(token_ids)))
+        taken = 0
+        gate = self._gates.get(request_id)
+        if gate is not None and not gate.is_open:
+            after, taken = gate.follow(token_ids)
+            if not (after.is_open or after.phase is Phase.UNDECIDED):
+                return len(token_ids)
+        answer = list(token_ids[taken:])
+        valid = int(matcher.validate_tokens(answer))
         bound = self._bounds.get(request_id)
         if bound is not None and valid:
-            valid = min(valid, int(bound.validate_tokens(list(token_ids[:valid]))))
-        return valid
+            valid = min(valid, int(bound.validate_tokens(answer[:valid])))
+        return taken + valid
 
     def try_advance(self, request_id: str, token_id: int) -> bool:
         """Follow one guessed token if the grammar (and number bound) accepts it and the
-        grammar is not already complete (a draft model's guesses; `rollback` undoes
-        them). False, and no change, if not."""
+        grammar is not already complete, or if it is thinking (a draft model's guesses;
+        `rollback` undoes them). False, and no change, if not."""
+        gate = self._gates.get(request_id)
+        if gate is None or gate.is_open:
+            taken = self._take_guess(request_id, token_id)
+            if taken and gate is not None:
+                self._trails[request_id].append((None, True))
+            return taken
+        after, to_grammar = gate.after(token_id)
+        if to_grammar and not self._take_guess(request_id, token_id):
+            return False
+        self._gates[request_id] = after
+        self._trails[request_id].append((gate, to_grammar))
+        return True
+
+    def _take_guess(self, request_id: str, token_id: int) -> bool:
         matcher = self._matchers[request_id]
         if matcher.is_stopped() or matcher.try_consume_tokens([token_id]) != 1:
             return False
@@ -353,6 +439,14 @@ class StructuredBatch:
         return True
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
+        trail = self._trails.get(request_id)
+        if trail is not None and num_tokens:  # a gated request: the gate goes back too
+            undone = trail[len(trail) - num_tokens :]
+            del trail[len(trail) - num_tokens :]
+            gates = [gate for gate, _ in undone if gate is not None]
+            if gates:
+                self._gates[request_id] = gates[0]
+            num_tokens = sum(1 for _, to_grammar in undone if to_grammar)
         if num_tokens:
             self._rollback(self._matchers[request_id], num_tokens, request_id)
             bound = self._bounds.get(request_id)
@@ -365,8 +459,16 @@ class StructuredBatch:
             raise RuntimeError(f"request {request_id}: cannot roll its grammar back")
 
     def advance(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Follow the tokens sampled for a request (all allowed by its last mask)."""
+        """Follow the tokens sampled for a request (all allowed by its last mask); a
+        thinking request's gate takes them until its thinking ends."""
+        gate = self._gates.get(request_id)
+        if gate is not None and not gate.is_open:
+            gate, taken = gate.follow(token_ids)
+            self._gates[request_id] = gate
+            token_ids = token_ids[taken:]
         matcher = self._matchers[request_id]
+        if not token_ids:
+            return
         if matcher.is_stopped():
             # Its request ended with the grammar; this step was planned before that was
             # known (asynchronous scheduling) and its token is discarded.
@@ -402,6 +504,9 @@ class StructuredBatch:
             )
 
     def is_finished(self, request_id: str) -> bool:
+        gate = self._gates.get(request_id)
+        if gate is not None and not gate.is_open:
+            return False
         return bool(self._matchers[request_id].is_stopped())
 
 

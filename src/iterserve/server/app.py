@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 
+from iterserve.chat.reasoning import ReasoningSupport
 from iterserve.chat.tool_parsers import select_tool_parser
 from iterserve.engine.serving_engine import ServingEngine
 from iterserve.server.access_log import AccessLogMiddleware
@@ -42,6 +43,7 @@ class ServerSettings:
     # defaults to a file under the user's data directory; an app built here to memory).
     responses_store: str = IN_MEMORY
     responses_retention: Retention = field(default_factory=Retention)
+    reasoning_parser: str = "auto"  # a name in REASONING_PARSER_CHOICES
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -103,10 +105,20 @@ def _serving_context(
         max_model_len=model.max_model_len,
         response_store=store,
         tool_parser=select_tool_parser(settings.tool_call_parser, model.chat_template),
+        reasoning=ReasoningSupport.for_model(
+            settings.reasoning_parser, model.tokenizer, model.chat_template
+        ),
     )
     logger.info(
         "tool calls: %s (--tool-call-parser %s)",
         ctx.tool_parser.name if ctx.tool_parser else "not parsed",
         settings.tool_call_parser,
+    )
+    reasoning = ctx.reasoning
+    logger.info(
+        "reasoning: %s (--reasoning-parser %s)%s",
+        reasoning.parser.name if reasoning else "not parsed",
+        settings.reasoning_parser,
+        f"; thinking switch: {reasoning.switch}" if reasoning and reasoning.switch else "",
     )
     return ctx

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the model's chat template, n choices."""
+"""POST /v1/chat/completions: messages through the model's chat template, n choices; a
+thinking model's thinking goes to `reasoning_content`, calls to `tool_calls`."""
 
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response
 
-from iterserve.chat.tool_parsers.streaming import (
-    StreamDelta,
-    ToolCallStream,
-    parse_answer,
-)
+from iterserve.chat.answer import AnswerDelta, AnswerStream, read_answer
+from iterserve.chat.reasoning import thinking_template_kwargs
+from iterserve.chat.reasoning_parsers import ThinkingReader
+from iterserve.chat.tool_parsers import ParsedCall
 from iterserve.chat.tool_prompt import render_with_tools
 from iterserve.chat.tool_protocol import (
     DeltaFunctionCall,
@@ -44,8 +44,8 @@ from iterserve.server.serving import ServingContext, Submitted, respond, sse, st
 
 
 def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan) -> RenderedChat:
-    """The conversation through the template, as `LLM.chat` renders it; the engine
-    tokenizes it on its own thread."""
+    """The conversation through the template, as `LLM.chat` renders it (with the thinking
+    switch `reasoning_effort` sets); the engine tokenizes it on its own thread."""
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
     return render_with_tools(
         ctx.tokenizer,
@@ -53,7 +53,7 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
         messages,
         plan,
         body.add_generation_prompt,
-        body.chat_template_kwargs,
+        thinking_template_kwargs(ctx.reasoning, body.chat_template_kwargs, body.reasoning_effort),
     )
 
 
@@ -66,7 +66,11 @@ class ChatRun:
     model: str  # the name to answer with
     params: SamplingParams
     plan: ToolPlan
+    reasoning: ThinkingReader | None  # None: the answer is not read for thinking
     submitted: Submitted
+
+    def reasoning_tokens(self, ctx: ServingContext, token_ids: list[int], thought: bool) -> int:
+        return ctx.reasoning.reasoning_tokens(token_ids, thought) if ctx.reasoning else 0
 
 
 async def start_chat(
@@ -92,6 +96,9 @@ async def start_chat(
     )
     ctx.engine.check_group_size(params.n)  # before rendering the template
     prompt = continuing(render_prompt(body, ctx, plan), known, ctx.tokenizer)
+    # The prompt says where the answer starts (in the thinking, or not); a grammar starts
+    # after the thinking.
+    reasoning = ctx.reasoning.prepare(prompt.text, params) if ctx.reasoning else None
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     submitted = await submit(
         raw,
@@ -103,7 +110,7 @@ async def start_chat(
         body.priority,
         fill_context=body.token_limit is None,  # OpenAI chat: no limit means what is left
     )
-    return ChatRun(body, model, params, plan, submitted)
+    return ChatRun(body, model, params, plan, reasoning, submitted)
 
 
 async def create_chat_completion(
@@ -113,40 +120,45 @@ async def create_chat_completion(
     logprobs = run.params.logprobs
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> ChatCompletionResponse:
-        choices = [
-            _choice(index, output, run.plan, _logprobs(output.logprobs, logprobs, ctx))
-            for index, output in enumerate(outputs)
-        ]
+        choices = []
+        for index, output in enumerate(outputs):
+            answer = read_answer(output.text, run.reasoning, run.plan)
+            usage.completion_tokens_details.reasoning_tokens += run.reasoning_tokens(
+                ctx, output.token_ids, answer.thought
+            )
+            calls = _tool_calls(answer.calls, run.plan)
+            message = AssistantMessage(
+                content=answer.content,
+                reasoning_content=answer.reasoning,
+                tool_calls=calls or None,
+            )
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=_logprobs(output.logprobs, logprobs, ctx),
+                    finish_reason=_finish_reason(output.finish_reason, bool(calls)),
+                )
+            )
         return ChatCompletionResponse(
             id=run.submitted.request_id, model=run.model, choices=choices, usage=usage
         )
 
-    events = functools.partial(_stream, body, run.submitted, ctx, run.model, run.plan)
+    events = functools.partial(_stream, body, run, ctx)
     return await respond(raw, run.submitted, run.params.n, body.stream, events, final)
 
 
-def _choice(
-    index: int, output: RequestOutput, plan: ToolPlan, logprobs: ChatChoiceLogprobs | None
-) -> ChatChoice:
+def _tool_calls(calls: list[ParsedCall], plan: ToolPlan) -> list[ToolCall]:
+    """The calls read in an answer, with ids from the parser that read them."""
     reader = plan.reader
     if reader is None:
-        message = AssistantMessage(content=output.text)
-        return ChatChoice(
-            index=index, message=message, logprobs=logprobs, finish_reason=output.finish_reason
-        )
-    answer = parse_answer(reader, output.text, plan.max_calls)
-    calls = [
+        return []
+    return [
         ToolCall(
             id=reader.new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments)
         )
-        for call in answer.calls
+        for call in calls
     ]
-    return ChatChoice(
-        index=index,
-        message=AssistantMessage(content=answer.content, tool_calls=calls or None),
-        logprobs=logprobs,
-        finish_reason=_finish_reason(output.finish_reason, bool(calls)),
-    )
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -162,10 +174,11 @@ def _logprobs(
     return ChatChoiceLogprobs(content=chat_logprobs(entries or [], ctx.decode_token))
 
 
-def _tool_deltas(found: StreamDelta) -> list[DeltaMessage]:
-    """The content the parser is sure of, then per finished call its id, type and name,
-    then its arguments (OpenAI's order: clients open a call on its id)."""
-    deltas = [DeltaMessage(content=found.content)] if found.content else []
+def _answer_deltas(found: AnswerDelta) -> list[DeltaMessage]:
+    """The reasoning and the content the parsers are sure of, then per finished call its
+    id, type and name, then its arguments (OpenAI's order: clients open a call on its id)."""
+    deltas = [DeltaMessage(reasoning_content=found.reasoning)] if found.reasoning else []
+    deltas += [DeltaMessage(content=found.content)] if found.content else []
     for index, call_id, call in found.new_calls:
         head = DeltaFunctionCall(name=call.name, arguments="")
         opening = DeltaToolCall(index=index, id=call_id, type="function", function=head)
@@ -175,12 +188,9 @@ def _tool_deltas(found: StreamDelta) -> list[DeltaMessage]:
 
 
 async def _stream(
-    body: ChatCompletionRequest,
-    submitted: Submitted,
-    ctx: ServingContext,
-    model: str,
-    plan: ToolPlan,
+    body: ChatCompletionRequest, run: ChatRun, ctx: ServingContext
 ) -> AsyncIterator[str]:
+    submitted, model, plan = run.submitted, run.model, run.plan
     created = int(time.time())
     wanted = body.requested_logprobs()
 
@@ -201,27 +211,33 @@ async def _stream(
         )
         return message([choice])
 
-    reader = plan.reader
-    calls: dict[int, ToolCallStream] = {}
+    answers: dict[int, AnswerStream] = {}
+    reasoning_tokens: dict[int, int] = {}
 
-    def tool_chunks(index: int, output: RequestOutput) -> str:
-        assert reader is not None
-        stream = calls.setdefault(index, ToolCallStream(reader, plan.max_calls))
+    def answer_chunks(index: int, output: RequestOutput) -> str:
+        stream = answers.setdefault(index, AnswerStream.of(run.reasoning, plan))
         found = stream.feed(output.delta_text, output.finished)
+        if output.finished:
+            reasoning_tokens[index] = run.reasoning_tokens(ctx, output.token_ids, stream.thought)
         # Every token gets a chunk (see stream_events), an empty one while text is held.
-        deltas = _tool_deltas(found) or [DeltaMessage(content="")]
+        deltas = _answer_deltas(found) or [DeltaMessage(content="")]
         choices = [ChatStreamChoice(index=index, delta=delta) for delta in deltas]
         # The token's logprobs and the finish reason go on the last of them.
         choices[-1].logprobs = _logprobs(output.delta_logprobs, wanted, ctx)
         choices[-1].finish_reason = _finish_reason(output.finish_reason, stream.called)
         return "".join(message([choice]) for choice in choices)
 
+    def usage_message(usage: UsageInfo) -> str:
+        usage.completion_tokens_details.reasoning_tokens = sum(reasoning_tokens.values())
+        return message([], usage)
+
     # The role first, for every choice, as OpenAI does: clients build the message from it.
     for index in range(len(submitted.stream.request_ids)):
         yield message(
             [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
         )
-    usage_chunk = (lambda usage: message([], usage)) if body.include_usage else None
-    on_output = chunk if reader is None else tool_chunks
+    usage_chunk = usage_message if body.include_usage else None
+    read = plan.reader is not None or run.reasoning is not None
+    on_output = answer_chunks if read else chunk
     async for event in stream_events(submitted, None, on_output, usage_chunk):
         yield event

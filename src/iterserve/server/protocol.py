@@ -21,6 +21,9 @@ from iterserve.server.unhonoured import refuse_unhonoured
 
 # ---- requests -------------------------------------------------------------------------
 
+# OpenAI's reasoning efforts (chat's `reasoning_effort`, Responses' `reasoning.effort`).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -144,6 +147,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Turns the chat template's thinking switch (chat/reasoning.py, docs/reasoning.md).
+    reasoning_effort: ReasoningEffort | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -191,6 +196,7 @@ class CompletionTokensDetails(BaseModel):
     # the model confirmed and drafts it turned down.
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0  # a thinking model's tokens up to the end of its thinking
 
 
 class UsageInfo(BaseModel):
@@ -273,6 +279,8 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # A thinking model's thinking (vLLM's field); left out where there is none.
+    reasoning_content: str | None = None
     # Left out of an answer without calls, as OpenAI does: the SDK then reads None, and
     # `[]` (vLLM's) breaks clients that loop `while message.tool_calls is not None` and
     # templates that assert on the calls of a replayed message (vLLM #44104, #13978).
@@ -283,6 +291,8 @@ class AssistantMessage(BaseModel):
         message: dict[str, Any] = handler(self)
         if not message.get("tool_calls"):
             message.pop("tool_calls", None)
+        if message.get("reasoning_content") is None:
+            message.pop("reasoning_content", None)
         return message
 
 
@@ -300,6 +310,7 @@ class ChatCompletionResponse(_ChoicesResponse[ChatChoice]):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

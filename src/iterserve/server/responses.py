@@ -1,10 +1,11 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path.
 
 The request becomes a chat request (responses_protocol.py) and runs as one; the answer
-is shaped as Responses output items: a `message` with one `output_text` part, then a
+is shaped as Responses output items: a thinking model's `reasoning` item (its thinking as
+one `reasoning_text` part), a `message` with one `output_text` part, then a
 `function_call` item per call the tool parser read. Streamed, it is Responses' typed
-events (`response.created`, `response.output_item.added`, `response.output_text.delta`,
-..., `response.completed`), each with its `sequence_number`.
+events (`response.created`, `response.output_item.added`, `response.reasoning_text.delta`,
+`response.output_text.delta`, ..., `response.completed`), each with its `sequence_number`.
 
 A stored response (`store`, the default) is committed to the response store before the
 last event (or the body) leaves: a client that saw it complete can chain to it, whatever
@@ -22,7 +23,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from iterserve.chat.tool_parsers.streaming import ToolCallStream, parse_answer
+from iterserve.chat.answer import Answer, AnswerStream, read_answer
+from iterserve.chat.tool_parsers import AnswerReader
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
 from iterserve.sampling_params import InvalidRequestError
@@ -44,6 +46,12 @@ _Keep = Callable[[dict[str, Any], RequestOutput], Awaitable[None]]
 
 
 async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingContext) -> Response:
+    if body.reasoning is not None and body.reasoning.asks_for_thinking and ctx.reasoning is None:
+        raise InvalidRequestError(
+            "reasoning is not supported by this model: the server reads no thinking from its "
+            "answers (a model with <think> in its chat template, or --reasoning-parser)",
+            "reasoning",
+        )
     store = ctx.response_store
     previous = await previous_response(body, store)
     try:
@@ -62,13 +70,18 @@ async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingCont
     async def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
         output = outputs[0]
         text_logprobs = logprobs.of(output.logprobs) if logprobs else []
-        items = _output_items(output, run, text_logprobs)
-        response = shape.response(_status(output.finish_reason), items, usage)
+        answer = read_answer(output.text, run.reasoning, run.plan)
+        usage.completion_tokens_details.reasoning_tokens = run.reasoning_tokens(
+            ctx, output.token_ids, answer.thought
+        )
+        status = _status(output.finish_reason)
+        items = _output_items(answer, status, text_logprobs, run.plan.reader)
+        response = shape.response(status, items, usage)
         await keep(response, output)
         return response
 
     def events() -> AsyncIterator[str]:
-        return _stream(shape, run, logprobs, keep)
+        return _stream(shape, run, ctx, logprobs, keep)
 
     return await respond(raw, run.submitted, 1, body.stream, events, final)
 
@@ -89,6 +102,22 @@ def _message_item(text: str, status: str, logprobs: list[dict[str, Any]]) -> dic
 
 def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+    """The thinking as OpenAI's reasoning item: no summary is made, the text is its one
+    `reasoning_text` part."""
+    return {
+        "type": "reasoning",
+        "id": new_item_id("rs"),
+        "summary": [],
+        "content": [_reasoning_part(text)],
+        "status": status,
+    }
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 @dataclass(frozen=True)
@@ -114,22 +143,17 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str
 
 
 def _output_items(
-    output: RequestOutput, run: ChatRun, logprobs: list[dict[str, Any]]
+    answer: Answer, status: str, logprobs: list[dict[str, Any]], reader: AnswerReader | None
 ) -> list[dict[str, Any]]:
-    """A message with the answer's text (unless it is calls alone), then its calls."""
-    status = _status(output.finish_reason)
-    reader = run.plan.reader
-    if reader is None:
-        return [_message_item(output.text, status, logprobs)]
-    answer = parse_answer(reader, output.text, run.plan.max_calls)
-    items = (
-        [_message_item(answer.content or "", status, logprobs)]
-        if answer.content or not answer.calls
-        else []
-    )
+    """The thinking's reasoning item, a message with the answer's text (unless it is calls
+    alone, or thinking alone: max_output_tokens ran out in it), then its calls."""
+    items = [] if answer.reasoning is None else [_reasoning_item(answer.reasoning, status)]
+    if answer.content or not (answer.calls or answer.reasoning):
+        items.append(_message_item(answer.content or "", status, logprobs))
     items += [
         _call_item(reader.new_call_id(), call.name, call.arguments, "completed")
         for call in answer.calls
+        if reader is not None  # calls are read by a reader only
     ]
     return items
 
@@ -157,7 +181,6 @@ class _Shape:
             "model": self.run.model,
             "output": output,
             "previous_response_id": body.previous_response_id,
-            "reasoning": None,
             "store": body.stored,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -172,7 +195,9 @@ def _usage(usage: UsageInfo) -> dict[str, Any]:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": usage.completion_tokens_details.reasoning_tokens
+        },
         "total_tokens": usage.total_tokens,
     }
 
@@ -183,6 +208,7 @@ class _Events:
 
     shape: _Shape
     items: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: dict[str, Any] | None = None  # the reasoning item being written, if any
     message: dict[str, Any] | None = None  # the message item being written, if any
     sequence: int = 0
     # Logprobs of tokens whose text is not out yet (held back: a stop string, a call).
@@ -196,16 +222,54 @@ class _Events:
     def response(self, kind: str, status: str) -> str:
         return self.event(kind, response=self.shape.response(status, self.items, None))
 
+    def thinking(self, delta: str) -> str:
+        """Thinking made since the last event, in the reasoning item (opened on its first)."""
+        opened = ""
+        if self.reasoning is None:
+            self.reasoning = _reasoning_item("", "in_progress")
+            self.items.append(self.reasoning)
+            index = len(self.items) - 1
+            where = {"item_id": self.reasoning["id"], "output_index": index}
+            opened = self.event(
+                "response.output_item.added", output_index=index, item=self.reasoning
+            ) + self.event(
+                "response.content_part.added", **where, content_index=0, part=_reasoning_part("")
+            )
+        part = self.reasoning["content"][0]
+        part["text"] += delta
+        where = {"item_id": self.reasoning["id"], "output_index": self.items.index(self.reasoning)}
+        return opened + self.event(
+            "response.reasoning_text.delta", **where, content_index=0, delta=delta
+        )
+
+    def close_reasoning(self, status: str) -> str:
+        item, self.reasoning = self.reasoning, None
+        if item is None:
+            return ""
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        part = item["content"][0]
+        return (
+            self.event("response.reasoning_text.done", **where, content_index=0, text=part["text"])
+            + self.event("response.content_part.done", **where, content_index=0, part=part)
+            + self.event("response.output_item.done", output_index=where["output_index"], item=item)
+        )
+
     def open_message(self) -> str:
         if self.message is not None:
             return ""
+        closed = self.close_reasoning("completed")  # the answer follows the thinking
         self.message = _message_item("", "in_progress", [])
         self.items.append(self.message)
         where = {"item_id": self.message["id"], "output_index": len(self.items) - 1}
         part = _text_part("", [])
-        return self.event(
-            "response.output_item.added", output_index=where["output_index"], item=self.message
-        ) + self.event("response.content_part.added", **where, content_index=0, part=part)
+        return (
+            closed
+            + self.event(
+                "response.output_item.added", output_index=where["output_index"], item=self.message
+            )
+            + self.event("response.content_part.added", **where, content_index=0, part=part)
+        )
 
     def text(self, delta: str) -> str:
         """The text made since the last event, with the logprobs of its tokens (and of
@@ -245,7 +309,7 @@ class _Events:
         )
 
     def call(self, call_id: str, name: str, arguments: str) -> str:
-        events = self.close_message("completed")
+        events = self.close_reasoning("completed") + self.close_message("completed")
         item = _call_item(call_id, name, "", "in_progress")
         self.items.append(item)
         index = len(self.items) - 1
@@ -258,26 +322,22 @@ class _Events:
 
 
 async def _stream(
-    shape: _Shape, run: ChatRun, logprobs: _Logprobs | None, keep: _Keep
+    shape: _Shape, run: ChatRun, ctx: ServingContext, logprobs: _Logprobs | None, keep: _Keep
 ) -> AsyncIterator[str]:
     events = _Events(shape)
     yield events.response("response.created", "in_progress")
     yield events.response("response.in_progress", "in_progress")
-    reader = run.plan.reader
-    calls = None if reader is None else ToolCallStream(reader, run.plan.max_calls)
+    answer = AnswerStream.of(run.reasoning, run.plan)
     last: list[RequestOutput] = []  # the finished output
     final: list[dict[str, Any]] = []  # the Response object the last event will carry
 
     def on_output(_: int, output: RequestOutput) -> str:
         if logprobs is not None:
             events.pending += logprobs.of(output.delta_logprobs)
-        if calls is None:
-            text, new_calls = output.delta_text, []
-        else:
-            found = calls.feed(output.delta_text, output.finished)
-            text, new_calls = found.content, found.new_calls
-        chunk = events.text(text) if text else ""
-        for _, call_id, call in new_calls:
+        found = answer.feed(output.delta_text, output.finished)
+        chunk = events.thinking(found.reasoning) if found.reasoning else ""
+        chunk += events.text(found.content) if found.content else ""
+        for _, call_id, call in found.new_calls:
             chunk += events.call(call_id, call.name, call.arguments)
         if output.finished:
             last.append(output)
@@ -285,9 +345,13 @@ async def _stream(
 
     def on_end(usage: UsageInfo) -> str:
         status = _status(last[0].finish_reason)
-        # An answer with neither text nor calls is still one (empty) message, as unstreamed.
+        usage.completion_tokens_details.reasoning_tokens = run.reasoning_tokens(
+            ctx, last[0].token_ids, answer.thought
+        )
+        # An answer with neither text nor calls is still one (empty) message, as unstreamed
+        # (but an answer that was all thinking).
         opened = events.open_message() if not events.items else ""
-        closed = events.close_message(status)
+        closed = events.close_reasoning(status) + events.close_message(status)
         final.append(shape.response(status, events.items, usage))
         return opened + closed
 

@@ -9,6 +9,8 @@ answer as Responses output items. Fields are named as this API spells them in er
 A request chained with `previous_response_id` continues the stored history that
 response_chain.py finds: those items come first, then this request's `input`;
 `instructions` are this request's own (OpenAI's rule: they do not carry over).
+`reasoning.effort` becomes chat's `reasoning_effort` (the chat template's thinking
+switch, docs/reasoning.md).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.error_paths import field_path
-from iterserve.server.protocol import ChatCompletionRequest
+from iterserve.server.protocol import ChatCompletionRequest, ReasoningEffort
 
 # The `include` value that adds to an answer here: the output text's token logprobs.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# The others OpenAI defines ask for parts of items this server never makes (reasoning,
-# built-in tools' calls, input images): there is nothing to add, so they are accepted.
-# Codex-style clients send "reasoning.encrypted_content" with every stateless request.
+# The others OpenAI defines ask for parts of items this server never makes (reasoning's
+# encrypted content, built-in tools' calls, input images): there is nothing to add, so
+# they are accepted. Codex-style clients send "reasoning.encrypted_content" with every
+# stateless request.
 _VACUOUS_INCLUDES = frozenset(
     {
         "code_interpreter_call.outputs",
@@ -83,6 +86,24 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(BaseModel):
+    """`reasoning`: `effort` sets the chat template's thinking switch; a summary is never
+    made (a reasoning item's `summary` is empty, its whole text is in `content`), so
+    asking for one changes nothing. Other keys OpenAI may add are refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+    @property
+    def asks_for_thinking(self) -> bool:
+        """Whether it asks anything of a model that does not think (effort 'none' does not)."""
+        effort = self.effort not in (None, "none")
+        return effort or self.summary is not None or self.generate_summary is not None
+
+
 class _ContentPart(BaseModel):
     type: str
     text: str | None = None
@@ -112,7 +133,8 @@ _ITEMS: dict[str, type[BaseModel]] = {
     "function_call": _FunctionCallItem,
     "function_call_output": _FunctionCallOutputItem,
 }
-# Items a model of this server never made and that change nothing it reads.
+# Items that change nothing the model reads: an earlier answer's thinking, sent back by
+# clients that keep the whole output (chat templates drop earlier turns' thinking too).
 _SKIPPED_ITEMS = {"reasoning"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
@@ -138,14 +160,17 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None
 
     def check_supported(self) -> None:
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise InvalidRequestError("reasoning is not supported by this model", "reasoning")
+        for key, value in (self.reasoning.model_extra or {}).items() if self.reasoning else ():
+            if value is not None:
+                raise InvalidRequestError(
+                    f"reasoning.{key} is not supported by this server", f"reasoning.{key}"
+                )
         for value in self.include or ():
             if value != LOGPROBS_INCLUDE and value not in _VACUOUS_INCLUDES:
                 raise InvalidRequestError(f"include {value!r} is not a known value", "include")
@@ -168,7 +193,11 @@ class ResponsesRequest(BaseModel):
         """The request's own settings, as a Response object repeats them."""
         text_format = self.text.format if self.text else None
         tool_choice = self.tool_choice or "auto"
+        reasoning = self.reasoning
         return {
+            "reasoning": None
+            if reasoning is None
+            else {"effort": reasoning.effort, "summary": reasoning.summary},
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
             "parallel_tool_calls": self.parallel_tool_calls,
@@ -215,6 +244,8 @@ class ResponsesRequest(BaseModel):
         }
         if self.wants_logprobs:
             chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            chat["reasoning_effort"] = self.reasoning.effort
         if self.tools:
             chat["tools"] = [tool.as_chat_tool() for tool in self.tools]
         if isinstance(self.tool_choice, FunctionToolChoice):
@@ -317,6 +348,7 @@ _PARAMS = {
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
     "messages": "input",
+    "reasoning_effort": "reasoning.effort",
 }
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from iterserve.chat.reasoning import ReasoningSupport
 from iterserve.chat.tool_parsers import ToolParser
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
@@ -75,6 +76,7 @@ class ServingContext:
     max_model_len: int
     response_store: ResponseStore  # stored Responses (previous_response_id, GET, DELETE)
     tool_parser: ToolParser | None = None  # --tool-call-parser, or what `auto` found
+    reasoning: ReasoningSupport | None = None  # --reasoning-parser, or what `auto` found
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
 
