@@ -34,7 +34,7 @@ class ReplicaState:
 
     state: str  # REPLICA_OK, REPLICA_WARMING, REPLICA_RESTARTING or REPLICA_GIVEN_UP
     restarts: int = 0  # new processes started for it since the server started
-    rerouted: int = 0  # requests it had taken, but not started, sent to another when it died
+    rerouted: int = 0  # requests sent to another when it died (not taken, or no token yet)
     last_death: str | None = None  # why it last died (Ray's account, or the exception)
 
     @property

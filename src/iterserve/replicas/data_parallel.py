@@ -252,7 +252,8 @@ class DataParallelEngine:
             except ReplicaDiedError:
                 # Died before taking the group (the router had not heard yet): nothing of
                 # it ran, so the next serving replica gets it.
-                logger.warning(
+                self.slots[target.index].rerouted += len(dispatch.requests)
+                logger.info(
                     "replica %d died before taking a request: routing it again", target.index
                 )
 

@@ -85,7 +85,7 @@ class ReplicaSlot:
         self.client = client
         self.policy = policy
         self.restarts = 0  # actors started after the first
-        self.rerouted = 0  # requests sent elsewhere when it died
+        self.rerouted = 0  # requests sent elsewhere when it died (not taken, or no token)
         self.last_death: str | None = None
         self._spawn = spawn
         self._make_client = make_client

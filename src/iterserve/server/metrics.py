@@ -123,7 +123,8 @@ def _fleet_metrics(out: _Families, labels: tuple[str, ...], states: list[Replica
         out.add(_C, "replica_restarts", "New processes started for a replica that died",
                 restarts, label)  # fmt: skip
         out.add(_C, "replica_rerouted_requests",
-                "Requests a replica had taken but not started when it died, sent to another",
+                "Requests sent to another replica when this one died before taking them or "
+                "before their first token",
                 rerouted, label)  # fmt: skip
 
 
