@@ -146,19 +146,18 @@ class ReplicaSlot:
             await asyncio.sleep(delay)
             started = time.monotonic()
             self.restarts += 1
-            actor = self._spawn()
+            actor = None
             try:
+                actor = self._spawn()  # (raises if Ray itself is gone)
                 await asyncio.wait_for(_until_ready(actor), self.policy.load_timeout)
             except asyncio.CancelledError:  # a shutdown: the new actor goes too
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
+                _kill(actor)
                 raise
             except Exception as error:
                 reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
                 self.last_death = f"its restart failed: {reason}"
                 logger.error("replica %d: restart failed: %s", self.index, reason)
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
+                _kill(actor)
                 continue
             self.client = self._make_client(actor)
             self.client.ready = True
@@ -188,6 +187,12 @@ class ReplicaSlot:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _kill(actor: Any) -> None:
+    if actor is not None:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(actor)
 
 
 async def _until_ready(actor: Any) -> None:
