@@ -1,7 +1,8 @@
 """Data parallelism: two engine replicas on Ray behind one OpenAI front end.
 
-One Ray cluster (2 CPUs, no dashboard) and one two-replica server serve the module's first
-tests; the one that kills a replica runs last of them. Then the real
+One Ray cluster (2 CPUs, no dashboard; conftest.py) and one two-replica server serve the
+module's first tests; the one that kills a replica (and sees it restarted) runs last of
+them. Then the real
 `iterserve serve --data-parallel-size 2` runs as a process, drains on SIGTERM, and takes
 the Ray cluster it started with it; and the front end reroutes around a dead replica
 over stand-in actors (no Ray processes). Tiny random Llama, fp32, greedy text compared
@@ -22,6 +23,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from ray_processes import ray_daemons, running
 
 from iterserve import LLM, SamplingParams
 from iterserve.replicas.router import RoundRobin, make_router
@@ -58,50 +60,6 @@ PROMPTS = [
 SHARED_PREFIX = "You are a helpful assistant who answers questions about geography. " * 6
 
 
-def _ray_daemons(parent: int) -> set[int]:
-    """Pids of the Ray cluster processes (GCS, raylet) that `parent` started: ray.init
-    starts them as its children. (Other users' Ray clusters on this machine are not ours
-    to count.)"""
-    out = subprocess.run(
-        ["pgrep", "-P", str(parent), "-f", "raylet|gcs_server"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return {int(pid) for pid in out.stdout.split()}
-
-
-def _running(pids: set[int]) -> set[int]:
-    """Those of `pids` still running (an exited child not yet reaped is a zombie: gone)."""
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
-    return alive
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=128 * 2**20,
-        logging_level="warning",
-        namespace="iterserve-test",
-    )
-    daemons = _ray_daemons(os.getpid())
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        assert daemons and wait_until(lambda: not _running(daemons), timeout=30), daemons
-
-
 @pytest.fixture(scope="module")
 def fleet(cluster: None, tiny_llama_dir: Path) -> Iterator[RunningServer]:
     engine = DataParallelEngine.launch(
@@ -111,9 +69,9 @@ def fleet(cluster: None, tiny_llama_dir: Path) -> Iterator[RunningServer]:
         ray_cluster.connect(None, 2),  # the module's cluster: joined before, left running
         threads=1,
     )
-    with serving(engine) as running:  # type: ignore[arg-type]
-        assert wait_until(lambda: engine.is_ready, timeout=60), engine.replica_health()
-        yield running
+    with serving(engine) as server:  # type: ignore[arg-type]
+        assert wait_until(lambda: engine.is_ready, timeout=60), engine.replica_states()
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -261,9 +219,12 @@ def test_the_fleets_waiting_bound_answers_429(
     assert response.json()["error"]["code"] == "rate_limit_exceeded"
 
 
-def test_a_dead_replica_fails_only_its_requests(fleet: RunningServer) -> None:
+def test_a_killed_replica_fails_only_its_started_streams_and_comes_back(
+    fleet: RunningServer,
+) -> None:
     engine = _engine(fleet)
     engine.router = RoundRobin()  # streams 0 and 2 on replica 0, 1 and 3 on replica 1
+    killed = engine.replicas[1]
 
     async def main() -> list[str]:
         async with _client(fleet.base_url) as client:
@@ -275,7 +236,7 @@ def test_a_dead_replica_fails_only_its_requests(fleet: RunningServer) -> None:
                 )  # fmt: skip
                 await stream.__anext__()
                 streams.append(stream)
-            ray.kill(engine.replicas[1].actor)
+            ray.kill(killed.actor)
 
             async def finish(stream: openai.AsyncStream) -> str:
                 try:
@@ -296,22 +257,36 @@ def test_a_dead_replica_fails_only_its_requests(fleet: RunningServer) -> None:
 
     outcomes = asyncio.run(main())
     assert outcomes[0] == outcomes[2] == "length", outcomes
-    assert all("replica 1 died" in outcome for outcome in outcomes[1:4:2]), outcomes
+    # Their tokens were out: a clean error naming the cause, not a replay elsewhere.
+    assert all(o.startswith("error: replica 1 died (") for o in outcomes[1:4:2]), outcomes
     assert all(outcomes[4:]), outcomes
-    assert wait_until(lambda: not engine.replicas[1].alive, timeout=10)
-    health = httpx.get(f"{fleet.base_url}/health")
-    assert health.status_code == 200
-    assert (health.json()["status"], health.json()["replicas"]) == ("degraded", ["ok", "dead"])
+    assert not killed.alive
+    # Restarted (a new actor, warmed up) and serving again; /health tells the story.
+    assert wait_until(lambda: engine.replica_states()[1].state == "ok", timeout=90)
+    assert engine.replicas[1] is not killed
+    health = httpx.get(f"{fleet.base_url}/health").json()
+    assert (health["status"], health["replicas"]) == ("ok", ["ok", "ok"])
+    assert health["replica_restarts"] == [0, 1] and health["replica_last_death"][0] is None
+    assert "ActorDiedError" in health["replica_last_death"][1], health  # Ray says little
 
     async def after() -> list[str]:
         async with _client(fleet.base_url) as client:
             return list(await asyncio.gather(*(_stream_text(client, p, 4) for p in PROMPTS)))
 
-    assert all(asyncio.run(after()))  # the survivor takes everything
+    served = _replica_metric(fleet, "requests_finished_total", "1", finish_reason="length")
+    assert all(asyncio.run(after()))  # both serve: round-robin gives each two
+
+    def restarted_one_served() -> bool:
+        now = _replica_metric(fleet, "requests_finished_total", "1", finish_reason="length")
+        return now == served + 2
+
+    assert wait_until(restarted_one_served, timeout=5)
     m = fleet.metrics()
     assert m['iterserve:requests_failed_total{replica="1"}'] == 2
-    assert m['iterserve:replica_up{replica="1"}'] == 0
-    assert m['iterserve:replica_up{replica="all"}'] == 1
+    assert m['iterserve:replica_restarts_total{replica="1"}'] == 1
+    assert m['iterserve:replica_up{replica="all"}'] == 2
+    assert m['iterserve:replicas{state="up"}'] == 2
+    assert m['iterserve:replicas{state="restarting"}'] == 0
 
 
 def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_dir: Path) -> None:
@@ -329,7 +304,7 @@ def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_
     base = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: is_healthy(base), timeout=90, interval=0.3), "no server"
-        daemons = _ray_daemons(proc.pid)  # the local cluster it started
+        daemons = ray_daemons(proc.pid)  # the local cluster it started
         assert daemons
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         streams = [
@@ -358,7 +333,7 @@ def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_
         if proc.poll() is None:
             proc.kill()
         output = proc.communicate()[0]
-    assert wait_until(lambda: not _running(daemons), timeout=30), output
+    assert wait_until(lambda: not running(daemons), timeout=30), output
 
 
 # ---- the front end's routing over stand-in actors (no Ray processes) ----------------------

@@ -15,6 +15,7 @@ from iterserve.bench.workloads import WorkloadSpec, build_workload
 from iterserve.config import CacheConfig, EngineConfig
 from iterserve.replicas.router import (
     LeastOutstandingTokens,
+    NoReplicaError,
     PowerOfTwoChoices,
     PrefixAffinity,
     ReplicaLoad,
@@ -74,6 +75,36 @@ def test_prefix_affinity_leaves_an_overloaded_home_and_routes_short_prompts_by_l
     busy[home] = ReplicaLoad(213, 2)
     assert router.route(prompt, busy) != home
     assert router.route([1, 2, 3], loads(5, 0, 9)) == 1  # no full block: least loaded
+
+
+def test_a_replica_out_of_routing_is_skipped_by_every_policy_until_it_is_back() -> None:
+    for name in ("round-robin", "least-tokens", "power-of-two", "prefix-affinity"):
+        router = make_router(name, block_size=4)
+        router.set_available(1, False)
+        picks = {router.route(list(range(i, i + 20)), loads(0, 0, 5)) for i in range(40)}
+        assert picks <= {0, 2} and picks, name
+        router.set_available(0, False)
+        router.set_available(2, False)
+        with pytest.raises(NoReplicaError):
+            router.route([1] * 20, loads(0, 0, 0))
+        for index in range(3):
+            router.set_available(index, True)
+        back = {router.route(list(range(i, i + 20)), loads(9, 0, 9)) for i in range(40)}
+        assert 1 in back, name
+
+
+def test_prefix_affinity_moves_only_an_absent_replicas_prefixes_and_back() -> None:
+    router = PrefixAffinity(block_size=4, affinity_blocks=2)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1000) for _ in range(8)] for _ in range(200)]
+    homes = [router.route(p, loads(0, 0, 0, 0)) for p in prompts]
+    router.set_available(2, False)
+    away = [router.route(p, loads(0, 0, 0, 0)) for p in prompts]
+    assert all(a == h for a, h in zip(away, homes, strict=True) if h != 2)  # others stay
+    moved = [a for a, h in zip(away, homes, strict=True) if h == 2]
+    assert moved and 2 not in moved and len(set(moved)) > 1  # spread, by each one's ranking
+    router.set_available(2, True)
+    assert [router.route(p, loads(0, 0, 0, 0)) for p in prompts] == homes
 
 
 def test_make_router_names_every_policy_and_refuses_others() -> None:

@@ -31,6 +31,7 @@ from iterserve.sim.executor import (
     VirtualClock,
 )
 from iterserve.sim.fleet import simulate_fleet
+from iterserve.sim.outages import ReplicaOutage
 from iterserve.sim.replay_pool import ReplayBlockPool
 
 
@@ -75,7 +76,12 @@ CASES = {
 
 
 def _simulate(  # type: ignore[no-untyped-def]
-    case: str, tokenizer: Any, trace: str, step_by_step: bool, hash_algo: str = "sha256"
+    case: str,
+    tokenizer: Any,
+    trace: str,
+    step_by_step: bool,
+    hash_algo: str = "sha256",
+    outages: list[ReplicaOutage] | None = None,
 ):
     spec, rate, replicas, router, blocks, scheduler = CASES[case]
     spec.trace = trace
@@ -95,7 +101,7 @@ def _simulate(  # type: ignore[no-untyped-def]
     try:
         records, fleet = simulate_fleet(
             config, workload, offsets, "a100-80g", "llama3-8b",
-            replicas=replicas, router=router, step_by_step=step_by_step,
+            replicas=replicas, router=router, step_by_step=step_by_step, outages=outages,
         )  # fmt: skip
     finally:
         Scheduler.schedule = schedule  # type: ignore[method-assign]
@@ -110,6 +116,7 @@ def _simulate(  # type: ignore[no-untyped-def]
             r.clock.now,
             r.executor.busy_time,
             r.tracker.num_routed,
+            [asdict(outage) for outage in r.outages],
         )
         for r in fleet
     ]
@@ -183,6 +190,52 @@ def test_block_hashes_computed_ahead_change_nothing(
     inline = _simulate(case, tokenizer, trace, step_by_step=False, hash_algo="builtin")
     assert len(made) == 1 and not grouped
     assert ahead == inline
+
+
+# Each replica of the case's fleet fails once; in "prefix hits" all three are down
+# together for a while (2.2-2.5 s), so arrivals and re-routed requests wait for one.
+OUTAGES = {
+    "prefix hits": [ReplicaOutage(1.5, 1, 1.0), ReplicaOutage(2.0, 0, 1.0),
+                    ReplicaOutage(2.2, 2, 0.3), ReplicaOutage(3.5, 1, 0.5)],
+    "azure lengths": [ReplicaOutage(2.0, 3, 2.0), ReplicaOutage(2.5, 5, 1.0)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(OUTAGES))
+def test_replica_failures_lose_what_had_started_and_move_the_rest_whichever_way_replayed(
+    case: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With replicas failing and coming back, stepping every request, gliding, and chains
+    hashed ahead still give the same records; a failure loses exactly the requests that
+    had made a token, and every other request ends, re-routed or waiting for a replica."""
+    trace, outages = _trace(tmp_path), OUTAGES[case]
+    monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 10**9)
+    exact = _simulate(case, tokenizer, trace, True, "builtin", outages)
+    glided = _simulate(case, tokenizer, trace, False, "builtin", outages)
+    monkeypatch.setattr(block_hash_feed, "MIN_REQUESTS", 1)
+    fed = _simulate(case, tokenizer, trace, False, "builtin", outages)
+    assert glided[:2] == exact[:2] and fed[:2] == exact[:2]
+    records, state, _ = exact
+    reports = [report for replica in state for report in replica[-1]]
+    assert len(reports) == len(outages) and all(r["landed"] is not None for r in reports)
+    failed = [r for r in records if not r["success"]]
+    lost = [r for r in failed if "failed after the request's first token" in r["error"]]
+    assert len(lost) == sum(r["lost"] for r in reports) > 0
+    assert all(r["first_token_time"] is None for r in lost)  # their tokens went with it
+    assert sum(r["rerouted"] for r in reports) > 0
+    timed_out = sum(r["timed_out"] for r in reports)
+    assert len(failed) == len(lost) + timed_out  # every other request finished
+    if case == "prefix hits":
+        assert sum(r["waited"] for r in reports) > 0 and timed_out == 0
+    baseline, _, _ = _simulate(case, tokenizer, trace, False, "builtin")
+    ttft = {r["request_id"]: r["first_token_time"] - r["arrival_time"] for r in baseline}
+    moved = [
+        r
+        for r in records
+        if r["success"]
+        and r["first_token_time"] - r["arrival_time"] > 10 * ttft[r["request_id"]] + 0.1
+    ]
+    assert moved  # the ones that waited or moved kept their arrival: the detour shows
 
 
 def test_a_fed_chain_is_the_one_the_pool_hashes_for_the_finished_request(

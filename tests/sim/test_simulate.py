@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,26 @@ def test_this_machine_s_preset_sizes_the_kv_pool_as_the_engine_does() -> None:
     assert kv_blocks_for(half, "cpu-2core", "smollm2-135m") == int(2**29 // per_block)
     gpu = kv_blocks_for(EngineConfig(), "a100-80g", "smollm2-135m")
     assert gpu == int((0.9 * 80e9 - shape.weight_bytes) // per_block)
+
+
+def test_simulate_reports_what_each_replica_failure_cost(
+    capsys: pytest.CaptureFixture[str], tokenizer_dir: Path
+) -> None:
+    from iterserve.cli import main
+
+    argv = ["simulate", "--model", str(tokenizer_dir), "--num-requests", "150"]
+    argv += ["--input-len", "256", "--output-len", "64", "--request-rate", "40"]
+    argv += ["--replicas", "3", "--hardware", "a100-80g", "--sim-model", "llama3-8b"]
+    assert (
+        main([*argv, "--replica-failures", "t=1,replica=1,down=2", "t=1.5,replica=2,down=1"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert re.search(r"failure: replica 1 down at 1\.\d+s for 2s: [1-9]\d* requests lost", out)
+    assert re.search(r"failure: replica 2 down at 1\.\d+s for 1s: ", out)
+    assert re.search(r"with the failures / without \(a second replay\): p99 TTFT \d+ / \d+ ms", out)
+    assert "replica 1 (down 1x; figures since its return at 3." in out
+    assert main([*argv, "--replica-failures", "t=1,replica=3,down=2"]) == 2
+    assert "names replica 3, but the fleet has 3 (0..2)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--replica-failures", "replica=1"])
+    assert "is not t=SECONDS,replica=INDEX,down=SECONDS" in capsys.readouterr().err

@@ -141,6 +141,14 @@ def _add_data_parallel_args(dp: argparse._ArgumentGroup) -> None:
         "latest) so replicas can span machines; 'local' starts a fresh one, as the default "
         "does, on demand. Given with --data-parallel-size 1, the one replica runs on Ray too",
     )
+    dp.add_argument(
+        "--replica-max-restarts",
+        type=int,
+        default=3,
+        help="a replica that dies (process killed, out of memory, engine loop stopped) is "
+        "restarted after 1, 2, 4... s, at most this many times in a row (a row ends after "
+        "60 s of serving); then it stays down and /health says 'given up'. 0: never restart",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -216,8 +224,10 @@ def _launch_engine(args: argparse.Namespace, config: EngineConfig) -> ServingEng
     from iterserve.replicas import ray_cluster
     from iterserve.replicas.data_parallel import DataParallelEngine
     from iterserve.replicas.router import make_router
+    from iterserve.replicas.supervisor import RestartPolicy
 
     size = args.data_parallel_size
+    restarts = RestartPolicy(max_restarts=args.replica_max_restarts)  # checked before Ray starts
     threads = ray_cluster.threads_per_replica(size, config.num_threads)
     router_name = args.router or (
         "prefix-affinity" if config.cache.enable_prefix_caching else "least-tokens"
@@ -232,4 +242,5 @@ def _launch_engine(args: argparse.Namespace, config: EngineConfig) -> ServingEng
         cluster,
         args.max_waiting_requests,
         threads,
+        restarts,
     )

@@ -16,13 +16,15 @@ import time
 from dataclasses import asdict
 
 from iterserve.bench.arrivals import ArrivalSpec, arrival_offsets
-from iterserve.bench.metrics import compute_metrics, parse_slos
+from iterserve.bench.metrics import BenchMetrics, compute_metrics, parse_slos
+from iterserve.bench.records import RequestRecord
 from iterserve.bench.report import BenchReport
 from iterserve.config import add_engine_args, engine_config_from_args
 from iterserve.replicas.router import ROUTERS
 from iterserve.sim.cost_profile import CostProfile, shipped_profile
 from iterserve.sim.executor import HARDWARE, MODELS
 from iterserve.sim.fleet import Replica, simulate_fleet
+from iterserve.sim.outages import ReplicaOutage
 
 # ---- CLI -------------------------------------------------------------------------------
 
@@ -49,6 +51,17 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         choices=ROUTERS,
         default="least-tokens",
         help="with --replicas: how a request picks its engine (replicas/router.py)",
+    )
+    p.add_argument(
+        "--replica-failures",
+        nargs="+",
+        type=_replica_failure,
+        default=[],
+        metavar="t=S,replica=I,down=S",
+        help="with --replicas: replica I fails S seconds in (its requests that had made a "
+        "token are lost, the rest go to other replicas) and serves again, with an empty cache, "
+        "`down` seconds later (sim/outages.py); the report says what each failure cost and "
+        "compares p99 TTFT and E2E with a second replay without failures",
     )
     p.add_argument(
         "--cost-profile",
@@ -92,18 +105,23 @@ def _run(args: argparse.Namespace) -> int:
     else:
         profile = shipped_profile(args.hardware, args.sim_model)
     started = time.perf_counter()
-    records, fleet = simulate_fleet(
-        config,
-        workload,
-        offsets,
-        args.hardware,
-        args.sim_model,
-        args.spec_acceptance_rate,
-        args.replicas,
-        args.router,
-        profile,
-        step_by_step=args.step_by_step,
-    )
+
+    def replay(outages: list[ReplicaOutage]) -> tuple[list[RequestRecord], list[Replica]]:
+        return simulate_fleet(
+            config,
+            workload,
+            offsets,
+            args.hardware,
+            args.sim_model,
+            args.spec_acceptance_rate,
+            args.replicas,
+            args.router,
+            profile,
+            step_by_step=args.step_by_step,
+            outages=outages,
+        )
+
+    records, fleet = replay(args.replica_failures)
     wall = time.perf_counter() - started
     steps = sum(r.engine.stats.num_steps for r in fleet)
     notes = [
@@ -118,6 +136,10 @@ def _run(args: argparse.Namespace) -> int:
         )
     )
     notes += [_replica_note(i, replica, len(fleet) > 1) for i, replica in enumerate(fleet)]
+    metrics = compute_metrics(records, slos=parse_slos(args.slo))
+    if args.replica_failures:
+        without, _ = replay([])
+        notes += _outage_notes(fleet, metrics, compute_metrics(without))
     report = BenchReport(
         label=args.label or f"simulated {args.sim_model} on {args.hardware}",
         backend="simulated",
@@ -125,12 +147,40 @@ def _run(args: argparse.Namespace) -> int:
         f"({'roofline' if profile is None else 'profiled'} cost model)",
         workload=workload.summary(),
         arrivals=arrival.describe(),
-        metrics=compute_metrics(records, slos=parse_slos(args.slo)),
+        metrics=metrics,
         engine_config=asdict(config),
         notes=notes,
         records=records,
     )
     return finish(report, args)
+
+
+def _replica_failure(text: str) -> ReplicaOutage:
+    try:
+        return ReplicaOutage.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _outage_notes(fleet: list[Replica], metrics: BenchMetrics, without: BenchMetrics) -> list[str]:
+    """What each failure cost, and the fleet's tail latency with and without them (of the
+    requests that finished: a lost one has no latency)."""
+    reports = sorted(
+        (report for replica in fleet for report in replica.outages),
+        key=lambda report: report.outage.at,
+    )
+    notes = [f"failure: {report.describe()}" for report in reports]
+
+    def p99(block: BenchMetrics, name: str) -> str:
+        value = getattr(block.latency, name)
+        return "-" if value is None else f"{value.p99:.0f}"
+
+    notes.append(
+        f"with the failures / without (a second replay): p99 TTFT {p99(metrics, 'ttft')} / "
+        f"{p99(without, 'ttft')} ms, p99 E2E {p99(metrics, 'e2el')} / {p99(without, 'e2el')} ms, "
+        f"failed {metrics.throughput.failed} / {without.throughput.failed}"
+    )
+    return notes
 
 
 def _cost_note(
@@ -168,8 +218,13 @@ def _replica_note(index: int, replica: Replica, named: bool) -> str:
     """One replica's share and state: the fleet figures are the report's own."""
     scheduler, stats = replica.scheduler, replica.engine.stats
     kv = scheduler.kv_cache_stats()
+    since = ""
+    if replica.outages:  # its figures are the fresh engine's, since its last return
+        last = replica.outages[-1]
+        back = (last.landed or last.outage.at) + last.outage.down
+        since = f" (down {len(replica.outages)}x; figures since its return at {back:.1f}s)"
     note = (
-        f"{f'replica {index}: ' if named else ''}{replica.tracker.num_routed} requests, "
+        f"{f'replica {index}{since}: ' if named else ''}{replica.tracker.num_routed} requests, "
         f"{stats.generated_tokens} output tokens, prefix-cache hit rate {kv.prefix_hit_rate:.2f}, "
         f"{kv.num_blocks} KV blocks, {scheduler.num_preemptions} preemptions, accelerator "
         f"busy {replica.executor.busy_time:.1f}s of {replica.clock.now:.1f}s virtual"

@@ -30,6 +30,7 @@ from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
 from iterserve.engine.request_stream import (
+    EngineDiedError,
     EngineOverloadedError,
     EngineStoppedError,
     GenerationRequest,
@@ -40,7 +41,7 @@ from iterserve.engine.request_stream import (
     check_room,
     expand_n,
 )
-from iterserve.engine.serving_engine import FinishedCallback, ServedModel
+from iterserve.engine.serving_engine import FinishedCallback, ReplicaState, ServedModel
 from iterserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -116,8 +117,15 @@ class AsyncEngine:
         max_waiting_requests: int = 256,
         retry_after: float = 1.0,
         on_finished: FinishedCallback | None = None,
+        stop_on_step_error: bool = False,
     ) -> None:
-        """`engine`: a built, warmed-up engine; None only from `launch`, which builds one."""
+        """`engine`: a built, warmed-up engine; None only from `launch`, which builds one.
+
+        `stop_on_step_error`: a step that fails where no request can be blamed (planning
+        it raised) stops the loop, failing every request with EngineDiedError, instead of
+        failing them all and serving on. A data-parallel replica is launched so: its fleet
+        replaces it with a fresh engine, whose block pool is known to be whole, and runs
+        again elsewhere what had not started; a single engine has nobody to replace it."""
         if max_waiting_requests < 1:  # checked here only: launch builds this object first
             raise ValueError(
                 f"--max-waiting-requests must be at least 1, got {max_waiting_requests}"
@@ -128,6 +136,7 @@ class AsyncEngine:
         self.retry_after = retry_after
         self.on_finished = on_finished
         self.num_step_errors = 0
+        self.stop_on_step_error = stop_on_step_error
         self._wake = threading.Condition()
         self._inbox: list[_Command] = []  # guarded by _wake
         self._stop = False  # guarded by _wake
@@ -209,6 +218,12 @@ class AsyncEngine:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
     @property
+    def failure(self) -> str | None:
+        """Why the loop stopped, if it died ("RuntimeError: ..."), for a fleet's log."""
+        dead = self._dead
+        return None if dead is None else f"{type(dead).__name__}: {dead}"
+
+    @property
     def is_accepting(self) -> bool:
         return self._accepting and self.is_healthy
 
@@ -223,7 +238,7 @@ class AsyncEngine:
             {**engine.model_plan.describe(), **engine.kv_pool.as_dict()},
         )
 
-    def replica_health(self) -> list[str]:
+    def replica_states(self) -> list[ReplicaState]:
         return []
 
     def snapshots(self) -> list[EngineSnapshot]:
@@ -391,7 +406,8 @@ class AsyncEngine:
             logger.exception("the engine loop died")
             self._dead = error
             deliveries = []
-            self._fail_routes(list(self._routes), "the engine loop stopped", deliveries)
+            message = f"the engine loop stopped ({self.failure})"
+            self._fail_routes(list(self._routes), message, deliveries, EngineDiedError)
             self._send(deliveries)
             self._close()
 
@@ -486,8 +502,11 @@ class AsyncEngine:
             return False
         except Exception:
             # Planning the step failed: which requests it touched is unknown, so every
-            # request fails (freeing its blocks) and the engine serves new ones.
+            # request fails (freeing its blocks) and the engine serves new ones; or, for
+            # a fleet's replica, the loop stops and the fleet replaces the engine.
             self.num_step_errors += 1
+            if self.stop_on_step_error:
+                raise
             logger.exception("scheduling a step failed; failing every request")
             victims = self.engine.unfinished_request_ids() + list(self._routes)
             self._fail_routes(victims, "the engine failed while running this request", deliveries)
@@ -502,7 +521,11 @@ class AsyncEngine:
         return step.did_work
 
     def _fail_routes(
-        self, request_ids: list[str], message: str, deliveries: list[_Delivery]
+        self,
+        request_ids: list[str],
+        message: str,
+        deliveries: list[_Delivery],
+        error: type[RequestFailedError] = RequestFailedError,
     ) -> None:
         for request_id in dict.fromkeys(request_ids):
             try:
@@ -512,7 +535,7 @@ class AsyncEngine:
                 output = None
             route = self._routes.pop(request_id, None)
             if route is not None:
-                deliveries.append((*route, RequestFailedError(message, output)))
+                deliveries.append((*route, error(message, output)))
 
     def _abort_all(self, deliveries: list[_Delivery]) -> None:
         self._apply(_Abort(list(self._routes)), deliveries)

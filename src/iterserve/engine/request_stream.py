@@ -36,6 +36,18 @@ class RequestFailedError(RuntimeError):
         self.output = output
 
 
+class EngineDiedError(RequestFailedError):
+    """The request failed because its whole engine stopped (its loop died), not because of
+    anything about the request: a fleet can run it again elsewhere if it had not started."""
+
+
+class ReplicaLostError(RequestFailedError):
+    """A data-parallel replica died with this request on it after it had produced tokens,
+    so it cannot be moved to another replica unseen: the client may retry (a 503)."""
+
+    retry_after = 1.0
+
+
 def check_group_size(count: int, max_waiting_requests: int) -> None:
     """Refuse a group that could never be queued whole (n choices x prompts)."""
     if count > max_waiting_requests:
@@ -109,6 +121,11 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return not self._unfinished
+
+    def wants(self, index: int) -> bool:
+        """Whether request `index` is still awaited: neither read to its end nor aborted
+        (a fleet sends again only what is)."""
+        return index in self._unfinished
 
     def _push(self, index: int, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait((index, item))

@@ -21,8 +21,25 @@ from iterserve.engine.request_stream import GenerationRequest, RequestStream
 # the index is 0 for a single engine.
 FinishedCallback = Callable[[RequestOutput | None, str, int], None]
 
-# What /health reports of one replica.
-REPLICA_OK, REPLICA_WARMING, REPLICA_DEAD = "ok", "warming up", "dead"
+# What /health reports of one replica: serving (or warming up after the server's start,
+# taking requests into its queue meanwhile), being restarted after a death, or given up
+# for good (out of restarts, or the server shut it down).
+REPLICA_OK, REPLICA_WARMING = "ok", "warming up"
+REPLICA_RESTARTING, REPLICA_GIVEN_UP = "restarting", "given up"
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One replica of a fleet as /health and /metrics show it."""
+
+    state: str  # REPLICA_OK, REPLICA_WARMING, REPLICA_RESTARTING or REPLICA_GIVEN_UP
+    restarts: int = 0  # new processes started for it since the server started
+    rerouted: int = 0  # requests sent to another when it died (not taken, or no token yet)
+    last_death: str | None = None  # why it last died (Ray's account, or the exception)
+
+    @property
+    def serving(self) -> bool:
+        return self.state in (REPLICA_OK, REPLICA_WARMING)
 
 
 @dataclass(frozen=True)
@@ -62,8 +79,8 @@ class ServingEngine(Protocol):
     @property
     def is_accepting(self) -> bool: ...
 
-    def replica_health(self) -> list[str]:
-        """REPLICA_OK / REPLICA_WARMING / REPLICA_DEAD per replica; [] for a single engine."""
+    def replica_states(self) -> list[ReplicaState]:
+        """Each replica's state, in `replica_labels` order; [] for a single engine."""
         ...
 
     def snapshots(self) -> list[EngineSnapshot]:

@@ -18,16 +18,18 @@ from iterserve.config import EngineConfig
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.request_stream import (
+    EngineDiedError,
     EngineOverloadedError,
     EngineStoppedError,
     GenerationRequest,
 )
 from iterserve.engine.serving_engine import ServedModel
 from iterserve.replicas.events import Refusal, ReplicaEvent, ReplicaFailure, ReplicaStatus
+from iterserve.replicas.test_hooks import ReplicaTestHooks
 from iterserve.sampling_params import InvalidRequestError
 
 
-class EngineReplica:
+class EngineReplica(ReplicaTestHooks):
     """Made a Ray actor by `ray.remote(EngineReplica)` in the front end (its async methods
     make it an async actor: many groups stream from it at once)."""
 
@@ -39,6 +41,7 @@ class EngineReplica:
             self.engine = AsyncEngine.launch(
                 lambda: LLMEngine(config, warm_up=False),
                 max_waiting_requests=max_waiting_requests,
+                stop_on_step_error=True,  # the fleet restarts this replica (client.py)
             )
         except (ValueError, OSError) as error:
             # A setting (a model path missing on this machine, say): said to the front
@@ -51,7 +54,7 @@ class EngineReplica:
 
     def status(self) -> ReplicaStatus:
         engine = self.engine
-        return ReplicaStatus(engine.is_ready, engine.is_healthy, engine.snapshot)
+        return ReplicaStatus(engine.is_ready, engine.is_healthy, engine.snapshot, engine.failure)
 
     async def generate(
         self, requests: list[GenerationRequest], waited: float
@@ -66,16 +69,25 @@ class EngineReplica:
         try:
             stream = await self.engine.add(requests)
         except (InvalidRequestError, EngineOverloadedError, EngineStoppedError) as error:
-            yield ReplicaEvent(num_waiting=self._waiting(), refused=Refusal.of(error))
+            if failure := self.engine.failure:  # not a refusal: this replica is dead
+                yield ReplicaEvent(died=failure)
+            else:
+                yield ReplicaEvent(num_waiting=self._waiting(), refused=Refusal.of(error))
             return
         yield ReplicaEvent(num_waiting=self._waiting())
         async with stream:  # leaving early (cancelled) aborts what is unfinished
             while not stream.finished:
                 batch = await stream.next_batch()
+                died = [item for _, item in batch if isinstance(item, EngineDiedError)]
                 deliveries = [
                     (index, item if not isinstance(item, BaseException) else _failure(item))
                     for index, item in batch
+                    if not isinstance(item, EngineDiedError)
                 ]
+                if died:  # the rest of the group is the front end's to place again
+                    why = self.engine.failure or str(died[0])
+                    yield ReplicaEvent(deliveries, self._waiting(), died=why)
+                    return
                 yield ReplicaEvent(deliveries, self._waiting())
 
     def abort(self, request_ids: list[str]) -> None:

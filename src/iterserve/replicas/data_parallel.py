@@ -5,18 +5,24 @@ scheduler, behind one front end that the server talks to as it would to one engi
 The front end tokenizes each prompt (it renders chat templates anyway, and routing needs
 the ids), picks a replica with the same router `iterserve simulate --replicas` uses
 (replicas/router.py), on loads it keeps itself from what it sent and what came back, and
-relays the replica's outputs into the request's stream (replica_client.py). A group (n
-choices, or several prompts of one API request) goes whole to one replica.
+relays the replica's outputs into the request's stream (client.py). A group (n choices,
+or several prompts of one API request) goes whole to one replica.
 
 Backpressure is the fleet's: beyond --max-waiting-requests waiting in all replicas
-together, 429. A replica that dies fails its in-flight requests and is skipped from
-then on; /health says "degraded" while at least one replica serves.
+together, 429.
+
+A fleet that heals: a replica that dies is restarted by its slot (supervisor.py) and
+meanwhile left out of routing. What it had not started runs on another replica, into the
+same stream (the client sees only latency); what had produced tokens fails with a
+retryable 503 naming the cause. When no replica serves, a request waits up to
+`_WAIT_FOR_REPLICA` seconds for one to come back, then fails with that 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -32,24 +38,37 @@ from iterserve.engine.prompts import encode_prompt
 from iterserve.engine.request_stream import (
     EngineStoppedError,
     GenerationRequest,
+    ReplicaLostError,
     RequestStream,
     check_group_size,
     check_room,
 )
-from iterserve.engine.serving_engine import FinishedCallback, ServedModel
+from iterserve.engine.serving_engine import FinishedCallback, ReplicaState, ServedModel
 from iterserve.replicas.actor import EngineReplica
-from iterserve.replicas.client import ReplicaClient, ReplicaDiedError, awaited
+from iterserve.replicas.client import (
+    ReplicaClient,
+    ReplicaDiedError,
+    actor_death_cause,
+    awaited,
+)
+from iterserve.replicas.dispatch import Dispatch
 from iterserve.replicas.ray_cluster import RayCluster, disconnect
-from iterserve.replicas.router import Router
+from iterserve.replicas.router import NoReplicaError, Router
+from iterserve.replicas.supervisor import ReplicaSlot, RestartPolicy
 
 logger = logging.getLogger("iterserve.data_parallel")
 
 # How often the front end reads each replica's gauges and readiness (what /metrics and
 # /health show between requests; a request's own stream is not delayed by it).
 _POLL_INTERVAL = 0.5
+# A warmed-up replica silent this long is taken for hung: killed and restarted.
 _POLL_TIMEOUT = 30.0
 # A replica's whole start: load the weights (warm-up continues afterwards).
 _LOAD_TIMEOUT = 900.0
+# Longest a request waits for a replica to serve when none does (all restarting): past
+# it, a 503. Time enough for a restart's back-off and a small model's load; a client
+# retries a 503 sooner than it would wait on a bigger model's load.
+_WAIT_FOR_REPLICA = 60.0
 
 
 class DataParallelEngine:
@@ -61,13 +80,28 @@ class DataParallelEngine:
         cluster: RayCluster,
         max_waiting_requests: int = 256,
         retry_after: float = 1.0,
+        spawn: Any = None,
+        restarts: RestartPolicy | None = None,
     ) -> None:
+        """`spawn()`, if given, starts one more actor with the replicas' settings: how a dead
+        replica is restarted (without it, a dead replica stays down)."""
         if max_waiting_requests < 1:
             raise ValueError(
                 f"--max-waiting-requests must be at least 1, got {max_waiting_requests}"
             )
-        self.replicas = [ReplicaClient(i, actor, self._report) for i, actor in enumerate(actors)]
-        self.replica_labels = tuple(str(replica.index) for replica in self.replicas)
+        policy = restarts or RestartPolicy()
+        self.slots = [
+            ReplicaSlot(
+                i,
+                self._client(i, actor),
+                spawn,
+                functools.partial(self._client, i),
+                self._availability_changed,
+                policy,
+            )
+            for i, actor in enumerate(actors)
+        ]
+        self.replica_labels = tuple(str(slot.index) for slot in self.slots)
         self.router = router
         self.max_waiting_requests = max_waiting_requests
         self.retry_after = retry_after
@@ -76,6 +110,16 @@ class DataParallelEngine:
         self._cluster = cluster
         self._accepting = True
         self._poller: asyncio.Task[None] | None = None
+        self._reroutes: set[asyncio.Task[None]] = set()
+        # Set (and replaced) whenever a replica leaves routing or comes back: what a
+        # request waiting for a serving replica waits on.
+        self._changed = asyncio.Event()
+
+    def _client(self, index: int, actor: Any) -> ReplicaClient:
+        return ReplicaClient(index, actor, self._report, self._orphaned, self._died)
+
+    def _died(self, client: ReplicaClient, reason: str) -> None:
+        self.slots[client.index].died(client, reason)
 
     @classmethod
     def launch(
@@ -86,21 +130,24 @@ class DataParallelEngine:
         cluster: RayCluster,
         max_waiting_requests: int = 256,
         threads: int = 1,
+        restarts: RestartPolicy | None = None,
     ) -> DataParallelEngine:
         """Start `num_replicas` actors of `threads` CPUs each (Ray spreads them over the
         cluster's machines) and return once every one has its weights in."""
         config = replace(config, num_threads=threads).validate()
         actor_class = ray.remote(EngineReplica)
-        actors = [
-            actor_class.options(  # type: ignore[attr-defined]
-                num_cpus=threads,
-                scheduling_strategy="SPREAD",
-                # One call per group streaming from it (waiting or running) and a few
-                # more (status, aborts): Ray queues what goes beyond.
-                max_concurrency=max_waiting_requests + config.scheduler.max_num_seqs + 64,
-            ).remote(config, max_waiting_requests)
-            for _ in range(num_replicas)
-        ]
+        options = actor_class.options(  # type: ignore[attr-defined]
+            num_cpus=threads,
+            scheduling_strategy="SPREAD",
+            # One call per group streaming from it (waiting or running) and a few
+            # more (status, aborts): Ray queues what goes beyond.
+            max_concurrency=max_waiting_requests + config.scheduler.max_num_seqs + 64,
+        )
+
+        def spawn() -> Any:  # a replica, first or restarted: the same settings
+            return options.remote(config, max_waiting_requests)
+
+        actors = [spawn() for _ in range(num_replicas)]
         try:
             # Every replica has the same model: the first one's name, tokenizer and
             # template serve the API (so this machine needs no copy of the model files).
@@ -119,7 +166,7 @@ class DataParallelEngine:
         logger.info(
             "%d replicas of %s up, %d torch threads each", num_replicas, model.name, threads
         )
-        return cls(actors, model, router, cluster, max_waiting_requests)
+        return cls(actors, model, router, cluster, max_waiting_requests, spawn=spawn, restarts=restarts)  # fmt: skip
 
     # ---- state ---------------------------------------------------------------------
 
@@ -127,43 +174,51 @@ class DataParallelEngine:
     def served_model(self) -> ServedModel:
         return self._model
 
-    def _live(self) -> list[ReplicaClient]:
-        return [replica for replica in self.replicas if replica.alive]
+    @property
+    def replicas(self) -> list[ReplicaClient]:
+        """Each slot's current client (a restarted replica has a new one)."""
+        return [slot.client for slot in self.slots]
+
+    def _serving(self) -> list[ReplicaClient]:
+        return [slot.client for slot in self.slots if slot.serving]
 
     @property
     def is_healthy(self) -> bool:
-        return bool(self._live())
+        return bool(self._serving())
 
     @property
     def is_ready(self) -> bool:
-        live = self._live()
-        return bool(live) and all(replica.ready for replica in live)
+        serving = self._serving()
+        return bool(serving) and all(replica.ready for replica in serving)
 
     @property
     def is_accepting(self) -> bool:
         return self._accepting and self.is_healthy
 
-    def replica_health(self) -> list[str]:
-        return [replica.health for replica in self.replicas]
+    def replica_states(self) -> list[ReplicaState]:
+        return [slot.report() for slot in self.slots]
 
     def snapshots(self) -> list[EngineSnapshot]:
-        return [replica.snapshot for replica in self.replicas]
+        return [slot.client.snapshot for slot in self.slots]
 
     def num_waiting_estimate(self) -> int:
-        return sum(replica.num_waiting_estimate() for replica in self.replicas)
+        return sum(slot.client.num_waiting_estimate() for slot in self.slots)
 
     def check_group_size(self, count: int) -> None:
         check_group_size(count, self.max_waiting_requests)
 
+    def _availability_changed(self, slot: ReplicaSlot) -> None:
+        self.router.set_available(slot.index, slot.serving)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
     # ---- requests --------------------------------------------------------------------
 
     async def add(self, requests: list[GenerationRequest]) -> RequestStream:
-        """Route a group to one replica; returns once that replica took it. Raises as
-        AsyncEngine.add does."""
-        if not self.is_accepting:
-            raise EngineStoppedError(
-                "the server is shutting down" if self.is_healthy else "every replica has died"
-            )
+        """Route a group to one replica; returns once a replica took it. Raises as
+        AsyncEngine.add does; waits (bounded) while every replica is restarting."""
+        if not self._accepting:
+            raise EngineStoppedError("the server is shutting down")
         self.check_group_size(len(requests))
         # The fleet's queue, all replicas together: the bound a single engine keeps.
         check_room(
@@ -173,20 +228,93 @@ class DataParallelEngine:
         # tokenizer is only ever used from this one thread.
         sent = [replace(r, prompt=self._token_ids(r)) for r in requests]
         counts = [(len(r.prompt), self._most_tokens(r)) for r in sent]
+        # Where each request runs now, for its aborts (a re-sent one moves).
+        homes: dict[str, ReplicaClient] = {}
+        stream = RequestStream([r.request_id for r in sent], functools.partial(_abort, homes))
+        dispatch = Dispatch.whole(stream, sent, counts, homes)
+        try:
+            await self._place(dispatch, time.monotonic() + _WAIT_FOR_REPLICA)
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        return stream
+
+    async def _place(self, dispatch: Dispatch, deadline: float) -> None:
+        """Send the dispatch to a serving replica; returns once one took it. A replica that
+        dies before taking it is skipped for the next."""
         while True:
-            live = self._live()
-            if not live:
-                raise EngineStoppedError("every replica has died")
-            loads = [replica.tracker.load() for replica in live]
-            target = live[self.router.route(sent[0].prompt, loads)]  # type: ignore[arg-type]
+            target = await self._choose(dispatch, deadline)
+            for request_id in dispatch.request_ids:
+                dispatch.homes[request_id] = target
             try:
-                return await target.submit(sent, counts)
+                await target.submit(dispatch)
+                return
             except ReplicaDiedError:
                 # Died before taking the group (the router had not heard yet): nothing of
-                # it ran, so the next live replica gets it; the dead one is skipped now.
-                logger.warning(
+                # it ran, so the next serving replica gets it.
+                self.slots[target.index].rerouted += len(dispatch.requests)
+                logger.info(
                     "replica %d died before taking a request: routing it again", target.index
                 )
+
+    async def _choose(self, dispatch: Dispatch, deadline: float) -> ReplicaClient:
+        """The router's pick among the serving replicas; while none serves, wait for one
+        to come back, up to `deadline`."""
+        while True:
+            loads = [slot.client.tracker.load() for slot in self.slots]
+            try:
+                return self.slots[self.router.route(dispatch.requests[0].prompt, loads)].client  # type: ignore[arg-type]
+            except NoReplicaError:
+                pass
+            if all(slot.given_up for slot in self.slots):
+                raise EngineStoppedError(
+                    f"every replica has died and stays down ({self._deaths()})"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineStoppedError(
+                    f"no replica is serving: none came back within {_WAIT_FOR_REPLICA:.0f} s "
+                    f"({self._deaths()})"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+
+    def _deaths(self) -> str:
+        return "; ".join(
+            f"replica {slot.index} {slot.state}: {slot.last_death}"
+            for slot in self.slots
+            if slot.last_death is not None
+        )
+
+    def _orphaned(self, dispatch: Dispatch, dead: int, reason: str) -> None:
+        """Requests a dead replica had taken but not started: sent to another replica, into
+        the same stream."""
+        self.slots[dead].rerouted += len(dispatch.requests)
+        task = asyncio.ensure_future(self._reroute(dispatch, dead, reason))
+        self._reroutes.add(task)
+        task.add_done_callback(self._reroutes.discard)
+
+    async def _reroute(self, dispatch: Dispatch, dead: int, reason: str) -> None:
+        stream = dispatch.stream
+        wanted = [p for p, index in enumerate(dispatch.indices) if stream.wants(index)]
+        if not wanted:  # aborted meanwhile
+            return
+        if len(wanted) < len(dispatch.requests):
+            dispatch = dispatch.part(wanted)
+        logger.info(
+            "replica %d died with %d requests of a group that had not started: sending them "
+            "to another replica", dead, len(dispatch.requests),
+        )  # fmt: skip
+        try:
+            await self._place(dispatch, time.monotonic() + _WAIT_FOR_REPLICA)
+        except (Exception, asyncio.CancelledError) as error:  # a shutdown cancels
+            why = "the server shut down" if isinstance(error, asyncio.CancelledError) else error
+            message = f"replica {dead} died before this request started ({reason}), and {why}"
+            for index in dispatch.indices:
+                stream._push(index, ReplicaLostError(message))
+                self._report(None, "error", dead)
+            if isinstance(error, asyncio.CancelledError):
+                raise
 
     def _token_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, list):
@@ -207,16 +335,16 @@ class DataParallelEngine:
             logger.exception("on_finished callback failed")
 
     async def reset_prefix_cache(self) -> int:
-        """Forget every live replica's unused cached blocks; returns how many in all (a
+        """Forget every serving replica's unused cached blocks; returns how many in all (a
         replica that dies meanwhile has none left to forget)."""
-        live = self._live()
+        serving = self._serving()
         dropped = await asyncio.gather(
-            *(awaited(replica.actor.reset_prefix_cache.remote()) for replica in live),
+            *(awaited(replica.actor.reset_prefix_cache.remote()) for replica in serving),
             return_exceptions=True,
         )
-        for replica, result in zip(live, dropped, strict=True):
+        for replica, result in zip(serving, dropped, strict=True):
             if isinstance(result, RayActorError):
-                replica.actor_died(result)
+                replica.mark_dead(actor_death_cause(result))
             elif isinstance(result, BaseException):
                 raise result
         return sum(n for n in dropped if isinstance(n, int))
@@ -229,7 +357,7 @@ class DataParallelEngine:
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.gather(*(replica.poll(_POLL_TIMEOUT) for replica in self.replicas))
+            await asyncio.gather(*(slot.client.poll(_POLL_TIMEOUT) for slot in self.slots))
             await asyncio.sleep(_POLL_INTERVAL)
 
     def stop_accepting(self) -> None:
@@ -238,12 +366,16 @@ class DataParallelEngine:
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let in-flight ones finish on every replica for up to
         `timeout` seconds, abort the rest, then stop the actors (and the cluster, if this
-        front end started it)."""
+        front end started it). No replica is restarted from here on."""
         self._accepting = False
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(r.num_live() for r in self._live()):
+        while time.monotonic() < deadline and (
+            self._reroutes or any(r.num_live() for r in self._serving())
+        ):
             await asyncio.sleep(0.05)
-        live = self._live()
+        for slot in self.slots:
+            await slot.stop()
+        live = [replica for replica in self.replicas if replica.alive]
         if any(replica.num_live() for replica in live):
             logger.warning(
                 "shutdown deadline reached: aborting %d requests",
@@ -256,6 +388,8 @@ class DataParallelEngine:
             )
         for replica in self.replicas:
             await replica.drain(5.0)
+        for task in list(self._reroutes):
+            task.cancel()
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -267,3 +401,14 @@ class DataParallelEngine:
 
     def close(self) -> None:
         """Nothing left: each replica closed its engine at shutdown, and is gone."""
+
+
+def _abort(homes: dict[str, ReplicaClient], request_ids: list[str]) -> None:
+    """A stream's abort: each request on the replica it runs on now."""
+    by_home: dict[int, tuple[ReplicaClient, list[str]]] = {}
+    for request_id in request_ids:
+        home = homes.get(request_id)
+        if home is not None:
+            by_home.setdefault(id(home), (home, []))[1].append(request_id)
+    for home, ids in by_home.values():
+        home.abort(ids)

@@ -68,6 +68,10 @@ class ReplicaEvent:
     deliveries: list[tuple[int, RequestOutput | ReplicaFailure]] = field(default_factory=list)
     num_waiting: int = 0  # the replica's queue as it sent this: the front end's 429 check
     refused: Refusal | None = None  # the first event only: the group was not taken
+    # The last event when the replica's engine died (its loop stopped; the process lives):
+    # why. The group's unfinished requests are the front end's to run elsewhere or fail,
+    # as when the whole process dies.
+    died: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,3 +79,4 @@ class ReplicaStatus:
     ready: bool  # warmed up
     healthy: bool  # its engine loop runs
     snapshot: EngineSnapshot
+    failure: str | None = None  # why the engine loop stopped, once it has

@@ -19,6 +19,14 @@ its policy's own state (a turn counter, a seeded generator). Policies (`--router
   the least loaded one's outstanding tokens (plus one request's worth), when the request
   goes to the least loaded instead (SGLang's cache-aware router escapes hot spots the
   same way). Prompts shorter than one block have no prefix to share: least-tokens.
+
+A replica can be taken out of routing and put back (`set_available`): the data-parallel
+front end does so while a dead replica restarts, the simulator's fleet while a simulated
+one is down. Each policy then chooses among the others as it would among all: round-robin
+skips its turn, prefix-affinity sends a prefix to the replica its hashing ranks next (only
+the absent replica's prefixes move), and back again when it returns. No policy keeps a
+belief about what a replica has cached, so a replica that comes back with an empty cache
+leaves nothing to forget: its prefixes return to it and are computed there once more.
 """
 
 from __future__ import annotations
@@ -87,9 +95,26 @@ class Router(Protocol):
         """route(), given prepare()'s answer for the prompt."""
         ...
 
+    def set_available(self, index: int, available: bool) -> None:
+        """Take replica `index` out of routing, or put it back. `loads` keeps listing
+        every replica; one out of routing is never chosen (while none is in, choosing
+        raises NoReplicaError)."""
+        ...
+
+
+class NoReplicaError(RuntimeError):
+    """Every replica is out of routing: the caller must wait for one, or give up."""
+
 
 class _Policy:
-    """route() is prepare() then choose(); most policies read nothing from the prompt."""
+    """route() is prepare() then choose(); most policies read nothing from the prompt.
+    `out` holds the replicas out of routing: empty but for an outage, so each policy's
+    common path only tests it for emptiness."""
+
+    out: frozenset[int] = frozenset()
+
+    def set_available(self, index: int, available: bool) -> None:
+        self.out = self.out - {index} if available else self.out | {index}
 
     def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
         return self.choose(self.prepare(prompt_token_ids, len(loads)), loads)
@@ -101,9 +126,18 @@ class _Policy:
         raise NotImplementedError
 
 
-def _least_loaded(loads: Sequence[ReplicaLoad]) -> int:
-    tokens = [load.outstanding_tokens for load in loads]
-    return tokens.index(min(tokens))  # the first of equals
+def _least_loaded(loads: Sequence[ReplicaLoad], out: frozenset[int]) -> int:
+    if not out:
+        tokens = [load.outstanding_tokens for load in loads]
+        return tokens.index(min(tokens))  # the first of equals
+    return min(_available(len(loads), out), key=lambda i: (loads[i].outstanding_tokens, i))
+
+
+def _available(num_replicas: int, out: frozenset[int]) -> list[int]:
+    available = [i for i in range(num_replicas) if i not in out]
+    if not available:
+        raise NoReplicaError(f"all {num_replicas} replicas are out of routing")
+    return available
 
 
 class RoundRobin(_Policy):
@@ -111,14 +145,18 @@ class RoundRobin(_Policy):
         self._turn = 0
 
     def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
-        choice = self._turn % len(loads)
-        self._turn += 1
-        return choice
+        if self.out:
+            _available(len(loads), self.out)  # raises if there is none to take a turn
+        while True:
+            choice = self._turn % len(loads)
+            self._turn += 1
+            if choice not in self.out:
+                return choice
 
 
 class LeastOutstandingTokens(_Policy):
     def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
-        return _least_loaded(loads)
+        return _least_loaded(loads, self.out)
 
 
 class PowerOfTwoChoices(_Policy):
@@ -126,9 +164,12 @@ class PowerOfTwoChoices(_Policy):
         self._rng = random.Random(seed)
 
     def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
-        if len(loads) == 1:
-            return 0
-        a, b = self._rng.sample(range(len(loads)), 2)
+        candidates: Sequence[int] = range(len(loads))
+        if self.out:
+            candidates = _available(len(loads), self.out)
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(candidates, 2)
         return min((a, b), key=lambda i: (loads[i].outstanding_tokens, i))
 
 
@@ -137,6 +178,7 @@ class PrefixHome(NamedTuple):
 
     home: int | None  # the replica its prefix belongs to; None: shorter than a block
     prompt_len: int
+    prefix: int = 0  # the hash of its affinity blocks: ranks the others when home is out
 
 
 class PrefixAffinity(_Policy):
@@ -160,14 +202,16 @@ class PrefixAffinity(_Policy):
         # Rendezvous hashing: each prefix ranks the replicas its own way, so adding or
         # losing one moves only the prefixes it ranked first.
         ranks = [hash((prefix, i)) for i in range(num_replicas)]
-        return PrefixHome(ranks.index(max(ranks)), len(prompt_token_ids))
+        return PrefixHome(ranks.index(max(ranks)), len(prompt_token_ids), prefix)
 
     def choose(self, prepared: object, loads: Sequence[ReplicaLoad]) -> int:
         assert isinstance(prepared, PrefixHome)
-        home, prompt_len = prepared
-        least = _least_loaded(loads)
+        home, prompt_len, prefix = prepared
+        least = _least_loaded(loads, self.out)
         if home is None:
             return least
+        if home in self.out:  # the next in this prefix's ranking takes it meanwhile
+            home = max(_available(len(loads), self.out), key=lambda i: hash((prefix, i)))
         allowed = self.balance_factor * loads[least].outstanding_tokens + prompt_len
         return home if loads[home].outstanding_tokens <= allowed else least
 

@@ -21,6 +21,7 @@ from iterserve.engine.async_engine import (
     EngineStoppedError,
     RequestFailedError,
 )
+from iterserve.engine.request_stream import ReplicaLostError
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.error_paths import is_union_member
 
@@ -80,6 +81,9 @@ def as_api_error(error: Exception) -> APIError:
         return APIError(429, str(error), code="rate_limit_exceeded", headers={"Retry-After": retry})
     if isinstance(error, EngineStoppedError):
         return APIError(503, str(error), code="service_unavailable")
+    if isinstance(error, ReplicaLostError):  # not the request's fault: worth a retry
+        retry = str(max(1, round(error.retry_after)))
+        return APIError(503, str(error), code="replica_lost", headers={"Retry-After": retry})
     if isinstance(error, RequestFailedError):
         return APIError(500, str(error), code="engine_error")
     logger.exception("unexpected error while serving a request", exc_info=error)

@@ -25,7 +25,12 @@ from prometheus_client.registry import Collector
 
 from iterserve.engine.metrics import EngineSnapshot, RequestMetrics, merge_snapshots
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.serving_engine import REPLICA_DEAD, ServingEngine
+from iterserve.engine.serving_engine import (
+    REPLICA_GIVEN_UP,
+    REPLICA_RESTARTING,
+    ReplicaState,
+    ServingEngine,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -92,12 +97,35 @@ class _EngineCollector(Collector):
             _engine_metrics(out, snaps[0], None, 1.0 if engine.is_healthy else 0.0)
             yield from out
             return
-        health = engine.replica_health()
-        up = [0.0 if state == REPLICA_DEAD else 1.0 for state in health]
+        states = engine.replica_states()
+        up = [1.0 if state.serving else 0.0 for state in states]
         for label, snap, alive in zip(engine.replica_labels, snaps, up, strict=True):
             _engine_metrics(out, snap, label, alive)
         _engine_metrics(out, merge_snapshots(snaps), FLEET, sum(up))
+        _fleet_metrics(out, engine.replica_labels, states)
         yield from out
+
+
+# A replica's state on /metrics: `up` is serving (or warming up after the server's start).
+_STATE_LABELS = {REPLICA_RESTARTING: "restarting", REPLICA_GIVEN_UP: "given_up"}
+
+
+def _fleet_metrics(out: _Families, labels: tuple[str, ...], states: list[ReplicaState]) -> None:
+    """How many replicas are up, restarting, given up; each one's restarts and requests
+    sent elsewhere when it died (and the fleet's, replica="all")."""
+    documentation = "Replicas by state: up (serving), restarting, given_up (out of restarts)"
+    for name in ("up", *_STATE_LABELS.values()):
+        count = sum(_STATE_LABELS.get(s.state, "up") == name for s in states)
+        out.add(_G, "replicas", documentation, count, None, state=name)
+    for label, state in [*zip(labels, states, strict=True), (FLEET, None)]:
+        restarts = state.restarts if state else sum(s.restarts for s in states)
+        rerouted = state.rerouted if state else sum(s.rerouted for s in states)
+        out.add(_C, "replica_restarts", "New processes started for a replica that died",
+                restarts, label)  # fmt: skip
+        out.add(_C, "replica_rerouted_requests",
+                "Requests sent to another replica when this one died before taking them or "
+                "before their first token",
+                rerouted, label)  # fmt: skip
 
 
 _Kind = type[GaugeMetricFamily | CounterMetricFamily]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from iterserve.engine.serving_engine import REPLICA_OK, ServingEngine
+from iterserve.engine.serving_engine import REPLICA_OK, REPLICA_RESTARTING, ServingEngine
 from iterserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from iterserve.server.protocol import ResetPrefixCacheResponse
 
@@ -31,17 +31,25 @@ def status_routes(engine: ServingEngine, metrics: ServerMetrics) -> APIRouter:
     @status_router.get("/health")
     async def health() -> Response:
         # 503 while warming up (compiling) and while draining too, so a load balancer sends
-        # nothing before we are fast, and stops sending before we stop. A fleet that lost
-        # replicas but still has one serving says "degraded" with a 200: it does serve.
-        replicas = engine.replica_health()
-        extra: dict[str, object] = {"replicas": replicas} if replicas else {}
+        # nothing before we are fast, and stops sending before we stop. A fleet with a
+        # replica restarting or given up, but one serving, says "degraded" with a 200: it
+        # does serve. Each replica's state, restarts and last death are listed.
+        states = engine.replica_states()
+        replicas = [replica.state for replica in states]
+        extra: dict[str, object] = {}
+        if states:
+            extra["replicas"] = replicas
+            extra["replica_restarts"] = [replica.restarts for replica in states]
+            extra["replica_rerouted"] = [replica.rerouted for replica in states]
+            extra["replica_last_death"] = [replica.last_death for replica in states]
         if compute := engine.served_model.compute:
             extra["model"] = compute  # which dtype, kernels and ISA serve, and why
         if engine.is_accepting and engine.is_ready:
             degraded = any(state != REPLICA_OK for state in replicas)
             return JSONResponse({"status": "degraded" if degraded else "ok", **extra})
         if not engine.is_healthy:
-            status = "dead"
+            # None serves: coming back (requests wait for it, up to a bound), or not.
+            status = "restarting" if REPLICA_RESTARTING in replicas else "dead"
         elif not engine.is_ready:
             status = "warming up"
         else:

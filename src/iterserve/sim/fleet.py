@@ -5,6 +5,9 @@ block pool, and a simulated executor (sim/executor.py) that prices steps with a 
 model. The fleet is a discrete-event simulation: the next event is an arrival (routed by
 replicas/router.py on the loads of that moment) or the step of the replica furthest behind.
 
+A replica can fail and come back (sim/outages.py): its requests that had made a token are
+lost, the others go to the other replicas, and it returns `down` seconds later, fresh.
+
 Two things make a million requests affordable without changing a single decision:
 steady decodes advance together inside the scheduler (sim/decode_cohort.py), and a
 replica whose next steps are only those decodes "glides": it prices them ahead and runs
@@ -20,8 +23,10 @@ import bisect
 import gc
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import NamedTuple
 
 from iterserve.bench.records import RequestRecord
 from iterserve.bench.workloads import Workload
@@ -29,7 +34,13 @@ from iterserve.config import EngineConfig, resolve_async_scheduling
 from iterserve.core.request import Request
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine.kv_pool_size import AvailableMemory, num_kv_blocks, size_kv_pool
-from iterserve.replicas.router import ReplicaLoad, ReplicaLoadTracker, Router, make_router
+from iterserve.replicas.router import (
+    NoReplicaError,
+    ReplicaLoad,
+    ReplicaLoadTracker,
+    Router,
+    make_router,
+)
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.sim.block_hash_feed import BlockHashFeed
 from iterserve.sim.cohort_scheduler import CohortScheduler, steady_part
@@ -43,6 +54,7 @@ from iterserve.sim.executor import (
     SimulatedExecutor,
     VirtualClock,
 )
+from iterserve.sim.outages import WAIT_FOR_REPLICA, OutageReport, ReplicaOutage
 
 # Share of the accelerator's memory left to weights + KV cache (the rest: activations).
 _MEMORY_UTILIZATION = 0.9
@@ -140,6 +152,10 @@ class Replica:
     engine: SteadyEngineCore
     # The load a router sees, kept as the data-parallel front end keeps its replicas'.
     tracker: FleetLoadTracker = field(default_factory=FleetLoadTracker)
+    # After a failure (sim/outages.py): the replica's outages so far, and the engines it
+    # ran before them (this one is the latest, fresh from its last restart).
+    outages: list[OutageReport] = field(default_factory=list)
+    earlier: list[Replica] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -256,17 +272,20 @@ def simulate_fleet(
     profile: CostProfile | None = None,
     num_kv_blocks: int | None = None,
     step_by_step: bool = False,
+    outages: list[ReplicaOutage] | None = None,
 ) -> tuple[list[RequestRecord], list[Replica]]:
     """Replay the workload on `replicas` engines behind a router (replicas/router.py).
 
     Discrete events in virtual time: the next thing to happen is either the next arrival
     (routed on the replicas' loads at that moment) or a step of the busy replica furthest
-    behind, whose clock then moves on by the step's cost. Replicas run side by side; an
-    idle one waits for its next request. One replica makes exactly the decisions of a
-    single engine. `step_by_step`: no steady decodes advanced together (the same
+    behind, whose clock then moves on by the step's cost, or a replica's failure or
+    return (`outages`; what each did is in the replica's `outages`). Replicas run side by
+    side; an idle one waits for its next request. One replica makes exactly the decisions
+    of a single engine. `step_by_step`: no steady decodes advanced together (the same
     results, slower; for checking that they are the same)."""
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
+    ReplicaOutage.check(outages or [], replicas)
     # The replay keeps millions of objects alive (token times, blocks, requests) that the
     # cycle collector would walk again and again, and makes no cycles worth collecting: the
     # collector is off while it runs (benchmarks/fleet_replay.py times the replay).
@@ -282,22 +301,19 @@ def simulate_fleet(
             workload.requests, order, config.cache.block_size, token,
             lambda prompt: routing.prepare(prompt, replicas),
         )  # fmt: skip
+
+    def build(i: int) -> Replica:  # replica i, first or after a failure: the same settings
+        return Replica.build(
+            config, hardware, model, acceptance_rate, config.seed + i, profile, num_kv_blocks,
+            step_by_step,
+        )  # fmt: skip
+
     try:
-        fleet = [
-            Replica.build(
-                config,
-                hardware,
-                model,
-                acceptance_rate,
-                config.seed + i,
-                profile,
-                num_kv_blocks,
-                step_by_step,
-            )
-            for i in range(replicas)
-        ]
-        replay = FleetReplay(config, workload, offsets, order, fleet, routing, feed, step_by_step)
-        return replay.run(), fleet
+        fleet = [build(i) for i in range(replicas)]
+        replay = FleetReplay(
+            config, workload, offsets, order, fleet, routing, feed, step_by_step, outages, build
+        )
+        return replay.run(), replay.fleet
     finally:
         if feed is not None:
             feed.close()
@@ -320,6 +336,8 @@ class FleetReplay:
         routing: Router,
         feed: BlockHashFeed | None,
         step_by_step: bool = False,
+        outages: list[ReplicaOutage] | None = None,
+        rebuild: Callable[[int], Replica] | None = None,
     ) -> None:
         self.workload, self.offsets, self.fleet = workload, offsets, fleet
         self.step_by_step = step_by_step  # no glides either (to check they change nothing)
@@ -343,14 +361,26 @@ class FleetReplay:
         self.loads = [replica.load() for replica in fleet]  # renewed as each one's changes
         self.wait = config.scheduler.max_wait_ms / 1000
         self.params: dict[int, SamplingParams] = {}  # by max_tokens (see _params_for)
+        # Failures, and returns once a failure has landed, by time (ties: in the order
+        # given); and requests waiting while no replica is up.
+        self.events: list[tuple[float, int, bool, OutageReport]] = [
+            (outage.at, order, True, OutageReport(outage))
+            for order, outage in enumerate(outages or [])
+        ]
+        heapq.heapify(self.events)
+        self.rebuild = rebuild
+        self.waiting: list[_Waiting] = []
+        self.last_failure: OutageReport | None = None  # whose outage a waiting one counts in
 
     def run(self) -> list[RequestRecord]:
         """Events until every request is done: the next arrival, or else the step of the
         replica furthest behind."""
-        arrivals, busy, offsets = self.arrivals, self.busy, self.offsets
-        while arrivals or busy:
+        arrivals, busy, offsets, events = self.arrivals, self.busy, self.offsets, self.events
+        while arrivals or busy or self.waiting:
             next_arrival = offsets[arrivals[-1]] if arrivals else math.inf
-            if not busy or next_arrival <= busy[0][0]:
+            if events and events[0][0] <= next_arrival and (not busy or events[0][0] <= busy[0][0]):
+                self._outage_event(*heapq.heappop(events))
+            elif not busy or next_arrival <= busy[0][0]:
                 self._arrive(arrivals.pop(), next_arrival)
             else:
                 self._step(*heapq.heappop(busy), next_arrival)
@@ -360,16 +390,34 @@ class FleetReplay:
         return self.records
 
     def _arrive(self, i: int, now: float) -> None:
-        """Request i arrives: routed on the loads of this moment, to a replica that first
-        runs what it glided over by now."""
+        """Request i arrives: routed on the loads of this moment."""
         self._glide_until(now)
         wanted = self.workload.requests[i]
         prompt = wanted.token_ids()
         if self.feed is not None:
             hashes, prepared, later_members = self.feed.next()
         else:
-            hashes, prepared = [], self.routing.prepare(prompt, len(self.fleet))
-        index = self.routing.choose(prepared, self.loads)
+            hashes, prepared, later_members = (
+                [],
+                self.routing.prepare(prompt, len(self.fleet)),
+                False,
+            )
+        params = self._params_for(wanted.output_len)
+        self._place(
+            _Waiting(now, self.records[i], prompt, hashes, prepared, later_members, params, wanted.lane),
+            now,
+        )  # fmt: skip
+
+    def _place(self, what: _Waiting, now: float) -> None:
+        """Route a request to a replica that first runs what it glided over by now; while
+        no replica is up, it waits for one."""
+        try:
+            index = self.routing.choose(what.prepared, self.loads)
+        except NoReplicaError:
+            self.waiting.append(what)
+            if self.last_failure is not None:
+                self.last_failure.waited += 1
+            return
         target = self.fleet[index]
         if index in self.glides:  # it glides no further: run what it did by now
             glide = self.glides.pop(index)
@@ -378,18 +426,89 @@ class FleetReplay:
             if target.engine.has_unfinished():  # else it finished them all: idle
                 heapq.heappush(self.busy, (target.clock.now, index, self.versions[index]))
         was_idle = not target.engine.has_unfinished()
-        params = self._params_for(wanted.output_len)
-        request = _admit(target.scheduler, prompt, hashes, params, wanted.lane, self.records[i])
+        request = _admit(
+            target.scheduler, what.prompt, what.hashes, what.params, what.lane, what.record
+        )
         if request is None:
             return
         if self.feed is not None:  # its chain is known: see sim/replay_pool.py
-            target.scheduler.admit_to_group(request, later_members)
+            target.scheduler.admit_to_group(request, what.later_members)
         self.requests[request.request_id] = request
-        target.tracker.take(request.request_id, len(prompt), request.sampling_params.max_tokens)
+        target.tracker.take(request.request_id, len(what.prompt), what.params.max_tokens)
         self.loads[index] = target.load()
         if was_idle:
             target.clock.advance_to(now)
             heapq.heappush(self.busy, (target.clock.now, index, self.versions[index]))
+
+    def _outage_event(self, now: float, order: int, failing: bool, report: OutageReport) -> None:
+        index = report.outage.replica
+        if failing:
+            self._fail(index, now, order, report)
+        else:
+            self._restore(index, now, report)
+
+    def _fail(self, index: int, now: float, order: int, report: OutageReport) -> None:
+        """Replica `index` fails: at the end of the step it is in (a step is atomic here).
+        What had produced a token is lost; what had not goes to the other replicas."""
+        replica = self.fleet[index]
+        glide = self.glides.get(index)
+        ends = replica.clock.now  # a busy replica's clock: when its step in progress ends
+        if glide is not None:
+            started = glide.steps_started_before(now)
+            ends = glide.ends[started - 1] if started else glide.starts[0]
+        if ends > now and replica.engine.has_unfinished():  # mid-step: fail when it ends
+            heapq.heappush(self.events, (ends, order, True, report))
+            return
+        self._glide_until(now)
+        if glide is not None:
+            del self.glides[index]
+            replica.land(glide, glide.steps_started_before(now), self.requests, self.by_id)
+        self.versions[index] += 1  # its plans are void
+        self.routing.set_available(index, False)
+        self.last_failure = report
+        report.landed = now
+        replica.outages.append(report)
+        heapq.heappush(self.events, (now + report.outage.down, order, False, report))
+        orphans = []
+        for request_id in list(replica.tracker.work):
+            request = self.requests.pop(request_id)
+            record = self.by_id[request_id]
+            if request.timings.first_token is not None:
+                report.lost += 1
+                record.error = f"replica {index} failed after the request's first token"
+            else:
+                report.rerouted += 1
+                orphans.append((record.arrival_time, request_id, record, request))
+        for _, _, record, request in sorted(orphans, key=lambda o: o[:2]):
+            prompt = request.prompt_token_ids
+            hashes = request.block_hashes if self.feed is not None else []
+            prepared = self.routing.prepare(prompt, len(self.fleet))
+            # Later members of its prefix group may come: the cautious answer for the pool.
+            waiting = _Waiting(
+                now, record, prompt, hashes, prepared, True, request.sampling_params, request.lane
+            )
+            self._place(waiting, now)
+
+    def _restore(self, index: int, now: float, report: OutageReport) -> None:
+        """Replica `index` serves again: a fresh engine, empty cache; those waiting for a
+        replica go to one (or fail, if they waited longer than the front end waits)."""
+        assert self.rebuild is not None, "a fleet with outages is built by simulate_fleet"
+        old = self.fleet[index]
+        replica = self.fleet[index] = self.rebuild(index)
+        replica.clock.advance_to(now)
+        replica.outages, replica.earlier = old.outages, [*old.earlier, old]
+        old.outages = []
+        self.loads[index] = replica.load()
+        self.versions[index] += 1
+        self.routing.set_available(index, True)
+        waiting, self.waiting = self.waiting, []
+        for what in waiting:
+            if now - what.since > WAIT_FOR_REPLICA:
+                what.record.error = f"no replica came back within {WAIT_FOR_REPLICA:.0f} s"
+                if self.last_failure is not None:
+                    self.last_failure.timed_out += 1
+            else:
+                self._place(what, now)
 
     def _params_for(self, output_len: int) -> SamplingParams:
         """One SamplingParams per output length, shared by the requests that have it (the
@@ -445,6 +564,19 @@ class FleetReplay:
             self.glides[index] = glide
             heapq.heappush(self.busy, (glide.ends[-1], index, version))
             heapq.heappush(self.glide_steps, (glide.starts[0], index, version))
+
+
+class _Waiting(NamedTuple):
+    """A request on its way to a replica: arriving, re-routed, or waiting for one to be up."""
+
+    since: float
+    record: RequestRecord
+    prompt: list[int]
+    hashes: list[int]
+    prepared: object  # the router's reading of the prompt
+    later_members: bool  # of its prefix group (sim/replay_pool.py)
+    params: SamplingParams
+    lane: str
 
 
 def _admit(

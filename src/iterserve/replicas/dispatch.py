@@ -1,0 +1,48 @@
+"""A group's requests as sent to one replica, and the stream their outputs go to.
+
+The server holds one RequestStream per API request for its whole life; the fleet may
+send the stream's requests to one replica, then (if that replica dies before they made
+a token) part of them to another. A Dispatch is one such sending: which requests, at
+which indices of the stream, with the token counts the router's load figures need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.engine.request_stream import GenerationRequest, RequestStream
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    stream: RequestStream
+    requests: list[GenerationRequest]  # prompts as token ids
+    indices: list[int]  # each request's index in `stream`
+    counts: list[tuple[int, int]]  # each one's (prompt tokens, most output tokens)
+    # Which replica client each request of the stream runs on now, for the stream's
+    # aborts: one dict shared by every part of it sent anywhere.
+    homes: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def whole(
+        cls, stream: RequestStream, requests: list[GenerationRequest], counts: list[tuple[int, int]],
+        homes: dict[str, Any],
+    ) -> Dispatch:  # fmt: skip
+        return cls(stream, requests, list(range(len(requests))), counts, homes)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [request.request_id for request in self.requests]
+
+    def part(self, positions: list[int]) -> Dispatch:
+        """The requests at `positions` (of this dispatch), to be sent again elsewhere. (A
+        request sent again keeps its arrival time: its latency counts what the dead
+        replica cost it.)"""
+        return Dispatch(
+            self.stream,
+            [self.requests[p] for p in positions],
+            [self.indices[p] for p in positions],
+            [self.counts[p] for p in positions],
+            self.homes,
+        )
