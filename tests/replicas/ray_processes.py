@@ -1,10 +1,18 @@
-"""The Ray processes a test started, for the fleet tests: the cluster's daemons, and which
-of some pids still run."""
+"""The Ray processes a test started, for the fleet tests: the cluster's daemons, which of
+some pids still run, and the `cluster` fixture (a module-scoped Ray cluster), imported by
+the fleet test modules. Not a conftest.py: a second one would shadow tests/conftest.py for
+the `from conftest import ...` of other folders' tests."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+
+from server_fixtures import wait_until
 
 
 def ray_daemons(parent: int) -> set[int]:
@@ -31,3 +39,22 @@ def running(pids: set[int]) -> set[int]:
         if state != "Z":
             alive.add(pid)
     return alive
+
+
+@pytest.fixture(scope="module", name="cluster")
+def module_cluster() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 * 2**20,
+        logging_level="warning",
+        namespace="iterserve-test",
+    )
+    daemons = ray_daemons(os.getpid())
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        assert daemons and wait_until(lambda: not running(daemons), timeout=30), daemons

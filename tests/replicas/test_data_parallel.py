@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from ray_processes import ray_daemons, running
+from ray_processes import module_cluster, ray_daemons, running  # noqa: F401 (the cluster fixture)
 
 from iterserve import LLM, SamplingParams
 from iterserve.replicas.router import RoundRobin, make_router

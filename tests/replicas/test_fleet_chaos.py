@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ray_processes import module_cluster  # noqa: F401 (the cluster fixture)
 
 from server_fixtures import MODEL_NAME, RunningServer, engine_config, serving, wait_until
 
