@@ -168,3 +168,23 @@ def test_the_forced_call_replaces_a_response_format_constraint(choice: str) -> N
     with pytest.raises(InvalidRequestError) as refused:
         plan_tools(tools, tool_choice, True, QWEN_TOOLS_TEMPLATE, HermesToolParser(), guided, set())
     assert refused.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("conversation", "conv_123"),
+        ("conversation", {"id": "conv_123"}),
+        ("prompt", {"id": "pmpt_1"}),
+    ],
+)
+def test_objects_this_server_does_not_keep_are_refused_by_name(
+    client: openai.OpenAI, field: str, value: Any
+) -> None:
+    """The OpenAI Agents SDK sends `conversation` when a run is given a conversation_id;
+    ignored, the answer would silently lack that conversation (it was a 200)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model=MODEL_NAME, input="Hi", max_output_tokens=4, extra_body={field: value}
+        )
+    assert refused.value.body["param"] == field  # type: ignore[index]
