@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import hashlib
 import http.client
+import importlib.util
 import json
 import os
 import socket
@@ -72,13 +73,7 @@ CASES = [
     Case("openai-agents", "scenario_openai_agents.py", "chat_streamed"),
     Case("openai-agents", "scenario_openai_agents.py", "responses_output_type"),
     Case("openai-agents", "scenario_openai_agents.py", "chat_output_type"),
-    Case(
-        "openai-agents",
-        "scenario_openai_agents.py",
-        "responses_chained",
-        known="previous_response_id is refused: this server stores no responses (issue 35's "
-        "stored-responses work)",
-    ),
+    Case("openai-agents", "scenario_openai_agents.py", "responses_chained"),
     Case("langchain", "scenario_langchain.py", "bind_tools"),
     Case("langchain", "scenario_langchain.py", "bind_tools_streamed"),
     Case("langchain", "scenario_langchain.py", "responses_api_bind_tools"),
@@ -128,6 +123,21 @@ def ensure_venv(venv: Path, reinstall: bool) -> Path:
         )  # fmt: skip
         stamp.write_text(wanted)
     return python
+
+
+def served_source() -> dict[str, str | None]:
+    """Which iterserve the server runs: this interpreter's (PYTHONPATH included), and its
+    checkout's commit, found without importing it (that would load torch here)."""
+    spec = importlib.util.find_spec("iterserve")
+    where = Path(spec.origin).parent if spec and spec.origin else None
+    commit = None
+    if where is not None:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            commit = subprocess.run(
+                ["git", "-C", str(where), "rev-parse", "HEAD"],
+                check=True, capture_output=True, text=True,
+            ).stdout.strip()  # fmt: skip
+    return {"package": None if where is None else str(where), "commit": commit}
 
 
 def installed_versions(python: Path) -> dict[str, str]:
@@ -429,6 +439,7 @@ def main() -> int:
         "date": datetime.date.today().isoformat(),
         "model": model,
         "server_args": args.server_arg,
+        "iterserve": served_source() if not args.url else None,
         "versions": versions,
         "python": sys.version.split()[0],
         "cases": rows,
