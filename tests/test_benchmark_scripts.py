@@ -11,15 +11,20 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-# A leading underscore marks a module the scripts share, not a script.
-SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+# A leading underscore marks a module the scripts share, not a script. A folder's run.py
+# is its script (agent_frameworks/: its scenario_*.py need the frameworks' own venv).
+SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")) + sorted(
+    BENCHMARKS.glob("*/run.py")
+)
 
 
 def test_there_are_scripts() -> None:
     assert len(SCRIPTS) >= 5
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+@pytest.mark.parametrize(
+    "script", SCRIPTS, ids=[s.relative_to(BENCHMARKS).with_suffix("").as_posix() for s in SCRIPTS]
+)
 def test_the_script_imports_and_answers_help(
     script: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

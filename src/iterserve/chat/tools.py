@@ -96,10 +96,16 @@ def _check_unique_names(tools: list[ToolDefinition]) -> None:
 
 def enforce_schema(params: SamplingParams, schema: dict[str, Any]) -> None:
     """Constrain this request's decoding to `schema`: the forced call is then valid JSON
-    for its tool, whatever the model (structured output, docs/structured_output.md)."""
-    if params.structured_output is not None:
+    for its tool, whatever the model (structured output, docs/structured_output.md).
+
+    A `response_format` (Responses' `text.format`) gives way: it shapes a text answer,
+    and a forced call's answer has none. OpenAI takes the two together, and instructor's
+    RESPONSES_TOOLS mode sends both. A vLLM `guided_*` field constrains the generated
+    text itself, so it and a forced call are still a 400."""
+    constraint = params.structured_output
+    if constraint is not None and constraint.param != "response_format":
         raise InvalidRequestError(
-            f"tool_choice forces a call, and {params.structured_output.param} constrains "
+            f"tool_choice forces a call, and {constraint.param} constrains "
             "the output too; give only one",
             "tool_choice",
         )

@@ -50,6 +50,12 @@ def new_item_id(kind: str) -> str:
     return f"{kind}_{secrets.token_hex(12)}"
 
 
+# Responses fields naming objects kept by OpenAI's other APIs -> what to send instead.
+_NOT_KEPT = {
+    "conversation": "send the conversation in input, or chain with previous_response_id",
+    "prompt": "send the instructions and input themselves",
+}
+
 # ---- request ----------------------------------------------------------------------------
 
 
@@ -182,6 +188,11 @@ class ResponsesRequest(BaseModel):
             )
         if self.model_extra and self.model_extra.get("n", 1) != 1:
             raise InvalidRequestError("a response has one answer: n must be 1", "n")
+        # Server-side objects this server does not keep; ignored, they would give an
+        # answer that silently lacks the conversation or prompt they name.
+        for name, instead in _NOT_KEPT.items():
+            if (self.model_extra or {}).get(name) is not None:
+                raise InvalidRequestError(f"this server keeps no {name}s: {instead}", name)
 
     @property
     def wants_logprobs(self) -> bool:

@@ -1,0 +1,77 @@
+"""LangChain's `ChatOpenAI` pointed at the server: `bind_tools` with a forced call
+(`tool_choice` naming the tool), the tool run and its result fed back for the answer;
+and `with_structured_output(CityInfo)` by `json_schema` (response_format) and by
+`function_calling` (a forced tool call). The tool case runs streamed too (the chunks
+added up, with `stream_usage`), and through the Responses API (`use_responses_api`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _scenario import (
+    API_KEY,
+    BASE_URL,
+    EXTRACT_PROMPT,
+    MAX_TOKENS,
+    MODEL,
+    CityInfo,
+    get_time,
+    get_weather,
+    run_case,
+)
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+
+
+def llm(**options: Any) -> ChatOpenAI:
+    return ChatOpenAI(
+        model=MODEL,
+        base_url=BASE_URL,
+        api_key=API_KEY,
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        **options,
+    )
+
+
+def bind_tools(streamed: bool = False, **options: Any) -> tuple[bool, object, dict[str, Any]]:
+    tools = {t.name: t for t in (tool(get_weather), tool(get_time))}
+    messages: list[BaseMessage] = [HumanMessage("What is the weather in Paris?")]
+    forced = llm(**options).bind_tools(list(tools.values()), tool_choice="get_weather")
+    if streamed:
+        chunks = list(forced.stream(messages))
+        first: BaseMessage = chunks[0]
+        for chunk in chunks[1:]:
+            first = first + chunk  # type: ignore[operator]
+    else:
+        first = forced.invoke(messages)
+    assert isinstance(first, AIMessage)
+    if not first.tool_calls:
+        return False, first, {"stage": "no tool call in the forced answer"}
+    messages.append(first)
+    for call in first.tool_calls:
+        result = tools[call["name"]].invoke(call["args"])
+        messages.append(ToolMessage(result, tool_call_id=call["id"]))
+    final = llm(**options).bind_tools(list(tools.values())).invoke(messages)
+    finished = isinstance(final, AIMessage) and bool(final.content or final.tool_calls)
+    return finished, final.content or final.tool_calls, {"first_calls": first.tool_calls}
+
+
+def structured(method: str) -> tuple[bool, object, dict[str, Any]]:
+    answer = llm().with_structured_output(CityInfo, method=method).invoke(EXTRACT_PROMPT)  # type: ignore[arg-type]
+    return isinstance(answer, CityInfo), answer, {}
+
+
+if __name__ == "__main__":
+    raise SystemExit(
+        run_case(
+            {
+                "bind_tools": bind_tools,
+                "bind_tools_streamed": lambda: bind_tools(streamed=True, stream_usage=True),
+                "responses_api_bind_tools": lambda: bind_tools(use_responses_api=True),
+                "structured_json_schema": lambda: structured("json_schema"),
+                "structured_function_calling": lambda: structured("function_calling"),
+            }
+        )
+    )
