@@ -2,11 +2,13 @@
 held-out chat prompts (bench/copy_texts.py: edit instructions over passages) generated
 
   alone     one request at a time
+  cached    the same again, its prompt now in the prefix cache (only the last block's
+            rows are computed, in a chunk of another size)
   batched   all prompts submitted together (every step shares its rows)
   ngram     one at a time with n-gram speculation (--num-speculative-tokens K): a verify
             step runs 1 + K rows of the request
 
-and, for batched and ngram, how many answers differ from alone's and where each first differs.
+and, for cached, batched and ngram, how many answers differ from alone's and where each first differs.
 With `--batch-invariant` every path must agree (tests/model/test_bundled_model.py holds it);
 without it, only what the kernels leave to the step's shape can move a near-tie. Asserts
 nothing.
@@ -55,16 +57,17 @@ def main() -> None:
         for ask, text in pairs
     ]
     params = SamplingParams(temperature=0, max_tokens=args.tokens)
-    answers = {
-        "alone": [plain.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts],
-        "batched": [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)],
-    }
+    answers: dict[str, list[list[int]]] = {"alone": [], "cached": []}
+    for p in prompts:
+        for path in ("alone", "cached"):
+            answers[path].append(plain.generate([p], params, use_tqdm=False)[0].token_ids)
+    answers["batched"] = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     del plain
     spec = LLM(speculative_method="ngram", num_speculative_tokens=args.k, **settings)
     answers["ngram"] = [spec.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
     print(f"kernels {kernels.isa()}, {len(prompts)} prompts, {args.tokens} tokens, {settings}")
     rows = []
-    for path in ("batched", "ngram"):
+    for path in ("cached", "batched", "ngram"):
         firsts = [first_difference(a, b) for a, b in zip(answers[path], answers["alone"], strict=True)]
         differ = sum(f is not None for f in firsts)
         print(f"{path:8s} differs from alone in {differ} of {len(prompts)} answers, first at {firsts}")
