@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from iterserve.sample.json_number_bounds import NumberBounds
-from iterserve.sample.structured import GrammarCompiler, StructuredBatch
+from iterserve.sample.structured import GrammarCompiler, StructuredBatch, _Rows
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.structured_output import StructuredOutput
 
@@ -392,3 +392,33 @@ def test_outside_numbers_the_bound_allows_what_its_class_allows(
             classes.add(in_string)
         assert bound.consume_token(token)
     assert classes == {True, False}
+
+
+def test_the_bound_tells_strings_from_between_values(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    """Rows no JSON schema writes, to the shortcut itself: a token the bound refuses in
+    one class of states and allows in the other, beside one it allows in both, with the
+    bound in the class that refuses it. Only the other token is left (from the row of a
+    few tokens checked one by one), so a row is skipped only for its bound's own class."""
+    grammar = compiler.compile(_spec(None))
+    assert grammar.bound is not None
+    spec = grammar.bound
+
+    def tokens_of(words: np.ndarray) -> list[int]:
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:VOCAB]
+        return [t for t in np.flatnonzero(bits).tolist() if t != tokenizer.eos_token_id]
+
+    letter = tokenizer.convert_tokens_to_ids("a")  # allowed anywhere outside numbers
+    only_between = spec.unsafe_between & ~spec.unsafe_in_string
+    only_in_string = spec.unsafe_in_string & ~spec.unsafe_between
+    for opened, candidates in (("", only_between), ('"', only_in_string)):
+        batch = _batch(compiler, None)
+        bound = batch._bounds["r"]
+        bound.consume_tokens(tokenizer.encode(opened, add_special_tokens=False))
+        refused = next(t for t in tokens_of(candidates) if not bound.validate_tokens([t]))
+        row = np.zeros((1, (VOCAB + 31) // 32), dtype=np.int32)
+        for token in (letter, refused):
+            row[0, token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+        batch._apply_bounds(["r"], [0, 1], [_Rows(0, ())], row)
+        assert tokens_of(row[0]) == [letter], tokenizer.decode([refused])
