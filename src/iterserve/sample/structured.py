@@ -94,6 +94,10 @@ class NumberBound:
     dashes: list[int]  # `--`, tokenized
     unsafe_between: np.ndarray  # int32 words: the tokens the start state refuses
     unsafe_in_string: np.ndarray  # int32 words: the tokens a string state refuses
+    # The words where either is nonzero (a few hundred tokens of the vocabulary: a row
+    # is tested on these alone), and both there, [2, len(unsafe_words)].
+    unsafe_words: np.ndarray
+    unsafe_at: np.ndarray
 
     @classmethod
     def build(cls, template: Any, lltokenizer: Any, vocab_size: int) -> NumberBound:
@@ -107,12 +111,16 @@ class NumberBound:
             mask = np.zeros(words, dtype=np.int32)
             state.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
             masks.append(mask)
+        between, in_string = ~masks[0], ~(masks[1] & masks[2])
+        at = np.flatnonzero(between | in_string)
         return cls(
             template,
             list(lltokenizer.tokenize_bytes(b'"')),
             list(lltokenizer.tokenize_bytes(b"--")),
-            ~masks[0],
-            ~(masks[1] & masks[2]),
+            between,
+            in_string,
+            at,
+            np.stack([between[at], in_string[at]]),
         )
 
 
@@ -404,19 +412,17 @@ class StructuredBatch:
         # Whether each row's schema allows only tokens the bound allows between values,
         # and in a string: one vectorised test over the rows of each distinct bound
         # (nearly always one: most schemas have the default caps).
-        between = np.empty(len(rows), dtype=bool)
-        in_string = np.empty(len(rows), dtype=bool)
+        safe = np.empty((len(rows), 2), dtype=bool)  # [between values, in a string]
         by_spec: dict[int, list[int]] = {}
         for k, (_, request_id, _) in enumerate(rows):
             by_spec.setdefault(id(self._bound_specs[request_id]), []).append(k)
         for ks in by_spec.values():
             spec = self._bound_specs[rows[ks[0]][1]]
-            schema_rows = bitmask[[rows[k][0] for k in ks]]
-            between[ks] = ~(schema_rows & spec.unsafe_between).any(axis=1)
-            in_string[ks] = ~(schema_rows & spec.unsafe_in_string).any(axis=1)
+            schema_words = bitmask.take(spec.unsafe_words, axis=1)[[rows[k][0] for k in ks]]
+            safe[ks] = ~(schema_words[:, None, :] & spec.unsafe_at).any(axis=2)
         full: list[tuple[int, Any]] = []  # rows that need the bound's mask, its matcher there
-        for (row, request_id, prefix), safe_between, safe_in_string in zip(
-            rows, between, in_string, strict=True
+        for (row, request_id, prefix), (safe_between, safe_in_string) in zip(
+            rows, safe.tolist(), strict=True
         ):
             bound = self._bounds[request_id]
             spec = self._bound_specs[request_id]
@@ -660,15 +666,20 @@ def _can_start(matcher: Any, vocab_size: int) -> bool:
 
 def _few_tokens(row: np.ndarray) -> list[int] | None:
     """The tokens a bitmask row allows, if at most _FEW_TOKENS (None if more): its
-    nonzero words first, so a wide row costs one pass over words, not bits."""
-    words = np.flatnonzero(row)
-    if len(words) > _FEW_TOKENS:
+    nonzero words counted first, so a wide row costs one pass over words, and a narrow
+    one's bits read in Python (a few words: cheaper than numpy's calls)."""
+    if np.count_nonzero(row) > _FEW_TOKENS:
         return None
-    bits = np.unpackbits(row[words].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
-    word, bit = np.nonzero(bits)
-    if len(word) > _FEW_TOKENS:
-        return None
-    return (words[word] * 32 + bit).tolist()
+    tokens: list[int] = []
+    for word in np.flatnonzero(row).tolist():
+        bits = int(row[word]) & 0xFFFFFFFF
+        while bits:
+            low = bits & -bits
+            tokens.append(32 * word + low.bit_length() - 1)
+            bits ^= low
+        if len(tokens) > _FEW_TOKENS:
+            return None
+    return tokens
 
 
 def _forbid(logits: torch.Tensor, targets: list[int], forbidden: np.ndarray) -> None:
