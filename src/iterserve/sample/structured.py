@@ -81,23 +81,24 @@ class NumberBound:
 
     Outside numbers the bound's regex is in one of three states: between values (its
     start state), inside a string, or after a backslash in one. Every other state is
-    inside a number or inside a character's UTF-8 bytes, where `"` cannot come next;
-    and of the three, `--` can come next only inside a string (between values `-`
-    starts a number, which a second `-` cannot continue). So where the bound allows
-    `"` next it allows every token its state's class allows: between values the
-    tokens `unsafe_between` leaves clear, in a string those `unsafe_in_string` leaves
-    clear (both string states'). A row whose schema allows only such tokens is the
-    schema's as it is, with no mask of the bound's."""
+    inside a number or inside a character's UTF-8 bytes, where `"` cannot come next.
+    `--` can come next only inside a string (between values `-` starts a number, which
+    a second `-` cannot continue; no number state takes two). So where the bound allows
+    `--` next it allows every token both string states allow (`unsafe_in_string`
+    leaves them clear), and where it allows `"` but not `--` every token its start
+    state allows (`unsafe_between` leaves them clear). A row whose schema allows only
+    such tokens is the schema's as it is, with no mask of the bound's."""
 
     template: Any  # llguidance.LLMatcher of NumberBounds.text_regex()
     quote: list[int]  # `"`, tokenized
     dashes: list[int]  # `--`, tokenized
     unsafe_between: np.ndarray  # int32 words: the tokens the start state refuses
     unsafe_in_string: np.ndarray  # int32 words: the tokens a string state refuses
-    # The words where either is nonzero (a few hundred tokens of the vocabulary: a row
-    # is tested on these alone), and both there, [2, len(unsafe_words)].
+    # The words where either is nonzero (a few hundred tokens of the vocabulary): a row
+    # is tested on these alone, as one Python int against each of these two.
     unsafe_words: np.ndarray
-    unsafe_at: np.ndarray
+    unsafe_between_bits: int
+    unsafe_in_string_bits: int
 
     @classmethod
     def build(cls, template: Any, lltokenizer: Any, vocab_size: int) -> NumberBound:
@@ -120,7 +121,25 @@ class NumberBound:
             between,
             in_string,
             at,
-            np.stack([between[at], in_string[at]]),
+            int.from_bytes(between[at].tobytes(), "little"),
+            int.from_bytes(in_string[at].tobytes(), "little"),
+        )
+
+    def skips(self, bound: Any, prefix: list[int], schema_words: int) -> bool:
+        """Whether `bound`, after `prefix`, allows every token a row allows whose words at
+        `unsafe_words` are `schema_words`: one or two `validate_tokens` calls."""
+        between = not schema_words & self.unsafe_between_bits
+        in_string = not schema_words & self.unsafe_in_string_bits
+        if not (between or in_string):
+            return False
+        n = len(prefix)
+        if in_string and bound.validate_tokens(prefix + self.dashes) == n + len(self.dashes):
+            return True  # in a string
+        # Between values: `"` may come, and `--` not (a string's state took it above).
+        return (
+            between
+            and bound.validate_tokens(prefix + self.quote) == n + len(self.quote)
+            and (in_string or bound.validate_tokens(prefix + self.dashes) < n + len(self.dashes))
         )
 
 
@@ -409,35 +428,23 @@ class StructuredBatch:
                 rows.extend((start + j, request_id, draft[:j]) for j in range(reached + 1))
         if not rows:
             return
-        # Whether each row's schema allows only tokens the bound allows between values,
-        # and in a string: one vectorised test over the rows of each distinct bound
-        # (nearly always one: most schemas have the default caps).
-        safe = np.empty((len(rows), 2), dtype=bool)  # [between values, in a string]
-        by_spec: dict[int, list[int]] = {}
-        for k, (_, request_id, _) in enumerate(rows):
-            by_spec.setdefault(id(self._bound_specs[request_id]), []).append(k)
-        for ks in by_spec.values():
-            spec = self._bound_specs[rows[ks[0]][1]]
-            schema_words = bitmask.take(spec.unsafe_words, axis=1)[[rows[k][0] for k in ks]]
-            safe[ks] = ~(schema_words[:, None, :] & spec.unsafe_at).any(axis=2)
+        # The rows' words where some state outside numbers refuses a token, read as one
+        # Python int a row (a few hundred words: two ANDs of ints, not numpy calls).
+        taken: dict[int, bytes] = {}
         full: list[tuple[int, Any]] = []  # rows that need the bound's mask, its matcher there
-        for (row, request_id, prefix), (safe_between, safe_in_string) in zip(
-            rows, safe.tolist(), strict=True
-        ):
+        for row, request_id, prefix in rows:
             bound = self._bounds[request_id]
             spec = self._bound_specs[request_id]
+            raw = taken.get(id(spec))
+            if raw is None:
+                raw = taken[id(spec)] = bitmask.take(spec.unsafe_words, axis=1).tobytes()
+            size = 4 * len(spec.unsafe_words)
+            if spec.skips(
+                bound, prefix, int.from_bytes(raw[row * size : row * size + size], "little")
+            ):
+                continue
             n = len(prefix)
-            if safe_between or safe_in_string:
-                valid = bound.validate_tokens(prefix + spec.quote)
-                if valid == n + len(spec.quote):  # outside numbers: which class?
-                    if safe_between and safe_in_string:
-                        continue
-                    dashes = bound.validate_tokens(prefix + spec.dashes) == n + len(spec.dashes)
-                    if safe_in_string if dashes else safe_between:
-                        continue
-            else:
-                valid = bound.validate_tokens(prefix) if prefix else 0
-            if valid < n:
+            if prefix and bound.validate_tokens(prefix) < n:
                 # The bound refuses a guess before this row: the row is the schema's (the
                 # library leaves a row past a refused guess unwritten, all allowed).
                 continue
@@ -452,9 +459,9 @@ class StructuredBatch:
                 continue
             refused = [token for token in allowed if not state.validate_tokens([token])]
             if len(refused) < len(allowed):  # else the schema's row stays: the bound yields
-                words = bitmask[row].view(np.uint32)
+                row_words = bitmask[row].view(np.uint32)
                 for token in refused:
-                    words[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+                    row_words[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
         if not full:
             return
         words = bitmask.shape[1]
