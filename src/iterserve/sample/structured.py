@@ -29,10 +29,11 @@ token the bound refuses: the bound steers, the schema has the last word.
 
 The bound's own mask is rarely filled, since outside a number it walks most of the
 vocabulary (~1.3 ms a row) and refuses nothing a JSON schema allows there
-(`NumberBound`): a row is left to the schema where the bound is outside a number and
-the schema allows only tokens no state outside a number refuses; a row allowing a few
-tokens (inside a number: digits, `.`, `e`, what closes it) has each checked against
-the bound; only the rest get the bound's mask.
+(`NumberBound`): a row is left to the schema where the bound is between values or in
+a string and the schema allows only tokens the bound never refuses there; a row
+allowing a few tokens (inside a number: digits, `.`, `e`, what ends it) has each
+checked against the bound; only the rest get the bound's mask
+(docs/structured_output.md, "What the bound costs").
 """
 
 from __future__ import annotations
