@@ -12,11 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from iterserve.sample.json_number_bounds import NumberBounds
-from iterserve.sample.structured import GrammarCompiler, StructuredBatch
+from iterserve.sample.structured import GrammarCompiler, StructuredBatch, _Rows
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.structured_output import StructuredOutput
 
@@ -304,3 +305,120 @@ def test_whitespace_is_only_the_separators(
         text.replace(", ", ","),
     ):
         assert not accepted(compiler, schema, spaced).endswith("<end>"), spaced
+
+
+# Text with what the bound's shortcuts tell apart: strings with dashes, escapes and
+# characters of several UTF-8 bytes (split across tokens), numbers of every shape, a
+# digit run at the cap.
+TRICKY = (
+    r'{"a": "--x-- \" \\ é ✓ 🙂 \n\t -1 01 1e--", '
+    r'"b": [-12, 0.5, -0.0e+5, 1E-7, 1234567890123456, -9.1234567890123456e-324], '
+    r'"c": {"d": "", "e-f": [true, null, "\"", 7]}}'
+)
+
+
+def _mask(matcher: Any) -> np.ndarray:
+    """The library's full mask of a matcher where it is."""
+    row = np.zeros((VOCAB + 31) // 32, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    return row
+
+
+def test_the_bounds_shortcuts_leave_every_mask_as_its_full_mask_would(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    """The step skips the bound's mask where it cannot refuse what the schema allows and
+    checks a row of a few tokens token by token (sample/structured.py, NumberBound); a
+    speculating step's rows, at every position of a tricky text, against the schema's
+    and the bound's full masks ANDed (the schema's alone where that would be empty)."""
+    tokens = tokenizer.encode(TRICKY, add_special_tokens=False)
+    grammar = compiler.compile(_spec(None))
+    schema, bound = grammar.new_matcher(), grammar.new_bound()
+    expected = []  # the allowed tokens after each prefix of the text, the long way
+    for token in [*tokens, None]:
+        both = _mask(schema) & _mask(bound)
+        row = both if both.any() else _mask(schema)
+        expected.append(np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB] == 1)
+        if token is not None:
+            assert schema.consume_token(token) and bound.consume_token(token)
+    batch = _batch(compiler, None)
+    guesses = 3
+    for position, token in enumerate(tokens):
+        draft = tokens[position : position + guesses]
+        # numpy's zeros: torch's wait for an OpenMP thread on a busy machine (~10 ms)
+        logits = np.zeros((len(draft) + 1, VOCAB), dtype=np.float32)
+        batch.mask(torch.from_numpy(logits), ["r"], [0], [draft])
+        for j in range(len(draft) + 1):
+            assert np.array_equal(np.isfinite(logits[j]), expected[position + j]), tokenizer.decode(
+                tokens[: position + j]
+            )
+        batch.advance("r", [token])
+
+
+def test_a_digit_run_guessed_to_the_cap_stops_there(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    """Guesses taking a number from 13 digits to 16: each row checked against the bound
+    (a row of a few tokens), the row after the 16th allows no digit, the rows before do;
+    in a string the same digits stay free (the bound skipped)."""
+    digits = tokenizer.encode(DIGITS_16, add_special_tokens=False)
+    probes = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    for text, capped in (('{"n": ', True), ('{"s": "', False)):
+        batch = _batch(compiler, None)
+        batch.advance("r", tokenizer.encode(text, add_special_tokens=False) + digits[:13])
+        logits = torch.zeros(4, VOCAB)
+        batch.mask(logits, ["r"], [0], [digits[13:16]])
+        for j in range(3):
+            assert bool(torch.isfinite(logits[j, probes]).all()), (text, j)
+        assert bool(torch.isfinite(logits[3, probes]).any()) is not capped, text
+
+
+def test_outside_numbers_the_bound_allows_what_its_class_allows(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    """What the shortcuts rest on: wherever the bound allows `"` next, its mask allows
+    every token of its class (between values, or in a string where `--` may come too)."""
+    grammar = compiler.compile(_spec(None))
+    assert grammar.bound is not None
+    spec = grammar.bound
+    bound = grammar.new_bound()
+    tokens = tokenizer.encode(TRICKY, add_special_tokens=False)
+    classes = set()
+    for i, token in enumerate(tokens):
+        if bound.validate_tokens(spec.quote) == len(spec.quote):
+            in_string = bound.validate_tokens(spec.dashes) == len(spec.dashes)
+            unsafe = spec.unsafe_in_string if in_string else spec.unsafe_between
+            assert not (~_mask(bound) & ~unsafe).any(), tokenizer.decode(tokens[:i])
+            classes.add(in_string)
+        assert bound.consume_token(token)
+    assert classes == {True, False}
+
+
+def test_the_bound_tells_strings_from_between_values(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    """Rows no JSON schema writes, to the shortcut itself: a token the bound refuses in
+    one class of states and allows in the other, beside one it allows in both, with the
+    bound in the class that refuses it. Only the other token is left (from the row of a
+    few tokens checked one by one), so a row is skipped only for its bound's own class."""
+    grammar = compiler.compile(_spec(None))
+    assert grammar.bound is not None
+    spec = grammar.bound
+
+    def tokens_of(words: np.ndarray) -> list[int]:
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:VOCAB]
+        return [t for t in np.flatnonzero(bits).tolist() if t != tokenizer.eos_token_id]
+
+    letter = tokenizer.convert_tokens_to_ids("a")  # allowed anywhere outside numbers
+    only_between = spec.unsafe_between & ~spec.unsafe_in_string
+    only_in_string = spec.unsafe_in_string & ~spec.unsafe_between
+    for opened, candidates in (("", only_between), ('"', only_in_string)):
+        batch = _batch(compiler, None)
+        bound = batch._bounds["r"]
+        bound.consume_tokens(tokenizer.encode(opened, add_special_tokens=False))
+        refused = next(t for t in tokens_of(candidates) if not bound.validate_tokens([t]))
+        row = np.zeros((1, (VOCAB + 31) // 32), dtype=np.int32)
+        for token in (letter, refused):
+            row[0, token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+        batch._apply_bounds(["r"], [0, 1], [_Rows(0, ())], row)
+        assert tokens_of(row[0]) == [letter], tokenizer.decode([refused])

@@ -26,6 +26,14 @@ text. A token is allowed where both allow it. Where the bound would leave no tok
 schema allows (a schema needing more digits than the caps, e.g. a large `multipleOf`),
 the schema alone decides that row, and the request drops its bound once it takes a
 token the bound refuses: the bound steers, the schema has the last word.
+
+The bound's own mask is rarely filled, since outside a number it walks most of the
+vocabulary (~1.3 ms a row) and refuses nothing a JSON schema allows there
+(`NumberBound`): a row is left to the schema where the bound is between values or in
+a string and the schema allows only tokens the bound never refuses there; a row
+allowing a few tokens (inside a number: digits, `.`, `e`, what ends it) has each
+checked against the bound; only the rest get the bound's mask
+(docs/structured_output.md, "What the bound costs").
 """
 
 from __future__ import annotations
@@ -57,9 +65,83 @@ logger = logging.getLogger(__name__)
 _CACHE_SIZE = 256
 # Tokens of a grammar's first mask tried before it is accepted (GrammarCompiler).
 _START_PROBES = 16
+# A row allowing at most this many tokens has each checked against the number bound
+# (validate_tokens, ~3 us a token) instead of the bound's mask being filled (~1.3 ms
+# outside strings, as its lexer allows nearly every token); inside a number a schema
+# allows about a dozen (digits, `.`, `e`, what ends the number).
+_FEW_TOKENS = 64
 # JSON as compact as a person writes it: a small model given free whitespace may emit
 # newlines until max_tokens (a known failure with flexible whitespace).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class NumberBound:
+    """JSON's bound on number digits (sample/json_number_bounds.py) in its start state,
+    and what tells a step that it cannot refuse any token the schema allows.
+
+    Outside numbers the bound's regex is in one of three states: between values (its
+    start state), inside a string, or after a backslash in one. Every other state is
+    inside a number or inside a character's UTF-8 bytes, where `"` cannot come next.
+    `--` can come next only inside a string (between values `-` starts a number, which
+    a second `-` cannot continue; no number state takes two). So where the bound allows
+    `--` next it allows every token both string states allow (`unsafe_in_string`
+    leaves them clear), and where it allows `"` but not `--` every token its start
+    state allows (`unsafe_between` leaves them clear). A row whose schema allows only
+    such tokens is the schema's as it is, with no mask of the bound's."""
+
+    template: Any  # llguidance.LLMatcher of NumberBounds.text_regex()
+    quote: list[int]  # `"`, tokenized
+    dashes: list[int]  # `--`, tokenized
+    unsafe_between: np.ndarray  # int32 words: the tokens the start state refuses
+    unsafe_in_string: np.ndarray  # int32 words: the tokens a string state refuses
+    # The words where either is nonzero (a few hundred tokens of the vocabulary): a row
+    # is tested on these alone, as one Python int against each of these two.
+    unsafe_words: np.ndarray
+    unsafe_between_bits: int
+    unsafe_in_string_bits: int
+
+    @classmethod
+    def build(cls, template: Any, lltokenizer: Any, vocab_size: int) -> NumberBound:
+        words = (vocab_size + 31) // 32
+        masks = []
+        for text in (b"", b'"', b'"\\'):  # between values, in a string, after a backslash
+            state = template.deep_copy()
+            tokens = lltokenizer.tokenize_bytes(text)
+            if state.try_consume_tokens(tokens) != len(tokens):
+                raise RuntimeError(f"the JSON number bound refuses {text!r}")  # iterserve's bug
+            mask = np.zeros(words, dtype=np.int32)
+            state.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            masks.append(mask)
+        between, in_string = ~masks[0], ~(masks[1] & masks[2])
+        at = np.flatnonzero(between | in_string)
+        return cls(
+            template,
+            list(lltokenizer.tokenize_bytes(b'"')),
+            list(lltokenizer.tokenize_bytes(b"--")),
+            between,
+            in_string,
+            at,
+            int.from_bytes(between[at].tobytes(), "little"),
+            int.from_bytes(in_string[at].tobytes(), "little"),
+        )
+
+    def skips(self, bound: Any, prefix: list[int], schema_words: int) -> bool:
+        """Whether `bound`, after `prefix`, allows every token a row allows whose words at
+        `unsafe_words` are `schema_words`: one or two `validate_tokens` calls."""
+        between = not schema_words & self.unsafe_between_bits
+        in_string = not schema_words & self.unsafe_in_string_bits
+        if not (between or in_string):
+            return False
+        n = len(prefix)
+        if in_string and bound.validate_tokens(prefix + self.dashes) == n + len(self.dashes):
+            return True  # in a string
+        # Between values: `"` may come, and `--` not (a string's state took it above).
+        return (
+            between
+            and bound.validate_tokens(prefix + self.quote) == n + len(self.quote)
+            and (in_string or bound.validate_tokens(prefix + self.dashes) < n + len(self.dashes))
+        )
 
 
 @dataclass(frozen=True)
@@ -67,14 +149,14 @@ class CompiledGrammar:
     """A matcher in its start state; each request's matcher is a copy of it."""
 
     template: Any  # llguidance.LLMatcher
-    # JSON's bound on number digits, in its start state (None for other constraints).
-    bound: Any = None
+    # JSON's bound on number digits (None for other constraints).
+    bound: NumberBound | None = None
 
     def new_matcher(self) -> Any:
         return self.template.deep_copy()
 
     def new_bound(self) -> Any:
-        return None if self.bound is None else self.bound.deep_copy()
+        return None if self.bound is None else self.bound.template.deep_copy()
 
 
 def grammar_text(spec: StructuredOutput) -> str:
@@ -106,7 +188,7 @@ class GrammarCompiler:
         self._lltokenizer: Any = None
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         # Bound matchers by their caps: nearly every schema shares the default ones.
-        self._bounds: dict[NumberBounds, Any] = {}
+        self._bounds: dict[NumberBounds, NumberBound] = {}
         self._lock = threading.Lock()
 
     @property
@@ -153,8 +235,8 @@ class GrammarCompiler:
             )
         return CompiledGrammar(template, self._bound_for(spec))
 
-    def _bound_for(self, spec: StructuredOutput) -> Any:
-        """The number bound's matcher in its start state, for JSON constraints."""
+    def _bound_for(self, spec: StructuredOutput) -> NumberBound | None:
+        """The number bound in its start state, for JSON constraints."""
         if spec.json_schema is not None:
             bounds = NumberBounds.for_schema(spec.json_schema)
         elif spec.json_object:
@@ -165,9 +247,10 @@ class GrammarCompiler:
             bound = self._bounds.get(bounds)
         if bound is None:
             text = llguidance.LLMatcher.grammar_from_regex(bounds.text_regex())
-            bound = llguidance.LLMatcher(self.lltokenizer, text, log_level=0)
-            if bound.is_error():  # the regex is ours: a failure is iterserve's bug
-                raise RuntimeError(f"the JSON number bound does not compile: {bound.get_error()}")
+            matcher = llguidance.LLMatcher(self.lltokenizer, text, log_level=0)
+            if matcher.is_error():  # the regex is ours: a failure is iterserve's bug
+                raise RuntimeError(f"the JSON number bound does not compile: {matcher.get_error()}")
+            bound = NumberBound.build(matcher, self.lltokenizer, self.vocab_size)
             with self._lock:
                 self._bounds[bounds] = bound
         return bound
@@ -200,6 +283,7 @@ class StructuredBatch:
         # The number bounds of JSON requests, each following the same tokens as its
         # request's matcher until it refuses one the schema takes (then dropped).
         self._bounds: dict[str, Any] = {}
+        self._bound_specs: dict[str, NumberBound] = {}
         # Requests whose grammar starts after their thinking, and, for taking guesses back,
         # what each followed guess changed: (the gate before it if it moved, whether the
         # matchers took it).
@@ -220,9 +304,9 @@ class StructuredBatch:
         after_thinking: ThinkingMarkers | None = None,
     ) -> None:
         self._matchers[request_id] = grammar.new_matcher()
-        bound = grammar.new_bound()
-        if bound is not None:
-            self._bounds[request_id] = bound
+        if grammar.bound is not None:
+            self._bounds[request_id] = grammar.new_bound()
+            self._bound_specs[request_id] = grammar.bound
         if after_thinking is not None:
             self._gates[request_id] = ThinkingGate.start(after_thinking)
             self._trails[request_id] = []
@@ -230,6 +314,7 @@ class StructuredBatch:
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._bounds.pop(request_id, None)
+        self._bound_specs.pop(request_id, None)
         self._gates.pop(request_id, None)
         self._trails.pop(request_id, None)
 
@@ -309,26 +394,89 @@ class StructuredBatch:
         words = (width + 31) // 32
         matchers = [self._matchers[request_id] for request_id in request_ids]
         bitmask = self._fill(matchers, lengths, plans, words)
-        bounded = [i for i, request_id in enumerate(request_ids) if request_id in self._bounds]
         offsets = list(itertools.accumulate(lengths, initial=0))
-        if bounded:
-            bound_bits = self._fill(
-                [self._bounds[request_ids[i]] for i in bounded],
-                [lengths[i] for i in bounded],
-                [plans[i] for i in bounded],
-                words,
-            )
-            bound_offsets = itertools.accumulate((lengths[i] for i in bounded), initial=0)
-            for i, start in zip(bounded, bound_offsets, strict=False):
-                rows = bitmask[offsets[i] : offsets[i] + lengths[i]]
-                both = rows & bound_bits[start : start + lengths[i]]
-                kept = both.any(axis=1)
-                rows[kept] = both[kept]
+        self._apply_bounds(request_ids, offsets, plans, bitmask)
         for offset, plan in zip(offsets, plans, strict=False):
             if plan.opener is not None:  # after the bound: the opener is not JSON's text
                 row = bitmask[offset].view(np.uint32)
                 row[plan.opener >> 5] |= np.uint32(1 << (plan.opener & 31))
         return bitmask
+
+    def _apply_bounds(
+        self,
+        request_ids: Sequence[str],
+        offsets: list[int],
+        plans: list[_Rows],
+        bitmask: np.ndarray,
+    ) -> None:
+        """AND into the schema's rows (`bitmask`, request i's from `offsets[i]`) what the
+        number bounds allow, leaving a row as it is where that would empty it. A row is
+        the bound's at its state after the guesses before it, and the bound's mask is
+        filled only where cheaper checks cannot answer (NumberBound, _FEW_TOKENS)."""
+        # (bitmask row, the request's id, its guesses before that row)
+        rows: list[tuple[int, str, list[int]]] = []
+        for request_id, offset, plan in zip(request_ids, offsets[:-1], plans, strict=True):
+            if request_id not in self._bounds:
+                continue
+            if plan.lone_first:
+                rows.append((offset, request_id, []))
+            if plan.first is not None:
+                start = offset + plan.first
+                draft = list(plan.draft)
+                # Rows past a guess the schema refuses stay unmasked, as the library
+                # leaves them: verification never gets past that guess.
+                reached = self._matchers[request_id].validate_tokens(draft) if draft else 0
+                rows.extend((start + j, request_id, draft[:j]) for j in range(reached + 1))
+        if not rows:
+            return
+        # The rows' words where some state outside numbers refuses a token, read as one
+        # Python int a row (a few hundred words: two ANDs of ints, not numpy calls).
+        taken: dict[int, bytes] = {}
+        full: list[tuple[int, Any]] = []  # rows that need the bound's mask, its matcher there
+        for row, request_id, prefix in rows:
+            bound = self._bounds[request_id]
+            spec = self._bound_specs[request_id]
+            raw = taken.get(id(spec))
+            if raw is None:
+                raw = taken[id(spec)] = bitmask.take(spec.unsafe_words, axis=1).tobytes()
+            size = 4 * len(spec.unsafe_words)
+            if spec.skips(
+                bound, prefix, int.from_bytes(raw[row * size : row * size + size], "little")
+            ):
+                continue
+            n = len(prefix)
+            if prefix and bound.validate_tokens(prefix) < n:
+                # The bound refuses a guess before this row: the row is the schema's (the
+                # library leaves a row past a refused guess unwritten, all allowed).
+                continue
+            state = bound  # asking it leaves it where it is; a fill needs a copy of its own
+            if prefix:
+                state = bound.deep_copy()
+                if state.try_consume_tokens(prefix) != n:
+                    raise RuntimeError(f"request {request_id}: its number bound lost its guesses")
+            allowed = _few_tokens(bitmask[row])
+            if allowed is None:
+                full.append((row, state if prefix else bound.deep_copy()))
+                continue
+            refused = [token for token in allowed if not state.validate_tokens([token])]
+            if len(refused) < len(allowed):  # else the schema's row stays: the bound yields
+                row_words = bitmask[row].view(np.uint32)
+                for token in refused:
+                    row_words[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+        if not full:
+            return
+        words = bitmask.shape[1]
+        bound_bits = np.empty((len(full), words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(state, k) for k, (_, state) in enumerate(full)],
+            bound_bits.ctypes.data,
+            words * 4,
+            len(full),
+        )
+        for (row, _), bits in zip(full, bound_bits, strict=True):
+            both = bitmask[row] & bits
+            if both.any():
+                bitmask[row] = both
 
     def _fill(
         self,
@@ -499,6 +647,7 @@ class StructuredBatch:
         bound = self._bounds.get(request_id)
         if bound is not None and not bound.consume_token(token_id):
             del self._bounds[request_id]
+            del self._bound_specs[request_id]
             logger.debug(
                 "request %s: its schema needs more digits than the bound; dropped", request_id
             )
@@ -521,6 +670,24 @@ def _can_start(matcher: Any, vocab_size: int) -> bool:
     matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
     allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
     return any(matcher.validate_tokens([int(token)]) for token in allowed[:_START_PROBES])
+
+
+def _few_tokens(row: np.ndarray) -> list[int] | None:
+    """The tokens a bitmask row allows, if at most _FEW_TOKENS (None if more): its
+    nonzero words counted first, so a wide row costs one pass over words, and a narrow
+    one's bits read in Python (a few words: cheaper than numpy's calls)."""
+    if np.count_nonzero(row) > _FEW_TOKENS:
+        return None
+    tokens: list[int] = []
+    for word in np.flatnonzero(row).tolist():
+        bits = int(row[word]) & 0xFFFFFFFF
+        while bits:
+            low = bits & -bits
+            tokens.append(32 * word + low.bit_length() - 1)
+            bits ^= low
+        if len(tokens) > _FEW_TOKENS:
+            return None
+    return tokens
 
 
 def _forbid(logits: torch.Tensor, targets: list[int], forbidden: np.ndarray) -> None:
