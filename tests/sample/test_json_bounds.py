@@ -328,7 +328,7 @@ def test_the_bounds_shortcuts_leave_every_mask_as_its_full_mask_would(
     compiler: GrammarCompiler, tokenizer: Any
 ) -> None:
     """The step skips the bound's mask where it cannot refuse what the schema allows and
-    checks a row of a few tokens token by token (sample/structured.py, NumberBound); a
+    checks a row of a few tokens token by token (sample/json_number_bound_rows.py, NumberBound); a
     speculating step's rows, at every position of a tricky text, against the schema's
     and the bound's full masks ANDed (the schema's alone where that would be empty)."""
     tokens = tokenizer.encode(TRICKY, add_special_tokens=False)
