@@ -469,6 +469,7 @@ class AsyncEngine:
             lane=request.lane,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            pooling=request.pooling,
         )
 
     def _settle(
