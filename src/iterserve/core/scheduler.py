@@ -315,7 +315,10 @@ class Scheduler:
         decodes = [
             r
             for r in self.running
-            if r not in step.tokens and r.num_uncomputed_tokens == 1 and not self._ends_planned(r)
+            if r not in step.tokens
+            and r.num_uncomputed_tokens == 1
+            and not self._ends_planned(r)
+            and not r.is_embedding  # its prompt's last token is a prefill: the embed lane's
         ]
         drafts = self._propose(decodes, step.budget - len(decodes))
         for request in decodes:
@@ -389,8 +392,10 @@ class Scheduler:
             if budget < 1:
                 return
             remaining = request.num_uncomputed_tokens
-            if request in step.tokens or request.status != RequestStatus.RUNNING or remaining < 2:
+            if request in step.tokens or request.status != RequestStatus.RUNNING:
                 continue
+            if remaining < 2 and not (request.is_embedding and remaining):
+                continue  # a decode (or nothing left): not a prefill
             n = self._chunk(request, remaining, budget, step)
             if n:
                 self._allocate_or_preempt(request, n, step)
@@ -511,7 +516,11 @@ class Scheduler:
     def _lane_has_prefill_work(self, lane: str) -> bool:
         if self.config.batching == "continuous" and self.waiting.count(lane):
             return True
-        return any(r.lane == lane and r.num_uncomputed_tokens > 1 for r in self.running)
+        return any(
+            r.lane == lane
+            and (r.num_uncomputed_tokens > 1 or r.is_embedding and r.num_uncomputed_tokens)
+            for r in self.running
+        )
 
     # ---- memory pressure -------------------------------------------------------
 
