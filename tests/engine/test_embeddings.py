@@ -105,3 +105,42 @@ def test_bundled_model_mean_pool_through_the_fast_kernels() -> None:
             torch.tensor(got.embedding), torch.tensor(want.embedding), dim=0
         )
         assert cosine > 0.99, cosine
+
+
+def test_pooling_metadata_in_both_sentence_transformers_spellings(tmp_path: Path) -> None:
+    from iterserve.config import PoolingConfig
+    from iterserve.engine.pooling import model_pooling
+    from iterserve.model.errors import ModelLoadError
+    from iterserve.model.pooling_metadata import read_pooling_metadata
+
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["Qwen3Model"], "is_matryoshka": true}'
+    )
+    (tmp_path / "modules.json").write_text(
+        '[{"path": "", "type": "sentence_transformers.models.Transformer"},'
+        ' {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]'
+    )
+    (tmp_path / "1_Pooling").mkdir()
+    pooling = tmp_path / "1_Pooling" / "config.json"
+    pooling.write_text('{"pooling_mode_cls_token": false, "pooling_mode_mean_tokens": true}')
+    meta = read_pooling_metadata(tmp_path)  # sentence-transformers < 6
+    assert (meta.pooling, meta.normalize, meta.embedding_model, meta.has_lm_head) == (
+        "mean",
+        False,
+        True,
+        False,
+    )
+    assert meta.matryoshka and meta.matryoshka_dimensions is None
+    pooling.write_text('{"pooling_mode": "max"}')
+    with pytest.raises(ModelLoadError, match="--pooling"):
+        model_pooling(PoolingConfig(), tmp_path, 64)
+    chosen = model_pooling(PoolingConfig(pooling="last"), tmp_path, 64)  # --pooling overrides
+    # (no Normalize module listed: not normalized)
+    assert (chosen.pooling, chosen.normalize, chosen.generate, chosen.embed) == (
+        "last",
+        False,
+        False,
+        True,
+    )
+    with pytest.raises(Exception, match="no LM head|without an LM head"):
+        model_pooling(PoolingConfig(task="both", pooling="last"), tmp_path, 64)

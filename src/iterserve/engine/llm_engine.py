@@ -401,10 +401,9 @@ class LLMEngine:
         except InvalidRequestError as error:
             param = "input" if error.param in ("prompt", "max_tokens") else error.param
             raise InvalidRequestError(str(error), param) from None
+        # No text comes out of it: an empty context spares decoding the prompt's tail.
         self._streams[request_id] = _Stream(
-            request,
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
-            StopStringMatcher([]),
+            request, IncrementalDetokenizer(self.tokenizer, []), StopStringMatcher([])
         )
         return request_id
 

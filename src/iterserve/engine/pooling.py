@@ -79,13 +79,12 @@ class ModelPooling:
 
 def model_pooling(config: PoolingConfig, path: Path, hidden_size: int) -> ModelPooling:
     """Tasks and pooling from `config` (--task, --pooling, --normalize) and the checkpoint."""
-    try:
-        meta = read_pooling_metadata(path)
-    except ModelLoadError:
-        if config.pooling == "auto":
-            raise
-        # A pool iterserve does not make (max, weightedmean): --pooling chose another.
-        meta = PoolingMetadata(embedding_model=True, source=f"--pooling {config.pooling}")
+    meta = read_pooling_metadata(path)
+    if meta.unsupported and config.pooling == "auto":
+        raise ModelLoadError(
+            f"{meta.unsupported}, which iterserve does not make; it pools by last, mean or "
+            "cls: choose one with --pooling"
+        )
     task = config.task
     if task == "auto":
         task = "embed" if meta.embedding_model else "both"

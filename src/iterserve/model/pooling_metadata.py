@@ -41,6 +41,9 @@ class PoolingMetadata:
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     source: str = "no pooling metadata"
+    # Why the checkpoint's own pooling cannot be made here (a mode iterserve lacks): a
+    # start-up error unless --pooling chooses another.
+    unsupported: str | None = None
 
 
 def read_pooling_metadata(path: Path) -> PoolingMetadata:
@@ -65,38 +68,35 @@ def read_pooling_metadata(path: Path) -> PoolingMetadata:
         source = "a bare model (no LM head)" if bare else "no pooling metadata"
         return PoolingMetadata(embedding_model=bare, source=source, **common)
     pooling: PoolingType | None = None
+    unsupported = None
     for module in modules:
         kind = str(module.get("type", ""))
         if kind.endswith("Pooling"):
-            pooling = _st_pooling(path / module.get("path", ""))
+            pooling, unsupported = _st_pooling(path / module.get("path", ""))
         elif not kind.endswith(("Transformer", "Normalize")):
             raise ModelLoadError(
                 f"{path}/modules.json: the sentence-transformers module {kind} is not supported "
                 "(iterserve pools and normalizes; it applies no other module)"
             )
     normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+    source = "sentence-transformers modules.json"
     return PoolingMetadata(
-        pooling, normalize, True, source="sentence-transformers modules.json", **common
+        pooling, normalize, True, source=source, unsupported=unsupported, **common
     )
 
 
-def _st_pooling(directory: Path) -> PoolingType | None:
+def _st_pooling(directory: Path) -> tuple[PoolingType | None, str | None]:
+    """The Pooling module's mode, or why it cannot be made here."""
     config = _json(directory / "config.json") or {}
     modes = config.get("pooling_mode")
     if modes is None:
         modes = [mode for key, mode in _ST_OLD_KEYS.items() if config.get(f"pooling_mode_{key}")]
     modes = [modes] if isinstance(modes, str) else list(modes)
     if len(modes) > 1 or any(m not in _ST_MODES for m in modes):
-        raise ModelLoadError(
-            f"{directory}/config.json asks for pooling {' + '.join(modes)}; iterserve pools "
-            "by one of last, mean or cls: choose with --pooling"
-        )
+        return None, f"{directory}/config.json asks for pooling {' + '.join(modes)}"
     if config.get("include_prompt") is False:
-        raise ModelLoadError(
-            f"{directory}/config.json pools without the prompt's instruction tokens "
-            "(include_prompt false), which iterserve does not do"
-        )
-    return _ST_MODES[modes[0]] if modes else None
+        return None, f"{directory}/config.json pools without the prompt's instruction tokens"
+    return (_ST_MODES[modes[0]] if modes else None), None
 
 
 def _from_gguf(path: Path) -> PoolingMetadata:
