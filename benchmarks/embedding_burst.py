@@ -44,7 +44,7 @@ class Phase:
     burst: bool
     tbt_p50_ms: float
     tbt_p99_ms: float
-    streams_seconds: float  # first request sent to last stream done
+    streams_seconds: float  # first request sent to the last stream's end
     burst_seconds: float | None = None  # first embedding request sent to the last answered
     embeddings_per_s: float | None = None
     embedding_failures: int = 0
@@ -79,12 +79,19 @@ async def run_phase(
     workload = build_workload(spec, tokenizer)
     config = ClientConfig(server.base_url, progress=False)
     start = time.perf_counter()
-    streams = run_client_async(config, workload, [0.0] * len(workload.requests), None)
+    ended: list[float] = []
+
+    async def streams() -> object:
+        result = await run_client_async(config, workload, [0.0] * len(workload.requests), None)
+        ended.append(time.perf_counter() - start)
+        return result
+
     if burst is None:
-        result = await streams
-        return result, time.perf_counter() - start, None
-    result, burst_result = await asyncio.gather(streams, embed_burst(server.base_url, burst, delay))
-    return result, time.perf_counter() - start, burst_result
+        return await streams(), ended[0], None
+    result, burst_result = await asyncio.gather(
+        streams(), embed_burst(server.base_url, burst, delay)
+    )
+    return result, ended[0], burst_result
 
 
 def measure(
@@ -126,7 +133,7 @@ def measure(
     )
     if burst_result is not None:
         phase.burst_seconds, phase.embedding_failures = burst_result
-        phase.embeddings_per_s = args.burst / burst_result[0]
+        phase.embeddings_per_s = (args.burst - phase.embedding_failures) / burst_result[0]
     return phase
 
 
@@ -164,7 +171,14 @@ def main() -> None:
     print(f"isa: {machine['isa']}\n{machine['kernels']}\nload: {machine['load_before']}")
     phases: list[Phase] = []
     for share in [float(s) for s in args.shares.split(",")]:
-        extra = ["--embed-lane-share", str(share), *args.server_args.split()]
+        # The whole burst is queued at once: the waiting bound must not answer it with 429s.
+        extra = [
+            "--embed-lane-share",
+            str(share),
+            "--max-waiting-requests",
+            str(max(256, 2 * args.burst)),
+            *args.server_args.split(),
+        ]
         with launch_server(EngineConfig(), extra_args=extra) as server:
             for index in range(args.rounds):
                 for with_burst in (False, True):
