@@ -9,6 +9,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from iterserve.core.request import EMBED_LANE
 from iterserve.engine.request_stream import GenerationRequest
 from iterserve.pooling_params import PoolingParams
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
@@ -42,7 +43,7 @@ async def create_embeddings(body: EmbeddingRequest, raw: Request, ctx: ServingCo
             prompt,
             _NO_SAMPLING,
             f"{request_id}-{i}",
-            lane="embed",
+            lane=EMBED_LANE,
             arrival_time=arrival,
             pooling=pooling,
         )  # fmt: skip
