@@ -31,6 +31,7 @@ class FakeExecutor:
         for rid in out.finished_ids:
             self.cache.pop(rid, None)
         sampled = {}
+        pooled: dict[str, list[float]] = {}
         for seq in out.seqs:
             history = self.cache.setdefault(seq.request_id, [])
             if seq.num_computed_tokens < len(history):  # recompute after preemption / prefix hit
@@ -49,7 +50,9 @@ class FakeExecutor:
                         break
                     tokens.append(SampledToken(self.model(history[: real + i + 1])))
                 sampled[seq.request_id] = tokens
-        return ModelOutput(sampled)
+            if seq.pool_now:  # an embedding: a pure function of every token it computed
+                pooled[seq.request_id] = [float(sum(history)), float(len(history))]
+        return ModelOutput(sampled, pooled=pooled)
 
 
 class Clock:

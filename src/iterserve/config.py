@@ -27,6 +27,8 @@ KVCacheDType = Literal["auto", "int8"]
 # --kv-cache-memory: GiB, or "auto" (a share of the memory left once the weights are in).
 KVCacheMemory = float | Literal["auto"]
 SpeculativeMethod = Literal["ngram", "draft"]
+Task = Literal["auto", "generate", "embed", "both"]
+Pooling = Literal["auto", "last", "mean", "cls"]
 SELF_INT4_DRAFT = "self-int4"  # --draft-model value: the model's own 4-bit weights
 
 
@@ -142,6 +144,15 @@ class SchedulerConfig:
         "while it waits",
     )
     max_running_batch_lane: int | None = _opt(None, "most batch-lane requests running at once")
+    embed_lane_share: float = _opt(
+        0.02,
+        "share of each step's token budget embedding requests (the embed lane) take while "
+        "generation runs: at most that much, so a burst of them cannot slow decodes much, and "
+        "at least that much, so prompts cannot starve them; alone they take the whole budget. "
+        "The default (11 of 512 tokens) keeps 8 streams' steps within 2x on a CPU, where a "
+        "prompt token costs ~1/16 of an 8-row decode step (docs/embeddings.md); raise it "
+        "where prompts are cheaper (a GPU)",
+    )
     async_scheduling: bool | None = _opt(
         None,
         "plan each step while the one before it computes, so the forward never waits for "
@@ -185,6 +196,11 @@ class SchedulerConfig:
             raise ConfigError(
                 "--batch-lane-min-share must be in [0, 1) (1 would leave interactive prompts "
                 f"nothing while batch work waits), got {self.batch_lane_min_share}"
+            )
+        if not 0.0 < self.embed_lane_share < 1.0:
+            raise ConfigError(
+                "--embed-lane-share must be in (0, 1) (0 would never run an embedding beside "
+                f"generation, 1 would leave prompts nothing), got {self.embed_lane_share}"
             )
         if self.max_running_batch_lane is not None and self.max_running_batch_lane < 1:
             raise ConfigError(
@@ -256,6 +272,34 @@ class SpeculativeConfig:
 
 
 @dataclass
+class PoolingConfig:
+    task: Task = _opt(
+        "auto",
+        "what the server does: generate (completions, chat, responses), embed "
+        "(/v1/embeddings only), both, or auto: embed for an embedding checkpoint (a "
+        "sentence-transformers directory, a bare *Model architecture without an LM head, a "
+        "GGUF with a pooling type), both otherwise",
+    )
+    pooling: Pooling = _opt(
+        "auto",
+        "how an embedding is pooled from the final-norm hidden states: last (token), mean, "
+        "cls (first token), or auto: the checkpoint's metadata (sentence-transformers "
+        "1_Pooling, GGUF pooling_type), else mean (docs/embeddings.md)",
+    )
+    normalize: bool | None = _opt(
+        None,
+        "L2-normalize embeddings; default: the checkpoint's metadata (a sentence-transformers "
+        "Normalize module), else on",
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_choices(self)
+
+
+@dataclass
 class EngineConfig:
     model: str | None = _opt(None, "HF directory or GGUF file (default: bundled SmolLM2-135M)")
     dtype: DType = _opt(
@@ -301,6 +345,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -323,6 +368,7 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()
+        self.pooling.validate()
         return self
 
     def _validate_tensor_parallel(self) -> None:
@@ -351,6 +397,7 @@ SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
+    "pooling": PoolingConfig,
 }
 
 

@@ -186,6 +186,17 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(fleet: RunningServ
     assert reset["num_blocks_dropped"] >= 4
 
 
+def test_embeddings_route_through_the_replicas(fleet: RunningServer, offline: LLM) -> None:
+    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0)
+    got = client.embeddings.create(model=MODEL_NAME, input=PROMPTS, encoding_format="float")
+    want = offline.embed(PROMPTS, use_tqdm=False)
+    for data, expected in zip(got.data, want, strict=True):
+        assert (
+            max(abs(a - b) for a, b in zip(data.embedding, expected.embedding, strict=True)) < 1e-5
+        )
+    assert fleet.metrics()['iterserve:embedding_requests_total{replica="all"}'] == len(PROMPTS)
+
+
 def test_a_client_that_leaves_is_aborted_on_its_replica(fleet: RunningServer) -> None:
     aborted = _replica_metric(fleet, "requests_aborted_total", "all")
     with httpx.stream(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from iterserve.core.logprobs import TokenLogprobs
 from iterserve.core.request import FinishReason
+from iterserve.pooling_params import PoolingType
 from iterserve.sampling_params import SamplingParams
 
 # A token id the scheduler does not know yet: the sample of the step in flight, written in
@@ -57,6 +58,10 @@ class ScheduledSeq:
     # the token the step still running samples for this request; it, and `context`, get
     # it written in before this step runs (engine/step_pipeline.py).
     last_token_in_flight: bool = False
+    # An embedding request's chunk (it never samples): how its states are pooled, and
+    # whether this chunk ends its prompt, so the step hands back its vector.
+    pooling: PoolingType | None = None
+    pool_now: bool = False
 
     @property
     def num_new_tokens(self) -> int:
@@ -107,6 +112,9 @@ class ModelOutput:
     forward_time: float = 0.0
     # Per request that scored prompt tokens: their logprobs, in order.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per embedding request whose prompt this step finished: its pooled vector (raw: the
+    # engine normalizes and truncates, engine/pooling.py).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +125,7 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None]
     finish_reason: FinishReason | None = None  # set when this step ended the request
+    embedding: list[float] | None = None  # an embedding request's pooled vector, at its end
 
     @property
     def finished(self) -> bool:

@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from iterserve.core.logprobs import TokenLogprobs
+from iterserve.pooling_params import PoolingParams
 from iterserve.sampling_params import SamplingParams
 
-LANES = ("interactive", "batch")
+# The embed lane holds embedding requests, and only them (Scheduler.add_request); it comes
+# last, so its requests give way first when memory is short (policies.victim_key).
+LANES = ("interactive", "batch", "embed")
+EMBED_LANE = "embed"
 # Why a request ended, in the OpenAI API's words.
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -99,12 +103,18 @@ class Request:
     # Logprobs of prompt tokens 1, 2, ... as far as they are scored
     # (SamplingParams.prompt_logprobs; the first token has none).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # An embedding request: prefill only, its prompt's states pooled into one vector.
+    pooling_params: PoolingParams | None = None
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:
         self.timings = RequestTimings(arrival=self.arrival_time)
         # One list for prompt + output so a step can slice it without concatenating.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -48,7 +48,7 @@ from iterserve.core.outputs import (
     TokenContext,
 )
 from iterserve.core.policies import WaitingQueues, form_batch, outranks, victim_key
-from iterserve.core.request import LANES, Request, RequestStatus
+from iterserve.core.request import EMBED_LANE, LANES, Request, RequestStatus
 from iterserve.core.speculation import DraftQuery, NgramProposer, Proposer, SpecDecodeStats
 from iterserve.core.step_plan import StepPlan
 from iterserve.sampling_params import InvalidRequestError
@@ -124,8 +124,16 @@ class Scheduler:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         if request.lane not in LANES:
             raise InvalidRequestError(f"lane must be one of {LANES}, got {request.lane!r}", "lane")
-        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
-        if not self.config.enable_lanes:
+        if request.is_embedding != (request.lane == EMBED_LANE):
+            raise InvalidRequestError(
+                f"the {EMBED_LANE} lane holds embedding requests, and every embedding request "
+                "runs in it",
+                "lane",
+            )
+        # An embedding request samples nothing: its prompt alone must fit.
+        max_tokens = 0 if request.is_embedding else request.sampling_params.max_tokens
+        self.check_fits(request.num_prompt_tokens, max_tokens)
+        if not self.config.enable_lanes and not request.is_embedding:
             request.lane = "interactive"
         self.requests[request.request_id] = request
         self.waiting.push(request)
@@ -218,6 +226,11 @@ class Scheduler:
                     updates.append(self._finish_held(held_done.pop(0), now))
             if seq.scored_prompt_token_ids:
                 request.prompt_logprobs += model_output.prompt_logprobs[seq.request_id]
+            if seq.pool_now:
+                updates.append(
+                    self._finish_pooled(request, model_output.pooled[seq.request_id], now)
+                )
+                continue
             if not seq.sample:
                 if request.status == RequestStatus.RUNNING:
                     self.kv.cache_full_blocks(request)
@@ -229,6 +242,15 @@ class Scheduler:
         if self._debug_invariants:
             self.check_invariants()
         return updates
+
+    def _finish_pooled(self, request: Request, vector: list[float], now: float) -> RequestUpdate:
+        """End an embedding request whose last prompt chunk ran: its vector is its output,
+        its blocks go back to the pool now. (Planned ahead, it may have been preempted since:
+        its vector was computed all the same.)"""
+        self._unlist(request)
+        request.timings.first_token = now
+        self._finish(request, RequestStatus.FINISHED_STOPPED, now)
+        return RequestUpdate(request.request_id, [], [], "stop", embedding=vector)
 
     def _take_samples(
         self, request: Request, seq: ScheduledSeq, sampled: list[SampledToken], now: float
@@ -293,7 +315,10 @@ class Scheduler:
         decodes = [
             r
             for r in self.running
-            if r not in step.tokens and r.num_uncomputed_tokens == 1 and not self._ends_planned(r)
+            if r not in step.tokens
+            and r.num_uncomputed_tokens == 1
+            and not self._ends_planned(r)
+            and not r.is_embedding  # its prompt's last token is a prefill: the embed lane's
         ]
         drafts = self._propose(decodes, step.budget - len(decodes))
         for request in decodes:
@@ -342,8 +367,24 @@ class Scheduler:
             reserve = math.ceil(
                 self.config.batch_lane_min_share * self.config.max_num_batched_tokens
             )
-        self._schedule_lane_prefills("interactive", reserve, step, now)
-        self._schedule_lane_prefills("batch", 0, step, now)
+        embed = self._embed_lane_budget()
+        self._schedule_lane_prefills("interactive", reserve + embed, step, now)
+        self._schedule_lane_prefills("batch", embed, step, now)
+        self._schedule_lane_prefills(EMBED_LANE, max(0, step.budget - embed), step, now)
+
+    def _embed_lane_budget(self) -> int:
+        """Tokens the embed lane takes this step: beside generation a fixed share, both its
+        floor (the generation lanes leave it that much) and its ceiling (a burst of
+        embeddings never makes a step much longer than its decodes); alone, everything."""
+        if not self._lane_has_prefill_work(EMBED_LANE):
+            return 0
+        generating = (
+            self.waiting.count() > self.waiting.count(EMBED_LANE)
+            or self._num_held() > 0
+            or any(r.lane != EMBED_LANE for r in self.running)
+        )
+        budget = self.config.max_num_batched_tokens
+        return math.ceil(self.config.embed_lane_share * budget) if generating else budget
 
     def _schedule_lane_prefills(self, lane: str, reserve: int, step: StepPlan, now: float) -> None:
         for request in [r for r in self.running if r.lane == lane]:
@@ -351,8 +392,10 @@ class Scheduler:
             if budget < 1:
                 return
             remaining = request.num_uncomputed_tokens
-            if request in step.tokens or request.status != RequestStatus.RUNNING or remaining < 2:
+            if request in step.tokens or request.status != RequestStatus.RUNNING:
                 continue
+            if remaining < 2 and not (request.is_embedding and remaining):
+                continue  # a decode (or nothing left): not a prefill
             n = self._chunk(request, remaining, budget, step)
             if n:
                 self._allocate_or_preempt(request, n, step)
@@ -410,6 +453,9 @@ class Scheduler:
         """The prefix cache's blocks the request may use: a request still owed prompt
         logprobs recomputes the blocks whose positions score them (their logits were
         never kept), and only such a request pays for that."""
+        pooling = request.pooling_params
+        if pooling is not None and pooling.needs_every_token:
+            return []  # a mean (or first-token) pool needs the states, not the cached K/V
         cached = self.kv.find_cached_prefix(request)
         return cached[: request.num_unscored_prompt_positions // self.kv.block_size]
 
@@ -470,7 +516,11 @@ class Scheduler:
     def _lane_has_prefill_work(self, lane: str) -> bool:
         if self.config.batching == "continuous" and self.waiting.count(lane):
             return True
-        return any(r.lane == lane and r.num_uncomputed_tokens > 1 for r in self.running)
+        return any(
+            r.lane == lane
+            and (r.num_uncomputed_tokens > 1 or r.is_embedding and r.num_uncomputed_tokens)
+            for r in self.running
+        )
 
     # ---- memory pressure -------------------------------------------------------
 
@@ -565,7 +615,9 @@ class Scheduler:
             drafts = step.drafts.get(request, [])
             real = n - len(drafts)
             outputs = request.num_output_tokens + request.num_output_placeholders
-            sample = start + real == request.num_prompt_tokens + outputs
+            ends_prompt = start + real == request.num_prompt_tokens + outputs
+            pooling = request.pooling_params
+            sample = ends_prompt and pooling is None  # an embedding request pools instead
             token_ids = request.all_token_ids[start : start + real]
             in_flight = len(token_ids) < real  # its last token is the step in flight's sample
             if in_flight:
@@ -582,6 +634,8 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     draft_token_ids=drafts,
                     last_token_in_flight=in_flight,
+                    pooling=None if pooling is None else pooling.pooling,
+                    pool_now=ends_prompt and pooling is not None,
                 )
             )
             params = request.sampling_params

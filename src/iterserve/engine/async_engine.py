@@ -235,7 +235,11 @@ class AsyncEngine:
             engine.tokenizer,
             engine.chat_template,
             engine.max_model_len,
-            {**engine.model_plan.describe(), **engine.kv_pool.as_dict()},
+            {
+                **engine.model_plan.describe(),
+                **engine.kv_pool.as_dict(),
+                "tasks": engine.pooling.describe(),
+            },
         )
 
     def replica_states(self) -> list[ReplicaState]:
@@ -457,6 +461,15 @@ class AsyncEngine:
 
     def _add_one(self, request: GenerationRequest) -> None:
         engine = self.engine
+        if request.pooling is not None:  # an embedding: its input is checked as `input`
+            engine.add_request(
+                request.prompt,
+                request_id=request.request_id,
+                priority=request.priority,
+                arrival_time=request.arrival_time,
+                pooling=request.pooling,
+            )
+            return
         token_ids = engine.tokenize(request.prompt)
         params = request.params
         if request.fill_context:

@@ -12,6 +12,7 @@ from iterserve.config import EngineConfig, engine_config
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, render_chat
+from iterserve.pooling_params import PoolingParams
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 Message = dict[str, str]
@@ -66,6 +67,27 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(
+        self,
+        inputs: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        pooling: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One embedding per input (a text or a list of token ids), in input order: each
+        output's `.embedding` (a list of floats) and `.prompt_token_ids`. `pooling`: say
+        `dimensions` (a matryoshka model), or override the model's pooling or normalizing."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # type: ignore[list-item]
+        ids: list[str] = []
+        try:
+            for prompt in inputs:
+                ids.append(self.engine.add_request(prompt, pooling=pooling or PoolingParams()))  # type: ignore[arg-type]
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
@@ -102,7 +124,9 @@ class LLM:
         )
         each = _per_prompt(params, len(conversations))
         prepared = [chat.prepare(conv, p) for conv, p in zip(conversations, each, strict=True)]  # type: ignore[arg-type]
-        outputs = self.generate([prompt for prompt, _ in prepared], [p for _, p in prepared], use_tqdm)
+        outputs = self.generate(
+            [prompt for prompt, _ in prepared], [p for _, p in prepared], use_tqdm
+        )
         return chat.read(outputs)
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:

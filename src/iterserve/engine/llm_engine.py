@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -24,7 +25,7 @@ from iterserve.config import (
     resolve_async_scheduling,
 )
 from iterserve.core.outputs import RequestUpdate, TokenLogprobs
-from iterserve.core.request import FinishReason, Request, RequestStatus
+from iterserve.core.request import EMBED_LANE, FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import NgramProposer
 from iterserve.engine import available_memory
@@ -37,6 +38,7 @@ from iterserve.engine.kv_pool_size import (
     size_kv_pool,
 )
 from iterserve.engine.outputs import EngineStep, RequestOutput
+from iterserve.engine.pooling import ModelPooling, finish_embedding, model_pooling
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
 from iterserve.engine.step_pipeline import StepPipeline
@@ -47,10 +49,12 @@ from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import ModelPlan, build_model, choose_dtype
+from iterserve.model.bundled import default_model_path
 from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
+from iterserve.pooling_params import PoolingParams
 from iterserve.sample.structured import GrammarCompiler
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -119,6 +123,10 @@ class LLMEngine:
         dtype, dtype_reason = choose_dtype(config, self.device)
         loaded = loaded or load_model(config.model, dtype)
         self._take_model(loaded)
+        path = Path(config.model).expanduser() if config.model else default_model_path()
+        # What it serves (generation, embeddings) and how it pools (engine/pooling.py).
+        self.pooling: ModelPooling = model_pooling(config.pooling, path, loaded.config.hidden_size)
+        logger.info("tasks: %s", self.pooling.describe())
         network = self._network(loaded, dtype, dtype_reason)
         try:
             self._build_core(loaded, network, self.kv_pool.num_blocks, dtype)
@@ -325,8 +333,17 @@ class LLMEngine:
         lane: str = "interactive",
         priority: int = 0,
         arrival_time: float | None = None,
+        pooling: PoolingParams | None = None,
     ) -> str:
-        """Queue a request; raises InvalidRequestError (nothing queued) if it cannot run."""
+        """Queue a request; raises InvalidRequestError (nothing queued) if it cannot run.
+        With `pooling` it is an embedding request (`params` ignored): its prompt is computed
+        and pooled into one vector, RequestOutput.embedding."""
+        if pooling is not None:
+            return self._add_embedding(prompt, pooling, request_id, priority, arrival_time)
+        if not self.pooling.generate:
+            raise InvalidRequestError(
+                "this server serves embeddings only (--task embed): use /v1/embeddings", "model"
+            )
         params = params or SamplingParams()
         params.validate()
         if params.n != 1:
@@ -355,6 +372,38 @@ class LLMEngine:
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             ),
             StopStringMatcher(params.stop),
+        )
+        return request_id
+
+    def _add_embedding(
+        self,
+        prompt: Prompt,
+        pooling: PoolingParams,
+        request_id: str | None,
+        priority: int,
+        arrival_time: float | None,
+    ) -> str:
+        """An embedding request, in the embed lane; a bad input is InvalidRequestError naming
+        `input` (the embeddings API's field)."""
+        pooling = self.pooling.request_params(pooling)
+        request_id = request_id or f"embd-{next(self._ids)}"
+        try:
+            request = Request(
+                request_id=request_id,
+                prompt_token_ids=self.tokenize(prompt),
+                sampling_params=SamplingParams(max_tokens=1),  # never samples
+                arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                lane=EMBED_LANE,
+                priority=priority,
+                pooling_params=pooling,
+            )
+            self.scheduler.add_request(request)
+        except InvalidRequestError as error:
+            param = "input" if error.param in ("prompt", "max_tokens") else error.param
+            raise InvalidRequestError(str(error), param) from None
+        # No text comes out of it: an empty context spares decoding the prompt's tail.
+        self._streams[request_id] = _Stream(
+            request, IncrementalDetokenizer(self.tokenizer, []), StopStringMatcher([])
         )
         return request_id
 
@@ -425,9 +474,13 @@ class LLMEngine:
             delta += stream.stops.flush()
         if finish_reason is not None:
             del self._streams[request_id]
-        return self._output(
+        output = self._output(
             stream, token_ids[:kept], update.new_logprobs[:kept], delta, finish_reason
         )
+        pooling = stream.request.pooling_params
+        if update.embedding is not None and pooling is not None:
+            output.embedding = finish_embedding(update.embedding, pooling)
+        return output
 
     def _output(
         self,

@@ -38,6 +38,8 @@ class RequestOutput:
     # LLM.chat with a thinking model: its thinking (None: none), and `content` is then
     # what follows it (chat/offline_chat.py).
     reasoning_content: str | None = None
+    # An embedding request's vector, once finished (LLMEngine.add_request with pooling).
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

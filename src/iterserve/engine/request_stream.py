@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
+from iterserve.pooling_params import PoolingParams
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -79,6 +80,8 @@ class GenerationRequest:
     # OpenAI chat semantics: no max_tokens means "as many as the context leaves",
     # which is only known once the prompt is tokenized on the loop thread.
     fill_context: bool = False
+    # An embedding request (`params` unused): pooled, not sampled (LLMEngine.add_request).
+    pooling: PoolingParams | None = None
 
 
 def expand_n(

@@ -2,7 +2,8 @@
 
 Each sequence contributes its new tokens (at positions `start`...) to one flat batch,
 attention metadata is built once for the batch, and logits are computed only at the
-last `num_logits` positions of each sequence. The target model's executor and the
+last `num_logits` positions of each sequence (and the final-norm hidden states at its
+`hidden_rows`, for embeddings: `last_hidden`). The target model's executor and the
 draft model's proposer both run their networks through this.
 """
 
@@ -24,6 +25,8 @@ class ForwardSeq:
     start: int  # tokens already in the cache; the new ones go at positions start...
     token_ids: Sequence[int]
     num_logits: int  # logits at this many of the last positions (0: none)
+    # Rows (of token_ids) whose final-norm hidden states an embedding pools.
+    hidden_rows: range = range(0)
 
 
 class PagedModel:
@@ -44,6 +47,9 @@ class PagedModel:
         self.batch_invariant = batch_invariant
         # The network's own share of the last forward() (batch and metadata building aside).
         self.last_forward_seconds = 0.0
+        # The last forward()'s final-norm hidden states at its sequences' `hidden_rows`, in
+        # order [rows, hidden] (None: it asked for none).
+        self.last_hidden: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor:
@@ -53,7 +59,9 @@ class PagedModel:
         positions: list[int] = []
         spans: list[SeqSpan] = []
         logits_indices: list[int] = []
+        hidden_indices: list[int] = []
         for seq in seqs:
+            hidden_indices.extend(len(input_ids) + row for row in seq.hidden_rows)
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, seq.start + len(seq.token_ids)))
             spans.append(SeqSpan(seq.block_ids, seq.start, len(seq.token_ids)))
@@ -72,7 +80,12 @@ class PagedModel:
         )
         indices = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         start = time.perf_counter()
-        logits = self.model(*inputs, meta, self.kv_caches, indices)
+        hidden = self.model.hidden_states(*inputs, meta, self.kv_caches)
+        logits = self.model.logits(hidden, indices)
+        self.last_hidden = None
+        if hidden_indices:
+            rows = torch.tensor(hidden_indices, dtype=torch.long, device=self.device)
+            self.last_hidden = self.model.normed(hidden, rows)
         self.last_forward_seconds = time.perf_counter() - start
         return logits
 

@@ -23,6 +23,7 @@ from iterserve.core.outputs import (
 )
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.paged_model import ForwardSeq, PagedModel
+from iterserve.executor.pooler import Pooler, hidden_rows
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.sample.logits_controls import apply_logits_controls, row_contexts
 from iterserve.sample.prompt_logprobs import take_prompt_logprobs
@@ -45,6 +46,8 @@ class TorchRunner:
         # Grammar matchers of constrained requests (structured output), by request id; the
         # draft model masks its guesses with them too.
         self.structured = StructuredBatch()
+        # Embedding requests' pools across their prompt chunks.
+        self.pooler = Pooler()
         if drafts is not None:
             drafts.structured = self.structured
         # Requests without a seed share one stream, seeded so runs are repeatable.
@@ -60,15 +63,29 @@ class TorchRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        output = self._execute(scheduled)
+        if any(seq.pooling for seq in scheduled.seqs):  # embedding requests' chunks
+            output.pooled = self.pooler.take(scheduled.seqs, self.network.last_hidden)
+        return output
+
+    def _execute(self, scheduled: SchedulerOutput) -> ModelOutput:
         for request_id in scheduled.finished_ids:
             self._generators.pop(request_id, None)
             self.structured.drop(request_id)
+            self.pooler.drop(request_id)
         if scheduled.is_empty:
             return ModelOutput({})
-        # The last token's position and every draft's, after any prompt-scoring rows.
+        # The last token's position and every draft's, after any prompt-scoring rows; the
+        # rows an embedding pools.
         logits = self.network.forward(
             [
-                ForwardSeq(seq.block_ids, seq.num_computed_tokens, seq.token_ids, seq.num_logits)
+                ForwardSeq(
+                    seq.block_ids,
+                    seq.num_computed_tokens,
+                    seq.token_ids,
+                    seq.num_logits,
+                    hidden_rows(seq),
+                )
                 for seq in scheduled.seqs
             ]
         )
@@ -77,10 +94,14 @@ class TorchRunner:
         if any(seq.scored_prompt_token_ids for seq in scheduled.seqs):
             logits, prompt_logprobs = take_prompt_logprobs(logits, scheduled.seqs)
         sampling = [seq for seq in scheduled.seqs if seq.sample]
+        if not sampling:  # prompt chunks and embeddings only
+            return ModelOutput({}, forward_time, prompt_logprobs)
         # The controls' logits are sampled from; the raw ones give the logprobs, so they
         # are copied first only when a controlled row reports logprobs.
         controlled = logits
-        controlled_params = [s.sampling_params for s in sampling if s.sampling_params.adjusts_logits]
+        controlled_params = [
+            s.sampling_params for s in sampling if s.sampling_params.adjusts_logits
+        ]
         if controlled_params:
             controlled = apply_logits_controls(
                 logits,

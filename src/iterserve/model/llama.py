@@ -538,16 +538,38 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Flat step of T tokens -> float32 logits [S, vocab] for the rows in logits_indices."""
+        return self.logits(
+            self.hidden_states(input_ids, positions, meta, kv_caches), logits_indices
+        )
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The layers' output for every token of the step [T, hidden], before the final norm
+        (taken by `normed` for the rows that need it); writes the step's K/V."""
         assert self.head is not None, "load() builds the network's weights first"
         if positions.numel():
             self.cover_positions(int(positions.max()) + 1)
         with attention_context(meta, kv_caches):
             step = None if meta.kernel is None else meta.kernel.packed
-            hidden = self._run_layers(input_ids, positions, kv_caches, meta.slot_mapping, step)
-        # Norm and head only where logits are wanted: the head is the largest matrix here.
-        hidden = _rms_norm(
-            hidden.index_select(0, logits_indices), self.norm_weight, self.config.rms_norm_eps
+            return self._run_layers(input_ids, positions, kv_caches, meta.slot_mapping, step)
+
+    def normed(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The final norm of the rows `indices` of `hidden_states`' output: what the LM head
+        reads, and what an embedding pools."""
+        return _rms_norm(
+            hidden.index_select(0, indices), self.norm_weight, self.config.rms_norm_eps
         )
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """float32 logits [S, vocab] of the rows `logits_indices` of `hidden_states`' output."""
+        assert self.head is not None, "load() builds the network's weights first"
+        # Norm and head only where logits are wanted: the head is the largest matrix here.
+        hidden = self.normed(hidden, logits_indices)
         # Logits unrounded where the kernel allows: in bf16, logits near 16 are 1/8 apart and
         # close calls become ties (the bundled model's first answer token was one).
         logits = self.head(hidden, fp32_out=True).float()

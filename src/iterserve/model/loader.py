@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -28,6 +29,13 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
+}
+# The same networks saved without their LM head, as sentence-transformers saves an
+# embedding model (Qwen3-Embedding: Qwen3Model): weights named without `model.`, and the
+# head tied to the embeddings so the network is whole (an embedding never runs it).
+BARE_HF_ARCHITECTURES = {
+    name.removesuffix("ForCausalLM") + "Model": family
+    for name, family in SUPPORTED_HF_ARCHITECTURES.items()
 }
 # Mixture-of-experts families with routing Mixtral's experts do not reproduce (shared
 # experts, unnormalised top-k, grouped routing): refused by name.
@@ -72,7 +80,10 @@ def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> 
 def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     raw = _read_json(directory / "config.json")
     config = hf_model_config(raw, _read_optional_json(directory / "generation_config.json"))
-    weights = _load_safetensors(directory, dtype)
+    bare = is_bare_model(raw)
+    if bare:
+        config = dataclasses.replace(config, tie_word_embeddings=True)
+    weights = _load_safetensors(directory, dtype, "model." if bare else "")
     if config.tie_word_embeddings:
         weights.discard("lm_head.weight")
     elif "lm_head.weight" not in weights:
@@ -138,12 +149,19 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     )
 
 
+def is_bare_model(raw: dict[str, Any]) -> bool:
+    """Whether config.json names a network saved without its LM head (BARE_HF_ARCHITECTURES)."""
+    names = raw.get("architectures") or []
+    return any(a in BARE_HF_ARCHITECTURES for a in names) and not any(
+        a in SUPPORTED_HF_ARCHITECTURES for a in names
+    )
+
+
 def _hf_architecture(raw: dict[str, Any]) -> str:
     """The family config.json names, or ModelLoadError naming what is not supported."""
     names = raw.get("architectures") or []
-    architecture = next(
-        (SUPPORTED_HF_ARCHITECTURES[a] for a in names if a in SUPPORTED_HF_ARCHITECTURES), None
-    )
+    known = SUPPORTED_HF_ARCHITECTURES | BARE_HF_ARCHITECTURES
+    architecture = next((known[a] for a in names if a in known), None)
     if (
         architecture is None
         and not names
@@ -235,7 +253,8 @@ def _as_ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _load_safetensors(directory: Path, dtype: torch.dtype) -> LazyWeights:
+def _load_safetensors(directory: Path, dtype: torch.dtype, prefix: str = "") -> LazyWeights:
+    """The weights, each name after `prefix` (`model.` for a bare network's)."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(_read_json(index)["weight_map"].values()))
@@ -257,7 +276,8 @@ def _load_safetensors(directory: Path, dtype: torch.dtype) -> LazyWeights:
             if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
                 continue
             shape = tuple(file.get_slice(name).get_shape())
-            weights.add(name, shape, functools.partial(_read_tensor, file, name, dtype))
+            read = functools.partial(_read_tensor, file, name, dtype)
+            weights.add(prefix + name, shape, read)
     return weights
 
 

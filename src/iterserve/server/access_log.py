@@ -22,7 +22,7 @@ from iterserve.server.serving import ACCESS_RECORD_KEY, AccessRecord
 
 logger = logging.getLogger("iterserve.access")
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 QUIET_PATHS = ("/health", "/metrics")
 
 

@@ -230,6 +230,18 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "iterserve:generation_tokens", "Tokens generated", per, registry=r
         )
+        self.embedding_requests = Counter(
+            "iterserve:embedding_requests",
+            "Embedding requests (one per /v1/embeddings input) that ran to the end",
+            per,
+            registry=r,
+        )
+        self.embedding_prompt_tokens = Counter(
+            "iterserve:embedding_prompt_tokens",
+            "Prompt tokens of embedding requests that ran to the end (in prompt_tokens too)",
+            per,
+            registry=r,
+        )
         self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token", per)
         self.tbt = self._histogram(
             "inter_token_latency_seconds", "Gap between consecutive tokens", per
@@ -279,6 +291,11 @@ class ServerMetrics:
         if output is None:
             return
         _child(self.prompt_tokens, labels).inc(len(output.prompt_token_ids))
+        if output.embedding is not None:
+            # No tokens come out of it: the latency histograms are the generations' alone.
+            _child(self.embedding_requests, labels).inc()
+            _child(self.embedding_prompt_tokens, labels).inc(len(output.prompt_token_ids))
+            return
         _child(self.generation_tokens, labels).inc(len(output.token_ids))
         if output.timings is None:
             return

@@ -1,4 +1,5 @@
-"""OpenAI's routes under /v1: the model list, completions, chat completions and responses."""
+"""OpenAI's routes under /v1: the model list, completions, chat completions, responses and
+embeddings."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from fastapi.responses import Response
 
 from iterserve.server.chat import create_chat_completion
 from iterserve.server.completions import create_completion
+from iterserve.server.embeddings import create_embeddings
+from iterserve.server.embeddings_protocol import EmbeddingRequest
 from iterserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,5 +44,9 @@ def openai_routes(ctx: ServingContext) -> APIRouter:
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(body, request, ctx)
+
+    @v1.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embeddings(body, request, ctx)
 
     return v1
