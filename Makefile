@@ -24,10 +24,11 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/iterserve serve --host $(HOST) --port $(PORT)
 
-# Every test, the slow ones included (nothing is deselected by default).
+# Every test, the slow ones included (nothing is deselected by default), on two workers: a
+# module's tests stay together, the distributed ones share a worker (tests/conftest.py).
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 # The inner loop: the tests marked slow (a model load, a real server, a long replay) left out.
 test-quick: setup

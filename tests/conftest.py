@@ -143,3 +143,24 @@ def kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 def any_kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """kernel_isa plus the generic build: for the kernels' own unit tests."""
     return _use_isa(request.param, monkeypatch)
+
+
+# Tests that start clusters or process groups of their own (Ray, torch.distributed), or
+# time a whole fleet: under `pytest -n 2` they share one worker, one after the other, so
+# no two clusters compete for the 2 cores and their timeouts mean what they say.
+_DISTRIBUTED_MODULES = {
+    "test_data_parallel.py",
+    "test_fleet_chaos.py",
+    "test_tensor_parallel.py",
+    "test_moe.py",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs two workers), a module's tests stay on one
+    worker, so a module-scoped server or model is made once; the distributed modules
+    form one group."""
+    for item in items:
+        module = item.path.name
+        group = "distributed" if module in _DISTRIBUTED_MODULES else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -9,6 +9,7 @@ them. Without them the Arm tests skip, saying so, except under CI, where they fa
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import struct
@@ -40,10 +41,28 @@ def _includes() -> list[str]:
 def _build(
     compiler: str, isa: kernels.Isa, source: Path, out: Path, *extra: str, opt: str = "-O3"
 ) -> None:
+    """Compile `source` to `out`, or copy the output of an identical earlier compile: same
+    compiler, command, source and kernel headers (the kernels' own cache rule, for these
+    check programs, which take minutes of cross compiling from cold)."""
     flags = [opt if f == "-O3" else f for f in kernels.compile_flags(isa) if f != "-fopenmp"]
-    command = [compiler, "-std=c++17", *flags, *_includes(), str(source), "-o", str(out), *extra]
-    done = subprocess.run(command, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    command = [compiler, "-std=c++17", *flags, *_includes(), str(source), *extra]
+    cached = _check_cache(compiler, command, source) / out.name
+    if not cached.exists():
+        building = cached.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run([*command, "-o", str(building)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        building.replace(cached)  # whole or absent, whoever else builds it at once
+    shutil.copy2(cached, out)
+
+
+def _check_cache(compiler: str, command: list[str], source: Path) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256("\0".join([version, *command]).encode())
+    for path in [source, *sorted(CSRC.iterdir())]:
+        digest.update(path.name.encode() + path.read_bytes())
+    where = kernels.cache_dir() / "checks" / digest.hexdigest()[:24]
+    where.mkdir(parents=True, exist_ok=True)
+    return where
 
 
 @pytest.mark.parametrize("name", [isa.name for isa in kernels.ISAS if isa.machine == "x86_64"])
