@@ -255,6 +255,54 @@ class SpeculativeConfig:
             )
 
 
+def _lora_module(text: str) -> str:
+    """One --lora-modules entry on the command line: name=path."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return text
+
+
+@dataclass
+class LoRAConfig:
+    enable_lora: bool = _opt(
+        False,
+        "serve LoRA adapters (implied by --lora-modules): the model keeps --max-loras of them "
+        "in slots and rows of several adapters and of the base share a step (docs/lora.md)",
+    )
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "LoRA adapters to serve from the start, as name=path (a PEFT directory or "
+            "a llama.cpp LoRA GGUF); a request picks one by its `model`",
+            "parse": _lora_module,
+            "nargs": "+",
+        },
+    )
+    max_loras: int = _opt(1, "LoRA adapters resident at once (least recently used evicted)")
+    max_lora_rank: int = _opt(16, "highest LoRA rank an adapter may have")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def modules(self) -> dict[str, str]:
+        """--lora-modules as {name: path}, in order."""
+        return dict(entry.partition("=")[::2] for entry in self.lora_modules)
+
+    def validate(self) -> None:
+        _check_at_least_one(self, "max_loras", "max_lora_rank")
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules takes name=path entries, got {entry!r}")
+        if len(self.modules()) != len(self.lora_modules):
+            raise ConfigError("--lora-modules names an adapter twice")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = _opt(None, "HF directory or GGUF file (default: bundled SmolLM2-135M)")
@@ -301,6 +349,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -323,6 +372,7 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()
+        self.lora.validate()
         return self
 
     def _validate_tensor_parallel(self) -> None:
@@ -335,6 +385,8 @@ class EngineConfig:
             f"--weights {self.weights}": self.weights in ("int4", "int8"),
             "--batch-invariant": self.batch_invariant,
             "--speculative-method draft": self.speculative.speculative_method == "draft",
+            # The adapters' deltas are not sharded (a slice of B per rank would do; not yet).
+            "LoRA (--enable-lora, --lora-modules)": self.lora.enabled,
         }
         for flag, given in refused.items():
             if given:
@@ -351,6 +403,7 @@ SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -434,7 +487,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         for f in _leaf_fields(cls):
             kwargs: dict[str, Any] = {
                 "dest": f.name,
-                "default": f.default,
+                # (a list's default comes from its factory)
+                "default": f.default_factory() if f.default is dataclasses.MISSING else f.default,  # type: ignore[misc]
                 "help": f.metadata["help"],
             }
             value_type, choices = _field_types(cls)[f.name]
@@ -444,6 +498,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 kwargs["type"] = f.metadata.get("parse", value_type)
                 if choices is not None:
                     kwargs["choices"] = choices
+                if "nargs" in f.metadata:  # a list of values: --lora-modules a=x b=y
+                    kwargs["nargs"] = f.metadata["nargs"]
             group.add_argument(_flag(f.name), **kwargs)
             if "off_alias" in f.metadata:  # e.g. vLLM's --enforce-eager for --no-compile
                 group.add_argument(

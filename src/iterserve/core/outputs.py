@@ -57,6 +57,9 @@ class ScheduledSeq:
     # the token the step still running samples for this request; it, and `context`, get
     # it written in before this step runs (engine/step_pipeline.py).
     last_token_in_flight: bool = False
+    # Its LoRA adapter (0: the base model) and the model's slot holding it (-1: none).
+    lora_id: int = 0
+    lora_slot: int = -1
 
     @property
     def num_new_tokens(self) -> int:

@@ -38,6 +38,8 @@ class RequestOutput:
     # LLM.chat with a thinking model: its thinking (None: none), and `content` is then
     # what follows it (chat/offline_chat.py).
     reasoning_content: str | None = None
+    # The LoRA adapter it ran (None: the base model), for per-adapter metrics.
+    lora_name: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,8 @@ import torch
 
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.lora_linear import LoRABatch
+from iterserve.model.lora_model import LoRAModel
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class ForwardSeq:
     start: int  # tokens already in the cache; the new ones go at positions start...
     token_ids: Sequence[int]
     num_logits: int  # logits at this many of the last positions (0: none)
+    lora_slot: int = -1  # the slot of its LoRA adapter (-1: the base model)
 
 
 class PagedModel:
@@ -44,6 +47,8 @@ class PagedModel:
         self.batch_invariant = batch_invariant
         # The network's own share of the last forward() (batch and metadata building aside).
         self.last_forward_seconds = 0.0
+        # Its LoRA slots, when it serves adapters (model/lora_model.py).
+        self.lora: LoRAModel | None = model.lora
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor:
@@ -72,7 +77,13 @@ class PagedModel:
         )
         indices = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         start = time.perf_counter()
-        logits = self.model(*inputs, meta, self.kv_caches, indices)
+        if self.lora is not None:
+            self.lora.state.batch = _lora_batch(seqs, self.device)
+        try:
+            logits = self.model(*inputs, meta, self.kv_caches, indices)
+        finally:
+            if self.lora is not None:
+                self.lora.state.batch = None
         self.last_forward_seconds = time.perf_counter() - start
         return logits
 
@@ -99,3 +110,10 @@ class PagedModel:
             self.forward(seqs)
         self.model.freeze_compiled()
         return time.perf_counter() - start
+
+
+def _lora_batch(seqs: Sequence[ForwardSeq], device: torch.device) -> LoRABatch | None:
+    """Each token's LoRA slot; None when every row runs the base model."""
+    if all(seq.lora_slot < 0 for seq in seqs):
+        return None
+    return LoRABatch([seq.lora_slot for seq in seqs for _ in seq.token_ids], device)

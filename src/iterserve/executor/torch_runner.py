@@ -22,6 +22,7 @@ from iterserve.core.outputs import (
     TokenLogprobs,
 )
 from iterserve.executor.draft_model import DraftModelProposer
+from iterserve.executor.lora_adapters import LoRAAdapters
 from iterserve.executor.paged_model import ForwardSeq, PagedModel
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.sample.logits_controls import apply_logits_controls, row_contexts
@@ -47,6 +48,8 @@ class TorchRunner:
         self.structured = StructuredBatch()
         if drafts is not None:
             drafts.structured = self.structured
+        # The LoRA adapters it serves, when the network has slots for them.
+        self.adapters = LoRAAdapters(network.lora) if network.lora is not None else None
         # Requests without a seed share one stream, seeded so runs are repeatable.
         torch.manual_seed(seed)
 
@@ -65,10 +68,18 @@ class TorchRunner:
             self.structured.drop(request_id)
         if scheduled.is_empty:
             return ModelOutput({})
+        if self.adapters is not None:
+            self.adapters.prepare(scheduled.seqs)
         # The last token's position and every draft's, after any prompt-scoring rows.
         logits = self.network.forward(
             [
-                ForwardSeq(seq.block_ids, seq.num_computed_tokens, seq.token_ids, seq.num_logits)
+                ForwardSeq(
+                    seq.block_ids,
+                    seq.num_computed_tokens,
+                    seq.token_ids,
+                    seq.num_logits,
+                    seq.lora_slot,
+                )
                 for seq in scheduled.seqs
             ]
         )

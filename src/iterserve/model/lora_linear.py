@@ -1,0 +1,140 @@
+"""Projections with LoRA slots: the base product, plus each row's adapter's delta.
+
+    y = x @ W.T (+ residual) + scale * (x @ A.T) @ B.T      for rows of an adapter
+
+Every adapted projection holds `max_loras` slots of A and B, stacked (loading an adapter is a
+copy into its slot, model/lora_weights.py folds the scale into B). A fused projection (q/k/v,
+gate/up) holds its parts' A's side by side, so one product shrinks x for all its parts, and B
+block-diagonally (part p's rows of the output read part p's ranks only); a part an adapter
+leaves alone has zeros there. Ranks below --max-lora-rank are padded with zeros.
+
+The step's rows are grouped by slot once (`LoRABatch`), and each projection then computes the
+deltas per adapter, never per row:
+
+- `bmm`: the rows gathered into one zero-padded [adapters, most rows, in] batch, two batched
+  products against the slots' stacks, added back where the rows came from. Five ops per
+  projection whatever the mix: the decode case (a few rows per adapter).
+- `segments`: per adapter, its rows' two products; for a step whose rows are unevenly spread
+  (a long prompt beside a few decodes), where padding every adapter to the longest would
+  multiply zeros.
+
+The delta runs in fp32 where the model is bf16 on a CPU without bf16 arithmetic (torch's bf16
+products there convert anyway; measured in benchmarks/lora_step.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from iterserve.model.linear import Linear
+from iterserve.model.lora_weights import LoRAModule
+
+# Padding the rows of every adapter to the busiest one costs at most this many times the rows
+# the step really has before the deltas are run adapter by adapter instead.
+_MAX_PADDING = 2
+
+
+class LoRABatch:
+    """Which rows of this step run which slot, in the two forms the deltas use."""
+
+    def __init__(self, token_slots: Sequence[int], device: torch.device) -> None:
+        groups: dict[int, list[int]] = {}
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                groups.setdefault(slot, []).append(row)
+        self.slots = sorted(groups)
+        rows = [groups[s] for s in self.slots]
+        longest = max(len(r) for r in rows)
+        total = sum(len(r) for r in rows)
+        self.bmm = len(rows) * longest <= _MAX_PADDING * total
+        self.longest = longest
+        if self.bmm:
+            padded = [r + [r[0]] * (longest - len(r)) for r in rows]
+            self.gather = torch.tensor([i for r in padded for i in r], device=device)
+            keep = [float(j < len(r)) for r in rows for j in range(longest)]
+            self.keep = torch.tensor(keep, device=device).unsqueeze(1)
+            # The slots as one slice when they are 0..n-1 (the usual case: free slots are
+            # taken lowest first), so the stacks are read in place, not gathered.
+            dense = self.slots == list(range(len(self.slots)))
+            self.slot_index = None if dense else torch.tensor(self.slots, device=device)
+        else:
+            self.segments = [
+                (s, torch.tensor(r, device=device)) for s, r in zip(self.slots, rows, strict=True)
+            ]
+
+    def add_delta(
+        self, y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor
+    ) -> torch.Tensor:
+        """y += each row's adapter's delta. `a_t` [slots, in, R] and `b_t` [slots, R, out]:
+        the stacks, transposed for the products."""
+        dtype = a_t.dtype
+        if self.bmm:
+            n = len(self.slots)
+            xs = x.index_select(0, self.gather).to(dtype).mul_(self.keep.to(dtype))
+            a = a_t[:n] if self.slot_index is None else a_t.index_select(0, self.slot_index)
+            b = b_t[:n] if self.slot_index is None else b_t.index_select(0, self.slot_index)
+            shrunk = torch.bmm(xs.view(n, self.longest, -1), a)
+            delta = torch.bmm(shrunk, b).view(n * self.longest, -1)
+            return y.index_add_(0, self.gather, delta.to(y.dtype))
+        for slot, rows in self.segments:
+            delta = (x.index_select(0, rows).to(dtype) @ a_t[slot]) @ b_t[slot]
+            y.index_add_(0, rows, delta.to(y.dtype))
+        return y
+
+
+class LoRAState:
+    """What every LoRA projection of a model reads: this step's batch (None: no adapter
+    rows, the base products alone)."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+
+
+class LoRALinear:
+    """A `Linear` and its LoRA slots; called like the Linear it wraps."""
+
+    def __init__(
+        self,
+        base: Linear,
+        parts: Sequence[tuple[str, int]],
+        state: LoRAState,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """`parts`: (HF module path, output rows) of each part of the fused projection."""
+        self.base = base
+        self.parts = list(parts)
+        self.state = state
+        self.max_rank = max_rank
+        ranks = len(parts) * max_rank
+        self.a_t = torch.zeros(max_loras, base.in_features, ranks, dtype=dtype, device=device)
+        self.b_t = torch.zeros(max_loras, ranks, base.out_features, dtype=dtype, device=device)
+
+    def load_slot(self, slot: int, modules: dict[str, LoRAModule]) -> None:
+        """Put an adapter's matrices for this projection's parts into `slot` (zeros for the
+        parts it does not adapt)."""
+        self.a_t[slot].zero_()
+        self.b_t[slot].zero_()
+        out = 0
+        for p, (name, rows) in enumerate(self.parts):
+            module = modules.get(name)
+            if module is not None:
+                lo = p * self.max_rank
+                self.a_t[slot, :, lo : lo + module.rank].copy_(module.a.t())
+                self.b_t[slot, lo : lo + module.rank, out : out + rows].copy_(module.b.t())
+            out += rows
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp32_out: bool = False
+    ) -> torch.Tensor:
+        y = self.base(x, residual, fp32_out)
+        batch = self.state.batch
+        return y if batch is None else batch.add_delta(y, x, self.a_t, self.b_t)
+
+    def __getattr__(self, name: str) -> Any:  # backend, describe(), nbytes, ... of the base
+        return getattr(self.base, name)
