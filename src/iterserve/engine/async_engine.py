@@ -236,6 +236,8 @@ class AsyncEngine:
             engine.chat_template,
             engine.max_model_len,
             {**engine.model_plan.describe(), **engine.kv_pool.as_dict()},
+            tuple(engine.loras.by_name.values()),
+            engine.loras.enabled,
         )
 
     def replica_states(self) -> list[ReplicaState]:
@@ -469,6 +471,7 @@ class AsyncEngine:
             lane=request.lane,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            lora_request=request.lora,
         )
 
     def _settle(

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from iterserve.core.lora import LoRARequest
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
@@ -79,6 +80,7 @@ class GenerationRequest:
     # OpenAI chat semantics: no max_tokens means "as many as the context leaves",
     # which is only known once the prompt is tokenized on the loop thread.
     fill_context: bool = False
+    lora: LoRARequest | None = None  # the LoRA adapter it runs (None: the base model)
 
 
 def expand_n(
