@@ -18,13 +18,18 @@ deltas per adapter, never per row:
   (a long prompt beside a few decodes), where padding every adapter to the longest would
   multiply zeros.
 
-The delta runs in fp32 where the model is bf16 on a CPU without bf16 arithmetic (torch's bf16
-products there convert anyway; measured in benchmarks/lora_step.py).
+On a CPU the slots and the delta are fp32 whatever the model's dtype: torch's bf16 batched
+products there ran 1.5-2x slower than fp32 ones at these shapes (no bf16 arithmetic on the
+machine measured; docs/lora.md), and the slots are small beside the weights. The deltas run
+on one thread: products of a few rows by a rank of 16 are far below what pays for a parallel
+region, and with other work on the cores each region's barrier waits for a descheduled thread
+(measured: a 32-row delta 0.1 ms on one thread, 9-45 ms on two, machine loaded).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +40,22 @@ from iterserve.model.lora_weights import LoRAModule
 # Padding the rows of every adapter to the busiest one costs at most this many times the rows
 # the step really has before the deltas are run adapter by adapter instead.
 _MAX_PADDING = 2
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's ops on one thread inside (setting the count is a sub-microsecond call)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The slots' and the deltas' dtype: fp32 on a CPU (see above), the model's elsewhere."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 class LoRABatch:
@@ -70,6 +91,12 @@ class LoRABatch:
     ) -> torch.Tensor:
         """y += each row's adapter's delta. `a_t` [slots, in, R] and `b_t` [slots, R, out]:
         the stacks, transposed for the products."""
+        with _one_thread():
+            return self._add_delta(y, x, a_t, b_t)
+
+    def _add_delta(
+        self, y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor
+    ) -> torch.Tensor:
         dtype = a_t.dtype
         if self.bmm:
             n = len(self.slots)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from iterserve.model.llama import LlamaForCausalLM, _DecoderLayer
-from iterserve.model.lora_linear import LoRALinear, LoRAState
+from iterserve.model.lora_linear import LoRALinear, LoRAState, slot_dtype
 from iterserve.model.lora_weights import AdapterWeights
 
 
@@ -52,7 +52,13 @@ class LoRAModel:
                     )
                 ]
                 wrapped = LoRALinear(
-                    linear, parts, self.state, max_loras, max_rank, model.dtype, model.device
+                    linear,
+                    parts,
+                    self.state,
+                    max_loras,
+                    max_rank,
+                    slot_dtype(model.dtype, model.device),
+                    model.device,
                 )
                 layer.linears[name] = wrapped  # type: ignore[assignment]
                 self.linears.append(wrapped)
