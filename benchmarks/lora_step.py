@@ -72,8 +72,13 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     parser.add_argument("--json", default="benchmarks/results/lora_step.json")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(cpu_line(), f"kernels: {kernels.isa()}")
     blocks = args.rows * (args.context // BLOCK + 1)
     common = {"num_kv_blocks": blocks, "max_num_seqs": args.rows, "block_size": BLOCK}
@@ -104,7 +109,10 @@ def main() -> None:
         print(f"{name:10s} {seconds * 1e3:8.2f} ms")
     ratio = medians["base"] / medians["lora"]
     print(f"lora step speed / base step speed: {ratio:.2f}x (bar: 0.7x)")
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
+    print(
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs, "
+        f"{torch.get_num_threads()} torch threads"
+    )
     write_results(
         args.json,
         {
@@ -117,6 +125,7 @@ def main() -> None:
             "median_ms": {k: v * 1e3 for k, v in medians.items()},
             "lora_speed_vs_base": ratio,
             "load_average": load,
+            "threads": torch.get_num_threads(),
             "seconds": time.perf_counter() - start,
             "date": time.strftime("%Y-%m-%d"),
         },

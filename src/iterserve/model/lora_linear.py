@@ -4,17 +4,19 @@
 
 Every adapted projection holds `max_loras` slots of A and B, stacked (loading an adapter is a
 copy into its slot, model/lora_weights.py folds the scale into B). A fused projection (q/k/v,
-gate/up) holds its parts' A's side by side, so one product shrinks x for all its parts, and B
-block-diagonally (part p's rows of the output read part p's ranks only); a part an adapter
-leaves alone has zeros there. Ranks below --max-lora-rank are padded with zeros.
+gate/up) holds its parts' A's side by side, so one product shrinks x for all its parts, and one
+B per part (part p's output columns read part p's ranks only: a block-diagonal B would read
+zeros, and at decode the deltas' cost is reading these stacks); a part an adapter leaves alone
+has zeros there. Ranks below --max-lora-rank are padded with zeros.
 
 The step's rows are grouped by slot once (`LoRABatch`), and each projection then computes the
 deltas per adapter, never per row:
 
-- `bmm`: the rows gathered into one zero-padded [adapters, most rows, in] batch, two batched
-  products against the slots' stacks, added back where the rows came from. Five ops per
-  projection whatever the mix: the decode case (a few rows per adapter).
-- `segments`: per adapter, its rows' two products; for a step whose rows are unevenly spread
+- `bmm`: the rows gathered into one zero-padded [adapters, most rows, in] batch, batched
+  products against the slots' stacks (one shrink, one expand per part), added back where the
+  rows came from. A handful of ops per projection whatever the mix: the decode case (a few
+  rows per adapter).
+- `segments`: per adapter, its rows' products; for a step whose rows are unevenly spread
   (a long prompt beside a few decodes), where padding every adapter to the longest would
   multiply zeros.
 
@@ -58,6 +60,10 @@ def slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else dtype
 
 
+# A fused projection's part as its delta reads it: its first output column, its B stack.
+_PartB = tuple[int, torch.Tensor]
+
+
 class LoRABatch:
     """Which rows of this step run which slot, in the two forms the deltas use."""
 
@@ -87,28 +93,38 @@ class LoRABatch:
             ]
 
     def add_delta(
-        self, y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor
+        self, y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, parts: Sequence[_PartB]
     ) -> torch.Tensor:
-        """y += each row's adapter's delta. `a_t` [slots, in, R] and `b_t` [slots, R, out]:
-        the stacks, transposed for the products."""
+        """y += each row's adapter's delta. `a_t` [slots, in, parts x rank]: the A stack,
+        transposed for the product; `parts`: each part's first output column and B stack
+        [slots, rank, its columns]."""
         with _one_thread():
-            return self._add_delta(y, x, a_t, b_t)
+            return self._add_delta(y, x, a_t, parts)
 
     def _add_delta(
-        self, y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor
+        self, y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, parts: Sequence[_PartB]
     ) -> torch.Tensor:
         dtype = a_t.dtype
         if self.bmm:
             n = len(self.slots)
+            index = self.slot_index
             xs = x.index_select(0, self.gather).to(dtype).mul_(self.keep.to(dtype))
-            a = a_t[:n] if self.slot_index is None else a_t.index_select(0, self.slot_index)
-            b = b_t[:n] if self.slot_index is None else b_t.index_select(0, self.slot_index)
+            a = a_t[:n] if index is None else a_t.index_select(0, index)
             shrunk = torch.bmm(xs.view(n, self.longest, -1), a)
-            delta = torch.bmm(shrunk, b).view(n * self.longest, -1)
-            return y.index_add_(0, self.gather, delta.to(y.dtype))
+            for p, (column, b_t) in enumerate(parts):
+                rank = b_t.shape[1]
+                b = b_t[:n] if index is None else b_t.index_select(0, index)
+                delta = torch.bmm(shrunk[:, :, p * rank : (p + 1) * rank], b)
+                out = y[:, column : column + b_t.shape[2]]
+                out.index_add_(0, self.gather, delta.view(n * self.longest, -1).to(y.dtype))
+            return y
         for slot, rows in self.segments:
-            delta = (x.index_select(0, rows).to(dtype) @ a_t[slot]) @ b_t[slot]
-            y.index_add_(0, rows, delta.to(y.dtype))
+            shrunk = x.index_select(0, rows).to(dtype) @ a_t[slot]
+            for p, (column, b_t) in enumerate(parts):
+                rank = b_t.shape[1]
+                delta = shrunk[:, p * rank : (p + 1) * rank] @ b_t[slot]
+                out = y[:, column : column + b_t.shape[2]]
+                out.index_add_(0, rows, delta.to(y.dtype))
         return y
 
 
@@ -140,28 +156,31 @@ class LoRALinear:
         self.max_rank = max_rank
         ranks = len(parts) * max_rank
         self.a_t = torch.zeros(max_loras, base.in_features, ranks, dtype=dtype, device=device)
-        self.b_t = torch.zeros(max_loras, ranks, base.out_features, dtype=dtype, device=device)
+        self.b_parts: list[_PartB] = []
+        column = 0
+        for _, rows in parts:
+            b_t = torch.zeros(max_loras, max_rank, rows, dtype=dtype, device=device)
+            self.b_parts.append((column, b_t))
+            column += rows
 
     def load_slot(self, slot: int, modules: dict[str, LoRAModule]) -> None:
         """Put an adapter's matrices for this projection's parts into `slot` (zeros for the
         parts it does not adapt)."""
         self.a_t[slot].zero_()
-        self.b_t[slot].zero_()
-        out = 0
-        for p, (name, rows) in enumerate(self.parts):
+        for p, ((name, _), (_, b_t)) in enumerate(zip(self.parts, self.b_parts, strict=True)):
+            b_t[slot].zero_()
             module = modules.get(name)
             if module is not None:
                 lo = p * self.max_rank
                 self.a_t[slot, :, lo : lo + module.rank].copy_(module.a.t())
-                self.b_t[slot, lo : lo + module.rank, out : out + rows].copy_(module.b.t())
-            out += rows
+                b_t[slot, : module.rank].copy_(module.b.t())
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, fp32_out: bool = False
     ) -> torch.Tensor:
         y = self.base(x, residual, fp32_out)
         batch = self.state.batch
-        return y if batch is None else batch.add_delta(y, x, self.a_t, self.b_t)
+        return y if batch is None else batch.add_delta(y, x, self.a_t, self.b_parts)
 
     def __getattr__(self, name: str) -> Any:  # backend, describe(), nbytes, ... of the base
         return getattr(self.base, name)

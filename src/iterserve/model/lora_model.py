@@ -73,4 +73,5 @@ class LoRAModel:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for lin in self.linears for t in (lin.a_t, lin.b_t))
+        tensors = [t for lin in self.linears for t in (lin.a_t, *(b for _, b in lin.b_parts))]
+        return sum(t.numel() * t.element_size() for t in tensors)
