@@ -66,6 +66,16 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_adapters(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path
+) -> dict[str, Path]:
+    """LoRA adapters made with peft on tiny_llama_dir (lora_adapters.SPECS), by name."""
+    from lora_adapters import make_adapters  # torch and peft: only when used
+
+    return make_adapters(tiny_llama_dir, tmp_path_factory.mktemp("lora-adapters"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     return _save_tiny(
         "qwen2", tmp_path_factory.mktemp("tiny-qwen2"), tokenizer_dir, tie_word_embeddings=False

@@ -271,6 +271,54 @@ class SpeculativeConfig:
             )
 
 
+def _lora_module(text: str) -> str:
+    """One --lora-modules entry on the command line: name=path."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return text
+
+
+@dataclass
+class LoRAConfig:
+    enable_lora: bool = _opt(
+        False,
+        "serve LoRA adapters (implied by --lora-modules): the model keeps --max-loras of them "
+        "in slots and rows of several adapters and of the base share a step (docs/lora.md)",
+    )
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "LoRA adapters to serve from the start, as name=path (a PEFT directory or "
+            "a llama.cpp LoRA GGUF); a request picks one by its `model`",
+            "parse": _lora_module,
+            "nargs": "+",
+        },
+    )
+    max_loras: int = _opt(1, "LoRA adapters resident at once (least recently used evicted)")
+    max_lora_rank: int = _opt(16, "highest LoRA rank an adapter may have")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def modules(self) -> dict[str, str]:
+        """--lora-modules as {name: path}, in order."""
+        return dict(entry.partition("=")[::2] for entry in self.lora_modules)
+
+    def validate(self) -> None:
+        _check_at_least_one(self, "max_loras", "max_lora_rank")
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules takes name=path entries, got {entry!r}")
+        if len(self.modules()) != len(self.lora_modules):
+            raise ConfigError("--lora-modules names an adapter twice")
+
+
 @dataclass
 class PoolingConfig:
     task: Task = _opt(
@@ -346,6 +394,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -369,6 +418,7 @@ class EngineConfig:
         self.scheduler.validate()
         self.speculative.validate()
         self.pooling.validate()
+        self.lora.validate()
         return self
 
     def _validate_tensor_parallel(self) -> None:
@@ -381,6 +431,8 @@ class EngineConfig:
             f"--weights {self.weights}": self.weights in ("int4", "int8"),
             "--batch-invariant": self.batch_invariant,
             "--speculative-method draft": self.speculative.speculative_method == "draft",
+            # The adapters' deltas are not sharded (a slice of B per rank would do; not yet).
+            "LoRA (--enable-lora, --lora-modules)": self.lora.enabled,
         }
         for flag, given in refused.items():
             if given:
@@ -398,6 +450,7 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
     "pooling": PoolingConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -481,7 +534,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         for f in _leaf_fields(cls):
             kwargs: dict[str, Any] = {
                 "dest": f.name,
-                "default": f.default,
+                # (a list's default comes from its factory)
+                "default": f.default_factory() if f.default is dataclasses.MISSING else f.default,  # type: ignore[misc]
                 "help": f.metadata["help"],
             }
             value_type, choices = _field_types(cls)[f.name]
@@ -491,6 +545,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 kwargs["type"] = f.metadata.get("parse", value_type)
                 if choices is not None:
                     kwargs["choices"] = choices
+                if "nargs" in f.metadata:  # a list of values: --lora-modules a=x b=y
+                    kwargs["nargs"] = f.metadata["nargs"]
             group.add_argument(_flag(f.name), **kwargs)
             if "off_alias" in f.metadata:  # e.g. vLLM's --enforce-eager for --no-compile
                 group.add_argument(

@@ -220,7 +220,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
     ("/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
-    ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),  # model_not_found, as OpenAI
     ("/v1/completions", {"prompt": list(range(100, 700))}, 400, "prompt"),  # over 512 tokens
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),

@@ -100,6 +100,17 @@ def block_hash_chain(
     return hashes
 
 
+def chain_seed(algo: str, lora_id: int) -> BlockHash | None:
+    """The parent of a request's first block: none for the base model, its adapter's own
+    name otherwise, so blocks computed under different adapters never share a name (their
+    K/V differ from the first layer on)."""
+    if not lora_id:
+        return None
+    if algo == "builtin":
+        return hash(("lora", lora_id))
+    return hashlib.sha256(b"lora" + lora_id.to_bytes(8, "little")).digest()
+
+
 # The prefix cache's map is rebuilt when stale entries make it this many times the pool.
 _STALE_FACTOR = 4
 
@@ -389,7 +400,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         start = len(hashes) * self.block_size
         if start + self.block_size <= request.num_tokens:
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else chain_seed(self.hash_algo, request.lora_id)
             tokens = request.all_token_ids[start:]
             hashes += block_hash_chain(tokens, self.block_size, self.hash_algo, parent)
         return hashes

@@ -62,6 +62,9 @@ class ScheduledSeq:
     # whether this chunk ends its prompt, so the step hands back its vector.
     pooling: PoolingType | None = None
     pool_now: bool = False
+    # Its LoRA adapter (0: the base model) and the model's slot holding it (-1: none).
+    lora_id: int = 0
+    lora_slot: int = -1
 
     @property
     def num_new_tokens(self) -> int:

@@ -72,6 +72,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     lane: str = "interactive"
     priority: int = 0
+    # The LoRA adapter its rows run (core/lora.py): 0 and None for the base model.
+    lora_id: int = 0
+    lora_name: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

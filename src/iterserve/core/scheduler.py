@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from iterserve.config import SchedulerConfig, SpeculativeConfig
 from iterserve.core.kv_cache import KVCacheManager, KVCacheStats
+from iterserve.core.lora import LoRASlots
 from iterserve.core.outputs import (
     IN_FLIGHT_TOKEN,
     ModelOutput,
@@ -63,9 +64,11 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         speculative: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
+        max_loras: int = 1,
     ) -> None:
         """`proposer`: where speculative drafts come from when `speculative` is on (default:
-        n-gram prompt lookup; the engine passes a draft model's)."""
+        n-gram prompt lookup; the engine passes a draft model's). `max_loras`: LoRA adapters
+        resident at once (core/lora.py), so at most that many in a step."""
         self.config = config
         self.speculative = speculative or SpeculativeConfig()
         if self.speculative.enabled and proposer is None:
@@ -79,6 +82,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self.lora_slots = LoRASlots(max_loras)
         self._admissions = 0
         self.num_preemptions = 0
         # Tokens computed for requests that had ended by the time their step's results came
@@ -161,6 +165,10 @@ class Scheduler:
 
     def num_waiting(self, lane: str | None = None) -> int:
         return self.waiting.count(lane)
+
+    def lora_ids(self) -> set[int]:
+        """The LoRA adapters of the unfinished requests, waiting or running."""
+        return {r.lora_id for r in self.requests.values()}
 
     def request_ids(self) -> list[str]:
         """Every request not yet finished, waiting or running."""
@@ -415,6 +423,10 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int, step: StepPlan, now: float) -> _Admission:
         """Move a waiting request to running with its first chunk, if it fits."""
+        if not self._has_lora_slot(request):
+            # No slot for its adapter until a running adapter's requests end: those behind
+            # wait too (FCFS), so a stream of resident adapters' requests cannot starve it.
+            return _Admission.BLOCKED
         cached = self._cached_prefix(request)
         num_cached = len(cached) * self.kv.block_size
         remaining = request.num_tokens - num_cached
@@ -439,6 +451,8 @@ class Scheduler:
         """Static / dynamic batching: the next batch joins the running set together."""
         batch = form_batch(self.config, self.waiting, now, no_more_arrivals)
         for request in batch[: self.config.max_num_seqs]:
+            if not self._has_lora_slot(request):
+                break
             cached = self._cached_prefix(request)
             if not self.kv.allocate(request, 0, cached):
                 cached = []
@@ -448,6 +462,14 @@ class Scheduler:
             )
             self.waiting.remove(request)
             self._start_running(request, num_cached, now)
+
+    def _has_lora_slot(self, request: Request) -> bool:
+        """The request's adapter holds a slot, or can now (its own, a free one, or one whose
+        adapter no running request uses); always for the base model."""
+        if not request.lora_id:
+            return True
+        busy = (r.lora_id for r in self.running)
+        return self.lora_slots.acquire(request.lora_id, busy) is not None
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """The prefix cache's blocks the request may use: a request still owed prompt
@@ -636,6 +658,8 @@ class Scheduler:
                     last_token_in_flight=in_flight,
                     pooling=None if pooling is None else pooling.pooling,
                     pool_now=ends_prompt and pooling is not None,
+                    lora_id=request.lora_id,
+                    lora_slot=self.lora_slots.slot_of(request.lora_id),
                 )
             )
             params = request.sampling_params

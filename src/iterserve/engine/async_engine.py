@@ -240,6 +240,8 @@ class AsyncEngine:
                 **engine.kv_pool.as_dict(),
                 "tasks": engine.pooling.describe(),
             },
+            tuple(engine.loras.by_name.values()),
+            engine.loras.enabled,
         )
 
     def replica_states(self) -> list[ReplicaState]:
@@ -482,6 +484,7 @@ class AsyncEngine:
             lane=request.lane,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            lora_request=request.lora,
         )
 
     def _settle(

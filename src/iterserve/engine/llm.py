@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from iterserve.config import EngineConfig, engine_config
+from iterserve.core.lora import LoRARequest
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, render_chat
@@ -49,18 +50,27 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order (n > 1: n per prompt)."""
+        """Run every prompt to completion; outputs in prompt order (n > 1: n per prompt).
+        `lora_request`: the LoRA adapter every prompt runs, or one per prompt (None: the
+        base model), as in vLLM."""
         if isinstance(prompts, str | RenderedChat) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)
         params_list = _per_prompt(params, len(prompt_list))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise InvalidRequestError("give one LoRARequest, or one per prompt")
 
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompt_list, params_list, strict=True):
+            for prompt, p, lora in zip(prompt_list, params_list, loras, strict=True):
                 for child in p.per_choice():
-                    ids.append(self.engine.add_request(prompt, child))
+                    ids.append(self.engine.add_request(prompt, child, lora_request=lora))
         except Exception:
             for request_id in ids:  # all or nothing: no half-queued batch left behind
                 self.engine.abort_request(request_id)

@@ -22,8 +22,10 @@ from iterserve.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    LoRAConfig,
     resolve_async_scheduling,
 )
+from iterserve.core.lora import LoRARequest, LoRASlots
 from iterserve.core.outputs import RequestUpdate, TokenLogprobs
 from iterserve.core.request import EMBED_LANE, FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
@@ -37,6 +39,7 @@ from iterserve.engine.kv_pool_size import (
     fit_max_model_len,
     size_kv_pool,
 )
+from iterserve.engine.lora_registry import LoRARegistry
 from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.pooling import ModelPooling, finish_embedding, model_pooling
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
@@ -226,6 +229,18 @@ class LLMEngine:
             async_scheduling=self._pipeline is not None,
             pipeline=self._pipeline,
         )
+        self._set_up_loras(loaded)
+
+    def _set_up_loras(self, loaded: LoadedModel) -> None:
+        """The adapters' slots in the scheduler, and --lora-modules served from the start."""
+        lora = self.config.lora
+        self.scheduler.lora_slots = LoRASlots(lora.max_loras)
+        self.loras = LoRARegistry(lora, self.executor.adapters, loaded.config, self.scheduler)
+        for i, (name, path) in enumerate(lora.modules().items(), start=1):
+            try:
+                self.loras.add(LoRARequest(name, i, path))
+            except InvalidRequestError as error:
+                raise ConfigError(f"--lora-modules {name}={path}: {error}") from None
 
     def _set_up_outputs(self, loaded: LoadedModel) -> None:
         """What turns tokens into outputs: the stop tokens, grammars and request streams."""
@@ -283,7 +298,8 @@ class LLMEngine:
                 f"--draft-model {path} handles {draft.config.max_position_embeddings} positions, "
                 f"fewer than the {self.max_model_len} requests may reach; lower --max-model-len"
             )
-        model, plan = build_model(config, draft, dtype, self.device)
+        # The draft guesses with its own base weights, whatever adapter a request runs.
+        model, plan = build_model(replace(config, lora=LoRAConfig()), draft, dtype, self.device)
         logger.info("draft model %s: %s kernels, step %s", draft.name, plan.backend, plan.step)
         return DraftModelProposer(self._paged(model, plan, draft, num_blocks), num_blocks)
 
@@ -334,10 +350,12 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; raises InvalidRequestError (nothing queued) if it cannot run.
         With `pooling` it is an embedding request (`params` ignored): its prompt is computed
-        and pooled into one vector, RequestOutput.embedding."""
+        and pooled into one vector, RequestOutput.embedding. `lora_request`: the adapter it
+        runs (added first if the engine does not serve it)."""
         if pooling is not None:
             return self._add_embedding(prompt, pooling, request_id, priority, arrival_time)
         if not self.pooling.generate:
@@ -355,6 +373,7 @@ class LLMEngine:
         if params.structured_output is not None:
             self.grammars.attach(params.structured_output)  # a cache hit from the server
         request_id = request_id or f"req-{next(self._ids)}"
+        lora = self.loras.resolve(lora_request) if lora_request is not None else None
         request = Request(
             request_id=request_id,
             prompt_token_ids=self.tokenize(prompt),
@@ -364,6 +383,8 @@ class LLMEngine:
             lane=lane,
             priority=priority,
             bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words, vocab),
+            lora_id=lora.lora_int_id if lora else 0,
+            lora_name=lora.lora_name if lora else None,
         )
         self.scheduler.add_request(request)
         self._streams[request_id] = _Stream(
@@ -513,4 +534,5 @@ class LLMEngine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
             timings=replace(request.timings, token_times=request.timings.token_times[:]),
+            lora_name=request.lora_name,
         )

@@ -74,6 +74,7 @@ class EngineSnapshot:
     num_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    num_resident_loras: int = 0  # LoRA adapters in the model's slots
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     @property
@@ -113,6 +114,7 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         num_steps=stats.num_steps,
         prefill_tokens=stats.prefill_tokens,
         decode_tokens=stats.decode_tokens,
+        num_resident_loras=len(scheduler.lora_slots.resident),
         spec=replace(
             scheduler.spec_stats,
             accepted_per_position=list(scheduler.spec_stats.accepted_per_position),

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from iterserve.core.lora import LoRARequest
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
 from iterserve.pooling_params import PoolingParams
@@ -82,6 +83,7 @@ class GenerationRequest:
     fill_context: bool = False
     # An embedding request (`params` unused): pooled, not sampled (LLMEngine.add_request).
     pooling: PoolingParams | None = None
+    lora: LoRARequest | None = None  # the LoRA adapter it runs (None: the base model)
 
 
 def expand_n(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from iterserve.core.lora import LoRARequest
 from iterserve.engine.metrics import EngineSnapshot
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.request_stream import GenerationRequest, RequestStream
@@ -55,6 +56,9 @@ class ServedModel:
     # big its KV cache is and why, for /health (a data-parallel front end reports its first
     # replica's).
     compute: dict[str, str] = field(default_factory=dict)
+    # The LoRA adapters it serves from the start (--lora-modules), and whether it takes more.
+    loras: tuple[LoRARequest, ...] = ()
+    lora_enabled: bool = False
 
 
 class ServingEngine(Protocol):

@@ -17,6 +17,8 @@ import torch
 
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.lora_linear import LoRABatch
+from iterserve.model.lora_model import LoRAModel
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class ForwardSeq:
     num_logits: int  # logits at this many of the last positions (0: none)
     # Rows (of token_ids) whose final-norm hidden states an embedding pools.
     hidden_rows: range = range(0)
+    lora_slot: int = -1  # the slot of its LoRA adapter (-1: the base model)
 
 
 class PagedModel:
@@ -50,6 +53,8 @@ class PagedModel:
         # The last forward()'s final-norm hidden states at its sequences' `hidden_rows`, in
         # order [rows, hidden] (None: it asked for none).
         self.last_hidden: torch.Tensor | None = None
+        # Its LoRA slots, when it serves adapters (model/lora_model.py).
+        self.lora: LoRAModel | None = model.lora
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor:
@@ -80,7 +85,13 @@ class PagedModel:
         )
         indices = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         start = time.perf_counter()
-        hidden = self.model.hidden_states(*inputs, meta, self.kv_caches)
+        if self.lora is not None:
+            self.lora.state.batch = _lora_batch(seqs, self.device)
+        try:
+            hidden = self.model.hidden_states(*inputs, meta, self.kv_caches)
+        finally:
+            if self.lora is not None:
+                self.lora.state.batch = None
         logits = self.model.logits(hidden, indices)
         self.last_hidden = None
         if hidden_indices:
@@ -112,3 +123,10 @@ class PagedModel:
             self.forward(seqs)
         self.model.freeze_compiled()
         return time.perf_counter() - start
+
+
+def _lora_batch(seqs: Sequence[ForwardSeq], device: torch.device) -> LoRABatch | None:
+    """Each token's LoRA slot; None when every row runs the base model."""
+    if all(seq.lora_slot < 0 for seq in seqs):
+        return None
+    return LoRABatch([seq.lora_slot for seq in seqs for _ in seq.token_ids], device)

@@ -22,6 +22,7 @@ from iterserve.core.outputs import (
     TokenLogprobs,
 )
 from iterserve.executor.draft_model import DraftModelProposer
+from iterserve.executor.lora_adapters import LoRAAdapters
 from iterserve.executor.paged_model import ForwardSeq, PagedModel
 from iterserve.executor.pooler import Pooler, hidden_rows
 from iterserve.model.llama import LlamaForCausalLM
@@ -50,6 +51,8 @@ class TorchRunner:
         self.pooler = Pooler()
         if drafts is not None:
             drafts.structured = self.structured
+        # The LoRA adapters it serves, when the network has slots for them.
+        self.adapters = LoRAAdapters(network.lora) if network.lora is not None else None
         # Requests without a seed share one stream, seeded so runs are repeatable.
         torch.manual_seed(seed)
 
@@ -75,6 +78,8 @@ class TorchRunner:
             self.pooler.drop(request_id)
         if scheduled.is_empty:
             return ModelOutput({})
+        if self.adapters is not None:
+            self.adapters.prepare(scheduled.seqs)
         # The last token's position and every draft's, after any prompt-scoring rows; the
         # rows an embedding pools.
         logits = self.network.forward(
@@ -85,6 +90,7 @@ class TorchRunner:
                     seq.token_ids,
                     seq.num_logits,
                     hidden_rows(seq),
+                    seq.lora_slot,
                 )
                 for seq in scheduled.seqs
             ]

@@ -17,6 +17,7 @@ from iterserve.model.host_memory import release_freed_memory
 from iterserve.model.linear import Backend, WeightMode, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
+from iterserve.model.lora_model import LoRAModel
 
 logger = logging.getLogger("iterserve.model")
 
@@ -122,6 +123,8 @@ def build_model(
     choice = choose_weights(config, loaded, backend)
     model.load(loaded.weights, backend, choice.quantized, choice.mode)
     release_freed_memory()
+    if config.lora.enabled:  # slotted projections; layers op by op and eager (lora_model.py)
+        LoRAModel(model, config.lora.max_loras, config.lora.max_lora_rank)
     use_kernel = _attends_in_kernel(config, loaded.config, device)
     if use_kernel:
         model.use_kernel_ops(kernels.ops())
@@ -136,7 +139,7 @@ def build_model(
             f"--batch-invariant needs iterserve's fused kernels (bf16 on a CPU they run on): "
             f"{reason}"
         )
-    compiled = config.compile and not fused and _can_compile(device)
+    compiled = config.compile and not fused and model.lora is None and _can_compile(device)
     if compiled:
         _use_persistent_compile_cache()
         model.compile_layers()

@@ -321,6 +321,9 @@ class LlamaForCausalLM(nn.Module):
         self.embedding: TokenEmbedding | None = None
         self.fused_layers = False
         self.backend: Backend = "torch"
+        # Its LoRA slots when it serves adapters: the LoRAModel (model/lora_model.py, which
+        # imports this module) sets itself here.
+        self.lora: Any = None
         self._run_layers: Callable[..., torch.Tensor] = self._layers
 
     def _grow_rope(self, positions: int) -> None:

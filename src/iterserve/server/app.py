@@ -21,6 +21,7 @@ from iterserve.chat.tool_parsers import select_tool_parser
 from iterserve.engine.serving_engine import ServingEngine
 from iterserve.server.access_log import AccessLogMiddleware
 from iterserve.server.errors import APIError, install_error_handlers
+from iterserve.server.lora_routes import lora_routes
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.openai_routes import openai_routes
 from iterserve.server.response_store import IN_MEMORY, ResponseStore, Retention
@@ -85,6 +86,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
 
     guarded = [Depends(_api_key_check(settings.api_key))]
     app.include_router(openai_routes(ctx), dependencies=guarded)
+    app.include_router(lora_routes(ctx, async_engine.served_model.lora_enabled), dependencies=guarded)
     app.include_router(stored_response_routes(store), dependencies=guarded)
     # vLLM's paths, outside /v1 but behind the same key.
     app.include_router(admin_routes(async_engine), dependencies=guarded)
@@ -108,6 +110,7 @@ def _serving_context(
         reasoning=ReasoningSupport.for_model(
             settings.reasoning_parser, model.tokenizer, model.chat_template
         ),
+        loras={lora.lora_name: lora for lora in model.loras},
     )
     logger.info(
         "tool calls: %s (--tool-call-parser %s)",

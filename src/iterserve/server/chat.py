@@ -109,6 +109,7 @@ async def start_chat(
         body.lane,
         body.priority,
         fill_context=body.token_limit is None,  # OpenAI chat: no limit means what is left
+        lora=ctx.loras.get(model),
     )
     return ChatRun(body, model, params, plan, reasoning, submitted)
 

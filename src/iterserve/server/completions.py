@@ -56,6 +56,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
         body.lane,
         body.priority,
         fill_context=body.max_tokens is None,
+        lora=ctx.loras.get(model),
     )
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> CompletionResponse:

@@ -154,6 +154,8 @@ _SNAPSHOT_SERIES: tuple[tuple[_Kind, str, str, Callable[[EngineSnapshot], float]
      "Tokens computed for requests that had ended: asynchronous scheduling plans a step "
      "before the last one's stop tokens and strings are known", lambda s: s.num_discarded_tokens),
     (_C, "engine_steps", "Engine iterations run", lambda s: s.num_steps),
+    (_G, "lora_resident_adapters", "LoRA adapters in the model's slots (at most --max-loras)",
+     lambda s: s.num_resident_loras),
     (_C, "prefill_tokens_computed", "Prompt tokens run through the model",
      lambda s: s.prefill_tokens),
     (_C, "decode_tokens_computed", "Decode tokens run through the model",
@@ -253,6 +255,19 @@ class ServerMetrics:
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Arrival to first scheduled", per
         )
+        # Per LoRA adapter ("" for the base model), counted once for a fleet.
+        self.lora_requests = Counter(
+            "iterserve:lora_requests", "Engine requests ended, by LoRA adapter", ["adapter"],
+            registry=r,
+        )
+        self.lora_prompt_tokens = Counter(
+            "iterserve:lora_prompt_tokens", "Prompt tokens of ended requests, by LoRA adapter",
+            ["adapter"], registry=r,
+        )
+        self.lora_generation_tokens = Counter(
+            "iterserve:lora_generation_tokens", "Tokens generated, by LoRA adapter",
+            ["adapter"], registry=r,
+        )
         r.register(_EngineCollector(engine))
 
     def _histogram(self, name: str, documentation: str, labels: list[str]) -> Histogram:
@@ -275,6 +290,11 @@ class ServerMetrics:
     def observe_finished(self, output: RequestOutput | None, reason: str, replica: int) -> None:
         """One engine request ended on engine `replica` (called on the event loop): counted
         for that replica and for the fleet, or once for a single engine."""
+        if output is not None:
+            adapter = output.lora_name or ""
+            self.lora_requests.labels(adapter).inc()
+            self.lora_prompt_tokens.labels(adapter).inc(len(output.prompt_token_ids))
+            self.lora_generation_tokens.labels(adapter).inc(len(output.token_ids))
         if self._replica_labels:
             self._observe(output, reason, (self._replica_labels[replica],))
             self._observe(output, reason, (FLEET,))

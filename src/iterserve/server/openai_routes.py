@@ -31,6 +31,15 @@ def openai_routes(ctx: ServingContext) -> APIRouter:
                 ModelCard(id=name, root=ctx.served_model_names[0], max_model_len=ctx.max_model_len)
                 for name in ctx.served_model_names
             ]
+            + [
+                ModelCard(
+                    id=name,
+                    root=lora.lora_path,
+                    parent=ctx.served_model_names[0],
+                    max_model_len=ctx.max_model_len,
+                )
+                for name, lora in ctx.loras.items()
+            ]
         )
 
     @v1.post("/completions")

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from iterserve.chat.reasoning import ReasoningSupport
 from iterserve.chat.tool_parsers import ToolParser
+from iterserve.core.lora import LoRARequest
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
@@ -77,6 +78,9 @@ class ServingContext:
     response_store: ResponseStore  # stored Responses (previous_response_id, GET, DELETE)
     tool_parser: ToolParser | None = None  # --tool-call-parser, or what `auto` found
     reasoning: ReasoningSupport | None = None  # --reasoning-parser, or what `auto` found
+    # LoRA adapters served by name (a request's `model` picks one): --lora-modules, and
+    # those /v1/load_lora_adapter added.
+    loras: dict[str, LoRARequest] = field(default_factory=dict)
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
 
@@ -85,12 +89,15 @@ class ServingContext:
         self.special_tokens = set(getattr(self.tokenizer, "all_special_tokens", ()))
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to answer with; an unknown model is the client's mistake (400)."""
+        """The name to answer with: the model's, or a LoRA adapter's; an unknown model is a
+        404 as OpenAI's (and vLLM's) `model_not_found`."""
         if requested is None or requested in self.served_model_names:
             return self.served_model_names[0]
-        served = ", ".join(repr(name) for name in self.served_model_names)
+        if requested in self.loras:
+            return requested
+        served = ", ".join(repr(name) for name in [*self.served_model_names, *self.loras])
         raise APIError(
-            400,
+            404,
             f"the model {requested!r} does not exist here; this server serves {served}",
             "model",
             "model_not_found",
@@ -205,6 +212,7 @@ async def submit(
     lane: str,
     priority: int,
     fill_context: bool,
+    lora: LoRARequest | None = None,
 ) -> Submitted:
     """Queue `params.n` choices of each (id, prompt) as one group, all or none."""
     record = access_record(raw)
@@ -221,6 +229,7 @@ async def submit(
             priority=priority,
             arrival_time=arrival,
             fill_context=fill_context,
+            lora=lora,
         )
     return Submitted(request_id, record, await ctx.engine.add(requests))
 
