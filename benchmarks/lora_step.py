@@ -60,8 +60,8 @@ def decode_step(network: PagedModel, rows: int, context: int, slots: list[int]) 
     for i in range(rows):
         blocks = tuple(range(i * per_seq, (i + 1) * per_seq))
         prompt = [(17 * i + 3 * p) % 20000 + 100 for p in range(context)]
-        network.forward([ForwardSeq(blocks, 0, prompt, 1, slots[i])])
-        seqs.append(ForwardSeq(blocks, context, [42 + i], 1, slots[i]))
+        network.forward([ForwardSeq(blocks, 0, prompt, 1, lora_slot=slots[i])])
+        seqs.append(ForwardSeq(blocks, context, [42 + i], 1, lora_slot=slots[i]))
     return seqs
 
 
@@ -95,7 +95,7 @@ def main() -> None:
         "base": (base_net, decode_step(base_net, args.rows, args.context, [-1] * args.rows)),
         "lora": (lora_net, decode_step(lora_net, args.rows, args.context, spread)),
     }
-    on_base = [ForwardSeq(s.block_ids, s.start, s.token_ids, 1, -1) for s in steps["lora"][1]]
+    on_base = [ForwardSeq(s.block_ids, s.start, s.token_ids, 1) for s in steps["lora"][1]]
     steps["lora-base"] = (lora_net, on_base)
     fns = {
         name: (lambda net=net, seqs=seqs: net.forward(seqs)) for name, (net, seqs) in steps.items()

@@ -65,7 +65,7 @@ def _run(network: PagedModel, tokens: list[list[int]], slots: list[int]) -> list
                 done[i],
                 tokens[i][done[i] : done[i] + n],
                 n,
-                slots[i],
+                lora_slot=slots[i],
             )
             for i, n in plan
         ]

@@ -120,13 +120,19 @@ def test_texts_ids_base64_and_dimensions(
         ({"input": [{"text": "x"}]}, "input"),
         ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
         ({"input": "x", "dimensions": 20}, "dimensions"),  # not a matryoshka size
-        ({"input": "x", "model": "other"}, "model"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server: RunningServer, body: dict, param: str) -> None:
     response = post(server, body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_an_unknown_model_is_openais_404(server: RunningServer) -> None:
+    response = post(server, {"input": "x", "model": "other"})
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found"), response.text
 
 
 def test_the_route_is_guarded_by_the_api_key(server: RunningServer) -> None:

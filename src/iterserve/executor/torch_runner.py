@@ -90,7 +90,7 @@ class TorchRunner:
                     seq.token_ids,
                     seq.num_logits,
                     hidden_rows(seq),
-                    seq.lora_slot,
+                    lora_slot=seq.lora_slot,
                 )
                 for seq in scheduled.seqs
             ]

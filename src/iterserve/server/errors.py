@@ -30,7 +30,7 @@ logger = logging.getLogger("iterserve.server")
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # as OpenAI answers an unknown model, id or URL
     405: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",
