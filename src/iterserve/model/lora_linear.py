@@ -83,6 +83,14 @@ class LoRABatch:
             self.gather = torch.tensor([i for r in padded for i in r], device=device)
             keep = [float(j < len(r)) for r in rows for j in range(longest)]
             self.keep = torch.tensor(keep, device=device).unsqueeze(1)
+            # Each row of the step: where its delta lies in the padded batch, or the zero
+            # row past its end (a base row). A delta comes back as one gather and one dense
+            # add: index_add_ into the output's column slice (a scatter) took 4x the products.
+            where = [len(padded) * longest] * len(token_slots)
+            for i, r in enumerate(rows):
+                for j, row in enumerate(r):
+                    where[row] = i * longest + j
+            self.scatter_back = torch.tensor(where, device=device)
             # The slots as one slice when they are 0..n-1 (the usual case: free slots are
             # taken lowest first), so the stacks are read in place, not gathered.
             dense = self.slots == list(range(len(self.slots)))
@@ -115,8 +123,9 @@ class LoRABatch:
                 rank = b_t.shape[1]
                 b = b_t[:n] if index is None else b_t.index_select(0, index)
                 delta = torch.bmm(shrunk[:, :, p * rank : (p + 1) * rank], b)
+                delta = torch.cat((delta.view(n * self.longest, -1), self._zero_row(delta)))
                 out = y[:, column : column + b_t.shape[2]]
-                out.index_add_(0, self.gather, delta.view(n * self.longest, -1).to(y.dtype))
+                out += delta.index_select(0, self.scatter_back).to(y.dtype)
             return y
         for slot, rows in self.segments:
             shrunk = x.index_select(0, rows).to(dtype) @ a_t[slot]
@@ -126,6 +135,11 @@ class LoRABatch:
                 out = y[:, column : column + b_t.shape[2]]
                 out.index_add_(0, rows, delta.to(y.dtype))
         return y
+
+
+    @staticmethod
+    def _zero_row(delta: torch.Tensor) -> torch.Tensor:
+        return delta.new_zeros(1, delta.shape[-1])
 
 
 class LoRAState:
