@@ -1,16 +1,16 @@
 """A decode step with LoRA adapters against the base model's, on the bundled model, one run.
 
 Two engines on the bundled model (its defaults: the GGUF's own blocks on iterserve's tiled
-kernels): the base, whose layers run as fused C++ ops, and one with --enable-lora
---max-loras 8 --max-lora-rank 16, whose layers run op by op with the adapters' deltas
-(model/lora_linear.py). --rows sequences of --context tokens are prefilled in each, then one
+kernels): the base, and one with --enable-lora --max-loras 8 --max-lora-rank 16, whose
+fused C++ layers add the adapters' deltas (kernels/csrc/lora.cpp; the plan line says how each
+engine's layers run). --rows sequences of --context tokens are prefilled in each, then one
 decode step of all of them is timed, alternating between:
 
   base        the base engine's step (every row the base model)
   lora        the LoRA engine's step, the rows spread evenly over --adapters adapters (rank
               --rank, every linear layer: q, k, v, o, gate, up, down), slots all resident
   lora-base   the LoRA engine's step with every row on the base model (what serving
-              adapters costs a step that uses none: the layers op by op)
+              adapters costs a step that uses none)
 
 and prints each median, and lora / base as the ratio the issue's bar is on (a LoRA step at
 least 0.7x the base's speed, i.e. base / lora >= 0.7). Times are the network's forward only

@@ -1,8 +1,8 @@
-"""LoRA deltas on the fast CPU path (iterserve's tiled bf16 projections, C++ attention, layers
-op by op) against the torch reference (fp32), rows of three adapters and the base in one step:
-both ways of batching the deltas (padded batched products, and per-adapter segments), slots
-taken in order and out of it. The reference itself is checked against peft in
-tests/engine/test_lora.py."""
+"""LoRA deltas on the fast CPU path (iterserve's tiled bf16 projections and C++ attention, the
+deltas by csrc/lora.cpp, inside the fused layer op or layer by layer op by op) against the
+torch reference (fp32, whose deltas are batched both ways: padded batched products and
+per-adapter segments), rows of three adapters and the base in one step, slots taken in order
+and out of it. The reference itself is checked against peft in tests/engine/test_lora.py."""
 
 from __future__ import annotations
 
@@ -35,11 +35,15 @@ def _adapter(model: LoRAModel, seed: int, kinds: tuple[str, ...]) -> AdapterWeig
     return AdapterWeights(modules)
 
 
-def _network(hf: transformers.PreTrainedModel, dtype: torch.dtype, backend: str) -> PagedModel:
+def _network(
+    hf: transformers.PreTrainedModel, dtype: torch.dtype, backend: str, fused: bool = False
+) -> PagedModel:
     model = LlamaForCausalLM(model_config_of(hf), dtype, torch.device("cpu"))
     model.load(hf.state_dict(), backend)  # type: ignore[arg-type]
     lora = LoRAModel(model, max_loras=4, max_rank=RANK)
     kernel = backend == "tiled"
+    assert model.fused_layers == kernel
+    model.fused_layers = fused
     if kernel:
         from iterserve import kernels
 
@@ -118,7 +122,12 @@ def reference(hf: transformers.PreTrainedModel, tokens: list[list[int]]) -> list
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "op-by-op"])
 def test_tiled_path_with_adapters_keeps_the_reference_greedy_tokens(
-    hf: transformers.PreTrainedModel, tokens: list[list[int]], reference: list[torch.Tensor]
+    hf: transformers.PreTrainedModel,
+    tokens: list[list[int]],
+    reference: list[torch.Tensor],
+    fused: bool,
 ) -> None:
-    assert_same_greedy(reference, _run(_network(hf, torch.bfloat16, "tiled"), tokens, SLOTS))
+    network = _network(hf, torch.bfloat16, "tiled", fused)
+    assert_same_greedy(reference, _run(network, tokens, SLOTS))

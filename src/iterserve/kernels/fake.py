@@ -75,6 +75,9 @@ def _decoder_layer(
     num_kv_heads: int,
     scale: float,
     sliding_window: int,
+    lora: list[torch.Tensor],
+    lora_parts: list[int],
+    lora_rows: torch.Tensor | None,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 

@@ -123,7 +123,7 @@ def build_model(
     choice = choose_weights(config, loaded, backend)
     model.load(loaded.weights, backend, choice.quantized, choice.mode)
     release_freed_memory()
-    if config.lora.enabled:  # slotted projections; layers op by op and eager (lora_model.py)
+    if config.lora.enabled:  # slotted projections (lora_model.py)
         LoRAModel(model, config.lora.max_loras, config.lora.max_lora_rank)
     use_kernel = _attends_in_kernel(config, loaded.config, device)
     if use_kernel:

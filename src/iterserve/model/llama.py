@@ -56,6 +56,8 @@ _FUSED = {
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
 }
+# The fused layer op's LoRA arguments for a layer without adapters: no slots, no rows.
+_NO_LORA: tuple[list[torch.Tensor], list[int], None] = ([], [], None)
 # The same for checkpoints that store them fused already (FamilyTraits.fused_checkpoint).
 _FUSED_IN_CHECKPOINT = {
     **_FUSED,
@@ -143,6 +145,9 @@ class _DecoderLayer(nn.Module):
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         # The C++ ops of the kernels' ISA variant (kernels/__init__.py), set when they run.
         self.kernel_ops: Any = None
+        # With LoRA adapters on the fused path, what the layer op takes to add their deltas
+        # (model/lora_model.py's LayerSlots).
+        self.lora_slots: Any = None
 
     def build(
         self,
@@ -218,6 +223,7 @@ class _DecoderLayer(nn.Module):
             self.num_kv_heads,
             self.scale,
             self.sliding_window,
+            *(self.lora_slots.kernel_args() if self.lora_slots is not None else _NO_LORA),
         )
 
     def forward(

@@ -1,17 +1,17 @@
 """A network made to serve LoRA adapters: each decoder layer's projections wrapped with
 slots (model/lora_linear.py), and the adapters checked against it and copied into slots.
 
-The fused C++ layer op has no place for the deltas, so such a network runs its layers op by
-op (the tiled projections and the C++ attention still), and eager: a step's LoRA batch is
-Python state the compiled graph would have to guard on.
+On the fast path the fused C++ layer op adds the deltas itself (it takes the layer's slots and
+the step's rows' slots: `LayerSlots`); otherwise the layers run op by op, and eager: a step's
+LoRA batch is Python state a compiled graph would have to guard on.
 """
 
 from __future__ import annotations
 
 import torch
 
-from iterserve.model.llama import LlamaForCausalLM, _DecoderLayer
-from iterserve.model.lora_linear import LoRALinear, LoRAState, slot_dtype
+from iterserve.model.llama import _FUSED, _NO_LORA, LlamaForCausalLM, _DecoderLayer
+from iterserve.model.lora_linear import LoRALinear, LoRAState
 from iterserve.model.lora_weights import AdapterWeights
 
 
@@ -32,6 +32,20 @@ def _part_rows(layer: _DecoderLayer, name: str) -> list[int]:
     return rows[name]
 
 
+class LayerSlots:
+    """One layer's LoRA slots as the fused C++ layer op takes them: every projection's A and
+    B's in one list, how many B's each has, and the step's rows' slots."""
+
+    def __init__(self, state: LoRAState, linears: list[LoRALinear]) -> None:
+        self.state = state
+        self.tensors = [t for lin in linears for t in (lin.a, *lin.b_stacks)]
+        self.parts = [len(lin.b_stacks) for lin in linears]
+
+    def kernel_args(self) -> tuple[list[torch.Tensor], list[int], torch.Tensor | None]:
+        batch = self.state.batch
+        return _NO_LORA if batch is None else (self.tensors, self.parts, batch.row_slots)
+
+
 class LoRAModel:
     """The LoRA side of one network: its slotted projections and the step's batch."""
 
@@ -44,6 +58,7 @@ class LoRAModel:
         self.shapes: dict[str, tuple[int, int]] = {}
         for layer in model.layers:
             assert isinstance(layer, _DecoderLayer)
+            wrapped_here = []
             for name, linear in list(layer.linears.items()):
                 parts = [
                     (f"model.layers.{layer.index}.{part}", rows)
@@ -57,13 +72,18 @@ class LoRAModel:
                     self.state,
                     max_loras,
                     max_rank,
-                    slot_dtype(model.dtype, model.device),
+                    model.dtype,
                     model.device,
                 )
                 layer.linears[name] = wrapped  # type: ignore[assignment]
-                self.linears.append(wrapped)
+                wrapped_here.append(wrapped)
                 self.shapes.update({part: (rows, linear.in_features) for part, rows in parts})
-        model.fused_layers = False  # the C++ layer op cannot add the deltas
+            self.linears.extend(wrapped_here)
+            if layer.fused is not None and all(w.kernel_ops is not None for w in wrapped_here):
+                layer.lora_slots = LayerSlots(self.state, [layer.linears[n] for n in _FUSED])
+            else:
+                layer.fused = None  # its layer op could not add the deltas: op by op
+        model.fused_layers = all(layer.fused is not None for layer in model.layers)
         model.lora = self
 
     def load_slot(self, slot: int, adapter: AdapterWeights) -> None:
@@ -73,5 +93,5 @@ class LoRAModel:
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for lin in self.linears for t in (lin.a_t, *(b for _, b in lin.b_parts))]
+        tensors = [t for lin in self.linears for t in (lin.a, *lin.b_stacks)]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -164,17 +164,26 @@ void head_norm_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const Tenso
 
 // The layer's four projections (qkv, o, gate_up, down): each's weight segments and their
 // formats, in order in `weights` and `formats` (`segments` says how many each has), and its
-// bias.
+// bias; with LoRA adapters, each's slots (A, then its parts' B's, in `lora`; `lora_parts` says
+// how many B's) and the step's rows' slots, whose deltas are added to its output.
 struct Projections {
   const at::TensorList weights;
   const std::vector<int64_t>& formats;
   std::vector<int64_t> first;  // index of each projection's first segment
   const c10::List<std::optional<Tensor>>& biases;
+  const at::TensorList lora;
+  std::vector<int64_t> lora_first;  // index of each projection's A in `lora` (empty: no LoRA)
+  const std::optional<Tensor>& lora_rows;
 
   Tensor operator()(int64_t i, const Tensor& x, const std::optional<Tensor>& residual) const {
     const int64_t begin = first[i], count = first[i + 1] - begin;
-    return tiled_linear(x, weights.slice(begin, count),
-                        c10::IntArrayRef(formats).slice(begin, count), biases.get(i), residual);
+    Tensor y = tiled_linear(x, weights.slice(begin, count),
+                            c10::IntArrayRef(formats).slice(begin, count), biases.get(i), residual);
+    if (!lora_first.empty() && lora_rows && lora_rows->defined()) {
+      const int64_t a = lora_first[i], parts = lora_first[i + 1] - a - 1;
+      lora_add_(y, x, lora[a], lora.slice(a + 1, parts), *lora_rows);
+    }
+    return y;
   }
 };
 
@@ -184,7 +193,9 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                      const std::optional<Tensor>& qk_norm, const Tensor& key_cache,
                      const Tensor& value_cache, const Tensor& slot_mapping, const Tensor& step,
                      const Tensor& rope_cos, const Tensor& rope_sin, int64_t num_heads,
-                     int64_t num_kv_heads, double scale, int64_t sliding_window) {
+                     int64_t num_kv_heads, double scale, int64_t sliding_window,
+                     at::TensorList lora, c10::IntArrayRef lora_parts,
+                     const std::optional<Tensor>& lora_rows) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
                   hidden.stride(1) == 1,
               "decoder_layer: hidden must be [tokens, hidden] bf16 with contiguous rows");
@@ -204,8 +215,17 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
   const int64_t head_dim = cache_head_dim(key_cache);
   TORCH_CHECK(rope_cos.size(1) == head_dim && rope_sin.sizes() == rope_cos.sizes(),
               "decoder_layer: rope tables must be [positions, head_dim]");
+  std::vector<int64_t> lora_first;
+  if (!lora_parts.empty()) {
+    TORCH_CHECK(lora_parts.size() == 4, "decoder_layer: LoRA slots for the 4 projections");
+    lora_first.push_back(0);
+    for (int64_t parts : lora_parts) lora_first.push_back(lora_first.back() + 1 + parts);
+    TORCH_CHECK(lora_first.back() == static_cast<int64_t>(lora.size()),
+                "decoder_layer: lora_parts count ", lora_first.back(), " slot tensors, not ",
+                lora.size());
+  }
   const std::vector<int64_t> fmt(formats.begin(), formats.end());
-  const Projections project{weights, fmt, first, biases};
+  const Projections project{weights, fmt, first, biases, lora, lora_first, lora_rows};
   const int64_t M = hidden.size(0);
   const std::vector<int64_t> pos = positions_of(step, M);
   for (int64_t p : pos)
@@ -241,7 +261,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor[] weights, int[] formats, int[] segments, Tensor?[] biases, Tensor? qk_norm, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
       "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
-      "int sliding_window) -> Tensor");
+      "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

@@ -79,4 +79,9 @@ at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& slot_mapping, const at::Tensor& step,
                             double scale, int64_t sliding_window);
 
+// lora.cpp: y[r] += row r's adapter's delta, x[r] A[slot]^T then each part's B[slot] into its
+// columns of y (row_slots[r] = -1: none).
+void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
+               at::TensorList b_parts, const at::Tensor& row_slots);
+
 }  // namespace iterserve
