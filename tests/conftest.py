@@ -133,26 +133,41 @@ def kernel_test_isas(with_generic: bool = False) -> list[str | None]:
     return chosen
 
 
-def _use_isa(name: str | None, monkeypatch: pytest.MonkeyPatch) -> str:
+# Threads the kernels' tests run on, whatever the process has (`make test` gives each worker
+# one): the kernels split work across threads, and a split must meet the same answers.
+KERNEL_TEST_THREADS = 2
+
+
+def _use_isa(name: str | None, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    import torch
+
     from iterserve import kernels
 
     if name is not None:
         monkeypatch.setenv("ITERSERVE_ISA", name)
     if not kernels.available():
         pytest.skip(f"C++ kernels unavailable: {kernels.why_unavailable()}")
-    return kernels.isa() or ""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(KERNEL_TEST_THREADS)
+    try:
+        yield kernels.isa() or ""
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=kernel_test_isas())
-def kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs the test once per ISA variant of the kernels (see kernel_test_isas)."""
-    return _use_isa(request.param, monkeypatch)
+def kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Runs the test once per ISA variant of the kernels (see kernel_test_isas), on
+    KERNEL_TEST_THREADS threads."""
+    yield from _use_isa(request.param, monkeypatch)
 
 
 @pytest.fixture(params=kernel_test_isas(with_generic=True))
-def any_kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def any_kernel_isa(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
     """kernel_isa plus the generic build: for the kernels' own unit tests."""
-    return _use_isa(request.param, monkeypatch)
+    yield from _use_isa(request.param, monkeypatch)
 
 
 # Tests that start clusters or process groups of their own (Ray, torch.distributed), or

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import kernel_test_isas
 from iterserve import LLM, SamplingParams, kernels
 
 pytestmark = pytest.mark.slow  # processes of their own, or the bundled model
@@ -30,15 +31,20 @@ def test_chat_template_from_the_gguf(llm: LLM) -> None:
     assert out.finish_reason in ("stop", "length")
 
 
-@pytest.mark.usefixtures("kernel_isa")  # once per ISA variant (conftest.kernel_test_isas)
-@pytest.mark.parametrize(
-    "weights,formats",
-    [("auto", "Q4_1+Q8_0"), ("int4", "Q4_1+Q8_0"), ("int8", "Q8_0"), ("bf16", "bf16")],
-)
-def test_every_weight_format_answers_paris(weights: str, formats: str) -> None:
-    """Every --weights choice on every ISA variant (auto: the file's blocks at every step
-    size; int8: everything made Q8_0; bf16: everything dense); a prompt of over 16 tokens runs
-    the many-row kernels (a panel of decoded tiles)."""
+def _weight_cases() -> list[tuple[str | None, str, str]]:
+    """Every --weights choice on the best ISA variant here; AVX2 (where it is another variant)
+    runs the default only, its kernels for every format being checked one by one in
+    tests/kernels/ (each whole-model case is 10-40 s)."""
+    choices = [("auto", "Q4_1+Q8_0"), ("int4", "Q4_1+Q8_0"), ("int8", "Q8_0"), ("bf16", "bf16")]
+    best, *others = kernel_test_isas()
+    return [(best, *c) for c in choices] + [(isa, *choices[0]) for isa in others]
+
+
+@pytest.mark.parametrize("kernel_isa,weights,formats", _weight_cases(), indirect=["kernel_isa"])
+def test_every_weight_format_answers_paris(kernel_isa: str, weights: str, formats: str) -> None:
+    """auto: the file's blocks at every step size; int8: everything made Q8_0; bf16:
+    everything dense. A prompt of over 16 tokens runs the many-row kernels (a panel of decoded
+    tiles)."""
     llm = LLM(weights=weights, max_num_seqs=2)
     assert llm.engine.model_plan.weights == formats
     prompt = "The Eiffel Tower is a famous landmark. It stands in the capital city of France, which is called"
