@@ -27,8 +27,9 @@ run: setup
 # Every test, the slow ones included (nothing is deselected by default), on two workers: a
 # module's tests stay together, the distributed ones share a worker (tests/conftest.py).
 # One OpenMP thread a worker (and in the servers they start): two workers of two threads each
-# on two cores spent ~40% of their CPU time waiting at each other's barriers. The kernels'
-# tests run their own cases on two threads (conftest's kernel_isa).
+# on two cores wait at each other's barriers (2-core machine, 2026-11-29: 1173 s with two
+# threads a worker, 903 s with one). The kernels' tests run their own cases on two threads
+# (conftest's kernel_isa).
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup
