@@ -124,7 +124,13 @@ def build_model(
     model.load(loaded.weights, backend, choice.quantized, choice.mode)
     release_freed_memory()
     if config.lora.enabled:  # slotted projections (lora_model.py)
-        LoRAModel(model, config.lora.max_loras, config.lora.max_lora_rank)
+        lora = LoRAModel(model, config.lora.max_loras, config.lora.max_lora_rank)
+        logger.info(
+            "LoRA: %d slots of rank %d, %.0f MiB",
+            lora.max_loras,
+            lora.max_rank,
+            lora.nbytes / 2**20,
+        )
     use_kernel = _attends_in_kernel(config, loaded.config, device)
     if use_kernel:
         model.use_kernel_ops(kernels.ops())
