@@ -246,34 +246,46 @@ def _exclusive(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_and_load(variant: Isa) -> None:
+def build_and_load_library(
+    name: str, sources: list[str], cflags: list[str], build_dir: Path, includes: list[str]
+) -> None:
+    """Load the shared library `name` from `build_dir`, building it first unless a finished
+    build is there. Safe against other processes building it at once and against a build
+    killed part-way (tests/kernels/test_build_cache.py)."""
     from torch.utils import cpp_extension
 
-    _ensure_ninja_on_path()
-    sources = sorted(str(p) for p in _CSRC.glob("*.cpp"))
-    name = f"iterserve_kernels_{variant.name}"
-    build_dir = build_directory(variant)
     build_dir.mkdir(parents=True, exist_ok=True)
     if (build_dir / _BUILT).exists():
         torch.ops.load_library(str(build_dir / f"{name}.so"))
-    else:
-        with _exclusive(build_dir / "iterserve.lock"):
-            # torch's own baton is a plain file: a process killed mid-build leaves it behind
-            # and every later load waits for it for ever. Under this lock, which the OS lets
-            # go when its holder dies, no build of ours is running, so a baton left there is
-            # stale.
-            (build_dir / "lock").unlink(missing_ok=True)
-            cpp_extension.load(
-                name=name,
-                sources=sources,
-                extra_cflags=compile_flags(variant),
-                extra_include_paths=[str(_CSRC)],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=os.environ.get("ITERSERVE_KERNELS_VERBOSE") == "1",
-            )
-            (build_dir / _BUILT).touch()
+        return
+    with _exclusive(build_dir / "iterserve.lock"):
+        # torch's own baton is a plain file: a process killed mid-build leaves it behind and
+        # every later load waits for it for ever. Under this lock, which the OS lets go when
+        # its holder dies, no build of ours is running, so a baton left there is stale.
+        (build_dir / "lock").unlink(missing_ok=True)
+        _ensure_ninja_on_path()
+        cpp_extension.load(  # builds what is not built yet (ninja), then loads
+            name=name,
+            sources=sources,
+            extra_cflags=cflags,
+            extra_include_paths=includes,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=os.environ.get("ITERSERVE_KERNELS_VERBOSE") == "1",
+        )
+        (build_dir / _BUILT).touch()
+
+
+def _build_and_load(variant: Isa) -> None:
+    sources = sorted(str(p) for p in _CSRC.glob("*.cpp"))
+    build_and_load_library(
+        f"iterserve_kernels_{variant.name}",
+        sources,
+        compile_flags(variant),
+        build_directory(variant),
+        [str(_CSRC)],
+    )
     from iterserve.kernels.fake import register_fakes
 
     register_fakes(_namespace(variant.name))
