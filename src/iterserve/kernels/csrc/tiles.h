@@ -269,11 +269,35 @@ ITERSERVE_INLINE void chunk_dots(const Rows& rows, int64_t m0, int64_t blk, cons
 template <int H>
 constexpr int64_t panel_block_bytes() { return 512 + 2 * 64 * H; }
 
+// Bytes a thread reads next (its next pass of tiles), asked for a few cache lines at a time
+// while it computes this pass, so that the next pass finds its weights in L2: without it a
+// 16-row step waited on memory while it decoded and computed while memory idled
+// (benchmarks/linear_kernels.py).
+struct Prefetcher {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t each = 0;  // lines a step: the next pass's lines / this pass's steps, rounded up
+
+  Prefetcher() = default;
+  Prefetcher(const char* begin, const char* stop, int64_t steps)
+      : next(begin), end(stop), each(steps > 0 ? ((stop - begin) / 64 + steps - 1) / steps : 0) {}
+  ITERSERVE_INLINE void step() {
+    for (int64_t i = 0; i < each && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
+  }
+};
+
+// A span of bytes: what a thread reads after its current pass (empty: nothing known).
+struct Span {
+  const uint8_t* begin = nullptr;
+  const uint8_t* end = nullptr;
+};
+
 // Few rows: MR rows x NT tiles (from tile0), decoding each block in registers; `Store`: leaving
 // them decoded in `panel` (the first of these tiles' decoded blocks) for the rows after.
 template <typename Codec, int MR, int NT, bool Store = false>
 inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t stride,
-                        int64_t tile0, const Epilogue& ep, uint8_t* panel = nullptr) {
+                        int64_t tile0, const Epilogue& ep, uint8_t* panel = nullptr,
+                        Prefetcher* ahead = nullptr) {
   constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
   constexpr int64_t kPanelBlock = panel_block_bytes<H>();
   const int64_t units = rows.K / Codec::kInputs, panel_tile = rows.K / kBlock * kPanelBlock;
@@ -284,6 +308,7 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
       p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
     for (int b = 0; b < kBlocks; ++b) {
       const int64_t blk = u * kBlocks + b;
+      if (ahead) ahead->step();
       // Each tile's unit a unit or two ahead, a few lines a block: the hardware's streams
       // alone left one-row steps at 81-92% of the memory's speed and four-row steps at 60-73%
       // (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4).
@@ -317,18 +342,6 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
   }
   store_all<MR, NT>(ep, m0, tile0, acc);
 }
-
-// The next pass's weights, asked for a few cache lines at a time while this pass computes,
-// so that decoding them finds them in L2: without it a 16-row step waited on memory while it
-// decoded a panel and computed while memory idled (benchmarks/linear_kernels.py).
-struct Prefetcher {
-  const char* next;
-  const char* end;
-  static constexpr int kLinesEach = 3;  // ~ the next pass's lines / the blocks computed now
-  ITERSERVE_INLINE void step() {
-    for (int i = 0; i < kLinesEach && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
-  }
-};
 
 template <bool Signed, int H, bool Offset, int MR, int NT>
 inline void panel_tiles(const Rows& rows, int64_t m0, const uint8_t* panel, int64_t j0,
@@ -374,8 +387,8 @@ constexpr int tiles_per_step() {
   return 1;
 }
 
-// Steps of up to this many rows are bound by the bytes they read (threads split the tiles by
-// bytes); larger ones by arithmetic (split by tiles).
+// Steps of up to this many rows are one row group, bound by the bytes they read; larger ones
+// are bound by arithmetic, their row groups reading each pass's weights again from L2.
 constexpr int64_t kRegisterRows = 4;
 // Tiles per pass of the register road: their weights (8 x 16 outputs x K inputs) stay in L2
 // while every block of rows reads them, so a weight comes from memory once per step however
@@ -419,34 +432,69 @@ ITERSERVE_INLINE void tile_steps(int64_t t_begin, int64_t t_end, F&& run) {
   for (; t < t_end; ++t) run(std::integral_constant<int, 1>{}, t);
 }
 
+// Row groups row_groups<MaxRows> makes of M rows, and tile steps tile_steps<NT> makes of n tiles.
+template <int MaxRows>
+constexpr int64_t row_group_count(int64_t M) { return M / MaxRows + (M % MaxRows ? 1 : 0); }
+template <int NT>
+constexpr int64_t tile_step_count(int64_t n) { return n / NT + n % NT; }
+
+// Tiles of a panel pass: their decoded panel within kPanelBytes.
+template <int H>
+int64_t panel_pass_tiles(int64_t K) {
+  return std::clamp<int64_t>(kPanelBytes / ((K / kBlock) * panel_block_bytes<H>()), 1, kTilesPerPass);
+}
+
+// Tiles [t_begin, t_end) of a block segment, a pass at a time; while a pass computes, the
+// next one's weights (or `after`'s, past the last pass) are prefetched into L2 when later row
+// groups would otherwise wait for them.
 template <typename Codec>
 void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begin, int64_t t_end,
-                 const Epilogue& ep) {
+                 const Epilogue& ep, Span after) {
   constexpr int H = Codec::kHalves;
+  const int64_t blocks = rows.K / kBlock;
+  // What a thread reads once the pass [t0, t1) is done.
+  auto next_span = [&](int64_t t1, int64_t per_pass) {
+    if (t1 >= t_end) return after;
+    return Span{seg.data + t1 * seg.stride, seg.data + std::min(t1 + per_pass, t_end) * seg.stride};
+  };
   if (M < Codec::kPanelFrom) {
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
       const int64_t t1 = std::min(t0 + kTilesPerPass, t_end);
+      // A few rows are one row group, whose own prefetch runs ahead of it within its tiles.
+      const bool ahead_of_pass = M > kRegisterRows;
+      Prefetcher ahead;
+      if (ahead_of_pass) {
+        const Span next = next_span(t1, kTilesPerPass);
+        // Blocks the pass's row groups step through (each group's tile steps, the widest).
+        const int64_t steps = row_group_count<4>(M) * tile_step_count<tiles_per_step<4, H>()>(t1 - t0) * blocks;
+        ahead = Prefetcher(reinterpret_cast<const char*>(next.begin),
+                           reinterpret_cast<const char*>(next.end), steps);
+      }
       row_groups<4>(M, [&](auto mr, int64_t m0) {
         constexpr int MR = decltype(mr)::value;
         tile_steps<tiles_per_step<MR, H>()>(t0, t1, [&](auto nt, int64_t t) {
           constexpr int NT = decltype(nt)::value;
-          block_tiles<Codec, MR, NT>(rows, m0, seg.data, seg.stride, t, ep.shifted(seg.first));
+          block_tiles<Codec, MR, NT>(rows, m0, seg.data, seg.stride, t, ep.shifted(seg.first),
+                                     nullptr, ahead_of_pass ? &ahead : nullptr);
         });
       });
     }
     return;
   }
-  const int64_t panel_tile = (rows.K / kBlock) * panel_block_bytes<H>();
-  const int64_t per_pass = std::clamp<int64_t>(kPanelBytes / panel_tile, 1, kTilesPerPass);
+  const int64_t panel_tile = blocks * panel_block_bytes<H>();
+  const int64_t per_pass = panel_pass_tiles<H>(rows.K);
   thread_local std::vector<uint8_t> panel;
   if (static_cast<int64_t>(panel.size()) < per_pass * panel_tile) panel.resize(per_pass * panel_tile);
+  constexpr int kFirst = 4;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += per_pass) {
     const int64_t t1 = std::min(t0 + per_pass, t_end);
-    const auto* next = reinterpret_cast<const char*>(seg.data + t1 * seg.stride);
-    Prefetcher ahead{next, next + (std::min(t1 + per_pass, t_end) - t1) * seg.stride};
+    const Span next = next_span(t1, per_pass);
+    const int64_t steps = row_group_count<panel_rows<H>()>(M - kFirst) *
+                          tile_step_count<panel_tiles_per_step<H>()>(t1 - t0) * blocks;
+    Prefetcher ahead(reinterpret_cast<const char*>(next.begin),
+                     reinterpret_cast<const char*>(next.end), steps);
     // The first rows decode the tiles in registers as a few-row step does, leaving them in
     // the panel: the weights stream from memory under their dot products.
-    constexpr int kFirst = 4;
     tile_steps<tiles_per_step<kFirst, H>()>(t0, t1, [&](auto nt, int64_t t) {
       constexpr int NT = decltype(nt)::value;
       block_tiles<Codec, kFirst, NT, true>(rows, 0, seg.data, seg.stride, t,
@@ -482,35 +530,44 @@ void dense_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
 }
 
 void segment_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begin,
-                   int64_t t_end, const Epilogue& ep) {
+                   int64_t t_end, const Epilogue& ep, Span after = {}) {
   if (seg.format == Format::kBf16) return dense_range<false>(seg, rows, M, t_begin, t_end, ep);
   if (seg.format == Format::kF16) return dense_range<true>(seg, rows, M, t_begin, t_end, ep);
   with_codec(seg.format, [&](auto codec) {
-    codec_range<decltype(codec)>(seg, rows, M, t_begin, t_end, ep);
+    codec_range<decltype(codec)>(seg, rows, M, t_begin, t_end, ep, after);
   });
 }
 
-// Thread i's share of all tiles, [bounds[i], bounds[i + 1]), by equal shares of the cost:
-// bytes read at few rows (weights streamed once), outputs at many (arithmetic).
-std::vector<int64_t> split_tiles(const std::vector<Segment>& segs, int64_t M, int threads) {
-  double total = 0;
-  std::vector<double> cost(segs.size());
+// Tiles of one pass of the road a step of M rows takes through a segment: the tiles whose
+// weights stay in L2 while every row group reads them.
+inline int64_t pass_tiles(const Segment& seg, int64_t K, int64_t M) {
+  int64_t tiles = kTilesPerPass;
+  with_codec(seg.format, [&](auto codec) {
+    using Codec = decltype(codec);
+    if (M >= Codec::kPanelFrom) tiles = panel_pass_tiles<Codec::kHalves>(K);
+  });
+  return tiles;
+}
+
+// What a thread takes at a time: a pass of one segment's tiles.
+struct Chunk {
+  int64_t seg;
+  int64_t t_begin, t_end;  // the segment's own tile numbers
+};
+
+// All the weight's tiles as chunks, segment after segment, in the order they lie in memory.
+// Threads claim them one after another as they finish the last (linear.cpp), so a thread
+// that runs slower (a busier core, a sibling hyperthread, an efficiency core, another VM's
+// load on its host core) takes fewer, where an equal split of the tiles had every step wait
+// for it at the end.
+inline std::vector<Chunk> chunks(const std::vector<Segment>& segs, int64_t K, int64_t M) {
+  std::vector<Chunk> out;
   for (size_t s = 0; s < segs.size(); ++s) {
-    cost[s] = M <= kRegisterRows ? static_cast<double>(segs[s].stride) : 1.0;
-    total += cost[s] * static_cast<double>(segs[s].tiles);
+    const int64_t per = pass_tiles(segs[s], K, M);
+    for (int64_t t = 0; t < segs[s].tiles; t += per)
+      out.push_back({static_cast<int64_t>(s), t, std::min(t + per, segs[s].tiles)});
   }
-  std::vector<int64_t> bounds(threads + 1, 0);
-  double done = 0;
-  int next = 1;
-  for (size_t s = 0; s < segs.size(); ++s)
-    for (int64_t t = 0; t < segs[s].tiles; ++t) {
-      while (next < threads && done >= total * next / threads) bounds[next++] = segs[s].first + t;
-      done += cost[s];
-    }
-  const int64_t all = segs.empty() ? 0 : segs.back().first + segs.back().tiles;
-  for (; next <= threads; ++next) bounds[next] = all;
-  bounds[threads] = all;
-  return bounds;
+  return out;
 }
 
 }  // namespace iterserve
