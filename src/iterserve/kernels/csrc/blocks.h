@@ -106,10 +106,16 @@ ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
 // Rows of a step from which a format's tiles are decoded once into a panel for all the rows
 // (tiles.h) rather than in registers once every 4 rows: where values are assembled from
 // several planes (5-6 bits, Q3_K) or scaled per 16 inputs (Q2_K), decoding costs more than the
-// panel's stores from 9 rows on; nibbles, bytes and table lookups never pay for a panel
-// (a standalone timing of tiles.h, 1B layers, 2026-11-28, avx512vnni: Q4_K 16 rows 22.5 ms in
-// registers against 25.9 through a panel, Q8_0 26.1 / 28.6, IQ4_NL 21.7 / 24.7; Q6_K 36.4 /
-// 30.9, Q5_K 27.5 / 26.4 and 52.5 / 45.6 at 32 rows).
+// panel's stores from 9 rows on (a standalone timing of tiles.h, 1B layers, 2026-11-28,
+// avx512vnni: Q6_K 36.4 ms in registers against 30.9 through a panel at 16 rows, Q5_K 27.5 /
+// 26.4 and 52.5 / 45.6 at 32 rows). Where a 256-input unit's scales take several instructions
+// a block to build (Q4_K's 6-bit scales and minimums, IQ4_XS's), the panel's ready scales pay
+// from 32 rows (Q4_K: at 16, a batch-16 decode step's, no gain measured beyond the noise) and
+// 64 (IQ4_XS); plain nibbles and bytes with one fp16 scale a block
+// never pay for a panel (2026-11-29, avx512vnni, one thread, a 4096 x 2048 weight,
+// panel / registers: Q4_K 0.95x at 12 rows, 1.0-1.2x at 16, 1.2x at 64, 1.2x at 128, 1.1x at
+// 512; IQ4_XS 0.96x at 16, 1.0x at 32, 1.26x at 128; Q4_0 0.83x at 16, 0.96x at 128; Q8_0
+// 0.9x at 16, 1.0x at 128).
 constexpr int64_t kNoPanel = 1 << 30;
 constexpr int64_t kPlanesPanelFrom = 9;
 //
@@ -247,7 +253,7 @@ struct Q4_K {
   static constexpr int64_t kMn = 128, kD = 256, kData = 320, kBlockBytes = 256;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
-  static constexpr int64_t kPanelFrom = kNoPanel;
+  static constexpr int64_t kPanelFrom = 32;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return nibbles(p + kData + kBlockBytes * b + 64 * C);
@@ -358,7 +364,7 @@ struct IQ4_XS {
   static constexpr int64_t kD = 128, kData = 192, kBlockBytes = 256;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
-  static constexpr int64_t kPanelFrom = kNoPanel;
+  static constexpr int64_t kPanelFrom = 64;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return iq4_values(p + kData + kBlockBytes * b + 64 * C);
