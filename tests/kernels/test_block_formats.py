@@ -95,12 +95,14 @@ def test_a_rows_result_does_not_depend_on_the_step(name: str) -> None:
     assert all(torch.equal(results[0], other) for other in results[1:])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 6])
+@pytest.mark.parametrize("rows", [1, 2, 6, 40])
 def test_segments_of_different_formats_run_as_one_weight(rows: int) -> None:
     """A fused q/k/v of Q4_K, Q4_K and Q6_K rows (as a Q4_K_M stores them), plus a bf16
-    part, with bias and residual: the concatenation of each part's product."""
+    part, with bias and residual: the concatenation of each part's product. The parts span
+    several passes of 8 tiles, ragged at their ends, so that the threads claim passes of each
+    in turn (40 rows: the panel road of both formats)."""
     k = 256
-    parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
+    parts = [("Q4_K", 16 * 20), ("Q4_K", 16 * 9), ("Q6_K", 16 * 11)]
     raws = [gguf_bytes(name, n, k, seed=i) for i, (name, n) in enumerate(parts)]
     segments = [
         bf.repack(kernels.ops(), raw, bf.BLOCK_FORMATS[name], k)
@@ -111,7 +113,7 @@ def test_segments_of_different_formats_run_as_one_weight(rows: int) -> None:
     dense = (torch.randn(16, k, generator=gen) * 0.05).bfloat16()
     tiles, code = bf.tile_dense(dense)
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    n = 64 + 32 + 32 + 16
+    n = sum(m for _, m in parts) + 16
     bias = torch.randn(n, generator=gen).bfloat16()
     residual = torch.randn(rows, n, generator=gen).bfloat16()
     out = kernels.ops().tiled_linear(x, [*segments, tiles], [*codes, code], bias, residual, False)
