@@ -3,9 +3,10 @@
 // loops: tiles.h).
 //
 // A weight is one or more segments (consecutive output rows, each in its own format: a fused
-// q/k/v whose v is Q6_K and q, k Q4_K), run in one call; threads claim the output tiles a pass
-// at a time as they finish the last, so neither a segment of denser blocks nor a slower core
-// leaves the other threads waiting.
+// q/k/v whose v is Q6_K and q, k Q4_K), run in one call. A step of a few rows, bound by the
+// bytes it reads, splits them equally among the threads; past that, threads claim the output
+// tiles a pass at a time as they finish the last, so neither a segment of denser blocks nor a
+// slower core leaves the other threads waiting.
 //
 // Results equal "dequantize, then matmul against the int8-rounded activations" up to fp32
 // rounding; the dense ones equal the fp32 matmul rounded once to bf16. The bias and residual
@@ -118,26 +119,38 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
     rows.neg_sum32 = q.neg_sum32.data_ptr<float>();
     rows.neg_sum16 = q.neg_sum16.data_ptr<float>();
   }
-  // Threads claim the tiles a pass at a time (tiles.h `chunks`). Past a few rows each claims
-  // its next pass before it starts the current one, so that the current one's last blocks
-  // prefetch it.
+  const int64_t threads_wanted = at::get_num_threads();
+  if (M <= kRegisterRows) {
+    // Bound by the bytes it reads: one stream of an equal share of them a thread.
+    const int threads = static_cast<int>(std::max<int64_t>(1, std::min(threads_wanted, tiles)));
+    const std::vector<int64_t> bounds = split_by_bytes(segs, threads);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        for (const Segment& seg : segs) {
+          const int64_t lo = std::max(bounds[i], seg.first);
+          const int64_t hi = std::min(bounds[i + 1], seg.first + seg.tiles);
+          if (lo < hi) segment_range(seg, rows, M, lo - seg.first, hi - seg.first, ep);
+        }
+    });
+    return out;
+  }
+  // Bound by arithmetic: threads claim the tiles a pass at a time (tiles.h `chunks`), each
+  // its next pass before it starts the current one, whose last blocks prefetch it.
   const std::vector<Chunk> work = chunks(segs, K, M);
   const auto count = static_cast<int64_t>(work.size());
-  const bool claim_ahead = M > kRegisterRows;
   std::atomic<int64_t> claimed{0};
   auto span_of = [&](int64_t c) {
     if (c >= count) return Span{};
     const Segment& seg = segs[work[c].seg];
     return Span{seg.data + work[c].t_begin * seg.stride, seg.data + work[c].t_end * seg.stride};
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(threads_wanted, count), 1, [&](int64_t, int64_t) {
     int64_t c = claimed.fetch_add(1);
     while (c < count) {
-      const int64_t after = claim_ahead ? claimed.fetch_add(1) : count;
+      const int64_t after = claimed.fetch_add(1);
       const Chunk& chunk = work[c];
       segment_range(segs[chunk.seg], rows, M, chunk.t_begin, chunk.t_end, ep, span_of(after));
-      c = claim_ahead ? after : claimed.fetch_add(1);
+      c = after;
     }
   });
   return out;

@@ -294,7 +294,7 @@ struct Span {
 
 // Few rows: MR rows x NT tiles (from tile0), decoding each block in registers; `Store`: leaving
 // them decoded in `panel` (the first of these tiles' decoded blocks) for the rows after.
-template <typename Codec, int MR, int NT, bool Store = false>
+template <typename Codec, int MR, int NT, bool Store = false, bool Ahead = false>
 inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t stride,
                         int64_t tile0, const Epilogue& ep, uint8_t* panel = nullptr,
                         Prefetcher* ahead = nullptr) {
@@ -308,7 +308,7 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
       p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
     for (int b = 0; b < kBlocks; ++b) {
       const int64_t blk = u * kBlocks + b;
-      if (ahead) ahead->step();
+      if constexpr (Ahead) ahead->step();
       // Each tile's unit a unit or two ahead, a few lines a block: the hardware's streams
       // alone left one-row steps at 81-92% of the memory's speed and four-row steps at 60-73%
       // (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4).
@@ -460,24 +460,29 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
   if (M < Codec::kPanelFrom) {
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
       const int64_t t1 = std::min(t0 + kTilesPerPass, t_end);
-      // A few rows are one row group, whose own prefetch runs ahead of it within its tiles.
-      const bool ahead_of_pass = M > kRegisterRows;
-      Prefetcher ahead;
-      if (ahead_of_pass) {
-        const Span next = next_span(t1, kTilesPerPass);
-        // Blocks the pass's row groups step through (each group's tile steps, the widest).
-        const int64_t steps = row_group_count<4>(M) * tile_step_count<tiles_per_step<4, H>()>(t1 - t0) * blocks;
-        ahead = Prefetcher(reinterpret_cast<const char*>(next.begin),
-                           reinterpret_cast<const char*>(next.end), steps);
-      }
-      row_groups<4>(M, [&](auto mr, int64_t m0) {
-        constexpr int MR = decltype(mr)::value;
-        tile_steps<tiles_per_step<MR, H>()>(t0, t1, [&](auto nt, int64_t t) {
-          constexpr int NT = decltype(nt)::value;
-          block_tiles<Codec, MR, NT>(rows, m0, seg.data, seg.stride, t, ep.shifted(seg.first),
-                                     nullptr, ahead_of_pass ? &ahead : nullptr);
+      // Each row group through the pass; `ahead`: stepped once a block.
+      auto through_pass = [&](auto with_ahead, Prefetcher* ahead) {
+        row_groups<4>(M, [&](auto mr, int64_t m0) {
+          constexpr int MR = decltype(mr)::value;
+          tile_steps<tiles_per_step<MR, H>()>(t0, t1, [&](auto nt, int64_t t) {
+            constexpr int NT = decltype(nt)::value;
+            block_tiles<Codec, MR, NT, false, decltype(with_ahead)::value>(
+                rows, m0, seg.data, seg.stride, t, ep.shifted(seg.first), nullptr, ahead);
+          });
         });
-      });
+      };
+      // A few rows are one row group, whose own prefetch runs ahead of it within its tiles.
+      if (M <= kRegisterRows) {
+        through_pass(std::false_type{}, nullptr);
+        continue;
+      }
+      const Span next = next_span(t1, kTilesPerPass);
+      // Blocks the pass's row groups step through (each group's tile steps, the widest).
+      const int64_t steps =
+          row_group_count<4>(M) * tile_step_count<tiles_per_step<4, H>()>(t1 - t0) * blocks;
+      Prefetcher ahead(reinterpret_cast<const char*>(next.begin),
+                       reinterpret_cast<const char*>(next.end), steps);
+      through_pass(std::true_type{}, &ahead);
     }
     return;
   }
@@ -549,7 +554,25 @@ inline int64_t pass_tiles(const Segment& seg, int64_t K, int64_t M) {
   return tiles;
 }
 
-// What a thread takes at a time: a pass of one segment's tiles.
+// A few rows' step, bound by the bytes it reads: thread i's share of all tiles,
+// [bounds[i], bounds[i + 1]), by equal shares of the bytes, each read as one stream.
+inline std::vector<int64_t> split_by_bytes(const std::vector<Segment>& segs, int threads) {
+  double total = 0;
+  for (const Segment& seg : segs) total += static_cast<double>(seg.stride * seg.tiles);
+  std::vector<int64_t> bounds(threads + 1, 0);
+  double done = 0;
+  int next = 1;
+  for (const Segment& seg : segs)
+    for (int64_t t = 0; t < seg.tiles; ++t) {
+      while (next < threads && done >= total * next / threads) bounds[next++] = seg.first + t;
+      done += static_cast<double>(seg.stride);
+    }
+  const int64_t all = segs.empty() ? 0 : segs.back().first + segs.back().tiles;
+  for (; next <= threads; ++next) bounds[next] = all;
+  return bounds;
+}
+
+// What a thread takes at a time in a step of many rows: a pass of one segment's tiles.
 struct Chunk {
   int64_t seg;
   int64_t t_begin, t_end;  // the segment's own tile numbers
@@ -559,7 +582,10 @@ struct Chunk {
 // Threads claim them one after another as they finish the last (linear.cpp), so a thread
 // that runs slower (a busier core, a sibling hyperthread, an efficiency core, another VM's
 // load on its host core) takes fewer, where an equal split of the tiles had every step wait
-// for it at the end.
+// for it at the end. A few rows' steps keep the split by bytes: one stream a thread, where
+// passes claimed in turn made the bundled model's one-row steps 13% slower (each pass a
+// stream started afresh, on projections of ~60 tiles; benchmarks/decode_speed.py,
+// 2026-11-29, avx512vnni), and a 1B's no faster.
 inline std::vector<Chunk> chunks(const std::vector<Segment>& segs, int64_t K, int64_t M) {
   std::vector<Chunk> out;
   for (size_t s = 0; s < segs.size(); ++s) {
