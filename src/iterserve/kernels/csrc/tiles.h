@@ -269,27 +269,27 @@ ITERSERVE_INLINE void chunk_dots(const Rows& rows, int64_t m0, int64_t blk, cons
 template <int H>
 constexpr int64_t panel_block_bytes() { return 512 + 2 * 64 * H; }
 
+// A span of bytes: what a thread reads after its current pass (empty: nothing known).
+struct Span {
+  const uint8_t* begin = nullptr;
+  const uint8_t* end = nullptr;
+};
+
 // Bytes a thread reads next (its next pass of tiles), asked for a few cache lines at a time
 // while it computes this pass, so that the next pass finds its weights in L2: without it a
 // 16-row step waited on memory while it decoded and computed while memory idled
 // (benchmarks/linear_kernels.py).
 struct Prefetcher {
-  const char* next = nullptr;
-  const char* end = nullptr;
+  const uint8_t* next = nullptr;
+  const uint8_t* end = nullptr;
   int64_t each = 0;  // lines a step: the next pass's lines / this pass's steps, rounded up
 
-  Prefetcher() = default;
-  Prefetcher(const char* begin, const char* stop, int64_t steps)
-      : next(begin), end(stop), each(steps > 0 ? ((stop - begin) / 64 + steps - 1) / steps : 0) {}
+  Prefetcher(Span bytes, int64_t steps)
+      : next(bytes.begin), end(bytes.end),
+        each(steps > 0 ? ((bytes.end - bytes.begin) / 64 + steps - 1) / steps : 0) {}
   ITERSERVE_INLINE void step() {
     for (int64_t i = 0; i < each && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
   }
-};
-
-// A span of bytes: what a thread reads after its current pass (empty: nothing known).
-struct Span {
-  const uint8_t* begin = nullptr;
-  const uint8_t* end = nullptr;
 };
 
 // Few rows: MR rows x NT tiles (from tile0), decoding each block in registers; `Store`: leaving
@@ -480,8 +480,7 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
       // Blocks the pass's row groups step through (each group's tile steps, the widest).
       const int64_t steps =
           row_group_count<4>(M) * tile_step_count<tiles_per_step<4, H>()>(t1 - t0) * blocks;
-      Prefetcher ahead(reinterpret_cast<const char*>(next.begin),
-                       reinterpret_cast<const char*>(next.end), steps);
+      Prefetcher ahead(next, steps);
       through_pass(std::true_type{}, &ahead);
     }
     return;
@@ -496,8 +495,7 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
     const Span next = next_span(t1, per_pass);
     const int64_t steps = row_group_count<panel_rows<H>()>(M - kFirst) *
                           tile_step_count<panel_tiles_per_step<H>()>(t1 - t0) * blocks;
-    Prefetcher ahead(reinterpret_cast<const char*>(next.begin),
-                     reinterpret_cast<const char*>(next.end), steps);
+    Prefetcher ahead(next, steps);
     // The first rows decode the tiles in registers as a few-row step does, leaving them in
     // the panel: the weights stream from memory under their dot products.
     tile_steps<tiles_per_step<kFirst, H>()>(t0, t1, [&](auto nt, int64_t t) {
