@@ -6,7 +6,7 @@
 // stdin, little-endian: int32 cases, then per case int32 format, N, K, M, the weight's GGUF
 // bytes [N rows of K / inputs blocks] and the activations [M, K] as bf16 bits.
 // stdout, per case, float32: the N rows decoded ([N, K]), the M rows' products in one step
-// ([M, N_pad]: the panel road when M > 4), then each row's alone ([M, N_pad], register road).
+// ([M, N_pad]: the sweep when M > 4), then each row's alone ([M, N_pad], a one-row stream).
 
 #include "gguf_repack.h"
 #include "tiles.h"

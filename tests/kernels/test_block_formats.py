@@ -1,7 +1,7 @@
 """Every GGUF block format the kernels keep (model/block_formats.py), on every ISA variant
 this CPU runs: unpacked bit for bit as the `gguf` package dequantizes the file's bytes, and
 multiplied as "dequantize, then matmul against the int8-rounded activations", at every row
-count (the register road and the panel road), with the same bits for a row whatever else
+count (a few rows' stream and many rows' sweep), with the same bits for a row whatever else
 shares the step."""
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def test_products_match_dequantize_then_matmul(name: str, rows: int) -> None:
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0"])
 def test_a_rows_result_does_not_depend_on_the_step(name: str) -> None:
-    """The same bits for row 0 alone, among 3 (registers), among 12 (a panel for the formats
-    built from planes) and among 70 (a panel for every format that takes one)."""
+    """The same bits for row 0 alone, among 3 (a few rows' stream), among 12 (the sweep) and
+    among 70 (the sweep in two slabs of rows)."""
     fmt = bf.BLOCK_FORMATS[name]
     n, k = 64, 512
     tiles = bf.repack(kernels.ops(), gguf_bytes(name, n, k), fmt, k)
@@ -100,7 +100,7 @@ def test_segments_of_different_formats_run_as_one_weight(rows: int) -> None:
     """A fused q/k/v of Q4_K, Q4_K and Q6_K rows (as a Q4_K_M stores them), plus a bf16
     part, with bias and residual: the concatenation of each part's product. The parts span
     several passes of 8 tiles, ragged at their ends, so that the threads claim passes of each
-    in turn (40 rows: the panel road of both formats)."""
+    in turn (6 and 40 rows: the sweep)."""
     k = 256
     parts = [("Q4_K", 16 * 20), ("Q4_K", 16 * 9), ("Q6_K", 16 * 11)]
     raws = [gguf_bytes(name, n, k, seed=i) for i, (name, n) in enumerate(parts)]

@@ -130,7 +130,7 @@ def _block_cases() -> tuple[bytes, list[tuple[str, int, int, int, np.ndarray, to
     """Every block format: (name, N, K, M, GGUF bytes, bf16 activations), and them as stdin."""
     cases = []
     for i, (name, fmt) in enumerate(sorted(bf.BLOCK_FORMATS.items())):
-        n, k, m = 24, 2 * max(fmt.inputs, 64), 6  # 24 rows: a padded tile; 6 rows: a panel
+        n, k, m = 24, 2 * max(fmt.inputs, 64), 6  # 24 rows: a padded tile; 6 rows: the sweep
         rng = np.random.default_rng(i)
         raw = gguf_blocks(name, rng.standard_normal((n, k)) * 0.05, seed=i)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(i)).bfloat16()

@@ -43,8 +43,8 @@ def _weight_cases() -> list[tuple[str | None, str, str]]:
 @pytest.mark.parametrize("kernel_isa,weights,formats", _weight_cases(), indirect=["kernel_isa"])
 def test_every_weight_format_answers_paris(kernel_isa: str, weights: str, formats: str) -> None:
     """auto: the file's blocks at every step size; int8: everything made Q8_0; bf16:
-    everything dense. A prompt of over 16 tokens runs the many-row kernels (a panel of decoded
-    tiles)."""
+    everything dense. A prompt of over 16 tokens runs the many-row kernels (the sweep of
+    csrc/tiles.h)."""
     llm = LLM(weights=weights, max_num_seqs=2)
     assert llm.engine.model_plan.weights == formats
     prompt = "The Eiffel Tower is a famous landmark. It stands in the capital city of France, which is called"

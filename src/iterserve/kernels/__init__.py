@@ -206,11 +206,11 @@ def compile_flags(variant: Isa) -> list[str]:
         # Each variant's copies of at::vec's inline functions stay its own.
         "-fvisibility=hidden",
         # GCC 12 at -O3 (Debian 12's compiler) read ivopts' rewritten addresses in
-        # decode_panel<Q5_K> (csrc/tiles.h) as a NULL dereference, found the function free of
-        # side effects and deleted its calls: the panel kept zeros (AVX2 and AVX-512 builds,
-        # reproduced outside the kernels; -fdump-tree-local-pure-const2 says "NULL memory
-        # access; terminating BB"). Not inferring what a call touches costs nothing here: the
-        # loops that matter are inlined.
+        # a loop decoding Q5_K tiles (csrc/tiles.h, since rewritten) as a NULL dereference,
+        # found the function free of side effects and deleted its calls: its output kept zeros
+        # (AVX2 and AVX-512 builds, reproduced outside the kernels;
+        # -fdump-tree-local-pure-const2 says "NULL memory access; terminating BB"). Not
+        # inferring what a call touches costs nothing here: the loops that matter are inlined.
         "-fno-ipa-pure-const",
         "-fno-ipa-modref",
         "-fopenmp",

@@ -106,8 +106,8 @@ def choose_weights(config: EngineConfig, loaded: LoadedModel, backend: Backend) 
     if config.weights == "bf16" or backend != "tiled":
         return WeightChoice({}, "bf16")
     # The checkpoint's blocks at every step size, run on int8 activations (weight bytes are
-    # a decode step's cost; arithmetic a prefill's, which the kernels meet by decoding a few
-    # tiles at a time into a panel: csrc/linear.cpp); dense weights stay 16-bit.
+    # a decode step's cost; arithmetic a prefill's, which the kernels meet by decoding each
+    # block once a step for all its rows: csrc/tiles.h); dense weights stay 16-bit.
     return WeightChoice(dict(loaded.quantized), "blocks")
 
 

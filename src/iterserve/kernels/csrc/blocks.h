@@ -103,26 +103,10 @@ ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
 
 // ---- the formats ---------------------------------------------------------------------------
 
-// Rows of a step from which a format's tiles are decoded once into a panel for all the rows
-// (tiles.h) rather than in registers once every 4 rows: where values are assembled from
-// several planes (5-6 bits, Q3_K) or scaled per 16 inputs (Q2_K), decoding costs more than the
-// panel's stores from 9 rows on (a standalone timing of tiles.h, 1B layers, 2026-11-28,
-// avx512vnni: Q6_K 36.4 ms in registers against 30.9 through a panel at 16 rows, Q5_K 27.5 /
-// 26.4 and 52.5 / 45.6 at 32 rows). Where a 256-input unit's scales take several instructions
-// a block to build (Q4_K's 6-bit scales and minimums, IQ4_XS's), the panel's ready scales pay
-// from 32 rows (Q4_K: at 16, a batch-16 decode step's, no gain measured beyond the noise) and
-// 64 (IQ4_XS); plain nibbles and bytes with one fp16 scale a block
-// never pay for a panel (2026-11-29, avx512vnni, one thread, a 4096 x 2048 weight,
-// panel / registers: Q4_K 0.95x at 12 rows, 1.0-1.2x at 16, 1.2x at 64, 1.2x at 128, 1.1x at
-// 512; IQ4_XS 0.96x at 16, 1.0x at 32, 1.26x at 128; Q4_0 0.83x at 16, 0.96x at 128; Q8_0
-// 0.9x at 16, 1.0x at 128).
-constexpr int64_t kNoPanel = 1 << 30;
-constexpr int64_t kPlanesPanelFrom = 9;
-//
 // Each is a struct of statics:
 //   kFormat, kInputs (a unit's inputs), kBytes (a unit's bytes), kHalves (1: a scale and offset
 //   per block of 32, 2: per 16 inputs), kSigned (values are signed bytes: dot_s8),
-//   kOffset (o can be non-zero), kPanelFrom (see above);
+//   kOffset (o can be non-zero);
 //   template <int C> Quads chunk(p, b): block b's chunk C;
 //   void scales(p, b, a, o): block b's a[kHalves], o[kHalves].
 
@@ -132,7 +116,6 @@ struct Q4_0 {
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kD = 256, kBytes = kD + 32;
   static constexpr bool kSigned = false, kOffset = true;
-  static constexpr int64_t kPanelFrom = kNoPanel;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return nibbles(p + 64 * C); }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
@@ -157,7 +140,6 @@ struct Q5_0 {
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kBits = 256, kD = kBits + 64, kBytes = kD + 32;
   static constexpr bool kSigned = false, kOffset = true;
-  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
     const Quads low = nibbles(p + 64 * C);
@@ -186,7 +168,6 @@ struct Q8_0 {
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kD = 512, kBytes = kD + 32;
   static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
-  static constexpr int64_t kPanelFrom = kNoPanel;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
     return {I16::load(p + 128 * C), I16::load(p + 128 * C + 64)};
@@ -233,7 +214,7 @@ struct IQ4_NL : Q8_0 {
 
 // The K-quants: super-blocks of 256 inputs (8 blocks) with fp16 d (and dmin) per row, read
 // again for every block: GCC 12 at -O3 lost a block loop's stores when the two were held in
-// registers across it (AVX2, decode_panel<Q5_K>; reproduced outside the kernels), and the
+// registers across it (AVX2, a loop decoding Q5_K tiles; reproduced outside the kernels), and the
 // reload is two conversions a block.
 //
 // A K-quant unit is a header of its scales (a multiple of 64 bytes, padded where needed),
@@ -253,7 +234,6 @@ struct Q4_K {
   static constexpr int64_t kMn = 128, kD = 256, kData = 320, kBlockBytes = 256;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
-  static constexpr int64_t kPanelFrom = 32;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return nibbles(p + kData + kBlockBytes * b + 64 * C);
@@ -267,7 +247,6 @@ struct Q4_K {
 // Q4_K with a fifth bit.   [sc 8 x 16 | mn 8 x 16 | d | dmin] then 8 x [nibbles 256 | bits 64]
 struct Q5_K : Q4_K {
   static constexpr Format kFormat = Format::kQ5_K;
-  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   static constexpr int64_t kBlockBytes = 320, kBytes = kData + 8 * kBlockBytes;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
@@ -286,7 +265,6 @@ struct Q6_K {
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 384;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
-  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const uint8_t* block = p + kData + kBlockBytes * b;
@@ -312,7 +290,6 @@ struct Q2_K {
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 128;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
-  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const I16 plane = I16::load(p + kData + kBlockBytes * b + 64 * (C / 2));
@@ -337,7 +314,6 @@ struct Q3_K {
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 192;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
-  static constexpr int64_t kPanelFrom = kPlanesPanelFrom;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const uint8_t* block = p + kData + kBlockBytes * b;
@@ -364,7 +340,6 @@ struct IQ4_XS {
   static constexpr int64_t kD = 128, kData = 192, kBlockBytes = 256;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
-  static constexpr int64_t kPanelFrom = 64;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return iq4_values(p + kData + kBlockBytes * b + 64 * C);

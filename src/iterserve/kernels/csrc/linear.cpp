@@ -136,7 +136,7 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
   }
   // Bound by arithmetic: threads claim the tiles a pass at a time (tiles.h `chunks`), each
   // its next pass before it starts the current one, whose last blocks prefetch it.
-  const std::vector<Chunk> work = chunks(segs, K, M);
+  const std::vector<Chunk> work = chunks(segs);
   const auto count = static_cast<int64_t>(work.size());
   std::atomic<int64_t> claimed{0};
   auto span_of = [&](int64_t c) {

@@ -14,15 +14,14 @@
 // every step size, in the same order for every row and output, whatever else shares the
 // step: a request's logits do not depend on the batch.
 //
-//   - Each thread streams its tiles' blocks, a pass of a few tiles at a time, decoding them in
-//     registers for every group of up to 4 rows of the step (`block_tiles`); a pass's tiles
-//     stay in L2 while the later groups read them again, so a weight comes from memory once
-//     a step. At a few rows weight bytes are the cost, at many the dot products.
-//   - For formats whose values take several planes to build (Q5, Q6_K, Q3_K, Q2_K), steps of
-//     many rows have the first 4 rows also leave the pass's tiles decoded in a panel of
-//     bytes and scales in L2, and every later group runs dot products over it (`panel_tiles`):
-//     their unpacking is then paid once a step, not once a row group (blocks.h's kPanelFrom
-//     says when it pays).
+//   - A step of up to 4 rows, bound by the bytes it reads, streams each thread's tiles once,
+//     decoding every block in registers for its rows (`block_tiles`).
+//   - A step of more rows is bound by the arithmetic: each block of two tiles is decoded into
+//     registers once, with its scales, and every row of the step takes its dot products against
+//     it in turn, the rows' fp32 sums waiting in L1 between blocks (`sweep_tiles`). Unpacking
+//     planes and building scales is then paid once a step, not once a row group; a thread
+//     takes the tiles a pass of 8 at a time, which stay in L2 while slabs of 64 rows read them,
+//     so a weight comes from memory once a step.
 #pragma once
 
 #include "blocks.h"
@@ -113,7 +112,7 @@ struct Rows {
 //
 // Accumulators are std::arrays made without a loop (zeros<N>(), izeros<N>()), flat, indexed
 // [r * NT + j], and every loop over them is unrolled in full (ITERSERVE_UNROLL): otherwise GCC
-// keeps them on the stack and every multiply-add loads and stores one (seen in the panel
+// keeps them on the stack and every multiply-add loads and stores one (seen in an earlier
 // loop's assembly: 8 of 8 accumulators spilled).
 
 template <int... I>
@@ -244,30 +243,45 @@ ITERSERVE_INLINE I16 dot_quads(const I16& acc, const Quads& w, const int8_t* x) 
   else return dot_u8(acc, w.lo, w.hi, x);
 }
 
-// Chunk C of block b of NT tiles (units at p[j]) against MR rows; `Store`: each tile's
-// decoded chunk is also left in its panel block (panel[j]).
-template <typename Codec, int C, int MR, int NT, bool Store>
-ITERSERVE_INLINE void chunk_dots(const Rows& rows, int64_t m0, int64_t blk, const uint8_t* const* p,
-                                 int b, std::array<I16, Codec::kHalves * MR * NT>& dot,
-                                 uint8_t* const* panel) {
+// Chunk C of a block of NT tiles (w[C][j], decoded) against MR rows.
+template <typename Codec, int C, int MR, int NT>
+ITERSERVE_INLINE void chunk_dots(const Rows& rows, int64_t m0, int64_t blk, const Quads* w,
+                                 std::array<I16, Codec::kHalves * MR * NT>& dot) {
   constexpr int h = Codec::kHalves == 2 ? C / 2 : 0;
-  ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-    const Quads w = Codec::template chunk<C>(p[j], b);
-    if constexpr (Store) {
-      w.lo.store(panel[j] + 128 * C);
-      w.hi.store(panel[j] + 128 * C + 64);
-    }
+  ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
     ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
       I16& d = dot[(h * MR + r) * NT + j];
-      d = dot_quads<Codec::kSigned>(d, w, x_chunk(rows, m0 + r, blk, C));
+      d = dot_quads<Codec::kSigned>(d, w[j], x_chunk(rows, m0 + r, blk, C));
     }
-  }
 }
 
-// Many rows: a panel holds a few tiles' blocks decoded, per tile and block of 32 inputs:
-// chunk c's lo and hi (64 bytes each, at 128 c), then a_h and o_h (16 fp32 each).
-template <int H>
-constexpr int64_t panel_block_bytes() { return 512 + 2 * 64 * H; }
+// A block's 4 chunks of NT tiles (units at p[j]) against MR rows, decoded as they are used.
+template <typename Codec, int MR, int NT>
+ITERSERVE_INLINE void block_dots(const Rows& rows, int64_t m0, int64_t blk, const uint8_t* const* p,
+                                 int b, std::array<I16, Codec::kHalves * MR * NT>& dot) {
+  auto run = [&](auto c) {
+    constexpr int C = decltype(c)::value;
+    Quads w[NT];
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) w[j] = Codec::template chunk<C>(p[j], b);
+    chunk_dots<Codec, C, MR, NT>(rows, m0, blk, w, dot);
+  };
+  run(std::integral_constant<int, 0>{});
+  run(std::integral_constant<int, 1>{});
+  run(std::integral_constant<int, 2>{});
+  run(std::integral_constant<int, 3>{});
+}
+
+// Each of NT tiles' units (at p[j]) a unit or two ahead, a few lines a block: the hardware's
+// streams alone left one-row steps at 81-92% of the memory's speed and four-row steps at
+// 60-73% (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4).
+template <typename Codec, int Units, int NT>
+ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
+  constexpr int kBlocks = Codec::kInputs / kBlock;
+  constexpr int64_t kLines = (Codec::kBytes + 63) / 64, kEach = (kLines + kBlocks - 1) / kBlocks;
+  ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+    ITERSERVE_UNROLL for (int i = 0; i < kEach; ++i)
+      __builtin_prefetch(p[j] + Units * Codec::kBytes + (b * kEach + i) * 64, 0, 3);
+}
 
 // A span of bytes: what a thread reads after its current pass (empty: nothing known).
 struct Span {
@@ -292,15 +306,12 @@ struct Prefetcher {
   }
 };
 
-// Few rows: MR rows x NT tiles (from tile0), decoding each block in registers; `Store`: leaving
-// them decoded in `panel` (the first of these tiles' decoded blocks) for the rows after.
-template <typename Codec, int MR, int NT, bool Store = false, bool Ahead = false>
+// Few rows: MR rows x NT tiles (from tile0), decoding each block in registers.
+template <typename Codec, int MR, int NT>
 inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t stride,
-                        int64_t tile0, const Epilogue& ep, uint8_t* panel = nullptr,
-                        Prefetcher* ahead = nullptr) {
+                        int64_t tile0, const Epilogue& ep) {
   constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
-  constexpr int64_t kPanelBlock = panel_block_bytes<H>();
-  const int64_t units = rows.K / Codec::kInputs, panel_tile = rows.K / kBlock * kPanelBlock;
+  const int64_t units = rows.K / Codec::kInputs;
   auto acc = zeros<MR * NT>();
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* p[NT];
@@ -308,72 +319,76 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
       p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
     for (int b = 0; b < kBlocks; ++b) {
       const int64_t blk = u * kBlocks + b;
-      if constexpr (Ahead) ahead->step();
-      // Each tile's unit a unit or two ahead, a few lines a block: the hardware's streams
-      // alone left one-row steps at 81-92% of the memory's speed and four-row steps at 60-73%
-      // (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4).
-      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-        constexpr int64_t kLines = (Codec::kBytes + 63) / 64, kEach = (kLines + kBlocks - 1) / kBlocks;
-        constexpr int64_t kAhead = (MR == 1 ? 1 : 2) * Codec::kBytes;
-        ITERSERVE_UNROLL for (int i = 0; i < kEach; ++i)
-          __builtin_prefetch(p[j] + kAhead + (b * kEach + i) * 64, 0, 3);
-      }
-      uint8_t* out[NT];
-      if constexpr (Store)
-        ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
-          out[j] = panel + j * panel_tile + blk * kPanelBlock;
+      prefetch_units<Codec, MR == 1 ? 1 : 2, NT>(p, b);
       auto dot = izeros<H * MR * NT>();
-      chunk_dots<Codec, 0, MR, NT, Store>(rows, m0, blk, p, b, dot, out);
-      chunk_dots<Codec, 1, MR, NT, Store>(rows, m0, blk, p, b, dot, out);
-      chunk_dots<Codec, 2, MR, NT, Store>(rows, m0, blk, p, b, dot, out);
-      chunk_dots<Codec, 3, MR, NT, Store>(rows, m0, blk, p, b, dot, out);
+      block_dots<Codec, MR, NT>(rows, m0, blk, p, b, dot);
       F16 a[NT * H], o[NT * H];
-      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-        Codec::scales(p[j], b, a + j * H, o + j * H);
-        if constexpr (Store) {
-          ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
-            a[j * H + h].store(reinterpret_cast<float*>(out[j] + 512 + 128 * h));
-            o[j * H + h].store(reinterpret_cast<float*>(out[j] + 512 + 128 * h + 64));
-          }
-        }
-      }
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
       fold<H, Codec::kOffset, MR, NT>(acc, dot, a, o, rows, m0, blk);
     }
   }
   store_all<MR, NT>(ep, m0, tile0, acc);
 }
 
-template <bool Signed, int H, bool Offset, int MR, int NT>
-inline void panel_tiles(const Rows& rows, int64_t m0, const uint8_t* panel, int64_t j0,
-                        int64_t tile0, const Epilogue& ep, Prefetcher& ahead) {
-  constexpr int64_t kBlockBytes = panel_block_bytes<H>();
-  const int64_t blocks = rows.K / kBlock, tile_bytes = blocks * kBlockBytes;
-  auto acc = zeros<MR * NT>();
-  const uint8_t* p = panel + j0 * tile_bytes;
-  for (int64_t blk = 0; blk < blocks; ++blk, p += kBlockBytes) {
-    ahead.step();
-    auto dot = izeros<H * MR * NT>();
-    ITERSERVE_UNROLL for (int c = 0; c < 4; ++c) {
-      const int h = H == 2 ? c / 2 : 0;
-      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-        const uint8_t* q = p + j * tile_bytes + 128 * c;
-        const Quads wv{I16::load(q), I16::load(q + 64)};
-        ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
-          I16& d = dot[(h * MR + r) * NT + j];
-          d = dot_quads<Signed>(d, wv, x_chunk(rows, m0 + r, blk, c));
-        }
-      }
-    }
-    F16 a[NT * H], o[NT * H];
-    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
-      ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
-        const auto* s = reinterpret_cast<const float*>(p + j * tile_bytes + 512 + 128 * h);
-        a[j * H + h] = F16::load(s);
-        o[j * H + h] = F16::load(s + kLanes);
-      }
-    fold<H, Offset, MR, NT>(acc, dot, a, o, rows, m0, blk);
+// Calls run.template operator()<MR>(m) for every group of up to MaxRows rows, from m0 = 0.
+template <int MaxRows, typename F>
+ITERSERVE_INLINE void row_groups(int64_t M, F&& run) {
+  int64_t m = 0;
+  for (; m + MaxRows <= M; m += MaxRows) run(std::integral_constant<int, MaxRows>{}, m);
+  switch (M - m) {
+    case 3: if constexpr (MaxRows > 3) run(std::integral_constant<int, 3>{}, m); break;
+    case 2: if constexpr (MaxRows > 2) run(std::integral_constant<int, 2>{}, m); break;
+    case 1: if constexpr (MaxRows > 1) run(std::integral_constant<int, 1>{}, m); break;
+    default: break;
   }
-  store_all<MR, NT>(ep, m0, tile0, acc);
+}
+
+// Many rows: NT tiles (from tile0) against M rows, groups of up to MR at a time. Each block
+// of the tiles is decoded once, into registers (or, where 16 of them do not fit, the stack:
+// L1), and every row group takes its dot products against it; the rows' sums wait in `acc`
+// ([M * NT], L1). Against decoding each block once every 4 rows (2026-11-29, avx512vnni, a
+// standalone timing of these loops, one thread, 2048 x 2048, 16 / 64 / 128 rows): Q6_K 1.3-1.5x /
+// 1.36x / 1.38x, Q4_K 1.1-1.2x / 1.12x / 1.09x (both against their earlier panel roads past 9 and
+// 32 rows), Q8_0 1.09x at 16 rows, Q4_0 0.96x.
+template <typename Codec, int MR, int NT>
+inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t stride,
+                        int64_t tile0, const Epilogue& ep, F16* acc, Prefetcher& ahead) {
+  constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
+  const int64_t units = rows.K / Codec::kInputs;
+  for (int64_t i = 0; i < M * NT; ++i) acc[i] = F16::zero();
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* p[NT];
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+      p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
+    for (int b = 0; b < kBlocks; ++b) {
+      const int64_t blk = u * kBlocks + b;
+      ahead.step();
+      prefetch_units<Codec, 1, NT>(p, b);
+      Quads q[4][NT];
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+        q[0][j] = Codec::template chunk<0>(p[j], b);
+        q[1][j] = Codec::template chunk<1>(p[j], b);
+        q[2][j] = Codec::template chunk<2>(p[j], b);
+        q[3][j] = Codec::template chunk<3>(p[j], b);
+      }
+      F16 a[NT * H], o[NT * H];
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
+      row_groups<MR>(M, [&](auto mr, int64_t m0) {
+        constexpr int R = decltype(mr)::value;
+        auto dot = izeros<H * R * NT>();
+        chunk_dots<Codec, 0, R, NT>(rows, m0, blk, q[0], dot);
+        chunk_dots<Codec, 1, R, NT>(rows, m0, blk, q[1], dot);
+        chunk_dots<Codec, 2, R, NT>(rows, m0, blk, q[2], dot);
+        chunk_dots<Codec, 3, R, NT>(rows, m0, blk, q[3], dot);
+        std::array<F16, R * NT> sums;
+        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) sums[i] = acc[m0 * NT + i];
+        fold<H, Codec::kOffset, R, NT>(sums, dot, a, o, rows, m0, blk);
+        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) acc[m0 * NT + i] = sums[i];
+      });
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) ep.store(m, (tile0 + j) * kTile, acc[m * NT + j]);
 }
 
 // ---- driver ----------------------------------------------------------------------------
@@ -388,19 +403,24 @@ constexpr int tiles_per_step() {
 }
 
 // Steps of up to this many rows are one row group, bound by the bytes they read; larger ones
-// are bound by arithmetic, their row groups reading each pass's weights again from L2.
+// are bound by arithmetic (sweep_tiles).
 constexpr int64_t kRegisterRows = 4;
-// Tiles per pass of the register road: their weights (8 x 16 outputs x K inputs) stay in L2
-// while every block of rows reads them, so a weight comes from memory once per step however
-// many rows there are.
+// Tiles a thread takes at a time: their weights (8 x 16 outputs x K inputs) stay in L2 while
+// every slab of rows reads them, so a weight comes from memory once per step however many rows
+// there are.
 constexpr int64_t kTilesPerPass = 8;
-// Bytes of a decoded panel: within L2 beside the rows.
-constexpr int64_t kPanelBytes = 256 * 1024;
-// Rows a panel pass takes together: registers for MR rows x NT tiles of sums.
+// Rows a sweep takes through a pass at a time: their int8 activations for a block (32 bytes
+// each) and fp32 sums (64 bytes a tile) stay in L1 from one block to the next.
+constexpr int64_t kSweepRows = 64;
+// A sweep's tiles at a time and rows a group: two tiles' decoded blocks (16 registers) with
+// 2-4 rows' integer sums fill AVX-512's 32; elsewhere one tile's, its blocks held in L1.
+// Q6_K's, Q3_K's and Q2_K's halves of a block take twice the sums, so 2 rows a group
+// (1.15x 4 rows on Q6_K at 16 rows, the timing above sweep_tiles; forced AVX2 on the same
+// machine: 4 rows a group for the others kept Q4_0 and Q4_K at the register road's speed,
+// where 2 made Q4_0 0.9x).
+constexpr int sweep_tiles_per_step() { return kParts == 1 ? 2 : 1; }
 template <int H>
-constexpr int panel_rows() { return kParts == 1 ? 4 : 2; }
-template <int H>
-constexpr int panel_tiles_per_step() { return kParts == 1 ? (H == 1 ? 2 : 1) : 1; }
+constexpr int sweep_rows() { return H == 1 ? 4 : 2; }
 
 struct Segment {
   Format format;
@@ -409,19 +429,6 @@ struct Segment {
   int64_t tiles;
   int64_t first;   // its first tile among all the weight's
 };
-
-// Calls run.template operator()<MR>(m) for every group of up to 4 rows, from m0 = 0.
-template <int MaxRows, typename F>
-ITERSERVE_INLINE void row_groups(int64_t M, F&& run) {
-  int64_t m = 0;
-  for (; m + MaxRows <= M; m += MaxRows) run(std::integral_constant<int, MaxRows>{}, m);
-  switch (M - m) {
-    case 3: if constexpr (MaxRows > 3) run(std::integral_constant<int, 3>{}, m); break;
-    case 2: if constexpr (MaxRows > 2) run(std::integral_constant<int, 2>{}, m); break;
-    case 1: if constexpr (MaxRows > 1) run(std::integral_constant<int, 1>{}, m); break;
-    default: break;
-  }
-}
 
 // NT tiles a step, then single tiles to the end.
 template <int NT, typename F>
@@ -432,87 +439,45 @@ ITERSERVE_INLINE void tile_steps(int64_t t_begin, int64_t t_end, F&& run) {
   for (; t < t_end; ++t) run(std::integral_constant<int, 1>{}, t);
 }
 
-// Row groups row_groups<MaxRows> makes of M rows, and tile steps tile_steps<NT> makes of n tiles.
-template <int MaxRows>
-constexpr int64_t row_group_count(int64_t M) { return M / MaxRows + (M % MaxRows ? 1 : 0); }
+// Tile steps tile_steps<NT> makes of n tiles.
 template <int NT>
 constexpr int64_t tile_step_count(int64_t n) { return n / NT + n % NT; }
 
-// Tiles of a panel pass: their decoded panel within kPanelBytes.
-template <int H>
-int64_t panel_pass_tiles(int64_t K) {
-  return std::clamp<int64_t>(kPanelBytes / ((K / kBlock) * panel_block_bytes<H>()), 1, kTilesPerPass);
-}
-
-// Tiles [t_begin, t_end) of a block segment, a pass at a time; while a pass computes, the
-// next one's weights (or `after`'s, past the last pass) are prefetched into L2 when later row
-// groups would otherwise wait for them.
+// Tiles [t_begin, t_end) of a block segment, a pass at a time. A few rows stream them once,
+// their own prefetch running ahead within each tile; many rows sweep each pass in slabs, while
+// the pass's blocks prefetch the next pass's weights (or `after`'s, past the last) into L2.
 template <typename Codec>
 void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begin, int64_t t_end,
                  const Epilogue& ep, Span after) {
   constexpr int H = Codec::kHalves;
-  const int64_t blocks = rows.K / kBlock;
-  // What a thread reads once the pass [t0, t1) is done.
-  auto next_span = [&](int64_t t1, int64_t per_pass) {
-    if (t1 >= t_end) return after;
-    return Span{seg.data + t1 * seg.stride, seg.data + std::min(t1 + per_pass, t_end) * seg.stride};
-  };
-  if (M < Codec::kPanelFrom) {
-    for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
-      const int64_t t1 = std::min(t0 + kTilesPerPass, t_end);
-      // Each row group through the pass; `ahead`: stepped once a block.
-      auto through_pass = [&](auto with_ahead, Prefetcher* ahead) {
-        row_groups<4>(M, [&](auto mr, int64_t m0) {
-          constexpr int MR = decltype(mr)::value;
-          tile_steps<tiles_per_step<MR, H>()>(t0, t1, [&](auto nt, int64_t t) {
-            constexpr int NT = decltype(nt)::value;
-            block_tiles<Codec, MR, NT, false, decltype(with_ahead)::value>(
-                rows, m0, seg.data, seg.stride, t, ep.shifted(seg.first), nullptr, ahead);
-          });
-        });
-      };
-      // A few rows are one row group, whose own prefetch runs ahead of it within its tiles.
-      if (M <= kRegisterRows) {
-        through_pass(std::false_type{}, nullptr);
-        continue;
-      }
-      const Span next = next_span(t1, kTilesPerPass);
-      // Blocks the pass's row groups step through (each group's tile steps, the widest).
-      const int64_t steps =
-          row_group_count<4>(M) * tile_step_count<tiles_per_step<4, H>()>(t1 - t0) * blocks;
-      Prefetcher ahead(next, steps);
-      through_pass(std::true_type{}, &ahead);
-    }
-    return;
-  }
-  const int64_t panel_tile = blocks * panel_block_bytes<H>();
-  const int64_t per_pass = panel_pass_tiles<H>(rows.K);
-  thread_local std::vector<uint8_t> panel;
-  if (static_cast<int64_t>(panel.size()) < per_pass * panel_tile) panel.resize(per_pass * panel_tile);
-  constexpr int kFirst = 4;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += per_pass) {
-    const int64_t t1 = std::min(t0 + per_pass, t_end);
-    const Span next = next_span(t1, per_pass);
-    const int64_t steps = row_group_count<panel_rows<H>()>(M - kFirst) *
-                          tile_step_count<panel_tiles_per_step<H>()>(t1 - t0) * blocks;
-    Prefetcher ahead(next, steps);
-    // The first rows decode the tiles in registers as a few-row step does, leaving them in
-    // the panel: the weights stream from memory under their dot products.
-    tile_steps<tiles_per_step<kFirst, H>()>(t0, t1, [&](auto nt, int64_t t) {
-      constexpr int NT = decltype(nt)::value;
-      block_tiles<Codec, kFirst, NT, true>(rows, 0, seg.data, seg.stride, t,
-                                           ep.shifted(seg.first),
-                                           panel.data() + (t - t0) * panel_tile);
-    });
-    const Rows rest = rows.from(kFirst);
-    row_groups<panel_rows<H>()>(M - kFirst, [&](auto mr, int64_t m0) {
+  const Epilogue out = ep.shifted(seg.first);
+  if (M <= kRegisterRows) {
+    row_groups<4>(M, [&](auto mr, int64_t m0) {
       constexpr int MR = decltype(mr)::value;
-      tile_steps<panel_tiles_per_step<H>()>(t0, t1, [&](auto nt, int64_t t) {
-        constexpr int NT = decltype(nt)::value;
-        panel_tiles<Codec::kSigned, H, Codec::kOffset, MR, NT>(
-            rest, m0, panel.data(), t - t0, t, ep.shifted(seg.first).from_row(kFirst), ahead);
+      tile_steps<tiles_per_step<MR, H>()>(t_begin, t_end, [&](auto nt, int64_t t) {
+        block_tiles<Codec, MR, decltype(nt)::value>(rows, m0, seg.data, seg.stride, t, out);
       });
     });
+    return;
+  }
+  constexpr int NT = sweep_tiles_per_step();
+  thread_local std::vector<F16> acc;
+  if (static_cast<int64_t>(acc.size()) < kSweepRows * NT) acc.resize(kSweepRows * NT);
+  const int64_t blocks = rows.K / kBlock, slabs = (M + kSweepRows - 1) / kSweepRows;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
+    const int64_t t1 = std::min(t0 + kTilesPerPass, t_end);
+    const Span next = t1 >= t_end ? after
+                                  : Span{seg.data + t1 * seg.stride,
+                                         seg.data + std::min(t1 + kTilesPerPass, t_end) * seg.stride};
+    Prefetcher ahead(next, slabs * tile_step_count<NT>(t1 - t0) * blocks);
+    for (int64_t m0 = 0; m0 < M; m0 += kSweepRows) {
+      const Rows slab = rows.from(m0);
+      const Epilogue slab_out = out.from_row(m0);
+      tile_steps<NT>(t0, t1, [&](auto nt, int64_t t) {
+        sweep_tiles<Codec, sweep_rows<H>(), decltype(nt)::value>(
+            slab, std::min(kSweepRows, M - m0), seg.data, seg.stride, t, slab_out, acc.data(), ahead);
+      });
+    }
   }
 }
 
@@ -539,17 +504,6 @@ void segment_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_be
   with_codec(seg.format, [&](auto codec) {
     codec_range<decltype(codec)>(seg, rows, M, t_begin, t_end, ep, after);
   });
-}
-
-// Tiles of one pass of the road a step of M rows takes through a segment: the tiles whose
-// weights stay in L2 while every row group reads them.
-inline int64_t pass_tiles(const Segment& seg, int64_t K, int64_t M) {
-  int64_t tiles = kTilesPerPass;
-  with_codec(seg.format, [&](auto codec) {
-    using Codec = decltype(codec);
-    if (M >= Codec::kPanelFrom) tiles = panel_pass_tiles<Codec::kHalves>(K);
-  });
-  return tiles;
 }
 
 // A few rows' step, bound by the bytes it reads: thread i's share of all tiles,
@@ -584,13 +538,11 @@ struct Chunk {
 // passes claimed in turn made the bundled model's one-row steps 13% slower (each pass a
 // stream started afresh, on projections of ~60 tiles; benchmarks/decode_speed.py,
 // 2026-11-29, avx512vnni), and a 1B's no faster.
-inline std::vector<Chunk> chunks(const std::vector<Segment>& segs, int64_t K, int64_t M) {
+inline std::vector<Chunk> chunks(const std::vector<Segment>& segs) {
   std::vector<Chunk> out;
-  for (size_t s = 0; s < segs.size(); ++s) {
-    const int64_t per = pass_tiles(segs[s], K, M);
-    for (int64_t t = 0; t < segs[s].tiles; t += per)
-      out.push_back({static_cast<int64_t>(s), t, std::min(t + per, segs[s].tiles)});
-  }
+  for (size_t s = 0; s < segs.size(); ++s)
+    for (int64_t t = 0; t < segs[s].tiles; t += kTilesPerPass)
+      out.push_back({static_cast<int64_t>(s), t, std::min(t + kTilesPerPass, segs[s].tiles)});
   return out;
 }
 
