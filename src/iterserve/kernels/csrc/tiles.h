@@ -306,27 +306,36 @@ struct Prefetcher {
   }
 };
 
+// Calls run(p, b, blk) for every block of NT tiles (from tile0) of K inputs, in order: p[j]
+// tile j's unit, b the block within it, blk the block's number among all.
+template <typename Codec, int NT, typename F>
+ITERSERVE_INLINE void for_each_block(int64_t K, const uint8_t* w, int64_t stride, int64_t tile0,
+                                     F&& run) {
+  constexpr int kBlocks = Codec::kInputs / kBlock;
+  for (int64_t u = 0; u < K / Codec::kInputs; ++u) {
+    const uint8_t* p[NT];
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+      p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
+    for (int b = 0; b < kBlocks; ++b)
+      run(static_cast<const uint8_t* const*>(p), b, u * kBlocks + b);
+  }
+}
+
 // Few rows: MR rows x NT tiles (from tile0), decoding each block in registers.
 template <typename Codec, int MR, int NT>
 inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t stride,
                         int64_t tile0, const Epilogue& ep) {
-  constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
-  const int64_t units = rows.K / Codec::kInputs;
+  constexpr int H = Codec::kHalves;
   auto acc = zeros<MR * NT>();
-  for (int64_t u = 0; u < units; ++u) {
-    const uint8_t* p[NT];
-    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
-      p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
-    for (int b = 0; b < kBlocks; ++b) {
-      const int64_t blk = u * kBlocks + b;
-      prefetch_units<Codec, MR == 1 ? 1 : 2, NT>(p, b);
-      auto dot = izeros<H * MR * NT>();
-      block_dots<Codec, MR, NT>(rows, m0, blk, p, b, dot);
-      F16 a[NT * H], o[NT * H];
-      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
-      fold<H, Codec::kOffset, MR, NT>(acc, dot, a, o, rows, m0, blk);
-    }
-  }
+  auto block = [&](const uint8_t* const* p, int b, int64_t blk) {
+    prefetch_units<Codec, MR == 1 ? 1 : 2, NT>(p, b);
+    auto dot = izeros<H * MR * NT>();
+    block_dots<Codec, MR, NT>(rows, m0, blk, p, b, dot);
+    F16 a[NT * H], o[NT * H];
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
+    fold<H, Codec::kOffset, MR, NT>(acc, dot, a, o, rows, m0, blk);
+  };
+  for_each_block<Codec, NT>(rows.K, w, stride, tile0, block);
   store_all<MR, NT>(ep, m0, tile0, acc);
 }
 
@@ -347,46 +356,40 @@ ITERSERVE_INLINE void row_groups(int64_t M, F&& run) {
 // of the tiles is decoded once, into registers (or, where 16 of them do not fit, the stack:
 // L1), and every row group takes its dot products against it; the rows' sums wait in `acc`
 // ([M * NT], L1). Against decoding each block once every 4 rows (2026-11-29, avx512vnni, a
-// standalone timing of these loops, one thread, 2048 x 2048, 16 / 64 / 128 rows): Q6_K 1.3-1.5x /
-// 1.36x / 1.38x, Q4_K 1.1-1.2x / 1.12x / 1.09x (both against their earlier panel roads past 9 and
-// 32 rows), Q8_0 1.09x at 16 rows, Q4_0 0.96x.
+// standalone timing of these loops, one thread, 2048 x 2048, 16 / 64 / 128 rows): Q6_K
+// 1.3-1.5x / 1.36x / 1.38x, Q4_K 1.1-1.2x / 1.12x / 1.09x (both against their earlier panel
+// roads past 9 and 32 rows), Q8_0 1.09x at 16 rows, Q4_0 0.96x.
 template <typename Codec, int MR, int NT>
 inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t stride,
                         int64_t tile0, const Epilogue& ep, F16* acc, Prefetcher& ahead) {
-  constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
-  const int64_t units = rows.K / Codec::kInputs;
+  constexpr int H = Codec::kHalves;
   for (int64_t i = 0; i < M * NT; ++i) acc[i] = F16::zero();
-  for (int64_t u = 0; u < units; ++u) {
-    const uint8_t* p[NT];
-    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
-      p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
-    for (int b = 0; b < kBlocks; ++b) {
-      const int64_t blk = u * kBlocks + b;
-      ahead.step();
-      prefetch_units<Codec, 1, NT>(p, b);
-      Quads q[4][NT];
-      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-        q[0][j] = Codec::template chunk<0>(p[j], b);
-        q[1][j] = Codec::template chunk<1>(p[j], b);
-        q[2][j] = Codec::template chunk<2>(p[j], b);
-        q[3][j] = Codec::template chunk<3>(p[j], b);
-      }
-      F16 a[NT * H], o[NT * H];
-      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
-      row_groups<MR>(M, [&](auto mr, int64_t m0) {
-        constexpr int R = decltype(mr)::value;
-        auto dot = izeros<H * R * NT>();
-        chunk_dots<Codec, 0, R, NT>(rows, m0, blk, q[0], dot);
-        chunk_dots<Codec, 1, R, NT>(rows, m0, blk, q[1], dot);
-        chunk_dots<Codec, 2, R, NT>(rows, m0, blk, q[2], dot);
-        chunk_dots<Codec, 3, R, NT>(rows, m0, blk, q[3], dot);
-        std::array<F16, R * NT> sums;
-        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) sums[i] = acc[m0 * NT + i];
-        fold<H, Codec::kOffset, R, NT>(sums, dot, a, o, rows, m0, blk);
-        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) acc[m0 * NT + i] = sums[i];
-      });
+  auto block = [&](const uint8_t* const* p, int b, int64_t blk) {
+    ahead.step();
+    prefetch_units<Codec, 1, NT>(p, b);
+    Quads q[4][NT];
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+      q[0][j] = Codec::template chunk<0>(p[j], b);
+      q[1][j] = Codec::template chunk<1>(p[j], b);
+      q[2][j] = Codec::template chunk<2>(p[j], b);
+      q[3][j] = Codec::template chunk<3>(p[j], b);
     }
-  }
+    F16 a[NT * H], o[NT * H];
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
+    row_groups<MR>(M, [&](auto mr, int64_t m0) {
+      constexpr int R = decltype(mr)::value;
+      auto dot = izeros<H * R * NT>();
+      chunk_dots<Codec, 0, R, NT>(rows, m0, blk, q[0], dot);
+      chunk_dots<Codec, 1, R, NT>(rows, m0, blk, q[1], dot);
+      chunk_dots<Codec, 2, R, NT>(rows, m0, blk, q[2], dot);
+      chunk_dots<Codec, 3, R, NT>(rows, m0, blk, q[3], dot);
+      std::array<F16, R * NT> sums;
+      ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) sums[i] = acc[m0 * NT + i];
+      fold<H, Codec::kOffset, R, NT>(sums, dot, a, o, rows, m0, blk);
+      ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) acc[m0 * NT + i] = sums[i];
+    });
+  };
+  for_each_block<Codec, NT>(rows.K, w, stride, tile0, block);
   for (int64_t m = 0; m < M; ++m)
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) ep.store(m, (tile0 + j) * kTile, acc[m * NT + j]);
 }
@@ -466,16 +469,17 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
   const int64_t blocks = rows.K / kBlock, slabs = (M + kSweepRows - 1) / kSweepRows;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
     const int64_t t1 = std::min(t0 + kTilesPerPass, t_end);
-    const Span next = t1 >= t_end ? after
-                                  : Span{seg.data + t1 * seg.stride,
-                                         seg.data + std::min(t1 + kTilesPerPass, t_end) * seg.stride};
+    const int64_t t2 = std::min(t1 + kTilesPerPass, t_end);
+    const Span next =
+        t1 >= t_end ? after : Span{seg.data + t1 * seg.stride, seg.data + t2 * seg.stride};
     Prefetcher ahead(next, slabs * tile_step_count<NT>(t1 - t0) * blocks);
     for (int64_t m0 = 0; m0 < M; m0 += kSweepRows) {
       const Rows slab = rows.from(m0);
       const Epilogue slab_out = out.from_row(m0);
+      const int64_t slab_rows = std::min(kSweepRows, M - m0);
       tile_steps<NT>(t0, t1, [&](auto nt, int64_t t) {
         sweep_tiles<Codec, sweep_rows<H>(), decltype(nt)::value>(
-            slab, std::min(kSweepRows, M - m0), seg.data, seg.stride, t, slab_out, acc.data(), ahead);
+            slab, slab_rows, seg.data, seg.stride, t, slab_out, acc.data(), ahead);
       });
     }
   }

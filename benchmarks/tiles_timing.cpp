@@ -1,0 +1,58 @@
+// The projection loops alone (kernels/csrc/tiles.h), timed on one thread: one weight [N, K]
+// of random blocks in a format, M rows, best of `reps` calls. What docs/benchmarks.md's
+// standalone figures come from; the loops are the kernels' own, with no torch runtime.
+//
+//   g++ -O3 -std=c++17 -DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512 -mavx512f -mavx512bw \
+//       -mavx512vl -mavx512dq -mavx512vnni -mfma -mf16c -fno-ipa-pure-const -fno-ipa-modref \
+//       -Isrc/iterserve/kernels/csrc -I$TORCH/include -I$TORCH/include/torch/csrc/api/include \
+//       -o /tmp/tiles_timing benchmarks/tiles_timing.cpp
+//   (AVX2: -DCPU_CAPABILITY=AVX2 -DCPU_CAPABILITY_AVX2 -mavx2 -mfma -mf16c; TORCH is
+//   .venv/lib/python3.11/site-packages/torch)
+//   taskset -c 1 /tmp/tiles_timing <format code> <N> <K> <M> [reps]
+//
+// Format codes: blocks.h `Format` (Q4_0 10, Q8_0 14, Q4_K 22, Q6_K 24, ...). The check sum
+// (the finite outputs' sum and count) is the same bits for two builds that compute alike.
+#include "gguf_repack.h"
+#include "tiles.h"
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+#include <sys/mman.h>
+using namespace iterserve;
+int main(int argc, char** argv) {
+  const auto f = static_cast<Format>(atoi(argv[1]));
+  const int64_t N = atol(argv[2]), K = atol(argv[3]), M = atol(argv[4]);
+  const int reps = argc > 5 ? atoi(argv[5]) : 5;
+  const int64_t bytes = tile_bytes(f, K), tiles = N / kTile;
+  const size_t total = (tiles * bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20);
+  uint8_t* packed_p = static_cast<uint8_t*>(std::aligned_alloc(2 << 20, total));
+  madvise(packed_p, total, MADV_HUGEPAGE);
+  std::mt19937 rng(1);
+  for (size_t i = 0; i < total; ++i) packed_p[i] = rng() & 0xff;
+  // sane fp16 fields don't matter for speed
+  std::vector<at::BFloat16> x(M * K);
+  std::normal_distribution<float> nd;
+  for (auto& v : x) v = at::BFloat16(nd(rng));
+  std::vector<int8_t> q(M * K);
+  std::vector<float> scale(M * K / kBlock), s32(M * K / kBlock), s16(M * K / 16);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x.data() + m * K, K, q.data() + m * K, scale.data() + m * K / kBlock,
+                 s32.data() + m * K / kBlock, s16.data() + m * K / 16);
+  const Rows rows{K, nullptr, 0, nullptr, 0, q.data(), scale.data(), s32.data(), s16.data()};
+  std::vector<float> out(M * N);
+  Epilogue ep{nullptr, out.data(), N, nullptr, nullptr, 0};
+  const Segment seg{f, packed_p, bytes, tiles, 0};
+  double best = 1e9;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    segment_range(seg, rows, M, 0, tiles, ep);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::min(best, s);
+  }
+  double sum = 0; long nf = 0; for (float v : out) if (std::isfinite(v) && std::fabs(v) < 1e30) sum += v, ++nf;
+  printf("fmt %d N %ld K %ld M %ld: %.2f ms, %.1f GOP/s (chk %g %ld)\n", (int)f, N, K, M, best * 1e3,
+         2.0 * M * N * K / best / 1e9, sum, nf);
+}
