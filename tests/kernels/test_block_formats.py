@@ -81,18 +81,23 @@ def test_products_match_dequantize_then_matmul(name: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0"])
-def test_a_rows_result_does_not_depend_on_the_step(name: str) -> None:
+@pytest.mark.parametrize("k", [512, 8192])
+def test_a_rows_result_does_not_depend_on_the_step(name: str, k: int) -> None:
     """The same bits for row 0 alone, among 3 (a few rows' stream), among 12 (the sweep) and
-    among 70 (the sweep in two slabs of rows)."""
+    among 70 (the sweep in slabs of rows: 64 and 6 at K = 512, five of at most 16 at 8192),
+    and for every row of the 70 as alone."""
     fmt = bf.BLOCK_FORMATS[name]
-    n, k = 64, 512
+    n = 64
     tiles = bf.repack(kernels.ops(), gguf_bytes(name, n, k), fmt, k)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(0)).bfloat16()
-    results = [
-        kernels.ops().tiled_linear(x[:m], [tiles], [fmt.code], None, None, True)[0]
-        for m in (1, 3, 12, 70)
-    ]
-    assert all(torch.equal(results[0], other) for other in results[1:])
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return kernels.ops().tiled_linear(rows, [tiles], [fmt.code], None, None, True)
+
+    results = [product(x[:m])[0] for m in (1, 3, 12)]
+    among_70 = product(x)
+    assert all(torch.equal(results[0], other) for other in [*results[1:], among_70[0]])
+    assert torch.equal(among_70, torch.cat([product(x[m : m + 1]) for m in range(70)]))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 40])

@@ -20,7 +20,7 @@
 //     registers once, with its scales, and every row of the step takes its dot products against
 //     it in turn, the rows' fp32 sums waiting in L1 between blocks (`sweep_tiles`). Unpacking
 //     planes and building scales is then paid once a step, not once a row group; a thread
-//     takes the tiles a pass of 8 at a time, which stay in L2 while slabs of 64 rows read them,
+//     takes the tiles a pass of 8 at a time, which stay in L2 while slabs of 16-64 rows read them,
 //     so a weight comes from memory once a step.
 #pragma once
 
@@ -412,9 +412,18 @@ constexpr int64_t kRegisterRows = 4;
 // every slab of rows reads them, so a weight comes from memory once per step however many rows
 // there are.
 constexpr int64_t kTilesPerPass = 8;
-// Rows a sweep takes through a pass at a time: their int8 activations for a block (32 bytes
-// each) and fp32 sums (64 bytes a tile) stay in L1 from one block to the next.
+// Rows a sweep takes through a pass at a time (a slab): at most 64, whose fp32 sums (64 bytes
+// a tile) stay in L1 from one block to the next, and as many as keep the slab's int8
+// activations (K bytes a row) within 128 KiB of L2, since every tile step reads them all
+// again: a 2048 x 8192 weight at 512 rows ran 1.2-1.3x faster in slabs of 16 rows than of 64,
+// and a 4096 x 4096 one 1.14x in slabs of 32 (256 KiB: no gain, 64 KiB: less; 2026-11-29,
+// avx512vnni, benchmarks/tiles_timing.cpp). Never under 16, so that a batch-16 decode step
+// decodes its weights once.
 constexpr int64_t kSweepRows = 64;
+constexpr int64_t kSweepActivationBytes = 128 * 1024;
+inline int64_t sweep_slab_rows(int64_t K) {
+  return std::clamp<int64_t>(kSweepActivationBytes / K / 4 * 4, 16, kSweepRows);
+}
 // A sweep's tiles at a time and rows a group: two tiles' decoded blocks (16 registers) with
 // 2-4 rows' integer sums fill AVX-512's 32; elsewhere one tile's, its blocks held in L1.
 // Q6_K's, Q3_K's and Q2_K's halves of a block take twice the sums, so 2 rows a group
@@ -466,17 +475,18 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
   constexpr int NT = sweep_tiles_per_step();
   thread_local std::vector<F16> acc;
   if (static_cast<int64_t>(acc.size()) < kSweepRows * NT) acc.resize(kSweepRows * NT);
-  const int64_t blocks = rows.K / kBlock, slabs = (M + kSweepRows - 1) / kSweepRows;
+  const int64_t per_slab = sweep_slab_rows(rows.K);
+  const int64_t blocks = rows.K / kBlock, slabs = (M + per_slab - 1) / per_slab;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
     const int64_t t1 = std::min(t0 + kTilesPerPass, t_end);
     const int64_t t2 = std::min(t1 + kTilesPerPass, t_end);
     const Span next =
         t1 >= t_end ? after : Span{seg.data + t1 * seg.stride, seg.data + t2 * seg.stride};
     Prefetcher ahead(next, slabs * tile_step_count<NT>(t1 - t0) * blocks);
-    for (int64_t m0 = 0; m0 < M; m0 += kSweepRows) {
+    for (int64_t m0 = 0; m0 < M; m0 += per_slab) {
       const Rows slab = rows.from(m0);
       const Epilogue slab_out = out.from_row(m0);
-      const int64_t slab_rows = std::min(kSweepRows, M - m0);
+      const int64_t slab_rows = std::min(per_slab, M - m0);
       tile_steps<NT>(t0, t1, [&](auto nt, int64_t t) {
         sweep_tiles<Codec, sweep_rows<H>(), decltype(nt)::value>(
             slab, slab_rows, seg.data, seg.stride, t, slab_out, acc.data(), ahead);
