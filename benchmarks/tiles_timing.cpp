@@ -36,12 +36,10 @@ int main(int argc, char** argv) {
   std::vector<at::BFloat16> x(M * K);
   std::normal_distribution<float> nd;
   for (auto& v : x) v = at::BFloat16(nd(rng));
-  std::vector<int8_t> q(M * K);
-  std::vector<float> scale(M * K / kBlock), s32(M * K / kBlock), s16(M * K / 16);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(x.data() + m * K, K, q.data() + m * K, scale.data() + m * K / kBlock,
-                 s32.data() + m * K / kBlock, s16.data() + m * K / 16);
-  const Rows rows{K, nullptr, 0, nullptr, 0, q.data(), scale.data(), s32.data(), s16.data()};
+  QuantizedBuffers q(M, K, unit_inputs(f));
+  for (int64_t m = 0; m < M; ++m) q.row(x.data() + m * K, K, m);
+  Rows rows{K, nullptr, 0, nullptr, 0, {}, {}};
+  (q.view.unit == 256 ? rows.per256 : rows.per32) = q.view;
   std::vector<float> out(M * N);
   Epilogue ep{nullptr, out.data(), N, nullptr, nullptr, 0};
   const Segment seg{f, packed_p, bytes, tiles, 0};

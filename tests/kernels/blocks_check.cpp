@@ -38,12 +38,10 @@ void write(const std::vector<float>& values) {
 
 // x [M, K] times the tiles: one thread's whole share, as the kernels run it.
 std::vector<float> products(const Segment& seg, const at::BFloat16* x, int64_t M, int64_t K) {
-  std::vector<int8_t> q(M * K);
-  std::vector<float> scale(M * K / kBlock), sum32(M * K / kBlock), sum16(M * K / 16);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, q.data() + m * K, scale.data() + m * K / kBlock,
-                 sum32.data() + m * K / kBlock, sum16.data() + m * K / 16);
-  const Rows rows{K, nullptr, 0, nullptr, 0, q.data(), scale.data(), sum32.data(), sum16.data()};
+  QuantizedBuffers q(M, K, unit_inputs(seg.format));
+  for (int64_t m = 0; m < M; ++m) q.row(x + m * K, K, m);
+  Rows rows{K, nullptr, 0, nullptr, 0, {}, {}};
+  (q.view.unit == 256 ? rows.per256 : rows.per32) = q.view;
   const int64_t N = seg.tiles * kTile;
   std::vector<float> out(M * N);
   Epilogue ep{nullptr, out.data(), N, nullptr, nullptr, 0};

@@ -29,12 +29,6 @@ def reference(raw: np.ndarray, name: str, shape: tuple[int, int]) -> torch.Tenso
     return torch.from_numpy(dequantize(raw, GGMLQuantizationType[name]).reshape(shape))
 
 
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    q, s = bf.quantize_activations(x)
-    m, k = x.shape
-    return (q.double().view(m, k // 32, 32) * s.double()[..., None]).view(m, k)
-
-
 def close(out: torch.Tensor, want: torch.Tensor, rounded: bool) -> None:
     """out is `want` up to fp32 summation order (and one bf16 rounding if `rounded`)."""
     error = (out.double() - want).abs()
@@ -74,8 +68,11 @@ def test_products_match_dequantize_then_matmul(name: str, rows: int) -> None:
     tiles = bf.repack(kernels.ops(), raw, fmt, k)
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, k, generator=gen) * 2).bfloat16()
-    x[0, :32] = 0  # an all-zero block: scale 0, no division by it
-    want = int8_rounded(x) @ reference(raw, name, (n, k)).double().T
+    x[0, : fmt.activation_unit] = 0  # an all-zero unit: scale 0, no division by it
+    want = (
+        bf.activations_as_quantized(x, fmt.activation_unit)
+        @ reference(raw, name, (n, k)).double().T
+    )
     out = kernels.ops().tiled_linear(x, [tiles], [fmt.code], None, None, True)
     close(out, want, rounded=False)
 
@@ -125,7 +122,8 @@ def test_segments_of_different_formats_run_as_one_weight(rows: int) -> None:
     blocks = torch.cat(
         [reference(raw, name, (m, k)) for raw, (name, m) in zip(raws, parts, strict=True)]
     )
-    want = torch.cat((int8_rounded(x) @ blocks.double().T, x.double() @ dense.double().T), dim=1)
+    rounded = bf.activations_as_quantized(x, 256)  # the K-quants' unit
+    want = torch.cat((rounded @ blocks.double().T, x.double() @ dense.double().T), dim=1)
     close(out, want + bias.double() + residual.double(), rounded=True)
 
 

@@ -72,16 +72,17 @@ def test_a_strided_row_view_is_read_in_place() -> None:
     _close_to_bf16_rounding(out, x.float() @ w.float().T)
 
 
-def test_the_activations_are_rounded_as_documented() -> None:
+@pytest.mark.parametrize("unit", [32, 256])
+def test_the_activations_are_rounded_as_documented(unit: int) -> None:
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(7, 96, generator=gen) * 4).bfloat16()
-    x[1, 40] = 100.0  # one outlier: its block's scale, not the row's
-    q, s = kernels.ops().quantize_rows(x)
-    q_ref, s_ref = bf.quantize_activations(x)
+    x = (torch.randn(7, 2 * unit, generator=gen) * 4).bfloat16()
+    x[1, unit + 8] = 100.0  # one outlier: its unit's scale, not the row's
+    q, s = kernels.ops().quantize_rows(x, unit)
+    q_ref, s_ref = bf.quantize_activations(x, unit)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
-    assert int(q.abs().max()) == 127 and int(q[1, 32:64].abs().max()) == 127
-    # Per-block scales keep small blocks precise: within half a step of each input.
-    step = s.repeat_interleave(32, dim=1)
+    assert int(q.abs().max()) == 127 and int(q[1, unit : 2 * unit].abs().max()) == 127
+    # Per-unit scales keep the other units precise: within half a step of each input.
+    step = s.repeat_interleave(unit, dim=1)
     assert bool(((q.float() * step - x.float()).abs() <= step / 2 + 1e-6).all())
 
 

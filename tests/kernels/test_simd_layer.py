@@ -177,8 +177,7 @@ def _check_block_formats(
         at += n * k + 2 * m * padded
         weights = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
         np.testing.assert_array_equal(decoded, weights, err_msg=f"{name} {qtype}")
-        q, s = bf.quantize_activations(x)
-        rounded = (q.double().view(m, k // 32, 32) * s.double()[..., None]).view(m, k)
+        rounded = bf.activations_as_quantized(x, bf.BLOCK_FORMATS[qtype].activation_unit)
         want = (rounded @ torch.from_numpy(weights).double().T).numpy()
         np.testing.assert_allclose(
             together[:, :n], want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=f"{name} {qtype}"

@@ -22,9 +22,9 @@ def _tiled_linear(
     return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights) * TILE, dtype=dtype)
 
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(x: torch.Tensor, unit: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(
-        (x.shape[0], x.shape[1] // 32), dtype=torch.float32
+        (x.shape[0], x.shape[1] // unit), dtype=torch.float32
     )
 
 

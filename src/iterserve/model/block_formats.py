@@ -7,8 +7,11 @@
 - its kernel layout and dot product: tiles of 16 output rows (csrc/blocks.h), made from the
   file's bytes in one pass (`repack`, csrc/repack.cpp) and multiplied in them at every step
   size (csrc/linear.cpp), `tile_bytes` for 16 rows of one block;
-- the activation format it pairs with: every block format here takes the activations
-  quantized to int8 per block of 32 inputs, as llama.cpp's q8_0 / q8_K do.
+- the activation format it pairs with: the activations quantized to int8 with one scale per
+  unit of the format's inputs (`inputs`: 32, or 256 for the K-quants), as llama.cpp's q8_0
+  and q8_K are (`quantize_activations`). A K-quant's per-block scales then fold into one sum
+  per unit before the activations' scale: half the fp32 work a Q6_K block took with a scale
+  per 32 inputs (csrc/tiles.h).
 
 Dense weights run as bf16 (or fp16 for fp16 checkpoints) tiles: pairs of inputs of 16 outputs
 side by side.
@@ -40,6 +43,11 @@ class BlockFormat:
 
     def bytes_per_tile(self, k: int) -> int:
         return k // self.inputs * self.tile_bytes
+
+    @property
+    def activation_unit(self) -> int:
+        """Inputs that share one activation scale: the format's own unit."""
+        return self.inputs
 
     @property
     def bits_per_weight(self) -> float:
@@ -123,13 +131,22 @@ def quantize_q8_0(weight: torch.Tensor) -> np.ndarray:
     return raw.reshape(n, -1).numpy()
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (q [M, K] int8, s [M, K/32] fp32) with x ~ s * q per block of 32 inputs: the
-    activations every block format pairs with, rounded exactly as csrc/linear.cpp rounds them."""
+def quantize_activations(x: torch.Tensor, unit: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (q [M, K] int8, s [M, K/unit] fp32) with x ~ s * q per unit of inputs (32 or
+    256, a format's `activation_unit`): the activations the block formats pair with, rounded
+    exactly as csrc/tiles.h rounds them."""
     m, k = x.shape
-    blocks = x.float().reshape(m, k // 32, 32)
+    blocks = x.float().reshape(m, k // unit, unit)
     amax = blocks.abs().amax(dim=-1)
     # A true division (`127.0 / amax` would multiply by a rounded reciprocal).
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv[..., None]).to(torch.int8).reshape(m, k)
     return q, amax / 127.0
+
+
+def activations_as_quantized(x: torch.Tensor, unit: int = 32) -> torch.Tensor:
+    """x as the block formats' kernels see it, s * q (float64): what their results are checked
+    against, times the dequantized weights."""
+    q, s = quantize_activations(x, unit)
+    m, k = x.shape
+    return (q.double().view(m, k // unit, unit) * s.double()[..., None]).view(m, k)

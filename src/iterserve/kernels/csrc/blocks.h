@@ -5,14 +5,16 @@
 //
 //   for each block of 32 inputs and chunk c of 8 (inputs 8c..8c+7): the 16 rows' values as
 //   bytes, `lo` (inputs 8c..8c+3) and `hi` (8c+4..8c+7), 4 bytes to a row's 32-bit lane;
-//   for the block (or each half of 16 inputs) a per-row scale a and offset o, such that
+//   for the block (or each half of 16 inputs) a per-row scale a, and either a bias the
+//   format fixes (kBias) or a per-row offset o (kOffset), such that
 //
-//       w = a * value - o
+//       w = a (value - kBias)   or   w = a value - o
 //
-// Against activations quantized to int8 per block of 32 (x ~ s xq, linear.cpp) a block's
-// contribution is then a s (value . xq) - o (s sum xq): integer dot products, two fp32
-// multiply-adds and the activation sums that quantizing them gave. Exactly the dequantized
-// weights (the `gguf` package's) times the int8-rounded activations, up to fp32 rounding
+// Against activations quantized to int8 (x ~ s xq, one s a unit of the format: tiles.h) a
+// block's contribution is then s (a (value . xq - kBias sum xq) - o sum xq): integer dot
+// products that start from -kBias sum xq (exact in int32), one fp32 multiply-add per block,
+// one for the offset, and one for s per unit. Exactly the dequantized weights (the `gguf`
+// package's) times the int8-rounded activations, up to fp32 rounding
 // (tests/kernels/test_block_formats.py).
 //
 // A tile's bytes are its units one after the other, a unit being 16 rows x one GGUF block
@@ -32,7 +34,7 @@
 // Q5_K: +2.3-2.8%; Q6_K +1%, IQ4_XS +2.9%, Q3_K +5.5%).
 //
 // Signed values (Q8_0's bytes, the IQ4 tables') are stored + kSignedBias (128 with VNNI, see
-// simd.h), whose correction joins the offset: o = kSignedBias a.
+// simd.h), their bias.
 #pragma once
 
 #include "simd.h"
@@ -106,21 +108,21 @@ ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
 // Each is a struct of statics:
 //   kFormat, kInputs (a unit's inputs), kBytes (a unit's bytes), kHalves (1: a scale and offset
 //   per block of 32, 2: per 16 inputs), kSigned (values are signed bytes: dot_s8),
-//   kOffset (o can be non-zero);
+//   kBias (a power of two, or 0) or kOffset (a per-row offset o);
 //   template <int C> Quads chunk(p, b): block b's chunk C;
-//   void scales(p, b, a, o): block b's a[kHalves], o[kHalves].
+//   void scales(p, b, a, o): block b's a[kHalves], and o[kHalves] if kOffset.
 
 // w = d (q - 8), q 4 bits.                                   [nibbles 256 | d 32]
 struct Q4_0 {
   static constexpr Format kFormat = Format::kQ4_0;
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kD = 256, kBytes = kD + 32;
-  static constexpr bool kSigned = false, kOffset = true;
+  static constexpr bool kSigned = false, kOffset = false;
+  static constexpr int kBias = 8;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return nibbles(p + 64 * C); }
-  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16*) {
     a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
-    o[0] = a[0] * F16::splat(8.0f);
   }
 };
 
@@ -128,6 +130,8 @@ struct Q4_0 {
 struct Q4_1 : Q4_0 {
   static constexpr Format kFormat = Format::kQ4_1;
   static constexpr int64_t kO = Q4_0::kD + 32, kBytes = kO + 32;
+  static constexpr bool kOffset = true;
+  static constexpr int kBias = 0;
   static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
     a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
     o[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kO));
@@ -139,16 +143,16 @@ struct Q5_0 {
   static constexpr Format kFormat = Format::kQ5_0;
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kBits = 256, kD = kBits + 64, kBytes = kD + 32;
-  static constexpr bool kSigned = false, kOffset = true;
+  static constexpr bool kSigned = false, kOffset = false;
+  static constexpr int kBias = 16;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
     const Quads low = nibbles(p + 64 * C);
     const I16 bits = I16::load(p + kBits);
     return {with_bit<2 * C, 4>(bits, low.lo), with_bit<2 * C + 1, 4>(bits, low.hi)};
   }
-  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16*) {
     a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
-    o[0] = a[0] * F16::splat(16.0f);
   }
 };
 
@@ -156,6 +160,8 @@ struct Q5_0 {
 struct Q5_1 : Q5_0 {
   static constexpr Format kFormat = Format::kQ5_1;
   static constexpr int64_t kO = Q5_0::kD + 32, kBytes = kO + 32;
+  static constexpr bool kOffset = true;
+  static constexpr int kBias = 0;
   static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
     a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
     o[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kO));
@@ -167,14 +173,14 @@ struct Q8_0 {
   static constexpr Format kFormat = Format::kQ8_0;
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kD = 512, kBytes = kD + 32;
-  static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
+  static constexpr bool kSigned = true, kOffset = false;
+  static constexpr int kBias = kSignedBias;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
     return {I16::load(p + 128 * C), I16::load(p + 128 * C + 64)};
   }
-  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16*) {
     a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
-    o[0] = a[0] * F16::splat(static_cast<float>(kSignedBias));
   }
 };
 
@@ -206,9 +212,8 @@ struct IQ4_NL : Q8_0 {
   static constexpr int64_t kD = 256, kBytes = kD + 32;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return iq4_values(p + 64 * C); }
-  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16* o) {
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16*) {
     a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
-    o[0] = a[0] * F16::splat(static_cast<float>(kSignedBias));
   }
 };
 
@@ -234,6 +239,7 @@ struct Q4_K {
   static constexpr int64_t kMn = 128, kD = 256, kData = 320, kBlockBytes = 256;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
+  static constexpr int kBias = 0;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return nibbles(p + kData + kBlockBytes * b + 64 * C);
@@ -264,7 +270,8 @@ struct Q6_K {
   static constexpr int kInputs = 256, kHalves = 2;
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 384;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
-  static constexpr bool kSigned = false, kOffset = true;
+  static constexpr bool kSigned = false, kOffset = false;
+  static constexpr int kBias = 32;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const uint8_t* block = p + kData + kBlockBytes * b;
@@ -273,12 +280,9 @@ struct Q6_K {
     constexpr int F = 2 * (C % 2);
     return {with_crumb<F, 4>(high, low.lo), with_crumb<F + 1, 4>(high, low.hi)};
   }
-  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16*) {
     const auto* sc = reinterpret_cast<const int8_t*>(p + 32 * b);
-    for (int h = 0; h < 2; ++h) {
-      a[h] = half_lanes(p + kD) * load_i8x16(sc + 16 * h);
-      o[h] = a[h] * F16::splat(32.0f);
-    }
+    for (int h = 0; h < 2; ++h) a[h] = half_lanes(p + kD) * load_i8x16(sc + 16 * h);
   }
 };
 
@@ -290,6 +294,7 @@ struct Q2_K {
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 128;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true;
+  static constexpr int kBias = 0;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const I16 plane = I16::load(p + kData + kBlockBytes * b + 64 * (C / 2));
@@ -313,7 +318,8 @@ struct Q3_K {
   static constexpr int kInputs = 256, kHalves = 2;
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 192;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
-  static constexpr bool kSigned = false, kOffset = true;
+  static constexpr bool kSigned = false, kOffset = false;
+  static constexpr int kBias = 4;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const uint8_t* block = p + kData + kBlockBytes * b;
@@ -323,12 +329,9 @@ struct Q3_K {
     return {with_bit<2 * C, 2>(bits, crumb<F, 0>(plane)),
             with_bit<2 * C + 1, 2>(bits, crumb<F + 1, 0>(plane))};
   }
-  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16*) {
     const auto* sc = reinterpret_cast<const int8_t*>(p + 32 * b);
-    for (int h = 0; h < 2; ++h) {
-      a[h] = half_lanes(p + kD) * load_i8x16(sc + 16 * h);
-      o[h] = a[h] * F16::splat(4.0f);
-    }
+    for (int h = 0; h < 2; ++h) a[h] = half_lanes(p + kD) * load_i8x16(sc + 16 * h);
   }
 };
 
@@ -339,14 +342,14 @@ struct IQ4_XS {
   static constexpr int kInputs = 256, kHalves = 1;
   static constexpr int64_t kD = 128, kData = 192, kBlockBytes = 256;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
-  static constexpr bool kSigned = true, kOffset = kSignedBias != 0;
+  static constexpr bool kSigned = true, kOffset = false;
+  static constexpr int kBias = kSignedBias;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return iq4_values(p + kData + kBlockBytes * b + 64 * C);
   }
-  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16*) {
     a[0] = half_lanes(p + kD) * load_i8x16(reinterpret_cast<const int8_t*>(p + 16 * b));
-    o[0] = a[0] * F16::splat(static_cast<float>(kSignedBias));
   }
 };
 
@@ -384,12 +387,15 @@ inline void decode_row(const uint8_t* tile, int64_t K, int lane, float* out) {
       F16 a[H], o[H];
       Codec::scales(p, blk, a, o);
       alignas(64) float as[H][kLanes], os[H][kLanes];
-      for (int h = 0; h < H; ++h) a[h].store(as[h]), o[h].store(os[h]);
+      for (int h = 0; h < H; ++h) {
+        if constexpr (!Codec::kOffset) o[h] = a[h] * F16::splat(static_cast<float>(Codec::kBias));
+        a[h].store(as[h]), o[h].store(os[h]);
+      }
       float* w = out + u * Codec::kInputs + blk * kBlock;
       for (int k = 0; k < kBlock; ++k) {
         const int h = H == 2 ? k / 16 : 0;
         const uint8_t byte = values[k / 8][k % 8 / 4][4 * lane + k % 4];
-        // Signed values are stored as they are, or + 128 with VNNI (o corrects).
+        // Signed values are stored as they are, or + 128 with VNNI (their bias).
         const float v = Codec::kSigned && kSignedBias == 0
                             ? static_cast<float>(static_cast<int8_t>(byte))
                             : static_cast<float>(byte);

@@ -20,6 +20,8 @@
 #include "tiles.h"
 
 #include <atomic>
+#include <cstring>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -29,29 +31,15 @@ namespace {
 
 using at::Tensor;
 
-// The step's rows quantized for the block formats (see quantize_row in tiles.h).
-struct QuantizedRows {
-  Tensor q;       // [M, K] int8
-  Tensor scales;  // [M, K/32] fp32
-  Tensor neg_sum32;  // [M, K/32] fp32
-  Tensor neg_sum16;  // [M, K/16] fp32
-
-  // Every element is written below: uninitialised buffers, no fill.
-  QuantizedRows(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K)
-      : q(at::empty({M, K}, at::kChar)),
-        scales(at::empty({M, K / kBlock}, at::kFloat)),
-        neg_sum32(at::empty({M, K / kBlock}, at::kFloat)),
-        neg_sum16(at::empty({M, K / 16}, at::kFloat)) {
-    const int64_t blocks = K / kBlock;
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m)
-        quantize_row(x + m * ld_x, K, q.data_ptr<int8_t>() + m * K,
-                     scales.data_ptr<float>() + m * blocks,
-                     neg_sum32.data_ptr<float>() + m * blocks,
-                     neg_sum16.data_ptr<float>() + m * 2 * blocks);
-    });
-  }
-};
+// x's rows quantized per unit (tiles.h QuantizedBuffers), the rows spread over the threads.
+std::unique_ptr<QuantizedBuffers> quantized(const at::BFloat16* x, int64_t ld_x, int64_t M,
+                                            int64_t K, int64_t unit) {
+  auto q = std::make_unique<QuantizedBuffers>(M, K, unit);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) q->row(x + m * ld_x, K, m);
+  });
+  return q;
+}
 
 }  // namespace
 
@@ -64,7 +52,7 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
               "tiled_linear: one format per weight segment");
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Segment> segs;
-  bool any_blocks = false, any_dense = false;
+  bool any_dense = false, per32 = false, per256 = false;
   int64_t tiles = 0;
   for (size_t s = 0; s < weights.size(); ++s) {
     const Tensor& w = weights[s];
@@ -76,7 +64,8 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
                 "tiled_linear: segment ", s, " must be [tiles, ", bytes, "] uint8 for K=", K);
     segs.push_back({f, w.data_ptr<uint8_t>(), bytes, w.size(0), tiles});
     tiles += w.size(0);
-    (f == Format::kBf16 || f == Format::kF16 ? any_dense : any_blocks) = true;
+    if (f == Format::kBf16 || f == Format::kF16) any_dense = true;
+    else with_codec(f, [&](auto codec) { (decltype(codec)::kInputs == 256 ? per256 : per32) = true; });
   }
   const int64_t N = tiles * kTile;
   Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
@@ -98,7 +87,7 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
     ep.residual = residual->data_ptr<at::BFloat16>();
     ep.ld_res = residual->stride(0);
   }
-  Rows rows{K, nullptr, 0, nullptr, 0, nullptr, nullptr, nullptr, nullptr};
+  Rows rows{K, nullptr, 0, nullptr, 0, {}, {}};
   Tensor x_float;
   if (any_dense) {
     // The rows as pair_dot takes them (x itself, or widened to fp32 once here), and fp32 rows
@@ -110,15 +99,11 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
     rows.xp = static_cast<const XElem*>(pairs.data_ptr());
     rows.ld_xp = pairs.stride(0);
   }
-  std::optional<QuantizedRows> quantized;
-  if (any_blocks) {
-    TORCH_CHECK(K % kBlock == 0, "tiled_linear: K=", K, " is not whole blocks of 32");
-    const QuantizedRows& q = quantized.emplace(x.data_ptr<at::BFloat16>(), x.stride(0), M, K);
-    rows.xq = q.q.data_ptr<int8_t>();
-    rows.scale = q.scales.data_ptr<float>();
-    rows.neg_sum32 = q.neg_sum32.data_ptr<float>();
-    rows.neg_sum16 = q.neg_sum16.data_ptr<float>();
-  }
+  // The activations each block format pairs with (tile_bytes checked that K fits them).
+  std::unique_ptr<QuantizedBuffers> q32, q256;
+  const auto* xb = x.data_ptr<at::BFloat16>();
+  if (per32) rows.per32 = (q32 = quantized(xb, x.stride(0), M, K, 32))->view;
+  if (per256) rows.per256 = (q256 = quantized(xb, x.stride(0), M, K, 256))->view;
   const int64_t threads_wanted = at::get_num_threads();
   if (M <= kRegisterRows) {
     // Bound by the bytes it reads: one stream of an equal share of them a thread.
@@ -156,20 +141,26 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
   return out;
 }
 
-// Activations as the block formats quantize them (for tests): (q [M, K] int8, scales [M, K/32]).
-std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x) {
+// Activations as the block formats quantize them, per unit of 32 or 256 inputs (for tests):
+// (q [M, K] int8, scales [M, K/unit]).
+std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x, int64_t unit) {
+  TORCH_CHECK(unit == 32 || unit == 256, "quantize_rows: unit must be 32 or 256");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-                  x.size(1) % kBlock == 0,
-              "quantize_rows: x must be 2-D bf16 with contiguous rows of whole blocks");
-  const QuantizedRows rows(x.data_ptr<at::BFloat16>(), x.stride(0), x.size(0), x.size(1));
-  return {rows.q, rows.scales};
+                  x.size(1) % unit == 0,
+              "quantize_rows: x must be 2-D bf16 with contiguous rows of whole units");
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto rows = quantized(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, unit);
+  Tensor q = at::empty({M, K}, at::kChar), s = at::empty({M, K / unit}, at::kFloat);
+  std::memcpy(q.data_ptr<int8_t>(), rows->xq.get(), M * K);
+  std::memcpy(s.data_ptr<float>(), rows->scale.get(), M * K / unit * sizeof(float));
+  return {q, s};
 }
 
 TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def(
       "tiled_linear(Tensor x, Tensor[] weights, int[] formats, Tensor? bias, Tensor? residual, "
       "bool fp32_out=False) -> Tensor");
-  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x, int unit=32) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {

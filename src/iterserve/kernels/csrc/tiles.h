@@ -8,11 +8,13 @@
 // horizontal sums (one `vdpbf16ps` with AVX-512 BF16; elsewhere two FMAs on the pair widened
 // once, against activations widened to fp32 once a call).
 //
-// Block formats run on int8 activations, as llama.cpp's do: each row quantized per block of
-// 32 inputs (x ~ s xq), and per block of each tile the integer dot products of its values
-// with xq, folded into fp32 with the block's scales (see blocks.h). The same arithmetic at
-// every step size, in the same order for every row and output, whatever else shares the
-// step: a request's logits do not depend on the batch.
+// Block formats run on int8 activations, as llama.cpp's do: each row quantized per unit of
+// the format (x ~ s xq, one s per 32 inputs for the 32-input formats, per 256 for the
+// K-quants, as llama.cpp's q8_0 and q8_K), and per block of each tile the integer dot
+// products of its values with xq, folded into fp32 with the block's scales (see blocks.h),
+// and the unit's sum scaled by s. The same arithmetic at every step size, in the same order
+// for every row and output, whatever else shares the step: a request's logits do not depend
+// on the batch.
 //
 //   - A step of up to 4 rows, bound by the bytes it reads, streams each thread's tiles once,
 //     decoding every block in registers for its rows (`block_tiles`).
@@ -30,6 +32,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -80,6 +83,23 @@ struct Epilogue {
   }
 };
 
+// Rows quantized for the block formats, per unit of `unit` inputs (32 or 256): xq [M, K]
+// int8 with x ~ s xq, s [M, K / unit], and the negated sums of xq per 16 inputs [M, K / 16]
+// and per 32 [M, K / 32], in int32: what the biases and offsets take away (blocks.h).
+struct QuantizedX {
+  int64_t unit = 0;
+  const int8_t* xq = nullptr;
+  const float* scale = nullptr;
+  const int32_t* neg_sum16 = nullptr;
+  const int32_t* neg_sum32 = nullptr;
+
+  QuantizedX from(int64_t first, int64_t K) const {
+    if (!xq) return *this;
+    return {unit, xq + first * K, scale + first * (K / unit), neg_sum16 + first * (K / 16),
+            neg_sum32 + first * (K / 32)};
+  }
+};
+
 // The step's rows in the forms the kernels read.
 struct Rows {
   int64_t K;
@@ -89,21 +109,22 @@ struct Rows {
   const float* xf;
   int64_t ld_xf;
   ITERSERVE_INLINE XPair pair(int64_t m, int64_t k) const { return x_pair(xp + m * ld_xp + k); }
-  // Block formats: the rows quantized ([M, K] int8), each block's scale s ([M, K/32]) and
-  // -s * sum(xq) per block ([M, K/32]) and per 16 inputs ([M, K/16]), negated so that the
-  // fold broadcasts them straight from memory.
-  const int8_t* xq;
-  const float* scale;
-  const float* neg_sum32;
-  const float* neg_sum16;
+  // Block formats: the rows quantized per unit of 32 inputs and of 256 (QuantizedX; those
+  // the step's formats take).
+  QuantizedX per32, per256;
 
-  // The same rows from row `first` on (the block formats' arrays).
+  template <int Unit>
+  ITERSERVE_INLINE const QuantizedX& quantized() const {
+    static_assert(Unit == 32 || Unit == 256);
+    if constexpr (Unit == 32) return per32;
+    else return per256;
+  }
+
+  // The same rows from row `first` on.
   Rows from(int64_t first) const {
     Rows r = *this;
-    r.xq += first * K;
-    r.scale += first * (K / 32);
-    r.neg_sum32 += first * (K / 32);
-    r.neg_sum16 += first * (K / 16);
+    r.per32 = per32.from(first, K);
+    r.per256 = per256.from(first, K);
     return r;
   }
 };
@@ -181,60 +202,120 @@ inline void f16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t ti
 
 // ---- activations for the block formats ---------------------------------------------------------
 
-// One row quantized per block of 32 inputs: x ~ s q, q = round(x * 127 / max|x| over the
-// block) in -127..127 (as llama.cpp quantizes activations for its block dot products: one
+// One row quantized per unit of `unit` inputs: x ~ s q, q = round(x * 127 / max|x| over the
+// unit) in -127..127 (as llama.cpp quantizes activations for its block dot products: one
 // scale a row measured twice the greedy disagreement with bf16 on the bundled model), with
-// -s * sum(q) per block (neg_sum32) and per 16 inputs (neg_sum16) for the formats' offsets.
-inline void quantize_row(const at::BFloat16* x, int64_t K, int8_t* q, float* scale,
-                         float* neg_sum32, float* neg_sum16) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const at::BFloat16* src = x + b * kBlock;
-    const F16 lo = load_bf16x16(src), hi = load_bf16x16(src + 16);
-    const float amax = maximum(abs(lo), abs(hi)).max();
+// -sum(q) per 16 and per 32 inputs.
+inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t* q, float* scale,
+                         int32_t* neg_sum16, int32_t* neg_sum32) {
+  for (int64_t u = 0; u < K / unit; ++u) {
+    F16 most = F16::zero();
+    for (int64_t i = u * unit; i < (u + 1) * unit; i += 16)
+      most = maximum(most, abs(load_bf16x16(x + i)));
+    const float amax = most.max();
     // A true division, as block_formats.quantize_activations rounds (127 / amax times x would
     // multiply by a rounded reciprocal); round half to even, as torch.round does.
     const F16 inv = F16::splat(amax > 0.0f ? 127.0f / amax : 0.0f);
-    const I16 qlo = round_to_int(lo * inv), qhi = round_to_int(hi * inv);
-    store_i8x16(q + b * kBlock, qlo);
-    store_i8x16(q + b * kBlock + 16, qhi);
-    const float s = amax / 127.0f;
-    scale[b] = s;
-    neg_sum16[2 * b] = -(s * static_cast<float>(qlo.sum()));
-    neg_sum16[2 * b + 1] = -(s * static_cast<float>(qhi.sum()));
-    neg_sum32[b] = -(s * static_cast<float>((qlo + qhi).sum()));
+    for (int64_t b = u * unit / kBlock; b < (u + 1) * unit / kBlock; ++b) {
+      const I16 lo = round_to_int(load_bf16x16(x + b * kBlock) * inv);
+      const I16 hi = round_to_int(load_bf16x16(x + b * kBlock + 16) * inv);
+      store_i8x16(q + b * kBlock, lo);
+      store_i8x16(q + b * kBlock + 16, hi);
+      const int32_t sum_lo = lo.sum(), sum_hi = hi.sum();
+      neg_sum16[2 * b] = -sum_lo;
+      neg_sum16[2 * b + 1] = -sum_hi;
+      neg_sum32[b] = -(sum_lo + sum_hi);
+    }
+    scale[u] = amax / 127.0f;
   }
 }
 
+// QuantizedX in buffers of its own, for M rows of K inputs; rows are quantized one by one
+// (`row`), so that a caller can spread them over threads.
+struct QuantizedBuffers {
+  std::unique_ptr<int8_t[]> xq;
+  std::unique_ptr<float[]> scale;
+  std::unique_ptr<int32_t[]> neg_sum16, neg_sum32;
+  QuantizedX view;
+
+  QuantizedBuffers(int64_t M, int64_t K, int64_t unit)
+      : xq(new int8_t[M * K]), scale(new float[M * K / unit]),
+        neg_sum16(new int32_t[M * K / 16]), neg_sum32(new int32_t[M * K / kBlock]),
+        view{unit, xq.get(), scale.get(), neg_sum16.get(), neg_sum32.get()} {}
+  // Row m, from x (its K inputs).
+  void row(const at::BFloat16* x, int64_t K, int64_t m) {
+    quantize_row(x, K, view.unit, xq.get() + m * K, scale.get() + m * (K / view.unit),
+                 neg_sum16.get() + m * (K / 16), neg_sum32.get() + m * (K / kBlock));
+  }
+};
+
 // ---- block formats -------------------------------------------------------------------------
 
-// A block's integer dot products (dot[(h * MR + r) * NT + j]) folded into the fp32 sums, with
-// the tiles' scales and offsets (a[j * H + h], o[j * H + h]): per half h of the block,
-//   acc += (a_h s) dot_h  - o_h (s sum_h xq)
-// The one place this arithmetic is written, so that both roads below give the same bits.
-template <int H, bool Offset, int MR, int NT>
-ITERSERVE_INLINE void fold(std::array<F16, MR * NT>& acc, const std::array<I16, H * MR * NT>& dot,
-                           const F16* a, const F16* o, const Rows& rows, int64_t m0, int64_t blk) {
-  const int64_t blocks = rows.K / kBlock;
-  ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
-    const int64_t at = (m0 + r) * blocks + blk;
-    const F16 s = F16::splat(rows.scale[at]);
-    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-      F16& sum = acc[r * NT + j];
-      ITERSERVE_UNROLL for (int h = 0; h < H; ++h)
-        sum = fmadd(to_float(dot[(h * MR + r) * NT + j]), a[j * H + h] * s, sum);
-      if constexpr (Offset) {
-        ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
-          const float neg_sum = H == 1 ? rows.neg_sum32[at] : rows.neg_sum16[2 * at + h];
-          sum = fmadd(o[j * H + h], F16::splat(neg_sum), sum);
-        }
+// A block's integer dot products (dot[(h * MR + r) * NT + j]) start from the format's bias
+// times the rows' negated sums of xq (h: the block's halves, or the block), exact in int32.
+template <typename Codec, int MR, int NT>
+ITERSERVE_INLINE std::array<I16, Codec::kHalves * MR * NT> start_dots(const QuantizedX& x,
+                                                                     int64_t m0, int64_t blk,
+                                                                     int64_t K) {
+  constexpr int H = Codec::kHalves;
+  auto dot = izeros<H * MR * NT>();
+  if constexpr (Codec::kBias != 0) {
+    static_assert((Codec::kBias & (Codec::kBias - 1)) == 0, "a bias is a power of two");
+    constexpr int kShift = __builtin_ctz(Codec::kBias);
+    ITERSERVE_UNROLL for (int r = 0; r < MR; ++r)
+      ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
+        const int32_t neg_sum = H == 1 ? x.neg_sum32[(m0 + r) * (K / kBlock) + blk]
+                                       : x.neg_sum16[(m0 + r) * (K / 16) + 2 * blk + h];
+        const I16 start = shift_left<kShift>(I16::splat(neg_sum));
+        ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) dot[(h * MR + r) * NT + j] = start;
       }
+  }
+  return dot;
+}
+
+// A block's dot products folded into its unit's fp32 sums, with the tiles' scales and
+// offsets (a[j * H + h], o[j * H + h]): per half h of the block,
+//   unit += a_h dot_h  + o_h (-sum_h xq)    (a unit's first block: unit = ...)
+// and, at a unit's last block, the unit's sums into the row's: acc += s unit. The one place
+// this arithmetic is written, so that both roads below give the same bits.
+template <typename Codec, int MR, int NT, bool First>
+ITERSERVE_INLINE void fold_block(std::array<F16, MR * NT>& unit,
+                                 const std::array<I16, Codec::kHalves * MR * NT>& dot,
+                                 const F16* a, const F16* o, const QuantizedX& x, int64_t m0,
+                                 int64_t blk, int64_t K) {
+  constexpr int H = Codec::kHalves;
+  ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
+    F16 neg_sum[H];
+    if constexpr (Codec::kOffset)
+      ITERSERVE_UNROLL for (int h = 0; h < H; ++h)
+        neg_sum[h] = to_float(I16::splat(H == 1 ? x.neg_sum32[(m0 + r) * (K / kBlock) + blk]
+                                                : x.neg_sum16[(m0 + r) * (K / 16) + 2 * blk + h]));
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+      F16& sum = unit[r * NT + j];
+      ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
+        const F16 d = to_float(dot[(h * MR + r) * NT + j]);
+        sum = First && h == 0 ? d * a[j * H + h] : fmadd(d, a[j * H + h], sum);
+      }
+      if constexpr (Codec::kOffset)
+        ITERSERVE_UNROLL for (int h = 0; h < H; ++h) sum = fmadd(o[j * H + h], neg_sum[h], sum);
     }
+  }
+}
+template <typename Codec, int MR, int NT>
+ITERSERVE_INLINE void fold_unit(std::array<F16, MR * NT>& acc,
+                                const std::array<F16, MR * NT>& unit, const QuantizedX& x,
+                                int64_t m0, int64_t u, int64_t K) {
+  ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
+    const F16 s = F16::splat(x.scale[(m0 + r) * (K / Codec::kInputs) + u]);
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
+      acc[r * NT + j] = fmadd(unit[r * NT + j], s, acc[r * NT + j]);
   }
 }
 
 // Row m's activations of chunk c of block blk (inputs 8c..8c+7).
-ITERSERVE_INLINE const int8_t* x_chunk(const Rows& rows, int64_t m, int64_t blk, int c) {
-  return rows.xq + m * rows.K + blk * kBlock + 8 * c;
+ITERSERVE_INLINE const int8_t* x_chunk(const QuantizedX& x, int64_t K, int64_t m, int64_t blk,
+                                       int c) {
+  return x.xq + m * K + blk * kBlock + 8 * c;
 }
 
 template <bool Signed>
@@ -245,25 +326,26 @@ ITERSERVE_INLINE I16 dot_quads(const I16& acc, const Quads& w, const int8_t* x) 
 
 // Chunk C of a block of NT tiles (w[C][j], decoded) against MR rows.
 template <typename Codec, int C, int MR, int NT>
-ITERSERVE_INLINE void chunk_dots(const Rows& rows, int64_t m0, int64_t blk, const Quads* w,
-                                 std::array<I16, Codec::kHalves * MR * NT>& dot) {
+ITERSERVE_INLINE void chunk_dots(const QuantizedX& x, int64_t K, int64_t m0, int64_t blk,
+                                 const Quads* w, std::array<I16, Codec::kHalves * MR * NT>& dot) {
   constexpr int h = Codec::kHalves == 2 ? C / 2 : 0;
   ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
     ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
       I16& d = dot[(h * MR + r) * NT + j];
-      d = dot_quads<Codec::kSigned>(d, w[j], x_chunk(rows, m0 + r, blk, C));
+      d = dot_quads<Codec::kSigned>(d, w[j], x_chunk(x, K, m0 + r, blk, C));
     }
 }
 
 // A block's 4 chunks of NT tiles (units at p[j]) against MR rows, decoded as they are used.
 template <typename Codec, int MR, int NT>
-ITERSERVE_INLINE void block_dots(const Rows& rows, int64_t m0, int64_t blk, const uint8_t* const* p,
-                                 int b, std::array<I16, Codec::kHalves * MR * NT>& dot) {
+ITERSERVE_INLINE void block_dots(const QuantizedX& x, int64_t K, int64_t m0, int64_t blk,
+                                 const uint8_t* const* p, int b,
+                                 std::array<I16, Codec::kHalves * MR * NT>& dot) {
   auto run = [&](auto c) {
     constexpr int C = decltype(c)::value;
     Quads w[NT];
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) w[j] = Codec::template chunk<C>(p[j], b);
-    chunk_dots<Codec, C, MR, NT>(rows, m0, blk, w, dot);
+    chunk_dots<Codec, C, MR, NT>(x, K, m0, blk, w, dot);
   };
   run(std::integral_constant<int, 0>{});
   run(std::integral_constant<int, 1>{});
@@ -325,15 +407,21 @@ ITERSERVE_INLINE void for_each_block(int64_t K, const uint8_t* w, int64_t stride
 template <typename Codec, int MR, int NT>
 inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t stride,
                         int64_t tile0, const Epilogue& ep) {
-  constexpr int H = Codec::kHalves;
+  constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
+  // A copy the loops' stores cannot alias (they are of vector types, which alias anything).
+  const QuantizedX x = rows.quantized<Codec::kInputs>();
+  const int64_t K = rows.K;
   auto acc = zeros<MR * NT>();
+  std::array<F16, MR * NT> unit;
   auto block = [&](const uint8_t* const* p, int b, int64_t blk) {
     prefetch_units<Codec, MR == 1 ? 1 : 2, NT>(p, b);
-    auto dot = izeros<H * MR * NT>();
-    block_dots<Codec, MR, NT>(rows, m0, blk, p, b, dot);
+    auto dot = start_dots<Codec, MR, NT>(x, m0, blk, K);
+    block_dots<Codec, MR, NT>(x, K, m0, blk, p, b, dot);
     F16 a[NT * H], o[NT * H];
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
-    fold<H, Codec::kOffset, MR, NT>(acc, dot, a, o, rows, m0, blk);
+    if (b == 0) fold_block<Codec, MR, NT, true>(unit, dot, a, o, x, m0, blk, K);
+    else fold_block<Codec, MR, NT, false>(unit, dot, a, o, x, m0, blk, K);
+    if (b == kBlocks - 1) fold_unit<Codec, MR, NT>(acc, unit, x, m0, blk / kBlocks, K);
   };
   for_each_block<Codec, NT>(rows.K, w, stride, tile0, block);
   store_all<MR, NT>(ep, m0, tile0, acc);
@@ -355,14 +443,18 @@ ITERSERVE_INLINE void row_groups(int64_t M, F&& run) {
 // Many rows: NT tiles (from tile0) against M rows, groups of up to MR at a time. Each block
 // of the tiles is decoded once, into registers (or, where 16 of them do not fit, the stack:
 // L1), and every row group takes its dot products against it; the rows' sums wait in `acc`
-// ([M * NT], L1). Against decoding each block once every 4 rows (2026-11-29, avx512vnni, a
+// ([M * NT], L1), and a 256-input unit's in `units` until its last block. Against decoding each block once every 4 rows (2026-11-29, avx512vnni, a
 // standalone timing of these loops, one thread, 2048 x 2048, 16 / 64 / 128 rows): Q6_K
 // 1.3-1.5x / 1.36x / 1.38x, Q4_K 1.1-1.2x / 1.12x / 1.09x (both against their earlier panel
 // roads past 9 and 32 rows), Q8_0 1.09x at 16 rows, Q4_0 0.96x.
 template <typename Codec, int MR, int NT>
 inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t stride,
-                        int64_t tile0, const Epilogue& ep, F16* acc, Prefetcher& ahead) {
-  constexpr int H = Codec::kHalves;
+                        int64_t tile0, const Epilogue& ep, F16* acc, F16* units,
+                        Prefetcher& ahead) {
+  constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
+  // A copy the loops' stores cannot alias (they are of vector types, which alias anything).
+  const QuantizedX x = rows.quantized<Codec::kInputs>();
+  const int64_t K = rows.K;
   for (int64_t i = 0; i < M * NT; ++i) acc[i] = F16::zero();
   auto block = [&](const uint8_t* const* p, int b, int64_t blk) {
     ahead.step();
@@ -378,16 +470,34 @@ inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t s
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
     row_groups<MR>(M, [&](auto mr, int64_t m0) {
       constexpr int R = decltype(mr)::value;
-      auto dot = izeros<H * R * NT>();
-      chunk_dots<Codec, 0, R, NT>(rows, m0, blk, q[0], dot);
-      chunk_dots<Codec, 1, R, NT>(rows, m0, blk, q[1], dot);
-      chunk_dots<Codec, 2, R, NT>(rows, m0, blk, q[2], dot);
-      chunk_dots<Codec, 3, R, NT>(rows, m0, blk, q[3], dot);
-      std::array<F16, R * NT> sums;
-      ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) sums[i] = acc[m0 * NT + i];
-      fold<H, Codec::kOffset, R, NT>(sums, dot, a, o, rows, m0, blk);
-      ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) acc[m0 * NT + i] = sums[i];
+      auto dot = start_dots<Codec, R, NT>(x, m0, blk, K);
+      chunk_dots<Codec, 0, R, NT>(x, K, m0, blk, q[0], dot);
+      chunk_dots<Codec, 1, R, NT>(x, K, m0, blk, q[1], dot);
+      chunk_dots<Codec, 2, R, NT>(x, K, m0, blk, q[2], dot);
+      chunk_dots<Codec, 3, R, NT>(x, K, m0, blk, q[3], dot);
+      std::array<F16, R * NT> unit;
+      F16* sums = kBlocks == 1 ? acc : units;  // a one-block unit's goes straight to the rows'
+      if (b == 0) {
+        fold_block<Codec, R, NT, true>(unit, dot, a, o, x, m0, blk, K);
+      } else {
+        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) unit[i] = units[m0 * NT + i];
+        fold_block<Codec, R, NT, false>(unit, dot, a, o, x, m0, blk, K);
+      }
+      if constexpr (kBlocks == 1) {
+        std::array<F16, R * NT> rows_sums;
+        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) rows_sums[i] = acc[m0 * NT + i];
+        fold_unit<Codec, R, NT>(rows_sums, unit, x, m0, blk, K);
+        unit = rows_sums;
+      }
+      ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) sums[m0 * NT + i] = unit[i];
     });
+    if (kBlocks > 1 && b == kBlocks - 1)
+      for (int64_t m = 0; m < M; ++m) {
+        std::array<F16, NT> sums, unit;
+        ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) sums[j] = acc[m * NT + j], unit[j] = units[m * NT + j];
+        fold_unit<Codec, 1, NT>(sums, unit, x, m, blk / kBlocks, K);
+        ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) acc[m * NT + j] = sums[j];
+      }
   };
   for_each_block<Codec, NT>(rows.K, w, stride, tile0, block);
   for (int64_t m = 0; m < M; ++m)
@@ -473,8 +583,9 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
     return;
   }
   constexpr int NT = sweep_tiles_per_step();
-  thread_local std::vector<F16> acc;
-  if (static_cast<int64_t>(acc.size()) < kSweepRows * NT) acc.resize(kSweepRows * NT);
+  // The rows' sums, then their units' (see sweep_tiles).
+  thread_local std::vector<F16> sums;
+  if (static_cast<int64_t>(sums.size()) < 2 * kSweepRows * NT) sums.resize(2 * kSweepRows * NT);
   const int64_t per_slab = sweep_slab_rows(rows.K);
   const int64_t blocks = rows.K / kBlock, slabs = (M + per_slab - 1) / per_slab;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTilesPerPass) {
@@ -489,7 +600,8 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
       const int64_t slab_rows = std::min(per_slab, M - m0);
       tile_steps<NT>(t0, t1, [&](auto nt, int64_t t) {
         sweep_tiles<Codec, sweep_rows<H>(), decltype(nt)::value>(
-            slab, slab_rows, seg.data, seg.stride, t, slab_out, acc.data(), ahead);
+            slab, slab_rows, seg.data, seg.stride, t, slab_out, sums.data(),
+            sums.data() + kSweepRows * NT, ahead);
       });
     }
   }
