@@ -25,7 +25,10 @@ def test_capital_of_france_is_paris(llm: LLM) -> None:
 
 
 def test_chat_template_from_the_gguf(llm: LLM) -> None:
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # Not "What is the capital of France?": its first token is a near-tie on this model
+    # ("The" against "L'", 0.125 nats apart on the reference torch path), which roundings
+    # decide either way; this one's answer leads by 1.4-1.7 nats on every path.
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
