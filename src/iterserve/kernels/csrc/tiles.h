@@ -93,6 +93,12 @@ struct QuantizedX {
   const int32_t* neg_sum16 = nullptr;
   const int32_t* neg_sum32 = nullptr;
 
+  // Row m's negated sum of xq over block blk (H = 1) or its half h (H = 2).
+  template <int H>
+  ITERSERVE_INLINE int32_t neg_sum(int64_t m, int64_t blk, int h, int64_t K) const {
+    return H == 1 ? neg_sum32[m * (K / 32) + blk] : neg_sum16[m * (K / 16) + 2 * blk + h];
+  }
+
   QuantizedX from(int64_t first, int64_t K) const {
     if (!xq) return *this;
     return {unit, xq + first * K, scale + first * (K / unit), neg_sum16 + first * (K / 16),
@@ -264,9 +270,7 @@ ITERSERVE_INLINE std::array<I16, Codec::kHalves * MR * NT> start_dots(const Quan
     constexpr int kShift = __builtin_ctz(Codec::kBias);
     ITERSERVE_UNROLL for (int r = 0; r < MR; ++r)
       ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
-        const int32_t neg_sum = H == 1 ? x.neg_sum32[(m0 + r) * (K / kBlock) + blk]
-                                       : x.neg_sum16[(m0 + r) * (K / 16) + 2 * blk + h];
-        const I16 start = shift_left<kShift>(I16::splat(neg_sum));
+        const I16 start = shift_left<kShift>(I16::splat(x.neg_sum<H>(m0 + r, blk, h, K)));
         ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) dot[(h * MR + r) * NT + j] = start;
       }
   }
@@ -275,7 +279,7 @@ ITERSERVE_INLINE std::array<I16, Codec::kHalves * MR * NT> start_dots(const Quan
 
 // A block's dot products folded into its unit's fp32 sums, with the tiles' scales and
 // offsets (a[j * H + h], o[j * H + h]): per half h of the block,
-//   unit += a_h dot_h  + o_h (-sum_h xq)    (a unit's first block: unit = ...)
+//   unit += a_h dot_h  + o_h (-sum_h xq)    (a unit's first block sets it: unit = ...)
 // and, at a unit's last block, the unit's sums into the row's: acc += s unit. The one place
 // this arithmetic is written, so that both roads below give the same bits.
 template <typename Codec, int MR, int NT, bool First>
@@ -288,8 +292,7 @@ ITERSERVE_INLINE void fold_block(std::array<F16, MR * NT>& unit,
     F16 neg_sum[H];
     if constexpr (Codec::kOffset)
       ITERSERVE_UNROLL for (int h = 0; h < H; ++h)
-        neg_sum[h] = to_float(I16::splat(H == 1 ? x.neg_sum32[(m0 + r) * (K / kBlock) + blk]
-                                                : x.neg_sum16[(m0 + r) * (K / 16) + 2 * blk + h]));
+        neg_sum[h] = to_float(I16::splat(x.neg_sum<H>(m0 + r, blk, h, K)));
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
       F16& sum = unit[r * NT + j];
       ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
