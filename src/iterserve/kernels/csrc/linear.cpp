@@ -65,7 +65,8 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
     segs.push_back({f, w.data_ptr<uint8_t>(), bytes, w.size(0), tiles});
     tiles += w.size(0);
     if (f == Format::kBf16 || f == Format::kF16) any_dense = true;
-    else with_codec(f, [&](auto codec) { (decltype(codec)::kInputs == 256 ? per256 : per32) = true; });
+    else
+      with_codec(f, [&](auto codec) { (decltype(codec)::kInputs == 256 ? per256 : per32) = true; });
   }
   const int64_t N = tiles * kTile;
   Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));

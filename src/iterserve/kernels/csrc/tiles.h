@@ -446,10 +446,11 @@ ITERSERVE_INLINE void row_groups(int64_t M, F&& run) {
 // Many rows: NT tiles (from tile0) against M rows, groups of up to MR at a time. Each block
 // of the tiles is decoded once, into registers (or, where 16 of them do not fit, the stack:
 // L1), and every row group takes its dot products against it; the rows' sums wait in `acc`
-// ([M * NT], L1), and a 256-input unit's in `units` until its last block. Against decoding each block once every 4 rows (2026-11-29, avx512vnni, a
-// standalone timing of these loops, one thread, 2048 x 2048, 16 / 64 / 128 rows): Q6_K
-// 1.3-1.5x / 1.36x / 1.38x, Q4_K 1.1-1.2x / 1.12x / 1.09x (both against their earlier panel
-// roads past 9 and 32 rows), Q8_0 1.09x at 16 rows, Q4_0 0.96x.
+// ([M * NT], L1), and a 256-input unit's in `units` until its last block. Against decoding
+// each block once every 4 rows (2026-11-29, avx512vnni, a standalone timing of these loops,
+// one thread, 2048 x 2048, 16 / 64 / 128 rows): Q6_K 1.3-1.5x / 1.36x / 1.38x, Q4_K
+// 1.1-1.2x / 1.12x / 1.09x (both against their earlier panel roads past 9 and 32 rows), Q8_0
+// 1.09x at 16 rows, Q4_0 0.96x.
 template <typename Codec, int MR, int NT>
 inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t stride,
                         int64_t tile0, const Epilogue& ep, F16* acc, F16* units,
@@ -479,25 +480,28 @@ inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t s
       chunk_dots<Codec, 2, R, NT>(x, K, m0, blk, q[2], dot);
       chunk_dots<Codec, 3, R, NT>(x, K, m0, blk, q[3], dot);
       std::array<F16, R * NT> unit;
-      F16* sums = kBlocks == 1 ? acc : units;  // a one-block unit's goes straight to the rows'
       if (b == 0) {
         fold_block<Codec, R, NT, true>(unit, dot, a, o, x, m0, blk, K);
       } else {
         ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) unit[i] = units[m0 * NT + i];
         fold_block<Codec, R, NT, false>(unit, dot, a, o, x, m0, blk, K);
       }
-      if constexpr (kBlocks == 1) {
-        std::array<F16, R * NT> rows_sums;
-        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) rows_sums[i] = acc[m0 * NT + i];
-        fold_unit<Codec, R, NT>(rows_sums, unit, x, m0, blk, K);
-        unit = rows_sums;
+      if constexpr (kBlocks == 1) {  // a one-block unit goes straight into the rows' sums
+        std::array<F16, R * NT> sums;
+        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) sums[i] = acc[m0 * NT + i];
+        fold_unit<Codec, R, NT>(sums, unit, x, m0, blk, K);
+        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) acc[m0 * NT + i] = sums[i];
+      } else {
+        ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) units[m0 * NT + i] = unit[i];
       }
-      ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) sums[m0 * NT + i] = unit[i];
     });
-    if (kBlocks > 1 && b == kBlocks - 1)
+    if (kBlocks > 1 && b == kBlocks - 1)  // the units' sums into the rows', row by row
       for (int64_t m = 0; m < M; ++m) {
         std::array<F16, NT> sums, unit;
-        ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) sums[j] = acc[m * NT + j], unit[j] = units[m * NT + j];
+        ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+          sums[j] = acc[m * NT + j];
+          unit[j] = units[m * NT + j];
+        }
         fold_unit<Codec, 1, NT>(sums, unit, x, m, blk / kBlocks, K);
         ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) acc[m * NT + j] = sums[j];
       }
