@@ -4,9 +4,10 @@
 //
 // A weight is one or more segments (consecutive output rows, each in its own format: a fused
 // q/k/v whose v is Q6_K and q, k Q4_K), run in one call. A step of a few rows, bound by the
-// bytes it reads, splits them equally among the threads; past that, threads claim the output
-// tiles a pass at a time as they finish the last, so neither a segment of denser blocks nor a
-// slower core leaves the other threads waiting.
+// bytes it reads, splits them equally among the threads, a thread done with its share taking
+// the last tiles of another's; past that, threads claim the output tiles a pass at a time as
+// they finish the last, so neither a segment of denser blocks nor a slower core leaves the
+// other threads waiting (thread_shares.h).
 //
 // Results equal "dequantize, then matmul against the int8-rounded activations" up to fp32
 // rounding; the dense ones equal the fp32 matmul rounded once to bf16. The bias and residual
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_shares.h"
 #include "tiles.h"
 
 #include <atomic>
@@ -107,20 +109,23 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
   if (per256) rows.per256 = (q256 = quantized(xb, x.stride(0), M, K, 256))->view;
   const int64_t threads_wanted = at::get_num_threads();
   if (M <= kRegisterRows) {
-    // Bound by the bytes it reads: one stream of an equal share of them a thread.
+    // Bound by the bytes it reads: one stream of an equal share of them a thread, the
+    // slower thread's last tiles taken by the faster (thread_shares.h).
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min(threads_wanted, tiles)));
-    const std::vector<int64_t> bounds = split_by_bytes(segs, threads);
+    Shares shares(segs, threads);
+    auto run_range = [&](TileRange r) {
+      for (const Segment& seg : segs) {
+        const int64_t lo = std::max(r.begin, seg.first);
+        const int64_t hi = std::min(r.end, seg.first + seg.tiles);
+        if (lo < hi) segment_range(seg, rows, M, lo - seg.first, hi - seg.first, ep);
+      }
+    };
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        for (const Segment& seg : segs) {
-          const int64_t lo = std::max(bounds[i], seg.first);
-          const int64_t hi = std::min(bounds[i + 1], seg.first + seg.tiles);
-          if (lo < hi) segment_range(seg, rows, M, lo - seg.first, hi - seg.first, ep);
-        }
+      for (int64_t i = begin; i < end; ++i) shares.run(static_cast<int>(i), run_range);
     });
     return out;
   }
-  // Bound by arithmetic: threads claim the tiles a pass at a time (tiles.h `chunks`), each
+  // Bound by arithmetic: threads claim the tiles a pass at a time (thread_shares.h `chunks`), each
   // its next pass before it starts the current one, whose last blocks prefetch it.
   const std::vector<Chunk> work = chunks(segs);
   const auto count = static_cast<int64_t>(work.size());

@@ -639,44 +639,4 @@ void segment_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_be
   });
 }
 
-// A few rows' step, bound by the bytes it reads: thread i's share of all tiles,
-// [bounds[i], bounds[i + 1]), by equal shares of the bytes, each read as one stream.
-inline std::vector<int64_t> split_by_bytes(const std::vector<Segment>& segs, int threads) {
-  double total = 0;
-  for (const Segment& seg : segs) total += static_cast<double>(seg.stride * seg.tiles);
-  std::vector<int64_t> bounds(threads + 1, 0);
-  double done = 0;
-  int next = 1;
-  for (const Segment& seg : segs)
-    for (int64_t t = 0; t < seg.tiles; ++t) {
-      while (next < threads && done >= total * next / threads) bounds[next++] = seg.first + t;
-      done += static_cast<double>(seg.stride);
-    }
-  const int64_t all = segs.empty() ? 0 : segs.back().first + segs.back().tiles;
-  for (; next <= threads; ++next) bounds[next] = all;
-  return bounds;
-}
-
-// What a thread takes at a time in a step of many rows: a pass of one segment's tiles.
-struct Chunk {
-  int64_t seg;
-  int64_t t_begin, t_end;  // the segment's own tile numbers
-};
-
-// All the weight's tiles as chunks, segment after segment, in the order they lie in memory.
-// Threads claim them one after another as they finish the last (linear.cpp), so a thread
-// that runs slower (a busier core, a sibling hyperthread, an efficiency core, another VM's
-// load on its host core) takes fewer, where an equal split of the tiles had every step wait
-// for it at the end. A few rows' steps keep the split by bytes: one stream a thread, where
-// passes claimed in turn made the bundled model's one-row steps 13% slower (each pass a
-// stream started afresh, on projections of ~60 tiles; benchmarks/decode_speed.py,
-// 2026-11-29, avx512vnni), and a 1B's no faster.
-inline std::vector<Chunk> chunks(const std::vector<Segment>& segs) {
-  std::vector<Chunk> out;
-  for (size_t s = 0; s < segs.size(); ++s)
-    for (int64_t t = 0; t < segs[s].tiles; t += kTilesPerPass)
-      out.push_back({static_cast<int64_t>(s), t, std::min(t + kTilesPerPass, segs[s].tiles)});
-  return out;
-}
-
 }  // namespace iterserve

@@ -1,0 +1,137 @@
+// How a projection's tiles are divided among the threads (linear.cpp).
+//
+//   - A step of a few rows is bound by the bytes it reads: each thread streams an equal share
+//     of the bytes from its front, and a thread done with its own takes tiles from the back of
+//     the share with the most left (`Shares`), so the threads finish together even when one
+//     runs slower (a busier core, another VM's load on its host core).
+//   - A step of many rows is bound by arithmetic: threads claim passes of tiles in turn
+//     (`chunks`), each pass's weights staying in L2 while every slab of rows reads them.
+#pragma once
+
+#include "tiles.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace iterserve {
+
+// A few rows' step: thread i's share of all tiles, [bounds[i], bounds[i + 1]), by equal
+// shares of the bytes, each read as one stream.
+inline std::vector<int64_t> split_by_bytes(const std::vector<Segment>& segs, int threads) {
+  double total = 0;
+  for (const Segment& seg : segs) total += static_cast<double>(seg.stride * seg.tiles);
+  std::vector<int64_t> bounds(threads + 1, 0);
+  double done = 0;
+  int next = 1;
+  for (const Segment& seg : segs)
+    for (int64_t t = 0; t < seg.tiles; ++t) {
+      while (next < threads && done >= total * next / threads) bounds[next++] = seg.first + t;
+      done += static_cast<double>(seg.stride);
+    }
+  const int64_t all = segs.empty() ? 0 : segs.back().first + segs.back().tiles;
+  for (; next <= threads; ++next) bounds[next] = all;
+  return bounds;
+}
+
+// Tiles [begin, end) among all of a weight's (its segments' tiles in order).
+struct TileRange {
+  int64_t begin = 0, end = 0;
+};
+
+// The tiles of one thread's share still to do, [front, back), in one atomic word, so that its
+// owner (taking from the front) and a thread done with its own (from the back) never take the
+// same tile.
+class alignas(64) Share {
+ public:
+  void reset(TileRange r) { word_.store(pack(r.begin, r.end), std::memory_order_relaxed); }
+  int64_t left() const {
+    const uint64_t w = word_.load(std::memory_order_relaxed);
+    return static_cast<int64_t>(w >> 32) - static_cast<int64_t>(w & 0xffffffffu);
+  }
+  // Up to n tiles from the front (or the back); false when none are left.
+  bool take(int64_t n, bool from_back, TileRange& taken) {
+    uint64_t w = word_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(w & 0xffffffffu);
+      const int64_t back = static_cast<int64_t>(w >> 32);
+      if (front >= back) return false;
+      taken = from_back ? TileRange{std::max(front, back - n), back}
+                        : TileRange{front, std::min(back, front + n)};
+      const uint64_t rest =
+          from_back ? pack(front, taken.begin) : pack(taken.end, back);
+      if (word_.compare_exchange_weak(w, rest)) return true;
+    }
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
+  }
+  std::atomic<uint64_t> word_{0};
+};
+
+// Tiles a thread takes at a time from a share: one step of the one-row loops (tiles.h
+// `tiles_per_step`), ~75 KB of Q4_K at 2048 inputs, so that what is left when a thread runs
+// out is split finely. The owner's takes follow one another in memory: its stream (and the
+// loops' prefetch, which runs past a tile's end into the next) goes on unbroken.
+constexpr int64_t kTakeTiles = 4;
+
+// A few rows' step, thread by thread: each thread's share by split_by_bytes, to be run from
+// its front by its own thread, and from its back by any thread done with its own. Against the
+// equal split alone, the one-row projections of a 1B Q4_K_M's 16 layers in turn (2 threads)
+// waited 5 us a call for the slower thread instead of 5-80 us, and ran 3-5% faster in a quiet
+// spell (2026-11-29, avx512vnni, a throwaway harness of these loops).
+class Shares {
+ public:
+  Shares(const std::vector<Segment>& segs, int threads)
+      : shares_(new Share[threads]), threads_(threads) {
+    const std::vector<int64_t> bounds = split_by_bytes(segs, threads);
+    for (int i = 0; i < threads; ++i) shares_[i].reset({bounds[i], bounds[i + 1]});
+  }
+
+  // Calls run(range) on share i's tiles from its front, then on tiles from the backs of the
+  // others' until none are left.
+  template <typename F>
+  void run(int i, F&& run_range) {
+    TileRange taken;
+    while (shares_[i].take(kTakeTiles, false, taken)) run_range(taken);
+    for (;;) {
+      int most = -1;
+      int64_t most_left = 0;
+      for (int j = 0; j < threads_; ++j)
+        if (const int64_t left = shares_[j].left(); left > most_left) most = j, most_left = left;
+      if (most < 0) return;
+      if (shares_[most].take(kTakeTiles, true, taken)) run_range(taken);
+    }
+  }
+
+ private:
+  std::unique_ptr<Share[]> shares_;
+  int threads_;
+};
+
+// What a thread takes at a time in a step of many rows: a pass of one segment's tiles.
+struct Chunk {
+  int64_t seg;
+  int64_t t_begin, t_end;  // the segment's own tile numbers
+};
+
+// All the weight's tiles as chunks, segment after segment, in the order they lie in memory.
+// Threads claim them one after another as they finish the last (linear.cpp), so a thread
+// that runs slower takes fewer, where an equal split of the tiles had every step wait for it
+// at the end. A few rows' steps keep the split by bytes (`Shares`): one stream a thread,
+// where passes claimed in turn made the bundled model's one-row steps 13% slower (each pass
+// a stream started afresh, on projections of ~60 tiles; benchmarks/decode_speed.py,
+// 2026-11-29, avx512vnni), and a 1B's no faster.
+inline std::vector<Chunk> chunks(const std::vector<Segment>& segs) {
+  std::vector<Chunk> out;
+  for (size_t s = 0; s < segs.size(); ++s)
+    for (int64_t t = 0; t < segs[s].tiles; t += kTilesPerPass)
+      out.push_back({static_cast<int64_t>(s), t, std::min(t + kTilesPerPass, segs[s].tiles)});
+  return out;
+}
+
+}  // namespace iterserve
