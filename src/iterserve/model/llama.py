@@ -331,6 +331,10 @@ class LlamaForCausalLM(nn.Module):
         # imports this module) sets itself here.
         self.lora: Any = None
         self._run_layers: Callable[..., torch.Tensor] = self._layers
+        # decoder_stack's arguments but the step's, and the KV caches they name (`_stacked`).
+        self._stack: tuple[Sequence[tuple[torch.Tensor, torch.Tensor]], tuple[Any, ...]] | None = (
+            None
+        )
 
     def _grow_rope(self, positions: int) -> None:
         """Rotary tables of `positions` rows (never past the model's context)."""
@@ -418,6 +422,7 @@ class LlamaForCausalLM(nn.Module):
         # One C++ op per layer wherever the paged attention op also runs (the step's
         # packed table tells each layer its rows' positions).
         self.fused_layers = all(layer.fused is not None for layer in self.layers)
+        self._stack = None
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """`load` on the reference path: plain torch projections, dense weights."""
@@ -522,6 +527,10 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         if step is not None and self.fused_layers:
+            if (stacked := self._stacked(kv_caches)) is not None:
+                return self.layers[0].kernel_ops.decoder_stack(
+                    hidden, slot_mapping, step, self.rope_cos, self.rope_signed_sin, *stacked
+                )
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
             return hidden
@@ -536,6 +545,40 @@ class LlamaForCausalLM(nn.Module):
             cos, signed_sin = local if layer.local_rope else rope
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)
         return hidden
+
+    def _stacked(
+        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[Any, ...] | None:
+        """The fused layers as one decoder_stack call: its arguments after the step's (every
+        layer's weights, norms and caches in lists, made once for these caches). None where the layers run one call each: with LoRA slots (decoder_layer adds
+        their deltas) and while torch.compile traces them."""
+        if self.lora is not None or torch.compiler.is_compiling():
+            return None
+        if self._stack is not None and self._stack[0] is kv_caches:
+            return self._stack[1]
+        layers = [layer for layer in self.layers if isinstance(layer, _DecoderLayer)]
+        fused = [layer.fused for layer in layers if layer.fused is not None]
+        first = layers[0]
+        args = (
+            [layer.input_norm for layer in layers],
+            [layer.post_norm for layer in layers],
+            first.eps,
+            [weight for weights, _, _, _ in fused for weight in weights],
+            [code for _, codes, _, _ in fused for code in codes],
+            [count for _, _, counts, _ in fused for count in counts],
+            [bias for _, _, _, biases in fused for bias in biases],
+            [layer.qk_norm for layer in layers],
+            [key for key, _ in kv_caches],
+            [value for _, value in kv_caches],
+        )
+        shape = (
+            first.num_heads,
+            first.num_kv_heads,
+            first.scale,
+            [layer.sliding_window for layer in layers],
+        )
+        self._stack = (kv_caches, (*args, *shape))
+        return self._stack[1]
 
     @torch.inference_mode()
     def forward(

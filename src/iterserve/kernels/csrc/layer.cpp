@@ -8,8 +8,9 @@
 //
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
 // this file adds is the glue between them (norms, rope, SiLU) and, above all, one dispatch
-// per layer instead of ~9: at one token a step's arithmetic is a few milliseconds and the
-// per-op cost of ~270 calls (Python, dispatcher, buffer allocation) was a fifth of it.
+// per layer instead of ~9 (at one token a step's arithmetic is a few milliseconds and the
+// per-op cost of ~270 calls (Python, dispatcher, buffer allocation) was a fifth of it), and
+// one a step for all the layers (`decoder_stack`).
 //
 // Rounding follows transformers' bf16 forward: norms in fp32, rounded, then times the bf16
 // weight; SiLU rounded before the product with up; rope in fp32 rounded once (transformers
@@ -21,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -162,30 +164,106 @@ void head_norm_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const Tenso
   });
 }
 
-// The layer's four projections (qkv, o, gate_up, down): each's weight segments and their
-// formats, in order in `weights` and `formats` (`segments` says how many each has), and its
-// bias; with LoRA adapters, each's slots (A, then its parts' B's, in `lora`; `lora_parts` says
-// how many B's) and the step's rows' slots, whose deltas are added to its output.
-struct Projections {
-  const at::TensorList weights;
-  const std::vector<int64_t>& formats;
-  std::vector<int64_t> first;  // index of each projection's first segment
-  const c10::List<std::optional<Tensor>>& biases;
-  const at::TensorList lora;
-  std::vector<int64_t> lora_first;  // index of each projection's A in `lora` (empty: no LoRA)
+// One layer's weights, borrowed from an op's arguments: the four projections' (qkv, o,
+// gate_up, down) weight segments and their formats, projection i's being
+// [first[i], first[i + 1]) of `weights`, and each projection's bias.
+struct LayerWeights {
+  const Tensor& input_norm;
+  const Tensor& post_norm;
+  double eps;
+  at::TensorList weights;
+  c10::IntArrayRef formats;
+  std::array<int64_t, 5> first;
+  std::array<std::optional<Tensor>, 4> biases;
+  std::optional<Tensor> qk_norm;
+  int64_t num_heads, num_kv_heads;
+  double scale;
+  int64_t sliding_window;
+};
+
+// Projection i's segments' index range from the counts of segments each projection has.
+std::array<int64_t, 5> segment_starts(c10::IntArrayRef counts, int64_t first_segment) {
+  TORCH_CHECK(counts.size() == 4, "decoder_layer: 4 projections (qkv, o, gate_up, down)");
+  std::array<int64_t, 5> first{first_segment};
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(counts[i] >= 1, "decoder_layer: a projection without weights");
+    first[i + 1] = first[i] + counts[i];
+  }
+  return first;
+}
+
+void check_tables(const LayerWeights& w, const Tensor& key_cache, const Tensor& rope_cos,
+                  const Tensor& rope_sin) {
+  for (const Tensor* t : {&w.input_norm, &w.post_norm, &rope_cos, &rope_sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+                "decoder_layer: norms and rope tables must be contiguous bf16");
+  TORCH_CHECK(rope_cos.size(1) == cache_head_dim(key_cache) && rope_sin.sizes() == rope_cos.sizes(),
+              "decoder_layer: rope tables must be [positions, head_dim]");
+}
+
+// The LoRA slots of a layer's projections (decoder_layer's arguments; empty: none): each
+// projection's A, then its parts' B's, in `lora`, projection i's A at lora_first[i], and
+// the step's rows' slots.
+struct LayerLora {
+  at::TensorList lora;
+  std::vector<int64_t> lora_first;
   const std::optional<Tensor>& lora_rows;
+};
+
+// Projection i of a layer: x W_i^T (+ its bias) (+ residual) (+ its LoRA deltas).
+struct Projections {
+  const LayerWeights& w;
+  const LayerLora* lora;
 
   Tensor operator()(int64_t i, const Tensor& x, const std::optional<Tensor>& residual) const {
-    const int64_t begin = first[i], count = first[i + 1] - begin;
-    Tensor y = tiled_linear(x, weights.slice(begin, count),
-                            c10::IntArrayRef(formats).slice(begin, count), biases.get(i), residual);
-    if (!lora_first.empty() && lora_rows && lora_rows->defined()) {
-      const int64_t a = lora_first[i], parts = lora_first[i + 1] - a - 1;
-      lora_add_(y, x, lora[a], lora.slice(a + 1, parts), *lora_rows);
+    const int64_t begin = w.first[i], count = w.first[i + 1] - begin;
+    Tensor y = tiled_linear(x, w.weights.slice(begin, count), w.formats.slice(begin, count),
+                            w.biases[i], residual);
+    if (lora != nullptr && !lora->lora_first.empty() && lora->lora_rows &&
+        lora->lora_rows->defined()) {
+      const int64_t a = lora->lora_first[i], parts = lora->lora_first[i + 1] - a - 1;
+      lora_add_(y, x, lora->lora[a], lora->lora.slice(a + 1, parts), *lora->lora_rows);
     }
     return y;
   }
 };
+
+// The layer itself, rows at positions `pos`.
+Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hidden,
+                 const std::vector<int64_t>& pos, const Tensor& key_cache,
+                 const Tensor& value_cache, const Tensor& slot_mapping, const Tensor& step,
+                 const Tensor& rope_cos, const Tensor& rope_sin) {
+  const Projections project{w, lora};
+  const int64_t M = hidden.size(0), head_dim = cache_head_dim(key_cache);
+  Tensor qkv = project(0, rms_norm(hidden, w.input_norm, w.eps), std::nullopt);
+  const int64_t q_size = w.num_heads * head_dim, kv_size = w.num_kv_heads * head_dim;
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1),
+              " outputs, not ", q_size + 2 * kv_size);
+  const int64_t heads = w.num_heads + w.num_kv_heads;
+  if (w.qk_norm && w.qk_norm->defined()) head_norm_inplace(qkv, heads, head_dim, *w.qk_norm, w.eps);
+  rope_inplace(qkv, heads, head_dim, pos, rope_cos, rope_sin);
+  const Tensor q = qkv.narrow(1, 0, q_size).view({M, w.num_heads, head_dim});
+  const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, w.num_kv_heads, head_dim});
+  const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
+  const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
+                                       w.scale, w.sliding_window);
+  const Tensor mid = project(1, attn.view({M, q_size}), hidden);
+  const Tensor act = silu_mul(project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt));
+  return project(3, act, mid);
+}
+
+// Every row's position, checked against the rope tables.
+std::vector<int64_t> checked_positions(const Tensor& hidden, const Tensor& step,
+                                       const Tensor& rope_cos) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
+                  hidden.stride(1) == 1,
+              "decoder_layer: hidden must be [tokens, hidden] bf16 with contiguous rows");
+  std::vector<int64_t> pos = positions_of(step, hidden.size(0));
+  for (int64_t p : pos)
+    TORCH_CHECK(p >= 0 && p < rope_cos.size(0), "decoder_layer: position ", p,
+                " is past the rope table's ", rope_cos.size(0));
+  return pos;
+}
 
 Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tensor& post_norm,
                      double eps, at::TensorList weights, c10::IntArrayRef formats,
@@ -196,57 +274,69 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                      int64_t num_kv_heads, double scale, int64_t sliding_window,
                      at::TensorList lora, c10::IntArrayRef lora_parts,
                      const std::optional<Tensor>& lora_rows) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
-                  hidden.stride(1) == 1,
-              "decoder_layer: hidden must be [tokens, hidden] bf16 with contiguous rows");
-  TORCH_CHECK(segments.size() == 4 && biases.size() == 4 && weights.size() == formats.size(),
+  TORCH_CHECK(biases.size() == 4 && weights.size() == formats.size(),
               "decoder_layer: 4 projections (qkv, o, gate_up, down), each with its weight "
               "segments, their formats and a bias");
-  std::vector<int64_t> first{0};
-  for (int64_t count : segments) {
-    TORCH_CHECK(count >= 1, "decoder_layer: a projection without weights");
-    first.push_back(first.back() + count);
-  }
-  TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()),
-              "decoder_layer: segments count ", first.back(), " weights, not ", weights.size());
-  for (const Tensor* t : {&input_norm, &post_norm, &rope_cos, &rope_sin})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
-                "decoder_layer: norms and rope tables must be contiguous bf16");
-  const int64_t head_dim = cache_head_dim(key_cache);
-  TORCH_CHECK(rope_cos.size(1) == head_dim && rope_sin.sizes() == rope_cos.sizes(),
-              "decoder_layer: rope tables must be [positions, head_dim]");
-  std::vector<int64_t> lora_first;
+  const LayerWeights w{input_norm, post_norm, eps, weights, formats,
+                       segment_starts(segments, 0),
+                       {biases.get(0), biases.get(1), biases.get(2), biases.get(3)},
+                       qk_norm, num_heads, num_kv_heads, scale, sliding_window};
+  TORCH_CHECK(w.first[4] == static_cast<int64_t>(weights.size()),
+              "decoder_layer: segments count ", w.first[4], " weights, not ", weights.size());
+  check_tables(w, key_cache, rope_cos, rope_sin);
+  LayerLora slots{lora, {}, lora_rows};
   if (!lora_parts.empty()) {
     TORCH_CHECK(lora_parts.size() == 4, "decoder_layer: LoRA slots for the 4 projections");
-    lora_first.push_back(0);
-    for (int64_t parts : lora_parts) lora_first.push_back(lora_first.back() + 1 + parts);
-    TORCH_CHECK(lora_first.back() == static_cast<int64_t>(lora.size()),
-                "decoder_layer: lora_parts count ", lora_first.back(), " slot tensors, not ",
-                lora.size());
+    slots.lora_first.push_back(0);
+    for (int64_t parts : lora_parts) slots.lora_first.push_back(slots.lora_first.back() + 1 + parts);
+    TORCH_CHECK(slots.lora_first.back() == static_cast<int64_t>(lora.size()),
+                "decoder_layer: lora_parts count ", slots.lora_first.back(),
+                " slot tensors, not ", lora.size());
   }
-  const std::vector<int64_t> fmt(formats.begin(), formats.end());
-  const Projections project{weights, fmt, first, biases, lora, lora_first, lora_rows};
-  const int64_t M = hidden.size(0);
-  const std::vector<int64_t> pos = positions_of(step, M);
-  for (int64_t p : pos)
-    TORCH_CHECK(p >= 0 && p < rope_cos.size(0), "decoder_layer: position ", p,
-                " is past the rope table's ", rope_cos.size(0));
+  const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);
+  return run_layer(w, &slots, hidden, pos, key_cache, value_cache, slot_mapping, step,
+                   rope_cos, rope_sin);
+}
 
-  Tensor qkv = project(0, rms_norm(hidden, input_norm, eps), std::nullopt);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1),
-              " outputs, not ", q_size + 2 * kv_size);
-  if (qk_norm && qk_norm->defined())
-    head_norm_inplace(qkv, num_heads + num_kv_heads, head_dim, *qk_norm, eps);
-  rope_inplace(qkv, num_heads + num_kv_heads, head_dim, pos, rope_cos, rope_sin);
-  const Tensor q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
-  const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
-  const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
-  const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
-                                       scale, sliding_window);
-  const Tensor mid = project(1, attn.view({M, q_size}), hidden);
-  const Tensor act = silu_mul(project(2, rms_norm(mid, post_norm, eps), std::nullopt));
-  return project(3, act, mid);
+// Every layer of a model in one call, each as decoder_layer (no LoRA): the step's arguments,
+// then the layers' in lists, layer after layer (segments: 4 counts a layer; biases: 4 a layer). A step of one
+// token then leaves Python once instead of once a layer: between two layer calls of a 1B
+// Q4_K_M at one row, Python and the dispatcher took 140-270 us, run with caches the layer's
+// 37 MB of weights had just swept (2026-11-29, avx512vnni).
+Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
+                     const Tensor& rope_cos, const Tensor& rope_sin, at::TensorList input_norms,
+                     at::TensorList post_norms, double eps, at::TensorList weights,
+                     c10::IntArrayRef formats, c10::IntArrayRef segments,
+                     const c10::List<std::optional<Tensor>>& biases,
+                     const c10::List<std::optional<Tensor>>& qk_norms, at::TensorList key_caches,
+                     at::TensorList value_caches, int64_t num_heads, int64_t num_kv_heads,
+                     double scale, c10::IntArrayRef sliding_windows) {
+  const auto layers = static_cast<int64_t>(input_norms.size());
+  TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
+                  key_caches.size() == layers && value_caches.size() == layers &&
+                  sliding_windows.size() == layers && segments.size() == 4 * layers &&
+                  biases.size() == 4 * layers && weights.size() == formats.size(),
+              "decoder_stack: every list holds one entry a layer (segments and biases 4), "
+              "formats one a weight");
+  const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);
+  Tensor h = hidden;
+  int64_t first_segment = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    const LayerWeights w{input_norms[l], post_norms[l], eps, weights, formats,
+                         segment_starts(segments.slice(4 * l, 4), first_segment),
+                         {biases.get(4 * l), biases.get(4 * l + 1), biases.get(4 * l + 2),
+                          biases.get(4 * l + 3)},
+                         qk_norms.get(l), num_heads, num_kv_heads, scale, sliding_windows[l]};
+    TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
+                "'s segments run past the ", weights.size(), " weights");
+    check_tables(w, key_caches[l], rope_cos, rope_sin);
+    h = run_layer(w, nullptr, h, pos, key_caches[l], value_caches[l], slot_mapping, step,
+                  rope_cos, rope_sin);
+    first_segment = w.first[4];
+  }
+  TORCH_CHECK(first_segment == static_cast<int64_t>(weights.size()), "decoder_stack: ",
+              first_segment, " segments counted, ", weights.size(), " weights given");
+  return h;
 }
 
 }  // namespace
@@ -262,9 +352,18 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
       "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
       "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows) -> Tensor");
+  m.def(
+      "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
+      "Tensor rope_sin, Tensor[] input_norms, Tensor[] post_norms, float eps, Tensor[] weights, "
+      "int[] formats, int[] segments, Tensor?[] biases, Tensor?[] qk_norms, "
+      "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, "
+      "float scale, int[] sliding_windows) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_stack", &decoder_stack);
+}
 
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CatchAll, m) { m.impl("isa", &isa); }
 

@@ -1,0 +1,49 @@
+"""The fused layers in one call a step (csrc/layer.cpp `decoder_stack`) against one call a
+layer (`decoder_layer`): the same kernels in the same order, so the same bits, through a
+prefill in chunks, steps mixing a prompt's chunk with decodes, and decodes; Qwen3's q/k norms
+and Phi-3's sliding window (passed, 48 positions) and biases-free fused projections
+included. Both against transformers: tests/model/test_model_families.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from iterserve.model.llama import LlamaForCausalLM
+from paged_runner import PagedRunner
+from tiny_checkpoints import model_config_of
+from tiny_families import VOCAB, family_model
+
+
+@pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hf = family_model(family)
+    rng = random.Random(3)
+    prompts = {name: [rng.randrange(VOCAB) for _ in range(n)] for name, n in (("a", 90), ("b", 70))}
+    plan = [[("a", 40)], [("a", 30), ("b", 1)], [("a", 1), ("b", 29)]]
+    plan += [[("a", 1), ("b", 1)]] * 12
+    logits = {}
+    for stacked in (True, False):
+        model = LlamaForCausalLM(model_config_of(hf), torch.bfloat16, torch.device("cpu"))
+        model.load(dict(hf.state_dict()), "tiled")
+        assert model.fused_layers
+        if not stacked:
+            monkeypatch.setattr(model, "_stacked", lambda kv_caches: None)
+        runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=True)
+        for name, tokens in prompts.items():
+            runner.add(name, tokens[:1])
+        out = []
+        for step in plan:
+            for name, n in step:  # the tokens a step computes, as they come
+                runner.tokens[name] = prompts[name][: runner.computed[name] + n]
+            rows = runner.step(step)
+            out.extend(rows[name] for name, _ in step)
+        logits[stacked] = torch.cat(out)
+        assert (model._stack is not None) == stacked  # the path this round meant to take
+    assert logits[True].shape[0] == sum(n for step in plan for _, n in step)
+    assert torch.equal(logits[True], logits[False])
