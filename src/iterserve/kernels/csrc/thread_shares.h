@@ -82,8 +82,9 @@ constexpr int64_t kTakeTiles = 4;
 // A few rows' step, thread by thread: each thread's share by split_by_bytes, to be run from
 // its front by its own thread, and from its back by any thread done with its own. Against the
 // equal split alone, the one-row projections of a 1B Q4_K_M's 16 layers in turn (2 threads)
-// waited 5 us a call for the slower thread instead of 5-80 us, and ran 3-5% faster in a quiet
-// spell (2026-11-29, avx512vnni, a throwaway harness of these loops).
+// waited ~5 us a call for the slower thread instead of 5-80 us, and ran 3-5% faster in a
+// quiet spell (2026-11-29, avx512vnni, a throwaway harness of these loops); the engine's
+// batch-1 decode of that file moved within this machine's noise.
 class Shares {
  public:
   Shares(const std::vector<Segment>& segs, int threads)
