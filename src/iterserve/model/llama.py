@@ -68,6 +68,8 @@ _FUSED_IN_CHECKPOINT = {
 
 # Rotary table rows made at start (more as steps reach further: LlamaForCausalLM.cover_positions).
 _ROPE_POSITIONS = 4096
+# Every layer's (key cache, value cache), in layer order.
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 def weight_part(
@@ -332,9 +334,7 @@ class LlamaForCausalLM(nn.Module):
         self.lora: Any = None
         self._run_layers: Callable[..., torch.Tensor] = self._layers
         # decoder_stack's arguments but the step's, and the KV caches they name (`_stacked`).
-        self._stack: tuple[Sequence[tuple[torch.Tensor, torch.Tensor]], tuple[Any, ...]] | None = (
-            None
-        )
+        self._stack: tuple[KVCaches, tuple[Any, ...]] | None = None
 
     def _grow_rope(self, positions: int) -> None:
         """Rotary tables of `positions` rows (never past the model's context)."""
@@ -546,12 +546,11 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)
         return hidden
 
-    def _stacked(
-        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[Any, ...] | None:
+    def _stacked(self, kv_caches: KVCaches) -> tuple[Any, ...] | None:
         """The fused layers as one decoder_stack call: its arguments after the step's (every
-        layer's weights, norms and caches in lists, made once for these caches). None where the layers run one call each: with LoRA slots (decoder_layer adds
-        their deltas) and while torch.compile traces them."""
+        layer's weights, norms and caches in lists, made once for these caches). None where
+        the layers run one call each: with LoRA slots (decoder_layer adds their deltas) and
+        while torch.compile traces them."""
         if self.lora is not None or torch.compiler.is_compiling():
             return None
         if self._stack is not None and self._stack[0] is kv_caches:
@@ -559,7 +558,7 @@ class LlamaForCausalLM(nn.Module):
         layers = [layer for layer in self.layers if isinstance(layer, _DecoderLayer)]
         fused = [layer.fused for layer in layers if layer.fused is not None]
         first = layers[0]
-        args = (
+        arguments = (
             [layer.input_norm for layer in layers],
             [layer.post_norm for layer in layers],
             first.eps,
@@ -570,15 +569,13 @@ class LlamaForCausalLM(nn.Module):
             [layer.qk_norm for layer in layers],
             [key for key, _ in kv_caches],
             [value for _, value in kv_caches],
-        )
-        shape = (
             first.num_heads,
             first.num_kv_heads,
             first.scale,
             [layer.sliding_window for layer in layers],
         )
-        self._stack = (kv_caches, (*args, *shape))
-        return self._stack[1]
+        self._stack = (kv_caches, arguments)
+        return arguments
 
     @torch.inference_mode()
     def forward(
