@@ -48,8 +48,10 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2) || defined(__aarch64__)
 #define ITERSERVE_VECTOR_BUILD 1
 #define ITERSERVE_INLINE inline __attribute__((always_inline))
+#define ITERSERVE_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define ITERSERVE_INLINE inline
+#define ITERSERVE_INLINE_LAMBDA
 #endif
 
 namespace iterserve {

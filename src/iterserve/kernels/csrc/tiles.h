@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -358,7 +359,9 @@ ITERSERVE_INLINE void block_dots(const QuantizedX& x, int64_t K, int64_t m0, int
 
 // Each of NT tiles' units (at p[j]) a unit or two ahead, a few lines a block: the hardware's
 // streams alone left one-row steps at 81-92% of the memory's speed and four-row steps at
-// 60-73% (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4).
+// 60-73% (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4;
+// Intel Cascade Lake). AMD's prefetchers need no help at one or two rows, where these
+// instructions only cost issue slots (few_rows_prefetch).
 template <typename Codec, int Units, int NT>
 ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
   constexpr int kBlocks = Codec::kInputs / kBlock;
@@ -366,6 +369,25 @@ ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
   ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
     ITERSERVE_UNROLL for (int i = 0; i < kEach; ++i)
       __builtin_prefetch(p[j] + Units * Codec::kBytes + (b * kEach + i) * 64, 0, 3);
+}
+
+// Whether one- and two-row steps prefetch their tiles (prefetch_units); steps of more rows
+// always do. On AMD Zen 4 (2 threads, benchmarks/linear_kernels.py --rows 1,2,4 with
+// ITERSERVE_PREFETCH=0 against 1, 2026-11-29) leaving them to the hardware streamed Q4_K's
+// one-row step 1.1x faster and Q6_K's 1.2x, two rows 1.15x, while four rows lost 0.9x; on
+// Intel Cascade Lake the prefetch made one row 1.23x faster. So by vendor, unless
+// ITERSERVE_PREFETCH (0 or 1) says.
+inline bool few_rows_prefetch() {
+  static const bool on = [] {
+    if (const char* forced = std::getenv("ITERSERVE_PREFETCH")) return forced[0] != '0';
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("amd");
+#else
+    return true;
+#endif
+  }();
+  return on;
 }
 
 // A span of bytes: what a thread reads after its current pass (empty: nothing known).
@@ -416,8 +438,11 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
   const int64_t K = rows.K;
   auto acc = zeros<MR * NT>();
   std::array<F16, MR * NT> unit;
-  auto block = [&](const uint8_t* const* p, int b, int64_t blk) {
-    prefetch_units<Codec, MR == 1 ? 1 : 2, NT>(p, b);
+  const bool prefetch = MR > 2 || few_rows_prefetch();
+  // Inlined into the block loop, so that the sums stay in registers from block to block (as
+  // a call the lambda kept them in memory: one-row Q4_K steps ran 1.3x slower in cache).
+  auto block = [&](const uint8_t* const* p, int b, int64_t blk) ITERSERVE_INLINE_LAMBDA {
+    if (prefetch) prefetch_units<Codec, MR == 1 ? 1 : 2, NT>(p, b);
     auto dot = start_dots<Codec, MR, NT>(x, m0, blk, K);
     block_dots<Codec, MR, NT>(x, K, m0, blk, p, b, dot);
     F16 a[NT * H], o[NT * H];
