@@ -27,11 +27,15 @@ figures (a model that does not fit must not take the machine down with it).
              the median RSS polled after its load (its weights are mmapped, and their pages
              count once touched); KV pool: its KV buffers.
 
-Bandwidth. The read bandwidth with --threads threads is measured once
-(iterserve.bench.bandwidth: a float32 sum over 1 GiB, checked against a C++ loop); beside
-every batch-1 decode stand the bytes a token reads (the file's tensors, the tied embedding
-once, as the head) and the share tok/s x bytes per token / bandwidth: 100% is the most one
-sequence can decode if every weight byte comes from memory once a step.
+Bandwidth. The read bandwidth with --threads threads (iterserve.bench.bandwidth: a float32
+sum over 1 GiB, checked against a C++ loop) is measured at the start and again just before
+each engine's run on each file, by a process of its own: on a shared machine it moves with
+the other tenants (31 and 55 GB/s minutes apart on one 2-core AMD EPYC, 2026-11-29), and a
+share against a figure taken minutes earlier says more about them than about the engine.
+Beside every batch-1 decode stand the bytes a token reads (the file's tensors, the tied
+embedding once, as the head), the bandwidth measured before it and the share tok/s x bytes
+per token / that bandwidth: 100% is the most one sequence can decode if every weight byte
+comes from memory once a step.
 
 The first line names the CPU's vector extensions and the kernels' variant. --isa avx2 runs
 iterserve with ITERSERVE_ISA=avx2 (and torch held to AVX2, as docs/benchmarks.md says) and
@@ -183,6 +187,12 @@ def child_warm_up(threads: int) -> dict[str, Any]:
         "bandwidth": read_bandwidth(threads),
         "bandwidth_method": METHOD,
     }
+
+
+def child_bandwidth(threads: int) -> dict[str, Any]:
+    from iterserve.bench.bandwidth import read_bandwidth
+
+    return {"bandwidth": read_bandwidth(threads)}
 
 
 def child_write(preset: str, path: str, seed: int) -> dict[str, Any]:
@@ -393,6 +403,15 @@ def _size(nbytes: float | None) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.0f} MiB"
 
 
+def measure_bandwidth(args: argparse.Namespace, logs: Path) -> float | None:
+    """The read bandwidth now, in a process of its own (None if that process failed)."""
+    command = _python_child("bandwidth", "--threads", str(args.threads))
+    child = run_guarded(command, dict(os.environ), _limit(args), logs / "bandwidth.log")
+    if child.failure(_limit(args)):
+        return None
+    return _json_line(child.stdout)["bandwidth"]
+
+
 def print_table(
     title: str, rows: list[dict[str, Any]], batches: list[int], bandwidth: float | None
 ) -> None:
@@ -401,7 +420,7 @@ def print_table(
     columns += [f"dec B{b}" for b in batches] + [f"pp B{b}" for b in batches]
     with_share = 1 in batches and bandwidth
     if with_share:
-        columns.append("B1 bw share")
+        columns += ["bw GB/s", "B1 bw share"]
     print("  ".join(f"{c:>10s}" if i else f"{c:10s}" for i, c in enumerate(columns)))
     for row in rows:
         if row["status"] != "ok":
@@ -417,7 +436,8 @@ def print_table(
         cells += [f"{row['decode'][b]:.1f}" if b in row["decode"] else "-" for b in batches]
         cells += [f"{row['prompt'][b]:.0f}" if b in row["prompt"] else "-" for b in batches]
         if with_share:
-            share = row.get("b1_bandwidth_share")
+            share, measured = row.get("b1_bandwidth_share"), row.get("bandwidth")
+            cells.append(f"{measured / 1e9:.1f}" if measured else "-")
             cells.append(f"{100 * share:.0f}%" if share is not None else "-")
         print(f"{row['engine']:10s}  " + "  ".join(f"{c:>10s}" for c in cells), flush=True)
 
@@ -448,6 +468,8 @@ def main() -> None:
         job, *rest = args.child
         if job == "warm-up":
             result = child_warm_up(args.threads)
+        elif job == "bandwidth":
+            result = child_bandwidth(args.threads)
         elif job == "write":
             result = child_write(rest[0], rest[1], args.seed)
         else:
@@ -508,6 +530,7 @@ def main() -> None:
             rows: list[dict[str, Any]] = []
             for engine in engines:
                 log = logs / f"{path.stem}.{engine}.log"
+                run_bandwidth = measure_bandwidth(args, logs) if bandwidth else None
                 if engine == "iterserve":
                     command = _python_child("iterserve", str(path), "--batches", args.batches)
                     command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]  # fmt: skip
@@ -524,8 +547,9 @@ def main() -> None:
                     row = run_llama_cpp(bench_bin, path, args, batches, log)
                 else:
                     row = {"engine": engine, "status": "unknown engine (iterserve, llama.cpp)"}
-                if row["status"] == "ok" and 1 in row["decode"] and bandwidth:
-                    row["b1_bandwidth_share"] = row["decode"][1] * per_token / bandwidth
+                row["bandwidth"] = run_bandwidth
+                if row["status"] == "ok" and 1 in row["decode"] and run_bandwidth:
+                    row["b1_bandwidth_share"] = row["decode"][1] * per_token / run_bandwidth
                 rows.append(row)
                 results["runs"].append(
                     {"model": preset, "type": qtype, "file_bytes": path.stat().st_size,
@@ -540,8 +564,8 @@ def main() -> None:
         print(
             "\npeak RSS: iterserve's at the end of its load (VmHWM), llama.cpp's over its run; "
             "held: iterserve's after its load, llama.cpp's median after its load. dec/pp: decode and "
-            "prompt tok/s at each batch; B1 bw share: batch-1 decode tok/s x bytes a step reads "
-            "/ the read bandwidth."
+            "prompt tok/s at each batch; bw: the read bandwidth just before the engine's run; B1 bw "
+            "share: batch-1 decode tok/s x bytes a step reads / that bandwidth."
         )
     write_results(args.json, results)
 
