@@ -372,15 +372,17 @@ ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
 }
 
 // Whether one- and two-row steps prefetch their tiles (prefetch_units); steps of more rows
-// always do. On AMD Zen 4 (benchmarks/stream_timing.cpp, 2 threads, builds in turns,
-// 2026-11-29) leaving them to the hardware streamed Q4_K's one-row step 1.14x faster while
-// another tenant held the memory at 34 GB/s and 1.32x when it read at 58, Q6_K's 1.2x, two
-// rows 1.17x, while four rows lost (0.92x); on Intel Cascade Lake the prefetch made one row
-// 1.23x faster. So by vendor, unless ITERSERVE_PREFETCH (0 or 1) says.
+// always do. On AMD Zen 4 with AVX-512 (four tiles a step: four streams a thread;
+// benchmarks/stream_timing.cpp, 2 threads, runs in turns, 2026-11-29) leaving them to the
+// hardware streamed Q4_K's one-row step 1.14x faster while another tenant held the memory at
+// 34 GB/s and 1.32x when it read at 58, Q6_K's 1.2x, two rows 1.17x, while four rows lost
+// (0.92x). The AVX2 build (one tile a step) on the same machine kept Q6_K's one row 1.33x
+// faster with the prefetch and Q4_K level, and on Intel Cascade Lake it made one row 1.23x
+// faster. So AVX-512 on AMD goes without, unless ITERSERVE_PREFETCH (0 or 1) says.
 inline bool few_rows_prefetch() {
   static const bool on = [] {
     if (const char* forced = std::getenv("ITERSERVE_PREFETCH")) return forced[0] != '0';
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(CPU_CAPABILITY_AVX512)
     __builtin_cpu_init();
     return !__builtin_cpu_is("amd");
 #else
