@@ -360,7 +360,7 @@ ITERSERVE_INLINE void block_dots(const QuantizedX& x, int64_t K, int64_t m0, int
 // Each of NT tiles' units (at p[j]) a unit or two ahead, a few lines a block: the hardware's
 // streams alone left one-row steps at 81-92% of the memory's speed and four-row steps at
 // 60-73% (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4;
-// Intel Cascade Lake). AMD's prefetchers need no help at one or two rows, where these
+// Intel Cascade Lake). AMD's need no help with AVX-512's one or two rows, where these
 // instructions only cost issue slots (few_rows_prefetch).
 template <typename Codec, int Units, int NT>
 ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
