@@ -29,13 +29,19 @@ figures (a model that does not fit must not take the machine down with it).
 
 Bandwidth. The read bandwidth with --threads threads (iterserve.bench.bandwidth: a float32
 sum over 1 GiB, checked against a C++ loop) is measured at the start and again just before
-each engine's run on each file, by a process of its own: on a shared machine it moves with
-the other tenants (31 and 55 GB/s minutes apart on one 2-core AMD EPYC, 2026-11-29), and a
-share against a figure taken minutes earlier says more about them than about the engine.
-Beside every batch-1 decode stand the bytes a token reads (the file's tensors, the tied
-embedding once, as the head), the bandwidth measured before it and the share tok/s x bytes
-per token / that bandwidth: 100% is the most one sequence can decode if every weight byte
-comes from memory once a step.
+and just after each engine's run on each file, by a process of its own: on a shared machine
+it moves with the other tenants (31 and 55 GB/s minutes apart on one 2-core AMD EPYC,
+2026-11-29), and a share against a figure taken minutes earlier says more about them than
+about the engine. Beside every batch-1 decode stand the bytes a token reads (the file's
+tensors, the tied embedding once, as the head), the two readings and the share tok/s x bytes
+per token / their mean: 100% is the most one sequence can decode if every weight byte comes
+from memory once a step. Where the two readings differ by more than 15% the run met a change
+of the memory's speed and its share is marked `~`.
+
+Rounds. --rounds N runs the engines N times on each file, in turns, the order reversed every
+other round (iterserve, llama.cpp, llama.cpp, iterserve, ...), and prints for each figure the
+median over the rounds of iterserve's / llama.cpp's: a ratio of two runs minutes apart on a
+shared machine moves with the other tenants, and the median of several pairs less so.
 
 The first line names the CPU's vector extensions and the kernels' variant. --isa avx2 runs
 iterserve with ITERSERVE_ISA=avx2 (and torch held to AVX2, as docs/benchmarks.md says) and
@@ -44,6 +50,7 @@ without it, it says how to make it and runs iterserve alone. Asserts nothing.
 
     .venv/bin/python benchmarks/big_models.py      # llama-1b,llama-3b,llama-8b; Q4_K_M; both engines
     .venv/bin/python benchmarks/big_models.py --models llama-1b --batches 1,16 --json out.json
+    .venv/bin/python benchmarks/big_models.py --models llama-1b --types Q4_K_M,Q6_K --rounds 3
     .venv/bin/python benchmarks/big_models.py --models qwen3-4b,gemma3-4b,mistral-7b --types Q4_K_M,Q8_0
     .venv/bin/python benchmarks/big_models.py --models llama-8b --engines llama.cpp
     .venv/bin/python benchmarks/big_models.py --models llama-8b --prepare-only   # write, quantize, stop
@@ -412,6 +419,40 @@ def measure_bandwidth(args: argparse.Namespace, logs: Path) -> float | None:
     return _json_line(child.stdout)["bandwidth"]
 
 
+def run_engine(
+    engine: str,
+    path: Path,
+    args: argparse.Namespace,
+    batches: list[int],
+    bench_bin: str | None,
+    iterserve_env: dict[str, str],
+    logs: Path,
+    measure: bool,
+) -> dict[str, Any]:
+    """One engine's run on one file, between two readings of the read bandwidth."""
+    log = logs / f"{path.stem}.{engine}.log"
+    before = measure_bandwidth(args, logs) if measure else None
+    if engine == "iterserve":
+        command = _python_child("iterserve", str(path), "--batches", args.batches)
+        command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
+        command += ["--threads", str(args.threads)]
+        child = run_guarded(command, iterserve_env, _limit(args), log)
+        failure = child.failure(_limit(args))
+        row = {"engine": "iterserve", "status": failure or "ok"}
+        if not failure:
+            row.update(_json_line(child.stdout))
+            row["decode"] = {int(b): v for b, v in row["decode"].items()}
+            row["prompt"] = {int(b): v for b, v in row["prompt"].items()}
+    elif engine == "llama.cpp":
+        assert bench_bin is not None
+        row = run_llama_cpp(bench_bin, path, args, batches, log)
+    else:
+        row = {"engine": engine, "status": "unknown engine (iterserve, llama.cpp)"}
+    row["bandwidth"] = before
+    row["bandwidth_after"] = measure_bandwidth(args, logs) if measure else None
+    return row
+
+
 def print_table(
     title: str, rows: list[dict[str, Any]], batches: list[int], bandwidth: float | None
 ) -> None:
@@ -421,10 +462,12 @@ def print_table(
     with_share = 1 in batches and bandwidth
     if with_share:
         columns += ["bw GB/s", "B1 bw share"]
+    many = len({row.get("round", 1) for row in rows}) > 1
     print("  ".join(f"{c:>10s}" if i else f"{c:10s}" for i, c in enumerate(columns)))
     for row in rows:
+        label = f"{row['engine']} #{row.get('round', 1)}" if many else row["engine"]
         if row["status"] != "ok":
-            print(f"{row['engine']:10s}  {row['status']}")
+            print(f"{label:10s}  {row['status']}")
             continue
         load = row.get("load_s")
         cells = [
@@ -436,10 +479,52 @@ def print_table(
         cells += [f"{row['decode'][b]:.1f}" if b in row["decode"] else "-" for b in batches]
         cells += [f"{row['prompt'][b]:.0f}" if b in row["prompt"] else "-" for b in batches]
         if with_share:
-            share, measured = row.get("b1_bandwidth_share"), row.get("bandwidth")
-            cells.append(f"{measured / 1e9:.1f}" if measured else "-")
-            cells.append(f"{100 * share:.0f}%" if share is not None else "-")
-        print(f"{row['engine']:10s}  " + "  ".join(f"{c:>10s}" for c in cells), flush=True)
+            share = row.get("b1_bandwidth_share")
+            measured = (row.get("bandwidth"), row.get("bandwidth_after"))
+            readings = [f"{r / 1e9:.0f}" for r in measured if r]
+            cells.append("/".join(readings) if readings else "-")
+            moved = "~" if row.get("bandwidth_moved") else ""
+            cells.append(f"{moved}{100 * share:.0f}%" if share is not None else "-")
+        print(f"{label:10s}  " + "  ".join(f"{c:>10s}" for c in cells), flush=True)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def ratios(rows: list[dict[str, Any]], batches: list[int]) -> dict[str, dict[str, Any]]:
+    """iterserve's / llama.cpp's figure in each round both ran, by figure ("decode B1",
+    "prompt B16", ...): the rounds' ratios and their median."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            by_round.setdefault(row.get("round", 1), {})[row["engine"]] = row
+    out: dict[str, dict[str, Any]] = {}
+    for kind in ("decode", "prompt"):
+        for b in batches:
+            each = [
+                pair["iterserve"][kind][b] / pair["llama.cpp"][kind][b]
+                for pair in by_round.values()
+                if {"iterserve", "llama.cpp"} <= pair.keys()
+                and b in pair["iterserve"][kind]
+                and pair["llama.cpp"][kind].get(b)
+            ]
+            if each:
+                out[f"{kind} B{b}"] = {"rounds": each, "median": _median(each)}
+    return out
+
+
+def print_ratios(found: dict[str, dict[str, Any]]) -> None:
+    if not found:
+        return
+    cells = []
+    for name, r in found.items():
+        spread = f" ({min(r['rounds']):.2f}-{max(r['rounds']):.2f})" if len(r["rounds"]) > 1 else ""
+        cells.append(f"{name} {r['median']:.2f}x{spread}")
+    rounds = max(len(r["rounds"]) for r in found.values())
+    print(f"iterserve / llama.cpp, median of {rounds} round(s) (range): " + ", ".join(cells))
 
 
 def main() -> None:
@@ -459,6 +544,7 @@ def main() -> None:
     parser.add_argument("--memory-limit-gib", type=float, default=21.0, help="a child past it is killed")
     parser.add_argument("--isa", choices=("avx2",), default=None, help="the AVX2 kernels of both engines")
     parser.add_argument("--llama-cpp", default=None, help="llama.cpp's bin directory (default: llama_cpp.sh's, if built)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each engine on each file, in turns")
     parser.add_argument("--prepare-only", action="store_true", help="make the files, run nothing")
     parser.add_argument("--json", default="bench_results/big_models.json")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # a child process's job
@@ -528,44 +614,37 @@ def main() -> None:
         for qtype, path in files.items():
             per_token = decode_bytes_per_token(path)
             rows: list[dict[str, Any]] = []
-            for engine in engines:
-                log = logs / f"{path.stem}.{engine}.log"
-                run_bandwidth = measure_bandwidth(args, logs) if bandwidth else None
-                if engine == "iterserve":
-                    command = _python_child("iterserve", str(path), "--batches", args.batches)
-                    command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]  # fmt: skip
-                    command += ["--threads", str(args.threads)]
-                    child = run_guarded(command, iterserve_env, _limit(args), log)
-                    failure = child.failure(_limit(args))
-                    row = {"engine": "iterserve", "status": failure or "ok"}
-                    if not failure:
-                        row.update(_json_line(child.stdout))
-                        row["decode"] = {int(b): v for b, v in row["decode"].items()}
-                        row["prompt"] = {int(b): v for b, v in row["prompt"].items()}
-                elif engine == "llama.cpp":
-                    assert bench_bin is not None
-                    row = run_llama_cpp(bench_bin, path, args, batches, log)
-                else:
-                    row = {"engine": engine, "status": "unknown engine (iterserve, llama.cpp)"}
-                row["bandwidth"] = run_bandwidth
-                if row["status"] == "ok" and 1 in row["decode"] and run_bandwidth:
-                    row["b1_bandwidth_share"] = row["decode"][1] * per_token / run_bandwidth
-                rows.append(row)
-                results["runs"].append(
-                    {"model": preset, "type": qtype, "file_bytes": path.stat().st_size,
-                     "decode_bytes_per_token": per_token, **row}  # fmt: skip
-                )
+            for round_ in range(1, args.rounds + 1):
+                for engine in engines if round_ % 2 else engines[::-1]:
+                    row = run_engine(
+                        engine, path, args, batches, bench_bin, iterserve_env, logs, bool(bandwidth)
+                    )
+                    row["round"] = round_
+                    readings = [r for r in (row["bandwidth"], row["bandwidth_after"]) if r]
+                    if row["status"] == "ok" and 1 in row["decode"] and readings:
+                        mean = sum(readings) / len(readings)
+                        row["b1_bandwidth_share"] = row["decode"][1] * per_token / mean
+                        row["bandwidth_moved"] = max(readings) > 1.15 * min(readings)
+                    rows.append(row)
+                    results["runs"].append(
+                        {"model": preset, "type": qtype, "file_bytes": path.stat().st_size,
+                         "decode_bytes_per_token": per_token, **row}  # fmt: skip
+                    )
             title = (
                 f"{preset} {qtype}: {_size(path.stat().st_size)} file, {_size(per_token)} read "
                 f"a decode step"
             )
             print_table(title, rows, batches, bandwidth)
+            if found := ratios(rows, batches):
+                print_ratios(found)
+                results.setdefault("ratios", {})[f"{preset} {qtype}"] = found
     if not args.prepare_only:
         print(
             "\npeak RSS: iterserve's at the end of its load (VmHWM), llama.cpp's over its run; "
             "held: iterserve's after its load, llama.cpp's median after its load. dec/pp: decode and "
-            "prompt tok/s at each batch; bw: the read bandwidth just before the engine's run; B1 bw "
-            "share: batch-1 decode tok/s x bytes a step reads / that bandwidth."
+            "prompt tok/s at each batch; bw: the read bandwidth just before / just after the engine's "
+            "run; B1 bw share: batch-1 decode tok/s x bytes a step reads / their mean (~: they "
+            "differ by more than 15%)."
         )
     write_results(args.json, results)
 

@@ -1,0 +1,52 @@
+"""benchmarks/big_models.py --rounds: iterserve's / llama.cpp's figure is taken round by round,
+only from rounds where both ran, and summed up by the median of those ratios."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def big_models(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports its sibling _results
+    module = importlib.import_module("big_models")
+    yield module
+    sys.modules.pop("big_models", None)
+
+
+def _row(engine: str, round_: int, decode: dict[int, float], status: str = "ok") -> dict[str, Any]:
+    return {"engine": engine, "round": round_, "status": status, "decode": decode, "prompt": {}}
+
+
+def test_ratios_pair_each_round_and_take_the_median(big_models: ModuleType) -> None:
+    rows = [
+        _row("iterserve", 1, {1: 40.0, 16: 220.0}),
+        _row("llama.cpp", 1, {1: 40.0, 16: 100.0}),
+        _row("llama.cpp", 2, {1: 30.0, 16: 90.0}),
+        _row("iterserve", 2, {1: 36.0, 16: 225.0}),
+        _row("iterserve", 3, {1: 50.0, 16: 240.0}),
+        _row("llama.cpp", 3, {}, status="killed at the memory limit"),
+        _row("iterserve", 4, {1: 33.0}),
+        _row("llama.cpp", 4, {1: 30.0, 16: 96.0}),
+    ]
+    found = big_models.ratios(rows, [1, 16])
+    # Round 3 has no llama.cpp figures; round 4 no iterserve batch 16.
+    assert found["decode B1"]["rounds"] == pytest.approx([1.0, 1.2, 1.1])
+    assert found["decode B1"]["median"] == pytest.approx(1.1)
+    assert found["decode B16"]["rounds"] == pytest.approx([2.2, 2.5])
+    assert found["decode B16"]["median"] == pytest.approx(2.35)
+    assert "prompt B1" not in found
+
+
+def test_no_pairs_no_ratios(big_models: ModuleType) -> None:
+    rows = [_row("iterserve", 1, {1: 40.0}), _row("iterserve", 2, {1: 41.0})]
+    assert big_models.ratios(rows, [1]) == {}
