@@ -41,7 +41,9 @@ of the memory's speed and its share is marked `~`.
 Rounds. --rounds N runs the engines N times on each file, in turns, the order reversed every
 other round (iterserve, llama.cpp, llama.cpp, iterserve, ...), and prints for each figure the
 median over the rounds of iterserve's / llama.cpp's: a ratio of two runs minutes apart on a
-shared machine moves with the other tenants, and the median of several pairs less so.
+shared machine moves with the other tenants, and the median of several pairs less so. Beside
+them, "B1 bandwidth share": iterserve's batch-1 share / llama.cpp's, from the rounds whose
+four bandwidth readings agree within 15%: the engines compared on the same memory.
 
 The first line names the CPU's vector extensions and the kernels' variant. --isa avx2 runs
 iterserve with ITERSERVE_ISA=avx2 (and torch held to AVX2, as docs/benchmarks.md says) and
@@ -68,6 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -496,7 +499,7 @@ def _median(values: list[float]) -> float:
 
 def ratios(rows: list[dict[str, Any]], batches: list[int]) -> dict[str, dict[str, Any]]:
     """iterserve's / llama.cpp's figure in each round both ran, by figure ("decode B1",
-    "prompt B16", ...): the rounds' ratios and their median."""
+    "prompt B16", ..., "B1 bandwidth share"): the rounds' ratios and their median."""
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
     for row in rows:
         if row["status"] == "ok":
@@ -513,7 +516,26 @@ def ratios(rows: list[dict[str, Any]], batches: list[int]) -> dict[str, dict[str
             ]
             if each:
                 out[f"{kind} B{b}"] = {"rounds": each, "median": _median(each)}
+    # Batch 1 against the bandwidth: iterserve's share / llama.cpp's, in the rounds whose four
+    # readings agree (a spell of another tenant's load can halve the bandwidth, and both
+    # engines keep a smaller share of a faster memory: shares from two spells do not compare).
+    steady = [
+        pair["iterserve"]["b1_bandwidth_share"] / pair["llama.cpp"]["b1_bandwidth_share"]
+        for pair in by_round.values()
+        if {"iterserve", "llama.cpp"} <= pair.keys() and _one_spell(pair.values())
+    ]
+    if steady:
+        out["B1 bandwidth share"] = {"rounds": steady, "median": _median(steady)}
     return out
+
+
+def _one_spell(rows: Iterable[dict[str, Any]]) -> bool:
+    """Whether the rows have batch-1 shares and their bandwidth readings agree within 15%."""
+    rows = list(rows)
+    readings = [row.get(k) for row in rows for k in ("bandwidth", "bandwidth_after")]
+    if not all(row.get("b1_bandwidth_share") for row in rows) or not all(readings):
+        return False
+    return max(readings) <= 1.15 * min(readings)
 
 
 def print_ratios(found: dict[str, dict[str, Any]]) -> None:

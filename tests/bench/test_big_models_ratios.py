@@ -23,8 +23,11 @@ def big_models(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     sys.modules.pop("big_models", None)
 
 
-def _row(engine: str, round_: int, decode: dict[int, float], status: str = "ok") -> dict[str, Any]:
-    return {"engine": engine, "round": round_, "status": status, "decode": decode, "prompt": {}}
+def _row(
+    engine: str, round_: int, decode: dict[int, float], status: str = "ok", **more: Any
+) -> dict[str, Any]:
+    row = {"engine": engine, "round": round_, "status": status, "decode": decode, "prompt": {}}
+    return {**row, **more}
 
 
 def test_ratios_pair_each_round_and_take_the_median(big_models: ModuleType) -> None:
@@ -45,6 +48,31 @@ def test_ratios_pair_each_round_and_take_the_median(big_models: ModuleType) -> N
     assert found["decode B16"]["rounds"] == pytest.approx([2.2, 2.5])
     assert found["decode B16"]["median"] == pytest.approx(2.35)
     assert "prompt B1" not in found
+    assert "B1 bandwidth share" not in found  # no shares measured
+
+
+def test_shares_compare_only_rounds_on_one_memory_speed(big_models: ModuleType) -> None:
+    def row(engine: str, round_: int, share: float, before: float, after: float) -> dict[str, Any]:
+        return _row(
+            engine, round_, {1: 40.0}, b1_bandwidth_share=share, bandwidth=before, bandwidth_after=after
+        )
+
+    rows = [
+        row("iterserve", 1, 0.90, 33e9, 34e9),
+        row("llama.cpp", 1, 0.80, 32e9, 33e9),
+        # Round 2: llama.cpp ran in a faster spell than iterserve.
+        row("llama.cpp", 2, 0.60, 50e9, 52e9),
+        row("iterserve", 2, 0.91, 33e9, 33e9),
+        row("iterserve", 3, 0.80, 55e9, 52e9),
+        row("llama.cpp", 3, 0.64, 54e9, 56e9),
+        # Round 4: iterserve's run met a change of speed.
+        row("iterserve", 4, 0.95, 33e9, 50e9),
+        row("llama.cpp", 4, 0.80, 33e9, 33e9),
+    ]
+    found = big_models.ratios(rows, [1])
+    assert found["B1 bandwidth share"]["rounds"] == pytest.approx([1.125, 1.25])
+    assert found["B1 bandwidth share"]["median"] == pytest.approx(1.1875)
+    assert found["decode B1"]["rounds"] == pytest.approx([1.0, 1.0, 1.0, 1.0])
 
 
 def test_no_pairs_no_ratios(big_models: ModuleType) -> None:
