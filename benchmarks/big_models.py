@@ -529,13 +529,18 @@ def ratios(rows: list[dict[str, Any]], batches: list[int]) -> dict[str, dict[str
     return out
 
 
+def _agree(readings: list[float]) -> bool:
+    """Whether bandwidth readings are one spell of the memory's speed: within 15%."""
+    return max(readings) <= 1.15 * min(readings)
+
+
 def _one_spell(rows: Iterable[dict[str, Any]]) -> bool:
-    """Whether the rows have batch-1 shares and their bandwidth readings agree within 15%."""
+    """Whether the rows have batch-1 shares and their bandwidth readings all agree."""
     rows = list(rows)
     readings = [row.get(k) for row in rows for k in ("bandwidth", "bandwidth_after")]
     if not all(row.get("b1_bandwidth_share") for row in rows) or not all(readings):
         return False
-    return max(readings) <= 1.15 * min(readings)
+    return _agree(readings)
 
 
 def print_ratios(found: dict[str, dict[str, Any]]) -> None:
@@ -646,7 +651,7 @@ def main() -> None:
                     if row["status"] == "ok" and 1 in row["decode"] and readings:
                         mean = sum(readings) / len(readings)
                         row["b1_bandwidth_share"] = row["decode"][1] * per_token / mean
-                        row["bandwidth_moved"] = max(readings) > 1.15 * min(readings)
+                        row["bandwidth_moved"] = not _agree(readings)
                     rows.append(row)
                     results["runs"].append(
                         {"model": preset, "type": qtype, "file_bytes": path.stat().st_size,
