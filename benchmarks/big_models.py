@@ -430,11 +430,11 @@ def run_engine(
     bench_bin: str | None,
     iterserve_env: dict[str, str],
     logs: Path,
-    measure: bool,
+    before: float | None,
 ) -> dict[str, Any]:
-    """One engine's run on one file, between two readings of the read bandwidth."""
+    """One engine's run on one file, between two readings of the read bandwidth: `before`,
+    taken just before it (None: none taken, and none is taken after either)."""
     log = logs / f"{path.stem}.{engine}.log"
-    before = measure_bandwidth(args, logs) if measure else None
     if engine == "iterserve":
         command = _python_child("iterserve", str(path), "--batches", args.batches)
         command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
@@ -452,7 +452,7 @@ def run_engine(
     else:
         row = {"engine": engine, "status": "unknown engine (iterserve, llama.cpp)"}
     row["bandwidth"] = before
-    row["bandwidth_after"] = measure_bandwidth(args, logs) if measure else None
+    row["bandwidth_after"] = measure_bandwidth(args, logs) if before else None
     return row
 
 
@@ -641,11 +641,14 @@ def main() -> None:
         for qtype, path in files.items():
             per_token = decode_bytes_per_token(path)
             rows: list[dict[str, Any]] = []
+            # One run's reading after it is the next one's before it: nothing runs between.
+            last = measure_bandwidth(args, logs) if bandwidth else None
             for round_ in range(1, args.rounds + 1):
                 for engine in engines if round_ % 2 else engines[::-1]:
                     row = run_engine(
-                        engine, path, args, batches, bench_bin, iterserve_env, logs, bool(bandwidth)
+                        engine, path, args, batches, bench_bin, iterserve_env, logs, last
                     )
+                    last = row["bandwidth_after"]
                     row["round"] = round_
                     readings = [r for r in (row["bandwidth"], row["bandwidth_after"]) if r]
                     if row["status"] == "ok" and 1 in row["decode"] and readings:
