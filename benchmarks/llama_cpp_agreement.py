@@ -2,7 +2,8 @@
 
 Both engines read one file (default: the bundled SmolLM2-135M-Instruct Q4_1, a trained
 model). Each held-out chat prompt (bench/copy_texts.py: edit instructions over passages) is
-rendered and tokenized once, by iterserve; iterserve (`LLM`, its defaults, temperature 0)
+rendered (a file without a chat template, a base model, takes the plain texts) and
+tokenized once, by iterserve; iterserve (`LLM`, its defaults, temperature 0)
 and then llama-server (benchmarks/peers/llama_cpp.sh server, top-k 1) generate --tokens
 tokens from those same ids, one engine after the other (never two models in memory at once).
 
@@ -108,10 +109,12 @@ def main() -> None:
     print(cpu_line())
     llm = LLM(str(model), dtype=args.dtype)
     pairs = list(itertools.product(INSTRUCTIONS, PASSAGES))[: args.prompts]
-    prompts = [
-        llm.engine.tokenize(llm.apply_chat_template([{"role": "user", "content": f"{a}\n\n{t}"}]))
-        for a, t in pairs
-    ]
+    texts = [f"{a}\n\n{t}" for a, t in pairs]
+    if llm.engine.chat_template is None:  # a base model: the texts themselves, BOS first
+        print("no chat template in the file: plain prompts")
+        prompts = [llm.engine.tokenize(f"{text}\n\n") for text in texts]
+    else:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=20)
     ours = llm.generate(prompts, params, use_tqdm=False)
     plan = llm.engine.model_plan
