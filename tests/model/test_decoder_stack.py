@@ -1,8 +1,8 @@
 """The fused layers in one call a step (csrc/layer.cpp `decoder_stack`) against one call a
 layer (`decoder_layer`): the same kernels in the same order, so the same bits, through a
-prefill in chunks, steps mixing a prompt's chunk with decodes, and decodes; Qwen3's q/k norms
-and Phi-3's sliding window (passed, 48 positions) and biases-free fused projections
-included. Both against transformers: tests/model/test_model_families.py."""
+prefill in chunks, steps mixing a prompt's chunk with decodes, and decodes; Qwen3's q/k norms,
+Phi-3's sliding window (passed, 48 positions) and biases-free fused projections, and Gemma 3's
+GELU, sandwich norms and sliding layers' own rope included. Both against transformers: tests/model/test_model_families.py."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import hf_model_config
 from paged_runner import PagedRunner
-from tiny_checkpoints import model_config_of
 from tiny_families import VOCAB, family_model
 
 
 @pytest.mark.usefixtures("kernel_isa")
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3"])
 def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -29,7 +29,8 @@ def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
     plan += [[("a", 1), ("b", 1)]] * 12
     logits = {}
     for stacked in (True, False):
-        model = LlamaForCausalLM(model_config_of(hf), torch.bfloat16, torch.device("cpu"))
+        config = hf_model_config({**hf.config.to_dict(), "architectures": [type(hf).__name__]})
+        model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
         model.load(dict(hf.state_dict()), "tiled")
         assert model.fused_layers
         if not stacked:

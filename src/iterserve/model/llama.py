@@ -177,9 +177,9 @@ class _DecoderLayer(nn.Module):
         if self.moe is not None:  # the C++ layer op has a dense MLP
             return
         tiled = [self.linears[name] for name in _FUSED]
-        # The C++ layer op is Llama's layer (Qwen3's q/k norms too); others run op by op (the
-        # C++ attention still).
-        fits_layer_op = self.head_dim % 32 == 0 and self.is_llama_layer
+        # The C++ layer op is Llama's layer (Qwen3's q/k norms, Gemma 3's GELU and sandwich
+        # norms too); others run op by op (the C++ attention still).
+        fits_layer_op = self.head_dim % 32 == 0 and not self.softcap
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             args = [lin.kernel_args for lin in tiled]
@@ -189,17 +189,6 @@ class _DecoderLayer(nn.Module):
                 [len(segments) for segments, _, _ in args],
                 [bias for _, _, bias in args],
             )
-
-    @property
-    def is_llama_layer(self) -> bool:
-        """Nothing but Llama's parts (and Qwen3's q/k norms): what the fused C++ layer op
-        computes."""
-        return (
-            self.attn_out_norm is None
-            and not self.gelu
-            and not self.softcap
-            and not self.local_rope
-        )
 
     def forward_fused(
         self,
@@ -217,6 +206,9 @@ class _DecoderLayer(nn.Module):
             self.eps,
             *self.fused,
             self.qk_norm,
+            self.attn_out_norm,
+            self.mlp_out_norm,
+            self.gelu,
             *kv_cache,
             slot_mapping,
             step,
@@ -353,7 +345,14 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
             if layer.rope_tables is not None:
-                layer.rope_tables = (cos, signed_sin)
+                layer.rope_tables = self._rope_of(layer)
+
+    def _rope_of(self, layer: _DecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables a layer rotates by: Gemma 3's sliding layers their own."""
+        if layer.local_rope:
+            assert self.rope_local is not None
+            return self.rope_local
+        return self.rope_cos, self.rope_signed_sin
 
     def cover_positions(self, needed: int) -> None:
         """Make the rotary tables reach position `needed` - 1 (doubling, capped at the context)."""
@@ -410,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
         part = functools.partial(weight_part, weights, quantized)
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
-            layer.build(part, backend, mode, (self.rope_cos, self.rope_signed_sin))
+            layer.build(part, backend, mode, self._rope_of(layer))
         table = part("model.embed_tokens.weight")
         tied = self.config.tie_word_embeddings
         self.head = Linear(
@@ -528,8 +527,15 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * self.embed_scale
         if step is not None and self.fused_layers:
             if (stacked := self._stacked(kv_caches)) is not None:
+                local = self.rope_local or (None, None)
                 return self.layers[0].kernel_ops.decoder_stack(
-                    hidden, slot_mapping, step, self.rope_cos, self.rope_signed_sin, *stacked
+                    hidden,
+                    slot_mapping,
+                    step,
+                    self.rope_cos,
+                    self.rope_signed_sin,
+                    *local,
+                    *stacked,
                 )
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
@@ -567,12 +573,16 @@ class LlamaForCausalLM(nn.Module):
             [count for _, _, counts, _ in fused for count in counts],
             [bias for _, _, _, biases in fused for bias in biases],
             [layer.qk_norm for layer in layers],
+            [layer.attn_out_norm for layer in layers],
+            [layer.mlp_out_norm for layer in layers],
+            first.gelu,
             [key for key, _ in kv_caches],
             [value for _, value in kv_caches],
             first.num_heads,
             first.num_kv_heads,
             first.scale,
             [layer.sliding_window for layer in layers],
+            [int(layer.local_rope) for layer in layers],
         )
         self._stack = (kv_caches, arguments)
         return arguments

@@ -6,6 +6,10 @@
 //   h   = hidden + a W_o^T (+b)
 //   g,u = rms_norm(h) W_gate_up^T ; out = h + (silu(g) * u) W_down^T
 //
+// and Gemma 3's variant of it: GELU (tanh) for SiLU, and "sandwich" norms on the attention's
+// and the MLP's outputs before their residual adds (h = hidden + rms_norm(a W_o^T)), its sliding
+// layers rotating by their own tables (the caller's choice).
+//
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
 // this file adds is the glue between them (norms, rope, SiLU) and, above all, one dispatch
 // per layer instead of ~9 (at one token a step's arithmetic is a few milliseconds and the
@@ -22,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <string>
@@ -119,6 +124,48 @@ Tensor silu_mul(const Tensor& gate_up) {
   return out;
 }
 
+// gelu_tanh(g) * u for gate_up rows [g | u] (Gemma's GeGLU), rounded as silu_mul is. The tanh
+// form 0.5 (1 + tanh(z)) is sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3): silu_mul's sigmoid.
+Tensor gelu_mul(const Tensor& gate_up) {
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
+  Tensor out = at::empty({M, I}, gate_up.options());
+  const F16 one = F16::splat(1.0f), zero = F16::zero();
+  const F16 two_c = F16::splat(2.0f * 0.7978845608028654f), cubic = F16::splat(0.044715f);
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const BFloat16* g = gate_up.data_ptr<BFloat16>() + m * gate_up.stride(0);
+      const BFloat16* u = g + I;
+      BFloat16* dst = out.data_ptr<BFloat16>() + m * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const F16 x = load_bf16x16(g + i);
+        const F16 t = two_c * fmadd(cubic * x * x, x, x);  // 2z
+        const F16 e = exp_nonpositive(zero - abs(t));
+        const F16 sigmoid = select(less_than(t, zero), one, e) / (one + e);
+        const F16 act = round_bf16(x * sigmoid);
+        store_bf16x16(dst + i, act * load_bf16x16(u + i));
+      }
+    }
+  });
+  return out;
+}
+
+// residual + rms_norm(y) (a sandwich norm's output added to the stream), rounded as the eager
+// layer rounds it: the norm's output to bf16, then the sum.
+Tensor rms_norm_add(const Tensor& y, const Tensor& weight, double eps, const Tensor& residual) {
+  Tensor out = rms_norm(y, weight, eps);
+  const int64_t M = out.size(0), K = out.size(1);
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      BFloat16* row = out.data_ptr<BFloat16>() + m * K;
+      const BFloat16* r = residual.data_ptr<BFloat16>() + m * residual.stride(0);
+      for (int64_t k = 0; k < K; k += 16)
+        store_bf16x16(row + k, load_bf16x16(row + k) + load_bf16x16(r + k));
+    }
+  });
+  return out;
+}
+
 // Position of every row, from the step table (see ops.h).
 std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
   const StepTable table(step);
@@ -179,6 +226,9 @@ struct LayerWeights {
   int64_t num_heads, num_kv_heads;
   double scale;
   int64_t sliding_window;
+  // Gemma 3: the norms on the attention's and the MLP's outputs (none: Llama), and GELU.
+  std::optional<Tensor> attn_out_norm, mlp_out_norm;
+  bool gelu;
 };
 
 // Projection i's segments' index range from the counts of segments each projection has.
@@ -197,6 +247,12 @@ void check_tables(const LayerWeights& w, const Tensor& key_cache, const Tensor& 
   for (const Tensor* t : {&w.input_norm, &w.post_norm, &rope_cos, &rope_sin})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
                 "decoder_layer: norms and rope tables must be contiguous bf16");
+  TORCH_CHECK(w.attn_out_norm.has_value() == w.mlp_out_norm.has_value(),
+              "decoder_layer: sandwich norms come in pairs (attention and MLP outputs)");
+  for (const std::optional<Tensor>* t : {&w.attn_out_norm, &w.mlp_out_norm})
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kBFloat16 && (*t)->is_contiguous() &&
+                                    (*t)->numel() == w.input_norm.numel()),
+                "decoder_layer: sandwich norms must be contiguous bf16 of the hidden size");
   TORCH_CHECK(rope_cos.size(1) == cache_head_dim(key_cache) && rope_sin.sizes() == rope_cos.sizes(),
               "decoder_layer: rope tables must be [positions, head_dim]");
 }
@@ -247,9 +303,15 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
                                        w.scale, w.sliding_window);
-  const Tensor mid = project(1, attn.view({M, q_size}), hidden);
-  const Tensor act = silu_mul(project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt));
-  return project(3, act, mid);
+  // Each block's output joins the stream in its projection's epilogue, or after its norm.
+  auto block_out = [&](int64_t i, const Tensor& x, const Tensor& residual,
+                       const std::optional<Tensor>& out_norm) {
+    if (!out_norm) return project(i, x, residual);
+    return rms_norm_add(project(i, x, std::nullopt), *out_norm, w.eps, residual);
+  };
+  const Tensor mid = block_out(1, attn.view({M, q_size}), hidden, w.attn_out_norm);
+  const Tensor gate_up = project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt);
+  return block_out(3, w.gelu ? gelu_mul(gate_up) : silu_mul(gate_up), mid, w.mlp_out_norm);
 }
 
 // Every row's position, checked against the rope tables.
@@ -268,19 +330,22 @@ std::vector<int64_t> checked_positions(const Tensor& hidden, const Tensor& step,
 Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tensor& post_norm,
                      double eps, at::TensorList weights, c10::IntArrayRef formats,
                      c10::IntArrayRef segments, const c10::List<std::optional<Tensor>>& biases,
-                     const std::optional<Tensor>& qk_norm, const Tensor& key_cache,
-                     const Tensor& value_cache, const Tensor& slot_mapping, const Tensor& step,
-                     const Tensor& rope_cos, const Tensor& rope_sin, int64_t num_heads,
-                     int64_t num_kv_heads, double scale, int64_t sliding_window,
-                     at::TensorList lora, c10::IntArrayRef lora_parts,
-                     const std::optional<Tensor>& lora_rows) {
+                     const std::optional<Tensor>& qk_norm,
+                     const std::optional<Tensor>& attn_out_norm,
+                     const std::optional<Tensor>& mlp_out_norm, bool gelu,
+                     const Tensor& key_cache, const Tensor& value_cache,
+                     const Tensor& slot_mapping, const Tensor& step, const Tensor& rope_cos,
+                     const Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads,
+                     double scale, int64_t sliding_window, at::TensorList lora,
+                     c10::IntArrayRef lora_parts, const std::optional<Tensor>& lora_rows) {
   TORCH_CHECK(biases.size() == 4 && weights.size() == formats.size(),
               "decoder_layer: 4 projections (qkv, o, gate_up, down), each with its weight "
               "segments, their formats and a bias");
   const LayerWeights w{input_norm, post_norm, eps, weights, formats,
                        segment_starts(segments, 0),
                        {biases.get(0), biases.get(1), biases.get(2), biases.get(3)},
-                       qk_norm, num_heads, num_kv_heads, scale, sliding_window};
+                       qk_norm, num_heads, num_kv_heads, scale, sliding_window,
+                       attn_out_norm, mlp_out_norm, gelu};
   TORCH_CHECK(w.first[4] == static_cast<int64_t>(weights.size()),
               "decoder_layer: segments count ", w.first[4], " weights, not ", weights.size());
   check_tables(w, key_cache, rope_cos, rope_sin);
@@ -303,22 +368,35 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 // token then leaves Python once instead of once a layer: between two layer calls of a 1B
 // Q4_K_M at one row, Python and the dispatcher took 140-270 us, run with caches the layer's
 // 37 MB of weights had just swept (2026-11-29, avx512vnni).
+//
+// Gemma 3's sliding layers (local_rope[l] = 1) rotate by the local tables.
 Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
-                     const Tensor& rope_cos, const Tensor& rope_sin, at::TensorList input_norms,
+                     const Tensor& rope_cos, const Tensor& rope_sin,
+                     const std::optional<Tensor>& local_rope_cos,
+                     const std::optional<Tensor>& local_rope_sin, at::TensorList input_norms,
                      at::TensorList post_norms, double eps, at::TensorList weights,
                      c10::IntArrayRef formats, c10::IntArrayRef segments,
                      const c10::List<std::optional<Tensor>>& biases,
-                     const c10::List<std::optional<Tensor>>& qk_norms, at::TensorList key_caches,
-                     at::TensorList value_caches, int64_t num_heads, int64_t num_kv_heads,
-                     double scale, c10::IntArrayRef sliding_windows) {
+                     const c10::List<std::optional<Tensor>>& qk_norms,
+                     const c10::List<std::optional<Tensor>>& attn_out_norms,
+                     const c10::List<std::optional<Tensor>>& mlp_out_norms, bool gelu,
+                     at::TensorList key_caches, at::TensorList value_caches, int64_t num_heads,
+                     int64_t num_kv_heads, double scale, c10::IntArrayRef sliding_windows,
+                     c10::IntArrayRef local_rope) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
+                  attn_out_norms.size() == layers && mlp_out_norms.size() == layers &&
                   key_caches.size() == layers && value_caches.size() == layers &&
-                  sliding_windows.size() == layers && segments.size() == 4 * layers &&
-                  biases.size() == 4 * layers && weights.size() == formats.size(),
+                  sliding_windows.size() == layers && local_rope.size() == layers &&
+                  segments.size() == 4 * layers && biases.size() == 4 * layers &&
+                  weights.size() == formats.size(),
               "decoder_stack: every list holds one entry a layer (segments and biases 4), "
               "formats one a weight");
+  const bool any_local = std::any_of(local_rope.begin(), local_rope.end(), [](int64_t f) { return f != 0; });
+  TORCH_CHECK(!any_local || (local_rope_cos && local_rope_sin),
+              "decoder_stack: layers with local rope need the local tables");
   const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);
+  if (any_local) checked_positions(hidden, step, *local_rope_cos);
   Tensor h = hidden;
   int64_t first_segment = 0;
   for (int64_t l = 0; l < layers; ++l) {
@@ -326,12 +404,15 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                          segment_starts(segments.slice(4 * l, 4), first_segment),
                          {biases.get(4 * l), biases.get(4 * l + 1), biases.get(4 * l + 2),
                           biases.get(4 * l + 3)},
-                         qk_norms.get(l), num_heads, num_kv_heads, scale, sliding_windows[l]};
+                         qk_norms.get(l), num_heads, num_kv_heads, scale, sliding_windows[l],
+                         attn_out_norms.get(l), mlp_out_norms.get(l), gelu};
     TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
                 "'s segments run past the ", weights.size(), " weights");
-    check_tables(w, key_caches[l], rope_cos, rope_sin);
-    h = run_layer(w, nullptr, h, pos, key_caches[l], value_caches[l], slot_mapping, step,
-                  rope_cos, rope_sin);
+    const Tensor& cos = local_rope[l] ? *local_rope_cos : rope_cos;
+    const Tensor& sin = local_rope[l] ? *local_rope_sin : rope_sin;
+    check_tables(w, key_caches[l], cos, sin);
+    h = run_layer(w, nullptr, h, pos, key_caches[l], value_caches[l], slot_mapping, step, cos,
+                  sin);
     first_segment = w.first[4];
   }
   TORCH_CHECK(first_segment == static_cast<int64_t>(weights.size()), "decoder_stack: ",
@@ -349,15 +430,18 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def(
       "decoder_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, "
       "Tensor[] weights, int[] formats, int[] segments, Tensor?[] biases, Tensor? qk_norm, "
+      "Tensor? attn_out_norm, Tensor? mlp_out_norm, bool gelu, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
       "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
       "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows) -> Tensor");
   m.def(
       "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
-      "Tensor rope_sin, Tensor[] input_norms, Tensor[] post_norms, float eps, Tensor[] weights, "
-      "int[] formats, int[] segments, Tensor?[] biases, Tensor?[] qk_norms, "
-      "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, "
-      "float scale, int[] sliding_windows) -> Tensor");
+      "Tensor rope_sin, Tensor? local_rope_cos, Tensor? local_rope_sin, Tensor[] input_norms, "
+      "Tensor[] post_norms, float eps, Tensor[] weights, int[] formats, int[] segments, "
+      "Tensor?[] biases, Tensor?[] qk_norms, Tensor?[] attn_out_norms, "
+      "Tensor?[] mlp_out_norms, bool gelu, Tensor(a!)[] key_caches, "
+      "Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, float scale, "
+      "int[] sliding_windows, int[] local_rope) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
