@@ -55,15 +55,18 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], gguf_path: Path) -> PreTrai
     """The tokenizer a GGUF describes in its `tokenizer.*` metadata.
 
     Byte-level BPE vocabularies with a known split are built directly (well under a second);
-    anything else is handed to transformers' GGUF converter, which knows more tokenizer kinds
-    but re-parses the whole file slowly (~9 s for the bundled model, measured once).
+    anything else (SentencePiece vocabularies: Llama 2, Mistral, Gemma) is handed to
+    transformers' GGUF converter, which knows more tokenizer kinds. Through the fast tokenizer
+    class, not AutoTokenizer: that one first parses the whole file once more to learn the model
+    type, which for Gemma 3's 262,144 tokens made the load of a 241 MiB file 16 s and its peak
+    RSS 1.00 GiB (benchmarks/big_models.py --files, 2026-11-30, avx512bf16).
     """
     kind = metadata.get("tokenizer.ggml.model")
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if kind == "gpt2" and pre in _PRE_TOKENIZER_SPLITS and "tokenizer.ggml.merges" in metadata:
         tokenizer = _byte_level_bpe(metadata, _PRE_TOKENIZER_SPLITS[pre])
     else:
-        tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
         )
     template = metadata.get("tokenizer.chat_template")
