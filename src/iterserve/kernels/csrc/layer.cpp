@@ -11,7 +11,7 @@
 // layers rotating by their own tables (the caller's choice).
 //
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
-// this file adds is the glue between them (norms, rope, SiLU) and, above all, one dispatch
+// this file adds is the glue between them (norms, rope, SiLU / GELU) and, above all, one dispatch
 // per layer instead of ~9 (at one token a step's arithmetic is a few milliseconds and the
 // per-op cost of ~270 calls (Python, dispatcher, buffer allocation) was a fifth of it), and
 // one a step for all the layers (`decoder_stack`).
@@ -99,38 +99,21 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
   });
 }
 
-// silu(g) * u for gate_up rows [g | u], each rounded as transformers' bf16 MLP does:
-// sigmoid from exp(-|g|) (never overflows), then g * sigmoid rounded, times u rounded.
-Tensor silu_mul(const Tensor& gate_up) {
-  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
-  Tensor out = at::empty({M, I}, gate_up.options());
+// sigmoid(t) from exp(-|t|), which never overflows: 1 / (1 + e) for t >= 0, e / (1 + e) below.
+inline F16 sigmoid(const F16& t) {
   const F16 one = F16::splat(1.0f), zero = F16::zero();
-  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const BFloat16* g = gate_up.data_ptr<BFloat16>() + m * gate_up.stride(0);
-      const BFloat16* u = g + I;
-      BFloat16* dst = out.data_ptr<BFloat16>() + m * I;
-      for (int64_t i = 0; i < I; i += 16) {
-        const F16 x = load_bf16x16(g + i);
-        const F16 e = exp_nonpositive(zero - abs(x));
-        // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below.
-        const F16 sigmoid = select(less_than(x, zero), one, e) / (one + e);
-        const F16 act = round_bf16(x * sigmoid);
-        store_bf16x16(dst + i, act * load_bf16x16(u + i));
-      }
-    }
-  });
-  return out;
+  const F16 e = exp_nonpositive(zero - abs(t));
+  return select(less_than(t, zero), one, e) / (one + e);
 }
 
-// gelu_tanh(g) * u for gate_up rows [g | u] (Gemma's GeGLU), rounded as silu_mul is. The tanh
-// form 0.5 (1 + tanh(z)) is sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3): silu_mul's sigmoid.
-Tensor gelu_mul(const Tensor& gate_up) {
+// act(g) * u for gate_up rows [g | u], each rounded as transformers' bf16 MLP does: the
+// activation rounded, then its product with u. `gelu`: Gemma's GeGLU, gelu_tanh(g) =
+// g sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3) (tanh's form 0.5 (1 + tanh(z)) is
+// sigmoid(2z)); else SwiGLU's silu(g) = g sigmoid(g).
+Tensor gated_mul(const Tensor& gate_up, bool gelu) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
   Tensor out = at::empty({M, I}, gate_up.options());
-  const F16 one = F16::splat(1.0f), zero = F16::zero();
   const F16 two_c = F16::splat(2.0f * 0.7978845608028654f), cubic = F16::splat(0.044715f);
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -139,10 +122,8 @@ Tensor gelu_mul(const Tensor& gate_up) {
       BFloat16* dst = out.data_ptr<BFloat16>() + m * I;
       for (int64_t i = 0; i < I; i += 16) {
         const F16 x = load_bf16x16(g + i);
-        const F16 t = two_c * fmadd(cubic * x * x, x, x);  // 2z
-        const F16 e = exp_nonpositive(zero - abs(t));
-        const F16 sigmoid = select(less_than(t, zero), one, e) / (one + e);
-        const F16 act = round_bf16(x * sigmoid);
+        const F16 t = gelu ? two_c * fmadd(cubic * x * x, x, x) : x;
+        const F16 act = round_bf16(x * sigmoid(t));
         store_bf16x16(dst + i, act * load_bf16x16(u + i));
       }
     }
@@ -311,7 +292,7 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   };
   const Tensor mid = block_out(1, attn.view({M, q_size}), hidden, w.attn_out_norm);
   const Tensor gate_up = project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt);
-  return block_out(3, w.gelu ? gelu_mul(gate_up) : silu_mul(gate_up), mid, w.mlp_out_norm);
+  return block_out(3, gated_mul(gate_up, w.gelu), mid, w.mlp_out_norm);
 }
 
 // Every row's position, checked against the rope tables.
