@@ -40,7 +40,8 @@ class TorchRunner:
         self.network = network
         # The draft model's proposer, whose sampled guesses come with their distributions.
         self.drafts = drafts
-        self.sampler = Sampler()
+        ops = network.model.kernel_ops
+        self.sampler = Sampler(ops.argmax_rows if ops is not None else None)
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
         self._generators: dict[str, torch.Generator] = {}

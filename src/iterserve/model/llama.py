@@ -321,6 +321,8 @@ class LlamaForCausalLM(nn.Module):
         self.embedding: TokenEmbedding | None = None
         self.fused_layers = False
         self.backend: Backend = "torch"
+        # The C++ ops' namespace where the model runs on them (`use_kernel_ops`).
+        self.kernel_ops: Any = None
         # Its LoRA slots when it serves adapters: the LoRAModel (model/lora_model.py, which
         # imports this module) sets itself here.
         self.lora: Any = None
@@ -470,6 +472,7 @@ class LlamaForCausalLM(nn.Module):
     def use_kernel_ops(self, ops: Any) -> None:
         """Run attention (and whole layers, where `fused_layers`) through these C++ ops: one
         ISA variant's namespace of them (kernels.ops())."""
+        self.kernel_ops = ops
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
             layer.kernel_ops = ops

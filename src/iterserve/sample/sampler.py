@@ -22,7 +22,8 @@ samples the same tokens whatever else shares the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,17 +64,26 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 class _LogitRows:
     """The step's logits plus the max of every _CHUNK-wide chunk of each row.
 
-    One pass computes the chunk maxima; after it, a row's max, argmax and small
-    top-k touch only the few chunks that matter, so no op copies whole rows
+    One pass computes the chunk maxima (when first asked for); after it, a row's max,
+    argmax and small top-k touch only the few chunks that matter, so no op copies whole rows
     (on CPU torch's argmax alone is ~4x slower than that pass, and topk more; measured
-    once, no script).
+    once, no script). An argmax wants no chunk maxima where the kernels' `argmax_rows`
+    is given: one pass of its own, one call.
     Falls back to plain torch ops where the view is not free (odd vocab, GPU).
     """
 
-    def __init__(self, logits: torch.Tensor) -> None:
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.logits = logits
         self.chunks = _chunked(logits)
-        self.chunk_max = None if self.chunks is None else self.chunks.amax(-1)
+        self.argmax_rows = argmax_rows if logits.device.type == "cpu" else None
+
+    @functools.cached_property
+    def chunk_max(self) -> torch.Tensor | None:
+        return None if self.chunks is None else self.chunks.amax(-1)
 
     def select(self, rows: torch.Tensor | None) -> torch.Tensor:
         return self.logits if rows is None else self.logits.index_select(0, rows)
@@ -88,6 +98,8 @@ class _LogitRows:
     def argmax(self, rows: torch.Tensor | None) -> torch.Tensor:
         """argmax, ties to the lowest index like torch's: the first maximal
         entry of the first chunk holding the row max is the row's first."""
+        if self.argmax_rows is not None:
+            return self.argmax_rows(self.select(rows))
         if self.chunks is None or self.chunk_max is None:
             return self.select(rows).argmax(-1)
         if rows is None:
@@ -250,8 +262,11 @@ class Sampler:
     Holds only a scratch buffer, so one instance serves every step; not thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`argmax_rows`: the kernels' op (float32 [rows, vocab] -> int64 [rows], as
+        torch.argmax), where the model runs on them."""
         self._workspace: torch.Tensor | None = None
+        self._argmax_rows = argmax_rows
 
     def __call__(
         self,
@@ -268,7 +283,7 @@ class Sampler:
             raise ValueError(
                 f"{num_rows} logit rows but {len(params)} params and {len(generators)} generators"
             )
-        rows = _LogitRows(logits)
+        rows = _LogitRows(logits, self._argmax_rows)
         random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not random_rows:
             tokens = rows.argmax(None)
@@ -282,7 +297,7 @@ class Sampler:
         token_ids: list[int] = tokens.tolist()
         wants_logprobs = any(p.logprobs is not None for p in params)
         if raw_logits is not None and raw_logits is not logits and wants_logprobs:
-            rows = _LogitRows(raw_logits.float().contiguous())
+            rows = _LogitRows(raw_logits.float().contiguous(), self._argmax_rows)
         return SamplerOutput(token_ids, self._logprobs(rows, params, tokens, token_ids))
 
     def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -319,7 +334,9 @@ class Sampler:
         """Logprobs (as the sampler reports them) of given tokens, one per row."""
         logits = logits.float().contiguous()
         tokens = torch.tensor(token_ids, device=logits.device)
-        return self._logprobs(_LogitRows(logits), [params] * len(token_ids), tokens, token_ids)
+        return self._logprobs(
+            _LogitRows(logits, self._argmax_rows), [params] * len(token_ids), tokens, token_ids
+        )
 
     @staticmethod
     def is_greedy(params: SamplingParams) -> bool:
