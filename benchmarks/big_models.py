@@ -1,7 +1,7 @@
 """Real-size models on a CPU: iterserve and llama.cpp on GGUF files of the shapes people run
-(Llama 3.2 1B/3B, Llama 3.1 8B, Qwen3 4B/8B, Mistral 7B, Gemma 3 4B), made here with random
-weights, one engine at a time: load time, memory, decode and prompt speed, and the share of
-the machine's memory bandwidth a one-sequence decode reaches.
+(Llama 3.2 1B/3B, Llama 3.1 8B, Qwen3 4B/8B, Mistral 7B, Gemma 2 2B, Gemma 3 4B), made here
+with random weights, one engine at a time: load time, memory, decode and prompt speed, and the
+share of the machine's memory bandwidth a one-sequence decode reaches.
 
 Files. Each preset (src/iterserve/bench/shaped_gguf.py: the published configs, the bundled
 tokenizer, tied embeddings) is written as F16, tensor by tensor, by a child process whose

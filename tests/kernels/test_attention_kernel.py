@@ -28,6 +28,7 @@ class Case:
     query_start_loc: torch.Tensor
     scale: float
     window: int
+    softcap: float = 0.0  # Gemma 2's attention logit soft-cap (0: none)
 
     def run(self) -> torch.Tensor:
         return kernels.ops().paged_attention(
@@ -39,6 +40,7 @@ class Case:
             self.query_start_loc,
             self.scale,
             self.window,
+            self.softcap,
         )
 
 
@@ -134,6 +136,8 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         if case.key_cache.dtype == torch.int8 and case.q.dtype == torch.bfloat16:
             queries = on_16_bit_grid(case.q[lo:hi])
         scores = torch.einsum("rhd,hkd->hrk", queries, keys) * case.scale
+        if case.softcap:
+            scores = torch.tanh(scores / case.softcap) * case.softcap
         positions = torch.arange(context - (hi - lo), context)[:, None]
         key_pos = torch.arange(context)[None, :]
         allowed = key_pos <= positions
@@ -198,6 +202,19 @@ def test_decode_batches_match_reference(batch: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("window", [1, 7, 100, 600])
 def test_sliding_window(window: int, dtype: torch.dtype) -> None:
     case = make_case(MIXED_CONTEXTS, MIXED_Q_LENS, dtype=dtype, window=window, seed=window)
+    assert_matches(case.run(), case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.5, 50.0])
+def test_logit_soft_cap(softcap: float, dtype: torch.dtype) -> None:
+    """Gemma 2's scores -> softcap * tanh(scores / softcap) before the softmax: a cap below
+    the scores' spread (0.5) flattens them, Gemma's own (50) barely; with a window too."""
+    case = make_case(MIXED_CONTEXTS, MIXED_Q_LENS, dtype=dtype, seed=11)
+    case.q.mul_(8)  # scores of several units, so that a cap of 0.5 changes them
+    case.softcap = softcap
+    assert_matches(case.run(), case)
+    case.window = 100
     assert_matches(case.run(), case)
 
 

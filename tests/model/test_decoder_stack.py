@@ -1,8 +1,8 @@
 """The fused layers in one call a step (csrc/layer.cpp `decoder_stack`) against one call a
 layer (`decoder_layer`): the same kernels in the same order, so the same bits, through a
 prefill in chunks, steps mixing a prompt's chunk with decodes, and decodes; Qwen3's q/k norms,
-Phi-3's sliding window (passed, 48 positions) and biases-free fused projections, and Gemma 3's
-GELU, sandwich norms and sliding layers' own rope included. Both against transformers: tests/model/test_model_families.py."""
+Phi-3's sliding window (passed, 48 positions) and biases-free fused projections, Gemma's GELU
+and sandwich norms, Gemma 2's soft-cap and Gemma 3's sliding layers' own rope included. Both against transformers: tests/model/test_model_families.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tiny_families import VOCAB, family_model
 
 
 @pytest.mark.usefixtures("kernel_isa")
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2", "gemma3"])
 def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -60,6 +60,9 @@ class Shape:
     sliding_window: int | None = None
     rope_local_theta: float | None = None
     rope_linear_factor: float | None = None
+    # Gemma 2: soft-caps of the attention scores and of the final logits.
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
 
 # The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
@@ -83,6 +86,8 @@ PRESETS: dict[str, Shape] = {
                         qk_norm=True),
     "gemma3-4b":  Shape("gemma3", "gemma-3-4b-it",          2560, 10240,  34,   8,   4, 256,      1e6, 131072, 1e-6,
                         qk_norm=True, sliding_window=1024, rope_local_theta=10000.0, rope_linear_factor=8.0),
+    "gemma2-2b":  Shape("gemma2", "gemma-2-2b-it",          2304,  9216,  26,   8,   4, 256,  10000.0,   8192, 1e-6,
+                        sliding_window=4096, attn_softcap=50.0, final_softcap=30.0),
 }
 # fmt: on
 
@@ -197,6 +202,10 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     if shape.rope_linear_factor is not None:
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(shape.rope_linear_factor)
+    if shape.attn_softcap is not None:
+        writer.add_attn_logit_softcapping(shape.attn_softcap)
+    if shape.final_softcap is not None:
+        writer.add_final_logit_softcapping(shape.final_softcap)
 
 
 def _random_weight(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:

@@ -37,6 +37,7 @@ def _paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)  # contiguous [T, num_heads, head_dim] in q's dtype
 
@@ -51,6 +52,7 @@ def _store_and_attend(
     step: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -68,6 +70,7 @@ def _decoder_layer(
     attn_out_norm: torch.Tensor | None,
     mlp_out_norm: torch.Tensor | None,
     gelu: bool,
+    softcap: float,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,

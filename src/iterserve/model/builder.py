@@ -177,14 +177,10 @@ def build_model(
 
 def _attends_in_kernel(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:
     """Whether the C++ paged attention op serves this model (else torch attends)."""
-    if model.attn_logit_softcapping and kernels.available():
-        logger.info("attention in torch: the C++ paged attention has no logit soft-capping")
     return (
         config.kernels == "auto"
         and device.type == "cpu"
         and model.head_dim in kernels.ATTENTION_HEAD_DIMS  # what paged_attention.cpp is built for
-        # The C++ op has no logit soft-cap (Gemma 2): those models attend in torch.
-        and not model.attn_logit_softcapping
         and kernels.available()
     )
 

@@ -177,9 +177,9 @@ class _DecoderLayer(nn.Module):
         if self.moe is not None:  # the C++ layer op has a dense MLP
             return
         tiled = [self.linears[name] for name in _FUSED]
-        # The C++ layer op is Llama's layer (Qwen3's q/k norms, Gemma 3's GELU and sandwich
-        # norms too); others run op by op (the C++ attention still).
-        fits_layer_op = self.head_dim % 32 == 0 and not self.softcap
+        # The C++ layer op is Llama's layer and every dense family's parts (q/k norms, windows,
+        # GeGLU, sandwich norms, soft-caps, local RoPE); Mixtral's experts run op by op.
+        fits_layer_op = self.head_dim % 32 == 0
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             args = [lin.kernel_args for lin in tiled]
@@ -209,6 +209,7 @@ class _DecoderLayer(nn.Module):
             self.attn_out_norm,
             self.mlp_out_norm,
             self.gelu,
+            self.softcap,
             *kv_cache,
             slot_mapping,
             step,
@@ -241,7 +242,15 @@ class _DecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if step is not None:  # the C++ op: store K/V, attend every row, one call
             attn = self.kernel_ops.store_and_attend(
-                q, k, v, *kv_cache, slot_mapping, step, self.scale, self.sliding_window
+                q,
+                k,
+                v,
+                *kv_cache,
+                slot_mapping,
+                step,
+                self.scale,
+                self.sliding_window,
+                self.softcap,
             )
         else:
             attn = attend(q, k, v, self.index, self.scale, self.sliding_window, self.softcap)
@@ -579,6 +588,7 @@ class LlamaForCausalLM(nn.Module):
             [layer.attn_out_norm for layer in layers],
             [layer.mlp_out_norm for layer in layers],
             first.gelu,
+            first.softcap,
             [key for key, _ in kv_caches],
             [value for _, value in kv_caches],
             first.num_heads,

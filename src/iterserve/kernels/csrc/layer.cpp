@@ -6,9 +6,9 @@
 //   h   = hidden + a W_o^T (+b)
 //   g,u = rms_norm(h) W_gate_up^T ; out = h + (silu(g) * u) W_down^T
 //
-// and Gemma 3's variant of it: GELU (tanh) for SiLU, and "sandwich" norms on the attention's
-// and the MLP's outputs before their residual adds (h = hidden + rms_norm(a W_o^T)), its sliding
-// layers rotating by their own tables (the caller's choice).
+// and Gemma's variants of it: GELU (tanh) for SiLU, "sandwich" norms on the attention's and the
+// MLP's outputs before their residual adds (h = hidden + rms_norm(a W_o^T)), Gemma 2's
+// attention logit soft-cap, and Gemma 3's sliding layers rotating by their own tables.
 //
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
 // this file adds is the glue between them (norms, rope, SiLU / GELU) and, above all, one dispatch
@@ -207,9 +207,11 @@ struct LayerWeights {
   int64_t num_heads, num_kv_heads;
   double scale;
   int64_t sliding_window;
-  // Gemma 3: the norms on the attention's and the MLP's outputs (none: Llama), and GELU.
+  // Gemma: the norms on the attention's and the MLP's outputs (none: Llama), GELU, and Gemma
+  // 2's attention logit soft-cap (0: none).
   std::optional<Tensor> attn_out_norm, mlp_out_norm;
   bool gelu;
+  double softcap;
 };
 
 // Projection i's segments' index range from the counts of segments each projection has.
@@ -283,7 +285,7 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
-                                       w.scale, w.sliding_window);
+                                       w.scale, w.sliding_window, w.softcap);
   // Each block's output joins the stream in its projection's epilogue, or after its norm.
   auto block_out = [&](int64_t i, const Tensor& x, const Tensor& residual,
                        const std::optional<Tensor>& out_norm) {
@@ -313,7 +315,7 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                      c10::IntArrayRef segments, const c10::List<std::optional<Tensor>>& biases,
                      const std::optional<Tensor>& qk_norm,
                      const std::optional<Tensor>& attn_out_norm,
-                     const std::optional<Tensor>& mlp_out_norm, bool gelu,
+                     const std::optional<Tensor>& mlp_out_norm, bool gelu, double softcap,
                      const Tensor& key_cache, const Tensor& value_cache,
                      const Tensor& slot_mapping, const Tensor& step, const Tensor& rope_cos,
                      const Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads,
@@ -326,7 +328,7 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                        segment_starts(segments, 0),
                        {biases.get(0), biases.get(1), biases.get(2), biases.get(3)},
                        qk_norm, num_heads, num_kv_heads, scale, sliding_window,
-                       attn_out_norm, mlp_out_norm, gelu};
+                       attn_out_norm, mlp_out_norm, gelu, softcap};
   TORCH_CHECK(w.first[4] == static_cast<int64_t>(weights.size()),
               "decoder_layer: segments count ", w.first[4], " weights, not ", weights.size());
   check_tables(w, key_cache, rope_cos, rope_sin);
@@ -361,7 +363,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      const c10::List<std::optional<Tensor>>& qk_norms,
                      const c10::List<std::optional<Tensor>>& attn_out_norms,
                      const c10::List<std::optional<Tensor>>& mlp_out_norms, bool gelu,
-                     at::TensorList key_caches, at::TensorList value_caches, int64_t num_heads,
+                     double softcap, at::TensorList key_caches, at::TensorList value_caches, int64_t num_heads,
                      int64_t num_kv_heads, double scale, c10::IntArrayRef sliding_windows,
                      c10::IntArrayRef local_rope) {
   const auto layers = static_cast<int64_t>(input_norms.size());
@@ -386,7 +388,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                          {biases.get(4 * l), biases.get(4 * l + 1), biases.get(4 * l + 2),
                           biases.get(4 * l + 3)},
                          qk_norms.get(l), num_heads, num_kv_heads, scale, sliding_windows[l],
-                         attn_out_norms.get(l), mlp_out_norms.get(l), gelu};
+                         attn_out_norms.get(l), mlp_out_norms.get(l), gelu, softcap};
     TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
                 "'s segments run past the ", weights.size(), " weights");
     const Tensor& cos = local_rope[l] ? *local_rope_cos : rope_cos;
@@ -411,7 +413,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def(
       "decoder_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, "
       "Tensor[] weights, int[] formats, int[] segments, Tensor?[] biases, Tensor? qk_norm, "
-      "Tensor? attn_out_norm, Tensor? mlp_out_norm, bool gelu, "
+      "Tensor? attn_out_norm, Tensor? mlp_out_norm, bool gelu, float softcap, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
       "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
       "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows) -> Tensor");
@@ -420,7 +422,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor rope_sin, Tensor? local_rope_cos, Tensor? local_rope_sin, Tensor[] input_norms, "
       "Tensor[] post_norms, float eps, Tensor[] weights, int[] formats, int[] segments, "
       "Tensor?[] biases, Tensor?[] qk_norms, Tensor?[] attn_out_norms, "
-      "Tensor?[] mlp_out_norms, bool gelu, Tensor(a!)[] key_caches, "
+      "Tensor?[] mlp_out_norms, bool gelu, float softcap, Tensor(a!)[] key_caches, "
       "Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, float scale, "
       "int[] sliding_windows, int[] local_rope) -> Tensor");
 }

@@ -73,11 +73,12 @@ at::Tensor tiled_linear(const at::Tensor& x, at::TensorList weights, c10::IntArr
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual, bool fp32_out = false);
 
-// paged_attention.cpp: store the step's K/V into the pool, then attend every query row.
+// paged_attention.cpp: store the step's K/V into the pool, then attend every query row
+// (`softcap`: Gemma 2's attention logit soft-cap, 0: none).
 at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& step,
-                            double scale, int64_t sliding_window);
+                            double scale, int64_t sliding_window, double softcap);
 
 // lora.cpp: y[r] += row r's adapter's delta, x[r] A[slot]^T then each part's B[slot] into its
 // columns of y (row_slots[r] = -1: none).

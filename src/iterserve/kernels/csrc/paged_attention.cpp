@@ -282,8 +282,10 @@ inline void scores_int16_queries(const int8_t* cache, const int64_t* off, const 
 
 // ---- 2. softmax over one query's keys [a, b) of a partition's n16 (padded) scores ----------
 
-// Scores become exp(scale * s - max) inside [a, b) and 0 outside; returns (max, sum).
-inline void softmax_row(float* s, int64_t n16, int64_t a, int64_t b, float scale,
+// Scores become exp(scale * s - max) inside [a, b) and 0 outside (with a soft-cap, scale * s
+// is capped first: every partition of a query caps alike, so their merge holds); returns
+// (max, sum).
+inline void softmax_row(float* s, int64_t n16, int64_t a, int64_t b, float scale, float softcap,
                         float* max_out, float* sum_out) {
   if (a >= b) {  // none of this query's keys fall in the partition
     std::memset(s, 0, n16 * sizeof(float));
@@ -301,9 +303,22 @@ inline void softmax_row(float* s, int64_t n16, int64_t a, int64_t b, float scale
     const F16 idx = lanes + F16::splat(static_cast<float>(t));
     return select(less_than(idx, fb), fill, select(less_than(idx, fa), x, fill));
   };
+  const int64_t t0 = a & ~int64_t{15}, t1 = (b + 15) & ~int64_t{15};
+  if (softcap > 0.0f) {
+    // Gemma 2: scores -> softcap * tanh(scale * s / softcap), the softmax's input as it stands;
+    // tanh|y| = (1 - e) / (1 + e), e = exp(-2|y|), which never overflows.
+    const F16 inv = F16::splat(scale / softcap), cap = F16::splat(softcap);
+    const F16 one = F16::splat(1.0f), minus_two = F16::splat(-2.0f), zero = F16::zero();
+    for (int64_t t = t0; t < t1; t += kTile) {
+      const F16 y = F16::load(s + t) * inv;
+      const F16 e = exp_nonpositive(abs(y) * minus_two);
+      const F16 tanh_abs = (one - e) / (one + e);
+      (cap * select(less_than(y, zero), tanh_abs, zero - tanh_abs)).store(s + t);
+    }
+    scale = 1.0f;
+  }
   const F16 vscale = F16::splat(scale);
   const F16 ninf = F16::splat(-std::numeric_limits<float>::infinity());
-  const int64_t t0 = a & ~int64_t{15}, t1 = (b + 15) & ~int64_t{15};
   F16 vmax = ninf;
   for (int64_t t = t0; t < t1; t += kTile)
     vmax = maximum(vmax, outside(t, F16::load(s + t) * vscale, ninf));
@@ -441,6 +456,7 @@ struct Plan {
   int64_t num_heads, group_size, head_dim, num_blocks, block_size;
   int64_t window;
   float scale;
+  float softcap = 0.0f;  // Gemma 2's attention logit soft-cap (0: none)
   int64_t part_keys;
   // Batch-invariant: every query's arithmetic is fixed by its own sequence alone (the score
   // and P.V kernels no longer adapt to a prefill chunk's size either), so its output is the
@@ -768,7 +784,7 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   for (int m = 0; m < M; ++m) {
     const auto [lo, hi] = key_window(g.first_pos + m / G, plan.window);
     const int64_t a = std::clamp<int64_t>(lo - k0, 0, n), b = std::clamp<int64_t>(hi - k0, 0, n);
-    softmax_row(S + m * n16, n16, a, b, plan.scale, &sc.maxima[m], &sc.sums[m]);
+    softmax_row(S + m * n16, n16, a, b, plan.scale, plan.softcap, &sc.maxima[m], &sc.sums[m]);
   }
 
   // 3. P.V, in blocks of queries whose accumulators fit the registers
@@ -849,7 +865,7 @@ void run_plan_for_head_dim(const Plan& plan, bool parallel) {
 Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
                    const Tensor& block_tables, const Tensor& seq_lens,
                    const Tensor& query_start_loc, double scale, int64_t sliding_window,
-                   bool invariant) {
+                   bool invariant, double softcap) {
   TORCH_CHECK(q.dim() == 3, "paged_attention: q must be [tokens, num_heads, head_dim], got ",
               q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
@@ -890,6 +906,7 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
               "paged_attention: block_tables has ", block_tables.size(0), " rows and ",
               "query_start_loc ", query_start_loc.size(0), " entries for ", S, " sequences");
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: off)");
+  TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: off)");
 
   Tensor out = at::empty({T, H, D}, q.options());
   const Tensor lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
@@ -915,6 +932,7 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   plan.block_size = BS;
   plan.window = sliding_window;
   plan.scale = static_cast<float>(scale);
+  plan.softcap = static_cast<float>(softcap);
   plan.invariant = invariant;
 
   const int64_t G = plan.group_size;
@@ -983,9 +1001,10 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
 
 Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_tables, const Tensor& seq_lens,
-                       const Tensor& query_start_loc, double scale, int64_t sliding_window) {
+                       const Tensor& query_start_loc, double scale, int64_t sliding_window,
+                       double softcap) {
   return attend_rows(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                     sliding_window, /*invariant=*/false);
+                     sliding_window, /*invariant=*/false, softcap);
 }
 
 // The step's new K/V rows into their slots: [T, kv_heads, head_dim] (any row and head
@@ -1083,21 +1102,23 @@ void store_kv(const Tensor& k, const Tensor& v, const Tensor& key_cache,
 Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& key_cache, const Tensor& value_cache,
                         const Tensor& slot_mapping, const Tensor& step, double scale,
-                        int64_t sliding_window) {
+                        int64_t sliding_window, double softcap) {
   const StepTable table(step);
   store_kv(k, v, key_cache, value_cache, slot_mapping);
   return attend_rows(q, key_cache, value_cache, table.block_tables(), table.seq_lens(),
-                     table.query_start_loc(), scale, sliding_window, table.batch_invariant());
+                     table.query_start_loc(), scale, sliding_window, table.batch_invariant(),
+                     softcap);
 }
 
 TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
+      "float softcap=0.0) -> Tensor");
   m.def(
       "store_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, float scale, "
-      "int sliding_window) -> Tensor");
+      "int sliding_window, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
