@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import subprocess
 import time
@@ -29,10 +28,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from _agreement import compare, prompt_ids  # type: ignore[import-not-found]
 from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
-from greedy_agreement import first_difference  # type: ignore[import-not-found]
 from iterserve import kernels
-from iterserve.bench.copy_texts import INSTRUCTIONS, PASSAGES
 from iterserve.bench.machine import cpu_line
 from iterserve.engine.llm import LLM
 from iterserve.model.bundled import default_model_path
@@ -108,13 +106,7 @@ def main() -> None:
     model = args.model or default_model_path()
     print(cpu_line())
     llm = LLM(str(model), dtype=args.dtype)
-    pairs = list(itertools.product(INSTRUCTIONS, PASSAGES))[: args.prompts]
-    texts = [f"{a}\n\n{t}" for a, t in pairs]
-    if llm.engine.chat_template is None:  # a base model: the texts themselves, BOS first
-        print("no chat template in the file: plain prompts")
-        prompts = [llm.engine.tokenize(f"{text}\n\n") for text in texts]
-    else:
-        prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    prompts = prompt_ids(llm, args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=20)
     ours = llm.generate(prompts, params, use_tqdm=False)
     plan = llm.engine.model_plan
@@ -125,33 +117,8 @@ def main() -> None:
         f"{model.name}: iterserve {plan.dtype}, weights {plan.weights}, kernels {kernels.isa()}; "
         f"{len(prompts)} prompts, {args.tokens} tokens each"
     )
-    rows = []
-    for i, (out, peer) in enumerate(zip(ours, theirs, strict=True)):
-        first = first_difference(out.token_ids, peer)
-        row: dict[str, Any] = {"prompt": i, "prompt_tokens": len(prompts[i]), "agree": first}
-        line = f"prompt {i} ({len(prompts[i])} tokens): "
-        if first is None:
-            line += f"all {len(peer)} tokens agree"
-        else:
-            here = out.logprobs[first] if out.logprobs else None
-            top = dict(here.top) if here else {}
-            ours_lp, theirs_lp = (here.logprob if here else None), top.get(peer[first])
-            row |= {
-                "ours": out.token_ids[first],
-                "theirs": peer[first],
-                "ours_logprob": ours_lp,
-                "theirs_logprob": theirs_lp,
-            }
-            gap = (
-                f"{ours_lp - theirs_lp:.3f}"
-                if ours_lp is not None and theirs_lp is not None
-                else "> top 20"
-            )
-            line += f"the first {first} agree; then ours {out.token_ids[first]} vs theirs {peer[first]}, logprob gap {gap}"
-        print(line)
-        rows.append(row)
+    rows = compare(ours, theirs, prompts)
     same = sum(r["agree"] is None for r in rows)
-    print(f"{same} of {len(rows)} answers identical")
     write_results(
         args.json,
         {
