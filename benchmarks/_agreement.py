@@ -3,14 +3,18 @@ held-out prompts as token ids, and the report of where two engines' greedy answe
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from greedy_agreement import first_difference  # type: ignore[import-not-found]
 from iterserve.bench.copy_texts import INSTRUCTIONS, PASSAGES
 from iterserve.engine.llm import LLM
 from iterserve.engine.outputs import RequestOutput
+from iterserve.model.builder import ModelPlan
+from iterserve.sampling_params import SamplingParams
 
 
 def prompt_ids(llm: LLM, count: int) -> list[list[int]]:
@@ -22,6 +26,22 @@ def prompt_ids(llm: LLM, count: int) -> list[list[int]]:
         print("no chat template in the file: plain prompts")
         return [llm.engine.tokenize(f"{text}\n\n") for text in texts]
     return [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+def iterserve_greedy(
+    model: Path, dtype: str, count: int, tokens: int
+) -> tuple[list[list[int]], list[RequestOutput], ModelPlan]:
+    """iterserve's greedy answers (`LLM`, its defaults at `dtype`) to `count` prompts, with
+    their top-20 log-probabilities: (prompt ids, outputs, the model's plan). The engine is
+    gone on return, so the other engine never shares the memory with it."""
+    llm = LLM(str(model), dtype=dtype)
+    prompts = prompt_ids(llm, count)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=20)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    plan = llm.engine.model_plan
+    del llm
+    gc.collect()
+    return prompts, outputs, plan
 
 
 def compare(

@@ -20,7 +20,6 @@ large one would be a real difference. Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import subprocess
 import time
@@ -28,13 +27,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _agreement import compare, prompt_ids  # type: ignore[import-not-found]
+from _agreement import compare, iterserve_greedy  # type: ignore[import-not-found]
 from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve import kernels
 from iterserve.bench.machine import cpu_line
-from iterserve.engine.llm import LLM
 from iterserve.model.bundled import default_model_path
-from iterserve.sampling_params import SamplingParams
 
 PEER = Path(__file__).parent / "peers" / "llama_cpp.sh"
 
@@ -105,13 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model or default_model_path()
     print(cpu_line())
-    llm = LLM(str(model), dtype=args.dtype)
-    prompts = prompt_ids(llm, args.prompts)
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=20)
-    ours = llm.generate(prompts, params, use_tqdm=False)
-    plan = llm.engine.model_plan
-    del llm
-    gc.collect()
+    prompts, ours, plan = iterserve_greedy(model, args.dtype, args.prompts, args.tokens)
     theirs = llama_cpp_greedy(model, prompts, args.tokens, args.port)
     print(
         f"{model.name}: iterserve {plan.dtype}, weights {plan.weights}, kernels {kernels.isa()}; "

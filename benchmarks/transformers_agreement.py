@@ -16,19 +16,16 @@ llama_cpp_agreement.py, one engine after the other. Printed as llama_cpp_agreeme
 from __future__ import annotations
 
 import argparse
-import gc
 from pathlib import Path
 
 import torch
 
-from _agreement import compare, prompt_ids  # type: ignore[import-not-found]
+from _agreement import compare, iterserve_greedy  # type: ignore[import-not-found]
 from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve import kernels
 from iterserve.bench.machine import cpu_line
 from iterserve.bench.peer_transformers import load_transformers_model
-from iterserve.engine.llm import LLM
 from iterserve.model.bundled import default_model_path
-from iterserve.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -41,13 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model or default_model_path()
     print(cpu_line())
-    llm = LLM(str(model), dtype=args.dtype)
-    prompts = prompt_ids(llm, args.prompts)
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=20)
-    ours = llm.generate(prompts, params, use_tqdm=False)
-    plan = llm.engine.model_plan
-    del llm
-    gc.collect()
+    prompts, ours, plan = iterserve_greedy(model, args.dtype, args.prompts, args.tokens)
     reference, _ = load_transformers_model(str(model), args.dtype)
     theirs = []
     with torch.inference_mode():
