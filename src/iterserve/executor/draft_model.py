@@ -66,7 +66,7 @@ class DraftModelProposer:
     def __init__(self, network: PagedModel, num_blocks: int) -> None:
         self.network = network
         self.pool = KVCacheManager(num_blocks, network.block_size, enable_prefix_caching=False)
-        self.sampler = Sampler()
+        self.sampler = Sampler(network.argmax_rows)
         self._seqs: OrderedDict[str, _DraftSeq] = OrderedDict()  # least recently used first
         # Sampled guesses' distributions [k, vocab], until the verifying step takes them.
         self._probs: dict[str, list[torch.Tensor]] = {}

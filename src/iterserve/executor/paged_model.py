@@ -10,7 +10,7 @@ draft model's proposer both run their networks through this.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +99,12 @@ class PagedModel:
             self.last_hidden = self.model.normed(hidden, rows)
         self.last_forward_seconds = time.perf_counter() - start
         return logits
+
+    @property
+    def argmax_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The kernels' argmax for greedy sampling, where the model runs on them."""
+        ops = self.model.kernel_ops
+        return None if ops is None else ops.argmax_rows
 
     def close(self) -> None:
         """Nothing to release in one process (a tensor-parallel network stops its workers)."""

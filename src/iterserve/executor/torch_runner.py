@@ -40,8 +40,7 @@ class TorchRunner:
         self.network = network
         # The draft model's proposer, whose sampled guesses come with their distributions.
         self.drafts = drafts
-        ops = network.model.kernel_ops
-        self.sampler = Sampler(ops.argmax_rows if ops is not None else None)
+        self.sampler = Sampler(network.argmax_rows)
         # Per-request generators for requests that give a seed: their draws then
         # never depend on what else shares the batch.
         self._generators: dict[str, torch.Generator] = {}
