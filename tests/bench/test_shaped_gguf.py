@@ -4,6 +4,7 @@ the preset's shape and the bundled tokenizer, written one tensor at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +66,36 @@ def test_the_tiny_preset_loads_with_its_shape_and_the_bundled_tokenizer(
     text = "Hello, world! <|im_start|>user\nWhat is 2 + 2?<|im_end|>"
     assert loaded.tokenizer.encode(text) == bundled.encode(text)
     assert loaded.chat_template == bundled.chat_template
+
+
+def test_qwen2_and_phi3_bodies_carry_their_own_tensors(tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases and Phi-3's fused q/k/v and gate/up tensors, as llama.cpp's
+    converter names them, read back by iterserve's loader into its classes' weights."""
+    qwen2 = dataclasses.replace(PRESETS["tiny"], arch="qwen2", qkv_bias=True)
+    loaded = load_gguf(write_shaped_gguf(tmp_path / "qwen2.gguf", qwen2), torch.float32)
+    assert loaded.config.architecture == "qwen2" and loaded.config.attention_bias
+    hd = qwen2.head_dim
+    for name, rows in (
+        ("q", qwen2.heads * hd),
+        ("k", qwen2.kv_heads * hd),
+        ("v", qwen2.kv_heads * hd),
+    ):
+        bias = loaded.weights[f"model.layers.1.self_attn.{name}_proj.bias"]
+        assert bias.shape == (rows,) and 0 < bias.abs().max() < 10 * WEIGHT_STD
+
+    phi3 = dataclasses.replace(
+        PRESETS["tiny"], arch="phi3", fused_projections=True, sliding_window=64, head_dim=32
+    )
+    path = write_shaped_gguf(tmp_path / "phi3.gguf", phi3)
+    metadata, tensors = read_gguf_header(path)
+    # llama.cpp looks up tokens the bundled vocabulary has not for a model named Phi-3
+    assert "phi" not in metadata["general.name"].lower()
+    assert "blk.0.attn_q.weight" not in tensors and "blk.0.ffn_gate.weight" not in tensors
+    loaded = load_gguf(path, torch.float32)
+    config = loaded.config
+    assert config.architecture == "phi3" and config.sliding_window == 64
+    q, kv = phi3.heads * phi3.head_dim, phi3.kv_heads * phi3.head_dim
+    layer = "model.layers.0"
+    assert loaded.weights[f"{layer}.self_attn.qkv_proj.weight"].shape == (q + 2 * kv, phi3.hidden)
+    gate_up = loaded.weights[f"{layer}.mlp.gate_up_proj.weight"]
+    assert gate_up.shape == (2 * phi3.intermediate, phi3.hidden)

@@ -63,6 +63,9 @@ class Shape:
     # Gemma 2: soft-caps of the attention scores and of the final logits.
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    # Phi-3: q, k and v as one tensor (attn_qkv), gate and up as one (ffn_up, 2 x intermediate).
+    fused_projections: bool = False
 
 
 # The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
@@ -88,6 +91,12 @@ PRESETS: dict[str, Shape] = {
                         qk_norm=True, sliding_window=1024, rope_local_theta=10000.0, rope_linear_factor=8.0),
     "gemma2-2b":  Shape("gemma2", "gemma-2-2b-it",          2304,  9216,  26,   8,   4, 256,  10000.0,   8192, 1e-6,
                         sliding_window=4096, attn_softcap=50.0, final_softcap=30.0),
+    "qwen2.5-3b": Shape("qwen2",  "Qwen2.5-3B-Instruct",    2048, 11008,  36,  16,   2, 128,      1e6,  32768, 1e-6,
+                        qkv_bias=True),
+    "qwen2.5-7b": Shape("qwen2",  "Qwen2.5-7B-Instruct",    3584, 18944,  28,  28,   4, 128,      1e6,  32768, 1e-6,
+                        qkv_bias=True),
+    "phi3-mini":  Shape("phi3",   "Phi-3-mini-4k-instruct", 3072,  8192,  32,  32,  32,  96,  10000.0,   4096, 1e-5,
+                        sliding_window=2047, fused_projections=True),
 }
 # fmt: on
 
@@ -96,7 +105,8 @@ PRESETS: dict[str, Shape] = {
 class TensorSpec:
     name: str
     shape: tuple[int, ...]  # row-major (numpy's order; GGUF stores it reversed)
-    kind: str  # "weight" (random, F16), "norm" (ones, F32) or "rope_freqs" (F32)
+    # "weight" (random, F16), "bias" (random, F32), "norm" (ones, F32) or "rope_freqs" (F32)
+    kind: str
 
     @property
     def dtype(self) -> type[np.floating[Any]]:
@@ -117,9 +127,14 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
     for i in range(shape.layers):
         blk = f"blk.{i}"
         specs.append(TensorSpec(f"{blk}.attn_norm.weight", (h,), "norm"))
-        specs.append(TensorSpec(f"{blk}.attn_q.weight", (shape.heads * hd, h), "weight"))
-        specs.append(TensorSpec(f"{blk}.attn_k.weight", (shape.kv_heads * hd, h), "weight"))
-        specs.append(TensorSpec(f"{blk}.attn_v.weight", (shape.kv_heads * hd, h), "weight"))
+        q, kv = shape.heads * hd, shape.kv_heads * hd
+        if shape.fused_projections:
+            specs.append(TensorSpec(f"{blk}.attn_qkv.weight", (q + 2 * kv, h), "weight"))
+        else:
+            for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                specs.append(TensorSpec(f"{blk}.{name}.weight", (rows, h), "weight"))
+                if shape.qkv_bias:
+                    specs.append(TensorSpec(f"{blk}.{name}.bias", (rows,), "bias"))
         if shape.qk_norm:
             specs.append(TensorSpec(f"{blk}.attn_q_norm.weight", (hd,), "norm"))
             specs.append(TensorSpec(f"{blk}.attn_k_norm.weight", (hd,), "norm"))
@@ -127,8 +142,11 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
         if gemma:  # Gemma's sandwich norms around attention and the MLP
             specs.append(TensorSpec(f"{blk}.post_attention_norm.weight", (h,), "norm"))
         specs.append(TensorSpec(f"{blk}.ffn_norm.weight", (h,), "norm"))
-        specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (shape.intermediate, h), "weight"))
-        specs.append(TensorSpec(f"{blk}.ffn_up.weight", (shape.intermediate, h), "weight"))
+        if shape.fused_projections:
+            specs.append(TensorSpec(f"{blk}.ffn_up.weight", (2 * shape.intermediate, h), "weight"))
+        else:
+            specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (shape.intermediate, h), "weight"))
+            specs.append(TensorSpec(f"{blk}.ffn_up.weight", (shape.intermediate, h), "weight"))
         specs.append(TensorSpec(f"{blk}.ffn_down.weight", (h, shape.intermediate), "weight"))
         if gemma:
             specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
@@ -153,7 +171,9 @@ def llama3_rope_freqs(shape: Shape) -> np.ndarray:
         elif wavelen > low_freq_wavelen:
             factors.append(factor)
         else:
-            smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            smooth = (old_context / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
             factors.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(factors, dtype=np.float32)
 
@@ -269,7 +289,10 @@ def tensor_data(spec: TensorSpec, shape: Shape, seed: int, index: int) -> np.nda
         return np.ones(spec.shape, dtype=np.float32)
     if spec.kind == "rope_freqs":
         return llama3_rope_freqs(shape)
-    return _random_weight(spec, np.random.default_rng([seed, index]))
+    rng = np.random.default_rng([seed, index])
+    if spec.kind == "bias":
+        return rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(WEIGHT_STD)
+    return _random_weight(spec, rng)
 
 
 def write_shaped_gguf(
@@ -294,7 +317,11 @@ def write_shaped_gguf(
 
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, shape.arch)
-    writer.add_name(f"{name} (random weights, shape of {shape.source})")
+    # The model's own name goes in the description: llama.cpp gives tokens of the real
+    # vocabulary attributes by general.name (a "phi-3" name looks up "<s>", which the bundled
+    # vocabulary has not, and the load fails).
+    writer.add_name("random weights")
+    writer.add_description(f"{name}: random weights in the shape of {shape.source}")
     writer.add_type("model")
     writer.add_file_type(LlamaFileType.MOSTLY_F16)
     add_shape_metadata(writer, shape, vocab)
@@ -328,4 +355,3 @@ def write_shaped_gguf(
         writer.close()
     os.replace(partial, path)
     return path
-
