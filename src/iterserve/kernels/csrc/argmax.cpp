@@ -57,11 +57,10 @@ int64_t argmax_row(const float* x, int64_t n) {
         best = j;
     best = static_cast<int64_t>(places[best]);
   }
-  for (; i < n; ++i) {  // the tail past whole vectors (or a short row)
-    if (std::isnan(x[i])) {
-      for (int64_t k = 0; k <= i; ++k)
-        if (std::isnan(x[k])) return k;
-    }
+  // The tail past whole vectors (or a short row): its first NaN is the row's, since one
+  // before it would have returned above.
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
     if (x[i] > x[best]) best = i;
   }
   return best;

@@ -47,8 +47,11 @@ constexpr int64_t kRowGrain = 4;
 
 inline float to_float(BFloat16 v) { return static_cast<float>(v); }
 
-// transformers' LlamaRMSNorm in bf16: normalise in fp32, round, multiply by the weight, round.
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+// transformers' LlamaRMSNorm in bf16: normalise in fp32, round, multiply by the weight, round;
+// with a residual (a sandwich norm's output added to the stream), that rounded output plus the
+// residual, rounded again, as the eager layer rounds the two.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
+                const Tensor* residual = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 16 == 0, "decoder_layer: hidden size ", K, " is not a multiple of 16");
   Tensor out = at::empty({M, K}, x.options());
@@ -56,6 +59,8 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const BFloat16* row = x.data_ptr<BFloat16>() + m * x.stride(0);
+      const BFloat16* res =
+          residual ? residual->data_ptr<BFloat16>() + m * residual->stride(0) : nullptr;
       BFloat16* dst = out.data_ptr<BFloat16>() + m * K;
       F16 sum_sq = F16::zero();
       for (int64_t k = 0; k < K; k += 16) {
@@ -65,8 +70,9 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
       const float mean = sum_sq.sum() / static_cast<float>(K);
       const F16 inv = F16::splat(1.0f / std::sqrt(mean + static_cast<float>(eps)));
       for (int64_t k = 0; k < K; k += 16) {
-        const F16 normed = round_bf16(load_bf16x16(row + k) * inv);
-        store_bf16x16(dst + k, normed * load_bf16x16(w + k));
+        const F16 normed = round_bf16(load_bf16x16(row + k) * inv) * load_bf16x16(w + k);
+        if (res) store_bf16x16(dst + k, round_bf16(normed) + load_bf16x16(res + k));
+        else store_bf16x16(dst + k, normed);
       }
     }
   });
@@ -99,18 +105,12 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
   });
 }
 
-// sigmoid(t) from exp(-|t|), which never overflows: 1 / (1 + e) for t >= 0, e / (1 + e) below.
-inline F16 sigmoid(const F16& t) {
-  const F16 one = F16::splat(1.0f), zero = F16::zero();
-  const F16 e = exp_nonpositive(zero - abs(t));
-  return select(less_than(t, zero), one, e) / (one + e);
-}
-
 // act(g) * u for gate_up rows [g | u], each rounded as transformers' bf16 MLP does: the
-// activation rounded, then its product with u. `gelu`: Gemma's GeGLU, gelu_tanh(g) =
+// activation rounded, then its product with u. Gelu: Gemma's GeGLU, gelu_tanh(g) =
 // g sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3) (tanh's form 0.5 (1 + tanh(z)) is
 // sigmoid(2z)); else SwiGLU's silu(g) = g sigmoid(g).
-Tensor gated_mul(const Tensor& gate_up, bool gelu) {
+template <bool Gelu>
+Tensor gated_mul(const Tensor& gate_up) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
   Tensor out = at::empty({M, I}, gate_up.options());
@@ -122,26 +122,11 @@ Tensor gated_mul(const Tensor& gate_up, bool gelu) {
       BFloat16* dst = out.data_ptr<BFloat16>() + m * I;
       for (int64_t i = 0; i < I; i += 16) {
         const F16 x = load_bf16x16(g + i);
-        const F16 t = gelu ? two_c * fmadd(cubic * x * x, x, x) : x;
+        F16 t = x;
+        if constexpr (Gelu) t = two_c * fmadd(cubic * x * x, x, x);
         const F16 act = round_bf16(x * sigmoid(t));
         store_bf16x16(dst + i, act * load_bf16x16(u + i));
       }
-    }
-  });
-  return out;
-}
-
-// residual + rms_norm(y) (a sandwich norm's output added to the stream), rounded as the eager
-// layer rounds it: the norm's output to bf16, then the sum.
-Tensor rms_norm_add(const Tensor& y, const Tensor& weight, double eps, const Tensor& residual) {
-  Tensor out = rms_norm(y, weight, eps);
-  const int64_t M = out.size(0), K = out.size(1);
-  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      BFloat16* row = out.data_ptr<BFloat16>() + m * K;
-      const BFloat16* r = residual.data_ptr<BFloat16>() + m * residual.stride(0);
-      for (int64_t k = 0; k < K; k += 16)
-        store_bf16x16(row + k, load_bf16x16(row + k) + load_bf16x16(r + k));
     }
   });
   return out;
@@ -186,7 +171,8 @@ void head_norm_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const Tenso
         const float mean = sum_sq.sum() / static_cast<float>(head_dim);
         const F16 inv = F16::splat(1.0f / std::sqrt(mean + static_cast<float>(eps)));
         for (int64_t d = 0; d < head_dim; d += 16)
-          store_bf16x16(x + d, round_bf16(load_bf16x16(x + d) * inv) * load_bf16x16(w + h * head_dim + d));
+          store_bf16x16(x + d, round_bf16(load_bf16x16(x + d) * inv) *
+                                   load_bf16x16(w + h * head_dim + d));
       }
     }
   });
@@ -290,11 +276,12 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   auto block_out = [&](int64_t i, const Tensor& x, const Tensor& residual,
                        const std::optional<Tensor>& out_norm) {
     if (!out_norm) return project(i, x, residual);
-    return rms_norm_add(project(i, x, std::nullopt), *out_norm, w.eps, residual);
+    return rms_norm(project(i, x, std::nullopt), *out_norm, w.eps, &residual);
   };
   const Tensor mid = block_out(1, attn.view({M, q_size}), hidden, w.attn_out_norm);
   const Tensor gate_up = project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt);
-  return block_out(3, gated_mul(gate_up, w.gelu), mid, w.mlp_out_norm);
+  const Tensor act = w.gelu ? gated_mul<true>(gate_up) : gated_mul<false>(gate_up);
+  return block_out(3, act, mid, w.mlp_out_norm);
 }
 
 // Every row's position, checked against the rope tables.
@@ -336,7 +323,8 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
   if (!lora_parts.empty()) {
     TORCH_CHECK(lora_parts.size() == 4, "decoder_layer: LoRA slots for the 4 projections");
     slots.lora_first.push_back(0);
-    for (int64_t parts : lora_parts) slots.lora_first.push_back(slots.lora_first.back() + 1 + parts);
+    for (int64_t parts : lora_parts)
+      slots.lora_first.push_back(slots.lora_first.back() + 1 + parts);
     TORCH_CHECK(slots.lora_first.back() == static_cast<int64_t>(lora.size()),
                 "decoder_layer: lora_parts count ", slots.lora_first.back(),
                 " slot tensors, not ", lora.size());
@@ -347,10 +335,10 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 }
 
 // Every layer of a model in one call, each as decoder_layer (no LoRA): the step's arguments,
-// then the layers' in lists, layer after layer (segments: 4 counts a layer; biases: 4 a layer). A step of one
-// token then leaves Python once instead of once a layer: between two layer calls of a 1B
-// Q4_K_M at one row, Python and the dispatcher took 140-270 us, run with caches the layer's
-// 37 MB of weights had just swept (2026-11-29, avx512vnni).
+// then the layers' in lists, layer after layer (segments: 4 counts a layer; biases: 4 a
+// layer). A step of one token then leaves Python once instead of once a layer: between two
+// layer calls of a 1B Q4_K_M at one row, Python and the dispatcher took 140-270 us, run with
+// caches the layer's 37 MB of weights had just swept (2026-11-29, avx512vnni).
 //
 // Gemma 3's sliding layers (local_rope[l] = 1) rotate by the local tables.
 Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
@@ -363,9 +351,9 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      const c10::List<std::optional<Tensor>>& qk_norms,
                      const c10::List<std::optional<Tensor>>& attn_out_norms,
                      const c10::List<std::optional<Tensor>>& mlp_out_norms, bool gelu,
-                     double softcap, at::TensorList key_caches, at::TensorList value_caches, int64_t num_heads,
-                     int64_t num_kv_heads, double scale, c10::IntArrayRef sliding_windows,
-                     c10::IntArrayRef local_rope) {
+                     double softcap, at::TensorList key_caches, at::TensorList value_caches,
+                     int64_t num_heads, int64_t num_kv_heads, double scale,
+                     c10::IntArrayRef sliding_windows, c10::IntArrayRef local_rope) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
                   attn_out_norms.size() == layers && mlp_out_norms.size() == layers &&
@@ -375,7 +363,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                   weights.size() == formats.size(),
               "decoder_stack: every list holds one entry a layer (segments and biases 4), "
               "formats one a weight");
-  const bool any_local = std::any_of(local_rope.begin(), local_rope.end(), [](int64_t f) { return f != 0; });
+  const bool any_local =
+      std::any_of(local_rope.begin(), local_rope.end(), [](int64_t f) { return f != 0; });
   TORCH_CHECK(!any_local || (local_rope_cos && local_rope_sin),
               "decoder_stack: layers with local rope need the local tables");
   const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);

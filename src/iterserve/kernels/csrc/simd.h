@@ -791,4 +791,21 @@ ITERSERVE_INLINE F16 exp_nonpositive(const F16& in) {
 #endif
 }
 
+// sigmoid and tanh from e = exp(-|t|) (or exp(-2|y|)), which never overflows:
+//   sigmoid(t) = 1 / (1 + e) for t >= 0, e / (1 + e) below;
+//   tanh(y)    = sign(y) (1 - e) / (1 + e).
+// The activations' (SiLU, GELU-tanh: layer.cpp) and Gemma 2's attention soft-cap's
+// (paged_attention.cpp).
+ITERSERVE_INLINE F16 sigmoid(const F16& t) {
+  const F16 one = F16::splat(1.0f), zero = F16::zero();
+  const F16 e = exp_nonpositive(zero - abs(t));
+  return select(less_than(t, zero), one, e) / (one + e);
+}
+ITERSERVE_INLINE F16 tanh(const F16& y) {
+  const F16 one = F16::splat(1.0f), zero = F16::zero();
+  const F16 e = exp_nonpositive(abs(y) * F16::splat(-2.0f));
+  const F16 tanh_abs = (one - e) / (one + e);
+  return select(less_than(y, zero), tanh_abs, zero - tanh_abs);
+}
+
 }  // namespace iterserve
