@@ -110,14 +110,18 @@ ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
 //   per block of 32, 2: per 16 inputs), kSigned (values are signed bytes: dot_s8),
 //   kBias (a power of two, or 0) or kOffset (a per-row offset o);
 //   template <int C> Quads chunk(p, b): block b's chunk C;
-//   void scales(p, b, a, o): block b's a[kHalves], and o[kHalves] if kOffset.
+//   void scales(p, b, a, o): block b's a[kHalves], and o[kHalves] if kOffset;
+//   kUnitOffsets: the offsets are o = m mn with one m a unit and small integers mn a block,
+//   which the loops take away once a unit, as integer dot products of mn with the activations'
+//   sums, rather than one multiply-add a block (tiles.h `fold_unit_offsets`): then also
+//   I16 offset_pairs(p, q), blocks 2q and 2q + 1's mn as 16-bit pairs, and F16 offset_scale(p).
 
 // w = d (q - 8), q 4 bits.                                   [nibbles 256 | d 32]
 struct Q4_0 {
   static constexpr Format kFormat = Format::kQ4_0;
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kD = 256, kBytes = kD + 32;
-  static constexpr bool kSigned = false, kOffset = false;
+  static constexpr bool kSigned = false, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = 8;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return nibbles(p + 64 * C); }
@@ -143,7 +147,7 @@ struct Q5_0 {
   static constexpr Format kFormat = Format::kQ5_0;
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kBits = 256, kD = kBits + 64, kBytes = kD + 32;
-  static constexpr bool kSigned = false, kOffset = false;
+  static constexpr bool kSigned = false, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = 16;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
@@ -173,7 +177,7 @@ struct Q8_0 {
   static constexpr Format kFormat = Format::kQ8_0;
   static constexpr int kInputs = 32, kHalves = 1;
   static constexpr int64_t kD = 512, kBytes = kD + 32;
-  static constexpr bool kSigned = true, kOffset = false;
+  static constexpr bool kSigned = true, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = kSignedBias;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
@@ -231,22 +235,29 @@ ITERSERVE_INLINE F16 half_lanes(const uint8_t* p) {
   return load_f16x16(reinterpret_cast<const c10::Half*>(p));
 }
 
-// w = d sc q - dmin mn, q 4 bits, sc and mn 6 bits a block.
-//                [sc 8 x 16 | mn 8 x 16 | d 32 | dmin 32] then 8 x [nibbles 256]
+// w = d sc q - dmin mn, q 4 bits, sc and mn 6 bits a block; mn kept as pairs (blocks 2q and
+// 2q + 1 side by side, 2 bytes a row) for the loops' integer offsets (kUnitOffsets).
+//                [sc 8 x 16 | mn 4 x 16 x 2 | d 32 | dmin 32] then 8 x [nibbles 256]
 struct Q4_K {
   static constexpr Format kFormat = Format::kQ4_K;
   static constexpr int kInputs = 256, kHalves = 1;
   static constexpr int64_t kMn = 128, kD = 256, kData = 320, kBlockBytes = 256;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
-  static constexpr bool kSigned = false, kOffset = true;
+  static constexpr bool kSigned = false, kOffset = true, kUnitOffsets = true;
   static constexpr int kBias = 0;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return nibbles(p + kData + kBlockBytes * b + 64 * C);
   }
+  static ITERSERVE_INLINE I16 offset_pairs(const uint8_t* p, int q) {
+    return widen_i8_pairs(reinterpret_cast<const int8_t*>(p + kMn + 32 * q));  // mn < 64
+  }
+  static ITERSERVE_INLINE F16 offset_scale(const uint8_t* p) { return half_lanes(p + kD + 32); }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16* o) {
     a[0] = half_lanes(p + kD) * load_u8x16(p + 16 * b);
-    o[0] = half_lanes(p + kD + 32) * load_u8x16(p + kMn + 16 * b);
+    const I16 pairs = offset_pairs(p, b / 2);
+    const I16 mn = b % 2 ? shift_right<16>(pairs) : pairs & I16::splat(0xffff);
+    o[0] = offset_scale(p) * to_float(mn);
   }
 };
 
@@ -270,7 +281,7 @@ struct Q6_K {
   static constexpr int kInputs = 256, kHalves = 2;
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 384;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
-  static constexpr bool kSigned = false, kOffset = false;
+  static constexpr bool kSigned = false, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = 32;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
@@ -293,7 +304,7 @@ struct Q2_K {
   static constexpr int kInputs = 256, kHalves = 2;
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 128;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
-  static constexpr bool kSigned = false, kOffset = true;
+  static constexpr bool kSigned = false, kOffset = true, kUnitOffsets = false;
   static constexpr int kBias = 0;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
@@ -318,7 +329,7 @@ struct Q3_K {
   static constexpr int kInputs = 256, kHalves = 2;
   static constexpr int64_t kD = 256, kData = 320, kBlockBytes = 192;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
-  static constexpr bool kSigned = false, kOffset = false;
+  static constexpr bool kSigned = false, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = 4;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
@@ -342,7 +353,7 @@ struct IQ4_XS {
   static constexpr int kInputs = 256, kHalves = 1;
   static constexpr int64_t kD = 128, kData = 192, kBlockBytes = 256;
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
-  static constexpr bool kSigned = true, kOffset = false;
+  static constexpr bool kSigned = true, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = kSignedBias;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {

@@ -211,9 +211,9 @@ inline void put_halves(const Rows16& r, bool second, uint8_t* out) {
 }
 
 template <int N>
-inline void put_scale_bytes(const Rows16& r, bool minimums, uint8_t* out) {
+inline void put_scale_bytes(const Rows16& r, uint8_t* out) {
   for (int i = 0; i < N; ++i)
-    for (int j = 0; j < kTile; ++j) out[16 * i + j] = minimums ? r[j].mn[i] : r[j].sc[i];
+    for (int j = 0; j < kTile; ++j) out[16 * i + j] = r[j].sc[i];
 }
 
 // 16 parsed rows -> one unit of the format's tile layout (blocks.h's offsets).
@@ -241,14 +241,14 @@ inline void pack(Format f, const Rows16& r, uint8_t* out) {
       put_halves(r, false, out + Q8_0::kD);
       break;
     case Format::kQ2_K:
-      put_scale_bytes<16>(r, false, out);
+      put_scale_bytes<16>(r, out);
       put_halves(r, false, out + Q2_K::kD);
       put_halves(r, true, out + Q2_K::kD + 32);
       for (int blk = 0; blk < 8; ++blk)
         put_crumbs(r, blk, 0, out + Q2_K::kData + Q2_K::kBlockBytes * blk);
       break;
     case Format::kQ3_K:
-      put_scale_bytes<16>(r, false, out);
+      put_scale_bytes<16>(r, out);
       put_halves(r, false, out + Q3_K::kD);
       std::memset(out + Q3_K::kD + 32, 0, Q3_K::kData - Q3_K::kD - 32);  // the header's padding
       for (int blk = 0; blk < 8; ++blk) {
@@ -260,8 +260,10 @@ inline void pack(Format f, const Rows16& r, uint8_t* out) {
     case Format::kQ4_K:
     case Format::kQ5_K: {
       const bool five = f == Format::kQ5_K;
-      put_scale_bytes<8>(r, false, out);
-      put_scale_bytes<8>(r, true, out + Q4_K::kMn);
+      put_scale_bytes<8>(r, out);
+      for (int q = 0; q < 4; ++q)  // mn as pairs (blocks.h Q4_K)
+        for (int j = 0; j < kTile; ++j)
+          for (int e = 0; e < 2; ++e) out[Q4_K::kMn + 32 * q + 2 * j + e] = r[j].mn[2 * q + e];
       put_halves(r, false, out + Q4_K::kD);
       put_halves(r, true, out + Q4_K::kD + 32);
       const int64_t block_bytes = five ? Q5_K::kBlockBytes : Q4_K::kBlockBytes;
@@ -273,7 +275,7 @@ inline void pack(Format f, const Rows16& r, uint8_t* out) {
       break;
     }
     case Format::kQ6_K:
-      put_scale_bytes<16>(r, false, out);
+      put_scale_bytes<16>(r, out);
       put_halves(r, false, out + Q6_K::kD);
       std::memset(out + Q6_K::kD + 32, 0, Q6_K::kData - Q6_K::kD - 32);  // the header's padding
       for (int blk = 0; blk < 8; ++blk) {
@@ -283,7 +285,7 @@ inline void pack(Format f, const Rows16& r, uint8_t* out) {
       }
       break;
     case Format::kIQ4_XS:
-      put_scale_bytes<8>(r, false, out);
+      put_scale_bytes<8>(r, out);
       put_halves(r, false, out + IQ4_XS::kD);
       std::memset(out + IQ4_XS::kD + 32, 0, IQ4_XS::kData - IQ4_XS::kD - 32);  // padding
       for (int blk = 0; blk < 8; ++blk)

@@ -86,13 +86,16 @@ struct Epilogue {
 
 // Rows quantized for the block formats, per unit of `unit` inputs (32 or 256): xq [M, K]
 // int8 with x ~ s xq, s [M, K / unit], and the negated sums of xq per 16 inputs [M, K / 16]
-// and per 32 [M, K / 32], in int32: what the biases and offsets take away (blocks.h).
+// and per 32 [M, K / 32], in int32: what the biases and offsets take away (blocks.h); for
+// units of 256, also the per-32 sums of blocks 2q and 2q + 1 as one word of 16-bit halves
+// [M, K / 64] (|sum| <= 32 * 127), for the integer offsets (`fold_unit_offsets`).
 struct QuantizedX {
   int64_t unit = 0;
   const int8_t* xq = nullptr;
   const float* scale = nullptr;
   const int32_t* neg_sum16 = nullptr;
   const int32_t* neg_sum32 = nullptr;
+  const int32_t* neg_sum_pairs = nullptr;
 
   // Row m's negated sum of xq over block blk (H = 1) or its half h (H = 2).
   template <int H>
@@ -103,7 +106,8 @@ struct QuantizedX {
   QuantizedX from(int64_t first, int64_t K) const {
     if (!xq) return *this;
     return {unit, xq + first * K, scale + first * (K / unit), neg_sum16 + first * (K / 16),
-            neg_sum32 + first * (K / 32)};
+            neg_sum32 + first * (K / 32),
+            neg_sum_pairs ? neg_sum_pairs + first * (K / 64) : nullptr};
   }
 };
 
@@ -214,7 +218,7 @@ inline void f16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t ti
 // scale a row measured twice the greedy disagreement with bf16 on the bundled model), with
 // -sum(q) per 16 and per 32 inputs.
 inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t* q, float* scale,
-                         int32_t* neg_sum16, int32_t* neg_sum32) {
+                         int32_t* neg_sum16, int32_t* neg_sum32, int32_t* neg_sum_pairs) {
   for (int64_t u = 0; u < K / unit; ++u) {
     F16 most = F16::zero();
     for (int64_t i = u * unit; i < (u + 1) * unit; i += 16)
@@ -235,6 +239,10 @@ inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t*
     }
     scale[u] = amax / 127.0f;
   }
+  if (neg_sum_pairs)
+    for (int64_t i = 0; i < K / 64; ++i)
+      neg_sum_pairs[i] = static_cast<int32_t>(static_cast<uint16_t>(neg_sum32[2 * i]) |
+                                              static_cast<uint32_t>(neg_sum32[2 * i + 1]) << 16);
 }
 
 // QuantizedX in buffers of its own, for M rows of K inputs; rows are quantized one by one
@@ -242,17 +250,19 @@ inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t*
 struct QuantizedBuffers {
   std::unique_ptr<int8_t[]> xq;
   std::unique_ptr<float[]> scale;
-  std::unique_ptr<int32_t[]> neg_sum16, neg_sum32;
+  std::unique_ptr<int32_t[]> neg_sum16, neg_sum32, neg_sum_pairs;
   QuantizedX view;
 
   QuantizedBuffers(int64_t M, int64_t K, int64_t unit)
       : xq(new int8_t[M * K]), scale(new float[M * K / unit]),
         neg_sum16(new int32_t[M * K / 16]), neg_sum32(new int32_t[M * K / kBlock]),
-        view{unit, xq.get(), scale.get(), neg_sum16.get(), neg_sum32.get()} {}
+        neg_sum_pairs(unit == 256 ? new int32_t[M * K / 64] : nullptr),
+        view{unit, xq.get(), scale.get(), neg_sum16.get(), neg_sum32.get(), neg_sum_pairs.get()} {}
   // Row m, from x (its K inputs).
   void row(const at::BFloat16* x, int64_t K, int64_t m) {
     quantize_row(x, K, view.unit, xq.get() + m * K, scale.get() + m * (K / view.unit),
-                 neg_sum16.get() + m * (K / 16), neg_sum32.get() + m * (K / kBlock));
+                 neg_sum16.get() + m * (K / 16), neg_sum32.get() + m * (K / kBlock),
+                 neg_sum_pairs ? neg_sum_pairs.get() + m * (K / 64) : nullptr);
   }
 };
 
@@ -290,8 +300,9 @@ ITERSERVE_INLINE void fold_block(std::array<F16, MR * NT>& unit,
                                  int64_t blk, int64_t K) {
   constexpr int H = Codec::kHalves;
   ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
+    constexpr bool kBlockOffsets = Codec::kOffset && !Codec::kUnitOffsets;
     F16 neg_sum[H];
-    if constexpr (Codec::kOffset)
+    if constexpr (kBlockOffsets)
       ITERSERVE_UNROLL for (int h = 0; h < H; ++h)
         neg_sum[h] = to_float(I16::splat(x.neg_sum<H>(m0 + r, blk, h, K)));
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
@@ -300,9 +311,41 @@ ITERSERVE_INLINE void fold_block(std::array<F16, MR * NT>& unit,
         const F16 d = to_float(dot[(h * MR + r) * NT + j]);
         sum = First && h == 0 ? d * a[j * H + h] : fmadd(d, a[j * H + h], sum);
       }
-      if constexpr (Codec::kOffset)
+      if constexpr (kBlockOffsets)
         ITERSERVE_UNROLL for (int h = 0; h < H; ++h) sum = fmadd(o[j * H + h], neg_sum[h], sum);
     }
+  }
+}
+
+// A unit's offsets taken away at its end, for the codecs that keep them as small integers
+// (kUnitOffsets): unit += m * sum over its blocks of mn (-sum xq), the sum exact in int32
+// (8 x 63 x 4064 at most), 16-bit pairs of blocks at a time (`dot_i16`), from the tiles' mn
+// pairs (pairs[q * NT + j]) and m (scale[j]). Against one multiply-add a block, the many-row
+// loops ran Q4_K 1.05x faster (benchmarks/tiles_timing.cpp, 2048 x 2048, 16 and 128 rows,
+// 2026-11-30, avx512bf16): they are bound by the pipe that multiply-adds and dot products share.
+template <typename Codec, int MR, int NT>
+ITERSERVE_INLINE void fold_unit_offsets(std::array<F16, MR * NT>& unit, const I16* pairs,
+                                        const F16* scale, const QuantizedX& x, int64_t m0,
+                                        int64_t u, int64_t K) {
+  constexpr int kPairs = Codec::kInputs / kBlock / 2;
+  ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
+    const int32_t* sums = x.neg_sum_pairs + (m0 + r) * (K / 64) + u * kPairs;
+    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+      I16 dot = I16::zero();
+      ITERSERVE_UNROLL for (int q = 0; q < kPairs; ++q)
+        dot = dot_i16(dot, pairs[q * NT + j], I16::splat(sums[q]));
+      unit[r * NT + j] = fmadd(scale[j], to_float(dot), unit[r * NT + j]);
+    }
+  }
+}
+
+// The tiles' (at p[j]) offset pairs and scales, for fold_unit_offsets.
+template <typename Codec, int NT>
+ITERSERVE_INLINE void unit_offsets(const uint8_t* const* p, I16* pairs, F16* scale) {
+  constexpr int kPairs = Codec::kInputs / kBlock / 2;
+  ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+    scale[j] = Codec::offset_scale(p[j]);
+    ITERSERVE_UNROLL for (int q = 0; q < kPairs; ++q) pairs[q * NT + j] = Codec::offset_pairs(p[j], q);
   }
 }
 template <typename Codec, int MR, int NT>
@@ -451,7 +494,15 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
     if (b == 0) fold_block<Codec, MR, NT, true>(unit, dot, a, o, x, m0, blk, K);
     else fold_block<Codec, MR, NT, false>(unit, dot, a, o, x, m0, blk, K);
-    if (b == kBlocks - 1) fold_unit<Codec, MR, NT>(acc, unit, x, m0, blk / kBlocks, K);
+    if (b == kBlocks - 1) {
+      if constexpr (Codec::kUnitOffsets) {
+        I16 pairs[kBlocks / 2 * NT];
+        F16 scale[NT];
+        unit_offsets<Codec, NT>(p, pairs, scale);
+        fold_unit_offsets<Codec, MR, NT>(unit, pairs, scale, x, m0, blk / kBlocks, K);
+      }
+      fold_unit<Codec, MR, NT>(acc, unit, x, m0, blk / kBlocks, K);
+    }
   };
   for_each_block<Codec, NT>(rows.K, w, stride, tile0, block);
   store_all<MR, NT>(ep, m0, tile0, acc);
@@ -522,16 +573,22 @@ inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t s
         ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) units[m0 * NT + i] = unit[i];
       }
     });
-    if (kBlocks > 1 && b == kBlocks - 1)  // the units' sums into the rows', row by row
+    if (kBlocks > 1 && b == kBlocks - 1) {  // the units' sums into the rows', row by row
+      [[maybe_unused]] I16 pairs[kBlocks / 2 * NT];
+      [[maybe_unused]] F16 scale[NT];
+      if constexpr (Codec::kUnitOffsets) unit_offsets<Codec, NT>(p, pairs, scale);
       for (int64_t m = 0; m < M; ++m) {
         std::array<F16, NT> sums, unit;
         ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
           sums[j] = acc[m * NT + j];
           unit[j] = units[m * NT + j];
         }
+        if constexpr (Codec::kUnitOffsets)
+          fold_unit_offsets<Codec, 1, NT>(unit, pairs, scale, x, m, blk / kBlocks, K);
         fold_unit<Codec, 1, NT>(sums, unit, x, m, blk / kBlocks, K);
         ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) acc[m * NT + j] = sums[j];
       }
+    }
   };
   for_each_block<Codec, NT>(rows.K, w, stride, tile0, block);
   for (int64_t m = 0; m < M; ++m)
