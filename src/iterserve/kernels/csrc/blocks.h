@@ -111,10 +111,11 @@ ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
 //   kBias (a power of two, or 0) or kOffset (a per-row offset o);
 //   template <int C> Quads chunk(p, b): block b's chunk C;
 //   void scales(p, b, a, o): block b's a[kHalves], and o[kHalves] if kOffset;
-//   kUnitOffsets: the offsets are o = m mn with one m a unit and small integers mn a block,
+//   kUnitOffsets: the offsets are o = dmin mn, one dmin a unit and small integers mn a block,
 //   which the loops take away once a unit, as integer dot products of mn with the activations'
 //   sums, rather than one multiply-add a block (tiles.h `fold_unit_offsets`): then also
-//   I16 offset_pairs(p, q), blocks 2q and 2q + 1's mn as 16-bit pairs, and F16 offset_scale(p).
+//   I16 offset_pairs(p, q), blocks 2q and 2q + 1's mn as 16-bit pairs, and F16
+//   offset_scale(p), dmin.
 
 // w = d (q - 8), q 4 bits.                                   [nibbles 256 | d 32]
 struct Q4_0 {

@@ -318,9 +318,9 @@ ITERSERVE_INLINE void fold_block(std::array<F16, MR * NT>& unit,
 }
 
 // A unit's offsets taken away at its end, for the codecs that keep them as small integers
-// (kUnitOffsets): unit += m * sum over its blocks of mn (-sum xq), the sum exact in int32
-// (8 x 63 x 4064 at most), 16-bit pairs of blocks at a time (`dot_i16`), from the tiles' mn
-// pairs (pairs[q * NT + j]) and m (scale[j]). Against one multiply-add a block, the many-row
+// (kUnitOffsets; Q4_K's o = dmin mn): unit += dmin * sum over its blocks of mn (-sum xq), the
+// sum exact in int32 (8 x 63 x 4064 at most), 16-bit pairs of blocks at a time (`dot_i16`),
+// from the tiles' mn pairs (pairs[q * NT + j]) and dmin (scale[j]). Against one multiply-add a block, the many-row
 // loops ran Q4_K 1.05x faster (benchmarks/tiles_timing.cpp, 2048 x 2048, 16 and 128 rows,
 // 2026-11-30, avx512bf16): they are bound by the pipe that multiply-adds and dot products share.
 template <typename Codec, int MR, int NT>
@@ -345,7 +345,8 @@ ITERSERVE_INLINE void unit_offsets(const uint8_t* const* p, I16* pairs, F16* sca
   constexpr int kPairs = Codec::kInputs / kBlock / 2;
   ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
     scale[j] = Codec::offset_scale(p[j]);
-    ITERSERVE_UNROLL for (int q = 0; q < kPairs; ++q) pairs[q * NT + j] = Codec::offset_pairs(p[j], q);
+    ITERSERVE_UNROLL for (int q = 0; q < kPairs; ++q)
+      pairs[q * NT + j] = Codec::offset_pairs(p[j], q);
   }
 }
 template <typename Codec, int MR, int NT>
