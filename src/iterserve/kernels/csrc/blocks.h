@@ -113,7 +113,7 @@ ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
 //   void scales(p, b, a, o): block b's a[kHalves], and o[kHalves] if kOffset;
 //   kUnitOffsets: the offsets are o = dmin mn, one dmin a unit and small integers mn a block,
 //   which the loops take away once a unit, as integer dot products of mn with the activations'
-//   sums, rather than one multiply-add a block (tiles.h `fold_unit_offsets`): then also
+//   sums, rather than one multiply-add a block (tiles.h `UnitOffsets`): then also
 //   I16 offset_pairs(p, q), blocks 2q and 2q + 1's mn as 16-bit pairs, and F16
 //   offset_scale(p), dmin.
 

@@ -88,7 +88,7 @@ struct Epilogue {
 // int8 with x ~ s xq, s [M, K / unit], and the negated sums of xq per 16 inputs [M, K / 16]
 // and per 32 [M, K / 32], in int32: what the biases and offsets take away (blocks.h); for
 // units of 256, also the per-32 sums of blocks 2q and 2q + 1 as one word of 16-bit halves
-// [M, K / 64] (|sum| <= 32 * 127), for the integer offsets (`fold_unit_offsets`).
+// [M, K / 64] (|sum| <= 32 * 127), for the integer offsets (`UnitOffsets`).
 struct QuantizedX {
   int64_t unit = 0;
   const int8_t* xq = nullptr;
@@ -319,36 +319,40 @@ ITERSERVE_INLINE void fold_block(std::array<F16, MR * NT>& unit,
 
 // A unit's offsets taken away at its end, for the codecs that keep them as small integers
 // (kUnitOffsets; Q4_K's o = dmin mn): unit += dmin * sum over its blocks of mn (-sum xq), the
-// sum exact in int32 (8 x 63 x 4064 at most), 16-bit pairs of blocks at a time (`dot_i16`),
-// from the tiles' mn pairs (pairs[q * NT + j]) and dmin (scale[j]). Against one multiply-add a block, the many-row
-// loops ran Q4_K 1.05x faster (benchmarks/tiles_timing.cpp, 2048 x 2048, 16 and 128 rows,
-// 2026-11-30, avx512bf16): they are bound by the pipe that multiply-adds and dot products share.
-template <typename Codec, int MR, int NT>
-ITERSERVE_INLINE void fold_unit_offsets(std::array<F16, MR * NT>& unit, const I16* pairs,
-                                        const F16* scale, const QuantizedX& x, int64_t m0,
-                                        int64_t u, int64_t K) {
-  constexpr int kPairs = Codec::kInputs / kBlock / 2;
-  ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
-    const int32_t* sums = x.neg_sum_pairs + (m0 + r) * (K / 64) + u * kPairs;
+// sum exact in int32 (8 x 63 x 4064 at most), 16-bit pairs of blocks at a time (`dot_i16`).
+// Made from NT tiles' units (at p[j]): their mn pairs and dmin, read once for every row.
+// Against one multiply-add a block, the many-row loops ran Q4_K 1.05x faster
+// (benchmarks/tiles_timing.cpp, 2048 x 2048, 16 and 128 rows, 2026-11-30, avx512bf16): they
+// are bound by the pipe that multiply-adds and dot products share.
+template <typename Codec, int NT>
+struct UnitOffsets {
+  static constexpr int kPairs = Codec::kInputs / kBlock / 2;
+  I16 pairs[kPairs * NT];
+  F16 scale[NT];
+
+  ITERSERVE_INLINE explicit UnitOffsets(const uint8_t* const* p) {
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-      I16 dot = I16::zero();
+      scale[j] = Codec::offset_scale(p[j]);
       ITERSERVE_UNROLL for (int q = 0; q < kPairs; ++q)
-        dot = dot_i16(dot, pairs[q * NT + j], I16::splat(sums[q]));
-      unit[r * NT + j] = fmadd(scale[j], to_float(dot), unit[r * NT + j]);
+        pairs[q * NT + j] = Codec::offset_pairs(p[j], q);
     }
   }
-}
-
-// The tiles' (at p[j]) offset pairs and scales, for fold_unit_offsets.
-template <typename Codec, int NT>
-ITERSERVE_INLINE void unit_offsets(const uint8_t* const* p, I16* pairs, F16* scale) {
-  constexpr int kPairs = Codec::kInputs / kBlock / 2;
-  ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-    scale[j] = Codec::offset_scale(p[j]);
-    ITERSERVE_UNROLL for (int q = 0; q < kPairs; ++q)
-      pairs[q * NT + j] = Codec::offset_pairs(p[j], q);
+  // Into rows m0.. m0 + MR - 1's sums of unit u.
+  template <int MR>
+  ITERSERVE_INLINE void fold(std::array<F16, MR * NT>& unit, const QuantizedX& x, int64_t m0,
+                             int64_t u, int64_t K) const {
+    ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
+      const int32_t* sums = x.neg_sum_pairs + (m0 + r) * (K / 64) + u * kPairs;
+      ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
+        I16 dot = I16::zero();
+        ITERSERVE_UNROLL for (int q = 0; q < kPairs; ++q)
+          dot = dot_i16(dot, pairs[q * NT + j], I16::splat(sums[q]));
+        unit[r * NT + j] = fmadd(scale[j], to_float(dot), unit[r * NT + j]);
+      }
+    }
   }
-}
+};
+
 template <typename Codec, int MR, int NT>
 ITERSERVE_INLINE void fold_unit(std::array<F16, MR * NT>& acc,
                                 const std::array<F16, MR * NT>& unit, const QuantizedX& x,
@@ -496,12 +500,8 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
     if (b == 0) fold_block<Codec, MR, NT, true>(unit, dot, a, o, x, m0, blk, K);
     else fold_block<Codec, MR, NT, false>(unit, dot, a, o, x, m0, blk, K);
     if (b == kBlocks - 1) {
-      if constexpr (Codec::kUnitOffsets) {
-        I16 pairs[kBlocks / 2 * NT];
-        F16 scale[NT];
-        unit_offsets<Codec, NT>(p, pairs, scale);
-        fold_unit_offsets<Codec, MR, NT>(unit, pairs, scale, x, m0, blk / kBlocks, K);
-      }
+      if constexpr (Codec::kUnitOffsets)
+        UnitOffsets<Codec, NT>(p).template fold<MR>(unit, x, m0, blk / kBlocks, K);
       fold_unit<Codec, MR, NT>(acc, unit, x, m0, blk / kBlocks, K);
     }
   };
@@ -574,18 +574,19 @@ inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t s
         ITERSERVE_UNROLL for (int i = 0; i < R * NT; ++i) units[m0 * NT + i] = unit[i];
       }
     });
-    if (kBlocks > 1 && b == kBlocks - 1) {  // the units' sums into the rows', row by row
-      [[maybe_unused]] I16 pairs[kBlocks / 2 * NT];
-      [[maybe_unused]] F16 scale[NT];
-      if constexpr (Codec::kUnitOffsets) unit_offsets<Codec, NT>(p, pairs, scale);
+    if constexpr (kBlocks > 1) {  // at a unit's end, its sums into the rows', row by row
+      if (b != kBlocks - 1) return;
+      [[maybe_unused]] const auto offsets = [&] {
+        if constexpr (Codec::kUnitOffsets) return UnitOffsets<Codec, NT>(p);
+        else return 0;
+      }();
       for (int64_t m = 0; m < M; ++m) {
         std::array<F16, NT> sums, unit;
         ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
           sums[j] = acc[m * NT + j];
           unit[j] = units[m * NT + j];
         }
-        if constexpr (Codec::kUnitOffsets)
-          fold_unit_offsets<Codec, 1, NT>(unit, pairs, scale, x, m, blk / kBlocks, K);
+        if constexpr (Codec::kUnitOffsets) offsets.template fold<1>(unit, x, m, blk / kBlocks, K);
         fold_unit<Codec, 1, NT>(sums, unit, x, m, blk / kBlocks, K);
         ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) acc[m * NT + j] = sums[j];
       }
