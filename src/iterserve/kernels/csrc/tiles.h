@@ -216,9 +216,10 @@ inline void f16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t ti
 // One row quantized per unit of `unit` inputs: x ~ s q, q = round(x * 127 / max|x| over the
 // unit) in -127..127 (as llama.cpp quantizes activations for its block dot products: one
 // scale a row measured twice the greedy disagreement with bf16 on the bundled model), with
-// -sum(q) per 16 and per 32 inputs.
+// -sum(q) per 16 and per 32 inputs (and, given neg_sum_pairs, per 32 as 16-bit pairs of blocks).
 inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t* q, float* scale,
                          int32_t* neg_sum16, int32_t* neg_sum32, int32_t* neg_sum_pairs) {
+  int32_t previous = 0;  // the last block's sum
   for (int64_t u = 0; u < K / unit; ++u) {
     F16 most = F16::zero();
     for (int64_t i = u * unit; i < (u + 1) * unit; i += 16)
@@ -236,13 +237,15 @@ inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t*
       neg_sum16[2 * b] = -sum_lo;
       neg_sum16[2 * b + 1] = -sum_hi;
       neg_sum32[b] = -(sum_lo + sum_hi);
+      // Made from the sums in registers: read back from neg_sum32, a pair's load waited on
+      // the two stores just made.
+      if (neg_sum_pairs && b % 2 == 1)
+        neg_sum_pairs[b / 2] = static_cast<int32_t>(
+            static_cast<uint16_t>(-previous) | static_cast<uint32_t>(-(sum_lo + sum_hi)) << 16);
+      previous = sum_lo + sum_hi;
     }
     scale[u] = amax / 127.0f;
   }
-  if (neg_sum_pairs)
-    for (int64_t i = 0; i < K / 64; ++i)
-      neg_sum_pairs[i] = static_cast<int32_t>(static_cast<uint16_t>(neg_sum32[2 * i]) |
-                                              static_cast<uint32_t>(neg_sum32[2 * i + 1]) << 16);
 }
 
 // QuantizedX in buffers of its own, for M rows of K inputs; rows are quantized one by one
