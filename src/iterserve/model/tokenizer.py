@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
-# How each `tokenizer.ggml.pre` value splits text before byte-level BPE, transcribed from
-# llama.cpp's llama-vocab.cpp. A vocabulary only reproduces its training-time tokens when text is
-# split the way its merges were learned, so an unknown value must not silently fall back to GPT-2's
-# split: those files go through transformers' own GGUF converter instead.
+# How each `tokenizer.ggml.pre` value splits text before byte-level BPE, and whether a split
+# word that is itself in the vocabulary is taken whole before any merge (llama.cpp's
+# `ignore_merges`, transformers' BPE `ignore_merges`: Llama 3's tokenizer.json sets it), as
+# llama.cpp's llama-vocab.cpp maps the names it knows. A vocabulary only reproduces its
+# training-time tokens when text is split the way its merges were learned, so an unknown value
+# must not silently fall back to GPT-2's split: those files go through transformers' own GGUF
+# converter instead.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -26,15 +30,31 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    splits: tuple[str, ...]
+    ignore_merges: bool = False
+
+
+_GPT2 = _PreTokenizer((_GPT2_SPLIT,))
+_LLAMA3 = _PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True)
+_QWEN2 = _PreTokenizer((_QWEN2_SPLIT,))
 # SmolLM (and StarCoder, whose vocabulary it reuses) puts every digit in a word of its own first.
-_PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
-    "default": (_GPT2_SPLIT,),
-    "gpt-2": (_GPT2_SPLIT,),
-    "smollm": (r"\p{N}", _GPT2_SPLIT),
-    "starcoder": (r"\p{N}", _GPT2_SPLIT),
-    "llama-bpe": (_LLAMA3_SPLIT,),
-    "llama3": (_LLAMA3_SPLIT,),
-    "qwen2": (_QWEN2_SPLIT,),
+_DIGITS_THEN_GPT2 = _PreTokenizer((r"\p{N}", _GPT2_SPLIT))
+_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
+    "default": _GPT2,
+    "gpt-2": _GPT2,
+    "phi-2": _GPT2,
+    "smollm": _DIGITS_THEN_GPT2,
+    "starcoder": _DIGITS_THEN_GPT2,
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "falcon3": _LLAMA3,  # Falcon 3: a Llama body with a Llama 3 style vocabulary
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,  # the DeepSeek-R1 distillations into Qwen 2.5
 }
 
 
@@ -63,8 +83,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], gguf_path: Path) -> PreTrai
     """
     kind = metadata.get("tokenizer.ggml.model")
     pre = metadata.get("tokenizer.ggml.pre", "default")
-    if kind == "gpt2" and pre in _PRE_TOKENIZER_SPLITS and "tokenizer.ggml.merges" in metadata:
-        tokenizer = _byte_level_bpe(metadata, _PRE_TOKENIZER_SPLITS[pre])
+    if kind == "gpt2" and pre in _PRE_TOKENIZERS and "tokenizer.ggml.merges" in metadata:
+        tokenizer = _byte_level_bpe(metadata, _PRE_TOKENIZERS[pre])
     else:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
@@ -75,14 +95,18 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], gguf_path: Path) -> PreTrai
     return tokenizer
 
 
-def _byte_level_bpe(
-    metadata: Mapping[str, Any], splits: tuple[str, ...]
-) -> PreTrainedTokenizerFast:
+def _byte_level_bpe(metadata: Mapping[str, Any], pre: _PreTokenizer) -> PreTrainedTokenizerFast:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    backend = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=merges,
+            ignore_merges=pre.ignore_merges,
+        )
+    )
     backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in pre.splits]
         # The regexes above already did the splitting; ByteLevel only maps bytes to its alphabet.
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
