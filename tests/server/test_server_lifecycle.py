@@ -63,7 +63,7 @@ def test_non_streaming_client_that_leaves_frees_its_blocks(tiny_llama_dir: Path)
 def test_sigterm_lets_in_flight_requests_finish_then_exits(tiny_llama_dir: Path) -> None:
     port = free_port()
     command = [
-        sys.executable, "-m", "iterserve.cli", "serve", "--model", str(tiny_llama_dir),
+        sys.executable, "-m", "iterserve.cli", "serve", str(tiny_llama_dir),
         "--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
         "--max-model-len", "512", "--num-kv-blocks", "256", "--shutdown-timeout", "30",
         "--enforce-eager",

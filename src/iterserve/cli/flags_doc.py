@@ -16,6 +16,7 @@ REGENERATE = "iterserve flags > docs/flags.md"
 # Argparse names a parser's ungrouped options "options"; here they are the server's.
 _GROUP_TITLES = {
     "options": "Server",
+    "positional arguments": "Model",
     "EngineConfig": "Engine",
     "CacheConfig": "KV cache",
     "SchedulerConfig": "Scheduler",
@@ -31,6 +32,8 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def _flag_cell(action: argparse.Action) -> str:
+    if not action.option_strings:  # a positional: `iterserve serve MODEL`
+        return f"`{action.metavar or action.dest}`"
     if isinstance(action, argparse.BooleanOptionalAction):
         return "`--[no-]" + action.option_strings[0].removeprefix("--") + "`"
     return ", ".join(f"`{s}`" for s in action.option_strings)

@@ -29,6 +29,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="serve a model over the OpenAI API (/v1/completions, /v1/chat/completions)",
         description="Serve a model over the OpenAI API, with /health and /metrics.",
     )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="HF directory or GGUF file to serve, as `vllm serve MODEL` takes it (the same as "
+        "--model; default: the bundled SmolLM2-135M)",
+    )
     _add_front_end_args(p)
     _add_stored_responses_args(p.add_argument_group("stored responses"))
     _add_data_parallel_args(p.add_argument_group("data parallelism"))
@@ -160,6 +167,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    _take_model_tag(args)
     config = engine_config_from_args(args)
     async_engine = _launch_engine(args, config)
     settings = ServerSettings(
@@ -204,6 +212,19 @@ def serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     Server(uvicorn.Config(app, **uvicorn_config)).run()
     return 0
+
+
+def _take_model_tag(args: argparse.Namespace) -> None:
+    """`iterserve serve FILE` and `iterserve serve --model FILE` are one thing; both at once
+    must agree."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise SystemExit(
+            f"iterserve serve: the model is given twice ({args.model_tag!r} and "
+            f"--model {args.model!r}); give it once"
+        )
+    args.model = args.model_tag
 
 
 def _launch_engine(args: argparse.Namespace, config: EngineConfig) -> ServingEngine:
