@@ -14,9 +14,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
-# How each `tokenizer.ggml.pre` value splits text before byte-level BPE, and whether a split
-# word that is itself in the vocabulary is taken whole before any merge (llama.cpp's
-# `ignore_merges`, transformers' BPE `ignore_merges`: Llama 3's tokenizer.json sets it), as
+# How each `tokenizer.ggml.pre` value splits text before byte-level BPE, whether a split word
+# that is itself in the vocabulary is taken whole before any merge (llama.cpp's
+# `ignore_merges`, transformers' BPE `ignore_merges`: Llama 3's tokenizer.json sets it), and
+# whether BOS is added when the file does not say (`tokenizer.ggml.add_bos_token`), as
 # llama.cpp's llama-vocab.cpp maps the names it knows. A vocabulary only reproduces its
 # training-time tokens when text is split the way its merges were learned, so an unknown value
 # must not silently fall back to GPT-2's split: those files go through transformers' own GGUF
@@ -36,10 +37,11 @@ _QWEN2_SPLIT = (
 class _PreTokenizer:
     splits: tuple[str, ...]
     ignore_merges: bool = False
+    add_bos: bool = False
 
 
 _GPT2 = _PreTokenizer((_GPT2_SPLIT,))
-_LLAMA3 = _PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True)
+_LLAMA3 = _PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
 _QWEN2 = _PreTokenizer((_QWEN2_SPLIT,))
 # SmolLM (and StarCoder, whose vocabulary it reuses) puts every digit in a word of its own first.
 _DIGITS_THEN_GPT2 = _PreTokenizer((r"\p{N}", _GPT2_SPLIT))
@@ -133,7 +135,7 @@ def _byte_level_bpe(metadata: Mapping[str, Any], pre: _PreTokenizer) -> PreTrain
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
     bos, eos = token("bos"), token("eos")
-    add_bos = bos is not None and metadata.get("tokenizer.ggml.add_bos_token", False)
+    add_bos = bos is not None and metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos)
     add_eos = eos is not None and metadata.get("tokenizer.ggml.add_eos_token", False)
     backend.post_processor = _bos_eos_processor(
         (bos, metadata["tokenizer.ggml.bos_token_id"]) if add_bos else None,
