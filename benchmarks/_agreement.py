@@ -17,11 +17,16 @@ from iterserve.model.builder import ModelPlan
 from iterserve.sampling_params import SamplingParams
 
 
-def prompt_ids(llm: LLM, count: int) -> list[list[int]]:
-    """Edit instructions over passages (bench/copy_texts.py), rendered by the model's chat
-    template, or as plain text, BOS first, where the file has none (a base model)."""
+def held_out_texts(count: int) -> list[str]:
+    """Edit instructions over passages (bench/copy_texts.py)."""
     pairs = list(itertools.product(INSTRUCTIONS, PASSAGES))[:count]
-    texts = [f"{a}\n\n{t}" for a, t in pairs]
+    return [f"{a}\n\n{t}" for a, t in pairs]
+
+
+def prompt_ids(llm: LLM, count: int) -> list[list[int]]:
+    """The held-out texts rendered by the model's chat template, or as plain text, BOS
+    first, where the file has none (a base model)."""
+    texts = held_out_texts(count)
     if llm.engine.chat_template is None:
         print("no chat template in the file: plain prompts")
         return [llm.engine.tokenize(f"{text}\n\n") for text in texts]
