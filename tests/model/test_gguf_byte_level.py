@@ -10,9 +10,9 @@ import pytest
 
 from iterserve.model.tokenizer import tokenizer_from_gguf
 
-# Single bytes (ByteLevel's alphabet: "Ġ" is the space), the merges "a b" and "1 2", and two
-# words no merge reaches: "abc" and "123".
-_TOKENS = ["a", "b", "c", "Ġ", "1", "2", "3", "ab", "12", "abc", "123", "<bos>"]
+# Single bytes (ByteLevel's alphabet: "Ġ" is the space), the merges "a b" and "1 2", and
+# words no merge reaches: "abc", "123" and "Ab".
+_TOKENS = ["a", "b", "c", "A", "Ġ", "1", "2", "3", "ab", "12", "abc", "123", "Ab", "<bos>"]
 _MERGES = ["a b", "1 2"]
 _CONTROL, _NORMAL = 3, 1
 
@@ -52,3 +52,11 @@ def test_gpt2_vocabularies_merge_their_way_up(pre: str) -> None:
 @pytest.mark.parametrize("pre", ["qwen2", "deepseek-r1-qwen"])
 def test_qwen2_vocabularies_split_every_digit(pre: str) -> None:
     assert _pieces(pre, "abc 123") == ["ab", "c", "Ġ", "1", "2", "3"]
+
+
+def test_tekken_vocabularies_split_at_a_capital_and_between_digits() -> None:
+    # Mistral's Tekken: "abAb" is two words, each in the vocabulary; digits one by one; BOS
+    # first unless the file says otherwise.
+    assert _pieces("tekken", "abAb 123") == ["<bos>", "ab", "Ab", "Ġ", "1", "2", "3"]
+    # Llama 3's split keeps "abAb" one word, which merges as far as "ab", "A", "b".
+    assert _pieces("llama-bpe", "abAb", add_bos_token=False) == ["ab", "A", "b"]

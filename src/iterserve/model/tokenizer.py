@@ -31,6 +31,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral's Tekken (Mistral Nemo, Ministral): words split at case changes, digits one by one;
+# the regex of its tokenizer.json.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class _PreTokenizer:
 _GPT2 = _PreTokenizer((_GPT2_SPLIT,))
 _LLAMA3 = _PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
 _QWEN2 = _PreTokenizer((_QWEN2_SPLIT,))
+_TEKKEN = _PreTokenizer((_TEKKEN_SPLIT,), ignore_merges=True, add_bos=True)
 # SmolLM (and StarCoder, whose vocabulary it reuses) puts every digit in a word of its own first.
 _DIGITS_THEN_GPT2 = _PreTokenizer((r"\p{N}", _GPT2_SPLIT))
 _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
@@ -57,6 +65,7 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "falcon3": _LLAMA3,  # Falcon 3: a Llama body with a Llama 3 style vocabulary
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,  # the DeepSeek-R1 distillations into Qwen 2.5
+    "tekken": _TEKKEN,
 }
 
 
