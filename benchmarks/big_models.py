@@ -4,7 +4,9 @@ with random weights, one engine at a time: load time, memory, decode and prompt 
 share of the machine's memory bandwidth a one-sequence decode reaches.
 
 Files. Each preset (src/iterserve/bench/shaped_gguf.py: the published configs, the bundled
-tokenizer, tied embeddings) is written as F16, tensor by tensor, by a child process whose
+tokenizer, tied embeddings; with --real-vocab the model's own vocabulary size, the bundled
+one cut or grown by filler tokens, and its own head where untied, in files named
+PRESET-real-vocab.TYPE.gguf) is written as F16, tensor by tensor, by a child process whose
 peak RSS is printed, then quantized by llama.cpp's llama-quantize to each of --types. The
 quantized files stay in --workdir and are reused by later runs; the F16 file is deleted once
 they exist unless --keep-f16 (an 8B's F16 is 14 GB). --files runs GGUFs of your own as they
@@ -56,6 +58,7 @@ without it, it says how to make it and runs iterserve alone. Asserts nothing.
     .venv/bin/python benchmarks/big_models.py --models llama-1b --types Q4_K_M,Q6_K --rounds 3
     .venv/bin/python benchmarks/big_models.py --models qwen3-4b,gemma3-4b,mistral-7b --types Q4_K_M,Q8_0
     .venv/bin/python benchmarks/big_models.py --models llama-8b --engines llama.cpp
+    .venv/bin/python benchmarks/big_models.py --models gemma3-4b --real-vocab  # its 262,208-row head
     .venv/bin/python benchmarks/big_models.py --files ~/models/gemma-3-270m-q4_k_m.gguf  # a file of your own
     .venv/bin/python benchmarks/big_models.py --models llama-8b --prepare-only   # write, quantize, stop
     .venv/bin/python benchmarks/big_models.py --isa avx2
@@ -207,11 +210,11 @@ def child_bandwidth(threads: int) -> dict[str, Any]:
     return {"bandwidth": read_bandwidth(threads)}
 
 
-def child_write(preset: str, path: str, seed: int) -> dict[str, Any]:
+def child_write(preset: str, path: str, seed: int, real_vocab: bool) -> dict[str, Any]:
     from iterserve.bench.shaped_gguf import write_shaped_gguf
 
     start = time.perf_counter()
-    write_shaped_gguf(Path(path), preset, seed)
+    write_shaped_gguf(Path(path), preset, seed, real_vocab=real_vocab)
     return {"seconds": time.perf_counter() - start, "bytes": Path(path).stat().st_size}
 
 
@@ -352,14 +355,18 @@ def prepare_files(
     """The preset's quantized files, made if missing (F16 first, then llama-quantize), and
     what making them cost."""
     work = Path(args.workdir).expanduser()
-    stem = preset if args.seed == 0 else f"{preset}-seed{args.seed}"
+    stem = preset + ("-real-vocab" if args.real_vocab else "")
+    stem += f"-seed{args.seed}" if args.seed else ""
     f16 = work / f"{stem}.F16.gguf"
     wanted = {t: work / f"{stem}.{t}.gguf" for t in args.types.split(",")}
     made: dict[str, Any] = {}
     missing = [t for t, p in wanted.items() if not p.exists() and t != "F16"]
     if (missing or "F16" in wanted) and not f16.exists():
         child = run_guarded(
-            _python_child("write", preset, str(f16), "--seed", str(args.seed)),
+            _python_child(
+                "write", preset, str(f16), "--seed", str(args.seed),
+                *(["--real-vocab"] if args.real_vocab else []),
+            ),  # fmt: skip
             dict(os.environ),
             _limit(args),
             logs / f"{stem}.write.log",
@@ -572,6 +579,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="for both engines and the bandwidth")
     parser.add_argument("--seed", type=int, default=0, help="of the random weights")
+    parser.add_argument("--real-vocab", action="store_true", help="the models' own vocabulary sizes and (un)tied heads, not the bundled 49,152 tied")
     parser.add_argument("--workdir", default="~/.cache/iterserve-bench/big_models")
     parser.add_argument("--keep-f16", action="store_true", help="keep the F16 files (14 GB for an 8B)")
     parser.add_argument("--memory-limit-gib", type=float, default=21.0, help="a child past it is killed")
@@ -590,7 +598,7 @@ def main() -> None:
         elif job == "bandwidth":
             result = child_bandwidth(args.threads)
         elif job == "write":
-            result = child_write(rest[0], rest[1], args.seed)
+            result = child_write(rest[0], rest[1], args.seed, args.real_vocab)
         else:
             result = child_iterserve(rest[0], batches, args.prompt_len, args.output_len, args.threads)  # fmt: skip
         print(json.dumps(result))

@@ -99,3 +99,44 @@ def test_qwen2_and_phi3_bodies_carry_their_own_tensors(tmp_path: Path) -> None:
     assert loaded.weights[f"{layer}.self_attn.qkv_proj.weight"].shape == (q + 2 * kv, phi3.hidden)
     gate_up = loaded.weights[f"{layer}.mlp.gate_up_proj.weight"]
     assert gate_up.shape == (2 * phi3.intermediate, phi3.hidden)
+
+
+@pytest.mark.parametrize("size", [49152 + 64, 32064])
+def test_real_vocab_files_have_the_models_rows_and_head(tmp_path: Path, size: int) -> None:
+    """`real_vocab`: the bundled vocabulary grown by filler tokens (Llama 3's 128k, Gemma's
+    262k) or cut (Phi-3's 32k, Mistral's), and an output.weight where the model's head is its
+    own; the file loads with those rows, and its tokenizer reads text whole."""
+    shape = dataclasses.replace(PRESETS["tiny"], vocab=size, tied=False)
+    path = write_shaped_gguf(tmp_path / "rv.gguf", shape, real_vocab=True)
+    metadata, tensors = read_gguf_header(path)
+    assert len(metadata["tokenizer.ggml.tokens"]) == size
+    assert len(metadata["tokenizer.ggml.token_type"]) == size
+    assert tuple(tensors["output.weight"].shape) == (size, shape.hidden)
+    assert decode_bytes_per_token(path) == sum(
+        spec.nbytes
+        for spec in tensor_specs(shape, size, head=True)
+        if spec.name != "token_embd.weight"
+    )
+
+    loaded = load_gguf(path, torch.float32)
+    assert loaded.config.vocab_size == size and not loaded.config.tie_word_embeddings
+    text = "Hello, world! <|im_start|>user\nWhat is 2 + 2? Ünïcödé ok<|im_end|>"
+    ids = loaded.tokenizer.encode(text)
+    assert max(ids) < min(size, 49152)  # fillers are never made from text
+    assert loaded.tokenizer.decode(ids) == text
+    if size > 49152:
+        assert ids == load_tokenizer(None).encode(text)
+    else:  # cut: no merge makes or joins a dropped token, so none is missed
+        merges = metadata["tokenizer.ggml.merges"]
+        kept = set(metadata["tokenizer.ggml.tokens"])
+        assert 0 < len(merges) < 48900
+        assert all(m.replace(" ", "") in kept for m in merges)
+
+
+def test_presets_vocabularies_are_their_models() -> None:
+    """The published vocabulary sizes, and which heads are tied, as real_vocab files use them."""
+    vocab = {name: (shape.vocab, shape.tied) for name, shape in PRESETS.items()}
+    assert vocab["llama-1b"] == (128256, True) and vocab["llama-8b"] == (128256, False)
+    assert vocab["gemma3-4b"] == (262208, True) and vocab["qwen3-8b"] == (151936, False)
+    assert all(v is not None for name, (v, _) in vocab.items() if name != "tiny")
+    assert all(v % 16 == 0 for v, _ in vocab.values() if v is not None)  # whole kernel tiles

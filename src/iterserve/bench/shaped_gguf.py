@@ -4,13 +4,18 @@ without downloading them.
 
 Each preset has its model's published shape (hidden size, layers, heads, context, rope),
 and every file the bundled model's tokenizer (its 49,152-token vocabulary and chat
-template) with the embedding tied to the head (no output.weight): a vocabulary of 49,152
-rows instead of the real 128-262k makes the files a little smaller than the real ones, and
-the decoder layers, which are most of a step's bytes, are the real ones. Weights are random
-normal (std 0.02, seeded), norms 1. `write_shaped_gguf` writes F16 with gguf's writer
-tensor by tensor (every tensor's info first, then each tensor's bytes as it is made), so
-its peak memory is one tensor, never the model; llama.cpp's `llama-quantize` makes the
-quantized types from it (benchmarks/big_models.py). With `blocks` it writes random blocks of
+template). By default the embedding is tied to the head (no output.weight): 49,152 rows
+instead of the real 32-262k make most files a little smaller than the real ones, and the
+decoder layers, which are most of a step's bytes, are the real ones. With `real_vocab` a
+file has the model's own vocabulary size and head: the bundled vocabulary cut to it or grown
+by filler tokens (`resize_vocabulary`), and an output.weight where the model does not tie
+it; the head a one-sequence step reads is then the real one (Llama 3's 128,256 rows in
+Q6_K are 27% of its 1B's bytes a token).
+
+Weights are random normal (std 0.02, seeded), norms 1. `write_shaped_gguf` writes F16 with
+gguf's writer tensor by tensor (every tensor's info first, then each tensor's bytes as it is
+made), so its peak memory is one tensor, never the model; llama.cpp's `llama-quantize` makes
+the quantized types from it (benchmarks/big_models.py). With `blocks` it writes random blocks of
 quantized types directly instead (`q4_k_m_types`: the types llama.cpp's Q4_K_M gives each
 tensor), for a file of a quantized model's true layout and size without llama.cpp: what a
 test of loading memory needs, not a model that says anything.
@@ -66,37 +71,43 @@ class Shape:
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     # Phi-3: q, k and v as one tensor (attn_qkv), gate and up as one (ffn_up, 2 x intermediate).
     fused_projections: bool = False
+    # The model's own vocabulary (vocab_size: the embedding's rows) and whether its head is
+    # the embedding (tie_word_embeddings); what `real_vocab` files have.
+    vocab: int | None = None
+    tied: bool = True
 
 
 # The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
-# text_config). Vocabulary and head are not the real ones: every preset has the bundled
-# 49,152-token tokenizer and a tied head.
+# text_config). Vocabulary and head are the real ones only in `real_vocab` files: otherwise
+# every preset has the bundled 49,152-token tokenizer and a tied head.
 # fmt: off
 PRESETS: dict[str, Shape] = {
     #                    arch      source                 hidden  inter layers heads kv  hd  rope theta context  rms eps
     "tiny":       Shape("llama",  "a few MB, for tests",      64,   128,   2,   4,   2,  16,  10000.0,   2048, 1e-5),
     "llama-1b":   Shape("llama",  "Llama-3.2-1B",           2048,  8192,  16,  32,   8,  64, 500000.0, 131072, 1e-5,
-                        llama3_rope=(32.0, 1.0, 4.0, 8192)),
+                        llama3_rope=(32.0, 1.0, 4.0, 8192), vocab=128256),
     "llama-3b":   Shape("llama",  "Llama-3.2-3B",           3072,  8192,  28,  24,   8, 128, 500000.0, 131072, 1e-5,
-                        llama3_rope=(32.0, 1.0, 4.0, 8192)),
+                        llama3_rope=(32.0, 1.0, 4.0, 8192), vocab=128256),
     "llama-8b":   Shape("llama",  "Llama-3.1-8B",           4096, 14336,  32,  32,   8, 128, 500000.0, 131072, 1e-5,
-                        llama3_rope=(8.0, 1.0, 4.0, 8192)),
+                        llama3_rope=(8.0, 1.0, 4.0, 8192), vocab=128256, tied=False),
     # llama.cpp stores Mistral as "llama"
-    "mistral-7b": Shape("llama",  "Mistral-7B-v0.3",        4096, 14336,  32,  32,   8, 128,      1e6,  32768, 1e-5),
+    "mistral-7b": Shape("llama",  "Mistral-7B-v0.3",        4096, 14336,  32,  32,   8, 128,      1e6,  32768, 1e-5,
+                        vocab=32768, tied=False),
     "qwen3-4b":   Shape("qwen3",  "Qwen3-4B",               2560,  9728,  36,  32,   8, 128,      1e6,  40960, 1e-6,
-                        qk_norm=True),
+                        qk_norm=True, vocab=151936),
     "qwen3-8b":   Shape("qwen3",  "Qwen3-8B",               4096, 12288,  36,  32,   8, 128,      1e6,  40960, 1e-6,
-                        qk_norm=True),
+                        qk_norm=True, vocab=151936, tied=False),
     "gemma3-4b":  Shape("gemma3", "gemma-3-4b-it",          2560, 10240,  34,   8,   4, 256,      1e6, 131072, 1e-6,
-                        qk_norm=True, sliding_window=1024, rope_local_theta=10000.0, rope_linear_factor=8.0),
+                        qk_norm=True, sliding_window=1024, rope_local_theta=10000.0, rope_linear_factor=8.0,
+                        vocab=262208),
     "gemma2-2b":  Shape("gemma2", "gemma-2-2b-it",          2304,  9216,  26,   8,   4, 256,  10000.0,   8192, 1e-6,
-                        sliding_window=4096, attn_softcap=50.0, final_softcap=30.0),
+                        sliding_window=4096, attn_softcap=50.0, final_softcap=30.0, vocab=256000),
     "qwen2.5-3b": Shape("qwen2",  "Qwen2.5-3B-Instruct",    2048, 11008,  36,  16,   2, 128,      1e6,  32768, 1e-6,
-                        qkv_bias=True),
+                        qkv_bias=True, vocab=151936),
     "qwen2.5-7b": Shape("qwen2",  "Qwen2.5-7B-Instruct",    3584, 18944,  28,  28,   4, 128,      1e6,  32768, 1e-6,
-                        qkv_bias=True),
+                        qkv_bias=True, vocab=152064, tied=False),
     "phi3-mini":  Shape("phi3",   "Phi-3-mini-4k-instruct", 3072,  8192,  32,  32,  32,  96,  10000.0,   4096, 1e-5,
-                        sliding_window=2047, fused_projections=True),
+                        sliding_window=2047, fused_projections=True, vocab=32064, tied=False),
 }
 # fmt: on
 
@@ -117,8 +128,9 @@ class TensorSpec:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
-def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
-    """The tensors of a file of this shape, in llama.cpp's converter's names and order."""
+def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpec]:
+    """The tensors of a file of this shape, in llama.cpp's converter's names and order; with
+    `head`, an output.weight of its own (an untied head)."""
     h, hd = shape.hidden, shape.head_dim
     specs = [TensorSpec("token_embd.weight", (vocab, h), "weight")]
     if shape.llama3_rope:
@@ -151,6 +163,8 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
         if gemma:
             specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
     specs.append(TensorSpec("output_norm.weight", (h,), "norm"))
+    if head:
+        specs.append(TensorSpec("output.weight", (vocab, h), "weight"))
     return specs
 
 
@@ -185,6 +199,37 @@ def tokenizer_metadata(source: Path | None = None) -> dict[str, Any]:
 
     metadata, _ = read_gguf_header(source or default_model_path())
     return {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
+
+
+# A vocabulary grown past the bundled one: tokens no merge makes, so text never becomes
+# them (byte-level BPE spells ASCII as itself); llama.cpp's NORMAL token type.
+_FILLER = "<filler{}>"
+_NORMAL_TOKEN = 1
+
+
+def resize_vocabulary(tokenizer: dict[str, Any], size: int) -> dict[str, Any]:
+    """The `tokenizer.*` keys of a byte-level BPE vocabulary with `size` tokens: cut to its
+    first `size` (the merges kept that join two kept tokens into a kept one, so the cut
+    vocabulary tokenizes text on its own), or grown by filler tokens (`_FILLER`)."""
+    tokens: list[str] = tokenizer["tokenizer.ggml.tokens"]
+    types: list[int] = tokenizer["tokenizer.ggml.token_type"]
+    resized = dict(tokenizer)
+    if size <= len(tokens):
+        kept = set(tokens[:size])
+        resized["tokenizer.ggml.tokens"] = tokens[:size]
+        resized["tokenizer.ggml.token_type"] = types[:size]
+        resized["tokenizer.ggml.merges"] = [
+            merge
+            for merge in tokenizer["tokenizer.ggml.merges"]
+            if all(part in kept for part in merge.split(" ")) and merge.replace(" ", "") in kept
+        ]
+    else:
+        extra = range(len(tokens), size)
+        resized["tokenizer.ggml.tokens"] = tokens + [_FILLER.format(i) for i in extra]
+        resized["tokenizer.ggml.token_type"] = types + [_NORMAL_TOKEN] * len(extra)
+    if any(v >= size for k, v in resized.items() if k.endswith("_token_id")):
+        raise ValueError(f"a special token's id is past a {size}-token vocabulary")
+    return resized
 
 
 def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
@@ -264,11 +309,11 @@ def random_blocks(
 
 def q4_k_m_types(spec: TensorSpec, shape: Shape) -> str | None:
     """The type llama.cpp's Q4_K_M gives a weight (llama-quantize's rules): Q6_K for the
-    tied embedding (the head) and for attn_v and ffn_down in the first and last eighth of the
+    head (output.weight, or the tied embedding; an untied one llama.cpp makes Q4_K) and for attn_v and ffn_down in the first and last eighth of the
     layers and every third between; Q4_K elsewhere; None (as written) for norms and tables."""
     if spec.kind != "weight":
         return None
-    if spec.name == "token_embd.weight":
+    if spec.name in ("token_embd.weight", "output.weight"):
         return "Q6_K"
     part = spec.name.split(".")[2]
     if part in ("attn_v", "ffn_down"):
@@ -301,9 +346,11 @@ def write_shaped_gguf(
     seed: int = 0,
     tokenizer: dict[str, Any] | None = None,
     blocks: Callable[[TensorSpec, Shape], str | None] | None = None,
+    real_vocab: bool = False,
 ) -> Path:
     """Write a GGUF of `preset`'s shape with random weights to `path`: F16, or where
-    `blocks` names a quantized type for a weight, random blocks of it.
+    `blocks` names a quantized type for a weight, random blocks of it. With `real_vocab`,
+    the model's own vocabulary size and (un)tied head (Shape.vocab, Shape.tied).
 
     Tensor by tensor: every tensor's info is declared first, then each tensor's data is made
     and written, so at most one tensor (plus a 16 MiB chunk of draws) is in memory. Written to
@@ -312,8 +359,10 @@ def write_shaped_gguf(
     shape = PRESETS[preset] if isinstance(preset, str) else preset
     name = preset if isinstance(preset, str) else shape.source
     tokenizer = tokenizer if tokenizer is not None else tokenizer_metadata()
+    if real_vocab and shape.vocab is not None:
+        tokenizer = resize_vocabulary(tokenizer, shape.vocab)
     vocab = len(tokenizer["tokenizer.ggml.tokens"])
-    specs = tensor_specs(shape, vocab)
+    specs = tensor_specs(shape, vocab, head=real_vocab and not shape.tied)
 
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, shape.arch)
