@@ -309,8 +309,9 @@ def random_blocks(
 
 def q4_k_m_types(spec: TensorSpec, shape: Shape) -> str | None:
     """The type llama.cpp's Q4_K_M gives a weight (llama-quantize's rules): Q6_K for the
-    head (output.weight, or the tied embedding; an untied one llama.cpp makes Q4_K) and for attn_v and ffn_down in the first and last eighth of the
-    layers and every third between; Q4_K elsewhere; None (as written) for norms and tables."""
+    head (output.weight, or the tied embedding; an untied one llama.cpp makes Q4_K) and for
+    attn_v and ffn_down in the first and last eighth of the layers and every third between;
+    Q4_K elsewhere; None (as written) for norms and tables."""
     if spec.kind != "weight":
         return None
     if spec.name in ("token_embd.weight", "output.weight"):
