@@ -31,8 +31,9 @@ figures (a model that does not fit must not take the machine down with it).
              count once touched); KV pool: its KV buffers.
 
 Bandwidth. The read bandwidth with --threads threads (iterserve.bench.bandwidth: a float32
-sum over 1 GiB, checked against a C++ loop) is measured at the start and again just before
-and just after each engine's run on each file, by a process of its own: on a shared machine
+sum over 1 GiB on 2 MiB pages, as iterserve's weights lie, checked against a C++ loop) is
+measured at the start and again just before and just after each engine's run on each file,
+by a process of its own: on a shared machine
 it moves with the other tenants (31 and 55 GB/s minutes apart on one 2-core AMD EPYC,
 2026-11-29), and a share against a figure taken minutes earlier says more about them than
 about the engine. Beside every batch-1 decode stand the bytes a token reads (the file's

@@ -22,6 +22,13 @@ taking turns round by round (best of 10 and of 15 rounds; the machine was shared
 
 So a float32 `x.sum()` reads as fast as the C++ loop (within the run-to-run spread); the
 2-thread spread is the other tenant: 21 GB/s on a quiet spell, 12 when it held a core.
+
+The buffer sits on 2 MiB pages (`host_memory.weight_buffer`, as iterserve's weights do): on
+4 KiB pages the same sum read 45-49 GB/s where 2 MiB pages read 63-65, rounds in turns
+(2026-11-30, AMD EPYC Zen 4, 2 cores, avx512bf16; a throwaway script), a TLB walk every 4 KiB
+costing a quarter of the speed. Until then this figure was taken on 4 KiB pages, so shares
+of it reported before 2026-11-30 are up to 1.3x too high (docs/benchmarks.md). llama.cpp's
+weights are its mmapped file's page cache: 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -31,19 +38,21 @@ from pathlib import Path
 
 BUFFER_BYTES = 1 << 30  # far beyond any cache here (35.8 MiB of L3 on the machine it was checked on)
 
-METHOD = "torch float32 sum over 1 GiB"
+METHOD = "torch float32 sum over 1 GiB on 2 MiB pages"
 
 
 def read_bandwidth(threads: int, nbytes: int = BUFFER_BYTES, repeats: int = 10) -> float:
     """Bytes per second that `threads` threads read from memory: the best of `repeats`
-    `x.sum()` of a float32 tensor of `nbytes` (its pages written first, so no page fault is
-    timed), under torch.set_num_threads(threads)."""
+    `x.sum()` of a float32 tensor of `nbytes` on 2 MiB pages where the system gives them (its
+    pages written first, so no page fault is timed), under torch.set_num_threads(threads)."""
     import torch
+
+    from iterserve.model.host_memory import weight_buffer
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        x = weight_buffer(1, nbytes).view(torch.float32).fill_(1.0)
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
