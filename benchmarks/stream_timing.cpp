@@ -2,7 +2,8 @@
 // threads, against a plain read of the same bytes timed in the same run: the share of the
 // memory's speed the loops reach, with no torch runtime and no Python between the calls.
 // The weights are a Llama 3.2 1B's projections (qkv 3072 x 2048, o 2048 x 2048, gate_up
-// 16384 x 2048, down 2048 x 8192) over `layers` layers, each its own random blocks on 2 MiB
+// 16384 x 2048, down 2048 x 8192; with SHAPES=8b a Llama 3.1 8B's, 6144 x 4096, 4096 x 4096,
+// 28672 x 4096, 4096 x 14336) over `layers` layers, each its own random blocks on 2 MiB
 // pages, each split in two equal halves of tiles as the engine splits a few rows' step. On a
 // shared machine the memory's speed moves with the other tenants, so run builds in turns
 // (several rounds each) and compare runs whose plain reads agree.
@@ -15,16 +16,19 @@
 //   .venv/lib/python3.11/site-packages/torch)
 //   /tmp/stream_timing <format code> [layers=16] [reps=5] [rows=1]
 //   IN_CACHE=1 /tmp/stream_timing ...   # one 1024 x 2048 weight over and over: the loops' own rate
+//   SHAPES=8b /tmp/stream_timing 22 4     # an 8B's layers (218 MB each in Q4_K)
 //
 // Format codes: blocks.h `Format` (Q4_0 10, Q8_0 14, Q4_K 22, Q6_K 24, ...).
 #include "gguf_repack.h"
 #include "tiles.h"
 #include <omp.h>
 #include <sys/mman.h>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 using namespace iterserve;
 
@@ -78,6 +82,8 @@ int main(int argc, char** argv) {
   const int64_t M = argc > 4 ? atol(argv[4]) : 1;
   const bool in_cache = getenv("IN_CACHE") != nullptr;
   std::vector<std::pair<int64_t, int64_t>> shapes = {{3072, 2048}, {2048, 2048}, {16384, 2048}, {2048, 8192}};
+  if (const char* body = getenv("SHAPES"); body && std::string(body) == "8b")
+    shapes = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
   if (in_cache) shapes = {{1024, 2048}};
   std::mt19937 rng(1);
   std::vector<Weight> weights;
@@ -93,9 +99,12 @@ int main(int argc, char** argv) {
   // Activations of both widths, quantized as the step quantizes them.
   std::normal_distribution<float> normal;
   std::vector<QuantizedBuffers> quantized;
-  quantized.reserve(2);  // rows point into them
+  std::vector<int64_t> widths;  // the shapes' K, each once
+  for (auto [N, K] : shapes)
+    if (std::find(widths.begin(), widths.end(), K) == widths.end()) widths.push_back(K);
+  quantized.reserve(widths.size());  // rows point into them
   std::vector<Rows> rows;
-  for (int64_t K : {2048, 8192}) {
+  for (int64_t K : widths) {
     std::vector<at::BFloat16> x(M * K);
     for (auto& v : x) v = at::BFloat16(normal(rng));
     QuantizedBuffers& q = quantized.emplace_back(M, K, unit_inputs(format));
@@ -103,8 +112,10 @@ int main(int argc, char** argv) {
     Rows& r = rows.emplace_back(Rows{K, nullptr, 0, nullptr, 0, {}, {}});
     (q.view.unit == 256 ? r.per256 : r.per32) = q.view;
   }
-  std::vector<float> out(M * 16384);
-  const Epilogue ep{nullptr, out.data(), 16384, nullptr, nullptr, 0};
+  int64_t widest = 0;
+  for (auto [N, K] : shapes) widest = std::max(widest, N);
+  std::vector<float> out(M * widest);
+  const Epilogue ep{nullptr, out.data(), widest, nullptr, nullptr, 0};
 
   double kernels = 1e9, read = 1e9;
   int64_t check = 0;
@@ -112,7 +123,7 @@ int main(int argc, char** argv) {
     auto start = std::chrono::steady_clock::now();
     for (const Weight& w : weights) {
       const Segment seg{format, w.data, w.tile_bytes, w.N / kTile, 0};
-      const Rows& x = rows[w.K == 2048 ? 0 : 1];
+      const Rows& x = rows[std::find(widths.begin(), widths.end(), w.K) - widths.begin()];
 #pragma omp parallel num_threads(2)
       {
         const int t = omp_get_thread_num();
