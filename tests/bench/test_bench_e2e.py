@@ -4,6 +4,9 @@ loopback port (both report blocks, a 2-point sweep with its PNG), and in-process
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,3 +164,22 @@ def test_offline_sweep_and_transformers_peer(
     assert peer["batch_size"] in (2, 8) and set(peer["probes"]) == {"2", "8"}
     assert peer["throughput"]["total_output_tokens"] == 64
     assert peer["output_throughput_ratio"] > 0
+
+
+def test_a_clean_servers_temporary_log_is_removed_at_stop(tiny_llama_dir: Path) -> None:
+    # Every test that starts a server used to leave an empty iterserve-serve-*.log in /tmp.
+    running = launch_server(tiny_config(tiny_llama_dir), startup_timeout=120)
+    log = running.log_path
+    assert log.exists()
+    running.stop()
+    assert running.process.returncode in (0, -signal.SIGTERM), running.log_tail()
+    assert not log.exists()
+
+
+def test_a_temporary_log_with_something_in_it_stays_to_be_read(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    log.write_text("Traceback: what went wrong\n")
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ServerProcess(process, "http://127.0.0.1:1", log, temporary_log=True).stop()
+    assert process.returncode == -signal.SIGTERM
+    assert log.read_text() == "Traceback: what went wrong\n"

@@ -69,6 +69,10 @@ class ServerProcess:
     process: subprocess.Popen[bytes]
     base_url: str
     log_path: Path
+    # The log is a temporary file of launch_server's own: removed at stop() when the server
+    # wrote nothing to it (at --log-level warning, every clean run), so that a test suite
+    # leaves no empty files behind; one with something in it stays, to be read.
+    temporary_log: bool = False
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -84,6 +88,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.temporary_log and self.log_path.exists() and self.log_path.stat().st_size == 0:
+            self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -102,8 +108,11 @@ def launch_server(
 ) -> ServerProcess:
     """Start a server for `config` and return once /health answers 200."""
     port = port or free_port(host)
+    temporary_log = log_path is None
     if log_path is None:
-        log_path = Path(tempfile.mkstemp(prefix="iterserve-serve-", suffix=".log")[1])
+        descriptor, name = tempfile.mkstemp(prefix="iterserve-serve-", suffix=".log")
+        os.close(descriptor)
+        log_path = Path(name)
     command = [
         sys.executable,
         "-m",
@@ -122,7 +131,7 @@ def launch_server(
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
         )
-    server = ServerProcess(process, f"http://{host}:{port}", log_path)
+    server = ServerProcess(process, f"http://{host}:{port}", log_path, temporary_log)
     deadline = time.monotonic() + startup_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
