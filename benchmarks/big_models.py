@@ -33,14 +33,13 @@ figures (a model that does not fit must not take the machine down with it).
 Bandwidth. The read bandwidth with --threads threads (iterserve.bench.bandwidth: a float32
 sum over 1 GiB on 2 MiB pages, as iterserve's weights lie, checked against a C++ loop) is
 measured at the start and again just before and just after each engine's run on each file,
-by a process of its own: on a shared machine
-it moves with the other tenants (31 and 55 GB/s minutes apart on one 2-core AMD EPYC,
-2026-11-29), and a share against a figure taken minutes earlier says more about them than
-about the engine. Beside every batch-1 decode stand the bytes a token reads (the file's
-tensors, the tied embedding once, as the head), the two readings and the share tok/s x bytes
-per token / their mean: 100% is the most one sequence can decode if every weight byte comes
-from memory once a step. Where the two readings differ by more than 15% the run met a change
-of the memory's speed and its share is marked `~`.
+by a process of its own: on a shared machine it moves with the other tenants (31 and 55 GB/s
+minutes apart on one 2-core AMD EPYC, 2026-11-29), and a share against a figure taken minutes
+earlier says more about them than about the engine. Beside every batch-1 decode stand the
+bytes a token reads (the file's tensors, the tied embedding once, as the head), the two
+readings and the share tok/s x bytes per token / their mean: 100% is the most one sequence
+can decode if every weight byte comes from memory once a step. Where the two readings differ
+by more than 15% the run met a change of the memory's speed and its share is marked `~`.
 
 Rounds. --rounds N runs the engines N times on each file, in turns, the order reversed every
 other round (iterserve, llama.cpp, llama.cpp, iterserve, ...), and prints for each figure the
