@@ -108,6 +108,14 @@ PRESETS: dict[str, Shape] = {
                         qkv_bias=True, vocab=152064, tied=False),
     "phi3-mini":  Shape("phi3",   "Phi-3-mini-4k-instruct", 3072,  8192,  32,  32,  32,  96,  10000.0,   4096, 1e-5,
                         sliding_window=2047, fused_projections=True, vocab=32064, tied=False),
+    # Rows of 1152 inputs: not whole K-quant blocks, which llama-quantize gives another type.
+    "gemma3-1b":  Shape("gemma3", "gemma-3-1b-it",          1152,  6912,  26,   4,   1, 256,      1e6,  32768, 1e-6,
+                        qk_norm=True, sliding_window=512, rope_local_theta=10000.0, vocab=262144),
+    "qwen3-1.7b": Shape("qwen3",  "Qwen3-1.7B",             2048,  6144,  28,  16,   8, 128,      1e6,  40960, 1e-6,
+                        qk_norm=True, vocab=151936),
+    # Full multi-head attention: 32 K/V heads, 16x a grouped 8B's cache a token.
+    "llama2-7b":  Shape("llama",  "Llama-2-7b-chat-hf",     4096, 11008,  32,  32,  32, 128,  10000.0,   4096, 1e-5,
+                        vocab=32000, tied=False),
 }
 # fmt: on
 
