@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
+from iterserve.engine.process_memory import ProcessMemory, process_memory
 
 BENCHMARKS = Path(__file__).resolve().parent
 LLAMA_CPP_SH = BENCHMARKS / "peers" / "llama_cpp.sh"
@@ -131,16 +132,6 @@ class Child:
         return None
 
 
-def _memory_of(pid: int) -> tuple[int, int] | None:
-    """(VmRSS, VmHWM) of a process, in bytes; None once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    rss, hwm = re.search(r"VmRSS:\s+(\d+) kB", status), re.search(r"VmHWM:\s+(\d+) kB", status)
-    return (int(rss[1]) * 1024, int(hwm[1]) * 1024) if rss and hwm else None
-
-
 def run_guarded(command: list[str], env: dict[str, str], limit: int, log: Path) -> Child:
     """Run `command`, polling its RSS; SIGKILL it past `limit` bytes. Its stdout is kept (in a
     file, so a chatty child never blocks on a full pipe), its stderr goes to `log`."""
@@ -151,9 +142,9 @@ def run_guarded(command: list[str], env: dict[str, str], limit: int, log: Path) 
         killed, peak = False, 0
         polled: list[tuple[float, int]] = []
         while process.poll() is None:
-            memory = _memory_of(process.pid)
+            memory = process_memory(process.pid)
             if memory is not None:
-                rss, peak = memory[0], max(peak, memory[1])
+                rss, peak = memory.resident, max(peak, memory.peak)
                 polled.append((time.perf_counter() - start, rss))
                 if rss > limit and not killed:
                     process.kill()
@@ -176,10 +167,11 @@ def _python_child(*args: str) -> list[str]:
 # ---- what the children run ----------------------------------------------------------------
 
 
-def _status(key: str) -> int:
-    """A /proc/self/status figure, in bytes."""
-    match = re.search(key + r":\s+(\d+) kB", Path("/proc/self/status").read_text())
-    return int(match[1]) * 1024 if match else 0
+def _own_memory() -> ProcessMemory:
+    """This child's memory (Linux: the benchmark reads /proc throughout)."""
+    memory = process_memory()
+    assert memory is not None, "/proc/self/status is not readable"
+    return memory
 
 
 def child_warm_up(threads: int) -> dict[str, Any]:
@@ -233,7 +225,7 @@ def child_iterserve(
 
     # The engine's own account (KV blocks, weights, warm-up) into this child's log.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    imports_peak = _status("VmHWM")
+    imports_peak = _own_memory().peak
     start = time.perf_counter()
     llm = LLM(
         path,
@@ -242,7 +234,8 @@ def child_iterserve(
         num_threads=threads,
     )
     load_seconds = time.perf_counter() - start
-    load_peak, held = _status("VmHWM"), _status("VmRSS")
+    loaded = _own_memory()
+    load_peak, held = loaded.peak, loaded.resident
     engine = llm.engine
     kv_pool = (
         engine.scheduler.kv_cache_stats().num_blocks
@@ -265,7 +258,7 @@ def child_iterserve(
         "imports_peak_rss": imports_peak,
         "peak_rss": load_peak,
         "held_rss": held,
-        "run_peak_rss": _status("VmHWM"),
+        "run_peak_rss": _own_memory().peak,
         "kv_pool": kv_pool,
         "kv_cache_dtype": plan.kv_cache_dtype,
         "weights": plan.weights,

@@ -141,6 +141,14 @@ def test_concurrent_streams_give_a_single_engines_text_and_use_both_replicas(
         ),
         timeout=5,
     )
+    # Each replica's memory is read in its own process: its weights and more resident; the
+    # fleet's is their sum.
+    m = fleet.metrics()
+    for replica in ("0", "1"):
+        weights = m[f'iterserve:model_weights_bytes{{replica="{replica}"}}']
+        assert 0 < weights < m[f'iterserve:process_resident_memory_bytes{{replica="{replica}"}}']
+    peaks = [m[f'iterserve:process_peak_resident_memory_bytes{{replica="{r}"}}'] for r in "01"]
+    assert m['iterserve:process_peak_resident_memory_bytes{replica="all"}'] == sum(peaks)
     health = httpx.get(f"{fleet.base_url}/health").json()
     assert health["status"] == "ok" and health["replicas"] == ["ok", "ok"]
     assert health["model"]["dtype"] in ("bfloat16", "float32")  # how the replicas compute

@@ -327,6 +327,20 @@ def test_metrics_parse_and_counters_move(
         assert gauge in after
 
 
+def test_metrics_report_the_engines_memory(server: RunningServer) -> None:
+    """The weights and the KV pool as the engine holds them, and the process's resident
+    memory now and at its peak, beside the standard process_* series of the same process."""
+    m = server.metrics()
+    engine = server.engine
+    weights = m["iterserve:model_weights_bytes"]
+    assert weights == engine.model_plan.weight_bytes > 0
+    assert m["iterserve:kv_cache_memory_bytes"] == engine.kv_pool.bytes > 0
+    resident = m["iterserve:process_resident_memory_bytes"]
+    assert weights < resident <= m["iterserve:process_peak_resident_memory_bytes"]
+    # prometheus_client's own reading of the same process, a moment apart.
+    assert abs(m["process_resident_memory_bytes"] - resident) < 0.1 * resident
+
+
 def test_concurrent_streams_with_disconnects(server: RunningServer, offline: LLM) -> None:
     prompts = [f"Request number {i} asks about" for i in range(32)]
     expected = [

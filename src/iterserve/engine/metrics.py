@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from iterserve.core.kv_cache import hit_rate
 from iterserve.core.request import LANES, RequestTimings
 from iterserve.core.speculation import SpecDecodeStats
+from iterserve.engine.process_memory import process_memory
 
 if TYPE_CHECKING:  # the engine pulls in torch; these numbers need none of it
     from iterserve.engine.llm_engine import LLMEngine
@@ -76,6 +77,13 @@ class EngineSnapshot:
     decode_tokens: int = 0
     num_resident_loras: int = 0  # LoRA adapters in the model's slots
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # Memory, in bytes: the served model's weights as held, the KV pool's reservation
+    # (resident only as blocks are written), and the engine process's resident memory now
+    # and at its peak: read at scrape time (`with_process_memory`), not every step.
+    weights_bytes: int = 0
+    kv_cache_bytes: int = 0
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
 
     @property
     def num_running(self) -> int:
@@ -119,7 +127,18 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
             scheduler.spec_stats,
             accepted_per_position=list(scheduler.spec_stats.accepted_per_position),
         ),
+        weights_bytes=engine.model_plan.weight_bytes,
+        kv_cache_bytes=engine.kv_pool.bytes,
     )
+
+
+def with_process_memory(snapshot: EngineSnapshot) -> EngineSnapshot:
+    """The snapshot with this process's resident memory read now: call it in the process
+    that runs the engine (a replica's own, for a fleet), when the figures are wanted."""
+    memory = process_memory()
+    if memory is None:
+        return snapshot
+    return replace(snapshot, resident_bytes=memory.resident, peak_resident_bytes=memory.peak)
 
 
 def merge_snapshots(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
@@ -150,10 +169,14 @@ _COUNTS = tuple(
 
 def idle_snapshot(snapshot: EngineSnapshot) -> EngineSnapshot:
     """What a dead engine still counts for: its counters (they must not go back), with
-    nothing running, waiting or holding KV blocks any more."""
+    nothing running, waiting, holding KV blocks or memory any more."""
     return replace(
         snapshot,
         running=dict.fromkeys(LANES, 0),
         waiting=dict.fromkeys(LANES, 0),
         num_used_kv_blocks=0,
+        weights_bytes=0,
+        kv_cache_bytes=0,
+        resident_bytes=0,
+        peak_resident_bytes=0,
     )

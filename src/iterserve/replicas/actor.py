@@ -17,6 +17,7 @@ from dataclasses import replace
 from iterserve.config import EngineConfig
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.metrics import with_process_memory
 from iterserve.engine.request_stream import (
     EngineDiedError,
     EngineOverloadedError,
@@ -54,7 +55,9 @@ class EngineReplica(ReplicaTestHooks):
 
     def status(self) -> ReplicaStatus:
         engine = self.engine
-        return ReplicaStatus(engine.is_ready, engine.is_healthy, engine.snapshot, engine.failure)
+        # The memory figures are this replica's process's, read here, where it runs.
+        snapshot = with_process_memory(engine.snapshot)
+        return ReplicaStatus(engine.is_ready, engine.is_healthy, snapshot, engine.failure)
 
     async def generate(
         self, requests: list[GenerationRequest], waited: float

@@ -1,11 +1,14 @@
-"""Prometheus series for GET /metrics, all named `iterserve:...`.
+"""Prometheus series for GET /metrics, named `iterserve:...`, and the standard `process_*`
+ones of the server's process (prometheus_client's ProcessCollector).
 
-Three sources feed it:
+Three sources feed the engine's:
 - the HTTP layer: API requests received and rejected (by status);
 - the async engine, once per engine request that ends: finish reason, tokens,
   and latency histograms (TTFT, TBT, TPOT, E2E, queue time) from its timings;
 - the engine snapshot, read at scrape time: running / waiting per lane, KV
-  cache usage, prefix-cache hit rate, preemptions.
+  cache usage, prefix-cache hit rate, preemptions; memory: the weights, the KV pool's
+  reservation, and the engine process's resident memory now and at its peak (a replica's
+  read in its own process).
 
 Behind a data-parallel front end the engine series come per replica and for the fleet
 (see ServerMetrics).
@@ -19,11 +22,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from iterserve.engine.metrics import EngineSnapshot, RequestMetrics, merge_snapshots
+from iterserve.engine.metrics import (
+    EngineSnapshot,
+    RequestMetrics,
+    merge_snapshots,
+    with_process_memory,
+)
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.serving_engine import (
     REPLICA_GIVEN_UP,
@@ -93,8 +107,9 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engine, out = self._engine, _Families()
         snaps = engine.snapshots()
-        if not engine.replica_labels:
-            _engine_metrics(out, snaps[0], None, 1.0 if engine.is_healthy else 0.0)
+        if not engine.replica_labels:  # the engine runs in this process
+            snap = with_process_memory(snaps[0])
+            _engine_metrics(out, snap, None, 1.0 if engine.is_healthy else 0.0)
             yield from out
             return
         states = engine.replica_states()
@@ -166,6 +181,16 @@ _SNAPSHOT_SERIES: tuple[tuple[_Kind, str, str, Callable[[EngineSnapshot], float]
      lambda s: s.spec.num_draft_tokens),
     (_C, "spec_decode_num_accepted_tokens", "Draft tokens accepted",
      lambda s: s.spec.num_accepted_tokens),
+    (_G, "model_weights_bytes", "Bytes of the served model's weights, as held",
+     lambda s: s.weights_bytes),
+    (_G, "kv_cache_memory_bytes",
+     "Bytes reserved for the KV cache pool (resident only as blocks are written)",
+     lambda s: s.kv_cache_bytes),
+    (_G, "process_resident_memory_bytes", "Resident memory of the engine's process (VmRSS)",
+     lambda s: s.resident_bytes),
+    (_G, "process_peak_resident_memory_bytes",
+     "The most memory the engine's process has held resident at once (VmHWM)",
+     lambda s: s.peak_resident_bytes),
 )  # fmt: skip
 _PER_LANE = (
     ("num_requests_running", "Requests running in the engine", "running"),
@@ -197,6 +222,8 @@ class ServerMetrics:
     def __init__(self, engine: ServingEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # The standard process_* series (process_resident_memory_bytes, ...) of this process.
+        ProcessCollector(registry=r)
         self._replica_labels = engine.replica_labels
         per = ["replica"] if engine.replica_labels else []
         self.requests_received = Counter(
