@@ -147,7 +147,9 @@ def test_tp2_sizes_an_auto_pool_from_an_estimate(
     with LLM(str(checkpoint), tensor_parallel_size=2, **auto) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         pool = llm.engine.kv_pool
+        shard_bytes = llm.engine.model_plan.weight_bytes  # rank 0's, as /metrics reports it
     weight_bytes = 4 * sum(t.numel() for t in load_file(checkpoint / "model.safetensors").values())
+    assert 0 < shard_bytes < weight_bytes
     assert pool.available == AvailableMemory(
         gib - weight_bytes, f"estimate: fake less the checkpoint's {weight_bytes / gib:.2f} GiB"
     )

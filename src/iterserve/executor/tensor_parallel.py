@@ -248,6 +248,7 @@ def launch_tensor_parallel(
         weights=str(dtype).removeprefix("torch."),
         step="eager",
         linears=network.model.describe_linears(),
+        weight_bytes=network.model.weight_bytes(),  # rank 0's shard
     )
     logger.info(
         "model %s: tensor parallel over %d ranks (%s, %d threads each): torch linears, torch "
