@@ -31,6 +31,7 @@ _ARCHITECTURES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
@@ -84,12 +85,14 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         c.max_position_embeddings,
         getattr(c, "original_max_position_embeddings", None),
     )
-    arch = c.model_type if c.model_type in ("qwen2", "mistral", "mixtral", "qwen3", "phi3") else "llama"
+    named = ("qwen2", "mistral", "mixtral", "qwen3", "qwen3_moe", "phi3")
+    arch = c.model_type if c.model_type in named else "llama"
     return ModelConfig(
         architecture=arch,
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
+        # Qwen3-MoE's own name for an expert's width (Mixtral's is intermediate_size).
+        intermediate_size=getattr(c, "moe_intermediate_size", c.intermediate_size),
         num_hidden_layers=c.num_hidden_layers,
         num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads,
@@ -103,6 +106,7 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         sliding_window=getattr(c, "sliding_window", None) if arch in ("mistral", "mixtral", "phi3") else None,
         num_local_experts=getattr(c, "num_local_experts", 0),
         num_experts_per_tok=getattr(c, "num_experts_per_tok", 0),
+        norm_topk_prob=getattr(c, "norm_topk_prob", True),
     )
 
 

@@ -138,17 +138,22 @@ SMALL_VOCAB = 128
 
 
 def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTrainedModel:
-    """A family's model with SMALL_VOCAB; Mixtral among them. `gguf`: as family_model's."""
-    if name != "mixtral":
+    """A family's model with SMALL_VOCAB; the mixture-of-experts ones (Mixtral, Qwen3-MoE:
+    4 experts, 2 a token) among them. `gguf`: as family_model's."""
+    experts = {
+        "mixtral": dict(num_local_experts=4),
+        "qwen3_moe": dict(num_experts=4, moe_intermediate_size=128, norm_topk_prob=True),
+    }
+    if name not in experts:
         return family_model(name, gguf=gguf, vocab_size=SMALL_VOCAB)
     return tiny_hf_model(
-        "mixtral",
+        name,
         vocab_size=SMALL_VOCAB,
         weight_std=0.15,
         head_dim=16,
-        num_local_experts=4,
         num_experts_per_tok=2,
         attn_implementation="eager",
         bos_token_id=1,
         eos_token_id=2,
+        **experts[name],
     )

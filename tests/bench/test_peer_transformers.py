@@ -15,14 +15,15 @@ from iterserve.model.loader import load_model
 from tiny_families import SMALL_VOCAB, engine_family_model, family_checkpoint
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
 def test_peer_model_from_gguf_is_the_original(
     name: str, tmp_path: Path, tokenizer_dir: Path
 ) -> None:
-    """Past Phi-3's original context and Gemma's window. Mixtral from its HF directory's
-    loaded weights (what its GGUF loads to: tests/model/test_moe.py), through from_loaded."""
+    """Past Phi-3's original context and Gemma's window. The mixture-of-experts families from
+    their HF directory's loaded weights (what their GGUFs load to: tests/model/test_moe.py),
+    through from_loaded."""
     original = engine_family_model(name, gguf=True)
-    kind = "hf" if name == "mixtral" else "f32"
+    kind = "hf" if name in ("mixtral", "qwen3_moe") else "f32"
     path = family_checkpoint(kind, original, tmp_path, tokenizer_dir)
     if kind == "hf":
         loaded = load_model(path, torch.float32)

@@ -195,7 +195,7 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
 
 
 @pytest.mark.slow  # ~4 s each
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
 def test_engine_greedy_matches_transformers_through_preemption_and_ngram_speculation(
     name: str, tmp_path: Path, tokenizer_dir: Path
 ) -> None:

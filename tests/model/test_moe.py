@@ -1,9 +1,11 @@
-"""Mixtral (model/moe.py) against transformers on tiny random checkpoints, fp32: the logits
-of steps whose tokens go to several experts, greedy tokens through the engine (chunked
-prefill, prefix-cache hits, preemption, tensor parallelism), and the same model as a GGUF."""
+"""The mixture-of-experts families (model/moe.py: Mixtral, Qwen3-MoE) against transformers
+on tiny random checkpoints, fp32: the logits of steps whose tokens go to several experts,
+greedy tokens through the engine (chunked prefill, prefix-cache hits, preemption, tensor
+parallelism), and the same model as a GGUF the way llama.cpp's converter writes each."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
@@ -24,44 +27,68 @@ from iterserve.model.gguf_loader import read_gguf_header
 from iterserve.model.linear import Backend
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
+from iterserve.model.moe import route
 from paged_runner import PagedRunner
 from tiny_checkpoints import model_config_of, tiny_hf_model
 from tiny_gguf import add_shape, llama_cpp_permute
 from transformers_reference import PROMPTS, reference
 
 EXPERTS, TOP_K = 4, 2
-SHAPE = dict(
-    num_local_experts=EXPERTS,
+COMMON = dict(
     num_experts_per_tok=TOP_K,
-    intermediate_size=96,
     weight_std=0.15,  # every weight drawn afresh: routing varies from token to token
     tie_word_embeddings=False,
 )
+# Each family's config spelling of 4 experts of width 96. Qwen3-MoE renormalises the top-k
+# weights as every released model does (and llama.cpp always does for its GGUF files).
+SHAPES: dict[str, dict[str, object]] = {
+    "mixtral": dict(num_local_experts=EXPERTS, intermediate_size=96, **COMMON),
+    "qwen3_moe": dict(num_experts=EXPERTS, moe_intermediate_size=96, norm_topk_prob=True, **COMMON),
+}
+# How each family's checkpoint names a layer's router and experts (model.layers.N.<prefix>.
+# gate, <prefix>.experts.E.<projection>), and its GGUF architecture.
+NAMES = {
+    "mixtral": ("block_sparse_moe", {"gate": "w1", "down": "w2", "up": "w3"}, "llama"),
+    "qwen3_moe": ("mlp", {"gate": "gate_proj", "down": "down_proj", "up": "up_proj"}, "qwen3moe"),
+}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def mixtral_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
-    return _save_tiny("mixtral", tmp_path_factory.mktemp("tiny-mixtral"), tokenizer_dir, **SHAPE)
+@pytest.fixture(scope="module", params=list(SHAPES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def mixtral_reference(mixtral_dir: Path) -> list[list[int]]:
-    tokens = reference(mixtral_dir, PROMPTS, GREEDY.max_tokens)
+def moe_dir(family: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return _save_tiny(
+        family, tmp_path_factory.mktemp(f"tiny-{family}"), tokenizer_dir, **SHAPES[family]
+    )
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_dir: Path) -> list[list[int]]:
+    tokens = reference(moe_dir, PROMPTS, GREEDY.max_tokens)
     assert all(len(set(t)) > 3 for t in tokens), "degenerate text would prove little"
     return tokens
 
 
-@pytest.fixture(scope="module")
-def tiny_mixtral(
-    tmp_path_factory: pytest.TempPathFactory,
+def _tiny_moe(
+    family: str, out: Path, **overrides: object
 ) -> tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]]:
-    """A 128-token-vocabulary Mixtral and its weights as its checkpoint names them
-    (experts.E.w1/w2/w3: transformers' in-memory names differ)."""
-    hf = tiny_hf_model("mixtral", vocab_size=128, head_dim=32, attn_implementation="eager", **SHAPE)
-    out = tmp_path_factory.mktemp("tiny-mixtral-128")
+    """A 128-token-vocabulary model of `family` and its weights as its checkpoint names them
+    (experts.E.w1/w2/w3 or gate_proj/up_proj/down_proj: transformers' in-memory names differ)."""
+    shape = {"head_dim": 32, **SHAPES[family], **overrides}
+    hf = tiny_hf_model(family, vocab_size=128, attn_implementation="eager", **shape)
     hf.save_pretrained(out)
     return hf, load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]]:
+    return _tiny_moe(family, tmp_path_factory.mktemp(f"tiny-{family}-128"))
 
 
 def _ours(
@@ -79,8 +106,10 @@ def routed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[torch.Tensor]]:
     """Every layer call's chosen experts [T, k], as the MoE block routed them."""
     calls: list[torch.Tensor] = []
 
-    def recording(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, experts = route(logits, top_k)
+    def recording(
+        logits: torch.Tensor, top_k: int, renormalize: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(logits, top_k, renormalize)
         calls.append(experts)
         return weights, experts
 
@@ -90,11 +119,11 @@ def routed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[torch.Tensor]]:
 
 
 def test_steps_routed_to_several_experts_match_transformers_logits(
-    tiny_mixtral: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+    tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
     routed: list[torch.Tensor],
 ) -> None:
-    hf = tiny_mixtral[0]
-    runner = PagedRunner(_ours(tiny_mixtral, torch.float32), block_size=4, seed=1)
+    hf = tiny_moe[0]
+    runner = PagedRunner(_ours(tiny_moe, torch.float32), block_size=4, seed=1)
     rng = random.Random(0)
     seqs = {f"s{i}": [rng.randrange(128) for _ in range(n)] for i, n in enumerate([21, 12, 14])}
     for name, tokens in seqs.items():
@@ -118,11 +147,11 @@ def test_steps_routed_to_several_experts_match_transformers_logits(
 
 
 def test_a_lone_decode_token_matches_transformers(
-    tiny_mixtral: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+    tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
 ) -> None:
     """One token: only its k experts run."""
-    hf = tiny_mixtral[0]
-    runner = PagedRunner(_ours(tiny_mixtral, torch.float32), block_size=4)
+    hf = tiny_moe[0]
+    runner = PagedRunner(_ours(tiny_moe, torch.float32), block_size=4)
     tokens = [5, 17, 99, 3, 64, 2]
     runner.add("s", tokens)
     rows = [runner.step([("s", 1)])["s"] for _ in tokens]
@@ -131,9 +160,29 @@ def test_a_lone_decode_token_matches_transformers(
     torch.testing.assert_close(torch.cat(rows), expected, atol=1e-4, rtol=0)
 
 
+def test_qwen3_moe_without_renormalised_weights_matches_transformers(
+    tmp_path: Path, routed: list[torch.Tensor]
+) -> None:
+    """norm_topk_prob=False (Qwen3MoeConfig's default): a token's k weights are the softmax's
+    own probabilities, summing to less than one; renormalising them would miss by far more
+    than the tolerance."""
+    tiny = _tiny_moe("qwen3_moe", tmp_path, norm_topk_prob=False)
+    assert tiny[0].config.norm_topk_prob is False
+    ours = _ours(tiny, torch.float32)
+    assert all(layer.moe.renormalize is False for layer in ours.layers)
+    runner = PagedRunner(ours, block_size=4)
+    tokens = [5, 17, 99, 3, 64, 2, 88, 41, 7, 120]
+    runner.add("s", tokens)
+    rows = [runner.step([("s", 6)])["s"], runner.step([("s", 4)])["s"]]
+    with torch.inference_mode():
+        expected = tiny[0](torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(torch.cat(rows), expected, atol=1e-4, rtol=0)
+    assert len(routed[0].unique()) > TOP_K
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
 def test_kernels_path_matches_the_torch_reference_in_bf16(
-    tiny_mixtral: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+    tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
     routed: list[torch.Tensor],
 ) -> None:
     """The experts on iterserve's tiled kernels (and attention on the paged op) against the
@@ -143,7 +192,10 @@ def test_kernels_path_matches_the_torch_reference_in_bf16(
     be rare."""
     logits = {}
     for backend in ("torch", "tiled"):
-        ours = _ours(tiny_mixtral, torch.bfloat16, backend)
+        ours = _ours(tiny_moe, torch.bfloat16, backend)
+        for layer in ours.layers:  # op by op, so `routed` sees the routing (next test: the call)
+            assert (layer.moe.kernel is not None) == (backend == "tiled")
+            layer.moe.kernel = None
         runner = PagedRunner(ours, block_size=4, paged_kernel=backend == "tiled")
         runner.add("a", list(range(3, 40)))
         runner.add("b", list(range(60, 71)))
@@ -165,12 +217,45 @@ def test_kernels_path_matches_the_torch_reference_in_bf16(
     torch.testing.assert_close(logits["tiled"][same], logits["torch"][same], atol=0.1, rtol=0.02)
 
 
+@pytest.mark.parametrize("qtype", [None, "Q4_0", "Q8_0"])
+def test_the_experts_in_one_call_are_the_block_op_by_op(
+    tmp_path: Path, family: str, moe_dir: Path, qtype: str | None, kernel_isa: str
+) -> None:
+    """kernels/csrc/moe.cpp's `experts_mlp` (routing, grouping, every expert, the weighted
+    scatter in one call; its one-token road, its few-rows road with experts shared between
+    the threads, its many-rows road) against the same block run op by op on the same tiled
+    kernels, on every kernel variant this CPU runs: the same routing, and outputs one bf16
+    rounding apart at most (its SwiGLU is the fused layer's, not torch's)."""
+    if qtype is None:
+        loaded = load_model(moe_dir, torch.bfloat16)
+    else:
+        path = tmp_path / f"tiny-{family}.{qtype}.gguf"
+        _write_moe_gguf(path, family, moe_dir, GGMLQuantizationType[qtype])
+        loaded = load_model(path, torch.bfloat16)
+    model = LlamaForCausalLM(loaded.config, torch.bfloat16, torch.device("cpu"))
+    model.load(loaded.weights, "tiled", loaded.quantized or None)
+    generator = torch.Generator().manual_seed(0)
+    for layer in model.layers:
+        block = layer.moe
+        assert block.kernel is not None
+        for tokens in (1, 3, 40, 90):  # 90 x 2 pairs: past the loop that scatters a few
+            x = torch.randn(tokens, block.hidden, generator=generator).bfloat16()
+            residual = torch.randn(tokens, block.hidden, generator=generator).bfloat16()
+            got, want = block.run(x, residual), block.run_ops(x, residual)
+            torch.testing.assert_close(got, want, atol=0.02, rtol=0.02)
+            assert (got != want).float().mean() < 0.01
+            if tokens == 90:
+                assert len(route(F.linear(x, block.router_weight), TOP_K)[1].unique()) == EXPERTS
+        # No residual (a tensor-parallel rank past the first): the outputs alone.
+        torch.testing.assert_close(block.run(x, None), block.run_ops(x, None), atol=0.02, rtol=0.02)
+
+
 def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(
-    mixtral_dir: Path, mixtral_reference: list[list[int]]
+    moe_dir: Path, moe_reference: list[list[int]]
 ) -> None:
     """The compiled step (the experts one opaque op in the graph) on every kind of step."""
     llm = LLM(
-        str(mixtral_dir),
+        str(moe_dir),
         dtype="float32",
         compile=True,
         max_num_batched_tokens=7,  # every prompt chunked, decodes mixed in
@@ -181,7 +266,7 @@ def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(
     assert llm.engine.model_plan.step == "compiled"
     for _ in range(2):  # the second pass starts from prefix-cache hits
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in outputs] == mixtral_reference
+        assert [o.token_ids for o in outputs] == moe_reference
     stats = llm.engine.scheduler.kv_cache_stats()
     assert llm.engine.scheduler.num_preemptions > 0
     assert stats.prefix_hits > 0 and stats.num_used_blocks == 0
@@ -189,33 +274,37 @@ def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(
 
 @pytest.mark.slow
 def test_tensor_parallel_greedy_is_transformers(
-    mixtral_dir: Path, mixtral_reference: list[list[int]]
+    moe_dir: Path, moe_reference: list[list[int]]
 ) -> None:
     """TP=2: each rank holds half of every expert's width; one all-reduce per MoE layer."""
     with LLM(
-        str(mixtral_dir),
+        str(moe_dir),
         dtype="float32",
         tensor_parallel_size=2,
         max_num_batched_tokens=16,
         max_num_seqs=4,
     ) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == mixtral_reference
+    assert [o.token_ids for o in outputs] == moe_reference
 
 
-def _write_mixtral_gguf(
-    path: Path, model_dir: Path, experts_qtype: GGMLQuantizationType | None = None
+def _write_moe_gguf(
+    path: Path, family: str, model_dir: Path, experts_qtype: GGMLQuantizationType | None = None
 ) -> None:
-    """The checkpoint as llama.cpp's converter writes Mixtral: arch "llama", q/k rows permuted,
-    each layer's experts stacked [experts, rows, cols] per projection; F32 throughout, or
-    the expert stacks in `experts_qtype`."""
+    """The checkpoint as llama.cpp's converter writes the family: Mixtral as arch "llama"
+    with its q/k rows permuted, Qwen3-MoE as "qwen3moe" with its q/k norms and expert width;
+    each layer's experts stacked [experts, rows, cols] per projection. F32 throughout, or the
+    expert stacks in `experts_qtype`."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     weights = load_file(model_dir / "model.safetensors")
     metadata, _ = read_gguf_header(bundled_dir() / BUNDLED_GGUF)  # its tokenizer, as is
-    writer = GGUFWriter(path, "llama")
+    moe, parts, arch = NAMES[family]
+    writer = GGUFWriter(path, arch)
     add_shape(writer, config)
     writer.add_expert_count(config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
+    if family == "qwen3_moe":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_tokenizer_model(metadata["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(metadata["tokenizer.ggml.pre"])
     writer.add_token_list(metadata["tokenizer.ggml.tokens"])
@@ -235,15 +324,18 @@ def _write_mixtral_gguf(
         p = f"model.layers.{i}."
         for part in "qkvo":
             tensor = weights[f"{p}self_attn.{part}_proj.weight"]
-            if part in heads:
+            if part in heads and arch == "llama":
                 tensor = torch.from_numpy(llama_cpp_permute(tensor.numpy(), heads[part]))
             add(f"blk.{i}.attn_{'output' if part == 'o' else part}.weight", tensor)
+        if family == "qwen3_moe":
+            add(f"blk.{i}.attn_q_norm.weight", weights[f"{p}self_attn.q_norm.weight"])
+            add(f"blk.{i}.attn_k_norm.weight", weights[f"{p}self_attn.k_norm.weight"])
         add(f"blk.{i}.attn_norm.weight", weights[f"{p}input_layernorm.weight"])
         add(f"blk.{i}.ffn_norm.weight", weights[f"{p}post_attention_layernorm.weight"])
-        add(f"blk.{i}.ffn_gate_inp.weight", weights[f"{p}block_sparse_moe.gate.weight"])
-        for gguf_part, hf_part in (("gate", "w1"), ("down", "w2"), ("up", "w3")):
+        add(f"blk.{i}.ffn_gate_inp.weight", weights[f"{p}{moe}.gate.weight"])
+        for gguf_part, hf_part in parts.items():
             experts = [
-                weights[f"{p}block_sparse_moe.experts.{e}.{hf_part}.weight"]
+                weights[f"{p}{moe}.experts.{e}.{hf_part}.weight"]
                 for e in range(config.num_local_experts)
             ]
             stack = torch.stack(experts).float().numpy()
@@ -259,13 +351,13 @@ def _write_mixtral_gguf(
 
 
 def test_gguf_loads_the_same_weights_and_tokens(
-    tmp_path: Path, mixtral_dir: Path, mixtral_reference: list[list[int]]
+    tmp_path: Path, family: str, moe_dir: Path, moe_reference: list[list[int]]
 ) -> None:
-    path = tmp_path / "tiny-mixtral.F32.gguf"
-    _write_mixtral_gguf(path, mixtral_dir)
+    path = tmp_path / f"tiny-{family}.F32.gguf"
+    _write_moe_gguf(path, family, moe_dir)
     from_gguf = load_model(path, torch.float32)
-    from_hf = load_model(mixtral_dir, torch.float32)
-    assert from_gguf.config.architecture == "mixtral"
+    from_hf = load_model(moe_dir, torch.float32)
+    assert from_gguf.config.architecture == family
     assert (from_gguf.config.num_local_experts, from_gguf.config.num_experts_per_tok) == (
         EXPERTS,
         TOP_K,
@@ -275,19 +367,19 @@ def test_gguf_loads_the_same_weights_and_tokens(
         torch.testing.assert_close(from_gguf.weights[name], tensor, rtol=0, atol=0, msg=name)
     llm = LLM(str(path), dtype="float32", compile=False)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == mixtral_reference
+    assert [o.token_ids for o in outputs] == moe_reference
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_experts_from_a_quantized_gguf_run_in_their_blocks(
-    tmp_path: Path, mixtral_dir: Path, qtype: str
+    tmp_path: Path, family: str, moe_dir: Path, qtype: str
 ) -> None:
     """Each expert of a quantized GGUF stack is kept in its own blocks (gate and up one
     projection of two parts) and runs on the block kernels (int8 activations): as close to
     fp32 over the dequantized weights as int8 activations allow (~3x bf16's error)."""
-    path = tmp_path / f"tiny-mixtral.{qtype}.gguf"
-    _write_mixtral_gguf(path, mixtral_dir, GGMLQuantizationType[qtype])
+    path = tmp_path / f"tiny-{family}.{qtype}.gguf"
+    _write_moe_gguf(path, family, moe_dir, GGMLQuantizationType[qtype])
     loaded = load_model(path, torch.float32)
     experts = {n for n in loaded.weights if ".experts." in n}
     assert len(experts) == 2 * EXPERTS * 3 and experts <= set(loaded.quantized)
@@ -310,9 +402,25 @@ def test_experts_from_a_quantized_gguf_run_in_their_blocks(
 
 
 @pytest.mark.parametrize(
-    "architecture", ["Qwen3MoeForCausalLM", "OlmoeForCausalLM", "DeepseekV3ForCausalLM"]
+    "architecture", ["Qwen2MoeForCausalLM", "OlmoeForCausalLM", "DeepseekV3ForCausalLM"]
 )
 def test_other_moe_families_are_refused_by_name(architecture: str) -> None:
     raw = {"architectures": [architecture], "hidden_size": 64, "num_attention_heads": 4}
-    with pytest.raises(ModelLoadError, match=f"{architecture} is not supported.*Mixtral"):
+    with pytest.raises(ModelLoadError, match=f"{architecture} is not supported.*Mixtral.*Qwen3"):
         hf_model_config(raw)
+
+
+@pytest.mark.parametrize("dense", [{"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}])
+def test_qwen3_moe_with_dense_layers_is_refused(tmp_path: Path, dense: dict) -> None:
+    """Dense MLPs between the sparse ones (no released Qwen3-MoE has them): refused, not run
+    as experts; the expert width is moe_intermediate_size, not the dense intermediate_size."""
+    _tiny_moe("qwen3_moe", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    config = hf_model_config(raw)
+    assert (config.intermediate_size, config.num_local_experts, config.norm_topk_prob) == (
+        96,
+        EXPERTS,
+        True,
+    )
+    with pytest.raises(ModelLoadError, match="mlp_only_layers"):
+        hf_model_config({**raw, **dense})

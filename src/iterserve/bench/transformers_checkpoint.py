@@ -27,6 +27,7 @@ HF_CLASSES = {
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
@@ -71,6 +72,10 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if config.num_local_experts:
         raw["num_local_experts"] = config.num_local_experts
         raw["num_experts_per_tok"] = config.num_experts_per_tok
+    if config.architecture == "qwen3_moe":  # its own names; intermediate_size is dense MLPs'
+        raw["num_experts"] = config.num_local_experts
+        raw["moe_intermediate_size"] = config.intermediate_size
+        raw["norm_topk_prob"] = config.norm_topk_prob
     if config.architecture in ("gemma2", "gemma3"):
         windows = config.sliding_window_layers or (True,) * config.num_hidden_layers
         raw["layer_types"] = [

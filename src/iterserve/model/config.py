@@ -36,10 +36,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Mistral's sliding window: a query at position p sees keys p - window + 1 .. p only.
     sliding_window: int | None = None
-    # Mixtral's sparse MLP (model/moe.py): experts per layer (0: a dense MLP) and how many
-    # of them each token is routed to. `intermediate_size` is then one expert's width.
+    # A sparse mixture-of-experts MLP on every layer (Mixtral, Qwen3-MoE; model/moe.py):
+    # experts per layer (0: a dense MLP) and how many of them each token is routed to.
+    # `intermediate_size` is then one expert's width. `norm_topk_prob`: whether a token's k
+    # weights are renormalised to sum to one (Mixtral always; Qwen3-MoE's config says).
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
     # Which layers the window applies to (Gemma: alternating); None: every layer.
     sliding_window_layers: tuple[bool, ...] | None = None
     # Gemma 2: scores -> cap * tanh(scores / cap) in attention, and likewise the logits.

@@ -45,6 +45,9 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3 (dense): Qwen2 without the biases, plus q/k norms; head_dim is set explicitly
     # (128 in the released models, not hidden_size / heads).
     "qwen3": FamilyTraits(qk_norm=True),
+    # Qwen3-MoE: Qwen3 with a sparse mixture-of-experts MLP on every layer (model/moe.py;
+    # Qwen3-30B-A3B: 128 experts of 768, 8 a token).
+    "qwen3_moe": FamilyTraits(qk_norm=True),
     # Phi-3/3.5: Llama with fused checkpoint projections, usually longrope scaling
     # (model/rope.py) and, for the 4k models, a sliding window of 2047 on every layer.
     "phi3": FamilyTraits(fused_checkpoint=True),

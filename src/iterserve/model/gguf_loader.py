@@ -23,7 +23,7 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_blocks import GGUFBlocks, expert_slices, read_bytes
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
-from iterserve.model.moe import GGUF_ROUTER, ROUTER, gguf_expert_names
+from iterserve.model.moe import EXPERT_NAMES, GGUF_ROUTER, gguf_expert_names
 from iterserve.model.rope import UnsupportedRope, served_rope
 from iterserve.model.tokenizer import tokenizer_from_gguf
 
@@ -38,6 +38,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
@@ -70,8 +71,10 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    GGUF_ROUTER: ROUTER.removesuffix(".weight"),
 }
+# GGUF architectures whose layers all have experts, and the family each names ("llama" with
+# an expert count is Mixtral, as llama.cpp stores it).
+_MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
 # Gemma's sandwich norms (gguf-py's ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM): its ffn_norm
 # is HF's pre_feedforward_layernorm, and HF's post_attention_layernorm is the attention output's.
 _GEMMA_BLOCK_NAMES = {
@@ -305,8 +308,12 @@ def _refuse_unsupported(
             f"GGUF rope over {rope_dims} of {head_dim} head dimensions (partial rotary) "
             "is not supported"
         )
-    if experts and arch != "llama":
-        raise ModelLoadError(f"GGUF {arch!r} with experts is not supported; only Mixtral is")
+    if experts and arch not in _MOE_FAMILIES:
+        raise ModelLoadError(
+            f"GGUF {arch!r} with experts is not supported; only Mixtral and Qwen3-MoE are"
+        )
+    if arch in _MOE_FAMILIES and arch != "llama" and not experts:
+        raise ModelLoadError(f"GGUF {arch!r} file without {arch}.expert_count")
     if experts and "blk.0.ffn_gate_exps.weight" not in tensors:
         raise ModelLoadError(
             "GGUF Mixtral files with one tensor per expert (blk.N.ffn_gate.E.weight, an old "
@@ -338,7 +345,6 @@ def gguf_model_config(
     hidden = key("embedding_length")
     heads = key("attention.head_count")
     head_dim = key("attention.key_length", hidden // heads)
-    # llama.cpp stores Mixtral as "llama" with experts (model/moe.py).
     experts = metadata.get(f"{arch}.expert_count", 0)
     _refuse_unsupported(metadata, tensors, arch, head_dim, experts)
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -346,12 +352,15 @@ def gguf_model_config(
     if arch in _GEMMA_WINDOW_PATTERN:
         gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)
     return ModelConfig(
-        architecture="mixtral" if experts else SUPPORTED_GGUF_ARCHITECTURES[arch],
+        architecture=_MOE_FAMILIES[arch] if experts else SUPPORTED_GGUF_ARCHITECTURES[arch],
         # The embedding's rows, not the token list: the weights must agree with the config, and
         # some files pad the embedding past the tokenizer's vocabulary.
         vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
+        # Qwen3-MoE's feed_forward_length is a dense MLP's width, which no layer has.
+        intermediate_size=key(
+            "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+        ),
         num_hidden_layers=key("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
@@ -403,6 +412,9 @@ def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     names = (
         {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES} if gguf_arch.startswith("gemma") else _BLOCK_NAMES
     )
+    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == GGUF_ROUTER:
+        router = EXPERT_NAMES[_MOE_FAMILIES.get(gguf_arch, "mixtral")].router
+        return f"model.layers.{match[1]}.{router}"
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] in names:
         module = names[match[2]]
         if gguf_arch == "phi3" and match[2] == "ffn_up":  # Phi-3's fused gate and up
@@ -459,7 +471,9 @@ def _load_weights(
         kept = qtype in BLOCK_FORMATS and len(info.shape) in (2, 3)
         if qtype not in BLOCK_FORMATS and qtype not in _FLOAT_TYPES:
             expanded.add(qtype)
-        if (experts := gguf_expert_names(info.name, info.shape[0])) is not None:
+        if (
+            experts := gguf_expert_names(info.name, info.shape[0], config.architecture)
+        ) is not None:
             for e, name in enumerate(experts):
                 weights.add(name, info.shape[1:], functools.partial(_expert, stack, info, e, dtype))
             if kept:

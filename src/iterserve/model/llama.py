@@ -134,7 +134,7 @@ class _DecoderLayer(nn.Module):
         # Sandwich norms (Gemma): on the attention and MLP outputs, before the residual adds.
         self.attn_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
         self.mlp_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
-        # The MLP: dense (fused gate+up, then down), or Mixtral's experts (model/moe.py).
+        # The MLP: dense (fused gate+up, then down), or experts (model/moe.py: Mixtral, Qwen3-MoE).
         self.moe = SparseMoeBlock(config, dtype, device) if config.num_local_experts else None
         self.dtype = dtype
         self.linears: dict[str, Linear] = {}
@@ -178,7 +178,7 @@ class _DecoderLayer(nn.Module):
             return
         tiled = [self.linears[name] for name in _FUSED]
         # The C++ layer op is Llama's layer and every dense family's parts (q/k norms, windows,
-        # GeGLU, sandwich norms, soft-caps, local RoPE); Mixtral's experts run op by op.
+        # GeGLU, sandwich norms, soft-caps, local RoPE); experts (model/moe.py) run op by op.
         fits_layer_op = self.head_dim % 32 == 0
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables

@@ -26,6 +26,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
@@ -37,11 +38,10 @@ BARE_HF_ARCHITECTURES = {
     name.removesuffix("ForCausalLM") + "Model": family
     for name, family in SUPPORTED_HF_ARCHITECTURES.items()
 }
-# Mixture-of-experts families with routing Mixtral's experts do not reproduce (shared
-# experts, unnormalised top-k, grouped routing): refused by name.
+# Mixture-of-experts families whose routing model/moe.py does not reproduce (shared
+# experts, grouped routing, latent attention): refused by name.
 _UNSUPPORTED_MOE = {
     "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
@@ -117,6 +117,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     # earlier versions write `rope_theta` and an optional `rope_scaling` dict.
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     gemma = _gemma_fields(architecture, raw, rope) if architecture in _GEMMA_WINDOW_PATTERN else {}
+    experts = _hf_experts(architecture, raw)
     rope_theta, rope_scaling, max_positions = _hf_rope(architecture, raw, rope)
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     # Llama 3 instruct models list their end-of-turn token only in generation_config.json.
@@ -125,7 +126,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         architecture=architecture,
         vocab_size=raw["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"],
+        intermediate_size=experts.pop("intermediate_size", raw["intermediate_size"]),
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
@@ -142,11 +143,34 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         sliding_window=raw.get("sliding_window") if architecture in _WINDOWED else None,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-        # MixtralConfig's defaults: 8 experts, 2 per token.
-        num_local_experts=raw.get("num_local_experts", 8) if architecture == "mixtral" else 0,
-        num_experts_per_tok=raw.get("num_experts_per_tok", 2) if architecture == "mixtral" else 0,
+        **experts,
         **gemma,
     )
+
+
+def _hf_experts(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts family (model/moe.py), with
+    `intermediate_size` one expert's width; {} for a dense one."""
+    if architecture == "mixtral":  # MixtralConfig's defaults: 8 experts, 2 per token
+        return {
+            "num_local_experts": raw.get("num_local_experts", 8),
+            "num_experts_per_tok": raw.get("num_experts_per_tok", 2),
+        }
+    if architecture != "qwen3_moe":
+        return {}
+    # Qwen3MoeConfig's defaults (Qwen3-30B-A3B's shape), norm_topk_prob off as its own is.
+    if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
+        # Dense MLPs between sparse ones: no released Qwen3-MoE has them.
+        raise ModelLoadError(
+            "qwen3_moe checkpoints with dense layers (mlp_only_layers, decoder_sparse_step "
+            "> 1) are not supported; every layer must be sparse"
+        )
+    return {
+        "num_local_experts": raw.get("num_experts") or raw.get("num_local_experts") or 128,
+        "num_experts_per_tok": raw.get("num_experts_per_tok", 8),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "intermediate_size": raw.get("moe_intermediate_size", 768),
+    }
 
 
 def is_bare_model(raw: dict[str, Any]) -> bool:
@@ -170,8 +194,8 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
         architecture = raw["model_type"]  # a bare config.json saved without a model class
     if moe := [n for n in names if n in _UNSUPPORTED_MOE]:
         raise ModelLoadError(
-            f"mixture-of-experts architecture {moe[0]} is not supported; the one MoE family "
-            "supported is Mixtral (MixtralForCausalLM)"
+            f"mixture-of-experts architecture {moe[0]} is not supported; the MoE families "
+            "supported are Mixtral (MixtralForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM)"
         )
     if architecture is None:
         found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
@@ -180,7 +204,7 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
         )
     if raw.get("mlp_bias"):
         raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
-    if architecture in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+    if architecture in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window"):
         # Qwen windows only the layers past max_window_layers; rather than run every layer
         # with full attention and answer differently from the model, refuse.
         raise ModelLoadError(

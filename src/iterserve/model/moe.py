@@ -1,8 +1,9 @@
-"""Mixtral's sparse mixture-of-experts MLP: the one part of a Mixtral layer that differs
-from a Llama layer.
+"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE: the one part of their layers
+that differs from a Llama (Mistral, Qwen3) layer.
 
 Each token's router logits pick its top-k experts, exactly as transformers does: softmax over
-all experts in fp32, top-k, the k weights renormalised to sum to one. The experts then run
+all experts in fp32, top-k, and (Mixtral always; Qwen3-MoE where `norm_topk_prob` says, as in
+every released model) the k weights renormalised to sum to one. The experts then run
 batched by the tokens routed to them, never token by token: the step's (token, expert) pairs
 are sorted by expert, so each expert's rows are one contiguous slice of a gathered copy of
 the activations and the expert runs once, as two matrix products (fused gate+up, then down),
@@ -26,6 +27,8 @@ import itertools
 import re
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,35 +36,73 @@ from torch import nn
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
+from iterserve.model.host_memory import weight_buffer
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 
-# Mixtral's checkpoint names under model.layers.N.: the router, and per expert E its gate
-# (w1), down (w2) and up (w3) projections.
-ROUTER = "block_sparse_moe.gate.weight"
-EXPERT_PREFIX = "block_sparse_moe.experts.{}."
-EXPERT = EXPERT_PREFIX + "{}.weight"
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a family's checkpoint names a layer's router and experts, under model.layers.N."""
+
+    router: str
+    expert: str  # .format(expert number, projection)
+    gate: str
+    up: str
+    down: str
+
+    def of(self, expert: int, projection: Literal["gate", "up", "down"]) -> str:
+        return self.expert.format(expert, getattr(self, projection))
+
+    def is_expert(self, name: str, *projections: Literal["gate", "up", "down"]) -> bool:
+        """Whether the full tensor name `name` is an expert's projection among `projections`."""
+        head, _, tail = self.expert.partition("{}")
+        return f".{head}" in name and any(
+            name.endswith(tail.format(getattr(self, p))) for p in projections
+        )
+
+
+EXPERT_NAMES = {
+    "mixtral": ExpertNames(
+        router="block_sparse_moe.gate.weight",
+        expert="block_sparse_moe.experts.{}.{}.weight",
+        gate="w1",
+        up="w3",
+        down="w2",
+    ),
+    "qwen3_moe": ExpertNames(
+        router="mlp.gate.weight",
+        expert="mlp.experts.{}.{}.weight",
+        gate="gate_proj",
+        up="up_proj",
+        down="down_proj",
+    ),
+}
 
 # llama.cpp stores each layer's experts as one tensor per projection, [experts, rows, cols]
-# in row-major terms, and the router as ffn_gate_inp.
-GGUF_EXPERT_STACKS = {"ffn_gate_exps": "w1", "ffn_down_exps": "w2", "ffn_up_exps": "w3"}
+# in row-major terms, and the router as ffn_gate_inp, whatever the family.
 GGUF_ROUTER = "ffn_gate_inp"
-_GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|down|up)_exps)\.weight")
+_GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|down|up)_exps\.weight")
 
 
-def gguf_expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
-    """The Mixtral HF names of a GGUF expert stack's experts, in stack order, or None if
-    `gguf_name` is not a stack."""
+def gguf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list[str] | None:
+    """The HF names of a GGUF expert stack's experts, in stack order, or None if `gguf_name`
+    is not a stack."""
     match = _GGUF_STACK_NAME.fullmatch(gguf_name)
     if match is None:
         return None
-    layer, part = match[1], GGUF_EXPERT_STACKS[match[2]]
-    return [f"model.layers.{layer}.{EXPERT.format(e, part)}" for e in range(num_experts)]
+    names = EXPERT_NAMES[architecture]
+    return [f"model.layers.{match[1]}.{names.of(e, match[2])}" for e in range(num_experts)]
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, its top-k experts [T, k] and their weights [T, k] (fp32, summing to 1)."""
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, its top-k experts [T, k] and their weights [T, k] (fp32; summing to 1 if
+    `renormalize`, else the softmax's own probabilities)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
+    if not renormalize:
+        return weights, experts
     return weights / weights.sum(dim=-1, keepdim=True), experts
 
 
@@ -85,6 +126,8 @@ class SparseMoeBlock(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.num_experts = config.num_local_experts
         self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.names = EXPERT_NAMES[config.architecture]
         self.hidden = hidden
         self.intermediate = inter
         like = {"dtype": dtype, "device": device}
@@ -92,28 +135,30 @@ class SparseMoeBlock(nn.Module):
         self.dtype = dtype
         self.gate_up: list[Linear] = []
         self.down: list[Linear] = []
+        self.kernel: ExpertsKernel | None = None
         self.block_id = next(_BLOCK_IDS)
         _BLOCKS[self.block_id] = self
 
     def targets(self, prefix: str) -> dict[str, tuple[torch.Tensor | None, tuple[int, ...]]]:
         """HF name -> (destination of a small tensor, or None for an expert's projection
         part built by `build`; expected shape)."""
-        hidden, inter = self.hidden, self.intermediate
+        hidden, inter, names = self.hidden, self.intermediate, self.names
         out: dict[str, tuple[torch.Tensor | None, tuple[int, ...]]] = {
-            prefix + ROUTER: (self.router_weight, (self.num_experts, hidden)),
+            prefix + names.router: (self.router_weight, (self.num_experts, hidden)),
         }
         for e in range(self.num_experts):
-            out[prefix + EXPERT.format(e, "w1")] = (None, (inter, hidden))
-            out[prefix + EXPERT.format(e, "w3")] = (None, (inter, hidden))
-            out[prefix + EXPERT.format(e, "w2")] = (None, (hidden, inter))
+            out[prefix + names.of(e, "gate")] = (None, (inter, hidden))
+            out[prefix + names.of(e, "up")] = (None, (inter, hidden))
+            out[prefix + names.of(e, "down")] = (None, (hidden, inter))
         return out
 
     def build(self, part: Callable[[str], WeightPart], backend: Backend, mode: WeightMode) -> None:
         """One Linear per expert and projection, from its checkpoint tensors (`part(name)`, by
         the name under the layer). The router stays a plain F.linear: E rows."""
+        names = self.names
         self.gate_up = [
             Linear(
-                [part(EXPERT.format(e, "w1")), part(EXPERT.format(e, "w3"))],
+                [part(names.of(e, "gate")), part(names.of(e, "up"))],
                 None,
                 backend,
                 mode,
@@ -122,9 +167,10 @@ class SparseMoeBlock(nn.Module):
             for e in range(self.num_experts)
         ]
         self.down = [
-            Linear([part(EXPERT.format(e, "w2"))], None, backend, mode, self.dtype)
+            Linear([part(names.of(e, "down"))], None, backend, mode, self.dtype)
             for e in range(self.num_experts)
         ]
+        self.kernel = ExpertsKernel.of(self)
 
     def describe(self) -> str:
         return f"{self.num_experts} experts, top-{self.top_k}, {self.gate_up[0].describe()}"
@@ -138,8 +184,15 @@ class SparseMoeBlock(nn.Module):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """`forward`, eager: route, group the (token, expert) pairs by expert, one product
-        pair per expert hit, weight, scatter onto the residual."""
-        weights, experts = route(F.linear(x, self.router_weight), self.top_k)
+        pair per expert hit, weight, scatter onto the residual; in one C++ call where every
+        expert runs on the tiled kernels (`ExpertsKernel`), else op by op."""
+        if self.kernel is not None:
+            return self.kernel(x, residual, self)
+        return self.run_ops(x, residual)
+
+    def run_ops(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """`run` op by op: the reference the C++ call is checked against."""
+        weights, experts = route(F.linear(x, self.router_weight), self.top_k, self.renormalize)
         # The step's T*k (token, expert) pairs in expert order: pair i is token i // k.
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
@@ -160,6 +213,67 @@ class SparseMoeBlock(nn.Module):
         weighted = (torch.cat(outputs).float() * pair_weights).to(x.dtype)
         base = residual if residual is not None else torch.zeros_like(x)
         return base.index_add(0, token_rows, weighted)
+
+
+@dataclass(frozen=True)
+class ExpertsKernel:
+    """A block's experts as the C++ `experts_mlp` op takes them (kernels/csrc/moe.cpp): each
+    projection of every expert in one stack [experts, tiles, bytes a tile], one format a
+    stack. The op runs the whole of `SparseMoeBlock.run_ops` (routing, grouping, the
+    experts, the weighted scatter) in one call: op by op, a Qwen3-30B-A3B decode step made
+    ~40 calls a layer, 8 experts each; and three stacks pass to it where every expert's
+    tiles as a list of tensors cost ~0.2 ms a call to convert."""
+
+    ops: Any
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    formats: list[int]
+
+    @staticmethod
+    def of(block: SparseMoeBlock) -> ExpertsKernel | None:
+        """The block's experts restacked, each expert's Linear then holding views of the
+        stacks (the tiles are copied once, a layer at a time, and the copies freed); None
+        unless every expert runs on the tiled kernels, unpadded (whole tiles of 16 outputs,
+        as the op's SwiGLU needs), one format for each projection across the experts."""
+        linears = [*block.gate_up, *block.down]
+        if any(lin.backend != "tiled" for lin in linears):
+            return None
+        if block.intermediate % 16 or block.hidden % 16:
+            return None
+        parts = [(lin, i) for lin in block.gate_up for i in (0, 1)]
+        gates, ups, downs = parts[0::2], parts[1::2], [(lin, 0) for lin in block.down]
+        stacks = []
+        for part in (gates, ups, downs):
+            if len({lin.codes[i] for lin, i in part}) != 1:
+                return None
+            tiles, row_bytes = part[0][0].segments[part[0][1]].shape
+            if any(lin.segments[i].shape != (tiles, row_bytes) for lin, i in part):
+                return None
+            # On huge pages, as any projection's tiles (model/host_memory.py): an expert's
+            # own are each under 2 MiB, so they were made on ordinary pages.
+            stack = weight_buffer(len(part) * tiles, row_bytes).view(len(part), tiles, -1)
+            for e, (lin, i) in enumerate(part):
+                stack[e].copy_(lin.segments[i])
+                lin.segments[i] = stack[e]
+            stacks.append(stack)
+        formats = [gates[0][0].codes[0], ups[0][0].codes[1], downs[0][0].codes[0]]
+        return ExpertsKernel(linears[0].ops, *stacks, formats)
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, block: SparseMoeBlock
+    ) -> torch.Tensor:
+        return self.ops.experts_mlp(
+            x.contiguous(),
+            residual,
+            block.router_weight,
+            block.top_k,
+            block.renormalize,
+            self.gate,
+            self.up,
+            self.down,
+            self.formats,
+        )
 
 
 # The blocks a compiled layer stack reaches through `moe_mlp`, by a number (held weakly).

@@ -5,8 +5,8 @@ Each of T ranks holds whole KV heads (T divides the KV heads) and the query head
 groups, so attention runs rank-locally on its own slice of the paged KV cache. q/k/v and
 gate/up are split by output rows (column-parallel); o_proj and down_proj by input columns
 (row-parallel), whose partial products one all-reduce sums: one after attention, one after
-the MLP. Norms and RoPE are replicated. Mixtral's experts are each split the same way (the
-router replicated), so an MoE layer also ends in one all-reduce. The embedding and the LM
+the MLP. Norms and RoPE are replicated. Mixtral's and Qwen3-MoE's experts are each split the same way
+(the router replicated), so an MoE layer also ends in one all-reduce. The embedding and the LM
 head stay replicated too: at the sizes this engine serves they are a small share of the
 weights, and keeping them whole spares a gather of logits every step (only rank 0, which
 samples, runs the head).
@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from iterserve.config import ConfigError
 from iterserve.model.config import ModelConfig
+from iterserve.model.moe import EXPERT_NAMES
 
 TP_FLAG = "--tensor-parallel-size"
 
@@ -88,6 +90,12 @@ def shard_weights(
     q_rows = config.num_attention_heads * config.head_dim // size
     kv_rows = config.num_key_value_heads * config.head_dim // size
     inter = config.intermediate_size // size
+    experts = EXPERT_NAMES.get(config.architecture) if config.num_local_experts else None
+
+    def is_expert(name: str, *projections: Literal["gate", "up", "down"]) -> bool:
+        # Each rank holds every expert, split like the dense MLP, so a token's experts all
+        # run on every rank over its 1/T width.
+        return experts is not None and experts.is_expert(name, *projections)
 
     def rows(tensor: torch.Tensor, n: int) -> torch.Tensor:
         return tensor[rank * n : (rank + 1) * n]
@@ -101,11 +109,11 @@ def shard_weights(
             part = rows(tensor, q_rows)
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             part = rows(tensor, kv_rows)
-        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name or _is_expert(name, "w1", "w3"):
+        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name or is_expert(name, "gate", "up"):
             part = rows(tensor, inter)
         elif name.endswith("self_attn.o_proj.weight"):
             part = cols(tensor, q_rows)
-        elif name.endswith("mlp.down_proj.weight") or _is_expert(name, "w2"):
+        elif name.endswith("mlp.down_proj.weight") or is_expert(name, "down"):
             part = cols(tensor, inter)
         elif name.endswith("self_attn.o_proj.bias"):
             # Added once to the sum, like the residual: rank 0 holds it, the others zeros.
@@ -114,9 +122,3 @@ def shard_weights(
             part = tensor
         shard[name] = part.clone()
     return shard
-
-
-def _is_expert(name: str, *projections: str) -> bool:
-    """A Mixtral expert's projection (model/moe.py): each rank holds every expert, split
-    like the dense MLP, so a token's experts all run on every rank over its 1/T width."""
-    return ".block_sparse_moe.experts." in name and name.rsplit(".", 2)[-2] in projections

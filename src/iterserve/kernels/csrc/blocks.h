@@ -64,6 +64,9 @@ enum class Format : int64_t {
 
 constexpr int64_t kTile = 16;   // output rows a tile: one I16/F16 of lanes
 constexpr int64_t kBlock = 32;  // inputs a block: what one activation scale covers
+// Steps of up to this many rows are one row group, bound by the bytes they read; larger ones
+// are bound by arithmetic (tiles.h sweep_tiles).
+constexpr int64_t kRegisterRows = 4;
 
 // A chunk's 16 rows' values (see above).
 struct Quads {

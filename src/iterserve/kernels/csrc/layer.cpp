@@ -110,7 +110,7 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
 // g sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3) (tanh's form 0.5 (1 + tanh(z)) is
 // sigmoid(2z)); else SwiGLU's silu(g) = g sigmoid(g).
 template <bool Gelu>
-Tensor gated_mul(const Tensor& gate_up) {
+Tensor gated_mul_rows(const Tensor& gate_up) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
   Tensor out = at::empty({M, I}, gate_up.options());
@@ -280,7 +280,7 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   };
   const Tensor mid = block_out(1, attn.view({M, q_size}), hidden, w.attn_out_norm);
   const Tensor gate_up = project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt);
-  const Tensor act = w.gelu ? gated_mul<true>(gate_up) : gated_mul<false>(gate_up);
+  const Tensor act = gated_mul(gate_up, w.gelu);
   return block_out(3, act, mid, w.mlp_out_norm);
 }
 
@@ -393,6 +393,10 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
 }
 
 }  // namespace
+
+Tensor gated_mul(const Tensor& gate_up, bool gelu) {
+  return gelu ? gated_mul_rows<true>(gate_up) : gated_mul_rows<false>(gate_up);
+}
 
 // Which build this is (simd.h's kIsaName), so a caller can check the variant it loaded.
 std::string isa() { return kIsaName; }

@@ -73,6 +73,10 @@ at::Tensor tiled_linear(const at::Tensor& x, at::TensorList weights, c10::IntArr
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual, bool fp32_out = false);
 
+// layer.cpp: act(g) * u for gate_up rows [g | u] (act: tanh-approximated GELU, or SiLU),
+// rounded as transformers' bf16 MLP rounds them.
+at::Tensor gated_mul(const at::Tensor& gate_up, bool gelu);
+
 // paged_attention.cpp: store the step's K/V into the pool, then attend every query row
 // (`softcap`: Gemma 2's attention logit soft-cap, 0: none).
 at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -611,9 +611,6 @@ constexpr int tiles_per_step() {
   return 1;
 }
 
-// Steps of up to this many rows are one row group, bound by the bytes they read; larger ones
-// are bound by arithmetic (sweep_tiles).
-constexpr int64_t kRegisterRows = 4;
 // Tiles a thread takes at a time: their weights (8 x 16 outputs x K inputs) stay in L2 while
 // every slab of rows reads them, so a weight comes from memory once per step however many rows
 // there are.
