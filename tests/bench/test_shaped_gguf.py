@@ -14,7 +14,13 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from iterserve.bench.bandwidth import decode_bytes_per_token
-from iterserve.bench.shaped_gguf import PRESETS, WEIGHT_STD, tensor_specs, write_shaped_gguf
+from iterserve.bench.shaped_gguf import (
+    PRESETS,
+    WEIGHT_STD,
+    q4_k_m_types,
+    tensor_specs,
+    write_shaped_gguf,
+)
 from iterserve.bench.tokenizer import load_tokenizer
 from iterserve.model.gguf_loader import load_gguf, read_gguf_header
 
@@ -99,6 +105,45 @@ def test_qwen2_and_phi3_bodies_carry_their_own_tensors(tmp_path: Path) -> None:
     assert loaded.weights[f"{layer}.self_attn.qkv_proj.weight"].shape == (q + 2 * kv, phi3.hidden)
     gate_up = loaded.weights[f"{layer}.mlp.gate_up_proj.weight"]
     assert gate_up.shape == (2 * phi3.intermediate, phi3.hidden)
+
+
+def test_a_qwen3_moe_body_loads_as_its_experts(tmp_path: Path) -> None:
+    """A mixture-of-experts body (Qwen3-30B-A3B's layout, made small), written as random
+    Q4_K_M blocks the way big_models.py --random-blocks writes it: the loader reads it as
+    Qwen3-MoE with the experts in their blocks, and a decode step reads only the routed share
+    of the expert stacks (8 of 128 in the real model; 2 of 4 here)."""
+    shape = dataclasses.replace(
+        PRESETS["qwen3-30b-a3b"],
+        hidden=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        experts=4,
+        experts_used=2,
+        intermediate=256,
+        dense_intermediate=512,
+    )
+    path = write_shaped_gguf(tmp_path / "moe.gguf", shape, blocks=q4_k_m_types)
+    metadata, tensors = read_gguf_header(path)
+    assert metadata["qwen3moe.feed_forward_length"] == 512
+    assert metadata["qwen3moe.expert_feed_forward_length"] == 256
+    assert tensors["blk.0.ffn_gate_exps.weight"].shape == (4, 256, 256)
+    assert tensors["blk.0.ffn_gate_inp.weight"].qtype == GGMLQuantizationType.F32
+    # llama-quantize's Q4_K_M: ffn_down_exps is an ffn_down, Q6_K in the last eighth of layers
+    assert tensors["blk.0.ffn_down_exps.weight"].qtype == GGMLQuantizationType.Q4_K
+    assert tensors["blk.1.ffn_down_exps.weight"].qtype == GGMLQuantizationType.Q6_K
+    assert "blk.0.ffn_down.weight" not in tensors
+    experts = sum(info.nbytes for name, info in tensors.items() if "_exps." in name)
+    assert decode_bytes_per_token(path) == sum(i.nbytes for i in tensors.values()) - experts // 2
+
+    loaded = load_gguf(path, torch.bfloat16)
+    config = loaded.config
+    assert config.architecture == "qwen3_moe" and config.norm_topk_prob
+    assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
+    assert config.intermediate_size == 256
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert loaded.quantized[name].format.name == "Q6_K"
 
 
 @pytest.mark.parametrize("size", [49152 + 64, 32064])

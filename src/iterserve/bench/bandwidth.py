@@ -64,13 +64,22 @@ def read_bandwidth(threads: int, nbytes: int = BUFFER_BYTES, repeats: int = 10) 
 
 
 def decode_bytes_per_token(path: Path) -> int:
-    """Bytes of a GGUF's tensors one decode step reads: every tensor once; the embedding only
-    when it is also the head (tied, no output.weight), since otherwise a step reads one row
-    of it. The KV cache a step reads is left out (a few MB at the lengths benchmarked)."""
+    """Bytes of a GGUF's tensors one decode step of one sequence reads: every tensor once,
+    but of a mixture of experts' stacks (ffn_*_exps) only the share of the experts a token
+    is routed to (expert_used_count of expert_count); the embedding only when it is also the
+    head (tied, no output.weight), since otherwise a step reads one row of it. The KV cache a
+    step reads is left out (a few MB at the lengths benchmarked)."""
     from iterserve.model.gguf_loader import read_gguf_header
 
-    _, tensors = read_gguf_header(path)
+    metadata, tensors = read_gguf_header(path)
+    arch = metadata.get("general.architecture")
+    experts = metadata.get(f"{arch}.expert_count", 0)
+    routed = metadata.get(f"{arch}.expert_used_count", 0) / experts if experts else 1.0
     tied = "output.weight" not in tensors
-    return sum(
-        info.nbytes for name, info in tensors.items() if tied or name != "token_embd.weight"
+    return round(
+        sum(
+            info.nbytes * (routed if "_exps." in name else 1.0)
+            for name, info in tensors.items()
+            if tied or name != "token_embd.weight"
+        )
     )

@@ -75,6 +75,13 @@ class Shape:
     # the embedding (tie_word_embeddings); what `real_vocab` files have.
     vocab: int | None = None
     tied: bool = True
+    # A sparse mixture-of-experts MLP on every layer (Qwen3-MoE): experts a layer
+    # (num_experts) and a token's (num_experts_per_tok); `intermediate` is then one expert's
+    # width (moe_intermediate_size) and `dense_intermediate` the config's intermediate_size,
+    # which GGUF's feed_forward_length carries though no layer has a dense MLP.
+    experts: int = 0
+    experts_used: int = 0
+    dense_intermediate: int | None = None
 
 
 # The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
@@ -116,6 +123,11 @@ PRESETS: dict[str, Shape] = {
     # Full multi-head attention: 32 K/V heads, 16x a grouped 8B's cache a token.
     "llama2-7b":  Shape("llama",  "Llama-2-7b-chat-hf",     4096, 11008,  32,  32,  32, 128,  10000.0,   4096, 1e-5,
                         vocab=32000, tied=False),
+    # 128 experts of 768 a layer, 8 a token: 30.5B weights, 3.3B of them read a token. Its F16
+    # file (61 GB) rarely fits a disk: big_models.py --random-blocks writes Q4_K_M directly.
+    "qwen3-30b-a3b": Shape("qwen3moe", "Qwen3-30B-A3B",     2048,   768,  48,  32,   4, 128,      1e6,  40960, 1e-6,
+                        qk_norm=True, vocab=151936, tied=False, experts=128, experts_used=8,
+                        dense_intermediate=6144),
 }
 # fmt: on
 
@@ -124,7 +136,8 @@ PRESETS: dict[str, Shape] = {
 class TensorSpec:
     name: str
     shape: tuple[int, ...]  # row-major (numpy's order; GGUF stores it reversed)
-    # "weight" (random, F16), "bias" (random, F32), "norm" (ones, F32) or "rope_freqs" (F32)
+    # "weight" (random, F16), "bias" or "router" (random, F32: llama-quantize keeps a
+    # router's few rows in F32), "norm" (ones, F32) or "rope_freqs" (F32)
     kind: str
 
     @property
@@ -162,12 +175,20 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
         if gemma:  # Gemma's sandwich norms around attention and the MLP
             specs.append(TensorSpec(f"{blk}.post_attention_norm.weight", (h,), "norm"))
         specs.append(TensorSpec(f"{blk}.ffn_norm.weight", (h,), "norm"))
-        if shape.fused_projections:
-            specs.append(TensorSpec(f"{blk}.ffn_up.weight", (2 * shape.intermediate, h), "weight"))
+        if shape.experts:  # one tensor per projection, the experts stacked
+            e, i_ = shape.experts, shape.intermediate
+            specs.append(TensorSpec(f"{blk}.ffn_gate_inp.weight", (e, h), "router"))
+            specs.append(TensorSpec(f"{blk}.ffn_gate_exps.weight", (e, i_, h), "weight"))
+            specs.append(TensorSpec(f"{blk}.ffn_up_exps.weight", (e, i_, h), "weight"))
+            specs.append(TensorSpec(f"{blk}.ffn_down_exps.weight", (e, h, i_), "weight"))
         else:
-            specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (shape.intermediate, h), "weight"))
-            specs.append(TensorSpec(f"{blk}.ffn_up.weight", (shape.intermediate, h), "weight"))
-        specs.append(TensorSpec(f"{blk}.ffn_down.weight", (h, shape.intermediate), "weight"))
+            i_ = shape.intermediate
+            if shape.fused_projections:
+                specs.append(TensorSpec(f"{blk}.ffn_up.weight", (2 * i_, h), "weight"))
+            else:
+                specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (i_, h), "weight"))
+                specs.append(TensorSpec(f"{blk}.ffn_up.weight", (i_, h), "weight"))
+            specs.append(TensorSpec(f"{blk}.ffn_down.weight", (h, i_), "weight"))
         if gemma:
             specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
     specs.append(TensorSpec("output_norm.weight", (h,), "norm"))
@@ -259,7 +280,7 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_feed_forward_length(shape.dense_intermediate or shape.intermediate)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(shape.head_dim)
@@ -279,6 +300,10 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.final_softcap is not None:
         writer.add_final_logit_softcapping(shape.final_softcap)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.intermediate)
 
 
 def _random_weight(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
@@ -325,7 +350,7 @@ def q4_k_m_types(spec: TensorSpec, shape: Shape) -> str | None:
     if spec.name in ("token_embd.weight", "output.weight"):
         return "Q6_K"
     part = spec.name.split(".")[2]
-    if part in ("attn_v", "ffn_down"):
+    if part in ("attn_v", "ffn_down", "ffn_down_exps"):
         i, n = int(spec.name.split(".")[1]), shape.layers
         if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2:
             return "Q6_K"
@@ -344,7 +369,7 @@ def tensor_data(spec: TensorSpec, shape: Shape, seed: int, index: int) -> np.nda
     if spec.kind == "rope_freqs":
         return llama3_rope_freqs(shape)
     rng = np.random.default_rng([seed, index])
-    if spec.kind == "bias":
+    if spec.kind in ("bias", "router"):
         return rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(WEIGHT_STD)
     return _random_weight(spec, rng)
 
