@@ -174,15 +174,22 @@ class _DecoderLayer(nn.Module):
                 mode,
                 self.dtype,
             )
-        if self.moe is not None:  # the C++ layer op has a dense MLP
-            return
-        tiled = [self.linears[name] for name in _FUSED]
         # The C++ layer op is Llama's layer and every dense family's parts (q/k norms, windows,
-        # GeGLU, sandwich norms, soft-caps, local RoPE); experts (model/moe.py) run op by op.
+        # GeGLU, sandwich norms, soft-caps, local RoPE); a layer of experts takes it in
+        # decoder_stack when the experts run in one call (model/moe.py `ExpertsKernel`), its
+        # MLP then no projection of the layer's own.
+        names = _FUSED if self.moe is None else ("qkv", "o")
+        tiled = [self.linears[name] for name in names]
         fits_layer_op = self.head_dim % 32 == 0
+        if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
+            fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             args = [lin.kernel_args for lin in tiled]
+            absent: list[tuple[list[torch.Tensor], list[int], None]] = [([], [], None)] * (
+                len(_FUSED) - len(names)
+            )
+            args += absent
             self.fused = (
                 [seg for segments, _, _ in args for seg in segments],
                 [code for _, codes, _ in args for code in codes],
@@ -287,6 +294,21 @@ class _DecoderLayer(nn.Module):
         if self.tp is None:
             return linear(x, residual=residual)
         return self.tp.all_reduce(linear(x, residual=residual if self.tp.rank == 0 else None))
+
+
+def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
+    """decoder_stack's mixture-of-experts arguments: each layer's router (None: a dense
+    MLP), the experts' gate, up and down stacks and their formats, top-k, renormalisation."""
+    blocks = [layer.moe for layer in layers]
+    kernels = [block.kernel for block in blocks if block is not None and block.kernel]
+    first = next((block for block in blocks if block is not None), None)
+    return (
+        [block.router_weight if block is not None else None for block in blocks],
+        [stack for k in kernels for stack in (k.gate, k.up, k.down)],
+        [code for k in kernels for code in k.formats],
+        first.top_k if first is not None else 0,
+        first.renormalize if first is not None else True,
+    )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -549,9 +571,10 @@ class LlamaForCausalLM(nn.Module):
                     *local,
                     *stacked,
                 )
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
-            return hidden
+            if self.layers[0].moe is None:  # decoder_layer's MLP is dense
+                for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                    hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
+                return hidden
         rope = [
             table.index_select(0, positions).unsqueeze(1)
             for table in (self.rope_cos, self.rope_signed_sin)
@@ -596,6 +619,7 @@ class LlamaForCausalLM(nn.Module):
             first.scale,
             [layer.sliding_window for layer in layers],
             [int(layer.local_rope) for layer in layers],
+            *_experts_arguments(layers),
         )
         self._stack = (kv_caches, arguments)
         return arguments

@@ -8,7 +8,8 @@
 //
 // and Gemma's variants of it: GELU (tanh) for SiLU, "sandwich" norms on the attention's and the
 // MLP's outputs before their residual adds (h = hidden + rms_norm(a W_o^T)), Gemma 2's
-// attention logit soft-cap, and Gemma 3's sliding layers rotating by their own tables.
+// attention logit soft-cap, and Gemma 3's sliding layers rotating by their own tables; and
+// Mixtral's and Qwen3-MoE's, whose MLP is a mixture of experts (moe.cpp's experts_mlp).
 //
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
 // this file adds is the glue between them (norms, rope, SiLU / GELU) and, above all, one dispatch
@@ -178,6 +179,17 @@ void head_norm_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const Tenso
   });
 }
 
+// A layer's mixture-of-experts MLP (moe.cpp's experts_mlp arguments), borrowed.
+struct LayerExperts {
+  const Tensor& router;
+  const Tensor& gate;
+  const Tensor& up;
+  const Tensor& down;
+  std::array<int64_t, 3> formats;
+  int64_t top_k;
+  bool renormalize;
+};
+
 // One layer's weights, borrowed from an op's arguments: the four projections' (qkv, o,
 // gate_up, down) weight segments and their formats, projection i's being
 // [first[i], first[i + 1]) of `weights`, and each projection's bias.
@@ -198,14 +210,20 @@ struct LayerWeights {
   std::optional<Tensor> attn_out_norm, mlp_out_norm;
   bool gelu;
   double softcap;
+  // A mixture-of-experts MLP in place of gate_up and down (moe.cpp), or none.
+  const LayerExperts* experts = nullptr;
 };
 
 // Projection i's segments' index range from the counts of segments each projection has.
-std::array<int64_t, 5> segment_starts(c10::IntArrayRef counts, int64_t first_segment) {
+// A layer with experts has no gate_up and down weights (counts 0).
+std::array<int64_t, 5> segment_starts(c10::IntArrayRef counts, int64_t first_segment,
+                                      bool experts = false) {
   TORCH_CHECK(counts.size() == 4, "decoder_layer: 4 projections (qkv, o, gate_up, down)");
   std::array<int64_t, 5> first{first_segment};
   for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(counts[i] >= 1, "decoder_layer: a projection without weights");
+    TORCH_CHECK(experts && i >= 2 ? counts[i] == 0 : counts[i] >= 1,
+                "decoder_layer: projection ", i, " has ", counts[i], " weight segments",
+                experts ? " (a layer with experts has no gate_up or down)" : "");
     first[i + 1] = first[i] + counts[i];
   }
   return first;
@@ -279,6 +297,11 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
     return rms_norm(project(i, x, std::nullopt), *out_norm, w.eps, &residual);
   };
   const Tensor mid = block_out(1, attn.view({M, q_size}), hidden, w.attn_out_norm);
+  if (const LayerExperts* e = w.experts) {
+    TORCH_CHECK(!w.mlp_out_norm, "decoder_layer: experts with a sandwich norm");
+    return experts_mlp(rms_norm(mid, w.post_norm, w.eps), mid, e->router, e->top_k,
+                       e->renormalize, e->gate, e->up, e->down, e->formats);
+  }
   const Tensor gate_up = project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt);
   const Tensor act = gated_mul(gate_up, w.gelu);
   return block_out(3, act, mid, w.mlp_out_norm);
@@ -340,7 +363,10 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 // layer calls of a 1B Q4_K_M at one row, Python and the dispatcher took 140-270 us, run with
 // caches the layer's 37 MB of weights had just swept (2026-11-29, avx512vnni).
 //
-// Gemma 3's sliding layers (local_rope[l] = 1) rotate by the local tables.
+// Gemma 3's sliding layers (local_rope[l] = 1) rotate by the local tables. A layer whose
+// router is given (Mixtral, Qwen3-MoE) has a mixture of experts for its MLP: its next three
+// `experts` (gate, up and down stacks, moe.cpp) in the next three `expert_formats`, and no
+// gate_up or down segments.
 Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
                      const Tensor& rope_cos, const Tensor& rope_sin,
                      const std::optional<Tensor>& local_rope_cos,
@@ -353,16 +379,19 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      const c10::List<std::optional<Tensor>>& mlp_out_norms, bool gelu,
                      double softcap, at::TensorList key_caches, at::TensorList value_caches,
                      int64_t num_heads, int64_t num_kv_heads, double scale,
-                     c10::IntArrayRef sliding_windows, c10::IntArrayRef local_rope) {
+                     c10::IntArrayRef sliding_windows, c10::IntArrayRef local_rope,
+                     const c10::List<std::optional<Tensor>>& routers, at::TensorList experts,
+                     c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
                   attn_out_norms.size() == layers && mlp_out_norms.size() == layers &&
                   key_caches.size() == layers && value_caches.size() == layers &&
                   sliding_windows.size() == layers && local_rope.size() == layers &&
                   segments.size() == 4 * layers && biases.size() == 4 * layers &&
-                  weights.size() == formats.size(),
+                  weights.size() == formats.size() && routers.size() == layers &&
+                  experts.size() == expert_formats.size(),
               "decoder_stack: every list holds one entry a layer (segments and biases 4), "
-              "formats one a weight");
+              "formats one a weight, expert formats one a stack");
   const bool any_local =
       std::any_of(local_rope.begin(), local_rope.end(), [](int64_t f) { return f != 0; });
   TORCH_CHECK(!any_local || (local_rope_cos && local_rope_sin),
@@ -370,14 +399,27 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
   const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);
   if (any_local) checked_positions(hidden, step, *local_rope_cos);
   Tensor h = hidden;
-  int64_t first_segment = 0;
+  int64_t first_segment = 0, first_stack = 0;
   for (int64_t l = 0; l < layers; ++l) {
+    const std::optional<Tensor> router = routers.get(l);
+    std::optional<LayerExperts> moe;
+    if (router) {
+      TORCH_CHECK(first_stack + 3 <= static_cast<int64_t>(experts.size()), "decoder_stack: layer ",
+                  l, "'s experts run past the ", experts.size(), " stacks given");
+      moe.emplace(LayerExperts{*router, experts[first_stack], experts[first_stack + 1],
+                               experts[first_stack + 2],
+                               {expert_formats[first_stack], expert_formats[first_stack + 1],
+                                expert_formats[first_stack + 2]},
+                               top_k, renormalize});
+      first_stack += 3;
+    }
     const LayerWeights w{input_norms[l], post_norms[l], eps, weights, formats,
-                         segment_starts(segments.slice(4 * l, 4), first_segment),
+                         segment_starts(segments.slice(4 * l, 4), first_segment, moe.has_value()),
                          {biases.get(4 * l), biases.get(4 * l + 1), biases.get(4 * l + 2),
                           biases.get(4 * l + 3)},
                          qk_norms.get(l), num_heads, num_kv_heads, scale, sliding_windows[l],
-                         attn_out_norms.get(l), mlp_out_norms.get(l), gelu, softcap};
+                         attn_out_norms.get(l), mlp_out_norms.get(l), gelu, softcap,
+                         moe ? &*moe : nullptr};
     TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
                 "'s segments run past the ", weights.size(), " weights");
     const Tensor& cos = local_rope[l] ? *local_rope_cos : rope_cos;
@@ -389,6 +431,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
   }
   TORCH_CHECK(first_segment == static_cast<int64_t>(weights.size()), "decoder_stack: ",
               first_segment, " segments counted, ", weights.size(), " weights given");
+  TORCH_CHECK(first_stack == static_cast<int64_t>(experts.size()), "decoder_stack: ",
+              first_stack, " expert stacks counted, ", experts.size(), " given");
   return h;
 }
 
@@ -417,7 +461,8 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor?[] biases, Tensor?[] qk_norms, Tensor?[] attn_out_norms, "
       "Tensor?[] mlp_out_norms, bool gelu, float softcap, Tensor(a!)[] key_caches, "
       "Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, float scale, "
-      "int[] sliding_windows, int[] local_rope) -> Tensor");
+      "int[] sliding_windows, int[] local_rope, Tensor?[] routers, Tensor[] experts, "
+      "int[] expert_formats, int top_k, bool renormalize) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {

@@ -51,6 +51,8 @@ struct ExpertWeights {
   }
 };
 
+}  // namespace
+
 Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& router,
                    int64_t top_k, bool renormalize, const Tensor& gate, const Tensor& up,
                    const Tensor& down, c10::IntArrayRef formats) {
@@ -154,7 +156,6 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
   return sums.to(x.scalar_type());
 }
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def(

@@ -77,6 +77,13 @@ at::Tensor tiled_linear(const at::Tensor& x, at::TensorList weights, c10::IntArr
 // rounded as transformers' bf16 MLP rounds them.
 at::Tensor gated_mul(const at::Tensor& gate_up, bool gelu);
 
+// moe.cpp: a mixture-of-experts MLP, residual + the weighted outputs of each row's top_k
+// experts (gate, up, down: [experts, tiles, bytes] stacks in `formats`).
+at::Tensor experts_mlp(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                       const at::Tensor& router, int64_t top_k, bool renormalize,
+                       const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                       c10::IntArrayRef formats);
+
 // paged_attention.cpp: store the step's K/V into the pool, then attend every query row
 // (`softcap`: Gemma 2's attention logit soft-cap, 0: none).
 at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
