@@ -27,6 +27,7 @@ from iterserve.model.gguf_loader import read_gguf_header
 from iterserve.model.linear import Backend
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
+from iterserve.model.lora_model import LoRAModel
 from iterserve.model.moe import route
 from paged_runner import PagedRunner
 from tiny_checkpoints import model_config_of, tiny_hf_model
@@ -285,6 +286,26 @@ def test_the_fused_layers_take_the_experts(
     clear = ((top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()) & close
     assert int(clear.sum()) >= 0.3 * len(ref)
     assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
+def test_lora_slots_run_a_model_of_experts_layer_by_layer(
+    tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+) -> None:
+    """LoRA slots (on the attention projections: an expert has none) take the layers off the
+    fused op, whose slots need a dense MLP; with no adapter in a slot the logits are the
+    fused model's."""
+    rows = []
+    for slots in (False, True):
+        ours = _ours(tiny_moe, torch.bfloat16, "tiled")
+        assert ours.fused_layers
+        if slots:
+            LoRAModel(ours, max_loras=2, max_rank=8)
+            assert not ours.fused_layers and ours.lora is not None
+        runner = PagedRunner(ours, block_size=4, paged_kernel=True)
+        runner.add("a", list(range(3, 40)))
+        rows.append(torch.cat([runner.step([("a", 30)])["a"], runner.step([("a", 1)])["a"]]))
+    torch.testing.assert_close(rows[1], rows[0], atol=0.1, rtol=0.02)
 
 
 def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(

@@ -79,7 +79,9 @@ class LoRAModel:
                 wrapped_here.append(wrapped)
                 self.shapes.update({part: (rows, linear.in_features) for part, rows in parts})
             self.linears.extend(wrapped_here)
-            if layer.fused is not None and all(w.kernel_ops is not None for w in wrapped_here):
+            # A layer of experts has no gate_up or down of its own for the layer op to slot.
+            fusable = layer.fused is not None and layer.moe is None
+            if fusable and all(w.kernel_ops is not None for w in wrapped_here):
                 layer.lora_slots = LayerSlots(self.state, [layer.linears[n] for n in _FUSED])
             else:
                 layer.fused = None  # its layer op could not add the deltas: op by op
