@@ -375,7 +375,8 @@ class EngineConfig:
     batch_invariant: bool = _opt(
         False,
         "a request's logits are the same bits whatever else shares its steps (so a seeded "
-        "request samples the same text): fixed kernel choices, on iterserve's kernels only",
+        "request samples the same text): fixed kernel choices, on iterserve's kernels only, "
+        "not for mixture-of-experts models",
     )
     compile: bool = _opt(
         True,
