@@ -3,12 +3,15 @@
 // down: linear.cpp's projections in the experts' own formats), weight the outputs and add
 // them onto the residual.
 //
-// What it saves is dispatch: a Qwen3-30B-A3B decode step runs 8 experts in each of 48 layers,
-// and op by op from Python each layer cost ~40 calls (router, softmax, sort, gather, two
-// projections and the SwiGLU per expert, scatter), a fixed cost beside the few hundred
-// kilobytes of weights each expert reads. The arithmetic is the eager block's, op for op
-// (routing in fp32, outputs weighted in fp32 and rounded once, index_add onto the residual
-// in expert order), but for SwiGLU, which is the fused layer's (gated_mul).
+// What it saves: dispatch, ~40 calls a layer from Python op by op (router, softmax, sort,
+// gather, two projections and the SwiGLU per expert, scatter), which a batched decode felt
+// (Qwen3-30B-A3B at batch 16: 36.4 -> 40.9 tok/s); and a choice of how the threads share the
+// experts, which one sequence felt (its 8 experts' 16 small projections each split between the
+// threads, a parallel region and a wait each: 10.4 tok/s; whole experts a thread: 11.8;
+// docs/benchmarks.md). It also lets the fused layers (layer.cpp) take a layer of experts.
+// The arithmetic is the eager block's, op for op (routing in fp32, outputs weighted in fp32
+// and rounded once, index_add onto the residual in expert order), but for SwiGLU, which is
+// the fused layer's (gated_mul).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
