@@ -186,10 +186,7 @@ class _DecoderLayer(nn.Module):
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             args = [lin.kernel_args for lin in tiled]
-            absent: list[tuple[list[torch.Tensor], list[int], None]] = [([], [], None)] * (
-                len(_FUSED) - len(names)
-            )
-            args += absent
+            args += [([], [], None)] * (len(_FUSED) - len(names))  # an MLP of experts
             self.fused = (
                 [seg for segments, _, _ in args for seg in segments],
                 [code for _, codes, _ in args for code in codes],
@@ -300,7 +297,7 @@ def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
     """decoder_stack's mixture-of-experts arguments: each layer's router (None: a dense
     MLP), the experts' gate, up and down stacks and their formats, top-k, renormalisation."""
     blocks = [layer.moe for layer in layers]
-    kernels = [block.kernel for block in blocks if block is not None and block.kernel]
+    kernels = [block.kernel for block in blocks if block is not None and block.kernel is not None]
     first = next((block for block in blocks if block is not None), None)
     return (
         [block.router_weight if block is not None else None for block in blocks],

@@ -86,8 +86,9 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
   int64_t* order_p = order.data_ptr<int64_t>();
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < T * top_k; ++i) order_p[next[ids[i]]++] = i;
-  const Tensor token_rows = at::floor_divide(order, top_k);
-  const Tensor routed = T == 1 ? x.expand({top_k, x.size(1)}) : x.index_select(0, token_rows);
+  // One token's experts all take x itself (below): no rows to gather.
+  const Tensor token_rows = T == 1 ? Tensor() : at::floor_divide(order, top_k);
+  const Tensor routed = T == 1 ? Tensor() : x.index_select(0, token_rows);
 
   std::vector<int64_t> hit;
   int64_t most_rows = 0;
@@ -134,7 +135,7 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
   // Weighted in fp32 and rounded once to the model dtype, as transformers does, then added
   // onto the residual pair by pair in expert order, as index_add does.
   const Tensor base = residual ? *residual : at::zeros_like(x);
-  if (T * top_k > kFewPairs) {
+  if (T > 1 && T * top_k > kFewPairs) {  // (one token: no token_rows)
     const Tensor pair_weights = weights.flatten().index_select(0, order).unsqueeze(1);
     const Tensor weighted = (at::cat(outputs).to(at::kFloat) * pair_weights).to(x.scalar_type());
     return base.index_add(0, token_rows, weighted);
