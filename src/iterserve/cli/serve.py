@@ -237,9 +237,11 @@ def _launch_engine(args: argparse.Namespace, config: EngineConfig) -> ServingEng
         from iterserve.engine.async_engine import AsyncEngine
         from iterserve.engine.llm_engine import LLMEngine
 
-        # Built and warmed up on the engine's own thread (see AsyncEngine.launch).
+        # Built and warmed up on the engine's own thread (see AsyncEngine.launch); this
+        # process serves it until it exits, so its startup heap is frozen once warm.
         return AsyncEngine.launch(
             lambda: LLMEngine(config, warm_up=False),
+            freeze_heap=True,
             max_waiting_requests=args.max_waiting_requests,
         )
     from iterserve.replicas import ray_cluster

@@ -41,6 +41,7 @@ class EngineReplica(ReplicaTestHooks):
         try:
             self.engine = AsyncEngine.launch(
                 lambda: LLMEngine(config, warm_up=False),
+                freeze_heap=True,  # the actor's process serves this engine until it ends
                 max_waiting_requests=max_waiting_requests,
                 stop_on_step_error=True,  # the fleet restarts this replica (client.py)
             )
