@@ -617,15 +617,31 @@ constexpr int tiles_per_step() {
 constexpr int64_t kTilesPerPass = 8;
 // Rows a sweep takes through a pass at a time (a slab): at most 64, whose fp32 sums (64 bytes
 // a tile) stay in L1 from one block to the next, and as many as keep the slab's int8
-// activations (K bytes a row) within 128 KiB of L2, since every tile step reads them all
-// again: a 2048 x 8192 weight at 512 rows ran 1.2-1.3x faster in slabs of 16 rows than of 64,
-// and a 4096 x 4096 one 1.14x in slabs of 32 (256 KiB: no gain, 64 KiB: less; 2026-11-29,
-// avx512vnni, benchmarks/tiles_timing.cpp). Never under 16, so that a batch-16 decode step
-// decodes its weights once.
+// activations (K bytes a row) within a budget, since every tile step reads them all again.
+// Never under 16, so that a batch-16 decode step decodes its weights once. The budget is the
+// machine's (benchmarks/tiles_timing.cpp, one thread, a 2048 x 8192 weight):
+//   - Intel Cascade Lake (2026-11-29, avx512vnni): 128 KiB of L2. At 512 rows slabs of 16 rows
+//     ran 1.2-1.3x faster than of 64, and a 4096 x 4096 weight 1.14x in slabs of 32 (256 KiB:
+//     no gain, 64 KiB: less).
+//   - AMD Zen 5 (2026-11-30, avx512bf16): 512 KiB, 64 rows: Q6_K 1.13-1.19x and Q4_K
+//     1.03-1.11x at 128 and 512 rows, the AVX2 build on the same core 1.02-1.08x; in the engine
+//     (a 1B's 128- and 512-token prompts, runs in turns) 1.02-1.07x, an 8B's 1.01-1.03x. Its
+//     cores take two dot products a cycle, so decoding a block once for 16 rows costs more
+//     beside them, and its L3 (32 MiB a CCD) serves the slab's re-reads.
+// Zen 4 shares Zen 5's caches and takes the same budget (not measured there).
 constexpr int64_t kSweepRows = 64;
-constexpr int64_t kSweepActivationBytes = 128 * 1024;
+inline int64_t sweep_activation_bytes() {
+  static const int64_t bytes = [] {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd")) return int64_t{512 * 1024};
+#endif
+    return int64_t{128 * 1024};
+  }();
+  return bytes;
+}
 inline int64_t sweep_slab_rows(int64_t K) {
-  return std::clamp<int64_t>(kSweepActivationBytes / K / 4 * 4, 16, kSweepRows);
+  return std::clamp<int64_t>(sweep_activation_bytes() / K / 4 * 4, 16, kSweepRows);
 }
 // A sweep's tiles at a time and rows a group: two tiles' decoded blocks (16 registers) with
 // 2-4 rows' integer sums fill AVX-512's 32; elsewhere one tile's, its blocks held in L1.
