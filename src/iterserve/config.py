@@ -375,8 +375,7 @@ class EngineConfig:
     batch_invariant: bool = _opt(
         False,
         "a request's logits are the same bits whatever else shares its steps (so a seeded "
-        "request samples the same text): fixed kernel choices, on iterserve's kernels only, "
-        "not for mixture-of-experts models",
+        "request samples the same text): fixed kernel choices, on iterserve's kernels only",
     )
     compile: bool = _opt(
         True,

@@ -68,6 +68,20 @@ def moe_dir(family: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir
 
 
 @pytest.fixture(scope="module")
+def moe_kernel_dir(
+    family: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Path:
+    """moe_dir with heads of 32, which the C++ attention and fused layers take."""
+    return _save_tiny(
+        family,
+        tmp_path_factory.mktemp(f"tiny-{family}-heads-32"),
+        tokenizer_dir,
+        head_dim=32,
+        **SHAPES[family],
+    )
+
+
+@pytest.fixture(scope="module")
 def moe_reference(moe_dir: Path) -> list[list[int]]:
     tokens = reference(moe_dir, PROMPTS, GREEDY.max_tokens)
     assert all(len(set(t)) > 3 for t in tokens), "degenerate text would prove little"
@@ -482,3 +496,35 @@ def test_qwen3_moe_with_dense_layers_is_refused(tmp_path: Path, dense: dict) -> 
     )
     with pytest.raises(ModelLoadError, match="mlp_only_layers"):
         hf_model_config({**raw, **dense})
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
+def test_batch_invariant_logprobs_whatever_shares_the_steps(moe_kernel_dir: Path) -> None:
+    """--batch-invariant on a mixture of experts: a seeded request alone (its experts on the
+    one-token road at every decode), then among others of other lengths (its prompt chunked
+    beside theirs, steps of more than 128 (token, expert) pairs, its decodes in batches of
+    every size as the others finish: the few-rows and many-rows roads): the same tokens and
+    logprobs to the last bit."""
+    llm = LLM(
+        str(moe_kernel_dir),
+        dtype="bfloat16",
+        batch_invariant=True,
+        max_num_batched_tokens=96,
+        enable_prefix_caching=False,
+        compile=False,
+    )
+    assert llm.engine.model_plan.step == "fused-layers"
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 500) for _ in range(70)]
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True, logprobs=2)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]
+    others = [[rng.randrange(3, 500) for _ in range(20 + 30 * i)] for i in range(5)]
+    crowd = llm.generate(
+        [*others[:2], prompt, *others[2:]],
+        [*[SamplingParams(temperature=0.8, max_tokens=3 * i + 2) for i in range(2)], seeded]
+        + [SamplingParams(temperature=0.8, max_tokens=3 * i + 8) for i in range(3)],
+        use_tqdm=False,
+    )
+    together = crowd[2]
+    assert together.token_ids == alone.token_ids
+    assert together.logprobs == alone.logprobs

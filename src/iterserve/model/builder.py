@@ -145,10 +145,6 @@ def build_model(
             f"--batch-invariant needs iterserve's fused kernels (bf16 on a CPU they run on): "
             f"{reason}"
         )
-    if config.batch_invariant and any(layer.moe is not None for layer in model.layers):
-        # Which road a step's experts take (one token's, a few rows', many rows') follows the
-        # batch, and nothing has checked that their bits do not.
-        raise ConfigError("--batch-invariant is not supported for mixture-of-experts models")
     compiled = config.compile and not fused and model.lora is None and _can_compile(device)
     if compiled:
         _use_persistent_compile_cache()

@@ -294,13 +294,13 @@ class _DecoderLayer(nn.Module):
 
 
 def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
-    """decoder_stack's mixture-of-experts arguments: each layer's router (None: a dense
+    """decoder_stack's mixture-of-experts arguments: each layer's router tiles (None: a dense
     MLP), the experts' gate, up and down stacks and their formats, top-k, renormalisation."""
     blocks = [layer.moe for layer in layers]
     kernels = [block.kernel for block in blocks if block is not None and block.kernel is not None]
     first = next((block for block in blocks if block is not None), None)
     return (
-        [block.router_weight if block is not None else None for block in blocks],
+        [block.kernel.router if block is not None and block.kernel else None for block in blocks],
         [stack for k in kernels for stack in (k.gate, k.up, k.down)],
         [code for k in kernels for code in k.formats],
         first.top_k if first is not None else 0,

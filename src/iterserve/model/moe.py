@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.model.block_formats import BF16, tile_dense
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.host_memory import weight_buffer
@@ -222,9 +223,12 @@ class ExpertsKernel:
     stack. The op runs the whole of `SparseMoeBlock.run_ops` (routing, grouping, the
     experts, the weighted scatter) in one call: op by op, a Qwen3-30B-A3B decode step made
     ~40 calls a layer, 8 experts each; and three stacks pass to it where every expert's
-    tiles as a list of tensors cost ~0.2 ms a call to convert."""
+    tiles as a list of tensors cost ~0.2 ms a call to convert. The router rides along as bf16
+    tiles, so that a row's router logits come from the same fixed-order kernel whatever the
+    step's size (torch's GEMM may sum a row otherwise at another size: `--batch-invariant`)."""
 
     ops: Any
+    router: torch.Tensor
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
@@ -257,8 +261,11 @@ class ExpertsKernel:
                 stack[e].copy_(lin.segments[i])
                 lin.segments[i] = stack[e]
             stacks.append(stack)
+        router, code = tile_dense(block.router_weight.detach())
+        if code != BF16:
+            return None
         formats = [gates[0][0].codes[0], ups[0][0].codes[1], downs[0][0].codes[0]]
-        return ExpertsKernel(linears[0].ops, *stacks, formats)
+        return ExpertsKernel(linears[0].ops, router, *stacks, formats)
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, block: SparseMoeBlock
@@ -266,7 +273,7 @@ class ExpertsKernel:
         return self.ops.experts_mlp(
             x.contiguous(),
             residual,
-            block.router_weight,
+            self.router,
             block.top_k,
             block.renormalize,
             self.gate,

@@ -63,15 +63,23 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
               "experts_mlp: x must be 2-D bf16 with contiguous rows");
   TORCH_CHECK(formats.size() == 3, "experts_mlp: one format each for gate, up and down");
   const ExpertWeights experts_w{gate, up, down, {formats[0], formats[1], formats[2]}};
-  const int64_t E = router.size(0), T = x.size(0);
+  const int64_t E = gate.size(0), T = x.size(0);
   for (const Tensor* t : {&gate, &up, &down})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == E && t->scalar_type() == at::kByte,
                 "experts_mlp: weights must be [", E, " experts, tiles, bytes] uint8 stacks");
   TORCH_CHECK(0 < top_k && top_k <= E, "experts_mlp: top_k ", top_k, " of ", E, " experts");
 
   // Routing, as model/moe.py's `route`: softmax over all experts in fp32, the top k, and
-  // (renormalize) those k weights over their sum.
-  const Tensor probs = at::softmax(at::linear(x, router).to(at::kFloat), -1);
+  // (renormalize) those k weights over their sum. The logits rounded to bf16 as F.linear's
+  // are, from the router's bf16 tiles: each row summed in one order whatever the step's size.
+  TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kByte &&
+                  router.size(0) * kTile >= E,
+              "experts_mlp: the router must be bf16 tiles [tiles, bytes] uint8 for ", E,
+              " experts");
+  const Tensor logits = tiled_linear(x, {router}, {static_cast<int64_t>(Format::kBf16)},
+                                     std::nullopt, std::nullopt)
+                            .narrow(1, 0, E);
+  const Tensor probs = at::softmax(logits.to(at::kFloat), -1);
   auto [weights, experts] = at::topk(probs, top_k, -1);
   if (renormalize) weights = weights / weights.sum(-1, true);
 

@@ -78,7 +78,8 @@ at::Tensor tiled_linear(const at::Tensor& x, at::TensorList weights, c10::IntArr
 at::Tensor gated_mul(const at::Tensor& gate_up, bool gelu);
 
 // moe.cpp: a mixture-of-experts MLP, residual + the weighted outputs of each row's top_k
-// experts (gate, up, down: [experts, tiles, bytes] stacks in `formats`).
+// experts (router: its bf16 tiles; gate, up, down: [experts, tiles, bytes] stacks in
+// `formats`).
 at::Tensor experts_mlp(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                        const at::Tensor& router, int64_t top_k, bool renormalize,
                        const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
