@@ -300,7 +300,10 @@ def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
     kernels = [block.kernel for block in blocks if block is not None and block.kernel is not None]
     first = next((block for block in blocks if block is not None), None)
     return (
-        [block.kernel.router if block is not None and block.kernel else None for block in blocks],
+        [
+            None if block is None or block.kernel is None else block.kernel.router
+            for block in blocks
+        ],
         [stack for k in kernels for stack in (k.gate, k.up, k.down)],
         [code for k in kernels for code in k.formats],
         first.top_k if first is not None else 0,
