@@ -245,6 +245,9 @@ class ExpertsKernel:
             return None
         if block.intermediate % 16 or block.hidden % 16:
             return None
+        router, code = tile_dense(block.router_weight.detach())
+        if code != BF16:
+            return None
         parts = [(lin, i) for lin in block.gate_up for i in (0, 1)]
         gates, ups, downs = parts[0::2], parts[1::2], [(lin, 0) for lin in block.down]
         stacks = []
@@ -261,9 +264,6 @@ class ExpertsKernel:
                 stack[e].copy_(lin.segments[i])
                 lin.segments[i] = stack[e]
             stacks.append(stack)
-        router, code = tile_dense(block.router_weight.detach())
-        if code != BF16:
-            return None
         formats = [gates[0][0].codes[0], ups[0][0].codes[1], downs[0][0].codes[0]]
         return ExpertsKernel(linears[0].ops, router, *stacks, formats)
 

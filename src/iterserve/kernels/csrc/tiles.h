@@ -422,6 +422,19 @@ ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
       __builtin_prefetch(p[j] + Units * Codec::kBytes + (b * kEach + i) * 64, 0, 3);
 }
 
+// Whether this is an AMD core: the loops' rules below were measured per vendor.
+inline bool amd_cpu() {
+#if defined(__x86_64__)
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
+
 // Whether one- and two-row steps prefetch their tiles (prefetch_units); steps of more rows
 // always do. On AMD Zen 4 with AVX-512 (four tiles a step: four streams a thread;
 // benchmarks/stream_timing.cpp, 2 threads, runs in turns, 2026-11-29) leaving them to the
@@ -433,9 +446,8 @@ ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
 inline bool few_rows_prefetch() {
   static const bool on = [] {
     if (const char* forced = std::getenv("ITERSERVE_PREFETCH")) return forced[0] != '0';
-#if defined(__x86_64__) && defined(CPU_CAPABILITY_AVX512)
-    __builtin_cpu_init();
-    return !__builtin_cpu_is("amd");
+#if defined(CPU_CAPABILITY_AVX512)
+    return !amd_cpu();
 #else
     return true;
 #endif
@@ -630,16 +642,7 @@ constexpr int64_t kTilesPerPass = 8;
 //     beside them, and its L3 (32 MiB a CCD) serves the slab's re-reads.
 // Zen 4 shares Zen 5's caches and takes the same budget (not measured there).
 constexpr int64_t kSweepRows = 64;
-inline int64_t sweep_activation_bytes() {
-  static const int64_t bytes = [] {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("amd")) return int64_t{512 * 1024};
-#endif
-    return int64_t{128 * 1024};
-  }();
-  return bytes;
-}
+inline int64_t sweep_activation_bytes() { return amd_cpu() ? 512 * 1024 : 128 * 1024; }
 inline int64_t sweep_slab_rows(int64_t K) {
   return std::clamp<int64_t>(sweep_activation_bytes() / K / 4 * 4, 16, kSweepRows);
 }
