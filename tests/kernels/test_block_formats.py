@@ -82,9 +82,10 @@ def test_products_match_dequantize_then_matmul(name: str, rows: int) -> None:
 def test_a_rows_result_does_not_depend_on_the_step(name: str, k: int) -> None:
     """The same bits for row 0 alone, among 3 (a few rows' stream), among 12 (the sweep) and
     among 70 (the sweep in slabs of rows: 64 and 6 at K = 512, five of at most 16 at 8192),
-    and for every row of the 70 as alone."""
+    and for every row of the 70 as alone. 37 tiles: a thread's share of a few rows' step is
+    lanes of several tiles side by side and a ragged rest (tiles.h `LaneRun`)."""
     fmt = bf.BLOCK_FORMATS[name]
-    n = 64
+    n = 16 * 37
     tiles = bf.repack(kernels.ops(), gguf_bytes(name, n, k), fmt, k)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(0)).bfloat16()
 

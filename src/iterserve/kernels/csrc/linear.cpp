@@ -115,19 +115,13 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
   if (per256) rows.per256 = (q256 = quantized(xb, x.stride(0), M, K, 256))->view;
   const int64_t threads_wanted = at::get_num_threads();
   if (M <= kRegisterRows) {
-    // Bound by the bytes it reads: one stream of an equal share of them a thread, the
-    // slower thread's last tiles taken by the faster (thread_shares.h).
+    // Bound by the bytes it reads: an equal share of them a thread, read in lanes, the
+    // slower thread's last steps taken by the faster (thread_shares.h).
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min(threads_wanted, tiles)));
-    Shares shares(segs, threads);
-    auto run_range = [&](TileRange r) {
-      for (const Segment& seg : segs) {
-        const int64_t lo = std::max(r.begin, seg.first);
-        const int64_t hi = std::min(r.end, seg.first + seg.tiles);
-        if (lo < hi) segment_range(seg, rows, M, lo - seg.first, hi - seg.first, ep);
-      }
-    };
+    Shares shares(segs, threads, M);
+    auto run_step = [&](const LaneStep& step) { lane_step(segs[step.seg], rows, M, step, ep); };
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) shares.run(static_cast<int>(i), run_range);
+      for (int64_t i = begin; i < end; ++i) shares.run(static_cast<int>(i), run_step);
     });
     return out;
   }

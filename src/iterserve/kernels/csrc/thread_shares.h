@@ -1,9 +1,10 @@
 // How a projection's tiles are divided among the threads (linear.cpp).
 //
 //   - A step of a few rows is bound by the bytes it reads: each thread streams an equal share
-//     of the bytes from its front, and a thread done with its own takes tiles from the back of
-//     the share with the most left (`Shares`), so the threads finish together even when one
-//     runs slower (a busier core, another VM's load on its host core).
+//     of the bytes from its front (in lanes: tiles.h `LaneRun`), and a thread done with its
+//     own takes steps from the back of the share with the most left (`Shares`), so the threads
+//     finish together even when one runs slower (a busier core, another VM's load on its host
+//     core).
 //   - A step of many rows is bound by arithmetic: threads claim passes of tiles in turn
 //     (`chunks`), each pass's weights staying in L2 while every slab of rows reads them.
 #pragma once
@@ -36,32 +37,30 @@ inline std::vector<int64_t> split_by_bytes(const std::vector<Segment>& segs, int
   return bounds;
 }
 
-// Tiles [begin, end) among all of a weight's (its segments' tiles in order).
-struct TileRange {
+// Steps [begin, end) of a few rows' step list (`Shares`).
+struct StepRange {
   int64_t begin = 0, end = 0;
 };
 
-// The tiles of one thread's share still to do, [front, back), in one atomic word, so that its
+// The steps of one thread's share still to do, [front, back), in one atomic word, so that its
 // owner (taking from the front) and a thread done with its own (from the back) never take the
-// same tile.
+// same step.
 class alignas(64) Share {
  public:
-  void reset(TileRange r) { word_.store(pack(r.begin, r.end), std::memory_order_relaxed); }
+  void reset(StepRange r) { word_.store(pack(r.begin, r.end), std::memory_order_relaxed); }
   int64_t left() const {
     const uint64_t w = word_.load(std::memory_order_relaxed);
     return static_cast<int64_t>(w >> 32) - static_cast<int64_t>(w & 0xffffffffu);
   }
-  // Up to n tiles from the front (or the back); false when none are left.
-  bool take(int64_t n, bool from_back, TileRange& taken) {
+  // The step at the front (or the back); false when none are left.
+  bool take(bool from_back, int64_t& taken) {
     uint64_t w = word_.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t front = static_cast<int64_t>(w & 0xffffffffu);
       const int64_t back = static_cast<int64_t>(w >> 32);
       if (front >= back) return false;
-      taken = from_back ? TileRange{std::max(front, back - n), back}
-                        : TileRange{front, std::min(back, front + n)};
-      const uint64_t rest =
-          from_back ? pack(front, taken.begin) : pack(taken.end, back);
+      taken = from_back ? back - 1 : front;
+      const uint64_t rest = from_back ? pack(front, back - 1) : pack(front + 1, back);
       if (word_.compare_exchange_weak(w, rest)) return true;
     }
   }
@@ -73,44 +72,65 @@ class alignas(64) Share {
   std::atomic<uint64_t> word_{0};
 };
 
-// Tiles a thread takes at a time from a share: one step of the one-row loops (tiles.h
-// `tiles_per_step`), ~75 KB of Q4_K at 2048 inputs, so that what is left when a thread runs
-// out is split finely. The owner's takes follow one another in memory: its stream (and the
-// loops' prefetch, which runs past a tile's end into the next) goes on unbroken.
-constexpr int64_t kTakeTiles = 4;
-
-// A few rows' step, thread by thread: each thread's share by split_by_bytes, to be run from
-// its front by its own thread, and from its back by any thread done with its own. Against the
-// equal split alone, the one-row projections of a 1B Q4_K_M's 16 layers in turn (2 threads)
-// waited ~5 us a call for the slower thread instead of 5-80 us, and ran 3-5% faster in a
-// quiet spell (2026-11-29, avx512vnni, a throwaway harness of these loops); the engine's
-// batch-1 decode of that file moved within this machine's noise.
+// A few rows' step, thread by thread: each thread's share by split_by_bytes, as the lane steps
+// of M rows (tiles.h `LaneRun`: each segment's part of the share in lanes), to be run from its
+// front by its own thread, a step at a time (up to 4 tiles, ~75 KB of Q4_K at 2048 inputs), and
+// from its back by any thread done with its own. Against the equal split alone, the one-row
+// projections of a 1B Q4_K_M's 16 layers in turn (2 threads) waited ~5 us a call for the
+// slower thread instead of 5-80 us, and ran 3-5% faster in a quiet spell (2026-11-29,
+// avx512vnni, a throwaway harness of these loops); the engine's batch-1 decode of that file
+// moved within this machine's noise.
 class Shares {
  public:
-  Shares(const std::vector<Segment>& segs, int threads)
-      : shares_(new Share[threads]), threads_(threads) {
+  Shares(const std::vector<Segment>& segs, int threads, int64_t M)
+      : shares_(new Share[threads]), first_run_(threads + 1, 0), threads_(threads) {
     const std::vector<int64_t> bounds = split_by_bytes(segs, threads);
-    for (int i = 0; i < threads; ++i) shares_[i].reset({bounds[i], bounds[i + 1]});
+    runs_.reserve(segs.size() + threads);
+    for (int i = 0; i < threads; ++i) {
+      int64_t steps = 0;
+      for (size_t s = 0; s < segs.size(); ++s) {
+        const Segment& seg = segs[s];
+        const int64_t lo = std::max(bounds[i], seg.first);
+        const int64_t hi = std::min(bounds[i + 1], seg.first + seg.tiles);
+        if (lo >= hi) continue;
+        runs_.emplace_back(static_cast<int64_t>(s), lo - seg.first, hi - seg.first,
+                           few_rows_width(seg.format, M));
+        steps += runs_.back().steps();
+      }
+      first_run_[i + 1] = static_cast<int64_t>(runs_.size());
+      shares_[i].reset({0, steps});
+    }
   }
 
-  // Calls run(range) on share i's tiles from its front, then on tiles from the backs of the
+  // Calls run(step) on share i's steps from its front, then on steps from the backs of the
   // others' until none are left.
   template <typename F>
-  void run(int i, F&& run_range) {
-    TileRange taken;
-    while (shares_[i].take(kTakeTiles, false, taken)) run_range(taken);
+  void run(int i, F&& run_step) {
+    int64_t taken;
+    while (shares_[i].take(false, taken)) run_step(step(i, taken));
     for (;;) {
       int most = -1;
       int64_t most_left = 0;
       for (int j = 0; j < threads_; ++j)
         if (const int64_t left = shares_[j].left(); left > most_left) most = j, most_left = left;
       if (most < 0) return;
-      if (shares_[most].take(kTakeTiles, true, taken)) run_range(taken);
+      if (shares_[most].take(true, taken)) run_step(step(most, taken));
     }
   }
 
  private:
+  // Step k of share i (its runs' steps in order; a share spans a few segments at most).
+  LaneStep step(int i, int64_t k) const {
+    for (int64_t r = first_run_[i];; ++r) {
+      const int64_t n = runs_[r].steps();
+      if (k < n) return runs_[r].step(k);
+      k -= n;
+    }
+  }
+
   std::unique_ptr<Share[]> shares_;
+  std::vector<LaneRun> runs_;       // share after share
+  std::vector<int64_t> first_run_;  // share i's runs: [first_run_[i], first_run_[i + 1])
   int threads_;
 };
 

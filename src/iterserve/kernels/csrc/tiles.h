@@ -17,7 +17,8 @@
 // on the batch.
 //
 //   - A step of up to 4 rows, bound by the bytes it reads, streams each thread's tiles once,
-//     decoding every block in registers for its rows (`block_tiles`).
+//     decoding every block in registers for its rows (`block_tiles`), the tiles taken side by
+//     side from lanes that each run as one stream (`LaneRun`).
 //   - A step of more rows is bound by the arithmetic: each block of two tiles is decoded into
 //     registers once, with its scales, and every row of the step takes its dot products against
 //     it in turn, the rows' fp32 sums waiting in L1 between blocks (`sweep_tiles`). Unpacking
@@ -156,50 +157,51 @@ ITERSERVE_INLINE std::array<I16, N> izeros() {
   return izeros(std::make_integer_sequence<int, N>{});
 }
 
-// Row m0 + r's outputs of tile tile0 + j, through the epilogue.
+// Row m0 + r's outputs of tile tile0 + j * lane, through the epilogue.
 template <int MR, int NT>
-ITERSERVE_INLINE void store_all(const Epilogue& ep, int64_t m0, int64_t tile0,
+ITERSERVE_INLINE void store_all(const Epilogue& ep, int64_t m0, int64_t tile0, int64_t lane,
                                 const std::array<F16, MR * NT>& acc) {
   ITERSERVE_UNROLL for (int r = 0; r < MR; ++r)
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
-      ep.store(m0 + r, (tile0 + j) * kTile, acc[r * NT + j]);
+      ep.store(m0 + r, (tile0 + j * lane) * kTile, acc[r * NT + j]);
 }
 
 // ---- bf16 and fp16 -------------------------------------------------------------------------
 
-// bf16 tiles: [K/2, 16, 2] a tile, each output's two inputs side by side.
+// bf16 tiles: [K/2, 16, 2] a tile, each output's two inputs side by side. The NT tiles are
+// tile0, tile0 + lane, ... (a few rows' lanes, below; lane 1 elsewhere).
 template <int MR, int NT>
 inline void bf16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t tile0,
-                       const Epilogue& ep) {
+                       int64_t lane, const Epilogue& ep) {
   const int64_t K = rows.K, tile_elems = K * kTile;
   const auto* wt = reinterpret_cast<const at::BFloat16*>(w) + tile0 * tile_elems;
   auto acc = zeros<MR * NT>();
   for (int64_t k = 0; k < K; k += 2) {
     Pairs wv[NT];
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
-      wv[j] = load_pairs(wt + j * tile_elems + k * kTile);
+      wv[j] = load_pairs(wt + j * lane * tile_elems + k * kTile);
     ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
       const XPair xv = rows.pair(m0 + r, k);
       ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
         acc[r * NT + j] = pair_dot(acc[r * NT + j], wv[j], xv);
     }
   }
-  store_all<MR, NT>(ep, m0, tile0, acc);
+  store_all<MR, NT>(ep, m0, tile0, lane, acc);
 }
 
 // fp16 tiles: [K/2, 2, 16] a tile (a pair's first inputs for the 16 outputs, then its
 // second), widened to fp32 in registers: no CPU here has fp16 dot products.
 template <int MR, int NT>
 inline void f16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t tile0,
-                      const Epilogue& ep) {
+                      int64_t lane, const Epilogue& ep) {
   const int64_t K = rows.K, tile_elems = K * kTile;
   const auto* wt = reinterpret_cast<const c10::Half*>(w) + tile0 * tile_elems;
   auto acc = zeros<MR * NT>();
   for (int64_t k = 0; k < K; k += 2) {
     F16 first[NT], second[NT];
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) {
-      first[j] = load_f16x16(wt + j * tile_elems + k * kTile);
-      second[j] = load_f16x16(wt + j * tile_elems + k * kTile + kTile);
+      first[j] = load_f16x16(wt + j * lane * tile_elems + k * kTile);
+      second[j] = load_f16x16(wt + j * lane * tile_elems + k * kTile + kTile);
     }
     ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
       const float* x = rows.xf + (m0 + r) * rows.ld_xf + k;
@@ -208,7 +210,7 @@ inline void f16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t ti
         acc[r * NT + j] = fmadd(second[j], x1, fmadd(first[j], x0, acc[r * NT + j]));
     }
   }
-  store_all<MR, NT>(ep, m0, tile0, acc);
+  store_all<MR, NT>(ep, m0, tile0, lane, acc);
 }
 
 // ---- activations for the block formats ---------------------------------------------------------
@@ -478,25 +480,25 @@ struct Prefetcher {
   }
 };
 
-// Calls run(p, b, blk) for every block of NT tiles (from tile0) of K inputs, in order: p[j]
-// tile j's unit, b the block within it, blk the block's number among all.
+// Calls run(p, b, blk) for every block of NT tiles (tile0, tile0 + lane, ...) of K inputs, in
+// order: p[j] tile j's unit, b the block within it, blk the block's number among all.
 template <typename Codec, int NT, typename F>
 ITERSERVE_INLINE void for_each_block(int64_t K, const uint8_t* w, int64_t stride, int64_t tile0,
-                                     F&& run) {
+                                     int64_t lane, F&& run) {
   constexpr int kBlocks = Codec::kInputs / kBlock;
   for (int64_t u = 0; u < K / Codec::kInputs; ++u) {
     const uint8_t* p[NT];
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
-      p[j] = w + (tile0 + j) * stride + u * Codec::kBytes;
+      p[j] = w + (tile0 + j * lane) * stride + u * Codec::kBytes;
     for (int b = 0; b < kBlocks; ++b)
       run(static_cast<const uint8_t* const*>(p), b, u * kBlocks + b);
   }
 }
 
-// Few rows: MR rows x NT tiles (from tile0), decoding each block in registers.
+// Few rows: MR rows x NT tiles (tile0, tile0 + lane, ...), decoding each block in registers.
 template <typename Codec, int MR, int NT>
 inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t stride,
-                        int64_t tile0, const Epilogue& ep) {
+                        int64_t tile0, int64_t lane, const Epilogue& ep) {
   constexpr int H = Codec::kHalves, kBlocks = Codec::kInputs / kBlock;
   // A copy the loops' stores cannot alias (they are of vector types, which alias anything).
   const QuantizedX x = rows.quantized<Codec::kInputs>();
@@ -520,8 +522,8 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
       fold_unit<Codec, MR, NT>(acc, unit, x, m0, blk / kBlocks, K);
     }
   };
-  for_each_block<Codec, NT>(rows.K, w, stride, tile0, block);
-  store_all<MR, NT>(ep, m0, tile0, acc);
+  for_each_block<Codec, NT>(rows.K, w, stride, tile0, lane, block);
+  store_all<MR, NT>(ep, m0, tile0, lane, acc);
 }
 
 // Calls run.template operator()<MR>(m) for every group of up to MaxRows rows, from m0 = 0.
@@ -607,7 +609,7 @@ inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t s
       }
     }
   };
-  for_each_block<Codec, NT>(rows.K, w, stride, tile0, block);
+  for_each_block<Codec, NT>(rows.K, w, stride, tile0, 1, block);
   for (int64_t m = 0; m < M; ++m)
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) ep.store(m, (tile0 + j) * kTile, acc[m * NT + j]);
 }
@@ -677,23 +679,126 @@ ITERSERVE_INLINE void tile_steps(int64_t t_begin, int64_t t_end, F&& run) {
 template <int NT>
 constexpr int64_t tile_step_count(int64_t n) { return n / NT + n % NT; }
 
-// Tiles [t_begin, t_end) of a block segment, a pass at a time. A few rows stream them once,
-// their own prefetch running ahead within each tile; many rows sweep each pass in slabs, while
-// the pass's blocks prefetch the next pass's weights (or `after`'s, past the last) into L2.
+// ---- a few rows: lanes ---------------------------------------------------------------------
+//
+// A step of up to 4 rows reads each tile once and is bound by the memory. Its loops take NT
+// tiles at a time (tiles_per_step), each tile read as a stream of its own; NT adjacent tiles
+// a step made each thread start NT new streams every step (4 x 18 KB of Q4_K at K = 2048),
+// and every new stream costs the hardware prefetcher its start. So a thread's tiles of a
+// segment are cut into NT lanes of equal length, walked side by side (`LaneRun`): step i
+// takes tile i of every lane, and each lane is one stream from its first tile to its last.
+// Two threads over a 1B's 16 layers of projections (benchmarks/stream_timing.cpp,
+// 2026-12-01, avx512bf16, Zen 5, in turns): Q4_K 12.7-12.9 -> 12.0-12.4 ms, Q6_K 18.2-18.5
+// -> 16.8-17.0, Q4_0 12.2 -> 10.8-11.1, 0.97-1.0 of a plain read of the same bytes; one
+// 310 MB weight of K = 512 read at 0.76 of the plain read before and 0.89-0.95 after. One
+// tile a step (AVX2, Arm, and 3-4 rows of Q6_K) was one stream a thread already.
+
+// A few rows' step: `width` tiles of segment `seg`, `lane` apart (first, first + lane, ...;
+// the segment's own tile numbers), side by side; or, at width 1, `count` tiles from `first`
+// one after another.
+struct LaneStep {
+  int64_t seg;
+  int64_t first;
+  int64_t lane;
+  int width;
+  int count;
+};
+
+// Tiles a step of single tiles takes (one stream whatever their number): enough that the
+// steps' dispatch and the shares' atomic take stay small beside a bundled model's 5 KB tiles.
+constexpr int kSingleTiles = 4;
+
+// Calls run(mr) with M (1..4) as a compile-time constant.
+template <typename F>
+ITERSERVE_INLINE void few_rows(int64_t M, F&& run) {
+  switch (M) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    default: return run(std::integral_constant<int, 4>{});
+  }
+}
+
+// Tiles a few-row step of M rows takes at a time in a format.
+inline int few_rows_width(Format format, int64_t M) {
+  int width = 1;
+  few_rows(M, [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    if (format == Format::kBf16 || format == Format::kF16) {
+      width = tiles_per_step<MR>();
+      return;
+    }
+    with_codec(format, [&](auto codec) {
+      width = tiles_per_step<MR, decltype(codec)::kHalves>();
+    });
+  });
+  return width;
+}
+
+// Tiles [t_begin, t_end) of segment `seg` as few-row steps, numbered from 0: `width` lanes of
+// equal length side by side, then the tiles left over (fewer than `width`; all of them at
+// width 1) one at a time, kSingleTiles a step.
+struct LaneRun {
+  int64_t seg, t_begin, t_end, per_lane;
+  int width;
+
+  LaneRun(int64_t seg, int64_t t_begin, int64_t t_end, int width)
+      : seg(seg), t_begin(t_begin), t_end(t_end),
+        per_lane(width > 1 ? (t_end - t_begin) / width : 0), width(width) {}
+  int64_t steps() const {
+    const int64_t singles = t_end - t_begin - width * per_lane;
+    return per_lane + (singles + kSingleTiles - 1) / kSingleTiles;
+  }
+  LaneStep step(int64_t i) const {
+    if (i < per_lane) return {seg, t_begin + i, per_lane, width, 1};
+    const int64_t t = t_begin + width * per_lane + (i - per_lane) * kSingleTiles;
+    return {seg, t, 1, 1, static_cast<int>(std::min<int64_t>(kSingleTiles, t_end - t))};
+  }
+};
+
+// One few-row step of the M rows (M <= kRegisterRows) on segment `seg`.
+inline void lane_step(const Segment& seg, const Rows& rows, int64_t M, const LaneStep& step,
+                      const Epilogue& ep) {
+  const Epilogue out = ep.shifted(seg.first);
+  few_rows(M, [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    auto run = [&](auto nt, auto tiles) {
+      constexpr int NT = decltype(nt)::value;
+      if (NT > 1 && step.width == NT) return tiles(nt, step.first, step.lane);
+      for (int64_t t = step.first; t < step.first + step.count; ++t)
+        tiles(std::integral_constant<int, 1>{}, t, int64_t{1});
+    };
+    if (seg.format == Format::kBf16 || seg.format == Format::kF16) {
+      const bool half = seg.format == Format::kF16;
+      run(std::integral_constant<int, tiles_per_step<MR>()>{},
+          [&](auto nt, int64_t t, int64_t lane) {
+            constexpr int NT = decltype(nt)::value;
+            if (half) f16_tiles<MR, NT>(rows, 0, seg.data, t, lane, out);
+            else bf16_tiles<MR, NT>(rows, 0, seg.data, t, lane, out);
+          });
+      return;
+    }
+    with_codec(seg.format, [&](auto codec) {
+      using Codec = decltype(codec);
+      run(std::integral_constant<int, tiles_per_step<MR, Codec::kHalves>()>{},
+          [&](auto nt, int64_t t, int64_t lane) {
+            block_tiles<Codec, MR, decltype(nt)::value>(rows, 0, seg.data, seg.stride, t, lane,
+                                                        out);
+          });
+    });
+  });
+}
+
+// ---- many rows -----------------------------------------------------------------------------
+
+// Many rows (M > kRegisterRows) over tiles [t_begin, t_end) of a block segment, a pass at a
+// time: each pass swept in slabs of rows, while the pass's blocks prefetch the next pass's
+// weights (or `after`'s, past the last) into L2.
 template <typename Codec>
 void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begin, int64_t t_end,
                  const Epilogue& ep, Span after) {
-  constexpr int H = Codec::kHalves;
   const Epilogue out = ep.shifted(seg.first);
-  if (M <= kRegisterRows) {
-    row_groups<4>(M, [&](auto mr, int64_t m0) {
-      constexpr int MR = decltype(mr)::value;
-      tile_steps<tiles_per_step<MR, H>()>(t_begin, t_end, [&](auto nt, int64_t t) {
-        block_tiles<Codec, MR, decltype(nt)::value>(rows, m0, seg.data, seg.stride, t, out);
-      });
-    });
-    return;
-  }
+  constexpr int H = Codec::kHalves;
   constexpr int NT = sweep_tiles_per_step();
   // The rows' sums, then their units' (see sweep_tiles).
   thread_local std::vector<F16> sums;
@@ -719,6 +824,7 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
   }
 }
 
+// Many rows of a dense segment: passes of tiles, groups of 4 rows over each.
 template <bool Half>
 void dense_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begin, int64_t t_end,
                  const Epilogue& ep) {
@@ -728,15 +834,22 @@ void dense_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
       constexpr int MR = decltype(mr)::value;
       tile_steps<tiles_per_step<MR>()>(t0, t1, [&](auto nt, int64_t t) {
         constexpr int NT = decltype(nt)::value;
-        if constexpr (Half) f16_tiles<MR, NT>(rows, m0, seg.data, t, ep.shifted(seg.first));
-        else bf16_tiles<MR, NT>(rows, m0, seg.data, t, ep.shifted(seg.first));
+        if constexpr (Half) f16_tiles<MR, NT>(rows, m0, seg.data, t, 1, ep.shifted(seg.first));
+        else bf16_tiles<MR, NT>(rows, m0, seg.data, t, 1, ep.shifted(seg.first));
       });
     });
   }
 }
 
+// Tiles [t_begin, t_end) of a segment against M rows, by either road: a few rows in lanes,
+// many in passes.
 void segment_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begin,
                    int64_t t_end, const Epilogue& ep, Span after = {}) {
+  if (M <= kRegisterRows) {
+    const LaneRun run(0, t_begin, t_end, few_rows_width(seg.format, M));
+    for (int64_t i = 0; i < run.steps(); ++i) lane_step(seg, rows, M, run.step(i), ep);
+    return;
+  }
   if (seg.format == Format::kBf16) return dense_range<false>(seg, rows, M, t_begin, t_end, ep);
   if (seg.format == Format::kF16) return dense_range<true>(seg, rows, M, t_begin, t_end, ep);
   with_codec(seg.format, [&](auto codec) {
