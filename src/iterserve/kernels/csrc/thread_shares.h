@@ -2,9 +2,9 @@
 //
 //   - A step of a few rows is bound by the bytes it reads: each thread streams an equal share
 //     of the bytes from its front (in lanes: tiles.h `LaneRun`), and a thread done with its
-//     own takes steps from the back of the share with the most left (`Shares`), so the threads
-//     finish together even when one runs slower (a busier core, another VM's load on its host
-//     core).
+//     own takes half of what is left of the share with the most left, from its back
+//     (`Shares`), so the threads finish together even when one runs slower (a busier core,
+//     another VM's load on its host core).
 //   - A step of many rows is bound by arithmetic: threads claim passes of tiles in turn
 //     (`chunks`), each pass's weights staying in L2 while every slab of rows reads them.
 #pragma once
@@ -52,16 +52,27 @@ class alignas(64) Share {
     const uint64_t w = word_.load(std::memory_order_relaxed);
     return static_cast<int64_t>(w >> 32) - static_cast<int64_t>(w & 0xffffffffu);
   }
-  // The step at the front (or the back); false when none are left.
-  bool take(bool from_back, int64_t& taken) {
+  // The owner's next step, from the front; false when none are left.
+  bool take_front(int64_t& taken) {
     uint64_t w = word_.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t front = static_cast<int64_t>(w & 0xffffffffu);
       const int64_t back = static_cast<int64_t>(w >> 32);
       if (front >= back) return false;
-      taken = from_back ? back - 1 : front;
-      const uint64_t rest = from_back ? pack(front, back - 1) : pack(front + 1, back);
-      if (word_.compare_exchange_weak(w, rest)) return true;
+      taken = front;
+      if (word_.compare_exchange_weak(w, pack(front + 1, back))) return true;
+    }
+  }
+  // Half the steps left (at least one), from the back, for another thread to run front to
+  // back as lanes of its own; false when none are left.
+  bool take_back_half(StepRange& taken) {
+    uint64_t w = word_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(w & 0xffffffffu);
+      const int64_t back = static_cast<int64_t>(w >> 32);
+      if (front >= back) return false;
+      taken = {back - std::max<int64_t>(1, (back - front) / 2), back};
+      if (word_.compare_exchange_weak(w, pack(front, taken.begin))) return true;
     }
   }
 
@@ -74,12 +85,14 @@ class alignas(64) Share {
 
 // A few rows' step, thread by thread: each thread's share by split_by_bytes, as the lane steps
 // of M rows (tiles.h `LaneRun`: each segment's part of the share in lanes), to be run from its
-// front by its own thread, a step at a time (up to 4 tiles, ~75 KB of Q4_K at 2048 inputs), and
-// from its back by any thread done with its own. Against the equal split alone, the one-row
-// projections of a 1B Q4_K_M's 16 layers in turn (2 threads) waited ~5 us a call for the
-// slower thread instead of 5-80 us, and ran 3-5% faster in a quiet spell (2026-11-29,
-// avx512vnni, a throwaway harness of these loops); the engine's batch-1 decode of that file
-// moved within this machine's noise.
+// front by its own thread, a step at a time (up to 4 tiles, ~75 KB of Q4_K at 2048 inputs),
+// while a thread done with its own takes half of what is left of the share with most left,
+// from its back, and runs it front to back (its lanes forward, as streams; a step at a time
+// from the back, each a tile before the last of every lane, read them backwards). Against the
+// equal split alone, the one-row projections of a 1B Q4_K_M's 16 layers in turn (2 threads)
+// waited ~5 us a call for the slower thread instead of 5-80 us, and ran 3-5% faster in a
+// quiet spell (2026-11-29, avx512vnni, a throwaway harness of these loops); the engine's
+// batch-1 decode of that file moved within this machine's noise.
 class Shares {
  public:
   Shares(const std::vector<Segment>& segs, int threads, int64_t M)
@@ -102,19 +115,21 @@ class Shares {
     }
   }
 
-  // Calls run(step) on share i's steps from its front, then on steps from the backs of the
-  // others' until none are left.
+  // Calls run(step) on share i's steps from its front, then on halves of what is left of the
+  // others', taken from their backs, until none are left.
   template <typename F>
   void run(int i, F&& run_step) {
     int64_t taken;
-    while (shares_[i].take(false, taken)) run_step(step(i, taken));
+    while (shares_[i].take_front(taken)) run_step(step(i, taken));
     for (;;) {
       int most = -1;
       int64_t most_left = 0;
       for (int j = 0; j < threads_; ++j)
         if (const int64_t left = shares_[j].left(); left > most_left) most = j, most_left = left;
       if (most < 0) return;
-      if (shares_[most].take(true, taken)) run_step(step(most, taken));
+      StepRange half;
+      if (shares_[most].take_back_half(half))
+        for (int64_t k = half.begin; k < half.end; ++k) run_step(step(most, k));
     }
   }
 
