@@ -54,29 +54,38 @@ class alignas(64) Share {
   }
   // The owner's next step, from the front; false when none are left.
   bool take_front(int64_t& taken) {
-    uint64_t w = word_.load(std::memory_order_relaxed);
-    for (;;) {
-      const int64_t front = static_cast<int64_t>(w & 0xffffffffu);
-      const int64_t back = static_cast<int64_t>(w >> 32);
-      if (front >= back) return false;
-      taken = front;
-      if (word_.compare_exchange_weak(w, pack(front + 1, back))) return true;
-    }
+    StepRange step;
+    if (!take([](int64_t front, int64_t) { return StepRange{front, front + 1}; }, step))
+      return false;
+    taken = step.begin;
+    return true;
   }
   // Half the steps left (at least one), from the back, for another thread to run front to
   // back as lanes of its own; false when none are left.
   bool take_back_half(StepRange& taken) {
+    return take(
+        [](int64_t front, int64_t back) {
+          return StepRange{back - std::max<int64_t>(1, (back - front) / 2), back};
+        },
+        taken);
+  }
+
+ private:
+  // The steps pick(front, back) names, at the front or at the back of what is left, in one
+  // exchange of the word; false when none are left.
+  template <typename Pick>
+  bool take(Pick pick, StepRange& taken) {
     uint64_t w = word_.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t front = static_cast<int64_t>(w & 0xffffffffu);
       const int64_t back = static_cast<int64_t>(w >> 32);
       if (front >= back) return false;
-      taken = {back - std::max<int64_t>(1, (back - front) / 2), back};
-      if (word_.compare_exchange_weak(w, pack(front, taken.begin))) return true;
+      taken = pick(front, back);
+      const uint64_t rest =
+          taken.begin == front ? pack(taken.end, back) : pack(front, taken.begin);
+      if (word_.compare_exchange_weak(w, rest)) return true;
     }
   }
-
- private:
   static uint64_t pack(int64_t front, int64_t back) {
     return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
   }
