@@ -10,7 +10,7 @@
 #
 # LLAMA_CPP_ISA=avx2 builds (in its own directory) for AVX2 + FMA + F16C with AVX-512 off, to
 # compare with iterserve's ITERSERVE_ISA=avx2 on an AVX-512 machine; the default builds for
-# the CPU it runs on (GGML_NATIVE).
+# the CPU it runs on (GGML_NATIVE; AMX off, below).
 #
 # Shapes: 128 prompt tokens and 128 generated tokens per sequence, 2 threads, independent prompts.
 # Output: llama-batched-bench's table; S_TG t/s is decode tok/s over the whole batch.
@@ -20,6 +20,15 @@ ISA=${LLAMA_CPP_ISA:-native}
 CACHE=${LLAMA_CPP_PEER_DIR:-$HOME/.cache/iterserve-peers/llama.cpp-$VERSION}
 BUILD=build
 ISA_FLAGS=(-DGGML_NATIVE=ON)
+# On a CPU with AMX, the native build's AMX matmul (ggml-cpu/amx) dies with SIGILL on its
+# first tile instruction (tilezero in ggml_backend_amx_mul_mat: seen 2026-12-01 on a 2-core
+# Xeon VM, family 6 model 207; llama.cpp PR 26954 names the cause), so it is built with AMX
+# off and everything else native.
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null && [ "$ISA" = native ]; then
+  BUILD=build-noamx
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  ISA_FLAGS+=(-DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX")
+fi
 if [ "$ISA" = avx2 ]; then
   BUILD=build-avx2
   ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
