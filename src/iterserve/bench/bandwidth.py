@@ -29,6 +29,13 @@ The buffer sits on 2 MiB pages (`host_memory.weight_buffer`, as iterserve's weig
 costing a quarter of the speed. Until then this figure was taken on 4 KiB pages, so shares
 of it reported before 2026-11-30 are up to 1.3x too high (docs/benchmarks.md). llama.cpp's
 weights are its mmapped file's page cache: 4 KiB pages.
+
+One plain stream a thread is not always the most a core can read: on an Intel Xeon VM
+(family 6, model 207, 2 cores, avx512bf16; 2026-12-01) the float32 sum read 21-27 GB/s while a
+1B's and a 3B's batch-1 decode read more (benchmarks/big_models.py printed shares of
+117-143%). So the figure is the faster of that sum and the kernels' `read_probe`, which reads
+the buffer as the decode loops read a weight (4 streams a thread side by side, asked for
+ahead: kernels/csrc/read_probe.cpp), where the kernels are built.
 """
 
 from __future__ import annotations
@@ -38,29 +45,38 @@ from pathlib import Path
 
 BUFFER_BYTES = 1 << 30  # far beyond any cache here (35.8 MiB of L3 on the machine it was checked on)
 
-METHOD = "torch float32 sum over 1 GiB on 2 MiB pages"
+METHOD = (
+    "the faster of a torch float32 sum and the kernels' 4-stream read (read_probe) over 1 GiB "
+    "on 2 MiB pages"
+)
 
 
 def read_bandwidth(threads: int, nbytes: int = BUFFER_BYTES, repeats: int = 10) -> float:
-    """Bytes per second that `threads` threads read from memory: the best of `repeats`
-    `x.sum()` of a float32 tensor of `nbytes` on 2 MiB pages where the system gives them (its
-    pages written first, so no page fault is timed), under torch.set_num_threads(threads)."""
+    """Bytes per second that `threads` threads read from memory: the best of `repeats` reads
+    of `nbytes` on 2 MiB pages where the system gives them (their pages written first, so no
+    page fault is timed), each read both as a float32 `x.sum()` under
+    torch.set_num_threads(threads) and, where the kernels are built, as their `read_probe`."""
     import torch
 
+    from iterserve import kernels
     from iterserve.model.host_memory import weight_buffer
 
+    probe = kernels.ops().read_probe if kernels.available() else None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = weight_buffer(1, nbytes).view(torch.float32).fill_(1.0)
+        buffer = weight_buffer(1, nbytes).view(torch.uint8)
+        x = buffer.view(torch.float32).fill_(1.0)
+        reads = [x.sum] + ([lambda: probe(buffer, threads)] if probe else [])
         best = float("inf")
         for _ in range(repeats):
-            start = time.perf_counter()
-            x.sum()
-            best = min(best, time.perf_counter() - start)
+            for read in reads:  # in turns, so that both meet the same spells
+                start = time.perf_counter()
+                read()
+                best = min(best, time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)
-    return x.numel() * 4 / best
+    return nbytes / best
 
 
 def decode_bytes_per_token(path: Path) -> int:
