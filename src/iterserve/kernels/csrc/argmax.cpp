@@ -9,10 +9,10 @@
 // here: each of 16 lanes keeps its largest value and where it first saw it, compared as floats
 // (a vocabulary's indices are exact in fp32), so no second pass looks for the maximum's place.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <cmath>
@@ -66,6 +66,8 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best;
 }
 
+}  // namespace
+
 Tensor argmax_rows(const Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
                   logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 24),
@@ -79,11 +81,5 @@ Tensor argmax_rows(const Tensor& logits) {
   });
   return out;
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
 
 }  // namespace iterserve

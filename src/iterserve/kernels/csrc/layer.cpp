@@ -23,9 +23,8 @@
 // graph is). Hidden, head and intermediate sizes must be multiples of 16 (32 for head_dim);
 // the model only takes this path when they are.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <array>
@@ -320,6 +319,8 @@ std::vector<int64_t> checked_positions(const Tensor& hidden, const Tensor& step,
   return pos;
 }
 
+}  // namespace
+
 Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tensor& post_norm,
                      double eps, at::TensorList weights, c10::IntArrayRef formats,
                      c10::IntArrayRef segments, const c10::List<std::optional<Tensor>>& biases,
@@ -436,40 +437,11 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
   return h;
 }
 
-}  // namespace
-
 Tensor gated_mul(const Tensor& gate_up, bool gelu) {
   return gelu ? gated_mul_rows<true>(gate_up) : gated_mul_rows<false>(gate_up);
 }
 
 // Which build this is (simd.h's kIsaName), so a caller can check the variant it loaded.
 std::string isa() { return kIsaName; }
-
-TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
-  m.def("isa() -> str");
-  m.def(
-      "decoder_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor[] weights, int[] formats, int[] segments, Tensor?[] biases, Tensor? qk_norm, "
-      "Tensor? attn_out_norm, Tensor? mlp_out_norm, bool gelu, float softcap, "
-      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
-      "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
-      "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows) -> Tensor");
-  m.def(
-      "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
-      "Tensor rope_sin, Tensor? local_rope_cos, Tensor? local_rope_sin, Tensor[] input_norms, "
-      "Tensor[] post_norms, float eps, Tensor[] weights, int[] formats, int[] segments, "
-      "Tensor?[] biases, Tensor?[] qk_norms, Tensor?[] attn_out_norms, "
-      "Tensor?[] mlp_out_norms, bool gelu, float softcap, Tensor(a!)[] key_caches, "
-      "Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, float scale, "
-      "int[] sliding_windows, int[] local_rope, Tensor?[] routers, Tensor[] experts, "
-      "int[] expert_formats, int top_k, bool renormalize) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
-  m.impl("decoder_layer", &decoder_layer);
-  m.impl("decoder_stack", &decoder_stack);
-}
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CatchAll, m) { m.impl("isa", &isa); }
 
 }  // namespace iterserve

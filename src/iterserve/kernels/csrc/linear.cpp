@@ -13,9 +13,8 @@
 // rounding; the dense ones equal the fp32 matmul rounded once to bf16. The bias and residual
 // are added in fp32 before that single rounding (none for fp32 output).
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include "ops.h"
 #include "thread_shares.h"
@@ -160,18 +159,6 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x, int64_t unit) {
   std::memcpy(q.data_ptr<int8_t>(), rows->xq.get(), M * K);
   std::memcpy(s.data_ptr<float>(), rows->scale.get(), M * K / unit * sizeof(float));
   return {q, s};
-}
-
-TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
-  m.def(
-      "tiled_linear(Tensor x, Tensor[] weights, int[] formats, Tensor? bias, Tensor? residual, "
-      "bool fp32_out=False) -> Tensor");
-  m.def("quantize_rows(Tensor x, int unit=32) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
-  m.impl("tiled_linear", &tiled_linear);
-  m.impl("quantize_rows", &quantize_rows);
 }
 
 }  // namespace iterserve

@@ -15,9 +15,7 @@
 // callers pass only `row_slots`. Without this op the deltas were torch products per adapter:
 // ~10 small ops a projection, whose dispatch cost ~3x the arithmetic (benchmarks/lora_step.py).
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <vector>
@@ -200,11 +198,5 @@ void lora_add_(const Tensor& y, const Tensor& x, const Tensor& a, at::TensorList
     }
   });
 }
-
-TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
-  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b_parts, Tensor row_slots) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) { m.impl("lora_add_", &lora_add_); }
 
 }  // namespace iterserve

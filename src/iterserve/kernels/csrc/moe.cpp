@@ -13,8 +13,13 @@
 // and rounded once, index_add onto the residual in expert order), but for SwiGLU, which is
 // the fused layer's (gated_mul).
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <array>
@@ -167,14 +172,5 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
   }
   return sums.to(x.scalar_type());
 }
-
-
-TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
-  m.def(
-      "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
-      "Tensor gate, Tensor up, Tensor down, int[] formats) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) { m.impl("experts_mlp", &experts_mlp); }
 
 }  // namespace iterserve

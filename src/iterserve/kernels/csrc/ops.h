@@ -1,9 +1,17 @@
-// The C++ entry points the kernel files share (each is also a registered op).
+// The kernels' entry points: the ops library.cpp registers, and what the kernel files share.
+//
+// The kernel files include ATen's Tensor and the few ATen ops they call, not <ATen/ATen.h> or
+// <torch/library.h>: those two headers are ~9 s of a file's compile at -O3 (AVX2 flags,
+// 2026-12-01), and each ISA variant compiles every file. Only library.cpp includes the
+// registration machinery.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
+#include <tuple>
 
 // The torch library namespace the ops register in: one per ISA variant (iterserve_avx2, ...),
 // so that several variants can be loaded in one process (the tests compare them). The build
@@ -96,5 +104,57 @@ at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
 // columns of y (row_slots[r] = -1: none).
 void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                at::TensorList b_parts, const at::Tensor& row_slots);
+
+// argmax.cpp: each row's first index of its maximum (or of its first NaN), as torch.argmax.
+at::Tensor argmax_rows(const at::Tensor& logits);
+
+// layer.cpp: which build this is (simd.h's kIsaName).
+std::string isa();
+
+// layer.cpp: one decoder layer (its weights in segments of `weights`, its norms, its KV
+// pools), and every layer of a model in one call; the file's head says what each computes.
+at::Tensor decoder_layer(
+    const at::Tensor& hidden, const at::Tensor& input_norm, const at::Tensor& post_norm,
+    double eps, at::TensorList weights, c10::IntArrayRef formats, c10::IntArrayRef segments,
+    const c10::List<std::optional<at::Tensor>>& biases, const std::optional<at::Tensor>& qk_norm,
+    const std::optional<at::Tensor>& attn_out_norm, const std::optional<at::Tensor>& mlp_out_norm,
+    bool gelu, double softcap, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& step, const at::Tensor& rope_cos,
+    const at::Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads, double scale,
+    int64_t sliding_window, at::TensorList lora, c10::IntArrayRef lora_parts,
+    const std::optional<at::Tensor>& lora_rows);
+at::Tensor decoder_stack(
+    const at::Tensor& hidden, const at::Tensor& slot_mapping, const at::Tensor& step,
+    const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+    const std::optional<at::Tensor>& local_rope_cos,
+    const std::optional<at::Tensor>& local_rope_sin, at::TensorList input_norms,
+    at::TensorList post_norms, double eps, at::TensorList weights, c10::IntArrayRef formats,
+    c10::IntArrayRef segments, const c10::List<std::optional<at::Tensor>>& biases,
+    const c10::List<std::optional<at::Tensor>>& qk_norms,
+    const c10::List<std::optional<at::Tensor>>& attn_out_norms,
+    const c10::List<std::optional<at::Tensor>>& mlp_out_norms, bool gelu, double softcap,
+    at::TensorList key_caches, at::TensorList value_caches, int64_t num_heads,
+    int64_t num_kv_heads, double scale, c10::IntArrayRef sliding_windows,
+    c10::IntArrayRef local_rope, const c10::List<std::optional<at::Tensor>>& routers,
+    at::TensorList experts, c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize);
+
+// linear.cpp: activations as the block formats quantize them, per unit of 32 or 256 inputs.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t unit);
+
+// paged_attention.cpp: every query row over its sequence's context in the paged pool.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                           double scale, int64_t sliding_window, double softcap);
+
+// read_probe.cpp: a buffer read as the decode loops read a weight (for the bandwidth figure).
+int64_t read_probe(const at::Tensor& buffer, int64_t threads);
+
+// repack.cpp: a GGUF tensor's rows into tiles, tiles back to values, and a format's sizes.
+void repack_gguf(const at::Tensor& raw, int64_t format, int64_t K,
+                 const std::optional<at::Tensor>& rows, at::Tensor& out, int64_t first_tile);
+at::Tensor dequantize_rows(const at::Tensor& tiles, int64_t format, int64_t K,
+                           const at::Tensor& rows, bool bf16_out);
+std::tuple<int64_t, int64_t, int64_t> format_sizes(int64_t format);
 
 }  // namespace iterserve

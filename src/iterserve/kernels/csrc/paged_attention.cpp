@@ -64,10 +64,9 @@
 // memory latency: K/V rows are prefetched into L2 a fixed distance ahead, and each thread
 // claims its next item early to prefetch its start.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cpu/vec/functional.h>
-#include <torch/library.h>
 
 #include "ops.h"
 #include "simd.h"
@@ -992,14 +991,6 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   return out;
 }
 
-Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
-                       const Tensor& block_tables, const Tensor& seq_lens,
-                       const Tensor& query_start_loc, double scale, int64_t sliding_window,
-                       double softcap) {
-  return attend_rows(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                     sliding_window, /*invariant=*/false, softcap);
-}
-
 // The step's new K/V rows into their slots: [T, kv_heads, head_dim] (any row and head
 // stride, head_dim contiguous) -> cache[h, slot / block_size, slot % block_size, :].
 template <typename T>
@@ -1088,6 +1079,14 @@ void store_kv(const Tensor& k, const Tensor& v, const Tensor& key_cache,
 
 }  // namespace
 
+Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& block_tables, const Tensor& seq_lens,
+                       const Tensor& query_start_loc, double scale, int64_t sliding_window,
+                       double softcap) {
+  return attend_rows(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                     sliding_window, /*invariant=*/false, softcap);
+}
+
 // One layer's attention for a whole step in one call: the new K/V into the pool, then every
 // query row over its sequence's context. What the engine runs per layer when these kernels
 // are on (model/llama.py, csrc/layer.cpp). The step's sequences come packed in one int32
@@ -1101,22 +1100,6 @@ Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
   return attend_rows(q, key_cache, value_cache, table.block_tables(), table.seq_lens(),
                      table.query_start_loc(), scale, sliding_window, table.batch_invariant(),
                      softcap);
-}
-
-TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
-  m.def(
-      "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
-      "float softcap=0.0) -> Tensor");
-  m.def(
-      "store_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, float scale, "
-      "int sliding_window, float softcap=0.0) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("store_and_attend", &store_and_attend);
 }
 
 }  // namespace iterserve

@@ -10,10 +10,9 @@
 // fetched ahead take more of the memory. A share of a figure the decode itself beats says
 // nothing.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -56,6 +55,8 @@ int64_t read_lanes(const uint8_t* begin, const uint8_t* end) {
   return any;
 }
 
+}  // namespace
+
 // A uint8 buffer's whole 64-byte lines or-ed together (a check value: what matters is how
 // long it takes), read by `threads` threads in equal shares.
 int64_t read_probe(const Tensor& buffer, int64_t threads) {
@@ -74,11 +75,5 @@ int64_t read_probe(const Tensor& buffer, int64_t threads) {
   for (int64_t s : seen) any |= s;
   return any;
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) { m.def("read_probe(Tensor buffer, int threads) -> int"); }
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) { m.impl("read_probe", &read_probe); }
 
 }  // namespace iterserve

@@ -9,9 +9,8 @@
 // the kernels multiply them (tests hold them to the `gguf` package's dequantizer), for the
 // embedding lookup of a table kept in blocks and for formats that must be dense.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include "blocks.h"
 #include "gguf_repack.h"
@@ -119,20 +118,5 @@ std::tuple<int64_t, int64_t, int64_t> format_sizes(int64_t format) {
   const int64_t inputs = f == Format::kBf16 || f == Format::kF16 ? 2 : unit_inputs(f);
   return {inputs, inputs > 0 ? tile_bytes(f, inputs) : -1, gguf_block_bytes(f)};
 }
-
-TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
-  m.def(
-      "repack_gguf(Tensor raw, int format, int K, Tensor? rows, Tensor(a!) out, "
-      "int first_tile) -> ()");
-  m.def("dequantize_rows(Tensor tiles, int format, int K, Tensor rows, bool bf16_out) -> Tensor");
-  m.def("format_sizes(int format) -> (int, int, int)");
-}
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
-  m.impl("repack_gguf", &repack_gguf);
-  m.impl("dequantize_rows", &dequantize_rows);
-}
-
-TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CatchAll, m) { m.impl("format_sizes", &format_sizes); }
 
 }  // namespace iterserve

@@ -1,0 +1,81 @@
+// The ops' schemas and their registration in one file: the torch library's headers are the
+// heaviest part of a kernel file's compile, and here they are compiled once a variant (ops.h).
+// A schema's argument names and defaults are what Python calls the op with
+// (`kernels.ops().tiled_linear(x, weights, formats, bias, residual)`); each op's file says
+// what it computes.
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace iterserve {
+
+TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
+  m.def("isa() -> str");
+  m.def("format_sizes(int format) -> (int, int, int)");
+
+  m.def(
+      "tiled_linear(Tensor x, Tensor[] weights, int[] formats, Tensor? bias, Tensor? residual, "
+      "bool fp32_out=False) -> Tensor");
+  m.def("quantize_rows(Tensor x, int unit=32) -> (Tensor, Tensor)");
+  m.def(
+      "repack_gguf(Tensor raw, int format, int K, Tensor? rows, Tensor(a!) out, "
+      "int first_tile) -> ()");
+  m.def("dequantize_rows(Tensor tiles, int format, int K, Tensor rows, bool bf16_out) -> Tensor");
+
+  m.def(
+      "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
+      "float softcap=0.0) -> Tensor");
+  m.def(
+      "store_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, float scale, "
+      "int sliding_window, float softcap=0.0) -> Tensor");
+
+  m.def(
+      "decoder_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, "
+      "Tensor[] weights, int[] formats, int[] segments, Tensor?[] biases, Tensor? qk_norm, "
+      "Tensor? attn_out_norm, Tensor? mlp_out_norm, bool gelu, float softcap, "
+      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
+      "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
+      "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows) -> Tensor");
+  m.def(
+      "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
+      "Tensor rope_sin, Tensor? local_rope_cos, Tensor? local_rope_sin, Tensor[] input_norms, "
+      "Tensor[] post_norms, float eps, Tensor[] weights, int[] formats, int[] segments, "
+      "Tensor?[] biases, Tensor?[] qk_norms, Tensor?[] attn_out_norms, "
+      "Tensor?[] mlp_out_norms, bool gelu, float softcap, Tensor(a!)[] key_caches, "
+      "Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, float scale, "
+      "int[] sliding_windows, int[] local_rope, Tensor?[] routers, Tensor[] experts, "
+      "int[] expert_formats, int top_k, bool renormalize) -> Tensor");
+  m.def(
+      "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
+      "Tensor gate, Tensor up, Tensor down, int[] formats) -> Tensor");
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b_parts, Tensor row_slots) -> ()");
+
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("read_probe(Tensor buffer, int threads) -> int");
+}
+
+// Ops without tensor arguments have no device to dispatch on.
+TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CatchAll, m) {
+  m.impl("isa", &isa);
+  m.impl("format_sizes", &format_sizes);
+}
+
+TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
+  m.impl("tiled_linear", &tiled_linear);
+  m.impl("quantize_rows", &quantize_rows);
+  m.impl("repack_gguf", &repack_gguf);
+  m.impl("dequantize_rows", &dequantize_rows);
+  m.impl("paged_attention", &paged_attention);
+  m.impl("store_and_attend", &store_and_attend);
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_stack", &decoder_stack);
+  m.impl("experts_mlp", &experts_mlp);
+  m.impl("lora_add_", &lora_add_);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("read_probe", &read_probe);
+}
+
+}  // namespace iterserve
