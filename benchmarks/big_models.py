@@ -32,16 +32,20 @@ figures (a model that does not fit must not take the machine down with it).
              the median RSS polled after its load (its weights are mmapped, and their pages
              count once touched); KV pool: its KV buffers.
 
-Bandwidth. The read bandwidth with --threads threads (iterserve.bench.bandwidth: a float32
-sum over 1 GiB on 2 MiB pages, as iterserve's weights lie, checked against a C++ loop) is
-measured at the start and again just before and just after each engine's run on each file,
-by a process of its own: on a shared machine it moves with the other tenants (31 and 55 GB/s
-minutes apart on one 2-core AMD EPYC, 2026-11-29), and a share against a figure taken minutes
-earlier says more about them than about the engine. Beside every batch-1 decode stand the
-bytes a token reads (the file's tensors, the tied embedding once, as the head), the two
-readings and the share tok/s x bytes per token / their mean: 100% is the most one sequence
-can decode if every weight byte comes from memory once a step. Where the two readings differ
-by more than 15% the run met a change of the memory's speed and its share is marked `~`.
+Bandwidth. The read bandwidth with --threads threads (iterserve.bench.bandwidth: the faster
+of a float32 sum and the kernels' 4-stream read over 1 GiB on 2 MiB pages, as iterserve's
+weights lie) is measured at the start and again just before and just after each engine's run
+on each file, by a process of its own: on a shared machine it moves with the other tenants
+(31 and 55 GB/s minutes apart on one 2-core AMD EPYC, 2026-11-29; 26 and 38 GB/s seconds
+apart on an Intel Xeon, 2026-12-01), and a share against a figure taken minutes earlier says
+more about them than about the engine. So the iterserve child also reads it itself, the same way,
+just before and just after its batch-1 decode, and its share is taken against those two;
+llama.cpp's batch 1 comes first in its run, right after the reading before it. Beside every
+batch-1 decode stand the bytes a token reads (the file's tensors, the tied embedding once, as
+the head), the two readings and the share tok/s x bytes per token / their mean: 100% is the
+most one sequence can decode if every weight byte comes from memory once a step. Where the
+two readings differ by more than 15% the run met a change of the memory's speed and its share
+is marked `~`.
 
 Rounds. --rounds N runs the engines N times on each file, in turns, the order reversed every
 other round (iterserve, llama.cpp, llama.cpp, iterserve, ...), and prints for each figure the
@@ -226,6 +230,7 @@ def child_iterserve(
     import numpy as np
 
     from decode_speed import run_batch  # type: ignore[import-not-found]
+    from iterserve.bench.bandwidth import read_bandwidth
     from iterserve.bench.tokenizer import ordinary_token_ids
     from iterserve.engine.llm import LLM
     from iterserve.model.kv_cache_format import kv_bytes_per_token
@@ -253,9 +258,13 @@ def child_iterserve(
     rng = np.random.default_rng(0)
     prompts = [rng.choice(vocab, size=prompt_len).tolist() for _ in range(max(batches))]
     run_batch(llm, prompts[:2], 4)  # first-step effects (allocator, caches) out of the way
-    decode, prompt = {}, {}
+    decode, prompt, b1_bandwidth = {}, {}, []
     for batch in batches:
+        if batch == 1:
+            b1_bandwidth.append(read_bandwidth(threads))
         prefill_tok_s, decode_tok_s, *_ = run_batch(llm, prompts[:batch], output_len)
+        if batch == 1:
+            b1_bandwidth.append(read_bandwidth(threads))
         decode[batch], prompt[batch] = decode_tok_s, prefill_tok_s
         print(f"batch {batch}: decode {decode_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
     plan = engine.model_plan
@@ -273,6 +282,7 @@ def child_iterserve(
         "step": plan.step,
         "decode": decode,
         "prompt": prompt,
+        "b1_bandwidth": b1_bandwidth,
     }
 
 
@@ -506,8 +516,7 @@ def print_table(
         cells += [f"{row['prompt'][b]:.0f}" if b in row["prompt"] else "-" for b in batches]
         if with_share:
             share = row.get("b1_bandwidth_share")
-            measured = (row.get("bandwidth"), row.get("bandwidth_after"))
-            readings = [f"{r / 1e9:.0f}" for r in measured if r]
+            readings = [f"{r / 1e9:.0f}" for r in share_readings(row)]
             cells.append("/".join(readings) if readings else "-")
             moved = "~" if row.get("bandwidth_moved") else ""
             cells.append(f"{moved}{100 * share:.0f}%" if share is not None else "-")
@@ -557,11 +566,20 @@ def _agree(readings: list[float]) -> bool:
     return max(readings) <= 1.15 * min(readings)
 
 
+def share_readings(row: dict[str, Any]) -> list[float]:
+    """The read bandwidths a row's batch-1 share is taken against: iterserve's own, just
+    before and just after its batch-1 decode in its process, where it took them; else the
+    two around the engine's whole run (llama.cpp's, whose batch 1 comes first in its run)."""
+    return row.get("b1_bandwidth") or [
+        r for r in (row.get("bandwidth"), row.get("bandwidth_after")) if r
+    ]
+
+
 def _one_spell(rows: Iterable[dict[str, Any]]) -> bool:
     """Whether the rows have batch-1 shares and their bandwidth readings all agree."""
     rows = list(rows)
-    readings = [row.get(k) for row in rows for k in ("bandwidth", "bandwidth_after")]
-    if not all(row.get("b1_bandwidth_share") for row in rows) or not all(readings):
+    readings = [r for row in rows for r in share_readings(row)]
+    if not all(row.get("b1_bandwidth_share") for row in rows) or len(readings) < 2 * len(rows):
         return False
     return _agree(readings)
 
@@ -689,7 +707,7 @@ def main() -> None:
                     )
                     last = row["bandwidth_after"]
                     row["round"] = round_
-                    readings = [r for r in (row["bandwidth"], row["bandwidth_after"]) if r]
+                    readings = share_readings(row)
                     if row["status"] == "ok" and 1 in row["decode"] and readings:
                         mean = sum(readings) / len(readings)
                         row["b1_bandwidth_share"] = row["decode"][1] * per_token / mean
@@ -711,8 +729,8 @@ def main() -> None:
         print(
             "\npeak RSS: iterserve's at the end of its load (VmHWM), llama.cpp's over its run; "
             "held: iterserve's after its load, llama.cpp's median after its load. dec/pp: decode and "
-            "prompt tok/s at each batch; bw: the read bandwidth just before / just after the engine's "
-            "run; B1 bw share: batch-1 decode tok/s x bytes a step reads / their mean (~: they "
+            "prompt tok/s at each batch; bw: the read bandwidth just before / just after "
+            "iterserve's batch-1 decode (in its process) or llama.cpp's run; B1 bw share: batch-1 decode tok/s x bytes a step reads / their mean (~: they "
             "differ by more than 15%)."
         )
     write_results(args.json, results)
