@@ -38,8 +38,8 @@ weights lie) is measured at the start and again just before and just after each 
 on each file, by a process of its own: on a shared machine it moves with the other tenants
 (31 and 55 GB/s minutes apart on one 2-core AMD EPYC, 2026-11-29; 26 and 38 GB/s seconds
 apart on an Intel Xeon, 2026-12-01), and a share against a figure taken minutes earlier says
-more about them than about the engine. So the iterserve child also reads it itself, the same way,
-just before and just after its batch-1 decode, and its share is taken against those two;
+more about them than about the engine. So the iterserve child also has it read, the same way, just
+before and just after its batch-1 decode, and its share is taken against those two;
 llama.cpp's batch 1 comes first in its run, right after the reading before it. Beside every
 batch-1 decode stand the bytes a token reads (the file's tensors, the tied embedding once, as
 the head), the two readings and the share tok/s x bytes per token / their mean: 100% is the
@@ -210,6 +210,16 @@ def child_bandwidth(threads: int) -> dict[str, Any]:
     return {"bandwidth": read_bandwidth(threads)}
 
 
+def bandwidth_now(threads: int) -> float:
+    """The read bandwidth now, from an engine's child while its engine waits: read by a
+    process of its own, so that the 1 GiB it reads stays out of the child's memory figures."""
+    done = subprocess.run(
+        _python_child("bandwidth", "--threads", str(threads)),
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return _json_line(done.stdout)["bandwidth"]
+
+
 def child_write(
     preset: str, path: str, seed: int, real_vocab: bool, random_blocks: bool
 ) -> dict[str, Any]:
@@ -230,7 +240,6 @@ def child_iterserve(
     import numpy as np
 
     from decode_speed import run_batch  # type: ignore[import-not-found]
-    from iterserve.bench.bandwidth import read_bandwidth
     from iterserve.bench.tokenizer import ordinary_token_ids
     from iterserve.engine.llm import LLM
     from iterserve.model.kv_cache_format import kv_bytes_per_token
@@ -261,10 +270,10 @@ def child_iterserve(
     decode, prompt, b1_bandwidth = {}, {}, []
     for batch in batches:
         if batch == 1:
-            b1_bandwidth.append(read_bandwidth(threads))
+            b1_bandwidth.append(bandwidth_now(threads))
         prefill_tok_s, decode_tok_s, *_ = run_batch(llm, prompts[:batch], output_len)
         if batch == 1:
-            b1_bandwidth.append(read_bandwidth(threads))
+            b1_bandwidth.append(bandwidth_now(threads))
         decode[batch], prompt[batch] = decode_tok_s, prefill_tok_s
         print(f"batch {batch}: decode {decode_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
     plan = engine.model_plan
@@ -567,9 +576,9 @@ def _agree(readings: list[float]) -> bool:
 
 
 def share_readings(row: dict[str, Any]) -> list[float]:
-    """The read bandwidths a row's batch-1 share is taken against: iterserve's own, just
-    before and just after its batch-1 decode in its process, where it took them; else the
-    two around the engine's whole run (llama.cpp's, whose batch 1 comes first in its run)."""
+    """The read bandwidths a row's batch-1 share is taken against: those just before and
+    just after iterserve's batch-1 decode, where its child had them taken; else the two
+    around the engine's whole run (llama.cpp's, whose batch 1 comes first in its run)."""
     return row.get("b1_bandwidth") or [
         r for r in (row.get("bandwidth"), row.get("bandwidth_after")) if r
     ]
@@ -730,8 +739,8 @@ def main() -> None:
             "\npeak RSS: iterserve's at the end of its load (VmHWM), llama.cpp's over its run; "
             "held: iterserve's after its load, llama.cpp's median after its load. dec/pp: decode and "
             "prompt tok/s at each batch; bw: the read bandwidth just before / just after "
-            "iterserve's batch-1 decode (in its process) or llama.cpp's run; B1 bw share: batch-1 decode tok/s x bytes a step reads / their mean (~: they "
-            "differ by more than 15%)."
+            "iterserve's batch-1 decode or llama.cpp's run; B1 bw share: batch-1 decode tok/s x "
+            "bytes a step reads / their mean (~: they differ by more than 15%)."
         )
     write_results(args.json, results)
 
