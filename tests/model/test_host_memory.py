@@ -32,6 +32,20 @@ def test_a_large_buffer_is_its_own_mapping_advised_for_huge_pages() -> None:
     assert "hg" in _vm_flags(tiles.data_ptr())  # MADV_HUGEPAGE given
 
 
+def test_a_large_buffer_starts_on_a_huge_page_and_ends_on_small_ones() -> None:
+    """Huge pages cover whole aligned 2 MiB ranges only: the tiles start on one, and the
+    part-page at their end is advised against them (it would hold up to 2 MiB unused)."""
+    if not SMAPS.exists():
+        pytest.skip("no /proc/self/smaps here")
+    huge_page = 2 << 20
+    tiles = weight_buffer(5, 1 << 20)  # 2.5 huge pages
+    tiles.fill_(3)
+    assert tiles.data_ptr() % huge_page == 0
+    assert int(tiles.sum()) == 3 * tiles.numel()
+    assert "hg" in _vm_flags(tiles.data_ptr() + 2 * huge_page - 1)
+    assert "nh" in _vm_flags(tiles.data_ptr() + 2 * huge_page)
+
+
 def test_a_small_buffer_is_ordinary_memory() -> None:
     """torch's own allocation, not a mapping of its own. (Not the VmFlags of the mapping that
     holds it: that is the C heap's, which other code in the process may have advised for huge
