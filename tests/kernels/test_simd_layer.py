@@ -117,7 +117,12 @@ def test_kernels_build_for_arm64(tmp_path: Path) -> None:
     # Whether it builds, not how fast it runs: -O3 only adds inlining, which took 228 s of a
     # CI run for paged_attention.cpp (12 s at -O0).
     sources = sorted(CSRC.glob("*.cpp"))
-    assert {p.name for p in sources} >= {"layer.cpp", "linear.cpp", "paged_attention.cpp"}
+    assert {p.name for p in sources} >= {
+        "layer.cpp",
+        "linear.cpp",
+        "paged_attention.cpp",
+        "attention_bf16.cpp",
+    }
     _build_all([("neondot", p, tmp_path / f"{p.stem}.o", ("-c", "-fPIC"), "-O0") for p in sources])
 
 

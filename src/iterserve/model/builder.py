@@ -180,7 +180,7 @@ def _attends_in_kernel(config: EngineConfig, model: ModelConfig, device: torch.d
     return (
         config.kernels == "auto"
         and device.type == "cpu"
-        and model.head_dim in kernels.ATTENTION_HEAD_DIMS  # what paged_attention.cpp is built for
+        and model.head_dim in kernels.ATTENTION_HEAD_DIMS  # what the attention loops are built for
         and kernels.available()
     )
 

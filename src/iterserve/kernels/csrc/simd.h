@@ -44,7 +44,7 @@
 // projection at 4 rows ran 4x slower than at 1 row). The generic build (no vector ISA:
 // at::vec's scalar loops) has no vector registers to keep accumulators in, and forced
 // inlining and full unrolls (ITERSERVE_UNROLL below) only multiply its compile time there
-// (paged_attention.cpp: minutes), so it leaves both to the compiler.
+// (the attention loops: minutes), so it leaves both to the compiler.
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2) || defined(__aarch64__)
 #define ITERSERVE_VECTOR_BUILD 1
 #define ITERSERVE_INLINE inline __attribute__((always_inline))
@@ -807,7 +807,7 @@ ITERSERVE_INLINE F16 exp_nonpositive(const F16& in) {
 //   sigmoid(t) = 1 / (1 + e) for t >= 0, e / (1 + e) below;
 //   tanh(y)    = sign(y) (1 - e) / (1 + e).
 // The activations' (SiLU, GELU-tanh: layer.cpp) and Gemma 2's attention soft-cap's
-// (paged_attention.cpp).
+// (attention_loops.h).
 ITERSERVE_INLINE F16 sigmoid(const F16& t) {
   const F16 one = F16::splat(1.0f), zero = F16::zero();
   const F16 e = exp_nonpositive(zero - abs(t));

@@ -1,0 +1,77 @@
+// How a step's attention is cut into work (paged_attention.cpp builds the plan) and the
+// loops that run it (attention_loops.h, built in two files: attention_bf16.cpp and
+// attention_f32.cpp, one for each type of queries, so that a build compiles their
+// instantiations on two cores at once).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace iterserve::attention {
+
+constexpr int64_t kMaxQueriesPerGroup = 64;  // rows are chunked so that M stays near this
+// Keys a partition: one size for every step, so that a query's partitions start at the same
+// keys whatever shares its step (a lone decode row, or one of a verify step's rows; a step's
+// total keys no longer size them): its output is then the same bits either way, and greedy
+// answers do not change under n-gram speculation (benchmarks/greedy_agreement.py). 256 keys
+// give a batch-1 decode 4 items a kv head by 1K of context and keep the score scratch small.
+constexpr int64_t kPartKeys = 256;
+constexpr int64_t kMinParallelWork = 3000;  // keys x queries: ~10 us on one thread
+
+struct Group {
+  int64_t seq, kv_head;
+  int64_t row0, rows;       // query rows row0 .. row0+rows-1 of q
+  int64_t first_pos;        // position of row0 in its sequence
+  int64_t key_lo, key_hi;   // the union of the rows' key windows
+  int64_t parts;            // partitions of [key_lo, key_hi)
+  int64_t slot;             // first partial slot (in queries) when parts > 1
+};
+
+struct Item {
+  int64_t group, part;
+};
+
+struct Plan {
+  const void* q;
+  int64_t q_row_stride, q_head_stride;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t row_stride;  // cache elements from one key's row to the next (head_dim, + scale)
+  void* out;
+  const int32_t* tables;
+  int64_t table_stride;
+  int64_t num_heads, group_size, head_dim, num_blocks, block_size;
+  int64_t window;
+  float scale;
+  float softcap = 0.0f;  // Gemma 2's attention logit soft-cap (0: none)
+  int64_t part_keys;
+  // Batch-invariant: every query's arithmetic is fixed by its own sequence alone (the score
+  // and P.V kernels no longer adapt to a prefill chunk's size either), so its output is the
+  // same bits whatever else shares the step and however its prompt was chunked.
+  bool invariant = false;
+  std::vector<Group> groups;
+  std::vector<Item> items;
+  // Partitions' un-normalized outputs [slots, head_dim], maxima and sums [slots].
+  float* partial_acc = nullptr;
+  float* partial_max = nullptr;
+  float* partial_sum = nullptr;
+  std::unique_ptr<std::atomic<int64_t>[]> done;  // partitions finished, per group
+};
+
+
+inline std::pair<int64_t, int64_t> key_window(int64_t pos, int64_t window) {
+  return {window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, pos + 1};
+}
+
+
+// Runs every item of the plan for queries (and output) of type T, over a cache of T or, with
+// int8_cache, of int8 rows: the instantiations of attention_bf16.cpp (T = at::BFloat16) and
+// attention_f32.cpp (T = float).
+template <typename T>
+void run_items(const Plan& plan, bool int8_cache, bool parallel);
+
+}  // namespace iterserve::attention
