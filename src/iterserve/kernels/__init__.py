@@ -284,17 +284,21 @@ def build_and_load_library(
 _LONGEST_COMPILES = ("attention_bf16.cpp", "attention_f32.cpp", "linear.cpp")
 
 
-def _compile_order(source: Path) -> tuple[int, str]:
-    if source.name in _LONGEST_COMPILES:
-        return _LONGEST_COMPILES.index(source.name), source.name
-    return len(_LONGEST_COMPILES), source.name
+def sources() -> list[Path]:
+    """The kernels' C++ sources, the longest compiles first, then by name."""
+
+    def order(source: Path) -> tuple[int, str]:
+        if source.name in _LONGEST_COMPILES:
+            return _LONGEST_COMPILES.index(source.name), source.name
+        return len(_LONGEST_COMPILES), source.name
+
+    return sorted(_CSRC.glob("*.cpp"), key=order)
 
 
 def _build_and_load(variant: Isa) -> None:
-    sources = [str(p) for p in sorted(_CSRC.glob("*.cpp"), key=_compile_order)]
     build_and_load_library(
         f"iterserve_kernels_{variant.name}",
-        sources,
+        [str(p) for p in sources()],
         compile_flags(variant),
         build_directory(variant),
         [str(_CSRC)],
