@@ -115,8 +115,11 @@ def tile_dense(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     tiles = (n + pad) // TILE
     pairs = w.reshape(tiles, TILE, k // 2, 2)
     order = (0, 2, 3, 1) if code == F16 else (0, 2, 1, 3)
-    laid = pairs.permute(*order).contiguous()
-    return laid.view(torch.uint8).reshape(tiles, -1), code
+    laid = pairs.permute(*order)
+    # On huge pages where large, as a block format's tiles (repack).
+    out = weight_buffer(tiles, TILE * k * w.element_size())
+    out.view(w.dtype).view(laid.shape).copy_(laid)
+    return out, code
 
 
 def quantize_q8_0(weight: torch.Tensor) -> np.ndarray:
