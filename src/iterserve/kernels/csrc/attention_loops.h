@@ -42,6 +42,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 
+#include "attention_plan.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -60,7 +61,6 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-#include "attention_plan.h"
 
 namespace iterserve::attention {
 
