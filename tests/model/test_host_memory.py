@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from iterserve.model.host_memory import weight_buffer
+from iterserve.model import host_memory
+from iterserve.model.host_memory import packed_weight_buffers, weight_buffer
 
 SMAPS = Path("/proc/self/smaps")
 
@@ -54,3 +55,26 @@ def test_a_small_buffer_is_ordinary_memory() -> None:
     assert tiles.shape == (4, 1024) and tiles.dtype == torch.uint8
     assert tiles.untyped_storage().resizable()  # torch.empty's; an exported mapping is not
     assert not weight_buffer(64, 64 << 10).untyped_storage().resizable()
+
+
+def test_a_loads_buffers_lie_back_to_back_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within packed_weight_buffers (a model's load) buffers share mappings: one starts where
+    the last ended (64-byte aligned), so only a mapping's last part-page is on small pages."""
+    if not SMAPS.exists():
+        pytest.skip("no /proc/self/smaps here")
+    huge_page = 2 << 20
+    monkeypatch.setattr(host_memory, "_PACK_BYTES", 16 << 20)  # mappings of 16 MiB
+    with packed_weight_buffers():
+        first = weight_buffer(3, 1 << 20)  # 3 MiB
+        second = weight_buffer(5, 1 << 20)
+        big = weight_buffer(10, 1 << 20)  # past the 8 MiB left: a mapping of its own
+    outside = weight_buffer(3, 1 << 20)
+    assert first.data_ptr() % huge_page == 0
+    assert second.data_ptr() == first.data_ptr() + first.numel()
+    assert "hg" in _vm_flags(second.data_ptr() + second.numel() - 1)
+    assert big.data_ptr() % huge_page == 0 and big.data_ptr() != second.data_ptr() + second.numel()
+    assert outside.data_ptr() % huge_page == 0
+    for tensor, value in ((first, 1), (second, 2), (big, 3), (outside, 4)):
+        tensor.fill_(value)
+    assert [int(t[0, 0]) for t in (first, second, big, outside)] == [1, 2, 3, 4]
+    assert int(first[-1, -1]) == 1 and int(second[0, 0]) == 2  # neither overwrote the other

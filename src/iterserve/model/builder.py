@@ -13,7 +13,7 @@ from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_blocks import GGUFBlocks
-from iterserve.model.host_memory import release_freed_memory
+from iterserve.model.host_memory import packed_weight_buffers, release_freed_memory
 from iterserve.model.linear import Backend, WeightMode, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
@@ -121,7 +121,8 @@ def build_model(
     model = LlamaForCausalLM(loaded.config, dtype, device)
     backend = choose_backend(config, dtype, device)
     choice = choose_weights(config, loaded, backend)
-    model.load(loaded.weights, backend, choice.quantized, choice.mode)
+    with packed_weight_buffers():
+        model.load(loaded.weights, backend, choice.quantized, choice.mode)
     release_freed_memory()
     if config.lora.enabled:  # slotted projections (lora_model.py)
         lora = LoRAModel(model, config.lora.max_loras, config.lora.max_lora_rank)
