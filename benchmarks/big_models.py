@@ -693,7 +693,7 @@ def main() -> None:
         print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s ({warm['bandwidth_method']}, best of 10)")  # fmt: skip
         print(f"llama.cpp: {peer}", flush=True)
 
-    from iterserve.bench.bandwidth import decode_bytes_per_token
+    from iterserve.bench.bandwidth import decode_bytes_per_token, kv_bytes_per_step
 
     sets: list[tuple[str, dict[str, Path]]] = []
     for preset in models:
@@ -705,7 +705,12 @@ def main() -> None:
         if args.prepare_only or not engines:
             continue
         for qtype, path in files.items():
+            # A batch-1 decode step reads every weight and the sequence's K and V, whose
+            # context grows from prompt_len + 1 to prompt_len + output_len: their mean.
             per_token = decode_bytes_per_token(path)
+            context = args.prompt_len + args.output_len // 2
+            kv = kv_bytes_per_step(path, context)
+            per_step = per_token + kv
             rows: list[dict[str, Any]] = []
             # One run's reading after it is the next one's before it: nothing runs between.
             last = measure_bandwidth(args, logs) if bandwidth else None
@@ -719,16 +724,18 @@ def main() -> None:
                     readings = share_readings(row)
                     if row["status"] == "ok" and 1 in row["decode"] and readings:
                         mean = sum(readings) / len(readings)
-                        row["b1_bandwidth_share"] = row["decode"][1] * per_token / mean
+                        row["b1_bandwidth_share"] = row["decode"][1] * per_step / mean
                         row["bandwidth_moved"] = not _agree(readings)
                     rows.append(row)
                     results["runs"].append(
                         {"model": preset, "type": qtype, "file_bytes": path.stat().st_size,
-                         "decode_bytes_per_token": per_token, **row}  # fmt: skip
+                         "decode_bytes_per_token": per_token, "decode_kv_bytes": kv,
+                         "decode_context": context, **row}  # fmt: skip
                     )
             title = (
-                f"{preset} {qtype}: {_size(path.stat().st_size)} file, {_size(per_token)} read "
-                f"a decode step"
+                f"{preset} {qtype}: {_size(path.stat().st_size)} file; a decode step reads "
+                f"{_size(per_step)}: weights {_size(per_token)}, K and V {_size(kv)} at "
+                f"{context} tokens"
             )
             print_table(title, rows, batches, bandwidth)
             if found := ratios(rows, batches):

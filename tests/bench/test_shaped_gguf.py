@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from iterserve.bench.bandwidth import decode_bytes_per_token
+from iterserve.bench.bandwidth import decode_bytes_per_token, kv_bytes_per_step
 from iterserve.bench.shaped_gguf import (
     PRESETS,
     WEIGHT_STD,
@@ -105,6 +105,26 @@ def test_qwen2_and_phi3_bodies_carry_their_own_tensors(tmp_path: Path) -> None:
     assert loaded.weights[f"{layer}.self_attn.qkv_proj.weight"].shape == (q + 2 * kv, phi3.hidden)
     gate_up = loaded.weights[f"{layer}.mlp.gate_up_proj.weight"]
     assert gate_up.shape == (2 * phi3.intermediate, phi3.hidden)
+
+
+def test_a_decode_step_reads_each_layers_k_and_v_up_to_its_window(tmp_path: Path) -> None:
+    """big_models.py's bytes a batch-1 step reads: the weights and, per layer, 16-bit K and
+    V rows of every token in context, or of its sliding window's (Gemma 2: even layers)."""
+    tiny = PRESETS["tiny"]  # 2 layers, 2 kv heads of 16 dims: 128 bytes of K and V a token
+    row = 2 * tiny.kv_heads * tiny.head_dim * 2
+    assert row == 128
+    # With Llama 3's rope, whose frequencies are a tensor of the file (rope_freqs.weight).
+    llama3 = dataclasses.replace(tiny, llama3_rope=(32.0, 1.0, 4.0, 8192))
+    llama = write_shaped_gguf(tmp_path / "llama.gguf", llama3)
+    assert "rope_freqs.weight" in read_gguf_header(llama)[1]
+    assert kv_bytes_per_step(llama, 100) == 2 * 128 * 100
+    assert kv_bytes_per_step(llama, 100, itemsize=1) == 128 * 100
+    gemma2 = dataclasses.replace(
+        tiny, arch="gemma2", sliding_window=16, attn_softcap=50.0, final_softcap=30.0
+    )
+    path = write_shaped_gguf(tmp_path / "gemma2.gguf", gemma2)
+    assert kv_bytes_per_step(path, 100) == 128 * (16 + 100)
+    assert kv_bytes_per_step(path, 10) == 128 * (10 + 10)
 
 
 def test_a_qwen3_moe_body_loads_as_its_experts(tmp_path: Path) -> None:

@@ -121,7 +121,7 @@ class GGUFTensorInfo:
 
 def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     metadata, tensors = read_gguf_header(path)
-    config = gguf_model_config(metadata, tensors, _read_rope_tensors(path, tensors))
+    config = _config(path, metadata, tensors)
     weights, quantized = _load_weights(
         path, tensors, config, metadata["general.architecture"], dtype
     )
@@ -134,6 +134,17 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         name=_QUANT_SUFFIX.sub("", path.stem),
         quantized=quantized,
     )
+
+
+def read_gguf_config(path: Path) -> ModelConfig:
+    """A GGUF's model config alone, from its header (and rope tensors): no weights read."""
+    return _config(path, *read_gguf_header(path))
+
+
+def _config(
+    path: Path, metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]
+) -> ModelConfig:
+    return gguf_model_config(metadata, tensors, _read_rope_tensors(path, tensors))
 
 
 def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
