@@ -39,10 +39,9 @@ def packed_weight_buffers() -> Iterator[None]:
     256 MiB or more, so that only each mapping's last part-page is on 4 KiB pages rather than
     a part-page at each end of every buffer (a Llama 3.2 3B Q4_K_M's 1.98 GB of tiles in
     ~220 buffers: 84% on huge pages as mappings of their own size, 87% as aligned ones, 100%
-    packed; docs/benchmarks.md). A
-    mapping is freed when the last buffer in it is, which fits weights: they live and die
-    with their model. The part of a mapping a load leaves unused holds no memory but for the
-    rest of the huge page its last buffer ends in."""
+    packed; docs/benchmarks.md). A mapping is freed when the last buffer in it is, which fits
+    weights: they live and die with their model. The part of a mapping a load leaves unused
+    holds no memory but for the rest of the huge page its last buffer ends in."""
     token = _PACKING.set(_Packing())
     try:
         yield
