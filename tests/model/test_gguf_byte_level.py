@@ -60,3 +60,33 @@ def test_tekken_vocabularies_split_at_a_capital_and_between_digits() -> None:
     assert _pieces("tekken", "abAb 123") == ["<bos>", "ab", "Ab", "Ġ", "1", "2", "3"]
     # Llama 3's split keeps "abAb" one word, which merges as far as "ab", "A", "b".
     assert _pieces("llama-bpe", "abAb", add_bos_token=False) == ["ab", "A", "b"]
+
+
+def test_gpt4o_vocabularies_split_at_a_capital_and_take_digits_in_threes() -> None:
+    # OpenAI's o200k split (Phi-4-mini): words split at case changes as Tekken's, but digits
+    # in words of up to three, merges applied (llama.cpp does not ignore them for "gpt-4o")
+    # and no BOS unless the file asks for it.
+    assert _pieces("gpt-4o", "abAb 1231") == ["ab", "A", "b", "Ġ", "12", "3", "1"]
+    assert _pieces("gpt-4o", "abc", add_bos_token=True) == ["<bos>", "ab", "c"]
+
+
+@pytest.mark.parametrize("pre", ["default", None])
+def test_default_and_missing_splits_are_llama_cpps_fallback(pre: str | None) -> None:
+    # llama.cpp's fallback (for "default" and for files older than the key): punctuation
+    # runs cut out first, then GPT-2's split, then digit runs in threes, so neither the
+    # space before "1234" nor the one before "!" can merge with what follows.
+    tokens = ["x", "Ġ", "1", "2", "3", "4", "!", "Ġ1", "23", "Ġ!"]
+    metadata: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": ["Ġ 1", "2 3", "Ġ !"],
+        "tokenizer.ggml.token_type": [_NORMAL] * len(tokens),
+        "tokenizer.ggml.bos_token_id": 0,
+    }
+    if pre is not None:
+        metadata["tokenizer.ggml.pre"] = pre
+    tokenizer = tokenizer_from_gguf(metadata, Path("/nonexistent/model.gguf"))
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode("x 1234 !"))
+    assert pieces == ["x", "Ġ", "1", "23", "4", "Ġ", "!"]
+    gpt2 = tokenizer_from_gguf({**metadata, "tokenizer.ggml.pre": "gpt-2"}, Path("/x.gguf"))
+    assert gpt2.convert_ids_to_tokens(gpt2.encode("x 1234 !")) == ["x", "Ġ1", "23", "4", "Ġ!"]

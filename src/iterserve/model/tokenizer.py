@@ -31,12 +31,17 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# Mistral's Tekken (Mistral Nemo, Ministral): words split at case changes, digits one by one;
-# the regex of its tokenizer.json.
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Mistral's Tekken (Mistral Nemo, Ministral) and OpenAI's o200k (tiktoken's o200k_base:
+# Phi-4-mini, llama.cpp's "gpt-4o") split words at case changes; o200k attaches English
+# contractions and takes digits in threes, Tekken one by one. The regexes of their
+# tokenizer.json files, in parts.
+_CASED_WORD = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+_CAPS_WORD = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_CASED_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TEKKEN_SPLIT = _CASED_WORD + "|" + _CAPS_WORD + r"|\p{N}" + _CASED_REST
+_GPT4O_SPLIT = (
+    _CASED_WORD + _CONTRACTION + "|" + _CAPS_WORD + _CONTRACTION + r"|\p{N}{1,3}" + _CASED_REST
 )
 
 
@@ -51,10 +56,16 @@ _GPT2 = _PreTokenizer((_GPT2_SPLIT,))
 _LLAMA3 = _PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
 _QWEN2 = _PreTokenizer((_QWEN2_SPLIT,))
 _TEKKEN = _PreTokenizer((_TEKKEN_SPLIT,), ignore_merges=True, add_bos=True)
+_GPT4O = _PreTokenizer((_GPT4O_SPLIT,))
 # SmolLM (and StarCoder, whose vocabulary it reuses) puts every digit in a word of its own first.
 _DIGITS_THEN_GPT2 = _PreTokenizer((r"\p{N}", _GPT2_SPLIT))
+# llama.cpp's fallback for "default" and for files without the key (GGUFs older than it):
+# runs of punctuation first, then GPT-2's split, then digit runs cut in threes.
+_LLAMA_CPP_DEFAULT = _PreTokenizer(
+    (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
+)
 _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
-    "default": _GPT2,
+    "default": _LLAMA_CPP_DEFAULT,
     "gpt-2": _GPT2,
     "phi-2": _GPT2,
     "smollm": _DIGITS_THEN_GPT2,
@@ -66,6 +77,7 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,  # the DeepSeek-R1 distillations into Qwen 2.5
     "tekken": _TEKKEN,
+    "gpt-4o": _GPT4O,  # Phi-4-mini
 }
 
 
