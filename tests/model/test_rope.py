@@ -19,6 +19,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from iterserve.bench.transformers_checkpoint import from_loaded
 from iterserve.model.config import ModelConfig
@@ -136,6 +137,37 @@ def test_model_matches_transformers_past_the_original_context(name: str) -> None
     got = [runner.step([("s", n)])["s"] for n in (40, 30, 70, 35)]
     got += [runner.step([("s", 1)])["s"] for _ in range(5)]
     torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
+
+
+def test_longrope_attention_factor_is_the_served_contexts_not_the_first_tables() -> None:
+    """Phi-3.5-mini's config: 128k served over a 4k original, no `factor`. The model builds
+    its first rotary table 4096 positions long; the cos/sin scale must still be transformers'
+    sqrt(1 + ln 32 / ln 4096), not the 1.0 a 4096-long table's own ratio gives."""
+    half = HEAD_DIM // 2
+    config = transformers.Phi3Config(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * half,
+            "long_factor": [2.0] * half,
+        },
+    )
+    ours = LlamaForCausalLM(
+        hf_model_config(config.to_dict() | {"architectures": ["Phi3ForCausalLM"]}),
+        torch.float32,
+        torch.device("cpu"),
+    )
+    assert ours.rope_positions < 131072  # the table grows later
+    expected = Phi3RotaryEmbedding(config).attention_scaling
+    assert expected == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert float(ours.rope_cos[0, 0]) == pytest.approx(expected, rel=1e-6)
 
 
 def _llama_cpp_rope_freqs(scaling: dict[str, object], theta: float) -> np.ndarray:

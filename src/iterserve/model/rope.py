@@ -234,6 +234,10 @@ def served_rope(
         rope["original_max_position_embeddings"] = max_positions
         return rope, int(max_positions * rope["factor"])
     rope.setdefault("original_max_position_embeddings", original or max_positions)
+    if rope_type == "longrope":
+        # The attention factor follows the served context over the original (Phi-3's configs
+        # give no factor), not the length of whatever table is built first.
+        rope.setdefault("factor", max_positions / rope["original_max_position_embeddings"])
     if rope_type == "yarn":
         extended = int(rope["original_max_position_embeddings"] * (rope.get("factor") or 1))
         return rope, max(max_positions, extended)
