@@ -53,12 +53,21 @@ def family_model(
         return tiny_hf_model(
             "gemma3", **shape, **gemma, rope_parameters=rope, layer_types=layer_types
         )
+    # Phi-4-mini: Phi-3 with its head's 96 of 128 dimensions rotated, grouped kv heads, a
+    # tied head.
+    phi4 = family == "phi4-mini"
+    if phi4:  # twice the width: weights 1/sqrt(2) as large keep the activations' sizes
+        shape.update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1)
+        shape.update(tie_word_embeddings=True, weight_std=0.15 / 2**0.5)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]  # type: ignore[operator]
+    rotated = head_dim * 3 // 4 if phi4 else head_dim
     rng = random.Random(0)
     rope = {
         "rope_type": "longrope",
         "rope_theta": 10000.0,
-        "short_factor": [1.0 + rng.random() * 0.5 for _ in range(16)],
-        "long_factor": [1.0 + rng.random() * 8 for _ in range(16)],
+        "short_factor": [1.0 + rng.random() * 0.5 for _ in range(rotated // 2)],
+        "long_factor": [1.0 + rng.random() * 8 for _ in range(rotated // 2)],
+        **({"partial_rotary_factor": 0.75} if phi4 else {}),
     }
     return tiny_hf_model(
         "phi3",

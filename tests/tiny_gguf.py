@@ -59,7 +59,9 @@ def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = No
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    # llama.cpp's n_rot: the dimensions turned (Phi-4-mini's partial rotary: 96 of 128).
+    partial = config.rope_parameters.get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(head_dim * partial))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
 

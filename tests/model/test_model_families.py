@@ -31,7 +31,7 @@ from tiny_families import (
     family_model,
 )
 
-FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["qwen3", "phi3", "phi4-mini", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -53,7 +53,9 @@ def test_checkpoints_match_transformers_through_chunks_and_decodes(
     if kind != "hf" and name.startswith("gemma"):
         hf = family_model(name, gguf=True)
     loaded = load_model(family_checkpoint(kind, hf, tmp_path, tokenizer_dir), torch.float32)
-    assert loaded.config.architecture == name
+    assert loaded.config.architecture == hf.config.model_type.removesuffix("_text")
+    if name == "phi4-mini":
+        assert loaded.config.rotary_dim == 96 and loaded.config.rope_dim == 96
     reference = hf
     if kind == "q8_0":
         reference = family_model(name, gguf=True)
@@ -195,7 +197,9 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
 
 
 @pytest.mark.slow  # ~4 s each
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "name", ["qwen3", "phi3", "phi4-mini", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+)
 def test_engine_greedy_matches_transformers_through_preemption_and_ngram_speculation(
     name: str, tmp_path: Path, tokenizer_dir: Path
 ) -> None:

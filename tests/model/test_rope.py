@@ -20,6 +20,7 @@ import transformers
 from gguf import GGMLQuantizationType
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
 
 from iterserve.bench.transformers_checkpoint import from_loaded
 from iterserve.model.config import ModelConfig
@@ -27,7 +28,7 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config, load_model
-from iterserve.model.rope import rope_tables
+from iterserve.model.rope import apply_rope, rope_tables
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, model_config_of, tiny_hf_model
 from tiny_gguf import write_gguf
@@ -137,6 +138,45 @@ def test_model_matches_transformers_past_the_original_context(name: str) -> None
     got = [runner.step([("s", n)])["s"] for n in (40, 30, 70, 35)]
     got += [runner.step([("s", 1)])["s"] for _ in range(5)]
     torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["default", "longrope"])
+def test_partial_rotary_turns_the_first_dimensions_as_transformers_phi3(variant: str) -> None:
+    """Phi-4-mini's rope: 96 of a head's 128 dimensions, frequencies (and longrope's factors
+    and attention factor) over those 96, the other 32 passed through unscaled."""
+    rotated, rng = 96, random.Random(2)
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + rng.random() * 0.5 for _ in range(rotated // 2)],
+        "long_factor": [1.0 + rng.random() * 8 for _ in range(rotated // 2)],
+    }
+    config = transformers.Phi3Config(
+        hidden_size=256,
+        num_attention_heads=2,
+        max_position_embeddings=4 * ORIGINAL,
+        original_max_position_embeddings=ORIGINAL,
+        rope_parameters={
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            **(longrope if variant == "longrope" else {"rope_type": "default"}),
+        },
+    )
+    ours = hf_model_config(config.to_dict() | {"architectures": ["Phi3ForCausalLM"]})
+    assert (ours.head_dim, ours.rotary_dim, ours.rope_dim) == (128, 96, 96)
+    cos, signed_sin = rope_tables(
+        ours.rope_dim, ours.rope_theta, ours.rope_scaling, 200, torch.float32, torch.device("cpu")
+    )
+    rotary = Phi3RotaryEmbedding(config)
+    q, k = torch.randn(2, 1, 2, 1, 128).unbind(0)  # [batch, heads, tokens, head_dim]
+    for p in (0, 5, ORIGINAL - 1, 150):  # past the original context: longrope's long factors
+        ref_cos, ref_sin = rotary(q, torch.tensor([[p]]))
+        ref_q, ref_k = phi3_apply_rotary_pos_emb(q, k, ref_cos, ref_sin)
+        for x, ref in ((q, ref_q), (k, ref_k)):
+            got = apply_rope(
+                x[0].transpose(0, 1), cos[p : p + 1, None], signed_sin[p : p + 1, None]
+            )
+            torch.testing.assert_close(got, ref[0].transpose(0, 1), atol=3e-5, rtol=0)
+            assert torch.equal(got[..., rotated:], x[0].transpose(0, 1)[..., rotated:])
 
 
 def test_longrope_attention_factor_is_the_served_contexts_not_the_first_tables() -> None:
@@ -256,6 +296,14 @@ def test_gguf_rope_metadata_is_read_or_refused_by_name() -> None:
         gguf_model_config({**base, "llama.rope.scaling.type": "longrope"}, tensors)
     with pytest.raises(ModelLoadError, match="yarn_log_multiplier"):
         gguf_model_config({**base, **yarn, "llama.rope.scaling.yarn_log_multiplier": 0.1}, tensors)
+    with pytest.raises(ModelLoadError, match="'llama' with rope over 16 of 32 head dim"):
+        gguf_model_config({**base, "llama.rope.dimension_count": 16}, tensors)
+    phi3 = {k.replace("llama.", "phi3."): v for k, v in base.items()}
+    phi3["general.architecture"] = "phi3"
+    assert gguf_model_config({**phi3, "phi3.rope.dimension_count": 16}, tensors).rotary_dim == 16
+    assert gguf_model_config({**phi3, "phi3.rope.dimension_count": 32}, tensors).rotary_dim is None
+    with pytest.raises(ModelLoadError, match="rope.dimension_count 15: rope over 15 of 32"):
+        gguf_model_config({**phi3, "phi3.rope.dimension_count": 15}, tensors)
 
 
 def test_unsupported_hf_rope_is_refused_by_name() -> None:

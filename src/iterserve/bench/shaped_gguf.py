@@ -71,6 +71,8 @@ class Shape:
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     # Phi-3: q, k and v as one tensor (attn_qkv), gate and up as one (ffn_up, 2 x intermediate).
     fused_projections: bool = False
+    # Phi-4-mini: RoPE turns only this many of a head's dimensions (partial_rotary_factor).
+    rotary_dim: int | None = None
     # The model's own vocabulary (vocab_size: the embedding's rows) and whether its head is
     # the embedding (tie_word_embeddings); what `real_vocab` files have.
     vocab: int | None = None
@@ -115,6 +117,10 @@ PRESETS: dict[str, Shape] = {
                         qkv_bias=True, vocab=152064, tied=False),
     "phi3-mini":  Shape("phi3",   "Phi-3-mini-4k-instruct", 3072,  8192,  32,  32,  32,  96,  10000.0,   4096, 1e-5,
                         sliding_window=2047, fused_projections=True, vocab=32064, tied=False),
+    # Its longrope factors (past a 4k original context) are not written: plain RoPE over the
+    # whole context, which a step's speed does not see.
+    "phi4-mini":  Shape("phi3",   "Phi-4-mini-instruct",    3072,  8192,  32,  24,   8, 128,  10000.0, 131072, 1e-5,
+                        fused_projections=True, rotary_dim=96, vocab=200064),
     # Rows of 1152 inputs: not whole K-quant blocks, which llama-quantize gives another type.
     "gemma3-1b":  Shape("gemma3", "gemma-3-1b-it",          1152,  6912,  26,   4,   1, 256,      1e6,  32768, 1e-6,
                         qk_norm=True, sliding_window=512, rope_local_theta=10000.0, vocab=262144),
@@ -285,7 +291,7 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_vocab_size(vocab)

@@ -52,6 +52,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     # Gemma 3: the sliding-window layers' own (plain) RoPE base; None: all layers share one.
     local_rope_theta: float | None = None
+    # Phi-4-mini: RoPE turns only the first rotary_dim dimensions of each head; None: all.
+    rotary_dim: int | None = None
 
     def layer_window(self, index: int) -> int:
         """Layer `index`'s sliding window; 0: full attention."""
@@ -61,6 +63,11 @@ class ModelConfig:
             return self.sliding_window
         return 0
 
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dimensions of each head RoPE turns: the width of the rotary tables."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def traits(self) -> FamilyTraits:

@@ -24,7 +24,7 @@ from iterserve.model.gguf_blocks import GGUFBlocks, expert_slices, read_bytes
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.moe import EXPERT_NAMES, GGUF_ROUTER, gguf_expert_names
-from iterserve.model.rope import UnsupportedRope, served_rope
+from iterserve.model.rope import UnsupportedRope, rotary_dims, served_rope
 from iterserve.model.tokenizer import tokenizer_from_gguf
 
 logger = logging.getLogger("iterserve.gguf")
@@ -314,10 +314,10 @@ def _refuse_unsupported(
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
     rope_dims = metadata.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and rope_dims != head_dim:
+    if rope_dims is not None and rope_dims != head_dim and arch != "phi3":
         raise ModelLoadError(
-            f"GGUF rope over {rope_dims} of {head_dim} head dimensions (partial rotary) "
-            "is not supported"
+            f"GGUF {arch!r} with rope over {rope_dims} of {head_dim} head dimensions (partial "
+            "rotary) is not supported; only phi3 (Phi-4-mini) is"
         )
     if experts and arch not in _MOE_FAMILIES:
         raise ModelLoadError(
@@ -358,6 +358,7 @@ def gguf_model_config(
     head_dim = key("attention.key_length", hidden // heads)
     experts = metadata.get(f"{arch}.expert_count", 0)
     _refuse_unsupported(metadata, tensors, arch, head_dim, experts)
+    rotary_dim = _gguf_rotary_dim(metadata.get(f"{arch}.rope.dimension_count"), head_dim)
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_WINDOW_PATTERN:
@@ -376,6 +377,7 @@ def gguf_model_config(
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
         head_dim=head_dim,
+        rotary_dim=rotary_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=max_positions,
@@ -391,6 +393,16 @@ def gguf_model_config(
         num_experts_per_tok=key("expert_used_count") if experts else 0,
         **gemma,
     )
+
+
+def _gguf_rotary_dim(rope_dims: int | None, head_dim: int) -> int | None:
+    """ModelConfig.rotary_dim from rope.dimension_count (llama.cpp's n_rot)."""
+    if rope_dims is None:
+        return None
+    try:
+        return rotary_dims(head_dim, int(rope_dims))
+    except UnsupportedRope as error:
+        raise ModelLoadError(f"GGUF rope.dimension_count {rope_dims}: {error}") from error
 
 
 def _gemma_fields(

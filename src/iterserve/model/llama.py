@@ -180,7 +180,8 @@ class _DecoderLayer(nn.Module):
         # MLP then no projection of the layer's own.
         names = _FUSED if self.moe is None else ("qkv", "o")
         tiled = [self.linears[name] for name in names]
-        fits_layer_op = self.head_dim % 32 == 0
+        # The op takes heads, and the rotated part of each, 32 dimensions at a time.
+        fits_layer_op = self.head_dim % 32 == 0 and rope_tables[0].shape[1] % 32 == 0
         if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
             fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
@@ -366,13 +367,13 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         positions = min(positions, c.max_position_embeddings)
         cos, signed_sin = rope_tables(
-            c.head_dim, c.rope_theta, c.rope_scaling, positions, self.dtype, self.device
+            c.rope_dim, c.rope_theta, c.rope_scaling, positions, self.dtype, self.device
         )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
         if c.local_rope_theta is not None:  # Gemma 3's sliding layers: plain RoPE
             self.rope_local = rope_tables(
-                c.head_dim, c.local_rope_theta, None, positions, self.dtype, self.device
+                c.rope_dim, c.local_rope_theta, None, positions, self.dtype, self.device
             )
         self.rope_positions = positions
         for layer in self.layers:

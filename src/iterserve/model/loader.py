@@ -16,7 +16,7 @@ from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
-from iterserve.model.rope import UnsupportedRope, rope_type_of, served_rope
+from iterserve.model.rope import UnsupportedRope, rope_type_of, rotary_dims, served_rope
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
 
 # HF `architectures` entries (and their `model_type`s) that the Llama implementation runs.
@@ -118,8 +118,10 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     gemma = _gemma_fields(architecture, raw, rope) if architecture in _GEMMA_WINDOW_PATTERN else {}
     experts = _hf_experts(architecture, raw)
-    rope_theta, rope_scaling, max_positions = _hf_rope(architecture, raw, rope)
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or hidden // heads
+    rotary_dim = _hf_rotary_dim(architecture, raw, rope, head_dim)
+    rope_theta, rope_scaling, max_positions = _hf_rope(architecture, raw, rope)
     # Llama 3 instruct models list their end-of-turn token only in generation_config.json.
     eos_ids = [*_as_ids(raw.get("eos_token_id")), *_as_ids((generation or {}).get("eos_token_id"))]
     return ModelConfig(
@@ -130,7 +132,8 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         max_position_embeddings=max_positions,
@@ -213,6 +216,23 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
     return architecture
 
 
+def _hf_rotary_dim(
+    architecture: str, raw: dict[str, Any], rope: dict[str, Any], head_dim: int
+) -> int | None:
+    """How many dimensions of a head RoPE turns (None: all), from `partial_rotary_factor`
+    (Phi-4-mini: 0.75), which transformers 5 keeps among the RoPE fields and 4 at the top."""
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor not in (None, 1.0) and architecture != "phi3":
+        # transformers' other families rotate whole heads whatever the config says.
+        raise ModelLoadError(f"{architecture} with partial_rotary_factor={factor} is not supported")
+    if factor is None:
+        return None
+    try:
+        return rotary_dims(head_dim, int(head_dim * factor))  # transformers' rounding
+    except UnsupportedRope as error:
+        raise ModelLoadError(f"{error}") from error
+
+
 def _hf_rope(
     architecture: str, raw: dict[str, Any], rope: dict[str, Any]
 ) -> tuple[float, dict[str, Any] | None, int]:
@@ -226,8 +246,6 @@ def _hf_rope(
         rope.setdefault("rope_type", rope.pop("type"))
     if architecture == "phi3" and rope.get("rope_type") in ("su", "yarn"):
         rope["rope_type"] = "longrope"  # Phi-3's early names for it, as transformers reads them
-    if "partial_rotary_factor" in raw:
-        rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     try:
         rope_scaling, max_positions = served_rope(
             rope,

@@ -16,8 +16,13 @@ two variants whose frequencies transformers changes with the sequence length:
 - ``dynamic`` (NTK): the base grows with the sequence length L = max(p + 1, original); iterserve
   freezes position p at L = p + 1, again transformers' token-by-token result.
 
+A model may rotate only the first `rotary_dim` dimensions of each head (HF's
+``partial_rotary_factor``, GGUF's ``rope.dimension_count``: Phi-4-mini rotates 96 of 128): the
+tables are then `rotary_dim` wide, every variant's frequencies are those of a head that wide
+(as transformers computes them), and the rest of the head passes through unscaled.
+
 Every variant is checked against transformers' own rotary embedding and model past the
-original context (tests/test_rope.py).
+original context (tests/model/test_rope.py).
 """
 
 from __future__ import annotations
@@ -60,9 +65,17 @@ def check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
             f"rope scaling {rope_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = (scaling or {}).get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise UnsupportedRope(f"partial rotary embeddings (partial_rotary_factor={partial})")
+
+
+def rotary_dims(head_dim: int, rotated: int) -> int | None:
+    """`rotated` of a head's dimensions as ModelConfig.rotary_dim (None: all of them).
+    Refuses what rotate_half cannot split: an odd count, none, or more than the head."""
+    if rotated <= 0 or rotated % 2 or rotated > head_dim:
+        raise UnsupportedRope(
+            f"rope over {rotated} of {head_dim} head dimensions; an even count from 2 to "
+            "head_dim is supported"
+        )
+    return None if rotated == head_dim else rotated
 
 
 def _default_inv_freq(head_dim: int, theta: float | torch.Tensor) -> torch.Tensor:
@@ -193,7 +206,8 @@ def rope_tables(
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin, each [max_positions, head_dim] in the model dtype.
+    """cos and sign-folded sin, each [max_positions, head_dim] in the model dtype (`head_dim`:
+    the dimensions rotated, for a partial rotary its `rotary_dim`).
 
     Computed in fp32 then cast, like transformers (which also scales both by the variant's
     attention factor). The sin table carries rotate_half's minus sign on its first half, so
@@ -207,8 +221,12 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] with cos/sin [T, 1, head_dim]: x*cos + rotate_half(x)*sin."""
-    half = x.shape[-1] // 2
+    """x [T, heads, head_dim] with cos/sin [T, 1, rotated]: x*cos + rotate_half(x)*sin over
+    the first `rotated` dimensions of each head, the rest as they are."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotated], cos, signed_sin), x[..., rotated:]), -1)
+    half = rotated // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, signed_sin)
 

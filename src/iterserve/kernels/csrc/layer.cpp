@@ -80,16 +80,19 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
 }
 
 // Rotate q and k in place: `heads` head_dim-wide slices at the start of each qkv row, at the
-// row's position. cos and the sign-folded sin are [max_positions, head_dim] tables (the first
-// half of sin carries rotate_half's minus), so x' = x * cos + swap_halves(x) * sin.
+// row's position. cos and the sign-folded sin are [max_positions, rotated] tables (the first
+// half of sin carries rotate_half's minus), so x' = x * cos + swap_halves(x) * sin over each
+// head's first `rotated` dimensions (all of them but for a partial rotary: Phi-4-mini's 96 of
+// 128); the rest of the head is left as it is.
 void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vector<int64_t>& pos,
                   const Tensor& cos, const Tensor& sin) {
-  const int64_t M = qkv.size(0), half = head_dim / 2;
-  TORCH_CHECK(half % 16 == 0, "decoder_layer: head_dim ", head_dim, " is not a multiple of 32");
+  const int64_t M = qkv.size(0), rotated = cos.size(1), half = rotated / 2;
+  TORCH_CHECK(half % 16 == 0 && rotated <= head_dim, "decoder_layer: rope over ", rotated,
+              " of ", head_dim, " head dimensions: not a multiple of 32 up to head_dim");
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const BFloat16* c = cos.data_ptr<BFloat16>() + pos[m] * head_dim;
-      const BFloat16* s = sin.data_ptr<BFloat16>() + pos[m] * head_dim;
+      const BFloat16* c = cos.data_ptr<BFloat16>() + pos[m] * rotated;
+      const BFloat16* s = sin.data_ptr<BFloat16>() + pos[m] * rotated;
       BFloat16* row = qkv.data_ptr<BFloat16>() + m * qkv.stride(0);
       for (int64_t h = 0; h < heads; ++h) {
         BFloat16* x = row + h * head_dim;
@@ -239,8 +242,8 @@ void check_tables(const LayerWeights& w, const Tensor& key_cache, const Tensor& 
     TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kBFloat16 && (*t)->is_contiguous() &&
                                     (*t)->numel() == w.input_norm.numel()),
                 "decoder_layer: sandwich norms must be contiguous bf16 of the hidden size");
-  TORCH_CHECK(rope_cos.size(1) == cache_head_dim(key_cache) && rope_sin.sizes() == rope_cos.sizes(),
-              "decoder_layer: rope tables must be [positions, head_dim]");
+  TORCH_CHECK(rope_cos.size(1) <= cache_head_dim(key_cache) && rope_sin.sizes() == rope_cos.sizes(),
+              "decoder_layer: rope tables must be [positions, rotated <= head_dim]");
 }
 
 // The LoRA slots of a layer's projections (decoder_layer's arguments; empty: none): each
