@@ -39,6 +39,9 @@ def family_model(
     )
     if family == "qwen3":
         return tiny_hf_model("qwen3", **shape, head_dim=64, max_position_embeddings=256)
+    if family == "smollm3":  # four layers: the fourth without RoPE, as llama.cpp assumes
+        shape.update(num_hidden_layers=4, tie_word_embeddings=True)
+        return tiny_hf_model("smollm3", **shape, max_position_embeddings=256, pad_token_id=0)
     gemma = dict(head_dim=32, query_pre_attn_scalar=32 if gguf else 24, sliding_window=24)
     if family == "gemma2":  # soft-caps low enough to bite at these logit sizes
         return tiny_hf_model(

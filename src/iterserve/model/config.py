@@ -54,6 +54,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Phi-4-mini: RoPE turns only the first rotary_dim dimensions of each head; None: all.
     rotary_dim: int | None = None
+    # Which layers rotate q and k (SmolLM3: three in four, its "NoPE" layers not); None: all.
+    rope_layers: tuple[bool, ...] | None = None
 
     def layer_window(self, index: int) -> int:
         """Layer `index`'s sliding window; 0: full attention."""
@@ -63,6 +65,9 @@ class ModelConfig:
             return self.sliding_window
         return 0
 
+    def layer_rotates(self, index: int) -> bool:
+        """Whether layer `index` applies RoPE to its queries and keys."""
+        return self.rope_layers is None or self.rope_layers[index]
 
     @property
     def rope_dim(self) -> int:

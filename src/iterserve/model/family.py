@@ -48,6 +48,9 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-MoE: Qwen3 with a sparse mixture-of-experts MLP on every layer (model/moe.py;
     # Qwen3-30B-A3B: 128 experts of 768, 8 a token).
     "qwen3_moe": FamilyTraits(qk_norm=True),
+    # SmolLM3: Llama whose every fourth layer attends without RoPE ("NoPE": ModelConfig's
+    # rope_layers).
+    "smollm3": FamilyTraits(),
     # Phi-3/3.5: Llama with fused checkpoint projections, usually longrope scaling
     # (model/rope.py) and, for the 4k models, a sliding window of 2047 on every layer.
     "phi3": FamilyTraits(fused_checkpoint=True),

@@ -40,6 +40,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
     "phi3": "phi3",
+    "smollm3": "smollm3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
 }
@@ -378,6 +379,12 @@ def gguf_model_config(
         num_key_value_heads=key("attention.head_count_kv", heads),
         head_dim=head_dim,
         rotary_dim=rotary_dim,
+        # SmolLM3: llama.cpp leaves RoPE out of every fourth layer (a fixed step, no key).
+        rope_layers=(
+            tuple((i + 1) % 4 != 0 for i in range(key("block_count")))
+            if arch == "smollm3"
+            else None
+        ),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=max_positions,
@@ -533,10 +540,16 @@ def _load_weights(
     return weights, blocks
 
 
+def permutes_rope_rows(gguf_arch: str) -> bool:
+    """Whether llama.cpp's converter permuted q/k rows for its rope: its "llama" converter
+    (and SmolLM3's, a subclass) does; the others (Qwen2's, Phi-3's...) use NEOX rope, i.e.
+    rotate_half, and store HF's order."""
+    return gguf_arch in ("llama", "smollm3")
+
+
 def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:
-    """Heads per projection whose rows llama.cpp permuted for its rope. Only its "llama"
-    converter permutes; its Qwen2 uses NEOX rope, i.e. rotate_half."""
-    if gguf_arch != "llama":
+    """Heads per projection whose rows llama.cpp permuted for its rope."""
+    if not permutes_rope_rows(gguf_arch):
         return {}
     return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 

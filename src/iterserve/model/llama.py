@@ -31,7 +31,7 @@ from iterserve.model.gguf_blocks import GGUFBlocks
 from iterserve.model.lazy_weights import native_of, shape_of
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 from iterserve.model.moe import SparseMoeBlock
-from iterserve.model.rope import apply_rope, rope_tables
+from iterserve.model.rope import apply_rope, no_rope_tables, rope_tables
 from iterserve.model.tensor_parallel import TensorParallel
 
 
@@ -110,8 +110,10 @@ class _DecoderLayer(nn.Module):
         self.scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
         self.sliding_window = config.layer_window(index)
         self.softcap = config.attn_logit_softcapping or 0.0
-        # Gemma 3: sliding layers rotate with their own RoPE base (the model's local tables).
-        self.local_rope = config.local_rope_theta is not None and self.sliding_window > 0
+        # Whether the layer rotates by the model's second tables: Gemma 3's sliding layers
+        # (their own RoPE base), SmolLM3's layers without RoPE (tables that rotate nothing).
+        local = config.local_rope_theta is not None and self.sliding_window > 0
+        self.second_rope = local or not config.layer_rotates(index)
         traits = config.traits
         self.gelu = traits.activation == "gelu_tanh"
         self.checkpoint_parts = _FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED
@@ -339,7 +341,8 @@ class LlamaForCausalLM(nn.Module):
         # model's whole context (131072 positions for Llama 3) are 33-67 MB held for nothing
         # by a server whose requests use a few thousand.
         self.rope_positions = 0
-        self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The second rotary tables, for the layers whose `second_rope` is set.
+        self.rope_second: tuple[torch.Tensor, torch.Tensor] | None = None
         self._grow_rope(min(config.max_position_embeddings, _ROPE_POSITIONS))
         # Gemma: sqrt(hidden) rounded to the model dtype, as transformers does.
         self.embed_scale = (
@@ -372,9 +375,11 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
         if c.local_rope_theta is not None:  # Gemma 3's sliding layers: plain RoPE
-            self.rope_local = rope_tables(
+            self.rope_second = rope_tables(
                 c.rope_dim, c.local_rope_theta, None, positions, self.dtype, self.device
             )
+        elif c.rope_layers is not None and not all(c.rope_layers):  # SmolLM3's NoPE layers
+            self.rope_second = no_rope_tables(positions, self.dtype, self.device)
         self.rope_positions = positions
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
@@ -382,10 +387,10 @@ class LlamaForCausalLM(nn.Module):
                 layer.rope_tables = self._rope_of(layer)
 
     def _rope_of(self, layer: _DecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables a layer rotates by: Gemma 3's sliding layers their own."""
-        if layer.local_rope:
-            assert self.rope_local is not None
-            return self.rope_local
+        """The rotary tables a layer rotates by (the second ones: see `second_rope`)."""
+        if layer.second_rope:
+            assert self.rope_second is not None
+            return self.rope_second
         return self.rope_cos, self.rope_signed_sin
 
     def cover_positions(self, needed: int) -> None:
@@ -562,14 +567,14 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * self.embed_scale
         if step is not None and self.fused_layers:
             if (stacked := self._stacked(kv_caches)) is not None:
-                local = self.rope_local or (None, None)
+                second = self.rope_second or (None, None)
                 return self.layers[0].kernel_ops.decoder_stack(
                     hidden,
                     slot_mapping,
                     step,
                     self.rope_cos,
                     self.rope_signed_sin,
-                    *local,
+                    *second,
                     *stacked,
                 )
             if self.layers[0].moe is None:  # decoder_layer's MLP is dense
@@ -580,11 +585,11 @@ class LlamaForCausalLM(nn.Module):
             table.index_select(0, positions).unsqueeze(1)
             for table in (self.rope_cos, self.rope_signed_sin)
         ]
-        local = rope
-        if self.rope_local is not None:
-            local = [table.index_select(0, positions).unsqueeze(1) for table in self.rope_local]
+        second = rope
+        if self.rope_second is not None:
+            second = [table.index_select(0, positions).unsqueeze(1) for table in self.rope_second]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            cos, signed_sin = local if layer.local_rope else rope
+            cos, signed_sin = second if layer.second_rope else rope
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)
         return hidden
 
@@ -619,7 +624,7 @@ class LlamaForCausalLM(nn.Module):
             first.num_kv_heads,
             first.scale,
             [layer.sliding_window for layer in layers],
-            [int(layer.local_rope) for layer in layers],
+            [int(layer.second_rope) for layer in layers],
             *_experts_arguments(layers),
         )
         self._stack = (kv_caches, arguments)

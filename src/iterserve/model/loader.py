@@ -28,6 +28,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
 }
@@ -134,6 +135,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         rotary_dim=rotary_dim,
+        rope_layers=_hf_rope_layers(architecture, raw),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         max_position_embeddings=max_positions,
@@ -207,13 +209,29 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
         )
     if raw.get("mlp_bias"):
         raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
-    if architecture in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window"):
+    if architecture in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and raw.get("use_sliding_window"):
         # Qwen windows only the layers past max_window_layers; rather than run every layer
         # with full attention and answer differently from the model, refuse.
         raise ModelLoadError(
             f"{architecture} checkpoints with use_sliding_window=true are not supported"
         )
     return architecture
+
+
+def _hf_rope_layers(architecture: str, raw: dict[str, Any]) -> tuple[bool, ...] | None:
+    """SmolLM3's layers that rotate: `no_rope_layers` (1: rotates, despite the name), or
+    every layer but each `no_rope_layer_interval`-th as its config class makes them."""
+    if architecture != "smollm3":
+        return None
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = raw.get("no_rope_layer_interval", 4)
+        flags = [(i + 1) % interval != 0 for i in range(raw["num_hidden_layers"])]
+    if len(flags) != raw["num_hidden_layers"]:
+        raise ModelLoadError(
+            f"smollm3 no_rope_layers has {len(flags)} entries for {raw['num_hidden_layers']} layers"
+        )
+    return tuple(bool(f) for f in flags)
 
 
 def _hf_rotary_dim(

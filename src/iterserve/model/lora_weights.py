@@ -27,6 +27,7 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_loader import (
     _dequantized,
     hf_tensor_name,
+    permutes_rope_rows,
     read_gguf_header,
     unpermute_rope_rows,
 )
@@ -150,7 +151,7 @@ def _load_gguf(path: Path, config: ModelConfig) -> AdapterWeights:
             ) from None
         tensor = _dequantized(path, info).float()
         short = module.rsplit(".", 1)[-1]
-        if which == "b" and arch == "llama" and short in heads:
+        if which == "b" and permutes_rope_rows(arch) and short in heads:
             tensor = unpermute_rope_rows(tensor, heads[short])
         pairs.setdefault(module, {})[which] = tensor
     modules = {}

@@ -220,10 +220,20 @@ def rope_tables(
     return cos.to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
 
 
+def no_rope_tables(
+    max_positions: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables that rotate nothing ([max_positions, 0]): what a layer without RoPE indexes."""
+    empty = torch.empty(max_positions, 0, dtype=dtype, device=device)
+    return empty, empty
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim] with cos/sin [T, 1, rotated]: x*cos + rotate_half(x)*sin over
     the first `rotated` dimensions of each head, the rest as they are."""
     rotated = cos.shape[-1]
+    if rotated == 0:  # a layer without RoPE (SmolLM3's NoPE layers)
+        return x
     if rotated < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rotated], cos, signed_sin), x[..., rotated:]), -1)
     half = rotated // 2

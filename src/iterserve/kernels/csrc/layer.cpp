@@ -89,6 +89,7 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
   const int64_t M = qkv.size(0), rotated = cos.size(1), half = rotated / 2;
   TORCH_CHECK(half % 16 == 0 && rotated <= head_dim, "decoder_layer: rope over ", rotated,
               " of ", head_dim, " head dimensions: not a multiple of 32 up to head_dim");
+  if (rotated == 0) return;  // a layer without RoPE (SmolLM3's NoPE layers)
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const BFloat16* c = cos.data_ptr<BFloat16>() + pos[m] * rotated;
@@ -367,14 +368,15 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 // layer calls of a 1B Q4_K_M at one row, Python and the dispatcher took 140-270 us, run with
 // caches the layer's 37 MB of weights had just swept (2026-11-29, avx512vnni).
 //
-// Gemma 3's sliding layers (local_rope[l] = 1) rotate by the local tables. A layer whose
+// A layer with second_rope[l] = 1 rotates by the second tables: Gemma 3's sliding layers by
+// their own RoPE base, SmolLM3's layers without RoPE by tables 0 wide. A layer whose
 // router is given (Mixtral, Qwen3-MoE) has a mixture of experts for its MLP: its next three
 // `experts` (gate, up and down stacks, moe.cpp) in the next three `expert_formats`, and no
 // gate_up or down segments.
 Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
                      const Tensor& rope_cos, const Tensor& rope_sin,
-                     const std::optional<Tensor>& local_rope_cos,
-                     const std::optional<Tensor>& local_rope_sin, at::TensorList input_norms,
+                     const std::optional<Tensor>& second_rope_cos,
+                     const std::optional<Tensor>& second_rope_sin, at::TensorList input_norms,
                      at::TensorList post_norms, double eps, at::TensorList weights,
                      c10::IntArrayRef formats, c10::IntArrayRef segments,
                      const c10::List<std::optional<Tensor>>& biases,
@@ -383,25 +385,25 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      const c10::List<std::optional<Tensor>>& mlp_out_norms, bool gelu,
                      double softcap, at::TensorList key_caches, at::TensorList value_caches,
                      int64_t num_heads, int64_t num_kv_heads, double scale,
-                     c10::IntArrayRef sliding_windows, c10::IntArrayRef local_rope,
+                     c10::IntArrayRef sliding_windows, c10::IntArrayRef second_rope,
                      const c10::List<std::optional<Tensor>>& routers, at::TensorList experts,
                      c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
                   attn_out_norms.size() == layers && mlp_out_norms.size() == layers &&
                   key_caches.size() == layers && value_caches.size() == layers &&
-                  sliding_windows.size() == layers && local_rope.size() == layers &&
+                  sliding_windows.size() == layers && second_rope.size() == layers &&
                   segments.size() == 4 * layers && biases.size() == 4 * layers &&
                   weights.size() == formats.size() && routers.size() == layers &&
                   experts.size() == expert_formats.size(),
               "decoder_stack: every list holds one entry a layer (segments and biases 4), "
               "formats one a weight, expert formats one a stack");
-  const bool any_local =
-      std::any_of(local_rope.begin(), local_rope.end(), [](int64_t f) { return f != 0; });
-  TORCH_CHECK(!any_local || (local_rope_cos && local_rope_sin),
-              "decoder_stack: layers with local rope need the local tables");
+  const bool any_second =
+      std::any_of(second_rope.begin(), second_rope.end(), [](int64_t f) { return f != 0; });
+  TORCH_CHECK(!any_second || (second_rope_cos && second_rope_sin),
+              "decoder_stack: layers with second_rope need the second tables");
   const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);
-  if (any_local) checked_positions(hidden, step, *local_rope_cos);
+  if (any_second) checked_positions(hidden, step, *second_rope_cos);
   Tensor h = hidden;
   int64_t first_segment = 0, first_stack = 0;
   for (int64_t l = 0; l < layers; ++l) {
@@ -426,8 +428,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                          moe ? &*moe : nullptr};
     TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
                 "'s segments run past the ", weights.size(), " weights");
-    const Tensor& cos = local_rope[l] ? *local_rope_cos : rope_cos;
-    const Tensor& sin = local_rope[l] ? *local_rope_sin : rope_sin;
+    const Tensor& cos = second_rope[l] ? *second_rope_cos : rope_cos;
+    const Tensor& sin = second_rope[l] ? *second_rope_sin : rope_sin;
     check_tables(w, key_caches[l], cos, sin);
     h = run_layer(w, nullptr, h, pos, key_caches[l], value_caches[l], slot_mapping, step, cos,
                   sin);

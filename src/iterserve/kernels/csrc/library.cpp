@@ -41,12 +41,12 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows) -> Tensor");
   m.def(
       "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
-      "Tensor rope_sin, Tensor? local_rope_cos, Tensor? local_rope_sin, Tensor[] input_norms, "
+      "Tensor rope_sin, Tensor? second_rope_cos, Tensor? second_rope_sin, Tensor[] input_norms, "
       "Tensor[] post_norms, float eps, Tensor[] weights, int[] formats, int[] segments, "
       "Tensor?[] biases, Tensor?[] qk_norms, Tensor?[] attn_out_norms, "
       "Tensor?[] mlp_out_norms, bool gelu, float softcap, Tensor(a!)[] key_caches, "
       "Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, float scale, "
-      "int[] sliding_windows, int[] local_rope, Tensor?[] routers, Tensor[] experts, "
+      "int[] sliding_windows, int[] second_rope, Tensor?[] routers, Tensor[] experts, "
       "int[] expert_formats, int top_k, bool renormalize) -> Tensor");
   m.def(
       "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "

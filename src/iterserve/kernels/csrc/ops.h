@@ -126,8 +126,8 @@ at::Tensor decoder_layer(
 at::Tensor decoder_stack(
     const at::Tensor& hidden, const at::Tensor& slot_mapping, const at::Tensor& step,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin,
-    const std::optional<at::Tensor>& local_rope_cos,
-    const std::optional<at::Tensor>& local_rope_sin, at::TensorList input_norms,
+    const std::optional<at::Tensor>& second_rope_cos,
+    const std::optional<at::Tensor>& second_rope_sin, at::TensorList input_norms,
     at::TensorList post_norms, double eps, at::TensorList weights, c10::IntArrayRef formats,
     c10::IntArrayRef segments, const c10::List<std::optional<at::Tensor>>& biases,
     const c10::List<std::optional<at::Tensor>>& qk_norms,
@@ -135,7 +135,7 @@ at::Tensor decoder_stack(
     const c10::List<std::optional<at::Tensor>>& mlp_out_norms, bool gelu, double softcap,
     at::TensorList key_caches, at::TensorList value_caches, int64_t num_heads,
     int64_t num_kv_heads, double scale, c10::IntArrayRef sliding_windows,
-    c10::IntArrayRef local_rope, const c10::List<std::optional<at::Tensor>>& routers,
+    c10::IntArrayRef second_rope, const c10::List<std::optional<at::Tensor>>& routers,
     at::TensorList experts, c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize);
 
 // linear.cpp: activations as the block formats quantize them, per unit of 32 or 256 inputs.
