@@ -29,6 +29,7 @@ HF_CLASSES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
@@ -45,6 +46,8 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if rope.get("rope_type") == "freq_factors":
         rope = {"rope_type": "default"}
     rope["rope_theta"] = config.rope_theta
+    if config.rotary_dim is not None:  # Phi-4-mini
+        rope["partial_rotary_factor"] = config.rotary_dim / config.head_dim
     raw: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -69,6 +72,8 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     }
     if "original_max_position_embeddings" in rope:  # Phi-3 reads it from the top level
         raw["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if config.rope_layers is not None:  # SmolLM3: 1 where a layer rotates, despite the name
+        raw["no_rope_layers"] = [int(rotates) for rotates in config.rope_layers]
     if config.num_local_experts:
         raw["num_local_experts"] = config.num_local_experts
         raw["num_experts_per_tok"] = config.num_experts_per_tok
