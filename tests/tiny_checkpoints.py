@@ -34,6 +34,7 @@ _ARCHITECTURES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }

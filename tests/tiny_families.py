@@ -39,6 +39,14 @@ def family_model(
     )
     if family == "qwen3":
         return tiny_hf_model("qwen3", **shape, head_dim=64, max_position_embeddings=256)
+    if family == "granite":  # multipliers far from 1, as Granite 3's (12, 0.22, 1/64, 8)
+        multipliers = dict(
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=1 / 64,
+            logits_scaling=8.0,
+        )
+        return tiny_hf_model("granite", **shape, **multipliers, max_position_embeddings=256)
     if family == "smollm3":  # four layers: the fourth without RoPE, as llama.cpp assumes
         shape.update(num_hidden_layers=4, tie_word_embeddings=True)
         return tiny_hf_model("smollm3", **shape, max_position_embeddings=256, pad_token_id=0)
@@ -88,6 +96,13 @@ def gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], 
     (soft-caps, the window; Gemma 3's full layers' linear scaling), plus Gemma 3's layer
     pattern: these tiny models alternate, where llama.cpp assumes five sliding to one full."""
     c = hf.config
+    if c.model_type == "granite":
+        return {
+            "embedding_scale": c.embedding_multiplier,
+            "residual_scale": c.residual_multiplier,
+            "attention.scale": c.attention_multiplier,
+            "logit_scale": c.logits_scaling,
+        }, {}
     if c.model_type == "gemma2":
         return {
             "attn_logit_softcapping": c.attn_logit_softcapping,

@@ -16,7 +16,18 @@ from tiny_families import SMALL_VOCAB, engine_family_model, family_checkpoint
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3", "smollm3", "phi3", "phi4-mini", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+    "name",
+    [
+        "qwen3",
+        "smollm3",
+        "granite",
+        "phi3",
+        "phi4-mini",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen3_moe",
+    ],
 )
 def test_peer_model_from_gguf_is_the_original(
     name: str, tmp_path: Path, tokenizer_dir: Path

@@ -90,3 +90,10 @@ def test_default_and_missing_splits_are_llama_cpps_fallback(pre: str | None) -> 
     assert pieces == ["x", "Ġ", "1", "23", "4", "Ġ", "!"]
     gpt2 = tokenizer_from_gguf({**metadata, "tokenizer.ggml.pre": "gpt-2"}, Path("/x.gguf"))
     assert gpt2.convert_ids_to_tokens(gpt2.encode("x 1234 !")) == ["x", "Ġ1", "23", "4", "Ġ!"]
+
+
+@pytest.mark.parametrize("pre", ["smollm", "starcoder", "refact"])
+def test_starcoder_vocabularies_put_every_digit_in_a_word_of_its_own(pre: str) -> None:
+    # llama.cpp's STARCODER split (SmolLM's, Refact's): digits cut out one by one, then
+    # GPT-2's split, so the merge "1 2" never sees two digits in one word.
+    assert _pieces(pre, "abc 123") == ["ab", "c", "Ġ", "1", "2", "3"]

@@ -31,7 +31,7 @@ from tiny_families import (
     family_model,
 )
 
-FAMILIES = ["qwen3", "smollm3", "phi3", "phi4-mini", "gemma2", "gemma3"]
+FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -200,7 +200,18 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
 
 @pytest.mark.slow  # ~4 s each
 @pytest.mark.parametrize(
-    "name", ["qwen3", "smollm3", "phi3", "phi4-mini", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+    "name",
+    [
+        "qwen3",
+        "smollm3",
+        "granite",
+        "phi3",
+        "phi4-mini",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen3_moe",
+    ],
 )
 def test_engine_greedy_matches_transformers_through_preemption_and_ngram_speculation(
     name: str, tmp_path: Path, tokenizer_dir: Path
@@ -213,7 +224,7 @@ def test_engine_greedy_matches_transformers_through_preemption_and_ngram_specula
     directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
     # Random weights: a seed whose prompts this model's greedy output drafts into both ways
     # (some guesses accepted, some rejected).
-    rng = random.Random({"gemma3": 7, "smollm3": 9}.get(name, 6))
+    rng = random.Random({"gemma3": 7, "smollm3": 9, "granite": 9}.get(name, 6))
     prompts = []
     for n in (5, 6, 7):
         phrase = [rng.randrange(3, SMALL_VOCAB) for _ in range(n)]

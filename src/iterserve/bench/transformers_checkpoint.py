@@ -30,6 +30,7 @@ HF_CLASSES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    "granite": ("GraniteForCausalLM", "granite"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
@@ -74,6 +75,10 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         raw["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     if config.rope_layers is not None:  # SmolLM3: 1 where a layer rotates, despite the name
         raw["no_rope_layers"] = [int(rotates) for rotates in config.rope_layers]
+    if config.architecture == "granite":
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier"):
+            raw[name] = getattr(config, name)
+        raw["logits_scaling"] = config.logits_scaling
     if config.num_local_experts:
         raw["num_local_experts"] = config.num_local_experts
         raw["num_experts_per_tok"] = config.num_experts_per_tok

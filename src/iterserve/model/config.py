@@ -56,6 +56,13 @@ class ModelConfig:
     rotary_dim: int | None = None
     # Which layers rotate q and k (SmolLM3: three in four, its "NoPE" layers not); None: all.
     rope_layers: tuple[bool, ...] | None = None
+    # Granite: embeddings times embedding_multiplier, each attention and MLP output times
+    # residual_multiplier before its residual add, scores times attention_multiplier (instead
+    # of head_dim ** -0.5), logits divided by logits_scaling. None: not done.
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     def layer_window(self, index: int) -> int:
         """Layer `index`'s sliding window; 0: full attention."""
@@ -68,6 +75,14 @@ class ModelConfig:
     def layer_rotates(self, index: int) -> bool:
         """Whether layer `index` applies RoPE to its queries and keys."""
         return self.rope_layers is None or self.rope_layers[index]
+
+    @property
+    def stream_norm_eps(self) -> float:
+        """The eps of the norms that read the residual stream. model/llama.py carries a
+        residual_multiplier m (Granite) as the stream h / m, so each block's output adds
+        unscaled: an RMS norm of h / m with eps / m^2 is exactly the norm of h with eps."""
+        m = self.residual_multiplier or 1.0
+        return self.rms_norm_eps / (m * m)
 
     @property
     def rope_dim(self) -> int:

@@ -48,6 +48,9 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-MoE: Qwen3 with a sparse mixture-of-experts MLP on every layer (model/moe.py;
     # Qwen3-30B-A3B: 128 experts of 768, 8 a token).
     "qwen3_moe": FamilyTraits(qk_norm=True),
+    # Granite 3.x: Llama with four multipliers (ModelConfig: embeddings, each block's output
+    # before its residual add, the attention scale, the logits' divisor).
+    "granite": FamilyTraits(),
     # SmolLM3: Llama whose every fourth layer attends without RoPE ("NoPE": ModelConfig's
     # rope_layers).
     "smollm3": FamilyTraits(),

@@ -41,6 +41,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "phi3": "phi3",
     "smollm3": "smollm3",
+    "granite": "granite",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
 }
@@ -396,10 +397,22 @@ def gguf_model_config(
         ),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+        **(_granite_fields(metadata) if arch == "granite" else {}),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
         **gemma,
     )
+
+
+def _granite_fields(metadata: dict[str, Any]) -> dict[str, float]:
+    """Granite's multipliers, under the names llama.cpp's converter gives them."""
+    keys = {
+        "embedding_multiplier": "granite.embedding_scale",
+        "residual_multiplier": "granite.residual_scale",
+        "attention_multiplier": "granite.attention.scale",
+        "logits_scaling": "granite.logit_scale",
+    }
+    return {field: float(metadata.get(key, 1.0)) for field, key in keys.items()}
 
 
 def _gguf_rotary_dim(rope_dims: int | None, head_dim: int) -> int | None:
@@ -542,9 +555,9 @@ def _load_weights(
 
 def permutes_rope_rows(gguf_arch: str) -> bool:
     """Whether llama.cpp's converter permuted q/k rows for its rope: its "llama" converter
-    (and SmolLM3's, a subclass) does; the others (Qwen2's, Phi-3's...) use NEOX rope, i.e.
+    (and SmolLM3's and Granite's, subclasses) does; the others (Qwen2's, Phi-3's...) use NEOX rope, i.e.
     rotate_half, and store HF's order."""
-    return gguf_arch in ("llama", "smollm3")
+    return gguf_arch in ("llama", "smollm3", "granite")
 
 
 def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:

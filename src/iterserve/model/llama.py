@@ -106,15 +106,20 @@ class _DecoderLayer(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.intermediate = config.intermediate_size
-        self.eps = config.rms_norm_eps
-        self.scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
+        traits = config.traits
+        # Every norm of the layer takes it: a family with a residual multiplier (Granite) has
+        # no q/k or output norms, which read no residual stream.
+        assert config.residual_multiplier is None or not (traits.qk_norm or traits.sandwich_norms)
+        self.eps = config.stream_norm_eps
+        self.scale = config.attention_multiplier or (
+            (config.query_pre_attn_scalar or head_dim) ** -0.5
+        )
         self.sliding_window = config.layer_window(index)
         self.softcap = config.attn_logit_softcapping or 0.0
         # Whether the layer rotates by the model's second tables: Gemma 3's sliding layers
         # (their own RoPE base), SmolLM3's layers without RoPE (tables that rotate nothing).
         local = config.local_rope_theta is not None and self.sliding_window > 0
         self.second_rope = local or not config.layer_rotates(index)
-        traits = config.traits
         self.gelu = traits.activation == "gelu_tanh"
         self.checkpoint_parts = _FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED
         like = {"dtype": dtype, "device": device}
@@ -344,11 +349,16 @@ class LlamaForCausalLM(nn.Module):
         # The second rotary tables, for the layers whose `second_rope` is set.
         self.rope_second: tuple[torch.Tensor, torch.Tensor] | None = None
         self._grow_rope(min(config.max_position_embeddings, _ROPE_POSITIONS))
-        # Gemma: sqrt(hidden) rounded to the model dtype, as transformers does.
+        # Gemma: sqrt(hidden) rounded to the model dtype, as transformers does. Granite: its
+        # embedding multiplier, over its residual multiplier m: the stream is carried as h / m
+        # (ModelConfig.stream_norm_eps), so no block output needs scaling by m.
+        embed_scale = None
+        if config.traits.embed_scale:
+            embed_scale = config.hidden_size**0.5
+        elif config.embedding_multiplier or config.residual_multiplier:
+            embed_scale = (config.embedding_multiplier or 1.0) / (config.residual_multiplier or 1.0)
         self.embed_scale = (
-            torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
-            if config.traits.embed_scale
-            else None
+            None if embed_scale is None else torch.tensor(embed_scale, dtype=dtype, device=device)
         )
         # Made by `load`: the LM head, and the token embedding (a dense table, or rows looked
         # up in the head's or its own tiles, never a dense copy of a quantized table).
@@ -664,7 +674,7 @@ class LlamaForCausalLM(nn.Module):
         """The final norm of the rows `indices` of `hidden_states`' output: what the LM head
         reads, and what an embedding pools."""
         return _rms_norm(
-            hidden.index_select(0, indices), self.norm_weight, self.config.rms_norm_eps
+            hidden.index_select(0, indices), self.norm_weight, self.config.stream_norm_eps
         )
 
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -677,6 +687,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.head(hidden, fp32_out=True).float()
         if cap := self.config.final_logit_softcapping:  # Gemma 2
             logits = torch.tanh(logits / cap).mul_(cap)
+        if divisor := self.config.logits_scaling:  # Granite
+            logits = logits.div_(divisor)
         return logits
 
 

@@ -29,6 +29,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
 }
@@ -136,6 +137,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         rope_layers=_hf_rope_layers(architecture, raw),
+        **_hf_multipliers(architecture, raw),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         max_position_embeddings=max_positions,
@@ -216,6 +218,17 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
             f"{architecture} checkpoints with use_sliding_window=true are not supported"
         )
     return architecture
+
+
+def _hf_multipliers(architecture: str, raw: dict[str, Any]) -> dict[str, float]:
+    """Granite's four multipliers as ModelConfig fields (GraniteConfig's defaults: 1.0)."""
+    if architecture != "granite":
+        return {}
+    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
+    return {
+        **{name: float(raw.get(name, 1.0)) for name in names},
+        "logits_scaling": float(raw.get("logits_scaling", 1.0)),
+    }
 
 
 def _hf_rope_layers(architecture: str, raw: dict[str, Any]) -> tuple[bool, ...] | None:

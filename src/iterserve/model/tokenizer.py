@@ -70,6 +70,7 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "phi-2": _GPT2,
     "smollm": _DIGITS_THEN_GPT2,
     "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,  # llama.cpp splits Refact's as StarCoder's
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
