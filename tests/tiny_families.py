@@ -14,6 +14,10 @@ from gguf import GGMLQuantizationType
 from tiny_checkpoints import save_checkpoint, tiny_hf_model
 from tiny_gguf import write_gguf
 
+# The families beyond Llama with tiny models here: dense (family_model) and, with the
+# mixtures of experts, every one engine_family_model makes.
+DENSE_FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3"]
+ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe"]
 VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
 

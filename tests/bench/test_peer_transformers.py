@@ -12,23 +12,10 @@ import torch
 from iterserve.bench.peer_transformers import load_transformers_model
 from iterserve.bench.transformers_checkpoint import from_loaded
 from iterserve.model.loader import load_model
-from tiny_families import SMALL_VOCAB, engine_family_model, family_checkpoint
+from tiny_families import ENGINE_FAMILIES, SMALL_VOCAB, engine_family_model, family_checkpoint
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "qwen3",
-        "smollm3",
-        "granite",
-        "phi3",
-        "phi4-mini",
-        "gemma2",
-        "gemma3",
-        "mixtral",
-        "qwen3_moe",
-    ],
-)
+@pytest.mark.parametrize("name", ENGINE_FAMILIES)
 def test_peer_model_from_gguf_is_the_original(
     name: str, tmp_path: Path, tokenizer_dir: Path
 ) -> None:

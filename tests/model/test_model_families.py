@@ -23,6 +23,8 @@ from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint
 from tiny_families import (
+    DENSE_FAMILIES,
+    ENGINE_FAMILIES,
     ORIGINAL,
     SMALL_VOCAB,
     VOCAB,
@@ -31,10 +33,8 @@ from tiny_families import (
     family_model,
 )
 
-FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3"]
 
-
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=DENSE_FAMILIES)
 def family(request: pytest.FixtureRequest) -> tuple[str, transformers.PreTrainedModel]:
     return request.param, family_model(request.param)
 
@@ -199,20 +199,7 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
 
 
 @pytest.mark.slow  # ~4 s each
-@pytest.mark.parametrize(
-    "name",
-    [
-        "qwen3",
-        "smollm3",
-        "granite",
-        "phi3",
-        "phi4-mini",
-        "gemma2",
-        "gemma3",
-        "mixtral",
-        "qwen3_moe",
-    ],
-)
+@pytest.mark.parametrize("name", ENGINE_FAMILIES)
 def test_engine_greedy_matches_transformers_through_preemption_and_ngram_speculation(
     name: str, tmp_path: Path, tokenizer_dir: Path
 ) -> None:
