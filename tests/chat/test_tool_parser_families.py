@@ -1,6 +1,7 @@
 """The call formats beyond Hermes and Llama 3 JSON (chat/tool_parsers/): Mistral's two
 forms, pythonic lists (bare and inside LFM2's markers), Qwen3-Coder's XML with values
-typed by the tool's schema, DeepSeek V3's and V3.1's blocks. Each on answers written as
+typed by the tool's schema, DeepSeek V3's and V3.1's blocks, Granite's and Phi-4-mini's
+JSON lists after a marker. Each on answers written as
 the family's models write them, parallel calls included, and on malformed ones, which
 stay content; streamed in random pieces, each gives the whole answer's calls and content.
 The families' real chat templates pick their parser under `auto`, one each."""
@@ -16,6 +17,7 @@ import pytest
 
 from iterserve.chat.tool_parsers import TOOL_PARSERS, ToolParser, select_tool_parser
 from iterserve.chat.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from iterserve.chat.tool_parsers.json_list import GraniteToolParser, Phi4MiniJsonToolParser
 from iterserve.chat.tool_parsers.mistral import MistralToolParser
 from iterserve.chat.tool_parsers.python_literals import NotALiteral, literal_text, parse_literal
 from iterserve.chat.tool_parsers.pythonic import PythonicToolParser
@@ -33,6 +35,7 @@ TEMPLATE_PARSERS = {
     "qwen3_coder.jinja": "qwen3_coder",
     "deepseek_r1_distill_qwen_32b.jinja": "deepseek_v3",
     "deepseek_v3_1.jinja": "deepseek_v31",
+    "granite_3_3_2b_instruct.jinja": "granite",
 }
 
 PARIS = {"city": "Paris", "unit": "celsius"}
@@ -169,6 +172,26 @@ ANSWERS: list[tuple[ToolParser, str, str | None, list[tuple[str, dict[str, Any]]
     ),
     (DeepSeekV31ToolParser(), f'{BEGIN}{CALL}get_weather{SEP}{{"city": "Par', None, []),
     (DeepSeekV3ToolParser(), f"{BEGIN}{CALL}get_time(){CALL_END}{END}", None, []),
+    # Granite 3.x: a JSON list after <|tool_call|>, as its template asks; text before it is
+    # content.
+    (
+        GraniteToolParser(),
+        'Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}, {"name": "get_time", "arguments": {"tz": "UTC"}}]',
+        "Let me check.",
+        [("get_weather", PARIS), ("get_time", UTC)],
+    ),
+    (GraniteToolParser(), '<|tool_call|>[{"name": "get_weather", "arguments": "{\'city', None, []),
+    (GraniteToolParser(), "<|tool_call|> I would call a tool here.", None, []),
+    # Phi-4-mini: functools[...], "parameters" or "arguments".
+    (
+        Phi4MiniJsonToolParser(),
+        'functools[{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+        '"celsius"}}, {"name": "get_time", "arguments": {"tz": "UTC"}}]',
+        None,
+        [("get_weather", PARIS), ("get_time", UTC)],
+    ),
+    (Phi4MiniJsonToolParser(), "The functools module has lru_cache.", None, []),
 ]
 
 

@@ -46,7 +46,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="how chat answers are read into tool calls: hermes (<tool_call>{...}</tool_call>, "
         "Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS]), "
         "pythonic ([f(x=1), g()], LFM2), qwen3_coder (<tool_call><function=f>...), deepseek_v3 "
-        "(V3, R1), deepseek_v31 (V3.1); auto: the format the chat template asks for (Hermes', "
+        "(V3, R1), deepseek_v31 (V3.1), granite (<|tool_call|>[...], Granite 3.x), "
+        "phi4_mini_json (functools[...], Phi-4-mini); auto: the format the chat template asks "
+        "for (Hermes', "
         "taught in the system message, when the template has no place for tools); none: "
         "tool_choice 'auto' is refused (docs/tool_calling.md)",
     )

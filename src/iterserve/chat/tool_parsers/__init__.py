@@ -12,6 +12,7 @@ from iterserve.chat.tool_parsers.base import (
 )
 from iterserve.chat.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from iterserve.chat.tool_parsers.hermes import HermesToolParser
+from iterserve.chat.tool_parsers.json_list import GraniteToolParser, Phi4MiniJsonToolParser
 from iterserve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
 from iterserve.chat.tool_parsers.mistral import MistralToolParser
 from iterserve.chat.tool_parsers.pythonic import PythonicToolParser
@@ -29,6 +30,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Qwen3CoderToolParser,
         DeepSeekV3ToolParser,
         DeepSeekV31ToolParser,
+        GraniteToolParser,
+        Phi4MiniJsonToolParser,
     )
 }
 TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS, "none")
