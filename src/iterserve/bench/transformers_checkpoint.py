@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from iterserve.model.config import ModelConfig
+from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig
 
 # ModelConfig.architecture -> (HF architectures entry, HF model_type).
 HF_CLASSES = {
@@ -76,9 +76,8 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if config.rope_layers is not None:  # SmolLM3: 1 where a layer rotates, despite the name
         raw["no_rope_layers"] = [int(rotates) for rotates in config.rope_layers]
     if config.architecture == "granite":
-        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier"):
+        for name in GRANITE_MULTIPLIERS:
             raw[name] = getattr(config, name)
-        raw["logits_scaling"] = config.logits_scaling
     if config.num_local_experts:
         raw["num_local_experts"] = config.num_local_experts
         raw["num_experts_per_tok"] = config.num_experts_per_tok

@@ -7,6 +7,14 @@ from typing import Any
 
 from iterserve.model.family import FAMILIES, FamilyTraits
 
+# Granite's ModelConfig fields, under the names its config.json gives them.
+GRANITE_MULTIPLIERS = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+)
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -555,8 +555,8 @@ def _load_weights(
 
 def permutes_rope_rows(gguf_arch: str) -> bool:
     """Whether llama.cpp's converter permuted q/k rows for its rope: its "llama" converter
-    (and SmolLM3's and Granite's, subclasses) does; the others (Qwen2's, Phi-3's...) use NEOX rope, i.e.
-    rotate_half, and store HF's order."""
+    does, and SmolLM3's and Granite's, its subclasses; the others (Qwen2's, Phi-3's...) use
+    NEOX rope, i.e. rotate_half, and store HF's order."""
     return gguf_arch in ("llama", "smollm3", "granite")
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from iterserve.model.bundled import default_model_path
-from iterserve.model.config import ModelConfig
+from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
@@ -224,11 +224,7 @@ def _hf_multipliers(architecture: str, raw: dict[str, Any]) -> dict[str, float]:
     """Granite's four multipliers as ModelConfig fields (GraniteConfig's defaults: 1.0)."""
     if architecture != "granite":
         return {}
-    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
-    return {
-        **{name: float(raw.get(name, 1.0)) for name in names},
-        "logits_scaling": float(raw.get("logits_scaling", 1.0)),
-    }
+    return {name: float(raw.get(name, 1.0)) for name in GRANITE_MULTIPLIERS}
 
 
 def _hf_rope_layers(architecture: str, raw: dict[str, Any]) -> tuple[bool, ...] | None:
