@@ -16,6 +16,12 @@ GRANITE_MULTIPLIERS = (
 )
 
 
+def rope_every_layer_but(interval: int, layers: int) -> tuple[bool, ...]:
+    """ModelConfig.rope_layers with every `interval`-th layer left without RoPE (SmolLM3's
+    NoPE layers: its config's no_rope_layer_interval, llama.cpp's fixed step of 4)."""
+    return tuple((i + 1) % interval != 0 for i in range(layers))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters in Hugging Face `config.json` terms.

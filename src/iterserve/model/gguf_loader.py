@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from iterserve.model.block_formats import BLOCK_FORMATS
-from iterserve.model.config import ModelConfig
+from iterserve.model.config import ModelConfig, rope_every_layer_but
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_blocks import GGUFBlocks, expert_slices, read_bytes
 from iterserve.model.lazy_weights import LazyWeights
@@ -381,11 +381,7 @@ def gguf_model_config(
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         # SmolLM3: llama.cpp leaves RoPE out of every fourth layer (a fixed step, no key).
-        rope_layers=(
-            tuple((i + 1) % 4 != 0 for i in range(key("block_count")))
-            if arch == "smollm3"
-            else None
-        ),
+        rope_layers=(rope_every_layer_but(4, key("block_count")) if arch == "smollm3" else None),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=max_positions,

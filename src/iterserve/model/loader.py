@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from iterserve.model.bundled import default_model_path
-from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig
+from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig, rope_every_layer_but
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
@@ -235,7 +235,7 @@ def _hf_rope_layers(architecture: str, raw: dict[str, Any]) -> tuple[bool, ...] 
     flags = raw.get("no_rope_layers")
     if flags is None:
         interval = raw.get("no_rope_layer_interval", 4)
-        flags = [(i + 1) % interval != 0 for i in range(raw["num_hidden_layers"])]
+        flags = rope_every_layer_but(interval, raw["num_hidden_layers"])
     if len(flags) != raw["num_hidden_layers"]:
         raise ModelLoadError(
             f"smollm3 no_rope_layers has {len(flags)} entries for {raw['num_hidden_layers']} layers"
