@@ -37,6 +37,7 @@ _ARCHITECTURES = {
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 
 

@@ -17,7 +17,7 @@ from tiny_gguf import write_gguf
 # The families beyond Llama with tiny models here: dense (family_model) and, with the
 # mixtures of experts, every one engine_family_model makes.
 DENSE_FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3"]
-ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe"]
+ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe", "gpt_oss"]
 VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
 
@@ -95,11 +95,67 @@ def family_model(
     )
 
 
+def gpt_oss_model(
+    vocab_size: int = VOCAB, swiglu_limit: float = 1.0, **overrides: object
+) -> transformers.PreTrainedModel:
+    """A tiny gpt-oss (4 experts, 2 a token; a window of 16 on the first layer; YaRN past
+    ORIGINAL) whose attention sinks are spread from far below the scores to above them and
+    whose SwiGLU limit (1.0; gpt-oss's own, 7, is the one a GGUF file implies) clamps many
+    gates and ups."""
+    hf = tiny_hf_model(
+        "gpt_oss",
+        vocab_size=vocab_size,
+        weight_std=0.15,
+        hidden_size=128,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        swiglu_limit=swiglu_limit,
+        tie_word_embeddings=False,
+        max_position_embeddings=8 * ORIGINAL,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": ORIGINAL,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        attn_implementation="eager",
+        bos_token_id=1,
+        eos_token_id=2,
+        **overrides,
+    )
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return hf
+
+
 def gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], dict]:
     """What llama.cpp's converter adds for Phi-3 (longrope factors, the window) and Gemma
     (soft-caps, the window; Gemma 3's full layers' linear scaling), plus Gemma 3's layer
     pattern: these tiny models alternate, where llama.cpp assumes five sliding to one full."""
     c = hf.config
+    if c.model_type == "gpt_oss":
+        rope = c.rope_parameters
+        return {
+            "expert_count": c.num_local_experts,
+            "expert_used_count": c.num_experts_per_tok,
+            "expert_feed_forward_length": c.intermediate_size,
+            "attention.sliding_window": c.sliding_window,
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": rope["factor"],
+            "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+            "rope.scaling.yarn_beta_fast": rope["beta_fast"],
+            "rope.scaling.yarn_beta_slow": rope["beta_slow"],
+        }, {}
     if c.model_type == "granite":
         return {
             "embedding_scale": c.embedding_multiplier,
@@ -150,9 +206,11 @@ def family_checkpoint(
     path = out / f"tiny.{kind}.gguf"
     qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.F32
     rope = hf.config.rope_parameters
+    # gemma3_text: GGUF's gemma3; gpt_oss: gpt-oss.
+    arch = hf.config.model_type.removesuffix("_text").replace("gpt_oss", "gpt-oss")
     write_gguf(
         path,
-        hf.config.model_type.removesuffix("_text"),  # gemma3_text: GGUF's gemma3
+        arch,
         hf,
         tokenizer,
         qtype=qtype,
@@ -169,12 +227,14 @@ SMALL_VOCAB = 128
 
 
 def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTrainedModel:
-    """A family's model with SMALL_VOCAB; the mixture-of-experts ones (Mixtral, Qwen3-MoE:
-    4 experts, 2 a token) among them. `gguf`: as family_model's."""
+    """A family's model with SMALL_VOCAB; the mixture-of-experts ones (Mixtral, Qwen3-MoE,
+    gpt-oss: 4 experts, 2 a token) among them. `gguf`: as family_model's."""
     experts = {
         "mixtral": dict(num_local_experts=4),
         "qwen3_moe": dict(num_experts=4, moe_intermediate_size=128, norm_topk_prob=True),
     }
+    if name == "gpt_oss":
+        return gpt_oss_model(vocab_size=SMALL_VOCAB)
     if name not in experts:
         return family_model(name, gguf=gguf, vocab_size=SMALL_VOCAB)
     return tiny_hf_model(

@@ -36,7 +36,42 @@ _GEMMA_BLOCK = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+# gpt-oss: the sinks, the norm before the MLP (ATTN_POST_NORM), the router and the expert
+# stacks as _gpt_oss_state names them.
+_GPT_OSS_BLOCK = {
+    "self_attn.sinks": "attn_sinks",
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.router": "ffn_gate_inp",
+    "mlp.experts.gate": "ffn_gate_exps",
+    "mlp.experts.up": "ffn_up_exps",
+    "mlp.experts.down": "ffn_down_exps",
+}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _gpt_oss_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's tensors as llama.cpp's converter splits them: each expert stack's gate and
+    up de-interleaved and every stack [experts, outputs, inputs], a stack per projection and
+    per bias; the sinks given a `.weight`."""
+    out = {}
+    for name, tensor in state.items():
+        stem, _, last = name.rpartition(".")
+        if last == "sinks":
+            out[f"{name}.weight"] = tensor
+        elif last in ("gate_up_proj", "gate_up_proj_bias"):
+            bias = last.endswith("_bias")
+            for projection, columns in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                part = tensor[..., columns]
+                out[f"{stem}.{projection}.{'bias' if bias else 'weight'}"] = (
+                    part if bias else part.transpose(-1, -2)
+                )
+        elif last == "down_proj":
+            out[f"{stem}.down.weight"] = tensor.transpose(-1, -2)
+        elif last == "down_proj_bias":
+            out[f"{stem}.down.bias"] = tensor
+        else:
+            out[name] = tensor
+    return out
 
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -146,10 +181,15 @@ def write_gguf(
         state = dict(model.state_dict())
         if config.tie_word_embeddings:
             state.pop("lm_head.weight")
+    block = _BLOCK
+    if arch.startswith("gemma"):
+        block = {**_BLOCK, **_GEMMA_BLOCK}
+    elif arch == "gpt-oss":
+        block = {**_BLOCK, **_GPT_OSS_BLOCK}
+        state = _gpt_oss_state(state)
     for name, tensor in state.items():
         stem, suffix = name.rsplit(".", 1)
         layer, _, module = stem.removeprefix("model.layers.").partition(".")
-        block = {**_BLOCK, **_GEMMA_BLOCK} if arch.startswith("gemma") else _BLOCK
         gguf_name = (
             f"{_TOP[stem]}.{suffix}" if stem in _TOP else f"blk.{layer}.{block[module]}.{suffix}"
         )
@@ -161,11 +201,11 @@ def write_gguf(
             heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
             array = llama_cpp_permute(array, heads)
         array = np.ascontiguousarray(array)
-        if qtypes and name in qtypes:
+        if qtypes and name in qtypes:  # an expert stack's experts as rows of one matrix
             kind = GGMLQuantizationType[qtypes[name]]
-            writer.add_tensor(
-                gguf_name, gguf_blocks(qtypes[name], array, seed=len(gguf_name)), raw_dtype=kind
-            )
+            rows = gguf_blocks(qtypes[name], array.reshape(-1, array.shape[-1]), len(gguf_name))
+            blocks = rows.reshape(*array.shape[:-1], -1)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
         elif (
             qtype != GGMLQuantizationType.F32
             and module

@@ -29,6 +29,7 @@ class Case:
     scale: float
     window: int
     softcap: float = 0.0  # Gemma 2's attention logit soft-cap (0: none)
+    sinks: torch.Tensor | None = None  # gpt-oss's attention sinks, fp32 [heads]
 
     def run(self) -> torch.Tensor:
         return kernels.ops().paged_attention(
@@ -41,6 +42,7 @@ class Case:
             self.scale,
             self.window,
             self.softcap,
+            self.sinks,
         )
 
 
@@ -143,7 +145,11 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         allowed = key_pos <= positions
         if case.window > 0:
             allowed &= key_pos > positions - case.window
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if case.sinks is not None:  # one more logit per head, whose value is nothing
+            sink = case.sinks.double().view(-1, 1, 1).expand(-1, hi - lo, 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :context]
         out[lo:hi] = torch.einsum("hrk,hkd->rhd", probs, values)
         spread[lo:hi] = torch.einsum("hrk,hkd->rhd", probs, values.abs())
     return out, spread
@@ -216,6 +222,21 @@ def test_logit_soft_cap(softcap: float, dtype: torch.dtype) -> None:
     assert_matches(case.run(), case)
     case.window = 100
     assert_matches(case.run(), case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 100])
+def test_attention_sinks(window: int, dtype: torch.dtype) -> None:
+    """gpt-oss's sinks: each head's logit joins its queries' softmaxes and takes a share of
+    the probability, none of the output. Sinks from far below the scores to far above (a
+    query then nearly silent), over one partition and over several merged."""
+    case = make_case(MIXED_CONTEXTS, MIXED_Q_LENS, dtype=dtype, window=window, seed=13)
+    case.sinks = torch.tensor([-30.0, -1.0, 0.0, 0.5, 3.0, 12.0])
+    assert_matches(case.run(), case)
+    case.sinks = None
+    without = case.run()
+    case.sinks = torch.full((6,), -80.0)  # exp(-80) of the denominator: nothing changes
+    torch.testing.assert_close(case.run(), without, rtol=2e-6, atol=1e-7)
 
 
 def test_sliding_window_never_reads_blocks_before_the_window() -> None:

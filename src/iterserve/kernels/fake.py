@@ -38,6 +38,7 @@ def _paged_attention(
     scale: float,
     sliding_window: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)  # contiguous [T, num_heads, head_dim] in q's dtype
 
@@ -53,6 +54,7 @@ def _store_and_attend(
     scale: float,
     sliding_window: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 

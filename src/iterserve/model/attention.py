@@ -90,7 +90,7 @@ class _LayerKind:
     num_heads: int
     dtype: torch.dtype  # of q and of the computation
     window: int  # the layer's sliding window (0: none)
-    explicit: bool  # scores soft-capped: attention through _attend_gathered
+    explicit: bool  # scores soft-capped, or sinks: attention through _attend_gathered
 
 
 def _build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, kind: _LayerKind) -> _LayerPlan:
@@ -113,7 +113,7 @@ def _build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, kind: _LayerKi
         context = meta.decode_max_blocks * block_size
         gathered_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
         # An int8 pool is always gathered (and dequantized): embedding_bag reads V in place;
-        # so is an `explicit` (soft-capped) layer's, for _attend_gathered.
+        # so is an `explicit` (soft-capped or sinking) layer's, for _attend_gathered.
         small = gathered_bytes <= _SDPA_DECODE_MAX_BYTES
         if small or is_quantized(key_cache) or explicit:
             bias = decode_masks.view(batch, 1, 1, context).to(dtype)
@@ -217,6 +217,7 @@ def _decode_attention(
     plan: _LayerPlan,
     scale: float,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """One query per sequence over its whole context: q [B, heads, head_dim] -> same shape."""
     assert plan.decode_key_rows is not None
@@ -232,6 +233,7 @@ def _decode_attention(
             False,
             scale,
             softcap,
+            sinks,
         )
         return out.squeeze(2)
     group = num_heads // num_kv_heads
@@ -262,24 +264,32 @@ def _attend_gathered(
     causal: bool,
     scale: float,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """query [N, heads, q, d] over keys/values [N, kv_heads, ctx, d]: flash SDPA, or with
-    `softcap` (Gemma 2: scores -> softcap * tanh(scores / softcap) before the mask, which SDPA
-    cannot express) the textbook form transformers' eager path computes, fp32 softmax."""
-    if not softcap:
+    """query [N, heads, q, d] over keys/values [N, kv_heads, ctx, d]: flash SDPA, or where
+    SDPA cannot express it the textbook form transformers' eager path computes, fp32 softmax:
+    with `softcap` (Gemma 2: scores -> softcap * tanh(scores / softcap) before the mask), and
+    with `sinks` (gpt-oss: one more logit per head [heads] in each softmax, with no value)."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
     group = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         mask = torch.full(scores.shape[-2:], float("-inf"), device=scores.device).triu_(1)
     if mask is not None:
         scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(probs, values)
+    if sinks is not None:
+        sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat((scores.float(), sink), dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
 
 
 def paged_attention(
@@ -291,13 +301,15 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns [T, num_heads, head_dim].
 
     q is [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim]. Strided views
     (slices of a fused qkv projection) are fine: nothing here needs them contiguous.
     `window`: this layer's sliding window (0: none) when it is not the step's; `softcap`:
-    the attention logit soft-cap (0: none).
+    the attention logit soft-cap (0: none); `sinks`: the layer's attention sinks, fp32
+    [num_heads] (None: none).
     """
     key_cache, value_cache = kv_cache
     if meta.kernel is not None:
@@ -307,12 +319,15 @@ def paged_attention(
     k = _store(key_cache, meta.slot_mapping, k)
     v = _store(value_cache, meta.slot_mapping, v)
     window = meta.sliding_window if window is None else window
-    plan = _plan(meta, key_cache, _LayerKind(q.shape[1], q.dtype, window, softcap > 0))
+    explicit = softcap > 0 or sinks is not None
+    plan = _plan(meta, key_cache, _LayerKind(q.shape[1], q.dtype, window, explicit))
 
     outputs: list[torch.Tensor] = []
     if meta.num_decodes:
         outputs.append(
-            _decode_attention(q[: meta.num_decodes], key_cache, value_cache, plan, scale, softcap)
+            _decode_attention(
+                q[: meta.num_decodes], key_cache, value_cache, plan, scale, softcap, sinks
+            )
         )
     for chunk, rows, mask in zip(meta.prefills, plan.prefill_rows, plan.prefill_masks, strict=True):
         lo, hi = chunk.query_start, chunk.query_end
@@ -326,7 +341,7 @@ def paged_attention(
         # Flash SDPA (fp32 scores inside, bf16 in and out) is the fastest exact choice for
         # many queries; enable_gqa keeps K/V unrepeated.
         causal = rows is None and mask is None
-        out = _attend_gathered(query, keys, values, mask, causal, scale, softcap)
+        out = _attend_gathered(query, keys, values, mask, causal, scale, softcap, sinks)
         outputs.append(out.squeeze(0).transpose(0, 1))
     if len(outputs) == 1:
         return outputs[0]
@@ -372,19 +387,21 @@ def attend(
     scale: float,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write layer `layer`'s new K/V for the current step into its cache, then attend.
 
     q [T, heads, head_dim]; k, v [T, kv_heads, head_dim] -> [T, heads, head_dim]. The cache
     write is invisible to the compiler on purpose (the cache is not an argument); nothing in
     a graph reads the cache except through this op, so no reordering can observe it.
-    `window` (0: none) and `softcap` (0: none) are the layer's (paged_attention).
+    `window` (0: none), `softcap` (0: none) and `sinks` are the layer's (paged_attention).
     """
     if _step is None:
         raise RuntimeError("attend() called outside attention_context()")
     # Contiguous, as the fake promises: a compiled graph lays out what follows by it.
     kv_cache = _step.kv_caches[layer]
-    return paged_attention(q, k, v, kv_cache, _step.meta, scale, window, softcap).contiguous()
+    out = paged_attention(q, k, v, kv_cache, _step.meta, scale, window, softcap, sinks)
+    return out.contiguous()
 
 
 @attend.register_fake

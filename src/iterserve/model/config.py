@@ -57,6 +57,9 @@ class ModelConfig:
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    # gpt-oss's expert SwiGLU (alpha, limit): gate clamped to <= limit, up to [-limit, limit],
+    # then (up + 1) * gate * sigmoid(alpha * gate). None: silu(gate) * up.
+    swiglu_clamp: tuple[float, float] | None = None
     # Which layers the window applies to (Gemma: alternating); None: every layer.
     sliding_window_layers: tuple[bool, ...] | None = None
     # Gemma 2: scores -> cap * tanh(scores / cap) in attention, and likewise the logits.

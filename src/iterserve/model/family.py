@@ -31,6 +31,11 @@ class FamilyTraits:
     activation: Literal["silu", "gelu_tanh"] = "silu"
     # Token embeddings times sqrt(hidden_size), rounded to the model dtype first (Gemma).
     embed_scale: bool = False
+    # A learned logit per query head that joins every softmax of attention and takes its
+    # share of the probability with no value behind it ("attention sinks", gpt-oss).
+    attention_sinks: bool = False
+    # The router and every expert projection have biases (gpt-oss).
+    expert_biases: bool = False
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -48,6 +53,11 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-MoE: Qwen3 with a sparse mixture-of-experts MLP on every layer (model/moe.py;
     # Qwen3-30B-A3B: 128 experts of 768, 8 a token).
     "qwen3_moe": FamilyTraits(qk_norm=True),
+    # gpt-oss: q/k/v/o biases, attention sinks, a 128-token window on every other layer, YaRN,
+    # and a mixture of experts whose router and projections are biased and whose SwiGLU is
+    # clamped (ModelConfig.swiglu_clamp); its checkpoint stacks each layer's experts and
+    # interleaves gate and up (model/loader.py unstacks them).
+    "gpt_oss": FamilyTraits(attention_sinks=True, expert_biases=True),
     # Granite 3.x: Llama with four multipliers (ModelConfig: embeddings, each block's output
     # before its residual add, the attention scale, the logits' divisor).
     "granite": FamilyTraits(),

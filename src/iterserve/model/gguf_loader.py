@@ -44,6 +44,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "granite": "granite",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "gpt-oss": "gpt_oss",
 }
 # Tensors that are rope parameters, not weights: Llama 3's per-frequency divisors and Phi-3's
 # longrope factors (read into ModelConfig.rope_scaling).
@@ -52,7 +53,7 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 # values would change the rotation in ways rope.py does not model.
 _GGUF_ROPE_SCALING = ("none", "linear", "yarn")
 # Architectures whose attention.sliding_window is read (Gemma's per layer, see _gemma_fields).
-_WINDOWED = ("phi3", "gemma2", "gemma3")
+_WINDOWED = ("phi3", "gemma2", "gemma3", "gpt-oss")
 _YARN_UNMODELLED = ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier", "attn_factor")
 
 _GLOBAL_NAMES = {
@@ -76,7 +77,13 @@ _BLOCK_NAMES = {
 }
 # GGUF architectures whose layers all have experts, and the family each names ("llama" with
 # an expert count is Mixtral, as llama.cpp stores it).
-_MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+_MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+# gpt-oss: llama.cpp's ATTN_POST_NORM holds HF's post_attention_layernorm, the norm before
+# the MLP (its files have no ffn_norm); its sinks are `attn_sinks.weight`, HF's
+# `self_attn.sinks`.
+_GPT_OSS_BLOCK_NAMES = {"post_attention_norm": "post_attention_layernorm"}
+# llama.cpp's gpt-oss SwiGLU constants (its build_moe_ffn), which GGUF has no key for.
+_GPT_OSS_SWIGLU_CLAMP = (1.702, 7.0)
 # Gemma's sandwich norms (gguf-py's ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM): its ffn_norm
 # is HF's pre_feedforward_layernorm, and HF's post_attention_layernorm is the attention output's.
 _GEMMA_BLOCK_NAMES = {
@@ -87,6 +94,7 @@ _GEMMA_BLOCK_NAMES = {
 # llama.cpp's Gemma layouts: every n-th layer attends fully (its set_swa_pattern), and the
 # sliding layers of Gemma 3 rotate with a plain base of 10000 unless the file says otherwise.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GPT_OSS_WINDOW_PATTERN = 2
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # The layer counts of the 27B models, whose attention scale is 1/sqrt(hidden / heads) instead
 # of 1/sqrt(head_dim): GGUF has no key for HF's query_pre_attn_scalar, and llama.cpp picks
@@ -279,6 +287,10 @@ def _gguf_rope(
             raise ModelLoadError(f"GGUF YaRN settings {', '.join(unmodelled)} are not supported")
         rope = {"rope_type": "yarn", "factor": float(factor)}
         rope["original_max_position_embeddings"] = original or context
+        if arch == "gpt-oss":
+            # Trained with YaRN's ramp ends unrounded (transformers' truncate=False); llama.cpp
+            # rounds them for every model.
+            rope["truncate"] = False
         for beta in ("beta_fast", "beta_slow"):
             if (value := metadata.get(f"{arch}.rope.scaling.yarn_{beta}")) is not None:
                 rope[beta] = float(value)
@@ -323,7 +335,7 @@ def _refuse_unsupported(
         )
     if experts and arch not in _MOE_FAMILIES:
         raise ModelLoadError(
-            f"GGUF {arch!r} with experts is not supported; only Mixtral and Qwen3-MoE are"
+            f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen3-MoE and gpt-oss are"
         )
     if arch in _MOE_FAMILIES and arch != "llama" and not experts:
         raise ModelLoadError(f"GGUF {arch!r} file without {arch}.expert_count")
@@ -373,7 +385,9 @@ def gguf_model_config(
         hidden_size=hidden,
         # Qwen3-MoE's feed_forward_length is a dense MLP's width, which no layer has.
         intermediate_size=key(
-            "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+            "expert_feed_forward_length"
+            if arch in ("qwen3moe", "gpt-oss")
+            else "feed_forward_length"
         ),
         num_hidden_layers=key("block_count"),
         num_attention_heads=heads,
@@ -394,10 +408,20 @@ def gguf_model_config(
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
         **(_granite_fields(metadata) if arch == "granite" else {}),
+        **(_gpt_oss_fields(metadata, key("block_count")) if arch == "gpt-oss" else {}),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
         **gemma,
     )
+
+
+def _gpt_oss_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
+    return {
+        "sliding_window_layers": _sliding_layers(
+            metadata, "gpt-oss", layers, _GPT_OSS_WINDOW_PATTERN
+        ),
+        "swiglu_clamp": _GPT_OSS_SWIGLU_CLAMP,
+    }
 
 
 def _granite_fields(metadata: dict[str, Any]) -> dict[str, float]:
@@ -426,17 +450,7 @@ def _gemma_fields(
 ) -> dict[str, Any]:
     """The ModelConfig fields only Gemma sets (loader._gemma_fields reads the same from an HF
     config), as llama.cpp reads them from a GGUF file."""
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):  # one flag per layer, true: sliding
-        sliding = tuple(bool(p) for p in pattern)
-    else:  # llama.cpp's set_swa_pattern(n): every n-th layer full; n = 0: none
-        n = _GEMMA_WINDOW_PATTERN[arch] if pattern is None else int(pattern)
-        sliding = tuple(n == 0 or i % n < n - 1 for i in range(layers))
-    if len(sliding) != layers:
-        raise ModelLoadError(
-            f"GGUF {arch}.attention.sliding_window_pattern has {len(sliding)} entries "
-            f"for {layers} layers"
-        )
+    sliding = _sliding_layers(metadata, arch, layers, _GEMMA_WINDOW_PATTERN[arch])
     local_base = metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
     return {
         "sliding_window_layers": sliding,
@@ -447,13 +461,36 @@ def _gemma_fields(
     }
 
 
+def _sliding_layers(
+    metadata: dict[str, Any], arch: str, layers: int, default: int
+) -> tuple[bool, ...]:
+    """Which layers attend through the window, as llama.cpp's load_swa_pattern reads them:
+    one flag per layer, or every n-th layer full (n = 0: none), n `default` if unsaid."""
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag per layer, true: sliding
+        sliding = tuple(bool(p) for p in pattern)
+    else:  # llama.cpp's set_swa_pattern(n)
+        n = default if pattern is None else int(pattern)
+        sliding = tuple(n == 0 or i % n < n - 1 for i in range(layers))
+    if len(sliding) != layers:
+        raise ModelLoadError(
+            f"GGUF {arch}.attention.sliding_window_pattern has {len(sliding)} entries "
+            f"for {layers} layers"
+        )
+    return sliding
+
+
 def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
-    names = (
-        {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES} if gguf_arch.startswith("gemma") else _BLOCK_NAMES
-    )
+    names = _BLOCK_NAMES
+    if gguf_arch.startswith("gemma"):
+        names = {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES}
+    elif gguf_arch == "gpt-oss":
+        names = {**_BLOCK_NAMES, **_GPT_OSS_BLOCK_NAMES}
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == GGUF_ROUTER:
         router = EXPERT_NAMES[_MOE_FAMILIES.get(gguf_arch, "mixtral")].router
-        return f"model.layers.{match[1]}.{router}"
+        return f"model.layers.{match[1]}.{router.removesuffix('.weight')}.{match[3]}"
+    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == "attn_sinks":
+        return f"model.layers.{match[1]}.self_attn.sinks"
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] in names:
         module = names[match[2]]
         if gguf_arch == "phi3" and match[2] == "ffn_up":  # Phi-3's fused gate and up

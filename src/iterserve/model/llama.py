@@ -137,11 +137,18 @@ class _DecoderLayer(nn.Module):
             if traits.qk_norm
             else None
         )
+        # gpt-oss's attention sinks, one logit a query head, kept in fp32 as the softmax is.
+        self.sinks = (
+            _weight(self.num_heads, dtype=torch.float32, device=device)
+            if traits.attention_sinks
+            else None
+        )
         self.post_norm = _weight(hidden, **like)  # before the MLP
         # Sandwich norms (Gemma): on the attention and MLP outputs, before the residual adds.
         self.attn_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
         self.mlp_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
-        # The MLP: dense (fused gate+up, then down), or experts (model/moe.py: Mixtral, Qwen3-MoE).
+        # The MLP: dense (fused gate+up, then down), or experts (model/moe.py: Mixtral, Qwen3-MoE,
+        # gpt-oss).
         self.moe = SparseMoeBlock(config, dtype, device) if config.num_local_experts else None
         self.dtype = dtype
         self.linears: dict[str, Linear] = {}
@@ -190,6 +197,8 @@ class _DecoderLayer(nn.Module):
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
         fits_layer_op = self.head_dim % 32 == 0 and rope_tables[0].shape[1] % 32 == 0
         if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
+            fits_layer_op = False
+        if self.sinks is not None:
             fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
@@ -263,9 +272,12 @@ class _DecoderLayer(nn.Module):
                 self.scale,
                 self.sliding_window,
                 self.softcap,
+                self.sinks,
             )
         else:
-            attn = attend(q, k, v, self.index, self.scale, self.sliding_window, self.softcap)
+            attn = attend(
+                q, k, v, self.index, self.scale, self.sliding_window, self.softcap, self.sinks
+            )
         attn = attn.reshape(num_tokens, self.q_size)
         hidden = self._block_out(linears["o"], attn, hidden, self.attn_out_norm)
         normed = _rms_norm(hidden, self.post_norm, self.eps)
@@ -709,6 +721,8 @@ def _attention_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets
     targets[f"{p}self_attn.o_proj.weight"] = (None, (c.hidden_size, q))
     if layer.o_bias is not None:
         targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, (c.hidden_size,))
+    if layer.sinks is not None:
+        targets[f"{p}self_attn.sinks"] = (layer.sinks, (layer.num_heads,))
     if layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
         heads = layer.num_heads
         targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:heads], (c.head_dim,))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
 }
@@ -49,7 +52,7 @@ _UNSUPPORTED_MOE = {
     "DeepseekV3ForCausalLM",
 }
 # Families whose sliding_window is used as it stands (Qwen's is refused above).
-_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3")
+_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3", "gpt_oss")
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends fully
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -85,7 +88,8 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     bare = is_bare_model(raw)
     if bare:
         config = dataclasses.replace(config, tie_word_embeddings=True)
-    weights = _load_safetensors(directory, dtype, "model." if bare else "")
+    split = _gpt_oss_experts if config.architecture == "gpt_oss" else None
+    weights = _load_safetensors(directory, dtype, "model." if bare else "", split)
     if config.tie_word_embeddings:
         weights.discard("lm_head.weight")
     elif "lm_head.weight" not in weights:
@@ -152,6 +156,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         **experts,
         **gemma,
+        **_gpt_oss_fields(architecture, raw),
     )
 
 
@@ -162,6 +167,13 @@ def _hf_experts(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
         return {
             "num_local_experts": raw.get("num_local_experts", 8),
             "num_experts_per_tok": raw.get("num_experts_per_tok", 2),
+        }
+    if architecture == "gpt_oss":  # GptOssConfig's defaults (gpt-oss-20b's shape)
+        # Its router takes a softmax over the top-k logits: the top-k probabilities
+        # renormalised.
+        return {
+            "num_local_experts": raw.get("num_local_experts", 32),
+            "num_experts_per_tok": raw.get("num_experts_per_tok", 4),
         }
     if architecture != "qwen3_moe":
         return {}
@@ -218,6 +230,25 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
             f"{architecture} checkpoints with use_sliding_window=true are not supported"
         )
     return architecture
+
+
+def _gpt_oss_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's window on every other layer (from the first) and its clamped SwiGLU."""
+    if architecture != "gpt_oss":
+        return {}
+    layers = raw["num_hidden_layers"]
+    layer_types = raw.get("layer_types") or [
+        "full_attention" if i % 2 else "sliding_attention" for i in range(layers)
+    ]
+    if unknown := set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"gpt_oss layer types {sorted(unknown)} are not supported")
+    return {
+        "sliding_window_layers": tuple(t == "sliding_attention" for t in layer_types),
+        "swiglu_clamp": (
+            float(raw.get("swiglu_alpha", 1.702)),
+            float(raw.get("swiglu_limit", 7.0)),
+        ),
+    }
 
 
 def _hf_multipliers(architecture: str, raw: dict[str, Any]) -> dict[str, float]:
@@ -322,8 +353,16 @@ def _as_ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _load_safetensors(directory: Path, dtype: torch.dtype, prefix: str = "") -> LazyWeights:
-    """The weights, each name after `prefix` (`model.` for a bare network's)."""
+# One of a checkpoint's tensors as several (name, shape, make: from the tensor's slice of the
+# file, in the model's dtype).
+Split = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...], Callable[..., Any]]]]
+
+
+def _load_safetensors(
+    directory: Path, dtype: torch.dtype, prefix: str = "", split: Split | None = None
+) -> LazyWeights:
+    """The weights, each name after `prefix` (`model.` for a bare network's); `split` may
+    list a tensor as several (gpt-oss's expert stacks), each read as a slice of the file."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(_read_json(index)["weight_map"].values()))
@@ -345,9 +384,56 @@ def _load_safetensors(directory: Path, dtype: torch.dtype, prefix: str = "") -> 
             if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
                 continue
             shape = tuple(file.get_slice(name).get_shape())
-            read = functools.partial(_read_tensor, file, name, dtype)
-            weights.add(prefix + name, shape, read)
+            parts = split(name, shape) if split is not None else []
+            for part, part_shape, make in parts:
+                weights.add(prefix + part, part_shape, functools.partial(make, file, name, dtype))
+            if not parts:
+                read = functools.partial(_read_tensor, file, name, dtype)
+                weights.add(prefix + name, shape, read)
     return weights
+
+
+# gpt-oss's checkpoint keeps a layer's experts in stacks: gate_up_proj [experts, hidden,
+# 2 x width] with gate and up interleaved (columns 0, 2, 4... are gate's), down_proj
+# [experts, width, hidden], each matrix [inputs, outputs], and their biases [experts, outputs].
+_GPT_OSS_STACK = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+_GPT_OSS_MXFP4 = re.compile(r".*\.mlp\.experts\.\w+_(blocks|scales)")
+
+
+def _gpt_oss_experts(
+    name: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...], Callable[..., Any]]]:
+    """A gpt-oss expert stack as each expert's projections (model/moe.py's names, [outputs,
+    inputs]), each read as its expert's slice of the file; [] for any other tensor."""
+    if _GPT_OSS_MXFP4.fullmatch(name):
+        raise ModelLoadError(
+            f"{name}: gpt-oss experts in MXFP4 blocks are not read from an HF directory; "
+            "serve the model's GGUF file (llama.cpp's converter keeps them MXFP4) or a bf16 copy"
+        )
+    match = _GPT_OSS_STACK.fullmatch(name)
+    if match is None:
+        return []
+    prefix, stack, bias = match.groups()
+    columns = {"gate_proj": slice(0, None, 2), "up_proj": slice(1, None, 2)}
+    if stack == "down_proj":
+        columns = {"down_proj": slice(None)}
+    outputs = shape[-1] // len(columns)
+    parts = []
+    for expert in range(shape[0]):
+        for projection, cols in columns.items():
+            part = f"{prefix}.{expert}.{projection}.{'bias' if bias else 'weight'}"
+            part_shape = (outputs,) if bias else (outputs, shape[1])
+            make = functools.partial(_read_expert, expert=expert, columns=cols)
+            parts.append((part, part_shape, make))
+    return parts
+
+
+def _read_expert(
+    file: Any, name: str, dtype: torch.dtype, expert: int, columns: slice
+) -> torch.Tensor:
+    """One expert's projection (or bias) from its stack: only its slice is read."""
+    tensor = file.get_slice(name)[expert][..., columns]
+    return (tensor.T if tensor.dim() == 2 else tensor).contiguous().to(dtype)
 
 
 def _read_tensor(file: Any, name: str, dtype: torch.dtype) -> torch.Tensor:

@@ -54,6 +54,14 @@ class ExpertNames:
     def of(self, expert: int, projection: Literal["gate", "up", "down"]) -> str:
         return self.expert.format(expert, getattr(self, projection))
 
+    def bias_of(self, expert: int, projection: Literal["gate", "up", "down"]) -> str:
+        """The name of an expert projection's bias (FamilyTraits.expert_biases)."""
+        return self.of(expert, projection).removesuffix(".weight") + ".bias"
+
+    @property
+    def router_bias(self) -> str:
+        return self.router.removesuffix(".weight") + ".bias"
+
     def is_expert(self, name: str, *projections: Literal["gate", "up", "down"]) -> bool:
         """Whether the full tensor name `name` is an expert's projection among `projections`."""
         head, _, tail = self.expert.partition("{}")
@@ -77,22 +85,31 @@ EXPERT_NAMES = {
         up="up_proj",
         down="down_proj",
     ),
+    # As model/loader.py unstacks gpt-oss's `mlp.experts.gate_up_proj` and `down_proj`.
+    "gpt_oss": ExpertNames(
+        router="mlp.router.weight",
+        expert="mlp.experts.{}.{}.weight",
+        gate="gate_proj",
+        up="up_proj",
+        down="down_proj",
+    ),
 }
 
 # llama.cpp stores each layer's experts as one tensor per projection, [experts, rows, cols]
 # in row-major terms, and the router as ffn_gate_inp, whatever the family.
 GGUF_ROUTER = "ffn_gate_inp"
-_GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|down|up)_exps\.weight")
+_GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|down|up)_exps\.(weight|bias)")
 
 
 def gguf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list[str] | None:
-    """The HF names of a GGUF expert stack's experts, in stack order, or None if `gguf_name`
-    is not a stack."""
+    """The HF names of a GGUF expert stack's experts (weights, or gpt-oss's biases), in stack
+    order, or None if `gguf_name` is not a stack."""
     match = _GGUF_STACK_NAME.fullmatch(gguf_name)
     if match is None:
         return None
     names = EXPERT_NAMES[architecture]
-    return [f"model.layers.{match[1]}.{names.of(e, match[2])}" for e in range(num_experts)]
+    name_of = names.of if match[3] == "weight" else names.bias_of
+    return [f"model.layers.{match[1]}.{name_of(e, match[2])}" for e in range(num_experts)]
 
 
 def route(
@@ -105,6 +122,18 @@ def route(
     if not renormalize:
         return weights, experts
     return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def swiglu(gate_up: torch.Tensor, width: int, clamp: tuple[float, float] | None) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] of `width` each; with `clamp` (alpha, limit),
+    gpt-oss's form: gate clamped to <= limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate), as transformers computes it."""
+    gate, up = gate_up[:, :width], gate_up[:, width:]
+    if clamp is None:
+        return F.silu(gate).mul_(up)
+    alpha, limit = clamp
+    gate = gate.clamp(max=limit)
+    return (gate * torch.sigmoid(gate * alpha)).mul_(up.clamp(-limit, limit) + 1)
 
 
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -133,6 +162,12 @@ class SparseMoeBlock(nn.Module):
         self.intermediate = inter
         like = {"dtype": dtype, "device": device}
         self.router_weight = _weight(self.num_experts, hidden, **like)
+        self.swiglu_clamp = config.swiglu_clamp
+        # gpt-oss: biases on the router and every expert projection ([gate | up] per expert).
+        biased = config.traits.expert_biases
+        self.router_bias = _weight(self.num_experts, **like) if biased else None
+        self.gate_up_bias = _weight(self.num_experts, 2 * inter, **like) if biased else None
+        self.down_bias = _weight(self.num_experts, hidden, **like) if biased else None
         self.dtype = dtype
         self.gate_up: list[Linear] = []
         self.down: list[Linear] = []
@@ -151,6 +186,14 @@ class SparseMoeBlock(nn.Module):
             out[prefix + names.of(e, "gate")] = (None, (inter, hidden))
             out[prefix + names.of(e, "up")] = (None, (inter, hidden))
             out[prefix + names.of(e, "down")] = (None, (hidden, inter))
+        if self.router_bias is None or self.gate_up_bias is None or self.down_bias is None:
+            return out
+        out[prefix + names.router_bias] = (self.router_bias, (self.num_experts,))
+        for e in range(self.num_experts):
+            gate_up = self.gate_up_bias[e]
+            out[prefix + names.bias_of(e, "gate")] = (gate_up[:inter], (inter,))
+            out[prefix + names.bias_of(e, "up")] = (gate_up[inter:], (inter,))
+            out[prefix + names.bias_of(e, "down")] = (self.down_bias[e], (hidden,))
         return out
 
     def build(self, part: Callable[[str], WeightPart], backend: Backend, mode: WeightMode) -> None:
@@ -160,7 +203,7 @@ class SparseMoeBlock(nn.Module):
         self.gate_up = [
             Linear(
                 [part(names.of(e, "gate")), part(names.of(e, "up"))],
-                None,
+                None if self.gate_up_bias is None else self.gate_up_bias[e],
                 backend,
                 mode,
                 self.dtype,
@@ -168,7 +211,13 @@ class SparseMoeBlock(nn.Module):
             for e in range(self.num_experts)
         ]
         self.down = [
-            Linear([part(names.of(e, "down"))], None, backend, mode, self.dtype)
+            Linear(
+                [part(names.of(e, "down"))],
+                None if self.down_bias is None else self.down_bias[e],
+                backend,
+                mode,
+                self.dtype,
+            )
             for e in range(self.num_experts)
         ]
         self.kernel = ExpertsKernel.of(self)
@@ -193,7 +242,8 @@ class SparseMoeBlock(nn.Module):
 
     def run_ops(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """`run` op by op: the reference the C++ call is checked against."""
-        weights, experts = route(F.linear(x, self.router_weight), self.top_k, self.renormalize)
+        logits = F.linear(x, self.router_weight, self.router_bias)
+        weights, experts = route(logits, self.top_k, self.renormalize)
         # The step's T*k (token, expert) pairs in expert order: pair i is token i // k.
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
@@ -206,7 +256,7 @@ class SparseMoeBlock(nn.Module):
             if count == 0:
                 continue
             gate_up = self.gate_up[expert](routed[start : start + count])
-            act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
+            act = swiglu(gate_up, self.intermediate, self.swiglu_clamp)
             outputs.append(self.down[expert](act))
             start += count
         # Weighted in fp32 and rounded once to the model dtype, as transformers does.
@@ -233,6 +283,10 @@ class ExpertsKernel:
     up: torch.Tensor
     down: torch.Tensor
     formats: list[int]
+    # gpt-oss: the router's bias padded to its tiles' rows (the block's other biases are
+    # its own tensors), and the SwiGLU's (alpha, limit), (0, 0) for plain SwiGLU.
+    router_bias: torch.Tensor | None = None
+    swiglu: tuple[float, float] = (0.0, 0.0)
 
     @staticmethod
     def of(block: SparseMoeBlock) -> ExpertsKernel | None:
@@ -248,6 +302,10 @@ class ExpertsKernel:
         router, code = tile_dense(block.router_weight.detach())
         if code != BF16:
             return None
+        router_bias = None
+        if block.router_bias is not None:
+            router_bias = block.router_bias.new_zeros(router.shape[0] * 16)
+            router_bias[: block.num_experts] = block.router_bias.detach()
         parts = [(lin, i) for lin in block.gate_up for i in (0, 1)]
         gates, ups, downs = parts[0::2], parts[1::2], [(lin, 0) for lin in block.down]
         stacks = []
@@ -265,7 +323,8 @@ class ExpertsKernel:
                 lin.segments[i] = stack[e]
             stacks.append(stack)
         formats = [gates[0][0].codes[0], ups[0][0].codes[1], downs[0][0].codes[0]]
-        return ExpertsKernel(linears[0].ops, router, *stacks, formats)
+        swiglu = block.swiglu_clamp or (0.0, 0.0)
+        return ExpertsKernel(linears[0].ops, router, *stacks, formats, router_bias, swiglu)
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, block: SparseMoeBlock
@@ -280,6 +339,10 @@ class ExpertsKernel:
             self.up,
             self.down,
             self.formats,
+            self.router_bias,
+            block.gate_up_bias,
+            block.down_bias,
+            *self.swiglu,
         )
 
 

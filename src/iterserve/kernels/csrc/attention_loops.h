@@ -462,7 +462,8 @@ void merge_partitions(const Plan& plan, const Group& g, std::vector<float>& acc)
     }
     const int64_t row = g.row0 + m / plan.group_size;
     const int64_t head = g.kv_head * plan.group_size + m % plan.group_size;
-    store_row<C, NC>(out + (row * plan.num_heads + head) * D, acc.data(), 1.0f / total);
+    store_row<C, NC>(out + (row * plan.num_heads + head) * D, acc.data(),
+                     1.0f / with_sink(plan, head, total, top));
   }
 }
 
@@ -718,7 +719,7 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
     for (int m = 0; m < M; ++m) {
       const int64_t row = g.row0 + m / G, head = g.kv_head * G + m % G;
       store_row<C, NC>(out + (row * plan.num_heads + head) * D, sc.acc.data() + m * D,
-                       1.0f / sc.sums[m]);
+                       1.0f / with_sink(plan, head, sc.sums[m], sc.maxima[m]));
     }
     return;
   }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -48,6 +49,9 @@ struct Plan {
   int64_t window;
   float scale;
   float softcap = 0.0f;  // Gemma 2's attention logit soft-cap (0: none)
+  // gpt-oss's attention sinks [num_heads]: one more logit in each query's softmax, with no
+  // value (nullptr: none).
+  const float* sinks = nullptr;
   int64_t part_keys;
   // Batch-invariant: every query's arithmetic is fixed by its own sequence alone (the score
   // and P.V kernels no longer adapt to a prefill chunk's size either), so its output is the
@@ -62,6 +66,11 @@ struct Plan {
   std::unique_ptr<std::atomic<int64_t>[]> done;  // partitions finished, per group
 };
 
+
+// A query's softmax denominator: its keys' sum (of exp(score - top)), plus its head's sink.
+inline float with_sink(const Plan& plan, int64_t head, float sum, float top) {
+  return plan.sinks == nullptr ? sum : sum + std::exp(plan.sinks[head] - top);
+}
 
 inline std::pair<int64_t, int64_t> key_window(int64_t pos, int64_t window) {
   return {window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, pos + 1};

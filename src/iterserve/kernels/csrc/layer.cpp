@@ -110,30 +110,35 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
 }
 
 // act(g) * u for gate_up rows [g | u], each rounded as transformers' bf16 MLP does: the
-// activation rounded, then its product with u. Gelu: Gemma's GeGLU, gelu_tanh(g) =
-// g sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3) (tanh's form 0.5 (1 + tanh(z)) is
-// sigmoid(2z)); else SwiGLU's silu(g) = g sigmoid(g).
-template <bool Gelu>
-Tensor gated_mul_rows(const Tensor& gate_up) {
+// activation rounded, then its product with u. `gated(g, u)` gives that product from a
+// chunk of 16 of each.
+template <typename Gated>
+Tensor gated_rows(const Tensor& gate_up, Gated&& gated) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
   Tensor out = at::empty({M, I}, gate_up.options());
-  const F16 two_c = F16::splat(2.0f * 0.7978845608028654f), cubic = F16::splat(0.044715f);
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const BFloat16* g = gate_up.data_ptr<BFloat16>() + m * gate_up.stride(0);
       const BFloat16* u = g + I;
       BFloat16* dst = out.data_ptr<BFloat16>() + m * I;
-      for (int64_t i = 0; i < I; i += 16) {
-        const F16 x = load_bf16x16(g + i);
-        F16 t = x;
-        if constexpr (Gelu) t = two_c * fmadd(cubic * x * x, x, x);
-        const F16 act = round_bf16(x * sigmoid(t));
-        store_bf16x16(dst + i, act * load_bf16x16(u + i));
-      }
+      for (int64_t i = 0; i < I; i += 16)
+        store_bf16x16(dst + i, gated(load_bf16x16(g + i), load_bf16x16(u + i)));
     }
   });
   return out;
+}
+
+// Gelu: Gemma's GeGLU, gelu_tanh(g) = g sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
+// (tanh's form 0.5 (1 + tanh(z)) is sigmoid(2z)); else SwiGLU's silu(g) = g sigmoid(g).
+template <bool Gelu>
+Tensor gated_mul_rows(const Tensor& gate_up) {
+  const F16 two_c = F16::splat(2.0f * 0.7978845608028654f), cubic = F16::splat(0.044715f);
+  return gated_rows(gate_up, [&](const F16& x, const F16& u) {
+    F16 t = x;
+    if constexpr (Gelu) t = two_c * fmadd(cubic * x * x, x, x);
+    return round_bf16(x * sigmoid(t)) * u;
+  });
 }
 
 // Position of every row, from the step table (see ops.h).
@@ -292,7 +297,7 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
-                                       w.scale, w.sliding_window, w.softcap);
+                                       w.scale, w.sliding_window, w.softcap, std::nullopt);
   // Each block's output joins the stream in its projection's epilogue, or after its norm.
   auto block_out = [&](int64_t i, const Tensor& x, const Tensor& residual,
                        const std::optional<Tensor>& out_norm) {
@@ -444,6 +449,16 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
 
 Tensor gated_mul(const Tensor& gate_up, bool gelu) {
   return gelu ? gated_mul_rows<true>(gate_up) : gated_mul_rows<false>(gate_up);
+}
+
+Tensor clamped_swiglu(const Tensor& gate_up, double alpha, double limit) {
+  const F16 a = F16::splat(static_cast<float>(alpha)), top = F16::splat(static_cast<float>(limit));
+  const F16 bottom = F16::splat(static_cast<float>(-limit)), one = F16::splat(1.0f);
+  return gated_rows(gate_up, [&](const F16& x, const F16& u) {
+    const F16 g = minimum(x, top);
+    const F16 glu = round_bf16(g * round_bf16(sigmoid(round_bf16(g * a))));
+    return round_bf16(maximum(minimum(u, top), bottom) + one) * glu;
+  });
 }
 
 // Which build this is (simd.h's kIsaName), so a caller can check the variant it loaded.

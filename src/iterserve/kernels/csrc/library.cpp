@@ -26,11 +26,11 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
-      "float softcap=0.0) -> Tensor");
+      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def(
       "store_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, float scale, "
-      "int sliding_window, float softcap=0.0) -> Tensor");
+      "int sliding_window, float softcap=0.0, Tensor? sinks=None) -> Tensor");
 
   m.def(
       "decoder_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, "
@@ -50,7 +50,9 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "int[] expert_formats, int top_k, bool renormalize) -> Tensor");
   m.def(
       "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
-      "Tensor gate, Tensor up, Tensor down, int[] formats) -> Tensor");
+      "Tensor gate, Tensor up, Tensor down, int[] formats, Tensor? router_bias=None, "
+      "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0.0, "
+      "float swiglu_limit=0.0) -> Tensor");
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b_parts, Tensor row_slots) -> ()");
 
   m.def("argmax_rows(Tensor logits) -> Tensor");

@@ -11,7 +11,7 @@
 // docs/benchmarks.md). It also lets the fused layers (layer.cpp) take a layer of experts.
 // The arithmetic is the eager block's, op for op (routing in fp32, outputs weighted in fp32
 // and rounded once, index_add onto the residual in expert order), but for SwiGLU, which is
-// the fused layer's (gated_mul).
+// the fused layer's (gated_mul; gpt-oss's clamped_swiglu).
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
@@ -42,20 +42,30 @@ using at::Tensor;
 constexpr int64_t kFewPairs = 128;
 
 // Every expert's projections as stacks [experts, tiles, bytes a tile], one format a stack:
-// gate and up (the two segments of an expert's gate+up projection) and down.
+// gate and up (the two segments of an expert's gate+up projection) and down; gpt-oss's
+// biases [experts, outputs] and clamped SwiGLU (limit > 0).
 struct ExpertWeights {
   const Tensor& gate;
   const Tensor& up;
   const Tensor& down;
   std::array<int64_t, 3> formats;
+  const std::optional<Tensor>& gate_up_bias;
+  const std::optional<Tensor>& down_bias;
+  double alpha, limit;
 
-  int64_t experts() const { return gate.size(0); }
+  static std::optional<Tensor> row(const std::optional<Tensor>& bias, int64_t e) {
+    if (!bias) return std::nullopt;
+    return bias->select(0, e);
+  }
   Tensor gate_up(int64_t e, const Tensor& x) const {
-    return tiled_linear(x, {gate[e], up[e]}, {formats[0], formats[1]}, std::nullopt,
+    return tiled_linear(x, {gate[e], up[e]}, {formats[0], formats[1]}, row(gate_up_bias, e),
                         std::nullopt);
   }
+  Tensor activate(const Tensor& gate_up) const {
+    return limit > 0 ? clamped_swiglu(gate_up, alpha, limit) : gated_mul(gate_up, false);
+  }
   Tensor project_down(int64_t e, const Tensor& x) const {
-    return tiled_linear(x, {down[e]}, {formats[2]}, std::nullopt, std::nullopt);
+    return tiled_linear(x, {down[e]}, {formats[2]}, row(down_bias, e), std::nullopt);
   }
 };
 
@@ -63,15 +73,24 @@ struct ExpertWeights {
 
 Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& router,
                    int64_t top_k, bool renormalize, const Tensor& gate, const Tensor& up,
-                   const Tensor& down, c10::IntArrayRef formats) {
+                   const Tensor& down, c10::IntArrayRef formats,
+                   const std::optional<Tensor>& router_bias,
+                   const std::optional<Tensor>& gate_up_bias,
+                   const std::optional<Tensor>& down_bias, double swiglu_alpha,
+                   double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "experts_mlp: x must be 2-D bf16 with contiguous rows");
   TORCH_CHECK(formats.size() == 3, "experts_mlp: one format each for gate, up and down");
-  const ExpertWeights experts_w{gate, up, down, {formats[0], formats[1], formats[2]}};
+  const ExpertWeights experts_w{gate, up, down, {formats[0], formats[1], formats[2]},
+                                gate_up_bias, down_bias, swiglu_alpha, swiglu_limit};
   const int64_t E = gate.size(0), T = x.size(0);
   for (const Tensor* t : {&gate, &up, &down})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == E && t->scalar_type() == at::kByte,
                 "experts_mlp: weights must be [", E, " experts, tiles, bytes] uint8 stacks");
+  for (const std::optional<Tensor>* bias : {&gate_up_bias, &down_bias})
+    TORCH_CHECK(!*bias || ((*bias)->dim() == 2 && (*bias)->size(0) == E &&
+                           (*bias)->scalar_type() == at::kBFloat16 && (*bias)->is_contiguous()),
+                "experts_mlp: expert biases must be [", E, " experts, outputs] bf16");
   TORCH_CHECK(0 < top_k && top_k <= E, "experts_mlp: top_k ", top_k, " of ", E, " experts");
 
   // Routing, as model/moe.py's `route`: softmax over all experts in fp32, the top k, and
@@ -82,7 +101,7 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
               "experts_mlp: the router must be bf16 tiles [tiles, bytes] uint8 for ", E,
               " experts");
   const Tensor logits = tiled_linear(x, {router}, {static_cast<int64_t>(Format::kBf16)},
-                                     std::nullopt, std::nullopt)
+                                     router_bias, std::nullopt)
                             .narrow(1, 0, E);
   const Tensor probs = at::softmax(logits.to(at::kFloat), -1);
   auto [weights, experts] = at::topk(probs, top_k, -1);
@@ -115,21 +134,23 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
   auto run_expert = [&](int64_t i) {
     const int64_t e = hit[i];
     const Tensor rows = routed.narrow(0, start[e], start[e + 1] - start[e]);
-    outputs[i] = experts_w.project_down(e, gated_mul(experts_w.gate_up(e, rows), false));
+    outputs[i] = experts_w.project_down(e, experts_w.activate(experts_w.gate_up(e, rows)));
   };
   if (T == 1) {
     // One token: every expert it is routed to takes the same row, so their gate+up
     // projections are one call over all their segments (one stream of bytes shared evenly
     // between the threads, one parallel region), then each thread takes whole experts' down.
-    std::vector<Tensor> segments;
+    std::vector<Tensor> segments, biases;
     std::vector<int64_t> segment_formats;
     for (const int64_t e : hit) {
       segments.insert(segments.end(), {gate[e], up[e]});
       segment_formats.insert(segment_formats.end(), {formats[0], formats[1]});
+      if (gate_up_bias) biases.push_back(gate_up_bias->select(0, e));
     }
-    const Tensor gate_ups =
-        tiled_linear(x, segments, segment_formats, std::nullopt, std::nullopt);
-    const Tensor acts = gated_mul(gate_ups.view({n_hit, -1}), false);
+    const std::optional<Tensor> bias =
+        gate_up_bias ? std::optional<Tensor>(at::cat(biases)) : std::nullopt;
+    const Tensor gate_ups = tiled_linear(x, segments, segment_formats, bias, std::nullopt);
+    const Tensor acts = experts_w.activate(gate_ups.view({n_hit, -1}));
     at::parallel_for(0, n_hit, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
         outputs[i] = experts_w.project_down(hit[i], acts.narrow(0, i, 1));

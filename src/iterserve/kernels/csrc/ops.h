@@ -84,21 +84,32 @@ at::Tensor tiled_linear(const at::Tensor& x, at::TensorList weights, c10::IntArr
 // layer.cpp: act(g) * u for gate_up rows [g | u] (act: tanh-approximated GELU, or SiLU),
 // rounded as transformers' bf16 MLP rounds them.
 at::Tensor gated_mul(const at::Tensor& gate_up, bool gelu);
+// layer.cpp: gpt-oss's SwiGLU of gate_up rows [g | u]: (clamp(u, -limit, limit) + 1) times
+// min(g, limit) sigmoid(alpha min(g, limit)), rounded as transformers' bf16 experts round it.
+at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit);
 
 // moe.cpp: a mixture-of-experts MLP, residual + the weighted outputs of each row's top_k
 // experts (router: its bf16 tiles; gate, up, down: [experts, tiles, bytes] stacks in
-// `formats`).
+// `formats`). gpt-oss: biases for the router (padded to its tiles' rows), gate+up [experts,
+// 2 x width] and down [experts, hidden], all bf16, and its clamped SwiGLU where
+// swiglu_limit > 0.
 at::Tensor experts_mlp(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                        const at::Tensor& router, int64_t top_k, bool renormalize,
                        const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
-                       c10::IntArrayRef formats);
+                       c10::IntArrayRef formats,
+                       const std::optional<at::Tensor>& router_bias = std::nullopt,
+                       const std::optional<at::Tensor>& gate_up_bias = std::nullopt,
+                       const std::optional<at::Tensor>& down_bias = std::nullopt,
+                       double swiglu_alpha = 0.0, double swiglu_limit = 0.0);
 
 // paged_attention.cpp: store the step's K/V into the pool, then attend every query row
-// (`softcap`: Gemma 2's attention logit soft-cap, 0: none).
+// (`softcap`: Gemma 2's attention logit soft-cap, 0: none; `sinks`: gpt-oss's attention
+// sinks, float32 [num_heads]).
 at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& step,
-                            double scale, int64_t sliding_window, double softcap);
+                            double scale, int64_t sliding_window, double softcap,
+                            const std::optional<at::Tensor>& sinks);
 
 // lora.cpp: y[r] += row r's adapter's delta, x[r] A[slot]^T then each part's B[slot] into its
 // columns of y (row_slots[r] = -1: none).
@@ -145,7 +156,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t un
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                           double scale, int64_t sliding_window, double softcap);
+                           double scale, int64_t sliding_window, double softcap,
+                           const std::optional<at::Tensor>& sinks);
 
 // read_probe.cpp: a buffer read as the decode loops read a weight (for the bandwidth figure).
 int64_t read_probe(const at::Tensor& buffer, int64_t threads);

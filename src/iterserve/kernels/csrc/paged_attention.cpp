@@ -51,7 +51,7 @@ using namespace attention;
 Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
                    const Tensor& block_tables, const Tensor& seq_lens,
                    const Tensor& query_start_loc, double scale, int64_t sliding_window,
-                   bool invariant, double softcap) {
+                   bool invariant, double softcap, const std::optional<Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3, "paged_attention: q must be [tokens, num_heads, head_dim], got ",
               q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
@@ -93,6 +93,9 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
               "query_start_loc ", query_start_loc.size(0), " entries for ", S, " sequences");
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: off)");
   TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: off)");
+  TORCH_CHECK(!sinks || (sinks->dim() == 1 && sinks->size(0) == H &&
+                         sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
+              "paged_attention: sinks must be float32 [num_heads]");
 
   Tensor out = at::empty({T, H, D}, q.options());
   const Tensor lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
@@ -119,6 +122,7 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   plan.window = sliding_window;
   plan.scale = static_cast<float>(scale);
   plan.softcap = static_cast<float>(softcap);
+  plan.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   plan.invariant = invariant;
 
   const int64_t G = plan.group_size;
@@ -271,9 +275,9 @@ void store_kv(const Tensor& k, const Tensor& v, const Tensor& key_cache,
 Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_tables, const Tensor& seq_lens,
                        const Tensor& query_start_loc, double scale, int64_t sliding_window,
-                       double softcap) {
+                       double softcap, const std::optional<Tensor>& sinks) {
   return attend_rows(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                     sliding_window, /*invariant=*/false, softcap);
+                     sliding_window, /*invariant=*/false, softcap, sinks);
 }
 
 // One layer's attention for a whole step in one call: the new K/V into the pool, then every
@@ -283,12 +287,13 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
 Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& key_cache, const Tensor& value_cache,
                         const Tensor& slot_mapping, const Tensor& step, double scale,
-                        int64_t sliding_window, double softcap) {
+                        int64_t sliding_window, double softcap,
+                        const std::optional<Tensor>& sinks) {
   const StepTable table(step);
   store_kv(k, v, key_cache, value_cache, slot_mapping);
   return attend_rows(q, key_cache, value_cache, table.block_tables(), table.seq_lens(),
                      table.query_start_loc(), scale, sliding_window, table.batch_invariant(),
-                     softcap);
+                     softcap, sinks);
 }
 
 }  // namespace iterserve

@@ -1,0 +1,199 @@
+"""gpt-oss (model/family.py: attention sinks, biased and clamped experts, a window on every
+other layer, YaRN) against transformers on a tiny random checkpoint, fp32, through the
+loader's unstacking of its expert tensors; and the C++ attention with sinks and the tiled
+experts against eager."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from iterserve import kernels
+from iterserve.model import moe
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import ModelLoadError, load_model
+from paged_runner import PagedRunner
+from tiny_checkpoints import hf_token_by_token, save_checkpoint
+from tiny_families import ORIGINAL, VOCAB, family_checkpoint, gpt_oss_model
+from transformers_reference import assert_same_greedy
+
+# Chunks over cached prefixes and decodes, past the first layer's window (16) and YaRN's
+# original context (64).
+PLANS = ([("s0", 30), ("s1", 12)], [("s1", 1), ("s0", 45)], [("s1", 1), ("s0", 15)])
+
+
+@pytest.fixture(scope="module")
+def hf() -> transformers.PreTrainedModel:
+    return gpt_oss_model()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(
+    hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Path:
+    return save_checkpoint(hf, tmp_path_factory.mktemp("gpt-oss"), tokenizer_dir)
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(3)
+    return {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate((90, 20))}
+
+
+def _steps(model: LlamaForCausalLM, paged_kernel: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Each step's logits of every row, by sequence, for the two _prompts through PLANS."""
+    runner = PagedRunner(model, block_size=8, num_blocks=64, paged_kernel=paged_kernel)
+    for seq, tokens in _prompts().items():
+        runner.add(seq, tokens)
+    return [{seq: rows.float() for seq, rows in runner.step(plan).items()} for plan in PLANS]
+
+
+def _run(model: LlamaForCausalLM, paged_kernel: bool = False) -> dict[str, torch.Tensor]:
+    """Every row's logits, by sequence."""
+    steps = _steps(model, paged_kernel)
+    return {seq: torch.cat([step[seq] for step in steps]) for seq in steps[0]}
+
+
+@pytest.mark.parametrize("kind", ["hf", "f32"])
+def test_checkpoint_matches_transformers_through_chunks_and_decodes(
+    hf: transformers.PreTrainedModel,
+    checkpoint: Path,
+    kind: str,
+    tmp_path: Path,
+    tokenizer_dir: Path,
+) -> None:
+    """An HF directory (the loader unstacks its experts) and a GGUF file as llama.cpp's
+    converter writes one (GGUF has no SwiGLU limit: llama.cpp's 7 is the model's own)."""
+    if kind != "hf":
+        hf = gpt_oss_model(swiglu_limit=7.0)
+        checkpoint = family_checkpoint(kind, hf, tmp_path, tokenizer_dir)
+    loaded = load_model(checkpoint, torch.float32)
+    config = loaded.config
+    assert config.architecture == "gpt_oss" and config.attention_bias
+    assert config.sliding_window_layers == (True, False)
+    assert config.swiglu_clamp == (1.702, hf.config.swiglu_limit)
+    assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
+    ours = LlamaForCausalLM(config, torch.float32, torch.device("cpu"))
+    ours.load_weights(loaded.weights)
+    got = _run(ours)
+    prompts = _prompts()
+    for seq, logits in got.items():
+        tokens = prompts[seq][: len(logits)]
+        want = hf_token_by_token(hf, tokens, prompt=min(len(tokens), ORIGINAL))
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+    if kind != "hf":
+        return
+    # Each of gpt-oss's own parts moves these logits: the comparison would see one dropped.
+    for layer in ours.layers:
+        layer.sinks.fill_(float("-inf"))  # exp(-inf): no share of any softmax
+    assert (_run(ours)["s0"] - got["s0"]).abs().max() > 0.05
+    ours.load_weights(loaded.weights)
+    for layer in ours.layers:
+        layer.moe.swiglu_clamp = (1.702, float("inf"))
+    assert (_run(ours)["s0"] - got["s0"]).abs().max() > 0.05
+
+
+def test_mxfp4_experts_in_an_hf_directory_are_refused(checkpoint: Path, tmp_path: Path) -> None:
+    """OpenAI's own checkpoints keep the experts as MXFP4 blocks and scales: a clear error
+    that names the way to serve them, not a missing-tensor list."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    stack = weights.pop("model.layers.0.mlp.experts.down_proj")
+    weights["model.layers.0.mlp.experts.down_proj_blocks"] = torch.zeros(
+        stack.shape[0], stack.shape[2], stack.shape[1] // 32, 16, dtype=torch.uint8
+    )
+    for item in checkpoint.iterdir():
+        if item.name != "model.safetensors":
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="MXFP4 blocks.*GGUF"):
+        load_model(tmp_path, torch.float32)
+
+
+@pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+@pytest.mark.usefixtures("kernel_isa")
+def test_fast_paths_keep_the_eager_greedy_tokens(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16: the C++ paged attention with sinks and the experts on the tiled kernels (with
+    their biases, op by op) against eager attention and plain torch projections. Two router logits
+    may tie in bf16 (this model's do, exactly, on one row), and then a rounding upstream
+    flips a token's experts: rows routed differently are left out, and must be rare."""
+    routed: list[torch.Tensor] = []
+
+    def recording(
+        logits: torch.Tensor, top_k: int, renormalize: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(logits, top_k, renormalize)
+        routed.append(experts.sort(dim=1).values)
+        return weights, experts
+
+    route = moe.route
+    monkeypatch.setattr(moe, "route", recording)
+    config = load_model(checkpoint, torch.float32).config
+    rows, routings = {}, {}
+    for fast in (False, True):
+        model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
+        model.load(load_model(checkpoint, torch.float32).weights, "tiled" if fast else "torch")
+        for layer in model.layers:  # op by op on the tiled kernels, so `routed` sees it
+            # (the experts in one call: the test below)
+            assert (layer.moe.kernel is not None) == fast
+            layer.moe.kernel = None
+        routed.clear()
+        # Rows in each step's flat order (decodes first, as PagedRunner lays them out), and
+        # each step's routing a layer at a time.
+        steps = _steps(model, paged_kernel=fast)
+        rows[fast] = torch.cat(
+            [
+                step[seq]
+                for plan, step in zip(PLANS, steps, strict=True)
+                for seq, k in sorted(plan, key=lambda item: item[1] != 1)
+            ]
+        )
+        routings[fast] = list(routed)
+    layers = config.num_hidden_layers
+    same = torch.cat(
+        [
+            torch.stack(
+                [
+                    (routings[False][s * layers + i] == routings[True][s * layers + i]).all(1)
+                    for i in range(layers)
+                ]
+            ).all(0)
+            for s in range(len(PLANS))
+        ]
+    )
+    assert int(same.sum()) >= 0.95 * len(same), f"{int((~same).sum())} rows routed differently"
+    assert_same_greedy([rows[False][same]], [rows[True][same]])
+
+
+@pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+def test_the_experts_in_one_call_are_the_block_op_by_op(checkpoint: Path, kernel_isa: str) -> None:
+    """kernels/csrc/moe.cpp's `experts_mlp` with gpt-oss's biases (router, gate+up, down) and
+    clamped SwiGLU, on its one-token, few-rows and many-rows roads, against the same block op
+    by op on the same tiled kernels: the same routing, outputs a bf16 rounding apart."""
+    loaded = load_model(checkpoint, torch.bfloat16)
+    model = LlamaForCausalLM(loaded.config, torch.bfloat16, torch.device("cpu"))
+    model.load(loaded.weights, "tiled")
+    generator = torch.Generator().manual_seed(0)
+    for layer in model.layers:
+        block = layer.moe
+        assert block.kernel is not None and block.kernel.swiglu == (1.702, 1.0)
+        for tokens in (1, 3, 40, 90):
+            x = torch.randn(tokens, block.hidden, generator=generator).bfloat16()
+            residual = torch.randn(tokens, block.hidden, generator=generator).bfloat16()
+            got, want = block.run(x, residual), block.run_ops(x, residual)
+            torch.testing.assert_close(got, want, atol=0.02, rtol=0.02)
+            assert (got != want).float().mean() < 0.02
+        # Without the biases and the clamp the op is another function: they are applied.
+        block.kernel = dataclasses.replace(block.kernel, router_bias=None, swiglu=(0.0, 0.0))
+        assert (block.run(x, residual) - want).abs().max() > 0.1
