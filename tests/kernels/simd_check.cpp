@@ -32,6 +32,17 @@ int main() {
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.0f, 3.0f);
   alignas(64) float a[kLanes], b[kLanes], out[kLanes];
+  // bf16 widening, every bit pattern: MXFP4's scales include bf16's subnormals.
+  for (uint32_t first = 0; first < 0x10000; first += kLanes) {
+    c10::BFloat16 halves[kLanes];
+    for (int i = 0; i < kLanes; ++i) halves[i].x = static_cast<uint16_t>(first + i);
+    load_bf16x16(halves).store(out);
+    for (int i = 0; i < kLanes; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &out[i], 4);
+      check(bits == (first + i) << 16, "load_bf16x16", i, bits, (first + i) << 16);
+    }
+  }
   for (int round = 0; round < 200; ++round) {
     for (int i = 0; i < kLanes; ++i) a[i] = normal(rng), b[i] = normal(rng);
     // Ties and specials: round-to-nearest-even must pick the even neighbour.

@@ -325,6 +325,12 @@ ITERSERVE_INLINE F16 load_bf16x16(const c10::BFloat16* p) {
     r.v[i] = Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
   }
   return r;
+#elif defined(__aarch64__)
+  const auto* halves = reinterpret_cast<const uint16_t*>(p);
+  I16 bits;
+  for (int i = 0; i < kParts; ++i)
+    bits.v[i] = IVec(vreinterpretq_s32_u32(vshll_n_u16(vld1_u16(halves + 4 * i), 16)));
+  return bits_to_float(bits);
 #else
   alignas(64) uint32_t lanes[kLanes];
   for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<uint32_t>(p[i].x) << 16;
