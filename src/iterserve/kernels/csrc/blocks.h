@@ -403,8 +403,8 @@ inline void decode_row(const uint8_t* tile, int64_t K, int lane, float* out) {
       Codec::scales(p, blk, a, o);
       alignas(64) float as[H][kLanes], os[H][kLanes];
       for (int h = 0; h < H; ++h) {
-        if constexpr (!Codec::kOffset) o[h] = a[h] * F16::splat(static_cast<float>(Codec::kBias));
-        a[h].store(as[h]), o[h].store(os[h]);
+        a[h].store(as[h]);
+        if constexpr (Codec::kOffset) o[h].store(os[h]);
       }
       float* w = out + u * Codec::kInputs + blk * kBlock;
       for (int k = 0; k < kBlock; ++k) {
@@ -414,7 +414,11 @@ inline void decode_row(const uint8_t* tile, int64_t K, int lane, float* out) {
         const float v = Codec::kSigned && kSignedBias == 0
                             ? static_cast<float>(static_cast<int8_t>(byte))
                             : static_cast<float>(byte);
-        w[k] = as[h][lane] * v - os[h][lane];
+        // The bias is taken away before the scale multiplies, as the loops take it from the
+        // integer sums: d v - d kBias overflows where d (v - kBias) does not (MXFP4's d
+        // reaches 2^127, and v is + 128 with VNNI).
+        if constexpr (Codec::kOffset) w[k] = as[h][lane] * v - os[h][lane];
+        else w[k] = as[h][lane] * (v - static_cast<float>(Codec::kBias));
       }
     }
   }
