@@ -103,7 +103,7 @@ def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = No
 
 # GGUF types the gguf package quantizes (real blocks of real weights); the others get random
 # blocks with finite fp16 fields (the offsets of those fields in each type's block struct).
-_QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+_QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"}
 _HALF_FIELDS = {
     "Q2_K": (80, 82),
     "Q3_K": (108,),

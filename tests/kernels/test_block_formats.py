@@ -59,6 +59,32 @@ def test_tiles_unpack_bit_for_bit_as_gguf_dequantizes(name: str) -> None:
     assert torch.equal(as_bf16, want[rows[:4]].bfloat16())
 
 
+def test_mxfp4_scales_at_the_ends_of_e8m0_unpack_bit_for_bit() -> None:
+    """MXFP4's scales 2^(e - 128) at both ends: llama.cpp's two subnormals (e = 0, 1), the
+    smallest normal (2), 2^-1 (127) and the largest (254, 255: 2^126, 2^127), whose larger
+    values are infinite in the reference too, every 4-bit index under each. Unpacked only: a
+    product of such weights overflows."""
+    fmt = bf.BLOCK_FORMATS["MXFP4"]
+    n, k = 24, 512
+    blocks = gguf_bytes("MXFP4", n, k).reshape(n, k // 32, 17)
+    rng = np.random.default_rng(1)
+    blocks[..., 1:] = rng.integers(0, 256, blocks[..., 1:].shape, dtype=np.uint8)
+    edges = np.array([0, 1, 2, 127, 254, 255], dtype=np.uint8)
+    # Every other block at an edge, each exponent in every lane of a tile; the rest at the
+    # quantizer's exponents.
+    blocks[:, ::2, 0] = np.resize(edges, (n, k // 64))
+    raw = blocks.reshape(n, -1)
+    tiles = bf.repack(kernels.ops(), raw, fmt, k)
+    with np.errstate(over="ignore"):
+        want = reference(raw, "MXFP4", (n, k))
+    tiny = (want != 0) & (want.abs() < torch.finfo(torch.float32).tiny)
+    assert tiny.any() and want.isinf().any() and not want.isnan().any()
+    rows = torch.arange(n)
+    assert torch.equal(kernels.ops().dequantize_rows(tiles, fmt.code, k, rows, False), want)
+    as_bf16 = kernels.ops().dequantize_rows(tiles, fmt.code, k, rows, True)
+    assert torch.equal(as_bf16, want.bfloat16())  # d times a 4-bit integer: exact in bf16
+
+
 @pytest.mark.parametrize("name", sorted(bf.BLOCK_FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 33, 65])
 def test_products_match_dequantize_then_matmul(name: str, rows: int) -> None:

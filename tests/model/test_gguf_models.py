@@ -40,7 +40,7 @@ _TYPES = {
         "o": "Q4_1",
         "gate": "IQ4_NL",
         "up": "Q5_1",
-        "down": "Q6_K",
+        "down": "MXFP4",
     },
 }
 _MODULES = {

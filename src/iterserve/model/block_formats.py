@@ -66,6 +66,7 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q5_1", 13, 32, 24, 384),
         BlockFormat("Q8_0", 14, 32, 34, 544),
         BlockFormat("IQ4_NL", 15, 32, 18, 288),
+        BlockFormat("MXFP4", 16, 32, 17, 288),
         BlockFormat("Q2_K", 20, 256, 84, 1344),
         BlockFormat("Q3_K", 21, 256, 110, 1856),
         BlockFormat("Q4_K", 22, 256, 144, 2368),

@@ -29,12 +29,13 @@
 //   bytes    8 bits, 128 bytes a chunk: lo's 64 bytes, then hi's.
 //
 // so that a shift and a mask (one ternary-logic op on AVX-512) put a value's high bits over its
-// low ones. Scales are fp16 and byte vectors of 16 lanes. Every format's bytes a weight are
-// the file's, but where 6-bit scales are kept as bytes and headers padded to 64 bytes (Q4_K,
-// Q5_K: +2.3-2.8%; Q6_K +1%, IQ4_XS +2.9%, Q3_K +5.5%).
+// low ones. Scales are fp16 (MXFP4's bf16) and byte vectors of 16 lanes. Every format's bytes
+// a weight are the file's, but where 6-bit scales are kept as bytes and headers padded to 64
+// bytes (Q4_K, Q5_K: +2.3-2.8%; Q6_K +1%, IQ4_XS +2.9%, Q3_K +5.5%) and where MXFP4's exponent
+// byte is kept as a 16-bit scale (+5.9%).
 //
-// Signed values (Q8_0's bytes, the IQ4 tables') are stored + kSignedBias (128 with VNNI, see
-// simd.h), their bias.
+// Signed values (Q8_0's bytes, the IQ4 and MXFP4 tables') are stored + kSignedBias (128 with
+// VNNI, see simd.h), their bias.
 #pragma once
 
 #include "simd.h"
@@ -54,6 +55,7 @@ enum class Format : int64_t {
   kQ5_1 = 13,
   kQ8_0 = 14,
   kIQ4_NL = 15,
+  kMXFP4 = 16,
   kQ2_K = 20,
   kQ3_K = 21,
   kQ4_K = 22,
@@ -192,26 +194,28 @@ struct Q8_0 {
   }
 };
 
-// IQ4's non-linear values, and the table the kernels look them up in: + kSignedBias, repeated
-// in each 16 bytes (see byte lookups in simd.h), built at compile time so that loops load it
-// from constant memory.
+// The 4-bit indices' values of IQ4 and of MXFP4 (e2m1's values, doubled), and the tables the
+// kernels look them up in: + kSignedBias, repeated in each 16 bytes (see byte lookups in
+// simd.h), built at compile time so that loops load them from constant memory.
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 struct ByteTable {
   alignas(64) int8_t bytes[4 * kLanes];
 };
-constexpr ByteTable make_iq4_table() {
+constexpr ByteTable make_byte_table(const int8_t (&values)[16]) {
   ByteTable table{};
   for (int i = 0; i < 4 * kLanes; ++i)
-    table.bytes[i] = static_cast<int8_t>(kIQ4Values[i % 16] + kSignedBias);
+    table.bytes[i] = static_cast<int8_t>(values[i % 16] + kSignedBias);
   return table;
 }
-inline constexpr ByteTable kIQ4Table = make_iq4_table();
+inline constexpr ByteTable kIQ4Table = make_byte_table(kIQ4Values);
+inline constexpr ByteTable kMXFP4Table = make_byte_table(kMXFP4Values);
 
-ITERSERVE_INLINE Quads iq4_values(const uint8_t* chunk) {
+ITERSERVE_INLINE Quads table_values(const ByteTable& table, const uint8_t* chunk) {
   const Quads index = nibbles(chunk);
-  const I16 table = I16::load(kIQ4Table.bytes);
-  return {lookup16(table, index.lo), lookup16(table, index.hi)};
+  const I16 bytes = I16::load(table.bytes);
+  return {lookup16(bytes, index.lo), lookup16(bytes, index.hi)};
 }
 
 // w = d table[q], q a 4-bit index.                                 [nibbles 256 | d 32]
@@ -219,9 +223,26 @@ struct IQ4_NL : Q8_0 {
   static constexpr Format kFormat = Format::kIQ4_NL;
   static constexpr int64_t kD = 256, kBytes = kD + 32;
   template <int C>
-  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return iq4_values(p + 64 * C); }
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
+    return table_values(kIQ4Table, p + 64 * C);
+  }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16*) {
     a[0] = load_f16x16(reinterpret_cast<const c10::Half*>(p + kD));
+  }
+};
+
+// w = d table[q], q a 4-bit index, d = 2^(e - 128) from the file's E8M0 byte e (2^-127 and
+// 2^-128 for e = 1, 0: llama.cpp's subnormals). d is kept as bf16, which holds every one of
+// them exactly (fp16 holds none below 2^-24 or above 2^15), and widened in one load as the
+// others' fp16 scales are.                                         [nibbles 256 | d 32]
+struct MXFP4 : IQ4_NL {
+  static constexpr Format kFormat = Format::kMXFP4;
+  template <int C>
+  static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
+    return table_values(kMXFP4Table, p + 64 * C);
+  }
+  static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16*) {
+    a[0] = load_bf16x16(reinterpret_cast<const c10::BFloat16*>(p + kD));
   }
 };
 
@@ -361,7 +382,7 @@ struct IQ4_XS {
   static constexpr int kBias = kSignedBias;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
-    return iq4_values(p + kData + kBlockBytes * b + 64 * C);
+    return table_values(kIQ4Table, p + kData + kBlockBytes * b + 64 * C);
   }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int b, F16* a, F16*) {
     a[0] = half_lanes(p + kD) * load_i8x16(reinterpret_cast<const int8_t*>(p + 16 * b));
@@ -377,6 +398,7 @@ inline bool with_codec(Format format, F&& f) {
     case Format::kQ5_1: f(Q5_1{}); return true;
     case Format::kQ8_0: f(Q8_0{}); return true;
     case Format::kIQ4_NL: f(IQ4_NL{}); return true;
+    case Format::kMXFP4: f(MXFP4{}); return true;
     case Format::kQ2_K: f(Q2_K{}); return true;
     case Format::kQ3_K: f(Q3_K{}); return true;
     case Format::kQ4_K: f(Q4_K{}); return true;

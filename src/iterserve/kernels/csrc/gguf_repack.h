@@ -13,7 +13,8 @@
 namespace iterserve {
 
 // One row's GGUF block in the kernels' terms: values u (unsigned, or signed for kSigned
-// formats), per block/half scale bytes sc and minimum bytes mn, fp16 bits d and dmin (or o).
+// formats; the IQ4 and MXFP4 tables' indices), per block/half scale bytes sc and minimum bytes
+// mn, fp16 bits d and dmin (or o); MXFP4's d as bf16 bits.
 struct RowUnit {
   uint8_t u[256];
   uint8_t sc[16];
@@ -25,6 +26,12 @@ inline uint16_t half_bits(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return h;
+}
+
+// An E8M0 exponent e as the bf16 bits of llama.cpp's scale for it (ggml_e8m0_to_fp32_half):
+// 2^(e - 128), whose fp32 bits' low half is zero, the subnormals of e = 0, 1 included.
+inline uint16_t e8m0_half_bf16_bits(uint8_t e) {
+  return static_cast<uint16_t>(e < 2 ? 0x20 << e : (e - 1) << 7);
 }
 
 // 32 values from 16 bytes of nibbles: the low nibbles are inputs 0-15, the high 16-31.
@@ -51,6 +58,10 @@ inline void parse(Format f, const uint8_t* b, RowUnit& r) {
     case Format::kIQ4_NL:
       r.d = half_bits(b);
       split_nibbles(b + 2, r.u);
+      break;
+    case Format::kMXFP4:  // e, qs[16]
+      r.d = e8m0_half_bf16_bits(b[0]);
+      split_nibbles(b + 1, r.u);
       break;
     case Format::kQ4_1:  // d, m, qs[16]; o = -m
       r.d = half_bits(b), r.d2 = half_bits(b + 2) ^ 0x8000;
@@ -142,6 +153,7 @@ inline void parse(Format f, const uint8_t* b, RowUnit& r) {
 inline int64_t gguf_block_bytes(Format f) {
   switch (f) {
     case Format::kQ4_0: case Format::kIQ4_NL: return 18;
+    case Format::kMXFP4: return 17;
     case Format::kQ4_1: return 20;
     case Format::kQ5_0: return 22;
     case Format::kQ5_1: return 24;
@@ -221,6 +233,7 @@ inline void pack(Format f, const Rows16& r, uint8_t* out) {
   switch (f) {
     case Format::kQ4_0:
     case Format::kIQ4_NL:
+    case Format::kMXFP4:
       put_nibbles(r, 0, 0, out);
       put_halves(r, false, out + Q4_0::kD);
       break;
