@@ -325,24 +325,30 @@ def _random_weight(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
-# Byte offsets of the fp16 scales in each quantized type's block (ggml-common.h's structs).
+# Byte offsets of the fp16 scales in each quantized type's block (ggml-common.h's structs),
+# and of the E8M0 exponents (a scale 2^(e - 128)).
 HALF_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
-    "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,),
+    "IQ4_NL": (0,), "MXFP4": (), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,),
 }  # fmt: skip
+EXPONENT_FIELDS = {"MXFP4": (0,)}
 
 
 def random_blocks(
     qtype: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.01
 ) -> np.ndarray:
     """[rows, row bytes] of random blocks of GGUF type `qtype`: random bits, but for finite
-    fp16 scales in [scale / 10, scale] (a weight of a few hundredths at most)."""
+    scales in [scale / 10, scale] (fp16, or powers of two; a weight of a few hundredths at
+    most)."""
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     out = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
     for at in HALF_FIELDS[qtype]:
         halves = rng.uniform(scale / 10, scale, (rows, cols // block)).astype(np.float16)
         out[..., at : at + 2] = halves.view(np.uint8).reshape(rows, cols // block, 2)
+    for at in EXPONENT_FIELDS.get(qtype, ()):
+        scales = rng.uniform(scale / 5, scale, (rows, cols // block))
+        out[..., at] = 128 + np.floor(np.log2(scales)).astype(np.int64)
     return out.reshape(rows, -1)
 
 
