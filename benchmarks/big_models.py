@@ -223,10 +223,11 @@ def bandwidth_now(threads: int) -> float:
 def child_write(
     preset: str, path: str, seed: int, real_vocab: bool, random_blocks: bool
 ) -> dict[str, Any]:
-    from iterserve.bench.shaped_gguf import q4_k_m_types, write_shaped_gguf
+    from iterserve.bench.shaped_gguf import RANDOM_BLOCK_LAYOUTS, write_shaped_gguf
 
     start = time.perf_counter()
-    blocks = q4_k_m_types if random_blocks else None
+    # A random-blocks file's type is its name's: <stem>.<type>.gguf.
+    blocks = RANDOM_BLOCK_LAYOUTS[Path(path).suffixes[-2][1:]] if random_blocks else None
     write_shaped_gguf(Path(path), preset, seed, real_vocab=real_vocab, blocks=blocks)
     return {"seconds": time.perf_counter() - start, "bytes": Path(path).stat().st_size}
 
@@ -406,9 +407,10 @@ def prepare_files(
     wanted = {t: work / f"{stem}.{t}.gguf" for t in args.types.split(",")}
     made: dict[str, Any] = {}
     missing = [t for t, p in wanted.items() if not p.exists() and t != "F16"]
-    if args.random_blocks:  # main() allows Q4_K_M alone
-        if missing:
-            made["write"] = write_file(preset, wanted["Q4_K_M"], args, logs / f"{stem}.write.log")
+    if args.random_blocks:  # main() allows the RANDOM_BLOCK_LAYOUTS types alone
+        for qtype in missing:
+            log = logs / f"{stem}.write-{qtype}.log"
+            made[f"write {qtype}"] = write_file(preset, wanted[qtype], args, log)
         return {t: p for t, p in wanted.items() if p.exists()}, made
     if (missing or "F16" in wanted) and not f16.exists():
         made["write"] = write_file(preset, f16, args, logs / f"{stem}.write.log")
@@ -608,7 +610,7 @@ DEFAULT_MODELS = "llama-1b,llama-3b,llama-8b"
 
 
 def main() -> None:
-    from iterserve.bench.shaped_gguf import PRESETS
+    from iterserve.bench.shaped_gguf import PRESETS, RANDOM_BLOCK_LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help=f"of {', '.join(PRESETS)} (default: {DEFAULT_MODELS}, none with --files)")
@@ -623,7 +625,7 @@ def main() -> None:
     parser.add_argument("--real-vocab", action="store_true", help="the models' own vocabulary sizes and (un)tied heads, not the bundled 49,152 tied")
     parser.add_argument("--workdir", default="~/.cache/iterserve-bench/big_models")
     parser.add_argument("--keep-f16", action="store_true", help="keep the F16 files (14 GB for an 8B)")
-    parser.add_argument("--random-blocks", action="store_true", help="write Q4_K_M files directly as random blocks in llama-quantize's layout: no F16 file (Qwen3-30B-A3B's is 61 GB), weights that say nothing")
+    parser.add_argument("--random-blocks", action="store_true", help="write Q4_K_M (or MXFP4_MOE: gpt-oss) files directly as random blocks in llama-quantize's layout: no F16 file (Qwen3-30B-A3B's is 61 GB), weights that say nothing")
     parser.add_argument("--memory-limit-gib", type=float, default=21.0, help="a child past it is killed")
     parser.add_argument("--isa", choices=("avx2",), default=None, help="the AVX2 kernels of both engines")
     parser.add_argument("--llama-cpp", default=None, help="llama.cpp's bin directory (default: llama_cpp.sh's, if built)")
@@ -653,8 +655,10 @@ def main() -> None:
     models = [m for m in (args.models or ("" if own else DEFAULT_MODELS)).split(",") if m]
     if unknown := [m for m in models if m not in PRESETS]:
         parser.error(f"unknown models {unknown}; presets: {', '.join(PRESETS)}")
-    if args.random_blocks and args.types != "Q4_K_M":
-        parser.error("--random-blocks writes Q4_K_M files only (--types Q4_K_M)")
+    if args.random_blocks and (other := set(args.types.split(",")) - set(RANDOM_BLOCK_LAYOUTS)):
+        parser.error(
+            f"--random-blocks writes {', '.join(RANDOM_BLOCK_LAYOUTS)} files, not {', '.join(other)}"
+        )
     engines = args.engines.split(",")
     work = Path(args.workdir).expanduser()
     logs = work / "logs"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_fast_paths import _assert_as_close_as_bf16
 
 from iterserve import kernels
 from iterserve.model import moe
@@ -19,7 +20,8 @@ from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, load_model
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint
-from tiny_families import ORIGINAL, VOCAB, family_checkpoint, gpt_oss_model
+from tiny_families import ORIGINAL, VOCAB, family_checkpoint, gguf_metadata, gpt_oss_model
+from tiny_gguf import write_gguf
 from transformers_reference import assert_same_greedy
 
 # Chunks over cached prefixes and decodes, past the first layer's window (16) and YaRN's
@@ -115,6 +117,32 @@ def test_mxfp4_experts_in_an_hf_directory_are_refused(checkpoint: Path, tmp_path
         load_model(tmp_path, torch.float32)
 
 
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(
+    hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Path:
+    """The model as a GGUF whose experts are MXFP4 (as gpt-oss's GGUFs keep them), the rest
+    F32."""
+    experts = [
+        f"model.layers.{i}.mlp.experts.{projection}.weight"
+        for i in range(hf.config.num_hidden_layers)
+        for projection in ("gate", "up", "down")
+    ]
+    path = tmp_path_factory.mktemp("gpt-oss-mxfp4") / "tiny.mxfp4.gguf"
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    metadata, _ = gguf_metadata(hf)
+    write_gguf(
+        path,
+        "gpt-oss",
+        hf,
+        tokenizer,
+        rope_freq_base=hf.config.rope_parameters["rope_theta"],
+        metadata=metadata,
+        qtypes=dict.fromkeys(experts, "MXFP4"),
+    )
+    return path
+
+
 @pytest.mark.skipif(
     not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
 )
@@ -123,9 +151,10 @@ def test_fast_paths_keep_the_eager_greedy_tokens(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16: the C++ paged attention with sinks and the experts on the tiled kernels (with
-    their biases, op by op) against eager attention and plain torch projections. Two router logits
-    may tie in bf16 (this model's do, exactly, on one row), and then a rounding upstream
-    flips a token's experts: rows routed differently are left out, and must be rare."""
+    their biases, op by op) against eager attention and plain torch projections. Two router
+    logits may tie in bf16 (this model's do, exactly, on one row), and then a rounding
+    upstream flips a token's experts: rows routed differently are left out, and must be
+    rare."""
     routed: list[torch.Tensor] = []
 
     def recording(
@@ -197,3 +226,29 @@ def test_the_experts_in_one_call_are_the_block_op_by_op(checkpoint: Path, kernel
         # Without the biases and the clamp the op is another function: they are applied.
         block.kernel = dataclasses.replace(block.kernel, router_bias=None, swiglu=(0.0, 0.0))
         assert (block.run(x, residual) - want).abs().max() > 0.1
+
+
+@pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+@pytest.mark.usefixtures("kernel_isa")
+def test_mxfp4_experts_run_from_their_blocks(mxfp4_checkpoint: Path) -> None:
+    """A GGUF's MXFP4 experts on the tiled kernels, in their own blocks against activations
+    rounded to 8 bits a block of 32 (and in the experts op), against the same file's weights
+    (dequantized by the gguf package) in fp32, by the yardstick of plain bf16 there."""
+    loaded = load_model(mxfp4_checkpoint, torch.float32)
+    rows = {}
+    for name, dtype, backend in (
+        ("reference", torch.float32, "torch"),
+        ("bf16", torch.bfloat16, "torch"),
+        ("fast", torch.bfloat16, "tiled"),
+    ):
+        model = LlamaForCausalLM(loaded.config, dtype, torch.device("cpu"))
+        model.load(loaded.weights, backend, loaded.quantized)
+        if backend == "tiled":
+            assert model.describe_linears()["experts"] == "4 experts, top-2, tiled-MXFP4"
+            assert all(layer.moe.kernel is not None for layer in model.layers)
+        rows[name] = list(_run(model, paged_kernel=backend == "tiled").values())
+    _assert_as_close_as_bf16(
+        rows["reference"], rows["fast"], rows["bf16"], error_factor=2.5, miss_share=0.03
+    )

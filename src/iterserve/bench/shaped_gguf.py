@@ -84,6 +84,14 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     dense_intermediate: int | None = None
+    # gpt-oss: attention sinks, a bias on attn_output too, biases on the router and experts,
+    # its pre-MLP norm under llama.cpp's post_attention_norm, and YaRN (factor, original
+    # context) with its ramp at beta_fast 32, beta_slow 1.
+    attention_sinks: bool = False
+    out_bias: bool = False
+    expert_biases: bool = False
+    mlp_norm: str = "ffn_norm"
+    yarn: tuple[float, int] | None = None
 
 
 # The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
@@ -134,6 +142,13 @@ PRESETS: dict[str, Shape] = {
     "qwen3-30b-a3b": Shape("qwen3moe", "Qwen3-30B-A3B",     2048,   768,  48,  32,   4, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936, tied=False, experts=128, experts_used=8,
                         dense_intermediate=6144),
+    # 32 experts of 2880 a layer, 4 a token: 20.9B weights, 3.6B of them read a token. Its F16
+    # file is 42 GB: big_models.py --random-blocks --types MXFP4_MOE writes the layout of
+    # ggml-org's gpt-oss-20b GGUF directly (experts MXFP4, the rest Q8_0).
+    "gpt-oss-20b": Shape("gpt-oss", "gpt-oss-20b",          2880,  2880,  24,  64,   8,  64, 150000.0, 131072, 1e-5,
+                        vocab=201088, tied=False, experts=32, experts_used=4, sliding_window=128,
+                        qkv_bias=True, out_bias=True, attention_sinks=True, expert_biases=True,
+                        mlp_norm="post_attention_norm", yarn=(32.0, 4096)),
 }
 # fmt: on
 
@@ -178,15 +193,23 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
             specs.append(TensorSpec(f"{blk}.attn_q_norm.weight", (hd,), "norm"))
             specs.append(TensorSpec(f"{blk}.attn_k_norm.weight", (hd,), "norm"))
         specs.append(TensorSpec(f"{blk}.attn_output.weight", (h, shape.heads * hd), "weight"))
+        if shape.out_bias:
+            specs.append(TensorSpec(f"{blk}.attn_output.bias", (h,), "bias"))
+        if shape.attention_sinks:
+            specs.append(TensorSpec(f"{blk}.attn_sinks.weight", (shape.heads,), "bias"))
         if gemma:  # Gemma's sandwich norms around attention and the MLP
             specs.append(TensorSpec(f"{blk}.post_attention_norm.weight", (h,), "norm"))
-        specs.append(TensorSpec(f"{blk}.ffn_norm.weight", (h,), "norm"))
+        specs.append(TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm"))
         if shape.experts:  # one tensor per projection, the experts stacked
             e, i_ = shape.experts, shape.intermediate
             specs.append(TensorSpec(f"{blk}.ffn_gate_inp.weight", (e, h), "router"))
             specs.append(TensorSpec(f"{blk}.ffn_gate_exps.weight", (e, i_, h), "weight"))
             specs.append(TensorSpec(f"{blk}.ffn_up_exps.weight", (e, i_, h), "weight"))
             specs.append(TensorSpec(f"{blk}.ffn_down_exps.weight", (e, h, i_), "weight"))
+            if shape.expert_biases:
+                specs.append(TensorSpec(f"{blk}.ffn_gate_inp.bias", (e,), "bias"))
+                for name, width in (("gate", i_), ("up", i_), ("down", h)):
+                    specs.append(TensorSpec(f"{blk}.ffn_{name}_exps.bias", (e, width), "bias"))
         else:
             i_ = shape.intermediate
             if shape.fused_projections:
@@ -302,6 +325,12 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     if shape.rope_linear_factor is not None:
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(shape.rope_linear_factor)
+    if shape.yarn is not None:
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(shape.yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(shape.yarn[1])
+        writer.add_rope_scaling_yarn_beta_fast(32.0)
+        writer.add_rope_scaling_yarn_beta_slow(1.0)
     if shape.attn_softcap is not None:
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.final_softcap is not None:
@@ -367,6 +396,21 @@ def q4_k_m_types(spec: TensorSpec, shape: Shape) -> str | None:
         if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2:
             return "Q6_K"
     return "Q4_K"
+
+
+def mxfp4_moe_types(spec: TensorSpec, shape: Shape) -> str | None:
+    """The types of ggml-org's gpt-oss GGUFs (llama-quantize's MXFP4_MOE): the experts
+    MXFP4, every other weight Q8_0; None (as written) for norms, biases and sinks."""
+    if spec.kind != "weight":
+        return None
+    return "MXFP4" if "_exps." in spec.name else "Q8_0"
+
+
+# The layouts --random-blocks writes, by the llama-quantize type they stand for.
+RANDOM_BLOCK_LAYOUTS: dict[str, Callable[[TensorSpec, Shape], str | None]] = {
+    "Q4_K_M": q4_k_m_types,
+    "MXFP4_MOE": mxfp4_moe_types,
+}
 
 
 def tensor_data(spec: TensorSpec, shape: Shape, seed: int, index: int) -> np.ndarray:
