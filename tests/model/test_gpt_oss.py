@@ -16,6 +16,7 @@ from test_fast_paths import _assert_as_close_as_bf16
 
 from iterserve import kernels
 from iterserve.model import moe
+from iterserve.model.gguf_loader import gguf_model_config, read_gguf_header
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, load_model
 from paged_runner import PagedRunner
@@ -252,3 +253,13 @@ def test_mxfp4_experts_run_from_their_blocks(mxfp4_checkpoint: Path) -> None:
     _assert_as_close_as_bf16(
         rows["reference"], rows["fast"], rows["bf16"], error_factor=2.5, miss_share=0.03
     )
+
+
+def test_both_harmony_ends_of_a_turn_stop_a_gguf(mxfp4_checkpoint: Path) -> None:
+    """A gpt-oss GGUF names one end as eos; <|return|> (an answer's) and <|call|> (a tool
+    call's) both stop, found by their text as llama.cpp finds them."""
+    metadata, tensors = read_gguf_header(mxfp4_checkpoint)
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    tokens[5], tokens[7] = "<|return|>", "<|call|>"
+    config = gguf_model_config({**metadata, "tokenizer.ggml.tokens": tokens}, tensors)
+    assert config.eos_token_ids == (2, 5, 7)

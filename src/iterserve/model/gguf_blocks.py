@@ -72,13 +72,16 @@ class GGUFBlocks:
         values = torch.from_numpy(dequantize(self.read(), qtype).reshape(self.shape))
         return values if self.rows is None else values[self.rows]
 
-    def tiles(self, ops: object) -> torch.Tensor:
-        """The kernels' tiles ([N/16 padded, bytes] uint8), built a slice of rows at a time."""
+    def tiles(self, ops: object, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernels' tiles ([N/16 padded, bytes] uint8), built a slice of rows at a time;
+        into `out` if given (rows in their file order only)."""
         n, k = self.shape
         if self.rows is not None:  # a permutation reads rows anywhere: the whole tensor at once
+            assert out is None
             padding = torch.full((padded_rows(n) - n,), -1, dtype=torch.long)
             return repack(ops, self.read(), self.format, k, torch.cat((self.rows.long(), padding)))
-        out = weight_buffer(padded_rows(n) // TILE, self.format.bytes_per_tile(k))
+        if out is None:
+            out = weight_buffer(padded_rows(n) // TILE, self.format.bytes_per_tile(k))
         step = max(TILE, _SLICE_BYTES // self.format.row_bytes(k) // TILE * TILE)
         for start in range(0, n, step):
             stop = min(n, start + step)

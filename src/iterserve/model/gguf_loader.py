@@ -95,6 +95,9 @@ _GEMMA_BLOCK_NAMES = {
 # sliding layers of Gemma 3 rotate with a plain base of 10000 unless the file says otherwise.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GPT_OSS_WINDOW_PATTERN = 2
+# gpt-oss's chat format (Harmony) ends an answer with <|return|> and a tool call with
+# <|call|>; its GGUFs name one of them as eos.
+_HARMONY_END_TOKENS = ("<|return|>", "<|call|>")
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # The layer counts of the 27B models, whose attention scale is 1/sqrt(hidden / heads) instead
 # of 1/sqrt(head_dim): GGUF has no key for HF's query_pre_attn_scalar, and llama.cpp picks
@@ -374,6 +377,9 @@ def gguf_model_config(
     _refuse_unsupported(metadata, tensors, arch, head_dim, experts)
     rotary_dim = _gguf_rotary_dim(metadata.get(f"{arch}.rope.dimension_count"), head_dim)
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    if arch == "gpt-oss":  # both of Harmony's ends of a turn, as llama.cpp finds them: by text
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        eos_ids += [i for i, token in enumerate(tokens) if token in _HARMONY_END_TOKENS]
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_WINDOW_PATTERN:
         gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)

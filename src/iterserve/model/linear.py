@@ -118,7 +118,10 @@ class Linear:
         backend: Backend = "torch",
         mode: WeightMode = "blocks",
         dtype: torch.dtype = torch.bfloat16,
+        tiles: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> None:
+        """`tiles`: each part's tiles and format where they were made already (a layer's
+        experts, made straight into one stack a projection: model/moe.py)."""
         self.out_features = sum(p.shape[0] for p in parts)
         self.in_features = parts[0].shape[1]
         self.bias = bias
@@ -132,9 +135,9 @@ class Linear:
         self.backend: Backend = backend
         if backend == "tiled":
             self.ops = kernels.ops()
-            for part in parts:
-                tiles, code = self._tiles(part, mode)
-                self.segments.append(tiles)
+            for i, part in enumerate(parts):
+                segment, code = tiles[i] if tiles is not None else self._tiles(part, mode)
+                self.segments.append(segment)
                 self.codes.append(code)
             padded = padded_rows(self.out_features)
             if bias is not None and padded > self.out_features:

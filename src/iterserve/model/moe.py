@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.model.block_formats import BF16, tile_dense
+from iterserve import kernels
+from iterserve.model.block_formats import BF16, TILE, tile_dense
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.host_memory import weight_buffer
@@ -198,29 +199,41 @@ class SparseMoeBlock(nn.Module):
 
     def build(self, part: Callable[[str], WeightPart], backend: Backend, mode: WeightMode) -> None:
         """One Linear per expert and projection, from its checkpoint tensors (`part(name)`, by
-        the name under the layer). The router stays a plain F.linear: E rows."""
-        names = self.names
+        the name under the layer). The router stays a plain F.linear: E rows. Experts kept in
+        their file's blocks are made straight into one stack a projection (`_stacked_tiles`),
+        which the experts op runs from and each expert's Linear views."""
+        names, experts = self.names, range(self.num_experts)
+        parts = {p: [part(names.of(e, p)) for e in experts] for p in ("gate", "up", "down")}
+        stacks = _stacked_tiles(parts) if backend == "tiled" and mode == "blocks" else None
+
+        def made(e: int, *projections: str) -> list[tuple[torch.Tensor, int]] | None:
+            if stacks is None:
+                return None
+            return [(stacks[p][0][e], stacks[p][1]) for p in projections]
+
         self.gate_up = [
             Linear(
-                [part(names.of(e, "gate")), part(names.of(e, "up"))],
+                [parts["gate"][e], parts["up"][e]],
                 None if self.gate_up_bias is None else self.gate_up_bias[e],
                 backend,
                 mode,
                 self.dtype,
+                made(e, "gate", "up"),
             )
-            for e in range(self.num_experts)
+            for e in experts
         ]
         self.down = [
             Linear(
-                [part(names.of(e, "down"))],
+                [parts["down"][e]],
                 None if self.down_bias is None else self.down_bias[e],
                 backend,
                 mode,
                 self.dtype,
+                made(e, "down"),
             )
-            for e in range(self.num_experts)
+            for e in experts
         ]
-        self.kernel = ExpertsKernel.of(self)
+        self.kernel = ExpertsKernel.of(self, stacks)
 
     def describe(self) -> str:
         return f"{self.num_experts} experts, top-{self.top_k}, {self.gate_up[0].describe()}"
@@ -289,11 +302,14 @@ class ExpertsKernel:
     swiglu: tuple[float, float] = (0.0, 0.0)
 
     @staticmethod
-    def of(block: SparseMoeBlock) -> ExpertsKernel | None:
-        """The block's experts restacked, each expert's Linear then holding views of the
-        stacks (the tiles are copied once, a layer at a time, and the copies freed); None
-        unless every expert runs on the tiled kernels, unpadded (whole tiles of 16 outputs,
-        as the op's SwiGLU needs), one format for each projection across the experts."""
+    def of(
+        block: SparseMoeBlock, stacks: dict[str, tuple[torch.Tensor, int]] | None = None
+    ) -> ExpertsKernel | None:
+        """The block's experts as stacks: `stacks` where `build` made them so, else restacked,
+        each expert's Linear then holding views of the stacks (the tiles are copied once, a
+        layer at a time, and the copies freed); None unless every expert runs on the tiled
+        kernels, unpadded (whole tiles of 16 outputs, as the op's SwiGLU needs), one format
+        for each projection across the experts."""
         linears = [*block.gate_up, *block.down]
         if any(lin.backend != "tiled" for lin in linears):
             return None
@@ -306,9 +322,18 @@ class ExpertsKernel:
         if block.router_bias is not None:
             router_bias = block.router_bias.new_zeros(router.shape[0] * 16)
             router_bias[: block.num_experts] = block.router_bias.detach()
+        swiglu = block.swiglu_clamp or (0.0, 0.0)
+        if stacks is not None:
+            (gate, gate_code), (up, up_code), (down, down_code) = (
+                stacks[p] for p in ("gate", "up", "down")
+            )
+            formats = [gate_code, up_code, down_code]
+            return ExpertsKernel(
+                linears[0].ops, router, gate, up, down, formats, router_bias, swiglu
+            )
         parts = [(lin, i) for lin in block.gate_up for i in (0, 1)]
         gates, ups, downs = parts[0::2], parts[1::2], [(lin, 0) for lin in block.down]
-        stacks = []
+        restacked = []
         for part in (gates, ups, downs):
             if len({lin.codes[i] for lin, i in part}) != 1:
                 return None
@@ -321,10 +346,9 @@ class ExpertsKernel:
             for e, (lin, i) in enumerate(part):
                 stack[e].copy_(lin.segments[i])
                 lin.segments[i] = stack[e]
-            stacks.append(stack)
+            restacked.append(stack)
         formats = [gates[0][0].codes[0], ups[0][0].codes[1], downs[0][0].codes[0]]
-        swiglu = block.swiglu_clamp or (0.0, 0.0)
-        return ExpertsKernel(linears[0].ops, router, *stacks, formats, router_bias, swiglu)
+        return ExpertsKernel(linears[0].ops, router, *restacked, formats, router_bias, swiglu)
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, block: SparseMoeBlock
@@ -344,6 +368,33 @@ class ExpertsKernel:
             block.down_bias,
             *self.swiglu,
         )
+
+
+def _stacked_tiles(
+    parts: dict[str, list[WeightPart]],
+) -> dict[str, tuple[torch.Tensor, int]] | None:
+    """Each projection's experts' tiles made straight into one stack [experts, tiles, bytes
+    a tile] and its format, where every expert's part is in the file's blocks, one format a
+    projection, in whole tiles; None otherwise (the Linears then make their own, and
+    ExpertsKernel.of copies them into stacks). Made in place: a copy would leave the first
+    tiles' memory held, as they share packed mappings with the layer's other weights
+    (model/host_memory.py)."""
+    stacks = {}
+    for projection, experts in parts.items():
+        blocks = [part.blocks for part in experts if part.blocks is not None]
+        if len(blocks) < len(experts) or any(b.rows is not None for b in blocks):
+            return None
+        first = blocks[0]
+        n, k = first.shape
+        if n % TILE or k % first.format.inputs or len({b.format for b in blocks}) != 1:
+            return None
+        stack = weight_buffer(len(blocks) * n // TILE, first.format.bytes_per_tile(k))
+        stack = stack.view(len(blocks), n // TILE, -1)
+        ops = kernels.ops()
+        for e, expert in enumerate(blocks):
+            expert.tiles(ops, out=stack[e])
+        stacks[projection] = (stack, first.format.code)
+    return stacks
 
 
 # The blocks a compiled layer stack reaches through `moe_mlp`, by a number (held weakly).
