@@ -27,7 +27,7 @@ import itertools
 import re
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -71,6 +71,13 @@ class ExpertNames:
         )
 
 
+_QWEN3_MOE_NAMES = ExpertNames(
+    router="mlp.gate.weight",
+    expert="mlp.experts.{}.{}.weight",
+    gate="gate_proj",
+    up="up_proj",
+    down="down_proj",
+)
 EXPERT_NAMES = {
     "mixtral": ExpertNames(
         router="block_sparse_moe.gate.weight",
@@ -79,21 +86,10 @@ EXPERT_NAMES = {
         up="w3",
         down="w2",
     ),
-    "qwen3_moe": ExpertNames(
-        router="mlp.gate.weight",
-        expert="mlp.experts.{}.{}.weight",
-        gate="gate_proj",
-        up="up_proj",
-        down="down_proj",
-    ),
-    # As model/loader.py unstacks gpt-oss's `mlp.experts.gate_up_proj` and `down_proj`.
-    "gpt_oss": ExpertNames(
-        router="mlp.router.weight",
-        expert="mlp.experts.{}.{}.weight",
-        gate="gate_proj",
-        up="up_proj",
-        down="down_proj",
-    ),
+    "qwen3_moe": _QWEN3_MOE_NAMES,
+    # Qwen3-MoE's expert names, as model/loader.py unstacks gpt-oss's
+    # `mlp.experts.gate_up_proj` and `down_proj`; its router is `mlp.router`.
+    "gpt_oss": replace(_QWEN3_MOE_NAMES, router="mlp.router.weight"),
 }
 
 # llama.cpp stores each layer's experts as one tensor per projection, [experts, rows, cols]
