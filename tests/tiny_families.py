@@ -233,8 +233,8 @@ def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTraine
         "mixtral": dict(num_local_experts=4),
         "qwen3_moe": dict(num_experts=4, moe_intermediate_size=128, norm_topk_prob=True),
     }
-    if name == "gpt_oss":
-        return gpt_oss_model(vocab_size=SMALL_VOCAB)
+    if name == "gpt_oss":  # a GGUF implies llama.cpp's SwiGLU limit (7)
+        return gpt_oss_model(vocab_size=SMALL_VOCAB, **({"swiglu_limit": 7.0} if gguf else {}))
     if name not in experts:
         return family_model(name, gguf=gguf, vocab_size=SMALL_VOCAB)
     return tiny_hf_model(

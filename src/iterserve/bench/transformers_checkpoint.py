@@ -33,6 +33,7 @@ HF_CLASSES = {
     "granite": ("GraniteForCausalLM", "granite"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 
 
@@ -94,6 +95,13 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         raw["attn_logit_softcapping"] = config.attn_logit_softcapping
         raw["final_logit_softcapping"] = config.final_logit_softcapping
         raw["hidden_activation"] = "gelu_pytorch_tanh"
+    if config.architecture == "gpt_oss":
+        windows = config.sliding_window_layers or (True,) * config.num_hidden_layers
+        raw["layer_types"] = [
+            "sliding_attention" if sliding else "full_attention" for sliding in windows
+        ]
+        if config.swiglu_clamp is not None:
+            raw["swiglu_alpha"], raw["swiglu_limit"] = config.swiglu_clamp
     if config.local_rope_theta is not None:  # Gemma 3: rope per layer type
         raw["rope_parameters"] = {
             "full_attention": rope,
@@ -119,6 +127,8 @@ def from_loaded(
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()  # a view into a stack (GGUF experts): safetensors wants its own
         tensors[name] = tensor
+    if config.architecture == "gpt_oss":
+        tensors = gpt_oss_stacks(tensors, config.num_hidden_layers, config.num_local_experts)
     with tempfile.TemporaryDirectory(prefix="iterserve-peer-") as directory:
         path = Path(directory)
         (path / "config.json").write_text(json.dumps(hf_config_json(config)))
@@ -127,6 +137,32 @@ def from_loaded(
     if config.rope_scaling and config.rope_scaling.get("rope_type") == "freq_factors":
         apply_freq_factors(model, config.rope_scaling["freq_factors"])
     return model
+
+
+def gpt_oss_stacks(
+    tensors: Mapping[str, torch.Tensor], layers: int, experts: int
+) -> dict[str, torch.Tensor]:
+    """gpt-oss's per-expert tensors (as iterserve's loaders name them) back in its
+    checkpoint's stacks: gate_up_proj [experts, hidden, 2 x width] with gate and up
+    interleaved, down_proj [experts, width, hidden], and their biases."""
+    out = dict(tensors)
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+
+        def take(projection: str, kind: str, prefix: str = prefix) -> torch.Tensor:
+            return torch.stack(
+                [out.pop(f"{prefix}.{e}.{projection}.{kind}") for e in range(experts)]
+            )
+
+        for kind, suffix in (("weight", ""), ("bias", "_bias")):
+            gate, up, down = (take(p, kind) for p in ("gate_proj", "up_proj", "down_proj"))
+            if kind == "weight":  # [experts, outputs, inputs] -> [experts, inputs, outputs]
+                gate, up, down = (t.transpose(1, 2) for t in (gate, up, down))
+            out[f"{prefix}.gate_up_proj{suffix}"] = (
+                torch.stack((gate, up), dim=-1).flatten(-2).contiguous()
+            )
+            out[f"{prefix}.down_proj{suffix}"] = down.contiguous()
+    return out
 
 
 def apply_freq_factors(model: Any, factors: list[float]) -> None:

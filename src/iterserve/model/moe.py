@@ -1,5 +1,6 @@
-"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE: the one part of their layers
-that differs from a Llama (Mistral, Qwen3) layer.
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen3-MoE and gpt-oss: the one part of their
+layers that differs from a Llama (Mistral, Qwen3) layer (gpt-oss's own: biases on the router
+and experts, a clamped SwiGLU, `swiglu`).
 
 Each token's router logits pick its top-k experts, exactly as transformers does: softmax over
 all experts in fp32, top-k, and (Mixtral always; Qwen3-MoE where `norm_topk_prob` says, as in
