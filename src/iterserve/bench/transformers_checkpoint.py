@@ -86,22 +86,18 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         raw["num_experts"] = config.num_local_experts
         raw["moe_intermediate_size"] = config.intermediate_size
         raw["norm_topk_prob"] = config.norm_topk_prob
-    if config.architecture in ("gemma2", "gemma3"):
+    if config.architecture in ("gemma2", "gemma3", "gpt_oss"):
         windows = config.sliding_window_layers or (True,) * config.num_hidden_layers
         raw["layer_types"] = [
             "sliding_attention" if sliding else "full_attention" for sliding in windows
         ]
+    if config.architecture in ("gemma2", "gemma3"):
         raw["query_pre_attn_scalar"] = config.query_pre_attn_scalar or config.head_dim
         raw["attn_logit_softcapping"] = config.attn_logit_softcapping
         raw["final_logit_softcapping"] = config.final_logit_softcapping
         raw["hidden_activation"] = "gelu_pytorch_tanh"
-    if config.architecture == "gpt_oss":
-        windows = config.sliding_window_layers or (True,) * config.num_hidden_layers
-        raw["layer_types"] = [
-            "sliding_attention" if sliding else "full_attention" for sliding in windows
-        ]
-        if config.swiglu_clamp is not None:
-            raw["swiglu_alpha"], raw["swiglu_limit"] = config.swiglu_clamp
+    if config.swiglu_clamp is not None:  # gpt-oss
+        raw["swiglu_alpha"], raw["swiglu_limit"] = config.swiglu_clamp
     if config.local_rope_theta is not None:  # Gemma 3: rope per layer type
         raw["rope_parameters"] = {
             "full_attention": rope,

@@ -236,14 +236,8 @@ def _gpt_oss_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss's window on every other layer (from the first) and its clamped SwiGLU."""
     if architecture != "gpt_oss":
         return {}
-    layers = raw["num_hidden_layers"]
-    layer_types = raw.get("layer_types") or [
-        "full_attention" if i % 2 else "sliding_attention" for i in range(layers)
-    ]
-    if unknown := set(layer_types) - {"sliding_attention", "full_attention"}:
-        raise ModelLoadError(f"gpt_oss layer types {sorted(unknown)} are not supported")
     return {
-        "sliding_window_layers": tuple(t == "sliding_attention" for t in layer_types),
+        "sliding_window_layers": _sliding_layers(architecture, raw, 2),
         "swiglu_clamp": (
             float(raw.get("swiglu_alpha", 1.702)),
             float(raw.get("swiglu_limit", 7.0)),
@@ -315,6 +309,18 @@ def _hf_rope(
     return rope_theta, rope_scaling, max_positions
 
 
+def _sliding_layers(architecture: str, raw: dict[str, Any], pattern: int) -> tuple[bool, ...]:
+    """Which layers attend through the window: config.json's `layer_types`, or every
+    `pattern`-th layer full, the rest sliding (Gemma's and gpt-oss's config classes)."""
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention"
+        for i in range(raw["num_hidden_layers"])
+    ]
+    if unknown := set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{architecture} layer types {sorted(unknown)} are not supported")
+    return tuple(t == "sliding_attention" for t in layer_types)
+
+
 def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields only Gemma sets: window pattern, soft-caps, attention scale, the
     sliding layers' RoPE base. Refuses the variants the family's traits do not cover."""
@@ -323,13 +329,7 @@ def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) 
         raise ModelLoadError(
             f"{architecture} with hidden_activation {activation!r} is not supported"
         )
-    layers = raw["num_hidden_layers"]
     pattern = raw.get("sliding_window_pattern") or _GEMMA_WINDOW_PATTERN[architecture]
-    layer_types = raw.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-    ]
-    if unknown := set(layer_types) - {"sliding_attention", "full_attention"}:
-        raise ModelLoadError(f"{architecture} layer types {sorted(unknown)} are not supported")
     local_theta = None
     if architecture == "gemma3":
         local = rope.get("sliding_attention") or {}
@@ -339,7 +339,7 @@ def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) 
             )
         local_theta = float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
     return {
-        "sliding_window_layers": tuple(t == "sliding_attention" for t in layer_types),
+        "sliding_window_layers": _sliding_layers(architecture, raw, pattern),
         "attn_logit_softcapping": raw.get("attn_logit_softcapping"),
         "final_logit_softcapping": raw.get("final_logit_softcapping"),
         "query_pre_attn_scalar": raw.get("query_pre_attn_scalar"),
