@@ -157,7 +157,12 @@ def test_stop_strings_and_stop_tokens(tiny_llama_dir: Path) -> None:
         use_tqdm=False,
     )[0]
     assert by_token.finish_reason == "stop"
-    assert by_token.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+    stop_at = full.token_ids.index(token)
+    assert by_token.token_ids == full.token_ids[: stop_at + 1]
+    # The stop token is counted among the output's tokens, and its text is not the answer's.
+    decode = llm.engine.tokenizer.decode
+    assert by_token.text == decode(full.token_ids[:stop_at])
+    assert by_token.text != decode(full.token_ids[: stop_at + 1])
     assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0
 
 

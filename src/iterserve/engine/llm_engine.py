@@ -475,10 +475,14 @@ class LLMEngine:
         token_ids = update.new_token_ids
         finish_reason = update.finish_reason
         delta, stopped, kept = "", False, 0
+        # A request the scheduler stopped ended on a stop token (EOS or stop_token_ids):
+        # its text is not the answer's, as in vLLM (`<|im_end|>`, Harmony's `<|call|>` are
+        # kept out even where special tokens are shown).
+        shown = len(token_ids) - (finish_reason == "stop")
         # Token by token, so a stop string ends the request at the token that completed
         # it even when a step produced several (accepted speculative drafts).
-        for token_id in token_ids:
-            text = stream.detokenizer.add_tokens([token_id])
+        for index, token_id in enumerate(token_ids):
+            text = stream.detokenizer.add_tokens([token_id]) if index < shown else ""
             kept += 1
             if kept == len(token_ids) and finish_reason is not None:
                 text += stream.detokenizer.flush()  # release a held-back partial character
