@@ -3,7 +3,8 @@
 special), a tiny random checkpoint of the family's architecture (Qwen3; R1's distills are
 Qwen2), and the family's real chat template, as llama.cpp keeps them in `models/templates/`
 (Qwen-Qwen3-0.6B.jinja, deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja), under
-tests/server/chat_templates/.
+tests/server/chat_templates/. Likewise a tiny gpt-oss, with Harmony's special tokens and
+its template (openai-gpt-oss-120b.jinja).
 
 A random model never writes `<think>` by itself, so `forced_tokens` makes a request's first
 tokens a script, chosen where the sampler draws: after the logit controls and the grammar's
@@ -24,11 +25,16 @@ from iterserve.core.outputs import ScheduledSeq
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.model.tokenizer import load_hf_tokenizer
 from tiny_checkpoints import save_checkpoint, tiny_hf_model
+from tiny_families import gpt_oss_model
 
 TEMPLATES = Path(__file__).parent / "server" / "chat_templates"
 QWEN3_TEMPLATE = (TEMPLATES / "qwen3.jinja").read_text()
 R1_TEMPLATE = (TEMPLATES / "deepseek_r1_distill_qwen_32b.jinja").read_text()
+GPT_OSS_TEMPLATE = (TEMPLATES / "openai_gpt_oss_120b.jinja").read_text()
 OPEN, CLOSE = "<think>", "</think>"
+# Harmony's special tokens, as gpt-oss's tokenizer has them; the last two end a turn.
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
+HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 def thinking_tokenizer(tokenizer_dir: Path, template: str, special: bool = False) -> Any:
@@ -57,6 +63,27 @@ def thinking_checkpoint(tokenizer_dir: Path, out: Path, family: str) -> Path:
         tie_word_embeddings=True,
         **({"head_dim": 16} if family == "qwen3" else {}),
     )
+    return save_checkpoint(model, out, tokenizer)
+
+
+def harmony_tokenizer(tokenizer_dir: Path) -> Any:
+    """SmolLM2's tokenizer with Harmony's special tokens and gpt-oss's chat template (as
+    llama.cpp keeps it: models/templates/openai-gpt-oss-120b.jinja)."""
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    tokens = [
+        AddedToken(text, special=True, normalized=False)
+        for text in (*HARMONY_TOKENS, *HARMONY_ENDS)
+    ]
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    tokenizer.chat_template = GPT_OSS_TEMPLATE
+    return tokenizer
+
+
+def gpt_oss_checkpoint(tokenizer_dir: Path, out: Path) -> Path:
+    """A tiny random gpt-oss with Harmony's tokens, whose turns end at either end token."""
+    tokenizer = harmony_tokenizer(tokenizer_dir)
+    model = gpt_oss_model(vocab_size=len(tokenizer))
+    model.config.eos_token_id = tokenizer.convert_tokens_to_ids(list(HARMONY_ENDS))
     return save_checkpoint(model, out, tokenizer)
 
 

@@ -16,12 +16,12 @@ import pytest
 from iterserve.chat.answer import AnswerStream, read_answer
 from iterserve.chat.reasoning import ReasoningSupport, thinking_template_kwargs
 from iterserve.chat.reasoning_parsers import (
-    ReasoningParser,
     ReasoningStream,
-    ThinkingReader,
     ThinkingStart,
+    ThinkTagParser,
     select_reasoning_parser,
 )
+from iterserve.chat.reasoning_parsers.think_tags import ThinkTagReader
 from iterserve.chat.tool_parsers import ParsedCall
 from iterserve.chat.tool_parsers.hermes import HermesToolParser
 from iterserve.chat.tools import ToolPlan
@@ -36,9 +36,9 @@ QWEN_OFF_PROMPT = QWEN_PROMPT + "<think>\n\n</think>\n\n"  # enable_thinking fal
 R1_PROMPT = "<｜User｜>Hi<｜Assistant｜><think>\n"
 UNMARKED_PROMPT = "User: Hi\nAssistant:"
 
-QWEN3, R1 = ReasoningParser("qwen3"), ReasoningParser("deepseek_r1")
+QWEN3, R1 = ThinkTagParser("qwen3"), ThinkTagParser("deepseek_r1")
 # (parser, prompt, answer, reasoning, content)
-ANSWERS: list[tuple[ReasoningParser, str, str, str | None, str]] = [
+ANSWERS: list[tuple[ThinkTagParser, str, str, str | None, str]] = [
     (
         QWEN3,
         QWEN_PROMPT,
@@ -69,7 +69,7 @@ ANSWERS: list[tuple[ReasoningParser, str, str, str | None, str]] = [
 
 @pytest.mark.parametrize(("parser", "prompt", "answer", "reasoning", "content"), ANSWERS)
 def test_parsers_split_model_answers(
-    parser: ReasoningParser, prompt: str, answer: str, reasoning: str | None, content: str
+    parser: ThinkTagParser, prompt: str, answer: str, reasoning: str | None, content: str
 ) -> None:
     split = parser.reader(prompt).scan(answer, final=True)
     assert (split.reasoning, split.content) == (reasoning, content)
@@ -77,7 +77,7 @@ def test_parsers_split_model_answers(
 
 @pytest.mark.parametrize(("parser", "prompt", "answer", "reasoning", "content"), ANSWERS)
 def test_streamed_splits_reassemble_to_the_whole_answers(
-    parser: ReasoningParser, prompt: str, answer: str, reasoning: str | None, content: str
+    parser: ThinkTagParser, prompt: str, answer: str, reasoning: str | None, content: str
 ) -> None:
     reader = parser.reader(prompt)
     rng = random.Random(len(answer))
@@ -149,7 +149,7 @@ def test_auto_picks_the_parser_by_template() -> None:
     assert select_reasoning_parser("none", R1_TEMPLATE, never) is None
     named = select_reasoning_parser("deepseek_r1", "", never)
     assert named is not None and named.name == "deepseek_r1"
-    with pytest.raises(ValueError, match="qwen3, deepseek_r1"):
+    with pytest.raises(ValueError, match="qwen3, deepseek_r1, openai_gptoss"):
         select_reasoning_parser("granite", QWEN3_TEMPLATE, never)
 
 
@@ -326,5 +326,5 @@ def test_streamed_answers_reassemble_to_the_whole(text: str) -> None:
 
 
 def test_a_reader_of_a_closed_prompt_reads_content_only() -> None:
-    reader = ThinkingReader("<think>", "</think>", ThinkingStart.CLOSED)
+    reader = ThinkTagReader(ThinkingStart.CLOSED)
     assert reader.scan("<think>", final=False).reasoning is None

@@ -1,8 +1,8 @@
 """What serving a thinking model needs beside its parser, shared by the server and
 `LLM.chat`: the markers as the tokenizer writes them (the grammar of structured output and
-forced tool calls starts after the end marker, and usage counts the tokens up to it), the
+forced tool calls starts after the thinking, and usage counts the tokens up to its end), the
 chat template's switch that turns thinking off, and what `reasoning_effort` (Responses:
-`reasoning.effort`) sets it to. docs/reasoning.md has the rules.
+`reasoning.effort`) sets it to (or, where the template takes efforts, the effort itself). docs/reasoning.md has the rules.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ NO_THINKING_EFFORTS = ("none", "minimal")
 # Template variables that turn thinking on and off: Qwen3's (and GLM-4.5's), DeepSeek-V3.1's.
 _SWITCHES = ("enable_thinking", "thinking")
 _PROBE = [{"role": "user", "content": "Hi"}]
+# The template variable that takes the effort itself, where a template has efforts (gpt-oss).
+EFFORT_VARIABLE = "reasoning_effort"
 
 
 @dataclass(frozen=True)
 class ReasoningSupport:
     parser: ReasoningParser
     end_ids: tuple[int, ...]  # the end marker's tokens
+    grammar_ids: tuple[int, ...]  # the tokens a grammar starts after
     open_id: int | None  # the open marker's token, when it is a single one
     switch: str | None  # the template variable that turns thinking off, if it has one
     markers_are_special: bool  # then special tokens are kept in the text, or they vanish
@@ -47,16 +50,19 @@ class ReasoningSupport:
         )
         if parser is None:
             return None
-        opening, ending = (
-            tuple(tokenizer.encode(marker, add_special_tokens=False)) for marker in parser.markers
-        )
-        special = set(getattr(tokenizer, "all_special_tokens", ()))
+
+        def tokens(marker: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(marker, add_special_tokens=False))
+
+        opening = tokens(parser.open_marker) if parser.open_marker else ()
+        special = getattr(tokenizer, "all_special_tokens", ())
         return cls(
             parser,
-            ending,
+            tokens(parser.end_marker),
+            tokens(parser.grammar_marker),
             opening[0] if len(opening) == 1 else None,
-            _thinking_switch(tokenizer, chat_template),
-            any(marker in special for marker in parser.markers),
+            None if parser.effort_levels else _thinking_switch(tokenizer, chat_template),
+            any(token in marker for marker in parser.markers for token in special),
         )
 
     def prepare(self, prompt: str, params: SamplingParams) -> ThinkingReader:
@@ -74,12 +80,18 @@ class ReasoningSupport:
 
     def _grammar_start(self, start: ThinkingStart) -> ThinkingMarkers | None:
         if start is ThinkingStart.INSIDE:
-            return ThinkingMarkers(self.end_ids)
+            return ThinkingMarkers(self.grammar_ids)
         if start is ThinkingStart.MAY_OPEN and self.open_id is not None:
-            return ThinkingMarkers(self.end_ids, self.open_id)
+            return ThinkingMarkers(self.grammar_ids, self.open_id)
         # Thinking closed by the prompt: the grammar starts at once. (Where the open marker
         # is several tokens the model could not open thinking under a grammar either.)
         return None
+
+    def effort_note(self) -> str:
+        """What `reasoning_effort` sets, for the start-up log."""
+        if self.parser.effort_levels:
+            return f"; efforts: {', '.join(self.parser.effort_levels)}"
+        return f"; thinking switch: {self.switch}" if self.switch else ""
 
     def reasoning_tokens(self, token_ids: Sequence[int], thought: bool) -> int:
         """How many of an answer's tokens are its thinking, end marker included (all of
@@ -95,7 +107,11 @@ class ReasoningSupport:
     def template_kwargs(
         self, given: Mapping[str, Any] | None, effort: str, param: str
     ) -> dict[str, Any] | None:
-        """`given` (chat_template_kwargs) with the switch set as `effort` asks."""
+        """`given` (chat_template_kwargs) with the switch set as `effort` asks, or the
+        effort itself where the template takes it (gpt-oss's)."""
+        levels = self.parser.effort_levels
+        if levels is not None:
+            return _with_effort_level(given, effort, levels, param)
         thinking = effort not in NO_THINKING_EFFORTS
         if self.switch is None:
             if not thinking:
@@ -112,6 +128,24 @@ class ReasoningSupport:
                 param,
             )
         return {**(given or {}), self.switch: thinking}
+
+
+def _with_effort_level(
+    given: Mapping[str, Any] | None, effort: str, levels: tuple[str, ...], param: str
+) -> dict[str, Any]:
+    if effort not in levels:
+        raise InvalidRequestError(
+            f"{param} {effort!r} is not one of this model's efforts: {', '.join(levels)} "
+            "(it always thinks)",
+            param,
+        )
+    if given and given.get(EFFORT_VARIABLE, effort) != effort:
+        raise InvalidRequestError(
+            f"{param} {effort!r} and chat_template_kwargs.{EFFORT_VARIABLE}="
+            f"{given[EFFORT_VARIABLE]!r} disagree",
+            param,
+        )
+    return {**(given or {}), EFFORT_VARIABLE: effort}
 
 
 def thinking_template_kwargs(

@@ -47,10 +47,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS]), "
         "pythonic ([f(x=1), g()], LFM2), qwen3_coder (<tool_call><function=f>...), deepseek_v3 "
         "(V3, R1), deepseek_v31 (V3.1), granite (<|tool_call|>[...], Granite 3.x), "
-        "phi4_mini_json (functools[...], Phi-4-mini); auto: the format the chat template asks "
-        "for (Hermes', "
-        "taught in the system message, when the template has no place for tools); none: "
-        "tool_choice 'auto' is refused (docs/tool_calling.md)",
+        "phi4_mini_json (functools[...], Phi-4-mini), openai (Harmony's to=functions.NAME, "
+        "gpt-oss); auto: the format the chat template asks for (Hermes', taught in the "
+        "system message, when the template has no place for tools); none: tool_choice "
+        "'auto' is refused (docs/tool_calling.md)",
     )
     p.add_argument(
         "--reasoning-parser",
@@ -59,8 +59,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="read a thinking model's <think>...</think> into reasoning_content (Responses: "
         "a reasoning item); qwen3 and deepseek_r1 are vLLM's names for this one format, and "
         "each request's rendered prompt says whether its answer starts inside the thinking; "
-        "auto: where the chat template writes <think> (named deepseek_r1 when its generation "
-        "prompt opens it); none: answers are not read for thinking (docs/reasoning.md)",
+        "openai_gptoss reads gpt-oss's Harmony channels (analysis, commentary, final); "
+        "auto: Harmony where the chat template writes <|channel|>, else where it writes "
+        "<think> (named deepseek_r1 when its generation prompt opens it); none: answers are "
+        "not read for thinking (docs/reasoning.md)",
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

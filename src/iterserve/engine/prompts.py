@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from iterserve.engine.template_inputs import fitted_to_template
+from iterserve.engine.template_inputs import fitted_to_template, fitted_tools
 from iterserve.sampling_params import InvalidRequestError
 
 # OpenAI's roles that any chat template is expected to take; a template may name more.
@@ -115,7 +115,7 @@ def render_chat(
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
-            tools=[dict(tool) for tool in tools] if tools else None,  # HF's tool schemas
+            tools=[dict(tool) for tool in fitted_tools(template, tools)] if tools else None,
             **(template_kwargs or {}),  # a clash with the names above is a TypeError: a 400
         )
     except Exception as error:  # jinja raises for conversations the template forbids

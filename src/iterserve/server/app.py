@@ -122,6 +122,6 @@ def _serving_context(
         "reasoning: %s (--reasoning-parser %s)%s",
         reasoning.parser.name if reasoning else "not parsed",
         settings.reasoning_parser,
-        f"; thinking switch: {reasoning.switch}" if reasoning and reasoning.switch else "",
+        reasoning.effort_note() if reasoning else "",
     )
     return ctx

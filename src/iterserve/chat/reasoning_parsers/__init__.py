@@ -1,6 +1,7 @@
 """The reasoning parser, chosen with `--reasoning-parser`: where a thinking model's answer
 keeps its thinking, so it goes to `reasoning_content` and the rest to `content`. Qwen3's
-and DeepSeek-R1's are one format (base.py), under both of vLLM's names."""
+and DeepSeek-R1's are one format (think_tags.py), under both of vLLM's names; gpt-oss's
+channels are another (harmony.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ from iterserve.chat.reasoning_parsers.base import (
     ThinkingReader,
     ThinkingStart,
 )
+from iterserve.chat.reasoning_parsers.harmony import HarmonyParser
 from iterserve.chat.reasoning_parsers.streaming import ReasoningStream
+from iterserve.chat.reasoning_parsers.think_tags import OPEN, ThinkTagParser
 
-# vLLM's names for the `<think>...</think>` format (base.py).
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# vLLM's names: the `<think>...</think>` format's two, and gpt-oss's.
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": ThinkTagParser,
+    "deepseek_r1": ThinkTagParser,
+    "openai_gptoss": HarmonyParser,
+}
 REASONING_PARSER_CHOICES = ("auto", *REASONING_PARSERS, "none")
 
 
@@ -23,11 +30,11 @@ def select_reasoning_parser(
     choice: str, chat_template: str | None, probe: Callable[[], str | None]
 ) -> ReasoningParser | None:
     """The parser `--reasoning-parser choice` names (None for `none`). `auto` reads
-    thinking only where the chat template writes `<think>` or `</think>`, and names it as
-    vLLM would: deepseek_r1 when the template's generation prompt opens the thinking
-    (`probe()`, a one-message conversation rendered by the template, ends with `<think>`),
-    qwen3 otherwise. Both read alike: each request's rendered prompt says where its answer
-    starts."""
+    Harmony's channels where the chat template writes them (gpt-oss), and `<think>`
+    where it writes `<think>` or `</think>`, naming that one as vLLM would: deepseek_r1
+    when the template's generation prompt opens the thinking (`probe()`, a one-message
+    conversation rendered by the template, ends with `<think>`), qwen3 otherwise. Both
+    read alike: each request's rendered prompt says where its answer starts."""
     if choice == "none":
         return None
     if choice != "auto":
@@ -36,22 +43,25 @@ def select_reasoning_parser(
                 f"unknown reasoning parser {choice!r}; choose from "
                 f"{', '.join(REASONING_PARSER_CHOICES)}"
             )
-        return ReasoningParser(choice)
-    if not ReasoningParser.detects(chat_template or ""):
+        return REASONING_PARSERS[choice](choice)
+    template = chat_template or ""
+    if HarmonyParser.detects(template):
+        return HarmonyParser("openai_gptoss")
+    if not ThinkTagParser.detects(template):
         return None
     probe_prompt = probe()
-    opened = probe_prompt is not None and probe_prompt.rstrip().endswith(
-        ReasoningParser.open_marker
-    )
-    return ReasoningParser("deepseek_r1" if opened else "qwen3")
+    opened = probe_prompt is not None and probe_prompt.rstrip().endswith(OPEN)
+    return ThinkTagParser("deepseek_r1" if opened else "qwen3")
 
 
 __all__ = [
     "REASONING_PARSERS",
     "REASONING_PARSER_CHOICES",
+    "HarmonyParser",
     "ReasoningParser",
     "ReasoningSplit",
     "ReasoningStream",
+    "ThinkTagParser",
     "ThinkingReader",
     "ThinkingStart",
     "select_reasoning_parser",

@@ -15,6 +15,7 @@ from iterserve.chat.tool_parsers.hermes import HermesToolParser
 from iterserve.chat.tool_parsers.json_list import GraniteToolParser, Phi4MiniJsonToolParser
 from iterserve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
 from iterserve.chat.tool_parsers.mistral import MistralToolParser
+from iterserve.chat.tool_parsers.openai import OpenAIToolParser
 from iterserve.chat.tool_parsers.pythonic import PythonicToolParser
 from iterserve.chat.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
@@ -32,6 +33,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         DeepSeekV31ToolParser,
         GraniteToolParser,
         Phi4MiniJsonToolParser,
+        OpenAIToolParser,
     )
 }
 TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS, "none")

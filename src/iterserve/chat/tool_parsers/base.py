@@ -95,12 +95,3 @@ def call_from_object(value: Any, argument_keys: Sequence[str]) -> ParsedCall | N
             return None
         return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
     return None
-
-
-def partial_marker_length(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could be the start of `marker`: text
-    held back while streaming until the next token says whether a call begins."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

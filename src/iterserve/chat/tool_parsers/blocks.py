@@ -10,7 +10,8 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import ClassVar
 
-from iterserve.chat.tool_parsers.base import ParsedCall, Piece, ToolParser, partial_marker_length
+from iterserve.chat.streamed_text import partial_marker_length
+from iterserve.chat.tool_parsers.base import ParsedCall, Piece, ToolParser
 
 
 class BlockToolParser(ToolParser):

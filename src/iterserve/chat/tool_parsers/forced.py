@@ -7,7 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from iterserve.chat.tool_parsers.base import AnswerReader, ParsedCall, Piece, call_from_object
+from iterserve.chat.tool_parsers.base import (
+    AnswerReader,
+    ParsedCall,
+    Piece,
+    ToolParser,
+    call_from_object,
+)
 from iterserve.chat.tool_protocol import NamedToolChoice, ToolDefinition
 from iterserve.sampling_params import InvalidRequestError
 
@@ -67,7 +73,7 @@ class ForcedCallReader(AnswerReader):
     calls get ids as the model's own format has them (`call_format`), so a template that
     checks ids takes them back."""
 
-    def __init__(self, choice: str | NamedToolChoice, call_format: AnswerReader) -> None:
+    def __init__(self, choice: str | NamedToolChoice, call_format: ToolParser) -> None:
         self.choice = choice
         self.call_format = call_format
 
@@ -77,5 +83,17 @@ class ForcedCallReader(AnswerReader):
     def scan(self, text: str, final: bool) -> list[Piece]:
         if not final:
             return []
+        forced = parse_forced_answer(text, self.choice)
+        if forced:
+            return list(forced)
+        # The grammar starts after a thinking model's thinking; gpt-oss may instead call in
+        # its own format, which its grammar never saw: its calls of the right tools count.
+        native = self.call_format.scan(text, final=True)
+        if any(isinstance(piece, ParsedCall) and self._allows(piece) for piece in native):
+            return [p for p in native if not isinstance(p, ParsedCall) or self._allows(p)]
         # An answer cut short by max_tokens is not JSON: the client gets it as content.
-        return list(parse_forced_answer(text, self.choice)) or [text]
+        return [text]
+
+    def _allows(self, call: ParsedCall) -> bool:
+        named = isinstance(self.choice, NamedToolChoice)
+        return not named or call.name == self.choice.function.name

@@ -11,13 +11,8 @@ import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from iterserve.chat.tool_parsers.base import (
-    ParsedCall,
-    Piece,
-    ToolParser,
-    call_from_object,
-    partial_marker_length,
-)
+from iterserve.chat.streamed_text import partial_marker_length
+from iterserve.chat.tool_parsers.base import ParsedCall, Piece, ToolParser, call_from_object
 
 _DECODER = json.JSONDecoder()
 
