@@ -43,6 +43,12 @@ ANALYSIS = f"<|channel|>analysis<|message|>{THOUGHT}<|end|>"
 FINAL = "<|start|>assistant<|channel|>final<|message|>"
 CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
 PARIS = ("get_weather", json.dumps({"city": "Paris"}))
+# The call and the tool as the template gets them (arguments as an object; a description).
+TEMPLATE_CALL = {
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
+TEMPLATE_TOOLS = [{**WEATHER_TOOL, "function": {"description": "", **WEATHER_TOOL["function"]}}]
 
 
 @pytest.fixture(scope="module")
@@ -109,18 +115,13 @@ def test_a_tool_loop(gpt_oss: RunningServer) -> None:
             model=MODEL_NAME, messages=sent_back, tools=[WEATHER_TOOL], max_tokens=20
         )
     assert again.choices[0].message.content == "Sunny."
-    template_call = {
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-    }
     rendered = [
         *HI,
-        {"role": "assistant", "thinking": THOUGHT, "tool_calls": [template_call]},
+        {"role": "assistant", "thinking": THOUGHT, "tool_calls": [TEMPLATE_CALL]},
         {"role": "tool", "content": "18 C"},
     ]
-    tools = [{**WEATHER_TOOL, "function": {"description": "", **WEATHER_TOOL["function"]}}]
     assert again.usage is not None
-    assert again.usage.prompt_tokens == _prompt_tokens(gpt_oss, rendered, tools=tools)
+    assert again.usage.prompt_tokens == _prompt_tokens(gpt_oss, rendered, tools=TEMPLATE_TOOLS)
 
 
 def test_structured_output_starts_after_the_final_header(gpt_oss: RunningServer) -> None:
@@ -188,3 +189,26 @@ def test_responses_items(gpt_oss: RunningServer) -> None:
     assert reasoning.type == "reasoning"
     assert [part.text for part in reasoning.content or []] == [THOUGHT]
     assert call.type == "function_call" and (call.name, call.arguments) == PARIS
+
+    # An agent sends the output back with the call's result: the template shows the thinking
+    # before the call, as gpt-oss wrote it within this turn.
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        *[item.model_dump(exclude_none=True) for item in response.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
+    ]
+    with forced_tokens(gpt_oss.engine, _script(gpt_oss, FINAL + "Sunny.", "<|return|>")):
+        again = client.responses.create(
+            model=MODEL_NAME,
+            input=history,
+            tools=[{"type": "function", **WEATHER_TOOL["function"]}],
+            max_output_tokens=20,
+        )
+    assert again.output_text == "Sunny."
+    chat = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "thinking": THOUGHT, "tool_calls": [TEMPLATE_CALL]},
+        {"role": "tool", "content": "18 C"},
+    ]
+    expected = _prompt_tokens(gpt_oss, chat, tools=TEMPLATE_TOOLS)
+    assert again.usage is not None and again.usage.input_tokens == expected

@@ -1,8 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`), read as the chat request it amounts to.
 
 A Responses request is a conversation (`input`: a string, or items: messages, the
-function calls an assistant made and their outputs) plus `instructions`, function tools
-and a text format. It is translated into a `ChatCompletionRequest`, so it runs exactly
+function calls an assistant made and their outputs, its reasoning) plus `instructions`,
+function tools and a text format. It is translated into a `ChatCompletionRequest`, so it runs exactly
 the chat path (template, tools, structured output, sampling); responses.py shapes the
 answer as Responses output items. Fields are named as this API spells them in errors.
 
@@ -134,15 +134,26 @@ class _FunctionCallOutputItem(BaseModel):
     output: str | list[_ContentPart]
 
 
+class _ReasoningItem(BaseModel):
+    """An earlier answer's thinking, sent back by clients that keep the whole output: its
+    text is in `content` (this server's items) or only in `summary` (OpenAI's)."""
+
+    type: Literal["reasoning"]
+    content: list[_ContentPart] | None = None
+    summary: list[_ContentPart] = []
+
+    def text(self) -> str:
+        parts = self.content or self.summary
+        return "\n".join(part.text for part in parts if part.text)
+
+
 _ITEMS: dict[str, type[BaseModel]] = {
     "message": _MessageItem,
     "function_call": _FunctionCallItem,
     "function_call_output": _FunctionCallOutputItem,
+    "reasoning": _ReasoningItem,
 }
-# Items that change nothing the model reads: an earlier answer's thinking, sent back by
-# clients that keep the whole output (chat templates drop earlier turns' thinking too).
-_SKIPPED_ITEMS = {"reasoning"}
-_TEXT_PARTS = {"input_text", "output_text", "text"}
+_TEXT_PARTS = {"input_text", "output_text", "text", "reasoning_text", "summary_text"}
 
 
 class ResponsesRequest(BaseModel):
@@ -285,11 +296,13 @@ class ResponsesRequest(BaseModel):
         # it is not this request's field, so it is named by the response it came from.
         _add_items(messages, history, lambda _: "previous_response_id")
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        if not self.input:
+            messages.append({"role": "user", "content": self.input})
+        elif not self.input:
             raise InvalidRequestError("input is empty", "input")
-        _add_items(messages, self.input, lambda index: f"input.{index}")
-        return messages
+        else:
+            _add_items(messages, self.input, lambda index: f"input.{index}")
+        # Thinking that nothing followed (an answer cut short in it) is no turn of its own.
+        return [message for message in messages if not _is_thinking_only(message)]
 
 
 def _add_items(
@@ -297,36 +310,52 @@ def _add_items(
     items: Sequence[dict[str, Any]],
     param: Callable[[int], str],
 ) -> None:
-    """Items as chat messages: an assistant's function calls join its message (or start
-    one), and each call's output becomes a tool message."""
+    """Items as chat messages: a reasoning item is the `reasoning_content` of the assistant
+    message it comes before (templates show it, or drop it, as they do chat's); an
+    assistant's function calls join its message (or start one); each call's output
+    becomes a tool message."""
     for index, raw in enumerate(items):
         item = _parse_item(raw, param(index))
-        if item is None:
-            continue
-        if isinstance(item, _MessageItem):
+        last = messages[-1] if messages else None
+        thinking_only = last is not None and _is_thinking_only(last)
+        if isinstance(item, _ReasoningItem):
+            messages.append(
+                {"role": "assistant", "content": None, "reasoning_content": item.text()}
+            )
+        elif isinstance(item, _MessageItem):
             role = "system" if item.role == "developer" else item.role
             content = _text_of(item.content, f"{param(index)}.content")
-            messages.append({"role": role, "content": content})
+            if role == "assistant" and thinking_only and last is not None:
+                last["content"] = content
+            else:
+                messages.append({"role": role, "content": content})
         elif isinstance(item, _FunctionCallItem):
             call = {
                 "id": item.call_id,
                 "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments},
             }
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
+        elif isinstance(item, _FunctionCallOutputItem):
             output = _text_of(item.output, f"{param(index)}.output")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
 
 
-def _parse_item(raw: dict[str, Any], where: str) -> BaseModel | None:
+def _is_thinking_only(message: dict[str, Any]) -> bool:
+    """An assistant message made of a reasoning item alone (so far)."""
+    return (
+        message["role"] == "assistant"
+        and "reasoning_content" in message
+        and message["content"] is None
+        and not message.get("tool_calls")
+    )
+
+
+def _parse_item(raw: dict[str, Any], where: str) -> BaseModel:
     kind = raw.get("type", "message" if "role" in raw else None)
-    if kind in _SKIPPED_ITEMS:
-        return None
     model = _ITEMS.get(kind) if isinstance(kind, str) else None
     if model is None:
         known = ", ".join(_ITEMS)
