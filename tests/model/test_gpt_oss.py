@@ -6,6 +6,7 @@ experts against eager."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from iterserve import kernels
 from iterserve.model import moe
 from iterserve.model.gguf_loader import gguf_model_config, read_gguf_header
 from iterserve.model.llama import LlamaForCausalLM
-from iterserve.model.loader import ModelLoadError, load_model
+from iterserve.model.loader import load_model
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint
 from tiny_families import ORIGINAL, VOCAB, family_checkpoint, gguf_metadata, gpt_oss_model
@@ -100,22 +101,74 @@ def test_checkpoint_matches_transformers_through_chunks_and_decodes(
     assert (_run(ours)["s0"] - got["s0"]).abs().max() > 0.05
 
 
-def test_mxfp4_experts_in_an_hf_directory_are_refused(checkpoint: Path, tmp_path: Path) -> None:
-    """OpenAI's own checkpoints keep the experts as MXFP4 blocks and scales: a clear error
-    that names the way to serve them, not a missing-tensor list."""
+# e2m1's values, as OpenAI's checkpoints index them (transformers' integrations/mxfp4.py).
+FP4_VALUES = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def _openai_mxfp4(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert stack [experts, inputs, outputs] as OpenAI's checkpoints keep it: each
+    weight the nearest e2m1 value over its block's power-of-two scale; blocks [experts,
+    outputs, inputs / 32, 16] (input 2i in byte i's low nibble), E8M0 scales [experts,
+    outputs, inputs / 32]."""
+    groups = stack.float().transpose(1, 2).unflatten(2, (-1, 32))
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 6))
+    codes = ((groups / torch.exp2(exponent)).unsqueeze(-1) - FP4_VALUES).abs().argmin(-1)
+    codes = codes.to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent[..., 0] + 127).to(torch.uint8).contiguous()
+
+
+@pytest.fixture(scope="module")
+def openai_mxfp4_checkpoint(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model as OpenAI ships gpt-oss: an HF directory whose experts are MXFP4 blocks
+    and scales (config.json's quantization_config says so), the rest as it was."""
     from safetensors.torch import load_file, save_file
 
-    weights = load_file(checkpoint / "model.safetensors")
-    stack = weights.pop("model.layers.0.mlp.experts.down_proj")
-    weights["model.layers.0.mlp.experts.down_proj_blocks"] = torch.zeros(
-        stack.shape[0], stack.shape[2], stack.shape[1] // 32, 16, dtype=torch.uint8
-    )
+    out = tmp_path_factory.mktemp("gpt-oss-openai-mxfp4")
     for item in checkpoint.iterdir():
-        if item.name != "model.safetensors":
-            (tmp_path / item.name).write_bytes(item.read_bytes())
-    save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="MXFP4 blocks.*GGUF"):
-        load_model(tmp_path, torch.float32)
+        if item.name not in ("model.safetensors", "config.json"):
+            (out / item.name).write_bytes(item.read_bytes())
+    weights = load_file(checkpoint / "model.safetensors")
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = _openai_mxfp4(weights.pop(name))
+    save_file(weights, out / "model.safetensors")
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_openai_mxfp4_checkpoints_match_transformers(
+    hf: transformers.PreTrainedModel, openai_mxfp4_checkpoint: Path
+) -> None:
+    """OpenAI's MXFP4 experts are read as GGUF MXFP4 blocks (no bf16 copy is made: the
+    model runs from them): their values are transformers' dequantization of the same file
+    exactly, and the logits transformers'."""
+    loaded = load_model(openai_mxfp4_checkpoint, torch.float32)
+    experts = hf.config.num_hidden_layers * hf.config.num_local_experts * 3
+    assert len(loaded.quantized) == experts
+    assert {blocks.format.name for blocks in loaded.quantized.values()} == {"MXFP4"}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        openai_mxfp4_checkpoint,
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32,
+    )
+    theirs = reference.model.layers[1].mlp.experts
+    for expert in range(hf.config.num_local_experts):
+        gate_up = theirs.gate_up_proj[expert].detach()
+        prefix = f"model.layers.1.mlp.experts.{expert}"
+        assert torch.equal(loaded.weights[f"{prefix}.gate_proj.weight"], gate_up[:, 0::2].T)
+        assert torch.equal(loaded.weights[f"{prefix}.up_proj.weight"], gate_up[:, 1::2].T)
+        down = theirs.down_proj[expert].detach().T
+        assert torch.equal(loaded.weights[f"{prefix}.down_proj.weight"], down)
+    assert not torch.equal(gate_up, hf.model.layers[1].mlp.experts.gate_up_proj[expert])
+    ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
+    ours.load_weights(loaded.weights)
+    prompts = _prompts()
+    for seq, logits in _run(ours).items():
+        tokens = prompts[seq][: len(logits)]
+        want = hf_token_by_token(reference, tokens, prompt=min(len(tokens), ORIGINAL))
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -233,11 +286,14 @@ def test_the_experts_in_one_call_are_the_block_op_by_op(checkpoint: Path, kernel
     not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
 )
 @pytest.mark.usefixtures("kernel_isa")
-def test_mxfp4_experts_run_from_their_blocks(mxfp4_checkpoint: Path) -> None:
-    """A GGUF's MXFP4 experts on the tiled kernels, in their own blocks against activations
-    rounded to 8 bits a block of 32 (and in the experts op), against the same file's weights
-    (dequantized by the gguf package) in fp32, by the yardstick of plain bf16 there."""
-    loaded = load_model(mxfp4_checkpoint, torch.float32)
+@pytest.mark.parametrize("kind", ["gguf", "openai"])
+def test_mxfp4_experts_run_from_their_blocks(kind: str, request: pytest.FixtureRequest) -> None:
+    """MXFP4 experts (a GGUF's, and OpenAI's HF checkpoint's) on the tiled kernels, in their
+    own blocks against activations rounded to 8 bits a block of 32 (and in the experts op),
+    against the same file's weights (dequantized by the gguf package) in fp32, by the
+    yardstick of plain bf16 there."""
+    fixture = "mxfp4_checkpoint" if kind == "gguf" else "openai_mxfp4_checkpoint"
+    loaded = load_model(request.getfixturevalue(fixture), torch.float32)
     rows = {}
     for name, dtype, backend in (
         ("reference", torch.float32, "torch"),

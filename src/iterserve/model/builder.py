@@ -12,7 +12,7 @@ import torch
 from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.model.config import ModelConfig
-from iterserve.model.gguf_blocks import GGUFBlocks
+from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.host_memory import packed_weight_buffers, release_freed_memory
 from iterserve.model.linear import Backend, WeightMode, onednn_usable
 from iterserve.model.llama import LlamaForCausalLM
@@ -88,7 +88,7 @@ def choose_backend(config: EngineConfig, dtype: torch.dtype, device: torch.devic
 class WeightChoice:
     """How the projections are held (see model/linear.py)."""
 
-    quantized: dict[str, GGUFBlocks]  # checkpoint blocks kept as they are, by HF name
+    quantized: dict[str, QuantizedBlocks]  # checkpoint blocks kept as they are, by HF name
     mode: WeightMode
 
 

@@ -1,6 +1,7 @@
-"""A GGUF tensor's quantized blocks, found in the file but not read: what the model's
+"""A weight's quantized blocks, found in the file but not read: what the model's
 projections are built from (model/linear.py), one tensor at a time, straight into the
-kernels' tiles.
+kernels' tiles. A GGUF tensor's (`GGUFBlocks`), or another file's blocks of a GGUF format
+(model/safetensors_mxfp4.py: OpenAI's MXFP4 experts).
 
 The bytes are read with positioned reads, a slice of rows at a time, into a buffer that is
 dropped after its rows are repacked: nothing keeps the file mapped, so a load's resident
@@ -11,6 +12,7 @@ resident until unmapped).
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,28 +45,22 @@ def read_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
     return buffer
 
 
-@dataclass(frozen=True)
-class GGUFBlocks:
-    """An [N, K] weight in a block format, at `offset` in the file (an expert's slice of a
-    stacked tensor is one too). `rows`: output row i is stored row rows[i] (llama.cpp's rope
-    permutation of q/k undone), or None for the stored order."""
+class QuantizedBlocks(ABC):
+    """An [N, K] weight in a block format (model/block_formats.py), not read yet: its rows
+    as GGUF lays out that format, read a slice at a time. `rows`: output row i is stored row
+    rows[i] (llama.cpp's rope permutation of q/k undone), or None for the stored order."""
 
-    path: Path
-    offset: int
     shape: tuple[int, int]
     format: BlockFormat
-    rows: torch.Tensor | None = None
+    rows: torch.Tensor | None
+
+    @abstractmethod
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Stored rows [start, stop) as [rows, row_bytes] uint8, in GGUF's block layout."""
 
     @property
     def nbytes(self) -> int:
         return self.shape[0] * self.format.row_bytes(self.shape[1])
-
-    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Stored rows [start, stop) as [rows, row_bytes] uint8."""
-        stop = self.shape[0] if stop is None else stop
-        row_bytes = self.format.row_bytes(self.shape[1])
-        raw = read_bytes(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes)
-        return raw.reshape(stop - start, row_bytes)
 
     def dequantize(self) -> torch.Tensor:
         """The weights in fp32, by the `gguf` package's dequantizer (the reference)."""
@@ -87,6 +83,24 @@ class GGUFBlocks:
             stop = min(n, start + step)
             repack(ops, self.read(start, stop), self.format, k, out=out, first_tile=start // TILE)
         return out
+
+
+@dataclass(frozen=True)
+class GGUFBlocks(QuantizedBlocks):
+    """A GGUF tensor's blocks at `offset` in the file (an expert's slice of a stacked tensor
+    is one too)."""
+
+    path: Path
+    offset: int
+    shape: tuple[int, int]
+    format: BlockFormat
+    rows: torch.Tensor | None = None
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        stop = self.shape[0] if stop is None else stop
+        row_bytes = self.format.row_bytes(self.shape[1])
+        raw = read_bytes(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes)
+        return raw.reshape(stop - start, row_bytes)
 
 
 def expert_slices(blocks: GGUFBlocks, count: int) -> list[GGUFBlocks]:

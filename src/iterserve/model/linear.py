@@ -39,7 +39,7 @@ from iterserve.model.block_formats import (
     repack,
     tile_dense,
 )
-from iterserve.model.gguf_blocks import GGUFBlocks
+from iterserve.model.gguf_blocks import QuantizedBlocks
 
 Backend = Literal["torch", "onednn", "tiled"]
 # How the tiled backend holds weights: "blocks" keeps a checkpoint's quantized blocks (and its
@@ -55,7 +55,7 @@ class WeightPart:
     shape: tuple[int, int]
     dense: Callable[[], torch.Tensor]  # its values in the model's dtype
     native: Callable[[], torch.Tensor]  # as the checkpoint stores them (fp16 stays fp16)
-    blocks: GGUFBlocks | None = None  # its quantized blocks, where the file has them
+    blocks: QuantizedBlocks | None = None  # its quantized blocks, where the file has them
 
 
 def _onednn(

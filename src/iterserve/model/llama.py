@@ -27,7 +27,7 @@ from iterserve.model.attention import attend, attention_context
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.compiled import CompiledLayers
 from iterserve.model.config import ModelConfig
-from iterserve.model.gguf_blocks import GGUFBlocks
+from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.lazy_weights import native_of, shape_of
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 from iterserve.model.moe import SparseMoeBlock
@@ -73,7 +73,7 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 def weight_part(
-    weights: Mapping[str, torch.Tensor], quantized: Mapping[str, GGUFBlocks], name: str
+    weights: Mapping[str, torch.Tensor], quantized: Mapping[str, QuantizedBlocks], name: str
 ) -> WeightPart:
     """A checkpoint tensor as a projection's part: read only when the projection is built."""
     shape = shape_of(weights, name)
@@ -443,7 +443,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         weights: Mapping[str, torch.Tensor],
         backend: Backend = "torch",
-        quantized: Mapping[str, GGUFBlocks] | None = None,
+        quantized: Mapping[str, QuantizedBlocks] | None = None,
         mode: WeightMode = "blocks",
     ) -> None:
         """Build the network's weights from HF-named tensors, one projection at a time, in

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
-from iterserve.model.gguf_blocks import GGUFBlocks
+from iterserve.model.gguf_blocks import QuantizedBlocks
 
 
 @dataclass
@@ -25,4 +25,4 @@ class LoadedModel:
     # Weights the checkpoint stores in a block format the kernels run as is (model/
     # block_formats.py), by HF name: references to their bytes in the file, read when the
     # model is built. `weights` can make every tensor dequantized all the same.
-    quantized: dict[str, GGUFBlocks] = field(default_factory=dict)
+    quantized: dict[str, QuantizedBlocks] = field(default_factory=dict)

@@ -16,9 +16,11 @@ from safetensors import safe_open
 from iterserve.model.bundled import default_model_path
 from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig, rope_every_layer_but
 from iterserve.model.errors import ModelLoadError
+from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.rope import UnsupportedRope, rope_type_of, rotary_dims, served_rope
+from iterserve.model.safetensors_mxfp4 import gpt_oss_mxfp4_experts, is_mxfp4_tensor
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
 
 # HF `architectures` entries (and their `model_type`s) that the Llama implementation runs.
@@ -88,8 +90,13 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     bare = is_bare_model(raw)
     if bare:
         config = dataclasses.replace(config, tie_word_embeddings=True)
-    split = _gpt_oss_experts if config.architecture == "gpt_oss" else None
-    weights = _load_safetensors(directory, dtype, "model." if bare else "", split)
+    gpt_oss = config.architecture == "gpt_oss"
+    shards = _shards(directory)
+    weights = _load_safetensors(directory, shards, dtype, "model." if bare else "", gpt_oss)
+    # OpenAI's own gpt-oss checkpoints keep the experts in MXFP4: run from their blocks.
+    quantized = gpt_oss_mxfp4_experts([directory / shard for shard in shards]) if gpt_oss else {}
+    for name, blocks in quantized.items():
+        weights.add(name, blocks.shape, functools.partial(_dequantized, blocks, dtype))
     if config.tie_word_embeddings:
         weights.discard("lm_head.weight")
     elif "lm_head.weight" not in weights:
@@ -113,7 +120,12 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
         tokenizer=tokenizer,
         chat_template=chat_template_of(tokenizer),
         name=directory.resolve().name,
+        quantized=dict(quantized),
     )
+
+
+def _dequantized(blocks: QuantizedBlocks, dtype: torch.dtype) -> torch.Tensor:
+    return blocks.dequantize().to(dtype)
 
 
 def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -353,27 +365,25 @@ def _as_ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-# One of a checkpoint's tensors as several (name, shape, make: from the tensor's slice of the
-# file, in the model's dtype).
-Split = Callable[[str, tuple[int, ...]], list[tuple[str, tuple[int, ...], Callable[..., Any]]]]
+def _shards(directory: Path) -> list[str]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return sorted(set(_read_json(index)["weight_map"].values()))
+    if (directory / "model.safetensors").exists():
+        return ["model.safetensors"]
+    other = [p.name for p in directory.glob("*.bin")]
+    hint = f" (found {', '.join(other)}: convert it to safetensors)" if other else ""
+    raise ModelLoadError(
+        f"{directory} has neither model.safetensors nor model.safetensors.index.json{hint}"
+    )
 
 
 def _load_safetensors(
-    directory: Path, dtype: torch.dtype, prefix: str = "", split: Split | None = None
+    directory: Path, shards: list[str], dtype: torch.dtype, prefix: str = "", gpt_oss: bool = False
 ) -> LazyWeights:
-    """The weights, each name after `prefix` (`model.` for a bare network's); `split` may
-    list a tensor as several (gpt-oss's expert stacks), each read as a slice of the file."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
-    elif (directory / "model.safetensors").exists():
-        shards = ["model.safetensors"]
-    else:
-        other = [p.name for p in directory.glob("*.bin")]
-        hint = f" (found {', '.join(other)}: convert it to safetensors)" if other else ""
-        raise ModelLoadError(
-            f"{directory} has neither model.safetensors nor model.safetensors.index.json{hint}"
-        )
+    """The weights, each name after `prefix` (`model.` for a bare network's). gpt-oss's
+    expert stacks are listed as each expert's projections, each read as a slice of the
+    file; its MXFP4 stacks are left to safetensors_mxfp4.py."""
     weights = LazyWeights()
     for shard in shards:
         if not (directory / shard).exists():
@@ -383,8 +393,10 @@ def _load_safetensors(
         for name in file.keys():  # noqa: SIM118 - safe_open is not a mapping
             if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
                 continue
+            if gpt_oss and is_mxfp4_tensor(name):
+                continue
             shape = tuple(file.get_slice(name).get_shape())
-            parts = split(name, shape) if split is not None else []
+            parts = _gpt_oss_experts(name, shape) if gpt_oss else []
             for part, part_shape, make in parts:
                 weights.add(prefix + part, part_shape, functools.partial(make, file, name, dtype))
             if not parts:
@@ -397,7 +409,6 @@ def _load_safetensors(
 # 2 x width] with gate and up interleaved (columns 0, 2, 4... are gate's), down_proj
 # [experts, width, hidden], each matrix [inputs, outputs], and their biases [experts, outputs].
 _GPT_OSS_STACK = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
-_GPT_OSS_MXFP4 = re.compile(r".*\.mlp\.experts\.\w+_(blocks|scales)")
 
 
 def _gpt_oss_experts(
@@ -405,11 +416,6 @@ def _gpt_oss_experts(
 ) -> list[tuple[str, tuple[int, ...], Callable[..., Any]]]:
     """A gpt-oss expert stack as each expert's projections (model/moe.py's names, [outputs,
     inputs]), each read as its expert's slice of the file; [] for any other tensor."""
-    if _GPT_OSS_MXFP4.fullmatch(name):
-        raise ModelLoadError(
-            f"{name}: gpt-oss experts in MXFP4 blocks are not read from an HF directory; "
-            "serve the model's GGUF file (llama.cpp's converter keeps them MXFP4) or a bf16 copy"
-        )
     match = _GPT_OSS_STACK.fullmatch(name)
     if match is None:
         return []
