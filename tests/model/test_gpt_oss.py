@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import runpy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -319,3 +321,20 @@ def test_both_harmony_ends_of_a_turn_stop_a_gguf(mxfp4_checkpoint: Path) -> None
     tokens[5], tokens[7] = "<|return|>", "<|call|>"
     config = gguf_model_config({**metadata, "tokenizer.ggml.tokens": tokens}, tensors)
     assert config.eos_token_ids == (2, 5, 7)
+
+
+def test_a_gguf_rewritten_in_openai_layout_keeps_its_blocks(
+    mxfp4_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/openai_layout.py's OpenAI-layout copy of a gpt-oss GGUF reads back (through
+    model/safetensors_mxfp4.py) as the GGUF's own MXFP4 blocks, byte for byte."""
+    script = Path(__file__).parents[2] / "benchmarks" / "openai_layout.py"
+    monkeypatch.setattr("sys.argv", [str(script), str(mxfp4_checkpoint), "--out", str(tmp_path)])
+    runpy.run_path(str(script), run_name="__main__")
+    gguf, openai = load_model(mxfp4_checkpoint), load_model(tmp_path)
+    assert openai.quantized.keys() == {n for n in gguf.quantized if ".mlp.experts." in n}
+    for name, blocks in openai.quantized.items():
+        np.testing.assert_array_equal(blocks.read(), gguf.quantized[name].read())
+        np.testing.assert_array_equal(blocks.read(3, 9), gguf.quantized[name].read(3, 9))
+    for name in ("model.layers.1.mlp.experts.2.up_proj.bias", "model.layers.0.self_attn.sinks"):
+        torch.testing.assert_close(openai.weights[name], gguf.weights[name].bfloat16())

@@ -40,10 +40,17 @@ ahead: kernels/csrc/read_probe.cpp), where the kernels are built.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-BUFFER_BYTES = 1 << 30  # far beyond any cache here (35.8 MiB of L3 on the machine it was checked on)
+if TYPE_CHECKING:
+    from iterserve.model.config import ModelConfig
+
+BUFFER_BYTES = (
+    1 << 30
+)  # far beyond any cache here (35.8 MiB of L3 on the machine it was checked on)
 
 METHOD = (
     "the faster of a torch float32 sum and the kernels' 4-stream read (read_probe) over 1 GiB "
@@ -80,23 +87,24 @@ def read_bandwidth(threads: int, nbytes: int = BUFFER_BYTES, repeats: int = 10) 
 
 
 def decode_bytes_per_token(path: Path) -> int:
-    """Bytes of a GGUF's tensors one decode step of one sequence reads: every tensor once,
-    but of a mixture of experts' stacks (ffn_*_exps) only the share of the experts a token
-    is routed to (expert_used_count of expert_count); the embedding only when it is also the
-    head (tied, no output.weight), since otherwise a step reads one row of it. The KV cache a
-    step reads is `kv_bytes_per_step`'s."""
-    from iterserve.model.gguf_loader import read_gguf_header
-
-    metadata, tensors = read_gguf_header(path)
-    arch = metadata.get("general.architecture")
-    experts = metadata.get(f"{arch}.expert_count", 0)
-    routed = metadata.get(f"{arch}.expert_used_count", 0) / experts if experts else 1.0
-    tied = "output.weight" not in tensors
+    """Bytes of a checkpoint's tensors (a GGUF file, or an HF directory's safetensors) one
+    decode step of one sequence reads: every tensor once, but of a mixture of experts'
+    stacks (GGUF's ffn_*_exps, HF's mlp.experts) only the share of the experts a token is
+    routed to; the embedding only when it is also the head (tied, no separate head),
+    since otherwise a step reads one row of it. The KV cache a step reads is
+    `kv_bytes_per_step`'s. (An HF checkpoint's dense weights are counted as stored, bf16,
+    though the engine may keep them otherwise.)"""
+    config = _config(path)
+    experts = config.num_local_experts
+    routed = config.num_experts_per_tok / experts if experts else 1.0
+    sizes = _tensor_bytes(path)
+    head = "output.weight" if path.is_file() else "lm_head.weight"
+    embedding = "token_embd.weight" if path.is_file() else "model.embed_tokens.weight"
     return round(
         sum(
-            info.nbytes * (routed if "_exps." in name else 1.0)
-            for name, info in tensors.items()
-            if tied or name != "token_embd.weight"
+            nbytes * (routed if "_exps." in name or ".mlp.experts." in name else 1.0)
+            for name, nbytes in sizes.items()
+            if head not in sizes or name != embedding
         )
     )
 
@@ -106,11 +114,41 @@ def kv_bytes_per_step(path: Path, context: int, itemsize: int = 2) -> int:
     layer's rows of them, up to its sliding window, `itemsize` bytes a value (2: the 16-bit
     caches both engines keep by default). Against a 3B's 2 GB of weights that is 0.12 GB at
     1k tokens and 0.47 GB at 4k (Llama 3.2 3B: 112 KiB a token)."""
-    from iterserve.model.gguf_loader import read_gguf_config
-
-    config = read_gguf_config(path)
+    config = _config(path)
     row = 2 * config.num_key_value_heads * config.head_dim * itemsize  # K and V of a layer
     return sum(
         row * (min(context, window) if (window := config.layer_window(i)) else context)
         for i in range(config.num_hidden_layers)
     )
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """A GGUF file's size, or an HF directory's safetensors'."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(shard.stat().st_size for shard in path.glob("*.safetensors"))
+
+
+def _config(path: Path) -> ModelConfig:
+    if path.is_file():
+        from iterserve.model.gguf_loader import read_gguf_config
+
+        return read_gguf_config(path)
+    from iterserve.model.loader import hf_model_config
+
+    return hf_model_config(json.loads((path / "config.json").read_text()))
+
+
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    if path.is_file():
+        from iterserve.model.gguf_loader import read_gguf_header
+
+        _, tensors = read_gguf_header(path)
+        return {name: info.nbytes for name, info in tensors.items()}
+    from iterserve.model.safetensors_mxfp4 import stored_tensors
+
+    return {
+        name: stored.nbytes
+        for shard in path.glob("*.safetensors")
+        for name, stored in stored_tensors(shard).items()
+    }

@@ -43,12 +43,14 @@ def is_mxfp4_tensor(name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class _Stored:
+class StoredTensor:
     """A tensor's place in a safetensors file."""
 
     path: Path
     offset: int
     shape: tuple[int, ...]
+    dtype: str = "U8"  # safetensors' name of it
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ class MXFP4Rows(QuantizedBlocks):
     """One expert's projection [N, K]: its rows `first`, `first + step`, ... of the
     expert's slab of the blocks and scales stacks."""
 
-    blocks: _Stored  # the expert's slab of the blocks stack: [rows, K / 32, 16]
-    scales: _Stored  # and of the scales: [rows, K / 32]
+    blocks: StoredTensor  # the expert's slab of the blocks stack: [rows, K / 32, 16]
+    scales: StoredTensor  # and of the scales: [rows, K / 32]
     first: int
     step: int
     shape: tuple[int, int]
@@ -86,8 +88,8 @@ def gpt_oss_mxfp4_experts(shards: list[Path]) -> dict[str, MXFP4Rows]:
     stored = {
         name: place
         for shard in shards
-        for name, place in _tensor_places(shard).items()
-        if is_mxfp4_tensor(name)
+        for name, place in stored_tensors(shard).items()
+        if is_mxfp4_tensor(name) and place.dtype == "U8"
     }
     experts: dict[str, MXFP4Rows] = {}
     for name, codes in stored.items():
@@ -108,8 +110,10 @@ def gpt_oss_mxfp4_experts(shards: list[Path]) -> dict[str, MXFP4Rows]:
         if stack == "down_proj":
             projections = {"down_proj": (0, 1)}
         for expert in range(count):
-            slab = _Stored(codes.path, codes.offset + expert * rows * groups * 16, codes.shape[1:])
-            slab_scales = _Stored(
+            slab = StoredTensor(
+                codes.path, codes.offset + expert * rows * groups * 16, codes.shape[1:]
+            )
+            slab_scales = StoredTensor(
                 scales.path, scales.offset + expert * rows * groups, scales.shape[1:]
             )
             for projection, (first, step) in projections.items():
@@ -120,16 +124,18 @@ def gpt_oss_mxfp4_experts(shards: list[Path]) -> dict[str, MXFP4Rows]:
     return experts
 
 
-def _tensor_places(path: Path) -> dict[str, _Stored]:
-    """The uint8 tensors of a safetensors file and where their bytes are (its header:
-    an 8-byte length, then JSON with each tensor's dtype, shape and data offsets)."""
+def stored_tensors(path: Path) -> dict[str, StoredTensor]:
+    """A safetensors file's tensors and where their bytes are (its header: an 8-byte
+    length, then JSON with each tensor's dtype, shape and data offsets)."""
     with path.open("rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         header = json.loads(file.read(length))
-    places = {}
+    stored = {}
     for name, entry in header.items():
-        if name == "__metadata__" or entry["dtype"] != "U8":
+        if name == "__metadata__":
             continue
-        begin, _ = entry["data_offsets"]
-        places[name] = _Stored(path, 8 + length + begin, tuple(entry["shape"]))
-    return places
+        begin, end = entry["data_offsets"]
+        stored[name] = StoredTensor(
+            path, 8 + length + begin, tuple(entry["shape"]), entry["dtype"], end - begin
+        )
+    return stored
