@@ -227,8 +227,11 @@ def test_fast_paths_keep_the_eager_greedy_tokens(
     for fast in (False, True):
         model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
         model.load(load_model(checkpoint, torch.float32).weights, "tiled" if fast else "torch")
-        for layer in model.layers:  # op by op on the tiled kernels, so `routed` sees it
-            # (the experts in one call: the test below)
+        # Op by op on the tiled kernels, so `routed` sees it (the layers and experts in one
+        # call: the tests below).
+        assert model.fused_layers == fast
+        model.fused_layers = False
+        for layer in model.layers:
             assert (layer.moe.kernel is not None) == fast
             layer.moe.kernel = None
         routed.clear()
@@ -257,6 +260,35 @@ def test_fast_paths_keep_the_eager_greedy_tokens(
     )
     assert int(same.sum()) >= 0.95 * len(same), f"{int((~same).sum())} rows routed differently"
     assert_same_greedy([rows[False][same]], [rows[True][same]])
+
+
+@pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
+@pytest.mark.usefixtures("kernel_isa")
+def test_the_fused_layers_take_gpt_oss(checkpoint: Path) -> None:
+    """A step's layers in one decoder_stack call (attention sinks, biased and clamped
+    experts in one experts_mlp call each, no compiled graph), through chunks over cached
+    prefixes and decodes, against fp32 by the yardstick of plain bf16 there (the stack
+    rounds its norms and rope where torch's ops do not, as a compiled graph does)."""
+    loaded = load_model(checkpoint, torch.float32)
+    rows = {}
+    for name, dtype, backend in (
+        ("reference", torch.float32, "torch"),
+        ("bf16", torch.bfloat16, "torch"),
+        ("fused", torch.bfloat16, "tiled"),
+    ):
+        model = LlamaForCausalLM(loaded.config, dtype, torch.device("cpu"))
+        model.load(loaded.weights, backend)
+        assert model.fused_layers == (backend == "tiled")
+        rows[name] = list(_run(model, paged_kernel=backend == "tiled").values())
+    _assert_as_close_as_bf16(rows["reference"], rows["fused"], rows["bf16"], error_factor=2.0)
+    # Without the sinks the stack computes another function: they reach the op.
+    for layer in model.layers:
+        layer.sinks.fill_(-30.0)
+    model._stack = None
+    without = torch.cat(list(_run(model, paged_kernel=True).values()))
+    assert (without - torch.cat(rows["fused"])).abs().max() > 0.05
 
 
 @pytest.mark.skipif(

@@ -86,6 +86,7 @@ def _decoder_layer(
     lora: list[torch.Tensor],
     lora_parts: list[int],
     lora_rows: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 

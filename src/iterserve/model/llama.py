@@ -198,8 +198,6 @@ class _DecoderLayer(nn.Module):
         fits_layer_op = self.head_dim % 32 == 0 and rope_tables[0].shape[1] % 32 == 0
         if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
             fits_layer_op = False
-        if self.sinks is not None:
-            fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             args = [lin.kernel_args for lin in tiled]
@@ -240,6 +238,7 @@ class _DecoderLayer(nn.Module):
             self.scale,
             self.sliding_window,
             *(self.lora_slots.kernel_args() if self.lora_slots is not None else _NO_LORA),
+            self.sinks,
         )
 
     def forward(
@@ -315,10 +314,19 @@ class _DecoderLayer(nn.Module):
 
 def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
     """decoder_stack's mixture-of-experts arguments: each layer's router tiles (None: a dense
-    MLP), the experts' gate, up and down stacks and their formats, top-k, renormalisation."""
+    MLP), the experts' gate, up and down stacks and their formats, top-k, renormalisation;
+    then each layer's attention sinks, its experts' three biases (router, gate+up, down) and
+    the SwiGLU's clamp (gpt-oss's; None and (0, 0) elsewhere)."""
     blocks = [layer.moe for layer in layers]
     kernels = [block.kernel for block in blocks if block is not None and block.kernel is not None]
     first = next((block for block in blocks if block is not None), None)
+    biases = []
+    for block in blocks:
+        kernel = None if block is None else block.kernel
+        if block is None or kernel is None:
+            biases += [None, None, None]
+        else:
+            biases += [kernel.router_bias, block.gate_up_bias, block.down_bias]
     return (
         [
             None if block is None or block.kernel is None else block.kernel.router
@@ -328,6 +336,9 @@ def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
         [code for k in kernels for code in k.formats],
         first.top_k if first is not None else 0,
         first.renormalize if first is not None else True,
+        [layer.sinks for layer in layers],
+        biases,
+        *(kernels[0].swiglu if kernels else (0.0, 0.0)),
     )
 
 

@@ -187,7 +187,8 @@ void head_norm_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const Tenso
   });
 }
 
-// A layer's mixture-of-experts MLP (moe.cpp's experts_mlp arguments), borrowed.
+// A layer's mixture-of-experts MLP (moe.cpp's experts_mlp arguments), borrowed; gpt-oss's
+// biases (router, gate+up, down) and clamped SwiGLU (limit > 0).
 struct LayerExperts {
   const Tensor& router;
   const Tensor& gate;
@@ -196,6 +197,8 @@ struct LayerExperts {
   std::array<int64_t, 3> formats;
   int64_t top_k;
   bool renormalize;
+  std::optional<Tensor> router_bias, gate_up_bias, down_bias;
+  double swiglu_alpha = 0.0, swiglu_limit = 0.0;
 };
 
 // One layer's weights, borrowed from an op's arguments: the four projections' (qkv, o,
@@ -218,6 +221,8 @@ struct LayerWeights {
   std::optional<Tensor> attn_out_norm, mlp_out_norm;
   bool gelu;
   double softcap;
+  // gpt-oss's attention sinks, float32 [num_heads] (none: no sink).
+  std::optional<Tensor> sinks;
   // A mixture-of-experts MLP in place of gate_up and down (moe.cpp), or none.
   const LayerExperts* experts = nullptr;
 };
@@ -297,7 +302,7 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
-                                       w.scale, w.sliding_window, w.softcap, std::nullopt);
+                                       w.scale, w.sliding_window, w.softcap, w.sinks);
   // Each block's output joins the stream in its projection's epilogue, or after its norm.
   auto block_out = [&](int64_t i, const Tensor& x, const Tensor& residual,
                        const std::optional<Tensor>& out_norm) {
@@ -308,7 +313,8 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   if (const LayerExperts* e = w.experts) {
     TORCH_CHECK(!w.mlp_out_norm, "decoder_layer: experts with a sandwich norm");
     return experts_mlp(rms_norm(mid, w.post_norm, w.eps), mid, e->router, e->top_k,
-                       e->renormalize, e->gate, e->up, e->down, e->formats);
+                       e->renormalize, e->gate, e->up, e->down, e->formats, e->router_bias,
+                       e->gate_up_bias, e->down_bias, e->swiglu_alpha, e->swiglu_limit);
   }
   const Tensor gate_up = project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt);
   const Tensor act = gated_mul(gate_up, w.gelu);
@@ -340,7 +346,8 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                      const Tensor& slot_mapping, const Tensor& step, const Tensor& rope_cos,
                      const Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads,
                      double scale, int64_t sliding_window, at::TensorList lora,
-                     c10::IntArrayRef lora_parts, const std::optional<Tensor>& lora_rows) {
+                     c10::IntArrayRef lora_parts, const std::optional<Tensor>& lora_rows,
+                     const std::optional<Tensor>& sinks) {
   TORCH_CHECK(biases.size() == 4 && weights.size() == formats.size(),
               "decoder_layer: 4 projections (qkv, o, gate_up, down), each with its weight "
               "segments, their formats and a bias");
@@ -348,7 +355,7 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                        segment_starts(segments, 0),
                        {biases.get(0), biases.get(1), biases.get(2), biases.get(3)},
                        qk_norm, num_heads, num_kv_heads, scale, sliding_window,
-                       attn_out_norm, mlp_out_norm, gelu, softcap};
+                       attn_out_norm, mlp_out_norm, gelu, softcap, sinks};
   TORCH_CHECK(w.first[4] == static_cast<int64_t>(weights.size()),
               "decoder_layer: segments count ", w.first[4], " weights, not ", weights.size());
   check_tables(w, key_cache, rope_cos, rope_sin);
@@ -375,9 +382,11 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 //
 // A layer with second_rope[l] = 1 rotates by the second tables: Gemma 3's sliding layers by
 // their own RoPE base, SmolLM3's layers without RoPE by tables 0 wide. A layer whose
-// router is given (Mixtral, Qwen3-MoE) has a mixture of experts for its MLP: its next three
-// `experts` (gate, up and down stacks, moe.cpp) in the next three `expert_formats`, and no
-// gate_up or down segments.
+// router is given (Mixtral, Qwen3-MoE, gpt-oss) has a mixture of experts for its MLP: its
+// next three `experts` (gate, up and down stacks, moe.cpp) in the next three
+// `expert_formats`, and no gate_up or down segments; its three `expert_biases` (router,
+// gate+up, down: gpt-oss's, else None) and the SwiGLU's clamp are experts_mlp's. gpt-oss's
+// layers have `sinks` (None elsewhere).
 Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
                      const Tensor& rope_cos, const Tensor& rope_sin,
                      const std::optional<Tensor>& second_rope_cos,
@@ -392,7 +401,10 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      int64_t num_heads, int64_t num_kv_heads, double scale,
                      c10::IntArrayRef sliding_windows, c10::IntArrayRef second_rope,
                      const c10::List<std::optional<Tensor>>& routers, at::TensorList experts,
-                     c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize) {
+                     c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize,
+                     const c10::List<std::optional<Tensor>>& sinks,
+                     const c10::List<std::optional<Tensor>>& expert_biases, double swiglu_alpha,
+                     double swiglu_limit) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
                   attn_out_norms.size() == layers && mlp_out_norms.size() == layers &&
@@ -400,9 +412,10 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                   sliding_windows.size() == layers && second_rope.size() == layers &&
                   segments.size() == 4 * layers && biases.size() == 4 * layers &&
                   weights.size() == formats.size() && routers.size() == layers &&
-                  experts.size() == expert_formats.size(),
-              "decoder_stack: every list holds one entry a layer (segments and biases 4), "
-              "formats one a weight, expert formats one a stack");
+                  experts.size() == expert_formats.size() && sinks.size() == layers &&
+                  expert_biases.size() == 3 * layers,
+              "decoder_stack: every list holds one entry a layer (segments and biases 4, "
+              "expert biases 3), formats one a weight, expert formats one a stack");
   const bool any_second =
       std::any_of(second_rope.begin(), second_rope.end(), [](int64_t f) { return f != 0; });
   TORCH_CHECK(!any_second || (second_rope_cos && second_rope_sin),
@@ -421,7 +434,9 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                                experts[first_stack + 2],
                                {expert_formats[first_stack], expert_formats[first_stack + 1],
                                 expert_formats[first_stack + 2]},
-                               top_k, renormalize});
+                               top_k, renormalize, expert_biases.get(3 * l),
+                               expert_biases.get(3 * l + 1), expert_biases.get(3 * l + 2),
+                               swiglu_alpha, swiglu_limit});
       first_stack += 3;
     }
     const LayerWeights w{input_norms[l], post_norms[l], eps, weights, formats,
@@ -430,7 +445,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                           biases.get(4 * l + 3)},
                          qk_norms.get(l), num_heads, num_kv_heads, scale, sliding_windows[l],
                          attn_out_norms.get(l), mlp_out_norms.get(l), gelu, softcap,
-                         moe ? &*moe : nullptr};
+                         sinks.get(l), moe ? &*moe : nullptr};
     TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
                 "'s segments run past the ", weights.size(), " weights");
     const Tensor& cos = second_rope[l] ? *second_rope_cos : rope_cos;

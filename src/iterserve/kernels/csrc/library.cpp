@@ -38,7 +38,8 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor? attn_out_norm, Tensor? mlp_out_norm, bool gelu, float softcap, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
       "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
-      "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows) -> Tensor");
+      "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows, "
+      "Tensor? sinks=None) -> Tensor");
   m.def(
       "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
       "Tensor rope_sin, Tensor? second_rope_cos, Tensor? second_rope_sin, Tensor[] input_norms, "
@@ -47,7 +48,8 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor?[] mlp_out_norms, bool gelu, float softcap, Tensor(a!)[] key_caches, "
       "Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, float scale, "
       "int[] sliding_windows, int[] second_rope, Tensor?[] routers, Tensor[] experts, "
-      "int[] expert_formats, int top_k, bool renormalize) -> Tensor");
+      "int[] expert_formats, int top_k, bool renormalize, Tensor?[] sinks, "
+      "Tensor?[] expert_biases, float swiglu_alpha, float swiglu_limit) -> Tensor");
   m.def(
       "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
       "Tensor gate, Tensor up, Tensor down, int[] formats, Tensor? router_bias=None, "

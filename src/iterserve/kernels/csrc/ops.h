@@ -133,7 +133,7 @@ at::Tensor decoder_layer(
     const at::Tensor& slot_mapping, const at::Tensor& step, const at::Tensor& rope_cos,
     const at::Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads, double scale,
     int64_t sliding_window, at::TensorList lora, c10::IntArrayRef lora_parts,
-    const std::optional<at::Tensor>& lora_rows);
+    const std::optional<at::Tensor>& lora_rows, const std::optional<at::Tensor>& sinks);
 at::Tensor decoder_stack(
     const at::Tensor& hidden, const at::Tensor& slot_mapping, const at::Tensor& step,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin,
@@ -147,7 +147,10 @@ at::Tensor decoder_stack(
     at::TensorList key_caches, at::TensorList value_caches, int64_t num_heads,
     int64_t num_kv_heads, double scale, c10::IntArrayRef sliding_windows,
     c10::IntArrayRef second_rope, const c10::List<std::optional<at::Tensor>>& routers,
-    at::TensorList experts, c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize);
+    at::TensorList experts, c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize,
+    const c10::List<std::optional<at::Tensor>>& sinks,
+    const c10::List<std::optional<at::Tensor>>& expert_biases, double swiglu_alpha,
+    double swiglu_limit);
 
 // linear.cpp: activations as the block formats quantize them, per unit of 32 or 256 inputs.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t unit);
