@@ -22,27 +22,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from iterserve.model.block_formats import TILE, BlockFormat, padded_rows, repack
+from iterserve.model.file_bytes import read_bytes
 from iterserve.model.host_memory import weight_buffer
 
 # Bytes of file read at once when repacking a large tensor.
 _SLICE_BYTES = 64 << 20
-
-
-def read_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
-    """`nbytes` of the file from `offset`, as a writable uint8 array of its own."""
-    buffer = np.empty(nbytes, dtype=np.uint8)
-    with path.open("rb", buffering=0) as file:
-        file.seek(offset)
-        view = memoryview(buffer)
-        done = 0
-        while done < nbytes:
-            count = file.readinto(view[done:])
-            if not count:
-                raise OSError(
-                    f"{path}: ended {nbytes - done} bytes early at offset {offset + done}"
-                )
-            done += count
-    return buffer
 
 
 class QuantizedBlocks(ABC):

@@ -8,20 +8,22 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 
 from iterserve.model.bundled import default_model_path
 from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig, rope_every_layer_but
 from iterserve.model.errors import ModelLoadError
-from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.rope import UnsupportedRope, rope_type_of, rotary_dims, served_rope
+from iterserve.model.safetensors_file import StoredTensor, stored_tensors
 from iterserve.model.safetensors_mxfp4 import gpt_oss_mxfp4_experts, is_mxfp4_tensor
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
+
+if TYPE_CHECKING:
+    from iterserve.model.gguf_blocks import QuantizedBlocks
 
 # HF `architectures` entries (and their `model_type`s) that the Llama implementation runs.
 SUPPORTED_HF_ARCHITECTURES = {
@@ -93,8 +95,9 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     gpt_oss = config.architecture == "gpt_oss"
     shards = _shards(directory)
     weights = _load_safetensors(directory, shards, dtype, "model." if bare else "", gpt_oss)
-    # OpenAI's own gpt-oss checkpoints keep the experts in MXFP4: run from their blocks.
-    quantized = gpt_oss_mxfp4_experts([directory / shard for shard in shards]) if gpt_oss else {}
+    quantized: dict[str, QuantizedBlocks] = {}
+    if gpt_oss:  # OpenAI's own checkpoints keep the experts in MXFP4: run from their blocks
+        quantized.update(gpt_oss_mxfp4_experts([directory / shard for shard in shards]))
     for name, blocks in quantized.items():
         weights.add(name, blocks.shape, functools.partial(_dequantized, blocks, dtype))
     if config.tie_word_embeddings:
@@ -388,20 +391,18 @@ def _load_safetensors(
     for shard in shards:
         if not (directory / shard).exists():
             raise ModelLoadError(f"{directory}: shard {shard} listed in the index is missing")
-        # Memory-mapped: a tensor is read (and cast) when the model copies it in.
-        file = safe_open(directory / shard, framework="pt")
-        for name in file.keys():  # noqa: SIM118 - safe_open is not a mapping
+        # Each tensor read (and cast) from its place in the file when the model copies it in.
+        for name, stored in stored_tensors(directory / shard).items():
             if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
                 continue
-            if gpt_oss and is_mxfp4_tensor(name):
+            if gpt_oss and is_mxfp4_tensor(name):  # safetensors_mxfp4.py reads these
                 continue
-            shape = tuple(file.get_slice(name).get_shape())
-            parts = _gpt_oss_experts(name, shape) if gpt_oss else []
+            parts = _gpt_oss_experts(name, stored.shape) if gpt_oss else []
             for part, part_shape, make in parts:
-                weights.add(prefix + part, part_shape, functools.partial(make, file, name, dtype))
+                weights.add(prefix + part, part_shape, functools.partial(make, stored, dtype))
             if not parts:
-                read = functools.partial(_read_tensor, file, name, dtype)
-                weights.add(prefix + name, shape, read)
+                read = functools.partial(_read_tensor, stored, dtype)
+                weights.add(prefix + name, stored.shape, read)
     return weights
 
 
@@ -435,15 +436,15 @@ def _gpt_oss_experts(
 
 
 def _read_expert(
-    file: Any, name: str, dtype: torch.dtype, expert: int, columns: slice
+    stored: StoredTensor, dtype: torch.dtype, expert: int, columns: slice
 ) -> torch.Tensor:
     """One expert's projection (or bias) from its stack: only its slice is read."""
-    tensor = file.get_slice(name)[expert][..., columns]
+    tensor = stored.read(expert, 1)[0][..., columns]
     return (tensor.T if tensor.dim() == 2 else tensor).contiguous().to(dtype)
 
 
-def _read_tensor(file: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
-    tensor = file.get_tensor(name)
+def _read_tensor(stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+    tensor = stored.read()
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 

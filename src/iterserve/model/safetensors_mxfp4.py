@@ -14,15 +14,13 @@ doubled against a scale halved (2^(e - 128)). So each expert's projection is rea
 MXFP4 rows (`MXFP4Rows`), nibbles reordered a slice of rows at a time, and runs from its
 blocks like a GGUF's (model/gguf_blocks.py): nothing is made in bf16.
 
-The bytes are read at their offsets in the file (the safetensors header says where), not
-through a mapping, as GGUF tensors are: a load's resident memory is then the tiles it built.
+The bytes are read at their offsets in the file (model/safetensors_file.py), not through a
+mapping, as GGUF tensors are: a load's resident memory is then the tiles it built.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +29,9 @@ import torch
 
 from iterserve.model.block_formats import BLOCK_FORMATS, BlockFormat
 from iterserve.model.errors import ModelLoadError
-from iterserve.model.gguf_blocks import QuantizedBlocks, read_bytes
+from iterserve.model.file_bytes import read_bytes
+from iterserve.model.gguf_blocks import QuantizedBlocks
+from iterserve.model.safetensors_file import StoredTensor, stored_tensors
 
 MXFP4 = BLOCK_FORMATS["MXFP4"]
 _BLOCK = 32
@@ -40,17 +40,6 @@ _STACK = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)_(blocks|scale
 
 def is_mxfp4_tensor(name: str) -> bool:
     return _STACK.fullmatch(name) is not None
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """A tensor's place in a safetensors file."""
-
-    path: Path
-    offset: int
-    shape: tuple[int, ...]
-    dtype: str = "U8"  # safetensors' name of it
-    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,11 +99,12 @@ def gpt_oss_mxfp4_experts(shards: list[Path]) -> dict[str, MXFP4Rows]:
         if stack == "down_proj":
             projections = {"down_proj": (0, 1)}
         for expert in range(count):
+            size = rows * groups  # the expert's scale bytes; 16 code bytes to each
             slab = StoredTensor(
-                codes.path, codes.offset + expert * rows * groups * 16, codes.shape[1:]
+                codes.path, codes.offset + expert * size * 16, codes.shape[1:], "U8", size * 16
             )
             slab_scales = StoredTensor(
-                scales.path, scales.offset + expert * rows * groups, scales.shape[1:]
+                scales.path, scales.offset + expert * size, scales.shape[1:], "U8", size
             )
             for projection, (first, step) in projections.items():
                 shape = (rows // step, groups * _BLOCK)
@@ -122,20 +112,3 @@ def gpt_oss_mxfp4_experts(shards: list[Path]) -> dict[str, MXFP4Rows]:
                     slab, slab_scales, first, step, shape
                 )
     return experts
-
-
-def stored_tensors(path: Path) -> dict[str, StoredTensor]:
-    """A safetensors file's tensors and where their bytes are (its header: an 8-byte
-    length, then JSON with each tensor's dtype, shape and data offsets)."""
-    with path.open("rb") as file:
-        (length,) = struct.unpack("<Q", file.read(8))
-        header = json.loads(file.read(length))
-    stored = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        stored[name] = StoredTensor(
-            path, 8 + length + begin, tuple(entry["shape"]), entry["dtype"], end - begin
-        )
-    return stored
