@@ -21,6 +21,7 @@ from iterserve import kernels
 from iterserve.model import moe
 from iterserve.model.gguf_loader import gguf_model_config, read_gguf_header
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint
@@ -262,6 +263,25 @@ def test_fast_paths_keep_the_eager_greedy_tokens(
     assert_same_greedy([rows[False][same]], [rows[True][same]])
 
 
+def _three_roads(
+    loaded: LoadedModel,
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, LlamaForCausalLM]]:
+    """Every row's logits (by sequence, through PLANS) and the model, of three roads over
+    the same weights: fp32 torch ("reference"), bf16 torch ("bf16"), and bf16 on the tiled
+    kernels with the paged attention op, the file's blocks kept ("fast")."""
+    rows, models = {}, {}
+    for name, dtype, backend in (
+        ("reference", torch.float32, "torch"),
+        ("bf16", torch.bfloat16, "torch"),
+        ("fast", torch.bfloat16, "tiled"),
+    ):
+        model = LlamaForCausalLM(loaded.config, dtype, torch.device("cpu"))
+        model.load(loaded.weights, backend, loaded.quantized)
+        rows[name] = list(_run(model, paged_kernel=backend == "tiled").values())
+        models[name] = model
+    return rows, models
+
+
 @pytest.mark.skipif(
     not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
 )
@@ -271,24 +291,16 @@ def test_the_fused_layers_take_gpt_oss(checkpoint: Path) -> None:
     experts in one experts_mlp call each, no compiled graph), through chunks over cached
     prefixes and decodes, against fp32 by the yardstick of plain bf16 there (the stack
     rounds its norms and rope where torch's ops do not, as a compiled graph does)."""
-    loaded = load_model(checkpoint, torch.float32)
-    rows = {}
-    for name, dtype, backend in (
-        ("reference", torch.float32, "torch"),
-        ("bf16", torch.bfloat16, "torch"),
-        ("fused", torch.bfloat16, "tiled"),
-    ):
-        model = LlamaForCausalLM(loaded.config, dtype, torch.device("cpu"))
-        model.load(loaded.weights, backend)
-        assert model.fused_layers == (backend == "tiled")
-        rows[name] = list(_run(model, paged_kernel=backend == "tiled").values())
-    _assert_as_close_as_bf16(rows["reference"], rows["fused"], rows["bf16"], error_factor=2.0)
+    rows, models = _three_roads(load_model(checkpoint, torch.float32))
+    assert [m.fused_layers for m in models.values()] == [False, False, True]
+    model = models["fast"]
+    _assert_as_close_as_bf16(rows["reference"], rows["fast"], rows["bf16"], error_factor=2.0)
     # Without the sinks the stack computes another function: they reach the op.
     for layer in model.layers:
         layer.sinks.fill_(-30.0)
     model._stack = None
     without = torch.cat(list(_run(model, paged_kernel=True).values()))
-    assert (without - torch.cat(rows["fused"])).abs().max() > 0.05
+    assert (without - torch.cat(rows["fast"])).abs().max() > 0.05
 
 
 @pytest.mark.skipif(
@@ -327,19 +339,10 @@ def test_mxfp4_experts_run_from_their_blocks(kind: str, request: pytest.FixtureR
     against the same file's weights (dequantized by the gguf package) in fp32, by the
     yardstick of plain bf16 there."""
     fixture = "mxfp4_checkpoint" if kind == "gguf" else "openai_mxfp4_checkpoint"
-    loaded = load_model(request.getfixturevalue(fixture), torch.float32)
-    rows = {}
-    for name, dtype, backend in (
-        ("reference", torch.float32, "torch"),
-        ("bf16", torch.bfloat16, "torch"),
-        ("fast", torch.bfloat16, "tiled"),
-    ):
-        model = LlamaForCausalLM(loaded.config, dtype, torch.device("cpu"))
-        model.load(loaded.weights, backend, loaded.quantized)
-        if backend == "tiled":
-            assert model.describe_linears()["experts"] == "4 experts, top-2, tiled-MXFP4"
-            assert all(layer.moe.kernel is not None for layer in model.layers)
-        rows[name] = list(_run(model, paged_kernel=backend == "tiled").values())
+    rows, models = _three_roads(load_model(request.getfixturevalue(fixture), torch.float32))
+    fast = models["fast"]
+    assert fast.describe_linears()["experts"] == "4 experts, top-2, tiled-MXFP4"
+    assert all(layer.moe.kernel is not None for layer in fast.layers)
     _assert_as_close_as_bf16(
         rows["reference"], rows["fast"], rows["bf16"], error_factor=2.5, miss_share=0.03
     )
