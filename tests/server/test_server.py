@@ -205,6 +205,10 @@ def test_logprobs(client: openai.OpenAI) -> None:
 def test_models_and_health(client: openai.OpenAI, server: RunningServer) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/no-such-model")
+    assert missing.value.body["param"] == "model"  # type: ignore[index]
     health = httpx.get(f"{server.base_url}/health")
     assert health.status_code == 200
     # Which path serves, and why: dtype, kernels and their ISA.

@@ -1,5 +1,5 @@
-"""OpenAI's routes under /v1: the model list, completions, chat completions, responses and
-embeddings."""
+"""OpenAI's routes under /v1: the model list (and one model), completions, chat completions,
+responses and embeddings."""
 
 from __future__ import annotations
 
@@ -24,23 +24,29 @@ from iterserve.server.serving import ServingContext
 def openai_routes(ctx: ServingContext) -> APIRouter:
     v1 = APIRouter(prefix="/v1")
 
+    def cards() -> list[ModelCard]:
+        return [
+            ModelCard(id=name, root=ctx.served_model_names[0], max_model_len=ctx.max_model_len)
+            for name in ctx.served_model_names
+        ] + [
+            ModelCard(
+                id=name,
+                root=lora.lora_path,
+                parent=ctx.served_model_names[0],
+                max_model_len=ctx.max_model_len,
+            )
+            for name, lora in ctx.loras.items()
+        ]
+
     @v1.get("/models")
     async def list_models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=ctx.served_model_names[0], max_model_len=ctx.max_model_len)
-                for name in ctx.served_model_names
-            ]
-            + [
-                ModelCard(
-                    id=name,
-                    root=lora.lora_path,
-                    parent=ctx.served_model_names[0],
-                    max_model_len=ctx.max_model_len,
-                )
-                for name, lora in ctx.loras.items()
-            ]
-        )
+        return ModelList(data=cards())
+
+    # OpenAI's `client.models.retrieve(id)`; a name may hold slashes ("org/model").
+    @v1.get("/models/{model:path}")
+    async def retrieve_model(model: str) -> ModelCard:
+        ctx.resolve_model(model)  # 404 model_not_found, as OpenAI's
+        return next(card for card in cards() if card.id == model)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
