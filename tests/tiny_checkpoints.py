@@ -38,6 +38,8 @@ _ARCHITECTURES = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    # A reranker as transformers saves one: a classifier head (score.weight), no LM head.
+    "qwen3_classifier": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),
 }
 
 

@@ -46,7 +46,12 @@ _GPT_OSS_BLOCK = {
     "mlp.experts.up": "ffn_up_exps",
     "mlp.experts.down": "ffn_down_exps",
 }
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_TOP = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "score": "cls.output",  # a reranker's classifier (CLS_OUT)
+}
 
 
 def _gpt_oss_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -145,11 +150,13 @@ def write_gguf(
     metadata: Mapping[str, Any] | None = None,
     rope_tensors: Mapping[str, np.ndarray] | None = None,
     qtypes: Mapping[str, str] | None = None,
+    named_chat_templates: Mapping[str, str] | None = None,
 ) -> None:
     """`model`'s weights (or `state`, HF-named) as a GGUF of architecture `arch`; 2-D
     projections in `qtype` (norms, embedding and head stay F32), or per HF name in `qtypes`
     (a GGUF type name; `gguf_blocks` makes them). `metadata`: extra keys (without the
-    `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}."""
+    `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}; `named_chat_templates`:
+    tokenizer.chat_template.NAME, e.g. llama.cpp's "rerank"."""
     config = model.config
     writer = GGUFWriter(path, arch)
     add_shape(writer, config, rope_freq_base)
@@ -174,6 +181,8 @@ def write_gguf(
     writer.add_eos_token_id(2)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    if named_chat_templates:
+        writer.add_chat_template([{"name": n, "template": t} for n, t in named_chat_templates.items()])
 
     for name, array in (rope_tensors or {}).items():
         writer.add_tensor(f"{name}.weight", np.ascontiguousarray(array, dtype=np.float32))

@@ -27,7 +27,7 @@ KVCacheDType = Literal["auto", "int8"]
 # --kv-cache-memory: GiB, or "auto" (a share of the memory left once the weights are in).
 KVCacheMemory = float | Literal["auto"]
 SpeculativeMethod = Literal["ngram", "draft"]
-Task = Literal["auto", "generate", "embed", "both"]
+Task = Literal["auto", "generate", "embed", "both", "score"]
 Pooling = Literal["auto", "last", "mean", "cls"]
 SELF_INT4_DRAFT = "self-int4"  # --draft-model value: the model's own 4-bit weights
 
@@ -324,9 +324,11 @@ class PoolingConfig:
     task: Task = _opt(
         "auto",
         "what the server does: generate (completions, chat, responses), embed "
-        "(/v1/embeddings only), both, or auto: embed for an embedding checkpoint (a "
-        "sentence-transformers directory, a bare *Model architecture without an LM head, a "
-        "GGUF with a pooling type), both otherwise",
+        "(/v1/embeddings only), both, score (a reranker: /v1/rerank and /v1/score only), or "
+        "auto: score for a reranker (a *ForSequenceClassification, a GGUF of pooling type "
+        "rank, --classifier-from-tokens, a Qwen3-Reranker directory), embed for an embedding "
+        "checkpoint (a sentence-transformers directory, a bare *Model architecture without an "
+        "LM head, a GGUF with a pooling type), both otherwise",
     )
     pooling: Pooling = _opt(
         "auto",
@@ -338,6 +340,19 @@ class PoolingConfig:
         None,
         "L2-normalize embeddings; default: the checkpoint's metadata (a sentence-transformers "
         "Normalize module), else on",
+    )
+    classifier_from_tokens: str | None = _opt(
+        None,
+        "score with a causal LM's head rows of these tokens (vLLM's classifier_from_token): "
+        "one token, its logit (bge-reranker-v2-gemma: Yes), or two, false and true, the "
+        "second's logit less the first's (Qwen3-Reranker: no,yes, taken without asking from a "
+        "directory named so); the score is its sigmoid",
+    )
+    rerank_template: str | None = _opt(
+        None,
+        "the prompt a (query, document) pair is scored in, with {query} and {document} (text, "
+        "or a file holding it); default: the GGUF's rerank template (llama.cpp's), "
+        "Qwen3-Reranker's own, else the tokenizer's pair encoding (query, then document)",
     )
 
     def __post_init__(self) -> None:

@@ -1,8 +1,10 @@
-"""What an embedding request asks for: how its prompt's hidden states become one vector.
+"""What an embedding or scoring request asks for: how its prompt's hidden states become one
+vector, or one score.
 
-An embedding request is prefill-only: it computes its prompt, pools the final-norm hidden
-states into one vector and ends without sampling (docs/embeddings.md). Torch-free, so the
-scheduler (core/) can carry it.
+Both are prefill-only: they compute the prompt, pool the final-norm hidden states and end
+without sampling (docs/embeddings.md). A scoring request (a query and a document as one
+prompt, for a reranker) reads its last token's state through the model's score head
+(model/score_head.py). Torch-free, so the scheduler (core/) can carry it.
 """
 
 from __future__ import annotations
@@ -14,17 +16,21 @@ from typing import Literal
 # mean: the mean over every prompt token; cls: the first token's.
 PoolingType = Literal["last", "mean", "cls"]
 POOLING_TYPES: tuple[PoolingType, ...] = ("last", "mean", "cls")
+# embed: the pooled vector; score: the score head's one number from the last token's state.
+PoolingTask = Literal["embed", "score"]
 
 
 @dataclass(frozen=True)
 class PoolingParams:
     """`pooling` and `normalize` None: the model's own (engine/pooling.py reads them from the
     checkpoint or --pooling). `dimensions`: keep the first this many numbers (a matryoshka
-    model only), re-normalized when the model normalizes."""
+    model only), re-normalized when the model normalizes. `task` "score": the request is a
+    (query, document) pair whose relevance the model's score head gives (pooling "last")."""
 
     pooling: PoolingType | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    task: PoolingTask = "embed"
 
     @property
     def needs_every_token(self) -> bool:

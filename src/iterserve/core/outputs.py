@@ -62,6 +62,7 @@ class ScheduledSeq:
     # whether this chunk ends its prompt, so the step hands back its vector.
     pooling: PoolingType | None = None
     pool_now: bool = False
+    score: bool = False  # the pool goes through the model's score head (a reranker)
     # Its LoRA adapter (0: the base model) and the model's slot holding it (-1: none).
     lora_id: int = 0
     lora_slot: int = -1
@@ -116,7 +117,7 @@ class ModelOutput:
     # Per request that scored prompt tokens: their logprobs, in order.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per embedding request whose prompt this step finished: its pooled vector (raw: the
-    # engine normalizes and truncates, engine/pooling.py).
+    # engine normalizes and truncates, engine/pooling.py); a scoring request's: [its logit].
     pooled: dict[str, list[float]] = field(default_factory=dict)
 
 

@@ -253,6 +253,9 @@ class AsyncEngine:
             },
             tuple(engine.loras.by_name.values()),
             engine.loras.enabled,
+            engine.pooling.embed,
+            engine.pooling.score,
+            engine.pair_prompts.template,
         )
 
     def replica_states(self) -> list[ReplicaState]:

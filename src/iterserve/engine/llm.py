@@ -13,6 +13,7 @@ from iterserve.core.lora import LoRARequest
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, render_chat
+from iterserve.engine.score_prompts import score_pairs
 from iterserve.pooling_params import PoolingParams
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -95,6 +96,31 @@ class LLM:
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """A reranker's relevance of each (text_1, text_2) pair, as vLLM's `LLM.score`: one
+        text_1 against every text_2, or the two lists item by item. Each output's `.score`
+        is in (0, 1) (the sigmoid of the model's score head: docs/embeddings.md)."""
+        engine = self.engine
+        pairs = score_pairs(
+            text_1 if isinstance(text_1, str) else list(text_1),
+            text_2 if isinstance(text_2, str) else list(text_2),
+        )
+        ids: list[str] = []
+        try:
+            for query, document in pairs:
+                prompt = engine.pair_prompts(query, document)
+                ids.append(engine.add_request(prompt, pooling=PoolingParams(task="score")))
+        except Exception:
+            for request_id in ids:
+                engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
 

@@ -41,9 +41,10 @@ from iterserve.engine.kv_pool_size import (
 )
 from iterserve.engine.lora_registry import LoRARegistry
 from iterserve.engine.outputs import EngineStep, RequestOutput
-from iterserve.engine.pooling import ModelPooling, finish_embedding, model_pooling
+from iterserve.engine.pooling import ModelPooling, finish_embedding, finish_score, model_pooling
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
+from iterserve.engine.score_prompts import PairPrompts, rerank_template
 from iterserve.engine.step_pipeline import StepPipeline
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.grammar_checked_proposer import GrammarCheckedProposer
@@ -57,6 +58,7 @@ from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
+from iterserve.model.score_head import SCORE_WEIGHT, prepare_score_head
 from iterserve.pooling_params import PoolingParams
 from iterserve.sample.structured import GrammarCompiler
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
@@ -127,8 +129,18 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, dtype)
         self._take_model(loaded)
         path = Path(config.model).expanduser() if config.model else default_model_path()
-        # What it serves (generation, embeddings) and how it pools (engine/pooling.py).
-        self.pooling: ModelPooling = model_pooling(config.pooling, path, loaded.config.hidden_size)
+        # A reranker's score head, and the prompt its (query, document) pairs go into.
+        prepare_score_head(loaded, path, config.pooling.classifier_from_tokens)
+        self.pair_prompts = PairPrompts(
+            loaded.tokenizer,
+            rerank_template(config.pooling.rerank_template, loaded.rerank_template),
+        )
+        if loaded.score_source is not None:
+            logger.info("scores: sigmoid of %s . the last token's state", loaded.score_source)
+        # What it serves (generation, embeddings, scores) and how it pools (engine/pooling.py).
+        self.pooling: ModelPooling = model_pooling(
+            config.pooling, path, loaded.config.hidden_size, SCORE_WEIGHT in loaded.weights
+        )
         logger.info("tasks: %s", self.pooling.describe())
         network = self._network(loaded, dtype, dtype_reason)
         try:
@@ -354,13 +366,16 @@ class LLMEngine:
     ) -> str:
         """Queue a request; raises InvalidRequestError (nothing queued) if it cannot run.
         With `pooling` it is an embedding request (`params` ignored): its prompt is computed
-        and pooled into one vector, RequestOutput.embedding. `lora_request`: the adapter it
+        and pooled into one vector, RequestOutput.embedding (with task "score", a reranker's
+        pair, `pair_prompts`' ids: RequestOutput.score). `lora_request`: the adapter it
         runs (added first if the engine does not serve it)."""
         if pooling is not None:
             return self._add_embedding(prompt, pooling, request_id, priority, arrival_time)
         if not self.pooling.generate:
+            routes = "/v1/rerank and /v1/score" if self.pooling.score else "/v1/embeddings"
             raise InvalidRequestError(
-                "this server serves embeddings only (--task embed): use /v1/embeddings", "model"
+                f"this server does not generate ({self.pooling.describe()}): use {routes}",
+                "model",
             )
         params = params or SamplingParams()
         params.validate()
@@ -404,10 +419,13 @@ class LLMEngine:
         priority: int,
         arrival_time: float | None,
     ) -> str:
-        """An embedding request, in the embed lane; a bad input is InvalidRequestError naming
-        `input` (the embeddings API's field)."""
+        """An embedding or scoring request, in the embed lane; a bad input is
+        InvalidRequestError naming `input` (the embeddings API's field; the scoring APIs
+        name their own)."""
         pooling = self.pooling.request_params(pooling)
-        request_id = request_id or f"embd-{next(self._ids)}"
+        request_id = (
+            request_id or f"{'score' if pooling.task == 'score' else 'embd'}-{next(self._ids)}"
+        )
         try:
             request = Request(
                 request_id=request_id,
@@ -420,7 +438,8 @@ class LLMEngine:
             )
             self.scheduler.add_request(request)
         except InvalidRequestError as error:
-            param = "input" if error.param in ("prompt", "max_tokens") else error.param
+            field = "documents" if pooling.task == "score" else "input"
+            param = field if error.param in ("prompt", "max_tokens") else error.param
             raise InvalidRequestError(str(error), param) from None
         # No text comes out of it: an empty context spares decoding the prompt's tail.
         self._streams[request_id] = _Stream(
@@ -503,7 +522,9 @@ class LLMEngine:
             stream, token_ids[:kept], update.new_logprobs[:kept], delta, finish_reason
         )
         pooling = stream.request.pooling_params
-        if update.embedding is not None and pooling is not None:
+        if update.embedding is not None and pooling is not None and pooling.task == "score":
+            output.score = finish_score(update.embedding)
+        elif update.embedding is not None and pooling is not None:
             output.embedding = finish_embedding(update.embedding, pooling)
         return output
 

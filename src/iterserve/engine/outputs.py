@@ -40,6 +40,8 @@ class RequestOutput:
     reasoning_content: str | None = None
     # An embedding request's vector, once finished (LLMEngine.add_request with pooling).
     embedding: list[float] | None = None
+    # A scoring request's relevance in (0, 1), once finished (a reranker's score head).
+    score: float | None = None
     # The LoRA adapter it ran (None: the base model), for per-adapter metrics.
     lora_name: str | None = None
 

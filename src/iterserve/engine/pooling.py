@@ -1,6 +1,7 @@
-"""How this engine's embeddings are made: the pooling and normalization chosen from the
-checkpoint's metadata or the flags, which tasks it serves, each request's settings checked
-against the model, and a pooled vector turned into the answer (truncated, normalized).
+"""How this engine's embeddings and scores are made: the pooling and normalization chosen
+from the checkpoint's metadata or the flags, which tasks it serves, each request's settings
+checked against the model, and a pooled vector turned into the answer (truncated,
+normalized; a score's logit into its sigmoid).
 
 Defaults, where the checkpoint says nothing (a plain causal LM): mean pooling, normalized.
 vLLM pools a causal LM converted to embeddings by its last token; iterserve takes the mean
@@ -28,21 +29,32 @@ class ModelPooling:
 
     generate: bool  # completions, chat, responses
     embed: bool  # /v1/embeddings, LLM.embed
+    score: bool  # /v1/rerank, /v1/score, LLM.score by the model's score head
     pooling: PoolingType
     normalize: bool
     hidden_size: int
     metadata: PoolingMetadata
 
     def describe(self) -> str:
-        tasks = " and ".join(
-            t for t, on in (("generate", self.generate), ("embed", self.embed)) if on
-        )
+        on = [("generate", self.generate), ("embed", self.embed), ("score", self.score)]
+        tasks = " and ".join(t for t, served in on if served)
+        if not self.embed:
+            return f"{tasks} ({self.metadata.source})"
         norm = ", normalized" if self.normalize else ""
         return f"{tasks}; embeddings: {self.pooling} pooling{norm} ({self.metadata.source})"
 
     def request_params(self, params: PoolingParams) -> PoolingParams:
         """A request's settings with the model's filled in; InvalidRequestError naming the
         field if the model cannot honour them."""
+        if params.task == "score":
+            if not self.score:
+                raise InvalidRequestError(
+                    "this server does not score (it has no reranker's score head); serve a "
+                    "reranker, or see --classifier-from-tokens",
+                    "model",
+                )
+            # A causal reranker's verdict is in its last token's state.
+            return replace(params, pooling="last", normalize=False, dimensions=None)
         if not self.embed:
             raise InvalidRequestError(
                 "this server does not serve embeddings (--task generate); start it with "
@@ -77,8 +89,11 @@ class ModelPooling:
             )
 
 
-def model_pooling(config: PoolingConfig, path: Path, hidden_size: int) -> ModelPooling:
-    """Tasks and pooling from `config` (--task, --pooling, --normalize) and the checkpoint."""
+def model_pooling(
+    config: PoolingConfig, path: Path, hidden_size: int, scores: bool = False
+) -> ModelPooling:
+    """Tasks and pooling from `config` (--task, --pooling, --normalize) and the checkpoint;
+    `scores`: the model has a score head (model/score_head.py)."""
     meta = read_pooling_metadata(path)
     if meta.unsupported and config.pooling == "auto":
         raise ModelLoadError(
@@ -87,7 +102,15 @@ def model_pooling(config: PoolingConfig, path: Path, hidden_size: int) -> ModelP
         )
     task = config.task
     if task == "auto":
-        task = "embed" if meta.embedding_model else "both"
+        task = (
+            "score" if scores or meta.scoring_model else "embed" if meta.embedding_model else "both"
+        )
+    if task == "score" and not scores:
+        raise ConfigError(
+            f"--task score: {path} has no score head; a reranker is a *ForSequenceClassification "
+            "of one label, a GGUF of pooling type rank, or a causal LM told which tokens answer "
+            "(--classifier-from-tokens)"
+        )
     generate = task in ("generate", "both")
     if generate and not meta.has_lm_head:
         raise ConfigError(
@@ -98,7 +121,15 @@ def model_pooling(config: PoolingConfig, path: Path, hidden_size: int) -> ModelP
     normalize = config.normalize
     if normalize is None:
         normalize = True if meta.normalize is None else meta.normalize
-    return ModelPooling(generate, task != "generate", pooling, normalize, hidden_size, meta)
+    embed = task in ("embed", "both")
+    score = scores and task in ("score", "both")
+    return ModelPooling(generate, embed, score, pooling, normalize, hidden_size, meta)
+
+
+def finish_score(vector: list[float]) -> float:
+    """A score from its pooled logit: the sigmoid (a one-label classifier's probability)."""
+    (logit,) = vector
+    return 0.5 * (1.0 + math.tanh(logit / 2))  # the sigmoid, with no overflow either way
 
 
 def finish_embedding(vector: list[float], params: PoolingParams) -> list[float]:

@@ -59,6 +59,11 @@ class ServedModel:
     # The LoRA adapters it serves from the start (--lora-modules), and whether it takes more.
     loras: tuple[LoRARequest, ...] = ()
     lora_enabled: bool = False
+    # Whether it embeds (/v1/embeddings) and scores by a reranker's head (/v1/rerank), and
+    # the prompt a reranker's (query, document) pair goes into (engine/score_prompts.py).
+    embeds: bool = False
+    scores: bool = False
+    rerank_template: str | None = None
 
 
 class ServingEngine(Protocol):

@@ -5,7 +5,8 @@ A mean pool adds up every chunk's final-norm states and divides at the last chun
 last-token pool reads the last chunk's last row; a first-token (cls) pool keeps the first
 chunk's first row. A chunk starting at position 0 starts the pool afresh: a request
 preempted mid-prompt is recomputed from the start (mean and cls pools never take a cached
-prefix, core/scheduler.py `_cached_prefix`).
+prefix, core/scheduler.py `_cached_prefix`). A scoring request's last-token pool goes
+through the model's score head: its vector is [the logit].
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def hidden_rows(seq: ScheduledSeq) -> range:
 
 
 class Pooler:
-    def __init__(self) -> None:
+    def __init__(self, score_head: torch.Tensor | None = None) -> None:
         # Per request whose prompt is part computed: the pool so far (fp32) and its count.
         self._partial: dict[str, tuple[torch.Tensor, int]] = {}
+        # [hidden] fp32, a scoring model's (model/score_head.py).
+        self.score_head = score_head
 
     def take(
         self, seqs: Sequence[ScheduledSeq], hidden: torch.Tensor | None
@@ -65,7 +68,11 @@ class Pooler:
                 continue
             assert previous is not None, f"request {request_id}: nothing pooled"
             pool, count = previous
-            vectors[request_id] = (pool / count).tolist()
+            if seq.score:
+                assert self.score_head is not None, "a scoring request on a model without one"
+                vectors[request_id] = [float(self.score_head @ pool)]
+            else:
+                vectors[request_id] = (pool / count).tolist()
         return vectors
 
     def drop(self, request_id: str) -> None:

@@ -48,7 +48,7 @@ class TorchRunner:
         # draft model masks its guesses with them too.
         self.structured = StructuredBatch()
         # Embedding requests' pools across their prompt chunks.
-        self.pooler = Pooler()
+        self.pooler = Pooler(network.model.score_head)
         if drafts is not None:
             drafts.structured = self.structured
         # The LoRA adapters it serves, when the network has slots for them.

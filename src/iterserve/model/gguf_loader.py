@@ -60,6 +60,7 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    "cls.output": "score",  # a reranker's classifier (model/score_head.py)
 }
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -139,14 +140,34 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         path, tensors, config, metadata["general.architecture"], dtype
     )
     tokenizer = tokenizer_from_gguf(metadata, path)
-    return LoadedModel(
+    loaded = LoadedModel(
         config=config,
         weights=weights,
         tokenizer=tokenizer,
         chat_template=metadata.get("tokenizer.chat_template"),
         name=_QUANT_SUFFIX.sub("", path.stem),
         quantized=quantized,
+        rerank_template=metadata.get("tokenizer.chat_template.rerank"),
     )
+    _one_score_row(loaded, metadata)
+    return loaded
+
+
+def _one_score_row(loaded: LoadedModel, metadata: dict[str, Any]) -> None:
+    """llama.cpp's Qwen3-Reranker GGUF: `cls.output` holds the LM head's rows of "yes" and
+    "no", whose softmax it takes; the score head is their difference (model/score_head.py)."""
+    weights = loaded.weights
+    if "score.weight" not in weights or weights.shape("score.weight")[0] != 2:
+        return
+    labels = metadata.get(f"{metadata['general.architecture']}.classifier.output_labels")
+    if list(labels or []) != ["yes", "no"]:
+        raise ModelLoadError(
+            f"a GGUF classifier of two labels {labels} is not a yes/no reranker; iterserve "
+            "scores with one row"
+        )
+    rows = weights["score.weight"]
+    weights.add("score.weight", (1, rows.shape[1]), lambda: (rows[0] - rows[1]).reshape(1, -1))
+    loaded.score_source = "the GGUF's cls.output rows of 'yes' and 'no'"
 
 
 def read_gguf_config(path: Path) -> ModelConfig:

@@ -32,6 +32,7 @@ from iterserve.model.lazy_weights import native_of, shape_of
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 from iterserve.model.moe import SparseMoeBlock
 from iterserve.model.rope import apply_rope, no_rope_tables, rope_tables
+from iterserve.model.score_head import SCORE_WEIGHT
 from iterserve.model.tensor_parallel import TensorParallel
 
 
@@ -386,6 +387,8 @@ class LlamaForCausalLM(nn.Module):
         # Made by `load`: the LM head, and the token embedding (a dense table, or rows looked
         # up in the head's or its own tiles, never a dense copy of a quantized table).
         self.head: Linear | None = None
+        # A reranker's score head [hidden], fp32: w . (final-norm last state) is its logit.
+        self.score_head: torch.Tensor | None = None
         self.embedding: TokenEmbedding | None = None
         self.fused_layers = False
         self.backend: Backend = "torch"
@@ -463,6 +466,8 @@ class LlamaForCausalLM(nn.Module):
         `mode` "blocks"). All checks happen before anything is built."""
         targets = self._targets()
         self._check(weights, targets)
+        if SCORE_WEIGHT in weights:  # a reranker's (model/score_head.py): fp32, never tiled
+            self.score_head = weights[SCORE_WEIGHT].float().reshape(-1).clone()
         quantized = quantized or {}
         offset = self.config.traits.norm_offset
         with torch.no_grad():
@@ -506,8 +511,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         def ignorable(name: str) -> bool:
             # Old checkpoints store the rotary buffer; tied models' state_dict lists lm_head.
-            return name.endswith("rotary_emb.inv_freq") or (
-                name == "lm_head.weight" and self.config.tie_word_embeddings
+            return (
+                name.endswith("rotary_emb.inv_freq")
+                or (name == "lm_head.weight" and self.config.tie_word_embeddings)
+                or name == SCORE_WEIGHT  # read by `load` itself
             )
 
         missing = sorted(set(targets) - set(weights))

@@ -26,3 +26,7 @@ class LoadedModel:
     # block_formats.py), by HF name: references to their bytes in the file, read when the
     # model is built. `weights` can make every tensor dequantized all the same.
     quantized: dict[str, QuantizedBlocks] = field(default_factory=dict)
+    # A reranker's: where its score head (`score.weight`, model/score_head.py) comes from,
+    # and the prompt a (query, document) pair is written into ({query}, {document}).
+    score_source: str | None = None
+    rerank_template: str | None = None

@@ -47,6 +47,14 @@ BARE_HF_ARCHITECTURES = {
     name.removesuffix("ForCausalLM") + "Model": family
     for name, family in SUPPORTED_HF_ARCHITECTURES.items()
 }
+# The same networks with a classifier head (`score.weight`, no LM head) instead, as
+# transformers saves a reranker (Qwen3-Reranker converted to one, as vLLM's docs do): served as
+# scoring models (model/score_head.py), the head tied to the embeddings so the network is
+# whole (a score never runs it).
+CLASSIFIER_HF_ARCHITECTURES = {
+    name.removesuffix("ForCausalLM") + "ForSequenceClassification": family
+    for name, family in SUPPORTED_HF_ARCHITECTURES.items()
+}
 # Mixture-of-experts families whose routing model/moe.py does not reproduce (shared
 # experts, grouped routing, latent attention): refused by name.
 _UNSUPPORTED_MOE = {
@@ -90,7 +98,7 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     raw = _read_json(directory / "config.json")
     config = hf_model_config(raw, _read_optional_json(directory / "generation_config.json"))
     bare = is_bare_model(raw)
-    if bare:
+    if bare or is_classifier(raw):
         config = dataclasses.replace(config, tie_word_embeddings=True)
     gpt_oss = config.architecture == "gpt_oss"
     shards = _shards(directory)
@@ -207,6 +215,11 @@ def _hf_experts(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def is_classifier(raw: dict[str, Any]) -> bool:
+    """Whether config.json names a network with a classifier head (CLASSIFIER_HF_ARCHITECTURES)."""
+    return any(a in CLASSIFIER_HF_ARCHITECTURES for a in raw.get("architectures") or [])
+
+
 def is_bare_model(raw: dict[str, Any]) -> bool:
     """Whether config.json names a network saved without its LM head (BARE_HF_ARCHITECTURES)."""
     names = raw.get("architectures") or []
@@ -218,7 +231,7 @@ def is_bare_model(raw: dict[str, Any]) -> bool:
 def _hf_architecture(raw: dict[str, Any]) -> str:
     """The family config.json names, or ModelLoadError naming what is not supported."""
     names = raw.get("architectures") or []
-    known = SUPPORTED_HF_ARCHITECTURES | BARE_HF_ARCHITECTURES
+    known = SUPPORTED_HF_ARCHITECTURES | BARE_HF_ARCHITECTURES | CLASSIFIER_HF_ARCHITECTURES
     architecture = next((known[a] for a in names if a in known), None)
     if (
         architecture is None

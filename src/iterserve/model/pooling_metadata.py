@@ -7,7 +7,11 @@ Read from the files the tools that made it leave:
   (`pooling_mode_lasttoken`, `_mean_tokens`, `_cls_token`);
 - `config.json` (and `config_sentence_transformers.json`): `is_matryoshka`,
   `matryoshka_dimensions` (vLLM's names), and a bare `*Model` architecture (no LM head);
-- GGUF files: `<arch>.pooling_type` (llama.cpp's enum: 1 mean, 2 cls, 3 last).
+- GGUF files: `<arch>.pooling_type` (llama.cpp's enum: 1 mean, 2 cls, 3 last, 4 rank: a
+  reranker's score).
+
+A reranker (an HF `*ForSequenceClassification`, a GGUF of pooling type rank) is a scoring
+model: it pools by its last token and scores (model/score_head.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.model.errors import ModelLoadError
-from iterserve.model.loader import is_bare_model
+from iterserve.model.loader import is_bare_model, is_classifier
 from iterserve.pooling_params import PoolingType
 
 # sentence-transformers' pooling modes iterserve pools by: 1_Pooling/config.json says
@@ -30,6 +34,7 @@ _ST_OLD_KEYS = {"lasttoken": "lasttoken", "mean_tokens": "mean", "cls_token": "c
                 "max_tokens": "max", "mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
                 "weightedmean_tokens": "weightedmean"}  # fmt: skip
 _GGUF_POOLING: dict[int, PoolingType] = {1: "mean", 2: "cls", 3: "last"}
+_GGUF_RANK = 4
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class PoolingMetadata:
     pooling: PoolingType | None = None  # None: the checkpoint does not say
     normalize: bool | None = None
     embedding_model: bool = False  # made for embeddings (--task auto serves only them)
+    scoring_model: bool = False  # a reranker (--task auto serves only its scores)
     has_lm_head: bool = True
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
@@ -58,6 +64,10 @@ def read_pooling_metadata(path: Path) -> PoolingMetadata:
     dims = config.get("matryoshka_dimensions") or st_config.get("matryoshka_dimensions")
     matryoshka = bool(config.get("is_matryoshka") or st_config.get("is_matryoshka") or dims)
     bare = is_bare_model(config)
+    if is_classifier(config):
+        return PoolingMetadata(
+            "last", False, scoring_model=True, has_lm_head=False, source="a classifier head"
+        )
     common: dict[str, Any] = {
         "has_lm_head": not bare,
         "matryoshka": matryoshka,
@@ -106,8 +116,10 @@ def _from_gguf(path: Path) -> PoolingMetadata:
     code = metadata.get(f"{metadata.get('general.architecture')}.pooling_type")
     if code is None or code == 0:
         return PoolingMetadata()
+    if code == _GGUF_RANK:
+        return PoolingMetadata("last", False, scoring_model=True, source="GGUF pooling_type rank")
     if code not in _GGUF_POOLING:
-        raise ModelLoadError(f"{path}: GGUF pooling_type {code} (rank?) is not an embedding pool")
+        raise ModelLoadError(f"{path}: GGUF pooling_type {code} is not a pool iterserve makes")
     return PoolingMetadata(_GGUF_POOLING[code], True, True, source="GGUF pooling_type")
 
 

@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 
 from iterserve.chat.reasoning import ReasoningSupport
 from iterserve.chat.tool_parsers import select_tool_parser
+from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
 from iterserve.server.access_log import AccessLogMiddleware
 from iterserve.server.errors import APIError, install_error_handlers
@@ -25,6 +26,7 @@ from iterserve.server.lora_routes import lora_routes
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.openai_routes import openai_routes
 from iterserve.server.response_store import IN_MEMORY, ResponseStore, Retention
+from iterserve.server.scoring import scoring_routes
 from iterserve.server.serving import ServingContext
 from iterserve.server.status_routes import admin_routes, status_routes
 from iterserve.server.stored_response_routes import stored_response_routes
@@ -86,6 +88,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
 
     guarded = [Depends(_api_key_check(settings.api_key))]
     app.include_router(openai_routes(ctx), dependencies=guarded)
+    app.include_router(scoring_routes(ctx), dependencies=guarded)
     app.include_router(lora_routes(ctx, async_engine.served_model.lora_enabled), dependencies=guarded)
     app.include_router(stored_response_routes(store), dependencies=guarded)
     # vLLM's paths, outside /v1 but behind the same key.
@@ -111,6 +114,8 @@ def _serving_context(
             settings.reasoning_parser, model.tokenizer, model.chat_template
         ),
         loras={lora.lora_name: lora for lora in model.loras},
+        pair_prompts=PairPrompts(model.tokenizer, model.rerank_template) if model.scores else None,
+        embeds=model.embeds,
     )
     logger.info(
         "tool calls: %s (--tool-call-parser %s)",

@@ -26,6 +26,7 @@ from iterserve.core.lora import LoRARequest
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
+from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
@@ -81,6 +82,10 @@ class ServingContext:
     # LoRA adapters served by name (a request's `model` picks one): --lora-modules, and
     # those /v1/load_lora_adapter added.
     loras: dict[str, LoRARequest] = field(default_factory=dict)
+    # A reranker's pairs as prompts (None: no score head), and whether it embeds: what
+    # /v1/rerank and /v1/score answer with (server/scoring.py).
+    pair_prompts: PairPrompts | None = None
+    embeds: bool = False
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
 

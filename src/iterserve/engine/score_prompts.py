@@ -1,0 +1,72 @@
+"""How a (query, document) pair becomes one prompt for a reranker.
+
+With a template (the GGUF's `rerank` template, as llama.cpp's converter writes it;
+Qwen3-Reranker's own; or --rerank-template), the pair is written into it and the text
+tokenized with its special tokens read and none added, as llama.cpp's server does. Without
+one, the tokenizer encodes the pair as transformers and vLLM give a cross-encoder its
+input: the query, then the document, with whatever its post-processor puts around and
+between them (a Qwen tokenizer puts nothing).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from iterserve.config import ConfigError
+from iterserve.engine.prompts import encode_text
+from iterserve.sampling_params import InvalidRequestError
+
+_PLACEHOLDER = re.compile(r"\{(query|document)\}")
+
+
+class PairPrompts:
+    def __init__(self, tokenizer: Any, template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+
+    def __call__(self, query: str, document: str) -> list[int]:
+        """The pair's token ids; InvalidRequestError naming the field the tokenizer refused."""
+        if self.template is not None:
+            # One pass, so that a query holding "{document}" stays as it is.
+            text = _PLACEHOLDER.sub(lambda m: query if m[1] == "query" else document, self.template)
+            return encode_text(self.tokenizer, text, False, "documents")
+        for text, field in ((query, "query"), (document, "documents")):
+            encode_text(self.tokenizer, text, False, field)  # a clear 400 for what it refuses
+        return list(self.tokenizer(query, document)["input_ids"])
+
+
+def rerank_template(flag: str | None, loaded_template: str | None) -> str | None:
+    """--rerank-template (its text, or a file holding it) over the checkpoint's template;
+    ConfigError if it lacks a placeholder."""
+    if flag is None:
+        return loaded_template
+    path = Path(flag).expanduser()
+    template = path.read_text() if "{" not in flag and path.is_file() else flag
+    missing = [p for p in ("{query}", "{document}") if p not in template]
+    if missing:
+        raise ConfigError(f"--rerank-template has no {' and no '.join(missing)}")
+    return template
+
+
+def score_pairs(
+    first: str | list[str], second: str | list[str], fields: tuple[str, str] = ("text_1", "text_2")
+) -> list[tuple[str, str]]:
+    """The pairs a score request asks for, as vLLM's /score pairs them: one first text with
+    each second one, or the two lists item by item; InvalidRequestError naming the field
+    that is empty or does not match."""
+    firsts = [first] if isinstance(first, str) else list(first)
+    seconds = [second] if isinstance(second, str) else list(second)
+    for texts, field in ((firsts, fields[0]), (seconds, fields[1])):
+        if not texts:
+            raise InvalidRequestError(f"{field} must not be empty", field)
+    if len(firsts) == 1:
+        return [(firsts[0], text) for text in seconds]
+    if len(firsts) != len(seconds):
+        raise InvalidRequestError(
+            f"{fields[0]} has {len(firsts)} texts and {fields[1]} {len(seconds)}: give one "
+            f"{fields[0]}, or as many as {fields[1]}",
+            fields[1],
+        )
+    return list(zip(firsts, seconds, strict=True))
