@@ -107,6 +107,28 @@ def test_qwen2_and_phi3_bodies_carry_their_own_tensors(tmp_path: Path) -> None:
     assert gate_up.shape == (2 * phi3.intermediate, phi3.hidden)
 
 
+def test_a_reranker_body_is_llama_cpps_qwen3_reranker(tmp_path: Path) -> None:
+    """cls.output (the rows of "yes" and "no"), pooling type rank and the rerank template, as
+    llama.cpp's converter writes a Qwen3-Reranker: iterserve scores with the rows' difference
+    in that template."""
+    from iterserve.engine.llm import LLM
+
+    shape = dataclasses.replace(PRESETS["tiny"], arch="qwen3", qk_norm=True, reranker=True)
+    path = write_shaped_gguf(tmp_path / "reranker.gguf", shape)
+    metadata, tensors = read_gguf_header(path)
+    assert tensors["cls.output.weight"].shape == (2, shape.hidden)
+    assert "{document}" in metadata["tokenizer.chat_template.rerank"]
+    llm = LLM(str(path), dtype="float32", compile=False, num_kv_blocks=64)
+    assert llm.engine.pooling.score and not llm.engine.pooling.generate
+    (out,) = llm.score("q", "d", use_tqdm=False)
+    from gguf import GGUFReader
+
+    (cls,) = (t for t in GGUFReader(path).tensors if t.name == "cls.output.weight")
+    yes, no = torch.from_numpy(cls.data.astype("float32"))  # rows as the file stores them
+    assert torch.equal(llm.engine.executor.model.score_head, yes - no)
+    assert 0 < out.score < 1
+
+
 def test_a_decode_step_reads_each_layers_k_and_v_up_to_its_window(tmp_path: Path) -> None:
     """big_models.py's bytes a batch-1 step reads: the weights and, per layer, 16-bit K and
     V rows of every token in context, or of its sliding window's (Gemma 2: even layers)."""

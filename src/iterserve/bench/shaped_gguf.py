@@ -31,9 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFWriter,
+    LlamaFileType,
+    PoolingType,
+    RopeScalingType,
+)
 
 from iterserve.model.bundled import default_model_path
+from iterserve.model.score_head import QWEN3_RERANKER_TEMPLATE
 
 WEIGHT_STD = 0.02
 # Elements drawn at a time: the float32 draws are a fixed 16 MiB beside the tensor.
@@ -92,6 +100,9 @@ class Shape:
     expert_biases: bool = False
     mlp_norm: str = "ffn_norm"
     yarn: tuple[float, int] | None = None
+    # A Qwen3-Reranker as llama.cpp's converter writes it: `cls.output` (the LM head's rows of
+    # "yes" and "no"), pooling type rank, and its prompt as the "rerank" chat template.
+    reranker: bool = False
 
 
 # The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
@@ -134,6 +145,8 @@ PRESETS: dict[str, Shape] = {
                         qk_norm=True, sliding_window=512, rope_local_theta=10000.0, vocab=262144),
     "qwen3-1.7b": Shape("qwen3",  "Qwen3-1.7B",             2048,  6144,  28,  16,   8, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936),
+    "qwen3-reranker-0.6b": Shape("qwen3", "Qwen3-Reranker-0.6B", 1024, 3072, 28,  16,   8, 128,      1e6,  40960, 1e-6,
+                        qk_norm=True, vocab=151936, reranker=True),
     # Full multi-head attention: 32 K/V heads, 16x a grouped 8B's cache a token.
     "llama2-7b":  Shape("llama",  "Llama-2-7b-chat-hf",     4096, 11008,  32,  32,  32, 128,  10000.0,   4096, 1e-5,
                         vocab=32000, tied=False),
@@ -221,6 +234,8 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
         if gemma:
             specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
     specs.append(TensorSpec("output_norm.weight", (h,), "norm"))
+    if shape.reranker:
+        specs.append(TensorSpec("cls.output.weight", (2, h), "weight"))
     if head:
         specs.append(TensorSpec("output.weight", (vocab, h), "weight"))
     return specs
@@ -335,6 +350,10 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.final_softcap is not None:
         writer.add_final_logit_softcapping(shape.final_softcap)
+    if shape.reranker:
+        writer.add_pooling_type(PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_chat_template([{"name": "rerank", "template": QWEN3_RERANKER_TEMPLATE}])
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
