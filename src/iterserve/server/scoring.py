@@ -4,7 +4,7 @@ relevant each document is to a query.
 A reranker (a model with a score head, model/score_head.py) reads each (query, document)
 pair as one prompt (engine/score_prompts.py) and answers the sigmoid of its head: a
 cross-encoder, each pair one prefill-only request in the embed lane, all queued as one
-group. A server that only embeds scores as vLLM's does for an embedding model: the cosine
+group (server/pooled_requests.py). A server that only embeds scores as vLLM's does for an embedding model: the cosine
 of the query's and the document's embeddings (a bi-encoder).
 """
 
@@ -18,12 +18,11 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from iterserve.core.request import EMBED_LANE
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.request_stream import GenerationRequest
 from iterserve.engine.score_prompts import score_pairs
 from iterserve.pooling_params import PoolingParams
-from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.pooled_requests import run_pooled
 from iterserve.server.scoring_protocol import (
     RerankDocument,
     RerankRequest,
@@ -34,15 +33,7 @@ from iterserve.server.scoring_protocol import (
     ScoreResponse,
     ScoringUsage,
 )
-from iterserve.server.serving import (
-    AccessRecord,
-    ServingContext,
-    access_record,
-    collect_final,
-    until_disconnected,
-)
-
-_NO_SAMPLING = SamplingParams(max_tokens=1)  # nothing is sampled
+from iterserve.server.serving import ServingContext, access_record
 
 
 def scoring_routes(ctx: ServingContext) -> APIRouter:
@@ -65,10 +56,9 @@ async def create_rerank(body: RerankRequest, raw: Request, ctx: ServingContext) 
     model = _scoring_model(ctx, body.model)
     documents = body.texts()
     request_id = f"rerank-{uuid.uuid4().hex}"
-    record = access_record(raw)
-    record.request_id = request_id
+    access_record(raw).request_id = request_id
     pairs = [(body.query, document) for document in documents]
-    scores, tokens = await _relevance(ctx, pairs, request_id, raw, record, "documents")
+    scores, tokens = await _relevance(ctx, pairs, request_id, raw, "documents")
     ranked = sorted(range(len(documents)), key=lambda i: -scores[i])
     results = [
         RerankResult(
@@ -93,9 +83,8 @@ async def create_score(body: ScoreRequest, raw: Request, ctx: ServingContext) ->
     model = _scoring_model(ctx, body.model)
     pairs = score_pairs(body.text_1, body.text_2)
     request_id = f"score-{uuid.uuid4().hex}"
-    record = access_record(raw)
-    record.request_id = request_id
-    scores, tokens = await _relevance(ctx, pairs, request_id, raw, record, "text_2")
+    access_record(raw).request_id = request_id
+    scores, tokens = await _relevance(ctx, pairs, request_id, raw, "text_2")
     response = ScoreResponse(
         id=request_id,
         created=int(time.time()),
@@ -111,15 +100,14 @@ async def _relevance(
     pairs: Sequence[tuple[str, str]],
     request_id: str,
     raw: Request,
-    record: AccessRecord,
     field: str,
 ) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens it took: by the reranker's head, or by the
     cosine of embeddings where the server only embeds."""
     if ctx.pair_prompts is not None:
         prompts = [ctx.pair_prompts(query, document) for query, document in pairs]
-        outputs = await _run(
-            ctx, prompts, PoolingParams(task="score"), request_id, raw, record, field
+        outputs = await run_pooled(
+            ctx, prompts, PoolingParams(task="score"), request_id, raw, field
         )
         return [out.score or 0.0 for out in outputs], _tokens(outputs)
     if not ctx.embeds:
@@ -129,47 +117,12 @@ async def _relevance(
             "model",
         )
     texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-    outputs = await _run(ctx, texts, PoolingParams(normalize=True), request_id, raw, record, field)
+    outputs = await run_pooled(ctx, texts, PoolingParams(normalize=True), request_id, raw, field)
     vectors = {text: out.embedding or [] for text, out in zip(texts, outputs, strict=True)}
     scores = [
         math.fsum(a * b for a, b in zip(vectors[q], vectors[d], strict=True)) for q, d in pairs
     ]
     return scores, _tokens(outputs)
-
-
-async def _run(
-    ctx: ServingContext,
-    prompts: Sequence[str | list[int]],
-    pooling: PoolingParams,
-    request_id: str,
-    raw: Request,
-    record: AccessRecord,
-    field: str,
-) -> list[RequestOutput]:
-    arrival = time.monotonic()
-    requests = [
-        GenerationRequest(
-            prompt,
-            _NO_SAMPLING,
-            f"{request_id}-{i}",
-            lane=EMBED_LANE,
-            arrival_time=arrival,
-            pooling=pooling,
-        )
-        for i, prompt in enumerate(prompts)
-    ]
-    try:
-        ctx.engine.check_group_size(len(requests))
-    except InvalidRequestError as error:  # the queue's bound, said of this API's field
-        raise InvalidRequestError(str(error), field) from None
-    try:
-        stream = await ctx.engine.add(requests)
-    except InvalidRequestError as error:  # a pair past the context, say
-        param = field if error.param in ("input", "documents") else error.param
-        raise InvalidRequestError(str(error), param) from None
-    outputs = await until_disconnected(raw, collect_final(stream, record))
-    record.prompt_tokens = _tokens(outputs)
-    return outputs
 
 
 def _scoring_model(ctx: ServingContext, requested: str | None) -> str:
