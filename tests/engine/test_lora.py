@@ -92,3 +92,47 @@ def test_adapters_are_refused_by_an_engine_without_lora(
     lora = LoRARequest("attn", 1, str(adapters["attn"]))
     with pytest.raises(InvalidRequestError, match="--enable-lora"):
         plain.generate([SHARED], use_tqdm=False, lora_request=lora)
+
+
+def test_embeddings_and_scores_run_their_adapter(
+    tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """A pooled request with an adapter: its states are the adapter's (peft's final-norm
+    states), beside the base's in the same steps; a score's head stays the base's rows."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from iterserve.pooling_params import PoolingParams
+
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        enable_lora=True,
+        max_lora_rank=16,
+        pooling="mean",
+        task="both",
+        classifier_from_tokens="yes",
+        max_num_batched_tokens=24,  # the prompts chunked
+        max_num_seqs=8,
+    )
+    lora = LoRARequest("mlp", 1, str(adapters["mlp"]))
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, adapters["mlp"]).eval().get_base_model()
+    yes = llm.engine.tokenizer.convert_tokens_to_ids("yes")
+    raw = PoolingParams(normalize=False)
+    with_adapter = llm.embed([SHARED, OWN[1]], raw, use_tqdm=False, lora_request=lora)
+    plain = llm.embed([SHARED], raw, use_tqdm=False)[0]
+    scored = llm.score("a query", "a document", use_tqdm=False, lora_request=lora)[0]
+    with torch.no_grad():
+        for out, prompt in zip(with_adapter, [SHARED, OWN[1]], strict=True):
+            states = peft.model(torch.tensor([prompt])).last_hidden_state[0]
+            torch.testing.assert_close(
+                torch.tensor(out.embedding), states.mean(0), atol=1e-5, rtol=1e-5
+            )
+        logit = peft(torch.tensor([scored.prompt_token_ids])).logits[0, -1, yes]
+    assert scored.score == pytest.approx(float(torch.sigmoid(logit)), abs=1e-5)
+    moved = torch.tensor(plain.embedding) - torch.tensor(with_adapter[0].embedding)
+    assert moved.abs().max() > 1e-3  # the adapter changed the states (else this proves little)
+    assert with_adapter[0].lora_name == "mlp" and plain.lora_name is None

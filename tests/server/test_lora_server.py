@@ -73,6 +73,19 @@ def test_the_model_name_picks_the_adapter(
     with pytest.raises(openai.NotFoundError) as error:
         _complete(client, "nobody")
     assert error.value.body["code"] == "model_not_found" and error.value.body["param"] == "model"
+    # Embeddings and cosine scores too run the adapter the name picks.
+    vectors = {
+        name: client.embeddings.create(model=name, input=PROMPT).data[0].embedding
+        for name in (MODEL_NAME, "attn")
+    }
+    assert vectors[MODEL_NAME] != vectors["attn"]
+    assert vectors["attn"] == client.embeddings.create(model="attn", input=PROMPT).data[0].embedding
+    scores = {
+        name: _post(server, "score", {"model": name, "text_1": "a", "text_2": "b"}).json()
+        for name in (MODEL_NAME, "attn")
+    }
+    assert scores["attn"]["model"] == "attn"
+    assert scores["attn"]["data"][0]["score"] != scores[MODEL_NAME]["data"][0]["score"]
 
 
 def test_load_and_unload_while_another_request_streams(

@@ -484,6 +484,7 @@ class AsyncEngine:
                 priority=request.priority,
                 arrival_time=request.arrival_time,
                 pooling=request.pooling,
+                lora_request=request.lora,
             )
             return
         token_ids = engine.tokenize(request.prompt)

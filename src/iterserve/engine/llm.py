@@ -83,16 +83,24 @@ class LLM:
         inputs: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
         pooling: PoolingParams | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """One embedding per input (a text or a list of token ids), in input order: each
         output's `.embedding` (a list of floats) and `.prompt_token_ids`. `pooling`: say
-        `dimensions` (a matryoshka model), or override the model's pooling or normalizing."""
+        `dimensions` (a matryoshka model), or override the model's pooling or normalizing.
+        `lora_request`: the states computed with that adapter."""
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]  # type: ignore[list-item]
         ids: list[str] = []
         try:
             for prompt in inputs:
-                ids.append(self.engine.add_request(prompt, pooling=pooling or PoolingParams()))  # type: ignore[arg-type]
+                ids.append(
+                    self.engine.add_request(
+                        prompt,  # type: ignore[arg-type]
+                        pooling=pooling or PoolingParams(),
+                        lora_request=lora_request,
+                    )
+                )
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -104,10 +112,13 @@ class LLM:
         text_1: str | Sequence[str],
         text_2: str | Sequence[str],
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """A reranker's relevance of each (text_1, text_2) pair, as vLLM's `LLM.score`: one
         text_1 against every text_2, or the two lists item by item. Each output's `.score`
-        is in (0, 1) (the sigmoid of the model's score head: docs/embeddings.md)."""
+        is in (0, 1) (the sigmoid of the model's score head: docs/reranking.md).
+        `lora_request`: the pairs' states computed with that adapter (the head is the
+        base's)."""
         engine = self.engine
         pairs = score_pairs(
             text_1 if isinstance(text_1, str) else list(text_1),
@@ -117,7 +128,8 @@ class LLM:
         try:
             for query, document in pairs:
                 prompt = engine.pair_prompts(query, document)
-                ids.append(engine.add_request(prompt, pooling=PoolingParams(task="score")))
+                score = PoolingParams(task="score")
+                ids.append(engine.add_request(prompt, pooling=score, lora_request=lora_request))
         except Exception:
             for request_id in ids:
                 engine.abort_request(request_id)

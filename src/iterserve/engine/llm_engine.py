@@ -370,7 +370,9 @@ class LLMEngine:
         pair, `pair_prompts`' ids: RequestOutput.score). `lora_request`: the adapter it
         runs (added first if the engine does not serve it)."""
         if pooling is not None:
-            return self._add_embedding(prompt, pooling, request_id, priority, arrival_time)
+            return self._add_embedding(
+                prompt, pooling, request_id, priority, arrival_time, lora_request
+            )
         if not self.pooling.generate:
             routes = "/v1/rerank and /v1/score" if self.pooling.score else "/v1/embeddings"
             raise InvalidRequestError(
@@ -418,14 +420,17 @@ class LLMEngine:
         request_id: str | None,
         priority: int,
         arrival_time: float | None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """An embedding or scoring request, in the embed lane; a bad input is
+        """An embedding or scoring request, in the embed lane (its states computed with
+        `lora_request`'s adapter, if any; a score head stays the base's); a bad input is
         InvalidRequestError naming `input` (the embeddings API's field; the scoring APIs
         name their own)."""
         pooling = self.pooling.request_params(pooling)
         request_id = (
             request_id or f"{'score' if pooling.task == 'score' else 'embd'}-{next(self._ids)}"
         )
+        lora = self.loras.resolve(lora_request) if lora_request is not None else None
         try:
             request = Request(
                 request_id=request_id,
@@ -435,6 +440,8 @@ class LLMEngine:
                 lane=EMBED_LANE,
                 priority=priority,
                 pooling_params=pooling,
+                lora_id=lora.lora_int_id if lora else 0,
+                lora_name=lora.lora_name if lora else None,
             )
             self.scheduler.add_request(request)
         except InvalidRequestError as error:

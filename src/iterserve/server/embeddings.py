@@ -26,7 +26,7 @@ async def create_embeddings(body: EmbeddingRequest, raw: Request, ctx: ServingCo
     request_id = f"embd-{uuid.uuid4().hex}"
     access_record(raw).request_id = request_id
     pooling = PoolingParams(dimensions=body.dimensions)
-    outputs = await run_pooled(ctx, prompts, pooling, request_id, raw, "input")
+    outputs = await run_pooled(ctx, prompts, pooling, request_id, raw, "input", model)
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     data = [
         Embedding.encoded(i, out.embedding or [], body.encoding_format)

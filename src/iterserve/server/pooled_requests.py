@@ -32,9 +32,11 @@ async def run_pooled(
     request_id: str,
     raw: Request,
     field: str,
+    model: str | None = None,
 ) -> list[RequestOutput]:
-    """Every prompt's output, in order; a request the engine refuses (the queue's bound, a
-    prompt past the context) is a 400 naming `field`, the API's own name for the inputs."""
+    """Every prompt's output, in order, run with `model`'s LoRA adapter where it names one;
+    a request the engine refuses (the queue's bound, a prompt past the context) is a 400
+    naming `field`, the API's own name for the inputs."""
     arrival = time.monotonic()
     requests = [
         GenerationRequest(
@@ -44,6 +46,7 @@ async def run_pooled(
             lane=EMBED_LANE,
             arrival_time=arrival,
             pooling=pooling,
+            lora=ctx.loras.get(model) if model is not None else None,
         )
         for i, prompt in enumerate(prompts)
     ]

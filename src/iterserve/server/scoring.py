@@ -53,12 +53,12 @@ def scoring_routes(ctx: ServingContext) -> APIRouter:
 
 
 async def create_rerank(body: RerankRequest, raw: Request, ctx: ServingContext) -> Response:
-    model = _scoring_model(ctx, body.model)
+    model = ctx.resolve_model(body.model)
     documents = body.texts()
     request_id = f"rerank-{uuid.uuid4().hex}"
     access_record(raw).request_id = request_id
     pairs = [(body.query, document) for document in documents]
-    scores, tokens = await _relevance(ctx, pairs, request_id, raw, "documents")
+    scores, tokens = await _relevance(ctx, pairs, request_id, raw, "documents", model)
     ranked = sorted(range(len(documents)), key=lambda i: -scores[i])
     results = [
         RerankResult(
@@ -80,11 +80,11 @@ async def create_rerank(body: RerankRequest, raw: Request, ctx: ServingContext) 
 
 
 async def create_score(body: ScoreRequest, raw: Request, ctx: ServingContext) -> Response:
-    model = _scoring_model(ctx, body.model)
+    model = ctx.resolve_model(body.model)
     pairs = score_pairs(body.text_1, body.text_2)
     request_id = f"score-{uuid.uuid4().hex}"
     access_record(raw).request_id = request_id
-    scores, tokens = await _relevance(ctx, pairs, request_id, raw, "text_2")
+    scores, tokens = await _relevance(ctx, pairs, request_id, raw, "text_2", model)
     response = ScoreResponse(
         id=request_id,
         created=int(time.time()),
@@ -101,14 +101,15 @@ async def _relevance(
     request_id: str,
     raw: Request,
     field: str,
+    model: str,
 ) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens it took: by the reranker's head, or by the
-    cosine of embeddings where the server only embeds."""
+    cosine of embeddings where the server only embeds (with `model`'s LoRA adapter, where
+    it names one)."""
     if ctx.pair_prompts is not None:
         prompts = [ctx.pair_prompts(query, document) for query, document in pairs]
-        outputs = await run_pooled(
-            ctx, prompts, PoolingParams(task="score"), request_id, raw, field
-        )
+        score = PoolingParams(task="score")
+        outputs = await run_pooled(ctx, prompts, score, request_id, raw, field, model)
         return [out.score or 0.0 for out in outputs], _tokens(outputs)
     if not ctx.embeds:
         raise InvalidRequestError(
@@ -117,20 +118,13 @@ async def _relevance(
             "model",
         )
     texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-    outputs = await run_pooled(ctx, texts, PoolingParams(normalize=True), request_id, raw, field)
+    embed = PoolingParams(normalize=True)
+    outputs = await run_pooled(ctx, texts, embed, request_id, raw, field, model)
     vectors = {text: out.embedding or [] for text, out in zip(texts, outputs, strict=True)}
     scores = [
         math.fsum(a * b for a, b in zip(vectors[q], vectors[d], strict=True)) for q, d in pairs
     ]
     return scores, _tokens(outputs)
-
-
-def _scoring_model(ctx: ServingContext, requested: str | None) -> str:
-    """The name to answer with; a LoRA adapter's is refused (scores run the base model)."""
-    model = ctx.resolve_model(requested)
-    if model in ctx.loras:
-        raise InvalidRequestError(f"the LoRA adapter {model!r} does not score", "model")
-    return model
 
 
 def _tokens(outputs: Sequence[RequestOutput]) -> int:
