@@ -89,6 +89,24 @@ def test_rerank_top_n_objects_and_vllms_other_paths(
         assert [(r["index"], "document" in r) for r in body["results"]] == [(best, False)]
 
 
+def test_rerank_in_teis_shape(server: RunningServer, offline: list[float]) -> None:
+    """Hugging Face TEI's /rerank (as llama-server also takes it): `texts`, `return_text`,
+    and the bare list of results, best first, each with a `score`."""
+    body = httpx.post(
+        f"{server.base_url}/rerank",
+        json={"query": QUERY, "texts": DOCUMENTS, "return_text": True},
+        timeout=60,
+    ).json()
+    assert [r["index"] for r in body] == sorted(range(4), key=lambda i: -offline[i])
+    for rank in body:
+        assert rank["score"] == pytest.approx(offline[rank["index"]], abs=1e-6)
+        assert rank["text"] == DOCUMENTS[rank["index"]]
+    bare = httpx.post(
+        f"{server.base_url}/rerank", json={"query": QUERY, "texts": DOCUMENTS[:2]}, timeout=60
+    ).json()
+    assert all(set(rank) == {"index", "score"} for rank in bare)
+
+
 def test_score_pairs_one_to_many_and_item_by_item(
     server: RunningServer, offline: list[float]
 ) -> None:
@@ -115,6 +133,8 @@ def test_score_pairs_one_to_many_and_item_by_item(
         ("/v1/rerank", {"documents": ["a"]}, "query"),
         ("/v1/rerank", {"query": QUERY, "documents": ["a"], "top_n": -1}, "top_n"),
         ("/v1/rerank", {"query": QUERY, "documents": ["word " * 600]}, "documents"),
+        ("/rerank", {"query": QUERY, "texts": []}, "texts"),
+        ("/rerank", {"query": QUERY, "texts": ["a"], "raw_scores": True}, "raw_scores"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
         ("/v1/score", {"text_1": [], "text_2": "c"}, "text_1"),
         ("/v1/rerank", {"model": "other", "query": "q", "documents": ["a"]}, "model"),

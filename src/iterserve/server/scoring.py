@@ -32,6 +32,7 @@ from iterserve.server.scoring_protocol import (
     ScoreRequest,
     ScoreResponse,
     ScoringUsage,
+    TEIRank,
 )
 from iterserve.server.serving import ServingContext, access_record
 
@@ -54,19 +55,26 @@ def scoring_routes(ctx: ServingContext) -> APIRouter:
 
 async def create_rerank(body: RerankRequest, raw: Request, ctx: ServingContext) -> Response:
     model = ctx.resolve_model(body.model)
-    documents = body.texts()
+    documents = body.document_texts()
     request_id = f"rerank-{uuid.uuid4().hex}"
     access_record(raw).request_id = request_id
     pairs = [(body.query, document) for document in documents]
-    scores, tokens = await _relevance(ctx, pairs, request_id, raw, "documents", model)
-    ranked = sorted(range(len(documents)), key=lambda i: -scores[i])
+    scores, tokens = await _relevance(ctx, pairs, request_id, raw, body.field, model)
+    ranked = sorted(range(len(documents)), key=lambda i: -scores[i])[: body.top_n or None]
+    text = body.returns_text()
+    headers = {"X-Request-Id": request_id}
+    if body.tei:
+        ranks = [
+            TEIRank(index=i, score=scores[i], text=documents[i] if text else None) for i in ranked
+        ]
+        return JSONResponse([r.model_dump(exclude_none=True) for r in ranks], headers=headers)
     results = [
         RerankResult(
             index=i,
             relevance_score=scores[i],
-            document=RerankDocument(text=documents[i]) if body.return_documents else None,
+            document=RerankDocument(text=documents[i]) if text else None,
         )
-        for i in ranked[: body.top_n or None]
+        for i in ranked
     ]
     response = RerankResponse(
         id=request_id,
@@ -74,9 +82,7 @@ async def create_rerank(body: RerankRequest, raw: Request, ctx: ServingContext) 
         results=results,
         usage=ScoringUsage(prompt_tokens=tokens, total_tokens=tokens),
     )
-    return JSONResponse(
-        response.model_dump(mode="json", exclude_none=True), headers={"X-Request-Id": request_id}
-    )
+    return JSONResponse(response.model_dump(mode="json", exclude_none=True), headers=headers)
 
 
 async def create_score(body: ScoreRequest, raw: Request, ctx: ServingContext) -> Response:

@@ -1,5 +1,6 @@
 """The scoring routes' bodies: POST /v1/rerank (Jina's and Cohere's shape, as vLLM and
-llama.cpp's server take it) and POST /v1/score (vLLM's). Unknown fields are ignored."""
+llama.cpp's server take it; with `texts` instead of `documents`, Hugging Face TEI's, as
+llama.cpp's also takes it) and POST /v1/score (vLLM's). Unknown fields are ignored."""
 
 from __future__ import annotations
 
@@ -20,25 +21,52 @@ class RerankDocument(BaseModel):
 class RerankRequest(BaseModel):
     model: str | None = None
     query: str
-    documents: list[str | RerankDocument]
+    documents: list[str | RerankDocument] | None = None
     top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
     return_documents: bool = True
+    # TEI's shape: `texts` for documents, `return_text` for return_documents (default off),
+    # and an answer that is the bare list of results, each with a `score`.
+    texts: list[str] | None = None
+    return_text: bool = False
+    raw_scores: bool = False
 
-    def texts(self) -> list[str]:
-        """The documents' texts; InvalidRequestError naming `documents` for none or too many."""
-        if not self.documents:
-            raise InvalidRequestError("documents must not be empty", "documents")
-        if len(self.documents) > MAX_DOCUMENTS:
+    @property
+    def tei(self) -> bool:
+        return self.texts is not None and self.documents is None
+
+    @property
+    def field(self) -> str:
+        return "texts" if self.tei else "documents"
+
+    def document_texts(self) -> list[str]:
+        """The documents' texts; InvalidRequestError naming the field for none or too many."""
+        given = self.texts if self.tei else self.documents
+        if not given:
+            raise InvalidRequestError(f"{self.field} must not be empty", self.field)
+        if len(given) > MAX_DOCUMENTS:
             raise InvalidRequestError(
-                f"documents has {len(self.documents)} items; at most {MAX_DOCUMENTS}", "documents"
+                f"{self.field} has {len(given)} items; at most {MAX_DOCUMENTS}", self.field
             )
-        return [d if isinstance(d, str) else d.text for d in self.documents]
+        if self.raw_scores:  # TEI's logits: this server answers probabilities only
+            raise InvalidRequestError(
+                "raw_scores is not served: scores are in (0, 1)", "raw_scores"
+            )
+        return [d if isinstance(d, str) else d.text for d in given]
+
+    def returns_text(self) -> bool:
+        return self.return_text if self.tei else self.return_documents
 
 
 class RerankResult(BaseModel):
     index: int
     relevance_score: float
     document: RerankDocument | None = None
+
+
+class TEIRank(BaseModel):
+    index: int
+    score: float
+    text: str | None = None
 
 
 class ScoringUsage(BaseModel):
