@@ -19,6 +19,7 @@ from reranker_checkpoints import (
     save_yes_no_reranker,
     write_reranker_gguf,
 )
+from tiny_gguf import write_gguf
 
 QUERY = "what do cats eat"
 DOCUMENTS = [
@@ -100,6 +101,19 @@ def test_yes_no_reranker_directory_and_its_gguf(yes_no_dir: Path, tmp_path: Path
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert out.prompt_token_ids == ids
         assert out.score == pytest.approx(float(_yes_probability(hf, ids, yes, no)), abs=1e-5)
+    del llm
+    # A GGUF of it written before llama.cpp knew rerankers (no cls.output), named so.
+    plain = tmp_path / "Qwen3-Reranker-tiny-Q8_0.gguf"
+    write_gguf(plain, "qwen3", hf, tokenizer)
+    llm = LLM(str(plain), **SMALL)
+    template = llm.engine.pair_prompts.template
+    assert template is not None
+    for out, document in zip(llm.score(QUERY, DOCUMENTS, use_tqdm=False), DOCUMENTS, strict=True):
+        # (this test's GGUF tokenizer splits some text otherwise than the directory's)
+        text = template.format(query=QUERY, document=document)
+        assert llm.engine.tokenizer.decode(out.prompt_token_ids) == text
+        expected = _yes_probability(hf, out.prompt_token_ids, yes, no)
+        assert out.score == pytest.approx(float(expected), abs=1e-5)
     del llm
     # The same LM as llama.cpp's converter writes it: cls.output, pooling rank, its template.
     gguf = write_reranker_gguf(tmp_path / "reranker.gguf", yes_no_dir)
