@@ -34,9 +34,15 @@ def _tokenizer_files(out: Path, tokenizer_dir: Path) -> None:
         shutil.copy(tokenizer_dir / name, out / name)
 
 
-def save_classifier(out: Path, tokenizer_dir: Path) -> Path:
-    """A random Qwen3ForSequenceClassification of one label, with the tokenizer."""
-    model = tiny_hf_model("qwen3_classifier", num_labels=1, pad_token_id=0, **SHAPE)  # type: ignore[arg-type]
+def save_classifier(
+    out: Path, tokenizer_dir: Path, labels: tuple[str, ...] = ("relevant",)
+) -> Path:
+    """A random Qwen3ForSequenceClassification of these labels (one: a reranker), with the
+    tokenizer."""
+    id2label = dict(enumerate(labels))
+    model = tiny_hf_model(
+        "qwen3_classifier", num_labels=len(labels), id2label=id2label, pad_token_id=0, **SHAPE
+    )  # type: ignore[arg-type]
     model.save_pretrained(out)
     _tokenizer_files(out, tokenizer_dir)
     return out

@@ -324,8 +324,9 @@ class PoolingConfig:
     task: Task = _opt(
         "auto",
         "what the server does: generate (completions, chat, responses), embed "
-        "(/v1/embeddings only), both, score (a reranker: /v1/rerank and /v1/score only), or "
-        "auto: score for a reranker (a *ForSequenceClassification, a GGUF of pooling type "
+        "(/v1/embeddings only), both, score (a reranker or classifier: /v1/rerank, /v1/score "
+        "and /classify only), or auto: score for a reranker (a *ForSequenceClassification, a "
+        "GGUF of pooling type "
         "rank, --classifier-from-tokens, a Qwen3-Reranker directory), embed for an embedding "
         "checkpoint (a sentence-transformers directory, a bare *Model architecture without an "
         "LM head, a GGUF with a pooling type), both otherwise",

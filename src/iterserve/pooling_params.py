@@ -1,5 +1,5 @@
-"""What an embedding or scoring request asks for: how its prompt's hidden states become one
-vector, or one score.
+"""What an embedding, scoring or classifying request asks for: how its prompt's hidden
+states become one vector, one score, or its labels' probabilities.
 
 Both are prefill-only: they compute the prompt, pool the final-norm hidden states and end
 without sampling (docs/embeddings.md). A scoring request (a query and a document as one
@@ -16,8 +16,9 @@ from typing import Literal
 # mean: the mean over every prompt token; cls: the first token's.
 PoolingType = Literal["last", "mean", "cls"]
 POOLING_TYPES: tuple[PoolingType, ...] = ("last", "mean", "cls")
-# embed: the pooled vector; score: the score head's one number from the last token's state.
-PoolingTask = Literal["embed", "score"]
+# embed: the pooled vector; score: the score head's one number from the last token's state;
+# classify: every label's probability from the head's logits.
+PoolingTask = Literal["embed", "score", "classify"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class PoolingParams:
     """`pooling` and `normalize` None: the model's own (engine/pooling.py reads them from the
     checkpoint or --pooling). `dimensions`: keep the first this many numbers (a matryoshka
     model only), re-normalized when the model normalizes. `task` "score": the request is a
-    (query, document) pair whose relevance the model's score head gives (pooling "last")."""
+    (query, document) pair whose relevance the model's score head gives (pooling "last");
+    "classify": a text whose labels' probabilities a classifier's head gives."""
 
     pooling: PoolingType | None = None
     normalize: bool | None = None

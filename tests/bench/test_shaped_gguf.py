@@ -125,7 +125,7 @@ def test_a_reranker_body_is_llama_cpps_qwen3_reranker(tmp_path: Path) -> None:
 
     (cls,) = (t for t in GGUFReader(path).tensors if t.name == "cls.output.weight")
     yes, no = torch.from_numpy(cls.data.astype("float32"))  # rows as the file stores them
-    assert torch.equal(llm.engine.executor.model.score_head, yes - no)
+    assert torch.equal(llm.engine.executor.model.score_head, (yes - no).reshape(1, -1))
     assert 0 < out.score < 1
 
 

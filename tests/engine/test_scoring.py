@@ -48,7 +48,8 @@ def test_classifier_scores_equal_transformers(classifier_dir: Path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     llm = LLM(str(classifier_dir), **SMALL)
-    assert llm.engine.pooling.describe().startswith("score (")  # --task auto: scores only
+    # --task auto: scores (and the head's one label) only
+    assert llm.engine.pooling.describe().startswith("score and classify (1 label) (")
     hf = AutoModelForSequenceClassification.from_pretrained(classifier_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     expected = []
@@ -154,3 +155,26 @@ def test_classifier_from_tokens_and_the_template_flag(
         LLM(str(yes_no_dir), rerank_template="{query} only", **SMALL)
     with pytest.raises(ConfigError, match="no score head"):
         LLM(str(tiny_llama_dir), task="score", **SMALL)
+
+
+def test_a_classifier_of_several_labels(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """LLM.classify against transformers' softmax of a 3-label classifier's logits; it
+    classifies but does not score (a score needs one label)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    labels = ("negative", "neutral", "positive")
+    path = save_classifier(tmp_path / "three", tokenizer_dir, labels)
+    llm = LLM(str(path), **SMALL)
+    assert llm.engine.pooling.labels == labels and not llm.engine.pooling.score
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    outputs = llm.classify(DOCUMENTS, use_tqdm=False)
+    for out, text in zip(outputs, DOCUMENTS, strict=True):
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        assert out.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            expected = torch.softmax(hf(ids).logits[0], 0)
+        torch.testing.assert_close(torch.tensor(out.probs), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(InvalidRequestError, match="3 labels") as error:
+        llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+    assert error.value.param == "model"

@@ -151,6 +151,29 @@ def test_bad_requests_name_their_field(
     assert ok.status_code == 200
 
 
+def test_classify_gives_the_label_and_its_probability(
+    server: RunningServer, reranker_dir: Path
+) -> None:
+    """vLLM's /classify on the one-label reranker: the label's probability is its sigmoid."""
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(reranker_dir, dtype=torch.float32)
+    body = httpx.post(
+        f"{server.base_url}/classify", json={"model": NAME, "input": DOCUMENTS[:2]}, timeout=60
+    ).json()
+    assert body["object"] == "list" and body["usage"]["prompt_tokens"] > 0
+    ids = httpx.post(
+        f"{server.base_url}/tokenize", json={"prompt": DOCUMENTS[0]}, timeout=60
+    ).json()["tokens"]
+    with torch.no_grad():
+        expected = torch.sigmoid(hf(torch.tensor([ids])).logits[0, 0])
+    first = body["data"][0]
+    assert first["label"] == "relevant" and first["num_classes"] == 1
+    assert first["probs"] == pytest.approx([float(expected)], abs=1e-5)
+    bad = httpx.post(f"{server.base_url}/v1/classify", json={"input": []}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+
+
 def test_a_reranker_does_not_generate(server: RunningServer) -> None:
     response = httpx.post(
         f"{server.base_url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60

@@ -62,7 +62,7 @@ class ScheduledSeq:
     # whether this chunk ends its prompt, so the step hands back its vector.
     pooling: PoolingType | None = None
     pool_now: bool = False
-    score: bool = False  # the pool goes through the model's score head (a reranker)
+    score: bool = False  # the pool goes through the model's score head (reranker, classifier)
     # Its LoRA adapter (0: the base model) and the model's slot holding it (-1: none).
     lora_id: int = 0
     lora_slot: int = -1
@@ -117,7 +117,8 @@ class ModelOutput:
     # Per request that scored prompt tokens: their logprobs, in order.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per embedding request whose prompt this step finished: its pooled vector (raw: the
-    # engine normalizes and truncates, engine/pooling.py); a scoring request's: [its logit].
+    # engine normalizes and truncates, engine/pooling.py); a scoring or classifying request's:
+    # the head's logits.
     pooled: dict[str, list[float]] = field(default_factory=dict)
 
 

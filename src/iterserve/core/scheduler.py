@@ -658,7 +658,7 @@ class Scheduler:
                     last_token_in_flight=in_flight,
                     pooling=None if pooling is None else pooling.pooling,
                     pool_now=ends_prompt and pooling is not None,
-                    score=pooling is not None and pooling.task == "score",
+                    score=pooling is not None and pooling.task != "embed",
                     lora_id=request.lora_id,
                     lora_slot=self.lora_slots.slot_of(request.lora_id),
                 )

@@ -256,6 +256,7 @@ class AsyncEngine:
             engine.pooling.embed,
             engine.pooling.score,
             engine.pair_prompts.template,
+            engine.pooling.labels,
         )
 
     def replica_states(self) -> list[ReplicaState]:

@@ -136,6 +136,17 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def classify(
+        self,
+        inputs: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[RequestOutput]:
+        """A classifier's labels' probabilities for each input (a text or token ids), as
+        vLLM's `LLM.classify`: each output's `.probs`, in the order of
+        `self.engine.pooling.labels`."""
+        return self.embed(inputs, PoolingParams(task="classify"), use_tqdm, lora_request)
+
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],

@@ -41,7 +41,13 @@ from iterserve.engine.kv_pool_size import (
 )
 from iterserve.engine.lora_registry import LoRARegistry
 from iterserve.engine.outputs import EngineStep, RequestOutput
-from iterserve.engine.pooling import ModelPooling, finish_embedding, finish_score, model_pooling
+from iterserve.engine.pooling import (
+    ModelPooling,
+    finish_classification,
+    finish_embedding,
+    finish_score,
+    model_pooling,
+)
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
 from iterserve.engine.score_prompts import PairPrompts, rerank_template
@@ -58,7 +64,7 @@ from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
-from iterserve.model.score_head import SCORE_WEIGHT, prepare_score_head
+from iterserve.model.score_head import prepare_score_head
 from iterserve.pooling_params import PoolingParams
 from iterserve.sample.structured import GrammarCompiler
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
@@ -139,7 +145,7 @@ class LLMEngine:
             logger.info("scores: sigmoid of %s . the last token's state", loaded.score_source)
         # What it serves (generation, embeddings, scores) and how it pools (engine/pooling.py).
         self.pooling: ModelPooling = model_pooling(
-            config.pooling, path, loaded.config.hidden_size, SCORE_WEIGHT in loaded.weights
+            config.pooling, path, loaded.config.hidden_size, loaded.classifier_labels or ()
         )
         logger.info("tasks: %s", self.pooling.describe())
         network = self._network(loaded, dtype, dtype_reason)
@@ -428,7 +434,7 @@ class LLMEngine:
         name their own)."""
         pooling = self.pooling.request_params(pooling)
         request_id = (
-            request_id or f"{'score' if pooling.task == 'score' else 'embd'}-{next(self._ids)}"
+            request_id or f"{pooling.task}-{next(self._ids)}"
         )
         lora = self.loras.resolve(lora_request) if lora_request is not None else None
         try:
@@ -531,6 +537,8 @@ class LLMEngine:
         pooling = stream.request.pooling_params
         if update.embedding is not None and pooling is not None and pooling.task == "score":
             output.score = finish_score(update.embedding)
+        elif update.embedding is not None and pooling is not None and pooling.task == "classify":
+            output.probs = finish_classification(update.embedding)
         elif update.embedding is not None and pooling is not None:
             output.embedding = finish_embedding(update.embedding, pooling)
         return output

@@ -42,6 +42,8 @@ class RequestOutput:
     embedding: list[float] | None = None
     # A scoring request's relevance in (0, 1), once finished (a reranker's score head).
     score: float | None = None
+    # A classifying request's labels' probabilities (the engine's `pooling.labels` order).
+    probs: list[float] | None = None
     # The LoRA adapter it ran (None: the base model), for per-adapter metrics.
     lora_name: str | None = None
 

@@ -13,6 +13,7 @@ and what llama.cpp's embedding examples use) - docs/embeddings.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,9 +35,17 @@ class ModelPooling:
     normalize: bool
     hidden_size: int
     metadata: PoolingMetadata
+    # /classify, LLM.classify: the head's labels, where it serves them (a reranker's one too).
+    labels: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        on = [("generate", self.generate), ("embed", self.embed), ("score", self.score)]
+        n = len(self.labels)
+        on = [
+            ("generate", self.generate),
+            ("embed", self.embed),
+            ("score", self.score),
+            (f"classify ({n} label{'s' * (n > 1)})", n > 0),
+        ]
         tasks = " and ".join(t for t, served in on if served)
         if not self.embed:
             return f"{tasks} ({self.metadata.source})"
@@ -46,14 +55,20 @@ class ModelPooling:
     def request_params(self, params: PoolingParams) -> PoolingParams:
         """A request's settings with the model's filled in; InvalidRequestError naming the
         field if the model cannot honour them."""
-        if params.task == "score":
-            if not self.score:
-                raise InvalidRequestError(
-                    "this server does not score (it has no reranker's score head); serve a "
-                    "reranker, or see --classifier-from-tokens",
-                    "model",
-                )
-            # A causal reranker's verdict is in its last token's state.
+        if params.task == "score" and not self.score:
+            why = (
+                f"its classifier has {len(self.labels)} labels, a score needs one"
+                if self.labels
+                else "it has no reranker's score head; serve a reranker, or see "
+                "--classifier-from-tokens"
+            )
+            raise InvalidRequestError(f"this server does not score: {why}", "model")
+        if params.task == "classify" and not self.labels:
+            raise InvalidRequestError(
+                "this server does not classify: it has no classifier head", "model"
+            )
+        if params.task != "embed":
+            # A causal model's verdict is in its last token's state.
             return replace(params, pooling="last", normalize=False, dimensions=None)
         if not self.embed:
             raise InvalidRequestError(
@@ -90,10 +105,11 @@ class ModelPooling:
 
 
 def model_pooling(
-    config: PoolingConfig, path: Path, hidden_size: int, scores: bool = False
+    config: PoolingConfig, path: Path, hidden_size: int, labels: Sequence[str] = ()
 ) -> ModelPooling:
     """Tasks and pooling from `config` (--task, --pooling, --normalize) and the checkpoint;
-    `scores`: the model has a score head (model/score_head.py)."""
+    `labels`: its score head's (model/score_head.py), none without one."""
+    scores = bool(labels)
     meta = read_pooling_metadata(path)
     if meta.unsupported and config.pooling == "auto":
         raise ModelLoadError(
@@ -122,14 +138,32 @@ def model_pooling(
     if normalize is None:
         normalize = True if meta.normalize is None else meta.normalize
     embed = task in ("embed", "both")
-    score = scores and task in ("score", "both")
-    return ModelPooling(generate, embed, score, pooling, normalize, hidden_size, meta)
+    head = scores and task in ("score", "both")
+    served = tuple(labels) if head else ()
+    return ModelPooling(
+        generate, embed, head and len(labels) == 1, pooling, normalize, hidden_size, meta, served
+    )
 
 
 def finish_score(vector: list[float]) -> float:
     """A score from its pooled logit: the sigmoid (a one-label classifier's probability)."""
     (logit,) = vector
-    return 0.5 * (1.0 + math.tanh(logit / 2))  # the sigmoid, with no overflow either way
+    return _sigmoid(logit)
+
+
+def finish_classification(vector: list[float]) -> list[float]:
+    """Labels' probabilities from the head's logits: their softmax, or one label's sigmoid
+    (transformers' and vLLM's rule for a classifier's activation)."""
+    if len(vector) == 1:
+        return [_sigmoid(vector[0])]
+    top = max(vector)
+    exps = [math.exp(x - top) for x in vector]
+    total = math.fsum(exps)
+    return [e / total for e in exps]
+
+
+def _sigmoid(x: float) -> float:
+    return 0.5 * (1.0 + math.tanh(x / 2))  # no overflow either way
 
 
 def finish_embedding(vector: list[float], params: PoolingParams) -> list[float]:

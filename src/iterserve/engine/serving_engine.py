@@ -64,6 +64,8 @@ class ServedModel:
     embeds: bool = False
     scores: bool = False
     rerank_template: str | None = None
+    # A classifier head's labels, where it serves /classify.
+    labels: tuple[str, ...] = ()
 
 
 class ServingEngine(Protocol):

@@ -6,7 +6,7 @@ last-token pool reads the last chunk's last row; a first-token (cls) pool keeps 
 chunk's first row. A chunk starting at position 0 starts the pool afresh: a request
 preempted mid-prompt is recomputed from the start (mean and cls pools never take a cached
 prefix, core/scheduler.py `_cached_prefix`). A scoring request's last-token pool goes
-through the model's score head: its vector is [the logit].
+through the model's score head: its vector is the head's logits (one for a reranker).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Pooler:
     def __init__(self, score_head: torch.Tensor | None = None) -> None:
         # Per request whose prompt is part computed: the pool so far (fp32) and its count.
         self._partial: dict[str, tuple[torch.Tensor, int]] = {}
-        # [hidden] fp32, a scoring model's (model/score_head.py).
+        # [labels, hidden] fp32, a reranker's or classifier's (model/score_head.py).
         self.score_head = score_head
 
     def take(
@@ -70,7 +70,7 @@ class Pooler:
             pool, count = previous
             if seq.score:
                 assert self.score_head is not None, "a scoring request on a model without one"
-                vectors[request_id] = [float(self.score_head @ pool)]
+                vectors[request_id] = (self.score_head @ pool).tolist()
             else:
                 vectors[request_id] = (pool / count).tolist()
         return vectors

@@ -168,6 +168,7 @@ def _one_score_row(loaded: LoadedModel, metadata: dict[str, Any]) -> None:
     rows = weights["score.weight"]
     weights.add("score.weight", (1, rows.shape[1]), lambda: (rows[0] - rows[1]).reshape(1, -1))
     loaded.score_source = "the GGUF's cls.output rows of 'yes' and 'no'"
+    loaded.classifier_labels = ["yes"]
 
 
 def read_gguf_config(path: Path) -> ModelConfig:

@@ -387,7 +387,8 @@ class LlamaForCausalLM(nn.Module):
         # Made by `load`: the LM head, and the token embedding (a dense table, or rows looked
         # up in the head's or its own tiles, never a dense copy of a quantized table).
         self.head: Linear | None = None
-        # A reranker's score head [hidden], fp32: w . (final-norm last state) is its logit.
+        # A reranker's or classifier's head [labels, hidden], fp32: W . (final-norm last
+        # state) are its logits.
         self.score_head: torch.Tensor | None = None
         self.embedding: TokenEmbedding | None = None
         self.fused_layers = False
@@ -467,7 +468,7 @@ class LlamaForCausalLM(nn.Module):
         targets = self._targets()
         self._check(weights, targets)
         if SCORE_WEIGHT in weights:  # a reranker's (model/score_head.py): fp32, never tiled
-            self.score_head = weights[SCORE_WEIGHT].float().reshape(-1).clone()
+            self.score_head = weights[SCORE_WEIGHT].float().clone()
         quantized = quantized or {}
         offset = self.config.traits.norm_offset
         with torch.no_grad():

@@ -30,3 +30,4 @@ class LoadedModel:
     # and the prompt a (query, document) pair is written into ({query}, {document}).
     score_source: str | None = None
     rerank_template: str | None = None
+    classifier_labels: list[str] | None = None  # its rows' names (config.json's id2label)

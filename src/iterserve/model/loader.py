@@ -125,6 +125,7 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
         tokenizer = load_hf_tokenizer(directory)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"{directory}: cannot load the tokenizer: {error}") from error
+    labels = raw.get("id2label") or {}
     return LoadedModel(
         config=config,
         weights=weights,
@@ -132,6 +133,7 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
         chat_template=chat_template_of(tokenizer),
         name=directory.resolve().name,
         quantized=dict(quantized),
+        classifier_labels=[str(labels[k]) for k in sorted(labels, key=int)] or None,
     )
 
 

@@ -1,8 +1,10 @@
-"""A scoring model's head: how a reranker turns a (query, document) prompt into one number.
+"""A scoring model's head: how a reranker turns a (query, document) prompt into one number,
+and a classifier a prompt into its labels' probabilities.
 
 Every form a reranker comes in is made into one row, `score.weight` [1, hidden] (the name
 transformers' `*ForSequenceClassification` gives its head): the score is
-sigmoid(w . h), h the final-norm state of the prompt's last token.
+sigmoid(w . h), h the final-norm state of the prompt's last token. A classifier of N labels
+keeps its N rows: softmax(W h) (server/scoring.py's /classify).
 
 - A `*ForSequenceClassification` checkpoint of one label has that row already (loader.py).
 - A causal LM trained to answer "yes" or "no" (Qwen3-Reranker, bge-reranker-v2-gemma)
@@ -74,18 +76,24 @@ def score_from_tokens(loaded: LoadedModel, tokens: Sequence[str]) -> None:
     rows = weights[head][ids].float()
     row = rows[0] if len(ids) == 1 else rows[1] - rows[0]
     _set_score_row(loaded, row, f"the LM head's rows of {', '.join(map(repr, tokens))}")
+    loaded.classifier_labels = [tokens[-1]]
 
 
 def check_score_head(loaded: LoadedModel) -> None:
-    """A checkpoint's own score head must be one label's: a reranker's relevance."""
-    if SCORE_WEIGHT not in loaded.weights:
+    """A checkpoint's own classifier reads the hidden state; its labels are named (config's
+    id2label, else LABEL_i as transformers names them)."""
+    if SCORE_WEIGHT not in loaded.weights:  # (transformers writes id2label in every config)
+        loaded.classifier_labels = None
         return
     labels, hidden = shape_of(loaded.weights, SCORE_WEIGHT)
-    if labels != 1 or hidden != loaded.config.hidden_size:
+    if hidden != loaded.config.hidden_size:
         raise ModelLoadError(
-            f"the checkpoint's classifier has {labels} labels; iterserve scores with a "
-            "one-label head (a reranker's relevance)"
+            f"the checkpoint's classifier reads {hidden} numbers, its states have "
+            f"{loaded.config.hidden_size}"
         )
+    names = loaded.classifier_labels or []
+    if len(names) != labels:
+        loaded.classifier_labels = [f"LABEL_{i}" for i in range(labels)]
 
 
 def _set_score_row(loaded: LoadedModel, row: torch.Tensor, source: str) -> None:

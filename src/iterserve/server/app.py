@@ -116,6 +116,7 @@ def _serving_context(
         loras={lora.lora_name: lora for lora in model.loras},
         pair_prompts=PairPrompts(model.tokenizer, model.rerank_template) if model.scores else None,
         embeds=model.embeds,
+        labels=model.labels,
     )
     logger.info(
         "tool calls: %s (--tool-call-parser %s)",

@@ -1,5 +1,6 @@
 """POST /v1/rerank and /v1/score (also at /rerank, /v2/rerank and /score, vLLM's paths): how
-relevant each document is to a query.
+relevant each document is to a query; and POST /classify (vLLM's): a classifier's labels'
+probabilities for each input.
 
 A reranker (a model with a score head, model/score_head.py) reads each (query, document)
 pair as one prompt (engine/score_prompts.py) and answers the sigmoid of its head: a
@@ -24,6 +25,9 @@ from iterserve.pooling_params import PoolingParams
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.pooled_requests import run_pooled
 from iterserve.server.scoring_protocol import (
+    ClassifyData,
+    ClassifyRequest,
+    ClassifyResponse,
     RerankDocument,
     RerankRequest,
     RerankResponse,
@@ -50,6 +54,12 @@ def scoring_routes(ctx: ServingContext) -> APIRouter:
         router.add_api_route(path, rerank, methods=["POST"])
     for path in ("/v1/score", "/score"):
         router.add_api_route(path, score, methods=["POST"])
+
+    async def classify(body: ClassifyRequest, request: Request) -> Response:
+        return await create_classification(body, request, ctx)
+
+    for path in ("/classify", "/v1/classify"):
+        router.add_api_route(path, classify, methods=["POST"])
     return router
 
 
@@ -96,6 +106,33 @@ async def create_score(body: ScoreRequest, raw: Request, ctx: ServingContext) ->
         created=int(time.time()),
         model=model,
         data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+        usage=ScoringUsage(prompt_tokens=tokens, total_tokens=tokens),
+    )
+    return JSONResponse(response.model_dump(mode="json"), headers={"X-Request-Id": request_id})
+
+
+async def create_classification(
+    body: ClassifyRequest, raw: Request, ctx: ServingContext
+) -> Response:
+    model = ctx.resolve_model(body.model)
+    prompts = body.prompts()
+    request_id = f"classify-{uuid.uuid4().hex}"
+    access_record(raw).request_id = request_id
+    classify = PoolingParams(task="classify")
+    outputs = await run_pooled(ctx, prompts, classify, request_id, raw, "input", model)
+    data = []
+    for i, out in enumerate(outputs):
+        probs = out.probs or []
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append(
+            ClassifyData(index=i, label=ctx.labels[best], probs=probs, num_classes=len(probs))
+        )
+    tokens = _tokens(outputs)
+    response = ClassifyResponse(
+        id=request_id,
+        created=int(time.time()),
+        model=model,
+        data=data,
         usage=ScoringUsage(prompt_tokens=tokens, total_tokens=tokens),
     )
     return JSONResponse(response.model_dump(mode="json"), headers={"X-Request-Id": request_id})

@@ -1,6 +1,7 @@
 """The scoring routes' bodies: POST /v1/rerank (Jina's and Cohere's shape, as vLLM and
 llama.cpp's server take it; with `texts` instead of `documents`, Hugging Face TEI's, as
-llama.cpp's also takes it) and POST /v1/score (vLLM's). Unknown fields are ignored."""
+llama.cpp's also takes it), POST /v1/score and POST /classify (vLLM's). Unknown fields are
+ignored."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from iterserve.engine.prompts import Prompt
 from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.embeddings_protocol import EmbeddingRequest
 
 # As many documents as OpenAI's embeddings take inputs.
 MAX_DOCUMENTS = 2048
@@ -100,4 +103,30 @@ class ScoreResponse(BaseModel):
     created: int
     model: str
     data: list[ScoreData]
+    usage: ScoringUsage
+
+
+class ClassifyRequest(BaseModel):
+    model: str | None = None
+    # Lists of ids before lists of texts: pydantic's smart union then reads [1, 2] as ids.
+    input: str | list[int] | list[str] | list[list[int]]
+
+    def prompts(self) -> list[Prompt]:
+        """One prompt per input, checked as an embeddings request's `input` is."""
+        return EmbeddingRequest(input=self.input).prompts()
+
+
+class ClassifyData(BaseModel):
+    index: int
+    label: str  # the most probable label's name
+    probs: list[float]
+    num_classes: int
+
+
+class ClassifyResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassifyData]
     usage: ScoringUsage

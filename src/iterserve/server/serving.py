@@ -86,6 +86,7 @@ class ServingContext:
     # /v1/rerank and /v1/score answer with (server/scoring.py).
     pair_prompts: PairPrompts | None = None
     embeds: bool = False
+    labels: tuple[str, ...] = ()  # a classifier head's, where it serves /classify
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
 
