@@ -203,6 +203,13 @@ def test_embeddings_route_through_the_replicas(fleet: RunningServer, offline: LL
             max(abs(a - b) for a, b in zip(data.embedding, expected.embedding, strict=True)) < 1e-5
         )
     assert fleet.metrics()['iterserve:embedding_requests_total{replica="all"}'] == len(PROMPTS)
+    # /v1/score on an embedding server: the cosine of the replicas' embeddings.
+    scores = httpx.post(
+        f"{fleet.base_url}/v1/score", json={"text_1": PROMPTS[0], "text_2": PROMPTS[1:]}
+    ).json()["data"]
+    for data, expected in zip(scores, want[1:], strict=True):
+        cosine = sum(a * b for a, b in zip(want[0].embedding, expected.embedding, strict=True))
+        assert abs(data["score"] - cosine) < 1e-5
 
 
 def test_a_client_that_leaves_is_aborted_on_its_replica(fleet: RunningServer) -> None:
