@@ -5,6 +5,7 @@ scores, the cosine of its embeddings."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -134,6 +135,8 @@ def test_score_pairs_one_to_many_and_item_by_item(
         ("/v1/rerank", {"query": QUERY, "documents": ["a"], "top_n": -1}, "top_n"),
         ("/v1/rerank", {"query": QUERY, "documents": ["word " * 600]}, "documents"),
         ("/rerank", {"query": QUERY, "texts": []}, "texts"),
+        ("/v1/rerank", {"query": "\ud800", "documents": ["a"]}, "query"),  # a lone surrogate
+        ("/v1/rerank", {"query": "q", "documents": ["a", "\udfff"]}, "documents"),
         ("/rerank", {"query": QUERY, "texts": ["a"], "raw_scores": True}, "raw_scores"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
         ("/v1/score", {"text_1": [], "text_2": "c"}, "text_1"),
@@ -143,7 +146,10 @@ def test_score_pairs_one_to_many_and_item_by_item(
 def test_bad_requests_name_their_field(
     server: RunningServer, path: str, payload: dict, field: str
 ) -> None:  # type: ignore[type-arg]
-    response = httpx.post(f"{server.base_url}{path}", json=payload, timeout=60)
+    # json.dumps escapes a lone surrogate ("\\ud800"): valid JSON that httpx's encoder refuses
+    headers = {"Content-Type": "application/json"}
+    url = f"{server.base_url}{path}"
+    response = httpx.post(url, content=json.dumps(payload), headers=headers, timeout=60)
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["param"] == field
     # The server goes on serving.

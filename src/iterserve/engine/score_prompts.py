@@ -32,9 +32,12 @@ class PairPrompts:
             # One pass, so that a query holding "{document}" stays as it is.
             text = _PLACEHOLDER.sub(lambda m: query if m[1] == "query" else document, self.template)
             return encode_text(self.tokenizer, text, False, "documents")
-        for text, field in ((query, "query"), (document, "documents")):
-            encode_text(self.tokenizer, text, False, field)  # a clear 400 for what it refuses
-        return list(self.tokenizer(query, document)["input_ids"])
+        try:
+            return list(self.tokenizer(query, document)["input_ids"])
+        except (TypeError, ValueError):
+            for text, field in ((query, "query"), (document, "documents")):
+                encode_text(self.tokenizer, text, False, field)  # a 400 naming which
+            raise
 
 
 def rerank_template(flag: str | None, loaded_template: str | None) -> str | None:
@@ -50,23 +53,21 @@ def rerank_template(flag: str | None, loaded_template: str | None) -> str | None
     return template
 
 
-def score_pairs(
-    first: str | list[str], second: str | list[str], fields: tuple[str, str] = ("text_1", "text_2")
-) -> list[tuple[str, str]]:
-    """The pairs a score request asks for, as vLLM's /score pairs them: one first text with
-    each second one, or the two lists item by item; InvalidRequestError naming the field
-    that is empty or does not match."""
-    firsts = [first] if isinstance(first, str) else list(first)
-    seconds = [second] if isinstance(second, str) else list(second)
-    for texts, field in ((firsts, fields[0]), (seconds, fields[1])):
+def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
+    """The pairs a score request asks for, as vLLM's /score pairs them: one text_1 with each
+    text_2, or the two lists item by item; InvalidRequestError naming the field that is
+    empty or does not match."""
+    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    for texts, field in ((firsts, "text_1"), (seconds, "text_2")):
         if not texts:
             raise InvalidRequestError(f"{field} must not be empty", field)
     if len(firsts) == 1:
         return [(firsts[0], text) for text in seconds]
     if len(firsts) != len(seconds):
         raise InvalidRequestError(
-            f"{fields[0]} has {len(firsts)} texts and {fields[1]} {len(seconds)}: give one "
-            f"{fields[0]}, or as many as {fields[1]}",
-            fields[1],
+            f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, or "
+            "as many as text_2",
+            "text_2",
         )
     return list(zip(firsts, seconds, strict=True))

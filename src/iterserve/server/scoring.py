@@ -5,8 +5,8 @@ probabilities for each input.
 A reranker (a model with a score head, model/score_head.py) reads each (query, document)
 pair as one prompt (engine/score_prompts.py) and answers the sigmoid of its head: a
 cross-encoder, each pair one prefill-only request in the embed lane, all queued as one
-group (server/pooled_requests.py). A server that only embeds scores as vLLM's does for an embedding model: the cosine
-of the query's and the document's embeddings (a bi-encoder).
+group (server/pooled_requests.py). A server that only embeds scores as vLLM's does for an
+embedding model: the cosine of the query's and the document's embeddings (a bi-encoder).
 """
 
 from __future__ import annotations
