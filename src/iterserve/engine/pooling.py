@@ -30,13 +30,17 @@ class ModelPooling:
 
     generate: bool  # completions, chat, responses
     embed: bool  # /v1/embeddings, LLM.embed
-    score: bool  # /v1/rerank, /v1/score, LLM.score by the model's score head
     pooling: PoolingType
     normalize: bool
     hidden_size: int
     metadata: PoolingMetadata
     # /classify, LLM.classify: the head's labels, where it serves them (a reranker's one too).
     labels: tuple[str, ...] = ()
+
+    @property
+    def score(self) -> bool:
+        """/v1/rerank, /v1/score, LLM.score: a served head of one label (a reranker's)."""
+        return len(self.labels) == 1
 
     def describe(self) -> str:
         n = len(self.labels)
@@ -140,9 +144,7 @@ def model_pooling(
     embed = task in ("embed", "both")
     head = scores and task in ("score", "both")
     served = tuple(labels) if head else ()
-    return ModelPooling(
-        generate, embed, head and len(labels) == 1, pooling, normalize, hidden_size, meta, served
-    )
+    return ModelPooling(generate, embed, pooling, normalize, hidden_size, meta, served)
 
 
 def finish_score(vector: list[float]) -> float:
