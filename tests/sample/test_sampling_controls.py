@@ -255,6 +255,11 @@ def test_bad_words_and_logit_bias_ban_tokens(tiny_llama_dir: Path) -> None:
     with pytest.raises(InvalidRequestError) as error:
         llm.generate("x", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     assert error.value.param == "logit_bias"
+    # A word the tokenizer writes with no token (a control character it drops) bans
+    # nothing; it was an IndexError, a 500 (found by tests/server/test_fuzz_api.py).
+    assert llm.tokenizer.encode("\x14", add_special_tokens=False) == []
+    dropped = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, bad_words=["\x14"])
+    assert llm.generate(REPEATING, dropped, use_tqdm=False)[0].token_ids == free
 
 
 def _reference_prompt_logprobs(

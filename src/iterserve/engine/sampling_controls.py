@@ -24,10 +24,14 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> list[list[int]]:
     """vLLM's rule: each word as it tokenizes at the start of a text, and, when it makes
-    a different first token of the same length, after a space (mid-text)."""
+    a different first token of the same length, after a space (mid-text). A word the
+    tokenizer writes with no token at all (a control character it drops) can never be
+    sampled: there is nothing to ban."""
     sequences: list[list[int]] = []
     for word in words:
         alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not alone:
+            continue
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         sequences.append(alone)
         if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
