@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 # Defined apart so that structured_output.py, which SamplingParams carries, can raise it.
 from iterserve.invalid_request import InvalidRequestError
+from iterserve.thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
     from iterserve.structured_output import StructuredOutput
@@ -56,6 +57,9 @@ class SamplingParams:
     speculative: bool = True
     # Output constrained to a JSON schema, regex, choice or grammar (structured_output.py).
     structured_output: StructuredOutput | None = None
+    # A thinking model's thinking capped in tokens (thinking_budget.py); set by the server
+    # from its markers (chat/reasoning.py), as the request's `thinking_token_budget` asks.
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +129,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.min_tokens
             or self.bad_words
+            or self.thinking_budget is not None
         )
         self.adjusts_logits = self.uses_token_history or bool(self.logit_bias)
 

@@ -88,3 +88,31 @@ def test_a_continued_chat_keeps_the_tokens_an_earlier_turn_ran(tokenizer) -> Non
     assert continuing(second, [other, prompt_only], tokenizer).known.token_ids == tuple(  # type: ignore[union-attr]
         prompt_only
     )
+
+
+def test_continue_final_message_ends_the_prompt_at_the_assistant_s_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    template = chat_template_of(tokenizer)
+    turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blu"}]
+    closed = render_chat(tokenizer, template, turns, False).text
+    continued = render_chat(tokenizer, template, turns, False, continue_final_message=True).text
+    assert closed.startswith(continued) and continued.endswith("assistant\nBlu")
+    assert len(closed) > len(continued)  # the turn's end is the model's to write
+    # A template that trims the text keeps it without its trailing whitespace.
+    trimmed = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}"
+    spaced = [turns[0], {"role": "assistant", "content": "Blu  "}]
+    assert render_chat(tokenizer, trimmed, spaced, False, continue_final_message=True).text == (
+        "<user>Name a colour.</s><assistant>Blu"
+    )
+    for bad, args in (
+        (turns[:1], (False,)),  # the last message is not an assistant's
+        ([turns[0], {"role": "assistant", "content": ""}], (False,)),
+        (turns, (True,)),  # and a generation prompt: two ends at once
+    ):
+        with pytest.raises(InvalidRequestError) as caught:
+            render_chat(tokenizer, template, bad, *args, continue_final_message=True)
+        assert caught.value.param in ("messages", "continue_final_message")
+    # The text not written as it was sent cannot be continued.
+    upper = "{% for m in messages %}{{ m.content | upper }}{% endfor %}"
+    with pytest.raises(InvalidRequestError, match="continue") as caught:
+        render_chat(tokenizer, upper, turns, False, continue_final_message=True)
+    assert caught.value.param == "messages"

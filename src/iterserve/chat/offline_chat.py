@@ -15,7 +15,7 @@ from typing import Any
 
 from iterserve.chat.answer import read_answer
 from iterserve.chat.offline_tools import ChatWithTools
-from iterserve.chat.reasoning import ReasoningSupport
+from iterserve.chat.reasoning import ReasoningSupport, cap_thinking
 from iterserve.chat.reasoning_parsers import ThinkingReader
 from iterserve.chat.tool_parsers.hermes import HermesToolParser
 from iterserve.chat.tools import ToolPlan
@@ -41,6 +41,7 @@ class OfflineChat:
         tool_parser: str,
         reasoning_parser: str,
         template_kwargs: Mapping[str, Any] | None,
+        thinking_token_budget: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -61,6 +62,7 @@ class OfflineChat:
         except ValueError as error:
             raise InvalidRequestError(str(error), "reasoning_parser") from None
         self.readers: list[ThinkingReader | None] = []
+        self.thinking_token_budget = thinking_token_budget
 
     def prepare(
         self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams
@@ -75,6 +77,8 @@ class OfflineChat:
             )
             params = replace(params)
         reader = self.reasoning.prepare(prompt.text, params) if self.reasoning else None
+        if self.thinking_token_budget is not None:
+            cap_thinking(self.reasoning, reader, params, self.thinking_token_budget)
         self.readers += [reader] * params.n  # generate gives n outputs per prompt
         return prompt, params
 

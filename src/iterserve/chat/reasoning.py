@@ -20,6 +20,7 @@ from iterserve.chat.reasoning_parsers import (
 from iterserve.engine.prompts import render_chat
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.structured_output import ThinkingMarkers
+from iterserve.thinking_budget import ThinkingBudget
 
 # OpenAI's efforts that ask for no thinking; every other asks for it.
 NO_THINKING_EFFORTS = ("none", "minimal")
@@ -38,6 +39,8 @@ class ReasoningSupport:
     open_id: int | None  # the open marker's token, when it is a single one
     switch: str | None  # the template variable that turns thinking off, if it has one
     markers_are_special: bool  # then special tokens are kept in the text, or they vanish
+    # A thinking budget's markers as tokens (opener, end, close), by where answers start.
+    budget_ids: Mapping[ThinkingStart, tuple[tuple[int, ...], ...]]
 
     @classmethod
     def for_model(
@@ -56,6 +59,11 @@ class ReasoningSupport:
 
         opening = tokens(parser.open_marker) if parser.open_marker else ()
         special = getattr(tokenizer, "all_special_tokens", ())
+        budget_ids = {
+            start: tuple(tokens(marker) if marker else () for marker in markers)
+            for start in ThinkingStart
+            if (markers := parser.budget_markers(start)) is not None
+        }
         return cls(
             parser,
             tokens(parser.end_marker),
@@ -63,6 +71,7 @@ class ReasoningSupport:
             opening[0] if len(opening) == 1 else None,
             None if parser.effort_levels else _thinking_switch(tokenizer, chat_template),
             any(token in marker for marker in parser.markers for token in special),
+            budget_ids,
         )
 
     def prepare(self, prompt: str, params: SamplingParams) -> ThinkingReader:
@@ -146,6 +155,35 @@ def _with_effort_level(
             param,
         )
     return {**(given or {}), EFFORT_VARIABLE: effort}
+
+
+def cap_thinking(
+    support: ReasoningSupport | None,
+    reader: ThinkingReader | None,
+    params: SamplingParams,
+    tokens: int,
+) -> None:
+    """Cap the thinking of the answer `reader` reads at `tokens` tokens (`params`: the
+    request's own copy), as `thinking_token_budget` asks; an answer whose prompt closed
+    its thinking has none to cap. A budget for a model whose thinking is not read is
+    refused."""
+    if tokens < 0:
+        raise InvalidRequestError(
+            f"thinking_token_budget must be at least 0, got {tokens}", "thinking_token_budget"
+        )
+    if support is None or reader is None:
+        raise InvalidRequestError(
+            "thinking_token_budget is not supported by this model: the server reads no "
+            "thinking from its answers (a model with <think> in its chat template, or "
+            "--reasoning-parser)",
+            "thinking_token_budget",
+        )
+    ids = support.budget_ids.get(reader.start)
+    if ids is None:
+        return
+    opener, ended, close = ids
+    params.thinking_budget = ThinkingBudget(tokens, opener, ended, close)
+    params.validate()
 
 
 def thinking_template_kwargs(

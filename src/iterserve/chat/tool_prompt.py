@@ -28,6 +28,7 @@ def render_with_tools(
     plan: ToolPlan,
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> RenderedChat:
     """A conversation (template inputs: calls' arguments as objects) through the chat
     template with the plan's tools; the server's chat route and `LLM.chat` both."""
@@ -42,6 +43,7 @@ def render_with_tools(
         add_generation_prompt,
         template_kwargs,
         plan.template_tools,
+        continue_final_message,
     )
 
 

@@ -492,7 +492,7 @@ class AsyncEngine:
         params = request.params
         if request.fill_context:
             room = engine.max_request_tokens() - len(token_ids)
-            params = replace(params, max_tokens=max(1, room))
+            params = replace(params, max_tokens=max(1, min(params.max_tokens, room)))
         engine.add_request(
             token_ids,
             params,

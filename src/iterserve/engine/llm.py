@@ -159,6 +159,7 @@ class LLM:
         tool_parser: str = "auto",
         reasoning_parser: str = "auto",
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        thinking_token_budget: int | None = None,
     ) -> list[RequestOutput]:
         """Chat completions for one conversation or several. With `tools` (OpenAI's
         function definitions) and `tool_choice`, as the server takes them: the tools go to
@@ -166,8 +167,8 @@ class LLM:
         (as `--tool-call-parser`). A thinking model's thinking goes to
         `output.reasoning_content` and the rest of the answer to `output.content`, as
         `reasoning_parser` reads it (as `--reasoning-parser`). `chat_template_kwargs` go to
-        the template (`{"enable_thinking": False}` turns Qwen3's thinking off). Reading:
-        chat/offline_chat.py."""
+        the template (`{"enable_thinking": False}` turns Qwen3's thinking off);
+        `thinking_token_budget` caps the thinking in tokens. Reading: chat/offline_chat.py."""
         from iterserve.chat.offline_chat import OfflineChat  # the server's parsers
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -180,6 +181,7 @@ class LLM:
             tool_parser,
             reasoning_parser,
             chat_template_kwargs,
+            thinking_token_budget,
         )
         each = _per_prompt(params, len(conversations))
         prepared = [chat.prepare(conv, p) for conv, p in zip(conversations, each, strict=True)]  # type: ignore[arg-type]

@@ -534,6 +534,7 @@ class LLMEngine:
         output = self._output(
             stream, token_ids[:kept], update.new_logprobs[:kept], delta, finish_reason
         )
+        output.stop_reason = stream.stops.stop_reason
         pooling = stream.request.pooling_params
         if update.embedding is not None and pooling is not None and pooling.task == "score":
             output.score = finish_score(update.embedding)

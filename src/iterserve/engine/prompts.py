@@ -93,9 +93,22 @@ def render_chat(
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    continue_final_message: bool = False,
 ) -> RenderedChat:
     """Render `messages`; raises InvalidRequestError for a conversation the template
-    cannot take (no template, no messages, an unknown role, a template error)."""
+    cannot take (no template, no messages, an unknown role, a template error).
+
+    `continue_final_message` (vLLM's; Anthropic's prefill): the answer goes on from the
+    last message's text, an assistant's, instead of opening a turn of its own."""
+    if continue_final_message:
+        if add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message continues the last message; it cannot be set "
+                "together with add_generation_prompt",
+                "continue_final_message",
+            )
+        rendered = render_chat(tokenizer, template, messages, False, template_kwargs, tools)
+        return RenderedChat(_cut_after_final_message(rendered.text, messages[-1]))
     if not template:
         raise InvalidRequestError("this model has no chat template; send a plain prompt")
     if not messages:
@@ -128,6 +141,27 @@ def render_chat(
             "chat_template_kwargs",
         )
     return RenderedChat(text)
+
+
+def _cut_after_final_message(text: str, final: Mapping[str, Any]) -> str:
+    """The rendering up to the end of the last message's text: what the template writes
+    after it (the end of the turn) is left for the model to write."""
+    content = final.get("content")
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content:
+        raise InvalidRequestError(
+            "continue_final_message needs the last message to be an assistant's, with text",
+            "messages",
+        )
+    # Templates that trim a message's whitespace keep it without its trailing whitespace.
+    for written in dict.fromkeys((content, content.rstrip())):
+        at = text.rfind(written) if written else -1
+        if at != -1:
+            return text[: at + len(written)]
+    raise InvalidRequestError(
+        "the chat template does not write the last message's text as it was sent, so "
+        "the answer cannot continue it",
+        "messages",
+    )
 
 
 def encode_prompt(tokenizer: Any, prompt: str | RenderedChat) -> list[int]:

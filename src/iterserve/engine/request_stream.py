@@ -70,6 +70,11 @@ def check_room(num_waiting: int, count: int, max_waiting_requests: int, retry_af
         )
 
 
+# The max_tokens of a request that asked for no limit (with fill_context): all the context
+# leaves, however long the context.
+ALL_THE_CONTEXT = 2**31 - 1
+
+
 @dataclass
 class GenerationRequest:
     prompt: Prompt
@@ -78,8 +83,9 @@ class GenerationRequest:
     lane: str = "interactive"
     priority: int = 0
     arrival_time: float | None = None
-    # OpenAI chat semantics: no max_tokens means "as many as the context leaves",
-    # which is only known once the prompt is tokenized on the loop thread.
+    # `params.max_tokens` is only an upper bound, cut to what the context leaves once the
+    # prompt is tokenized on the loop thread: OpenAI's "no max_tokens" (then the bound is
+    # ALL_THE_CONTEXT), and Anthropic's max_tokens, which the context window may cut.
     fill_context: bool = False
     # An embedding request (`params` unused): pooled, not sampled (LLMEngine.add_request).
     pooling: PoolingParams | None = None

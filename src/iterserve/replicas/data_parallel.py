@@ -323,7 +323,8 @@ class DataParallelEngine:
 
     def _most_tokens(self, request: GenerationRequest) -> int:
         if request.fill_context:  # the replica settles it; this is its upper bound
-            return max(1, self._model.max_model_len - len(request.prompt))
+            room = self._model.max_model_len - len(request.prompt)
+            return max(1, min(request.params.max_tokens, room))
         return request.params.max_tokens
 
     def _report(self, output: RequestOutput | None, reason: str, replica: int) -> None:

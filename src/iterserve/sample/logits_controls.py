@@ -7,10 +7,12 @@
 - repetition_penalty: logits of tokens seen in prompt or output are divided by it when
   positive and multiplied by it when negative;
 - frequency_penalty / presence_penalty: subtract penalty x (count in the output so far)
-  and penalty x (seen in the output so far).
+  and penalty x (seen in the output so far);
+- a thinking budget (thinking_budget.py): past it, the token that closes the thinking is
+  the only one left.
 
 Applied in that order (vLLM's: bad words, then the argmax-changing processors, then the
-penalties). Each is one batched tensor operation over the rows that ask for it: the
+penalties; a forced token last, as it overrides them all). Each is one batched tensor operation over the rows that ask for it: the
 Python work is per row and per token of history, never per vocabulary entry. A batch
 where no row asks costs one flag test per row and nothing else.
 
@@ -52,6 +54,7 @@ def apply_logits_controls(
     banned: list[tuple[int, int]] = []  # (row, token) pairs set to -inf
     bias: list[tuple[int, int, float]] = []
     penalized: list[int] = []
+    forced: list[tuple[int, int]] = []  # (row, the one token it may draw)
     for i in rows:
         p, context = params[i], contexts[i]
         if p.logit_bias:
@@ -63,6 +66,11 @@ def apply_logits_controls(
             banned += [(i, token_id) for token_id in context.stop_token_ids]
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
             penalized.append(i)
+        token = None if p.thinking_budget is None else p.thinking_budget.forced_token(
+            context.output_token_ids
+        )
+        if token is not None:
+            forced.append((i, token))
     device = out.device
     if banned:
         row_ids, token_ids = zip(*banned, strict=True)
@@ -79,6 +87,9 @@ def apply_logits_controls(
             [params[i] for i in penalized],
             [contexts[i] for i in penalized],  # type: ignore[misc]
         )
+    for row, token in forced:
+        out[row] = float("-inf")
+        out[row, token] = 0.0
     return out
 
 

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from iterserve.chat.answer import AnswerDelta, AnswerStream, read_answer
-from iterserve.chat.reasoning import thinking_template_kwargs
+from iterserve.chat.reasoning import cap_thinking, thinking_template_kwargs
 from iterserve.chat.reasoning_parsers import ThinkingReader
 from iterserve.chat.tool_parsers import ParsedCall
 from iterserve.chat.tool_prompt import render_with_tools
@@ -54,6 +54,20 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
         plan,
         body.add_generation_prompt,
         thinking_template_kwargs(ctx.reasoning, body.chat_template_kwargs, body.reasoning_effort),
+        body.continue_final_message,
+    )
+
+
+def chat_plan(body: ChatCompletionRequest, ctx: ServingContext, params: SamplingParams) -> ToolPlan:
+    """What the request's tools mean here (chat/tools.py); may adjust `params`."""
+    return plan_tools(
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        ctx.chat_template,
+        ctx.tool_parser,
+        params,
+        ctx.special_tokens,
     )
 
 
@@ -79,26 +93,23 @@ async def start_chat(
     ctx: ServingContext,
     id_prefix: str = "chatcmpl-",
     known: Sequence[Sequence[int]] = (),
+    context_cuts: bool = False,
 ) -> ChatRun:
     """Check the request, render the conversation and queue its choices. `known`: token
     sequences an earlier turn ran, longest first; the prompt keeps the first its rendering
-    starts with (prompts.continuing), so that turn's cached blocks are found again."""
+    starts with (prompts.continuing), so that turn's cached blocks are found again.
+    `context_cuts`: the token limit is a bound the context may cut (Anthropic's), not one
+    that must fit in it (OpenAI's)."""
     model = ctx.resolve_model(body.model)
     params = body.sampling_params()
-    plan = plan_tools(
-        body.tools,
-        body.tool_choice,
-        body.parallel_tool_calls,
-        ctx.chat_template,
-        ctx.tool_parser,
-        params,
-        ctx.special_tokens,
-    )
+    plan = chat_plan(body, ctx, params)
     ctx.engine.check_group_size(params.n)  # before rendering the template
     prompt = continuing(render_prompt(body, ctx, plan), known, ctx.tokenizer)
     # The prompt says where the answer starts (in the thinking, or not); a grammar starts
     # after the thinking.
     reasoning = ctx.reasoning.prepare(prompt.text, params) if ctx.reasoning else None
+    if body.thinking_token_budget is not None:
+        cap_thinking(ctx.reasoning, reasoning, params, body.thinking_token_budget)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     submitted = await submit(
         raw,
@@ -108,7 +119,8 @@ async def start_chat(
         params,
         body.lane,
         body.priority,
-        fill_context=body.token_limit is None,  # OpenAI chat: no limit means what is left
+        # OpenAI chat: no limit means what is left.
+        fill_context=context_cuts or body.token_limit is None,
         lora=ctx.loras.get(model),
     )
     return ChatRun(body, model, params, plan, reasoning, submitted)

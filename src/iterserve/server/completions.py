@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.request_stream import ALL_THE_CONTEXT
 from iterserve.server.echo import Echo
 from iterserve.server.logprobs import completion_logprobs
 from iterserve.server.protocol import (
@@ -28,9 +29,9 @@ from iterserve.server.serving import ServingContext, Submitted, respond, sse, st
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingContext) -> Response:
     model = ctx.resolve_model(body.model)
     body.check_supported()
-    # An explicit null means "all the context allows": the engine fills it in once the
-    # prompt is tokenized; 16 only stands in until then.
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    # An explicit null means "all the context allows": the engine settles it once the
+    # prompt is tokenized.
+    max_tokens = ALL_THE_CONTEXT if body.max_tokens is None else body.max_tokens
     # Echo-only still samples one token (the engine always does); it is left out.
     scores_prompt = body.echo and body.logprobs is not None
     params = body.to_sampling_params(

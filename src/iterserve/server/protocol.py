@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from iterserve.chat.messages import ChatMessage
 from iterserve.chat.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
+from iterserve.engine.request_stream import ALL_THE_CONTEXT
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.structured_output import GuidedDecodingFields
 from iterserve.server.unhonoured import refuse_unhonoured
@@ -143,12 +144,16 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the answer continues the last (assistant) message; add_generation_prompt off.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     # Turns the chat template's thinking switch (chat/reasoning.py, docs/reasoning.md).
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: at most this many tokens of thinking, then the thinking is closed for it.
+    thinking_token_budget: int | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -166,7 +171,7 @@ class ChatCompletionRequest(_GenerationRequest):
         limit = self.token_limit
         try:
             return self.to_sampling_params(
-                16 if limit is None else limit, self.requested_logprobs()
+                ALL_THE_CONTEXT if limit is None else limit, self.requested_logprobs()
             )
         except InvalidRequestError as error:
             # Name the field as this request spelled it, not as SamplingParams does.

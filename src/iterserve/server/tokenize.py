@@ -23,6 +23,7 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # The template writes BOS and the rest itself (vLLM's default too).
     add_special_tokens: bool = False
     return_token_strs: bool = False
@@ -61,6 +62,7 @@ def tokenizer_routes(ctx: ServingContext) -> APIRouter:
                 messages,
                 body.add_generation_prompt,
                 body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
             ).text
             field = "messages"
         else:

@@ -23,7 +23,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,),  # vLLM's separate field; echo + logprobs gives them here
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (False, None),
-    "continue_final_message": (False, None),
     "echo": (False, None),  # vLLM's on chat (the last message repeated); completions has it
     "chat_template": (None,),
     "documents": (None, []),

@@ -67,6 +67,17 @@ class ReasoningParser(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
+    def budget_markers(self, start: ThinkingStart) -> tuple[str, str, str] | None:
+        """For a thinking budget (thinking_budget.py), an answer starting at `start`: the
+        text its thinking opens with, the text that ends it, and what is written to end it
+        when the budget runs out. None: the answer has no thinking to cap."""
+        if start is ThinkingStart.CLOSED:
+            return None
+        opener = self.open_marker if start is ThinkingStart.MAY_OPEN else ""
+        if opener is None:
+            return None  # it cannot open thinking itself
+        return opener, self.end_marker, self.end_marker
+
     @abstractmethod
     def start_of(self, prompt: str) -> ThinkingStart:
         """Where the answer to `prompt` (rendered) starts."""

@@ -69,6 +69,14 @@ class HarmonyParser(ReasoningParser):
     def start_of(self, prompt: str) -> ThinkingStart:
         return ThinkingStart.CLOSED if FINAL in _opened(prompt) else ThinkingStart.INSIDE
 
+    def budget_markers(self, start: ThinkingStart) -> tuple[str, str, str] | None:
+        """The thinking is an answer's first message when it is an analysis one; a budget
+        run out ends that message and opens the next one's header, whose channel (the
+        final answer, or a call's commentary) the model then picks itself."""
+        if start is ThinkingStart.CLOSED:
+            return None
+        return f"{CHANNEL}{ANALYSIS}{MESSAGE}", END, f"{END}{_ASSISTANT}"
+
     def reader(self, prompt: str) -> HarmonyReader:
         return HarmonyReader(self.start_of(prompt), _opened(prompt))
 
