@@ -28,6 +28,19 @@ MODEL_NAME = "tiny-llama"
 QWEN_TOOLS_TEMPLATE = (
     Path(__file__).parent / "server" / "chat_templates" / "qwen2_5_tools.jinja"
 ).read_text()
+# A text and two calls of a get_weather tool, as that template has the model write them.
+TWO_WEATHER_CALLS = (
+    "I'll check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
+)
+
+
+def anthropic_prompt_tokens(message: Any) -> int:
+    """An Anthropic message's prompt: its three input counts (uncached, read from the
+    prefix cache, written to it) add up to it."""
+    usage = message.usage
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
 
 
 def answer_tokens(server: RunningServer, text: str) -> list[int]:

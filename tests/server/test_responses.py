@@ -19,6 +19,7 @@ import pytest
 from server_fixtures import (
     MODEL_NAME,
     QWEN_TOOLS_TEMPLATE,
+    TWO_WEATHER_CALLS,
     RunningServer,
     answer_tokens,
     running_server,
@@ -38,11 +39,6 @@ WEATHER = {
         "required": ["city"],
     },
 }
-TWO_CALLS = (
-    "I'll check.\n<tool_call>\n"
-    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
-    '{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
-)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +162,7 @@ def test_logprobs_are_the_chat_completions(client: openai.OpenAI) -> None:
 
 def test_tool_loop_with_function_call_items(client: openai.OpenAI, server: RunningServer) -> None:
     question = [{"role": "user", "content": "Weather in Paris and Lyon?"}]
-    with scripted_tokens(server, answer_tokens(server, TWO_CALLS)):
+    with scripted_tokens(server, answer_tokens(server, TWO_WEATHER_CALLS)):
         response = client.responses.create(
             model=MODEL_NAME, input=question, tools=[WEATHER], max_output_tokens=200
         )

@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI routes under /v1 (stored Responses included), plus /tokenize,
-/detokenize, /health and /metrics.
+"""The FastAPI app: OpenAI routes under /v1 (stored Responses included), Anthropic's
+/v1/messages, plus /tokenize, /detokenize, /health and /metrics.
 
 `create_app(AsyncEngine(LLMEngine(config)))` gives an ASGI app; its lifespan
 starts the engine loop and, on shutdown, drains it. Any ServingEngine will do: a
@@ -23,6 +23,7 @@ from iterserve.engine.serving_engine import ServingEngine
 from iterserve.server.access_log import AccessLogMiddleware
 from iterserve.server.errors import APIError, install_error_handlers
 from iterserve.server.lora_routes import lora_routes
+from iterserve.server.messages import messages_routes
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.openai_routes import openai_routes
 from iterserve.server.response_store import IN_MEMORY, ResponseStore, Retention
@@ -50,16 +51,23 @@ class ServerSettings:
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    expected = f"Bearer {api_key}".encode()
+    bearer = f"Bearer {api_key}".encode()
+    key = (api_key or "").encode()
 
     async def check(request: Request) -> None:
         if api_key is None:
             return
+        # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key.
+        # Both are compared (constant time: no timing oracle), whichever came.
         given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):  # constant time: no timing oracle
+        by_bearer = hmac.compare_digest(given, bearer)
+        header = request.headers.get("x-api-key", "").encode()
+        by_header = bool(key) and hmac.compare_digest(header, key)
+        if not (by_bearer or by_header):
             raise APIError(
                 401,
-                "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
+                "missing or wrong API key: send it as 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')",
                 code="invalid_api_key",
             )
 
@@ -88,6 +96,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
 
     guarded = [Depends(_api_key_check(settings.api_key))]
     app.include_router(openai_routes(ctx), dependencies=guarded)
+    app.include_router(messages_routes(ctx), dependencies=guarded)  # Anthropic's
     app.include_router(scoring_routes(ctx), dependencies=guarded)
     app.include_router(lora_routes(ctx, async_engine.served_model.lora_enabled), dependencies=guarded)
     app.include_router(stored_response_routes(store), dependencies=guarded)

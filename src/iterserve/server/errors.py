@@ -1,6 +1,8 @@
-"""Every failure as an OpenAI-shaped error: {"error": {"message", "type", "param", "code"}}.
+"""Every failure as an OpenAI-shaped error: {"error": {"message", "type", "param", "code"}};
+under Anthropic's /v1/messages, Anthropic's shape: {"type": "error", "error": {"type",
+"message"}} (with the same `param` beside them).
 
-OpenAI clients turn these into typed exceptions (BadRequestError, ...), so a
+Both APIs' clients turn these into typed exceptions (BadRequestError, ...), so a
 user reads the message, not a stack trace. What the user sent wrong is a 4xx
 with a message a person understands; only the server's own faults are 5xx.
 """
@@ -38,6 +40,21 @@ _TYPES = {
 }
 
 
+# Anthropic's error types, by status (anything else 5xx: api_error).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+# The paths whose errors are Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
 class APIError(Exception):
     def __init__(
         self,
@@ -70,6 +87,11 @@ def error_body(
     }
 
 
+def anthropic_error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message, "param": param}}
+
+
 def as_api_error(error: Exception) -> APIError:
     """The HTTP face of an exception raised while serving a request."""
     if isinstance(error, APIError):
@@ -90,12 +112,13 @@ def as_api_error(error: Exception) -> APIError:
     return APIError(500, "internal server error; the server log has the details")
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(
-        error_body(error.status, error.message, error.param, error.code),
-        status_code=error.status,
-        headers=error.headers,
-    )
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error as JSON, in the shape of the API `path` belongs to."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        body = anthropic_error_body(error.status, error.message, error.param)
+    else:
+        body = error_body(error.status, error.message, error.param, error.code)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -149,18 +172,20 @@ def _is_json(text: str | bytes) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_validation(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def on_validation(request: Request, error: RequestValidationError) -> JSONResponse:
         message, field = _validation_message(error)
-        return error_response(APIError(400, message, field))
+        return error_response(APIError(400, message, field), request.url.path)
 
     async def on_http(request: Request, error: StarletteHTTPException) -> JSONResponse:
         message = str(error.detail)
         if error.status_code in (404, 405):  # the router's own: say what was asked for
             message = f"{message}: there is no {request.method} {request.url.path} on this server"
-        return error_response(APIError(error.status_code, message, headers=error.headers))
+        return error_response(
+            APIError(error.status_code, message, headers=error.headers), request.url.path
+        )
 
-    async def on_error(_: Request, error: Exception) -> JSONResponse:
-        return error_response(as_api_error(error))
+    async def on_error(request: Request, error: Exception) -> JSONResponse:
+        return error_response(as_api_error(error), request.url.path)
 
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from iterserve.sampling_params import InvalidRequestError
-from iterserve.server.error_paths import field_path
+from iterserve.server.error_paths import renamed_chat_field, validated
 from iterserve.server.protocol import ChatCompletionRequest, ReasoningEffort
 
 # The `include` value that adds to an answer here: the output text's token logprobs.
@@ -362,12 +362,7 @@ def _parse_item(raw: dict[str, Any], where: str) -> BaseModel:
         raise InvalidRequestError(
             f"input items of type {kind!r} are not supported (only {known})", f"{where}.type"
         )
-    try:
-        return model.model_validate(raw)
-    except ValidationError as error:
-        first = error.errors()[0]
-        param = f"{where}.{field_path(first['loc'])}".rstrip(".")
-        raise InvalidRequestError(f"invalid value for '{param}': {first['msg']}", param) from None
+    return validated(model, raw, where)
 
 
 def _text_of(content: str | list[_ContentPart], param: str) -> str:
@@ -395,11 +390,8 @@ _PARAMS = {
 def responses_param(param: str | None) -> str | None:
     """A chat-request field name, in the Responses request's terms (best effort: a
     message index counts instructions and merged calls, so it names `input` alone)."""
-    if param is None:
-        return None
-    head = param.split(".", 1)[0]
-    if head == "messages":
-        return "input"
-    if head == "tools":
-        return re.sub(r"^tools\.(\d+)\.function", r"tools.\1", param)
-    return _PARAMS.get(head, param)
+    return renamed_chat_field(param, _PARAMS, _tool_field)
+
+
+def _tool_field(param: str) -> str:
+    return re.sub(r"^tools\.(\d+)\.function", r"tools.\1", param)

@@ -270,11 +270,13 @@ async def stream_events(
     chunk: Callable[[int, RequestOutput], str],
     usage_chunk: Callable[[UsageInfo], str] | None,
     done: bool = True,
+    error_event: Callable[[Exception], str] | None = None,
 ) -> AsyncIterator[str]:
     """The streaming loop: `chunk(index, output)` for every output that carries a token or
-    a finish, an error event if the engine fails after the 200 went out, then usage (with
-    `n` choices a prompt; None: all choices are of one prompt) and [DONE] (unless not
-    `done`: the Responses API ends on its own last event)."""
+    a finish, an error event if the engine fails after the 200 went out (`error_event`'s,
+    by default OpenAI's error and [DONE]), then usage (with `n` choices a prompt; None:
+    all choices are of one prompt) and [DONE] (unless not `done`: the Responses and
+    Messages APIs end on their own last event)."""
     finals: dict[int, RequestOutput] = {}
     try:
         async with submitted.stream as stream:
@@ -289,8 +291,7 @@ async def stream_events(
                 # text, as vLLM sends it: a client's TBT then sees every token.
                 yield chunk(index, output)
     except Exception as error:  # the 200 is out: report it in the stream
-        yield sse_error(error)
-        yield SSE_DONE
+        yield error_event(error) if error_event else sse_error(error) + SSE_DONE
         return
     usage = usage_of([finals[i] for i in sorted(finals)], len(finals) if n is None else n)
     submitted.record.prompt_tokens = usage.prompt_tokens

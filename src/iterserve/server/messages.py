@@ -1,0 +1,277 @@
+"""POST /v1/messages: Anthropic's Messages API over the chat path, and
+POST /v1/messages/count_tokens.
+
+The request becomes a chat request (messages_protocol.py) and runs as one; the answer is
+shaped as Anthropic's content blocks: a thinking model's `thinking` block, a `text` block,
+then a `tool_use` block per call the tool parser read. Streamed, it is Anthropic's events,
+named on their `event:` lines: `message_start`, then per block `content_block_start`, its
+deltas (`thinking_delta` and a closing `signature_delta`, `text_delta`,
+`input_json_delta`) and `content_block_stop`, then `message_delta` (the stop reason and
+usage) and `message_stop`.
+
+A thinking block's `signature` is a digest of its text: Anthropic's lets its servers check
+that thinking sent back is unchanged; here thinking sent back is read as it comes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from iterserve.chat.answer import Answer, AnswerStream, read_answer
+from iterserve.chat.tool_parsers import AnswerReader
+from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import encode_prompt
+from iterserve.server.chat import ChatRun, chat_plan, render_prompt, start_chat
+from iterserve.server.errors import anthropic_error_body, as_api_error
+from iterserve.server.messages_protocol import MessagesRequest, TokenCountRequest
+from iterserve.server.protocol import UsageInfo
+from iterserve.server.serving import ServingContext, respond, stream_events
+
+
+def messages_routes(ctx: ServingContext) -> APIRouter:
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.post("/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_message(body, request, ctx)
+
+    # Plain `def`: FastAPI runs it on its thread pool, so a long conversation does not
+    # hold up the event loop while it is rendered and tokenized.
+    @v1.post("/messages/count_tokens")
+    def count_tokens(body: TokenCountRequest) -> dict[str, int]:
+        ctx.resolve_model(body.model)
+        chat = body.to_chat_request()
+        with body.naming_fields():
+            plan = chat_plan(chat, ctx, chat.sampling_params())
+            prompt = render_prompt(chat, ctx, plan)
+        return {"input_tokens": len(encode_prompt(ctx.tokenizer, prompt))}
+
+    return v1
+
+
+async def create_message(body: MessagesRequest, raw: Request, ctx: ServingContext) -> Response:
+    chat = body.to_chat_request()
+    with body.naming_fields():
+        run = await start_chat(chat, raw, ctx, id_prefix="msg_", context_cuts=True)
+    shape = _Shape(body, run, ctx)
+
+    def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
+        output = outputs[0]
+        if body.warms_only:  # the one token the engine sampled is not an answer
+            return shape.message([], ("max_tokens", None), shape.usage(usage, output, None))
+        answer = read_answer(output.text, run.reasoning, run.plan)
+        content = _content(answer, run.plan.reader, body.shows_thinking)
+        stop = shape.stop(output, bool(answer.calls))
+        return shape.message(content, stop, shape.usage(usage, output, answer.thought))
+
+    def events() -> AsyncIterator[str]:
+        return _stream(shape, run)
+
+    return await respond(raw, run.submitted, 1, body.stream, events, final)
+
+
+def _content(
+    answer: Answer, reader: AnswerReader | None, shows_thinking: bool
+) -> list[dict[str, Any]]:
+    """The thinking, the text (an empty one when the answer has nothing else), the calls."""
+    blocks = []
+    if answer.reasoning is not None:
+        blocks.append(_thinking_block(answer.reasoning, shows_thinking))
+    if answer.content or not (answer.calls or answer.reasoning):
+        blocks.append(_text_block(answer.content or ""))
+    if reader is not None:  # calls are read by a reader only
+        blocks += [
+            _tool_use_block(reader.new_call_id(), call.name, call.arguments)
+            for call in answer.calls
+        ]
+    return blocks
+
+
+def _thinking_block(text: str, shown: bool) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text if shown else "", "signature": _signature(text)}
+
+
+def _signature(thinking: str) -> str:
+    return hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _text_block(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _tool_use_block(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    # The parsers read a call's arguments as a JSON object's text.
+    return {"type": "tool_use", "id": call_id, "name": name, "input": json.loads(arguments)}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What every form of the answer (the whole message, the stream's events) shares."""
+
+    body: MessagesRequest
+    run: ChatRun
+    ctx: ServingContext
+
+    def message(
+        self,
+        content: list[dict[str, Any]],
+        stop: tuple[str | None, str | None],
+        usage: dict[str, Any],
+    ) -> dict[str, Any]:
+        reason, sequence = stop
+        return {
+            "id": self.run.submitted.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.run.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage,
+        }
+
+    def stop(self, output: RequestOutput, called: bool) -> tuple[str, str | None]:
+        """Anthropic's stop reason, and the stop sequence that matched."""
+        if self.body.warms_only:
+            return "max_tokens", None
+        if output.finish_reason == "length":
+            # max_tokens is a bound the context window may cut first.
+            full = len(output.token_ids) >= self.body.max_tokens
+            return ("max_tokens" if full else "model_context_window_exceeded"), None
+        if called:
+            return "tool_use", None
+        if output.stop_reason is not None:
+            return "stop_sequence", output.stop_reason
+        return "end_turn", None
+
+    def usage(
+        self, usage: UsageInfo, output: RequestOutput, thought: bool | None
+    ) -> dict[str, Any]:
+        """Anthropic's usage: `input_tokens` are those the prefix cache did not hold (the
+        cached ones are `cache_read_input_tokens`; the three add up to the prompt)."""
+        cached = usage.prompt_tokens_details.cached_tokens
+        made = 0 if self.body.warms_only else usage.completion_tokens
+        thinking = self.run.reasoning_tokens(self.ctx, output.token_ids, bool(thought))
+        return {
+            "input_tokens": usage.prompt_tokens - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": made,
+            "output_tokens_details": {"thinking_tokens": thinking},
+        }
+
+
+def _event(kind: str, **fields: Any) -> str:
+    payload = json.dumps({"type": kind, **fields}, ensure_ascii=False)
+    return f"event: {kind}\ndata: {payload}\n\n"
+
+
+def _error_event(error: Exception) -> str:
+    api_error = as_api_error(error)
+    body = anthropic_error_body(api_error.status, api_error.message, api_error.param)
+    return _event("error", error=body["error"])
+
+
+@dataclass
+class _Events:
+    """The stream's events and the blocks they have opened."""
+
+    shape: _Shape
+    started: bool = False
+    blocks: int = 0  # how many have been opened
+    open: str | None = None  # the type of the block being written
+    thinking: list[str] = field(default_factory=list)  # the open thinking block's text
+
+    def start(self, output: RequestOutput) -> str:
+        """message_start, with the prompt's tokens (known from the first output on)."""
+        self.started = True
+        prompt = UsageInfo.of(len(output.prompt_token_ids), 0, output.num_cached_tokens)
+        usage = self.shape.usage(prompt, output, None)
+        return _event("message_start", message=self.shape.message([], (None, None), usage))
+
+    def _open(self, block: dict[str, Any]) -> str:
+        closed = self.close()
+        self.open = block["type"]
+        self.blocks += 1
+        return closed + _event("content_block_start", index=self.blocks - 1, content_block=block)
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return _event("content_block_delta", index=self.blocks - 1, delta=delta)
+
+    def close(self) -> str:
+        if self.open is None:
+            return ""
+        signed = ""
+        if self.open == "thinking":
+            text, self.thinking = "".join(self.thinking), []
+            signed = self._delta({"type": "signature_delta", "signature": _signature(text)})
+        self.open = None
+        return signed + _event("content_block_stop", index=self.blocks - 1)
+
+    def thought(self, delta: str) -> str:
+        opened = "" if self.open == "thinking" else self._open(_thinking_block("", True))
+        self.thinking.append(delta)
+        if not self.shape.body.shows_thinking:
+            return opened
+        return opened + self._delta({"type": "thinking_delta", "thinking": delta})
+
+    def text(self, delta: str) -> str:
+        opened = "" if self.open == "text" else self._open(_text_block(""))
+        return opened + self._delta({"type": "text_delta", "text": delta})
+
+    def call(self, call_id: str, name: str, arguments: str) -> str:
+        block = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+        return (
+            self._open(block)
+            + self._delta({"type": "input_json_delta", "partial_json": arguments})
+            + self.close()
+        )
+
+    def end(self, stop: tuple[str, str | None], usage: dict[str, Any]) -> str:
+        """The last block closed (an empty text block when the answer had none), the stop
+        reason and usage, message_stop."""
+        if not self.blocks and not self.shape.body.warms_only:
+            closing = self.text("") + self.close()
+        else:
+            closing = self.close()
+        reason, sequence = stop
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        return closing + _event("message_delta", delta=delta, usage=usage) + _event("message_stop")
+
+
+async def _stream(shape: _Shape, run: ChatRun) -> AsyncIterator[str]:
+    events = _Events(shape)
+    answer = AnswerStream.of(run.reasoning, run.plan)
+    last: list[RequestOutput] = []  # the finished output
+
+    def on_output(_: int, output: RequestOutput) -> str:
+        chunk = "" if events.started else events.start(output)
+        if output.finished:
+            last.append(output)
+        if shape.body.warms_only:
+            return chunk
+        found = answer.feed(output.delta_text, output.finished)
+        chunk += events.thought(found.reasoning) if found.reasoning else ""
+        chunk += events.text(found.content) if found.content else ""
+        for _, call_id, call in found.new_calls:
+            chunk += events.call(call_id, call.name, call.arguments)
+        return chunk
+
+    def on_end(usage: UsageInfo) -> str:
+        output = last[0]
+        stop = shape.stop(output, answer.called)
+        return events.end(stop, shape.usage(usage, output, answer.thought))
+
+    stream = stream_events(
+        run.submitted, None, on_output, on_end, done=False, error_event=_error_event
+    )
+    async for chunk in stream:
+        if chunk:  # a token whose text is held back (a stop string, a call) has no event
+            yield chunk
