@@ -50,8 +50,9 @@ RESULT_MARK = "AGENT_RESULT "
 ACCESS_MARK = "iterserve.access: "
 RUNNER_PATHS = ("/reset_prefix_cache", "/health")  # the runner's requests, not a case's
 # Packages whose versions the results record.
-FRAMEWORKS = ("openai-agents", "langchain-openai", "langchain-core", "pydantic-ai-slim",
-              "instructor", "openai", "httpx", "pydantic")  # fmt: skip
+FRAMEWORKS = ("openai-agents", "langchain-openai", "langchain-anthropic", "langchain-core",
+              "pydantic-ai-slim", "instructor", "openai", "anthropic", "httpx",
+              "pydantic")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,23 +67,36 @@ class Case:
         return f"{self.framework}/{self.case}"
 
 
+# The two-turn agent cases on the bundled model with serve's defaults (docs/agent_frameworks.md,
+# 2026-12-02): they pass with --server-arg=--batch-invariant.
+_WARM_CACHE_TIE = (
+    "after the tool's result the bundled model calls the tool again when the turn's prompt "
+    "prefix comes from the prefix cache, and answers from a cold one (a near-tie that the "
+    "default path's chunk-dependent logits move; --batch-invariant passes)"
+)
+
 CASES = [
-    Case("openai-agents", "scenario_openai_agents.py", "responses"),
-    Case("openai-agents", "scenario_openai_agents.py", "responses_streamed"),
-    Case("openai-agents", "scenario_openai_agents.py", "chat"),
-    Case("openai-agents", "scenario_openai_agents.py", "chat_streamed"),
+    Case("openai-agents", "scenario_openai_agents.py", "responses", known=_WARM_CACHE_TIE),
+    Case("openai-agents", "scenario_openai_agents.py", "responses_streamed", known=_WARM_CACHE_TIE),
+    Case("openai-agents", "scenario_openai_agents.py", "chat", known=_WARM_CACHE_TIE),
+    Case("openai-agents", "scenario_openai_agents.py", "chat_streamed", known=_WARM_CACHE_TIE),
     Case("openai-agents", "scenario_openai_agents.py", "responses_output_type"),
     Case("openai-agents", "scenario_openai_agents.py", "chat_output_type"),
-    Case("openai-agents", "scenario_openai_agents.py", "responses_chained"),
+    Case("openai-agents", "scenario_openai_agents.py", "responses_chained", known=_WARM_CACHE_TIE),
     Case("langchain", "scenario_langchain.py", "bind_tools"),
     Case("langchain", "scenario_langchain.py", "bind_tools_streamed"),
     Case("langchain", "scenario_langchain.py", "responses_api_bind_tools"),
     Case("langchain", "scenario_langchain.py", "structured_json_schema"),
     Case("langchain", "scenario_langchain.py", "structured_function_calling"),
+    Case("langchain", "scenario_langchain.py", "anthropic_bind_tools"),
+    Case("langchain", "scenario_langchain.py", "anthropic_bind_tools_streamed"),
+    Case("langchain", "scenario_langchain.py", "anthropic_structured"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "tool_output"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "native_output"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "tool_output_streamed"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "responses"),
+    Case("pydantic-ai", "scenario_pydantic_ai.py", "anthropic"),
+    Case("pydantic-ai", "scenario_pydantic_ai.py", "anthropic_streamed"),
     Case("instructor", "scenario_instructor.py", "default_tools"),
     Case("instructor", "scenario_instructor.py", "json_schema"),
     Case(

@@ -2,13 +2,16 @@
 (`tool_choice` naming the tool), the tool run and its result fed back for the answer;
 and `with_structured_output(CityInfo)` by `json_schema` (response_format) and by
 `function_calling` (a forced tool call). The tool case runs streamed too (the chunks
-added up, with `stream_usage`), and through the Responses API (`use_responses_api`)."""
+added up, with `stream_usage`), and through the Responses API (`use_responses_api`).
+`ChatAnthropic` (langchain-anthropic, Anthropic's Messages API) runs the tool case,
+streamed and not, and structured output (a forced tool)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from _scenario import (
+    ANTHROPIC_BASE_URL,
     API_KEY,
     BASE_URL,
     EXTRACT_PROMPT,
@@ -19,12 +22,23 @@ from _scenario import (
     get_weather,
     run_case,
 )
+from langchain_anthropic import ChatAnthropic
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
 
-def llm(**options: Any) -> ChatOpenAI:
+def llm(**options: Any) -> BaseChatModel:
+    if options.pop("anthropic", False):
+        return ChatAnthropic(
+            model_name=MODEL,
+            base_url=ANTHROPIC_BASE_URL,
+            api_key=API_KEY,
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            **options,
+        )
     return ChatOpenAI(
         model=MODEL,
         base_url=BASE_URL,
@@ -58,8 +72,9 @@ def bind_tools(streamed: bool = False, **options: Any) -> tuple[bool, object, di
     return finished, final.content or final.tool_calls, {"first_calls": first.tool_calls}
 
 
-def structured(method: str) -> tuple[bool, object, dict[str, Any]]:
-    answer = llm().with_structured_output(CityInfo, method=method).invoke(EXTRACT_PROMPT)  # type: ignore[arg-type]
+def structured(method: str, **options: Any) -> tuple[bool, object, dict[str, Any]]:
+    model = llm(**options).with_structured_output(CityInfo, method=method)  # type: ignore[arg-type]
+    answer = model.invoke(EXTRACT_PROMPT)
     return isinstance(answer, CityInfo), answer, {}
 
 
@@ -72,6 +87,9 @@ if __name__ == "__main__":
                 "responses_api_bind_tools": lambda: bind_tools(use_responses_api=True),
                 "structured_json_schema": lambda: structured("json_schema"),
                 "structured_function_calling": lambda: structured("function_calling"),
+                "anthropic_bind_tools": lambda: bind_tools(anthropic=True),
+                "anthropic_bind_tools_streamed": lambda: bind_tools(streamed=True, anthropic=True),
+                "anthropic_structured": lambda: structured("function_calling", anthropic=True),
             }
         )
     )

@@ -283,8 +283,56 @@ def test_forced_call_schema_accepts_exactly_the_calls_it_reads_back() -> None:
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(json.loads(wrong), schema)
     named = NamedToolChoice.model_validate({"function": {"name": "get_time"}})
-    assert forced_call_schema(tools, named, None) == TOOLS[1]["function"]["parameters"]
+    assert forced_call_schema(tools, named, None) == {
+        **TOOLS[1]["function"]["parameters"],
+        "additionalProperties": False,
+    }
     assert parse_forced_answer('{"tz": "UTC"}', named) == [ParsedCall("get_time", '{"tz": "UTC"}')]
+
+
+def test_forced_call_arguments_take_only_the_declared_keys() -> None:
+    """An object that lists its properties and says nothing of others is closed, at every
+    depth (LangChain's @tool schemas leave it unsaid: a small model then wrote keys until
+    max_tokens cut the call into text); a free-form object and an explicit choice stay."""
+    jsonschema = pytest.importorskip("jsonschema")
+    parameters = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"anyOf": [{"type": "object", "properties": {"lat": {"type": "number"}}}]},
+            "stops": {"type": "array", "items": {"$ref": "#/$defs/stop"}},
+            "tags": {"type": "object"},  # a free-form mapping
+            "extra": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+        "$defs": {"stop": {"type": "object", "properties": {"name": {"type": "string"}}}},
+    }
+    tool = ToolDefinition.model_validate(
+        {"type": "function", "function": {"name": "trip", "parameters": parameters}}
+    )
+    named = NamedToolChoice.model_validate({"function": {"name": "trip"}})
+    schema = forced_call_schema([tool], named, None)
+    fine = {"city": "Paris", "where": {"lat": 1.5}, "stops": [{"name": "a"}], "tags": {"x": 1}}
+    jsonschema.validate({**fine, "extra": {"anything": 1}}, schema)
+    for wrong in (
+        {**fine, "weather": "sunny"},
+        {**fine, "where": {"lat": 1.5, "lon": 2}},
+        {**fine, "stops": [{"name": "a", "at": 3}]},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    assert "additionalProperties" not in parameters  # the tool's own schema is left as sent
+    # Under `required`, each tool's definitions move to the root (a reference from a tool
+    # nested in the list would not reach its own), renamed apart, and stay closed.
+    other = ToolDefinition.model_validate(
+        {"type": "function", "function": {"name": "wait", "parameters": {**parameters}}}
+    )
+    required = forced_call_schema([tool, other], "required", None)
+    assert set(required["$defs"]) == {"tool0.stop", "tool1.stop"}
+    calls = [{"name": "trip", "parameters": fine}, {"name": "wait", "parameters": fine}]
+    jsonschema.validate(calls, required)
+    for wrong in ({**fine, "weather": 1}, {**fine, "stops": [{"name": "a", "at": 3}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "trip", "parameters": wrong}], required)
 
 
 # ---- through a real server ---------------------------------------------------------------

@@ -24,31 +24,91 @@ def forced_call_schema(
     """The JSON the answer must be when a call is forced, as vLLM shapes it: for a named
     function, that function's arguments object; for `required`, a list of one or more
     {"name": ..., "parameters": {...}} objects, each a tool with its own schema.
-    `parse_forced_answer` reads such an answer back into calls."""
+    `parse_forced_answer` reads such an answer back into calls.
+
+    The arguments take only the keys their tool declares (`closed`): a call with others
+    fails where it is run (a Python function given an unknown keyword), and an open
+    object lets a small model write keys until max_tokens cuts the call into plain text.
+    vLLM's default grammar backend reads an unsaid `additionalProperties` as false too."""
     if isinstance(choice, NamedToolChoice):
         for tool in tools:
             if tool.function.name == choice.function.name:
-                return tool.function.parameters_schema()
+                return closed(tool.function.parameters_schema())
         raise InvalidRequestError(
             f"tool_choice names {choice.function.name!r}, which is not one of the tools",
             "tool_choice",
         )
-    one_call = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [tool.function.name]},
-                "parameters": tool.function.parameters_schema(),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
+    one_call = []
+    definitions: dict[str, Any] = {}
+    for index, tool in enumerate(tools):
+        parameters, own = _hoisted(closed(tool.function.parameters_schema()), f"tool{index}.")
+        definitions.update(own)
+        one_call.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
+    if definitions:
+        schema["$defs"] = definitions
     if max_calls is not None:
         schema["maxItems"] = max_calls
     return schema
+
+
+# Where a schema holds schemas: one under a key, a list of them, or a mapping of them.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that lists its properties and says nothing of others
+    closed to them (`additionalProperties: false`); a copy, the tool's own left as sent.
+    An object without `properties` (a free-form mapping) stays open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(part) for part in out[key]]
+    for key in _MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(part) for name, part in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
+    """A tool's parameters without their definitions (`$defs`, `definitions`), which the
+    `required` form's root holds instead, renamed with `prefix` so tools' names do not
+    meet; their local references (`#/$defs/X`) follow them. Nested under the list, the
+    definitions would be out of reach of a reference from the root."""
+    if not isinstance(schema, dict):
+        return schema, {}
+    definitions: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        for name, part in (schema.get(key) or {}).items():
+            definitions[f"{prefix}{name}"] = part
+    if not definitions:
+        return schema, {}
+    body = {key: value for key, value in schema.items() if key not in ("$defs", "definitions")}
+    renamed = json.loads(
+        json.dumps({"body": body, "definitions": definitions})
+        .replace('"#/$defs/', f'"#/$defs/{prefix}')
+        .replace('"#/definitions/', f'"#/$defs/{prefix}')
+    )
+    return renamed["body"], renamed["definitions"]
 
 
 def parse_forced_answer(text: str, choice: str | NamedToolChoice) -> list[ParsedCall]:
