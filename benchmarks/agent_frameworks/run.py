@@ -67,22 +67,14 @@ class Case:
         return f"{self.framework}/{self.case}"
 
 
-# The two-turn agent cases on the bundled model with serve's defaults (docs/agent_frameworks.md,
-# 2026-12-02): they pass with --server-arg=--batch-invariant.
-_WARM_CACHE_TIE = (
-    "after the tool's result the bundled model calls the tool again when the turn's prompt "
-    "prefix comes from the prefix cache, and answers from a cold one (a near-tie that the "
-    "default path's chunk-dependent logits move; --batch-invariant passes)"
-)
-
 CASES = [
-    Case("openai-agents", "scenario_openai_agents.py", "responses", known=_WARM_CACHE_TIE),
-    Case("openai-agents", "scenario_openai_agents.py", "responses_streamed", known=_WARM_CACHE_TIE),
-    Case("openai-agents", "scenario_openai_agents.py", "chat", known=_WARM_CACHE_TIE),
-    Case("openai-agents", "scenario_openai_agents.py", "chat_streamed", known=_WARM_CACHE_TIE),
+    Case("openai-agents", "scenario_openai_agents.py", "responses"),
+    Case("openai-agents", "scenario_openai_agents.py", "responses_streamed"),
+    Case("openai-agents", "scenario_openai_agents.py", "chat"),
+    Case("openai-agents", "scenario_openai_agents.py", "chat_streamed"),
     Case("openai-agents", "scenario_openai_agents.py", "responses_output_type"),
     Case("openai-agents", "scenario_openai_agents.py", "chat_output_type"),
-    Case("openai-agents", "scenario_openai_agents.py", "responses_chained", known=_WARM_CACHE_TIE),
+    Case("openai-agents", "scenario_openai_agents.py", "responses_chained"),
     Case("langchain", "scenario_langchain.py", "bind_tools"),
     Case("langchain", "scenario_langchain.py", "bind_tools_streamed"),
     Case("langchain", "scenario_langchain.py", "responses_api_bind_tools"),

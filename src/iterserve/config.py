@@ -390,8 +390,9 @@ class EngineConfig:
     )
     batch_invariant: bool = _opt(
         False,
-        "a request's logits are the same bits whatever else shares its steps (so a seeded "
-        "request samples the same text): fixed kernel choices, on iterserve's kernels only",
+        "insist that a request's logits are the same bits whatever else shares its steps and "
+        "however its prompt was chunked or cached (so a seeded request samples the same "
+        "text): iterserve's fused kernels always compute so; start only where they run",
     )
     compile: bool = _opt(
         True,

@@ -82,6 +82,34 @@ def test_batch_invariant_seeded_text_and_logprobs_whatever_shares_the_steps() ->
 @pytest.mark.skipif(
     not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
 )
+def test_default_logits_ignore_chunking_and_the_prefix_cache() -> None:
+    """The defaults (no --batch-invariant): a prompt prefilled whole, in chunks of 48 rows,
+    and after its first 192 tokens came from the prefix cache gives the same tokens and
+    logprobs to the last bit. (Until 2026-12-02 attention took other kernels for chunks of
+    many rows, and an agent's second turn was answered otherwise from a warm cache:
+    docs/agent_frameworks.md.)"""
+    llm = LLM(max_num_seqs=2)
+    tokens = llm.engine.tokenize(
+        "Write a long and careful story about a lighthouse keeper, the sea, the storms of the "
+        "winter and the ships that pass in the night. " * 8
+    )[:300]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    llm.engine.reset_prefix_cache()
+    whole = llm.generate([tokens], greedy, use_tqdm=False)[0]
+    llm.engine.reset_prefix_cache()
+    llm.generate([[*tokens[:192], 7, 8, 9]], SamplingParams(max_tokens=1), use_tqdm=False)
+    warm = llm.generate([tokens], greedy, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 192
+    chunked = LLM(max_num_seqs=2, max_num_batched_tokens=48, enable_prefix_caching=False)
+    split = chunked.generate([tokens], greedy, use_tqdm=False)[0]
+    for other in (warm, split):
+        assert other.token_ids == whole.token_ids
+        assert other.logprobs == whole.logprobs
+
+
+@pytest.mark.skipif(
+    not kernels.available(), reason=f"C++ kernels unavailable: {kernels.why_unavailable()}"
+)
 def test_self_int4_draft_keeps_the_bf16_text() -> None:
     """--weights bf16 with the GGUF's own 4-bit weights as the draft: most guesses land,
     and (batch-invariant, so a verify step's rows compute as a lone decode's would) the

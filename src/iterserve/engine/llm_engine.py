@@ -287,7 +287,6 @@ class LLMEngine:
             block_size,
             self.device,
             plan.paged_attention_kernel,
-            plan.batch_invariant,
         )
 
     def _draft_proposer(

@@ -40,14 +40,12 @@ class PagedModel:
         block_size: int,
         device: torch.device,
         paged_attention_kernel: bool = False,
-        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
         self.device = device
         self.paged_attention_kernel = paged_attention_kernel
-        self.batch_invariant = batch_invariant
         # The network's own share of the last forward() (batch and metadata building aside).
         self.last_forward_seconds = 0.0
         # The last forward()'s final-norm hidden states at its sequences' `hidden_rows`, in
@@ -77,7 +75,6 @@ class PagedModel:
             self.device,
             self.paged_attention_kernel,
             self.model.config.sliding_window,
-            self.batch_invariant,
         )
         inputs = (
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -34,10 +34,9 @@ class SeqSpan:
 @dataclass(frozen=True)
 class KernelRows:
     """The step's sequences for the C++ ops, packed in one int32 tensor (StepTable in
-    kernels/csrc/ops.h): [S, max_blocks, flags, block tables (S x max_blocks, padding never
-    read), seq_lens (context lengths, this step's tokens included), query_start_loc (S + 1:
-    sequence s owns rows loc[s]..loc[s+1]-1)]; flags bit 0 asks for batch-invariant
-    arithmetic."""
+    kernels/csrc/ops.h): [S, max_blocks, block tables (S x max_blocks, padding never read),
+    seq_lens (context lengths, this step's tokens included), query_start_loc (S + 1:
+    sequence s owns rows loc[s]..loc[s+1]-1)]."""
 
     num_tokens: int
     packed: torch.Tensor
@@ -99,9 +98,6 @@ def _leading(spans: Sequence[SeqSpan], max_query_len: int) -> int:
     return count
 
 
-BATCH_INVARIANT = 1  # StepTable::kBatchInvariant
-
-
 def decode_mask(lens: Sequence[int], max_blocks: int, block_size: int, window: int) -> torch.Tensor:
     """[B, max_blocks * block_size] float32 additive: -inf past each context's end and, with a
     window, at keys more than `window` positions back."""
@@ -132,9 +128,7 @@ def chunk_mask(
     return torch.zeros(k, len(key_pos)).masked_fill_(hidden, float("-inf"))[None, None]
 
 
-def _kernel_rows(
-    spans: Sequence[SeqSpan], block_size: int, device: torch.device, batch_invariant: bool
-) -> KernelRows:
+def _kernel_rows(spans: Sequence[SeqSpan], block_size: int, device: torch.device) -> KernelRows:
     tables = [_blocks_for(s, s.num_computed_tokens + s.num_new_tokens, block_size) for s in spans]
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
@@ -142,8 +136,7 @@ def _kernel_rows(
     starts = [0]
     for s in spans:
         starts.append(starts[-1] + s.num_new_tokens)
-    flags = BATCH_INVARIANT if batch_invariant else 0
-    packed = [len(spans), width, flags, *(b for row in padded for b in row), *lens, *starts]
+    packed = [len(spans), width, *(b for row in padded for b in row), *lens, *starts]
     return KernelRows(
         num_tokens=starts[-1], packed=torch.tensor(packed, dtype=torch.int32).to(device)
     )
@@ -201,12 +194,11 @@ def build_attention_metadata(
     device: torch.device,
     paged_kernel: bool = False,
     sliding_window: int | None = None,
-    batch_invariant: bool = False,
 ) -> AttentionMetadata:
     """Turn the step's spans (flat-batch order, one-token spans first) into layer-ready tensors.
 
-    `paged_kernel` hands every row to the C++ paged attention op, asked for batch-invariant
-    arithmetic if `batch_invariant`; otherwise rows take the torch paths. `sliding_window` (Mistral)
+    `paged_kernel` hands every row to the C++ paged attention op, whose arithmetic for a row
+    is the same whatever shares its step; otherwise rows take the torch paths. `sliding_window` (Mistral)
     hides keys more than that many positions back, in every path's masks. Everything is built
     on the host with a handful of vectorised ops and moved once.
     """
@@ -214,7 +206,7 @@ def build_attention_metadata(
     if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
         raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
     num_kernel = len(spans) if paged_kernel else 0
-    kernel = _kernel_rows(spans, block_size, device, batch_invariant) if num_kernel else None
+    kernel = _kernel_rows(spans, block_size, device) if num_kernel else None
     num_decodes = 0 if paged_kernel else _leading(spans, 1)
 
     decode_lens = [s.num_computed_tokens + 1 for s in spans[:num_decodes]]

@@ -4,8 +4,15 @@
 // One source, every ISA. The kernels are written in simd.h's 16-lane vectors (F16: one zmm
 // on AVX-512, two ymm on AVX2, four q registers on NEON), so a score tile is 16 keys and a
 // 32-dim chunk of a row is two F16s everywhere. Only the AVX-512 BF16 build has code of its
-// own (`#if` blocks): `vdpbf16ps` paths for items of many queries, gathered in one block
-// below.
+// own (`#if` blocks): `vdpbf16ps` dot products of bf16 pairs.
+//
+// Every query's arithmetic is the same whatever else shares its item: the same kernels, the
+// same order of its sums, for a decode row, a speculative verify row or a prefill chunk's
+// row, however many rows the item holds. So a row's output does not depend on how its prompt
+// was chunked, whether a prefix came from the cache, or what shared the step (projections
+// keep rows apart too, linear.cpp): a greedy answer is the same from a cold and a warm prefix
+// cache. Faster roads for items of many queries (a transposed score tile, bf16 P.V) rounded
+// differently and were removed: whole prefills measured no slower without them (docs/kernels.md).
 //
 // Scores. A dot product of a key row with a query gives 16 lane-wise partial sums per key,
 // which need a horizontal sum; done one key at a time that costs more than the dot product.
@@ -15,19 +22,13 @@
 //     widened to fp32 (a shift and a mask: even and odd dims in separate vectors, two FMAs
 //     per 32 dims against the query, widened the same way once per item), and each widened
 //     key serves a block of queries, so a GQA group widens it once.
-//   - AVX-512 BF16, more queries (speculative q_len > 1, prefill, big groups): the 16-key tile
-//     is transposed once into [head_dim/2 pairs][16 keys] (64 shuffles per 32 dims) and each
-//     query then needs only head_dim/2 `vdpbf16ps` with a broadcast pair of its own: no
-//     reductions at all.
 // P.V keeps probabilities in fp32: each V row is widened to fp32 (even and odd dims apart,
 // undone when the row is written) and FMA'd into register-resident accumulators for a block
 // of queries, so V is read once per block. How much of a row a block holds follows the
 // registers: AVX-512's 32 take the whole row for up to 12 / (head_dim / 32) queries; AVX2's
 // 16 ymm (and NEON's 32 q registers: 8 F16s either way) take 16 dims for 4 queries, the keys
-// being walked once per 16 dims. With AVX-512 BF16 and 6+ queries, P is rounded to bf16 and
-// V interleaved into key pairs once per item for `vdpbf16ps` (two multiply-adds a lane per
-// instruction). fp32 caches take the same paths as bf16 without the bf16 instructions (plain
-// loads and FMAs).
+// being walked once per 16 dims. fp32 caches take the same paths as bf16 without the bf16
+// instructions (plain loads and FMAs).
 //
 // Where the time goes (Zen 4, one thread, K/V in cache): decode with SmolLM2's group of 3
 // costs ~27 cycles per key per kv head (~9 per key and query) with AVX-512 BF16, about half
@@ -67,14 +68,6 @@ namespace iterserve::attention {
 using at::BFloat16;
 
 constexpr int kTile = 16;                // keys per score tile: one F16 of scores
-// From this many queries an AVX-512 BF16 item rounds P to bf16 and uses `vdpbf16ps` for P.V
-// (the interleaving of V is paid once per item, the products per query).
-constexpr int kMinPairQueries = 6;
-// Those two roads round differently from the one-query kernels, so a group of this many rows
-// or fewer (a decode row, a speculative verify step of up to 7 guesses) keeps the one-query
-// kernels: a verify row's output is the same bits as the lone decode row's. Prefill groups
-// (64 / group size rows) keep the fast roads up to a group of 8 heads.
-constexpr int64_t kMaxVerifyRows = 8;
 
 // Keys are read in block-sized runs from scattered blocks, too short for the hardware
 // prefetcher to get ahead, so every loop over keys asks for the rows this far ahead itself.
@@ -398,10 +391,6 @@ struct Scratch {
   // [M, head_dim / 32] the queries as the score tree takes them
   std::vector<QueryChunk<BFloat16, BFloat16>> bf16_queries;
   std::vector<Halves> f32_queries;
-  // AVX-512 BF16 paths only
-  std::vector<uint32_t> tile;     // [head_dim / 2, 16] transposed bf16 pairs
-  std::vector<I16> pairs;         // [keys16 / 2, head_dim / 32, 2] interleaved V (bf16 P.V)
-  std::vector<uint32_t> rounded;  // [M, keys16 / 2] probabilities as bf16 pairs
   void fit(int64_t M, int64_t keys16, int64_t head_dim) {
     if (offsets.size() < static_cast<size_t>(keys16 + kTile)) offsets.resize(keys16 + kTile);
     if (scores.size() < static_cast<size_t>(M * keys16)) scores.resize(M * keys16);
@@ -417,13 +406,6 @@ struct Scratch {
     }();
     if (chunks.size() < static_cast<size_t>(M * head_dim / 32)) chunks.resize(M * head_dim / 32);
     return chunks.data();
-  }
-  void fit_tile(int64_t head_dim) {
-    if (tile.size() < static_cast<size_t>(head_dim * kTile / 2)) tile.resize(head_dim * kTile / 2);
-  }
-  void fit_pairs(int64_t M, int64_t keys16, int64_t head_dim) {
-    if (pairs.size() < static_cast<size_t>(keys16 * head_dim / 32)) pairs.resize(keys16 * head_dim / 32);
-    if (rounded.size() < static_cast<size_t>(M * keys16 / 2)) rounded.resize(M * keys16 / 2);
   }
 };
 
@@ -480,132 +462,6 @@ void prefetch_item(const Plan& plan, const Item& item) {
   for (int64_t i = 0; i < n; ++i) prefetch_row(keys + off[i], row_bytes<C>(plan.head_dim));
 }
 
-// ---- AVX-512 BF16 only: many queries per item ----------------------------------------------
-
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-
-// r[j] (16 dwords each) -> r[p] lane j = old r[j] dword p.
-inline void transpose16x16(__m512i* r) {
-  __m512i a[16], b[16];
-  for (int k = 0; k < 8; ++k) {
-    a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-    a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {  // b[4k+e] 128-bit lane L = rows 4k..4k+3 at dword 4L+e
-    b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
-    b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
-    b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
-    b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88);
-    const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
-    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88);
-    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
-    r[e] = _mm512_shuffle_i32x4(c0, d0, 0x88);
-    r[8 + e] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
-    r[4 + e] = _mm512_shuffle_i32x4(c1, d1, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
-  }
-}
-
-// Scores of QB queries against a transposed tile: per pair of dims, the 16 keys' pairs
-// against a broadcast pair of each query's.
-template <int NC, int QB>
-inline void scores_block_bf16(const uint32_t* tile, const BFloat16* const* qp, float* S,
-                              int64_t ldS) {
-  auto acc = zeros<QB>();
-  for (int p = 0; p < 16 * NC; ++p) {
-    const Pairs keys = pairs_from_bits(I16::load(tile + p * kTile));
-    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
-      acc[i] = pair_dot(acc[i], keys, x_pair(qp[i] + 2 * p));
-  }
-  ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i].store(S + i * ldS);
-}
-
-template <int NC>
-inline void scores_transposed_bf16(const BFloat16* cache, const int64_t* off,
-                                   const BFloat16* const* qp, int M, float* S, int64_t ldS,
-                                   uint32_t* tile) {
-  for (int c = 0; c < NC; ++c) {
-    __m512i r[kTile];
-    for (int j = 0; j < kTile; ++j) r[j] = _mm512_loadu_si512(cache + off[j] + 32 * c);
-    transpose16x16(r);
-    for (int p = 0; p < kTile; ++p) _mm512_storeu_si512(tile + (16 * c + p) * kTile, r[p]);
-  }
-  for_each_query_block<8>(M, [&](int m, auto qb) {
-    scores_block_bf16<NC, decltype(qb)::value>(tile, qp + m, S + m * ldS, ldS);
-  });
-}
-
-// P.V with bf16 probabilities, for items with many queries (prefill chunks, verify steps):
-// `vdpbf16ps` does two multiply-adds a lane where the fp32 path does one FMA. Pairs of keys
-// are interleaved once per item into `pairs` (for each pair and 32-dim chunk, two registers:
-// even dims and odd dims, word 2l = key 2i's value, word 2l+1 = key 2i+1's, the same dim
-// order widen_piece leaves, so store_row writes them back), and each query's probabilities
-// are rounded to bf16 pairs. Rounding costs each weight at most 2^-8 of itself (half a bf16
-// ulp), so an output moves by at most 2^-8 sum_k p_k |v_k| (tests/kernels/test_attention_kernel.py).
-template <int NC>
-inline void interleave_pairs(const BFloat16* cache, const int64_t* off, int64_t n_pairs,
-                             I16* pairs) {
-  const __mmask32 odd_words = 0xAAAAAAAAu;
-  for (int64_t i = 0; i < n_pairs; ++i) {
-    const BFloat16* a = cache + off[2 * i];
-    const BFloat16* b = cache + off[2 * i + 1];
-    for (int c = 0; c < NC; ++c) {
-      const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
-      pairs[(i * NC + c) * 2] =
-          I16{{IVec(_mm512_mask_blend_epi16(odd_words, va, _mm512_slli_epi32(vb, 16)))}};
-      pairs[(i * NC + c) * 2 + 1] =
-          I16{{IVec(_mm512_mask_blend_epi16(odd_words, _mm512_srli_epi32(va, 16), vb))}};
-    }
-  }
-}
-
-// One query's probabilities [n16] as bf16 pairs [n16 / 2] (dword j: keys 2j and 2j+1).
-inline void round_probabilities(const float* p, int64_t n16, uint32_t* out) {
-  for (int64_t k = 0; k < n16; k += kTile) {
-    const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + k));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k / 2), packed);
-  }
-}
-
-template <int NC, int MB>
-inline void pv_block_pairs(const I16* pairs, int64_t n_pairs, const uint32_t* Pb, int64_t ldPb,
-                           float* acc_out) {
-  constexpr int R = 2 * NC;
-  auto acc = zeros<MB * R>();  // [MB][R]
-  for (int64_t j = 0; j < n_pairs; ++j) {
-    const I16* v = pairs + j * R;
-    ITERSERVE_UNROLL for (int i = 0; i < MB; ++i) {
-      const XPair p = x_pair(reinterpret_cast<const BFloat16*>(Pb + i * ldPb + j));
-      ITERSERVE_UNROLL for (int c = 0; c < R; ++c)
-        acc[i * R + c] = pair_dot(acc[i * R + c], pairs_from_bits(v[c]), p);
-    }
-  }
-  ITERSERVE_UNROLL for (int i = 0; i < MB; ++i)
-    ITERSERVE_UNROLL for (int c = 0; c < R; ++c)
-      acc[i * R + c].store(acc_out + i * 32 * NC + 16 * c);
-}
-
-// P.V of one item's M queries over its n16 keys (padding keys are real rows with probability
-// 0, so whole tiles pair up) into acc [M, 32 * NC].
-template <int NC>
-inline void pv_paired(const BFloat16* values, const int64_t* off, int64_t n16, const float* S,
-                      int M, Scratch& sc, float* acc) {
-  const int64_t n_pairs = n16 / 2;
-  sc.fit_pairs(M, n16, 32 * NC);
-  interleave_pairs<NC>(values, off, n_pairs, sc.pairs.data());
-  for (int m = 0; m < M; ++m) round_probabilities(S + m * n16, n16, sc.rounded.data() + m * n_pairs);
-  for_each_query_block<kPvQueries<NC>>(M, [&](int m, auto mb) {
-    pv_block_pairs<NC, decltype(mb)::value>(sc.pairs.data(), n_pairs,
-                                            sc.rounded.data() + m * n_pairs, n_pairs,
-                                            acc + m * 32 * NC);
-  });
-}
-
-#endif  // AVX-512 BF16
-
 // The item's M queries on the 16-bit grid, in the scratch: q16 = round(q * (32767 / max|q|)),
 // half to even, computed in fp32.
 inline Int16Queries quantize_queries(const BFloat16* const* qp, int M, int64_t D, Scratch& sc) {
@@ -658,12 +514,6 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   const C* values = static_cast<const C*>(plan.value_cache);
   const int64_t bytes = row_bytes<C>(D);
   float* S = sc.scores.data();
-  // Measured crossover (AVX-512 BF16, one thread, warm cache): the transposed tile is ~10%
-  // faster from 6 queries at head_dim 64 and 8 at 128, and up to 1.5x slower below.
-  const bool per_query = plan.invariant || g.rows <= kMaxVerifyRows;
-  const bool transposed = kBf16Dot && std::is_same_v<C, BFloat16> && !per_query &&
-                          M >= (NC <= 2 ? 6 : 8);
-  if (transposed) sc.fit_tile(D);
   if (first)  // later items were prefetched by the one before
     for (int64_t t = 0; t < std::min(n, kPrefetchKeys); ++t) prefetch_row(keys + off[t], bytes);
   Int16Queries q16{};
@@ -671,14 +521,6 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
   for (int64_t t = 0; t < n16; t += kTile) {
     for (int64_t k = t + kPrefetchKeys; k < std::min(n, t + kPrefetchKeys + kTile); ++k)
       prefetch_row(keys + off[k], bytes);
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<C, BFloat16>) {
-      if (transposed) {
-        scores_transposed_bf16<NC>(keys, off + t, qp, M, S + t, n16, sc.tile.data());
-        continue;
-      }
-    }
-#endif
     if constexpr (kInt16Queries<T, C>) {
       for_each_query_block<kInt16QueryBlock>(M, [&](int m, auto qb) {
         scores_int16_queries<NC, decltype(qb)::value>(keys, off + t, q16, m, S + m * n16 + t, n16);
@@ -701,17 +543,9 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
 
   // 3. P.V, in blocks of queries whose accumulators fit the registers
   if (next != nullptr) prefetch_item<C>(plan, *next);
-  bool paired = false;
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<C, BFloat16>) {
-    paired = !per_query && M >= kMinPairQueries;
-    if (paired) pv_paired<NC>(values, off, n16, S, M, sc, sc.acc.data());
-  }
-#endif
-  if (!paired)
-    for_each_query_block<kPvQueries<NC>>(M, [&](int m, auto mb) {
-      pv_block<C, NC, decltype(mb)::value>(values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
-    });
+  for_each_query_block<kPvQueries<NC>>(M, [&](int m, auto mb) {
+    pv_block<C, NC, decltype(mb)::value>(values, off, n, S + m * n16, n16, sc.acc.data() + m * D);
+  });
 
   // 4. out, or this partition's share of it
   if (g.parts == 1) {

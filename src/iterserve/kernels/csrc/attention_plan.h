@@ -53,10 +53,6 @@ struct Plan {
   // value (nullptr: none).
   const float* sinks = nullptr;
   int64_t part_keys;
-  // Batch-invariant: every query's arithmetic is fixed by its own sequence alone (the score
-  // and P.V kernels no longer adapt to a prefill chunk's size either), so its output is the
-  // same bits whatever else shares the step and however its prompt was chunked.
-  bool invariant = false;
   std::vector<Group> groups;
   std::vector<Item> items;
   // Partitions' un-normalized outputs [slots, head_dim], maxima and sums [slots].

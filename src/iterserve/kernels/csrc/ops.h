@@ -25,13 +25,12 @@ namespace iterserve {
 // One engine step's sequences, packed in one int32 tensor shared by every layer's call
 // (model/attention_metadata.py builds it), so a compiled graph sees one input of one dynamic
 // length rather than several of independent shapes:
-//   [S, max_blocks, flags, block_tables (S x max_blocks), seq_lens (S), query_start_loc (S+1)]
-// flags bit 0: batch-invariant arithmetic. Query row i of sequence s sits at position
+//   [S, max_blocks, block_tables (S x max_blocks), seq_lens (S), query_start_loc (S+1)]
+// Query row i of sequence s sits at position
 // seq_lens[s] - q_len + i, where q_len = query_start_loc[s+1] - query_start_loc[s].
 class StepTable {
  public:
-  static constexpr int64_t kHeader = 3;
-  static constexpr int32_t kBatchInvariant = 1;
+  static constexpr int64_t kHeader = 2;
 
   explicit StepTable(const at::Tensor& step) : step_(step) {
     TORCH_CHECK(step.dim() == 1 && step.scalar_type() == at::kInt && step.is_contiguous() &&
@@ -40,7 +39,6 @@ class StepTable {
     const int32_t* p = step.data_ptr<int32_t>();
     num_seqs_ = p[0];
     width_ = p[1];
-    flags_ = p[2];
     TORCH_CHECK(num_seqs_ >= 0 && width_ >= 0 &&
                     step.numel() == kHeader + num_seqs_ * width_ + 2 * num_seqs_ + 1,
                 "the step table holds ", step.numel(), " values, not the ",
@@ -48,7 +46,6 @@ class StepTable {
                 " sequences of up to ", width_, " blocks need");
   }
   int64_t num_seqs() const { return num_seqs_; }
-  bool batch_invariant() const { return flags_ & kBatchInvariant; }
   at::Tensor block_tables() const {
     return step_.narrow(0, kHeader, num_seqs_ * width_).view({num_seqs_, width_});
   }
@@ -60,7 +57,6 @@ class StepTable {
  private:
   at::Tensor step_;
   int64_t num_seqs_, width_;
-  int32_t flags_;
 };
 
 // The 8-bit KV cache (--kv-cache-dtype int8). A row of an int8 cache is a llama.cpp-style q8

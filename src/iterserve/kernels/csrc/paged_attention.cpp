@@ -51,7 +51,7 @@ using namespace attention;
 Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
                    const Tensor& block_tables, const Tensor& seq_lens,
                    const Tensor& query_start_loc, double scale, int64_t sliding_window,
-                   bool invariant, double softcap, const std::optional<Tensor>& sinks) {
+                   double softcap, const std::optional<Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3, "paged_attention: q must be [tokens, num_heads, head_dim], got ",
               q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
@@ -123,7 +123,6 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   plan.scale = static_cast<float>(scale);
   plan.softcap = static_cast<float>(softcap);
   plan.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
-  plan.invariant = invariant;
 
   const int64_t G = plan.group_size;
   const int64_t rows_per_group = std::max<int64_t>(1, kMaxQueriesPerGroup / G);
@@ -277,7 +276,7 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_cache, const Tensor& v
                        const Tensor& query_start_loc, double scale, int64_t sliding_window,
                        double softcap, const std::optional<Tensor>& sinks) {
   return attend_rows(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                     sliding_window, /*invariant=*/false, softcap, sinks);
+                     sliding_window, softcap, sinks);
 }
 
 // One layer's attention for a whole step in one call: the new K/V into the pool, then every
@@ -292,8 +291,7 @@ Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
   const StepTable table(step);
   store_kv(k, v, key_cache, value_cache, slot_mapping);
   return attend_rows(q, key_cache, value_cache, table.block_tables(), table.seq_lens(),
-                     table.query_start_loc(), scale, sliding_window, table.batch_invariant(),
-                     softcap, sinks);
+                     table.query_start_loc(), scale, sliding_window, softcap, sinks);
 }
 
 }  // namespace iterserve
