@@ -32,9 +32,9 @@
 //
 // Where the time goes (Zen 4, one thread, K/V in cache): decode with SmolLM2's group of 3
 // costs ~27 cycles per key per kv head (~9 per key and query) with AVX-512 BF16, about half
-// of it the fp32 P.V FMAs; with 12+ queries (speculative steps) ~6.3 cycles per key and
-// query. The AVX2 build, on the same machine, takes ~1.4-1.6x the AVX-512 BF16 time for
-// decode and ~2.3x with 48 queries per item. From DRAM, reading blocks scattered over a large
+// of it the fp32 P.V FMAs (figures from before items of many queries lost their own
+// kernels, 2026-12-02). The AVX2 build, on the same machine, takes ~1.4-1.6x the AVX-512 BF16
+// time for decode. From DRAM, reading blocks scattered over a large
 // pool runs at ~5-15 GB/s here, well below sequential bandwidth, so big batches are bound by
 // memory latency: K/V rows are prefetched into L2 a fixed distance ahead, and each thread
 // claims its next item early to prefetch its start.
