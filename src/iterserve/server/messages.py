@@ -216,7 +216,9 @@ class _Events:
         return signed + _event("content_block_stop", index=self.blocks - 1)
 
     def thought(self, delta: str) -> str:
-        opened = "" if self.open == "thinking" else self._open(_thinking_block("", True))
+        # The signature comes last, in a signature_delta, once the text is whole.
+        block = {"type": "thinking", "thinking": "", "signature": ""}
+        opened = "" if self.open == "thinking" else self._open(block)
         self.thinking.append(delta)
         if not self.shape.body.shows_thinking:
             return opened
