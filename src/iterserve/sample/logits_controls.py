@@ -12,9 +12,10 @@
   the only one left.
 
 Applied in that order (vLLM's: bad words, then the argmax-changing processors, then the
-penalties; a forced token last, as it overrides them all). Each is one batched tensor operation over the rows that ask for it: the
-Python work is per row and per token of history, never per vocabulary entry. A batch
-where no row asks costs one flag test per row and nothing else.
+penalties; a forced token last, as it overrides them all). Each is one batched tensor
+operation over the rows that ask for it: the Python work is per row and per token of
+history, never per vocabulary entry. A batch where no row asks costs one flag test per row
+and nothing else.
 
 The logprobs a request gets back stay those of the raw logits (vLLM's default,
 `logprobs_mode=raw_logprobs`); the caller keeps the raw tensor for them.
