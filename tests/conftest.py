@@ -189,3 +189,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = item.path.name
         group = "distributed" if module in _DISTRIBUTED_MODULES else str(item.path)
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny random Qwen3 with its family's chat template and `<think>`/`</think>` as
+    tokens (tests/thinking_models.py), for the thinking tests of every API."""
+    from thinking_models import thinking_checkpoint  # torch: only when used
+
+    return thinking_checkpoint(tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")

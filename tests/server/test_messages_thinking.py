@@ -20,7 +20,7 @@ import pytest
 
 from iterserve import LLM, SamplingParams
 from server_fixtures import MODEL_NAME, RunningServer, anthropic_prompt_tokens, running_server
-from thinking_models import CLOSE, OPEN, forced_tokens, ids, thinking_answer, thinking_checkpoint
+from thinking_models import CLOSE, OPEN, forced_tokens, ids, thinking_answer
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -28,11 +28,6 @@ HI = [{"role": "user", "content": "Hi"}]
 THOUGHT = "The user greets me, so I greet back."
 ANSWER = "Hello there!"
 THINK = {"type": "enabled", "budget_tokens": 1024}
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return thinking_checkpoint(tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -66,11 +66,6 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return thinking_checkpoint(tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
-
-
-@pytest.fixture(scope="module")
 def r1_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return thinking_checkpoint(tokenizer_dir, tmp_path_factory.mktemp("tiny-r1"), "deepseek_r1")
 
