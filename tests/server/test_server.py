@@ -176,6 +176,45 @@ def test_stop_strings(client: openai.OpenAI, offline: LLM) -> None:
     )  # fmt: skip
     assert result.choices[0].text == text[: text.index(stop)]
     assert result.choices[0].finish_reason == "stop"
+    assert result.model_extra is not None  # vLLM's stop_reason: what ended it
+    assert result.choices[0].model_extra == {"stop_reason": stop}
+
+
+def test_stop_reason_names_the_stop_token(client: openai.OpenAI, offline: LLM) -> None:
+    ids = offline.generate(PROMPT, greedy_params(8, ignore_eos=True), use_tqdm=False)[0].token_ids
+    stop_id = ids[3]
+    cut = ids[: ids.index(stop_id) + 1]
+    args = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": 8}
+    extra = {"ignore_eos": True, "stop_token_ids": [stop_id]}
+    whole = client.completions.create(prompt=PROMPT, **args, extra_body=extra)
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.usage is not None and whole.usage.completion_tokens == len(cut)
+    assert whole.choices[0].model_extra == {"stop_reason": stop_id}
+    streamed = list(client.completions.create(prompt=PROMPT, stream=True, **args, extra_body=extra))
+    reasons = [chunk.choices[0].model_extra for chunk in streamed]
+    assert reasons[-1] == {"stop_reason": stop_id}
+    assert all(reason == {"stop_reason": None} for reason in reasons[:-1])
+    answer = offline.chat(MESSAGES, greedy_params(8, ignore_eos=True), use_tqdm=False)[0]
+    extra["stop_token_ids"] = [answer.token_ids[2]]
+    chat = client.chat.completions.create(messages=MESSAGES, **args, extra_body=extra)
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].model_extra == {"stop_reason": answer.token_ids[2]}
+    # Neither EOS nor max_tokens is a stop reason.
+    plain = client.chat.completions.create(messages=MESSAGES, **args)
+    assert plain.choices[0].model_extra == {"stop_reason": None}
+
+
+def test_text_parts_are_one_text_a_line_apart(client: openai.OpenAI) -> None:
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital?"}]
+    as_parts = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": parts}], **GREEDY
+    )
+    as_text = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is\nthe capital?"}], **GREEDY
+    )
+    assert as_parts.usage is not None and as_text.usage is not None
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
 
 
 def test_logprobs(client: openai.OpenAI) -> None:

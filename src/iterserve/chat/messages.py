@@ -33,7 +33,8 @@ class ChatMessage(BaseModel):
                 raise InvalidRequestError(
                     "only text content parts are supported by this model", "messages"
                 )
-            content = "".join(part.text or "" for part in content)
+            # One text, the parts a line apart, as vLLM and llama-server join them.
+            content = "\n".join(part.text or "" for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name

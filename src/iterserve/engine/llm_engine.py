@@ -432,9 +432,7 @@ class LLMEngine:
         InvalidRequestError naming `input` (the embeddings API's field; the scoring APIs
         name their own)."""
         pooling = self.pooling.request_params(pooling)
-        request_id = (
-            request_id or f"{pooling.task}-{next(self._ids)}"
-        )
+        request_id = request_id or f"{pooling.task}-{next(self._ids)}"
         lora = self.loras.resolve(lora_request) if lora_request is not None else None
         try:
             request = Request(
@@ -534,6 +532,9 @@ class LLMEngine:
             stream, token_ids[:kept], update.new_logprobs[:kept], delta, finish_reason
         )
         output.stop_reason = stream.stops.stop_reason
+        stop_ids = stream.request.sampling_params.stop_token_ids
+        if finish_reason == "stop" and not stopped and token_ids and token_ids[-1] in stop_ids:
+            output.stop_reason = token_ids[-1]
         pooling = stream.request.pooling_params
         if update.embedding is not None and pooling is not None and pooling.task == "score":
             output.score = finish_score(update.embedding)

@@ -21,8 +21,9 @@ class RequestOutput:
     delta_text: str
     delta_token_ids: list[int]
     finish_reason: FinishReason | None = None  # set once finished
-    # The stop string that ended it (vLLM's `stop_reason`; None: EOS, a stop token, length).
-    stop_reason: str | None = None
+    # What ended it, as vLLM's `stop_reason`: the stop string that matched, or the token of
+    # `stop_token_ids` sampled; None for EOS, length, or an answer still going.
+    stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs | None] | None = None  # when the request asked for them
     delta_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: one per prompt token (the first None), as far as the

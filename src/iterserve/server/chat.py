@@ -151,6 +151,7 @@ async def create_chat_completion(
                     message=message,
                     logprobs=_logprobs(output.logprobs, logprobs, ctx),
                     finish_reason=_finish_reason(output.finish_reason, bool(calls)),
+                    stop_reason=output.stop_reason,
                 )
             )
         return ChatCompletionResponse(
@@ -221,6 +222,7 @@ async def _stream(
             delta=DeltaMessage(content=text),
             logprobs=_logprobs(output.delta_logprobs, wanted, ctx),
             finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
         )
         return message([choice])
 
@@ -238,6 +240,7 @@ async def _stream(
         # The token's logprobs and the finish reason go on the last of them.
         choices[-1].logprobs = _logprobs(output.delta_logprobs, wanted, ctx)
         choices[-1].finish_reason = _finish_reason(output.finish_reason, stream.called)
+        choices[-1].stop_reason = output.stop_reason
         return "".join(message([choice]) for choice in choices)
 
     def usage_message(usage: UsageInfo) -> str:

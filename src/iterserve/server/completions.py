@@ -75,14 +75,16 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
 def _choice(
     index: int, output: RequestOutput, logprobs: bool, ctx: ServingContext, echo: Echo | None
 ) -> CompletionChoice:
-    entries = (
-        completion_logprobs(output.logprobs or [], ctx.decode_token, 0) if logprobs else None
-    )
+    entries = completion_logprobs(output.logprobs or [], ctx.decode_token, 0) if logprobs else None
     text = output.text
     if echo is not None:
         text, entries = echo.text(output, text), echo.logprobs(output, entries, ctx.decode_token)
     return CompletionChoice(
-        index=index, text=text, logprobs=entries, finish_reason=output.finish_reason
+        index=index,
+        text=text,
+        logprobs=entries,
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
     )
 
 
@@ -108,7 +110,11 @@ def _stream(
             text, logprobs = echo.delta(output, text, logprobs, first, ctx.decode_token)
         text_length[index] = offset + len(text)
         choice = CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
         )
         return message([choice])
 

@@ -147,7 +147,7 @@ class _Shape:
             return ("max_tokens" if full else "model_context_window_exceeded"), None
         if called:
             return "tool_use", None
-        if output.stop_reason is not None:
+        if isinstance(output.stop_reason, str):
             return "stop_sequence", output.stop_reason
         return "end_turn", None
 

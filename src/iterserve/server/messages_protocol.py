@@ -412,7 +412,8 @@ def _add_assistant_turn(messages: list[dict[str, Any]], blocks: Sequence[BaseMod
         messages.append(last)
     for block in blocks:
         if isinstance(block, TextBlock):
-            last["content"] = (last["content"] or "") + block.text
+            before = last["content"]
+            last["content"] = f"{before}\n{block.text}" if before else block.text
         elif isinstance(block, ThinkingBlock):
             before = last.get("reasoning_content")
             last["reasoning_content"] = f"{before}\n{block.thinking}" if before else block.thinking

@@ -246,6 +246,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string, or the `stop_token_ids` token, that ended the choice.
+    stop_reason: str | int | None = None
 
 
 ChoiceT = TypeVar("ChoiceT")
@@ -306,6 +308,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # as CompletionChoice's
 
 
 class ChatCompletionResponse(_ChoicesResponse[ChatChoice]):
@@ -329,6 +332,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # as CompletionChoice's
 
 
 class ChatCompletionChunk(_ChoicesResponse[ChatStreamChoice]):

@@ -374,7 +374,7 @@ def _text_of(content: str | list[_ContentPart], param: str) -> str:
                 f"only text content parts are supported by this model, not {part.type!r}",
                 f"{param}.{i}",
             )
-    return "".join(part.text or "" for part in content)
+    return "\n".join(part.text or "" for part in content)  # as chat's parts (chat/messages.py)
 
 
 # How the chat request names a field -> how this API does; `messages.N` is handled apart.
