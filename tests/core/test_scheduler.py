@@ -143,7 +143,7 @@ def test_abort_frees_blocks_at_once() -> None:
 
 def test_requests_that_can_never_fit_are_refused() -> None:
     scheduler, _ = make_scheduler(num_blocks=8, block_size=4, max_model_len=64)
-    with pytest.raises(InvalidRequestError, match="context is 64 tokens"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 64 tokens"):
         scheduler.add_request(make_request("long", [1] * 60, max_tokens=10))
     with pytest.raises(InvalidRequestError, match="whole cache holds 8"):
         scheduler.add_request(make_request("big", [1] * 30, max_tokens=10))

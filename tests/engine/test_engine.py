@@ -170,7 +170,7 @@ def test_bad_input_is_refused_clearly(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate("", GREEDY, use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="context is 512 tokens"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 512 tokens"):
         llm.generate("word " * 600, GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="temperature"):
         SamplingParams(temperature=-1)

@@ -52,7 +52,7 @@ from iterserve.core.policies import WaitingQueues, form_batch, outranks, victim_
 from iterserve.core.request import EMBED_LANE, LANES, Request, RequestStatus
 from iterserve.core.speculation import DraftQuery, NgramProposer, Proposer, SpecDecodeStats
 from iterserve.core.step_plan import StepPlan
-from iterserve.sampling_params import InvalidRequestError
+from iterserve.invalid_request import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 
 
 class Scheduler:
@@ -99,11 +99,13 @@ class Scheduler:
             raise InvalidRequestError("the prompt is empty", "prompt")
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
+            # OpenAI's and vLLM's wording, which clients recognise.
             raise InvalidRequestError(
-                f"this model's context is {self.max_model_len} tokens, but the request needs "
-                f"{total} ({num_prompt_tokens} in the prompt + {max_tokens} max_tokens); "
-                "shorten the prompt or lower max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({num_prompt_tokens} in the prompt + "
+                f"{max_tokens} max_tokens); shorten the prompt or lower max_tokens",
                 "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and total > budget:

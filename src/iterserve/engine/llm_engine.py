@@ -450,7 +450,7 @@ class LLMEngine:
         except InvalidRequestError as error:
             field = "documents" if pooling.task == "score" else "input"
             param = field if error.param in ("prompt", "max_tokens") else error.param
-            raise InvalidRequestError(str(error), param) from None
+            raise InvalidRequestError(str(error), param, error.code) from None
         # No text comes out of it: an empty context spares decoding the prompt's tail.
         self._streams[request_id] = _Stream(
             request, IncrementalDetokenizer(self.tokenizer, []), StopStringMatcher([])

@@ -31,11 +31,12 @@ class Refusal:
     message: str
     param: str | None = None
     retry_after: float = 1.0
+    code: str | None = None  # InvalidRequestError's
 
     @classmethod
     def of(cls, error: InvalidRequestError | EngineOverloadedError | EngineStoppedError) -> Refusal:
         if isinstance(error, InvalidRequestError):
-            return cls("invalid", str(error), error.param)
+            return cls("invalid", str(error), error.param, code=error.code)
         if isinstance(error, EngineOverloadedError):
             return cls("overloaded", str(error), retry_after=error.retry_after)
         return cls("stopped", str(error))
@@ -43,7 +44,7 @@ class Refusal:
     def error(self) -> Exception:
         """The exception a single engine would have raised."""
         if self.kind == "invalid":
-            return InvalidRequestError(self.message, self.param)
+            return InvalidRequestError(self.message, self.param, self.code)
         if self.kind == "overloaded":
             return EngineOverloadedError(self.message, self.retry_after)
         return EngineStoppedError(self.message)

@@ -97,7 +97,7 @@ def as_api_error(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, InvalidRequestError):
-        return APIError(400, str(error), error.param)
+        return APIError(400, str(error), error.param, error.code)
     if isinstance(error, EngineOverloadedError):
         retry = str(max(1, round(error.retry_after)))
         return APIError(429, str(error), code="rate_limit_exceeded", headers={"Retry-After": retry})

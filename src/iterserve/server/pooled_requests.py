@@ -58,7 +58,7 @@ async def run_pooled(
         stream = await ctx.engine.add(requests)
     except InvalidRequestError as error:  # a prompt past the context, say
         param = field if error.param in ("input", "documents") else error.param
-        raise InvalidRequestError(str(error), param) from None
+        raise InvalidRequestError(str(error), param, error.code) from None
     record = access_record(raw)
     outputs = await until_disconnected(raw, collect_final(stream, record))
     record.prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
