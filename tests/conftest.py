@@ -66,6 +66,16 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 
 
 @pytest.fixture(scope="session")
+def tools_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    """tiny_llama_dir with Qwen 2.5's tool-calling chat template, for the server tests of
+    tools and agent loops (every API's)."""
+    from server_fixtures import QWEN_TOOLS_TEMPLATE, with_chat_template
+
+    out = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
+    return with_chat_template(tiny_llama_dir, out, QWEN_TOOLS_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_adapters(
     tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path
 ) -> dict[str, Path]:

@@ -24,7 +24,6 @@ from server_fixtures import (
     QWEN_TOOLS_TEMPLATE,
     RunningServer,
     running_server,
-    with_chat_template,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,11 +48,8 @@ PROMPT = "Paris is the capital of France. Extract the city and its country."
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    out = tmp_path_factory.mktemp("tiny-llama-frameworks") / "model"
-    with running_server(with_chat_template(tiny_llama_dir, out, QWEN_TOOLS_TEMPLATE)) as running:
+def server(tools_llama_dir: Path) -> Iterator[RunningServer]:
+    with running_server(tools_llama_dir) as running:
         yield running
 
 

@@ -21,14 +21,12 @@ import pytest
 from iterserve.server.app import ServerSettings
 from server_fixtures import (
     MODEL_NAME,
-    QWEN_TOOLS_TEMPLATE,
     TWO_WEATHER_CALLS,
     RunningServer,
     answer_tokens,
     anthropic_prompt_tokens,
     running_server,
     scripted_tokens,
-    with_chat_template,
 )
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -49,11 +47,8 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    out = tmp_path_factory.mktemp("tiny-llama-messages") / "model"
-    with running_server(with_chat_template(tiny_llama_dir, out, QWEN_TOOLS_TEMPLATE)) as running:
+def server(tools_llama_dir: Path) -> Iterator[RunningServer]:
+    with running_server(tools_llama_dir) as running:
         yield running
 
 
@@ -368,8 +363,46 @@ def test_api_key_in_anthropic_header(tiny_llama_dir: Path) -> None:
         ({"tool_choice": {"type": "any"}}, "tool_choice"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.budget_tokens"),
-        ({"output_config": {"effort": "high"}}, "output_config.effort"),
         ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
+        (
+            {"context_management": {"edits": [{"type": "compact_20260112"}]}},
+            "context_management.edits.0.type",
+        ),
+        (
+            {
+                "context_management": {
+                    "edits": [
+                        {
+                            "type": "clear_tool_uses_20250919",
+                            "keep": {"type": "tool_uses", "value": -1},
+                        }
+                    ]
+                }
+            },
+            "context_management.edits.0.keep.value",
+        ),
+        (  # the edits run before the blocks are read: a bad one is still named
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": [], "name": "f", "input": {}}],
+                    },
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": []}]},
+                ],
+                "context_management": {
+                    "edits": [
+                        {
+                            "type": "clear_tool_uses_20250919",
+                            "trigger": {"type": "tool_uses", "value": 0},
+                            "keep": {"type": "tool_uses", "value": 0},
+                        }
+                    ]
+                },
+            },
+            "messages.1.content.0.id",
+        ),
         ({"n": 2}, "n"),
         ({"stop_sequences": "STOP"}, "stop_sequences"),
         ({"temperature": -1}, "temperature"),

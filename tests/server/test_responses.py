@@ -18,13 +18,11 @@ import pytest
 
 from server_fixtures import (
     MODEL_NAME,
-    QWEN_TOOLS_TEMPLATE,
     TWO_WEATHER_CALLS,
     RunningServer,
     answer_tokens,
     running_server,
     scripted_tokens,
-    with_chat_template,
 )
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -42,11 +40,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    out = tmp_path_factory.mktemp("tiny-llama-responses") / "model"
-    with running_server(with_chat_template(tiny_llama_dir, out, QWEN_TOOLS_TEMPLATE)) as running:
+def server(tools_llama_dir: Path) -> Iterator[RunningServer]:
+    with running_server(tools_llama_dir) as running:
         yield running
 
 

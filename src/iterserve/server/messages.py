@@ -28,7 +28,9 @@ from iterserve.chat.answer import Answer, AnswerStream, read_answer
 from iterserve.chat.tool_parsers import AnswerReader
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import encode_prompt
+from iterserve.invalid_request import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from iterserve.server.chat import ChatRun, chat_plan, render_prompt, start_chat
+from iterserve.server.context_edits import apply_edits, read_edits
 from iterserve.server.errors import anthropic_error_body, as_api_error
 from iterserve.server.messages_protocol import MessagesRequest, TokenCountRequest
 from iterserve.server.protocol import UsageInfo
@@ -45,22 +47,50 @@ def messages_routes(ctx: ServingContext) -> APIRouter:
     # Plain `def`: FastAPI runs it on its thread pool, so a long conversation does not
     # hold up the event loop while it is rendered and tokenized.
     @v1.post("/messages/count_tokens")
-    def count_tokens(body: TokenCountRequest) -> dict[str, int]:
+    def count_tokens(body: TokenCountRequest) -> dict[str, Any]:
         ctx.resolve_model(body.model)
-        chat = body.to_chat_request()
-        with body.naming_fields():
-            plan = chat_plan(chat, ctx, chat.sampling_params())
-            prompt = render_prompt(chat, ctx, plan)
-        return {"input_tokens": len(encode_prompt(ctx.tokenizer, prompt))}
+        edited, _ = _edited(body, ctx)
+        counted: dict[str, Any] = {"input_tokens": _prompt_tokens(edited, ctx)}
+        if body.context_management is not None:
+            counted["context_management"] = {"original_input_tokens": _prompt_tokens(body, ctx)}
+        return counted
 
     return v1
 
 
-async def create_message(body: MessagesRequest, raw: Request, ctx: ServingContext) -> Response:
-    chat = body.to_chat_request()
+def _prompt_tokens(body: MessagesRequest, ctx: ServingContext) -> int:
+    """The request's input tokens: its prompt as rendered for the model."""
+    chat = body.to_chat_request(ctx.reasoning is not None)
     with body.naming_fields():
-        run = await start_chat(chat, raw, ctx, id_prefix="msg_", context_cuts=True)
-    shape = _Shape(body, run, ctx)
+        plan = chat_plan(chat, ctx, chat.sampling_params())
+        prompt = render_prompt(chat, ctx, plan)
+    return len(encode_prompt(ctx.tokenizer, prompt))
+
+
+def _edited(
+    body: MessagesRequest, ctx: ServingContext
+) -> tuple[MessagesRequest, list[dict[str, Any]] | None]:
+    """The request after its context edits, and the edits applied (None: it asked for none)."""
+    if body.context_management is None:
+        return body, None
+    edits = read_edits(body.context_management)
+    return apply_edits(body, edits, lambda request: _prompt_tokens(request, ctx))
+
+
+async def create_message(body: MessagesRequest, raw: Request, ctx: ServingContext) -> Response:
+    body, applied = _edited(body, ctx)
+    chat = body.to_chat_request(ctx.reasoning is not None)
+    try:
+        with body.naming_fields():
+            run = await start_chat(chat, raw, ctx, id_prefix="msg_", context_cuts=True)
+    except InvalidRequestError as error:
+        if error.code != CONTEXT_LENGTH_EXCEEDED:
+            raise
+        # Anthropic's words, on which Claude Code compacts the conversation.
+        tokens, most = _prompt_tokens(body, ctx), ctx.max_model_len - 1
+        message = f"prompt is too long: {tokens} tokens > {most} maximum"
+        raise InvalidRequestError(message, "messages", error.code) from None
+    shape = _Shape(body, run, ctx, applied)
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
         output = outputs[0]
@@ -118,6 +148,13 @@ class _Shape:
     body: MessagesRequest
     run: ChatRun
     ctx: ServingContext
+    applied_edits: list[dict[str, Any]] | None  # None: the request asked for no edits
+
+    @property
+    def context_management(self) -> dict[str, Any]:
+        """What the answer says of the context edits (nothing when none were asked for)."""
+        edits = self.applied_edits
+        return {} if edits is None else {"context_management": {"applied_edits": edits}}
 
     def message(
         self,
@@ -135,6 +172,7 @@ class _Shape:
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": usage,
+            **self.context_management,
         }
 
     def stop(self, output: RequestOutput, called: bool) -> tuple[str, str | None]:
@@ -245,7 +283,9 @@ class _Events:
             closing = self.close()
         reason, sequence = stop
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        return closing + _event("message_delta", delta=delta, usage=usage) + _event("message_stop")
+        shape = self.shape
+        ending = _event("message_delta", delta=delta, usage=usage, **shape.context_management)
+        return closing + ending + _event("message_stop")
 
 
 async def _stream(shape: _Shape, run: ChatRun) -> AsyncIterator[str]:

@@ -53,7 +53,6 @@ _NO_EFFECT = frozenset(
 _NOT_RUN = {
     "container": "server-side code execution is not run here; give client tools instead",
     "mcp_servers": "this server connects to no MCP servers; give their tools as client tools",
-    "context_management": "this server does not edit the context; send it as it should be read",
 }
 # A Messages answer is one message: these chat extensions have no place in it.
 _ONE_ANSWER = {"n": (1, None), "logprobs": (False, None), "top_logprobs": (None, 0)}
@@ -121,6 +120,9 @@ class Tool(_Lenient):
     input_schema: dict[str, Any]
     strict: bool | None = None
     type: Literal["custom"] | None = None
+    # Anthropic's tool search: the model is shown the tool only once a `tool_reference`
+    # block in a tool result has named it.
+    defer_loading: bool = False
 
     def as_chat_tool(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
@@ -189,6 +191,8 @@ class MessagesRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    # Edits of what the model reads (context_edits.py), applied by the route.
+    context_management: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         extra = self.model_extra or {}
@@ -247,13 +251,15 @@ class MessagesRequest(BaseModel):
     def shows_thinking(self) -> bool:
         return self.thinking is None or self.thinking.display != "omitted"
 
-    def effort(self) -> ReasoningEffort | None:
+    def effort(self, model_thinks: bool) -> ReasoningEffort | None:
         """The chat request's `reasoning_effort`: `thinking` says whether, `output_config`
-        how much (gpt-oss's efforts)."""
+        how much (gpt-oss's efforts). Adaptive thinking is the model's to choose: one that
+        does not think takes it, and an effort, as asking for none (Claude Code sends both
+        whatever the model)."""
         effort = self.output_config.effort if self.output_config else None
         thinking = self.thinking
         if thinking is None or thinking.type == "adaptive":
-            return effort
+            return effort if model_thinks else None
         if not thinking.thinks:
             if effort is not None:
                 raise InvalidRequestError(
@@ -263,9 +269,9 @@ class MessagesRequest(BaseModel):
             return "none"
         return effort or "high"
 
-    def to_chat_request(self) -> ChatCompletionRequest:
-        """The chat request this one amounts to (raises InvalidRequestError naming the
-        Messages field)."""
+    def to_chat_request(self, model_thinks: bool) -> ChatCompletionRequest:
+        """The chat request this one amounts to, for a model whose thinking is read or not
+        (raises InvalidRequestError naming the Messages field)."""
         self.check_supported()
         messages = self.chat_messages()
         prefill = messages[-1]["role"] == "assistant"
@@ -283,12 +289,16 @@ class MessagesRequest(BaseModel):
             "stream": self.stream,
             "add_generation_prompt": not prefill,
             "continue_final_message": prefill,
-            "reasoning_effort": self.effort(),
+            "reasoning_effort": self.effort(model_thinks),
             "thinking_token_budget": self.thinking_budget,
         }
         if self.tools:
+            tools = [_tool(raw, index) for index, raw in enumerate(self.tools)]
+            loaded = _referenced_tools(self.messages, {tool.name for tool in tools})
             chat["tools"] = [
-                _tool(raw, index).as_chat_tool() for index, raw in enumerate(self.tools)
+                tool.as_chat_tool()
+                for tool in tools
+                if not tool.defer_loading or tool.name in loaded
             ]
         if self.tool_choice is not None:
             chat["tool_choice"] = self.tool_choice.as_chat_choice()
@@ -339,6 +349,35 @@ def _tool(raw: dict[str, Any], index: int) -> Tool:
             f"tools.{index}.type",
         )
     return validated(Tool, raw, f"tools.{index}")
+
+
+class ToolReference(_Lenient):
+    """In a tool result: a deferred tool the client's tool search found, shown from then on."""
+
+    type: Literal["tool_reference"]
+    tool_name: str
+
+
+def _referenced_tools(messages: Sequence[InputMessage], names: set[str]) -> set[str]:
+    """The tools that `tool_reference` blocks in tool results name (each one of `names`)."""
+    found = set()
+    for index, message in enumerate(messages):
+        if message.role != "user" or isinstance(message.content, str):
+            continue
+        for at, block in enumerate(message.content):
+            content = block.get("content") if block.get("type") == "tool_result" else None
+            for part, raw in enumerate(content if isinstance(content, list) else []):
+                if not isinstance(raw, dict) or raw.get("type") != "tool_reference":
+                    continue
+                where = f"messages.{index}.content.{at}.content.{part}"
+                name = validated(ToolReference, raw, where).tool_name
+                if name not in names:
+                    raise InvalidRequestError(
+                        f"tool_reference names {name!r}, which is not among the tools",
+                        f"{where}.tool_name",
+                    )
+                found.add(name)
+    return found
 
 
 def _blocks(message: InputMessage, where: str) -> list[BaseModel]:
@@ -392,10 +431,15 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
         return content or ""
     texts = []
     for index, raw in enumerate(content):
+        if raw.get("type") == "tool_reference":  # the tool itself joins the prompt's tools
+            texts.append(
+                f"Tool loaded: {validated(ToolReference, raw, f'{where}.{index}').tool_name}"
+            )
+            continue
         if raw.get("type") != "text":
             raise InvalidRequestError(
                 f"tool_result content blocks of type {raw.get('type')!r} are not supported "
-                "here (only text)",
+                "here (only text and tool_reference)",
                 f"{where}.{index}.type",
             )
         texts.append(validated(TextBlock, raw, f"{where}.{index}").text)
