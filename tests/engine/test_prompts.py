@@ -12,6 +12,7 @@ from iterserve.engine.prompts import (
     continuing,
     encode_prompt,
     render_chat,
+    takes_system_anywhere,
     template_roles,
 )
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
@@ -72,7 +73,9 @@ def test_a_continued_chat_keeps_the_tokens_an_earlier_turn_ran(tokenizer) -> Non
     assert written != tokenizer.encode(answer, add_special_tokens=False)
     ran = [*encode_prompt(tokenizer, first), *written, tokenizer.eos_token_id]
     conversation = [*question, {"role": "assistant", "content": answer}]
-    second = render_chat(tokenizer, template, [*conversation, {"role": "user", "content": "Again."}])
+    second = render_chat(
+        tokenizer, template, [*conversation, {"role": "user", "content": "Again."}]
+    )
 
     continued = continuing(second, [ran], tokenizer)
     ids = encode_prompt(tokenizer, continued)
@@ -116,3 +119,20 @@ def test_continue_final_message_ends_the_prompt_at_the_assistant_s_text(tokenize
     with pytest.raises(InvalidRequestError, match="continue") as caught:
         render_chat(tokenizer, upper, turns, False, continue_final_message=True)
     assert caught.value.param == "messages"
+
+
+def test_takes_system_anywhere_tells_templates_that_write_a_late_system_message(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    chatml = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    refuses = (
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('System role only at the start') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    drops = "{% for m in messages %}{% if m['role'] != 'system' or loop.first %}{{ m['content'] }}{% endif %}{% endfor %}"
+    assert takes_system_anywhere(tokenizer, chatml)
+    assert not takes_system_anywhere(tokenizer, refuses)
+    assert not takes_system_anywhere(tokenizer, drops)
+    assert not takes_system_anywhere(tokenizer, None)

@@ -338,7 +338,7 @@ def test_api_key_in_anthropic_header(tiny_llama_dir: Path) -> None:
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "messages.0.content.0.type",
         ),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
             "messages.0.content.0.text",

@@ -329,3 +329,31 @@ def test_what_claude_code_sends_runs_on_a_model_that_does_not_think(
             thinking={"type": "enabled", "budget_tokens": 1024},
         )  # fmt: skip
     assert caught.value.body["error"]["param"] == "thinking"  # type: ignore[index]
+
+
+def test_a_system_instruction_mid_conversation_is_a_system_message_there(
+    client: anthropic.Anthropic, server: RunningServer
+) -> None:
+    """Anthropic's `system` entries among the messages (Claude Code's first request has one
+    after the user's): this template writes system messages anywhere, so it is one there."""
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "system", "content": "From now on, answer in French."},
+        {"role": "user", "content": "How are you?"},
+    ]
+    counted = client.messages.count_tokens(model=MODEL_NAME, system="Be brief.", messages=turns)  # type: ignore[arg-type]
+    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    answer = chat.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "system", "content": "Be brief."}, *turns],  # type: ignore[list-item]
+        max_tokens=1,
+    )
+    assert answer.usage is not None and counted.input_tokens == answer.usage.prompt_tokens
+    message = client.messages.create(
+        model=MODEL_NAME,
+        system="Be brief.",
+        messages=turns,
+        max_tokens=1,  # type: ignore[arg-type]
+    )
+    assert anthropic_prompt_tokens(message) == answer.usage.prompt_tokens

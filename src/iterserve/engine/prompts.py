@@ -143,6 +143,23 @@ def render_chat(
     return RenderedChat(text)
 
 
+def takes_system_anywhere(tokenizer: Any, template: str | None) -> bool:
+    """Whether `template` writes a system message that comes after the conversation has
+    started (ChatML's and Llama 3's do; Gemma's refuses one, and some drop it unwritten)."""
+    mark = "iterserve-probe-mid-conversation"
+    conversation = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "system", "content": mark},
+        {"role": "user", "content": "v"},
+    ]
+    try:
+        return mark in render_chat(tokenizer, template, conversation).text
+    except InvalidRequestError:
+        return False
+
+
 def _cut_after_final_message(text: str, final: Mapping[str, Any]) -> str:
     """The rendering up to the end of the last message's text: what the template writes
     after it (the end of the turn) is left for the model to write."""

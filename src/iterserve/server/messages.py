@@ -32,7 +32,7 @@ from iterserve.invalid_request import CONTEXT_LENGTH_EXCEEDED, InvalidRequestErr
 from iterserve.server.chat import ChatRun, chat_plan, render_prompt, start_chat
 from iterserve.server.context_edits import apply_edits, read_edits
 from iterserve.server.errors import anthropic_error_body, as_api_error
-from iterserve.server.messages_protocol import MessagesRequest, TokenCountRequest
+from iterserve.server.messages_protocol import MessagesRequest, ModelTraits, TokenCountRequest
 from iterserve.server.protocol import UsageInfo
 from iterserve.server.serving import ServingContext, respond, stream_events
 
@@ -58,9 +58,13 @@ def messages_routes(ctx: ServingContext) -> APIRouter:
     return v1
 
 
+def _traits(ctx: ServingContext) -> ModelTraits:
+    return ModelTraits(thinks=ctx.reasoning is not None, system_anywhere=ctx.system_anywhere)
+
+
 def _prompt_tokens(body: MessagesRequest, ctx: ServingContext) -> int:
     """The request's input tokens: its prompt as rendered for the model."""
-    chat = body.to_chat_request(ctx.reasoning is not None)
+    chat = body.to_chat_request(_traits(ctx))
     with body.naming_fields():
         plan = chat_plan(chat, ctx, chat.sampling_params())
         prompt = render_prompt(chat, ctx, plan)
@@ -79,7 +83,7 @@ def _edited(
 
 async def create_message(body: MessagesRequest, raw: Request, ctx: ServingContext) -> Response:
     body, applied = _edited(body, ctx)
-    chat = body.to_chat_request(ctx.reasoning is not None)
+    chat = body.to_chat_request(_traits(ctx))
     try:
         with body.naming_fields():
             run = await start_chat(chat, raw, ctx, id_prefix="msg_", context_cuts=True)

@@ -27,6 +27,7 @@ import contextlib
 import json
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -97,6 +98,7 @@ class RedactedThinkingBlock(_Lenient):
 
 
 _BLOCKS: dict[str, dict[str, type[BaseModel]]] = {
+    "system": {"text": TextBlock},
     "user": {"text": TextBlock, "tool_result": ToolResultBlock},
     "assistant": {
         "text": TextBlock,
@@ -108,8 +110,19 @@ _BLOCKS: dict[str, dict[str, type[BaseModel]]] = {
 
 
 class InputMessage(BaseModel):
-    role: Literal["user", "assistant"]
+    # `system`: an instruction given mid-conversation (Anthropic's, beside the top-level one).
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """What of the served model the translation depends on."""
+
+    thinks: bool = True  # its thinking is read (a reasoning parser)
+    # Its chat template writes a system message after the conversation has started
+    # (engine/prompts.py `takes_system_anywhere`); else such a one joins the nearest user turn.
+    system_anywhere: bool = True
 
 
 class Tool(_Lenient):
@@ -269,11 +282,11 @@ class MessagesRequest(BaseModel):
             return "none"
         return effort or "high"
 
-    def to_chat_request(self, model_thinks: bool) -> ChatCompletionRequest:
-        """The chat request this one amounts to, for a model whose thinking is read or not
-        (raises InvalidRequestError naming the Messages field)."""
+    def to_chat_request(self, model: ModelTraits) -> ChatCompletionRequest:
+        """The chat request this one amounts to, for `model` (raises InvalidRequestError
+        naming the Messages field)."""
         self.check_supported()
-        messages = self.chat_messages()
+        messages = self.chat_messages(model.system_anywhere)
         prefill = messages[-1]["role"] == "assistant"
         extra = {k: v for k, v in (self.model_extra or {}).items() if k not in _NO_EFFECT}
         chat: dict[str, Any] = {
@@ -289,7 +302,7 @@ class MessagesRequest(BaseModel):
             "stream": self.stream,
             "add_generation_prompt": not prefill,
             "continue_final_message": prefill,
-            "reasoning_effort": self.effort(model_thinks),
+            "reasoning_effort": self.effort(model.thinks),
             "thinking_token_budget": self.thinking_budget,
         }
         if self.tools:
@@ -316,7 +329,7 @@ class MessagesRequest(BaseModel):
                 f"invalid value for '{param}': {first['msg']}", param
             ) from None
 
-    def chat_messages(self) -> list[dict[str, Any]]:
+    def chat_messages(self, system_anywhere: bool = True) -> list[dict[str, Any]]:
         """`system` and the turns as chat messages."""
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
@@ -325,12 +338,32 @@ class MessagesRequest(BaseModel):
             system = self.system
             text = system if isinstance(system, str) else "\n".join(b.text for b in system)
             messages.append({"role": "system", "content": text})
+        # Instructions given mid-conversation to a template that writes system messages only
+        # at the start: they join the next user turn's text (before an assistant turn, or at
+        # the end, the last one's), so that a tool call still meets its result first.
+        held: list[TextBlock] = []
         for index, message in enumerate(self.messages):
             blocks = _blocks(message, f"messages.{index}")
+            if message.role == "system":
+                text = "\n".join(block.text for block in blocks if isinstance(block, TextBlock))
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "system":
+                    last["content"] = f"{last['content']}\n{text}"
+                elif system_anywhere or last is None:
+                    messages.append({"role": "system", "content": text})
+                else:
+                    held.append(TextBlock(type="text", text=text))
+                continue
+            if message.role == "assistant" and held:
+                _add_user_turn(messages, held, "")
+                held = []
             if message.role == "user":
-                _add_user_turn(messages, blocks, f"messages.{index}")
+                _add_user_turn(messages, [*blocks, *held], f"messages.{index}")
+                held = []
             else:
                 _add_assistant_turn(messages, blocks)
+        if held:
+            _add_user_turn(messages, held, "")
         if messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
             raise InvalidRequestError(
                 "the last message is an assistant's tool_use: send its tool_result in a "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import time
@@ -24,7 +25,7 @@ from iterserve.chat.reasoning import ReasoningSupport
 from iterserve.chat.tool_parsers import ToolParser
 from iterserve.core.lora import LoRARequest
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import Prompt
+from iterserve.engine.prompts import Prompt, takes_system_anywhere
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
 from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
@@ -93,6 +94,11 @@ class ServingContext:
     def __post_init__(self) -> None:
         self.decode_token = token_decoder(self.tokenizer)
         self.special_tokens = set(getattr(self.tokenizer, "all_special_tokens", ()))
+
+    @functools.cached_property
+    def system_anywhere(self) -> bool:
+        """The chat template writes a system message given mid-conversation."""
+        return takes_system_anywhere(self.tokenizer, self.chat_template)
 
     def resolve_model(self, requested: str | None) -> str:
         """The name to answer with: the model's, or a LoRA adapter's; an unknown model is a
