@@ -7,6 +7,7 @@ conversation renders to when sent as it is."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from server_fixtures import (
     anthropic_prompt_tokens,
     running_server,
     scripted_tokens,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -357,3 +359,66 @@ def test_a_system_instruction_mid_conversation_is_a_system_message_there(
         max_tokens=1,  # type: ignore[arg-type]
     )
     assert anthropic_prompt_tokens(message) == answer.usage.prompt_tokens
+
+
+def test_pings_keep_a_slow_stream_alive_and_change_nothing(
+    client: anthropic.Anthropic, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While nothing else is sent (a long prefill: here, any gap of half a millisecond),
+    the stream sends Anthropic's `ping`, message_start first; the SDK builds the same
+    message from it, and message_delta brings the usage message_start could not know."""
+    from iterserve.server import messages as messages_route
+
+    request = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "The quick brown fox. " * 40}],
+               "max_tokens": 12, "temperature": 0, "stream": True}  # fmt: skip
+    sdk = {k: v for k, v in request.items() if k not in ("stream", "temperature")}
+    whole = client.messages.create(**sdk, extra_body=GREEDY)  # type: ignore[arg-type]
+    monkeypatch.setattr(messages_route, "PING_AFTER", 0.0005)
+    with httpx.stream("POST", f"{server.base_url}/v1/messages", json=request) as reply:
+        kinds = [line[7:] for line in reply.iter_lines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and "ping" in kinds and kinds[-1] == "message_stop"
+    with client.messages.stream(**sdk, extra_body=GREEDY) as stream:  # type: ignore[arg-type]
+        streamed = stream.get_final_message()
+    assert [block.model_dump(include={"type", "text"}) for block in streamed.content] == [
+        block.model_dump(include={"type", "text"}) for block in whole.content
+    ]
+    assert streamed.stop_reason == whole.stop_reason
+    assert anthropic_prompt_tokens(streamed) == anthropic_prompt_tokens(whole)
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_client_that_leaves_a_pinged_stream_frees_its_blocks(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from iterserve.server import messages as messages_route
+
+    monkeypatch.setattr(messages_route, "PING_AFTER", 0.0005)
+    aborted = server.metrics().get("iterserve:requests_aborted_total", 0.0)
+    request = {"model": MODEL_NAME, "max_tokens": 300, "stream": True,
+               "messages": [{"role": "user", "content": "Tell a long story."}],
+               "ignore_eos": True}  # fmt: skip
+
+    async def leave_after(events: int) -> None:
+        async with (
+            httpx.AsyncClient(base_url=server.base_url) as http,
+            http.stream("POST", "/v1/messages", json=request) as reply,
+        ):
+            seen = 0
+            async for line in reply.aiter_lines():
+                seen += line.startswith("event: ")
+                if seen >= events:
+                    break  # the connection closes with the block
+
+    async def main() -> None:
+        await asyncio.gather(*(leave_after(n) for n in (1, 3, 8)))
+
+    asyncio.run(main())
+
+    def drained() -> bool:
+        m = server.metrics()
+        return (
+            m["iterserve:kv_cache_used_blocks"] == 0
+            and m["iterserve:requests_aborted_total"] - aborted == 3
+        )
+
+    assert wait_until(drained, timeout=10), server.metrics()

@@ -15,6 +15,7 @@ that thinking sent back is unchanged; here thinking sent back is read as it come
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -34,7 +35,12 @@ from iterserve.server.context_edits import apply_edits, read_edits
 from iterserve.server.errors import anthropic_error_body, as_api_error
 from iterserve.server.messages_protocol import MessagesRequest, ModelTraits, TokenCountRequest
 from iterserve.server.protocol import UsageInfo
-from iterserve.server.serving import ServingContext, respond, stream_events
+from iterserve.server.serving import ServingContext, respond, stream_events, with_heartbeat
+
+# Seconds without an event before a `ping` (Anthropic's keep-alive): a long prompt's prefill
+# on a CPU (12,000 tokens of Claude Code's at ~65 tok/s on an 8B: ~3 minutes) sends nothing
+# else, and proxies drop connections idle for a minute (nginx's default read timeout).
+PING_AFTER = 10.0
 
 
 def messages_routes(ctx: ServingContext) -> APIRouter:
@@ -194,13 +200,15 @@ class _Shape:
         return "end_turn", None
 
     def usage(
-        self, usage: UsageInfo, output: RequestOutput, thought: bool | None
+        self, usage: UsageInfo, output: RequestOutput | None, thought: bool | None
     ) -> dict[str, Any]:
         """Anthropic's usage: `input_tokens` are those the prefix cache did not hold (the
         cached ones are `cache_read_input_tokens`; the three add up to the prompt)."""
         cached = usage.prompt_tokens_details.cached_tokens
         made = 0 if self.body.warms_only else usage.completion_tokens
-        thinking = self.run.reasoning_tokens(self.ctx, output.token_ids, bool(thought))
+        thinking = 0
+        if output is not None:
+            thinking = self.run.reasoning_tokens(self.ctx, output.token_ids, bool(thought))
         return {
             "input_tokens": usage.prompt_tokens - cached,
             "cache_creation_input_tokens": 0,
@@ -231,10 +239,11 @@ class _Events:
     open: str | None = None  # the type of the block being written
     thinking: list[str] = field(default_factory=list)  # the open thinking block's text
 
-    def start(self, output: RequestOutput) -> str:
-        """message_start, with the prompt's tokens (known from the first output on)."""
+    def start(self, prompt_tokens: int, cached: int, output: RequestOutput | None) -> str:
+        """message_start, with the prompt's tokens (from the first output on, the prefix
+        cache's part of them; before it, message_delta's usage brings it)."""
         self.started = True
-        prompt = UsageInfo.of(len(output.prompt_token_ids), 0, output.num_cached_tokens)
+        prompt = UsageInfo.of(prompt_tokens, 0, cached)
         usage = self.shape.usage(prompt, output, None)
         return _event("message_start", message=self.shape.message([], (None, None), usage))
 
@@ -298,7 +307,10 @@ async def _stream(shape: _Shape, run: ChatRun) -> AsyncIterator[str]:
     last: list[RequestOutput] = []  # the finished output
 
     def on_output(_: int, output: RequestOutput) -> str:
-        chunk = "" if events.started else events.start(output)
+        chunk = ""
+        if not events.started:
+            prompt, cached = len(output.prompt_token_ids), output.num_cached_tokens
+            chunk = events.start(prompt, cached, output)
         if output.finished:
             last.append(output)
         if shape.body.warms_only:
@@ -315,9 +327,17 @@ async def _stream(shape: _Shape, run: ChatRun) -> AsyncIterator[str]:
         stop = shape.stop(output, answer.called)
         return events.end(stop, shape.usage(usage, output, answer.thought))
 
+    async def beat() -> str:
+        # Anthropic's clients take events only after message_start: it goes first, with
+        # the prompt counted apart (the engine's count comes with its first output).
+        if events.started:
+            return _event("ping")
+        tokens = await asyncio.to_thread(_prompt_tokens, shape.body, shape.ctx)
+        return events.start(tokens, 0, None)
+
     stream = stream_events(
         run.submitted, None, on_output, on_end, done=False, error_event=_error_event
     )
-    async for chunk in stream:
+    async for chunk in with_heartbeat(stream, PING_AFTER, beat):
         if chunk:  # a token whose text is held back (a stop string, a call) has no event
             yield chunk

@@ -270,6 +270,34 @@ async def respond(
     return JSONResponse(content, headers=submitted.headers)
 
 
+async def with_heartbeat(
+    events: AsyncIterator[str], idle: float, beat: Callable[[], Awaitable[str]]
+) -> AsyncIterator[str]:
+    """`events`, with `await beat()` sent each time `idle` seconds pass without one: a long
+    prefill (or a wait in the queue) still shows the connection alive to the proxies and
+    clients that drop an idle one."""
+    iterator = aiter(events)
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(iterator))
+            done, _ = await asyncio.wait({pending}, timeout=idle)
+            if not done:
+                yield await beat()
+                continue
+            next_event, pending = pending, None
+            try:
+                yield next_event.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if pending is not None:  # the client left while an event was awaited
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+
+
 async def stream_events(
     submitted: Submitted,
     n: int | None,
