@@ -367,13 +367,13 @@ def test_pings_keep_a_slow_stream_alive_and_change_nothing(
     """While nothing else is sent (a long prefill: here, any gap of half a millisecond),
     the stream sends Anthropic's `ping`, message_start first; the SDK builds the same
     message from it, and message_delta brings the usage message_start could not know."""
-    from iterserve.server import messages as messages_route
+    from iterserve.server import serving
 
     request = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "The quick brown fox. " * 40}],
                "max_tokens": 12, "temperature": 0, "stream": True}  # fmt: skip
     sdk = {k: v for k, v in request.items() if k not in ("stream", "temperature")}
     whole = client.messages.create(**sdk, extra_body=GREEDY)  # type: ignore[arg-type]
-    monkeypatch.setattr(messages_route, "PING_AFTER", 0.0005)
+    monkeypatch.setattr(serving, "KEEP_ALIVE_AFTER", 0.0005)
     with httpx.stream("POST", f"{server.base_url}/v1/messages", json=request) as reply:
         kinds = [line[7:] for line in reply.iter_lines() if line.startswith("event: ")]
     assert kinds[0] == "message_start" and "ping" in kinds and kinds[-1] == "message_stop"
@@ -390,9 +390,9 @@ def test_pings_keep_a_slow_stream_alive_and_change_nothing(
 def test_a_client_that_leaves_a_pinged_stream_frees_its_blocks(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from iterserve.server import messages as messages_route
+    from iterserve.server import serving
 
-    monkeypatch.setattr(messages_route, "PING_AFTER", 0.0005)
+    monkeypatch.setattr(serving, "KEEP_ALIVE_AFTER", 0.0005)
     aborted = server.metrics().get("iterserve:requests_aborted_total", 0.0)
     request = {"model": MODEL_NAME, "max_tokens": 300, "stream": True,
                "messages": [{"role": "user", "content": "Tell a long story."}],

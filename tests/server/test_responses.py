@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from iterserve.server import serving
 from server_fixtures import (
     MODEL_NAME,
     TWO_WEATHER_CALLS,
@@ -80,7 +81,14 @@ def test_answer_is_the_equivalent_chat_completion(client: openai.OpenAI) -> None
     assert response.incomplete_details.reason == "max_output_tokens"
 
 
-def test_streamed_events_rebuild_the_response(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("keep_alive", [None, 0.0005])
+def test_streamed_events_rebuild_the_response(
+    client: openai.OpenAI, keep_alive: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with SSE keep-alive comments between the events (every half millisecond
+    without one): the SDK skips them."""
+    if keep_alive is not None:
+        monkeypatch.setattr(serving, "KEEP_ALIVE_AFTER", keep_alive)
     request: dict[str, Any] = {
         "model": MODEL_NAME,
         "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}],

@@ -263,7 +263,12 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
     ("/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
-    ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),  # model_not_found, as OpenAI
+    (
+        "/v1/completions",
+        {"model": "gpt-17", "prompt": "hi"},
+        404,
+        "model",
+    ),  # model_not_found, as OpenAI
     ("/v1/completions", {"prompt": list(range(100, 700))}, 400, "prompt"),  # over 512 tokens
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -466,3 +471,28 @@ def test_engine_error_fails_the_request_and_keeps_serving(
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert server.metrics()["iterserve:requests_failed_total"] >= 1
     assert server.async_engine.snapshot.num_used_kv_blocks == 0
+
+
+def test_keep_alives_in_a_quiet_stream_change_nothing(
+    client: openai.OpenAI, server: RunningServer, offline: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream that has nothing to send for KEEP_ALIVE_AFTER seconds (a long prefill; here
+    any half millisecond) sends an SSE comment, which the SDK skips: the same text."""
+    from iterserve.server import serving
+
+    monkeypatch.setattr(serving, "KEEP_ALIVE_AFTER", 0.0005)
+    prompt = "The quick brown fox. " * 40
+    expected = offline.generate(prompt, greedy_params(16, ignore_eos=True), use_tqdm=False)[0]
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as reply:
+        lines = list(reply.iter_lines())
+    assert ": keep-alive" in lines and lines[-2:] == ["data: [DONE]", ""]
+    args = {k: v for k, v in body.items() if k != "ignore_eos"}
+    chunks = client.completions.create(**args, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected.text
+    offline_chat = offline.chat(MESSAGES, greedy_params(8), use_tqdm=False)[0]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0.0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == offline_chat.text

@@ -35,12 +35,7 @@ from iterserve.server.context_edits import apply_edits, read_edits
 from iterserve.server.errors import anthropic_error_body, as_api_error
 from iterserve.server.messages_protocol import MessagesRequest, ModelTraits, TokenCountRequest
 from iterserve.server.protocol import UsageInfo
-from iterserve.server.serving import ServingContext, respond, stream_events, with_heartbeat
-
-# Seconds without an event before a `ping` (Anthropic's keep-alive): a long prompt's prefill
-# on a CPU (12,000 tokens of Claude Code's at ~65 tok/s on an 8B: ~3 minutes) sends nothing
-# else, and proxies drop connections idle for a minute (nginx's default read timeout).
-PING_AFTER = 10.0
+from iterserve.server.serving import ServingContext, respond, stream_events
 
 
 def messages_routes(ctx: ServingContext) -> APIRouter:
@@ -327,17 +322,18 @@ async def _stream(shape: _Shape, run: ChatRun) -> AsyncIterator[str]:
         stop = shape.stop(output, answer.called)
         return events.end(stop, shape.usage(usage, output, answer.thought))
 
-    async def beat() -> str:
-        # Anthropic's clients take events only after message_start: it goes first, with
-        # the prompt counted apart (the engine's count comes with its first output).
+    async def ping() -> str:
+        # Anthropic's keep-alive. Its clients take events only after message_start: that
+        # goes first, with the prompt counted apart (the engine's count comes with its
+        # first output).
         if events.started:
             return _event("ping")
         tokens = await asyncio.to_thread(_prompt_tokens, shape.body, shape.ctx)
         return events.start(tokens, 0, None)
 
     stream = stream_events(
-        run.submitted, None, on_output, on_end, done=False, error_event=_error_event
+        run.submitted, None, on_output, on_end, False, _error_event, keep_alive=ping
     )
-    async for chunk in with_heartbeat(stream, PING_AFTER, beat):
+    async for chunk in stream:
         if chunk:  # a token whose text is held back (a stop string, a call) has no event
             yield chunk

@@ -298,19 +298,46 @@ async def with_heartbeat(
                 await pending
 
 
-async def stream_events(
+# Seconds a stream may send nothing before a keep-alive goes out: a long prompt's prefill on
+# a CPU (Claude Code's 12,000 tokens at ~65 tok/s on an 8B: ~3 minutes), or a wait in the
+# queue, sends nothing else, and proxies drop connections idle for a minute (nginx's
+# default read timeout).
+KEEP_ALIVE_AFTER = 10.0
+# An SSE comment: every SSE reader skips it (the openai SDK's, browsers' EventSource).
+SSE_KEEP_ALIVE = ": keep-alive\n\n"
+
+
+async def _sse_comment() -> str:
+    return SSE_KEEP_ALIVE
+
+
+def stream_events(
     submitted: Submitted,
     n: int | None,
     chunk: Callable[[int, RequestOutput], str],
     usage_chunk: Callable[[UsageInfo], str] | None,
     done: bool = True,
     error_event: Callable[[Exception], str] | None = None,
+    keep_alive: Callable[[], Awaitable[str]] = _sse_comment,
 ) -> AsyncIterator[str]:
     """The streaming loop: `chunk(index, output)` for every output that carries a token or
     a finish, an error event if the engine fails after the 200 went out (`error_event`'s,
     by default OpenAI's error and [DONE]), then usage (with `n` choices a prompt; None:
     all choices are of one prompt) and [DONE] (unless not `done`: the Responses and
-    Messages APIs end on their own last event)."""
+    Messages APIs end on their own last event). `keep_alive()` whenever KEEP_ALIVE_AFTER
+    seconds pass without an event (an SSE comment; Anthropic's API has its `ping`)."""
+    events = _engine_events(submitted, n, chunk, usage_chunk, done, error_event)
+    return with_heartbeat(events, KEEP_ALIVE_AFTER, keep_alive)
+
+
+async def _engine_events(
+    submitted: Submitted,
+    n: int | None,
+    chunk: Callable[[int, RequestOutput], str],
+    usage_chunk: Callable[[UsageInfo], str] | None,
+    done: bool,
+    error_event: Callable[[Exception], str] | None,
+) -> AsyncIterator[str]:
     finals: dict[int, RequestOutput] = {}
     try:
         async with submitted.stream as stream:
