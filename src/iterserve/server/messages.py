@@ -83,7 +83,9 @@ def _edited(
 
 
 async def create_message(body: MessagesRequest, raw: Request, ctx: ServingContext) -> Response:
-    body, applied = _edited(body, ctx)
+    applied = None
+    if body.context_management is not None:  # edits may render the conversation twice:
+        body, applied = await asyncio.to_thread(_edited, body, ctx)  # not on the event loop
     chat = body.to_chat_request(_traits(ctx))
     try:
         with body.naming_fields():
