@@ -31,6 +31,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # vLLM's: the stop string that matched, or the stop token's text (EOS's, shown only
+    # where special tokens are), ends the output instead of being cut from it.
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True

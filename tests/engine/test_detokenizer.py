@@ -220,12 +220,13 @@ def _run(matcher: StopStringMatcher, deltas: Sequence[str]) -> tuple[str, bool]:
     return "".join(emitted), stopped
 
 
-def _reference(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """Character by character: cut before the first stop string to be completed."""
+def _reference(text: str, stops: Sequence[str], include: bool = False) -> tuple[str, bool]:
+    """Character by character: cut before the first stop string to be completed (after it,
+    with `include`)."""
     for end in range(1, len(text) + 1):
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
-            return text[: end - max(len(s) for s in done)], True
+            return text[: end if include else end - max(len(s) for s in done)], True
     return text, False
 
 
@@ -281,11 +282,25 @@ def test_held_back_text_is_only_a_possible_stop_prefix() -> None:
     assert matcher.flush() == "S"
 
 
-def test_stop_strings_randomised() -> None:
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_randomised(include: bool) -> None:
     rng = random.Random(7)
     for _ in range(2000):
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 14)))
         stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(2)]
         cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
         deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        assert _run(StopStringMatcher(stops), deltas) == _reference(text, stops), (text, stops)
+        got = _run(StopStringMatcher(stops, include), deltas)
+        assert got == _reference(text, stops, include), (text, stops, deltas)
+
+
+def test_with_the_stop_string_included_nothing_is_held_back() -> None:
+    """vLLM's include_stop_str_in_output: the text goes out as it comes, and the stop
+    string, begun in text already out, ends it."""
+    matcher = StopStringMatcher(["STOP", "</a>"], include=True)
+    assert matcher.feed("abc ST") == ("abc ST", False)
+    assert matcher.feed("x </") == ("x </", False)
+    assert matcher.feed("a> more") == ("a>", True)
+    assert matcher.stop_reason == "</a>" and matcher.flush() == ""
+    for deltas in _splits("Hello world STOP more text"):
+        assert _run(StopStringMatcher(["STOP"], True), deltas) == ("Hello world STOP", True)

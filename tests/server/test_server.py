@@ -178,6 +178,28 @@ def test_stop_strings(client: openai.OpenAI, offline: LLM) -> None:
     assert result.choices[0].finish_reason == "stop"
     assert result.model_extra is not None  # vLLM's stop_reason: what ended it
     assert result.choices[0].model_extra == {"stop_reason": stop}
+    # vLLM's include_stop_str_in_output: the stop string ends the text; streamed the same.
+    extra = {"ignore_eos": True, "include_stop_str_in_output": True}
+    args = {"model": MODEL_NAME, "prompt": PROMPT, "stop": [stop], "temperature": 0.0,
+            "max_tokens": 12, "extra_body": extra}  # fmt: skip
+    included = client.completions.create(**args)
+    assert included.choices[0].text == text[: text.index(stop) + len(stop)]
+    streamed = client.completions.create(**args, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == included.choices[0].text
+
+
+def test_include_stop_str_in_output_keeps_the_stop_token_s_text(offline: LLM) -> None:
+    ids = offline.generate(PROMPT, greedy_params(8, ignore_eos=True), use_tqdm=False)[0].token_ids
+    stop_id = ids[3]
+    cut = ids[: ids.index(stop_id) + 1]
+    params = greedy_params(8, ignore_eos=True, stop_token_ids=[stop_id])
+    without = offline.generate(PROMPT, params, use_tqdm=False)[0]
+    params.include_stop_str_in_output = True
+    included = offline.generate(PROMPT, params, use_tqdm=False)[0]
+    assert without.token_ids == included.token_ids == cut
+    assert without.text == offline.tokenizer.decode(cut[:-1], skip_special_tokens=True)
+    assert included.text == offline.tokenizer.decode(cut, skip_special_tokens=True)
+    assert included.text != without.text
 
 
 def test_stop_reason_names_the_stop_token(client: openai.OpenAI, offline: LLM) -> None:

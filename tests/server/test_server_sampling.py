@@ -131,7 +131,7 @@ def test_tokenize_and_detokenize(server: RunningServer, tiny_llama_dir: Path) ->
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"min_tokens": 100}, "min_tokens"),
-        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ],
 )
 def test_bad_controls_are_400s_naming_the_field(

@@ -140,12 +140,17 @@ class StopStringMatcher:
     could still turn out to be the start of a stop string is held back; an
     occurrence cannot start in text already emitted, since the held tail is
     the longest suffix that is a proper prefix of some stop string.
+
+    `include` (vLLM's include_stop_str_in_output): the stop string ends the text instead.
+    Nothing is held back then (the text is emitted whether or not a stop completes it);
+    the last characters emitted are kept only to find a stop that began in them.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self._stops = [s for s in stops if s]
         self._longest = max((len(s) for s in self._stops), default=0)
-        self._held = ""
+        self._include = include
+        self._held = ""  # text not emitted yet (include: emitted, kept to match against)
         self._stopped = False
         self._stop_reason: str | None = None
 
@@ -174,9 +179,13 @@ class StopStringMatcher:
             if at != -1 and (best is None or (at + len(stop), -len(stop)) < best):
                 best, self._stop_reason = (at + len(stop), -len(stop)), stop
         if best is not None:
-            self._stopped, self._held = True, ""
             end, length = best
-            return text[: end + length], True
+            emitted = len(self._held) if self._include else 0
+            self._stopped, self._held = True, ""
+            return text[emitted : end if self._include else end + length], True
+        if self._include:  # all of it out; the tail kept where a stop may have begun
+            self._held = text[max(0, len(text) - self._longest + 1) :]
+            return delta, False
         keep = self._partial_match_length(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
@@ -184,7 +193,7 @@ class StopStringMatcher:
     def flush(self) -> str:
         """Release held-back text when the sequence ends for another reason."""
         held, self._held = self._held, ""
-        return held
+        return "" if self._include else held
 
     def _partial_match_length(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""

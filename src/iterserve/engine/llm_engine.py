@@ -414,7 +414,7 @@ class LLMEngine:
             IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             ),
-            StopStringMatcher(params.stop),
+            StopStringMatcher(params.stop, params.include_stop_str_in_output),
         )
         return request_id
 
@@ -506,8 +506,13 @@ class LLMEngine:
         delta, stopped, kept = "", False, 0
         # A request the scheduler stopped ended on a stop token (EOS or stop_token_ids):
         # its text is not the answer's, as in vLLM (`<|im_end|>`, Harmony's `<|call|>` are
-        # kept out even where special tokens are shown).
-        shown = len(token_ids) - (finish_reason == "stop")
+        # kept out even where special tokens are shown), unless asked for.
+        shown = len(token_ids)
+        if (
+            finish_reason == "stop"
+            and not stream.request.sampling_params.include_stop_str_in_output
+        ):
+            shown -= 1
         # Token by token, so a stop string ends the request at the token that completed
         # it even when a step produced several (accepted speculative drafts).
         for index, token_id in enumerate(token_ids):

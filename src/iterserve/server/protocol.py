@@ -54,6 +54,7 @@ class _GenerationRequest(GuidedDecodingFields):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
     min_tokens: int = 0
@@ -77,6 +78,7 @@ class _GenerationRequest(GuidedDecodingFields):
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
