@@ -25,6 +25,8 @@ VOCAB = 40
 def reference_controls(logits: list[float], p: SamplingParams, ctx: TokenContext) -> list[float]:
     """vLLM's order and rules, one vocabulary entry at a time."""
     out = list(logits)
+    if p.allowed_token_ids is not None:
+        out = [x if t in p.allowed_token_ids else float("-inf") for t, x in enumerate(out)]
     output = list(ctx.output_token_ids)
     for word in ctx.bad_words_token_ids:
         if len(word) == 1 or output[-(len(word) - 1) :] == word[:-1]:
@@ -45,13 +47,16 @@ def reference_controls(logits: list[float], p: SamplingParams, ctx: TokenContext
 
 def test_controls_match_the_reference() -> None:
     rng = random.Random(0)
-    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
     params = [
         SamplingParams(repetition_penalty=1.7),
         SamplingParams(),  # untouched row between others
         SamplingParams(presence_penalty=0.5, frequency_penalty=-1.25, logit_bias={3: 7.5, 9: -100}),
         SamplingParams(min_tokens=12, repetition_penalty=0.6, frequency_penalty=0.3),
         SamplingParams(logit_bias={0: 1.0}),  # bias alone: no context needed
+        SamplingParams(
+            allowed_token_ids=[3, 4, 5, 11], logit_bias={4: 2.0}, repetition_penalty=1.3
+        ),
     ]
     contexts: list[TokenContext | None] = []
     for p in params:
@@ -68,6 +73,8 @@ def test_controls_match_the_reference() -> None:
             expected = reference_controls(expected, p, context or empty)
         torch.testing.assert_close(controlled[i], torch.tensor(expected), rtol=1e-6, atol=1e-6)
     assert controlled[3, 2] == float("-inf") and controlled[0, 6] == float("-inf")
+    allowed = torch.isfinite(controlled[5]).nonzero().flatten().tolist()
+    assert set(allowed) <= {3, 4, 5, 11} and 3 in allowed
     assert torch.equal(logits, logits.clone()), "the raw logits are left for logprobs"
 
 
@@ -120,6 +127,7 @@ def test_drafts_count_as_output_at_later_positions() -> None:
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
         ({"bad_words": [" "]}, "bad_words"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
@@ -178,7 +186,6 @@ def test_repetition_penalty_matches_transformers(
     assert outputs[0].token_ids != expected, "the penalty changes this output"
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0
-
 
 
 def test_penalties_hold_through_rejected_drafts(tiny_llama_dir: Path) -> None:
@@ -242,7 +249,9 @@ def test_bad_words_and_logit_bias_ban_tokens(tiny_llama_dir: Path) -> None:
     free = llm.generate(REPEATING, greedy, use_tqdm=False)[0].token_ids
     token = free[0]
     word = llm.tokenizer.decode([token])
-    biased = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={token: -100})
+    biased = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={token: -100}
+    )
     banned = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, bad_words=[word])
     for params in (biased, banned):
         assert token not in llm.generate(REPEATING, params, use_tqdm=False)[0].token_ids

@@ -49,6 +49,21 @@ def test_logit_bias_bans_the_greedy_token(client: openai.OpenAI) -> None:
     assert free[0] not in banned and len(banned) == 8
 
 
+def test_allowed_token_ids_are_the_only_ones_drawn(client: openai.OpenAI) -> None:
+    """vLLM's allowed_token_ids: sampled (a seed, temperature 1) from those alone."""
+    tokenize = str(client.base_url).removesuffix("/v1/") + "/tokenize"
+    words = " red green blue"
+    allowed = client._client.post(tokenize, json={"prompt": words, "add_special_tokens": False})
+    ids = allowed.json()["tokens"]
+    answer = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5, logprobs=0,
+        extra_body={"allowed_token_ids": ids, "ignore_eos": True},
+    )  # fmt: skip
+    drawn = answer.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert drawn is not None and len(drawn) == 12
+    assert set("".join(drawn).split()) <= {"red", "green", "blue"}
+
+
 def test_echo_scores_the_prompt_like_transformers(
     client: openai.OpenAI, tiny_llama_dir: Path
 ) -> None:
@@ -131,7 +146,13 @@ def test_tokenize_and_detokenize(server: RunningServer, tiny_llama_dir: Path) ->
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"min_tokens": 100}, "min_tokens"),
-        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        (
+            {"allowed_token_ids": [1, 2], "response_format": {"type": "json_object"}},
+            "allowed_token_ids",
+        ),
+        ({"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_controls_are_400s_naming_the_field(

@@ -13,6 +13,7 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     for name, token_ids in (
         ("logit_bias", list(params.logit_bias or {})),
         ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or []),
     ):
         outside = [t for t in token_ids if not 0 <= t < vocab_size]
         if outside:

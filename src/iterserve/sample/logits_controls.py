@@ -1,5 +1,6 @@
 """The sampling controls that reshape logits before a token is drawn, vLLM's semantics:
 
+- allowed_token_ids: every other token is banned;
 - bad_words: a word's last token is banned where the output so far ends with the rest
   of the word (a one-token word is banned everywhere);
 - min_tokens: EOS and stop_token_ids are banned until the output is that long;
@@ -11,8 +12,8 @@
 - a thinking budget (thinking_budget.py): past it, the token that closes the thinking is
   the only one left.
 
-Applied in that order (vLLM's: bad words, then the argmax-changing processors, then the
-penalties; a forced token last, as it overrides them all). Each is one batched tensor
+Applied in that order (vLLM's: the allowed tokens, bad words, then the argmax-changing
+processors, then the penalties; a forced token last, as it overrides them all). Each is one batched tensor
 operation over the rows that ask for it: the Python work is per row and per token of
 history, never per vocabulary entry. A batch where no row asks costs one flag test per row
 and nothing else.
@@ -67,12 +68,21 @@ def apply_logits_controls(
             banned += [(i, token_id) for token_id in context.stop_token_ids]
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
             penalized.append(i)
-        token = None if p.thinking_budget is None else p.thinking_budget.forced_token(
-            context.output_token_ids
+        token = (
+            None
+            if p.thinking_budget is None
+            else p.thinking_budget.forced_token(context.output_token_ids)
         )
         if token is not None:
             forced.append((i, token))
     device = out.device
+    for i in rows:  # the allowed tokens first: what the other controls see
+        allowed = params[i].allowed_token_ids
+        if allowed is not None:
+            index = torch.tensor(allowed, device=device)
+            kept = out[i, index]
+            out[i] = float("-inf")
+            out[i, index] = kept
     if banned:
         row_ids, token_ids = zip(*banned, strict=True)
         index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))

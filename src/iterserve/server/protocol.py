@@ -55,6 +55,7 @@ class _GenerationRequest(GuidedDecodingFields):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
     min_tokens: int = 0
@@ -90,6 +91,7 @@ class _GenerationRequest(GuidedDecodingFields):
             logit_bias=_token_id_keys(self.logit_bias),
             min_tokens=self.min_tokens,
             bad_words=list(self.bad_words or []),
+            allowed_token_ids=self.allowed_token_ids,
             structured_output=self.output_constraint(),
         )
 

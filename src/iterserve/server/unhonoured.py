@@ -16,7 +16,6 @@ from iterserve.sampling_params import InvalidRequestError
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False, None),
     "length_penalty": (1.0, None),
-    "allowed_token_ids": (None, []),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (True, None),
     "prompt_logprobs": (None,),  # vLLM's separate field; echo + logprobs gives them here
