@@ -270,34 +270,6 @@ async def respond(
     return JSONResponse(content, headers=submitted.headers)
 
 
-async def with_heartbeat(
-    events: AsyncIterator[str], idle: float, beat: Callable[[], Awaitable[str]]
-) -> AsyncIterator[str]:
-    """`events`, with `await beat()` sent each time `idle` seconds pass without one: a long
-    prefill (or a wait in the queue) still shows the connection alive to the proxies and
-    clients that drop an idle one."""
-    iterator = aiter(events)
-    pending: asyncio.Future[str] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(iterator))
-            done, _ = await asyncio.wait({pending}, timeout=idle)
-            if not done:
-                yield await beat()
-                continue
-            next_event, pending = pending, None
-            try:
-                yield next_event.result()
-            except StopAsyncIteration:
-                return
-    finally:
-        if pending is not None:  # the client left while an event was awaited
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-
-
 # Seconds a stream may send nothing before a keep-alive goes out: a long prompt's prefill on
 # a CPU (Claude Code's 12,000 tokens at ~65 tok/s on an 8B: ~3 minutes), or a wait in the
 # queue, sends nothing else, and proxies drop connections idle for a minute (nginx's
@@ -311,7 +283,7 @@ async def _sse_comment() -> str:
     return SSE_KEEP_ALIVE
 
 
-def stream_events(
+async def stream_events(
     submitted: Submitted,
     n: int | None,
     chunk: Callable[[int, RequestOutput], str],
@@ -324,24 +296,24 @@ def stream_events(
     a finish, an error event if the engine fails after the 200 went out (`error_event`'s,
     by default OpenAI's error and [DONE]), then usage (with `n` choices a prompt; None:
     all choices are of one prompt) and [DONE] (unless not `done`: the Responses and
-    Messages APIs end on their own last event). `keep_alive()` whenever KEEP_ALIVE_AFTER
-    seconds pass without an event (an SSE comment; Anthropic's API has its `ping`)."""
-    events = _engine_events(submitted, n, chunk, usage_chunk, done, error_event)
-    return with_heartbeat(events, KEEP_ALIVE_AFTER, keep_alive)
-
-
-async def _engine_events(
-    submitted: Submitted,
-    n: int | None,
-    chunk: Callable[[int, RequestOutput], str],
-    usage_chunk: Callable[[UsageInfo], str] | None,
-    done: bool,
-    error_event: Callable[[Exception], str] | None,
-) -> AsyncIterator[str]:
+    Messages APIs end on their own last event). `await keep_alive()` whenever
+    KEEP_ALIVE_AFTER seconds pass without an output (an SSE comment; Anthropic's API has
+    its `ping`)."""
     finals: dict[int, RequestOutput] = {}
     try:
         async with submitted.stream as stream:
-            async for index, output in stream:
+            while True:
+                try:
+                    # The wait is the stream's queue: one that times out loses nothing.
+                    async with asyncio.timeout(KEEP_ALIVE_AFTER) as wait:
+                        index, output = await anext(stream)
+                except TimeoutError:
+                    if not wait.expired():  # the engine's own error, not the wait's
+                        raise
+                    yield await keep_alive()
+                    continue
+                except StopAsyncIteration:
+                    break
                 submitted.record.saw(output)
                 if output.finished:
                     finals[index] = output
