@@ -94,7 +94,8 @@ async def create_message(body: MessagesRequest, raw: Request, ctx: ServingContex
         if error.code != CONTEXT_LENGTH_EXCEEDED:
             raise
         # Anthropic's words, on which Claude Code compacts the conversation.
-        tokens, most = _prompt_tokens(body, ctx), ctx.max_model_len - 1
+        tokens = await asyncio.to_thread(_prompt_tokens, body, ctx)  # a long prompt: off the loop
+        most = ctx.max_model_len - 1
         message = f"prompt is too long: {tokens} tokens > {most} maximum"
         raise InvalidRequestError(message, "messages", error.code) from None
     shape = _Shape(body, run, ctx, applied)
