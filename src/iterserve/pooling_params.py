@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from iterserve.prompt_truncation import PromptTruncation
+
 # last: the last token's state (decoder embedding models: Qwen3-Embedding, e5-mistral);
 # mean: the mean over every prompt token; cls: the first token's.
 PoolingType = Literal["last", "mean", "cls"]
@@ -33,6 +35,8 @@ class PoolingParams:
     normalize: bool | None = None
     dimensions: int | None = None
     task: PoolingTask = "embed"
+    # vLLM's truncate_prompt_tokens: the input cut to its last (or first) tokens.
+    truncation: PromptTruncation | None = None
 
     @property
     def needs_every_token(self) -> bool:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 # Defined apart so that structured_output.py, which SamplingParams carries, can raise it.
 from iterserve.invalid_request import InvalidRequestError
+from iterserve.prompt_truncation import PromptTruncation
 from iterserve.thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Logprobs of the prompt's tokens (the first has none), top-n as for `logprobs`.
     prompt_logprobs: int | None = None
+    # vLLM's truncate_prompt_tokens: the prompt cut to its last (or first) tokens.
+    truncation: PromptTruncation | None = None
     # Controls that reshape the logits before sampling (sample/logits_controls.py): the
     # penalties with vLLM's semantics (presence/frequency over the output so far,
     # repetition over prompt + output), OpenAI's logit_bias (token id -> bias), a minimum

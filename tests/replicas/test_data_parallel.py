@@ -212,6 +212,23 @@ def test_embeddings_route_through_the_replicas(fleet: RunningServer, offline: LL
         assert abs(data["score"] - cosine) < 1e-5
 
 
+def test_a_cut_prompt_and_its_token_ids_cross_the_replicas(
+    fleet: RunningServer, offline: LLM
+) -> None:
+    """truncate_prompt_tokens is applied where the fleet tokenizes (to route) and again on
+    the replica, to no effect; the answer is a single engine's on the kept ids."""
+    kept = offline.tokenizer.encode(PROMPTS[1])[-6:]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = offline.generate([kept], params, use_tqdm=False)[0]
+    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0)
+    choice = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0.0,
+        extra_body={"truncate_prompt_tokens": 6, "return_token_ids": True},
+    ).choices[0]  # fmt: skip
+    assert choice.prompt_token_ids == kept  # type: ignore[attr-defined]
+    assert choice.token_ids == expected.token_ids and choice.text == expected.text  # type: ignore[attr-defined]
+
+
 def test_a_client_that_leaves_is_aborted_on_its_replica(fleet: RunningServer) -> None:
     aborted = _replica_metric(fleet, "requests_aborted_total", "all")
     with httpx.stream(

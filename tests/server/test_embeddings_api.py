@@ -107,10 +107,34 @@ def test_texts_ids_base64_and_dimensions(
     torch.testing.assert_close(torch.tensor(short.data[0].embedding), want, atol=1e-5, rtol=1e-5)
 
 
+def test_truncate_prompt_tokens_embeds_a_long_input_by_its_end(
+    server: RunningServer, client: openai.OpenAI, model_dir: Path
+) -> None:
+    """vLLM's truncate_prompt_tokens: an input past the 512-token context is embedded by
+    its last 40 tokens (its first with truncation_side "right"), not refused."""
+    ids = server.engine.tokenizer.encode("word " * 600)
+    assert len(ids) > 512
+    for side, kept in (("left", ids[-40:]), ("right", ids[:40])):
+        cut = client.embeddings.create(
+            model=NAME,
+            input="word " * 600,
+            extra_body={"truncate_prompt_tokens": 40, "truncation_side": side},
+        )
+        assert cut.usage.prompt_tokens == 40
+        want = reference(model_dir, kept)
+        torch.testing.assert_close(torch.tensor(cut.data[0].embedding), want, atol=1e-5, rtol=1e-5)
+    whole = client.embeddings.create(
+        model=NAME, input=ids, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert whole.usage.prompt_tokens == 512
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"input": ""}, "input"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": "x", "truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
         ({"input": []}, "input"),
         ({"input": ["ok", ""]}, "input"),
         ({"input": [[]]}, "input"),

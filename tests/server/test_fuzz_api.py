@@ -91,6 +91,10 @@ SAMPLING = st.fixed_dictionaries(
         "min_tokens": st.integers(0, 2**70),
         "bad_words": st.lists(st.text(min_size=1, max_size=4).filter(str.strip), max_size=2),
         "echo": st.booleans(),
+        "prompt_logprobs": st.integers(-2, 25),
+        "return_token_ids": st.booleans(),
+        "return_tokens_as_token_ids": st.booleans(),
+        "truncate_prompt_tokens": st.integers(-2, 100),
     },
 )
 

@@ -1,5 +1,7 @@
-"""The sampling controls, echo with prompt logprobs and the tokenizer endpoints over HTTP,
-through the official openai client where it has the call."""
+"""The sampling controls, echo with prompt logprobs, vLLM's token-level fields
+(prompt_logprobs, return_token_ids, return_tokens_as_token_ids, truncate_prompt_tokens) and
+the tokenizer endpoints over HTTP, through the official openai client where it has the
+call."""
 
 from __future__ import annotations
 
@@ -152,7 +154,12 @@ def test_tokenize_and_detokenize(server: RunningServer, tiny_llama_dir: Path) ->
             {"allowed_token_ids": [1, 2], "response_format": {"type": "json_object"}},
             "allowed_token_ids",
         ),
-        ({"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 513}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ],
 )
 def test_bad_controls_are_400s_naming_the_field(
@@ -166,3 +173,161 @@ def test_bad_controls_are_400s_naming_the_field(
 def test_unhonoured_fields_at_their_neutral_value_pass(server: RunningServer) -> None:
     body = {"prompt": "x", "max_tokens": 2, "spaces_between_special_tokens": True, "foo": 1}
     assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200
+
+
+def _hf_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+
+
+def test_prompt_logprobs_with_ranks_like_transformers(
+    client: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    """vLLM's prompt_logprobs: per prompt token (the first None), the token's logprob and
+    rank and the top 2, keyed by token id; chunked over several steps here."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = tokenizer.encode(PROMPT)
+    expected = _hf_logprobs(tiny_llama_dir, ids)
+    answer = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 2}
+    )
+    positions = answer.choices[0].prompt_logprobs  # type: ignore[attr-defined]
+    assert len(positions) == len(ids) and positions[0] is None
+    for i, position in enumerate(positions[1:], 1):
+        row = expected[i - 1]
+        token = position[str(ids[i])]
+        assert abs(token["logprob"] - row[ids[i]].item()) < 1e-4
+        assert token["decoded_token"] == tokenizer.decode([ids[i]])
+        # Its rank among the model's: between the counts of tokens clearly above it and of
+        # those not clearly below it (a near tie may go either way).
+        above = (row > row[ids[i]] + 1e-4).sum().item() + 1
+        not_below = (row > row[ids[i]] - 1e-4).sum().item() + 1
+        assert above <= token["rank"] <= not_below
+        top = sorted((e["rank"], e["logprob"]) for e in position.values() if e["rank"] <= 2)
+        assert [rank for rank, _ in top] == [1, 2]
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in top]), row.topk(2).values, rtol=0, atol=1e-4
+        )
+        assert len(position) in (2, 3)  # the token, unless it is one of the top 2
+    # Chat: once for the choices' prompt, at the top of the answer.
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        n=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    scored = chat.prompt_logprobs  # type: ignore[attr-defined]
+    assert scored[0] is None and all(len(position) == 1 for position in scored[1:])
+    # Left out of answers that did not ask, rather than a null in each.
+    plain = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1).choices[0]
+    assert "prompt_logprobs" not in plain.model_dump() and "token_ids" not in plain.model_dump()
+
+
+def test_return_token_ids_whole_and_streamed(client: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    """vLLM's return_token_ids, what RL rollouts train on: the prompt's ids and the answer's,
+    the stream's in pieces that add up to the whole answer's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    fields = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body=fields
+    ).choices[0]
+    assert whole.prompt_token_ids == tokenizer.encode(PROMPT)  # type: ignore[attr-defined]
+    assert len(whole.token_ids) == 8  # type: ignore[attr-defined]
+    assert tokenizer.decode(whole.token_ids) == whole.text  # type: ignore[attr-defined]
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0.0, stream=True,
+        extra_body=fields,
+    )  # fmt: skip
+    chunks = [chunk.choices[0].model_dump() for chunk in stream if chunk.choices]
+    assert chunks[0]["prompt_token_ids"] == whole.prompt_token_ids  # type: ignore[attr-defined]
+    assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    assert [t for chunk in chunks for t in chunk["token_ids"]] == whole.token_ids  # type: ignore[attr-defined]
+
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0.0, extra_body=fields
+    )  # type: ignore[arg-type]
+    assert chat.prompt_token_ids == prompt_ids  # type: ignore[attr-defined]
+    answer_ids = chat.choices[0].token_ids  # type: ignore[attr-defined]
+    assert len(answer_ids) == 6
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0.0, stream=True,
+            extra_body=fields,
+        )  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert streamed[0].prompt_token_ids == prompt_ids  # type: ignore[attr-defined]
+    assert all(getattr(chunk, "prompt_token_ids", None) is None for chunk in streamed[1:])
+    pieces = [c.choices[0].token_ids for c in streamed[1:] if c.choices]  # type: ignore[attr-defined]
+    assert [t for piece in pieces for t in piece] == answer_ids
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+
+
+def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
+    fields = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    choice = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0.0, logprobs=2,
+        extra_body=fields,
+    ).choices[0]  # fmt: skip
+    named = [f"token_id:{t}" for t in choice.token_ids]  # type: ignore[attr-defined]
+    assert choice.logprobs is not None and choice.logprobs.tokens == named
+    for top in choice.logprobs.top_logprobs or []:
+        assert top and all(key.startswith("token_id:") for key in top)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0.0, logprobs=True, top_logprobs=1, extra_body=fields,
+    ).choices[0]  # fmt: skip
+    content = chat.logprobs.content if chat.logprobs else None
+    assert content and [e.token for e in content] == [
+        f"token_id:{t}"
+        for t in chat.token_ids  # type: ignore[attr-defined]
+    ]
+    assert all(e.top_logprobs[0].token.startswith("token_id:") for e in content)
+
+
+def test_truncate_prompt_tokens_keeps_the_end_or_the_start(
+    client: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    """The prompt cut to its last (or first) 10 tokens runs as those 10 tokens sent alone;
+    echo shows what ran."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = tokenizer.encode(PROMPT)
+    assert len(ids) > 20
+
+    def complete(prompt: str | list[int], **extra: object) -> openai.types.Completion:
+        return client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0.0, extra_body=extra
+        )
+
+    for side, kept in (("left", ids[-10:]), ("right", ids[:10])):
+        cut = complete(PROMPT, truncate_prompt_tokens=10, truncation_side=side)
+        alone = complete(kept)
+        assert cut.usage is not None and cut.usage.prompt_tokens == 10
+        assert cut.choices[0].text == alone.choices[0].text
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=1, echo=True,
+        extra_body={"truncate_prompt_tokens": 10, "return_token_ids": True},
+    ).choices[0]  # fmt: skip
+    assert echoed.prompt_token_ids == ids[-10:]  # type: ignore[attr-defined]
+    assert echoed.text.startswith(tokenizer.decode(ids[-10:]))
+    whole = complete(PROMPT, truncate_prompt_tokens=-1)  # the context holds it all
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 5},
+    )  # fmt: skip
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5

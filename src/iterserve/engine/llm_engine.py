@@ -66,6 +66,7 @@ from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
 from iterserve.model.score_head import prepare_score_head
 from iterserve.pooling_params import PoolingParams
+from iterserve.prompt_truncation import PromptTruncation
 from iterserve.sample.structured import GrammarCompiler
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -358,6 +359,12 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
 
+    def _prompt_ids(self, prompt: Prompt, truncation: PromptTruncation | None) -> list[int]:
+        token_ids = self.tokenize(prompt)
+        if truncation is None:
+            return token_ids
+        return truncation.apply(token_ids, self.scheduler.max_model_len)
+
     def add_request(
         self,
         prompt: Prompt,
@@ -398,7 +405,7 @@ class LLMEngine:
         lora = self.loras.resolve(lora_request) if lora_request is not None else None
         request = Request(
             request_id=request_id,
-            prompt_token_ids=self.tokenize(prompt),
+            prompt_token_ids=self._prompt_ids(prompt, params.truncation),
             sampling_params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
@@ -437,7 +444,7 @@ class LLMEngine:
         try:
             request = Request(
                 request_id=request_id,
-                prompt_token_ids=self.tokenize(prompt),
+                prompt_token_ids=self._prompt_ids(prompt, pooling.truncation),
                 sampling_params=SamplingParams(max_tokens=1),  # never samples
                 arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                 lane=EMBED_LANE,

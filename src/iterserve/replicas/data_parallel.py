@@ -318,8 +318,15 @@ class DataParallelEngine:
 
     def _token_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, list):
-            return request.prompt  # the replica checks the ids against its vocabulary
-        return encode_prompt(self._model.tokenizer, request.prompt)
+            token_ids = request.prompt  # the replica checks the ids against its vocabulary
+        else:
+            token_ids = encode_prompt(self._model.tokenizer, request.prompt)
+        # Routed by the prefix the replica will run (which cuts again, to no effect).
+        pooling = request.pooling
+        truncation = pooling.truncation if pooling is not None else request.params.truncation
+        if truncation is None:
+            return token_ids
+        return truncation.apply(token_ids, self._model.max_model_len)
 
     def _most_tokens(self, request: GenerationRequest) -> int:
         if request.fill_context:  # the replica settles it; this is its upper bound

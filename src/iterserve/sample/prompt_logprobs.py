@@ -15,14 +15,16 @@ _ROWS_AT_ONCE = 128
 
 
 def score_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprobs]:
-    """Row i's log_softmax at token_ids[i], and its top_n (token, logprob), best first:
-    the raw distribution, as vLLM reports prompt logprobs."""
+    """Row i's log_softmax at token_ids[i], its rank there, and the row's top_n (token,
+    logprob), best first: the raw distribution, as vLLM reports prompt logprobs."""
     scored: list[TokenLogprobs] = []
     for start in range(0, len(token_ids), _ROWS_AT_ONCE):
         rows = logits[start : start + _ROWS_AT_ONCE].float()
         logprobs = torch.log_softmax(rows, dim=-1)
         targets = torch.tensor(token_ids[start : start + len(rows)], device=rows.device)
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        chosen_t = logprobs.gather(1, targets.unsqueeze(1))
+        ranks = ((logprobs > chosen_t).sum(1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
         top_values: list[list[float]] = [[] for _ in chosen]
         top_ids: list[list[int]] = [[] for _ in chosen]
         if top_n:
@@ -30,7 +32,7 @@ def score_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list
             top_values, top_ids = values.tolist(), indices.tolist()
         for j, logprob in enumerate(chosen):
             top = list(zip(top_ids[j], top_values[j], strict=True))
-            scored.append(TokenLogprobs(token_ids[start + j], logprob, top))
+            scored.append(TokenLogprobs(token_ids[start + j], logprob, top, ranks[j]))
     return scored
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -28,7 +28,7 @@ from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import RenderedChat, continuing
 from iterserve.sampling_params import SamplingParams
-from iterserve.server.logprobs import chat_logprobs
+from iterserve.server.logprobs import chat_logprobs, prompt_logprobs, token_names
 from iterserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -131,6 +131,7 @@ async def create_chat_completion(
 ) -> Response:
     run = await start_chat(body, raw, ctx)
     logprobs = run.params.logprobs
+    names = token_names(ctx.decode_token, body.return_tokens_as_token_ids)
 
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> ChatCompletionResponse:
         choices = []
@@ -149,16 +150,25 @@ async def create_chat_completion(
                 ChatChoice(
                     index=index,
                     message=message,
-                    logprobs=_logprobs(output.logprobs, logprobs, ctx),
+                    logprobs=_logprobs(output.logprobs, logprobs, names),
                     finish_reason=_finish_reason(output.finish_reason, bool(calls)),
                     stop_reason=output.stop_reason,
+                    token_ids=output.token_ids if body.return_token_ids else None,
                 )
             )
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             id=run.submitted.request_id, model=run.model, choices=choices, usage=usage
         )
+        # The choices share one prompt.
+        if body.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs(
+                outputs[0].prompt_logprobs or [], body.prompt_logprobs, ctx.decode_token
+            )
+        if body.return_token_ids:
+            response.prompt_token_ids = outputs[0].prompt_token_ids
+        return response
 
-    events = functools.partial(_stream, body, run, ctx)
+    events = functools.partial(_stream, body, run, ctx, names)
     return await respond(raw, run.submitted, run.params.n, body.stream, events, final)
 
 
@@ -181,11 +191,11 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 def _logprobs(
-    entries: list[TokenLogprobs | None] | None, wanted: int | None, ctx: ServingContext
+    entries: list[TokenLogprobs | None] | None, wanted: int | None, names: Callable[[int], str]
 ) -> ChatChoiceLogprobs | None:
     if wanted is None:
         return None
-    return ChatChoiceLogprobs(content=chat_logprobs(entries or [], ctx.decode_token))
+    return ChatChoiceLogprobs(content=chat_logprobs(entries or [], names))
 
 
 def _answer_deltas(found: AnswerDelta) -> list[DeltaMessage]:
@@ -202,15 +212,28 @@ def _answer_deltas(found: AnswerDelta) -> list[DeltaMessage]:
 
 
 async def _stream(
-    body: ChatCompletionRequest, run: ChatRun, ctx: ServingContext
+    body: ChatCompletionRequest, run: ChatRun, ctx: ServingContext, names: Callable[[int], str]
 ) -> AsyncIterator[str]:
     submitted, model, plan = run.submitted, run.model, run.plan
     created = int(time.time())
     wanted = body.requested_logprobs()
 
-    def message(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+    def ids(tokens: list[int]) -> list[int] | None:
+        """A chunk's tokens, for vLLM's return_token_ids ([] on a chunk that holds none)."""
+        return tokens if body.return_token_ids else None
+
+    def message(
+        choices: list[ChatStreamChoice],
+        usage: UsageInfo | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
         chunk = ChatCompletionChunk(
-            id=submitted.request_id, created=created, model=model, choices=choices, usage=usage
+            id=submitted.request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_token_ids,
         )
         return sse(chunk.model_dump_json())
 
@@ -220,9 +243,10 @@ async def _stream(
         choice = ChatStreamChoice(
             index=index,
             delta=DeltaMessage(content=text),
-            logprobs=_logprobs(output.delta_logprobs, wanted, ctx),
+            logprobs=_logprobs(output.delta_logprobs, wanted, names),
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
+            token_ids=ids(output.delta_token_ids),
         )
         return message([choice])
 
@@ -236,24 +260,44 @@ async def _stream(
             reasoning_tokens[index] = run.reasoning_tokens(ctx, output.token_ids, stream.thought)
         # Every token gets a chunk (see stream_events), an empty one while text is held.
         deltas = _answer_deltas(found) or [DeltaMessage(content="")]
-        choices = [ChatStreamChoice(index=index, delta=delta) for delta in deltas]
-        # The token's logprobs and the finish reason go on the last of them.
-        choices[-1].logprobs = _logprobs(output.delta_logprobs, wanted, ctx)
+        choices = [
+            ChatStreamChoice(index=index, delta=delta, token_ids=ids([])) for delta in deltas
+        ]
+        # The token's logprobs, ids and finish reason go on the last of them.
+        choices[-1].logprobs = _logprobs(output.delta_logprobs, wanted, names)
         choices[-1].finish_reason = _finish_reason(output.finish_reason, stream.called)
         choices[-1].stop_reason = output.stop_reason
+        choices[-1].token_ids = ids(output.delta_token_ids)
         return "".join(message([choice]) for choice in choices)
 
     def usage_message(usage: UsageInfo) -> str:
         usage.completion_tokens_details.reasoning_tokens = sum(reasoning_tokens.values())
         return message([], usage)
 
-    # The role first, for every choice, as OpenAI does: clients build the message from it.
-    for index in range(len(submitted.stream.request_ids)):
-        yield message(
-            [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
-        )
+    def role(index: int, prompt_token_ids: list[int] | None = None) -> str:
+        choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+        return message([choice], prompt_token_ids=prompt_token_ids)
+
     usage_chunk = usage_message if body.include_usage else None
     read = plan.reader is not None or run.reasoning is not None
     on_output = answer_chunks if read else chunk
+    if body.return_token_ids:
+        # The prompt's ids go on the first chunk, as vLLM sends them, and they are known once
+        # the engine has tokenized the prompt: each choice's role goes with its first output.
+        announced: set[int] = set()
+
+        def announced_first(index: int, output: RequestOutput) -> str:
+            head = ""
+            if index not in announced:
+                head = role(index, None if announced else output.prompt_token_ids)
+                announced.add(index)
+            return head + on_output(index, output)
+
+        async for event in stream_events(submitted, None, announced_first, usage_chunk):
+            yield event
+        return
+    # The role first, for every choice, as OpenAI does: clients build the message from it.
+    for index in range(len(submitted.stream.request_ids)):
+        yield role(index)
     async for event in stream_events(submitted, None, on_output, usage_chunk):
         yield event

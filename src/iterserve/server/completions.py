@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.request_stream import ALL_THE_CONTEXT
 from iterserve.server.echo import Echo
-from iterserve.server.logprobs import completion_logprobs
+from iterserve.server.logprobs import completion_logprobs, prompt_logprobs, token_names
 from iterserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -41,13 +41,18 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(body.prompts())]
-    # One per prompt; choice i * n + j is of prompt i.
+    # One per prompt; choice i * n + j is of prompt i. A cut prompt echoes what ran.
     echoes = [
-        Echo(prompt if isinstance(prompt, str) else None, ctx.tokenizer.decode, body.echo_only)
+        Echo(
+            prompt if isinstance(prompt, str) and params.truncation is None else None,
+            ctx.tokenizer.decode,
+            body.echo_only,
+        )
         if body.echo
         else None
         for _, prompt in prompts
     ]
+    names = token_names(ctx.decode_token, body.return_tokens_as_token_ids)
     submitted = await submit(
         raw,
         ctx,
@@ -63,22 +68,28 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     def final(outputs: list[RequestOutput], usage: UsageInfo) -> CompletionResponse:
         wants_logprobs = body.logprobs is not None
         choices = [
-            _choice(i, out, wants_logprobs, ctx, echoes[i // params.n])
+            _choice(i, out, wants_logprobs, names, echoes[i // params.n])
             for i, out in enumerate(outputs)
         ]
+        for choice, output in zip(choices, outputs, strict=True):
+            _add_token_fields(choice, output, body, ctx)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    events = functools.partial(_stream, body, submitted, ctx, model, params.n, echoes)
+    events = functools.partial(_stream, body, submitted, ctx, model, params.n, echoes, names)
     return await respond(raw, submitted, params.n, body.stream, events, final)
 
 
 def _choice(
-    index: int, output: RequestOutput, logprobs: bool, ctx: ServingContext, echo: Echo | None
+    index: int,
+    output: RequestOutput,
+    logprobs: bool,
+    names: Callable[[int], str],
+    echo: Echo | None,
 ) -> CompletionChoice:
-    entries = completion_logprobs(output.logprobs or [], ctx.decode_token, 0) if logprobs else None
+    entries = completion_logprobs(output.logprobs or [], names, 0) if logprobs else None
     text = output.text
     if echo is not None:
-        text, entries = echo.text(output, text), echo.logprobs(output, entries, ctx.decode_token)
+        text, entries = echo.text(output, text), echo.logprobs(output, entries, names)
     return CompletionChoice(
         index=index,
         text=text,
@@ -88,6 +99,19 @@ def _choice(
     )
 
 
+def _add_token_fields(
+    choice: CompletionChoice, output: RequestOutput, body: CompletionRequest, ctx: ServingContext
+) -> None:
+    """vLLM's prompt_logprobs and return_token_ids, where the request asked for them."""
+    if body.prompt_logprobs is not None:
+        choice.prompt_logprobs = prompt_logprobs(
+            output.prompt_logprobs or [], body.prompt_logprobs, ctx.decode_token
+        )
+    if body.return_token_ids:
+        choice.prompt_token_ids = output.prompt_token_ids
+        choice.token_ids = [] if body.echo_only else output.token_ids
+
+
 def _stream(
     body: CompletionRequest,
     submitted: Submitted,
@@ -95,6 +119,7 @@ def _stream(
     model: str,
     n: int,
     echoes: list[Echo | None],
+    names: Callable[[int], str],
 ) -> AsyncIterator[str]:
     created = int(time.time())
     text_length: dict[int, int] = {}  # where the next delta starts, for logprobs' text_offset
@@ -105,9 +130,9 @@ def _stream(
         offset = text_length.get(index, 0)
         text, logprobs = output.delta_text, None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(output.delta_logprobs, ctx.decode_token, offset)
+            logprobs = completion_logprobs(output.delta_logprobs, names, offset)
         if echo is not None:
-            text, logprobs = echo.delta(output, text, logprobs, first, ctx.decode_token)
+            text, logprobs = echo.delta(output, text, logprobs, first, names)
         text_length[index] = offset + len(text)
         choice = CompletionChoice(
             index=index,
@@ -116,6 +141,9 @@ def _stream(
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
         )
+        if body.return_token_ids:
+            choice.prompt_token_ids = output.prompt_token_ids if first else None
+            choice.token_ids = [] if body.echo_only else output.delta_token_ids
         return message([choice])
 
     def message(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:

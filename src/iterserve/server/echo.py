@@ -52,7 +52,6 @@ class Echo:
             _extend(result, completion)
         return result
 
-
     def delta(
         self,
         output: RequestOutput,

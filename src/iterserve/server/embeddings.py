@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from iterserve.pooling_params import PoolingParams
+from iterserve.prompt_truncation import PromptTruncation
 from iterserve.server.embeddings_protocol import (
     Embedding,
     EmbeddingRequest,
@@ -25,7 +26,8 @@ async def create_embeddings(body: EmbeddingRequest, raw: Request, ctx: ServingCo
     prompts = body.prompts()
     request_id = f"embd-{uuid.uuid4().hex}"
     access_record(raw).request_id = request_id
-    pooling = PoolingParams(dimensions=body.dimensions)
+    truncation = PromptTruncation.of(body.truncate_prompt_tokens, body.truncation_side)
+    pooling = PoolingParams(dimensions=body.dimensions, truncation=truncation)
     outputs = await run_pooled(ctx, prompts, pooling, request_id, raw, "input", model)
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     data = [

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from iterserve.engine.prompts import Prompt
+from iterserve.prompt_truncation import TruncationSide
 from iterserve.sampling_params import InvalidRequestError
 
 # OpenAI's own bound on the inputs of one request.
@@ -28,6 +29,10 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    # vLLM's: each input cut to its last (truncation_side "right": first) this many tokens,
+    # -1 to the model's context: a long document is embedded by a part, not refused.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: TruncationSide | None = None
 
     def prompts(self) -> list[Prompt]:
         """One prompt per input; InvalidRequestError naming `input` for none or an empty one."""

@@ -1,5 +1,6 @@
-"""TokenLogprobs (core/outputs.py) in the two OpenAI shapes: completions' parallel
-lists and chat's list of {token, logprob, bytes, top_logprobs}."""
+"""TokenLogprobs (core/logprobs.py) in the two OpenAI shapes, completions' parallel lists
+and chat's list of {token, logprob, bytes, top_logprobs}, and in vLLM's `prompt_logprobs`
+(per prompt position, token id -> {logprob, rank, decoded_token})."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from functools import lru_cache
 from typing import Any
 
 from iterserve.core.outputs import TokenLogprobs
-from iterserve.server.protocol import ChatLogprob, ChatTokenLogprob, CompletionLogprobs
+from iterserve.server.protocol import (
+    ChatLogprob,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+)
 
 # JSON has no -inf; vLLM sends this floor instead, and clients expect a number.
 _MIN_LOGPROB = -9999.0
@@ -30,6 +37,38 @@ def token_decoder(tokenizer: Any) -> Callable[[int], str]:
         return tokenizer.decode([token_id])
 
     return decode
+
+
+def token_names(decode: Callable[[int], str], as_ids: bool | None) -> Callable[[int], str]:
+    """How logprobs name tokens: by their text, or (vLLM's return_tokens_as_token_ids) as
+    "token_id:N", which a client maps back without the tokenizer."""
+    return _token_id_name if as_ids else decode
+
+
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def prompt_logprobs(
+    entries: Sequence[TokenLogprobs | None], top_n: int, decode: Callable[[int], str]
+) -> PromptLogprobs:
+    """Each position's prompt token, then the top_n there not already listed (the engine
+    may have scored more, for echo); None where nothing was scored (the first token)."""
+    result: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = [(entry.token_id, entry.logprob, entry.rank)]
+        ranked += [(tid, lp, rank) for rank, (tid, lp) in enumerate(entry.top[:top_n], 1)]
+        position: dict[str, PromptLogprob] = {}
+        for token_id, logprob, rank in ranked:
+            position.setdefault(
+                str(token_id),
+                PromptLogprob(logprob=_finite(logprob), rank=rank, decoded_token=decode(token_id)),
+            )
+        result.append(position)
+    return result
 
 
 def completion_logprobs(

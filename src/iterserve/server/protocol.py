@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from iterserve.chat.messages import ChatMessage
 from iterserve.chat.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
 from iterserve.engine.request_stream import ALL_THE_CONTEXT
+from iterserve.prompt_truncation import PromptTruncation, TruncationSide
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.structured_output import GuidedDecodingFields
 from iterserve.server.unhonoured import refuse_unhonoured
@@ -63,11 +64,27 @@ class _GenerationRequest(GuidedDecodingFields):
     priority: int = 0
     lane: str = "interactive"
     speculative: bool = True  # False: this request never speculates
+    # vLLM's token-level fields (docs/serving.md): the prompt cut to its last (or, with
+    # truncation_side "right", first) tokens; the prompt's tokens' logprobs; the prompt's and
+    # the answer's token ids beside the text (what RL rollouts train on); logprobs' tokens
+    # as "token_id:N" (a token that is part of a UTF-8 character has no text of its own).
+    truncate_prompt_tokens: int | None = None
+    truncation_side: TruncationSide | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     def to_sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
+        """`prompt_logprobs`: what the route scores the prompt for beyond the request's own
+        `prompt_logprobs` (completions' echo); the engine computes the larger."""
         refuse_unhonoured(self.model_extra)
+        if self.stream and self.prompt_logprobs:
+            # As vLLM: a stream has no place for them.
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+            )
         # SamplingParams validates every range and names the offending field.
         return SamplingParams(
             n=self.n,
@@ -82,7 +99,8 @@ class _GenerationRequest(GuidedDecodingFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=self._prompt_logprobs(prompt_logprobs),
+            truncation=PromptTruncation.of(self.truncate_prompt_tokens, self.truncation_side),
             skip_special_tokens=self.skip_special_tokens,
             speculative=self.speculative,
             presence_penalty=self.presence_penalty,
@@ -94,6 +112,14 @@ class _GenerationRequest(GuidedDecodingFields):
             allowed_token_ids=self.allowed_token_ids,
             structured_output=self.output_constraint(),
         )
+
+    def _prompt_logprobs(self, route: int | None) -> int | None:
+        """The larger of the request's and the route's; a negative one stays, for
+        SamplingParams to refuse, and a stream's 0 (allowed, as in vLLM) asks for nothing."""
+        own = None if self.stream else self.prompt_logprobs
+        if own is None or route is None or own < 0:
+            return route if own is None else own
+        return max(own, route)
 
     @property
     def include_usage(self) -> bool:
@@ -238,6 +264,26 @@ class UsageInfo(BaseModel):
         )
 
 
+def _only_when_asked() -> Any:
+    """A vLLM field that a request asks for (prompt_logprobs, return_token_ids): left out
+    of other answers, rather than a null in every one."""
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's logprob at a prompt position, its rank in the model's
+    distribution there (1: the most likely), and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One per prompt token, the first None (nothing comes before it): the token itself and the
+# top-n at that position, keyed by token id (JSON object keys, hence strings).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -252,6 +298,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # vLLM's: the stop string, or the `stop_token_ids` token, that ended the choice.
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = _only_when_asked()
+    prompt_token_ids: list[int] | None = _only_when_asked()  # a stream's first chunk only
+    token_ids: list[int] | None = _only_when_asked()  # the answer's (a stream: the chunk's)
 
 
 ChoiceT = TypeVar("ChoiceT")
@@ -313,10 +362,14 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # as CompletionChoice's
+    token_ids: list[int] | None = _only_when_asked()  # as CompletionChoice's
 
 
 class ChatCompletionResponse(_ChoicesResponse[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
+    # vLLM's, once for the choices' one prompt (completions has them per choice).
+    prompt_logprobs: PromptLogprobs | None = _only_when_asked()
+    prompt_token_ids: list[int] | None = _only_when_asked()
 
 
 class DeltaMessage(BaseModel):
@@ -337,10 +390,12 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # as CompletionChoice's
+    token_ids: list[int] | None = _only_when_asked()  # the chunk's
 
 
 class ChatCompletionChunk(_ChoicesResponse[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    prompt_token_ids: list[int] | None = _only_when_asked()  # the first chunk's
 
 
 class ModelCard(BaseModel):

@@ -16,11 +16,8 @@ from iterserve.sampling_params import InvalidRequestError
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False, None),
     "length_penalty": (1.0, None),
-    "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (True, None),
-    "prompt_logprobs": (None,),  # vLLM's separate field; echo + logprobs gives them here
     "logits_processors": (None, []),
-    "return_tokens_as_token_ids": (False, None),
     "echo": (False, None),  # vLLM's on chat (the last message repeated); completions has it
     "chat_template": (None,),
     "documents": (None, []),
@@ -35,4 +32,3 @@ def refuse_unhonoured(extra: Mapping[str, Any] | None) -> None:
         neutral = _NEUTRAL.get(name)
         if neutral is not None and value not in neutral:
             raise InvalidRequestError(f"{name} is not supported by this server", name)
-
