@@ -31,6 +31,9 @@
 #include "simd.h"
 
 #include <algorithm>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -413,8 +416,8 @@ ITERSERVE_INLINE void block_dots(const QuantizedX& x, int64_t K, int64_t m0, int
 // Each of NT tiles' units (at p[j]) a unit or two ahead, a few lines a block: the hardware's
 // streams alone left one-row steps at 81-92% of the memory's speed and four-row steps at
 // 60-73% (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4;
-// Intel Cascade Lake). AMD's need no help with AVX-512's one or two rows, where these
-// instructions only cost issue slots (few_rows_prefetch).
+// Intel Cascade Lake). Some AMD cores need no help with AVX-512's one or two rows, where
+// these instructions only cost issue slots (few_rows_prefetch).
 template <typename Codec, int Units, int NT>
 ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
   constexpr int kBlocks = Codec::kInputs / kBlock;
@@ -424,7 +427,8 @@ ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
       __builtin_prefetch(p[j] + Units * Codec::kBytes + (b * kEach + i) * 64, 0, 3);
 }
 
-// Whether this is an AMD core: the loops' rules below were measured per vendor.
+// Whether this is an AMD core, and its family (Zen 4: 25, Zen 5: 26): the loops' rules below
+// were measured per core.
 inline bool amd_cpu() {
 #if defined(__x86_64__)
   static const bool amd = [] {
@@ -437,22 +441,43 @@ inline bool amd_cpu() {
 #endif
 }
 
-// Whether one- and two-row steps prefetch their tiles (prefetch_units); steps of more rows
-// always do. On AMD Zen 4 with AVX-512 (four tiles a step: four streams a thread;
-// benchmarks/stream_timing.cpp, 2 threads, runs in turns, 2026-11-29) leaving them to the
-// hardware streamed Q4_K's one-row step 1.14x faster while another tenant held the memory at
-// 34 GB/s and 1.32x when it read at 58, Q6_K's 1.2x, two rows 1.17x, while four rows lost
-// (0.92x). The AVX2 build (one tile a step) on the same machine kept Q6_K's one row 1.33x
-// faster with the prefetch and Q4_K level, and on Intel Cascade Lake it made one row 1.23x
-// faster. So AVX-512 on AMD goes without, unless ITERSERVE_PREFETCH (0 or 1) says.
+inline int cpu_family() {
+#if defined(__x86_64__)
+  static const int family = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+    const int base = (eax >> 8) & 0xf;
+    return base == 0xf ? base + static_cast<int>((eax >> 20) & 0xff) : base;
+  }();
+  return family;
+#else
+  return 0;
+#endif
+}
+
+// Whether one- and two-row steps of a codec prefetch their tiles (prefetch_units); steps of
+// more rows always do. The hardware's streams alone serve some cores better:
+//   - AMD Zen 4 with AVX-512 (four tiles a step: four streams a thread;
+//     benchmarks/stream_timing.cpp, 2 threads, runs in turns, 2026-11-29): without them
+//     Q4_K's one-row step streamed 1.14x faster while another tenant held the memory at
+//     34 GB/s and 1.32x when it read at 58, Q6_K's 1.2x, two rows 1.17x; four rows lost
+//     (0.92x).
+//   - AMD Zen 5 (2026-12-02, the same loops with and without, alternating within one
+//     process, 13-15 runs of 20-30 alternations): the K-quants gain from them, Q6_K one row
+//     a median 1.10x (0.96-1.31), Q4_K 1.02x (0.96-1.36), Q5_K 1.03-1.07x, two rows
+//     1.07-1.31x; Q4_0 and Q8_0 lose a little (0.92-1.0: their loops already stream at
+//     0.94-0.98 of a plain read, and a 288-byte unit ahead is too near to help).
+//   - The AVX2 build (one tile a step) on Zen 4 kept Q6_K's one row 1.33x faster with them
+//     and Q4_K level; on Intel Cascade Lake they made one row 1.23x faster.
+// ITERSERVE_PREFETCH (0 or 1) forces either way.
+template <typename Codec>
 inline bool few_rows_prefetch() {
   static const bool on = [] {
     if (const char* forced = std::getenv("ITERSERVE_PREFETCH")) return forced[0] != '0';
 #if defined(CPU_CAPABILITY_AVX512)
-    return !amd_cpu();
-#else
-    return true;
+    if (amd_cpu()) return cpu_family() >= 26 && Codec::kInputs == 256;
 #endif
+    return true;
   }();
   return on;
 }
@@ -505,7 +530,7 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
   const int64_t K = rows.K;
   auto acc = zeros<MR * NT>();
   std::array<F16, MR * NT> unit;
-  const bool prefetch = MR > 2 || few_rows_prefetch();
+  const bool prefetch = MR > 2 || few_rows_prefetch<Codec>();
   // Inlined into the block loop, so that the sums stay in registers from block to block (as
   // a call the lambda kept them in memory: one-row Q4_K steps ran 1.3x slower in cache).
   auto block = [&](const uint8_t* const* p, int b, int64_t blk) ITERSERVE_INLINE_LAMBDA {
