@@ -224,6 +224,17 @@ def test_prompt_logprobs_with_ranks_like_transformers(
     )
     scored = chat.prompt_logprobs  # type: ignore[attr-defined]
     assert scored[0] is None and all(len(position) == 1 for position in scored[1:])
+    # Beside echo, each keeps its own count of top tokens.
+    both = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+        extra_body={"prompt_logprobs": 3},
+    ).choices[0]  # fmt: skip
+    assert both.logprobs is not None and both.logprobs.top_logprobs
+    assert all(len(top) <= 2 for top in both.logprobs.top_logprobs[1:] if top)
+    assert all(
+        len(position) >= 3
+        for position in both.prompt_logprobs[1:]  # type: ignore[attr-defined]
+    )
     # Left out of answers that did not ask, rather than a null in each.
     plain = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1).choices[0]
     assert "prompt_logprobs" not in plain.model_dump() and "token_ids" not in plain.model_dump()

@@ -47,6 +47,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
             prompt if isinstance(prompt, str) and params.truncation is None else None,
             ctx.tokenizer.decode,
             body.echo_only,
+            body.logprobs,
         )
         if body.echo
         else None

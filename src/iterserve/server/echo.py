@@ -22,6 +22,7 @@ class Echo:
     prompt: str | None
     decode_ids: Callable[[list[int]], str]
     only: bool  # max_tokens 0: the prompt alone, no completion
+    top_n: int | None = None  # the request's `logprobs`: each prompt token's top so many
 
     def prompt_text(self, output: RequestOutput) -> str:
         return self.prompt if self.prompt is not None else self.decode_ids(output.prompt_token_ids)
@@ -44,7 +45,8 @@ class Echo:
         result = CompletionLogprobs(
             text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None]
         )
-        rest = completion_logprobs(scored[1:], decode, len(first))
+        # The engine scored the prompt for the larger of logprobs and prompt_logprobs.
+        rest = completion_logprobs(scored[1:], decode, len(first), self.top_n)
         _extend(result, rest)
         if not self.only:
             shift = len(self.prompt_text(output))

@@ -72,9 +72,13 @@ def prompt_logprobs(
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs | None], decode: Callable[[int], str], text_offset: int
+    entries: Sequence[TokenLogprobs | None],
+    decode: Callable[[int], str],
+    text_offset: int,
+    top_n: int | None = None,
 ) -> CompletionLogprobs:
-    """`text_offset` is where the entries' text starts in the choice."""
+    """`text_offset` is where the entries' text starts in the choice; `top_n`: at most so
+    many of each entry's top (the engine may have scored more for another field)."""
     result = CompletionLogprobs()
     for entry in entries:
         if entry is None:
@@ -85,7 +89,7 @@ def completion_logprobs(
         result.text_offset.append(text_offset)
         text_offset += len(token)
         # The sampled token is listed too, as vLLM does, even when outside the top n.
-        top = {decode(tid): _finite(lp) for tid, lp in entry.top}
+        top = {decode(tid): _finite(lp) for tid, lp in entry.top[:top_n]}
         top.setdefault(token, _finite(entry.logprob))
         result.top_logprobs.append(top)
     return result
