@@ -466,7 +466,9 @@ inline int cpu_family() {
 //     process, 13-15 runs of 20-30 alternations): the K-quants gain from them, Q6_K one row
 //     a median 1.10x (0.96-1.31), Q4_K 1.02x (0.96-1.36), Q5_K 1.03-1.07x, two rows
 //     1.07-1.31x; Q4_0 and Q8_0 lose a little (0.92-1.0: their loops already stream at
-//     0.94-0.98 of a plain read, and a 288-byte unit ahead is too near to help).
+//     0.94-0.98 of a plain read, and a 288-byte unit ahead is too near to help). In the
+//     engine (benchmarks/big_models.py, in turns): a 1B's Q4_K_M batch 1 1.13x in the
+//     median of 10 pairs, an 8B's neutral (6 pairs, the same mean; loops alone 0.99-1.10x).
 //   - The AVX2 build (one tile a step) on Zen 4 kept Q6_K's one row 1.33x faster with them
 //     and Q4_K level; on Intel Cascade Lake they made one row 1.23x faster.
 // ITERSERVE_PREFETCH (0 or 1) forces either way.
