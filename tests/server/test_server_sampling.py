@@ -280,7 +280,9 @@ def test_return_token_ids_whole_and_streamed(client: openai.OpenAI, tiny_llama_d
     assert streamed[0].choices[0].delta.role == "assistant"
     assert streamed[0].prompt_token_ids == prompt_ids  # type: ignore[attr-defined]
     assert all(getattr(chunk, "prompt_token_ids", None) is None for chunk in streamed[1:])
-    pieces = [c.choices[0].token_ids for c in streamed[1:] if c.choices]  # type: ignore[attr-defined]
+    # Every chunk with a choice carries its ids, the role's none.
+    pieces = [c.choices[0].token_ids for c in streamed if c.choices]  # type: ignore[attr-defined]
+    assert pieces[0] == []
     assert [t for piece in pieces for t in piece] == answer_ids
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == chat.choices[0].message.content

@@ -514,6 +514,7 @@ def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.Op
             tool_choice=tool_choice,
             max_tokens=200,
             temperature=0.0,
+            extra_body={"return_token_ids": True},
         )
         answer = client.chat.completions.create(**request)  # type: ignore[call-overload]
         calls = [
@@ -527,6 +528,10 @@ def test_forced_tool_choice_gives_arguments_valid_for_the_tool(client: openai.Op
             jsonschema.validate(json.loads(arguments), schemas[name])
         chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
         assert reassembled(chunks) == ("", calls, "tool_calls")
+        # vLLM's return_token_ids through the call reader: the chunks' ids add up to the
+        # answer's, however the reader split its text into deltas.
+        streamed = [t for c in chunks if c.choices for t in c.choices[0].token_ids or []]
+        assert streamed == answer.choices[0].token_ids  # type: ignore[attr-defined]
 
 
 # ---- offline: LLM.chat with tools -------------------------------------------------------

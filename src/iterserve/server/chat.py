@@ -275,7 +275,9 @@ async def _stream(
         return message([], usage)
 
     def role(index: int, prompt_token_ids: list[int] | None = None) -> str:
-        choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+        choice = ChatStreamChoice(
+            index=index, delta=DeltaMessage(role="assistant", content=""), token_ids=ids([])
+        )
         return message([choice], prompt_token_ids=prompt_token_ids)
 
     usage_chunk = usage_message if body.include_usage else None
