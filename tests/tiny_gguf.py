@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -182,7 +182,9 @@ def write_gguf(
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     if named_chat_templates:
-        writer.add_chat_template([{"name": n, "template": t} for n, t in named_chat_templates.items()])
+        writer.add_chat_template(
+            [{"name": n, "template": t} for n, t in named_chat_templates.items()]
+        )
 
     for name, array in (rope_tensors or {}).items():
         writer.add_tensor(f"{name}.weight", np.ascontiguousarray(array, dtype=np.float32))
@@ -228,3 +230,35 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def split_gguf(source: Path, directory: Path, parts: int) -> list[Path]:
+    """`source` re-written as `parts` files in `directory`, as llama.cpp's `llama-gguf-split`
+    cuts a model (the `gguf` package's writer, whose split keys and part names are
+    llama.cpp's: NAME-00001-of-0000N.gguf): the metadata in the first, the tensors in order,
+    an even count a part. The parts' paths, the first first."""
+    reader = GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    per_part = -(-len(reader.tensors) // parts)
+    writer = GGUFWriter(directory / source.name, arch, split_max_tensors=per_part)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the header's own fields; the writer adds the architecture
+        array = field.types[0] == GGUFValueType.ARRAY
+        writer.add_key_value(
+            name, field.contents(), field.types[0], field.types[-1] if array else None
+        )
+    for tensor in reader.tensors:
+        quantized = tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+        writer.add_tensor(
+            tensor.name,
+            np.array(tensor.data),
+            raw_dtype=tensor.tensor_type if quantized else None,
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    written = sorted(directory.glob(f"{source.stem}-*-of-*.gguf"))
+    assert len(written) == parts, f"{len(reader.tensors)} tensors made {len(written)} parts"
+    return written

@@ -142,7 +142,7 @@ def test_gemma_gguf_metadata_reads_as_the_hf_config(config: transformers.Pretrai
     shape = (config.vocab_size, config.hidden_size)
     tensors = {
         "token_embd.weight": GGUFTensorInfo(
-            "token_embd.weight", shape, GGMLQuantizationType.F32, 0, 0
+            "token_embd.weight", shape, GGMLQuantizationType.F32, 0, 0, Path("unread.gguf")
         )
     }
     ours = gguf_model_config(metadata, tensors)

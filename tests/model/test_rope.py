@@ -273,7 +273,9 @@ def test_gguf_rope_metadata_is_read_or_refused_by_name() -> None:
         "llama.block_count": 1,
         "llama.attention.layer_norm_rms_epsilon": 1e-5,
     }
-    embd = GGUFTensorInfo("token_embd.weight", (VOCAB, 64), GGMLQuantizationType.F32, 0, 0)
+    embd = GGUFTensorInfo(
+        "token_embd.weight", (VOCAB, 64), GGMLQuantizationType.F32, 0, 0, Path("unread.gguf")
+    )
     tensors = {embd.name: embd}
     yarn = {
         "llama.rope.scaling.type": "yarn",

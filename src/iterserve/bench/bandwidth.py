@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from iterserve.model.gguf_parts import part_number, part_paths
+
 if TYPE_CHECKING:
     from iterserve.model.config import ModelConfig
 
@@ -123,8 +125,10 @@ def kv_bytes_per_step(path: Path, context: int, itemsize: int = 2) -> int:
 
 
 def checkpoint_bytes(path: Path) -> int:
-    """A GGUF file's size, or an HF directory's safetensors'."""
+    """A GGUF model's size (all its parts, if split), or an HF directory's safetensors'."""
     if path.is_file():
+        if (number := part_number(path)) is not None:
+            return sum(part.stat().st_size for part in part_paths(path, number[1]))
         return path.stat().st_size
     return sum(shard.stat().st_size for shard in path.glob("*.safetensors"))
 

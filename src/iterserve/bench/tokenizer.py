@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.model.bundled import default_model_path
+from iterserve.model.gguf_parts import model_file
 
 
 def load_tokenizer(spec: str | None = None) -> Any:
@@ -18,9 +19,7 @@ def load_tokenizer(spec: str | None = None) -> Any:
     if not path.exists():
         raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist (never downloaded)")
     if path.is_dir() and not (path / "tokenizer.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            path = ggufs[0]
+        path = model_file(path) or path
     if path.is_file():
         from iterserve.model.gguf_loader import read_gguf_header
         from iterserve.model.tokenizer import tokenizer_from_gguf

@@ -1,4 +1,5 @@
-"""A GGUF file (llama.cpp's single-file format) -> weights in HF names, config and tokenizer."""
+"""A GGUF model (llama.cpp's format: one file, or parts of one, model/gguf_parts.py) -> weights
+in HF names, config and tokenizer."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from iterserve.model.block_formats import BLOCK_FORMATS
 from iterserve.model.config import ModelConfig, rope_every_layer_but
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_blocks import GGUFBlocks, expert_slices, read_bytes
+from iterserve.model.gguf_parts import first_part_name, model_stem, part_paths
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.moe import EXPERT_NAMES, GGUF_ROUTER, gguf_expert_names
@@ -129,13 +131,14 @@ class GGUFTensorInfo:
     name: str
     shape: tuple[int, ...]  # row-major, as numpy and torch see it (GGUF stores it reversed)
     qtype: GGMLQuantizationType
-    offset: int  # absolute byte offset in the file
+    offset: int  # absolute byte offset in its file
     nbytes: int
+    path: Path  # the file holding it: a split model's part
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     metadata, tensors = read_gguf_header(path)
-    config = _config(path, metadata, tensors)
+    config = _config(metadata, tensors)
     weights, quantized = _load_weights(
         path, tensors, config, metadata["general.architecture"], dtype
     )
@@ -145,7 +148,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         weights=weights,
         tokenizer=tokenizer,
         chat_template=metadata.get("tokenizer.chat_template"),
-        name=_QUANT_SUFFIX.sub("", path.stem),
+        name=_QUANT_SUFFIX.sub("", model_stem(path)),
         quantized=quantized,
         rerank_template=metadata.get("tokenizer.chat_template.rerank"),
     )
@@ -173,17 +176,52 @@ def _one_score_row(loaded: LoadedModel, metadata: dict[str, Any]) -> None:
 
 def read_gguf_config(path: Path) -> ModelConfig:
     """A GGUF's model config alone, from its header (and rope tensors): no weights read."""
-    return _config(path, *read_gguf_header(path))
+    return _config(*read_gguf_header(path))
 
 
-def _config(
-    path: Path, metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]
-) -> ModelConfig:
-    return gguf_model_config(metadata, tensors, _read_rope_tensors(path, tensors))
+def _config(metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]) -> ModelConfig:
+    return gguf_model_config(metadata, tensors, _read_rope_tensors(tensors))
 
 
 def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
-    """Metadata and tensor table, without reading tensor data.
+    """A GGUF model's metadata and every tensor's place, without reading tensor data: the
+    file's own, or, for the first part of a split model, the first part's metadata and the
+    tensors of all its parts (each found in its own file, checked as llama.cpp checks them)."""
+    metadata, tensors = _read_file_header(path)
+    count = int(metadata.get("split.count", 1))
+    if count <= 1:
+        return metadata, tensors
+    number = int(metadata.get("split.no", 0)) + 1
+    if number != 1:
+        raise ModelLoadError(
+            f"{path.name} is part {number} of {count} of a split GGUF: load the model by its "
+            f"first part, {first_part_name(path, number, count)}"
+        )
+    for number, part in enumerate(part_paths(path, count)[1:], start=2):
+        if not part.is_file():
+            raise ModelLoadError(
+                f"{path.name} is part 1 of {count}: part {number}, {part}, is missing"
+            )
+        part_metadata, part_tensors = _read_file_header(part)
+        found = (int(part_metadata.get("split.no", -1)) + 1, part_metadata.get("split.count"))
+        if found != (number, count):
+            raise ModelLoadError(
+                f"{part} says it is part {found[0]} of {found[1]}, where {path.name} makes it "
+                f"part {number} of {count}"
+            )
+        if repeated := tensors.keys() & part_tensors.keys():
+            raise ModelLoadError(f"{part} repeats tensors of earlier parts: {sorted(repeated)[:3]}")
+        tensors.update(part_tensors)
+    expected = metadata.get("split.tensors.count")
+    if expected is not None and expected != len(tensors):
+        raise ModelLoadError(
+            f"{path.name}'s {count} parts hold {len(tensors)} tensors where it says {expected}"
+        )
+    return metadata, tensors
+
+
+def _read_file_header(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
+    """One file's metadata and tensor table, without reading tensor data.
 
     gguf.GGUFReader does the same but wraps every string of the vocabulary in its own numpy
     memmap view, which takes ~5 s on the bundled file; struct over an mmap takes ~0.1 s (measured once).
@@ -208,7 +246,7 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorIn
     for name, shape, qtype, offset in table:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape)) // block_size * type_size
-        tensors[name] = GGUFTensorInfo(name, shape, qtype, data_start + offset, nbytes)
+        tensors[name] = GGUFTensorInfo(name, shape, qtype, data_start + offset, nbytes, path)
     return metadata, tensors
 
 
@@ -261,15 +299,13 @@ class _Cursor:
         return name, tuple(reversed(dims)), qtype, offset
 
 
-def _read_rope_tensors(path: Path, tensors: dict[str, GGUFTensorInfo]) -> dict[str, list[float]]:
+def _read_rope_tensors(tensors: dict[str, GGUFTensorInfo]) -> dict[str, list[float]]:
     found = {}
-    with path.open("rb") as file:
-        for name in _ROPE_TENSORS:
-            if (info := tensors.get(name)) is not None:
-                if info.qtype != GGMLQuantizationType.F32:
-                    raise ModelLoadError(f"GGUF tensor {name} is {info.qtype.name}, not F32")
-                file.seek(info.offset)
-                found[name] = np.frombuffer(file.read(info.nbytes), np.float32).tolist()
+    for name in _ROPE_TENSORS:
+        if (info := tensors.get(name)) is not None:
+            if info.qtype != GGMLQuantizationType.F32:
+                raise ModelLoadError(f"GGUF tensor {name} is {info.qtype.name}, not F32")
+            found[name] = read_bytes(info.path, info.offset, info.nbytes).view(np.float32).tolist()
     return found
 
 
@@ -566,7 +602,7 @@ def _load_weights(
     # the layer's three stacks are dequantized once each, not once per expert.
     @functools.lru_cache(maxsize=3)
     def stack(name: str) -> torch.Tensor:
-        return _dequantized(path, tensors[name])
+        return _dequantized(tensors[name])
 
     for info in tensors.values():
         if info.name in _ROPE_TENSORS:
@@ -582,7 +618,7 @@ def _load_weights(
                 weights.add(name, info.shape[1:], functools.partial(_expert, stack, info, e, dtype))
             if kept:
                 whole = GGUFBlocks(
-                    path,
+                    info.path,
                     info.offset,
                     (info.shape[0] * info.shape[1], info.shape[2]),
                     BLOCK_FORMATS[qtype],
@@ -594,14 +630,20 @@ def _load_weights(
         # names carry HF's values (LlamaForCausalLM.load_weights adds the 1 again).
         norm_offset = bool(config.traits.norm_offset and "norm" in name)
         heads = rope_heads.get(name.split(".")[-2])
-        make = functools.partial(_tensor, path, info, dtype, norm_offset, heads)
-        native = functools.partial(_tensor, path, info, None, norm_offset, heads)
+        make = functools.partial(_tensor, info, dtype, norm_offset, heads)
+        native = functools.partial(_tensor, info, None, norm_offset, heads)
         weights.add(name, info.shape, make, native)
         if kept and len(info.shape) == 2:
             rows = (
                 None if heads is None else unpermute_rope_rows(torch.arange(info.shape[0]), heads)
             )
-            blocks[name] = GGUFBlocks(path, info.offset, info.shape, BLOCK_FORMATS[qtype], rows)  # type: ignore[arg-type]
+            blocks[name] = GGUFBlocks(
+                info.path,
+                info.offset,
+                info.shape,  # type: ignore[arg-type]
+                BLOCK_FORMATS[qtype],
+                rows,
+            )
     if expanded:
         logger.warning(
             "%s: tensors in %s have no quantized kernel and are dequantized to %s at load "
@@ -628,9 +670,9 @@ def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:
     return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 
 
-def _dequantized(path: Path, info: GGUFTensorInfo) -> torch.Tensor:
+def _dequantized(info: GGUFTensorInfo) -> torch.Tensor:
     """A tensor's values: 16-bit floats as they are, every other type as fp32."""
-    raw = read_bytes(path, info.offset, info.nbytes)
+    raw = read_bytes(info.path, info.offset, info.nbytes)
     if info.qtype == GGMLQuantizationType.F16:
         return torch.from_numpy(raw.view(np.float16).reshape(info.shape))
     if info.qtype == GGMLQuantizationType.BF16:
@@ -640,19 +682,18 @@ def _dequantized(path: Path, info: GGUFTensorInfo) -> torch.Tensor:
     try:
         array = dequantize(raw.reshape(*info.shape[:-1], -1), info.qtype).reshape(info.shape)
     except NotImplementedError as error:
-        raise ModelLoadError(f"{path}: tensor {info.name}: {error}") from error
+        raise ModelLoadError(f"{info.path}: tensor {info.name}: {error}") from error
     return torch.from_numpy(array)
 
 
 def _tensor(
-    path: Path,
     info: GGUFTensorInfo,
     dtype: torch.dtype | None,
     norm_offset: bool,
     rope_heads: int | None,
 ) -> torch.Tensor:
     """The tensor in `dtype`, or (None) as stored: fp16 and bf16 stay so, the rest fp32."""
-    tensor = _dequantized(path, info)
+    tensor = _dequantized(info)
     if norm_offset:
         tensor = tensor.float() - 1
     if rope_heads is not None:

@@ -15,6 +15,7 @@ import torch
 from iterserve.model.bundled import default_model_path
 from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig, rope_every_layer_but
 from iterserve.model.errors import ModelLoadError
+from iterserve.model.gguf_parts import model_file
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.rope import UnsupportedRope, rope_type_of, rotary_dims, served_rope
@@ -77,15 +78,15 @@ def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> 
         hint = " (iterserve never downloads: pass a local directory or .gguf file)"
         raise ModelLoadError(f"model path {str(path)!r} does not exist{hint}")
     if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) != 1:
+        if (gguf := model_file(path)) is None:
+            ggufs = sorted(path.glob("*.gguf"))
             found = f"several GGUF files ({', '.join(p.name for p in ggufs)})" if ggufs else "none"
             raise ModelLoadError(
                 f"{path} has no config.json, so it is not an HF model directory, and it holds "
-                f"{found} where exactly one GGUF file would do; pass a file or a directory "
-                "with config.json"
+                f"{found} where one GGUF model (a file, or the parts of a split one) would do; "
+                "pass a file or a directory with config.json"
             )
-        path = ggufs[0]
+        path = gguf
     if path.is_file():
         # Deferred: only GGUF files need the gguf package.
         from iterserve.model.gguf_loader import load_gguf

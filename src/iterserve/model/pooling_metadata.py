@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.model.errors import ModelLoadError
+from iterserve.model.gguf_parts import model_file
 from iterserve.model.loader import is_bare_model, is_classifier
 from iterserve.pooling_params import PoolingType
 
@@ -55,8 +56,7 @@ class PoolingMetadata:
 def read_pooling_metadata(path: Path) -> PoolingMetadata:
     """The checkpoint's embedding metadata (an HF directory or a GGUF file)."""
     if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        path = ggufs[0] if len(ggufs) == 1 else path
+        path = model_file(path) or path
     if path.is_file():
         return _from_gguf(path)
     config = _json(path / "config.json") or {}
