@@ -57,7 +57,8 @@ four bandwidth readings agree within 15%: the engines compared on the same memor
 
 The first line names the CPU's vector extensions and the kernels' variant. --isa avx2 runs
 iterserve with ITERSERVE_ISA=avx2 (and torch held to AVX2, as docs/benchmarks.md says) and
-llama.cpp's LLAMA_CPP_ISA=avx2 build. This script never starts llama.cpp's ~10-minute build:
+llama.cpp's LLAMA_CPP_ISA=avx2 build; --isa avx2vnni the same with AVX-VNNI's dot products
+in both. This script never starts llama.cpp's ~10-minute build:
 without it, it says how to make it and runs iterserve alone. Asserts nothing.
 
     .venv/bin/python benchmarks/big_models.py      # llama-1b,llama-3b,llama-8b; Q4_K_M; both engines
@@ -98,8 +99,8 @@ GIB, MIB = 2**30, 2**20
 # How often the guard reads a child's RSS: a load grows by a GB or two a second at most.
 _POLL_SECONDS = 0.1
 # docs/benchmarks.md: with ITERSERVE_ISA=avx2, torch's own paths held to AVX2 as well.
+# Torch held to AVX2 beside iterserve's AVX2 kernels (with ITERSERVE_ISA set to the variant).
 _AVX2_ENV = {
-    "ITERSERVE_ISA": "avx2",
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
@@ -303,8 +304,8 @@ def child_iterserve(
 def llama_cpp_bin(isa: str | None) -> str | None:
     """llama_cpp.sh's binary directory for this ISA if it is built (never builds it)."""
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_ISA"}
-    if isa == "avx2":
-        env["LLAMA_CPP_ISA"] = "avx2"
+    if isa is not None:
+        env["LLAMA_CPP_ISA"] = isa
     found = subprocess.run(
         ["bash", str(LLAMA_CPP_SH), "where"], env=env, capture_output=True, text=True
     )
@@ -312,7 +313,7 @@ def llama_cpp_bin(isa: str | None) -> str | None:
 
 
 def how_to_build(isa: str | None) -> str:
-    prefix = "LLAMA_CPP_ISA=avx2 " if isa == "avx2" else ""
+    prefix = f"LLAMA_CPP_ISA={isa} " if isa else ""
     return f"`{prefix}benchmarks/peers/llama_cpp.sh path` (~10 minutes, once)"
 
 
@@ -628,7 +629,12 @@ def main() -> None:
     parser.add_argument("--keep-f16", action="store_true", help="keep the F16 files (14 GB for an 8B)")
     parser.add_argument("--random-blocks", action="store_true", help="write Q4_K_M (or MXFP4_MOE: gpt-oss) files directly as random blocks in llama-quantize's layout: no F16 file (Qwen3-30B-A3B's is 61 GB), weights that say nothing")
     parser.add_argument("--memory-limit-gib", type=float, default=21.0, help="a child past it is killed")
-    parser.add_argument("--isa", choices=("avx2",), default=None, help="the AVX2 kernels of both engines")
+    parser.add_argument(
+        "--isa",
+        choices=("avx2", "avx2vnni"),
+        default=None,
+        help="the AVX2 kernels of both engines (avx2vnni: with AVX-VNNI's dot products)",
+    )
     parser.add_argument("--llama-cpp", default=None, help="llama.cpp's bin directory (default: llama_cpp.sh's, if built)")
     parser.add_argument("--llama-cpp-args", default="", help="more arguments for llama-batched-bench: '-lm none' reads the file rather than map it, where its repacked weights would otherwise sit in memory beside their mapped pages (~1.8x the file)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each engine on each file, in turns")
@@ -664,14 +670,15 @@ def main() -> None:
     work = Path(args.workdir).expanduser()
     logs = work / "logs"
     work.mkdir(parents=True, exist_ok=True)
-    iterserve_env = {**os.environ, **(_AVX2_ENV if args.isa == "avx2" else {})}
+    forced = {"ITERSERVE_ISA": args.isa, **_AVX2_ENV} if args.isa else {}
+    iterserve_env = {**os.environ, **forced}
 
     bench_bin = args.llama_cpp or llama_cpp_bin(args.isa)
     quantize_bin = bench_bin or llama_cpp_bin(None) or llama_cpp_bin("avx2")
     peer = f"not run (--engines {args.engines})"
     if "llama.cpp" in engines:
         peer = bench_bin or (
-            f"{'the AVX2 build ' if args.isa else ''}is not built: make it with "
+            f"{f'the {args.isa} build ' if args.isa else ''}is not built: make it with "
             f"{how_to_build(args.isa)}; skipping llama.cpp"
         )
         if bench_bin is None:
@@ -680,7 +687,7 @@ def main() -> None:
     results: dict[str, Any] = {"args": vars(args), "llama_cpp": peer, "files": {}, "runs": []}
     bandwidth = None
     if not args.prepare_only:
-        warm_env = {**os.environ, **({"ITERSERVE_ISA": "avx2"} if args.isa else {})}
+        warm_env = {**os.environ, **({"ITERSERVE_ISA": args.isa} if args.isa else {})}
         child = run_guarded(
             _python_child("warm-up", "--threads", str(args.threads)),
             warm_env,

@@ -9,8 +9,9 @@
 #   benchmarks/peers/llama_cpp.sh where                    # where they are if built, else exit 1 (never builds)
 #
 # LLAMA_CPP_ISA=avx2 builds (in its own directory) for AVX2 + FMA + F16C with AVX-512 off, to
-# compare with iterserve's ITERSERVE_ISA=avx2 on an AVX-512 machine; the default builds for
-# the CPU it runs on (GGML_NATIVE; AMX off, below).
+# compare with iterserve's ITERSERVE_ISA=avx2 on an AVX-512 machine; LLAMA_CPP_ISA=avx2vnni
+# the same with AVX-VNNI on (GGML_AVX_VNNI), against ITERSERVE_ISA=avx2vnni; the default
+# builds for the CPU it runs on (GGML_NATIVE; AMX off, below).
 #
 # Shapes: 128 prompt tokens and 128 generated tokens per sequence, 2 threads, independent prompts.
 # Output: llama-batched-bench's table; S_TG t/s is decode tok/s over the whole batch.
@@ -29,11 +30,12 @@ if grep -qw amx_tile /proc/cpuinfo 2>/dev/null && [ "$ISA" = native ]; then
   NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   ISA_FLAGS+=(-DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX")
 fi
-if [ "$ISA" = avx2 ]; then
-  BUILD=build-avx2
+if [ "$ISA" = avx2 ] || [ "$ISA" = avx2vnni ]; then
+  BUILD=build-$ISA
+  AVX_VNNI=OFF; [ "$ISA" = avx2vnni ] && AVX_VNNI=ON
   ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
              -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
-             -DGGML_AVX_VNNI=OFF)
+             -DGGML_AVX_VNNI=$AVX_VNNI)
 fi
 BIN=$CACHE/src/vendor/llama.cpp/$BUILD/bin
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

@@ -5,13 +5,24 @@ dot products a cycle where a Zen 4 takes one; docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
 from iterserve import kernels
 
 # The extensions that decide which kernels run, in the order they are printed.
-_EXTENSIONS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "asimd", "asimddp")
+_EXTENSIONS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "asimd",
+    "asimddp",
+)
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:
@@ -45,8 +56,12 @@ def cpu_line() -> str:
     flags = kernels.cpu_flags()
     have = " ".join(flag for flag in _EXTENSIONS if flag in flags) or "no vector extensions"
     runnable = kernels.runnable_isas()
+    on = kernels.available()  # first: a variant that fails to build gives way to the next
     chosen = kernels.isa()
-    how = "forced by ITERSERVE_ISA" if runnable and chosen != runnable[0] else "best here"
-    variant = f"{chosen} ({how})" if kernels.available() else f"off ({kernels.why_unavailable()})"
+    if os.environ.get("ITERSERVE_ISA"):
+        how = "forced by ITERSERVE_ISA"
+    else:
+        how = "best here" if runnable and chosen == runnable[0] else "best that built here"
+    variant = f"{chosen} ({how})" if on else f"off ({kernels.why_unavailable()})"
     model = cpu_model()
     return f"cpu {platform.machine()}{f' {model}' if model else ''} {have}; kernels {variant}"

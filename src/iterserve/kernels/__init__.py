@@ -78,6 +78,16 @@ ISAS: tuple[Isa, ...] = (
         (*_AVX512_FLAGS, "-mavx512vnni"),
     ),
     Isa("avx512", "x86_64", _AVX512, "AVX512", _AVX512_FLAGS),
+    # AVX2 with AVX-VNNI's ymm dot products: Intel's client cores since Alder Lake and its
+    # E-core Xeons (Sierra Forest), none of which have AVX-512. The many-row loops run
+    # 1.2-2.3x AVX2's (benchmarks/tiles_timing.cpp, docs/kernels.md).
+    Isa(
+        "avx2vnni",
+        "x86_64",
+        ("avx2", "fma", "f16c", "avx_vnni"),
+        "AVX2",
+        ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+    ),
     Isa("avx2", "x86_64", ("avx2", "fma", "f16c"), "AVX2", ("-mavx2", "-mfma", "-mf16c")),
     Isa("neondot", "aarch64", ("asimd", "asimddp"), "DEFAULT", ("-march=armv8.2-a+dotprod",)),
     Isa("neon", "aarch64", ("asimd",), "DEFAULT", ("-march=armv8-a",)),
@@ -125,12 +135,18 @@ def runnable_isas() -> list[str]:
     return [isa.name for isa in ISAS if _cpu_runs(isa)]
 
 
+# Variants whose build failed here: the choice moves on to the next one the CPU runs (a
+# compiler older than a variant's flags, GCC 10 and -mavxvnni say, still builds AVX2).
+_FAILED_BUILDS: set[str] = set()
+
+
 def isa() -> str | None:
-    """The variant the engine runs: ITERSERVE_ISA if set, else the best this CPU has."""
+    """The variant the engine runs: ITERSERVE_ISA if set, else the best this CPU has (of
+    those that built, once `available()` has tried)."""
     forced = os.environ.get("ITERSERVE_ISA")
     if forced:
         return forced
-    runnable = runnable_isas()
+    runnable = [name for name in runnable_isas() if name not in _FAILED_BUILDS]
     return runnable[0] if runnable else None
 
 
@@ -159,8 +175,16 @@ def why_unavailable(name: str | None = None) -> str | None:
 
 
 def available(name: str | None = None) -> bool:
-    """Build (first time) and load the (selected) variant; False, said once, if it cannot run."""
-    return _load(name or isa() or "") is not None
+    """Build (first time) and load the (selected) variant; False, said once, if it cannot run.
+    Unnamed and not forced, a variant whose build fails gives way to the next one."""
+    if name or os.environ.get("ITERSERVE_ISA"):
+        return _load(name or isa() or "") is not None
+    while (chosen := isa()) is not None:
+        if _load(chosen) is not None:
+            return True
+        if chosen not in _FAILED_BUILDS:
+            return False  # not a build's failure (no compiler, turned off): none would do
+    return False
 
 
 def ops(name: str | None = None) -> Any:
@@ -182,11 +206,15 @@ def _load(name: str) -> str | None:
         try:
             _build_and_load(_BY_NAME[name])
         except Exception as error:  # a failed build must never stop the engine
-            reason = f"the build failed: {str(error).strip().splitlines()[-1:]}"
-    if reason is not None:
+            reason = f"the {name} build failed: {str(error).strip().splitlines()[-1:]}"
+            _FAILED_BUILDS.add(name)
+    if reason is None:
+        return name
+    if name in _FAILED_BUILDS and not os.environ.get("ITERSERVE_ISA") and isa() is not None:
+        logger.warning("iterserve C++ kernels: %s; trying %s", reason, isa())
+    else:
         logger.warning("iterserve C++ kernels are off (%s); using the torch paths", reason)
-        return None
-    return name
+    return None
 
 
 def _ensure_ninja_on_path() -> None:

@@ -12,9 +12,9 @@
 //     has an instruction for it (`vdpbf16ps`); elsewhere the pair is widened to two fp32
 //     vectors (a shift and a mask) and takes two FMAs.
 //   - the int8 dot products of weights kept in GGUF blocks (`dot_u8`, `dot_s8`): VNNI
-//     `vpdpbusd` on AVX-512, `vpmaddubsw` + `vpmaddwd` on AVX2, `sdot` on Arm with the
-//     dot-product extension, a plain loop elsewhere; and `lookup16` (a byte table, for the
-//     IQ4 formats' values).
+//     `vpdpbusd` with AVX-512 VNNI or AVX-VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2, `sdot` on
+//     Arm with the dot-product extension, a plain loop elsewhere; and `lookup16` (a byte
+//     table, for the IQ4 formats' values).
 //   - lane-wise bit tricks that at::vec spells slowly (bf16 <-> fp32, sums across lanes).
 #pragma once
 
@@ -78,6 +78,8 @@ constexpr const char* kIsaName = "avx512bf16";
 constexpr const char* kIsaName = "avx512vnni";
 #elif defined(CPU_CAPABILITY_AVX512)
 constexpr const char* kIsaName = "avx512";
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__AVXVNNI__)
+constexpr const char* kIsaName = "avx2vnni";
 #elif defined(CPU_CAPABILITY_AVX2)
 constexpr const char* kIsaName = "avx2";
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
@@ -485,12 +487,17 @@ ITERSERVE_INLINE F16 pair_dot(const F16& acc, const Pairs& w, const XPair& x) {
 //   - unsigned values of at most 6 bits (0..63: Q2_K-Q6_K, Q4_x, Q5_x), zero points applied
 //     by the caller through the activations' sums: `dot_u8`, on every ISA;
 //   - signed bytes (-127..127: Q8_0, the IQ4 tables' values): `dot_s8`. VNNI's `vpdpbusd`
-//     multiplies unsigned by signed bytes only, so there the formats store them + 128
-//     (kSignedBias) and the caller takes 128 * sum(x) away; AVX2 and AVX-512 without VNNI
-//     move the activations' signs onto the weights (vpmaddubsw's unsigned operand must be
-//     |x|); Arm's `sdot` takes signed bytes as they are.
+//     (AVX-512's or AVX-VNNI's) multiplies unsigned by signed bytes only, so there the
+//     formats store them + 128 (kSignedBias) and the caller takes 128 * sum(x) away; AVX2 and
+//     AVX-512 without VNNI move the activations' signs onto the weights (vpmaddubsw's
+//     unsigned operand must be |x|); Arm's `sdot` takes signed bytes as they are.
 #if defined(__AVX512VNNI__) && defined(CPU_CAPABILITY_AVX512)
 #define ITERSERVE_VNNI 1
+constexpr int kSignedBias = 128;
+#elif defined(__AVXVNNI__) && defined(CPU_CAPABILITY_AVX2)
+// AVX-VNNI: the same dot products on ymm, VEX-encoded (Intel's cores since Alder Lake and
+// its E-core Xeons, which have no AVX-512; AMD's since Zen 4).
+#define ITERSERVE_AVX_VNNI 1
 constexpr int kSignedBias = 128;
 #else
 constexpr int kSignedBias = 0;
@@ -518,6 +525,13 @@ ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, const 
       _mm512_add_epi16(_mm512_maddubs_epi16(lo.v[0], _mm512_set1_epi32(quad_at(x))),
                        _mm512_maddubs_epi16(hi.v[0], _mm512_set1_epi32(quad_at(x + 4))));
   return I16{{IVec(_mm512_add_epi32(acc.v[0], _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))))}};
+#elif defined(ITERSERVE_AVX_VNNI)
+  const __m256i xl = _mm256_set1_epi32(quad_at(x)), xh = _mm256_set1_epi32(quad_at(x + 4));
+  I16 r;
+  for (int i = 0; i < 2; ++i)
+    r.v[i] = IVec(
+        _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc.v[i], lo.v[i], xl), hi.v[i], xh));
+  return r;
 #elif defined(CPU_CAPABILITY_AVX2)
   const __m256i xl = _mm256_set1_epi32(quad_at(x)), xh = _mm256_set1_epi32(quad_at(x + 4));
   I16 r;
@@ -556,7 +570,7 @@ ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, const 
 // The same for signed weight bytes (-127..127), stored + kSignedBias: with VNNI the sum of
 // (w + 128) x, which the caller corrects; elsewhere sum w x itself.
 ITERSERVE_INLINE I16 dot_s8(const I16& acc, const I16& lo, const I16& hi, const int8_t* x) {
-#if defined(ITERSERVE_VNNI)
+#if defined(ITERSERVE_VNNI) || defined(ITERSERVE_AVX_VNNI)
   return dot_u8(acc, lo, hi, x);
 #elif defined(CPU_CAPABILITY_AVX512)
   // No vpsignb on zmm: negate the weights where x is negative, a masked subtract.
@@ -694,6 +708,10 @@ ITERSERVE_INLINE I16 dot_i16(const I16& acc, const I16& a, const I16& b) {
   return I16{{IVec(_mm512_dpwssd_epi32(acc.v[0], a.v[0], b.v[0]))}};
 #elif defined(CPU_CAPABILITY_AVX512)
   return I16{{IVec(_mm512_add_epi32(acc.v[0], _mm512_madd_epi16(a.v[0], b.v[0])))}};
+#elif defined(ITERSERVE_AVX_VNNI)
+  I16 r;
+  for (int i = 0; i < 2; ++i) r.v[i] = IVec(_mm256_dpwssd_avx_epi32(acc.v[i], a.v[i], b.v[i]));
+  return r;
 #elif defined(CPU_CAPABILITY_AVX2)
   I16 r;
   for (int i = 0; i < 2; ++i) r.v[i] = IVec(_mm256_add_epi32(acc.v[i], _mm256_madd_epi16(a.v[i], b.v[i])));
