@@ -80,7 +80,7 @@ ISAS: tuple[Isa, ...] = (
     Isa("avx512", "x86_64", _AVX512, "AVX512", _AVX512_FLAGS),
     # AVX2 with AVX-VNNI's ymm dot products: Intel's client cores since Alder Lake and its
     # E-core Xeons (Sierra Forest), none of which have AVX-512. The many-row loops run
-    # 1.2-2.3x AVX2's (benchmarks/tiles_timing.cpp, docs/kernels.md).
+    # 1.2-2.3x AVX2's (benchmarks/tiles_timing.cpp, 2026-12-02: docs/benchmarks.md).
     Isa(
         "avx2vnni",
         "x86_64",
