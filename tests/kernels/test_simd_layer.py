@@ -1,7 +1,8 @@
 """The kernels' vector layer on every ISA: simd_check.cpp (each primitive of csrc/simd.h
 against a scalar reference) built and run for each variant this CPU runs, and for Arm64 with
 a cross compiler under qemu-user; the block formats' kernels (blocks_check.cpp) for Arm64
-under qemu; and the kernel sources themselves built for Arm64.
+under qemu, and for AVX2 with AVX-VNNI where the CPU has it; and the kernel sources
+themselves built for Arm64.
 
 The Arm tools come from Debian (`g++-aarch64-linux-gnu`, `qemu-user`); .ci/run installs
 them. Without them the Arm tests skip, saying so, except under CI, where they fail.
@@ -164,13 +165,41 @@ def test_block_formats_on_arm64_under_qemu(tmp_path: Path) -> None:
         _check_block_formats(name, binaries[name], stdin, cases)
 
 
+@pytest.mark.skipif(
+    "avx2vnni" not in kernels.runnable_isas(), reason="this CPU has no AVX-VNNI (avx_vnni)"
+)
+def test_block_formats_with_avx_vnni_give_avx2s_bits(tmp_path: Path) -> None:
+    """AVX2 with AVX-VNNI (`vpdpbusd` on ymm, signed weights stored + 128) makes the same
+    exact integer sums as AVX2's `vpmaddubsw` + `vpmaddwd`: every format decoded as `gguf`
+    decodes it, its products right, and the same bits as the AVX2 build's. Standalone, at
+    -O1, where the CPU's best variant is another (else the kernels' own tests run it)."""
+    variants = ["avx2vnni", "avx2"]
+    binaries = {name: tmp_path / f"blocks_check_{name}" for name in variants}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [
+            pool.submit(_build, "c++", kernels.describe(name), BLOCKS_CHECK, out, opt="-O1")  # type: ignore[arg-type]
+            for name, out in binaries.items()
+        ]:
+            future.result()
+    stdin, cases = _block_cases()
+    outputs = {
+        name: _check_block_formats(name, binaries[name], stdin, cases, runner=[])
+        for name in variants
+    }
+    np.testing.assert_array_equal(outputs["avx2vnni"], outputs["avx2"])
+
+
 def _check_block_formats(
     name: str,
     binary: Path,
     stdin: bytes,
     cases: list[tuple[str, int, int, int, np.ndarray, torch.Tensor]],
-) -> None:
-    done = subprocess.run([QEMU, str(binary)], input=stdin, capture_output=True)
+    runner: list[str] | None = None,
+) -> np.ndarray:
+    """Runs `binary` (under qemu unless `runner` says otherwise) on the cases, checks what it
+    wrote, and returns it."""
+    command = [QEMU] if runner is None else runner
+    done = subprocess.run([*command, str(binary)], input=stdin, capture_output=True)
     assert done.returncode == 0, (name, done.stderr[-3000:])
     out = np.frombuffer(done.stdout, dtype=np.float32)
     at = 0
@@ -189,3 +218,4 @@ def _check_block_formats(
         )
         np.testing.assert_array_equal(alone, together, err_msg=f"{name} {qtype}")  # alone too
     assert at == out.size
+    return out

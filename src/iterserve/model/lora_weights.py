@@ -149,7 +149,7 @@ def _load_gguf(path: Path, config: ModelConfig) -> AdapterWeights:
             raise LoRAError(
                 f"{str(path)!r}: tensor {name!r} adapts no projection of this model"
             ) from None
-        tensor = _dequantized(path, info).float()
+        tensor = _dequantized(info).float()
         short = module.rsplit(".", 1)[-1]
         if which == "b" and permutes_rope_rows(arch) and short in heads:
             tensor = unpermute_rope_rows(tensor, heads[short])
