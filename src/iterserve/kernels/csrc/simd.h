@@ -502,6 +502,11 @@ constexpr int kSignedBias = 128;
 #else
 constexpr int kSignedBias = 0;
 #endif
+#if defined(ITERSERVE_AVX_VNNI)
+constexpr bool kAvxVnni = true;
+#else
+constexpr bool kAvxVnni = false;
+#endif
 
 // 4 activation bytes as one int32, read where they lie: broadcast from memory (a load-port
 // broadcast, or VNNI's embedded one), never through a general register, whose broadcast takes

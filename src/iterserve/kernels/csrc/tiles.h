@@ -680,10 +680,13 @@ inline int64_t sweep_slab_rows(int64_t K) {
 // Q6_K's, Q3_K's and Q2_K's halves of a block take twice the sums, so 2 rows a group
 // (1.15x 4 rows on Q6_K at 16 rows, the timing above sweep_tiles; forced AVX2 on the same
 // machine: 4 rows a group for the others kept Q4_0 and Q4_K at the register road's speed,
-// where 2 made Q4_0 0.9x).
-constexpr int sweep_tiles_per_step() { return kParts == 1 ? 2 : 1; }
+// where 2 made Q4_0 0.9x). AVX2 with AVX-VNNI, whose dot products are a third of AVX2's
+// instructions, takes two tiles and 2 rows a group: Q4_0, Q4_K, Q6_K and Q8_0 1.03-1.08x
+// one tile and 4 rows at 16 and 128 rows (benchmarks/tiles_timing.cpp, 2048 x 2048, one
+// thread, 3 runs in turns, 2026-12-02, Zen 5), where plain AVX2 was level with it.
+constexpr int sweep_tiles_per_step() { return kParts == 1 || kAvxVnni ? 2 : 1; }
 template <int H>
-constexpr int sweep_rows() { return H == 1 ? 4 : 2; }
+constexpr int sweep_rows() { return H == 1 && !kAvxVnni ? 4 : 2; }
 
 struct Segment {
   Format format;
