@@ -12,6 +12,7 @@ import torch
 from iterserve import kernels
 from iterserve.config import ConfigError, EngineConfig
 from iterserve.model.config import ModelConfig
+from iterserve.model.file_bytes import shared_slice_reader
 from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.host_memory import packed_weight_buffers, release_freed_memory
 from iterserve.model.linear import Backend, WeightMode, onednn_usable
@@ -121,7 +122,7 @@ def build_model(
     model = LlamaForCausalLM(loaded.config, dtype, device)
     backend = choose_backend(config, dtype, device)
     choice = choose_weights(config, loaded, backend)
-    with packed_weight_buffers():
+    with packed_weight_buffers(), shared_slice_reader():
         model.load(loaded.weights, backend, choice.quantized, choice.mode)
     release_freed_memory()
     if config.lora.enabled:  # slotted projections (lora_model.py)

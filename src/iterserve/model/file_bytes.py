@@ -1,27 +1,197 @@
 """A file's bytes read where they are, into memory of their own: how checkpoints are read
 (GGUF's blocks, model/gguf_blocks.py; safetensors' tensors, model/safetensors_file.py).
 Not through a mapping: a mapped file's touched pages stay in the process's resident set
-until it is unmapped, so a load would hold the file beside what it built from it."""
+until it is unmapped, so a load would hold the file beside what it built from it.
+
+A load reads its quantized tensors a slice at a time into one buffer (`SliceReader`), which
+each slice's repack consumes before the next is read: a fresh buffer a slice had the kernel
+find and zero new pages for every slice, as many bytes as the file again. Where the page
+cache does not hold a slice, it is read straight from the disk (`O_DIRECT`): through the page
+cache the kernel fills a page of its own for every page of the file and copies it out, and
+the file stays cached after the load, beside the weights built from it (llama.cpp's
+`--direct-io` for the same reason). A slice the page cache holds (a file read a moment ago,
+a test's tiny file) is copied from it. Measured on an 8B Q4_K_M (docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import mmap
+import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 import numpy as np
+
+# O_DIRECT's transfers start, end and land on multiples of this (the logical block size of
+# the devices people use is 512 or 4096).
+_DIRECT_ALIGN = 4096
+# A slice is read through the page cache when at least this share of its pages is there.
+_CACHED_SHARE = 0.5
 
 
 def read_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
     """`nbytes` of the file from `offset`, as a writable uint8 array of its own."""
     buffer = np.empty(nbytes, dtype=np.uint8)
-    with path.open("rb", buffering=0) as file:
-        file.seek(offset)
-        view = memoryview(buffer)
-        done = 0
-        while done < nbytes:
-            count = file.readinto(view[done:])
-            if not count:
-                raise OSError(
-                    f"{path}: ended {nbytes - done} bytes early at offset {offset + done}"
-                )
-            done += count
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _read_fully(fd, path, offset, memoryview(buffer))
+    finally:
+        os.close(fd)
     return buffer
+
+
+def _read_fully(fd: int, path: Path, offset: int, view: memoryview, need: int | None = None) -> int:
+    """Fills `view` from the file at `offset` (or at least its first `need` bytes: a direct
+    read past the file's end stops at it); returns the bytes read."""
+    need = len(view) if need is None else need
+    done = 0
+    while done < need:
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if not count:
+            raise OSError(f"{path}: ended {need - done} bytes early at offset {offset + done}")
+        done += count
+    return done
+
+
+class SliceReader:
+    """A load's reads of large tensors, a slice at a time, into one buffer: `read` returns a
+    view of it that the next read overwrites. Files stay open until `close`."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.uint8)
+        self._files: dict[Path, _OpenFile] = {}
+
+    def read(self, path: Path, offset: int, nbytes: int) -> np.ndarray:
+        """`nbytes` of the file from `offset`, as a uint8 view valid until the next read."""
+        file = self._files.get(path)
+        if file is None:
+            file = self._files[path] = _OpenFile(path)
+        if file.direct is not None and not file.cached(offset, nbytes):
+            start = offset - offset % _DIRECT_ALIGN
+            end = -(-(offset + nbytes) // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            buffer = self._aligned(end - start)
+            try:
+                _read_fully(file.direct, path, start, memoryview(buffer), offset + nbytes - start)
+                return buffer[offset - start : offset - start + nbytes]
+            except OSError as error:
+                if error.errno is None:  # the file ended early: not the flag's doing
+                    raise
+                file.stop_direct()  # a file system that takes the flag but not the reads
+        buffer = self._aligned(nbytes)
+        _read_fully(file.fd, path, offset, memoryview(buffer))
+        return buffer
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+        self._buffer = np.empty(0, dtype=np.uint8)
+
+    def _aligned(self, nbytes: int) -> np.ndarray:
+        """The buffer's first `nbytes`, from an O_DIRECT-aligned address; grown as needed."""
+        if self._buffer.size < nbytes + _DIRECT_ALIGN:
+            self._buffer = np.empty(nbytes + _DIRECT_ALIGN, dtype=np.uint8)
+        start = -self._buffer.ctypes.data % _DIRECT_ALIGN
+        return self._buffer[start : start + nbytes]
+
+
+class _OpenFile:
+    """A file open for reads through the page cache, and where the system allows, for reads
+    around it."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.direct: int | None = None
+        direct_flag = getattr(os, "O_DIRECT", 0)
+        if direct_flag and _libc() is not None:
+            with contextlib.suppress(OSError):  # tmpfs and some others refuse the flag
+                self.direct = os.open(path, os.O_RDONLY | direct_flag)
+
+    def cached(self, offset: int, nbytes: int) -> bool:
+        return _resident_share(self.fd, offset, nbytes) >= _CACHED_SHARE
+
+    def stop_direct(self) -> None:
+        if self.direct is not None:
+            os.close(self.direct)
+            self.direct = None
+
+    def close(self) -> None:
+        self.stop_direct()
+        os.close(self.fd)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's mmap, munmap and mincore, or None where there are none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        )
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _resident_share(fd: int, offset: int, nbytes: int) -> float:
+    """The share of the file's pages in [offset, offset + nbytes) that the page cache holds
+    (mincore on a mapping that is never touched); 1 where it cannot be asked."""
+    libc = _libc()
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = offset - offset % page
+    length = offset + nbytes - start
+    if libc is None or length <= 0:
+        return 1.0
+    address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    if address in (None, ctypes.c_void_p(-1).value):
+        return 1.0
+    try:
+        pages = -(-length // page)
+        resident = ctypes.create_string_buffer(pages)
+        if libc.mincore(address, length, resident) != 0:
+            return 1.0
+        flags = np.frombuffer(resident.raw, dtype=np.uint8)
+        return float(np.count_nonzero(flags & 1)) / pages
+    finally:
+        libc.munmap(address, length)
+
+
+_READER: ContextVar[SliceReader | None] = ContextVar("iterserve_slice_reader", default=None)
+
+
+@contextlib.contextmanager
+def shared_slice_reader() -> Iterator[None]:
+    """Within, `slice_reader` gives every caller the same reader (a model's load)."""
+    reader = SliceReader()
+    token = _READER.set(reader)
+    try:
+        yield
+    finally:
+        _READER.reset(token)
+        reader.close()
+
+
+@contextlib.contextmanager
+def slice_reader() -> Iterator[SliceReader]:
+    """The load's reader, or one of its own for a read outside a load."""
+    shared = _READER.get()
+    if shared is not None:
+        yield shared
+        return
+    reader = SliceReader()
+    try:
+        yield reader
+    finally:
+        reader.close()

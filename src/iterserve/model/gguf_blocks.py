@@ -3,10 +3,10 @@ projections are built from (model/linear.py), one tensor at a time, straight int
 kernels' tiles. A GGUF tensor's (`GGUFBlocks`), or another file's blocks of a GGUF format
 (model/safetensors_mxfp4.py: OpenAI's MXFP4 experts).
 
-The bytes are read with positioned reads, a slice of rows at a time, into a buffer that is
-dropped after its rows are repacked: nothing keeps the file mapped, so a load's resident
-memory is the tiles it built plus one slice (a mapped file's touched pages would stay
-resident until unmapped).
+The bytes are read with positioned reads, a slice of rows at a time, into the load's one
+buffer (model/file_bytes.py `SliceReader`), which the next slice overwrites once its rows
+are repacked: nothing keeps the file mapped, so a load's resident memory is the tiles it
+built plus one slice (a mapped file's touched pages would stay resident until unmapped).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from iterserve.model.block_formats import TILE, BlockFormat, padded_rows, repack
-from iterserve.model.file_bytes import read_bytes
+from iterserve.model.file_bytes import SliceReader, read_bytes, slice_reader
 from iterserve.model.host_memory import weight_buffer
 
 # Bytes of file read at once when repacking a large tensor.
@@ -52,20 +52,28 @@ class QuantizedBlocks(ABC):
         values = torch.from_numpy(dequantize(self.read(), qtype).reshape(self.shape))
         return values if self.rows is None else values[self.rows]
 
+    def read_slice(self, reader: SliceReader, start: int, stop: int) -> np.ndarray:
+        """Stored rows [start, stop) as `read` gives them, possibly in `reader`'s buffer
+        (valid until its next read)."""
+        return self.read(start, stop)
+
     def tiles(self, ops: object, out: torch.Tensor | None = None) -> torch.Tensor:
         """The kernels' tiles ([N/16 padded, bytes] uint8), built a slice of rows at a time;
         into `out` if given (rows in their file order only)."""
         n, k = self.shape
-        if self.rows is not None:  # a permutation reads rows anywhere: the whole tensor at once
-            assert out is None
-            padding = torch.full((padded_rows(n) - n,), -1, dtype=torch.long)
-            return repack(ops, self.read(), self.format, k, torch.cat((self.rows.long(), padding)))
-        if out is None:
-            out = weight_buffer(padded_rows(n) // TILE, self.format.bytes_per_tile(k))
-        step = max(TILE, _SLICE_BYTES // self.format.row_bytes(k) // TILE * TILE)
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            repack(ops, self.read(start, stop), self.format, k, out=out, first_tile=start // TILE)
+        with slice_reader() as reader:
+            if self.rows is not None:  # a permutation reads rows anywhere: the whole tensor
+                assert out is None
+                padding = torch.full((padded_rows(n) - n,), -1, dtype=torch.long)
+                raw = self.read_slice(reader, 0, n)
+                return repack(ops, raw, self.format, k, torch.cat((self.rows.long(), padding)))
+            if out is None:
+                out = weight_buffer(padded_rows(n) // TILE, self.format.bytes_per_tile(k))
+            step = max(TILE, _SLICE_BYTES // self.format.row_bytes(k) // TILE * TILE)
+            for start in range(0, n, step):
+                stop = min(n, start + step)
+                raw = self.read_slice(reader, start, stop)
+                repack(ops, raw, self.format, k, out=out, first_tile=start // TILE)
         return out
 
 
@@ -84,6 +92,11 @@ class GGUFBlocks(QuantizedBlocks):
         stop = self.shape[0] if stop is None else stop
         row_bytes = self.format.row_bytes(self.shape[1])
         raw = read_bytes(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes)
+        return raw.reshape(stop - start, row_bytes)
+
+    def read_slice(self, reader: SliceReader, start: int, stop: int) -> np.ndarray:
+        row_bytes = self.format.row_bytes(self.shape[1])
+        raw = reader.read(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes)
         return raw.reshape(stop - start, row_bytes)
 
 
