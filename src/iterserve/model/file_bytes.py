@@ -3,14 +3,18 @@
 Not through a mapping: a mapped file's touched pages stay in the process's resident set
 until it is unmapped, so a load would hold the file beside what it built from it.
 
-A load reads its quantized tensors a slice at a time into one buffer (`SliceReader`), which
-each slice's repack consumes before the next is read: a fresh buffer a slice had the kernel
-find and zero new pages for every slice, as many bytes as the file again. Where the page
-cache does not hold a slice, it is read straight from the disk (`O_DIRECT`): through the page
-cache the kernel fills a page of its own for every page of the file and copies it out, and
-the file stays cached after the load, beside the weights built from it (llama.cpp's
-`--direct-io` for the same reason). A slice the page cache holds (a file read a moment ago,
-a test's tiny file) is copied from it. Measured on an 8B Q4_K_M (docs/benchmarks.md).
+- A load reads its quantized tensors a slice at a time into one buffer (`SliceReader`),
+  which each slice's repack consumes before the next is read. A fresh buffer a slice had the
+  kernel find and zero new pages for every slice: as many bytes as the file again.
+- Bytes the page cache does not hold are read straight from the disk (`O_DIRECT`), as
+  llama.cpp's `--direct-io` reads them. Through the page cache the kernel fills a page of
+  its own for every page of the file, copies it out, and keeps the file cached after the
+  load beside the weights built from it. Bytes it holds (a file read a moment ago, a test's
+  tiny file) are copied from it. A file system that refuses direct reads is read through it.
+- A direct read lands in a buffer aligned as the file's offset is within a 4 KiB block
+  (GGUF aligns its tensors to 32 bytes, safetensors to 8).
+
+Measured on an 8B Q4_K_M: docs/benchmarks.md, "Loading from a cold page cache".
 """
 
 from __future__ import annotations
@@ -34,14 +38,13 @@ _CACHED_SHARE = 0.5
 
 
 def read_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
-    """`nbytes` of the file from `offset`, as a writable uint8 array of its own."""
-    buffer = np.empty(nbytes, dtype=np.uint8)
-    fd = os.open(path, os.O_RDONLY)
+    """`nbytes` of the file from `offset`, as a writable uint8 array of its own (read as a
+    load's slices are: from the disk where the page cache does not hold them)."""
+    reader = SliceReader()
     try:
-        _read_fully(fd, path, offset, memoryview(buffer))
+        return reader.read(path, offset, nbytes)  # a view of the reader's buffer, now its own
     finally:
-        os.close(fd)
-    return buffer
+        reader.close()
 
 
 def _read_fully(fd: int, path: Path, offset: int, view: memoryview, need: int | None = None) -> int:
