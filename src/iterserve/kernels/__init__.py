@@ -211,7 +211,9 @@ def _load(name: str) -> str | None:
     if reason is None:
         return name
     if name in _FAILED_BUILDS and not os.environ.get("ITERSERVE_ISA") and isa() is not None:
-        logger.warning("iterserve C++ kernels: %s; trying %s", reason, isa())
+        # Said where the build fails, whoever asked: the engine's `available()` goes on to
+        # the next variant; a caller that named this one (a test) gets None.
+        logger.warning("iterserve C++ kernels: %s; the engine takes %s instead", reason, isa())
     else:
         logger.warning("iterserve C++ kernels are off (%s); using the torch paths", reason)
     return None
