@@ -47,9 +47,11 @@ def read_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
         reader.close()
 
 
-def _read_fully(fd: int, path: Path, offset: int, view: memoryview, need: int | None = None) -> int:
+def _read_fully(
+    fd: int, path: Path, offset: int, view: memoryview, need: int | None = None
+) -> None:
     """Fills `view` from the file at `offset` (or at least its first `need` bytes: a direct
-    read past the file's end stops at it); returns the bytes read."""
+    read past the file's end stops at it)."""
     need = len(view) if need is None else need
     done = 0
     while done < need:
@@ -57,7 +59,6 @@ def _read_fully(fd: int, path: Path, offset: int, view: memoryview, need: int | 
         if not count:
             raise OSError(f"{path}: ended {need - done} bytes early at offset {offset + done}")
         done += count
-    return done
 
 
 class SliceReader:
