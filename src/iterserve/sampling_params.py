@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 # Defined apart so that structured_output.py, which SamplingParams carries, can raise it.
@@ -42,6 +42,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # vLLM's truncate_prompt_tokens: the prompt cut to its last (or first) tokens.
     truncation: PromptTruncation | None = None
+    # vLLM's: False leaves the answer's text empty (its token ids only; no stop strings).
+    detokenize: bool = True
     # Controls that reshape the logits before sampling (sample/logits_controls.py): the
     # penalties with vLLM's semantics (presence/frequency over the output so far,
     # repetition over prompt + output), OpenAI's logit_bias (token id -> bias), a minimum
@@ -68,10 +70,19 @@ class SamplingParams:
     # A thinking model's thinking capped in tokens (thinking_budget.py); set by the server
     # from its markers (chat/reasoning.py), as the request's `thinking_token_budget` asks.
     thinking_budget: ThinkingBudget | None = None
+    # vLLM's keyword for `truncation`: keep the prompt's last N tokens (-1: as many as the
+    # model's context holds).
+    truncate_prompt_tokens: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, truncate_prompt_tokens: int | None) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if truncate_prompt_tokens is not None:
+            if self.truncation is not None:
+                raise InvalidRequestError(
+                    "give truncate_prompt_tokens or truncation, not both", "truncate_prompt_tokens"
+                )
+            self.truncation = PromptTruncation(truncate_prompt_tokens)
         self.validate()
 
     def per_choice(self) -> list[SamplingParams]:
@@ -112,6 +123,8 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("stop strings need detokenize=True", "detokenize")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise InvalidRequestError(
                 f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",

@@ -154,12 +154,13 @@ def test_n_choices_each_have_their_own_matcher(tiny_llm: LLM) -> None:
         max_tokens=64,
         structured_output=StructuredOutput(json_schema={"enum": ["red", "green", "blue"]}),
     )
-    texts = [o.text for o in llm.generate(["Pick a colour:"], params, use_tqdm=False)]
+    (output,) = llm.generate(["Pick a colour:"], params, use_tqdm=False)
+    texts = [o.text for o in output.outputs]
     assert len(texts) == 4
     assert all(json.loads(text) in ("red", "green", "blue") for text in texts), texts
     # Seeded choices are reproducible whatever runs beside them.
     again = llm.generate(["Other prompt", "Pick a colour:"], [_words(0), params], use_tqdm=False)
-    assert [o.text for o in again[1:]] == texts
+    assert [o.text for o in again[1].outputs] == texts
 
 
 def test_bad_constraints_are_refused_naming_the_field(tiny_llm: LLM) -> None:

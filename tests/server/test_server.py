@@ -124,8 +124,8 @@ def test_prompt_batch_n_and_seed(client: openai.OpenAI, offline: LLM) -> None:
     assert first.usage.prompt_tokens == sum(prompt_lengths)
     assert first.usage.completion_tokens == 4 * 6
 
-    seeded = offline.generate(prompts[0], SamplingParams(**params), use_tqdm=False)  # type: ignore[arg-type]
-    assert [o.text for o in seeded] == [c.text for c in first.choices[:2]]
+    (seeded,) = offline.generate(prompts[0], SamplingParams(**params), use_tqdm=False)  # type: ignore[arg-type]
+    assert [o.text for o in seeded.outputs] == [c.text for c in first.choices[:2]]
 
 
 def test_chat_stream_with_n_lane_and_priority(client: openai.OpenAI) -> None:

@@ -79,19 +79,21 @@ class OfflineChat:
         reader = self.reasoning.prepare(prompt.text, params) if self.reasoning else None
         if self.thinking_token_budget is not None:
             cap_thinking(self.reasoning, reader, params, self.thinking_token_budget)
-        self.readers += [reader] * params.n  # generate gives n outputs per prompt
+        self.readers.append(reader)
         return prompt, params
 
     def read(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Each answer's thinking, content and calls (left None where nothing is read)."""
         plans = self.tools.plans if self.tools is not None else [_NO_TOOLS] * len(outputs)
-        for output, reader, plan in zip(outputs, self.readers, plans, strict=True):
+        for first, reader, plan in zip(outputs, self.readers, plans, strict=True):
             if reader is None and plan.reader is None:
                 continue
-            answer = read_answer(output.text, reader, plan)
-            output.reasoning_content = answer.reasoning
-            output.content = answer.content
-            if plan.reader is not None:
+            for output in first.choices or [first]:  # each of n choices
+                answer = read_answer(output.text, reader, plan)
+                output.reasoning_content = answer.reasoning
+                output.content = answer.content
+                if plan.reader is None:
+                    continue
                 output.tool_calls = [
                     {
                         "id": plan.reader.new_call_id(),

@@ -31,7 +31,7 @@ _TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(ToolChoice)
 
 class ChatWithTools:
     """One `LLM.chat` call's conversations, rendered with their tools, and each output's
-    plan (`plans`, n per conversation) to read its answer by."""
+    plan (`plans`, one per conversation) to read its answers by."""
 
     def __init__(
         self,
@@ -75,7 +75,7 @@ class ChatWithTools:
             params,
             self.special_tokens,
         )
-        self.plans += [plan] * params.n  # generate gives n outputs per prompt
+        self.plans.append(plan)
         messages = [
             _validated(ChatMessage, message, f"messages.{i}").as_template_input(i)
             for i, message in enumerate(conversation)

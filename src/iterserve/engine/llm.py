@@ -12,12 +12,15 @@ from iterserve.config import EngineConfig, engine_config
 from iterserve.core.lora import LoRARequest
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import Prompt, RenderedChat, render_chat
+from iterserve.engine.prompts import Prompt, RenderedChat, as_prompt, prompt_text, render_chat
 from iterserve.engine.score_prompts import score_pairs
 from iterserve.pooling_params import PoolingParams
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 Message = dict[str, str]
+# A prompt as LLM's methods take it: text, token ids, a rendered chat, or vLLM's prompt dicts
+# ({"prompt": text}, {"prompt_token_ids": ids}).
+PromptInput = Prompt | Mapping[str, Any]
 
 
 class LLM:
@@ -46,19 +49,24 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's spelling of `tokenizer`."""
+        return self.engine.tokenizer
+
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order (n > 1: n per prompt).
+        """Run every prompt to completion: one output per prompt, in prompt order, as vLLM's
+        `LLM.generate` (`output.prompt`, `output.outputs[i].text` for choice i of n; the
+        first choice's fields also stand on the output itself: `output.text`). A prompt is
+        text, token ids, or vLLM's `{"prompt": ...}` / `{"prompt_token_ids": ...}`.
         `lora_request`: the LoRA adapter every prompt runs, or one per prompt (None: the
         base model), as in vLLM."""
-        if isinstance(prompts, str | RenderedChat) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)
+        prompt_list = [as_prompt(p) for p in _prompt_list(prompts)]
         params_list = _per_prompt(params, len(prompt_list))
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompt_list)
@@ -67,20 +75,32 @@ class LLM:
             if len(loras) != len(prompt_list):
                 raise InvalidRequestError("give one LoRARequest, or one per prompt")
 
-        ids: list[str] = []
+        groups: list[list[str]] = []
         try:
             for prompt, p, lora in zip(prompt_list, params_list, loras, strict=True):
+                groups.append([])
                 for child in p.per_choice():
-                    ids.append(self.engine.add_request(prompt, child, lora_request=lora))
+                    groups[-1].append(self.engine.add_request(prompt, child, lora_request=lora))
         except Exception:
-            for request_id in ids:  # all or nothing: no half-queued batch left behind
+            for request_id in (i for group in groups for i in group):
+                # all or nothing: no half-queued batch left behind
                 self.engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        done = self._run([i for group in groups for i in group], use_tqdm)
+        outputs = []
+        for prompt, group in zip(prompt_list, groups, strict=True):
+            choices = [done[request_id] for request_id in group]
+            for choice in choices:
+                choice.prompt = prompt_text(prompt)
+            first = choices[0]
+            if len(choices) > 1:
+                first.choices = choices
+            outputs.append(first)
+        return outputs
 
     def embed(
         self,
-        inputs: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        inputs: PromptInput | Sequence[PromptInput],
         pooling: PoolingParams | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
@@ -89,14 +109,13 @@ class LLM:
         output's `.embedding` (a list of floats) and `.prompt_token_ids`. `pooling`: say
         `dimensions` (a matryoshka model), or override the model's pooling or normalizing.
         `lora_request`: the states computed with that adapter."""
-        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
-            inputs = [inputs]  # type: ignore[list-item]
+        prompts = [as_prompt(p) for p in _prompt_list(inputs)]
         ids: list[str] = []
         try:
-            for prompt in inputs:
+            for prompt in prompts:
                 ids.append(
                     self.engine.add_request(
-                        prompt,  # type: ignore[arg-type]
+                        prompt,
                         pooling=pooling or PoolingParams(),
                         lora_request=lora_request,
                     )
@@ -105,7 +124,7 @@ class LLM:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        return self._in_order(ids, use_tqdm)
 
     def score(
         self,
@@ -134,11 +153,11 @@ class LLM:
             for request_id in ids:
                 engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        return self._in_order(ids, use_tqdm)
 
     def classify(
         self,
-        inputs: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        inputs: PromptInput | Sequence[PromptInput],
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
@@ -197,7 +216,12 @@ class LLM:
     def _render(self, messages: Sequence[Message]) -> RenderedChat:
         return render_chat(self.tokenizer, self.engine.chat_template, messages)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _in_order(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done = self._run(ids, use_tqdm)
+        return [done[request_id] for request_id in ids]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Steps the engine until every request is done; their last outputs by id."""
         engine = self.engine
         done: dict[str, RequestOutput] = {}
         start_stats = (engine.stats.prefill_tokens, engine.stats.decode_tokens)
@@ -218,7 +242,15 @@ class LLM:
                 )
         finally:
             bar.close()
-        return [done[request_id] for request_id in ids]
+        return done
+
+
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (text, ids, a rendered chat, a prompt dict) or a list of them, as a list."""
+    if isinstance(prompts, str | RenderedChat | Mapping):
+        return [prompts]
+    given = list(prompts)
+    return [given] if given and isinstance(given[0], int) else given  # type: ignore[list-item]
 
 
 def _per_prompt(

@@ -514,10 +514,12 @@ class LLMEngine:
         # A request the scheduler stopped ended on a stop token (EOS or stop_token_ids):
         # its text is not the answer's, as in vLLM (`<|im_end|>`, Harmony's `<|call|>` are
         # kept out even where special tokens are shown), unless asked for.
-        shown = len(token_ids)
+        params = stream.request.sampling_params
+        shown = len(token_ids) if params.detokenize else 0
         if (
             finish_reason == "stop"
-            and not stream.request.sampling_params.include_stop_str_in_output
+            and not params.include_stop_str_in_output
+            and shown
         ):
             shown -= 1
         # Token by token, so a stop string ends the request at the token that completed
@@ -544,7 +546,7 @@ class LLMEngine:
             stream, token_ids[:kept], update.new_logprobs[:kept], delta, finish_reason
         )
         output.stop_reason = stream.stops.stop_reason
-        stop_ids = stream.request.sampling_params.stop_token_ids
+        stop_ids = params.stop_token_ids
         if finish_reason == "stop" and not stopped and token_ids and token_ids[-1] in stop_ids:
             output.stop_reason = token_ids[-1]
         pooling = stream.request.pooling_params

@@ -1,4 +1,4 @@
-"""What the engine hands back for a request after each step."""
+"""What the engine hands back for a request after each step, and vLLM's view of it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,46 @@ from typing import Any
 
 from iterserve.core.outputs import SchedulerOutput, TokenLogprobs
 from iterserve.core.request import FinishReason, RequestTimings
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's `Logprob`: one token's log-probability and its rank (1: the most likely). Its
+    `decoded_token` is left None: the engine detokenizes answers, not candidates."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One choice of a request as vLLM's `CompletionOutput` (`RequestOutput.outputs`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    # The sum of the sampled tokens' logprobs, where the request asked for logprobs (None
+    # otherwise, as in vLLM).
+    cumulative_logprob: float | None
+    # Per sampled token: the token and its top-n candidates, token id -> Logprob.
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def vllm_logprobs(entry: TokenLogprobs | None) -> dict[int, Logprob] | None:
+    """A token's logprobs as vLLM gives them: the token itself, then its top candidates
+    (ranked 1..n; the token keeps its own rank where it was counted)."""
+    if entry is None:
+        return None
+    ranked = {token: Logprob(logprob, rank) for rank, (token, logprob) in enumerate(entry.top, 1)}
+    own = ranked.get(entry.token_id)
+    rank = entry.rank if entry.rank is not None else own.rank if own is not None else None
+    return {entry.token_id: Logprob(entry.logprob, rank), **ranked}
 
 
 @dataclass
@@ -49,10 +89,37 @@ class RequestOutput:
     probs: list[float] | None = None
     # The LoRA adapter it ran (None: the base model), for per-adapter metrics.
     lora_name: str | None = None
+    # vLLM's `prompt`: the prompt's text, where LLM.generate or LLM.chat was given text.
+    prompt: str | None = None
+    # The n choices of one prompt, LLM.generate's grouping as vLLM's (this output is the
+    # first of them); None: this request alone.
+    choices: list[RequestOutput] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's view: the prompt's completions, one per choice (`outputs[0].text`)."""
+        return [choice.completion(index) for index, choice in enumerate(self.choices or [self])]
+
+    def completion(self, index: int = 0) -> CompletionOutput:
+        """This request's answer as vLLM's `CompletionOutput`, choice `index`."""
+        logprobs = None
+        cumulative = None
+        if self.logprobs is not None:
+            logprobs = [vllm_logprobs(entry) or {} for entry in self.logprobs]
+            cumulative = sum(entry.logprob for entry in self.logprobs if entry is not None)
+        return CompletionOutput(
+            index=index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
 
 
 @dataclass

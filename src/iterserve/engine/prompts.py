@@ -76,6 +76,45 @@ def continuing(
 
 Prompt = str | RenderedChat | list[int]
 
+# vLLM's prompt dicts: TextPrompt and TokensPrompt, and the one key each holds.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def as_prompt(given: Prompt | Mapping[str, Any]) -> Prompt:
+    """A prompt as the engine takes it. vLLM's `{"prompt": text}` (TextPrompt) and
+    `{"prompt_token_ids": ids}` (TokensPrompt) become their text or ids; what else such a dict
+    may hold in vLLM (multi-modal data, an encoder's prompt, a cache salt) is refused by name,
+    as is a dict holding both or neither."""
+    if not isinstance(given, Mapping):
+        return given
+    unknown = sorted(set(given) - set(_PROMPT_KEYS))
+    if unknown:
+        raise InvalidRequestError(
+            f"a prompt dict takes 'prompt' or 'prompt_token_ids' only, not {', '.join(unknown)}",
+            unknown[0],
+        )
+    if len(given) != 1:
+        raise InvalidRequestError(
+            "a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids' (ids)", "prompt"
+        )
+    key, value = next(iter(given.items()))
+    if key == "prompt" and isinstance(value, str):
+        return value
+    if key == "prompt_token_ids" and isinstance(value, Sequence) and not isinstance(value, str):
+        ids = list(value)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return ids
+    expected = "a string" if key == "prompt" else "a list of token ids"
+    raise InvalidRequestError(f"'{key}' must be {expected}, got {type(value).__name__}", key)
+
+
+def prompt_text(prompt: Prompt) -> str | None:
+    """vLLM's `RequestOutput.prompt`: the text of a prompt given as text (a rendered chat
+    included); None for token ids."""
+    if isinstance(prompt, RenderedChat):
+        return prompt.text
+    return prompt if isinstance(prompt, str) else None
+
 
 @lru_cache(maxsize=8)
 def template_roles(template: str) -> frozenset[str]:
