@@ -126,3 +126,17 @@ def test_detokenize_false_gives_the_same_tokens_without_text(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as refused:
         SamplingParams(detokenize=False, stop=["."])
     assert refused.value.param == "detokenize"
+
+
+def test_prompt_logprobs_read_as_vllms_dicts(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    (output,) = llm.generate("The capital of France is", params, use_tqdm=False)
+    assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+    for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True):
+        assert entry is not None
+        # lm-eval's vLLM reader: the prompt token's logprob looked up by its id.
+        assert entry[token].logprob == entry.logprob and entry[token].rank == entry.rank
+        assert token in entry and len(entry) in (2, 3)  # the token, and the top 2 if not in it
+        top = [entry[t] for t, _ in entry.top]
+        assert [p.rank for p in top] == [1, 2]
+        assert max(entry.values(), key=lambda p: p.logprob) == top[0]

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.core.logprobs import Logprob
 from iterserve.core.outputs import SchedulerOutput, TokenLogprobs
 from iterserve.core.request import FinishReason, RequestTimings
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """vLLM's `Logprob`: one token's log-probability and its rank (1: the most likely). Its
-    `decoded_token` is left None: the engine detokenizes answers, not candidates."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -30,23 +22,12 @@ class CompletionOutput:
     # otherwise, as in vLLM).
     cumulative_logprob: float | None
     # Per sampled token: the token and its top-n candidates, token id -> Logprob.
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: list[Mapping[int, Logprob]] | None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-def vllm_logprobs(entry: TokenLogprobs | None) -> dict[int, Logprob] | None:
-    """A token's logprobs as vLLM gives them: the token itself, then its top candidates
-    (ranked 1..n; the token keeps its own rank where it was counted)."""
-    if entry is None:
-        return None
-    ranked = {token: Logprob(logprob, rank) for rank, (token, logprob) in enumerate(entry.top, 1)}
-    own = ranked.get(entry.token_id)
-    rank = entry.rank if entry.rank is not None else own.rank if own is not None else None
-    return {entry.token_id: Logprob(entry.logprob, rank), **ranked}
 
 
 @dataclass
@@ -109,7 +90,7 @@ class RequestOutput:
         logprobs = None
         cumulative = None
         if self.logprobs is not None:
-            logprobs = [vllm_logprobs(entry) or {} for entry in self.logprobs]
+            logprobs = [entry if entry is not None else {} for entry in self.logprobs]
             cumulative = sum(entry.logprob for entry in self.logprobs if entry is not None)
         return CompletionOutput(
             index=index,
