@@ -35,6 +35,7 @@ _ARCHITECTURES = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+    "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),

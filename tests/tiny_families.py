@@ -17,9 +17,18 @@ from tiny_gguf import write_gguf
 # The families beyond Llama with tiny models here: dense (family_model) and, with the
 # mixtures of experts, every one engine_family_model makes.
 DENSE_FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3"]
-ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe", "gpt_oss"]
+ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe", "gpt_oss", "granitemoe"]
 VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
+
+
+# Multipliers far from 1, as Granite 3's (12, 0.22, 1/64, 8).
+GRANITE = dict(
+    embedding_multiplier=12.0,
+    residual_multiplier=0.22,
+    attention_multiplier=1 / 64,
+    logits_scaling=8.0,
+)
 
 
 def family_model(
@@ -43,14 +52,11 @@ def family_model(
     )
     if family == "qwen3":
         return tiny_hf_model("qwen3", **shape, head_dim=64, max_position_embeddings=256)
-    if family == "granite":  # multipliers far from 1, as Granite 3's (12, 0.22, 1/64, 8)
-        multipliers = dict(
-            embedding_multiplier=12.0,
-            residual_multiplier=0.22,
-            attention_multiplier=1 / 64,
-            logits_scaling=8.0,
-        )
-        return tiny_hf_model("granite", **shape, **multipliers, max_position_embeddings=256)
+    if family == "granite":
+        return tiny_hf_model("granite", **shape, **GRANITE, max_position_embeddings=256)
+    if family == "granitemoe":  # 4 experts of 96, 2 a token
+        shape.update(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
+        return tiny_hf_model("granitemoe", **shape, **GRANITE, max_position_embeddings=256)
     if family == "smollm3":  # four layers: the fourth without RoPE, as llama.cpp assumes
         shape.update(num_hidden_layers=4, tie_word_embeddings=True)
         return tiny_hf_model("smollm3", **shape, max_position_embeddings=256, pad_token_id=0)
@@ -156,8 +162,15 @@ def gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], 
             "rope.scaling.yarn_beta_fast": rope["beta_fast"],
             "rope.scaling.yarn_beta_slow": rope["beta_slow"],
         }, {}
-    if c.model_type == "granite":
+    if c.model_type in ("granite", "granitemoe"):
+        experts = {}
+        if c.model_type == "granitemoe":
+            experts = {
+                "expert_count": c.num_local_experts,
+                "expert_used_count": c.num_experts_per_tok,
+            }
         return {
+            **experts,
             "embedding_scale": c.embedding_multiplier,
             "residual_scale": c.residual_multiplier,
             "attention.scale": c.attention_multiplier,
@@ -228,10 +241,11 @@ SMALL_VOCAB = 128
 
 def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTrainedModel:
     """A family's model with SMALL_VOCAB; the mixture-of-experts ones (Mixtral, Qwen3-MoE,
-    gpt-oss: 4 experts, 2 a token) among them. `gguf`: as family_model's."""
+    gpt-oss, Granite MoE: 4 experts, 2 a token) among them. `gguf`: as family_model's."""
     experts = {
         "mixtral": dict(num_local_experts=4),
         "qwen3_moe": dict(num_experts=4, moe_intermediate_size=128, norm_topk_prob=True),
+        "granitemoe": dict(num_local_experts=4, **GRANITE),
     }
     if name == "gpt_oss":  # a GGUF implies llama.cpp's SwiGLU limit (7)
         return gpt_oss_model(vocab_size=SMALL_VOCAB, **({"swiglu_limit": 7.0} if gguf else {}))

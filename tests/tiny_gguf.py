@@ -46,6 +46,13 @@ _GPT_OSS_BLOCK = {
     "mlp.experts.up": "ffn_up_exps",
     "mlp.experts.down": "ffn_down_exps",
 }
+# Granite MoE: the router and the expert stacks as _granite_moe_state names them.
+_GRANITE_MOE_BLOCK = {
+    "block_sparse_moe.router": "ffn_gate_inp",
+    "block_sparse_moe.experts.gate": "ffn_gate_exps",
+    "block_sparse_moe.experts.up": "ffn_up_exps",
+    "block_sparse_moe.experts.down": "ffn_down_exps",
+}
 _TOP = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -74,6 +81,22 @@ def _gpt_oss_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
             out[f"{stem}.down.weight"] = tensor.transpose(-1, -2)
         elif last == "down_proj_bias":
             out[f"{stem}.down.bias"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+def _granite_moe_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Granite MoE's tensors as llama.cpp's converter splits them: each layer's gate_up stack
+    [experts, 2 x width, hidden] into its gate rows and its up rows, a stack each."""
+    out = {}
+    for name, tensor in state.items():
+        stem, _, last = name.rpartition(".")
+        if last == "gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            out[f"{stem}.gate.weight"], out[f"{stem}.up.weight"] = gate, up
+        elif last == "down_proj" and stem.endswith("experts"):
+            out[f"{stem}.down.weight"] = tensor
         else:
             out[name] = tensor
     return out
@@ -198,6 +221,9 @@ def write_gguf(
     elif arch == "gpt-oss":
         block = {**_BLOCK, **_GPT_OSS_BLOCK}
         state = _gpt_oss_state(state)
+    elif arch == "granitemoe":
+        block = {**_BLOCK, **_GRANITE_MOE_BLOCK}
+        state = _granite_moe_state(state)
     for name, tensor in state.items():
         stem, suffix = name.rsplit(".", 1)
         layer, _, module = stem.removeprefix("model.layers.").partition(".")
@@ -207,7 +233,7 @@ def write_gguf(
         array = tensor.float().numpy()
         if arch.startswith("gemma") and stem.endswith("norm"):
             array = array + 1  # convert_hf_to_gguf.py stores Gemma's (1 + w) norm scales
-        permuted = arch in ("llama", "smollm3", "granite")
+        permuted = arch in ("llama", "smollm3", "granite", "granitemoe")
         if permuted and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
             array = llama_cpp_permute(array, heads)

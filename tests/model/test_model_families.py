@@ -248,14 +248,31 @@ def test_fast_paths_keep_the_eager_greedy_tokens(
 ) -> None:
     """bf16 tiled kernels in the fused layer op (window, q/k norms, GELU, sandwich norms, Gemma
     2's soft-caps and Gemma 3's local rope included) against bf16 eager."""
-    name, hf = family
-    config = load_model(save_checkpoint(hf, tmp_path, tokenizer_dir), torch.float32).config
+    _assert_fast_paths_keep_the_eager_greedy_tokens(family[1], tmp_path, tokenizer_dir)
+
+
+@needs_kernels
+def test_granite_moe_fast_paths_keep_the_eager_greedy_tokens(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Granite's multipliers and a layer of experts together in the fused layer op."""
+    hf = family_model("granitemoe")
+    _assert_fast_paths_keep_the_eager_greedy_tokens(hf, tmp_path, tokenizer_dir)
+
+
+def _assert_fast_paths_keep_the_eager_greedy_tokens(
+    hf: transformers.PreTrainedModel, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    directory = save_checkpoint(hf, tmp_path, tokenizer_dir)
+    config = load_model(directory, torch.float32).config
     rng = random.Random(5)
     tokens = [rng.randrange(VOCAB) for _ in range(100)]
     rows = {}
     for fast in (False, True):
         model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
-        model.load(dict(hf.state_dict()), "tiled" if fast else "torch")
+        # The checkpoint's tensors as the loader lists them (Granite MoE's expert stacks as
+        # each expert's projections).
+        model.load(load_model(directory, torch.float32).weights, "tiled" if fast else "torch")
         assert model.fused_layers == fast
         runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=fast)
         runner.add("s", tokens)

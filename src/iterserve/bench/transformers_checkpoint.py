@@ -31,6 +31,7 @@ HF_CLASSES = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "granite": ("GraniteForCausalLM", "granite"),
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
@@ -76,7 +77,7 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         raw["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     if config.rope_layers is not None:  # SmolLM3: 1 where a layer rotates, despite the name
         raw["no_rope_layers"] = [int(rotates) for rotates in config.rope_layers]
-    if config.architecture == "granite":
+    if config.architecture in ("granite", "granitemoe"):
         for name in GRANITE_MULTIPLIERS:
             raw[name] = getattr(config, name)
     if config.num_local_experts:
@@ -125,6 +126,8 @@ def from_loaded(
         tensors[name] = tensor
     if config.architecture == "gpt_oss":
         tensors = gpt_oss_stacks(tensors, config.num_hidden_layers, config.num_local_experts)
+    if config.architecture == "granitemoe":
+        tensors = granite_moe_stacks(tensors, config.num_hidden_layers, config.num_local_experts)
     with tempfile.TemporaryDirectory(prefix="iterserve-peer-") as directory:
         path = Path(directory)
         (path / "config.json").write_text(json.dumps(hf_config_json(config)))
@@ -158,6 +161,27 @@ def gpt_oss_stacks(
                 torch.stack((gate, up), dim=-1).flatten(-2).contiguous()
             )
             out[f"{prefix}.down_proj{suffix}"] = down.contiguous()
+    return out
+
+
+def granite_moe_stacks(
+    tensors: Mapping[str, torch.Tensor], layers: int, experts: int
+) -> dict[str, torch.Tensor]:
+    """Granite MoE's per-expert tensors (as iterserve's loaders name them) back in its
+    checkpoint's stacks: input_linear [experts, 2 x width, hidden] (gate's rows, then up's)
+    and output_linear [experts, hidden, width]."""
+    out = dict(tensors)
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}.block_sparse_moe"
+
+        def take(projection: str, prefix: str = prefix) -> torch.Tensor:
+            return torch.stack(
+                [out.pop(f"{prefix}.experts.{e}.{projection}.weight") for e in range(experts)]
+            )
+
+        gate, up, down = (take(p) for p in ("gate_proj", "up_proj", "down_proj"))
+        out[f"{prefix}.input_linear.weight"] = torch.cat((gate, up), dim=1).contiguous()
+        out[f"{prefix}.output_linear.weight"] = down.contiguous()
     return out
 
 

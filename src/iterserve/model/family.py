@@ -61,6 +61,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Granite 3.x: Llama with four multipliers (ModelConfig: embeddings, each block's output
     # before its residual add, the attention scale, the logits' divisor).
     "granite": FamilyTraits(),
+    # Granite MoE (Granite 3.x 1B-A400M, 3B-A800M): Granite's multipliers and a sparse
+    # mixture of experts on every layer (model/moe.py), its router a softmax over the top-k
+    # logits; the checkpoint stacks each layer's experts (model/loader.py unstacks them).
+    "granitemoe": FamilyTraits(),
     # SmolLM3: Llama whose every fourth layer attends without RoPE ("NoPE": ModelConfig's
     # rope_layers).
     "smollm3": FamilyTraits(),

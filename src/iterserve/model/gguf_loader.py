@@ -44,6 +44,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "phi3": "phi3",
     "smollm3": "smollm3",
     "granite": "granite",
+    "granitemoe": "granitemoe",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
@@ -80,7 +81,12 @@ _BLOCK_NAMES = {
 }
 # GGUF architectures whose layers all have experts, and the family each names ("llama" with
 # an expert count is Mixtral, as llama.cpp stores it).
-_MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+_MOE_FAMILIES = {
+    "llama": "mixtral",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "granitemoe": "granitemoe",
+}
 # gpt-oss: llama.cpp's ATTN_POST_NORM holds HF's post_attention_layernorm, the norm before
 # the MLP (its files have no ffn_norm); its sinks are `attn_sinks.weight`, HF's
 # `self_attn.sinks`.
@@ -396,7 +402,8 @@ def _refuse_unsupported(
         )
     if experts and arch not in _MOE_FAMILIES:
         raise ModelLoadError(
-            f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen3-MoE and gpt-oss are"
+            f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen3-MoE, gpt-oss "
+            "and Granite MoE are"
         )
     if arch in _MOE_FAMILIES and arch != "llama" and not experts:
         raise ModelLoadError(f"GGUF {arch!r} file without {arch}.expert_count")
@@ -471,7 +478,7 @@ def gguf_model_config(
         ),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
-        **(_granite_fields(metadata) if arch == "granite" else {}),
+        **(_granite_fields(metadata, arch) if arch in ("granite", "granitemoe") else {}),
         **(_gpt_oss_fields(metadata, key("block_count")) if arch == "gpt-oss" else {}),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
@@ -488,15 +495,15 @@ def _gpt_oss_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
     }
 
 
-def _granite_fields(metadata: dict[str, Any]) -> dict[str, float]:
+def _granite_fields(metadata: dict[str, Any], arch: str) -> dict[str, float]:
     """Granite's multipliers, under the names llama.cpp's converter gives them."""
     keys = {
-        "embedding_multiplier": "granite.embedding_scale",
-        "residual_multiplier": "granite.residual_scale",
-        "attention_multiplier": "granite.attention.scale",
-        "logits_scaling": "granite.logit_scale",
+        "embedding_multiplier": "embedding_scale",
+        "residual_multiplier": "residual_scale",
+        "attention_multiplier": "attention.scale",
+        "logits_scaling": "logit_scale",
     }
-    return {field: float(metadata.get(key, 1.0)) for field, key in keys.items()}
+    return {field: float(metadata.get(f"{arch}.{key}", 1.0)) for field, key in keys.items()}
 
 
 def _gguf_rotary_dim(rope_dims: int | None, head_dim: int) -> int | None:
@@ -658,9 +665,9 @@ def _load_weights(
 
 def permutes_rope_rows(gguf_arch: str) -> bool:
     """Whether llama.cpp's converter permuted q/k rows for its rope: its "llama" converter
-    does, and SmolLM3's and Granite's, its subclasses; the others (Qwen2's, Phi-3's...) use
-    NEOX rope, i.e. rotate_half, and store HF's order."""
-    return gguf_arch in ("llama", "smollm3", "granite")
+    does, and SmolLM3's and Granite's (dense and MoE), its subclasses; the others (Qwen2's,
+    Phi-3's...) use NEOX rope, i.e. rotate_half, and store HF's order."""
+    return gguf_arch in ("llama", "smollm3", "granite", "granitemoe")
 
 
 def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:

@@ -37,6 +37,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granitemoe",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
@@ -103,7 +104,8 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
         config = dataclasses.replace(config, tie_word_embeddings=True)
     gpt_oss = config.architecture == "gpt_oss"
     shards = _shards(directory)
-    weights = _load_safetensors(directory, shards, dtype, "model." if bare else "", gpt_oss)
+    stacks = _EXPERT_STACKS.get(config.architecture)
+    weights = _load_safetensors(directory, shards, dtype, "model." if bare else "", stacks)
     quantized: dict[str, QuantizedBlocks] = {}
     if gpt_oss:  # OpenAI's own checkpoints keep the experts in MXFP4: run from their blocks
         quantized.update(gpt_oss_mxfp4_experts([directory / shard for shard in shards]))
@@ -194,6 +196,12 @@ def _hf_experts(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
             "num_local_experts": raw.get("num_local_experts", 8),
             "num_experts_per_tok": raw.get("num_experts_per_tok", 2),
         }
+    if architecture == "granitemoe":  # GraniteMoeConfig's defaults
+        # Its router takes a softmax over the top-k logits, as gpt-oss's.
+        return {
+            "num_local_experts": raw.get("num_local_experts", 8),
+            "num_experts_per_tok": raw.get("num_experts_per_tok", 2),
+        }
     if architecture == "gpt_oss":  # GptOssConfig's defaults (gpt-oss-20b's shape)
         # Its router takes a softmax over the top-k logits: the top-k probabilities
         # renormalised.
@@ -245,7 +253,7 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
     if moe := [n for n in names if n in _UNSUPPORTED_MOE]:
         raise ModelLoadError(
             f"mixture-of-experts architecture {moe[0]} is not supported; the MoE families "
-            "supported are Mixtral (MixtralForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM)"
+            "supported are Mixtral, Qwen3-MoE, gpt-oss and Granite MoE"
         )
     if architecture is None:
         found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
@@ -278,7 +286,7 @@ def _gpt_oss_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
 
 def _hf_multipliers(architecture: str, raw: dict[str, Any]) -> dict[str, float]:
     """Granite's four multipliers as ModelConfig fields (GraniteConfig's defaults: 1.0)."""
-    if architecture != "granite":
+    if architecture not in ("granite", "granitemoe"):
         return {}
     return {name: float(raw.get(name, 1.0)) for name in GRANITE_MULTIPLIERS}
 
@@ -397,12 +405,22 @@ def _shards(directory: Path) -> list[str]:
     )
 
 
+# A family's checkpoint that keeps each layer's experts in stacks: how to list a stack as
+# each expert's projections (model/moe.py's names), [] for a tensor that is not one.
+ExpertParts = list[tuple[str, tuple[int, ...], Callable[..., Any]]]
+ExpertStacks = Callable[[str, tuple[int, ...]], ExpertParts]
+
+
 def _load_safetensors(
-    directory: Path, shards: list[str], dtype: torch.dtype, prefix: str = "", gpt_oss: bool = False
+    directory: Path,
+    shards: list[str],
+    dtype: torch.dtype,
+    prefix: str = "",
+    stacks: ExpertStacks | None = None,
 ) -> LazyWeights:
-    """The weights, each name after `prefix` (`model.` for a bare network's). gpt-oss's
-    expert stacks are listed as each expert's projections, each read as a slice of the
-    file; its MXFP4 stacks are left to safetensors_mxfp4.py."""
+    """The weights, each name after `prefix` (`model.` for a bare network's). Expert stacks
+    (gpt-oss, Granite MoE) are listed as each expert's projections, each read as a slice of
+    the file; gpt-oss's MXFP4 stacks are left to safetensors_mxfp4.py."""
     weights = LazyWeights()
     for shard in shards:
         if not (directory / shard).exists():
@@ -411,9 +429,9 @@ def _load_safetensors(
         for name, stored in stored_tensors(directory / shard).items():
             if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
                 continue
-            if gpt_oss and is_mxfp4_tensor(name):  # safetensors_mxfp4.py reads these
+            if is_mxfp4_tensor(name):  # gpt-oss's: safetensors_mxfp4.py reads these
                 continue
-            parts = _gpt_oss_experts(name, stored.shape) if gpt_oss else []
+            parts = stacks(name, stored.shape) if stacks is not None else []
             for part, part_shape, make in parts:
                 weights.add(prefix + part, part_shape, functools.partial(make, stored, dtype))
             if not parts:
@@ -428,9 +446,7 @@ def _load_safetensors(
 _GPT_OSS_STACK = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
 
 
-def _gpt_oss_experts(
-    name: str, shape: tuple[int, ...]
-) -> list[tuple[str, tuple[int, ...], Callable[..., Any]]]:
+def _gpt_oss_experts(name: str, shape: tuple[int, ...]) -> ExpertParts:
     """A gpt-oss expert stack as each expert's projections (model/moe.py's names, [outputs,
     inputs]), each read as its expert's slice of the file; [] for any other tensor."""
     match = _GPT_OSS_STACK.fullmatch(name)
@@ -457,6 +473,45 @@ def _read_expert(
     """One expert's projection (or bias) from its stack: only its slice is read."""
     tensor = stored.read(expert, 1)[0][..., columns]
     return (tensor.T if tensor.dim() == 2 else tensor).contiguous().to(dtype)
+
+
+# Granite MoE's checkpoint keeps a layer's experts in two stacks, each matrix [outputs,
+# inputs]: input_linear [experts, 2 x width, hidden] (gate's rows, then up's) and
+# output_linear [experts, hidden, width]; its router is router.layer.
+_GRANITE_MOE_STACK = re.compile(r"(.*\.block_sparse_moe)\.(input_linear|output_linear)\.weight")
+
+
+def _granite_moe_experts(name: str, shape: tuple[int, ...]) -> ExpertParts:
+    """A Granite MoE expert stack as each expert's projections, each read as its expert's
+    rows of the file; [] for any other tensor."""
+    match = _GRANITE_MOE_STACK.fullmatch(name)
+    if match is None:
+        return []
+    prefix, stack = match.groups()
+    rows = {"down_proj": slice(None)}
+    if stack == "input_linear":
+        width = shape[1] // 2
+        rows = {"gate_proj": slice(0, width), "up_proj": slice(width, None)}
+    parts = []
+    for expert in range(shape[0]):
+        for projection, part_rows in rows.items():
+            part_shape = (len(range(shape[1])[part_rows]), shape[2])
+            make = functools.partial(_read_expert_rows, expert=expert, rows=part_rows)
+            parts.append((f"{prefix}.experts.{expert}.{projection}.weight", part_shape, make))
+    return parts
+
+
+def _read_expert_rows(
+    stored: StoredTensor, dtype: torch.dtype, expert: int, rows: slice
+) -> torch.Tensor:
+    """One expert's projection from its stack, as it lies ([outputs, inputs])."""
+    return stored.read(expert, 1)[0][rows].contiguous().to(dtype)
+
+
+_EXPERT_STACKS: dict[str, ExpertStacks] = {
+    "gpt_oss": _gpt_oss_experts,
+    "granitemoe": _granite_moe_experts,
+}
 
 
 def _read_tensor(stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -91,6 +91,15 @@ EXPERT_NAMES = {
     # Qwen3-MoE's expert names, as model/loader.py unstacks gpt-oss's
     # `mlp.experts.gate_up_proj` and `down_proj`; its router is `mlp.router`.
     "gpt_oss": replace(_QWEN3_MOE_NAMES, router="mlp.router.weight"),
+    # Granite MoE: the same, as model/loader.py unstacks its `block_sparse_moe.input_linear`
+    # and `output_linear`; its router is `block_sparse_moe.router.layer`.
+    "granitemoe": ExpertNames(
+        router="block_sparse_moe.router.layer.weight",
+        expert="block_sparse_moe.experts.{}.{}.weight",
+        gate="gate_proj",
+        up="up_proj",
+        down="down_proj",
+    ),
 }
 
 # llama.cpp stores each layer's experts as one tensor per projection, [experts, rows, cols]
