@@ -93,12 +93,10 @@ EXPERT_NAMES = {
     "gpt_oss": replace(_QWEN3_MOE_NAMES, router="mlp.router.weight"),
     # Granite MoE: the same, as model/loader.py unstacks its `block_sparse_moe.input_linear`
     # and `output_linear`; its router is `block_sparse_moe.router.layer`.
-    "granitemoe": ExpertNames(
+    "granitemoe": replace(
+        _QWEN3_MOE_NAMES,
         router="block_sparse_moe.router.layer.weight",
         expert="block_sparse_moe.experts.{}.{}.weight",
-        gate="gate_proj",
-        up="up_proj",
-        down="down_proj",
     ),
 }
 
