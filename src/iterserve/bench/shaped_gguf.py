@@ -98,6 +98,8 @@ class Shape:
     attention_sinks: bool = False
     out_bias: bool = False
     expert_biases: bool = False
+    # Granite: its four multipliers (embedding, residual, attention, logit scales).
+    granite: tuple[float, float, float, float] | None = None
     mlp_norm: str = "ffn_norm"
     yarn: tuple[float, int] | None = None
     # A Qwen3-Reranker as llama.cpp's converter writes it: `cls.output` (the LM head's rows of
@@ -155,6 +157,11 @@ PRESETS: dict[str, Shape] = {
     "qwen3-30b-a3b": Shape("qwen3moe", "Qwen3-30B-A3B",     2048,   768,  48,  32,   4, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936, tied=False, experts=128, experts_used=8,
                         dense_intermediate=6144),
+    # 40 experts of 512 a layer, 8 a token: 3.3B weights, 0.8B of them read a token (its
+    # config as remembered, not re-read offline; its vocabulary is 49,155, 3 rows more than
+    # the bundled tokenizer's whole tiles here).
+    "granite-3b-a800m": Shape("granitemoe", "granite-3.1-3b-a800m-instruct", 1536, 512, 32, 24, 8, 64, 10000000.0, 131072, 1e-6,
+                        vocab=49152, experts=40, experts_used=8, granite=(12.0, 0.22, 0.015625, 6.0)),
     # 32 experts of 2880 a layer, 4 a token: 20.9B weights, 3.6B of them read a token. Its F16
     # file is 42 GB: big_models.py --random-blocks --types MXFP4_MOE writes the layout of
     # ggml-org's gpt-oss-20b GGUF directly (experts MXFP4, the rest Q8_0).
@@ -358,6 +365,12 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.intermediate)
+    if shape.granite is not None:
+        embedding, residual, attention, logit = shape.granite
+        writer.add_embedding_scale(embedding)
+        writer.add_residual_scale(residual)
+        writer.add_attention_scale(attention)
+        writer.add_logit_scale(logit)
 
 
 def _random_weight(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
