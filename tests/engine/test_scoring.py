@@ -12,6 +12,7 @@ import torch
 
 from iterserve.config import ConfigError
 from iterserve.engine.llm import LLM
+from iterserve.engine.outputs import ClassificationOutput, ScoringOutput
 from iterserve.sampling_params import InvalidRequestError
 from reranker_checkpoints import (
     TEMPLATE,
@@ -64,6 +65,7 @@ def test_classifier_scores_equal_transformers(classifier_dir: Path) -> None:
     # Lists item by item; a generation request is refused by field.
     pairs = llm.score([QUERY, "x"], DOCUMENTS[:2], use_tqdm=False)
     assert pairs[0].score == pytest.approx(outputs[0].score, abs=1e-6)
+    assert pairs[0].outputs == ScoringOutput(pairs[0].score)  # vLLM's shape
     with pytest.raises(InvalidRequestError) as error:
         llm.generate("hello", use_tqdm=False)
     assert error.value.param == "model"
@@ -175,6 +177,7 @@ def test_a_classifier_of_several_labels(tmp_path: Path, tokenizer_dir: Path) -> 
         with torch.no_grad():
             expected = torch.softmax(hf(ids).logits[0], 0)
         torch.testing.assert_close(torch.tensor(out.probs), expected, atol=1e-5, rtol=1e-5)
+        assert out.outputs == ClassificationOutput(out.probs)  # vLLM's shape
     with pytest.raises(InvalidRequestError, match="3 labels") as error:
         llm.score(QUERY, DOCUMENTS, use_tqdm=False)
     assert error.value.param == "model"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from iterserve import LLM, SamplingParams
+from iterserve.engine.outputs import EmbeddingOutput
 from iterserve.sampling_params import InvalidRequestError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -140,3 +141,17 @@ def test_prompt_logprobs_read_as_vllms_dicts(llm: LLM) -> None:
         top = [entry[t] for t, _ in entry.top]
         assert [p.rank for p in top] == [1, 2]
         assert max(entry.values(), key=lambda p: p.logprob) == top[0]
+
+
+def test_embeddings_in_vllms_shape_and_names(llm: LLM) -> None:
+    (output,) = llm.embed({"prompt": "Water boils at"}, pooling_params=None, use_tqdm=False)
+    assert output.embedding is not None and output.outputs == EmbeddingOutput(output.embedding)
+
+
+def test_vllms_keyword_for_sampling_params(llm: LLM) -> None:
+    (by_name,) = llm.generate("Water boils at", sampling_params=GREEDY, use_tqdm=False)
+    (by_place,) = llm.generate("Water boils at", GREEDY, use_tqdm=False)
+    assert by_name.token_ids == by_place.token_ids
+    chat = [{"role": "user", "content": "Hi"}]
+    (answer,) = llm.chat(chat, sampling_params=GREEDY, use_tqdm=False)
+    assert len(answer.token_ids) == GREEDY.max_tokens

@@ -1,4 +1,5 @@
-"""Offline use: `LLM(model).generate(prompts, params)` and `LLM(model).chat(...)`."""
+"""Offline use: `LLM(model).generate(prompts, sampling_params)` and `LLM(model).chat(...)`,
+with vLLM's names and shapes (`outputs[0].outputs[0].text`)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class LLM:
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
@@ -67,7 +68,7 @@ class LLM:
         `lora_request`: the LoRA adapter every prompt runs, or one per prompt (None: the
         base model), as in vLLM."""
         prompt_list = [as_prompt(p) for p in _prompt_list(prompts)]
-        params_list = _per_prompt(params, len(prompt_list))
+        params_list = _per_prompt(sampling_params, len(prompt_list))
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompt_list)
         else:
@@ -100,23 +101,23 @@ class LLM:
 
     def embed(
         self,
-        inputs: PromptInput | Sequence[PromptInput],
-        pooling: PoolingParams | None = None,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
-        """One embedding per input (a text or a list of token ids), in input order: each
-        output's `.embedding` (a list of floats) and `.prompt_token_ids`. `pooling`: say
-        `dimensions` (a matryoshka model), or override the model's pooling or normalizing.
-        `lora_request`: the states computed with that adapter."""
-        prompts = [as_prompt(p) for p in _prompt_list(inputs)]
+        """One embedding per prompt (a text or a list of token ids), in order: each output's
+        `.embedding` (a list of floats; vLLM's `.outputs.embedding` too) and
+        `.prompt_token_ids`. `pooling_params`: say `dimensions` (a matryoshka model), or
+        override the model's pooling or normalizing. `lora_request`: the states computed with
+        that adapter."""
         ids: list[str] = []
         try:
-            for prompt in prompts:
+            for prompt in (as_prompt(p) for p in _prompt_list(prompts)):
                 ids.append(
                     self.engine.add_request(
                         prompt,
-                        pooling=pooling or PoolingParams(),
+                        pooling=pooling_params or PoolingParams(),
                         lora_request=lora_request,
                     )
                 )
@@ -157,19 +158,19 @@ class LLM:
 
     def classify(
         self,
-        inputs: PromptInput | Sequence[PromptInput],
+        prompts: PromptInput | Sequence[PromptInput],
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """A classifier's labels' probabilities for each input (a text or token ids), as
         vLLM's `LLM.classify`: each output's `.probs`, in the order of
         `self.engine.pooling.labels`."""
-        return self.embed(inputs, PoolingParams(task="classify"), use_tqdm, lora_request)
+        return self.embed(prompts, PoolingParams(task="classify"), use_tqdm, lora_request)
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -202,7 +203,7 @@ class LLM:
             chat_template_kwargs,
             thinking_token_budget,
         )
-        each = _per_prompt(params, len(conversations))
+        each = _per_prompt(sampling_params, len(conversations))
         prepared = [chat.prepare(conv, p) for conv, p in zip(conversations, each, strict=True)]  # type: ignore[arg-type]
         outputs = self.generate(
             [prompt for prompt, _ in prepared], [p for _, p in prepared], use_tqdm

@@ -30,6 +30,30 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """vLLM's `EmbeddingOutput` (`LLM.embed`'s `outputs`)."""
+
+    embedding: list[float]
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    """vLLM's `ScoringOutput` (`LLM.score`'s `outputs`)."""
+
+    score: float
+
+
+@dataclass(frozen=True)
+class ClassificationOutput:
+    """vLLM's `ClassificationOutput` (`LLM.classify`'s `outputs`)."""
+
+    probs: list[float]
+
+
+PoolingOutput = EmbeddingOutput | ScoringOutput | ClassificationOutput
+
+
 @dataclass
 class RequestOutput:
     """The state of one request after a step: cumulative text and tokens, and
@@ -81,8 +105,16 @@ class RequestOutput:
         return self.finish_reason is not None
 
     @property
-    def outputs(self) -> list[CompletionOutput]:
-        """vLLM's view: the prompt's completions, one per choice (`outputs[0].text`)."""
+    def outputs(self) -> list[CompletionOutput] | PoolingOutput:
+        """vLLM's view: a generation's completions, one per choice (`outputs[0].text`); a
+        pooling request's result as vLLM's embed, score and classify give it
+        (`outputs.embedding`, `outputs.score`, `outputs.probs`)."""
+        if self.embedding is not None:
+            return EmbeddingOutput(self.embedding)
+        if self.score is not None:
+            return ScoringOutput(self.score)
+        if self.probs is not None:
+            return ClassificationOutput(self.probs)
         return [choice.completion(index) for index, choice in enumerate(self.choices or [self])]
 
     def completion(self, index: int = 0) -> CompletionOutput:
