@@ -36,6 +36,7 @@ _ARCHITECTURES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
@@ -91,7 +92,7 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         c.max_position_embeddings,
         getattr(c, "original_max_position_embeddings", None),
     )
-    named = ("qwen2", "mistral", "mixtral", "qwen3", "qwen3_moe", "phi3")
+    named = ("qwen2", "mistral", "mixtral", "qwen3", "qwen3_moe", "olmoe", "phi3")
     arch = c.model_type if c.model_type in named else "llama"
     return ModelConfig(
         architecture=arch,

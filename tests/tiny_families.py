@@ -17,7 +17,7 @@ from tiny_gguf import write_gguf
 # The families beyond Llama with tiny models here: dense (family_model) and, with the
 # mixtures of experts, every one engine_family_model makes.
 DENSE_FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3"]
-ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe", "gpt_oss", "granitemoe"]
+ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe", "gpt_oss", "granitemoe", "olmoe"]
 VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
 
@@ -241,11 +241,12 @@ SMALL_VOCAB = 128
 
 def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTrainedModel:
     """A family's model with SMALL_VOCAB; the mixture-of-experts ones (Mixtral, Qwen3-MoE,
-    gpt-oss, Granite MoE: 4 experts, 2 a token) among them. `gguf`: as family_model's."""
+    gpt-oss, Granite MoE, OLMoE: 4 experts, 2 a token) among them. `gguf`: as family_model's."""
     experts = {
         "mixtral": dict(num_local_experts=4),
         "qwen3_moe": dict(num_experts=4, moe_intermediate_size=128, norm_topk_prob=True),
         "granitemoe": dict(num_local_experts=4, **GRANITE),
+        "olmoe": dict(num_experts=4, intermediate_size=128, norm_topk_prob=False),
     }
     if name == "gpt_oss":  # a GGUF implies llama.cpp's SwiGLU limit (7)
         return gpt_oss_model(vocab_size=SMALL_VOCAB, **({"swiglu_limit": 7.0} if gguf else {}))

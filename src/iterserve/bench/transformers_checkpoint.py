@@ -32,6 +32,7 @@ HF_CLASSES = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "granite": ("GraniteForCausalLM", "granite"),
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
@@ -86,6 +87,9 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if config.architecture == "qwen3_moe":  # its own names; intermediate_size is dense MLPs'
         raw["num_experts"] = config.num_local_experts
         raw["moe_intermediate_size"] = config.intermediate_size
+        raw["norm_topk_prob"] = config.norm_topk_prob
+    if config.architecture == "olmoe":
+        raw["num_experts"] = config.num_local_experts
         raw["norm_topk_prob"] = config.norm_topk_prob
     if config.architecture in ("gemma2", "gemma3", "gpt_oss"):
         windows = config.sliding_window_layers or (True,) * config.num_hidden_layers

@@ -15,6 +15,9 @@ class FamilyTraits:
     # RMS norm over each head's q and k (weights [head_dim], shared by the heads), applied
     # before rope. Qwen3.
     qk_norm: bool = False
+    # With qk_norm: q's heads normed together (weights [heads x head_dim]) and k's together,
+    # rather than head by head. OLMo 2, OLMoE.
+    qk_norm_whole: bool = False
     # With attention_bias: whether o_proj has a bias too (Llama) or only q/k/v do (Qwen2).
     o_proj_bias: bool = True
     # The checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, in the
@@ -53,6 +56,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-MoE: Qwen3 with a sparse mixture-of-experts MLP on every layer (model/moe.py;
     # Qwen3-30B-A3B: 128 experts of 768, 8 a token).
     "qwen3_moe": FamilyTraits(qk_norm=True),
+    # OLMoE (1B-7B): Llama's layer with q and k each normed whole (over all their heads),
+    # and a sparse mixture of experts on every layer named as Qwen3-MoE's (64 experts of 1024,
+    # 8 a token, the top-k weights not renormalised).
+    "olmoe": FamilyTraits(qk_norm=True, qk_norm_whole=True),
     # gpt-oss: q/k/v/o biases, attention sinks, a 128-token window on every other layer, YaRN,
     # and a mixture of experts whose router and projections are biased and whose SwiGLU is
     # clamped (ModelConfig.swiglu_clamp); its checkpoint stacks each layer's experts and

@@ -45,6 +45,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "smollm3": "smollm3",
     "granite": "granite",
     "granitemoe": "granitemoe",
+    "olmoe": "olmoe",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
@@ -86,6 +87,7 @@ _MOE_FAMILIES = {
     "qwen3moe": "qwen3_moe",
     "gpt-oss": "gpt_oss",
     "granitemoe": "granitemoe",
+    "olmoe": "olmoe",
 }
 # gpt-oss: llama.cpp's ATTN_POST_NORM holds HF's post_attention_layernorm, the norm before
 # the MLP (its files have no ffn_norm); its sinks are `attn_sinks.weight`, HF's
@@ -402,8 +404,8 @@ def _refuse_unsupported(
         )
     if experts and arch not in _MOE_FAMILIES:
         raise ModelLoadError(
-            f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen3-MoE, gpt-oss "
-            "and Granite MoE are"
+            f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen3-MoE, gpt-oss, "
+            "Granite MoE and OLMoE are"
         )
     if arch in _MOE_FAMILIES and arch != "llama" and not experts:
         raise ModelLoadError(f"GGUF {arch!r} file without {arch}.expert_count")
@@ -482,6 +484,8 @@ def gguf_model_config(
         **(_gpt_oss_fields(metadata, key("block_count")) if arch == "gpt-oss" else {}),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
+        # llama.cpp renormalises the top-k weights of every MoE family here but OLMoE's.
+        norm_topk_prob=arch != "olmoe",
         **gemma,
     )
 

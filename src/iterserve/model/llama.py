@@ -16,6 +16,7 @@ op that reads the step from a context.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -131,13 +132,17 @@ class _DecoderLayer(nn.Module):
         )
         has_o_bias = config.attention_bias and traits.o_proj_bias
         self.o_bias = _weight(hidden, **like) if has_o_bias else None
-        # q/k norms (Qwen3, Gemma 3) as one weight over the fused q and k heads: the q_norm row
-        # repeated per query head, then the k_norm row per kv head, so one norm call does both.
-        self.qk_norm = (
-            _weight(self.num_heads + self.num_kv_heads, head_dim, **like)
-            if traits.qk_norm
-            else None
-        )
+        # q/k norms as one weight over the fused q and k heads. Head by head (Qwen3, Gemma 3):
+        # [heads, head_dim], the q_norm row repeated per query head, then the k_norm row per kv
+        # head, so one norm call does both. Whole (OLMoE): flat, q_norm's q_size values then
+        # k_norm's kv_size, q's heads normed together and k's together (the C++ layer reads
+        # the same convention from the weight's shape).
+        self.qk_norm = None
+        if traits.qk_norm:
+            shape = (self.num_heads + self.num_kv_heads, head_dim)
+            self.qk_norm = _weight(
+                *((math.prod(shape),) if traits.qk_norm_whole else shape), **like
+            )
         # gpt-oss's attention sinks, one logit a query head, kept in fp32 as the softmax is.
         self.sinks = (
             _weight(self.num_heads, dtype=torch.float32, device=device)
@@ -256,7 +261,14 @@ class _DecoderLayer(nn.Module):
         qkv = linears["qkv"](_rms_norm(hidden, self.input_norm, self.eps))
         # q and k share one rope call: they sit side by side in the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        if self.qk_norm is not None:
+        if self.qk_norm is not None and self.qk_norm.dim() == 1:  # q whole, then k whole
+            q_part, k_part = qk.flatten(1).split((self.q_size, self.kv_size), dim=1)
+            weights = self.qk_norm.split((self.q_size, self.kv_size))
+            qk = torch.cat(
+                [_rms_norm(x, w, self.eps) for x, w in zip((q_part, k_part), weights, strict=True)],
+                dim=1,
+            ).view(qk.shape)
+        elif self.qk_norm is not None:
             qk = _rms_norm(qk, self.qk_norm, self.eps)
         qk = apply_rope(qk, cos, signed_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -742,7 +754,10 @@ def _attention_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets
         targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, (c.hidden_size,))
     if layer.sinks is not None:
         targets[f"{p}self_attn.sinks"] = (layer.sinks, (layer.num_heads,))
-    if layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
+    if layer.qk_norm is not None and layer.qk_norm.dim() == 1:  # whole: q's, then k's
+        targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:q], (q,))
+        targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[q:], (kv,))
+    elif layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
         heads = layer.num_heads
         targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:heads], (c.head_dim,))
         targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[heads:], (c.head_dim,))

@@ -38,6 +38,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
+    "OlmoeForCausalLM": "olmoe",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
@@ -61,7 +62,6 @@ CLASSIFIER_HF_ARCHITECTURES = {
 # experts, grouped routing, latent attention): refused by name.
 _UNSUPPORTED_MOE = {
     "Qwen2MoeForCausalLM",
-    "OlmoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 }
@@ -196,6 +196,14 @@ def _hf_experts(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
             "num_local_experts": raw.get("num_local_experts", 8),
             "num_experts_per_tok": raw.get("num_experts_per_tok", 2),
         }
+    if architecture == "olmoe":  # OlmoeConfig's defaults (OLMoE-1B-7B's shape)
+        if raw.get("clip_qkv") is not None:
+            raise ModelLoadError("olmoe checkpoints with clip_qkv are not supported")
+        return {
+            "num_local_experts": raw.get("num_experts", 64),
+            "num_experts_per_tok": raw.get("num_experts_per_tok", 8),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        }
     if architecture == "granitemoe":  # GraniteMoeConfig's defaults
         # Its router takes a softmax over the top-k logits, as gpt-oss's.
         return {
@@ -253,7 +261,7 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
     if moe := [n for n in names if n in _UNSUPPORTED_MOE]:
         raise ModelLoadError(
             f"mixture-of-experts architecture {moe[0]} is not supported; the MoE families "
-            "supported are Mixtral, Qwen3-MoE, gpt-oss and Granite MoE"
+            "supported are Mixtral, Qwen3-MoE, gpt-oss, Granite MoE and OLMoE"
         )
     if architecture is None:
         found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"

@@ -48,11 +48,16 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     if size < 1:
         raise ConfigError(f"{TP_FLAG} must be at least 1, got {size}")
     traits = config.traits
-    one_rank = traits.fused_checkpoint or traits.sandwich_norms or traits.attention_sinks
+    one_rank = (
+        traits.fused_checkpoint
+        or traits.sandwich_norms
+        or traits.attention_sinks
+        or traits.qk_norm_whole
+    )
     if size > 1 and one_rank:
-        # Fused checkpoint projections would need splitting per rank, sandwich norms an
-        # all-reduce before the norm, sinks and expert biases their own shares (gpt-oss):
-        # none is written.
+        # Fused checkpoint projections would need splitting per rank, sandwich norms and q/k
+        # norms over all heads (OLMoE) an all-reduce before the norm, sinks and expert biases
+        # their own shares (gpt-oss): none is written.
         raise ConfigError(f"{TP_FLAG} {size}: {config.architecture} runs on one rank only")
     counts = {
         "num_attention_heads": config.num_attention_heads,

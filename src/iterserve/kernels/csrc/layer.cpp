@@ -158,31 +158,43 @@ std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
   return pos;
 }
 
-// Each head of q and k normed in place over head_dim, by its row of `weight` ([heads, head_dim]:
-// Qwen3's q_norm repeated per query head, then k_norm per kv head), rounded as rms_norm is.
-void head_norm_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const Tensor& weight,
-                       double eps) {
-  const int64_t M = qkv.size(0);
+// n values of x normed in place by w (n a multiple of 16), rounded as rms_norm is.
+inline void rms_norm_span(BFloat16* x, int64_t n, const BFloat16* w, float eps) {
+  F16 sum_sq = F16::zero();
+  for (int64_t d = 0; d < n; d += 16) {
+    const F16 v = load_bf16x16(x + d);
+    sum_sq = fmadd(v, v, sum_sq);
+  }
+  const float mean = sum_sq.sum() / static_cast<float>(n);
+  const F16 inv = F16::splat(1.0f / std::sqrt(mean + eps));
+  for (int64_t d = 0; d < n; d += 16)
+    store_bf16x16(x + d, round_bf16(load_bf16x16(x + d) * inv) * load_bf16x16(w + d));
+}
+
+// q and k normed in place before RoPE. A [q_heads + kv_heads, head_dim] weight norms each head
+// over head_dim by its row (Qwen3's, Gemma 3's: q_norm repeated per query head, then k_norm per
+// kv head); a flat [(q_heads + kv_heads) * head_dim] one norms all of q's heads together and
+// all of k's together (OLMo 2's, OLMoE's: q_norm over q_heads * head_dim, then k_norm).
+void qk_norm_inplace(Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                     const Tensor& weight, double eps) {
+  const int64_t M = qkv.size(0), heads = q_heads + kv_heads;
+  const bool whole = weight.dim() == 1;
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
                   weight.numel() == heads * head_dim,
-              "decoder_layer: qk_norm must be [", heads, ", ", head_dim, "] bf16");
+              "decoder_layer: qk_norm must be bf16 [", heads, ", ", head_dim, "] or [",
+              heads * head_dim, "]");
   const BFloat16* w = weight.data_ptr<BFloat16>();
+  const float e = static_cast<float>(eps);
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       BFloat16* row = qkv.data_ptr<BFloat16>() + m * qkv.stride(0);
-      for (int64_t h = 0; h < heads; ++h) {
-        BFloat16* x = row + h * head_dim;
-        F16 sum_sq = F16::zero();
-        for (int64_t d = 0; d < head_dim; d += 16) {
-          const F16 v = load_bf16x16(x + d);
-          sum_sq = fmadd(v, v, sum_sq);
-        }
-        const float mean = sum_sq.sum() / static_cast<float>(head_dim);
-        const F16 inv = F16::splat(1.0f / std::sqrt(mean + static_cast<float>(eps)));
-        for (int64_t d = 0; d < head_dim; d += 16)
-          store_bf16x16(x + d, round_bf16(load_bf16x16(x + d) * inv) *
-                                   load_bf16x16(w + h * head_dim + d));
+      if (whole) {
+        rms_norm_span(row, q_heads * head_dim, w, e);
+        rms_norm_span(row + q_heads * head_dim, kv_heads * head_dim, w + q_heads * head_dim, e);
+        continue;
       }
+      for (int64_t h = 0; h < heads; ++h)
+        rms_norm_span(row + h * head_dim, head_dim, w + h * head_dim, e);
     }
   });
 }
@@ -296,7 +308,8 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1),
               " outputs, not ", q_size + 2 * kv_size);
   const int64_t heads = w.num_heads + w.num_kv_heads;
-  if (w.qk_norm && w.qk_norm->defined()) head_norm_inplace(qkv, heads, head_dim, *w.qk_norm, w.eps);
+  if (w.qk_norm && w.qk_norm->defined())
+    qk_norm_inplace(qkv, w.num_heads, w.num_kv_heads, head_dim, *w.qk_norm, w.eps);
   rope_inplace(qkv, heads, head_dim, pos, rope_cos, rope_sin);
   const Tensor q = qkv.narrow(1, 0, q_size).view({M, w.num_heads, head_dim});
   const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, w.num_kv_heads, head_dim});
