@@ -68,6 +68,7 @@ class Shape:
     # into a rope_freqs tensor.
     llama3_rope: tuple[float, float, float, int] | None = None
     qk_norm: bool = False  # Qwen3, Gemma 3: RMS norms over each head's q and k
+    qk_norm_whole: bool = False  # OLMoE: the q and k norms over all their heads at once
     # Gemma 3: sliding-window layers (five in six), their own rope base, and a linear rope
     # scaling of the global layers.
     sliding_window: int | None = None
@@ -157,6 +158,10 @@ PRESETS: dict[str, Shape] = {
     "qwen3-30b-a3b": Shape("qwen3moe", "Qwen3-30B-A3B",     2048,   768,  48,  32,   4, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936, tied=False, experts=128, experts_used=8,
                         dense_intermediate=6144),
+    # 64 experts of 1024 a layer, 8 a token: 6.9B weights, 1.3B of them read a token.
+    "olmoe-1b-7b": Shape("olmoe", "OLMoE-1B-7B-0924",       2048,  1024,  16,  16,  16, 128,  10000.0,   4096, 1e-5,
+                        qk_norm=True, qk_norm_whole=True, vocab=50304, tied=False, experts=64,
+                        experts_used=8),
     # 40 experts of 512 a layer, 8 a token: 3.3B weights, 0.8B of them read a token (its
     # config as remembered, not re-read offline; its vocabulary is 49,155, 3 rows more than
     # the bundled tokenizer's whole tiles here).
@@ -210,8 +215,9 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
                 if shape.qkv_bias:
                     specs.append(TensorSpec(f"{blk}.{name}.bias", (rows,), "bias"))
         if shape.qk_norm:
-            specs.append(TensorSpec(f"{blk}.attn_q_norm.weight", (hd,), "norm"))
-            specs.append(TensorSpec(f"{blk}.attn_k_norm.weight", (hd,), "norm"))
+            whole = shape.qk_norm_whole
+            specs.append(TensorSpec(f"{blk}.attn_q_norm.weight", (q if whole else hd,), "norm"))
+            specs.append(TensorSpec(f"{blk}.attn_k_norm.weight", (kv if whole else hd,), "norm"))
         specs.append(TensorSpec(f"{blk}.attn_output.weight", (h, shape.heads * hd), "weight"))
         if shape.out_bias:
             specs.append(TensorSpec(f"{blk}.attn_output.bias", (h,), "bias"))
