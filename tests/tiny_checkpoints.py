@@ -37,6 +37,7 @@ _ARCHITECTURES = {
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),

@@ -16,7 +16,7 @@ from tiny_gguf import write_gguf
 
 # The families beyond Llama with tiny models here: dense (family_model) and, with the
 # mixtures of experts, every one engine_family_model makes.
-DENSE_FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3"]
+DENSE_FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3", "olmo2"]
 ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe", "gpt_oss", "granitemoe", "olmoe"]
 VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
@@ -54,6 +54,8 @@ def family_model(
         return tiny_hf_model("qwen3", **shape, head_dim=64, max_position_embeddings=256)
     if family == "granite":
         return tiny_hf_model("granite", **shape, **GRANITE, max_position_embeddings=256)
+    if family == "olmo2":
+        return tiny_hf_model("olmo2", **shape, max_position_embeddings=256)
     if family == "granitemoe":  # 4 experts of 96, 2 a token
         shape.update(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
         return tiny_hf_model("granitemoe", **shape, **GRANITE, max_position_embeddings=256)

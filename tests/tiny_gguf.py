@@ -46,6 +46,12 @@ _GPT_OSS_BLOCK = {
     "mlp.experts.up": "ffn_up_exps",
     "mlp.experts.down": "ffn_down_exps",
 }
+# OLMo 2: the norms on the attention's and the MLP's outputs (gguf-py's ATTN_POST_NORM,
+# FFN_POST_NORM); it has none on their inputs.
+_OLMO2_BLOCK = {
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 # Granite MoE: the router and the expert stacks as _granite_moe_state names them.
 _GRANITE_MOE_BLOCK = {
     "block_sparse_moe.router": "ffn_gate_inp",
@@ -221,6 +227,8 @@ def write_gguf(
     elif arch == "gpt-oss":
         block = {**_BLOCK, **_GPT_OSS_BLOCK}
         state = _gpt_oss_state(state)
+    elif arch == "olmo2":
+        block = {**_BLOCK, **_OLMO2_BLOCK}
     elif arch == "granitemoe":
         block = {**_BLOCK, **_GRANITE_MOE_BLOCK}
         state = _granite_moe_state(state)

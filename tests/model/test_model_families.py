@@ -211,7 +211,9 @@ def test_engine_greedy_matches_transformers_through_preemption_and_ngram_specula
     directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
     # Random weights: a seed whose prompts this model's greedy output drafts into both ways
     # (some guesses accepted, some rejected).
-    rng = random.Random({"gemma3": 7, "smollm3": 9, "granite": 9, "gpt_oss": 7}.get(name, 6))
+    rng = random.Random(
+        {"gemma3": 7, "smollm3": 9, "granite": 9, "gpt_oss": 7, "olmo2": 5}.get(name, 6)
+    )
     prompts = []
     for n in (5, 6, 7):
         phrase = [rng.randrange(3, SMALL_VOCAB) for _ in range(n)]

@@ -33,6 +33,7 @@ HF_CLASSES = {
     "granite": ("GraniteForCausalLM", "granite"),
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),

@@ -30,6 +30,9 @@ class FamilyTraits:
     # (Gemma 2/3). HF calls them post_attention_layernorm and post_feedforward_layernorm, and
     # the pre-MLP norm pre_feedforward_layernorm (Llama's post_attention_layernorm).
     sandwich_norms: bool = False
+    # The attention's and the MLP's inputs RMS-normed (every family but OLMo 2, which norms
+    # only their outputs: its sandwich norms without the bread's first slice).
+    pre_norms: bool = True
     # The gated MLP's activation: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
     activation: Literal["silu", "gelu_tanh"] = "silu"
     # Token embeddings times sqrt(hidden_size), rounded to the model dtype first (Gemma).
@@ -56,6 +59,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Qwen3-MoE: Qwen3 with a sparse mixture-of-experts MLP on every layer (model/moe.py;
     # Qwen3-30B-A3B: 128 experts of 768, 8 a token).
     "qwen3_moe": FamilyTraits(qk_norm=True),
+    # OLMo 2: Llama's projections with q and k each normed whole (over all their heads), and
+    # norms on the attention's and the MLP's outputs only (HF's post_attention_layernorm and
+    # post_feedforward_layernorm), none on their inputs.
+    "olmo2": FamilyTraits(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
     # OLMoE (1B-7B): Llama's layer with q and k each normed whole (over all their heads),
     # and a sparse mixture of experts on every layer named as Qwen3-MoE's (64 experts of 1024,
     # 8 a token, the top-k weights not renormalised).

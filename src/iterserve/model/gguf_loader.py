@@ -46,6 +46,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "granite": "granite",
     "granitemoe": "granitemoe",
     "olmoe": "olmoe",
+    "olmo2": "olmo2",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
@@ -557,7 +558,7 @@ def _sliding_layers(
 
 def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     names = _BLOCK_NAMES
-    if gguf_arch.startswith("gemma"):
+    if gguf_arch.startswith("gemma") or gguf_arch == "olmo2":  # OLMo 2: the output norms only
         names = {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES}
     elif gguf_arch == "gpt-oss":
         names = {**_BLOCK_NAMES, **_GPT_OSS_BLOCK_NAMES}

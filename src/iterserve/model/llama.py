@@ -47,6 +47,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (x * inv_rms.to(x.dtype)).mul_(weight)
 
 
+def _pre_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A block's input norm; an empty weight: none (OLMo 2, FamilyTraits.pre_norms)."""
+    return x if weight.numel() == 0 else _rms_norm(x, weight, eps)
+
+
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -105,6 +110,7 @@ class _DecoderLayer(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim
+        self.hidden_size = hidden
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.intermediate = config.intermediate_size
@@ -125,7 +131,9 @@ class _DecoderLayer(nn.Module):
         self.gelu = traits.activation == "gelu_tanh"
         self.checkpoint_parts = _FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED
         like = {"dtype": dtype, "device": device}
-        self.input_norm = _weight(hidden, **like)
+        # Empty where the family norms no block input (OLMo 2): the C++ layer skips those too.
+        norm_width = hidden if traits.pre_norms else 0
+        self.input_norm = _weight(norm_width, **like)
         # The projections' weights are not parameters: `build` makes each one's Linear.
         self.qkv_bias = (
             _weight(self.q_size + 2 * self.kv_size, **like) if config.attention_bias else None
@@ -149,7 +157,7 @@ class _DecoderLayer(nn.Module):
             if traits.attention_sinks
             else None
         )
-        self.post_norm = _weight(hidden, **like)  # before the MLP
+        self.post_norm = _weight(norm_width, **like)  # before the MLP
         # Sandwich norms (Gemma): on the attention and MLP outputs, before the residual adds.
         self.attn_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
         self.mlp_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
@@ -258,7 +266,7 @@ class _DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         linears = self.linears
-        qkv = linears["qkv"](_rms_norm(hidden, self.input_norm, self.eps))
+        qkv = linears["qkv"](_pre_norm(hidden, self.input_norm, self.eps))
         # q and k share one rope call: they sit side by side in the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm is not None and self.qk_norm.dim() == 1:  # q whole, then k whole
@@ -292,7 +300,7 @@ class _DecoderLayer(nn.Module):
             )
         attn = attn.reshape(num_tokens, self.q_size)
         hidden = self._block_out(linears["o"], attn, hidden, self.attn_out_norm)
-        normed = _rms_norm(hidden, self.post_norm, self.eps)
+        normed = _pre_norm(hidden, self.post_norm, self.eps)
         if self.moe is not None:
             if self.tp is None:
                 return self.moe(normed, hidden)
@@ -783,9 +791,12 @@ def _mlp_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
 def _norm_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
     """A layer's RMS norms: before attention and the MLP, and Gemma's after each."""
     hidden = (c.hidden_size,)
-    targets: _Targets = {f"{p}input_layernorm.weight": (layer.input_norm, hidden)}
+    targets: _Targets = {}
+    if c.traits.pre_norms:
+        targets[f"{p}input_layernorm.weight"] = (layer.input_norm, hidden)
     if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
-        targets[f"{p}pre_feedforward_layernorm.weight"] = (layer.post_norm, hidden)
+        if c.traits.pre_norms:
+            targets[f"{p}pre_feedforward_layernorm.weight"] = (layer.post_norm, hidden)
         targets[f"{p}post_attention_layernorm.weight"] = (layer.attn_out_norm, hidden)
         targets[f"{p}post_feedforward_layernorm.weight"] = (layer.mlp_out_norm, hidden)
     else:

@@ -39,6 +39,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
     "OlmoeForCausalLM": "olmoe",
+    "Olmo2ForCausalLM": "olmo2",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)

@@ -17,7 +17,7 @@ from iterserve.model.lora_weights import AdapterWeights
 
 def _part_rows(layer: _DecoderLayer, name: str) -> list[int]:
     """Output rows of each checkpoint part of one of the layer's fused projections."""
-    hidden = layer.input_norm.shape[0]
+    hidden = layer.hidden_size
     fused_in_checkpoint = len(layer.checkpoint_parts["qkv"]) == 1
     rows = {
         "qkv": [layer.q_size + 2 * layer.kv_size]

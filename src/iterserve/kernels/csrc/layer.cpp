@@ -79,6 +79,11 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
   return out;
 }
 
+// A block's input norm; an empty weight: none (OLMo 2 norms only the blocks' outputs).
+Tensor pre_norm(const Tensor& x, const Tensor& weight, double eps) {
+  return weight.numel() == 0 ? x : rms_norm(x, weight, eps);
+}
+
 // Rotate q and k in place: `heads` head_dim-wide slices at the start of each qkv row, at the
 // row's position. cos and the sign-folded sin are [max_positions, rotated] tables (the first
 // half of sin carries rotate_half's minus), so x' = x * cos + swap_halves(x) * sin over each
@@ -261,9 +266,15 @@ void check_tables(const LayerWeights& w, const Tensor& key_cache, const Tensor& 
                 "decoder_layer: norms and rope tables must be contiguous bf16");
   TORCH_CHECK(w.attn_out_norm.has_value() == w.mlp_out_norm.has_value(),
               "decoder_layer: sandwich norms come in pairs (attention and MLP outputs)");
+  // The input norms are both there, or both empty where the outputs are normed (OLMo 2).
+  const int64_t hidden = w.attn_out_norm ? w.attn_out_norm->numel() : w.input_norm.numel();
+  TORCH_CHECK(w.post_norm.numel() == w.input_norm.numel() &&
+                  (w.input_norm.numel() == hidden || (w.input_norm.numel() == 0 && w.attn_out_norm)),
+              "decoder_layer: the input norms must both be of the hidden size, or both empty "
+              "beside sandwich norms");
   for (const std::optional<Tensor>* t : {&w.attn_out_norm, &w.mlp_out_norm})
     TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kBFloat16 && (*t)->is_contiguous() &&
-                                    (*t)->numel() == w.input_norm.numel()),
+                                    (*t)->numel() == hidden),
                 "decoder_layer: sandwich norms must be contiguous bf16 of the hidden size");
   TORCH_CHECK(rope_cos.size(1) <= cache_head_dim(key_cache) && rope_sin.sizes() == rope_cos.sizes(),
               "decoder_layer: rope tables must be [positions, rotated <= head_dim]");
@@ -303,7 +314,7 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
                  const Tensor& rope_cos, const Tensor& rope_sin) {
   const Projections project{w, lora};
   const int64_t M = hidden.size(0), head_dim = cache_head_dim(key_cache);
-  Tensor qkv = project(0, rms_norm(hidden, w.input_norm, w.eps), std::nullopt);
+  Tensor qkv = project(0, pre_norm(hidden, w.input_norm, w.eps), std::nullopt);
   const int64_t q_size = w.num_heads * head_dim, kv_size = w.num_kv_heads * head_dim;
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1),
               " outputs, not ", q_size + 2 * kv_size);
@@ -325,11 +336,11 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   const Tensor mid = block_out(1, attn.view({M, q_size}), hidden, w.attn_out_norm);
   if (const LayerExperts* e = w.experts) {
     TORCH_CHECK(!w.mlp_out_norm, "decoder_layer: experts with a sandwich norm");
-    return experts_mlp(rms_norm(mid, w.post_norm, w.eps), mid, e->router, e->top_k,
+    return experts_mlp(pre_norm(mid, w.post_norm, w.eps), mid, e->router, e->top_k,
                        e->renormalize, e->gate, e->up, e->down, e->formats, e->router_bias,
                        e->gate_up_bias, e->down_bias, e->swiglu_alpha, e->swiglu_limit);
   }
-  const Tensor gate_up = project(2, rms_norm(mid, w.post_norm, w.eps), std::nullopt);
+  const Tensor gate_up = project(2, pre_norm(mid, w.post_norm, w.eps), std::nullopt);
   const Tensor act = gated_mul(gate_up, w.gelu);
   return block_out(3, act, mid, w.mlp_out_norm);
 }
