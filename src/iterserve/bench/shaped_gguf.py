@@ -158,6 +158,8 @@ PRESETS: dict[str, Shape] = {
     "qwen3-30b-a3b": Shape("qwen3moe", "Qwen3-30B-A3B",     2048,   768,  48,  32,   4, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936, tied=False, experts=128, experts_used=8,
                         dense_intermediate=6144),
+    "olmo2-1b":   Shape("olmo2",  "OLMo-2-0425-1B",         2048,  8192,  16,  16,  16, 128, 500000.0,   4096, 1e-6,
+                        qk_norm=True, qk_norm_whole=True, vocab=100352, tied=False),
     # 64 experts of 1024 a layer, 8 a token: 6.9B weights, 1.3B of them read a token.
     "olmoe-1b-7b": Shape("olmoe", "OLMoE-1B-7B-0924",       2048,  1024,  16,  16,  16, 128,  10000.0,   4096, 1e-5,
                         qk_norm=True, qk_norm_whole=True, vocab=50304, tied=False, experts=64,
@@ -203,9 +205,11 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
     if shape.llama3_rope:
         specs.append(TensorSpec("rope_freqs.weight", (hd // 2,), "rope_freqs"))
     gemma = shape.arch.startswith("gemma")
+    olmo2 = shape.arch == "olmo2"  # norms on the blocks' outputs only
     for i in range(shape.layers):
         blk = f"blk.{i}"
-        specs.append(TensorSpec(f"{blk}.attn_norm.weight", (h,), "norm"))
+        if not olmo2:
+            specs.append(TensorSpec(f"{blk}.attn_norm.weight", (h,), "norm"))
         q, kv = shape.heads * hd, shape.kv_heads * hd
         if shape.fused_projections:
             specs.append(TensorSpec(f"{blk}.attn_qkv.weight", (q + 2 * kv, h), "weight"))
@@ -223,9 +227,10 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
             specs.append(TensorSpec(f"{blk}.attn_output.bias", (h,), "bias"))
         if shape.attention_sinks:
             specs.append(TensorSpec(f"{blk}.attn_sinks.weight", (shape.heads,), "bias"))
-        if gemma:  # Gemma's sandwich norms around attention and the MLP
+        if gemma or olmo2:  # the norms on the attention's and the MLP's outputs
             specs.append(TensorSpec(f"{blk}.post_attention_norm.weight", (h,), "norm"))
-        specs.append(TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm"))
+        if not olmo2:
+            specs.append(TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm"))
         if shape.experts:  # one tensor per projection, the experts stacked
             e, i_ = shape.experts, shape.intermediate
             specs.append(TensorSpec(f"{blk}.ffn_gate_inp.weight", (e, h), "router"))
@@ -244,7 +249,7 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
                 specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (i_, h), "weight"))
                 specs.append(TensorSpec(f"{blk}.ffn_up.weight", (i_, h), "weight"))
             specs.append(TensorSpec(f"{blk}.ffn_down.weight", (h, i_), "weight"))
-        if gemma:
+        if gemma or olmo2:
             specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
     specs.append(TensorSpec("output_norm.weight", (h,), "norm"))
     if shape.reranker:
