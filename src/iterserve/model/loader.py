@@ -106,7 +106,7 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     gpt_oss = config.architecture == "gpt_oss"
     shards = _shards(directory)
     stacks = _EXPERT_STACKS.get(config.architecture)
-    weights = _load_safetensors(directory, shards, dtype, "model." if bare else "", stacks)
+    weights = _load_safetensors(directory, shards, dtype, "model." if bare else "", stacks, gpt_oss)
     quantized: dict[str, QuantizedBlocks] = {}
     if gpt_oss:  # OpenAI's own checkpoints keep the experts in MXFP4: run from their blocks
         quantized.update(gpt_oss_mxfp4_experts([directory / shard for shard in shards]))
@@ -426,10 +426,11 @@ def _load_safetensors(
     dtype: torch.dtype,
     prefix: str = "",
     stacks: ExpertStacks | None = None,
+    mxfp4: bool = False,
 ) -> LazyWeights:
     """The weights, each name after `prefix` (`model.` for a bare network's). Expert stacks
     (gpt-oss, Granite MoE) are listed as each expert's projections, each read as a slice of
-    the file; gpt-oss's MXFP4 stacks are left to safetensors_mxfp4.py."""
+    the file; with `mxfp4`, gpt-oss's MXFP4 stacks are left to safetensors_mxfp4.py."""
     weights = LazyWeights()
     for shard in shards:
         if not (directory / shard).exists():
@@ -438,7 +439,7 @@ def _load_safetensors(
         for name, stored in stored_tensors(directory / shard).items():
             if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
                 continue
-            if is_mxfp4_tensor(name):  # gpt-oss's: safetensors_mxfp4.py reads these
+            if mxfp4 and is_mxfp4_tensor(name):  # gpt-oss's: safetensors_mxfp4.py reads these
                 continue
             parts = stacks(name, stored.shape) if stacks is not None else []
             for part, part_shape, make in parts:
