@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig
+from iterserve.model.config import GRANITE_FAMILIES, GRANITE_MULTIPLIERS, ModelConfig
 
 # ModelConfig.architecture -> (HF architectures entry, HF model_type).
 HF_CLASSES = {
@@ -79,7 +79,7 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         raw["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     if config.rope_layers is not None:  # SmolLM3: 1 where a layer rotates, despite the name
         raw["no_rope_layers"] = [int(rotates) for rotates in config.rope_layers]
-    if config.architecture in ("granite", "granitemoe"):
+    if config.architecture in GRANITE_FAMILIES:
         for name in GRANITE_MULTIPLIERS:
             raw[name] = getattr(config, name)
     if config.num_local_experts:

@@ -91,8 +91,9 @@ class LLM:
         outputs = []
         for prompt, group in zip(prompt_list, groups, strict=True):
             choices = [done[request_id] for request_id in group]
+            text = prompt_text(prompt)
             for choice in choices:
-                choice.prompt = prompt_text(prompt)
+                choice.prompt = text
             first = choices[0]
             if len(choices) > 1:
                 first.choices = choices

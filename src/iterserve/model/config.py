@@ -7,6 +7,8 @@ from typing import Any
 
 from iterserve.model.family import FAMILIES, FamilyTraits
 
+# The families whose files carry Granite's multipliers (dense and MoE).
+GRANITE_FAMILIES = ("granite", "granitemoe")
 # Granite's ModelConfig fields, under the names its config.json gives them.
 GRANITE_MULTIPLIERS = (
     "embedding_multiplier",

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from iterserve.model.block_formats import BLOCK_FORMATS
-from iterserve.model.config import ModelConfig, rope_every_layer_but
+from iterserve.model.config import GRANITE_FAMILIES, ModelConfig, rope_every_layer_but
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_blocks import GGUFBlocks, expert_slices, read_bytes
 from iterserve.model.gguf_parts import first_part_name, model_stem, part_paths
@@ -481,7 +481,7 @@ def gguf_model_config(
         ),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
-        **(_granite_fields(metadata, arch) if arch in ("granite", "granitemoe") else {}),
+        **(_granite_fields(metadata, arch) if arch in GRANITE_FAMILIES else {}),
         **(_gpt_oss_fields(metadata, key("block_count")) if arch == "gpt-oss" else {}),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,

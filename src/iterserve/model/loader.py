@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from iterserve.model.bundled import default_model_path
-from iterserve.model.config import GRANITE_MULTIPLIERS, ModelConfig, rope_every_layer_but
+from iterserve.model.config import (
+    GRANITE_FAMILIES,
+    GRANITE_MULTIPLIERS,
+    ModelConfig,
+    rope_every_layer_but,
+)
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_parts import model_file
 from iterserve.model.lazy_weights import LazyWeights
@@ -295,7 +300,7 @@ def _gpt_oss_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
 
 def _hf_multipliers(architecture: str, raw: dict[str, Any]) -> dict[str, float]:
     """Granite's four multipliers as ModelConfig fields (GraniteConfig's defaults: 1.0)."""
-    if architecture not in ("granite", "granitemoe"):
+    if architecture not in GRANITE_FAMILIES:
         return {}
     return {name: float(raw.get(name, 1.0)) for name in GRANITE_MULTIPLIERS}
 
