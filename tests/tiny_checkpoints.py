@@ -38,6 +38,7 @@ _ARCHITECTURES = {
     "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),

@@ -16,7 +16,17 @@ from tiny_gguf import write_gguf
 
 # The families beyond Llama with tiny models here: dense (family_model) and, with the
 # mixtures of experts, every one engine_family_model makes.
-DENSE_FAMILIES = ["qwen3", "smollm3", "granite", "phi3", "phi4-mini", "gemma2", "gemma3", "olmo2"]
+DENSE_FAMILIES = [
+    "qwen3",
+    "smollm3",
+    "granite",
+    "phi3",
+    "phi4-mini",
+    "gemma2",
+    "gemma3",
+    "olmo2",
+    "olmo3",
+]
 ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe", "gpt_oss", "granitemoe", "olmoe"]
 VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
@@ -56,6 +66,25 @@ def family_model(
         return tiny_hf_model("granite", **shape, **GRANITE, max_position_embeddings=256)
     if family == "olmo2":
         return tiny_hf_model("olmo2", **shape, max_position_embeddings=256)
+    if family == "olmo3":  # a sliding layer (plain rope) then a full one (YaRN past ORIGINAL)
+        rope = {
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 5e5,
+                "factor": 4.0,
+                "original_max_position_embeddings": ORIGINAL,
+                "attention_factor": 1.25,  # not YaRN's own 1 + 0.1 ln 4: read, not recomputed
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+        }
+        return tiny_hf_model(
+            "olmo3",
+            **shape,
+            sliding_window=24,
+            rope_parameters=rope,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=4 * ORIGINAL,
+        )
     if family == "granitemoe":  # 4 experts of 96, 2 a token
         shape.update(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
         return tiny_hf_model("granitemoe", **shape, **GRANITE, max_position_embeddings=256)
@@ -192,6 +221,16 @@ def gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], 
             "rope.scaling.type": full["rope_type"],
             "rope.scaling.factor": full["factor"],
         }, {}
+    if c.model_type == "olmo3":  # llama.cpp's converter: an olmo2 file with a window
+        full = c.rope_parameters["full_attention"]
+        return {
+            "attention.sliding_window": c.sliding_window,
+            "attention.sliding_window_pattern": [t == "sliding_attention" for t in c.layer_types],
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": full["factor"],
+            "rope.scaling.original_context_length": full["original_max_position_embeddings"],
+            "rope.scaling.yarn_attn_factor": full["attention_factor"],
+        }, {}
     if c.model_type != "phi3":
         return {}, {}
     rope = c.rope_parameters
@@ -221,8 +260,9 @@ def family_checkpoint(
     path = out / f"tiny.{kind}.gguf"
     qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.F32
     rope = hf.config.rope_parameters
-    # gemma3_text: GGUF's gemma3; gpt_oss: gpt-oss.
+    # gemma3_text: GGUF's gemma3; gpt_oss: gpt-oss; OLMo 3 is written as olmo2.
     arch = hf.config.model_type.removesuffix("_text").replace("gpt_oss", "gpt-oss")
+    arch = arch.replace("olmo3", "olmo2")
     write_gguf(
         path,
         arch,

@@ -165,6 +165,74 @@ def test_gemma_gguf_metadata_reads_as_the_hf_config(config: transformers.Pretrai
     assert ours.sliding_window_layers == tuple(t == "sliding_attention" for t in config.layer_types)
 
 
+def test_olmo3_gguf_metadata_reads_as_its_released_config() -> None:
+    """OLMo 3 7B's config.json (transformers 4's spelling: one rope_theta, YaRN in rope_scaling
+    for the full layers only) and what llama.cpp's converter writes of it (an olmo2 file with
+    a window) read alike: windows on three layers in four, plain RoPE on the model's base for
+    those, YaRN with the config's attention factor for the rest."""
+    sliding = [(i + 1) % 4 != 0 for i in range(32)]
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "attention_factor": 1.2079441541679836,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    raw = {
+        "architectures": ["Olmo3ForCausalLM"],
+        "model_type": "olmo3",
+        "vocab_size": 100278,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 65536,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500000,
+        "rope_scaling": yarn,
+        "sliding_window": 4096,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
+    metadata: dict[str, object] = {
+        "general.architecture": "olmo2",
+        "olmo2.context_length": 65536,
+        "olmo2.embedding_length": 4096,
+        "olmo2.block_count": 32,
+        "olmo2.feed_forward_length": 11008,
+        "olmo2.attention.head_count": 32,
+        "olmo2.attention.head_count_kv": 32,
+        "olmo2.attention.layer_norm_rms_epsilon": 1e-6,
+        "olmo2.attention.sliding_window": 4096,
+        "olmo2.attention.sliding_window_pattern": sliding,
+        "olmo2.rope.freq_base": 500000.0,
+        "olmo2.rope.scaling.type": "yarn",
+        "olmo2.rope.scaling.factor": 8.0,
+        "olmo2.rope.scaling.original_context_length": 8192,
+        "olmo2.rope.scaling.yarn_attn_factor": 1.2079441541679836,
+        "olmo2.rope.scaling.yarn_beta_fast": 32.0,
+        "olmo2.rope.scaling.yarn_beta_slow": 1.0,
+    }
+    tensors = {
+        "token_embd.weight": GGUFTensorInfo(
+            "token_embd.weight", (100278, 4096), GGMLQuantizationType.F32, 0, 0, Path("x.gguf")
+        )
+    }
+    for ours in (hf_model_config(raw), gguf_model_config(metadata, tensors)):
+        assert ours.architecture == "olmo3"
+        assert ours.traits.qk_norm_whole and not ours.traits.pre_norms
+        assert ours.sliding_window == 4096
+        assert ours.sliding_window_layers == tuple(sliding)
+        assert [ours.layer_window(i) for i in range(4)] == [4096, 4096, 4096, 0]
+        assert ours.local_rope_theta == ours.rope_theta == 500000.0
+        assert ours.rope_scaling is not None
+        assert ours.rope_scaling["rope_type"] == "yarn"
+        assert ours.rope_scaling["factor"] == 8.0
+        assert ours.rope_scaling["attention_factor"] == pytest.approx(1.2079441541679836)
+        assert ours.max_position_embeddings == 65536
+
+
 @torch.inference_mode()
 def _greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
     tokens = list(prompt)
@@ -212,7 +280,7 @@ def test_engine_greedy_matches_transformers_through_preemption_and_ngram_specula
     # Random weights: a seed whose prompts this model's greedy output drafts into both ways
     # (some guesses accepted, some rejected).
     rng = random.Random(
-        {"gemma3": 7, "smollm3": 9, "granite": 9, "gpt_oss": 7, "olmo2": 5}.get(name, 6)
+        {"gemma3": 7, "smollm3": 9, "granite": 9, "gpt_oss": 7, "olmo2": 5, "olmo3": 5}.get(name, 6)
     )
     prompts = []
     for n in (5, 6, 7):

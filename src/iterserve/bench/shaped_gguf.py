@@ -160,6 +160,12 @@ PRESETS: dict[str, Shape] = {
                         dense_intermediate=6144),
     "olmo2-1b":   Shape("olmo2",  "OLMo-2-0425-1B",         2048,  8192,  16,  16,  16, 128, 500000.0,   4096, 1e-6,
                         qk_norm=True, qk_norm_whole=True, vocab=100352, tied=False),
+    # OLMo 2's layer with a 4096-token window on three layers in four and YaRN on the fourth,
+    # written as llama.cpp's converter writes OLMo 3: olmo2 with a window (its config as
+    # remembered, not re-read offline; 100,278 rows of vocabulary: not whole tiles of 16).
+    "olmo3-7b":   Shape("olmo2",  "Olmo-3-7B-Instruct",     4096, 11008,  32,  32,  32, 128, 500000.0,  65536, 1e-6,
+                        qk_norm=True, qk_norm_whole=True, vocab=100278, tied=False,
+                        sliding_window=4096, yarn=(8.0, 8192)),
     # 64 experts of 1024 a layer, 8 a token: 6.9B weights, 1.3B of them read a token.
     "olmoe-1b-7b": Shape("olmoe", "OLMoE-1B-7B-0924",       2048,  1024,  16,  16,  16, 128,  10000.0,   4096, 1e-5,
                         qk_norm=True, qk_norm_whole=True, vocab=50304, tied=False, experts=64,

@@ -34,6 +34,7 @@ HF_CLASSES = {
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "olmo3": ("Olmo3ForCausalLM", "olmo3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
@@ -92,7 +93,7 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if config.architecture == "olmoe":
         raw["num_experts"] = config.num_local_experts
         raw["norm_topk_prob"] = config.norm_topk_prob
-    if config.architecture in ("gemma2", "gemma3", "gpt_oss"):
+    if config.architecture in ("gemma2", "gemma3", "gpt_oss", "olmo3"):
         windows = config.sliding_window_layers or (True,) * config.num_hidden_layers
         raw["layer_types"] = [
             "sliding_attention" if sliding else "full_attention" for sliding in windows
@@ -104,7 +105,7 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         raw["hidden_activation"] = "gelu_pytorch_tanh"
     if config.swiglu_clamp is not None:  # gpt-oss
         raw["swiglu_alpha"], raw["swiglu_limit"] = config.swiglu_clamp
-    if config.local_rope_theta is not None:  # Gemma 3: rope per layer type
+    if config.local_rope_theta is not None:  # Gemma 3, OLMo 3: rope per layer type
         raw["rope_parameters"] = {
             "full_attention": rope,
             "sliding_attention": {"rope_type": "default", "rope_theta": config.local_rope_theta},

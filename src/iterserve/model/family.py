@@ -63,6 +63,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # norms on the attention's and the MLP's outputs only (HF's post_attention_layernorm and
     # post_feedforward_layernorm), none on their inputs.
     "olmo2": FamilyTraits(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
+    # OLMo 3: OLMo 2's layer; three layers in four attend through a window and rotate by plain
+    # RoPE, the fourth attends fully and takes the model's RoPE scaling (ModelConfig's
+    # sliding_window_layers and local_rope_theta, as Gemma 3's).
+    "olmo3": FamilyTraits(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
     # OLMoE (1B-7B): Llama's layer with q and k each normed whole (over all their heads),
     # and a sparse mixture of experts on every layer named as Qwen3-MoE's (64 experts of 1024,
     # 8 a token, the top-k weights not renormalised).

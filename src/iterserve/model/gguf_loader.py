@@ -57,9 +57,10 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 # {arch}.rope.scaling.type values read (llama.cpp's names), and the YaRN keys whose non-default
 # values would change the rotation in ways rope.py does not model.
 _GGUF_ROPE_SCALING = ("none", "linear", "yarn")
-# Architectures whose attention.sliding_window is read (Gemma's per layer, see _gemma_fields).
-_WINDOWED = ("phi3", "gemma2", "gemma3", "gpt-oss")
-_YARN_UNMODELLED = ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier", "attn_factor")
+# Architectures whose attention.sliding_window is read (Gemma's per layer, see _gemma_fields;
+# OLMo 3's, written as olmo2, see _olmo3_fields).
+_WINDOWED = ("phi3", "gemma2", "gemma3", "gpt-oss", "olmo2")
+_YARN_UNMODELLED = ("yarn_ext_factor", "yarn_log_multiplier", "attn_factor")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -107,6 +108,7 @@ _GEMMA_BLOCK_NAMES = {
 # sliding layers of Gemma 3 rotate with a plain base of 10000 unless the file says otherwise.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GPT_OSS_WINDOW_PATTERN = 2
+_OLMO3_WINDOW_PATTERN = 4  # llama.cpp's olmo2 with a window (OLMo 3): every 4th layer full
 # gpt-oss's chat format (Harmony) ends an answer with <|return|> and a tool call with
 # <|call|>; its GGUFs name one of them as eos.
 _HARMONY_END_TOKENS = ("<|return|>", "<|call|>")
@@ -364,6 +366,11 @@ def _gguf_rope(
         for beta in ("beta_fast", "beta_slow"):
             if (value := metadata.get(f"{arch}.rope.scaling.yarn_{beta}")) is not None:
                 rope[beta] = float(value)
+        # What llama.cpp's converter copies from the config's attention_factor (OLMo 3's:
+        # YaRN's own 1 + 0.1 ln(factor)). llama.cpp 0.3.36 recomputes that from the factor
+        # whatever the file says; the model was trained with the config's value.
+        if (attention := metadata.get(f"{arch}.rope.scaling.yarn_attn_factor")) is not None:
+            rope["attention_factor"] = float(attention)
         return rope
     return {}
 
@@ -451,8 +458,11 @@ def gguf_model_config(
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_WINDOW_PATTERN:
         gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)
+    window = metadata.get(f"{arch}.attention.sliding_window") if arch in _WINDOWED else None
+    olmo3 = arch == "olmo2" and bool(window)
+    family = _MOE_FAMILIES[arch] if experts else SUPPORTED_GGUF_ARCHITECTURES[arch]
     return ModelConfig(
-        architecture=_MOE_FAMILIES[arch] if experts else SUPPORTED_GGUF_ARCHITECTURES[arch],
+        architecture="olmo3" if olmo3 else family,
         # The embedding's rows, not the token list: the weights must agree with the config, and
         # some files pad the embedding past the tokenizer's vocabulary.
         vocab_size=tensors["token_embd.weight"].shape[0],
@@ -476,13 +486,12 @@ def gguf_model_config(
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         rope_scaling=rope_scaling,
-        sliding_window=(
-            metadata.get(f"{arch}.attention.sliding_window") if arch in _WINDOWED else None
-        ),
+        sliding_window=window,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
         **(_granite_fields(metadata, arch) if arch in GRANITE_FAMILIES else {}),
         **(_gpt_oss_fields(metadata, key("block_count")) if arch == "gpt-oss" else {}),
+        **(_olmo3_fields(metadata, key("block_count")) if olmo3 else {}),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
         # llama.cpp renormalises the top-k weights of every MoE family here but OLMoE's.
@@ -497,6 +506,17 @@ def _gpt_oss_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
             metadata, "gpt-oss", layers, _GPT_OSS_WINDOW_PATTERN
         ),
         "swiglu_clamp": _GPT_OSS_SWIGLU_CLAMP,
+    }
+
+
+def _olmo3_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
+    """OLMo 3, as llama.cpp writes and reads it (an olmo2 file with a window): windowed layers
+    by the file's pattern, else three in four; those rotate by plain RoPE on the model's base
+    (or rope.freq_base_swa), the full ones with the file's scaling."""
+    base = metadata.get("olmo2.rope.freq_base_swa", metadata.get("olmo2.rope.freq_base", 10000.0))
+    return {
+        "sliding_window_layers": _sliding_layers(metadata, "olmo2", layers, _OLMO3_WINDOW_PATTERN),
+        "local_rope_theta": float(base),
     }
 
 

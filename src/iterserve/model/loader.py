@@ -45,6 +45,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "OlmoeForCausalLM": "olmoe",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
@@ -72,8 +73,9 @@ _UNSUPPORTED_MOE = {
     "DeepseekV3ForCausalLM",
 }
 # Families whose sliding_window is used as it stands (Qwen's is refused above).
-_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3", "gpt_oss")
+_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3")
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends fully
+_OLMO3_WINDOW_PATTERN = 4
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -191,6 +193,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         **experts,
         **gemma,
         **_gpt_oss_fields(architecture, raw),
+        **_olmo3_fields(architecture, raw, rope),
     )
 
 
@@ -385,12 +388,9 @@ def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) 
     pattern = raw.get("sliding_window_pattern") or _GEMMA_WINDOW_PATTERN[architecture]
     local_theta = None
     if architecture == "gemma3":
-        local = rope.get("sliding_attention") or {}
-        if rope_type_of(local) != "default":
-            raise ModelLoadError(
-                f"gemma3 sliding layers with rope scaling {rope_type_of(local)!r} are not supported"
-            )
-        local_theta = float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
+        local_theta = _sliding_rope_theta(
+            architecture, rope, raw.get("rope_local_base_freq") or 10000.0
+        )
     return {
         "sliding_window_layers": _sliding_layers(architecture, raw, pattern),
         "attn_logit_softcapping": raw.get("attn_logit_softcapping"),
@@ -398,6 +398,31 @@ def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) 
         "query_pre_attn_scalar": raw.get("query_pre_attn_scalar"),
         "local_rope_theta": local_theta,
     }
+
+
+def _olmo3_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's windowed layers (three in four, as its config class makes them unless
+    `layer_types` says) and their plain RoPE, on the model's own base unless said otherwise:
+    its config class applies `rope_scaling` to the full layers only."""
+    if architecture != "olmo3":
+        return {}
+    theta = raw.get("rope_theta") or (rope.get("full_attention") or rope).get("rope_theta")
+    return {
+        "sliding_window_layers": _sliding_layers(architecture, raw, _OLMO3_WINDOW_PATTERN),
+        "local_rope_theta": _sliding_rope_theta(architecture, rope, float(theta or 10000.0)),
+    }
+
+
+def _sliding_rope_theta(architecture: str, rope: dict[str, Any], default: float) -> float:
+    """The base of the plain RoPE a family's windowed layers rotate by (Gemma 3, OLMo 3): the
+    per-layer-type RoPE fields' `sliding_attention` entry, or `default`."""
+    local = rope.get("sliding_attention") or {}
+    if rope_type_of(local) != "default":
+        raise ModelLoadError(
+            f"{architecture} sliding layers with rope scaling {rope_type_of(local)!r} are not "
+            "supported"
+        )
+    return float(local.get("rope_theta") or default)
 
 
 def _as_ids(value: int | list[int] | None) -> list[int]:
