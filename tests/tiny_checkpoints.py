@@ -32,6 +32,7 @@ _ARCHITECTURES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
@@ -94,7 +95,7 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         c.max_position_embeddings,
         getattr(c, "original_max_position_embeddings", None),
     )
-    named = ("qwen2", "mistral", "mixtral", "qwen3", "qwen3_moe", "olmoe", "phi3")
+    named = ("qwen2", "mistral", "mixtral", "qwen3", "qwen3_moe", "qwen2_moe", "olmoe", "phi3")
     arch = c.model_type if c.model_type in named else "llama"
     return ModelConfig(
         architecture=arch,
@@ -110,12 +111,16 @@ def model_config_of(hf: transformers.PreTrainedModel) -> ModelConfig:
         rope_theta=c.rope_parameters["rope_theta"],
         max_position_embeddings=positions,
         tie_word_embeddings=c.tie_word_embeddings,
-        attention_bias=arch == "qwen2" or bool(getattr(c, "attention_bias", False)),
+        attention_bias=arch == "qwen2"
+        or bool(getattr(c, "attention_bias", False) or getattr(c, "qkv_bias", False)),
         rope_scaling=rope_scaling,
-        sliding_window=getattr(c, "sliding_window", None) if arch in ("mistral", "mixtral", "phi3") else None,
-        num_local_experts=getattr(c, "num_local_experts", 0),
+        sliding_window=getattr(c, "sliding_window", None)
+        if arch in ("mistral", "mixtral", "phi3")
+        else None,
+        num_local_experts=getattr(c, "num_local_experts", 0) or getattr(c, "num_experts", 0),
         num_experts_per_tok=getattr(c, "num_experts_per_tok", 0),
         norm_topk_prob=getattr(c, "norm_topk_prob", True),
+        shared_expert_intermediate_size=getattr(c, "shared_expert_intermediate_size", 0),
     )
 
 

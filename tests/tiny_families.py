@@ -27,7 +27,15 @@ DENSE_FAMILIES = [
     "olmo2",
     "olmo3",
 ]
-ENGINE_FAMILIES = [*DENSE_FAMILIES, "mixtral", "qwen3_moe", "gpt_oss", "granitemoe", "olmoe"]
+ENGINE_FAMILIES = [
+    *DENSE_FAMILIES,
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "gpt_oss",
+    "granitemoe",
+    "olmoe",
+]
 VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
 
@@ -283,10 +291,17 @@ SMALL_VOCAB = 128
 
 def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTrainedModel:
     """A family's model with SMALL_VOCAB; the mixture-of-experts ones (Mixtral, Qwen3-MoE,
-    gpt-oss, Granite MoE, OLMoE: 4 experts, 2 a token) among them. `gguf`: as family_model's."""
+    Qwen2-MoE with its shared expert, gpt-oss, Granite MoE, OLMoE: 4 experts, 2 a token) among
+    them. `gguf`: as family_model's."""
     experts = {
         "mixtral": dict(num_local_experts=4),
         "qwen3_moe": dict(num_experts=4, moe_intermediate_size=128, norm_topk_prob=True),
+        "qwen2_moe": dict(
+            num_experts=4,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+        ),
         "granitemoe": dict(num_local_experts=4, **GRANITE),
         "olmoe": dict(num_experts=4, intermediate_size=128, norm_topk_prob=False),
     }

@@ -1,4 +1,5 @@
-"""The mixture-of-experts families (model/moe.py: Mixtral, Qwen3-MoE, OLMoE) against transformers
+"""The mixture-of-experts families (model/moe.py: Mixtral, Qwen3-MoE, OLMoE; Qwen2-MoE with its
+shared expert, model/shared_expert.py) against transformers
 on tiny random checkpoints, fp32: the logits of steps whose tokens go to several experts,
 greedy tokens through the engine (chunked prefill, prefix-cache hits, preemption, tensor
 parallelism), and the same model as a GGUF the way llama.cpp's converter writes each."""
@@ -24,7 +25,7 @@ from conftest import BUNDLED_GGUF, _save_tiny, bundled_dir
 from iterserve import LLM, SamplingParams, kernels
 from iterserve.config import ConfigError
 from iterserve.model import moe
-from iterserve.model.gguf_loader import read_gguf_header
+from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config, read_gguf_header
 from iterserve.model.linear import Backend
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
@@ -56,6 +57,15 @@ SHAPES: dict[str, dict[str, object]] = {
         num_key_value_heads=1,
         **COMMON,
     ),
+    # Qwen2-MoE: q/k/v biases, the top-k weights not renormalised (as Qwen1.5-MoE-A2.7B's),
+    # and a shared expert of 64 whose output a sigmoid gate scales.
+    "qwen2_moe": dict(
+        num_experts=EXPERTS,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=64,
+        norm_topk_prob=False,
+        **COMMON,
+    ),
 }
 # How each family's checkpoint names a layer's router and experts (model.layers.N.<prefix>.
 # gate, <prefix>.experts.E.<projection>), and its GGUF architecture.
@@ -63,6 +73,7 @@ NAMES = {
     "mixtral": ("block_sparse_moe", {"gate": "w1", "down": "w2", "up": "w3"}, "llama"),
     "qwen3_moe": ("mlp", {"gate": "gate_proj", "down": "down_proj", "up": "up_proj"}, "qwen3moe"),
     "olmoe": ("mlp", {"gate": "gate_proj", "down": "down_proj", "up": "up_proj"}, "olmoe"),
+    "qwen2_moe": ("mlp", {"gate": "gate_proj", "down": "down_proj", "up": "up_proj"}, "qwen2moe"),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -209,6 +220,7 @@ def test_qwen3_moe_without_renormalised_weights_matches_transformers(
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
 def test_kernels_path_matches_the_torch_reference_in_bf16(
+    family: str,
     tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
     routed: list[torch.Tensor],
 ) -> None:
@@ -221,7 +233,7 @@ def test_kernels_path_matches_the_torch_reference_in_bf16(
     for backend in ("torch", "tiled"):
         ours = _ours(tiny_moe, torch.bfloat16, backend)
         # Op by op, so `routed` sees the routing (the tests below: the experts in one call).
-        assert ours.fused_layers == (backend == "tiled")
+        assert ours.fused_layers == (backend == "tiled" and family != "qwen2_moe")
         ours.fused_layers = False
         for layer in ours.layers:
             assert (layer.moe.kernel is not None) == (backend == "tiled")
@@ -282,16 +294,17 @@ def test_the_experts_in_one_call_are_the_block_op_by_op(
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
 def test_the_fused_layers_take_the_experts(
-    tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+    family: str, tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]]
 ) -> None:
     """A step's layers in one decoder_stack call, each layer's experts in one experts_mlp
     call inside it (no compiled graph), against the same bf16 weights op by op through
     torch: the greedy tokens where the top two logits stand clear apart, and the logits
-    within bf16's reach, over a prefill, a chunk and decodes."""
+    within bf16's reach, over a prefill, a chunk and decodes. (Qwen2-MoE's layers run their
+    parts one call each, the experts in one call, the shared expert on the tiled kernels.)"""
     rows = {}
     for fast in (False, True):
         ours = _ours(tiny_moe, torch.bfloat16, "tiled" if fast else "torch")
-        assert ours.fused_layers == fast
+        assert ours.fused_layers == (fast and family != "qwen2_moe")
         runner = PagedRunner(ours, block_size=4, paged_kernel=fast)
         runner.add("a", list(range(3, 65)))  # 30 + 17 prompt tokens, 12 decodes
         runner.add("b", list(range(60, 90)))  # 15 + 1, then 12
@@ -316,7 +329,7 @@ def test_the_fused_layers_take_the_experts(
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
 def test_lora_slots_run_a_model_of_experts_layer_by_layer(
-    tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
+    family: str, tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]]
 ) -> None:
     """LoRA slots (on the attention projections: an expert has none) take the layers off the
     fused op, whose slots need a dense MLP; with no adapter in a slot the logits are the
@@ -329,7 +342,7 @@ def test_lora_slots_run_a_model_of_experts_layer_by_layer(
     rows = []
     for slots in (False, True):
         ours = _ours(tiny_moe, torch.bfloat16, "tiled")
-        assert ours.fused_layers
+        assert ours.fused_layers == (family != "qwen2_moe")  # its layers: a call a part
         if slots:
             LoRAModel(ours, max_loras=2, max_rank=8)
             assert not ours.fused_layers and ours.lora is not None
@@ -369,9 +382,10 @@ def test_tensor_parallel_greedy_is_transformers(
     family: str, moe_dir: Path, moe_reference: list[list[int]]
 ) -> None:
     """TP=2: each rank holds half of every expert's width; one all-reduce per MoE layer.
-    OLMoE's q/k norms span every head, which a rank holds half of: refused by name."""
-    if family == "olmoe":
-        with pytest.raises(ConfigError, match="olmoe runs on one rank only"):
+    OLMoE's q/k norms span every head, which a rank holds half of, and Qwen2-MoE's shared
+    expert is not sliced: refused by name."""
+    if family in ("olmoe", "qwen2_moe"):
+        with pytest.raises(ConfigError, match=f"{family} runs on one rank only"):
             LLM(str(moe_dir), dtype="float32", tensor_parallel_size=2)
         return
     with LLM(
@@ -398,10 +412,13 @@ def _write_moe_gguf(
     moe, parts, arch = NAMES[family]
     writer = GGUFWriter(path, arch)
     add_shape(writer, config)
-    writer.add_expert_count(config.num_local_experts)
+    num_experts = getattr(config, "num_local_experts", None) or config.num_experts
+    writer.add_expert_count(num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_tokenizer_model(metadata["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(metadata["tokenizer.ggml.pre"])
     writer.add_token_list(metadata["tokenizer.ggml.tokens"])
@@ -424,6 +441,18 @@ def _write_moe_gguf(
             if part in heads and arch == "llama":
                 tensor = torch.from_numpy(llama_cpp_permute(tensor.numpy(), heads[part]))
             add(f"blk.{i}.attn_{'output' if part == 'o' else part}.weight", tensor)
+            if (bias := weights.get(f"{p}self_attn.{part}_proj.bias")) is not None:  # Qwen2
+                add(f"blk.{i}.attn_{part}.bias", bias)
+        if family == "qwen2_moe":  # its shared expert, and the gate's row as a vector
+            for gguf_part, hf_part in parts.items():
+                add(
+                    f"blk.{i}.ffn_{gguf_part}_shexp.weight",
+                    weights[f"{p}mlp.shared_expert.{hf_part}.weight"],
+                )
+            add(
+                f"blk.{i}.ffn_gate_inp_shexp.weight",
+                weights[f"{p}mlp.shared_expert_gate.weight"][0],
+            )
         if family in ("qwen3_moe", "olmoe"):
             add(f"blk.{i}.attn_q_norm.weight", weights[f"{p}self_attn.q_norm.weight"])
             add(f"blk.{i}.attn_k_norm.weight", weights[f"{p}self_attn.k_norm.weight"])
@@ -432,8 +461,7 @@ def _write_moe_gguf(
         add(f"blk.{i}.ffn_gate_inp.weight", weights[f"{p}{moe}.gate.weight"])
         for gguf_part, hf_part in parts.items():
             experts = [
-                weights[f"{p}{moe}.experts.{e}.{hf_part}.weight"]
-                for e in range(config.num_local_experts)
+                weights[f"{p}{moe}.experts.{e}.{hf_part}.weight"] for e in range(num_experts)
             ]
             stack = torch.stack(experts).float().numpy()
             name = f"blk.{i}.ffn_{gguf_part}_exps.weight"
@@ -499,12 +527,39 @@ def test_experts_from_a_quantized_gguf_run_in_their_blocks(
 
 
 @pytest.mark.parametrize(
-    "architecture", ["Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
+    "architecture",
+    ["GraniteMoeSharedForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"],
 )
 def test_other_moe_families_are_refused_by_name(architecture: str) -> None:
     raw = {"architectures": [architecture], "hidden_size": 64, "num_attention_heads": 4}
     with pytest.raises(ModelLoadError, match=f"{architecture} is not supported.*Mixtral.*Qwen3"):
         hf_model_config(raw)
+
+
+def test_granite_moe_with_a_shared_expert_gguf_is_refused() -> None:
+    """llama.cpp writes GraniteMoeSharedForCausalLM as granitemoe with ffn_*_shexp tensors:
+    refused by name rather than run without its shared expert."""
+    arch = "granitemoe"
+    metadata: dict[str, object] = {
+        "general.architecture": arch,
+        **{f"{arch}.{k}": v for k, v in (("context_length", 256), ("embedding_length", 64))},
+        f"{arch}.block_count": 1,
+        f"{arch}.feed_forward_length": 32,
+        f"{arch}.attention.head_count": 4,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{arch}.expert_count": 4,
+        f"{arch}.expert_used_count": 2,
+    }
+    tensors = {
+        name: GGUFTensorInfo(name, shape, GGMLQuantizationType.F32, 0, 0, Path("x.gguf"))
+        for name, shape in (
+            ("token_embd.weight", (128, 64)),
+            ("blk.0.ffn_gate_exps.weight", (4, 32, 64)),
+            ("blk.0.ffn_up_shexp.weight", (32, 64)),
+        )
+    }
+    with pytest.raises(ModelLoadError, match="shared expert.*GraniteMoeShared"):
+        gguf_model_config(metadata, tensors)
 
 
 @pytest.mark.parametrize("dense", [{"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}])
@@ -524,12 +579,18 @@ def test_qwen3_moe_with_dense_layers_is_refused(tmp_path: Path, dense: dict) -> 
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
-def test_batch_invariant_logprobs_whatever_shares_the_steps(moe_kernel_dir: Path) -> None:
+def test_batch_invariant_logprobs_whatever_shares_the_steps(
+    family: str, moe_kernel_dir: Path
+) -> None:
     """--batch-invariant on a mixture of experts: a seeded request alone (its experts on the
     one-token road at every decode), then among others of other lengths (its prompt chunked
     beside theirs, steps of more than 128 (token, expert) pairs, its decodes in batches of
     every size as the others finish: the few-rows and many-rows roads): the same tokens and
-    logprobs to the last bit."""
+    logprobs to the last bit. Qwen2-MoE's layers, off the one-call layer op, are refused."""
+    if family == "qwen2_moe":
+        with pytest.raises(ConfigError, match="batch-invariant needs iterserve's fused kernels"):
+            LLM(str(moe_kernel_dir), dtype="bfloat16", batch_invariant=True, compile=False)
+        return
     llm = LLM(
         str(moe_kernel_dir),
         dtype="bfloat16",

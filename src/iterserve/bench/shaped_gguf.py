@@ -93,6 +93,9 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     dense_intermediate: int | None = None
+    # Qwen2-MoE: a shared expert of this width beside the routed ones, its output scaled by a
+    # sigmoid gate (ffn_gate_inp_shexp, a vector); 0: none.
+    shared_expert: int = 0
     # gpt-oss: attention sinks, a bias on attn_output too, biases on the router and experts,
     # its pre-MLP norm under llama.cpp's post_attention_norm, and YaRN (factor, original
     # context) with its ramp at beta_fast 32, beta_slow 1.
@@ -166,7 +169,11 @@ PRESETS: dict[str, Shape] = {
     "olmo3-7b":   Shape("olmo2",  "Olmo-3-7B-Instruct",     4096, 11008,  32,  32,  32, 128, 500000.0,  65536, 1e-6,
                         qk_norm=True, qk_norm_whole=True, vocab=100278, tied=False,
                         sliding_window=4096, yarn=(8.0, 8192)),
-    # 64 experts of 1024 a layer, 8 a token: 6.9B weights, 1.3B of them read a token.
+    # 60 experts of 1408 a layer, 4 a token, and a shared expert of 5632: 14.3B weights, 2.7B
+    # of them read a token (its config as remembered, not re-read offline).
+    "qwen1.5-moe-a2.7b": Shape("qwen2moe", "Qwen1.5-MoE-A2.7B",  2048,  1408,  24,  16,  16, 128,  1000000.0,   8192, 1e-6,
+                        qkv_bias=True, vocab=151936, tied=False, experts=60, experts_used=4,
+                        dense_intermediate=5632, shared_expert=5632),
     "olmoe-1b-7b": Shape("olmoe", "OLMoE-1B-7B-0924",       2048,  1024,  16,  16,  16, 128,  10000.0,   4096, 1e-5,
                         qk_norm=True, qk_norm_whole=True, vocab=50304, tied=False, experts=64,
                         experts_used=8),
@@ -243,6 +250,12 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
             specs.append(TensorSpec(f"{blk}.ffn_gate_exps.weight", (e, i_, h), "weight"))
             specs.append(TensorSpec(f"{blk}.ffn_up_exps.weight", (e, i_, h), "weight"))
             specs.append(TensorSpec(f"{blk}.ffn_down_exps.weight", (e, h, i_), "weight"))
+            if shape.shared_expert:
+                s_ = shape.shared_expert
+                specs.append(TensorSpec(f"{blk}.ffn_gate_inp_shexp.weight", (h,), "router"))
+                specs.append(TensorSpec(f"{blk}.ffn_gate_shexp.weight", (s_, h), "weight"))
+                specs.append(TensorSpec(f"{blk}.ffn_up_shexp.weight", (s_, h), "weight"))
+                specs.append(TensorSpec(f"{blk}.ffn_down_shexp.weight", (h, s_), "weight"))
             if shape.expert_biases:
                 specs.append(TensorSpec(f"{blk}.ffn_gate_inp.bias", (e,), "bias"))
                 for name, width in (("gate", i_), ("up", i_), ("down", h)):
@@ -382,6 +395,8 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.intermediate)
+    if shape.shared_expert:
+        writer.add_expert_shared_feed_forward_length(shape.shared_expert)
     if shape.granite is not None:
         embedding, residual, attention, logit = shape.granite
         writer.add_embedding_scale(embedding)
@@ -440,7 +455,7 @@ def q4_k_m_types(spec: TensorSpec, shape: Shape) -> str | None:
     if spec.name in ("token_embd.weight", "output.weight"):
         return "Q6_K"
     part = spec.name.split(".")[2]
-    if part in ("attn_v", "ffn_down", "ffn_down_exps"):
+    if part in ("attn_v", "ffn_down", "ffn_down_exps", "ffn_down_shexp"):
         i, n = int(spec.name.split(".")[1]), shape.layers
         if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2:
             return "Q6_K"

@@ -28,6 +28,7 @@ HF_CLASSES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "granite": ("GraniteForCausalLM", "granite"),
@@ -86,10 +87,13 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if config.num_local_experts:
         raw["num_local_experts"] = config.num_local_experts
         raw["num_experts_per_tok"] = config.num_experts_per_tok
-    if config.architecture == "qwen3_moe":  # its own names; intermediate_size is dense MLPs'
+    if config.architecture in ("qwen3_moe", "qwen2_moe"):  # intermediate_size is dense MLPs'
         raw["num_experts"] = config.num_local_experts
         raw["moe_intermediate_size"] = config.intermediate_size
         raw["norm_topk_prob"] = config.norm_topk_prob
+    if config.architecture == "qwen2_moe":
+        raw["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+        raw["qkv_bias"] = config.attention_bias
     if config.architecture == "olmoe":
         raw["num_experts"] = config.num_local_experts
         raw["norm_topk_prob"] = config.norm_topk_prob

@@ -59,6 +59,9 @@ class ModelConfig:
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    # With experts: the width of a dense expert every token runs beside its routed ones
+    # (Qwen2-MoE's shared expert, model/shared_expert.py); 0: none.
+    shared_expert_intermediate_size: int = 0
     # gpt-oss's expert SwiGLU (alpha, limit): gate clamped to <= limit, up to [-limit, limit],
     # then (up + 1) * gate * sigmoid(alpha * gate). None: silu(gate) * up.
     swiglu_clamp: tuple[float, float] | None = None

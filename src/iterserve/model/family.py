@@ -42,6 +42,9 @@ class FamilyTraits:
     attention_sinks: bool = False
     # The router and every expert projection have biases (gpt-oss).
     expert_biases: bool = False
+    # The shared expert's output scaled by a sigmoid of a learned row times the token
+    # (Qwen2-MoE's shared_expert_gate; model/shared_expert.py).
+    shared_expert_gate: bool = False
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -67,6 +70,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # RoPE, the fourth attends fully and takes the model's RoPE scaling (ModelConfig's
     # sliding_window_layers and local_rope_theta, as Gemma 3's).
     "olmo3": FamilyTraits(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v biased, o not)
+    # and, on every layer, a sparse mixture of experts beside a shared expert whose output a
+    # sigmoid gate scales (ModelConfig.shared_expert_intermediate_size).
+    "qwen2_moe": FamilyTraits(o_proj_bias=False, shared_expert_gate=True),
     # OLMoE (1B-7B): Llama's layer with q and k each normed whole (over all their heads),
     # and a sparse mixture of experts on every layer named as Qwen3-MoE's (64 experts of 1024,
     # 8 a token, the top-k weights not renormalised).

@@ -41,6 +41,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "qwen2moe": "qwen2_moe",
     "phi3": "phi3",
     "smollm3": "smollm3",
     "granite": "granite",
@@ -81,12 +82,18 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Qwen2-MoE's shared expert and its gate (model/shared_expert.py)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # GGUF architectures whose layers all have experts, and the family each names ("llama" with
 # an expert count is Mixtral, as llama.cpp stores it).
 _MOE_FAMILIES = {
     "llama": "mixtral",
     "qwen3moe": "qwen3_moe",
+    "qwen2moe": "qwen2_moe",
     "gpt-oss": "gpt_oss",
     "granitemoe": "granitemoe",
     "olmoe": "olmoe",
@@ -412,11 +419,16 @@ def _refuse_unsupported(
         )
     if experts and arch not in _MOE_FAMILIES:
         raise ModelLoadError(
-            f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen3-MoE, gpt-oss, "
-            "Granite MoE and OLMoE are"
+            f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen2-MoE, Qwen3-MoE, "
+            "gpt-oss, Granite MoE and OLMoE are"
         )
     if arch in _MOE_FAMILIES and arch != "llama" and not experts:
         raise ModelLoadError(f"GGUF {arch!r} file without {arch}.expert_count")
+    if arch != "qwen2moe" and "blk.0.ffn_up_shexp.weight" in tensors:
+        raise ModelLoadError(
+            f"GGUF {arch!r} with a shared expert (ffn_*_shexp: Granite MoE's "
+            "GraniteMoeSharedForCausalLM) is not supported; Qwen2-MoE's is"
+        )
     if experts and "blk.0.ffn_gate_exps.weight" not in tensors:
         raise ModelLoadError(
             "GGUF Mixtral files with one tensor per expert (blk.N.ffn_gate.E.weight, an old "
@@ -470,7 +482,7 @@ def gguf_model_config(
         # Qwen3-MoE's feed_forward_length is a dense MLP's width, which no layer has.
         intermediate_size=key(
             "expert_feed_forward_length"
-            if arch in ("qwen3moe", "gpt-oss")
+            if arch in ("qwen3moe", "qwen2moe", "gpt-oss")
             else "feed_forward_length"
         ),
         num_hidden_layers=key("block_count"),
@@ -494,8 +506,15 @@ def gguf_model_config(
         **(_olmo3_fields(metadata, key("block_count")) if olmo3 else {}),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
-        # llama.cpp renormalises the top-k weights of every MoE family here but OLMoE's.
-        norm_topk_prob=arch != "olmoe",
+        # llama.cpp renormalises the top-k weights of every MoE family here but OLMoE's and
+        # Qwen2-MoE's.
+        norm_topk_prob=arch not in ("olmoe", "qwen2moe"),
+        # Qwen2-MoE's shared expert: as wide as a dense MLP unless said (llama.cpp's n_ff_shexp).
+        shared_expert_intermediate_size=(
+            key("expert_shared_feed_forward_length", metadata.get(f"{arch}.feed_forward_length"))
+            if arch == "qwen2moe"
+            else 0
+        ),
         **gemma,
     )
 
@@ -658,13 +677,16 @@ def _load_weights(
                 blocks.update(zip(experts, expert_slices(whole, len(experts)), strict=True))
             continue
         name = hf_tensor_name(info.name, gguf_arch)
+        shape = info.shape
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp's is a vector, HF's 1 row
+            shape = (1, *info.shape)
         # llama.cpp's converter stores Gemma's norms with the 1 of (1 + w) added; HF
         # names carry HF's values (LlamaForCausalLM.load_weights adds the 1 again).
         norm_offset = bool(config.traits.norm_offset and "norm" in name)
         heads = rope_heads.get(name.split(".")[-2])
-        make = functools.partial(_tensor, info, dtype, norm_offset, heads)
-        native = functools.partial(_tensor, info, None, norm_offset, heads)
-        weights.add(name, info.shape, make, native)
+        make = functools.partial(_tensor, info, dtype, norm_offset, heads, shape)
+        native = functools.partial(_tensor, info, None, norm_offset, heads, shape)
+        weights.add(name, shape, make, native)
         if kept and len(info.shape) == 2:
             rows = (
                 None if heads is None else unpermute_rope_rows(torch.arange(info.shape[0]), heads)
@@ -723,9 +745,11 @@ def _tensor(
     dtype: torch.dtype | None,
     norm_offset: bool,
     rope_heads: int | None,
+    shape: tuple[int, ...],
 ) -> torch.Tensor:
-    """The tensor in `dtype`, or (None) as stored: fp16 and bf16 stay so, the rest fp32."""
-    tensor = _dequantized(info)
+    """The tensor in `dtype`, or (None) as stored: fp16 and bf16 stay so, the rest fp32; in
+    `shape` (the same values)."""
+    tensor = _dequantized(info).reshape(shape)
     if norm_offset:
         tensor = tensor.float() - 1
     if rope_heads is not None:

@@ -34,6 +34,7 @@ from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 from iterserve.model.moe import SparseMoeBlock
 from iterserve.model.rope import apply_rope, no_rope_tables, rope_tables
 from iterserve.model.score_head import SCORE_WEIGHT
+from iterserve.model.shared_expert import SharedExpert
 from iterserve.model.tensor_parallel import TensorParallel
 
 
@@ -164,6 +165,10 @@ class _DecoderLayer(nn.Module):
         # The MLP: dense (fused gate+up, then down), or experts (model/moe.py: Mixtral, Qwen3-MoE,
         # gpt-oss).
         self.moe = SparseMoeBlock(config, dtype, device) if config.num_local_experts else None
+        # Beside the experts, Qwen2-MoE's shared expert (model/shared_expert.py).
+        self.shared_expert = (
+            SharedExpert(config, dtype, device) if config.shared_expert_intermediate_size else None
+        )
         self.dtype = dtype
         self.linears: dict[str, Linear] = {}
         # The whole layer as one C++ op (kernels/csrc/layer.cpp), when every part fits it:
@@ -192,6 +197,8 @@ class _DecoderLayer(nn.Module):
         self.fused = None
         if self.moe is not None:
             self.moe.build(lambda name: part(prefix + name), backend, mode)
+        if self.shared_expert is not None:
+            self.shared_expert.build(lambda name: part(prefix + name), backend, mode)
         for name, parts in self.checkpoint_parts.items():
             if self.moe is not None and name in ("gate_up", "down"):
                 continue
@@ -211,6 +218,8 @@ class _DecoderLayer(nn.Module):
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
         fits_layer_op = self.head_dim % 32 == 0 and rope_tables[0].shape[1] % 32 == 0
         if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
+            fits_layer_op = False
+        if self.shared_expert is not None:  # its projections run beside the layer op's
             fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
@@ -302,6 +311,8 @@ class _DecoderLayer(nn.Module):
         hidden = self._block_out(linears["o"], attn, hidden, self.attn_out_norm)
         normed = _pre_norm(hidden, self.post_norm, self.eps)
         if self.moe is not None:
+            if self.shared_expert is not None:  # refused under tensor parallelism
+                hidden = self.shared_expert(normed, hidden)
             if self.tp is None:
                 return self.moe(normed, hidden)
             return self.tp.all_reduce(self.moe(normed, hidden if self.tp.rank == 0 else None))
@@ -563,6 +574,8 @@ class LlamaForCausalLM(nn.Module):
             linears.extend(layer.linears.values())
             if layer.moe is not None:
                 linears.extend([*layer.moe.gate_up, *layer.moe.down])
+            if layer.shared_expert is not None:
+                linears.extend(layer.shared_expert.linears())
         small = sum(p.numel() * p.element_size() for p in self.parameters())
         embedding = self.embedding.nbytes if self.embedding is not None else 0
         return sum(lin.nbytes for lin in linears) + embedding + small
@@ -775,7 +788,8 @@ def _attention_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets
 def _mlp_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
     """A layer's gate/up (halves of its fused gate_up) and down, or its experts."""
     if layer.moe is not None:
-        return layer.moe.targets(p)
+        shared = layer.shared_expert.targets(p) if layer.shared_expert is not None else {}
+        return {**layer.moe.targets(p), **shared}
     inter = layer.intermediate
     if c.traits.fused_checkpoint:  # Phi-3: already [gate; up]
         targets: _Targets = {f"{p}mlp.gate_up_proj.weight": (None, (2 * inter, c.hidden_size))}

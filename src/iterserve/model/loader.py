@@ -39,6 +39,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
@@ -65,10 +66,10 @@ CLASSIFIER_HF_ARCHITECTURES = {
     name.removesuffix("ForCausalLM") + "ForSequenceClassification": family
     for name, family in SUPPORTED_HF_ARCHITECTURES.items()
 }
-# Mixture-of-experts families whose routing model/moe.py does not reproduce (shared
-# experts, grouped routing, latent attention): refused by name.
+# Mixture-of-experts families whose routing or experts model/moe.py does not reproduce
+# (Granite's ungated shared expert, grouped routing, latent attention): refused by name.
 _UNSUPPORTED_MOE = {
-    "Qwen2MoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 }
@@ -182,8 +183,11 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         rope_theta=rope_theta,
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases and its config has no flag for them.
-        attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
+        # Qwen2 always has q/k/v biases and its config has no flag for them; Qwen2-MoE's
+        # says so in qkv_bias (true unless said otherwise).
+        attention_bias=architecture == "qwen2"
+        or (architecture == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+        or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling,
         # Mistral, Mixtral and Phi-3 window every layer alike (Qwen's per-layer windows are
         # refused).
@@ -226,15 +230,23 @@ def _hf_experts(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
             "num_local_experts": raw.get("num_local_experts", 32),
             "num_experts_per_tok": raw.get("num_experts_per_tok", 4),
         }
-    if architecture != "qwen3_moe":
+    if architecture not in ("qwen3_moe", "qwen2_moe"):
         return {}
-    # Qwen3MoeConfig's defaults (Qwen3-30B-A3B's shape), norm_topk_prob off as its own is.
     if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
-        # Dense MLPs between sparse ones: no released Qwen3-MoE has them.
+        # Dense MLPs between sparse ones: no released Qwen2- or Qwen3-MoE has them.
         raise ModelLoadError(
-            "qwen3_moe checkpoints with dense layers (mlp_only_layers, decoder_sparse_step "
-            "> 1) are not supported; every layer must be sparse"
+            f"{architecture} checkpoints with dense layers (mlp_only_layers, "
+            "decoder_sparse_step > 1) are not supported; every layer must be sparse"
         )
+    if architecture == "qwen2_moe":  # Qwen2MoeConfig's defaults (Qwen1.5-MoE-A2.7B's shape)
+        return {
+            "num_local_experts": raw.get("num_experts", 60),
+            "num_experts_per_tok": raw.get("num_experts_per_tok", 4),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "intermediate_size": raw.get("moe_intermediate_size", 1408),
+            "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632),
+        }
+    # Qwen3MoeConfig's defaults (Qwen3-30B-A3B's shape), norm_topk_prob off as its own is.
     return {
         "num_local_experts": raw.get("num_experts") or raw.get("num_local_experts") or 128,
         "num_experts_per_tok": raw.get("num_experts_per_tok", 8),
@@ -270,7 +282,7 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
     if moe := [n for n in names if n in _UNSUPPORTED_MOE]:
         raise ModelLoadError(
             f"mixture-of-experts architecture {moe[0]} is not supported; the MoE families "
-            "supported are Mixtral, Qwen3-MoE, gpt-oss, Granite MoE and OLMoE"
+            "supported are Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, Granite MoE and OLMoE"
         )
     if architecture is None:
         found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
@@ -279,7 +291,8 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
         )
     if raw.get("mlp_bias"):
         raise ModelLoadError("Llama checkpoints with mlp_bias=true are not supported")
-    if architecture in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and raw.get("use_sliding_window"):
+    qwen = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
+    if architecture in qwen and raw.get("use_sliding_window"):
         # Qwen windows only the layers past max_window_layers; rather than run every layer
         # with full attention and answer differently from the model, refuse.
         raise ModelLoadError(

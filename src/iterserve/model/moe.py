@@ -88,6 +88,7 @@ EXPERT_NAMES = {
         down="w2",
     ),
     "qwen3_moe": _QWEN3_MOE_NAMES,
+    "qwen2_moe": _QWEN3_MOE_NAMES,
     "olmoe": _QWEN3_MOE_NAMES,
     # Qwen3-MoE's expert names, as model/loader.py unstacks gpt-oss's
     # `mlp.experts.gate_up_proj` and `down_proj`; its router is `mlp.router`.
