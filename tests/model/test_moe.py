@@ -220,7 +220,6 @@ def test_qwen3_moe_without_renormalised_weights_matches_transformers(
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
 def test_kernels_path_matches_the_torch_reference_in_bf16(
-    family: str,
     tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
     routed: list[torch.Tensor],
 ) -> None:
@@ -233,7 +232,7 @@ def test_kernels_path_matches_the_torch_reference_in_bf16(
     for backend in ("torch", "tiled"):
         ours = _ours(tiny_moe, torch.bfloat16, backend)
         # Op by op, so `routed` sees the routing (the tests below: the experts in one call).
-        assert ours.fused_layers == (backend == "tiled" and family != "qwen2_moe")
+        assert ours.fused_layers == (backend == "tiled")
         ours.fused_layers = False
         for layer in ours.layers:
             assert (layer.moe.kernel is not None) == (backend == "tiled")
@@ -294,17 +293,17 @@ def test_the_experts_in_one_call_are_the_block_op_by_op(
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
 def test_the_fused_layers_take_the_experts(
-    family: str, tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]]
+    tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
 ) -> None:
     """A step's layers in one decoder_stack call, each layer's experts in one experts_mlp
     call inside it (no compiled graph), against the same bf16 weights op by op through
     torch: the greedy tokens where the top two logits stand clear apart, and the logits
-    within bf16's reach, over a prefill, a chunk and decodes. (Qwen2-MoE's layers run their
-    parts one call each, the experts in one call, the shared expert on the tiled kernels.)"""
+    within bf16's reach, over a prefill, a chunk and decodes (Qwen2-MoE's shared expert and its
+    gate inside the layer op too)."""
     rows = {}
     for fast in (False, True):
         ours = _ours(tiny_moe, torch.bfloat16, "tiled" if fast else "torch")
-        assert ours.fused_layers == (fast and family != "qwen2_moe")
+        assert ours.fused_layers == fast
         runner = PagedRunner(ours, block_size=4, paged_kernel=fast)
         runner.add("a", list(range(3, 65)))  # 30 + 17 prompt tokens, 12 decodes
         runner.add("b", list(range(60, 90)))  # 15 + 1, then 12
@@ -338,11 +337,12 @@ def test_lora_slots_run_a_model_of_experts_layer_by_layer(
     other experts in one than in the other. (Row 25 of this prompt: its top-k margin is
     7.6e-5 in Qwen3-MoE's first layer and 0.0069 in Mixtral's second, in fp32 torch; it
     went the reference's way in both until 2026-12-02 and the fused op's way since.) Such
-    rows must be rare."""
+    rows must be rare. Qwen2-MoE's shared expert adds a third rounded MLP output to each row:
+    its rows lie up to ~0.14 apart (0.03-0.1 typically, as Qwen3-MoE's)."""
     rows = []
     for slots in (False, True):
         ours = _ours(tiny_moe, torch.bfloat16, "tiled")
-        assert ours.fused_layers == (family != "qwen2_moe")  # its layers: a call a part
+        assert ours.fused_layers
         if slots:
             LoRAModel(ours, max_loras=2, max_rank=8)
             assert not ours.fused_layers and ours.lora is not None
@@ -350,9 +350,10 @@ def test_lora_slots_run_a_model_of_experts_layer_by_layer(
         runner.add("a", list(range(3, 40)))
         rows.append(torch.cat([runner.step([("a", 30)])["a"], runner.step([("a", 1)])["a"]]))
     fused, slotted = rows[0].float(), rows[1].float()
-    close = (slotted - fused).abs().amax(-1) < 0.1 + 0.02 * fused.abs().amax(-1)
+    atol = 0.15 if family == "qwen2_moe" else 0.1
+    close = (slotted - fused).abs().amax(-1) < atol + 0.02 * fused.abs().amax(-1)
     assert int((~close).sum()) <= 1, f"{int((~close).sum())} of {len(fused)} rows apart"
-    torch.testing.assert_close(slotted[close], fused[close], atol=0.1, rtol=0.02)
+    torch.testing.assert_close(slotted[close], fused[close], atol=atol, rtol=0.02)
 
 
 def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(
@@ -579,18 +580,12 @@ def test_qwen3_moe_with_dense_layers_is_refused(tmp_path: Path, dense: dict) -> 
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
-def test_batch_invariant_logprobs_whatever_shares_the_steps(
-    family: str, moe_kernel_dir: Path
-) -> None:
+def test_batch_invariant_logprobs_whatever_shares_the_steps(moe_kernel_dir: Path) -> None:
     """--batch-invariant on a mixture of experts: a seeded request alone (its experts on the
     one-token road at every decode), then among others of other lengths (its prompt chunked
     beside theirs, steps of more than 128 (token, expert) pairs, its decodes in batches of
     every size as the others finish: the few-rows and many-rows roads): the same tokens and
-    logprobs to the last bit. Qwen2-MoE's layers, off the one-call layer op, are refused."""
-    if family == "qwen2_moe":
-        with pytest.raises(ConfigError, match="batch-invariant needs iterserve's fused kernels"):
-            LLM(str(moe_kernel_dir), dtype="bfloat16", batch_invariant=True, compile=False)
-        return
+    logprobs to the last bit."""
     llm = LLM(
         str(moe_kernel_dir),
         dtype="bfloat16",

@@ -212,19 +212,19 @@ class _DecoderLayer(nn.Module):
         # The C++ layer op is Llama's layer and every dense family's parts (q/k norms, windows,
         # GeGLU, sandwich norms, soft-caps, local RoPE); a layer of experts takes it in
         # decoder_stack when the experts run in one call (model/moe.py `ExpertsKernel`), its
-        # MLP then no projection of the layer's own.
+        # MLP then no projection of the layer's own but a shared expert's (Qwen2-MoE).
         names = _FUSED if self.moe is None else ("qkv", "o")
         tiled = [self.linears[name] for name in names]
+        if self.shared_expert is not None:
+            tiled += self.shared_expert.linears()
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
         fits_layer_op = self.head_dim % 32 == 0 and rope_tables[0].shape[1] % 32 == 0
         if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
             fits_layer_op = False
-        if self.shared_expert is not None:  # its projections run beside the layer op's
-            fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
             self.rope_tables = rope_tables
             args = [lin.kernel_args for lin in tiled]
-            args += [([], [], None)] * (len(_FUSED) - len(names))  # an MLP of experts
+            args += [([], [], None)] * (len(_FUSED) - len(tiled))  # an MLP of experts
             self.fused = (
                 [seg for segments, _, _ in args for seg in segments],
                 [code for _, codes, _ in args for code in codes],
@@ -347,8 +347,9 @@ class _DecoderLayer(nn.Module):
 def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
     """decoder_stack's mixture-of-experts arguments: each layer's router tiles (None: a dense
     MLP), the experts' gate, up and down stacks and their formats, top-k, renormalisation;
-    then each layer's attention sinks, its experts' three biases (router, gate+up, down) and
-    the SwiGLU's clamp (gpt-oss's; None and (0, 0) elsewhere)."""
+    then each layer's attention sinks, its experts' three biases (router, gate+up, down), the
+    SwiGLU's clamp (gpt-oss's; None and (0, 0) elsewhere) and its shared expert's gate
+    (Qwen2-MoE's, a [hidden] row; its projections are the layer's gate_up and down)."""
     blocks = [layer.moe for layer in layers]
     kernels = [block.kernel for block in blocks if block is not None and block.kernel is not None]
     first = next((block for block in blocks if block is not None), None)
@@ -371,6 +372,12 @@ def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
         [layer.sinks for layer in layers],
         biases,
         *(kernels[0].swiglu if kernels else (0.0, 0.0)),
+        [
+            None
+            if layer.shared_expert is None or layer.shared_expert.gate_weight is None
+            else layer.shared_expert.gate_weight.view(-1)
+            for layer in layers
+        ],
     )
 
 

@@ -4,8 +4,10 @@ beside the experts routed to it, its output scaled by a sigmoid gate of the toke
 
 The gate scales the expert's output row by row, so it is applied to the activations before
 the down projection (down(g * a) = g * down(a)), and the down projection adds the residual in
-its epilogue: the routed experts (model/moe.py) then add onto that, as onto any residual. No
-op of its own, and the experts' one-call kernel is unchanged.
+its epilogue: the routed experts (model/moe.py) then add onto that, as onto any residual. The
+fused C++ layer does the same (layer.cpp `run_layer`: the shared expert is the layer's
+gate_up and down segments, its gate a row `decoder_stack` takes), so this module is the
+reference it is checked against and the compiled road.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class SharedExpert(nn.Module):
         assert self.gate_up is not None and self.down is not None
         gate_up = self.gate_up(x)
         act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-        if self.gate_weight is not None:
-            act = act * torch.sigmoid(F.linear(x, self.gate_weight))
+        if self.gate_weight is not None:  # the logit summed in fp32, then in x's dtype
+            logit = F.linear(x.float(), self.gate_weight.float()).to(x.dtype)
+            act = act * torch.sigmoid(logit)
         return self.down(act, residual=residual)

@@ -205,7 +205,8 @@ void qk_norm_inplace(Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_t hea
 }
 
 // A layer's mixture-of-experts MLP (moe.cpp's experts_mlp arguments), borrowed; gpt-oss's
-// biases (router, gate+up, down) and clamped SwiGLU (limit > 0).
+// biases (router, gate+up, down) and clamped SwiGLU (limit > 0); Qwen2-MoE's shared expert's
+// gate, bf16 [hidden] (the shared expert itself is the layer's gate_up and down segments).
 struct LayerExperts {
   const Tensor& router;
   const Tensor& gate;
@@ -216,6 +217,7 @@ struct LayerExperts {
   bool renormalize;
   std::optional<Tensor> router_bias, gate_up_bias, down_bias;
   double swiglu_alpha = 0.0, swiglu_limit = 0.0;
+  std::optional<Tensor> shared_gate;
 };
 
 // One layer's weights, borrowed from an op's arguments: the four projections' (qkv, o,
@@ -245,17 +247,20 @@ struct LayerWeights {
 };
 
 // Projection i's segments' index range from the counts of segments each projection has.
-// A layer with experts has no gate_up and down weights (counts 0).
+// A layer with experts has gate_up and down weights only for a shared expert (Qwen2-MoE's),
+// else none (counts 0).
 std::array<int64_t, 5> segment_starts(c10::IntArrayRef counts, int64_t first_segment,
                                       bool experts = false) {
   TORCH_CHECK(counts.size() == 4, "decoder_layer: 4 projections (qkv, o, gate_up, down)");
   std::array<int64_t, 5> first{first_segment};
   for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(experts && i >= 2 ? counts[i] == 0 : counts[i] >= 1,
-                "decoder_layer: projection ", i, " has ", counts[i], " weight segments",
-                experts ? " (a layer with experts has no gate_up or down)" : "");
+    TORCH_CHECK(counts[i] >= (experts && i >= 2 ? 0 : 1), "decoder_layer: projection ", i,
+                " has ", counts[i], " weight segments");
     first[i + 1] = first[i] + counts[i];
   }
+  TORCH_CHECK(!experts || (counts[2] == 0) == (counts[3] == 0),
+              "decoder_layer: a layer with experts has both gate_up and down (a shared expert) "
+              "or neither");
   return first;
 }
 
@@ -307,6 +312,29 @@ struct Projections {
   }
 };
 
+// Each row of `act` times sigmoid(its row of x . gate), rounded as torch's bf16 ops round
+// F.linear's output, the sigmoid and the product; the dot in fp32 in a fixed order, so a
+// row's scale does not depend on the step's other rows. Qwen2-MoE's shared expert gate.
+void gate_rows_(Tensor& act, const Tensor& x, const Tensor& gate) {
+  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && gate.is_contiguous() &&
+                  gate.numel() == x.size(1) && act.is_contiguous() && x.stride(1) == 1,
+              "decoder_layer: a shared expert's gate must be contiguous bf16 of the hidden size");
+  using at::BFloat16;
+  const BFloat16* g = gate.data_ptr<BFloat16>();
+  const int64_t K = x.size(1), N = act.size(1);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const BFloat16* row = x.data_ptr<BFloat16>() + m * x.stride(0);
+      float dot = 0.0f;
+      for (int64_t k = 0; k < K; ++k) dot += static_cast<float>(row[k]) * static_cast<float>(g[k]);
+      const float logit = static_cast<float>(BFloat16(dot));
+      const float scale = static_cast<float>(BFloat16(1.0f / (1.0f + std::exp(-logit))));
+      BFloat16* out = act.data_ptr<BFloat16>() + m * N;
+      for (int64_t n = 0; n < N; ++n) out[n] = BFloat16(static_cast<float>(out[n]) * scale);
+    }
+  });
+}
+
 // The layer itself, rows at positions `pos`.
 Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hidden,
                  const std::vector<int64_t>& pos, const Tensor& key_cache,
@@ -336,9 +364,18 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   const Tensor mid = block_out(1, attn.view({M, q_size}), hidden, w.attn_out_norm);
   if (const LayerExperts* e = w.experts) {
     TORCH_CHECK(!w.mlp_out_norm, "decoder_layer: experts with a sandwich norm");
-    return experts_mlp(pre_norm(mid, w.post_norm, w.eps), mid, e->router, e->top_k,
-                       e->renormalize, e->gate, e->up, e->down, e->formats, e->router_bias,
-                       e->gate_up_bias, e->down_bias, e->swiglu_alpha, e->swiglu_limit);
+    const Tensor normed = pre_norm(mid, w.post_norm, w.eps);
+    // A shared expert (Qwen2-MoE's): its output, gated row by row (before down, which a
+    // row's scale passes through), joins the residual the routed experts then add onto.
+    Tensor base = mid;
+    if (w.first[3] > w.first[2]) {
+      Tensor act = gated_mul(project(2, normed, std::nullopt), false);
+      if (e->shared_gate) gate_rows_(act, normed, *e->shared_gate);
+      base = project(3, act, mid);
+    }
+    return experts_mlp(normed, base, e->router, e->top_k, e->renormalize, e->gate, e->up,
+                       e->down, e->formats, e->router_bias, e->gate_up_bias, e->down_bias,
+                       e->swiglu_alpha, e->swiglu_limit);
   }
   const Tensor gate_up = project(2, pre_norm(mid, w.post_norm, w.eps), std::nullopt);
   const Tensor act = gated_mul(gate_up, w.gelu);
@@ -408,9 +445,10 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 // their own RoPE base, SmolLM3's layers without RoPE by tables 0 wide. A layer whose
 // router is given (Mixtral, Qwen3-MoE, gpt-oss) has a mixture of experts for its MLP: its
 // next three `experts` (gate, up and down stacks, moe.cpp) in the next three
-// `expert_formats`, and no gate_up or down segments; its three `expert_biases` (router,
-// gate+up, down: gpt-oss's, else None) and the SwiGLU's clamp are experts_mlp's. gpt-oss's
-// layers have `sinks` (None elsewhere).
+// `expert_formats`, and gate_up and down segments only for a shared expert (Qwen2-MoE's,
+// its gate in `shared_gates`, else None); its three `expert_biases` (router, gate+up, down:
+// gpt-oss's, else None) and the SwiGLU's clamp are experts_mlp's. gpt-oss's layers have
+// `sinks` (None elsewhere).
 Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
                      const Tensor& rope_cos, const Tensor& rope_sin,
                      const std::optional<Tensor>& second_rope_cos,
@@ -428,7 +466,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize,
                      const c10::List<std::optional<Tensor>>& sinks,
                      const c10::List<std::optional<Tensor>>& expert_biases, double swiglu_alpha,
-                     double swiglu_limit) {
+                     double swiglu_limit,
+                     const c10::List<std::optional<Tensor>>& shared_gates) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
                   attn_out_norms.size() == layers && mlp_out_norms.size() == layers &&
@@ -437,7 +476,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                   segments.size() == 4 * layers && biases.size() == 4 * layers &&
                   weights.size() == formats.size() && routers.size() == layers &&
                   experts.size() == expert_formats.size() && sinks.size() == layers &&
-                  expert_biases.size() == 3 * layers,
+                  expert_biases.size() == 3 * layers && shared_gates.size() == layers,
               "decoder_stack: every list holds one entry a layer (segments and biases 4, "
               "expert biases 3), formats one a weight, expert formats one a stack");
   const bool any_second =
@@ -460,7 +499,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                                 expert_formats[first_stack + 2]},
                                top_k, renormalize, expert_biases.get(3 * l),
                                expert_biases.get(3 * l + 1), expert_biases.get(3 * l + 2),
-                               swiglu_alpha, swiglu_limit});
+                               swiglu_alpha, swiglu_limit, shared_gates.get(l)});
       first_stack += 3;
     }
     const LayerWeights w{input_norms[l], post_norms[l], eps, weights, formats,

@@ -49,7 +49,8 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor(b!)[] value_caches, int num_heads, int num_kv_heads, float scale, "
       "int[] sliding_windows, int[] second_rope, Tensor?[] routers, Tensor[] experts, "
       "int[] expert_formats, int top_k, bool renormalize, Tensor?[] sinks, "
-      "Tensor?[] expert_biases, float swiglu_alpha, float swiglu_limit) -> Tensor");
+      "Tensor?[] expert_biases, float swiglu_alpha, float swiglu_limit, "
+      "Tensor?[] shared_gates) -> Tensor");
   m.def(
       "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
       "Tensor gate, Tensor up, Tensor down, int[] formats, Tensor? router_bias=None, "

@@ -146,7 +146,7 @@ at::Tensor decoder_stack(
     at::TensorList experts, c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize,
     const c10::List<std::optional<at::Tensor>>& sinks,
     const c10::List<std::optional<at::Tensor>>& expert_biases, double swiglu_alpha,
-    double swiglu_limit);
+    double swiglu_limit, const c10::List<std::optional<at::Tensor>>& shared_gates);
 
 // linear.cpp: activations as the block formats quantize them, per unit of 32 or 256 inputs.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t unit);
