@@ -40,6 +40,7 @@ _ARCHITECTURES = {
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
+    "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),

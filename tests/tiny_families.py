@@ -26,6 +26,7 @@ DENSE_FAMILIES = [
     "gemma3",
     "olmo2",
     "olmo3",
+    "exaone4",
 ]
 ENGINE_FAMILIES = [
     *DENSE_FAMILIES,
@@ -74,6 +75,14 @@ def family_model(
         return tiny_hf_model("granite", **shape, **GRANITE, max_position_embeddings=256)
     if family == "olmo2":
         return tiny_hf_model("olmo2", **shape, max_position_embeddings=256)
+    if family == "exaone4":  # a sliding layer (rotating) then a full one (no RoPE)
+        return tiny_hf_model(
+            "exaone4",
+            **shape,
+            sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=256,
+        )
     if family == "olmo3":  # a sliding layer (plain rope) then a full one (YaRN past ORIGINAL)
         rope = {
             "full_attention": {
@@ -228,6 +237,11 @@ def gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], 
             "attention.sliding_window_pattern": [t == "sliding_attention" for t in c.layer_types],
             "rope.scaling.type": full["rope_type"],
             "rope.scaling.factor": full["factor"],
+        }, {}
+    if c.model_type == "exaone4":
+        return {
+            "attention.sliding_window": c.sliding_window,
+            "attention.sliding_window_pattern": [t == "sliding_attention" for t in c.layer_types],
         }, {}
     if c.model_type == "olmo3":  # llama.cpp's converter: an olmo2 file with a window
         full = c.rope_parameters["full_attention"]

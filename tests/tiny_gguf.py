@@ -227,7 +227,7 @@ def write_gguf(
     elif arch == "gpt-oss":
         block = {**_BLOCK, **_GPT_OSS_BLOCK}
         state = _gpt_oss_state(state)
-    elif arch == "olmo2":
+    elif arch in ("olmo2", "exaone4"):
         block = {**_BLOCK, **_OLMO2_BLOCK}
     elif arch == "granitemoe":
         block = {**_BLOCK, **_GRANITE_MOE_BLOCK}

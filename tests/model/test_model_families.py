@@ -233,6 +233,58 @@ def test_olmo3_gguf_metadata_reads_as_its_released_config() -> None:
         assert ours.max_position_embeddings == 65536
 
 
+def test_exaone4_windows_and_rope_read_alike_from_its_config_and_gguf() -> None:
+    """EXAONE 4.0 32B's config.json (a window, `sliding_window_pattern` "LLLG") and what
+    llama.cpp's converter writes of it read alike: windows on three layers in four and RoPE on
+    those only; the 1.2B's (no window) attends fully and rotates everywhere."""
+    sliding = [(i + 1) % 4 != 0 for i in range(64)]
+    raw = {
+        "architectures": ["Exaone4ForCausalLM"],
+        "model_type": "exaone4",
+        "vocab_size": 102400,
+        "hidden_size": 5120,
+        "intermediate_size": 27392,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": 4096,
+        "sliding_window_pattern": "LLLG",
+    }
+    metadata: dict[str, object] = {
+        "general.architecture": "exaone4",
+        "exaone4.context_length": 131072,
+        "exaone4.embedding_length": 5120,
+        "exaone4.block_count": 64,
+        "exaone4.feed_forward_length": 27392,
+        "exaone4.attention.head_count": 40,
+        "exaone4.attention.head_count_kv": 8,
+        "exaone4.attention.key_length": 128,
+        "exaone4.attention.layer_norm_rms_epsilon": 1e-5,
+        "exaone4.attention.sliding_window": 4096,
+        "exaone4.attention.sliding_window_pattern": sliding,
+        "exaone4.rope.freq_base": 1000000.0,
+    }
+    tensors = {
+        "token_embd.weight": GGUFTensorInfo(
+            "token_embd.weight", (102400, 5120), GGMLQuantizationType.F32, 0, 0, Path("x.gguf")
+        )
+    }
+    for ours in (hf_model_config(raw), gguf_model_config(metadata, tensors)):
+        assert ours.architecture == "exaone4" and not ours.traits.pre_norms
+        assert ours.sliding_window_layers == tuple(sliding) == ours.rope_layers
+        assert [ours.layer_window(i) for i in range(4)] == [4096, 4096, 4096, 0]
+        assert [ours.layer_rotates(i) for i in range(4)] == [True, True, True, False]
+    small = {**raw, "num_hidden_layers": 30, "sliding_window": None}
+    del metadata["exaone4.attention.sliding_window"]
+    metadata.update({"exaone4.block_count": 30, "exaone4.attention.sliding_window_pattern": []})
+    for ours in (hf_model_config(small), gguf_model_config(metadata, tensors)):
+        assert ours.layer_window(3) == 0 and ours.layer_rotates(3) and ours.rope_layers is None
+
+
 @torch.inference_mode()
 def _greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
     tokens = list(prompt)

@@ -163,6 +163,10 @@ PRESETS: dict[str, Shape] = {
                         dense_intermediate=6144),
     "olmo2-1b":   Shape("olmo2",  "OLMo-2-0425-1B",         2048,  8192,  16,  16,  16, 128, 500000.0,   4096, 1e-6,
                         qk_norm=True, qk_norm_whole=True, vocab=100352, tied=False),
+    # OLMo 2's norms with per-head q/k norms, Llama 3's rope scaling; no window in the 1.2B (its
+    # config as remembered, not re-read offline).
+    "exaone4-1.2b": Shape("exaone4", "EXAONE-4.0-1.2B",      2048,  4096,  30,  32,   8,  64,      1e6,  65536, 1e-5,
+                        qk_norm=True, llama3_rope=(16.0, 1.0, 4.0, 8192), vocab=102400),
     # OLMo 2's layer with a 4096-token window on three layers in four and YaRN on the fourth,
     # written as llama.cpp's converter writes OLMo 3: olmo2 with a window (its config as
     # remembered, not re-read offline; 100,278 rows of vocabulary: not whole tiles of 16).
@@ -218,7 +222,7 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
     if shape.llama3_rope:
         specs.append(TensorSpec("rope_freqs.weight", (hd // 2,), "rope_freqs"))
     gemma = shape.arch.startswith("gemma")
-    olmo2 = shape.arch == "olmo2"  # norms on the blocks' outputs only
+    olmo2 = shape.arch in ("olmo2", "exaone4")  # norms on the blocks' outputs only
     for i in range(shape.layers):
         blk = f"blk.{i}"
         if not olmo2:

@@ -36,6 +36,7 @@ HF_CLASSES = {
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "olmo3": ("Olmo3ForCausalLM", "olmo3"),
+    "exaone4": ("Exaone4ForCausalLM", "exaone4"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
@@ -79,7 +80,8 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     }
     if "original_max_position_embeddings" in rope:  # Phi-3 reads it from the top level
         raw["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
-    if config.rope_layers is not None:  # SmolLM3: 1 where a layer rotates, despite the name
+    if config.rope_layers is not None and config.architecture == "smollm3":
+        # SmolLM3: 1 where a layer rotates, despite the name (EXAONE 4.0's follow its windows)
         raw["no_rope_layers"] = [int(rotates) for rotates in config.rope_layers]
     if config.architecture in GRANITE_FAMILIES:
         for name in GRANITE_MULTIPLIERS:
@@ -97,7 +99,7 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if config.architecture == "olmoe":
         raw["num_experts"] = config.num_local_experts
         raw["norm_topk_prob"] = config.norm_topk_prob
-    if config.architecture in ("gemma2", "gemma3", "gpt_oss", "olmo3"):
+    if config.architecture in ("gemma2", "gemma3", "gpt_oss", "olmo3", "exaone4"):
         windows = config.sliding_window_layers or (True,) * config.num_hidden_layers
         raw["layer_types"] = [
             "sliding_attention" if sliding else "full_attention" for sliding in windows

@@ -70,6 +70,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # RoPE, the fourth attends fully and takes the model's RoPE scaling (ModelConfig's
     # sliding_window_layers and local_rope_theta, as Gemma 3's).
     "olmo3": FamilyTraits(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
+    # EXAONE 4.0: OLMo 2's norms (on the blocks' outputs only) with Qwen3's per-head q/k
+    # norms; where the config has a window, three layers in four attend through it and only
+    # those rotate (the full layers take no RoPE: ModelConfig's rope_layers).
+    "exaone4": FamilyTraits(qk_norm=True, sandwich_norms=True, pre_norms=False),
     # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (q/k/v biased, o not)
     # and, on every layer, a sparse mixture of experts beside a shared expert whose output a
     # sigmoid gate scales (ModelConfig.shared_expert_intermediate_size).

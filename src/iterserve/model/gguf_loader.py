@@ -48,6 +48,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "granitemoe": "granitemoe",
     "olmoe": "olmoe",
     "olmo2": "olmo2",
+    "exaone4": "exaone4",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
@@ -60,7 +61,7 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 _GGUF_ROPE_SCALING = ("none", "linear", "yarn")
 # Architectures whose attention.sliding_window is read (Gemma's per layer, see _gemma_fields;
 # OLMo 3's, written as olmo2, see _olmo3_fields).
-_WINDOWED = ("phi3", "gemma2", "gemma3", "gpt-oss", "olmo2")
+_WINDOWED = ("phi3", "gemma2", "gemma3", "gpt-oss", "olmo2", "exaone4")
 _YARN_UNMODELLED = ("yarn_ext_factor", "yarn_log_multiplier", "attn_factor")
 
 _GLOBAL_NAMES = {
@@ -116,6 +117,7 @@ _GEMMA_BLOCK_NAMES = {
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GPT_OSS_WINDOW_PATTERN = 2
 _OLMO3_WINDOW_PATTERN = 4  # llama.cpp's olmo2 with a window (OLMo 3): every 4th layer full
+_EXAONE4_WINDOW_PATTERN = 4
 # gpt-oss's chat format (Harmony) ends an answer with <|return|> and a tool call with
 # <|call|>; its GGUFs name one of them as eos.
 _HARMONY_END_TOKENS = ("<|return|>", "<|call|>")
@@ -490,8 +492,13 @@ def gguf_model_config(
         num_key_value_heads=key("attention.head_count_kv", heads),
         head_dim=head_dim,
         rotary_dim=rotary_dim,
-        # SmolLM3: llama.cpp leaves RoPE out of every fourth layer (a fixed step, no key).
-        rope_layers=(rope_every_layer_but(4, key("block_count")) if arch == "smollm3" else None),
+        # SmolLM3: llama.cpp leaves RoPE out of every fourth layer (a fixed step, no key);
+        # EXAONE 4.0's (_exaone4_fields) come with its windows.
+        **(
+            {"rope_layers": rope_every_layer_but(4, key("block_count"))}
+            if arch == "smollm3"
+            else {}
+        ),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=max_positions,
@@ -504,6 +511,7 @@ def gguf_model_config(
         **(_granite_fields(metadata, arch) if arch in GRANITE_FAMILIES else {}),
         **(_gpt_oss_fields(metadata, key("block_count")) if arch == "gpt-oss" else {}),
         **(_olmo3_fields(metadata, key("block_count")) if olmo3 else {}),
+        **(_exaone4_fields(metadata, key("block_count")) if arch == "exaone4" and window else {}),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
         # llama.cpp renormalises the top-k weights of every MoE family here but OLMoE's and
@@ -537,6 +545,14 @@ def _olmo3_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
         "sliding_window_layers": _sliding_layers(metadata, "olmo2", layers, _OLMO3_WINDOW_PATTERN),
         "local_rope_theta": float(base),
     }
+
+
+def _exaone4_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
+    """EXAONE 4.0 with a window: the windowed layers by the file's pattern, else three in
+    four, and only they rotate, as transformers runs it. (llama.cpp 0.3.36 windows a file only
+    at the 32B's 64 layers, and rotates every layer of one without a window.)"""
+    sliding = _sliding_layers(metadata, "exaone4", layers, _EXAONE4_WINDOW_PATTERN)
+    return {"sliding_window_layers": sliding, "rope_layers": sliding}
 
 
 def _granite_fields(metadata: dict[str, Any], arch: str) -> dict[str, float]:
@@ -597,7 +613,8 @@ def _sliding_layers(
 
 def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     names = _BLOCK_NAMES
-    if gguf_arch.startswith("gemma") or gguf_arch == "olmo2":  # OLMo 2: the output norms only
+    # OLMo 2 and EXAONE 4.0: the output norms only
+    if gguf_arch.startswith("gemma") or gguf_arch in ("olmo2", "exaone4"):
         names = {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES}
     elif gguf_arch == "gpt-oss":
         names = {**_BLOCK_NAMES, **_GPT_OSS_BLOCK_NAMES}

@@ -47,6 +47,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Exaone4ForCausalLM": "exaone4",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
@@ -74,9 +75,11 @@ _UNSUPPORTED_MOE = {
     "DeepseekV3ForCausalLM",
 }
 # Families whose sliding_window is used as it stands (Qwen's is refused above).
-_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3")
+_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "exaone4")
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends fully
 _OLMO3_WINDOW_PATTERN = 4
+_EXAONE4_WINDOW_PATTERN = 4  # "LLLG": three windowed (local) layers, then a full (global) one
+_EXAONE4_LAYER_TYPES = {"L": "sliding_attention", "G": "full_attention"}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -198,6 +201,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         **gemma,
         **_gpt_oss_fields(architecture, raw),
         **_olmo3_fields(architecture, raw, rope),
+        **_exaone4_fields(architecture, raw),
     )
 
 
@@ -323,7 +327,10 @@ def _hf_multipliers(architecture: str, raw: dict[str, Any]) -> dict[str, float]:
 
 def _hf_rope_layers(architecture: str, raw: dict[str, Any]) -> tuple[bool, ...] | None:
     """SmolLM3's layers that rotate: `no_rope_layers` (1: rotates, despite the name), or
-    every layer but each `no_rope_layer_interval`-th as its config class makes them."""
+    every layer but each `no_rope_layer_interval`-th as its config class makes them. EXAONE
+    4.0's: with a window, its windowed layers only (its full layers take no RoPE)."""
+    if architecture == "exaone4":
+        return _exaone4_sliding(raw)
     if architecture != "smollm3":
         return None
     flags = raw.get("no_rope_layers")
@@ -424,6 +431,26 @@ def _olmo3_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) 
         "sliding_window_layers": _sliding_layers(architecture, raw, _OLMO3_WINDOW_PATTERN),
         "local_rope_theta": _sliding_rope_theta(architecture, rope, float(theta or 10000.0)),
     }
+
+
+def _exaone4_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4.0's windowed layers (its RoPE follows them: _hf_rope_layers)."""
+    sliding = _exaone4_sliding(raw) if architecture == "exaone4" else None
+    return {} if sliding is None else {"sliding_window_layers": sliding}
+
+
+def _exaone4_sliding(raw: dict[str, Any]) -> tuple[bool, ...] | None:
+    """EXAONE 4.0's windowed layers, by `layer_types`, else its `sliding_window_pattern` (a
+    string such as "LLLG", or every n-th layer full); None without a window (the 1.2B: every
+    layer attends fully)."""
+    if raw.get("sliding_window") is None:
+        return None
+    pattern = raw.get("sliding_window_pattern") or _EXAONE4_WINDOW_PATTERN
+    if isinstance(pattern, str) and not raw.get("layer_types"):
+        kinds = [pattern[i % len(pattern)] for i in range(raw["num_hidden_layers"])]
+        raw = {**raw, "layer_types": [_EXAONE4_LAYER_TYPES[kind] for kind in kinds]}
+        pattern = _EXAONE4_WINDOW_PATTERN
+    return _sliding_layers("exaone4", raw, int(pattern))
 
 
 def _sliding_rope_theta(architecture: str, rope: dict[str, Any], default: float) -> float:
