@@ -60,7 +60,7 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 # values would change the rotation in ways rope.py does not model.
 _GGUF_ROPE_SCALING = ("none", "linear", "yarn")
 # Architectures whose attention.sliding_window is read (Gemma's per layer, see _gemma_fields;
-# OLMo 3's, written as olmo2, see _olmo3_fields).
+# OLMo 3's, written as olmo2, see _olmo3_fields; EXAONE 4.0's, _exaone4_fields).
 _WINDOWED = ("phi3", "gemma2", "gemma3", "gpt-oss", "olmo2", "exaone4")
 _YARN_UNMODELLED = ("yarn_ext_factor", "yarn_log_multiplier", "attn_factor")
 
@@ -117,7 +117,7 @@ _GEMMA_BLOCK_NAMES = {
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GPT_OSS_WINDOW_PATTERN = 2
 _OLMO3_WINDOW_PATTERN = 4  # llama.cpp's olmo2 with a window (OLMo 3): every 4th layer full
-_EXAONE4_WINDOW_PATTERN = 4
+_EXAONE4_WINDOW_PATTERN = 4  # its config class's "LLLG": every 4th layer full
 # gpt-oss's chat format (Harmony) ends an answer with <|return|> and a tool call with
 # <|call|>; its GGUFs name one of them as eos.
 _HARMONY_END_TOKENS = ("<|return|>", "<|call|>")
