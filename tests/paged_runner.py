@@ -62,6 +62,7 @@ class PagedRunner:
             torch.device("cpu"),
             self.paged_kernel,
             self.model.config.sliding_window,
+            self.model.config.conv_history,
         )
         logits = self.model(
             torch.tensor(ids),

@@ -27,6 +27,7 @@ DENSE_FAMILIES = [
     "olmo2",
     "olmo3",
     "exaone4",
+    "lfm2",
 ]
 ENGINE_FAMILIES = [
     *DENSE_FAMILIES,
@@ -51,14 +52,14 @@ GRANITE = dict(
 
 
 def family_model(
-    family: str, gguf: bool = False, vocab_size: int = VOCAB
+    family: str, gguf: bool = False, vocab_size: int = VOCAB, weight_std: float = 0.15
 ) -> transformers.PreTrainedModel:
     """`gguf`: a Gemma with the attention scale a GGUF file can say (GGUF has no
     query_pre_attn_scalar; llama.cpp, and so iterserve, scales by head_dim, or by hidden /
     heads for the 27B layer counts)."""
     shape: dict[str, object] = dict(
         vocab_size=vocab_size,
-        weight_std=0.15,
+        weight_std=weight_std,
         hidden_size=128,
         intermediate_size=192,
         num_hidden_layers=2,
@@ -81,6 +82,16 @@ def family_model(
             **shape,
             sliding_window=24,
             layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=256,
+        )
+    if family == "lfm2":  # conv layers around an attention layer; an MLP width to round
+        shape.update(num_hidden_layers=3, intermediate_size=200, tie_word_embeddings=True)
+        return tiny_hf_model(
+            "lfm2",
+            **shape,
+            layer_types=["conv", "full_attention", "conv"],
+            block_multiple_of=32,  # 200 -> 2/3 of it, 133 -> 160
+            norm_eps=1e-5,
             max_position_embeddings=256,
         )
     if family == "olmo3":  # a sliding layer (plain rope) then a full one (YaRN past ORIGINAL)
@@ -319,6 +330,8 @@ def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTraine
         "granitemoe": dict(num_local_experts=4, **GRANITE),
         "olmoe": dict(num_experts=4, intermediate_size=128, norm_topk_prob=False),
     }
+    if name == "lfm2":  # weights at 0.15 make a random walk of its greedy text: no drafts
+        return family_model(name, vocab_size=SMALL_VOCAB, weight_std=0.07)
     if name == "gpt_oss":  # a GGUF implies llama.cpp's SwiGLU limit (7)
         return gpt_oss_model(vocab_size=SMALL_VOCAB, **({"swiglu_limit": 7.0} if gguf else {}))
     if name not in experts:

@@ -59,8 +59,23 @@ _GRANITE_MOE_BLOCK = {
     "block_sparse_moe.experts.up": "ffn_up_exps",
     "block_sparse_moe.experts.down": "ffn_down_exps",
 }
+# LFM2: its own names for Llama's parts, and its conv layers' (gguf-py's SHORTCONV_*).
+_LFM2_BLOCK = {
+    "operator_norm": "attn_norm",
+    "ffn_norm": "ffn_norm",
+    "self_attn.out_proj": "attn_output",
+    "self_attn.q_layernorm": "attn_q_norm",
+    "self_attn.k_layernorm": "attn_k_norm",
+    "feed_forward.w1": "ffn_gate",
+    "feed_forward.w3": "ffn_up",
+    "feed_forward.w2": "ffn_down",
+    "conv.conv": "shortconv.conv",
+    "conv.in_proj": "shortconv.in_proj",
+    "conv.out_proj": "shortconv.out_proj",
+}
 _TOP = {
     "model.embed_tokens": "token_embd",
+    "model.embedding_norm": "token_embd_norm",  # LFM2's final norm
     "model.norm": "output_norm",
     "lm_head": "output",
     "score": "cls.output",  # a reranker's classifier (CLS_OUT)
@@ -117,21 +132,41 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def lfm2_mlp_width(config: Any) -> int:
+    """The width transformers' Lfm2MLP gives its projections (block_auto_adjust_ff_dim), as
+    llama.cpp's converter writes it."""
+    width = config.intermediate_size
+    if config.block_auto_adjust_ff_dim:
+        width = int(2 * width / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            width = int(config.block_ffn_dim_multiplier * width)
+            width = config.block_multiple_of * -(-width // config.block_multiple_of)
+    return width
+
+
 def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = None) -> None:
     """The hyperparameters every Llama-like GGUF carries, from a transformers config."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    lfm2 = config.model_type == "lfm2"
+    # LFM2: the MLP's width as its config class makes it, no kv heads on the conv layers
+    # (llama.cpp's converter's way of marking them) and their width in tokens.
+    width = lfm2_mlp_width(config) if lfm2 else config.intermediate_size
+    writer.add_feed_forward_length(width)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    kv_heads = config.num_key_value_heads
+    if lfm2:
+        kv_heads = [0 if t == "conv" else kv_heads for t in config.layer_types]
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+    writer.add_head_count_kv(kv_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     # llama.cpp's n_rot: the dimensions turned (Phi-4-mini's partial rotary: 96 of 128).
     partial = config.rope_parameters.get("partial_rotary_factor") or 1.0
     writer.add_rope_dimension_count(int(head_dim * partial))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(config.norm_eps if lfm2 else config.rms_norm_eps)
     writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
 
 
@@ -232,6 +267,8 @@ def write_gguf(
     elif arch == "granitemoe":
         block = {**_BLOCK, **_GRANITE_MOE_BLOCK}
         state = _granite_moe_state(state)
+    elif arch == "lfm2":
+        block = {**_BLOCK, **_LFM2_BLOCK}
     for name, tensor in state.items():
         stem, suffix = name.rsplit(".", 1)
         layer, _, module = stem.removeprefix("model.layers.").partition(".")
@@ -239,6 +276,8 @@ def write_gguf(
             f"{_TOP[stem]}.{suffix}" if stem in _TOP else f"blk.{layer}.{block[module]}.{suffix}"
         )
         array = tensor.float().numpy()
+        if module == "conv.conv":  # the converter squeezes nn.Conv1d's [hidden, 1, kernel]
+            array = array.squeeze(1)
         if arch.startswith("gemma") and stem.endswith("norm"):
             array = array + 1  # convert_hf_to_gguf.py stores Gemma's (1 + w) norm scales
         permuted = arch in ("llama", "smollm3", "granite", "granitemoe")
@@ -256,6 +295,7 @@ def write_gguf(
             and module
             and array.ndim == 2
             and "norm" not in module
+            and module != "conv.conv"  # 3 columns: no blocks fit
         ):
             writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
         else:

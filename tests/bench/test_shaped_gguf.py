@@ -229,3 +229,26 @@ def test_presets_vocabularies_are_their_models() -> None:
     # Whole kernel tiles of 16 rows, but OLMo 3's 100,278 (its head's last tile padded).
     assert vocab["olmo3-7b"] == (100278, False)
     assert all(v % 16 == 0 for n, (v, _) in vocab.items() if v is not None and n != "olmo3-7b")
+
+
+def test_an_lfm2_body_loads_its_conv_layers(tmp_path: Path) -> None:
+    """LFM2's conv layers as llama.cpp's converter writes them (no kv heads, shortconv.*
+    tensors, token_embd_norm as the final norm), read back as the preset's layers; a decode
+    step reads a conv layer's two predecessors' rows, an attention layer's whole context."""
+    shape = dataclasses.replace(
+        PRESETS["tiny"], arch="lfm2", qk_norm=True, attention_layers=(1,), layers=3
+    )
+    path = write_shaped_gguf(tmp_path / "lfm2.gguf", shape)
+    loaded = load_gguf(path, torch.float32)
+    config = loaded.config
+    assert config.architecture == "lfm2" and config.conv_layers == (True, False, True)
+    assert config.conv_kernel == 3 and config.num_key_value_heads == shape.kv_heads
+    conv = loaded.weights["model.layers.0.conv.conv.weight"]
+    assert conv.shape == (shape.hidden, 1, 3) and 0 < conv.abs().max() < 10 * WEIGHT_STD
+    assert loaded.weights["model.layers.2.conv.in_proj.weight"].shape == (
+        3 * shape.hidden,
+        shape.hidden,
+    )
+    assert torch.equal(loaded.weights["model.norm.weight"], torch.ones(shape.hidden))
+    attention = 2 * shape.kv_heads * shape.head_dim * 2
+    assert kv_bytes_per_step(path, 100) == attention * 100 + 2 * (shape.hidden * 2 * 2)

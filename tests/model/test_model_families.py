@@ -61,7 +61,8 @@ def test_checkpoints_match_transformers_through_chunks_and_decodes(
     reference = hf
     if kind == "q8_0":
         reference = family_model(name, gguf=True)
-        missing = reference.load_state_dict(loaded.weights, strict=False).missing_keys
+        weights = {_checkpoint_name(name, n): loaded.weights[n] for n in loaded.weights}
+        missing = reference.load_state_dict(weights, strict=False).missing_keys
         assert missing in ([], ["lm_head.weight"])  # tied: the embedding
     ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
     ours.load_weights(loaded.weights)
@@ -78,6 +79,28 @@ def test_checkpoints_match_transformers_through_chunks_and_decodes(
         computed = runner.computed[seq]
         ref = hf_token_by_token(reference, tokens[:computed], prompt=min(computed, ORIGINAL))
         torch.testing.assert_close(torch.cat(got[seq]), ref, atol=1e-4, rtol=0)
+
+
+# The loader lists LFM2's tensors under Llama's names; these are its own (transformers').
+_LFM2_NAMES = {
+    ".self_attn.o_proj.": ".self_attn.out_proj.",
+    ".self_attn.q_norm.": ".self_attn.q_layernorm.",
+    ".self_attn.k_norm.": ".self_attn.k_layernorm.",
+    ".mlp.gate_proj.": ".feed_forward.w1.",
+    ".mlp.up_proj.": ".feed_forward.w3.",
+    ".mlp.down_proj.": ".feed_forward.w2.",
+    ".input_layernorm.": ".operator_norm.",
+    ".post_attention_layernorm.": ".ffn_norm.",
+    "model.norm.": "model.embedding_norm.",
+}
+
+
+def _checkpoint_name(family: str, name: str) -> str:
+    """A tensor's name as the loader lists it, as the family's transformers model names it."""
+    if family == "lfm2":
+        for ours, theirs in _LFM2_NAMES.items():
+            name = name.replace(ours, theirs)
+    return name
 
 
 @pytest.mark.parametrize(
@@ -165,6 +188,14 @@ def test_gemma_gguf_metadata_reads_as_the_hf_config(config: transformers.Pretrai
     assert ours.sliding_window_layers == tuple(t == "sliding_attention" for t in config.layer_types)
 
 
+def _embedding_only(rows: int, hidden: int) -> dict[str, GGUFTensorInfo]:
+    """The one tensor a GGUF's config is read with (its vocabulary: the embedding's rows)."""
+    info = GGUFTensorInfo(
+        "token_embd.weight", (rows, hidden), GGMLQuantizationType.F32, 0, 0, Path("x.gguf")
+    )
+    return {info.name: info}
+
+
 def test_olmo3_gguf_metadata_reads_as_its_released_config() -> None:
     """OLMo 3 7B's config.json (transformers 4's spelling: one rope_theta, YaRN in rope_scaling
     for the full layers only) and what llama.cpp's converter writes of it (an olmo2 file with
@@ -214,11 +245,7 @@ def test_olmo3_gguf_metadata_reads_as_its_released_config() -> None:
         "olmo2.rope.scaling.yarn_beta_fast": 32.0,
         "olmo2.rope.scaling.yarn_beta_slow": 1.0,
     }
-    tensors = {
-        "token_embd.weight": GGUFTensorInfo(
-            "token_embd.weight", (100278, 4096), GGMLQuantizationType.F32, 0, 0, Path("x.gguf")
-        )
-    }
+    tensors = _embedding_only(100278, 4096)
     for ours in (hf_model_config(raw), gguf_model_config(metadata, tensors)):
         assert ours.architecture == "olmo3"
         assert ours.traits.qk_norm_whole and not ours.traits.pre_norms
@@ -395,7 +422,11 @@ def _assert_fast_paths_keep_the_eager_greedy_tokens(
         # The checkpoint's tensors as the loader lists them (Granite MoE's expert stacks as
         # each expert's projections).
         model.load(load_model(directory, torch.float32).weights, "tiled" if fast else "torch")
-        assert model.fused_layers == fast
+        # Every layer in the layer op but LFM2's conv layers (op by op, the attention
+        # layers beside them in the op still).
+        assert [layer.fused is not None for layer in model.layers] == [
+            fast and layer.conv is None for layer in model.layers
+        ]
         runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=fast)
         runner.add("s", tokens)
         out = [runner.step([("s", n)])["s"] for n in (40, 30)]
@@ -408,3 +439,72 @@ def _assert_fast_paths_keep_the_eager_greedy_tokens(
     assert int(clear.sum()) >= 0.3 * len(ref)
     assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_lfm2_gguf_metadata_reads_as_its_released_config() -> None:
+    """LFM2-1.2B's config.json (its own spelling: block_ff_dim adjusted to 2/3 and rounded,
+    full_attn_idxs, norm_eps, tie_embedding) and what llama.cpp's converter writes of it
+    (head_count_kv 0 on the conv layers, the adjusted width) read alike."""
+    attention = (2, 5, 8, 10, 12, 14)
+    raw = {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "vocab_size": 65536,
+        "hidden_size": 2048,
+        "block_ff_dim": 12288,
+        "block_auto_adjust_ff_dim": True,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "full_attn_idxs": list(attention),
+        "norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 128000,
+        "tie_embedding": True,
+    }
+    metadata: dict[str, object] = {
+        "general.architecture": "lfm2",
+        "lfm2.context_length": 128000,
+        "lfm2.embedding_length": 2048,
+        "lfm2.block_count": 16,
+        "lfm2.feed_forward_length": 8192,
+        "lfm2.attention.head_count": 32,
+        "lfm2.attention.head_count_kv": [0 if i not in attention else 8 for i in range(16)],
+        "lfm2.attention.layer_norm_rms_epsilon": 1e-5,
+        "lfm2.rope.freq_base": 1000000.0,
+        "lfm2.shortconv.l_cache": 3,
+    }
+    tensors = _embedding_only(65536, 2048)
+    for ours in (hf_model_config(raw), gguf_model_config(metadata, tensors)):
+        assert ours.architecture == "lfm2" and ours.traits.qk_norm
+        assert ours.conv_layers == tuple(i not in attention for i in range(16))
+        assert (ours.conv_kernel, ours.conv_history) == (3, 2)
+        assert ours.intermediate_size == 8192
+        assert (ours.num_key_value_heads, ours.head_dim) == (8, 64)
+        assert ours.rms_norm_eps == 1e-5 and ours.rope_theta == 1e6
+        assert ours.tie_word_embeddings and ours.max_position_embeddings == 128000
+
+
+def test_lfm2_conv_rows_keep_to_the_int8_pool_of_the_attention_layers(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """With --kv-cache-dtype int8 a conv layer's rows are 8-bit rows as K and V are (one
+    scale a row): the logits stay close to those over a pool in the model's dtype."""
+    path = family_checkpoint("hf", family_model("lfm2"), tmp_path, tokenizer_dir)
+    loaded = load_model(path, torch.float32)
+    rng = random.Random(1)
+    tokens = [rng.randrange(VOCAB) for _ in range(40)]
+    rows = {}
+    for kv_dtype in (torch.float32, torch.int8):
+        model = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
+        model.load_weights(loaded.weights)
+        runner = PagedRunner(model, block_size=8, num_blocks=16, kv_dtype=kv_dtype)
+        runner.add("s", tokens)
+        rows[kv_dtype] = torch.cat([runner.step([("s", n)])["s"] for n in (20, 1, 1, 1)])
+    assert runner.caches[0][0].shape[-1] == 128 + 4  # hidden int8 values, then the scale
+    ref, got = rows[torch.float32], rows[torch.int8]
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()

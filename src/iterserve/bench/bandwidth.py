@@ -118,8 +118,12 @@ def kv_bytes_per_step(path: Path, context: int, itemsize: int = 2) -> int:
     1k tokens and 0.47 GB at 4k (Llama 3.2 3B: 112 KiB a token)."""
     config = _config(path)
     row = 2 * config.num_key_value_heads * config.head_dim * itemsize  # K and V of a layer
+    # An LFM2 conv layer reads its convolution's rows of the token's predecessors.
+    conv = config.hidden_size * itemsize * min(context, config.conv_history)
     return sum(
-        row * (min(context, window) if (window := config.layer_window(i)) else context)
+        conv
+        if config.layer_is_conv(i)
+        else row * (min(context, window) if (window := config.layer_window(i)) else context)
         for i in range(config.num_hidden_layers)
     )
 

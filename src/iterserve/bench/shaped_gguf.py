@@ -109,6 +109,13 @@ class Shape:
     # A Qwen3-Reranker as llama.cpp's converter writes it: `cls.output` (the LM head's rows of
     # "yes" and "no"), pooling type rank, and its prompt as the "rerank" chat template.
     reranker: bool = False
+    # LFM2: the layers that attend (its full_attn_idxs); the others are short convolutions
+    # over `conv_kernel` tokens (blk.N.shortconv.*), and the final norm is token_embd_norm.
+    attention_layers: tuple[int, ...] | None = None
+    conv_kernel: int = 3
+
+    def is_conv(self, layer: int) -> bool:
+        return self.attention_layers is not None and layer not in self.attention_layers
 
 
 # The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
@@ -161,6 +168,10 @@ PRESETS: dict[str, Shape] = {
     "qwen3-30b-a3b": Shape("qwen3moe", "Qwen3-30B-A3B",     2048,   768,  48,  32,   4, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936, tied=False, experts=128, experts_used=8,
                         dense_intermediate=6144),
+    # Ten short-convolution layers around six attention layers (its config as remembered,
+    # not re-read offline; the MLP width its config's 12288 makes, block_auto_adjust_ff_dim).
+    "lfm2-1.2b":  Shape("lfm2",   "LFM2-1.2B",              2048,  8192,  16,  32,   8,  64,      1e6, 128000, 1e-5,
+                        qk_norm=True, vocab=65536, attention_layers=(2, 5, 8, 10, 12, 14)),
     "olmo2-1b":   Shape("olmo2",  "OLMo-2-0425-1B",         2048,  8192,  16,  16,  16, 128, 500000.0,   4096, 1e-6,
                         qk_norm=True, qk_norm_whole=True, vocab=100352, tied=False),
     # OLMo 2's norms with per-head q/k norms, Llama 3's rope scaling; no window in the 1.2B (its
@@ -227,6 +238,12 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
         blk = f"blk.{i}"
         if not olmo2:
             specs.append(TensorSpec(f"{blk}.attn_norm.weight", (h,), "norm"))
+        if shape.is_conv(i):  # LFM2's conv layer in place of attention, then the MLP
+            specs.append(TensorSpec(f"{blk}.shortconv.in_proj.weight", (3 * h, h), "weight"))
+            specs.append(TensorSpec(f"{blk}.shortconv.conv.weight", (h, shape.conv_kernel), "bias"))
+            specs.append(TensorSpec(f"{blk}.shortconv.out_proj.weight", (h, h), "weight"))
+            specs += _dense_mlp(blk, shape)
+            continue
         q, kv = shape.heads * hd, shape.kv_heads * hd
         if shape.fused_projections:
             specs.append(TensorSpec(f"{blk}.attn_qkv.weight", (q + 2 * kv, h), "weight"))
@@ -265,20 +282,28 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
                 for name, width in (("gate", i_), ("up", i_), ("down", h)):
                     specs.append(TensorSpec(f"{blk}.ffn_{name}_exps.bias", (e, width), "bias"))
         else:
-            i_ = shape.intermediate
-            if shape.fused_projections:
-                specs.append(TensorSpec(f"{blk}.ffn_up.weight", (2 * i_, h), "weight"))
-            else:
-                specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (i_, h), "weight"))
-                specs.append(TensorSpec(f"{blk}.ffn_up.weight", (i_, h), "weight"))
-            specs.append(TensorSpec(f"{blk}.ffn_down.weight", (h, i_), "weight"))
+            specs += _dense_mlp(blk, shape)[1:]  # after the norm, which is above
         if gemma or olmo2:
             specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
-    specs.append(TensorSpec("output_norm.weight", (h,), "norm"))
+    final_norm = "token_embd_norm" if shape.attention_layers is not None else "output_norm"
+    specs.append(TensorSpec(f"{final_norm}.weight", (h,), "norm"))
     if shape.reranker:
         specs.append(TensorSpec("cls.output.weight", (2, h), "weight"))
     if head:
         specs.append(TensorSpec("output.weight", (vocab, h), "weight"))
+    return specs
+
+
+def _dense_mlp(blk: str, shape: Shape) -> list[TensorSpec]:
+    """A layer's norm before its MLP, and its dense MLP's projections."""
+    h, i_ = shape.hidden, shape.intermediate
+    specs = [TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm")]
+    if shape.fused_projections:
+        specs.append(TensorSpec(f"{blk}.ffn_up.weight", (2 * i_, h), "weight"))
+    else:
+        specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (i_, h), "weight"))
+        specs.append(TensorSpec(f"{blk}.ffn_up.weight", (i_, h), "weight"))
+    specs.append(TensorSpec(f"{blk}.ffn_down.weight", (h, i_), "weight"))
     return specs
 
 
@@ -367,7 +392,13 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     writer.add_block_count(shape.layers)
     writer.add_feed_forward_length(shape.dense_intermediate or shape.intermediate)
     writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
+    if shape.attention_layers is not None:  # LFM2: no kv heads marks a conv layer
+        writer.add_head_count_kv(
+            [0 if shape.is_conv(i) else shape.kv_heads for i in range(shape.layers)]
+        )
+        writer.add_shortconv_l_cache(shape.conv_kernel)
+    else:
+        writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
     writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from iterserve.model.config import GRANITE_FAMILIES, GRANITE_MULTIPLIERS, ModelConfig
+from iterserve.model.loader import lfm2_checkpoint_name
 
 # ModelConfig.architecture -> (HF architectures entry, HF model_type).
 HF_CLASSES = {
@@ -37,6 +38,7 @@ HF_CLASSES = {
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "olmo3": ("Olmo3ForCausalLM", "olmo3"),
     "exaone4": ("Exaone4ForCausalLM", "exaone4"),
+    "lfm2": ("Lfm2ForCausalLM", "lfm2"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
@@ -104,6 +106,11 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         raw["layer_types"] = [
             "sliding_attention" if sliding else "full_attention" for sliding in windows
         ]
+    if config.conv_layers is not None:  # LFM2; its MLP's width as loaded, not to adjust
+        raw["layer_types"] = ["conv" if c else "full_attention" for c in config.conv_layers]
+        raw["conv_L_cache"] = config.conv_kernel
+        raw["norm_eps"] = config.rms_norm_eps
+        raw["block_auto_adjust_ff_dim"] = False
     if config.architecture in ("gemma2", "gemma3"):
         raw["query_pre_attn_scalar"] = config.query_pre_attn_scalar or config.head_dim
         raw["attn_logit_softcapping"] = config.attn_logit_softcapping
@@ -140,6 +147,8 @@ def from_loaded(
         tensors = gpt_oss_stacks(tensors, config.num_hidden_layers, config.num_local_experts)
     if config.architecture == "granitemoe":
         tensors = granite_moe_stacks(tensors, config.num_hidden_layers, config.num_local_experts)
+    if config.architecture == "lfm2":
+        tensors = {lfm2_checkpoint_name(name): tensor for name, tensor in tensors.items()}
     with tempfile.TemporaryDirectory(prefix="iterserve-peer-") as directory:
         path = Path(directory)
         (path / "config.json").write_text(json.dumps(hf_config_json(config)))

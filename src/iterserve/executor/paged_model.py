@@ -75,6 +75,7 @@ class PagedModel:
             self.device,
             self.paged_attention_kernel,
             self.model.config.sliding_window,
+            self.model.config.conv_history,
         )
         inputs = (
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

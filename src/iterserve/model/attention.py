@@ -163,9 +163,14 @@ def allocate_kv_caches(
     width = row_width(config.head_dim, dtype)
     shape = (config.num_key_value_heads, num_blocks, block_size, width)
     zeroed = _zeroed_pages if device.type == "cpu" else _zeroed_now
+    # An LFM2 conv layer keeps a row of its convolution's input a token in its "K" (one head
+    # of hidden_size, model/short_conv.py) and no V.
+    conv_state = (1, num_blocks, block_size, row_width(config.hidden_size, dtype))
     return [
-        (zeroed(shape, dtype, device), zeroed(shape, dtype, device))
-        for _ in range(config.num_hidden_layers)
+        (zeroed(conv_state, dtype, device), zeroed((0, num_blocks, block_size, 0), dtype, device))
+        if config.layer_is_conv(i)
+        else (zeroed(shape, dtype, device), zeroed(shape, dtype, device))
+        for i in range(config.num_hidden_layers)
     ]
 
 
@@ -376,6 +381,14 @@ def attention_context(
         yield
     finally:
         _step = previous
+
+
+def current_step() -> tuple[AttentionMetadata, Sequence[tuple[torch.Tensor, torch.Tensor]]]:
+    """The step `attention_context` holds: what the ops that read the cache (`attend`, the
+    short convolution) see of it."""
+    if _step is None:
+        raise RuntimeError("a cache-reading op was called outside attention_context()")
+    return _step.meta, _step.kv_caches
 
 
 @torch.library.custom_op("iterserve::attend", mutates_args=())

@@ -78,6 +78,10 @@ class AttentionMetadata:
     decode_context_lens: list[int]  # context length of each decode, new token included
     prefills: list[PrefillChunk]
     max_context_len: int  # longest context in the step, new tokens included
+    # [T, history] int64: the cache slots of each new token's `history` predecessors, oldest
+    # first, -1 before a sequence's start: what an LFM2 conv layer reads (model/short_conv.py).
+    # None: the model has no conv layers.
+    conv_slots: torch.Tensor | None = None
     # Per-cache derived tensors, built by the first layer that needs them (attention.py).
     plans: dict[tuple[object, ...], object] = field(default_factory=dict, repr=False)
 
@@ -188,19 +192,35 @@ def _slots_and_chunks(
     return slots, prefills, start
 
 
+def _conv_slots(spans: Sequence[SeqSpan], block_size: int, history: int) -> list[int]:
+    """Every new token's `history` predecessors' cache slots, oldest first (-1: none), flat."""
+    slots: list[int] = []
+    for span in spans:
+        n, k = span.num_computed_tokens, span.num_new_tokens
+        blocks = span.block_ids
+        for p in range(n, n + k):
+            slots.extend(
+                blocks[q // block_size] * block_size + q % block_size if q >= 0 else -1
+                for q in range(p - history, p)
+            )
+    return slots
+
+
 def build_attention_metadata(
     spans: Sequence[SeqSpan],
     block_size: int,
     device: torch.device,
     paged_kernel: bool = False,
     sliding_window: int | None = None,
+    conv_history: int = 0,
 ) -> AttentionMetadata:
     """Turn the step's spans (flat-batch order, one-token spans first) into layer-ready tensors.
 
     `paged_kernel` hands every row to the C++ paged attention op, whose arithmetic for a row
     is the same whatever shares its step; otherwise rows take the torch paths. `sliding_window` (Mistral)
-    hides keys more than that many positions back, in every path's masks. Everything is built
-    on the host with a handful of vectorised ops and moved once.
+    hides keys more than that many positions back, in every path's masks. `conv_history`
+    (ModelConfig.conv_history): how many predecessors' slots each token's conv layers read.
+    Everything is built on the host with a handful of vectorised ops and moved once.
     """
     window = sliding_window or 0
     if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
@@ -232,4 +252,9 @@ def build_attention_metadata(
             (s.num_computed_tokens + s.num_new_tokens for s in spans),
             default=0,
         ),
+        conv_slots=torch.tensor(_conv_slots(spans, block_size, conv_history), dtype=torch.int64)
+        .view(start, conv_history)
+        .to(device)
+        if conv_history
+        else None,
     )

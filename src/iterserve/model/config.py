@@ -85,6 +85,10 @@ class ModelConfig:
     residual_multiplier: float | None = None
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
+    # LFM2: which layers mix tokens by a short causal convolution (model/short_conv.py)
+    # instead of attention, and the convolution's width in tokens (its conv_L_cache: 3).
+    conv_layers: tuple[bool, ...] | None = None
+    conv_kernel: int = 0
 
     def layer_window(self, index: int) -> int:
         """Layer `index`'s sliding window; 0: full attention."""
@@ -97,6 +101,15 @@ class ModelConfig:
     def layer_rotates(self, index: int) -> bool:
         """Whether layer `index` applies RoPE to its queries and keys."""
         return self.rope_layers is None or self.rope_layers[index]
+
+    def layer_is_conv(self, index: int) -> bool:
+        """Whether layer `index` is a short convolution (LFM2) rather than attention."""
+        return self.conv_layers is not None and self.conv_layers[index]
+
+    @property
+    def conv_history(self) -> int:
+        """How many earlier tokens' convolution inputs a token reads (0: no conv layers)."""
+        return self.conv_kernel - 1 if self.conv_layers is not None and any(self.conv_layers) else 0
 
     @property
     def stream_norm_eps(self) -> float:

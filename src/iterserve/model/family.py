@@ -87,6 +87,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # clamped (ModelConfig.swiglu_clamp); its checkpoint stacks each layer's experts and
     # interleaves gate and up (model/loader.py unstacks them).
     "gpt_oss": FamilyTraits(attention_sinks=True, expert_biases=True),
+    # LFM2 (350M-2.6B): Qwen3's per-head q/k norms on its attention layers; most layers mix
+    # tokens by a short gated convolution instead (ModelConfig.conv_layers,
+    # model/short_conv.py).
+    "lfm2": FamilyTraits(qk_norm=True),
     # Granite 3.x: Llama with four multipliers (ModelConfig: embeddings, each block's output
     # before its residual add, the attention scale, the logits' divisor).
     "granite": FamilyTraits(),

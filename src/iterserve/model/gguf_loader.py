@@ -49,6 +49,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "olmoe": "olmoe",
     "olmo2": "olmo2",
     "exaone4": "exaone4",
+    "lfm2": "lfm2",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
@@ -69,6 +70,7 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
     "cls.output": "score",  # a reranker's classifier (model/score_head.py)
+    "token_embd_norm": "model.norm",  # LFM2's final norm (HF's embedding_norm)
 }
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -127,6 +129,8 @@ _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # the scale by model size exactly so.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# LFM2's conv layers (model/short_conv.py): blk.N.shortconv.{in_proj,conv,out_proj}.weight.
+_SHORTCONV_TENSOR = re.compile(r"blk\.(\d+)\.shortconv\.(in_proj|conv|out_proj)\.weight")
 # "SmolLM2-135M-Instruct.Q4_1", "Llama-3.1-8B-Instruct-Q4_K_M": the served name drops the quant.
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|FP?16|FP?32)$", re.IGNORECASE)
 
@@ -469,6 +473,8 @@ def gguf_model_config(
     if arch == "gpt-oss":  # both of Harmony's ends of a turn, as llama.cpp finds them: by text
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         eos_ids += [i for i, token in enumerate(tokens) if token in _HARMONY_END_TOKENS]
+    kv_heads = key("attention.head_count_kv", heads)
+    lfm2 = _lfm2_fields(metadata, kv_heads, key("block_count")) if arch == "lfm2" else {}
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_WINDOW_PATTERN:
         gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)
@@ -489,7 +495,8 @@ def gguf_model_config(
         ),
         num_hidden_layers=key("block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=key("attention.head_count_kv", heads),
+        # LFM2's is a list, a layer's count (0: a conv layer).
+        num_key_value_heads=max(kv_heads) if isinstance(kv_heads, list) else kv_heads,
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         # SmolLM3: llama.cpp leaves RoPE out of every fourth layer (a fixed step, no key);
@@ -524,7 +531,24 @@ def gguf_model_config(
             else 0
         ),
         **gemma,
+        **lfm2,
     )
+
+
+def _lfm2_fields(metadata: dict[str, Any], kv_heads: Any, layers: int) -> dict[str, Any]:
+    """LFM2's conv layers, as llama.cpp's converter marks them (no kv heads: head_count_kv a
+    list with 0 for each), and their width in tokens (shortconv.l_cache)."""
+    if metadata.get("lfm2.attention.sliding_window"):
+        # llama.cpp 0.3.36 windows every attention layer of such a file; transformers'
+        # Lfm2Config has no window to check it against.
+        raise ModelLoadError("GGUF lfm2 with attention.sliding_window is not supported")
+    counts = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    if len(counts) != layers or len({c for c in counts if c}) > 1:
+        raise ModelLoadError(f"GGUF lfm2.attention.head_count_kv {counts} for {layers} layers")
+    kernel = metadata.get("lfm2.shortconv.l_cache")
+    if kernel is None:
+        raise ModelLoadError("GGUF metadata lacks lfm2.shortconv.l_cache")
+    return {"conv_layers": tuple(c == 0 for c in counts), "conv_kernel": int(kernel)}
 
 
 def _gpt_oss_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -628,6 +652,8 @@ def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
         if gguf_arch == "phi3" and match[2] == "ffn_up":  # Phi-3's fused gate and up
             module = "mlp.gate_up_proj"
         return f"model.layers.{match[1]}.{module}.{match[3]}"
+    if match := _SHORTCONV_TENSOR.fullmatch(gguf_name):
+        return f"model.layers.{match[1]}.conv.{match[2]}.weight"
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
@@ -697,6 +723,8 @@ def _load_weights(
         shape = info.shape
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp's is a vector, HF's 1 row
             shape = (1, *info.shape)
+        if name.endswith("conv.conv.weight"):  # LFM2's [hidden, kernel]; HF's [hidden, 1, kernel]
+            shape = (info.shape[0], 1, info.shape[1])
         # llama.cpp's converter stores Gemma's norms with the 1 of (1 + w) added; HF
         # names carry HF's values (LlamaForCausalLM.load_weights adds the 1 again).
         norm_offset = bool(config.traits.norm_offset and "norm" in name)

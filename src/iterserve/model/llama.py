@@ -35,6 +35,7 @@ from iterserve.model.moe import SparseMoeBlock
 from iterserve.model.rope import apply_rope, no_rope_tables, rope_tables
 from iterserve.model.score_head import SCORE_WEIGHT
 from iterserve.model.shared_expert import SharedExpert
+from iterserve.model.short_conv import ShortConv
 from iterserve.model.tensor_parallel import TensorParallel
 
 
@@ -132,14 +133,24 @@ class _DecoderLayer(nn.Module):
         self.gelu = traits.activation == "gelu_tanh"
         self.checkpoint_parts = _FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED
         like = {"dtype": dtype, "device": device}
+        # LFM2's conv layers mix tokens by a short convolution (model/short_conv.py) and have
+        # no attention: no q/k/v/o, q/k norms or biases.
+        self.conv = ShortConv(config, index, dtype, device) if config.layer_is_conv(index) else None
+        if self.conv is not None:
+            self.checkpoint_parts = {
+                n: parts for n, parts in self.checkpoint_parts.items() if n not in ("qkv", "o")
+            }
         # Empty where the family norms no block input (OLMo 2): the C++ layer skips those too.
         norm_width = hidden if traits.pre_norms else 0
         self.input_norm = _weight(norm_width, **like)
         # The projections' weights are not parameters: `build` makes each one's Linear.
+        attention = self.conv is None
         self.qkv_bias = (
-            _weight(self.q_size + 2 * self.kv_size, **like) if config.attention_bias else None
+            _weight(self.q_size + 2 * self.kv_size, **like)
+            if config.attention_bias and attention
+            else None
         )
-        has_o_bias = config.attention_bias and traits.o_proj_bias
+        has_o_bias = config.attention_bias and traits.o_proj_bias and attention
         self.o_bias = _weight(hidden, **like) if has_o_bias else None
         # q/k norms as one weight over the fused q and k heads. Head by head (Qwen3, Gemma 3):
         # [heads, head_dim], the q_norm row repeated per query head, then the k_norm row per kv
@@ -147,7 +158,7 @@ class _DecoderLayer(nn.Module):
         # k_norm's kv_size, q's heads normed together and k's together (the C++ layer reads
         # the same convention from the weight's shape).
         self.qk_norm = None
-        if traits.qk_norm:
+        if traits.qk_norm and attention:
             shape = (self.num_heads + self.num_kv_heads, head_dim)
             self.qk_norm = _weight(
                 *((math.prod(shape),) if traits.qk_norm_whole else shape), **like
@@ -199,6 +210,8 @@ class _DecoderLayer(nn.Module):
             self.moe.build(lambda name: part(prefix + name), backend, mode)
         if self.shared_expert is not None:
             self.shared_expert.build(lambda name: part(prefix + name), backend, mode)
+        if self.conv is not None:
+            self.conv.build(lambda name: part(prefix + name), backend, mode)
         for name, parts in self.checkpoint_parts.items():
             if self.moe is not None and name in ("gate_up", "down"):
                 continue
@@ -213,6 +226,8 @@ class _DecoderLayer(nn.Module):
         # GeGLU, sandwich norms, soft-caps, local RoPE); a layer of experts takes it in
         # decoder_stack when the experts run in one call (model/moe.py `ExpertsKernel`), its
         # MLP then no projection of the layer's own but a shared expert's (Qwen2-MoE).
+        if self.conv is not None:  # the layer op attends: a conv layer runs op by op
+            return
         names = _FUSED if self.moe is None else ("qkv", "o")
         tiled = [self.linears[name] for name in names]
         if self.shared_expert is not None:
@@ -273,6 +288,34 @@ class _DecoderLayer(nn.Module):
         slot_mapping: torch.Tensor,
         step: torch.Tensor | None,
     ) -> torch.Tensor:
+        linears = self.linears
+        if self.conv is not None:
+            hidden = self.conv(_pre_norm(hidden, self.input_norm, self.eps), hidden)
+        else:
+            hidden = self._attention(hidden, (cos, signed_sin), kv_cache, slot_mapping, step)
+        normed = _pre_norm(hidden, self.post_norm, self.eps)
+        if self.moe is not None:
+            if self.shared_expert is not None:  # refused under tensor parallelism
+                hidden = self.shared_expert(normed, hidden)
+            if self.tp is None:
+                return self.moe(normed, hidden)
+            return self.tp.all_reduce(self.moe(normed, hidden if self.tp.rank == 0 else None))
+        gate_up = linears["gate_up"](normed)
+        gate = gate_up[:, : self.intermediate]
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        act = gate.mul_(gate_up[:, self.intermediate :])
+        return self._block_out(linears["down"], act, hidden, self.mlp_out_norm)
+
+    def _attention(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        step: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The residual stream after the attention block: norm, q/k/v, rope (the step's cos
+        and signed sin rows), attend, o."""
         num_tokens = hidden.shape[0]
         linears = self.linears
         qkv = linears["qkv"](_pre_norm(hidden, self.input_norm, self.eps))
@@ -287,7 +330,7 @@ class _DecoderLayer(nn.Module):
             ).view(qk.shape)
         elif self.qk_norm is not None:
             qk = _rms_norm(qk, self.qk_norm, self.eps)
-        qk = apply_rope(qk, cos, signed_sin)
+        qk = apply_rope(qk, *rope)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if step is not None:  # the C++ op: store K/V, attend every row, one call
@@ -308,19 +351,7 @@ class _DecoderLayer(nn.Module):
                 q, k, v, self.index, self.scale, self.sliding_window, self.softcap, self.sinks
             )
         attn = attn.reshape(num_tokens, self.q_size)
-        hidden = self._block_out(linears["o"], attn, hidden, self.attn_out_norm)
-        normed = _pre_norm(hidden, self.post_norm, self.eps)
-        if self.moe is not None:
-            if self.shared_expert is not None:  # refused under tensor parallelism
-                hidden = self.shared_expert(normed, hidden)
-            if self.tp is None:
-                return self.moe(normed, hidden)
-            return self.tp.all_reduce(self.moe(normed, hidden if self.tp.rank == 0 else None))
-        gate_up = linears["gate_up"](normed)
-        gate = gate_up[:, : self.intermediate]
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        act = gate.mul_(gate_up[:, self.intermediate :])
-        return self._block_out(linears["down"], act, hidden, self.mlp_out_norm)
+        return self._block_out(linears["o"], attn, hidden, self.attn_out_norm)
 
     def _block_out(
         self,
@@ -487,7 +518,10 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, _DecoderLayer)
             p = f"model.layers.{i}."
-            targets |= _attention_targets(p, layer, c)
+            if layer.conv is not None:
+                targets |= layer.conv.targets(p)
+            else:
+                targets |= _attention_targets(p, layer, c)
             targets |= _mlp_targets(p, layer, c)
             targets |= _norm_targets(p, layer, c)
         return targets
@@ -539,6 +573,15 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers = all(layer.fused is not None for layer in self.layers)
         self._stack = None
 
+    @property
+    def layer_ops_or_conv(self) -> bool:
+        """Every layer one C++ layer op but LFM2's conv layers (model/short_conv.py)."""
+        return all(
+            layer.fused is not None or layer.conv is not None
+            for layer in self.layers
+            if isinstance(layer, _DecoderLayer)
+        )
+
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """`load` on the reference path: plain torch projections, dense weights."""
         self.load(weights)
@@ -583,6 +626,8 @@ class LlamaForCausalLM(nn.Module):
                 linears.extend([*layer.moe.gate_up, *layer.moe.down])
             if layer.shared_expert is not None:
                 linears.extend(layer.shared_expert.linears())
+            if layer.conv is not None:
+                linears.extend(layer.conv.linears())
         small = sum(p.numel() * p.element_size() for p in self.parameters())
         embedding = self.embedding.nbytes if self.embedding is not None else 0
         return sum(lin.nbytes for lin in linears) + embedding + small
@@ -597,14 +642,17 @@ class LlamaForCausalLM(nn.Module):
 
     def describe_linears(self) -> dict[str, str]:
         """Kernel of each projection kind, e.g. {"qkv": "tiled-q4(<=8 rows)+onednn", ...}."""
-        first = self.layers[0]
-        assert isinstance(first, _DecoderLayer) and self.head is not None
-        experts = {"experts": first.moe.describe()} if first.moe is not None else {}
-        return {
-            **{n: lin.describe() for n, lin in first.linears.items()},
-            **experts,
-            "lm_head": self.head.describe(),
-        }
+        assert self.head is not None
+        described: dict[str, str] = {}
+        for layer in self.layers:  # LFM2's first layer is a conv layer, without q/k/v
+            assert isinstance(layer, _DecoderLayer)
+            for name, lin in layer.linears.items():
+                described.setdefault(name, lin.describe())
+            if layer.moe is not None:
+                described.setdefault("experts", layer.moe.describe())
+            if layer.conv is not None and layer.conv.in_proj is not None:
+                described.setdefault("conv", layer.conv.in_proj.describe())
+        return {**described, "lm_head": self.head.describe()}
 
     def compile_layers(self) -> None:
         """Compile embedding + layer stack into graphs that every later step reuses.
@@ -670,6 +718,10 @@ class LlamaForCausalLM(nn.Module):
         if self.rope_second is not None:
             second = [table.index_select(0, positions).unsqueeze(1) for table in self.rope_second]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if step is not None and layer.fused is not None and layer.moe is None:
+                # Beside layers the op does not fit (LFM2's conv layers), those it does.
+                hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
+                continue
             cos, signed_sin = second if layer.second_rope else rope
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)
         return hidden

@@ -48,6 +48,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "Exaone4ForCausalLM": "exaone4",
+    "Lfm2ForCausalLM": "lfm2",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
@@ -117,7 +118,10 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     gpt_oss = config.architecture == "gpt_oss"
     shards = _shards(directory)
     stacks = _EXPERT_STACKS.get(config.architecture)
-    weights = _load_safetensors(directory, shards, dtype, "model." if bare else "", stacks, gpt_oss)
+    rename = _lfm2_name if config.architecture == "lfm2" else None
+    weights = _load_safetensors(
+        directory, shards, dtype, "model." if bare else "", stacks, gpt_oss, rename
+    )
     quantized: dict[str, QuantizedBlocks] = {}
     if gpt_oss:  # OpenAI's own checkpoints keep the experts in MXFP4: run from their blocks
         quantized.update(gpt_oss_mxfp4_experts([directory / shard for shard in shards]))
@@ -164,6 +168,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     gemma = _gemma_fields(architecture, raw, rope) if architecture in _GEMMA_WINDOW_PATTERN else {}
     experts = _hf_experts(architecture, raw)
+    lfm2 = _lfm2_fields(architecture, raw)
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or hidden // heads
     rotary_dim = _hf_rotary_dim(architecture, raw, rope, head_dim)
@@ -174,7 +179,9 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         architecture=architecture,
         vocab_size=raw["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=experts.pop("intermediate_size", raw["intermediate_size"]),
+        intermediate_size=experts.pop("intermediate_size", None)
+        or lfm2.pop("intermediate_size", None)
+        or raw["intermediate_size"],
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
@@ -182,10 +189,13 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         rotary_dim=rotary_dim,
         rope_layers=_hf_rope_layers(architecture, raw),
         **_hf_multipliers(architecture, raw),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
         rope_theta=rope_theta,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # LFM2's own configs say tie_embedding (true), its config class's default.
+        tie_word_embeddings=bool(
+            raw.get("tie_word_embeddings", raw.get("tie_embedding", architecture == "lfm2"))
+        ),
         # Qwen2 always has q/k/v biases and its config has no flag for them; Qwen2-MoE's
         # says so in qkv_bias (true unless said otherwise).
         attention_bias=architecture == "qwen2"
@@ -202,6 +212,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         **_gpt_oss_fields(architecture, raw),
         **_olmo3_fields(architecture, raw, rope),
         **_exaone4_fields(architecture, raw),
+        **lfm2,
     )
 
 
@@ -453,6 +464,73 @@ def _exaone4_sliding(raw: dict[str, Any]) -> tuple[bool, ...] | None:
     return _sliding_layers("exaone4", raw, int(pattern))
 
 
+def _lfm2_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's conv layers (`layer_types`, or every layer not in `full_attn_idxs`), their
+    width, and its MLP's width as Lfm2Config's block_auto_adjust_ff_dim makes it from
+    `block_ff_dim` (2/3 of it, times block_ffn_dim_multiplier, rounded up to
+    block_multiple_of: LFM2-1.2B's 12288 is 8192)."""
+    if architecture != "lfm2":
+        return {}
+    if raw.get("conv_bias"):
+        raise ModelLoadError("lfm2 checkpoints with conv_bias=true are not supported")
+    layers = raw["num_hidden_layers"]
+    full = raw.get("full_attn_idxs")
+    types = raw.get("layer_types") or [
+        "full_attention" if full is None or i in full else "conv" for i in range(layers)
+    ]
+    if unknown := set(types) - {"conv", "full_attention"}:
+        raise ModelLoadError(f"lfm2 layer types {sorted(unknown)} are not supported")
+    if len(types) != layers:
+        raise ModelLoadError(f"lfm2 layer_types has {len(types)} entries for {layers} layers")
+    width = raw.get("block_ff_dim") or raw["intermediate_size"]
+    if raw.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if (multiplier := raw.get("block_ffn_dim_multiplier", 1.0)) is not None:
+            multiple = raw.get("block_multiple_of", 256)
+            width = multiple * -(-int(multiplier * width) // multiple)
+    return {
+        "conv_layers": tuple(t == "conv" for t in types),
+        "conv_kernel": raw.get("conv_L_cache", 3),
+        "intermediate_size": width,
+    }
+
+
+# LFM2's checkpoint names, as the names model/llama.py reads (Llama's); its conv layers'
+# (conv.in_proj, conv.conv, conv.out_proj) are read as they are (model/short_conv.py).
+_LFM2_NAMES = {
+    ".self_attn.out_proj.": ".self_attn.o_proj.",
+    ".self_attn.q_layernorm.": ".self_attn.q_norm.",
+    ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+    ".feed_forward.w1.": ".mlp.gate_proj.",
+    ".feed_forward.w3.": ".mlp.up_proj.",
+    ".feed_forward.w2.": ".mlp.down_proj.",
+    ".operator_norm.": ".input_layernorm.",
+    ".ffn_norm.": ".post_attention_layernorm.",
+}
+
+
+_LFM2_FINAL_NORM = ("model.embedding_norm.weight", "model.norm.weight")
+
+
+def _lfm2_name(name: str) -> str:
+    """An LFM2 checkpoint name as model/llama.py reads it (its final norm is
+    `embedding_norm`, though it norms the last layer's output)."""
+    if name == _LFM2_FINAL_NORM[0]:
+        return _LFM2_FINAL_NORM[1]
+    for theirs, ours in _LFM2_NAMES.items():
+        name = name.replace(theirs, ours)
+    return name
+
+
+def lfm2_checkpoint_name(name: str) -> str:
+    """The inverse of `_lfm2_name`: a loaded LFM2 tensor under its checkpoint's name."""
+    if name == _LFM2_FINAL_NORM[1]:
+        return _LFM2_FINAL_NORM[0]
+    for theirs, ours in _LFM2_NAMES.items():
+        name = name.replace(ours, theirs)
+    return name
+
+
 def _sliding_rope_theta(architecture: str, rope: dict[str, Any], default: float) -> float:
     """The base of the plain RoPE a family's windowed layers rotate by (Gemma 3, OLMo 3): the
     per-layer-type RoPE fields' `sliding_attention` entry, or `default`."""
@@ -497,10 +575,12 @@ def _load_safetensors(
     prefix: str = "",
     stacks: ExpertStacks | None = None,
     mxfp4: bool = False,
+    rename: Callable[[str], str] | None = None,
 ) -> LazyWeights:
-    """The weights, each name after `prefix` (`model.` for a bare network's). Expert stacks
-    (gpt-oss, Granite MoE) are listed as each expert's projections, each read as a slice of
-    the file; with `mxfp4`, gpt-oss's MXFP4 stacks are left to safetensors_mxfp4.py."""
+    """The weights, each name after `prefix` (`model.` for a bare network's) and as `rename`
+    gives it (LFM2's). Expert stacks (gpt-oss, Granite MoE) are listed as each expert's
+    projections, each read as a slice of the file; with `mxfp4`, gpt-oss's MXFP4 stacks are
+    left to safetensors_mxfp4.py."""
     weights = LazyWeights()
     for shard in shards:
         if not (directory / shard).exists():
@@ -516,7 +596,8 @@ def _load_safetensors(
                 weights.add(prefix + part, part_shape, functools.partial(make, stored, dtype))
             if not parts:
                 read = functools.partial(_read_tensor, stored, dtype)
-                weights.add(prefix + name, stored.shape, read)
+                full_name = prefix + name
+                weights.add(rename(full_name) if rename else full_name, stored.shape, read)
     return weights
 
 

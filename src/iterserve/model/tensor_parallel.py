@@ -54,11 +54,13 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         or traits.attention_sinks
         or traits.qk_norm_whole
         or config.shared_expert_intermediate_size > 0
+        or config.conv_history > 0
     )
     if size > 1 and one_rank:
         # Fused checkpoint projections would need splitting per rank, sandwich norms and q/k
         # norms over all heads (OLMoE) an all-reduce before the norm, sinks and expert biases
-        # their own shares (gpt-oss), a shared expert (Qwen2-MoE) its slices: none is written.
+        # their own shares (gpt-oss), a shared expert (Qwen2-MoE) or a short convolution
+        # (LFM2) its slices: none is written.
         raise ConfigError(f"{TP_FLAG} {size}: {config.architecture} runs on one rank only")
     counts = {
         "num_attention_heads": config.num_attention_heads,
