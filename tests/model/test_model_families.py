@@ -422,11 +422,7 @@ def _assert_fast_paths_keep_the_eager_greedy_tokens(
         # The checkpoint's tensors as the loader lists them (Granite MoE's expert stacks as
         # each expert's projections).
         model.load(load_model(directory, torch.float32).weights, "tiled" if fast else "torch")
-        # Every layer in the layer op but LFM2's conv layers (op by op, the attention
-        # layers beside them in the op still).
-        assert [layer.fused is not None for layer in model.layers] == [
-            fast and layer.conv is None for layer in model.layers
-        ]
+        assert model.fused_layers == fast
         runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=fast)
         runner.add("s", tokens)
         out = [runner.step([("s", n)])["s"] for n in (40, 30)]

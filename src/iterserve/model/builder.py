@@ -144,17 +144,13 @@ def build_model(
     # step slower at one token (its runtime wrapper), besides a minute of compiling (measured once). So the
     # fused layers are the compiled step there; torch.compile serves the other backends.
     fused = use_kernel and model.fused_layers
-    # LFM2: its attention layers in the layer op, its conv layers a dozen ops each beside
-    # them; compiling those took 14 s of a 1.2B's start for no step time measured (B1
-    # 42-48 tok/s either way on big_models.py's lfm2-1.2b Q4_K_M: measured once, no script).
-    kernel_step = use_kernel and model.layer_ops_or_conv
     if config.batch_invariant and not fused:
         reason = kernels.why_unavailable() or "this model or dtype does not fit them"
         raise ConfigError(
             f"--batch-invariant needs iterserve's fused kernels (bf16 on a CPU they run on): "
             f"{reason}"
         )
-    compiled = config.compile and not kernel_step and model.lora is None and _can_compile(device)
+    compiled = config.compile and not fused and model.lora is None and _can_compile(device)
     if compiled:
         _use_persistent_compile_cache()
         model.compile_layers()
@@ -164,7 +160,7 @@ def build_model(
         paged_attention_kernel=use_kernel,
         batch_invariant=config.batch_invariant,
         weights="+".join(formats) if formats else str(dtype).removeprefix("torch."),
-        step="fused-layers" if kernel_step else "compiled" if compiled else "eager",
+        step="fused-layers" if fused else "compiled" if compiled else "eager",
         linears=model.describe_linears(),
         dtype=str(dtype).removeprefix("torch."),
         dtype_reason=dtype_reason,

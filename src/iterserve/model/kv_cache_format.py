@@ -58,7 +58,9 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., head_dim] bf16/fp32 -> [..., head_dim + 4] int8 rows: the values, then the scale."""
     x = x.float()
     top = x.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    # A true division, as the kernels' 127.0f / top: torch computes `127.0 / top` as 127 times
+    # top's reciprocal, which rounds differently a quarter of the time.
+    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
     q = torch.round(x * inv).to(torch.int8)
     scale = (top / 127.0).contiguous().view(torch.int8)  # its 4 bytes, in memory order
     return torch.cat([q, scale], dim=-1)

@@ -223,13 +223,16 @@ class _DecoderLayer(nn.Module):
                 self.dtype,
             )
         # The C++ layer op is Llama's layer and every dense family's parts (q/k norms, windows,
-        # GeGLU, sandwich norms, soft-caps, local RoPE); a layer of experts takes it in
+        # GeGLU, sandwich norms, soft-caps, local RoPE) and LFM2's convolution in place of
+        # attention (in decoder_stack only); a layer of experts takes it in
         # decoder_stack when the experts run in one call (model/moe.py `ExpertsKernel`), its
         # MLP then no projection of the layer's own but a shared expert's (Qwen2-MoE).
-        if self.conv is not None:  # the layer op attends: a conv layer runs op by op
-            return
         names = _FUSED if self.moe is None else ("qkv", "o")
+        if self.conv is not None:  # LFM2: the convolution's projections in q/k/v's and o's place
+            names = ("gate_up", "down")
         tiled = [self.linears[name] for name in names]
+        if self.conv is not None:
+            tiled = [*self.conv.linears(), *tiled]
         if self.shared_expert is not None:
             tiled += self.shared_expert.linears()
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
@@ -254,8 +257,9 @@ class _DecoderLayer(nn.Module):
         slot_mapping: torch.Tensor,
         step: torch.Tensor,
     ) -> torch.Tensor:
-        """`forward` in one call of the C++ layer op (which reads positions from `step`)."""
-        assert self.fused is not None and self.rope_tables is not None
+        """`forward` in one call of the C++ layer op (which reads positions from `step`); an
+        attention layer's (decoder_stack alone runs LFM2's convolution)."""
+        assert self.fused is not None and self.rope_tables is not None and self.conv is None
         return self.kernel_ops.decoder_layer(
             hidden,
             self.input_norm,
@@ -573,15 +577,6 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers = all(layer.fused is not None for layer in self.layers)
         self._stack = None
 
-    @property
-    def layer_ops_or_conv(self) -> bool:
-        """Every layer one C++ layer op but LFM2's conv layers (model/short_conv.py)."""
-        return all(
-            layer.fused is not None or layer.conv is not None
-            for layer in self.layers
-            if isinstance(layer, _DecoderLayer)
-        )
-
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """`load` on the reference path: plain torch projections, dense weights."""
         self.load(weights)
@@ -694,22 +689,21 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        if step is not None and self.fused_layers:
-            if (stacked := self._stacked(kv_caches)) is not None:
-                second = self.rope_second or (None, None)
-                return self.layers[0].kernel_ops.decoder_stack(
-                    hidden,
-                    slot_mapping,
-                    step,
-                    self.rope_cos,
-                    self.rope_signed_sin,
-                    *second,
-                    *stacked,
-                )
-            if self.layers[0].moe is None:  # decoder_layer's MLP is dense
-                for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                    hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
-                return hidden
+        if (
+            step is not None
+            and self.fused_layers
+            and (stacked := self._stacked(kv_caches)) is not None
+        ):
+            second = self.rope_second or (None, None)
+            return self.layers[0].kernel_ops.decoder_stack(
+                hidden,
+                slot_mapping,
+                step,
+                self.rope_cos,
+                self.rope_signed_sin,
+                *second,
+                *stacked,
+            )
         rope = [
             table.index_select(0, positions).unsqueeze(1)
             for table in (self.rope_cos, self.rope_signed_sin)
@@ -718,8 +712,9 @@ class LlamaForCausalLM(nn.Module):
         if self.rope_second is not None:
             second = [table.index_select(0, positions).unsqueeze(1) for table in self.rope_second]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            if step is not None and layer.fused is not None and layer.moe is None:
-                # Beside layers the op does not fit (LFM2's conv layers), those it does.
+            # decoder_layer: a dense MLP, attention (LFM2's convolution is decoder_stack's)
+            fused = layer.fused is not None and layer.moe is None and layer.conv is None
+            if step is not None and fused:
                 hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
                 continue
             cos, signed_sin = second if layer.second_rope else rope
@@ -759,6 +754,10 @@ class LlamaForCausalLM(nn.Module):
             [layer.sliding_window for layer in layers],
             [int(layer.second_rope) for layer in layers],
             *_experts_arguments(layers),
+            [
+                None if layer.conv is None else layer.conv.weight.view(layer.hidden_size, -1)
+                for layer in layers
+            ],
         )
         self._stack = (kv_caches, arguments)
         return arguments

@@ -14,6 +14,11 @@ preemption and chunked prefill recompute or continue them, and a rejected specul
 row is overwritten as its K/V is. It costs a row a token per conv layer (LFM2-1.2B: 40 KiB a
 token in bf16 against its attention layers' 12), where a state per sequence would take one
 row per predecessor read.
+
+The fused C++ layer op runs the same convolution (kernels/csrc/short_conv.cpp, inside
+`decoder_stack`: the conv layer's in_proj and out_proj are its q/k/v and o segments), to the
+bit (tests/model/test_short_conv.py); this module is its reference, and the road of every
+other backend.
 """
 
 from __future__ import annotations

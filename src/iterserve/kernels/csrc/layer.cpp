@@ -9,7 +9,8 @@
 // and Gemma's variants of it: GELU (tanh) for SiLU, "sandwich" norms on the attention's and the
 // MLP's outputs before their residual adds (h = hidden + rms_norm(a W_o^T)), Gemma 2's
 // attention logit soft-cap, and Gemma 3's sliding layers rotating by their own tables; and
-// Mixtral's and Qwen3-MoE's, whose MLP is a mixture of experts (moe.cpp's experts_mlp).
+// Mixtral's and Qwen3-MoE's, whose MLP is a mixture of experts (moe.cpp's experts_mlp); and
+// LFM2's conv layers, a short convolution in place of attention (short_conv.cpp).
 //
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
 // this file adds is the glue between them (norms, rope, SiLU / GELU) and, above all, one dispatch
@@ -244,6 +245,9 @@ struct LayerWeights {
   std::optional<Tensor> sinks;
   // A mixture-of-experts MLP in place of gate_up and down (moe.cpp), or none.
   const LayerExperts* experts = nullptr;
+  // LFM2's conv layer: its short convolution's kernel, bf16 [hidden, width], in place of
+  // attention (short_conv.cpp; qkv's segments are then its in_proj, o's its out_proj).
+  std::optional<Tensor> conv_kernel = std::nullopt;
 };
 
 // Projection i's segments' index range from the counts of segments each projection has.
@@ -335,12 +339,11 @@ void gate_rows_(Tensor& act, const Tensor& x, const Tensor& gate) {
   });
 }
 
-// The layer itself, rows at positions `pos`.
-Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hidden,
-                 const std::vector<int64_t>& pos, const Tensor& key_cache,
-                 const Tensor& value_cache, const Tensor& slot_mapping, const Tensor& step,
-                 const Tensor& rope_cos, const Tensor& rope_sin) {
-  const Projections project{w, lora};
+// The attention block's rows (before o): norm, q/k/v, q/k norms, rope, store and attend.
+Tensor attend_block(const LayerWeights& w, const Projections& project, const Tensor& hidden,
+                    const std::vector<int64_t>& pos, const Tensor& key_cache,
+                    const Tensor& value_cache, const Tensor& slot_mapping, const Tensor& step,
+                    const Tensor& rope_cos, const Tensor& rope_sin) {
   const int64_t M = hidden.size(0), head_dim = cache_head_dim(key_cache);
   Tensor qkv = project(0, pre_norm(hidden, w.input_norm, w.eps), std::nullopt);
   const int64_t q_size = w.num_heads * head_dim, kv_size = w.num_kv_heads * head_dim;
@@ -355,13 +358,29 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
                                        w.scale, w.sliding_window, w.softcap, w.sinks);
+  return attn.view({M, q_size});
+}
+
+// The layer itself, rows at positions `pos`.
+Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hidden,
+                 const std::vector<int64_t>& pos, const Tensor& key_cache,
+                 const Tensor& value_cache, const Tensor& slot_mapping, const Tensor& step,
+                 const Tensor& rope_cos, const Tensor& rope_sin) {
+  const Projections project{w, lora};
   // Each block's output joins the stream in its projection's epilogue, or after its norm.
   auto block_out = [&](int64_t i, const Tensor& x, const Tensor& residual,
                        const std::optional<Tensor>& out_norm) {
     if (!out_norm) return project(i, x, residual);
     return rms_norm(project(i, x, std::nullopt), *out_norm, w.eps, &residual);
   };
-  const Tensor mid = block_out(1, attn.view({M, q_size}), hidden, w.attn_out_norm);
+  // What the token-mixing block's output projection reads: attention's rows, or LFM2's
+  // convolution's (its in_proj is the layer's first projection).
+  const Tensor mixed =
+      w.conv_kernel ? short_conv(project(0, pre_norm(hidden, w.input_norm, w.eps), std::nullopt),
+                                 *w.conv_kernel, key_cache, slot_mapping, step)
+                    : attend_block(w, project, hidden, pos, key_cache, value_cache, slot_mapping,
+                                   step, rope_cos, rope_sin);
+  const Tensor mid = block_out(1, mixed, hidden, w.attn_out_norm);
   if (const LayerExperts* e = w.experts) {
     TORCH_CHECK(!w.mlp_out_norm, "decoder_layer: experts with a sandwich norm");
     const Tensor normed = pre_norm(mid, w.post_norm, w.eps);
@@ -448,7 +467,9 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 // `expert_formats`, and gate_up and down segments only for a shared expert (Qwen2-MoE's,
 // its gate in `shared_gates`, else None); its three `expert_biases` (router, gate+up, down:
 // gpt-oss's, else None) and the SwiGLU's clamp are experts_mlp's. gpt-oss's layers have
-// `sinks` (None elsewhere).
+// `sinks` (None elsewhere). LFM2's conv layers have a `conv_kernels` entry (None for its
+// attention layers): their qkv and o segments are the convolution's in_proj and out_proj,
+// their caches its rows (short_conv.cpp).
 Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
                      const Tensor& rope_cos, const Tensor& rope_sin,
                      const std::optional<Tensor>& second_rope_cos,
@@ -467,7 +488,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      const c10::List<std::optional<Tensor>>& sinks,
                      const c10::List<std::optional<Tensor>>& expert_biases, double swiglu_alpha,
                      double swiglu_limit,
-                     const c10::List<std::optional<Tensor>>& shared_gates) {
+                     const c10::List<std::optional<Tensor>>& shared_gates,
+                     const c10::List<std::optional<Tensor>>& conv_kernels) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
                   attn_out_norms.size() == layers && mlp_out_norms.size() == layers &&
@@ -476,7 +498,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                   segments.size() == 4 * layers && biases.size() == 4 * layers &&
                   weights.size() == formats.size() && routers.size() == layers &&
                   experts.size() == expert_formats.size() && sinks.size() == layers &&
-                  expert_biases.size() == 3 * layers && shared_gates.size() == layers,
+                  expert_biases.size() == 3 * layers && shared_gates.size() == layers &&
+                  conv_kernels.size() == layers,
               "decoder_stack: every list holds one entry a layer (segments and biases 4, "
               "expert biases 3), formats one a weight, expert formats one a stack");
   const bool any_second =
@@ -508,7 +531,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                           biases.get(4 * l + 3)},
                          qk_norms.get(l), num_heads, num_kv_heads, scale, sliding_windows[l],
                          attn_out_norms.get(l), mlp_out_norms.get(l), gelu, softcap,
-                         sinks.get(l), moe ? &*moe : nullptr};
+                         sinks.get(l), moe ? &*moe : nullptr, conv_kernels.get(l)};
     TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
                 "'s segments run past the ", weights.size(), " weights");
     const Tensor& cos = second_rope[l] ? *second_rope_cos : rope_cos;

@@ -50,12 +50,15 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "int[] sliding_windows, int[] second_rope, Tensor?[] routers, Tensor[] experts, "
       "int[] expert_formats, int top_k, bool renormalize, Tensor?[] sinks, "
       "Tensor?[] expert_biases, float swiglu_alpha, float swiglu_limit, "
-      "Tensor?[] shared_gates) -> Tensor");
+      "Tensor?[] shared_gates, Tensor?[] conv_kernels) -> Tensor");
   m.def(
       "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
       "Tensor gate, Tensor up, Tensor down, int[] formats, Tensor? router_bias=None, "
       "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0.0, "
       "float swiglu_limit=0.0) -> Tensor");
+  m.def(
+      "short_conv(Tensor bcx, Tensor kernel, Tensor(a!) cache, Tensor slot_mapping, "
+      "Tensor step) -> Tensor");
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b_parts, Tensor row_slots) -> ()");
 
   m.def("argmax_rows(Tensor logits) -> Tensor");
@@ -78,6 +81,7 @@ TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
   m.impl("decoder_stack", &decoder_stack);
   m.impl("experts_mlp", &experts_mlp);
+  m.impl("short_conv", &short_conv);
   m.impl("lora_add_", &lora_add_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("read_probe", &read_probe);

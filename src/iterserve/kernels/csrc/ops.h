@@ -107,6 +107,12 @@ at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale, int64_t sliding_window, double softcap,
                             const std::optional<at::Tensor>& sinks);
 
+// short_conv.cpp: LFM2's convolution of a step's in_proj rows [B | C | x]: B * x stored in
+// the layer's pool rows (its slots), then C times each row's causal convolution over its
+// predecessors' stored rows and its own (kernel bf16 [hidden, width]).
+at::Tensor short_conv(const at::Tensor& bcx, const at::Tensor& kernel, const at::Tensor& cache,
+                      const at::Tensor& slot_mapping, const at::Tensor& step);
+
 // lora.cpp: y[r] += row r's adapter's delta, x[r] A[slot]^T then each part's B[slot] into its
 // columns of y (row_slots[r] = -1: none).
 void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
@@ -146,7 +152,8 @@ at::Tensor decoder_stack(
     at::TensorList experts, c10::IntArrayRef expert_formats, int64_t top_k, bool renormalize,
     const c10::List<std::optional<at::Tensor>>& sinks,
     const c10::List<std::optional<at::Tensor>>& expert_biases, double swiglu_alpha,
-    double swiglu_limit, const c10::List<std::optional<at::Tensor>>& shared_gates);
+    double swiglu_limit, const c10::List<std::optional<at::Tensor>>& shared_gates,
+    const c10::List<std::optional<at::Tensor>>& conv_kernels);
 
 // linear.cpp: activations as the block formats quantize them, per unit of 32 or 256 inputs.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t unit);

@@ -33,6 +33,7 @@
 #include <ATen/ops/empty.h>
 
 #include "attention_plan.h"
+#include "kv_rows.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -195,22 +196,6 @@ void store_rows(const Tensor& src, const Tensor& cache, const int64_t* slots) {
     for (int64_t h = 0; h < heads; ++h)
       std::memcpy(out + (h * slots_per_head + slots[t]) * D,
                   in + t * src.stride(0) + h * src.stride(1), D * sizeof(T));
-}
-
-inline F16 load16(const BFloat16* p) { return load_bf16x16(p); }
-inline F16 load16(const float* p) { return F16::load(p); }
-
-// One row of head_dim values -> its int8 values and scale (ops.h): s = max|x| / 127 and
-// q = round(x * (127 / max|x|)), half to even, as model/kv_quant.py computes them.
-template <typename T>
-void quantize_row(const T* x, int64_t D, int8_t* dst) {
-  F16 amax = F16::zero();
-  for (int64_t d = 0; d < D; d += 16) amax = maximum(amax, abs(load16(x + d)));
-  const float top = amax.max();
-  const F16 inv = F16::splat(top > 0.0f ? 127.0f / top : 0.0f);
-  for (int64_t d = 0; d < D; d += 16) store_i8x16(dst + d, round_to_int(load16(x + d) * inv));
-  const float scale = top / 127.0f;
-  std::memcpy(dst + D, &scale, sizeof(float));
 }
 
 template <typename T>
