@@ -37,6 +37,10 @@ _ARCHITECTURES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+    "granitemoehybrid": (
+        transformers.GraniteMoeHybridConfig,
+        transformers.GraniteMoeHybridForCausalLM,
+    ),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),

@@ -16,22 +16,26 @@ from gguf import GGMLQuantizationType
 from iterserve import kernels
 from iterserve.engine.llm import LLM
 from iterserve.model.config import ModelConfig
+from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config, load_model
 from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
-from tiny_checkpoints import hf_token_by_token, save_checkpoint
+from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
 from tiny_families import (
     DENSE_FAMILIES,
     ENGINE_FAMILIES,
+    GRANITE,
     ORIGINAL,
     SMALL_VOCAB,
     VOCAB,
     engine_family_model,
     family_checkpoint,
     family_model,
+    gguf_metadata,
 )
+from tiny_gguf import write_gguf
 
 
 @pytest.fixture(scope="module", params=DENSE_FAMILIES)
@@ -504,3 +508,77 @@ def test_lfm2_conv_rows_keep_to_the_int8_pool_of_the_attention_layers(
     assert runner.caches[0][0].shape[-1] == 128 + 4  # hidden int8 values, then the scale
     ref, got = rows[torch.float32], rows[torch.int8]
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_a_granite_gguf_with_a_kv_head_count_a_layer_is_granite(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Granite 4.0's models without Mamba layers (granite-4.0-micro) as llama.cpp's
+    granitehybrid converter writes them: a plain granite file whose head_count_kv is a list,
+    a count a layer. It runs as the model; a list of unlike counts is refused by name."""
+    hf = family_model("granite")
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    metadata, _ = gguf_metadata(hf)
+    layers = hf.config.num_hidden_layers
+    path = tmp_path / "granite-4.0.gguf"
+    kv_heads = [hf.config.num_key_value_heads] * layers
+    write_gguf(
+        path, "granite", hf, tokenizer, metadata={**metadata, "attention.head_count_kv": kv_heads}
+    )
+    loaded = load_model(path, torch.float32)
+    assert loaded.config.num_key_value_heads == hf.config.num_key_value_heads
+    ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
+    ours.load_weights(loaded.weights)
+    tokens = [random.Random(2).randrange(VOCAB) for _ in range(1)] + list(range(100, 130))
+    runner = PagedRunner(ours, block_size=8, num_blocks=16)
+    runner.add("s", tokens)
+    got = runner.step([("s", len(tokens))])["s"]
+    torch.testing.assert_close(got, hf_token_by_token(hf, tokens, len(tokens)), atol=1e-4, rtol=0)
+
+    bad = tmp_path / "uneven.gguf"
+    uneven = {**metadata, "attention.head_count_kv": [hf.config.num_key_value_heads, 1]}
+    write_gguf(bad, "granite", hf, tokenizer, metadata=uneven)
+    with pytest.raises(ModelLoadError, match="head_count_kv"):
+        load_model(bad, torch.float32)
+
+
+@pytest.mark.parametrize("rope", ["rope", None])
+def test_granite_4_without_mamba_layers_is_granite(
+    rope: str | None, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Granite 4.0's class (GraniteMoeHybrid) with every layer attending and no experts, as
+    granite-4.0-micro is: Granite's multipliers, its MLP as `shared_mlp`; with RoPE or
+    without (its position_embedding_type None: every layer NoPE), against transformers
+    through chunks and decodes. Mamba layers are refused by name."""
+    hf = tiny_hf_model(
+        "granitemoehybrid",
+        vocab_size=VOCAB,
+        weight_std=0.15,
+        hidden_size=128,
+        intermediate_size=64,  # the experts' width, none here: shared_intermediate_size is
+        shared_intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=0,
+        layer_types=["attention", "attention"],
+        position_embedding_type=rope,
+        attn_implementation="eager",
+        **GRANITE,
+    )
+    loaded = load_model(save_checkpoint(hf, tmp_path / "hf", tokenizer_dir), torch.float32)
+    config = loaded.config
+    assert config.architecture == "granite" and config.intermediate_size == 96
+    assert config.rope_layers == (None if rope else (False, False))
+    ours = LlamaForCausalLM(config, torch.float32, torch.device("cpu"))
+    ours.load_weights(loaded.weights)
+    rng = random.Random(3)
+    tokens = [rng.randrange(VOCAB) for _ in range(40)]
+    runner = PagedRunner(ours, block_size=8, num_blocks=16)
+    runner.add("s", tokens)
+    got = torch.cat([runner.step([("s", n)])["s"] for n in (25, 1, 1, 13)])
+    torch.testing.assert_close(got, hf_token_by_token(hf, tokens, 25), atol=1e-4, rtol=0)
+
+    raw = {**hf.config.to_dict(), "architectures": ["GraniteMoeHybridForCausalLM"]}
+    with pytest.raises(ModelLoadError, match="mamba"):
+        hf_model_config({**raw, "layer_types": ["mamba", "attention"]})

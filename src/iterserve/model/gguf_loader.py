@@ -475,6 +475,15 @@ def gguf_model_config(
         eos_ids += [i for i, token in enumerate(tokens) if token in _HARMONY_END_TOKENS]
     kv_heads = key("attention.head_count_kv", heads)
     lfm2 = _lfm2_fields(metadata, kv_heads, key("block_count")) if arch == "lfm2" else {}
+    if isinstance(kv_heads, list) and arch != "lfm2":
+        # A count a layer, all alike: how llama.cpp's converter writes Granite 4.0's models
+        # without Mamba layers (its granitehybrid converter, the file then a plain granite).
+        if len(set(kv_heads)) != 1 or not kv_heads[0]:
+            raise ModelLoadError(
+                f"GGUF {arch}.attention.head_count_kv {kv_heads}: layers of different kv "
+                "heads, or without attention, are not supported"
+            )
+        kv_heads = kv_heads[0]
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_WINDOW_PATTERN:
         gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)

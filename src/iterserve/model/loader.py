@@ -44,6 +44,9 @@ SUPPORTED_HF_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
+    # Granite 4.0's class; only its models without Mamba layers or experts (granite-4.0-micro):
+    # Granite 3's network, its MLP under other names (_granite4_fields).
+    "GraniteMoeHybridForCausalLM": "granite",
     "OlmoeForCausalLM": "olmoe",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
@@ -118,6 +121,8 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     gpt_oss = config.architecture == "gpt_oss"
     shards = _shards(directory)
     stacks = _EXPERT_STACKS.get(config.architecture)
+    if raw.get("model_type") == _GRANITE4:
+        stacks = _granite4_mlp
     rename = _lfm2_name if config.architecture == "lfm2" else None
     weights = _load_safetensors(
         directory, shards, dtype, "model." if bare else "", stacks, gpt_oss, rename
@@ -168,7 +173,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     gemma = _gemma_fields(architecture, raw, rope) if architecture in _GEMMA_WINDOW_PATTERN else {}
     experts = _hf_experts(architecture, raw)
-    lfm2 = _lfm2_fields(architecture, raw)
+    extra = _lfm2_fields(architecture, raw) | _granite4_fields(raw)
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or hidden // heads
     rotary_dim = _hf_rotary_dim(architecture, raw, rope, head_dim)
@@ -180,7 +185,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         vocab_size=raw["vocab_size"],
         hidden_size=hidden,
         intermediate_size=experts.pop("intermediate_size", None)
-        or lfm2.pop("intermediate_size", None)
+        or extra.pop("intermediate_size", None)
         or raw["intermediate_size"],
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
@@ -212,7 +217,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         **_gpt_oss_fields(architecture, raw),
         **_olmo3_fields(architecture, raw, rope),
         **_exaone4_fields(architecture, raw),
-        **lfm2,
+        **extra,
     )
 
 
@@ -342,6 +347,8 @@ def _hf_rope_layers(architecture: str, raw: dict[str, Any]) -> tuple[bool, ...] 
     4.0's: with a window, its windowed layers only (its full layers take no RoPE)."""
     if architecture == "exaone4":
         return _exaone4_sliding(raw)
+    if raw.get("model_type") == _GRANITE4 and raw.get("position_embedding_type") != "rope":
+        return (False,) * raw["num_hidden_layers"]  # Granite 4.0 without RoPE (NoPE)
     if architecture != "smollm3":
         return None
     flags = raw.get("no_rope_layers")
@@ -495,6 +502,58 @@ def _lfm2_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_GRANITE4 = "granitemoehybrid"
+
+
+def _granite4_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0 (GraniteMoeHybrid) without Mamba layers or experts: Granite 3's network
+    with its MLP `shared_intermediate_size` wide; the rest is refused by name."""
+    if raw.get("model_type") != _GRANITE4:
+        return {}
+    # Released configs say "attention" / "mamba"; transformers 5 saves "full_attention" /
+    # "linear_attention".
+    types = raw.get("layer_types") or raw.get("layers_block_type") or []
+    if mamba := sorted({t for t in types if t not in ("attention", "full_attention")}):
+        raise ModelLoadError(
+            f"granitemoehybrid layers of type {', '.join(mamba)} (Mamba-2) are not supported; "
+            "only Granite 4.0 models whose every layer attends (granite-4.0-micro) are"
+        )
+    if raw.get("num_local_experts"):
+        raise ModelLoadError("granitemoehybrid with experts is not supported")
+    return {"intermediate_size": raw["shared_intermediate_size"]}
+
+
+# Granite 4.0's MLP: shared_mlp.input_linear [2 x width, hidden] (gate's rows, then up's) and
+# shared_mlp.output_linear, read as Llama's gate, up and down projections.
+_GRANITE4_MLP = re.compile(r"(.*)\.shared_mlp\.(input_linear|output_linear)\.weight")
+
+
+def _granite4_mlp(name: str, shape: tuple[int, ...]) -> ExpertParts:
+    """Granite 4.0's MLP tensors as Llama's projections, each read as its rows of the file;
+    [] for any other tensor."""
+    match = _GRANITE4_MLP.fullmatch(name)
+    if match is None:
+        return []
+    prefix, linear = match.groups()
+    if linear == "output_linear":
+        rows = {"down_proj": (0, shape[0])}
+    else:
+        width = shape[0] // 2
+        rows = {"gate_proj": (0, width), "up_proj": (width, width)}
+    return [
+        (
+            f"{prefix}.mlp.{projection}.weight",
+            (count, shape[1]),
+            functools.partial(_read_rows, first=first, count=count),
+        )
+        for projection, (first, count) in rows.items()
+    ]
+
+
+def _read_rows(stored: StoredTensor, dtype: torch.dtype, first: int, count: int) -> torch.Tensor:
+    return stored.read(first, count).to(dtype)
+
+
 # LFM2's checkpoint names, as the names model/llama.py reads (Llama's); its conv layers'
 # (conv.in_proj, conv.conv, conv.out_proj) are read as they are (model/short_conv.py).
 _LFM2_NAMES = {
@@ -563,7 +622,8 @@ def _shards(directory: Path) -> list[str]:
 
 
 # A family's checkpoint that keeps each layer's experts in stacks: how to list a stack as
-# each expert's projections (model/moe.py's names), [] for a tensor that is not one.
+# each expert's projections (model/moe.py's names), [] for a tensor that is not one. (Granite
+# 4.0's fused MLP tensors are read through the same hook, as Llama's projections.)
 ExpertParts = list[tuple[str, tuple[int, ...], Callable[..., Any]]]
 ExpertStacks = Callable[[str, tuple[int, ...]], ExpertParts]
 
