@@ -473,17 +473,8 @@ def gguf_model_config(
     if arch == "gpt-oss":  # both of Harmony's ends of a turn, as llama.cpp finds them: by text
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         eos_ids += [i for i, token in enumerate(tokens) if token in _HARMONY_END_TOKENS]
-    kv_heads = key("attention.head_count_kv", heads)
-    lfm2 = _lfm2_fields(metadata, kv_heads, key("block_count")) if arch == "lfm2" else {}
-    if isinstance(kv_heads, list) and arch != "lfm2":
-        # A count a layer, all alike: how llama.cpp's converter writes Granite 4.0's models
-        # without Mamba layers (its granitehybrid converter, the file then a plain granite).
-        if len(set(kv_heads)) != 1 or not kv_heads[0]:
-            raise ModelLoadError(
-                f"GGUF {arch}.attention.head_count_kv {kv_heads}: layers of different kv "
-                "heads, or without attention, are not supported"
-            )
-        kv_heads = kv_heads[0]
+    kv_heads, attends = _kv_heads(metadata, arch, key("attention.head_count_kv", heads))
+    lfm2 = _lfm2_fields(metadata, attends) if arch == "lfm2" else {}
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_WINDOW_PATTERN:
         gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)
@@ -504,8 +495,7 @@ def gguf_model_config(
         ),
         num_hidden_layers=key("block_count"),
         num_attention_heads=heads,
-        # LFM2's is a list, a layer's count (0: a conv layer).
-        num_key_value_heads=max(kv_heads) if isinstance(kv_heads, list) else kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         # SmolLM3: llama.cpp leaves RoPE out of every fourth layer (a fixed step, no key);
@@ -544,20 +534,41 @@ def gguf_model_config(
     )
 
 
-def _lfm2_fields(metadata: dict[str, Any], kv_heads: Any, layers: int) -> dict[str, Any]:
+def _kv_heads(
+    metadata: dict[str, Any], arch: str, counts: int | list[int]
+) -> tuple[int, tuple[bool, ...] | None]:
+    """head_count_kv: one number, or a count a layer as llama.cpp's converter writes hybrid
+    models (LFM2: 0 on its conv layers; Granite 4.0 without Mamba layers: all alike, the file
+    then a plain granite). The layers' one count, and which layers attend (None: all)."""
+    if not isinstance(counts, list):
+        return counts, None
+    layers = metadata.get(f"{arch}.block_count")
+    attends = tuple(c > 0 for c in counts)
+    if (
+        len(counts) != layers
+        or len({c for c in counts if c}) != 1
+        or (arch != "lfm2" and not all(attends))
+    ):
+        raise ModelLoadError(
+            f"GGUF {arch}.attention.head_count_kv {counts}: layers of different kv heads, or "
+            f"without attention, are not supported for {layers} {arch} layers"
+        )
+    return max(counts), attends
+
+
+def _lfm2_fields(metadata: dict[str, Any], attends: tuple[bool, ...] | None) -> dict[str, Any]:
     """LFM2's conv layers, as llama.cpp's converter marks them (no kv heads: head_count_kv a
     list with 0 for each), and their width in tokens (shortconv.l_cache)."""
     if metadata.get("lfm2.attention.sliding_window"):
         # llama.cpp 0.3.36 windows every attention layer of such a file; transformers'
         # Lfm2Config has no window to check it against.
         raise ModelLoadError("GGUF lfm2 with attention.sliding_window is not supported")
-    counts = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
-    if len(counts) != layers or len({c for c in counts if c}) > 1:
-        raise ModelLoadError(f"GGUF lfm2.attention.head_count_kv {counts} for {layers} layers")
+    layers = metadata["lfm2.block_count"]
+    attends = attends or (True,) * layers
     kernel = metadata.get("lfm2.shortconv.l_cache")
     if kernel is None:
         raise ModelLoadError("GGUF metadata lacks lfm2.shortconv.l_cache")
-    return {"conv_layers": tuple(c == 0 for c in counts), "conv_kernel": int(kernel)}
+    return {"conv_layers": tuple(not a for a in attends), "conv_kernel": int(kernel)}
 
 
 def _gpt_oss_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
