@@ -46,6 +46,7 @@ _ARCHITECTURES = {
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
+    "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),

@@ -37,6 +37,7 @@ ENGINE_FAMILIES = [
     "gpt_oss",
     "granitemoe",
     "olmoe",
+    "lfm2_moe",
 ]
 VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine can run them
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
@@ -295,7 +296,7 @@ def family_checkpoint(
     rope = hf.config.rope_parameters
     # gemma3_text: GGUF's gemma3; gpt_oss: gpt-oss; OLMo 3 is written as olmo2.
     arch = hf.config.model_type.removesuffix("_text").replace("gpt_oss", "gpt-oss")
-    arch = arch.replace("olmo3", "olmo2")
+    arch = arch.replace("olmo3", "olmo2").replace("lfm2_moe", "lfm2moe")
     write_gguf(
         path,
         arch,
@@ -312,6 +313,38 @@ def family_checkpoint(
 # A small vocabulary: random weights then repeat themselves within a few tokens, so prompt
 # lookup finds drafts that are sometimes right.
 SMALL_VOCAB = 128
+
+
+def lfm2_moe_model(**overrides: object) -> transformers.PreTrainedModel:
+    """A tiny LFM2-MoE: a conv layer with a dense MLP (its one leading dense layer), then an
+    attention layer and a conv layer each with 4 experts of 96, 2 a token, whose selection
+    biases (a buffer transformers leaves at zero) are drawn too, large enough to change picks."""
+    shape: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        weight_std=0.15,
+        hidden_size=128,
+        intermediate_size=192,
+        moe_intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_eps=1e-5,
+        attn_implementation="eager",
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    hf = tiny_hf_model("lfm2_moe", **{**shape, **overrides})
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
+    return hf
 
 
 def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTrainedModel:
@@ -332,6 +365,8 @@ def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTraine
     }
     if name == "lfm2":  # weights at 0.15 make a random walk of its greedy text: no drafts
         return family_model(name, vocab_size=SMALL_VOCAB, weight_std=0.07)
+    if name == "lfm2_moe":
+        return lfm2_moe_model(vocab_size=SMALL_VOCAB, weight_std=0.07)
     if name == "gpt_oss":  # a GGUF implies llama.cpp's SwiGLU limit (7)
         return gpt_oss_model(vocab_size=SMALL_VOCAB, **({"swiglu_limit": 7.0} if gguf else {}))
     if name not in experts:

@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import (
+    GGML_QUANT_SIZES,
+    ExpertGatingFuncType,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+)
 from gguf.quants import quantize
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -73,6 +80,14 @@ _LFM2_BLOCK = {
     "conv.in_proj": "shortconv.in_proj",
     "conv.out_proj": "shortconv.out_proj",
 }
+# LFM2-MoE: its router, selection bias and expert stacks as _lfm2_moe_state names them.
+_LFM2_MOE_BLOCK = {
+    "feed_forward.gate": "ffn_gate_inp",
+    "feed_forward.exp_probs_b": "exp_probs_b",
+    "feed_forward.experts.gate": "ffn_gate_exps",
+    "feed_forward.experts.up": "ffn_up_exps",
+    "feed_forward.experts.down": "ffn_down_exps",
+}
 _TOP = {
     "model.embed_tokens": "token_embd",
     "model.embedding_norm": "token_embd_norm",  # LFM2's final norm
@@ -123,6 +138,24 @@ def _granite_moe_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+def _lfm2_moe_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LFM2-MoE's tensors as llama.cpp's converter writes them: each layer's gate_up stack
+    [experts, 2 x width, hidden] (w1's rows, then w3's) as a gate stack and an up stack, and
+    its expert_bias as exp_probs_b.bias."""
+    out = {}
+    for name, tensor in state.items():
+        stem, _, last = name.rpartition(".")
+        if last == "gate_up_proj":
+            out[f"{stem}.gate.weight"], out[f"{stem}.up.weight"] = tensor.chunk(2, dim=1)
+        elif last == "down_proj" and stem.endswith("experts"):
+            out[f"{stem}.down.weight"] = tensor
+        elif last == "expert_bias":
+            out[f"{stem}.exp_probs_b.bias"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to Llama's Q/K rows."""
     return (
@@ -149,10 +182,10 @@ def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = No
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    lfm2 = config.model_type == "lfm2"
+    lfm2 = config.model_type in ("lfm2", "lfm2_moe")
     # LFM2: the MLP's width as its config class makes it, no kv heads on the conv layers
     # (llama.cpp's converter's way of marking them) and their width in tokens.
-    width = lfm2_mlp_width(config) if lfm2 else config.intermediate_size
+    width = lfm2_mlp_width(config) if config.model_type == "lfm2" else config.intermediate_size
     writer.add_feed_forward_length(width)
     writer.add_head_count(config.num_attention_heads)
     kv_heads = config.num_key_value_heads
@@ -168,6 +201,12 @@ def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = No
     writer.add_rope_dimension_count(int(head_dim * partial))
     writer.add_layer_norm_rms_eps(config.norm_eps if lfm2 else config.rms_norm_eps)
     writer.add_rope_freq_base(rope_freq_base or config.rope_parameters["rope_theta"])
+    if config.model_type == "lfm2_moe":  # as llama.cpp's converter: always sigmoid
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_leading_dense_block_count(config.num_dense_layers)
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
 
 
 # GGUF types the gguf package quantizes (real blocks of real weights); the others get random
@@ -269,6 +308,9 @@ def write_gguf(
         state = _granite_moe_state(state)
     elif arch == "lfm2":
         block = {**_BLOCK, **_LFM2_BLOCK}
+    elif arch == "lfm2moe":
+        block = {**_BLOCK, **_LFM2_BLOCK, **_LFM2_MOE_BLOCK}
+        state = _lfm2_moe_state(state)
     for name, tensor in state.items():
         stem, suffix = name.rsplit(".", 1)
         layer, _, module = stem.removeprefix("model.layers.").partition(".")

@@ -23,7 +23,7 @@ def test_peer_model_from_gguf_is_the_original(
     their HF directory's loaded weights (what their GGUFs load to: tests/model/test_moe.py),
     through from_loaded."""
     original = engine_family_model(name, gguf=True)
-    kind = "hf" if name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe") else "f32"
+    kind = "hf" if name in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "lfm2_moe") else "f32"
     path = family_checkpoint(kind, original, tmp_path, tokenizer_dir)
     if kind == "hf":
         loaded = load_model(path, torch.float32)

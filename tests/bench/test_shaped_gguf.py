@@ -252,3 +252,37 @@ def test_an_lfm2_body_loads_its_conv_layers(tmp_path: Path) -> None:
     assert torch.equal(loaded.weights["model.norm.weight"], torch.ones(shape.hidden))
     attention = 2 * shape.kv_heads * shape.head_dim * 2
     assert kv_bytes_per_step(path, 100) == attention * 100 + 2 * (shape.hidden * 2 * 2)
+
+
+def test_an_lfm2_moe_body_loads_its_dense_and_expert_layers(tmp_path: Path) -> None:
+    """LFM2-MoE as llama.cpp's converter writes it: a leading dense layer as wide as
+    feed_forward_length, then experts routed by sigmoid scores with a selection bias
+    (exp_probs_b); a decode step reads a token's share of the experts."""
+    shape = dataclasses.replace(
+        PRESETS["tiny"],
+        arch="lfm2moe",
+        qk_norm=True,
+        attention_layers=(1,),
+        layers=3,
+        intermediate=32,
+        dense_intermediate=128,
+        experts=4,
+        experts_used=2,
+        leading_dense=1,
+        sigmoid_router=True,
+    )
+    path = write_shaped_gguf(tmp_path / "lfm2moe.gguf", shape)
+    loaded = load_gguf(path, torch.float32)
+    config = loaded.config
+    assert (config.architecture, config.conv_layers) == ("lfm2_moe", (True, False, True))
+    assert (config.intermediate_size, config.dense_intermediate_size) == (32, 128)
+    assert (config.router_scoring, config.expert_selection_bias) == ("sigmoid", True)
+    assert [config.layer_has_experts(i) for i in range(3)] == [False, True, True]
+    weights = loaded.weights
+    assert weights["model.layers.0.mlp.gate_proj.weight"].shape == (128, shape.hidden)
+    assert weights["model.layers.2.mlp.experts.3.down_proj.weight"].shape == (shape.hidden, 32)
+    assert weights["model.layers.1.mlp.expert_bias"].shape == (4,)
+    specs = tensor_specs(shape, 49152)
+    experts = sum(spec.nbytes for spec in specs if "_exps." in spec.name)
+    whole = sum(spec.nbytes for spec in specs)
+    assert decode_bytes_per_token(path) == whole - experts // 2

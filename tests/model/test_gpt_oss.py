@@ -215,9 +215,9 @@ def test_fast_paths_keep_the_eager_greedy_tokens(
     routed: list[torch.Tensor] = []
 
     def recording(
-        logits: torch.Tensor, top_k: int, renormalize: bool = True
+        logits: torch.Tensor, routing: moe.Routing, selection_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, experts = route(logits, top_k, renormalize)
+        weights, experts = route(logits, routing, selection_bias)
         routed.append(experts.sort(dim=1).values)
         return weights, experts
 

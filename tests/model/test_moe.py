@@ -145,9 +145,9 @@ def routed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[torch.Tensor]]:
     calls: list[torch.Tensor] = []
 
     def recording(
-        logits: torch.Tensor, top_k: int, renormalize: bool = True
+        logits: torch.Tensor, routing: moe.Routing, selection_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, experts = route(logits, top_k, renormalize)
+        weights, experts = route(logits, routing, selection_bias)
         calls.append(experts)
         return weights, experts
 
@@ -207,7 +207,7 @@ def test_qwen3_moe_without_renormalised_weights_matches_transformers(
     tiny = _tiny_moe("qwen3_moe", tmp_path, norm_topk_prob=False)
     assert tiny[0].config.norm_topk_prob is False
     ours = _ours(tiny, torch.float32)
-    assert all(layer.moe.renormalize is False for layer in ours.layers)
+    assert all(layer.moe.routing.renormalize is False for layer in ours.layers)
     runner = PagedRunner(ours, block_size=4)
     tokens = [5, 17, 99, 3, 64, 2, 88, 41, 7, 120]
     runner.add("s", tokens)
@@ -286,7 +286,9 @@ def test_the_experts_in_one_call_are_the_block_op_by_op(
             torch.testing.assert_close(got, want, atol=0.02, rtol=0.02)
             assert (got != want).float().mean() < 0.01
             if tokens == 90:
-                assert len(route(F.linear(x, block.router_weight), TOP_K)[1].unique()) == EXPERTS
+                routing = block.routing
+                experts = route(F.linear(x, block.router_weight), routing, block.selection_bias)[1]
+                assert len(experts.unique()) == EXPERTS
         # No residual (a tensor-parallel rank past the first): the outputs alone.
         torch.testing.assert_close(block.run(x, None), block.run_ops(x, None), atol=0.02, rtol=0.02)
 

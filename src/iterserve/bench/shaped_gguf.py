@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from gguf import (
     GGML_QUANT_SIZES,
+    ExpertGatingFuncType,
     GGMLQuantizationType,
     GGUFWriter,
     LlamaFileType,
@@ -113,6 +114,11 @@ class Shape:
     # over `conv_kernel` tokens (blk.N.shortconv.*), and the final norm is token_embd_norm.
     attention_layers: tuple[int, ...] | None = None
     conv_kernel: int = 3
+    # LFM2-MoE: the first layers' MLPs dense (dense_intermediate wide), experts past them
+    # (leading_dense_block_count), routed by sigmoid scores with a selection bias a layer
+    # (exp_probs_b).
+    leading_dense: int = 0
+    sigmoid_router: bool = False
 
     def is_conv(self, layer: int) -> bool:
         return self.attention_layers is not None and layer not in self.attention_layers
@@ -172,6 +178,13 @@ PRESETS: dict[str, Shape] = {
     # not re-read offline; the MLP width its config's 12288 makes, block_auto_adjust_ff_dim).
     "lfm2-1.2b":  Shape("lfm2",   "LFM2-1.2B",              2048,  8192,  16,  32,   8,  64,      1e6, 128000, 1e-5,
                         qk_norm=True, vocab=65536, attention_layers=(2, 5, 8, 10, 12, 14)),
+    # LFM2's layers (18 conv, 6 attention) with 32 experts of 1792 a layer, 4 a token, past two
+    # dense MLPs of 7168: 8.3B weights, 1.5B of them read a token (its config as remembered,
+    # not re-read offline).
+    "lfm2-8b-a1b": Shape("lfm2moe", "LFM2-8B-A1B",         2048,  1792,  24,  32,   8,  64,      1e6, 128000, 1e-5,
+                        qk_norm=True, vocab=65536, attention_layers=(2, 6, 10, 14, 18, 21),
+                        experts=32, experts_used=4, dense_intermediate=7168, leading_dense=2,
+                        sigmoid_router=True),
     "olmo2-1b":   Shape("olmo2",  "OLMo-2-0425-1B",         2048,  8192,  16,  16,  16, 128, 500000.0,   4096, 1e-6,
                         qk_norm=True, qk_norm_whole=True, vocab=100352, tied=False),
     # OLMo 2's norms with per-head q/k norms, Llama 3's rope scaling; no window in the 1.2B (its
@@ -242,7 +255,7 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
             specs.append(TensorSpec(f"{blk}.shortconv.in_proj.weight", (3 * h, h), "weight"))
             specs.append(TensorSpec(f"{blk}.shortconv.conv.weight", (h, shape.conv_kernel), "bias"))
             specs.append(TensorSpec(f"{blk}.shortconv.out_proj.weight", (h, h), "weight"))
-            specs += _dense_mlp(blk, shape)
+            specs += _mlp(blk, shape, i)
             continue
         q, kv = shape.heads * hd, shape.kv_heads * hd
         if shape.fused_projections:
@@ -263,26 +276,8 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
             specs.append(TensorSpec(f"{blk}.attn_sinks.weight", (shape.heads,), "bias"))
         if gemma or olmo2:  # the norms on the attention's and the MLP's outputs
             specs.append(TensorSpec(f"{blk}.post_attention_norm.weight", (h,), "norm"))
-        if not olmo2:
-            specs.append(TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm"))
-        if shape.experts:  # one tensor per projection, the experts stacked
-            e, i_ = shape.experts, shape.intermediate
-            specs.append(TensorSpec(f"{blk}.ffn_gate_inp.weight", (e, h), "router"))
-            specs.append(TensorSpec(f"{blk}.ffn_gate_exps.weight", (e, i_, h), "weight"))
-            specs.append(TensorSpec(f"{blk}.ffn_up_exps.weight", (e, i_, h), "weight"))
-            specs.append(TensorSpec(f"{blk}.ffn_down_exps.weight", (e, h, i_), "weight"))
-            if shape.shared_expert:
-                s_ = shape.shared_expert
-                specs.append(TensorSpec(f"{blk}.ffn_gate_inp_shexp.weight", (h,), "router"))
-                specs.append(TensorSpec(f"{blk}.ffn_gate_shexp.weight", (s_, h), "weight"))
-                specs.append(TensorSpec(f"{blk}.ffn_up_shexp.weight", (s_, h), "weight"))
-                specs.append(TensorSpec(f"{blk}.ffn_down_shexp.weight", (h, s_), "weight"))
-            if shape.expert_biases:
-                specs.append(TensorSpec(f"{blk}.ffn_gate_inp.bias", (e,), "bias"))
-                for name, width in (("gate", i_), ("up", i_), ("down", h)):
-                    specs.append(TensorSpec(f"{blk}.ffn_{name}_exps.bias", (e, width), "bias"))
-        else:
-            specs += _dense_mlp(blk, shape)[1:]  # after the norm, which is above
+        mlp = _mlp(blk, shape, i)
+        specs += mlp[1:] if olmo2 else mlp  # OLMo 2: no norm before the MLP
         if gemma or olmo2:
             specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
     final_norm = "token_embd_norm" if shape.attention_layers is not None else "output_norm"
@@ -294,16 +289,43 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
     return specs
 
 
-def _dense_mlp(blk: str, shape: Shape) -> list[TensorSpec]:
-    """A layer's norm before its MLP, and its dense MLP's projections."""
-    h, i_ = shape.hidden, shape.intermediate
+def _mlp(blk: str, shape: Shape, layer: int) -> list[TensorSpec]:
+    """A layer's norm before its MLP, then its MLP: experts, stacked one tensor a projection
+    (with a shared expert, biases or a selection bias where the shape has them), or dense
+    projections (LFM2-MoE's leading layers: dense_intermediate wide)."""
+    h = shape.hidden
     specs = [TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm")]
+    if not shape.experts or layer < shape.leading_dense:
+        width = shape.dense_intermediate if shape.experts else shape.intermediate
+        return specs + _dense_projections(blk, shape, width or shape.intermediate)
+    e, i_ = shape.experts, shape.intermediate
+    specs.append(TensorSpec(f"{blk}.ffn_gate_inp.weight", (e, h), "router"))
+    specs.append(TensorSpec(f"{blk}.ffn_gate_exps.weight", (e, i_, h), "weight"))
+    specs.append(TensorSpec(f"{blk}.ffn_up_exps.weight", (e, i_, h), "weight"))
+    specs.append(TensorSpec(f"{blk}.ffn_down_exps.weight", (e, h, i_), "weight"))
+    if shape.sigmoid_router:
+        specs.append(TensorSpec(f"{blk}.exp_probs_b.bias", (e,), "bias"))
+    if shape.shared_expert:
+        s_ = shape.shared_expert
+        specs.append(TensorSpec(f"{blk}.ffn_gate_inp_shexp.weight", (h,), "router"))
+        specs += _dense_projections(blk, shape, s_, "_shexp")
+    if shape.expert_biases:
+        specs.append(TensorSpec(f"{blk}.ffn_gate_inp.bias", (e,), "bias"))
+        for name, width in (("gate", i_), ("up", i_), ("down", h)):
+            specs.append(TensorSpec(f"{blk}.ffn_{name}_exps.bias", (e, width), "bias"))
+    return specs
+
+
+def _dense_projections(blk: str, shape: Shape, i_: int, suffix: str = "") -> list[TensorSpec]:
+    """A dense MLP's projections, `i_` wide (`suffix`: a shared expert's, _shexp)."""
+    h = shape.hidden
+    specs = []
     if shape.fused_projections:
-        specs.append(TensorSpec(f"{blk}.ffn_up.weight", (2 * i_, h), "weight"))
+        specs.append(TensorSpec(f"{blk}.ffn_up{suffix}.weight", (2 * i_, h), "weight"))
     else:
-        specs.append(TensorSpec(f"{blk}.ffn_gate.weight", (i_, h), "weight"))
-        specs.append(TensorSpec(f"{blk}.ffn_up.weight", (i_, h), "weight"))
-    specs.append(TensorSpec(f"{blk}.ffn_down.weight", (h, i_), "weight"))
+        specs.append(TensorSpec(f"{blk}.ffn_gate{suffix}.weight", (i_, h), "weight"))
+        specs.append(TensorSpec(f"{blk}.ffn_up{suffix}.weight", (i_, h), "weight"))
+    specs.append(TensorSpec(f"{blk}.ffn_down{suffix}.weight", (h, i_), "weight"))
     return specs
 
 
@@ -432,6 +454,10 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_expert_feed_forward_length(shape.intermediate)
     if shape.shared_expert:
         writer.add_expert_shared_feed_forward_length(shape.shared_expert)
+    if shape.leading_dense:
+        writer.add_leading_dense_block_count(shape.leading_dense)
+    if shape.sigmoid_router:
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if shape.granite is not None:
         embedding, residual, attention, logit = shape.granite
         writer.add_embedding_scale(embedding)

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from iterserve.model.config import GRANITE_FAMILIES, GRANITE_MULTIPLIERS, ModelConfig
+from iterserve.model.config import (
+    GRANITE_FAMILIES,
+    GRANITE_MULTIPLIERS,
+    LFM2_FAMILIES,
+    ModelConfig,
+)
 from iterserve.model.loader import lfm2_checkpoint_name
 
 # ModelConfig.architecture -> (HF architectures entry, HF model_type).
@@ -39,6 +44,7 @@ HF_CLASSES = {
     "olmo3": ("Olmo3ForCausalLM", "olmo3"),
     "exaone4": ("Exaone4ForCausalLM", "exaone4"),
     "lfm2": ("Lfm2ForCausalLM", "lfm2"),
+    "lfm2_moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
@@ -101,6 +107,14 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if config.architecture == "olmoe":
         raw["num_experts"] = config.num_local_experts
         raw["norm_topk_prob"] = config.norm_topk_prob
+    if config.architecture == "lfm2_moe":  # intermediate_size is its leading dense layers'
+        raw["num_experts"] = config.num_local_experts
+        raw["norm_topk_prob"] = config.norm_topk_prob
+        raw["moe_intermediate_size"] = config.intermediate_size
+        raw["intermediate_size"] = config.dense_intermediate_size
+        raw["num_dense_layers"] = config.leading_dense_layers
+        raw["use_expert_bias"] = config.expert_selection_bias
+        raw["routed_scaling_factor"] = config.routed_scaling_factor
     if config.architecture in ("gemma2", "gemma3", "gpt_oss", "olmo3", "exaone4"):
         windows = config.sliding_window_layers or (True,) * config.num_hidden_layers
         raw["layer_types"] = [
@@ -147,7 +161,7 @@ def from_loaded(
         tensors = gpt_oss_stacks(tensors, config.num_hidden_layers, config.num_local_experts)
     if config.architecture == "granitemoe":
         tensors = granite_moe_stacks(tensors, config.num_hidden_layers, config.num_local_experts)
-    if config.architecture == "lfm2":
+    if config.architecture in LFM2_FAMILIES:
         tensors = {lfm2_checkpoint_name(name): tensor for name, tensor in tensors.items()}
     with tempfile.TemporaryDirectory(prefix="iterserve-peer-") as directory:
         path = Path(directory)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from iterserve.model.family import FAMILIES, FamilyTraits
 
 # The families whose files carry Granite's multipliers (dense and MoE).
 GRANITE_FAMILIES = ("granite", "granitemoe")
+# The families of LFM2's hybrid layers (short convolutions and attention), dense and MoE.
+LFM2_FAMILIES = ("lfm2", "lfm2_moe")
 # Granite's ModelConfig fields, under the names its config.json gives them.
 GRANITE_MULTIPLIERS = (
     "embedding_multiplier",
@@ -62,6 +64,18 @@ class ModelConfig:
     # With experts: the width of a dense expert every token runs beside its routed ones
     # (Qwen2-MoE's shared expert, model/shared_expert.py); 0: none.
     shared_expert_intermediate_size: int = 0
+    # With experts: how many leading layers have a dense MLP instead, and its width (LFM2-MoE's
+    # num_dense_layers and intermediate_size; llama.cpp's leading_dense_block_count).
+    leading_dense_layers: int = 0
+    dense_intermediate_size: int = 0
+    # How the router scores a token's experts: a softmax over all of them (Mixtral and most),
+    # or each by its own sigmoid (LFM2-MoE, whose top-k weights are renormalised with an
+    # epsilon of 1e-6 where norm_topk_prob says). With `expert_selection_bias`, a learned bias
+    # a layer (an expert's `expert_bias`) joins the scores to pick the top k but not to weigh
+    # them. The weights are finally scaled by `routed_scaling_factor`.
+    router_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    expert_selection_bias: bool = False
+    routed_scaling_factor: float = 1.0
     # gpt-oss's expert SwiGLU (alpha, limit): gate clamped to <= limit, up to [-limit, limit],
     # then (up + 1) * gate * sigmoid(alpha * gate). None: silu(gate) * up.
     swiglu_clamp: tuple[float, float] | None = None
@@ -101,6 +115,17 @@ class ModelConfig:
     def layer_rotates(self, index: int) -> bool:
         """Whether layer `index` applies RoPE to its queries and keys."""
         return self.rope_layers is None or self.rope_layers[index]
+
+    def layer_has_experts(self, index: int) -> bool:
+        """Whether layer `index`'s MLP is a mixture of experts (model/moe.py)."""
+        return self.num_local_experts > 0 and index >= self.leading_dense_layers
+
+    def layer_mlp_width(self, index: int) -> int:
+        """Layer `index`'s MLP width: a leading dense layer's, else `intermediate_size` (one
+        expert's in a layer of experts)."""
+        if self.num_local_experts and index < self.leading_dense_layers:
+            return self.dense_intermediate_size
+        return self.intermediate_size
 
     def layer_is_conv(self, index: int) -> bool:
         """Whether layer `index` is a short convolution (LFM2) rather than attention."""

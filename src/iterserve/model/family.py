@@ -91,6 +91,10 @@ FAMILIES: dict[str, FamilyTraits] = {
     # tokens by a short gated convolution instead (ModelConfig.conv_layers,
     # model/short_conv.py).
     "lfm2": FamilyTraits(qk_norm=True),
+    # LFM2-MoE (LFM2-8B-A1B): LFM2's layers with a sparse mixture of experts past two leading
+    # dense MLPs (ModelConfig.leading_dense_layers), routed by sigmoid scores with a selection
+    # bias (ModelConfig.router_scoring, expert_selection_bias).
+    "lfm2_moe": FamilyTraits(qk_norm=True),
     # Granite 3.x: Llama with four multipliers (ModelConfig: embeddings, each block's output
     # before its residual add, the attention scale, the logits' divisor).
     "granite": FamilyTraits(),

@@ -50,6 +50,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "olmo2": "olmo2",
     "exaone4": "exaone4",
     "lfm2": "lfm2",
+    "lfm2moe": "lfm2_moe",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
@@ -100,7 +101,12 @@ _MOE_FAMILIES = {
     "gpt-oss": "gpt_oss",
     "granitemoe": "granitemoe",
     "olmoe": "olmoe",
+    "lfm2moe": "lfm2_moe",
 }
+# GGUF architectures of LFM2's hybrid layers: conv layers have no kv heads (head_count_kv 0).
+_LFM2_ARCHITECTURES = ("lfm2", "lfm2moe")
+# llama.cpp's expert_gating_func values (its llama_expert_gating_func_type) read for LFM2-MoE.
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 # gpt-oss: llama.cpp's ATTN_POST_NORM holds HF's post_attention_layernorm, the norm before
 # the MLP (its files have no ffn_norm); its sinks are `attn_sinks.weight`, HF's
 # `self_attn.sinks`.
@@ -426,7 +432,7 @@ def _refuse_unsupported(
     if experts and arch not in _MOE_FAMILIES:
         raise ModelLoadError(
             f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen2-MoE, Qwen3-MoE, "
-            "gpt-oss, Granite MoE and OLMoE are"
+            "gpt-oss, Granite MoE, OLMoE and LFM2-MoE are"
         )
     if arch in _MOE_FAMILIES and arch != "llama" and not experts:
         raise ModelLoadError(f"GGUF {arch!r} file without {arch}.expert_count")
@@ -435,7 +441,8 @@ def _refuse_unsupported(
             f"GGUF {arch!r} with a shared expert (ffn_*_shexp: Granite MoE's "
             "GraniteMoeSharedForCausalLM) is not supported; Qwen2-MoE's is"
         )
-    if experts and "blk.0.ffn_gate_exps.weight" not in tensors:
+    first = int(metadata.get(f"{arch}.leading_dense_block_count", 0))  # LFM2-MoE's: dense
+    if experts and f"blk.{first}.ffn_gate_exps.weight" not in tensors:
         raise ModelLoadError(
             "GGUF Mixtral files with one tensor per expert (blk.N.ffn_gate.E.weight, an old "
             "llama.cpp layout) are not supported; convert again to get ffn_*_exps tensors"
@@ -474,7 +481,9 @@ def gguf_model_config(
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         eos_ids += [i for i, token in enumerate(tokens) if token in _HARMONY_END_TOKENS]
     kv_heads, attends = _kv_heads(metadata, arch, key("attention.head_count_kv", heads))
-    lfm2 = _lfm2_fields(metadata, attends) if arch == "lfm2" else {}
+    lfm2 = _lfm2_fields(metadata, arch, attends) if arch in _LFM2_ARCHITECTURES else {}
+    if arch == "lfm2moe":
+        lfm2 |= _lfm2_moe_fields(metadata, tensors)
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_WINDOW_PATTERN:
         gemma = _gemma_fields(metadata, arch, key("block_count"), hidden // heads)
@@ -487,10 +496,11 @@ def gguf_model_config(
         # some files pad the embedding past the tokenizer's vocabulary.
         vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        # Qwen3-MoE's feed_forward_length is a dense MLP's width, which no layer has.
+        # Qwen3-MoE's feed_forward_length is a dense MLP's width, which no layer has
+        # (LFM2-MoE's leading dense layers' only).
         intermediate_size=key(
             "expert_feed_forward_length"
-            if arch in ("qwen3moe", "qwen2moe", "gpt-oss")
+            if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "lfm2moe")
             else "feed_forward_length"
         ),
         num_hidden_layers=key("block_count"),
@@ -547,7 +557,7 @@ def _kv_heads(
     if (
         len(counts) != layers
         or len({c for c in counts if c}) != 1
-        or (arch != "lfm2" and not all(attends))
+        or (arch not in _LFM2_ARCHITECTURES and not all(attends))
     ):
         raise ModelLoadError(
             f"GGUF {arch}.attention.head_count_kv {counts}: layers of different kv heads, or "
@@ -556,19 +566,43 @@ def _kv_heads(
     return max(counts), attends
 
 
-def _lfm2_fields(metadata: dict[str, Any], attends: tuple[bool, ...] | None) -> dict[str, Any]:
+def _lfm2_fields(
+    metadata: dict[str, Any], arch: str, attends: tuple[bool, ...] | None
+) -> dict[str, Any]:
     """LFM2's conv layers, as llama.cpp's converter marks them (no kv heads: head_count_kv a
     list with 0 for each), and their width in tokens (shortconv.l_cache)."""
-    if metadata.get("lfm2.attention.sliding_window"):
+    if metadata.get(f"{arch}.attention.sliding_window"):
         # llama.cpp 0.3.36 windows every attention layer of such a file; transformers'
         # Lfm2Config has no window to check it against.
-        raise ModelLoadError("GGUF lfm2 with attention.sliding_window is not supported")
-    layers = metadata["lfm2.block_count"]
+        raise ModelLoadError(f"GGUF {arch} with attention.sliding_window is not supported")
+    layers = metadata[f"{arch}.block_count"]
     attends = attends or (True,) * layers
-    kernel = metadata.get("lfm2.shortconv.l_cache")
+    kernel = metadata.get(f"{arch}.shortconv.l_cache")
     if kernel is None:
-        raise ModelLoadError("GGUF metadata lacks lfm2.shortconv.l_cache")
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.shortconv.l_cache")
     return {"conv_layers": tuple(not a for a in attends), "conv_kernel": int(kernel)}
+
+
+def _lfm2_moe_fields(
+    metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]
+) -> dict[str, Any]:
+    """LFM2-MoE as llama.cpp reads it: leading dense layers (leading_dense_block_count) as
+    wide as feed_forward_length, a router by expert_gating_func (its converter writes
+    sigmoid), the top-k weights always renormalised, a selection bias where the first layer
+    of experts has one (exp_probs_b)."""
+    dense = int(metadata.get("lfm2moe.leading_dense_block_count", 0))
+    gating = metadata.get("lfm2moe.expert_gating_func")
+    if gating not in _GATING_FUNCS:
+        raise ModelLoadError(
+            f"GGUF lfm2moe.expert_gating_func {gating!r} is not supported; supported: "
+            + ", ".join(f"{code} ({name})" for code, name in _GATING_FUNCS.items())
+        )
+    return {
+        "leading_dense_layers": dense,
+        "dense_intermediate_size": int(metadata.get("lfm2moe.feed_forward_length", 0)),
+        "router_scoring": _GATING_FUNCS[gating],
+        "expert_selection_bias": f"blk.{dense}.exp_probs_b.bias" in tensors,
+    }
 
 
 def _gpt_oss_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -665,6 +699,11 @@ def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == GGUF_ROUTER:
         router = EXPERT_NAMES[_MOE_FAMILIES.get(gguf_arch, "mixtral")].router
         return f"model.layers.{match[1]}.{router.removesuffix('.weight')}.{match[3]}"
+    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == "exp_probs_b":
+        selection = EXPERT_NAMES[_MOE_FAMILIES.get(gguf_arch, "mixtral")].selection_bias
+        if selection is None:
+            raise ModelLoadError(f"GGUF {gguf_arch} with an expert selection bias is not supported")
+        return f"model.layers.{match[1]}.{selection}"
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == "attn_sinks":
         return f"model.layers.{match[1]}.self_attn.sinks"
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] in names:

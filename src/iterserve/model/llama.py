@@ -31,7 +31,7 @@ from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.lazy_weights import native_of, shape_of
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
-from iterserve.model.moe import SparseMoeBlock
+from iterserve.model.moe import Routing, SparseMoeBlock
 from iterserve.model.rope import apply_rope, no_rope_tables, rope_tables
 from iterserve.model.score_head import SCORE_WEIGHT
 from iterserve.model.shared_expert import SharedExpert
@@ -115,7 +115,7 @@ class _DecoderLayer(nn.Module):
         self.hidden_size = hidden
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.intermediate = config.intermediate_size
+        self.intermediate = config.layer_mlp_width(index)
         traits = config.traits
         # Every norm of the layer takes it: a family with a residual multiplier (Granite) has
         # no q/k or output norms, which read no residual stream.
@@ -174,8 +174,10 @@ class _DecoderLayer(nn.Module):
         self.attn_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
         self.mlp_out_norm = _weight(hidden, **like) if traits.sandwich_norms else None
         # The MLP: dense (fused gate+up, then down), or experts (model/moe.py: Mixtral, Qwen3-MoE,
-        # gpt-oss).
-        self.moe = SparseMoeBlock(config, dtype, device) if config.num_local_experts else None
+        # gpt-oss; LFM2-MoE past its leading dense layers).
+        self.moe = (
+            SparseMoeBlock(config, dtype, device) if config.layer_has_experts(index) else None
+        )
         # Beside the experts, Qwen2-MoE's shared expert (model/shared_expert.py).
         self.shared_expert = (
             SharedExpert(config, dtype, device) if config.shared_expert_intermediate_size else None
@@ -227,12 +229,14 @@ class _DecoderLayer(nn.Module):
         # attention (in decoder_stack only); a layer of experts takes it in
         # decoder_stack when the experts run in one call (model/moe.py `ExpertsKernel`), its
         # MLP then no projection of the layer's own but a shared expert's (Qwen2-MoE).
-        names = _FUSED if self.moe is None else ("qkv", "o")
-        if self.conv is not None:  # LFM2: the convolution's projections in q/k/v's and o's place
-            names = ("gate_up", "down")
-        tiled = [self.linears[name] for name in names]
-        if self.conv is not None:
-            tiled = [*self.conv.linears(), *tiled]
+        # LFM2: the convolution's projections in q/k/v's and o's place.
+        mixer = (
+            self.conv.linears()
+            if self.conv is not None
+            else [self.linears["qkv"], self.linears["o"]]
+        )
+        mlp = [self.linears["gate_up"], self.linears["down"]] if self.moe is None else []
+        tiled = [*mixer, *mlp]
         if self.shared_expert is not None:
             tiled += self.shared_expert.linears()
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
@@ -383,11 +387,13 @@ def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
     """decoder_stack's mixture-of-experts arguments: each layer's router tiles (None: a dense
     MLP), the experts' gate, up and down stacks and their formats, top-k, renormalisation;
     then each layer's attention sinks, its experts' three biases (router, gate+up, down), the
-    SwiGLU's clamp (gpt-oss's; None and (0, 0) elsewhere) and its shared expert's gate
-    (Qwen2-MoE's, a [hidden] row; its projections are the layer's gate_up and down)."""
+    SwiGLU's clamp (gpt-oss's; None and (0, 0) elsewhere), its shared expert's gate
+    (Qwen2-MoE's, a [hidden] row; its projections are the layer's gate_up and down), and the
+    routing's sigmoid scores, selection biases (a layer) and scale (LFM2-MoE's)."""
     blocks = [layer.moe for layer in layers]
     kernels = [block.kernel for block in blocks if block is not None and block.kernel is not None]
     first = next((block for block in blocks if block is not None), None)
+    routing = first.routing if first is not None else Routing(top_k=0)
     biases = []
     for block in blocks:
         kernel = None if block is None else block.kernel
@@ -402,8 +408,8 @@ def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
         ],
         [stack for k in kernels for stack in (k.gate, k.up, k.down)],
         [code for k in kernels for code in k.formats],
-        first.top_k if first is not None else 0,
-        first.renormalize if first is not None else True,
+        routing.top_k,
+        routing.renormalize,
         [layer.sinks for layer in layers],
         biases,
         *(kernels[0].swiglu if kernels else (0.0, 0.0)),
@@ -413,6 +419,9 @@ def _experts_arguments(layers: Sequence[_DecoderLayer]) -> tuple[Any, ...]:
             else layer.shared_expert.gate_weight.view(-1)
             for layer in layers
         ],
+        routing.sigmoid,
+        [None if block is None else block.selection_bias for block in blocks],
+        routing.scale,
     )
 
 

@@ -16,6 +16,7 @@ from iterserve.model.bundled import default_model_path
 from iterserve.model.config import (
     GRANITE_FAMILIES,
     GRANITE_MULTIPLIERS,
+    LFM2_FAMILIES,
     ModelConfig,
     rope_every_layer_but,
 )
@@ -52,6 +53,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Olmo3ForCausalLM": "olmo3",
     "Exaone4ForCausalLM": "exaone4",
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
@@ -123,7 +125,7 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     stacks = _EXPERT_STACKS.get(config.architecture)
     if raw.get("model_type") == _GRANITE4:
         stacks = _granite4_mlp
-    rename = _lfm2_name if config.architecture == "lfm2" else None
+    rename = _lfm2_name if config.architecture in LFM2_FAMILIES else None
     weights = _load_safetensors(
         directory, shards, dtype, "model." if bare else "", stacks, gpt_oss, rename
     )
@@ -199,7 +201,10 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         max_position_embeddings=max_positions,
         # LFM2's own configs say tie_embedding (true), its config class's default.
         tie_word_embeddings=bool(
-            raw.get("tie_word_embeddings", raw.get("tie_embedding", architecture == "lfm2"))
+            raw.get(
+                "tie_word_embeddings",
+                raw.get("tie_embedding", architecture in LFM2_FAMILIES),
+            )
         ),
         # Qwen2 always has q/k/v biases and its config has no flag for them; Qwen2-MoE's
         # says so in qkv_bias (true unless said otherwise).
@@ -249,6 +254,18 @@ def _hf_experts(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
         return {
             "num_local_experts": raw.get("num_local_experts", 32),
             "num_experts_per_tok": raw.get("num_experts_per_tok", 4),
+        }
+    if architecture == "lfm2_moe":  # Lfm2MoeConfig's defaults (LFM2-8B-A1B's shape)
+        return {
+            "num_local_experts": raw.get("num_experts", 32),
+            "num_experts_per_tok": raw.get("num_experts_per_tok", 4),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+            "intermediate_size": raw.get("moe_intermediate_size", 1792),
+            "leading_dense_layers": raw.get("num_dense_layers", 2),
+            "dense_intermediate_size": raw["intermediate_size"],
+            "router_scoring": "sigmoid",
+            "expert_selection_bias": bool(raw.get("use_expert_bias", True)),
+            "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
         }
     if architecture not in ("qwen3_moe", "qwen2_moe"):
         return {}
@@ -302,7 +319,8 @@ def _hf_architecture(raw: dict[str, Any]) -> str:
     if moe := [n for n in names if n in _UNSUPPORTED_MOE]:
         raise ModelLoadError(
             f"mixture-of-experts architecture {moe[0]} is not supported; the MoE families "
-            "supported are Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, Granite MoE and OLMoE"
+            "supported are Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, Granite MoE, OLMoE and "
+            "LFM2-MoE"
         )
     if architecture is None:
         found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
@@ -475,31 +493,35 @@ def _lfm2_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
     """LFM2's conv layers (`layer_types`, or every layer not in `full_attn_idxs`), their
     width, and its MLP's width as Lfm2Config's block_auto_adjust_ff_dim makes it from
     `block_ff_dim` (2/3 of it, times block_ffn_dim_multiplier, rounded up to
-    block_multiple_of: LFM2-1.2B's 12288 is 8192)."""
-    if architecture != "lfm2":
+    block_multiple_of: LFM2-1.2B's 12288 is 8192). LFM2-MoE's widths are its config's own."""
+    if architecture not in LFM2_FAMILIES:
         return {}
     if raw.get("conv_bias"):
-        raise ModelLoadError("lfm2 checkpoints with conv_bias=true are not supported")
+        raise ModelLoadError(f"{architecture} checkpoints with conv_bias=true are not supported")
     layers = raw["num_hidden_layers"]
     full = raw.get("full_attn_idxs")
     types = raw.get("layer_types") or [
         "full_attention" if full is None or i in full else "conv" for i in range(layers)
     ]
     if unknown := set(types) - {"conv", "full_attention"}:
-        raise ModelLoadError(f"lfm2 layer types {sorted(unknown)} are not supported")
+        raise ModelLoadError(f"{architecture} layer types {sorted(unknown)} are not supported")
     if len(types) != layers:
-        raise ModelLoadError(f"lfm2 layer_types has {len(types)} entries for {layers} layers")
+        raise ModelLoadError(
+            f"{architecture} layer_types has {len(types)} entries for {layers} layers"
+        )
+    conv = {
+        "conv_layers": tuple(t == "conv" for t in types),
+        "conv_kernel": raw.get("conv_L_cache", 3),
+    }
+    if architecture == "lfm2_moe":
+        return conv
     width = raw.get("block_ff_dim") or raw["intermediate_size"]
     if raw.get("block_auto_adjust_ff_dim", True):
         width = int(2 * width / 3)
         if (multiplier := raw.get("block_ffn_dim_multiplier", 1.0)) is not None:
             multiple = raw.get("block_multiple_of", 256)
             width = multiple * -(-int(multiplier * width) // multiple)
-    return {
-        "conv_layers": tuple(t == "conv" for t in types),
-        "conv_kernel": raw.get("conv_L_cache", 3),
-        "intermediate_size": width,
-    }
+    return {**conv, "intermediate_size": width}
 
 
 _GRANITE4 = "granitemoehybrid"
@@ -554,15 +576,17 @@ def _read_rows(stored: StoredTensor, dtype: torch.dtype, first: int, count: int)
     return stored.read(first, count).to(dtype)
 
 
-# LFM2's checkpoint names, as the names model/llama.py reads (Llama's); its conv layers'
+# LFM2's checkpoint names, as the names model/llama.py reads (Llama's; LFM2-MoE's router and
+# experts, feed_forward.gate and feed_forward.experts.E.w1, as Qwen3-MoE's); its conv layers'
 # (conv.in_proj, conv.conv, conv.out_proj) are read as they are (model/short_conv.py).
 _LFM2_NAMES = {
     ".self_attn.out_proj.": ".self_attn.o_proj.",
     ".self_attn.q_layernorm.": ".self_attn.q_norm.",
     ".self_attn.k_layernorm.": ".self_attn.k_norm.",
-    ".feed_forward.w1.": ".mlp.gate_proj.",
-    ".feed_forward.w3.": ".mlp.up_proj.",
-    ".feed_forward.w2.": ".mlp.down_proj.",
+    ".feed_forward.": ".mlp.",
+    ".w1.": ".gate_proj.",
+    ".w3.": ".up_proj.",
+    ".w2.": ".down_proj.",
     ".operator_norm.": ".input_layernorm.",
     ".ffn_norm.": ".post_attention_layernorm.",
 }

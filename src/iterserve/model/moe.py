@@ -1,10 +1,12 @@
-"""The sparse mixture-of-experts MLP of Mixtral, Qwen3-MoE and gpt-oss: the one part of their
-layers that differs from a Llama (Mistral, Qwen3) layer (gpt-oss's own: biases on the router
-and experts, a clamped SwiGLU, `swiglu`).
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen3-MoE, gpt-oss, LFM2-MoE...: the one part
+of their layers that differs from a Llama (Mistral, Qwen3) layer (gpt-oss's own: biases on the
+router and experts, a clamped SwiGLU, `swiglu`).
 
-Each token's router logits pick its top-k experts, exactly as transformers does: softmax over
-all experts in fp32, top-k, and (Mixtral always; Qwen3-MoE where `norm_topk_prob` says, as in
-every released model) the k weights renormalised to sum to one. The experts then run
+Each token's router logits pick its top-k experts, exactly as transformers does (`route`):
+softmax over all experts in fp32, top-k, and (Mixtral always; Qwen3-MoE where `norm_topk_prob`
+says, as in every released model) the k weights renormalised to sum to one; or (LFM2-MoE) each
+expert's sigmoid, a selection bias added to pick but not to weigh, the k weights renormalised
+and scaled. The experts then run
 batched by the tokens routed to them, never token by token: the step's (token, expert) pairs
 are sorted by expert, so each expert's rows are one contiguous slice of a gathered copy of
 the activations and the expert runs once, as two matrix products (fused gate+up, then down),
@@ -52,6 +54,8 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    # LFM2-MoE's per-expert bias that joins the scores only to pick the top k (fp32).
+    selection_bias: str | None = None
 
     def of(self, expert: int, projection: Literal["gate", "up", "down"]) -> str:
         return self.expert.format(expert, getattr(self, projection))
@@ -100,6 +104,9 @@ EXPERT_NAMES = {
         router="block_sparse_moe.router.layer.weight",
         expert="block_sparse_moe.experts.{}.{}.weight",
     ),
+    # LFM2-MoE: Qwen3-MoE's names as model/loader.py renames its checkpoint's (feed_forward.gate,
+    # feed_forward.experts.E.w1...), and its expert_bias.
+    "lfm2_moe": replace(_QWEN3_MOE_NAMES, selection_bias="mlp.expert_bias"),
 }
 
 # llama.cpp stores each layer's experts as one tensor per projection, [experts, rows, cols]
@@ -119,16 +126,53 @@ def gguf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> li
     return [f"model.layers.{match[1]}.{name_of(e, match[2])}" for e in range(num_experts)]
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How a layer's router turns logits into a token's experts and weights (`route`)."""
+
+    top_k: int
+    renormalize: bool = True
+    sigmoid: bool = False  # each expert's own sigmoid, not a softmax over all (LFM2-MoE)
+    scale: float = 1.0  # the weights' final factor (routed_scaling_factor)
+
+    @staticmethod
+    def of(config: ModelConfig) -> Routing:
+        return Routing(
+            config.num_experts_per_tok,
+            config.norm_topk_prob,
+            config.router_scoring == "sigmoid",
+            config.routed_scaling_factor,
+        )
+
+
+# transformers' LFM2-MoE adds it to the sum of a token's sigmoid weights before dividing.
+SIGMOID_RENORM_EPS = 1e-6
+
+
 def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool = True
+    router_logits: torch.Tensor, routing: Routing, selection_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, its top-k experts [T, k] and their weights [T, k] (fp32; summing to 1 if
-    `renormalize`, else the softmax's own probabilities)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if not renormalize:
-        return weights, experts
-    return weights / weights.sum(dim=-1, keepdim=True), experts
+    """Per token, its top-k experts [T, k] and their weights [T, k], fp32. Softmax scores:
+    the top k's probabilities, renormalised to sum to 1 where `routing.renormalize` says.
+    Sigmoid scores: the top k of score + `selection_bias` (the bias picks, the scores weigh),
+    renormalised over their sum + 1e-6. Then times `routing.scale`."""
+    logits = router_logits.float()
+    if not routing.sigmoid:
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1), routing.top_k, dim=-1)
+        if routing.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        scores = torch.sigmoid(logits)
+        if selection_bias is None:
+            weights, experts = torch.topk(scores, routing.top_k, dim=-1)
+        else:
+            experts = torch.topk(scores + selection_bias, routing.top_k, dim=-1).indices
+            weights = scores.gather(1, experts)
+        if routing.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + SIGMOID_RENORM_EPS)
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
+    return weights, experts
 
 
 def swiglu(gate_up: torch.Tensor, width: int, clamp: tuple[float, float] | None) -> torch.Tensor:
@@ -162,8 +206,7 @@ class SparseMoeBlock(nn.Module):
             )
         hidden, inter = config.hidden_size, config.intermediate_size
         self.num_experts = config.num_local_experts
-        self.top_k = config.num_experts_per_tok
-        self.renormalize = config.norm_topk_prob
+        self.routing = Routing.of(config)
         self.names = EXPERT_NAMES[config.architecture]
         self.hidden = hidden
         self.intermediate = inter
@@ -175,6 +218,12 @@ class SparseMoeBlock(nn.Module):
         self.router_bias = _weight(self.num_experts, **like) if biased else None
         self.gate_up_bias = _weight(self.num_experts, 2 * inter, **like) if biased else None
         self.down_bias = _weight(self.num_experts, hidden, **like) if biased else None
+        # LFM2-MoE's expert_bias, fp32 as its checkpoint keeps it and the scores are.
+        self.selection_bias = (
+            _weight(self.num_experts, dtype=torch.float32, device=device)
+            if config.expert_selection_bias
+            else None
+        )
         self.dtype = dtype
         self.gate_up: list[Linear] = []
         self.down: list[Linear] = []
@@ -189,6 +238,9 @@ class SparseMoeBlock(nn.Module):
         out: dict[str, tuple[torch.Tensor | None, tuple[int, ...]]] = {
             prefix + names.router: (self.router_weight, (self.num_experts, hidden)),
         }
+        if self.selection_bias is not None:
+            assert names.selection_bias is not None
+            out[prefix + names.selection_bias] = (self.selection_bias, (self.num_experts,))
         for e in range(self.num_experts):
             out[prefix + names.of(e, "gate")] = (None, (inter, hidden))
             out[prefix + names.of(e, "up")] = (None, (inter, hidden))
@@ -241,6 +293,10 @@ class SparseMoeBlock(nn.Module):
         ]
         self.kernel = ExpertsKernel.of(self, stacks)
 
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
     def describe(self) -> str:
         return f"{self.num_experts} experts, top-{self.top_k}, {self.gate_up[0].describe()}"
 
@@ -262,7 +318,7 @@ class SparseMoeBlock(nn.Module):
     def run_ops(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """`run` op by op: the reference the C++ call is checked against."""
         logits = F.linear(x, self.router_weight, self.router_bias)
-        weights, experts = route(logits, self.top_k, self.renormalize)
+        weights, experts = route(logits, self.routing, self.selection_bias)
         # The step's T*k (token, expert) pairs in expert order: pair i is token i // k.
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
@@ -359,12 +415,13 @@ class ExpertsKernel:
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, block: SparseMoeBlock
     ) -> torch.Tensor:
+        routing = block.routing
         return self.ops.experts_mlp(
             x.contiguous(),
             residual,
             self.router,
-            block.top_k,
-            block.renormalize,
+            routing.top_k,
+            routing.renormalize,
             self.gate,
             self.up,
             self.down,
@@ -373,6 +430,9 @@ class ExpertsKernel:
             block.gate_up_bias,
             block.down_bias,
             *self.swiglu,
+            routing.sigmoid,
+            block.selection_bias,
+            routing.scale,
         )
 
 

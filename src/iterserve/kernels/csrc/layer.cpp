@@ -219,6 +219,10 @@ struct LayerExperts {
   std::optional<Tensor> router_bias, gate_up_bias, down_bias;
   double swiglu_alpha = 0.0, swiglu_limit = 0.0;
   std::optional<Tensor> shared_gate;
+  // LFM2-MoE's routing: sigmoid scores, a selection bias, a scale on the weights.
+  bool sigmoid_scores = false;
+  std::optional<Tensor> selection_bias;
+  double routed_scaling = 1.0;
 };
 
 // One layer's weights, borrowed from an op's arguments: the four projections' (qkv, o,
@@ -394,7 +398,8 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
     }
     return experts_mlp(normed, base, e->router, e->top_k, e->renormalize, e->gate, e->up,
                        e->down, e->formats, e->router_bias, e->gate_up_bias, e->down_bias,
-                       e->swiglu_alpha, e->swiglu_limit);
+                       e->swiglu_alpha, e->swiglu_limit, e->sigmoid_scores, e->selection_bias,
+                       e->routed_scaling);
   }
   const Tensor gate_up = project(2, pre_norm(mid, w.post_norm, w.eps), std::nullopt);
   const Tensor act = gated_mul(gate_up, w.gelu);
@@ -467,7 +472,8 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
 // `expert_formats`, and gate_up and down segments only for a shared expert (Qwen2-MoE's,
 // its gate in `shared_gates`, else None); its three `expert_biases` (router, gate+up, down:
 // gpt-oss's, else None) and the SwiGLU's clamp are experts_mlp's. gpt-oss's layers have
-// `sinks` (None elsewhere). LFM2's conv layers have a `conv_kernels` entry (None for its
+// `sinks` (None elsewhere). LFM2-MoE's routing (sigmoid scores, a layer's selection bias,
+// the weights' scale) is experts_mlp's too. LFM2's conv layers have a `conv_kernels` entry (None for its
 // attention layers): their qkv and o segments are the convolution's in_proj and out_proj,
 // their caches its rows (short_conv.cpp).
 Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Tensor& step,
@@ -489,6 +495,9 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      const c10::List<std::optional<Tensor>>& expert_biases, double swiglu_alpha,
                      double swiglu_limit,
                      const c10::List<std::optional<Tensor>>& shared_gates,
+                     bool sigmoid_scores,
+                     const c10::List<std::optional<Tensor>>& selection_biases,
+                     double routed_scaling,
                      const c10::List<std::optional<Tensor>>& conv_kernels) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
@@ -499,7 +508,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                   weights.size() == formats.size() && routers.size() == layers &&
                   experts.size() == expert_formats.size() && sinks.size() == layers &&
                   expert_biases.size() == 3 * layers && shared_gates.size() == layers &&
-                  conv_kernels.size() == layers,
+                  selection_biases.size() == layers && conv_kernels.size() == layers,
               "decoder_stack: every list holds one entry a layer (segments and biases 4, "
               "expert biases 3), formats one a weight, expert formats one a stack");
   const bool any_second =
@@ -522,7 +531,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                                 expert_formats[first_stack + 2]},
                                top_k, renormalize, expert_biases.get(3 * l),
                                expert_biases.get(3 * l + 1), expert_biases.get(3 * l + 2),
-                               swiglu_alpha, swiglu_limit, shared_gates.get(l)});
+                               swiglu_alpha, swiglu_limit, shared_gates.get(l),
+                               sigmoid_scores, selection_biases.get(l), routed_scaling});
       first_stack += 3;
     }
     const LayerWeights w{input_norms[l], post_norms[l], eps, weights, formats,

@@ -50,12 +50,14 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "int[] sliding_windows, int[] second_rope, Tensor?[] routers, Tensor[] experts, "
       "int[] expert_formats, int top_k, bool renormalize, Tensor?[] sinks, "
       "Tensor?[] expert_biases, float swiglu_alpha, float swiglu_limit, "
-      "Tensor?[] shared_gates, Tensor?[] conv_kernels) -> Tensor");
+      "Tensor?[] shared_gates, bool sigmoid_scores, Tensor?[] selection_biases, "
+      "float routed_scaling, Tensor?[] conv_kernels) -> Tensor");
   m.def(
       "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
       "Tensor gate, Tensor up, Tensor down, int[] formats, Tensor? router_bias=None, "
       "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0.0, "
-      "float swiglu_limit=0.0) -> Tensor");
+      "float swiglu_limit=0.0, bool sigmoid_scores=False, Tensor? selection_bias=None, "
+      "float routed_scaling=1.0) -> Tensor");
   m.def(
       "short_conv(Tensor bcx, Tensor kernel, Tensor(a!) cache, Tensor slot_mapping, "
       "Tensor step) -> Tensor");

@@ -17,6 +17,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/floor_divide.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros_like.h>
@@ -69,6 +70,32 @@ struct ExpertWeights {
   }
 };
 
+// Each row's top_k experts and their weights (fp32), as model/moe.py's `route`: a softmax
+// over all experts, the top k, and (renormalize) those k over their sum; or (sigmoid) each
+// expert's sigmoid, the top k of sigmoid + selection_bias where one is given (the bias picks,
+// the sigmoids weigh), and (renormalize) those k over their sum + 1e-6 (transformers'
+// LFM2-MoE); then times `scaling`.
+std::tuple<Tensor, Tensor> route(const Tensor& logits, int64_t top_k, bool renormalize,
+                                 bool sigmoid, const std::optional<Tensor>& selection_bias,
+                                 double scaling) {
+  Tensor weights, experts;
+  if (!sigmoid) {
+    std::tie(weights, experts) = at::topk(at::softmax(logits, -1), top_k, -1);
+    if (renormalize) weights = weights / weights.sum(-1, true);
+  } else {
+    const Tensor scores = at::sigmoid(logits);
+    if (selection_bias) {
+      experts = std::get<1>(at::topk(scores + *selection_bias, top_k, -1));
+      weights = scores.gather(1, experts);
+    } else {
+      std::tie(weights, experts) = at::topk(scores, top_k, -1);
+    }
+    if (renormalize) weights = weights / (weights.sum(-1, true) + 1e-6);
+  }
+  if (scaling != 1.0) weights = weights * scaling;
+  return {weights, experts};
+}
+
 }  // namespace
 
 Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& router,
@@ -77,7 +104,8 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
                    const std::optional<Tensor>& router_bias,
                    const std::optional<Tensor>& gate_up_bias,
                    const std::optional<Tensor>& down_bias, double swiglu_alpha,
-                   double swiglu_limit) {
+                   double swiglu_limit, bool sigmoid_scores,
+                   const std::optional<Tensor>& selection_bias, double routed_scaling) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "experts_mlp: x must be 2-D bf16 with contiguous rows");
   TORCH_CHECK(formats.size() == 3, "experts_mlp: one format each for gate, up and down");
@@ -92,10 +120,13 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
                            (*bias)->scalar_type() == at::kBFloat16 && (*bias)->is_contiguous()),
                 "experts_mlp: expert biases must be [", E, " experts, outputs] bf16");
   TORCH_CHECK(0 < top_k && top_k <= E, "experts_mlp: top_k ", top_k, " of ", E, " experts");
+  TORCH_CHECK(!selection_bias || (sigmoid_scores && selection_bias->dim() == 1 &&
+                                  selection_bias->size(0) == E &&
+                                  selection_bias->scalar_type() == at::kFloat),
+              "experts_mlp: a selection bias is fp32 [", E, " experts], with sigmoid scores");
 
-  // Routing, as model/moe.py's `route`: softmax over all experts in fp32, the top k, and
-  // (renormalize) those k weights over their sum. The logits rounded to bf16 as F.linear's
-  // are, from the router's bf16 tiles: each row summed in one order whatever the step's size.
+  // Routing (`route`, above) from the logits rounded to bf16 as F.linear's are, from the
+  // router's bf16 tiles: each row summed in one order whatever the step's size.
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kByte &&
                   router.size(0) * kTile >= E,
               "experts_mlp: the router must be bf16 tiles [tiles, bytes] uint8 for ", E,
@@ -103,9 +134,8 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
   const Tensor logits = tiled_linear(x, {router}, {static_cast<int64_t>(Format::kBf16)},
                                      router_bias, std::nullopt)
                             .narrow(1, 0, E);
-  const Tensor probs = at::softmax(logits.to(at::kFloat), -1);
-  auto [weights, experts] = at::topk(probs, top_k, -1);
-  if (renormalize) weights = weights / weights.sum(-1, true);
+  const auto [weights, experts] = route(logits.to(at::kFloat), top_k, renormalize,
+                                       sigmoid_scores, selection_bias, routed_scaling);
 
   // The T*k (token, expert) pairs in expert order, stably (pair i is token i / k): each
   // expert's rows one consecutive run of the gathered activations.

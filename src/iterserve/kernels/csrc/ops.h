@@ -88,7 +88,8 @@ at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit)
 // experts (router: its bf16 tiles; gate, up, down: [experts, tiles, bytes] stacks in
 // `formats`). gpt-oss: biases for the router (padded to its tiles' rows), gate+up [experts,
 // 2 x width] and down [experts, hidden], all bf16, and its clamped SwiGLU where
-// swiglu_limit > 0.
+// swiglu_limit > 0. LFM2-MoE: sigmoid scores, a selection bias (fp32 [experts]) that picks
+// the top k but does not weigh them, and a scale on the weights.
 at::Tensor experts_mlp(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                        const at::Tensor& router, int64_t top_k, bool renormalize,
                        const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
@@ -96,7 +97,10 @@ at::Tensor experts_mlp(const at::Tensor& x, const std::optional<at::Tensor>& res
                        const std::optional<at::Tensor>& router_bias = std::nullopt,
                        const std::optional<at::Tensor>& gate_up_bias = std::nullopt,
                        const std::optional<at::Tensor>& down_bias = std::nullopt,
-                       double swiglu_alpha = 0.0, double swiglu_limit = 0.0);
+                       double swiglu_alpha = 0.0, double swiglu_limit = 0.0,
+                       bool sigmoid_scores = false,
+                       const std::optional<at::Tensor>& selection_bias = std::nullopt,
+                       double routed_scaling = 1.0);
 
 // paged_attention.cpp: store the step's K/V into the pool, then attend every query row
 // (`softcap`: Gemma 2's attention logit soft-cap, 0: none; `sinks`: gpt-oss's attention
@@ -153,7 +157,8 @@ at::Tensor decoder_stack(
     const c10::List<std::optional<at::Tensor>>& sinks,
     const c10::List<std::optional<at::Tensor>>& expert_biases, double swiglu_alpha,
     double swiglu_limit, const c10::List<std::optional<at::Tensor>>& shared_gates,
-    const c10::List<std::optional<at::Tensor>>& conv_kernels);
+    bool sigmoid_scores, const c10::List<std::optional<at::Tensor>>& selection_biases,
+    double routed_scaling, const c10::List<std::optional<at::Tensor>>& conv_kernels);
 
 // linear.cpp: activations as the block formats quantize them, per unit of 32 or 256 inputs.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t unit);
