@@ -7,7 +7,6 @@ test_model_families.py with the other families'.)"""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,10 @@ from iterserve.model.linear import Backend
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config, load_model
 from iterserve.model.moe import Routing, route
-from paged_runner import PagedRunner
+from moe_checks import (
+    assert_fused_layers_keep_the_torch_logits,
+    assert_mixed_steps_match_transformers,
+)
 from tiny_checkpoints import save_checkpoint
 from tiny_families import SMALL_VOCAB, family_checkpoint, lfm2_moe_model
 
@@ -116,26 +118,7 @@ def test_the_released_config_reads_as_lfm2_8b_a1b() -> None:
 def test_steps_match_transformers_logits(hf: transformers.PreTrainedModel, hf_dir: Path) -> None:
     """fp32, torch: a mixed prefill step, a chunk beside a decode, decodes alone and together:
     the logits of transformers' forward over each whole sequence."""
-    runner = PagedRunner(_model(hf_dir, torch.float32), block_size=4, seed=1)
-    rng = random.Random(0)
-    seqs = {
-        f"s{i}": [rng.randrange(SMALL_VOCAB) for _ in range(n)] for i, n in enumerate([21, 12, 14])
-    }
-    for name, tokens in seqs.items():
-        runner.add(name, tokens)
-    got: dict[str, list[torch.Tensor]] = {name: [] for name in seqs}
-    for plan in (
-        [("s0", 12), ("s1", 9)],
-        [("s0", 9), ("s2", 5), ("s1", 1)],
-        [("s2", 9), ("s1", 1)],
-        [("s1", 1)],
-    ):
-        for name, logits in runner.step(plan).items():
-            got[name].append(logits)
-    with torch.inference_mode():
-        for name, tokens in seqs.items():
-            expected = hf(torch.tensor([tokens])).logits[0]
-            torch.testing.assert_close(torch.cat(got[name]), expected, atol=1e-4, rtol=0)
+    assert_mixed_steps_match_transformers(_model(hf_dir, torch.float32), hf, SMALL_VOCAB)
 
 
 def test_its_gguf_is_the_same_model(
@@ -201,22 +184,6 @@ def test_the_fused_layers_keep_the_torch_logits(hf_dir: Path) -> None:
     experts with their sigmoid routing) against the same bf16 weights op by op through torch,
     over a prefill, a chunk and decodes: rows within bf16's reach, the greedy token kept
     where the top two stand clear apart."""
-    rows = {}
-    for fast in (False, True):
-        model = _model(hf_dir, torch.bfloat16, "tiled" if fast else "torch")
-        assert model.fused_layers == fast
-        runner = PagedRunner(model, block_size=4, paged_kernel=fast)
-        runner.add("a", list(range(3, 65)))
-        runner.add("b", list(range(60, 90)))
-        out = [runner.step([("a", 30), ("b", 15)])["a"], runner.step([("a", 17), ("b", 1)])["a"]]
-        for _ in range(12):
-            step = runner.step([("a", 1), ("b", 1)])
-            out += [step["a"], step["b"]]
-        rows[fast] = torch.cat(out).float()
-    ref, got = rows[False], rows[True]
-    close = (got - ref).abs().amax(-1) < 0.05 * ref.abs().max()
-    assert close.float().mean() >= 0.85, f"{int((~close).sum())} of {len(ref)} rows apart"
-    top2 = ref.topk(2, dim=-1).values
-    clear = ((top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()) & close
-    assert int(clear.sum()) >= 0.3 * len(ref)
-    assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
+    assert_fused_layers_keep_the_torch_logits(
+        lambda fast: _model(hf_dir, torch.bfloat16, "tiled" if fast else "torch")
+    )

@@ -31,6 +31,10 @@ from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import ModelLoadError, hf_model_config, load_model
 from iterserve.model.lora_model import LoRAModel
 from iterserve.model.moe import route
+from moe_checks import (
+    assert_fused_layers_keep_the_torch_logits,
+    assert_mixed_steps_match_transformers,
+)
 from paged_runner import PagedRunner
 from tiny_checkpoints import model_config_of, tiny_hf_model
 from tiny_gguf import add_shape, llama_cpp_permute
@@ -160,26 +164,7 @@ def test_steps_routed_to_several_experts_match_transformers_logits(
     tiny_moe: tuple[transformers.PreTrainedModel, dict[str, torch.Tensor]],
     routed: list[torch.Tensor],
 ) -> None:
-    hf = tiny_moe[0]
-    runner = PagedRunner(_ours(tiny_moe, torch.float32), block_size=4, seed=1)
-    rng = random.Random(0)
-    seqs = {f"s{i}": [rng.randrange(128) for _ in range(n)] for i, n in enumerate([21, 12, 14])}
-    for name, tokens in seqs.items():
-        runner.add(name, tokens)
-    got: dict[str, list[torch.Tensor]] = {name: [] for name in seqs}
-    # A mixed prefill step, a chunked one beside a decode, then decodes alone and together.
-    for plan in (
-        [("s0", 12), ("s1", 9)],
-        [("s0", 9), ("s2", 5), ("s1", 1)],
-        [("s2", 9), ("s1", 1)],
-        [("s1", 1)],
-    ):
-        for name, logits in runner.step(plan).items():
-            got[name].append(logits)
-    with torch.inference_mode():
-        for name, tokens in seqs.items():
-            expected = hf(torch.tensor([tokens])).logits[0]
-            torch.testing.assert_close(torch.cat(got[name]), expected, atol=1e-4, rtol=0)
+    assert_mixed_steps_match_transformers(_ours(tiny_moe, torch.float32), tiny_moe[0], 128)
     assert routed[0].shape == (21, TOP_K)
     assert len(routed[0].unique()) == EXPERTS, "the first step's tokens should use every expert"
 
@@ -301,31 +286,11 @@ def test_the_fused_layers_take_the_experts(
     call inside it (no compiled graph), against the same bf16 weights op by op through
     torch: the greedy tokens where the top two logits stand clear apart, and the logits
     within bf16's reach, over a prefill, a chunk and decodes (Qwen2-MoE's shared expert and its
-    gate inside the layer op too)."""
-    rows = {}
-    for fast in (False, True):
-        ours = _ours(tiny_moe, torch.bfloat16, "tiled" if fast else "torch")
-        assert ours.fused_layers == fast
-        runner = PagedRunner(ours, block_size=4, paged_kernel=fast)
-        runner.add("a", list(range(3, 65)))  # 30 + 17 prompt tokens, 12 decodes
-        runner.add("b", list(range(60, 90)))  # 15 + 1, then 12
-        out = [runner.step([("a", 30), ("b", 15)])["a"], runner.step([("a", 17), ("b", 1)])["a"]]
-        for _ in range(12):
-            step = runner.step([("a", 1), ("b", 1)])
-            out += [step["a"], step["b"]]
-        rows[fast] = torch.cat(out).float()
-    ref, got = rows[False], rows[True]
-    # In bf16 two router logits can tie or nearly so, and a rounding upstream (the fused
-    # layer's norms and rope round as a compiled graph does, not as torch's ops) then gives
-    # a token other experts, and other logits from there on: such rows must be rare.
-    # (The experts op by op on the same kernels are as far from torch: 1 row in ~70 of these
-    # flips its argmax, both families.)
-    close = (got - ref).abs().amax(-1) < 0.05 * ref.abs().max()
-    assert close.float().mean() >= 0.85, f"{int((~close).sum())} of {len(ref)} rows apart"
-    top2 = ref.topk(2, dim=-1).values
-    clear = ((top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()) & close
-    assert int(clear.sum()) >= 0.3 * len(ref)
-    assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
+    gate inside the layer op too). (The experts op by op on the same kernels are as far from
+    torch: 1 row in ~70 of these flips its argmax, both families.)"""
+    assert_fused_layers_keep_the_torch_logits(
+        lambda fast: _ours(tiny_moe, torch.bfloat16, "tiled" if fast else "torch")
+    )
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels do not run here")
