@@ -47,6 +47,7 @@ _ARCHITECTURES = {
     "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
     "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
+    "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),

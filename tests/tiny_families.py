@@ -28,6 +28,7 @@ DENSE_FAMILIES = [
     "olmo3",
     "exaone4",
     "lfm2",
+    "ministral3",
 ]
 ENGINE_FAMILIES = [
     *DENSE_FAMILIES,
@@ -43,6 +44,21 @@ VOCAB = 49152  # the SmolLM2 tokenizer's (conftest.tokenizer_dir), so the engine
 ORIGINAL = 64  # Phi-3's original context: the tests run past it
 
 
+# Ministral 3's RoPE fields (YaRN, Llama 4's attention temperature) over a 16-token original
+# context, so that the tests' sequences run past it three times and more; its mscale_all_dim
+# (1 in the released models) not 1, so that YaRN's attention factor is not either, and a
+# temperature three times the released 0.1, so that it shows.
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1e6,
+    "factor": 16.0,
+    "original_max_position_embeddings": ORIGINAL // 4,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+    "llama_4_scaling_beta": 0.3,
+}
 # Multipliers far from 1, as Granite 3's (12, 0.22, 1/64, 8).
 GRANITE = dict(
     embedding_multiplier=12.0,
@@ -95,6 +111,11 @@ def family_model(
             norm_eps=1e-5,
             max_position_embeddings=256,
         )
+    if family == "ministral3":  # YaRN past ORIGINAL / 4 tokens, the temperature from there
+        # Weights at 0.15 with a temperature sharpen its attention past bf16's reach: rows
+        # of the fused op and of eager torch part (each as far from fp32 as the other).
+        shape.update(weight_std=min(weight_std, 0.1))
+        return tiny_hf_model("ministral3", **shape, rope_parameters=MINISTRAL3_ROPE)
     if family == "olmo3":  # a sliding layer (plain rope) then a full one (YaRN past ORIGINAL)
         rope = {
             "full_attention": {
@@ -250,6 +271,17 @@ def gguf_metadata(hf: transformers.PreTrainedModel) -> tuple[dict[str, object], 
             "rope.scaling.type": full["rope_type"],
             "rope.scaling.factor": full["factor"],
         }, {}
+    if c.model_type == "ministral3":  # as llama.cpp's converter writes it
+        rope = c.rope_parameters
+        return {
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": rope["factor"],
+            "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+            "rope.scaling.yarn_beta_fast": rope["beta_fast"],
+            "rope.scaling.yarn_beta_slow": rope["beta_slow"],
+            "rope.scaling.yarn_log_multiplier": rope["mscale_all_dim"],
+            "attention.temperature_scale": rope["llama_4_scaling_beta"],
+        }, {}
     if c.model_type == "exaone4":
         return {
             "attention.sliding_window": c.sliding_window,
@@ -297,6 +329,7 @@ def family_checkpoint(
     # gemma3_text: GGUF's gemma3; gpt_oss: gpt-oss; OLMo 3 is written as olmo2.
     arch = hf.config.model_type.removesuffix("_text").replace("gpt_oss", "gpt-oss")
     arch = arch.replace("olmo3", "olmo2").replace("lfm2_moe", "lfm2moe")
+    arch = arch.replace("ministral3", "mistral3")
     write_gguf(
         path,
         arch,

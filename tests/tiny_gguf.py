@@ -322,7 +322,7 @@ def write_gguf(
             array = array.squeeze(1)
         if arch.startswith("gemma") and stem.endswith("norm"):
             array = array + 1  # convert_hf_to_gguf.py stores Gemma's (1 + w) norm scales
-        permuted = arch in ("llama", "smollm3", "granite", "granitemoe")
+        permuted = arch in ("llama", "mistral3", "smollm3", "granite", "granitemoe")
         if permuted and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
             array = llama_cpp_permute(array, heads)

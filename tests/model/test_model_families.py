@@ -20,6 +20,7 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config, load_model
+from iterserve.model.rope import query_temperature_scales, rope_tables
 from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
@@ -487,6 +488,82 @@ def test_lfm2_gguf_metadata_reads_as_its_released_config() -> None:
         assert (ours.num_key_value_heads, ours.head_dim) == (8, 64)
         assert ours.rms_norm_eps == 1e-5 and ours.rope_theta == 1e6
         assert ours.tie_word_embeddings and ours.max_position_embeddings == 128000
+
+
+def test_ministral3_gguf_metadata_reads_as_its_released_config() -> None:
+    """Ministral-3-3B's text config (as remembered: YaRN 16x over 16,384 tokens, mscale and
+    mscale_all_dim 1, Llama 4's temperature 0.1) and what llama.cpp's converter writes of it
+    (mistral3: yarn_log_multiplier for mscale_all_dim, attention.temperature_scale) read
+    alike: RoPE served to 262,144 positions with an attention factor of 1, the queries'
+    temperature over the original 16,384."""
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 1000000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 16384,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    }
+    raw = {
+        "architectures": ["Ministral3ForCausalLM"],
+        "model_type": "ministral3",
+        "vocab_size": 131072,
+        "hidden_size": 3072,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 262144,
+        "rope_parameters": rope,
+        "tie_word_embeddings": True,
+    }
+    arch = "mistral3"
+    metadata: dict[str, object] = {
+        "general.architecture": arch,
+        **{
+            f"{arch}.{key}": value
+            for key, value in {
+                "context_length": 262144,
+                "embedding_length": 3072,
+                "block_count": 26,
+                "feed_forward_length": 9216,
+                "attention.head_count": 32,
+                "attention.head_count_kv": 8,
+                "attention.key_length": 128,
+                "attention.layer_norm_rms_epsilon": 1e-5,
+                "rope.freq_base": 1000000.0,
+                "rope.scaling.type": "yarn",
+                "rope.scaling.factor": 16.0,
+                "rope.scaling.original_context_length": 16384,
+                "rope.scaling.yarn_beta_fast": 32.0,
+                "rope.scaling.yarn_beta_slow": 1.0,
+                "rope.scaling.yarn_log_multiplier": 1.0,
+                "attention.temperature_scale": 0.1,
+            }.items()
+        },
+    }
+    configs = (hf_model_config(raw), gguf_model_config(metadata, _embedding_only(131072, 3072)))
+    for ours in configs:
+        assert ours.architecture == "ministral3"
+        assert ours.query_temperature == (0.1, 16384)
+        assert ours.max_position_embeddings == 262144 and ours.rope_theta == 1e6
+        assert ours.rope_scaling is not None and ours.rope_scaling["rope_type"] == "yarn"
+        assert ours.rope_scaling["factor"] == 16.0
+        assert ours.rope_scaling["original_max_position_embeddings"] == 16384
+        assert ours.tie_word_embeddings
+    cpu = torch.device("cpu")
+    tables = [rope_tables(128, 1e6, c.rope_scaling, 20000, torch.float32, cpu) for c in configs]
+    torch.testing.assert_close(tables[0], tables[1], rtol=0, atol=0)
+    # Its attention factor is 1: the table's first column at position 0 is cos(0).
+    assert tables[0][0][0, 0] == 1.0
+    positions = torch.tensor([0, 16383, 16384, 40000])
+    scales = query_temperature_scales(positions, (0.1, 16384))
+    torch.testing.assert_close(scales, 1 + 0.1 * torch.log(torch.tensor([1.0, 1.0, 2.0, 3.0])))
 
 
 def test_lfm2_conv_rows_keep_to_the_int8_pool_of_the_attention_layers(

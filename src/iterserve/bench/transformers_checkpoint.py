@@ -30,6 +30,7 @@ from iterserve.model.loader import lfm2_checkpoint_name
 HF_CLASSES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
+    "ministral3": ("Ministral3ForCausalLM", "ministral3"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
@@ -62,6 +63,9 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
     if rope.get("rope_type") == "freq_factors":
         rope = {"rope_type": "default"}
     rope["rope_theta"] = config.rope_theta
+    if config.query_temperature is not None:  # Ministral 3
+        rope["llama_4_scaling_beta"], original = config.query_temperature
+        rope.setdefault("original_max_position_embeddings", original)
     if config.rotary_dim is not None:  # Phi-4-mini
         rope["partial_rotary_factor"] = config.rotary_dim / config.head_dim
     raw: dict[str, Any] = {

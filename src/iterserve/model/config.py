@@ -99,6 +99,10 @@ class ModelConfig:
     residual_multiplier: float | None = None
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
+    # Ministral 3 (Llama 4's attention temperature): a query at position p is scaled by
+    # 1 + beta * ln(1 + floor(p / length)) after RoPE, (beta, length); 1 below `length` (its
+    # original context). None: not done.
+    query_temperature: tuple[float, int] | None = None
     # LFM2: which layers mix tokens by a short causal convolution (model/short_conv.py)
     # instead of attention, and the convolution's width in tokens (its conv_L_cache: 3).
     conv_layers: tuple[bool, ...] | None = None

@@ -51,6 +51,9 @@ FAMILIES: dict[str, FamilyTraits] = {
     # Llama 2/3, SmolLM; Mistral is Llama plus an optional sliding window (ModelConfig).
     "llama": FamilyTraits(),
     "mistral": FamilyTraits(),
+    # Ministral 3 (3B, 8B, 14B): Mistral with YaRN and Llama 4's attention temperature, each
+    # query scaled by its position past the original context (ModelConfig.query_temperature).
+    "ministral3": FamilyTraits(),
     # Mixtral: Mistral with a sparse mixture-of-experts MLP (ModelConfig.num_local_experts;
     # model/moe.py).
     "mixtral": FamilyTraits(),

@@ -38,6 +38,7 @@ _FLOAT_TYPES = {"F32", "F16", "BF16"}
 # Mistral as "llama".
 SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": "llama",
+    "mistral3": "ministral3",  # Ministral 3's text model (its vision tower: a separate mmproj)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
@@ -64,7 +65,7 @@ _GGUF_ROPE_SCALING = ("none", "linear", "yarn")
 # Architectures whose attention.sliding_window is read (Gemma's per layer, see _gemma_fields;
 # OLMo 3's, written as olmo2, see _olmo3_fields; EXAONE 4.0's, _exaone4_fields).
 _WINDOWED = ("phi3", "gemma2", "gemma3", "gpt-oss", "olmo2", "exaone4")
-_YARN_UNMODELLED = ("yarn_ext_factor", "yarn_log_multiplier", "attn_factor")
+_YARN_UNMODELLED = ("yarn_ext_factor", "attn_factor")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -390,6 +391,10 @@ def _gguf_rope(
         # whatever the file says; the model was trained with the config's value.
         if (attention := metadata.get(f"{arch}.rope.scaling.yarn_attn_factor")) is not None:
             rope["attention_factor"] = float(attention)
+        # Ministral 3's mscale_all_dim, which llama.cpp reads with an mscale of 1 (its
+        # attention factor then mscale(1) / mscale(mscale_all_dim): 1 for Ministral 3's 1).
+        if log_multiplier := metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier"):
+            rope["mscale"], rope["mscale_all_dim"] = 1.0, float(log_multiplier)
         return rope
     return {}
 
@@ -528,6 +533,7 @@ def gguf_model_config(
         **(_gpt_oss_fields(metadata, key("block_count")) if arch == "gpt-oss" else {}),
         **(_olmo3_fields(metadata, key("block_count")) if olmo3 else {}),
         **(_exaone4_fields(metadata, key("block_count")) if arch == "exaone4" and window else {}),
+        **_query_temperature(metadata, arch),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
         # llama.cpp renormalises the top-k weights of every MoE family here but OLMoE's and
@@ -603,6 +609,21 @@ def _lfm2_moe_fields(
         "router_scoring": _GATING_FUNCS[gating],
         "expert_selection_bias": f"blk.{dense}.exp_probs_b.bias" in tensors,
     }
+
+
+def _query_temperature(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Llama 4's attention temperature as llama.cpp reads it (Ministral 3's
+    attention.temperature_scale, over YaRN's original context)."""
+    beta = metadata.get(f"{arch}.attention.temperature_scale")
+    if not beta:
+        return {}
+    length = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if not length:
+        raise ModelLoadError(
+            f"GGUF {arch}.attention.temperature_scale needs "
+            f"{arch}.rope.scaling.original_context_length"
+        )
+    return {"query_temperature": (float(beta), int(length))}
 
 
 def _gpt_oss_fields(metadata: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -816,9 +837,9 @@ def _load_weights(
 
 def permutes_rope_rows(gguf_arch: str) -> bool:
     """Whether llama.cpp's converter permuted q/k rows for its rope: its "llama" converter
-    does, and SmolLM3's and Granite's (dense and MoE), its subclasses; the others (Qwen2's,
-    Phi-3's...) use NEOX rope, i.e. rotate_half, and store HF's order."""
-    return gguf_arch in ("llama", "smollm3", "granite", "granitemoe")
+    does, and SmolLM3's, Ministral 3's and Granite's (dense and MoE), its subclasses; the
+    others (Qwen2's, Phi-3's...) use NEOX rope, i.e. rotate_half, and store HF's order."""
+    return gguf_arch in ("llama", "mistral3", "smollm3", "granite", "granitemoe")
 
 
 def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:

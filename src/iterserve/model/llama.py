@@ -32,7 +32,7 @@ from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.lazy_weights import native_of, shape_of
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 from iterserve.model.moe import Routing, SparseMoeBlock
-from iterserve.model.rope import apply_rope, no_rope_tables, rope_tables
+from iterserve.model.rope import apply_rope, no_rope_tables, query_temperature_scales, rope_tables
 from iterserve.model.score_head import SCORE_WEIGHT
 from iterserve.model.shared_expert import SharedExpert
 from iterserve.model.short_conv import ShortConv
@@ -260,9 +260,11 @@ class _DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
         step: torch.Tensor,
+        query_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` in one call of the C++ layer op (which reads positions from `step`); an
-        attention layer's (decoder_stack alone runs LFM2's convolution)."""
+        attention layer's (decoder_stack alone runs LFM2's convolution). `query_scales`: the
+        rows' (Ministral 3's temperature)."""
         assert self.fused is not None and self.rope_tables is not None and self.conv is None
         return self.kernel_ops.decoder_layer(
             hidden,
@@ -285,6 +287,7 @@ class _DecoderLayer(nn.Module):
             self.sliding_window,
             *(self.lora_slots.kernel_args() if self.lora_slots is not None else _NO_LORA),
             self.sinks,
+            query_scales,
         )
 
     def forward(
@@ -512,6 +515,29 @@ class LlamaForCausalLM(nn.Module):
             return self.rope_second
         return self.rope_cos, self.rope_signed_sin
 
+    def _rope_rows(
+        self,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        query_scales: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        """The step's rows of cos and signed sin, [T, 1, rotated]; with query scales
+        (Ministral 3's temperature) [T, q heads + kv heads, rotated], the query heads' rows
+        times their token's scale: rope is linear in its tables, so that rotating q by them
+        rotates and scales it at once, k as before."""
+        rows = [table.index_select(0, positions).unsqueeze(1) for table in tables]
+        if query_scales is None:
+            return rows
+        c = self.config
+        scales = torch.cat(
+            (
+                query_scales[:, None].expand(-1, c.num_attention_heads),
+                query_scales.new_ones(()).expand(len(positions), c.num_key_value_heads),
+            ),
+            dim=1,
+        ).unsqueeze(2)
+        return [(row.float() * scales).to(row.dtype) for row in rows]
+
     def cover_positions(self, needed: int) -> None:
         """Make the rotary tables reach position `needed` - 1 (doubling, capped at the context)."""
         if needed > self.rope_positions:
@@ -698,6 +724,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        temperature = self.config.query_temperature  # Ministral 3's
+        query_scales = None
+        if temperature is not None:
+            query_scales = query_temperature_scales(positions, temperature)
         if (
             step is not None
             and self.fused_layers
@@ -712,19 +742,17 @@ class LlamaForCausalLM(nn.Module):
                 self.rope_signed_sin,
                 *second,
                 *stacked,
+                query_scales,
             )
-        rope = [
-            table.index_select(0, positions).unsqueeze(1)
-            for table in (self.rope_cos, self.rope_signed_sin)
-        ]
+        rope = self._rope_rows((self.rope_cos, self.rope_signed_sin), positions, query_scales)
         second = rope
         if self.rope_second is not None:
-            second = [table.index_select(0, positions).unsqueeze(1) for table in self.rope_second]
+            second = self._rope_rows(self.rope_second, positions, query_scales)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # decoder_layer: a dense MLP, attention (LFM2's convolution is decoder_stack's)
             fused = layer.fused is not None and layer.moe is None and layer.conv is None
             if step is not None and fused:
-                hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step)
+                hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step, query_scales)
                 continue
             cos, signed_sin = second if layer.second_rope else rope
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)

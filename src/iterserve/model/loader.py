@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Ministral3ForCausalLM": "ministral3",
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
     "Qwen3ForCausalLM": "qwen3",
@@ -81,7 +82,17 @@ _UNSUPPORTED_MOE = {
     "DeepseekV3ForCausalLM",
 }
 # Families whose sliding_window is used as it stands (Qwen's is refused above).
-_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "exaone4")
+_WINDOWED = (
+    "mistral",
+    "ministral3",
+    "mixtral",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "gpt_oss",
+    "olmo3",
+    "exaone4",
+)
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends fully
 _OLMO3_WINDOW_PATTERN = 4
 _EXAONE4_WINDOW_PATTERN = 4  # "LLLG": three windowed (local) layers, then a full (global) one
@@ -176,6 +187,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     gemma = _gemma_fields(architecture, raw, rope) if architecture in _GEMMA_WINDOW_PATTERN else {}
     experts = _hf_experts(architecture, raw)
     extra = _lfm2_fields(architecture, raw) | _granite4_fields(raw)
+    extra |= _query_temperature(architecture, raw, rope)
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or hidden // heads
     rotary_dim = _hf_rotary_dim(architecture, raw, rope, head_dim)
@@ -487,6 +499,25 @@ def _exaone4_sliding(raw: dict[str, Any]) -> tuple[bool, ...] | None:
         raw = {**raw, "layer_types": [_EXAONE4_LAYER_TYPES[kind] for kind in kinds]}
         pattern = _EXAONE4_WINDOW_PATTERN
     return _sliding_layers("exaone4", raw, int(pattern))
+
+
+def _query_temperature(
+    architecture: str, raw: dict[str, Any], rope: dict[str, Any]
+) -> dict[str, Any]:
+    """Ministral 3's attention temperature (its RoPE fields' `llama_4_scaling_beta`, over
+    their original context), taken out of `rope`; another family's is refused by name, as
+    its attention never reads it."""
+    beta = rope.pop("llama_4_scaling_beta", None)
+    if beta is None:
+        return {}
+    if architecture != "ministral3":
+        raise ModelLoadError(f"{architecture} with llama_4_scaling_beta is not supported")
+    length = rope.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings"
+    )
+    if not length:
+        raise ModelLoadError("ministral3's llama_4_scaling_beta needs its original context")
+    return {"query_temperature": (float(beta), int(length))}
 
 
 def _lfm2_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:

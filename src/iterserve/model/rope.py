@@ -241,6 +241,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, swapped, signed_sin)
 
 
+def query_temperature_scales(
+    positions: torch.Tensor, temperature: tuple[float, int]
+) -> torch.Tensor:
+    """Each position's query scale under Llama 4's attention temperature (Ministral 3's
+    `llama_4_scaling_beta`, ModelConfig.query_temperature): 1 + beta * ln(1 + floor(p /
+    length)), float32, as transformers computes it."""
+    beta, length = temperature
+    return 1 + beta * torch.log(1 + torch.floor(positions / length))
+
+
 def served_rope(
     scaling: Mapping[str, Any] | None, max_positions: int, original: int | None = None
 ) -> tuple[dict[str, Any] | None, int]:

@@ -10,7 +10,8 @@
 // MLP's outputs before their residual adds (h = hidden + rms_norm(a W_o^T)), Gemma 2's
 // attention logit soft-cap, and Gemma 3's sliding layers rotating by their own tables; and
 // Mixtral's and Qwen3-MoE's, whose MLP is a mixture of experts (moe.cpp's experts_mlp); and
-// LFM2's conv layers, a short convolution in place of attention (short_conv.cpp).
+// LFM2's conv layers, a short convolution in place of attention (short_conv.cpp); and
+// Ministral 3's attention temperature, each row's queries times a scale of its position.
 //
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
 // this file adds is the glue between them (norms, rope, SiLU / GELU) and, above all, one dispatch
@@ -89,12 +90,17 @@ Tensor pre_norm(const Tensor& x, const Tensor& weight, double eps) {
 // row's position. cos and the sign-folded sin are [max_positions, rotated] tables (the first
 // half of sin carries rotate_half's minus), so x' = x * cos + swap_halves(x) * sin over each
 // head's first `rotated` dimensions (all of them but for a partial rotary: Phi-4-mini's 96 of
-// 128); the rest of the head is left as it is.
+// 128); the rest of the head is left as it is. With `query_scales` (a float a row), the
+// first `q_heads` heads (the queries) come out times their row's scale: Ministral 3's
+// attention temperature, rope's product and the scale rounded once.
 void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vector<int64_t>& pos,
-                  const Tensor& cos, const Tensor& sin) {
+                  const Tensor& cos, const Tensor& sin, const float* query_scales = nullptr,
+                  int64_t q_heads = 0) {
   const int64_t M = qkv.size(0), rotated = cos.size(1), half = rotated / 2;
   TORCH_CHECK(half % 16 == 0 && rotated <= head_dim, "decoder_layer: rope over ", rotated,
               " of ", head_dim, " head dimensions: not a multiple of 32 up to head_dim");
+  TORCH_CHECK(rotated > 0 || query_scales == nullptr,
+              "decoder_layer: query scales on a layer without RoPE");
   if (rotated == 0) return;  // a layer without RoPE (SmolLM3's NoPE layers)
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -103,10 +109,16 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
       BFloat16* row = qkv.data_ptr<BFloat16>() + m * qkv.stride(0);
       for (int64_t h = 0; h < heads; ++h) {
         BFloat16* x = row + h * head_dim;
+        const bool scaled = query_scales != nullptr && h < q_heads;
+        const F16 by = F16::splat(scaled ? query_scales[m] : 1.0f);
         for (int64_t d = 0; d < half; d += 16) {
           const F16 lo = load_bf16x16(x + d), hi = load_bf16x16(x + half + d);
-          const F16 new_lo = fmadd(lo, load_bf16x16(c + d), hi * load_bf16x16(s + d));
-          const F16 new_hi = fmadd(hi, load_bf16x16(c + half + d), lo * load_bf16x16(s + half + d));
+          F16 new_lo = fmadd(lo, load_bf16x16(c + d), hi * load_bf16x16(s + d));
+          F16 new_hi = fmadd(hi, load_bf16x16(c + half + d), lo * load_bf16x16(s + half + d));
+          if (scaled) {
+            new_lo = new_lo * by;
+            new_hi = new_hi * by;
+          }
           store_bf16x16(x + d, new_lo);
           store_bf16x16(x + half + d, new_hi);
         }
@@ -252,6 +264,9 @@ struct LayerWeights {
   // LFM2's conv layer: its short convolution's kernel, bf16 [hidden, width], in place of
   // attention (short_conv.cpp; qkv's segments are then its in_proj, o's its out_proj).
   std::optional<Tensor> conv_kernel = std::nullopt;
+  // The step's rows' query scales, a float each (Ministral 3's attention temperature), or
+  // none: borrowed from the op's arguments.
+  const float* query_scales = nullptr;
 };
 
 // Projection i's segments' index range from the counts of segments each projection has.
@@ -356,7 +371,7 @@ Tensor attend_block(const LayerWeights& w, const Projections& project, const Ten
   const int64_t heads = w.num_heads + w.num_kv_heads;
   if (w.qk_norm && w.qk_norm->defined())
     qk_norm_inplace(qkv, w.num_heads, w.num_kv_heads, head_dim, *w.qk_norm, w.eps);
-  rope_inplace(qkv, heads, head_dim, pos, rope_cos, rope_sin);
+  rope_inplace(qkv, heads, head_dim, pos, rope_cos, rope_sin, w.query_scales, w.num_heads);
   const Tensor q = qkv.narrow(1, 0, q_size).view({M, w.num_heads, head_dim});
   const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
@@ -406,6 +421,15 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   return block_out(3, act, mid, w.mlp_out_norm);
 }
 
+// The step's query scales as the layers borrow them (none: nullptr), checked: a float a row.
+const float* query_scales_of(const std::optional<Tensor>& scales, const Tensor& hidden) {
+  if (!scales) return nullptr;
+  TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                  scales->dim() == 1 && scales->size(0) == hidden.size(0),
+              "decoder_layer: query_scales must be float32 [tokens]");
+  return scales->data_ptr<float>();
+}
+
 // Every row's position, checked against the rope tables.
 std::vector<int64_t> checked_positions(const Tensor& hidden, const Tensor& step,
                                        const Tensor& rope_cos) {
@@ -432,7 +456,8 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                      const Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads,
                      double scale, int64_t sliding_window, at::TensorList lora,
                      c10::IntArrayRef lora_parts, const std::optional<Tensor>& lora_rows,
-                     const std::optional<Tensor>& sinks) {
+                     const std::optional<Tensor>& sinks,
+                     const std::optional<Tensor>& query_scales) {
   TORCH_CHECK(biases.size() == 4 && weights.size() == formats.size(),
               "decoder_layer: 4 projections (qkv, o, gate_up, down), each with its weight "
               "segments, their formats and a bias");
@@ -440,7 +465,8 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                        segment_starts(segments, 0),
                        {biases.get(0), biases.get(1), biases.get(2), biases.get(3)},
                        qk_norm, num_heads, num_kv_heads, scale, sliding_window,
-                       attn_out_norm, mlp_out_norm, gelu, softcap, sinks};
+                       attn_out_norm, mlp_out_norm, gelu, softcap, sinks,
+                       nullptr, std::nullopt, query_scales_of(query_scales, hidden)};
   TORCH_CHECK(w.first[4] == static_cast<int64_t>(weights.size()),
               "decoder_layer: segments count ", w.first[4], " weights, not ", weights.size());
   check_tables(w, key_cache, rope_cos, rope_sin);
@@ -498,7 +524,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                      bool sigmoid_scores,
                      const c10::List<std::optional<Tensor>>& selection_biases,
                      double routed_scaling,
-                     const c10::List<std::optional<Tensor>>& conv_kernels) {
+                     const c10::List<std::optional<Tensor>>& conv_kernels,
+                     const std::optional<Tensor>& query_scales) {
   const auto layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(post_norms.size() == layers && qk_norms.size() == layers &&
                   attn_out_norms.size() == layers && mlp_out_norms.size() == layers &&
@@ -517,6 +544,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
               "decoder_stack: layers with second_rope need the second tables");
   const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);
   if (any_second) checked_positions(hidden, step, *second_rope_cos);
+  const float* q_scales = query_scales_of(query_scales, hidden);
   Tensor h = hidden;
   int64_t first_segment = 0, first_stack = 0;
   for (int64_t l = 0; l < layers; ++l) {
@@ -541,7 +569,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                           biases.get(4 * l + 3)},
                          qk_norms.get(l), num_heads, num_kv_heads, scale, sliding_windows[l],
                          attn_out_norms.get(l), mlp_out_norms.get(l), gelu, softcap,
-                         sinks.get(l), moe ? &*moe : nullptr, conv_kernels.get(l)};
+                         sinks.get(l), moe ? &*moe : nullptr, conv_kernels.get(l),
+                         q_scales};
     TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
                 "'s segments run past the ", weights.size(), " weights");
     const Tensor& cos = second_rope[l] ? *second_rope_cos : rope_cos;

@@ -39,7 +39,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
       "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
       "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows, "
-      "Tensor? sinks=None) -> Tensor");
+      "Tensor? sinks=None, Tensor? query_scales=None) -> Tensor");
   m.def(
       "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
       "Tensor rope_sin, Tensor? second_rope_cos, Tensor? second_rope_sin, Tensor[] input_norms, "
@@ -51,7 +51,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "int[] expert_formats, int top_k, bool renormalize, Tensor?[] sinks, "
       "Tensor?[] expert_biases, float swiglu_alpha, float swiglu_limit, "
       "Tensor?[] shared_gates, bool sigmoid_scores, Tensor?[] selection_biases, "
-      "float routed_scaling, Tensor?[] conv_kernels) -> Tensor");
+      "float routed_scaling, Tensor?[] conv_kernels, Tensor? query_scales=None) -> Tensor");
   m.def(
       "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
       "Tensor gate, Tensor up, Tensor down, int[] formats, Tensor? router_bias=None, "

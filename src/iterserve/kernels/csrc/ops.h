@@ -139,7 +139,8 @@ at::Tensor decoder_layer(
     const at::Tensor& slot_mapping, const at::Tensor& step, const at::Tensor& rope_cos,
     const at::Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads, double scale,
     int64_t sliding_window, at::TensorList lora, c10::IntArrayRef lora_parts,
-    const std::optional<at::Tensor>& lora_rows, const std::optional<at::Tensor>& sinks);
+    const std::optional<at::Tensor>& lora_rows, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& query_scales);
 at::Tensor decoder_stack(
     const at::Tensor& hidden, const at::Tensor& slot_mapping, const at::Tensor& step,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin,
@@ -158,7 +159,8 @@ at::Tensor decoder_stack(
     const c10::List<std::optional<at::Tensor>>& expert_biases, double swiglu_alpha,
     double swiglu_limit, const c10::List<std::optional<at::Tensor>>& shared_gates,
     bool sigmoid_scores, const c10::List<std::optional<at::Tensor>>& selection_biases,
-    double routed_scaling, const c10::List<std::optional<at::Tensor>>& conv_kernels);
+    double routed_scaling, const c10::List<std::optional<at::Tensor>>& conv_kernels,
+    const std::optional<at::Tensor>& query_scales);
 
 // linear.cpp: activations as the block formats quantize them, per unit of 32 or 256 inputs.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t unit);
