@@ -286,3 +286,15 @@ def test_an_lfm2_moe_body_loads_its_dense_and_expert_layers(tmp_path: Path) -> N
     experts = sum(spec.nbytes for spec in specs if "_exps." in spec.name)
     whole = sum(spec.nbytes for spec in specs)
     assert decode_bytes_per_token(path) == whole - experts // 2
+
+
+def test_a_ministral3_body_reads_its_yarn_and_temperature(tmp_path: Path) -> None:
+    """Ministral 3 as llama.cpp's converter writes it (mistral3: YaRN with its
+    yarn_log_multiplier, attention.temperature_scale over the original context)."""
+    shape = dataclasses.replace(
+        PRESETS["tiny"], arch="mistral3", yarn=(16.0, 128), attn_temperature=0.1
+    )
+    config = load_gguf(write_shaped_gguf(tmp_path / "mistral3.gguf", shape), torch.float32).config
+    assert config.architecture == "ministral3" and config.query_temperature == (0.1, 128)
+    assert config.rope_scaling is not None and config.rope_scaling["mscale_all_dim"] == 1.0
+    assert PRESETS["ministral3-3b"].attn_temperature == 0.1

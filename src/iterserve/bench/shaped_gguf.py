@@ -107,6 +107,9 @@ class Shape:
     granite: tuple[float, float, float, float] | None = None
     mlp_norm: str = "ffn_norm"
     yarn: tuple[float, int] | None = None
+    # Ministral 3: Llama 4's attention temperature (llama_4_scaling_beta) over YaRN's original
+    # context, and its mscale_all_dim (yarn_log_multiplier).
+    attn_temperature: float | None = None
     # A Qwen3-Reranker as llama.cpp's converter writes it: `cls.output` (the LM head's rows of
     # "yes" and "no"), pooling type rank, and its prompt as the "rerank" chat template.
     reranker: bool = False
@@ -178,6 +181,10 @@ PRESETS: dict[str, Shape] = {
     # not re-read offline; the MLP width its config's 12288 makes, block_auto_adjust_ff_dim).
     "lfm2-1.2b":  Shape("lfm2",   "LFM2-1.2B",              2048,  8192,  16,  32,   8,  64,      1e6, 128000, 1e-5,
                         qk_norm=True, vocab=65536, attention_layers=(2, 5, 8, 10, 12, 14)),
+    # Mistral with YaRN 16x over 16,384 tokens and Llama 4's attention temperature (its text
+    # config as remembered, not re-read offline).
+    "ministral3-3b": Shape("mistral3", "Ministral-3-3B-Instruct-2512", 3072, 9216, 26, 32, 8, 128,   1e6, 262144, 1e-5,
+                        vocab=131072, yarn=(16.0, 16384), attn_temperature=0.1),
     # LFM2's layers (18 conv, 6 attention) with 32 experts of 1792 a layer, 4 a token, past two
     # dense MLPs of 7168: 8.3B weights, 1.5B of them read a token (its config as remembered,
     # not re-read offline).
@@ -440,6 +447,9 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_rope_scaling_orig_ctx_len(shape.yarn[1])
         writer.add_rope_scaling_yarn_beta_fast(32.0)
         writer.add_rope_scaling_yarn_beta_slow(1.0)
+    if shape.attn_temperature is not None:
+        writer.add_rope_scaling_yarn_log_mul(1.0)
+        writer.add_attn_temperature_scale(shape.attn_temperature)
     if shape.attn_softcap is not None:
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.final_softcap is not None:

@@ -87,6 +87,7 @@ def _decoder_layer(
     lora_parts: list[int],
     lora_rows: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 

@@ -127,6 +127,8 @@ def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> 
 
 def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     raw = _read_json(directory / "config.json")
+    multimodal = (text := text_model_config(raw)) is not None
+    raw = text or raw
     config = hf_model_config(raw, _read_optional_json(directory / "generation_config.json"))
     bare = is_bare_model(raw)
     if bare or is_classifier(raw):
@@ -137,6 +139,8 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     if raw.get("model_type") == _GRANITE4:
         stacks = _granite4_mlp
     rename = _lfm2_name if config.architecture in LFM2_FAMILIES else None
+    if multimodal:
+        rename = _text_model_name
     weights = _load_safetensors(
         directory, shards, dtype, "model." if bare else "", stacks, gpt_oss, rename
     )
@@ -172,6 +176,53 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
         quantized=dict(quantized),
         classifier_labels=[str(labels[k]) for k in sorted(labels, key=int)] or None,
     )
+
+
+# Multimodal checkpoints whose language model is a family here, by their text config's
+# model_type: the class it is read as. Only the language model is read (iterserve serves
+# text): the vision tower and its projector are left in the file.
+_MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
+_TEXT_MODELS = {
+    "gemma3_text": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
+    "ministral3": "Ministral3ForCausalLM",  # Ministral 3 (3B, 8B, 14B)
+    "mistral": "MistralForCausalLM",  # Mistral Small 3.1, 3.2
+}
+# Where such a checkpoint keeps its language model's tensors (transformers 4.5x and the
+# released files: language_model.model.*, language_model.lm_head; transformers 5 in memory:
+# model.language_model.*), and the names they are read under.
+_TEXT_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def text_model_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """A multimodal checkpoint's config.json as its language model's own (its text_config,
+    named as the text model's class; the embeddings tied as the whole model says), or None
+    for any other checkpoint."""
+    names = raw.get("architectures") or []
+    if not (found := [name for name in names if name in _MULTIMODAL]):
+        return None
+    text = dict(raw.get("text_config") or {})
+    model = _TEXT_MODELS.get(text.get("model_type", ""))
+    if model is None:
+        raise ModelLoadError(
+            f"{found[0]} whose language model is {text.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(_TEXT_MODELS)}"
+        )
+    if "tie_word_embeddings" in raw:  # the whole model's, which ties its head
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return {**text, "architectures": [model]}
+
+
+def _text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under its language model's name; None for the rest."""
+    for theirs, ours in _TEXT_MODEL_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name.removeprefix(theirs)
+    return None
 
 
 def _dequantized(blocks: QuantizedBlocks, dtype: torch.dtype) -> torch.Tensor:
@@ -690,7 +741,7 @@ def _load_safetensors(
     prefix: str = "",
     stacks: ExpertStacks | None = None,
     mxfp4: bool = False,
-    rename: Callable[[str], str] | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> LazyWeights:
     """The weights, each name after `prefix` (`model.` for a bare network's) and as `rename`
     gives it (LFM2's). Expert stacks (gpt-oss, Granite MoE) are listed as each expert's
@@ -712,7 +763,9 @@ def _load_safetensors(
             if not parts:
                 read = functools.partial(_read_tensor, stored, dtype)
                 full_name = prefix + name
-                weights.add(rename(full_name) if rename else full_name, stored.shape, read)
+                if rename is not None and (full_name := rename(full_name)) is None:
+                    continue  # not the model's (a multimodal checkpoint's vision tower)
+                weights.add(full_name, stored.shape, read)
     return weights
 
 

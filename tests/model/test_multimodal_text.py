@@ -1,0 +1,101 @@
+"""The language model of a multimodal checkpoint (Gemma 3 4B and up, Ministral 3, Mistral Small
+3.1: `*ForConditionalGeneration` with a vision tower) read from its HF directory as the text
+model it holds: the same logits as transformers' whole model given text alone, its vision
+tensors left unread."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from iterserve.model.errors import ModelLoadError
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import load_model, text_model_config
+from paged_runner import PagedRunner
+from tiny_checkpoints import save_checkpoint
+from tiny_families import MINISTRAL3_ROPE
+
+VOCAB = 49152  # the bundled tokenizer's
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=256,
+)
+
+
+def _gemma3() -> transformers.PreTrainedModel:
+    text = transformers.Gemma3TextConfig(**TEXT, sliding_window=16)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
+    )
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
+def _ministral3() -> transformers.PreTrainedModel:
+    text = transformers.Ministral3Config(**TEXT, rope_parameters=dict(MINISTRAL3_ROPE))
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Mistral3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False
+    )
+    return transformers.Mistral3ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("make", [_gemma3, _ministral3], ids=["gemma3", "ministral3"])
+def test_a_multimodal_checkpoint_serves_its_language_model(
+    make: object, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    torch.manual_seed(0)
+    hf = make().eval()  # type: ignore[operator]
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
+    directory = save_checkpoint(hf, tmp_path, tokenizer_dir)
+    loaded = load_model(directory, torch.float32)
+    text_type = hf.config.text_config.model_type
+    assert loaded.config.architecture == {"gemma3_text": "gemma3"}.get(text_type, text_type)
+    assert not [n for n in loaded.weights if "vision" in n or "projector" in n]
+    assert loaded.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    model = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
+    model.load(loaded.weights, "torch")
+    runner = PagedRunner(model, block_size=8, num_blocks=32)
+    rng = random.Random(3)
+    tokens = [rng.randrange(100, VOCAB) for _ in range(60)]  # no image token among them
+    runner.add("s", tokens)
+    got = torch.cat([runner.step([("s", n)])["s"] for n in (40, 20)])
+    with torch.inference_mode():
+        want = hf(input_ids=torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_multimodal_checkpoint_of_another_language_model_is_refused() -> None:
+    raw = {
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": {"model_type": "llama4_text"},
+    }
+    with pytest.raises(ModelLoadError, match="'llama4_text' is not supported"):
+        text_model_config(raw)
+    assert text_model_config({"architectures": ["MistralForCausalLM"]}) is None
