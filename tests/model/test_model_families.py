@@ -20,6 +20,7 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_loader import GGUFTensorInfo, gguf_model_config
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config, load_model
+from iterserve.model.lora_model import LoRAModel
 from iterserve.model.rope import query_temperature_scales, rope_tables
 from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
@@ -564,6 +565,30 @@ def test_ministral3_gguf_metadata_reads_as_its_released_config() -> None:
     positions = torch.tensor([0, 16383, 16384, 40000])
     scales = query_temperature_scales(positions, (0.1, 16384))
     torch.testing.assert_close(scales, 1 + 0.1 * torch.log(torch.tensor([1.0, 1.0, 2.0, 3.0])))
+
+
+@needs_kernels
+def test_ministral3_query_scales_reach_the_layer_by_layer_op(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """LoRA slots take the layers off decoder_stack, one decoder_layer call each: the query
+    scales reach it too (no adapter in the slots: the same logits to the bit, past the
+    original context, where the temperature is not 1)."""
+    path = family_checkpoint("hf", family_model("ministral3"), tmp_path, tokenizer_dir)
+    loaded = load_model(path, torch.float32)
+    rng = random.Random(2)
+    tokens = [rng.randrange(VOCAB) for _ in range(60)]
+    rows = []
+    for slots in (False, True):
+        model = LlamaForCausalLM(loaded.config, torch.bfloat16, torch.device("cpu"))
+        model.load(loaded.weights, "tiled")
+        if slots:
+            LoRAModel(model, max_loras=2, max_rank=8)
+        assert model.fused_layers and (model.lora is not None) == slots
+        runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=True)
+        runner.add("s", tokens)
+        rows.append(torch.cat([runner.step([("s", n)])["s"] for n in (40, 20)]))
+    torch.testing.assert_close(rows[1], rows[0], rtol=0, atol=0)
 
 
 def test_lfm2_conv_rows_keep_to_the_int8_pool_of_the_attention_layers(

@@ -30,18 +30,19 @@ TEXT = dict(
     head_dim=32,
     max_position_embeddings=256,
 )
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
 
 
 def _gemma3() -> transformers.PreTrainedModel:
     text = transformers.Gemma3TextConfig(**TEXT, sliding_window=16)
-    vision = transformers.SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
+    vision = transformers.SiglipVisionConfig(**VISION)
     config = transformers.Gemma3Config(
         text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
     )
@@ -50,14 +51,7 @@ def _gemma3() -> transformers.PreTrainedModel:
 
 def _ministral3() -> transformers.PreTrainedModel:
     text = transformers.Ministral3Config(**TEXT, rope_parameters=dict(MINISTRAL3_ROPE))
-    vision = transformers.PixtralVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
+    vision = transformers.PixtralVisionConfig(**VISION)
     config = transformers.Mistral3Config(
         text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False
     )

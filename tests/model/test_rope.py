@@ -296,8 +296,12 @@ def test_gguf_rope_metadata_is_read_or_refused_by_name() -> None:
     assert (linear.rope_scaling["rope_type"], linear.rope_scaling["factor"]) == ("linear", 2.0)
     with pytest.raises(ModelLoadError, match="'longrope' is not supported; supported: none"):
         gguf_model_config({**base, "llama.rope.scaling.type": "longrope"}, tensors)
-    with pytest.raises(ModelLoadError, match="yarn_log_multiplier"):
-        gguf_model_config({**base, **yarn, "llama.rope.scaling.yarn_log_multiplier": 0.1}, tensors)
+    # yarn_log_multiplier read as llama.cpp reads it: mscale_all_dim, over an mscale of 1.
+    log_multiplied = {**base, **yarn, "llama.rope.scaling.yarn_log_multiplier": 0.5}
+    scaling = gguf_model_config(log_multiplied, tensors).rope_scaling
+    assert scaling is not None and (scaling["mscale"], scaling["mscale_all_dim"]) == (1.0, 0.5)
+    with pytest.raises(ModelLoadError, match="yarn_ext_factor"):
+        gguf_model_config({**base, **yarn, "llama.rope.scaling.yarn_ext_factor": 0.5}, tensors)
     with pytest.raises(ModelLoadError, match="'llama' with rope over 16 of 32 head dim"):
         gguf_model_config({**base, "llama.rope.dimension_count": 16}, tensors)
     phi3 = {k.replace("llama.", "phi3."): v for k, v in base.items()}
