@@ -187,3 +187,20 @@ def test_the_fused_layers_keep_the_torch_logits(hf_dir: Path) -> None:
     assert_fused_layers_keep_the_torch_logits(
         lambda fast: _model(hf_dir, torch.bfloat16, "tiled" if fast else "torch")
     )
+
+
+def test_the_selection_bias_stays_fp32_in_a_bf16_model(
+    hf: transformers.PreTrainedModel, hf_dir: Path, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """The biases pick among sigmoid scores a bf16 rounding apart: kept at the checkpoint's
+    fp32, as transformers and llama.cpp keep them, from the HF directory and the GGUF."""
+    want = hf.model.layers[1].feed_forward.expert_bias
+    assert not torch.equal(want.bfloat16().float(), want)
+    for path in (hf_dir, family_checkpoint("f32", hf, tmp_path, tokenizer_dir)):
+        loaded = load_model(path, torch.bfloat16)
+        model = LlamaForCausalLM(loaded.config, torch.bfloat16, torch.device("cpu"))
+        model.load(loaded.weights, "torch")
+        assert model.layers[1].moe is not None
+        got = model.layers[1].moe.selection_bias
+        assert got is not None and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

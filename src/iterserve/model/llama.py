@@ -586,7 +586,10 @@ class LlamaForCausalLM(nn.Module):
             for name, (dest, _) in targets.items():
                 if dest is None:
                     continue
-                weight = weights[name]
+                # What the model keeps in fp32 (sinks, selection biases) as the checkpoint
+                # has it, not rounded to the model's dtype on the way.
+                fp32 = dest.dtype == torch.float32 and self.dtype != torch.float32
+                weight = native_of(weights, name) if fp32 else weights[name]
                 if offset and "norm" in name:  # Gemma's norms scale by (1 + weight)
                     weight = weight.float() + 1
                 dest.copy_(weight)

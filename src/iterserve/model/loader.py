@@ -765,7 +765,12 @@ def _load_safetensors(
                 full_name = prefix + name
                 if rename is not None and (full_name := rename(full_name)) is None:
                     continue  # not the model's (a multimodal checkpoint's vision tower)
-                weights.add(full_name, stored.shape, read)
+                # A vector stored in fp32 also as it is: what the model keeps in fp32 (LFM2-MoE's
+                # selection biases, gpt-oss's sinks) is copied from it unrounded.
+                native = None
+                if stored.dtype == "F32" and len(stored.shape) == 1:
+                    native = functools.partial(_read_tensor, stored, torch.float32)
+                weights.add(full_name, stored.shape, read, native)
     return weights
 
 
