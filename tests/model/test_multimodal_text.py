@@ -17,7 +17,8 @@ from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import load_model, text_model_config
 from paged_runner import PagedRunner
 from tiny_checkpoints import save_checkpoint
-from tiny_families import MINISTRAL3_ROPE
+from tiny_families import MINISTRAL3_ROPE, family_checkpoint, family_model
+from tiny_gguf import write_gguf
 
 VOCAB = 49152  # the bundled tokenizer's
 TEXT = dict(
@@ -58,7 +59,29 @@ def _ministral3() -> transformers.PreTrainedModel:
     return transformers.Mistral3ForConditionalGeneration(config)
 
 
-@pytest.mark.parametrize("make", [_gemma3, _ministral3], ids=["gemma3", "ministral3"])
+def _qwen3_vl() -> transformers.PreTrainedModel:
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_section": [6, 5, 5],  # of a head's 16 frequencies: time, height, width
+        "mrope_interleaved": True,
+    }
+    text = transformers.Qwen3VLTextConfig(**TEXT, rope_parameters=rope)
+    vision = transformers.models.qwen3_vl.Qwen3VLVisionConfig(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=TEXT["hidden_size"],
+        deepstack_visual_indexes=[0],
+    )
+    config = transformers.Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
+    return transformers.Qwen3VLForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize(
+    "make", [_gemma3, _ministral3, _qwen3_vl], ids=["gemma3", "ministral3", "qwen3_vl"]
+)
 def test_a_multimodal_checkpoint_serves_its_language_model(
     make: object, tmp_path: Path, tokenizer_dir: Path
 ) -> None:
@@ -70,14 +93,15 @@ def test_a_multimodal_checkpoint_serves_its_language_model(
     directory = save_checkpoint(hf, tmp_path, tokenizer_dir)
     loaded = load_model(directory, torch.float32)
     text_type = hf.config.text_config.model_type
-    assert loaded.config.architecture == {"gemma3_text": "gemma3"}.get(text_type, text_type)
+    families = {"gemma3_text": "gemma3", "qwen3_vl_text": "qwen3"}
+    assert loaded.config.architecture == families.get(text_type, text_type)
     assert not [n for n in loaded.weights if "vision" in n or "projector" in n]
     assert loaded.config.tie_word_embeddings == hf.config.tie_word_embeddings
     model = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
     model.load(loaded.weights, "torch")
     runner = PagedRunner(model, block_size=8, num_blocks=32)
     rng = random.Random(3)
-    tokens = [rng.randrange(100, VOCAB) for _ in range(60)]  # no image token among them
+    tokens = [rng.randrange(100, 40000) for _ in range(60)]  # no image token among them
     runner.add("s", tokens)
     got = torch.cat([runner.step([("s", n)])["s"] for n in (40, 20)])
     with torch.inference_mode():
@@ -93,3 +117,19 @@ def test_a_multimodal_checkpoint_of_another_language_model_is_refused() -> None:
     with pytest.raises(ModelLoadError, match="'llama4_text' is not supported"):
         text_model_config(raw)
     assert text_model_config({"architectures": ["MistralForCausalLM"]}) is None
+
+
+def test_a_qwen3_vl_gguf_reads_as_qwen3(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """llama.cpp's Qwen3-VL language model (qwen3vl: Qwen3's tensors, M-RoPE's sections and
+    the deepstack layers' count for images): the same config and weights as the Qwen3 file."""
+    hf = family_model("qwen3")
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    path = tmp_path / "tiny-vl.gguf"
+    images = {"rope.dimension_sections": [12, 10, 10, 0], "n_deepstack_layers": 3}
+    write_gguf(path, "qwen3vl", hf, tokenizer, metadata=images)
+    vl = load_model(path, torch.float32)
+    plain = load_model(family_checkpoint("f32", hf, tmp_path, tokenizer_dir), torch.float32)
+    assert vl.config == plain.config
+    assert set(vl.weights) == set(plain.weights)
+    for name, tensor in plain.weights.items():
+        torch.testing.assert_close(vl.weights[name], tensor, rtol=0, atol=0, msg=name)

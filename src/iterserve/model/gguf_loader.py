@@ -41,6 +41,10 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "mistral3": "ministral3",  # Ministral 3's text model (its vision tower: a separate mmproj)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    # Qwen3-VL's language model: Qwen3's layers, its M-RoPE plain RoPE for text (all three
+    # position components the token's); its rope.dimension_sections and deepstack layers
+    # (image features added to the first layers' input) are for images, not read.
+    "qwen3vl": "qwen3",
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
     "phi3": "phi3",

@@ -181,12 +181,21 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
 # Multimodal checkpoints whose language model is a family here, by their text config's
 # model_type: the class it is read as. Only the language model is read (iterserve serves
 # text): the vision tower and its projector are left in the file.
-_MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
+_MULTIMODAL = (
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
 _TEXT_MODELS = {
     "gemma3_text": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
     "ministral3": "Ministral3ForCausalLM",  # Ministral 3 (3B, 8B, 14B)
     "mistral": "MistralForCausalLM",  # Mistral Small 3.1, 3.2
+    # Qwen3-VL (2B-32B): Qwen3's layers rotated by M-RoPE, whose three position components
+    # (time, height, width) are all the token's position for text, which is plain RoPE.
+    "qwen3_vl_text": "Qwen3ForCausalLM",
 }
+# M-RoPE's fields, which text alone never reads (see above).
+_MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
 # Where such a checkpoint keeps its language model's tensors (transformers 4.5x and the
 # released files: language_model.model.*, language_model.lm_head; transformers 5 in memory:
 # model.language_model.*), and the names they are read under.
@@ -214,6 +223,9 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any] | None:
         )
     if "tie_word_embeddings" in raw:  # the whole model's, which ties its head
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(rope := text.get(key), dict):
+            text[key] = {k: v for k, v in rope.items() if k not in _MROPE_FIELDS}
     return {**text, "architectures": [model]}
 
 
