@@ -303,8 +303,8 @@ def _mlp(blk: str, shape: Shape, layer: int) -> list[TensorSpec]:
     h = shape.hidden
     specs = [TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm")]
     if not shape.experts or layer < shape.leading_dense:
-        width = shape.dense_intermediate if shape.experts else shape.intermediate
-        return specs + _dense_projections(blk, shape, width or shape.intermediate)
+        # dense_intermediate: a MoE shape's dense width (LFM2-MoE's leading layers)
+        return specs + _dense_projections(blk, shape, shape.dense_intermediate or shape.intermediate)
     e, i_ = shape.experts, shape.intermediate
     specs.append(TensorSpec(f"{blk}.ffn_gate_inp.weight", (e, h), "router"))
     specs.append(TensorSpec(f"{blk}.ffn_gate_exps.weight", (e, i_, h), "weight"))
