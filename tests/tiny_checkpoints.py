@@ -50,6 +50,7 @@ _ARCHITECTURES = {
     "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     # A reranker as transformers saves one: a classifier head (score.weight), no LM head.
     "qwen3_classifier": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),

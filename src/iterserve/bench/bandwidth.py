@@ -93,7 +93,8 @@ def decode_bytes_per_token(path: Path) -> int:
     decode step of one sequence reads: every tensor once, but of a mixture of experts'
     stacks (GGUF's ffn_*_exps, HF's mlp.experts) only the share of the experts a token is
     routed to; the embedding only when it is also the head (tied, no separate head),
-    since otherwise a step reads one row of it. The KV cache a step reads is
+    since otherwise a step reads one row of it (as of Gemma 4's per-layer table). The KV
+    cache a step reads is
     `kv_bytes_per_step`'s. (An HF checkpoint's dense weights are counted as stored, bf16,
     though the engine may keep them otherwise.)"""
     config = _config(path)
@@ -102,11 +103,13 @@ def decode_bytes_per_token(path: Path) -> int:
     sizes = _tensor_bytes(path)
     head = "output.weight" if path.is_file() else "lm_head.weight"
     embedding = "token_embd.weight" if path.is_file() else "model.embed_tokens.weight"
+    looked_up = {embedding} if head in sizes else set()
+    looked_up |= {"per_layer_token_embd.weight", "model.embed_tokens_per_layer.weight"}
     return round(
         sum(
             nbytes * (routed if "_exps." in name or ".mlp.experts." in name else 1.0)
             for name, nbytes in sizes.items()
-            if head not in sizes or name != embedding
+            if name not in looked_up
         )
     )
 
@@ -117,14 +120,15 @@ def kv_bytes_per_step(path: Path, context: int, itemsize: int = 2) -> int:
     caches both engines keep by default). Against a 3B's 2 GB of weights that is 0.12 GB at
     1k tokens and 0.47 GB at 4k (Llama 3.2 3B: 112 KiB a token)."""
     config = _config(path)
-    row = 2 * config.num_key_value_heads * config.head_dim * itemsize  # K and V of a layer
     # An LFM2 conv layer reads its convolution's rows of the token's predecessors.
     conv = config.hidden_size * itemsize * min(context, config.conv_history)
+
+    def attention(i: int) -> int:
+        row = 2 * config.layer_kv_heads(i) * config.layer_head_dim(i) * itemsize  # K and V
+        return row * (min(context, window) if (window := config.layer_window(i)) else context)
+
     return sum(
-        conv
-        if config.layer_is_conv(i)
-        else row * (min(context, window) if (window := config.layer_window(i)) else context)
-        for i in range(config.num_hidden_layers)
+        conv if config.layer_is_conv(i) else attention(i) for i in range(config.num_hidden_layers)
     )
 
 

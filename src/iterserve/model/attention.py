@@ -154,24 +154,29 @@ def allocate_kv_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim] of `dtype`, the
-    model's or int8 (then rows of head_dim + 4 bytes).
+    model's or int8 (then rows of head_dim + 4 bytes), with the layer's own heads (Gemma 4's
+    full layers); a layer that shares an earlier layer's K/V holds that layer's pair.
 
     Zero-filled rather than empty: never-written slots then hold finite values, a second line
     of defence (after the padding rule above) against NaN leaking through masked lanes. On a
     CPU the zeros cost nothing until used (`_zeroed_pages`).
     """
-    width = row_width(config.head_dim, dtype)
-    shape = (config.num_key_value_heads, num_blocks, block_size, width)
     zeroed = _zeroed_pages if device.type == "cpu" else _zeroed_now
     # An LFM2 conv layer keeps a row of its convolution's input a token in its "K" (one head
     # of hidden_size, model/short_conv.py) and no V.
     conv_state = (1, num_blocks, block_size, row_width(config.hidden_size, dtype))
-    return [
-        (zeroed(conv_state, dtype, device), zeroed((0, num_blocks, block_size, 0), dtype, device))
-        if config.layer_is_conv(i)
-        else (zeroed(shape, dtype, device), zeroed(shape, dtype, device))
-        for i in range(config.num_hidden_layers)
-    ]
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i in range(config.num_hidden_layers):
+        if (source := config.layer_kv_source(i)) != i:  # Gemma 4: an earlier layer's
+            caches.append(caches[source])
+        elif config.layer_is_conv(i):
+            empty = zeroed((0, num_blocks, block_size, 0), dtype, device)
+            caches.append((zeroed(conv_state, dtype, device), empty))
+        else:
+            width = row_width(config.layer_head_dim(i), dtype)
+            shape = (config.layer_kv_heads(i), num_blocks, block_size, width)
+            caches.append((zeroed(shape, dtype, device), zeroed(shape, dtype, device)))
+    return caches
 
 
 def _zeroed_now(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -182,10 +182,11 @@ def build_model(
 
 def _attends_in_kernel(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:
     """Whether the C++ paged attention op serves this model (else torch attends)."""
+    head_dims = {model.layer_head_dim(i) for i in range(model.num_hidden_layers)}
     return (
         config.kernels == "auto"
         and device.type == "cpu"
-        and model.head_dim in kernels.ATTENTION_HEAD_DIMS  # what the attention loops are built for
+        and head_dims <= set(kernels.ATTENTION_HEAD_DIMS)  # what the attention loops are built for
         and kernels.available()
     )
 

@@ -107,6 +107,24 @@ class ModelConfig:
     # instead of attention, and the convolution's width in tokens (its conv_L_cache: 3).
     conv_layers: tuple[bool, ...] | None = None
     conv_kernel: int = 0
+    # Gemma 4: the full-attention layers' (those outside the window) own head size and kv
+    # heads (its global_head_dim, num_global_key_value_heads); None: head_dim and
+    # num_key_value_heads, as on every other layer.
+    full_head_dim: int | None = None
+    full_kv_heads: int | None = None
+    # Gemma 4 (31B, 26B-A4B): the full layers' keys are their values too (attention_k_eq_v):
+    # no v_proj; V is the key projection before its norm and rotation.
+    full_keys_as_values: bool = False
+    # Gemma 4 (E2B, E4B): the last `kv_shared_layers` layers store no K/V of their own; each
+    # attends over the cache of the last earlier layer of its kind (windowed or full). With
+    # `shared_layers_double_mlp` (use_double_wide_mlp) their MLPs are twice as wide.
+    kv_shared_layers: int = 0
+    shared_layers_double_mlp: bool = False
+    # Gemma 4's per-layer embeddings (E2B, E4B): a second table gives each token a row of
+    # `per_layer_input_size` values for every layer, mixed with a projection of its embedding,
+    # which each layer gates into its output (model/per_layer_inputs.py). 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     def layer_window(self, index: int) -> int:
         """Layer `index`'s sliding window; 0: full attention."""
@@ -125,11 +143,45 @@ class ModelConfig:
         return self.num_local_experts > 0 and index >= self.leading_dense_layers
 
     def layer_mlp_width(self, index: int) -> int:
-        """Layer `index`'s MLP width: a leading dense layer's, else `intermediate_size` (one
-        expert's in a layer of experts)."""
+        """Layer `index`'s MLP width: a leading dense layer's, a KV-sharing layer's doubled
+        one (Gemma 4 E2B), else `intermediate_size` (one expert's in a layer of experts)."""
         if self.num_local_experts and index < self.leading_dense_layers:
             return self.dense_intermediate_size
+        if self.shared_layers_double_mlp and self.layer_kv_source(index) != index:
+            return 2 * self.intermediate_size
         return self.intermediate_size
+
+    def layer_is_full(self, index: int) -> bool:
+        """Whether layer `index` attends over the whole context (Gemma's full layers)."""
+        return self.layer_window(index) == 0
+
+    def layer_head_dim(self, index: int) -> int:
+        """Layer `index`'s head size (Gemma 4's full layers: their own)."""
+        if self.full_head_dim is not None and self.layer_is_full(index):
+            return self.full_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, index: int) -> int:
+        """Layer `index`'s kv heads (Gemma 4's full layers: their own)."""
+        if self.full_kv_heads is not None and self.layer_is_full(index):
+            return self.full_kv_heads
+        return self.num_key_value_heads
+
+    def layer_keys_as_values(self, index: int) -> bool:
+        """Whether layer `index`'s values are its keys (Gemma 4's attention_k_eq_v)."""
+        return self.full_keys_as_values and self.layer_is_full(index)
+
+    def layer_kv_source(self, index: int) -> int:
+        """The layer whose KV cache layer `index` reads: itself, or for one of the last
+        `kv_shared_layers` layers (Gemma 4 E2B, E4B) the last layer of its kind before them."""
+        first_shared = self.num_hidden_layers - self.kv_shared_layers
+        if index < first_shared:
+            return index
+        full = self.layer_is_full(index)
+        sources = [i for i in range(first_shared) if self.layer_is_full(i) == full]
+        if not sources:
+            raise ValueError(f"layer {index} shares the cache of no earlier layer of its kind")
+        return sources[-1]
 
     def layer_is_conv(self, index: int) -> bool:
         """Whether layer `index` is a short convolution (LFM2) rather than attention."""
@@ -150,8 +202,26 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """How many dimensions of each head RoPE turns: the width of the rotary tables."""
+        """How many dimensions of each head RoPE turns: the width of the rotary tables (of
+        the full layers' where their heads have a size of their own: Gemma 4)."""
+        return self.rotary_dim or self.full_head_dim or self.head_dim
+
+    @property
+    def local_rope_dim(self) -> int:
+        """The width of the second rotary tables (Gemma's windowed layers')."""
         return self.rotary_dim or self.head_dim
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer has the same attention shape and keeps its own K/V (what
+        the C++ layer ops, tensor parallelism and LoRA take for granted)."""
+        return (
+            self.full_head_dim in (None, self.head_dim)
+            and self.full_kv_heads in (None, self.num_key_value_heads)
+            and not self.full_keys_as_values
+            and not self.kv_shared_layers
+            and not self.per_layer_input_size
+        )
 
     @property
     def traits(self) -> FamilyTraits:

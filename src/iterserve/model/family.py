@@ -45,6 +45,10 @@ class FamilyTraits:
     # The shared expert's output scaled by a sigmoid of a learned row times the token
     # (Qwen2-MoE's shared_expert_gate; model/shared_expert.py).
     shared_expert_gate: bool = False
+    # V RMS-normed over each head, without a weight, before it is stored (Gemma 4).
+    value_norm: bool = False
+    # Each layer's output times a learned scalar of its own (`layer_scalar`, Gemma 4).
+    layer_scalar: bool = False
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -125,5 +129,19 @@ FAMILIES: dict[str, FamilyTraits] = {
         sandwich_norms=True,
         activation="gelu_tanh",
         embed_scale=True,
+    ),
+    # Gemma 4 (text): Gemma 3's layer with plain-weight norms (no 1 + w), a weightless norm on V,
+    # attention unscaled (its q/k norms set the scale), a learned scalar on each layer's
+    # output; its full layers have heads of their own size and count, keys that may serve as
+    # values, and RoPE over a quarter of each head ("proportional"); E2B and E4B add per-layer
+    # embeddings and layers that share earlier layers' K/V (ModelConfig's full_*, kv_shared_*,
+    # per_layer_* fields).
+    "gemma4": FamilyTraits(
+        qk_norm=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        embed_scale=True,
+        value_norm=True,
+        layer_scalar=True,
     ),
 }

@@ -47,11 +47,18 @@ def head_dim_of(cache: torch.Tensor) -> int:
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V one token occupies across all layers, in a pool of this dtype (an
-    LFM2 conv layer's one row of its convolution's input: model/short_conv.py)."""
-    row_bytes = row_width(config.head_dim, dtype) * dtype.itemsize
-    conv = sum(config.layer_is_conv(i) for i in range(config.num_hidden_layers))
-    attention = 2 * (config.num_hidden_layers - conv) * config.num_key_value_heads * row_bytes
-    return attention + conv * row_width(config.hidden_size, dtype) * dtype.itemsize
+    LFM2 conv layer's one row of its convolution's input: model/short_conv.py; none for a
+    layer that reads an earlier layer's: Gemma 4)."""
+    total = 0
+    for i in range(config.num_hidden_layers):
+        if config.layer_kv_source(i) != i:
+            continue
+        if config.layer_is_conv(i):
+            total += row_width(config.hidden_size, dtype) * dtype.itemsize
+        else:
+            row = row_width(config.layer_head_dim(i), dtype) * dtype.itemsize
+            total += 2 * config.layer_kv_heads(i) * row
+    return total
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:

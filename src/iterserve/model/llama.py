@@ -32,26 +32,19 @@ from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.lazy_weights import native_of, shape_of
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 from iterserve.model.moe import Routing, SparseMoeBlock
+from iterserve.model.norms import rms_norm
+from iterserve.model.per_layer_inputs import PerLayerInputs
 from iterserve.model.rope import apply_rope, no_rope_tables, query_temperature_scales, rope_tables
 from iterserve.model.score_head import SCORE_WEIGHT
 from iterserve.model.shared_expert import SharedExpert
 from iterserve.model.short_conv import ShortConv
 from iterserve.model.tensor_parallel import TensorParallel
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in fp32 like transformers, but without materialising an fp32 copy of x:
-    # vector_norm accumulates in fp32 in one pass, and scaling stays in x's dtype. On a
-    # 512-token bf16 prefill this is ~3x faster than the textbook form (and F.rms_norm, which
-    # is composite on CPU; measured once, no script); fp32 results are unchanged, bf16 differs by at most a rounding.
-    sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square_()
-    inv_rms = sum_sq.div_(x.shape[-1]).add_(eps).rsqrt_()
-    return (x * inv_rms.to(x.dtype)).mul_(weight)
+from iterserve.model.token_embedding import TokenEmbedding
 
 
 def _pre_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """A block's input norm; an empty weight: none (OLMo 2, FamilyTraits.pre_norms)."""
-    return x if weight.numel() == 0 else _rms_norm(x, weight, eps)
+    return x if weight.numel() == 0 else rms_norm(x, weight, eps)
 
 
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -73,6 +66,13 @@ _FUSED_IN_CHECKPOINT = {
     "qkv": ("self_attn.qkv_proj",),
     "gate_up": ("mlp.gate_up_proj",),
 }
+# Gemma 4's per-layer input gate and projection (model/per_layer_inputs.py).
+_PER_LAYER_INPUT = {
+    "per_layer_gate": ("per_layer_input_gate",),
+    "per_layer_proj": ("per_layer_projection",),
+}
+# This step's K and V of each layer that others read (Gemma 4's KV sharing), by layer index.
+StepKV = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 # Rotary table rows made at start (more as steps reach further: LlamaForCausalLM.cover_positions).
@@ -106,12 +106,18 @@ class _DecoderLayer(nn.Module):
     ) -> None:
         """`config` is this rank's share of the model under tensor parallelism (`tp`)."""
         super().__init__()
-        hidden, head_dim = config.hidden_size, config.head_dim
+        hidden, head_dim = config.hidden_size, config.layer_head_dim(index)
         self.index = index
         self.tp = tp
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = config.layer_kv_heads(index)
         self.head_dim = head_dim
+        # Gemma 4: a layer that reads an earlier layer's K/V (this step's, and its cache)
+        # rather than making its own, and one whose values are its keys before norm and rope.
+        self.kv_source = config.layer_kv_source(index)
+        self.shares_kv = self.kv_source != index
+        self.keys_as_values = config.layer_keys_as_values(index)
+        self.value_norm = config.traits.value_norm
         self.hidden_size = hidden
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
@@ -131,7 +137,11 @@ class _DecoderLayer(nn.Module):
         local = config.local_rope_theta is not None and self.sliding_window > 0
         self.second_rope = local or not config.layer_rotates(index)
         self.gelu = traits.activation == "gelu_tanh"
-        self.checkpoint_parts = _FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED
+        self.checkpoint_parts = dict(_FUSED_IN_CHECKPOINT if traits.fused_checkpoint else _FUSED)
+        if self.shares_kv or self.keys_as_values:  # q alone, or q and k (Gemma 4)
+            self.checkpoint_parts["qkv"] = _FUSED["qkv"][: 1 if self.shares_kv else 2]
+        if config.per_layer_input_size:
+            self.checkpoint_parts |= _PER_LAYER_INPUT
         like = {"dtype": dtype, "device": device}
         # LFM2's conv layers mix tokens by a short convolution (model/short_conv.py) and have
         # no attention: no q/k/v/o, q/k norms or biases.
@@ -159,7 +169,7 @@ class _DecoderLayer(nn.Module):
         # the same convention from the weight's shape).
         self.qk_norm = None
         if traits.qk_norm and attention:
-            shape = (self.num_heads + self.num_kv_heads, head_dim)
+            shape = (self.num_heads + (0 if self.shares_kv else self.num_kv_heads), head_dim)
             self.qk_norm = _weight(
                 *((math.prod(shape),) if traits.qk_norm_whole else shape), **like
             )
@@ -181,6 +191,15 @@ class _DecoderLayer(nn.Module):
         # Beside the experts, Qwen2-MoE's shared expert (model/shared_expert.py).
         self.shared_expert = (
             SharedExpert(config, dtype, device) if config.shared_expert_intermediate_size else None
+        )
+        # Gemma 4: the norm of what the per-layer input adds (model/per_layer_inputs.py), and
+        # the scalar the layer's output is multiplied by.
+        self.per_layer_norm = _weight(hidden, **like) if config.per_layer_input_size else None
+        self.layer_scalar = _weight(1, **like) if traits.layer_scalar else None
+        # Whether the C++ layer ops can run this layer at all: they take every layer to have
+        # the model's attention shape and its own K/V, and none of Gemma 4's extra parts.
+        self.fits_layer_ops = config.uniform_layers and not (
+            traits.value_norm or traits.layer_scalar
         )
         self.dtype = dtype
         self.linears: dict[str, Linear] = {}
@@ -206,7 +225,7 @@ class _DecoderLayer(nn.Module):
     ) -> None:
         """Make the projections' Linears from their checkpoint tensors (`part(name)`)."""
         prefix = f"model.layers.{self.index}."
-        biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
+        biases = {"qkv": self.qkv_bias, "o": self.o_bias}
         self.fused = None
         if self.moe is not None:
             self.moe.build(lambda name: part(prefix + name), backend, mode)
@@ -219,7 +238,7 @@ class _DecoderLayer(nn.Module):
                 continue
             self.linears[name] = Linear(
                 [part(f"{prefix}{p}.weight") for p in parts],
-                biases[name],
+                biases.get(name),
                 backend,
                 mode,
                 self.dtype,
@@ -240,7 +259,11 @@ class _DecoderLayer(nn.Module):
         if self.shared_expert is not None:
             tiled += self.shared_expert.linears()
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
-        fits_layer_op = self.head_dim % 32 == 0 and rope_tables[0].shape[1] % 32 == 0
+        fits_layer_op = (
+            self.fits_layer_ops
+            and self.head_dim % 32 == 0
+            and rope_tables[0].shape[1] % 32 == 0
+        )
         if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
             fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
@@ -298,12 +321,42 @@ class _DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
         step: torch.Tensor | None,
+        step_kv: StepKV | None = None,
+        per_layer_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`step_kv`: this step's K/V of the layers so far (Gemma 4's sharing layers read
+        their source's); `per_layer_input`: this layer's [T, size] (Gemma 4 E2B, E4B)."""
+        step_kv = {} if step_kv is None else step_kv
+        out = self._mixer_and_mlp(hidden, cos, signed_sin, kv_cache, slot_mapping, step, step_kv)
+        if per_layer_input is not None:
+            out = self._per_layer(out, per_layer_input)
+        if self.layer_scalar is not None:
+            out = out * self.layer_scalar
+        return out
+
+    def _per_layer(self, hidden: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """Gemma 4: h + norm(P (gelu(G h) * this layer's per-layer input))."""
+        gate = F.gelu(self.linears["per_layer_gate"](hidden), approximate="tanh")
+        added = self.linears["per_layer_proj"](gate.mul_(per_layer_input))
+        return rms_norm(added, self.per_layer_norm, self.eps).add_(hidden)
+
+    def _mixer_and_mlp(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        step: torch.Tensor | None,
+        step_kv: StepKV,
     ) -> torch.Tensor:
         linears = self.linears
         if self.conv is not None:
             hidden = self.conv(_pre_norm(hidden, self.input_norm, self.eps), hidden)
         else:
-            hidden = self._attention(hidden, (cos, signed_sin), kv_cache, slot_mapping, step)
+            hidden = self._attention(
+                hidden, (cos, signed_sin), kv_cache, slot_mapping, step, step_kv
+            )
         normed = _pre_norm(hidden, self.post_norm, self.eps)
         if self.moe is not None:
             if self.shared_expert is not None:  # refused under tensor parallelism
@@ -324,26 +377,39 @@ class _DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
         step: torch.Tensor | None,
+        step_kv: StepKV,
     ) -> torch.Tensor:
         """The residual stream after the attention block: norm, q/k/v, rope (the step's cos
         and signed sin rows), attend, o."""
         num_tokens = hidden.shape[0]
         linears = self.linears
         qkv = linears["qkv"](_pre_norm(hidden, self.input_norm, self.eps))
+        own_kv = 0 if self.shares_kv else self.kv_size
         # q and k share one rope call: they sit side by side in the fused projection.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk = qkv[:, : self.q_size + own_kv].view(num_tokens, -1, self.head_dim)
         if self.qk_norm is not None and self.qk_norm.dim() == 1:  # q whole, then k whole
             q_part, k_part = qk.flatten(1).split((self.q_size, self.kv_size), dim=1)
             weights = self.qk_norm.split((self.q_size, self.kv_size))
             qk = torch.cat(
-                [_rms_norm(x, w, self.eps) for x, w in zip((q_part, k_part), weights, strict=True)],
+                [rms_norm(x, w, self.eps) for x, w in zip((q_part, k_part), weights, strict=True)],
                 dim=1,
             ).view(qk.shape)
         elif self.qk_norm is not None:
-            qk = _rms_norm(qk, self.qk_norm, self.eps)
+            qk = rms_norm(qk, self.qk_norm, self.eps)
         qk = apply_rope(qk, *rope)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.shares_kv:
+            # The source layer's K/V of this step: storing them again into its cache (this
+            # layer's) writes the same bytes, and then every attention path reads as usual.
+            k, v = step_kv[self.kv_source]
+        else:
+            # Keys as values: the key projection as it left the matmul (norm and rope made
+            # new tensors).
+            v_start = self.q_size + (0 if self.keys_as_values else self.kv_size)
+            v = qkv[:, v_start : v_start + self.kv_size].view(num_tokens, -1, self.head_dim)
+            if self.value_norm:
+                v = rms_norm(v, None, self.eps)
+            step_kv[self.index] = (k, v)
         if step is not None:  # the C++ op: store K/V, attend every row, one call
             attn = self.kernel_ops.store_and_attend(
                 q,
@@ -375,7 +441,7 @@ class _DecoderLayer(nn.Module):
         if out_norm is None:
             return self._project_out(linear, x, residual)
         assert self.tp is None  # refused by tensor_parallel.check_shardable
-        return _rms_norm(linear(x), out_norm, self.eps).add_(residual)
+        return rms_norm(linear(x), out_norm, self.eps).add_(residual)
 
     def _project_out(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x @ W.T + residual. Under tensor parallelism W is split by input columns: each
@@ -449,6 +515,10 @@ class LlamaForCausalLM(nn.Module):
             _DecoderLayer(config, dtype, device, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm_weight = _weight(config.hidden_size, **like)
+        # Gemma 4 E2B/E4B's per-layer embeddings.
+        self.per_layer_inputs = (
+            PerLayerInputs(config, dtype, device) if config.per_layer_input_size else None
+        )
         self.device = device
         # The rotary tables cover the positions steps have reached so far and grow (doubling)
         # when a step goes past them: a row depends on its position alone, and tables for a
@@ -496,9 +566,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
-        if c.local_rope_theta is not None:  # Gemma 3's sliding layers: plain RoPE
+        if c.local_rope_theta is not None:  # Gemma 3's and 4's sliding layers: plain RoPE
             self.rope_second = rope_tables(
-                c.rope_dim, c.local_rope_theta, None, positions, self.dtype, self.device
+                c.local_rope_dim, c.local_rope_theta, None, positions, self.dtype, self.device
             )
         elif c.rope_layers is not None and not all(c.rope_layers):  # SmolLM3's NoPE layers
             self.rope_second = no_rope_tables(positions, self.dtype, self.device)
@@ -554,6 +624,8 @@ class LlamaForCausalLM(nn.Module):
         }
         if not c.tie_word_embeddings:
             targets["lm_head.weight"] = (None, vocab)
+        if self.per_layer_inputs is not None:
+            targets |= self.per_layer_inputs.targets()
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, _DecoderLayer)
             p = f"model.layers.{i}."
@@ -563,6 +635,7 @@ class LlamaForCausalLM(nn.Module):
                 targets |= _attention_targets(p, layer, c)
             targets |= _mlp_targets(p, layer, c)
             targets |= _norm_targets(p, layer, c)
+            targets |= _output_targets(p, layer, c)
         return targets
 
     def load(
@@ -602,6 +675,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
             layer.build(part, backend, mode, self._rope_of(layer))
+        if self.per_layer_inputs is not None:
+            self.per_layer_inputs.build(part, backend, mode)
         table = part("model.embed_tokens.weight")
         tied = self.config.tie_word_embeddings
         self.head = Linear(
@@ -624,12 +699,22 @@ class LlamaForCausalLM(nn.Module):
         weights: Mapping[str, torch.Tensor],
         targets: Mapping[str, tuple[torch.Tensor | None, tuple[int, ...]]],
     ) -> None:
+        # Gemma 4's checkpoints may keep K/V projections and norms for the layers that
+        # share an earlier layer's K/V, which never run (transformers skips them too).
+        unused = {
+            f"model.layers.{layer.index}.self_attn.{part}.weight"
+            for layer in self.layers
+            if isinstance(layer, _DecoderLayer) and layer.shares_kv
+            for part in ("k_proj", "v_proj", "k_norm")
+        }
+
         def ignorable(name: str) -> bool:
             # Old checkpoints store the rotary buffer; tied models' state_dict lists lm_head.
             return (
                 name.endswith("rotary_emb.inv_freq")
                 or (name == "lm_head.weight" and self.config.tie_word_embeddings)
                 or name == SCORE_WEIGHT  # read by `load` itself
+                or name in unused
             )
 
         missing = sorted(set(targets) - set(weights))
@@ -663,6 +748,8 @@ class LlamaForCausalLM(nn.Module):
                 linears.extend(layer.conv.linears())
         small = sum(p.numel() * p.element_size() for p in self.parameters())
         embedding = self.embedding.nbytes if self.embedding is not None else 0
+        if self.per_layer_inputs is not None:
+            embedding += self.per_layer_inputs.nbytes
         return sum(lin.nbytes for lin in linears) + embedding + small
 
     def use_kernel_ops(self, ops: Any) -> None:
@@ -727,6 +814,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        per_layer = None
+        if self.per_layer_inputs is not None:
+            per_layer = self.per_layer_inputs(input_ids, hidden)
         temperature = self.config.query_temperature  # Ministral 3's
         query_scales = None
         if temperature is not None:
@@ -751,6 +841,7 @@ class LlamaForCausalLM(nn.Module):
         second = rope
         if self.rope_second is not None:
             second = self._rope_rows(self.rope_second, positions, query_scales)
+        step_kv: StepKV = {}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # decoder_layer: a dense MLP, attention (LFM2's convolution is decoder_stack's)
             fused = layer.fused is not None and layer.moe is None and layer.conv is None
@@ -758,7 +849,8 @@ class LlamaForCausalLM(nn.Module):
                 hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step, query_scales)
                 continue
             cos, signed_sin = second if layer.second_rope else rope
-            hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step)
+            own = None if per_layer is None else per_layer[:, layer.index]
+            hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step, step_kv, own)
         return hidden
 
     def _stacked(self, kv_caches: KVCaches) -> tuple[Any, ...] | None:
@@ -835,7 +927,7 @@ class LlamaForCausalLM(nn.Module):
     def normed(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The final norm of the rows `indices` of `hidden_states`' output: what the LM head
         reads, and what an embedding pools."""
-        return _rms_norm(
+        return rms_norm(
             hidden.index_select(0, indices), self.norm_weight, self.config.stream_norm_eps
         )
 
@@ -863,6 +955,8 @@ def _attention_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets
     qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     if c.traits.fused_checkpoint:  # Phi-3: already [q; k; v]
         qkv_rows = {"qkv_proj": (0, q + 2 * kv)}
+    if layer.shares_kv or layer.keys_as_values:  # Gemma 4: q alone, or q and k
+        qkv_rows = dict(list(qkv_rows.items())[: 1 if layer.shares_kv else 2])
     targets: _Targets = {}
     for name, (lo, hi) in qkv_rows.items():
         targets[f"{p}self_attn.{name}.weight"] = (None, (hi - lo, c.hidden_size))
@@ -877,9 +971,24 @@ def _attention_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets
         targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:q], (q,))
         targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[q:], (kv,))
     elif layer.qk_norm is not None:  # each [head_dim] row, broadcast over its heads
-        heads = layer.num_heads
-        targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:heads], (c.head_dim,))
-        targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[heads:], (c.head_dim,))
+        heads, head = layer.num_heads, (layer.head_dim,)
+        targets[f"{p}self_attn.q_norm.weight"] = (layer.qk_norm[:heads], head)
+        if not layer.shares_kv:
+            targets[f"{p}self_attn.k_norm.weight"] = (layer.qk_norm[heads:], head)
+    return targets
+
+
+def _output_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
+    """What Gemma 4 adds to a layer's output: its per-layer input's gate, projection and
+    norm, and its scalar."""
+    targets: _Targets = {}
+    if layer.per_layer_norm is not None:
+        size = c.per_layer_input_size
+        targets[f"{p}per_layer_input_gate.weight"] = (None, (size, c.hidden_size))
+        targets[f"{p}per_layer_projection.weight"] = (None, (c.hidden_size, size))
+        targets[f"{p}post_per_layer_input_norm.weight"] = (layer.per_layer_norm, (c.hidden_size,))
+    if layer.layer_scalar is not None:
+        targets[f"{p}layer_scalar"] = (layer.layer_scalar, (1,))
     return targets
 
 
@@ -914,51 +1023,3 @@ def _norm_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
     else:
         targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, hidden)
     return targets
-
-
-class TokenEmbedding:
-    """Token ids -> hidden rows. A table the head shares (tied) or kept in its own tiles is
-    looked up there, the rows decoded as the kernels multiply them (csrc/repack.cpp's
-    dequantize_rows): a quantized or tied table is never also held dense. Otherwise (the
-    torch backend, or an untied dense table) a plain tensor."""
-
-    def __init__(
-        self,
-        table: WeightPart,
-        head: Linear | None,
-        backend: Backend,
-        mode: WeightMode,
-        dtype: torch.dtype,
-    ) -> None:
-        self.dense: torch.Tensor | None = None
-        self.tiles: Linear | None = None
-        self.own = False  # holds a table of its own (not the head's)
-        if head is not None and head.backend == "tiled" and len(head.segments) == 1:
-            self.tiles = head
-        elif backend == "tiled" and mode == "blocks" and table.blocks is not None:
-            self.tiles, self.own = Linear([table], None, backend, mode, dtype), True
-        if self.tiles is None or self.tiles.backend != "tiled":
-            self.tiles = None
-            shared = head.weight if head is not None else None
-            if shared is not None:
-                self.dense = shared
-            else:
-                self.dense, self.own = table.dense().to(dtype), True
-        self.hidden = table.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held for lookups alone (none where the head's weights serve)."""
-        if not self.own:
-            return 0
-        if self.dense is not None:
-            return self.dense.numel() * self.dense.element_size()
-        assert self.tiles is not None
-        return self.tiles.nbytes
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None:
-            return F.embedding(ids, self.dense)
-        assert self.tiles is not None
-        segments, codes, _ = self.tiles.kernel_args
-        return self.tiles.ops.dequantize_rows(segments[0], codes[0], self.hidden, ids, True)

@@ -58,6 +58,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text)
+    "Gemma4ForCausalLM": "gemma4",  # text only (model_type gemma4_text)
 }
 # The same networks saved without their LM head, as sentence-transformers saves an
 # embedding model (Qwen3-Embedding: Qwen3Model): weights named without `model.`, and the
@@ -89,6 +90,7 @@ _WINDOWED = (
     "phi3",
     "gemma2",
     "gemma3",
+    "gemma4",
     "gpt_oss",
     "olmo3",
     "exaone4",
@@ -183,11 +185,13 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
 # text): the vision tower and its projector are left in the file.
 _MULTIMODAL = (
     "Gemma3ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
 )
 _TEXT_MODELS = {
     "gemma3_text": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
+    "gemma4_text": "Gemma4ForCausalLM",  # Gemma 4 E2B, E4B, 31B
     "ministral3": "Ministral3ForCausalLM",  # Ministral 3 (3B, 8B, 14B)
     "mistral": "MistralForCausalLM",  # Mistral Small 3.1, 3.2
     # Qwen3-VL (2B-32B): Qwen3's layers rotated by M-RoPE, whose three position components
@@ -250,6 +254,7 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     gemma = _gemma_fields(architecture, raw, rope) if architecture in _GEMMA_WINDOW_PATTERN else {}
     experts = _hf_experts(architecture, raw)
     extra = _lfm2_fields(architecture, raw) | _granite4_fields(raw)
+    extra |= _gemma4_fields(architecture, raw, rope)
     extra |= _query_temperature(architecture, raw, rope)
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or hidden // heads
@@ -528,6 +533,54 @@ def _gemma_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) 
         "final_logit_softcapping": raw.get("final_logit_softcapping"),
         "query_pre_attn_scalar": raw.get("query_pre_attn_scalar"),
         "local_rope_theta": local_theta,
+    }
+
+
+# Gemma 4's config class: one full layer in six unless layer_types says, the full layers'
+# heads 512 wide.
+_GEMMA4_WINDOW_PATTERN = 6
+_GEMMA4_FULL_HEAD_DIM = 512
+
+
+def _gemma4_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's ModelConfig fields (family.py says what they are): the window pattern, the
+    full layers' head size and count, keys as values, KV sharing, per-layer embeddings, the
+    sliding layers' RoPE base, the logit soft-cap. Refuses its mixture of experts."""
+    if architecture != "gemma4":
+        return {}
+    if raw.get("enable_moe_block"):
+        raise ModelLoadError("Gemma 4 with a mixture of experts (26B-A4B) is not supported yet")
+    activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh" or raw.get("attention_bias"):
+        raise ModelLoadError(
+            f"gemma4 with hidden_activation {activation!r} or attention biases is not supported"
+        )
+    sliding = _sliding_layers("gemma4", raw, _GEMMA4_WINDOW_PATTERN)
+    sliding = (*sliding[:-1], False)  # its config class makes the last layer full
+    full_head_dim = raw.get("global_head_dim") or _GEMMA4_FULL_HEAD_DIM
+    keys_as_values = bool(raw.get("attention_k_eq_v", False))
+    full_kv_heads = raw.get("num_global_key_value_heads") if keys_as_values else None
+    # transformers 5 saves the full layers' shape per layer instead.
+    overrides = {int(i): o for i, o in (raw.get("per_layer_config") or {}).items()}
+    if overrides:
+        if any(sliding[i] for i in overrides) or len({str(o) for o in overrides.values()}) > 1:
+            raise ModelLoadError("gemma4 with per-layer shapes other than its full layers'")
+        first = next(iter(overrides.values()))
+        full_head_dim = first.get("head_dim", raw.get("head_dim"))
+        full_kv_heads = first.get("num_key_value_heads")
+    return {
+        "sliding_window_layers": sliding,
+        "final_logit_softcapping": raw.get("final_logit_softcapping"),
+        # Unscaled scores (its q and k norms set their scale): 1 ** -0.5.
+        "query_pre_attn_scalar": 1.0,
+        "local_rope_theta": _sliding_rope_theta("gemma4", rope, 10000.0),
+        "full_head_dim": full_head_dim,
+        "full_kv_heads": full_kv_heads,
+        "full_keys_as_values": keys_as_values,
+        "kv_shared_layers": raw.get("num_kv_shared_layers") or 0,
+        "shared_layers_double_mlp": bool(raw.get("use_double_wide_mlp", False)),
+        "per_layer_input_size": raw.get("hidden_size_per_layer_input") or 0,
+        "per_layer_vocab_size": raw.get("vocab_size_per_layer_input") or 0,
     }
 
 

@@ -43,6 +43,7 @@ SUPPORTED_ROPE_TYPES = (
     "longrope",
     "dynamic",
     "freq_factors",
+    "proportional",
 )
 # Variants whose rotation changes with the position beyond the original context.
 _POSITION_DEPENDENT = ("longrope", "dynamic")
@@ -168,6 +169,13 @@ def rope_inv_freq(
         return _llama3(inv_freq, scaling), 1.0
     if rope_type == "freq_factors":
         return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32), 1.0
+    if rope_type == "proportional":
+        # Gemma 4's full layers: the first partial_rotary_factor of the head's frequency
+        # pairs turn as a whole head's would, the rest not at all (frequency 0), so the
+        # unrotated dimensions sit in both halves of the head, not after the rotated ones.
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turning:] = 0.0
+        return inv_freq / scaling.get("factor", 1.0), 1.0
     if rope_type == "yarn":
         return _yarn(head_dim, theta, scaling, max_positions)
     if rope_type == "longrope":
@@ -265,7 +273,8 @@ def served_rope(
     check_rope_scaling(scaling)
     rope = {k: v for k, v in (scaling or {}).items() if k not in ("rope_theta", "type")}
     rope_type = rope["rope_type"] = rope_type_of(scaling)
-    rope.pop("partial_rotary_factor", None)
+    if rope_type != "proportional":  # a share of the head's frequencies, in the tables
+        rope.pop("partial_rotary_factor", None)
     if rope_type == "default":
         return None, max_positions
     if rope_type == "dynamic":

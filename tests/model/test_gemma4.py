@@ -1,0 +1,204 @@
+"""Gemma 4's language model against transformers: per-layer head sizes, keys as values, the
+norm of V, proportional RoPE, per-layer embeddings and layers that share earlier layers' K/V,
+on tiny random checkpoints written with transformers' own classes."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from iterserve import kernels
+from iterserve.engine.llm import LLM
+from iterserve.model.attention import allocate_kv_caches
+from iterserve.model.kv_cache_format import kv_bytes_per_token
+from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.loader import load_model
+from iterserve.sampling_params import SamplingParams
+from paged_runner import PagedRunner
+from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
+from tiny_families import SMALL_VOCAB, VOCAB
+
+ROPE = {
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1e6,
+    },
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
+SLIDING, FULL = "sliding_attention", "full_attention"
+SHAPES = {
+    # E2B's parts: one kv head, per-layer embeddings, the last two layers reading the K/V of
+    # the last earlier layer of their kind (2 and 1), their MLPs twice as wide.
+    "e2b": dict(
+        num_hidden_layers=5,
+        num_key_value_heads=1,
+        layer_types=[SLIDING, FULL, SLIDING, SLIDING, FULL],
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB,
+        tie_word_embeddings=True,
+    ),
+    # 31B's: full layers with fewer kv heads of their own whose keys are their values.
+    "31b": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=[SLIDING, FULL, SLIDING, FULL],
+        hidden_size_per_layer_input=0,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def gemma4_model(
+    shape: str, vocab_size: int = VOCAB, **overrides: object
+) -> transformers.PreTrainedModel:
+    hf = tiny_hf_model(
+        "gemma4",
+        vocab_size=vocab_size,
+        weight_std=0.15,
+        hidden_size=128,
+        intermediate_size=192,
+        num_attention_heads=4,
+        head_dim=32,
+        global_head_dim=64,
+        sliding_window=24,
+        rope_parameters=ROPE,
+        final_logit_softcapping=15.0,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **{**SHAPES[shape], **overrides},
+    )
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a buffer transformers leaves at one
+        for layer in hf.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5, generator=generator)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def gemma4(request: pytest.FixtureRequest) -> tuple[str, transformers.PreTrainedModel]:
+    return request.param, gemma4_model(request.param)
+
+
+def test_the_config_reads_the_layers_shapes(
+    gemma4: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    name, hf = gemma4
+    config = load_model(save_checkpoint(hf, tmp_path, tokenizer_dir), torch.float32).config
+    assert config.architecture == "gemma4"
+    assert [config.layer_head_dim(i) for i in range(config.num_hidden_layers)][:2] == [32, 64]
+    if name == "e2b":
+        assert [config.layer_kv_source(i) for i in range(5)] == [0, 1, 2, 2, 1]
+        assert [config.layer_mlp_width(i) for i in range(5)] == [192, 192, 192, 384, 384]
+        # Layers 3 and 4 hold no K/V of their own: the pool's bytes a token are layers 0-2's.
+        assert kv_bytes_per_token(config, torch.bfloat16) == 2 * 2 * (32 + 64 + 32)
+        caches = allocate_kv_caches(config, 4, 8, torch.bfloat16, torch.device("cpu"))
+        assert caches[3] is caches[2] and caches[4] is caches[1]
+    else:
+        assert [config.layer_kv_heads(i) for i in range(4)] == [2, 1, 2, 1]
+        assert [config.layer_keys_as_values(i) for i in range(4)] == [False, True, False, True]
+
+
+def test_logits_match_transformers_through_chunks_and_decodes(
+    gemma4: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Chunked prefill over cached prefixes, past the window, mixed with decodes, in fp32."""
+    _, hf = gemma4
+    loaded = load_model(save_checkpoint(hf, tmp_path, tokenizer_dir), torch.float32)
+    ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
+    ours.load_weights(loaded.weights)
+    rng = random.Random(3)
+    seqs = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate((90, 20))}
+    runner = PagedRunner(ours, block_size=8, num_blocks=64)
+    for seq, tokens in seqs.items():
+        runner.add(seq, tokens)
+    got: dict[str, list[torch.Tensor]] = {seq: [] for seq in seqs}
+    for plan in ([("s0", 30), ("s1", 12)], [("s1", 1), ("s0", 45)], [("s1", 1), ("s0", 15)]):
+        for seq, logits in runner.step(plan).items():
+            got[seq].append(logits)
+    for seq, tokens in seqs.items():
+        computed = runner.computed[seq]
+        ref = hf_token_by_token(hf, tokens[:computed], prompt=min(computed, 40))
+        torch.testing.assert_close(torch.cat(got[seq]), ref, atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def _greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_engine_greedy_matches_transformers_through_preemption_and_ngram_speculation(
+    compiled: bool, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """E2B's parts in the engine: a pool too small for every output (preemption, prompts
+    recomputed), prompt-lookup drafts verified several rows a step, the layer stack eager and
+    compiled: transformers' tokens one at a time."""
+    hf = gemma4_model("e2b", vocab_size=SMALL_VOCAB, vocab_size_per_layer_input=SMALL_VOCAB)
+    directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
+    rng = random.Random(6)
+    prompts = []
+    for n in (5, 6, 7):
+        phrase = [rng.randrange(3, SMALL_VOCAB) for _ in range(n)]
+        prompts.append(phrase * 3 + phrase[:2])  # ends as the phrase begins: a draft
+    expected = [_greedy(hf, p, 16) for p in prompts]
+    llm = LLM(
+        str(directory),
+        dtype="float32",
+        compile=compiled,
+        block_size=4,
+        num_kv_blocks=14,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+@pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
+def test_tiled_kernels_keep_the_eager_greedy_tokens(
+    gemma4: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """bf16 tiled projections and the paged attention op, layer by layer (Gemma 4's layers
+    are not the fused layer op's), against bf16 eager torch."""
+    _, hf = gemma4
+    directory = save_checkpoint(hf, tmp_path, tokenizer_dir)
+    loaded = load_model(directory, torch.float32)
+    rng = random.Random(5)
+    tokens = [rng.randrange(VOCAB) for _ in range(100)]
+    rows = {}
+    for fast in (False, True):
+        model = LlamaForCausalLM(loaded.config, torch.bfloat16, torch.device("cpu"))
+        model.load(loaded.weights, "tiled" if fast else "torch")
+        assert not model.fused_layers
+        runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=fast)
+        runner.add("s", tokens)
+        out = [runner.step([("s", n)])["s"] for n in (40, 30)]
+        out += [runner.step([("s", 1)])["s"] for _ in range(30)]
+        rows[fast] = torch.cat(out).float()
+    ref, got = rows[False], rows[True]
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()
+    assert int(clear.sum()) >= 0.3 * len(ref)
+    assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
