@@ -42,6 +42,12 @@ _GEMMA_BLOCK = {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
+    # Gemma 4's per-layer input (gguf-py's PER_LAYER_INP_GATE, PER_LAYER_PROJ,
+    # PER_LAYER_POST_NORM) and layer scalar (LAYER_OUT_SCALE)
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+    "layer_scalar": "layer_output_scale",
 }
 # gpt-oss: the sinks, the norm before the MLP (ATTN_POST_NORM), the router and the expert
 # stacks as _gpt_oss_state names them.
@@ -94,6 +100,10 @@ _TOP = {
     "model.norm": "output_norm",
     "lm_head": "output",
     "score": "cls.output",  # a reranker's classifier (CLS_OUT)
+    # Gemma 4's per-layer embeddings
+    "model.embed_tokens_per_layer": "per_layer_token_embd",
+    "model.per_layer_model_projection": "per_layer_model_proj",
+    "model.per_layer_projection_norm": "per_layer_proj_norm",
 }
 
 
@@ -182,6 +192,9 @@ def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = No
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
+    if config.model_type == "gemma4_text":
+        _add_gemma4_shape(writer, config)
+        return
     lfm2 = config.model_type in ("lfm2", "lfm2_moe")
     # LFM2: the MLP's width as its config class makes it, no kv heads on the conv layers
     # (llama.cpp's converter's way of marking them) and their width in tokens.
@@ -207,6 +220,49 @@ def add_shape(writer: GGUFWriter, config: Any, rope_freq_base: float | None = No
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_leading_dense_block_count(config.num_dense_layers)
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+
+
+def _add_gemma4_shape(writer: GGUFWriter, config: Any) -> None:
+    """Gemma 4's hyperparameters as llama.cpp's converter writes them: the full layers' head
+    size as key_length (and the rope's), the windowed ones' as *_swa, kv heads and MLP widths
+    a layer, the full layers' base as freq_base (their proportional share: a rope_freqs
+    tensor, written by the caller)."""
+    layers = config.num_hidden_layers
+    sliding = [t == "sliding_attention" for t in config.layer_types]
+    full = config.per_layer_config[sliding.index(False)]
+    local = config.per_layer_config[sliding.index(True)]
+    shared = config.num_kv_shared_layers
+    width = config.intermediate_size
+    double = config.use_double_wide_mlp
+    widths = [width * (2 if double and i >= layers - shared else 1) for i in range(layers)]
+    writer.add_feed_forward_length(widths)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(
+        [local.num_key_value_heads if s else full.num_key_value_heads for s in sliding]
+    )
+    writer.add_key_length(full.head_dim)
+    writer.add_value_length(full.head_dim)
+    writer.add_key_length_swa(local.head_dim)
+    writer.add_value_length_swa(local.head_dim)
+    writer.add_rope_dimension_count(full.head_dim)
+    writer.add_rope_dimension_count_swa(local.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
+def gemma4_rope_freqs(config: Any) -> np.ndarray:
+    """llama.cpp's converter's rope_freqs for Gemma 4's full layers: 1 for the frequencies
+    its proportional RoPE turns, 1e30 (none) for the rest."""
+    rope = config.rope_parameters["full_attention"]
+    half = config.per_layer_config[config.layer_types.index("full_attention")].head_dim // 2
+    turning = int(rope["partial_rotary_factor"] * half)
+    return np.array([1.0] * turning + [1e30] * (half - turning), dtype=np.float32)
 
 
 # GGUF types the gguf package quantizes (real blocks of real weights); the others get random
@@ -312,6 +368,8 @@ def write_gguf(
         block = {**_BLOCK, **_LFM2_BLOCK, **_LFM2_MOE_BLOCK}
         state = _lfm2_moe_state(state)
     for name, tensor in state.items():
+        if name.endswith(".layer_scalar"):  # Gemma 4's buffer, a weight in llama.cpp's files
+            name += ".weight"
         stem, suffix = name.rsplit(".", 1)
         layer, _, module = stem.removeprefix("model.layers.").partition(".")
         gguf_name = (
@@ -320,7 +378,7 @@ def write_gguf(
         array = tensor.float().numpy()
         if module == "conv.conv":  # the converter squeezes nn.Conv1d's [hidden, 1, kernel]
             array = array.squeeze(1)
-        if arch.startswith("gemma") and stem.endswith("norm"):
+        if arch in ("gemma2", "gemma3") and stem.endswith("norm"):
             array = array + 1  # convert_hf_to_gguf.py stores Gemma's (1 + w) norm scales
         permuted = arch in ("llama", "mistral3", "smollm3", "granite", "granitemoe")
         if permuted and module in ("self_attn.q_proj", "self_attn.k_proj"):

@@ -4,12 +4,14 @@ on tiny random checkpoints written with transformers' own classes."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 
 from iterserve import kernels
 from iterserve.engine.llm import LLM
@@ -21,6 +23,7 @@ from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
 from tiny_families import SMALL_VOCAB, VOCAB
+from tiny_gguf import gemma4_rope_freqs, write_gguf
 
 ROPE = {
     "full_attention": {
@@ -40,7 +43,7 @@ SHAPES = {
         layer_types=[SLIDING, FULL, SLIDING, SLIDING, FULL],
         num_kv_shared_layers=2,
         use_double_wide_mlp=True,
-        hidden_size_per_layer_input=16,
+        hidden_size_per_layer_input=32,
         vocab_size_per_layer_input=VOCAB,
         tie_word_embeddings=True,
     ),
@@ -202,3 +205,51 @@ def test_tiled_kernels_keep_the_eager_greedy_tokens(
     assert int(clear.sum()) >= 0.3 * len(ref)
     assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_gguf_reads_as_its_hf_checkpoint(
+    gemma4: tuple[str, transformers.PreTrainedModel],
+    qtype: str,
+    tmp_path: Path,
+    tokenizer_dir: Path,
+) -> None:
+    """A GGUF written as llama.cpp's converter writes Gemma 4 (the full layers' head size as
+    key_length, the windowed ones' as key_length_swa, kv heads and MLP widths a layer, the
+    proportional RoPE as a rope_freqs tensor, the per-layer tensors under llama.cpp's names;
+    no v projection where keys are values) gives the config of its HF directory and, against
+    transformers over the weights it holds (Q8_0: their dequantized values), its logits."""
+    name, hf = gemma4
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    path = tmp_path / f"tiny.{qtype}.gguf"
+    write_gguf(
+        path,
+        "gemma4",
+        hf,
+        tokenizer,
+        qtype=GGMLQuantizationType[qtype],
+        rope_tensors={"rope_freqs": gemma4_rope_freqs(hf.config)},
+    )
+    loaded = load_model(path, torch.float32)
+    hf_config = load_model(save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)).config
+    # GGUF says RoPE's share by frequency divisors, HF by a proportion: the same rotation.
+    assert dataclasses.replace(loaded.config, rope_scaling=None, eos_token_ids=()) == (
+        dataclasses.replace(hf_config, rope_scaling=None, eos_token_ids=())
+    )
+    reference = hf
+    if qtype == "Q8_0":
+        reference = gemma4_model(name)
+        state = {n: loaded.weights[n] for n in loaded.weights}
+        missing = reference.load_state_dict(state, strict=False).missing_keys
+        assert missing in ([], ["lm_head.weight"])
+    ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
+    ours.load_weights(loaded.weights)
+    tokens = [random.Random(7).randrange(VOCAB) for _ in range(60)]
+    runner = PagedRunner(ours, block_size=8, num_blocks=32)
+    runner.add("s", tokens)
+    got = torch.cat(
+        [runner.step([("s", 40)])["s"], *(runner.step([("s", 1)])["s"] for _ in range(20))]
+    )
+    torch.testing.assert_close(
+        got, hf_token_by_token(reference, tokens, prompt=40), atol=1e-4, rtol=0
+    )

@@ -58,6 +58,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "lfm2moe": "lfm2_moe",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "gemma4": "gemma4",  # its language model (the vision and audio towers: an mmproj)
     "gpt-oss": "gpt_oss",
 }
 # Tensors that are rope parameters, not weights: Llama 3's per-frequency divisors and Phi-3's
@@ -68,7 +69,7 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 _GGUF_ROPE_SCALING = ("none", "linear", "yarn")
 # Architectures whose attention.sliding_window is read (Gemma's per layer, see _gemma_fields;
 # OLMo 3's, written as olmo2, see _olmo3_fields; EXAONE 4.0's, _exaone4_fields).
-_WINDOWED = ("phi3", "gemma2", "gemma3", "gpt-oss", "olmo2", "exaone4")
+_WINDOWED = ("phi3", "gemma2", "gemma3", "gemma4", "gpt-oss", "olmo2", "exaone4")
 _YARN_UNMODELLED = ("yarn_ext_factor", "attn_factor")
 
 _GLOBAL_NAMES = {
@@ -77,6 +78,10 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
     "cls.output": "score",  # a reranker's classifier (model/score_head.py)
     "token_embd_norm": "model.norm",  # LFM2's final norm (HF's embedding_norm)
+    # Gemma 4's per-layer embeddings (model/per_layer_inputs.py)
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -124,7 +129,14 @@ _GEMMA_BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # Gemma 4's per-layer input gate, projection and norm
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
 }
+# Gemma 4's layer scalar: llama.cpp's blk.N.layer_output_scale.weight, HF's buffer
+# model.layers.N.layer_scalar (no .weight).
+_LAYER_SCALE = "layer_output_scale"
 # llama.cpp's Gemma layouts: every n-th layer attends fully (its set_swa_pattern), and the
 # sliding layers of Gemma 3 rotate with a plain base of 10000 unless the file says otherwise.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -483,13 +495,20 @@ def gguf_model_config(
     heads = key("attention.head_count")
     head_dim = key("attention.key_length", hidden // heads)
     experts = metadata.get(f"{arch}.expert_count", 0)
+    gemma4 = _gemma4_fields(metadata, tensors, key("block_count")) if arch == "gemma4" else {}
     _refuse_unsupported(metadata, tensors, arch, head_dim, experts)
-    rotary_dim = _gguf_rotary_dim(metadata.get(f"{arch}.rope.dimension_count"), head_dim)
+    rotary_dim = None
+    if not gemma4:  # Gemma 4's: each kind of layer's whole heads (checked there)
+        rotary_dim = _gguf_rotary_dim(metadata.get(f"{arch}.rope.dimension_count"), head_dim)
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     if arch == "gpt-oss":  # both of Harmony's ends of a turn, as llama.cpp finds them: by text
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         eos_ids += [i for i, token in enumerate(tokens) if token in _HARMONY_END_TOKENS]
-    kv_heads, attends = _kv_heads(metadata, arch, key("attention.head_count_kv", heads))
+    if gemma4:
+        kv_heads, attends = gemma4.pop("num_key_value_heads"), None
+        head_dim = gemma4.pop("head_dim")
+    else:
+        kv_heads, attends = _kv_heads(metadata, arch, key("attention.head_count_kv", heads))
     lfm2 = _lfm2_fields(metadata, arch, attends) if arch in _LFM2_ARCHITECTURES else {}
     if arch == "lfm2moe":
         lfm2 |= _lfm2_moe_fields(metadata, tensors)
@@ -507,7 +526,8 @@ def gguf_model_config(
         hidden_size=hidden,
         # Qwen3-MoE's feed_forward_length is a dense MLP's width, which no layer has
         # (LFM2-MoE's leading dense layers' only).
-        intermediate_size=key(
+        intermediate_size=gemma4.pop("intermediate_size", None)
+        or key(
             "expert_feed_forward_length"
             if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "lfm2moe")
             else "feed_forward_length"
@@ -550,6 +570,7 @@ def gguf_model_config(
             else 0
         ),
         **gemma,
+        **gemma4,
         **lfm2,
     )
 
@@ -695,6 +716,60 @@ def _gemma_fields(
     }
 
 
+def _gemma4_fields(
+    metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo], layers: int
+) -> dict[str, Any]:
+    """Gemma 4 as llama.cpp's converter writes it: the full layers' head size in key_length
+    and the windowed ones' in key_length_swa (RoPE over each whole; the full layers' "proportional"
+    share by the rope_freqs tensor), kv heads and MLP widths a layer, the
+    shared layers' count, the per-layer embeddings' width; keys as values where a full layer
+    has no attn_v. The windowed layers' head size, kv heads and MLP width come back as
+    head_dim, num_key_value_heads and intermediate_size."""
+    full_head_dim = int(metadata["gemma4.attention.key_length"])
+    head_dim = int(metadata.get("gemma4.attention.key_length_swa", full_head_dim))
+    for rope_key, dim in (("dimension_count", full_head_dim), ("dimension_count_swa", head_dim)):
+        if int(metadata.get(f"gemma4.rope.{rope_key}", dim)) != dim:
+            raise ModelLoadError(f"GGUF gemma4 with rope over part of its heads ({rope_key})")
+    sliding = _sliding_layers(metadata, "gemma4", layers, 6)
+    shared = int(metadata.get("gemma4.attention.shared_kv_layers", 0))
+
+    def per_layer(name: str) -> list[int]:
+        value = metadata[f"gemma4.{name}"]
+        return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
+
+    kv = per_layer("attention.head_count_kv")
+    kinds = [{kv[i] for i in range(layers) if sliding[i] == s} for s in (True, False)]
+    widths = per_layer("feed_forward_length")
+    double = widths[-1] == 2 * widths[0] and shared > 0
+    expected = [widths[0] * (2 if double and i >= layers - shared else 1) for i in range(layers)]
+    if any(len(k) > 1 for k in kinds) or widths != expected:
+        raise ModelLoadError(
+            f"GGUF gemma4 with kv heads {kv} and MLP widths {widths} a layer: each kind of "
+            "layer's alike (and the shared layers' MLPs twice as wide) is supported"
+        )
+    full = [i for i in range(layers - shared) if not sliding[i]]
+    kv_heads = min(kinds[0] or kinds[1])
+    full_kv_heads = min(kinds[1]) if kinds[1] else kv_heads
+    per_layer_size = int(metadata.get("gemma4.embedding_length_per_layer_input", 0))
+    table = tensors.get("per_layer_token_embd.weight")
+    return {
+        "head_dim": head_dim,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": widths[0],
+        "sliding_window_layers": sliding,
+        "final_logit_softcapping": metadata.get("gemma4.final_logit_softcapping"),
+        "query_pre_attn_scalar": 1.0,  # unscaled scores, as llama.cpp's f_attention_scale
+        "local_rope_theta": float(metadata.get("gemma4.rope.freq_base_swa", 10000.0)),
+        "full_head_dim": full_head_dim,
+        "full_kv_heads": None if full_kv_heads == kv_heads else full_kv_heads,
+        "full_keys_as_values": bool(full) and f"blk.{full[0]}.attn_v.weight" not in tensors,
+        "kv_shared_layers": shared,
+        "shared_layers_double_mlp": double,
+        "per_layer_input_size": per_layer_size,
+        "per_layer_vocab_size": table.shape[0] if per_layer_size and table else 0,
+    }
+
+
 def _sliding_layers(
     metadata: dict[str, Any], arch: str, layers: int, default: int
 ) -> tuple[bool, ...]:
@@ -731,6 +806,8 @@ def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
         return f"model.layers.{match[1]}.{selection}"
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == "attn_sinks":
         return f"model.layers.{match[1]}.self_attn.sinks"
+    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == _LAYER_SCALE:
+        return f"model.layers.{match[1]}.layer_scalar"
     if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] in names:
         module = names[match[2]]
         if gguf_arch == "phi3" and match[2] == "ffn_up":  # Phi-3's fused gate and up

@@ -568,6 +568,9 @@ def _gemma4_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any])
         first = next(iter(overrides.values()))
         full_head_dim = first.get("head_dim", raw.get("head_dim"))
         full_kv_heads = first.get("num_key_value_heads")
+    if full_kv_heads == raw.get("num_key_value_heads"):
+        full_kv_heads = None  # as every layer's
+    per_layer = raw.get("hidden_size_per_layer_input") or 0
     return {
         "sliding_window_layers": sliding,
         "final_logit_softcapping": raw.get("final_logit_softcapping"),
@@ -579,8 +582,8 @@ def _gemma4_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any])
         "full_keys_as_values": keys_as_values,
         "kv_shared_layers": raw.get("num_kv_shared_layers") or 0,
         "shared_layers_double_mlp": bool(raw.get("use_double_wide_mlp", False)),
-        "per_layer_input_size": raw.get("hidden_size_per_layer_input") or 0,
-        "per_layer_vocab_size": raw.get("vocab_size_per_layer_input") or 0,
+        "per_layer_input_size": per_layer,
+        "per_layer_vocab_size": (raw.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
     }
 
 
