@@ -298,3 +298,38 @@ def test_a_ministral3_body_reads_its_yarn_and_temperature(tmp_path: Path) -> Non
     assert config.architecture == "ministral3" and config.query_temperature == (0.1, 128)
     assert config.rope_scaling is not None and config.rope_scaling["mscale_all_dim"] == 1.0
     assert PRESETS["ministral3-3b"].attn_temperature == 0.1
+
+
+def test_a_gemma4_body_loads_its_layers_shapes_and_per_layer_embeddings(tmp_path: Path) -> None:
+    """Gemma 4 as llama.cpp's converter writes it (full layers' heads of their own size,
+    K/V read from earlier layers, per-layer embeddings, proportional RoPE as rope_freqs): the
+    loader's config, and a decode step reading one row of the per-layer table."""
+    shape = dataclasses.replace(
+        PRESETS["tiny"],
+        arch="gemma4",
+        layers=5,
+        qk_norm=True,
+        sliding_window=32,
+        rope_local_theta=10000.0,
+        full_every=2,
+        full_head_dim=32,
+        full_kv_heads=1,
+        keys_as_values=True,
+        kv_shared=2,
+        double_mlp=True,
+        per_layer_input=32,
+    )
+    path = write_shaped_gguf(tmp_path / "gemma4.gguf", shape)
+    loaded = load_gguf(path, torch.float32)
+    config = loaded.config
+    assert config.architecture == "gemma4" and config.per_layer_input_size == 32
+    assert [config.layer_head_dim(i) for i in range(5)] == [16, 32, 16, 32, 16]
+    assert [config.layer_kv_source(i) for i in range(5)] == [0, 1, 2, 1, 2]
+    assert [config.layer_mlp_width(i) for i in range(5)] == [128, 128, 128, 256, 256]
+    assert config.full_keys_as_values and config.full_kv_heads == 1
+    scales = config.rope_scaling["freq_factors"]  # type: ignore[index]
+    assert scales[:4] == [1.0] * 4 and min(scales[4:]) > 1e29
+    specs = tensor_specs(shape, 49152)
+    table = next(spec for spec in specs if spec.name == "per_layer_token_embd.weight")
+    assert decode_bytes_per_token(path) == sum(spec.nbytes for spec in specs) - table.nbytes
+    assert q4_k_m_types(table, shape) == "Q6_K"

@@ -21,7 +21,7 @@ from iterserve.chat.reasoning_parsers import (
     ThinkTagParser,
     select_reasoning_parser,
 )
-from iterserve.chat.reasoning_parsers.think_tags import ThinkTagReader
+from iterserve.chat.reasoning_parsers.think_tags import Gemma4ThoughtParser, ThinkTagReader
 from iterserve.chat.tool_parsers import ParsedCall
 from iterserve.chat.tool_parsers.hermes import HermesToolParser
 from iterserve.chat.tools import ToolPlan
@@ -35,8 +35,12 @@ QWEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 QWEN_OFF_PROMPT = QWEN_PROMPT + "<think>\n\n</think>\n\n"  # enable_thinking false
 R1_PROMPT = "<｜User｜>Hi<｜Assistant｜><think>\n"
 UNMARKED_PROMPT = "User: Hi\nAssistant:"
+GEMMA4_PROMPT = "<|turn>user\nHi<turn|>\n<|turn>model\n"
+GEMMA4_OFF_PROMPT = GEMMA4_PROMPT + "<|channel>thought\n<channel|>"  # enable_thinking false
+GEMMA4_TEMPLATE = Path(__file__).parents[1] / "server" / "chat_templates" / "gemma_4_31b_it.jinja"
 
 QWEN3, R1 = ThinkTagParser("qwen3"), ThinkTagParser("deepseek_r1")
+GEMMA4 = Gemma4ThoughtParser("gemma4")
 # (parser, prompt, answer, reasoning, content)
 ANSWERS: list[tuple[ThinkTagParser, str, str, str | None, str]] = [
     (
@@ -64,6 +68,17 @@ ANSWERS: list[tuple[ThinkTagParser, str, str, str | None, str]] = [
     (R1, UNMARKED_PROMPT, "Sunny.", None, "Sunny."),
     (QWEN3, UNMARKED_PROMPT, "Plain.", None, "Plain."),
     (R1, QWEN_OFF_PROMPT, "Off.", None, "Off."),
+    # Gemma 4's thought channel: opened by the model, closed by the prompt when off.
+    (
+        GEMMA4,
+        GEMMA4_PROMPT,
+        "<|channel>thought\nThe user greets me.\n<channel|>Hello!",
+        "The user greets me.",
+        "Hello!",
+    ),
+    (GEMMA4, GEMMA4_PROMPT, "Hello!", None, "Hello!"),
+    (GEMMA4, GEMMA4_PROMPT, "<|channel>thought\nCut by max_tokens", "Cut by max_tokens", ""),
+    (GEMMA4, GEMMA4_OFF_PROMPT, "Hello!", None, "Hello!"),
 ]
 
 
@@ -328,3 +343,27 @@ def test_streamed_answers_reassemble_to_the_whole(text: str) -> None:
 def test_a_reader_of_a_closed_prompt_reads_content_only() -> None:
     reader = ThinkTagReader(ThinkingStart.CLOSED)
     assert reader.scan("<think>", final=False).reasoning is None
+
+
+def test_gemma4s_template_picks_its_parser_and_says_where_answers_start(
+    tokenizer_dir: Path,
+) -> None:
+    """Gemma 4's real template: `auto` reads its thought channel; with `enable_thinking` the
+    model opens the channel, without it the generation prompt closes an empty one; the switch
+    is found."""
+    text = GEMMA4_TEMPLATE.read_text()
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    special = ["<|channel>", "<channel|>", "<|turn>", "<turn|>", "<|think|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.chat_template = text
+    chat = [{"role": "user", "content": "Hi"}]
+    on = render_chat(tokenizer, text, chat, True, {"enable_thinking": True}).text
+    off = render_chat(tokenizer, text, chat, True, {"enable_thinking": False}).text
+    assert (GEMMA4.start_of(on), GEMMA4.start_of(off)) == (
+        ThinkingStart.MAY_OPEN,
+        ThinkingStart.CLOSED,
+    )
+    support = ReasoningSupport.for_model("auto", tokenizer, text)
+    assert support is not None and support.parser.name == "gemma4"
+    assert support.switch == "enable_thinking" and support.markers_are_special
+    assert support.open_id == tokenizer.convert_tokens_to_ids("<|channel>")

@@ -17,6 +17,7 @@ import pytest
 
 from iterserve.chat.tool_parsers import TOOL_PARSERS, ToolParser, select_tool_parser
 from iterserve.chat.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from iterserve.chat.tool_parsers.gemma4 import Gemma4ToolParser
 from iterserve.chat.tool_parsers.json_list import GraniteToolParser, Phi4MiniJsonToolParser
 from iterserve.chat.tool_parsers.mistral import MistralToolParser
 from iterserve.chat.tool_parsers.python_literals import NotALiteral, literal_text, parse_literal
@@ -36,6 +37,7 @@ TEMPLATE_PARSERS = {
     "deepseek_r1_distill_qwen_32b.jinja": "deepseek_v3",
     "deepseek_v3_1.jinja": "deepseek_v31",
     "granite_3_3_2b_instruct.jinja": "granite",
+    "gemma_4_31b_it.jinja": "gemma4",
 }
 
 PARIS = {"city": "Paris", "unit": "celsius"}
@@ -192,6 +194,37 @@ ANSWERS: list[tuple[ToolParser, str, str | None, list[tuple[str, dict[str, Any]]
         [("get_weather", PARIS), ("get_time", UTC)],
     ),
     (Phi4MiniJsonToolParser(), "The functools module has lru_cache.", None, []),
+    # Gemma 4: a block a call, its arguments in Gemma's notation (strings between <|"|>).
+    (
+        Gemma4ToolParser(),
+        'Checking.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}'
+        '<tool_call|><|tool_call>call:get_time{tz:<|"|>UTC<|"|>}<tool_call|>',
+        "Checking.",
+        [("get_weather", PARIS), ("get_time", UTC)],
+    ),
+    (
+        Gemma4ToolParser(),
+        '<|tool_call>call:get_weather{city:<|"|>a "quoted", {braced} name<|"|>, days: -2,'
+        ' hours:[1.5,null], flags:{raw:true,<|"|>odd key<|"|>:false}}<tool_call|>',
+        None,
+        [
+            (
+                "get_weather",
+                {
+                    "city": 'a "quoted", {braced} name',
+                    "days": -2,
+                    "hours": [1.5, None],
+                    "flags": {"raw": True, "odd key": False},
+                },
+            )
+        ],
+    ),
+    # The closing marker taken by a stop: a whole call still; a cut one is content.
+    (Gemma4ToolParser(), '<|tool_call>call:get_time{tz:<|"|>UTC<|"|>}', None, [("get_time", UTC)]),
+    (Gemma4ToolParser(), '<|tool_call>call:get_time{tz:<|"|>UT', None, []),
+    (Gemma4ToolParser(), "<|tool_call>call:get_time{tz:UTC}<tool_call|>", None, []),  # unquoted
+    (Gemma4ToolParser(), "<|tool_call>get_time{}<tool_call|>", None, []),  # no call:
+    (Gemma4ToolParser(), "Braces {like:these} are not calls.", None, []),
 ]
 
 

@@ -148,6 +148,14 @@ FAMILIES = [
         arguments_as_text=True,
         empty_content=True,
     ),
+    Family(
+        "gemma_4_31b_it.jinja",
+        "gemma4",
+        'Checking.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+        '<|tool_call>call:get_time{tz:<|"|>UTC<|"|>}<tool_call|>',
+        "Checking.",
+        "<|tool_call>call:get_time{tz:UTC}<tool_call|>",
+    ),
 ]
 
 

@@ -122,9 +122,36 @@ class Shape:
     # (exp_probs_b).
     leading_dense: int = 0
     sigmoid_router: bool = False
+    # Gemma 4: one layer in `full_every` attends fully, with heads of its own size and count
+    # (RoPE over a quarter of them: llama.cpp's rope_freqs), its keys its values where
+    # `keys_as_values`; the last `kv_shared` layers read earlier layers' K/V (no attn_k/v of
+    # their own), their MLPs twice as wide with `double_mlp`; `per_layer_input` values a
+    # layer from a per-layer embedding table (0: none).
+    full_every: int = 0
+    full_head_dim: int | None = None
+    full_kv_heads: int | None = None
+    keys_as_values: bool = False
+    kv_shared: int = 0
+    double_mlp: bool = False
+    per_layer_input: int = 0
 
     def is_conv(self, layer: int) -> bool:
         return self.attention_layers is not None and layer not in self.attention_layers
+
+    def is_full(self, layer: int) -> bool:
+        """A Gemma 4 layer outside the window."""
+        return self.full_every > 0 and layer % self.full_every == self.full_every - 1
+
+    def layer_attention(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head size) of a layer."""
+        if self.is_full(layer):
+            return self.full_kv_heads or self.kv_heads, self.full_head_dim or self.head_dim
+        return self.kv_heads, self.head_dim
+
+    def layer_width(self, layer: int) -> int:
+        """A dense layer's MLP width (Gemma 4's shared layers': doubled with double_mlp)."""
+        doubled = self.double_mlp and layer >= self.layers - self.kv_shared
+        return (self.dense_intermediate or self.intermediate) * (2 if doubled else 1)
 
 
 # The published configs (config.json of each model on the Hugging Face hub; Gemma 3's
@@ -224,6 +251,17 @@ PRESETS: dict[str, Shape] = {
                         vocab=201088, tied=False, experts=32, experts_used=4, sliding_window=128,
                         qkv_bias=True, out_bias=True, attention_sinks=True, expert_biases=True,
                         mlp_norm="post_attention_norm", yarn=(32.0, 4096)),
+    # Gemma 4's small models: four windowed layers to one full one (E2B; five to one in E4B),
+    # heads of 512 on the full layers, the last 20 (18) layers reading earlier layers' K/V,
+    # per-layer embeddings of 256 a layer (E2B: 2.3B of its 5.1B weights, one row a token
+    # read). Their text configs (google/gemma-4-E2B-it, -E4B-it), as published.
+    "gemma4-e2b": Shape("gemma4", "gemma-4-E2B-it",        1536,  6144,  35,   8,   1, 256,      1e6, 131072, 1e-6,
+                        qk_norm=True, sliding_window=512, rope_local_theta=10000.0, final_softcap=30.0,
+                        vocab=262144, full_every=5, full_head_dim=512, kv_shared=20, double_mlp=True,
+                        per_layer_input=256),
+    "gemma4-e4b": Shape("gemma4", "gemma-4-E4B-it",        2560, 10240,  42,   8,   2, 256,      1e6, 131072, 1e-6,
+                        qk_norm=True, sliding_window=512, rope_local_theta=10000.0, final_softcap=30.0,
+                        vocab=262144, full_every=6, full_head_dim=512, kv_shared=18, per_layer_input=256),
 }
 # fmt: on
 
@@ -248,10 +286,16 @@ class TensorSpec:
 def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpec]:
     """The tensors of a file of this shape, in llama.cpp's converter's names and order; with
     `head`, an output.weight of its own (an untied head)."""
-    h, hd = shape.hidden, shape.head_dim
+    h = shape.hidden
     specs = [TensorSpec("token_embd.weight", (vocab, h), "weight")]
-    if shape.llama3_rope:
-        specs.append(TensorSpec("rope_freqs.weight", (hd // 2,), "rope_freqs"))
+    if shape.llama3_rope or shape.full_every:  # Gemma 4's: its full layers' share of RoPE
+        rotated = shape.full_head_dim or shape.head_dim
+        specs.append(TensorSpec("rope_freqs.weight", (rotated // 2,), "rope_freqs"))
+    if shape.per_layer_input:
+        width = shape.layers * shape.per_layer_input
+        specs.append(TensorSpec("per_layer_token_embd.weight", (vocab, width), "weight"))
+        specs.append(TensorSpec("per_layer_model_proj.weight", (width, h), "weight"))
+        specs.append(TensorSpec("per_layer_proj_norm.weight", (shape.per_layer_input,), "norm"))
     gemma = shape.arch.startswith("gemma")
     olmo2 = shape.arch in ("olmo2", "exaone4")  # norms on the blocks' outputs only
     for i in range(shape.layers):
@@ -264,18 +308,24 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
             specs.append(TensorSpec(f"{blk}.shortconv.out_proj.weight", (h, h), "weight"))
             specs += _mlp(blk, shape, i)
             continue
-        q, kv = shape.heads * hd, shape.kv_heads * hd
+        kv_heads, hd = shape.layer_attention(i)
+        q, kv = shape.heads * hd, kv_heads * hd
+        # Gemma 4: q alone in a layer that reads another's K/V, no v where keys are values.
+        shared = i >= shape.layers - shape.kv_shared
+        parts = (("attn_q", q), ("attn_k", kv), ("attn_v", kv))
+        parts = parts[: 1 if shared else 2 if shape.keys_as_values and shape.is_full(i) else 3]
         if shape.fused_projections:
             specs.append(TensorSpec(f"{blk}.attn_qkv.weight", (q + 2 * kv, h), "weight"))
         else:
-            for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            for name, rows in parts:
                 specs.append(TensorSpec(f"{blk}.{name}.weight", (rows, h), "weight"))
                 if shape.qkv_bias:
                     specs.append(TensorSpec(f"{blk}.{name}.bias", (rows,), "bias"))
         if shape.qk_norm:
             whole = shape.qk_norm_whole
             specs.append(TensorSpec(f"{blk}.attn_q_norm.weight", (q if whole else hd,), "norm"))
-            specs.append(TensorSpec(f"{blk}.attn_k_norm.weight", (kv if whole else hd,), "norm"))
+            if not shared:
+                specs.append(TensorSpec(f"{blk}.attn_k_norm.weight", (kv if whole else hd,), "norm"))
         specs.append(TensorSpec(f"{blk}.attn_output.weight", (h, shape.heads * hd), "weight"))
         if shape.out_bias:
             specs.append(TensorSpec(f"{blk}.attn_output.bias", (h,), "bias"))
@@ -287,6 +337,13 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
         specs += mlp[1:] if olmo2 else mlp  # OLMo 2: no norm before the MLP
         if gemma or olmo2:
             specs.append(TensorSpec(f"{blk}.post_ffw_norm.weight", (h,), "norm"))
+        if shape.per_layer_input:  # Gemma 4's per-layer input: gate, projection, norm
+            size = shape.per_layer_input
+            specs.append(TensorSpec(f"{blk}.inp_gate.weight", (size, h), "weight"))
+            specs.append(TensorSpec(f"{blk}.proj.weight", (h, size), "weight"))
+            specs.append(TensorSpec(f"{blk}.post_norm.weight", (h,), "norm"))
+        if shape.full_every:  # Gemma 4's layer scalar
+            specs.append(TensorSpec(f"{blk}.layer_output_scale.weight", (1,), "norm"))
     final_norm = "token_embd_norm" if shape.attention_layers is not None else "output_norm"
     specs.append(TensorSpec(f"{final_norm}.weight", (h,), "norm"))
     if shape.reranker:
@@ -304,7 +361,7 @@ def _mlp(blk: str, shape: Shape, layer: int) -> list[TensorSpec]:
     specs = [TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm")]
     if not shape.experts or layer < shape.leading_dense:
         # dense_intermediate: a MoE shape's dense width (LFM2-MoE's leading layers)
-        return specs + _dense_projections(blk, shape, shape.dense_intermediate or shape.intermediate)
+        return specs + _dense_projections(blk, shape, shape.layer_width(layer))
     e, i_ = shape.experts, shape.intermediate
     specs.append(TensorSpec(f"{blk}.ffn_gate_inp.weight", (e, h), "router"))
     specs.append(TensorSpec(f"{blk}.ffn_gate_exps.weight", (e, i_, h), "weight"))
@@ -358,6 +415,13 @@ def llama3_rope_freqs(shape: Shape) -> np.ndarray:
             )
             factors.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(factors, dtype=np.float32)
+
+
+def proportional_rope_freqs(shape: Shape) -> np.ndarray:
+    """Gemma 4's full layers' rope_freqs as llama.cpp's converter writes them: 1 for the
+    quarter of the frequencies its proportional RoPE turns, 1e30 (none) for the rest."""
+    half = (shape.full_head_dim or shape.head_dim) // 2
+    return np.asarray([1.0] * (half // 4) + [1e30] * (half - half // 4), dtype=np.float32)
 
 
 def tokenizer_metadata(source: Path | None = None) -> dict[str, Any]:
@@ -419,18 +483,24 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.dense_intermediate or shape.intermediate)
+    if shape.full_every:
+        _add_gemma4_metadata(writer, shape)
+    else:
+        writer.add_feed_forward_length(shape.dense_intermediate or shape.intermediate)
     writer.add_head_count(shape.heads)
-    if shape.attention_layers is not None:  # LFM2: no kv heads marks a conv layer
+    if shape.full_every:
+        pass  # kv heads and head sizes a layer: _add_gemma4_metadata
+    elif shape.attention_layers is not None:  # LFM2: no kv heads marks a conv layer
         writer.add_head_count_kv(
             [0 if shape.is_conv(i) else shape.kv_heads for i in range(shape.layers)]
         )
         writer.add_shortconv_l_cache(shape.conv_kernel)
     else:
         writer.add_head_count_kv(shape.kv_heads)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)
+    if not shape.full_every:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_vocab_size(vocab)
@@ -474,6 +544,25 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_residual_scale(residual)
         writer.add_attention_scale(attention)
         writer.add_logit_scale(logit)
+
+
+def _add_gemma4_metadata(writer: GGUFWriter, shape: Shape) -> None:
+    """Gemma 4's keys as llama.cpp's converter writes them: MLP widths and kv heads a
+    layer, the full layers' head size as key_length (and RoPE's), the windowed layers' as
+    key_length_swa, which layers slide, how many share K/V, the per-layer embeddings' width."""
+    layers = range(shape.layers)
+    writer.add_feed_forward_length([shape.layer_width(i) for i in layers])
+    writer.add_head_count_kv([shape.layer_attention(i)[0] for i in layers])
+    full = shape.full_head_dim or shape.head_dim
+    writer.add_key_length(full)
+    writer.add_value_length(full)
+    writer.add_key_length_swa(shape.head_dim)
+    writer.add_value_length_swa(shape.head_dim)
+    writer.add_rope_dimension_count(full)
+    writer.add_rope_dimension_count_swa(shape.head_dim)
+    writer.add_sliding_window_pattern([not shape.is_full(i) for i in layers])
+    writer.add_shared_kv_layers(shape.kv_shared)
+    writer.add_embedding_length_per_layer_input(shape.per_layer_input)
 
 
 def _random_weight(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
@@ -523,8 +612,10 @@ def q4_k_m_types(spec: TensorSpec, shape: Shape) -> str | None:
     Q4_K elsewhere; None (as written) for norms and tables."""
     if spec.kind != "weight":
         return None
-    if spec.name in ("token_embd.weight", "output.weight"):
-        return "Q6_K"
+    if spec.name in ("token_embd.weight", "output.weight", "per_layer_token_embd.weight"):
+        return "Q6_K"  # Gemma 4's per-layer table is a token embedding to llama-quantize
+    if spec.name == "per_layer_model_proj.weight":
+        return None  # llama-quantize leaves it F16
     part = spec.name.split(".")[2]
     if part in ("attn_v", "ffn_down", "ffn_down_exps", "ffn_down_shexp"):
         i, n = int(spec.name.split(".")[1]), shape.layers
@@ -558,7 +649,7 @@ def tensor_data(spec: TensorSpec, shape: Shape, seed: int, index: int) -> np.nda
     if spec.kind == "norm":
         return np.ones(spec.shape, dtype=np.float32)
     if spec.kind == "rope_freqs":
-        return llama3_rope_freqs(shape)
+        return proportional_rope_freqs(shape) if shape.full_every else llama3_rope_freqs(shape)
     rng = np.random.default_rng([seed, index])
     if spec.kind in ("bias", "router"):
         return rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(WEIGHT_STD)

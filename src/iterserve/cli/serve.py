@@ -48,7 +48,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "pythonic ([f(x=1), g()], LFM2), qwen3_coder (<tool_call><function=f>...), deepseek_v3 "
         "(V3, R1), deepseek_v31 (V3.1), granite (<|tool_call|>[...], Granite 3.x), "
         "phi4_mini_json (functools[...], Phi-4-mini), openai (Harmony's to=functions.NAME, "
-        "gpt-oss); auto: the format the chat template asks for (Hermes', taught in the "
+        "gpt-oss), gemma4 (<|tool_call>call:f{x:1}<tool_call|>, Gemma 4); auto: the format the chat template asks for (Hermes', taught in the "
         "system message, when the template has no place for tools); none: tool_choice "
         "'auto' is refused (docs/tool_calling.md)",
     )
@@ -60,9 +60,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "a reasoning item); qwen3 and deepseek_r1 are vLLM's names for this one format, and "
         "each request's rendered prompt says whether its answer starts inside the thinking; "
         "openai_gptoss reads gpt-oss's Harmony channels (analysis, commentary, final); "
-        "auto: Harmony where the chat template writes <|channel|>, else where it writes "
-        "<think> (named deepseek_r1 when its generation prompt opens it); none: answers are "
-        "not read for thinking (docs/reasoning.md)",
+        "gemma4 reads Gemma 4's <|channel>thought...<channel|>; auto: Harmony where the chat "
+        "template writes <|channel|>, Gemma 4's channel where it writes that, else where it "
+        "writes <think> (named deepseek_r1 when its generation prompt opens it); none: answers "
+        "are not read for thinking (docs/reasoning.md)",
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

@@ -119,8 +119,10 @@ def build_model(
     device: torch.device,
     dtype_reason: str = "",
 ) -> tuple[LlamaForCausalLM, ModelPlan]:
-    if config.lora.enabled and loaded.config.conv_history:
-        # Its adapters name conv.in_proj, feed_forward.w1...: modules no slot is made for.
+    if config.lora.enabled and (loaded.config.conv_history or not loaded.config.uniform_layers):
+        # LFM2's adapters name conv.in_proj, feed_forward.w1...: modules no slot is made for;
+        # Gemma 4's layers have q/k/v of different shapes (or none of k and v), which the
+        # slots take to be alike.
         raise ConfigError(f"--enable-lora: {loaded.config.architecture} takes no LoRA adapters")
     model = LlamaForCausalLM(loaded.config, dtype, device)
     backend = choose_backend(config, dtype, device)

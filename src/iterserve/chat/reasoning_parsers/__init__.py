@@ -1,7 +1,7 @@
 """The reasoning parser, chosen with `--reasoning-parser`: where a thinking model's answer
 keeps its thinking, so it goes to `reasoning_content` and the rest to `content`. Qwen3's
-and DeepSeek-R1's are one format (think_tags.py), under both of vLLM's names; gpt-oss's
-channels are another (harmony.py)."""
+and DeepSeek-R1's are one format (think_tags.py), under both of vLLM's names, and Gemma 4's
+thought channel the same with its own markers; gpt-oss's channels are another (harmony.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from iterserve.chat.reasoning_parsers.base import (
 )
 from iterserve.chat.reasoning_parsers.harmony import HarmonyParser
 from iterserve.chat.reasoning_parsers.streaming import ReasoningStream
-from iterserve.chat.reasoning_parsers.think_tags import OPEN, ThinkTagParser
+from iterserve.chat.reasoning_parsers.think_tags import OPEN, Gemma4ThoughtParser, ThinkTagParser
 
 # vLLM's names: the `<think>...</think>` format's two, and gpt-oss's.
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": ThinkTagParser,
     "deepseek_r1": ThinkTagParser,
     "openai_gptoss": HarmonyParser,
+    "gemma4": Gemma4ThoughtParser,
 }
 REASONING_PARSER_CHOICES = ("auto", *REASONING_PARSERS, "none")
 
@@ -47,6 +48,8 @@ def select_reasoning_parser(
     template = chat_template or ""
     if HarmonyParser.detects(template):
         return HarmonyParser("openai_gptoss")
+    if Gemma4ThoughtParser.detects(template):
+        return Gemma4ThoughtParser("gemma4")
     if not ThinkTagParser.detects(template):
         return None
     probe_prompt = probe()

@@ -11,6 +11,7 @@ from iterserve.chat.tool_parsers.base import (
     shows_tools,
 )
 from iterserve.chat.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from iterserve.chat.tool_parsers.gemma4 import Gemma4ToolParser
 from iterserve.chat.tool_parsers.hermes import HermesToolParser
 from iterserve.chat.tool_parsers.json_list import GraniteToolParser, Phi4MiniJsonToolParser
 from iterserve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -34,6 +35,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         GraniteToolParser,
         Phi4MiniJsonToolParser,
         OpenAIToolParser,
+        Gemma4ToolParser,
     )
 }
 TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS, "none")
