@@ -116,6 +116,8 @@ class _DecoderLayer(nn.Module):
         # rather than making its own, and one whose values are its keys before norm and rope.
         self.kv_source = config.layer_kv_source(index)
         self.shares_kv = self.kv_source != index
+        layers = range(index + 1, config.num_hidden_layers)
+        self.kv_read_later = any(config.layer_kv_source(i) == index for i in layers)
         self.keys_as_values = config.layer_keys_as_values(index)
         self.value_norm = config.traits.value_norm
         self.hidden_size = hidden
@@ -409,7 +411,8 @@ class _DecoderLayer(nn.Module):
             v = qkv[:, v_start : v_start + self.kv_size].view(num_tokens, -1, self.head_dim)
             if self.value_norm:
                 v = rms_norm(v, None, self.eps)
-            step_kv[self.index] = (k, v)
+            if self.kv_read_later:  # held to the step's end only where a later layer reads it
+                step_kv[self.index] = (k, v)
         if step is not None:  # the C++ op: store K/V, attend every row, one call
             attn = self.kernel_ops.store_and_attend(
                 q,
