@@ -16,9 +16,10 @@ from gguf import GGMLQuantizationType
 from iterserve import kernels
 from iterserve.engine.llm import LLM
 from iterserve.model.attention import allocate_kv_caches
+from iterserve.model.errors import ModelLoadError
 from iterserve.model.kv_cache_format import kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
-from iterserve.model.loader import load_model
+from iterserve.model.loader import hf_model_config, load_model
 from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
@@ -253,3 +254,26 @@ def test_gguf_reads_as_its_hf_checkpoint(
     torch.testing.assert_close(
         got, hf_token_by_token(reference, tokens, prompt=40), atol=1e-4, rtol=0
     )
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ({"enable_moe_block": True}, "26B-A4B"),
+        ({"use_bidirectional_attention": "all"}, "both ways"),
+    ],
+)
+def test_what_gemma4_runs_otherwise_is_refused_by_name(
+    field: dict[str, object], message: str
+) -> None:
+    raw = {
+        "architectures": ["Gemma4ForCausalLM"],
+        "hidden_size": 128,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": VOCAB,
+        **field,
+    }
+    with pytest.raises(ModelLoadError, match=message):
+        hf_model_config(raw)

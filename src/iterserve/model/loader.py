@@ -550,6 +550,8 @@ def _gemma4_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any])
         return {}
     if raw.get("enable_moe_block"):
         raise ModelLoadError("Gemma 4 with a mixture of experts (26B-A4B) is not supported yet")
+    if raw.get("use_bidirectional_attention") == "all":  # "vision": images' tokens only
+        raise ModelLoadError("gemma4 attending both ways (use_bidirectional_attention: all)")
     activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh" or raw.get("attention_bias"):
         raise ModelLoadError(
