@@ -224,6 +224,8 @@ ANSWERS: list[tuple[ToolParser, str, str | None, list[tuple[str, dict[str, Any]]
     (Gemma4ToolParser(), '<|tool_call>call:get_time{tz:<|"|>UT', None, []),
     (Gemma4ToolParser(), "<|tool_call>call:get_time{tz:UTC}<tool_call|>", None, []),  # unquoted
     (Gemma4ToolParser(), "<|tool_call>get_time{}<tool_call|>", None, []),  # no call:
+    (Gemma4ToolParser(), "<|tool_call>call:f{a,b:1}<tool_call|>", None, []),  # not a key
+    (Gemma4ToolParser(), "<|tool_call>call:f{a:Infinity}<tool_call|>", None, []),
     (Gemma4ToolParser(), "Braces {like:these} are not calls.", None, []),
 ]
 

@@ -9,6 +9,7 @@ hold any character, quotes and braces included), numbers, `true`/`false`/`null`,
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,8 +88,8 @@ def _read(text: str, pos: int) -> tuple[Any, int]:
     if word in _SCALARS:
         return _SCALARS[word], end
     number = json.loads(word)  # ValueError: not a number either
-    if not isinstance(number, int | float):
-        raise ValueError(word)
+    if not isinstance(number, int | float) or not math.isfinite(number):
+        raise ValueError(word)  # a JSON string, or Python's Infinity / NaN: not Gemma's
     return number, end
 
 
@@ -105,6 +106,8 @@ def _read_object(text: str, pos: int) -> tuple[dict[str, Any], int]:
         else:
             colon = text.index(":", pos)
             key = text[pos:colon].strip()
+            if any(c in key for c in ',{}[]"'):
+                raise ValueError(f"not a key: {key!r}")
         if text[colon] != ":" or not key:
             raise ValueError("a key without its value")
         out[key], pos = _read(text, colon + 1)
