@@ -483,21 +483,18 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
-    if shape.full_every:
+    writer.add_head_count(shape.heads)
+    if shape.full_every:  # MLP widths, kv heads and head sizes a layer
         _add_gemma4_metadata(writer, shape)
     else:
         writer.add_feed_forward_length(shape.dense_intermediate or shape.intermediate)
-    writer.add_head_count(shape.heads)
-    if shape.full_every:
-        pass  # kv heads and head sizes a layer: _add_gemma4_metadata
-    elif shape.attention_layers is not None:  # LFM2: no kv heads marks a conv layer
-        writer.add_head_count_kv(
-            [0 if shape.is_conv(i) else shape.kv_heads for i in range(shape.layers)]
-        )
-        writer.add_shortconv_l_cache(shape.conv_kernel)
-    else:
-        writer.add_head_count_kv(shape.kv_heads)
-    if not shape.full_every:
+        if shape.attention_layers is not None:  # LFM2: no kv heads marks a conv layer
+            writer.add_head_count_kv(
+                [0 if shape.is_conv(i) else shape.kv_heads for i in range(shape.layers)]
+            )
+            writer.add_shortconv_l_cache(shape.conv_kernel)
+        else:
+            writer.add_head_count_kv(shape.kv_heads)
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
         writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)

@@ -720,10 +720,10 @@ def _gemma4_fields(
     metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo], layers: int
 ) -> dict[str, Any]:
     """Gemma 4 as llama.cpp's converter writes it: the full layers' head size in key_length
-    and the windowed ones' in key_length_swa (RoPE over each whole; the full layers' "proportional"
-    share by the rope_freqs tensor), kv heads and MLP widths a layer, the
-    shared layers' count, the per-layer embeddings' width; keys as values where a full layer
-    has no attn_v. The windowed layers' head size, kv heads and MLP width come back as
+    and the windowed ones' in key_length_swa (RoPE over each whole; the full layers'
+    "proportional" share by the rope_freqs tensor), kv heads and MLP widths a layer, the shared
+    layers' count, the per-layer embeddings' width; keys as values where a full layer has no
+    attn_v. The windowed layers' head size, kv heads and MLP width come back as
     head_dim, num_key_value_heads and intermediate_size."""
     full_head_dim = int(metadata["gemma4.attention.key_length"])
     head_dim = int(metadata.get("gemma4.attention.key_length_swa", full_head_dim))

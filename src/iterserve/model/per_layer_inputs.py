@@ -30,6 +30,8 @@ NORM = "model.per_layer_projection_norm.weight"
 
 
 class PerLayerInputs(nn.Module):
+    """The table, the projection and its norm; `forward` gives every layer's inputs."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.layers = config.num_hidden_layers
@@ -42,7 +44,8 @@ class PerLayerInputs(nn.Module):
             torch.empty(self.size, dtype=dtype, device=device), requires_grad=False
         )
         # transformers rounds the table's scale to the model dtype (sqrt(256) = 16: exact).
-        self.table_scale = torch.tensor(self.size**0.5, dtype=dtype, device=device)
+        scale = torch.tensor(self.size**0.5, dtype=dtype, device=device)
+        self.register_buffer("table_scale", scale, persistent=False)
         self.table: TokenEmbedding | None = None
         self.projection: Linear | None = None
 
