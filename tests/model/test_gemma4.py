@@ -13,6 +13,10 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType
 
+from family_checks import (
+    assert_chunks_and_decodes_match_transformers,
+    assert_fast_paths_keep_the_eager_greedy_tokens,
+)
 from iterserve import kernels
 from iterserve.engine.llm import LLM
 from iterserve.model.attention import allocate_kv_caches
@@ -122,19 +126,7 @@ def test_logits_match_transformers_through_chunks_and_decodes(
     loaded = load_model(save_checkpoint(hf, tmp_path, tokenizer_dir), torch.float32)
     ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
     ours.load_weights(loaded.weights)
-    rng = random.Random(3)
-    seqs = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate((90, 20))}
-    runner = PagedRunner(ours, block_size=8, num_blocks=64)
-    for seq, tokens in seqs.items():
-        runner.add(seq, tokens)
-    got: dict[str, list[torch.Tensor]] = {seq: [] for seq in seqs}
-    for plan in ([("s0", 30), ("s1", 12)], [("s1", 1), ("s0", 45)], [("s1", 1), ("s0", 15)]):
-        for seq, logits in runner.step(plan).items():
-            got[seq].append(logits)
-    for seq, tokens in seqs.items():
-        computed = runner.computed[seq]
-        ref = hf_token_by_token(hf, tokens[:computed], prompt=min(computed, 40))
-        torch.testing.assert_close(torch.cat(got[seq]), ref, atol=1e-4, rtol=0)
+    assert_chunks_and_decodes_match_transformers(ours, hf, VOCAB, prompt=40)
 
 
 @torch.inference_mode()
@@ -187,25 +179,9 @@ def test_tiled_kernels_keep_the_eager_greedy_tokens(
     are not the fused layer op's), against bf16 eager torch."""
     _, hf = gemma4
     directory = save_checkpoint(hf, tmp_path, tokenizer_dir)
-    loaded = load_model(directory, torch.float32)
-    rng = random.Random(5)
-    tokens = [rng.randrange(VOCAB) for _ in range(100)]
-    rows = {}
-    for fast in (False, True):
-        model = LlamaForCausalLM(loaded.config, torch.bfloat16, torch.device("cpu"))
-        model.load(loaded.weights, "tiled" if fast else "torch")
-        assert not model.fused_layers
-        runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=fast)
-        runner.add("s", tokens)
-        out = [runner.step([("s", n)])["s"] for n in (40, 30)]
-        out += [runner.step([("s", 1)])["s"] for _ in range(30)]
-        rows[fast] = torch.cat(out).float()
-    ref, got = rows[False], rows[True]
-    top2 = ref.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()
-    assert int(clear.sum()) >= 0.3 * len(ref)
-    assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
-    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+    config = load_model(directory, torch.float32).config
+    weights = lambda: load_model(directory, torch.float32).weights  # noqa: E731
+    assert_fast_paths_keep_the_eager_greedy_tokens(config, weights, VOCAB, fused=False)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
