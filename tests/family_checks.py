@@ -1,17 +1,21 @@
 """Checks the model-family test modules share (test_model_families.py, test_gemma4.py): a
-model's logits through chunked prefill and decodes against transformers', and the fast
-paths' greedy tokens against eager torch on the same bf16 weights."""
+model's logits through chunked prefill and decodes against transformers', the fast paths'
+greedy tokens against eager torch on the same bf16 weights, and an engine's greedy tokens
+through preemption and n-gram speculation."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 import transformers
 
+from iterserve.engine.llm import LLM
 from iterserve.model.config import ModelConfig
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token
 
@@ -71,3 +75,42 @@ def assert_fast_paths_keep_the_eager_greedy_tokens(
     assert int(clear.sum()) >= 0.3 * len(ref)
     assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@torch.inference_mode()
+def greedy_tokens(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """transformers' `n` greedy tokens after `prompt`, each from a forward over the whole
+    sequence (no generate(): Phi-3's recomputes its cache at the longrope switch)."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def preempted_ngram_run(
+    hf: transformers.PreTrainedModel, directory: Path, seed: int, vocab: int, compiled: bool
+) -> tuple[LLM, list[list[int]], list[list[int]]]:
+    """Three prompts that end as their phrase begins (a draft for prompt lookup), 16 greedy
+    tokens each through an engine whose KV pool holds the prompts (at most 6 blocks each)
+    but not the outputs (preemption), n-gram speculation on: the engine, its tokens and
+    transformers'."""
+    rng = random.Random(seed)
+    prompts = []
+    for n in (5, 6, 7):
+        phrase = [rng.randrange(3, vocab) for _ in range(n)]
+        prompts.append(phrase * 3 + phrase[:2])
+    expected = [greedy_tokens(hf, p, 16) for p in prompts]
+    llm = LLM(
+        str(directory),
+        dtype="float32",
+        compile=compiled,
+        block_size=4,
+        num_kv_blocks=14,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [o.token_ids for o in outputs], expected

@@ -16,15 +16,14 @@ from gguf import GGMLQuantizationType
 from family_checks import (
     assert_chunks_and_decodes_match_transformers,
     assert_fast_paths_keep_the_eager_greedy_tokens,
+    preempted_ngram_run,
 )
 from iterserve import kernels
-from iterserve.engine.llm import LLM
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.kv_cache_format import kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config, load_model
-from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
 from tiny_families import SMALL_VOCAB, VOCAB
@@ -129,14 +128,6 @@ def test_logits_match_transformers_through_chunks_and_decodes(
     assert_chunks_and_decodes_match_transformers(ours, hf, VOCAB, prompt=40)
 
 
-@torch.inference_mode()
-def _greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_engine_greedy_matches_transformers_through_preemption_and_ngram_speculation(
     compiled: bool, tmp_path: Path, tokenizer_dir: Path
@@ -146,26 +137,8 @@ def test_engine_greedy_matches_transformers_through_preemption_and_ngram_specula
     compiled: transformers' tokens one at a time."""
     hf = gemma4_model("e2b", vocab_size=SMALL_VOCAB, vocab_size_per_layer_input=SMALL_VOCAB)
     directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
-    rng = random.Random(6)
-    prompts = []
-    for n in (5, 6, 7):
-        phrase = [rng.randrange(3, SMALL_VOCAB) for _ in range(n)]
-        prompts.append(phrase * 3 + phrase[:2])  # ends as the phrase begins: a draft
-    expected = [_greedy(hf, p, 16) for p in prompts]
-    llm = LLM(
-        str(directory),
-        dtype="float32",
-        compile=compiled,
-        block_size=4,
-        num_kv_blocks=14,
-        max_num_batched_tokens=16,
-        max_num_seqs=3,
-        speculative_method="ngram",
-        num_speculative_tokens=3,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == expected
+    llm, got, expected = preempted_ngram_run(hf, directory, 6, SMALL_VOCAB, compiled)
+    assert got == expected
     assert llm.engine.scheduler.num_preemptions > 0
     stats = llm.engine.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats

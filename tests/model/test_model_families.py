@@ -16,6 +16,8 @@ from gguf import GGMLQuantizationType
 from family_checks import (
     assert_chunks_and_decodes_match_transformers,
     assert_fast_paths_keep_the_eager_greedy_tokens,
+    greedy_tokens,
+    preempted_ngram_run,
 )
 from iterserve import kernels
 from iterserve.engine.llm import LLM
@@ -310,14 +312,6 @@ def test_exaone4_windows_and_rope_read_alike_from_its_config_and_gguf() -> None:
         assert ours.layer_window(3) == 0 and ours.layer_rotates(3) and ours.rope_layers is None
 
 
-@torch.inference_mode()
-def _greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):  # no generate(): Phi-3's recomputes its cache at the longrope switch
-        tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
-
-
 def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
     family: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
 ) -> None:
@@ -326,7 +320,7 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_hits(
     rng = random.Random(4)
     shared = [rng.randrange(3, VOCAB) for _ in range(24)]
     prompts = [shared + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 9)]
-    expected = [_greedy(hf, p, 8) for p in prompts]
+    expected = [greedy_tokens(hf, p, 8) for p in prompts]
     llm = LLM(
         str(directory),
         dtype="float32",
@@ -356,29 +350,12 @@ def test_engine_greedy_matches_transformers_through_preemption_and_ngram_specula
     directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
     # Random weights: a seed whose prompts this model's greedy output drafts into both ways
     # (some guesses accepted, some rejected).
-    rng = random.Random(
-        {"gemma3": 7, "smollm3": 9, "granite": 9, "gpt_oss": 7, "olmo2": 5, "olmo3": 5}.get(name, 6)
+    seed = {"gemma3": 7, "smollm3": 9, "granite": 9, "gpt_oss": 7, "olmo2": 5, "olmo3": 5}.get(
+        name, 6
     )
-    prompts = []
-    for n in (5, 6, 7):
-        phrase = [rng.randrange(3, SMALL_VOCAB) for _ in range(n)]
-        prompts.append(phrase * 3 + phrase[:2])  # ends as the phrase begins: a draft
-    expected = [_greedy(hf, p, 16) for p in prompts]
-    llm = LLM(
-        str(directory),
-        dtype="float32",
-        compile=False,
-        block_size=4,
-        num_kv_blocks=14,  # prompts fit (at most 6 blocks each), outputs do not
-        max_num_batched_tokens=16,
-        max_num_seqs=3,
-        speculative_method="ngram",
-        num_speculative_tokens=3,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == expected
-    assert all(len(set(o.token_ids)) > 3 for o in outputs), "degenerate text would prove little"
+    llm, got, expected = preempted_ngram_run(hf, directory, seed, SMALL_VOCAB, compiled=False)
+    assert got == expected
+    assert all(len(set(t)) > 3 for t in got), "degenerate text would prove little"
     assert llm.engine.scheduler.num_preemptions > 0
     stats = llm.engine.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
