@@ -103,6 +103,36 @@ def test_products_match_dequantize_then_matmul(name: str, rows: int) -> None:
     close(out, want, rounded=False)
 
 
+# Where each unsigned format's fp16 fields (d, and m or dmin) sit in its GGUF block.
+FP16_FIELDS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82],
+    "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(FP16_FIELDS))
+@pytest.mark.parametrize("rows", [2, 6])
+def test_products_at_the_largest_integer_sums(name: str, rows: int) -> None:
+    """Every value and scale bit set (each format's largest values) against activations of
+    one sign (all +-127 once quantized): the integer dot products at their largest, where
+    16-bit pair sums kept over several chunks (simd.h `pair_sums_u8`) would saturate if a
+    format allowed more chunks than its values leave room for. 2 rows: a few rows' stream;
+    6: the sweep."""
+    fmt = bf.BLOCK_FORMATS[name]
+    n, k = 32, 512
+    blocks = np.full((n, k // fmt.inputs, fmt.file_bytes), 0xFF, dtype=np.uint8)
+    for offset in FP16_FIELDS[name]:  # 2^-10, so that no sum overflows fp32
+        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(2**-10).tobytes(), np.uint8)
+    raw = blocks.reshape(n, -1)
+    tiles = bf.repack(kernels.ops(), raw, fmt, k)
+    signs = torch.tensor([1.0, -1.0]).repeat(rows // 2)
+    x = (signs[:, None] * torch.ones(rows, k)).bfloat16()
+    dequantized = reference(raw, name, (n, k)).double()
+    want = bf.activations_as_quantized(x, fmt.activation_unit) @ dequantized.T
+    out = kernels.ops().tiled_linear(x, [tiles], [fmt.code], None, None, True)
+    close(out, want, rounded=False)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "IQ4_XS", "Q8_0"])
 @pytest.mark.parametrize("k", [512, 8192])
 def test_a_rows_result_does_not_depend_on_the_step(name: str, k: int) -> None:
