@@ -53,27 +53,36 @@ def assert_fast_paths_keep_the_eager_greedy_tokens(
 ) -> None:
     """100 random tokens as a 40-token chunk, a 30-token one and 30 decodes: the tiled
     kernels and the paged attention op (in the fused layer op where `fused`, else layer by
-    layer) against bf16 eager torch, each loaded from `weights()` (the checkpoint's tensors as
-    the loader lists them). Where the top two logits stand clear, the greedy token is the
-    same; no logit strays by a tenth of the largest."""
+    layer) in bf16 against eager torch, each loaded from `weights()` (the checkpoint's
+    tensors as the loader lists them). Where float32's top two logits stand clear of bf16's
+    rounding, the fast path's greedy token is float32's; no logit strays from eager bf16's by
+    a tenth of the largest."""
     rng = random.Random(5)
     tokens = [rng.randrange(vocab) for _ in range(100)]
     rows = {}
-    for fast in (False, True):
-        model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
+    for name, dtype, fast in (
+        ("exact", torch.float32, False),
+        ("eager", torch.bfloat16, False),
+        ("fast", torch.bfloat16, True),
+    ):
+        model = LlamaForCausalLM(config, dtype, torch.device("cpu"))
         model.load(weights(), "tiled" if fast else "torch")
         assert model.fused_layers == (fast and fused)
         runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=fast)
         runner.add("s", tokens)
         out = [runner.step([("s", n)])["s"] for n in (40, 30)]
         out += [runner.step([("s", 1)])["s"] for _ in range(30)]
-        rows[fast] = torch.cat(out).float()
-    ref, got = rows[False], rows[True]
-    top2 = ref.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * ref.std()
-    # A vocabulary of 49152 random rows leaves many near-ties: a third of rows clear is plenty.
-    assert int(clear.sum()) >= 0.3 * len(ref)
-    assert bool((ref.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
+        rows[name] = torch.cat(out).float()
+    exact, ref, got = rows["exact"], rows["eager"], rows["fast"]
+    # bf16's own rounding, as it moved the eager path's logits of each row: a row is clear
+    # where float32's top two stand more than twice that apart. (A margin of a tenth of the
+    # logits' spread was not: on an AVX2 machine SmolLM3's row 36 stood 0.27 apart in float32
+    # while eager bf16 moved its logits by up to 0.31, and the two bf16 paths split.)
+    top2 = exact.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (ref - exact).abs().amax(dim=-1)
+    # A vocabulary of 49152 random rows leaves many near-ties: a fifth of rows clear is plenty.
+    assert int(clear.sum()) >= 0.2 * len(ref)
+    assert bool((exact.argmax(-1)[clear] == got.argmax(-1)[clear]).all())
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
 
 
