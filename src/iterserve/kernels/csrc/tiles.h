@@ -470,7 +470,10 @@ inline int cpu_family() {
 //     engine (benchmarks/big_models.py, in turns): a 1B's Q4_K_M batch 1 1.13x in the
 //     median of 10 pairs, an 8B's neutral (6 pairs, the same mean; loops alone 0.99-1.10x).
 //   - The AVX2 build (one tile a step) on Zen 4 kept Q6_K's one row 1.33x faster with them
-//     and Q4_K level; on Intel Cascade Lake they made one row 1.23x faster.
+//     and Q4_K level; on Intel Cascade Lake they made one row 1.23x faster; on AMD Zen 3, an
+//     AVX2-only core (2026-12-04, in turns), one row read at 0.87-0.97 of a plain read with
+//     them and 0.76-0.86 without (Q4_K, Q6_K), Q4_0 and Q8_0 level, and a farther distance
+//     (2-16 units ahead) no better than one.
 // ITERSERVE_PREFETCH (0 or 1) forces either way.
 template <typename Codec>
 inline bool few_rows_prefetch() {
