@@ -19,9 +19,11 @@ from iterserve import kernels
 
 SOURCE = 'extern "C" int iterserve_baton_check() { return 7; }\n'
 LOAD = """
+import logging
 import sys
 from pathlib import Path
 from iterserve import kernels
+logging.basicConfig(level=logging.INFO)
 source, build_dir = sys.argv[1], Path(sys.argv[2])
 kernels.build_and_load_library("baton_check", [source], ["-O1"], build_dir, [])
 print("loaded")
@@ -46,6 +48,11 @@ def test_a_baton_left_by_a_killed_build_does_not_block_later_loads(tmp_path: Pat
     build_dir = tmp_path / "build"
     first = _load(source, build_dir)
     assert first.stdout.strip() == "loaded", first.stderr
+    # A first start says what it is waiting for.
+    assert (
+        f"building baton_check (once for this source tree; cached in {build_dir})" in first.stderr
+    )
+    assert "built baton_check in" in first.stderr
     assert (build_dir / "built.ok").exists()
     # As if the build had been killed before it finished: no marker, and torch's baton (a
     # plain file its builder leaves when its process dies) still there.
@@ -61,3 +68,4 @@ def test_a_baton_left_by_a_killed_build_does_not_block_later_loads(tmp_path: Pat
     (build_dir / "build.ninja").unlink()
     third = _load(source, build_dir)
     assert third.stdout.strip() == "loaded", third.stderr
+    assert "building" not in third.stderr

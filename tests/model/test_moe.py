@@ -7,6 +7,7 @@ parallelism), and the same model as a GGUF the way llama.cpp's converter writes 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -327,9 +328,11 @@ def test_lora_slots_run_a_model_of_experts_layer_by_layer(
 # layer (with its shared expert beside them, the most parts) stands for all of them.
 @pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
 def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(
-    moe_dir: Path, moe_reference: list[list[int]]
+    moe_dir: Path, moe_reference: list[list[int]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The compiled step (the experts one opaque op in the graph) on every kind of step."""
+    """The compiled step (the experts one opaque op in the graph) on every kind of step; the
+    start-up log says where the wait goes."""
+    caplog.set_level(logging.INFO, logger="iterserve.model")
     llm = LLM(
         str(moe_dir),
         dtype="float32",
@@ -340,6 +343,7 @@ def test_compiled_engine_greedy_through_chunks_preemption_and_prefix_hits(
         block_size=4,
     )
     assert llm.engine.model_plan.step == "compiled"
+    assert "the layer stack compiles at warm-up (torch.compile)" in caplog.text
     for _ in range(2):  # the second pass starts from prefix-cache hits
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outputs] == moe_reference

@@ -26,6 +26,7 @@ import platform
 import shutil
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +290,12 @@ def build_and_load_library(
         torch.ops.load_library(str(build_dir / f"{name}.so"))
         return
     with _exclusive(build_dir / "iterserve.lock"):
+        if (build_dir / _BUILT).exists():  # another process built it while this one waited
+            torch.ops.load_library(str(build_dir / f"{name}.so"))
+            return
+        # A first start is otherwise silent for the length of a build (~1.5 min on 2 cores).
+        logger.info("building %s (once for this source tree; cached in %s)", name, build_dir)
+        start = time.monotonic()
         # torch's own baton is a plain file: a process killed mid-build leaves it behind and
         # every later load waits for it for ever. Under this lock, which the OS lets go when
         # its holder dies, no build of ours is running, so a baton left there is stale.
@@ -305,6 +312,7 @@ def build_and_load_library(
             verbose=os.environ.get("ITERSERVE_KERNELS_VERBOSE") == "1",
         )
         (build_dir / _BUILT).touch()
+        logger.info("built %s in %.0f s", name, time.monotonic() - start)
 
 
 # The sources with the longest compiles, longest first (AVX2 flags, one at a time: 40, 31 and
