@@ -277,6 +277,14 @@ def _exclusive(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _load_built(name: str, build_dir: Path) -> bool:
+    """Load a finished build of `name` from `build_dir` as it is; False if there is none."""
+    if not (build_dir / _BUILT).exists():
+        return False
+    torch.ops.load_library(str(build_dir / f"{name}.so"))
+    return True
+
+
 def build_and_load_library(
     name: str, sources: list[str], cflags: list[str], build_dir: Path, includes: list[str]
 ) -> None:
@@ -286,12 +294,10 @@ def build_and_load_library(
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    if (build_dir / _BUILT).exists():
-        torch.ops.load_library(str(build_dir / f"{name}.so"))
+    if _load_built(name, build_dir):
         return
     with _exclusive(build_dir / "iterserve.lock"):
-        if (build_dir / _BUILT).exists():  # another process built it while this one waited
-            torch.ops.load_library(str(build_dir / f"{name}.so"))
+        if _load_built(name, build_dir):  # another process built it while this one waited
             return
         # A first start is otherwise silent for the length of a build (~1.5 min on 2 cores).
         logger.info("building %s (once for this source tree; cached in %s)", name, build_dir)

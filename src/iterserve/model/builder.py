@@ -154,14 +154,14 @@ def build_model(
         )
     compiled = config.compile and not fused and model.lora is None and _can_compile(device)
     if compiled:
-        _use_persistent_compile_cache()
+        cache = _use_persistent_compile_cache()
         model.compile_layers()
         # The warm-up is otherwise a silent wait: Gemma 4 E2B's 35 unlike layers took 144 s
         # the first time (docs/benchmarks.md, 2026-12-03), 30 s from the cache.
         logger.info(
             "the layer stack compiles at warm-up (torch.compile): minutes on a model's first "
             "start, then loaded from %s; --enforce-eager runs without it",
-            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+            cache,
         )
     formats = _held_formats(model)
     plan = ModelPlan(
@@ -226,6 +226,7 @@ def _can_compile(device: torch.device) -> bool:
     return True
 
 
-def _use_persistent_compile_cache() -> None:
-    """Keep inductor's compiled graphs next to our kernels, across runs and reboots of /tmp."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.cache_dir() / "inductor"))
+def _use_persistent_compile_cache() -> str:
+    """Keep inductor's compiled graphs next to our kernels, across runs and reboots of /tmp;
+    returns the directory in use (a TORCHINDUCTOR_CACHE_DIR of the user's own stays)."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.cache_dir() / "inductor"))
