@@ -156,7 +156,8 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x, int64_t unit) {
   const int64_t M = x.size(0), K = x.size(1);
   const auto rows = quantized(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, unit);
   Tensor q = at::empty({M, K}, at::kChar), s = at::empty({M, K / unit}, at::kFloat);
-  std::memcpy(q.data_ptr<int8_t>(), rows->xq.get(), M * K);
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(q.data_ptr<int8_t>() + m * K, rows->xq.get() + m * rows->view.ld, K);
   std::memcpy(s.data_ptr<float>(), rows->scale.get(), M * K / unit * sizeof(float));
   return {q, s};
 }

@@ -38,6 +38,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -89,10 +90,11 @@ struct Epilogue {
 };
 
 // Rows quantized for the block formats, per unit of `unit` inputs (32 or 256): xq [M, K]
-// int8 with x ~ s xq, s [M, K / unit], and the negated sums of xq per 16 inputs [M, K / 16]
-// and per 32 [M, K / 32], in int32: what the biases and offsets take away (blocks.h); for
-// units of 256, also the per-32 sums of blocks 2q and 2q + 1 as one word of 16-bit halves
-// [M, K / 64] (|sum| <= 32 * 127), for the integer offsets (`UnitOffsets`).
+// int8 with x ~ s xq, its rows `ld` bytes apart (`padded_row_bytes`), s [M, K / unit], and
+// the negated sums of xq per 16 inputs [M, K / 16] and per 32 [M, K / 32], in int32: what the
+// biases and offsets take away (blocks.h); for units of 256, also the per-32 sums of blocks
+// 2q and 2q + 1 as one word of 16-bit halves [M, K / 64] (|sum| <= 32 * 127), for the integer
+// offsets (`UnitOffsets`).
 struct QuantizedX {
   int64_t unit = 0;
   const int8_t* xq = nullptr;
@@ -100,6 +102,7 @@ struct QuantizedX {
   const int32_t* neg_sum16 = nullptr;
   const int32_t* neg_sum32 = nullptr;
   const int32_t* neg_sum_pairs = nullptr;
+  int64_t ld = 0;
 
   // Row m's negated sum of xq over block blk (H = 1) or its half h (H = 2).
   template <int H>
@@ -109,9 +112,9 @@ struct QuantizedX {
 
   QuantizedX from(int64_t first, int64_t K) const {
     if (!xq) return *this;
-    return {unit, xq + first * K, scale + first * (K / unit), neg_sum16 + first * (K / 16),
+    return {unit, xq + first * ld, scale + first * (K / unit), neg_sum16 + first * (K / 16),
             neg_sum32 + first * (K / 32),
-            neg_sum_pairs ? neg_sum_pairs + first * (K / 64) : nullptr};
+            neg_sum_pairs ? neg_sum_pairs + first * (K / 64) : nullptr, ld};
   }
 };
 
@@ -253,22 +256,43 @@ inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t*
   }
 }
 
+// Bytes from one row's int8 activations to the next's: K rounded up to an odd number of cache
+// lines. A many-row sweep reads one block (32 bytes) of every row of its slab in turn; rows
+// a multiple of 4 KiB apart all fall into one set of the L1 cache (8 ways on Zen 3, 12 on
+// Zen 4 and 5 and recent Intel cores), which then evicts each before its next block is read,
+// and rows 2 or 3 KiB apart into 2 or 4 sets. An odd number of lines apart, 64 rows take 64
+// sets. The sweep with rows padded so, against rows K apart (benchmarks/tiles_timing.cpp,
+// one thread, 2026-12-04, AVX2 on Zen 3, two builds 3 times in turns, the same output bits):
+// Q4_K at 128 rows, K = 4096 1.26-1.31x, 8192 1.25-1.27x, 14336 1.05-1.08x, 2048 1.04-1.06x,
+// 3072 1.00-1.04x; at 16 rows, K = 4096 1.17-1.22x (Q6_K 1.09-1.10x); Q4_0 and Q8_0 at 128
+// rows, K = 4096 1.12-1.16x and 1.08-1.09x. A 7B body's 128-token prompts ran 1.17-1.26x
+// faster in the engine (docs/benchmarks.md, 2026-12-04).
+inline int64_t padded_row_bytes(int64_t K) {
+  const int64_t lines = (K + 63) / 64;
+  return 64 * (lines % 2 ? lines : lines + 1);
+}
+
 // QuantizedX in buffers of its own, for M rows of K inputs; rows are quantized one by one
 // (`row`), so that a caller can spread them over threads.
 struct QuantizedBuffers {
-  std::unique_ptr<int8_t[]> xq;
+  struct AlignedFree {
+    void operator()(int8_t* p) const { ::operator delete[](p, std::align_val_t{64}); }
+  };
+  std::unique_ptr<int8_t[], AlignedFree> xq;
   std::unique_ptr<float[]> scale;
   std::unique_ptr<int32_t[]> neg_sum16, neg_sum32, neg_sum_pairs;
   QuantizedX view;
 
   QuantizedBuffers(int64_t M, int64_t K, int64_t unit)
-      : xq(new int8_t[M * K]), scale(new float[M * K / unit]),
+      : xq(new (std::align_val_t{64}) int8_t[M * padded_row_bytes(K)]),
+        scale(new float[M * K / unit]),
         neg_sum16(new int32_t[M * K / 16]), neg_sum32(new int32_t[M * K / kBlock]),
         neg_sum_pairs(unit == 256 ? new int32_t[M * K / 64] : nullptr),
-        view{unit, xq.get(), scale.get(), neg_sum16.get(), neg_sum32.get(), neg_sum_pairs.get()} {}
+        view{unit, xq.get(), scale.get(), neg_sum16.get(), neg_sum32.get(), neg_sum_pairs.get(),
+             padded_row_bytes(K)} {}
   // Row m, from x (its K inputs).
   void row(const at::BFloat16* x, int64_t K, int64_t m) {
-    quantize_row(x, K, view.unit, xq.get() + m * K, scale.get() + m * (K / view.unit),
+    quantize_row(x, K, view.unit, xq.get() + m * view.ld, scale.get() + m * (K / view.unit),
                  neg_sum16.get() + m * (K / 16), neg_sum32.get() + m * (K / kBlock),
                  neg_sum_pairs ? neg_sum_pairs.get() + m * (K / 64) : nullptr);
   }
@@ -373,9 +397,8 @@ ITERSERVE_INLINE void fold_unit(std::array<F16, MR * NT>& acc,
 }
 
 // Row m's activations of chunk c of block blk (inputs 8c..8c+7).
-ITERSERVE_INLINE const int8_t* x_chunk(const QuantizedX& x, int64_t K, int64_t m, int64_t blk,
-                                       int c) {
-  return x.xq + m * K + blk * kBlock + 8 * c;
+ITERSERVE_INLINE const int8_t* x_chunk(const QuantizedX& x, int64_t m, int64_t blk, int c) {
+  return x.xq + m * x.ld + blk * kBlock + 8 * c;
 }
 
 template <bool Signed>
@@ -386,26 +409,26 @@ ITERSERVE_INLINE I16 dot_quads(const I16& acc, const Quads& w, const int8_t* x) 
 
 // Chunk C of a block of NT tiles (w[C][j], decoded) against MR rows.
 template <typename Codec, int C, int MR, int NT>
-ITERSERVE_INLINE void chunk_dots(const QuantizedX& x, int64_t K, int64_t m0, int64_t blk,
-                                 const Quads* w, std::array<I16, Codec::kHalves * MR * NT>& dot) {
+ITERSERVE_INLINE void chunk_dots(const QuantizedX& x, int64_t m0, int64_t blk, const Quads* w,
+                                  std::array<I16, Codec::kHalves * MR * NT>& dot) {
   constexpr int h = Codec::kHalves == 2 ? C / 2 : 0;
   ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
     ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
       I16& d = dot[(h * MR + r) * NT + j];
-      d = dot_quads<Codec::kSigned>(d, w[j], x_chunk(x, K, m0 + r, blk, C));
+      d = dot_quads<Codec::kSigned>(d, w[j], x_chunk(x, m0 + r, blk, C));
     }
 }
 
 // A block's 4 chunks of NT tiles (units at p[j]) against MR rows, decoded as they are used.
 template <typename Codec, int MR, int NT>
-ITERSERVE_INLINE void block_dots(const QuantizedX& x, int64_t K, int64_t m0, int64_t blk,
+ITERSERVE_INLINE void block_dots(const QuantizedX& x, int64_t m0, int64_t blk,
                                  const uint8_t* const* p, int b,
                                  std::array<I16, Codec::kHalves * MR * NT>& dot) {
   auto run = [&](auto c) {
     constexpr int C = decltype(c)::value;
     Quads w[NT];
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) w[j] = Codec::template chunk<C>(p[j], b);
-    chunk_dots<Codec, C, MR, NT>(x, K, m0, blk, w, dot);
+    chunk_dots<Codec, C, MR, NT>(x, m0, blk, w, dot);
   };
   run(std::integral_constant<int, 0>{});
   run(std::integral_constant<int, 1>{});
@@ -541,7 +564,7 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
   auto block = [&](const uint8_t* const* p, int b, int64_t blk) ITERSERVE_INLINE_LAMBDA {
     if (prefetch) prefetch_units<Codec, MR == 1 ? 1 : 2, NT>(p, b);
     auto dot = start_dots<Codec, MR, NT>(x, m0, blk, K);
-    block_dots<Codec, MR, NT>(x, K, m0, blk, p, b, dot);
+    block_dots<Codec, MR, NT>(x, m0, blk, p, b, dot);
     F16 a[NT * H], o[NT * H];
     ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
     if (b == 0) fold_block<Codec, MR, NT, true>(unit, dot, a, o, x, m0, blk, K);
@@ -601,10 +624,10 @@ inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t s
     row_groups<MR>(M, [&](auto mr, int64_t m0) {
       constexpr int R = decltype(mr)::value;
       auto dot = start_dots<Codec, R, NT>(x, m0, blk, K);
-      chunk_dots<Codec, 0, R, NT>(x, K, m0, blk, q[0], dot);
-      chunk_dots<Codec, 1, R, NT>(x, K, m0, blk, q[1], dot);
-      chunk_dots<Codec, 2, R, NT>(x, K, m0, blk, q[2], dot);
-      chunk_dots<Codec, 3, R, NT>(x, K, m0, blk, q[3], dot);
+      chunk_dots<Codec, 0, R, NT>(x, m0, blk, q[0], dot);
+      chunk_dots<Codec, 1, R, NT>(x, m0, blk, q[1], dot);
+      chunk_dots<Codec, 2, R, NT>(x, m0, blk, q[2], dot);
+      chunk_dots<Codec, 3, R, NT>(x, m0, blk, q[3], dot);
       std::array<F16, R * NT> unit;
       if (b == 0) {
         fold_block<Codec, R, NT, true>(unit, dot, a, o, x, m0, blk, K);
