@@ -258,8 +258,8 @@ inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t*
 
 // Bytes from one row's int8 activations to the next's: K rounded up to an odd number of cache
 // lines. A many-row sweep reads one block (32 bytes) of every row of its slab in turn; rows
-// a multiple of 4 KiB apart all fall into one set of the L1 cache (8 ways on Zen 3, 12 on
-// Zen 4 and 5 and recent Intel cores), which then evicts each before its next block is read,
+// a multiple of 4 KiB apart all fall into one set of the L1 cache (8 ways on Zen 3 and 4, 12
+// on Zen 5 and recent Intel cores), which then evicts each before its next block is read,
 // and rows 2 or 3 KiB apart into 2 or 4 sets. An odd number of lines apart, 64 rows take 64
 // sets. The sweep with rows padded so, against rows K apart (benchmarks/tiles_timing.cpp,
 // one thread, 2026-12-04, AVX2 on Zen 3, two builds 3 times in turns, the same output bits):
