@@ -410,7 +410,7 @@ ITERSERVE_INLINE I16 dot_quads(const I16& acc, const Quads& w, const int8_t* x) 
 // Chunk C of a block of NT tiles (w[C][j], decoded) against MR rows.
 template <typename Codec, int C, int MR, int NT>
 ITERSERVE_INLINE void chunk_dots(const QuantizedX& x, int64_t m0, int64_t blk, const Quads* w,
-                                  std::array<I16, Codec::kHalves * MR * NT>& dot) {
+                                 std::array<I16, Codec::kHalves * MR * NT>& dot) {
   constexpr int h = Codec::kHalves == 2 ? C / 2 : 0;
   ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
     ITERSERVE_UNROLL for (int r = 0; r < MR; ++r) {
