@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from iterserve import kernels
+from iterserve.model import llama
 from iterserve.model.block_formats import quantize_q8_0
 from iterserve.model.gguf_blocks import GGUFBlocks
 from iterserve.model.linear import Backend, WeightMode, onednn_usable
@@ -187,10 +188,13 @@ def test_int8_kv_cache_keeps_the_reference_greedy_tokens(hf) -> None:
     ],
 )
 def test_frozen_graphs_run_without_guards_and_compute_the_same(
-    hf, dtype: torch.dtype, backend: Backend
+    hf, dtype: torch.dtype, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a one-token and a many-token step, calls bypass dynamo's guards: still the same
-    logits for steps of every shape (mixed chunks, decodes, a lone decode)."""
+    logits for steps of every shape (mixed chunks, decodes, a lone decode), and the rotary
+    tables still grow as sequences reach past them (graph inputs, not constants of the
+    trace: the frozen graphs must read the new ones)."""
+    monkeypatch.setattr(llama, "_ROPE_POSITIONS", 8)
     kernel = backend == "tiled"
     tokens = _tokens(6, (40, 20, 35))
     compiled = _model(hf, dtype, backend, compiled=True)
@@ -200,8 +204,10 @@ def test_frozen_graphs_run_without_guards_and_compute_the_same(
     warm.step([("w", 3)])
     compiled.freeze_compiled()
     assert compiled._run_layers.frozen
+    assert compiled.rope_positions == 8
     eager = _run(_model(hf, dtype, backend), tokens, kernel=kernel)
     frozen = _run(compiled, tokens, kernel=kernel)
+    assert compiled.rope_positions == 40  # grown past 8 rows to the longest sequence
     if dtype == torch.bfloat16:  # the graph keeps fp32 between fused ops where eager rounds
         assert_same_greedy(eager, frozen)
         return

@@ -9,27 +9,36 @@ count, is what picks between the two graphs (one token, or a dynamic count). So 
 graphs exist, `freeze` takes dynamo's compiled bytecode for each and later calls go straight
 to it, choosing by token count: the CPU analogue of replaying a captured CUDA graph.
 vLLM's compiled models dispatch the same way.
+
+Skipping the guards is sound only for what the graphs take as inputs of any length: a tensor
+the graph reads as a module attribute is a constant of the trace, and a tensor argument whose
+length was not marked dynamic is specialized to the length first seen. So whatever may grow
+between steps (the packed sequence table, the rotary tables) is an argument marked dynamic.
 """
 
 from __future__ import annotations
 
+import gc
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from iterserve.model.host_memory import release_freed_memory
+
 
 class CompiledLayers:
     """Call `method` (a bound method) compiled; after `freeze`, without guards."""
 
-    def __init__(self, method: Callable[..., torch.Tensor], dynamic_arg: int) -> None:
-        """`dynamic_arg`: the index of an argument whose first dimension varies every step
-        independently of the token count (it is marked dynamic before the graph is traced)."""
+    def __init__(self, method: Callable[..., torch.Tensor], dynamic_args: tuple[int, ...]) -> None:
+        """`dynamic_args`: the indices of the arguments (tensors, None, or tuples of tensors)
+        whose first dimension varies independently of the token count (it is marked dynamic
+        before the graph is traced)."""
         self._method = method
         self._owner = method.__self__  # type: ignore[attr-defined]
         self._code = method.__func__.__code__  # type: ignore[attr-defined]
-        self._dynamic_arg = dynamic_arg
+        self._dynamic_args = dynamic_args
         # Dynamo keeps its graphs per code object, so every model in a process (tests,
         # benchmarks comparing paths) adds its two to the same cache.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -44,9 +53,11 @@ class CompiledLayers:
     def __call__(self, *args: Any) -> torch.Tensor:
         if self._direct:
             return self._direct[args[0].shape[0] == 1](self._owner, *args)
-        marked = args[self._dynamic_arg]
-        if marked is not None:
-            torch._dynamo.maybe_mark_dynamic(marked, 0)
+        for index in self._dynamic_args:
+            marked = args[index]
+            for tensor in marked if isinstance(marked, tuple) else (marked,):
+                if tensor is not None:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
         self._samples[args[0].shape[0] == 1] = args
         return self._compiled(*args)
 
@@ -66,3 +77,7 @@ class CompiledLayers:
             globals_ = self._method.__func__.__globals__  # type: ignore[attr-defined]
             self._direct[key] = types.FunctionType(entry.code, globals_, self._code.co_name)
         self._samples.clear()
+        # Compiling leaves cycles and freed C heap behind: 20-50 MB of Gemma 4 E2B's held
+        # RSS, collected and given back here (measured once, warm and cold compile caches).
+        gc.collect()
+        release_freed_memory()

@@ -211,7 +211,6 @@ class _DecoderLayer(nn.Module):
         self.fused: (
             tuple[list[torch.Tensor], list[int], list[int], list[torch.Tensor | None]] | None
         ) = None
-        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         # The C++ ops of the kernels' ISA variant (kernels/__init__.py), set when they run.
         self.kernel_ops: Any = None
         # With LoRA adapters on the fused path, what the layer op takes to add their deltas
@@ -223,9 +222,10 @@ class _DecoderLayer(nn.Module):
         part: Callable[[str], WeightPart],
         backend: Backend,
         mode: WeightMode,
-        rope_tables: tuple[torch.Tensor, torch.Tensor],
+        rotated: int,
     ) -> None:
-        """Make the projections' Linears from their checkpoint tensors (`part(name)`)."""
+        """Make the projections' Linears from their checkpoint tensors (`part(name)`);
+        `rotated`: how many of each head's dimensions its RoPE turns."""
         prefix = f"model.layers.{self.index}."
         biases = {"qkv": self.qkv_bias, "o": self.o_bias}
         self.fused = None
@@ -261,15 +261,10 @@ class _DecoderLayer(nn.Module):
         if self.shared_expert is not None:
             tiled += self.shared_expert.linears()
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
-        fits_layer_op = (
-            self.fits_layer_ops
-            and self.head_dim % 32 == 0
-            and rope_tables[0].shape[1] % 32 == 0
-        )
+        fits_layer_op = self.fits_layer_ops and self.head_dim % 32 == 0 and rotated % 32 == 0
         if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
             fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
-            self.rope_tables = rope_tables
             args = [lin.kernel_args for lin in tiled]
             args += [([], [], None)] * (len(_FUSED) - len(tiled))  # an MLP of experts
             self.fused = (
@@ -285,12 +280,13 @@ class _DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
         step: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         query_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`forward` in one call of the C++ layer op (which reads positions from `step`); an
-        attention layer's (decoder_stack alone runs LFM2's convolution). `query_scales`: the
-        rows' (Ministral 3's temperature)."""
-        assert self.fused is not None and self.rope_tables is not None and self.conv is None
+        """`forward` in one call of the C++ layer op (which reads positions from `step` and
+        their rows of the whole rotary tables `rope`); an attention layer's (decoder_stack
+        alone runs LFM2's convolution). `query_scales`: the rows' (Ministral 3's temperature)."""
+        assert self.fused is not None and self.conv is None
         return self.kernel_ops.decoder_layer(
             hidden,
             self.input_norm,
@@ -305,7 +301,7 @@ class _DecoderLayer(nn.Module):
             *kv_cache,
             slot_mapping,
             step,
-            *self.rope_tables,
+            *rope,
             self.num_heads,
             self.num_kv_heads,
             self.scale,
@@ -576,17 +572,11 @@ class LlamaForCausalLM(nn.Module):
         elif c.rope_layers is not None and not all(c.rope_layers):  # SmolLM3's NoPE layers
             self.rope_second = no_rope_tables(positions, self.dtype, self.device)
         self.rope_positions = positions
-        for layer in self.layers:
-            assert isinstance(layer, _DecoderLayer)
-            if layer.rope_tables is not None:
-                layer.rope_tables = self._rope_of(layer)
 
-    def _rope_of(self, layer: _DecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables a layer rotates by (the second ones: see `second_rope`)."""
-        if layer.second_rope:
-            assert self.rope_second is not None
-            return self.rope_second
-        return self.rope_cos, self.rope_signed_sin
+    def _rope(self) -> tuple[torch.Tensor, ...]:
+        """The rotary tables as a step takes them: cos and signed sin, then the second pair
+        where some layers rotate by another (see `second_rope`)."""
+        return (self.rope_cos, self.rope_signed_sin, *(self.rope_second or ()))
 
     def _rope_rows(
         self,
@@ -677,7 +667,8 @@ class LlamaForCausalLM(nn.Module):
         part = functools.partial(weight_part, weights, quantized)
         for layer in self.layers:
             assert isinstance(layer, _DecoderLayer)
-            layer.build(part, backend, mode, self._rope_of(layer))
+            cos = self._rope()[2 if layer.second_rope else 0]  # 0 wide: a layer without RoPE
+            layer.build(part, backend, mode, cos.shape[1])
         if self.per_layer_inputs is not None:
             self.per_layer_inputs.build(part, backend, mode)
         table = part("model.embed_tokens.weight")
@@ -795,10 +786,10 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.tp is not None:
             raise ValueError("a tensor-parallel shard runs eager (its all-reduces are not traced)")
-        # A compiled graph holds the tables it was traced with (frozen graphs skip the guards
-        # that would see new ones): its tables cover the whole context from the start.
-        self.cover_positions(self.config.max_position_embeddings)
-        self._run_layers = CompiledLayers(self._layers, dynamic_arg=4)
+        # The step's packed table and the rotary tables vary in length: the tables are inputs
+        # of the graph, not constants, so they grow with the longest sequence as the eager
+        # step's do. (Tables for Gemma 4 E2B's whole context are 384 MiB in bf16.)
+        self._run_layers = CompiledLayers(self._layers, dynamic_args=(4, 5))
 
     def freeze_compiled(self) -> None:
         """After warm-up has run both graphs: call them without dynamo's guard checks."""
@@ -812,7 +803,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         slot_mapping: torch.Tensor,
         step: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
+        """`rope`: the whole rotary tables (`_rope`)."""
         assert self.embedding is not None
         hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
@@ -829,29 +822,31 @@ class LlamaForCausalLM(nn.Module):
             and self.fused_layers
             and (stacked := self._stacked(kv_caches)) is not None
         ):
-            second = self.rope_second or (None, None)
             return self.layers[0].kernel_ops.decoder_stack(
                 hidden,
                 slot_mapping,
                 step,
-                self.rope_cos,
-                self.rope_signed_sin,
-                *second,
+                *rope[:2],
+                *(rope[2:] or (None, None)),
                 *stacked,
                 query_scales,
             )
-        rope = self._rope_rows((self.rope_cos, self.rope_signed_sin), positions, query_scales)
-        second = rope
-        if self.rope_second is not None:
-            second = self._rope_rows(self.rope_second, positions, query_scales)
+        first_tables, second_tables = rope[:2], rope[2:] or rope[:2]
+        first_rows = self._rope_rows(first_tables, positions, query_scales)
+        second_rows = first_rows
+        if len(rope) > 2:
+            second_rows = self._rope_rows(second_tables, positions, query_scales)
         step_kv: StepKV = {}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # decoder_layer: a dense MLP, attention (LFM2's convolution is decoder_stack's)
             fused = layer.fused is not None and layer.moe is None and layer.conv is None
             if step is not None and fused:
-                hidden = layer.forward_fused(hidden, kv_cache, slot_mapping, step, query_scales)
+                tables = second_tables if layer.second_rope else first_tables
+                hidden = layer.forward_fused(
+                    hidden, kv_cache, slot_mapping, step, tables, query_scales
+                )
                 continue
-            cos, signed_sin = second if layer.second_rope else rope
+            cos, signed_sin = second_rows if layer.second_rope else first_rows
             own = None if per_layer is None else per_layer[:, layer.index]
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step, step_kv, own)
         return hidden
@@ -925,7 +920,9 @@ class LlamaForCausalLM(nn.Module):
             self.cover_positions(int(positions.max()) + 1)
         with attention_context(meta, kv_caches):
             step = None if meta.kernel is None else meta.kernel.packed
-            return self._run_layers(input_ids, positions, kv_caches, meta.slot_mapping, step)
+            return self._run_layers(
+                input_ids, positions, kv_caches, meta.slot_mapping, step, self._rope()
+            )
 
     def normed(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The final norm of the rows `indices` of `hidden_states`' output: what the LM head
