@@ -436,7 +436,7 @@ ITERSERVE_INLINE void block_dots(const QuantizedX& x, int64_t m0, int64_t blk,
   run(std::integral_constant<int, 3>{});
 }
 
-// Each of NT tiles' units (at p[j]) a unit or two ahead, a few lines a block: the hardware's
+// Each of NT tiles' units (at p[j]) `Units` units ahead, a few lines a block: the hardware's
 // streams alone left one-row steps at 81-92% of the memory's speed and four-row steps at
 // 60-73% (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4;
 // Intel Cascade Lake). Some AMD cores need no help with AVX-512's one or two rows, where
@@ -498,6 +498,19 @@ inline int cpu_family() {
 //     them and 0.76-0.86 without (Q4_K, Q6_K), Q4_0 and Q8_0 level, and a farther distance
 //     (2-16 units ahead) no better than one.
 // ITERSERVE_PREFETCH (0 or 1) forces either way.
+// How many units ahead a few rows' step prefetches: one (two from two rows on), and for the
+// small units of the 32-input formats (288-544 bytes a tile) as many as make ~2 KB. One
+// 288-byte unit ahead was too near on AMD Zen 3, AVX2 (benchmarks/stream_timing.cpp, two
+// threads over a 1B's 16 layers, builds in turns, 2026-12-04): one row of Q4_0 read at 0.74-0.85
+// of a plain read, Q5_0 0.68-0.70, Q4_1 0.69-0.70, IQ4_NL 0.73-0.85; ~2 KB ahead, 0.95-0.96,
+// 1.00-1.01, 0.88-0.98, 0.91-0.99 (one row of Q4_0 1.20-1.25x faster, Q5_0 1.49-1.53x, two
+// rows 1.15-1.20x / 1.14-1.15x); Q8_0 (3 units) level, four rows level to 1.1x.
+template <typename Codec, int MR>
+constexpr int few_rows_units_ahead() {
+  constexpr int64_t kBytesAhead = 2048;
+  return static_cast<int>(std::max<int64_t>(MR == 1 ? 1 : 2, kBytesAhead / Codec::kBytes));
+}
+
 template <typename Codec>
 inline bool few_rows_prefetch() {
   static const bool on = [] {
@@ -562,7 +575,7 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
   // Inlined into the block loop, so that the sums stay in registers from block to block (as
   // a call the lambda kept them in memory: one-row Q4_K steps ran 1.3x slower in cache).
   auto block = [&](const uint8_t* const* p, int b, int64_t blk) ITERSERVE_INLINE_LAMBDA {
-    if (prefetch) prefetch_units<Codec, MR == 1 ? 1 : 2, NT>(p, b);
+    if (prefetch) prefetch_units<Codec, few_rows_units_ahead<Codec, MR>(), NT>(p, b);
     auto dot = start_dots<Codec, MR, NT>(x, m0, blk, K);
     block_dots<Codec, MR, NT>(x, m0, blk, p, b, dot);
     F16 a[NT * H], o[NT * H];
