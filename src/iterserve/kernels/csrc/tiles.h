@@ -450,6 +450,19 @@ ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
       __builtin_prefetch(p[j] + Units * Codec::kBytes + (b * kEach + i) * 64, 0, 3);
 }
 
+// How many units ahead a few rows' step prefetches: one (two from two rows on), and for the
+// small units of the 32-input formats (288-544 bytes a tile) as many as make ~2 KB. One
+// 288-byte unit ahead was too near on AMD Zen 3, AVX2 (benchmarks/stream_timing.cpp, two
+// threads over a 1B's 16 layers, builds in turns, 2026-12-04): one row of Q4_0 read at
+// 0.74-0.85 of a plain read, Q5_0 0.64-0.74, Q4_1 0.69-0.80, IQ4_NL 0.73-0.85; ~2 KB ahead,
+// 0.95-0.97, 0.87-1.01, 0.88-0.98, 0.91-0.99 (one row of Q4_0 1.06-1.25x faster, Q5_0
+// 1.19-1.53x, two rows 1.15-1.21x / 1.14-1.15x); Q8_0 (3 units) level, four rows 0.9-1.2x.
+template <typename Codec, int MR>
+constexpr int few_rows_units_ahead() {
+  constexpr int64_t kBytesAhead = 2048;
+  return static_cast<int>(std::max<int64_t>(MR == 1 ? 1 : 2, kBytesAhead / Codec::kBytes));
+}
+
 // Whether this is an AMD core, and its family (Zen 4: 25, Zen 5: 26): the loops' rules below
 // were measured per core.
 inline bool amd_cpu() {
@@ -498,19 +511,6 @@ inline int cpu_family() {
 //     them and 0.76-0.86 without (Q4_K, Q6_K), Q4_0 and Q8_0 level, and a farther distance
 //     (2-16 units ahead) no better than one.
 // ITERSERVE_PREFETCH (0 or 1) forces either way.
-// How many units ahead a few rows' step prefetches: one (two from two rows on), and for the
-// small units of the 32-input formats (288-544 bytes a tile) as many as make ~2 KB. One
-// 288-byte unit ahead was too near on AMD Zen 3, AVX2 (benchmarks/stream_timing.cpp, two
-// threads over a 1B's 16 layers, builds in turns, 2026-12-04): one row of Q4_0 read at
-// 0.74-0.85 of a plain read, Q5_0 0.64-0.74, Q4_1 0.69-0.80, IQ4_NL 0.73-0.85; ~2 KB ahead,
-// 0.95-0.97, 0.87-1.01, 0.88-0.98, 0.91-0.99 (one row of Q4_0 1.06-1.25x faster, Q5_0
-// 1.19-1.53x, two rows 1.15-1.21x / 1.14-1.15x); Q8_0 (3 units) level, four rows 0.9-1.2x.
-template <typename Codec, int MR>
-constexpr int few_rows_units_ahead() {
-  constexpr int64_t kBytesAhead = 2048;
-  return static_cast<int>(std::max<int64_t>(MR == 1 ? 1 : 2, kBytesAhead / Codec::kBytes));
-}
-
 template <typename Codec>
 inline bool few_rows_prefetch() {
   static const bool on = [] {
