@@ -255,7 +255,7 @@ def test_long_query_over_a_cached_prefix(cached: int, dtype: torch.dtype) -> Non
     assert_matches(case.run(), case)
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 256])
+@pytest.mark.parametrize("head_dim", [32, 96, 256, 512])
 def test_other_head_dims(head_dim: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         case = make_case([5, 300], [1, 4], head_dim=head_dim, dtype=dtype, seed=head_dim)
@@ -295,7 +295,7 @@ def test_empty_step() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128), (3, 96)])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128), (3, 96), (8, 512)])
 def test_int8_cache_matches_reference(group: int, head_dim: int, dtype: torch.dtype) -> None:
     """The kernels read an int8 pool's rows as scale * values (the reference dequantizes)."""
     case = make_case(

@@ -39,7 +39,7 @@ logger = logging.getLogger("iterserve.kernels")
 _CSRC = Path(__file__).parent / "csrc"
 # The head sizes csrc/attention_loops.h is built for (its run_plan_for_head_dim says why
 # these); a model with another attends in torch.
-ATTENTION_HEAD_DIMS = (32, 64, 96, 128, 256)
+ATTENTION_HEAD_DIMS = (32, 64, 96, 128, 256, 512)
 
 
 @dataclass(frozen=True)

@@ -169,21 +169,44 @@ inline float row_scale(const int8_t* row, int64_t head_dim) {
   return scale;
 }
 
+// The loops below unroll a row's 32-dim chunks in full up to 256 dims. A wider row (512:
+// Gemma 4's full layers) runs as a loop over spans of 2 chunks, left rolled: unrolled whole,
+// its instantiations alone took as long to compile as those of every other head size
+// (attention_bf16.cpp 31.7 -> 57.9 s, AVX2, -O3; spans of 8 45.4 s, of 4 39.7, of 2 36.8;
+// each measured once, no script).
+template <int NC>
+constexpr int kSpan = NC <= 8 ? NC : 2;
+
+// body(c0, first) for the spans [c0, c0 + kSpan<NC>) of a row's NC chunks; `first`: c0 == 0.
+template <int NC, typename F>
+inline void for_each_span(F&& body) {
+  static_assert(NC % kSpan<NC> == 0, "a row is whole spans");
+  if constexpr (NC == kSpan<NC>) {
+    body(0, true);
+  } else {
+    for (int c0 = 0; c0 < NC; c0 += kSpan<NC>) body(c0, c0 == 0);
+  }
+}
+
 // Per key and query a 16-lane vector of partial sums; then, per query, 16 keys' vectors are
 // summed across lanes together. q: the block's QB queries' chunks, [QB][NC]. An int8 key's
 // dot products are of its int8 values, times its scale once summed.
 template <typename C, typename QC, int NC, int QB>
 inline void scores_tree(const C* cache, const int64_t* off, const QC* q, float* S, int64_t ldS) {
   auto dots = zeros<QB * kTile>();  // [QB][kTile]
-  ITERSERVE_UNROLL for (int j = 0; j < kTile; ++j) {
-    const C* key = cache + off[j];
-    auto acc = zeros<QB>();
-    ITERSERVE_UNROLL for (int c = 0; c < NC; ++c) {
-      const auto k = key_chunk(key + 32 * c);
-      ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i] = chunk_dot(acc[i], k, q[i * NC + c]);
+  for_each_span<NC>([&](int c0, bool first) {
+    ITERSERVE_UNROLL for (int j = 0; j < kTile; ++j) {
+      const C* key = cache + off[j] + 32 * c0;
+      auto acc = zeros<QB>();
+      ITERSERVE_UNROLL for (int c = 0; c < kSpan<NC>; ++c) {
+        const auto k = key_chunk(key + 32 * c);
+        ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
+          acc[i] = chunk_dot(acc[i], k, q[i * NC + c0 + c]);
+      }
+      ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
+        dots[i * kTile + j] = first ? acc[i] : dots[i * kTile + j] + acc[i];
     }
-    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) dots[i * kTile + j] = acc[i];
-  }
+  });
   if constexpr (std::is_same_v<C, int8_t>) {
     alignas(64) float scales[kTile];
     for (int j = 0; j < kTile; ++j) scales[j] = row_scale(cache + off[j], 32 * NC);
@@ -219,17 +242,20 @@ template <int NC, int QB>
 inline void scores_int16_queries(const int8_t* cache, const int64_t* off, const Int16Queries& q,
                                  int m0, float* S, int64_t ldS) {
   auto dots = zeros<QB * kTile>();  // [QB][kTile]
-  ITERSERVE_UNROLL for (int j = 0; j < kTile; ++j) {
-    const int8_t* key = cache + off[j];
-    I16 acc[QB];
-    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i] = I16::zero();
-    ITERSERVE_UNROLL for (int c = 0; c < NC; ++c) {
-      const I16 k = widen_i8_pairs(key + 32 * c);
+  for_each_span<NC>([&](int c0, bool first) {
+    ITERSERVE_UNROLL for (int j = 0; j < kTile; ++j) {
+      const int8_t* key = cache + off[j] + 32 * c0;
+      I16 acc[QB];
+      ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) acc[i] = I16::zero();
+      ITERSERVE_UNROLL for (int c = 0; c < kSpan<NC>; ++c) {
+        const I16 k = widen_i8_pairs(key + 32 * c);
+        ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
+          acc[i] = dot_i16(acc[i], k, I16::load(q.words + (m0 + i) * 32 * NC + 32 * (c0 + c)));
+      }
       ITERSERVE_UNROLL for (int i = 0; i < QB; ++i)
-        acc[i] = dot_i16(acc[i], k, I16::load(q.words + (m0 + i) * 32 * NC + 32 * c));
+        dots[i * kTile + j] = first ? to_float(acc[i]) : dots[i * kTile + j] + to_float(acc[i]);
     }
-    ITERSERVE_UNROLL for (int i = 0; i < QB; ++i) dots[i * kTile + j] = to_float(acc[i]);
-  }
+  });
   alignas(64) float scales[kTile];
   for (int j = 0; j < kTile; ++j) scales[j] = row_scale(cache + off[j], 32 * NC);
   const F16 vscales = F16::load(scales);
@@ -302,14 +328,15 @@ inline F16 widen_piece(const float* row, int piece) { return F16::load(row + 16 
 inline F16 widen_piece(const int8_t* row, int piece) { return load_i8x16(row + 16 * piece); }
 
 // A P.V block keeps MB queries' accumulators for PB pieces of the row in registers. AVX-512's
-// 32 registers take the whole row (PB = 2 * NC) for 12 / NC queries. AVX2's 16 ymm (and
-// NEON's 32 q registers: 8 F16s either way) take one piece for 4 queries (4 accumulators, the
-// widened piece, 4 probabilities: 14 ymm). A whole 32-dim chunk for 3 queries needs 17: the
+// 32 registers take the whole row (PB = 2 * NC) for 12 / NC queries, a wider row's span at
+// a time (512: 4 pieces, kSpan) for one. AVX2's 16 ymm (and NEON's 32 q registers: 8 F16s
+// either way) take one piece for 4 queries (4 accumulators, the widened piece, 4
+// probabilities: 14 ymm). A whole 32-dim chunk for 3 queries needs 17: the
 // accumulator spilled then chains every key through a store and a reload, and a decode step
 // measured ~15% slower than walking the V rows once per piece (each row is read 2 * NC times,
 // from L1 or L2 after the first).
 template <int NC>
-constexpr int kPvPieces = kParts == 1 ? 2 * NC : 1;
+constexpr int kPvPieces = kParts == 1 ? 2 * kSpan<NC> : 1;
 template <int NC>
 constexpr int kPvQueries = kParts == 1 ? (NC >= 12 ? 1 : 12 / NC) : 4;
 
@@ -322,27 +349,29 @@ template <typename C, int NC, int MB>
 inline void pv_block(const C* cache, const int64_t* off, int64_t n, const float* P, int64_t ldP,
                      float* acc_out) {
   constexpr int PB = kPvPieces<NC>;
-  static_assert(2 * NC % PB == 0, "a row is whole blocks of pieces");
-  ITERSERVE_UNROLL for (int r0 = 0; r0 < 2 * NC; r0 += PB) {
-    auto acc = zeros<MB * PB>();  // [MB][PB]
-    for (int64_t k = 0; k < n; ++k) {
-      if (r0 == 0 && k + kPrefetchKeys < n)  // the later passes find the rows in cache
-        prefetch_row(cache + off[k + kPrefetchKeys], row_bytes<C>(32 * NC));
-      auto v = zeros<PB>();
-      ITERSERVE_UNROLL for (int r = 0; r < PB; ++r) v[r] = widen_piece(cache + off[k], r0 + r);
-      float row_weight = 1.0f;
-      if constexpr (std::is_same_v<C, int8_t>) row_weight = row_scale(cache + off[k], 32 * NC);
-      ITERSERVE_UNROLL for (int i = 0; i < MB; ++i) {
-        const F16 p = F16::splat(std::is_same_v<C, int8_t> ? P[i * ldP + k] * row_weight
-                                                           : P[i * ldP + k]);
-        ITERSERVE_UNROLL for (int r = 0; r < PB; ++r)
-          acc[i * PB + r] = fmadd(v[r], p, acc[i * PB + r]);
+  static_assert(2 * kSpan<NC> % PB == 0, "a span is whole blocks of pieces");
+  for_each_span<NC>([&](int c0, bool) {
+    ITERSERVE_UNROLL for (int r0 = 2 * c0; r0 < 2 * (c0 + kSpan<NC>); r0 += PB) {
+      auto acc = zeros<MB * PB>();  // [MB][PB]
+      for (int64_t k = 0; k < n; ++k) {
+        if (r0 == 0 && k + kPrefetchKeys < n)  // the later passes find the rows in cache
+          prefetch_row(cache + off[k + kPrefetchKeys], row_bytes<C>(32 * NC));
+        auto v = zeros<PB>();
+        ITERSERVE_UNROLL for (int r = 0; r < PB; ++r) v[r] = widen_piece(cache + off[k], r0 + r);
+        float row_weight = 1.0f;
+        if constexpr (std::is_same_v<C, int8_t>) row_weight = row_scale(cache + off[k], 32 * NC);
+        ITERSERVE_UNROLL for (int i = 0; i < MB; ++i) {
+          const F16 p = F16::splat(std::is_same_v<C, int8_t> ? P[i * ldP + k] * row_weight
+                                                             : P[i * ldP + k]);
+          ITERSERVE_UNROLL for (int r = 0; r < PB; ++r)
+            acc[i * PB + r] = fmadd(v[r], p, acc[i * PB + r]);
+        }
       }
+      ITERSERVE_UNROLL for (int i = 0; i < MB; ++i)
+        ITERSERVE_UNROLL for (int r = 0; r < PB; ++r)
+          acc[i * PB + r].store(acc_out + i * 32 * NC + 16 * (r0 + r));
     }
-    ITERSERVE_UNROLL for (int i = 0; i < MB; ++i)
-      ITERSERVE_UNROLL for (int r = 0; r < PB; ++r)
-        acc[i * PB + r].store(acc_out + i * 32 * NC + 16 * (r0 + r));
-  }
+  });
 }
 
 // ---- 4. output rows -----------------------------------------------------------------------
@@ -591,11 +620,11 @@ void run_plan(const Plan& plan, bool parallel) {
 }
 
 // The head sizes built (kernels.ATTENTION_HEAD_DIMS says the same to Python): those of the
-// models people run (64: Llama 3.2 1B, SmolLM; 96: Phi-3; 128: most; 256: Gemma) and 32 for
-// tiny test models. Each costs 4 instantiations of every loop above: 160, 192 and 224, which
-// no common model has, took 37% of these loops' compile time (255 -> 160 s at -O3, AVX2), and
-// a cold build of every variant is paid by each new machine and CI run. Other multiples of 32
-// attend in torch (model/builder.py).
+// models people run (64: Llama 3.2 1B, SmolLM; 96: Phi-3; 128: most; 256: Gemma; 512: Gemma
+// 4's full layers, in spans: kSpan) and 32 for tiny test models. Each costs 4 instantiations
+// of every loop above: 160, 192 and 224, which no common model has, took 37% of these loops'
+// compile time (255 -> 160 s at -O3, AVX2), and a cold build of every variant is paid by each
+// new machine and CI run. Other multiples of 32 attend in torch (model/builder.py).
 template <typename T, typename C>
 void run_plan_for_head_dim(const Plan& plan, bool parallel) {
   switch (plan.head_dim) {
@@ -604,6 +633,7 @@ void run_plan_for_head_dim(const Plan& plan, bool parallel) {
     case 96: return run_plan<T, C, 3>(plan, parallel);
     case 128: return run_plan<T, C, 4>(plan, parallel);
     case 256: return run_plan<T, C, 8>(plan, parallel);
+    case 512: return run_plan<T, C, 16>(plan, parallel);
     default: TORCH_CHECK(false, "paged_attention: head_dim ", plan.head_dim, " is not built");
   }
 }

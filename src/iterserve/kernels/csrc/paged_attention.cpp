@@ -73,8 +73,8 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   const int64_t KVH = key_cache.size(0), NB = key_cache.size(1), BS = key_cache.size(2);
   TORCH_CHECK(cache_head_dim(key_cache) == D, "paged_attention: cache head_dim ",
               cache_head_dim(key_cache), " != q head_dim ", D);
-  TORCH_CHECK(D == 32 || D == 64 || D == 96 || D == 128 || D == 256,
-              "paged_attention: head_dim must be one of 32, 64, 96, 128, 256, got ", D);
+  TORCH_CHECK(D == 32 || D == 64 || D == 96 || D == 128 || D == 256 || D == 512,
+              "paged_attention: head_dim must be one of 32, 64, 96, 128, 256, 512, got ", D);
   TORCH_CHECK(KVH >= 1 && H % KVH == 0, "paged_attention: num_heads ", H,
               " is not a multiple of num_kv_heads ", KVH);
   TORCH_CHECK(BS >= 1, "paged_attention: block_size must be >= 1");
