@@ -31,14 +31,28 @@ from iterserve.model.host_memory import release_freed_memory
 class CompiledLayers:
     """Call `method` (a bound method) compiled; after `freeze`, without guards."""
 
-    def __init__(self, method: Callable[..., torch.Tensor], dynamic_args: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        method: Callable[..., torch.Tensor],
+        dynamic_args: tuple[int, ...],
+        kv_caches_arg: int | None = None,
+    ) -> None:
         """`dynamic_args`: the indices of the arguments (tensors, None, or tuples of tensors)
         whose first dimension varies independently of the token count (it is marked dynamic
-        before the graph is traced)."""
+        before the graph is traced). `kv_caches_arg`: the index of the argument holding the
+        layers' (K, V) pools, [kv_heads, num_blocks, block_size, width] each, when the graph
+        takes them as inputs (the C++ attention op): their block count is marked dynamic
+        too. `--kv-cache-memory auto` sizes the pool by the memory free at start-up, so it
+        differs from one start to the next, and a graph specialized to it missed
+        inductor's on-disk cache every time: Gemma 4 E2B compiled afresh at each start,
+        165-222 s, and loads in 40 s from the cache once the count is dynamic (AVX2 Zen 3,
+        2026-12-04; the two starts' cache keys, in torch._inductor.codecache's debug log,
+        differed only in the pools' block count)."""
         self._method = method
         self._owner = method.__self__  # type: ignore[attr-defined]
         self._code = method.__func__.__code__  # type: ignore[attr-defined]
         self._dynamic_args = dynamic_args
+        self._kv_caches_arg = kv_caches_arg
         # Dynamo keeps its graphs per code object, so every model in a process (tests,
         # benchmarks comparing paths) adds its two to the same cache.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -58,6 +72,10 @@ class CompiledLayers:
             for tensor in marked if isinstance(marked, tuple) else (marked,):
                 if tensor is not None:
                     torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        if self._kv_caches_arg is not None:
+            for pair in args[self._kv_caches_arg]:
+                for pool in pair:
+                    torch._dynamo.maybe_mark_dynamic(pool, 1)
         self._samples[args[0].shape[0] == 1] = args
         return self._compiled(*args)
 

@@ -789,7 +789,7 @@ class LlamaForCausalLM(nn.Module):
         # The step's packed table and the rotary tables vary in length: the tables are inputs
         # of the graph, not constants, so they grow with the longest sequence as the eager
         # step's do. (Tables for Gemma 4 E2B's whole context are 384 MiB in bf16.)
-        self._run_layers = CompiledLayers(self._layers, dynamic_args=(4, 5))
+        self._run_layers = CompiledLayers(self._layers, dynamic_args=(4, 5), kv_caches_arg=2)
 
     def freeze_compiled(self) -> None:
         """After warm-up has run both graphs: call them without dynamo's guard checks."""
