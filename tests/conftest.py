@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,14 +191,34 @@ _DISTRIBUTED_MODULES = {
 }
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs two workers), a module's tests stay on one
-    worker, so a module-scoped server or model is made once; the distributed modules
-    form one group."""
-    for item in items:
-        module = item.path.name
-        group = "distributed" if module in _DISTRIBUTED_MODULES else str(item.path)
-        item.add_marker(pytest.mark.xdist_group(group))
+def worker_group(nodeid: str) -> str:
+    """The worker group of a test: its module, or "distributed" for those modules."""
+    module = nodeid.split("::", 1)[0]
+    return "distributed" if Path(module).name in _DISTRIBUTED_MODULES else module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `--dist loadgroup` (`make test` runs two workers), a module's tests stay on one
+    worker, so a module-scoped server or model is made once, and the distributed modules
+    share one.
+
+    xdist's loadgroup reads groups from a suffix its collection hook writes into each
+    test's id, through an attribute pytest 9 no longer has (`Item._nodeid`; the id is
+    `_id` now): with pytest 9.2 and xdist 3.8 no test had a group, and a module's tests
+    were dealt to both workers one by one (`pytest -n 2 --dist loadgroup -v` named both
+    workers for one module's tests), each worker making the module's fixtures and the
+    distributed tests running two at once. So the groups are the scheduler's own scopes.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByTestGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByTestGroup(config, log)
 
 
 @pytest.fixture(scope="session")
