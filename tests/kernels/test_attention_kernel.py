@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -321,14 +322,21 @@ def test_int8_cache_under_a_sliding_window_and_over_threads() -> None:
     assert_matches(out, case)
 
 
+def test_python_knows_the_head_sizes_built() -> None:
+    """kernels.ATTENTION_HEAD_DIMS (by which model/builder.py sends a model to the op) is the
+    build's own list (attention_plan.h `BuiltHeadDims`); the tests above attend in each."""
+    assert kernels.ops().attention_head_dims() == list(kernels.ATTENTION_HEAD_DIMS)
+
+
 def test_bad_inputs_are_refused() -> None:
     case = make_case([20, 3], [1, 1], dtype=torch.bfloat16)
     case.block_tables[0, 1] = HUGE_BLOCK_ID  # a block the context needs
     with pytest.raises(RuntimeError, match="outside the pool"):
         case.run()
-    for head_dim in (48, 160):  # not a multiple of 32; one not built (ATTENTION_HEAD_DIMS)
+    built = list(kernels.ATTENTION_HEAD_DIMS)
+    for head_dim in (48, 160):  # not a multiple of 32; one not built
         odd = make_case([4], [1], head_dim=head_dim)
-        with pytest.raises(RuntimeError, match="must be one of 32, 64, 96, 128, 256"):
+        with pytest.raises(RuntimeError, match=re.escape(f"must be one of {built}")):
             odd.run()
     short = make_case([4], [1])
     short.seq_lens[0] = 0

@@ -37,8 +37,9 @@ import torch
 logger = logging.getLogger("iterserve.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
-# The head sizes csrc/attention_loops.h is built for (its run_plan_for_head_dim says why
-# these); a model with another attends in torch.
+# The head sizes the attention loops are built for: csrc/attention_plan.h `BuiltHeadDims`
+# lists them (and says why these), the op `attention_head_dims` reports them, a test checks
+# that this says the same. A model with another attends in torch.
 ATTENTION_HEAD_DIMS = (32, 64, 96, 128, 256, 512)
 
 

@@ -619,29 +619,19 @@ void run_plan(const Plan& plan, bool parallel) {
   });
 }
 
-// The head sizes built (kernels.ATTENTION_HEAD_DIMS says the same to Python): those of the
-// models people run (64: Llama 3.2 1B, SmolLM; 96: Phi-3; 128: most; 256: Gemma; 512: Gemma
-// 4's full layers, in spans: kSpan) and 32 for tiny test models. Each costs 4 instantiations
-// of every loop above: 160, 192 and 224, which no common model has, took 37% of these loops'
-// compile time (255 -> 160 s at -O3, AVX2), and a cold build of every variant is paid by each
-// new machine and CI run. Other multiples of 32 attend in torch (model/builder.py).
-template <typename T, typename C>
-void run_plan_for_head_dim(const Plan& plan, bool parallel) {
-  switch (plan.head_dim) {
-    case 32: return run_plan<T, C, 1>(plan, parallel);
-    case 64: return run_plan<T, C, 2>(plan, parallel);
-    case 96: return run_plan<T, C, 3>(plan, parallel);
-    case 128: return run_plan<T, C, 4>(plan, parallel);
-    case 256: return run_plan<T, C, 8>(plan, parallel);
-    case 512: return run_plan<T, C, 16>(plan, parallel);
-    default: TORCH_CHECK(false, "paged_attention: head_dim ", plan.head_dim, " is not built");
-  }
+// The plan's head size among those built (attention_plan.h `BuiltHeadDims`), 32 dims a chunk.
+template <typename T, typename C, int64_t... D>
+void run_plan_for_head_dim(const Plan& plan, bool parallel, std::integer_sequence<int64_t, D...>) {
+  const bool ran =
+      ((plan.head_dim == D && (run_plan<T, C, static_cast<int>(D / 32)>(plan, parallel), true)) ||
+       ...);
+  TORCH_CHECK(ran, "paged_attention: head_dim ", plan.head_dim, " is not built");
 }
 
 template <typename T>
 void run_items(const Plan& plan, bool int8_cache, bool parallel) {
-  if (int8_cache) run_plan_for_head_dim<T, int8_t>(plan, parallel);
-  else run_plan_for_head_dim<T, T>(plan, parallel);
+  if (int8_cache) run_plan_for_head_dim<T, int8_t>(plan, parallel, BuiltHeadDims{});
+  else run_plan_for_head_dim<T, T>(plan, parallel, BuiltHeadDims{});
 }
 
 }  // namespace iterserve::attention

@@ -73,6 +73,30 @@ inline std::pair<int64_t, int64_t> key_window(int64_t pos, int64_t window) {
 }
 
 
+// The head sizes the loops are built for, the one list of them (kernels.ATTENTION_HEAD_DIMS
+// repeats it to Python, checked by tests/kernels/test_attention_kernel.py): those of the
+// models people run (64: Llama 3.2 1B, SmolLM; 96: Phi-3; 128: most; 256: Gemma; 512: Gemma
+// 4's full layers, in spans: kSpan) and 32 for tiny test models. Each costs 4 instantiations
+// of every loop in attention_loops.h: 160, 192 and 224, which no common model has, took 37% of
+// those loops' compile time (255 -> 160 s at -O3, AVX2), and a cold build of every variant is
+// paid by each new machine and CI run. Other multiples of 32 attend in torch
+// (model/builder.py).
+using BuiltHeadDims = std::integer_sequence<int64_t, 32, 64, 96, 128, 256, 512>;
+
+template <int64_t... D>
+constexpr bool built(int64_t head_dim, std::integer_sequence<int64_t, D...>) {
+  return ((head_dim == D) || ...);
+}
+
+inline bool head_dim_built(int64_t head_dim) { return built(head_dim, BuiltHeadDims{}); }
+
+template <int64_t... D>
+std::vector<int64_t> listed(std::integer_sequence<int64_t, D...>) {
+  return {D...};
+}
+
+inline std::vector<int64_t> built_head_dims() { return listed(BuiltHeadDims{}); }
+
 // Runs every item of the plan for queries (and output) of type T, over a cache of T or, with
 // int8_cache, of int8 rows: the instantiations of attention_bf16.cpp (T = at::BFloat16) and
 // attention_f32.cpp (T = float).

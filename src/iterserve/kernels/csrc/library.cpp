@@ -12,6 +12,7 @@ namespace iterserve {
 
 TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def("isa() -> str");
+  m.def("attention_head_dims() -> int[]");
   m.def("format_sizes(int format) -> (int, int, int)");
 
   m.def(
@@ -70,6 +71,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
 // Ops without tensor arguments have no device to dispatch on.
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CatchAll, m) {
   m.impl("isa", &isa);
+  m.impl("attention_head_dims", &attention_head_dims);
   m.impl("format_sizes", &format_sizes);
 }
 

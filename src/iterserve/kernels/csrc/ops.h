@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 // The torch library namespace the ops register in: one per ISA variant (iterserve_avx2, ...),
 // so that several variants can be loaded in one process (the tests compare them). The build
@@ -171,6 +172,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                            double scale, int64_t sliding_window, double softcap,
                            const std::optional<at::Tensor>& sinks);
+
+// paged_attention.cpp: the head sizes the attention loops are built for (attention_plan.h).
+std::vector<int64_t> attention_head_dims();
 
 // read_probe.cpp: a buffer read as the decode loops read a weight (for the bandwidth figure).
 int64_t read_probe(const at::Tensor& buffer, int64_t threads);

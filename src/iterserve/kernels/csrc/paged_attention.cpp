@@ -73,8 +73,8 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   const int64_t KVH = key_cache.size(0), NB = key_cache.size(1), BS = key_cache.size(2);
   TORCH_CHECK(cache_head_dim(key_cache) == D, "paged_attention: cache head_dim ",
               cache_head_dim(key_cache), " != q head_dim ", D);
-  TORCH_CHECK(D == 32 || D == 64 || D == 96 || D == 128 || D == 256 || D == 512,
-              "paged_attention: head_dim must be one of 32, 64, 96, 128, 256, 512, got ", D);
+  TORCH_CHECK(head_dim_built(D), "paged_attention: head_dim must be one of ",
+              c10::IntArrayRef(built_head_dims()), ", got ", D);
   TORCH_CHECK(KVH >= 1 && H % KVH == 0, "paged_attention: num_heads ", H,
               " is not a multiple of num_kv_heads ", KVH);
   TORCH_CHECK(BS >= 1, "paged_attention: block_size must be >= 1");
@@ -278,5 +278,7 @@ Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
   return attend_rows(q, key_cache, value_cache, table.block_tables(), table.seq_lens(),
                      table.query_start_loc(), scale, sliding_window, softcap, sinks);
 }
+
+std::vector<int64_t> attention_head_dims() { return built_head_dims(); }
 
 }  // namespace iterserve
