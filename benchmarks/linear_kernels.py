@@ -19,7 +19,7 @@ interleaved repeats, so a noisy spell hits every format alike; asserts nothing. 
 run in the ISA variant the CPU picks or ITERSERVE_ISA names (printed first).
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1,4,16,64,512] [--formats Q4_K,Q6_K]
-        [--body llama-8b --layers 2] [--pages 4k,2m]
+        [--body llama-8b --layers 2] [--body gemma4-e2b] [--pages 4k,2m]
     ITERSERVE_ISA=avx2 .venv/bin/python benchmarks/linear_kernels.py
 """
 
@@ -44,6 +44,7 @@ BODIES = {
     "llama-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
     "llama-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
     "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+    "gemma4-e2b": [(2560, 1536), (1536, 2048), (12288, 1536), (1536, 6144)],
 }
 FORMATS = ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "Q3_K", "Q2_K", "bf16"]
 

@@ -3,7 +3,8 @@
 // memory's speed the loops reach, with no torch runtime and no Python between the calls.
 // The weights are a Llama 3.2 1B's projections (qkv 3072 x 2048, o 2048 x 2048, gate_up
 // 16384 x 2048, down 2048 x 8192; with SHAPES=8b a Llama 3.1 8B's, 6144 x 4096, 4096 x 4096,
-// 28672 x 4096, 4096 x 14336) over `layers` layers, each its own random blocks on 2 MiB
+// 28672 x 4096, 4096 x 14336; with SHAPES=gemma4 a Gemma 4 E2B's narrow layers, 2560 x 1536,
+// 1536 x 2048, 12288 x 1536, 1536 x 6144) over `layers` layers, each its own random blocks on 2 MiB
 // pages, each split in two equal halves of tiles as the engine splits a few rows' step. On a
 // shared machine the memory's speed moves with the other tenants, so run builds in turns
 // (several rounds each) and compare runs whose plain reads agree.
@@ -17,6 +18,7 @@
 //   /tmp/stream_timing <format code> [layers=16] [reps=5] [rows=1]
 //   IN_CACHE=1 /tmp/stream_timing ...   # one 1024 x 2048 weight over and over: the loops' own rate
 //   SHAPES=8b /tmp/stream_timing 22 4     # an 8B's layers (218 MB each in Q4_K)
+//   SHAPES=gemma4 /tmp/stream_timing 22 24  # a hidden size of 1536 (Gemma 4 E2B, Qwen 1.5B)
 //
 // Format codes: blocks.h `Format` (Q4_0 10, Q8_0 14, Q4_K 22, Q6_K 24, ...).
 #include "gguf_repack.h"
@@ -84,6 +86,8 @@ int main(int argc, char** argv) {
   std::vector<std::pair<int64_t, int64_t>> shapes = {{3072, 2048}, {2048, 2048}, {16384, 2048}, {2048, 8192}};
   if (const char* body = getenv("SHAPES"); body && std::string(body) == "8b")
     shapes = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+  if (const char* body = getenv("SHAPES"); body && std::string(body) == "gemma4")
+    shapes = {{2560, 1536}, {1536, 2048}, {12288, 1536}, {1536, 6144}};
   if (in_cache) shapes = {{1024, 2048}};
   std::mt19937 rng(1);
   std::vector<Weight> weights;
