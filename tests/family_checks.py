@@ -85,7 +85,15 @@ def assert_fast_paths_keep_the_eager_greedy_tokens(
     rounding = (ref - exact).abs().amax(dim=-1)
     chosen = exact.gather(1, got.argmax(dim=-1, keepdim=True)).squeeze(1)
     assert bool((chosen >= exact.amax(dim=-1) - 3 * rounding).all())
-    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+    # No logit strays from eager bf16's by a tenth of the largest; or, where the two bf16
+    # paths round apart by more, the fast one stands at most twice as far from float32 as
+    # eager bf16 does. Gemma 4 E2B's C++ layer op rounds its glue as transformers does, not
+    # as the Python layer does, and its tiny random model (weights of std 0.15) carried the
+    # first layer's difference to 14% of the largest logit, while that layer's own output
+    # stood as close to float32's as the Python layer's on the same input (mean error 0.023
+    # against 0.022, max 0.24 against 0.17 of 12.5; 2026-12-04, a throwaway script).
+    strays = (got - ref).abs().max() >= 0.1 * ref.abs().max()
+    assert not strays or (got - exact).abs().max() <= 2 * (ref - exact).abs().max()
 
 
 @torch.inference_mode()

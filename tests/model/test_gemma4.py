@@ -148,13 +148,14 @@ def test_engine_greedy_matches_transformers_through_preemption_and_ngram_specula
 def test_tiled_kernels_keep_the_eager_greedy_tokens(
     gemma4: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
 ) -> None:
-    """bf16 tiled projections and the paged attention op, layer by layer (Gemma 4's layers
-    are not the fused layer op's), against bf16 eager torch."""
-    _, hf = gemma4
+    """The C++ layer op in bf16 against bf16 eager torch: E2B's every layer (K/V read from an
+    earlier layer's pool, normed values, per-layer inputs, the layer scalar); 31B's sliding
+    layers, its full ones (keys as values) layer by layer in torch around the paged op."""
+    name, hf = gemma4
     directory = save_checkpoint(hf, tmp_path, tokenizer_dir)
     config = load_model(directory, torch.float32).config
     weights = lambda: load_model(directory, torch.float32).weights  # noqa: E731
-    assert_fast_paths_keep_the_eager_greedy_tokens(config, weights, VOCAB, fused=False)
+    assert_fast_paths_keep_the_eager_greedy_tokens(config, weights, VOCAB, fused=name == "e2b")
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])

@@ -88,6 +88,11 @@ def _decoder_layer(
     lora_rows: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
     query_scales: torch.Tensor | None = None,
+    value_norm: bool = False,
+    shares_kv: bool = False,
+    per_layer_input: torch.Tensor | None = None,
+    per_layer_norm: torch.Tensor | None = None,
+    layer_scalar: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 

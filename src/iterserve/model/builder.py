@@ -156,8 +156,9 @@ def build_model(
     if compiled:
         cache = _use_persistent_compile_cache()
         model.compile_layers()
-        # The warm-up is otherwise a silent wait: Gemma 4 E2B's 35 unlike layers took 144 s
-        # the first time (docs/benchmarks.md, 2026-12-03), 30 s from the cache.
+        # The warm-up is otherwise a silent wait: Gemma 4 E2B's 35 unlike layers, when they
+        # were compiled, took 144 s the first time (docs/benchmarks.md, 2026-12-03), 30 s from
+        # the cache.
         logger.info(
             "the layer stack compiles at warm-up (torch.compile): minutes on a model's first "
             "start, then loaded from %s; --enforce-eager runs without it",

@@ -198,11 +198,11 @@ class _DecoderLayer(nn.Module):
         # the scalar the layer's output is multiplied by.
         self.per_layer_norm = _weight(hidden, **like) if config.per_layer_input_size else None
         self.layer_scalar = _weight(1, **like) if traits.layer_scalar else None
-        # Whether the C++ layer ops can run this layer at all: they take every layer to have
-        # the model's attention shape and its own K/V, and none of Gemma 4's extra parts.
-        self.fits_layer_ops = config.uniform_layers and not (
-            traits.value_norm or traits.layer_scalar
-        )
+        # Whether the C++ layer op can run this layer at all: Gemma 4's layers each with its
+        # own attention shape, K/V of an earlier layer, normed values, per-layer input and
+        # scalar are decoder_layer's (not decoder_stack's: `_stacked`); values that are the
+        # keys (E4B's and 31B's full layers) are not.
+        self.fits_layer_ops = not self.keys_as_values
         self.dtype = dtype
         self.linears: dict[str, Linear] = {}
         # The whole layer as one C++ op (kernels/csrc/layer.cpp), when every part fits it:
@@ -260,13 +260,15 @@ class _DecoderLayer(nn.Module):
         tiled = [*mixer, *mlp]
         if self.shared_expert is not None:
             tiled += self.shared_expert.linears()
+        per_layer = [self.linears[name] for name in _PER_LAYER_INPUT if name in self.linears]
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
         fits_layer_op = self.fits_layer_ops and self.head_dim % 32 == 0 and rotated % 32 == 0
         if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
             fits_layer_op = False
-        if all(lin.backend == "tiled" for lin in tiled) and fits_layer_op:
+        if all(lin.backend == "tiled" for lin in tiled + per_layer) and fits_layer_op:
             args = [lin.kernel_args for lin in tiled]
             args += [([], [], None)] * (len(_FUSED) - len(tiled))  # an MLP of experts
+            args += [lin.kernel_args for lin in per_layer]  # Gemma 4's, after the four
             self.fused = (
                 [seg for segments, _, _ in args for seg in segments],
                 [code for _, codes, _ in args for code in codes],
@@ -282,10 +284,12 @@ class _DecoderLayer(nn.Module):
         step: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         query_scales: torch.Tensor | None = None,
+        per_layer_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` in one call of the C++ layer op (which reads positions from `step` and
         their rows of the whole rotary tables `rope`); an attention layer's (decoder_stack
-        alone runs LFM2's convolution). `query_scales`: the rows' (Ministral 3's temperature)."""
+        alone runs LFM2's convolution). `query_scales`: the rows' (Ministral 3's temperature);
+        `per_layer_input`: this layer's [T, size] (Gemma 4 E2B, E4B)."""
         assert self.fused is not None and self.conv is None
         return self.kernel_ops.decoder_layer(
             hidden,
@@ -309,6 +313,11 @@ class _DecoderLayer(nn.Module):
             *(self.lora_slots.kernel_args() if self.lora_slots is not None else _NO_LORA),
             self.sinks,
             query_scales,
+            self.value_norm,
+            self.shares_kv,
+            per_layer_input,
+            self.per_layer_norm,
+            self.layer_scalar,
         )
 
     def forward(
@@ -679,6 +688,12 @@ class LlamaForCausalLM(nn.Module):
         self.embedding = TokenEmbedding(
             table, self.head if tied else None, backend, mode, self.dtype
         )
+        # A layer reading an earlier layer's K/V in Python takes them from that layer's
+        # Python step (`step_kv`); one in the C++ op, from the pool they share. So the source
+        # of a layer left to Python stays in Python too.
+        for layer in self.layers:
+            if isinstance(layer, _DecoderLayer) and layer.shares_kv and layer.fused is None:
+                self.layers[layer.kv_source].fused = None
         # One C++ op per layer wherever the paged attention op also runs (the step's
         # packed table tells each layer its rows' positions).
         self.fused_layers = all(layer.fused is not None for layer in self.layers)
@@ -840,14 +855,14 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # decoder_layer: a dense MLP, attention (LFM2's convolution is decoder_stack's)
             fused = layer.fused is not None and layer.moe is None and layer.conv is None
+            own = None if per_layer is None else per_layer[:, layer.index]
             if step is not None and fused:
                 tables = second_tables if layer.second_rope else first_tables
                 hidden = layer.forward_fused(
-                    hidden, kv_cache, slot_mapping, step, tables, query_scales
+                    hidden, kv_cache, slot_mapping, step, tables, query_scales, own
                 )
                 continue
             cos, signed_sin = second_rows if layer.second_rope else first_rows
-            own = None if per_layer is None else per_layer[:, layer.index]
             hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step, step_kv, own)
         return hidden
 
@@ -857,6 +872,8 @@ class LlamaForCausalLM(nn.Module):
         the layers run one call each: with LoRA slots (decoder_layer adds their deltas) and
         while torch.compile traces them."""
         if self.lora is not None or torch.compiler.is_compiling():
+            return None
+        if not self.config.uniform_layers:  # Gemma 4's: decoder_layer, one call a layer
             return None
         if self._stack is not None and self._stack[0] is kv_caches:
             return self._stack[1]

@@ -11,7 +11,13 @@
 // attention logit soft-cap, and Gemma 3's sliding layers rotating by their own tables; and
 // Mixtral's and Qwen3-MoE's, whose MLP is a mixture of experts (moe.cpp's experts_mlp); and
 // LFM2's conv layers, a short convolution in place of attention (short_conv.cpp); and
-// Ministral 3's attention temperature, each row's queries times a scale of its position.
+// Ministral 3's attention temperature, each row's queries times a scale of its position; and
+// Gemma 4's (decoder_layer only): values normed per head without a weight, layers that attend
+// over an earlier layer's K/V (q alone projected, nothing stored: that layer stored this
+// step's rows in the pool they share), and the per-layer input each layer gates into its
+// output before a scalar scales it,
+//
+//   out = (h + rms_norm((gelu(h W_plg^T) * per_layer_input) W_plp^T)) * layer_scalar.
 //
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
 // this file adds is the glue between them (norms, rope, SiLU / GELU) and, above all, one dispatch
@@ -130,33 +136,49 @@ void rope_inplace(Tensor& qkv, int64_t heads, int64_t head_dim, const std::vecto
 // act(g) * u for gate_up rows [g | u], each rounded as transformers' bf16 MLP does: the
 // activation rounded, then its product with u. `gated(g, u)` gives that product from a
 // chunk of 16 of each.
+// The same for g and u apart: rows of I values each, with their own row strides.
 template <typename Gated>
-Tensor gated_rows(const Tensor& gate_up, Gated&& gated) {
-  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+Tensor gated_pairs(const Tensor& g, const Tensor& u, Gated&& gated) {
+  const int64_t M = g.size(0), I = g.size(1);
   TORCH_CHECK(I % 16 == 0, "decoder_layer: intermediate size ", I, " is not a multiple of 16");
-  Tensor out = at::empty({M, I}, gate_up.options());
+  TORCH_CHECK(u.size(0) == M && u.size(1) == I && g.stride(1) == 1 && u.stride(1) == 1,
+              "decoder_layer: the gated product's operands must be [rows, ", I,
+              "] with contiguous rows");
+  Tensor out = at::empty({M, I}, g.options());
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const BFloat16* g = gate_up.data_ptr<BFloat16>() + m * gate_up.stride(0);
-      const BFloat16* u = g + I;
+      const BFloat16* gm = g.data_ptr<BFloat16>() + m * g.stride(0);
+      const BFloat16* um = u.data_ptr<BFloat16>() + m * u.stride(0);
       BFloat16* dst = out.data_ptr<BFloat16>() + m * I;
       for (int64_t i = 0; i < I; i += 16)
-        store_bf16x16(dst + i, gated(load_bf16x16(g + i), load_bf16x16(u + i)));
+        store_bf16x16(dst + i, gated(load_bf16x16(gm + i), load_bf16x16(um + i)));
     }
   });
   return out;
 }
 
+template <typename Gated>
+Tensor gated_rows(const Tensor& gate_up, Gated&& gated) {
+  const int64_t I = gate_up.size(1) / 2;
+  return gated_pairs(gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I), gated);
+}
+
 // Gelu: Gemma's GeGLU, gelu_tanh(g) = g sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
 // (tanh's form 0.5 (1 + tanh(z)) is sigmoid(2z)); else SwiGLU's silu(g) = g sigmoid(g).
 template <bool Gelu>
-Tensor gated_mul_rows(const Tensor& gate_up) {
+Tensor gated_mul_pairs(const Tensor& g, const Tensor& u) {
   const F16 two_c = F16::splat(2.0f * 0.7978845608028654f), cubic = F16::splat(0.044715f);
-  return gated_rows(gate_up, [&](const F16& x, const F16& u) {
+  return gated_pairs(g, u, [&](const F16& x, const F16& up) {
     F16 t = x;
     if constexpr (Gelu) t = two_c * fmadd(cubic * x * x, x, x);
-    return round_bf16(x * sigmoid(t)) * u;
+    return round_bf16(x * sigmoid(t)) * up;
   });
+}
+
+template <bool Gelu>
+Tensor gated_mul_rows(const Tensor& gate_up) {
+  const int64_t I = gate_up.size(1) / 2;
+  return gated_mul_pairs<Gelu>(gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I));
 }
 
 // Position of every row, from the step table (see ops.h).
@@ -187,6 +209,32 @@ inline void rms_norm_span(BFloat16* x, int64_t n, const BFloat16* w, float eps) 
   const F16 inv = F16::splat(1.0f / std::sqrt(mean + eps));
   for (int64_t d = 0; d < n; d += 16)
     store_bf16x16(x + d, round_bf16(load_bf16x16(x + d) * inv) * load_bf16x16(w + d));
+}
+
+// Gemma 4's values: each of the heads at `first_head` of every qkv row normed over head_dim
+// with no weight, rounded as model/norms.py's rms_norm(v, None): the inverse rms rounded to
+// bf16, then the product.
+void value_norm_inplace(Tensor& qkv, int64_t first_head, int64_t heads, int64_t head_dim,
+                        double eps) {
+  const int64_t M = qkv.size(0);
+  TORCH_CHECK(head_dim % 16 == 0, "decoder_layer: head_dim ", head_dim,
+              " is not a multiple of 16");
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      BFloat16* row = qkv.data_ptr<BFloat16>() + m * qkv.stride(0) + first_head * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        BFloat16* x = row + h * head_dim;
+        F16 sum_sq = F16::zero();
+        for (int64_t d = 0; d < head_dim; d += 16) {
+          const F16 v = load_bf16x16(x + d);
+          sum_sq = fmadd(v, v, sum_sq);
+        }
+        const float mean = sum_sq.sum() / static_cast<float>(head_dim);
+        const F16 inv = F16::splat(to_float(BFloat16(1.0f / std::sqrt(mean + static_cast<float>(eps)))));
+        for (int64_t d = 0; d < head_dim; d += 16) store_bf16x16(x + d, load_bf16x16(x + d) * inv);
+      }
+    }
+  });
 }
 
 // q and k normed in place before RoPE. A [q_heads + kv_heads, head_dim] weight norms each head
@@ -237,17 +285,18 @@ struct LayerExperts {
   double routed_scaling = 1.0;
 };
 
-// One layer's weights, borrowed from an op's arguments: the four projections' (qkv, o,
-// gate_up, down) weight segments and their formats, projection i's being
-// [first[i], first[i + 1]) of `weights`, and each projection's bias.
+// One layer's weights, borrowed from an op's arguments: the projections' (qkv, o, gate_up,
+// down, and Gemma 4's per-layer input gate and projection) weight segments and their formats,
+// projection i's being [first[i], first[i + 1]) of `weights` (4 and 5 empty without a
+// per-layer input), and each projection's bias.
 struct LayerWeights {
   const Tensor& input_norm;
   const Tensor& post_norm;
   double eps;
   at::TensorList weights;
   c10::IntArrayRef formats;
-  std::array<int64_t, 5> first;
-  std::array<std::optional<Tensor>, 4> biases;
+  std::array<int64_t, 7> first;
+  std::array<std::optional<Tensor>, 6> biases;
   std::optional<Tensor> qk_norm;
   int64_t num_heads, num_kv_heads;
   double scale;
@@ -267,19 +316,29 @@ struct LayerWeights {
   // The step's rows' query scales, a float each (Ministral 3's attention temperature), or
   // none: borrowed from the op's arguments.
   const float* query_scales = nullptr;
+  // Gemma 4: values normed per head; no K/V of its own (the pool holds its source layer's);
+  // the per-layer input [rows, size] gated into the output, its norm, and the output's scalar.
+  bool value_norm = false;
+  bool shares_kv = false;
+  const Tensor* per_layer_input = nullptr;
+  const Tensor* per_layer_norm = nullptr;
+  const Tensor* layer_scalar = nullptr;
 };
 
-// Projection i's segments' index range from the counts of segments each projection has.
-// A layer with experts has gate_up and down weights only for a shared expert (Qwen2-MoE's),
-// else none (counts 0).
-std::array<int64_t, 5> segment_starts(c10::IntArrayRef counts, int64_t first_segment,
+// Projection i's segments' index range from the counts of segments each projection has (4
+// projections, or 6 with Gemma 4's per-layer input). A layer with experts has gate_up and
+// down weights only for a shared expert (Qwen2-MoE's), else none (counts 0).
+std::array<int64_t, 7> segment_starts(c10::IntArrayRef counts, int64_t first_segment,
                                       bool experts = false) {
-  TORCH_CHECK(counts.size() == 4, "decoder_layer: 4 projections (qkv, o, gate_up, down)");
-  std::array<int64_t, 5> first{first_segment};
-  for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(counts[i] >= (experts && i >= 2 ? 0 : 1), "decoder_layer: projection ", i,
-                " has ", counts[i], " weight segments");
-    first[i + 1] = first[i] + counts[i];
+  TORCH_CHECK(counts.size() == 4 || counts.size() == 6,
+              "decoder_layer: 4 projections (qkv, o, gate_up, down), or 6 with a per-layer "
+              "input's gate and projection");
+  std::array<int64_t, 7> first{first_segment};
+  for (size_t i = 0; i < 6; ++i) {
+    const int64_t count = i < counts.size() ? counts[i] : 0;
+    TORCH_CHECK(i >= counts.size() || count >= (experts && i >= 2 && i < 4 ? 0 : 1),
+                "decoder_layer: projection ", i, " has ", count, " weight segments");
+    first[i + 1] = first[i] + count;
   }
   TORCH_CHECK(!experts || (counts[2] == 0) == (counts[3] == 0),
               "decoder_layer: a layer with experts has both gate_up and down (a shared expert) "
@@ -326,8 +385,8 @@ struct Projections {
     const int64_t begin = w.first[i], count = w.first[i + 1] - begin;
     Tensor y = tiled_linear(x, w.weights.slice(begin, count), w.formats.slice(begin, count),
                             w.biases[i], residual);
-    if (lora != nullptr && !lora->lora_first.empty() && lora->lora_rows &&
-        lora->lora_rows->defined()) {
+    if (lora != nullptr && i + 1 < static_cast<int64_t>(lora->lora_first.size()) &&
+        lora->lora_rows && lora->lora_rows->defined()) {
       const int64_t a = lora->lora_first[i], parts = lora->lora_first[i + 1] - a - 1;
       lora_add_(y, x, lora->lora[a], lora->lora.slice(a + 1, parts), *lora->lora_rows);
     }
@@ -358,6 +417,20 @@ void gate_rows_(Tensor& act, const Tensor& x, const Tensor& gate) {
   });
 }
 
+// Every value of x times s, rounded to bf16 (a bf16 tensor times a one-value bf16 one).
+void scale_rows_(Tensor& x, float s) {
+  const F16 by = F16::splat(s);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 16 == 0 && x.is_contiguous(), "decoder_layer: hidden size ", K,
+              " is not a multiple of 16");
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      BFloat16* row = x.data_ptr<BFloat16>() + m * K;
+      for (int64_t k = 0; k < K; k += 16) store_bf16x16(row + k, load_bf16x16(row + k) * by);
+    }
+  });
+}
+
 // The attention block's rows (before o): norm, q/k/v, q/k norms, rope, store and attend.
 Tensor attend_block(const LayerWeights& w, const Projections& project, const Tensor& hidden,
                     const std::vector<int64_t>& pos, const Tensor& key_cache,
@@ -366,13 +439,22 @@ Tensor attend_block(const LayerWeights& w, const Projections& project, const Ten
   const int64_t M = hidden.size(0), head_dim = cache_head_dim(key_cache);
   Tensor qkv = project(0, pre_norm(hidden, w.input_norm, w.eps), std::nullopt);
   const int64_t q_size = w.num_heads * head_dim, kv_size = w.num_kv_heads * head_dim;
-  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1),
-              " outputs, not ", q_size + 2 * kv_size);
-  const int64_t heads = w.num_heads + w.num_kv_heads;
+  // A layer reading its source layer's K/V projects q alone (Gemma 4).
+  const int64_t own_kv_heads = w.shares_kv ? 0 : w.num_kv_heads;
+  const int64_t outputs = q_size + 2 * own_kv_heads * head_dim;
+  TORCH_CHECK(qkv.size(1) == outputs, "decoder_layer: qkv has ", qkv.size(1), " outputs, not ",
+              outputs);
+  const int64_t heads = w.num_heads + own_kv_heads;
   if (w.qk_norm && w.qk_norm->defined())
-    qk_norm_inplace(qkv, w.num_heads, w.num_kv_heads, head_dim, *w.qk_norm, w.eps);
+    qk_norm_inplace(qkv, w.num_heads, own_kv_heads, head_dim, *w.qk_norm, w.eps);
   rope_inplace(qkv, heads, head_dim, pos, rope_cos, rope_sin, w.query_scales, w.num_heads);
   const Tensor q = qkv.narrow(1, 0, q_size).view({M, w.num_heads, head_dim});
+  if (w.shares_kv) {
+    const Tensor attn = attend_step(q, key_cache, value_cache, step, w.scale, w.sliding_window,
+                                    w.softcap, w.sinks);
+    return attn.view({M, q_size});
+  }
+  if (w.value_norm) value_norm_inplace(qkv, heads, w.num_kv_heads, head_dim, w.eps);
   const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
   const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
@@ -418,7 +500,14 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   }
   const Tensor gate_up = project(2, pre_norm(mid, w.post_norm, w.eps), std::nullopt);
   const Tensor act = gated_mul(gate_up, w.gelu);
-  return block_out(3, act, mid, w.mlp_out_norm);
+  Tensor out = block_out(3, act, mid, w.mlp_out_norm);
+  if (w.per_layer_input != nullptr) {
+    // Gemma 4: h + rms_norm((gelu(h W_plg^T) * input) W_plp^T), as model/llama.py rounds it.
+    const Tensor gated = gated_mul_pairs<true>(project(4, out, std::nullopt), *w.per_layer_input);
+    out = rms_norm(project(5, gated, std::nullopt), *w.per_layer_norm, w.eps, &out);
+  }
+  if (w.layer_scalar != nullptr) scale_rows_(out, to_float(w.layer_scalar->data_ptr<BFloat16>()[0]));
+  return out;
 }
 
 // The step's query scales as the layers borrow them (none: nullptr), checked: a float a row.
@@ -457,19 +546,45 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                      double scale, int64_t sliding_window, at::TensorList lora,
                      c10::IntArrayRef lora_parts, const std::optional<Tensor>& lora_rows,
                      const std::optional<Tensor>& sinks,
-                     const std::optional<Tensor>& query_scales) {
-  TORCH_CHECK(biases.size() == 4 && weights.size() == formats.size(),
-              "decoder_layer: 4 projections (qkv, o, gate_up, down), each with its weight "
-              "segments, their formats and a bias");
-  const LayerWeights w{input_norm, post_norm, eps, weights, formats,
-                       segment_starts(segments, 0),
-                       {biases.get(0), biases.get(1), biases.get(2), biases.get(3)},
-                       qk_norm, num_heads, num_kv_heads, scale, sliding_window,
-                       attn_out_norm, mlp_out_norm, gelu, softcap, sinks,
-                       nullptr, std::nullopt, query_scales_of(query_scales, hidden)};
-  TORCH_CHECK(w.first[4] == static_cast<int64_t>(weights.size()),
-              "decoder_layer: segments count ", w.first[4], " weights, not ", weights.size());
+                     const std::optional<Tensor>& query_scales, bool value_norm,
+                     bool shares_kv, const std::optional<Tensor>& per_layer_input,
+                     const std::optional<Tensor>& per_layer_norm,
+                     const std::optional<Tensor>& layer_scalar) {
+  TORCH_CHECK(biases.size() == segments.size() && weights.size() == formats.size(),
+              "decoder_layer: 4 projections (qkv, o, gate_up, down; 6 with a per-layer "
+              "input), each with its weight segments, their formats and a bias");
+  LayerWeights w{input_norm, post_norm, eps, weights, formats,
+                 segment_starts(segments, 0),
+                 {biases.get(0), biases.get(1), biases.get(2), biases.get(3)},
+                 qk_norm, num_heads, num_kv_heads, scale, sliding_window,
+                 attn_out_norm, mlp_out_norm, gelu, softcap, sinks,
+                 nullptr, std::nullopt, query_scales_of(query_scales, hidden)};
+  TORCH_CHECK(w.first[6] == static_cast<int64_t>(weights.size()),
+              "decoder_layer: segments count ", w.first[6], " weights, not ", weights.size());
   check_tables(w, key_cache, rope_cos, rope_sin);
+  w.value_norm = value_norm;
+  w.shares_kv = shares_kv;
+  TORCH_CHECK(per_layer_input.has_value() == (segments.size() == 6) &&
+                  per_layer_input.has_value() == per_layer_norm.has_value(),
+              "decoder_layer: a per-layer input comes with its norm and its two projections");
+  if (per_layer_input) {
+    TORCH_CHECK(per_layer_input->scalar_type() == at::kBFloat16 && per_layer_input->dim() == 2 &&
+                    per_layer_input->size(0) == hidden.size(0) && per_layer_input->stride(1) == 1,
+                "decoder_layer: per_layer_input must be bf16 [tokens, size] with contiguous rows");
+    TORCH_CHECK(per_layer_norm->scalar_type() == at::kBFloat16 &&
+                    per_layer_norm->is_contiguous() &&
+                    per_layer_norm->numel() == hidden.size(1),
+                "decoder_layer: per_layer_norm must be contiguous bf16 of the hidden size");
+    w.biases[4] = biases.get(4);
+    w.biases[5] = biases.get(5);
+    w.per_layer_input = &*per_layer_input;
+    w.per_layer_norm = &*per_layer_norm;
+  }
+  if (layer_scalar) {
+    TORCH_CHECK(layer_scalar->scalar_type() == at::kBFloat16 && layer_scalar->numel() == 1,
+                "decoder_layer: layer_scalar must be one bf16 value");
+    w.layer_scalar = &*layer_scalar;
+  }
   LayerLora slots{lora, {}, lora_rows};
   if (!lora_parts.empty()) {
     TORCH_CHECK(lora_parts.size() == 4, "decoder_layer: LoRA slots for the 4 projections");
@@ -571,14 +686,14 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
                          attn_out_norms.get(l), mlp_out_norms.get(l), gelu, softcap,
                          sinks.get(l), moe ? &*moe : nullptr, conv_kernels.get(l),
                          q_scales};
-    TORCH_CHECK(w.first[4] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
+    TORCH_CHECK(w.first[6] <= static_cast<int64_t>(weights.size()), "decoder_stack: layer ", l,
                 "'s segments run past the ", weights.size(), " weights");
     const Tensor& cos = second_rope[l] ? *second_rope_cos : rope_cos;
     const Tensor& sin = second_rope[l] ? *second_rope_sin : rope_sin;
     check_tables(w, key_caches[l], cos, sin);
     h = run_layer(w, nullptr, h, pos, key_caches[l], value_caches[l], slot_mapping, step, cos,
                   sin);
-    first_segment = w.first[4];
+    first_segment = w.first[6];
   }
   TORCH_CHECK(first_segment == static_cast<int64_t>(weights.size()), "decoder_stack: ",
               first_segment, " segments counted, ", weights.size(), " weights given");

@@ -40,7 +40,9 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
       "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
       "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows, "
-      "Tensor? sinks=None, Tensor? query_scales=None) -> Tensor");
+      "Tensor? sinks=None, Tensor? query_scales=None, bool value_norm=False, "
+      "bool shares_kv=False, Tensor? per_layer_input=None, Tensor? per_layer_norm=None, "
+      "Tensor? layer_scalar=None) -> Tensor");
   m.def(
       "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
       "Tensor rope_sin, Tensor? second_rope_cos, Tensor? second_rope_sin, Tensor[] input_norms, "

@@ -112,6 +112,13 @@ at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale, int64_t sliding_window, double softcap,
                             const std::optional<at::Tensor>& sinks);
 
+// paged_attention.cpp: every query row over the pool as it is, the step's K/V already in it
+// (Gemma 4's layers that read an earlier layer's K/V: that layer stored this step's rows).
+at::Tensor attend_step(const at::Tensor& q, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& step, double scale,
+                       int64_t sliding_window, double softcap,
+                       const std::optional<at::Tensor>& sinks);
+
 // short_conv.cpp: LFM2's convolution of a step's in_proj rows [B | C | x]: B * x stored in
 // the layer's pool rows (its slots), then C times each row's causal convolution over its
 // predecessors' stored rows and its own (kernel bf16 [hidden, width]).
@@ -141,7 +148,10 @@ at::Tensor decoder_layer(
     const at::Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads, double scale,
     int64_t sliding_window, at::TensorList lora, c10::IntArrayRef lora_parts,
     const std::optional<at::Tensor>& lora_rows, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& query_scales);
+    const std::optional<at::Tensor>& query_scales, bool value_norm, bool shares_kv,
+    const std::optional<at::Tensor>& per_layer_input,
+    const std::optional<at::Tensor>& per_layer_norm,
+    const std::optional<at::Tensor>& layer_scalar);
 at::Tensor decoder_stack(
     const at::Tensor& hidden, const at::Tensor& slot_mapping, const at::Tensor& step,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin,

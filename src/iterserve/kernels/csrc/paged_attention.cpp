@@ -273,8 +273,14 @@ Tensor store_and_attend(const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& slot_mapping, const Tensor& step, double scale,
                         int64_t sliding_window, double softcap,
                         const std::optional<Tensor>& sinks) {
-  const StepTable table(step);
   store_kv(k, v, key_cache, value_cache, slot_mapping);
+  return attend_step(q, key_cache, value_cache, step, scale, sliding_window, softcap, sinks);
+}
+
+Tensor attend_step(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
+                   const Tensor& step, double scale, int64_t sliding_window, double softcap,
+                   const std::optional<Tensor>& sinks) {
+  const StepTable table(step);
   return attend_rows(q, key_cache, value_cache, table.block_tables(), table.seq_lens(),
                      table.query_start_loc(), scale, sliding_window, softcap, sinks);
 }
