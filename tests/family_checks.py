@@ -133,3 +133,32 @@ def preempted_ngram_run(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return llm, [o.token_ids for o in outputs], expected
+
+
+def assert_batch_invariant(directory: Path, vocab: int) -> None:
+    """--batch-invariant on the fused layers: a seeded request alone, then among others of
+    other lengths (its prompt chunked beside theirs, its decodes in batches of every size as
+    the others finish): the same tokens and logprobs to the last bit."""
+    llm = LLM(
+        str(directory),
+        dtype="bfloat16",
+        batch_invariant=True,
+        max_num_batched_tokens=96,
+        enable_prefix_caching=False,
+        compile=False,
+    )
+    assert llm.engine.model_plan.step == "fused-layers"
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, vocab) for _ in range(70)]
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True, logprobs=2)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]
+    others = [[rng.randrange(3, vocab) for _ in range(20 + 30 * i)] for i in range(5)]
+    crowd = llm.generate(
+        [*others[:2], prompt, *others[2:]],
+        [*[SamplingParams(temperature=0.8, max_tokens=3 * i + 2) for i in range(2)], seeded]
+        + [SamplingParams(temperature=0.8, max_tokens=3 * i + 8) for i in range(3)],
+        use_tqdm=False,
+    )
+    together = crowd[2]
+    assert together.token_ids == alone.token_ids
+    assert together.logprobs == alone.logprobs

@@ -14,18 +14,17 @@ import transformers
 from gguf import GGMLQuantizationType
 
 from family_checks import (
+    assert_batch_invariant,
     assert_chunks_and_decodes_match_transformers,
     assert_fast_paths_keep_the_eager_greedy_tokens,
     preempted_ngram_run,
 )
 from iterserve import kernels
-from iterserve.engine.llm import LLM
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.kv_cache_format import kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config, load_model
-from iterserve.sampling_params import SamplingParams
 from paged_runner import PagedRunner
 from tiny_checkpoints import hf_token_by_token, save_checkpoint, tiny_hf_model
 from tiny_families import SMALL_VOCAB, VOCAB
@@ -153,29 +152,7 @@ def test_a_sequence_decodes_the_same_bits_alone_and_in_a_crowd(
     """--batch-invariant, which E2B takes now its layers are the C++ op's: a seeded sequence's
     tokens and logprobs alone and among others of every length, chunked, to the last bit."""
     hf = gemma4_model("e2b", vocab_size=SMALL_VOCAB, vocab_size_per_layer_input=SMALL_VOCAB)
-    directory = save_checkpoint(hf, tmp_path / "hf", tokenizer_dir)
-    llm = LLM(
-        str(directory),
-        dtype="bfloat16",
-        batch_invariant=True,
-        max_num_batched_tokens=96,
-        enable_prefix_caching=False,
-        compile=False,
-    )
-    assert llm.engine.model_plan.step == "fused-layers"
-    rng = random.Random(3)
-    prompt = [rng.randrange(3, SMALL_VOCAB) for _ in range(70)]
-    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True, logprobs=2)
-    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]
-    others = [[rng.randrange(3, SMALL_VOCAB) for _ in range(20 + 30 * i)] for i in range(5)]
-    crowd = llm.generate(
-        [*others[:2], prompt, *others[2:]],
-        [*[SamplingParams(temperature=0.8, max_tokens=3 * i + 2) for i in range(2)], seeded]
-        + [SamplingParams(temperature=0.8, max_tokens=3 * i + 8) for i in range(3)],
-        use_tqdm=False,
-    )
-    assert crowd[2].token_ids == alone.token_ids
-    assert crowd[2].logprobs == alone.logprobs
+    assert_batch_invariant(save_checkpoint(hf, tmp_path / "hf", tokenizer_dir), SMALL_VOCAB)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from test_fast_paths import _assert_as_close_as_bf16, _teacher_force
 
 from conftest import BUNDLED_GGUF, _save_tiny, bundled_dir
+from family_checks import assert_batch_invariant
 from iterserve import LLM, SamplingParams, kernels
 from iterserve.config import ConfigError
 from iterserve.model import moe
@@ -560,26 +561,4 @@ def test_batch_invariant_logprobs_whatever_shares_the_steps(moe_kernel_dir: Path
     beside theirs, steps of more than 128 (token, expert) pairs, its decodes in batches of
     every size as the others finish: the few-rows and many-rows roads): the same tokens and
     logprobs to the last bit."""
-    llm = LLM(
-        str(moe_kernel_dir),
-        dtype="bfloat16",
-        batch_invariant=True,
-        max_num_batched_tokens=96,
-        enable_prefix_caching=False,
-        compile=False,
-    )
-    assert llm.engine.model_plan.step == "fused-layers"
-    rng = random.Random(3)
-    prompt = [rng.randrange(3, 500) for _ in range(70)]
-    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True, logprobs=2)
-    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]
-    others = [[rng.randrange(3, 500) for _ in range(20 + 30 * i)] for i in range(5)]
-    crowd = llm.generate(
-        [*others[:2], prompt, *others[2:]],
-        [*[SamplingParams(temperature=0.8, max_tokens=3 * i + 2) for i in range(2)], seeded]
-        + [SamplingParams(temperature=0.8, max_tokens=3 * i + 8) for i in range(3)],
-        use_tqdm=False,
-    )
-    together = crowd[2]
-    assert together.token_ids == alone.token_ids
-    assert together.logprobs == alone.logprobs
+    assert_batch_invariant(moe_kernel_dir, 500)

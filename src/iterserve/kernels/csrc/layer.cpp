@@ -55,6 +55,16 @@ constexpr int64_t kRowGrain = 4;
 
 inline float to_float(BFloat16 v) { return static_cast<float>(v); }
 
+// The mean of the squares of n values (n a multiple of 16), in fp32: every RMS norm's statistic.
+inline float mean_square(const BFloat16* x, int64_t n) {
+  F16 sum_sq = F16::zero();
+  for (int64_t k = 0; k < n; k += 16) {
+    const F16 v = load_bf16x16(x + k);
+    sum_sq = fmadd(v, v, sum_sq);
+  }
+  return sum_sq.sum() / static_cast<float>(n);
+}
+
 // transformers' LlamaRMSNorm in bf16: normalise in fp32, round, multiply by the weight, round;
 // with a residual (a sandwich norm's output added to the stream), that rounded output plus the
 // residual, rounded again, as the eager layer rounds the two.
@@ -70,12 +80,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
       const BFloat16* res =
           residual ? residual->data_ptr<BFloat16>() + m * residual->stride(0) : nullptr;
       BFloat16* dst = out.data_ptr<BFloat16>() + m * K;
-      F16 sum_sq = F16::zero();
-      for (int64_t k = 0; k < K; k += 16) {
-        const F16 v = load_bf16x16(row + k);
-        sum_sq = fmadd(v, v, sum_sq);
-      }
-      const float mean = sum_sq.sum() / static_cast<float>(K);
+      const float mean = mean_square(row, K);
       const F16 inv = F16::splat(1.0f / std::sqrt(mean + static_cast<float>(eps)));
       for (int64_t k = 0; k < K; k += 16) {
         const F16 normed = round_bf16(load_bf16x16(row + k) * inv) * load_bf16x16(w + k);
@@ -200,13 +205,7 @@ std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
 
 // n values of x normed in place by w (n a multiple of 16), rounded as rms_norm is.
 inline void rms_norm_span(BFloat16* x, int64_t n, const BFloat16* w, float eps) {
-  F16 sum_sq = F16::zero();
-  for (int64_t d = 0; d < n; d += 16) {
-    const F16 v = load_bf16x16(x + d);
-    sum_sq = fmadd(v, v, sum_sq);
-  }
-  const float mean = sum_sq.sum() / static_cast<float>(n);
-  const F16 inv = F16::splat(1.0f / std::sqrt(mean + eps));
+  const F16 inv = F16::splat(1.0f / std::sqrt(mean_square(x, n) + eps));
   for (int64_t d = 0; d < n; d += 16)
     store_bf16x16(x + d, round_bf16(load_bf16x16(x + d) * inv) * load_bf16x16(w + d));
 }
@@ -224,13 +223,8 @@ void value_norm_inplace(Tensor& qkv, int64_t first_head, int64_t heads, int64_t 
       BFloat16* row = qkv.data_ptr<BFloat16>() + m * qkv.stride(0) + first_head * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
         BFloat16* x = row + h * head_dim;
-        F16 sum_sq = F16::zero();
-        for (int64_t d = 0; d < head_dim; d += 16) {
-          const F16 v = load_bf16x16(x + d);
-          sum_sq = fmadd(v, v, sum_sq);
-        }
-        const float mean = sum_sq.sum() / static_cast<float>(head_dim);
-        const F16 inv = F16::splat(to_float(BFloat16(1.0f / std::sqrt(mean + static_cast<float>(eps)))));
+        const float inv_rms = 1.0f / std::sqrt(mean_square(x, head_dim) + static_cast<float>(eps));
+        const F16 inv = F16::splat(to_float(BFloat16(inv_rms)));
         for (int64_t d = 0; d < head_dim; d += 16) store_bf16x16(x + d, load_bf16x16(x + d) * inv);
       }
     }
