@@ -112,7 +112,8 @@ ITERSERVE_INLINE I16 with_crumb(const I16& plane, const I16& low) {
 
 // Each is a struct of statics:
 //   kFormat, kInputs (a unit's inputs), kBytes (a unit's bytes), kHalves (1: a scale and offset
-//   per block of 32, 2: per 16 inputs), kSigned (values are signed bytes: dot_s8),
+//   per block of 32, 2: per 16 inputs), kSigned (values are signed bytes: dot_s8), kMaxValue
+//   (the largest value, what bounds the dot products' 16-bit sums: chunks_in_16_bits),
 //   kBias (a power of two, or 0) or kOffset (a per-row offset o);
 //   template <int C> Quads chunk(p, b): block b's chunk C;
 //   void scales(p, b, a, o): block b's a[kHalves], and o[kHalves] if kOffset;
@@ -129,6 +130,7 @@ struct Q4_0 {
   static constexpr int64_t kD = 256, kBytes = kD + 32;
   static constexpr bool kSigned = false, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = 8;
+  static constexpr int kMaxValue = 15;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) { return nibbles(p + 64 * C); }
   static ITERSERVE_INLINE void scales(const uint8_t* p, int, F16* a, F16*) {
@@ -155,6 +157,7 @@ struct Q5_0 {
   static constexpr int64_t kBits = 256, kD = kBits + 64, kBytes = kD + 32;
   static constexpr bool kSigned = false, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = 16;
+  static constexpr int kMaxValue = 31;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
     const Quads low = nibbles(p + 64 * C);
@@ -185,6 +188,7 @@ struct Q8_0 {
   static constexpr int64_t kD = 512, kBytes = kD + 32;
   static constexpr bool kSigned = true, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = kSignedBias;
+  static constexpr int kMaxValue = 127;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int) {
     return {I16::load(p + 128 * C), I16::load(p + 128 * C + 64)};
@@ -270,6 +274,7 @@ struct Q4_K {
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true, kUnitOffsets = true;
   static constexpr int kBias = 0;
+  static constexpr int kMaxValue = 15;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return nibbles(p + kData + kBlockBytes * b + 64 * C);
@@ -289,6 +294,7 @@ struct Q4_K {
 // Q4_K with a fifth bit.   [sc 8 x 16 | mn 8 x 16 | d | dmin] then 8 x [nibbles 256 | bits 64]
 struct Q5_K : Q4_K {
   static constexpr Format kFormat = Format::kQ5_K;
+  static constexpr int kMaxValue = 31;
   static constexpr int64_t kBlockBytes = 320, kBytes = kData + 8 * kBlockBytes;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
@@ -308,6 +314,7 @@ struct Q6_K {
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = 32;
+  static constexpr int kMaxValue = 63;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const uint8_t* block = p + kData + kBlockBytes * b;
@@ -331,6 +338,7 @@ struct Q2_K {
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = true, kUnitOffsets = false;
   static constexpr int kBias = 0;
+  static constexpr int kMaxValue = 3;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const I16 plane = I16::load(p + kData + kBlockBytes * b + 64 * (C / 2));
@@ -356,6 +364,7 @@ struct Q3_K {
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = false, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = 4;
+  static constexpr int kMaxValue = 7;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     const uint8_t* block = p + kData + kBlockBytes * b;
@@ -380,6 +389,7 @@ struct IQ4_XS {
   static constexpr int64_t kBytes = kData + 8 * kBlockBytes;
   static constexpr bool kSigned = true, kOffset = false, kUnitOffsets = false;
   static constexpr int kBias = kSignedBias;
+  static constexpr int kMaxValue = 127;
   template <int C>
   static ITERSERVE_INLINE Quads chunk(const uint8_t* p, int b) {
     return table_values(kIQ4Table, p + kData + kBlockBytes * b + 64 * C);

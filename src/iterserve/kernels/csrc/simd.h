@@ -517,6 +517,77 @@ ITERSERVE_INLINE int32_t quad_at(const int8_t* x) {
   return quad;
 }
 
+// Without VNNI each `dot_u8` widens its 16-bit pair sums to int32 with a `vpmaddwd`, which
+// competes with the `vpmaddubsw`s for the vector multiply pipes: 6 of a chunk's 10
+// instructions on AVX2 multiply. Where a format's values are small, several chunks' pair sums
+// add up in 16-bit lanes first (`dot_u8_16`) and are widened once (`widen_16`): each chunk adds
+// 4 products of at most max * 127 to a lane, so `chunks_in_16_bits(max)` chunks stay under the
+// 32767 where they would saturate; the same integers, so the same bits. The sums are added
+// with saturating adds (`vpaddsw`), which never saturate here: GCC reorders plain integer adds
+// freely, and took every product of a row group before any sum (the sweep's 4 rows spilled
+// 20 registers a block, 0.8x slower than widening each chunk).
+#if (defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)) && \
+    !defined(ITERSERVE_VNNI) && !defined(ITERSERVE_AVX_VNNI)
+constexpr bool kSums16 = true;
+#else
+constexpr bool kSums16 = false;  // VNNI and Arm's sdot sum in int32 as they multiply
+#endif
+constexpr int chunks_in_16_bits(int max_value) {
+  return kSums16 ? 32767 / (4 * 127 * max_value) : 1;
+}
+
+// Each 16-bit lane (two a row): its pair's products of lo with the 4 int8 at x plus its
+// pair's of hi with the 4 at x + 4; kSums16 builds only.
+ITERSERVE_INLINE I16 pair_sums_u8(const I16& lo, const I16& hi, const int8_t* x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_add_epi16(_mm512_maddubs_epi16(lo.v[0], _mm512_set1_epi32(quad_at(x))),
+                                    _mm512_maddubs_epi16(hi.v[0], _mm512_set1_epi32(quad_at(x + 4)))))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i xl = _mm256_set1_epi32(quad_at(x)), xh = _mm256_set1_epi32(quad_at(x + 4));
+  I16 r;
+  for (int i = 0; i < 2; ++i)
+    r.v[i] = IVec(_mm256_add_epi16(_mm256_maddubs_epi16(lo.v[i], xl), _mm256_maddubs_epi16(hi.v[i], xh)));
+  return r;
+#else
+  static_assert(!kSums16);
+  (void)lo, (void)hi, (void)x;
+  return I16::zero();
+#endif
+}
+
+// Each 16-bit lane of `acc` plus its pairs' products of lo with the 4 int8 at x
+// and of hi with the 4 at x + 4; kSums16 builds only.
+ITERSERVE_INLINE I16 dot_u8_16(const I16& acc, const I16& lo, const I16& hi, const int8_t* x) {
+  const I16 pairs = pair_sums_u8(lo, hi, x);
+  I16 r;
+  for (int i = 0; i < kParts; ++i) {
+#if defined(CPU_CAPABILITY_AVX512)
+    r.v[i] = IVec(_mm512_adds_epi16(acc.v[i], pairs.v[i]));
+#elif defined(CPU_CAPABILITY_AVX2)
+    r.v[i] = IVec(_mm256_adds_epi16(acc.v[i], pairs.v[i]));
+#else
+    r.v[i] = acc.v[i];
+#endif
+  }
+  return r;
+}
+
+// Each lane of `acc` plus the sum of its two 16-bit halves in `sums`.
+ITERSERVE_INLINE I16 widen_16(const I16& acc, const I16& sums) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return I16{{IVec(_mm512_add_epi32(acc.v[0], _mm512_madd_epi16(sums.v[0], _mm512_set1_epi16(1))))}};
+#elif defined(CPU_CAPABILITY_AVX2)
+  I16 r;
+  for (int i = 0; i < 2; ++i)
+    r.v[i] = IVec(_mm256_add_epi32(acc.v[i], _mm256_madd_epi16(sums.v[i], _mm256_set1_epi16(1))));
+  return r;
+#else
+  static_assert(!kSums16);
+  (void)sums;
+  return acc;
+#endif
+}
+
 // Each lane of `acc` plus lo's 4 bytes times the 4 int8 at x plus hi's times the 4 at x + 4,
 // exactly, in int32, for unsigned weight bytes of at most 63 (any byte with VNNI). Without
 // VNNI the `vpmaddubsw` pair sums reach 2 * 63 * 127 = 16002 and lo + hi 32004, under the 32767
@@ -526,10 +597,7 @@ ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, const 
   const __m512i sum = _mm512_dpbusd_epi32(acc.v[0], lo.v[0], _mm512_set1_epi32(quad_at(x)));
   return I16{{IVec(_mm512_dpbusd_epi32(sum, hi.v[0], _mm512_set1_epi32(quad_at(x + 4))))}};
 #elif defined(CPU_CAPABILITY_AVX512)
-  const __m512i pairs =
-      _mm512_add_epi16(_mm512_maddubs_epi16(lo.v[0], _mm512_set1_epi32(quad_at(x))),
-                       _mm512_maddubs_epi16(hi.v[0], _mm512_set1_epi32(quad_at(x + 4))));
-  return I16{{IVec(_mm512_add_epi32(acc.v[0], _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))))}};
+  return widen_16(acc, pair_sums_u8(lo, hi, x));
 #elif defined(ITERSERVE_AVX_VNNI)
   const __m256i xl = _mm256_set1_epi32(quad_at(x)), xh = _mm256_set1_epi32(quad_at(x + 4));
   I16 r;
@@ -538,14 +606,7 @@ ITERSERVE_INLINE I16 dot_u8(const I16& acc, const I16& lo, const I16& hi, const 
         _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc.v[i], lo.v[i], xl), hi.v[i], xh));
   return r;
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m256i xl = _mm256_set1_epi32(quad_at(x)), xh = _mm256_set1_epi32(quad_at(x + 4));
-  I16 r;
-  for (int i = 0; i < 2; ++i) {
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo.v[i], xl),
-                                           _mm256_maddubs_epi16(hi.v[i], xh));
-    r.v[i] = IVec(_mm256_add_epi32(acc.v[i], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
-  }
-  return r;
+  return widen_16(acc, pair_sums_u8(lo, hi, x));
 #elif defined(ITERSERVE_ARM_DOT)
   // Bytes of at most 63 read the same as signed: sdot's signed x signed products are exact.
   const int8x16_t xl = vreinterpretq_s8_s32(vld1q_dup_s32(reinterpret_cast<const int32_t*>(x)));
