@@ -116,9 +116,9 @@ def test_products_at_the_largest_integer_sums(name: str, rows: int) -> None:
     """Every value and scale bit set (each format's largest values) against activations of
     one sign (all +-127 once quantized): the integer dot products at their largest. Without
     VNNI the 16-bit pair sums of `vpmaddubsw` then come within 7% of where they saturate
-    (Q6_K's chunk: 32004 of 32767, simd.h `dot_u8`; a 4-bit block's four chunks summed before
-    widening: 30480, `dot_u8_16`), and a loop that summed more of them would saturate. 2 rows:
-    a few rows' stream; 6: the sweep."""
+    (Q6_K's chunk: 32004 of 32767, simd.h `dot_u8`; summed before widening, `dot_u8_16`, a
+    4-bit block's four chunks 30480 and a 5-bit block's two 31496), and a loop that summed more
+    of them would saturate. 2 rows: a few rows' stream; 6: the sweep."""
     fmt = bf.BLOCK_FORMATS[name]
     n, k = 32, 512
     blocks = np.full((n, k // fmt.inputs, fmt.file_bytes), 0xFF, dtype=np.uint8)

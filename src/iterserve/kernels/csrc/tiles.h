@@ -407,17 +407,26 @@ ITERSERVE_INLINE I16 dot_quads(const I16& acc, const Quads& w, const int8_t* x) 
   else return dot_u8(acc, w.lo, w.hi, x);
 }
 
-// Whether a block's chunks (a half's, with kHalves 2) add up in 16-bit lanes before they are
-// widened to int32 (simd.h `dot_u8_16`): the formats of at most 4 bits (Q4_0, Q4_1, Q4_K,
-// Q3_K, Q2_K) on AVX2 and AVX-512 without VNNI. Against widening every chunk
+// How many of a block's chunks add up in 16-bit lanes before they are widened to int32
+// (simd.h `dot_u8_16`) on AVX2 and AVX-512 without VNNI: a half's (4 / kHalves) for values of
+// at most 4 bits (Q4_0, Q4_1, Q4_K; Q3_K's and Q2_K's halves), two for 5 bits (Q5_0, Q5_1,
+// Q5_K); 1, every chunk widened, for Q6_K, the signed formats and wherever the dot products
+// sum in int32 as they multiply (VNNI, Arm). Against widening every chunk
 // (benchmarks/tiles_timing.cpp, one thread, builds in turns, the same output bits,
 // 2026-12-04, AVX2 on AMD Zen 3; best against best, two sets of runs): 14336 x 4096 at 128
 // rows Q4_K 1.13-1.15x, Q4_0 1.06-1.07x, at 16 rows 1.06-1.10x and 1.03-1.05x; 2048 x 2048 at
 // 128 rows Q3_K 1.11-1.24x, Q2_K 1.08x; from cache, four rows 1.15x (Q4_K, Q4_0), one row of
-// Q4_K 1.07x.
+// Q4_K 1.07x. Q5_K 14336 x 4096, with 2 rows a sweep group (sweep_rows), in five pairs of
+// turns: 1.12-1.14x at 128 rows (one pair 1.04x), 1.14-1.16x at 16, 1.05x at 4, one row level;
+// Q5_0 1.14x at 128 rows; 2 rows a group alone gave Q5_K 1.06-1.09x.
 template <typename Codec>
-constexpr bool kBlockIn16Bits =
-    !Codec::kSigned && chunks_in_16_bits(Codec::kMaxValue) >= 4 / Codec::kHalves;
+constexpr int kChunksIn16Bits =
+    Codec::kSigned ? 1 : std::min(chunks_in_16_bits(Codec::kMaxValue), 4 / Codec::kHalves);
+// Whether those 16-bit sums are widened before a half's last chunk (the 5-bit formats), so
+// that they and the int32 dot products are live at once.
+template <typename Codec>
+constexpr bool kSumsBesideDots =
+    kChunksIn16Bits<Codec> > 1 && kChunksIn16Bits<Codec> < 4 / Codec::kHalves;
 
 // Chunk C of a block of NT tiles (w[j], decoded) against MR rows, into the block's int32 dot
 // products, or (Sums16) into 16-bit sums of the same shape.
@@ -441,23 +450,34 @@ ITERSERVE_INLINE std::array<I16, Codec::kHalves * MR * NT> block_dots(const Quan
                                                                      int64_t m0, int64_t blk,
                                                                      int64_t K,
                                                                      ChunkQuads&& quads) {
-  constexpr bool k16 = kBlockIn16Bits<Codec>;
-  auto sums = [&] {
-    if constexpr (k16) return izeros<Codec::kHalves * MR * NT>();
-    else return start_dots<Codec, MR, NT>(x, m0, blk, K);
-  }();
-  auto run = [&](auto c) ITERSERVE_INLINE_LAMBDA {
-    chunk_dots<Codec, decltype(c)::value, MR, NT, k16>(x, m0, blk, quads(c).data(), sums);
-  };
-  run(std::integral_constant<int, 0>{});
-  run(std::integral_constant<int, 1>{});
-  run(std::integral_constant<int, 2>{});
-  run(std::integral_constant<int, 3>{});
-  if constexpr (!k16) {
-    return sums;
-  } else {  // the start after the chunks: its registers are free while they run
+  constexpr int G = kChunksIn16Bits<Codec>, N = Codec::kHalves * MR * NT;
+  if constexpr (G == 1) {
     auto dot = start_dots<Codec, MR, NT>(x, m0, blk, K);
-    ITERSERVE_UNROLL for (size_t i = 0; i < dot.size(); ++i) dot[i] = widen_16(dot[i], sums[i]);
+    auto run = [&](auto c) ITERSERVE_INLINE_LAMBDA {
+      chunk_dots<Codec, decltype(c)::value, MR, NT, false>(x, m0, blk, quads(c).data(), dot);
+    };
+    run(std::integral_constant<int, 0>{});
+    run(std::integral_constant<int, 1>{});
+    run(std::integral_constant<int, 2>{});
+    run(std::integral_constant<int, 3>{});
+    return dot;
+  } else {
+    std::array<I16, N> dot, sums = izeros<N>();
+    auto run = [&](auto c) ITERSERVE_INLINE_LAMBDA {
+      constexpr int C = decltype(c)::value;
+      chunk_dots<Codec, C, MR, NT, true>(x, m0, blk, quads(c).data(), sums);
+      if constexpr (C == 3 || (kSumsBesideDots<Codec> && C % G == G - 1)) {
+        // The start at the first widening: its registers are free while the chunks run.
+        if constexpr (C == (kSumsBesideDots<Codec> ? G - 1 : 3))
+          dot = start_dots<Codec, MR, NT>(x, m0, blk, K);
+        ITERSERVE_UNROLL for (int i = 0; i < N; ++i) dot[i] = widen_16(dot[i], sums[i]);
+        if constexpr (C < 3) sums = izeros<N>();
+      }
+    };
+    run(std::integral_constant<int, 0>{});
+    run(std::integral_constant<int, 1>{});
+    run(std::integral_constant<int, 2>{});
+    run(std::integral_constant<int, 3>{});
     return dot;
   }
 }
@@ -753,10 +773,14 @@ inline int64_t sweep_slab_rows(int64_t K) {
 // where 2 made Q4_0 0.9x). AVX2 with AVX-VNNI, whose dot products are a third of AVX2's
 // instructions, takes two tiles and 2 rows a group: Q4_0, Q4_K, Q6_K and Q8_0 1.03-1.08x
 // one tile and 4 rows at 16 and 128 rows (benchmarks/tiles_timing.cpp, 2048 x 2048, one
-// thread, 3 runs in turns, 2026-12-02, Zen 5), where plain AVX2 was level with it.
+// thread, 3 runs in turns, 2026-12-02, Zen 5), where plain AVX2 was level with it. The 5-bit
+// formats' 16-bit sums beside their dot products (kSumsBesideDots) take 2 rows a group too
+// (Q5_K 1.06-1.09x on its own, kChunksIn16Bits' timing; Q4_K at 2 rows: 0.86-0.95x).
 constexpr int sweep_tiles_per_step() { return kParts == 1 || kAvxVnni ? 2 : 1; }
-template <int H>
-constexpr int sweep_rows() { return H == 1 && !kAvxVnni ? 4 : 2; }
+template <typename Codec>
+constexpr int sweep_rows() {
+  return Codec::kHalves == 1 && !kAvxVnni && !kSumsBesideDots<Codec> ? 4 : 2;
+}
 
 struct Segment {
   Format format;
@@ -898,7 +922,6 @@ template <typename Codec>
 void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begin, int64_t t_end,
                  const Epilogue& ep, Span after) {
   const Epilogue out = ep.shifted(seg.first);
-  constexpr int H = Codec::kHalves;
   constexpr int NT = sweep_tiles_per_step();
   // The rows' sums, then their units' (see sweep_tiles).
   thread_local std::vector<F16> sums;
@@ -916,7 +939,7 @@ void codec_range(const Segment& seg, const Rows& rows, int64_t M, int64_t t_begi
       const Epilogue slab_out = out.from_row(m0);
       const int64_t slab_rows = std::min(per_slab, M - m0);
       tile_steps<NT>(t0, t1, [&](auto nt, int64_t t) {
-        sweep_tiles<Codec, sweep_rows<H>(), decltype(nt)::value>(
+        sweep_tiles<Codec, sweep_rows<Codec>(), decltype(nt)::value>(
             slab, slab_rows, seg.data, seg.stride, t, slab_out, sums.data(),
             sums.data() + kSweepRows * NT, ahead);
       });
