@@ -1,9 +1,11 @@
 """Decode attention over a paged pool: the C++ op (kernels/csrc/paged_attention.cpp) vs torch.
 
-SmolLM2-135M shapes (9 query heads, 3 kv heads, head_dim 64), block 16, bf16, 30 layers each
-with its own cache (so the pool is as cold as in a real step), blocks handed out from a
-shuffled free list. A step is the attention of a decode batch over all layers: per layer,
-write the new K/V into the cache and attend.
+SmolLM2-135M shapes by default (9 query heads, 3 kv heads, head_dim 64, 30 layers; `--shape`
+for another model's, e.g. `32,8,64,16` for Llama 3.2 1B), block 16, bf16, each layer with its
+own cache (so the pool is as cold as in a real step), blocks handed out from a shuffled free
+list. A step is the attention of a batch over all layers: per layer, write the new K/V into
+the cache and attend. Each sequence brings one new token (a decode) or `--new-tokens` (a
+prompt chunk's rows at the end of its context).
 
     torch: attention.paged_attention (today's path; its per-step plan, built by the first
            layer from a fresh AttentionMetadata, is inside the timing)
@@ -20,7 +22,11 @@ speedup over torch in the same run. Nothing is asserted about time: the machine 
 and noisy; compare numbers from one run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/attention_kernel.py [--threads 2 | --threads 1 --cpu-time] \
-        [--isa avx512bf16,avx2] [--json out.json]
+        [--isa avx512bf16,avx2] [--shape 32,8,64,16] [--scenarios 1x1024,16x256] \
+        [--new-tokens 128] [--json out.json]
+
+Two builds of the kernels (a change and main) compare by running this twice in turns, each
+with its own source tree on PYTHONPATH and its own ITERSERVE_CACHE_DIR.
 """
 
 from __future__ import annotations
@@ -38,30 +44,47 @@ import torch
 from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from _timing import interleaved, one_round  # type: ignore[import-not-found]
 from iterserve import kernels
+from iterserve.bench.machine import cpu_line
 from iterserve.model.attention import paged_attention
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
 from iterserve.model.kv_cache_format import quantize_rows
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
-NUM_LAYERS, BLOCK_SIZE, DTYPE = 30, 16, torch.bfloat16
-SCALE = HEAD_DIM**-0.5
+BLOCK_SIZE, DTYPE = 16, torch.bfloat16
 CPU = torch.device("cpu")
 SCENARIOS = [(b, c) for c in (256, 1024) for b in (1, 8, 32, 64)] + [(1, 4096)]
 
 
-def make_pool(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    heads: int = 9  # SmolLM2-135M's
+    kv_heads: int = 3
+    head_dim: int = 64
+    layers: int = 30
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """'heads,kv_heads,head_dim[,layers]'."""
+        return cls(*(int(x) for x in text.split(",")))
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+def make_pool(shape: Shape, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V) caches, each its own memory; one random layer copied to the rest."""
-    shape = (NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM)
-    first = torch.randn(shape).to(DTYPE)
-    return [(first.clone(), first.clone()) for _ in range(NUM_LAYERS)]
+    first = torch.randn(shape.kv_heads, num_blocks, BLOCK_SIZE, shape.head_dim).to(DTYPE)
+    return [(first.clone(), first.clone()) for _ in range(shape.layers)]
 
 
-def decode_spans(batch: int, context: int, num_blocks: int) -> list[SeqSpan]:
+def step_spans(batch: int, context: int, new: int, num_blocks: int) -> list[SeqSpan]:
+    """`batch` sequences of `context` tokens, the last `new` of each this step's."""
     free = list(range(num_blocks))
     random.Random(batch * 10_000 + context).shuffle(free)  # scattered, as after hours of churn
     per_seq = -(-context // BLOCK_SIZE)
     return [
-        SeqSpan(tuple(free[i * per_seq : (i + 1) * per_seq]), context - 1, 1) for i in range(batch)
+        SeqSpan(tuple(free[i * per_seq : (i + 1) * per_seq]), context - new, new)
+        for i in range(batch)
     ]
 
 
@@ -73,24 +96,25 @@ def kernel_metadata(spans: list[SeqSpan]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def steps(
-    batch: int, context: int, isas: list[str], int8_cache: bool
+    shape: Shape, batch: int, context: int, new: int, isas: list[str], int8_cache: bool
 ) -> tuple[dict[str, Callable[[], list[torch.Tensor]]], dict[str, float], Callable[[], None]]:
     num_blocks = batch * -(-context // BLOCK_SIZE) + 4
-    pool = make_pool(num_blocks)
+    pool = make_pool(shape, num_blocks)
     int8_pool = [(quantize_rows(k), quantize_rows(v)) for k, v in pool] if int8_cache else []
-    spans = decode_spans(batch, context, num_blocks)
-    qkv = torch.randn(batch, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM).to(DTYPE)
-    q, k, v = qkv.split([NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], 1)
-    q = q.view(batch, NUM_HEADS, HEAD_DIM)
-    k = k.view(batch, NUM_KV_HEADS, HEAD_DIM)
-    v = v.view(batch, NUM_KV_HEADS, HEAD_DIM)
+    spans = step_spans(batch, context, new, num_blocks)
+    rows, d = batch * new, shape.head_dim
+    qkv = torch.randn(rows, (shape.heads + 2 * shape.kv_heads) * d).to(DTYPE)
+    q, k, v = qkv.split([shape.heads * d, shape.kv_heads * d, shape.kv_heads * d], 1)
+    q = q.view(rows, shape.heads, d)
+    k = k.view(rows, shape.kv_heads, d)
+    v = v.view(rows, shape.kv_heads, d)
 
     meta = build_attention_metadata(spans, BLOCK_SIZE, CPU)
     step_table, slots = kernel_metadata(spans)
 
     def torch_step() -> list[torch.Tensor]:
         step_meta = dataclasses.replace(meta, plans={})  # the plan is rebuilt every step
-        return [paged_attention(q, k, v, kv, step_meta, SCALE) for kv in pool]
+        return [paged_attention(q, k, v, kv, step_meta, shape.scale) for kv in pool]
 
     def kernel_step(
         isa: str, layers: list[tuple[torch.Tensor, torch.Tensor]]
@@ -98,7 +122,9 @@ def steps(
         store_and_attend = kernels.ops(isa).store_and_attend
 
         def step() -> list[torch.Tensor]:
-            return [store_and_attend(q, k, v, *kv, slots, step_table, SCALE, 0) for kv in layers]
+            return [
+                store_and_attend(q, k, v, *kv, slots, step_table, shape.scale, 0) for kv in layers
+            ]
 
         return step
 
@@ -153,8 +179,29 @@ def main() -> None:
     parser.add_argument(
         "--int8-cache", action="store_true", help="also time each variant over an int8 pool"
     )
+    parser.add_argument(
+        "--shape",
+        type=Shape.parse,
+        default=Shape(),
+        help="heads,kv_heads,head_dim[,layers] (default: SmolLM2-135M's 9,3,64,30)",
+    )
+    parser.add_argument(
+        "--scenarios",
+        default=None,
+        help="batch x context pairs, e.g. 1x1024,16x256 (default: 1, 8, 32, 64 x 256 and 1,024, "
+        "and 1 x 4,096)",
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, default=1, help="new rows a sequence (1: decode; more: a chunk)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    shape: Shape = args.shape
+    scenarios = (
+        [tuple(int(x) for x in pair.split("x")) for pair in args.scenarios.split(",")]
+        if args.scenarios
+        else SCENARIOS
+    )
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time times this thread alone: use it with --threads 1")
     torch.set_num_threads(args.threads)
@@ -164,11 +211,15 @@ def main() -> None:
             raise SystemExit(f"C++ kernels {isa} unavailable: {kernels.why_unavailable(isa)}")
     isas = variants + [f"{isa}/int8" for isa in variants] if args.int8_cache else variants
 
+    print(cpu_line())
     print(
-        f"decode attention, {NUM_LAYERS} layers, SmolLM2-135M shapes ({NUM_HEADS}q/{NUM_KV_HEADS}kv"
-        f" heads, head_dim {HEAD_DIM}), block {BLOCK_SIZE}, bf16, {args.threads} threads"
+        f"attention, {args.new_tokens} new token(s) a sequence, {shape.layers} layers,"
+        f" {shape.heads}q/{shape.kv_heads}kv heads, head_dim {shape.head_dim},"
+        f" block {BLOCK_SIZE}, bf16, {args.threads} threads"
     )
-    print("ms per step (30 layers: cache write + attention), medians of interleaved calls;")
+    print(
+        f"ms per step ({shape.layers} layers: cache write + attention), medians of interleaved calls;"
+    )
     print("speedup: torch ms / the variant's ms; max|diff|: largest difference from torch")
     print("(for an int8 pool, mostly the 8-bit rounding of K and V);")
     print("metadata: per-step metadata build, us (outside the step)")
@@ -176,8 +227,10 @@ def main() -> None:
     print(f"{'batch':>6} {'context':>8} {'torch ms':>10}{columns} {'metadata torch/C++ us':>22}")
     results = []
     with torch.inference_mode():
-        for batch, context in SCENARIOS:
-            fns, metadata_us, release = steps(batch, context, variants, args.int8_cache)
+        for batch, context in scenarios:
+            fns, metadata_us, release = steps(
+                shape, batch, context, args.new_tokens, variants, args.int8_cache
+            )
             expected = fns["torch"]()
             diff = {
                 isa: max(

@@ -148,12 +148,24 @@ inline F16 chunk_dot(const F16& acc, const Halves& k, const Halves& q) {
 // Queries per tree block. Where a key chunk is used as loaded (raw bf16 for `vdpbf16ps`, fp32
 // as FMA memory operands) one query at a time keeps its 16 keys' partial sums in registers
 // (AVX-512); where keys are widened (bf16 without bf16 dot products, int8 everywhere), each
-// widened chunk serves as many queries as have an accumulator in registers beside it (AVX2 and
-// NEON: 4 of their 8 F16s).
+// widened chunk serves a block of queries, each with its accumulator in registers beside it:
+// 8 in AVX-512's 32 zmm, 2 in AVX2's 16 ymm (a widened chunk takes 4, an accumulator 2).
+// AVX2 took 4 before: its accumulators, the widened chunk and the queries' chunks did not fit,
+// and the tree spilled to the stack every key (`perf annotate`: its time spread over stack
+// stores and reloads). 2 a block widens each key twice for a group of 4 queries and spills
+// less (the tree's instructions with a stack operand: 292 against 892). A decode over 1,024 keys, one thread, 4 layers (K/V in cache): 1.16-1.21x for the
+// Llama 3.2 1B's group of 4 at head_dim 64, 1.08-1.18x for Llama 3.1 8B's at 128, 1.17-1.21x
+// for Qwen2.5 3B's group of 8, level for Llama 3.2 3B's 3; a 128-row prompt chunk over 512
+// keys 1.12-1.18x (1B) and 1.27-1.45x (3B); the 1B's 16 layers on two threads 1.09-1.14x at
+// 1 x 1,024 keys, 1.07-1.08x at 16 x 256 (benchmarks/attention_kernel.py --shape, two builds
+// in turns, 2026-12-04, AVX2 on AMD Zen 3). Each query's sums are the same either way: the
+// same bits. NEON (32 q registers, 8 F16s) keeps 4: not measured.
 template <typename C>
 constexpr int kTreeQueries =
     std::is_same_v<C, float> || (std::is_same_v<C, BFloat16> && kBf16Dot) ? 1
-                                                                          : (kParts == 1 ? 8 : 4);
+    : kParts == 1                                                          ? 8
+    : kParts == 2                                                          ? 2
+                                                                           : 4;
 
 // Bytes of one cache row: head_dim values, and for int8 their fp32 scale (ops.h).
 template <typename C>
