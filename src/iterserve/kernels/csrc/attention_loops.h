@@ -241,7 +241,12 @@ inline void scores_tree(const C* cache, const int64_t* off, const QC* q, float* 
 // benchmarks/attention_kernel.py --int8-cache measures it.
 template <typename T, typename C>
 constexpr bool kInt16Queries = std::is_same_v<T, BFloat16> && std::is_same_v<C, int8_t>;
-constexpr int kInt16QueryBlock = 4;  // accumulators in registers beside the widened key
+// Queries a block, their accumulators in registers beside the widened key: 4, and 2 on AVX2
+// (two ymm a query), where 4 measured slower: a decode over 1,024 keys of an int8 pool 1.20x
+// for Qwen2.5 3B's group of 8, 1.07-1.10x for the Llama 1B's 4, a 128-row prompt chunk
+// 1.04-1.09x, the same bits (benchmarks/attention_kernel.py --int8-cache --threads 1, two
+// builds in turns, 2026-12-04, AVX2 on AMD Zen 3). Other ISAs not measured.
+constexpr int kInt16QueryBlock = kParts == 2 ? 2 : 4;
 
 // An item's queries on the 16-bit grid: row m's head_dim words at words + m * head_dim, and
 // its scale.
