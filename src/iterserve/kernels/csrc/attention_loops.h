@@ -153,8 +153,9 @@ inline F16 chunk_dot(const F16& acc, const Halves& k, const Halves& q) {
 // AVX2 took 4 before: its accumulators, the widened chunk and the queries' chunks did not fit,
 // and the tree spilled to the stack every key (`perf annotate`: its time spread over stack
 // stores and reloads). 2 a block widens each key twice for a group of 4 queries and spills
-// less (the tree's instructions with a stack operand: 292 against 892). A decode over 1,024 keys, one thread, 4 layers (K/V in cache): 1.16-1.21x for the
-// Llama 3.2 1B's group of 4 at head_dim 64, 1.08-1.18x for Llama 3.1 8B's at 128, 1.17-1.21x
+// less (the tree's instructions with a stack operand: 292 against 892). A decode over 1,024
+// keys, one thread, 4 layers (K/V in cache): 1.16-1.21x for the Llama 3.2 1B's group of 4 at
+// head_dim 64, 1.08-1.18x for Llama 3.1 8B's at 128, 1.17-1.21x
 // for Qwen2.5 3B's group of 8, level for Llama 3.2 3B's 3; a 128-row prompt chunk over 512
 // keys 1.12-1.18x (1B) and 1.27-1.45x (3B); the 1B's 16 layers on two threads 1.09-1.14x at
 // 1 x 1,024 keys, 1.07-1.08x at 16 x 256 (benchmarks/attention_kernel.py --shape, two builds
