@@ -495,14 +495,15 @@ ITERSERVE_INLINE std::array<Quads, NT> decoded_chunk(const uint8_t* const* p, in
 // streams alone left one-row steps at 81-92% of the memory's speed and four-row steps at
 // 60-73% (benchmarks/linear_kernels.py; standalone: 7.5 -> 6.1 ms at 1 row, 9.8 -> 7.4 at 4;
 // Intel Cascade Lake). Some AMD cores need no help with AVX-512's one or two rows, where
-// these instructions only cost issue slots (few_rows_prefetch).
-template <typename Codec, int Units, int NT>
+// these instructions only cost issue slots (few_rows_prefetch). Into L1, or with Locality 2
+// into L2 (few_rows_units_far).
+template <typename Codec, int Units, int NT, int Locality = 3>
 ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
   constexpr int kBlocks = Codec::kInputs / kBlock;
   constexpr int64_t kLines = (Codec::kBytes + 63) / 64, kEach = (kLines + kBlocks - 1) / kBlocks;
   ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
     ITERSERVE_UNROLL for (int i = 0; i < kEach; ++i)
-      __builtin_prefetch(p[j] + Units * Codec::kBytes + (b * kEach + i) * 64, 0, 3);
+      __builtin_prefetch(p[j] + Units * Codec::kBytes + (b * kEach + i) * 64, 0, Locality);
 }
 
 // How many units ahead a few rows' step prefetches: one (two from two rows on), and for the
@@ -516,6 +517,23 @@ template <typename Codec, int MR>
 constexpr int few_rows_units_ahead() {
   constexpr int64_t kBytesAhead = 2048;
   return static_cast<int>(std::max<int64_t>(MR == 1 ? 1 : 2, kBytesAhead / Codec::kBytes));
+}
+
+// How many units ahead a few rows' step also asks for its tiles into L2 (where
+// few_rows_prefetch_far): ~8 KB a lane, past the L1 prefetch. On an Intel Emerald Rapids
+// (benchmarks/stream_timing.cpp, two threads over a 1B's 16 layers, with and without,
+// alternating in one process, 8-20 alternations, 2026-12-05, avx512bf16) the L1 prefetch
+// alone left one row at 0.87-0.92 of a 4-lane read of the same bytes (read_probe's way) and
+// this beside it 0.92-1.0: one row Q4_K 1.05-1.07x, Q6_K 1.07-1.10x, Q5_K 1.07x, Q4_0
+// 1.05x, Q4_1 and Q5_0 1.06x, IQ4_XS 1.05x, Q8_0 1.03x, Q2_K and Q3_K level (their loops'
+// arithmetic bounds them); two rows 1.06-1.09x, four 1.03-1.06x; an 8B's layers at one row
+// Q4_K 1.05x, Q6_K 1.10x; the AVX2 build there 1.09-1.24x. 4, 16 and 32 KB ahead did as well
+// as 8.
+template <typename Codec, int MR>
+constexpr int few_rows_units_far() {
+  constexpr int64_t kBytesFar = 8192;
+  return static_cast<int>(
+      std::max<int64_t>(few_rows_units_ahead<Codec, MR>() + 1, kBytesFar / Codec::kBytes));
 }
 
 // Whether this is an AMD core, and its family (Zen 4: 25, Zen 5: 26): the loops' rules below
@@ -565,7 +583,7 @@ inline int cpu_family() {
 //     AVX2-only core (2026-12-04, in turns), one row read at 0.87-0.97 of a plain read with
 //     them and 0.76-0.86 without (Q4_K, Q6_K), Q4_0 and Q8_0 level, and a farther distance
 //     (2-16 units ahead) no better than one.
-// ITERSERVE_PREFETCH (0 or 1) forces either way.
+// ITERSERVE_PREFETCH (0, 1 or 2) forces either way (2: with the L2 prefetch too).
 template <typename Codec>
 inline bool few_rows_prefetch() {
   static const bool on = [] {
@@ -574,6 +592,21 @@ inline bool few_rows_prefetch() {
     if (amd_cpu()) return cpu_family() >= 26 && Codec::kInputs == 256;
 #endif
     return true;
+  }();
+  return on;
+}
+
+// Whether the few rows' steps that prefetch into L1 also ask farther ahead into L2
+// (few_rows_units_far): measured on Intel only, so on Intel's x86 cores by default;
+// ITERSERVE_PREFETCH=2 turns it on elsewhere, 0 or 1 off.
+inline bool few_rows_prefetch_far() {
+  static const bool on = [] {
+    if (const char* forced = std::getenv("ITERSERVE_PREFETCH")) return forced[0] == '2';
+#if defined(__x86_64__)
+    return !amd_cpu();
+#else
+    return false;
+#endif
   }();
   return on;
 }
@@ -627,10 +660,12 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
   auto acc = zeros<MR * NT>();
   std::array<F16, MR * NT> unit;
   const bool prefetch = MR > 2 || few_rows_prefetch<Codec>();
+  const bool far = prefetch && few_rows_prefetch_far();
   // Inlined into the block loop, so that the sums stay in registers from block to block (as
   // a call the lambda kept them in memory: one-row Q4_K steps ran 1.3x slower in cache).
   auto block = [&](const uint8_t* const* p, int b, int64_t blk) ITERSERVE_INLINE_LAMBDA {
     if (prefetch) prefetch_units<Codec, few_rows_units_ahead<Codec, MR>(), NT>(p, b);
+    if (far) prefetch_units<Codec, few_rows_units_far<Codec, MR>(), NT, 2>(p, b);
     // Each chunk decoded as it is used.
     const auto dot = block_dots<Codec, MR, NT>(
         x, m0, blk, K, [&](auto c) { return decoded_chunk<Codec, NT>(p, b, c); });
