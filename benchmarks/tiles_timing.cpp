@@ -10,32 +10,27 @@
 //   .venv/lib/python3.11/site-packages/torch)
 //   taskset -c 1 /tmp/tiles_timing <format code> <N> <K> <M> [reps]
 //
-// Format codes: blocks.h `Format` (Q4_0 10, Q8_0 14, Q4_K 22, Q6_K 24, ...). The check sum
-// (the finite outputs' sum and count) is the same bits for two builds that compute alike.
+// Format codes: blocks.h `Format` (Q4_0 10, Q8_0 14, Q4_K 22, Q6_K 24, ...). The check (the
+// finite outputs' sum and count, and a hash of every output's bits) is the same for two
+// builds that compute alike.
 #include "gguf_repack.h"
 #include "tiles.h"
+#include "tiles_inputs.h"
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
+#include <cstring>
 #include <vector>
-#include <sys/mman.h>
 using namespace iterserve;
 int main(int argc, char** argv) {
   const auto f = static_cast<Format>(atoi(argv[1]));
   const int64_t N = atol(argv[2]), K = atol(argv[3]), M = atol(argv[4]);
   const int reps = argc > 5 ? atoi(argv[5]) : 5;
   const int64_t bytes = tile_bytes(f, K), tiles = N / kTile;
-  const size_t total = (tiles * bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20);
-  uint8_t* packed_p = static_cast<uint8_t*>(std::aligned_alloc(2 << 20, total));
-  madvise(packed_p, total, MADV_HUGEPAGE);
-  std::mt19937 rng(1);
-  for (size_t i = 0; i < total; ++i) packed_p[i] = rng() & 0xff;
-  // sane fp16 fields don't matter for speed
-  std::vector<at::BFloat16> x(M * K);
-  std::normal_distribution<float> nd;
-  for (auto& v : x) v = at::BFloat16(nd(rng));
+  const TilesInputs inputs(tiles * bytes, M, K);
+  uint8_t* packed_p = inputs.weight;
+  const std::vector<at::BFloat16>& x = inputs.x;
   QuantizedBuffers q(M, K, unit_inputs(f));
   for (int64_t m = 0; m < M; ++m) q.row(x.data() + m * K, K, m);
   Rows rows{K, nullptr, 0, nullptr, 0, {}, {}};
@@ -51,6 +46,12 @@ int main(int argc, char** argv) {
     best = std::min(best, s);
   }
   double sum = 0; long nf = 0; for (float v : out) if (std::isfinite(v) && std::fabs(v) < 1e30) sum += v, ++nf;
-  printf("fmt %d N %ld K %ld M %ld: %.2f ms, %.1f GOP/s (chk %g %ld)\n", (int)f, N, K, M, best * 1e3,
-         2.0 * M * N * K / best / 1e9, sum, nf);
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the outputs' bits
+  for (float v : out) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    hash = (hash ^ bits) * 1099511628211ull;
+  }
+  printf("fmt %d N %ld K %ld M %ld: %.2f ms, %.1f GOP/s (chk %g %ld %016llx)\n", (int)f, N, K, M,
+         best * 1e3, 2.0 * M * N * K / best / 1e9, sum, nf, (unsigned long long)hash);
 }

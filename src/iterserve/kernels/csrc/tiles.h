@@ -91,10 +91,25 @@ struct Epilogue {
 
 // Rows quantized for the block formats, per unit of `unit` inputs (32 or 256): xq [M, K]
 // int8 with x ~ s xq, its rows `ld` bytes apart (`padded_row_bytes`), s [M, K / unit], and
-// the negated sums of xq per 16 inputs [M, K / 16] and per 32 [M, K / 32], in int32: what the
-// biases and offsets take away (blocks.h); for units of 256, also the per-32 sums of blocks
-// 2q and 2q + 1 as one word of 16-bit halves [M, K / 64] (|sum| <= 32 * 127), for the integer
-// offsets (`UnitOffsets`).
+// the negated sums of xq per 16 inputs [M, K / 16] and per 32 [M, K / 32], in int32, times
+// 2^kSumShift<H>: what the biases and offsets take away (blocks.h); for units of 256, also the
+// per-32 sums of blocks 2q and 2q + 1 as one word of 16-bit halves [M, K / 64]
+// (|sum| <= 32 * 127), for the integer offsets (`UnitOffsets`).
+//
+// The sums are kept times the largest bias of the formats that start their dot products from
+// them (per 16 inputs Q6_K's 32, per 32 the signed formats' 128 with VNNI), so that those
+// formats' start is a broadcast from memory, where it was a broadcast and a shift: a vector
+// instruction a row, half and block beside Q6_K's 8 dot products, on the pipes they share
+// (`start_dots`). The sweep on one thread (benchmarks/tiles_ab.cpp: the loops before and after
+// alternating in one process, the same output bits; a 1B's shapes, 2026-12-05, avx512bf16): at
+// 128 rows Q6_K 1.04-1.06x, IQ4_XS 1.03-1.05x, Q8_0 1.02-1.04x, Q4_0 1.0-1.02x, Q4_K level;
+// at 16 rows Q6_K 1.04-1.05x; the AVX2 build there Q6_K 1.07x, the others level; one row
+// level. Smaller biases shift right (exact: the sums are multiples of 2^kSumShift), and the
+// block offsets that read the sums take 2^-kSumShift into their scale, once a block
+// (`block_scales`; the same products, so the same bits).
+template <int H>
+constexpr int kSumShift = H == 1 ? 7 : 5;
+
 struct QuantizedX {
   int64_t unit = 0;
   const int8_t* xq = nullptr;
@@ -104,7 +119,8 @@ struct QuantizedX {
   const int32_t* neg_sum_pairs = nullptr;
   int64_t ld = 0;
 
-  // Row m's negated sum of xq over block blk (H = 1) or its half h (H = 2).
+  // Row m's negated sum of xq over block blk (H = 1) or its half h (H = 2), times
+  // 2^kSumShift<H>.
   template <int H>
   ITERSERVE_INLINE int32_t neg_sum(int64_t m, int64_t blk, int h, int64_t K) const {
     return H == 1 ? neg_sum32[m * (K / 32) + blk] : neg_sum16[m * (K / 16) + 2 * blk + h];
@@ -224,7 +240,8 @@ inline void f16_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t ti
 // One row quantized per unit of `unit` inputs: x ~ s q, q = round(x * 127 / max|x| over the
 // unit) in -127..127 (as llama.cpp quantizes activations for its block dot products: one
 // scale a row measured twice the greedy disagreement with bf16 on the bundled model), with
-// -sum(q) per 16 and per 32 inputs (and, given neg_sum_pairs, per 32 as 16-bit pairs of blocks).
+// -sum(q) per 16 and per 32 inputs, times 2^kSumShift (and, given neg_sum_pairs, per 32 as
+// 16-bit pairs of blocks).
 inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t* q, float* scale,
                          int32_t* neg_sum16, int32_t* neg_sum32, int32_t* neg_sum_pairs) {
   int32_t previous = 0;  // the last block's sum
@@ -242,9 +259,9 @@ inline void quantize_row(const at::BFloat16* x, int64_t K, int64_t unit, int8_t*
       store_i8x16(q + b * kBlock, lo);
       store_i8x16(q + b * kBlock + 16, hi);
       const int32_t sum_lo = lo.sum(), sum_hi = hi.sum();
-      neg_sum16[2 * b] = -sum_lo;
-      neg_sum16[2 * b + 1] = -sum_hi;
-      neg_sum32[b] = -(sum_lo + sum_hi);
+      neg_sum16[2 * b] = -sum_lo * (1 << kSumShift<2>);
+      neg_sum16[2 * b + 1] = -sum_hi * (1 << kSumShift<2>);
+      neg_sum32[b] = -(sum_lo + sum_hi) * (1 << kSumShift<1>);
       // Made from the sums in registers: read back from neg_sum32, a pair's load waited on
       // the two stores just made.
       if (neg_sum_pairs && b % 2 == 1)
@@ -310,14 +327,32 @@ ITERSERVE_INLINE std::array<I16, Codec::kHalves * MR * NT> start_dots(const Quan
   auto dot = izeros<H * MR * NT>();
   if constexpr (Codec::kBias != 0) {
     static_assert((Codec::kBias & (Codec::kBias - 1)) == 0, "a bias is a power of two");
-    constexpr int kShift = __builtin_ctz(Codec::kBias);
+    constexpr int kShift = __builtin_ctz(Codec::kBias) - kSumShift<H>;
     ITERSERVE_UNROLL for (int r = 0; r < MR; ++r)
       ITERSERVE_UNROLL for (int h = 0; h < H; ++h) {
-        const I16 start = shift_left<kShift>(I16::splat(x.neg_sum<H>(m0 + r, blk, h, K)));
+        I16 start = I16::splat(x.neg_sum<H>(m0 + r, blk, h, K));
+        if constexpr (kShift > 0) start = shift_left<kShift>(start);
+        if constexpr (kShift < 0) start = shift_right_signed<-kShift>(start);
         ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) dot[(h * MR + r) * NT + j] = start;
       }
   }
   return dot;
+}
+
+// Block b's scales and offsets of NT tiles (units at p[j]) into a[j * H + h], o[j * H + h],
+// the offsets that meet the activations' sums (fold_block) times 2^-kSumShift, as the sums
+// are kept (QuantizedX): exact, so o times a sum is the same product.
+template <typename Codec, int NT>
+ITERSERVE_INLINE std::array<std::array<F16, Codec::kHalves * NT>, 2> block_scales(
+    const uint8_t* const* p, int b) {
+  constexpr int H = Codec::kHalves;
+  std::array<std::array<F16, H * NT>, 2> scales;  // a, o
+  auto &a = scales[0], &o = scales[1];
+  ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, &a[j * H], &o[j * H]);
+  if constexpr (Codec::kOffset && !Codec::kUnitOffsets)
+    ITERSERVE_UNROLL for (int i = 0; i < NT * H; ++i)
+      o[i] = o[i] * F16::splat(1.0f / (1 << kSumShift<H>));
+  return scales;
 }
 
 // A block's dot products folded into its unit's fp32 sums, with the tiles' scales and
@@ -669,8 +704,8 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
     // Each chunk decoded as it is used.
     const auto dot = block_dots<Codec, MR, NT>(
         x, m0, blk, K, [&](auto c) { return decoded_chunk<Codec, NT>(p, b, c); });
-    F16 a[NT * H], o[NT * H];
-    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
+    const auto scales = block_scales<Codec, NT>(p, b);
+    const F16 *a = scales[0].data(), *o = scales[1].data();
     if (b == 0) fold_block<Codec, MR, NT, true>(unit, dot, a, o, x, m0, blk, K);
     else fold_block<Codec, MR, NT, false>(unit, dot, a, o, x, m0, blk, K);
     if (b == kBlocks - 1) {
@@ -721,8 +756,8 @@ inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t s
         decoded_chunk<Codec, NT>(p, b, std::integral_constant<int, 1>{}),
         decoded_chunk<Codec, NT>(p, b, std::integral_constant<int, 2>{}),
         decoded_chunk<Codec, NT>(p, b, std::integral_constant<int, 3>{})};
-    F16 a[NT * H], o[NT * H];
-    ITERSERVE_UNROLL for (int j = 0; j < NT; ++j) Codec::scales(p[j], b, a + j * H, o + j * H);
+    const auto scales = block_scales<Codec, NT>(p, b);
+    const F16 *a = scales[0].data(), *o = scales[1].data();
     row_groups<MR>(M, [&](auto mr, int64_t m0) {
       constexpr int R = decltype(mr)::value;
       const auto dot = block_dots<Codec, R, NT>(
