@@ -185,6 +185,43 @@ def test_segments_of_different_formats_run_as_one_weight(rows: int) -> None:
     close(out, want + bias.double() + residual.double(), rounded=True)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_few_rows_step_takes_every_tile_once_whatever_the_threads(
+    threads: int, rows: int
+) -> None:
+    """A few rows' step splits the tiles among the threads by bytes, each share in lanes and
+    its last quarter in steps of one or more tiles, and a thread done with its share takes
+    the back half of another's (thread_shares.h, tiles.h `LaneRun`): every tile computed
+    once, into the bits one thread gives, and the product, for segments of 1 to 67 tiles of
+    small and large tiles (K = 256 and 8192)."""
+    for k, counts in ((256, [67, 1, 9, 30]), (8192, [2, 37, 5])):
+        names = ["Q4_K" if i % 2 else "Q6_K" for i in range(len(counts))]
+        raws = [gguf_bytes(name, 16 * m, k, seed=m) for name, m in zip(names, counts, strict=True)]
+        segments = [
+            bf.repack(kernels.ops(), raw, bf.BLOCK_FORMATS[name], k)
+            for raw, name in zip(raws, names, strict=True)
+        ]
+        codes = [bf.BLOCK_FORMATS[name].code for name in names]
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = kernels.ops().tiled_linear(x, segments, codes, None, None, True)
+            torch.set_num_threads(threads)
+            out = kernels.ops().tiled_linear(x, segments, codes, None, None, True)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(out, alone)
+        blocks = torch.cat(
+            [
+                reference(raw, name, (16 * m, k))
+                for raw, name, m in zip(raws, names, counts, strict=True)
+            ]
+        )
+        close(out, bf.activations_as_quantized(x, 256) @ blocks.double().T, rounded=False)
+
+
 def test_q8_0_made_at_load_is_llamas_quantizer() -> None:
     """`--weights int8` blocks: quantize_q8_0 gives the bytes gguf's Q8_0 quantizer gives."""
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(5)) * 0.1

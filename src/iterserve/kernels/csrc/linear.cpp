@@ -38,12 +38,12 @@ using at::Tensor;
 constexpr int64_t kQuantizeGrainInputs = 16384;
 
 // x's rows quantized per unit (tiles.h QuantizedBuffers), the rows spread over the threads.
-std::unique_ptr<QuantizedBuffers> quantized(const at::BFloat16* x, int64_t ld_x, int64_t M,
-                                            int64_t K, int64_t unit) {
-  auto q = std::make_unique<QuantizedBuffers>(M, K, unit);
+QuantizedBuffers quantized(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K,
+                           int64_t unit) {
+  QuantizedBuffers q(M, K, unit);
   const int64_t grain = std::max<int64_t>(1, kQuantizeGrainInputs / K);
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) q->row(x + m * ld_x, K, m);
+    for (int64_t m = begin; m < end; ++m) q.row(x + m * ld_x, K, m);
   });
   return q;
 }
@@ -108,10 +108,10 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
     rows.ld_xp = pairs.stride(0);
   }
   // The activations each block format pairs with (tile_bytes checked that K fits them).
-  std::unique_ptr<QuantizedBuffers> q32, q256;
+  std::optional<QuantizedBuffers> q32, q256;
   const auto* xb = x.data_ptr<at::BFloat16>();
-  if (per32) rows.per32 = (q32 = quantized(xb, x.stride(0), M, K, 32))->view;
-  if (per256) rows.per256 = (q256 = quantized(xb, x.stride(0), M, K, 256))->view;
+  if (per32) rows.per32 = q32.emplace(quantized(xb, x.stride(0), M, K, 32)).view;
+  if (per256) rows.per256 = q256.emplace(quantized(xb, x.stride(0), M, K, 256)).view;
   const int64_t threads_wanted = at::get_num_threads();
   if (M <= kRegisterRows) {
     // Bound by the bytes it reads: an equal share of them a thread, read in lanes, the
@@ -157,8 +157,8 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x, int64_t unit) {
   const auto rows = quantized(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, unit);
   Tensor q = at::empty({M, K}, at::kChar), s = at::empty({M, K / unit}, at::kFloat);
   for (int64_t m = 0; m < M; ++m)
-    std::memcpy(q.data_ptr<int8_t>() + m * K, rows->xq.get() + m * rows->view.ld, K);
-  std::memcpy(s.data_ptr<float>(), rows->scale.get(), M * K / unit * sizeof(float));
+    std::memcpy(q.data_ptr<int8_t>() + m * K, rows.view.xq + m * rows.view.ld, K);
+  std::memcpy(s.data_ptr<float>(), rows.view.scale, M * K / unit * sizeof(float));
   return {q, s};
 }
 

@@ -20,20 +20,28 @@
 namespace iterserve {
 
 // A few rows' step: thread i's share of all tiles, [bounds[i], bounds[i + 1]), by equal
-// shares of the bytes, each read as one stream.
+// shares of the bytes, each read as one stream: bounds[i] is the first tile with at least
+// i / threads of the bytes before it. Found segment by segment, not tile by tile: walking a
+// 1B's head tile by tile (8,016 tiles) put ~14 us on each one-row step (AVX-512 BF16).
 inline std::vector<int64_t> split_by_bytes(const std::vector<Segment>& segs, int threads) {
-  double total = 0;
-  for (const Segment& seg : segs) total += static_cast<double>(seg.stride * seg.tiles);
-  std::vector<int64_t> bounds(threads + 1, 0);
-  double done = 0;
-  int next = 1;
-  for (const Segment& seg : segs)
-    for (int64_t t = 0; t < seg.tiles; ++t) {
-      while (next < threads && done >= total * next / threads) bounds[next++] = seg.first + t;
-      done += static_cast<double>(seg.stride);
-    }
+  int64_t total = 0;
+  for (const Segment& seg : segs) total += seg.stride * seg.tiles;
   const int64_t all = segs.empty() ? 0 : segs.back().first + segs.back().tiles;
-  for (; next <= threads; ++next) bounds[next] = all;
+  std::vector<int64_t> bounds(threads + 1, all);
+  bounds[0] = 0;
+  int64_t before = 0;  // bytes of the segments before this one, times threads
+  int next = 1;
+  for (const Segment& seg : segs) {
+    // Tile t of this segment has before + t * stride bytes before it (times threads).
+    const int64_t step = seg.stride * threads;
+    for (; next < threads; ++next) {
+      const int64_t need = total * next - before;
+      const int64_t t = need <= 0 ? 0 : (need + step - 1) / step;
+      if (t >= seg.tiles) break;
+      bounds[next] = seg.first + t;
+    }
+    before += step * seg.tiles;
+  }
   return bounds;
 }
 
@@ -116,7 +124,7 @@ class Shares {
         const int64_t hi = std::min(bounds[i + 1], seg.first + seg.tiles);
         if (lo >= hi) continue;
         runs_.emplace_back(static_cast<int64_t>(s), lo - seg.first, hi - seg.first,
-                           few_rows_width(seg.format, M));
+                           few_rows_width(seg.format, M), seg.stride);
         steps += runs_.back().steps();
       }
       first_run_[i + 1] = static_cast<int64_t>(runs_.size());

@@ -289,30 +289,40 @@ inline int64_t padded_row_bytes(int64_t K) {
   return 64 * (lines % 2 ? lines : lines + 1);
 }
 
-// QuantizedX in buffers of its own, for M rows of K inputs; rows are quantized one by one
-// (`row`), so that a caller can spread them over threads.
-struct QuantizedBuffers {
+// QuantizedX in one buffer of its own, for M rows of K inputs; rows are quantized one by one
+// (`row`), so that a caller can spread them over threads. One allocation, not one an array:
+// a one-row step allocates it for every projection.
+class QuantizedBuffers {
+ public:
+  QuantizedBuffers(int64_t M, int64_t K, int64_t unit) : unit_(unit), ld_(padded_row_bytes(K)) {
+    // ld_ is a multiple of 64, so the arrays after the rows' bytes stay aligned.
+    const int64_t scales = M * K / unit, sums16 = M * K / 16, sums32 = M * K / kBlock;
+    const int64_t pairs = unit == 256 ? M * K / 64 : 0;
+    bytes_.reset(new (std::align_val_t{64})
+                     int8_t[M * ld_ + 4 * (scales + sums16 + sums32 + pairs)]);
+    scale_ = reinterpret_cast<float*>(bytes_.get() + M * ld_);
+    neg_sum16_ = reinterpret_cast<int32_t*>(scale_ + scales);
+    neg_sum32_ = neg_sum16_ + sums16;
+    neg_sum_pairs_ = pairs ? neg_sum32_ + sums32 : nullptr;
+    view = {unit, bytes_.get(), scale_, neg_sum16_, neg_sum32_, neg_sum_pairs_, ld_};
+  }
+  // Row m, from x (its K inputs).
+  void row(const at::BFloat16* x, int64_t K, int64_t m) {
+    quantize_row(x, K, unit_, bytes_.get() + m * ld_, scale_ + m * (K / unit_),
+                 neg_sum16_ + m * (K / 16), neg_sum32_ + m * (K / kBlock),
+                 neg_sum_pairs_ ? neg_sum_pairs_ + m * (K / 64) : nullptr);
+  }
+
+  QuantizedX view;
+
+ private:
   struct AlignedFree {
     void operator()(int8_t* p) const { ::operator delete[](p, std::align_val_t{64}); }
   };
-  std::unique_ptr<int8_t[], AlignedFree> xq;
-  std::unique_ptr<float[]> scale;
-  std::unique_ptr<int32_t[]> neg_sum16, neg_sum32, neg_sum_pairs;
-  QuantizedX view;
-
-  QuantizedBuffers(int64_t M, int64_t K, int64_t unit)
-      : xq(new (std::align_val_t{64}) int8_t[M * padded_row_bytes(K)]),
-        scale(new float[M * K / unit]),
-        neg_sum16(new int32_t[M * K / 16]), neg_sum32(new int32_t[M * K / kBlock]),
-        neg_sum_pairs(unit == 256 ? new int32_t[M * K / 64] : nullptr),
-        view{unit, xq.get(), scale.get(), neg_sum16.get(), neg_sum32.get(), neg_sum_pairs.get(),
-             padded_row_bytes(K)} {}
-  // Row m, from x (its K inputs).
-  void row(const at::BFloat16* x, int64_t K, int64_t m) {
-    quantize_row(x, K, view.unit, xq.get() + m * view.ld, scale.get() + m * (K / view.unit),
-                 neg_sum16.get() + m * (K / 16), neg_sum32.get() + m * (K / kBlock),
-                 neg_sum_pairs ? neg_sum_pairs.get() + m * (K / 64) : nullptr);
-  }
+  int64_t unit_, ld_;
+  std::unique_ptr<int8_t[], AlignedFree> bytes_;
+  float* scale_;
+  int32_t *neg_sum16_, *neg_sum32_, *neg_sum_pairs_;
 };
 
 // ---- block formats -------------------------------------------------------------------------
@@ -929,24 +939,43 @@ inline int few_rows_width(Format format, int64_t M) {
   return width;
 }
 
+// Bytes a step takes at most in the last quarter of a run (at least one tile). A thread done
+// with its share takes half of what is left of the other's, from its back, then waits for the
+// step that thread has in hand; a step of 4 lanes of a down projection's 74-107 KB tiles
+// (K = 8192) left it waiting 12-18 us a call at one row, and steps of ~32 KB 4 (a 1B Q4_K_M,
+// AVX-512 BF16, 2026-12-05; the down projection's whole call ~450 us).
+constexpr int64_t kFineStepBytes = 32768;
+
 // Tiles [t_begin, t_end) of segment `seg` as few-row steps, numbered from 0: `width` lanes of
-// equal length side by side, then the tiles left over (fewer than `width`; all of them at
-// width 1) one at a time, kSingleTiles a step.
+// equal length side by side, then the tiles left over one after another, kSingleTiles a step.
+// A run that threads share (`stride`: its tiles' bytes; 0: a run of one thread's own) keeps
+// its last quarter out of the lanes, one tile after another in steps of up to
+// kFineStepBytes.
 struct LaneRun {
-  int64_t seg, t_begin, t_end, per_lane;
+  int64_t seg, t_begin, t_end, per_lane, lanes_end, fine_begin, fine;
   int width;
 
-  LaneRun(int64_t seg, int64_t t_begin, int64_t t_end, int width)
+  LaneRun(int64_t seg, int64_t t_begin, int64_t t_end, int width, int64_t stride = 0)
       : seg(seg), t_begin(t_begin), t_end(t_end),
-        per_lane(width > 1 ? (t_end - t_begin) / width : 0), width(width) {}
-  int64_t steps() const {
-    const int64_t singles = t_end - t_begin - width * per_lane;
-    return per_lane + (singles + kSingleTiles - 1) / kSingleTiles;
+        fine_begin(t_end - (stride > 0 ? (t_end - t_begin) / 4 : 0)),
+        fine(stride > 0 ? std::clamp<int64_t>(kFineStepBytes / stride, 1, kSingleTiles) : 1),
+        width(width) {
+    per_lane = width > 1 ? (fine_begin - t_begin) / width : 0;
+    lanes_end = t_begin + width * per_lane;
   }
+  int64_t steps() const { return per_lane + coarse_steps() + (t_end - fine_begin + fine - 1) / fine; }
   LaneStep step(int64_t i) const {
     if (i < per_lane) return {seg, t_begin + i, per_lane, width, 1};
-    const int64_t t = t_begin + width * per_lane + (i - per_lane) * kSingleTiles;
-    return {seg, t, 1, 1, static_cast<int>(std::min<int64_t>(kSingleTiles, t_end - t))};
+    i -= per_lane;
+    if (i < coarse_steps()) return singles(lanes_end + i * kSingleTiles, kSingleTiles, fine_begin);
+    return singles(fine_begin + (i - coarse_steps()) * fine, fine, t_end);
+  }
+
+ private:
+  int64_t coarse_steps() const { return (fine_begin - lanes_end + kSingleTiles - 1) / kSingleTiles; }
+  // Up to `count` tiles from t, one after another, none from `end` on.
+  LaneStep singles(int64_t t, int64_t count, int64_t end) const {
+    return {seg, t, 1, 1, static_cast<int>(std::min(count, end - t))};
   }
 };
 
