@@ -32,7 +32,6 @@
 // the model only takes this path when they are.
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <array>
@@ -41,6 +40,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "reused_empty.h"
 #include "simd.h"
 
 namespace iterserve {
@@ -72,7 +72,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
                 const Tensor* residual = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 16 == 0, "decoder_layer: hidden size ", K, " is not a multiple of 16");
-  Tensor out = at::empty({M, K}, x.options());
+  Tensor out = empty_reused({M, K}, x.options());
   const BFloat16* w = weight.data_ptr<BFloat16>();
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -156,7 +156,7 @@ Tensor gated_pairs(const Tensor& g, const Tensor& u, Gated&& gated) {
   TORCH_CHECK(u.size(0) == M && u.size(1) == I && g.stride(1) == 1 && u.stride(1) == 1,
               "decoder_layer: the gated product's operands must be [rows, ", I,
               "] with contiguous rows");
-  Tensor out = at::empty({M, I}, g.options());
+  Tensor out = empty_reused({M, I}, g.options());
   const BFloat16* g0 = g.data_ptr<BFloat16>();
   const BFloat16* u0 = u.data_ptr<BFloat16>();
   BFloat16* out0 = out.data_ptr<BFloat16>();

@@ -17,6 +17,7 @@
 #include <ATen/ops/empty.h>
 
 #include "ops.h"
+#include "reused_empty.h"
 #include "thread_shares.h"
 #include "tiles.h"
 
@@ -76,7 +77,7 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
       with_codec(f, [&](auto codec) { (decltype(codec)::kInputs == 256 ? per256 : per32) = true; });
   }
   const int64_t N = tiles * kTile;
-  Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  Tensor out = empty_reused({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   Epilogue ep{nullptr, nullptr, N, nullptr, nullptr, 0};
   if (fp32_out)

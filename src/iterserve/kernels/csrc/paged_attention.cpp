@@ -30,11 +30,11 @@
 // The loops an item runs are in attention_loops.h.
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include "attention_plan.h"
 #include "kv_rows.h"
 #include "ops.h"
+#include "reused_empty.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -98,7 +98,7 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
                          sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
               "paged_attention: sinks must be float32 [num_heads]");
 
-  Tensor out = at::empty({T, H, D}, q.options());
+  Tensor out = empty_reused({T, H, D}, q.options());
   const Tensor lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
   const int32_t* len = lens.data_ptr<int32_t>();
   const int32_t* start = starts.data_ptr<int32_t>();
@@ -172,7 +172,7 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   }
   Tensor partials;
   if (slots > 0) {
-    partials = at::empty({slots * (D + 2)}, q.options().dtype(at::kFloat));
+    partials = empty_reused({slots * (D + 2)}, q.options().dtype(at::kFloat));
     plan.partial_acc = partials.data_ptr<float>();
     plan.partial_max = plan.partial_acc + slots * D;
     plan.partial_sum = plan.partial_max + slots;
