@@ -1,6 +1,6 @@
 // Uninitialised tensors for a decode step's intermediates, reused from call to call.
 //
-// A one-row step of a 1B makes ~10 tensors a layer (norms' outputs, projections', attention's,
+// A one-row step of a 1B makes ~8 tensors a layer (norms' outputs, projections', attention's,
 // the gated product), and at::empty took 1-3 us each there, through the dispatcher and
 // malloc (decoder_stack timed by parts, a 1B Q4_K_M at one row, AVX-512 BF16, 2026-12-05):
 // ~1% of the step. The steps of a decode run make the same shapes over and over, so each
