@@ -952,27 +952,30 @@ constexpr int64_t kFineStepBytes = 32768;
 // its last quarter out of the lanes, one tile after another in steps of up to
 // kFineStepBytes.
 struct LaneRun {
-  int64_t seg, t_begin, t_end, per_lane, lanes_end, fine_begin, fine;
+  int64_t seg, t_begin, t_end, fine_begin, fine, per_lane;
   int width;
 
   LaneRun(int64_t seg, int64_t t_begin, int64_t t_end, int width, int64_t stride = 0)
       : seg(seg), t_begin(t_begin), t_end(t_end),
         fine_begin(t_end - (stride > 0 ? (t_end - t_begin) / 4 : 0)),
         fine(stride > 0 ? std::clamp<int64_t>(kFineStepBytes / stride, 1, kSingleTiles) : 1),
-        width(width) {
-    per_lane = width > 1 ? (fine_begin - t_begin) / width : 0;
-    lanes_end = t_begin + width * per_lane;
+        per_lane(width > 1 ? (fine_begin - t_begin) / width : 0), width(width) {}
+  int64_t steps() const {
+    return per_lane + coarse_steps() + ceil_div(t_end - fine_begin, fine);
   }
-  int64_t steps() const { return per_lane + coarse_steps() + (t_end - fine_begin + fine - 1) / fine; }
   LaneStep step(int64_t i) const {
     if (i < per_lane) return {seg, t_begin + i, per_lane, width, 1};
     i -= per_lane;
-    if (i < coarse_steps()) return singles(lanes_end + i * kSingleTiles, kSingleTiles, fine_begin);
+    if (i < coarse_steps())
+      return singles(lanes_end() + i * kSingleTiles, kSingleTiles, fine_begin);
     return singles(fine_begin + (i - coarse_steps()) * fine, fine, t_end);
   }
 
  private:
-  int64_t coarse_steps() const { return (fine_begin - lanes_end + kSingleTiles - 1) / kSingleTiles; }
+  static int64_t ceil_div(int64_t n, int64_t d) { return (n + d - 1) / d; }
+  int64_t lanes_end() const { return t_begin + width * per_lane; }
+  // The tiles between the lanes and the last quarter, kSingleTiles a step.
+  int64_t coarse_steps() const { return ceil_div(fine_begin - lanes_end(), kSingleTiles); }
   // Up to `count` tiles from t, one after another, none from `end` on.
   LaneStep singles(int64_t t, int64_t count, int64_t end) const {
     return {seg, t, 1, 1, static_cast<int>(std::min(count, end - t))};
