@@ -72,6 +72,29 @@ def test_a_strided_row_view_is_read_in_place() -> None:
     _close_to_bf16_rounding(out, x.float() @ w.float().T)
 
 
+@pytest.mark.parametrize("inference", [True, False])
+def test_results_held_by_the_caller_are_never_written_again(inference: bool) -> None:
+    """The kernels reuse small tensors nothing holds (reused_empty.h): results kept in
+    Python, and views of them, must keep their values over many later calls of every shape."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(1, 64, 32), (2, 64, 48), (1, 64, 32), (4, 96, 16)]  # (rows, k, n), one repeated
+    calls = [
+        (
+            torch.randn(m, k, generator=gen).bfloat16(),
+            (torch.randn(n, k, generator=gen) * 0.1).bfloat16(),
+        )
+        for m, k, n in shapes * 12
+    ]
+    with torch.inference_mode(inference):
+        held = [_tiled(x, w) for x, w in calls[::2]]
+        views = [out[:, :8] for out in held]
+        for x, w in calls[1::2]:
+            _tiled(x, w)  # dropped at once: its tensor may be handed out again
+        for (x, w), out, view in zip(calls[::2], held, views, strict=True):
+            assert torch.equal(out, _tiled(x, w)) and torch.equal(view, out[:, :8])
+        assert len({out.data_ptr() for out in held}) == len(held)
+
+
 @pytest.mark.parametrize("unit", [32, 256])
 def test_the_activations_are_rounded_as_documented(unit: int) -> None:
     gen = torch.Generator().manual_seed(3)

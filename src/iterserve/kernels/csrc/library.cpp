@@ -7,8 +7,21 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "reused_empty.h"
 
 namespace iterserve {
+namespace {
+
+// An op returning a tensor, registered so that its result leaves the kept tensors as it goes
+// back to Python (reused_empty.h `handed_out`); the kernels call each other directly.
+template <auto Op>
+struct HandsOut;
+template <typename... Args, at::Tensor (*Op)(Args...)>
+struct HandsOut<Op> {
+  static at::Tensor call(Args... args) { return handed_out(Op(args...)); }
+};
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
   m.def("isa() -> str");
@@ -78,16 +91,16 @@ TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CatchAll, m) {
 }
 
 TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
-  m.impl("tiled_linear", &tiled_linear);
+  m.impl("tiled_linear", &HandsOut<&tiled_linear>::call);
   m.impl("quantize_rows", &quantize_rows);
   m.impl("repack_gguf", &repack_gguf);
   m.impl("dequantize_rows", &dequantize_rows);
-  m.impl("paged_attention", &paged_attention);
-  m.impl("store_and_attend", &store_and_attend);
-  m.impl("decoder_layer", &decoder_layer);
-  m.impl("decoder_stack", &decoder_stack);
-  m.impl("experts_mlp", &experts_mlp);
-  m.impl("short_conv", &short_conv);
+  m.impl("paged_attention", &HandsOut<&paged_attention>::call);
+  m.impl("store_and_attend", &HandsOut<&store_and_attend>::call);
+  m.impl("decoder_layer", &HandsOut<&decoder_layer>::call);
+  m.impl("decoder_stack", &HandsOut<&decoder_stack>::call);
+  m.impl("experts_mlp", &HandsOut<&experts_mlp>::call);
+  m.impl("short_conv", &HandsOut<&short_conv>::call);
   m.impl("lora_add_", &lora_add_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("read_probe", &read_probe);

@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -23,6 +24,12 @@ constexpr int64_t kReusedBytes = int64_t{1} << 20;
 // Tensors a thread keeps.
 constexpr size_t kReusedTensors = 32;
 
+// This thread's kept tensors.
+inline std::vector<at::Tensor>& reused_tensors() {
+  thread_local std::vector<at::Tensor> kept;
+  return kept;
+}
+
 // As at::empty(sizes, options): a tensor of this thread's that no one else holds (neither it
 // nor a view of its storage), of these sizes, dtype and inference mode, or a new one.
 inline at::Tensor empty_reused(c10::IntArrayRef sizes, const at::TensorOptions& options) {
@@ -31,7 +38,7 @@ inline at::Tensor empty_reused(c10::IntArrayRef sizes, const at::TensorOptions& 
   for (const int64_t size : sizes) bytes *= size;
   if (bytes > kReusedBytes || options.device().type() != c10::DeviceType::CPU)
     return at::empty(sizes, options);
-  thread_local std::vector<at::Tensor> kept;
+  std::vector<at::Tensor>& kept = reused_tensors();
   const bool inference = c10::InferenceMode::is_enabled();
   auto free = [](const at::Tensor& t) {
     return t.use_count() == 1 && t.storage().use_count() == 1;
@@ -51,6 +58,22 @@ inline at::Tensor empty_reused(c10::IntArrayRef sizes, const at::TensorOptions& 
       }
   }
   return made;
+}
+
+// An op's result as it goes back to Python: out of the kept tensors. Python's wrapper of a
+// tensor keeps a reference to it for as long as C++ holds one too, so a kept tensor that
+// Python has seen is never free again: the logits and last hidden rows of a decode run's first
+// steps filled the 32 places, and 95% of the calls went to at::empty (a 1B Q4_K_M at one row,
+// counted in a throwaway build, 2026-12-05, AVX-512 BF16). library.cpp hands out every op's.
+inline at::Tensor handed_out(at::Tensor result) {
+  std::vector<at::Tensor>& kept = reused_tensors();
+  const c10::StorageImpl* storage = result.storage().unsafeGetStorageImpl();
+  kept.erase(std::remove_if(kept.begin(), kept.end(),
+                            [&](const at::Tensor& t) {
+                              return t.storage().unsafeGetStorageImpl() == storage;
+                            }),
+             kept.end());
+  return result;
 }
 
 }  // namespace iterserve
