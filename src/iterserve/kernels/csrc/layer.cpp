@@ -42,6 +42,7 @@
 #include "ops.h"
 #include "reused_empty.h"
 #include "simd.h"
+#include "strided_view.h"
 
 namespace iterserve {
 namespace {
@@ -174,7 +175,7 @@ Tensor gated_pairs(const Tensor& g, const Tensor& u, Gated&& gated) {
 template <typename Gated>
 Tensor gated_rows(const Tensor& gate_up, Gated&& gated) {
   const int64_t I = gate_up.size(1) / 2;
-  return gated_pairs(gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I), gated);
+  return gated_pairs(columns(gate_up, 0, I), columns(gate_up, I, I), gated);
 }
 
 // Gelu: Gemma's GeGLU, gelu_tanh(g) = g sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
@@ -192,7 +193,7 @@ Tensor gated_mul_pairs(const Tensor& g, const Tensor& u) {
 template <bool Gelu>
 Tensor gated_mul_rows(const Tensor& gate_up) {
   const int64_t I = gate_up.size(1) / 2;
-  return gated_mul_pairs<Gelu>(gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I));
+  return gated_mul_pairs<Gelu>(columns(gate_up, 0, I), columns(gate_up, I, I));
 }
 
 // Position of every row, from the step table (see ops.h).
@@ -451,18 +452,18 @@ Tensor attend_block(const LayerWeights& w, const Projections& project, const Ten
   if (w.qk_norm && w.qk_norm->defined())
     qk_norm_inplace(qkv, w.num_heads, own_kv_heads, head_dim, *w.qk_norm, w.eps);
   rope_inplace(qkv, heads, head_dim, pos, rope_cos, rope_sin, w.query_scales, w.num_heads);
-  const Tensor q = qkv.narrow(1, 0, q_size).view({M, w.num_heads, head_dim});
+  const Tensor q = heads_of(qkv, 0, w.num_heads, head_dim);
   if (w.shares_kv) {
     const Tensor attn = attend_step(q, key_cache, value_cache, step, w.scale, w.sliding_window,
                                     w.softcap, w.sinks);
-    return attn.view({M, q_size});
+    return strided_view(attn, {M, q_size}, {q_size, 1});
   }
   if (w.value_norm) value_norm_inplace(qkv, heads, w.num_kv_heads, head_dim, w.eps);
-  const Tensor k = qkv.narrow(1, q_size, kv_size).view({M, w.num_kv_heads, head_dim});
-  const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, w.num_kv_heads, head_dim});
+  const Tensor k = heads_of(qkv, q_size, w.num_kv_heads, head_dim);
+  const Tensor v = heads_of(qkv, q_size + kv_size, w.num_kv_heads, head_dim);
   const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
                                        w.scale, w.sliding_window, w.softcap, w.sinks);
-  return attn.view({M, q_size});
+  return strided_view(attn, {M, q_size}, {q_size, 1});
 }
 
 // The layer itself, rows at positions `pos`.

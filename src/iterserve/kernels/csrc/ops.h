@@ -14,6 +14,8 @@
 #include <tuple>
 #include <vector>
 
+#include "strided_view.h"
+
 // The torch library namespace the ops register in: one per ISA variant (iterserve_avx2, ...),
 // so that several variants can be loaded in one process (the tests compare them). The build
 // sets it; see kernels/__init__.py.
@@ -48,11 +50,13 @@ class StepTable {
   }
   int64_t num_seqs() const { return num_seqs_; }
   at::Tensor block_tables() const {
-    return step_.narrow(0, kHeader, num_seqs_ * width_).view({num_seqs_, width_});
+    return strided_view(step_, {num_seqs_, width_}, {width_, 1}, kHeader);
   }
-  at::Tensor seq_lens() const { return step_.narrow(0, kHeader + num_seqs_ * width_, num_seqs_); }
+  at::Tensor seq_lens() const {
+    return strided_view(step_, {num_seqs_}, {1}, kHeader + num_seqs_ * width_);
+  }
   at::Tensor query_start_loc() const {
-    return step_.narrow(0, kHeader + num_seqs_ * width_ + num_seqs_, num_seqs_ + 1);
+    return strided_view(step_, {num_seqs_ + 1}, {1}, kHeader + num_seqs_ * width_ + num_seqs_);
   }
 
  private:
