@@ -294,32 +294,34 @@ inline int64_t padded_row_bytes(int64_t K) {
 // a one-row step allocates it for every projection.
 class QuantizedBuffers {
  public:
-  QuantizedBuffers(int64_t M, int64_t K, int64_t unit) : unit_(unit), ld_(padded_row_bytes(K)) {
-    // ld_ is a multiple of 64, so the arrays after the rows' bytes stay aligned.
+  QuantizedBuffers(int64_t M, int64_t K, int64_t unit) {
+    // ld is a multiple of 64, so the arrays after the rows' bytes stay aligned.
+    const int64_t ld = padded_row_bytes(K);
     const int64_t scales = M * K / unit, sums16 = M * K / 16, sums32 = M * K / kBlock;
     const int64_t pairs = unit == 256 ? M * K / 64 : 0;
     bytes_.reset(new (std::align_val_t{64})
-                     int8_t[M * ld_ + 4 * (scales + sums16 + sums32 + pairs)]);
-    scale_ = reinterpret_cast<float*>(bytes_.get() + M * ld_);
+                     int8_t[M * ld + 4 * (scales + sums16 + sums32 + pairs)]);
+    scale_ = reinterpret_cast<float*>(bytes_.get() + M * ld);
     neg_sum16_ = reinterpret_cast<int32_t*>(scale_ + scales);
     neg_sum32_ = neg_sum16_ + sums16;
     neg_sum_pairs_ = pairs ? neg_sum32_ + sums32 : nullptr;
-    view = {unit, bytes_.get(), scale_, neg_sum16_, neg_sum32_, neg_sum_pairs_, ld_};
+    view = {unit, bytes_.get(), scale_, neg_sum16_, neg_sum32_, neg_sum_pairs_, ld};
   }
   // Row m, from x (its K inputs).
   void row(const at::BFloat16* x, int64_t K, int64_t m) {
-    quantize_row(x, K, unit_, bytes_.get() + m * ld_, scale_ + m * (K / unit_),
+    const int64_t unit = view.unit;
+    quantize_row(x, K, unit, bytes_.get() + m * view.ld, scale_ + m * (K / unit),
                  neg_sum16_ + m * (K / 16), neg_sum32_ + m * (K / kBlock),
                  neg_sum_pairs_ ? neg_sum_pairs_ + m * (K / 64) : nullptr);
   }
 
-  QuantizedX view;
+  QuantizedX view;  // the arrays below, read-only
 
  private:
   struct AlignedFree {
     void operator()(int8_t* p) const { ::operator delete[](p, std::align_val_t{64}); }
   };
-  int64_t unit_, ld_;
+  // One buffer: the rows' bytes, then the scales and sums, written through these.
   std::unique_ptr<int8_t[], AlignedFree> bytes_;
   float* scale_;
   int32_t *neg_sum16_, *neg_sum32_, *neg_sum_pairs_;
