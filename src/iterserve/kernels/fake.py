@@ -108,6 +108,10 @@ def _decoder_stack(hidden: torch.Tensor, *_: object) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
 
+def _norm_rows(x: torch.Tensor, rows: torch.Tensor, *_: object) -> torch.Tensor:
+    return x.new_empty((rows.numel(), x.shape[1]))
+
+
 _FAKES = {
     "tiled_linear": _tiled_linear,
     "quantize_rows": _quantize_rows,
@@ -115,6 +119,7 @@ _FAKES = {
     "store_and_attend": _store_and_attend,
     "decoder_layer": _decoder_layer,
     "decoder_stack": _decoder_stack,
+    "norm_rows": _norm_rows,
     "dequantize_rows": _dequantize_rows,
 }
 

@@ -68,7 +68,17 @@ inline float mean_square(const BFloat16* x, int64_t n) {
 
 // transformers' LlamaRMSNorm in bf16: normalise in fp32, round, multiply by the weight, round;
 // with a residual (a sandwich norm's output added to the stream), that rounded output plus the
-// residual, rounded again, as the eager layer rounds the two.
+// residual, rounded again, as the eager layer rounds the two. One row of K values.
+inline void norm_row(const BFloat16* row, const BFloat16* w, const BFloat16* res, BFloat16* dst,
+                     int64_t K, double eps) {
+  const F16 inv = F16::splat(1.0f / std::sqrt(mean_square(row, K) + static_cast<float>(eps)));
+  for (int64_t k = 0; k < K; k += 16) {
+    const F16 normed = round_bf16(load_bf16x16(row + k) * inv) * load_bf16x16(w + k);
+    if (res) store_bf16x16(dst + k, round_bf16(normed) + load_bf16x16(res + k));
+    else store_bf16x16(dst + k, normed);
+  }
+}
+
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
                 const Tensor* residual = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -77,17 +87,10 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
   const BFloat16* w = weight.data_ptr<BFloat16>();
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const BFloat16* row = x.data_ptr<BFloat16>() + m * x.stride(0);
       const BFloat16* res =
           residual ? residual->data_ptr<BFloat16>() + m * residual->stride(0) : nullptr;
-      BFloat16* dst = out.data_ptr<BFloat16>() + m * K;
-      const float mean = mean_square(row, K);
-      const F16 inv = F16::splat(1.0f / std::sqrt(mean + static_cast<float>(eps)));
-      for (int64_t k = 0; k < K; k += 16) {
-        const F16 normed = round_bf16(load_bf16x16(row + k) * inv) * load_bf16x16(w + k);
-        if (res) store_bf16x16(dst + k, round_bf16(normed) + load_bf16x16(res + k));
-        else store_bf16x16(dst + k, normed);
-      }
+      norm_row(x.data_ptr<BFloat16>() + m * x.stride(0), w, res,
+               out.data_ptr<BFloat16>() + m * K, K, eps);
     }
   });
   return out;
@@ -704,6 +707,31 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
   TORCH_CHECK(first_stack == static_cast<int64_t>(experts.size()), "decoder_stack: ",
               first_stack, " expert stacks counted, ", experts.size(), " given");
   return h;
+}
+
+Tensor norm_rows(const Tensor& x, const Tensor& rows, const Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "norm_rows: x must be [tokens, hidden] bf16 with contiguous rows");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 16 == 0, "norm_rows: hidden size ", K, " is not a multiple of 16");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.numel() == K,
+              "norm_rows: weight must be contiguous bf16 of the hidden size ", K);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong,
+              "norm_rows: rows must be 1-D int64");
+  const Tensor picked = rows.contiguous();
+  const int64_t* row = picked.data_ptr<int64_t>();
+  const int64_t R = picked.numel(), T = x.size(0);
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(row[r] >= 0 && row[r] < T, "norm_rows: row ", row[r], " is outside x's ", T);
+  Tensor out = empty_reused({R, K}, x.options());
+  const BFloat16* w = weight.data_ptr<BFloat16>();
+  at::parallel_for(0, R, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      norm_row(x.data_ptr<BFloat16>() + row[r] * x.stride(0), w, nullptr,
+               out.data_ptr<BFloat16>() + r * K, K, eps);
+  });
+  return out;
 }
 
 Tensor gated_mul(const Tensor& gate_up, bool gelu) {

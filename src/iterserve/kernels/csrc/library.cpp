@@ -68,6 +68,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor?[] expert_biases, float swiglu_alpha, float swiglu_limit, "
       "Tensor?[] shared_gates, bool sigmoid_scores, Tensor?[] selection_biases, "
       "float routed_scaling, Tensor?[] conv_kernels, Tensor? query_scales=None) -> Tensor");
+  m.def("norm_rows(Tensor x, Tensor rows, Tensor weight, float eps) -> Tensor");
   m.def(
       "experts_mlp(Tensor x, Tensor? residual, Tensor router, int top_k, bool renormalize, "
       "Tensor gate, Tensor up, Tensor down, int[] formats, Tensor? router_bias=None, "
@@ -99,6 +100,7 @@ TORCH_LIBRARY_IMPL(ITERSERVE_OPS, CPU, m) {
   m.impl("store_and_attend", &HandsOut<&store_and_attend>::call);
   m.impl("decoder_layer", &HandsOut<&decoder_layer>::call);
   m.impl("decoder_stack", &HandsOut<&decoder_stack>::call);
+  m.impl("norm_rows", &HandsOut<&norm_rows>::call);
   m.impl("experts_mlp", &HandsOut<&experts_mlp>::call);
   m.impl("short_conv", &HandsOut<&short_conv>::call);
   m.impl("lora_add_", &lora_add_);

@@ -177,6 +177,11 @@ at::Tensor decoder_stack(
     double routed_scaling, const c10::List<std::optional<at::Tensor>>& conv_kernels,
     const std::optional<at::Tensor>& query_scales);
 
+// layer.cpp: the rows `rows` of x RMS-normed as the layers' norms round them (a model's
+// final norm, of the rows the head or pooling reads).
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& weight,
+                     double eps);
+
 // linear.cpp: activations as the block formats quantize them, per unit of 32 or 256 inputs.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t unit);
 
