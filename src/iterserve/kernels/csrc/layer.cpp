@@ -23,7 +23,8 @@
 // this file adds is the glue between them (norms, rope, SiLU / GELU) and, above all, one dispatch
 // per layer instead of ~9 (at one token a step's arithmetic is a few milliseconds and the
 // per-op cost of ~270 calls (Python, dispatcher, buffer allocation) was a fifth of it), and
-// one a step for all the layers (`decoder_stack`).
+// one a step for all the layers (`decoder_stack`); the final norm of the rows the head reads
+// is one call too (`norm_rows`).
 //
 // Rounding follows transformers' bf16 forward: norms in fp32, rounded, then times the bf16
 // weight; SiLU rounded before the product with up; rope in fp32 rounded once (transformers
