@@ -86,13 +86,13 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
   TORCH_CHECK(K % 16 == 0, "decoder_layer: hidden size ", K, " is not a multiple of 16");
   Tensor out = empty_reused({M, K}, x.options());
   const BFloat16* w = weight.data_ptr<BFloat16>();
+  const BFloat16* in = x.data_ptr<BFloat16>();
+  const BFloat16* res = residual ? residual->data_ptr<BFloat16>() : nullptr;
+  const int64_t ld_in = x.stride(0), ld_res = residual ? residual->stride(0) : 0;
+  BFloat16* dst = out.data_ptr<BFloat16>();
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const BFloat16* res =
-          residual ? residual->data_ptr<BFloat16>() + m * residual->stride(0) : nullptr;
-      norm_row(x.data_ptr<BFloat16>() + m * x.stride(0), w, res,
-               out.data_ptr<BFloat16>() + m * K, K, eps);
-    }
+    for (int64_t m = begin; m < end; ++m)
+      norm_row(in + m * ld_in, w, res ? res + m * ld_res : nullptr, dst + m * K, K, eps);
   });
   return out;
 }
@@ -727,10 +727,12 @@ Tensor norm_rows(const Tensor& x, const Tensor& rows, const Tensor& weight, doub
     TORCH_CHECK(row[r] >= 0 && row[r] < T, "norm_rows: row ", row[r], " is outside x's ", T);
   Tensor out = empty_reused({R, K}, x.options());
   const BFloat16* w = weight.data_ptr<BFloat16>();
+  const BFloat16* in = x.data_ptr<BFloat16>();
+  const int64_t ld_in = x.stride(0);
+  BFloat16* dst = out.data_ptr<BFloat16>();
   at::parallel_for(0, R, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      norm_row(x.data_ptr<BFloat16>() + row[r] * x.stride(0), w, nullptr,
-               out.data_ptr<BFloat16>() + r * K, K, eps);
+      norm_row(in + row[r] * ld_in, w, nullptr, dst + r * K, K, eps);
   });
   return out;
 }
