@@ -27,11 +27,13 @@ figures (a model that does not fit must not take the machine down with it).
              tok/s over the steps that computed prompt tokens (decode_speed.py's run_batch).
              A warm-up process first builds or loads the C++ kernels, so no build is timed;
              its time is printed apart.
-  llama.cpp  llama-batched-bench -npp P -ntg G -npl B1,B2.. -t T: S_TG t/s as decode tok/s,
-             S_PP t/s as prompt tok/s, per batch. load s: its own "load time" (model load to
-             the first evaluation); peak RSS: its VmHWM as polled over its run; held:
-             the median RSS polled after its load (its weights are mmapped, and their pages
-             count once touched); KV pool: its KV buffers.
+  llama.cpp  llama-batched-bench -npp P -ntg G -npl B -t T: S_TG t/s as decode tok/s,
+             S_PP t/s as prompt tok/s, per batch; batch 1 in runs of its own (Bandwidth,
+             below), the other batches in one run after them. load s: its own "load time"
+             (model load to the first evaluation) in its first run; peak RSS: the largest
+             VmHWM polled over its runs; held: the median RSS polled after the load of its
+             last run (its weights are mmapped, and their pages count once touched); KV
+             pool: that run's KV buffers.
 
 Bandwidth. The read bandwidth with --threads threads (iterserve.bench.bandwidth: the faster
 of a float32 sum and the kernels' 4-stream read over 1 GiB on 2 MiB pages, as iterserve's
@@ -39,14 +41,19 @@ weights lie) is measured at the start and again just before and just after each 
 on each file, by a process of its own: on a shared machine it moves with the other tenants
 (31 and 55 GB/s minutes apart on one 2-core AMD EPYC, 2026-11-29; 26 and 38 GB/s seconds
 apart on an Intel Xeon, 2026-12-01), and a share against a figure taken minutes earlier says
-more about them than about the engine. So the iterserve child also has it read, the same way, just
-before and just after its batch-1 decode, and its share is taken against those two;
-llama.cpp's batch 1 comes first in its run, right after the reading before it. Beside every
-batch-1 decode stand the bytes a token reads (the file's tensors, the tied embedding once, as
-the head), the two readings and the share tok/s x bytes per token / their mean: 100% is the
-most one sequence can decode if every weight byte comes from memory once a step. Where the
-two readings differ by more than 15% the run met a change of the memory's speed and its share
-is marked `~`.
+more about them than about the engine. So each engine's batch 1 runs in --b1-segments
+segments (3: iterserve's child decodes the same prompt again, llama.cpp runs
+llama-batched-bench -npl 1 again, its other batches in one more run after them), and the
+bandwidth is read, the same way, before the first and after each: a segment's share is its
+decode tok/s x the bytes a step reads / the mean of its two readings, and the engine's is
+the median of its segments' (their range beside it), as are its batch-1 tok/s. One segment
+against one pair of readings moved by the memory's spells: the same build of the 3B Q4_K_M
+read at 83% and 88% of them in two runs minutes apart, its 8 segments in one process at
+88-96%, median 92% (2026-12-05, Intel Xeon, avx512bf16). The bytes a step reads are the
+file's tensors (the tied embedding once, as the head) and the sequence's K and V: 100% is the
+most one sequence can decode if every weight byte comes from memory once a step. Where a
+segment's two readings differ by more than 15% it met a change of the memory's speed, and
+the share is marked `~`.
 
 Rounds. --rounds N runs the engines N times on each file, in turns, the order reversed every
 other round (iterserve, llama.cpp, llama.cpp, iterserve, ...), and prints for each figure the
@@ -235,7 +242,7 @@ def child_write(
 
 
 def child_iterserve(
-    path: str, batches: list[int], prompt_len: int, output_len: int, threads: int
+    path: str, batches: list[int], prompt_len: int, output_len: int, threads: int, segments: int
 ) -> dict[str, Any]:
     """Load `path`, time batch decodes, report memory: in this process, alone."""
     import logging
@@ -270,15 +277,19 @@ def child_iterserve(
     rng = np.random.default_rng(0)
     prompts = [rng.choice(vocab, size=prompt_len).tolist() for _ in range(max(batches))]
     run_batch(llm, prompts[:2], 4)  # first-step effects (allocator, caches) out of the way
-    decode, prompt, b1_bandwidth = {}, {}, []
+    decode, prompt, b1_segments = {}, {}, []
     for batch in batches:
-        if batch == 1:
-            b1_bandwidth.append(bandwidth_now(threads))
-        prefill_tok_s, decode_tok_s, *_ = run_batch(llm, prompts[:batch], output_len)
-        if batch == 1:
-            b1_bandwidth.append(bandwidth_now(threads))
-        decode[batch], prompt[batch] = decode_tok_s, prefill_tok_s
-        print(f"batch {batch}: decode {decode_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+        if batch == 1:  # between readings of the bandwidth, segment by segment
+            before = bandwidth_now(threads)
+            for _ in range(segments):
+                prefill_tok_s, decode_tok_s, *_ = run_batch(llm, prompts[:1], output_len)
+                after = bandwidth_now(threads)
+                b1_segments.append(_segment(decode_tok_s, prefill_tok_s, before, after))
+                before = after
+            decode[1], prompt[1] = _segments_median(b1_segments)
+        else:
+            prompt[batch], decode[batch], *_ = run_batch(llm, prompts[:batch], output_len)
+        print(f"batch {batch}: decode {decode[batch]:.1f} tok/s", file=sys.stderr, flush=True)
     plan = engine.model_plan
     return {
         "load_s": load_seconds,
@@ -294,8 +305,23 @@ def child_iterserve(
         "step": plan.step,
         "decode": decode,
         "prompt": prompt,
-        "b1_bandwidth": b1_bandwidth,
+        "b1_segments": b1_segments,
     }
+
+
+def _segment(
+    decode: float, prompt: float, before: float | None, after: float | None
+) -> dict[str, Any]:
+    """One batch-1 run between two readings of the bandwidth (None: none taken)."""
+    return {"decode": decode, "prompt": prompt, "before": before, "after": after}
+
+
+def _segments_median(segments: list[dict[str, Any]]) -> tuple[float, float]:
+    """Batch 1's decode and prompt tok/s: the medians of its segments'."""
+    return (
+        _median([s["decode"] for s in segments]),
+        _median([s["prompt"] for s in segments]),
+    )
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------
@@ -331,9 +357,24 @@ def parse_batched_bench(stdout: str) -> dict[int, dict[str, float]]:
     return rows
 
 
-def run_llama_cpp(
+@dataclass
+class BatchedBench:
+    """One run of llama-batched-bench: its table by batch and its own account of itself."""
+
+    child: Child
+    table: dict[int, dict[str, float]]
+    load_s: float | None
+    kv_pool: float | None
+
+    @property
+    def held_rss(self) -> int | None:
+        return self.child.rss_after(self.load_s) if self.load_s is not None else None
+
+
+def batched_bench(
     bin_dir: str, path: Path, args: argparse.Namespace, batches: list[int], log: Path
-) -> dict[str, Any]:
+) -> BatchedBench | str:
+    """llama-batched-bench over `batches` in one process, or why it failed."""
     # Each of the B sequences has its own prompt and its own share of the context (is_pp_shared
     # off), which llama.cpp wants a whole number of 256-token pages.
     per_sequence = -(-(args.prompt_len + args.output_len) // 256) * 256
@@ -344,23 +385,60 @@ def run_llama_cpp(
     # -v: its info lines (KV buffers, load time) are not printed at the default verbosity.
     command += ["-t", str(args.threads), "-v", *shlex.split(args.llama_cpp_args)]
     child = run_guarded(command, dict(os.environ), _limit(args), log)
-    row: dict[str, Any] = {"engine": "llama.cpp", "bin": bin_dir}
     if failure := child.failure(_limit(args)):
-        return {**row, "status": failure}
-    table = parse_batched_bench(child.stdout)
+        return failure
     stderr = log.read_text(errors="replace")
     load = re.search(r"load time =\s+([\d.]+) ms", stderr)
-    load_s = float(load[1]) / 1e3 if load else None
     kv = [float(m) for m in re.findall(r"KV buffer size =\s+([\d.]+) MiB", stderr)]
+    return BatchedBench(
+        child,
+        parse_batched_bench(child.stdout),
+        float(load[1]) / 1e3 if load else None,
+        sum(kv) * MIB if kv else None,
+    )
+
+
+def run_llama_cpp(
+    bin_dir: str,
+    path: Path,
+    args: argparse.Namespace,
+    batches: list[int],
+    logs: Path,
+    before: float | None,
+) -> dict[str, Any]:
+    """llama.cpp's figures: batch 1 in --b1-segments runs of its own between readings of the
+    bandwidth (the first `before`), as iterserve's child takes its own; the other batches in
+    one run after them. Memory: the largest peak of the runs, the last run's held RSS and KV."""
+    row: dict[str, Any] = {"engine": "llama.cpp", "bin": bin_dir}
+    runs: list[BatchedBench] = []
+    segments: list[dict[str, Any]] = []
+    rest = [b for b in batches if b != 1]
+    plan = [[1]] * (args.b1_segments if 1 in batches else 0) + ([rest] if rest else [])
+    for i, part in enumerate(plan):
+        run = batched_bench(bin_dir, path, args, part, logs / f"{path.stem}.llama.cpp.{i + 1}.log")
+        if isinstance(run, str):
+            return {**row, "status": run}
+        runs.append(run)
+        if part == [1] and 1 in run.table:
+            after = measure_bandwidth(args, logs) if before else None
+            figures = run.table[1]
+            segments.append(_segment(figures["S_TG t/s"], figures["S_PP t/s"], before, after))
+            before = after
+    last = runs[-1]
+    decode = {b: last.table[b]["S_TG t/s"] for b in batches if b in last.table and b != 1}
+    prompt = {b: last.table[b]["S_PP t/s"] for b in batches if b in last.table and b != 1}
+    if segments:
+        decode[1], prompt[1] = _segments_median(segments)
     return {
         **row,
         "status": "ok",
-        "load_s": load_s,
-        "peak_rss": child.peak_rss,
-        "held_rss": child.rss_after(load_s) if load_s is not None else None,
-        "kv_pool": sum(kv) * MIB if kv else None,
-        "decode": {b: table[b]["S_TG t/s"] for b in batches if b in table},
-        "prompt": {b: table[b]["S_PP t/s"] for b in batches if b in table},
+        "load_s": runs[0].load_s,
+        "peak_rss": max(run.child.peak_rss for run in runs),
+        "held_rss": last.held_rss,
+        "kv_pool": last.kv_pool,
+        "decode": decode,
+        "prompt": prompt,
+        "b1_segments": segments,
     }
 
 
@@ -480,11 +558,11 @@ def run_engine(
 ) -> dict[str, Any]:
     """One engine's run on one file, between two readings of the read bandwidth: `before`,
     taken just before it (None: none taken, and none is taken after either)."""
-    log = logs / f"{path.stem}.{engine}.log"
     if engine == "iterserve":
+        log = logs / f"{path.stem}.{engine}.log"
         command = _python_child("iterserve", str(path), "--batches", args.batches)
         command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
-        command += ["--threads", str(args.threads)]
+        command += ["--threads", str(args.threads), "--b1-segments", str(args.b1_segments)]
         child = run_guarded(command, iterserve_env, _limit(args), log)
         failure = child.failure(_limit(args))
         row = {"engine": "iterserve", "status": failure or "ok"}
@@ -494,7 +572,7 @@ def run_engine(
             row["prompt"] = {int(b): v for b, v in row["prompt"].items()}
     elif engine == "llama.cpp":
         assert bench_bin is not None
-        row = run_llama_cpp(bench_bin, path, args, batches, log)
+        row = run_llama_cpp(bench_bin, path, args, batches, logs, before)
     else:
         row = {"engine": engine, "status": "unknown engine (iterserve, llama.cpp)"}
     row["bandwidth"] = before
@@ -532,7 +610,9 @@ def print_table(
             readings = [f"{r / 1e9:.0f}" for r in share_readings(row)]
             cells.append("/".join(readings) if readings else "-")
             moved = "~" if row.get("bandwidth_moved") else ""
-            cells.append(f"{moved}{100 * share:.0f}%" if share is not None else "-")
+            each = row.get("b1_shares", [])
+            spread = f" ({100 * min(each):.0f}-{100 * max(each):.0f})" if len(each) > 1 else ""
+            cells.append(f"{moved}{100 * share:.0f}%{spread}" if share is not None else "-")
         print(f"{label:10s}  " + "  ".join(f"{c:>10s}" for c in cells), flush=True)
 
 
@@ -579,13 +659,30 @@ def _agree(readings: list[float]) -> bool:
     return max(readings) <= 1.15 * min(readings)
 
 
+def _timed_segments(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's batch-1 segments that have both their readings of the bandwidth."""
+    return [s for s in row.get("b1_segments", []) if s["before"] and s["after"]]
+
+
 def share_readings(row: dict[str, Any]) -> list[float]:
-    """The read bandwidths a row's batch-1 share is taken against: those just before and
-    just after iterserve's batch-1 decode, where its child had them taken; else the two
-    around the engine's whole run (llama.cpp's, whose batch 1 comes first in its run)."""
-    return row.get("b1_bandwidth") or [
-        r for r in (row.get("bandwidth"), row.get("bandwidth_after")) if r
-    ]
+    """The read bandwidths a row's batch-1 share is taken against: the readings around its
+    batch-1 segments, in order; else the two around the engine's whole run."""
+    if segments := _timed_segments(row):
+        return [segments[0]["before"], *(s["after"] for s in segments)]
+    return [r for r in (row.get("bandwidth"), row.get("bandwidth_after")) if r]
+
+
+def add_b1_shares(row: dict[str, Any], per_step: int) -> None:
+    """Batch 1's share of the bandwidth, segment by segment: its decode tok/s x the bytes a
+    step reads / the mean of the readings just before and just after it; the row's share is
+    their median (`b1_shares`: each; `bandwidth_moved`: a segment's two readings disagree)."""
+    segments = _timed_segments(row)
+    if not segments or 1 not in row["decode"]:
+        return
+    shares = [s["decode"] * per_step / ((s["before"] + s["after"]) / 2) for s in segments]
+    row["b1_shares"] = shares
+    row["b1_bandwidth_share"] = _median(shares)
+    row["bandwidth_moved"] = any(not _agree([s["before"], s["after"]]) for s in segments)
 
 
 def _one_spell(rows: Iterable[dict[str, Any]]) -> bool:
@@ -638,11 +735,14 @@ def main() -> None:
     parser.add_argument("--llama-cpp", default=None, help="llama.cpp's bin directory (default: llama_cpp.sh's, if built)")
     parser.add_argument("--llama-cpp-args", default="", help="more arguments for llama-batched-bench: '-lm none' reads the file rather than map it, where its repacked weights would otherwise sit in memory beside their mapped pages (~1.8x the file)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each engine on each file, in turns")
+    parser.add_argument("--b1-segments", type=int, default=3, help="batch-1 decodes a run times, each between two readings of the bandwidth: its figures are their medians")
     parser.add_argument("--prepare-only", action="store_true", help="make the files, run nothing")
     parser.add_argument("--json", default="bench_results/big_models.json")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # a child process's job
     args = parser.parse_args()  # fmt: skip
     batches = [int(b) for b in args.batches.split(",")]
+    if args.b1_segments < 1:
+        parser.error("--b1-segments must be at least 1")
     if args.child:
         job, *rest = args.child
         if job == "warm-up":
@@ -652,7 +752,7 @@ def main() -> None:
         elif job == "write":
             result = child_write(rest[0], rest[1], args.seed, args.real_vocab, args.random_blocks)
         else:
-            result = child_iterserve(rest[0], batches, args.prompt_len, args.output_len, args.threads)  # fmt: skip
+            result = child_iterserve(rest[0], batches, args.prompt_len, args.output_len, args.threads, args.b1_segments)  # fmt: skip
         print(json.dumps(result))
         return
 
@@ -737,11 +837,8 @@ def main() -> None:
                     )
                     last = row["bandwidth_after"]
                     row["round"] = round_
-                    readings = share_readings(row)
-                    if row["status"] == "ok" and 1 in row["decode"] and readings:
-                        mean = sum(readings) / len(readings)
-                        row["b1_bandwidth_share"] = row["decode"][1] * per_step / mean
-                        row["bandwidth_moved"] = not _agree(readings)
+                    if row["status"] == "ok":
+                        add_b1_shares(row, per_step)
                     rows.append(row)
                     results["runs"].append(
                         {"model": preset, "type": qtype, "file_bytes": checkpoint_bytes(path),
@@ -760,10 +857,11 @@ def main() -> None:
     if not args.prepare_only:
         print(
             "\npeak RSS: iterserve's at the end of its load (VmHWM), llama.cpp's over its run; "
-            "held: iterserve's after its load, llama.cpp's median after its load. dec/pp: decode and "
-            "prompt tok/s at each batch; bw: the read bandwidth just before / just after "
-            "iterserve's batch-1 decode or llama.cpp's run; B1 bw share: batch-1 decode tok/s x "
-            "bytes a step reads / their mean (~: they differ by more than 15%)."
+            "held: iterserve's after its load, llama.cpp's median after its last run's load. dec/pp: "
+            "decode and prompt tok/s at each batch (batch 1: the median of its segments); bw: the "
+            "read bandwidth around the batch-1 segments (before the first, then after each); B1 bw share: the "
+            "median over the segments of decode tok/s x bytes a step reads / the mean of its two "
+            "readings, (range) over the segments (~: a segment's two differ by more than 15%)."
         )
     write_results(args.json, results)
 

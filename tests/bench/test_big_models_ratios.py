@@ -1,5 +1,6 @@
 """benchmarks/big_models.py --rounds: iterserve's / llama.cpp's figure is taken round by round,
-only from rounds where both ran, and summed up by the median of those ratios."""
+only from rounds where both ran, and summed up by the median of those ratios; --b1-segments:
+a run's batch-1 share is the median of its segments', each against its own two readings."""
 
 from __future__ import annotations
 
@@ -78,3 +79,29 @@ def test_shares_compare_only_rounds_on_one_memory_speed(big_models: ModuleType) 
 def test_no_pairs_no_ratios(big_models: ModuleType) -> None:
     rows = [_row("iterserve", 1, {1: 40.0}), _row("iterserve", 2, {1: 41.0})]
     assert big_models.ratios(rows, [1]) == {}
+
+
+def test_batch_one_share_is_the_median_of_its_segments(big_models: ModuleType) -> None:
+    segments = [
+        big_models._segment(10.0, 100.0, 30e9, 30e9),  # 10 x 2.7 GB / 30 GB/s: 0.90
+        big_models._segment(12.0, 110.0, 30e9, 34e9),  # 12 x 2.7 / 32: 1.0125
+        big_models._segment(9.0, 90.0, 34e9, 20e9),  # 9 x 2.7 / 27: 0.90, the memory moved
+        big_models._segment(11.0, 120.0, 20e9, None),  # no reading after it: not counted
+    ]
+    decode, prompt = big_models._segments_median(segments)
+    row = _row("llama.cpp", 1, {1: decode}, b1_segments=segments)
+    big_models.add_b1_shares(row, per_step=int(2.7e9))
+    assert (decode, prompt) == (10.5, 105.0)
+    assert row["b1_shares"] == pytest.approx([0.90, 1.0125, 0.90])
+    assert row["b1_bandwidth_share"] == pytest.approx(0.90)
+    assert row["bandwidth_moved"]  # 34 and 20 GB/s around the third
+    # The readings, in order: before the first segment, then after each timed one.
+    assert big_models.share_readings(row) == [30e9, 30e9, 34e9, 20e9]
+
+
+def test_no_timed_segment_no_share(big_models: ModuleType) -> None:
+    row = _row("llama.cpp", 1, {1: 10.0}, b1_segments=[big_models._segment(10.0, 1.0, None, None)])
+    big_models.add_b1_shares(row, per_step=1)
+    assert "b1_bandwidth_share" not in row
+    # Without timed segments the readings are those around the run, where there are any.
+    assert big_models.share_readings({**row, "bandwidth": 5e9, "bandwidth_after": 6e9}) == [5e9, 6e9]
