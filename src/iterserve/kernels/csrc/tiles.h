@@ -858,10 +858,18 @@ inline int64_t sweep_slab_rows(int64_t K) {
 // thread, 3 runs in turns, 2026-12-02, Zen 5), where plain AVX2 was level with it. The 5-bit
 // formats' 16-bit sums beside their dot products (kSumsBesideDots) take 2 rows a group too
 // (Q5_K 1.06-1.09x on its own, kChunksIn16Bits' timing; Q4_K at 2 rows: 0.86-0.95x).
+// AVX-512's other one-half formats take 3 rows a group, not 4: at 4 the two tiles' 16
+// decoded registers, the 8 sums and the broadcast activations needed more than 32, and a
+// sum went to the stack and back every group. At 3 (the same bits; one thread, 2048 x 2048,
+// 16 / 128 / 512 rows, two runs in turns, 2026-12-06, AMD Zen 4): avx512bf16 Q8_0
+// 1.06-1.09x, Q4_K 1.01-1.03x, Q4_0 1.01-1.02x, Q5_K 1.01-1.04x, IQ4_XS 1.04x (Q6_K, Q3_K
+// and Q2_K keep 2 rows of two tiles: one tile and 4 rows was 0.96-1.01x); without VNNI
+// (avx512) 1.0-1.05x. Plain AVX2 keeps 4: Q4_K 0.98x, Q4_0 1.05-1.09x at 3.
 constexpr int sweep_tiles_per_step() { return kParts == 1 || kAvxVnni ? 2 : 1; }
 template <typename Codec>
 constexpr int sweep_rows() {
-  return Codec::kHalves == 1 && !kAvxVnni && !kSumsBesideDots<Codec> ? 4 : 2;
+  if (Codec::kHalves != 1 || kAvxVnni || kSumsBesideDots<Codec>) return 2;
+  return kParts == 1 ? 3 : 4;
 }
 
 struct Segment {
