@@ -848,7 +848,7 @@ inline int64_t sweep_slab_rows(int64_t K) {
   return std::clamp<int64_t>(sweep_activation_bytes() / K / 4 * 4, 16, kSweepRows);
 }
 // A sweep's tiles at a time and rows a group: two tiles' decoded blocks (16 registers) with
-// 2-4 rows' integer sums fill AVX-512's 32; elsewhere one tile's, its blocks held in L1.
+// 2-3 rows' integer sums fill AVX-512's 32; elsewhere one tile's, its blocks held in L1.
 // Q6_K's, Q3_K's and Q2_K's halves of a block take twice the sums, so 2 rows a group
 // (1.15x 4 rows on Q6_K at 16 rows, the timing above sweep_tiles; forced AVX2 on the same
 // machine: 4 rows a group for the others kept Q4_0 and Q4_K at the register road's speed,
@@ -862,9 +862,9 @@ inline int64_t sweep_slab_rows(int64_t K) {
 // decoded registers, the 8 sums and the broadcast activations needed more than 32, and a
 // sum went to the stack and back every group. At 3 (the same bits; one thread, 2048 x 2048,
 // 16 / 128 / 512 rows, two runs in turns, 2026-12-06, AMD Zen 4): avx512bf16 Q8_0
-// 1.06-1.09x, Q4_K 1.01-1.03x, Q4_0 1.01-1.02x, Q5_K 1.01-1.04x, IQ4_XS 1.04x (Q6_K, Q3_K
-// and Q2_K keep 2 rows of two tiles: one tile and 4 rows was 0.96-1.01x); without VNNI
-// (avx512) 1.0-1.05x. Plain AVX2 keeps 4: Q4_K 0.98x, Q4_0 1.05-1.09x at 3.
+// 1.06-1.09x, Q4_K 1.01-1.03x, Q4_0 1.01-1.02x, Q5_K 1.01-1.04x, IQ4_XS 1.03-1.08x; without
+// VNNI (avx512) 0.98-1.05x. Q6_K, Q3_K and Q2_K keep 2 rows of two tiles (one tile and 4
+// rows: 0.96-1.01x); plain AVX2 keeps 4 (at 3: Q4_K 0.98x, Q4_0 1.05-1.09x).
 constexpr int sweep_tiles_per_step() { return kParts == 1 || kAvxVnni ? 2 : 1; }
 template <typename Codec>
 constexpr int sweep_rows() {
