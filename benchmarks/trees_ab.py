@@ -108,7 +108,8 @@ def main() -> None:
             check=True,
         )
         try:
-            trees = {"this": ROOT, f"base {base_rev}": base}
+            base_key = f"base {base_rev}"
+            trees = {"this": ROOT, base_key: base}
             rounds = []
             for r in range(args.rounds):
                 order = list(trees) if r % 2 == 0 else list(reversed(trees))
@@ -116,10 +117,10 @@ def main() -> None:
                 rounds.append({name: got[name]["figures"] for name in trees})
                 if r == 0:
                     print(got["this"]["cpu"])
-                print(f"round {r + 1}: " + _ratios_line(rounds[-1], base_rev))
+                print(f"round {r + 1}: " + _ratios_line(rounds[-1]["this"], rounds[-1][base_key]))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT)
-    medians = _median_ratios(rounds, base_rev)
+    medians = _median_ratios([(round_["this"], round_[base_key]) for round_ in rounds])
     print("median this / base: " + ", ".join(f"{k} {v:.3f}x" for k, v in medians.items()))
     if args.json:
         write_results(
@@ -128,9 +129,8 @@ def main() -> None:
         )
 
 
-def _ratios(round_: dict, base_rev: str) -> dict[str, tuple[float, float]]:
+def _ratios(this: dict, base: dict) -> dict[str, tuple[float, float]]:
     """'prompt B1': (this tree's tok/s / the base's, this tree's tok/s), and so on."""
-    this, base = round_["this"], round_[f"base {base_rev}"]
     return {
         f"{kind} B{batch}": (this[batch][kind] / base[batch][kind], this[batch][kind])
         for batch in this
@@ -138,15 +138,16 @@ def _ratios(round_: dict, base_rev: str) -> dict[str, tuple[float, float]]:
     }
 
 
-def _ratios_line(round_: dict, base_rev: str) -> str:
+def _ratios_line(this: dict, base: dict) -> str:
     return ", ".join(
         f"{key} {ratio:.3f}x ({tok_s:.1f} tok/s)"
-        for key, (ratio, tok_s) in _ratios(round_, base_rev).items()
+        for key, (ratio, tok_s) in _ratios(this, base).items()
     )
 
 
-def _median_ratios(rounds: list[dict], base_rev: str) -> dict[str, float]:
-    per_round = [_ratios(round_, base_rev) for round_ in rounds]
+def _median_ratios(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
+    """Each ratio's median over the rounds' (this, base) figures."""
+    per_round = [_ratios(this, base) for this, base in pairs]
     return {key: statistics.median(r[key][0] for r in per_round) for key in per_round[0]}
 
 
