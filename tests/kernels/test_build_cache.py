@@ -1,4 +1,5 @@
-"""The kernels' build cache survives a build that was killed mid-way.
+"""The kernels' build cache survives a build that was killed mid-way; a build compiles
+every source once.
 
 The kernels are built by `kernels.build_and_load_library`; here it builds a one-function
 library of the test's own, in a directory of the test's own: the same locking, baton and
@@ -69,3 +70,16 @@ def test_a_baton_left_by_a_killed_build_does_not_block_later_loads(tmp_path: Pat
     third = _load(source, build_dir)
     assert third.stdout.strip() == "loaded", third.stderr
     assert "building" not in third.stderr
+
+
+def test_a_build_compiles_every_source_once(tmp_path: Path) -> None:
+    units = kernels.compile_units(tmp_path)
+    *own, others = units
+    included = others.read_text().split('"')[1::2]  # #include "name.cpp" lines
+    compiled = [p.name for p in own] + included
+    assert sorted(compiled) == sorted(p.name for p in kernels.sources())
+    assert own == kernels.sources()[: len(own)]  # the longest on their own, started first
+    # Written once: an unchanged unit keeps its time, so ninja does not recompile it.
+    written = others.stat().st_mtime_ns
+    assert kernels.compile_units(tmp_path) == units
+    assert others.stat().st_mtime_ns == written

@@ -123,9 +123,9 @@ def _build_all(builds: list[tuple[str, Path, Path | None, tuple[str, ...], str]]
 
 @pytest.mark.slow
 def test_kernels_build_for_arm64(tmp_path: Path) -> None:
-    """Each kernel source compiles for Arm64 with the flags of the neondot variant (the neon
-    one differs only in simd.h, which the qemu tests cover both ways; linking needs an Arm64
-    torch, which this machine has not)."""
+    """Each kernel source compiles for Arm64 with the flags of the neondot variant, in the
+    units the builds compile (the neon one differs only in simd.h, which the qemu tests cover
+    both ways; linking needs an Arm64 torch, which this machine has not)."""
     _need(CROSS)
     # Whether it compiles, not what code it makes: -fsyntax-only still instantiates every
     # template the sources use, and took a CI run's 12 sources from 92 s at -O0 (228 s for
@@ -138,7 +138,8 @@ def test_kernels_build_for_arm64(tmp_path: Path) -> None:
         "paged_attention.cpp",
         "attention_bf16.cpp",
     }
-    _build_all([("neondot", p, None, ("-fPIC",), "-O3") for p in sources])
+    units = kernels.compile_units(kernels.cache_dir() / "checks")  # a path the cache keeps
+    _build_all([("neondot", p, None, ("-fPIC",), "-O3") for p in units])
 
 
 # The block formats' kernels on Arm64: every GGUF type, decoded and multiplied by the very code

@@ -24,7 +24,7 @@ namespace {
 using at::Tensor;
 
 // Rows a thread takes at least: a row of 50-260K logits is 5-30 us.
-constexpr int64_t kRowGrain = 4;
+constexpr int64_t kLogitRowGrain = 4;
 
 int64_t argmax_row(const float* x, int64_t n) {
   int64_t best = 0;
@@ -76,7 +76,7 @@ Tensor argmax_rows(const Tensor& logits) {
   Tensor out = at::empty({M}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* best = out.data_ptr<int64_t>();
-  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, kLogitRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) best[m] = argmax_row(x + m * logits.stride(0), n);
   });
   return out;

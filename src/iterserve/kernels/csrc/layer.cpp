@@ -51,10 +51,6 @@ namespace {
 using at::BFloat16;
 using at::Tensor;
 
-// Rows a thread takes at least in the glue below: a row's norm, rope or SiLU is a few
-// microseconds, so a decode batch of 16 splits across the threads (a grain of 16 ran it on one).
-constexpr int64_t kRowGrain = 4;
-
 inline float to_float(BFloat16 v) { return static_cast<float>(v); }
 
 // The mean of the squares of n values (n a multiple of 16), in fp32: every RMS norm's statistic.

@@ -25,6 +25,11 @@
 
 namespace iterserve {
 
+// Rows a thread takes at least in the layers' glue (norms, rope, SiLU, the short convolution):
+// a row's is a few microseconds, so a decode batch of 16 splits across the threads (a grain
+// of 16 ran it on one).
+constexpr int64_t kRowGrain = 4;
+
 // One engine step's sequences, packed in one int32 tensor shared by every layer's call
 // (model/attention_metadata.py builds it), so a compiled graph sees one input of one dynamic
 // length rather than several of independent shapes:

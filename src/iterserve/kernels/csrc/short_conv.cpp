@@ -24,8 +24,6 @@ namespace {
 using at::BFloat16;
 using at::Tensor;
 
-constexpr int64_t kRowGrain = 4;  // rows a thread takes at least (layer.cpp's)
-
 // Every row's predecessors' slots, `history` a row, oldest first; -1 before the sequence's
 // start. A row's position is its sequence's length less the rows after it in the step.
 std::vector<int64_t> predecessor_slots(const Tensor& step, int64_t rows, int64_t history,
