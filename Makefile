@@ -40,6 +40,7 @@ test-quick: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py

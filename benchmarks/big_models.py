@@ -449,15 +449,21 @@ def _limit(args: argparse.Namespace) -> int:
     return int(args.memory_limit_gib * GIB)
 
 
-def write_file(preset: str, path: Path, args: argparse.Namespace, log: Path) -> dict[str, Any] | str:
+def write_file(
+    preset: str, path: Path, args: argparse.Namespace, log: Path
+) -> dict[str, Any] | str:
     """The preset's file written at `path` by a child process (F16, or with --random-blocks
     Q4_K_M's random blocks): its time, size and peak RSS, or why it failed."""
     child = run_guarded(
         _python_child(
-            "write", preset, str(path), "--seed", str(args.seed),
+            "write",
+            preset,
+            str(path),
+            "--seed",
+            str(args.seed),
             *(["--real-vocab"] if args.real_vocab else []),
             *(["--random-blocks"] if args.random_blocks else []),
-        ),  # fmt: skip
+        ),
         dict(os.environ),
         _limit(args),
         log,
@@ -516,7 +522,11 @@ def prepare_files(
             made[qtype] = failure
             continue
         partial.rename(out)
-        made[qtype] = {"seconds": child.seconds, "bytes": out.stat().st_size, "peak_rss": child.peak_rss}
+        made[qtype] = {
+            "seconds": child.seconds,
+            "bytes": out.stat().st_size,
+            "peak_rss": child.peak_rss,
+        }
         print(
             f"{preset}: quantized to {out.name} ({out.stat().st_size / GIB:.2f} GiB) in "
             f"{child.seconds:.0f} s, llama-quantize peak RSS {child.peak_rss / GIB:.2f} GiB",
@@ -712,30 +722,69 @@ def main() -> None:
     from iterserve.bench.shaped_gguf import PRESETS, RANDOM_BLOCK_LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=None, help=f"of {', '.join(PRESETS)} (default: {DEFAULT_MODELS}, none with --files)")
-    parser.add_argument("--files", default="", help="GGUFs (or HF directories, iterserve only) of your own (a trained model, say), run as they are")
-    parser.add_argument("--types", default="Q4_K_M", help="llama-quantize types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ4_XS, ... (F16: the unquantized file)")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"of {', '.join(PRESETS)} (default: {DEFAULT_MODELS}, none with --files)",
+    )
+    parser.add_argument(
+        "--files",
+        default="",
+        help="GGUFs (or HF directories, iterserve only) of your own (a trained model, say), run as they are",
+    )
+    parser.add_argument(
+        "--types",
+        default="Q4_K_M",
+        help="llama-quantize types: Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ4_XS, ... (F16: the unquantized file)",
+    )
     parser.add_argument("--engines", default="iterserve,llama.cpp")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="for both engines and the bandwidth")
     parser.add_argument("--seed", type=int, default=0, help="of the random weights")
-    parser.add_argument("--real-vocab", action="store_true", help="the models' own vocabulary sizes and (un)tied heads, not the bundled 49,152 tied")
+    parser.add_argument(
+        "--real-vocab",
+        action="store_true",
+        help="the models' own vocabulary sizes and (un)tied heads, not the bundled 49,152 tied",
+    )
     parser.add_argument("--workdir", default="~/.cache/iterserve-bench/big_models")
-    parser.add_argument("--keep-f16", action="store_true", help="keep the F16 files (14 GB for an 8B)")
-    parser.add_argument("--random-blocks", action="store_true", help="write Q4_K_M (or MXFP4_MOE: gpt-oss) files directly as random blocks in llama-quantize's layout: no F16 file (Qwen3-30B-A3B's is 61 GB), weights that say nothing")
-    parser.add_argument("--memory-limit-gib", type=float, default=21.0, help="a child past it is killed")
+    parser.add_argument(
+        "--keep-f16", action="store_true", help="keep the F16 files (14 GB for an 8B)"
+    )
+    parser.add_argument(
+        "--random-blocks",
+        action="store_true",
+        help="write Q4_K_M (or MXFP4_MOE: gpt-oss) files directly as random blocks in llama-quantize's layout: no F16 file (Qwen3-30B-A3B's is 61 GB), weights that say nothing",
+    )
+    parser.add_argument(
+        "--memory-limit-gib", type=float, default=21.0, help="a child past it is killed"
+    )
     parser.add_argument(
         "--isa",
         choices=("avx2", "avx2vnni"),
         default=None,
         help="the AVX2 kernels of both engines (avx2vnni: with AVX-VNNI's dot products)",
     )
-    parser.add_argument("--llama-cpp", default=None, help="llama.cpp's bin directory (default: llama_cpp.sh's, if built)")
-    parser.add_argument("--llama-cpp-args", default="", help="more arguments for llama-batched-bench: '-lm none' reads the file rather than map it, where its repacked weights would otherwise sit in memory beside their mapped pages (~1.8x the file)")
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each engine on each file, in turns")
-    parser.add_argument("--b1-segments", type=int, default=3, help="batch-1 decodes a run times, each between two readings of the bandwidth: its figures are their medians")
+    parser.add_argument(
+        "--llama-cpp",
+        default=None,
+        help="llama.cpp's bin directory (default: llama_cpp.sh's, if built)",
+    )
+    parser.add_argument(
+        "--llama-cpp-args",
+        default="",
+        help="more arguments for llama-batched-bench: '-lm none' reads the file rather than map it, where its repacked weights would otherwise sit in memory beside their mapped pages (~1.8x the file)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of each engine on each file, in turns"
+    )
+    parser.add_argument(
+        "--b1-segments",
+        type=int,
+        default=3,
+        help="batch-1 decodes a run times, each between two readings of the bandwidth: its figures are their medians",
+    )
     parser.add_argument("--prepare-only", action="store_true", help="make the files, run nothing")
     parser.add_argument("--json", default="bench_results/big_models.json")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # a child process's job
@@ -841,9 +890,15 @@ def main() -> None:
                         add_b1_shares(row, per_step)
                     rows.append(row)
                     results["runs"].append(
-                        {"model": preset, "type": qtype, "file_bytes": checkpoint_bytes(path),
-                         "decode_bytes_per_token": per_token, "decode_kv_bytes": kv,
-                         "decode_context": context, **row}  # fmt: skip
+                        {
+                            "model": preset,
+                            "type": qtype,
+                            "file_bytes": checkpoint_bytes(path),
+                            "decode_bytes_per_token": per_token,
+                            "decode_kv_bytes": kv,
+                            "decode_context": context,
+                            **row,
+                        }
                     )
             title = (
                 f"{preset} {qtype}: {_size(checkpoint_bytes(path))} file; a decode step reads "

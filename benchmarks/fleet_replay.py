@@ -73,7 +73,11 @@ def replay(num_requests: int, every: int) -> dict[str, object]:
     cpu = time.process_time() - started_cpu
     steps = sum(r.engine.stats.num_steps for r in replicas)
     return {
-        "wall_s": wall, "cpu_s": cpu, "steps": steps, "block_s": blocks, "source": fleet.__file__
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "steps": steps,
+        "block_s": blocks,
+        "source": fleet.__file__,
     }
 
 

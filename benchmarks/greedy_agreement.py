@@ -68,13 +68,23 @@ def main() -> None:
     print(f"kernels {kernels.isa()}, {len(prompts)} prompts, {args.tokens} tokens, {settings}")
     rows = []
     for path in ("cached", "batched", "ngram"):
-        firsts = [first_difference(a, b) for a, b in zip(answers[path], answers["alone"], strict=True)]
+        firsts = [
+            first_difference(a, b) for a, b in zip(answers[path], answers["alone"], strict=True)
+        ]
         differ = sum(f is not None for f in firsts)
-        print(f"{path:8s} differs from alone in {differ} of {len(prompts)} answers, first at {firsts}")
+        print(
+            f"{path:8s} differs from alone in {differ} of {len(prompts)} answers, first at {firsts}"
+        )
         rows.append({"path": path, "differ": differ, "first_difference": firsts})
     write_results(
         args.json,
-        {"isa": kernels.isa(), "settings": settings, "k": args.k, "tokens": args.tokens, "rows": rows},
+        {
+            "isa": kernels.isa(),
+            "settings": settings,
+            "k": args.k,
+            "tokens": args.tokens,
+            "rows": rows,
+        },
     )
 
 

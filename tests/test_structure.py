@@ -119,7 +119,9 @@ _OUTSIDE = re.compile(r"\.\./shared\b|(?<![\w.])/work/")
 _RECORDS = "benchmarks/results/"
 _MD_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 _MD_NAME = re.compile(r"(?<![\w/.-])([\w/.-]+\.md)\b")
-_FILE_ANCHORED = re.compile(r"Path\(__file__\)(?:\.resolve\(\))?((?:\.parent\b)+|\.parents\[(\d+)\])")
+_FILE_ANCHORED = re.compile(
+    r"Path\(__file__\)(?:\.resolve\(\))?((?:\.parent\b)+|\.parents\[(\d+)\])"
+)
 
 
 def repository_text_files() -> dict[str, str]:

@@ -202,9 +202,14 @@ def test_pooled_figures_match_their_per_token_definitions(
             times = sorted(start + rng.uniform(0, 3) for _ in range(rng.choice([0, 1, 2, 5])))
             records.append(
                 RequestRecord(
-                    f"r{i}", 3, 4, arrival_time=start, token_times=times,
+                    f"r{i}",
+                    3,
+                    4,
+                    arrival_time=start,
+                    token_times=times,
                     finish_time=times[-1] if times else None,
-                    output_len=len(times) + rng.choice([0, 0, 2]), success=rng.random() < 0.9,
+                    output_len=len(times) + rng.choice([0, 0, 2]),
+                    success=rng.random() < 0.9,
                 )  # fmt: skip
             )
         buckets: Counter[int] = Counter()

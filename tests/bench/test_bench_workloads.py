@@ -117,7 +117,9 @@ def test_azure_lengths_draws_trace_lengths_for_any_number_of_requests(
     again = build_workload(spec, tokenizer)
     assert [r.token_ids() for r in again.requests] == [r.token_ids() for r in w.requests]
     with pytest.raises(ValueError, match="token ids"):
-        build_workload(WorkloadSpec("azure-lengths", trace=str(trace), prompt_format="text"), tokenizer)
+        build_workload(
+            WorkloadSpec("azure-lengths", trace=str(trace), prompt_format="text"), tokenizer
+        )
 
 
 def test_copy_edit_is_chat_text_whose_answer_is_in_the_prompt(tokenizer: Any) -> None:

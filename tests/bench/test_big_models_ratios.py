@@ -55,7 +55,12 @@ def test_ratios_pair_each_round_and_take_the_median(big_models: ModuleType) -> N
 def test_shares_compare_only_rounds_on_one_memory_speed(big_models: ModuleType) -> None:
     def row(engine: str, round_: int, share: float, before: float, after: float) -> dict[str, Any]:
         return _row(
-            engine, round_, {1: 40.0}, b1_bandwidth_share=share, bandwidth=before, bandwidth_after=after
+            engine,
+            round_,
+            {1: 40.0},
+            b1_bandwidth_share=share,
+            bandwidth=before,
+            bandwidth_after=after,
         )
 
     rows = [
@@ -104,4 +109,7 @@ def test_no_timed_segment_no_share(big_models: ModuleType) -> None:
     big_models.add_b1_shares(row, per_step=1)
     assert "b1_bandwidth_share" not in row
     # Without timed segments the readings are those around the run, where there are any.
-    assert big_models.share_readings({**row, "bandwidth": 5e9, "bandwidth_after": 6e9}) == [5e9, 6e9]
+    assert big_models.share_readings({**row, "bandwidth": 5e9, "bandwidth_after": 6e9}) == [
+        5e9,
+        6e9,
+    ]

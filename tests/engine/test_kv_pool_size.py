@@ -149,7 +149,9 @@ def test_the_engine_sizes_auto_from_the_memory_left_after_building_the_model(
     assert "KV cache: 0.2 MiB (auto: 50% of 0.3 MiB available (a fake reading)): 20 blocks" in (
         caplog.text
     )
-    with pytest.raises(InvalidRequestError, match="maximum context length is 320 tokens") as refused:
+    with pytest.raises(
+        InvalidRequestError, match="maximum context length is 320 tokens"
+    ) as refused:
         engine.add_request([5] * 300, SamplingParams(max_tokens=21))
     assert refused.value.param == "max_tokens"
 

@@ -196,7 +196,10 @@ def test_a_grammar_the_vocabulary_cannot_finish_ends_only_its_request(tiny_llm: 
     free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs = tiny_llm.generate(["x", "y"], [stuck, free], use_tqdm=False)
     assert outputs[0].finish_reason == "stop"
-    assert outputs[0].token_ids[0] == tiny_llm.engine.tokenizer.encode("a", add_special_tokens=False)[0]
+    assert (
+        outputs[0].token_ids[0]
+        == tiny_llm.engine.tokenizer.encode("a", add_special_tokens=False)[0]
+    )
     assert len(outputs[0].token_ids) <= 3  # "a", the refused token, EOS
     alone = tiny_llm.generate(["y"], free, use_tqdm=False)
     assert outputs[1].token_ids == alone[0].token_ids

@@ -53,7 +53,9 @@ def _check(got: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
-def _add_prompts(runner: PagedRunner, lengths: Sequence[int], seed: int = 1) -> dict[str, list[int]]:
+def _add_prompts(
+    runner: PagedRunner, lengths: Sequence[int], seed: int = 1
+) -> dict[str, list[int]]:
     """Random prompts of these lengths, added to `runner` as s0, s1, ...; returned by name."""
     prompts = _prompts(lengths, seed)
     for name, tokens in prompts.items():

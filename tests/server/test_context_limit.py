@@ -36,9 +36,15 @@ def test_the_model_s_context_is_the_limit_with_the_defaults(tiny_llama_dir: Path
         models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
         assert models[0]["max_model_len"] == 512  # the tiny model's max_position_embeddings
         error = refusal(server, 500, 13)
-        assert error["param"] == "max_tokens" and "maximum context length is 512 tokens" in error["message"]
+        assert (
+            error["param"] == "max_tokens"
+            and "maximum context length is 512 tokens" in error["message"]
+        )
         error = refusal(server, 600, 1)
-        assert error["param"] == "prompt" and "maximum context length is 512 tokens" in error["message"]
+        assert (
+            error["param"] == "prompt"
+            and "maximum context length is 512 tokens" in error["message"]
+        )
         health = httpx.get(f"{server.base_url}/health").json()["model"]
         assert health["kv_cache_rule"] == "auto" and int(health["kv_cache_available_bytes"]) > 0
         assert int(health["kv_cache_blocks"]) == engine.scheduler.kv_cache_stats().num_blocks
@@ -54,4 +60,7 @@ def test_a_pool_smaller_than_the_context_is_the_limit(tiny_llama_dir: Path) -> N
         models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
         assert models[0]["max_model_len"] == 8 * 16
         error = refusal(server, 100, 50)
-        assert error["param"] == "max_tokens" and "maximum context length is 128 tokens" in error["message"]
+        assert (
+            error["param"] == "max_tokens"
+            and "maximum context length is 128 tokens" in error["message"]
+        )

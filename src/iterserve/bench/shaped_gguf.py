@@ -325,7 +325,9 @@ def tensor_specs(shape: Shape, vocab: int, head: bool = False) -> list[TensorSpe
             whole = shape.qk_norm_whole
             specs.append(TensorSpec(f"{blk}.attn_q_norm.weight", (q if whole else hd,), "norm"))
             if not shared:
-                specs.append(TensorSpec(f"{blk}.attn_k_norm.weight", (kv if whole else hd,), "norm"))
+                specs.append(
+                    TensorSpec(f"{blk}.attn_k_norm.weight", (kv if whole else hd,), "norm")
+                )
         specs.append(TensorSpec(f"{blk}.attn_output.weight", (h, shape.heads * hd), "weight"))
         if shape.out_bias:
             specs.append(TensorSpec(f"{blk}.attn_output.bias", (h,), "bias"))

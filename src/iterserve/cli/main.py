@@ -82,4 +82,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidRequestError, ValueError, FileNotFoundError, ConnectionError) as err:
         print(f"iterserve: error: {err}", file=sys.stderr)
         return 2
-

@@ -516,11 +516,7 @@ class LLMEngine:
         # kept out even where special tokens are shown), unless asked for.
         params = stream.request.sampling_params
         shown = len(token_ids) if params.detokenize else 0
-        if (
-            finish_reason == "stop"
-            and not params.include_stop_str_in_output
-            and shown
-        ):
+        if finish_reason == "stop" and not params.include_stop_str_in_output and shown:
             shown -= 1
         # Token by token, so a stop string ends the request at the token that completed
         # it even when a step produced several (accepted speculative drafts).

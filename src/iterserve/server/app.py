@@ -98,7 +98,9 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     app.include_router(openai_routes(ctx), dependencies=guarded)
     app.include_router(messages_routes(ctx), dependencies=guarded)  # Anthropic's
     app.include_router(scoring_routes(ctx), dependencies=guarded)
-    app.include_router(lora_routes(ctx, async_engine.served_model.lora_enabled), dependencies=guarded)
+    app.include_router(
+        lora_routes(ctx, async_engine.served_model.lora_enabled), dependencies=guarded
+    )
     app.include_router(stored_response_routes(store), dependencies=guarded)
     # vLLM's paths, outside /v1 but behind the same key.
     app.include_router(admin_routes(async_engine), dependencies=guarded)

@@ -284,16 +284,22 @@ class ServerMetrics:
         )
         # Per LoRA adapter ("" for the base model), counted once for a fleet.
         self.lora_requests = Counter(
-            "iterserve:lora_requests", "Engine requests ended, by LoRA adapter", ["adapter"],
+            "iterserve:lora_requests",
+            "Engine requests ended, by LoRA adapter",
+            ["adapter"],
             registry=r,
         )
         self.lora_prompt_tokens = Counter(
-            "iterserve:lora_prompt_tokens", "Prompt tokens of ended requests, by LoRA adapter",
-            ["adapter"], registry=r,
+            "iterserve:lora_prompt_tokens",
+            "Prompt tokens of ended requests, by LoRA adapter",
+            ["adapter"],
+            registry=r,
         )
         self.lora_generation_tokens = Counter(
-            "iterserve:lora_generation_tokens", "Tokens generated, by LoRA adapter",
-            ["adapter"], registry=r,
+            "iterserve:lora_generation_tokens",
+            "Tokens generated, by LoRA adapter",
+            ["adapter"],
+            registry=r,
         )
         r.register(_EngineCollector(engine))
 

@@ -122,9 +122,7 @@ class StepFeatures:
         return cls.of_parts(steady_part(scheduled), scheduled.seqs)
 
     @classmethod
-    def of_parts(
-        cls, steady: SteadyDecodes | None, seqs: Sequence[ScheduledSeq]
-    ) -> StepFeatures:
+    def of_parts(cls, steady: SteadyDecodes | None, seqs: Sequence[ScheduledSeq]) -> StepFeatures:
         """The features of a step of the cohort's decodes (`steady`) and these sequences."""
         decode_rows = decode_seqs = context = 0
         if steady is not None:

@@ -123,6 +123,7 @@ HARDWARE = {
     "h100-80g": _datasheet("h100-80g", 989e12, 3.35e12, step_overhead=3e-3, memory_bytes=80e9),
 }
 
+
 def _decoder(
     name: str, num_params: float, layers: int, heads: int, kv_heads: int, head_dim: int
 ) -> ModelShape:
