@@ -8,7 +8,10 @@ random number of chunks. Afterwards it checks, and prints:
   are free, so they do not count);
 - no request is left running or waiting;
 - the server's resident memory did not keep growing (sampled all along: start, peak,
-  end, and the slope over the second half of the run);
+  end, and the slope over the second half of the run), less the KV pool's blocks written
+  so far: a pool is reserved whole but resident only as its blocks are first written, and
+  with prefix caching every block is written once before a named one is reused, so a large
+  pool's (`--kv-cache-memory auto`) pages come in for as long as it takes to go round;
 - every client that did not drop got its whole answer (ignore_eos, so exactly
   max_tokens tokens and finish_reason "length").
 
@@ -58,22 +61,27 @@ class ClientResult:
 @dataclass
 class MemoryTrace:
     pid: int | None
-    samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MiB)
+    base_url: str
+    # (seconds, resident MiB, MiB of the KV pool written so far)
+    samples: list[tuple[float, float, float]] = field(default_factory=list)
 
-    def sample(self, now: float) -> None:
+    async def sample(self, now: float) -> None:
         if self.pid is None:
             return
         try:
             status = Path(f"/proc/{self.pid}/status").read_text()
         except OSError:
             return
+        metrics = await asyncio.to_thread(scrape_metrics, self.base_url)
+        written = metrics.get("iterserve:kv_cache_written_bytes", 0.0) / 2**20
         for line in status.splitlines():
             if line.startswith("VmRSS:"):
-                self.samples.append((now, int(line.split()[1]) / 1024))
+                self.samples.append((now, int(line.split()[1]) / 1024, written))
 
     def second_half_slope(self) -> float | None:
-        """Least-squares MiB per minute over the second half of the samples."""
-        half = self.samples[len(self.samples) // 2 :]
+        """Least-squares MiB per minute over the second half of the samples, of the
+        resident memory less the KV pool's written blocks."""
+        half = [(t, rss - pool) for t, rss, pool in self.samples[len(self.samples) // 2 :]]
         if len(half) < 3:
             return None
         n = len(half)
@@ -133,7 +141,7 @@ async def soak(args: argparse.Namespace, base_url: str, memory: MemoryTrace) -> 
             await asyncio.sleep(rng.expovariate(rate))
             now = time.monotonic() - start
             if now >= next_sample:
-                memory.sample(now)
+                await memory.sample(now)
                 next_sample = now + args.memory_interval
             max_tokens = rng.randint(args.min_tokens, args.max_tokens)
             result = ClientResult(rng.random() < args.drop_fraction, max_tokens)
@@ -151,9 +159,9 @@ async def soak(args: argparse.Namespace, base_url: str, memory: MemoryTrace) -> 
             if (i + 1) % 100 == 0:
                 print(f"  {i + 1} requests sent at {now:.0f} s", file=sys.stderr)
         while not all(task.done() for task in tasks):
-            memory.sample(time.monotonic() - start)
+            await memory.sample(time.monotonic() - start)
             await asyncio.sleep(min(args.memory_interval, 1.0))
-        memory.sample(time.monotonic() - start)
+        await memory.sample(time.monotonic() - start)
     return results
 
 
@@ -183,7 +191,7 @@ def main() -> int:
         base_url, pid = server.base_url, server.process.pid
     else:
         base_url, pid = args.base_url.rstrip("/"), args.pid
-    memory = MemoryTrace(pid)
+    memory = MemoryTrace(pid, base_url)
     try:
         before = scrape_metrics(base_url)
         started = time.monotonic()
@@ -240,10 +248,13 @@ def report(
           f"({after.get('iterserve:kv_cache_cached_blocks', 0):.0f} named in the prefix cache)")  # fmt: skip
     slope = memory.second_half_slope()
     if memory.samples:
-        rss = [m for _, m in memory.samples]
+        rss = [m for _, m, _ in memory.samples]
+        pool = [p for _, _, p in memory.samples]
         print(f"  server RSS (MiB): start {rss[0]:.0f}, peak {max(rss):.0f}, end {rss[-1]:.0f}; "
-              f"second-half slope {slope if slope is not None else float('nan'):+.2f} MiB/min "
-              f"({len(rss)} samples)")  # fmt: skip
+              f"of it the KV pool's written blocks {pool[0]:.0f} -> {pool[-1]:.0f} "
+              f"(of {after.get('iterserve:kv_cache_memory_bytes', 0) / 2**20:.0f} reserved)")  # fmt: skip
+        print(f"  RSS less the pool's written blocks: second-half slope "
+              f"{slope if slope is not None else float('nan'):+.2f} MiB/min ({len(rss)} samples)")  # fmt: skip
     else:
         print("  server RSS: not sampled (pass --pid with --base-url)")
     ok = not incomplete and running == waiting == used_blocks == 0

@@ -28,6 +28,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(num_blocks=24, block_size=BLOCK, enable_prefix_caching=True)
         self.live: dict[str, Request] = {}
         self.counter = 0
+        self.ever_held: set[int] = set()
 
     @rule(
         prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]]),
@@ -76,6 +77,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self) -> None:
         self.kv.check_invariants(request.block_ids for request in self.live.values())
+
+    @invariant()
+    def written_blocks_are_those_ever_held(self) -> None:
+        """What the engine reports as the pool's resident part: every block a request has
+        held, and no other (a rule frees blocks only after the invariants saw them held)."""
+        for request in self.live.values():
+            self.ever_held.update(request.block_ids)
+        written = self.kv.stats().num_written_blocks
+        assert self.ever_held == set(range(written))
 
     def teardown(self) -> None:
         for request in self.live.values():

@@ -397,14 +397,20 @@ def test_metrics_parse_and_counters_move(
         assert gauge in after
 
 
-def test_metrics_report_the_engines_memory(server: RunningServer) -> None:
-    """The weights and the KV pool as the engine holds them, and the process's resident
-    memory now and at its peak, beside the standard process_* series of the same process."""
+def test_metrics_report_the_engines_memory(client: openai.OpenAI, server: RunningServer) -> None:
+    """The weights and the KV pool as the engine holds them (its reservation, and the part
+    written so far), and the process's resident memory now and at its peak, beside the
+    standard process_* series of the same process."""
+    client.completions.create(model=MODEL_NAME, prompt="The pool is written", max_tokens=4)
     m = server.metrics()
     engine = server.engine
     weights = m["iterserve:model_weights_bytes"]
     assert weights == engine.model_plan.weight_bytes > 0
     assert m["iterserve:kv_cache_memory_bytes"] == engine.kv_pool.bytes > 0
+    written = engine.scheduler.kv_cache_stats().num_written_blocks
+    assert written > 0  # the request's blocks, at least
+    block_bytes = engine.kv_pool.bytes / engine.kv_pool.num_blocks
+    assert m["iterserve:kv_cache_written_bytes"] == pytest.approx(written * block_bytes, abs=1)
     resident = m["iterserve:process_resident_memory_bytes"]
     assert weights < resident <= m["iterserve:process_peak_resident_memory_bytes"]
     # prometheus_client's own reading of the same process, a moment apart.

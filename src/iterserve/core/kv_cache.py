@@ -43,6 +43,9 @@ class KVCacheStats:
     # again is recompute saved, not a prefix shared, and would flatter the hit rate.
     preempted_queries: int = 0
     preempted_hits: int = 0
+    # Blocks taken at least once: their pages are resident, the rest of the pool only
+    # reserved (an engine's pool is committed as it is written).
+    num_written_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -155,6 +158,11 @@ class KVCacheManager:
         self._prefix_hits = 0
         self._preempted_queries = 0
         self._preempted_hits = 0
+        # Blocks ever taken. The free queue hands out never-taken blocks in id order, after
+        # every freed block with nothing worth keeping but before the named ones (so a pool
+        # with prefix caching is written through before it reuses a named block): they are
+        # blocks 0 .. _num_written - 1.
+        self._num_written = 0
 
     # ---- queries -------------------------------------------------------------
 
@@ -182,6 +190,7 @@ class KVCacheManager:
             prefix_hits=self._prefix_hits,
             preempted_queries=self._preempted_queries,
             preempted_hits=self._preempted_hits,
+            num_written_blocks=self._num_written,
         )
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -296,6 +305,8 @@ class KVCacheManager:
         for a holder that puts them in block tables itself (allocate, and the simulator's
         decode cohort, sim/cohort_scheduler.py)."""
         taken = self._free.take(count)
+        if taken:
+            self._num_written = max(self._num_written, max(taken) + 1)
         refs, names = self._refs, self._names  # hot in large simulations
         evicted = 0
         for block_id in taken:

@@ -77,11 +77,13 @@ class EngineSnapshot:
     decode_tokens: int = 0
     num_resident_loras: int = 0  # LoRA adapters in the model's slots
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
-    # Memory, in bytes: the served model's weights as held, the KV pool's reservation
-    # (resident only as blocks are written), and the engine process's resident memory now
-    # and at its peak: read at scrape time (`with_process_memory`), not every step.
+    # Memory, in bytes: the served model's weights as held, the KV pool's reservation and
+    # the part of it written so far (resident: its blocks taken at least once), and the
+    # engine process's resident memory now and at its peak: read at scrape time
+    # (`with_process_memory`), not every step.
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
+    kv_cache_written_bytes: int = 0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
 
@@ -129,6 +131,7 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         ),
         weights_bytes=engine.model_plan.weight_bytes,
         kv_cache_bytes=engine.kv_pool.bytes,
+        kv_cache_written_bytes=engine.kv_pool.bytes * kv.num_written_blocks // kv.num_blocks,
     )
 
 
@@ -177,6 +180,7 @@ def idle_snapshot(snapshot: EngineSnapshot) -> EngineSnapshot:
         num_used_kv_blocks=0,
         weights_bytes=0,
         kv_cache_bytes=0,
+        kv_cache_written_bytes=0,
         resident_bytes=0,
         peak_resident_bytes=0,
     )

@@ -186,6 +186,10 @@ _SNAPSHOT_SERIES: tuple[tuple[_Kind, str, str, Callable[[EngineSnapshot], float]
     (_G, "kv_cache_memory_bytes",
      "Bytes reserved for the KV cache pool (resident only as blocks are written)",
      lambda s: s.kv_cache_bytes),
+    (_G, "kv_cache_written_bytes",
+     "Bytes of the KV cache pool written at least once: the part of its reservation that is "
+     "resident",
+     lambda s: s.kv_cache_written_bytes),
     (_G, "process_resident_memory_bytes", "Resident memory of the engine's process (VmRSS)",
      lambda s: s.resident_bytes),
     (_G, "process_peak_resident_memory_bytes",
