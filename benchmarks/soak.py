@@ -16,8 +16,8 @@ random number of chunks. Afterwards it checks, and prints:
   max_tokens tokens and finish_reason "length").
 
 It starts its own server (engine flags as for `iterserve serve`) unless given
-`--base-url`; memory is then read from `--pid` if given. Measures and prints; the
-exit code says whether every check held.
+`--base-url`; memory is then read from `--pid` if given. Measures, prints and writes
+JSON (`--json`); the exit code says whether every check held.
 
     .venv/bin/python benchmarks/soak.py                          # 1,000 requests, ~10 min
     .venv/bin/python benchmarks/soak.py --num-requests 200 --duration 120 --model DIR
@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from _results import write_results  # type: ignore[import-not-found]  # run from benchmarks/
 from iterserve.bench.client import parse_sse_line
 from iterserve.bench.server_process import launch_server, scrape_metrics
 from iterserve.bench.tokenizer import load_tokenizer, ordinary_token_ids
@@ -181,6 +182,7 @@ def main() -> int:
         "--max-rss-slope", type=float, default=2.0, help="MiB/min allowed over the second half"
     )
     parser.add_argument("--soak-seed", dest="seed", type=int, default=0)
+    parser.add_argument("--json", default="bench_results/soak.json")
     add_engine_args(parser)
     args = parser.parse_args()
 
@@ -263,6 +265,25 @@ def report(
         ok = False
         print(f"  memory still climbing faster than {args.max_rss_slope} MiB/min")
     print("  all checks held" if ok else "  CHECKS FAILED")
+    write_results(
+        args.json,
+        {
+            "model": args.model or "(the bundled model)",
+            "requests": len(results),
+            "seconds": elapsed,
+            "stayed": len(stayed),
+            "incomplete": len(incomplete),
+            "dropped": len(dropped),
+            "kv_blocks_used_after": used_blocks,
+            "kv_cache_memory_bytes": after.get("iterserve:kv_cache_memory_bytes"),
+            "rss_less_written_pool_slope_mib_per_min": slope,
+            "memory_samples": [
+                {"seconds": t, "rss_mib": rss, "kv_written_mib": pool}
+                for t, rss, pool in memory.samples
+            ],
+            "checks_held": ok,
+        },
+    )
     return 0 if ok else 1
 
 
