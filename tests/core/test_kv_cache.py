@@ -294,6 +294,26 @@ def test_free_queue_compacts_and_keeps_its_order() -> None:
     assert len(queue._back) < 10_000, "the consumed head was dropped"
 
 
+def test_never_taken_blocks_are_counted_through_compaction() -> None:
+    """What the pool reports as written (KVCacheStats.num_written_blocks) comes from the
+    queue's count of blocks never taken, across the compaction of its list."""
+    queue = FreeBlockQueue(10_000)
+    taken: set[int] = set()
+    held: list[int] = []
+    compacted = False
+    for round_ in range(3000):
+        got = queue.take(4)
+        taken.update(got)
+        held += got
+        if round_ >= 1400:  # blocks come back: named ones behind those never taken
+            queue.push_back(held[:3])
+            queue.push_front(held[3:4])
+            del held[:4]
+        compacted = compacted or (queue._head == 0 and len(taken) < 10_000)
+        assert queue.num_never_taken == 10_000 - len(taken)
+    assert compacted and len(taken) == 10_000
+
+
 def test_builtin_names_are_the_chain_of_builtin_block_hash() -> None:
     """The pool inlines the builtin hash in its loop; the names must stay the function's."""
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK, hash_algo="builtin")

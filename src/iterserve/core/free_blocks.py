@@ -28,11 +28,20 @@ class FreeBlockQueue:
         self._front: list[int] = []  # its last element is reused first
         self._back = list(range(num_blocks))
         self._head = 0  # index in _back of the next entry to read
+        # _back[:_fresh_end] are the blocks as first queued: those past the head were never
+        # taken (nor named, so never taken out of turn).
+        self._fresh_end = num_blocks
         self._stale: dict[int, int] = {}  # block -> its stale entries ahead of the head
         self._size = num_blocks
 
     def __len__(self) -> int:
         return self._size
+
+    @property
+    def num_never_taken(self) -> int:
+        """Blocks not taken yet since the queue was made: the highest ids, as they are
+        taken in id order."""
+        return max(0, self._fresh_end - self._head)
 
     def __iter__(self) -> Iterator[int]:
         """The free blocks in the order they would be reused."""
@@ -63,6 +72,7 @@ class FreeBlockQueue:
                 head = self._take_skipping_stale(taken, count, head)
             if head > _COMPACT_AFTER and 2 * head > len(back):
                 del back[:head]
+                self._fresh_end = max(0, self._fresh_end - head)
                 head = 0
             self._head = head
         self._size -= count

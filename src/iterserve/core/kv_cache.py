@@ -158,11 +158,6 @@ class KVCacheManager:
         self._prefix_hits = 0
         self._preempted_queries = 0
         self._preempted_hits = 0
-        # Blocks ever taken. The free queue hands out never-taken blocks in id order, after
-        # every freed block with nothing worth keeping but before the named ones (so a pool
-        # with prefix caching is written through before it reuses a named block): they are
-        # blocks 0 .. _num_written - 1.
-        self._num_written = 0
 
     # ---- queries -------------------------------------------------------------
 
@@ -190,7 +185,10 @@ class KVCacheManager:
             prefix_hits=self._prefix_hits,
             preempted_queries=self._preempted_queries,
             preempted_hits=self._preempted_hits,
-            num_written_blocks=self._num_written,
+            # The free queue hands out never-taken blocks in id order, after every freed
+            # block with nothing worth keeping but before the named ones: a pool with prefix
+            # caching is written through before it reuses a named block.
+            num_written_blocks=self.num_blocks - self._free.num_never_taken,
         )
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -305,8 +303,6 @@ class KVCacheManager:
         for a holder that puts them in block tables itself (allocate, and the simulator's
         decode cohort, sim/cohort_scheduler.py)."""
         taken = self._free.take(count)
-        if taken:
-            self._num_written = max(self._num_written, max(taken) + 1)
         refs, names = self._refs, self._names  # hot in large simulations
         evicted = 0
         for block_id in taken:
