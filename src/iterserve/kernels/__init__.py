@@ -351,8 +351,10 @@ def compile_units(directory: Path) -> list[Path]:
     unit (AVX2 flags, AMD Zen 4, 2026-12-06). Their file-local names therefore share one
     anonymous namespace: two alike are a compile error, so each file's helpers keep names
     of their own (an overload another file could pick up would not be an error)."""
-    own = sources()[: len(_LONGEST_COMPILES)]
-    text = "".join(f'#include "{p.name}"\n' for p in sources()[len(_LONGEST_COMPILES) :])
+    ordered = sources()
+    own, rest = ordered[: len(_LONGEST_COMPILES)], ordered[len(_LONGEST_COMPILES) :]
+    text = "".join(f'#include "{p.name}"\n' for p in rest)
+    directory.mkdir(parents=True, exist_ok=True)
     unit = directory / _OTHERS_UNIT
     if not unit.exists() or unit.read_text() != text:  # unchanged: ninja sees no change
         # Whole or not at all, for a build another process may be starting from it.
@@ -364,7 +366,6 @@ def compile_units(directory: Path) -> list[Path]:
 
 def _build_and_load(variant: Isa) -> None:
     build_dir = build_directory(variant)
-    build_dir.mkdir(parents=True, exist_ok=True)
     build_and_load_library(
         f"iterserve_kernels_{variant.name}",
         [str(p) for p in compile_units(build_dir)],
