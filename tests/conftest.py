@@ -33,6 +33,28 @@ def data_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_kv_pools_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The KV pool ledger (engine/kv_pool_ledger.py) of engines made outside a test (module
+    fixtures): none of the run's lines lands in the host's /dev/shm."""
+    path = tmp_path_factory.mktemp("kv-pools-session")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ITERSERVE_KV_POOLS_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(autouse=True)
+def kv_pools_dir(
+    session_kv_pools_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    """Each test's own ledger: an auto pool is sized as it was before the ledger, whatever
+    engines other tests (or the developer) keep running."""
+    path = tmp_path_factory.mktemp("kv-pools")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ITERSERVE_KV_POOLS_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from iterserve.model.gguf_loader import read_gguf_header

@@ -59,7 +59,8 @@ class CacheConfig:
         "auto",
         "memory for the KV cache: a number of GiB, or auto: --kv-cache-memory-fraction of the "
         "memory available once the weights are loaded (the smaller of MemAvailable and the "
-        "cgroup's limit less its usage; free device memory on CUDA), at most what "
+        "cgroup's limit less its usage, less what other iterserve engines' pools on this "
+        "host have reserved and not yet written; free device memory on CUDA), at most what "
         "--max-num-seqs sequences of the full context need. Pages are committed as blocks "
         "are first used",
         parse=_gib_or_auto,

@@ -185,11 +185,15 @@ class KVCacheManager:
             prefix_hits=self._prefix_hits,
             preempted_queries=self._preempted_queries,
             preempted_hits=self._preempted_hits,
-            # The free queue hands out never-taken blocks in id order, after every freed
-            # block with nothing worth keeping but before the named ones: a pool with prefix
-            # caching is written through before it reuses a named block.
-            num_written_blocks=self.num_blocks - self._free.num_never_taken,
+            num_written_blocks=self.num_written_blocks,
         )
+
+    @property
+    def num_written_blocks(self) -> int:
+        """Blocks taken at least once. The free queue hands out never-taken blocks in id
+        order, after every freed block with nothing worth keeping but before the named ones:
+        a pool with prefix caching is written through before it reuses a named block."""
+        return self.num_blocks - self._free.num_never_taken
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding a prefix of this request's tokens.

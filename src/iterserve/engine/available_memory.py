@@ -6,8 +6,11 @@ slabs it can reclaim) and, for each cgroup the process sits in or under that has
 limit, that limit less the cgroup's usage: a container sees the host's MemAvailable but is
 killed at its own limit. Usage leaves out the cgroup's inactive file cache, which the kernel
 reclaims before it would kill (the kubelet's "working set" does the same); counting it would
-leave a long-running container's page cache looking like used memory. On CUDA, the device's
-free memory. `measure()` is the one function the engine calls, so tests replace it.
+leave a long-running container's page cache looking like used memory. Less, on a host, what
+other iterserve engines' KV pools have reserved and not yet written (engine/kv_pool_ledger.py):
+a pool is committed as it is written, so MemAvailable counts its unwritten part as free. On
+CUDA, the device's free memory. `measure()` is the one function the engine calls, so tests
+replace it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from iterserve.engine import kv_pool_ledger
 from iterserve.engine.kv_pool_size import AvailableMemory
 from iterserve.model.lazy_weights import shape_of
 
@@ -32,7 +36,18 @@ def measure(device: torch.device) -> AvailableMemory:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return AvailableMemory(free, f"free memory of {device}")
-    return host_available()
+    return less_other_pools(host_available(), kv_pool_ledger.unwritten_elsewhere())
+
+
+def less_other_pools(reading: AvailableMemory, others: kv_pool_ledger.Unwritten) -> AvailableMemory:
+    """`reading` less what other engines' pools have promised themselves and not yet taken."""
+    if others.pools == 0:
+        return reading
+    return AvailableMemory(
+        max(0, reading.bytes - others.bytes),
+        f"{reading.source} {others.describe()}",
+        reserved_elsewhere=others.bytes,
+    )
 
 
 def estimate_after_weights(
@@ -49,6 +64,7 @@ def estimate_after_weights(
     return AvailableMemory(
         max(0, free - weight_bytes),
         f"estimate: {now.source} less the checkpoint's {weight_bytes / 2**30:.2f} GiB",
+        reserved_elsewhere=now.reserved_elsewhere,
     )
 
 

@@ -22,10 +22,12 @@ _GIB = 2**30
 @dataclass(frozen=True)
 class AvailableMemory:
     """Bytes a process could still take, and where the number comes from ("MemAvailable",
-    "the cgroup /x's memory.max less its usage", a preset's memory, an estimate, ...)."""
+    "the cgroup /x's memory.max less its usage", a preset's memory, an estimate, ...);
+    `reserved_elsewhere`: what was taken off for other engines' unwritten KV pools."""
 
     bytes: int
     source: str
+    reserved_elsewhere: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class KVPoolSize:
         if self.available is not None:
             out["kv_cache_available_bytes"] = str(self.available.bytes)
             out["kv_cache_available_source"] = self.available.source
+            out["kv_cache_reserved_elsewhere_bytes"] = str(self.available.reserved_elsewhere)
         return out
 
 

@@ -33,6 +33,7 @@ from iterserve.core.speculation import NgramProposer
 from iterserve.engine import available_memory
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats
+from iterserve.engine.kv_pool_ledger import PoolRecord
 from iterserve.engine.kv_pool_size import (
     AvailableMemory,
     KVPoolSize,
@@ -150,6 +151,13 @@ class LLMEngine:
         )
         logger.info("tasks: %s", self.pooling.describe())
         network = self._network(loaded, dtype, dtype_reason)
+        # Engines started later on this host count what this pool has not yet written as
+        # taken (engine/kv_pool_ledger.py); a device's pool is taken whole when made.
+        self._pool_record = (
+            PoolRecord(self.model_name, self.kv_pool.bytes, self.kv_pool.num_blocks)
+            if self.device.type == "cpu"
+            else None
+        )
         try:
             self._build_core(loaded, network, self.kv_pool.num_blocks, dtype)
             self.warm_up_seconds = 0.0
@@ -157,6 +165,8 @@ class LLMEngine:
                 self._warm_up()
         except BaseException:
             network.close()  # no worker process outlives an engine that failed to start
+            if self._pool_record is not None:
+                self._pool_record.close()
             raise
         self._set_up_outputs(loaded)
 
@@ -322,10 +332,12 @@ class LLMEngine:
         return DraftModelProposer(self._paged(model, plan, draft, num_blocks), num_blocks)
 
     def close(self) -> None:
-        """Release what outlives the engine object: the tensor-parallel worker processes.
-        Idempotent; a single-process engine has nothing to release."""
+        """Release what outlives the engine object: the tensor-parallel worker processes and
+        the pool's line in the host's ledger. Idempotent."""
         self.core.close()
         self.executor.close()
+        if self._pool_record is not None:
+            self._pool_record.close()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -495,6 +507,8 @@ class LLMEngine:
         other request was touched. `no_more_arrivals`: see Scheduler.schedule (an
         offline caller that has added everything says so)."""
         step = self.core.step(no_more_arrivals)
+        if self._pool_record is not None:
+            self._pool_record.record(self.scheduler.kv.num_written_blocks)
         try:
             outputs = [self._emit(update) for update in step.updates]
         except Exception as error:

@@ -1,0 +1,207 @@
+"""The KV pools iterserve engines on this host have reserved, and how much of each they have
+written: what --kv-cache-memory auto takes off the memory it measures
+(engine/available_memory.py).
+
+Why: a CPU pool is an anonymous mapping the kernel commits page by page as blocks are first
+written, so an engine that has just started holds almost none of its pool, and MemAvailable
+counts the rest as free. A second engine started then would take its share of memory the
+first has already promised itself, and under load the two pools together could outgrow the
+host. So each engine writes a line here (a small JSON file per pool, in
+`$ITERSERVE_KV_POOLS_DIR`, else /dev/shm/iterserve-kv-pools, else the temp directory's),
+keeps its written bytes in it as they grow, and removes it when it closes; an engine sizing
+an auto pool takes off what the others have reserved and not yet written. A line whose
+process is gone (killed, so it never removed it) is ignored and removed by the next reader;
+one whose process id was reused is told apart by the process's start time.
+
+Only engines that share the directory see each other: processes in other containers (with
+their own /dev/shm) are not counted, nor is anything but iterserve's pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("iterserve.engine")
+
+DIRECTORY_ENV = "ITERSERVE_KV_POOLS_DIR"
+
+# A pool's line is rewritten once its written blocks have grown by this share of the pool
+# since the last write: at most ~256 small writes in a pool's life, and a reader
+# overcounting what is unwritten by at most 0.4% of it.
+_RECORD_STEP = 1 / 256
+
+# Tells apart the lines of one process's engines (a benchmark may build several).
+_numbers = itertools.count(1)
+
+
+def directory() -> Path:
+    """Where the lines are: `$ITERSERVE_KV_POOLS_DIR`, else in /dev/shm (memory, gone at
+    reboot, shared by the host's processes), else the temp directory."""
+    if chosen := os.environ.get(DIRECTORY_ENV):
+        return Path(chosen)
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / "iterserve-kv-pools"
+
+
+@dataclass(frozen=True)
+class PoolLine:
+    """One engine's pool as its line says it."""
+
+    pid: int
+    model: str
+    reserved_bytes: int
+    written_bytes: int
+
+    @property
+    def unwritten_bytes(self) -> int:
+        return max(0, self.reserved_bytes - self.written_bytes)
+
+
+@dataclass(frozen=True)
+class Unwritten:
+    """What other engines' pools have reserved and not written, summed."""
+
+    bytes: int
+    pools: int
+
+    def describe(self) -> str:
+        pools = "pool" if self.pools == 1 else "pools"
+        return (
+            f"less {self.bytes / 2**30:.2f} GiB reserved and not yet written by "
+            f"{self.pools} other iterserve KV {pools}"
+        )
+
+
+class PoolRecord:
+    """This engine's line: made with the pool, its written part kept as it grows, removed by
+    `close()` (or when the record is collected, or at exit). If the directory cannot be
+    written, the engine runs without a line (logged): others will not count its pool."""
+
+    def __init__(
+        self, model: str, reserved_bytes: int, num_blocks: int, where: Path | None = None
+    ) -> None:
+        where = where or directory()
+        self.path: Path | None = where / f"{os.getpid()}.{next(_numbers)}.json"
+        self._line = {
+            "pid": os.getpid(),
+            "start_time": _start_time(os.getpid()),
+            "model": model,
+            "reserved_bytes": reserved_bytes,
+            "written_bytes": 0,
+        }
+        self._reserved, self._num_blocks = reserved_bytes, max(1, num_blocks)
+        self._step = max(1, int(num_blocks * _RECORD_STEP))
+        self._recorded = 0
+        try:
+            _make_shared_directory(where)
+            self._write()
+        except OSError as error:
+            logger.warning(
+                "KV pool not recorded in %s (%s): engines started later on this host will "
+                "count its unwritten part as free memory",
+                where,
+                error,
+            )
+            self.path = None
+            return
+        self._finalizer = weakref.finalize(self, _remove, self.path)
+
+    def record(self, written_blocks: int) -> None:
+        """The pool's blocks written at least once, after every step: the line is rewritten
+        only when they have grown by a step."""
+        if self.path is None or written_blocks - self._recorded < self._step:
+            return
+        # As /metrics' iterserve:kv_cache_written_bytes counts them.
+        self._line["written_bytes"] = self._reserved * written_blocks // self._num_blocks
+        self._recorded = written_blocks
+        try:
+            self._write()
+        except OSError:  # the directory went away: nothing left to keep up to date
+            self.close()
+
+    def close(self) -> None:
+        if self.path is not None:
+            self._finalizer()
+            self.path = None
+
+    def _write(self) -> None:
+        assert self.path is not None
+        partial = self.path.with_suffix(".part")
+        partial.write_text(json.dumps(self._line))
+        os.replace(partial, self.path)  # a reader sees the old line or the new, whole
+
+
+def unwritten_elsewhere(where: Path | None = None) -> Unwritten:
+    """What the pools of other live engines have reserved and not yet written; lines of
+    processes that are gone are removed."""
+    total, pools = 0, 0
+    for line in live_lines(where or directory()):
+        total += line.unwritten_bytes
+        pools += 1
+    return Unwritten(total, pools)
+
+
+def live_lines(where: Path) -> list[PoolLine]:
+    """The lines of engines still running (this process's other engines among them)."""
+    lines = []
+    for path in sorted(where.glob("*.json")) if where.is_dir() else []:
+        try:
+            line = json.loads(path.read_text())
+            pid, start = int(line["pid"]), line["start_time"]
+            pool = PoolLine(
+                pid, str(line["model"]), int(line["reserved_bytes"]), int(line["written_bytes"])
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # removed while read, or not a line of ours
+        if not _alive(pid, start):
+            _remove(path)
+            continue
+        lines.append(pool)
+    return lines
+
+
+def _alive(pid: int, start_time: int | None) -> bool:
+    """Whether the process that wrote a line still runs: the id is taken and, where /proc
+    says when processes started, by a process that started when the writer did."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    return start_time is None or _start_time(pid) in (None, start_time)
+
+
+def _start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks after boot (/proc/PID/stat's 22nd field);
+    None where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (2nd field) is in parentheses and may hold spaces: count after it.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _make_shared_directory(where: Path) -> None:
+    """The directory, writable by every user (sticky, as /tmp: each removes only its own),
+    so engines of different users see each other."""
+    if where.is_dir():
+        return
+    where.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):  # made by another user just now, or no modes here
+        where.chmod(0o1777)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):  # gone already, or another user's (sticky directory)
+        path.unlink()

@@ -1,0 +1,195 @@
+"""The host's ledger of KV pools (engine/kv_pool_ledger.py): each engine's line made with its
+pool, kept as its written part grows and removed when it closes; lines of processes that are
+gone are ignored and removed; --kv-cache-memory auto takes off what other engines' pools have
+reserved and not written. Across real processes: a server's line, read by an engine started
+beside it, and gone with the server."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from iterserve.config import EngineConfig
+from iterserve.engine import available_memory, kv_pool_ledger
+from iterserve.engine.kv_pool_ledger import PoolRecord, Unwritten, live_lines, unwritten_elsewhere
+from iterserve.engine.kv_pool_size import AvailableMemory
+from iterserve.engine.llm_engine import LLMEngine
+from server_fixtures import free_port, is_healthy, wait_until
+
+MIB = 2**20
+
+
+def test_a_line_is_written_kept_up_and_removed(tmp_path: Path) -> None:
+    record = PoolRecord("m", 100 * MIB, 100, tmp_path)
+    (line,) = live_lines(tmp_path)
+    assert (line.pid, line.model, line.reserved_bytes, line.written_bytes) == (
+        os.getpid(),
+        "m",
+        100 * MIB,
+        0,
+    )
+    record.record(7)
+    assert live_lines(tmp_path)[0].written_bytes == 7 * MIB
+    assert unwritten_elsewhere(tmp_path) == Unwritten(93 * MIB, 1)
+    record.close()
+    record.close()  # idempotent
+    assert live_lines(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_line_is_rewritten_only_when_it_has_grown_a_step(tmp_path: Path) -> None:
+    record = PoolRecord("m", 1024 * MIB, 1024, tmp_path)  # a step is 4 blocks (1/256)
+    record.record(3)
+    assert live_lines(tmp_path)[0].written_bytes == 0
+    record.record(4)
+    record.record(7)
+    assert live_lines(tmp_path)[0].written_bytes == 4 * MIB
+    record.record(8)
+    assert live_lines(tmp_path)[0].written_bytes == 8 * MIB
+    record.close()
+
+
+def test_a_collected_record_removes_its_line(tmp_path: Path) -> None:
+    record = PoolRecord("m", MIB, 1, tmp_path)
+    assert len(live_lines(tmp_path)) == 1
+    del record
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_line_of_a_killed_process_is_ignored_and_removed(tmp_path: Path) -> None:
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from iterserve.engine.kv_pool_ledger import PoolRecord\n"
+            f"record = PoolRecord('gone', {64 * MIB}, 64)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        env={**os.environ, kv_pool_ledger.DIRECTORY_ENV: str(tmp_path)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        assert unwritten_elsewhere(tmp_path) == Unwritten(64 * MIB, 1)
+    finally:
+        writer.send_signal(signal.SIGKILL)  # no chance to remove its line
+        writer.wait()
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert unwritten_elsewhere(tmp_path) == Unwritten(0, 0)
+    assert list(tmp_path.glob("*.json")) == []
+
+
+def test_a_line_whose_process_id_was_reused_is_ignored(tmp_path: Path) -> None:
+    """A live process with the line's id, started at another time, did not write it."""
+    record = PoolRecord("m", MIB, 1, tmp_path)
+    assert record.path is not None
+    line = json.loads(record.path.read_text())
+    record.close()
+    if line["start_time"] is None:
+        pytest.skip("no /proc: a process's start time is not known here")
+    line["start_time"] -= 1
+    (tmp_path / "forged.json").write_text(json.dumps(line))
+    (tmp_path / "junk.json").write_text("not a line")
+    assert live_lines(tmp_path) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["junk.json"]
+
+
+def test_a_directory_that_cannot_be_written_leaves_the_engine_without_a_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    record = PoolRecord("m", MIB, 1, blocked / "pools")
+    assert record.path is None and "KV pool not recorded" in caplog.text
+    record.record(1)
+    record.close()
+
+
+def test_the_default_directory_is_shared_memory_unless_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(kv_pool_ledger.DIRECTORY_ENV, str(tmp_path))
+    assert kv_pool_ledger.directory() == tmp_path
+    monkeypatch.delenv(kv_pool_ledger.DIRECTORY_ENV)
+    default = kv_pool_ledger.directory()
+    assert default.name == "iterserve-kv-pools"
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        assert default.parent == Path("/dev/shm")
+
+
+def test_auto_takes_off_what_other_pools_have_not_written(
+    monkeypatch: pytest.MonkeyPatch, kv_pools_dir: Path
+) -> None:
+    monkeypatch.setattr(
+        available_memory, "host_available", lambda: AvailableMemory(10 * 2**30, "MemAvailable")
+    )
+    assert available_memory.measure(torch.device("cpu")) == AvailableMemory(
+        10 * 2**30, "MemAvailable"
+    )
+    other = PoolRecord("other", 4 * 2**30, 4096, kv_pools_dir)
+    other.record(1024)
+    reading = available_memory.measure(torch.device("cpu"))
+    assert reading == AvailableMemory(
+        7 * 2**30,
+        "MemAvailable less 3.00 GiB reserved and not yet written by 1 other iterserve KV pool",
+        reserved_elsewhere=3 * 2**30,
+    )
+    big = PoolRecord("big", 20 * 2**30, 1, kv_pools_dir)
+    assert available_memory.measure(torch.device("cpu")).bytes == 0  # never below nothing
+    other.close()
+    big.close()
+
+
+def test_an_engine_sizes_its_pool_around_a_running_server_s(
+    tiny_llama_dir: Path, kv_pools_dir: Path
+) -> None:
+    """Server A in its own process records its pool; engine B, started beside it, takes A's
+    unwritten part off what it measures; A's line follows what it writes, and goes with A."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "iterserve.cli", "serve", str(tiny_llama_dir),
+        "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "4",
+    ]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: is_healthy(base), timeout=90, interval=0.2), "no server"
+        health = httpx.get(f"{base}/health").json()["model"]
+        (line,) = live_lines(kv_pools_dir)
+        assert line.pid == server.pid and line.reserved_bytes == int(health["kv_cache_bytes"])
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", compile=False))
+        try:
+            assert engine.kv_pool.available is not None
+            assert engine.kv_pool.available.reserved_elsewhere == line.unwritten_bytes > 0
+            assert "1 other iterserve KV pool" in engine.kv_pool.available.source
+        finally:
+            engine.close()
+        assert [p.pid for p in live_lines(kv_pools_dir)] == [server.pid]  # B's line is gone
+        reply = httpx.post(
+            f"{base}/v1/completions", json={"prompt": [7] * 300, "max_tokens": 4}, timeout=60
+        )
+        assert reply.status_code == 200, reply.text
+        metrics = httpx.get(f"{base}/metrics").text
+        (written,) = [
+            float(row.split()[-1])
+            for row in metrics.splitlines()
+            if row.startswith("iterserve:kv_cache_written_bytes")
+        ]
+        # The tiny pool has fewer than 256 blocks: its line is rewritten at every new block.
+        assert live_lines(kv_pools_dir)[0].written_bytes == int(written) > 0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    assert list(kv_pools_dir.glob("*.json")) == []
