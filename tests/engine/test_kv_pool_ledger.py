@@ -18,11 +18,13 @@ import httpx
 import pytest
 import torch
 
+from draft_llms import draft_llm
 from iterserve.config import EngineConfig
 from iterserve.engine import available_memory, kv_pool_ledger
 from iterserve.engine.kv_pool_ledger import PoolRecord, Unwritten, live_lines, unwritten_elsewhere
 from iterserve.engine.kv_pool_size import AvailableMemory
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.sampling_params import SamplingParams
 from server_fixtures import free_port, is_healthy, wait_until
 
 MIB = 2**20
@@ -193,3 +195,25 @@ def test_an_engine_sizes_its_pool_around_a_running_server_s(
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     assert list(kv_pools_dir.glob("*.json")) == []
+
+
+def test_a_draft_model_s_pool_has_its_own_line(tiny_llama_dir: Path, kv_pools_dir: Path) -> None:
+    # Under 256 blocks, a line is rewritten at every block newly written.
+    settings = {"num_speculative_tokens": 3, "num_kv_blocks": 64}
+    with draft_llm(tiny_llama_dir, tiny_llama_dir, **settings) as llm:
+        engine = llm.engine
+        assert engine.draft is not None
+        by_model = {line.model: line for line in live_lines(kv_pools_dir)}
+        assert by_model.keys() == {engine.model_name, f"{engine.model_name} (its draft)"}
+        draft_line = by_model[f"{engine.model_name} (its draft)"]
+        assert draft_line.reserved_bytes == engine.draft.network.kv_cache_bytes > 0
+        assert draft_line.written_bytes == 0
+        llm.generate([[7] * 40], SamplingParams(max_tokens=8, ignore_eos=True))
+        written = engine.draft.pool.num_written_blocks
+        assert written > 0
+        by_model = {line.model: line for line in live_lines(kv_pools_dir)}
+        pool = engine.draft.pool
+        assert by_model[f"{engine.model_name} (its draft)"].written_bytes == (
+            draft_line.reserved_bytes * written // pool.num_blocks
+        )
+    assert live_lines(kv_pools_dir) == []

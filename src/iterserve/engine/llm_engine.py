@@ -151,24 +151,42 @@ class LLMEngine:
         )
         logger.info("tasks: %s", self.pooling.describe())
         network = self._network(loaded, dtype, dtype_reason)
-        # Engines started later on this host count what this pool has not yet written as
-        # taken (engine/kv_pool_ledger.py); a device's pool is taken whole when made.
-        self._pool_record = (
-            PoolRecord(self.model_name, self.kv_pool.bytes, self.kv_pool.num_blocks)
-            if self.device.type == "cpu"
-            else None
-        )
+        # Engines started later on this host count what this engine's pools have not yet
+        # written as taken (engine/kv_pool_ledger.py).
+        self._pool_line = self._ledger_line(self.model_name, self.kv_pool.bytes)
+        self._draft_pool_line: PoolRecord | None = None
         try:
             self._build_core(loaded, network, self.kv_pool.num_blocks, dtype)
+            if self.draft is not None:
+                name = f"{self.model_name} (its draft)"
+                self._draft_pool_line = self._ledger_line(name, self.draft.network.kv_cache_bytes)
             self.warm_up_seconds = 0.0
             if warm_up:
                 self._warm_up()
         except BaseException:
             network.close()  # no worker process outlives an engine that failed to start
-            if self._pool_record is not None:
-                self._pool_record.close()
+            self._close_ledger_lines()
             raise
         self._set_up_outputs(loaded)
+
+    def _ledger_line(self, model: str, reserved_bytes: int) -> PoolRecord | None:
+        """A pool's line in the host's ledger; none for a device's pool, taken whole when
+        made (and seen so in the device's free memory)."""
+        if self.device.type != "cpu":
+            return None
+        return PoolRecord(model, reserved_bytes, self.kv_pool.num_blocks)
+
+    def _record_pools(self) -> None:
+        """How much of each pool has been written, into its line (rewritten in steps)."""
+        if self._pool_line is not None:
+            self._pool_line.record(self.scheduler.kv.num_written_blocks)
+        if self._draft_pool_line is not None and self.draft is not None:
+            self._draft_pool_line.record(self.draft.pool.num_written_blocks)
+
+    def _close_ledger_lines(self) -> None:
+        for line in (self._pool_line, self._draft_pool_line):
+            if line is not None:
+                line.close()
 
     def _take_model(self, loaded: LoadedModel) -> None:
         self.model_config = loaded.config
@@ -336,8 +354,7 @@ class LLMEngine:
         the pool's line in the host's ledger. Idempotent."""
         self.core.close()
         self.executor.close()
-        if self._pool_record is not None:
-            self._pool_record.close()
+        self._close_ledger_lines()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -507,8 +524,7 @@ class LLMEngine:
         other request was touched. `no_more_arrivals`: see Scheduler.schedule (an
         offline caller that has added everything says so)."""
         step = self.core.step(no_more_arrivals)
-        if self._pool_record is not None:
-            self._pool_record.record(self.scheduler.kv.num_written_blocks)
+        self._record_pools()
         try:
             outputs = [self._emit(update) for update in step.updates]
         except Exception as error:

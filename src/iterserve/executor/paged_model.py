@@ -54,6 +54,12 @@ class PagedModel:
         # Its LoRA slots, when it serves adapters (model/lora_model.py).
         self.lora: LoRAModel | None = model.lora
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The pool's bytes (a pair that layers share counted once)."""
+        pairs = {id(pair[0]): pair for pair in self.kv_caches}.values()
+        return sum(k.nbytes + v.nbytes for k, v in pairs)
+
     @torch.inference_mode()
     def forward(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor:
         """Write every sequence's new tokens' K/V into the cache; logits [rows, vocab] for
