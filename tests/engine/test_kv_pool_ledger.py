@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -91,6 +92,51 @@ def test_the_line_of_a_killed_process_is_ignored_and_removed(tmp_path: Path) -> 
     assert len(list(tmp_path.glob("*.json"))) == 1
     assert unwritten_elsewhere(tmp_path) == Unwritten(0, 0)
     assert list(tmp_path.glob("*.json")) == []
+
+
+def test_pools_are_sized_in_turn(tmp_path: Path) -> None:
+    """While another process sizes its pool, an engine waits to measure: it then sees the
+    other's line."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys\n"
+            "from iterserve.engine.kv_pool_ledger import PoolRecord, sizing\n"
+            "with sizing():\n"
+            "    print('sizing', flush=True)\n"
+            "    sys.stdin.readline()\n"
+            f"    record = PoolRecord('first', {64 * MIB}, 64)\n"
+            "print('sized', flush=True)\n"
+            "sys.stdin.readline()\n",
+        ],
+        env={**os.environ, kv_pool_ledger.DIRECTORY_ENV: str(tmp_path)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    seen: list[Unwritten] = []
+
+    def size_a_pool() -> None:
+        with kv_pool_ledger.sizing(tmp_path):
+            seen.append(unwritten_elsewhere(tmp_path))
+
+    try:
+        assert holder.stdout.readline().strip() == "sizing"
+        waiting = threading.Thread(target=size_a_pool)
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and seen == []  # held off while the other sizes
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "sized"
+        waiting.join(timeout=30)
+        assert seen == [Unwritten(64 * MIB, 1)]
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(timeout=30)
 
 
 def test_a_line_whose_process_id_was_reused_is_ignored(tmp_path: Path) -> None:

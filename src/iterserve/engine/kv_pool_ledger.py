@@ -13,6 +13,11 @@ an auto pool takes off what the others have reserved and not yet written. A line
 process is gone (killed, so it never removed it) is ignored and removed by the next reader;
 one whose process id was reused is told apart by the process's start time.
 
+Sizing a pool and writing its line happen under a lock on the directory (`sizing()`): engines
+started together (data-parallel replicas on one host) would otherwise each measure before the
+other's line is there, and both take their share of the same memory. So on one host pools are
+sized in turn, each from what the ones before it left.
+
 Only engines that share the directory see each other: processes in other containers (with
 their own /dev/shm) are not counted, nor is anything but iterserve's pools.
 """
@@ -26,8 +31,14 @@ import logging
 import os
 import tempfile
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: pools are sized without the lock
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger("iterserve.engine")
 
@@ -138,6 +149,26 @@ class PoolRecord:
         partial = self.path.with_suffix(".part")
         partial.write_text(json.dumps(self._line))
         os.replace(partial, self.path)  # a reader sees the old line or the new, whole
+
+
+@contextlib.contextmanager
+def sizing(where: Path | None = None) -> Iterator[None]:
+    """The directory held against other engines while this one measures, sizes its pool and
+    writes its line. Without a lock to take (a directory this user cannot use, no fcntl) it
+    goes on unlocked."""
+    where = where or directory()
+    try:
+        _make_shared_directory(where)
+        lock = os.open(where / ".lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor closes
+        yield
+    finally:
+        os.close(lock)
 
 
 def unwritten_elsewhere(where: Path | None = None) -> Unwritten:

@@ -30,7 +30,7 @@ from iterserve.core.outputs import RequestUpdate, TokenLogprobs
 from iterserve.core.request import EMBED_LANE, FinishReason, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import NgramProposer
-from iterserve.engine import available_memory
+from iterserve.engine import available_memory, kv_pool_ledger
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats
 from iterserve.engine.kv_pool_ledger import PoolRecord
@@ -150,11 +150,8 @@ class LLMEngine:
             config.pooling, path, loaded.config.hidden_size, loaded.classifier_labels or ()
         )
         logger.info("tasks: %s", self.pooling.describe())
-        network = self._network(loaded, dtype, dtype_reason)
-        # Engines started later on this host count what this engine's pools have not yet
-        # written as taken (engine/kv_pool_ledger.py).
-        self._pool_line = self._ledger_line(self.model_name, self.kv_pool.bytes)
         self._draft_pool_line: PoolRecord | None = None
+        network = self._network(loaded, dtype, dtype_reason)
         try:
             self._build_core(loaded, network, self.kv_pool.num_blocks, dtype)
             if self.draft is not None:
@@ -204,13 +201,17 @@ class LLMEngine:
         bytes_per_token = kv_bytes_per_token(loaded.config, self.kv_dtype)
         context = loaded.config.max_position_embeddings
         asked = config.scheduler.max_model_len
-        self.kv_pool = size_kv_pool(
-            cache,
-            bytes_per_token,
-            config.scheduler.max_num_seqs,
-            min(asked or context, context),
-            available,
-        )
+        with kv_pool_ledger.sizing():
+            self.kv_pool = size_kv_pool(
+                cache,
+                bytes_per_token,
+                config.scheduler.max_num_seqs,
+                min(asked or context, context),
+                available,
+            )
+            # Engines started later on this host count what this engine's pools have not
+            # yet written as taken (engine/kv_pool_ledger.py).
+            self._pool_line = self._ledger_line(self.model_name, self.kv_pool.bytes)
         if self.device.type == "cpu" and self.kv_pool.rule != "auto":  # auto fits by design
             _check_fits_in_memory(self.kv_pool.bytes, cache)
         self.max_model_len = fit_max_model_len(asked, context, self.kv_pool)
