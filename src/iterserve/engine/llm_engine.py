@@ -53,6 +53,7 @@ from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
 from iterserve.engine.score_prompts import PairPrompts, rerank_template
 from iterserve.engine.step_pipeline import StepPipeline
+from iterserve.engine.weights_fit import check_weights_fit
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.grammar_checked_proposer import GrammarCheckedProposer
 from iterserve.executor.paged_model import PagedModel
@@ -135,6 +136,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         dtype, dtype_reason = choose_dtype(config, self.device)
         loaded = loaded or load_model(config.model, dtype)
+        check_weights_fit(loaded, config.weights, self.device)
         self._take_model(loaded)
         path = Path(config.model).expanduser() if config.model else default_model_path()
         # A reranker's score head, and the prompt its (query, document) pairs go into.
