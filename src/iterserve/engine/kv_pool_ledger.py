@@ -31,7 +31,7 @@ import logging
 import os
 import tempfile
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +149,27 @@ class PoolRecord:
         partial = self.path.with_suffix(".part")
         partial.write_text(json.dumps(self._line))
         os.replace(partial, self.path)  # a reader sees the old line or the new, whole
+
+
+class PoolLines:
+    """An engine's pools' lines (its own and a draft model's), each kept up to date from its
+    block pool's count of blocks written, read when `record()` is called after a step."""
+
+    def __init__(self) -> None:
+        self._lines: list[tuple[PoolRecord, Callable[[], int]]] = []
+
+    def add(
+        self, model: str, reserved_bytes: int, num_blocks: int, written: Callable[[], int]
+    ) -> None:
+        self._lines.append((PoolRecord(model, reserved_bytes, num_blocks), written))
+
+    def record(self) -> None:
+        for line, written in self._lines:
+            line.record(written())
+
+    def close(self) -> None:
+        for line, _ in self._lines:
+            line.close()
 
 
 @contextlib.contextmanager

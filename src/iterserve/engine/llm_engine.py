@@ -33,7 +33,6 @@ from iterserve.core.speculation import NgramProposer
 from iterserve.engine import available_memory, kv_pool_ledger
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats
-from iterserve.engine.kv_pool_ledger import PoolRecord
 from iterserve.engine.kv_pool_size import (
     AvailableMemory,
     KVPoolSize,
@@ -152,40 +151,32 @@ class LLMEngine:
             config.pooling, path, loaded.config.hidden_size, loaded.classifier_labels or ()
         )
         logger.info("tasks: %s", self.pooling.describe())
-        self._draft_pool_line: PoolRecord | None = None
+        # Engines started later on this host count what this engine's pools have not yet
+        # written as taken (engine/kv_pool_ledger.py).
+        self._pool_lines = kv_pool_ledger.PoolLines()
         network = self._network(loaded, dtype, dtype_reason)
         try:
             self._build_core(loaded, network, self.kv_pool.num_blocks, dtype)
-            if self.draft is not None:
-                name = f"{self.model_name} (its draft)"
-                self._draft_pool_line = self._ledger_line(name, self.draft.network.kv_cache_bytes)
+            if (draft := self.draft) is not None:
+                self._record_pool(
+                    f"{self.model_name} (its draft)",
+                    draft.network.kv_cache_bytes,
+                    lambda: draft.pool.num_written_blocks,
+                )
             self.warm_up_seconds = 0.0
             if warm_up:
                 self._warm_up()
         except BaseException:
             network.close()  # no worker process outlives an engine that failed to start
-            self._close_ledger_lines()
+            self._pool_lines.close()
             raise
         self._set_up_outputs(loaded)
 
-    def _ledger_line(self, model: str, reserved_bytes: int) -> PoolRecord | None:
-        """A pool's line in the host's ledger; none for a device's pool, taken whole when
-        made (and seen so in the device's free memory)."""
-        if self.device.type != "cpu":
-            return None
-        return PoolRecord(model, reserved_bytes, self.kv_pool.num_blocks)
-
-    def _record_pools(self) -> None:
-        """How much of each pool has been written, into its line (rewritten in steps)."""
-        if self._pool_line is not None:
-            self._pool_line.record(self.scheduler.kv.num_written_blocks)
-        if self._draft_pool_line is not None and self.draft is not None:
-            self._draft_pool_line.record(self.draft.pool.num_written_blocks)
-
-    def _close_ledger_lines(self) -> None:
-        for line in (self._pool_line, self._draft_pool_line):
-            if line is not None:
-                line.close()
+    def _record_pool(self, model: str, reserved_bytes: int, written: Callable[[], int]) -> None:
+        """A pool's line in the host's ledger, `written` its blocks written so far; none for
+        a device's pool, taken whole when made (and seen so in the device's free memory)."""
+        if self.device.type == "cpu":
+            self._pool_lines.add(model, reserved_bytes, self.kv_pool.num_blocks, written)
 
     def _take_model(self, loaded: LoadedModel) -> None:
         self.model_config = loaded.config
@@ -197,7 +188,8 @@ class LLMEngine:
         self, loaded: LoadedModel, available: Callable[[], AvailableMemory]
     ) -> KVPoolSize:
         """The pool's blocks (from `available` for --kv-cache-memory auto) and the longest
-        sequence, which the pool may cut; keeps both on the engine."""
+        sequence, which the pool may cut; keeps both on the engine. Sized and recorded in the
+        host's ledger in one turn (kv_pool_ledger.sizing)."""
         config = self.config
         cache = config.cache
         bytes_per_token = kv_bytes_per_token(loaded.config, self.kv_dtype)
@@ -211,9 +203,9 @@ class LLMEngine:
                 min(asked or context, context),
                 available,
             )
-            # Engines started later on this host count what this engine's pools have not
-            # yet written as taken (engine/kv_pool_ledger.py).
-            self._pool_line = self._ledger_line(self.model_name, self.kv_pool.bytes)
+            self._record_pool(
+                self.model_name, self.kv_pool.bytes, lambda: self.scheduler.kv.num_written_blocks
+            )
         if self.device.type == "cpu" and self.kv_pool.rule != "auto":  # auto fits by design
             _check_fits_in_memory(self.kv_pool.bytes, cache)
         self.max_model_len = fit_max_model_len(asked, context, self.kv_pool)
@@ -357,7 +349,7 @@ class LLMEngine:
         the pool's line in the host's ledger. Idempotent."""
         self.core.close()
         self.executor.close()
-        self._close_ledger_lines()
+        self._pool_lines.close()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -527,7 +519,7 @@ class LLMEngine:
         other request was touched. `no_more_arrivals`: see Scheduler.schedule (an
         offline caller that has added everything says so)."""
         step = self.core.step(no_more_arrivals)
-        self._record_pools()
+        self._pool_lines.record()
         try:
             outputs = [self._emit(update) for update in step.updates]
         except Exception as error:
