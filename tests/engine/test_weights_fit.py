@@ -58,7 +58,7 @@ def test_weights_past_what_is_available_are_refused_before_they_are_built(
     q4_k_m: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        available_memory, "measure", lambda device: AvailableMemory(4 * MIB, "cgroup /x")
+        available_memory, "host_room", lambda: AvailableMemory(4 * MIB, "cgroup /x")
     )
     built: list[object] = []
     monkeypatch.setattr(LLMEngine, "_network", lambda *args: built.append(args))
@@ -80,9 +80,7 @@ def test_free_swap_counts_where_no_cgroup_binds(
     (tmp_path / "proc" / "meminfo").write_text(f"SwapFree: {floor // 1024} kB\n")
     cpu = torch.device("cpu")
     for source in ("MemAvailable", "cgroup /x"):
-        monkeypatch.setattr(
-            available_memory, "measure", lambda device, s=source: AvailableMemory(MIB, s)
-        )
+        monkeypatch.setattr(available_memory, "host_room", lambda s=source: AvailableMemory(MIB, s))
         if source == "MemAvailable":
             check_weights_fit(loaded, "auto", cpu, root=tmp_path)  # RAM and swap hold it
         else:

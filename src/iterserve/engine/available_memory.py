@@ -9,8 +9,9 @@ reclaims before it would kill (the kubelet's "working set" does the same); count
 leave a long-running container's page cache looking like used memory. Less, on a host, what
 other iterserve engines' KV pools have reserved and not yet written (engine/kv_pool_ledger.py):
 a pool is committed as it is written, so MemAvailable counts its unwritten part as free. On
-CUDA, the device's free memory. `measure()` is the one function the engine calls, so tests
-replace it.
+CUDA, the device's free memory. `measure()` is the one function the engine sizes its pool by,
+so tests replace it (the weights' check before a load, engine/weights_fit.py, reads
+`host_room()`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def measure(device: torch.device) -> AvailableMemory:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return AvailableMemory(free, f"free memory of {device}")
+    return host_room()
+
+
+def host_room() -> AvailableMemory:
+    """The host's available memory as this process's cgroups allow it, less what other
+    engines' KV pools have reserved and not yet written."""
     return less_other_pools(host_available(), kv_pool_ledger.unwritten_elsewhere())
 
 

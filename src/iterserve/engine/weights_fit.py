@@ -49,7 +49,7 @@ def check_weights_fit(
     if device.type != "cpu":
         return  # a device's own allocator says so, with a message, when it runs out
     need = weight_bytes_at_least(loaded, weights)
-    room = available_memory.measure(device)
+    room = available_memory.host_room()
     swap = _free_swap(root) if room.source == "MemAvailable" else 0
     if need <= room.bytes + swap:
         return
