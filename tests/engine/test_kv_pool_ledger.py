@@ -68,20 +68,25 @@ def test_a_collected_record_removes_its_line(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_line_of_a_killed_process_is_ignored_and_removed(tmp_path: Path) -> None:
-    writer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from iterserve.engine.kv_pool_ledger import PoolRecord\n"
-            f"record = PoolRecord('gone', {64 * MIB}, 64)\n"
-            "print('ready', flush=True)\n"
-            "time.sleep(600)\n",
-        ],
-        env={**os.environ, kv_pool_ledger.DIRECTORY_ENV: str(tmp_path)},
+def ledger_process(ledger: Path, script: str) -> subprocess.Popen[str]:
+    """Another process running `script` with `ledger` as its ledger, talked to by lines."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        env={**os.environ, kv_pool_ledger.DIRECTORY_ENV: str(ledger)},
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+    )
+
+
+def test_the_line_of_a_killed_process_is_ignored_and_removed(tmp_path: Path) -> None:
+    writer = ledger_process(
+        tmp_path,
+        "import time\n"
+        "from iterserve.engine.kv_pool_ledger import PoolRecord\n"
+        f"record = PoolRecord('gone', {64 * MIB}, 64)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n",
     )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
@@ -97,23 +102,16 @@ def test_the_line_of_a_killed_process_is_ignored_and_removed(tmp_path: Path) -> 
 def test_pools_are_sized_in_turn(tmp_path: Path) -> None:
     """While another process sizes its pool, an engine waits to measure: it then sees the
     other's line."""
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys\n"
-            "from iterserve.engine.kv_pool_ledger import PoolRecord, sizing\n"
-            "with sizing():\n"
-            "    print('sizing', flush=True)\n"
-            "    sys.stdin.readline()\n"
-            f"    record = PoolRecord('first', {64 * MIB}, 64)\n"
-            "print('sized', flush=True)\n"
-            "sys.stdin.readline()\n",
-        ],
-        env={**os.environ, kv_pool_ledger.DIRECTORY_ENV: str(tmp_path)},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    holder = ledger_process(
+        tmp_path,
+        "import sys\n"
+        "from iterserve.engine.kv_pool_ledger import PoolRecord, sizing\n"
+        "with sizing():\n"
+        "    print('sizing', flush=True)\n"
+        "    sys.stdin.readline()\n"
+        f"    record = PoolRecord('first', {64 * MIB}, 64)\n"
+        "print('sized', flush=True)\n"
+        "sys.stdin.readline()\n",
     )
     assert holder.stdin is not None and holder.stdout is not None
     seen: list[Unwritten] = []
