@@ -161,6 +161,8 @@ def test_a_directory_that_cannot_be_written_leaves_the_engine_without_a_line(
     assert record.path is None and "KV pool not recorded" in caplog.text
     record.record(1)
     record.close()
+    with kv_pool_ledger.sizing(blocked / "pools"):  # no lock to take: sized unlocked
+        pass
 
 
 def test_the_default_directory_is_shared_memory_unless_named(

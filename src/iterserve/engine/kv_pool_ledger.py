@@ -178,18 +178,17 @@ def sizing(where: Path | None = None) -> Iterator[None]:
     writes its line. Without a lock to take (a directory this user cannot use, no fcntl) it
     goes on unlocked."""
     where = where or directory()
-    try:
+    lock: int | None = None
+    with contextlib.suppress(OSError):
         _make_shared_directory(where)
         lock = os.open(where / ".lock", os.O_RDONLY | os.O_CREAT, 0o666)
-    except OSError:
-        yield
-        return
     try:
-        if fcntl is not None:
+        if lock is not None and fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor closes
         yield
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
 
 
 def unwritten_elsewhere(where: Path | None = None) -> Unwritten:
