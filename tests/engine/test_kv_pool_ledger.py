@@ -263,3 +263,33 @@ def test_a_draft_model_s_pool_has_its_own_line(tiny_llama_dir: Path, kv_pools_di
             draft_line.reserved_bytes * written // pool.num_blocks
         )
     assert live_lines(kv_pools_dir) == []
+
+
+def test_a_group_of_equals_splits_one_share_and_counts_no_sibling(
+    tiny_llama_dir: Path, kv_pools_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Data-parallel replicas on one host ($ITERSERVE_KV_POOL_GROUP "name:size"): each takes
+    the fraction over the group's size, and a sibling's line is not taken off; an engine
+    outside the group counts it."""
+    monkeypatch.setattr(
+        available_memory, "host_available", lambda: AvailableMemory(2**30, "MemAvailable")
+    )
+    monkeypatch.setenv(kv_pool_ledger.GROUP_ENV, "replicas-x:2")
+    sibling = PoolRecord("sibling", 256 * MIB, 256, kv_pools_dir)
+    monkeypatch.delenv(kv_pool_ledger.GROUP_ENV)
+    stranger = PoolRecord("stranger", 128 * MIB, 128, kv_pools_dir)
+    assert unwritten_elsewhere(kv_pools_dir) == Unwritten(384 * MIB, 2)
+    monkeypatch.setenv(kv_pool_ledger.GROUP_ENV, "replicas-x:2")
+    assert unwritten_elsewhere(kv_pools_dir) == Unwritten(128 * MIB, 1)
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", compile=False)
+    engine = LLMEngine(config, warm_up=False)
+    try:
+        pool = engine.kv_pool
+        assert pool.fraction == 0.25 and pool.available is not None
+        assert pool.available.bytes == 2**30 - 128 * MIB
+        mine = [line for line in live_lines(kv_pools_dir) if line.pid == os.getpid()]
+        assert {line.group for line in mine} == {"replicas-x", None}  # the sibling's, its own
+    finally:
+        engine.close()
+        sibling.close()
+        stranger.close()

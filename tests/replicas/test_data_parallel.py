@@ -41,6 +41,7 @@ ray = pytest.importorskip("ray")
 
 from ray.exceptions import ActorDiedError  # noqa: E402  (after the skip)
 
+from iterserve.engine.kv_pool_ledger import live_lines  # noqa: E402
 from iterserve.engine.outputs import RequestOutput  # noqa: E402
 from iterserve.engine.request_stream import GenerationRequest  # noqa: E402
 from iterserve.engine.serving_engine import ServedModel  # noqa: E402
@@ -332,7 +333,9 @@ def test_a_killed_replica_fails_only_its_started_streams_and_comes_back(
     assert m['iterserve:replicas{state="restarting"}'] == 0
 
 
-def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_dir: Path) -> None:
+def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(
+    tiny_llama_dir: Path, kv_pools_dir: Path
+) -> None:
     port = free_port()
     command = [
         sys.executable, "-m", "iterserve.cli", "serve", "--model", str(tiny_llama_dir),
@@ -349,6 +352,10 @@ def test_serve_data_parallel_drains_on_sigterm_and_stops_its_cluster(tiny_llama_
         assert wait_until(lambda: is_healthy(base), timeout=90, interval=0.3), "no server"
         daemons = ray_daemons(proc.pid)  # the local cluster it started
         assert daemons
+        # Its replicas share this host's memory as one group (engine/kv_pool_ledger.py).
+        lines = live_lines(kv_pools_dir)
+        assert len(lines) == 2 and len({line.pid for line in lines}) == 2, lines
+        assert lines[0].group == lines[1].group and str(lines[0].group).startswith("replicas-")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         streams = [
             client.completions.create(

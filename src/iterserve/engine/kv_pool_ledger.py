@@ -18,6 +18,11 @@ started together (data-parallel replicas on one host) would otherwise each measu
 other's line is there, and both take their share of the same memory. So on one host pools are
 sized in turn, each from what the ones before it left.
 
+Except as equals: the replicas of one data-parallel launch on a local Ray cluster share the
+host's memory evenly, told so by `$ITERSERVE_KV_POOL_GROUP` ("name:size", `PoolGroup`): each
+takes its share divided by the group's size of what is available, not counting its siblings'
+lines (an engine outside the group counts them all).
+
 Only engines that share the directory see each other: processes in other containers (with
 their own /dev/shm) are not counted, nor is anything but iterserve's pools.
 """
@@ -43,6 +48,7 @@ except ImportError:  # not a POSIX system: pools are sized without the lock
 logger = logging.getLogger("iterserve.engine")
 
 DIRECTORY_ENV = "ITERSERVE_KV_POOLS_DIR"
+GROUP_ENV = "ITERSERVE_KV_POOL_GROUP"
 
 # A pool's line is rewritten once its written blocks have grown by this share of the pool
 # since the last write: at most ~256 small writes in a pool's life, and a reader
@@ -64,6 +70,24 @@ def directory() -> Path:
 
 
 @dataclass(frozen=True)
+class PoolGroup:
+    """Engines that share this host's memory as equals (a data-parallel launch's replicas on
+    a local cluster): each takes 1/size of an auto pool's share."""
+
+    name: str
+    size: int
+
+    @classmethod
+    def from_env(cls) -> PoolGroup | None:
+        name, _, size = os.environ.get(GROUP_ENV, "").rpartition(":")
+        return cls(name, int(size)) if name and size.isdigit() and int(size) > 0 else None
+
+    def env(self) -> dict[str, str]:
+        """The environment that puts a process in the group."""
+        return {GROUP_ENV: f"{self.name}:{self.size}"}
+
+
+@dataclass(frozen=True)
 class PoolLine:
     """One engine's pool as its line says it."""
 
@@ -71,6 +95,7 @@ class PoolLine:
     model: str
     reserved_bytes: int
     written_bytes: int
+    group: str | None = None
 
     @property
     def unwritten_bytes(self) -> int:
@@ -108,6 +133,7 @@ class PoolRecord:
             "model": model,
             "reserved_bytes": reserved_bytes,
             "written_bytes": 0,
+            "group": group.name if (group := PoolGroup.from_env()) else None,
         }
         self._reserved, self._num_blocks = reserved_bytes, max(1, num_blocks)
         self._step = max(1, int(num_blocks * _RECORD_STEP))
@@ -192,10 +218,13 @@ def sizing(where: Path | None = None) -> Iterator[None]:
 
 
 def unwritten_elsewhere(where: Path | None = None) -> Unwritten:
-    """What the pools of other live engines have reserved and not yet written; lines of
-    processes that are gone are removed."""
+    """What the pools of other live engines (outside this process's group) have reserved and
+    not yet written; lines of processes that are gone are removed."""
     total, pools = 0, 0
+    group = PoolGroup.from_env()
     for line in live_lines(where or directory()):
+        if group is not None and line.group == group.name:
+            continue  # a sibling: the group's share is divided among them instead
         total += line.unwritten_bytes
         pools += 1
     return Unwritten(total, pools)
@@ -209,7 +238,11 @@ def live_lines(where: Path) -> list[PoolLine]:
             line = json.loads(path.read_text())
             pid, start = int(line["pid"]), line["start_time"]
             pool = PoolLine(
-                pid, str(line["model"]), int(line["reserved_bytes"]), int(line["written_bytes"])
+                pid,
+                str(line["model"]),
+                int(line["reserved_bytes"]),
+                int(line["written_bytes"]),
+                line.get("group"),
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue  # removed while read, or not a line of ours

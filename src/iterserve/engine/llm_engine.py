@@ -192,6 +192,12 @@ class LLMEngine:
         host's ledger in one turn (kv_pool_ledger.sizing)."""
         config = self.config
         cache = config.cache
+        if (group := kv_pool_ledger.PoolGroup.from_env()) is not None:
+            # One of a group of equals on this host (data-parallel replicas): their auto
+            # pools share the fraction, none counting the others' lines.
+            cache = replace(
+                cache, kv_cache_memory_fraction=cache.kv_cache_memory_fraction / group.size
+            )
         bytes_per_token = kv_bytes_per_token(loaded.config, self.kv_dtype)
         context = loaded.config.max_position_embeddings
         asked = config.scheduler.max_model_len

@@ -25,6 +25,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +33,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from iterserve.config import EngineConfig
+from iterserve.engine.kv_pool_ledger import PoolGroup
 from iterserve.engine.metrics import EngineSnapshot
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import encode_prompt
@@ -136,12 +138,18 @@ class DataParallelEngine:
         cluster's machines) and return once every one has its weights in."""
         config = replace(config, num_threads=threads).validate()
         actor_class = ray.remote(EngineReplica)
+        # On a cluster started here every replica shares this host's memory: their auto KV
+        # pools split one share evenly (engine/kv_pool_ledger.py), where in turn the first
+        # would take half of what was available, the second a quarter...
+        group = PoolGroup(f"replicas-{uuid.uuid4().hex[:12]}", num_replicas)
+        runtime_env = {"env_vars": group.env()} if cluster.started_here else None
         options = actor_class.options(  # type: ignore[attr-defined]
             num_cpus=threads,
             scheduling_strategy="SPREAD",
             # One call per group streaming from it (waiting or running) and a few
             # more (status, aborts): Ray queues what goes beyond.
             max_concurrency=max_waiting_requests + config.scheduler.max_num_seqs + 64,
+            runtime_env=runtime_env,
         )
 
         def spawn() -> Any:  # a replica, first or restarted: the same settings
