@@ -293,3 +293,24 @@ def test_a_group_of_equals_splits_one_share_and_counts_no_sibling(
         engine.close()
         sibling.close()
         stranger.close()
+
+
+def test_a_member_that_starts_again_sizes_from_the_group_s_share(
+    kv_pools_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica restarted beside a sibling that has written 300 MiB of its pool: that memory
+    is out of MemAvailable, and is the group's share, so the pool is measured as before."""
+    monkeypatch.setattr(
+        available_memory, "host_available", lambda: AvailableMemory(2**30, "MemAvailable")
+    )
+    monkeypatch.setenv(kv_pool_ledger.GROUP_ENV, "replicas-y:2")
+    sibling = PoolRecord("sibling", 512 * MIB, 512, kv_pools_dir)
+    sibling.record(300)
+    reading = available_memory.measure(torch.device("cpu"))
+    assert reading.bytes == 2**30 + 300 * MIB and reading.reserved_elsewhere == 0
+    assert "plus 0.29 GiB its group's other pools have written" in reading.source
+    # The weights' check reads the memory as it is.
+    assert available_memory.host_room() == AvailableMemory(2**30, "MemAvailable")
+    monkeypatch.delenv(kv_pool_ledger.GROUP_ENV)  # outside the group: its unwritten is taken
+    assert available_memory.measure(torch.device("cpu")).bytes == 2**30 - 212 * MIB
+    sibling.close()

@@ -37,7 +37,15 @@ def measure(device: torch.device) -> AvailableMemory:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return AvailableMemory(free, f"free memory of {device}")
-    return host_room()
+    room = host_room()
+    if (written := kv_pool_ledger.written_by_siblings()) > 0:  # one of a group of equals
+        room = AvailableMemory(
+            room.bytes + written,
+            f"{room.source}, plus {written / 2**30:.2f} GiB its group's other pools have "
+            "written (the group's share)",
+            room.reserved_elsewhere,
+        )
+    return room
 
 
 def host_room() -> AvailableMemory:

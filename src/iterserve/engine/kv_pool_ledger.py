@@ -21,7 +21,8 @@ sized in turn, each from what the ones before it left.
 Except as equals: the replicas of one data-parallel launch on a local Ray cluster share the
 host's memory evenly, told so by `$ITERSERVE_KV_POOL_GROUP` ("name:size", `PoolGroup`): each
 takes its share divided by the group's size of what is available, not counting its siblings'
-lines (an engine outside the group counts them all).
+lines (an engine outside the group counts them all), and a member started again counts what
+its siblings have written as the group's (`written_by_siblings`).
 
 Only engines that share the directory see each other: processes in other containers (with
 their own /dev/shm) are not counted, nor is anything but iterserve's pools.
@@ -228,6 +229,17 @@ def unwritten_elsewhere(where: Path | None = None) -> Unwritten:
         total += line.unwritten_bytes
         pools += 1
     return Unwritten(total, pools)
+
+
+def written_by_siblings(where: Path | None = None) -> int:
+    """Bytes the pools of this process's group have written (0 outside a group): memory the
+    group's share already holds, so a member that starts again (a replica restarted) sizes
+    its pool from the share as the first members did, not from what is left of it."""
+    group = PoolGroup.from_env()
+    if group is None:
+        return 0
+    lines = live_lines(where or directory())
+    return sum(line.written_bytes for line in lines if line.group == group.name)
 
 
 def live_lines(where: Path) -> list[PoolLine]:
