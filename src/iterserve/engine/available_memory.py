@@ -93,12 +93,20 @@ def host_available(root: Path = Path("/")) -> AvailableMemory:
     return best
 
 
-def _mem_available(root: Path) -> AvailableMemory:
+def meminfo_bytes(key: str, root: Path = Path("/")) -> int | None:
+    """/proc/meminfo's `key` ("MemAvailable", "SwapFree", ...) in bytes; None where it is
+    not there (not Linux, an old kernel)."""
     meminfo = root / "proc" / "meminfo"
     if meminfo.exists():
         for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return AvailableMemory(int(line.split()[1]) * 1024, "MemAvailable")
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _mem_available(root: Path) -> AvailableMemory:
+    if (available := meminfo_bytes("MemAvailable", root)) is not None:
+        return AvailableMemory(available, "MemAvailable")
     # Not Linux (or a kernel before 3.14): the machine's memory is the best bound we have.
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return AvailableMemory(physical, "physical memory")

@@ -50,7 +50,11 @@ def check_weights_fit(
         return  # a device's own allocator says so, with a message, when it runs out
     need = weight_bytes_at_least(loaded, weights)
     room = available_memory.host_room()
-    swap = _free_swap(root) if room.source == "MemAvailable" else 0
+    swap = (
+        (available_memory.meminfo_bytes("SwapFree", root) or 0)
+        if room.source == "MemAvailable"
+        else 0
+    )
     if need <= room.bytes + swap:
         return
     with_swap = f" and {swap / _GIB:.2f} GiB of free swap" if swap else ""
@@ -68,12 +72,3 @@ def _how(loaded: LoadedModel, weights: WeightFormat) -> str:
     if weights == "int8":
         return "Q8_0 for the quantized projections, 2 bytes a weight for the rest"
     return "the file's quantized blocks, 2 bytes a weight for the rest"
-
-
-def _free_swap(root: Path) -> int:
-    meminfo = root / "proc" / "meminfo"
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("SwapFree:"):
-                return int(line.split()[1]) * 1024
-    return 0
