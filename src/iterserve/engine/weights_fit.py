@@ -50,11 +50,10 @@ def check_weights_fit(
         return  # a device's own allocator says so, with a message, when it runs out
     need = weight_bytes_at_least(loaded, weights)
     room = available_memory.host_room()
-    swap = (
-        (available_memory.meminfo_bytes("SwapFree", root) or 0)
-        if room.source == "MemAvailable"
-        else 0
-    )
+    # Swap helps only where no cgroup limit binds (the reading is MemAvailable's, perhaps
+    # less other engines' pools).
+    unbound = room.source.startswith("MemAvailable")
+    swap = (available_memory.meminfo_bytes("SwapFree", root) or 0) if unbound else 0
     if need <= room.bytes + swap:
         return
     with_swap = f" and {swap / _GIB:.2f} GiB of free swap" if swap else ""
