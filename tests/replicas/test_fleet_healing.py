@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -70,8 +71,14 @@ class _Replica:
     one token, `finish` ends them all. `kill()` kills its process; `break_loop()` stops
     its engine loop with the process alive, as a step raising outside a request does."""
 
-    def __init__(self, first_only: bool = False, loads: asyncio.Event | None = None) -> None:
+    def __init__(
+        self,
+        first_only: bool = False,
+        loads: asyncio.Event | None = None,
+        model: ServedModel = MODEL,
+    ) -> None:
         self.first_only = first_only
+        self.model = model
         self.tokens, self.finish = asyncio.Event(), asyncio.Event()
         self.loaded = loads  # served_model waits for it: a slow restart
         self.taken: list[str] = []
@@ -93,7 +100,7 @@ class _Replica:
     async def _served_model(self) -> ServedModel:
         if self.loaded is not None:
             await self.loaded.wait()
-        return MODEL
+        return self.model
 
     async def _status(self) -> ReplicaStatus:
         if self._gone.is_set() and self._loop_failure is None:
@@ -278,6 +285,47 @@ def test_a_restart_that_fails_counts_against_the_bound() -> None:
 
 async def _fail_to_load() -> str:
     return "no weights"
+
+
+def test_a_restart_that_holds_shorter_sequences_than_the_fleet_serves_is_refused() -> None:
+    # Its auto KV pool found less memory than its predecessor's: requests the front end
+    # takes (up to the fleet's 64 tokens) could not all run on it.
+    async def main() -> None:
+        short = replace(MODEL, max_model_len=MODEL.max_model_len - 1)
+        engine = _fleet([_Replica(), _Replica()], lambda: _Replica(model=short))
+        engine.slots[0].client.actor.kill()
+        await engine.slots[0].client.poll(1.0)
+        await _until(lambda: engine.replica_states()[0].state == REPLICA_GIVEN_UP)
+        assert engine.replica_states()[0].last_death == (
+            "its restart failed: RuntimeError: it holds sequences of 63 tokens, fewer than "
+            "the 64 the fleet serves (its KV cache found less memory; --kv-cache-memory GiB "
+            "sizes every replica alike)"
+        )
+        # One that holds longer ones serves: the fleet still promises 64.
+        engine = _fleet([_Replica(), _Replica()], lambda: _Replica(model=replace(MODEL, max_model_len=99)))  # fmt: skip
+        engine.slots[0].client.actor.kill()
+        await engine.slots[0].client.poll(1.0)
+        await _until(lambda: engine.replica_states()[0].state == REPLICA_OK)
+        assert engine.served_model.max_model_len == MODEL.max_model_len
+
+    asyncio.run(main())
+
+
+def test_the_fleet_serves_the_shortest_context_its_replicas_hold(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lengths = [replace(MODEL, max_model_len=n) for n in (4096, 1000, 2048)]
+    with caplog.at_level("WARNING", logger="iterserve.data_parallel"):
+        served = data_parallel.fleet_model(lengths)
+    assert served == replace(MODEL, max_model_len=1000)
+    assert (
+        "different lengths (4096, 1000, 2048 tokens): the fleet serves the shortest, 1000"
+        in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="iterserve.data_parallel"):
+        assert data_parallel.fleet_model([MODEL, MODEL]) == MODEL
+    assert not caplog.text
 
 
 def test_with_no_replica_serving_requests_wait_for_the_restart(

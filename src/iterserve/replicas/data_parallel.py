@@ -100,6 +100,7 @@ class DataParallelEngine:
                 functools.partial(self._client, i),
                 self._availability_changed,
                 policy,
+                model.max_model_len,
             )
             for i, actor in enumerate(actors)
         ]
@@ -158,7 +159,8 @@ class DataParallelEngine:
         actors = [spawn() for _ in range(num_replicas)]
         try:
             # Every replica has the same model: the first one's name, tokenizer and
-            # template serve the API (so this machine needs no copy of the model files).
+            # template serve the API (so this machine needs no copy of the model files),
+            # with the shortest context length any of them holds (fleet_model).
             models = ray.get(
                 [actor.served_model.remote() for actor in actors], timeout=_LOAD_TIMEOUT
             )
@@ -170,7 +172,7 @@ class DataParallelEngine:
                 ray.kill(actor)
             disconnect(cluster)
             raise
-        model = models[0]
+        model = fleet_model(models)
         logger.info(
             "%d replicas of %s up, %d torch threads each", num_replicas, model.name, threads
         )
@@ -428,3 +430,22 @@ def _abort(homes: dict[str, ReplicaClient], request_ids: list[str]) -> None:
             by_home.setdefault(id(home), (home, []))[1].append(request_id)
     for home, ids in by_home.values():
         home.abort(ids)
+
+
+def fleet_model(models: list[ServedModel]) -> ServedModel:
+    """What the front end serves of its replicas' models: the first one's name, tokenizer
+    and template (every replica has the same model) and the shortest context length among
+    them, which every replica holds. A replica's auto KV pool is sized from the memory its
+    own host has, and can cut its context length; replicas on different machines (a joined
+    Ray cluster) can then hold different lengths, and a request longer than one replica
+    holds must not reach it."""
+    shortest = min(model.max_model_len for model in models)
+    if any(model.max_model_len != shortest for model in models):
+        logger.warning(
+            "the replicas hold sequences of different lengths (%s tokens): the fleet serves "
+            "the shortest, %d (--kv-cache-memory GiB or --max-model-len sizes every replica "
+            "alike)",
+            ", ".join(str(model.max_model_len) for model in models),
+            shortest,
+        )
+    return replace(models[0], max_model_len=shortest)

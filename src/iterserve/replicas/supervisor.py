@@ -77,13 +77,16 @@ class ReplicaSlot:
         make_client: Callable[[Any], ReplicaClient],
         on_change: Callable[[ReplicaSlot], None],
         policy: RestartPolicy,
+        max_model_len: int,
     ) -> None:
         """`spawn()` starts a new actor with the replica's settings (None: this fleet cannot
         restart, as with stand-in actors); `make_client(actor)` wraps one; `on_change` is
-        called when the replica leaves routing or comes back (or is given up)."""
+        called when the replica leaves routing or comes back (or is given up).
+        `max_model_len` is the fleet's: a restarted replica must hold sequences that long."""
         self.index = index
         self.client = client
         self.policy = policy
+        self.max_model_len = max_model_len
         self.restarts = 0  # actors started after the first
         self.rerouted = 0  # requests sent elsewhere when it died (not taken, or no token)
         self.last_death: str | None = None
@@ -149,7 +152,9 @@ class ReplicaSlot:
             actor = None
             try:
                 actor = self._spawn()  # (raises if Ray itself is gone)
-                await asyncio.wait_for(_until_ready(actor), self.policy.load_timeout)
+                await asyncio.wait_for(
+                    _until_ready(actor, self.max_model_len), self.policy.load_timeout
+                )
             except asyncio.CancelledError:  # a shutdown: the new actor goes too
                 _kill(actor)
                 raise
@@ -195,12 +200,20 @@ def _kill(actor: Any) -> None:
             ray.kill(actor)
 
 
-async def _until_ready(actor: Any) -> None:
+async def _until_ready(actor: Any, max_model_len: int) -> None:
     """Wait until a new actor has loaded its weights (or says why it could not) and warmed
-    up; raise if it dies or its engine stops meanwhile."""
+    up; raise if it dies or its engine stops meanwhile, or if it holds shorter sequences
+    than the fleet serves (its auto KV pool, sized from the memory it found, may be smaller
+    than its predecessor's): the front end has promised `max_model_len` to every request."""
     model: ServedModel | str = await awaited(actor.served_model.remote())
     if isinstance(model, str):
         raise RuntimeError(f"it could not start: {model}")
+    if model.max_model_len < max_model_len:
+        raise RuntimeError(
+            f"it holds sequences of {model.max_model_len} tokens, fewer than the "
+            f"{max_model_len} the fleet serves (its KV cache found less memory; "
+            "--kv-cache-memory GiB sizes every replica alike)"
+        )
     while True:
         status: ReplicaStatus = await awaited(actor.status.remote())
         if not status.healthy:
