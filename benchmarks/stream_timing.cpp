@@ -2,7 +2,8 @@
 // threads, against a plain read of the same bytes timed in the same run: the share of the
 // memory's speed the loops reach, with no torch runtime and no Python between the calls.
 // The weights are a Llama 3.2 1B's projections (qkv 3072 x 2048, o 2048 x 2048, gate_up
-// 16384 x 2048, down 2048 x 8192; with SHAPES=8b a Llama 3.1 8B's, 6144 x 4096, 4096 x 4096,
+// 16384 x 2048, down 2048 x 8192; with SHAPES=3b a Llama 3.2 3B's, 5120 x 3072, 3072 x 3072,
+// 16384 x 3072, 3072 x 8192; with SHAPES=8b a Llama 3.1 8B's, 6144 x 4096, 4096 x 4096,
 // 28672 x 4096, 4096 x 14336; with SHAPES=gemma4 a Gemma 4 E2B's narrow layers, 2560 x 1536,
 // 1536 x 2048, 12288 x 1536, 1536 x 6144) over `layers` layers, each its own random blocks on 2 MiB
 // pages, each split in two equal halves of tiles as the engine splits a few rows' step. On a
@@ -86,6 +87,8 @@ int main(int argc, char** argv) {
   std::vector<std::pair<int64_t, int64_t>> shapes = {{3072, 2048}, {2048, 2048}, {16384, 2048}, {2048, 8192}};
   if (const char* body = getenv("SHAPES"); body && std::string(body) == "8b")
     shapes = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+  if (const char* body = getenv("SHAPES"); body && std::string(body) == "3b")
+    shapes = {{5120, 3072}, {3072, 3072}, {16384, 3072}, {3072, 8192}};
   if (const char* body = getenv("SHAPES"); body && std::string(body) == "gemma4")
     shapes = {{2560, 1536}, {1536, 2048}, {12288, 1536}, {1536, 6144}};
   if (in_cache) shapes = {{1024, 2048}};

@@ -155,12 +155,13 @@ def test_a_rows_result_does_not_depend_on_the_step(name: str, k: int) -> None:
     assert torch.equal(among_70, torch.cat([product(x[m : m + 1]) for m in range(70)]))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 6, 40])
+@pytest.mark.parametrize("rows", [1, 2, 6, 40, 1100])
 def test_segments_of_different_formats_run_as_one_weight(rows: int) -> None:
     """A fused q/k/v of Q4_K, Q4_K and Q6_K rows (as a Q4_K_M stores them), plus a bf16
     part, with bias and residual: the concatenation of each part's product. The parts span
     several passes of 8 tiles, ragged at their ends, so that the threads claim passes of each
-    in turn (6 and 40 rows: the sweep)."""
+    in turn (6 and 40 rows: the sweep; 1100: the sweep in blocks of 512 rows, the last
+    ragged, tiles.h `kSweepRowBlock`)."""
     k = 256
     parts = [("Q4_K", 16 * 20), ("Q4_K", 16 * 9), ("Q6_K", 16 * 11)]
     raws = [gguf_bytes(name, n, k, seed=i) for i, (name, n) in enumerate(parts)]

@@ -126,21 +126,26 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
     return out;
   }
   // Bound by arithmetic: threads claim the tiles a pass at a time (thread_shares.h `chunks`), each
-  // its next pass before it starts the current one, whose last blocks prefetch it.
+  // its next pass before it starts the current one, whose last blocks prefetch it; past
+  // kSweepRowBlock rows, every pass of one block of rows, then of the next.
   const std::vector<Chunk> work = chunks(segs);
-  const auto count = static_cast<int64_t>(work.size());
+  const auto passes = static_cast<int64_t>(work.size());
+  const int64_t count = passes * ((M + kSweepRowBlock - 1) / kSweepRowBlock);
   std::atomic<int64_t> claimed{0};
   auto span_of = [&](int64_t c) {
     if (c >= count) return Span{};
-    const Segment& seg = segs[work[c].seg];
-    return Span{seg.data + work[c].t_begin * seg.stride, seg.data + work[c].t_end * seg.stride};
+    const Chunk& chunk = work[c % passes];
+    const Segment& seg = segs[chunk.seg];
+    return Span{seg.data + chunk.t_begin * seg.stride, seg.data + chunk.t_end * seg.stride};
   };
   at::parallel_for(0, std::min(threads_wanted, count), 1, [&](int64_t, int64_t) {
     int64_t c = claimed.fetch_add(1);
     while (c < count) {
       const int64_t after = claimed.fetch_add(1);
-      const Chunk& chunk = work[c];
-      segment_range(segs[chunk.seg], rows, M, chunk.t_begin, chunk.t_end, ep, span_of(after));
+      const Chunk& chunk = work[c % passes];
+      const int64_t m0 = c / passes * kSweepRowBlock;
+      segment_range(segs[chunk.seg], rows.from(m0), std::min(kSweepRowBlock, M - m0),
+                    chunk.t_begin, chunk.t_end, ep.from_row(m0), span_of(after));
       c = after;
     }
   });
