@@ -850,11 +850,11 @@ constexpr int64_t kSweepRows = 64;
 // Rows a many-row step takes through every pass of its weight before the next rows
 // (linear.cpp): a pass's sweep reads all its rows' activations again (K bytes a row), which
 // past a few hundred rows no longer stay in L2 and come from L3 at every pass. In blocks of
-// 512 rows the weight is read from memory once a block instead, 1/1000 of the arithmetic's
-// bytes. One thread, 2048 rows (tiles_timing.cpp with and without the blocks, three pairs
-// in turns, the same output bits; 2026-12-06, AMD Zen 4, avx512bf16), 16384 x 2048 and
-// 2048 x 8192: Q6_K 285-307 GOP/s whole, 300-329 in blocks of 256, 316-331 of 512 (as fast
-// as one step of 512 rows); Q4_K 327-339, 330-348 and 348-351. In the engine (a 1B Q6_K's
+// 512 rows the weight comes from memory once a block instead, a read small beside 512 rows'
+// arithmetic. One thread, 2048 rows (tiles_timing.cpp with and without the blocks, three
+// pairs in turns, the same output bits; 2026-12-06, AMD Zen 4, avx512bf16), 16384 x 2048 and
+// 2048 x 8192: Q6_K 285-307 GOP/s whole, 316-331 in blocks of 512 (as fast as one step of 512
+// rows; blocks of 256 300-329); Q4_K 327-339 and 348-351. In the engine (a 1B Q6_K's
 // 16 prompts of 128 tokens with --max-num-batched-tokens 2048, five pairs of runs in turns,
 // with glibc's mmap threshold raised so that the step's fresh 64 MB outputs did not fault
 // in every call): 1.02x (1.00-1.14).
