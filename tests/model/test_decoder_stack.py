@@ -14,19 +14,17 @@ import torch
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config
 from paged_runner import PagedRunner
-from tiny_families import VOCAB, family_model
+from tiny_checkpoints import tiny_hf_model
+from tiny_families import SMALL_VOCAB, VOCAB, family_model
 
 
-@pytest.mark.usefixtures("kernel_isa")
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2", "gemma3"])
-def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
-    family: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    hf = family_model(family)
-    rng = random.Random(3)
-    prompts = {name: [rng.randrange(VOCAB) for _ in range(n)] for name, n in (("a", 90), ("b", 70))}
-    plan = [[("a", 40)], [("a", 30), ("b", 1)], [("a", 1), ("b", 29)]]
-    plan += [[("a", 1), ("b", 1)]] * 12
+def _stacked_and_layer_by_layer(
+    hf: torch.nn.Module,
+    prompts: dict[str, list[int]],
+    plan: list[list[tuple[str, int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> dict[bool, torch.Tensor]:
+    """Every step's logits, the layers run in one call (True) and one call a layer (False)."""
     logits = {}
     for stacked in (True, False):
         config = hf_model_config({**hf.config.to_dict(), "architectures": [type(hf).__name__]})
@@ -35,7 +33,8 @@ def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
         assert model.fused_layers
         if not stacked:
             monkeypatch.setattr(model, "_stacked", lambda kv_caches: None)
-        runner = PagedRunner(model, block_size=16, num_blocks=32, paged_kernel=True)
+        blocks = sum(len(tokens) for tokens in prompts.values()) // 16 + 8
+        runner = PagedRunner(model, block_size=16, num_blocks=blocks, paged_kernel=True)
         for name, tokens in prompts.items():
             runner.add(name, tokens[:1])
         out = []
@@ -47,4 +46,45 @@ def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
         logits[stacked] = torch.cat(out)
         assert (model._stack is not None) == stacked  # the path this round meant to take
     assert logits[True].shape[0] == sum(n for step in plan for _, n in step)
+    return logits
+
+
+@pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2", "gemma3"])
+def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(3)
+    prompts = {name: [rng.randrange(VOCAB) for _ in range(n)] for name, n in (("a", 90), ("b", 70))}
+    plan = [[("a", 40)], [("a", 30), ("b", 1)], [("a", 1), ("b", 29)]]
+    plan += [[("a", 1), ("b", 1)]] * 12
+    logits = _stacked_and_layer_by_layer(family_model(family), prompts, plan, monkeypatch)
+    assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_a_prompt_steps_mapped_tensors_passed_from_layer_to_layer_keep_the_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt step's tensors of 32 MiB and more (gate_up's [1100, 16384] bf16, 36 MB) are
+    handed from layer to layer within one call (reused_empty.h `LayersScope`) and let go at its
+    end: the same bits as calls a layer, which keep none, through a second chunk of another
+    shape (1050 rows), then decodes."""
+    hf = tiny_hf_model(
+        "llama",
+        vocab_size=SMALL_VOCAB,
+        weight_std=0.15,
+        hidden_size=128,
+        intermediate_size=8192,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    rng = random.Random(4)
+    lengths = (("a", 2160), ("b", 16))
+    prompts = {name: [rng.randrange(SMALL_VOCAB) for _ in range(n)] for name, n in lengths}
+    plan = [[("a", 1100)], [("a", 1050), ("b", 7)], [("a", 1), ("b", 1)]]
+    plan += [[("a", 1), ("b", 1)]] * 4
+    logits = _stacked_and_layer_by_layer(hf, prompts, plan, monkeypatch)
     assert torch.equal(logits[True], logits[False])

@@ -664,6 +664,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& slot_mapping, const Ten
   const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);
   if (any_second) checked_positions(hidden, step, *second_rope_cos);
   const float* q_scales = query_scales_of(query_scales, hidden);
+  const LayersScope reuse_large;  // a prompt step's layers take each other's tensors
   Tensor h = hidden;
   int64_t first_segment = 0, first_stack = 0;
   for (int64_t l = 0; l < layers; ++l) {
