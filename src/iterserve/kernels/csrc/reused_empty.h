@@ -12,8 +12,8 @@
 // 2048-row step of a 1B Q6_K (perf: the kernel's page faults 7.3% of the samples, 2.0% at 512
 // rows; 2026-12-06, AVX-512 BF16). Every layer makes the same shapes, so from the second layer
 // on each takes the first's, and the call lets them go when it ends. Smaller ones come from
-// malloc's heap, which reuses them already: keeping those too held ~50 MB more after a 3B's
-// 512-row prompts, for nothing.
+// malloc's heap, which reuses its freed chunks already: keeping them too would only hold more
+// at once.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -36,11 +36,11 @@ constexpr int64_t kMappedBytes = int64_t{32} << 20;
 // Tensors a thread keeps, of each kind.
 constexpr size_t kReusedTensors = 32;
 
-// This thread's kept tensors: small ones (`large` false), or mapped ones while a LayersScope
-// is open.
-inline std::vector<at::Tensor>& reused_tensors(bool large = false) {
-  thread_local std::vector<at::Tensor> small_kept, large_kept;
-  return large ? large_kept : small_kept;
+// This thread's kept tensors: small ones, or (`mapped`) those of kMappedBytes and more, kept
+// while a LayersScope is open.
+inline std::vector<at::Tensor>& reused_tensors(bool mapped = false) {
+  thread_local std::vector<at::Tensor> small_kept, mapped_kept;
+  return mapped ? mapped_kept : small_kept;
 }
 
 // Layers' calls open on this thread.
@@ -67,11 +67,10 @@ inline at::Tensor empty_reused(c10::IntArrayRef sizes, const at::TensorOptions& 
   const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
   int64_t bytes = static_cast<int64_t>(c10::elementSize(dtype));
   for (const int64_t size : sizes) bytes *= size;
-  const bool large = bytes >= kMappedBytes;
-  if ((bytes > kReusedBytes && (!large || open_layers_scopes() == 0)) ||
-      options.device().type() != c10::DeviceType::CPU)
-    return at::empty(sizes, options);
-  std::vector<at::Tensor>& kept = reused_tensors(large);
+  const bool mapped = bytes >= kMappedBytes;
+  const bool keeps = bytes <= kReusedBytes || (mapped && open_layers_scopes() > 0);
+  if (!keeps || options.device().type() != c10::DeviceType::CPU) return at::empty(sizes, options);
+  std::vector<at::Tensor>& kept = reused_tensors(mapped);
   const bool inference = c10::InferenceMode::is_enabled();
   auto free = [](const at::Tensor& t) {
     return t.use_count() == 1 && t.storage().use_count() == 1;
