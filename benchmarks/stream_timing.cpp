@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -84,13 +85,19 @@ int main(int argc, char** argv) {
   const int reps = argc > 3 ? atoi(argv[3]) : 5;
   const int64_t M = argc > 4 ? atol(argv[4]) : 1;
   const bool in_cache = getenv("IN_CACHE") != nullptr;
-  std::vector<std::pair<int64_t, int64_t>> shapes = {{3072, 2048}, {2048, 2048}, {16384, 2048}, {2048, 8192}};
-  if (const char* body = getenv("SHAPES"); body && std::string(body) == "8b")
-    shapes = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
-  if (const char* body = getenv("SHAPES"); body && std::string(body) == "3b")
-    shapes = {{5120, 3072}, {3072, 3072}, {16384, 3072}, {3072, 8192}};
-  if (const char* body = getenv("SHAPES"); body && std::string(body) == "gemma4")
-    shapes = {{2560, 1536}, {1536, 2048}, {12288, 1536}, {1536, 6144}};
+  using Shapes = std::vector<std::pair<int64_t, int64_t>>;  // (N, K) of qkv, o, gate_up, down
+  const std::map<std::string, Shapes> bodies = {
+      {"1b", {{3072, 2048}, {2048, 2048}, {16384, 2048}, {2048, 8192}}},
+      {"3b", {{5120, 3072}, {3072, 3072}, {16384, 3072}, {3072, 8192}}},
+      {"8b", {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}}},
+      {"gemma4", {{2560, 1536}, {1536, 2048}, {12288, 1536}, {1536, 6144}}},
+  };
+  const char* body = getenv("SHAPES");
+  if (body && !bodies.count(body)) {
+    fprintf(stderr, "SHAPES=%s: not one of 1b, 3b, 8b, gemma4\n", body);
+    return 2;
+  }
+  Shapes shapes = bodies.at(body ? body : "1b");
   if (in_cache) shapes = {{1024, 2048}};
   std::mt19937 rng(1);
   std::vector<Weight> weights;
