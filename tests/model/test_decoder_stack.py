@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from iterserve.model.linear import WeightMode
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config
 from paged_runner import PagedRunner
@@ -23,13 +24,15 @@ def _stacked_and_layer_by_layer(
     prompts: dict[str, list[int]],
     plan: list[list[tuple[str, int]]],
     monkeypatch: pytest.MonkeyPatch,
+    mode: WeightMode = "blocks",
 ) -> dict[bool, torch.Tensor]:
-    """Every step's logits, the layers run in one call (True) and one call a layer (False)."""
+    """Every step's logits, the layers run in one call (True) and one call a layer (False);
+    the weights held as `mode` says (model/linear.py)."""
     logits = {}
     for stacked in (True, False):
         config = hf_model_config({**hf.config.to_dict(), "architectures": [type(hf).__name__]})
         model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
-        model.load(dict(hf.state_dict()), "tiled")
+        model.load(dict(hf.state_dict()), "tiled", mode=mode)
         assert model.fused_layers
         if not stacked:
             monkeypatch.setattr(model, "_stacked", lambda kv_caches: None)
@@ -63,13 +66,16 @@ def test_one_call_for_every_layer_gives_one_call_a_layers_bits(
 
 
 @pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize(("mode", "chunks"), [("blocks", (1100, 1050)), ("int8", (2800, 2750))])
 def test_a_prompt_steps_mapped_tensors_passed_from_layer_to_layer_keep_the_bits(
-    monkeypatch: pytest.MonkeyPatch,
+    mode: WeightMode, chunks: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt step's tensors of 32 MiB and more (gate_up's [1100, 16384] bf16, 36 MB) are
-    handed from layer to layer within one call (reused_empty.h `LayersScope`) and let go at its
-    end: the same bits as calls a layer, which keep none, through a second chunk of another
-    shape (1050 rows), then decodes."""
+    """A prompt step's tensors of 32 MiB and more are handed from layer to layer within one
+    call (reused_empty.h `LayersScope`), each on the smallest free storage that holds it, and
+    let go at its end: the same bits as calls a layer, which keep none, through a second chunk
+    of another shape, then decodes. In bf16 tiles ("blocks"), gate_up's [1100, 16384] output
+    (36 MB) is one; in int8 tiles, the down projection's quantized activations, 2800 rows of
+    8192 inputs (35 MB, linear.cpp `quantized`), too."""
     hf = tiny_hf_model(
         "llama",
         vocab_size=SMALL_VOCAB,
@@ -79,12 +85,13 @@ def test_a_prompt_steps_mapped_tensors_passed_from_layer_to_layer_keep_the_bits(
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=8192,
     )
     rng = random.Random(4)
-    lengths = (("a", 2160), ("b", 16))
+    first, second = chunks
+    lengths = (("a", first + second + 10), ("b", 16))
     prompts = {name: [rng.randrange(SMALL_VOCAB) for _ in range(n)] for name, n in lengths}
-    plan = [[("a", 1100)], [("a", 1050), ("b", 7)], [("a", 1), ("b", 1)]]
+    plan = [[("a", first)], [("a", second), ("b", 7)], [("a", 1), ("b", 1)]]
     plan += [[("a", 1), ("b", 1)]] * 4
-    logits = _stacked_and_layer_by_layer(hf, prompts, plan, monkeypatch)
+    logits = _stacked_and_layer_by_layer(hf, prompts, plan, monkeypatch, mode)
     assert torch.equal(logits[True], logits[False])

@@ -39,9 +39,14 @@ using at::Tensor;
 constexpr int64_t kQuantizeGrainInputs = 16384;
 
 // x's rows quantized per unit (tiles.h QuantizedBuffers), the rows spread over the threads.
+// A buffer of kMappedBytes and more (an 8B's down projection past ~2,300 rows) is a tensor,
+// `memory`, which a layers' scope keeps from layer to layer as it does the step's others
+// (reused_empty.h).
 QuantizedBuffers quantized(const at::BFloat16* x, int64_t ld_x, int64_t M, int64_t K,
-                           int64_t unit) {
-  QuantizedBuffers q(M, K, unit);
+                           int64_t unit, Tensor& memory) {
+  const int64_t bytes = QuantizedBuffers::bytes(M, K, unit);
+  if (bytes >= kMappedBytes) memory = empty_reused({bytes}, at::TensorOptions(at::kChar));
+  QuantizedBuffers q(M, K, unit, memory.defined() ? memory.data_ptr<int8_t>() : nullptr);
   const int64_t grain = std::max<int64_t>(1, kQuantizeGrainInputs / K);
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) q.row(x + m * ld_x, K, m);
@@ -110,9 +115,11 @@ Tensor tiled_linear(const Tensor& x, at::TensorList weights, c10::IntArrayRef fo
   }
   // The activations each block format pairs with (tile_bytes checked that K fits them).
   std::optional<QuantizedBuffers> q32, q256;
+  Tensor q32_memory, q256_memory;
   const auto* xb = x.data_ptr<at::BFloat16>();
-  if (per32) rows.per32 = q32.emplace(quantized(xb, x.stride(0), M, K, 32)).view;
-  if (per256) rows.per256 = q256.emplace(quantized(xb, x.stride(0), M, K, 256)).view;
+  if (per32) rows.per32 = q32.emplace(quantized(xb, x.stride(0), M, K, 32, q32_memory)).view;
+  if (per256)
+    rows.per256 = q256.emplace(quantized(xb, x.stride(0), M, K, 256, q256_memory)).view;
   const int64_t threads_wanted = at::get_num_threads();
   if (M <= kRegisterRows) {
     // Bound by the bytes it reads: an equal share of them a thread, read in lanes, the
@@ -160,7 +167,8 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x, int64_t unit) {
                   x.size(1) % unit == 0,
               "quantize_rows: x must be 2-D bf16 with contiguous rows of whole units");
   const int64_t M = x.size(0), K = x.size(1);
-  const auto rows = quantized(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, unit);
+  Tensor memory;
+  const auto rows = quantized(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, unit, memory);
   Tensor q = at::empty({M, K}, at::kChar), s = at::empty({M, K / unit}, at::kFloat);
   for (int64_t m = 0; m < M; ++m)
     std::memcpy(q.data_ptr<int8_t>() + m * K, rows.view.xq + m * rows.view.ld, K);

@@ -11,14 +11,19 @@
 // so each one was mapped, faulted in page by page and unmapped, layer after layer: ~5% of a
 // 2048-row step of a 1B Q6_K (perf: the kernel's page faults 7.3% of the samples, 2.0% at 512
 // rows; 2026-12-06, AVX-512 BF16). Every layer makes the same shapes, so from the second layer
-// on each takes the first's, and the call lets them go when it ends. Smaller ones come from
-// malloc's heap, which reuses its freed chunks already: keeping them too would only hold more
-// at once.
+// on each takes one of the first's storages, and the call lets them go when it ends. A tensor
+// takes the smallest free storage that holds it, whatever its shape and type, so that a
+// step's int8 activations (linear.cpp `quantized`) and chunks of other lengths share them too:
+// a 1B's 8192-row steps of 4096-token prompts took 0.36-0.41 M page faults against 0.72-0.76 M
+// when kept by shape (benchmarks/prompt_budget.py, 2026-12-06, AVX-512 BF16). Smaller ones
+// come from malloc's heap, which reuses its freed chunks already: keeping them too would only
+// hold more at once.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/strides.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -36,11 +41,16 @@ constexpr int64_t kMappedBytes = int64_t{32} << 20;
 // Tensors a thread keeps, of each kind.
 constexpr size_t kReusedTensors = 32;
 
-// This thread's kept tensors: small ones, or (`mapped`) those of kMappedBytes and more, kept
-// while a LayersScope is open.
-inline std::vector<at::Tensor>& reused_tensors(bool mapped = false) {
-  thread_local std::vector<at::Tensor> small_kept, mapped_kept;
-  return mapped ? mapped_kept : small_kept;
+// This thread's kept small tensors.
+inline std::vector<at::Tensor>& reused_tensors() {
+  thread_local std::vector<at::Tensor> kept;
+  return kept;
+}
+
+// This thread's storages for tensors of kMappedBytes and more, kept while a LayersScope is open.
+inline std::vector<c10::Storage>& mapped_storages() {
+  thread_local std::vector<c10::Storage> kept;
+  return kept;
 }
 
 // Layers' calls open on this thread.
@@ -55,11 +65,27 @@ class LayersScope {
  public:
   LayersScope() { ++open_layers_scopes(); }
   ~LayersScope() {
-    if (--open_layers_scopes() == 0) reused_tensors(true).clear();
+    if (--open_layers_scopes() == 0) mapped_storages().clear();
   }
   LayersScope(const LayersScope&) = delete;
   LayersScope& operator=(const LayersScope&) = delete;
 };
+
+// As at::empty(sizes, options), on the smallest of this thread's mapped storages that no tensor
+// holds and that is large enough, or on a new one (kept, while there is room).
+inline at::Tensor on_mapped_storage(c10::IntArrayRef sizes, const at::TensorOptions& options,
+                                    int64_t bytes) {
+  std::vector<c10::Storage>& kept = mapped_storages();
+  const c10::Storage* fit = nullptr;
+  for (const c10::Storage& s : kept)
+    if (s.use_count() == 1 && static_cast<int64_t>(s.nbytes()) >= bytes &&
+        (!fit || s.nbytes() < fit->nbytes()))
+      fit = &s;
+  if (fit) return at::empty({0}, options).set_(*fit, 0, sizes, c10::contiguous_strides(sizes));
+  at::Tensor made = at::empty(sizes, options);
+  if (kept.size() < kReusedTensors) kept.push_back(made.storage());
+  return made;
+}
 
 // As at::empty(sizes, options): a tensor of this thread's that no one else holds (neither it
 // nor a view of its storage), of these sizes, dtype and inference mode, or a new one.
@@ -67,10 +93,11 @@ inline at::Tensor empty_reused(c10::IntArrayRef sizes, const at::TensorOptions& 
   const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
   int64_t bytes = static_cast<int64_t>(c10::elementSize(dtype));
   for (const int64_t size : sizes) bytes *= size;
-  const bool mapped = bytes >= kMappedBytes;
-  const bool keeps = bytes <= kReusedBytes || (mapped && open_layers_scopes() > 0);
-  if (!keeps || options.device().type() != c10::DeviceType::CPU) return at::empty(sizes, options);
-  std::vector<at::Tensor>& kept = reused_tensors(mapped);
+  const bool cpu = options.device().type() == c10::DeviceType::CPU;
+  if (cpu && bytes >= kMappedBytes && open_layers_scopes() > 0)
+    return on_mapped_storage(sizes, options, bytes);
+  if (!cpu || bytes > kReusedBytes) return at::empty(sizes, options);
+  std::vector<at::Tensor>& kept = reused_tensors();
   const bool inference = c10::InferenceMode::is_enabled();
   auto free = [](const at::Tensor& t) {
     return t.use_count() == 1 && t.storage().use_count() == 1;

@@ -291,28 +291,38 @@ inline int64_t padded_row_bytes(int64_t K) {
   return 64 * (lines % 2 ? lines : lines + 1);
 }
 
-// QuantizedX in one buffer of its own, for M rows of K inputs; rows are quantized one by one
-// (`row`), so that a caller can spread them over threads. One allocation, not one an array:
-// a one-row step allocates it for every projection.
+// QuantizedX in one buffer, for M rows of K inputs; rows are quantized one by one (`row`), so
+// that a caller can spread them over threads. One allocation, not one an array: a one-row step
+// allocates it for every projection.
 class QuantizedBuffers {
  public:
-  QuantizedBuffers(int64_t M, int64_t K, int64_t unit) {
+  // The buffer's size.
+  static int64_t bytes(int64_t M, int64_t K, int64_t unit) {
+    const int64_t pairs = unit == 256 ? M * K / 64 : 0;
+    return M * padded_row_bytes(K) + 4 * (M * K / unit + M * K / 16 + M * K / kBlock + pairs);
+  }
+  // In `memory` (bytes(M, K, unit) of them, 64-byte aligned, the caller's), or in a buffer of
+  // its own.
+  QuantizedBuffers(int64_t M, int64_t K, int64_t unit, int8_t* memory = nullptr) {
+    if (!memory) {
+      bytes_.reset(new (std::align_val_t{64}) int8_t[bytes(M, K, unit)]);
+      memory = bytes_.get();
+    }
     // ld is a multiple of 64, so the arrays after the rows' bytes stay aligned.
     const int64_t ld = padded_row_bytes(K);
     const int64_t scales = M * K / unit, sums16 = M * K / 16, sums32 = M * K / kBlock;
     const int64_t pairs = unit == 256 ? M * K / 64 : 0;
-    bytes_.reset(new (std::align_val_t{64})
-                     int8_t[M * ld + 4 * (scales + sums16 + sums32 + pairs)]);
-    scale_ = reinterpret_cast<float*>(bytes_.get() + M * ld);
+    rows_ = memory;
+    scale_ = reinterpret_cast<float*>(memory + M * ld);
     neg_sum16_ = reinterpret_cast<int32_t*>(scale_ + scales);
     neg_sum32_ = neg_sum16_ + sums16;
     neg_sum_pairs_ = pairs ? neg_sum32_ + sums32 : nullptr;
-    view = {unit, bytes_.get(), scale_, neg_sum16_, neg_sum32_, neg_sum_pairs_, ld};
+    view = {unit, rows_, scale_, neg_sum16_, neg_sum32_, neg_sum_pairs_, ld};
   }
   // Row m, from x (its K inputs).
   void row(const at::BFloat16* x, int64_t K, int64_t m) {
     const int64_t unit = view.unit;
-    quantize_row(x, K, unit, bytes_.get() + m * view.ld, scale_ + m * (K / unit),
+    quantize_row(x, K, unit, rows_ + m * view.ld, scale_ + m * (K / unit),
                  neg_sum16_ + m * (K / 16), neg_sum32_ + m * (K / kBlock),
                  neg_sum_pairs_ ? neg_sum_pairs_ + m * (K / 64) : nullptr);
   }
@@ -323,8 +333,9 @@ class QuantizedBuffers {
   struct AlignedFree {
     void operator()(int8_t* p) const { ::operator delete[](p, std::align_val_t{64}); }
   };
-  // One buffer: the rows' bytes, then the scales and sums, written through these.
-  std::unique_ptr<int8_t[], AlignedFree> bytes_;
+  std::unique_ptr<int8_t[], AlignedFree> bytes_;  // the buffer, if it is its own
+  // The buffer: the rows' bytes, then the scales and sums, written through these.
+  int8_t* rows_;
   float* scale_;
   int32_t *neg_sum16_, *neg_sum32_, *neg_sum_pairs_;
 };
