@@ -172,6 +172,16 @@ def assert_matches(out: torch.Tensor, case: Case) -> None:
     assert excess <= 0, f"max error {error.max().item():.3g}, exceeds the bound by {excess:.3g}"
 
 
+def run_on_threads(case: Case, threads: int) -> torch.Tensor:
+    """case.run() with torch's thread count set to `threads` for the call."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return case.run()
+    finally:
+        torch.set_num_threads(saved)
+
+
 # Contexts from a single token to past several partitions (at most 512 keys each).
 MIXED_CONTEXTS = [1, 9, 16, 17, 100, 700, 1100]
 MIXED_Q_LENS = [1, 1, 8, 3, 1, 5, 2]
@@ -266,13 +276,19 @@ def test_other_head_dims(head_dim: int) -> None:
 @pytest.mark.parametrize("threads", [1, 3])
 def test_thread_counts_change_partitions_not_results(threads: int) -> None:
     case = make_case([1300, 260, 2], [1, 4, 2], dtype=torch.float32, seed=threads)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = case.run()
-    finally:
-        torch.set_num_threads(saved)
-    assert_matches(out, case)
+    assert_matches(run_on_threads(case, threads), case)
+
+
+def test_a_step_whose_partial_sums_fill_several_waves() -> None:
+    """Three prompts' rows in one step: 4,500 rows x 6 heads over up to 7 partitions of 256
+    keys need ~77,000 partial slots of (64 + 2) floats, ~20 MB, so the groups run in three
+    waves of 8 MiB (csrc/attention_plan.h `kWavePartialBytes`), each on the same slots, on two
+    threads."""
+    contexts = [1500, 1800, 1200]
+    case = make_case(contexts, contexts, dtype=torch.bfloat16, seed=11)
+    parts = sum(-(-(i + 1) // 256) for c in contexts for i in range(c))
+    assert parts * 6 * (64 + 2) * 4 > 2 * (8 << 20)
+    assert_matches(run_on_threads(case, 2), case)
 
 
 def test_contiguous_q() -> None:
@@ -313,13 +329,7 @@ def test_int8_cache_matches_reference(group: int, head_dim: int, dtype: torch.dt
 
 def test_int8_cache_under_a_sliding_window_and_over_threads() -> None:
     case = make_case([1300, 260, 2], [1, 4, 2], window=100, int8_cache=True, seed=5)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        out = case.run()
-    finally:
-        torch.set_num_threads(saved)
-    assert_matches(out, case)
+    assert_matches(run_on_threads(case, 3), case)
 
 
 def test_python_knows_the_head_sizes_built() -> None:

@@ -616,25 +616,29 @@ void run_item(const Plan& plan, const Item& item, const Item* next, bool first, 
 template <typename T, typename C, int NC>
 void run_plan(const Plan& plan, bool parallel) {
   const int64_t count = static_cast<int64_t>(plan.items.size());
-  if (!parallel) {
+  if (!parallel) {  // in order, so each wave ends before the next takes its slots
     thread_local Scratch sc;
     for (int64_t i = 0; i < count; ++i)
       run_item<T, C, NC>(plan, plan.items[i], i + 1 < count ? &plan.items[i + 1] : nullptr,
                          i == 0, sc);
     return;
   }
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    thread_local Scratch sc;
-    // Claim the next item before running this one, so its first rows can be prefetched.
-    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-    for (bool first = true; i < count; first = false) {
-      const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
-      run_item<T, C, NC>(plan, plan.items[i], j < count ? &plan.items[j] : nullptr, first, sc);
-      i = j;
-    }
-  });
+  int64_t begin = 0;
+  for (const int64_t end : plan.wave_ends) {
+    std::atomic<int64_t> next{begin};
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), end - begin);
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      thread_local Scratch sc;
+      // Claim the next item before running this one, so its first rows can be prefetched.
+      int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      for (bool first = true; i < end; first = false) {
+        const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+        run_item<T, C, NC>(plan, plan.items[i], j < end ? &plan.items[j] : nullptr, first, sc);
+        i = j;
+      }
+    });
+    begin = end;
+  }
 }
 
 // The plan's head size among those built (attention_plan.h `BuiltHeadDims`), 32 dims a chunk.

@@ -22,6 +22,12 @@ constexpr int64_t kMaxQueriesPerGroup = 64;  // rows are chunked so that M stays
 // give a batch-1 decode 4 items a kv head by 1K of context and keep the score scratch small.
 constexpr int64_t kPartKeys = 256;
 constexpr int64_t kMinParallelWork = 3000;  // keys x queries: ~10 us on one thread
+// Bytes of partitions' partial sums a wave of groups holds at most (a group more, when one
+// group alone needs more). Held for a whole step at once, they grew with its query rows times
+// their context: 584 MB a layer for a 1B's 8192-row step of 4096-token prompts, 69 MB at 512
+// rows (~1.1 GB for an 8B's 512 rows at a 32K context). A wave's fit in L3 besides, between
+// a partition's writes and the merge's reads.
+constexpr int64_t kWavePartialBytes = int64_t{8} << 20;
 
 struct Group {
   int64_t seq, kv_head;
@@ -29,7 +35,7 @@ struct Group {
   int64_t first_pos;        // position of row0 in its sequence
   int64_t key_lo, key_hi;   // the union of the rows' key windows
   int64_t parts;            // partitions of [key_lo, key_hi)
-  int64_t slot;             // first partial slot (in queries) when parts > 1
+  int64_t slot;             // first partial slot (in queries) when parts > 1, in its wave's
 };
 
 struct Item {
@@ -55,6 +61,9 @@ struct Plan {
   int64_t part_keys;
   std::vector<Group> groups;
   std::vector<Item> items;
+  // Where each wave's items end: waves of groups run one after the other, each on the same
+  // partial slots (kWavePartialBytes).
+  std::vector<int64_t> wave_ends;
   // Partitions' un-normalized outputs [slots, head_dim], maxima and sums [slots].
   float* partial_acc = nullptr;
   float* partial_max = nullptr;

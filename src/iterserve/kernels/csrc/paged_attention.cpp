@@ -160,16 +160,24 @@ Tensor attend_rows(const Tensor& q, const Tensor& key_cache, const Tensor& value
   const bool parallel = threads > 1 && work >= kMinParallelWork;
   plan.part_keys = kPartKeys;
 
-  int64_t slots = 0;
+  const int64_t wave_slots = kWavePartialBytes / ((D + 2) * static_cast<int64_t>(sizeof(float)));
+  int64_t slots = 0, in_wave = 0;  // the slots of the largest wave, and of this one
   for (int64_t gi = 0; gi < static_cast<int64_t>(plan.groups.size()); ++gi) {
     Group& g = plan.groups[gi];
     g.parts = (g.key_hi - g.key_lo + plan.part_keys - 1) / plan.part_keys;
     if (g.parts > 1) {
-      g.slot = slots;
-      slots += g.parts * g.rows * G;
+      const int64_t needs = g.parts * g.rows * G;
+      if (in_wave > 0 && in_wave + needs > wave_slots) {
+        plan.wave_ends.push_back(static_cast<int64_t>(plan.items.size()));
+        in_wave = 0;
+      }
+      g.slot = in_wave;
+      in_wave += needs;
+      slots = std::max(slots, in_wave);
     }
     for (int64_t p = 0; p < g.parts; ++p) plan.items.push_back({gi, p});
   }
+  plan.wave_ends.push_back(static_cast<int64_t>(plan.items.size()));
   Tensor partials;
   if (slots > 0) {
     partials = empty_reused({slots * (D + 2)}, q.options().dtype(at::kFloat));
