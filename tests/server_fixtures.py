@@ -60,10 +60,13 @@ def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:
     return out
 
 
-def engine_config(model_dir: Path, **scheduler: Any) -> EngineConfig:
+def engine_config(
+    model_dir: Path, chat_template: str | None = None, **scheduler: Any
+) -> EngineConfig:
     # fp32: the server's greedy text is compared with offline LLM.generate's.
     return EngineConfig(
         model=str(model_dir),
+        chat_template=chat_template,
         dtype="float32",
         device="cpu",
         compile=False,  # compiling is tested on its own; here it would only cost time
@@ -98,9 +101,11 @@ def running_server(
     model_dir: Path,
     settings: ServerSettings | None = None,
     max_waiting_requests: int = 256,
+    chat_template: str | None = None,
     **scheduler: Any,
 ) -> Iterator[RunningServer]:
-    engine = LLMEngine(engine_config(model_dir, **scheduler))
+    """A server on the tiny model in `model_dir`; `chat_template` as --chat-template."""
+    engine = LLMEngine(engine_config(model_dir, chat_template, **scheduler))
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
     with serving(async_engine, settings) as running:
         yield running

@@ -367,6 +367,12 @@ class PoolingConfig:
 @dataclass
 class EngineConfig:
     model: str | None = _opt(None, "HF directory or GGUF file (default: bundled SmolLM2-135M)")
+    chat_template: str | None = _opt(
+        None,
+        "the Jinja template chats are rendered with, in place of the model's own (a file "
+        "holding it, or the template itself); default: the checkpoint's (a GGUF's "
+        "tokenizer.chat_template), which a base model's file often lacks",
+    )
     dtype: DType = _opt(
         "auto",
         "weights and activations: auto is bfloat16 where this CPU computes it natively or "

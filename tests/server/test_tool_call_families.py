@@ -29,7 +29,6 @@ from server_fixtures import (
     reassembled,
     running_server,
     scripted_tokens,
-    with_chat_template,
 )
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -176,13 +175,11 @@ def long_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 
 
 @pytest.fixture(scope="module")
-def server(
-    family: Family, long_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    """A tiny Llama with the family's template, served with `--tool-call-parser auto`."""
-    out = tmp_path_factory.mktemp("tiny-llama-family") / "model"
-    model = with_chat_template(long_llama_dir, out, (TEMPLATES / family.template).read_text())
-    with running_server(model, max_model_len=CONTEXT) as running:
+def server(family: Family, long_llama_dir: Path) -> Iterator[RunningServer]:
+    """A tiny Llama served with the family's template (`--chat-template FILE`) and
+    `--tool-call-parser auto`."""
+    template = str(TEMPLATES / family.template)
+    with running_server(long_llama_dir, chat_template=template, max_model_len=CONTEXT) as running:
         yield running
 
 
@@ -261,7 +258,7 @@ def _rendered_by_transformers(
         messages = with_tools_in_system_message(messages, TOOLS, parser)
         tools = None
     return server.engine.tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False
+        messages, chat_template=template, tools=tools, add_generation_prompt=True, tokenize=False
     )
 
 

@@ -149,7 +149,10 @@ def render_chat(
         rendered = render_chat(tokenizer, template, messages, False, template_kwargs, tools)
         return RenderedChat(_cut_after_final_message(rendered.text, messages[-1]))
     if not template:
-        raise InvalidRequestError("this model has no chat template; send a plain prompt")
+        raise InvalidRequestError(
+            "this model has no chat template; send a plain prompt, or give the server one "
+            "(--chat-template)"
+        )
     if not messages:
         raise InvalidRequestError("messages must not be empty", "messages")
     roles = template_roles(template)

@@ -1,0 +1,56 @@
+"""--chat-template: the Jinja template a model's chats are rendered with in place of the one
+its checkpoint carries (vLLM's --chat-template, llama.cpp's --chat-template-file). A base
+model's GGUF often has none, and a quantizer's copy of an instruct model may carry an old or
+broken one; without this a user could only send plain prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from iterserve.config import ConfigError
+from iterserve.engine.prompts import render_chat
+from iterserve.sampling_params import InvalidRequestError
+
+# A conversation every chat template takes; rendered once at start-up to find syntax errors.
+_PROBE = [{"role": "user", "content": "Hello"}]
+
+
+def chat_template(flag: str | None, loaded_template: str | None, tokenizer: Any) -> str | None:
+    """--chat-template (a template, or a file holding one) over the checkpoint's own template;
+    ConfigError if it is neither a file nor a template, or does not parse: said at start-up,
+    not as a 400 on every chat request."""
+    if flag is None:
+        return loaded_template
+    template = _read_if_file(flag)
+    if "{{" not in template and "{%" not in template:
+        raise ConfigError(
+            f"--chat-template {flag!r}: no such file, and not a Jinja template ({{{{ or {{% "
+            "missing)"
+        )
+    try:
+        render_chat(tokenizer, template, _PROBE)
+    except InvalidRequestError as error:
+        if isinstance(error.__cause__, jinja2.TemplateSyntaxError):
+            syntax = error.__cause__
+            raise ConfigError(
+                f"--chat-template does not parse, line {syntax.lineno}: {syntax.message}"
+            ) from None
+        # Any other refusal is the template's rule about conversations (one that insists on
+        # a system message, say): requests it refuses get their 400 then.
+    return template
+
+
+def _read_if_file(flag: str) -> str:
+    """The text of the file `flag` names, else `flag` itself (a template inline)."""
+    if "{" in flag:  # a template: no file name to try
+        return flag
+    path = Path(flag).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return flag
+    except OSError as error:  # a directory, no permission, a name too long for a path
+        raise ConfigError(f"--chat-template {flag!r}: cannot read it: {error}") from None

@@ -1,0 +1,76 @@
+"""--chat-template: a template of the user's in place of the checkpoint's, from a file or
+inline, for the server and the offline LLM alike; one that cannot work stops the start with
+a message naming the flag. (Each tool-call format's real template given so, through a real
+server: test_tool_call_families.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from iterserve import LLM
+from iterserve.config import ConfigError
+from iterserve.sampling_params import SamplingParams
+from server_fixtures import MODEL_NAME, running_server
+
+# Unlike the tiny model's own (SmolLM2's ChatML), so a prompt shows which one rendered it.
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+]
+RENDERED = "<system>Be brief.\n<user>Hi there\n<assistant>"
+
+
+def _llm(model_dir: Path, chat_template: str) -> LLM:
+    return LLM(
+        str(model_dir),
+        chat_template=chat_template,
+        dtype="float32",
+        compile=False,
+        num_kv_blocks=64,
+    )
+
+
+def test_a_template_file_renders_the_servers_chats(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    with running_server(tiny_llama_dir, chat_template=str(path)) as server:
+        expected = server.engine.tokenizer.encode(RENDERED, add_special_tokens=False)
+        tokenized = httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT})
+        assert tokenized.status_code == 200, tokenized.text
+        assert tokenized.json()["tokens"] == expected
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+        assert answer.usage is not None and answer.usage.prompt_tokens == len(expected)
+
+
+def test_an_inline_template_renders_llm_chat(tiny_llama_dir: Path) -> None:
+    llm = _llm(tiny_llama_dir, TEMPLATE)
+    [output] = llm.chat(CHAT, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert output.prompt == RENDERED
+    assert llm.apply_chat_template(CHAT) == llm.tokenizer.encode(RENDERED, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    "flag, said",
+    [
+        ("no-such-template.jinja", "no such file, and not a Jinja template"),
+        ("{% for m in messages %}{{ m['content'] }}", "does not parse, line 1"),
+        ("{{ messages[0]['content'] }", "does not parse, line 1"),
+        ("<directory>", "cannot read it"),
+    ],
+)
+def test_a_template_that_cannot_work_stops_the_start(
+    tiny_llama_dir: Path, tmp_path: Path, flag: str, said: str
+) -> None:
+    flag = str(tmp_path) if flag == "<directory>" else flag
+    with pytest.raises(ConfigError, match="--chat-template") as raised:
+        _llm(tiny_llama_dir, flag)
+    assert said in str(raised.value)
