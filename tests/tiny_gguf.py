@@ -310,15 +310,19 @@ def write_gguf(
     rope_tensors: Mapping[str, np.ndarray] | None = None,
     qtypes: Mapping[str, str] | None = None,
     named_chat_templates: Mapping[str, str] | None = None,
+    sampling: Mapping[str, float | int] | None = None,
 ) -> None:
     """`model`'s weights (or `state`, HF-named) as a GGUF of architecture `arch`; 2-D
     projections in `qtype` (norms, embedding and head stay F32), or per HF name in `qtypes`
     (a GGUF type name; `gguf_blocks` makes them). `metadata`: extra keys (without the
     `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}; `named_chat_templates`:
-    tokenizer.chat_template.NAME, e.g. llama.cpp's "rerank"."""
+    tokenizer.chat_template.NAME, e.g. llama.cpp's "rerank"; `sampling`: general.sampling.NAME
+    keys, e.g. {"top_k": 20, "temp": 0.6}, as gguf's writer types them."""
     config = model.config
     writer = GGUFWriter(path, arch)
     add_shape(writer, config, rope_freq_base)
+    for name, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{name}")(value)
     for key, value in (metadata or {}).items():
         full = f"{arch}.{key}"
         if isinstance(value, str):

@@ -28,6 +28,7 @@ KVCacheDType = Literal["auto", "int8"]
 KVCacheMemory = float | Literal["auto"]
 SpeculativeMethod = Literal["ngram", "draft"]
 Task = Literal["auto", "generate", "embed", "both", "score"]
+GenerationConfig = Literal["auto", "none"]
 Pooling = Literal["auto", "last", "mean", "cls"]
 SELF_INT4_DRAFT = "self-int4"  # --draft-model value: the model's own 4-bit weights
 
@@ -372,6 +373,13 @@ class EngineConfig:
         "the Jinja template chats are rendered with, in place of the model's own (a file "
         "holding it, or the template itself); default: the checkpoint's (a GGUF's "
         "tokenizer.chat_template), which a base model's file often lacks",
+    )
+    generation_config: GenerationConfig = _opt(
+        "auto",
+        "sampling settings for the fields a request leaves unset (temperature, top_k, top_p, "
+        "min_p, repetition_penalty): auto takes the model's own, from its "
+        "generation_config.json or a GGUF's general.sampling.* keys, as vLLM and llama.cpp "
+        "do; none keeps OpenAI's (temperature 1, no cut)",
     )
     dtype: DType = _opt(
         "auto",

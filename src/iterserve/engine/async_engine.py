@@ -257,6 +257,7 @@ class AsyncEngine:
             engine.pooling.score,
             engine.pair_prompts.template,
             engine.pooling.labels,
+            engine.sampling_defaults,
         )
 
     def replica_states(self) -> list[ReplicaState]:

@@ -54,6 +54,12 @@ class LLM:
         """vLLM's spelling of `tokenizer`."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams samples with: the model's own settings
+        (--generation-config auto: its generation_config.json or a GGUF's
+        general.sampling.* keys), the rest SamplingParams' defaults; as vLLM's."""
+        return SamplingParams(**self.engine.sampling_defaults.given())
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -68,7 +74,9 @@ class LLM:
         `lora_request`: the LoRA adapter every prompt runs, or one per prompt (None: the
         base model), as in vLLM."""
         prompt_list = [as_prompt(p) for p in _prompt_list(prompts)]
-        params_list = _per_prompt(sampling_params, len(prompt_list))
+        params_list = _per_prompt(
+            sampling_params, len(prompt_list), self.get_default_sampling_params()
+        )
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompt_list)
         else:
@@ -204,7 +212,7 @@ class LLM:
             chat_template_kwargs,
             thinking_token_budget,
         )
-        each = _per_prompt(sampling_params, len(conversations))
+        each = _per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
         prepared = [chat.prepare(conv, p) for conv, p in zip(conversations, each, strict=True)]  # type: ignore[arg-type]
         outputs = self.generate(
             [prompt for prompt, _ in prepared], [p for _, p in prepared], use_tqdm
@@ -256,10 +264,15 @@ def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInp
 
 
 def _per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    count: int,
+    default: SamplingParams,
 ) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
+    """One SamplingParams a prompt, `default` where none are given."""
+    if params is None:
+        params = default
+    if isinstance(params, SamplingParams):
+        return [params] * count
     params_list = list(params)
     if len(params_list) != count:
         raise InvalidRequestError("give one SamplingParams, or one per prompt")

@@ -70,6 +70,7 @@ from iterserve.model.score_head import prepare_score_head
 from iterserve.pooling_params import PoolingParams
 from iterserve.prompt_truncation import PromptTruncation
 from iterserve.sample.structured import GrammarCompiler
+from iterserve.sampling_defaults import SamplingDefaults
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("iterserve.engine")
@@ -185,6 +186,16 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.chat_template = chat_template(
             self.config.chat_template, loaded.chat_template, loaded.tokenizer
+        )
+        self.sampling_defaults = (
+            loaded.sampling_defaults
+            if self.config.generation_config == "auto"
+            else SamplingDefaults()
+        )
+        logger.info(
+            "sampling defaults for unset fields: %s (--generation-config %s)",
+            self.sampling_defaults.describe(),
+            self.config.generation_config,
         )
 
     def _size_kv_cache(

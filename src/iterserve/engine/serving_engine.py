@@ -16,6 +16,7 @@ from iterserve.core.lora import LoRARequest
 from iterserve.engine.metrics import EngineSnapshot
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.request_stream import GenerationRequest, RequestStream
+from iterserve.sampling_defaults import SamplingDefaults
 
 # Called on the event loop for every engine request that ends: (last output, reason,
 # replica index). The reason is the finish reason, or "error" when the engine failed it;
@@ -66,6 +67,8 @@ class ServedModel:
     rerank_template: str | None = None
     # A classifier head's labels, where it serves /classify.
     labels: tuple[str, ...] = ()
+    # What a request's unset sampling fields take (--generation-config).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 class ServingEngine(Protocol):

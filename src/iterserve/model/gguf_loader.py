@@ -28,6 +28,7 @@ from iterserve.model.loaded import LoadedModel
 from iterserve.model.moe import EXPERT_NAMES, GGUF_ROUTER, gguf_expert_names
 from iterserve.model.rope import UnsupportedRope, rotary_dims, served_rope
 from iterserve.model.tokenizer import tokenizer_from_gguf
+from iterserve.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger("iterserve.gguf")
 
@@ -198,6 +199,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         name=_QUANT_SUFFIX.sub("", model_stem(path)),
         quantized=quantized,
         rerank_template=metadata.get("tokenizer.chat_template.rerank"),
+        sampling_defaults=SamplingDefaults.from_gguf(metadata),
     )
     _one_score_row(loaded, metadata)
     return loaded

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_blocks import QuantizedBlocks
+from iterserve.sampling_defaults import SamplingDefaults
 
 
 @dataclass
@@ -31,3 +32,5 @@ class LoadedModel:
     score_source: str | None = None
     rerank_template: str | None = None
     classifier_labels: list[str] | None = None  # its rows' names (config.json's id2label)
+    # Its makers' sampling settings (generation_config.json, a GGUF's general.sampling.*).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)

@@ -28,6 +28,7 @@ from iterserve.model.rope import UnsupportedRope, rope_type_of, rotary_dims, ser
 from iterserve.model.safetensors_file import StoredTensor, stored_tensors
 from iterserve.model.safetensors_mxfp4 import gpt_oss_mxfp4_experts, is_mxfp4_tensor
 from iterserve.model.tokenizer import chat_template_of, load_hf_tokenizer
+from iterserve.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from iterserve.model.gguf_blocks import QuantizedBlocks
@@ -131,7 +132,8 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     raw = _read_json(directory / "config.json")
     multimodal = (text := text_model_config(raw)) is not None
     raw = text or raw
-    config = hf_model_config(raw, _read_optional_json(directory / "generation_config.json"))
+    generation = _read_optional_json(directory / "generation_config.json")
+    config = hf_model_config(raw, generation)
     bare = is_bare_model(raw)
     if bare or is_classifier(raw):
         config = dataclasses.replace(config, tie_word_embeddings=True)
@@ -177,6 +179,7 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
         name=directory.resolve().name,
         quantized=dict(quantized),
         classifier_labels=[str(labels[k]) for k in sorted(labels, key=int)] or None,
+        sampling_defaults=SamplingDefaults.from_generation_config(generation),
     )
 
 

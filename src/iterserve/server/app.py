@@ -128,6 +128,7 @@ def _serving_context(
         pair_prompts=PairPrompts(model.tokenizer, model.rerank_template) if model.scores else None,
         embeds=model.embeds,
         labels=model.labels,
+        sampling_defaults=model.sampling_defaults,
     )
     logger.info(
         "tool calls: %s (--tool-call-parser %s)",

@@ -101,7 +101,7 @@ async def start_chat(
     `context_cuts`: the token limit is a bound the context may cut (Anthropic's), not one
     that must fit in it (OpenAI's)."""
     model = ctx.resolve_model(body.model)
-    params = body.sampling_params()
+    params = body.sampling_params(ctx.sampling_defaults)
     plan = chat_plan(body, ctx, params)
     ctx.engine.check_group_size(params.n)  # before rendering the template
     prompt = continuing(render_prompt(body, ctx, plan), known, ctx.tokenizer)

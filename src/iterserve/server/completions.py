@@ -37,6 +37,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     params = body.to_sampling_params(
         1 if body.echo_only else max_tokens,
         body.logprobs,
+        ctx.sampling_defaults,
         body.logprobs if scores_prompt else None,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"

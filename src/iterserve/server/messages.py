@@ -67,7 +67,7 @@ def _prompt_tokens(body: MessagesRequest, ctx: ServingContext) -> int:
     """The request's input tokens: its prompt as rendered for the model."""
     chat = body.to_chat_request(_traits(ctx))
     with body.naming_fields():
-        plan = chat_plan(chat, ctx, chat.sampling_params())
+        plan = chat_plan(chat, ctx, chat.sampling_params(ctx.sampling_defaults))
         prompt = render_prompt(chat, ctx, plan)
     return len(encode_prompt(ctx.tokenizer, prompt))
 

@@ -17,6 +17,7 @@ from iterserve.chat.messages import ChatMessage
 from iterserve.chat.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
 from iterserve.engine.request_stream import ALL_THE_CONTEXT
 from iterserve.prompt_truncation import PromptTruncation, TruncationSide
+from iterserve.sampling_defaults import SamplingDefaults
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.structured_output import GuidedDecodingFields
 from iterserve.server.unhonoured import refuse_unhonoured
@@ -58,7 +59,7 @@ class _GenerationRequest(GuidedDecodingFields):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     bad_words: list[str] | None = None
     priority: int = 0
@@ -75,10 +76,15 @@ class _GenerationRequest(GuidedDecodingFields):
     return_tokens_as_token_ids: bool | None = None
 
     def to_sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: SamplingDefaults,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """`prompt_logprobs`: what the route scores the prompt for beyond the request's own
-        `prompt_logprobs` (completions' echo); the engine computes the larger."""
+        """`defaults`: the model's, for the sampling fields the request leaves unset (else
+        OpenAI's). `prompt_logprobs`: what the route scores the prompt for beyond the
+        request's own `prompt_logprobs` (completions' echo); the engine computes the larger."""
         refuse_unhonoured(self.model_extra)
         if self.stream and self.prompt_logprobs:
             # As vLLM: a stream has no place for them.
@@ -86,13 +92,14 @@ class _GenerationRequest(GuidedDecodingFields):
                 "prompt_logprobs are not available when stream is true", "prompt_logprobs"
             )
         # SamplingParams validates every range and names the offending field.
+        unset = SamplingParams(**defaults.given())
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=unset.temperature if self.temperature is None else self.temperature,
+            top_p=unset.top_p if self.top_p is None else self.top_p,
+            top_k=unset.top_k if self.top_k is None else self.top_k,
+            min_p=unset.min_p if self.min_p is None else self.min_p,
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
@@ -105,7 +112,11 @@ class _GenerationRequest(GuidedDecodingFields):
             speculative=self.speculative,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=(
+                unset.repetition_penalty
+                if self.repetition_penalty is None
+                else self.repetition_penalty
+            ),
             logit_bias=_token_id_keys(self.logit_bias),
             min_tokens=self.min_tokens,
             bad_words=list(self.bad_words or []),
@@ -197,11 +208,12 @@ class ChatCompletionRequest(_GenerationRequest):
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        """`defaults`: the model's, for the sampling fields the request leaves unset."""
         limit = self.token_limit
         try:
             return self.to_sampling_params(
-                ALL_THE_CONTEXT if limit is None else limit, self.requested_logprobs()
+                ALL_THE_CONTEXT if limit is None else limit, self.requested_logprobs(), defaults
             )
         except InvalidRequestError as error:
             # Name the field as this request spelled it, not as SamplingParams does.

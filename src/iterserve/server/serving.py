@@ -29,6 +29,7 @@ from iterserve.engine.prompts import Prompt, takes_system_anywhere
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
 from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
+from iterserve.sampling_defaults import SamplingDefaults
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
 from iterserve.server.logprobs import token_decoder
@@ -88,6 +89,8 @@ class ServingContext:
     pair_prompts: PairPrompts | None = None
     embeds: bool = False
     labels: tuple[str, ...] = ()  # a classifier head's, where it serves /classify
+    # What a request's unset sampling fields take (--generation-config).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
 

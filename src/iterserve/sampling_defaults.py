@@ -1,0 +1,90 @@
+"""A model's own sampling settings, for the fields a request leaves unset: what its makers put
+in generation_config.json (Qwen3: temperature 0.6, top_k 20, top_p 0.95), or the
+`general.sampling.*` keys of a GGUF. vLLM applies the first by default (`--generation-config
+auto`), llama.cpp the second; without them a request that names no temperature samples at
+OpenAI's 1.0 with no cut, which such models are not made for. `--generation-config none`
+keeps OpenAI's defaults."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json's names; a GGUF's keys for the same settings. llama.cpp's
+# `penalty_repeat` is not here: it counts only the last `penalty_last_n` tokens (64), where
+# `repetition_penalty` counts the prompt and every generated token, so it is another setting.
+_GGUF_KEYS = {
+    "temperature": "general.sampling.temp",
+    "top_k": "general.sampling.top_k",
+    "top_p": "general.sampling.top_p",
+    "min_p": "general.sampling.min_p",
+}
+
+
+def _valid(name: str, value: Any) -> bool:
+    """Whether `value` is one SamplingParams takes for `name` (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    if name == "top_k":
+        return float(value).is_integer() and value >= -1
+    if name == "top_p":
+        return 0 < value <= 1
+    if name == "min_p":
+        return 0 <= value <= 1
+    if name == "repetition_penalty":
+        return value > 0
+    return value >= 0  # temperature
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """A model's settings for the fields a request leaves unset (None: OpenAI's)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def from_generation_config(cls, generation: Mapping[str, Any] | None) -> SamplingDefaults:
+        """From an HF checkpoint's generation_config.json (None: it has none)."""
+        return cls._checked({name: (generation or {}).get(name) for name in cls._names()})
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any]) -> SamplingDefaults:
+        """From a GGUF's `general.sampling.*` keys."""
+        return cls._checked({name: metadata.get(key) for name, key in _GGUF_KEYS.items()})
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(cls.__dataclass_fields__)
+
+    @classmethod
+    def _checked(cls, values: Mapping[str, Any]) -> SamplingDefaults:
+        """The values a request could take; another (a top_p of 0, a negative temperature)
+        is left out with a warning, rather than make every request that relies on it a 400."""
+        kept: dict[str, Any] = {}
+        for name, value in values.items():
+            if value is None:
+                continue
+            if _valid(name, value):
+                kept[name] = int(value) if name == "top_k" else float(value)
+            else:
+                logger.warning(
+                    "the model's sampling default %s=%r is not usable; left out", name, value
+                )
+        return cls(**kept)
+
+    def given(self) -> dict[str, float | int]:
+        """The settings the model gives, by SamplingParams' names."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+    def describe(self) -> str:
+        given = self.given()
+        return ", ".join(f"{name} {value:g}" for name, value in given.items()) or "OpenAI's"

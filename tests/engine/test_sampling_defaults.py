@@ -1,0 +1,107 @@
+"""A model's own sampling settings for the fields a request leaves unset (--generation-config
+auto, as vLLM and llama.cpp take them): read from generation_config.json and from a GGUF's
+general.sampling.* keys, used offline and by the server (the official client), while a
+request's own value and --generation-config none keep theirs.
+
+A tiny random model's next-token distribution is nearly flat, so a top_k of 1 is the one
+setting whose effect shows in the text: the greedy answer, where sampling without it is not."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import VOCAB
+from iterserve import LLM
+from iterserve.model.tokenizer import load_hf_tokenizer
+from iterserve.sampling_defaults import SamplingDefaults
+from iterserve.sampling_params import SamplingParams
+from server_fixtures import MODEL_NAME, running_server
+from tiny_checkpoints import tiny_hf_model
+from tiny_gguf import write_gguf
+
+PROMPT = "The capital of France is"
+SMALL = dict(dtype="float32", compile=False, num_kv_blocks=64)
+
+
+def test_a_models_settings_are_read_and_unusable_ones_left_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 2}
+    assert SamplingDefaults.from_generation_config(qwen3).given() == {
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    }
+    assert SamplingDefaults.from_generation_config(None) == SamplingDefaults()
+    with caplog.at_level(logging.WARNING, logger="iterserve.sampling_defaults"):
+        odd = {"temperature": -1.0, "top_p": 0.0, "top_k": 2.5, "min_p": True}
+        assert SamplingDefaults.from_generation_config(odd) == SamplingDefaults()
+    assert all(name in caplog.text for name in odd)
+    gguf = {
+        "general.sampling.temp": 0.7,
+        "general.sampling.top_k": 40,
+        "general.sampling.min_p": 0.05,
+        "general.sampling.penalty_repeat": 1.3,  # llama.cpp's, over the last 64 tokens only
+    }
+    assert SamplingDefaults.from_gguf(gguf) == SamplingDefaults(
+        temperature=0.7, top_k=40, min_p=0.05
+    )
+
+
+def test_a_ggufs_top_k_is_what_a_call_without_settings_samples_with(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    path = tmp_path / "tiny-top-k-1.gguf"
+    hf = tiny_hf_model("llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    write_gguf(path, "llama", hf, load_hf_tokenizer(tokenizer_dir), sampling={"top_k": 1})
+    llm = LLM(str(path), **SMALL)
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1)
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0), use_tqdm=False)[0].token_ids
+    assert llm.generate(PROMPT, use_tqdm=False)[0].token_ids == greedy
+    # The caller's own settings win: seeded sampling at temperature 1, no cut.
+    sampled = llm.generate(PROMPT, SamplingParams(seed=0), use_tqdm=False)[0].token_ids
+    assert sampled != greedy
+    del llm
+    plain = LLM(str(path), generation_config="none", **SMALL)
+    assert plain.get_default_sampling_params() == SamplingParams()
+    assert plain.generate(PROMPT, use_tqdm=False)[0].token_ids != greedy
+
+
+def test_the_server_fills_a_requests_unset_fields_from_generation_config_json(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"top_k": 1, "eos_token_id": 2}))
+    with running_server(model) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+        def text(**fields: object) -> str:
+            answer = client.completions.create(
+                model=MODEL_NAME,
+                prompt=PROMPT,
+                max_tokens=12,
+                **fields,  # type: ignore[call-overload]
+            )
+            return answer.choices[0].text
+
+        def chat(**fields: object) -> str | None:
+            answer = client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=12,
+                **fields,  # type: ignore[call-overload]
+            )
+            return answer.choices[0].message.content
+
+        assert text(seed=1) == text(temperature=0)  # top_k 1 from the model: greedy
+        assert chat(seed=1) == chat(temperature=0)
+        # A request's own top_k (0: no cut) is kept.
+        assert text(seed=1, extra_body={"top_k": 0}) != text(temperature=0)
+        assert chat(seed=1, extra_body={"top_k": 0}) != chat(temperature=0)
