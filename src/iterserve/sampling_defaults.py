@@ -8,10 +8,11 @@ keeps OpenAI's defaults."""
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -26,19 +27,18 @@ _GGUF_KEYS = {
 }
 
 
-def _valid(name: str, value: Any) -> bool:
-    """Whether `value` is one SamplingParams takes for `name` (a bool is not a number here)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+def _usable(name: str, value: Any) -> bool:
+    """Whether a request could send `value` for `name`: a number (not a bool; top_k a whole
+    one) that SamplingParams' own checks take."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return False
-    if name == "top_k":
-        return float(value).is_integer() and value >= -1
-    if name == "top_p":
-        return 0 < value <= 1
-    if name == "min_p":
-        return 0 <= value <= 1
-    if name == "repetition_penalty":
-        return value > 0
-    return value >= 0  # temperature
+    if name == "top_k" and not float(value).is_integer():
+        return False
+    try:
+        SamplingParams(**{name: int(value) if name == "top_k" else float(value)})
+    except InvalidRequestError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class SamplingDefaults:
         for name, value in values.items():
             if value is None:
                 continue
-            if _valid(name, value):
+            if _usable(name, value):
                 kept[name] = int(value) if name == "top_k" else float(value)
             else:
                 logger.warning(

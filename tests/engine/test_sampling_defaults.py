@@ -40,7 +40,13 @@ def test_a_models_settings_are_read_and_unusable_ones_left_out(
     }
     assert SamplingDefaults.from_generation_config(None) == SamplingDefaults()
     with caplog.at_level(logging.WARNING, logger="iterserve.sampling_defaults"):
-        odd = {"temperature": -1.0, "top_p": 0.0, "top_k": 2.5, "min_p": True}
+        odd = {
+            "temperature": -1.0,
+            "top_p": 0.0,
+            "top_k": 2.5,
+            "min_p": True,
+            "repetition_penalty": float("nan"),
+        }
         assert SamplingDefaults.from_generation_config(odd) == SamplingDefaults()
     assert all(name in caplog.text for name in odd)
     gguf = {
