@@ -16,14 +16,16 @@ from iterserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# generation_config.json's names; a GGUF's keys for the same settings. llama.cpp's
-# `penalty_repeat` is not here: it counts only the last `penalty_last_n` tokens (64), where
-# `repetition_penalty` counts the prompt and every generated token, so it is another setting.
+# generation_config.json's names; a GGUF's keys for the same settings, which llama.cpp's
+# converter writes from that file (gguf-py's Metadata.load). `penalty_repeat` comes from its
+# `repetition_penalty`, and is applied as its makers meant it, as vLLM does: over the prompt
+# and every generated token (llama.cpp counts the last `penalty_last_n`, 64, only).
 _GGUF_KEYS = {
     "temperature": "general.sampling.temp",
     "top_k": "general.sampling.top_k",
     "top_p": "general.sampling.top_p",
     "min_p": "general.sampling.min_p",
+    "repetition_penalty": "general.sampling.penalty_repeat",
 }
 
 

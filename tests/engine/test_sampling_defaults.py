@@ -53,10 +53,11 @@ def test_a_models_settings_are_read_and_unusable_ones_left_out(
         "general.sampling.temp": 0.7,
         "general.sampling.top_k": 40,
         "general.sampling.min_p": 0.05,
-        "general.sampling.penalty_repeat": 1.3,  # llama.cpp's, over the last 64 tokens only
+        "general.sampling.penalty_repeat": 1.3,  # written from repetition_penalty
+        "general.sampling.mirostat": 2,  # llama.cpp's own samplers: not iterserve's
     }
     assert SamplingDefaults.from_gguf(gguf) == SamplingDefaults(
-        temperature=0.7, top_k=40, min_p=0.05
+        temperature=0.7, top_k=40, min_p=0.05, repetition_penalty=1.3
     )
 
 
