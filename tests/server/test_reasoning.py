@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from iterserve import LLM, SamplingParams
+from iterserve.server.app import ServerSettings
 from iterserve.structured_output import StructuredOutput
 from server_fixtures import MODEL_NAME, RunningServer, reassembled, running_server
 from thinking_models import (
@@ -208,6 +209,40 @@ def test_the_thinking_switch_reaches_the_real_template(qwen3: RunningServer) -> 
             extra_body={"chat_template_kwargs": {"enable_thinking": True}},
         )
     assert error.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+
+
+def test_the_servers_default_template_kwargs_yield_to_a_requests_own(qwen3_dir: Path) -> None:
+    """`--default-chat-template-kwargs '{"enable_thinking": false}'`: a chat that names no
+    switch renders without thinking (and /tokenize as chat does); a request's own
+    chat_template_kwargs or reasoning_effort sets it still, and only its own kwargs can
+    contradict its effort."""
+    settings = ServerSettings(
+        served_model_names=[MODEL_NAME], default_chat_template_kwargs={"enable_thinking": False}
+    )
+    with running_server(qwen3_dir, settings) as server:
+        off, on = _prompt_length(server, enable_thinking=False), _prompt_length(server)
+        assert off != on
+        client = _client(server)
+
+        def prompt_tokens(**request: Any) -> int:
+            answer = client.chat.completions.create(
+                model=MODEL_NAME, messages=HI, max_tokens=1, **request
+            )
+            assert answer.usage is not None
+            return answer.usage.prompt_tokens
+
+        assert prompt_tokens() == off
+        assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == on
+        assert prompt_tokens(reasoning_effort="high") == on
+        assert prompt_tokens(reasoning_effort="none") == off
+        tokenized = httpx.post(f"{server.base_url}/tokenize", json={"messages": HI})
+        assert tokenized.json()["count"] == off
+        with pytest.raises(openai.BadRequestError) as error:
+            prompt_tokens(
+                reasoning_effort="high",
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+        assert error.value.body["param"] == "reasoning_effort"  # type: ignore[index]
 
 
 def test_effort_r1_cannot_honour_is_a_400(r1: RunningServer) -> None:

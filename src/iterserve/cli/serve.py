@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -21,6 +22,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("iterserve.server")
 _DAY = 86_400.0
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """--default-chat-template-kwargs' value: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +76,16 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "template writes <|channel|>, Gemma 4's channel where it writes that, else where it "
         "writes <think> (named deepseek_r1 when its generation prompt opens it); none: answers "
         "are not read for thinking (docs/reasoning.md)",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="kwargs every chat's template gets under the request's own chat_template_kwargs, "
+        "as vLLM's flag: '{\"enable_thinking\": false}' serves Qwen3 without thinking to "
+        "clients that cannot send extra fields; a request's reasoning_effort still sets the "
+        "switch",
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -185,6 +207,7 @@ def serve(args: argparse.Namespace) -> int:
         responses_store=args.responses_store or str(default_store_path()),
         responses_retention=Retention(args.responses_retention, args.responses_max_age * _DAY),
         reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
     )
     logger.info("stored responses: %s", settings.responses_store)
     app = create_app(async_engine, settings)

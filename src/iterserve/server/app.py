@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 
@@ -48,6 +49,8 @@ class ServerSettings:
     responses_store: str = IN_MEMORY
     responses_retention: Retention = field(default_factory=Retention)
     reasoning_parser: str = "auto"  # a name in REASONING_PARSER_CHOICES
+    # Every chat's template kwargs under its own (--default-chat-template-kwargs).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -129,6 +132,7 @@ def _serving_context(
         embeds=model.embeds,
         labels=model.labels,
         sampling_defaults=model.sampling_defaults,
+        default_template_kwargs=settings.default_chat_template_kwargs,
     )
     logger.info(
         "tool calls: %s (--tool-call-parser %s)",
@@ -142,4 +146,9 @@ def _serving_context(
         settings.reasoning_parser,
         reasoning.effort_note() if reasoning else "",
     )
+    if ctx.default_template_kwargs:
+        logger.info(
+            "every chat's template kwargs, under its own: %s (--default-chat-template-kwargs)",
+            ctx.default_template_kwargs,
+        )
     return ctx

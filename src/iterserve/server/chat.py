@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from iterserve.chat.answer import AnswerDelta, AnswerStream, read_answer
-from iterserve.chat.reasoning import cap_thinking, thinking_template_kwargs
+from iterserve.chat.reasoning import cap_thinking
 from iterserve.chat.reasoning_parsers import ThinkingReader
 from iterserve.chat.tool_parsers import ParsedCall
 from iterserve.chat.tool_prompt import render_with_tools
@@ -53,7 +53,7 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
         messages,
         plan,
         body.add_generation_prompt,
-        thinking_template_kwargs(ctx.reasoning, body.chat_template_kwargs, body.reasoning_effort),
+        ctx.template_kwargs(body.chat_template_kwargs, body.reasoning_effort),
         body.continue_final_message,
     )
 

@@ -11,7 +11,7 @@ import functools
 import inspect
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from iterserve.chat.reasoning import ReasoningSupport
+from iterserve.chat.reasoning import ReasoningSupport, thinking_template_kwargs
 from iterserve.chat.tool_parsers import ToolParser
 from iterserve.core.lora import LoRARequest
 from iterserve.engine.outputs import RequestOutput
@@ -91,12 +91,26 @@ class ServingContext:
     labels: tuple[str, ...] = ()  # a classifier head's, where it serves /classify
     # What a request's unset sampling fields take (--generation-config).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # Every chat's template kwargs, under a request's own (--default-chat-template-kwargs).
+    default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.decode_token = token_decoder(self.tokenizer)
         self.special_tokens = set(getattr(self.tokenizer, "all_special_tokens", ()))
+
+    def template_kwargs(
+        self, given: Mapping[str, Any] | None, effort: str | None
+    ) -> Mapping[str, Any] | None:
+        """A chat's template kwargs: the server's defaults under the request's own, with the
+        thinking switch `reasoning_effort` sets. A request's effort overrides a default
+        switch, as its own kwargs do; only a switch it gives itself can contradict it."""
+        defaults = dict(self.default_template_kwargs)
+        if effort is not None and self.reasoning is not None and self.reasoning.switch:
+            defaults.pop(self.reasoning.switch, None)
+        merged = {**defaults, **(given or {})}
+        return thinking_template_kwargs(self.reasoning, merged or given, effort)
 
     @functools.cached_property
     def system_anywhere(self) -> bool:

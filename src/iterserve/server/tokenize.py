@@ -61,7 +61,7 @@ def tokenizer_routes(ctx: ServingContext) -> APIRouter:
                 ctx.chat_template,
                 messages,
                 body.add_generation_prompt,
-                body.chat_template_kwargs,
+                ctx.template_kwargs(body.chat_template_kwargs, None),
                 continue_final_message=body.continue_final_message,
             ).text
             field = "messages"
