@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from iterserve.core.kv_cache import PrefixHashAlgo
+from iterserve.sampling_defaults import SamplingDefaults
 
 Batching = Literal["continuous", "static", "dynamic"]
 StepPolicy = Literal["mixed", "prefill-first"]
@@ -39,6 +41,17 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 
 class ConfigError(ValueError):
     """A setting that cannot work, said so at start-up."""
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (--override-generation-config, --default-chat-template-kwargs)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _gib_or_auto(text: str) -> KVCacheMemory:
@@ -381,6 +394,13 @@ class EngineConfig:
         "generation_config.json or a GGUF's general.sampling.* keys, as vLLM and llama.cpp "
         "do; none keeps OpenAI's (temperature 1, no cut)",
     )
+    override_generation_config: dict[str, Any] | None = _opt(
+        None,
+        "sampling settings over the model's for the fields a request leaves unset, as a JSON "
+        "object of temperature, top_k, top_p, min_p, repetition_penalty (vLLM's flag; "
+        'llama-server\'s --temp, --top-k...): \'{"temperature": 0.6, "top_k": 20}\'',
+        parse=json_object,
+    )
     dtype: DType = _opt(
         "auto",
         "weights and activations: auto is bfloat16 where this CPU computes it natively or "
@@ -446,12 +466,20 @@ class EngineConfig:
                 "bfloat16 and --kernels auto"
             )
         self._validate_tensor_parallel()
+        self.sampling_overrides()
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()
         self.pooling.validate()
         self.lora.validate()
         return self
+
+    def sampling_overrides(self) -> SamplingDefaults:
+        """--override-generation-config as settings; ConfigError naming what it cannot take."""
+        try:
+            return SamplingDefaults().with_overrides(self.override_generation_config or {})
+        except ValueError as error:
+            raise ConfigError(f"--override-generation-config: {error}") from None
 
     def _validate_tensor_parallel(self) -> None:
         _check_at_least_one(self, "tensor_parallel_size")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
@@ -82,6 +82,18 @@ class SamplingDefaults:
                     "the model's sampling default %s=%r is not usable; left out", name, value
                 )
         return cls(**kept)
+
+    def with_overrides(self, settings: Mapping[str, Any]) -> SamplingDefaults:
+        """These settings with a user's over them (--override-generation-config); ValueError
+        naming one that is not a setting here, or not a value a request could send."""
+        for name, value in settings.items():
+            if name not in self._names():
+                raise ValueError(f"{name!r} is not one of {', '.join(self._names())}")
+            if not _usable(name, value):
+                raise ValueError(f"{name}={value!r} is not a value a request could send")
+        return replace(
+            self, **{n: int(v) if n == "top_k" else float(v) for n, v in settings.items()}
+        )
 
     def given(self) -> dict[str, float | int]:
         """The settings the model gives, by SamplingParams' names."""

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import VOCAB
 from iterserve import LLM
+from iterserve.config import ConfigError, EngineConfig
 from iterserve.model.tokenizer import load_hf_tokenizer
 from iterserve.sampling_defaults import SamplingDefaults
 from iterserve.sampling_params import SamplingParams
@@ -78,6 +79,26 @@ def test_a_ggufs_top_k_is_what_a_call_without_settings_samples_with(
     plain = LLM(str(path), generation_config="none", **SMALL)
     assert plain.get_default_sampling_params() == SamplingParams()
     assert plain.generate(PROMPT, use_tqdm=False)[0].token_ids != greedy
+    del plain
+    # A user's settings go over the model's, field by field (vLLM's flag).
+    over = LLM(str(path), override_generation_config={"temperature": 0.5}, **SMALL)
+    assert over.get_default_sampling_params() == SamplingParams(top_k=1, temperature=0.5)
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        ({"top_p": 0}, "top_p=0 is not a value a request could send"),
+        ({"typical_p": 0.9}, "'typical_p' is not one of temperature, top_k"),
+        ({"top_k": "20"}, "top_k='20' is not a value"),
+    ],
+)
+def test_overrides_a_request_could_not_send_stop_the_start(
+    overrides: dict[str, object], said: str
+) -> None:
+    with pytest.raises(ConfigError, match="--override-generation-config") as raised:
+        EngineConfig(override_generation_config=overrides)
+    assert said in str(raised.value)
 
 
 def test_the_server_fills_a_requests_unset_fields_from_generation_config_json(

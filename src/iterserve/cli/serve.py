@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from iterserve.chat.reasoning_parsers import REASONING_PARSER_CHOICES
 from iterserve.chat.tool_parsers import TOOL_PARSER_CHOICES
-from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args
+from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args, json_object
 from iterserve.replicas.router import ROUTERS
 from iterserve.server.response_store import Retention, default_store_path
 
@@ -22,17 +21,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("iterserve.server")
 _DAY = 86_400.0
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """--default-chat-template-kwargs' value: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -79,7 +67,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--default-chat-template-kwargs",
-        type=_json_object,
+        type=json_object,
         default={},
         metavar="JSON",
         help="kwargs every chat's template gets under the request's own chat_template_kwargs, "

@@ -187,15 +187,18 @@ class LLMEngine:
         self.chat_template = chat_template(
             self.config.chat_template, loaded.chat_template, loaded.tokenizer
         )
-        self.sampling_defaults = (
+        model_defaults = (
             loaded.sampling_defaults
             if self.config.generation_config == "auto"
             else SamplingDefaults()
         )
+        overrides = self.config.override_generation_config or {}
+        self.sampling_defaults = model_defaults.with_overrides(overrides)  # checked: validate()
         logger.info(
-            "sampling defaults for unset fields: %s (--generation-config %s)",
+            "sampling defaults for unset fields: %s (--generation-config %s%s)",
             self.sampling_defaults.describe(),
             self.config.generation_config,
+            ", --override-generation-config" if overrides else "",
         )
 
     def _size_kv_cache(
