@@ -1,7 +1,7 @@
 """--chat-template: a template of the user's in place of the checkpoint's, from a file or
 inline, for the server and the offline LLM alike; one that cannot work stops the start with
 a message naming the flag. (Each tool-call format's real template given so, through a real
-server: test_tool_call_families.py.)"""
+server: test_tool_call_families.py.) `LLM.chat` takes one a call, as vLLM's does."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from iterserve import LLM
 from iterserve.config import ConfigError
+from iterserve.engine.prompts import render_chat
 from iterserve.sampling_params import SamplingParams
 from server_fixtures import MODEL_NAME, running_server
 
@@ -56,6 +57,22 @@ def test_an_inline_template_renders_llm_chat(tiny_llama_dir: Path) -> None:
     [output] = llm.chat(CHAT, SamplingParams(max_tokens=1), use_tqdm=False)
     assert output.prompt == RENDERED
     assert llm.apply_chat_template(CHAT) == llm.tokenizer.encode(RENDERED, add_special_tokens=False)
+
+
+def test_a_calls_own_template_renders_that_call_only(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`LLM.chat(..., chat_template=...)`, as vLLM's takes one: that call's conversations,
+    inline or from a file; the next call without one renders with the engine's again."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False, num_kv_blocks=64)
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    for given in (TEMPLATE, str(path)):
+        [output] = llm.chat(CHAT, SamplingParams(max_tokens=1), False, chat_template=given)
+        assert output.prompt == RENDERED
+    [own] = llm.chat(CHAT, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert own.prompt == render_chat(llm.tokenizer, llm.engine.chat_template, CHAT).text
+    assert own.prompt != RENDERED
+    with pytest.raises(ConfigError, match="chat_template 'missing.jinja': no such file"):
+        llm.chat(CHAT, chat_template="missing.jinja")
 
 
 @pytest.mark.parametrize(

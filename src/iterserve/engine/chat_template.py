@@ -18,17 +18,18 @@ from iterserve.sampling_params import InvalidRequestError
 _PROBE = [{"role": "user", "content": "Hello"}]
 
 
-def chat_template(flag: str | None, loaded_template: str | None, tokenizer: Any) -> str | None:
+def resolve_chat_template(
+    flag: str | None, loaded_template: str | None, tokenizer: Any, name: str = "--chat-template"
+) -> str | None:
     """--chat-template (a template, or a file holding one) over the checkpoint's own template;
-    ConfigError if it is neither a file nor a template, or does not parse: said at start-up,
-    not as a 400 on every chat request."""
+    ConfigError naming `name` if it is neither a file nor a template, or does not parse: said
+    at start-up, not as a 400 on every chat request."""
     if flag is None:
         return loaded_template
-    template = _read_if_file(flag)
+    template = _read_if_file(flag, name)
     if "{{" not in template and "{%" not in template:
         raise ConfigError(
-            f"--chat-template {flag!r}: no such file, and not a Jinja template ({{{{ or {{% "
-            "missing)"
+            f"{name} {flag!r}: no such file, and not a Jinja template ({{{{ or {{% missing)"
         )
     try:
         render_chat(tokenizer, template, _PROBE)
@@ -36,14 +37,14 @@ def chat_template(flag: str | None, loaded_template: str | None, tokenizer: Any)
         if isinstance(error.__cause__, jinja2.TemplateSyntaxError):
             syntax = error.__cause__
             raise ConfigError(
-                f"--chat-template does not parse, line {syntax.lineno}: {syntax.message}"
+                f"{name} does not parse, line {syntax.lineno}: {syntax.message}"
             ) from None
         # Any other refusal is the template's rule about conversations (one that insists on
         # a system message, say): requests it refuses get their 400 then.
     return template
 
 
-def _read_if_file(flag: str) -> str:
+def _read_if_file(flag: str, name: str) -> str:
     """The text of the file `flag` names, else `flag` itself (a template inline)."""
     if "{" in flag:  # a template: no file name to try
         return flag
@@ -53,4 +54,4 @@ def _read_if_file(flag: str) -> str:
     except FileNotFoundError:
         return flag
     except OSError as error:  # a directory, no permission, a name too long for a path
-        raise ConfigError(f"--chat-template {flag!r}: cannot read it: {error}") from None
+        raise ConfigError(f"{name} {flag!r}: cannot read it: {error}") from None

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from iterserve.config import EngineConfig, engine_config
 from iterserve.core.lora import LoRARequest
+from iterserve.engine.chat_template import resolve_chat_template
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, RenderedChat, as_prompt, prompt_text, render_chat
@@ -189,6 +190,7 @@ class LLM:
         reasoning_parser: str = "auto",
         chat_template_kwargs: Mapping[str, Any] | None = None,
         thinking_token_budget: int | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Chat completions for one conversation or several. With `tools` (OpenAI's
         function definitions) and `tool_choice`, as the server takes them: the tools go to
@@ -197,13 +199,19 @@ class LLM:
         `output.reasoning_content` and the rest of the answer to `output.content`, as
         `reasoning_parser` reads it (as `--reasoning-parser`). `chat_template_kwargs` go to
         the template (`{"enable_thinking": False}` turns Qwen3's thinking off);
-        `thinking_token_budget` caps the thinking in tokens. Reading: chat/offline_chat.py."""
+        `thinking_token_budget` caps the thinking in tokens. `chat_template` (the text, or a
+        file holding it) renders this call's conversations in place of the engine's, as
+        vLLM's `LLM.chat` takes one; the parsers under "auto" follow it. Reading:
+        chat/offline_chat.py."""
         from iterserve.chat.offline_chat import OfflineChat  # the server's parsers
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = resolve_chat_template(
+            chat_template, self.engine.chat_template, self.tokenizer, "chat_template"
+        )
         chat = OfflineChat(
             self.tokenizer,
-            self.engine.chat_template,
+            template,
             tools,
             tool_choice,
             parallel_tool_calls,

@@ -31,7 +31,7 @@ from iterserve.core.request import EMBED_LANE, FinishReason, Request, RequestSta
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import NgramProposer
 from iterserve.engine import available_memory, kv_pool_ledger
-from iterserve.engine.chat_template import chat_template
+from iterserve.engine.chat_template import resolve_chat_template
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats
 from iterserve.engine.kv_pool_size import (
@@ -184,7 +184,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.chat_template = chat_template(
+        self.chat_template = resolve_chat_template(
             self.config.chat_template, loaded.chat_template, loaded.tokenizer
         )
         model_defaults = (
