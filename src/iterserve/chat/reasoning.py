@@ -96,6 +96,12 @@ class ReasoningSupport:
         # is several tokens the model could not open thinking under a grammar either.)
         return None
 
+    @property
+    def effort_variable(self) -> str | None:
+        """The template variable a request's effort sets (template_kwargs): the effort
+        itself where the template takes levels (gpt-oss's), else the thinking switch."""
+        return EFFORT_VARIABLE if self.parser.effort_levels is not None else self.switch
+
     def effort_note(self) -> str:
         """What `reasoning_effort` sets, for the start-up log."""
         if self.parser.effort_levels:

@@ -103,14 +103,14 @@ class ServingContext:
     def template_kwargs(
         self, given: Mapping[str, Any] | None, effort: str | None
     ) -> Mapping[str, Any] | None:
-        """A chat's template kwargs: the server's defaults under the request's own, with the
-        thinking switch `reasoning_effort` sets. A request's effort overrides a default
-        switch, as its own kwargs do; only a switch it gives itself can contradict it."""
+        """A chat's template kwargs: the server's defaults under the request's own, with what
+        `reasoning_effort` sets (the thinking switch, or gpt-oss's effort). A request's effort
+        overrides a default's, as its own kwargs do; only its own kwargs can contradict it."""
         defaults = dict(self.default_template_kwargs)
-        if effort is not None and self.reasoning is not None and self.reasoning.switch:
-            defaults.pop(self.reasoning.switch, None)
+        if effort is not None and self.reasoning is not None:
+            defaults.pop(self.reasoning.effort_variable, None)
         merged = {**defaults, **(given or {})}
-        return thinking_template_kwargs(self.reasoning, merged or given, effort)
+        return thinking_template_kwargs(self.reasoning, merged or None, effort)
 
     @functools.cached_property
     def system_anywhere(self) -> bool:
