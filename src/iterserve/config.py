@@ -380,7 +380,12 @@ class PoolingConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = _opt(None, "HF directory or GGUF file (default: bundled SmolLM2-135M)")
+    model: str | None = _opt(
+        None,
+        "HF directory or GGUF file, or a repository already in the local Hugging Face cache "
+        "(never downloaded): OWNER/NAME, or OWNER/NAME:QUANT for one GGUF of a repository of "
+        "several, as llama.cpp's -hf takes it (no tag: Q4_K_M) (default: bundled SmolLM2-135M)",
+    )
     chat_template: str | None = _opt(
         None,
         "the Jinja template chats are rendered with, in place of the model's own (a file "

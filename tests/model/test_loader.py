@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGUFWriter
+from huggingface_hub import constants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from iterserve.model.bundled import default_model_path
 from iterserve.model.config import ModelConfig
 from iterserve.model.loader import (
     LoadedModel,
     ModelLoadError,
-    default_model_path,
     hf_model_config,
     load_model,
 )
@@ -182,9 +183,11 @@ def test_sliding_window_is_read_for_mistral_and_refused_for_qwen2() -> None:
 # ---------------------------------------------------------------- errors
 
 
-def test_unknown_path(tmp_path: Path) -> None:
+def test_unknown_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(tmp_path / "nope")
+    # A repository's name: looked for in the Hugging Face cache only (the host's left out).
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ModelLoadError, match="never downloads"):
         load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from iterserve.bench.metrics import compute_metrics
@@ -46,9 +45,10 @@ def load_transformers_model(path: str | None, dtype: str) -> tuple[Any, int]:
     from transformers import AutoModelForCausalLM
 
     from iterserve.bench.transformers_checkpoint import from_loaded
-    from iterserve.model.loader import default_model_path, load_model
+    from iterserve.model.loader import load_model
+    from iterserve.model.model_source import find_model
 
-    location = default_model_path() if path is None else Path(path).expanduser()
+    location = find_model(path).path
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     if location.is_dir() and (location / "config.json").exists():
         model = AutoModelForCausalLM.from_pretrained(

@@ -6,18 +6,15 @@ same vocabulary as the server, not its model.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from iterserve.model.bundled import default_model_path
 from iterserve.model.gguf_parts import model_file
+from iterserve.model.model_source import find_model
 
 
 def load_tokenizer(spec: str | None = None) -> Any:
     """An HF directory, a .gguf file (or a directory holding one), or None for the bundled model."""
-    path = default_model_path() if spec is None else Path(spec).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist (never downloaded)")
+    path = find_model(spec).path
     if path.is_dir() and not (path / "tokenizer.json").exists():
         path = model_file(path) or path
     if path.is_file():

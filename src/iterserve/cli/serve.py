@@ -33,8 +33,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "model_tag",
         nargs="?",
         metavar="MODEL",
-        help="HF directory or GGUF file to serve, as `vllm serve MODEL` takes it (the same as "
-        "--model; default: the bundled SmolLM2-135M)",
+        help="HF directory or GGUF file to serve, or OWNER/NAME[:QUANT] already in the local "
+        "Hugging Face cache, as `vllm serve MODEL` takes it (the same as --model; default: "
+        "the bundled SmolLM2-135M)",
     )
     _add_front_end_args(p)
     _add_stored_responses_args(p.add_argument_group("stored responses"))

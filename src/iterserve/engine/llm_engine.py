@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
@@ -61,11 +60,11 @@ from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import ModelPlan, build_model, choose_dtype
-from iterserve.model.bundled import default_model_path
 from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
+from iterserve.model.model_source import find_model
 from iterserve.model.score_head import prepare_score_head
 from iterserve.pooling_params import PoolingParams
 from iterserve.prompt_truncation import PromptTruncation
@@ -139,7 +138,7 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, dtype)
         check_weights_fit(loaded, config.weights, self.device)
         self._take_model(loaded)
-        path = Path(config.model).expanduser() if config.model else default_model_path()
+        path = find_model(config.model).path
         # A reranker's score head, and the prompt its (query, document) pairs go into.
         prepare_score_head(loaded, path, config.pooling.classifier_from_tokens)
         self.pair_prompts = PairPrompts(

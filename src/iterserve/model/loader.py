@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from iterserve.model.bundled import default_model_path
 from iterserve.model.config import (
     GRANITE_FAMILIES,
     GRANITE_MULTIPLIERS,
@@ -24,6 +23,7 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_parts import model_file
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
+from iterserve.model.model_source import find_model
 from iterserve.model.rope import UnsupportedRope, rope_type_of, rotary_dims, served_rope
 from iterserve.model.safetensors_file import StoredTensor, stored_tensors
 from iterserve.model.safetensors_mxfp4 import gpt_oss_mxfp4_experts, is_mxfp4_tensor
@@ -104,12 +104,17 @@ _EXAONE4_LAYER_TYPES = {"L": "sliding_attention", "G": "full_attention"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
-    """Load an HF directory (config.json + safetensors) or a GGUF file; None is the bundled model."""
-    path = default_model_path() if path is None else Path(path).expanduser()
-    if not path.exists():
-        hint = " (iterserve never downloads: pass a local directory or .gguf file)"
-        raise ModelLoadError(f"model path {str(path)!r} does not exist{hint}")
+def load_model(spec: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    """Load an HF directory (config.json + safetensors) or a GGUF file, or either from the
+    local Hugging Face cache by its repository (model/model_source.py); None is the bundled
+    model."""
+    source = find_model(spec)
+    loaded = _load_path(source.path, dtype)
+    # A repository is served by the name it was given, as vLLM's default served name is.
+    return dataclasses.replace(loaded, name=source.name) if source.name else loaded
+
+
+def _load_path(path: Path, dtype: torch.dtype) -> LoadedModel:
     if path.is_dir() and not (path / "config.json").exists():
         if (gguf := model_file(path)) is None:
             ggufs = sorted(path.glob("*.gguf"))

@@ -44,12 +44,13 @@ QWEN3_RERANKER_TEMPLATE = (
 
 
 def is_qwen3_reranker(path: Path, loaded: LoadedModel) -> bool:
-    """A Qwen3 causal LM whose directory or file says it is Qwen3-Reranker (it has no other
-    mark: GGUFs converted before llama.cpp knew rerankers have no cls.output either)."""
+    """A Qwen3 causal LM whose directory, file or repository says it is Qwen3-Reranker (it has
+    no other mark: GGUFs converted before llama.cpp knew rerankers have no cls.output either).
+    A repository's name is in its model's (a snapshot's directory is named by its commit)."""
     return (
         loaded.config.architecture == "qwen3"
         and SCORE_WEIGHT not in loaded.weights
-        and "qwen3-reranker" in path.resolve().name.lower()
+        and any("qwen3-reranker" in name.lower() for name in (path.resolve().name, loaded.name))
     )
 
 

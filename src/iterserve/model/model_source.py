@@ -1,0 +1,141 @@
+"""Where the model a user names lies: a path, the bundled model, or a repository already in
+the local Hugging Face cache.
+
+`vllm serve Qwen/Qwen3-8B` finds a checkpoint that `hf download` put in the cache, and
+llama.cpp's `-hf bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M` picks one quantization of a
+GGUF repository by its tag. iterserve takes both forms, but never downloads: a repository
+that is not in the cache is an error saying how to fetch it. The cache is the hub's own
+layout (`models--OWNER--NAME/refs/main` names a commit, `snapshots/COMMIT/` holds the files
+downloaded so far, as links into `blobs/`), found where huggingface_hub finds it (HF_HUB_CACHE,
+HF_HOME, ~/.cache/huggingface/hub).
+
+Names only: no file is opened here (the loaders read them).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from iterserve.model.bundled import default_model_path
+from iterserve.model.errors import ModelLoadError
+from iterserve.model.gguf_parts import part_number
+
+# OWNER/NAME, optionally :TAG (a quantization, llama.cpp's `-hf` form). Hub names are letters,
+# digits, '-', '_' and '.'.
+_REPO_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<tag>[\w.-]+))?$")
+# llama.cpp's choice when a GGUF repository is named without a tag.
+DEFAULT_GGUF_TAG = "Q4_K_M"
+# Files beside a GGUF model that are not one: a vision model's projector.
+_NOT_A_MODEL = re.compile(r"^mmproj", re.IGNORECASE)
+_QUANT_TAG = re.compile(
+    r"(?:^|[-._])((?:UD-)?(?:I?Q\d[\w]*|[BF]F?16|F32))(?:-\d{5}-of-\d{5})?$", re.IGNORECASE
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path  # an HF directory or a GGUF file (a split model's first part)
+    name: str | None = None  # the repository as the user named it; None for a path
+
+
+def find_model(spec: str | Path | None) -> ModelSource:
+    """The model `spec` names: None is the bundled model; an existing path is itself; else
+    OWNER/NAME[:TAG] in the local Hugging Face cache. ModelLoadError saying what was looked
+    for where, and how to get it, otherwise."""
+    if spec is None:
+        return ModelSource(default_model_path())
+    path = Path(spec).expanduser()
+    if path.exists():
+        return ModelSource(path)
+    match = _REPO_ID.match(str(spec))
+    if match is None:
+        raise ModelLoadError(
+            f"model path {str(spec)!r} does not exist (iterserve never downloads: pass a local "
+            "directory or .gguf file, or a repository already in the Hugging Face cache)"
+        )
+    repo, tag = match["repo"], match["tag"]
+    snapshot = _snapshot(repo, str(spec))
+    return ModelSource(_model_in(snapshot, repo, tag), str(spec))
+
+
+def hub_cache() -> Path:
+    """The hub cache huggingface_hub uses (its environment variables read at its import)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _snapshot(repo: str, spec: str) -> Path:
+    """The cached snapshot of `repo` that refs/main names (the only one, without a ref)."""
+    cache = hub_cache()
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    snapshots = sorted(p for p in (folder / "snapshots").glob("*") if p.is_dir())
+    if not snapshots:
+        raise ModelLoadError(
+            f"model {spec!r} is neither a local path nor a repository in the Hugging Face "
+            f"cache ({cache}); iterserve never downloads: fetch it first, e.g. `hf download "
+            f"{repo}` (a GGUF repository: `hf download {repo} --include '*Q4_K_M*'`)"
+        )
+    ref = folder / "refs" / "main"
+    if ref.is_file():
+        commit = ref.read_text().strip()
+        if (folder / "snapshots" / commit).is_dir():
+            return folder / "snapshots" / commit
+    if len(snapshots) == 1:
+        return snapshots[0]
+    raise ModelLoadError(
+        f"model {spec!r}: the Hugging Face cache holds {len(snapshots)} snapshots of {repo} "
+        f"({', '.join(p.name[:12] for p in snapshots)}) and no refs/main naming one; pass the "
+        "snapshot's directory as the model"
+    )
+
+
+def _model_in(snapshot: Path, repo: str, tag: str | None) -> Path:
+    """The HF directory or the GGUF model (by its tag; without one, the only GGUF model or
+    the one llama.cpp would take) a snapshot holds."""
+    if tag is None and (snapshot / "config.json").is_file():
+        return snapshot
+    models = _gguf_models(snapshot)
+    wanted = tag or DEFAULT_GGUF_TAG
+    if tag is None and len(models) == 1:
+        return models[0]
+    chosen = [p for p in models if (quant_tag(p) or "").upper() == wanted.upper()]
+    if len(chosen) == 1:
+        return chosen[0]
+    where = f"{repo} in the Hugging Face cache ({snapshot})"
+    if not models:
+        raise ModelLoadError(
+            f"{where} holds neither a config.json nor a GGUF model: fetch its files first "
+            f"(`hf download {repo}`)"
+        )
+    if chosen:
+        paths = ", ".join(str(p.relative_to(snapshot)) for p in chosen)
+        raise ModelLoadError(
+            f"{where} holds {len(chosen)} GGUF models tagged {wanted} "
+            f"({paths}): pass the path of the one to serve"
+        )
+    tags = ", ".join(sorted({quant_tag(p) or p.name for p in models}))
+    raise ModelLoadError(
+        f"{where} holds no GGUF model tagged {wanted} (it holds {tags}): name one as {repo}:TAG"
+    )
+
+
+def _gguf_models(snapshot: Path) -> list[Path]:
+    """The GGUF models among a snapshot's files, its folders too (large quantizations often
+    sit in one of their own): whole files, and split models by their first parts."""
+    found = []
+    for path in sorted(snapshot.rglob("*.gguf")):
+        number = part_number(path)
+        if _NOT_A_MODEL.match(path.name) or (number is not None and number[0] != 1):
+            continue
+        found.append(path)
+    return found
+
+
+def quant_tag(path: Path) -> str | None:
+    """The quantization a GGUF's name ends in, as hubs name them ("Q4_K_M", "IQ4_XS",
+    "UD-Q4_K_XL", "BF16"), or None."""
+    match = _QUANT_TAG.search(path.name.removesuffix(".gguf"))
+    return match[1] if match else None
