@@ -15,6 +15,7 @@ from iterserve import LLM
 from iterserve.config import ConfigError
 from iterserve.engine.prompts import render_chat
 from iterserve.sampling_params import SamplingParams
+from iterserve.server.app import ServerSettings
 from server_fixtures import MODEL_NAME, running_server
 
 # Unlike the tiny model's own (SmolLM2's ChatML), so a prompt shows which one rendered it.
@@ -91,3 +92,53 @@ def test_a_template_that_cannot_work_stops_the_start(
     with pytest.raises(ConfigError, match="--chat-template") as raised:
         _llm(tiny_llama_dir, flag)
     assert said in str(raised.value)
+
+
+def _refusal(response: httpx.Response) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "chat_template"
+    return error["message"]
+
+
+def test_a_requests_own_template_renders_it_only_where_the_server_trusts_requests(
+    tiny_llama_dir: Path,
+) -> None:
+    """vLLM's `chat_template` request field and --trust-request-chat-template: without the
+    flag a 400 naming the field; with it, that request's chat (and /tokenize) render with it,
+    a chat without one with the server's, and a template that cannot work is a 400 naming it
+    (a path is text, never a file read on the server)."""
+    own = {"messages": CHAT, "chat_template": TEMPLATE}
+    with running_server(tiny_llama_dir) as server:
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={**own, "max_tokens": 1})
+        assert "--trust-request-chat-template" in _refusal(chat)
+        assert "--trust-request-chat-template" in _refusal(
+            httpx.post(f"{server.base_url}/tokenize", json=own)
+        )
+    trusted = ServerSettings(served_model_names=[MODEL_NAME], trust_request_chat_template=True)
+    with running_server(tiny_llama_dir, settings=trusted) as server:
+        expected = server.engine.tokenizer.encode(RENDERED, add_special_tokens=False)
+        tokenized = httpx.post(f"{server.base_url}/tokenize", json=own)
+        assert tokenized.status_code == 200, tokenized.text
+        assert tokenized.json()["tokens"] == expected
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        for template, tokens in [(TEMPLATE, len(expected)), (None, None)]:
+            answer = client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=CHAT,  # type: ignore[arg-type]
+                max_tokens=1,
+                extra_body={"chat_template": template} if template else None,
+            )
+            assert answer.usage is not None
+            if tokens is None:  # the server's own template (ChatML): another prompt
+                assert answer.usage.prompt_tokens != len(expected)
+            else:
+                assert answer.usage.prompt_tokens == tokens
+        for template, said in [
+            ("{% for m in messages %}{{ m['content'] }}", "does not parse, line 1"),
+            ("/etc/hostname", "is not a Jinja template"),
+        ]:
+            body = {"messages": CHAT, "chat_template": template, "max_tokens": 1}
+            assert said in _refusal(httpx.post(f"{server.base_url}/v1/chat/completions", json=body))
+        # The server still answers its other requests.
+        assert client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1)  # type: ignore[arg-type]

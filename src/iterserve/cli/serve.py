@@ -77,6 +77,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "switch",
     )
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat with the Jinja template its request sends as chat_template (vLLM's "
+        "flag; without it such a request is a 400): for a trusted network only, as the "
+        "template runs on the server; the tool-call and reasoning parsers stay the server's",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     add_engine_args(p)
@@ -197,6 +204,7 @@ def serve(args: argparse.Namespace) -> int:
         responses_retention=Retention(args.responses_retention, args.responses_max_age * _DAY),
         reasoning_parser=args.reasoning_parser,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     logger.info("stored responses: %s", settings.responses_store)
     app = create_app(async_engine, settings)

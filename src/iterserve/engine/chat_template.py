@@ -27,21 +27,33 @@ def resolve_chat_template(
     if flag is None:
         return loaded_template
     template = _read_if_file(flag, name)
-    if "{{" not in template and "{%" not in template:
+    if not _looks_like_a_template(template):
         raise ConfigError(
             f"{name} {flag!r}: no such file, and not a Jinja template ({{{{ or {{% missing)"
         )
+    if problem := template_problem(template, tokenizer):
+        raise ConfigError(f"{name} {problem}")
+    return template
+
+
+def template_problem(template: str, tokenizer: Any) -> str | None:
+    """Why `template` cannot render chats ("is not a Jinja template", "does not parse, line
+    3: ..."), found by rendering a one-message conversation; None if it renders one, or
+    refuses it by a rule of its own about conversations (one that insists on a system
+    message, say): the requests it refuses get their 400 then."""
+    if not _looks_like_a_template(template):
+        return "is not a Jinja template ({{ or {% missing)"
     try:
         render_chat(tokenizer, template, _PROBE)
     except InvalidRequestError as error:
         if isinstance(error.__cause__, jinja2.TemplateSyntaxError):
             syntax = error.__cause__
-            raise ConfigError(
-                f"{name} does not parse, line {syntax.lineno}: {syntax.message}"
-            ) from None
-        # Any other refusal is the template's rule about conversations (one that insists on
-        # a system message, say): requests it refuses get their 400 then.
-    return template
+            return f"does not parse, line {syntax.lineno}: {syntax.message}"
+    return None
+
+
+def _looks_like_a_template(text: str) -> bool:
+    return "{{" in text or "{%" in text
 
 
 def _read_if_file(flag: str, name: str) -> str:

@@ -51,6 +51,8 @@ class ServerSettings:
     reasoning_parser: str = "auto"  # a name in REASONING_PARSER_CHOICES
     # Every chat's template kwargs under its own (--default-chat-template-kwargs).
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # A request's own `chat_template` renders it (--trust-request-chat-template).
+    trust_request_chat_template: bool = False
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -133,6 +135,7 @@ def _serving_context(
         labels=model.labels,
         sampling_defaults=model.sampling_defaults,
         default_template_kwargs=settings.default_chat_template_kwargs,
+        trust_request_chat_template=settings.trust_request_chat_template,
     )
     logger.info(
         "tool calls: %s (--tool-call-parser %s)",

@@ -49,7 +49,7 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
     return render_with_tools(
         ctx.tokenizer,
-        ctx.chat_template,
+        ctx.chat_template_for(body.chat_template),
         messages,
         plan,
         body.add_generation_prompt,
@@ -64,7 +64,7 @@ def chat_plan(body: ChatCompletionRequest, ctx: ServingContext, params: Sampling
         body.tools,
         body.tool_choice,
         body.parallel_tool_calls,
-        ctx.chat_template,
+        ctx.chat_template_for(body.chat_template),
         ctx.tool_parser,
         params,
         ctx.special_tokens,

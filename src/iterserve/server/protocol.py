@@ -188,6 +188,8 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's: the answer continues the last (assistant) message; add_generation_prompt off.
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: this request's own template (its text), behind --trust-request-chat-template.
+    chat_template: str | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -24,13 +24,14 @@ from starlette.types import Receive, Scope, Send
 from iterserve.chat.reasoning import ReasoningSupport, thinking_template_kwargs
 from iterserve.chat.tool_parsers import ToolParser
 from iterserve.core.lora import LoRARequest
+from iterserve.engine.chat_template import template_problem
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, takes_system_anywhere
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
 from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
 from iterserve.sampling_defaults import SamplingDefaults
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
 from iterserve.server.logprobs import token_decoder
 from iterserve.server.protocol import UsageInfo
@@ -93,6 +94,8 @@ class ServingContext:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # Every chat's template kwargs, under a request's own (--default-chat-template-kwargs).
     default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # A request's own `chat_template` renders it (--trust-request-chat-template).
+    trust_request_chat_template: bool = False
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
 
@@ -111,6 +114,25 @@ class ServingContext:
             defaults.pop(self.reasoning.effort_variable, None)
         merged = {**defaults, **(given or {})}
         return thinking_template_kwargs(self.reasoning, merged or None, effort)
+
+    def chat_template_for(self, given: str | None) -> str | None:
+        """The template a chat renders with: the request's own `chat_template` (its text) if
+        the server trusts requests' templates, as vLLM's --trust-request-chat-template does,
+        else the server's. A request's template is Jinja run on the server, so it is refused
+        unless the server was told to run them. The tool-call and reasoning parsers stay the
+        server's."""
+        if given is None:
+            return self.chat_template
+        if not self.trust_request_chat_template:
+            raise InvalidRequestError(
+                "chat_template: this server renders chats with its own template; one sent "
+                "with a request is taken only when the server is started with "
+                "--trust-request-chat-template",
+                "chat_template",
+            )
+        if problem := template_problem(given, self.tokenizer):
+            raise InvalidRequestError(f"chat_template {problem}", "chat_template")
+        return given
 
     @functools.cached_property
     def system_anywhere(self) -> bool:

@@ -28,6 +28,7 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, object] | None = None
+    chat_template: str | None = None  # behind --trust-request-chat-template, as for chats
 
 
 class TokenizeResponse(BaseModel):
@@ -58,7 +59,7 @@ def tokenizer_routes(ctx: ServingContext) -> APIRouter:
             messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
             text = render_chat(
                 ctx.tokenizer,
-                ctx.chat_template,
+                ctx.chat_template_for(body.chat_template),
                 messages,
                 body.add_generation_prompt,
                 ctx.template_kwargs(body.chat_template_kwargs, None),
