@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from iterserve.core.kv_cache import PrefixHashAlgo
-from iterserve.sampling_defaults import SamplingDefaults
+from iterserve.sampling_defaults import SamplingDefaults, read_generation_config
 
 Batching = Literal["continuous", "static", "dynamic"]
 StepPolicy = Literal["mixed", "prefill-first"]
@@ -30,7 +30,8 @@ KVCacheDType = Literal["auto", "int8"]
 KVCacheMemory = float | Literal["auto"]
 SpeculativeMethod = Literal["ngram", "draft"]
 Task = Literal["auto", "generate", "embed", "both", "score"]
-GenerationConfig = Literal["auto", "none"]
+# --generation-config: "auto", "none" ("vllm": vLLM's name for it), or a folder.
+GENERATION_CONFIG_WORDS = ("auto", "none", "vllm")
 Pooling = Literal["auto", "last", "mean", "cls"]
 SELF_INT4_DRAFT = "self-int4"  # --draft-model value: the model's own 4-bit weights
 
@@ -392,17 +393,19 @@ class EngineConfig:
         "holding it, or the template itself); default: the checkpoint's (a GGUF's "
         "tokenizer.chat_template), which a base model's file often lacks",
     )
-    generation_config: GenerationConfig = _opt(
+    generation_config: str = _opt(
         "auto",
         "sampling settings for the fields a request leaves unset (temperature, top_k, top_p, "
-        "min_p, repetition_penalty): auto takes the model's own, from its "
-        "generation_config.json or a GGUF's general.sampling.* keys, as vLLM and llama.cpp "
-        "do; none keeps OpenAI's (temperature 1, no cut)",
+        "min_p, repetition_penalty; max_new_tokens, a limit on every answer): auto takes the "
+        "model's own, from its generation_config.json or a GGUF's general.sampling.* keys, "
+        "as vLLM and llama.cpp do; none (or vllm) keeps OpenAI's (temperature 1, no cut); a "
+        "folder holding a generation_config.json takes that one's, as vLLM's does",
     )
     override_generation_config: dict[str, Any] | None = _opt(
         None,
         "sampling settings over the model's for the fields a request leaves unset, as a JSON "
-        "object of temperature, top_k, top_p, min_p, repetition_penalty (vLLM's flag; "
+        "object of temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens "
+        "(vLLM's flag; "
         'llama-server\'s --temp, --top-k...): \'{"temperature": 0.6, "top_k": 20}\'',
         parse=json_object,
     )
@@ -471,6 +474,7 @@ class EngineConfig:
                 "bfloat16 and --kernels auto"
             )
         self._validate_tensor_parallel()
+        self.given_generation_config()
         self.sampling_overrides()
         self.cache.validate()
         self.scheduler.validate()
@@ -478,6 +482,18 @@ class EngineConfig:
         self.pooling.validate()
         self.lora.validate()
         return self
+
+    def given_generation_config(self) -> SamplingDefaults | None:
+        """The settings of --generation-config FOLDER; None for auto and none (the model's,
+        OpenAI's). ConfigError naming the flag if the folder has no usable file."""
+        if self.generation_config in GENERATION_CONFIG_WORDS:
+            return None
+        try:
+            return SamplingDefaults.from_generation_config(
+                read_generation_config(self.generation_config)
+            )
+        except ValueError as error:
+            raise ConfigError(f"--generation-config: {error}") from None
 
     def sampling_overrides(self) -> SamplingDefaults:
         """--override-generation-config as settings; ConfigError naming what it cannot take."""

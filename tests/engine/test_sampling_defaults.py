@@ -91,6 +91,8 @@ def test_a_ggufs_top_k_is_what_a_call_without_settings_samples_with(
         ({"top_p": 0}, "top_p=0 is not a value a request could send"),
         ({"typical_p": 0.9}, "'typical_p' is not one of temperature, top_k"),
         ({"top_k": "20"}, "top_k='20' is not a value"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0 is not a value"),
+        ({"max_tokens": 8}, "'max_tokens' is not one of"),  # generation_config.json's names
     ],
 )
 def test_overrides_a_request_could_not_send_stop_the_start(
@@ -133,3 +135,61 @@ def test_the_server_fills_a_requests_unset_fields_from_generation_config_json(
         # A request's own top_k (0: no cut) is kept.
         assert text(seed=1, extra_body={"top_k": 0}) != text(temperature=0)
         assert chat(seed=1, extra_body={"top_k": 0}) != chat(temperature=0)
+
+
+def test_max_new_tokens_limits_every_answer_and_a_folder_gives_another_generation_config(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """vLLM's reading of generation_config.json's max_new_tokens: a limit on every answer (a
+    request's own larger one, or none, is cut to it), not only a default; and its
+    `--generation-config FOLDER`, another file than the checkpoint's."""
+    limited = SamplingDefaults.from_generation_config({"max_new_tokens": 5, "max_length": 99})
+    assert limited == SamplingDefaults(max_tokens=5)
+    assert (limited.limit(3), limited.limit(2**31 - 1), SamplingDefaults().limit(7)) == (3, 5, 7)
+    assert SamplingDefaults().with_overrides({"max_new_tokens": 4}).max_tokens == 4
+
+    path = tmp_path / "tiny.gguf"  # no general.sampling keys of its own
+    hf = tiny_hf_model("llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    write_gguf(path, "llama", hf, load_hf_tokenizer(tokenizer_dir))
+    folder = tmp_path / "settings"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 3}))
+    llm = LLM(str(path), generation_config=str(folder), **SMALL)
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1, max_tokens=3)
+    assert len(llm.generate(PROMPT, use_tqdm=False)[0].token_ids) <= 3
+    del llm
+    for given, said in [
+        (tmp_path / "none-such", "is not auto, none, or a folder holding generation_config"),
+        (tmp_path, "is not auto, none, or a folder holding generation_config"),
+        (path, "cannot read"),  # a file, but not JSON
+    ]:
+        with pytest.raises(ConfigError, match="--generation-config") as raised:
+            EngineConfig(generation_config=str(given))
+        assert said in str(raised.value)
+
+
+def test_the_servers_answers_stop_at_the_models_max_new_tokens(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    with running_server(model) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        for limit in (None, 10, 2):
+            answer = client.completions.create(
+                model=MODEL_NAME,
+                prompt=PROMPT,
+                max_tokens=limit,
+                extra_body={"ignore_eos": True},
+            )
+            assert answer.usage is not None
+            assert answer.usage.completion_tokens == min(limit or 3, 3)
+            assert answer.choices[0].finish_reason == "length"
+        chat = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_completion_tokens=10,
+            extra_body={"ignore_eos": True},
+        )
+        assert chat.usage is not None and chat.usage.completion_tokens == 3

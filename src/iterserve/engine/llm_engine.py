@@ -186,7 +186,7 @@ class LLMEngine:
         self.chat_template = resolve_chat_template(
             self.config.chat_template, loaded.chat_template, loaded.tokenizer
         )
-        model_defaults = (
+        model_defaults = self.config.given_generation_config() or (
             loaded.sampling_defaults
             if self.config.generation_config == "auto"
             else SamplingDefaults()

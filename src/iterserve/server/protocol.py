@@ -95,7 +95,7 @@ class _GenerationRequest(GuidedDecodingFields):
         unset = SamplingParams(**defaults.given())
         return SamplingParams(
             n=self.n,
-            max_tokens=max_tokens,
+            max_tokens=defaults.limit(max_tokens),
             temperature=unset.temperature if self.temperature is None else self.temperature,
             top_p=unset.top_p if self.top_p is None else self.top_p,
             top_k=unset.top_k if self.top_k is None else self.top_k,
