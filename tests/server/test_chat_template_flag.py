@@ -142,3 +142,36 @@ def test_a_requests_own_template_renders_it_only_where_the_server_trusts_request
             assert said in _refusal(httpx.post(f"{server.base_url}/v1/chat/completions", json=body))
         # The server still answers its other requests.
         assert client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1)  # type: ignore[arg-type]
+
+
+def test_a_requests_documents_reach_a_rag_template_and_are_refused_by_one_without_a_place(
+    tiny_llama_dir: Path,
+) -> None:
+    """vLLM's `documents` field: Granite 3.3's real template writes each into the prompt (a
+    chat's usage and /tokenize agree); the tiny model's own (ChatML) has no place for them,
+    so a request sending some gets a 400 naming the field, not an answer that never saw
+    them."""
+    granite = Path(__file__).parent / "chat_templates" / "granite_3_3_2b_instruct.jinja"
+    documents = [{"doc_id": "1", "text": "Lutetia is the old name of Paris."}]
+    ask = {"messages": CHAT, "documents": documents}
+    with running_server(tiny_llama_dir, chat_template=str(granite)) as server:
+        tokenized = httpx.post(f"{server.base_url}/tokenize", json=ask)
+        assert tokenized.status_code == 200, tokenized.text
+        with_documents = server.engine.tokenizer.decode(tokenized.json()["tokens"])
+        assert 'document {"document_id": "1"}' in with_documents
+        assert "Lutetia is the old name of Paris." in with_documents
+        without = httpx.post(f"{server.base_url}/tokenize", json={"messages": CHAT}).json()
+        assert "Lutetia" not in server.engine.tokenizer.decode(without["tokens"])
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=1,
+            extra_body={"documents": documents},
+        )
+        assert answer.usage is not None
+        assert answer.usage.prompt_tokens == tokenized.json()["count"]
+    with running_server(tiny_llama_dir) as server:
+        refused = httpx.post(f"{server.base_url}/v1/chat/completions", json=ask)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "documents"

@@ -125,6 +125,26 @@ def template_roles(template: str) -> frozenset[str]:
     return STANDARD_ROLES | named
 
 
+def with_documents(
+    template_kwargs: Mapping[str, Any] | None,
+    documents: Sequence[Mapping[str, str]] | None,
+    template: str | None,
+) -> Mapping[str, Any] | None:
+    """The template kwargs with a request's `documents` (vLLM's field: retrieved texts that a
+    RAG template, Command-R's or Granite's, writes into the prompt in its own format).
+    InvalidRequestError naming the field where the template has no place for them, rather
+    than an answer that silently never saw them."""
+    if not documents:
+        return template_kwargs
+    if "documents" not in (template or ""):
+        raise InvalidRequestError(
+            "documents: this model's chat template has no place for documents; put their "
+            "text in a message instead",
+            "documents",
+        )
+    return {**(template_kwargs or {}), "documents": [dict(d) for d in documents]}
+
+
 def render_chat(
     tokenizer: Any,
     template: str | None,

@@ -26,7 +26,7 @@ from iterserve.chat.tool_protocol import (
 from iterserve.chat.tools import ToolPlan, plan_tools
 from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import RenderedChat, continuing
+from iterserve.engine.prompts import RenderedChat, continuing, with_documents
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.logprobs import chat_logprobs, prompt_logprobs, token_names
 from iterserve.server.protocol import (
@@ -47,13 +47,15 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
     """The conversation through the template, as `LLM.chat` renders it (with the thinking
     switch `reasoning_effort` sets); the engine tokenizes it on its own thread."""
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
+    template = ctx.chat_template_for(body.chat_template)
+    kwargs = ctx.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
     return render_with_tools(
         ctx.tokenizer,
-        ctx.chat_template_for(body.chat_template),
+        template,
         messages,
         plan,
         body.add_generation_prompt,
-        ctx.template_kwargs(body.chat_template_kwargs, body.reasoning_effort),
+        with_documents(kwargs, body.documents, template),
         body.continue_final_message,
     )
 

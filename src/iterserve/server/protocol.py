@@ -190,6 +190,8 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: this request's own template (its text), behind --trust-request-chat-template.
     chat_template: str | None = None
+    # vLLM's: retrieved texts for a RAG template (Command-R's, Granite's) to write in.
+    documents: list[dict[str, str]] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True

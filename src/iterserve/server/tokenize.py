@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from iterserve.chat.messages import ChatMessage
-from iterserve.engine.prompts import encode_text, render_chat
+from iterserve.engine.prompts import encode_text, render_chat, with_documents
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.serving import ServingContext
 
@@ -29,6 +29,7 @@ class TokenizeChatRequest(BaseModel):
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, object] | None = None
     chat_template: str | None = None  # behind --trust-request-chat-template, as for chats
+    documents: list[dict[str, str]] | None = None  # as for chats
 
 
 class TokenizeResponse(BaseModel):
@@ -57,12 +58,15 @@ def tokenizer_routes(ctx: ServingContext) -> APIRouter:
         ctx.resolve_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
+            template = ctx.chat_template_for(body.chat_template)
             text = render_chat(
                 ctx.tokenizer,
-                ctx.chat_template_for(body.chat_template),
+                template,
                 messages,
                 body.add_generation_prompt,
-                ctx.template_kwargs(body.chat_template_kwargs, None),
+                with_documents(
+                    ctx.template_kwargs(body.chat_template_kwargs, None), body.documents, template
+                ),
                 continue_final_message=body.continue_final_message,
             ).text
             field = "messages"

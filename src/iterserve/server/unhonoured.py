@@ -19,7 +19,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True, None),
     "logits_processors": (None, []),
     "echo": (False, None),  # vLLM's on chat (the last message repeated); completions has it
-    "documents": (None, []),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "web_search_options": (None,),
