@@ -306,7 +306,8 @@ class LoRAConfig:
         default_factory=list,
         metadata={
             "help": "LoRA adapters to serve from the start, as name=path (a PEFT directory or "
-            "a llama.cpp LoRA GGUF); a request picks one by its `model`",
+            "a llama.cpp LoRA GGUF, or OWNER/NAME already in the local Hugging Face cache); a "
+            "request picks one by its `model`",
             "parse": _lora_module,
             "nargs": "+",
         },

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
+from huggingface_hub import constants
 from safetensors.torch import load_file
 
+from hub_cache import cache_repo
 from iterserve.model.lora_weights import LoRAError, load_adapter
 from lora_adapters import SPECS
 from tiny_checkpoints import model_config_of, tiny_hf_model
@@ -72,3 +75,26 @@ def test_a_llama_cpp_gguf_reads_as_its_peft_adapter(
             assert str(bad) in str(error)
         else:
             raise AssertionError(f"{bad} was read as an adapter")
+
+
+def test_an_adapter_is_found_by_its_repository_in_the_hugging_face_cache(
+    tiny_llama_adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As vLLM's --lora-modules NAME=OWNER/REPO: a PEFT repository's snapshot, or the one
+    GGUF adapter of a llama.cpp LoRA repository, where `hf download` left them."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    config = model_config_of(tiny_hf_model("llama", vocab_size=256))
+    spec = SPECS[1]
+    peft_dir = tiny_llama_adapters[spec.name]
+    cache_repo(tmp_path / "hub", "acme/sql-lora", {p.name: p for p in peft_dir.iterdir()})
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    gguf_file = _to_gguf(peft_dir, tmp_path / "sql-F32-LoRA.gguf", *heads, spec.alpha)
+    cache_repo(tmp_path / "hub", "acme/sql-lora-GGUF", {gguf_file.name: gguf_file})
+    expected = load_adapter(peft_dir, config)
+    for name in ("acme/sql-lora", "acme/sql-lora-GGUF"):
+        found = load_adapter(name, config)
+        assert found.modules.keys() == expected.modules.keys()
+        for module, weights in expected.modules.items():
+            assert torch.allclose(found.modules[module].b, weights.b, atol=1e-6), (name, module)
+    with pytest.raises(LoRAError, match="hf download acme/none"):
+        load_adapter("acme/none", config)

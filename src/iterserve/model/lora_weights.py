@@ -31,6 +31,7 @@ from iterserve.model.gguf_loader import (
     read_gguf_header,
     unpermute_rope_rows,
 )
+from iterserve.model.model_source import find_adapter
 
 
 class LoRAError(ValueError):
@@ -67,8 +68,12 @@ _PEFT_NAME = re.compile(r"base_model\.model\.(.+)\.lora_([AB])(?:\.default)?\.we
 
 def load_adapter(path: str | Path, config: ModelConfig) -> AdapterWeights:
     """The adapter at `path`: a PEFT directory (adapter_config.json and
-    adapter_model.safetensors) or a llama.cpp LoRA GGUF file."""
-    path = Path(path)
+    adapter_model.safetensors) or a llama.cpp LoRA GGUF file, or either by its repository
+    in the local Hugging Face cache (model/model_source.py)."""
+    try:
+        path = find_adapter(path)
+    except ModelLoadError as error:
+        raise LoRAError(f"no LoRA adapter at {str(path)!r}: {error}") from None
     if not path.exists():
         raise LoRAError(f"no LoRA adapter at {str(path)!r}: the path does not exist")
     if path.is_file():

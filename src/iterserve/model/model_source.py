@@ -60,6 +60,21 @@ def find_model(spec: str | Path | None) -> ModelSource:
     return ModelSource(_model_in(snapshot, repo, tag), str(spec))
 
 
+def find_adapter(spec: str | Path) -> Path:
+    """A LoRA adapter's path: `spec` itself if it exists (or names no repository: the
+    adapter's loader says what is wrong with it), else OWNER/NAME[:TAG] in the local Hugging
+    Face cache, a PEFT repository's snapshot or its GGUF adapter; ModelLoadError if it is
+    not there."""
+    path = Path(spec).expanduser()
+    match = _REPO_ID.match(str(spec))
+    if path.exists() or match is None:
+        return path
+    snapshot = _snapshot(match["repo"], str(spec))
+    if match["tag"] is None and (snapshot / "adapter_config.json").is_file():
+        return snapshot
+    return _model_in(snapshot, match["repo"], match["tag"])
+
+
 def hub_cache() -> Path:
     """The hub cache huggingface_hub uses (its environment variables read at its import)."""
     from huggingface_hub import constants
