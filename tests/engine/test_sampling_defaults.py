@@ -103,12 +103,18 @@ def test_overrides_a_request_could_not_send_stop_the_start(
     assert said in str(raised.value)
 
 
+def _with_generation_config(model_dir: Path, tmp_path: Path, settings: dict[str, int]) -> Path:
+    """A copy of the tiny HF checkpoint with `settings` as its generation_config.json."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps(settings))
+    return model
+
+
 def test_the_server_fills_a_requests_unset_fields_from_generation_config_json(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    model = tmp_path / "model"
-    shutil.copytree(tiny_llama_dir, model)
-    (model / "generation_config.json").write_text(json.dumps({"top_k": 1, "eos_token_id": 2}))
+    model = _with_generation_config(tiny_llama_dir, tmp_path, {"top_k": 1, "eos_token_id": 2})
     with running_server(model) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
@@ -171,9 +177,7 @@ def test_max_new_tokens_limits_every_answer_and_a_folder_gives_another_generatio
 def test_the_servers_answers_stop_at_the_models_max_new_tokens(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    model = tmp_path / "model"
-    shutil.copytree(tiny_llama_dir, model)
-    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    model = _with_generation_config(tiny_llama_dir, tmp_path, {"max_new_tokens": 3})
     with running_server(model) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
         for limit in (None, 10, 2):
