@@ -388,6 +388,11 @@ class EngineConfig:
         "(never downloaded): OWNER/NAME, or OWNER/NAME:QUANT for one GGUF of a repository of "
         "several, as llama.cpp's -hf takes it (no tag: Q4_K_M) (default: bundled SmolLM2-135M)",
     )
+    revision: str | None = _opt(
+        None,
+        "the revision of a model named by its repository: a branch, tag or commit the Hugging "
+        "Face cache holds (default: main), as vLLM's --revision",
+    )
     chat_template: str | None = _opt(
         None,
         "the Jinja template chats are rendered with, in place of the model's own (a file "

@@ -114,3 +114,17 @@ def test_a_path_and_none_are_what_they_were(tmp_path: Path) -> None:
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert find_model(tmp_path / "m.gguf") == ModelSource(tmp_path / "m.gguf")
     assert find_model(None).path.name.endswith(".gguf")  # the bundled model
+
+
+def test_a_revision_is_a_ref_or_a_commit_the_cache_holds(cache: Path, tmp_path: Path) -> None:
+    (tmp_path / "a.Q4_0.gguf").write_bytes(b"GGUF")
+    files = {"a.Q4_0.gguf": tmp_path / "a.Q4_0.gguf"}
+    old, new = "1" * 40, "2" * 40
+    cache_repo(cache, "acme/a", files, commit=old, ref=False)
+    cache_repo(cache, "acme/a", files, commit=new)  # main
+    (cache / "models--acme--a" / "refs" / "v1.0").write_text(old)
+    assert find_model("acme/a").path.parent.name == new
+    assert find_model("acme/a", "v1.0").path.parent.name == old
+    assert find_model("acme/a", old).path.parent.name == old
+    with pytest.raises(ModelLoadError, match=r"refs main, v1.0 .*--revision v2.0"):
+        find_model("acme/a", "v2.0")

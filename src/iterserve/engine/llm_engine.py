@@ -135,10 +135,10 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype, dtype_reason = choose_dtype(config, self.device)
-        loaded = loaded or load_model(config.model, dtype)
+        loaded = loaded or load_model(config.model, dtype, config.revision)
         check_weights_fit(loaded, config.weights, self.device)
         self._take_model(loaded)
-        path = find_model(config.model).path
+        path = find_model(config.model, config.revision).path
         # A reranker's score head, and the prompt its (query, document) pairs go into.
         prepare_score_head(loaded, path, config.pooling.classifier_from_tokens)
         self.pair_prompts = PairPrompts(

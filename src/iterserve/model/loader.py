@@ -104,11 +104,13 @@ _EXAONE4_LAYER_TYPES = {"L": "sliding_attention", "G": "full_attention"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_model(spec: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+def load_model(
+    spec: str | Path | None, dtype: torch.dtype = torch.bfloat16, revision: str | None = None
+) -> LoadedModel:
     """Load an HF directory (config.json + safetensors) or a GGUF file, or either from the
-    local Hugging Face cache by its repository (model/model_source.py); None is the bundled
-    model."""
-    source = find_model(spec)
+    local Hugging Face cache by its repository, at `revision` (model/model_source.py); None
+    is the bundled model."""
+    source = find_model(spec, revision)
     loaded = _load_path(source.path, dtype)
     # A repository is served by the name it was given, as vLLM's default served name is.
     return dataclasses.replace(loaded, name=source.name) if source.name else loaded

@@ -40,10 +40,11 @@ class ModelSource:
     name: str | None = None  # the repository as the user named it; None for a path
 
 
-def find_model(spec: str | Path | None) -> ModelSource:
+def find_model(spec: str | Path | None, revision: str | None = None) -> ModelSource:
     """The model `spec` names: None is the bundled model; an existing path is itself; else
-    OWNER/NAME[:TAG] in the local Hugging Face cache. ModelLoadError saying what was looked
-    for where, and how to get it, otherwise."""
+    OWNER/NAME[:TAG] in the local Hugging Face cache, at `revision` (a branch, tag or commit
+    the cache holds; None: main). ModelLoadError saying what was looked for where, and how to
+    get it, otherwise."""
     if spec is None:
         return ModelSource(default_model_path())
     path = Path(spec).expanduser()
@@ -56,7 +57,7 @@ def find_model(spec: str | Path | None) -> ModelSource:
             "directory or .gguf file, or a repository already in the Hugging Face cache)"
         )
     repo, tag = match["repo"], match["tag"]
-    snapshot = _snapshot(repo, str(spec))
+    snapshot = _snapshot(repo, str(spec), revision)
     return ModelSource(_model_in(snapshot, repo, tag), str(spec))
 
 
@@ -82,8 +83,9 @@ def hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def _snapshot(repo: str, spec: str) -> Path:
-    """The cached snapshot of `repo` that refs/main names (the only one, without a ref)."""
+def _snapshot(repo: str, spec: str, revision: str | None = None) -> Path:
+    """The cached snapshot of `repo` at `revision`: the commit refs/REVISION names, or the
+    snapshot of that commit; without one, refs/main's (the only snapshot, without a ref)."""
     cache = hub_cache()
     folder = cache / ("models--" + repo.replace("/", "--"))
     snapshots = sorted(p for p in (folder / "snapshots").glob("*") if p.is_dir())
@@ -93,11 +95,21 @@ def _snapshot(repo: str, spec: str) -> Path:
             f"cache ({cache}); iterserve never downloads: fetch it first, e.g. `hf download "
             f"{repo}` (a GGUF repository: `hf download {repo} --include '*Q4_K_M*'`)"
         )
-    ref = folder / "refs" / "main"
+    ref = folder / "refs" / (revision or "main")
     if ref.is_file():
         commit = ref.read_text().strip()
         if (folder / "snapshots" / commit).is_dir():
             return folder / "snapshots" / commit
+    if revision is not None:
+        if (folder / "snapshots" / revision).is_dir():
+            return folder / "snapshots" / revision
+        refs = sorted(p.name for p in (folder / "refs").glob("*"))
+        raise ModelLoadError(
+            f"model {spec!r}: revision {revision!r} is not in the Hugging Face cache (it holds "
+            f"refs {', '.join(refs) or 'none'} and commits "
+            f"{', '.join(p.name[:12] for p in snapshots)}); fetch it with `hf download {repo} "
+            f"--revision {revision}`"
+        )
     if len(snapshots) == 1:
         return snapshots[0]
     raise ModelLoadError(
