@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from iterserve.cli import build_parser
-from iterserve.cli.serve import _take_model_tag
+from iterserve.cli.serve import take_model_tag
 from iterserve.config import engine_config_from_args
 
 
 def _model_of(argv: list[str]) -> str | None:
     args = build_parser().parse_args(["serve", *argv])
-    _take_model_tag(args)
+    take_model_tag(args)
     return engine_config_from_args(args).model
 
 

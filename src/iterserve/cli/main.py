@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from iterserve.cli import bench as bench_cli
-from iterserve.cli import compare, flags_doc, simulate
+from iterserve.cli import compare, flags_doc, run_batch, simulate
 from iterserve.cli import serve as server_cli
 from iterserve.cli.bench_fidelity import add_fidelity_parser
 from iterserve.cli.bench_profile import add_profile_parser
@@ -60,6 +60,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_generate,
     server_cli.add_subcommands,
+    run_batch.add_subcommands,
     _add_bench,
     compare.add_subcommands,
     simulate.add_subcommands,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from iterserve.chat.reasoning_parsers import REASONING_PARSER_CHOICES
 from iterserve.chat.tool_parsers import TOOL_PARSER_CHOICES
-from iterserve.config import EngineConfig, add_engine_args, engine_config_from_args, json_object
+from iterserve.config import add_engine_args, engine_config_from_args, json_object
 from iterserve.replicas.router import ROUTERS
 from iterserve.server.response_store import Retention, default_store_path
 
@@ -29,16 +29,29 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="serve a model over the OpenAI API (/v1/completions, /v1/chat/completions)",
         description="Serve a model over the OpenAI API, with /health and /metrics.",
     )
+    _add_front_end_args(p)
+    _add_stored_responses_args(p.add_argument_group("stored responses"))
+    add_model_args(p, "to serve")
+    p.set_defaults(func=serve)
+
+
+def add_model_args(p: argparse.ArgumentParser, what: str) -> None:
+    """The model, its engine and how its answers are read: what `serve` and `run-batch`
+    share (`what`: the model's job, for MODEL's help)."""
     p.add_argument(
         "model_tag",
         nargs="?",
         metavar="MODEL",
-        help="HF directory or GGUF file to serve, or OWNER/NAME[:QUANT] already in the local "
+        help=f"HF directory or GGUF file {what}, or OWNER/NAME[:QUANT] already in the local "
         "Hugging Face cache, as `vllm serve MODEL` takes it (the same as --model; default: "
         "the bundled SmolLM2-135M)",
     )
-    _add_front_end_args(p)
-    _add_stored_responses_args(p.add_argument_group("stored responses"))
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use for the model (default: the model's own name)",
+    )
     _add_data_parallel_args(p.add_argument_group("data parallelism"))
     p.add_argument(
         "--tool-call-parser",
@@ -87,7 +100,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     add_engine_args(p)
-    p.set_defaults(func=serve)
 
 
 def _add_front_end_args(p: argparse.ArgumentParser) -> None:
@@ -98,12 +110,6 @@ def _add_front_end_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ITERSERVE_API_KEY)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients use for the model (default: the model's own name)",
     )
     p.add_argument(
         "--max-waiting-requests",
@@ -190,21 +196,15 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    _take_model_tag(args)
-    config = engine_config_from_args(args)
-    async_engine = _launch_engine(args, config)
+    async_engine = launch_engine(args)
     settings = ServerSettings(
-        served_model_names=args.served_model_name or [],
         api_key=args.api_key or os.environ.get("ITERSERVE_API_KEY") or None,
         # uvicorn already gave in-flight requests the full timeout before the app's
         # shutdown runs; what is left then is only a backstop.
         shutdown_timeout=min(5.0, args.shutdown_timeout),
-        tool_call_parser=args.tool_call_parser,
         responses_store=args.responses_store or str(default_store_path()),
         responses_retention=Retention(args.responses_retention, args.responses_max_age * _DAY),
-        reasoning_parser=args.reasoning_parser,
-        default_chat_template_kwargs=args.default_chat_template_kwargs,
-        trust_request_chat_template=args.trust_request_chat_template,
+        **answer_settings(args),
     )
     logger.info("stored responses: %s", settings.responses_store)
     app = create_app(async_engine, settings)
@@ -239,23 +239,37 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _take_model_tag(args: argparse.Namespace) -> None:
+def answer_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerSettings' fields of how answers are named and read (add_model_args' flags)."""
+    return {
+        "served_model_names": args.served_model_name or [],
+        "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
+        "default_chat_template_kwargs": args.default_chat_template_kwargs,
+        "trust_request_chat_template": args.trust_request_chat_template,
+    }
+
+
+def take_model_tag(args: argparse.Namespace) -> None:
     """`iterserve serve FILE` and `iterserve serve --model FILE` are one thing; both at once
     must agree."""
     if args.model_tag is None:
         return
     if args.model is not None and args.model != args.model_tag:
         raise SystemExit(
-            f"iterserve serve: the model is given twice ({args.model_tag!r} and "
+            f"iterserve {args.command}: the model is given twice ({args.model_tag!r} and "
             f"--model {args.model!r}); give it once"
         )
     args.model = args.model_tag
 
 
-def _launch_engine(args: argparse.Namespace, config: EngineConfig) -> ServingEngine:
-    """One engine in this process, or --data-parallel-size replicas on Ray (Ray is imported
-    only then). Either way the port opens once the weights are in, and /health says
-    "warming up" until compiling is done."""
+def launch_engine(args: argparse.Namespace) -> ServingEngine:
+    """The engine add_model_args' flags describe: one in this process, or
+    --data-parallel-size replicas on Ray (Ray is imported only then). Either way a server's
+    port opens once the weights are in, and /health says "warming up" until compiling is
+    done."""
+    take_model_tag(args)
+    config = engine_config_from_args(args)
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.data_parallel_size == 1 and args.ray_address is None:
