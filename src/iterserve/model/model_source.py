@@ -9,7 +9,7 @@ layout (`models--OWNER--NAME/refs/main` names a commit, `snapshots/COMMIT/` hold
 downloaded so far, as links into `blobs/`), found where huggingface_hub finds it (HF_HUB_CACHE,
 HF_HOME, ~/.cache/huggingface/hub).
 
-Names only: no file is opened here (the loaders read them).
+Names and the cache's refs only: no model file is opened here (the loaders read them).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ DEFAULT_GGUF_TAG = "Q4_K_M"
 # Files beside a GGUF model that are not one: a vision model's projector.
 _NOT_A_MODEL = re.compile(r"^mmproj", re.IGNORECASE)
 _QUANT_TAG = re.compile(
-    r"(?:^|[-._])((?:UD-)?(?:I?Q\d[\w]*|[BF]F?16|F32))(?:-\d{5}-of-\d{5})?$", re.IGNORECASE
+    r"(?:^|[-._])((?:UD-)?(?:I?Q\d\w*|[BF]F?16|F32))(?:-\d{5}-of-\d{5})?$", re.IGNORECASE
 )
 
 
