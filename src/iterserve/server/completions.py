@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
+from iterserve.engine.fill_in_middle import fill_in_middle_prompts
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.request_stream import ALL_THE_CONTEXT
 from iterserve.server.echo import Echo
@@ -41,7 +42,10 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
         body.logprobs if scores_prompt else None,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(body.prompts())]
+    texts = body.prompts()
+    if body.suffix:  # the text after the cursor: ask for what goes between
+        texts = fill_in_middle_prompts(texts, body.suffix, ctx.fill_in_middle)
+    prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(texts)]
     # One per prompt; choice i * n + j is of prompt i. A cut prompt echoes what ran.
     echoes = [
         Echo(

@@ -172,8 +172,9 @@ class CompletionRequest(_GenerationRequest):
         return self.echo and self.max_tokens == 0
 
     def check_supported(self) -> None:
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported by this server", "suffix")
+        if self.suffix and self.echo:
+            # The prompt that ran is the model's fill-in-the-middle form, not the one sent.
+            raise InvalidRequestError("suffix cannot be combined with echo", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported by this server", "best_of")
 

@@ -25,6 +25,7 @@ from iterserve.chat.reasoning import ReasoningSupport, thinking_template_kwargs
 from iterserve.chat.tool_parsers import ToolParser
 from iterserve.core.lora import LoRARequest
 from iterserve.engine.chat_template import template_problem
+from iterserve.engine.fill_in_middle import FimFormat, fim_format
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, takes_system_anywhere
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
@@ -98,10 +99,13 @@ class ServingContext:
     trust_request_chat_template: bool = False
     decode_token: Callable[[int], str] = field(init=False)
     special_tokens: set[str] = field(init=False)
+    # A code model's tokens for completions' `suffix` (None: it has none).
+    fill_in_middle: FimFormat | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.decode_token = token_decoder(self.tokenizer)
         self.special_tokens = set(getattr(self.tokenizer, "all_special_tokens", ()))
+        self.fill_in_middle = fim_format(self.tokenizer)
 
     def template_kwargs(
         self, given: Mapping[str, Any] | None, effort: str | None
