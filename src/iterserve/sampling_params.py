@@ -65,6 +65,10 @@ class SamplingParams:
     # Opt out of speculative decoding when the engine runs it (the output is the same
     # either way; a request may prefer steady token timing to bursts of accepted drafts).
     speculative: bool = True
+    # OpenAI's Predicted Outputs: tokens the answer is expected to repeat (a file being
+    # edited), where speculative drafts come from first when the engine speculates with
+    # n-grams (core/predicted_output.py). Like every draft, it never changes the output.
+    prediction: tuple[int, ...] | None = None
     # Output constrained to a JSON schema, regex, choice or grammar (structured_output.py).
     structured_output: StructuredOutput | None = None
     # A thinking model's thinking capped in tokens (thinking_budget.py); set by the server

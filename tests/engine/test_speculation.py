@@ -471,3 +471,43 @@ def test_sampling_with_speculation_keeps_the_distribution(
         )
         assert len(rows) > 2
         assert statistic < chi_square_critical(len(rows) - 1), (position, rows)
+
+
+def test_a_chats_prediction_is_what_its_drafts_follow(tiny_llama_dir: Path) -> None:
+    """OpenAI's Predicted Outputs through the official client: an answer predicted right is
+    mostly drafted from its prediction (accepted_prediction_tokens, where prompt lookup alone
+    guesses little of a sampled text), one predicted wrong is the same answer all the same."""
+    config = engine_config(tiny_llama_dir)
+    config.speculative = SpeculativeConfig(speculative_method="ngram")
+    messages = [{"role": "user", "content": "Write a short line about the sea."}]
+    with serving(AsyncEngine(LLMEngine(config))) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+
+        def answer(**fields: object) -> tuple[str | None, int]:
+            reply = client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=24,
+                temperature=1.0,  # seeded draws: a text that does not loop, as greedy's does
+                seed=7,
+                **fields,  # type: ignore[arg-type]
+            )
+            details = reply.usage.completion_tokens_details  # type: ignore[union-attr]
+            assert details is not None
+            return reply.choices[0].message.content, details.accepted_prediction_tokens or 0
+
+        text, unguided = answer(extra_body={"ignore_eos": True})
+        assert text
+        parts = [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]
+        for content in (text, parts):
+            guided, accepted = answer(
+                prediction={"type": "content", "content": content},
+                extra_body={"ignore_eos": True},
+            )
+            assert guided == text
+            assert accepted > max(unguided, 12), (accepted, unguided)
+        wrong, _ = answer(
+            prediction={"type": "content", "content": "Nothing like the answer at all."},
+            extra_body={"ignore_eos": True},
+        )
+        assert wrong == text

@@ -362,7 +362,11 @@ class Scheduler:
             )
             if k >= 1 and request.sampling_params.speculative:
                 queries[request] = DraftQuery(
-                    request.request_id, request.all_token_ids, k, request.sampling_params
+                    request.request_id,
+                    request.all_token_ids,
+                    k,
+                    request.sampling_params,
+                    request.num_prompt_tokens,
                 )
                 room -= k
         if not queries:

@@ -9,7 +9,8 @@ per step would have given: a guess is kept only where it equals the target's own
 
 Proposers: prompt lookup here (n-gram matching, vLLM's `ngram`: code, documents being
 edited and chats that quote their context repeat themselves, and a repeated n-gram's
-continuation is a good guess that costs no model), and a smaller draft model
+continuation is a good guess that costs no model), which follows a request's predicted
+output first where it has one (core/predicted_output.py), and a smaller draft model
 (executor/draft_model.py), which the engine injects.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from iterserve.core.predicted_output import PredictionCursor
 from iterserve.sampling_params import SamplingParams
 
 
@@ -32,6 +34,7 @@ class DraftQuery:
     # How the request samples: a draft model samples its guesses the same way, so the
     # target can accept them by the ratio of the two distributions.
     sampling_params: SamplingParams
+    num_prompt_tokens: int = 0  # token_ids[num_prompt_tokens:] is the output so far
 
 
 class Proposer(Protocol):
@@ -59,9 +62,22 @@ class NgramProposer:
         self.n_min = n_min
         self.n_max = n_max
         self._indexes: dict[str, _NgramIndex] = {}
+        self._predictions: dict[str, PredictionCursor] = {}
 
     def propose(self, queries: list[DraftQuery]) -> list[list[int]]:
-        return [self.lookup(q.request_id, q.token_ids, q.k) for q in queries]
+        return [self.predicted(q) or self.lookup(q.request_id, q.token_ids, q.k) for q in queries]
+
+    def predicted(self, query: DraftQuery) -> list[int]:
+        """Up to k tokens of the request's predicted output that follow its answer so far
+        (none without a prediction, or where the answer has left it)."""
+        prediction = query.sampling_params.prediction
+        if not prediction:
+            return []
+        cursor = self._predictions.get(query.request_id)
+        if cursor is None:
+            cursor = PredictionCursor(prediction, self.n_min, self.n_max)
+            self._predictions[query.request_id] = cursor
+        return cursor.draft(query.token_ids[query.num_prompt_tokens :], query.k)
 
     def lookup(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens guessed to follow `tokens` (which only ever grow per request)."""
@@ -83,6 +99,7 @@ class NgramProposer:
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
+        self._predictions.pop(request_id, None)
 
 
 class _NgramIndex:

@@ -104,6 +104,9 @@ async def start_chat(
     that must fit in it (OpenAI's)."""
     model = ctx.resolve_model(body.model)
     params = body.sampling_params(ctx.sampling_defaults)
+    if body.prediction is not None:  # what drafts follow, where the engine speculates
+        predicted = ctx.tokenizer.encode(body.prediction.text(), add_special_tokens=False)
+        params.prediction = tuple(predicted) or None
     plan = chat_plan(body, ctx, params)
     ctx.engine.check_group_size(params.n)  # before rendering the template
     prompt = continuing(render_prompt(body, ctx, plan), known, ctx.tokenizer)

@@ -179,6 +179,24 @@ class CompletionRequest(_GenerationRequest):
             raise InvalidRequestError("best_of is not supported by this server", "best_of")
 
 
+class PredictionText(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (a file being
+    edited); speculative drafts come from it (core/predicted_output.py)."""
+
+    type: Literal["content"]
+    content: str | list[PredictionText]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -193,6 +211,7 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template: str | None = None
     # vLLM's: retrieved texts for a RAG template (Command-R's, Granite's) to write in.
     documents: list[dict[str, str]] | None = None
+    prediction: Prediction | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
