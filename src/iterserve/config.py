@@ -34,6 +34,8 @@ Task = Literal["auto", "generate", "embed", "both", "score"]
 GENERATION_CONFIG_WORDS = ("auto", "none", "vllm")
 Pooling = Literal["auto", "last", "mean", "cls"]
 SELF_INT4_DRAFT = "self-int4"  # --draft-model value: the model's own 4-bit weights
+# --hf-overrides' keys (model/hf_overrides.py); "rope_parameters" is transformers 5's name.
+HF_OVERRIDE_KEYS = ("rope_scaling", "rope_parameters", "max_position_embeddings")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -393,6 +395,16 @@ class EngineConfig:
         "the revision of a model named by its repository: a branch, tag or commit the Hugging "
         "Face cache holds (default: main), as vLLM's --revision",
     )
+    hf_overrides: dict[str, Any] | None = _opt(
+        None,
+        "the model's context set at serve time, as vLLM's flag sets it, for an HF directory "
+        "or a GGUF alike: a JSON object of rope_scaling (HF terms, in place of the "
+        "checkpoint's) and max_position_embeddings, e.g. Qwen3's 128K: "
+        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+        '"original_max_position_embeddings": 32768}}\' (llama.cpp: --rope-scaling yarn '
+        "--rope-scale 4 --yarn-orig-ctx 32768)",
+        parse=json_object,
+    )
     chat_template: str | None = _opt(
         None,
         "the Jinja template chats are rendered with, in place of the model's own (a file "
@@ -480,6 +492,7 @@ class EngineConfig:
                 "bfloat16 and --kernels auto"
             )
         self._validate_tensor_parallel()
+        self._validate_hf_overrides()
         self.given_generation_config()
         self.sampling_overrides()
         self.cache.validate()
@@ -488,6 +501,20 @@ class EngineConfig:
         self.pooling.validate()
         self.lora.validate()
         return self
+
+    def _validate_hf_overrides(self) -> None:
+        given = self.hf_overrides or {}
+        if unknown := [key for key in given if key not in HF_OVERRIDE_KEYS]:
+            raise ConfigError(
+                f"--hf-overrides: {', '.join(map(repr, unknown))} cannot be set here; only "
+                f"{', '.join(HF_OVERRIDE_KEYS)} (the model's context) are taken"
+            )
+        scaling = given.get("rope_scaling", given.get("rope_parameters"))
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ConfigError("--hf-overrides: rope_scaling must be a JSON object")
+        positions = given.get("max_position_embeddings")
+        if positions is not None and (not isinstance(positions, int) or positions < 1):
+            raise ConfigError("--hf-overrides: max_position_embeddings must be a positive integer")
 
     def given_generation_config(self) -> SamplingDefaults | None:
         """The settings of --generation-config FOLDER; None for auto and none (the model's,

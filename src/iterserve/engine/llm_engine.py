@@ -60,6 +60,7 @@ from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import ModelPlan, build_model, choose_dtype
+from iterserve.model.hf_overrides import with_hf_overrides
 from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
@@ -136,6 +137,14 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         dtype, dtype_reason = choose_dtype(config, self.device)
         loaded = loaded or load_model(config.model, dtype, config.revision)
+        if config.hf_overrides:
+            overridden = with_hf_overrides(loaded.config, config.hf_overrides)
+            logger.info(
+                "--hf-overrides: rope scaling %s, %d positions (the checkpoint's: %s, %d)",
+                overridden.rope_scaling, overridden.max_position_embeddings,
+                loaded.config.rope_scaling, loaded.config.max_position_embeddings,
+            )  # fmt: skip
+            loaded = replace(loaded, config=overridden)
         check_weights_fit(loaded, config.weights, self.device)
         self._take_model(loaded)
         path = find_model(config.model, config.revision).path
