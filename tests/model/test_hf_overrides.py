@@ -42,20 +42,14 @@ def test_an_override_is_the_config_of_a_checkpoint_that_carries_it() -> None:
         with_hf_overrides(plain, {"rope_scaling": {"rope_type": "su-mscale"}})
 
 
-@pytest.mark.parametrize(
-    "overrides, said",
-    [
+def test_what_would_change_the_network_stops_the_start() -> None:
+    for overrides, said in [
         ({"num_hidden_layers": 2}, "'num_hidden_layers' cannot be set here"),
         ({"rope_scaling": "yarn"}, "rope_scaling must be a JSON object"),
         ({"max_position_embeddings": -4}, "must be a positive integer"),
-    ],
-)
-def test_what_would_change_the_network_stops_the_start(
-    overrides: dict[str, object], said: str
-) -> None:
-    with pytest.raises(ConfigError, match="--hf-overrides") as raised:
-        EngineConfig(hf_overrides=overrides)
-    assert said in str(raised.value)
+    ]:
+        with pytest.raises(ConfigError, match=f"--hf-overrides: .*{said}"):
+            EngineConfig(hf_overrides=overrides)
 
 
 def test_an_hf_directory_and_a_gguf_are_served_as_if_they_carried_the_scaling(

@@ -22,6 +22,8 @@ from iterserve.chat.tool_parsers import select_tool_parser
 from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
 from iterserve.server.access_log import AccessLogMiddleware
+from iterserve.server.conversation_routes import conversation_routes
+from iterserve.server.conversation_store import ConversationStore
 from iterserve.server.errors import APIError, install_error_handlers
 from iterserve.server.lora_routes import lora_routes
 from iterserve.server.messages import messages_routes
@@ -107,6 +109,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
         lora_routes(ctx, async_engine.served_model.lora_enabled), dependencies=guarded
     )
     app.include_router(stored_response_routes(store), dependencies=guarded)
+    app.include_router(conversation_routes(ConversationStore(store)), dependencies=guarded)
     # vLLM's paths, outside /v1 but behind the same key.
     app.include_router(admin_routes(async_engine), dependencies=guarded)
     app.include_router(tokenizer_routes(ctx), dependencies=guarded)

@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from iterserve.engine.outputs import RequestOutput
+from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.conversation_store import ConversationStore
 from iterserve.server.errors import APIError
 from iterserve.server.response_store import ResponseStore, StoredResponse
-from iterserve.server.responses_protocol import ResponsesRequest, new_item_id
+from iterserve.server.responses_protocol import ResponsesRequest, listed_item
 
 
 async def previous_response(body: ResponsesRequest, store: ResponseStore) -> StoredResponse | None:
@@ -33,6 +35,26 @@ async def previous_response(body: ResponsesRequest, store: ResponseStore) -> Sto
             "previous_response_not_found",
         )
     return previous
+
+
+async def conversation_history(
+    body: ResponsesRequest, conversations: ConversationStore
+) -> list[dict[str, Any]] | None:
+    """The items of the conversation `body` names, oldest first (None: it names none); a 404
+    if there is no such conversation."""
+    conversation_id = body.conversation_id
+    if conversation_id is None:
+        return None
+    if body.previous_response_id is not None:
+        raise InvalidRequestError(
+            "conversation and previous_response_id cannot both be given: a response continues "
+            "one or the other",
+            "conversation",
+        )
+    items = await conversations.items(conversation_id)
+    if items is None:
+        raise APIError(404, f"Conversation with id '{conversation_id}' not found.", "conversation")
+    return items
 
 
 def known_tokens(previous: StoredResponse | None) -> list[list[int]]:
@@ -54,17 +76,6 @@ def stored_response(
     return StoredResponse(
         id=response["id"],
         response=response,
-        conversation=[*history, *(_with_id(item) for item in body.input_items())],
+        conversation=[*history, *(listed_item(item) for item in body.input_items())],
         token_ids=[*output.prompt_token_ids, *output.token_ids],
     )
-
-
-_ITEM_ID_PREFIXES = {"function_call": "fc", "function_call_output": "fco"}
-
-
-def _with_id(item: dict[str, Any]) -> dict[str, Any]:
-    """An input item as GET .../input_items lists it: with an id, as every item has there."""
-    if "id" in item:
-        return item
-    prefix = _ITEM_ID_PREFIXES.get(item.get("type", "message"), "msg")
-    return {"id": new_item_id(prefix), **item}

@@ -1,5 +1,6 @@
 """Stored Responses: finished responses in an embedded SQLite database, for
-`previous_response_id` and GET/DELETE /v1/responses/{id}.
+`previous_response_id` and GET/DELETE /v1/responses/{id}. The same file keeps the
+Conversations API's conversations (server/conversation_store.py), on the same thread.
 
 One row a response, complete in itself: the Response object as it was finally sent, the
 input items the model read (the chain's history included, so deleting or pruning an
@@ -43,6 +44,18 @@ CREATE TABLE IF NOT EXISTS responses (
     token_ids BLOB NOT NULL                 -- prompt + answer, uint32 little-endian
 );
 CREATE INDEX IF NOT EXISTS responses_stored_at ON responses (stored_at);
+CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY,
+    created_at INTEGER NOT NULL,            -- unix seconds
+    metadata TEXT NOT NULL                  -- JSON object
+);
+CREATE TABLE IF NOT EXISTS conversation_items (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the conversation's order
+    conversation_id TEXT NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+    item_id TEXT NOT NULL,
+    item TEXT NOT NULL,                     -- the item, JSON
+    UNIQUE (conversation_id, item_id)
+);
 """
 
 
@@ -108,6 +121,18 @@ class ResponseStore:
         """Whether there was such a response."""
         return await self._call(self._delete, response_id)
 
+    async def run(self, work: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
+        """`work(connection)` on the store's thread (in a transaction when it writes): for
+        the tables other modules keep in this file."""
+
+        def call() -> T:
+            if not write:
+                return work(self._conn)
+            with self._transaction() as db:
+                return work(db)
+
+        return await self._call(call)
+
     def close(self) -> None:
         self._worker.submit(self._close).result()
         self._worker.shutdown()
@@ -129,6 +154,7 @@ class ResponseStore:
         db.execute("PRAGMA busy_timeout = 5000")  # another server on the same file
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = FULL")  # a commit is on disk when it returns
+        db.execute("PRAGMA foreign_keys = ON")  # a conversation's items go with it
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version not in (0, _SCHEMA_VERSION):
             db.close()

@@ -29,9 +29,15 @@ from iterserve.core.outputs import TokenLogprobs
 from iterserve.engine.outputs import RequestOutput
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.chat import ChatRun, start_chat
+from iterserve.server.conversation_store import ConversationStore
 from iterserve.server.logprobs import chat_logprobs
 from iterserve.server.protocol import UsageInfo
-from iterserve.server.response_chain import known_tokens, previous_response, stored_response
+from iterserve.server.response_chain import (
+    conversation_history,
+    known_tokens,
+    previous_response,
+    stored_response,
+)
 from iterserve.server.responses_protocol import ResponsesRequest, new_item_id, responses_param
 from iterserve.server.serving import (
     SSE_DONE,
@@ -52,10 +58,12 @@ async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingCont
             "answers (a model with <think> in its chat template, or --reasoning-parser)",
             "reasoning",
         )
-    store = ctx.response_store
+    store, conversations = ctx.response_store, ConversationStore(ctx.response_store)
+    conversation = await conversation_history(body, conversations)
     previous = await previous_response(body, store)
     try:
-        chat = body.to_chat_request(previous.history if previous else [])
+        history = previous.history if previous else conversation or []
+        chat = body.to_chat_request(history)
         run = await start_chat(chat, raw, ctx, id_prefix="resp_", known=known_tokens(previous))
     except InvalidRequestError as error:
         error.param = responses_param(error.param)
@@ -66,6 +74,10 @@ async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingCont
     async def keep(response: dict[str, Any], output: RequestOutput) -> None:
         if body.stored:
             await store.save(stored_response(response, body, previous, output))
+        if conversation is not None and body.conversation_id is not None:
+            # The conversation goes on with this turn: its input, then its output.
+            items = [*body.input_items(), *response["output"]]
+            await conversations.add(body.conversation_id, items)
 
     async def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
         output = outputs[0]

@@ -50,11 +50,26 @@ def new_item_id(kind: str) -> str:
     return f"{kind}_{secrets.token_hex(12)}"
 
 
+_ITEM_ID_PREFIXES = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists one (a response's input_items, a conversation's items):
+    with an id, and a message's string content as its one text part."""
+    kind = item.get("type", "message")
+    listed = {"id": new_item_id(_ITEM_ID_PREFIXES.get(kind, "msg")), **item}
+    if kind == "message":
+        listed["type"] = "message"
+        content = listed.get("content")
+        if isinstance(content, str):
+            part = "output_text" if listed.get("role") == "assistant" else "input_text"
+            listed["content"] = [{"type": part, "text": content}]
+        listed.setdefault("status", "completed")
+    return listed
+
+
 # Responses fields naming objects kept by OpenAI's other APIs -> what to send instead.
-_NOT_KEPT = {
-    "conversation": "send the conversation in input, or chain with previous_response_id",
-    "prompt": "send the instructions and input themselves",
-}
+_NOT_KEPT = {"prompt": "send the instructions and input themselves"}
 
 # ---- request ----------------------------------------------------------------------------
 
@@ -156,6 +171,10 @@ _ITEMS: dict[str, type[BaseModel]] = {
 _TEXT_PARTS = {"input_text", "output_text", "text", "reasoning_text", "summary_text"}
 
 
+class ConversationRef(BaseModel):
+    id: str
+
+
 class ResponsesRequest(BaseModel):
     # Unknown fields pass on to the chat request: vLLM's sampling extensions (top_k, seed,
     # repetition_penalty, ...) work here too, and ones that would change the output and
@@ -175,6 +194,9 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     store: bool | None = None
     previous_response_id: str | None = None
+    # A kept conversation (server/conversation_store.py): its items are read before `input`,
+    # and this response's input and output are added to it. Its id, or {"id": ...}.
+    conversation: str | ConversationRef | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: ReasoningConfig | None = None
@@ -233,9 +255,15 @@ class ResponsesRequest(BaseModel):
             else tool_choice.model_dump(),
             "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
             "metadata": self.metadata or {},
+            "conversation": None if self.conversation_id is None else {"id": self.conversation_id},
             "user": self.user,
             "top_logprobs": self.top_logprobs,
         }
+
+    @property
+    def conversation_id(self) -> str | None:
+        given = self.conversation
+        return given.id if isinstance(given, ConversationRef) else given
 
     @property
     def stored(self) -> bool:
@@ -352,6 +380,12 @@ def _is_thinking_only(message: dict[str, Any]) -> bool:
         and message["content"] is None
         and not message.get("tool_calls")
     )
+
+
+def check_items(items: Sequence[dict[str, Any]], field: str) -> None:
+    """InvalidRequestError naming `field.N` for an item this server cannot read: what a
+    conversation is given is checked when it is given, not when a response reads it."""
+    _add_items([], items, lambda index: f"{field}.{index}")
 
 
 def _parse_item(raw: dict[str, Any], where: str) -> BaseModel:

@@ -4,6 +4,7 @@ kept, so it is as unknown here as an id never issued (404)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter
@@ -37,27 +38,33 @@ def stored_response_routes(store: ResponseStore) -> APIRouter:
     async def input_items(
         response_id: str, limit: str = "20", order: str = "desc", after: str | None = None
     ) -> dict[str, Any]:
-        count = _limit(limit)
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be 'asc' or 'desc', not {order!r}", "order")
-        items = (await _stored(store, response_id)).conversation
-        if order == "desc":
-            items = items[::-1]
-        if after is not None:
-            ids = [item.get("id") for item in items]
-            if after not in ids:
-                raise APIError(400, f"no input item with id {after!r} in this response", "after")
-            items = items[ids.index(after) + 1 :]
-        page = items[:count]
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0].get("id") if page else None,
-            "last_id": page[-1].get("id") if page else None,
-            "has_more": len(items) > count,
-        }
+        return item_page((await _stored(store, response_id)).conversation, limit, order, after)
 
     return v1
+
+
+def item_page(
+    items: Sequence[dict[str, Any]], limit: str | int, order: str, after: str | None
+) -> dict[str, Any]:
+    """A page of items as OpenAI lists them (a response's input items, a conversation's):
+    `limit` of them, `order` asc (oldest first) or desc, after the item with id `after`."""
+    count = _limit(str(limit))
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', not {order!r}", "order")
+    ordered = list(items) if order == "asc" else list(items)[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise APIError(400, f"no item with id {after!r} here", "after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:count]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None,
+        "has_more": len(ordered) > count,
+    }
 
 
 async def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
