@@ -75,6 +75,8 @@ CASES = [
     Case("openai-agents", "scenario_openai_agents.py", "responses_output_type"),
     Case("openai-agents", "scenario_openai_agents.py", "chat_output_type"),
     Case("openai-agents", "scenario_openai_agents.py", "responses_chained"),
+    Case("openai-agents", "scenario_openai_agents.py", "responses_conversations_session"),
+    Case("openai-agents", "scenario_openai_agents.py", "responses_conversation_id"),
     Case("langchain", "scenario_langchain.py", "bind_tools"),
     Case("langchain", "scenario_langchain.py", "bind_tools_streamed"),
     Case("langchain", "scenario_langchain.py", "responses_api_bind_tools"),

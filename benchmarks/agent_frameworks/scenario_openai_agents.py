@@ -2,9 +2,10 @@
 turns, each turn a forced tool call (the SDK's `ModelSettings.tool_choice`, reset to
 auto after the call by the SDK's default `reset_tool_choice`), the tool's result, then
 the agent's answer. Run with the Responses model class and the chat completions model
-class, streamed or not; then an agent with a typed output (`output_type`) on each, and
-the conversation chained by `previous_response_id`. Tracing is off (it would upload to
-OpenAI)."""
+class, streamed or not; then an agent with a typed output (`output_type`) on each, the
+conversation chained by `previous_response_id`, and kept on the server by the
+Conversations API (an OpenAIConversationsSession, and a run given `conversation_id`).
+Tracing is off (it would upload to OpenAI)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from agents import (
     Agent,
     ModelSettings,
     OpenAIChatCompletionsModel,
+    OpenAIConversationsSession,
     OpenAIResponsesModel,
     Runner,
     RunResult,
@@ -119,6 +121,37 @@ async def chained(model: Model) -> tuple[bool, object, dict[str, Any]]:
     return finished and {"get_weather", "get_time"} <= {n for n, _ in CALLS}, answers, {}
 
 
+async def kept(model: Model, session: bool) -> tuple[bool, object, dict[str, Any]]:
+    """The conversation of `conversation`, its turns kept on the server by the
+    Conversations API: in an OpenAIConversationsSession (the SDK reads and adds the items),
+    or in a conversation a run names by `conversation_id` (the server reads and adds them)."""
+    agent = Agent(
+        name="assistant",
+        instructions="You answer questions about cities. Use the tools.",
+        model=model,
+        tools=[function_tool(get_weather), function_tool(get_time)],
+    )
+    api = client()
+    memory = OpenAIConversationsSession(openai_client=api) if session else None
+    conversation_id = None if memory else (await api.conversations.create()).id
+    answers: list[object] = []
+    for question, tool in TURNS:
+        result = await Runner.run(
+            agent.clone(model_settings=settings(tool)),
+            question,
+            max_turns=4,
+            session=memory,
+            conversation_id=conversation_id,
+        )
+        answers.append(result.final_output)
+    kept_id = memory.session_id if memory else conversation_id
+    items = [item async for item in api.conversations.items.list(str(kept_id), order="asc")]
+    roles = [getattr(item, "role", item.type) for item in items]
+    finished = all(isinstance(answer, str) and answer.strip() for answer in answers)
+    called = {"get_weather", "get_time"} <= {n for n, _ in CALLS}
+    return finished and called and roles.count("user") == len(TURNS), answers, {"items": roles}
+
+
 def client() -> AsyncOpenAI:
     return AsyncOpenAI(base_url=BASE_URL, api_key=API_KEY)
 
@@ -151,6 +184,14 @@ def responses_chained() -> tuple[bool, object, dict[str, Any]]:
     return asyncio.run(chained(OpenAIResponsesModel(MODEL, client())))
 
 
+def responses_conversations_session() -> tuple[bool, object, dict[str, Any]]:
+    return asyncio.run(kept(OpenAIResponsesModel(MODEL, client()), session=True))
+
+
+def responses_conversation_id() -> tuple[bool, object, dict[str, Any]]:
+    return asyncio.run(kept(OpenAIResponsesModel(MODEL, client()), session=False))
+
+
 if __name__ == "__main__":
     raise SystemExit(
         run_case(
@@ -162,6 +203,8 @@ if __name__ == "__main__":
                 "responses_output_type": responses_output_type,
                 "chat_output_type": chat_output_type,
                 "responses_chained": responses_chained,
+                "responses_conversations_session": responses_conversations_session,
+                "responses_conversation_id": responses_conversation_id,
             }
         )
     )
