@@ -141,3 +141,36 @@ def test_items_the_server_cannot_read_are_refused_when_given(server: RunningServ
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == "items"
     assert httpx.get(f"{base}/{made}/items").json()["data"] == []  # none of them was added
+
+
+def test_truncation_auto_drops_the_oldest_turns_a_conversation_outgrew(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    """A conversation past the context (512 tokens here): refused as it is; with
+    `truncation: "auto"` the fewest oldest turns are dropped, up to a user message, that
+    leave the answer its room, and the conversation itself keeps every item."""
+    turns = []
+    for i in range(6):
+        turns.append({"role": "user", "content": f"Question {i}: " + "tell me more " * 25})
+        turns.append({"role": "assistant", "content": f"Answer {i}: " + "there is more " * 25})
+    conversation = client.conversations.create(
+        items=[{"type": "message", **turn} for turn in turns]  # type: ignore[misc]
+    )
+    ask = {"role": "user", "content": "Last question?"}
+    counts = [_chat_tokens(server, [*turns[cut:], ask]) for cut in range(0, len(turns) + 1, 2)]
+    assert counts[0] > 512, "the conversation must outgrow the context"
+    fitting = [count for count in counts if count <= 512 - 8]
+    assert fitting and fitting[0] != counts[0]
+
+    def respond(**extra: Any) -> Any:
+        return client.responses.create(
+            model=MODEL_NAME, conversation=conversation.id, input=ask["content"],
+            max_output_tokens=8, temperature=0, **extra,
+        )  # fmt: skip
+
+    with pytest.raises(openai.BadRequestError):
+        respond()
+    answer = respond(truncation="auto")
+    assert answer.truncation == "auto"
+    assert answer.usage is not None and answer.usage.input_tokens == fitting[0]
+    assert len(client.conversations.items.list(conversation.id, limit=100).data) == 14

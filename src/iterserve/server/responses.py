@@ -14,6 +14,7 @@ happens to the server next (response_chain.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,6 +39,7 @@ from iterserve.server.response_chain import (
     previous_response,
     stored_response,
 )
+from iterserve.server.response_truncation import fitted_history
 from iterserve.server.responses_protocol import ResponsesRequest, new_item_id, responses_param
 from iterserve.server.serving import (
     SSE_DONE,
@@ -63,6 +65,8 @@ async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingCont
     previous = await previous_response(body, store)
     try:
         history = previous.history if previous else conversation or []
+        if body.truncation == "auto" and history:  # renders the prompt a few times: off the loop
+            history = await asyncio.to_thread(fitted_history, body, history, ctx)
         chat = body.to_chat_request(history)
         run = await start_chat(chat, raw, ctx, id_prefix="resp_", known=known_tokens(previous))
     except InvalidRequestError as error:
@@ -196,7 +200,7 @@ class _Shape:
             "store": body.stored,
             "temperature": params.temperature,
             "top_p": params.top_p,
-            "truncation": "disabled",
+            "truncation": body.truncation or "disabled",
             "usage": None if usage is None else _usage(usage),
             **body.settings(),
         }

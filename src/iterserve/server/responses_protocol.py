@@ -213,12 +213,6 @@ class ResponsesRequest(BaseModel):
         for value in self.include or ():
             if value != LOGPROBS_INCLUDE and value not in _VACUOUS_INCLUDES:
                 raise InvalidRequestError(f"include {value!r} is not a known value", "include")
-        if self.truncation == "auto":
-            raise InvalidRequestError(
-                "truncation 'auto' is not supported: a conversation longer than the context "
-                "is refused, not cut",
-                "truncation",
-            )
         if self.model_extra and self.model_extra.get("n", 1) != 1:
             raise InvalidRequestError("a response has one answer: n must be 1", "n")
         # Server-side objects this server does not keep; ignored, they would give an
