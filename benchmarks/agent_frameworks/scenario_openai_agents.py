@@ -10,6 +10,7 @@ Tracing is off (it would upload to OpenAI)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from _scenario import (
@@ -47,17 +48,21 @@ TURNS = [
 ]
 
 
-def settings(tool: str) -> ModelSettings:
-    return ModelSettings(temperature=0.0, max_tokens=MAX_TOKENS, tool_choice=tool)
-
-
-async def conversation(model: Model, streamed: bool) -> tuple[bool, object, dict[str, Any]]:
-    agent = Agent(
+def city_agent(model: Model) -> Agent:
+    return Agent(
         name="assistant",
         instructions="You answer questions about cities. Use the tools.",
         model=model,
         tools=[function_tool(get_weather), function_tool(get_time)],
     )
+
+
+def settings(tool: str) -> ModelSettings:
+    return ModelSettings(temperature=0.0, max_tokens=MAX_TOKENS, tool_choice=tool)
+
+
+async def conversation(model: Model, streamed: bool) -> tuple[bool, object, dict[str, Any]]:
+    agent = city_agent(model)
     history: list[Any] = []
     answers: list[object] = []
     for question, tool in TURNS:
@@ -99,57 +104,53 @@ async def chained(model: Model) -> tuple[bool, object, dict[str, Any]]:
     """The conversation of `conversation`, but each turn after the first sends only the new
     input and `previous_response_id` (the SDK's server-side chaining, asked for here; by
     default the SDK sends the whole history and no `store`)."""
-    agent = Agent(
-        name="assistant",
-        instructions="You answer questions about cities. Use the tools.",
-        model=model,
-        tools=[function_tool(get_weather), function_tool(get_time)],
+    answers = await run_turns(
+        model,
+        lambda last: {
+            "previous_response_id": last.last_response_id if last else None,
+            "auto_previous_response_id": True,
+        },
     )
-    previous: str | None = None
-    answers: list[object] = []
-    for question, tool in TURNS:
-        result = await Runner.run(
-            agent.clone(model_settings=settings(tool)),
-            question,
-            max_turns=4,
-            previous_response_id=previous,
-            auto_previous_response_id=True,
-        )
-        answers.append(result.final_output)
-        previous = result.last_response_id
-    finished = all(isinstance(answer, str) and answer.strip() for answer in answers)
-    return finished and {"get_weather", "get_time"} <= {n for n, _ in CALLS}, answers, {}
+    return both_answered(answers), answers, {}
 
 
 async def kept(model: Model, session: bool) -> tuple[bool, object, dict[str, Any]]:
     """The conversation of `conversation`, its turns kept on the server by the
     Conversations API: in an OpenAIConversationsSession (the SDK reads and adds the items),
     or in a conversation a run names by `conversation_id` (the server reads and adds them)."""
-    agent = Agent(
-        name="assistant",
-        instructions="You answer questions about cities. Use the tools.",
-        model=model,
-        tools=[function_tool(get_weather), function_tool(get_time)],
-    )
     api = client()
     memory = OpenAIConversationsSession(openai_client=api) if session else None
     conversation_id = None if memory else (await api.conversations.create()).id
-    answers: list[object] = []
-    for question, tool in TURNS:
-        result = await Runner.run(
-            agent.clone(model_settings=settings(tool)),
-            question,
-            max_turns=4,
-            session=memory,
-            conversation_id=conversation_id,
-        )
-        answers.append(result.final_output)
+    answers = await run_turns(
+        model, lambda _: {"session": memory, "conversation_id": conversation_id}
+    )
     kept_id = memory.session_id if memory else conversation_id
     items = [item async for item in api.conversations.items.list(str(kept_id), order="asc")]
     roles = [getattr(item, "role", item.type) for item in items]
+    finished = both_answered(answers) and roles.count("user") == len(TURNS)
+    return finished, answers, {"items": roles}
+
+
+async def run_turns(
+    model: Model, options: Callable[[RunResult | None], dict[str, Any]]
+) -> list[object]:
+    """TURNS on the city agent, each with its tool forced and `options(the last turn's
+    result)` (how the server keeps the history): the answers."""
+    agent = city_agent(model)
+    answers: list[object] = []
+    last: RunResult | None = None
+    for question, tool in TURNS:
+        last = await Runner.run(
+            agent.clone(model_settings=settings(tool)), question, max_turns=4, **options(last)
+        )
+        answers.append(last.final_output)
+    return answers
+
+
+def both_answered(answers: list[object]) -> bool:
+    """Every turn ended in a text answer, and both tools ran."""
     finished = all(isinstance(answer, str) and answer.strip() for answer in answers)
-    called = {"get_weather", "get_time"} <= {n for n, _ in CALLS}
-    return finished and called and roles.count("user") == len(TURNS), answers, {"items": roles}
+    return finished and {"get_weather", "get_time"} <= {n for n, _ in CALLS}
 
 
 def client() -> AsyncOpenAI:

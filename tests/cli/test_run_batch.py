@@ -5,12 +5,16 @@ gets an error naming its line, and every line gets its own answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 from iterserve import LLM, SamplingParams
+from iterserve.cli.run_batch import send_line
 from iterserve.server.batch_lines import parse_line
 from server_fixtures import MODEL_NAME
 
@@ -91,3 +95,20 @@ def test_a_line_names_what_keeps_it_from_being_sent() -> None:
     ]:
         problem = parse_line(2, text, seen).problem
         assert problem is not None and said in problem, (text, problem)
+
+
+def test_a_line_refused_for_capacity_is_asked_again() -> None:
+    """A 429 (the engine's queue full for a moment) is not a line's answer: it is sent
+    again after its Retry-After, as a client would."""
+    statuses = [429, 429, 200]
+    sent: list[str] = []
+
+    class Client:
+        async def post(self, url: str, json: object) -> httpx.Response:
+            sent.append(url)
+            return httpx.Response(statuses[len(sent) - 1], json={"id": "cmpl-1"},
+                                  headers={"retry-after": "0"})  # fmt: skip
+
+    line = parse_line(1, _line("a", "/v1/completions", {"prompt": "x"}), set())
+    record = asyncio.run(send_line(Client(), line))
+    assert record["response"]["status_code"] == 200 and len(sent) == 3

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 logger = logging.getLogger("iterserve.run_batch")
+_MOST_WAIT_S = 5.0  # the longest a 429's Retry-After holds a line back
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +83,9 @@ def run_batch(args: argparse.Namespace) -> int:
     if args.log_level != "debug":  # a line each would bury the progress and the summary
         logging.getLogger("iterserve.access").setLevel(logging.WARNING)
     in_flight = 2 * args.max_num_seqs * args.data_parallel_size
-    args.max_waiting_requests = in_flight  # what launch_engine queues at most
+    # What launch_engine queues at most: room for every line in flight and for as many
+    # more, since a line's answer can be out before the engine has let its request go.
+    args.max_waiting_requests = 2 * in_flight
     with _opened(args.input_file, "r") as source, _opened(args.output_file, "w") as out:
         async_engine = server_cli.launch_engine(args)
         settings = ServerSettings(responses_store=IN_MEMORY, **server_cli.answer_settings(args))
@@ -143,7 +146,7 @@ async def _answer_all(
 
         async def answer(line: BatchLine) -> None:
             try:
-                record = not_sent(line) if line.problem else await _send(client, line)
+                record = not_sent(line) if line.problem else await send_line(client, line)
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
                 out.flush()
                 counts.add(record)
@@ -161,8 +164,19 @@ async def _answer_all(
     return counts
 
 
-async def _send(client: Any, line: BatchLine) -> dict[str, Any]:
-    response = await client.post(line.url, json=line.body)
+def _retry_after(header: str | None) -> float:
+    """Seconds to wait by a Retry-After header (seconds; another form: one second)."""
+    try:
+        return min(max(float(header or 1), 0.0), _MOST_WAIT_S)
+    except ValueError:
+        return 1.0
+
+
+async def send_line(client: Any, line: BatchLine) -> dict[str, Any]:
+    """The line's answer; a 429 (the engine's queue full for a moment) is asked again after
+    the Retry-After it names, as a client of the server would: a batch loses no line to it."""
+    while (response := await client.post(line.url, json=line.body)).status_code == 429:
+        await asyncio.sleep(_retry_after(response.headers.get("retry-after")))
     try:
         body = response.json()
     except ValueError:  # not JSON (a 500 from outside the app's handlers): its text
