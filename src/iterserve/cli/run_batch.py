@@ -28,7 +28,6 @@ from iterserve.server.batch_lines import BatchLine, answered, not_sent, parse_li
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-logger = logging.getLogger("iterserve.run_batch")
 _MOST_WAIT_S = 5.0  # the longest a 429's Retry-After holds a line back
 
 

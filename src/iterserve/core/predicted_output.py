@@ -32,18 +32,18 @@ class PredictionCursor:
         self._floor = 0  # where the answer last followed the prediction
         self._seen = 0  # answer tokens taken into account
 
-    def draft(self, answer: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens the prediction says come after `answer` (the output so far, which
-        only ever grows)."""
-        for token in answer[self._seen :]:
+    def draft(self, tokens: Sequence[int], k: int, start: int = 0) -> list[int]:
+        """Up to k tokens the prediction says come after the answer so far, `tokens[start:]`
+        (`tokens` only ever grows; read in place, not copied, each step)."""
+        for token in tokens[start + self._seen :]:
             if self.cursor is not None and self._next_is(token):
                 self.cursor += 1
                 self._floor = self.cursor
             else:
                 self.cursor = None
-        self._seen = len(answer)
+        self._seen = len(tokens) - start
         if self.cursor is None:
-            self.cursor = self._find(answer)
+            self.cursor = self._find(tokens, len(tokens) - start)
         if self.cursor is None:
             return []
         self._floor = self.cursor
@@ -53,11 +53,12 @@ class PredictionCursor:
         at = self.cursor
         return at is not None and at < len(self.prediction) and self.prediction[at] == token
 
-    def _find(self, answer: Sequence[int]) -> int | None:
+    def _find(self, tokens: Sequence[int], answered: int) -> int | None:
         """Just after the first occurrence, from where the answer last followed the
-        prediction on, of the longest of the answer's last n tokens the prediction holds."""
-        for n in range(min(self.n_max, len(answer)), self.n_min - 1, -1):
-            ends = self._ends.get(tuple(answer[len(answer) - n :]))
+        prediction on, of the longest of the answer's last n tokens (of its `answered`, the
+        end of `tokens`) the prediction holds."""
+        for n in range(min(self.n_max, answered), self.n_min - 1, -1):
+            ends = self._ends.get(tuple(tokens[len(tokens) - n :]))
             if ends:
                 at = bisect.bisect_left(ends, self._floor)
                 return ends[at] if at < len(ends) else ends[0]

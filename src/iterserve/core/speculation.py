@@ -77,7 +77,7 @@ class NgramProposer:
         if cursor is None:
             cursor = PredictionCursor(prediction, self.n_min, self.n_max)
             self._predictions[query.request_id] = cursor
-        return cursor.draft(query.token_ids[query.num_prompt_tokens :], query.k)
+        return cursor.draft(query.token_ids, query.k, query.num_prompt_tokens)
 
     def lookup(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens guessed to follow `tokens` (which only ever grow per request)."""

@@ -78,10 +78,10 @@ async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingCont
     async def keep(response: dict[str, Any], output: RequestOutput) -> None:
         if body.stored:
             await store.save(stored_response(response, body, previous, output))
-        if conversation is not None and body.conversation_id is not None:
+        if (conversation_id := body.conversation_id) is not None:
             # The conversation goes on with this turn: its input, then its output.
             items = [*body.input_items(), *response["output"]]
-            await conversations.add(body.conversation_id, items)
+            await conversations.add(conversation_id, items)
 
     async def final(outputs: list[RequestOutput], usage: UsageInfo) -> dict[str, Any]:
         output = outputs[0]

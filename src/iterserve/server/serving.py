@@ -73,6 +73,11 @@ def access_record(request: Request) -> AccessRecord:
     return record
 
 
+# A request's template is checked once, not at each of a chat's renders nor again for every
+# request that sends the same one (a client sends its template with each request).
+_template_problem = functools.lru_cache(maxsize=32)(template_problem)
+
+
 @dataclass
 class ServingContext:
     engine: ServingEngine
@@ -134,7 +139,7 @@ class ServingContext:
                 "--trust-request-chat-template",
                 "chat_template",
             )
-        if problem := template_problem(given, self.tokenizer):
+        if problem := _template_problem(given, self.tokenizer):
             raise InvalidRequestError(f"chat_template {problem}", "chat_template")
         return given
 
