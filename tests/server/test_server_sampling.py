@@ -141,6 +141,66 @@ def test_tokenize_and_detokenize(server: RunningServer, tiny_llama_dir: Path) ->
     assert models[0]["max_model_len"] == 512
 
 
+def test_tokenizer_info_serves_lm_eval_its_tokenizer(
+    server: RunningServer, client: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    """lm-evaluation-harness (0.4.10 on) reads GET /tokenizer_info and then tokenizes through
+    /tokenize: its special tokens and template are the tokenizer's, and a loglikelihood
+    request as it sends one (context and continuation tokenized apart, the ids echoed with
+    max_tokens 1, the continuation's logprobs read at [context length:-1]) sums to
+    transformers' log-probability of the continuation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    url = server.base_url
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    for key in ("bos_token", "eos_token", "chat_template"):
+        assert info[key] == getattr(tokenizer, key), key
+    assert info["model_max_length"] == 512
+    assert not {"name_or_path", "tokenizer_file", "tokenizer_object"} & info.keys()
+
+    def encode(text: str) -> list[int]:
+        body = {"prompt": text, "add_special_tokens": False}
+        return httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
+
+    context, continuation = encode(PROMPT), encode(" and then it sleeps")
+    answer = client.completions.create(
+        model=MODEL_NAME, prompt=[context + continuation], echo=True, logprobs=1,
+        max_tokens=1, temperature=0,
+    )  # fmt: skip
+    logprobs = answer.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    got = sum(logprobs.token_logprobs[len(context) : -1])
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    ids = torch.tensor([context + continuation])
+    with torch.no_grad():
+        table = torch.log_softmax(model(ids).logits[0], -1)
+    expected = sum(table[i - 1, ids[0, i]].item() for i in range(len(context), ids.shape[1]))
+    assert got == pytest.approx(expected, abs=1e-3)
+
+
+def test_tokenizer_info_can_be_turned_off(tiny_llama_dir: Path) -> None:
+    """--no-enable-tokenizer-info-endpoint: no route (a 404), as a vLLM server without its
+    flag has none."""
+    from transformers import AutoTokenizer
+
+    from iterserve.server.serving import ServingContext
+    from iterserve.server.tokenize import tokenizer_routes
+
+    ctx = ServingContext(
+        engine=None, served_model_names=[MODEL_NAME],  # type: ignore[arg-type]
+        tokenizer=AutoTokenizer.from_pretrained(tiny_llama_dir), chat_template=None,
+        max_model_len=512, response_store=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+    def paths(info: bool) -> set[str]:
+        return {getattr(route, "path", "") for route in tokenizer_routes(ctx, info).routes}
+
+    assert "/tokenizer_info" in paths(True) and "/tokenizer_info" not in paths(False)
+    assert {"/tokenize", "/detokenize"} <= paths(False)
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [

@@ -112,6 +112,15 @@ def _add_front_end_args(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ITERSERVE_API_KEY)",
     )
     p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve GET /tokenizer_info, vLLM's: the tokenizer's tokenizer_config.json and "
+        "the chat template, which lm-evaluation-harness reads to tokenize through /tokenize "
+        "rather than load a tokenizer from a hub (vLLM's is off unless asked for; behind "
+        "--api-key like /tokenize)",
+    )
+    p.add_argument(
         "--max-waiting-requests",
         type=int,
         default=256,
@@ -204,6 +213,7 @@ def serve(args: argparse.Namespace) -> int:
         shutdown_timeout=min(5.0, args.shutdown_timeout),
         responses_store=args.responses_store or str(default_store_path()),
         responses_retention=Retention(args.responses_retention, args.responses_max_age * _DAY),
+        tokenizer_info=args.enable_tokenizer_info_endpoint,
         **answer_settings(args),
     )
     logger.info("stored responses: %s", settings.responses_store)

@@ -55,6 +55,8 @@ class ServerSettings:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # A request's own `chat_template` renders it (--trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # GET /tokenizer_info (--enable-tokenizer-info-endpoint).
+    tokenizer_info: bool = True
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -112,7 +114,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     app.include_router(conversation_routes(ConversationStore(store)), dependencies=guarded)
     # vLLM's paths, outside /v1 but behind the same key.
     app.include_router(admin_routes(async_engine), dependencies=guarded)
-    app.include_router(tokenizer_routes(ctx), dependencies=guarded)
+    app.include_router(tokenizer_routes(ctx, settings.tokenizer_info), dependencies=guarded)
     app.include_router(status_routes(async_engine, metrics))
     return app
 

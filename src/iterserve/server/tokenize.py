@@ -1,13 +1,20 @@
 """POST /tokenize and /detokenize, vLLM's shapes: a prompt (or a conversation through the
-chat template) to token ids, and token ids back to text."""
+chat template) to token ids, and token ids back to text; and GET /tokenizer_info, vLLM's
+tokenizer_config.json of the served tokenizer, through which evaluation harnesses
+(lm-evaluation-harness' remote tokenizer) tokenize with the server's own tokenizer instead
+of loading one from a hub."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from pydantic import BaseModel
+from tokenizers import AddedToken
 
 from iterserve.chat.messages import ChatMessage
 from iterserve.engine.prompts import encode_text, render_chat, with_documents
+from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.serving import ServingContext
 
@@ -48,8 +55,57 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def tokenizer_routes(ctx: ServingContext) -> APIRouter:
+# A tokenizer's own settings that name files on the server or hold its built object: not the
+# client's business, and not JSON.
+_PRIVATE_SETTINGS = frozenset(
+    {"tokenizer_object", "tokenizer_file", "vocab_file", "merges_file", "name_or_path"}
+)
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _as_json(value: object) -> Any:
+    """A tokenizer setting as tokenizer_config.json writes it (an AddedToken as its fields);
+    None for what JSON cannot hold."""
+    if isinstance(value, AddedToken):
+        return {
+            "content": value.content, "lstrip": value.lstrip, "normalized": value.normalized,
+            "rstrip": value.rstrip, "single_word": value.single_word, "special": value.special,
+        }  # fmt: skip
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, list | tuple):
+        return [_as_json(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _as_json(item) for key, item in value.items()}
+    return None
+
+
+def tokenizer_config(ctx: ServingContext) -> dict[str, Any]:
+    """What GET /tokenizer_info answers: the served tokenizer's settings as its
+    tokenizer_config.json holds them (a GGUF's tokenizer has none of its own: its special
+    tokens), its special tokens as text, the chat template chats are rendered with, and the
+    served context as model_max_length (HF's own is often a placeholder of 10^30)."""
+    tokenizer = ctx.tokenizer
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+    for key, value in getattr(tokenizer, "init_kwargs", {}).items():
+        if key not in _PRIVATE_SETTINGS and (converted := _as_json(value)) is not None:
+            info[key] = converted
+    for key in _SPECIAL_TOKENS:
+        info[key] = getattr(tokenizer, key, None)
+    info["model_max_length"] = ctx.max_model_len
+    info["chat_template"] = ctx.chat_template or chat_template_of(tokenizer)
+    return info
+
+
+def tokenizer_routes(ctx: ServingContext, info: bool = True) -> APIRouter:
+    """The routes; `info`: GET /tokenizer_info too (--enable-tokenizer-info-endpoint)."""
     router = APIRouter()
+
+    if info:
+
+        @router.get("/tokenizer_info")
+        def tokenizer_info() -> dict[str, Any]:
+            return tokenizer_config(ctx)
 
     # Plain `def`: FastAPI runs them on its thread pool, so a long text does not hold
     # up the event loop while it is tokenized.
