@@ -12,7 +12,7 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # A leading underscore marks a module the scripts share, not a script. A folder's run.py
-# is its script (agent_frameworks/: its scenario_*.py need the frameworks' own venv).
+# is its script (agent_frameworks/, eval_harness/: what they drive needs its own venv).
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")) + sorted(
     BENCHMARKS.glob("*/run.py")
 )

@@ -111,7 +111,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 # --- The repository stands alone: a clone with nothing beside it has all it refers to. ---
 
 REPO = SRC.parent
-_NOT_OURS = {".git", ".venv", ".venv-agents", "build", "dist", "__pycache__", ".pytest_cache",
+_NOT_OURS = {".git", ".venv", ".venv-agents", ".venv-evals", "build", "dist", "__pycache__", ".pytest_cache",
              ".ruff_cache", ".hypothesis", "bench_results", "node_modules"}  # fmt: skip
 # A sibling directory of the checkout, or this machine's absolute paths.
 _OUTSIDE = re.compile(r"\.\./shared\b|(?<![\w.])/work/")

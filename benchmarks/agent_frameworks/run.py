@@ -26,19 +26,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import hashlib
 import http.client
-import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -46,8 +42,19 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: the modules the scripts share
+from _results import write_results  # type: ignore[import-not-found]  # noqa: E402
+from _served import (  # type: ignore[import-not-found]  # noqa: E402
+    access_statuses,
+    ensure_venv,
+    free_port,
+    get_json,
+    installed_versions,
+    iterserve_server,
+    served_source,
+)
+
 RESULT_MARK = "AGENT_RESULT "
-ACCESS_MARK = "iterserve.access: "
 RUNNER_PATHS = ("/reset_prefix_cache", "/health")  # the runner's requests, not a case's
 # Packages whose versions the results record.
 FRAMEWORKS = ("openai-agents", "langchain-openai", "langchain-anthropic", "langchain-core",
@@ -103,131 +110,6 @@ CASES = [
     Case("instructor", "scenario_instructor.py", "tools_strict"),
     Case("instructor", "scenario_instructor.py", "responses_tools"),
 ]
-
-# ---- the frameworks' venv ---------------------------------------------------------------
-
-
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def ensure_venv(venv: Path, reinstall: bool) -> Path:
-    """The venv with requirements.txt installed; a stamp of the requirements' hash skips
-    pip when nothing changed."""
-    wanted = hashlib.sha256(
-        (HERE / "requirements.txt").read_bytes() + (HERE / "constraints.txt").read_bytes()
-    ).hexdigest()
-    stamp = venv / ".iterserve-requirements"
-    python = venv_python(venv)
-    if not python.exists():
-        print(f"making {venv}", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    if reinstall or not stamp.exists() or stamp.read_text() != wanted:
-        print(f"installing the frameworks into {venv}", flush=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-             "-r", str(HERE / "requirements.txt"), "-c", str(HERE / "constraints.txt")],
-            check=True,
-        )  # fmt: skip
-        stamp.write_text(wanted)
-    return python
-
-
-def served_source() -> dict[str, str | None]:
-    """Which iterserve the server runs: this interpreter's (PYTHONPATH included), and its
-    checkout's commit, found without importing it (that would load torch here)."""
-    spec = importlib.util.find_spec("iterserve")
-    where = Path(spec.origin).parent if spec and spec.origin else None
-    commit = None
-    if where is not None:
-        with contextlib.suppress(OSError, subprocess.CalledProcessError):
-            commit = subprocess.run(
-                ["git", "-C", str(where), "rev-parse", "HEAD"],
-                check=True, capture_output=True, text=True,
-            ).stdout.strip()  # fmt: skip
-    return {"package": None if where is None else str(where), "commit": commit}
-
-
-def installed_versions(python: Path) -> dict[str, str]:
-    code = (
-        "import importlib.metadata as m, json, sys\n"
-        "out = {}\n"
-        "for name in sys.argv[1:]:\n"
-        "    try: out[name] = m.version(name)\n"
-        "    except m.PackageNotFoundError: out[name] = None\n"
-        "print(json.dumps(out))\n"
-    )
-    done = subprocess.run(
-        [str(python), "-c", code, *FRAMEWORKS], check=True, capture_output=True, text=True
-    )
-    return json.loads(done.stdout)
-
-
-# ---- the server -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-@contextlib.contextmanager
-def iterserve_server(
-    port: int, model: str | None, extra: list[str], log_path: Path, wait_s: float
-) -> Iterator[subprocess.Popen[bytes]]:
-    command = [sys.executable, "-m", "iterserve.cli", "serve", "--port", str(port)]
-    if model:
-        command += ["--model", model]
-    command += extra
-    print("starting:", " ".join(command), flush=True)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited ({server.returncode}): see {log_path}")
-            try:
-                if get_json(f"http://127.0.0.1:{port}/health").get("status") == "ok":
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not healthy within {wait_s:.0f} s")
-            time.sleep(2)
-        yield server
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def access_statuses(log_path: Path, start: int) -> tuple[list[dict[str, Any]], int]:
-    """The server's access-log lines written since byte `start`, and the new end."""
-    with open(log_path, "rb") as log:
-        log.seek(start)
-        data = log.read()
-    complete = data[: data.rfind(b"\n") + 1]
-    lines = []
-    for line in complete.decode(errors="replace").splitlines():
-        _, mark, payload = line.partition(ACCESS_MARK)
-        if mark:
-            with contextlib.suppress(ValueError):
-                entry = json.loads(payload)
-                if entry.get("path") not in RUNNER_PATHS:
-                    lines.append({k: entry.get(k) for k in ("method", "path", "status")})
-    return lines, start + len(complete)
-
 
 # ---- the recording proxy ----------------------------------------------------------------
 
@@ -391,8 +273,8 @@ def main() -> int:
     cases = [c for c in CASES if not args.only or any(o in c.name for o in args.only)]
     if not cases:
         parser.error("--only matched no case")
-    python = ensure_venv(args.venv.resolve(), args.reinstall)
-    versions = installed_versions(python)
+    python = ensure_venv(args.venv.resolve(), HERE, args.reinstall)
+    versions = installed_versions(python, FRAMEWORKS)
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         if args.url:
@@ -411,7 +293,7 @@ def main() -> int:
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
         stack.callback(proxy.shutdown)
         base_url = f"http://127.0.0.1:{proxy.server_address[1]}/v1"
-        log_offset = access_statuses(log_path, 0)[1] if log_path else 0
+        log_offset = access_statuses(log_path, 0, RUNNER_PATHS)[1] if log_path else 0
         for case in cases:
             print(f"running {case.name}", flush=True)
             # Each case from a cold prefix cache: a cached prefix changes the attention's
@@ -424,7 +306,7 @@ def main() -> int:
             access: list[dict[str, Any]] | None = None
             if log_path:
                 time.sleep(1)  # the access line is written as the response ends
-                access, log_offset = access_statuses(log_path, log_offset)
+                access, log_offset = access_statuses(log_path, log_offset, RUNNER_PATHS)
             exchanges = recorder.exchanges.get(case.name, [])
             errors = [e for e in exchanges if e["status"] >= 400]
             errors += [a for a in access or [] if a["status"] >= 400]
@@ -453,9 +335,6 @@ def main() -> int:
         "cases": rows,
     }
     if args.json:
-        sys.path.insert(0, str(HERE.parent))
-        from _results import write_results
-
         write_results(args.json, results)
     # Fails on a case that failed for a reason not already known.
     return 0 if all(row["passed"] or row["known"] for row in rows) else 1
