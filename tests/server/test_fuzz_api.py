@@ -34,8 +34,10 @@ GENERATION = (
     "POST /v1/chat/completions",
     "POST /v1/responses",
     "POST /v1/messages",
+    "POST /completion",  # llama-server's own
 )
 ANTHROPIC = "POST /v1/messages"  # and its count_tokens
+LLAMA_SERVER = ("POST /completion", "POST /completions", "POST /infill")
 # Examples per generation endpoint and kind; the other operations take no input to vary.
 EXAMPLES = {"raw": 45, "tamed": 80, "negative": 25}
 # A raw example nearly always holds one field the server refuses outright (a penalty, a
@@ -108,13 +110,15 @@ def tame(drawn: tuple[schemathesis.Case, dict[str, object]]) -> schemathesis.Cas
     for name in REFUSED:
         body.pop(name, None)
     for name, low, high in (("n", 1, 3), ("max_tokens", 1, 24), ("max_completion_tokens", 1, 24),
-                            ("max_output_tokens", 1, 24), ("logprobs", 0, 5),
+                            ("max_output_tokens", 1, 24), ("n_predict", -1, 24), ("logprobs", 0, 5),
                             ("top_logprobs", 0, 5)):  # fmt: skip
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = low + abs(body[name]) % (high - low + 1)
     if isinstance(body.get("min_tokens"), int):  # at most max_tokens (16 when unset)
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         body["min_tokens"] = body["min_tokens"] % (limit + 1) if isinstance(limit, int) else 0
+    if case.operation.label in LLAMA_SERVER:
+        body.setdefault("prompt", "Hello")  # optional there, and empty is refused
     for name in ("prompt", "input", "instructions"):
         if name in body:
             body[name] = _short(body[name])
@@ -160,6 +164,8 @@ def check_response(label: str, curl: str, response: schemathesis.Response) -> No
         if label == "POST /v1/responses":  # ends on its own last event, not [DONE]
             last = json.loads(events[-1])["type"] if events else None
             assert last in ("response.completed", "response.incomplete"), where
+        elif label in LLAMA_SERVER:  # each prompt's last event says stop, no [DONE]
+            assert events and json.loads(events[-1])["stop"] is True, where
         else:
             assert events and events.pop() == "[DONE]", where
         for event in events:

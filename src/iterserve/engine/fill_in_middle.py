@@ -9,11 +9,18 @@ StarCoder's `<fim_prefix>` (StarCoder2, SantaCoder, Granite Code), DeepSeek-Code
 their text and its `/infill` puts them in the same order. (CodeLlama's, whose markers carry
 SentencePiece's word boundary, is not here.) A model with none of them cannot be asked: a
 `suffix` sent to it is refused rather than pasted into a prompt it would misread.
+
+llama-server's `/infill` also takes other files' text (`input_extra`), put before the prefix:
+for a model trained on whole repositories (Qwen2.5-Coder's `<|repo_name|>` and
+`<|file_sep|>`, StarCoder2's `<reponame>` and `<file_sep>`) in that layout, each file its
+name and text after a separator, else each text after a plain snippet line
+(`infill_tokens`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from iterserve.sampling_params import InvalidRequestError
@@ -26,6 +33,15 @@ class FimFormat:
     prefix: str
     suffix: str
     middle: str
+    # A repository's name, and each of its files', follow these (None: the model has no
+    # such tokens, and other files' text goes before the prefix as plain snippets).
+    repository: str | None = None
+    file_separator: str | None = None
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return tuple(m for m in (self.prefix, self.suffix, self.middle, self.repository,
+                                 self.file_separator) if m is not None)  # fmt: skip
 
     def prompt(self, before: str, after: str) -> str:
         """The prompt whose continuation is what goes between `before` and `after`."""
@@ -33,8 +49,12 @@ class FimFormat:
 
 
 KNOWN_FORMATS = (
-    FimFormat("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5/3-Coder
-    FimFormat("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, Granite Code
+    # Qwen2.5/3-Coder
+    FimFormat(
+        "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>"
+    ),
+    # StarCoder (StarCoder2: the repository's tokens too), Granite Code
+    FimFormat("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<reponame>", "<file_sep>"),
     FimFormat("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
     FimFormat("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
     FimFormat("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>"),  # GLM-4.5
@@ -42,12 +62,73 @@ KNOWN_FORMATS = (
 
 
 def fim_format(tokenizer: Any) -> FimFormat | None:
-    """The format whose three markers are each one token of `tokenizer`'s, or None."""
+    """The format whose three markers are each one token of `tokenizer`'s, or None; its
+    repository markers kept only where the vocabulary has both."""
     vocabulary = tokenizer.get_vocab()
     for known in KNOWN_FORMATS:
         if all(marker in vocabulary for marker in (known.prefix, known.suffix, known.middle)):
-            return known
+            if known.repository in vocabulary and known.file_separator in vocabulary:
+                return known
+            return replace(known, repository=None, file_separator=None)
     return None
+
+
+@dataclass(frozen=True)
+class ExtraFile:
+    """Another file's text, context for an infill (llama-server's `input_extra` chunk)."""
+
+    text: str
+    filename: str = "tmp"
+
+
+# What precedes each extra text where the model has no file separator (llama-server's).
+SNIPPET_LINE = "\n\n--- snippet ---\n\n"
+# The repository's and the edited file's names in the repository-level layout: the client
+# does not send them (llama-server's placeholders).
+REPOSITORY_NAME = "myproject\n"
+EDITED_FILE_NAME = "filename\n"
+
+
+def infill_tokens(
+    fim: FimFormat,
+    encode: Callable[[str], list[int]],
+    marker_id: Callable[[str], int],
+    before: str,
+    after: str,
+    extra: Sequence[ExtraFile],
+    prompt: str,
+    budget: int,
+    bos: Sequence[int] = (),
+) -> list[int]:
+    """llama-server's /infill prompt, at most `budget` tokens: `bos`, the other files
+    (`[repository]myproject, [file separator]NAME\nTEXT..., [file separator]filename`, or
+    each text after a snippet line), then `[prefix]before[suffix]after[middle]prompt`.
+
+    What does not fit is cut where it matters least: the other files from their start
+    first, then the text far from the cursor, the prefix's start and the suffix's end, in
+    the 3:1 ratio llama-server keeps between them. `encode` adds no special tokens."""
+    context: list[int] = []
+    if fim.repository is not None and fim.file_separator is not None:
+        separator = marker_id(fim.file_separator)
+        context += [marker_id(fim.repository), *encode(REPOSITORY_NAME)]
+        for file in extra:
+            context += [separator, *encode(file.filename + "\n"), *encode(file.text)]
+        context += [separator, *encode(EDITED_FILE_NAME)]
+    else:
+        for file in extra:
+            context += encode(SNIPPET_LINE) + encode(file.text)
+    prefix, suffix, middle = encode(before), encode(after), encode(prompt)
+    room = max(0, budget - len(bos) - 3 - len(middle))
+    if len(prefix) + len(suffix) > room:
+        suffix_room = max(room // 4, room - len(prefix))
+        suffix = suffix[:suffix_room]
+        prefix = prefix[len(prefix) - min(len(prefix), room - len(suffix)) :]
+    room -= len(prefix) + len(suffix)
+    context = context[len(context) - min(len(context), room) :]
+    return [
+        *bos, *context, marker_id(fim.prefix), *prefix, marker_id(fim.suffix), *suffix,
+        marker_id(fim.middle), *middle,
+    ]  # fmt: skip
 
 
 def fill_in_middle_prompts(

@@ -166,6 +166,13 @@ class RequestStream:
                 self._unfinished.discard(index)
         return items
 
+    def abort_request(self, index: int) -> None:
+        """Stop request `index` alone (a stop condition of the client's own was met); the
+        group's others go on, and what it still delivers is the caller's to ignore."""
+        if index in self._unfinished:
+            self._abort([self.request_ids[index]])
+            self._unfinished.discard(index)
+
     def abort(self) -> None:
         if self._unfinished:
             self._abort([self.request_ids[i] for i in sorted(self._unfinished)])

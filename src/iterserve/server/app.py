@@ -25,6 +25,7 @@ from iterserve.server.access_log import AccessLogMiddleware
 from iterserve.server.conversation_routes import conversation_routes
 from iterserve.server.conversation_store import ConversationStore
 from iterserve.server.errors import APIError, install_error_handlers
+from iterserve.server.llama_server_routes import llama_server_routes
 from iterserve.server.lora_routes import lora_routes
 from iterserve.server.messages import messages_routes
 from iterserve.server.metrics import ServerMetrics
@@ -115,6 +116,8 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     # vLLM's paths, outside /v1 but behind the same key.
     app.include_router(admin_routes(async_engine), dependencies=guarded)
     app.include_router(tokenizer_routes(ctx, settings.tokenizer_info), dependencies=guarded)
+    # llama-server's own completion API (/completion, /infill), for clients of llama.cpp.
+    app.include_router(llama_server_routes(ctx), dependencies=guarded)
     app.include_router(status_routes(async_engine, metrics))
     return app
 

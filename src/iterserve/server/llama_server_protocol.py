@@ -1,0 +1,170 @@
+"""llama-server's own completion API (POST /completion and /infill), the requests its
+clients send: editor plugins (llama.vscode, llama.vim) asking for fill-in-the-middle, and
+front ends written for llama.cpp. Not OpenAI's shapes: llama.cpp's names and defaults
+(`n_predict`, temperature 0.8, top_k 40, top_p 0.95, min_p 0.05).
+
+Every field llama-server documents is accepted. Those that would change the answer and that
+iterserve does not implement are a 400 naming the field unless sent at their neutral value
+(mirostat, DRY, XTC, typical-p, dynamic temperature, post-sampling probabilities, per-request
+LoRA scales, several completions a prompt). Repetition penalties count every token of the
+prompt and answer (vLLM's), so a non-neutral one needs `repeat_last_n: -1`. Accepted and
+not applied: `samplers` (the order is vLLM's: penalties, temperature, top-k, top-p, min-p),
+`cache_prompt` (prefix caching is always on), `id_slot`, `n_keep`, `t_max_prompt_ms`,
+`timings_per_token`, `return_progress`, `min_keep`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from iterserve.engine.fill_in_middle import ExtraFile
+from iterserve.engine.request_stream import ALL_THE_CONTEXT
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.structured_output import StructuredOutput
+
+# A part of a prompt: text, or token ids and text mixed (llama-server's "mixed" prompts).
+MixedPrompt = str | list[int | str]
+# Fields that change the answer and are not implemented, at their neutral values.
+_UNHONOURED_NEUTRAL: dict[str, Any] = {
+    "mirostat": 0,
+    "dry_multiplier": 0.0,
+    "xtc_probability": 0.0,
+    "typical_p": 1.0,
+    "dynatemp_range": 0.0,
+    "post_sampling_probs": False,
+    "n_cmpl": 1,
+}
+
+
+class LlamaCompletionRequest(BaseModel):
+    """POST /completion's body; what is not named here is accepted and left alone."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: MixedPrompt | list[MixedPrompt] = ""
+    n_predict: int = Field(-1, ge=-1)
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    stop: list[str] = Field(default_factory=list)
+    seed: int = -1
+    ignore_eos: bool = False
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: list[list[Any]] | dict[str, float | bool] | None = None
+    n_probs: int = Field(0, ge=0, le=20)
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    n_indent: int = Field(0, ge=0)
+    t_max_predict_ms: int = Field(0, ge=0)
+    stream: bool = False
+    return_tokens: bool = False
+    response_fields: list[str] | None = None
+    lora: list[dict[str, Any]] | None = None
+
+    def check_supported(self) -> None:
+        """A 400 naming the first field that would change the answer and is not honoured."""
+        extra = self.model_extra or {}
+        for name, neutral in _UNHONOURED_NEUTRAL.items():
+            if name in extra and extra[name] != neutral:
+                raise InvalidRequestError(
+                    f"{name}: not implemented here; send {neutral!r} or leave it out", name
+                )
+        if extra.get("xtc_threshold") is not None and extra.get("xtc_probability", 0) != 0:
+            raise InvalidRequestError("xtc_threshold: XTC is not implemented here", "xtc_threshold")
+        if self.lora:
+            raise InvalidRequestError(
+                "lora: per-request adapter scales are not implemented here; serve the adapter "
+                "with --lora-modules and ask for it on /v1/completions by its name",
+                "lora",
+            )
+        if extra.get("multimodal_data"):
+            raise InvalidRequestError("multimodal_data: this server serves text", "multimodal_data")
+        penalised = (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        )
+        if penalised and self.repeat_last_n not in (-1, 0):
+            raise InvalidRequestError(
+                "repeat_last_n: penalties here count every token of the prompt and answer "
+                "(vLLM's); send repeat_last_n -1 with them",
+                "repeat_last_n",
+            )
+        if self.grammar is not None and self.json_schema is not None:
+            raise InvalidRequestError("grammar and json_schema: send one of them", "grammar")
+
+    def sampling_params(self, logit_bias: dict[int, float] | None) -> SamplingParams:
+        """llama.cpp's settings in SamplingParams' terms: temperature <= 0 is greedy, top-k
+        <= 0 none, n_predict -1 all the context allows and 0 the prompt alone (one token is
+        still drawn, and not reported), seed -1 a fresh one."""
+        penalised = self.repeat_last_n != 0
+        return SamplingParams(
+            max_tokens=ALL_THE_CONTEXT if self.n_predict < 0 else max(1, self.n_predict),
+            temperature=max(0.0, self.temperature),
+            top_k=max(0, self.top_k),
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=None if self.seed < 0 else self.seed,
+            stop=list(self.stop),
+            ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repeat_penalty if penalised else 1.0,
+            presence_penalty=self.presence_penalty if penalised else 0.0,
+            frequency_penalty=self.frequency_penalty if penalised else 0.0,
+            logit_bias=logit_bias,
+            logprobs=self.n_probs or None,
+            structured_output=self._constraint(),
+        )
+
+    def _constraint(self) -> StructuredOutput | None:
+        if self.grammar is not None:
+            return StructuredOutput(grammar=self.grammar, param="grammar")
+        if self.json_schema is not None:
+            return StructuredOutput.from_json_schema(self.json_schema)
+        return None
+
+    def bias_entries(self) -> list[tuple[int | str, float | bool]]:
+        """logit_bias as (token id or text, bias or false) pairs, from either of its forms:
+        [[15043, 1.0], ["Hello", false]] or OpenAI's {"15043": 1.0}."""
+        if self.logit_bias is None:
+            return []
+        if isinstance(self.logit_bias, dict):
+            return [
+                (int(key) if key.lstrip("-").isdigit() else key, bias)
+                for key, bias in self.logit_bias.items()
+            ]
+        entries: list[tuple[int | str, float | bool]] = []
+        for entry in self.logit_bias:
+            if (
+                len(entry) != 2
+                or not isinstance(entry[0], int | str)
+                or not isinstance(entry[1], int | float | bool)
+            ):
+                raise InvalidRequestError(
+                    "logit_bias: each entry is [token id or text, bias or false]", "logit_bias"
+                )
+            entries.append((entry[0], entry[1]))
+        return entries
+
+    def prompt_parts(self) -> list[MixedPrompt]:
+        """The prompts: a text, token ids and texts mixed, or a list of those (several
+        prompts, answered as an array). A list holding a number is one mixed prompt."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or any(isinstance(part, int) for part in prompt):
+            return [prompt]  # type: ignore[list-item]
+        if not prompt:
+            raise InvalidRequestError("prompt: empty", "prompt")
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class InfillRequest(LlamaCompletionRequest):
+    """POST /infill's body: the text before and after the cursor, other files as context,
+    and `prompt`, text the answer starts with (after the middle marker)."""
+
+    input_prefix: str
+    input_suffix: str
+    input_extra: list[ExtraFile] = Field(default_factory=list)
+    prompt: str = ""  # type: ignore[assignment]

@@ -1,0 +1,254 @@
+"""llama-server's own API (/completion, /infill) over a real server: its answers are the
+engine's (the same greedy text and log-probabilities as /v1/completions on the same token
+ids), /infill lays out a repository-level prompt as llama-server does, the editor's stop
+conditions end the answer where llama-server ends it, and what is not implemented is a 400
+naming the field. The tiny model carries Qwen2.5-Coder's five fill-in-the-middle tokens."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import VOCAB
+from iterserve.engine.fill_in_middle import KNOWN_FORMATS, ExtraFile, fim_format, infill_tokens
+from iterserve.model.tokenizer import load_hf_tokenizer
+from iterserve.server.llama_server_routes import indent_cut, kept_fields
+from server_fixtures import MODEL_NAME, RunningServer, running_server
+from tiny_checkpoints import save_checkpoint, tiny_hf_model
+
+pytestmark = pytest.mark.timeout(180)
+
+QWEN_CODER = KNOWN_FORMATS[0]
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+
+
+@pytest.fixture(scope="module")
+def coder_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_CODER.markers)})  # type: ignore[dict-item]
+    model = tiny_hf_model(
+        "llama", vocab_size=VOCAB + 5, tie_word_embeddings=True, max_position_embeddings=512
+    )
+    return save_checkpoint(model, tmp_path_factory.mktemp("tiny-coder"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(coder_dir: Path) -> Iterator[RunningServer]:
+    with running_server(coder_dir) as running:
+        yield running
+
+
+def post(server: RunningServer, path: str, body: dict[str, Any]) -> Any:
+    reply = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def openai_greedy(server: RunningServer, ids: list[int], tokens: int, **more: Any) -> Any:
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": tokens, "temperature": 0, **more}
+    return post(server, "/v1/completions", body)["choices"][0]
+
+
+def encode(server: RunningServer, text: str, special: bool = True) -> list[int]:
+    body = {"prompt": text, "add_special_tokens": special}
+    return post(server, "/tokenize", body)["tokens"]
+
+
+def test_completion_is_the_engines_answer(server: RunningServer) -> None:
+    ids = encode(server, PROMPT)
+    expected = openai_greedy(server, ids, 8, logprobs=2)
+    answer = post(server, "/completion", {
+        "prompt": PROMPT, "n_predict": 8, "temperature": 0, "n_probs": 2, "return_tokens": True,
+    })  # fmt: skip
+    assert answer["content"] == expected["text"]
+    assert answer["stop"] is True and answer["stop_type"] == "limit"
+    assert answer["tokens_predicted"] == len(answer["tokens"]) == 8
+    assert answer["tokens_evaluated"] == len(ids)
+    assert answer["timings"]["predicted_n"] == 8 and answer["timings"]["prompt_ms"] > 0
+    probabilities = answer["completion_probabilities"]
+    assert [p["logprob"] for p in probabilities] == pytest.approx(
+        expected["logprobs"]["token_logprobs"], abs=1e-5
+    )
+    for entry, top in zip(probabilities, expected["logprobs"]["top_logprobs"], strict=True):
+        assert {t["token"]: t["logprob"] for t in entry["top_logprobs"]} == pytest.approx(top)
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    # The same prompt as token ids and text mixed; and two prompts, an array in order.
+    mixed = post(server, "/completion", {
+        "prompt": [*ids[:3], PROMPT[len(load_text(server, ids[:3])) :]], "n_predict": 8,
+        "temperature": 0,
+    })  # fmt: skip
+    assert mixed["tokens_evaluated"] >= 3
+    both = post(server, "/completions", {"prompt": [PROMPT, "x = "], "n_predict": 8,
+                                         "temperature": 0})  # fmt: skip
+    assert [a["index"] for a in both] == [0, 1] and both[0]["content"] == expected["text"]
+    kept = post(server, "/completion", {
+        "prompt": PROMPT, "n_predict": 2, "response_fields": ["content", "timings/predicted_n",
+                                                              "nothing"],
+    })  # fmt: skip
+    assert set(kept) == {"content", "timings/predicted_n"} and kept["timings/predicted_n"] == 2
+
+
+def load_text(server: RunningServer, ids: list[int]) -> str:
+    return post(server, "/detokenize", {"tokens": ids})["prompt"]
+
+
+def test_a_stream_ends_with_the_answers_fields(server: RunningServer) -> None:
+    whole = post(server, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
+    events = []
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completion", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+    assert all(not e["stop"] for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert sum(len(e["tokens"]) for e in events) == 8
+    assert events[-1]["stop_type"] == "limit" and events[-1]["tokens_predicted"] == 8
+
+
+def test_a_stop_word_ends_the_answer_before_it(server: RunningServer) -> None:
+    free = post(server, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
+    word = free["content"][3:6]
+    assert word.strip(), free["content"]
+    stopped = post(server, "/completion", {
+        "prompt": PROMPT, "n_predict": 8, "temperature": 0, "stop": [word],
+    })  # fmt: skip
+    assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+    assert stopped["content"] == free["content"][: free["content"].index(word)]
+
+
+def test_logit_bias_false_bans_a_token(server: RunningServer) -> None:
+    free = post(server, "/completion", {"prompt": PROMPT, "n_predict": 1, "temperature": 0,
+                                        "return_tokens": True})  # fmt: skip
+    banned = free["tokens"][0]
+    for bias in ([[banned, False]], {str(banned): -100}):
+        other = post(server, "/completion", {
+            "prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True,
+            "logit_bias": bias,
+        })  # fmt: skip
+        assert other["tokens"] != [banned]
+
+
+def test_infill_lays_out_the_repository_and_the_cursor(server: RunningServer) -> None:
+    """Qwen2.5-Coder's repository-level layout, built here by hand: the greedy middle is
+    /v1/completions' on those ids."""
+    before, after, start = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n", "return"
+    files = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"},
+             {"filename": "main.py", "text": "import util\n"}]  # fmt: skip
+    ids = {m: encode(server, m, special=False)[0] for m in QWEN_CODER.markers}
+
+    def text(t: str) -> list[int]:
+        return encode(server, t, special=False)
+
+    expected = [ids["<|repo_name|>"], *text("myproject\n")]
+    for file in files:
+        expected += [ids["<|file_sep|>"], *text(file["filename"] + "\n"), *text(file["text"])]
+    expected += [ids["<|file_sep|>"], *text("filename\n"), ids["<|fim_prefix|>"], *text(before),
+                 ids["<|fim_suffix|>"], *text(after), ids["<|fim_middle|>"], *text(start)]  # fmt: skip
+    answer = post(server, "/infill", {
+        "input_prefix": before, "input_suffix": after, "input_extra": files, "prompt": start,
+        "n_predict": 6, "temperature": 0, "top_k": 40, "top_p": 0.99, "cache_prompt": True,
+        "samplers": ["top_k", "top_p", "infill"], "t_max_prompt_ms": 500,
+    })  # fmt: skip
+    assert answer["tokens_evaluated"] == len(expected)
+    assert answer["content"] == openai_greedy(server, expected, 6)["text"]
+    # llama.vscode's warm-up: the prompt alone, nothing reported; the next finds it cached.
+    warm = {"input_prefix": before * 4, "input_suffix": after, "input_extra": files,
+            "n_predict": 0}  # fmt: skip
+    first = post(server, "/infill", warm)
+    assert first["content"] == "" and first["tokens_predicted"] == 0
+    assert post(server, "/infill", warm)["tokens_cached"] >= 16
+
+
+def test_n_indent_stops_at_a_line_indented_less(server: RunningServer) -> None:
+    """A grammar (GBNF, as llama.cpp's clients write it) makes the random model write three
+    lines; the third is indented less than n_indent, so the answer ends after its
+    indentation, as llama-server ends it."""
+    grammar = 'root ::= "x = 1\\n    y = 2\\n  z = 3\\n"'
+    body = {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "grammar": grammar}
+    whole = post(server, "/completion", body)
+    assert whole["content"] == "x = 1\n    y = 2\n  z = 3\n"
+    cut = post(server, "/completion", {**body, "n_indent": 4})
+    assert cut["content"] == "x = 1\n    y = 2\n  " and cut["stop_type"] == "limit"
+    assert cut["tokens_predicted"] < whole["tokens_predicted"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"mirostat": 2}, "mirostat"),
+        ({"dry_multiplier": 0.8}, "dry_multiplier"),
+        ({"typical_p": 0.9}, "typical_p"),
+        ({"repeat_penalty": 1.1}, "repeat_last_n"),
+        ({"lora": [{"id": 0, "scale": 0.5}]}, "lora"),
+        ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"grammar": 'root ::= "a"', "json_schema": {}}, "grammar"),
+    ],
+)
+def test_what_is_not_honoured_is_a_400_naming_it(
+    server: RunningServer, fields: dict[str, Any], param: str
+) -> None:
+    reply = httpx.post(f"{server.base_url}/completion", json={"prompt": PROMPT, **fields})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    neutral = {"mirostat": 0, "repeat_penalty": 1.1, "repeat_last_n": -1, "typical_p": 1.0}
+    assert httpx.post(f"{server.base_url}/completion",
+                      json={"prompt": PROMPT, "n_predict": 1, **neutral}).status_code == 200  # fmt: skip
+
+
+def test_indent_cut_is_llama_servers_rule() -> None:
+    assert indent_cut("a\n    b\n  c", 4) == len("a\n    b\n  ")
+    assert indent_cut("a\n    b\n  ", 4) is None  # whitespace alone may still grow
+    assert indent_cut("  first line\n    b", 4) is None  # the cursor's line is not checked
+    assert indent_cut("a\n\tb\nc", 1) == len("a\n\tb\n")
+    assert indent_cut("a\nb", 0) is None
+
+
+def test_infill_cuts_far_from_the_cursor_first() -> None:
+    """Within its budget: the other files' start goes first, then the prefix's start and
+    the suffix's end, 3:1."""
+    tokenizer_markers = {m: 1000 + i for i, m in enumerate(QWEN_CODER.markers)}
+
+    def encode_chars(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def layout(budget: int, extra: list[ExtraFile]) -> list[int]:
+        return infill_tokens(QWEN_CODER, encode_chars, tokenizer_markers.__getitem__,
+                             "P" * 40, "S" * 40, extra, "", budget)  # fmt: skip
+
+    whole = layout(1000, [ExtraFile("E" * 30, "f")])
+    assert whole.count(ord("E")) == 30 and whole.count(ord("P")) == 40
+    tight = layout(3 + 80 + 10, [ExtraFile("E" * 30, "f")])
+    assert tight.count(ord("P")) == 40 and tight.count(ord("S")) == 40 and len(tight) == 93
+    assert tight[-1] == tokenizer_markers["<|fim_middle|>"]
+    cut = layout(3 + 40, [])
+    assert cut.count(ord("S")) == 10 and cut.count(ord("P")) == 30
+    plain = infill_tokens(QWEN_CODER.__class__("<a>", "<b>", "<c>"), encode_chars,
+                          {"<a>": 1, "<b>": 2, "<c>": 3}.__getitem__, "p", "s",
+                          [ExtraFile("x")], "m", 100)  # fmt: skip
+    assert plain == [*encode_chars("\n\n--- snippet ---\n\nx"), 1, ord("p"), 2, ord("s"), 3,
+                     ord("m")]  # fmt: skip
+
+
+def test_fim_format_keeps_repository_markers_only_when_both_are_there(
+    tokenizer_dir: Path,
+) -> None:
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    three = [QWEN_CODER.prefix, QWEN_CODER.suffix, QWEN_CODER.middle, "<|repo_name|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": three})  # type: ignore[dict-item]
+    found = fim_format(tokenizer)
+    assert found is not None and found.prefix == QWEN_CODER.prefix
+    assert found.repository is None and found.file_separator is None
+
+
+def test_kept_fields_lifts_nested_ones() -> None:
+    result = {"content": "x", "timings": {"predicted_n": 3}}
+    assert kept_fields(result, ["timings/predicted_n", "content", "timings/nope"]) == {
+        "timings/predicted_n": 3, "content": "x",
+    }  # fmt: skip
