@@ -252,3 +252,32 @@ def test_kept_fields_lifts_nested_ones() -> None:
     assert kept_fields(result, ["timings/predicted_n", "content", "timings/nope"]) == {
         "timings/predicted_n": 3, "content": "x",
     }  # fmt: skip
+
+
+def test_llama_servers_tokenize_template_and_props(server: RunningServer) -> None:
+    """Its /tokenize shape (`content`; pieces, a piece that is part of a UTF-8 character as
+    its bytes), /detokenize's `content`, /apply-template and /props."""
+    text = "héllo wörld 龘 <|fim_prefix|>"
+    plain = post(server, "/tokenize", {"content": text})
+    assert plain["tokens"] == encode(server, text, special=False)
+    split = post(server, "/tokenize", {"content": text, "parse_special": False})["tokens"]
+    assert len(split) > len(plain["tokens"])  # the marker's text read as plain text
+    pieces = post(server, "/tokenize", {"content": text, "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == plain["tokens"]
+    joined = b"".join(
+        p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces
+    )
+    assert joined.decode() == text
+    assert any(isinstance(p["piece"], list) for p in pieces)  # 龘 is three tokens of a byte each
+    back = post(server, "/detokenize", {"tokens": plain["tokens"]})
+    assert back["content"] == back["prompt"] == text
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = post(server, "/apply-template", {"messages": messages})["prompt"]
+    assert (
+        encode(server, rendered, special=False)
+        == post(server, "/tokenize", {"messages": messages})["tokens"]
+    )
+    props = httpx.get(f"{server.base_url}/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 512
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8
+    assert props["model_alias"] == MODEL_NAME

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from iterserve.chat.messages import ChatMessage
 from iterserve.engine.fill_in_middle import ExtraFile
 from iterserve.engine.request_stream import ALL_THE_CONTEXT
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
@@ -168,3 +169,10 @@ class InfillRequest(LlamaCompletionRequest):
     input_suffix: str
     input_extra: list[ExtraFile] = Field(default_factory=list)
     prompt: str = ""  # type: ignore[assignment]
+
+
+class ApplyTemplateRequest(BaseModel):
+    """POST /apply-template: a conversation rendered by the chat template, not run."""
+
+    messages: list[ChatMessage]
+    chat_template_kwargs: dict[str, Any] | None = None

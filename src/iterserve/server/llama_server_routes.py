@@ -1,7 +1,8 @@
-"""POST /completion (also /completions) and /infill: llama-server's own completion API
-(llama_server_protocol.py says what each field does here), answered in its shapes, so that
-clients written for llama.cpp run against iterserve unchanged; the editor plugins
-llama.vscode and llama.vim ask /infill for what goes at the cursor.
+"""llama-server's own API: POST /completion (also /completions) and /infill, answered in
+its shapes (llama_server_protocol.py says what each field does here), POST /apply-template
+and GET /props, so that clients written for llama.cpp run against iterserve unchanged; the
+editor plugins llama.vscode and llama.vim ask /infill for what goes at the cursor.
+(llama-server's shape of /tokenize, `content`, is taken by tokenize.py.)
 
 An answer carries llama-server's fields: `content`, `stop_type` (`eos`, `limit`, `word`)
 and `stopping_word`, `tokens_predicted`, `tokens_evaluated`, `tokens_cached` (the prompt's
@@ -20,6 +21,7 @@ and a line has ended). The request stops there and frees its KV blocks at once.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 import uuid
@@ -33,13 +35,17 @@ from fastapi.responses import JSONResponse, Response
 from iterserve.core.logprobs import TokenLogprobs
 from iterserve.engine.fill_in_middle import infill_tokens
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import render_chat
 from iterserve.engine.request_stream import EngineStoppedError
+from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.llama_server_protocol import (
+    ApplyTemplateRequest,
     InfillRequest,
     LlamaCompletionRequest,
     MixedPrompt,
 )
+from iterserve.server.logprobs import token_bytes
 from iterserve.server.serving import (
     EngineStreamResponse,
     ServingContext,
@@ -66,6 +72,41 @@ def llama_server_routes(ctx: ServingContext) -> APIRouter:
     @router.post("/infill")
     async def infill(body: InfillRequest, raw: Request) -> Response:
         return await _answer(body, raw, ctx, [infill_prompt_ids(ctx, body)])
+
+    @router.post("/apply-template")
+    def apply_template(body: ApplyTemplateRequest) -> dict[str, str]:
+        messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
+        kwargs = ctx.template_kwargs(body.chat_template_kwargs, None)
+        return {
+            "prompt": render_chat(ctx.tokenizer, ctx.chat_template, messages, True, kwargs).text
+        }
+
+    @router.get("/props")
+    def props() -> dict[str, Any]:
+        defaults = LlamaCompletionRequest()
+        return {
+            "default_generation_settings": {
+                "n_ctx": ctx.max_model_len,
+                "params": defaults.model_dump(
+                    include={
+                        "n_predict",
+                        "temperature",
+                        "top_k",
+                        "top_p",
+                        "min_p",
+                        "seed",
+                        "repeat_penalty",
+                        "repeat_last_n",
+                        "n_probs",
+                    }  # fmt: skip
+                ),
+            },
+            "model_alias": ctx.served_model_names[0],
+            "model_path": ctx.served_model_names[0],
+            "chat_template": ctx.chat_template or chat_template_of(ctx.tokenizer),
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"iterserve {importlib.metadata.version('iterserve')}",
+        }
 
     return router
 
@@ -230,8 +271,9 @@ def _probabilities(
     """llama-server's completion_probabilities: each token with its top candidates."""
 
     def token(token_id: int, logprob: float) -> dict[str, Any]:
-        text = ctx.decode_token(token_id)
-        return {"id": token_id, "token": text, "bytes": list(text.encode()), "logprob": logprob}
+        raw = token_bytes(ctx.tokenizer, token_id)
+        return {"id": token_id, "token": ctx.decode_token(token_id), "bytes": list(raw),
+                "logprob": logprob}  # fmt: skip
 
     return [
         {**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}

@@ -16,6 +16,7 @@ from iterserve.chat.messages import ChatMessage
 from iterserve.engine.prompts import encode_text, render_chat, with_documents
 from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.logprobs import token_bytes
 from iterserve.server.serving import ServingContext
 
 
@@ -39,10 +40,19 @@ class TokenizeChatRequest(BaseModel):
     documents: list[dict[str, str]] | None = None  # as for chats
 
 
+class LlamaTokenizeRequest(BaseModel):
+    """llama-server's shape of the same request (its clients send `content`)."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True  # false: special tokens' text is read as plain text
+    with_pieces: bool = False
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[int] | list[dict[str, Any]]  # ids; llama-server's {id, piece} with_pieces
     token_strs: list[str] | None = None
 
 
@@ -53,6 +63,7 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+    content: str  # the same text under llama-server's name
 
 
 # A tokenizer's own settings that name files on the server or hold its built object: not the
@@ -110,7 +121,11 @@ def tokenizer_routes(ctx: ServingContext, info: bool = True) -> APIRouter:
     # Plain `def`: FastAPI runs them on its thread pool, so a long text does not hold
     # up the event loop while it is tokenized.
     @router.post("/tokenize")
-    def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    def tokenize(
+        body: TokenizeCompletionRequest | TokenizeChatRequest | LlamaTokenizeRequest,
+    ) -> TokenizeResponse:
+        if isinstance(body, LlamaTokenizeRequest):
+            return _llama_tokenize(body)
         ctx.resolve_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
@@ -144,6 +159,27 @@ def tokenizer_routes(ctx: ServingContext, info: bool = True) -> APIRouter:
         vocab = len(ctx.tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise InvalidRequestError(f"tokens must be token ids in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+        text = ctx.tokenizer.decode(body.tokens)
+        return DetokenizeResponse(prompt=text, content=text)
+
+    def _llama_tokenize(body: LlamaTokenizeRequest) -> TokenizeResponse:
+        tokens = ctx.tokenizer(
+            body.content,
+            add_special_tokens=body.add_special,
+            split_special_tokens=not body.parse_special,
+        )["input_ids"]
+        if not body.with_pieces:
+            return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len,
+                                    tokens=tokens)  # fmt: skip
+        # A piece that is not whole UTF-8 by itself is given as its bytes, as llama-server.
+        pieces: list[dict[str, Any]] = []
+        for token_id in tokens:
+            raw = token_bytes(ctx.tokenizer, token_id)
+            try:
+                piece: str | list[int] = raw.decode()
+            except UnicodeDecodeError:
+                piece = list(raw)
+            pieces.append({"id": token_id, "piece": piece})
+        return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=pieces)
 
     return router
