@@ -83,10 +83,10 @@ def _wait_healthy(url: str, server: subprocess.Popen[bytes], seconds: float = 60
 
 
 @contextmanager
-def llama_server(model: Path, port: int) -> Iterator[str]:
-    """llama-server on `model` (one slot) while the block runs: its base URL."""
+def llama_server(model: Path, port: int, *flags: str) -> Iterator[str]:
+    """llama-server on `model` (one slot, and `flags`) while the block runs: its base URL."""
     server = subprocess.Popen(
-        [str(PEER), "server", str(model), str(port), "-np", "1"],
+        [str(PEER), "server", str(model), str(port), "-np", "1", *flags],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -148,8 +148,9 @@ def test_infill_lays_out_the_repository_and_the_cursor(server: RunningServer) ->
     expected = [ids["<|repo_name|>"], *text("myproject\n")]
     for file in files:
         expected += [ids["<|file_sep|>"], *text(file["filename"] + "\n"), *text(file["text"])]
+    # The cursor's line (`prompt`) right after the prefix, tokenized apart, as llama-server.
     expected += [ids["<|file_sep|>"], *text("filename\n"), ids["<|fim_prefix|>"], *text(before),
-                 ids["<|fim_suffix|>"], *text(after), ids["<|fim_middle|>"], *text(start)]  # fmt: skip
+                 *text(start), ids["<|fim_suffix|>"], *text(after), ids["<|fim_middle|>"]]  # fmt: skip
     answer = post(server, "/infill", {
         "input_prefix": before, "input_suffix": after, "input_extra": files, "prompt": start,
         "n_predict": 6, "temperature": 0, "top_k": 40, "top_p": 0.99, "cache_prompt": True,
@@ -232,8 +233,8 @@ def test_infill_cuts_far_from_the_cursor_first() -> None:
     plain = infill_tokens(QWEN_CODER.__class__("<a>", "<b>", "<c>"), encode_chars,
                           {"<a>": 1, "<b>": 2, "<c>": 3}.__getitem__, "p", "s",
                           [ExtraFile("x")], "m", 100)  # fmt: skip
-    assert plain == [*encode_chars("\n\n--- snippet ---\n\nx"), 1, ord("p"), 2, ord("s"), 3,
-                     ord("m")]  # fmt: skip
+    assert plain == [*encode_chars("\n\n--- snippet ---\n\nx"), 1, ord("p"), ord("m"), 2,
+                     ord("s"), 3]  # fmt: skip
 
 
 def test_fim_format_keeps_repository_markers_only_when_both_are_there(

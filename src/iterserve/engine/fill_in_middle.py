@@ -102,7 +102,10 @@ def infill_tokens(
 ) -> list[int]:
     """llama-server's /infill prompt, at most `budget` tokens: `bos`, the other files
     (`[repository]myproject, [file separator]NAME\nTEXT..., [file separator]filename`, or
-    each text after a snippet line), then `[prefix]before[suffix]after[middle]prompt`.
+    each text after a snippet line), then `[prefix]before prompt[suffix]after[middle]`.
+    `prompt` goes right after the prefix, tokenized apart, where llama-server's code puts
+    it (its README says after the middle marker): editor plugins send the cursor's line up
+    to the cursor there, and the lines above it as `before`.
 
     What does not fit is cut where it matters least: the other files from their start
     first, then the text far from the cursor, the prefix's start and the suffix's end, in
@@ -117,8 +120,8 @@ def infill_tokens(
     else:
         for file in extra:
             context += encode(SNIPPET_LINE) + encode(file.text)
-    prefix, suffix, middle = encode(before), encode(after), encode(prompt)
-    room = max(0, budget - len(bos) - 3 - len(middle))
+    prefix, suffix, cursor_line = encode(before), encode(after), encode(prompt)
+    room = max(0, budget - len(bos) - 3 - len(cursor_line))
     if len(prefix) + len(suffix) > room:
         suffix_room = max(room // 4, room - len(prefix))
         suffix = suffix[:suffix_room]
@@ -126,8 +129,8 @@ def infill_tokens(
     room -= len(prefix) + len(suffix)
     context = context[len(context) - min(len(context), room) :]
     return [
-        *bos, *context, marker_id(fim.prefix), *prefix, marker_id(fim.suffix), *suffix,
-        marker_id(fim.middle), *middle,
+        *bos, *context, marker_id(fim.prefix), *prefix, *cursor_line, marker_id(fim.suffix),
+        *suffix, marker_id(fim.middle),
     ]  # fmt: skip
 
 

@@ -163,7 +163,8 @@ class LlamaCompletionRequest(BaseModel):
 
 class InfillRequest(LlamaCompletionRequest):
     """POST /infill's body: the text before and after the cursor, other files as context,
-    and `prompt`, text the answer starts with (after the middle marker)."""
+    and `prompt`, the cursor's line up to the cursor (put after the prefix, as llama-server
+    does)."""
 
     input_prefix: str
     input_suffix: str
