@@ -166,10 +166,10 @@ def test_infill_lays_out_the_repository_and_the_cursor(server: RunningServer) ->
     assert post(server, "/infill", warm)["tokens_cached"] >= 16
 
 
-def test_n_indent_stops_at_a_line_indented_less(server: RunningServer) -> None:
+def test_the_editors_stop_conditions(server: RunningServer) -> None:
     """A grammar (GBNF, as llama.cpp's clients write it) makes the random model write three
     lines; the third is indented less than n_indent, so the answer ends after its
-    indentation, as llama-server ends it."""
+    indentation, as llama-server ends it; with t_max_predict_ms, after the first line."""
     grammar = 'root ::= "x = 1\\n    y = 2\\n  z = 3\\n"'
     body = {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "grammar": grammar}
     whole = post(server, "/completion", body)
@@ -177,6 +177,10 @@ def test_n_indent_stops_at_a_line_indented_less(server: RunningServer) -> None:
     cut = post(server, "/completion", {**body, "n_indent": 4})
     assert cut["content"] == "x = 1\n    y = 2\n  " and cut["stop_type"] == "limit"
     assert cut["tokens_predicted"] < whole["tokens_predicted"]
+    # t_max_predict_ms: past it (1 ms: a step takes longer) the answer ends once a line has.
+    timed = post(server, "/completion", {**body, "t_max_predict_ms": 1})
+    assert timed["content"].startswith("x = 1\n") and "y" not in timed["content"]
+    assert timed["stop_type"] == "limit"
 
 
 @pytest.mark.parametrize(
