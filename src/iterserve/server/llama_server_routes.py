@@ -37,7 +37,6 @@ from iterserve.engine.fill_in_middle import infill_tokens
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import render_chat
 from iterserve.engine.request_stream import EngineStoppedError
-from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.llama_server_protocol import (
     ApplyTemplateRequest,
@@ -58,6 +57,9 @@ from iterserve.server.serving import (
 
 # What /infill leaves the answer when the request does not bound it (n_predict -1).
 _INFILL_ANSWER_ROOM = 256
+# The default settings /props reports.
+_PROPS_SETTINGS = frozenset({"n_predict", "temperature", "top_k", "top_p", "min_p", "seed",
+                             "repeat_penalty", "repeat_last_n", "n_probs"})  # fmt: skip
 
 
 def llama_server_routes(ctx: ServingContext) -> APIRouter:
@@ -87,23 +89,11 @@ def llama_server_routes(ctx: ServingContext) -> APIRouter:
         return {
             "default_generation_settings": {
                 "n_ctx": ctx.max_model_len,
-                "params": defaults.model_dump(
-                    include={
-                        "n_predict",
-                        "temperature",
-                        "top_k",
-                        "top_p",
-                        "min_p",
-                        "seed",
-                        "repeat_penalty",
-                        "repeat_last_n",
-                        "n_probs",
-                    }  # fmt: skip
-                ),
+                "params": defaults.model_dump(include=_PROPS_SETTINGS),
             },
             "model_alias": ctx.served_model_names[0],
             "model_path": ctx.served_model_names[0],
-            "chat_template": ctx.chat_template or chat_template_of(ctx.tokenizer),
+            "chat_template": ctx.template_text,
             "modalities": {"vision": False, "audio": False},
             "build_info": f"iterserve {importlib.metadata.version('iterserve')}",
         }

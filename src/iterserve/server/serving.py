@@ -31,6 +31,7 @@ from iterserve.engine.prompts import Prompt, takes_system_anywhere
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
 from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
+from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_defaults import SamplingDefaults
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
@@ -123,6 +124,12 @@ class ServingContext:
             defaults.pop(self.reasoning.effort_variable, None)
         merged = {**defaults, **(given or {})}
         return thinking_template_kwargs(self.reasoning, merged or None, effort)
+
+    @property
+    def template_text(self) -> str | None:
+        """The text of the template chats are rendered with (--chat-template's, else the
+        tokenizer's own), for clients that render prompts themselves."""
+        return self.chat_template or chat_template_of(self.tokenizer)
 
     def chat_template_for(self, given: str | None) -> str | None:
         """The template a chat renders with: the request's own `chat_template` (its text) if

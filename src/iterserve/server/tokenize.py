@@ -14,7 +14,6 @@ from tokenizers import AddedToken
 
 from iterserve.chat.messages import ChatMessage
 from iterserve.engine.prompts import encode_text, render_chat, with_documents
-from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.logprobs import token_bytes
 from iterserve.server.serving import ServingContext
@@ -104,7 +103,7 @@ def tokenizer_config(ctx: ServingContext) -> dict[str, Any]:
     for key in _SPECIAL_TOKENS:
         info[key] = getattr(tokenizer, key, None)
     info["model_max_length"] = ctx.max_model_len
-    info["chat_template"] = ctx.chat_template or chat_template_of(tokenizer)
+    info["chat_template"] = ctx.template_text
     return info
 
 
