@@ -42,6 +42,11 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+def _context_length(text: str) -> int | None:
+    """--max-model-len's value; 0, llama-server's "the model's own", is the default."""
+    return int(text) or None
+
+
 class ConfigError(ValueError):
     """A setting that cannot work, said so at start-up."""
 
@@ -130,11 +135,15 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = _opt(64, "most requests running at once")
+    max_num_seqs: int = _opt(64, "most requests running at once", aliases=("-np", "--parallel"))
     max_num_batched_tokens: int = _opt(512, "token budget of one step (prefill chunks + decodes)")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps under the budget")
     max_model_len: int | None = _opt(
-        None, "context length limit (default: the model's, cut to what the KV cache holds)"
+        None,
+        "context length limit (default, or 0 as llama-server's -c takes it: the model's, cut "
+        "to what the KV cache holds)",
+        aliases=("-c", "--ctx-size"),
+        parse=_context_length,
     )
     batching: Batching = _opt("continuous", "batching mode")
     batch_size: int = _opt(8, "requests per batch for static and dynamic batching")
@@ -389,6 +398,7 @@ class EngineConfig:
         "HF directory or GGUF file, or a repository already in the local Hugging Face cache "
         "(never downloaded): OWNER/NAME, or OWNER/NAME:QUANT for one GGUF of a repository of "
         "several, as llama.cpp's -hf takes it (no tag: Q4_K_M) (default: bundled SmolLM2-135M)",
+        aliases=("-m", "-hf", "--hf-repo"),
     )
     revision: str | None = _opt(
         None,
@@ -435,7 +445,9 @@ class EngineConfig:
     )
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
     seed: int = _opt(0, "seed for requests that give none")
-    num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+    num_threads: int | None = _opt(
+        None, "torch CPU threads (default: torch's choice)", aliases=("-t", "--threads")
+    )
     weights: WeightFormat = _opt(
         "auto",
         "weight format: auto (a quantized GGUF runs from its own blocks at every step size, "
@@ -661,7 +673,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     kwargs["choices"] = choices
                 if "nargs" in f.metadata:  # a list of values: --lora-modules a=x b=y
                     kwargs["nargs"] = f.metadata["nargs"]
-            group.add_argument(_flag(f.name), **kwargs)
+            # llama-server's names beside vLLM's (-c, -np, -t, -m, -hf), so its command line
+            # starts iterserve as it is.
+            group.add_argument(_flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
             if "off_alias" in f.metadata:  # e.g. vLLM's --enforce-eager for --no-compile
                 group.add_argument(
                     f.metadata["off_alias"],

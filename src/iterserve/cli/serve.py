@@ -48,6 +48,8 @@ def add_model_args(p: argparse.ArgumentParser, what: str) -> None:
     )
     p.add_argument(
         "--served-model-name",
+        "-a",
+        "--alias",
         nargs="+",
         default=None,
         help="name(s) clients use for the model (default: the model's own name)",
@@ -88,6 +90,12 @@ def add_model_args(p: argparse.ArgumentParser, what: str) -> None:
         "as vLLM's flag: '{\"enable_thinking\": false}' serves Qwen3 without thinking to "
         "clients that cannot send extra fields; a request's reasoning_effort still sets the "
         "switch",
+    )
+    p.add_argument(
+        "--jinja",
+        action="store_true",
+        help="llama-server's switch to Jinja chat templates, accepted so its command line "
+        "runs as it is: templates here are always Jinja (the model's, or --chat-template)",
     )
     p.add_argument(
         "--trust-request-chat-template",
