@@ -370,6 +370,24 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
     assert all(e.top_logprobs[0].token.startswith("token_id:") for e in content)
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own(client: openai.OpenAI) -> None:
+    """A character the vocabulary spells in several tokens (龘: three of a byte each, forced
+    by a regex): each token's `token` shows U+FFFD, and its `bytes` are its own, so the
+    tokens' bytes joined are the answer's UTF-8, as OpenAI's field promises."""
+    choice = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+        temperature=0.0, logprobs=True, top_logprobs=2,
+        extra_body={"structured_outputs": {"regex": "龘龘"}},
+    ).choices[0]  # fmt: skip
+    assert choice.message.content == "龘龘"
+    content = choice.logprobs.content if choice.logprobs else None
+    assert content and len(content) >= 6 and any("\ufffd" in e.token for e in content)
+    joined = b"".join(bytes(e.bytes or []) for e in content)
+    assert joined.startswith("龘龘".encode())  # then the end-of-turn token's, where listed
+    for entry in content:
+        assert all(top.bytes for top in entry.top_logprobs)
+
+
 def test_truncate_prompt_tokens_keeps_the_end_or_the_start(
     client: openai.OpenAI, tiny_llama_dir: Path
 ) -> None:

@@ -155,7 +155,7 @@ async def create_chat_completion(
                 ChatChoice(
                     index=index,
                     message=message,
-                    logprobs=_logprobs(output.logprobs, logprobs, names),
+                    logprobs=_logprobs(output.logprobs, logprobs, names, ctx.token_bytes),
                     finish_reason=_finish_reason(output.finish_reason, bool(calls)),
                     stop_reason=output.stop_reason,
                     token_ids=output.token_ids if body.return_token_ids else None,
@@ -196,11 +196,14 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 def _logprobs(
-    entries: list[TokenLogprobs | None] | None, wanted: int | None, names: Callable[[int], str]
+    entries: list[TokenLogprobs | None] | None,
+    wanted: int | None,
+    names: Callable[[int], str],
+    raw: Callable[[int], bytes],
 ) -> ChatChoiceLogprobs | None:
     if wanted is None:
         return None
-    return ChatChoiceLogprobs(content=chat_logprobs(entries or [], names))
+    return ChatChoiceLogprobs(content=chat_logprobs(entries or [], names, raw))
 
 
 def _answer_deltas(found: AnswerDelta) -> list[DeltaMessage]:
@@ -248,7 +251,7 @@ async def _stream(
         choice = ChatStreamChoice(
             index=index,
             delta=DeltaMessage(content=text),
-            logprobs=_logprobs(output.delta_logprobs, wanted, names),
+            logprobs=_logprobs(output.delta_logprobs, wanted, names, ctx.token_bytes),
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
             token_ids=ids(output.delta_token_ids),
@@ -269,7 +272,7 @@ async def _stream(
             ChatStreamChoice(index=index, delta=delta, token_ids=ids([])) for delta in deltas
         ]
         # The token's logprobs, ids and finish reason go on the last of them.
-        choices[-1].logprobs = _logprobs(output.delta_logprobs, wanted, names)
+        choices[-1].logprobs = _logprobs(output.delta_logprobs, wanted, names, ctx.token_bytes)
         choices[-1].finish_reason = _finish_reason(output.finish_reason, stream.called)
         choices[-1].stop_reason = output.stop_reason
         choices[-1].token_ids = ids(output.delta_token_ids)

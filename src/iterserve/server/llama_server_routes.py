@@ -44,7 +44,6 @@ from iterserve.server.llama_server_protocol import (
     LlamaCompletionRequest,
     MixedPrompt,
 )
-from iterserve.server.logprobs import token_bytes
 from iterserve.server.serving import (
     EngineStreamResponse,
     ServingContext,
@@ -261,7 +260,7 @@ def _probabilities(
     """llama-server's completion_probabilities: each token with its top candidates."""
 
     def token(token_id: int, logprob: float) -> dict[str, Any]:
-        raw = token_bytes(ctx.tokenizer, token_id)
+        raw = ctx.token_bytes(token_id)
         return {"id": token_id, "token": ctx.decode_token(token_id), "bytes": list(raw),
                 "logprob": logprob}  # fmt: skip
 

@@ -68,6 +68,16 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     return tokenizer.decode([token_id]).encode()
 
 
+def token_byte_reader(tokenizer: Any) -> Callable[[int], bytes]:
+    """token_bytes of `tokenizer`, cached as token_decoder's texts are."""
+
+    @lru_cache(maxsize=65536)
+    def raw(token_id: int) -> bytes:
+        return token_bytes(tokenizer, token_id)
+
+    return raw
+
+
 def token_names(decode: Callable[[int], str], as_ids: bool | None) -> Callable[[int], str]:
     """How logprobs name tokens: by their text, or (vLLM's return_tokens_as_token_ids) as
     "token_id:N", which a client maps back without the tokenizer."""
@@ -125,24 +135,23 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    entries: Sequence[TokenLogprobs | None], decode: Callable[[int], str]
+    entries: Sequence[TokenLogprobs | None],
+    decode: Callable[[int], str],
+    raw: Callable[[int], bytes],
 ) -> list[ChatTokenLogprob]:
+    """`raw`: a token's own bytes (token_byte_reader), which a client joins to rebuild the
+    text where a token holds part of a character (its `token` then shows U+FFFD)."""
     content = []
     for entry in entries:
         if entry is None:
             continue
-        token = decode(entry.token_id)
         content.append(
             ChatTokenLogprob(
-                token=token,
+                token=decode(entry.token_id),
                 logprob=_finite(entry.logprob),
-                bytes=list(token.encode("utf-8")),
+                bytes=list(raw(entry.token_id)),
                 top_logprobs=[
-                    ChatLogprob(
-                        token=decode(tid),
-                        logprob=_finite(lp),
-                        bytes=list(decode(tid).encode("utf-8")),
-                    )
+                    ChatLogprob(token=decode(tid), logprob=_finite(lp), bytes=list(raw(tid)))
                     for tid, lp in entry.top
                 ],
             )

@@ -144,7 +144,9 @@ class _Logprobs:
     ctx: ServingContext
 
     def of(self, entries: list[TokenLogprobs | None] | None) -> list[dict[str, Any]]:
-        return [entry.model_dump() for entry in chat_logprobs(entries or [], self.ctx.decode_token)]
+        entries = entries or []
+        logprobs = chat_logprobs(entries, self.ctx.decode_token, self.ctx.token_bytes)
+        return [entry.model_dump() for entry in logprobs]
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_defaults import SamplingDefaults
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
-from iterserve.server.logprobs import token_decoder
+from iterserve.server.logprobs import token_byte_reader, token_decoder
 from iterserve.server.protocol import UsageInfo
 from iterserve.server.response_store import ResponseStore
 
@@ -104,12 +104,14 @@ class ServingContext:
     # A request's own `chat_template` renders it (--trust-request-chat-template).
     trust_request_chat_template: bool = False
     decode_token: Callable[[int], str] = field(init=False)
+    token_bytes: Callable[[int], bytes] = field(init=False)  # a token's own bytes
     special_tokens: set[str] = field(init=False)
     # A code model's tokens for completions' `suffix` (None: it has none).
     fill_in_middle: FimFormat | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.decode_token = token_decoder(self.tokenizer)
+        self.token_bytes = token_byte_reader(self.tokenizer)
         self.special_tokens = set(getattr(self.tokenizer, "all_special_tokens", ()))
         self.fill_in_middle = fim_format(self.tokenizer)
 

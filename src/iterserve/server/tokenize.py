@@ -15,7 +15,6 @@ from tokenizers import AddedToken
 from iterserve.chat.messages import ChatMessage
 from iterserve.engine.prompts import encode_text, render_chat, with_documents
 from iterserve.sampling_params import InvalidRequestError
-from iterserve.server.logprobs import token_bytes
 from iterserve.server.serving import ServingContext
 
 
@@ -173,7 +172,7 @@ def tokenizer_routes(ctx: ServingContext, info: bool = True) -> APIRouter:
         # A piece that is not whole UTF-8 by itself is given as its bytes, as llama-server.
         pieces: list[dict[str, Any]] = []
         for token_id in tokens:
-            raw = token_bytes(ctx.tokenizer, token_id)
+            raw = ctx.token_bytes(token_id)
             try:
                 piece: str | list[int] = raw.decode()
             except UnicodeDecodeError:
