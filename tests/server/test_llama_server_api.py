@@ -97,6 +97,24 @@ def load_text(server: RunningServer, ids: list[int]) -> str:
     return post(server, "/detokenize", {"tokens": ids})["prompt"]
 
 
+def test_n_cmpl_completions_of_each_prompt(server: RunningServer) -> None:
+    """Prompt i's completion j at index i * n_cmpl + j; greedy ones are alike, seeded
+    ones draw apart."""
+    answers = post(server, "/completion", {"prompt": [PROMPT, "x = "], "n_cmpl": 2,
+                                           "n_predict": 6, "temperature": 0})  # fmt: skip
+    assert [a["index"] for a in answers] == [0, 1, 2, 3]
+    assert answers[0]["content"] == answers[1]["content"] != answers[2]["content"]
+    assert (
+        answers[0]["tokens_evaluated"]
+        == answers[1]["tokens_evaluated"]
+        == len(encode(server, PROMPT))
+    )
+    drawn = post(server, "/completion", {"prompt": PROMPT, "n_cmpl": 4, "n_predict": 12,
+                                         "temperature": 1.5, "seed": 3, "top_k": 0,
+                                         "min_p": 0, "top_p": 1})  # fmt: skip
+    assert len({a["content"] for a in drawn}) > 1
+
+
 def test_a_stream_ends_with_the_answers_fields(server: RunningServer) -> None:
     whole = post(server, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
     events = []

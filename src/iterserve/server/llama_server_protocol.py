@@ -6,7 +6,7 @@ front ends written for llama.cpp. Not OpenAI's shapes: llama.cpp's names and def
 Every field llama-server documents is accepted. Those that would change the answer and that
 iterserve does not implement are a 400 naming the field unless sent at their neutral value
 (mirostat, DRY, XTC, typical-p, dynamic temperature, post-sampling probabilities, per-request
-LoRA scales, several completions a prompt). Repetition penalties count every token of the
+LoRA scales). Repetition penalties count every token of the
 prompt and answer (vLLM's), so a non-neutral one needs `repeat_last_n: -1`. Accepted and
 not applied: `samplers` (the order is vLLM's: penalties, temperature, top-k, top-p, min-p),
 `cache_prompt` (prefix caching is always on), `id_slot`, `n_keep`, `t_max_prompt_ms`,
@@ -35,7 +35,6 @@ _UNHONOURED_NEUTRAL: dict[str, Any] = {
     "typical_p": 1.0,
     "dynatemp_range": 0.0,
     "post_sampling_probs": False,
-    "n_cmpl": 1,
 }
 
 
@@ -59,6 +58,7 @@ class LlamaCompletionRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: list[list[Any]] | dict[str, float | bool] | None = None
     n_probs: int = Field(0, ge=0, le=20)
+    n_cmpl: int = Field(1, ge=1, le=128)  # completions of each prompt
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     n_indent: int = Field(0, ge=0)
@@ -104,6 +104,7 @@ class LlamaCompletionRequest(BaseModel):
         still drawn, and not reported), seed -1 a fresh one."""
         penalised = self.repeat_last_n != 0
         return SamplingParams(
+            n=self.n_cmpl,
             max_tokens=ALL_THE_CONTEXT if self.n_predict < 0 else max(1, self.n_predict),
             temperature=max(0.0, self.temperature),
             top_k=max(0, self.top_k),

@@ -11,7 +11,8 @@ server measured them), `completion_probabilities` with `n_probs`, `tokens` with
 `return_tokens`; `response_fields` keeps the fields named (`a/b` lifts `b` out of `a`).
 Streamed (`stream: true`), each token's text comes as `data: {"content": ..., "stop":
 false}` and the last event carries `stop: true` and the rest; no `[DONE]`, as llama-server.
-Several prompts in one request are answered as an array (each event says its `index`).
+Several prompts in one request, or `n_cmpl` completions of each, are answered as an array
+(prompt i's completion j at index i * n_cmpl + j; each event says its `index`).
 
 Two stop conditions are the editor's, checked here as the text grows: `n_indent` (stop
 before the first later line indented less than the cursor's, the line cut after its
@@ -345,7 +346,11 @@ async def _answer(
     )  # fmt: skip
     submitted.record.prompt_tokens = sum(len(ids) for ids in prompts)
     now = time.monotonic()
-    answers = [Answer(i, ids, now, body.n_predict == 0) for i, ids in enumerate(prompts)]
+    # Answer i is completion i % n_cmpl of prompt i // n_cmpl, as the engine numbers them.
+    answers = [
+        Answer(i, prompts[i // body.n_cmpl], now, body.n_predict == 0)
+        for i in range(len(prompts) * body.n_cmpl)
+    ]
     if body.stream:
         response = EngineStreamResponse(_events(submitted, answers, body, ctx), submitted.stream)
         response.headers.update(submitted.headers)
