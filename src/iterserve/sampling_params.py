@@ -51,6 +51,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # llama.cpp's penalty window (repeat_last_n): all three penalties count the last N
+    # tokens of the prompt and output together. None: vLLM's rule above.
+    penalty_last_n: int | None = None
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     bad_words: list[str] = field(default_factory=list)
@@ -152,6 +155,11 @@ class SamplingParams:
                 "min_tokens cannot be combined with structured output: a complete output "
                 "ends with EOS, which min_tokens holds back",
                 "min_tokens",
+            )
+        if self.penalty_last_n is not None and self.penalty_last_n < 1:
+            raise InvalidRequestError(
+                f"penalty_last_n must be at least 1, got {self.penalty_last_n}",
+                "penalty_last_n",
             )
         self._validate_logit_controls()
         self.uses_token_history = bool(

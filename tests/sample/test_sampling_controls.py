@@ -36,9 +36,12 @@ def reference_controls(logits: list[float], p: SamplingParams, ctx: TokenContext
             out[token] = float("-inf")
     for token, bias in (p.logit_bias or {}).items():
         out[token] += bias
+    counted, seen = output, [*ctx.prompt_token_ids, *output]
+    if p.penalty_last_n is not None:  # llama.cpp's window over prompt and output, for all three
+        counted = seen = seen[-p.penalty_last_n :]
     for token in range(len(out)):
-        count = output.count(token)
-        if count or token in ctx.prompt_token_ids:
+        count = counted.count(token)
+        if count or token in seen:
             r = p.repetition_penalty
             out[token] = out[token] / r if out[token] > 0 else out[token] * r
         out[token] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
@@ -47,7 +50,7 @@ def reference_controls(logits: list[float], p: SamplingParams, ctx: TokenContext
 
 def test_controls_match_the_reference() -> None:
     rng = random.Random(0)
-    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(9, VOCAB, generator=torch.Generator().manual_seed(0))
     params = [
         SamplingParams(repetition_penalty=1.7),
         SamplingParams(),  # untouched row between others
@@ -57,6 +60,10 @@ def test_controls_match_the_reference() -> None:
         SamplingParams(
             allowed_token_ids=[3, 4, 5, 11], logit_bias={4: 2.0}, repetition_penalty=1.3
         ),
+        # llama.cpp's windows: within the output, into the prompt, past the whole sequence.
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4, penalty_last_n=5),
+        SamplingParams(repetition_penalty=0.7, presence_penalty=0.9, penalty_last_n=14),
+        SamplingParams(frequency_penalty=0.2, presence_penalty=0.3, penalty_last_n=10**6),
     ]
     contexts: list[TokenContext | None] = []
     for p in params:
@@ -186,6 +193,43 @@ def test_repetition_penalty_matches_transformers(
     assert outputs[0].token_ids != expected, "the penalty changes this output"
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_penalty_window_decodes_as_llama_cpps_rule(
+    tiny_llama_dir: Path, hf: tuple[Any, Any]
+) -> None:
+    """Greedy under penalties counted over the last 4 tokens of prompt and output
+    (llama.cpp's repeat_last_n), against a decode loop here that applies that rule to
+    transformers' logits, with the prompt chunked across steps."""
+    model, tokenizer = hf
+    ids = tokenizer.encode(REPEATING)
+    window, repeat, frequency, presence = 4, 1.4, 0.3, 0.2
+    expected: list[int] = []
+    with torch.no_grad():
+        for _ in range(10):
+            logits = model(torch.tensor([ids + expected])).logits[0, -1].tolist()
+            recent = (ids + expected)[-window:]
+            for token in set(recent):
+                x = logits[token]
+                x = x / repeat if x > 0 else x * repeat
+                logits[token] = x - frequency * recent.count(token) - presence
+            expected.append(max(range(len(logits)), key=logits.__getitem__))
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        compile=False,
+        max_num_batched_tokens=5,
+        max_num_seqs=4,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                            repetition_penalty=repeat, frequency_penalty=frequency,
+                            presence_penalty=presence, penalty_last_n=window)  # fmt: skip
+    vllm_rule = replace(params, penalty_last_n=None)
+    outputs = llm.generate([REPEATING, REPEATING], [params, vllm_rule], False)
+    assert outputs[0].token_ids == expected
+    assert outputs[1].token_ids != expected, "the window changes this output"
+    with pytest.raises(InvalidRequestError, match="penalty_last_n"):
+        SamplingParams(penalty_last_n=0)
 
 
 def test_penalties_hold_through_rejected_drafts(tiny_llama_dir: Path) -> None:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from conftest import VOCAB
+from iterserve import LLM, SamplingParams
 from iterserve.engine.fill_in_middle import KNOWN_FORMATS, ExtraFile, fim_format, infill_tokens
 from iterserve.model.tokenizer import load_hf_tokenizer
 from iterserve.server.llama_server_routes import indent_cut, kept_fields
@@ -115,6 +116,25 @@ def test_n_cmpl_completions_of_each_prompt(server: RunningServer) -> None:
     assert len({a["content"] for a in drawn}) > 1
 
 
+def test_penalties_count_llama_cpps_window(server: RunningServer, coder_dir: Path) -> None:
+    """repeat_penalty over repeat_last_n tokens (its default 64) is llama.cpp's rule: the
+    engine's penalty_last_n (tests/sample has the rule against a reference decode)."""
+    ids = encode(server, PROMPT)
+    plain = post(server, "/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0,
+                                         "return_tokens": True})  # fmt: skip
+    penalised = post(server, "/completion", {
+        "prompt": PROMPT, "n_predict": 12, "temperature": 0, "return_tokens": True,
+        "repeat_penalty": 1.5, "frequency_penalty": 0.5, "repeat_last_n": 8,
+    })  # fmt: skip
+    assert penalised["tokens"] != plain["tokens"]
+    llm = LLM(str(coder_dir), dtype="float32", compile=False, max_model_len=512)
+    reference = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=12, repetition_penalty=1.5, frequency_penalty=0.5,
+        penalty_last_n=8,
+    ), use_tqdm=False)  # fmt: skip
+    assert penalised["tokens"] == reference[0].token_ids
+
+
 def test_a_stream_ends_with_the_answers_fields(server: RunningServer) -> None:
     whole = post(server, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
     events = []
@@ -207,7 +227,7 @@ def test_the_editors_stop_conditions(server: RunningServer) -> None:
         ({"mirostat": 2}, "mirostat"),
         ({"dry_multiplier": 0.8}, "dry_multiplier"),
         ({"typical_p": 0.9}, "typical_p"),
-        ({"repeat_penalty": 1.1}, "repeat_last_n"),
+        ({"repeat_last_n": -2}, "repeat_last_n"),
         ({"lora": [{"id": 0, "scale": 0.5}]}, "lora"),
         ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
         ({"prompt": [10**9]}, "prompt"),
@@ -220,7 +240,7 @@ def test_what_is_not_honoured_is_a_400_naming_it(
     reply = httpx.post(f"{server.base_url}/completion", json={"prompt": PROMPT, **fields})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
-    neutral = {"mirostat": 0, "repeat_penalty": 1.1, "repeat_last_n": -1, "typical_p": 1.0}
+    neutral = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0}
     assert httpx.post(f"{server.base_url}/completion",
                       json={"prompt": PROMPT, "n_predict": 1, **neutral}).status_code == 200  # fmt: skip
 

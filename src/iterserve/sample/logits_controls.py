@@ -9,6 +9,8 @@
   positive and multiplied by it when negative;
 - frequency_penalty / presence_penalty: subtract penalty x (count in the output so far)
   and penalty x (seen in the output so far);
+  with `penalty_last_n` (llama.cpp's repeat_last_n) all three count the last N tokens of
+  prompt and output together instead;
 - a thinking budget (thinking_budget.py): past it, the token that closes the thinking is
   the only one left.
 
@@ -157,9 +159,14 @@ def _penalize(
         values = torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
         return values[owner]
 
-    output_keys, output_owner = keys([c.output_token_ids for c in contexts])
+    # What frequency and presence count, and what repetition sees besides it: vLLM's output
+    # and prompt, or llama.cpp's window over both (and nothing besides).
+    counted = [_counted(c, p.penalty_last_n) for c, p in zip(contexts, params, strict=True)]
+    output_keys, output_owner = keys(counted)
     if any(p.repetition_penalty != 1.0 for p in params):
-        prompt_keys, prompt_owner = keys([c.prompt_token_ids for c in contexts])
+        prompts = [c.prompt_token_ids if p.penalty_last_n is None else ()
+                   for c, p in zip(contexts, params, strict=True)]  # fmt: skip
+        prompt_keys, prompt_owner = keys(prompts)
         seen, first = _unique(torch.cat([output_keys, prompt_keys]))
         owner = torch.cat([output_owner, prompt_owner])[first]
         # Any positive penalty is allowed, but in float32 one below ~1e-45 is 0 and one
@@ -177,6 +184,18 @@ def _penalize(
         present, first = _unique(output_keys)
         presence = per_key("presence_penalty", output_owner[first])
         flat_logits.index_put_((present,), -presence, accumulate=True)
+
+
+def _counted(context: TokenContext, last_n: int | None) -> Sequence[int]:
+    """The tokens frequency and presence count: the output (vLLM's), or the last `last_n`
+    of prompt and output (llama.cpp's repeat_last_n)."""
+    output = context.output_token_ids
+    if last_n is None:
+        return output
+    if last_n <= len(output):
+        return output[len(output) - last_n :]
+    prompt = context.prompt_token_ids
+    return [*prompt[max(0, len(prompt) - (last_n - len(output))) :], *output]
 
 
 def _long_tensor(values: Iterable[int]) -> torch.Tensor:

@@ -6,8 +6,8 @@ front ends written for llama.cpp. Not OpenAI's shapes: llama.cpp's names and def
 Every field llama-server documents is accepted. Those that would change the answer and that
 iterserve does not implement are a 400 naming the field unless sent at their neutral value
 (mirostat, DRY, XTC, typical-p, dynamic temperature, post-sampling probabilities, per-request
-LoRA scales). Repetition penalties count every token of the
-prompt and answer (vLLM's), so a non-neutral one needs `repeat_last_n: -1`. Accepted and
+LoRA scales). The penalties count llama.cpp's window (`repeat_last_n`, the last N tokens
+of prompt and answer together; -1 all of them, 0 none). Accepted and
 not applied: `samplers` (the order is vLLM's: penalties, temperature, top-k, top-p, min-p),
 `cache_prompt` (prefix caching is always on), `id_slot`, `n_keep`, `t_max_prompt_ms`,
 `timings_per_token`, `return_progress`, `min_keep`.
@@ -53,7 +53,7 @@ class LlamaCompletionRequest(BaseModel):
     seed: int = -1
     ignore_eos: bool = False
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    repeat_last_n: int = Field(64, ge=-1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: list[list[Any]] | dict[str, float | bool] | None = None
@@ -86,15 +86,6 @@ class LlamaCompletionRequest(BaseModel):
             )
         if extra.get("multimodal_data"):
             raise InvalidRequestError("multimodal_data: this server serves text", "multimodal_data")
-        penalised = (
-            self.repeat_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-        )
-        if penalised and self.repeat_last_n not in (-1, 0):
-            raise InvalidRequestError(
-                "repeat_last_n: penalties here count every token of the prompt and answer "
-                "(vLLM's); send repeat_last_n -1 with them",
-                "repeat_last_n",
-            )
         if self.grammar is not None and self.json_schema is not None:
             raise InvalidRequestError("grammar and json_schema: send one of them", "grammar")
 
@@ -102,7 +93,7 @@ class LlamaCompletionRequest(BaseModel):
         """llama.cpp's settings in SamplingParams' terms: temperature <= 0 is greedy, top-k
         <= 0 none, n_predict -1 all the context allows and 0 the prompt alone (one token is
         still drawn, and not reported), seed -1 a fresh one."""
-        penalised = self.repeat_last_n != 0
+        penalised = self.repeat_last_n != 0  # 0: llama.cpp's "no penalties"
         return SamplingParams(
             n=self.n_cmpl,
             max_tokens=ALL_THE_CONTEXT if self.n_predict < 0 else max(1, self.n_predict),
@@ -116,6 +107,10 @@ class LlamaCompletionRequest(BaseModel):
             repetition_penalty=self.repeat_penalty if penalised else 1.0,
             presence_penalty=self.presence_penalty if penalised else 0.0,
             frequency_penalty=self.frequency_penalty if penalised else 0.0,
+            # -1: the whole context, llama.cpp's rule (the prompt counted by all three).
+            penalty_last_n=ALL_THE_CONTEXT
+            if self.repeat_last_n < 0
+            else max(1, self.repeat_last_n),
             logit_bias=logit_bias,
             logprobs=self.n_probs or None,
             structured_output=self._constraint(),
