@@ -65,7 +65,9 @@ ANSWER_FIELDS = ("content", "stop", "stop_type", "stopping_word", "tokens_predic
                  "generation_settings", "has_new_line")  # fmt: skip
 
 
-def make_model(path: Path) -> Path:
+def coder_tokenizer() -> dict[str, Any]:
+    """The bundled tokenizer with Qwen2.5-Coder's five fill-in-the-middle tokens added as
+    control tokens, which llama.cpp recognises by their text."""
     tokenizer = tokenizer_metadata()
     # The bundled (StarCoder-derived) vocabulary has StarCoder's repository tokens, which a
     # Qwen2.5-Coder vocabulary has not; llama.cpp would take `<reponame>` for Qwen's.
@@ -74,10 +76,14 @@ def make_model(path: Path) -> Path:
     tokenizer["tokenizer.ggml.tokens"] = [*vocabulary, *FIM_TOKENS]
     tokenizer["tokenizer.ggml.token_type"] = [*tokenizer["tokenizer.ggml.token_type"],
                                               *[CONTROL] * len(FIM_TOKENS)]  # fmt: skip
+    return tokenizer
+
+
+def make_model(path: Path) -> Path:
     # A context with room for /infill's other files on llama-server, which gives them what
     # is left of it after a batch (2048 tokens) and twice n_predict.
     shape = dataclasses.replace(PRESETS["tiny"], context=8192)
-    return write_shaped_gguf(path, shape, seed=7, tokenizer=tokenizer)
+    return write_shaped_gguf(path, shape, seed=7, tokenizer=coder_tokenizer())
 
 
 def post(base: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
