@@ -135,6 +135,31 @@ def test_penalties_count_llama_cpps_window(server: RunningServer, coder_dir: Pat
     assert penalised["tokens"] == reference[0].token_ids
 
 
+def test_llama_vscodes_chat_edit_request(server: RunningServer) -> None:
+    """llama.vscode's "edit with AI" payload to /v1/chat/completions, as it sends it to
+    llama-server: its sampler fields at their neutral values, and max_tokens -1, which
+    llama-server reads as no limit (here as null: all the context allows)."""
+    messages = [{"role": "system", "content": "You are an expert coder."},
+                {"role": "user", "content": "Rename x to count:\nx = 1"}]  # fmt: skip
+    edit = {
+        "messages": messages, "stream": False, "cache_prompt": True, "samplers": "edkypmxt",
+        "temperature": 0, "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40,
+        "top_p": 0.95, "min_p": 0.05, "typical_p": 1, "xtc_probability": 0,
+        "xtc_threshold": 0.1, "repeat_last_n": 64, "repeat_penalty": 1,
+        "presence_penalty": 0, "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75,
+        "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1,
+        "timings_per_token": False,
+    }  # fmt: skip
+    answer = post(server, "/v1/chat/completions", edit)
+    unlimited = post(server, "/v1/chat/completions", {**edit, "max_tokens": None})
+    content = answer["choices"][0]["message"]["content"]
+    assert content and content == unlimited["choices"][0]["message"]["content"]
+    for field in ("max_tokens", "max_completion_tokens"):
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions",
+                           json={"messages": messages, field: -2})  # fmt: skip
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+
+
 def test_a_stream_ends_with_the_answers_fields(server: RunningServer) -> None:
     whole = post(server, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
     events = []

@@ -300,7 +300,8 @@ BAD_INPUTS = [
         400,
         "max_completion_tokens",
     ),
-    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
+    # -1 is llama-server's "no limit" (test_llama_server_api.py); below it, refused.
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": -2}, 400, "max_tokens"),
     (
         "/v1/chat/completions",
         {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},

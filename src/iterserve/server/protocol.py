@@ -9,9 +9,9 @@ instead of being silently dropped.
 from __future__ import annotations
 
 import time
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from iterserve.chat.messages import ChatMessage
 from iterserve.chat.tool_protocol import DeltaToolCall, ToolCall, ToolChoice, ToolDefinition
@@ -149,9 +149,18 @@ def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | No
         ) from None
 
 
+def _minus_one_is_none(value: object) -> object:
+    return None if value == -1 and not isinstance(value, bool) else value
+
+
+# A token limit: None (or -1, as llama-server reads it: llama.vscode's chat edits send it)
+# is as many as the context allows.
+TokenLimit = Annotated[int | None, BeforeValidator(_minus_one_is_none)]
+
+
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: TokenLimit = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -199,8 +208,8 @@ class Prediction(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenLimit = None
+    max_completion_tokens: TokenLimit = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
