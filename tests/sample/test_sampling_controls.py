@@ -214,13 +214,8 @@ def test_a_penalty_window_decodes_as_llama_cpps_rule(
                 x = x / repeat if x > 0 else x * repeat
                 logits[token] = x - frequency * recent.count(token) - presence
             expected.append(max(range(len(logits)), key=logits.__getitem__))
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        compile=False,
-        max_num_batched_tokens=5,
-        max_num_seqs=4,
-    )
+    chunked = {"max_num_batched_tokens": 5, "max_num_seqs": 4}  # the prompt over several steps
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile=False, **chunked)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
                             repetition_penalty=repeat, frequency_penalty=frequency,
                             presence_penalty=presence, penalty_last_n=window)  # fmt: skip

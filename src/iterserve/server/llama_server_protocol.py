@@ -150,11 +150,14 @@ class LlamaCompletionRequest(BaseModel):
         """The prompts: a text, token ids and texts mixed, or a list of those (several
         prompts, answered as an array). A list holding a number is one mixed prompt."""
         prompt = self.prompt
+        parts: list[MixedPrompt]
         if isinstance(prompt, str) or any(isinstance(part, int) for part in prompt):
-            return [prompt]  # type: ignore[list-item]
-        if not prompt:
+            parts = [prompt]  # type: ignore[list-item]
+        else:
+            parts = list(prompt)  # type: ignore[arg-type]
+        if not parts or any(not part for part in parts):
             raise InvalidRequestError("prompt: empty", "prompt")
-        return list(prompt)  # type: ignore[arg-type]
+        return parts
 
 
 class InfillRequest(LlamaCompletionRequest):

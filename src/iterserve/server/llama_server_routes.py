@@ -22,6 +22,7 @@ and a line has ended). The request stops there and frees its KV blocks at once.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import json
 import time
@@ -36,14 +37,13 @@ from fastapi.responses import JSONResponse, Response
 from iterserve.core.logprobs import TokenLogprobs
 from iterserve.engine.fill_in_middle import infill_tokens
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import render_chat
+from iterserve.engine.prompts import Prompt, render_chat
 from iterserve.engine.request_stream import EngineStoppedError
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.llama_server_protocol import (
     ApplyTemplateRequest,
     InfillRequest,
     LlamaCompletionRequest,
-    MixedPrompt,
 )
 from iterserve.server.serving import (
     EngineStreamResponse,
@@ -68,12 +68,17 @@ def llama_server_routes(ctx: ServingContext) -> APIRouter:
     @router.post("/completion")
     @router.post("/completions")
     async def completion(body: LlamaCompletionRequest, raw: Request) -> Response:
-        prompts = [mixed_prompt_ids(ctx, part) for part in body.prompt_parts()]
+        # A text goes to the engine as it is (its loop tokenizes it); a mixed one, and an
+        # infill's layout, are tokenized here off the event loop.
+        parts = body.prompt_parts()
+        prompts = [p if isinstance(p, str) else mixed_prompt_ids(ctx, p) for p in parts]
         return await _answer(body, raw, ctx, prompts)
 
     @router.post("/infill")
     async def infill(body: InfillRequest, raw: Request) -> Response:
-        return await _answer(body, raw, ctx, [infill_prompt_ids(ctx, body)])
+        return await _answer(
+            body, raw, ctx, [await asyncio.to_thread(infill_prompt_ids, ctx, body)]
+        )
 
     @router.post("/apply-template")
     def apply_template(body: ApplyTemplateRequest) -> dict[str, str]:
@@ -101,23 +106,20 @@ def llama_server_routes(ctx: ServingContext) -> APIRouter:
     return router
 
 
-def mixed_prompt_ids(ctx: ServingContext, prompt: MixedPrompt) -> list[int]:
-    """A prompt's token ids: a text as the tokenizer encodes it (BOS where it adds one);
-    token ids and texts mixed, each text encoded alone, BOS only before a leading text."""
+def mixed_prompt_ids(ctx: ServingContext, prompt: list[int | str]) -> list[int]:
+    """A mixed prompt's token ids: each text encoded alone, BOS (where the tokenizer adds
+    one) only before a leading text."""
     tokenizer = ctx.tokenizer
-    if isinstance(prompt, str):
-        ids = list(tokenizer.encode(prompt))
-    else:
-        ids = []
-        for i, part in enumerate(prompt):
-            if isinstance(part, str):
-                ids += tokenizer.encode(part, add_special_tokens=i == 0)
-            elif not 0 <= part < len(tokenizer):
-                raise InvalidRequestError(
-                    f"prompt: token ids are in [0, {len(tokenizer)}), got {part}", "prompt"
-                )
-            else:
-                ids.append(part)
+    ids: list[int] = []
+    for i, part in enumerate(prompt):
+        if isinstance(part, str):
+            ids += tokenizer.encode(part, add_special_tokens=i == 0)
+        elif not 0 <= part < len(tokenizer):
+            raise InvalidRequestError(
+                f"prompt: token ids are in [0, {len(tokenizer)}), got {part}", "prompt"
+            )
+        else:
+            ids.append(part)
     if not ids:
         raise InvalidRequestError("prompt: empty", "prompt")
     return ids
@@ -186,9 +188,9 @@ class Answer:
     """One prompt's answer as it grows, and what llama-server reports of it."""
 
     index: int
-    prompt_ids: list[int]
     submitted_at: float
     silent: bool  # n_predict 0: the prompt alone; the token drawn is not reported
+    prompt_ids: list[int] = field(default_factory=list)  # as the engine tokenized it
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     probs: list[TokenLogprobs | None] = field(default_factory=list)
@@ -205,7 +207,7 @@ class Answer:
 
     def take(self, output: RequestOutput, body: LlamaCompletionRequest, now: float) -> str:
         """Add a step's output; the text to send for it (after any cut)."""
-        self.cached = output.num_cached_tokens
+        self.prompt_ids, self.cached = output.prompt_token_ids, output.num_cached_tokens
         if output.delta_token_ids and self.first_token_at is None:
             self.first_token_at = now
         before = len(self.text)
@@ -227,6 +229,8 @@ class Answer:
         return self.text[before:]
 
     def _client_stops(self, body: LlamaCompletionRequest, before: int, now: float) -> None:
+        if not (body.n_indent or body.t_max_predict_ms):
+            return
         # The newline before the first line the new text may have completed or begun.
         scan_from = max(0, self.text.rfind("\n", 0, before))
         cut = indent_cut(self.text, body.n_indent, scan_from) if body.n_indent else None
@@ -335,7 +339,7 @@ def kept_fields(result: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 async def _answer(
-    body: LlamaCompletionRequest, raw: Request, ctx: ServingContext, prompts: list[list[int]]
+    body: LlamaCompletionRequest, raw: Request, ctx: ServingContext, prompts: list[Prompt]
 ) -> Response:
     body.check_supported()
     params = body.sampling_params(logit_bias_ids(ctx, body))
@@ -344,13 +348,9 @@ async def _answer(
         raw, ctx, request_id, [(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)],
         params, "interactive", 0, fill_context=body.n_predict < 0,
     )  # fmt: skip
-    submitted.record.prompt_tokens = sum(len(ids) for ids in prompts)
     now = time.monotonic()
     # Answer i is completion i % n_cmpl of prompt i // n_cmpl, as the engine numbers them.
-    answers = [
-        Answer(i, prompts[i // body.n_cmpl], now, body.n_predict == 0)
-        for i in range(len(prompts) * body.n_cmpl)
-    ]
+    answers = [Answer(i, now, body.n_predict == 0) for i in range(len(prompts) * body.n_cmpl)]
     if body.stream:
         response = EngineStreamResponse(_events(submitted, answers, body, ctx), submitted.stream)
         response.headers.update(submitted.headers)
@@ -383,6 +383,8 @@ async def _progress(
             tokens = [] if answer.silent else output.delta_token_ids
             probs = [] if answer.silent else output.delta_logprobs
             yield answer, text, tokens, probs
+    # Each prompt once, however many completions it has (the access log's count).
+    submitted.record.prompt_tokens = sum(len(a.prompt_ids) for a in answers[:: body.n_cmpl])
 
 
 async def _events(
