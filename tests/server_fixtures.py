@@ -61,7 +61,7 @@ def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:
 
 
 def engine_config(
-    model_dir: Path, chat_template: str | None = None, **scheduler: Any
+    model_dir: Path, chat_template: str | None = None, cache_reuse: int = 0, **scheduler: Any
 ) -> EngineConfig:
     # fp32: the server's greedy text is compared with offline LLM.generate's.
     return EngineConfig(
@@ -70,7 +70,7 @@ def engine_config(
         dtype="float32",
         device="cpu",
         compile=False,  # compiling is tested on its own; here it would only cost time
-        cache=CacheConfig(block_size=16, num_kv_blocks=512),
+        cache=CacheConfig(block_size=16, num_kv_blocks=512, cache_reuse=cache_reuse),
         scheduler=SchedulerConfig(**{"max_model_len": 512, **scheduler}),
     )
 
@@ -102,10 +102,12 @@ def running_server(
     settings: ServerSettings | None = None,
     max_waiting_requests: int = 256,
     chat_template: str | None = None,
+    cache_reuse: int = 0,
     **scheduler: Any,
 ) -> Iterator[RunningServer]:
-    """A server on the tiny model in `model_dir`; `chat_template` as --chat-template."""
-    engine = LLMEngine(engine_config(model_dir, chat_template, **scheduler))
+    """A server on the tiny model in `model_dir`; `chat_template` as --chat-template,
+    `cache_reuse` as --cache-reuse."""
+    engine = LLMEngine(engine_config(model_dir, chat_template, cache_reuse, **scheduler))
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
     with serving(async_engine, settings) as running:
         yield running

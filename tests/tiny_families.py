@@ -415,3 +415,67 @@ def engine_family_model(name: str, gguf: bool = False) -> transformers.PreTraine
         eos_token_id=2,
         **experts[name],
     )
+
+
+GEMMA4_ROPE = {
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1e6,
+    },
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
+SLIDING, FULL = "sliding_attention", "full_attention"
+GEMMA4_SHAPES = {
+    # E2B's parts: one kv head, per-layer embeddings, the last two layers reading the K/V of
+    # the last earlier layer of their kind (2 and 1), their MLPs twice as wide.
+    "e2b": dict(
+        num_hidden_layers=5,
+        num_key_value_heads=1,
+        layer_types=[SLIDING, FULL, SLIDING, SLIDING, FULL],
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=32,
+        vocab_size_per_layer_input=VOCAB,
+        tie_word_embeddings=True,
+    ),
+    # 31B's: full layers with fewer kv heads of their own whose keys are their values.
+    "31b": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=[SLIDING, FULL, SLIDING, FULL],
+        hidden_size_per_layer_input=0,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def gemma4_model(
+    shape: str, vocab_size: int = VOCAB, **overrides: object
+) -> transformers.PreTrainedModel:
+    hf = tiny_hf_model(
+        "gemma4",
+        vocab_size=vocab_size,
+        weight_std=0.15,
+        hidden_size=128,
+        intermediate_size=192,
+        num_attention_heads=4,
+        head_dim=32,
+        global_head_dim=64,
+        sliding_window=24,
+        rope_parameters=GEMMA4_ROPE,
+        final_logit_softcapping=15.0,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **{**GEMMA4_SHAPES[shape], **overrides},
+    )
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a buffer transformers leaves at one
+        for layer in hf.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5, generator=generator)
+    return hf

@@ -111,12 +111,30 @@ class CacheConfig:
         "64-bit hash: faster, but crafted prompts can collide and share another's KV)",
     )
 
+    cache_reuse: int = _opt(
+        0,
+        "llama-server's: copy a recent sequence's cached K/V for every run of at least this "
+        "many tokens a new prompt repeats at another position (an editor's prompt after the "
+        "cursor moved), the keys rotated to their new places, instead of computing it again. "
+        "Approximate after the first layer, as llama-server's: 0 (off) computes every prompt "
+        "exactly",
+    )
+
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         _check_choices(self)
         _check_at_least_one(self, "block_size")
+        if isinstance(self.cache_reuse, bool) or self.cache_reuse < 0:
+            raise ConfigError(
+                f"--cache-reuse must be 0 (off) or more tokens, got {self.cache_reuse}"
+            )
+        if self.cache_reuse and not self.enable_prefix_caching:
+            raise ConfigError(
+                "--cache-reuse finds its K/V through the prefix cache: keep "
+                "--enable-prefix-caching on"
+            )
         memory = self.kv_cache_memory
         if memory != "auto" and (
             isinstance(memory, bool)
@@ -566,6 +584,11 @@ class EngineConfig:
                     f"{flag} is not supported with --tensor-parallel-size {size}: tensor "
                     "parallelism shards the torch path only"
                 )
+        if self.cache.cache_reuse:
+            raise ConfigError(
+                f"--cache-reuse is not supported with --tensor-parallel-size {size}: its copies "
+                "run on rank 0's share of the KV pool only"
+            )
 
 
 # ---- CLI mapping ---------------------------------------------------------------

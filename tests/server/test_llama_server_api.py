@@ -349,3 +349,34 @@ def test_llama_servers_tokenize_template_and_props(server: RunningServer) -> Non
     assert props["default_generation_settings"]["n_ctx"] == 512
     assert props["default_generation_settings"]["params"]["temperature"] == 0.8
     assert props["model_alias"] == MODEL_NAME
+
+
+def test_infill_after_the_cursor_moved_reuses_what_moved(
+    server: RunningServer, coder_dir: Path
+) -> None:
+    """llama.vscode's next request after the cursor moved down: the window of lines above it
+    lost its first lines and the rest came back earlier. The prefix cache finds nothing of
+    it; --cache-reuse copies it and computes the new lines and the markers only."""
+    lines = [f"def f{i}(x):\n    return x * {i} + {i * 7}\n" for i in range(60)]
+
+    def body(cursor: int) -> dict[str, Any]:
+        return {"input_prefix": "".join(lines[cursor - 24 : cursor]),
+                "input_suffix": "".join(lines[cursor + 1 : cursor + 8]), "prompt": "def",
+                "n_predict": 4, "temperature": 0}  # fmt: skip
+
+    with running_server(coder_dir, cache_reuse=16) as reusing:
+        for running in (server, reusing):
+            post(running, "/infill", body(30))
+        plain, reused = (post(running, "/infill", body(33)) for running in (server, reusing))
+        metrics = httpx.get(f"{reusing.base_url}/metrics").text
+    counted = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("iterserve:cache_reuse_tokens_total")
+    ]
+    assert counted and float(counted[0].split()[-1]) >= reused["tokens_cached"] - 16
+    evaluated = reused["tokens_evaluated"]
+    assert plain["tokens_evaluated"] == evaluated
+    assert plain["tokens_cached"] < 16
+    assert reused["tokens_cached"] > 0.8 * evaluated
+    assert reused["timings"]["prompt_n"] == evaluated - reused["tokens_cached"]

@@ -114,6 +114,14 @@ def chain_seed(algo: str, lora_id: int) -> BlockHash | None:
     return hashlib.sha256(b"lora" + lora_id.to_bytes(8, "little")).digest()
 
 
+def break_seed(algo: str, serial: int) -> BlockHash:
+    """The parent of the first block named after a chain break (core/kv_reuse.py): a name
+    no prompt's own chain can reach, a new one each time."""
+    if algo == "builtin":
+        return hash(("reused", serial))
+    return hashlib.sha256(b"reused" + serial.to_bytes(8, "little")).digest()
+
+
 # The prefix cache's map is rebuilt when stale entries make it this many times the pool.
 _STALE_FACTOR = 4
 
@@ -212,6 +220,15 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits
+
+    def cached_block(self, name: BlockHash) -> int | None:
+        """The block bearing `name` in the prefix cache, if one still does."""
+        block_id = self._cached.get(name)
+        return block_id if block_id is not None and self._names[block_id] == name else None
+
+    def block_names_of(self, request: Request) -> list[BlockHash]:
+        """The names of the request's full blocks (of all its tokens, computed or not)."""
+        return self._hashes_for(request)
 
     def record_prefix_lookup(
         self, num_queried: int, num_hit: int, after_preemption: bool = False
@@ -317,6 +334,29 @@ class KVCacheManager:
         self._num_named -= evicted
         return taken
 
+    def num_free_beside(self, block_ids: Iterable[int]) -> int:
+        """Free blocks left to allocate once `block_ids` (distinct) are taken: those of them
+        no one holds leave the free queue."""
+        return len(self._free) - sum(1 for b in block_ids if self._refs[b] == 0)
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on each block outside any block table, so no allocation evicts
+        it (the sources of a step's K/V copies while the step is planned: core/kv_reuse.py)."""
+        for block_id in block_ids:
+            self._take(block_id)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop references `hold` took; a block no one else holds goes back to the free
+        queue's end with its name, as a freed prefix does."""
+        freed: list[int] = []
+        for block_id in block_ids:
+            self._refs[block_id] -= 1
+            if self._refs[block_id] == 0:
+                freed.append(block_id)
+            elif self._refs[block_id] < 0:
+                raise KVCacheInvariantError(f"block {block_id} released more often than held")
+        self._free.push_back(freed)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Name the request's blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
@@ -412,6 +452,8 @@ class KVCacheManager:
         start = len(hashes) * self.block_size
         if start + self.block_size <= request.num_tokens:
             parent = hashes[-1] if hashes else chain_seed(self.hash_algo, request.lora_id)
+            if request.chain_break is not None and request.chain_break[0] == len(hashes):
+                parent = request.chain_break[1]
             tokens = request.all_token_ids[start:]
             hashes += block_hash_chain(tokens, self.block_size, self.hash_algo, parent)
         return hashes

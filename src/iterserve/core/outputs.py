@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from iterserve.core.kv_reuse import KVCopy
 from iterserve.core.logprobs import TokenLogprobs
 from iterserve.core.request import FinishReason
 from iterserve.pooling_params import PoolingType
@@ -66,6 +67,9 @@ class ScheduledSeq:
     # Its LoRA adapter (0: the base model) and the model's slot holding it (-1: none).
     lora_id: int = 0
     lora_slot: int = -1
+    # Cached K/V the executor copies into the request's blocks before the step's forward
+    # (--cache-reuse: core/kv_reuse.py); positions its computing will pass over.
+    kv_copies: tuple[KVCopy, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from iterserve.config import SchedulerConfig, SpeculativeConfig
 from iterserve.core.kv_cache import KVCacheManager, KVCacheStats
+from iterserve.core.kv_reuse import CacheReuse, ReusePlan
 from iterserve.core.lora import LoRASlots
 from iterserve.core.outputs import (
     IN_FLIGHT_TOKEN,
@@ -65,10 +66,13 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
         max_loras: int = 1,
+        cache_reuse: int = 0,
     ) -> None:
         """`proposer`: where speculative drafts come from when `speculative` is on (default:
         n-gram prompt lookup; the engine passes a draft model's). `max_loras`: LoRA adapters
-        resident at once (core/lora.py), so at most that many in a step."""
+        resident at once (core/lora.py), so at most that many in a step. `cache_reuse`: the
+        shortest run of a recent sequence's K/V a prompt copies at a shifted position (0:
+        none; core/kv_reuse.py)."""
         self.config = config
         self.speculative = speculative or SpeculativeConfig()
         if self.speculative.enabled and proposer is None:
@@ -76,6 +80,7 @@ class Scheduler:
         self.proposer = proposer if self.speculative.enabled else None
         self.spec_stats = SpecDecodeStats()
         self.kv = kv
+        self.reuse = CacheReuse(kv, cache_reuse) if cache_reuse else None
         self.max_model_len = max_model_len
         self.clock = clock
         self.waiting = WaitingQueues()
@@ -317,6 +322,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = seq.num_computed_tokens
+            if seq.kv_copies:  # never made: computed from the first copy's place instead
+                request.num_computed_tokens = min(seq.num_computed_tokens, seq.kv_copies[0].target)
+                request.reused_spans.clear()
             request.num_output_placeholders -= seq.sample
 
     # ---- phases ----------------------------------------------------------------
@@ -411,6 +419,8 @@ class Scheduler:
             if remaining < 2 and not (request.is_embedding and remaining):
                 continue  # a decode (or nothing left): not a prefill
             n = self._chunk(request, remaining, budget, step)
+            if request.reused_spans:  # computed up to the next copied run, which it passes
+                n = min(n, request.reused_spans[0][0] - request.num_computed_tokens)
             if n:
                 self._allocate_or_preempt(request, n, step)
         if self.config.batching != "continuous" or step.preempted:
@@ -435,13 +445,23 @@ class Scheduler:
             return _Admission.BLOCKED
         cached = self._cached_prefix(request)
         num_cached = len(cached) * self.kv.block_size
-        remaining = request.num_tokens - num_cached
+        reuse = self._plan_reuse(request, cached)
+        start = num_cached if reuse is None else reuse.first_uncopied(num_cached)
+        remaining = request.num_tokens - start
         if self._long_prefill_slots_taken(remaining, step):
             return _Admission.SKIPPED  # a short request behind it may still go
         n = self._chunk(request, remaining, budget, step)
+        needed = n
+        if reuse is not None:
+            if (copied := reuse.next_copied(start)) is not None:
+                n = min(n, copied - start)
+            needed = max(start + n, reuse.end) - num_cached  # blocks for the copies too
+            held = list(reuse.source_blocks.values())
+            self.kv.hold(held)  # no allocation below may evict what the copies read
+            step.held_blocks += held
         if not n:
             return _Admission.BLOCKED
-        while not self.kv.allocate(request, n, cached):
+        while not self.kv.allocate(request, needed, cached):
             self._return_held(step, outranking=request)  # one of them may have to give way
             victim = self._priority_victim(request)
             if victim is None:
@@ -450,8 +470,43 @@ class Scheduler:
         self.kv.record_prefix_lookup(request.num_tokens, num_cached, request.num_preemptions > 0)
         self.waiting.remove(request)
         self._start_running(request, num_cached, now)
+        if reuse is not None:
+            self._start_reuse(request, reuse, step)
         step.add(request, n)
         return _Admission.ADMITTED
+
+    def _plan_reuse(self, request: Request, cached: list[int]) -> ReusePlan | None:
+        """What the request copies from a recent sequence (--cache-reuse), if it fits now:
+        its copies need blocks up to the last run at once, beside the ones they read. When
+        memory is that short the prompt is computed rather than waiting for it."""
+        if self.reuse is None:
+            return None
+        reuse = self.reuse.plan(request, len(cached) * self.kv.block_size)
+        if reuse is None:
+            return None
+        taken = set(cached) | set(reuse.source_blocks.values())
+        needed = self.kv.blocks_needed(reuse.end) - len(cached)
+        return reuse if needed <= self.kv.num_free_beside(taken) else None
+
+    def _start_reuse(self, request: Request, reuse: ReusePlan, step: StepPlan) -> None:
+        """Plan the copies of an admitted request's reused runs into its new blocks, and
+        pass over the runs its computing starts at."""
+        assert self.reuse is not None
+        step.kv_copies[request] = reuse.copies(request.block_ids, self.kv.block_size)
+        request.reused_spans = [(run.target, run.length) for run in reuse.runs]
+        self.reuse.break_chain(request, reuse)
+        self._pass_reused(request)
+        self.reuse.num_reused_tokens += reuse.num_tokens
+        if not request.num_preemptions:
+            request.num_cached_tokens += reuse.num_tokens
+
+    @staticmethod
+    def _pass_reused(request: Request) -> None:
+        """Count the copied runs its computing has reached as computed."""
+        spans = request.reused_spans
+        while spans and spans[0][0] <= request.num_computed_tokens:
+            start, length = spans.pop(0)
+            request.num_computed_tokens = max(request.num_computed_tokens, start + length)
 
     def _admit_batch(self, now: float, no_more_arrivals: bool) -> None:
         """Static / dynamic batching: the next batch joins the running set together."""
@@ -575,6 +630,10 @@ class Scheduler:
         return max(eligible, key=victim_key) if eligible else None
 
     def _preempt(self, request: Request, step: StepPlan) -> None:
+        copies = step.kv_copies.get(request)
+        if copies:  # planned this step, never made: nothing from the first on is written
+            request.num_computed_tokens = min(request.num_computed_tokens, copies[0].target)
+        request.reused_spans.clear()
         step.remove(request)
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED  # first: the pool may keep such blocks apart
@@ -620,6 +679,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
         self.kv.cache_full_blocks(request)
+        if self.reuse is not None:
+            self.reuse.remember(request)
         self.kv.free(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
@@ -667,6 +728,7 @@ class Scheduler:
                     score=pooling is not None and pooling.task != "embed",
                     lora_id=request.lora_id,
                     lora_slot=self.lora_slots.slot_of(request.lora_id),
+                    kv_copies=tuple(step.kv_copies.get(request, ())),
                 )
             )
             params = request.sampling_params
@@ -681,6 +743,9 @@ class Scheduler:
             # rejected drafts, unplan() for a step that never ran.
             request.num_computed_tokens = start + n
             request.num_output_placeholders += sample
+            if request.reused_spans:
+                self._pass_reused(request)
+        self.kv.release(step.held_blocks)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             seqs=seqs,

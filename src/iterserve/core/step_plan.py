@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from iterserve.core.kv_reuse import KVCopy
 from iterserve.core.request import Request
 
 # Prompt positions scored for prompt logprobs in one step, at most: each is a float32
@@ -21,6 +22,10 @@ class StepPlan:
         self.preempted: list[Request] = []
         self.num_long_prefills = 0
         self.num_scored_prompt_rows = 0  # prefill tokens of requests asking prompt logprobs
+        # Cached K/V copied into admitted requests before the step's forward (--cache-reuse),
+        # and the source blocks held until the plan is done (core/kv_reuse.py).
+        self.kv_copies: dict[Request, list[KVCopy]] = {}
+        self.held_blocks: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +45,7 @@ class StepPlan:
     def remove(self, request: Request) -> None:
         self.budget += self.tokens.pop(request, 0)
         self.drafts.pop(request, None)
+        self.kv_copies.pop(request, None)
 
     def real(self, request: Request, n: int) -> int:
         """Of a request's n tokens in this step, those that are not drafts."""

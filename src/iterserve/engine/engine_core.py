@@ -121,7 +121,13 @@ class EngineCore:
             cache.prefix_caching_hash_algo,
         )
         scheduler = cls.scheduler_type(
-            config.scheduler, kv, max_model_len, clock, config.speculative, proposer
+            config.scheduler,
+            kv,
+            max_model_len,
+            clock,
+            config.speculative,
+            proposer,
+            cache_reuse=cache.cache_reuse,
         )
         return cls(scheduler, executor, async_scheduling, pipeline)
 

@@ -62,6 +62,7 @@ from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import ModelPlan, build_model, choose_dtype
 from iterserve.model.hf_overrides import with_hf_overrides
 from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
+from iterserve.model.kv_shift import UnsupportedKVShift
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.loader import load_model
@@ -268,6 +269,11 @@ class LLMEngine:
             # The weights are in memory now: what is left is measured, not guessed.
             pool = self._size_kv_cache(loaded, lambda: available_memory.measure(self.device))
             network = self._paged(model, self.model_plan, loaded, pool.num_blocks)
+            if config.cache.cache_reuse:
+                try:
+                    network.enable_kv_shift()
+                except UnsupportedKVShift as error:
+                    raise ConfigError(str(error)) from None
         kv_name = str(self.kv_dtype).removeprefix("torch.")
         self.model_plan = replace(self.model_plan, kv_cache_dtype=kv_name)
         logger.info(

@@ -70,6 +70,7 @@ class EngineSnapshot:
     prefix_hits: int = 0
     preempted_prefix_queries: int = 0
     preempted_prefix_hits: int = 0
+    reused_tokens: int = 0  # prompt tokens copied at shifted positions (--cache-reuse)
     num_preemptions: int = 0
     num_discarded_tokens: int = 0
     num_steps: int = 0
@@ -119,6 +120,7 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         prefix_hits=kv.prefix_hits,
         preempted_prefix_queries=kv.preempted_queries,
         preempted_prefix_hits=kv.preempted_hits,
+        reused_tokens=scheduler.reuse.num_reused_tokens if scheduler.reuse else 0,
         num_preemptions=scheduler.num_preemptions,
         num_discarded_tokens=scheduler.num_discarded_tokens,
         num_steps=stats.num_steps,

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.core.kv_reuse import KVCopy
 from iterserve.model.attention_metadata import SeqSpan, build_attention_metadata
+from iterserve.model.kv_shift import KVShifter
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.lora_linear import LoRABatch
 from iterserve.model.lora_model import LoRAModel
@@ -53,12 +55,25 @@ class PagedModel:
         self.last_hidden: torch.Tensor | None = None
         # Its LoRA slots, when it serves adapters (model/lora_model.py).
         self.lora: LoRAModel | None = model.lora
+        self._kv_shifter: KVShifter | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
         """The pool's bytes (a pair that layers share counted once)."""
         pairs = {id(pair[0]): pair for pair in self.kv_caches}.values()
         return sum(k.nbytes + v.nbytes for k, v in pairs)
+
+    def enable_kv_shift(self) -> None:
+        """Get ready to move cached K/V to other positions (--cache-reuse); raises
+        UnsupportedKVShift, saying why, for a model whose K/V cannot move."""
+        self._kv_shifter = KVShifter(self.model.config, self.kv_caches, self.model.rope_positions)
+
+    def copy_kv(self, copies: Sequence[KVCopy]) -> None:
+        """Copy cached K/V rows between slots, the keys turned to their new positions."""
+        if self._kv_shifter is None:
+            self.enable_kv_shift()
+        assert self._kv_shifter is not None
+        self._kv_shifter.apply(copies)
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[ForwardSeq]) -> torch.Tensor:

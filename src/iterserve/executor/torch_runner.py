@@ -80,6 +80,9 @@ class TorchRunner:
             return ModelOutput({})
         if self.adapters is not None:
             self.adapters.prepare(scheduled.seqs)
+        copies = [copy for seq in scheduled.seqs for copy in seq.kv_copies]
+        if copies:  # reused K/V in place before any token reads it (--cache-reuse)
+            self.network.copy_kv(copies)
         # The last token's position and every draft's, after any prompt-scoring rows; the
         # rows an embedding pools.
         logits = self.network.forward(

@@ -587,6 +587,11 @@ class LlamaForCausalLM(nn.Module):
         where some layers rotate by another (see `second_rope`)."""
         return (self.rope_cos, self.rope_signed_sin, *(self.rope_second or ()))
 
+    def layer_rope_tables(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables (cos, signed sin) layer `index` turns its queries and keys by."""
+        tables = self._rope()
+        return (tables[2], tables[3]) if self.layers[index].second_rope else (tables[0], tables[1])
+
     def _rope_rows(
         self,
         tables: tuple[torch.Tensor, torch.Tensor],

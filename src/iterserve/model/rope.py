@@ -68,6 +68,12 @@ def check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
         )
 
 
+def frequencies_move(scaling: Mapping[str, Any] | None) -> bool:
+    """Whether the variant's frequencies change with the position (longrope, dynamic NTK),
+    so that turning a key from position p to p + d is no one rotation R(d)."""
+    return rope_type_of(scaling) in _POSITION_DEPENDENT
+
+
 def rotary_dims(head_dim: int, rotated: int) -> int | None:
     """`rotated` of a head's dimensions as ModelConfig.rotary_dim (None: all of them).
     Refuses what rotate_half cannot split: an odd count, none, or more than the head."""

@@ -164,6 +164,9 @@ _SNAPSHOT_SERIES: tuple[tuple[_Kind, str, str, Callable[[EngineSnapshot], float]
      lambda s: s.preempted_prefix_queries),
     (_C, "prefix_cache_preempted_hits", "Of those, tokens found again in the cache (recompute saved)",
      lambda s: s.preempted_prefix_hits),
+    (_C, "cache_reuse_tokens",
+     "Prompt tokens whose K/V was copied from a recent sequence at a shifted position "
+     "(--cache-reuse) rather than computed", lambda s: s.reused_tokens),
     (_C, "num_preemptions", "Requests preempted to free KV memory", lambda s: s.num_preemptions),
     (_C, "discarded_tokens",
      "Tokens computed for requests that had ended: asynchronous scheduling plans a step "
