@@ -7,20 +7,23 @@ with Qwen2.5-Coder's five fill-in-the-middle tokens (llama_server_parity.py), F1
 here and quantized by llama-quantize (`--type`, default Q8_0, what the plugins suggest).
 Made once under ~/.cache/iterserve-bench/infill/.
 
-The requests: a synthetic Python file; for each of `--requests` cursor lines in turn, the
-plugin's request: `input_extra` (other files' chunks, the same each time), the `--prefix`
-lines above the cursor, the `--suffix` lines below, the cursor's line up to the cursor as
-`prompt`, `n_predict` tokens (`ignore_eos`, so both engines write as many), top_k 40,
+The requests: a synthetic Python file; for each of `--requests` cursor places in turn (a
+line further down each time, or `--cursor typing`: one more character typed on the same
+line), the plugin's request: `input_extra` (other files' chunks, the same each time), the
+`--prefix` lines above the cursor, the `--suffix` lines below, the cursor's line up to the
+cursor as `prompt`, `n_predict` tokens (`ignore_eos`, so both engines write as many), top_k 40,
 top_p 0.99, a fixed seed. The first request meets an empty cache; each next one shares
 the other files and most of the lines above with the one before, as an editor's do.
 
 llama-server runs as llama.vscode's README starts it (`-c 2048`... here `-c 8192 -np 1
 --cache-reuse 256`: its KV shifting reuses chunks of the last prompt at new positions), then
-`iterserve serve` with its defaults (prefix caching: the shared start is reused), one after
-the other. Printed per engine: the first request's time, the median of the rest, prompt
-tokens computed and found cached (each engine's own counts), peak RSS.
+`iterserve serve` with the same `--cache-reuse` (its prefix cache serves the shared start;
+runs of the last prompt found again at shifted positions are copied, core/kv_reuse.py), one
+after the other. Printed per engine: the first request's time, the median, mean and worst
+of the rest, prompt tokens computed and found cached (each engine's own counts), peak RSS.
 
-    .venv/bin/python benchmarks/infill_latency.py [--requests 12] [--preset llama-1b] [--type Q8_0]
+    .venv/bin/python benchmarks/infill_latency.py [--requests 12] [--cursor down|typing]
+        [--cache-reuse 256] [--preset llama-1b] [--type Q8_0]
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from big_models import llama_cpp_bin  # type: ignore[import-not-found]
 from iterserve.bench.machine import cpu_line
 from iterserve.bench.server_process import free_port, launch_server
 from iterserve.bench.shaped_gguf import write_shaped_gguf
-from iterserve.config import EngineConfig
+from iterserve.config import engine_config
 from llama_cpp_agreement import llama_server  # type: ignore[import-not-found]
 from llama_server_parity import coder_tokenizer, post  # type: ignore[import-not-found]
 
@@ -85,14 +88,16 @@ def requests(args: argparse.Namespace) -> list[dict[str, Any]]:
              for k in range(args.chunks)]  # fmt: skip
     bodies = []
     for r in range(args.requests):
-        cursor = args.prefix + r
+        # Moving down, the cursor sits mid-way through the next line each time; typing, it
+        # stays on one line and each request has one more character before it.
+        cursor = args.prefix + (r if args.cursor == "down" else 0)
         line = lines[cursor]
+        at = len(line) // 2 if args.cursor == "down" else 8 + r
         bodies.append({
             "input_extra": extra,
             "input_prefix": "\n".join(lines[cursor - args.prefix : cursor]) + "\n",
-            "input_suffix": line[len(line) // 2 :] + "\n"
-            + "\n".join(lines[cursor + 1 : cursor + 1 + args.suffix]),
-            "prompt": line[: len(line) // 2],
+            "input_suffix": line[at:] + "\n" + "\n".join(lines[cursor + 1 : cursor + 1 + args.suffix]),
+            "prompt": line[:at],
             "n_predict": args.n_predict, "ignore_eos": True, "top_k": 40, "top_p": 0.99,
             "seed": 1, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
         })  # fmt: skip
@@ -125,6 +130,8 @@ def run(base: str, bodies: list[dict[str, Any]], pid: int) -> dict[str, Any]:
     return {
         "first_s": rows[0]["seconds"],
         "rest_median_s": statistics.median(r["seconds"] for r in rest),
+        "rest_mean_s": statistics.fmean(r["seconds"] for r in rest),
+        "rest_max_s": max(r["seconds"] for r in rest),
         "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
         "computed_median": statistics.median(r["computed"] for r in rest),
         "cached_median": statistics.median(r["cached"] for r in rest),
@@ -142,8 +149,11 @@ def main() -> int:
     parser.add_argument("--suffix", type=int, default=16, help="lines below the cursor")
     parser.add_argument("--chunks", type=int, default=4, help="other files' chunks, 32 lines")
     parser.add_argument("--n-predict", type=int, default=32)
+    parser.add_argument("--cursor", choices=("down", "typing"), default="down",
+                        help="the cursor moves a line down each request, or stays on its "
+                        "line while one more character is typed")  # fmt: skip
     parser.add_argument("--cache-reuse", type=int, default=256,
-                        help="llama-server's --cache-reuse (llama.vscode's README: 256; 0: off)")  # fmt: skip
+                        help="both engines' --cache-reuse (llama.vscode's README: 256; 0: off)")  # fmt: skip
     parser.add_argument("--json", default="bench_results/infill_latency.json")
     args = parser.parse_args()
     print(cpu_line(), flush=True)
@@ -156,17 +166,19 @@ def main() -> int:
                                  capture_output=True,
                                  text=True).stdout.split()[0])  # fmt: skip
         results["llama.cpp"] = run(url, bodies, pid)
-    with launch_server(EngineConfig(model=str(model))) as server:
+    config = engine_config({"model": str(model), "cache_reuse": args.cache_reuse})
+    with launch_server(config) as server:
         results["iterserve"] = run(server.base_url, bodies, server.process.pid)
-    print(f"{'engine':<10} {'first s':>8} {'next s (median)':>16} {'prompt':>7} "
-          f"{'computed':>9} {'cached':>7} {'peak RSS GiB':>13}")  # fmt: skip
+    print(f"{'engine':<10} {'first s':>8} {'next s: median':>15} {'mean':>6} {'worst':>6} "
+          f"{'prompt':>7} {'computed':>9} {'cached':>7} {'peak RSS GiB':>13}")  # fmt: skip
     for engine, r in results.items():
         rss = f"{r['peak_rss_gib']:.2f}" if r["peak_rss_gib"] else "-"
-        print(f"{engine:<10} {r['first_s']:>8.2f} {r['rest_median_s']:>16.2f} "
-              f"{r['prompt_tokens']:>7.0f} {r['computed_median']:>9.0f} "
-              f"{r['cached_median']:>7.0f} {rss:>13}")  # fmt: skip
-    ratio = results["llama.cpp"]["rest_median_s"] / results["iterserve"]["rest_median_s"]
-    print(f"next requests: iterserve {ratio:.2f}x llama.cpp's speed (median time ratio)")
+        print(f"{engine:<10} {r['first_s']:>8.2f} {r['rest_median_s']:>15.2f} "
+              f"{r['rest_mean_s']:>6.2f} {r['rest_max_s']:>6.2f} {r['prompt_tokens']:>7.0f} "
+              f"{r['computed_median']:>9.0f} {r['cached_median']:>7.0f} {rss:>13}")  # fmt: skip
+    for figure in ("median", "mean"):
+        ratio = results["llama.cpp"][f"rest_{figure}_s"] / results["iterserve"][f"rest_{figure}_s"]
+        print(f"next requests: iterserve {ratio:.2f}x llama.cpp's speed ({figure} time ratio)")
     write_results(args.json, {"cpu": cpu_line(), "args": vars(args), "model": str(model),
                               "results": results})  # fmt: skip
     return 0
