@@ -129,14 +129,16 @@ def one_layer_model(tmp_path: Path, tokenizer_dir: Path) -> Path:
     return save_checkpoint(model, tmp_path / "one-layer", tokenizer_dir)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "async_scheduling"), [("auto", False), ("auto", True), ("int8", False)]
+)
 def test_a_one_layer_model_answers_a_moved_prompt_as_if_computed(
-    tmp_path: Path, tokenizer_dir: Path, kv_cache_dtype: str
+    tmp_path: Path, tokenizer_dir: Path, kv_cache_dtype: str, async_scheduling: bool
 ) -> None:
     """One layer: a key depends on its token and position only, so the copies are exact and
-    every log-probability is the full computation's. An int8 pool quantizes a moved key
-    twice: its first token's log-probabilities within int8's own error (0.02 from float32's
-    here), the answers after may part."""
+    every log-probability is the full computation's, planned ahead of the step before or
+    not. An int8 pool quantizes a moved key twice: its first token's log-probabilities
+    within int8's own error (0.02 from float32's here), the answers after may part."""
     path = one_layer_model(tmp_path, tokenizer_dir)
     rng = random.Random(2)
     head, body, edit = ([rng.randrange(3, 5000) for _ in range(n)] for n in (20, 70, 6))
@@ -148,7 +150,7 @@ def test_a_one_layer_model_answers_a_moved_prompt_as_if_computed(
     for reuse in (0, 8):
         llm = LLM(
             str(path), dtype="float32", compile=False, block_size=BLOCK, cache_reuse=reuse,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling,
         )  # fmt: skip
         llm.generate([first], SamplingParams(max_tokens=8, temperature=0))
         answers[reuse] = llm.generate([moved], params)[0]
