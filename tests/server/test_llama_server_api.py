@@ -18,6 +18,7 @@ from conftest import VOCAB
 from iterserve import LLM, SamplingParams
 from iterserve.engine.fill_in_middle import KNOWN_FORMATS, ExtraFile, fim_format, infill_tokens
 from iterserve.model.tokenizer import load_hf_tokenizer
+from iterserve.server.app import ServerSettings
 from iterserve.server.llama_server_routes import indent_cut, kept_fields
 from server_fixtures import MODEL_NAME, RunningServer, running_server
 from tiny_checkpoints import save_checkpoint, tiny_hf_model
@@ -351,8 +352,16 @@ def test_llama_servers_tokenize_template_and_props(server: RunningServer) -> Non
     assert props["model_alias"] == MODEL_NAME
 
 
+@pytest.fixture(scope="module")
+def editor_server(coder_dir: Path) -> Iterator[RunningServer]:
+    """As an editor's README starts llama-server: `--cache-reuse`, and any model name."""
+    settings = ServerSettings(served_model_names=[MODEL_NAME, "*"])
+    with running_server(coder_dir, settings, cache_reuse=16) as running:
+        yield running
+
+
 def test_infill_after_the_cursor_moved_reuses_what_moved(
-    server: RunningServer, coder_dir: Path
+    server: RunningServer, editor_server: RunningServer
 ) -> None:
     """llama.vscode's next request after the cursor moved down: the window of lines above it
     lost its first lines and the rest came back earlier. The prefix cache finds nothing of
@@ -364,19 +373,27 @@ def test_infill_after_the_cursor_moved_reuses_what_moved(
                 "input_suffix": "".join(lines[cursor + 1 : cursor + 8]), "prompt": "def",
                 "n_predict": 4, "temperature": 0}  # fmt: skip
 
-    with running_server(coder_dir, cache_reuse=16) as reusing:
-        for running in (server, reusing):
-            post(running, "/infill", body(30))
-        plain, reused = (post(running, "/infill", body(33)) for running in (server, reusing))
-        metrics = httpx.get(f"{reusing.base_url}/metrics").text
-    counted = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("iterserve:cache_reuse_tokens_total")
-    ]
-    assert counted and float(counted[0].split()[-1]) >= reused["tokens_cached"] - 16
+    for running in (server, editor_server):
+        post(running, "/infill", body(30))
+    plain, reused = (post(running, "/infill", body(33)) for running in (server, editor_server))
     evaluated = reused["tokens_evaluated"]
     assert plain["tokens_evaluated"] == evaluated
     assert plain["tokens_cached"] < 16
     assert reused["tokens_cached"] > 0.8 * evaluated
     assert reused["timings"]["prompt_n"] == evaluated - reused["tokens_cached"]
+    counted = editor_server.metrics().get("iterserve:cache_reuse_tokens_total", 0.0)
+    assert counted >= reused["tokens_cached"] - 16
+
+
+def test_any_model_name_when_served_as_star(
+    server: RunningServer, editor_server: RunningServer
+) -> None:
+    """`--served-model-name NAME '*'`: llama-server's clients send names of their own
+    ("GPT-4" for llama.vscode's embeddings); without the star that is OpenAI's 404."""
+    body = {"model": "GPT-4", "prompt": "def", "max_tokens": 2, "temperature": 0}
+    answer = post(editor_server, "/v1/completions", body)
+    assert answer["model"] == MODEL_NAME
+    refused = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "model"
+    models = httpx.get(f"{editor_server.base_url}/v1/models").json()["data"]
+    assert [card["id"] for card in models] == [MODEL_NAME]

@@ -52,7 +52,8 @@ def add_model_args(p: argparse.ArgumentParser, what: str) -> None:
         "--alias",
         nargs="+",
         default=None,
-        help="name(s) clients use for the model (default: the model's own name)",
+        help="name(s) clients use for the model (default: the model's own name); '*' among "
+        "them: any other name a request gives is taken for the first, as llama-server does",
     )
     _add_data_parallel_args(p.add_argument_group("data parallelism"))
     p.add_argument(

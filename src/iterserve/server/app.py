@@ -32,7 +32,7 @@ from iterserve.server.metrics import ServerMetrics
 from iterserve.server.openai_routes import openai_routes
 from iterserve.server.response_store import IN_MEMORY, ResponseStore, Retention
 from iterserve.server.scoring import scoring_routes
-from iterserve.server.serving import ServingContext
+from iterserve.server.serving import ANY_MODEL_NAME, ServingContext
 from iterserve.server.status_routes import admin_routes, status_routes
 from iterserve.server.stored_response_routes import stored_response_routes
 from iterserve.server.tokenize import tokenizer_routes
@@ -126,9 +126,11 @@ def _serving_context(
     async_engine: ServingEngine, settings: ServerSettings, store: ResponseStore
 ) -> ServingContext:
     model = async_engine.served_model
+    names = [name for name in settings.served_model_names if name != ANY_MODEL_NAME]
     ctx = ServingContext(
         engine=async_engine,
-        served_model_names=settings.served_model_names or [model.name],
+        served_model_names=names or [model.name],
+        any_model_name=ANY_MODEL_NAME in settings.served_model_names,
         tokenizer=model.tokenizer,
         chat_template=model.chat_template,
         max_model_len=model.max_model_len,

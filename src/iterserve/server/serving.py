@@ -79,6 +79,10 @@ def access_record(request: Request) -> AccessRecord:
 _template_problem = functools.lru_cache(maxsize=32)(template_problem)
 
 
+# Among --served-model-name's names: take any name a request gives (ServingContext).
+ANY_MODEL_NAME = "*"
+
+
 @dataclass
 class ServingContext:
     engine: ServingEngine
@@ -92,6 +96,9 @@ class ServingContext:
     # LoRA adapters served by name (a request's `model` picks one): --lora-modules, and
     # those /v1/load_lora_adapter added.
     loras: dict[str, LoRARequest] = field(default_factory=dict)
+    # `--served-model-name ... '*'`: any other name asks for the model, as llama-server
+    # takes whatever a client sends (llama.vscode names its embeddings' model "GPT-4").
+    any_model_name: bool = False
     # A reranker's pairs as prompts (None: no score head), and whether it embeds: what
     # /v1/rerank and /v1/score answer with (server/scoring.py).
     pair_prompts: PairPrompts | None = None
@@ -160,10 +167,10 @@ class ServingContext:
     def resolve_model(self, requested: str | None) -> str:
         """The name to answer with: the model's, or a LoRA adapter's; an unknown model is a
         404 as OpenAI's (and vLLM's) `model_not_found`."""
-        if requested is None or requested in self.served_model_names:
-            return self.served_model_names[0]
         if requested in self.loras:
             return requested
+        if requested is None or requested in self.served_model_names or self.any_model_name:
+            return self.served_model_names[0]
         served = ", ".join(repr(name) for name in [*self.served_model_names, *self.loras])
         raise APIError(
             404,
