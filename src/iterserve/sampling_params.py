@@ -29,6 +29,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # llama.cpp's sampler order (its default `samplers`, temperature last): top-k, top-p
+    # and min-p judge the untempered distribution, and the temperature shapes only what
+    # they keep. False: vLLM's, where they judge the tempered one.
+    temperature_last: bool = False
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -183,6 +183,35 @@ def test_sampling_matches_the_distribution_at_full_vocab(
     _assert_matches(counts, dict(zip(SPREAD_IDS, expected, strict=True)))
 
 
+# llama.cpp's order (its default `samplers`, temperature last): top-k, top-p and min-p
+# judge the untempered PROBS, the temperature shapes what they keep. Each case keeps
+# another support than vLLM's order would (in brackets).
+SQRT_2 = [0.4**0.5 / (0.4**0.5 + 0.3**0.5), 0.3**0.5 / (0.4**0.5 + 0.3**0.5), 0.0, 0.0]
+LLAMA_CASES = [
+    # cumulative 0.4, 0.7 < 0.75 keeps three; then p ** 2 renormalised (tempered: two)
+    (SamplingParams(temperature=0.5, top_p=0.75, temperature_last=True), [16 / 29, 9 / 29, 4 / 29, 0.0]),
+    # p / p_max >= 0.45 keeps three (tempered: 0.25 < 0.45, two)
+    (SamplingParams(temperature=0.5, min_p=0.45, temperature_last=True), [16 / 29, 9 / 29, 4 / 29, 0.0]),
+    # 0.7 >= 0.65 drops the third; then p ** 0.5 renormalised (tempered: 0.61, three)
+    (SamplingParams(temperature=2.0, top_p=0.65, temperature_last=True), SQRT_2),
+    # top-3 renormalised 4/9, 3/9, 2/9: 7/9 < 0.8 keeps the third (tempered: 0.86, two)
+    (SamplingParams(temperature=0.5, top_k=3, top_p=0.8, temperature_last=True), [16 / 29, 9 / 29, 4 / 29, 0.0]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("params,expected", LLAMA_CASES)
+def test_llama_cpps_order_truncates_before_the_temperature(
+    params: SamplingParams, expected: list[float]
+) -> None:
+    token_ids = [1, 2, 5, 7]
+    counts = _draw_counts(PROBS, token_ids, params, vocab=8, total=20000)
+    _assert_matches(counts, dict(zip(token_ids, expected, strict=True)))
+    full = _draw_counts(PROBS, SPREAD_IDS, params, VOCAB, total=2000)
+    _assert_matches(full, dict(zip(SPREAD_IDS, expected, strict=True)))
+    dense = Sampler().probs(_embed(PROBS, token_ids, 8, 1), params)[0, token_ids]
+    assert dense.tolist() == pytest.approx(expected, abs=1e-6)
+
+
 def test_wide_nucleus_falls_back_exactly() -> None:
     """A nucleus larger than every candidate set still gets exactly the right support."""
     vocab, rows = VOCAB, 16

@@ -18,7 +18,9 @@ from conftest import VOCAB
 from iterserve import LLM, SamplingParams
 from iterserve.engine.fill_in_middle import KNOWN_FORMATS, ExtraFile, fim_format, infill_tokens
 from iterserve.model.tokenizer import load_hf_tokenizer
+from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.app import ServerSettings
+from iterserve.server.llama_server_protocol import LlamaCompletionRequest
 from iterserve.server.llama_server_routes import indent_cut, kept_fields
 from server_fixtures import MODEL_NAME, RunningServer, running_server
 from tiny_checkpoints import save_checkpoint, tiny_hf_model
@@ -218,7 +220,7 @@ def test_infill_lays_out_the_repository_and_the_cursor(server: RunningServer) ->
     answer = post(server, "/infill", {
         "input_prefix": before, "input_suffix": after, "input_extra": files, "prompt": start,
         "n_predict": 6, "temperature": 0, "top_k": 40, "top_p": 0.99, "cache_prompt": True,
-        "samplers": ["top_k", "top_p", "infill"], "t_max_prompt_ms": 500,
+        "samplers": ["top_k", "top_p", "infill", "temperature"], "t_max_prompt_ms": 500,
     })  # fmt: skip
     assert answer["tokens_evaluated"] == len(expected)
     assert answer["content"] == openai_greedy(server, expected, 6)["text"]
@@ -349,6 +351,7 @@ def test_llama_servers_tokenize_template_and_props(server: RunningServer) -> Non
     props = httpx.get(f"{server.base_url}/props").json()
     assert props["default_generation_settings"]["n_ctx"] == 512
     assert props["default_generation_settings"]["params"]["temperature"] == 0.8
+    assert props["default_generation_settings"]["params"]["samplers"][-1] == "temperature"
     assert props["model_alias"] == MODEL_NAME
 
 
@@ -397,3 +400,40 @@ def test_any_model_name_when_served_as_star(
     assert refused.status_code == 404 and refused.json()["error"]["param"] == "model"
     models = httpx.get(f"{editor_server.base_url}/v1/models").json()["data"]
     assert [card["id"] for card in models] == [MODEL_NAME]
+
+
+def llama_params(**body: Any) -> SamplingParams:
+    request = LlamaCompletionRequest(**body)
+    request.check_supported()
+    return request.sampling_params(None)
+
+
+def test_samplers_is_llama_cpps_chain() -> None:
+    """Only the samplers named run, in llama.cpp's order: its default chain ends with the
+    temperature, so top-p and min-p judge the untempered distribution."""
+    default = llama_params()
+    assert (default.temperature, default.top_k, default.top_p, default.min_p) == (
+        0.8,
+        40,
+        0.95,
+        0.05,
+    )
+    assert default.temperature_last
+    # llama.vscode's /infill: no temperature, no min-p in its chain, so neither applies.
+    vscode = llama_params(samplers=["top_k", "top_p", "infill"], top_p=0.99, temperature=0)
+    assert (vscode.temperature, vscode.top_k, vscode.top_p, vscode.min_p) == (1.0, 40, 0.99, 0.0)
+    letters = llama_params(samplers="edkypmxt", repeat_penalty=1.1)
+    assert letters.repetition_penalty == 1.1 and letters.temperature_last
+    assert llama_params(samplers="kpmt", repeat_penalty=1.1).repetition_penalty == 1.0
+    first = llama_params(samplers=["Temperature", "top-k", "nucleus", "minp"])
+    assert not first.temperature_last and (first.top_k, first.top_p, first.min_p) == (
+        40,
+        0.95,
+        0.05,
+    )
+    unknown = llama_params(samplers=["softmax", "k"])  # names it does not know: nothing runs
+    assert (unknown.temperature, unknown.top_k, unknown.top_p) == (1.0, 0, 1.0)
+    for samplers in (["top_p", "temperature", "min_p"], ["adaptive_p"]):
+        with pytest.raises(InvalidRequestError) as refused:
+            llama_params(samplers=samplers)
+        assert refused.value.param == "samplers"

@@ -166,6 +166,17 @@ def _inverse_temperatures(params: Sequence[SamplingParams], device: torch.device
     return torch.tensor([max(1.0 / p.temperature, 1e-30) for p in params], device=device)
 
 
+def _judging_temperatures(
+    params: Sequence[SamplingParams], device: torch.device
+) -> torch.Tensor | None:
+    """Each row's inverse temperature for truncating: 1 where the temperature comes last
+    (llama.cpp's order), its own elsewhere; None when no row takes llama.cpp's order."""
+    if not any(p.temperature_last for p in params):
+        return None
+    inverse = [1.0 if p.temperature_last else max(1.0 / p.temperature, 1e-30) for p in params]
+    return torch.tensor(inverse, device=device)
+
+
 def _is_greedy(p: SamplingParams) -> bool:
     return p.temperature < _GREEDY_TEMPERATURE or p.top_k == 1
 
@@ -188,12 +199,15 @@ class _Draws:
 
 @dataclass(frozen=True)
 class _Truncation:
-    """Truncated rows' settings as tensors, one entry a row."""
+    """Truncated rows' settings as tensors, one entry a row. `judge_inv_temp`: the inverse
+    temperature top-k, top-p and min-p judge the distribution at (1 for llama.cpp's order,
+    SamplingParams.temperature_last); None when every row judges at its own."""
 
     inv_temp: torch.Tensor
     top_k: torch.Tensor  # the vocab size where top-k is off
     top_p: torch.Tensor
     min_p: torch.Tensor
+    judge_inv_temp: torch.Tensor | None
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device) -> _Truncation:
@@ -202,12 +216,18 @@ class _Truncation:
             torch.tensor([_top_k(p, vocab) or vocab for p in params], device=device),
             torch.tensor([p.top_p for p in params], device=device),
             torch.tensor([p.min_p for p in params], device=device),
+            _judging_temperatures(params, device),
         )
 
     def rows(self, index: torch.Tensor) -> _Truncation:
+        judge = None if self.judge_inv_temp is None else self.judge_inv_temp[index]
         return _Truncation(
-            self.inv_temp[index], self.top_k[index], self.top_p[index], self.min_p[index]
+            self.inv_temp[index], self.top_k[index], self.top_p[index], self.min_p[index], judge
         )
+
+    @property
+    def judging_inv_temp(self) -> torch.Tensor:
+        return self.inv_temp if self.judge_inv_temp is None else self.judge_inv_temp
 
 
 def _candidates(draws: _Draws, here: list[int], level: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,14 +259,21 @@ def _draw_candidates(
     the next level)."""
     ratio = ((values - values[:, :1]) * limits.inv_temp.unsqueeze(1)).exp_()
     position = torch.arange(values.shape[1], device=values.device)
-    ratio.masked_fill_(position >= limits.top_k.unsqueeze(1), 0.0)
+    outside_top_k = position >= limits.top_k.unsqueeze(1)
+    ratio.masked_fill_(outside_top_k, 0.0)
+    # What top-p and min-p judge: the tempered ratios, or in llama.cpp's order untempered
+    # ones (`vocab_mass` is at the same temperature).
+    judged = ratio
+    if limits.judge_inv_temp is not None:
+        judged = ((values - values[:, :1]) * limits.judge_inv_temp.unsqueeze(1)).exp_()
+        judged.masked_fill_(outside_top_k, 0.0)
     has_top_k = limits.top_k <= level
-    probs = ratio / torch.where(has_top_k, ratio.sum(-1), vocab_mass).unsqueeze(1)
+    probs = judged / torch.where(has_top_k, judged.sum(-1), vocab_mass).unsqueeze(1)
     cumulative = probs.cumsum(-1)
     # vLLM's rule: drop the low tail whose total mass is <= 1 - p, i.e.
     # keep a token while the mass strictly above it is < p (the best always).
     keep = (cumulative - probs) < limits.top_p.unsqueeze(1)
-    keep &= ratio >= limits.min_p.unsqueeze(1)
+    keep &= judged >= limits.min_p.unsqueeze(1)
     # The best token always stays, whatever the rounding: a top_p below float32's
     # range (1e-85) is 0 here, and an empty support would index past the row.
     keep[:, 0] = True
@@ -310,10 +337,14 @@ class Sampler:
         if _is_greedy(params):
             return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         ratio = ((logits - logits.amax(-1, keepdim=True)) / params.temperature).exp_()
+        # What the truncation judges (SamplingParams.temperature_last: untempered).
+        judged = (
+            (logits - logits.amax(-1, keepdim=True)).exp_() if params.temperature_last else ratio
+        )
         keep = torch.ones_like(ratio, dtype=torch.bool)
         top_k = _top_k(params, vocab)
         if top_k or params.top_p < 1.0:
-            values, order = torch.sort(ratio, dim=-1, descending=True, stable=True)
+            values, order = torch.sort(judged, dim=-1, descending=True, stable=True)
             ranked = torch.ones_like(values, dtype=torch.bool)
             if top_k:
                 ranked[:, top_k:] = False
@@ -324,7 +355,7 @@ class Sampler:
                 ranked[:, 0] = True
             keep = torch.zeros_like(keep).scatter_(-1, order, ranked)
         if params.min_p > 0.0:
-            keep &= ratio >= params.min_p
+            keep &= judged >= params.min_p
         weights = ratio * keep
         return weights / weights.sum(-1, keepdim=True)
 
@@ -416,7 +447,15 @@ class Sampler:
         inv_temp = _inverse_temperatures(params, device)
         weights = self._ratios(draws.rows, draws.row_ids, inv_temp)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
+            # An untempered ratio r is >= min_p exactly where the tempered r ** (1 / T) is
+            # >= min_p ** (1 / T): llama.cpp's order costs no second pass.
+            min_p = torch.tensor(
+                [
+                    p.min_p ** (1.0 / p.temperature) if p.temperature_last else p.min_p
+                    for p in params
+                ],
+                device=device,
+            )
             weights.masked_fill_(weights < min_p.unsqueeze(1), 0.0)
         return _draw_from_weights(weights, draws.uniforms)
 
@@ -430,7 +469,7 @@ class Sampler:
         rows, params = draws.rows, draws.params
         device, vocab = rows.logits.device, rows.logits.shape[1]
         limits = _Truncation.of(params, vocab, device)
-        vocab_mass = self._vocab_mass(draws, limits.inv_temp)
+        vocab_mass = self._vocab_mass(draws, limits.judging_inv_temp)
         picked = torch.empty(len(params), dtype=torch.long, device=device)
         pending = list(range(len(params)))
         for level in sorted({min(k, vocab) for k in _CANDIDATE_LEVELS} | {vocab}):

@@ -5,12 +5,14 @@ front ends written for llama.cpp. Not OpenAI's shapes: llama.cpp's names and def
 
 Every field llama-server documents is accepted. Those that would change the answer and that
 iterserve does not implement are a 400 naming the field unless sent at their neutral value
-(mirostat, DRY, XTC, typical-p, dynamic temperature, post-sampling probabilities, per-request
-LoRA scales). The penalties count llama.cpp's window (`repeat_last_n`, the last N tokens
-of prompt and answer together; -1 all of them, 0 none). Accepted and
-not applied: `samplers` (the order is vLLM's: penalties, temperature, top-k, top-p, min-p),
-`cache_prompt` (prefix caching is always on), `id_slot`, `n_keep`, `t_max_prompt_ms`,
-`timings_per_token`, `return_progress`, `min_keep`.
+(mirostat, DRY, XTC, typical-p, top-n-sigma, dynamic temperature, post-sampling
+probabilities, per-request LoRA scales). `samplers` is llama.cpp's chain: only the samplers
+it names run (the penalties, top-k, top-p, min-p, the temperature), and top-p and min-p
+judge the distribution before the temperature unless it comes first; its default is
+llama.cpp's (temperature last). The penalties count llama.cpp's window (`repeat_last_n`,
+the last N tokens of prompt and answer together; -1 all of them, 0 none). Accepted and not
+applied: the `infill` sampler, `cache_prompt` (prefix caching is always on), `id_slot`,
+`n_keep`, `t_max_prompt_ms`, `timings_per_token`, `return_progress`, `min_keep`.
 """
 
 from __future__ import annotations
@@ -30,12 +32,43 @@ MixedPrompt = str | list[int | str]
 # Fields that change the answer and are not implemented, at their neutral values.
 _UNHONOURED_NEUTRAL: dict[str, Any] = {
     "mirostat": 0,
+    "top_n_sigma": -1.0,
     "dry_multiplier": 0.0,
     "xtc_probability": 0.0,
     "typical_p": 1.0,
     "dynatemp_range": 0.0,
     "post_sampling_probs": False,
 }
+
+
+# llama.cpp's sampler chain (`samplers`): names with their aliases, or one letter each. Only
+# the samplers named run, in that order; the default chain is llama.cpp's.
+_SAMPLER_ALIASES = {
+    "top_k": ("top-k", "topk"), "top_p": ("top-p", "topp", "nucleus"), "min_p": ("min-p", "minp"),
+    "temperature": ("temp",), "penalties": (), "dry": (), "typ_p": ("typ-p", "typp", "typ"),
+    "top_n_sigma": ("top-n-sigma", "topnsigma"), "xtc": (), "infill": (),
+    "adaptive_p": ("adaptive-p", "adaptivep"),
+}  # fmt: skip
+_SAMPLER_NAMES = {alias: name for name, more in _SAMPLER_ALIASES.items() for alias in (name, *more)}
+_SAMPLER_LETTERS = {
+    "k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature", "e": "penalties", "d": "dry",
+    "y": "typ_p", "s": "top_n_sigma", "x": "xtc", "i": "infill", "a": "adaptive_p",
+}  # fmt: skip
+DEFAULT_SAMPLERS = (
+    "penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"
+)  # fmt: skip
+
+
+def sampler_chain(samplers: list[str] | str | None) -> list[str]:
+    """`samplers` as llama.cpp reads it: names (any case, or an alias) or a string of one
+    letter a sampler; what it does not know is left out, as llama.cpp leaves it out."""
+    if samplers is None:
+        return list(DEFAULT_SAMPLERS)
+    if isinstance(samplers, str):
+        found = [_SAMPLER_LETTERS.get(letter) for letter in samplers]
+    else:
+        found = [_SAMPLER_NAMES.get(name.lower()) for name in samplers]
+    return [name for name in found if name is not None]
 
 
 class LlamaCompletionRequest(BaseModel):
@@ -67,6 +100,7 @@ class LlamaCompletionRequest(BaseModel):
     return_tokens: bool = False
     response_fields: list[str] | None = None
     lora: list[dict[str, Any]] | None = None
+    samplers: list[str] | str | None = None
 
     def check_supported(self) -> None:
         """A 400 naming the first field that would change the answer and is not honoured."""
@@ -88,19 +122,26 @@ class LlamaCompletionRequest(BaseModel):
             raise InvalidRequestError("multimodal_data: this server serves text", "multimodal_data")
         if self.grammar is not None and self.json_schema is not None:
             raise InvalidRequestError("grammar and json_schema: send one of them", "grammar")
+        if "adaptive_p" in sampler_chain(self.samplers):
+            raise InvalidRequestError("samplers: adaptive_p is not implemented here", "samplers")
+        self._temperature_last()
 
     def sampling_params(self, logit_bias: dict[int, float] | None) -> SamplingParams:
         """llama.cpp's settings in SamplingParams' terms: temperature <= 0 is greedy, top-k
         <= 0 none, n_predict -1 all the context allows and 0 the prompt alone (one token is
-        still drawn, and not reported), seed -1 a fresh one."""
-        penalised = self.repeat_last_n != 0  # 0: llama.cpp's "no penalties"
+        still drawn, and not reported), seed -1 a fresh one. Only the samplers `samplers`
+        names run (a sampler left out: its setting neutral, the temperature 1), top-k, top-p
+        and min-p in llama.cpp's order, before the temperature unless it comes first."""
+        chain = sampler_chain(self.samplers)
+        penalised = self.repeat_last_n != 0 and "penalties" in chain  # 0: "no penalties"
         return SamplingParams(
             n=self.n_cmpl,
             max_tokens=ALL_THE_CONTEXT if self.n_predict < 0 else max(1, self.n_predict),
-            temperature=max(0.0, self.temperature),
-            top_k=max(0, self.top_k),
-            top_p=self.top_p,
-            min_p=self.min_p,
+            temperature=max(0.0, self.temperature) if "temperature" in chain else 1.0,
+            top_k=max(0, self.top_k) if "top_k" in chain else 0,
+            top_p=self.top_p if "top_p" in chain else 1.0,
+            min_p=self.min_p if "min_p" in chain else 0.0,
+            temperature_last=self._temperature_last(),
             seed=None if self.seed < 0 else self.seed,
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
@@ -115,6 +156,22 @@ class LlamaCompletionRequest(BaseModel):
             logprobs=self.n_probs or None,
             structured_output=self._constraint(),
         )
+
+    def _temperature_last(self) -> bool:
+        """Whether top-p and min-p run before the temperature (llama.cpp's default) or
+        after it (vLLM's order); between them is an order not implemented here."""
+        chain = sampler_chain(self.samplers)
+        judged = [chain.index(name) for name in ("top_p", "min_p") if name in chain]
+        if "temperature" not in chain or not judged:
+            return True  # no order to keep
+        at = chain.index("temperature")
+        if min(judged) < at < max(judged):
+            raise InvalidRequestError(
+                "samplers: the temperature between top_p and min_p is not implemented here; "
+                "put it before both or after both",
+                "samplers",
+            )
+        return at > max(judged)
 
     def _constraint(self) -> StructuredOutput | None:
         if self.grammar is not None:

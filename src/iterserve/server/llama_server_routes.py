@@ -41,6 +41,7 @@ from iterserve.engine.prompts import Prompt, render_chat
 from iterserve.engine.request_stream import EngineStoppedError
 from iterserve.sampling_params import InvalidRequestError
 from iterserve.server.llama_server_protocol import (
+    DEFAULT_SAMPLERS,
     ApplyTemplateRequest,
     InfillRequest,
     LlamaCompletionRequest,
@@ -94,7 +95,10 @@ def llama_server_routes(ctx: ServingContext) -> APIRouter:
         return {
             "default_generation_settings": {
                 "n_ctx": ctx.max_model_len,
-                "params": defaults.model_dump(include=_PROPS_SETTINGS),
+                "params": {
+                    **defaults.model_dump(include=_PROPS_SETTINGS),
+                    "samplers": list(DEFAULT_SAMPLERS),
+                },
             },
             "model_alias": ctx.served_model_names[0],
             "model_path": ctx.served_model_names[0],
