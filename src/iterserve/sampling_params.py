@@ -33,6 +33,10 @@ class SamplingParams:
     # and min-p judge the untempered distribution, and the temperature shapes only what
     # they keep. False: vLLM's, where they judge the tempered one.
     temperature_last: bool = False
+    # llama.cpp's infill sampler after top-k, top-p and min-p (sample/infill_filter.py; an
+    # editor's /infill naming `infill` in its `samplers`): on when these, its
+    # end-of-generation tokens, are given, the first the answer when nothing else is left.
+    infill_eog: tuple[int, ...] = ()
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -224,6 +224,10 @@ def test_infill_lays_out_the_repository_and_the_cursor(server: RunningServer) ->
     })  # fmt: skip
     assert answer["tokens_evaluated"] == len(expected)
     assert answer["content"] == openai_greedy(server, expected, 6)["text"]
+    # llama.vscode's own chain: temperature 1 through the infill sampler.
+    vscode = {"input_prefix": before, "input_suffix": after, "n_predict": 6, "seed": 3,
+              "top_k": 40, "top_p": 0.99, "samplers": ["top_k", "top_p", "infill"]}  # fmt: skip
+    assert post(server, "/infill", vscode)["tokens_predicted"] >= 1
     # llama.vscode's warm-up: the prompt alone, nothing reported; the next finds it cached.
     warm = {"input_prefix": before * 4, "input_suffix": after, "input_extra": files,
             "n_predict": 0}  # fmt: skip
@@ -419,9 +423,13 @@ def test_samplers_is_llama_cpps_chain() -> None:
         0.05,
     )
     assert default.temperature_last
-    # llama.vscode's /infill: no temperature, no min-p in its chain, so neither applies.
+    # llama.vscode's /infill: no temperature, no min-p in its chain, so neither applies; its
+    # infill sampler ends at the tokens the route gives (the model's EOS first).
     vscode = llama_params(samplers=["top_k", "top_p", "infill"], top_p=0.99, temperature=0)
     assert (vscode.temperature, vscode.top_k, vscode.top_p, vscode.min_p) == (1.0, 40, 0.99, 0.0)
+    infill = LlamaCompletionRequest(samplers=["top_k", "top_p", "infill"])
+    assert infill.sampling_params(None, (2, 7)).infill_eog == (2, 7)
+    assert LlamaCompletionRequest().sampling_params(None, (2, 7)).infill_eog == ()
     letters = llama_params(samplers="edkypmxt", repeat_penalty=1.1)
     assert letters.repetition_penalty == 1.1 and letters.temperature_last
     assert llama_params(samplers="kpmt", repeat_penalty=1.1).repetition_penalty == 1.0

@@ -258,6 +258,7 @@ class AsyncEngine:
             engine.pair_prompts.template,
             engine.pooling.labels,
             engine.sampling_defaults,
+            engine.eos_token_ids,
         )
 
     def replica_states(self) -> list[ReplicaState]:

@@ -52,6 +52,7 @@ from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
 from iterserve.engine.score_prompts import PairPrompts, rerank_template
 from iterserve.engine.step_pipeline import StepPipeline
+from iterserve.engine.token_bytes import token_text_reader
 from iterserve.engine.weights_fit import check_weights_fit
 from iterserve.executor.draft_model import DraftModelProposer
 from iterserve.executor.grammar_checked_proposer import GrammarCheckedProposer
@@ -327,6 +328,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        # The texts llama.cpp's infill sampler compares (SamplingParams.infill_eog).
+        self.executor.sampler.token_piece = token_text_reader(self.tokenizer)
         # Structured output's grammars; thread-safe, so the server compiles off this thread.
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids

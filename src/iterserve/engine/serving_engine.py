@@ -69,6 +69,7 @@ class ServedModel:
     labels: tuple[str, ...] = ()
     # What a request's unset sampling fields take (--generation-config).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    eos_token_ids: tuple[int, ...] = ()  # the tokens that end an answer
 
 
 class ServingEngine(Protocol):

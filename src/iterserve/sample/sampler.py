@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from iterserve.core.outputs import TokenLogprobs
+from iterserve.sample.infill_filter import infill_keep
 from iterserve.sampling_params import SamplingParams
 
 # Below this temperature the distribution is a point mass for any practical
@@ -177,6 +178,14 @@ def _judging_temperatures(
     return torch.tensor(inverse, device=device)
 
 
+def _kind(p: SamplingParams, vocab: int) -> str:
+    """How a random row is drawn: from the whole vocab, among candidate sets, or through
+    llama.cpp's infill sampler."""
+    if p.infill_eog:
+        return "infill"
+    return "truncated" if _top_k(p, vocab) > 0 or p.top_p < 1.0 else "full"
+
+
 def _is_greedy(p: SamplingParams) -> bool:
     return p.temperature < _GREEDY_TEMPERATURE or p.top_k == 1
 
@@ -294,6 +303,9 @@ class Sampler:
         torch.argmax), where the model runs on them."""
         self._workspace: torch.Tensor | None = None
         self._argmax_rows = argmax_rows
+        # A token's text as bytes, special tokens empty: what the infill sampler compares
+        # (the engine sets it from its tokenizer; rows asking for it need it).
+        self.token_piece: Callable[[int], bytes] | None = None
 
     def __call__(
         self,
@@ -411,10 +423,15 @@ class Sampler:
             if gen is not None:
                 uniforms[j] = self._draw(gen).to(device)[0]
         # Temperature-only (and min-p) rows sample from the whole vocab; top-k
-        # and top-p rows go through candidate sets.
-        truncated = [_top_k(params[i], vocab) > 0 or params[i].top_p < 1.0 for i in random_rows]
-        for want, sample in ((False, self._sample_full), (True, self._sample_truncated)):
-            group = [j for j, t in enumerate(truncated) if t == want]
+        # and top-p rows go through candidate sets; rows with llama.cpp's infill sampler
+        # through theirs, one by one.
+        kinds = [_kind(params[i], vocab) for i in random_rows]
+        for kind, sample in (
+            ("full", self._sample_full),
+            ("truncated", self._sample_truncated),
+            ("infill", self._sample_infill),
+        ):
+            group = [j for j, k in enumerate(kinds) if k == kind]
             if group:
                 row_ids = [random_rows[j] for j in group]
                 draws = _Draws(rows, row_ids, [params[i] for i in row_ids], uniforms[group])
@@ -489,6 +506,38 @@ class Sampler:
             if not pending:
                 break
         return picked
+
+    def _sample_infill(self, draws: _Draws) -> torch.Tensor:
+        """Top-k, top-p and min-p (judged as _sample_truncated judges them), then llama.cpp's
+        infill sampler (sample/infill_filter.py), then a draw among what it kept by their
+        logits at the row's temperature; row by row."""
+        if self.token_piece is None:
+            raise ValueError("the infill sampler needs the tokens' texts (Sampler.token_piece)")
+        logits, vocab = draws.rows.logits, draws.rows.logits.shape[1]
+        picked: list[int] = []
+        for j, (row, p) in enumerate(zip(draws.row_ids, draws.params, strict=True)):
+            values, ids = torch.topk(logits[row], _top_k(p, vocab) or vocab)
+            judged = (
+                (values - values[0]) * (1.0 if p.temperature_last else 1.0 / p.temperature)
+            ).exp()
+            probs = judged / judged.sum()
+            keep = ((probs.cumsum(0) - probs) < p.top_p) & (judged >= p.min_p)
+            keep[0] = True
+            kept_probs = probs[keep] / probs[keep].sum()
+            kept_ids: list[int] = ids[keep].tolist()
+            chosen = infill_keep(kept_ids, kept_probs.tolist(), self.token_piece, p.infill_eog)
+            if not chosen:  # nothing but the end: its end-of-text token
+                picked.append(p.infill_eog[0])
+                continue
+            at = torch.tensor([kept_ids.index(t) for t in chosen], device=values.device)
+            chosen_logits = values[keep][at]
+            weights = ((chosen_logits - chosen_logits.max()) / p.temperature).exp().double()
+            cumulative = weights.cumsum(0)
+            index = int(
+                torch.searchsorted(cumulative, draws.uniforms[j] * cumulative[-1], right=True)
+            )
+            picked.append(chosen[min(index, len(chosen) - 1)])
+        return torch.tensor(picked, dtype=torch.long, device=logits.device)
 
     def _vocab_mass(self, draws: _Draws, inv_temp: torch.Tensor) -> torch.Tensor:
         """sum_i p_i / p_max over the whole vocab for the rows with a nucleus and no top-k

@@ -130,6 +130,7 @@ def _serving_context(
     ctx = ServingContext(
         engine=async_engine,
         served_model_names=names or [model.name],
+        eos_token_ids=model.eos_token_ids,
         any_model_name=ANY_MODEL_NAME in settings.served_model_names,
         tokenizer=model.tokenizer,
         chat_template=model.chat_template,

@@ -9,10 +9,11 @@ iterserve does not implement are a 400 naming the field unless sent at their neu
 probabilities, per-request LoRA scales). `samplers` is llama.cpp's chain: only the samplers
 it names run (the penalties, top-k, top-p, min-p, the temperature), and top-p and min-p
 judge the distribution before the temperature unless it comes first; its default is
-llama.cpp's (temperature last). The penalties count llama.cpp's window (`repeat_last_n`,
-the last N tokens of prompt and answer together; -1 all of them, 0 none). Accepted and not
-applied: the `infill` sampler, `cache_prompt` (prefix caching is always on), `id_slot`,
-`n_keep`, `t_max_prompt_ms`, `timings_per_token`, `return_progress`, `min_keep`.
+llama.cpp's (temperature last); the `infill` sampler is llama.cpp's (sample/infill_filter.py).
+The penalties count llama.cpp's window (`repeat_last_n`, the last N tokens of prompt and
+answer together; -1 all of them, 0 none). Accepted and not applied: `cache_prompt` (prefix
+caching is always on), `id_slot`, `n_keep`, `t_max_prompt_ms`, `timings_per_token`,
+`return_progress`, `min_keep`.
 """
 
 from __future__ import annotations
@@ -126,12 +127,16 @@ class LlamaCompletionRequest(BaseModel):
             raise InvalidRequestError("samplers: adaptive_p is not implemented here", "samplers")
         self._temperature_last()
 
-    def sampling_params(self, logit_bias: dict[int, float] | None) -> SamplingParams:
+    def sampling_params(
+        self, logit_bias: dict[int, float] | None, ends: tuple[int, ...] = ()
+    ) -> SamplingParams:
         """llama.cpp's settings in SamplingParams' terms: temperature <= 0 is greedy, top-k
         <= 0 none, n_predict -1 all the context allows and 0 the prompt alone (one token is
         still drawn, and not reported), seed -1 a fresh one. Only the samplers `samplers`
         names run (a sampler left out: its setting neutral, the temperature 1), top-k, top-p
-        and min-p in llama.cpp's order, before the temperature unless it comes first."""
+        and min-p in llama.cpp's order, before the temperature unless it comes first, then
+        the infill sampler if named. `ends`: the tokens that end the answer (the model's
+        EOS first; an infill's also the markers of another file)."""
         chain = sampler_chain(self.samplers)
         penalised = self.repeat_last_n != 0 and "penalties" in chain  # 0: "no penalties"
         return SamplingParams(
@@ -142,6 +147,8 @@ class LlamaCompletionRequest(BaseModel):
             top_p=self.top_p if "top_p" in chain else 1.0,
             min_p=self.min_p if "min_p" in chain else 0.0,
             temperature_last=self._temperature_last(),
+            infill_eog=ends if "infill" in chain else (),
+            stop_token_ids=[] if self.ignore_eos else list(ends),
             seed=None if self.seed < 0 else self.seed,
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,

@@ -73,13 +73,12 @@ def llama_server_routes(ctx: ServingContext) -> APIRouter:
         # infill's layout, are tokenized here off the event loop.
         parts = body.prompt_parts()
         prompts = [p if isinstance(p, str) else mixed_prompt_ids(ctx, p) for p in parts]
-        return await _answer(body, raw, ctx, prompts)
+        return await _answer(body, raw, ctx, prompts, ctx.eos_token_ids)
 
     @router.post("/infill")
     async def infill(body: InfillRequest, raw: Request) -> Response:
-        return await _answer(
-            body, raw, ctx, [await asyncio.to_thread(infill_prompt_ids, ctx, body)]
-        )
+        prompt = await asyncio.to_thread(infill_prompt_ids, ctx, body)
+        return await _answer(body, raw, ctx, [prompt], ctx.infill_end_ids)
 
     @router.post("/apply-template")
     def apply_template(body: ApplyTemplateRequest) -> dict[str, str]:
@@ -343,10 +342,15 @@ def kept_fields(result: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 async def _answer(
-    body: LlamaCompletionRequest, raw: Request, ctx: ServingContext, prompts: list[Prompt]
+    body: LlamaCompletionRequest,
+    raw: Request,
+    ctx: ServingContext,
+    prompts: list[Prompt],
+    ends: tuple[int, ...],
 ) -> Response:
+    """`ends`: the tokens that end an answer (the model's EOS first)."""
     body.check_supported()
-    params = body.sampling_params(logit_bias_ids(ctx, body))
+    params = body.sampling_params(logit_bias_ids(ctx, body), ends)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     submitted = await submit(
         raw, ctx, request_id, [(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)],

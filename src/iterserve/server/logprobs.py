@@ -39,45 +39,6 @@ def token_decoder(tokenizer: Any) -> Callable[[int], str]:
     return decode
 
 
-@lru_cache(maxsize=1)
-def _byte_level_values() -> dict[str, int]:
-    """Byte-level BPE's characters back to the bytes they stand for (GPT-2's reversible
-    map: printable bytes are themselves, the others shifted past 255)."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
-    values = {chr(b): b for b in kept}
-    shifted = (b for b in range(256) if b not in values.values())
-    values.update({chr(256 + i): b for i, b in enumerate(shifted)})
-    return values
-
-
-def token_bytes(tokenizer: Any, token_id: int) -> bytes:
-    """A token's own bytes, which may be part of a UTF-8 character (its decoded text
-    would show U+FFFD there): read from a byte-level BPE vocabulary's characters, from a
-    SentencePiece byte token (`<0xE2>`) or word mark (`▁`), else its decoded text's."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    values = _byte_level_values()
-    byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
-    if byte_level and all(ch in values for ch in piece):
-        return bytes(values[ch] for ch in piece)
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        return bytes([int(piece[3:5], 16)])
-    if "▁" in piece:
-        return piece.replace("▁", " ").encode()
-    return tokenizer.decode([token_id]).encode()
-
-
-def token_byte_reader(tokenizer: Any) -> Callable[[int], bytes]:
-    """token_bytes of `tokenizer`, cached as token_decoder's texts are."""
-
-    @lru_cache(maxsize=65536)
-    def raw(token_id: int) -> bytes:
-        return token_bytes(tokenizer, token_id)
-
-    return raw
-
-
 def token_names(decode: Callable[[int], str], as_ids: bool | None) -> Callable[[int], str]:
     """How logprobs name tokens: by their text, or (vLLM's return_tokens_as_token_ids) as
     "token_id:N", which a client maps back without the tokenizer."""

@@ -31,11 +31,12 @@ from iterserve.engine.prompts import Prompt, takes_system_anywhere
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
 from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
+from iterserve.engine.token_bytes import token_byte_reader
 from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_defaults import SamplingDefaults
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
-from iterserve.server.logprobs import token_byte_reader, token_decoder
+from iterserve.server.logprobs import token_decoder
 from iterserve.server.protocol import UsageInfo
 from iterserve.server.response_store import ResponseStore
 
@@ -99,6 +100,7 @@ class ServingContext:
     # `--served-model-name ... '*'`: any other name asks for the model, as llama-server
     # takes whatever a client sends (llama.vscode names its embeddings' model "GPT-4").
     any_model_name: bool = False
+    eos_token_ids: tuple[int, ...] = ()  # the model's tokens that end an answer
     # A reranker's pairs as prompts (None: no score head), and whether it embeds: what
     # /v1/rerank and /v1/score answer with (server/scoring.py).
     pair_prompts: PairPrompts | None = None
@@ -163,6 +165,15 @@ class ServingContext:
     def system_anywhere(self) -> bool:
         """The chat template writes a system message given mid-conversation."""
         return takes_system_anywhere(self.tokenizer, self.chat_template)
+
+    @functools.cached_property
+    def infill_end_ids(self) -> tuple[int, ...]:
+        """The tokens an infill's answer ends at, as llama-server's: the model's EOS, and a
+        code model's markers that begin another file (its repository's, a file's)."""
+        fim = self.fill_in_middle
+        markers = () if fim is None else (fim.repository, fim.file_separator)
+        ids = self.tokenizer.convert_tokens_to_ids([m for m in markers if m is not None])
+        return (*self.eos_token_ids, *(i for i in ids if i not in self.eos_token_ids))
 
     def resolve_model(self, requested: str | None) -> str:
         """The name to answer with: the model's, or a LoRA adapter's; an unknown model is a
