@@ -430,6 +430,9 @@ def test_samplers_is_llama_cpps_chain() -> None:
     infill = LlamaCompletionRequest(samplers=["top_k", "top_p", "infill"])
     assert infill.sampling_params(None, (2, 7)).infill_eog == (2, 7)
     assert LlamaCompletionRequest().sampling_params(None, (2, 7)).infill_eog == ()
+    # ignore_eos bans the ends (llama-server's -inf bias), beside the request's own biases.
+    endless = LlamaCompletionRequest(ignore_eos=True).sampling_params({5: 1.0}, (2, 7))
+    assert endless.logit_bias == {5: 1.0, 2: -100.0, 7: -100.0} and not endless.stop_token_ids
     letters = llama_params(samplers="edkypmxt", repeat_penalty=1.1)
     assert letters.repetition_penalty == 1.1 and letters.temperature_last
     assert llama_params(samplers="kpmt", repeat_penalty=1.1).repetition_penalty == 1.0

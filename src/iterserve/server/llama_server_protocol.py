@@ -136,7 +136,8 @@ class LlamaCompletionRequest(BaseModel):
         names run (a sampler left out: its setting neutral, the temperature 1), top-k, top-p
         and min-p in llama.cpp's order, before the temperature unless it comes first, then
         the infill sampler if named. `ends`: the tokens that end the answer (the model's
-        EOS first; an infill's also the markers of another file)."""
+        EOS first; an infill's also the markers of another file), which `ignore_eos` bans,
+        as llama-server does, rather than only not stopping at them."""
         chain = sampler_chain(self.samplers)
         penalised = self.repeat_last_n != 0 and "penalties" in chain  # 0: "no penalties"
         return SamplingParams(
@@ -159,7 +160,9 @@ class LlamaCompletionRequest(BaseModel):
             penalty_last_n=ALL_THE_CONTEXT
             if self.repeat_last_n < 0
             else max(1, self.repeat_last_n),
-            logit_bias=logit_bias,
+            logit_bias={**(logit_bias or {}), **dict.fromkeys(ends, -100.0)}
+            if self.ignore_eos and ends
+            else logit_bias,
             logprobs=self.n_probs or None,
             structured_output=self._constraint(),
         )
