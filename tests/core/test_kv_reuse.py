@@ -236,16 +236,23 @@ def test_random_edits_always_read_their_own_sequence() -> None:
 
 
 def test_prompt_logprobs_and_embeddings_do_not_reuse() -> None:
+    """Prompt logprobs need every position's logits, an embedding every position's states."""
+    from iterserve.pooling_params import PoolingParams
     from iterserve.sampling_params import SamplingParams
 
     scheduler, _ = make()
     executor = SlotExecutor()
     head, body = tokens(8, 18), tokens(24, 19)
     serve(scheduler, executor, "first", head + body)
-    request = make_request("scored", head[2:] + body + [1])
-    request.sampling_params = SamplingParams(max_tokens=2, prompt_logprobs=1)
-    assert not CacheReuse.applies_to(request)
-    assert scheduler.reuse is not None and scheduler.reuse.plan(request, 0) is None
+    assert scheduler.reuse is not None
+    moved = head[2:] + body + [1]
+    assert scheduler.reuse.plan(make_request("plain", moved), 0) is not None
+    scored = make_request("scored", moved)
+    scored.sampling_params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    embedded = make_request("embedded", moved, pooling_params=PoolingParams())
+    for request in (scored, embedded):
+        assert not CacheReuse.applies_to(request)
+        assert scheduler.reuse.plan(request, 0) is None
 
 
 @pytest.mark.parametrize("min_run", [0, -1])
