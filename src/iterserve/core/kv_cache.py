@@ -452,8 +452,9 @@ class KVCacheManager:
         start = len(hashes) * self.block_size
         if start + self.block_size <= request.num_tokens:
             parent = hashes[-1] if hashes else chain_seed(self.hash_algo, request.lora_id)
-            if request.chain_break is not None and request.chain_break[0] == len(hashes):
-                parent = request.chain_break[1]
+            broken_at = request.exact_upto // self.block_size  # core/kv_reuse.py
+            if request.chain_break is not None and broken_at == len(hashes):
+                parent = request.chain_break
             tokens = request.all_token_ids[start:]
             hashes += block_hash_chain(tokens, self.block_size, self.hash_algo, parent)
         return hashes

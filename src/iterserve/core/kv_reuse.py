@@ -89,10 +89,7 @@ class ReusePlan:
 
     def first_uncopied(self, position: int) -> int:
         """`position`, or past the runs that start there one after another."""
-        for run in self.runs:
-            if run.target == position:
-                position += run.length
-        return position
+        return past_copied([(run.target, run.length) for run in self.runs], position)[0]
 
     def next_copied(self, position: int) -> int | None:
         """Where the first run at or after `position` starts (None: no run left)."""
@@ -131,6 +128,17 @@ class _Source:
     seed: BlockHash | None
     exact_upto: int
     index: dict[tuple[int, ...], list[int]] | None = None
+
+
+def past_copied(spans: Sequence[tuple[int, int]], position: int) -> tuple[int, int]:
+    """Computing at `position` passes over the copied spans (start, length; in order) that
+    begin there one after another: where it then stands, and how many it passed."""
+    passed = 0
+    while passed < len(spans) and spans[passed][0] <= position:
+        start, length = spans[passed]
+        position = max(position, start + length)
+        passed += 1
+    return position, passed
 
 
 def run_index(tokens: Sequence[int], anchor: int) -> dict[tuple[int, ...], list[int]]:
@@ -282,9 +290,8 @@ class CacheReuse:
         if plan.approximate_from is None or plan.approximate_from >= request.exact_upto:
             return  # exact as far as it was (all of it, unless an earlier reuse broke it)
         request.exact_upto = plan.approximate_from
-        index = plan.approximate_from // self.kv.block_size
-        request.chain_break = (index, break_seed(self.kv.hash_algo, next(self._breaks)))
-        del request.block_hashes[index:]
+        request.chain_break = break_seed(self.kv.hash_algo, next(self._breaks))
+        del request.block_hashes[plan.approximate_from // self.kv.block_size :]
 
     def _seed(self, request: Request) -> BlockHash | None:
         return chain_seed(self.kv.hash_algo, request.lora_id)

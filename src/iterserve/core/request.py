@@ -87,11 +87,11 @@ class Request:
     # pool's own hash function; tokens dropped (a stop string) end the request, so its
     # chain never covers tokens it lost.
     block_hashes: list[bytes | int] = field(default_factory=list)
-    # Cached K/V reused at shifted positions (core/kv_reuse.py): from block index
-    # chain_break[0] on, its chain restarts from the seed chain_break[1], since its K/V is
-    # no longer exact from position `exact_upto` (and so not what a prompt's name promises).
-    chain_break: tuple[int, bytes | int] | None = None
+    # Cached K/V reused at shifted positions (core/kv_reuse.py): its K/V is no longer exact
+    # from position `exact_upto` (so not what a prompt's name promises), and its chain
+    # restarts from `chain_break` at the block holding that position.
     exact_upto: int = 2**62
+    chain_break: bytes | int | None = None
     # Runs of its prompt (start, length) whose K/V was copied in and that its computing
     # has not reached yet: it passes over each when it gets there (Scheduler._pass_reused).
     reused_spans: list[tuple[int, int]] = field(default_factory=list)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 from iterserve.config import SchedulerConfig, SpeculativeConfig
 from iterserve.core.kv_cache import KVCacheManager, KVCacheStats
-from iterserve.core.kv_reuse import CacheReuse, ReusePlan
+from iterserve.core.kv_reuse import CacheReuse, ReusePlan, past_copied
 from iterserve.core.lora import LoRASlots
 from iterserve.core.outputs import (
     IN_FLIGHT_TOKEN,
@@ -504,9 +504,8 @@ class Scheduler:
     def _pass_reused(request: Request) -> None:
         """Count the copied runs its computing has reached as computed."""
         spans = request.reused_spans
-        while spans and spans[0][0] <= request.num_computed_tokens:
-            start, length = spans.pop(0)
-            request.num_computed_tokens = max(request.num_computed_tokens, start + length)
+        request.num_computed_tokens, passed = past_copied(spans, request.num_computed_tokens)
+        del spans[:passed]
 
     def _admit_batch(self, now: float, no_more_arrivals: bool) -> None:
         """Static / dynamic batching: the next batch joins the running set together."""

@@ -523,20 +523,19 @@ class Sampler:
             probs = judged / judged.sum()
             keep = ((probs.cumsum(0) - probs) < p.top_p) & (judged >= p.min_p)
             keep[0] = True
-            kept_probs = probs[keep] / probs[keep].sum()
+            kept_probs, kept_values = probs[keep], values[keep]
             kept_ids: list[int] = ids[keep].tolist()
-            chosen = infill_keep(kept_ids, kept_probs.tolist(), self.token_piece, p.infill_eog)
+            chosen = infill_keep(
+                kept_ids, (kept_probs / kept_probs.sum()).tolist(), self.token_piece, p.infill_eog
+            )
             if not chosen:  # nothing but the end: its end-of-text token
                 picked.append(p.infill_eog[0])
                 continue
-            at = torch.tensor([kept_ids.index(t) for t in chosen], device=values.device)
-            chosen_logits = values[keep][at]
-            weights = ((chosen_logits - chosen_logits.max()) / p.temperature).exp().double()
-            cumulative = weights.cumsum(0)
-            index = int(
-                torch.searchsorted(cumulative, draws.uniforms[j] * cumulative[-1], right=True)
-            )
-            picked.append(chosen[min(index, len(chosen) - 1)])
+            where = {token: k for k, token in enumerate(kept_ids)}
+            chosen_logits = kept_values[[where[token] for token in chosen]]
+            weights = ((chosen_logits - chosen_logits.max()) / p.temperature).exp()
+            index = _draw_from_weights(weights.unsqueeze(0), draws.uniforms[j : j + 1])
+            picked.append(chosen[int(index)])
         return torch.tensor(picked, dtype=torch.long, device=logits.device)
 
     def _vocab_mass(self, draws: _Draws, inv_temp: torch.Tensor) -> torch.Tensor:
