@@ -21,6 +21,8 @@ RESULT_MARK = "AGENT_RESULT "
 BASE_URL = os.environ.get("AGENTS_BASE_URL", "http://127.0.0.1:8000/v1")
 # Anthropic's clients add /v1 themselves.
 ANTHROPIC_BASE_URL = BASE_URL.removesuffix("/v1")
+# Ollama's clients too (its API is under /api).
+OLLAMA_BASE_URL = ANTHROPIC_BASE_URL
 MODEL = os.environ.get("AGENTS_MODEL", "SmolLM2-135M-Instruct")
 API_KEY = "sk-dummy-key"  # the server runs without --api-key; clients insist on one
 # Deterministic and short: greedy, and few enough tokens that a loop ends quickly.

@@ -57,7 +57,8 @@ from _served import (  # type: ignore[import-not-found]  # noqa: E402
 RESULT_MARK = "AGENT_RESULT "
 RUNNER_PATHS = ("/reset_prefix_cache", "/health")  # the runner's requests, not a case's
 # Packages whose versions the results record.
-FRAMEWORKS = ("openai-agents", "langchain-openai", "langchain-anthropic", "langchain-core",
+FRAMEWORKS = ("openai-agents", "langchain-openai", "langchain-anthropic", "langchain-ollama",
+              "langchain-core", "ollama",
               "pydantic-ai-slim", "instructor", "openai", "anthropic", "httpx",
               "pydantic")  # fmt: skip
 
@@ -92,6 +93,9 @@ CASES = [
     Case("langchain", "scenario_langchain.py", "anthropic_bind_tools"),
     Case("langchain", "scenario_langchain.py", "anthropic_bind_tools_streamed"),
     Case("langchain", "scenario_langchain.py", "anthropic_structured"),
+    Case("langchain", "scenario_langchain.py", "ollama_tools"),
+    Case("langchain", "scenario_langchain.py", "ollama_tools_streamed"),
+    Case("langchain", "scenario_langchain.py", "ollama_structured"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "tool_output"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "native_output"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "tool_output_streamed"),

@@ -185,3 +185,33 @@ def test_text_streams_while_embeddings_run_and_metrics_count_them(
     metrics = server.metrics()
     assert metrics["iterserve:embedding_requests_total"] == before + 9
     assert metrics["iterserve:embedding_prompt_tokens_total"] > 0
+
+
+def test_ollamas_embed_routes_give_the_same_vectors(
+    server: RunningServer, client: openai.OpenAI, model_dir: Path
+) -> None:
+    """Ollama's /api/embed (and its first route, /api/embeddings) through the `ollama`
+    client: the vectors /v1/embeddings gives; `truncate` (its default) embeds a long input
+    by its start, and false refuses it; `dimensions` as Matryoshka's."""
+    import ollama
+
+    local = ollama.Client(host=server.base_url, headers={"Authorization": f"Bearer {KEY}"})
+    expected = [
+        torch.tensor(d.embedding) for d in client.embeddings.create(model=NAME, input=TEXTS).data
+    ]
+    embedded = local.embed(model=NAME, input=TEXTS)
+    assert embedded.prompt_eval_count and len(embedded.embeddings) == len(TEXTS)
+    for got, want in zip(embedded.embeddings, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-5)
+    one = local.embeddings(model=f"{NAME}:latest", prompt=TEXTS[0]).embedding
+    torch.testing.assert_close(torch.tensor(one), expected[0], atol=1e-5, rtol=1e-5)
+    short = local.embed(model=NAME, input=TEXTS[1], dimensions=MATRYOSHKA_DIMENSIONS[0])
+    assert len(short.embeddings[0]) == MATRYOSHKA_DIMENSIONS[0]
+    ids = server.engine.tokenizer.encode("word " * 600)
+    cut = local.embed(model=NAME, input="word " * 600)
+    assert cut.prompt_eval_count == 512
+    want = reference(model_dir, ids[:512])
+    torch.testing.assert_close(torch.tensor(cut.embeddings[0]), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ollama.ResponseError) as refused:
+        local.embed(model=NAME, input="word " * 600, truncate=False)
+    assert refused.value.status_code == 400 and "input" in refused.value.error

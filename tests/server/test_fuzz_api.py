@@ -2,7 +2,7 @@
 
 Every generated request, valid by the schema or deliberately not, must get
 either an answer or a 4xx in its API's error shape (OpenAI's; Anthropic's under
-/v1/messages); never a 5xx, never an error event inside a 200 stream. Three kinds of examples per generation
+/v1/messages; Ollama's under /api); never a 5xx, never an error event inside a 200 stream. Three kinds of examples per generation
 endpoint: raw (as the schema allows), tamed (raw, with what is refused at once
 fixed up and sampling settings drawn in range, so requests reach the engine and
 the sampler) and negative (violating the schema). Bounded for CI: a fixed
@@ -35,8 +35,10 @@ GENERATION = (
     "POST /v1/responses",
     "POST /v1/messages",
     "POST /completion",  # llama-server's own
+    "POST /api/chat",  # Ollama's
 )
 ANTHROPIC = "POST /v1/messages"  # and its count_tokens
+OLLAMA = " /api/"
 LLAMA_SERVER = ("POST /completion", "POST /completions", "POST /infill")
 # Examples per generation endpoint and kind; the other operations take no input to vary.
 EXAMPLES = {"raw": 45, "tamed": 80, "negative": 25}
@@ -54,9 +56,15 @@ REFUSED = (
     "include",
     "truncation",
     "thinking",  # the tiny model does not think
+    "think",  # Ollama's: likewise
     "output_config",
 )
+# The sampling settings as Ollama's `options` name them (the others by the same name).
+OLLAMA_OPTIONS = {"repetition_penalty": "repeat_penalty", "max_tokens": "num_predict"}
 ROLES = ("user", "assistant", "system", "tool")
+# The sampling settings Ollama's `options` have.
+OLLAMA_KEYS = ("temperature", "top_p", "min_p", "top_k", "seed", "stop", "presence_penalty",
+               "frequency_penalty", "repetition_penalty", "max_tokens")  # fmt: skip
 ANTHROPIC_ROLES = ("user", "assistant")
 
 
@@ -106,9 +114,17 @@ def tame(drawn: tuple[schemathesis.Case, dict[str, object]]) -> schemathesis.Cas
     body = case.body
     if not isinstance(body, dict):
         return case
-    body.update(sampling)
     for name in REFUSED:
         body.pop(name, None)
+    if OLLAMA in case.operation.label:  # Ollama's: the model named, sampling as `options`
+        options = {OLLAMA_OPTIONS.get(k, k): v for k, v in sampling.items() if k in OLLAMA_KEYS}
+        options["num_predict"] = 1 + abs(int(options.get("num_predict", 16))) % 24
+        body.update(model=MODEL_NAME, options=options)
+        sampling = {}
+        for message in body.get("messages") or []:
+            if isinstance(message, dict):
+                message.pop("images", None)
+    body.update(sampling)
     for name, low, high in (("n", 1, 3), ("max_tokens", 1, 24), ("max_completion_tokens", 1, 24),
                             ("max_output_tokens", 1, 24), ("n_predict", -1, 24), ("logprobs", 0, 5),
                             ("top_logprobs", 0, 5)):  # fmt: skip
@@ -144,9 +160,15 @@ def check_response(label: str, curl: str, response: schemathesis.Response) -> No
     where = f"{label}\n{curl}\n-> {status} {text[:600]}"
     assert status < 500, where
     anthropic = label.startswith(ANTHROPIC)
+    ollama = OLLAMA in label
+    if label.startswith("HEAD "):  # a status without a body
+        return
     if status >= 400:
         body = json.loads(text)
         error = body["error"]
+        if ollama:  # a message alone
+            assert set(body) == {"error"} and isinstance(error, str) and error, where
+            return
         if anthropic:
             assert body["type"] == "error", where
             assert set(error) == {"message", "type", "param"}, where
@@ -155,6 +177,11 @@ def check_response(label: str, curl: str, response: schemathesis.Response) -> No
         assert error["message"] and error["type"], where
         return
     content_type = (response.headers.get("content-type") or [""])[0]
+    if content_type.startswith("application/x-ndjson"):  # Ollama's: ends on `done`
+        lines = [json.loads(line) for line in text.splitlines() if line]
+        assert lines and lines[-1].get("done") is True, where
+        assert not any("error" in line for line in lines), where
+        return
     if content_type.startswith("text/event-stream"):
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         if anthropic:  # Anthropic's events, ending on message_stop

@@ -259,6 +259,7 @@ class AsyncEngine:
             engine.pooling.labels,
             engine.sampling_defaults,
             engine.eos_token_ids,
+            engine.model_facts,
         )
 
     def replica_states(self) -> list[ReplicaState]:

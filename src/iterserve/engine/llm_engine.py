@@ -40,6 +40,7 @@ from iterserve.engine.kv_pool_size import (
     size_kv_pool,
 )
 from iterserve.engine.lora_registry import LoRARegistry
+from iterserve.engine.model_facts import ModelFacts
 from iterserve.engine.outputs import EngineStep, RequestOutput
 from iterserve.engine.pooling import (
     ModelPooling,
@@ -193,6 +194,12 @@ class LLMEngine:
     def _take_model(self, loaded: LoadedModel) -> None:
         self.model_config = loaded.config
         self.model_name = loaded.name
+        self.model_facts = ModelFacts(
+            loaded.config.architecture,
+            loaded.parameter_count(),
+            loaded.file_format,
+            loaded.file_type,
+        )
         self.tokenizer = loaded.tokenizer
         self.chat_template = resolve_chat_template(
             self.config.chat_template, loaded.chat_template, loaded.tokenizer

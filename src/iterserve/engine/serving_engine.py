@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from iterserve.core.lora import LoRARequest
 from iterserve.engine.metrics import EngineSnapshot
+from iterserve.engine.model_facts import ModelFacts
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.request_stream import GenerationRequest, RequestStream
 from iterserve.sampling_defaults import SamplingDefaults
@@ -70,6 +71,7 @@ class ServedModel:
     # What a request's unset sampling fields take (--generation-config).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end an answer
+    facts: ModelFacts = field(default_factory=ModelFacts)
 
 
 class ServingEngine(Protocol):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 from gguf.quants import dequantize
 
 from iterserve.model.block_formats import BLOCK_FORMATS
@@ -200,9 +200,20 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         quantized=quantized,
         rerank_template=metadata.get("tokenizer.chat_template.rerank"),
         sampling_defaults=SamplingDefaults.from_gguf(metadata),
+        file_format="gguf",
+        file_type=_file_type(metadata.get("general.file_type")),
     )
     _one_score_row(loaded, metadata)
     return loaded
+
+
+def _file_type(value: Any) -> str:
+    """general.file_type as llama.cpp names it ("Q4_K_M", "F16"); "" where absent or unknown."""
+    try:
+        name = LlamaFileType(int(value)).name
+    except (TypeError, ValueError):
+        return ""
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
 def _one_score_row(loaded: LoadedModel, metadata: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_blocks import QuantizedBlocks
+from iterserve.model.lazy_weights import shape_of
 from iterserve.sampling_defaults import SamplingDefaults
 
 
@@ -34,3 +36,11 @@ class LoadedModel:
     classifier_labels: list[str] | None = None  # its rows' names (config.json's id2label)
     # Its makers' sampling settings (generation_config.json, a GGUF's general.sampling.*).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # What the file is, for APIs that describe the model (Ollama's /api/show): its format,
+    # and a GGUF's type as llama.cpp names it (general.file_type: "Q4_K_M"; "": the dtype).
+    file_format: str = "safetensors"
+    file_type: str = ""
+
+    def parameter_count(self) -> int:
+        """The checkpoint's weights, counted from their shapes (none of them is made)."""
+        return sum(math.prod(shape_of(self.weights, name)) for name in self.weights)

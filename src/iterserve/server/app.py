@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI routes under /v1 (stored Responses included), Anthropic's
-/v1/messages, plus /tokenize, /detokenize, /health and /metrics.
+/v1/messages, llama-server's /completion and /infill, Ollama's /api, plus /tokenize,
+/detokenize, /health and /metrics.
 
 `create_app(AsyncEngine(LLMEngine(config)))` gives an ASGI app; its lifespan
 starts the engine loop and, on shutdown, drains it. Any ServingEngine will do: a
@@ -29,6 +30,11 @@ from iterserve.server.llama_server_routes import llama_server_routes
 from iterserve.server.lora_routes import lora_routes
 from iterserve.server.messages import messages_routes
 from iterserve.server.metrics import ServerMetrics
+from iterserve.server.ollama_routes import (
+    JsonBodiesUnderApi,
+    ollama_root_routes,
+    ollama_routes,
+)
 from iterserve.server.openai_routes import openai_routes
 from iterserve.server.response_store import IN_MEMORY, ResponseStore, Retention
 from iterserve.server.scoring import scoring_routes
@@ -103,6 +109,7 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(AccessLogMiddleware, on_response=metrics.observe_http)
+    app.add_middleware(JsonBodiesUnderApi)  # Ollama's clients: `curl -d` bodies are JSON
 
     guarded = [Depends(_api_key_check(settings.api_key))]
     app.include_router(openai_routes(ctx), dependencies=guarded)
@@ -118,6 +125,9 @@ def create_app(async_engine: ServingEngine, settings: ServerSettings | None = No
     app.include_router(tokenizer_routes(ctx, settings.tokenizer_info), dependencies=guarded)
     # llama-server's own completion API (/completion, /infill), for clients of llama.cpp.
     app.include_router(llama_server_routes(ctx), dependencies=guarded)
+    # Ollama's API (/api/chat, /api/generate, /api/embed, ...), for Ollama's clients and apps.
+    app.include_router(ollama_routes(ctx), dependencies=guarded)
+    app.include_router(ollama_root_routes())
     app.include_router(status_routes(async_engine, metrics))
     return app
 

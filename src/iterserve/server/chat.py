@@ -96,14 +96,16 @@ async def start_chat(
     id_prefix: str = "chatcmpl-",
     known: Sequence[Sequence[int]] = (),
     context_cuts: bool = False,
+    params: SamplingParams | None = None,
 ) -> ChatRun:
     """Check the request, render the conversation and queue its choices. `known`: token
     sequences an earlier turn ran, longest first; the prompt keeps the first its rendering
     starts with (prompts.continuing), so that turn's cached blocks are found again.
     `context_cuts`: the token limit is a bound the context may cut (Anthropic's), not one
-    that must fit in it (OpenAI's)."""
+    that must fit in it (OpenAI's). `params`: the sampling an API reads in its own terms
+    (Ollama's options), rather than the chat request's fields."""
     model = ctx.resolve_model(body.model)
-    params = body.sampling_params(ctx.sampling_defaults)
+    params = params or body.sampling_params(ctx.sampling_defaults)
     if body.prediction is not None:  # what drafts follow, where the engine speculates
         predicted = ctx.tokenizer.encode(body.prediction.text(), add_special_tokens=False)
         params.prediction = tuple(predicted) or None

@@ -1,6 +1,7 @@
 """Every failure as an OpenAI-shaped error: {"error": {"message", "type", "param", "code"}};
 under Anthropic's /v1/messages, Anthropic's shape: {"type": "error", "error": {"type",
-"message"}} (with the same `param` beside them).
+"message"}} (with the same `param` beside them); under Ollama's /api, Ollama's:
+{"error": "message"} (the message names the field).
 
 Both APIs' clients turn these into typed exceptions (BadRequestError, ...), so a
 user reads the message, not a stack trace. What the user sent wrong is a 4xx
@@ -51,8 +52,9 @@ _ANTHROPIC_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
 }
-# The paths whose errors are Anthropic's shape.
+# The paths whose errors are Anthropic's shape, and Ollama's.
 ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
 
 
 class APIError(Exception):
@@ -92,6 +94,12 @@ def anthropic_error_body(status: int, message: str, param: str | None = None) ->
     return {"type": "error", "error": {"type": kind, "message": message, "param": param}}
 
 
+def ollama_error_body(error: APIError) -> dict[str, Any]:
+    """Ollama's shape: a message alone, so it names the field itself."""
+    named = error.param is None or error.param in error.message
+    return {"error": error.message if named else f"{error.param}: {error.message}"}
+
+
 def as_api_error(error: Exception) -> APIError:
     """The HTTP face of an exception raised while serving a request."""
     if isinstance(error, APIError):
@@ -114,8 +122,11 @@ def as_api_error(error: Exception) -> APIError:
 
 def error_response(error: APIError, path: str = "") -> JSONResponse:
     """The error as JSON, in the shape of the API `path` belongs to."""
+    body: dict[str, Any]
     if path.startswith(ANTHROPIC_PREFIX):
         body = anthropic_error_body(error.status, error.message, error.param)
+    elif path.startswith(OLLAMA_PREFIX):
+        body = ollama_error_body(error)
     else:
         body = error_body(error.status, error.message, error.param, error.code)
     return JSONResponse(body, status_code=error.status, headers=error.headers)

@@ -263,8 +263,13 @@ class EngineStreamResponse(StreamingResponse):
     finished, client gone, cancelled before its first chunk (when the body
     generator never started, so its own cleanup would never run)."""
 
-    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        stream: RequestStream,
+        media_type: str = "text/event-stream",
+    ) -> None:
+        super().__init__(content, media_type=media_type)
         self._engine_stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
