@@ -415,7 +415,8 @@ class EngineConfig:
         None,
         "HF directory or GGUF file, or a repository already in the local Hugging Face cache "
         "(never downloaded): OWNER/NAME, or OWNER/NAME:QUANT for one GGUF of a repository of "
-        "several, as llama.cpp's -hf takes it (no tag: Q4_K_M) (default: bundled SmolLM2-135M)",
+        "several, as llama.cpp's -hf takes it (no tag: Q4_K_M); or a model `ollama pull` "
+        "fetched, by its Ollama name (llama3.2:3b) (default: bundled SmolLM2-135M)",
         aliases=("-m", "-hf", "--hf-repo"),
     )
     revision: str | None = _opt(

@@ -236,6 +236,22 @@ def test_infill_lays_out_the_repository_and_the_cursor(server: RunningServer) ->
     assert post(server, "/infill", warm)["tokens_cached"] >= 16
 
 
+def test_ollamas_generate_with_a_suffix_fills_in_the_middle(server: RunningServer) -> None:
+    """Ollama's /api/generate `suffix` (its "insert"): the prompt /infill lays out for the
+    same prefix and suffix, and its greedy middle; /api/show says the model inserts."""
+    before, after = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    infill = post(server, "/infill", {"input_prefix": before, "input_suffix": after,
+                                      "n_predict": 6, "samplers": ["temperature"],
+                                      "temperature": 0})  # fmt: skip
+    options = {"num_predict": 6, "temperature": 0, "repeat_penalty": 1}
+    ollama_body = {"model": MODEL_NAME, "prompt": before, "suffix": after, "stream": False,
+                   "options": options}  # fmt: skip
+    answer = post(server, "/api/generate", ollama_body)
+    assert answer["prompt_eval_count"] == infill["tokens_evaluated"]
+    assert answer["response"] == infill["content"] and "context" in answer
+    assert "insert" in post(server, "/api/show", {"model": MODEL_NAME})["capabilities"]
+
+
 def test_the_editors_stop_conditions(server: RunningServer) -> None:
     """A grammar (GBNF, as llama.cpp's clients write it) makes the random model write three
     lines; the third is indented less than n_indent, so the answer ends after its

@@ -178,7 +178,7 @@ def test_the_listings_describe_the_served_model(
     assert [m.model for m in listed] == [f"{MODEL_NAME}:latest"]
     details = listed[0].details
     assert details is not None and details.family == "llama" and details.format == "safetensors"
-    assert details.quantization_level == "FLOAT32" and details.parameter_size
+    assert details.quantization_level == "F32" and details.parameter_size
     assert listed[0].size and listed[0].size > 0
     shown = client.show(MODEL_NAME)
     # The tiny model embeds beside generating (/v1/embeddings, /api/embed), as any does here.

@@ -43,8 +43,8 @@ def add_model_args(p: argparse.ArgumentParser, what: str) -> None:
         nargs="?",
         metavar="MODEL",
         help=f"HF directory or GGUF file {what}, or OWNER/NAME[:QUANT] already in the local "
-        "Hugging Face cache, as `vllm serve MODEL` takes it (the same as --model; default: "
-        "the bundled SmolLM2-135M)",
+        "Hugging Face cache, as `vllm serve MODEL` takes it, or a model `ollama pull` fetched "
+        "(NAME[:TAG]) (the same as --model; default: the bundled SmolLM2-135M)",
     )
     p.add_argument(
         "--served-model-name",

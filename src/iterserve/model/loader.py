@@ -112,6 +112,12 @@ def load_model(
     is the bundled model."""
     source = find_model(spec, revision)
     loaded = _load_path(source.path, dtype)
+    if source.sampling:
+        try:
+            defaults = loaded.sampling_defaults.with_overrides(source.sampling)
+        except ValueError as error:
+            raise ModelLoadError(f"model {spec}'s sampling settings: {error}") from None
+        loaded = dataclasses.replace(loaded, sampling_defaults=defaults)
     # A repository is served by the name it was given, as vLLM's default served name is.
     return dataclasses.replace(loaded, name=source.name) if source.name else loaded
 

@@ -1,5 +1,5 @@
-"""Where the model a user names lies: a path, the bundled model, or a repository already in
-the local Hugging Face cache.
+"""Where the model a user names lies: a path, the bundled model, a repository already in
+the local Hugging Face cache, or a model Ollama has pulled (model/ollama_store.py).
 
 `vllm serve Qwen/Qwen3-8B` finds a checkpoint that `hf download` put in the cache, and
 llama.cpp's `-hf bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M` picks one quantization of a
@@ -15,12 +15,14 @@ Names and the cache's refs only: no model file is opened here (the loaders read 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from iterserve.model.bundled import default_model_path
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_parts import part_number
+from iterserve.model.ollama_store import find_ollama_model, ollama_model_dirs
 
 # OWNER/NAME, optionally :TAG (a quantization, llama.cpp's `-hf` form). Hub names are letters,
 # digits, '-', '_' and '.'.
@@ -38,13 +40,17 @@ _QUANT_TAG = re.compile(
 class ModelSource:
     path: Path  # an HF directory or a GGUF file (a split model's first part)
     name: str | None = None  # the repository as the user named it; None for a path
+    # Sampling settings that come with it, by generation_config.json's names (an Ollama
+    # model's Modelfile PARAMETERs), over the checkpoint's own.
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 def find_model(spec: str | Path | None, revision: str | None = None) -> ModelSource:
     """The model `spec` names: None is the bundled model; an existing path is itself; else
     OWNER/NAME[:TAG] in the local Hugging Face cache, at `revision` (a branch, tag or commit
-    the cache holds; None: main). ModelLoadError saying what was looked for where, and how to
-    get it, otherwise."""
+    the cache holds; None: main); else a model Ollama pulled under that name
+    (`llama3.2:3b`). ModelLoadError saying what was looked for where, and how to get it,
+    otherwise."""
     if spec is None:
         return ModelSource(default_model_path())
     path = Path(spec).expanduser()
@@ -52,13 +58,29 @@ def find_model(spec: str | Path | None, revision: str | None = None) -> ModelSou
         return ModelSource(path)
     match = _REPO_ID.match(str(spec))
     if match is None:
+        if (pulled := _pulled(spec, revision)) is not None:
+            return pulled
+        where = ", ".join(str(d) for d in ollama_model_dirs())
         raise ModelLoadError(
-            f"model path {str(spec)!r} does not exist (iterserve never downloads: pass a local "
-            "directory or .gguf file, or a repository already in the Hugging Face cache)"
+            f"model path {str(spec)!r} does not exist, and no model Ollama pulled has that "
+            f"name ({where}); iterserve never downloads: pass a local directory or .gguf "
+            "file, a repository already in the Hugging Face cache, or a model `ollama pull` "
+            "fetched"
         )
     repo, tag = match["repo"], match["tag"]
-    snapshot = _snapshot(repo, str(spec), revision)
+    try:
+        snapshot = _snapshot(repo, str(spec), revision)
+    except ModelLoadError:  # not in the Hugging Face cache: one Ollama pulled, if any
+        if (pulled := _pulled(spec, revision)) is None:
+            raise
+        return pulled
     return ModelSource(_model_in(snapshot, repo, tag), str(spec))
+
+
+def _pulled(spec: str | Path, revision: str | None) -> ModelSource | None:
+    """The model Ollama pulled under the name `spec` (Ollama's names have no revision)."""
+    pulled = find_ollama_model(str(spec)) if revision is None else None
+    return None if pulled is None else ModelSource(pulled.gguf, pulled.name, pulled.sampling)
 
 
 def find_adapter(spec: str | Path) -> Path:

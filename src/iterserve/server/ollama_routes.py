@@ -61,6 +61,8 @@ from iterserve.server.serving import (
 )
 
 NDJSON = "application/x-ndjson"
+# A model's dtype as GGUF types name it, for `quantization_level` where no file type says.
+_DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # What /api/ps says of when the model is unloaded: never (it stays for the server's life).
 _NEVER = "2318-08-30T00:00:00Z"
 
@@ -326,6 +328,12 @@ async def _chat(body: OllamaChatRequest, raw: Request, ctx: ServingContext) -> R
         return _loaded(body, ctx)
     if body.think is True and ctx.reasoning is None:
         raise InvalidRequestError(f"think: {body.model!r} does not think", "think")
+    if body.tools and ctx.tool_parser is None:  # Ollama's "does not support tools"
+        raise InvalidRequestError(
+            f"tools: {body.model!r} does not support tools here: no tool call parser reads its "
+            "answers (--tool-call-parser)",
+            "tools",
+        )
     started = time.monotonic()
     chat = body.to_chat_request()
     chat.model = ollama_model(ctx, body.model)
@@ -526,7 +534,8 @@ class _ModelListing:
         served = self.ctx.engine.served_model
         facts = served.facts
         family = facts.architecture
-        kind = facts.file_type or served.compute.get("dtype", "").upper()
+        dtype = served.compute.get("dtype", "")
+        kind = facts.file_type or _DTYPE_NAMES.get(dtype, dtype.upper())
         return {
             "parent_model": parent,
             "format": facts.file_format,

@@ -1,0 +1,94 @@
+"""Models Ollama pulled, served by their Ollama names (model/ollama_store.py): a store laid
+out as Ollama lays it (manifests naming blobs by digest), a tiny GGUF as the model layer and
+a Modelfile's PARAMETERs as the params layer; found under $OLLAMA_MODELS, loaded as the
+same GGUF by its path, with those sampling settings as the model's own."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import VOCAB
+from iterserve import LLM
+from iterserve.model.errors import ModelLoadError
+from iterserve.model.model_source import find_model
+from iterserve.model.tokenizer import load_hf_tokenizer
+from iterserve.sampling_params import SamplingParams
+from tiny_checkpoints import tiny_hf_model
+from tiny_gguf import write_gguf
+
+SMALL = dict(dtype="float32", compile=False, num_kv_blocks=64)
+
+
+def _blob(root: Path, data: bytes) -> dict[str, object]:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    (root / "blobs" / digest.replace(":", "-")).write_bytes(data)
+    return {"digest": digest, "size": len(data)}
+
+
+def pull(root: Path, name: str, gguf: Path, params: dict[str, object] | None = None) -> None:
+    """What `ollama pull` leaves: the blobs, and a manifest at HOST/NAMESPACE/MODEL/TAG."""
+    host, namespace, model, tag = name.split("/")
+    layers = [{"mediaType": "application/vnd.ollama.image.model", **_blob(root, gguf.read_bytes())},
+              {"mediaType": "application/vnd.ollama.image.template", **_blob(root, b"{{ .Prompt }}")}]  # fmt: skip
+    if params is not None:
+        layers.append({"mediaType": "application/vnd.ollama.image.params",
+                       **_blob(root, json.dumps(params).encode())})  # fmt: skip
+    manifest = root / "manifests" / host / namespace / model / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer_dir: Path) -> Path:
+    root = tmp_path / "ollama"
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    gguf = tmp_path / "tiny.gguf"
+    hf = tiny_hf_model("llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    write_gguf(gguf, "llama", hf, load_hf_tokenizer(tokenizer_dir), sampling={"top_k": 3})
+    params = {"temperature": 0.6, "top_k": 20, "stop": ["<|im_end|>"], "num_ctx": 4096}
+    pull(root, "registry.ollama.ai/library/tiny/1b", gguf, params)
+    pull(root, "registry.ollama.ai/library/tiny/latest", gguf)
+    pull(root, "registry.ollama.ai/acme/tiny/q8", gguf)
+    pull(root, "hf.co/acme/tiny-GGUF/Q8_0", gguf)
+    return gguf
+
+
+def test_names_resolve_as_ollama_resolves_them(store: Path) -> None:
+    pulled = find_model("tiny:1b")
+    assert pulled.path.read_bytes() == store.read_bytes() and pulled.name == "tiny:1b"
+    assert pulled.sampling == {"temperature": 0.6, "top_k": 20}  # the sampling PARAMETERs
+    assert find_model("tiny").sampling == {}  # tag latest, no params layer
+    assert find_model("acme/tiny:q8").name == "acme/tiny:q8"  # not in the HF cache
+    assert find_model("hf.co/acme/tiny-GGUF:Q8_0").path.is_file()
+    with pytest.raises(ModelLoadError, match="no model Ollama pulled has that name"):
+        find_model("tiny:70b")
+    with pytest.raises(ModelLoadError, match="Hugging Face cache"):  # the HF error stands
+        find_model("acme/other:q8")
+
+
+def test_a_missing_blob_says_to_pull_again(store: Path) -> None:
+    root = store.parent / "ollama"
+    for blob in (root / "blobs").iterdir():
+        if blob.read_bytes() == store.read_bytes():
+            blob.unlink()
+    with pytest.raises(ModelLoadError, match=r"ollama pull tiny:1b"):
+        find_model("tiny:1b")
+
+
+def test_a_pulled_model_serves_its_gguf_with_its_parameters(store: Path) -> None:
+    llm = LLM("tiny:1b", **SMALL)
+    assert llm.engine.model_name == "tiny:1b"
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k) == (0.6, 20)  # over the GGUF's top_k 3
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    direct = LLM(str(store), **SMALL)
+    prompt = "The capital of France is"
+    assert (
+        llm.generate(prompt, greedy, use_tqdm=False)[0].token_ids
+        == direct.generate(prompt, greedy, use_tqdm=False)[0].token_ids
+    )
