@@ -260,6 +260,7 @@ def test_format_constrains_the_answer(client: ollama.Client) -> None:
         ("chat", {"options": {"typical_p": 0.5}}, "options.typical_p"),
         ("chat", {"options": {"mirostat": 2}}, "options.mirostat"),
         ("chat", {"think": True}, "think"),
+        ("generate", {"prompt": "x", "think": "high"}, "think"),
         ("chat", {"messages": [{"role": "user", "content": "x", "images": ["AA=="]}]},
          "messages.0.images"),
         ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),

@@ -24,6 +24,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,7 +34,9 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from iterserve.chat.answer import AnswerStream, read_answer
+from iterserve.chat.reasoning_parsers import ThinkingReader
 from iterserve.chat.tool_parsers import ParsedCall
+from iterserve.chat.tools import ToolPlan
 from iterserve.core.logprobs import TokenLogprobs
 from iterserve.engine.fill_in_middle import infill_tokens
 from iterserve.engine.outputs import RequestOutput
@@ -323,10 +326,85 @@ def _loaded(body: OllamaChatRequest | OllamaGenerateRequest, ctx: ServingContext
     return JSONResponse(answer)
 
 
+@dataclass
+class _Answer:
+    """An answer in Ollama's shape, whole or streamed: /api/chat's `message` (`chat`), or
+    /api/generate's `response` and `thinking` (with `context`, the prompt's tokens and the
+    answer's, unless `raw`)."""
+
+    body: OllamaChatRequest | OllamaGenerateRequest
+    submitted: Submitted
+    reasoning: ThinkingReader | None
+    plan: ToolPlan
+    started: float
+    logprobs: _Logprobs | None
+
+    @property
+    def chat(self) -> bool:
+        return isinstance(self.body, OllamaChatRequest)
+
+    def _piece(
+        self, content: str, thinking: str | None, calls: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        piece: dict[str, Any] = {"model": self.body.model, "created_at": _timestamp()}
+        if self.chat:
+            return piece | {"message": _message(content, thinking, calls)}
+        return piece | {"response": content} | ({"thinking": thinking} if thinking else {})
+
+    def _closing(self, output: RequestOutput) -> dict[str, Any]:
+        closed: dict[str, Any] = {"done": True, "done_reason": _done_reason(output)}
+        body = self.body
+        if isinstance(body, OllamaGenerateRequest) and not body.raw:
+            closed["context"] = [*output.prompt_token_ids, *output.token_ids]  # its memory
+        return closed | _durations(self.started, output)
+
+    def whole(self, outputs: list[RequestOutput], _: Any) -> dict[str, Any]:
+        output = outputs[0]
+        answer = read_answer(output.text, self.reasoning, self.plan)
+        result = self._piece(answer.content or "", answer.reasoning, _calls(answer.calls))
+        if self.logprobs is not None:
+            result["logprobs"] = self.logprobs.of(output.logprobs or [])
+        return result | self._closing(output)
+
+    def lines(self) -> AsyncIterator[str]:
+        stream = AnswerStream.of(self.reasoning, self.plan)
+        calls_sent = 0
+        last: list[RequestOutput] = []
+
+        def on_output(_: int, output: RequestOutput) -> str:
+            nonlocal calls_sent
+            found = stream.feed(output.delta_text, output.finished)
+            calls = _calls([call for _, _, call in found.new_calls], calls_sent)
+            calls_sent += len(calls)
+            if output.finished:
+                last.append(output)
+            probs = self.logprobs.of(output.delta_logprobs) if self.logprobs is not None else []
+            if not (found.content or found.reasoning or calls or probs):
+                return ""
+            line = self._piece(found.content, found.reasoning, calls) | {"done": False}
+            return ndjson(line | ({"logprobs": probs} if probs else {}))
+
+        def on_end(_: Any) -> str:
+            return ndjson(self._piece("", None, []) | self._closing(last[0]))
+
+        return _ndjson_stream(self.submitted, on_output, on_end)
+
+    async def respond(self, raw: Request) -> Response:
+        if self.body.stream:
+            response = EngineStreamResponse(self.lines(), self.submitted.stream, media_type=NDJSON)
+            response.headers.update(self.submitted.headers)
+            return response
+        return await respond(raw, self.submitted, 1, False, self.lines, self.whole)
+
+
+def _logprobs(ctx: ServingContext, params: SamplingParams) -> _Logprobs | None:
+    return _Logprobs(ctx) if params.logprobs is not None else None
+
+
 async def _chat(body: OllamaChatRequest, raw: Request, ctx: ServingContext) -> Response:
     if not body.messages:
         return _loaded(body, ctx)
-    if body.think is True and ctx.reasoning is None:
+    if body.think not in (None, False) and ctx.reasoning is None:
         raise InvalidRequestError(f"think: {body.model!r} does not think", "think")
     if body.tools and ctx.tool_parser is None:  # Ollama's "does not support tools"
         raise InvalidRequestError(
@@ -339,63 +417,23 @@ async def _chat(body: OllamaChatRequest, raw: Request, ctx: ServingContext) -> R
     chat.model = ollama_model(ctx, body.model)
     params = body.sampling_params(ctx.sampling_defaults)
     run = await start_chat(chat, raw, ctx, "ollama-", context_cuts=True, params=params)
-    logprobs = _Logprobs(ctx) if params.logprobs is not None else None
-
-    def head() -> dict[str, Any]:
-        return {"model": body.model, "created_at": _timestamp()}
-
-    def final(outputs: list[RequestOutput], _: Any) -> dict[str, Any]:
-        output = outputs[0]
-        answer = read_answer(output.text, run.reasoning, run.plan)
-        message = _message(answer.content or "", answer.reasoning, _calls(answer.calls))
-        result = {**head(), "message": message, "done": True, "done_reason": _done_reason(output)}
-        if logprobs is not None:
-            result["logprobs"] = logprobs.of(output.logprobs or [])
-        return result | _durations(started, output)
-
-    def events() -> AsyncIterator[str]:
-        stream = AnswerStream.of(run.reasoning, run.plan)
-        calls_sent = 0
-        last: list[RequestOutput] = []
-
-        def on_output(_: int, output: RequestOutput) -> str:
-            nonlocal calls_sent
-            found = stream.feed(output.delta_text, output.finished)
-            calls = _calls([call for _, _, call in found.new_calls], calls_sent)
-            calls_sent += len(calls)
-            if output.finished:
-                last.append(output)
-            probs = logprobs.of(output.delta_logprobs) if logprobs is not None else []
-            if not (found.content or found.reasoning or calls or probs):
-                return ""
-            line = {**head(), "message": _message(found.content, found.reasoning, calls)}
-            return ndjson(line | {"done": False} | ({"logprobs": probs} if probs else {}))
-
-        def on_end(_: Any) -> str:
-            output = last[0]
-            line = {**head(), "message": _message("", None, []), "done": True}
-            return ndjson(
-                line | {"done_reason": _done_reason(output)} | _durations(started, output)
-            )
-
-        return _ndjson_stream(run.submitted, on_output, on_end)
-
-    return await _respond(raw, run.submitted, body.stream, events, final)
+    logprobs = _logprobs(ctx, params)
+    answer = _Answer(body, run.submitted, run.reasoning, run.plan, started, logprobs)
+    return await answer.respond(raw)
 
 
 async def _generate(body: OllamaGenerateRequest, raw: Request, ctx: ServingContext) -> Response:
     body.check_supported()
     if body.loads_only:
         return _loaded(body, ctx)
-    if body.think is True and ctx.reasoning is None and not body.raw:
+    if body.think not in (None, False) and ctx.reasoning is None and not body.raw:
         raise InvalidRequestError(f"think: {body.model!r} does not think", "think")
     started = time.monotonic()
     model = ollama_model(ctx, body.model)
     params = body.sampling_params(ctx.sampling_defaults)
     chat = body.to_chat_request()
     chat.model = model
-    templated = not body.raw and body.suffix is None
-    if templated and not body.context:
+    if not (body.raw or body.suffix is not None or body.context):  # a one-turn chat
         run = await start_chat(chat, raw, ctx, "ollama-", context_cuts=True, params=params)
         submitted, reasoning, plan = run.submitted, run.reasoning, run.plan
     else:
@@ -404,49 +442,8 @@ async def _generate(body: OllamaGenerateRequest, raw: Request, ctx: ServingConte
         submitted = await submit(raw, ctx, request_id, [(request_id, ids)], params,
                                  "interactive", 0, fill_context=True, lora=ctx.loras.get(model))  # fmt: skip
         reasoning, plan = None, chat_plan(chat, ctx, params)
-    logprobs = _Logprobs(ctx) if params.logprobs is not None else None
-
-    def closing(output: RequestOutput) -> dict[str, Any]:
-        closed: dict[str, Any] = {"done": True, "done_reason": _done_reason(output)}
-        if not body.raw:  # Ollama's conversation memory: the prompt's tokens and the answer's
-            closed["context"] = [*output.prompt_token_ids, *output.token_ids]
-        return closed | _durations(started, output)
-
-    def head() -> dict[str, Any]:
-        return {"model": body.model, "created_at": _timestamp()}
-
-    def final(outputs: list[RequestOutput], _: Any) -> dict[str, Any]:
-        output = outputs[0]
-        answer = read_answer(output.text, reasoning, plan)
-        result = {**head(), "response": answer.content or ""}
-        if answer.reasoning:
-            result["thinking"] = answer.reasoning
-        if logprobs is not None:
-            result["logprobs"] = logprobs.of(output.logprobs or [])
-        return result | closing(output)
-
-    def events() -> AsyncIterator[str]:
-        stream = AnswerStream.of(reasoning, plan)
-        last: list[RequestOutput] = []
-
-        def on_output(_: int, output: RequestOutput) -> str:
-            found = stream.feed(output.delta_text, output.finished)
-            if output.finished:
-                last.append(output)
-            probs = logprobs.of(output.delta_logprobs) if logprobs is not None else []
-            if not (found.content or found.reasoning or probs):
-                return ""
-            line = {**head(), "response": found.content}
-            if found.reasoning:
-                line["thinking"] = found.reasoning
-            return ndjson(line | {"done": False} | ({"logprobs": probs} if probs else {}))
-
-        def on_end(_: Any) -> str:
-            return ndjson({**head(), "response": ""} | closing(last[0]))
-
-        return _ndjson_stream(submitted, on_output, on_end)
-
-    return await _respond(raw, submitted, body.stream, events, final)
+    answer = _Answer(body, submitted, reasoning, plan, started, _logprobs(ctx, params))
+    return await answer.respond(raw)
 
 
 def _prompt_ids(
@@ -497,20 +494,6 @@ def _ndjson_stream(
                 yield line
 
     return lines()
-
-
-async def _respond(
-    raw: Request,
-    submitted: Submitted,
-    streaming: bool,
-    events: Callable[[], AsyncIterator[str]],
-    final: Callable[[list[RequestOutput], Any], dict[str, Any]],
-) -> Response:
-    if streaming:
-        response = EngineStreamResponse(events(), submitted.stream, media_type=NDJSON)
-        response.headers.update(submitted.headers)
-        return response
-    return await respond(raw, submitted, 1, False, events, final)
 
 
 # ---- the models -------------------------------------------------------------------------
