@@ -92,3 +92,27 @@ def test_a_pulled_model_serves_its_gguf_with_its_parameters(store: Path) -> None
         llm.generate(prompt, greedy, use_tqdm=False)[0].token_ids
         == direct.generate(prompt, greedy, use_tqdm=False)[0].token_ids
     )
+
+
+def test_a_gguf_with_its_vision_tower_serves_its_text_model(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Ollama keeps a multimodal model's tower and projector in the text model's own GGUF
+    (llama.cpp puts them in an mmproj file, under the same v.*, a.* and mm.* names): they are
+    left out, and the text model answers as the same file without them does."""
+    import numpy as np
+
+    hf = tiny_hf_model("llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    tower = {"v.blk.0.attn_q": np.ones((32, 32), np.float32),
+             "v.patch_embd": np.ones((16, 3, 4, 4), np.float32),
+             "a.blk.0.attn_k": np.ones((8, 32), np.float32),
+             "mm.input_projection": np.ones((32, 64), np.float32)}  # fmt: skip
+    with_tower, text_only = tmp_path / "with-tower.gguf", tmp_path / "text.gguf"
+    write_gguf(with_tower, "llama", hf, tokenizer, rope_tensors=tower)
+    write_gguf(text_only, "llama", hf, tokenizer)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    both = [LLM(str(path), **SMALL) for path in (with_tower, text_only)]
+    answers = [llm.generate("The sea is", greedy, use_tqdm=False)[0] for llm in both]
+    assert answers[0].token_ids == answers[1].token_ids
+    assert both[0].engine.model_facts == both[1].engine.model_facts  # the tower not counted

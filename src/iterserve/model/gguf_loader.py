@@ -850,6 +850,12 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
+# A multimodal model's towers and projector in the text model's own file, as Ollama keeps
+# them (its gemma3, mistral-small3.1, qwen2.5vl: one GGUF; llama.cpp keeps them apart, in
+# an mmproj file, under the same names): v.* vision, a.* audio, mm.* the projector.
+_TOWER_PREFIXES = ("v.", "a.", "mm.")
+
+
 def _load_weights(
     path: Path,
     tensors: dict[str, GGUFTensorInfo],
@@ -872,8 +878,16 @@ def _load_weights(
     def stack(name: str) -> torch.Tensor:
         return _dequantized(tensors[name])
 
+    towers = [name for name in tensors if name.startswith(_TOWER_PREFIXES)]
+    if towers:
+        logger.info(
+            "GGUF: %d tensors of a vision or audio tower (%s, ...) left out: the text model "
+            "alone is served",
+            len(towers),
+            towers[0],
+        )
     for info in tensors.values():
-        if info.name in _ROPE_TENSORS:
+        if info.name in _ROPE_TENSORS or info.name.startswith(_TOWER_PREFIXES):
             continue
         qtype = info.qtype.name
         kept = qtype in BLOCK_FORMATS and len(info.shape) in (2, 3)
