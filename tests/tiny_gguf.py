@@ -4,7 +4,7 @@ llama.cpp's convert_hf_to_gguf.py lays them out (transcribed independently of ou
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -311,13 +311,15 @@ def write_gguf(
     qtypes: Mapping[str, str] | None = None,
     named_chat_templates: Mapping[str, str] | None = None,
     sampling: Mapping[str, float | int] | None = None,
+    omit: Collection[str] = (),
 ) -> None:
     """`model`'s weights (or `state`, HF-named) as a GGUF of architecture `arch`; 2-D
     projections in `qtype` (norms, embedding and head stay F32), or per HF name in `qtypes`
     (a GGUF type name; `gguf_blocks` makes them). `metadata`: extra keys (without the
     `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}; `named_chat_templates`:
     tokenizer.chat_template.NAME, e.g. llama.cpp's "rerank"; `sampling`: general.sampling.NAME
-    keys, e.g. {"top_k": 20, "temp": 0.6}, as gguf's writer types them."""
+    keys, e.g. {"top_k": 20, "temp": 0.6}, as gguf's writer types them; `omit`: keys (without
+    the prefix) left out, as another converter leaves them out (Ollama's)."""
     config = model.config
     writer = GGUFWriter(path, arch)
     add_shape(writer, config, rope_freq_base)
@@ -404,6 +406,8 @@ def write_gguf(
             writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)
+    for key in omit:  # keys another converter does not write (`{arch}.` added)
+        writer.kv_data[0].pop(f"{arch}.{key}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

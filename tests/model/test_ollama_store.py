@@ -116,3 +116,41 @@ def test_a_gguf_with_its_vision_tower_serves_its_text_model(
     answers = [llm.generate("The sea is", greedy, use_tqdm=False)[0] for llm in both]
     assert answers[0].token_ids == answers[1].token_ids
     assert both[0].engine.model_facts == both[1].engine.model_facts  # the tower not counted
+
+
+def test_ollamas_gemma3_conversion_loads_as_llama_cpps(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Ollama's Gemma 3 file (its multimodal conversion) leaves out the norm's epsilon, the
+    RoPE bases (the windowed layers' under its own name, rope.local.freq_base) and the layer
+    pattern, and carries the vision tower: it answers as llama.cpp's form of the same
+    weights, which says them all (Gemma 3's own values: 1e-6, 1e6 and 1e4, five windowed
+    layers to one full; the windowed layers' base is not Gemma 3's 1e4 here, so that the file's
+    own is seen read)."""
+    import numpy as np
+
+    layers = ["sliding_attention"] * 5 + ["full_attention"]
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}  # fmt: skip
+    hf = tiny_hf_model(
+        "gemma3", vocab_size=VOCAB, weight_std=0.15, hidden_size=128, intermediate_size=192,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        query_pre_attn_scalar=32, sliding_window=24, rope_parameters=rope, layer_types=layers,
+        attn_implementation="eager", bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    llama_cpp, ollama = tmp_path / "llama-cpp.gguf", tmp_path / "ollama.gguf"
+    pattern = [t == "sliding_attention" for t in layers]
+    write_gguf(llama_cpp, "gemma3", hf, tokenizer, rope_freq_base=1e6,
+               metadata={"attention.sliding_window": 24, "rope.freq_base_swa": 2e4,
+                         "attention.sliding_window_pattern": pattern})  # fmt: skip
+    write_gguf(ollama, "gemma3", hf, tokenizer, rope_freq_base=1e6, metadata={"attention.sliding_window": 24,
+               "rope.local.freq_base": 2e4},
+               omit=("attention.layer_norm_rms_epsilon", "rope.freq_base"),
+               rope_tensors={"v.blk.0.attn_q": np.ones((32, 32), np.float32),
+                             "mm.mm_input_projection": np.ones((32, 128), np.float32)})  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    prompt = "The capital of France is a city with " * 4  # past the 24-token window
+    answers = [
+        LLM(str(path), **SMALL).generate(prompt, greedy, use_tqdm=False)[0].token_ids
+        for path in (llama_cpp, ollama)
+    ]
+    assert answers[0] == answers[1]

@@ -497,7 +497,7 @@ def gguf_model_config(
         )
 
     def key(name: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{name}", default)
+        value = metadata.get(f"{arch}.{name}", _FAMILY_DEFAULTS.get(arch, {}).get(name, default))
         if value is None:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}")
         return value
@@ -558,7 +558,7 @@ def gguf_model_config(
             else {}
         ),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_theta=_rope_base(metadata, arch),
         max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
@@ -719,7 +719,10 @@ def _gemma_fields(
     """The ModelConfig fields only Gemma sets (loader._gemma_fields reads the same from an HF
     config), as llama.cpp reads them from a GGUF file."""
     sliding = _sliding_layers(metadata, arch, layers, _GEMMA_WINDOW_PATTERN[arch])
-    local_base = metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
+    local_base = metadata.get(
+        f"{arch}.rope.freq_base_swa",
+        metadata.get(f"{arch}.rope.local.freq_base", _GEMMA3_LOCAL_ROPE_BASE),  # Ollama's name
+    )
     return {
         "sliding_window_layers": sliding,
         "attn_logit_softcapping": metadata.get(f"{arch}.attn_logit_softcapping"),
@@ -848,6 +851,23 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
         .transpose(1, 2)
         .reshape(weight.shape)
     )
+
+
+# A family's own values for keys a converter may leave out: Ollama's Gemma 3 conversion
+# (its multimodal form) writes neither the norm's epsilon nor the RoPE bases, and Ollama
+# runs it with Gemma 3's (1e-6; 1e6 for the full layers, 10000 for the windowed ones).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3": {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e6},
+}
+
+
+def _rope_base(metadata: dict[str, Any], arch: str) -> float:
+    """The (full layers') RoPE base: rope.freq_base, else the family's own value, else
+    llama.cpp's 10000."""
+    base = metadata.get(f"{arch}.rope.freq_base")
+    if base is None:
+        base = _FAMILY_DEFAULTS.get(arch, {}).get("rope.freq_base", 10000.0)
+    return float(base)
 
 
 # A multimodal model's towers and projector in the text model's own file, as Ollama keeps
