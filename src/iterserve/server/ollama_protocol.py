@@ -128,10 +128,6 @@ class OllamaOptions(BaseModel):
             option = f"options.{_OPTION_NAMES.get(name, name)}"
             raise InvalidRequestError(f"{option}: {error}", option, error.code) from None
 
-    @property
-    def fills_context(self) -> bool:
-        return self.num_predict is None or self.num_predict < 0
-
 
 class OllamaToolCall(BaseModel):
     class Function(BaseModel):
@@ -231,6 +227,30 @@ class OllamaGenerateRequest(_GenerationBase):
         if self.system:
             messages.insert(0, ChatMessage(role="system", content=self.system))
         return chat_request(self, messages)
+
+
+class OllamaEmbedRequest(BaseModel):
+    model: str
+    input: str | list[str] = ""
+    truncate: bool = True  # cut each input's end to the context; false: a 400 instead
+    dimensions: int | None = None
+    options: OllamaOptions | None = None
+    keep_alive: float | str | None = None
+
+
+class OllamaEmbeddingsRequest(BaseModel):
+    """/api/embeddings, Ollama's first embedding route: one prompt, one vector."""
+
+    model: str
+    prompt: str = ""
+    options: OllamaOptions | None = None
+    keep_alive: float | str | None = None
+
+
+class OllamaShowRequest(BaseModel):
+    model: str | None = None
+    name: str | None = None  # the field's older name
+    verbose: bool = False
 
 
 def chat_request(body: _GenerationBase, messages: list[ChatMessage]) -> ChatCompletionRequest:

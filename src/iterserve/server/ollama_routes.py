@@ -30,7 +30,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from iterserve.chat.answer import AnswerStream, read_answer
@@ -49,8 +48,10 @@ from iterserve.server.errors import APIError, as_api_error, ollama_error_body
 from iterserve.server.ollama_protocol import (
     OLLAMA_API_VERSION,
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
-    OllamaOptions,
+    OllamaShowRequest,
 )
 from iterserve.server.pooled_requests import run_pooled
 from iterserve.server.serving import (
@@ -68,30 +69,6 @@ NDJSON = "application/x-ndjson"
 _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # What /api/ps says of when the model is unloaded: never (it stays for the server's life).
 _NEVER = "2318-08-30T00:00:00Z"
-
-
-class OllamaEmbedRequest(BaseModel):
-    model: str
-    input: str | list[str] = ""
-    truncate: bool = True  # cut each input's end to the context; false: a 400 instead
-    dimensions: int | None = None
-    options: OllamaOptions | None = None
-    keep_alive: float | str | None = None
-
-
-class OllamaEmbeddingsRequest(BaseModel):
-    """/api/embeddings, Ollama's first embedding route: one prompt, one vector."""
-
-    model: str
-    prompt: str = ""
-    options: OllamaOptions | None = None
-    keep_alive: float | str | None = None
-
-
-class OllamaShowRequest(BaseModel):
-    model: str | None = None
-    name: str | None = None  # the field's older name
-    verbose: bool = False
 
 
 class JsonBodiesUnderApi:
