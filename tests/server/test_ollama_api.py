@@ -337,3 +337,17 @@ def test_tool_messages_answer_the_calls_they_name() -> None:
     ids = [c.id for c in chat[1].tool_calls or []]
     assert [m.tool_call_id for m in chat[2:]] == [ids[1], ids[0], ids[2]]
     assert json.loads((chat[1].tool_calls or [])[0].function.arguments) == {}
+
+
+def test_ollamas_default_tag_names_the_model_on_every_api(server: RunningServer) -> None:
+    """Clients moved from Ollama keep `NAME:latest` in their settings (Ollama's own /v1 takes
+    it): the OpenAI routes take it too, and answer with the served name."""
+    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    answer = chat.chat.completions.create(
+        model=f"{MODEL_NAME}:latest",
+        messages=QUESTION,
+        max_tokens=2,  # type: ignore[arg-type]
+    )
+    assert answer.model == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        chat.chat.completions.create(model=f"{MODEL_NAME}:q8", messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]

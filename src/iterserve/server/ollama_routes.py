@@ -10,10 +10,11 @@ object; the thinking is `thinking`. Errors are Ollama's `{"error": "..."}`, in t
 too once it has begun.
 
 Model names follow Ollama's `name:tag`: the served names are listed as `NAME:latest`, and a
-request may name a model either way. The model stays loaded whatever `keep_alive` says; an
-empty prompt (or message list) is Ollama's request to load it, answered at once. Pulling,
-pushing, creating, copying and deleting models are Ollama's registry's work: a 400 that
-says so (the model is what the server was started with).
+request may name a model either way (ServingContext.resolve_model, for every API). The
+model stays loaded whatever `keep_alive` says; an empty prompt (or message list) is Ollama's
+request to load it, answered at once. Pulling, pushing, creating, copying and deleting
+models are Ollama's registry's work: a 400 that says so (the model is what the server was
+started with).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from iterserve.pooling_params import PoolingParams
 from iterserve.prompt_truncation import PromptTruncation
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.chat import chat_plan, render_prompt, start_chat
-from iterserve.server.errors import APIError, as_api_error, ollama_error_body
+from iterserve.server.errors import as_api_error, ollama_error_body
 from iterserve.server.ollama_protocol import (
     OLLAMA_API_VERSION,
     OllamaChatRequest,
@@ -120,7 +121,7 @@ def ollama_routes(ctx: ServingContext) -> APIRouter:
         requested = body.model or body.name
         if not requested:
             raise InvalidRequestError("model: the field is required", "model")
-        return models.show(ollama_model(ctx, requested))
+        return models.show(ctx.resolve_model(requested))
 
     @api.post("/chat")
     async def chat(body: OllamaChatRequest, raw: Request) -> Response:
@@ -157,17 +158,6 @@ def ollama_routes(ctx: ServingContext) -> APIRouter:
     return api
 
 
-def ollama_model(ctx: ServingContext, requested: str) -> str:
-    """The served name (or LoRA adapter) a request's Ollama name asks for: as it is, or
-    without Ollama's default tag `:latest`."""
-    try:
-        return ctx.resolve_model(requested)
-    except APIError:
-        if not requested.endswith(":latest"):
-            raise
-        return ctx.resolve_model(requested.removesuffix(":latest"))
-
-
 def ollama_name(name: str) -> str:
     """A served name as Ollama lists it: with a tag (`:latest` where it has none)."""
     return name if ":" in name else f"{name}:latest"
@@ -193,7 +183,7 @@ async def _embedded(
     dimensions: int | None,
     truncation: PromptTruncation | None,
 ) -> list[RequestOutput]:
-    model = ollama_model(ctx, requested)
+    model = ctx.resolve_model(requested)
     inputs = [text for text in inputs if text]  # Ollama answers an empty input with nothing
     if not inputs:
         return []
@@ -293,7 +283,7 @@ def _message(content: str, thinking: str | None, calls: list[dict[str, Any]]) ->
 
 def _loaded(body: OllamaChatRequest | OllamaGenerateRequest, ctx: ServingContext) -> Response:
     """Ollama's answer to a request that only loads (or unloads) the model."""
-    ollama_model(ctx, body.model)
+    ctx.resolve_model(body.model)
     answer: dict[str, Any] = {"model": body.model, "created_at": _timestamp()}
     if isinstance(body, OllamaChatRequest):
         answer["message"] = _message("", None, [])
@@ -391,7 +381,7 @@ async def _chat(body: OllamaChatRequest, raw: Request, ctx: ServingContext) -> R
         )
     started = time.monotonic()
     chat = body.to_chat_request()
-    chat.model = ollama_model(ctx, body.model)
+    chat.model = ctx.resolve_model(body.model)
     params = body.sampling_params(ctx.sampling_defaults)
     run = await start_chat(chat, raw, ctx, "ollama-", context_cuts=True, params=params)
     logprobs = _logprobs(ctx, params)
@@ -406,7 +396,7 @@ async def _generate(body: OllamaGenerateRequest, raw: Request, ctx: ServingConte
     if body.think not in (None, False) and ctx.reasoning is None and not body.raw:
         raise InvalidRequestError(f"think: {body.model!r} does not think", "think")
     started = time.monotonic()
-    model = ollama_model(ctx, body.model)
+    model = ctx.resolve_model(body.model)
     params = body.sampling_params(ctx.sampling_defaults)
     chat = body.to_chat_request()
     chat.model = model

@@ -176,8 +176,13 @@ class ServingContext:
         return (*self.eos_token_ids, *(i for i in ids if i not in self.eos_token_ids))
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to answer with: the model's, or a LoRA adapter's; an unknown model is a
-        404 as OpenAI's (and vLLM's) `model_not_found`."""
+        """The name to answer with: the model's, or a LoRA adapter's (either also with
+        Ollama's default tag, `NAME:latest`, as Ollama's own /v1 takes it); an unknown model
+        is a 404 as OpenAI's (and vLLM's) `model_not_found`."""
+        if requested is not None and requested.endswith(":latest"):
+            stem = requested.removesuffix(":latest")
+            if stem in self.loras or stem in self.served_model_names:
+                requested = stem
         if requested in self.loras:
             return requested
         if requested is None or requested in self.served_model_names or self.any_model_name:
