@@ -1,6 +1,6 @@
 """Ollama's API (`/api/chat`, `/api/generate`, `/api/embed`, ...), read as what it amounts to
 here: the requests of the `ollama` client, LangChain's ChatOllama and the apps written for
-Ollama (Open WebUI, Continue, ...), which run against iterserve unchanged.
+Ollama (Open WebUI, Continue, ...).
 
 A chat (and a templated /api/generate prompt, a one-turn chat) becomes a
 `ChatCompletionRequest` and runs the chat path (template, tools, thinking, structured

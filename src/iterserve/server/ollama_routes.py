@@ -1,7 +1,7 @@
 """Ollama's API under /api: chat, generate (templated, raw, fill in the middle), embed,
-the model listings (`tags`, `ps`, `show`) and `version`, so that the `ollama` client,
-LangChain's ChatOllama and the apps written for Ollama run against iterserve unchanged
-(ollama_protocol.py says how each request is read).
+the model listings (`tags`, `ps`, `show`) and `version`, for the `ollama` client, LangChain's
+ChatOllama and the apps written for Ollama (ollama_protocol.py says how each request is
+read).
 
 An answer is Ollama's: streamed by default as newline-delimited JSON objects (one per step
 that adds text, thinking or calls; the last `done: true` with `done_reason` and the
