@@ -35,7 +35,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from iterserve.core.logprobs import TokenLogprobs
-from iterserve.engine.fill_in_middle import infill_tokens
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, render_chat
 from iterserve.engine.request_stream import EngineStoppedError
@@ -47,6 +46,7 @@ from iterserve.server.llama_server_protocol import (
     LlamaCompletionRequest,
 )
 from iterserve.server.serving import (
+    INFILL_ANSWER_ROOM,
     EngineStreamResponse,
     ServingContext,
     Submitted,
@@ -56,8 +56,6 @@ from iterserve.server.serving import (
     until_disconnected,
 )
 
-# What /infill leaves the answer when the request does not bound it (n_predict -1).
-_INFILL_ANSWER_ROOM = 256
 # The default settings /props reports.
 _PROPS_SETTINGS = frozenset({"n_predict", "temperature", "top_k", "top_p", "min_p", "seed",
                              "repeat_penalty", "repeat_last_n", "n_probs"})  # fmt: skip
@@ -130,26 +128,10 @@ def mixed_prompt_ids(ctx: ServingContext, prompt: list[int | str]) -> list[int]:
 
 def infill_prompt_ids(ctx: ServingContext, body: InfillRequest) -> list[int]:
     """/infill's prompt in the model's fill-in-the-middle tokens, within the context."""
-    fim = ctx.fill_in_middle
-    if fim is None:
-        raise InvalidRequestError(
-            "input_prefix: this model has no fill-in-the-middle tokens, so it cannot infill",
-            "input_prefix",
-        )
-    tokenizer = ctx.tokenizer
-    room = body.n_predict if body.n_predict > 0 else _INFILL_ANSWER_ROOM
-    room = 1 if body.n_predict == 0 else min(room, ctx.max_model_len // 2)
-    bos = [t for t in tokenizer.encode("") if t == tokenizer.bos_token_id]
-    return infill_tokens(
-        fim,
-        lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
-        tokenizer.convert_tokens_to_ids,
-        body.input_prefix,
-        body.input_suffix,
-        body.input_extra,
-        body.prompt,
-        ctx.max_model_len - room,
-        bos,
+    room = body.n_predict if body.n_predict > 0 else INFILL_ANSWER_ROOM
+    room = 1 if body.n_predict == 0 else room
+    return ctx.infill_ids(
+        body.input_prefix, body.input_suffix, body.input_extra, body.prompt, room, "input_prefix"
     )
 
 

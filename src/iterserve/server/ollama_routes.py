@@ -38,7 +38,6 @@ from iterserve.chat.reasoning_parsers import ThinkingReader
 from iterserve.chat.tool_parsers import ParsedCall
 from iterserve.chat.tools import ToolPlan
 from iterserve.core.logprobs import TokenLogprobs
-from iterserve.engine.fill_in_middle import infill_tokens
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import encode_prompt
 from iterserve.pooling_params import PoolingParams
@@ -56,6 +55,7 @@ from iterserve.server.ollama_protocol import (
 )
 from iterserve.server.pooled_requests import run_pooled
 from iterserve.server.serving import (
+    INFILL_ANSWER_ROOM,
     EngineStreamResponse,
     ServingContext,
     Submitted,
@@ -281,16 +281,31 @@ def _message(content: str, thinking: str | None, calls: list[dict[str, Any]]) ->
     return message
 
 
+def _piece(
+    body: OllamaChatRequest | OllamaGenerateRequest,
+    content: str,
+    thinking: str | None,
+    calls: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """One object of an answer: /api/chat's `message`, or /api/generate's `response` (and
+    `thinking`)."""
+    piece: dict[str, Any] = {"model": body.model, "created_at": _timestamp()}
+    if isinstance(body, OllamaChatRequest):
+        return piece | {"message": _message(content, thinking, calls)}
+    return piece | {"response": content} | ({"thinking": thinking} if thinking else {})
+
+
 def _loaded(body: OllamaChatRequest | OllamaGenerateRequest, ctx: ServingContext) -> Response:
     """Ollama's answer to a request that only loads (or unloads) the model."""
     ctx.resolve_model(body.model)
-    answer: dict[str, Any] = {"model": body.model, "created_at": _timestamp()}
-    if isinstance(body, OllamaChatRequest):
-        answer["message"] = _message("", None, [])
-    else:
-        answer["response"] = ""
-    answer |= {"done": True, "done_reason": "unload" if body.unloads else "load"}
-    return JSONResponse(answer)
+    done = {"done": True, "done_reason": "unload" if body.unloads else "load"}
+    return JSONResponse(_piece(body, "", None, []) | done)
+
+
+def _check_thinks(body: OllamaChatRequest | OllamaGenerateRequest, ctx: ServingContext) -> None:
+    """`think` (true, or an effort) for a model whose thinking the server does not read."""
+    if body.think not in (None, False) and ctx.reasoning is None:
+        raise InvalidRequestError(f"think: {body.model!r} does not think", "think")
 
 
 @dataclass
@@ -306,18 +321,6 @@ class _Answer:
     started: float
     logprobs: _Logprobs | None
 
-    @property
-    def chat(self) -> bool:
-        return isinstance(self.body, OllamaChatRequest)
-
-    def _piece(
-        self, content: str, thinking: str | None, calls: list[dict[str, Any]]
-    ) -> dict[str, Any]:
-        piece: dict[str, Any] = {"model": self.body.model, "created_at": _timestamp()}
-        if self.chat:
-            return piece | {"message": _message(content, thinking, calls)}
-        return piece | {"response": content} | ({"thinking": thinking} if thinking else {})
-
     def _closing(self, output: RequestOutput) -> dict[str, Any]:
         closed: dict[str, Any] = {"done": True, "done_reason": _done_reason(output)}
         body = self.body
@@ -328,7 +331,7 @@ class _Answer:
     def whole(self, outputs: list[RequestOutput], _: Any) -> dict[str, Any]:
         output = outputs[0]
         answer = read_answer(output.text, self.reasoning, self.plan)
-        result = self._piece(answer.content or "", answer.reasoning, _calls(answer.calls))
+        result = _piece(self.body, answer.content or "", answer.reasoning, _calls(answer.calls))
         if self.logprobs is not None:
             result["logprobs"] = self.logprobs.of(output.logprobs or [])
         return result | self._closing(output)
@@ -348,11 +351,11 @@ class _Answer:
             probs = self.logprobs.of(output.delta_logprobs) if self.logprobs is not None else []
             if not (found.content or found.reasoning or calls or probs):
                 return ""
-            line = self._piece(found.content, found.reasoning, calls) | {"done": False}
+            line = _piece(self.body, found.content, found.reasoning, calls) | {"done": False}
             return ndjson(line | ({"logprobs": probs} if probs else {}))
 
         def on_end(_: Any) -> str:
-            return ndjson(self._piece("", None, []) | self._closing(last[0]))
+            return ndjson(_piece(self.body, "", None, []) | self._closing(last[0]))
 
         return _ndjson_stream(self.submitted, on_output, on_end)
 
@@ -371,8 +374,7 @@ def _logprobs(ctx: ServingContext, params: SamplingParams) -> _Logprobs | None:
 async def _chat(body: OllamaChatRequest, raw: Request, ctx: ServingContext) -> Response:
     if not body.messages:
         return _loaded(body, ctx)
-    if body.think not in (None, False) and ctx.reasoning is None:
-        raise InvalidRequestError(f"think: {body.model!r} does not think", "think")
+    _check_thinks(body, ctx)
     if body.tools and ctx.tool_parser is None:  # Ollama's "does not support tools"
         raise InvalidRequestError(
             f"tools: {body.model!r} does not support tools here: no tool call parser reads its "
@@ -393,8 +395,8 @@ async def _generate(body: OllamaGenerateRequest, raw: Request, ctx: ServingConte
     body.check_supported()
     if body.loads_only:
         return _loaded(body, ctx)
-    if body.think not in (None, False) and ctx.reasoning is None and not body.raw:
-        raise InvalidRequestError(f"think: {body.model!r} does not think", "think")
+    if not body.raw:  # a raw prompt is the client's: no template switch to turn
+        _check_thinks(body, ctx)
     started = time.monotonic()
     model = ctx.resolve_model(body.model)
     params = body.sampling_params(ctx.sampling_defaults)
@@ -419,26 +421,10 @@ def _prompt_ids(
     """The token ids of a raw prompt, a fill in the middle (`suffix`), or a templated one
     after an earlier answer's `context`."""
     tokenizer = ctx.tokenizer
-    if body.suffix is not None:
-        fim = ctx.fill_in_middle
-        if fim is None:
-            raise InvalidRequestError(
-                f"suffix: {body.model!r} has no fill-in-the-middle tokens, so it cannot insert",
-                "suffix",
-            )
-        room = params.max_tokens if params.max_tokens < ctx.max_model_len else 256
-        bos = [t for t in tokenizer.encode("") if t == tokenizer.bos_token_id]
-        ids = infill_tokens(
-            fim,
-            lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
-            tokenizer.convert_tokens_to_ids,
-            body.prompt,
-            body.suffix,
-            [],
-            "",
-            ctx.max_model_len - min(room, ctx.max_model_len // 2),
-            bos,
-        )
+    if body.suffix is not None:  # as /infill lays it out
+        unbounded = params.max_tokens >= ctx.max_model_len
+        room = INFILL_ANSWER_ROOM if unbounded else params.max_tokens
+        ids = ctx.infill_ids(body.prompt, body.suffix, [], "", room, "suffix")
     elif body.raw:
         ids = list(tokenizer.encode(body.prompt))
     else:
@@ -479,9 +465,10 @@ class _ModelListing:
     def __init__(self, ctx: ServingContext, started_at: str) -> None:
         self.ctx = ctx
         self.started_at = started_at
+        self.served = ctx.engine.served_model  # what it is does not change while it serves
 
     def _details(self, parent: str = "") -> dict[str, Any]:
-        served = self.ctx.engine.served_model
+        served = self.served
         facts = served.facts
         family = facts.architecture
         dtype = served.compute.get("dtype", "")
@@ -496,7 +483,7 @@ class _ModelListing:
         }
 
     def _entry(self, name: str, parent: str = "") -> dict[str, Any]:
-        size = int(self.ctx.engine.served_model.compute.get("weight_bytes", 0))
+        size = int(self.served.compute.get("weight_bytes", 0))
         listed = ollama_name(name)
         return {
             "name": listed,
@@ -529,7 +516,7 @@ class _ModelListing:
 
     def show(self, model: str) -> dict[str, Any]:
         ctx = self.ctx
-        served = ctx.engine.served_model
+        served = self.served
         family = served.facts.architecture
         parent = ctx.served_model_names[0] if model in ctx.loras else ""
         settings = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",

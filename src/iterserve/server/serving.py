@@ -25,7 +25,7 @@ from iterserve.chat.reasoning import ReasoningSupport, thinking_template_kwargs
 from iterserve.chat.tool_parsers import ToolParser
 from iterserve.core.lora import LoRARequest
 from iterserve.engine.chat_template import template_problem
-from iterserve.engine.fill_in_middle import FimFormat, fim_format
+from iterserve.engine.fill_in_middle import ExtraFile, FimFormat, fim_format, infill_tokens
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import Prompt, takes_system_anywhere
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
@@ -82,6 +82,8 @@ _template_problem = functools.lru_cache(maxsize=32)(template_problem)
 
 # Among --served-model-name's names: take any name a request gives (ServingContext).
 ANY_MODEL_NAME = "*"
+# What a fill in the middle leaves the answer when the request does not bound it.
+INFILL_ANSWER_ROOM = 256
 
 
 @dataclass
@@ -174,6 +176,38 @@ class ServingContext:
         markers = () if fim is None else (fim.repository, fim.file_separator)
         ids = self.tokenizer.convert_tokens_to_ids([m for m in markers if m is not None])
         return (*self.eos_token_ids, *(i for i in ids if i not in self.eos_token_ids))
+
+    def infill_ids(
+        self,
+        prefix: str,
+        suffix: str,
+        extra: list[ExtraFile],
+        cursor_line: str,
+        answer_room: int,
+        param: str,
+    ) -> list[int]:
+        """A fill in the middle's prompt in the model's tokens (engine/fill_in_middle.py),
+        cut to leave `answer_room` tokens of the context (at most half of it) for the answer;
+        a 400 naming `param` for a model without such tokens."""
+        fim = self.fill_in_middle
+        if fim is None:
+            raise InvalidRequestError(
+                f"{param}: this model has no fill-in-the-middle tokens, so it cannot infill",
+                param,
+            )
+        tokenizer = self.tokenizer
+        bos = [t for t in tokenizer.encode("") if t == tokenizer.bos_token_id]
+        return infill_tokens(
+            fim,
+            lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+            tokenizer.convert_tokens_to_ids,
+            prefix,
+            suffix,
+            extra,
+            cursor_line,
+            self.max_model_len - min(answer_room, self.max_model_len // 2),
+            bos,
+        )
 
     def resolve_model(self, requested: str | None) -> str:
         """The name to answer with: the model's, or a LoRA adapter's (either also with
