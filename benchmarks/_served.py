@@ -1,8 +1,9 @@
 """What the scripts that run real clients against `iterserve serve` share
-(agent_frameworks/run.py, eval_harness/run.py): the clients' own venv, pinned by a folder's
-requirements.txt and constraints.txt; an `iterserve serve` process on a free port; and the
-statuses its access log recorded. Nothing here imports iterserve (that would load torch in
-a script that only drives processes)."""
+(agent_frameworks/run.py, eval_harness/run.py, open_webui/run.py): the clients' own venv,
+pinned by a folder's requirements.txt and constraints.txt; an `iterserve serve` process on a
+free port, and waiting for a process's health; and the statuses its access log recorded.
+Nothing here imports iterserve (that would load torch in a script that only drives
+processes)."""
 
 from __future__ import annotations
 
@@ -109,26 +110,35 @@ def iterserve_server(
     with open(log_path, "wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited ({server.returncode}): see {log_path}")
-            try:
-                if get_json(f"http://127.0.0.1:{port}/health").get("status") == "ok":
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not healthy within {wait_s:.0f} s")
-            time.sleep(2)
+        wait_healthy(server, f"http://127.0.0.1:{port}/health", wait_s, log_path)
         yield server
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, and SIGKILL if it has not ended within a minute."""
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def wait_healthy(process: subprocess.Popen[bytes], url: str, wait_s: float, log_path: Path) -> None:
+    """Wait until `url` answers a health status (`"ok"`, or Open WebUI's `true`); raise if
+    `process` exits first or `wait_s` passes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited ({process.returncode}): see {log_path}")
+        with contextlib.suppress(OSError, ValueError):
+            if get_json(url).get("status") in ("ok", True):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} was not healthy within {wait_s:.0f} s: see {log_path}")
+        time.sleep(2)
 
 
 def access_statuses(
