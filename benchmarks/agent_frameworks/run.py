@@ -58,7 +58,7 @@ RESULT_MARK = "AGENT_RESULT "
 RUNNER_PATHS = ("/reset_prefix_cache", "/health")  # the runner's requests, not a case's
 # Packages whose versions the results record.
 FRAMEWORKS = ("openai-agents", "langchain-openai", "langchain-anthropic", "langchain-ollama",
-              "langchain-core", "ollama",
+              "langchain-core", "ollama", "litellm",
               "pydantic-ai-slim", "instructor", "openai", "anthropic", "httpx",
               "pydantic")  # fmt: skip
 
@@ -96,6 +96,16 @@ CASES = [
     Case("langchain", "scenario_langchain.py", "ollama_tools"),
     Case("langchain", "scenario_langchain.py", "ollama_tools_streamed"),
     Case("langchain", "scenario_langchain.py", "ollama_structured"),
+    Case("litellm", "scenario_litellm.py", "openai_tools"),
+    Case("litellm", "scenario_litellm.py", "openai_tools_streamed"),
+    Case("litellm", "scenario_litellm.py", "openai_embedding"),
+    Case("litellm", "scenario_litellm.py", "hosted_vllm_tools"),
+    Case("litellm", "scenario_litellm.py", "hosted_vllm_structured"),
+    Case("litellm", "scenario_litellm.py", "ollama_chat_tools"),
+    Case("litellm", "scenario_litellm.py", "ollama_chat_tools_streamed"),
+    Case("litellm", "scenario_litellm.py", "ollama_chat_structured"),
+    Case("litellm", "scenario_litellm.py", "ollama_generate"),
+    Case("litellm", "scenario_litellm.py", "ollama_embedding"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "tool_output"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "native_output"),
     Case("pydantic-ai", "scenario_pydantic_ai.py", "tool_output_streamed"),
