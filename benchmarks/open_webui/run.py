@@ -13,7 +13,8 @@ an OpenAI API. Does each thing Open WebUI asks of its model server work?
    and sends Open WebUI's own HTTP API what its web page sends: the model list, a chat
    whole and streamed, the title a new chat gets, structured output; through the Ollama
    connection also Open WebUI's /ollama routes (show, embed, generate, and a pull, which
-   this server refuses).
+   this server refuses) and a document dropped into a chat, which Open WebUI has the
+   served model embed (its retrieval's embedding engine set to Ollama's API).
 4. Prints a table (each check, whether it passed, which requests the server answered with
    which status) and writes JSON (default bench_results/open_webui.json).
 
@@ -107,6 +108,26 @@ class Client:
     def post_raw(self, path: str, body: Any) -> tuple[int, bytes]:
         return self._open("POST", path, body)
 
+    def upload(self, name: str, text: str) -> Any:
+        """A text file uploaded as the page uploads it (multipart); Open WebUI processes it
+        (chunks and embeds it) after answering."""
+        boundary = "iterserve-check-boundary"
+        body = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+            f"Content-Type: text/plain\r\n\r\n{text}\r\n--{boundary}--\r\n"
+        ).encode()
+        headers = {
+            "Content-Type": f"multipart/form-data; boundary={boundary}",
+            "Authorization": f"Bearer {self.token}",
+        }
+        path = "/api/v1/files/?process=true"
+        request = urllib.request.Request(self.base + path, body, headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                return _ok(response.status, response.read())
+        except urllib.error.HTTPError as error:
+            return _ok(error.code, error.read())
+
 
 def _ok(status: int, body: bytes) -> Any:
     if status >= 400:
@@ -115,7 +136,9 @@ def _ok(status: int, body: bytes) -> Any:
 
 
 @contextlib.contextmanager
-def open_webui(python: Path, connection: str, server: str, log_path: Path) -> Iterator[str]:
+def open_webui(
+    python: Path, connection: str, server: str, model: str, log_path: Path
+) -> Iterator[str]:
     """Open WebUI connected to `server` by `connection`, from started to stopped: its URL."""
     port = free_port()
     data = Path(tempfile.mkdtemp(prefix=f"open-webui-{connection}-"))
@@ -125,6 +148,10 @@ def open_webui(python: Path, connection: str, server: str, log_path: Path) -> It
             "ENABLE_OLLAMA_API": "True",
             "OLLAMA_BASE_URL": server,
             "ENABLE_OPENAI_API": "False",
+            # A document dropped into a chat is embedded by the served model, over /api/embed.
+            "BYPASS_EMBEDDING_AND_RETRIEVAL": "False",
+            "RAG_EMBEDDING_ENGINE": "ollama",
+            "RAG_EMBEDDING_MODEL": model,
         }
     else:
         env |= {"ENABLE_OLLAMA_API": "False", "ENABLE_OPENAI_API": "True",
@@ -221,11 +248,38 @@ def check_ollama_routes(ui: Client, model: str) -> str:
             f"generate {generated['response'][:30]!r}, pull refused ({status})")  # fmt: skip
 
 
+DOCUMENT = (
+    "Quillbrook is a small town on the river Pell. Its bridge was built in 1871 and its "
+    "market opens on Thursdays. The town's library holds four thousand maps."
+)
+
+
+def check_document(ui: Client, model: str) -> str:
+    """A document dropped into a chat: Open WebUI chunks it and has the server embed the
+    chunks (/api/embed), then embeds the question the same way, finds the chunk and puts it
+    in the prompt; its answer names the file among its sources."""
+    uploaded = ui.upload("quillbrook.txt", DOCUMENT)
+    deadline = time.monotonic() + 120
+    while (status := ui.get(f"/api/v1/files/{uploaded['id']}/process/status")["status"]) not in (
+        "completed",
+        "failed",
+    ) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert status == "completed", f"processing: {status}"
+    files = [{"type": "file", "id": uploaded["id"], "name": "quillbrook.txt"}]
+    body = _chat_body(model, "Which river is Quillbrook on?", stream=False, max_tokens=24,
+                      files=files)  # fmt: skip
+    answer = ui.post("/api/chat/completions", body)
+    sources = [s.get("source", {}).get("name") for s in answer.get("sources", [])]
+    assert "quillbrook.txt" in sources, f"sources {sources}"
+    return f"sources {sources}: {answer['choices'][0]['message']['content'][:60]!r}"
+
+
 Check = Callable[[Client, str], str]
 CHECKS: dict[str, list[tuple[str, Check]]] = {
     "ollama": [("models", check_models), ("chat", check_chat), ("chat_streamed", check_chat_streamed),
                ("title", check_title), ("structured", check_structured),
-               ("ollama_routes", check_ollama_routes)],
+               ("ollama_routes", check_ollama_routes), ("document", check_document)],
     "openai": [("models", check_models), ("chat", check_chat), ("chat_streamed", check_chat_streamed),
                ("title", check_title), ("structured", check_structured)],
 }  # fmt: skip
@@ -262,10 +316,10 @@ def main() -> int:
         offset = access_statuses(server_log, 0)[1]
         for connection in args.only or sorted(CHECKS):
             ui_log = args.logs / f"open_webui_{connection}.log"
-            with open_webui(python, connection, server, ui_log) as base:
+            # Through Ollama's API the model is listed by its Ollama name, NAME:latest.
+            model = f"{served}:latest" if connection == "ollama" else served
+            with open_webui(python, connection, server, model, ui_log) as base:
                 ui = Client(base)
-                # Through Ollama's API the model is listed by its Ollama name, NAME:latest.
-                model = f"{served}:latest" if connection == "ollama" else served
                 offset = access_statuses(server_log, offset)[1]  # Open WebUI's start-up
                 for name, check in CHECKS[connection]:
                     print(f"running {connection}/{name}", flush=True)
