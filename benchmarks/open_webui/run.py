@@ -14,7 +14,10 @@ an OpenAI API. Does each thing Open WebUI asks of its model server work?
    whole and streamed, the title a new chat gets, structured output; through the Ollama
    connection also Open WebUI's /ollama routes (show, embed, generate, and a pull, which
    this server refuses) and a document dropped into a chat, which Open WebUI has the
-   served model embed (its retrieval's embedding engine set to Ollama's API).
+   served model embed (its retrieval's embedding engine set to Ollama's API). Where the
+   machine has Chromium (`apt install chromium`; `--chromium PATH`), Open WebUI's web page
+   itself too, in each connection (page.py): a message typed and sent, the answer streamed
+   to its end over the page's Socket.IO.
 4. Prints a table (each check, whether it passed, which requests the server answered with
    which status) and writes JSON (default bench_results/open_webui.json).
 
@@ -27,8 +30,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,11 +90,12 @@ class Client:
             "/api/v1/auths/signin", {"email": "admin@localhost", "password": ""}
         )["token"]
 
-    def _open(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-        headers = {"Content-Type": "application/json"}
+    def _open(
+        self, method: str, path: str, data: bytes | None = None, kind: str = "application/json"
+    ) -> tuple[int, bytes]:
+        headers = {"Content-Type": kind}
         if getattr(self, "token", None):
             headers["Authorization"] = f"Bearer {self.token}"
-        data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base + path, data, headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=300) as response:
@@ -98,15 +104,13 @@ class Client:
             return error.code, error.read()
 
     def get(self, path: str) -> Any:
-        status, body = self._open("GET", path)
-        return _ok(status, body)
+        return _ok(*self._open("GET", path))
 
     def post(self, path: str, body: Any) -> Any:
-        status, answer = self._open("POST", path, body)
-        return _ok(status, answer)
+        return _ok(*self.post_raw(path, body))
 
     def post_raw(self, path: str, body: Any) -> tuple[int, bytes]:
-        return self._open("POST", path, body)
+        return self._open("POST", path, json.dumps(body).encode())
 
     def upload(self, name: str, text: str) -> Any:
         """A text file uploaded as the page uploads it (multipart); Open WebUI processes it
@@ -116,17 +120,8 @@ class Client:
             f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
             f"Content-Type: text/plain\r\n\r\n{text}\r\n--{boundary}--\r\n"
         ).encode()
-        headers = {
-            "Content-Type": f"multipart/form-data; boundary={boundary}",
-            "Authorization": f"Bearer {self.token}",
-        }
-        path = "/api/v1/files/?process=true"
-        request = urllib.request.Request(self.base + path, body, headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=300) as response:
-                return _ok(response.status, response.read())
-        except urllib.error.HTTPError as error:
-            return _ok(error.code, error.read())
+        kind = f"multipart/form-data; boundary={boundary}"
+        return _ok(*self._open("POST", "/api/v1/files/?process=true", body, kind))
 
 
 def _ok(status: int, body: bytes) -> Any:
@@ -275,6 +270,21 @@ def check_document(ui: Client, model: str) -> str:
     return f"sources {sources}: {answer['choices'][0]['message']['content'][:60]!r}"
 
 
+PAGE_MARK = "PAGE_RESULT "
+
+
+def check_page(ui: Client, model: str, python: Path, chromium: str) -> str:
+    """The web page in Chromium (page.py, in Open WebUI's venv): a message sent, the answer
+    read once streamed to its end."""
+    command = [str(python), str(HERE / "page.py"), ui.base, chromium, "Name three colours."]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(PAGE_MARK)]
+    assert lines, f"page.py printed no result: {done.stderr[-500:]}"
+    result = json.loads(lines[-1][len(PAGE_MARK) :])
+    assert result["answer"].strip(), "the page shows an empty answer"
+    return f"answered in {result['seconds']} s: {result['answer'][:60]!r}"
+
+
 Check = Callable[[Client, str], str]
 CHECKS: dict[str, list[tuple[str, Check]]] = {
     "ollama": [("models", check_models), ("chat", check_chat), ("chat_streamed", check_chat_streamed),
@@ -299,6 +309,9 @@ def main() -> int:
                         help="only this connection (repeatable)")  # fmt: skip
     parser.add_argument("--server-wait", type=float, default=1800.0,
                         help="seconds to wait for /health (a cold start compiles kernels)")  # fmt: skip
+    parser.add_argument("--chromium", default=shutil.which("chromium"),
+                        help="the browser for the web page's check (default: chromium on "
+                        "PATH; without one that check is skipped)")  # fmt: skip
     parser.add_argument("--json", default="bench_results/open_webui.json")
     parser.add_argument("--logs", type=Path, default=Path("bench_results"),
                         help="where the two servers' logs go")  # fmt: skip
@@ -309,6 +322,7 @@ def main() -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     server_log = args.logs / "open_webui_iterserve.log"
     rows: list[dict[str, Any]] = []
+    skipped: list[str] = []  # the page's checks, where the machine has no Chromium
     port = free_port()
     server = f"http://127.0.0.1:{port}"
     with iterserve_server(port, args.model, args.server_arg, server_log, args.server_wait):
@@ -321,7 +335,13 @@ def main() -> int:
             with open_webui(python, connection, server, model, ui_log) as base:
                 ui = Client(base)
                 offset = access_statuses(server_log, offset)[1]  # Open WebUI's start-up
-                for name, check in CHECKS[connection]:
+                checks = list(CHECKS[connection])
+                if args.chromium:
+                    page = functools.partial(check_page, python=python, chromium=args.chromium)
+                    checks.append(("page", page))
+                else:
+                    skipped.append(f"{connection}/page")
+                for name, check in checks:
                     print(f"running {connection}/{name}", flush=True)
                     try:
                         seen, passed, error = check(ui, model), True, None
@@ -346,12 +366,15 @@ def main() -> int:
         print(f"{'':<{width}}          {(row['error'] or row['seen'] or '')[:150]}")
     passed = sum(row["passed"] for row in rows)
     print(f"\n{passed}/{len(rows)} passed; Open WebUI {versions['open-webui']}")
+    if skipped:
+        print(f"skipped (no Chromium: apt install chromium, or --chromium PATH): {skipped}")
     write_results(args.json, {
         "date": datetime.date.today().isoformat(),
         "open_webui": versions,
         "iterserve": served_source(),
         "model": served,
         "cases": rows,
+        "skipped": skipped,
     })  # fmt: skip
     return 0 if passed == len(rows) else 1
 
