@@ -486,6 +486,13 @@ class EngineConfig:
         "however its prompt was chunked or cached (so a seeded request samples the same "
         "text): iterserve's fused kernels always compute so; start only where they run",
     )
+    enable_prompt_embeds: bool = _opt(
+        False,
+        "take prompts given as the model's input rows (vLLM's prompt_embeds: /v1/completions' "
+        "`prompt_embeds`, base64 of a torch.save'd [tokens, hidden] tensor; offline "
+        "{'prompt_embeds': tensor}). Off by default, as in vLLM: a request then carries a "
+        "tensor the server unpickles (torch.load with weights_only)",
+    )
     compile: bool = _opt(
         True,
         "compile the layer stack into one graph at start-up (torch.compile; cached)",
@@ -575,6 +582,7 @@ class EngineConfig:
         refused = {
             f"--weights {self.weights}": self.weights in ("int4", "int8"),
             "--batch-invariant": self.batch_invariant,
+            "--enable-prompt-embeds": self.enable_prompt_embeds,
             "--speculative-method draft": self.speculative.speculative_method == "draft",
             # The adapters' deltas are not sharded (a slice of B per rank would do; not yet).
             "LoRA (--enable-lora, --lora-modules)": self.lora.enabled,

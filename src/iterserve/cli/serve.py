@@ -291,6 +291,9 @@ def launch_engine(args: argparse.Namespace) -> ServingEngine:
     config = engine_config_from_args(args)
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and config.enable_prompt_embeds:
+        # The router places a prompt by its tokens; a prompt of rows has none.
+        raise ValueError("--enable-prompt-embeds is not supported with --data-parallel-size > 1")
     if args.data_parallel_size == 1 and args.ray_address is None:
         from iterserve.engine.async_engine import AsyncEngine
         from iterserve.engine.llm_engine import LLMEngine

@@ -103,15 +103,17 @@ def block_hash_chain(
     return hashes
 
 
-def chain_seed(algo: str, lora_id: int) -> BlockHash | None:
-    """The parent of a request's first block: none for the base model, its adapter's own
-    name otherwise, so blocks computed under different adapters never share a name (their
-    K/V differ from the first layer on)."""
-    if not lora_id:
+def chain_seed(algo: str, lora_id: int, content: bytes = b"") -> BlockHash | None:
+    """The parent of a request's first block: none for the base model and a prompt of
+    tokens; otherwise a name of its adapter and of the content its prompt's rows were given
+    as (Request.chain_key), so blocks computed under different adapters, or from other
+    rows behind the same placeholder tokens, never share a name (their K/V differ from the
+    first layer on)."""
+    if not lora_id and not content:
         return None
     if algo == "builtin":
-        return hash(("lora", lora_id))
-    return hashlib.sha256(b"lora" + lora_id.to_bytes(8, "little")).digest()
+        return hash(("lora", lora_id, content))
+    return hashlib.sha256(b"lora" + lora_id.to_bytes(8, "little") + content).digest()
 
 
 def break_seed(algo: str, serial: int) -> BlockHash:
@@ -451,7 +453,11 @@ class KVCacheManager:
         hashes = request.block_hashes
         start = len(hashes) * self.block_size
         if start + self.block_size <= request.num_tokens:
-            parent = hashes[-1] if hashes else chain_seed(self.hash_algo, request.lora_id)
+            parent = (
+                hashes[-1]
+                if hashes
+                else chain_seed(self.hash_algo, request.lora_id, request.chain_key)
+            )
             broken_at = request.exact_upto // self.block_size  # core/kv_reuse.py
             if request.chain_break is not None and broken_at == len(hashes):
                 parent = request.chain_break

@@ -218,9 +218,14 @@ class CacheReuse:
 
     @staticmethod
     def applies_to(request: Request) -> bool:
-        """Generation only: prompt logprobs need every position's logits and a pooled
-        embedding every position's states."""
-        return request.pooling_params is None and request.sampling_params.prompt_logprobs is None
+        """Generation from tokens only: prompt logprobs need every position's logits, a
+        pooled embedding every position's states, and a prompt given as rows has no tokens
+        to match."""
+        return (
+            request.pooling_params is None
+            and request.sampling_params.prompt_logprobs is None
+            and request.prompt_embeds is None
+        )
 
     def remember(self, request: Request) -> None:
         """Keep an ending request's full blocks as a source for later prompts."""

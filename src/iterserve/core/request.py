@@ -11,7 +11,7 @@ import enum
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from iterserve.core.logprobs import TokenLogprobs
 from iterserve.pooling_params import PoolingParams
@@ -61,6 +61,18 @@ class RequestTimings:
     # without a copy (a simulated million requests make ~2e8 of them).
     token_times: array[float] = field(default_factory=lambda: array("d"))
     finished: float | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class PromptEmbeds:
+    """A prompt given as the model's input rows rather than tokens (vLLM's prompt_embeds):
+    the executor writes `rows` ([prompt length, hidden], a tensor the engine made; opaque
+    here) where the layers would read the token embeddings, and the prompt's token ids are
+    placeholders. `key` names the rows' content: the prefix cache names the request's blocks
+    on a chain seeded by it, so only the same rows can share them."""
+
+    rows: Any
+    key: bytes
 
 
 @dataclass(eq=False)
@@ -116,12 +128,20 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # An embedding request: prefill only, its prompt's states pooled into one vector.
     pooling_params: PoolingParams | None = None
+    # A prompt given as input rows (its prompt_token_ids are then placeholders).
+    prompt_embeds: PromptEmbeds | None = None
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:
         self.timings = RequestTimings(arrival=self.arrival_time)
         # One list for prompt + output so a step can slice it without concatenating.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def chain_key(self) -> bytes:
+        """What seeds its blocks' names besides its adapter: its prompt rows' content, if
+        given as rows (core/kv_cache.py chain_seed)."""
+        return b"" if self.prompt_embeds is None else self.prompt_embeds.key
 
     @property
     def is_embedding(self) -> bool:

@@ -728,6 +728,7 @@ class Scheduler:
                     lora_id=request.lora_id,
                     lora_slot=self.lora_slots.slot_of(request.lora_id),
                     kv_copies=tuple(step.kv_copies.get(request, ())),
+                    prompt_embeds=_prompt_rows(request, start),
                 )
             )
             params = request.sampling_params
@@ -791,14 +792,22 @@ class Scheduler:
         return RequestUpdate(request.request_id, [], [], status.finish_reason)
 
 
+def _prompt_rows(request: Request, start: int) -> object:
+    """The input rows of a prompt given as rows, for a step that computes from `start`
+    while the prompt is not all computed (None otherwise)."""
+    embeds = request.prompt_embeds
+    return None if embeds is None or start >= request.num_prompt_tokens else embeds.rows
+
+
 def _token_context(request: Request) -> TokenContext:
-    """What the sampler's look-back controls read (for requests that use any)."""
+    """What the sampler's look-back controls read (for requests that use any): a prompt
+    given as rows has no tokens for penalties to count."""
     params = request.sampling_params
     stops = tuple(params.stop_token_ids)
     if not params.ignore_eos:
         stops += request.eos_token_ids
     return TokenContext(
-        request.prompt_token_ids,
+        () if request.prompt_embeds is not None else request.prompt_token_ids,
         list(request.output_token_ids),
         stops,
         request.bad_words_token_ids,

@@ -28,6 +28,7 @@ from iterserve.engine.engine_core import StepFailedError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompt_embeds import EmbedsPrompt
 from iterserve.engine.prompts import Prompt
 from iterserve.engine.request_stream import (
     EngineDiedError,
@@ -491,13 +492,17 @@ class AsyncEngine:
                 lora_request=request.lora,
             )
             return
-        token_ids = engine.tokenize(request.prompt)
+        # Tokenized here, on the engine's thread (a prompt of input rows has its length).
+        prompt = request.prompt
+        if not isinstance(prompt, EmbedsPrompt):
+            prompt = engine.tokenize(prompt)
         params = request.params
         if request.fill_context:
-            room = engine.max_request_tokens() - len(token_ids)
+            length = prompt.num_rows if isinstance(prompt, EmbedsPrompt) else len(prompt)
+            room = engine.max_request_tokens() - length
             params = replace(params, max_tokens=max(1, min(params.max_tokens, room)))
         engine.add_request(
-            token_ids,
+            prompt,
             params,
             request_id=request.request_id,
             lane=request.lane,

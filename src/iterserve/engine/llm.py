@@ -71,7 +71,8 @@ class LLM:
         """Run every prompt to completion: one output per prompt, in prompt order, as vLLM's
         `LLM.generate` (`output.prompt`, `output.outputs[i].text` for choice i of n; the
         first choice's fields also stand on the output itself: `output.text`). A prompt is
-        text, token ids, or vLLM's `{"prompt": ...}` / `{"prompt_token_ids": ...}`.
+        text, token ids, or vLLM's `{"prompt": ...}` / `{"prompt_token_ids": ...}` /
+        `{"prompt_embeds": tensor}` (with enable_prompt_embeds).
         `lora_request`: the LoRA adapter every prompt runs, or one per prompt (None: the
         base model), as in vLLM."""
         prompt_list = [as_prompt(p) for p in _prompt_list(prompts)]

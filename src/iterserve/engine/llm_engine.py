@@ -26,7 +26,7 @@ from iterserve.config import (
 )
 from iterserve.core.lora import LoRARequest, LoRASlots
 from iterserve.core.outputs import RequestUpdate, TokenLogprobs
-from iterserve.core.request import EMBED_LANE, FinishReason, Request, RequestStatus
+from iterserve.core.request import EMBED_LANE, FinishReason, PromptEmbeds, Request, RequestStatus
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.speculation import NgramProposer
 from iterserve.engine import available_memory, kv_pool_ledger
@@ -49,6 +49,8 @@ from iterserve.engine.pooling import (
     finish_score,
     model_pooling,
 )
+from iterserve.engine.prompt_embeds import FIELD as PROMPT_EMBEDS_FIELD
+from iterserve.engine.prompt_embeds import EmbedsPrompt, checked_rows, prompt_embeds
 from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt
 from iterserve.engine.sampling_controls import bad_words_token_ids, check_token_ids
 from iterserve.engine.score_prompts import PairPrompts, rerank_template
@@ -139,6 +141,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype, dtype_reason = choose_dtype(config, self.device)
+        self.dtype = dtype  # the layers' inputs' (prompt embeds are cast to it)
         loaded = loaded or load_model(config.model, dtype, config.revision)
         if config.hf_overrides:
             overridden = with_hf_overrides(loaded.config, config.hf_overrides)
@@ -453,6 +456,10 @@ class LLMEngine:
         pair, `pair_prompts`' ids: RequestOutput.score). `lora_request`: the adapter it
         runs (added first if the engine does not serve it)."""
         if pooling is not None:
+            if isinstance(prompt, EmbedsPrompt):
+                raise InvalidRequestError(
+                    f"{PROMPT_EMBEDS_FIELD}: taken for generation only", PROMPT_EMBEDS_FIELD
+                )
             return self._add_embedding(
                 prompt, pooling, request_id, priority, arrival_time, lora_request
             )
@@ -474,9 +481,16 @@ class LLMEngine:
             self.grammars.attach(params.structured_output)  # a cache hit from the server
         request_id = request_id or f"req-{next(self._ids)}"
         lora = self.loras.resolve(lora_request) if lora_request is not None else None
+        embeds = None
+        if isinstance(prompt, EmbedsPrompt):
+            embeds = self._prompt_embeds(prompt, params)
+            prompt_ids = [0] * len(embeds.rows)  # placeholders: the rows are the prompt
+        else:
+            prompt_ids = self._prompt_ids(prompt, params.truncation)
         request = Request(
             request_id=request_id,
-            prompt_token_ids=self._prompt_ids(prompt, params.truncation),
+            prompt_token_ids=prompt_ids,
+            prompt_embeds=embeds,
             sampling_params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
@@ -490,11 +504,41 @@ class LLMEngine:
         self._streams[request_id] = _Stream(
             request,
             IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+                self.tokenizer,
+                [] if embeds else request.prompt_token_ids,
+                params.skip_special_tokens,
             ),
             StopStringMatcher(params.stop, params.include_stop_str_in_output),
         )
         return request_id
+
+    def _prompt_embeds(self, prompt: EmbedsPrompt, params: SamplingParams) -> PromptEmbeds:
+        """A prompt given as input rows, checked (engine/prompt_embeds.py): what it cannot
+        give is InvalidRequestError naming the field."""
+        field = PROMPT_EMBEDS_FIELD
+        if not self.config.enable_prompt_embeds:
+            raise InvalidRequestError(
+                f"{field}: prompts given as input rows are off; start the server with "
+                "--enable-prompt-embeds",
+                field,
+            )
+        config = self.model_config
+        if config.traits.embed_scale or config.embedding_multiplier or config.residual_multiplier:
+            raise InvalidRequestError(
+                f"{field}: not taken for {config.architecture}, whose token embeddings are "
+                "scaled before its layers",
+                field,
+            )
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs: a prompt given as input rows has no tokens to score",
+                "prompt_logprobs",
+            )
+        rows = checked_rows(prompt.prompt_embeds, config.hidden_size, self.dtype, field)
+        if params.truncation is not None:
+            kept = params.truncation.apply(list(range(len(rows))), self.scheduler.max_model_len)
+            rows = rows[kept[0] : kept[-1] + 1]
+        return prompt_embeds(rows)
 
     def _add_embedding(
         self,

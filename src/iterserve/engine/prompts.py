@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import torch
+
+from iterserve.engine.prompt_embeds import EmbedsPrompt
 from iterserve.engine.template_inputs import fitted_to_template, fitted_tools
 from iterserve.sampling_params import InvalidRequestError
 
@@ -74,28 +77,36 @@ def continuing(
     return rendered
 
 
-Prompt = str | RenderedChat | list[int]
+Prompt = str | RenderedChat | list[int] | EmbedsPrompt
 
-# vLLM's prompt dicts: TextPrompt and TokensPrompt, and the one key each holds.
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+# vLLM's prompt dicts: TextPrompt, TokensPrompt and EmbedsPrompt, and the one key each holds.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
+_EXPECTED = {
+    "prompt": "a string",
+    "prompt_token_ids": "a list of token ids",
+    "prompt_embeds": "a [tokens, hidden] tensor",
+}
 
 
 def as_prompt(given: Prompt | Mapping[str, Any]) -> Prompt:
-    """A prompt as the engine takes it. vLLM's `{"prompt": text}` (TextPrompt) and
-    `{"prompt_token_ids": ids}` (TokensPrompt) become their text or ids; what else such a dict
-    may hold in vLLM (multi-modal data, an encoder's prompt, a cache salt) is refused by name,
-    as is a dict holding both or neither."""
+    """A prompt as the engine takes it. vLLM's `{"prompt": text}` (TextPrompt),
+    `{"prompt_token_ids": ids}` (TokensPrompt) and `{"prompt_embeds": tensor}` (EmbedsPrompt)
+    become their text, ids or rows; what else such a dict may hold in vLLM (multi-modal data,
+    an encoder's prompt, a cache salt) is refused by name, as is a dict holding two or none."""
     if not isinstance(given, Mapping):
         return given
     unknown = sorted(set(given) - set(_PROMPT_KEYS))
     if unknown:
         raise InvalidRequestError(
-            f"a prompt dict takes 'prompt' or 'prompt_token_ids' only, not {', '.join(unknown)}",
+            "a prompt dict takes 'prompt', 'prompt_token_ids' or 'prompt_embeds' only, not "
+            f"{', '.join(unknown)}",
             unknown[0],
         )
     if len(given) != 1:
         raise InvalidRequestError(
-            "a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids' (ids)", "prompt"
+            "a prompt dict holds one of 'prompt' (text), 'prompt_token_ids' (ids) or "
+            "'prompt_embeds' (input rows)",
+            "prompt",
         )
     key, value = next(iter(given.items()))
     if key == "prompt" and isinstance(value, str):
@@ -104,8 +115,9 @@ def as_prompt(given: Prompt | Mapping[str, Any]) -> Prompt:
         ids = list(value)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return ids
-    expected = "a string" if key == "prompt" else "a list of token ids"
-    raise InvalidRequestError(f"'{key}' must be {expected}, got {type(value).__name__}", key)
+    if key == "prompt_embeds" and isinstance(value, torch.Tensor):
+        return EmbedsPrompt(value)
+    raise InvalidRequestError(f"'{key}' must be {_EXPECTED[key]}, got {type(value).__name__}", key)
 
 
 def prompt_text(prompt: Prompt) -> str | None:

@@ -32,6 +32,8 @@ class ForwardSeq:
     # Rows (of token_ids) whose final-norm hidden states an embedding pools.
     hidden_rows: range = range(0)
     lora_slot: int = -1  # the slot of its LoRA adapter (-1: the base model)
+    # Input rows for its first tokens, in place of their embeddings (a prompt given as rows).
+    embeds: torch.Tensor | None = None
 
 
 class PagedModel:
@@ -84,8 +86,13 @@ class PagedModel:
         spans: list[SeqSpan] = []
         logits_indices: list[int] = []
         hidden_indices: list[int] = []
+        given_rows: list[int] = []  # rows given as input rows, and the rows themselves
+        given: list[torch.Tensor] = []
         for seq in seqs:
             hidden_indices.extend(len(input_ids) + row for row in seq.hidden_rows)
+            if seq.embeds is not None and len(seq.embeds):
+                given_rows.extend(range(len(input_ids), len(input_ids) + len(seq.embeds)))
+                given.append(seq.embeds)
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, seq.start + len(seq.token_ids)))
             spans.append(SeqSpan(seq.block_ids, seq.start, len(seq.token_ids)))
@@ -107,7 +114,11 @@ class PagedModel:
         if self.lora is not None:
             self.lora.state.batch = _lora_batch(seqs, self.device)
         try:
-            hidden = self.model.hidden_states(*inputs, meta, self.kv_caches)
+            given_inputs = None
+            if given:
+                rows = torch.tensor(given_rows, dtype=torch.long, device=self.device)
+                given_inputs = (rows, torch.cat(given).to(self.device))
+            hidden = self.model.hidden_states(*inputs, meta, self.kv_caches, given_inputs)
         finally:
             if self.lora is not None:
                 self.lora.state.batch = None

@@ -94,6 +94,7 @@ class TorchRunner:
                     seq.num_logits,
                     hidden_rows(seq),
                     lora_slot=seq.lora_slot,
+                    embeds=given_rows(seq),
                 )
                 for seq in scheduled.seqs
             ]
@@ -278,3 +279,13 @@ def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
             break
         accepted += 1
     return accepted
+
+
+def given_rows(seq: ScheduledSeq) -> torch.Tensor | None:
+    """The input rows this chunk of a prompt given as rows computes from, in place of its
+    tokens' embeddings (None for a prompt of tokens, and once the prompt is computed)."""
+    if seq.prompt_embeds is None:
+        return None
+    start = seq.num_computed_tokens
+    rows: torch.Tensor = seq.prompt_embeds[start : start + seq.num_new_tokens]
+    return rows

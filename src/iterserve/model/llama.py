@@ -824,12 +824,18 @@ class LlamaForCausalLM(nn.Module):
         slot_mapping: torch.Tensor,
         step: torch.Tensor | None,
         rope: tuple[torch.Tensor, ...],
+        given: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        """`rope`: the whole rotary tables (`_rope`)."""
+        """`rope`: the whole rotary tables (`_rope`); `given`: rows of the step given as
+        input rows (a prompt's embeddings), their indices and the rows, written over the
+        token embeddings."""
         assert self.embedding is not None
         hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        if given is not None:
+            rows, values = given
+            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         per_layer = None
         if self.per_layer_inputs is not None:
             per_layer = self.per_layer_inputs(input_ids, hidden)
@@ -934,17 +940,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        given: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The layers' output for every token of the step [T, hidden], before the final norm
-        (taken by `normed` for the rows that need it); writes the step's K/V."""
+        (taken by `normed` for the rows that need it); writes the step's K/V. `given`: rows
+        given as input rows (`_layers`), which the step runs eager: the compiled graphs were
+        traced without them."""
         assert self.head is not None, "load() builds the network's weights first"
         if positions.numel():
             self.cover_positions(int(positions.max()) + 1)
         with attention_context(meta, kv_caches):
             step = None if meta.kernel is None else meta.kernel.packed
-            return self._run_layers(
-                input_ids, positions, kv_caches, meta.slot_mapping, step, self._rope()
-            )
+            arguments = (input_ids, positions, kv_caches, meta.slot_mapping, step, self._rope())
+            if given is not None:
+                return self._layers(*arguments, given)
+            return self._run_layers(*arguments, None)
 
     def normed(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The final norm of the rows `indices` of `hidden_states`' output: what the LM head

@@ -15,6 +15,8 @@ from fastapi.responses import Response
 
 from iterserve.engine.fill_in_middle import fill_in_middle_prompts
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompt_embeds import EmbedsPrompt, decode_prompt_embeds
+from iterserve.engine.prompts import Prompt
 from iterserve.engine.request_stream import ALL_THE_CONTEXT
 from iterserve.server.echo import Echo
 from iterserve.server.logprobs import completion_logprobs, prompt_logprobs, token_names
@@ -42,10 +44,12 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
         body.logprobs if scores_prompt else None,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    texts = body.prompts()
+    texts: list[Prompt] = list(body.prompts())
     if body.suffix:  # the text after the cursor: ask for what goes between
-        texts = fill_in_middle_prompts(texts, body.suffix, ctx.fill_in_middle)
-    prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(texts)]
+        texts = list(fill_in_middle_prompts(body.prompts(), body.suffix, ctx.fill_in_middle))
+    # vLLM's order: the prompts given as rows first.
+    given = [EmbedsPrompt(decode_prompt_embeds(rows)) for rows in body.embedded_prompts()]
+    prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate([*given, *texts])]
     # One per prompt; choice i * n + j is of prompt i. A cut prompt echoes what ran.
     echoes = [
         Echo(

@@ -159,7 +159,10 @@ TokenLimit = Annotated[int | None, BeforeValidator(_minus_one_is_none)]
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    # vLLM's: prompts given as input rows, each base64 of a torch.save'd [tokens, hidden]
+    # tensor (--enable-prompt-embeds; engine/prompt_embeds.py). They run before `prompt`'s.
+    prompt_embeds: str | list[str] | None = None
     max_tokens: TokenLimit = 16
     logprobs: int | None = None
     echo: bool = False
@@ -167,13 +170,22 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
-        """One prompt or a batch of them; token ids are accepted in place of text."""
+        """One prompt or a batch of them; token ids are accepted in place of text. None
+        where the request gives prompt_embeds and no prompt, or an empty one (as vLLM's
+        example sends it: the OpenAI client insists on a prompt)."""
         prompt = self.prompt
+        if not prompt and self.prompt_embeds:
+            return []
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]  # type: ignore[list-item]
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
         return list(prompt)  # type: ignore[arg-type]
+
+    def embedded_prompts(self) -> list[str]:
+        """prompt_embeds as a list (each base64 of one tensor)."""
+        given = self.prompt_embeds
+        return [given] if isinstance(given, str) else list(given or [])
 
     @property
     def echo_only(self) -> bool:
@@ -181,6 +193,11 @@ class CompletionRequest(_GenerationRequest):
         return self.echo and self.max_tokens == 0
 
     def check_supported(self) -> None:
+        if self.prompt_embeds is not None:
+            # Rows have no text to fill around or print, and no tokens to score.
+            for name in ("suffix", "echo"):
+                if getattr(self, name):
+                    raise InvalidRequestError(f"{name} cannot be combined with prompt_embeds", name)
         if self.suffix and self.echo:
             # The prompt that ran is the model's fill-in-the-middle form, not the one sent.
             raise InvalidRequestError("suffix cannot be combined with echo", "suffix")
