@@ -154,3 +154,22 @@ def test_a_family_that_scales_its_embeddings_refuses_rows(
     with pytest.raises(InvalidRequestError, match="scaled") as refused:
         llm.generate({"prompt_embeds": rows}, GREEDY, use_tqdm=False)
     assert refused.value.param == "prompt_embeds"
+
+
+@pytest.mark.parametrize("bundled", [False, True], ids=["tiny", "bundled"])
+def test_the_default_path_reads_rows_as_it_reads_tokens(
+    tiny_llama_dir: Path, bundled: bool
+) -> None:
+    """bf16 on the default path (the tiny model's tiled projections and compiled graphs; the
+    bundled model's fused C++ layers, one call for the stack): a prompt's own token
+    embeddings given as rows answer as its tokens do, token for token."""
+    llm = LLM(None if bundled else str(tiny_llama_dir), enable_prompt_embeds=True)
+    if bundled and llm.engine.model_plan.kernels_isa:
+        assert llm.engine.model_plan.paged_attention_kernel, "the fused layers run"
+    table = llm.engine.executor.network.model.embedding
+    assert table is not None
+    ids = [llm.tokenizer.encode(prompt) for prompt in PROMPTS]
+    by_ids = llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False)
+    rows = [{"prompt_embeds": table(torch.tensor(i))} for i in ids]
+    by_rows = llm.generate(rows, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in by_rows] == [o.token_ids for o in by_ids]
