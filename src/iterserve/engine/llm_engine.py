@@ -523,7 +523,7 @@ class LLMEngine:
                 field,
             )
         config = self.model_config
-        if config.traits.embed_scale or config.embedding_multiplier or config.residual_multiplier:
+        if config.embed_scale is not None:
             raise InvalidRequestError(
                 f"{field}: not taken for {config.architecture}, whose token embeddings are "
                 "scaled before its layers",

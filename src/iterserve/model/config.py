@@ -201,6 +201,18 @@ class ModelConfig:
         return self.rms_norm_eps / (m * m)
 
     @property
+    def embed_scale(self) -> float | None:
+        """What the token embeddings are multiplied by before the layers (None: nothing).
+        Gemma: sqrt(hidden), as transformers does. Granite: its embedding multiplier, over
+        its residual multiplier m: the stream is carried as h / m (`stream_norm_eps`), so no
+        block output needs scaling by m."""
+        if self.traits.embed_scale:
+            return self.hidden_size**0.5
+        if self.embedding_multiplier or self.residual_multiplier:
+            return (self.embedding_multiplier or 1.0) / (self.residual_multiplier or 1.0)
+        return None
+
+    @property
     def rope_dim(self) -> int:
         """How many dimensions of each head RoPE turns: the width of the rotary tables (of
         the full layers' where their heads have a size of their own: Gemma 4)."""

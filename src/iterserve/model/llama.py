@@ -536,14 +536,8 @@ class LlamaForCausalLM(nn.Module):
         # The second rotary tables, for the layers whose `second_rope` is set.
         self.rope_second: tuple[torch.Tensor, torch.Tensor] | None = None
         self._grow_rope(min(config.max_position_embeddings, _ROPE_POSITIONS))
-        # Gemma: sqrt(hidden) rounded to the model dtype, as transformers does. Granite: its
-        # embedding multiplier, over its residual multiplier m: the stream is carried as h / m
-        # (ModelConfig.stream_norm_eps), so no block output needs scaling by m.
-        embed_scale = None
-        if config.traits.embed_scale:
-            embed_scale = config.hidden_size**0.5
-        elif config.embedding_multiplier or config.residual_multiplier:
-            embed_scale = (config.embedding_multiplier or 1.0) / (config.residual_multiplier or 1.0)
+        # ModelConfig.embed_scale, rounded to the model dtype as transformers does.
+        embed_scale = config.embed_scale
         self.embed_scale = (
             None if embed_scale is None else torch.tensor(embed_scale, dtype=dtype, device=device)
         )
