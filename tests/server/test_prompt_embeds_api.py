@@ -91,6 +91,15 @@ def test_bad_rows_are_a_400_naming_the_field(server: RunningServer, rows: torch.
                     extra_body={"prompt_embeds": given, **body},
                 )
             assert error.value.body["param"] == field, error.value.body  # type: ignore[index]
+    # A chat takes no rows: refused, not ignored.
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"prompt_embeds": as_base64(rows)},
+        )
+    assert error.value.body["param"] == "prompt_embeds"  # type: ignore[index]
     assert server.engine.scheduler.kv_cache_stats().num_used_blocks == 0
 
 

@@ -19,6 +19,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True, None),
     "logits_processors": (None, []),
     "echo": (False, None),  # vLLM's on chat (the last message repeated); completions has it
+    # Completions takes prompt rows (engine/prompt_embeds.py); a chat's messages are text.
+    "prompt_embeds": (None, "", []),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "web_search_options": (None,),
