@@ -141,17 +141,30 @@ def test_what_rows_cannot_give_is_refused_by_name(tiny_llama_dir: Path) -> None:
     assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0
 
 
-def test_a_family_that_scales_its_embeddings_refuses_rows(
-    tmp_path: Path, tokenizer_dir: Path
+@pytest.mark.parametrize("family", ["gemma3", "granite"])
+def test_families_that_scale_embeddings_take_rows_as_transformers_does(
+    tmp_path: Path, tokenizer_dir: Path, family: str
 ) -> None:
-    """Gemma's token embeddings are scaled before its layers, and whether given rows are
-    scaled already differs between its transformers models: refused, not guessed."""
+    """Gemma's embedding module scales its own output, so its rows come scaled; Granite
+    scales `inputs_embeds` in its forward (and iterserve carries its stream over its
+    residual multiplier): either way the answer is transformers' `inputs_embeds` one."""
     from tiny_families import family_checkpoint, family_model
 
-    path = family_checkpoint("hf", family_model("gemma2"), tmp_path, tokenizer_dir)
+    path = family_checkpoint("hf", family_model(family), tmp_path, tokenizer_dir)
+    rows = _blended_rows(path)[:2]
+    llm = LLM(str(path), dtype="float32", compile=False, enable_prompt_embeds=True)
+    outputs = llm.generate([{"prompt_embeds": r} for r in rows], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == _transformers_greedy(path, rows)
+
+
+def test_per_layer_inputs_by_token_id_refuse_rows(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Gemma 4 E2B's per-layer inputs are looked up by token id: rows have none to give."""
+    from tiny_families import family_checkpoint, gemma4_model
+
+    path = family_checkpoint("hf", gemma4_model("e2b"), tmp_path, tokenizer_dir)
     llm = LLM(str(path), dtype="float32", compile=False, enable_prompt_embeds=True)
     rows = torch.randn(4, llm.engine.model_config.hidden_size)
-    with pytest.raises(InvalidRequestError, match="scaled") as refused:
+    with pytest.raises(InvalidRequestError, match="per-layer") as refused:
         llm.generate({"prompt_embeds": rows}, GREEDY, use_tqdm=False)
     assert refused.value.param == "prompt_embeds"
 

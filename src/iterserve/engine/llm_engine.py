@@ -523,10 +523,10 @@ class LLMEngine:
                 field,
             )
         config = self.model_config
-        if config.embed_scale is not None:
+        if config.per_layer_input_size:
             raise InvalidRequestError(
-                f"{field}: not taken for {config.architecture}, whose token embeddings are "
-                "scaled before its layers",
+                f"{field}: not taken for {config.architecture} with per-layer inputs, which "
+                "are looked up by token id",
                 field,
             )
         if params.prompt_logprobs is not None:

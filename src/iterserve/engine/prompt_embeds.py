@@ -8,10 +8,11 @@ base64 of the tensor as `torch.save` writes it. The engine runs them where the l
 read the token embeddings (model/llama.py `_layers`), behind placeholder token ids, and
 names their blocks in the prefix cache by the rows' content (core/request.py PromptEmbeds).
 
-What the rows cannot give is refused by name: prompt logprobs and echo (no tokens to score
-or print), a family whose token embeddings are scaled before the layers (Gemma's, Granite's:
-whether given rows are scaled already differs between its transformers models), an embedding
-or scoring request, and tensor parallelism (config.py).
+The rows are what transformers' `inputs_embeds` takes for the same model: Gemma's come
+scaled (its embedding module scales its own output), Granite's are scaled here as its forward
+scales them (ModelConfig.given_rows_scale). What the rows cannot give is refused by name:
+prompt logprobs and echo (no tokens to score or print), per-layer inputs looked up by token id
+(Gemma 4 E2B/E4B), an embedding or scoring request, and tensor parallelism (config.py).
 """
 
 from __future__ import annotations

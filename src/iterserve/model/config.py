@@ -213,6 +213,14 @@ class ModelConfig:
         return None
 
     @property
+    def given_rows_scale(self) -> float | None:
+        """What rows given in place of token embeddings (prompt_embeds) are multiplied by,
+        to be what transformers' `inputs_embeds` is: Gemma's embedding module scales its own
+        output (`get_input_embeddings()(ids)` is scaled already, and given rows are taken as
+        they are); Granite scales `inputs_embeds` in its forward, given or looked up."""
+        return None if self.traits.embed_scale else self.embed_scale
+
+    @property
     def rope_dim(self) -> int:
         """How many dimensions of each head RoPE turns: the width of the rotary tables (of
         the full layers' where their heads have a size of their own: Gemma 4)."""

@@ -829,6 +829,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * self.embed_scale
         if given is not None:
             rows, values = given
+            if (scale := self.config.given_rows_scale) is not None:
+                values = values * scale  # Granite's, as transformers scales inputs_embeds
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         per_layer = None
         if self.per_layer_inputs is not None:
