@@ -44,12 +44,13 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
         body.logprobs if scores_prompt else None,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    texts: list[Prompt] = list(body.prompts())
+    texts = body.prompts()
     if body.suffix:  # the text after the cursor: ask for what goes between
-        texts = list(fill_in_middle_prompts(body.prompts(), body.suffix, ctx.fill_in_middle))
+        texts = fill_in_middle_prompts(texts, body.suffix, ctx.fill_in_middle)
     # vLLM's order: the prompts given as rows first.
     given = [EmbedsPrompt(decode_prompt_embeds(rows)) for rows in body.embedded_prompts()]
-    prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate([*given, *texts])]
+    runs: list[Prompt] = [*given, *texts]
+    prompts = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(runs)]
     # One per prompt; choice i * n + j is of prompt i. A cut prompt echoes what ran.
     echoes = [
         Echo(
