@@ -103,17 +103,25 @@ def block_hash_chain(
     return hashes
 
 
-def chain_seed(algo: str, lora_id: int, content: bytes = b"") -> BlockHash | None:
-    """The parent of a request's first block: none for the base model and a prompt of
-    tokens; otherwise a name of its adapter and of the content its prompt's rows were given
-    as (Request.chain_key), so blocks computed under different adapters, or from other
-    rows behind the same placeholder tokens, never share a name (their K/V differ from the
-    first layer on)."""
-    if not lora_id and not content:
+def chain_seed(algo: str, lora_id: int) -> BlockHash | None:
+    """The parent of a request's first block: none for the base model; otherwise a name of
+    its adapter, so blocks computed under different adapters never share a name."""
+    if not lora_id:
         return None
     if algo == "builtin":
-        return hash(("lora", lora_id, content))
-    return hashlib.sha256(b"lora" + lora_id.to_bytes(8, "little") + content).digest()
+        return hash(("lora", lora_id))
+    return hashlib.sha256(b"lora" + lora_id.to_bytes(8, "little")).digest()
+
+
+def keyed_parent(algo: str, parent: BlockHash | None, content: bytes) -> BlockHash:
+    """The parent of the block holding a prompt's first position given as rows
+    (Request.chain_key): the chain so far and the rows' content, so blocks from there on
+    computed from other rows behind the same placeholder tokens never share a name (their
+    K/V differ from the first layer on)."""
+    if algo == "builtin":
+        return hash(("rows", parent, content))
+    before = b"" if parent is None else parent
+    return hashlib.sha256(b"rows" + before + content).digest()
 
 
 def break_seed(algo: str, serial: int) -> BlockHash:
@@ -453,14 +461,21 @@ class KVCacheManager:
         hashes = request.block_hashes
         start = len(hashes) * self.block_size
         if start + self.block_size <= request.num_tokens:
-            parent = (
-                hashes[-1]
-                if hashes
-                else chain_seed(self.hash_algo, request.lora_id, request.chain_key)
-            )
+            parent = hashes[-1] if hashes else chain_seed(self.hash_algo, request.lora_id)
             broken_at = request.exact_upto // self.block_size  # core/kv_reuse.py
             if request.chain_break is not None and broken_at == len(hashes):
                 parent = request.chain_break
             tokens = request.all_token_ids[start:]
+            keyed = request.chain_key
+            if keyed is not None and (first := keyed[0] // self.block_size) >= len(hashes):
+                # The blocks before the first given row are named by their tokens alone.
+                before = (first - len(hashes)) * self.block_size
+                if before + self.block_size <= len(tokens):  # that row's block is full
+                    chain = block_hash_chain(
+                        tokens[:before], self.block_size, self.hash_algo, parent
+                    )
+                    hashes += chain
+                    parent = keyed_parent(self.hash_algo, chain[-1] if chain else parent, keyed[1])
+                    tokens = tokens[before:]
             hashes += block_hash_chain(tokens, self.block_size, self.hash_algo, parent)
         return hashes

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from iterserve.core.kv_reuse import KVCopy
 from iterserve.core.logprobs import TokenLogprobs
-from iterserve.core.request import FinishReason
+from iterserve.core.request import FinishReason, PromptEmbeds
 from iterserve.pooling_params import PoolingType
 from iterserve.sampling_params import SamplingParams
 
@@ -71,9 +70,9 @@ class ScheduledSeq:
     # Cached K/V the executor copies into the request's blocks before the step's forward
     # (--cache-reuse: core/kv_reuse.py); positions its computing will pass over.
     kv_copies: tuple[KVCopy, ...] = ()
-    # A prompt given as input rows (Request.prompt_embeds.rows): the executor writes the
-    # rows of this step's prompt positions in place of their tokens' embeddings.
-    prompt_embeds: Any = None
+    # Prompt positions given as input rows (Request.prompt_embeds): the executor writes
+    # the rows of this step's positions in place of their tokens' embeddings.
+    prompt_embeds: PromptEmbeds | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -65,14 +65,39 @@ class RequestTimings:
 
 @dataclass(frozen=True, eq=False)
 class PromptEmbeds:
-    """A prompt given as the model's input rows rather than tokens (vLLM's prompt_embeds):
-    the executor writes `rows` ([prompt length, hidden], a tensor the engine made; opaque
-    here) where the layers would read the token embeddings, and the prompt's token ids are
-    placeholders. `key` names the rows' content: the prefix cache names the request's blocks
-    on a chain seeded by it, so only the same rows can share them."""
+    """Prompt positions given as the model's input rows rather than tokens: a whole prompt
+    (vLLM's prompt_embeds) or an image's positions within one (engine/images.py). The
+    executor writes `rows` (a [positions, hidden] tensor the engine made; opaque here) where
+    the layers would read those positions' token embeddings; their token ids are
+    placeholders. `spans` are the positions, as (first, count) runs in order, the rows
+    concatenated in that order; none means the whole prompt. `key` names the rows' content:
+    the prefix cache mixes it into the name of the block holding the first given position
+    (core/kv_cache.py), so only the same rows can share that block and those after it."""
 
     rows: Any
     key: bytes
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def first_position(self) -> int:
+        return self.spans[0][0] if self.spans else 0
+
+    @property
+    def whole_prompt(self) -> bool:
+        """The rows are the prompt: there are no tokens of its own (penalties, echo)."""
+        return not self.spans
+
+    def pieces(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """The given rows among positions start..start+count-1, as (offset from `start`,
+        first row, rows) runs."""
+        found: list[tuple[int, int, int]] = []
+        row = 0
+        for first, length in self.spans or ((0, len(self.rows)),):
+            lo, hi = max(first, start), min(first + length, start + count)
+            if lo < hi:
+                found.append((lo - start, row + lo - first, hi - lo))
+            row += length
+        return found
 
 
 @dataclass(eq=False)
@@ -138,10 +163,12 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
 
     @property
-    def chain_key(self) -> bytes:
-        """What seeds its blocks' names besides its adapter: its prompt rows' content, if
-        given as rows (core/kv_cache.py chain_seed)."""
-        return b"" if self.prompt_embeds is None else self.prompt_embeds.key
+    def chain_key(self) -> tuple[int, bytes] | None:
+        """What its blocks' names mix in besides their tokens and adapter: the content of
+        the rows its prompt was given as, from the block holding the first of them on
+        (core/kv_cache.py chain_seed); None for a prompt of tokens."""
+        embeds = self.prompt_embeds
+        return None if embeds is None else (embeds.first_position, embeds.key)
 
     @property
     def is_embedding(self) -> bool:

@@ -50,7 +50,7 @@ from iterserve.core.outputs import (
     TokenContext,
 )
 from iterserve.core.policies import WaitingQueues, form_batch, outranks, victim_key
-from iterserve.core.request import EMBED_LANE, LANES, Request, RequestStatus
+from iterserve.core.request import EMBED_LANE, LANES, PromptEmbeds, Request, RequestStatus
 from iterserve.core.speculation import DraftQuery, NgramProposer, Proposer, SpecDecodeStats
 from iterserve.core.step_plan import StepPlan
 from iterserve.invalid_request import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
@@ -792,11 +792,11 @@ class Scheduler:
         return RequestUpdate(request.request_id, [], [], status.finish_reason)
 
 
-def _prompt_rows(request: Request, start: int) -> object:
-    """The input rows of a prompt given as rows, for a step that computes from `start`
+def _prompt_rows(request: Request, start: int) -> PromptEmbeds | None:
+    """A prompt's input rows (Request.prompt_embeds), for a step that computes from `start`
     while the prompt is not all computed (None otherwise)."""
     embeds = request.prompt_embeds
-    return None if embeds is None or start >= request.num_prompt_tokens else embeds.rows
+    return None if embeds is None or start >= request.num_prompt_tokens else embeds
 
 
 def _token_context(request: Request) -> TokenContext:
@@ -807,7 +807,9 @@ def _token_context(request: Request) -> TokenContext:
     if not params.ignore_eos:
         stops += request.eos_token_ids
     return TokenContext(
-        () if request.prompt_embeds is not None else request.prompt_token_ids,
+        ()
+        if request.prompt_embeds and request.prompt_embeds.whole_prompt
+        else request.prompt_token_ids,
         list(request.output_token_ids),
         stops,
         request.bad_words_token_ids,

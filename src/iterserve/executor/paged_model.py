@@ -32,8 +32,9 @@ class ForwardSeq:
     # Rows (of token_ids) whose final-norm hidden states an embedding pools.
     hidden_rows: range = range(0)
     lora_slot: int = -1  # the slot of its LoRA adapter (-1: the base model)
-    # Input rows for its first tokens, in place of their embeddings (a prompt given as rows).
-    embeds: torch.Tensor | None = None
+    # Input rows for some of its tokens (offsets into token_ids), in place of their
+    # embeddings: a prompt given as rows, an image's positions.
+    embeds: tuple[Sequence[int], torch.Tensor] | None = None
 
 
 class PagedModel:
@@ -90,9 +91,10 @@ class PagedModel:
         given: list[torch.Tensor] = []
         for seq in seqs:
             hidden_indices.extend(len(input_ids) + row for row in seq.hidden_rows)
-            if seq.embeds is not None and len(seq.embeds):
-                given_rows.extend(range(len(input_ids), len(input_ids) + len(seq.embeds)))
-                given.append(seq.embeds)
+            if seq.embeds is not None:
+                offsets, rows = seq.embeds
+                given_rows.extend(len(input_ids) + offset for offset in offsets)
+                given.append(rows)
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, seq.start + len(seq.token_ids)))
             spans.append(SeqSpan(seq.block_ids, seq.start, len(seq.token_ids)))

@@ -281,11 +281,16 @@ def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     return accepted
 
 
-def given_rows(seq: ScheduledSeq) -> torch.Tensor | None:
-    """The input rows this chunk of a prompt given as rows computes from, in place of its
-    tokens' embeddings (None for a prompt of tokens, and once the prompt is computed)."""
-    if seq.prompt_embeds is None:
+def given_rows(seq: ScheduledSeq) -> tuple[list[int], torch.Tensor] | None:
+    """The positions of this chunk of a prompt that are given as input rows (offsets into
+    the chunk) and those rows, in place of their tokens' embeddings; None where there are
+    none."""
+    embeds = seq.prompt_embeds
+    if embeds is None:
         return None
-    start = seq.num_computed_tokens
-    rows: torch.Tensor = seq.prompt_embeds[start : start + seq.num_new_tokens]
-    return rows
+    pieces = embeds.pieces(seq.num_computed_tokens, seq.num_new_tokens)
+    if not pieces:
+        return None
+    offsets = [offset + i for offset, _, count in pieces for i in range(count)]
+    rows = [embeds.rows[row : row + count] for _, row, count in pieces]
+    return offsets, rows[0] if len(rows) == 1 else torch.cat(rows)
