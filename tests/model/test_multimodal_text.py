@@ -19,18 +19,10 @@ from paged_runner import PagedRunner
 from tiny_checkpoints import save_checkpoint
 from tiny_families import MINISTRAL3_ROPE, family_checkpoint, family_model
 from tiny_gguf import write_gguf
+from tiny_vision import TEXT_SHAPE
 
 VOCAB = 49152  # the bundled tokenizer's
-TEXT = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    max_position_embeddings=256,
-)
+TEXT = dict(**TEXT_SHAPE, vocab_size=VOCAB, max_position_embeddings=256)
 VISION = dict(
     hidden_size=32,
     intermediate_size=64,

@@ -14,11 +14,13 @@ from dataclasses import replace
 from typing import Any
 
 from iterserve.chat.answer import read_answer
+from iterserve.chat.image_parts import take_images
 from iterserve.chat.offline_tools import ChatWithTools
 from iterserve.chat.reasoning import ReasoningSupport, cap_thinking
 from iterserve.chat.reasoning_parsers import ThinkingReader
 from iterserve.chat.tool_parsers.hermes import HermesToolParser
 from iterserve.chat.tools import ToolPlan
+from iterserve.engine.images import ImagesPrompt
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import RenderedChat, render_chat
 from iterserve.invalid_request import InvalidRequestError
@@ -66,9 +68,10 @@ class OfflineChat:
 
     def prepare(
         self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams
-    ) -> tuple[RenderedChat, SamplingParams]:
-        """The conversation's prompt, and its own copy of `params` (adjusted for its tools
-        and its thinking)."""
+    ) -> tuple[RenderedChat | ImagesPrompt, SamplingParams]:
+        """The conversation's prompt (with its images, if any), and its own copy of
+        `params` (adjusted for its tools and its thinking)."""
+        conversation, images = take_images(conversation)
         if self.tools is not None:
             prompt, params = self.tools.prepare(conversation, params)
         else:
@@ -80,6 +83,8 @@ class OfflineChat:
         if self.thinking_token_budget is not None:
             cap_thinking(self.reasoning, reader, params, self.thinking_token_budget)
         self.readers.append(reader)
+        if images:
+            return ImagesPrompt(prompt.text, tuple(images), rendered=True), params
         return prompt, params
 
     def read(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from iterserve.engine.engine_core import StepFailedError
+from iterserve.engine.images import ImagesInput, ImagesPrompt
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
@@ -493,12 +494,21 @@ class AsyncEngine:
             )
             return
         # Tokenized here, on the engine's thread (a prompt of input rows has its length).
+        # A prompt's images are encoded here too, as vLLM runs its encoders in its steps.
         prompt = request.prompt
-        if not isinstance(prompt, EmbedsPrompt):
+        if isinstance(prompt, ImagesPrompt):
+            prompt = engine.image_input(prompt)
+        elif not isinstance(prompt, EmbedsPrompt):
             prompt = engine.tokenize(prompt)
         params = request.params
         if request.fill_context:
-            length = prompt.num_rows if isinstance(prompt, EmbedsPrompt) else len(prompt)
+            length = (
+                prompt.num_rows
+                if isinstance(prompt, EmbedsPrompt)
+                else len(prompt.token_ids)
+                if isinstance(prompt, ImagesInput)
+                else len(prompt)
+            )
             room = engine.max_request_tokens() - length
             params = replace(params, max_tokens=max(1, min(params.max_tokens, room)))
         engine.add_request(

@@ -33,6 +33,7 @@ from iterserve.engine import available_memory, kv_pool_ledger
 from iterserve.engine.chat_template import resolve_chat_template
 from iterserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from iterserve.engine.engine_core import EngineCore, StepFailedError, StepStats
+from iterserve.engine.images import ImageInputs, ImagesInput, ImagesPrompt
 from iterserve.engine.kv_pool_size import (
     AvailableMemory,
     KVPoolSize,
@@ -202,8 +203,10 @@ class LLMEngine:
             loaded.parameter_count(),
             loaded.file_format,
             loaded.file_type,
+            loaded.images.marker if loaded.images else None,
         )
         self.tokenizer = loaded.tokenizer
+        self.images = ImageInputs(loaded.images, self.tokenizer) if loaded.images else None
         self.chat_template = resolve_chat_template(
             self.config.chat_template, loaded.chat_template, loaded.tokenizer
         )
@@ -426,12 +429,22 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, ImagesPrompt):
+            return self.image_input(prompt).token_ids
         if isinstance(prompt, str | RenderedChat):
             return encode_prompt(self.tokenizer, prompt)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
+
+    def image_input(self, prompt: ImagesPrompt) -> ImagesInput:
+        """A prompt's images encoded (engine/images.py), and its tokens around them."""
+        if self.images is None:
+            raise InvalidRequestError(
+                f"images: {self.model_name} takes no images (text only)", "images"
+            )
+        return self.images.prompt(prompt)
 
     def _prompt_ids(self, prompt: Prompt, truncation: PromptTruncation | None) -> list[int]:
         token_ids = self.tokenize(prompt)
@@ -441,7 +454,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: Prompt,
+        prompt: Prompt | ImagesInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lane: str = "interactive",
@@ -460,6 +473,8 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"{PROMPT_EMBEDS_FIELD}: taken for generation only", PROMPT_EMBEDS_FIELD
                 )
+            if isinstance(prompt, ImagesPrompt | ImagesInput):
+                raise InvalidRequestError("images: taken for generation only", "images")
             return self._add_embedding(
                 prompt, pooling, request_id, priority, arrival_time, lora_request
             )
@@ -485,6 +500,17 @@ class LLMEngine:
         if isinstance(prompt, EmbedsPrompt):
             embeds = self._prompt_embeds(prompt, params)
             prompt_ids = [0] * len(embeds.rows)  # placeholders: the rows are the prompt
+        elif isinstance(prompt, ImagesPrompt | ImagesInput):
+            given = prompt if isinstance(prompt, ImagesInput) else self.image_input(prompt)
+            prompt_ids, embeds = given.token_ids, given.embeds
+            if (
+                params.truncation is not None
+                and params.truncation.apply(prompt_ids, self.scheduler.max_model_len) != prompt_ids
+            ):
+                raise InvalidRequestError(
+                    "truncate_prompt_tokens: a prompt with images is not cut",
+                    "truncate_prompt_tokens",
+                )
         else:
             prompt_ids = self._prompt_ids(prompt, params.truncation)
         request = Request(
@@ -505,7 +531,7 @@ class LLMEngine:
             request,
             IncrementalDetokenizer(
                 self.tokenizer,
-                [] if embeds else request.prompt_token_ids,
+                [] if embeds and embeds.whole_prompt else request.prompt_token_ids,
                 params.skip_special_tokens,
             ),
             StopStringMatcher(params.stop, params.include_stop_str_in_output),

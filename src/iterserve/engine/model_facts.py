@@ -14,3 +14,5 @@ class ModelFacts:
     parameters: int = 0
     file_format: str = ""  # "gguf", "safetensors"
     file_type: str = ""  # a GGUF's ("Q4_K_M"); "": the model's dtype
+    # What its chat template writes where an image goes ("[IMG]"); None: it takes no images.
+    image_marker: str | None = None

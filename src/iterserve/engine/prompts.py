@@ -19,7 +19,9 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+from PIL import Image
 
+from iterserve.engine.images import ImagesPrompt
 from iterserve.engine.prompt_embeds import EmbedsPrompt
 from iterserve.engine.template_inputs import fitted_to_template, fitted_tools
 from iterserve.sampling_params import InvalidRequestError
@@ -77,10 +79,12 @@ def continuing(
     return rendered
 
 
-Prompt = str | RenderedChat | list[int] | EmbedsPrompt
+Prompt = str | RenderedChat | list[int] | EmbedsPrompt | ImagesPrompt
 
-# vLLM's prompt dicts: TextPrompt, TokensPrompt and EmbedsPrompt, and the one key each holds.
+# vLLM's prompt dicts: TextPrompt, TokensPrompt and EmbedsPrompt, and the one key each holds
+# (a TextPrompt's images beside its text).
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
+_IMAGES = "multi_modal_data"
 _EXPECTED = {
     "prompt": "a string",
     "prompt_token_ids": "a list of token ids",
@@ -91,10 +95,14 @@ _EXPECTED = {
 def as_prompt(given: Prompt | Mapping[str, Any]) -> Prompt:
     """A prompt as the engine takes it. vLLM's `{"prompt": text}` (TextPrompt),
     `{"prompt_token_ids": ids}` (TokensPrompt) and `{"prompt_embeds": tensor}` (EmbedsPrompt)
-    become their text, ids or rows; what else such a dict may hold in vLLM (multi-modal data,
-    an encoder's prompt, a cache salt) is refused by name, as is a dict holding two or none."""
+    become their text, ids or rows, and `{"prompt": text, "multi_modal_data": {"image":
+    images}}` an ImagesPrompt (the text holding the model's image marker once for each);
+    what else such a dict may hold in vLLM (an encoder's prompt, a cache salt, other
+    modalities) is refused by name, as is a dict holding two or none."""
     if not isinstance(given, Mapping):
         return given
+    if _IMAGES in given:
+        return _images_prompt(given)
     unknown = sorted(set(given) - set(_PROMPT_KEYS))
     if unknown:
         raise InvalidRequestError(
@@ -120,10 +128,22 @@ def as_prompt(given: Prompt | Mapping[str, Any]) -> Prompt:
     raise InvalidRequestError(f"'{key}' must be {_EXPECTED[key]}, got {type(value).__name__}", key)
 
 
+def _images_prompt(given: Mapping[str, Any]) -> ImagesPrompt:
+    data, text = given[_IMAGES], given.get("prompt")
+    if set(given) != {"prompt", _IMAGES} or not isinstance(text, str):
+        raise InvalidRequestError(f"'{_IMAGES}' goes with a text 'prompt' only", _IMAGES)
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
+        raise InvalidRequestError(f"'{_IMAGES}' takes 'image' only", _IMAGES)
+    images = data["image"] if isinstance(data["image"], Sequence) else [data["image"]]
+    if not all(isinstance(image, Image.Image) for image in images):
+        raise InvalidRequestError(f"'{_IMAGES}.image' takes PIL images", _IMAGES)
+    return ImagesPrompt(text, tuple(images))
+
+
 def prompt_text(prompt: Prompt) -> str | None:
     """vLLM's `RequestOutput.prompt`: the text of a prompt given as text (a rendered chat
     included); None for token ids."""
-    if isinstance(prompt, RenderedChat):
+    if isinstance(prompt, RenderedChat | ImagesPrompt):
         return prompt.text
     return prompt if isinstance(prompt, str) else None
 

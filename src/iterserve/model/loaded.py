@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_blocks import QuantizedBlocks
+from iterserve.model.images import ImageEncoder
 from iterserve.model.lazy_weights import shape_of
 from iterserve.sampling_defaults import SamplingDefaults
 
@@ -40,6 +41,8 @@ class LoadedModel:
     # and a GGUF's type as llama.cpp names it (general.file_type: "Q4_K_M"; "": the dtype).
     file_format: str = "safetensors"
     file_type: str = ""
+    # A multimodal checkpoint's vision tower (model/images.py); None: it reads text only.
+    images: ImageEncoder | None = None
 
     def parameter_count(self) -> int:
         """The checkpoint's weights, counted from their shapes (none of them is made)."""

@@ -21,6 +21,7 @@ from iterserve.model.config import (
 )
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_parts import model_file
+from iterserve.model.image_encoders import load_image_encoder
 from iterserve.model.lazy_weights import LazyWeights
 from iterserve.model.loaded import LoadedModel
 from iterserve.model.model_source import find_model
@@ -142,7 +143,7 @@ def _load_path(path: Path, dtype: torch.dtype) -> LoadedModel:
 
 
 def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
-    raw = _read_json(directory / "config.json")
+    whole = raw = _read_json(directory / "config.json")
     multimodal = (text := text_model_config(raw)) is not None
     raw = text or raw
     generation = _read_optional_json(directory / "generation_config.json")
@@ -184,6 +185,7 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"{directory}: cannot load the tokenizer: {error}") from error
     labels = raw.get("id2label") or {}
+    images = load_image_encoder(directory, whole, tokenizer, dtype) if multimodal else None
     return LoadedModel(
         config=config,
         weights=weights,
@@ -193,12 +195,13 @@ def load_hf_directory(directory: Path, dtype: torch.dtype) -> LoadedModel:
         quantized=dict(quantized),
         classifier_labels=[str(labels[k]) for k in sorted(labels, key=int)] or None,
         sampling_defaults=SamplingDefaults.from_generation_config(generation),
+        images=images,
     )
 
 
 # Multimodal checkpoints whose language model is a family here, by their text config's
-# model_type: the class it is read as. Only the language model is read (iterserve serves
-# text): the vision tower and its projector are left in the file.
+# model_type: the class it is read as. The language model is read here; a family's vision
+# tower and projector, where images are read (model/images.py), by its own module.
 _MULTIMODAL = (
     "Gemma3ForConditionalGeneration",
     "Gemma4ForConditionalGeneration",

@@ -33,6 +33,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from iterserve.config import EngineConfig
+from iterserve.engine.images import ImagesPrompt
 from iterserve.engine.kv_pool_ledger import PoolGroup
 from iterserve.engine.metrics import EngineSnapshot
 from iterserve.engine.outputs import RequestOutput
@@ -57,6 +58,7 @@ from iterserve.replicas.dispatch import Dispatch
 from iterserve.replicas.ray_cluster import RayCluster, disconnect
 from iterserve.replicas.router import NoReplicaError, Router
 from iterserve.replicas.supervisor import ReplicaSlot, RestartPolicy
+from iterserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("iterserve.data_parallel")
 
@@ -327,6 +329,11 @@ class DataParallelEngine:
                 raise
 
     def _token_ids(self, request: GenerationRequest) -> list[int]:
+        if isinstance(request.prompt, ImagesPrompt):  # replicas are sent token ids
+            raise InvalidRequestError(
+                "images: not taken by a server of several replicas (--data-parallel-size)",
+                "images",
+            )
         if isinstance(request.prompt, list):
             token_ids = request.prompt  # the replica checks the ids against its vocabulary
         else:

@@ -153,6 +153,7 @@ def _serving_context(
         loras={lora.lora_name: lora for lora in model.loras},
         pair_prompts=PairPrompts(model.tokenizer, model.rerank_template) if model.scores else None,
         embeds=model.embeds,
+        image_marker=model.facts.image_marker,
         labels=model.labels,
         sampling_defaults=model.sampling_defaults,
         default_template_kwargs=settings.default_chat_template_kwargs,

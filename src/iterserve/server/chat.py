@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
+from PIL import Image
 
 from iterserve.chat.answer import AnswerDelta, AnswerStream, read_answer
+from iterserve.chat.image_parts import first_image_field, take_images
 from iterserve.chat.reasoning import cap_thinking
 from iterserve.chat.reasoning_parsers import ThinkingReader
 from iterserve.chat.tool_parsers import ParsedCall
@@ -25,9 +27,10 @@ from iterserve.chat.tool_protocol import (
 )
 from iterserve.chat.tools import ToolPlan, plan_tools
 from iterserve.core.outputs import TokenLogprobs
+from iterserve.engine.images import ImagesPrompt
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import RenderedChat, continuing, with_documents
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.logprobs import chat_logprobs, prompt_logprobs, token_names
 from iterserve.server.protocol import (
     AssistantMessage,
@@ -45,11 +48,30 @@ from iterserve.server.serving import ServingContext, Submitted, respond, sse, st
 
 def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan) -> RenderedChat:
     """The conversation through the template, as `LLM.chat` renders it (with the thinking
-    switch `reasoning_effort` sets); the engine tokenizes it on its own thread."""
+    switch `reasoning_effort` sets); the engine tokenizes it on its own thread. An image
+    is its model's marker here (chat_prompt has the images)."""
+    return _rendered(body, ctx, plan)[0]
+
+
+def chat_prompt(
+    body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan
+) -> RenderedChat | ImagesPrompt:
+    """The conversation's prompt: its rendering, with its images if it has any."""
+    rendered, images = _rendered(body, ctx, plan)
+    return ImagesPrompt(rendered.text, tuple(images), rendered=True) if images else rendered
+
+
+def _rendered(
+    body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan
+) -> tuple[RenderedChat, list[Image.Image]]:
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
+    messages, images = take_images(messages)
+    if images and ctx.image_marker is None:
+        field = first_image_field(body.messages)
+        raise InvalidRequestError(f"{field}: this model takes no images (text only)", field)
     template = ctx.chat_template_for(body.chat_template)
     kwargs = ctx.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
-    return render_with_tools(
+    rendered = render_with_tools(
         ctx.tokenizer,
         template,
         messages,
@@ -58,6 +80,7 @@ def render_prompt(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPl
         with_documents(kwargs, body.documents, template),
         body.continue_final_message,
     )
+    return rendered, images
 
 
 def chat_plan(body: ChatCompletionRequest, ctx: ServingContext, params: SamplingParams) -> ToolPlan:
@@ -111,7 +134,9 @@ async def start_chat(
         params.prediction = tuple(predicted) or None
     plan = chat_plan(body, ctx, params)
     ctx.engine.check_group_size(params.n)  # before rendering the template
-    prompt = continuing(render_prompt(body, ctx, plan), known, ctx.tokenizer)
+    prompt = chat_prompt(body, ctx, plan)
+    if isinstance(prompt, RenderedChat):  # an earlier turn's tokens, where they still fit
+        prompt = continuing(prompt, known, ctx.tokenizer)
     # The prompt says where the answer starts (in the thinking, or not); a grammar starts
     # after the thinking.
     reasoning = ctx.reasoning.prepare(prompt.text, params) if ctx.reasoning else None

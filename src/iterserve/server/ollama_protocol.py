@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from iterserve.chat.messages import ChatMessage
+from iterserve.chat.messages import ChatMessage, ContentPart, ImageURL
 from iterserve.chat.tool_protocol import FunctionCall, ToolCall, ToolDefinition
 from iterserve.engine.request_stream import ALL_THE_CONTEXT
 from iterserve.sampling_defaults import SamplingDefaults
@@ -207,8 +207,12 @@ class OllamaGenerateRequest(_GenerationBase):
     images: list[str] | None = None
 
     def check_supported(self) -> None:
-        if self.images:
-            raise InvalidRequestError("images: this server serves text models", "images")
+        if self.images and (self.raw or self.context or self.suffix is not None):
+            raise InvalidRequestError(
+                "images: taken in a one-turn chat only, where the chat template places them "
+                "(not with raw, context or suffix)",
+                "images",
+            )
         if self.template:
             raise InvalidRequestError(
                 "template: Ollama's Go templates are not run here; the model's own chat "
@@ -223,7 +227,7 @@ class OllamaGenerateRequest(_GenerationBase):
 
     def to_chat_request(self) -> ChatCompletionRequest:
         """The prompt as a one-turn chat (after `system`), as Ollama templates it."""
-        messages = [ChatMessage(role="user", content=self.prompt)]
+        messages = [ChatMessage(role="user", content=with_images(self.prompt, self.images))]
         if self.system:
             messages.insert(0, ChatMessage(role="system", content=self.system))
         return chat_request(self, messages)
@@ -265,6 +269,18 @@ def chat_request(body: _GenerationBase, messages: list[ChatMessage]) -> ChatComp
     )
 
 
+def with_images(text: str, images: list[str] | None) -> str | list[ContentPart]:
+    """A message's content with Ollama's `images` (each base64 of an image file) before its
+    text, as OpenAI's image_url parts (chat/image_parts.py decodes them)."""
+    if not images:
+        return text
+    parts = [
+        ContentPart(type="image_url", image_url=ImageURL(url=f"data:image;base64,{image}"))
+        for image in images
+    ]
+    return [*parts, ContentPart(type="text", text=text)]
+
+
 def chat_messages(messages: list[OllamaMessage]) -> list[ChatMessage]:
     """Ollama's messages as chat messages: calls with ids and their arguments as JSON text,
     each tool message given the id of the call it answers (the unanswered call of the turn
@@ -272,10 +288,6 @@ def chat_messages(messages: list[OllamaMessage]) -> list[ChatMessage]:
     chat: list[ChatMessage] = []
     pending: list[ToolCall] = []  # the last assistant turn's calls not yet answered
     for i, message in enumerate(messages):
-        if message.images:
-            raise InvalidRequestError(
-                f"messages.{i}.images: this server serves text models", f"messages.{i}.images"
-            )
         calls = [
             ToolCall(
                 id=f"call_{i}_{k}",
@@ -295,7 +307,7 @@ def chat_messages(messages: list[OllamaMessage]) -> list[ChatMessage]:
         chat.append(
             ChatMessage(
                 role=message.role,
-                content=message.content or "",
+                content=with_images(message.content or "", message.images),
                 tool_calls=calls or None,
                 tool_call_id=answered.id if answered else None,
                 name=message.tool_name if message.role == "tool" else None,

@@ -381,6 +381,7 @@ async def _chat(body: OllamaChatRequest, raw: Request, ctx: ServingContext) -> R
             "answers (--tool-call-parser)",
             "tools",
         )
+    _check_images(ctx, [f"messages.{i}.images" for i, m in enumerate(body.messages) if m.images])
     started = time.monotonic()
     chat = body.to_chat_request()
     chat.model = ctx.resolve_model(body.model)
@@ -391,8 +392,16 @@ async def _chat(body: OllamaChatRequest, raw: Request, ctx: ServingContext) -> R
     return await answer.respond(raw)
 
 
+def _check_images(ctx: ServingContext, fields: list[str]) -> None:
+    """Images sent to a model that takes none: a 400 naming the first (Ollama's own is a
+    500 that says the model is missing data required for image input)."""
+    if fields and ctx.image_marker is None:
+        raise InvalidRequestError(f"{fields[0]}: this model takes no images (text only)", fields[0])
+
+
 async def _generate(body: OllamaGenerateRequest, raw: Request, ctx: ServingContext) -> Response:
     body.check_supported()
+    _check_images(ctx, ["images"] if body.images else [])
     if body.loads_only:
         return _loaded(body, ctx)
     if not body.raw:  # a raw prompt is the client's: no template switch to turn
@@ -512,6 +521,7 @@ class _ModelListing:
         found += ["tools"] if ctx.tool_parser is not None else []
         found += ["thinking"] if ctx.reasoning is not None else []
         found += ["insert"] if ctx.fill_in_middle is not None else []
+        found += ["vision"] if ctx.image_marker is not None else []
         return found + (["embedding"] if ctx.embeds else [])
 
     def show(self, model: str) -> dict[str, Any]:

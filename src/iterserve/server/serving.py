@@ -107,6 +107,8 @@ class ServingContext:
     # /v1/rerank and /v1/score answer with (server/scoring.py).
     pair_prompts: PairPrompts | None = None
     embeds: bool = False
+    # What the chat template writes where an image goes; None: the model takes no images.
+    image_marker: str | None = None
     labels: tuple[str, ...] = ()  # a classifier head's, where it serves /classify
     # What a request's unset sampling fields take (--generation-config).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)

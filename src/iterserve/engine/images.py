@@ -1,0 +1,151 @@
+"""Prompts with images: text holding the model's image marker where each image goes, the
+images, and how they become a request: each marker's image in its placeholder tokens
+(model/images.py), the tower's rows given at the image tokens (core/request.py
+PromptEmbeds), named in the prefix cache by the images' content.
+
+vLLM's `{"prompt": ..., "multi_modal_data": {"image": ...}}` offline, OpenAI's `image_url`
+content parts (data URLs) and Ollama's `images` in the server. An image is encoded once
+while it stays among the last few encoded (a chat sends its images again at every turn),
+on the engine's thread, as vLLM runs its encoders within the engine's steps."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from iterserve.core.request import PromptEmbeds
+from iterserve.model.images import EncodedImage, ImageEncoder
+from iterserve.sampling_params import InvalidRequestError
+
+# Encoded images kept for the prompts that send them again: a chat's next turn.
+_KEPT_IMAGES = 8
+# Pillow's own bound on an image's pixels, below which it only warns; above it is refused.
+_MAX_PIXELS = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, eq=False)
+class ImagesPrompt:
+    """Text with the model's image marker once where each image goes (a chat template
+    writes them), and the images. `rendered`: the text holds the model's special tokens
+    already (a chat template's output), so none are added in encoding it."""
+
+    text: str
+    images: tuple[Image.Image, ...]
+    rendered: bool = False
+
+
+@dataclass(frozen=True)
+class ImagesInput:
+    """An ImagesPrompt as the engine runs it: every token, and the rows given at the image
+    tokens."""
+
+    token_ids: list[int]
+    embeds: PromptEmbeds
+
+
+def image_from_bytes(data: bytes, field: str) -> Image.Image:
+    """An image file's bytes (PNG, JPEG, WebP, GIF's first frame...) as a decoded image;
+    InvalidRequestError naming `field` for bytes that are not one."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.width * image.height > _MAX_PIXELS:
+            raise InvalidRequestError(
+                f"{field}: an image of {image.width} x {image.height} pixels is over the "
+                f"{_MAX_PIXELS} taken",
+                field,
+            )
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        raise InvalidRequestError(f"{field}: not an image file ({error})", field) from None
+    return image
+
+
+def image_from_base64(text: str, field: str) -> Image.Image:
+    """Ollama's `images`: each base64 of an image file."""
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(f"{field}: not base64 of an image file", field) from None
+    return image_from_bytes(data, field)
+
+
+def image_from_url(url: str, field: str) -> Image.Image:
+    """OpenAI's `image_url.url`: a data URL (`data:image/png;base64,...`). A web address is
+    refused: the server fetches nothing."""
+    head, comma, body = url.partition(",")
+    if not url.startswith("data:") or not comma:
+        where = url.split(":", 1)[0] if ":" in url[:16] else "this"
+        raise InvalidRequestError(
+            f"{field}: give the image inline as a data URL (data:image/png;base64,...); "
+            f"the server fetches no {where} URL",
+            field,
+        )
+    if not head.endswith(";base64"):
+        raise InvalidRequestError(f"{field}: a data URL of an image must be base64", field)
+    return image_from_base64(body, field)
+
+
+class ImageInputs:
+    """A model's images: ImagesPrompts made into ImagesInputs by its encoder."""
+
+    def __init__(self, encoder: ImageEncoder, tokenizer: Any) -> None:
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self._kept: OrderedDict[bytes, EncodedImage] = OrderedDict()
+
+    @property
+    def marker(self) -> str:
+        return self.encoder.marker
+
+    def prompt(self, prompt: ImagesPrompt, field: str = "prompt") -> ImagesInput:
+        pieces = prompt.text.split(self.marker)
+        if len(pieces) != len(prompt.images) + 1:
+            raise InvalidRequestError(
+                f"{field}: {len(prompt.images)} images but {len(pieces) - 1} places for one "
+                f"({self.marker} in the prompt, which the chat template writes for an image)",
+                field,
+            )
+        token_ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        rows: list[torch.Tensor] = []
+        keys = hashlib.sha256()
+        for i, piece in enumerate(pieces):
+            special = i == 0 and not prompt.rendered  # a plain prompt's BOS, once
+            token_ids += self.tokenizer.encode(piece, add_special_tokens=special)
+            if i == len(prompt.images):
+                break
+            key, image = self._encoded(prompt.images[i])
+            keys.update(key)
+            for offset, token in enumerate(image.token_ids):
+                if token == self.encoder.image_token_id:
+                    at = len(token_ids) + offset
+                    if spans and sum(spans[-1]) == at:
+                        spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+                    else:
+                        spans.append((at, 1))
+            token_ids += image.token_ids
+            rows.append(image.rows)
+        embeds = PromptEmbeds(torch.cat(rows), keys.digest(), tuple(spans))
+        return ImagesInput(token_ids, embeds)
+
+    def _encoded(self, image: Image.Image) -> tuple[bytes, EncodedImage]:
+        """An image's name (its pixels' content) and its encoding, kept for a while."""
+        key = hashlib.sha256(f"{image.mode} {image.size}".encode())
+        key.update(image.tobytes())
+        name = key.digest()
+        if (found := self._kept.get(name)) is not None:
+            self._kept.move_to_end(name)
+            return name, found
+        encoded = self.encoder.encode(image)
+        self._kept[name] = encoded
+        if len(self._kept) > _KEPT_IMAGES:
+            self._kept.popitem(last=False)
+        return name, encoded

@@ -1,0 +1,127 @@
+"""Prompts with images (Mistral 3's Pixtral tower) against transformers' whole model on the
+same weights (a tiny random checkpoint, fp32): the tower's rows given at the image tokens,
+through compiled token steps, chunks that end inside an image and preemption; the prefix
+cache names an image's blocks by its pixels; and what cannot be taken is refused by name."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+import transformers
+
+from iterserve import LLM, SamplingParams
+from iterserve.engine.images import ImagesPrompt
+from iterserve.sampling_params import InvalidRequestError
+from tiny_vision import picture, save_tiny_mistral3, transformers_greedy
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Images of other sizes and shapes: 2 x 2, 1 x 2 and 2 x 1 merged patches (with the bos).
+ONE = ("<s>user: Describe [IMG] in a few words.\nassistant:", [(0, 50, 60)])
+TWO = ("<s>user: [IMG] and then [IMG], which is larger?\nassistant:", [(1, 20, 50), (2, 56, 30)])
+
+
+@pytest.fixture(scope="module")
+def mistral3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return save_tiny_mistral3(tmp_path_factory.mktemp("mistral3"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def references(mistral3_dir: Path) -> list[list[int]]:
+    return [
+        transformers_greedy(mistral3_dir, text, [picture(*s) for s in sizes], MAX_TOKENS)
+        for text, sizes in (ONE, TWO)
+    ]
+
+
+def _prompts() -> list[dict]:
+    return [
+        {"prompt": text, "multi_modal_data": {"image": [picture(*s) for s in sizes]}}
+        for text, sizes in (ONE, TWO)
+    ]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"compile": True},  # token steps compiled; the image chunks run eager
+        {"max_num_batched_tokens": 3, "max_num_seqs": 3},  # chunks end inside the images
+        {"num_kv_blocks": 14, "block_size": 4},  # preemption: the images computed again
+    ],
+    ids=["default", "chunked", "preemption"],
+)
+def test_images_answer_as_transformers(
+    mistral3_dir: Path, references: list[list[int]], settings: dict
+) -> None:
+    llm = LLM(str(mistral3_dir), dtype="float32", **{"compile": False, **settings})
+    outputs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == references
+    assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0, "every block back"
+    if "num_kv_blocks" in settings:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_chat_with_an_image_url_answers_as_transformers(mistral3_dir: Path) -> None:
+    image = picture(3, 40, 90)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [{"type": "text", "text": "Describe "}, {"type": "text", "text": " briefly."}]
+    content = [parts[0], {"type": "image_url", "image_url": {"url": url}}, parts[1]]
+    llm = LLM(str(mistral3_dir), dtype="float32", compile=False)
+    chat = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(mistral3_dir)
+    as_template_takes = [{"role": "user", "content": [parts[0], {"type": "image"}, parts[1]]}]
+    text = tokenizer.apply_chat_template(
+        as_template_takes, add_generation_prompt=True, tokenize=False
+    )
+    want = transformers_greedy(mistral3_dir, text, [image], MAX_TOKENS)
+    assert chat[0].outputs[0].token_ids == want
+    given = [parts[0], {"type": "image_pil", "image_pil": image}, parts[1]]  # vLLM's
+    again = llm.chat([{"role": "user", "content": given}], GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == want
+
+
+def test_the_prefix_cache_names_an_image_by_its_pixels(mistral3_dir: Path) -> None:
+    """The same image hits its blocks; another image behind the same text hits only the
+    blocks before it, and answers as in a fresh engine."""
+    llm = LLM(str(mistral3_dir), dtype="float32", compile=False, block_size=4)
+    text = "<s>user: a long enough question about the picture: [IMG] what is it?\nassistant:"
+    start = llm.engine.images.prompt(ImagesPrompt(text, (picture(0, 50, 60),), True))
+    first_image = start.embeds.first_position
+    first = llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": picture(0, 50, 60)}}, GREEDY
+    )
+    again = llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": picture(0, 50, 60)}}, GREEDY
+    )
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+    assert again[0].num_cached_tokens > first_image, "past the image, its blocks hit"
+    other = {"prompt": text, "multi_modal_data": {"image": picture(5, 50, 60)}}
+    hit = llm.generate(other, GREEDY, use_tqdm=False)[0]
+    assert hit.num_cached_tokens == first_image // 4 * 4, "the blocks before the image only"
+    alone = LLM(str(mistral3_dir), dtype="float32", compile=False).generate(other, GREEDY)
+    assert hit.outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_what_images_cannot_be_is_refused_by_name(mistral3_dir: Path, tiny_llama_dir: Path) -> None:
+    llm = LLM(str(mistral3_dir), dtype="float32", compile=False)
+    with pytest.raises(InvalidRequestError, match="1 images but 2 places") as refused:
+        llm.generate({"prompt": "[IMG][IMG]", "multi_modal_data": {"image": picture(0, 30, 30)}})
+    assert refused.value.param == "prompt"
+    for url, why in [
+        ("https://example.com/cat.png", "fetches no https URL"),
+        ("data:image/png;base64,bm90IGFuIGltYWdl", "not an image file"),
+        ("data:image/png,raw", "must be base64"),
+    ]:
+        content = [{"type": "image_url", "image_url": {"url": url}}]
+        with pytest.raises(InvalidRequestError, match=why) as refused:
+            llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+        assert refused.value.param == "messages.0.content.0.image_url"
+    text_only = LLM(str(tiny_llama_dir), dtype="float32", compile=False)
+    with pytest.raises(InvalidRequestError, match="takes no images") as refused:
+        text_only.generate({"prompt": "[IMG]", "multi_modal_data": {"image": picture(0, 30, 30)}})
+    assert refused.value.param == "images"

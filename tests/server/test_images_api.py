@@ -1,0 +1,115 @@
+"""Images through a real server (a tiny random Mistral 3 with its Pixtral tower, fp32): the
+official `openai` client's image_url data URL, whole and streamed, and the `ollama`
+client's `images`, answer as transformers' whole model on the same weights; /api/show
+lists "vision"; what is not an image is a 400 naming where it was, and nothing is held."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import ollama
+import openai
+import pytest
+import transformers
+
+from server_fixtures import MODEL_NAME, RunningServer, running_server
+from tiny_vision import picture, save_tiny_mistral3, transformers_greedy
+
+MAX_TOKENS = 8
+IMAGE = picture(7, 60, 40)
+
+
+def _png(image: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")  # type: ignore[attr-defined]
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mistral3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return save_tiny_mistral3(tmp_path_factory.mktemp("mistral3"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def server(mistral3_dir: Path) -> Iterator[RunningServer]:
+    with running_server(mistral3_dir) as running:
+        yield running
+
+
+def _reference(directory: Path, content: list[dict]) -> list[int]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    messages = [{"role": "user", "content": content}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return transformers_greedy(directory, text, [IMAGE], MAX_TOKENS)
+
+
+def test_an_image_url_answers_as_transformers(server: RunningServer, mistral3_dir: Path) -> None:
+    want = _reference(mistral3_dir, [{"type": "image"}, {"type": "text", "text": "What is it?"}])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(mistral3_dir)
+    url = "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()
+    content = [
+        {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+        {"type": "text", "text": "What is it?"},
+    ]
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    asked = dict(model=MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0.0)
+    messages = [{"role": "user", "content": content}]
+    whole = client.chat.completions.create(messages=messages, **asked)  # type: ignore[arg-type]
+    assert whole.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+    assert whole.usage is not None and whole.usage.prompt_tokens > 6 + 4, "the image's tokens"
+    streamed = client.chat.completions.create(messages=messages, stream=True, **asked)  # type: ignore[arg-type]
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == whole.choices[0].message.content
+    # Ollama's `images` before the text, as Ollama places them: the same answer.
+    answer = ollama.Client(host=server.base_url).chat(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "What is it?", "images": [_png(IMAGE)]}],
+        options={"temperature": 0, "num_predict": MAX_TOKENS},
+    )
+    assert answer.message.content == whole.choices[0].message.content
+    shown = httpx.post(f"{server.base_url}/api/show", json={"model": MODEL_NAME}, timeout=30)
+    assert "vision" in shown.json()["capabilities"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [
+             {"type": "text", "text": "x"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+         "messages.0.content.1.image_url"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [
+             {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]},
+         "messages.0.content.0.image_url"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+         "messages.0.content.0"),
+        ("/api/generate", {"prompt": "x", "raw": True, "images": ["AAAA"]}, "images"),
+    ],
+)  # fmt: skip
+def test_what_is_not_an_image_is_a_400_naming_it(
+    server: RunningServer, path: str, body: dict, named: str
+) -> None:
+    request = {"model": MODEL_NAME, "max_tokens": 2, "stream": False, **body}
+    reply = httpx.post(f"{server.base_url}{path}", json=request, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert named in reply.text
+    assert server.engine.scheduler.kv_cache_stats().num_used_blocks == 0
+
+
+def test_a_text_model_refuses_images_by_name(tiny_llama_dir: Path) -> None:
+    url = "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()
+    content = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]
+    with running_server(tiny_llama_dir) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="takes no images") as refused:
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=2
+            )
+    assert refused.value.body["param"] == "messages.0.content.1.image_url"  # type: ignore[index]

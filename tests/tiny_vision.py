@@ -1,0 +1,121 @@
+"""A tiny random Mistral 3 checkpoint with its vision tower (Pixtral), saved as transformers
+saves one with the bundled tokenizer plus Mistral's three image tokens, an image processor
+and a chat template that writes [IMG] for an image part; and what transformers' own greedy
+generate makes of a prompt with images on it (fp32), built without iterserve's code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+from tiny_families import MINISTRAL3_ROPE
+
+# A multimodal checkpoint's tiny language model (the vocabulary and context set by each use).
+TEXT_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)
+IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+PATCH, MERGE = 14, 2
+# Mistral's templates write each content block in order, an image as [IMG].
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['content'] is string %}{{ m['role'] }}: {{ m['content'] }}\n"
+    "{% else %}{{ m['role'] }}: {% for b in m['content'] %}"
+    "{% if b['type'] == 'image' %}[IMG]{% else %}{{ b['text'] }}{% endif %}{% endfor %}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def save_tiny_mistral3(out: Path, tokenizer_dir: Path) -> Path:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+    image_token = tokenizer.convert_tokens_to_ids(IMAGE_TOKENS[0])
+    text = transformers.Ministral3Config(
+        **{**TEXT_SHAPE, "vocab_size": len(tokenizer) + 5, "max_position_embeddings": 512},
+        rope_parameters=dict(MINISTRAL3_ROPE),
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=16,
+        image_size=112,
+        patch_size=PATCH,
+    )
+    config = transformers.Mistral3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=image_token,
+        spatial_merge_size=MERGE,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
+    model.save_pretrained(out)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=PATCH).save_pretrained(out)
+    return out
+
+
+def picture(seed: int, height: int, width: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def image_layout(size: tuple[int, int], tokens: list[int]) -> list[int]:
+    """An image's tokens as Mistral's processor lays them out: a row of [IMG] per merged
+    patch row, each ended by [IMG_BREAK], the last by [IMG_END]."""
+    image, row_break, end = tokens
+    height, width = (n // (PATCH * MERGE) for n in size)
+    layout = ([image] * width + [row_break]) * height
+    layout[-1] = end
+    return layout
+
+
+def transformers_greedy(
+    directory: Path, text: str, images: list[Image.Image], max_tokens: int
+) -> list[int]:
+    """`text` holds [IMG] once per image and starts with the special tokens it needs."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    tokens = tokenizer.convert_tokens_to_ids(list(IMAGE_TOKENS))
+    processor = PixtralImageProcessorPil.from_pretrained(directory)
+    pixels = processor(images=images, patch_size=PATCH * MERGE, return_tensors="pt")
+    pieces = text.split(IMAGE_TOKENS[0])
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        ids += tokenizer.encode(piece, add_special_tokens=False)
+        if i < len(images):
+            ids += image_layout(tuple(pixels["image_sizes"][i].tolist()), tokens)
+    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(
+        directory, dtype=torch.float32
+    )
+    input_ids = torch.tensor([ids])
+    generated = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        pixel_values=pixels["pixel_values"],
+        image_sizes=pixels["image_sizes"],
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        pad_token_id=0,
+    )
+    return generated[0, len(ids) :].tolist()
