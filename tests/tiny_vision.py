@@ -1,7 +1,9 @@
-"""A tiny random Mistral 3 checkpoint with its vision tower (Pixtral), saved as transformers
-saves one with the bundled tokenizer plus Mistral's three image tokens, an image processor
-and a chat template that writes [IMG] for an image part; and what transformers' own greedy
-generate makes of a prompt with images on it (fp32), built without iterserve's code."""
+"""Tiny random multimodal checkpoints with their vision towers, saved as transformers saves
+them with the bundled tokenizer plus the family's image tokens, an image processor and a
+chat template that writes the family's marker for an image part: Mistral 3 (Pixtral) and
+Gemma 3 (SigLIP, whose image tokens attend to each other both ways); and what transformers'
+own greedy generate makes of a prompt with images on each (fp32), built without iterserve's
+code."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import numpy as np
 import torch
 import transformers
 from PIL import Image
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
 from tiny_families import MINISTRAL3_ROPE
@@ -26,14 +29,28 @@ TEXT_SHAPE = dict(
 )
 IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 PATCH, MERGE = 14, 2
-# Mistral's templates write each content block in order, an image as [IMG].
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['content'] is string %}{{ m['role'] }}: {{ m['content'] }}\n"
-    "{% else %}{{ m['role'] }}: {% for b in m['content'] %}"
-    "{% if b['type'] == 'image' %}[IMG]{% else %}{{ b['text'] }}{% endif %}{% endfor %}\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
-)
+GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA3_IMAGE_ROWS = 16  # mm_tokens_per_image: 8 x 8 patches pooled 2 x 2
+
+
+def template(marker: str) -> str:
+    """A template that writes each content block in order, an image as `marker` (as
+    Mistral's and Gemma's write theirs)."""
+    return (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['content'] is string %}{{ m['role'] }}: {{ m['content'] }}\n"
+        "{% else %}{{ m['role'] }}: {% for b in m['content'] %}"
+        f"{{% if b['type'] == 'image' %}}{marker}{{% else %}}{{{{ b['text'] }}}}{{% endif %}}"
+        "{% endfor %}\n"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+
+
+def _random_weights(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
+    return model.eval()
 
 
 def save_tiny_mistral3(out: Path, tokenizer_dir: Path) -> Path:
@@ -63,16 +80,71 @@ def save_tiny_mistral3(out: Path, tokenizer_dir: Path) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = transformers.Mistral3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
-    model.save_pretrained(out)
-    tokenizer.chat_template = TEMPLATE
+    _random_weights(transformers.Mistral3ForConditionalGeneration(config)).save_pretrained(out)
+    tokenizer.chat_template = template(IMAGE_TOKENS[0])
     tokenizer.save_pretrained(out)
-    (out / "chat_template.jinja").write_text(TEMPLATE)
     PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=PATCH).save_pretrained(out)
     return out
+
+
+def _gemma3_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
+    names = dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA3_TOKENS, strict=True))
+    return transformers.AutoTokenizer.from_pretrained(directory, extra_special_tokens=names)
+
+
+def save_tiny_gemma3(out: Path, tokenizer_dir: Path) -> Path:
+    """Gemma 3 4B's shape in small: sliding layers (a window shorter than a prompt here)
+    beside a full one, SigLIP, an image pooled to GEMMA3_IMAGE_ROWS soft tokens; saved with
+    Gemma's own processor (Gemma3Processor over the Pillow image processor)."""
+    tokenizer = _gemma3_tokenizer(tokenizer_dir)
+    ids = tokenizer.convert_tokens_to_ids(list(GEMMA3_TOKENS))
+    text = transformers.Gemma3TextConfig(
+        **{**TEXT_SHAPE, "vocab_size": len(tokenizer) + 5, "max_position_embeddings": 512},
+        sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=112, patch_size=14,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=GEMMA3_IMAGE_ROWS,
+        boi_token_index=ids[0],
+        eoi_token_index=ids[1],
+        image_token_index=ids[2],
+    )
+    torch.manual_seed(0)
+    _random_weights(transformers.Gemma3ForConditionalGeneration(config)).save_pretrained(out)
+    tokenizer.chat_template = template(GEMMA3_TOKENS[0])
+    processor = transformers.Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 112, "width": 112}),
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_IMAGE_ROWS,
+    )
+    processor.save_pretrained(out)
+    return out
+
+
+def gemma3_greedy(
+    directory: Path, text: str, images: list[Image.Image], max_tokens: int
+) -> list[int]:
+    """`text` holds <start_of_image> once per image; Gemma's processor lays the images out
+    and marks their soft tokens (token_type_ids), by which transformers attends within each
+    image both ways."""
+    processor = transformers.Gemma3Processor.from_pretrained(
+        directory, tokenizer=_gemma3_tokenizer(directory)
+    )
+    inputs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        directory, dtype=torch.float32
+    )
+    generated = model.generate(
+        **inputs, do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        pad_token_id=0,
+    )  # fmt: skip
+    return generated[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def picture(seed: int, height: int, width: int) -> Image.Image:

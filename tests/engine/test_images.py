@@ -1,7 +1,9 @@
-"""Prompts with images (Mistral 3's Pixtral tower) against transformers' whole model on the
-same weights (a tiny random checkpoint, fp32): the tower's rows given at the image tokens,
-through compiled token steps, chunks that end inside an image and preemption; the prefix
-cache names an image's blocks by its pixels; and what cannot be taken is refused by name."""
+"""Prompts with images against transformers' whole model on the same weights (tiny random
+checkpoints, fp32): Mistral 3's Pixtral tower, and Gemma 3's SigLIP, whose image tokens
+attend to each other both ways; the tower's rows given at the image tokens, through compiled
+token steps, small chunks (ending inside Mistral's images; Gemma's taken whole) and
+preemption; the prefix cache names an image's blocks by its pixels; and what cannot be taken
+is refused by name."""
 
 from __future__ import annotations
 
@@ -15,7 +17,13 @@ import transformers
 from iterserve import LLM, SamplingParams
 from iterserve.engine.images import ImagesPrompt
 from iterserve.sampling_params import InvalidRequestError
-from tiny_vision import picture, save_tiny_mistral3, transformers_greedy
+from tiny_vision import (
+    gemma3_greedy,
+    picture,
+    save_tiny_gemma3,
+    save_tiny_mistral3,
+    transformers_greedy,
+)
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -59,6 +67,50 @@ def test_images_answer_as_transformers(
     llm = LLM(str(mistral3_dir), dtype="float32", **{"compile": False, **settings})
     outputs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == references
+    assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0, "every block back"
+    if "num_kv_blocks" in settings:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+# Gemma 3: the image pooled to 16 soft tokens; a window of 12 cuts into it.
+GEMMA3_PROMPTS = [
+    ("<s>user: Describe <start_of_image> in a few words.\nassistant:", [(0, 50, 60)]),
+    (
+        "<s>user: <start_of_image> then <start_of_image>: which?\nassistant:",
+        [(1, 20, 50), (2, 90, 30)],
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return save_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), tokenizer_dir)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"compile": True},
+        {"max_num_batched_tokens": 3, "max_num_seqs": 3},  # an image's 16 tokens in one chunk
+        {"num_kv_blocks": 22, "block_size": 4},  # preemption
+    ],
+    ids=["default", "chunked", "preemption"],
+)
+def test_gemma3_images_attend_within_themselves_as_transformers(
+    gemma3_dir: Path, settings: dict
+) -> None:
+    images = [[picture(*s) for s in sizes] for _, sizes in GEMMA3_PROMPTS]
+    want = [
+        gemma3_greedy(gemma3_dir, text, given, MAX_TOKENS)
+        for (text, _), given in zip(GEMMA3_PROMPTS, images, strict=True)
+    ]
+    llm = LLM(str(gemma3_dir), dtype="float32", **{"compile": False, **settings})
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": given}}
+        for (text, _), given in zip(GEMMA3_PROMPTS, images, strict=True)
+    ]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == want
     assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0, "every block back"
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0

@@ -77,6 +77,10 @@ class PromptEmbeds:
     rows: Any
     key: bytes
     spans: tuple[tuple[int, int], ...] = ()
+    # Each span's positions attend to each other both ways (Gemma 3's images), not causally:
+    # a prompt chunk never ends inside one (core/scheduler.py), and its rows' attention
+    # sees the whole span (model/attention_metadata.py).
+    bidirectional: bool = False
 
     @property
     def first_position(self) -> int:

@@ -580,6 +580,15 @@ class Scheduler:
 
     def _chunk(self, request: Request, remaining: int, budget: int, step: StepPlan) -> int:
         """Tokens of this prefill to compute now (0: not this step)."""
+        n = self._chunk_in_budget(request, remaining, budget, step)
+        embeds = request.prompt_embeds
+        if n and embeds is not None and embeds.bidirectional:
+            return _whole_spans(embeds.spans, request.num_tokens - remaining, n)
+        return n
+
+    def _chunk_in_budget(
+        self, request: Request, remaining: int, budget: int, step: StepPlan
+    ) -> int:
         if self._long_prefill_slots_taken(remaining, step):
             return 0
         threshold = self.config.long_prefill_token_threshold
@@ -790,6 +799,19 @@ class Scheduler:
         assert status is not None, "a held request finished before its end"
         self._finish(request, status, now)
         return RequestUpdate(request.request_id, [], [], status.finish_reason)
+
+
+def _whole_spans(spans: tuple[tuple[int, int], ...], start: int, n: int) -> int:
+    """A chunk of `n` tokens from `start`, ended outside every span whose positions attend
+    both ways (PromptEmbeds.bidirectional): before a span it would end inside, or, when it
+    starts within one or at its first position, at the span's end (past the step's budget,
+    which a span cannot be split to fit)."""
+    end = start + n
+    for first, count in spans:
+        if first < end < first + count:
+            end = first if first > start else first + count
+            break
+    return end - start
 
 
 def _prompt_rows(request: Request, start: int) -> PromptEmbeds | None:

@@ -93,6 +93,19 @@ def image_from_url(url: str, field: str) -> Image.Image:
     return image_from_base64(body, field)
 
 
+def _runs(token_ids: list[int], token: int) -> tuple[tuple[int, int], ...]:
+    """Where `token` stands in `token_ids`, as (first, count) runs."""
+    runs: list[tuple[int, int]] = []
+    for position, found in enumerate(token_ids):
+        if found != token:
+            continue
+        if runs and sum(runs[-1]) == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return tuple(runs)
+
+
 class ImageInputs:
     """A model's images: ImagesPrompts made into ImagesInputs by its encoder."""
 
@@ -113,27 +126,29 @@ class ImageInputs:
                 f"({self.marker} in the prompt, which the chat template writes for an image)",
                 field,
             )
-        token_ids: list[int] = []
-        spans: list[tuple[int, int]] = []
-        rows: list[torch.Tensor] = []
+        # Each marker stands for its image's text, and the whole is encoded at once, as the
+        # family's processor encodes it (text next to an image may merge with its newlines).
         keys = hashlib.sha256()
-        for i, piece in enumerate(pieces):
-            special = i == 0 and not prompt.rendered  # a plain prompt's BOS, once
-            token_ids += self.tokenizer.encode(piece, add_special_tokens=special)
-            if i == len(prompt.images):
-                break
-            key, image = self._encoded(prompt.images[i])
+        texts, rows = [pieces[0]], []
+        for image, piece in zip(prompt.images, pieces[1:], strict=True):
+            key, encoded = self._encoded(image)
             keys.update(key)
-            for offset, token in enumerate(image.token_ids):
-                if token == self.encoder.image_token_id:
-                    at = len(token_ids) + offset
-                    if spans and sum(spans[-1]) == at:
-                        spans[-1] = (spans[-1][0], spans[-1][1] + 1)
-                    else:
-                        spans.append((at, 1))
-            token_ids += image.token_ids
-            rows.append(image.rows)
-        embeds = PromptEmbeds(torch.cat(rows), keys.digest(), tuple(spans))
+            texts += [encoded.text, piece]
+            rows.append(encoded.rows)
+        try:
+            token_ids = self.tokenizer.encode(
+                "".join(texts), add_special_tokens=not prompt.rendered
+            )
+        except (TypeError, ValueError) as error:  # a lone surrogate, which JSON can carry
+            raise InvalidRequestError(f"{field}: not valid Unicode text ({error})", field) from None
+        spans = _runs(token_ids, self.encoder.image_token_id)
+        given = torch.cat(rows)
+        if sum(count for _, count in spans) != len(given):  # the text held image tokens
+            raise InvalidRequestError(
+                f"{field}: the image token {self.encoder.marker!r} stands where no image goes",
+                field,
+            )
+        embeds = PromptEmbeds(given, keys.digest(), spans, self.encoder.bidirectional)
         return ImagesInput(token_ids, embeds)
 
     def _encoded(self, image: Image.Image) -> tuple[bytes, EncodedImage]:

@@ -35,6 +35,9 @@ class ForwardSeq:
     # Input rows for some of its tokens (offsets into token_ids), in place of their
     # embeddings: a prompt given as rows, an image's positions.
     embeds: tuple[Sequence[int], torch.Tensor] | None = None
+    # Position ranges [first, end) whose tokens attend to each other both ways (an image's
+    # in Gemma 3), not causally.
+    attend_within: tuple[tuple[int, int], ...] = ()
 
 
 class PagedModel:
@@ -97,7 +100,7 @@ class PagedModel:
                 given.append(rows)
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, seq.start + len(seq.token_ids)))
-            spans.append(SeqSpan(seq.block_ids, seq.start, len(seq.token_ids)))
+            spans.append(SeqSpan(seq.block_ids, seq.start, len(seq.token_ids), seq.attend_within))
             logits_indices.extend(range(len(input_ids) - seq.num_logits, len(input_ids)))
         meta = build_attention_metadata(
             spans,

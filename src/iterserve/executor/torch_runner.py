@@ -95,6 +95,7 @@ class TorchRunner:
                     hidden_rows(seq),
                     lora_slot=seq.lora_slot,
                     embeds=given_rows(seq),
+                    attend_within=spans_within(seq),
                 )
                 for seq in scheduled.seqs
             ]
@@ -279,6 +280,18 @@ def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
             break
         accepted += 1
     return accepted
+
+
+def spans_within(seq: ScheduledSeq) -> tuple[tuple[int, int], ...]:
+    """The [first, end) position ranges this chunk reaches whose positions attend to each
+    other both ways (PromptEmbeds.bidirectional: Gemma 3's images)."""
+    embeds = seq.prompt_embeds
+    if embeds is None or not embeds.bidirectional:
+        return ()
+    lo, hi = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_new_tokens
+    return tuple(
+        (first, first + count) for first, count in embeds.spans if first < hi and first + count > lo
+    )
 
 
 def given_rows(seq: ScheduledSeq) -> tuple[list[int], torch.Tensor] | None:

@@ -78,7 +78,7 @@ def _masks_for_window(
     for c in meta.prefills:
         blocks = 0 if c.context_blocks is None else len(c.context_blocks)
         k = c.query_end - c.query_start
-        mask = chunk_mask(c.num_cached_tokens, k, blocks, meta.block_size, window)
+        mask = chunk_mask(c.num_cached_tokens, k, blocks, meta.block_size, window, c.attend_within)
         prefill.append(None if mask is None else mask.to(device))
     return decode.to(device), prefill
 

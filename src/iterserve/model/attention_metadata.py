@@ -29,6 +29,9 @@ class SeqSpan:
     block_ids: Sequence[int]
     num_computed_tokens: int  # tokens already in the KV cache (positions 0..n-1)
     num_new_tokens: int  # tokens computed this step (positions n..n+k-1)
+    # Position ranges [first, end) whose tokens attend to each other both ways (Gemma 3's
+    # images); the step then takes the torch paths, whose masks say so.
+    attend_within: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class PrefillChunk:
     # padding of the last block. When n == 0, [1, 1, k, k] over the chunk itself if a window
     # cuts into it, else None (plain causal attention).
     attn_mask: torch.Tensor | None
+    attend_within: tuple[tuple[int, int], ...] = ()  # SeqSpan's: keys ahead seen there too
 
 
 @dataclass
@@ -117,16 +121,27 @@ def decode_mask(lens: Sequence[int], max_blocks: int, block_size: int, window: i
 
 
 def chunk_mask(
-    n: int, k: int, num_blocks: int, block_size: int, window: int
+    n: int,
+    k: int,
+    num_blocks: int,
+    block_size: int,
+    window: int,
+    attend_within: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor | None:
     """A prefill chunk's [1, 1, k, keys] additive mask (PrefillChunk.attn_mask); None when
-    plain causal attention over the chunk itself is right."""
-    if not (n > 0 or (window and k > window)):
+    plain causal attention over the chunk itself is right. Within each of `attend_within`'s
+    ranges the queries also see the keys ahead of them, as transformers ORs an image's
+    block into Gemma 3's causal mask (a window still applies)."""
+    if not (n > 0 or (window and k > window) or attend_within):
         return None
     positions = torch.arange(n, n + k)
     # Keys are the cached context (n > 0) or this chunk itself.
     key_pos = torch.arange(num_blocks * block_size if n > 0 else k)
     hidden = key_pos[None, :] > positions[:, None]
+    for first, end in attend_within:
+        queries = (positions >= first) & (positions < end)
+        keys = (key_pos >= first) & (key_pos < end)
+        hidden &= ~(queries[:, None] & keys[None, :])
     if window:
         hidden |= key_pos[None, :] <= positions[:, None] - window
     return torch.zeros(k, len(key_pos)).masked_fill_(hidden, float("-inf"))[None, None]
@@ -177,7 +192,7 @@ def _slots_and_chunks(
         )
         if index >= first_chunk:
             blocks = torch.tensor(block_list, dtype=torch.int64)
-            mask = chunk_mask(n, k, len(blocks), block_size, window)
+            mask = chunk_mask(n, k, len(blocks), block_size, window, span.attend_within)
             mask = None if mask is None else mask.to(device)
             prefills.append(
                 PrefillChunk(
@@ -186,6 +201,7 @@ def _slots_and_chunks(
                     num_cached_tokens=n,
                     context_blocks=blocks.to(device) if n > 0 else None,
                     attn_mask=mask,
+                    attend_within=span.attend_within,
                 )
             )
         start += k
@@ -225,6 +241,8 @@ def build_attention_metadata(
     window = sliding_window or 0
     if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
         raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
+    # The C++ op attends causally: a step with both-ways ranges takes the torch paths.
+    paged_kernel = paged_kernel and not any(s.attend_within for s in spans)
     num_kernel = len(spans) if paged_kernel else 0
     kernel = _kernel_rows(spans, block_size, device) if num_kernel else None
     num_decodes = 0 if paged_kernel else _leading(spans, 1)

@@ -17,8 +17,13 @@ def load_image_encoder(
 ) -> ImageEncoder | None:
     """The vision tower of an HF multimodal checkpoint (`raw`: its whole config.json), or
     None for a family whose images are not read here (its text is served all the same)."""
-    if "Mistral3ForConditionalGeneration" in (raw.get("architectures") or []):
+    architectures = raw.get("architectures") or []
+    if "Mistral3ForConditionalGeneration" in architectures:
         from iterserve.model.pixtral_images import PixtralImages
 
         return PixtralImages.load(directory, raw, tokenizer, dtype)
+    if "Gemma3ForConditionalGeneration" in architectures:
+        from iterserve.model.gemma3_images import Gemma3Images
+
+        return Gemma3Images.load(directory, raw, tokenizer, dtype)
     return None

@@ -5,28 +5,66 @@ projector (model/image_encoders.py says which). The language model runs them as 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from PIL import Image
 
+from iterserve.model.errors import ModelLoadError
+from iterserve.model.safetensors_file import stored_tensors
+
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
 
 @dataclass(frozen=True)
 class EncodedImage:
-    """One image as the language model takes it: the tokens it takes in the prompt, and a
-    row for each of them that is the image token, in order (the others, a row's break or
-    the image's end, are read as tokens)."""
+    """One image as the language model takes it: the text that stands for it in the prompt,
+    as the family's processor writes it (special tokens), and a row for each image token
+    in it, in order (its other tokens, a row's break or the image's end, are read as
+    tokens)."""
 
-    token_ids: tuple[int, ...]
-    rows: torch.Tensor  # [number of image tokens among token_ids, hidden]
+    text: str
+    rows: torch.Tensor  # [image tokens in `text`, hidden]
 
 
 class ImageEncoder(Protocol):
     """A family's images: `marker`, the text its chat template writes where an image goes;
-    `image_token_id`, the placeholder the rows are read at."""
+    `image_token_id`, the placeholder the rows are read at; `bidirectional`, whether an
+    image's tokens attend to each other both ways (Gemma 3's) rather than causally."""
 
     marker: str
     image_token_id: int
+    bidirectional: bool
 
     def encode(self, image: Image.Image) -> EncodedImage: ...
+
+
+def read_tower_weights(
+    directory: Path, modules: Mapping[str, torch.nn.Module], dtype: torch.dtype
+) -> None:
+    """Load each module's weights from the checkpoint's tensors under its prefix
+    (`{"vision_tower.": tower}`; transformers 5's own saves put them under `model.` too),
+    in `dtype`; ModelLoadError when they do not fit."""
+    found: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in modules}
+    for path in sorted(directory.glob("*.safetensors")):
+        for name, stored in stored_tensors(path).items():
+            for prefix in modules:
+                for under in (prefix, "model." + prefix):
+                    if name.startswith(under):
+                        found[prefix][name.removeprefix(under)] = stored.read().to(dtype)
+    for prefix, module in modules.items():
+        missing, unexpected = module.load_state_dict(found[prefix], strict=False)
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"{directory}: the tensors under {prefix} do not fit the model's "
+                f"{type(module).__name__} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
+
+
+def has_image_processor(directory: Path) -> bool:
+    """Whether the checkpoint says how its images are prepared: preprocessor_config.json,
+    or a processor_config.json holding it (transformers 5 saves it there)."""
+    return any((directory / name).exists() for name in _PROCESSOR_FILES)

@@ -21,33 +21,25 @@ from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalPro
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
 from iterserve.model.errors import ModelLoadError
-from iterserve.model.images import EncodedImage
-from iterserve.model.safetensors_file import stored_tensors
+from iterserve.model.images import EncodedImage, has_image_processor, read_tower_weights
 
-# Where a checkpoint keeps the tower and the projector (released files; transformers 5's
-# own saves put them under model.), and the names the modules here take them by.
-_PARTS = {
-    "vision_tower.": "tower",
-    "model.vision_tower.": "tower",
-    "multi_modal_projector.": "projector",
-    "model.multi_modal_projector.": "projector",
-}
 _BREAK, _END = "[IMG_BREAK]", "[IMG_END]"
 
 
 class PixtralImages:
     marker = "[IMG]"
+    bidirectional = False
 
     def __init__(
         self,
         config: transformers.Mistral3Config,
         processor: PixtralImageProcessorPil,
-        token_ids: tuple[int, int, int],
+        image_token_id: int,
         dtype: torch.dtype,
     ) -> None:
         self.config = config
         self.processor = processor
-        self.image_token_id, self.break_id, self.end_id = token_ids
+        self.image_token_id = image_token_id
         self.merged_patch = config.vision_config.patch_size * config.spatial_merge_size
         self.tower = transformers.PixtralVisionModel(config.vision_config).to(dtype).eval()
         self.projector = Mistral3MultiModalProjector(config).to(dtype).eval()
@@ -57,33 +49,23 @@ class PixtralImages:
     def load(
         cls, directory: Path, raw: Mapping[str, Any], tokenizer: Any, dtype: torch.dtype
     ) -> PixtralImages | None:
-        """The checkpoint's tower, or None when it has no image processor to go with it
-        (preprocessor_config.json)."""
-        if not (directory / "preprocessor_config.json").exists():
+        """The checkpoint's tower, or None when it has no image processor to go with it."""
+        if not has_image_processor(directory):
             return None
         config = transformers.Mistral3Config(**{k: v for k, v in raw.items() if k != "model_type"})
         processor = PixtralImageProcessorPil.from_pretrained(directory, local_files_only=True)
-        ids = [config.image_token_id, *tokenizer.convert_tokens_to_ids([_BREAK, _END])]
-        if any(not isinstance(i, int) or i == tokenizer.unk_token_id for i in ids[1:]):
-            raise ModelLoadError(f"{directory}: the tokenizer has no {_BREAK} or {_END} token")
-        images = cls(config, processor, (ids[0], ids[1], ids[2]), dtype)
-        images._read_weights(directory)
+        ids = tokenizer.convert_tokens_to_ids([cls.marker, _BREAK, _END])
+        if ids[0] != config.image_token_id or any(
+            not isinstance(i, int) or i == tokenizer.unk_token_id for i in ids
+        ):
+            raise ModelLoadError(
+                f"{directory}: the tokenizer's {cls.marker}, {_BREAK} and {_END} are not the "
+                f"model's image tokens ({ids}; image_token_id {config.image_token_id})"
+            )
+        images = cls(config, processor, config.image_token_id, dtype)
+        parts = {"vision_tower.": images.tower, "multi_modal_projector.": images.projector}
+        read_tower_weights(directory, parts, dtype)
         return images
-
-    def _read_weights(self, directory: Path) -> None:
-        found: dict[str, dict[str, torch.Tensor]] = {"tower": {}, "projector": {}}
-        for path in sorted(directory.glob("*.safetensors")):
-            for name, stored in stored_tensors(path).items():
-                for prefix, part in _PARTS.items():
-                    if name.startswith(prefix):
-                        found[part][name.removeprefix(prefix)] = stored.read().to(self.dtype)
-        for part, module in (("tower", self.tower), ("projector", self.projector)):
-            missing, unexpected = module.load_state_dict(found[part], strict=False)
-            if missing or unexpected:
-                raise ModelLoadError(
-                    f"{directory}: the vision {part}'s weights do not fit Mistral 3's "
-                    f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-                )
 
     @torch.inference_mode()
     def encode(self, image: Image.Image) -> EncodedImage:
@@ -97,6 +79,5 @@ class PixtralImages:
         features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         rows = self.projector(features.squeeze(0), sizes)
         height, width = (int(n) // self.merged_patch for n in sizes[0])
-        token_ids = ([self.image_token_id] * width + [self.break_id]) * height
-        token_ids[-1] = self.end_id
-        return EncodedImage(tuple(token_ids), rows.contiguous())
+        text = (self.marker * width + _BREAK) * height
+        return EncodedImage(text.removesuffix(_BREAK) + _END, rows.contiguous())
