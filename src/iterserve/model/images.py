@@ -51,10 +51,11 @@ def read_tower_weights(
     found: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in modules}
     for path in sorted(directory.glob("*.safetensors")):
         for name, stored in stored_tensors(path).items():
-            for prefix in modules:
+            for prefix, module in modules.items():
                 for under in (prefix, "model." + prefix):
                     if name.startswith(under):
-                        found[prefix][name.removeprefix(under)] = stored.read().to(dtype)
+                        key = _module_key(module, name.removeprefix(under))
+                        found[prefix][key] = stored.read().to(dtype)
     for prefix, module in modules.items():
         missing, unexpected = module.load_state_dict(found[prefix], strict=False)
         if missing or unexpected:
@@ -62,6 +63,13 @@ def read_tower_weights(
                 f"{directory}: the tensors under {prefix} do not fit the model's "
                 f"{type(module).__name__} (missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
+
+
+def _module_key(module: torch.nn.Module, key: str) -> str:
+    """A checkpoint's name for one of `module`'s tensors as the module names it: released
+    files keep SigLIP's under `vision_model.`, which transformers 5's module drops."""
+    inner = getattr(module, "base_model_prefix", "") + "."
+    return key.removeprefix(inner) if inner != "." and key.startswith(inner) else key
 
 
 def has_image_processor(directory: Path) -> bool:
