@@ -336,12 +336,17 @@ def write_gguf(
         else:
             writer.add_uint32(full, value)
     bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    # The tokens added past the model's vocabulary (a family's image tokens) after it, as
+    # control tokens, as llama.cpp's converter lists them.
+    added = {t: i for t, i in tokenizer.get_added_vocab().items() if t not in bpe["vocab"]}
+    vocab = {**bpe["vocab"], **added}
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens))), "ids with gaps"
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in bpe["merges"]])
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_types([3 if t.startswith("<|") or t in added else 1 for t in tokens])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     if chat_template is not None:

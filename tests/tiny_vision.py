@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 import transformers
@@ -31,6 +32,11 @@ IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 PATCH, MERGE = 14, 2
 GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 GEMMA3_IMAGE_ROWS = 16  # mm_tokens_per_image: 8 x 8 patches pooled 2 x 2
+# Gemma 3 4B's: the full layers' RoPE scaled linearly, the sliding layers' plain.
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
 
 
 def template(marker: str) -> str:
@@ -99,9 +105,13 @@ def save_tiny_gemma3(out: Path, tokenizer_dir: Path) -> Path:
     tokenizer = _gemma3_tokenizer(tokenizer_dir)
     ids = tokenizer.convert_tokens_to_ids(list(GEMMA3_TOKENS))
     text = transformers.Gemma3TextConfig(
-        **{**TEXT_SHAPE, "vocab_size": len(tokenizer) + 5, "max_position_embeddings": 512},
+        **{**TEXT_SHAPE, "vocab_size": len(tokenizer), "max_position_embeddings": 512},
         sliding_window=12,
         layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=GEMMA3_ROPE,
+        query_pre_attn_scalar=TEXT_SHAPE["head_dim"],  # as in 4B and 12B: the head's size
+        bos_token_id=1,
+        eos_token_id=2,
     )
     vision = transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -191,3 +201,47 @@ def transformers_greedy(
         pad_token_id=0,
     )
     return generated[0, len(ids) :].tolist()
+
+
+def write_gemma3_mmproj(path: Path, model: transformers.Gemma3ForConditionalGeneration) -> None:
+    """The model's tower and projector as llama.cpp's converter writes Gemma 3's vision
+    projector file (`convert_hf_to_gguf.py --mmproj`: its names, its metadata, the
+    projector's norm stored as 1 + w), every tensor in F32."""
+    vision = model.config.vision_config
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_type("mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "gemma3")
+    for key, value in {
+        "image_size": vision.image_size,
+        "patch_size": vision.patch_size,
+        "embedding_length": vision.hidden_size,
+        "feed_forward_length": vision.intermediate_size,
+        "block_count": vision.num_hidden_layers,
+        "attention.head_count": vision.num_attention_heads,
+        "projector.scale_factor": vision.image_size
+        // vision.patch_size
+        // int(model.config.mm_tokens_per_image**0.5),
+    }.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
+    parts = {
+        "vision_tower.vision_model.": model.model.vision_tower,
+        "multi_modal_projector.": model.model.multi_modal_projector,
+    }
+    for prefix, module in parts.items():
+        for name, value in module.state_dict().items():
+            if name.startswith("head."):
+                continue  # SigLIP's pooling head, which the converter leaves out
+            theirs = (prefix + name).replace("_projection_weight", "_projection.weight")
+            ours = names.get_name(theirs, try_suffixes=(".weight", ".bias"))
+            assert ours is not None, theirs
+            array = value.detach().float() + (1 if "soft_emb_norm" in name else 0)
+            writer.add_tensor(ours, array.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

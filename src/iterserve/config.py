@@ -424,6 +424,12 @@ class EngineConfig:
         "the revision of a model named by its repository: a branch, tag or commit the Hugging "
         "Face cache holds (default: main), as vLLM's --revision",
     )
+    mmproj: str | None = _opt(
+        None,
+        "the vision projector file (mmproj-*.gguf, as llama.cpp writes it) of a GGUF model, "
+        "whose prompts then take images, as llama-server's --mmproj (Gemma 3's)",
+        aliases=("-mm",),
+    )
     hf_overrides: dict[str, Any] | None = _opt(
         None,
         "the model's context set at serve time, as vLLM's flag sets it, for an HF directory "

@@ -59,9 +59,13 @@ class Gemma3Images:
             )
         processor = Gemma3ImageProcessorPil.from_pretrained(directory, local_files_only=True)
         images = cls(config, processor, (tokens[0], tokens[1], tokens[2]), dtype)
-        parts = {"vision_tower.": images.tower, "multi_modal_projector.": images.projector}
-        read_tower_weights(directory, parts, dtype)
+        read_tower_weights(directory, images.parts, dtype)
         return images
+
+    @property
+    def parts(self) -> dict[str, torch.nn.Module]:
+        """The modules, by where a checkpoint keeps their tensors."""
+        return {"vision_tower.": self.tower, "multi_modal_projector.": self.projector}
 
     @torch.inference_mode()
     def encode(self, image: Image.Image) -> EncodedImage:

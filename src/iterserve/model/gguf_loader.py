@@ -896,7 +896,7 @@ def _load_weights(
     # the layer's three stacks are dequantized once each, not once per expert.
     @functools.lru_cache(maxsize=3)
     def stack(name: str) -> torch.Tensor:
-        return _dequantized(tensors[name])
+        return read_gguf_tensor(tensors[name])
 
     towers = [name for name in tensors if name.startswith(_TOWER_PREFIXES)]
     if towers:
@@ -977,7 +977,7 @@ def _permuted_heads(config: ModelConfig, gguf_arch: str) -> dict[str, int]:
     return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 
 
-def _dequantized(info: GGUFTensorInfo) -> torch.Tensor:
+def read_gguf_tensor(info: GGUFTensorInfo) -> torch.Tensor:
     """A tensor's values: 16-bit floats as they are, every other type as fp32."""
     raw = read_bytes(info.path, info.offset, info.nbytes)
     if info.qtype == GGMLQuantizationType.F16:
@@ -1002,7 +1002,7 @@ def _tensor(
 ) -> torch.Tensor:
     """The tensor in `dtype`, or (None) as stored: fp16 and bf16 stay so, the rest fp32; in
     `shape` (the same values)."""
-    tensor = _dequantized(info).reshape(shape)
+    tensor = read_gguf_tensor(info).reshape(shape)
     if norm_offset:
         tensor = tensor.float() - 1
     if rope_heads is not None:

@@ -25,10 +25,10 @@ from safetensors.torch import load_file
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_loader import (
-    _dequantized,
     hf_tensor_name,
     permutes_rope_rows,
     read_gguf_header,
+    read_gguf_tensor,
     unpermute_rope_rows,
 )
 from iterserve.model.model_source import find_adapter
@@ -154,7 +154,7 @@ def _load_gguf(path: Path, config: ModelConfig) -> AdapterWeights:
             raise LoRAError(
                 f"{str(path)!r}: tensor {name!r} adapts no projection of this model"
             ) from None
-        tensor = _dequantized(info).float()
+        tensor = read_gguf_tensor(info).float()
         short = module.rsplit(".", 1)[-1]
         if which == "b" and permutes_rope_rows(arch) and short in heads:
             tensor = unpermute_rope_rows(tensor, heads[short])
