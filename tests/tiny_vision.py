@@ -93,7 +93,7 @@ def save_tiny_mistral3(out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-def _gemma3_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
+def gemma3_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
     names = dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA3_TOKENS, strict=True))
     return transformers.AutoTokenizer.from_pretrained(directory, extra_special_tokens=names)
 
@@ -102,7 +102,7 @@ def save_tiny_gemma3(out: Path, tokenizer_dir: Path) -> Path:
     """Gemma 3 4B's shape in small: sliding layers (a window shorter than a prompt here)
     beside a full one, SigLIP, an image pooled to GEMMA3_IMAGE_ROWS soft tokens; saved with
     Gemma's own processor (Gemma3Processor over the Pillow image processor)."""
-    tokenizer = _gemma3_tokenizer(tokenizer_dir)
+    tokenizer = gemma3_tokenizer(tokenizer_dir)
     ids = tokenizer.convert_tokens_to_ids(list(GEMMA3_TOKENS))
     text = transformers.Gemma3TextConfig(
         **{**TEXT_SHAPE, "vocab_size": len(tokenizer), "max_position_embeddings": 512},
@@ -144,7 +144,7 @@ def gemma3_greedy(
     and marks their soft tokens (token_type_ids), by which transformers attends within each
     image both ways."""
     processor = transformers.Gemma3Processor.from_pretrained(
-        directory, tokenizer=_gemma3_tokenizer(directory)
+        directory, tokenizer=gemma3_tokenizer(directory)
     )
     inputs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(

@@ -66,7 +66,6 @@ from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import ModelPlan, build_model, choose_dtype
-from iterserve.model.gguf_images import load_mmproj
 from iterserve.model.hf_overrides import with_hf_overrides
 from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.kv_shift import UnsupportedKVShift
@@ -147,6 +146,9 @@ class LLMEngine:
         self.dtype = dtype  # the layers' inputs' (prompt embeds are cast to it)
         loaded = loaded or load_model(config.model, dtype, config.revision)
         if config.mmproj:
+            # Deferred: transformers' vision modules cost ~120 MiB of imports (resident).
+            from iterserve.model.gguf_images import load_mmproj
+
             images = load_mmproj(Path(config.mmproj), loaded.config, loaded.tokenizer, dtype)
             loaded = replace(loaded, images=images)
         if config.hf_overrides:

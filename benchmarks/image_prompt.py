@@ -1,0 +1,220 @@
+"""A question about an image on a Gemma 3 4B-shaped GGUF with its vision projector file,
+iterserve against llama-server on the same two files, one server after the other.
+
+Both files are made here with random weights (iterserve.bench): the language model in
+Gemma 3 4B's body as Q4_K_M (random blocks, the bundled tokenizer grown to Gemma's
+vocabulary size, Gemma's three image tokens added as control tokens, a chat template
+that writes <start_of_image> for an image), and the vision projector file in SigLIP's
+shape as llama.cpp's converter writes it (F16). For each server: a warm-up (a text and an
+image request), then in each round a question about a new 896 x 896 image (its tower
+encode, then the prompt's prefill) and a text question of about the same length (the
+prefill alone), streamed, 8 tokens, greedy; time to first token of each, their
+difference (what the image costs beyond its tokens), and the server's peak and held RSS
+(VmHWM, VmRSS) at the end.
+
+    .venv/bin/python benchmarks/image_prompt.py [--rounds 3] [--engines iterserve,llama.cpp]
+
+llama-server comes from benchmarks/peers/llama_cpp.sh (built if missing, ~10 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import io
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import write_results  # type: ignore[import-not-found]  # noqa: E402
+from _served import free_port, iterserve_server, stop, wait_healthy  # type: ignore[import-not-found]  # noqa: E402
+from iterserve.bench.machine import cpu_line  # noqa: E402
+from iterserve.bench.shaped_gguf import (  # noqa: E402
+    q4_k_m_types,
+    tokenizer_metadata,
+    write_shaped_gguf,
+)
+from iterserve.bench.shaped_mmproj import write_shaped_mmproj  # noqa: E402
+
+FILES = Path.home() / ".cache" / "iterserve-bench" / "images"
+LLAMA_CPP_SH = Path(__file__).parent / "peers" / "llama_cpp.sh"
+IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+CONTROL = 3  # llama.cpp's token type for a control token
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for b in m['content'] %}"
+    "{% if b['type'] == 'image' %}<start_of_image>{% else %}{{ b['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+QUESTION = "What is in this picture? Say it in one short sentence."
+
+
+def make_files() -> tuple[Path, Path]:
+    FILES.mkdir(parents=True, exist_ok=True)
+    text, mmproj = FILES / "gemma3-4b-images.Q4_K_M.gguf", FILES / "mmproj-gemma3-4b-f16.gguf"
+    if not text.exists():
+        tokenizer = tokenizer_metadata()
+        tokenizer["tokenizer.ggml.tokens"] = [*tokenizer["tokenizer.ggml.tokens"], *IMAGE_TOKENS]
+        tokenizer["tokenizer.ggml.token_type"] = [
+            *tokenizer["tokenizer.ggml.token_type"], *[CONTROL] * len(IMAGE_TOKENS)
+        ]  # fmt: skip
+        tokenizer["tokenizer.chat_template"] = TEMPLATE
+        print(f"writing {text}", flush=True)
+        write_shaped_gguf(text, "gemma3-4b", 7, tokenizer, q4_k_m_types, real_vocab=True)
+    if not mmproj.exists():
+        print(f"writing {mmproj}", flush=True)
+        write_shaped_mmproj(mmproj, seed=7)
+    return text, mmproj
+
+
+def picture(seed: int) -> str:
+    """A new 896 x 896 image as a PNG data URL: a gradient under noise."""
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 255, 896, dtype=np.float32)
+    pixels = ramp[None, :, None] * rng.uniform(0.3, 1, 3) + rng.normal(0, 30, (896, 896, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def filler(seed: int, words: int) -> str:
+    rng = np.random.default_rng(seed)
+    vocabulary = [
+        "river",
+        "stone",
+        "lamp",
+        "orange",
+        "window",
+        "cloud",
+        "paper",
+        "music",
+        "garden",
+        "bridge",
+    ]
+    return " ".join(rng.choice(vocabulary, words))
+
+
+def ttft(client: openai.OpenAI, content: Any) -> tuple[float, int]:
+    """Seconds to the first streamed token, and the prompt's tokens (the usage chunk)."""
+    start = time.perf_counter()
+    first, prompt_tokens = None, 0
+    stream = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": content}], max_tokens=8,
+        temperature=0.0, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - start
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+    return (first if first is not None else time.perf_counter() - start), prompt_tokens
+
+
+def memory(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmHWM", "VmRSS"):
+            fields[name] = int(value.split()[0]) * 1024
+    return {"peak_rss": fields["VmHWM"], "held_rss": fields["VmRSS"]}
+
+
+def run_rounds(base: str, rounds: int, words: int) -> dict[str, Any]:
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
+    image_part = {"type": "image_url", "image_url": {"url": picture(0)}}
+    ttft(client, filler(0, words))  # warm-up: a text, then an image
+    ttft(client, [image_part, {"type": "text", "text": QUESTION}])
+    images, texts, tokens = [], [], {}
+    for r in range(1, rounds + 1):
+        image = [{"type": "image_url", "image_url": {"url": picture(r)}},
+                 {"type": "text", "text": f"{r}. {QUESTION}"}]  # fmt: skip
+        seconds, tokens["image"] = ttft(client, image)
+        images.append(seconds)
+        seconds, tokens["text"] = ttft(client, f"{r}. {filler(r, words)} {QUESTION}")
+        texts.append(seconds)
+        print(f"  round {r}: image {images[-1]:.2f} s, text {texts[-1]:.2f} s", flush=True)
+    return {"image_ttft_s": images, "text_ttft_s": texts, "prompt_tokens": tokens}
+
+
+def llama_server_bin() -> Path:
+    found = subprocess.run(["bash", str(LLAMA_CPP_SH), "path"], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"llama.cpp not built: {found.stderr.strip()}")
+    return Path(found.stdout.strip().splitlines()[-1]) / "llama-server"
+
+
+def run_iterserve(text: Path, mmproj: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    port = free_port()
+    extra = ["--mmproj", str(mmproj), "--max-model-len", "4096", "-t", str(args.threads)]
+    with iterserve_server(port, str(text), extra, logs / "iterserve.log", 900) as server:
+        found = run_rounds(f"http://127.0.0.1:{port}/v1", args.rounds, args.words)
+        return {**found, **memory(server.pid)}
+
+
+def run_llama_cpp(text: Path, mmproj: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    port = free_port()
+    command = [str(llama_server_bin()), "-m", str(text), "--mmproj", str(mmproj), "--port",
+               str(port), "-t", str(args.threads), "-c", "4096", "-np", "1", "--jinja"]  # fmt: skip
+    print("starting:", " ".join(command), flush=True)
+    log_path = logs / "llama-server.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{port}/health", 900, log_path)
+        found = run_rounds(f"http://127.0.0.1:{port}/v1", args.rounds, args.words)
+        return {**found, **memory(server.pid)}
+    finally:
+        stop(server)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engines", default="iterserve,llama.cpp")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--words", type=int, default=250, help="the text prompt's filler")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    text, mmproj = make_files()
+    logs = Path("bench_results") / "image_prompt"
+    logs.mkdir(parents=True, exist_ok=True)
+    runners = {"iterserve": run_iterserve, "llama.cpp": run_llama_cpp}
+    found: dict[str, Any] = {}
+    for engine in args.engines.split(","):
+        print(f"{engine}:", flush=True)
+        found[engine] = runners[engine](text, mmproj, args, logs)
+    print(f"\n{cpu_line()}")
+    print(f"{'engine':<10} {'image TTFT':>11} {'text TTFT':>10} {'image cost':>11} "
+          f"{'tokens img/text':>16} {'peak / held RSS':>17}")  # fmt: skip
+    for engine, row in found.items():
+        image, plain = statistics.median(row["image_ttft_s"]), statistics.median(row["text_ttft_s"])
+        row["image_cost_s"] = image - plain
+        tokens = row["prompt_tokens"]
+        rss = f"{row['peak_rss'] / 2**30:.2f} / {row['held_rss'] / 2**30:.2f} GiB"
+        print(f"{engine:<10} {image:>10.2f}s {plain:>9.2f}s {image - plain:>10.2f}s "
+              f"{tokens.get('image', 0):>7} / {tokens.get('text', 0):<7} {rss:>17}")  # fmt: skip
+    if len(found) == 2:
+        ours, theirs = found["iterserve"], found["llama.cpp"]
+        for key in ("image_ttft_s", "text_ttft_s"):
+            ratio = statistics.median(theirs[key]) / statistics.median(ours[key])
+            print(f"{key}: llama.cpp / iterserve {ratio:.2f}x")
+    date = datetime.date.today().isoformat()
+    write_results(args.json or f"bench_results/{date}-image_prompt.json",
+                  {"machine": cpu_line(), "files": [str(text), str(mmproj)], "args": vars(args),
+                   "engines": found})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""A vision projector file (llama.cpp's `mmproj-*.gguf`) of a released tower's shape with
+random weights, for timing images against llama.cpp on the same file
+(benchmarks/image_prompt.py): Gemma 3's SigLIP (4B-27B), with the metadata and tensor names
+llama.cpp's converter writes and its types (F16 matrices, the input projection included;
+F32 norms, biases and the patch and position embeddings). Written tensor by tensor, as
+shaped_gguf.py writes models."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+
+from iterserve.bench.shaped_gguf import WEIGHT_STD
+
+
+@dataclass(frozen=True)
+class TowerShape:
+    """A SigLIP tower and Gemma 3's projector, as the released config gives them."""
+
+    hidden: int  # vision_config.hidden_size
+    intermediate: int  # vision_config.intermediate_size
+    layers: int  # vision_config.num_hidden_layers
+    heads: int  # vision_config.num_attention_heads
+    image_size: int
+    patch_size: int
+    text_hidden: int  # the language model's hidden size, which the projector maps to
+    eps: float = 1e-6
+
+
+GEMMA3_4B_TOWER = TowerShape(1152, 4304, 27, 16, 896, 14, 2560)
+
+
+def _tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
+    """(name, numpy shape, dtype) of every tensor, in the converter's order of kinds."""
+    h, f, p = shape.hidden, shape.intermediate, shape.patch_size
+    patches = (shape.image_size // p) ** 2
+    found: list[tuple[str, tuple[int, ...], type]] = [
+        ("mm.input_projection.weight", (h, shape.text_hidden), np.float16),
+        ("mm.soft_emb_norm.weight", (h,), np.float32),
+        ("v.patch_embd.weight", (h, 3, p, p), np.float32),
+        ("v.patch_embd.bias", (h,), np.float32),
+        ("v.position_embd.weight", (patches, h), np.float32),
+    ]
+    for i in range(shape.layers):
+        blk = f"v.blk.{i}"
+        for norm in ("ln1", "ln2"):
+            found += [(f"{blk}.{norm}.weight", (h,), np.float32)]
+            found += [(f"{blk}.{norm}.bias", (h,), np.float32)]
+        for part, rows, cols in (("attn_q", h, h), ("attn_k", h, h), ("attn_v", h, h),
+                                 ("attn_out", h, h), ("ffn_up", f, h), ("ffn_down", h, f)):  # fmt: skip
+            found += [(f"{blk}.{part}.weight", (rows, cols), np.float16)]
+            found += [(f"{blk}.{part}.bias", (rows,), np.float32)]
+    found += [("v.post_ln.weight", (h,), np.float32), ("v.post_ln.bias", (h,), np.float32)]
+    return found
+
+
+def _values(name: str, shape: tuple[int, ...], dtype: type, rng: np.random.Generator) -> np.ndarray:
+    if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "soft_emb_norm.weight")):
+        return np.ones(shape, dtype=dtype)  # Gemma's projector norm stored as 1 + w: w = 0
+    if name.endswith("ln1.bias") or name.endswith("ln2.bias") or name.endswith("post_ln.bias"):
+        return np.zeros(shape, dtype=dtype)
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(WEIGHT_STD)).astype(dtype)
+
+
+def write_shaped_mmproj(path: Path, shape: TowerShape = GEMMA3_4B_TOWER, seed: int = 0) -> Path:
+    """Gemma 3's vision projector file of `shape` with random weights at `path` (written to
+    `path` + ".partial" and renamed when whole)."""
+    partial = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(partial, "clip")
+    writer.add_name("random weights")
+    writer.add_type("mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_bool("clip.use_gelu", True)
+    for key, value in {
+        "image_size": shape.image_size,
+        "patch_size": shape.patch_size,
+        "embedding_length": shape.hidden,
+        "feed_forward_length": shape.intermediate,
+        "block_count": shape.layers,
+        "attention.head_count": shape.heads,
+        "projection_dim": shape.text_hidden,
+    }.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", shape.eps)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    tensors = _tensors(shape)
+    for name, dims, dtype in tensors:
+        nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
+        writer.add_tensor_info(name, dims, np.dtype(dtype), nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    try:
+        for index, (name, dims, dtype) in enumerate(tensors):
+            writer.write_tensor_data(
+                _values(name, dims, dtype, np.random.default_rng([seed, index]))
+            )
+    finally:
+        writer.close()
+    os.replace(partial, path)
+    return path
