@@ -107,10 +107,11 @@ def filler(seed: int, words: int) -> str:
 
 def ttft(client: openai.OpenAI, content: Any) -> tuple[float, int]:
     """Seconds to the first streamed token, and the prompt's tokens (the usage chunk)."""
+    model = client.models.list().data[0].id
     start = time.perf_counter()
     first, prompt_tokens = None, 0
     stream = client.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": content}], max_tokens=8,
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=8,
         temperature=0.0, stream=True, stream_options={"include_usage": True},
     )  # fmt: skip
     for chunk in stream:
