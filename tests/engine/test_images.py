@@ -177,3 +177,16 @@ def test_what_images_cannot_be_is_refused_by_name(mistral3_dir: Path, tiny_llama
     with pytest.raises(InvalidRequestError, match="takes no images") as refused:
         text_only.generate({"prompt": "[IMG]", "multi_modal_data": {"image": picture(0, 30, 30)}})
     assert refused.value.param == "images"
+
+
+def test_an_image_sent_again_is_not_encoded_again(mistral3_dir: Path) -> None:
+    """A chat sends its image at every turn: the engine keeps the last few encoded."""
+    llm = LLM(str(mistral3_dir), dtype="float32", compile=False)
+    images = llm.engine.images
+    encoded = []
+    encode = images.encoder.encode
+    images.encoder.encode = lambda image: encoded.append(image) or encode(image)  # type: ignore[method-assign]
+    text = "<s>user: [IMG] what?\nassistant:"
+    for seed in (0, 0, 1, 0):  # the same pixels, another image, the first again
+        llm.generate({"prompt": text, "multi_modal_data": {"image": picture(seed, 40, 40)}}, GREEDY)
+    assert len(encoded) == 2
