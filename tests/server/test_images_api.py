@@ -10,6 +10,7 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import ollama
 import openai
@@ -73,6 +74,21 @@ def test_an_image_url_answers_as_transformers(server: RunningServer, mistral3_di
     assert answer.message.content == whole.choices[0].message.content
     shown = httpx.post(f"{server.base_url}/api/show", json={"model": MODEL_NAME}, timeout=30)
     assert "vision" in shown.json()["capabilities"]
+    # The Responses API's input_image and Anthropic's image block, in the same order.
+    given = client.responses.create(
+        model=MODEL_NAME, max_output_tokens=MAX_TOKENS, temperature=0.0,
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                            {"type": "input_text", "text": "What is it?"}]}],
+    )  # fmt: skip
+    assert given.output_text == whole.choices[0].message.content
+    source = {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    message = claude.messages.create(
+        model=MODEL_NAME, max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0},
+        messages=[{"role": "user", "content": [{"type": "image", "source": source},
+                                               {"type": "text", "text": "What is it?"}]}],
+    )  # fmt: skip
+    assert message.content[0].text == whole.choices[0].message.content  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -91,6 +107,13 @@ def test_an_image_url_answers_as_transformers(server: RunningServer, mistral3_di
          {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
          "messages.0.content.0"),
         ("/api/generate", {"prompt": "x", "raw": True, "images": ["AAAA"]}, "images"),
+        ("/v1/responses",
+         {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+         "input.0.content.0.file_id"),
+        ("/v1/messages",
+         {"messages": [{"role": "user", "content": [
+             {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}]}]},
+         "source.data"),
     ],
 )  # fmt: skip
 def test_what_is_not_an_image_is_a_400_naming_it(

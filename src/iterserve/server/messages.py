@@ -60,7 +60,11 @@ def messages_routes(ctx: ServingContext) -> APIRouter:
 
 
 def _traits(ctx: ServingContext) -> ModelTraits:
-    return ModelTraits(thinks=ctx.reasoning is not None, system_anywhere=ctx.system_anywhere)
+    return ModelTraits(
+        thinks=ctx.reasoning is not None,
+        system_anywhere=ctx.system_anywhere,
+        images=ctx.image_marker is not None,
+    )
 
 
 def _prompt_tokens(body: MessagesRequest, ctx: ServingContext) -> int:

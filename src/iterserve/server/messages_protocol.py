@@ -97,9 +97,32 @@ class RedactedThinkingBlock(_Lenient):
     data: str
 
 
+class ImageSource(_Lenient):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(_Lenient):
+    type: Literal["image"]
+    source: ImageSource
+
+    def as_chat_part(self, where: str) -> dict[str, Any]:
+        """OpenAI's image_url part of it: base64 as a data URL (a web address is refused
+        where chat/image_parts.py decodes it)."""
+        source = self.source
+        if source.type == "url":
+            return {"type": "image_url", "image_url": {"url": source.url or ""}}
+        if source.data is None:
+            raise InvalidRequestError("a base64 image needs its data", f"{where}.source.data")
+        media = source.media_type or "image"
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source.data}"}}
+
+
 _BLOCKS: dict[str, dict[str, type[BaseModel]]] = {
     "system": {"text": TextBlock},
-    "user": {"text": TextBlock, "tool_result": ToolResultBlock},
+    "user": {"text": TextBlock, "tool_result": ToolResultBlock, "image": ImageBlock},
     "assistant": {
         "text": TextBlock,
         "tool_use": ToolUseBlock,
@@ -123,6 +146,7 @@ class ModelTraits:
     # Its chat template writes a system message after the conversation has started
     # (engine/prompts.py `takes_system_anywhere`); else such a one joins the nearest user turn.
     system_anywhere: bool = True
+    images: bool = False  # it takes images (docs/images.md)
 
 
 class Tool(_Lenient):
@@ -286,7 +310,7 @@ class MessagesRequest(BaseModel):
         """The chat request this one amounts to, for `model` (raises InvalidRequestError
         naming the Messages field)."""
         self.check_supported()
-        messages = self.chat_messages(model.system_anywhere)
+        messages = self.chat_messages(model.system_anywhere, model.images)
         prefill = messages[-1]["role"] == "assistant"
         extra = {k: v for k, v in (self.model_extra or {}).items() if k not in _NO_EFFECT}
         chat: dict[str, Any] = {
@@ -329,7 +353,9 @@ class MessagesRequest(BaseModel):
                 f"invalid value for '{param}': {first['msg']}", param
             ) from None
 
-    def chat_messages(self, system_anywhere: bool = True) -> list[dict[str, Any]]:
+    def chat_messages(
+        self, system_anywhere: bool = True, images: bool = False
+    ) -> list[dict[str, Any]]:
         """`system` and the turns as chat messages."""
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
@@ -343,7 +369,7 @@ class MessagesRequest(BaseModel):
         # the end, the last one's), so that a tool call still meets its result first.
         held: list[TextBlock] = []
         for index, message in enumerate(self.messages):
-            blocks = _blocks(message, f"messages.{index}")
+            blocks = _blocks(message, f"messages.{index}", images)
             if message.role == "system":
                 text = "\n".join(block.text for block in blocks if isinstance(block, TextBlock))
                 last = messages[-1] if messages else None
@@ -413,11 +439,12 @@ def _referenced_tools(messages: Sequence[InputMessage], names: set[str]) -> set[
     return found
 
 
-def _blocks(message: InputMessage, where: str) -> list[BaseModel]:
+def _blocks(message: InputMessage, where: str, images: bool = False) -> list[BaseModel]:
+    """The message's blocks; an image only where the model takes images."""
     content = message.content
     if isinstance(content, str):
         return [TextBlock(type="text", text=content)]
-    known = _BLOCKS[message.role]
+    known = {k: v for k, v in _BLOCKS[message.role].items() if images or v is not ImageBlock}
     blocks = []
     for index, raw in enumerate(content):
         kind = raw.get("type")
@@ -433,29 +460,47 @@ def _blocks(message: InputMessage, where: str) -> list[BaseModel]:
 
 
 def _add_user_turn(messages: list[dict[str, Any]], blocks: Sequence[BaseModel], where: str) -> None:
-    """A user turn: each tool result a `tool` message, the text one user message.
-    Consecutive user turns are one (Anthropic's rule), their texts a line apart."""
-    texts: list[str] = []
+    """A user turn: each tool result a `tool` message, the text one user message (with its
+    images, chat's parts in order). Consecutive user turns are one (Anthropic's rule), their
+    texts a line apart."""
+    parts: list[dict[str, Any]] = []
 
     def flush() -> None:
-        if not texts:
+        if not parts:
             return
-        text = "\n".join(texts)
+        content: str | list[dict[str, Any]] = parts[:]
+        if all(part["type"] == "text" for part in parts):
+            content = "\n".join(part["text"] for part in parts)
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "user":
-            last["content"] = f"{last['content']}\n{text}"
+            last["content"] = _joined(last["content"], content)
         else:
-            messages.append({"role": "user", "content": text})
-        texts.clear()
+            messages.append({"role": "user", "content": content})
+        parts.clear()
 
     for index, block in enumerate(blocks):
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):  # _blocks takes them where the model does
+            parts.append(block.as_chat_part(f"{where}.content.{index}"))
         elif isinstance(block, ToolResultBlock):
             flush()
             content = _result_text(block, f"{where}.content.{index}.content")
             messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
     flush()
+
+
+def _joined(
+    first: str | list[dict[str, Any]], then: str | list[dict[str, Any]]
+) -> str | list[dict[str, Any]]:
+    """Two user turns' contents as one: texts a line apart, parts one after the other."""
+    if isinstance(first, str) and isinstance(then, str):
+        return f"{first}\n{then}"
+
+    def parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+    return [*parts(first), *parts(then)]
 
 
 def _result_text(block: ToolResultBlock, where: str) -> str:

@@ -55,6 +55,6 @@ def _is_user_message(item: dict[str, Any]) -> bool:
 def _prompt_tokens(
     body: ResponsesRequest, history: Sequence[dict[str, Any]], ctx: ServingContext
 ) -> int:
-    chat = body.to_chat_request(history)
+    chat = body.to_chat_request(history, images=ctx.image_marker is not None)
     plan = chat_plan(chat, ctx, chat.sampling_params(ctx.sampling_defaults))
     return len(encode_prompt(ctx.tokenizer, render_prompt(chat, ctx, plan)))

@@ -67,7 +67,7 @@ async def create_response(body: ResponsesRequest, raw: Request, ctx: ServingCont
         history = previous.history if previous else conversation or []
         if body.truncation == "auto" and history:  # renders the prompt a few times: off the loop
             history = await asyncio.to_thread(fitted_history, body, history, ctx)
-        chat = body.to_chat_request(history)
+        chat = body.to_chat_request(history, images=ctx.image_marker is not None)
         run = await start_chat(chat, raw, ctx, id_prefix="resp_", known=known_tokens(previous))
     except InvalidRequestError as error:
         error.param = responses_param(error.param)

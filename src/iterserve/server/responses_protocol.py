@@ -128,6 +128,8 @@ class ReasoningConfig(BaseModel):
 class _ContentPart(BaseModel):
     type: str
     text: str | None = None
+    image_url: str | None = None  # an input_image's (a data URL)
+    file_id: str | None = None  # an input_image's file, which this server does not keep
 
 
 class _MessageItem(BaseModel):
@@ -271,14 +273,17 @@ class ResponsesRequest(BaseModel):
             return [{"type": "message", "role": "user", "content": [text]}]
         return list(self.input)
 
-    def to_chat_request(self, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
+    def to_chat_request(
+        self, history: Sequence[dict[str, Any]] = (), images: bool = False
+    ) -> ChatCompletionRequest:
         """The chat request this one amounts to, after the `history` of the response it
-        continues (raises InvalidRequestError naming the Responses field)."""
+        continues (raises InvalidRequestError naming the Responses field). `images`: the
+        model takes them, so an input_image is an image_url part of its message."""
         self.check_supported()
         chat: dict[str, Any] = {
             **(self.model_extra or {}),
             "model": self.model,
-            "messages": self.chat_messages(history),
+            "messages": self.chat_messages(history, images),
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -309,20 +314,22 @@ class ResponsesRequest(BaseModel):
                 f"invalid value for '{param}': {first['msg']}", param
             ) from None
 
-    def chat_messages(self, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    def chat_messages(
+        self, history: Sequence[dict[str, Any]] = (), images: bool = False
+    ) -> list[dict[str, Any]]:
         """`instructions`, the `history` and `input` as chat messages."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         # The history was read (as input) or written (as output) here before: a problem in
         # it is not this request's field, so it is named by the response it came from.
-        _add_items(messages, history, lambda _: "previous_response_id")
+        _add_items(messages, history, lambda _: "previous_response_id", images)
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         elif not self.input:
             raise InvalidRequestError("input is empty", "input")
         else:
-            _add_items(messages, self.input, lambda index: f"input.{index}")
+            _add_items(messages, self.input, lambda index: f"input.{index}", images)
         # Thinking that nothing followed (an answer cut short in it) is no turn of its own.
         return [message for message in messages if not _is_thinking_only(message)]
 
@@ -331,6 +338,7 @@ def _add_items(
     messages: list[dict[str, Any]],
     items: Sequence[dict[str, Any]],
     param: Callable[[int], str],
+    images: bool = False,
 ) -> None:
     """Items as chat messages: a reasoning item is the `reasoning_content` of the assistant
     message it comes before (templates show it, or drop it, as they do chat's); an
@@ -346,7 +354,7 @@ def _add_items(
             )
         elif isinstance(item, _MessageItem):
             role = "system" if item.role == "developer" else item.role
-            content = _text_of(item.content, f"{param(index)}.content")
+            content = _content_of(item.content, f"{param(index)}.content", images)
             if role == "assistant" and thinking_only and last is not None:
                 last["content"] = content
             else:
@@ -391,6 +399,33 @@ def _parse_item(raw: dict[str, Any], where: str) -> BaseModel:
             f"input items of type {kind!r} are not supported (only {known})", f"{where}.type"
         )
     return validated(model, raw, where)
+
+
+def _content_of(
+    content: str | list[_ContentPart], param: str, images: bool
+) -> str | list[dict[str, Any]]:
+    """A message's content as chat's: its text, or, with input_image parts where the model
+    takes images, chat's parts in order (image_url's; chat/image_parts.py decodes them)."""
+    if isinstance(content, str) or not any(p.type == "input_image" for p in content):
+        return _text_of(content, param)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        if part.type in _TEXT_PARTS and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type != "input_image":
+            raise InvalidRequestError(
+                f"a content part is text or input_image, not {part.type!r}", f"{param}.{i}"
+            )
+        elif not images:
+            raise InvalidRequestError("this model takes no images (text only)", f"{param}.{i}")
+        elif part.image_url is None:
+            raise InvalidRequestError(
+                "give the image as image_url, a data URL: files are not kept here",
+                f"{param}.{i}.file_id" if part.file_id else f"{param}.{i}.image_url",
+            )
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+    return parts
 
 
 def _text_of(content: str | list[_ContentPart], param: str) -> str:
