@@ -89,6 +89,12 @@ def test_an_image_url_answers_as_transformers(server: RunningServer, mistral3_di
                                                {"type": "text", "text": "What is it?"}]}],
     )  # fmt: skip
     assert message.content[0].text == whole.choices[0].message.content  # type: ignore[union-attr]
+    # One image, sent five times: encoded once (the Ollama client's PNG bytes are the same
+    # pixels), found kept four times.
+    metrics = server.metrics()
+    assert metrics["iterserve:images_encoded_total"] == 1
+    assert metrics["iterserve:images_reused_total"] == 4
+    assert metrics["iterserve:image_encode_seconds_total"] > 0
 
 
 @pytest.mark.parametrize(

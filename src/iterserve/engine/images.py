@@ -14,6 +14,7 @@ import base64
 import binascii
 import hashlib
 import io
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,10 @@ class ImageInputs:
         self.encoder = encoder
         self.tokenizer = tokenizer
         self._kept: OrderedDict[bytes, EncodedImage] = OrderedDict()
+        # For /metrics: images the tower ran on, and for how long; images found kept.
+        self.num_encoded = 0
+        self.encode_seconds = 0.0
+        self.num_reused = 0
 
     @property
     def marker(self) -> str:
@@ -158,8 +163,12 @@ class ImageInputs:
         name = key.digest()
         if (found := self._kept.get(name)) is not None:
             self._kept.move_to_end(name)
+            self.num_reused += 1
             return name, found
+        start = time.perf_counter()
         encoded = self.encoder.encode(image)
+        self.num_encoded += 1
+        self.encode_seconds += time.perf_counter() - start
         self._kept[name] = encoded
         if len(self._kept) > _KEPT_IMAGES:
             self._kept.popitem(last=False)

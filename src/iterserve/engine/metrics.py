@@ -77,6 +77,10 @@ class EngineSnapshot:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     num_resident_loras: int = 0  # LoRA adapters in the model's slots
+    # Images (engine/images.py): encoded by the tower and its seconds; found kept encoded.
+    images_encoded: int = 0
+    image_encode_seconds: float = 0.0
+    images_reused: int = 0
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # Memory, in bytes: the served model's weights as held, the KV pool's reservation and
     # the part of it written so far (resident: its blocks taken at least once), and the
@@ -127,6 +131,9 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         prefill_tokens=stats.prefill_tokens,
         decode_tokens=stats.decode_tokens,
         num_resident_loras=len(scheduler.lora_slots.resident),
+        images_encoded=engine.images.num_encoded if engine.images else 0,
+        image_encode_seconds=engine.images.encode_seconds if engine.images else 0.0,
+        images_reused=engine.images.num_reused if engine.images else 0,
         spec=replace(
             scheduler.spec_stats,
             accepted_per_position=list(scheduler.spec_stats.accepted_per_position),
