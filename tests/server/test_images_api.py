@@ -6,7 +6,10 @@ lists "vision"; what is not an image is a 400 naming where it was, and nothing i
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
 import io
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import openai
 import pytest
 import transformers
 
+from iterserve.server.app import ServerSettings
 from server_fixtures import MODEL_NAME, RunningServer, running_server
 from tiny_vision import picture, save_tiny_mistral3, transformers_greedy
 
@@ -142,3 +146,48 @@ def test_a_text_model_refuses_images_by_name(tiny_llama_dir: Path) -> None:
                 model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=2
             )
     assert refused.value.body["param"] == "messages.0.content.1.image_url"  # type: ignore[index]
+
+
+def test_image_urls_are_read_where_the_server_is_told(mistral3_dir: Path, tmp_path: Path) -> None:
+    """file:// under --allowed-local-media-path and http(s) from --allowed-media-domains (a
+    real HTTP server on this machine) answer as the same image inline; elsewhere a 400."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "picture.png").write_bytes(_png(IMAGE))
+    (tmp_path / "outside.png").write_bytes(_png(IMAGE))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media))
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    site = f"http://127.0.0.1:{web.server_address[1]}"
+    settings = ServerSettings(
+        served_model_names=[MODEL_NAME],
+        allowed_local_media_path=str(media),
+        allowed_media_domains=["127.0.0.1"],
+    )
+    inline = "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()
+    try:
+        with running_server(mistral3_dir, settings) as server:
+            client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+            def ask(url: str) -> str:
+                content = [{"type": "image_url", "image_url": {"url": url}},
+                           {"type": "text", "text": "What is it?"}]  # fmt: skip
+                answer = client.chat.completions.create(
+                    model=MODEL_NAME, messages=[{"role": "user", "content": content}],
+                    max_tokens=MAX_TOKENS, temperature=0.0,
+                )  # fmt: skip
+                return answer.choices[0].message.content or ""
+
+            want = ask(inline)
+            assert ask(f"file://{media / 'picture.png'}") == want
+            assert ask(f"{site}/picture.png") == want
+            for url, why in [
+                (f"file://{tmp_path / 'outside.png'}", "is not under"),
+                (f"{site}/missing.png", "answered 404"),
+                (f"http://localhost:{web.server_address[1]}/picture.png", "not 'localhost'"),
+            ]:
+                with pytest.raises(openai.BadRequestError, match=why) as refused:
+                    ask(url)
+                assert refused.value.body["param"] == "messages.0.content.0.image_url"  # type: ignore[index]
+    finally:
+        web.shutdown()

@@ -106,6 +106,21 @@ def add_model_args(p: argparse.ArgumentParser, what: str) -> None:
         "template runs on the server; the tool-call and reasoning parsers stay the server's",
     )
     p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a directory whose files a chat may name as images (file:// URLs), as vLLM's flag "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="DOMAIN",
+        help="hosts a chat's http(s) image URLs are fetched from ('*': any), as vLLM's flag; "
+        "by default none: images come inline (data URLs), and the server reaches nothing on "
+        "the network for a request",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     add_engine_args(p)
@@ -266,6 +281,8 @@ def answer_settings(args: argparse.Namespace) -> dict[str, Any]:
         "reasoning_parser": args.reasoning_parser,
         "default_chat_template_kwargs": args.default_chat_template_kwargs,
         "trust_request_chat_template": args.trust_request_chat_template,
+        "allowed_local_media_path": args.allowed_local_media_path,
+        "allowed_media_domains": args.allowed_media_domains,
     }
 
 

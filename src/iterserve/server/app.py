@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -26,6 +27,7 @@ from iterserve.server.access_log import AccessLogMiddleware
 from iterserve.server.conversation_routes import conversation_routes
 from iterserve.server.conversation_store import ConversationStore
 from iterserve.server.errors import APIError, install_error_handlers
+from iterserve.server.image_urls import MediaAccess
 from iterserve.server.llama_server_routes import llama_server_routes
 from iterserve.server.lora_routes import lora_routes
 from iterserve.server.messages import messages_routes
@@ -64,6 +66,9 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     # GET /tokenizer_info (--enable-tokenizer-info-endpoint).
     tokenizer_info: bool = True
+    # Where image URLs may be read from (server/image_urls.py): a directory, hosts.
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] = field(default_factory=list)
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -154,6 +159,10 @@ def _serving_context(
         pair_prompts=PairPrompts(model.tokenizer, model.rerank_template) if model.scores else None,
         embeds=model.embeds,
         image_marker=model.facts.image_marker,
+        media=MediaAccess(
+            Path(local) if (local := settings.allowed_local_media_path) else None,
+            tuple(domain.lower() for domain in settings.allowed_media_domains),
+        ),
         labels=model.labels,
         sampling_defaults=model.sampling_defaults,
         default_template_kwargs=settings.default_chat_template_kwargs,

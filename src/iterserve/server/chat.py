@@ -134,6 +134,8 @@ async def start_chat(
         params.prediction = tuple(predicted) or None
     plan = chat_plan(body, ctx, params)
     ctx.engine.check_group_size(params.n)  # before rendering the template
+    if ctx.image_marker is not None:
+        await ctx.media.resolve(body.messages)  # file and web image URLs, where allowed
     prompt = chat_prompt(body, ctx, plan)
     if isinstance(prompt, RenderedChat):  # an earlier turn's tokens, where they still fit
         prompt = continuing(prompt, known, ctx.tokenizer)

@@ -36,6 +36,7 @@ from iterserve.model.tokenizer import chat_template_of
 from iterserve.sampling_defaults import SamplingDefaults
 from iterserve.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.server.errors import APIError, as_api_error, error_body
+from iterserve.server.image_urls import MediaAccess
 from iterserve.server.logprobs import token_decoder
 from iterserve.server.protocol import UsageInfo
 from iterserve.server.response_store import ResponseStore
@@ -109,6 +110,7 @@ class ServingContext:
     embeds: bool = False
     # What the chat template writes where an image goes; None: the model takes no images.
     image_marker: str | None = None
+    media: MediaAccess = field(default_factory=MediaAccess)  # where image URLs may be read
     labels: tuple[str, ...] = ()  # a classifier head's, where it serves /classify
     # What a request's unset sampling fields take (--generation-config).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
