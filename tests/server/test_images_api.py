@@ -6,6 +6,7 @@ lists "vision"; what is not an image is a 400 naming where it was, and nothing i
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import functools
 import http.server
 import io
@@ -191,3 +192,37 @@ def test_image_urls_are_read_where_the_server_is_told(mistral3_dir: Path, tmp_pa
                 assert refused.value.body["param"] == "messages.0.content.0.image_url"  # type: ignore[index]
     finally:
         web.shutdown()
+
+
+def test_an_image_being_encoded_holds_up_no_other_request(server: RunningServer) -> None:
+    """The tower runs on a worker thread: while an image is encoded (held here until told),
+    a text request is answered."""
+    images = server.engine.images
+    encode, started, release = images.encoder.encode, threading.Event(), threading.Event()
+
+    def held(image: object) -> object:
+        started.set()
+        release.wait(timeout=60)
+        return encode(image)
+
+    url = "data:image/png;base64," + base64.b64encode(_png(picture(11, 50, 50))).decode()
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    asked = dict(model=MODEL_NAME, max_tokens=4, temperature=0.0)
+    images.encoder.encode = held
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            content = [{"type": "image_url", "image_url": {"url": url}}]
+            waiting = pool.submit(
+                client.chat.completions.create,
+                messages=[{"role": "user", "content": content}], **asked,
+            )  # fmt: skip
+            assert started.wait(timeout=60), "the image's encode began"
+            text = client.chat.completions.create(
+                messages=[{"role": "user", "content": "Hello"}], **asked
+            )  # fmt: skip
+            assert text.choices[0].message.content and not waiting.done()
+            release.set()
+            assert waiting.result(timeout=60).choices[0].message.content
+    finally:
+        release.set()
+        images.encoder.encode = encode

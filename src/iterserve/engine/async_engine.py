@@ -324,6 +324,7 @@ class AsyncEngine:
             self.num_waiting_estimate(), len(requests), self.max_waiting_requests, self.retry_after
         )
         await self._compile_grammars(requests)
+        requests = await self._encode_images(requests)
         stream = RequestStream([r.request_id for r in requests], self.abort)
         accepted: asyncio.Future[None] = stream.loop.create_future()
         self._pending += len(requests)
@@ -344,6 +345,19 @@ class AsyncEngine:
         }
         for spec in specs.values():
             await asyncio.to_thread(self.engine.grammars.attach, spec)
+
+    async def _encode_images(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """The group's images encoded on a worker thread, so the engine's thread, which steps
+        every other request, never waits for a vision tower (seconds an image on a CPU)."""
+        images = self.engine.images
+        ready = []
+        for request in requests:
+            prompt = request.prompt
+            if isinstance(prompt, ImagesPrompt) and images is not None and prompt.encoded is None:
+                encoded = await asyncio.to_thread(images.encode, prompt.images)
+                request = replace(request, prompt=replace(prompt, encoded=encoded))
+            ready.append(request)
+        return ready
 
     async def generate(
         self,

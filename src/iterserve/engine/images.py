@@ -14,8 +14,10 @@ import base64
 import binascii
 import hashlib
 import io
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,9 @@ class ImagesPrompt:
     text: str
     images: tuple[Image.Image, ...]
     rendered: bool = False
+    # Each image's name and encoding, made ahead off the engine's thread (AsyncEngine.add):
+    # None, they are made when the prompt is added.
+    encoded: tuple[tuple[bytes, EncodedImage], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ class ImageInputs:
         self.encoder = encoder
         self.tokenizer = tokenizer
         self._kept: OrderedDict[bytes, EncodedImage] = OrderedDict()
+        # The server encodes on worker threads, one image at a time (a tower's activations
+        # are large, and two encodes on the same cores are no faster than one after another).
+        self._lock = threading.Lock()
         # For /metrics: images the tower ran on, and for how long; images found kept.
         self.num_encoded = 0
         self.encode_seconds = 0.0
@@ -135,8 +143,8 @@ class ImageInputs:
         # family's processor encodes it (text next to an image may merge with its newlines).
         keys = hashlib.sha256()
         texts, rows = [pieces[0]], []
-        for image, piece in zip(prompt.images, pieces[1:], strict=True):
-            key, encoded = self._encoded(image)
+        made = prompt.encoded or self.encode(prompt.images)
+        for (key, encoded), piece in zip(made, pieces[1:], strict=True):
             keys.update(key)
             texts += [encoded.text, piece]
             rows.append(encoded.rows)
@@ -156,8 +164,13 @@ class ImageInputs:
         embeds = PromptEmbeds(given, keys.digest(), spans, self.encoder.bidirectional)
         return ImagesInput(token_ids, embeds)
 
+    def encode(self, images: Sequence[Image.Image]) -> tuple[tuple[bytes, EncodedImage], ...]:
+        """Each image's name (its pixels' content) and its encoding, kept for a while; the
+        tower's work, safe on any thread (the tokenizer is not touched)."""
+        with self._lock:
+            return tuple(self._encoded(image) for image in images)
+
     def _encoded(self, image: Image.Image) -> tuple[bytes, EncodedImage]:
-        """An image's name (its pixels' content) and its encoding, kept for a while."""
         key = hashlib.sha256(f"{image.mode} {image.size}".encode())
         key.update(image.tobytes())
         name = key.digest()
