@@ -10,7 +10,9 @@ image request), then in each round a question about a new 896 x 896 image (its t
 encode, then the prompt's prefill) and a text question of about the same length (the
 prefill alone), streamed, 8 tokens, greedy; time to first token of each, their
 difference (what the image costs beyond its tokens), and the server's peak and held RSS
-(VmHWM, VmRSS) at the end.
+(VmHWM, VmRSS) at the end. Then a text stream with a new image's question sent 2 s into
+it: how long the stream's tokens stop while the image is encoded (llama-server with two
+slots, -np 2, so that both run).
 
     .venv/bin/python benchmarks/image_prompt.py [--rounds 3] [--engines iterserve,llama.cpp]
 
@@ -27,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -131,6 +134,45 @@ def memory(pid: int) -> dict[str, int]:
     return {"peak_rss": fields["VmHWM"], "held_rss": fields["VmRSS"]}
 
 
+def beside_a_stream(client: openai.OpenAI, seed: int) -> dict[str, Any]:
+    """A text stream of 160 tokens, and 2 s into it a question about a new image: the
+    stream's largest gap between tokens and its tokens while the image waits for its first
+    token, against its pace before."""
+    model = client.models.list().data[0].id
+    times: list[float] = []
+
+    def stream() -> None:
+        chunks = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": filler(seed, 40)}],
+            max_tokens=160, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True, "min_tokens": 160},
+        )  # fmt: skip
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(time.perf_counter())
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    while len(times) < 8:
+        time.sleep(0.05)
+    time.sleep(2.0)
+    asked = time.perf_counter()
+    seconds, _ = ttft(client, [{"type": "image_url", "image_url": {"url": picture(seed)}},
+                               {"type": "text", "text": QUESTION}])  # fmt: skip
+    answered = asked + seconds
+    worker.join()
+    steps = list(zip(times, times[1:], strict=False))
+    before = [b - a for a, b in steps if b < asked]
+    during = [t for t in times if asked <= t <= answered]
+    gaps = [b - a for a, b in steps if b >= asked and a <= answered]
+    return {
+        "image_ttft_s": seconds,
+        "stream_gap_before_s": statistics.median(before) if before else None,
+        "stream_largest_gap_during_s": max(gaps, default=None),
+        "stream_tokens_during": len(during),
+    }
+
+
 def run_rounds(base: str, rounds: int, words: int) -> dict[str, Any]:
     client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
     image_part = {"type": "image_url", "image_url": {"url": picture(0)}}
@@ -145,7 +187,10 @@ def run_rounds(base: str, rounds: int, words: int) -> dict[str, Any]:
         seconds, tokens["text"] = ttft(client, f"{r}. {filler(r, words)} {QUESTION}")
         texts.append(seconds)
         print(f"  round {r}: image {images[-1]:.2f} s, text {texts[-1]:.2f} s", flush=True)
-    return {"image_ttft_s": images, "text_ttft_s": texts, "prompt_tokens": tokens}
+    beside = beside_a_stream(client, 100)
+    print(f"  beside a stream: {beside}", flush=True)
+    return {"image_ttft_s": images, "text_ttft_s": texts, "prompt_tokens": tokens,
+            "beside_a_stream": beside}  # fmt: skip
 
 
 def llama_server_bin() -> Path:
@@ -166,7 +211,7 @@ def run_iterserve(text: Path, mmproj: Path, args: argparse.Namespace, logs: Path
 def run_llama_cpp(text: Path, mmproj: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     port = free_port()
     command = [str(llama_server_bin()), "-m", str(text), "--mmproj", str(mmproj), "--port",
-               str(port), "-t", str(args.threads), "-c", "4096", "-np", "1", "--jinja"]  # fmt: skip
+               str(port), "-t", str(args.threads), "-c", "8192", "-np", "2", "--jinja"]  # fmt: skip
     print("starting:", " ".join(command), flush=True)
     log_path = logs / "llama-server.log"
     with open(log_path, "wb") as log:

@@ -170,7 +170,7 @@ class Request:
     def chain_key(self) -> tuple[int, bytes] | None:
         """What its blocks' names mix in besides their tokens and adapter: the content of
         the rows its prompt was given as, from the block holding the first of them on
-        (core/kv_cache.py chain_seed); None for a prompt of tokens."""
+        (core/kv_cache.py keyed_parent); None for a prompt of tokens."""
         embeds = self.prompt_embeds
         return None if embeds is None else (embeds.first_position, embeds.key)
 
