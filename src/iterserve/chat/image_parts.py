@@ -57,10 +57,11 @@ def _image_of(part: Mapping[str, Any], field: str) -> Image.Image:
     return image_from_url(url, field)
 
 
-def first_image_field(messages: Sequence[Any]) -> str:
-    """Where the first image part of the server's messages (chat/messages.py) is."""
+def first_image_field(messages: Sequence[Any]) -> str | None:
+    """Where the first image part of the server's messages (chat/messages.py) is; None
+    where there is none."""
     for i, message in enumerate(messages):
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
             if part.type in _IMAGE_TYPES:
                 return f"messages.{i}.content.{j}.{part.type}"
-    return "messages"
+    return None

@@ -64,11 +64,10 @@ def chat_prompt(
 def _rendered(
     body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan
 ) -> tuple[RenderedChat, list[Image.Image]]:
+    if ctx.image_marker is None and (field := first_image_field(body.messages)):
+        raise InvalidRequestError(f"{field}: this model takes no images (text only)", field)
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
     messages, images = take_images(messages)
-    if images and ctx.image_marker is None:
-        field = first_image_field(body.messages)
-        raise InvalidRequestError(f"{field}: this model takes no images (text only)", field)
     template = ctx.chat_template_for(body.chat_template)
     kwargs = ctx.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
     rendered = render_with_tools(
