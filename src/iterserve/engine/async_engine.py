@@ -508,7 +508,7 @@ class AsyncEngine:
             )
             return
         # Tokenized here, on the engine's thread (a prompt of input rows has its length).
-        # A prompt's images are encoded here too, as vLLM runs its encoders in its steps.
+        # A prompt's images were encoded ahead (`_encode_images`); its text is tokenized here.
         prompt = request.prompt
         if isinstance(prompt, ImagesPrompt):
             prompt = engine.image_input(prompt)

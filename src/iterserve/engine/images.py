@@ -4,9 +4,10 @@ images, and how they become a request: each marker's image in its placeholder to
 PromptEmbeds), named in the prefix cache by the images' content.
 
 vLLM's `{"prompt": ..., "multi_modal_data": {"image": ...}}` offline, OpenAI's `image_url`
-content parts (data URLs) and Ollama's `images` in the server. An image is encoded once
-while it stays among the last few encoded (a chat sends its images again at every turn),
-on the engine's thread, as vLLM runs its encoders within the engine's steps."""
+content parts and Ollama's `images` in the server. An image is encoded once while it stays
+among the last few encoded (a chat sends its images again at every turn): by the server on
+a worker thread before the engine takes the request (AsyncEngine.add), offline as the
+request is added."""
 
 from __future__ import annotations
 
@@ -59,17 +60,20 @@ class ImagesInput:
 
 def image_from_bytes(data: bytes, field: str) -> Image.Image:
     """An image file's bytes (PNG, JPEG, WebP, GIF's first frame...) as a decoded image;
-    InvalidRequestError naming `field` for bytes that are not one."""
+    InvalidRequestError naming `field` for bytes that are not one, or too large a one."""
     try:
         image = Image.open(io.BytesIO(data))
-        if image.width * image.height > _MAX_PIXELS:
-            raise InvalidRequestError(
-                f"{field}: an image of {image.width} x {image.height} pixels is over the "
-                f"{_MAX_PIXELS} taken",
-                field,
-            )
-        image.load()
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        raise InvalidRequestError(f"{field}: not an image file ({error})", field) from None
+    if image.width * image.height > _MAX_PIXELS:  # before its pixels are decoded
+        raise InvalidRequestError(
+            f"{field}: an image of {image.width} x {image.height} pixels is over the "
+            f"{_MAX_PIXELS} taken",
+            field,
+        )
+    try:
+        image.load()
+    except (OSError, ValueError) as error:  # a header that reads, data that does not
         raise InvalidRequestError(f"{field}: not an image file ({error})", field) from None
     return image
 
@@ -84,8 +88,9 @@ def image_from_base64(text: str, field: str) -> Image.Image:
 
 
 def image_from_url(url: str, field: str) -> Image.Image:
-    """OpenAI's `image_url.url`: a data URL (`data:image/png;base64,...`). A web address is
-    refused: the server fetches nothing."""
+    """OpenAI's `image_url.url`: a data URL (`data:image/png;base64,...`). A file or web
+    address is refused here: the server reads those into data URLs first, where its flags
+    allow (server/image_urls.py)."""
     head, comma, body = url.partition(",")
     if not url.startswith("data:") or not comma:
         where = url.split(":", 1)[0] if ":" in url[:16] else "this"
@@ -157,9 +162,9 @@ class ImageInputs:
         spans = _runs(token_ids, self.encoder.image_token_id)
         given = torch.cat(rows)
         if sum(count for _, count in spans) != len(given):  # the text held image tokens
+            token = self.tokenizer.convert_ids_to_tokens(self.encoder.image_token_id)
             raise InvalidRequestError(
-                f"{field}: the image token {self.encoder.marker!r} stands where no image goes",
-                field,
+                f"{field}: the image token {token!r} stands where no image goes", field
             )
         embeds = PromptEmbeds(given, keys.digest(), spans, self.encoder.bidirectional)
         return ImagesInput(token_ids, embeds)

@@ -21,10 +21,16 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
 from iterserve.model.errors import ModelLoadError
-from iterserve.model.images import EncodedImage, has_image_processor, read_tower_weights
+from iterserve.model.images import (
+    EncodedImage,
+    TowerAndProjector,
+    family_config,
+    has_image_processor,
+    read_tower_weights,
+)
 
 
-class Gemma3Images:
+class Gemma3Images(TowerAndProjector):
     bidirectional = True
 
     def __init__(
@@ -36,9 +42,9 @@ class Gemma3Images:
     ) -> None:
         self.config = config
         self.processor = processor
-        self.marker, self.end, soft = tokens
+        self.marker, end, soft = tokens
         self.image_token_id = config.image_token_id
-        self.text = f"\n\n{self.marker}{soft * config.mm_tokens_per_image}{self.end}\n\n"
+        self.text = f"\n\n{self.marker}{soft * config.mm_tokens_per_image}{end}\n\n"
         self.tower = transformers.SiglipVisionModel(config.vision_config).to(dtype).eval()
         self.projector = Gemma3MultiModalProjector(config).to(dtype).eval()
         self.dtype = dtype
@@ -50,7 +56,7 @@ class Gemma3Images:
         """The checkpoint's tower, or None when it has no image processor to go with it."""
         if not has_image_processor(directory):
             return None
-        config = transformers.Gemma3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+        config = family_config(transformers.Gemma3Config, raw)
         ids = [config.boi_token_id, config.eoi_token_id, config.image_token_id]
         tokens = tokenizer.convert_ids_to_tokens(ids)
         if any(token is None for token in tokens) or tokenizer.convert_tokens_to_ids(tokens) != ids:
@@ -61,11 +67,6 @@ class Gemma3Images:
         images = cls(config, processor, (tokens[0], tokens[1], tokens[2]), dtype)
         read_tower_weights(directory, images.parts, dtype)
         return images
-
-    @property
-    def parts(self) -> dict[str, torch.nn.Module]:
-        """The modules, by where a checkpoint keeps their tensors."""
-        return {"vision_tower.": self.tower, "multi_modal_projector.": self.projector}
 
     @torch.inference_mode()
     def encode(self, image: Image.Image) -> EncodedImage:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
@@ -42,6 +42,19 @@ class ImageEncoder(Protocol):
     def encode(self, image: Image.Image) -> EncodedImage: ...
 
 
+class TowerAndProjector:
+    """What the families' encoders share: a vision tower and a projector, each kept by a
+    checkpoint under its own prefix."""
+
+    tower: torch.nn.Module
+    projector: torch.nn.Module
+
+    @property
+    def parts(self) -> dict[str, torch.nn.Module]:
+        """The modules, by where a checkpoint keeps their tensors (read_tower_weights)."""
+        return {"vision_tower.": self.tower, "multi_modal_projector.": self.projector}
+
+
 def read_tower_weights(
     directory: Path, modules: Mapping[str, torch.nn.Module], dtype: torch.dtype
 ) -> None:
@@ -70,6 +83,11 @@ def _module_key(module: torch.nn.Module, key: str) -> str:
     files keep SigLIP's under `vision_model.`, which transformers 5's module drops."""
     inner = getattr(module, "base_model_prefix", "") + "."
     return key.removeprefix(inner) if inner != "." and key.startswith(inner) else key
+
+
+def family_config(config_class: type[Any], raw: Mapping[str, Any]) -> Any:
+    """A multimodal checkpoint's whole config.json as transformers' config of its class."""
+    return config_class(**{k: v for k, v in raw.items() if k != "model_type"})
 
 
 def has_image_processor(directory: Path) -> bool:

@@ -21,12 +21,18 @@ from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalPro
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
 from iterserve.model.errors import ModelLoadError
-from iterserve.model.images import EncodedImage, has_image_processor, read_tower_weights
+from iterserve.model.images import (
+    EncodedImage,
+    TowerAndProjector,
+    family_config,
+    has_image_processor,
+    read_tower_weights,
+)
 
 _BREAK, _END = "[IMG_BREAK]", "[IMG_END]"
 
 
-class PixtralImages:
+class PixtralImages(TowerAndProjector):
     marker = "[IMG]"
     bidirectional = False
 
@@ -34,12 +40,11 @@ class PixtralImages:
         self,
         config: transformers.Mistral3Config,
         processor: PixtralImageProcessorPil,
-        image_token_id: int,
         dtype: torch.dtype,
     ) -> None:
         self.config = config
         self.processor = processor
-        self.image_token_id = image_token_id
+        self.image_token_id = config.image_token_id
         self.merged_patch = config.vision_config.patch_size * config.spatial_merge_size
         self.tower = transformers.PixtralVisionModel(config.vision_config).to(dtype).eval()
         self.projector = Mistral3MultiModalProjector(config).to(dtype).eval()
@@ -52,7 +57,7 @@ class PixtralImages:
         """The checkpoint's tower, or None when it has no image processor to go with it."""
         if not has_image_processor(directory):
             return None
-        config = transformers.Mistral3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+        config = family_config(transformers.Mistral3Config, raw)
         processor = PixtralImageProcessorPil.from_pretrained(directory, local_files_only=True)
         ids = tokenizer.convert_tokens_to_ids([cls.marker, _BREAK, _END])
         if ids[0] != config.image_token_id or any(
@@ -62,9 +67,8 @@ class PixtralImages:
                 f"{directory}: the tokenizer's {cls.marker}, {_BREAK} and {_END} are not the "
                 f"model's image tokens ({ids}; image_token_id {config.image_token_id})"
             )
-        images = cls(config, processor, config.image_token_id, dtype)
-        parts = {"vision_tower.": images.tower, "multi_modal_projector.": images.projector}
-        read_tower_weights(directory, parts, dtype)
+        images = cls(config, processor, dtype)
+        read_tower_weights(directory, images.parts, dtype)
         return images
 
     @torch.inference_mode()
