@@ -7,6 +7,7 @@ code."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -18,6 +19,7 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
 from tiny_families import MINISTRAL3_ROPE
+from tiny_gguf import llama_cpp_permute
 
 # A multimodal checkpoint's tiny language model (the vocabulary and context set by each use).
 TEXT_SHAPE = dict(
@@ -77,6 +79,7 @@ def save_tiny_mistral3(out: Path, tokenizer_dir: Path) -> Path:
         head_dim=16,
         image_size=112,
         patch_size=PATCH,
+        hidden_act="silu",  # as Pixtral 12B's and Mistral Small 3.1's
     )
     config = transformers.Mistral3Config(
         text_config=text.to_dict(),
@@ -203,15 +206,21 @@ def transformers_greedy(
     return generated[0, len(ids) :].tolist()
 
 
-def write_gemma3_mmproj(path: Path, model: transformers.Gemma3ForConditionalGeneration) -> None:
-    """The model's tower and projector as llama.cpp's converter writes Gemma 3's vision
-    projector file (`convert_hf_to_gguf.py --mmproj`: its names, its metadata, the
-    projector's norm stored as 1 + w), every tensor in F32."""
+def _mmproj_writer(
+    path: Path,
+    kind: str,
+    model: transformers.PreTrainedModel,
+    shape: dict[str, int],
+    eps: float,
+    processor: transformers.BaseImageProcessor,
+) -> gguf.GGUFWriter:
+    """A vision projector file's header as llama.cpp's converter writes it (MmprojModel)."""
     vision = model.config.vision_config
     writer = gguf.GGUFWriter(path, "clip")
     writer.add_type("mmproj")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_string("clip.projector_type", kind)
+    writer.add_uint32("clip.vision.projection_dim", model.config.text_config.hidden_size)
     for key, value in {
         "image_size": vision.image_size,
         "patch_size": vision.patch_size,
@@ -219,29 +228,81 @@ def write_gemma3_mmproj(path: Path, model: transformers.Gemma3ForConditionalGene
         "feed_forward_length": vision.intermediate_size,
         "block_count": vision.num_hidden_layers,
         "attention.head_count": vision.num_attention_heads,
-        "projector.scale_factor": vision.image_size
-        // vision.patch_size
-        // int(model.config.mm_tokens_per_image**0.5),
+        **shape,
     }.items():
         writer.add_uint32(f"clip.vision.{key}", value)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
-    parts = {
-        "vision_tower.vision_model.": model.model.vision_tower,
-        "multi_modal_projector.": model.model.multi_modal_projector,
-    }
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", eps)
+    writer.add_array("clip.vision.image_mean", list(processor.image_mean))
+    writer.add_array("clip.vision.image_std", list(processor.image_std))
+    return writer
+
+
+def _write_parts(
+    writer: gguf.GGUFWriter,
+    layers: int,
+    parts: dict[str, torch.nn.Module],
+    stored: Callable[[str, torch.Tensor], np.ndarray | None],
+) -> None:
+    """Each part's tensors under llama.cpp's names (F32), as `stored(hf name, tensor)` makes
+    them (None: left out), then the file closed."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 3))
     for prefix, module in parts.items():
         for name, value in module.state_dict().items():
-            if name.startswith("head."):
-                continue  # SigLIP's pooling head, which the converter leaves out
+            array = stored(prefix + name, value.detach().float())
+            if array is None:
+                continue
             theirs = (prefix + name).replace("_projection_weight", "_projection.weight")
             ours = names.get_name(theirs, try_suffixes=(".weight", ".bias"))
             assert ours is not None, theirs
-            array = value.detach().float() + (1 if "soft_emb_norm" in name else 0)
-            writer.add_tensor(ours, array.numpy())
+            writer.add_tensor(ours, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_gemma3_mmproj(path: Path, model: transformers.Gemma3ForConditionalGeneration) -> None:
+    """The model's tower and projector as llama.cpp's converter writes Gemma 3's vision
+    projector file (`convert_hf_to_gguf.py --mmproj`: its names, its metadata, the
+    projector's norm stored as 1 + w), every tensor in F32."""
+    vision = model.config.vision_config
+    pool = vision.image_size // vision.patch_size // int(model.config.mm_tokens_per_image**0.5)
+    processor = Gemma3ImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    shape = {"projector.scale_factor": pool}
+    writer = _mmproj_writer(path, "gemma3", model, shape, vision.layer_norm_eps, processor)
+
+    def stored(name: str, value: torch.Tensor) -> np.ndarray | None:
+        if ".head." in name:
+            return None  # SigLIP's pooling head, which the converter leaves out
+        return (value + (1 if "soft_emb_norm" in name else 0)).numpy()
+
+    parts = {
+        "vision_tower.vision_model.": model.model.vision_tower,
+        "multi_modal_projector.": model.model.multi_modal_projector,
+    }
+    _write_parts(writer, vision.num_hidden_layers, parts, stored)
+
+
+def write_pixtral_mmproj(
+    path: Path, model: transformers.Mistral3ForConditionalGeneration, directory: Path
+) -> None:
+    """The model's tower and projector as llama.cpp's converter writes Mistral 3's vision
+    projector file (pixtral: its names and metadata, q/k rows permuted for its rope), every
+    tensor in F32. Checked once by hand against llama.cpp 0.3.36's own `convert_hf_to_gguf.py
+    --mmproj` on this checkpoint with 3 vision layers: the same tensors and metadata."""
+    config, vision = model.config, model.config.vision_config
+    processor = PixtralImageProcessorPil.from_pretrained(directory)
+    shape = {"spatial_merge_size": config.spatial_merge_size}
+    writer = _mmproj_writer(path, "pixtral", model, shape, 1e-5, processor)
+    writer.add_bool(f"clip.use_{vision.hidden_act}", True)
+    heads = vision.num_attention_heads
+
+    def stored(name: str, value: torch.Tensor) -> np.ndarray | None:
+        rope = name.endswith(("q_proj.weight", "k_proj.weight"))
+        return llama_cpp_permute(value.numpy(), heads) if rope else value.numpy()
+
+    parts = {
+        "vision_tower.": model.model.vision_tower,
+        "multi_modal_projector.": model.model.multi_modal_projector,
+    }
+    _write_parts(writer, vision.num_hidden_layers, parts, stored)

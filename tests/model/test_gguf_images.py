@@ -1,7 +1,7 @@
-"""A Gemma 3 GGUF with its vision projector file (llama.cpp's `--mmproj`): the tower and
-projector read from llama.cpp's names and metadata answer a prompt with images as the same
-weights do from their HF checkpoint (fp32); a file that is not Gemma 3's projector is
-refused by name."""
+"""A Gemma 3 GGUF and a Mistral 3 one, each with its vision projector file (llama.cpp's
+`--mmproj`): the tower and projector read from llama.cpp's names and metadata answer a
+prompt with images as the same weights do from their HF checkpoint (fp32); a file that is
+not a projector read here, or not the model's, is refused by name."""
 
 from __future__ import annotations
 
@@ -17,35 +17,70 @@ from iterserve.model.gguf_images import load_mmproj
 from iterserve.model.loader import load_model
 from tiny_families import gguf_metadata
 from tiny_gguf import write_gguf
-from tiny_vision import picture, save_tiny_gemma3, write_gemma3_mmproj
+from tiny_vision import (
+    picture,
+    save_tiny_gemma3,
+    save_tiny_mistral3,
+    write_gemma3_mmproj,
+    write_pixtral_mmproj,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # No punctuation right after an image: the test GGUF's tokenizer (tiny_gguf, a "default"
 # pre-tokenizer) splits "\n\n," otherwise than the bundled tokenizer.json does.
-PROMPT = "<s>user: <start_of_image> and <start_of_image> which one?\nassistant:"
+PROMPT = "<s>user: {image} and {image} which one?\nassistant:"
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> tuple[Path, ...]:
-    out = tmp_path_factory.mktemp("gemma3-gguf")
-    directory = save_tiny_gemma3(out / "hf", tokenizer_dir)
-    whole = transformers.Gemma3ForConditionalGeneration.from_pretrained(directory).eval()
-    text = transformers.Gemma3ForCausalLM(whole.config.text_config)
+def _text_gguf(
+    directory: Path,
+    whole: transformers.PreTrainedModel,
+    causal_lm: type[transformers.PreTrainedModel],
+    arch: str,
+    rope_base: float,
+) -> Path:
+    """The multimodal checkpoint's language model as a GGUF of `arch` beside it."""
+    text = causal_lm(whole.config.text_config)
     text.model.load_state_dict(whole.model.language_model.state_dict())
     text.lm_head.load_state_dict(whole.lm_head.state_dict())
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
     metadata, _ = gguf_metadata(text)
-    write_gguf(
-        out / "text.gguf", "gemma3", text.eval(), tokenizer, rope_freq_base=1e6, metadata=metadata
-    )
+    path = directory.parent / "text.gguf"
+    write_gguf(path, arch, text.eval(), tokenizer, rope_freq_base=rope_base, metadata=metadata)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_files(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> tuple[Path, ...]:
+    out = tmp_path_factory.mktemp("gemma3-gguf")
+    directory = save_tiny_gemma3(out / "hf", tokenizer_dir)
+    whole = transformers.Gemma3ForConditionalGeneration.from_pretrained(directory).eval()
+    text = _text_gguf(directory, whole, transformers.Gemma3ForCausalLM, "gemma3", 1e6)
     write_gemma3_mmproj(out / "mmproj.gguf", whole)
-    return directory, out / "text.gguf", out / "mmproj.gguf"
+    return directory, text, out / "mmproj.gguf"
 
 
-def test_a_gguf_and_its_mmproj_answer_as_the_hf_checkpoint(files: tuple[Path, ...]) -> None:
-    directory, text, mmproj = files
+@pytest.fixture(scope="module")
+def mistral3_files(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> tuple[Path, ...]:
+    out = tmp_path_factory.mktemp("mistral3-gguf")
+    directory = save_tiny_mistral3(out / "hf", tokenizer_dir)
+    whole = transformers.Mistral3ForConditionalGeneration.from_pretrained(directory).eval()
+    rope = whole.config.text_config.rope_parameters["rope_theta"]
+    text = _text_gguf(directory, whole, transformers.Ministral3ForCausalLM, "mistral3", rope)
+    write_pixtral_mmproj(out / "mmproj.gguf", whole, directory)
+    return directory, text, out / "mmproj.gguf"
+
+
+@pytest.mark.parametrize(
+    ("family", "marker"), [("gemma3_files", "<start_of_image>"), ("mistral3_files", "[IMG]")]
+)
+def test_a_gguf_and_its_mmproj_answer_as_the_hf_checkpoint(
+    family: str, marker: str, request: pytest.FixtureRequest
+) -> None:
+    directory, text, mmproj = request.getfixturevalue(family)
     prompt = {
-        "prompt": PROMPT,
+        "prompt": PROMPT.format(image=marker),
         "multi_modal_data": {"image": [picture(4, 70, 40), picture(5, 30, 30)]},
     }
     from_hf = LLM(str(directory), dtype="float32", compile=False)
@@ -54,17 +89,37 @@ def test_a_gguf_and_its_mmproj_answer_as_the_hf_checkpoint(files: tuple[Path, ..
     assert from_gguf.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
 
 
-def test_what_is_not_gemma3s_projector_is_refused(files: tuple[Path, ...], tmp_path: Path) -> None:
-    _, text, _ = files
-    loaded = load_model(text, torch.float32)
-    with pytest.raises(ModelLoadError, match="not a vision projector"):
-        load_mmproj(text, loaded.config, loaded.tokenizer, torch.float32)
-    with pytest.raises(ModelLoadError, match="a 'pixtral' projector"):
-        import gguf
+def _header_only(path: Path, **keys: str | int) -> Path:
+    """A projector file of metadata alone (clip.NAME: value)."""
+    import gguf
 
-        writer = gguf.GGUFWriter(tmp_path / "other.gguf", "clip")
-        writer.add_string("clip.projector_type", "pixtral")
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.close()
-        load_mmproj(tmp_path / "other.gguf", loaded.config, loaded.tokenizer, torch.float32)
+    writer = gguf.GGUFWriter(path, "clip")
+    for name, value in keys.items():
+        if isinstance(value, str):
+            writer.add_string(f"clip.{name}", value)
+        else:
+            writer.add_uint32(f"clip.{name}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_what_is_not_a_projector_of_the_model_is_refused(
+    gemma3_files: tuple[Path, ...], mistral3_files: tuple[Path, ...], tmp_path: Path
+) -> None:
+    _, text, _ = gemma3_files
+    loaded = load_model(text, torch.float32)
+
+    def load(path: Path) -> object:
+        return load_mmproj(path, loaded.config, loaded.tokenizer, torch.float32)
+
+    with pytest.raises(ModelLoadError, match="not a vision projector"):
+        load(text)
+    with pytest.raises(ModelLoadError, match="a 'qwen2vl_merger' projector; those read here"):
+        load(_header_only(tmp_path / "other.gguf", projector_type="qwen2vl_merger"))
+    with pytest.raises(ModelLoadError, match="its rows are 32 wide and the model's 64"):
+        narrow = {"projector_type": "gemma3", "vision.projection_dim": 32}
+        load(_header_only(tmp_path / "narrow.gguf", **narrow))
+    with pytest.raises(ModelLoadError, match=r"no \[IMG\].*beside it a Mistral 3"):
+        load(mistral3_files[2])  # Mistral's projector beside a Gemma

@@ -29,11 +29,13 @@ from iterserve.model.images import (
     read_tower_weights,
 )
 
-_BREAK, _END = "[IMG_BREAK]", "[IMG_END]"
+# The image's token, a row's end, the image's end.
+PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+_BREAK, _END = PIXTRAL_TOKENS[1:]
 
 
 class PixtralImages(TowerAndProjector):
-    marker = "[IMG]"
+    marker = PIXTRAL_TOKENS[0]
     bidirectional = False
 
     def __init__(
