@@ -226,3 +226,36 @@ def test_an_image_being_encoded_holds_up_no_other_request(server: RunningServer)
     finally:
         release.set()
         images.encoder.encode = encode
+
+
+def test_token_counts_lay_each_image_out_by_its_size(server: RunningServer) -> None:
+    """/tokenize and Anthropic's count_tokens count an image's tokens as the chat runs them
+    (usage), by its size, without running the tower: two sizes, two counts."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    counts = []
+    for image in (IMAGE, picture(8, 100, 90)):
+        data = base64.b64encode(_png(image)).decode()
+        content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                   {"type": "text", "text": "What is it?"}]  # fmt: skip
+        messages = [{"role": "user", "content": content}]
+        encoded = server.metrics()["iterserve:images_encoded_total"]
+        tokenized = httpx.post(
+            f"{server.base_url}/tokenize", json={"model": MODEL_NAME, "messages": messages}
+        ).json()
+        source = {"type": "base64", "media_type": "image/png", "data": data}
+        blocks = [{"role": "user", "content": [{"type": "image", "source": source},
+                                               {"type": "text", "text": "What is it?"}]}]  # fmt: skip
+        counted = claude.messages.count_tokens(model=MODEL_NAME, messages=blocks)  # type: ignore[arg-type]
+        assert server.metrics()["iterserve:images_encoded_total"] == encoded, "no tower run"
+        used = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=1,  # type: ignore[arg-type]
+        ).usage
+        assert used is not None
+        assert tokenized["count"] == counted.input_tokens == used.prompt_tokens
+        counts.append(used.prompt_tokens)
+    # 60 x 40 pixels: 3 x 2 merged patches, 3 rows of 2 [IMG] with their breaks and end;
+    # 100 x 90: 4 x 4.
+    assert counts[1] - counts[0] == (4 * 4 + 4) - (3 * 2 + 3)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from iterserve.engine.engine_core import StepFailedError
-from iterserve.engine.images import ImagesInput, ImagesPrompt
+from iterserve.engine.images import ImageInputs, ImagesInput, ImagesPrompt
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.metrics import EngineSnapshot, snapshot_engine
 from iterserve.engine.outputs import RequestOutput
@@ -266,6 +266,10 @@ class AsyncEngine:
 
     def replica_states(self) -> list[ReplicaState]:
         return []
+
+    @property
+    def image_inputs(self) -> ImageInputs | None:
+        return self.engine.images
 
     def snapshots(self) -> list[EngineSnapshot]:
         return [self.snapshot]

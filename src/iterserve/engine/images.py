@@ -137,28 +137,13 @@ class ImageInputs:
         return self.encoder.marker
 
     def prompt(self, prompt: ImagesPrompt, field: str = "prompt") -> ImagesInput:
-        pieces = prompt.text.split(self.marker)
-        if len(pieces) != len(prompt.images) + 1:
-            raise InvalidRequestError(
-                f"{field}: {len(prompt.images)} images but {len(pieces) - 1} places for one "
-                f"({self.marker} in the prompt, which the chat template writes for an image)",
-                field,
-            )
-        # Each marker stands for its image's text, and the whole is encoded at once, as the
-        # family's processor encodes it (text next to an image may merge with its newlines).
+        pieces = self._pieces(prompt, field)  # checked before any image is encoded
         keys = hashlib.sha256()
-        texts, rows = [pieces[0]], []
         made = prompt.encoded or self.encode(prompt.images)
-        for (key, encoded), piece in zip(made, pieces[1:], strict=True):
+        for key, _ in made:
             keys.update(key)
-            texts += [encoded.text, piece]
-            rows.append(encoded.rows)
-        try:
-            token_ids = self.tokenizer.encode(
-                "".join(texts), add_special_tokens=not prompt.rendered
-            )
-        except (TypeError, ValueError) as error:  # a lone surrogate, which JSON can carry
-            raise InvalidRequestError(f"{field}: not valid Unicode text ({error})", field) from None
+        token_ids = self._tokenized(prompt, pieces, [encoded.text for _, encoded in made], field)
+        rows = [encoded.rows for _, encoded in made]
         spans = _runs(token_ids, self.encoder.image_token_id)
         given = torch.cat(rows)
         if sum(count for _, count in spans) != len(given):  # the text held image tokens
@@ -168,6 +153,37 @@ class ImageInputs:
             )
         embeds = PromptEmbeds(given, keys.digest(), spans, self.encoder.bidirectional)
         return ImagesInput(token_ids, embeds)
+
+    def token_ids(self, prompt: ImagesPrompt, field: str = "prompt") -> list[int]:
+        """The prompt's token ids as `prompt` makes them, each image's laid out by its size
+        alone, without the tower: what its tokens are counted by (/tokenize, Anthropic's
+        count_tokens, the Responses API's truncation)."""
+        pieces = self._pieces(prompt, field)
+        placeholders = [self.encoder.placeholder(image) for image in prompt.images]
+        return self._tokenized(prompt, pieces, placeholders, field)
+
+    def _pieces(self, prompt: ImagesPrompt, field: str) -> list[str]:
+        """The prompt's text around its markers, one marker an image."""
+        pieces = prompt.text.split(self.marker)
+        if len(pieces) != len(prompt.images) + 1:
+            raise InvalidRequestError(
+                f"{field}: {len(prompt.images)} images but {len(pieces) - 1} places for one "
+                f"({self.marker} in the prompt, which the chat template writes for an image)",
+                field,
+            )
+        return pieces
+
+    def _tokenized(
+        self, prompt: ImagesPrompt, pieces: list[str], texts: list[str], field: str
+    ) -> list[int]:
+        """The text `pieces` with each image's text between them, tokenized whole, as the
+        family's processor encodes it (text next to an image may merge with its newlines)."""
+        between = (text + piece for text, piece in zip(texts, pieces[1:], strict=True))
+        whole = pieces[0] + "".join(between)
+        try:
+            return self.tokenizer.encode(whole, add_special_tokens=not prompt.rendered)
+        except (TypeError, ValueError) as error:  # a lone surrogate, which JSON can carry
+            raise InvalidRequestError(f"{field}: not valid Unicode text ({error})", field) from None
 
     def encode(self, images: Sequence[Image.Image]) -> tuple[tuple[bytes, EncodedImage], ...]:
         """Each image's name (its pixels' content) and its encoding, kept for a while; the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from iterserve.core.lora import LoRARequest
 from iterserve.engine.metrics import EngineSnapshot
@@ -18,6 +18,9 @@ from iterserve.engine.model_facts import ModelFacts
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.request_stream import GenerationRequest, RequestStream
 from iterserve.sampling_defaults import SamplingDefaults
+
+if TYPE_CHECKING:
+    from iterserve.engine.images import ImageInputs
 
 # Called on the event loop for every engine request that ends: (last output, reason,
 # replica index). The reason is the finish reason, or "error" when the engine failed it;
@@ -116,6 +119,12 @@ class ServingEngine(Protocol):
         ...
 
     def check_group_size(self, count: int) -> None: ...
+
+    @property
+    def image_inputs(self) -> ImageInputs | None:
+        """The model's images where this process holds its tower, to count a prompt's
+        tokens by (None: a text model, or a fleet whose replicas hold the towers)."""
+        ...
 
     def num_waiting_estimate(self) -> int: ...
 

@@ -68,6 +68,9 @@ class Gemma3Images(TowerAndProjector):
         read_tower_weights(directory, images.parts, dtype)
         return images
 
+    def placeholder(self, image: Image.Image) -> str:
+        return self.text  # every image is resized to the tower's square
+
     @torch.inference_mode()
     def encode(self, image: Image.Image) -> EncodedImage:
         inputs = self.processor(images=[image.convert("RGB")], return_tensors="pt")

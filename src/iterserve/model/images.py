@@ -41,6 +41,10 @@ class ImageEncoder(Protocol):
 
     def encode(self, image: Image.Image) -> EncodedImage: ...
 
+    def placeholder(self, image: Image.Image) -> str:
+        """`encode(image).text`, without the tower: what a prompt's tokens are counted by."""
+        ...
+
 
 class TowerAndProjector:
     """What the families' encoders share: a vision tower and a projector, each kept by a

@@ -14,11 +14,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from PIL import Image
+from transformers.image_utils import ChannelDimension
 from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
-from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+from transformers.models.pixtral.image_processing_pil_pixtral import (
+    PixtralImageProcessorPil,
+    get_resize_output_image_size,
+)
 
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.images import (
@@ -84,6 +89,22 @@ class PixtralImages(TowerAndProjector):
         layers = [layer] if isinstance(layer, int) else list(layer)
         features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         rows = self.projector(features.squeeze(0), sizes)
-        height, width = (int(n) // self.merged_patch for n in sizes[0])
-        text = (self.marker * width + _BREAK) * height
-        return EncodedImage(text.removesuffix(_BREAK) + _END, rows.contiguous())
+        height, width = (int(n) for n in sizes[0])
+        return EncodedImage(self._layout(height, width), rows.contiguous())
+
+    def placeholder(self, image: Image.Image) -> str:
+        # The processor's own sizing rule, given a stand-in of the image's shape (it reads
+        # the shape alone): no pixels converted or resized.
+        longest = self.processor.size["longest_edge"]
+        shape = np.broadcast_to(np.uint8(0), (3, image.height, image.width))
+        height, width = get_resize_output_image_size(
+            shape, (longest, longest), self.merged_patch, ChannelDimension.FIRST
+        )
+        return self._layout(height, width)
+
+    def _layout(self, height: int, width: int) -> str:
+        """An image resized to `height` x `width` pixels: a row of markers per merged patch
+        row, each ended by [IMG_BREAK], the last by [IMG_END]."""
+        rows, columns = height // self.merged_patch, width // self.merged_patch
+        text = (self.marker * columns + _BREAK) * rows
+        return text.removesuffix(_BREAK) + _END

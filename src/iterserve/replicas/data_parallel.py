@@ -210,6 +210,10 @@ class DataParallelEngine:
     def replica_states(self) -> list[ReplicaState]:
         return [slot.report() for slot in self.slots]
 
+    @property
+    def image_inputs(self) -> None:
+        return None  # the replicas hold the towers
+
     def snapshots(self) -> list[EngineSnapshot]:
         return [slot.client.snapshot for slot in self.slots]
 

@@ -159,6 +159,7 @@ def _serving_context(
         pair_prompts=PairPrompts(model.tokenizer, model.rerank_template) if model.scores else None,
         embeds=model.embeds,
         image_marker=model.facts.image_marker,
+        images=async_engine.image_inputs,
         media=MediaAccess(
             Path(local) if (local := settings.allowed_local_media_path) else None,
             tuple(domain.lower() for domain in settings.allowed_media_domains),

@@ -3,6 +3,7 @@ thinking model's thinking goes to `reasoning_content`, calls to `tool_calls`."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -15,6 +16,7 @@ from PIL import Image
 
 from iterserve.chat.answer import AnswerDelta, AnswerStream, read_answer
 from iterserve.chat.image_parts import first_image_field, take_images
+from iterserve.chat.messages import ChatMessage
 from iterserve.chat.reasoning import cap_thinking
 from iterserve.chat.reasoning_parsers import ThinkingReader
 from iterserve.chat.tool_parsers import ParsedCall
@@ -61,11 +63,31 @@ def chat_prompt(
     return ImagesPrompt(rendered.text, tuple(images), rendered=True) if images else rendered
 
 
+def prompt_tokens(body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan) -> int:
+    """How many tokens the conversation's prompt is, each image's by its size (the tower
+    not run): what a count reports. Called off the event loop: the image URLs the server
+    may read are read here."""
+    read_images_now(body.messages, ctx)
+    return len(ctx.prompt_token_ids(chat_prompt(body, ctx, plan)))
+
+
+def read_images_now(messages: Sequence[ChatMessage], ctx: ServingContext) -> None:
+    """Off the event loop: the image URLs the server may read, read into data URLs (a text
+    model refuses an image part)."""
+    _refuse_images(messages, ctx)
+    if ctx.image_marker is not None and first_image_field(messages):
+        asyncio.run(ctx.media.resolve(messages))
+
+
+def _refuse_images(messages: Sequence[ChatMessage], ctx: ServingContext) -> None:
+    if ctx.image_marker is None and (field := first_image_field(messages)):
+        raise InvalidRequestError(f"{field}: this model takes no images (text only)", field)
+
+
 def _rendered(
     body: ChatCompletionRequest, ctx: ServingContext, plan: ToolPlan
 ) -> tuple[RenderedChat, list[Image.Image]]:
-    if ctx.image_marker is None and (field := first_image_field(body.messages)):
-        raise InvalidRequestError(f"{field}: this model takes no images (text only)", field)
+    _refuse_images(body.messages, ctx)
     messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
     messages, images = take_images(messages)
     template = ctx.chat_template_for(body.chat_template)

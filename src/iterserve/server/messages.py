@@ -28,9 +28,8 @@ from fastapi.responses import Response
 from iterserve.chat.answer import Answer, AnswerStream, read_answer
 from iterserve.chat.tool_parsers import AnswerReader
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import encode_prompt
 from iterserve.invalid_request import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
-from iterserve.server.chat import ChatRun, chat_plan, render_prompt, start_chat
+from iterserve.server.chat import ChatRun, chat_plan, prompt_tokens, start_chat
 from iterserve.server.context_edits import apply_edits, read_edits
 from iterserve.server.errors import anthropic_error_body, as_api_error
 from iterserve.server.messages_protocol import MessagesRequest, ModelTraits, TokenCountRequest
@@ -72,8 +71,7 @@ def _prompt_tokens(body: MessagesRequest, ctx: ServingContext) -> int:
     chat = body.to_chat_request(_traits(ctx))
     with body.naming_fields():
         plan = chat_plan(chat, ctx, chat.sampling_params(ctx.sampling_defaults))
-        prompt = render_prompt(chat, ctx, plan)
-    return len(encode_prompt(ctx.tokenizer, prompt))
+        return prompt_tokens(chat, ctx, plan)
 
 
 def _edited(

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from iterserve.engine.prompts import encode_prompt
-from iterserve.server.chat import chat_plan, render_prompt
+from iterserve.server.chat import chat_plan, prompt_tokens
 from iterserve.server.responses_protocol import ResponsesRequest
 from iterserve.server.serving import ServingContext
 
@@ -57,4 +56,4 @@ def _prompt_tokens(
 ) -> int:
     chat = body.to_chat_request(history, images=ctx.image_marker is not None)
     plan = chat_plan(chat, ctx, chat.sampling_params(ctx.sampling_defaults))
-    return len(encode_prompt(ctx.tokenizer, render_prompt(chat, ctx, plan)))
+    return prompt_tokens(chat, ctx, plan)

@@ -26,8 +26,9 @@ from iterserve.chat.tool_parsers import ToolParser
 from iterserve.core.lora import LoRARequest
 from iterserve.engine.chat_template import template_problem
 from iterserve.engine.fill_in_middle import ExtraFile, FimFormat, fim_format, infill_tokens
+from iterserve.engine.images import ImageInputs, ImagesPrompt
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import Prompt, takes_system_anywhere
+from iterserve.engine.prompts import Prompt, RenderedChat, encode_prompt, takes_system_anywhere
 from iterserve.engine.request_stream import EngineStoppedError, RequestStream, expand_n
 from iterserve.engine.score_prompts import PairPrompts
 from iterserve.engine.serving_engine import ServingEngine
@@ -110,6 +111,8 @@ class ServingContext:
     embeds: bool = False
     # What the chat template writes where an image goes; None: the model takes no images.
     image_marker: str | None = None
+    # The model's images, where this process holds the tower (not a fleet's front end).
+    images: ImageInputs | None = None
     media: MediaAccess = field(default_factory=MediaAccess)  # where image URLs may be read
     labels: tuple[str, ...] = ()  # a classifier head's, where it serves /classify
     # What a request's unset sampling fields take (--generation-config).
@@ -212,6 +215,18 @@ class ServingContext:
             self.max_model_len - min(answer_room, self.max_model_len // 2),
             bos,
         )
+
+    def prompt_token_ids(self, prompt: str | RenderedChat | ImagesPrompt) -> list[int]:
+        """The token ids a prompt runs as, each image's laid out by its size (the tower not
+        run): what token counts report. A fleet's front end holds no image processor: there
+        an image counts as its marker's tokens (the replica lays it out)."""
+        if not isinstance(prompt, ImagesPrompt):
+            return encode_prompt(self.tokenizer, prompt)
+        if self.images is not None:
+            return self.images.token_ids(prompt, "messages")
+        if prompt.rendered:
+            return encode_prompt(self.tokenizer, RenderedChat(prompt.text))
+        return encode_prompt(self.tokenizer, prompt.text)
 
     def resolve_model(self, requested: str | None) -> str:
         """The name to answer with: the model's, or a LoRA adapter's (either also with

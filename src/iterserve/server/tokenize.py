@@ -12,9 +12,12 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 from tokenizers import AddedToken
 
+from iterserve.chat.image_parts import take_images
 from iterserve.chat.messages import ChatMessage
+from iterserve.engine.images import ImagesPrompt
 from iterserve.engine.prompts import encode_text, render_chat, with_documents
 from iterserve.sampling_params import InvalidRequestError
+from iterserve.server.chat import read_images_now
 from iterserve.server.serving import ServingContext
 
 
@@ -106,6 +109,29 @@ def tokenizer_config(ctx: ServingContext) -> dict[str, Any]:
     return info
 
 
+def _chat_tokens(body: TokenizeChatRequest, ctx: ServingContext) -> list[int]:
+    """The conversation's token ids as a chat runs it: each image laid out by its size, as
+    vLLM's /tokenize counts them (image URLs read where the server may read them)."""
+    read_images_now(body.messages, ctx)  # on FastAPI's thread pool
+    messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
+    messages, images = take_images(messages)
+    template = ctx.chat_template_for(body.chat_template)
+    text = render_chat(
+        ctx.tokenizer,
+        template,
+        messages,
+        body.add_generation_prompt,
+        with_documents(
+            ctx.template_kwargs(body.chat_template_kwargs, None), body.documents, template
+        ),
+        continue_final_message=body.continue_final_message,
+    ).text
+    if images:
+        rendered = not body.add_special_tokens
+        return ctx.prompt_token_ids(ImagesPrompt(text, tuple(images), rendered=rendered))
+    return encode_text(ctx.tokenizer, text, body.add_special_tokens, "messages")
+
+
 def tokenizer_routes(ctx: ServingContext, info: bool = True) -> APIRouter:
     """The routes; `info`: GET /tokenizer_info too (--enable-tokenizer-info-endpoint)."""
     router = APIRouter()
@@ -126,22 +152,9 @@ def tokenizer_routes(ctx: ServingContext, info: bool = True) -> APIRouter:
             return _llama_tokenize(body)
         ctx.resolve_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
-            template = ctx.chat_template_for(body.chat_template)
-            text = render_chat(
-                ctx.tokenizer,
-                template,
-                messages,
-                body.add_generation_prompt,
-                with_documents(
-                    ctx.template_kwargs(body.chat_template_kwargs, None), body.documents, template
-                ),
-                continue_final_message=body.continue_final_message,
-            ).text
-            field = "messages"
+            tokens = _chat_tokens(body, ctx)
         else:
-            text, field = body.prompt, "prompt"
-        tokens = encode_text(ctx.tokenizer, text, body.add_special_tokens, field)
+            tokens = encode_text(ctx.tokenizer, body.prompt, body.add_special_tokens, "prompt")
         return TokenizeResponse(
             count=len(tokens),
             max_model_len=ctx.max_model_len,
