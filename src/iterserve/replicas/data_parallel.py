@@ -3,7 +3,8 @@ scheduler, behind one front end that the server talks to as it would to one engi
 (a ServingEngine).
 
 The front end tokenizes each prompt (it renders chat templates anyway, and routing needs
-the ids), picks a replica with the same router `iterserve simulate --replicas` uses
+the ids; a prompt with images goes as it is, routed by its text with each image's marker,
+for the replica to encode and lay out), picks a replica with the same router `iterserve simulate --replicas` uses
 (replicas/router.py), on loads it keeps itself from what it sent and what came back, and
 relays the replica's outputs into the request's stream (client.py). A group (n choices,
 or several prompts of one API request) goes whole to one replica.
@@ -37,7 +38,7 @@ from iterserve.engine.images import ImagesPrompt
 from iterserve.engine.kv_pool_ledger import PoolGroup
 from iterserve.engine.metrics import EngineSnapshot
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.prompts import encode_prompt
+from iterserve.engine.prompts import RenderedChat, encode_prompt
 from iterserve.engine.request_stream import (
     EngineStoppedError,
     GenerationRequest,
@@ -58,7 +59,6 @@ from iterserve.replicas.dispatch import Dispatch
 from iterserve.replicas.ray_cluster import RayCluster, disconnect
 from iterserve.replicas.router import NoReplicaError, Router
 from iterserve.replicas.supervisor import ReplicaSlot, RestartPolicy
-from iterserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("iterserve.data_parallel")
 
@@ -242,12 +242,19 @@ class DataParallelEngine:
         )
         # Tokenized here, on the event loop, as chat templates are rendered: the
         # tokenizer is only ever used from this one thread.
-        sent = [replace(r, prompt=self._token_ids(r)) for r in requests]
-        counts = [(len(r.prompt), self._most_tokens(r)) for r in sent]
+        routes = [self._token_ids(r) for r in requests]
+        # A prompt with images goes as it is: the replica encodes them and lays them out.
+        sent = [
+            r if isinstance(r.prompt, ImagesPrompt) else replace(r, prompt=ids)
+            for r, ids in zip(requests, routes, strict=True)
+        ]
+        counts = [
+            (len(ids), self._most_tokens(r, ids)) for r, ids in zip(sent, routes, strict=True)
+        ]
         # Where each request runs now, for its aborts (a re-sent one moves).
         homes: dict[str, ReplicaClient] = {}
         stream = RequestStream([r.request_id for r in sent], functools.partial(_abort, homes))
-        dispatch = Dispatch.whole(stream, sent, counts, homes)
+        dispatch = Dispatch.whole(stream, sent, counts, routes, homes)
         try:
             await self._place(dispatch, time.monotonic() + _WAIT_FOR_REPLICA)
         except asyncio.CancelledError:
@@ -279,7 +286,7 @@ class DataParallelEngine:
         while True:
             loads = [slot.client.tracker.load() for slot in self.slots]
             try:
-                return self.slots[self.router.route(dispatch.requests[0].prompt, loads)].client  # type: ignore[arg-type]
+                return self.slots[self.router.route(dispatch.routes[0], loads)].client
             except NoReplicaError:
                 pass
             if all(slot.given_up for slot in self.slots):
@@ -333,11 +340,13 @@ class DataParallelEngine:
                 raise
 
     def _token_ids(self, request: GenerationRequest) -> list[int]:
-        if isinstance(request.prompt, ImagesPrompt):  # replicas are sent token ids
-            raise InvalidRequestError(
-                "images: not taken by a server of several replicas (--data-parallel-size)",
-                "images",
-            )
+        """The ids a replica runs (sent in its place), or, for a prompt with images, those
+        the front end routes and counts it by: its text, each image its marker (the
+        replica, which holds the tower, lays the images out and refuses a cut)."""
+        if isinstance(request.prompt, ImagesPrompt):
+            text = request.prompt.text
+            rendered = request.prompt.rendered
+            return encode_prompt(self._model.tokenizer, RenderedChat(text) if rendered else text)
         if isinstance(request.prompt, list):
             token_ids = request.prompt  # the replica checks the ids against its vocabulary
         else:
@@ -349,9 +358,9 @@ class DataParallelEngine:
             return token_ids
         return truncation.apply(token_ids, self._model.max_model_len)
 
-    def _most_tokens(self, request: GenerationRequest) -> int:
+    def _most_tokens(self, request: GenerationRequest, token_ids: list[int]) -> int:
         if request.fill_context:  # the replica settles it; this is its upper bound
-            room = self._model.max_model_len - len(request.prompt)
+            room = self._model.max_model_len - len(token_ids)
             return max(1, min(request.params.max_tokens, room))
         return request.params.max_tokens
 
