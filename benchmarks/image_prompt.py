@@ -1,20 +1,23 @@
-"""A question about an image on a Gemma 3 4B-shaped GGUF with its vision projector file,
-iterserve against llama-server on the same two files, one server after the other.
+"""A question about an image on a Gemma 3 4B-shaped GGUF with its vision projector file
+(or, with `--family mistral3`, a Ministral 3 3B-shaped one with Pixtral's), iterserve
+against llama-server on the same two files, one server after the other.
 
 Both files are made here with random weights (iterserve.bench): the language model in
-Gemma 3 4B's body as Q4_K_M (random blocks, the bundled tokenizer grown to Gemma's
-vocabulary size, Gemma's three image tokens added as control tokens, a chat template
-that writes <start_of_image> for an image), and the vision projector file in SigLIP's
-shape as llama.cpp's converter writes it (F16). For each server: a warm-up (a text and an
-image request), then in each round a question about a new 896 x 896 image (its tower
-encode, then the prompt's prefill) and a text question of about the same length (the
-prefill alone), streamed, 8 tokens, greedy; time to first token of each, their
-difference (what the image costs beyond its tokens), and the server's peak and held RSS
-(VmHWM, VmRSS) at the end. Then a text stream with a new image's question sent 2 s into
-it: how long the stream's tokens stop while the image is encoded (llama-server with two
-slots, -np 2, so that both run).
+the family's body as Q4_K_M (random blocks, the bundled tokenizer grown to the family's
+vocabulary size, its image tokens added as control tokens, a chat template that writes
+its marker for an image), and the vision projector file in its tower's shape as
+llama.cpp's converter writes it (F16). For each server: a warm-up (a text and an image
+request), then in each round a question about a new image (Gemma's 896 x 896, Mistral's
+672 x 672, 576 merged patches: under llama.cpp's bound of 1,024 an image, so that both lay
+it out alike; its tower encode, then the prompt's prefill) and a text question of about
+the same length (the prefill alone), streamed, 8 tokens, greedy; time to first token of
+each, their difference (what the image costs beyond its tokens), and the server's peak
+and held RSS (VmHWM, VmRSS) at the end. Then a text stream with a new image's question
+sent 2 s into it: how long the stream's tokens stop while the image is encoded
+(llama-server with two slots, -np 2, so that both run).
 
     .venv/bin/python benchmarks/image_prompt.py [--rounds 3] [--engines iterserve,llama.cpp]
+        [--family gemma3|mistral3]
 
 llama-server comes from benchmarks/peers/llama_cpp.sh (built if missing, ~10 minutes).
 """
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,45 +51,78 @@ from iterserve.bench.shaped_gguf import (  # noqa: E402
     tokenizer_metadata,
     write_shaped_gguf,
 )
-from iterserve.bench.shaped_mmproj import write_shaped_mmproj  # noqa: E402
+from iterserve.bench.shaped_mmproj import TOWERS, write_shaped_mmproj  # noqa: E402
 
 FILES = Path.home() / ".cache" / "iterserve-bench" / "images"
 LLAMA_CPP_SH = Path(__file__).parent / "peers" / "llama_cpp.sh"
-IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 CONTROL = 3  # llama.cpp's token type for a control token
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for b in m['content'] %}"
-    "{% if b['type'] == 'image' %}<start_of_image>{% else %}{{ b['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
 QUESTION = "What is in this picture? Say it in one short sentence."
 
 
-def make_files() -> tuple[Path, Path]:
+def _template(marker: str, turn: str, reply: str) -> str:
+    """A chat template that writes `marker` for an image, each turn as `turn` lays it out."""
+    content = (
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for b in m['content'] %}"
+        f"{{% if b['type'] == 'image' %}}{marker}{{% else %}}{{{{ b['text'] }}}}{{% endif %}}"
+        "{% endfor %}{% endif %}"
+    )
+    return (
+        "{{ bos_token }}{% for m in messages %}" + turn.replace("CONTENT", content)
+        + "{% endfor %}{% if add_generation_prompt %}" + reply + "{% endif %}"
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Family:
+    preset: str  # iterserve.bench.shaped_gguf's body
+    tower: str  # iterserve.bench.shaped_mmproj.TOWERS'
+    tokens: tuple[str, ...]  # its image tokens, added to the vocabulary
+    template: str
+    image_side: int  # pixels of the square images asked about
+
+
+FAMILIES = {
+    "gemma3": Family(
+        "gemma3-4b", "gemma3", ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+        _template("<start_of_image>", "<start_of_turn>{{ m['role'] }}\nCONTENT<end_of_turn>\n",
+                  "<start_of_turn>model\n"),
+        896,
+    ),
+    "mistral3": Family(
+        "ministral3-3b", "pixtral", ("[IMG]", "[IMG_BREAK]", "[IMG_END]"),
+        _template("[IMG]", "{% if m['role'] == 'user' %}[INST]CONTENT[/INST]"
+                  "{% else %}CONTENT{% endif %}", ""),
+        672,
+    ),
+}  # fmt: skip
+
+
+def make_files(name: str) -> tuple[Path, Path]:
+    family = FAMILIES[name]
     FILES.mkdir(parents=True, exist_ok=True)
-    text, mmproj = FILES / "gemma3-4b-images.Q4_K_M.gguf", FILES / "mmproj-gemma3-4b-f16.gguf"
+    text = FILES / f"{family.preset}-images.Q4_K_M.gguf"
+    mmproj = FILES / f"mmproj-{family.preset}-f16.gguf"
     if not text.exists():
         tokenizer = tokenizer_metadata()
-        tokenizer["tokenizer.ggml.tokens"] = [*tokenizer["tokenizer.ggml.tokens"], *IMAGE_TOKENS]
+        tokens = family.tokens
+        tokenizer["tokenizer.ggml.tokens"] = [*tokenizer["tokenizer.ggml.tokens"], *tokens]
         tokenizer["tokenizer.ggml.token_type"] = [
-            *tokenizer["tokenizer.ggml.token_type"], *[CONTROL] * len(IMAGE_TOKENS)
+            *tokenizer["tokenizer.ggml.token_type"], *[CONTROL] * len(tokens)
         ]  # fmt: skip
-        tokenizer["tokenizer.chat_template"] = TEMPLATE
+        tokenizer["tokenizer.chat_template"] = family.template
         print(f"writing {text}", flush=True)
-        write_shaped_gguf(text, "gemma3-4b", 7, tokenizer, q4_k_m_types, real_vocab=True)
+        write_shaped_gguf(text, family.preset, 7, tokenizer, q4_k_m_types, real_vocab=True)
     if not mmproj.exists():
         print(f"writing {mmproj}", flush=True)
-        write_shaped_mmproj(mmproj, seed=7)
+        write_shaped_mmproj(mmproj, TOWERS[family.tower], seed=7)
     return text, mmproj
 
 
-def picture(seed: int) -> str:
-    """A new 896 x 896 image as a PNG data URL: a gradient under noise."""
+def picture(seed: int, side: int) -> str:
+    """A new `side` x `side` image as a PNG data URL: a gradient under noise."""
     rng = np.random.default_rng(seed)
-    ramp = np.linspace(0, 255, 896, dtype=np.float32)
-    pixels = ramp[None, :, None] * rng.uniform(0.3, 1, 3) + rng.normal(0, 30, (896, 896, 3))
+    ramp = np.linspace(0, 255, side, dtype=np.float32)
+    pixels = ramp[None, :, None] * rng.uniform(0.3, 1, 3) + rng.normal(0, 30, (side, side, 3))
     buffer = io.BytesIO()
     Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -134,7 +171,7 @@ def memory(pid: int) -> dict[str, int]:
     return {"peak_rss": fields["VmHWM"], "held_rss": fields["VmRSS"]}
 
 
-def beside_a_stream(client: openai.OpenAI, seed: int) -> dict[str, Any]:
+def beside_a_stream(client: openai.OpenAI, seed: int, side: int) -> dict[str, Any]:
     """A text stream of 160 tokens, and 2 s into it a question about a new image: the
     stream's largest gap between tokens and its tokens while the image waits for its first
     token, against its pace before."""
@@ -157,7 +194,7 @@ def beside_a_stream(client: openai.OpenAI, seed: int) -> dict[str, Any]:
         time.sleep(0.05)
     time.sleep(2.0)
     asked = time.perf_counter()
-    seconds, _ = ttft(client, [{"type": "image_url", "image_url": {"url": picture(seed)}},
+    seconds, _ = ttft(client, [{"type": "image_url", "image_url": {"url": picture(seed, side)}},
                                {"type": "text", "text": QUESTION}])  # fmt: skip
     answered = asked + seconds
     worker.join()
@@ -173,21 +210,22 @@ def beside_a_stream(client: openai.OpenAI, seed: int) -> dict[str, Any]:
     }
 
 
-def run_rounds(base: str, rounds: int, words: int) -> dict[str, Any]:
+def run_rounds(base: str, args: argparse.Namespace) -> dict[str, Any]:
     client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
-    image_part = {"type": "image_url", "image_url": {"url": picture(0)}}
+    rounds, words, side = args.rounds, args.words, FAMILIES[args.family].image_side
+    image_part = {"type": "image_url", "image_url": {"url": picture(0, side)}}
     ttft(client, filler(0, words))  # warm-up: a text, then an image
     ttft(client, [image_part, {"type": "text", "text": QUESTION}])
     images, texts, tokens = [], [], {}
     for r in range(1, rounds + 1):
-        image = [{"type": "image_url", "image_url": {"url": picture(r)}},
+        image = [{"type": "image_url", "image_url": {"url": picture(r, side)}},
                  {"type": "text", "text": f"{r}. {QUESTION}"}]  # fmt: skip
         seconds, tokens["image"] = ttft(client, image)
         images.append(seconds)
         seconds, tokens["text"] = ttft(client, f"{r}. {filler(r, words)} {QUESTION}")
         texts.append(seconds)
         print(f"  round {r}: image {images[-1]:.2f} s, text {texts[-1]:.2f} s", flush=True)
-    beside = beside_a_stream(client, 100)
+    beside = beside_a_stream(client, 100, side)
     print(f"  beside a stream: {beside}", flush=True)
     return {"image_ttft_s": images, "text_ttft_s": texts, "prompt_tokens": tokens,
             "beside_a_stream": beside}  # fmt: skip
@@ -204,7 +242,7 @@ def run_iterserve(text: Path, mmproj: Path, args: argparse.Namespace, logs: Path
     port = free_port()
     extra = ["--mmproj", str(mmproj), "--max-model-len", "4096", "-t", str(args.threads)]
     with iterserve_server(port, str(text), extra, logs / "iterserve.log", 900) as server:
-        found = run_rounds(f"http://127.0.0.1:{port}/v1", args.rounds, args.words)
+        found = run_rounds(f"http://127.0.0.1:{port}/v1", args)
         return {**found, **memory(server.pid)}
 
 
@@ -218,7 +256,7 @@ def run_llama_cpp(text: Path, mmproj: Path, args: argparse.Namespace, logs: Path
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(server, f"http://127.0.0.1:{port}/health", 900, log_path)
-        found = run_rounds(f"http://127.0.0.1:{port}/v1", args.rounds, args.words)
+        found = run_rounds(f"http://127.0.0.1:{port}/v1", args)
         return {**found, **memory(server.pid)}
     finally:
         stop(server)
@@ -230,9 +268,10 @@ def main() -> int:
     parser.add_argument("--engines", default="iterserve,llama.cpp")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--words", type=int, default=250, help="the text prompt's filler")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="gemma3")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    text, mmproj = make_files()
+    text, mmproj = make_files(args.family)
     logs = Path("bench_results") / "image_prompt"
     logs.mkdir(parents=True, exist_ok=True)
     runners = {"iterserve": run_iterserve, "llama.cpp": run_llama_cpp}

@@ -1,9 +1,9 @@
 """A vision projector file (llama.cpp's `mmproj-*.gguf`) of a released tower's shape with
 random weights, for timing images against llama.cpp on the same file
-(benchmarks/image_prompt.py): Gemma 3's SigLIP (4B-27B), with the metadata and tensor names
-llama.cpp's converter writes and its types (F16 matrices, the input projection included;
-F32 norms, biases and the patch and position embeddings). Written tensor by tensor, as
-shaped_gguf.py writes models."""
+(benchmarks/image_prompt.py): Gemma 3's SigLIP (4B-27B) and Ministral 3's Pixtral, with the
+metadata and tensor names llama.cpp's converter writes and its types (F16 matrices, Gemma's
+input projection included; F32 norms, biases and the patch and position embeddings).
+Written tensor by tensor, as shaped_gguf.py writes models."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from iterserve.bench.shaped_gguf import WEIGHT_STD
 
 @dataclass(frozen=True)
 class TowerShape:
-    """A SigLIP tower and Gemma 3's projector, as the released config gives them."""
+    """A tower and its projector, as the released config gives them: SigLIP and Gemma 3's
+    (`gemma3`), or Pixtral and Mistral 3's (`pixtral`, its patches merged `merge` x `merge`)."""
 
+    kind: str  # clip.projector_type
     hidden: int  # vision_config.hidden_size
     intermediate: int  # vision_config.intermediate_size
     layers: int  # vision_config.num_hidden_layers
@@ -29,13 +31,49 @@ class TowerShape:
     patch_size: int
     text_hidden: int  # the language model's hidden size, which the projector maps to
     eps: float = 1e-6
+    merge: int = 1
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
 
 
-GEMMA3_4B_TOWER = TowerShape(1152, 4304, 27, 16, 896, 14, 2560)
+GEMMA3_4B_TOWER = TowerShape("gemma3", 1152, 4304, 27, 16, 896, 14, 2560)
+# Ministral 3 3B's (mistralai/Ministral-3-3B-Instruct-2512): CLIP's mean and deviation.
+MINISTRAL3_3B_TOWER = TowerShape(
+    "pixtral", 1024, 4096, 24, 16, 1540, 14, 3072, eps=1e-5, merge=2,
+    mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711),
+)  # fmt: skip
+TOWERS = {"gemma3": GEMMA3_4B_TOWER, "pixtral": MINISTRAL3_3B_TOWER}
 
 
 def _tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
     """(name, numpy shape, dtype) of every tensor, in the converter's order of kinds."""
+    return _pixtral_tensors(shape) if shape.kind == "pixtral" else _gemma3_tensors(shape)
+
+
+def _pixtral_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
+    """Pixtral's: RMS norms, a SiLU-gated MLP, no biases, no position table (2D RoPE);
+    Mistral 3's projector: a norm, the patch merger, two linear layers."""
+    h, f, p, t = shape.hidden, shape.intermediate, shape.patch_size, shape.text_hidden
+    found: list[tuple[str, tuple[int, ...], type]] = [
+        ("mm.1.weight", (t, h), np.float16),
+        ("mm.2.weight", (t, t), np.float16),
+        ("mm.input_norm.weight", (h,), np.float32),
+        ("mm.patch_merger.weight", (h, h * shape.merge**2), np.float16),
+        ("v.patch_embd.weight", (h, 3, p, p), np.float32),
+        ("v.pre_ln.weight", (h,), np.float32),
+        ("v.token_embd.img_break", (t,), np.float32),  # [IMG_BREAK]'s embedding, for llama.cpp
+    ]
+    for i in range(shape.layers):
+        blk = f"v.blk.{i}"
+        found += [(f"{blk}.ln1.weight", (h,), np.float32), (f"{blk}.ln2.weight", (h,), np.float32)]
+        for part, rows, cols in (("attn_q", h, h), ("attn_k", h, h), ("attn_v", h, h),
+                                 ("attn_out", h, h), ("ffn_gate", f, h), ("ffn_up", f, h),
+                                 ("ffn_down", h, f)):  # fmt: skip
+            found += [(f"{blk}.{part}.weight", (rows, cols), np.float16)]
+    return found
+
+
+def _gemma3_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
     h, f, p = shape.hidden, shape.intermediate, shape.patch_size
     patches = (shape.image_size // p) ** 2
     found: list[tuple[str, tuple[int, ...], type]] = [
@@ -59,7 +97,9 @@ def _tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
 
 
 def _values(name: str, shape: tuple[int, ...], dtype: type, rng: np.random.Generator) -> np.ndarray:
-    if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "soft_emb_norm.weight")):
+    if name.endswith(
+        ("ln1.weight", "ln2.weight", "post_ln.weight", "pre_ln.weight", "norm.weight")
+    ):
         return np.ones(shape, dtype=dtype)  # Gemma's projector norm stored as 1 + w: w = 0
     if name.endswith("ln1.bias") or name.endswith("ln2.bias") or name.endswith("post_ln.bias"):
         return np.zeros(shape, dtype=dtype)
@@ -67,15 +107,17 @@ def _values(name: str, shape: tuple[int, ...], dtype: type, rng: np.random.Gener
 
 
 def write_shaped_mmproj(path: Path, shape: TowerShape = GEMMA3_4B_TOWER, seed: int = 0) -> Path:
-    """Gemma 3's vision projector file of `shape` with random weights at `path` (written to
-    `path` + ".partial" and renamed when whole)."""
+    """A vision projector file of `shape` with random weights at `path` (written to `path`
+    + ".partial" and renamed when whole)."""
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, "clip")
     writer.add_name("random weights")
     writer.add_type("mmproj")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "gemma3")
-    writer.add_bool("clip.use_gelu", True)
+    writer.add_string("clip.projector_type", shape.kind)
+    writer.add_bool("clip.use_silu" if shape.kind == "pixtral" else "clip.use_gelu", True)
+    if shape.merge > 1:
+        writer.add_uint32("clip.vision.spatial_merge_size", shape.merge)
     for key, value in {
         "image_size": shape.image_size,
         "patch_size": shape.patch_size,
@@ -87,8 +129,8 @@ def write_shaped_mmproj(path: Path, shape: TowerShape = GEMMA3_4B_TOWER, seed: i
     }.items():
         writer.add_uint32(f"clip.vision.{key}", value)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", shape.eps)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_mean", list(shape.mean))
+    writer.add_array("clip.vision.image_std", list(shape.std))
     tensors = _tensors(shape)
     for name, dims, dtype in tensors:
         nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
