@@ -312,6 +312,7 @@ def write_gguf(
     named_chat_templates: Mapping[str, str] | None = None,
     sampling: Mapping[str, float | int] | None = None,
     omit: Collection[str] = (),
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
 ) -> None:
     """`model`'s weights (or `state`, HF-named) as a GGUF of architecture `arch`; 2-D
     projections in `qtype` (norms, embedding and head stay F32), or per HF name in `qtypes`
@@ -319,7 +320,9 @@ def write_gguf(
     `{arch}.` prefix); `rope_tensors`: e.g. {"rope_freqs": factors}; `named_chat_templates`:
     tokenizer.chat_template.NAME, e.g. llama.cpp's "rerank"; `sampling`: general.sampling.NAME
     keys, e.g. {"top_k": 20, "temp": 0.6}, as gguf's writer types them; `omit`: keys (without
-    the prefix) left out, as another converter leaves them out (Ollama's)."""
+    the prefix) left out, as another converter leaves them out (Ollama's); `extra_tensors`:
+    more tensors by their whole names, in their own dtypes (a tower kept beside the text,
+    as Ollama keeps one)."""
     config = model.config
     writer = GGUFWriter(path, arch)
     add_shape(writer, config, rope_freq_base)
@@ -358,6 +361,8 @@ def write_gguf(
 
     for name, array in (rope_tensors or {}).items():
         writer.add_tensor(f"{name}.weight", np.ascontiguousarray(array, dtype=np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(array))
     if state is None:
         state = dict(model.state_dict())
         if config.tie_word_embeddings:

@@ -306,3 +306,49 @@ def write_pixtral_mmproj(
         "multi_modal_projector.": model.model.multi_modal_projector,
     }
     _write_parts(writer, vision.num_hidden_layers, parts, stored)
+
+
+# Ollama's converter's renames of Gemma 3's tower and projector (convert/convert_gemma3.go),
+# applied here one after the other.
+_OLLAMA_RENAMES = (
+    ("vision_tower.vision_model.embeddings", "v"), ("vision_tower.vision_model", "v"),
+    ("encoder.layers", "blk"), ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+    ("self_attn.v_proj", "attn_v"), ("self_attn.out_proj", "attn_output"),
+    ("input_projection_weight", "input_projection.weight"), ("multi_modal_projector", "mm"),
+)  # fmt: skip
+
+
+def ollama_gemma3_tower(
+    model: transformers.Gemma3ForConditionalGeneration,
+) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+    """The model's tower and projector as Ollama's converter keeps them in the model's own
+    GGUF: its `gemma3.vision.*` and `gemma3.mm.tokens_per_image` keys (without the arch's
+    prefix) and its tensors (its names, F32, the projector's norm stored as 1 + w as it
+    stores every non-vision `_norm.weight`)."""
+    vision = model.config.vision_config
+    keys: dict[str, object] = {
+        "vision.block_count": vision.num_hidden_layers,
+        "vision.embedding_length": vision.hidden_size,
+        "vision.feed_forward_length": vision.intermediate_size,
+        "vision.image_size": vision.image_size,
+        "vision.patch_size": vision.patch_size,
+        "vision.num_channels": 3,
+        "vision.attention.head_count": vision.num_attention_heads,
+        "vision.attention.layer_norm_epsilon": vision.layer_norm_eps,
+        "mm.tokens_per_image": model.config.mm_tokens_per_image,
+    }
+    tensors = {}
+    parts = {
+        "vision_tower.vision_model.": model.model.vision_tower,
+        "multi_modal_projector.": model.model.multi_modal_projector,
+    }
+    for prefix, module in parts.items():
+        for name, value in module.state_dict().items():
+            if name.startswith("head."):
+                continue  # SigLIP's pooling head: not Gemma's
+            ours = prefix + name
+            for old, new in _OLLAMA_RENAMES:
+                ours = ours.replace(old, new)
+            norm = not ours.startswith("v.") and ours.endswith("_norm.weight")
+            tensors[ours] = (value.detach().float() + (1 if norm else 0)).numpy()
+    return keys, tensors

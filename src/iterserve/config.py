@@ -430,6 +430,12 @@ class EngineConfig:
         "whose prompts then take images, as llama-server's --mmproj (Gemma 3's, Mistral 3's)",
         aliases=("-mm",),
     )
+    mmproj_auto: bool = _opt(
+        True,
+        "read the vision projector that comes with a GGUF model (an mmproj file beside it in "
+        "its Hugging Face repository, an Ollama model's projector layer, the tower in Ollama's "
+        "Gemma 3 files), as llama-server's --mmproj-auto; --no-mmproj-auto: text alone",
+    )
     hf_overrides: dict[str, Any] | None = _opt(
         None,
         "the model's context set at serve time, as vLLM's flag sets it, for an HF directory "

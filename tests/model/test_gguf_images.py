@@ -10,14 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from huggingface_hub import constants
 
+from hub_cache import cache_repo
 from iterserve import LLM, SamplingParams
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_images import load_mmproj
 from iterserve.model.loader import load_model
+from iterserve.sampling_params import InvalidRequestError
+from ollama_store_files import pull
 from tiny_families import gguf_metadata
 from tiny_gguf import write_gguf
 from tiny_vision import (
+    ollama_gemma3_tower,
     picture,
     save_tiny_gemma3,
     save_tiny_mistral3,
@@ -37,15 +42,22 @@ def _text_gguf(
     causal_lm: type[transformers.PreTrainedModel],
     arch: str,
     rope_base: float,
+    name: str = "text.gguf",
+    tower: tuple[dict, dict] = ({}, {}),
 ) -> Path:
-    """The multimodal checkpoint's language model as a GGUF of `arch` beside it."""
+    """The multimodal checkpoint's language model as a GGUF of `arch` beside it; `tower`:
+    keys and tensors of a tower kept in the same file."""
     text = causal_lm(whole.config.text_config)
     text.model.load_state_dict(whole.model.language_model.state_dict())
     text.lm_head.load_state_dict(whole.lm_head.state_dict())
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
     metadata, _ = gguf_metadata(text)
-    path = directory.parent / "text.gguf"
-    write_gguf(path, arch, text.eval(), tokenizer, rope_freq_base=rope_base, metadata=metadata)
+    path = directory.parent / name
+    keys, tensors = tower
+    write_gguf(
+        path, arch, text.eval(), tokenizer, rope_freq_base=rope_base,
+        metadata={**metadata, **keys}, extra_tensors=tensors,
+    )  # fmt: skip
     return path
 
 
@@ -56,6 +68,14 @@ def gemma3_files(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) 
     whole = transformers.Gemma3ForConditionalGeneration.from_pretrained(directory).eval()
     text = _text_gguf(directory, whole, transformers.Gemma3ForCausalLM, "gemma3", 1e6)
     write_gemma3_mmproj(out / "mmproj.gguf", whole)
+    tower = ollama_gemma3_tower(whole)
+    _text_gguf(
+        directory, whole, transformers.Gemma3ForCausalLM, "gemma3", 1e6, "ollama.gguf", tower
+    )
+    keys_alone = (tower[0], {})  # a tower this reader cannot read: the text is served
+    _text_gguf(
+        directory, whole, transformers.Gemma3ForCausalLM, "gemma3", 1e6, "odd.gguf", keys_alone
+    )
     return directory, text, out / "mmproj.gguf"
 
 
@@ -87,6 +107,60 @@ def test_a_gguf_and_its_mmproj_answer_as_the_hf_checkpoint(
     from_gguf = LLM(str(text), mmproj=str(mmproj), dtype="float32", compile=False)
     want = from_hf.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert from_gguf.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_ollamas_gemma3_file_reads_its_own_tower(gemma3_files: tuple[Path, ...]) -> None:
+    """A Gemma 3 GGUF that keeps its tower as Ollama keeps it (its names and keys, in the
+    model's own file) answers images as the HF checkpoint, with no --mmproj; with
+    --no-mmproj-auto it serves text alone and refuses images by name, as it does when the
+    tower cannot be read."""
+    directory, text, _ = gemma3_files
+    ollama = text.parent / "ollama.gguf"
+    import gguf
+
+    names = {tensor.name for tensor in gguf.GGUFReader(ollama).tensors}
+    assert {"v.patch_embedding.weight", "v.blk.1.attn_output.weight", "v.blk.0.mlp.fc2.bias",
+            "v.post_layernorm.weight", "mm.mm_input_projection.weight",
+            "mm.mm_soft_emb_norm.weight"} <= names  # fmt: skip
+    prompt = {
+        "prompt": PROMPT.format(image="<start_of_image>"),
+        "multi_modal_data": {"image": [picture(4, 70, 40), picture(5, 30, 30)]},
+    }
+    from_hf = LLM(str(directory), dtype="float32", compile=False)
+    want = from_hf.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    from_ollama = LLM(str(ollama), dtype="float32", compile=False)
+    assert from_ollama.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    for path, auto in ((ollama, False), (text.parent / "odd.gguf", True)):
+        text_only = LLM(str(path), dtype="float32", compile=False, mmproj_auto=auto)
+        with pytest.raises(InvalidRequestError, match="images"):
+            text_only.generate(prompt, GREEDY, use_tqdm=False)
+        assert text_only.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_projector_that_comes_with_the_model_is_read(
+    gemma3_files: tuple[Path, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As llama-server's --mmproj-auto: a GGUF repository's mmproj file in the Hugging Face
+    cache, and an Ollama model's projector layer, come with the model named."""
+    directory, text, mmproj = gemma3_files
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    files = {"tiny-gemma3-F32.gguf": text, "mmproj-tiny-gemma3-F16.gguf": mmproj}
+    cache_repo(tmp_path / "hub", "acme/tiny-gemma3-GGUF", files)
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    pull(tmp_path / "ollama", "registry.ollama.ai/library/seeing/latest", text, projector=mmproj)
+    prompt = {
+        "prompt": PROMPT.format(image="<start_of_image>"),
+        "multi_modal_data": {"image": [picture(4, 70, 40), picture(5, 30, 30)]},
+    }
+    want = (
+        LLM(str(directory), dtype="float32", compile=False)
+        .generate(prompt, GREEDY, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    for name in ("acme/tiny-gemma3-GGUF", "seeing"):
+        named = LLM(name, dtype="float32", compile=False)
+        assert named.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
 
 
 def _header_only(path: Path, **keys: str | int) -> Path:

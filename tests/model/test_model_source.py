@@ -18,6 +18,7 @@ GGUF_FILES = [
     "Tiny-1B-Instruct-q8_0.gguf",
     "Tiny-1B-Instruct-UD-Q4_K_XL.gguf",
     "mmproj-Tiny-1B-F16.gguf",  # a vision projector, not a model
+    "mmproj-Tiny-1B-F32.gguf",
     "BF16/Tiny-1B-Instruct-BF16-00001-of-00002.gguf",
     "BF16/Tiny-1B-Instruct-BF16-00002-of-00002.gguf",
     "README.md",
@@ -62,8 +63,11 @@ def test_a_tag_picks_its_gguf_whatever_its_case_or_folder(gguf_repo: Path) -> No
     def found(spec: str) -> ModelSource:
         return find_model(spec)
 
+    # The repository's vision projector comes with any of its models (F16 before F32).
     assert found("acme/Tiny-1B-GGUF:Q8_0") == ModelSource(
-        gguf_repo / "Tiny-1B-Instruct-q8_0.gguf", "acme/Tiny-1B-GGUF:Q8_0"
+        gguf_repo / "Tiny-1B-Instruct-q8_0.gguf",
+        "acme/Tiny-1B-GGUF:Q8_0",
+        projector=gguf_repo / "mmproj-Tiny-1B-F16.gguf",
     )
     assert found("acme/Tiny-1B-GGUF:ud-q4_k_xl").path.name == "Tiny-1B-Instruct-UD-Q4_K_XL.gguf"
     # A split model by its first part, in the folder hubs give large quantizations.

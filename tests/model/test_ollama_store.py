@@ -5,8 +5,6 @@ same GGUF by its path, with those sampling settings as the model's own."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import pytest
@@ -17,30 +15,11 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.model_source import find_model
 from iterserve.model.tokenizer import load_hf_tokenizer
 from iterserve.sampling_params import SamplingParams
+from ollama_store_files import pull
 from tiny_checkpoints import tiny_hf_model
 from tiny_gguf import write_gguf
 
 SMALL = dict(dtype="float32", compile=False, num_kv_blocks=64)
-
-
-def _blob(root: Path, data: bytes) -> dict[str, object]:
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    (root / "blobs").mkdir(parents=True, exist_ok=True)
-    (root / "blobs" / digest.replace(":", "-")).write_bytes(data)
-    return {"digest": digest, "size": len(data)}
-
-
-def pull(root: Path, name: str, gguf: Path, params: dict[str, object] | None = None) -> None:
-    """What `ollama pull` leaves: the blobs, and a manifest at HOST/NAMESPACE/MODEL/TAG."""
-    host, namespace, model, tag = name.split("/")
-    layers = [{"mediaType": "application/vnd.ollama.image.model", **_blob(root, gguf.read_bytes())},
-              {"mediaType": "application/vnd.ollama.image.template", **_blob(root, b"{{ .Prompt }}")}]  # fmt: skip
-    if params is not None:
-        layers.append({"mediaType": "application/vnd.ollama.image.params",
-                       **_blob(root, json.dumps(params).encode())})  # fmt: skip
-    manifest = root / "manifests" / host / namespace / model / tag
-    manifest.parent.mkdir(parents=True, exist_ok=True)
-    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
 
 
 @pytest.fixture
@@ -69,6 +48,16 @@ def test_names_resolve_as_ollama_resolves_them(store: Path) -> None:
         find_model("tiny:70b")
     with pytest.raises(ModelLoadError, match="Hugging Face cache"):  # the HF error stands
         find_model("acme/other:q8")
+
+
+def test_a_projector_layer_comes_with_its_model(store: Path, tmp_path: Path) -> None:
+    projector = tmp_path / "mmproj.gguf"
+    projector.write_bytes(b"GGUF projector")
+    root = tmp_path / "ollama"
+    pull(root, "registry.ollama.ai/library/seeing/latest", store, projector=projector)
+    found = find_model("seeing")
+    assert found.projector is not None and found.projector.read_bytes() == b"GGUF projector"
+    assert find_model("tiny:1b").projector is None
 
 
 def test_a_missing_blob_says_to_pull_again(store: Path) -> None:

@@ -66,7 +66,9 @@ from iterserve.executor.tensor_parallel import launch_tensor_parallel
 from iterserve.executor.torch_runner import TorchRunner
 from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.builder import ModelPlan, build_model, choose_dtype
+from iterserve.model.errors import ModelLoadError
 from iterserve.model.hf_overrides import with_hf_overrides
+from iterserve.model.images import ImageEncoder
 from iterserve.model.kv_cache_format import cache_dtype, kv_bytes_per_token
 from iterserve.model.kv_shift import UnsupportedKVShift
 from iterserve.model.llama import LlamaForCausalLM
@@ -117,6 +119,20 @@ def _check_fits_in_memory(kv_bytes: float, cache: CacheConfig) -> None:
     )
 
 
+def _projector(path: Path, loaded: LoadedModel, dtype: torch.dtype) -> ImageEncoder:
+    """The image encoder a vision projector file (or a model file holding one) gives;
+    ModelLoadError for whatever in it cannot be read."""
+    # Deferred: transformers' vision modules cost ~120 MiB of imports (resident).
+    from iterserve.model.gguf_images import load_mmproj
+
+    try:
+        return load_mmproj(path, loaded.config, loaded.tokenizer, dtype)
+    except ModelLoadError:
+        raise
+    except Exception as error:  # a file cut short, a shape transformers' modules refuse
+        raise ModelLoadError(f"{path} cannot be read as a vision projector: {error!r}") from error
+
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel | None = None, warm_up: bool = True
@@ -146,11 +162,20 @@ class LLMEngine:
         self.dtype = dtype  # the layers' inputs' (prompt embeds are cast to it)
         loaded = loaded or load_model(config.model, dtype, config.revision)
         if config.mmproj:
-            # Deferred: transformers' vision modules cost ~120 MiB of imports (resident).
-            from iterserve.model.gguf_images import load_mmproj
-
-            images = load_mmproj(Path(config.mmproj), loaded.config, loaded.tokenizer, dtype)
+            images = _projector(Path(config.mmproj), loaded, dtype)
             loaded = replace(loaded, images=images)
+        elif loaded.projector_file is not None and config.mmproj_auto:
+            # A tower in the model's own file (Ollama's): read if it can be, else text alone,
+            # as the file was served before its towers were read.
+            try:
+                images = _projector(loaded.projector_file, loaded, dtype)
+            except ModelLoadError as error:
+                logger.warning("the model's vision tower is not read (%s): text only", error)
+            else:
+                logger.info(
+                    "the model's vision tower read from its own file (--no-mmproj-auto: not)"
+                )
+                loaded = replace(loaded, images=images)
         if config.hf_overrides:
             overridden = with_hf_overrides(loaded.config, config.hf_overrides)
             logger.info(

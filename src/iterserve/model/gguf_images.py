@@ -12,6 +12,7 @@ time), and Pixtral's q/k rows are permuted for llama.cpp's rope as a Llama's are
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.gemma3_images import Gemma3Images
 from iterserve.model.gguf_loader import (
     GGUFTensorInfo,
+    holds_ollama_tower,
     read_gguf_header,
     read_gguf_tensor,
     unpermute_rope_rows,
@@ -40,11 +42,16 @@ _GEMMA3_POOL = 4
 
 
 def load_mmproj(path: Path, text: ModelConfig, tokenizer: Any, dtype: torch.dtype) -> ImageEncoder:
+    """The image encoder of `path`: a vision projector file, or a model GGUF that holds its
+    tower too, as Ollama's Gemma 3 files do (read through the projector file's view)."""
     metadata, tensors = read_gguf_header(path)
-    if metadata.get("general.architecture") != "clip":
+    arch = metadata.get("general.architecture")
+    if holds_ollama_tower(metadata):  # its v.* and mm.* tensors under Ollama's names
+        file = _ollama_gemma3_view(path, metadata, tensors)
+        return _gemma3(file, text, tokenizer, dtype)
+    if arch != "clip":
         raise ModelLoadError(
-            f"{path} is not a vision projector (its architecture is "
-            f"{metadata.get('general.architecture')!r}, not clip)"
+            f"{path} is not a vision projector (its architecture is {arch!r}, not clip)"
         )
     kind = metadata.get("clip.projector_type")
     if kind not in _READERS:
@@ -61,12 +68,18 @@ def load_mmproj(path: Path, text: ModelConfig, tokenizer: Any, dtype: torch.dtyp
 
 
 class _ProjectorFile:
-    """A projector file's metadata and tensors, read by transformers' names."""
+    """A projector file's metadata and tensors, read by transformers' names: `name_of` gives
+    the file's name for a checkpoint's tensor (llama.cpp's converter's map by default)."""
 
     def __init__(
-        self, path: Path, metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]
+        self,
+        path: Path,
+        metadata: dict[str, Any],
+        tensors: dict[str, GGUFTensorInfo],
+        name_of: Callable[[str, Any], str | None] | None = None,
     ) -> None:
         self.path, self.metadata, self.tensors = path, metadata, tensors
+        self.name_of = name_of or _llama_cpp_name
 
     def key(self, name: str) -> Any:
         """`clip.vision.{name}`, which must be there."""
@@ -92,20 +105,79 @@ class _ProjectorFile:
         value: Callable[[str, torch.Tensor], torch.Tensor],
         dtype: torch.dtype,
     ) -> None:
-        """Each part's tensors from the file: `theirs(prefix, name)` is the name transformers'
-        checkpoint gives the module's tensor `name`, as the converter read it; `value(name,
-        tensor)` undoes what the converter did to it."""
+        """Each part's tensors from the file: `theirs(prefix, name)` is the name the released
+        checkpoint gives the module's tensor `name`; `value(name, tensor)` undoes what the
+        converter did to it."""
         # The map numbers the projector's linear_N as blocks: it must reach 2.
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 3))
         for prefix, module in images.parts.items():
             state = {}
             for name in module.state_dict():
                 hf = theirs(prefix, name)
-                found = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+                found = self.name_of(hf, names)
                 if found is None or found not in self.tensors:
                     raise ModelLoadError(f"{self.path}: no tensor for {hf} ({found or 'unmapped'})")
                 state[name] = value(name, read_gguf_tensor(self.tensors[found]).float()).to(dtype)
             module.load_state_dict(state, strict=True)
+
+
+def _llama_cpp_name(hf: str, names: Any) -> str | None:
+    """A checkpoint's tensor's name in llama.cpp's file: its converter's map (which names
+    Gemma 3's projector parameter as a module's weight)."""
+    hf = hf.replace("_projection_weight", "_projection.weight")
+    return names.get_name(hf, try_suffixes=(".weight", ".bias"))
+
+
+# What Ollama's converter (convert/convert_gemma3.go) renames in a checkpoint's tensor names
+# for the tower and projector, in its order: at each place the first that fits.
+_OLLAMA_GEMMA3_NAMES = (
+    ("vision_tower.vision_model.embeddings", "v"),
+    ("vision_tower.vision_model", "v"),
+    ("encoder.layers", "blk"),
+    ("self_attn.q_proj", "attn_q"),
+    ("self_attn.k_proj", "attn_k"),
+    ("self_attn.v_proj", "attn_v"),
+    ("self_attn.out_proj", "attn_output"),
+    ("input_projection_weight", "input_projection.weight"),
+    ("multi_modal_projector", "mm"),
+)
+
+
+def _ollama_name(hf: str, _names: Any = None) -> str:
+    """A checkpoint's tensor's name in Ollama's file, replaced as Go's strings.Replacer
+    replaces: left to right, without overlaps."""
+    out, i = [], 0
+    while i < len(hf):
+        for old, new in _OLLAMA_GEMMA3_NAMES:
+            if hf.startswith(old, i):
+                out.append(new)
+                i += len(old)
+                break
+        else:
+            out.append(hf[i])
+            i += 1
+    return "".join(out)
+
+
+def _ollama_gemma3_view(
+    path: Path, metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]
+) -> _ProjectorFile:
+    """An Ollama Gemma 3 file's tower as a projector file: its `gemma3.vision.*` keys under
+    clip's names, Gemma's mean and deviation (0.5, which Ollama's image processor uses and
+    its file does not say), the pooling from `gemma3.mm.tokens_per_image`."""
+    clip = {
+        f"clip.vision.{key.removeprefix('gemma3.vision.')}": value
+        for key, value in metadata.items()
+        if key.startswith("gemma3.vision.")
+    }
+    clip["clip.vision.image_mean"] = clip["clip.vision.image_std"] = [0.5, 0.5, 0.5]
+    clip["clip.vision.projection_dim"] = metadata.get("gemma3.embedding_length")
+    if (rows := metadata.get("gemma3.mm.tokens_per_image")) is not None:
+        side = int(clip.get("clip.vision.image_size", 0)) // int(
+            clip.get("clip.vision.patch_size", 1)
+        )
+        clip["clip.vision.projector.scale_factor"] = side // max(1, math.isqrt(int(rows)))
+    return _ProjectorFile(path, clip, tensors, _ollama_name)
 
 
 def _gemma3(
@@ -141,9 +213,8 @@ def _gemma3(
     images = Gemma3Images(config, processor, _GEMMA3_TOKENS, dtype)
 
     def theirs(prefix: str, name: str) -> str:
-        # SigLIP's under vision_model., the projector's parameter named as a module's weight.
-        under = f"{prefix}vision_model." if prefix == "vision_tower." else prefix
-        return (under + name).replace("_projection_weight", "_projection.weight")
+        # The released checkpoints keep SigLIP's under vision_model.
+        return (f"{prefix}vision_model." if prefix == "vision_tower." else prefix) + name
 
     def value(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor - 1 if name.endswith("soft_emb_norm.weight") else tensor  # 1 + w stored

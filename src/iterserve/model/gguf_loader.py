@@ -202,6 +202,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         sampling_defaults=SamplingDefaults.from_gguf(metadata),
         file_format="gguf",
         file_type=_file_type(metadata.get("general.file_type")),
+        projector_file=path if holds_ollama_tower(metadata) else None,
     )
     _one_score_row(loaded, metadata)
     return loaded
@@ -872,8 +873,18 @@ def _rope_base(metadata: dict[str, Any], arch: str) -> float:
 
 # A multimodal model's towers and projector in the text model's own file, as Ollama keeps
 # them (its gemma3, mistral-small3.1, qwen2.5vl: one GGUF; llama.cpp keeps them apart, in
-# an mmproj file, under the same names): v.* vision, a.* audio, mm.* the projector.
+# an mmproj file): v.* vision, a.* audio, mm.* the projector. Left out of the text model;
+# Gemma 3's are read as its images' (model/gguf_images.py).
 _TOWER_PREFIXES = ("v.", "a.", "mm.")
+
+
+def holds_ollama_tower(metadata: dict[str, Any]) -> bool:
+    """Whether the file holds a Gemma 3 vision tower as Ollama keeps it (`gemma3.vision.*`
+    keys): model/gguf_images.py reads it (named here, so that loading a text model does not
+    import the vision modules)."""
+    return metadata.get("general.architecture") == "gemma3" and (
+        "gemma3.vision.block_count" in metadata
+    )
 
 
 def _load_weights(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -43,6 +44,10 @@ class LoadedModel:
     file_type: str = ""
     # A multimodal checkpoint's vision tower (model/images.py); None: it reads text only.
     images: ImageEncoder | None = None
+    # Its vision projector file where one comes with it (an mmproj GGUF beside it in its
+    # repository, an Ollama model's projector layer) or the GGUF itself where it holds its
+    # tower (Ollama's Gemma 3 files): the engine reads it as `--mmproj` unless told not to.
+    projector_file: Path | None = None
 
     def parameter_count(self) -> int:
         """The checkpoint's weights, counted from their shapes (none of them is made)."""

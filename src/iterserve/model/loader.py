@@ -119,6 +119,8 @@ def load_model(
         except ValueError as error:
             raise ModelLoadError(f"model {spec}'s sampling settings: {error}") from None
         loaded = dataclasses.replace(loaded, sampling_defaults=defaults)
+    if source.projector is not None and loaded.projector_file is None:
+        loaded = dataclasses.replace(loaded, projector_file=source.projector)
     # A repository is served by the name it was given, as vLLM's default served name is.
     return dataclasses.replace(loaded, name=source.name) if source.name else loaded
 

@@ -43,6 +43,10 @@ class ModelSource:
     # Sampling settings that come with it, by generation_config.json's names (an Ollama
     # model's Modelfile PARAMETERs), over the checkpoint's own.
     sampling: dict[str, Any] = field(default_factory=dict)
+    # Its vision projector file, where one comes with it: an mmproj GGUF beside a GGUF model
+    # in its repository (what llama-server's -hf takes with --mmproj-auto), or an Ollama
+    # model's projector layer.
+    projector: Path | None = None
 
 
 def find_model(spec: str | Path | None, revision: str | None = None) -> ModelSource:
@@ -74,13 +78,17 @@ def find_model(spec: str | Path | None, revision: str | None = None) -> ModelSou
         if (pulled := _pulled(spec, revision)) is None:
             raise
         return pulled
-    return ModelSource(_model_in(snapshot, repo, tag), str(spec))
+    model = _model_in(snapshot, repo, tag)
+    projector = _projector_in(snapshot) if model.suffix == ".gguf" else None
+    return ModelSource(model, str(spec), projector=projector)
 
 
 def _pulled(spec: str | Path, revision: str | None) -> ModelSource | None:
     """The model Ollama pulled under the name `spec` (Ollama's names have no revision)."""
     pulled = find_ollama_model(str(spec)) if revision is None else None
-    return None if pulled is None else ModelSource(pulled.gguf, pulled.name, pulled.sampling)
+    if pulled is None:
+        return None
+    return ModelSource(pulled.gguf, pulled.name, pulled.sampling, pulled.projector)
 
 
 def find_adapter(spec: str | Path) -> Path:
@@ -169,6 +177,24 @@ def _model_in(snapshot: Path, repo: str, tag: str | None) -> Path:
     raise ModelLoadError(
         f"{where} holds no GGUF model tagged {wanted} (it holds {tags}): name one as {repo}:TAG"
     )
+
+
+# Of several projector files in a repository, the one taken: F16 first, as llama.cpp's
+# converter writes them by default, then the other full-precision ones.
+_PROJECTOR_PREFERENCE = ("F16", "BF16", "F32")
+
+
+def _projector_in(snapshot: Path) -> Path | None:
+    """The vision projector file (`mmproj*.gguf`) a GGUF repository's snapshot holds, if
+    any: the only one, or the first by _PROJECTOR_PREFERENCE, or by name."""
+    found = sorted(p for p in snapshot.rglob("*.gguf") if _NOT_A_MODEL.match(p.name))
+
+    def rank(path: Path) -> int:
+        tag = (quant_tag(path) or "").upper()
+        preferred = _PROJECTOR_PREFERENCE
+        return preferred.index(tag) if tag in preferred else len(preferred)
+
+    return min(found, key=rank) if found else None
 
 
 def _gguf_models(snapshot: Path) -> list[Path]:

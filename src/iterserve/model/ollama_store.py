@@ -9,8 +9,9 @@ install keeps them). A name's host defaults to `registry.ollama.ai`, its namespa
 `library`, its tag to `latest`. The model layer is the GGUF itself; the params layer holds
 the Modelfile's PARAMETERs (JSON), whose sampling settings become the model's own defaults
 (as a GGUF's general.sampling.* are). The template layer is Ollama's Go template: the GGUF's
-own Jinja chat template renders the chats here. A projector (vision) or an adapter layer is
-left out: the text model alone is served.
+own Jinja chat template renders the chats here. A projector layer (a vision projector
+file) is read as the model's `--mmproj` (engine/llm_engine.py); an adapter layer is left
+out.
 
 Names and small JSON files only: the GGUF is opened by its loader.
 """
@@ -29,6 +30,7 @@ from iterserve.model.errors import ModelLoadError
 DEFAULT_HOST = "registry.ollama.ai"
 _MODEL_LAYER = "application/vnd.ollama.image.model"
 _PARAMS_LAYER = "application/vnd.ollama.image.params"
+_PROJECTOR_LAYER = "application/vnd.ollama.image.projector"
 # [HOST/][NAMESPACE/...]MODEL[:TAG]; a host has a dot (hf.co, registry.ollama.ai).
 _NAME = re.compile(
     r"^(?:(?P<host>[\w-]+(?:\.[\w-]+)+(?::\d+)?)/)?(?:(?P<path>[\w.-]+(?:/[\w.-]+)*)/)?"
@@ -45,6 +47,7 @@ class OllamaModel:
     gguf: Path  # the model layer's blob
     name: str  # as named, e.g. "llama3.2:3b"
     sampling: dict[str, Any] = field(default_factory=dict)  # generation_config.json's names
+    projector: Path | None = None  # its projector layer's blob (a vision projector file)
 
 
 def ollama_model_dirs() -> list[Path]:
@@ -93,7 +96,10 @@ def _read(root: Path, manifest: Path, spec: str) -> OllamaModel:
             given = {}
         if isinstance(given, dict):
             sampling = {_SAMPLING[k]: v for k, v in given.items() if k in _SAMPLING}
-    return OllamaModel(gguf, spec, sampling)
+    projector = _blob(root, digests[_PROJECTOR_LAYER]) if _PROJECTOR_LAYER in digests else None
+    return OllamaModel(
+        gguf, spec, sampling, projector if projector and projector.is_file() else None
+    )
 
 
 def _blob(root: Path, digest: str) -> Path:
