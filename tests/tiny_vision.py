@@ -16,6 +16,7 @@ import torch
 import transformers
 from PIL import Image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
 from tiny_families import MINISTRAL3_ROPE
@@ -352,3 +353,69 @@ def ollama_gemma3_tower(
             norm = not ours.startswith("v.") and ours.endswith("_norm.weight")
             tensors[ours] = (value.detach().float() + (1 if norm else 0)).numpy()
     return keys, tensors
+
+
+GEMMA4_TOKENS = ("<|image|>", "<|image>", "<image|>")  # the image's soft token, boi, eoi
+GEMMA4_MAX_SOFT_TOKENS = 70  # the smallest budget the processor takes
+
+
+def save_tiny_gemma4(out: Path, tokenizer_dir: Path) -> Path:
+    """Gemma 4 E2B's shape in small (per-layer embeddings, K/V shared between layers,
+    windowed and full layers), with a tiny Gemma 4 vision tower: an image resized within
+    GEMMA4_MAX_SOFT_TOKENS rows of 3 x 3 pooled 16-pixel patches."""
+    from tiny_families import gemma4_model
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA4_TOKENS)})
+    ids = tokenizer.convert_tokens_to_ids(list(GEMMA4_TOKENS))
+    vocab = len(tokenizer)
+    text = gemma4_model("e2b", vocab_size=vocab, vocab_size_per_layer_input=vocab).config
+    text.max_position_embeddings = 512
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, position_embedding_size=640,  # a side: <= 630 patches
+    )  # fmt: skip
+    config = transformers.Gemma4Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        audio_config=None,
+        image_token_id=ids[0],
+        boi_token_id=ids[1],
+        eoi_token_id=ids[2],
+    )
+    torch.manual_seed(0)
+    model = _random_weights(transformers.Gemma4ForConditionalGeneration(config))
+    with torch.no_grad():  # a buffer transformers leaves at one
+        for layer in model.model.language_model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    tokenizer.chat_template = template(GEMMA4_TOKENS[0])
+    tokenizer.save_pretrained(out)
+    Gemma4ImageProcessorPil(max_soft_tokens=GEMMA4_MAX_SOFT_TOKENS).save_pretrained(out)
+    return out
+
+
+def gemma4_greedy(
+    directory: Path, text: str, images: list[Image.Image], max_tokens: int
+) -> list[int]:
+    """`text` holds <|image|> once per image (and its special tokens); each becomes the
+    image's boi, soft tokens and eoi, as Gemma4Processor lays it out, and transformers'
+    whole model generates from the ids, pixels and patch positions."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    image, boi, eoi = tokenizer.convert_tokens_to_ids(list(GEMMA4_TOKENS))
+    pixels = Gemma4ImageProcessorPil.from_pretrained(directory)(images=images, return_tensors="pt")
+    ids: list[int] = []
+    for i, piece in enumerate(text.split(GEMMA4_TOKENS[0])):
+        ids += tokenizer.encode(piece, add_special_tokens=False)
+        if i < len(images):
+            ids += [boi, *[image] * int(pixels["num_soft_tokens_per_image"][i]), eoi]
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(
+        directory, dtype=torch.float32
+    )
+    input_ids = torch.tensor([ids])
+    generated = model.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+        pixel_values=pixels["pixel_values"], image_position_ids=pixels["image_position_ids"],
+        do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0,
+    )  # fmt: skip
+    return generated[0, len(ids) :].tolist()

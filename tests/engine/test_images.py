@@ -1,6 +1,7 @@
 """Prompts with images against transformers' whole model on the same weights (tiny random
-checkpoints, fp32): Mistral 3's Pixtral tower, and Gemma 3's SigLIP, whose image tokens
-attend to each other both ways; the tower's rows given at the image tokens, through compiled
+checkpoints, fp32): Mistral 3's Pixtral tower, Gemma 3's SigLIP, whose image tokens
+attend to each other both ways, and Gemma 4 E2B's tower, its images of their own aspect
+ratios; the tower's rows given at the image tokens, through compiled
 token steps, small chunks (ending inside Mistral's images; Gemma's taken whole) and
 preemption; the prefix cache names an image's blocks by its pixels; and what cannot be taken
 is refused by name."""
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,8 +22,10 @@ from iterserve.engine.images import ImagesPrompt
 from iterserve.sampling_params import InvalidRequestError
 from tiny_vision import (
     gemma3_greedy,
+    gemma4_greedy,
     picture,
     save_tiny_gemma3,
+    save_tiny_gemma4,
     save_tiny_mistral3,
     transformers_greedy,
 )
@@ -114,6 +119,70 @@ def test_gemma3_images_attend_within_themselves_as_transformers(
     assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0, "every block back"
     if "num_kv_blocks" in settings:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+# Gemma 4's images keep their aspect ratio (81 and 131 prompt tokens in all).
+GEMMA4_PROMPTS = [
+    ("<s>user: Describe <|image|> in a few words.\nassistant:", [(0, 50, 60)]),
+    ("<s>user: <|image|> or <|image|>, which?\nassistant:", [(1, 40, 45), (2, 30, 90)]),
+]
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return save_tiny_gemma4(tmp_path_factory.mktemp("gemma4"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def gemma4_references(gemma4_dir: Path) -> list[list[int]]:
+    return [
+        gemma4_greedy(gemma4_dir, text, [picture(*s) for s in sizes], MAX_TOKENS)
+        for text, sizes in GEMMA4_PROMPTS
+    ]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"max_num_batched_tokens": 5, "max_num_seqs": 3},  # chunks end inside the images
+        {"num_kv_blocks": 55, "block_size": 4},  # preemption
+    ],
+    ids=["whole", "chunked", "preemption"],
+)
+def test_gemma4_images_answer_as_transformers(
+    gemma4_dir: Path, gemma4_references: list[list[int]], settings: dict
+) -> None:
+    """Gemma 4 E2B's shape (per-layer embeddings, looked up as padding at an image's soft
+    tokens; K/V shared between layers) with its vision tower."""
+    images = [[picture(*s) for s in sizes] for _, sizes in GEMMA4_PROMPTS]
+    llm = LLM(str(gemma4_dir), dtype="float32", **{"compile": False, **settings})
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": given}}
+        for (text, _), given in zip(GEMMA4_PROMPTS, images, strict=True)
+    ]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == gemma4_references
+    assert llm.engine.scheduler.kv_cache_stats().num_used_blocks == 0, "every block back"
+    if "num_kv_blocks" in settings:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_gemma4_whose_images_attend_both_ways_serves_its_text(
+    gemma4_dir: Path, tmp_path: Path
+) -> None:
+    """The larger Gemma 4's images attend both ways on the windowed layers alone, which is
+    not read: the text is served, an image refused by name."""
+    shutil.copytree(gemma4_dir, tmp_path / "both-ways")
+    config = json.loads((tmp_path / "both-ways" / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (tmp_path / "both-ways" / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path / "both-ways"), dtype="float32", compile=False)
+    assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    text, sizes = GEMMA4_PROMPTS[0]
+    prompt = {"prompt": text, "multi_modal_data": {"image": [picture(*sizes[0])]}}
+    with pytest.raises(InvalidRequestError, match="images"):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
 
 
 def test_a_chat_with_an_image_url_answers_as_transformers(mistral3_dir: Path) -> None:

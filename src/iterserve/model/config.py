@@ -125,6 +125,9 @@ class ModelConfig:
     # which each layer gates into its output (model/per_layer_inputs.py). 0: none.
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # The token whose per-layer row is looked up where a row is given in a token's place
+    # (an image's soft tokens: transformers looks them up as padding).
+    per_layer_pad_id: int = 0
 
     def layer_window(self, index: int) -> int:
         """Layer `index`'s sliding window; 0: full attention."""

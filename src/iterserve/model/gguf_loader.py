@@ -784,6 +784,7 @@ def _gemma4_fields(
         "shared_layers_double_mlp": double,
         "per_layer_input_size": per_layer_size,
         "per_layer_vocab_size": table.shape[0] if per_layer_size and table else 0,
+        "per_layer_pad_id": int(metadata.get("tokenizer.ggml.padding_token_id", 0)),
     }
 
 

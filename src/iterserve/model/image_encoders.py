@@ -26,4 +26,8 @@ def load_image_encoder(
         from iterserve.model.gemma3_images import Gemma3Images
 
         return Gemma3Images.load(directory, raw, tokenizer, dtype)
+    if "Gemma4ForConditionalGeneration" in architectures:
+        from iterserve.model.gemma4_images import Gemma4Images
+
+        return Gemma4Images.load(directory, raw, tokenizer, dtype)
     return None

@@ -834,7 +834,10 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         per_layer = None
         if self.per_layer_inputs is not None:
-            per_layer = self.per_layer_inputs(input_ids, hidden)
+            ids = input_ids
+            if given is not None:  # transformers looks given rows' per-layer rows up as padding
+                ids = input_ids.index_fill(0, given[0], self.config.per_layer_pad_id)
+            per_layer = self.per_layer_inputs(ids, hidden)
         temperature = self.config.query_temperature  # Ministral 3's
         query_scales = None
         if temperature is not None:

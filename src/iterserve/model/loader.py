@@ -607,6 +607,7 @@ def _gemma4_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any])
         "shared_layers_double_mlp": bool(raw.get("use_double_wide_mlp", False)),
         "per_layer_input_size": per_layer,
         "per_layer_vocab_size": (raw.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
+        "per_layer_pad_id": raw.get("pad_token_id") or 0,
     }
 
 
