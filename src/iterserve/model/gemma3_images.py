@@ -20,12 +20,12 @@ from PIL import Image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
-from iterserve.model.errors import ModelLoadError
 from iterserve.model.images import (
     EncodedImage,
     TowerAndProjector,
     family_config,
     has_image_processor,
+    image_tokens,
     read_tower_weights,
 )
 
@@ -57,12 +57,9 @@ class Gemma3Images(TowerAndProjector):
         if not has_image_processor(directory):
             return None
         config = family_config(transformers.Gemma3Config, raw)
-        ids = [config.boi_token_id, config.eoi_token_id, config.image_token_id]
-        tokens = tokenizer.convert_ids_to_tokens(ids)
-        if any(token is None for token in tokens) or tokenizer.convert_tokens_to_ids(tokens) != ids:
-            raise ModelLoadError(
-                f"{directory}: the tokenizer does not hold the model's image tokens {ids}"
-            )
+        tokens = image_tokens(
+            tokenizer, [config.boi_token_id, config.eoi_token_id, config.image_token_id], directory
+        )
         processor = Gemma3ImageProcessorPil.from_pretrained(directory, local_files_only=True)
         images = cls(config, processor, (tokens[0], tokens[1], tokens[2]), dtype)
         read_tower_weights(directory, images.parts, dtype)

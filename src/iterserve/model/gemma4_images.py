@@ -28,12 +28,12 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import (
 )
 from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
 
-from iterserve.model.errors import ModelLoadError
 from iterserve.model.images import (
     EncodedImage,
     TowerAndProjector,
     family_config,
     has_image_processor,
+    image_tokens,
     read_tower_weights,
 )
 
@@ -81,12 +81,9 @@ class Gemma4Images(TowerAndProjector):
                 directory, both_ways,
             )  # fmt: skip
             return None
-        ids = [config.image_token_id, config.boi_token_id, config.eoi_token_id]
-        tokens = tokenizer.convert_ids_to_tokens(ids)
-        if any(token is None for token in tokens) or tokenizer.convert_tokens_to_ids(tokens) != ids:
-            raise ModelLoadError(
-                f"{directory}: the tokenizer does not hold the model's image tokens {ids}"
-            )
+        tokens = image_tokens(
+            tokenizer, [config.image_token_id, config.boi_token_id, config.eoi_token_id], directory
+        )
         processor = Gemma4ImageProcessorPil.from_pretrained(directory, local_files_only=True)
         images = cls(config, processor, (tokens[0], tokens[1], tokens[2]), dtype)
         read_tower_weights(directory, images.parts, dtype)

@@ -89,6 +89,17 @@ def _module_key(module: torch.nn.Module, key: str) -> str:
     return key.removeprefix(inner) if inner != "." and key.startswith(inner) else key
 
 
+def image_tokens(tokenizer: Any, ids: list[int], directory: Path) -> tuple[str, ...]:
+    """The model's image tokens (by their ids in its config) as its tokenizer names them;
+    ModelLoadError where the tokenizer does not hold them."""
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    if any(token is None for token in tokens) or tokenizer.convert_tokens_to_ids(tokens) != ids:
+        raise ModelLoadError(
+            f"{directory}: the tokenizer does not hold the model's image tokens {ids}"
+        )
+    return tuple(tokens)
+
+
 def family_config(config_class: type[Any], raw: Mapping[str, Any]) -> Any:
     """A multimodal checkpoint's whole config.json as transformers' config of its class."""
     return config_class(**{k: v for k, v in raw.items() if k != "model_type"})
