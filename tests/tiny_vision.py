@@ -214,16 +214,19 @@ def _mmproj_writer(
     shape: dict[str, int],
     eps: float,
     processor: transformers.BaseImageProcessor,
+    type_key: str = "clip.projector_type",
 ) -> gguf.GGUFWriter:
-    """A vision projector file's header as llama.cpp's converter writes it (MmprojModel)."""
+    """A vision projector file's header as llama.cpp's converter writes it (MmprojModel);
+    `type_key`: where it says the projector's type (a file of vision and audio towers
+    says each tower's: clip.vision.projector_type)."""
     vision = model.config.vision_config
     writer = gguf.GGUFWriter(path, "clip")
     writer.add_type("mmproj")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", kind)
+    writer.add_string(type_key, kind)
     writer.add_uint32("clip.vision.projection_dim", model.config.text_config.hidden_size)
     for key, value in {
-        "image_size": vision.image_size,
+        "image_size": getattr(vision, "image_size", 224),  # Gemma 4's: 224, "unused"
         "patch_size": vision.patch_size,
         "embedding_length": vision.hidden_size,
         "feed_forward_length": vision.intermediate_size,
@@ -359,10 +362,12 @@ GEMMA4_TOKENS = ("<|image|>", "<|image>", "<image|>")  # the image's soft token,
 GEMMA4_MAX_SOFT_TOKENS = 70  # the smallest budget the processor takes
 
 
-def save_tiny_gemma4(out: Path, tokenizer_dir: Path) -> Path:
+def save_tiny_gemma4(
+    out: Path, tokenizer_dir: Path, max_soft_tokens: int = GEMMA4_MAX_SOFT_TOKENS
+) -> Path:
     """Gemma 4 E2B's shape in small (per-layer embeddings, K/V shared between layers,
     windowed and full layers), with a tiny Gemma 4 vision tower: an image resized within
-    GEMMA4_MAX_SOFT_TOKENS rows of 3 x 3 pooled 16-pixel patches."""
+    `max_soft_tokens` rows of 3 x 3 pooled 16-pixel patches."""
     from tiny_families import gemma4_model
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -370,10 +375,11 @@ def save_tiny_gemma4(out: Path, tokenizer_dir: Path) -> Path:
     ids = tokenizer.convert_tokens_to_ids(list(GEMMA4_TOKENS))
     vocab = len(tokenizer)
     text = gemma4_model("e2b", vocab_size=vocab, vocab_size_per_layer_input=vocab).config
-    text.max_position_embeddings = 512
+    text.max_position_embeddings = 1024
     vision = transformers.Gemma4VisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, head_dim=16, position_embedding_size=640,  # a side: <= 630 patches
+        use_clipped_linears=True, standardize=True,  # their buffers read from the checkpoint
     )  # fmt: skip
     config = transformers.Gemma4Config(
         text_config=text.to_dict(),
@@ -385,13 +391,20 @@ def save_tiny_gemma4(out: Path, tokenizer_dir: Path) -> Path:
     )
     torch.manual_seed(0)
     model = _random_weights(transformers.Gemma4ForConditionalGeneration(config))
-    with torch.no_grad():  # a buffer transformers leaves at one
+    with torch.no_grad():  # buffers transformers leaves at one, infinite or unset
         for layer in model.model.language_model.layers:
             layer.layer_scalar.uniform_(0.5, 1.5)
+        for name, buffer in model.model.vision_tower.named_buffers():
+            if name.endswith(("_min", "_max")):  # clipped linears: clamps that bite
+                buffer.fill_(
+                    float(torch.empty(()).uniform_(1.0, 3.0)) * (-1 if "min" in name else 1)
+                )
+        model.model.vision_tower.std_bias.normal_(0.0, 0.1)
+        model.model.vision_tower.std_scale.uniform_(0.5, 1.5)
     model.save_pretrained(out)
     tokenizer.chat_template = template(GEMMA4_TOKENS[0])
     tokenizer.save_pretrained(out)
-    Gemma4ImageProcessorPil(max_soft_tokens=GEMMA4_MAX_SOFT_TOKENS).save_pretrained(out)
+    Gemma4ImageProcessorPil(max_soft_tokens=max_soft_tokens).save_pretrained(out)
     return out
 
 
@@ -419,3 +432,37 @@ def gemma4_greedy(
         do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0,
     )  # fmt: skip
     return generated[0, len(ids) :].tolist()
+
+
+def write_gemma4_mmproj(path: Path, model: transformers.Gemma4ForConditionalGeneration) -> None:
+    """The model's vision tower and embedder as llama.cpp's converter writes Gemma 4's
+    projector file (gemma4v under clip.vision.projector_type, its image size "unused" 224;
+    the patch projection as a convolution's kernel, each clamp a one-value tensor, the
+    encoder's layers renamed before its map names them), every tensor in F32."""
+    vision = model.config.vision_config
+    processor = Gemma4ImageProcessorPil()  # its mean 0 and deviation 1: pixels as they are
+    writer = _mmproj_writer(
+        path, "gemma4v", model, {}, vision.rms_norm_eps, processor, "clip.vision.projector_type"
+    )
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision.num_hidden_layers, 3))
+    suffixes = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
+    for name, value in model.state_dict().items():
+        if not name.startswith(("model.vision_tower.", "model.embed_vision.")):
+            continue
+        data = value.detach().float()
+        if data.ndim == 0:
+            data = data.unsqueeze(0)
+        name = name.replace("model.vision_tower.encoder.", "vision_model.model.")
+        name = name.replace(".linear.weight", ".weight")
+        if name.endswith("position_embedding_table"):
+            name += ".weight"
+        if name.endswith("patch_embedder.input_proj.weight"):
+            patch = vision.patch_size
+            data = data.reshape(len(data), patch, patch, 3).permute(0, 3, 1, 2)
+        ours = names.get_name(name, try_suffixes=suffixes)
+        assert ours is not None, name
+        writer.add_tensor(ours, np.ascontiguousarray(data.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -427,7 +427,8 @@ class EngineConfig:
     mmproj: str | None = _opt(
         None,
         "the vision projector file (mmproj-*.gguf, as llama.cpp writes it) of a GGUF model, "
-        "whose prompts then take images, as llama-server's --mmproj (Gemma 3's, Mistral 3's)",
+        "whose prompts then take images, as llama-server's --mmproj (Gemma 3's, Mistral 3's, "
+        "Gemma 4's)",
         aliases=("-mm",),
     )
     mmproj_auto: bool = _opt(

@@ -20,13 +20,15 @@ from iterserve.model.loader import load_model
 from iterserve.sampling_params import InvalidRequestError
 from ollama_store_files import pull
 from tiny_families import gguf_metadata
-from tiny_gguf import write_gguf
+from tiny_gguf import gemma4_rope_freqs, write_gguf
 from tiny_vision import (
     ollama_gemma3_tower,
     picture,
     save_tiny_gemma3,
+    save_tiny_gemma4,
     save_tiny_mistral3,
     write_gemma3_mmproj,
+    write_gemma4_mmproj,
     write_pixtral_mmproj,
 )
 
@@ -44,6 +46,7 @@ def _text_gguf(
     rope_base: float,
     name: str = "text.gguf",
     tower: tuple[dict, dict] = ({}, {}),
+    rope_tensors: dict | None = None,
 ) -> Path:
     """The multimodal checkpoint's language model as a GGUF of `arch` beside it; `tower`:
     keys and tensors of a tower kept in the same file."""
@@ -56,7 +59,7 @@ def _text_gguf(
     keys, tensors = tower
     write_gguf(
         path, arch, text.eval(), tokenizer, rope_freq_base=rope_base,
-        metadata={**metadata, **keys}, extra_tensors=tensors,
+        metadata={**metadata, **keys}, extra_tensors=tensors, rope_tensors=rope_tensors,
     )  # fmt: skip
     return path
 
@@ -92,8 +95,27 @@ def mistral3_files(
     return directory, text, out / "mmproj.gguf"
 
 
+@pytest.fixture(scope="module")
+def gemma4_files(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> tuple[Path, ...]:
+    out = tmp_path_factory.mktemp("gemma4-gguf")
+    # The processor's default budget (280 rows), which a projector file does not say.
+    directory = save_tiny_gemma4(out / "hf", tokenizer_dir, max_soft_tokens=280)
+    whole = transformers.Gemma4ForConditionalGeneration.from_pretrained(directory).eval()
+    freqs = {"rope_freqs": gemma4_rope_freqs(whole.config.text_config)}
+    text = _text_gguf(
+        directory, whole, transformers.Gemma4ForCausalLM, "gemma4", 1e6, rope_tensors=freqs
+    )
+    write_gemma4_mmproj(out / "mmproj.gguf", whole)
+    return directory, text, out / "mmproj.gguf"
+
+
 @pytest.mark.parametrize(
-    ("family", "marker"), [("gemma3_files", "<start_of_image>"), ("mistral3_files", "[IMG]")]
+    ("family", "marker"),
+    [
+        ("gemma3_files", "<start_of_image>"),
+        ("mistral3_files", "[IMG]"),
+        ("gemma4_files", "<|image|>"),
+    ],
 )
 def test_a_gguf_and_its_mmproj_answer_as_the_hf_checkpoint(
     family: str, marker: str, request: pytest.FixtureRequest

@@ -39,6 +39,10 @@ from iterserve.model.images import (
 
 logger = logging.getLogger(__name__)
 
+# The image's soft token (what the chat template writes), its start and its end, as Gemma 4's
+# tokenizer names them (llama.cpp's too).
+GEMMA4_TOKENS = ("<|image|>", "<|image>", "<image|>")
+
 
 class Gemma4Images(TowerAndProjector):
     bidirectional = False

@@ -1,14 +1,15 @@
 """A vision projector file as llama.cpp writes one (`mmproj-*.gguf`, `--mmproj`): the tower
 and projector of the model beside it, made into the family's image encoder
-(model/images.py). Gemma 3's (`clip.projector_type` gemma3) and Mistral 3's (pixtral: Ministral
-3, Mistral Small 3.1/3.2) are read.
+(model/images.py). Gemma 3's (`clip.projector_type` gemma3), Mistral 3's (pixtral: Ministral
+3, Mistral Small 3.1/3.2) and Gemma 4 E2B's and E4B's (gemma4v) are read.
 
 The file's tensors carry llama.cpp's names (`v.blk.N.attn_q`, `mm.input_projection`), which
 the gguf package's own map (the converter's) gives for each of transformers' names; the
 image's preparation comes from the file's metadata (`clip.vision.image_size`, its mean and
 deviation), and the image tokens from the model's tokenizer. What the converter changed is
 undone: Gemma's projector norm is stored as 1 + w (the one Gemma's RMS norm adds at run
-time), and Pixtral's q/k rows are permuted for llama.cpp's rope as a Llama's are."""
+time), Pixtral's q/k rows are permuted for llama.cpp's rope as a Llama's are, and Gemma 4's
+patch projection is stored as a convolution's kernel, its clamps as one-value tensors."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ import gguf
 import torch
 import transformers
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gemma3_images import Gemma3Images
+from iterserve.model.gemma4_images import GEMMA4_TOKENS, Gemma4Images
 from iterserve.model.gguf_loader import (
     GGUFTensorInfo,
     holds_ollama_tower,
@@ -53,7 +56,9 @@ def load_mmproj(path: Path, text: ModelConfig, tokenizer: Any, dtype: torch.dtyp
         raise ModelLoadError(
             f"{path} is not a vision projector (its architecture is {arch!r}, not clip)"
         )
-    kind = metadata.get("clip.projector_type")
+    # A file of one tower says its projector's type; one of a vision and an audio tower
+    # (Gemma 4's), each tower's.
+    kind = metadata.get("clip.projector_type", metadata.get("clip.vision.projector_type"))
     if kind not in _READERS:
         raise ModelLoadError(
             f"{path}: a {kind!r} projector; those read here: {', '.join(_READERS)}"
@@ -104,17 +109,19 @@ class _ProjectorFile:
         theirs: Callable[[str, str], str],
         value: Callable[[str, torch.Tensor], torch.Tensor],
         dtype: torch.dtype,
+        name_of: Callable[[str, Any], str | None] | None = None,
     ) -> None:
         """Each part's tensors from the file: `theirs(prefix, name)` is the name the released
         checkpoint gives the module's tensor `name`; `value(name, tensor)` undoes what the
-        converter did to it."""
+        converter did to it; `name_of`: the family's own naming, over the file's."""
+        name_of = name_of or self.name_of
         # The map numbers the projector's linear_N as blocks: it must reach 2.
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 3))
         for prefix, module in images.parts.items():
             state = {}
             for name in module.state_dict():
                 hf = theirs(prefix, name)
-                found = self.name_of(hf, names)
+                found = name_of(hf, names)
                 if found is None or found not in self.tensors:
                     raise ModelLoadError(f"{self.path}: no tensor for {hf} ({found or 'unmapped'})")
                 state[name] = value(name, read_gguf_tensor(self.tensors[found]).float()).to(dtype)
@@ -266,4 +273,82 @@ def _pixtral(
     return images
 
 
-_READERS: dict[str, Callable[..., ImageEncoder]] = {"gemma3": _gemma3, "pixtral": _pixtral}
+# What llama.cpp's converter renames in Gemma 4's tower before its map names a tensor, and the
+# suffixes its map reads (the clipped linears' clamps among them).
+_GEMMA4_RENAMES = (
+    ("model.vision_tower.encoder.", "vision_model.model."),
+    (".linear.weight", ".weight"),
+)
+_GEMMA4_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
+
+
+def _gemma4_name(hf: str, names: Any) -> str | None:
+    for old, new in _GEMMA4_RENAMES:
+        hf = hf.replace(old, new)
+    if hf.endswith(("layer_scalar", "position_embedding_table")):
+        hf += ".weight"
+    return names.get_name(hf, try_suffixes=_GEMMA4_SUFFIXES)
+
+
+def _gemma4(
+    file: _ProjectorFile, text: ModelConfig, tokenizer: Any, dtype: torch.dtype
+) -> Gemma4Images:
+    """Gemma 4's tower (E2B, E4B: `gemma4v`). What the file says by its tensors rather than
+    its keys is read from them: the position table's size, the clipped linears' clamps, the
+    standardizing bias and scale."""
+    key = file.key
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    patch = int(key("patch_size"))
+    table = file.tensors.get("v.position_embd.weight")
+    if table is None:
+        raise ModelLoadError(f"{file.path}: no v.position_embd.weight")
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        patch_size=patch,
+        pooling_kernel_size=int(file.metadata.get("clip.vision.projector.scale_factor", 3)),
+        position_embedding_size=int(table.shape[1]),  # [2, positions, hidden]
+        rms_norm_eps=float(file.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+        use_clipped_linears=any(name.endswith(".input_max") for name in file.tensors),
+        standardize="v.std_bias" in file.tensors,
+    )
+    ids = file.token_ids(tokenizer, GEMMA4_TOKENS, "Gemma 4")
+    config = transformers.Gemma4Config(
+        text_config={"hidden_size": text.hidden_size},
+        vision_config=vision.to_dict(),
+        audio_config=None,
+        image_token_id=ids[0],
+        boi_token_id=ids[1],
+        eoi_token_id=ids[2],
+    )
+    processor = Gemma4ImageProcessorPil(
+        patch_size=patch,
+        pooling_kernel_size=vision.pooling_kernel_size,
+        image_mean=list(key("image_mean")),
+        image_std=list(key("image_std")),
+    )
+    images = Gemma4Images(config, processor, GEMMA4_TOKENS, dtype)
+
+    def value(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(("_min", "_max")):
+            return tensor.reshape(())  # a clamp, stored as one value
+        if name == "patch_embedder.input_proj.weight":  # stored as a convolution's kernel
+            return tensor.permute(0, 2, 3, 1).reshape(hidden, -1)
+        return tensor
+
+    def theirs(prefix: str, name: str) -> str:
+        return f"model.{prefix}{name}"
+
+    file.load(images, vision.num_hidden_layers, theirs, value, dtype, _gemma4_name)
+    return images
+
+
+_READERS: dict[str, Callable[..., ImageEncoder]] = {
+    "gemma3": _gemma3,
+    "pixtral": _pixtral,
+    "gemma4v": _gemma4,
+}
