@@ -1,5 +1,6 @@
 """A question about an image on a Gemma 3 4B-shaped GGUF with its vision projector file
-(or, with `--family mistral3`, a Ministral 3 3B-shaped one with Pixtral's), iterserve
+(or, with `--family mistral3`, a Ministral 3 3B-shaped one with Pixtral's; `--family
+gemma4`, a Gemma 4 E2B-shaped one with its tower's), iterserve
 against llama-server on the same two files, one server after the other.
 
 Both files are made here with random weights (iterserve.bench): the language model in
@@ -7,9 +8,9 @@ the family's body as Q4_K_M (random blocks, the bundled tokenizer grown to the f
 vocabulary size, its image tokens added as control tokens, a chat template that writes
 its marker for an image), and the vision projector file in its tower's shape as
 llama.cpp's converter writes it (F16). For each server: a warm-up (a text and an image
-request), then in each round a question about a new image (Gemma's 896 x 896, Mistral's
+request), then in each round a question about a new image (Gemma 3's 896 x 896, Mistral's
 672 x 672, 576 merged patches: under llama.cpp's bound of 1,024 an image, so that both lay
-it out alike; its tower encode, then the prompt's prefill) and a text question of about
+it out alike; Gemma 4's 768 x 768, 256 rows, llama-server held to the same budget; its tower encode, then the prompt's prefill) and a text question of about
 the same length (the prefill alone), streamed, 8 tokens, greedy; time to first token of
 each, their difference (what the image costs beyond its tokens), and the server's peak
 and held RSS (VmHWM, VmRSS) at the end. Then a text stream with a new image's question
@@ -17,7 +18,7 @@ sent 2 s into it: how long the stream's tokens stop while the image is encoded
 (llama-server with two slots, -np 2, so that both run).
 
     .venv/bin/python benchmarks/image_prompt.py [--rounds 3] [--engines iterserve,llama.cpp]
-        [--family gemma3|mistral3]
+        [--family gemma3|mistral3|gemma4]
 
 llama-server comes from benchmarks/peers/llama_cpp.sh (built if missing, ~10 minutes).
 """
@@ -79,6 +80,7 @@ class Family:
     tokens: tuple[str, ...]  # its image tokens, added to the vocabulary
     template: str
     image_side: int  # pixels of the square images asked about
+    llama_args: tuple[str, ...] = ()  # llama-server's, to lay an image out as iterserve does
 
 
 FAMILIES = {
@@ -93,6 +95,15 @@ FAMILIES = {
         _template("[IMG]", "{% if m['role'] == 'user' %}[INST]CONTENT[/INST]"
                   "{% else %}CONTENT{% endif %}", ""),
         672,
+    ),
+    "gemma4": Family(
+        "gemma4-e2b", "gemma4v", ("<|image|>", "<|image>", "<image|>"),
+        _template("<|image|>", "<start_of_turn>{{ m['role'] }}\nCONTENT<end_of_turn>\n",
+                  "<start_of_turn>model\n"),
+        768,
+        # The HF processor's default budget, 280 rows (256 for a 768-pixel square), which
+        # llama-server takes up to 1,120 by default.
+        ("--image-max-tokens", "280"),
     ),
 }  # fmt: skip
 
@@ -249,7 +260,8 @@ def run_iterserve(text: Path, mmproj: Path, args: argparse.Namespace, logs: Path
 def run_llama_cpp(text: Path, mmproj: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     port = free_port()
     command = [str(llama_server_bin()), "-m", str(text), "--mmproj", str(mmproj), "--port",
-               str(port), "-t", str(args.threads), "-c", "8192", "-np", "2", "--jinja"]  # fmt: skip
+               str(port), "-t", str(args.threads), "-c", "8192", "-np", "2", "--jinja",
+               *FAMILIES[args.family].llama_args]  # fmt: skip
     print("starting:", " ".join(command), flush=True)
     log_path = logs / "llama-server.log"
     with open(log_path, "wb") as log:

@@ -1,5 +1,5 @@
 """The vision projector files benchmarks/image_prompt.py times llama.cpp and iterserve on:
-written as llama.cpp's converter writes Gemma 3's and Mistral 3's, each is what iterserve
+written as llama.cpp's converter writes Gemma 3's, Mistral 3's and Gemma 4's, each is what iterserve
 reads (a tower and projector of its shape, an image encoded to its rows, finite)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import transformers
 
 from iterserve.bench.shaped_mmproj import TowerShape, write_shaped_mmproj
 from iterserve.model.gguf_images import load_mmproj
-from tiny_vision import IMAGE_TOKENS, gemma3_tokenizer, picture
+from tiny_vision import GEMMA4_TOKENS, IMAGE_TOKENS, gemma3_tokenizer, picture
 
 GEMMA3 = TowerShape("gemma3", 32, 64, 2, 2, image_size=112, patch_size=14, text_hidden=48)
 PIXTRAL = TowerShape("pixtral", 32, 64, 2, 2, 112, 14, text_hidden=48, eps=1e-5, merge=2)
@@ -40,3 +40,19 @@ def test_the_shaped_file_reads_as_pixtrals_tower(tmp_path: Path, tokenizer_dir: 
     assert encoded.rows.shape == (2 * 3, PIXTRAL.text_hidden)  # 4 x 6 patches merged 2 x 2
     assert encoded.text == "[IMG]" * 3 + "[IMG_BREAK]" + "[IMG]" * 3 + "[IMG_END]"
     assert bool(torch.isfinite(encoded.rows).all())
+
+
+def test_the_shaped_file_reads_as_gemma4s_tower(tmp_path: Path, tokenizer_dir: Path) -> None:
+    shape = TowerShape(
+        "gemma4v", 32, 64, 2, 2, 224, 16, text_hidden=48, merge=3,
+        mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), positions=64,
+    )  # fmt: skip
+    path = write_shaped_mmproj(tmp_path / "mmproj.gguf", shape, seed=3)
+    text = SimpleNamespace(hidden_size=shape.text_hidden)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA4_TOKENS)})
+    images = load_mmproj(path, text, tokenizer, torch.float32)  # type: ignore[arg-type]
+    assert images.tower.config.use_clipped_linears and images.tower.config.num_hidden_layers == 2
+    encoded = images.encode(picture(1, 96, 96))
+    assert encoded.text == images.placeholder(picture(1, 96, 96))
+    assert encoded.rows.shape[1] == shape.text_hidden and bool(torch.isfinite(encoded.rows).all())

@@ -1,8 +1,9 @@
 """A vision projector file (llama.cpp's `mmproj-*.gguf`) of a released tower's shape with
 random weights, for timing images against llama.cpp on the same file
-(benchmarks/image_prompt.py): Gemma 3's SigLIP (4B-27B) and Ministral 3's Pixtral, with the
-metadata and tensor names llama.cpp's converter writes and its types (F16 matrices, Gemma's
-input projection included; F32 norms, biases and the patch and position embeddings).
+(benchmarks/image_prompt.py): Gemma 3's SigLIP (4B-27B), Ministral 3's Pixtral and Gemma 4
+E2B's tower, with the metadata and tensor names llama.cpp's converter writes and its types
+(F16 matrices, Gemma's input projection included; F32 norms, biases, clamps and the patch
+and position embeddings).
 Written tensor by tensor, as shaped_gguf.py writes models."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class TowerShape:
     merge: int = 1
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    positions: int = 0  # Gemma 4's position table: positions along each side
 
 
 GEMMA3_4B_TOWER = TowerShape("gemma3", 1152, 4304, 27, 16, 896, 14, 2560)
@@ -42,12 +44,56 @@ MINISTRAL3_3B_TOWER = TowerShape(
     "pixtral", 1024, 4096, 24, 16, 1540, 14, 3072, eps=1e-5, merge=2,
     mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711),
 )  # fmt: skip
-TOWERS = {"gemma3": GEMMA3_4B_TOWER, "pixtral": MINISTRAL3_3B_TOWER}
+# Gemma 4 E2B's (google/gemma-4-E2B-it): 16 layers of 768, 16-pixel patches pooled 3 x 3,
+# clipped linears; pixels as they are (mean 0, deviation 1); the image size llama.cpp's
+# converter writes ("unused").
+GEMMA4_E2B_TOWER = TowerShape(
+    "gemma4v", 768, 3072, 16, 12, 224, 16, 1536, merge=3,
+    mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), positions=10240,
+)  # fmt: skip
+TOWERS = {"gemma3": GEMMA3_4B_TOWER, "pixtral": MINISTRAL3_3B_TOWER, "gemma4v": GEMMA4_E2B_TOWER}
 
 
 def _tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
     """(name, numpy shape, dtype) of every tensor, in the converter's order of kinds."""
+    if shape.kind == "gemma4v":
+        return _gemma4_tensors(shape)
     return _pixtral_tensors(shape) if shape.kind == "pixtral" else _gemma3_tensors(shape)
+
+
+def _gemma4_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
+    """Gemma 4's: every tensor of transformers' tower and embedder (on the meta device),
+    named as llama.cpp's converter names it (model/gguf_images.py reads the same names)."""
+    import torch
+    import transformers
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+
+    from iterserve.model.gguf_images import gemma4_file_name
+
+    h = shape.hidden
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=h, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
+        head_dim=h // shape.heads, patch_size=shape.patch_size,
+        pooling_kernel_size=shape.merge, position_embedding_size=shape.positions,
+        use_clipped_linears=True,
+    )  # fmt: skip
+    text = transformers.Gemma4TextConfig(hidden_size=shape.text_hidden)
+    with torch.device("meta"):
+        parts = {
+            "model.vision_tower.": transformers.Gemma4VisionModel(vision),
+            "model.embed_vision.": Gemma4MultimodalEmbedder(vision, text),
+        }
+    found: list[tuple[str, tuple[int, ...], type]] = []
+    for prefix, module in parts.items():
+        for name, tensor in module.state_dict().items():
+            ours = gemma4_file_name(prefix + name, shape.layers)
+            dims = tuple(tensor.shape) or (1,)  # a clamp: one value
+            if name == "patch_embedder.input_proj.weight":
+                dims = (h, 3, shape.patch_size, shape.patch_size)  # a convolution's kernel
+            matrix = len(dims) == 2 and "position" not in name
+            found.append((ours, dims, np.float16 if matrix else np.float32))
+    return found
 
 
 def _pixtral_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
@@ -101,6 +147,8 @@ def _values(name: str, shape: tuple[int, ...], dtype: type, rng: np.random.Gener
         ("ln1.weight", "ln2.weight", "post_ln.weight", "pre_ln.weight", "norm.weight")
     ):
         return np.ones(shape, dtype=dtype)  # Gemma's projector norm stored as 1 + w: w = 0
+    if name.endswith(("_min", "_max")):  # Gemma 4's clamps, wide enough not to bite
+        return np.full(shape, -100.0 if name.endswith("_min") else 100.0, dtype=dtype)
     if name.endswith("ln1.bias") or name.endswith("ln2.bias") or name.endswith("post_ln.bias"):
         return np.zeros(shape, dtype=dtype)
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(WEIGHT_STD)).astype(dtype)
@@ -114,8 +162,11 @@ def write_shaped_mmproj(path: Path, shape: TowerShape = GEMMA3_4B_TOWER, seed: i
     writer.add_name("random weights")
     writer.add_type("mmproj")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", shape.kind)
-    writer.add_bool("clip.use_silu" if shape.kind == "pixtral" else "clip.use_gelu", True)
+    # Gemma 4's converter writes a type a tower (its file may hold an audio tower too).
+    kind = "clip.vision.projector_type" if shape.kind == "gemma4v" else "clip.projector_type"
+    writer.add_string(kind, shape.kind)
+    if shape.kind != "gemma4v":
+        writer.add_bool("clip.use_silu" if shape.kind == "pixtral" else "clip.use_gelu", True)
     if shape.merge > 1:
         writer.add_uint32("clip.vision.spatial_merge_size", shape.merge)
     for key, value in {

@@ -282,6 +282,16 @@ _GEMMA4_RENAMES = (
 _GEMMA4_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
 
 
+def gemma4_file_name(hf: str, layers: int) -> str:
+    """A Gemma 4 checkpoint's tower or embedder tensor's name in llama.cpp's projector file
+    (what bench/shaped_mmproj.py writes)."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 3))
+    found = _gemma4_name(hf, names)
+    if found is None:
+        raise ModelLoadError(f"no name in a projector file for {hf}")
+    return found
+
+
 def _gemma4_name(hf: str, names: Any) -> str | None:
     for old, new in _GEMMA4_RENAMES:
         hf = hf.replace(old, new)
