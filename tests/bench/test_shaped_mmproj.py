@@ -1,6 +1,6 @@
 """The vision projector files benchmarks/image_prompt.py times llama.cpp and iterserve on:
-written as llama.cpp's converter writes Gemma 3's, Mistral 3's and Gemma 4's, each is what iterserve
-reads (a tower and projector of its shape, an image encoded to its rows, finite)."""
+written as llama.cpp's converter writes Gemma 3's, Mistral 3's and Gemma 4's, each is what
+iterserve reads (a tower and projector of its shape, an image encoded to its rows, finite)."""
 
 from __future__ import annotations
 
