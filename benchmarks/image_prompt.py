@@ -193,7 +193,9 @@ def beside_a_stream(client: openai.OpenAI, seed: int, side: int) -> dict[str, An
         chunks = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": filler(seed, 40)}],
             max_tokens=160, temperature=0.0, stream=True,
-            extra_body={"ignore_eos": True, "min_tokens": 160},
+            # The random model's picks may be the vocabulary's filler tokens, special ones:
+            # shown, each token is a chunk with text to time.
+            extra_body={"ignore_eos": True, "min_tokens": 160, "skip_special_tokens": False},
         )  # fmt: skip
         for chunk in chunks:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -202,6 +204,8 @@ def beside_a_stream(client: openai.OpenAI, seed: int, side: int) -> dict[str, An
     worker = threading.Thread(target=stream)
     worker.start()
     while len(times) < 8:
+        if not worker.is_alive():
+            raise SystemExit("the text stream ended before 8 of its tokens had text")
         time.sleep(0.05)
     time.sleep(2.0)
     asked = time.perf_counter()
