@@ -431,6 +431,13 @@ class EngineConfig:
         "Gemma 4's)",
         aliases=("-mm",),
     )
+    image_max_tokens: int | None = _opt(
+        None,
+        "at most this many rows an image, as llama-server's --image-max-tokens: a smaller "
+        "image, fewer tokens, a faster tower (Mistral 3: the longer side cut to fit; Gemma 4: "
+        "the largest of its budgets 70-1120 that fits; Gemma 3's are always 256); default: "
+        "the model's own processor's",
+    )
     mmproj_auto: bool = _opt(
         True,
         "read the vision projector that comes with a GGUF model (an mmproj file beside it in "
@@ -534,7 +541,7 @@ class EngineConfig:
         _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu, cuda or auto, got {self.device!r}")
-        _check_at_least_one(self, "num_threads")
+        _check_at_least_one(self, "num_threads", "image_max_tokens")
         if self.weights in ("int4", "int8") and (
             self.dtype == "float32" or self.kernels == "torch"
         ):

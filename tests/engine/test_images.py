@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import transformers
+from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
 from iterserve import LLM, SamplingParams
 from iterserve.engine.images import ImagesPrompt
 from iterserve.sampling_params import InvalidRequestError
 from tiny_vision import (
+    PATCH,
     gemma3_greedy,
     gemma4_greedy,
     picture,
@@ -180,6 +182,31 @@ def test_a_gemma4_whose_images_attend_both_ways_serves_its_text(
     prompt = {"prompt": text, "multi_modal_data": {"image": [picture(*sizes[0])]}}
     with pytest.raises(InvalidRequestError, match="images"):
         llm.generate(prompt, GREEDY, use_tqdm=False)
+
+
+def test_image_max_tokens_is_a_processor_that_says_so(
+    mistral3_dir: Path,
+    gemma4_references: list[list[int]],
+    tmp_path: Path,
+    tokenizer_dir: Path,
+) -> None:
+    """--image-max-tokens answers as a checkpoint whose processor says the same: Mistral 3's
+    longer side cut (a 100 x 90 image's 4 x 4 merged patches capped at 4: 2 x 2), Gemma 4's
+    budget the largest that fits (280 rows capped at 100: 70, the tiny one's own)."""
+    capped = tmp_path / "mistral3-56px"
+    shutil.copytree(mistral3_dir, capped)
+    PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=PATCH).save_pretrained(capped)
+    text, image = "<s>user: Describe [IMG] in a few words.\nassistant:", picture(3, 100, 90)
+    llm = LLM(str(mistral3_dir), dtype="float32", compile=False, image_max_tokens=4)
+    prompt = {"prompt": text, "multi_modal_data": {"image": [image]}}
+    answer = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert answer.outputs[0].token_ids == transformers_greedy(capped, text, [image], MAX_TOKENS)
+    assert answer.prompt_token_ids.count(llm.engine.images.encoder.image_token_id) == 4
+    wide = save_tiny_gemma4(tmp_path / "gemma4-280", tokenizer_dir, max_soft_tokens=280)
+    llm = LLM(str(wide), dtype="float32", compile=False, image_max_tokens=100)
+    text, sizes = GEMMA4_PROMPTS[0]
+    prompt = {"prompt": text, "multi_modal_data": {"image": [picture(*sizes[0])]}}
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids == gemma4_references[0]
 
 
 def test_a_chat_with_an_image_url_answers_as_transformers(mistral3_dir: Path) -> None:

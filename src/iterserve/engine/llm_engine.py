@@ -239,6 +239,12 @@ class LLMEngine:
         )
         self.tokenizer = loaded.tokenizer
         self.images = ImageInputs(loaded.images, self.tokenizer) if loaded.images else None
+        if loaded.images is not None and self.config.image_max_tokens is not None:
+            rows = loaded.images.cap_rows(self.config.image_max_tokens)
+            logger.info(
+                "--image-max-tokens %d: an image takes at most %d rows",
+                self.config.image_max_tokens, rows,
+            )  # fmt: skip
         self.chat_template = resolve_chat_template(
             self.config.chat_template, loaded.chat_template, loaded.tokenizer
         )

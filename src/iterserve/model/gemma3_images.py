@@ -68,6 +68,9 @@ class Gemma3Images(TowerAndProjector):
     def placeholder(self, image: Image.Image) -> str:
         return self.text  # every image is resized to the tower's square
 
+    def cap_rows(self, most: int) -> int:
+        return self.config.mm_tokens_per_image  # the tower's square, pooled: fixed
+
     @torch.inference_mode()
     def encode(self, image: Image.Image) -> EncodedImage:
         inputs = self.processor(images=[image.convert("RGB")], return_tensors="pt")

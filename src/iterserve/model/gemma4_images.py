@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 # The image's soft token (what the chat template writes), its start and its end, as Gemma 4's
 # tokenizer names them (llama.cpp's too).
 GEMMA4_TOKENS = ("<|image|>", "<|image>", "<image|>")
+# The soft-token budgets Gemma 4's image processor takes (`max_soft_tokens`).
+_BUDGETS = (70, 140, 280, 560, 1120)
 
 
 class Gemma4Images(TowerAndProjector):
@@ -110,6 +112,12 @@ class Gemma4Images(TowerAndProjector):
             p.max_soft_tokens * p.pooling_kernel_size**2, p.pooling_kernel_size,
         )  # fmt: skip
         return self._layout(height * width // (p.patch_size * p.pooling_kernel_size) ** 2)
+
+    def cap_rows(self, most: int) -> int:
+        # The processor takes five budgets; the largest that fits, else the smallest.
+        fitting = [n for n in _BUDGETS if n <= most] or [_BUDGETS[0]]
+        self.processor.max_soft_tokens = min(max(fitting), self.processor.max_soft_tokens)
+        return self.processor.max_soft_tokens
 
     def _layout(self, rows: int) -> str:
         return f"{self.boi}{self.marker * rows}{self.eoi}"

@@ -13,6 +13,7 @@ patch projection is stored as a convolution's kernel, its clamps as one-value te
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -115,8 +116,7 @@ class _ProjectorFile:
         checkpoint gives the module's tensor `name`; `value(name, tensor)` undoes what the
         converter did to it; `name_of`: the family's own naming, over the file's."""
         name_of = name_of or self.name_of
-        # The map numbers the projector's linear_N as blocks: it must reach 2.
-        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 3))
+        names = _mmproj_names(layers)
         for prefix, module in images.parts.items():
             state = {}
             for name in module.state_dict():
@@ -126,6 +126,13 @@ class _ProjectorFile:
                     raise ModelLoadError(f"{self.path}: no tensor for {hf} ({found or 'unmapped'})")
                 state[name] = value(name, read_gguf_tensor(self.tensors[found]).float()).to(dtype)
             module.load_state_dict(state, strict=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _mmproj_names(layers: int) -> gguf.TensorNameMap:
+    """The converter's map of a tower of `layers` blocks (it numbers the projector's
+    linear_N as blocks too: it must reach 2)."""
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 3))
 
 
 def _llama_cpp_name(hf: str, names: Any) -> str | None:
@@ -285,8 +292,7 @@ _GEMMA4_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max
 def gemma4_file_name(hf: str, layers: int) -> str:
     """A Gemma 4 checkpoint's tower or embedder tensor's name in llama.cpp's projector file
     (what bench/shaped_mmproj.py writes)."""
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 3))
-    found = _gemma4_name(hf, names)
+    found = _gemma4_name(hf, _mmproj_names(layers))
     if found is None:
         raise ModelLoadError(f"no name in a projector file for {hf}")
     return found

@@ -45,6 +45,11 @@ class ImageEncoder(Protocol):
         """`encode(image).text`, without the tower: what a prompt's tokens are counted by."""
         ...
 
+    def cap_rows(self, most: int) -> int:
+        """Make an image at most `most` rows (the tower's outputs, not the layout's other
+        tokens) where the family can; the most an image now takes."""
+        ...
+
 
 class TowerAndProjector:
     """What the families' encoders share: a vision tower and a projector, each kept by a

@@ -10,6 +10,7 @@ attends within an image only, so a prompt's images are the same rows alone or to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,13 @@ class PixtralImages(TowerAndProjector):
             shape, (longest, longest), self.merged_patch, ChannelDimension.FIRST
         )
         return self._layout(height, width)
+
+    def cap_rows(self, most: int) -> int:
+        # A square image is the largest: its side cut to fit `most` merged patches.
+        side = max(1, math.isqrt(max(most, 1))) * self.merged_patch
+        longest = min(side, self.processor.size["longest_edge"])
+        self.processor.size = {"longest_edge": longest}
+        return (longest // self.merged_patch) ** 2
 
     def _layout(self, height: int, width: int) -> str:
         """An image resized to `height` x `width` pixels: a row of markers per merged patch
