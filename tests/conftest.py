@@ -165,6 +165,21 @@ def kernel_test_isas(with_generic: bool = False) -> list[str | None]:
     return [runnable[0], *(name for name in also if name in runnable and name != runnable[0])]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_variants_side_by_side(worker_id: str) -> None:
+    """Under `make test`'s two workers, each first builds one of the kernels' other test
+    variants (AVX2, generic), side by side. Built as tests first needed them, one worker sat
+    on the other's build lock: CI's durations showed each variant's first test waiting
+    48-70 s in setup, a core idle."""
+    if worker_id not in ("gw0", "gw1"):
+        return
+    from iterserve import kernels
+
+    variants = kernel_test_isas(with_generic=True)[1:]  # the best one: the first model's
+    if len(variants) == 2:
+        kernels.available(variants[int(worker_id[-1])])
+
+
 # Threads the kernels' tests run on, whatever the process has (`make test` gives each worker
 # one): the kernels split work across threads, and a split must meet the same answers.
 KERNEL_TEST_THREADS = 2

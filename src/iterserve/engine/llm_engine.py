@@ -165,15 +165,18 @@ class LLMEngine:
             images = _projector(Path(config.mmproj), loaded, dtype)
             loaded = replace(loaded, images=images)
         elif loaded.projector_file is not None and config.mmproj_auto:
-            # A tower in the model's own file (Ollama's): read if it can be, else text alone,
-            # as the file was served before its towers were read.
+            # A projector that comes with the model (its repository's mmproj, an Ollama
+            # projector layer, the tower in an Ollama Gemma 3 file): read if it can be, else
+            # the text alone is served, as such a model was before its towers were read.
             try:
                 images = _projector(loaded.projector_file, loaded, dtype)
             except ModelLoadError as error:
-                logger.warning("the model's vision tower is not read (%s): text only", error)
+                logger.warning("the model's vision projector is not read (%s): text only", error)
             else:
                 logger.info(
-                    "the model's vision tower read from its own file (--no-mmproj-auto: not)"
+                    "the vision projector that comes with the model read: %s "
+                    "(--no-mmproj-auto: not)",
+                    loaded.projector_file,
                 )
                 loaded = replace(loaded, images=images)
         if config.hf_overrides:
