@@ -167,17 +167,20 @@ def kernel_test_isas(with_generic: bool = False) -> list[str | None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_variants_side_by_side(worker_id: str) -> None:
-    """Under `make test`'s two workers, each first builds one of the kernels' other test
-    variants (AVX2, generic), side by side. Built as tests first needed them, one worker sat
-    on the other's build lock: CI's durations showed each variant's first test waiting
-    48-70 s in setup, a core idle."""
+    """Under `make test`'s two workers, the kernels' test variants are built side by side
+    first: the best one (which nearly every test takes) and then the generic one on gw0, AVX2
+    on gw1. Built as tests first needed them, one worker sat on the other's build lock: CI's
+    durations showed a variant's first test waiting 48-101 s in setup, a core idle."""
     if worker_id not in ("gw0", "gw1"):
         return
     from iterserve import kernels
 
-    variants = kernel_test_isas(with_generic=True)[1:]  # the best one: the first model's
-    if len(variants) == 2:
-        kernels.available(variants[int(worker_id[-1])])
+    variants = kernel_test_isas(with_generic=True)
+    if None in variants or len(variants) < 3:
+        return
+    best, avx2, generic = variants
+    for name in (best, generic) if worker_id == "gw0" else (avx2,):
+        kernels.available(name)
 
 
 # Threads the kernels' tests run on, whatever the process has (`make test` gives each worker
