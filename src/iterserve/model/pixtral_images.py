@@ -105,7 +105,7 @@ class PixtralImages(TowerAndProjector):
 
     def cap_rows(self, most: int) -> int:
         # A square image is the largest: its side cut to fit `most` merged patches.
-        side = max(1, math.isqrt(max(most, 1))) * self.merged_patch
+        side = math.isqrt(most) * self.merged_patch  # most >= 1 (EngineConfig checks)
         longest = min(side, self.processor.size["longest_edge"])
         self.processor.size = {"longest_edge": longest}
         return (longest // self.merged_patch) ** 2

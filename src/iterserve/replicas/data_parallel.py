@@ -4,8 +4,9 @@ scheduler, behind one front end that the server talks to as it would to one engi
 
 The front end tokenizes each prompt (it renders chat templates anyway, and routing needs
 the ids; a prompt with images goes as it is, routed by its text with each image's marker,
-for the replica to encode and lay out), picks a replica with the same router `iterserve simulate --replicas` uses
-(replicas/router.py), on loads it keeps itself from what it sent and what came back, and
+for the replica to encode and lay out), picks a replica with the same router `iterserve
+simulate --replicas` uses (replicas/router.py), on loads it keeps itself from what it sent
+and what came back, and
 relays the replica's outputs into the request's stream (client.py). A group (n choices,
 or several prompts of one API request) goes whole to one replica.
 
