@@ -38,6 +38,9 @@ class PagedRunner:
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        # How far a sequence's next steps' rotary positions are from their positions (the
+        # text after Qwen3-VL's images); 0 where unset.
+        self.rope_shift: dict[str, int] = {}
 
     def add(self, name: str, tokens: Sequence[int]) -> None:
         self.tokens[name], self.blocks[name], self.computed[name] = list(tokens), [], 0
@@ -53,9 +56,10 @@ class PagedRunner:
             assert n + k <= len(self.tokens[name])
             while len(self.blocks[name]) * self.block_size < n + k:
                 self.blocks[name].append(self.free.pop())
-            spans.append(SeqSpan(tuple(self.blocks[name]), n, k))
+            shift = self.rope_shift.get(name, 0)
+            spans.append(SeqSpan(tuple(self.blocks[name]), n, k, rope_shift=shift))
             ids.extend(self.tokens[name][n : n + k])
-            positions.extend(range(n, n + k))
+            positions.extend(range(n + shift, n + k + shift))
         meta = build_attention_metadata(
             spans,
             self.block_size,

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import transformers
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from iterserve import LLM, SamplingParams
 from iterserve.engine.images import ImagesPrompt
 from iterserve.sampling_params import InvalidRequestError
+from tiny_qwen3vl import QWEN3VL_MARKER, QWEN3VL_PIXELS, qwen3vl_greedy, save_tiny_qwen3vl
 from tiny_vision import (
     PATCH,
     gemma3_greedy,
@@ -165,6 +167,77 @@ def test_gemma4_images_answer_as_transformers(
     """Gemma 4 E2B's shape (per-layer embeddings, looked up as padding at an image's soft
     tokens; K/V shared between layers) with its vision tower."""
     _answers_as(gemma4_dir, GEMMA4_PROMPTS, gemma4_references, settings)
+
+
+# Qwen3-VL's images keep their aspect ratio: 1 x 3, 3 x 2, 2 x 2, 3 x 1 and 4 x 4 merged
+# patches (21, 29 and 38 prompt tokens in all).
+QWEN3VL_PROMPTS = [
+    (f"<s>user: Describe {QWEN3VL_MARKER} in a few words.\nassistant:", [(0, 40, 100)]),
+    (
+        f"<s>user: {QWEN3VL_MARKER} or {QWEN3VL_MARKER}, which?\nassistant:",
+        [(1, 90, 60), (2, 64, 64)],
+    ),
+    (
+        f"<s>user: {QWEN3VL_MARKER} then {QWEN3VL_MARKER}: which?\nassistant:",
+        [(3, 100, 40), (4, 130, 130)],
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3vl_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return save_tiny_qwen3vl(tmp_path_factory.mktemp("qwen3vl"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen3vl_references(qwen3vl_dir: Path) -> list[list[int]]:
+    return [
+        qwen3vl_greedy(qwen3vl_dir, text, [picture(*s) for s in sizes], MAX_TOKENS)
+        for text, sizes in QWEN3VL_PROMPTS
+    ]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"compile": True},  # the text after the images compiled, turned by shifted positions
+        {"max_num_batched_tokens": 5, "max_num_seqs": 3},  # chunks end inside the images
+        {"num_kv_blocks": 14, "block_size": 4},  # preemption
+    ],
+    ids=["whole", "chunked", "preemption"],
+)
+def test_qwen3vl_images_answer_as_transformers(
+    qwen3vl_dir: Path, qwen3vl_references: list[list[int]], settings: dict
+) -> None:
+    """Qwen3-VL: an image's tokens turned by their grid positions (M-RoPE), the text after
+    it by positions that go on from the grid's, the tower's DeepStack rows added after the
+    first layers."""
+    _answers_as(qwen3vl_dir, QWEN3VL_PROMPTS, qwen3vl_references, settings)
+
+
+def test_qwen3vl_image_max_tokens_and_images_run_together(
+    qwen3vl_dir: Path, tmp_path: Path
+) -> None:
+    """--image-max-tokens answers as a processor whose pixel bound says the same (a 130 x 130
+    image's 4 x 4 merged patches capped at 4: 2 x 2); two images whose tokens would run
+    together, with no text between them to tell them apart, are refused by name."""
+    capped = tmp_path / "qwen3vl-4"
+    shutil.copytree(qwen3vl_dir, capped)
+    Qwen2VLImageProcessorPil(
+        patch_size=16, size={**QWEN3VL_PIXELS, "longest_edge": 4 * 32 * 32},
+        image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    ).save_pretrained(capped)  # fmt: skip
+    text, image = QWEN3VL_PROMPTS[0][0], picture(4, 130, 130)
+    llm = LLM(str(qwen3vl_dir), dtype="float32", compile=False, image_max_tokens=4)
+    answer = llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False
+    )[0]
+    assert answer.token_ids == qwen3vl_greedy(capped, text, [image], MAX_TOKENS)
+    assert answer.prompt_token_ids.count(llm.engine.images.encoder.image_token_id) == 4
+    together = "<|vision_start|><|image_pad|><|image_pad|><|vision_end|>"
+    prompt = {"prompt": together, "multi_modal_data": {"image": [image, image]}}
+    with pytest.raises(InvalidRequestError, match="each image's tokens must stand apart"):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
 
 
 def test_a_gemma4_whose_images_attend_both_ways_serves_its_text(

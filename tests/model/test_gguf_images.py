@@ -21,6 +21,12 @@ from iterserve.sampling_params import InvalidRequestError
 from ollama_store_files import pull
 from tiny_families import gguf_metadata
 from tiny_gguf import gemma4_rope_freqs, write_gguf
+from tiny_qwen3vl import (
+    LLAMA_CPP_PIXELS,
+    QWEN3VL_MARKER,
+    save_tiny_qwen3vl,
+    write_qwen3vl_mmproj,
+)
 from tiny_vision import (
     ollama_gemma3_tower,
     picture,
@@ -109,12 +115,32 @@ def gemma4_files(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) 
     return directory, text, out / "mmproj.gguf"
 
 
+@pytest.fixture(scope="module")
+def qwen3vl_files(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> tuple[Path, ...]:
+    out = tmp_path_factory.mktemp("qwen3vl-gguf")
+    # llama.cpp's bounds on an image, which a projector file does not say.
+    directory = save_tiny_qwen3vl(out / "hf", tokenizer_dir, LLAMA_CPP_PIXELS)
+    whole = transformers.Qwen3VLForConditionalGeneration.from_pretrained(directory).eval()
+    section = whole.config.text_config.rope_parameters["mrope_section"]
+    keys = {"rope.dimension_sections": [*section, 0], "n_deepstack_layers": 2}
+
+    def qwen3(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config.to_dict()))
+
+    text = _text_gguf(directory, whole, qwen3, "qwen3vl", 5e6, tower=(keys, {}))
+    write_qwen3vl_mmproj(out / "mmproj.gguf", whole, directory)
+    return directory, text, out / "mmproj.gguf"
+
+
 @pytest.mark.parametrize(
     ("family", "marker"),
     [
         ("gemma3_files", "<start_of_image>"),
         ("mistral3_files", "[IMG]"),
         ("gemma4_files", "<|image|>"),
+        ("qwen3vl_files", QWEN3VL_MARKER),
     ],
 )
 def test_a_gguf_and_its_mmproj_answer_as_the_hf_checkpoint(

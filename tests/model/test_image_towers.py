@@ -16,6 +16,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.images import read_tower_weights
 from iterserve.model.loader import load_model
+from tiny_qwen3vl import save_tiny_qwen3vl
 from tiny_vision import picture, save_tiny_gemma3, save_tiny_gemma4, save_tiny_mistral3
 
 VISION = transformers.SiglipVisionConfig(
@@ -64,15 +65,18 @@ def test_a_tower_of_other_shapes_is_refused(tmp_path: Path) -> None:
         read_tower_weights(tmp_path, _modules(), torch.float32)
 
 
-@pytest.mark.parametrize("family", ["mistral3", "gemma3", "gemma4"])
+@pytest.mark.parametrize("family", ["mistral3", "gemma3", "gemma4", "qwen3vl"])
 def test_an_images_placeholder_is_its_encodings_text(
     family: str, tmp_path: Path, tokenizer_dir: Path
 ) -> None:
     """What a prompt's tokens are counted by (the image's size alone) is the text its
     encoding stands as, at sizes under, at and over the tower's bound, odd and even."""
-    save = {"mistral3": save_tiny_mistral3, "gemma3": save_tiny_gemma3}.get(
-        family, save_tiny_gemma4
-    )
+    save = {
+        "mistral3": save_tiny_mistral3,
+        "gemma3": save_tiny_gemma3,
+        "gemma4": save_tiny_gemma4,
+        "qwen3vl": save_tiny_qwen3vl,
+    }[family]
     images = load_model(save(tmp_path, tokenizer_dir), torch.float32).images
     assert images is not None
     for height, width in [(30, 30), (60, 41), (112, 112), (300, 97), (13, 250)]:

@@ -5,6 +5,7 @@ tensors left unread."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def test_a_multimodal_checkpoint_of_another_language_model_is_refused() -> None:
 
 def test_a_qwen3_vl_gguf_reads_as_qwen3(tmp_path: Path, tokenizer_dir: Path) -> None:
     """llama.cpp's Qwen3-VL language model (qwen3vl: Qwen3's tensors, M-RoPE's sections and
-    the deepstack layers' count for images): the same config and weights as the Qwen3 file."""
+    the deepstack layers' count for images): the Qwen3 file's config and weights, and its
+    frequencies split between an image's grid positions, taking turns (llama.cpp's IMROPE)."""
     hf = family_model("qwen3")
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     path = tmp_path / "tiny-vl.gguf"
@@ -121,7 +123,9 @@ def test_a_qwen3_vl_gguf_reads_as_qwen3(tmp_path: Path, tokenizer_dir: Path) -> 
     write_gguf(path, "qwen3vl", hf, tokenizer, metadata=images)
     vl = load_model(path, torch.float32)
     plain = load_model(family_checkpoint("f32", hf, tmp_path, tokenizer_dir), torch.float32)
-    assert vl.config == plain.config
+    assert vl.config == dataclasses.replace(
+        plain.config, mrope_section=(12, 10, 10), mrope_interleaved=True
+    )
     assert set(vl.weights) == set(plain.weights)
     for name, tensor in plain.weights.items():
         torch.testing.assert_close(vl.weights[name], tensor, rtol=0, atol=0, msg=name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -81,6 +81,12 @@ class PromptEmbeds:
     # a prompt chunk never ends inside one (core/scheduler.py), and its rows' attention
     # sees the whole span (model/attention_metadata.py).
     bidirectional: bool = False
+    # Each span's (rows, columns) where its positions turn as a grid (M-RoPE: Qwen3-VL's
+    # images): the token at row r, column c of a span whose first rotary position is p
+    # turns by (p, p + r, p + c), one position a rotary component (time, height, width),
+    # and the text after it goes on from p + max(rows, columns), not p + rows x columns.
+    # Empty: every position turns by itself, as text does.
+    grids: tuple[tuple[int, int], ...] = ()
 
     @property
     def first_position(self) -> int:
@@ -102,6 +108,39 @@ class PromptEmbeds:
                 found.append((lo - start, row + lo - first, hi - lo))
             row += length
         return found
+
+    def rope_shift(self, position: int) -> int:
+        """How far the rotary position of a text token at `position` is from it: what the
+        grids before it saved (0 without grids)."""
+        return sum(
+            max(grid) - count
+            for (first, count), grid in self._gridded()
+            if first + count <= position
+        )
+
+    def grid_positions(self, start: int, count: int) -> list[tuple[int, int, int]] | None:
+        """The rotary positions (time, height, width) of positions start..start+count-1
+        where a grid's tokens are among them; None where none are (the text's positions
+        are then each shifted by `rope_shift`)."""
+        end = start + count
+        if not any(first < end and first + n > start for (first, n), _ in self._gridded()):
+            return None
+        found: list[tuple[int, int, int]] = []
+        for position in range(start, end):
+            shift = self.rope_shift(position)
+            for (first, n), (_, columns) in self._gridded():
+                if first <= position < first + n:
+                    at = first + shift  # the grid's first rotary position
+                    row, column = divmod(position - first, columns)
+                    found.append((at, at + row, at + column))
+                    break
+            else:
+                found.append((position + shift,) * 3)
+        return found
+
+    def _gridded(self) -> Iterator[tuple[tuple[int, int], tuple[int, int]]]:
+        """Each span with its grid (none without grids)."""
+        return zip(self.spans, self.grids, strict=True) if self.grids else iter(())
 
 
 @dataclass(eq=False)

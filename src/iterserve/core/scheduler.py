@@ -738,6 +738,7 @@ class Scheduler:
                     lora_slot=self.lora_slots.slot_of(request.lora_id),
                     kv_copies=tuple(step.kv_copies.get(request, ())),
                     prompt_embeds=_prompt_rows(request, start),
+                    rope_shift=_rope_shift(request, start),
                 )
             )
             params = request.sampling_params
@@ -819,6 +820,12 @@ def _prompt_rows(request: Request, start: int) -> PromptEmbeds | None:
     while the prompt is not all computed (None otherwise)."""
     embeds = request.prompt_embeds
     return None if embeds is None or start >= request.num_prompt_tokens else embeds
+
+
+def _rope_shift(request: Request, start: int) -> int:
+    """The rotary positions' shift of a step's text from `start` on (ScheduledSeq)."""
+    embeds = request.prompt_embeds
+    return 0 if embeds is None or not embeds.grids else embeds.rope_shift(start)
 
 
 def _token_context(request: Request) -> TokenContext:

@@ -151,7 +151,15 @@ class ImageInputs:
             raise InvalidRequestError(
                 f"{field}: the image token {token!r} stands where no image goes", field
             )
-        embeds = PromptEmbeds(given, keys.digest(), spans, self.encoder.bidirectional)
+        grids = tuple(encoded.grid for _, encoded in made if encoded.grid is not None)
+        if grids and [rows * columns for rows, columns in grids] != [n for _, n in spans]:
+            raise InvalidRequestError(  # two images' tokens run together: text between
+                f"{field}: each image's tokens must stand apart (the chat template writes "
+                f"them between {self.tokenizer.convert_ids_to_tokens(self.encoder.image_token_id)!r}'s "
+                "start and end tokens)",
+                field,
+            )
+        embeds = PromptEmbeds(given, keys.digest(), spans, self.encoder.bidirectional, grids)
         return ImagesInput(token_ids, embeds)
 
     def token_ids(self, prompt: ImagesPrompt, field: str = "prompt") -> list[int]:

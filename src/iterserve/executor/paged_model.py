@@ -38,6 +38,11 @@ class ForwardSeq:
     # Position ranges [first, end) whose tokens attend to each other both ways (an image's
     # in Gemma 3), not causally.
     attend_within: tuple[tuple[int, int], ...] = ()
+    # How far its tokens' rotary positions are from their positions (after Qwen3-VL's
+    # images); or each token's own (time, height, width) rotary positions, where an
+    # image's grid is among them (M-RoPE: core/request.py PromptEmbeds.grid_positions).
+    rope_shift: int = 0
+    grid_positions: Sequence[tuple[int, int, int]] | None = None
 
 
 class PagedModel:
@@ -92,6 +97,8 @@ class PagedModel:
         hidden_indices: list[int] = []
         given_rows: list[int] = []  # rows given as input rows, and the rows themselves
         given: list[torch.Tensor] = []
+        grid_positions: list[tuple[int, int, int]] = []  # every row's, where any is a grid's
+        any_grid = any(seq.grid_positions is not None for seq in seqs)
         for seq in seqs:
             hidden_indices.extend(len(input_ids) + row for row in seq.hidden_rows)
             if seq.embeds is not None:
@@ -99,8 +106,21 @@ class PagedModel:
                 given_rows.extend(len(input_ids) + offset for offset in offsets)
                 given.append(rows)
             input_ids.extend(seq.token_ids)
-            positions.extend(range(seq.start, seq.start + len(seq.token_ids)))
-            spans.append(SeqSpan(seq.block_ids, seq.start, len(seq.token_ids), seq.attend_within))
+            first = seq.start + seq.rope_shift
+            rotary = range(first, first + len(seq.token_ids))
+            positions.extend(rotary)
+            if any_grid:
+                grid_positions.extend(seq.grid_positions or [(p, p, p) for p in rotary])
+            spans.append(
+                SeqSpan(
+                    seq.block_ids,
+                    seq.start,
+                    len(seq.token_ids),
+                    seq.attend_within,
+                    seq.rope_shift,
+                    grid_rotary=seq.grid_positions is not None,
+                )
+            )
             logits_indices.extend(range(len(input_ids) - seq.num_logits, len(input_ids)))
         meta = build_attention_metadata(
             spans,
@@ -123,7 +143,10 @@ class PagedModel:
             if given:
                 rows = torch.tensor(given_rows, dtype=torch.long, device=self.device)
                 given_inputs = (rows, torch.cat(given).to(self.device))
-            hidden = self.model.hidden_states(*inputs, meta, self.kv_caches, given_inputs)
+            grid = None
+            if any_grid:  # [3, rows]
+                grid = torch.tensor(grid_positions, dtype=torch.long, device=self.device).T
+            hidden = self.model.hidden_states(*inputs, meta, self.kv_caches, given_inputs, grid)
         finally:
             if self.lora is not None:
                 self.lora.state.batch = None

@@ -96,6 +96,8 @@ class TorchRunner:
                     lora_slot=seq.lora_slot,
                     embeds=given_rows(seq),
                     attend_within=spans_within(seq),
+                    rope_shift=seq.rope_shift,
+                    grid_positions=grid_positions(seq),
                 )
                 for seq in scheduled.seqs
             ]
@@ -292,6 +294,15 @@ def spans_within(seq: ScheduledSeq) -> tuple[tuple[int, int], ...]:
     return tuple(
         (first, first + count) for first, count in embeds.spans if first < hi and first + count > lo
     )
+
+
+def grid_positions(seq: ScheduledSeq) -> list[tuple[int, int, int]] | None:
+    """Each token's (time, height, width) rotary positions where this chunk places an
+    image's grid (M-RoPE); None otherwise."""
+    embeds = seq.prompt_embeds
+    if embeds is None or not embeds.grids:
+        return None
+    return embeds.grid_positions(seq.num_computed_tokens, seq.num_new_tokens)
 
 
 def given_rows(seq: ScheduledSeq) -> tuple[list[int], torch.Tensor] | None:

@@ -128,6 +128,12 @@ class ModelConfig:
     # The token whose per-layer row is looked up where a row is given in a token's place
     # (an image's soft tokens: transformers looks them up as padding).
     per_layer_pad_id: int = 0
+    # M-RoPE (Qwen3-VL): how many of a head's rotary frequencies turn by each of a token's
+    # three positions (time, height, width), and whether the three take turns among the
+    # frequencies (Qwen3-VL's `mrope_interleaved`) or take a run each. Text rotates as
+    # plain RoPE (its three positions are one); an image's tokens by their grid positions.
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
 
     def layer_window(self, index: int) -> int:
         """Layer `index`'s sliding window; 0: full attention."""

@@ -1,7 +1,8 @@
 """A vision projector file as llama.cpp writes one (`mmproj-*.gguf`, `--mmproj`): the tower
 and projector of the model beside it, made into the family's image encoder
 (model/images.py). Gemma 3's (`clip.projector_type` gemma3), Mistral 3's (pixtral: Ministral
-3, Mistral Small 3.1/3.2) and Gemma 4 E2B's and E4B's (gemma4v) are read.
+3, Mistral Small 3.1/3.2), Gemma 4 E2B's and E4B's (gemma4v) and Qwen3-VL's (qwen3vl_merger,
+model/gguf_qwen3vl.py) are read.
 
 The file's tensors carry llama.cpp's names (`v.blk.N.attn_q`, `mm.input_projection`), which
 the gguf package's own map (the converter's) gives for each of transformers' names; the
@@ -13,13 +14,11 @@ patch projection is stored as a convolution's kernel, its clamps as one-value te
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gguf
 import torch
 import transformers
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -34,11 +33,12 @@ from iterserve.model.gguf_loader import (
     GGUFTensorInfo,
     holds_ollama_tower,
     read_gguf_header,
-    read_gguf_tensor,
     unpermute_rope_rows,
 )
-from iterserve.model.images import ImageEncoder, TowerAndProjector
+from iterserve.model.gguf_qwen3vl import read_qwen3vl
+from iterserve.model.images import ImageEncoder
 from iterserve.model.pixtral_images import PIXTRAL_TOKENS, PixtralImages
+from iterserve.model.projector_file import ProjectorFile, mmproj_names
 
 _GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 # llama.cpp's default: 64 x 64 patches pooled 4 x 4, 256 rows (Gemma 3 4B-27B).
@@ -70,76 +70,7 @@ def load_mmproj(path: Path, text: ModelConfig, tokenizer: Any, dtype: torch.dtyp
             f"{path}: its rows are {width} wide and the model's {text.hidden_size}: is it "
             "the projector of the model beside it?"
         )
-    return _READERS[kind](_ProjectorFile(path, metadata, tensors), text, tokenizer, dtype)
-
-
-class _ProjectorFile:
-    """A projector file's metadata and tensors, read by transformers' names: `name_of` gives
-    the file's name for a checkpoint's tensor (llama.cpp's converter's map by default)."""
-
-    def __init__(
-        self,
-        path: Path,
-        metadata: dict[str, Any],
-        tensors: dict[str, GGUFTensorInfo],
-        name_of: Callable[[str, Any], str | None] | None = None,
-    ) -> None:
-        self.path, self.metadata, self.tensors = path, metadata, tensors
-        self.name_of = name_of or _llama_cpp_name
-
-    def key(self, name: str) -> Any:
-        """`clip.vision.{name}`, which must be there."""
-        if (value := self.metadata.get(f"clip.vision.{name}")) is None:
-            raise ModelLoadError(f"{self.path}: clip.vision.{name} is missing")
-        return value
-
-    def token_ids(self, tokenizer: Any, tokens: tuple[str, ...], family: str) -> list[int]:
-        """The ids of the family's image tokens in the model's tokenizer."""
-        ids = tokenizer.convert_tokens_to_ids(list(tokens))
-        if any(not isinstance(i, int) or i == tokenizer.unk_token_id for i in ids):
-            raise ModelLoadError(
-                f"{self.path}: the model's tokenizer has no {', '.join(tokens)}: is the model "
-                f"beside it a {family}?"
-            )
-        return ids
-
-    def load(
-        self,
-        images: TowerAndProjector,
-        layers: int,
-        theirs: Callable[[str, str], str],
-        value: Callable[[str, torch.Tensor], torch.Tensor],
-        dtype: torch.dtype,
-        name_of: Callable[[str, Any], str | None] | None = None,
-    ) -> None:
-        """Each part's tensors from the file: `theirs(prefix, name)` is the name the released
-        checkpoint gives the module's tensor `name`; `value(name, tensor)` undoes what the
-        converter did to it; `name_of`: the family's own naming, over the file's."""
-        name_of = name_of or self.name_of
-        names = _mmproj_names(layers)
-        for prefix, module in images.parts.items():
-            state = {}
-            for name in module.state_dict():
-                hf = theirs(prefix, name)
-                found = name_of(hf, names)
-                if found is None or found not in self.tensors:
-                    raise ModelLoadError(f"{self.path}: no tensor for {hf} ({found or 'unmapped'})")
-                state[name] = value(name, read_gguf_tensor(self.tensors[found]).float()).to(dtype)
-            module.load_state_dict(state, strict=True)
-
-
-@functools.lru_cache(maxsize=4)
-def _mmproj_names(layers: int) -> gguf.TensorNameMap:
-    """The converter's map of a tower of `layers` blocks (it numbers the projector's
-    linear_N as blocks too: it must reach 2)."""
-    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 3))
-
-
-def _llama_cpp_name(hf: str, names: Any) -> str | None:
-    """A checkpoint's tensor's name in llama.cpp's file: its converter's map (which names
-    Gemma 3's projector parameter as a module's weight)."""
-    hf = hf.replace("_projection_weight", "_projection.weight")
-    return names.get_name(hf, try_suffixes=(".weight", ".bias"))
+    return _READERS[kind](ProjectorFile(path, metadata, tensors), text, tokenizer, dtype)
 
 
 # What Ollama's converter (convert/convert_gemma3.go) renames in a checkpoint's tensor names
@@ -175,7 +106,7 @@ def _ollama_name(hf: str, _names: Any = None) -> str:
 
 def _ollama_gemma3_view(
     path: Path, metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]
-) -> _ProjectorFile:
+) -> ProjectorFile:
     """An Ollama Gemma 3 file's tower as a projector file: its `gemma3.vision.*` keys under
     clip's names, Gemma's mean and deviation (0.5, which Ollama's image processor uses and
     its file does not say), the pooling from `gemma3.mm.tokens_per_image`."""
@@ -191,11 +122,11 @@ def _ollama_gemma3_view(
             clip.get("clip.vision.patch_size", 1)
         )
         clip["clip.vision.projector.scale_factor"] = side // max(1, math.isqrt(int(rows)))
-    return _ProjectorFile(path, clip, tensors, _ollama_name)
+    return ProjectorFile(path, clip, tensors, _ollama_name)
 
 
 def _gemma3(
-    file: _ProjectorFile, text: ModelConfig, tokenizer: Any, dtype: torch.dtype
+    file: ProjectorFile, text: ModelConfig, tokenizer: Any, dtype: torch.dtype
 ) -> Gemma3Images:
     key = file.key
     size, patch = int(key("image_size")), int(key("patch_size"))
@@ -238,7 +169,7 @@ def _gemma3(
 
 
 def _pixtral(
-    file: _ProjectorFile, text: ModelConfig, tokenizer: Any, dtype: torch.dtype
+    file: ProjectorFile, text: ModelConfig, tokenizer: Any, dtype: torch.dtype
 ) -> PixtralImages:
     key = file.key
     size, patch = int(key("image_size")), int(key("patch_size"))
@@ -292,7 +223,7 @@ _GEMMA4_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max
 def gemma4_file_name(hf: str, layers: int) -> str:
     """A Gemma 4 checkpoint's tower or embedder tensor's name in llama.cpp's projector file
     (what bench/shaped_mmproj.py writes)."""
-    found = _gemma4_name(hf, _mmproj_names(layers))
+    found = _gemma4_name(hf, mmproj_names(layers))
     if found is None:
         raise ModelLoadError(f"no name in a projector file for {hf}")
     return found
@@ -307,7 +238,7 @@ def _gemma4_name(hf: str, names: Any) -> str | None:
 
 
 def _gemma4(
-    file: _ProjectorFile, text: ModelConfig, tokenizer: Any, dtype: torch.dtype
+    file: ProjectorFile, text: ModelConfig, tokenizer: Any, dtype: torch.dtype
 ) -> Gemma4Images:
     """Gemma 4's tower (E2B, E4B: `gemma4v`). What the file says by its tensors rather than
     its keys is read from them: the position table's size, the clipped linears' clamps, the
@@ -367,4 +298,5 @@ _READERS: dict[str, Callable[..., ImageEncoder]] = {
     "gemma3": _gemma3,
     "pixtral": _pixtral,
     "gemma4v": _gemma4,
+    "qwen3vl_merger": read_qwen3vl,
 }

@@ -43,8 +43,9 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     # Qwen3-VL's language model: Qwen3's layers, its M-RoPE plain RoPE for text (all three
-    # position components the token's); its rope.dimension_sections and deepstack layers
-    # (image features added to the first layers' input) are for images, not read.
+    # position components the token's); rope.dimension_sections splits a head's frequencies
+    # between an image's grid positions (ModelConfig.mrope_section). Its deepstack layers
+    # (the tower's rows added after the first layers) are the projector's to say.
     "qwen3vl": "qwen3",
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
@@ -572,6 +573,7 @@ def gguf_model_config(
         **(_olmo3_fields(metadata, key("block_count")) if olmo3 else {}),
         **(_exaone4_fields(metadata, key("block_count")) if arch == "exaone4" and window else {}),
         **_query_temperature(metadata, arch),
+        **_mrope_fields(metadata, arch),
         num_local_experts=experts,
         num_experts_per_tok=key("expert_used_count") if experts else 0,
         # llama.cpp renormalises the top-k weights of every MoE family here but OLMoE's and
@@ -587,6 +589,17 @@ def gguf_model_config(
         **gemma4,
         **lfm2,
     )
+
+
+def _mrope_fields(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Qwen3-VL's M-RoPE: rope.dimension_sections (time, height, width, and a fourth
+    llama.cpp keeps at 0), its frequencies taking turns (llama.cpp's IMROPE)."""
+    sections = metadata.get(f"{arch}.rope.dimension_sections")
+    if arch != "qwen3vl" or not sections:
+        return {}
+    if len(sections) < 3 or any(sections[3:]):
+        raise ModelLoadError(f"GGUF rope.dimension_sections {sections}: three are read")
+    return {"mrope_section": tuple(int(n) for n in sections[:3]), "mrope_interleaved": True}
 
 
 def _kv_heads(

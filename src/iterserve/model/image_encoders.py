@@ -30,4 +30,8 @@ def load_image_encoder(
         from iterserve.model.gemma4_images import Gemma4Images
 
         return Gemma4Images.load(directory, raw, tokenizer, dtype)
+    if "Qwen3VLForConditionalGeneration" in architectures:
+        from iterserve.model.qwen3vl_images import Qwen3VLImages
+
+        return Qwen3VLImages.load(directory, raw, tokenizer, dtype)
     return None

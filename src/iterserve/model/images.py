@@ -27,7 +27,13 @@ class EncodedImage:
     tokens)."""
 
     text: str
-    rows: torch.Tensor  # [image tokens in `text`, hidden]
+    # [image tokens in `text`, hidden], or [tokens, hidden x (1 + layers)] where the family
+    # adds rows to the stream after its first layers too (Qwen3-VL's DeepStack; each row's
+    # input row first: model/llama.py `_given_parts`).
+    rows: torch.Tensor
+    # (rows, columns) of its tokens where they turn by grid positions (M-RoPE: Qwen3-VL;
+    # core/request.py PromptEmbeds.grids); None: by their positions.
+    grid: tuple[int, int] | None = None
 
 
 class ImageEncoder(Protocol):

@@ -34,7 +34,14 @@ from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 from iterserve.model.moe import Routing, SparseMoeBlock
 from iterserve.model.norms import rms_norm
 from iterserve.model.per_layer_inputs import PerLayerInputs
-from iterserve.model.rope import apply_rope, no_rope_tables, query_temperature_scales, rope_tables
+from iterserve.model.rope import (
+    apply_rope,
+    grid_rope_rows,
+    mrope_components,
+    no_rope_tables,
+    query_temperature_scales,
+    rope_tables,
+)
 from iterserve.model.score_head import SCORE_WEIGHT
 from iterserve.model.shared_expert import SharedExpert
 from iterserve.model.short_conv import ShortConv
@@ -536,6 +543,15 @@ class LlamaForCausalLM(nn.Module):
         # The second rotary tables, for the layers whose `second_rope` is set.
         self.rope_second: tuple[torch.Tensor, torch.Tensor] | None = None
         self._grow_rope(min(config.max_position_embeddings, _ROPE_POSITIONS))
+        # M-RoPE: which of a token's three positions each rotary column turns by.
+        self.mrope_components: torch.Tensor | None = None
+        if config.mrope_section is not None:
+            if 2 * sum(config.mrope_section) != config.rope_dim:
+                raise ValueError(
+                    f"mrope_section {config.mrope_section} does not split the "
+                    f"{config.rope_dim // 2} rotary frequencies of a head"
+                )
+            self.mrope_components = mrope_components(config.mrope_section, config.mrope_interleaved)
         # ModelConfig.embed_scale, rounded to the model dtype as transformers does.
         embed_scale = config.embed_scale
         self.embed_scale = (
@@ -591,12 +607,19 @@ class LlamaForCausalLM(nn.Module):
         tables: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
         query_scales: torch.Tensor | None,
+        grid: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """The step's rows of cos and signed sin, [T, 1, rotated]; with query scales
         (Ministral 3's temperature) [T, q heads + kv heads, rotated], the query heads' rows
         times their token's scale: rope is linear in its tables, so that rotating q by them
-        rotates and scales it at once, k as before."""
-        rows = [table.index_select(0, positions).unsqueeze(1) for table in tables]
+        rotates and scales it at once, k as before. `grid`: every row's three positions
+        [3, T] (M-RoPE, where an image's grid is in the step), which `positions` stand for
+        otherwise."""
+        if grid is not None and self.mrope_components is not None:
+            components = self.mrope_components
+            rows = [grid_rope_rows(table, grid, components).unsqueeze(1) for table in tables]
+        else:
+            rows = [table.index_select(0, positions).unsqueeze(1) for table in tables]
         if query_scales is None:
             return rows
         c = self.config
@@ -819,16 +842,20 @@ class LlamaForCausalLM(nn.Module):
         step: torch.Tensor | None,
         rope: tuple[torch.Tensor, ...],
         given: tuple[torch.Tensor, torch.Tensor] | None,
+        grid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`rope`: the whole rotary tables (`_rope`); `given`: rows of the step given as
         input rows (a prompt's embeddings), their indices and the rows, written over the
-        token embeddings."""
+        token embeddings. A given row wider than the model carries, after its input row,
+        a row added to the stream after each of the first layers (Qwen3-VL's DeepStack:
+        `_given_parts`). `grid`: every row's three rotary positions (M-RoPE)."""
         assert self.embedding is not None
         hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        deep = None
         if given is not None:
-            rows, values = given
+            rows, values, deep = self._given_parts(given)
             if (scale := self.config.given_rows_scale) is not None:
                 values = values * scale  # Granite's, as transformers scales inputs_embeds
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
@@ -845,6 +872,7 @@ class LlamaForCausalLM(nn.Module):
         if (
             step is not None
             and self.fused_layers
+            and deep is None
             and (stacked := self._stacked(kv_caches)) is not None
         ):
             return self.layers[0].kernel_ops.decoder_stack(
@@ -857,10 +885,10 @@ class LlamaForCausalLM(nn.Module):
                 query_scales,
             )
         first_tables, second_tables = rope[:2], rope[2:] or rope[:2]
-        first_rows = self._rope_rows(first_tables, positions, query_scales)
+        first_rows = self._rope_rows(first_tables, positions, query_scales, grid)
         second_rows = first_rows
         if len(rope) > 2:
-            second_rows = self._rope_rows(second_tables, positions, query_scales)
+            second_rows = self._rope_rows(second_tables, positions, query_scales, grid)
         step_kv: StepKV = {}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # decoder_layer: a dense MLP, attention (LFM2's convolution is decoder_stack's)
@@ -871,10 +899,25 @@ class LlamaForCausalLM(nn.Module):
                 hidden = layer.forward_fused(
                     hidden, kv_cache, slot_mapping, step, tables, query_scales, own
                 )
-                continue
-            cos, signed_sin = second_rows if layer.second_rope else first_rows
-            hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step, step_kv, own)
+            else:
+                cos, signed_sin = second_rows if layer.second_rope else first_rows
+                hidden = layer(hidden, cos, signed_sin, kv_cache, slot_mapping, step, step_kv, own)
+            if deep is not None and layer.index < deep.shape[1]:
+                hidden = hidden.index_add(0, given[0], deep[:, layer.index])
         return hidden
+
+    def _given_parts(
+        self, given: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Given rows as (their indices, input rows [n, hidden], the rows added after each
+        of the first layers [n, layers, hidden] or None): a row [hidden x (1 + layers)]
+        holds them side by side, as Qwen3-VL's tower makes them (its DeepStack rows)."""
+        rows, values = given
+        width = self.config.hidden_size
+        if values.shape[1] == width:
+            return rows, values, None
+        deep = values[:, width:].reshape(len(values), -1, width).to(self.dtype)
+        return rows, values[:, :width], deep
 
     def _stacked(self, kv_caches: KVCaches) -> tuple[Any, ...] | None:
         """The fused layers as one decoder_stack call: its arguments after the step's (every
@@ -940,20 +983,23 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         given: tuple[torch.Tensor, torch.Tensor] | None = None,
+        grid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layers' output for every token of the step [T, hidden], before the final norm
-        (taken by `normed` for the rows that need it); writes the step's K/V. `given`: rows
-        given as input rows (`_layers`), which the step runs eager: the compiled graphs were
-        traced without them."""
+        (taken by `normed` for the rows that need it); writes the step's K/V. `positions`:
+        each row's rotary position. `given`: rows given as input rows, and `grid`: every
+        row's three rotary positions (M-RoPE), where an image's grid is in the step
+        (`_layers`); such a step runs eager: the compiled graphs were traced without them."""
         assert self.head is not None, "load() builds the network's weights first"
         if positions.numel():
-            self.cover_positions(int(positions.max()) + 1)
+            furthest = positions if grid is None else grid
+            self.cover_positions(int(furthest.max()) + 1)
         with attention_context(meta, kv_caches):
             step = None if meta.kernel is None else meta.kernel.packed
             arguments = (input_ids, positions, kv_caches, meta.slot_mapping, step, self._rope())
-            if given is not None:
-                return self._layers(*arguments, given)
-            return self._run_layers(*arguments, None)
+            if given is not None or grid is not None:
+                return self._layers(*arguments, given, grid)
+            return self._run_layers(*arguments, None, None)
 
     def normed(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The final norm of the rows `indices` of `hidden_states`' output: what the LM head

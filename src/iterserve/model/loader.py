@@ -216,10 +216,11 @@ _TEXT_MODELS = {
     "ministral3": "Ministral3ForCausalLM",  # Ministral 3 (3B, 8B, 14B)
     "mistral": "MistralForCausalLM",  # Mistral Small 3.1, 3.2
     # Qwen3-VL (2B-32B): Qwen3's layers rotated by M-RoPE, whose three position components
-    # (time, height, width) are all the token's position for text, which is plain RoPE.
+    # (time, height, width) are all the token's position for text, which is plain RoPE;
+    # an image's tokens turn by their grid positions (ModelConfig.mrope_section).
     "qwen3_vl_text": "Qwen3ForCausalLM",
 }
-# M-RoPE's fields, which text alone never reads (see above).
+# M-RoPE's fields, taken out of the rope dict to the text config's own keys (see above).
 _MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
 # Where such a checkpoint keeps its language model's tensors (transformers 4.5x and the
 # released files: language_model.model.*, language_model.lm_head; transformers 5 in memory:
@@ -251,6 +252,7 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any] | None:
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(rope := text.get(key), dict):
             text[key] = {k: v for k, v in rope.items() if k not in _MROPE_FIELDS}
+            text |= {k: v for k, v in rope.items() if k in _MROPE_FIELDS}
     return {**text, "architectures": [model]}
 
 
@@ -323,8 +325,23 @@ def hf_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         **_gpt_oss_fields(architecture, raw),
         **_olmo3_fields(architecture, raw, rope),
         **_exaone4_fields(architecture, raw),
+        **_mrope_fields(raw),
         **extra,
     )
+
+
+def _mrope_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """M-RoPE's split of a head's frequencies, where a multimodal checkpoint's text config
+    holds it (text_model_config)."""
+    section = raw.get("mrope_section")
+    if not section:
+        return {}
+    if len(section) != 3:
+        raise ModelLoadError(f"mrope_section {section!r}: three counts are read (t, h, w)")
+    return {
+        "mrope_section": tuple(int(n) for n in section),
+        "mrope_interleaved": bool(raw.get("mrope_interleaved", False)),
+    }
 
 
 def _hf_experts(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:

@@ -242,6 +242,32 @@ def no_rope_tables(
     return empty, empty
 
 
+def mrope_components(section: tuple[int, int, int], interleaved: bool) -> torch.Tensor:
+    """M-RoPE: which of a token's three positions (0 time, 1 height, 2 width) each column of
+    the rotary tables turns by, [2 x sum(section)]. Qwen3-VL's frequencies take turns (t, h,
+    w, t, h, w, ..., the last ones t: `interleaved`); Qwen2-VL's take a run each."""
+    count = sum(section)
+    if interleaved:
+        component = torch.zeros(count, dtype=torch.long)
+        for axis in (1, 2):
+            component[axis : 3 * section[axis] : 3] = axis
+    else:
+        component = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    return torch.cat((component, component))
+
+
+def grid_rope_rows(
+    table: torch.Tensor, positions: torch.Tensor, components: torch.Tensor
+) -> torch.Tensor:
+    """A step's rows of a rotary table for tokens turning by three positions each
+    (`positions` [3, T]: M-RoPE), [T, rotated]: column j of row i is the table's at the
+    position of component `components[j]`, as transformers mixes the three positions'
+    frequencies. A token whose three positions are one gets its plain row."""
+    picked = table[positions]  # [3, T, rotated]
+    index = components.to(positions.device).view(1, 1, -1).expand(1, *picked.shape[1:])
+    return picked.gather(0, index)[0]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim] with cos/sin [T, 1, rotated]: x*cos + rotate_half(x)*sin over
     the first `rotated` dimensions of each head, the rest as they are."""

@@ -196,9 +196,10 @@ Tensor gated_mul_rows(const Tensor& gate_up) {
   return gated_mul_pairs<Gelu>(columns(gate_up, 0, I), columns(gate_up, I, I));
 }
 
-// Position of every row, from the step table (see ops.h).
+// Rotary position of every row, from the step table (see ops.h).
 std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
   const StepTable table(step);
+  const int32_t* shifts = table.rope_shifts();
   const Tensor lens_t = table.seq_lens(), starts_t = table.query_start_loc();
   const int32_t* lens = lens_t.data_ptr<int32_t>();
   const int32_t* starts = starts_t.data_ptr<int32_t>();
@@ -208,7 +209,8 @@ std::vector<int64_t> positions_of(const Tensor& step, int64_t rows) {
   std::vector<int64_t> pos(rows);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
-    for (int64_t i = 0; i < q_len; ++i) pos[starts[s] + i] = lens[s] - q_len + i;
+    const int64_t first = lens[s] - q_len + (shifts ? shifts[s] : 0);
+    for (int64_t i = 0; i < q_len; ++i) pos[starts[s] + i] = first + i;
   }
   return pos;
 }

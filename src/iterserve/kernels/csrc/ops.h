@@ -34,8 +34,11 @@ constexpr int64_t kRowGrain = 4;
 // (model/attention_metadata.py builds it), so a compiled graph sees one input of one dynamic
 // length rather than several of independent shapes:
 //   [S, max_blocks, block_tables (S x max_blocks), seq_lens (S), query_start_loc (S+1)]
+// and, where some sequence's rotary positions are shifted (after Qwen3-VL's images, whose
+// rows turn by grid positions), rope_shifts (S).
 // Query row i of sequence s sits at position
-// seq_lens[s] - q_len + i, where q_len = query_start_loc[s+1] - query_start_loc[s].
+// seq_lens[s] - q_len + i, where q_len = query_start_loc[s+1] - query_start_loc[s], and
+// turns by that position plus its sequence's rope shift.
 class StepTable {
  public:
   static constexpr int64_t kHeader = 2;
@@ -47,13 +50,20 @@ class StepTable {
     const int32_t* p = step.data_ptr<int32_t>();
     num_seqs_ = p[0];
     width_ = p[1];
+    const int64_t unshifted = kHeader + num_seqs_ * width_ + 2 * num_seqs_ + 1;
     TORCH_CHECK(num_seqs_ >= 0 && width_ >= 0 &&
-                    step.numel() == kHeader + num_seqs_ * width_ + 2 * num_seqs_ + 1,
-                "the step table holds ", step.numel(), " values, not the ",
-                kHeader + num_seqs_ * width_ + 2 * num_seqs_ + 1, " that ", num_seqs_,
+                    (step.numel() == unshifted || step.numel() == unshifted + num_seqs_),
+                "the step table holds ", step.numel(), " values, not the ", unshifted,
+                " (or ", unshifted + num_seqs_, " with rope shifts) that ", num_seqs_,
                 " sequences of up to ", width_, " blocks need");
+    shifted_ = step.numel() != unshifted;
   }
   int64_t num_seqs() const { return num_seqs_; }
+  // Each sequence's rope shift, or a null pointer where none is shifted.
+  const int32_t* rope_shifts() const {
+    return shifted_ ? step_.data_ptr<int32_t>() + kHeader + num_seqs_ * width_ + 2 * num_seqs_ + 1
+                    : nullptr;
+  }
   at::Tensor block_tables() const {
     return strided_view(step_, {num_seqs_, width_}, {width_, 1}, kHeader);
   }
@@ -67,6 +77,7 @@ class StepTable {
  private:
   at::Tensor step_;
   int64_t num_seqs_, width_;
+  bool shifted_ = false;
 };
 
 // The 8-bit KV cache (--kv-cache-dtype int8). A row of an int8 cache is a llama.cpp-style q8

@@ -1,0 +1,168 @@
+"""A tiny random Qwen3-VL checkpoint with its vision tower, saved as transformers saves it
+with the bundled tokenizer plus Qwen's image tokens and Qwen's Pillow image processor; and
+what transformers' own greedy generate makes of a prompt with images on it (fp32), built
+without iterserve's code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from tiny_vision import TEXT_SHAPE, template
+
+# The image's pad token (what the chat template writes between the other two), its start
+# and its end, as Qwen's tokenizer names them.
+QWEN3VL_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+QWEN3VL_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+# 16-pixel patches merged 2 x 2: an image of up to 16 merged patches, of at least 2.
+_FACTOR = 32
+QWEN3VL_PIXELS = {"shortest_edge": 2 * _FACTOR**2, "longest_edge": 16 * _FACTOR**2}
+# llama.cpp's bounds for Qwen's towers (8 to 4,096 rows), which a projector file does not say.
+LLAMA_CPP_PIXELS = {"shortest_edge": 8 * _FACTOR**2, "longest_edge": 4096 * _FACTOR**2}
+
+
+def save_tiny_qwen3vl(
+    out: Path, tokenizer_dir: Path, pixels: dict[str, int] = QWEN3VL_PIXELS
+) -> Path:
+    """Qwen3-VL's shape in small: Qwen3's layers turned by interleaved M-RoPE (a head's 16
+    frequencies split 6, 5, 5 between time, height and width, as 2B's 64 are 24, 20, 20),
+    and a tower whose first and third layers' rows are added after the language model's
+    first two layers (DeepStack; the third layer gets none, as in the releases)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3VL_TOKENS)})
+    image, start, end = tokenizer.convert_tokens_to_ids(list(QWEN3VL_TOKENS))
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    }
+    text = transformers.Qwen3VLTextConfig(
+        **{**TEXT_SHAPE, "num_hidden_layers": 3, "vocab_size": len(tokenizer)},
+        max_position_embeddings=1024,
+        rope_parameters=rope,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = transformers.models.qwen3_vl.Qwen3VLVisionConfig(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=TEXT_SHAPE["hidden_size"],
+        num_position_embeddings=64,  # an 8 x 8 grid, resampled to each image's
+        deepstack_visual_indexes=[0, 2],
+    )
+    config = transformers.Qwen3VLConfig(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=image,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
+    model.eval().save_pretrained(out)
+    tokenizer.chat_template = template(QWEN3VL_MARKER)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(
+        patch_size=16, size=pixels, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    ).save_pretrained(out)
+    return out
+
+
+def qwen3vl_greedy(
+    directory: Path, text: str, images: list[Image.Image], max_tokens: int
+) -> list[int]:
+    """`text` holds <|image_pad|> once per image (between its start and end tokens); each
+    becomes a pad a merged patch, as Qwen3VLProcessor lays it out, marked as an image's
+    (mm_token_type_ids, by which transformers places the M-RoPE grid)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    pad = tokenizer.convert_tokens_to_ids(QWEN3VL_TOKENS[0])
+    pixels = Qwen2VLImageProcessorPil.from_pretrained(directory)(images=images, return_tensors="pt")
+    ids: list[int] = []
+    for i, piece in enumerate(text.split(QWEN3VL_TOKENS[0])):
+        ids += tokenizer.encode(piece, add_special_tokens=False)
+        if i < len(images):
+            ids += [pad] * (int(pixels["image_grid_thw"][i].prod()) // 4)
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
+        directory, dtype=torch.float32
+    )
+    input_ids = torch.tensor([ids])
+    generated = model.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=(input_ids == pad).int(),
+        pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+        do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0,
+    )  # fmt: skip
+    return generated[0, len(ids) :].tolist()
+
+
+# What the converter names the merger's and the DeepStack mergers' parts.
+_MERGER = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+_DEEPSTACK = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+
+def write_qwen3vl_mmproj(
+    path: Path, model: transformers.Qwen3VLForConditionalGeneration, directory: Path
+) -> None:
+    """The model's tower as llama.cpp's converter writes Qwen3-VL's vision projector file
+    (qwen3vl_merger: its names and metadata; the patch embedding's 3D kernel as its two
+    frames' 2D kernels; each DeepStack merger under its tower layer's number), every tensor
+    in F32."""
+    vision = model.config.vision_config
+    processor = Qwen2VLImageProcessorPil.from_pretrained(directory)
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_type("mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", model.config.text_config.hidden_size)
+    side = int(vision.num_position_embeddings**0.5)
+    for key, value in {
+        "image_size": side * vision.patch_size,  # the converter's, from the position grid
+        "patch_size": vision.patch_size,
+        "embedding_length": vision.hidden_size,
+        "feed_forward_length": vision.intermediate_size,
+        "block_count": vision.depth,
+        "attention.head_count": vision.num_heads,
+    }.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_array("clip.vision.image_mean", list(processor.image_mean))
+    writer.add_array("clip.vision.image_std", list(processor.image_std))
+    writer.add_string("clip.projector_type", "qwen3vl_merger")
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.spatial_merge_size", vision.spatial_merge_size)
+    eps = model.config.text_config.rms_norm_eps
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", eps)
+    deepstack = [i in vision.deepstack_visual_indexes for i in range(vision.depth)]
+    writer.add_array("clip.vision.is_deepstack_layers", deepstack)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision.depth, 3))
+    for name, value in model.model.visual.state_dict().items():
+        data = value.detach().float().numpy()
+        parts = name.split(".")
+        if name == "patch_embed.proj.weight":  # [out, in, 2 frames, p, p]
+            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(data[:, :, 0]))
+            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(data[:, :, 1]))
+            continue
+        if parts[0] == "merger":
+            ours = ".".join((_MERGER[parts[1]], *parts[2:]))
+        elif parts[0] == "deepstack_merger_list":
+            layer = vision.deepstack_visual_indexes[int(parts[1])]
+            ours = ".".join(("v.deepstack", str(layer), _DEEPSTACK[parts[2]], *parts[3:]))
+        else:
+            ours = names.get_name("visual." + name, try_suffixes=(".weight", ".bias"))
+        assert ours is not None, name
+        writer.add_tensor(ours, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
