@@ -1,5 +1,5 @@
 """The vision projector files benchmarks/image_prompt.py times llama.cpp and iterserve on:
-written as llama.cpp's converter writes Gemma 3's, Mistral 3's and Gemma 4's, each is what
+written as llama.cpp's converter writes Gemma 3's, Mistral 3's, Gemma 4's and Qwen3-VL's, each is what
 iterserve reads (a tower and projector of its shape, an image encoded to its rows, finite)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import transformers
 
 from iterserve.bench.shaped_mmproj import TowerShape, write_shaped_mmproj
 from iterserve.model.gguf_images import load_mmproj
+from tiny_qwen3vl import QWEN3VL_TOKENS
 from tiny_vision import GEMMA4_TOKENS, IMAGE_TOKENS, gemma3_tokenizer, picture
 
 GEMMA3 = TowerShape("gemma3", 32, 64, 2, 2, image_size=112, patch_size=14, text_hidden=48)
@@ -56,3 +57,21 @@ def test_the_shaped_file_reads_as_gemma4s_tower(tmp_path: Path, tokenizer_dir: P
     encoded = images.encode(picture(1, 96, 96))
     assert encoded.text == images.placeholder(picture(1, 96, 96))
     assert encoded.rows.shape[1] == shape.text_hidden and bool(torch.isfinite(encoded.rows).all())
+
+
+def test_the_shaped_file_reads_as_qwen3vls_tower(tmp_path: Path, tokenizer_dir: Path) -> None:
+    shape = TowerShape(
+        "qwen3vl_merger", 32, 64, 3, 2, 128, 16, text_hidden=48, merge=2, positions=64,
+        deepstack=(0, 2),
+    )  # fmt: skip
+    path = write_shaped_mmproj(tmp_path / "mmproj.gguf", shape, seed=3)
+    text = SimpleNamespace(hidden_size=shape.text_hidden, mrope_section=(6, 5, 5))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3VL_TOKENS)})
+    images = load_mmproj(path, text, tokenizer, torch.float32)  # type: ignore[arg-type]
+    assert images.tower.config.deepstack_visual_indexes == [0, 2]
+    encoded = images.encode(picture(1, 128, 96))  # 4 x 3 merged patches (8 at the least)
+    assert encoded.grid == (4, 3) and encoded.text == "<|image_pad|>" * 12
+    # Each row: its input row, then the two DeepStack mergers' rows.
+    assert encoded.rows.shape == (12, 3 * shape.text_hidden)
+    assert bool(torch.isfinite(encoded.rows).all())

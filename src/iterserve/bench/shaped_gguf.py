@@ -134,6 +134,10 @@ class Shape:
     kv_shared: int = 0
     double_mlp: bool = False
     per_layer_input: int = 0
+    # Qwen3-VL: M-RoPE's split of a head's frequencies (rope.dimension_sections: time,
+    # height, width) and how many layers its tower's DeepStack rows are added after.
+    mrope_section: tuple[int, int, int] | None = None
+    deepstack_layers: int = 0
 
     def is_conv(self, layer: int) -> bool:
         return self.attention_layers is not None and layer not in self.attention_layers
@@ -194,6 +198,9 @@ PRESETS: dict[str, Shape] = {
                         qk_norm=True, sliding_window=512, rope_local_theta=10000.0, vocab=262144),
     "qwen3-1.7b": Shape("qwen3",  "Qwen3-1.7B",             2048,  6144,  28,  16,   8, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936),
+    # Qwen3-VL-2B-Instruct's language model (its vision tower: bench/shaped_mmproj.py).
+    "qwen3vl-2b": Shape("qwen3vl", "Qwen3-VL-2B-Instruct",  2048,  6144,  28,  16,   8, 128,      5e6, 262144, 1e-6,
+                        qk_norm=True, vocab=151936, mrope_section=(24, 20, 20), deepstack_layers=3),
     "qwen3-reranker-0.6b": Shape("qwen3", "Qwen3-Reranker-0.6B", 1024, 3072, 28,  16,   8, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936, reranker=True),
     # Full multi-head attention: 32 K/V heads, 16x a grouped 8B's cache a token.
@@ -537,6 +544,9 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_leading_dense_block_count(shape.leading_dense)
     if shape.sigmoid_router:
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if shape.mrope_section is not None:
+        writer.add_rope_dimension_sections([*shape.mrope_section, 0])
+        writer.add_num_deepstack_layers(shape.deepstack_layers)
     if shape.granite is not None:
         embedding, residual, attention, logit = shape.granite
         writer.add_embedding_scale(embedding)

@@ -35,7 +35,8 @@ class TowerShape:
     merge: int = 1
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
-    positions: int = 0  # Gemma 4's position table: positions along each side
+    positions: int = 0  # Gemma 4's position table: positions along each side; Qwen3-VL's: all
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: the layers its DeepStack mergers read
 
 
 GEMMA3_4B_TOWER = TowerShape("gemma3", 1152, 4304, 27, 16, 896, 14, 2560)
@@ -51,13 +52,27 @@ GEMMA4_E2B_TOWER = TowerShape(
     "gemma4v", 768, 3072, 16, 12, 224, 16, 1536, merge=3,
     mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), positions=10240,
 )  # fmt: skip
-TOWERS = {"gemma3": GEMMA3_4B_TOWER, "pixtral": MINISTRAL3_3B_TOWER, "gemma4v": GEMMA4_E2B_TOWER}
+# Qwen3-VL-2B's (Qwen/Qwen3-VL-2B-Instruct): 24 layers of 1024, 16-pixel patches merged 2 x 2,
+# a 48 x 48 position grid, DeepStack mergers of layers 5, 11 and 17; the image size llama.cpp's
+# converter writes (the position grid's side in pixels).
+QWEN3VL_2B_TOWER = TowerShape(
+    "qwen3vl_merger", 1024, 4096, 24, 16, 768, 16, 2048, merge=2, positions=2304,
+    deepstack=(5, 11, 17),
+)  # fmt: skip
+TOWERS = {
+    "gemma3": GEMMA3_4B_TOWER,
+    "pixtral": MINISTRAL3_3B_TOWER,
+    "gemma4v": GEMMA4_E2B_TOWER,
+    "qwen3vl_merger": QWEN3VL_2B_TOWER,
+}
 
 
 def _tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
     """(name, numpy shape, dtype) of every tensor, in the converter's order of kinds."""
     if shape.kind == "gemma4v":
         return _gemma4_tensors(shape)
+    if shape.kind == "qwen3vl_merger":
+        return _qwen3vl_tensors(shape)
     return _pixtral_tensors(shape) if shape.kind == "pixtral" else _gemma3_tensors(shape)
 
 
@@ -93,6 +108,39 @@ def _gemma4_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]
                 dims = (h, 3, shape.patch_size, shape.patch_size)  # a convolution's kernel
             matrix = len(dims) == 2 and "position" not in name
             found.append((ours, dims, np.float16 if matrix else np.float32))
+    return found
+
+
+def _qwen3vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
+    """Qwen3-VL's: every tensor of transformers' tower (on the meta device), named as
+    llama.cpp's converter names it (model/gguf_qwen3vl.py reads the same names); the patch
+    embedding's 3D kernel as its two frames' 2D kernels."""
+    import torch
+    import transformers
+
+    from iterserve.model.gguf_qwen3vl import qwen3vl_file_name
+    from iterserve.model.projector_file import mmproj_names
+
+    vision = transformers.models.qwen3_vl.Qwen3VLVisionConfig(
+        depth=shape.layers, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_heads=shape.heads, patch_size=shape.patch_size, spatial_merge_size=shape.merge,
+        out_hidden_size=shape.text_hidden, num_position_embeddings=shape.positions,
+        deepstack_visual_indexes=list(shape.deepstack),
+    )  # fmt: skip
+    with torch.device("meta"):
+        tower = transformers.Qwen3VLVisionModel(vision)
+    names = mmproj_names(shape.layers)
+    found: list[tuple[str, tuple[int, ...], type]] = []
+    for name, tensor in tower.state_dict().items():
+        ours = qwen3vl_file_name("visual." + name, names, list(shape.deepstack))
+        assert ours is not None, name
+        dims = tuple(tensor.shape)
+        if name == "patch_embed.proj.weight":  # [out, in, 2 frames, p, p]
+            frame = (dims[0], dims[1], *dims[3:])
+            found += [(ours, frame, np.float16), (ours + ".1", frame, np.float16)]
+            continue
+        matrix = len(dims) == 2 and "pos_embed" not in name
+        found.append((ours, dims, np.float16 if matrix else np.float32))
     return found
 
 
@@ -169,6 +217,9 @@ def write_shaped_mmproj(path: Path, shape: TowerShape = GEMMA3_4B_TOWER, seed: i
         writer.add_bool("clip.use_silu" if shape.kind == "pixtral" else "clip.use_gelu", True)
     if shape.merge > 1:
         writer.add_uint32("clip.vision.spatial_merge_size", shape.merge)
+    if shape.deepstack:
+        layers = [i in shape.deepstack for i in range(shape.layers)]
+        writer.add_array("clip.vision.is_deepstack_layers", layers)
     for key, value in {
         "image_size": shape.image_size,
         "patch_size": shape.patch_size,

@@ -153,10 +153,10 @@ class ImageInputs:
             )
         grids = tuple(encoded.grid for _, encoded in made if encoded.grid is not None)
         if grids and [rows * columns for rows, columns in grids] != [n for _, n in spans]:
-            raise InvalidRequestError(  # two images' tokens run together: text between
+            # Two images' tokens run together, so neither's grid can be told apart.
+            raise InvalidRequestError(
                 f"{field}: each image's tokens must stand apart (the chat template writes "
-                f"them between {self.tokenizer.convert_ids_to_tokens(self.encoder.image_token_id)!r}'s "
-                "start and end tokens)",
+                f"{self.marker!r} between an image's start and end tokens)",
                 field,
             )
         embeds = PromptEmbeds(given, keys.digest(), spans, self.encoder.bidirectional, grids)

@@ -78,16 +78,9 @@ def read_qwen3vl(
         image_std=list(key("image_std")),
     )
     images = Qwen3VLImages(config, processor, QWEN3VL_TOKENS[0], dtype)
-    indexes = vision.deepstack_visual_indexes
 
     def name_of(hf: str, names: Any) -> str | None:
-        parts = hf.split(".")  # visual.<module>...
-        if parts[1] == "merger":
-            return ".".join((_MERGER[parts[2]], *parts[3:]))
-        if parts[1] == "deepstack_merger_list":
-            layer = indexes[int(parts[2])]
-            return ".".join(("v.deepstack", str(layer), _DEEPSTACK[parts[3]], *parts[4:]))
-        return names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        return qwen3vl_file_name(hf, names, vision.deepstack_visual_indexes)
 
     def value(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name != "patch_embed.proj.weight":
@@ -99,3 +92,16 @@ def read_qwen3vl(
 
     file.load(images, vision.depth, lambda prefix, name: prefix + name, value, dtype, name_of)
     return images
+
+
+def qwen3vl_file_name(hf: str, names: Any, deepstack: list[int]) -> str | None:
+    """A checkpoint's tower tensor (`visual.*`) under its name in llama.cpp's projector file
+    (`names`: the converter's map; `deepstack`: the tower layers the DeepStack mergers
+    read). The patch embedding's kernel is its first frame's name (the second's adds .1)."""
+    parts = hf.split(".")  # visual.<module>...
+    if parts[1] == "merger":
+        return ".".join((_MERGER[parts[2]], *parts[3:]))
+    if parts[1] == "deepstack_merger_list":
+        layer = deepstack[int(parts[2])]
+        return ".".join(("v.deepstack", str(layer), _DEEPSTACK[parts[3]], *parts[4:]))
+    return names.get_name(hf, try_suffixes=(".weight", ".bias"))

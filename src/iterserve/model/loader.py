@@ -253,6 +253,9 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any] | None:
         if isinstance(rope := text.get(key), dict):
             text[key] = {k: v for k, v in rope.items() if k not in _MROPE_FIELDS}
             text |= {k: v for k, v in rope.items() if k in _MROPE_FIELDS}
+    if text.get("model_type") == "qwen3_vl_text":  # as transformers' Qwen3-VL turns images:
+        text.setdefault("mrope_section", [24, 20, 20])  # its default split
+        text["mrope_interleaved"] = True  # whatever the config says
     return {**text, "architectures": [model]}
 
 
