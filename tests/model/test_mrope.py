@@ -1,10 +1,11 @@
 """M-RoPE (Qwen3-VL): an image's tokens turn by their grid positions and the text after it by
 positions that go on from the grid's, against transformers' own rule (get_rope_index, its
-text rotary embedding); and a sequence whose rotary positions are shifted from its
-positions (the text after an image) turns by them in the C++ ops as in the torch paths."""
+text rotary embedding); and a step holding a grid, and the text after it, turn by them in
+the C++ ops as in the torch paths."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -16,11 +17,13 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLTextRotaryEmbedding,
 )
 
+from iterserve import kernels
 from iterserve.core.request import PromptEmbeds
+from iterserve.executor.paged_model import ForwardSeq, PagedModel
+from iterserve.model.attention import allocate_kv_caches
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import hf_model_config
 from iterserve.model.rope import grid_rope_rows, mrope_components, rope_tables
-from paged_runner import PagedRunner
 from tiny_families import VOCAB, family_model
 
 IMAGE = 7  # the image token's id in the layouts below
@@ -86,27 +89,47 @@ def test_grid_rows_are_transformers_rotary_embedding(interleaved: bool) -> None:
 
 
 @pytest.mark.usefixtures("kernel_isa")
-def test_shifted_rotary_positions_turn_alike_in_the_cpp_ops_and_torch() -> None:
-    """Two sequences prefilled at their positions, then computed on with rotary positions
-    shifted back and forth (as after images): the C++ layers (which read each sequence's
-    shift from the step table) give the torch paths' logits, to bf16's rounding. Read
-    unshifted, the C++ rows are ~20x as far (measured once: mean 0.49 against 0.023)."""
+def test_grid_and_shifted_rotary_positions_turn_alike_in_the_cpp_ops_and_torch() -> None:
+    """Two sequences in one flat batch: a prompt's text, then a chunk holding a 4 x 4 grid
+    (each row's own three positions) beside the other's text, then the text after it
+    shifted, and decodes. The C++ layers (a grid step's rows at their rows of the step's
+    own rope rows, a shifted step's at their sequence's shift: the step table) give the
+    torch paths' logits to bf16's rounding (measured once: mean 0.023, largest 0.23). Checked
+    by mutation: the text's shift left out of the step table puts the C++ logits far off (mean
+    0.10, largest 7.7); the grid step's rows at their positions, not their rows, are refused."""
     hf = family_model("qwen3")
     rng = random.Random(3)
-    prompts = {n: [rng.randrange(VOCAB) for _ in range(k)] for n, k in (("a", 60), ("b", 40))}
+    tokens = {name: [rng.randrange(VOCAB) for _ in range(60)] for name in "ab"}
+    grid = PromptEmbeds(None, b"", ((20, 16),), grids=((4, 4),))
+    plan = [[("a", 20), ("b", 20)], [("a", 24), ("b", 10)], *[[("a", 1), ("b", 1)]] * 6]
     logits = {}
     for kernel in (True, False):
         config = hf_model_config({**hf.config.to_dict(), "architectures": [type(hf).__name__]})
+        config = dataclasses.replace(config, mrope_section=(12, 10, 10), mrope_interleaved=True)
         model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
         model.load(dict(hf.state_dict()), "tiled" if kernel else "torch")
         assert model.fused_layers == kernel
-        runner = PagedRunner(model, block_size=16, num_blocks=16, paged_kernel=kernel)
-        for name, tokens in prompts.items():
-            runner.add(name, tokens)
-        rows = [runner.step([("a", 30), ("b", 20)])]
-        runner.rope_shift.update(a=-17, b=5)
-        rows.append(runner.step([("a", 10), ("b", 20)]))
-        rows += [runner.step([("a", 1)]) for _ in range(6)]
-        logits[kernel] = torch.cat([row for step in rows for row in step.values()])
+        if kernel:
+            model.use_kernel_ops(kernels.ops())
+        caches = allocate_kv_caches(config, 16, 16, torch.bfloat16, torch.device("cpu"))
+        network = PagedModel(model, caches, 16, torch.device("cpu"), paged_attention_kernel=kernel)
+        blocks = {"a": (3, 7, 1, 12), "b": (5, 0, 9, 14)}
+        done = {"a": 0, "b": 0}
+        rows = []
+        for step in plan:
+            seqs = []
+            for name, count in step:
+                start = done[name]
+                embeds = grid if name == "a" else PromptEmbeds(None, b"")
+                seqs.append(
+                    ForwardSeq(
+                        blocks[name], start, tokens[name][start : start + count], count,
+                        rope_shift=embeds.rope_shift(start),
+                        grid_positions=embeds.grid_positions(start, count),
+                    )
+                )  # fmt: skip
+                done[name] += count
+            rows.append(network.forward(seqs))
+        logits[kernel] = torch.cat(rows)
     apart = (logits[True] - logits[False]).abs()
     assert float(apart.mean()) < 0.06 and float(apart.max()) < 0.6

@@ -34,7 +34,8 @@ class SeqSpan:
     attend_within: tuple[tuple[int, int], ...] = ()
     # How far its rows' rotary positions are from their positions (after Qwen3-VL's
     # images); `grid_rotary`: its rows turn by positions of their own (an image's grid,
-    # M-RoPE), which the torch paths take as the step's rows (model/llama.py).
+    # M-RoPE): the step's rotary tables are then its own rows (model/llama.py), and each
+    # row of every sequence in it is at its row's position.
     rope_shift: int = 0
     grid_rotary: bool = False
 
@@ -45,7 +46,8 @@ class KernelRows:
     kernels/csrc/ops.h): [S, max_blocks, block tables (S x max_blocks, padding never read),
     seq_lens (context lengths, this step's tokens included), query_start_loc (S + 1:
     sequence s owns rows loc[s]..loc[s+1]-1)], then, where any sequence's rotary positions
-    are shifted (SeqSpan.rope_shift), each sequence's shift."""
+    are shifted (SeqSpan.rope_shift), each sequence's shift; where any turns as a grid
+    (SeqSpan.grid_rotary), the shift that puts each row at its row in the step."""
 
     num_tokens: int
     packed: torch.Tensor
@@ -162,7 +164,11 @@ def _kernel_rows(spans: Sequence[SeqSpan], block_size: int, device: torch.device
     for s in spans:
         starts.append(starts[-1] + s.num_new_tokens)
     packed = [len(spans), width, *(b for row in padded for b in row), *lens, *starts]
-    if any(s.rope_shift for s in spans):
+    if any(s.grid_rotary for s in spans):  # a row's rotary position: its row in the step
+        packed.extend(
+            start - s.num_computed_tokens for start, s in zip(starts[:-1], spans, strict=True)
+        )
+    elif any(s.rope_shift for s in spans):
         packed.extend(s.rope_shift for s in spans)
     return KernelRows(
         num_tokens=starts[-1], packed=torch.tensor(packed, dtype=torch.int32).to(device)
@@ -249,9 +255,8 @@ def build_attention_metadata(
     window = sliding_window or 0
     if any(s.num_new_tokens < 1 or s.num_computed_tokens < 0 for s in spans):
         raise ValueError("every span needs num_new_tokens >= 1 and num_computed_tokens >= 0")
-    # The C++ op attends causally and turns a row by one position: a step with both-ways
-    # ranges or rows turned as a grid takes the torch paths.
-    paged_kernel = paged_kernel and not any(s.attend_within or s.grid_rotary for s in spans)
+    # The C++ op attends causally: a step with both-ways ranges takes the torch paths.
+    paged_kernel = paged_kernel and not any(s.attend_within for s in spans)
     num_kernel = len(spans) if paged_kernel else 0
     kernel = _kernel_rows(spans, block_size, device) if num_kernel else None
     num_decodes = 0 if paged_kernel else _leading(spans, 1)

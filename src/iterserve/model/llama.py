@@ -607,19 +607,12 @@ class LlamaForCausalLM(nn.Module):
         tables: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
         query_scales: torch.Tensor | None,
-        grid: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """The step's rows of cos and signed sin, [T, 1, rotated]; with query scales
         (Ministral 3's temperature) [T, q heads + kv heads, rotated], the query heads' rows
         times their token's scale: rope is linear in its tables, so that rotating q by them
-        rotates and scales it at once, k as before. `grid`: every row's three positions
-        [3, T] (M-RoPE, where an image's grid is in the step), which `positions` stand for
-        otherwise."""
-        if grid is not None and self.mrope_components is not None:
-            components = self.mrope_components
-            rows = [grid_rope_rows(table, grid, components).unsqueeze(1) for table in tables]
-        else:
-            rows = [table.index_select(0, positions).unsqueeze(1) for table in tables]
+        rotates and scales it at once, k as before."""
+        rows = [table.index_select(0, positions).unsqueeze(1) for table in tables]
         if query_scales is None:
             return rows
         c = self.config
@@ -848,7 +841,10 @@ class LlamaForCausalLM(nn.Module):
         input rows (a prompt's embeddings), their indices and the rows, written over the
         token embeddings. A given row wider than the model carries, after its input row,
         a row added to the stream after each of the first layers (Qwen3-VL's DeepStack:
-        `_given_parts`). `grid`: every row's three rotary positions (M-RoPE)."""
+        `_given_parts`). `grid`: every row's three rotary positions (M-RoPE), from which the
+        step's own rows of the rotary tables are made; the step's table then gives each row
+        its row's position (attention_metadata: SeqSpan.grid_rotary), so the C++ layers
+        turn it by them as the torch paths do."""
         assert self.embedding is not None
         hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
@@ -869,6 +865,10 @@ class LlamaForCausalLM(nn.Module):
         query_scales = None
         if temperature is not None:
             query_scales = query_temperature_scales(positions, temperature)
+        if grid is not None:  # M-RoPE: tables of the step's own rows, a row's position its row
+            assert self.mrope_components is not None, "grid positions for a model without M-RoPE"
+            rope = tuple(grid_rope_rows(table, grid, self.mrope_components) for table in rope)
+            positions = torch.arange(len(input_ids), device=positions.device)
         if (
             step is not None
             and self.fused_layers
@@ -885,10 +885,10 @@ class LlamaForCausalLM(nn.Module):
                 query_scales,
             )
         first_tables, second_tables = rope[:2], rope[2:] or rope[:2]
-        first_rows = self._rope_rows(first_tables, positions, query_scales, grid)
+        first_rows = self._rope_rows(first_tables, positions, query_scales)
         second_rows = first_rows
         if len(rope) > 2:
-            second_rows = self._rope_rows(second_tables, positions, query_scales, grid)
+            second_rows = self._rope_rows(second_tables, positions, query_scales)
         step_kv: StepKV = {}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # decoder_layer: a dense MLP, attention (LFM2's convolution is decoder_stack's)
