@@ -12,7 +12,7 @@ import transformers
 
 from iterserve.bench.shaped_mmproj import TowerShape, write_shaped_mmproj
 from iterserve.model.gguf_images import load_mmproj
-from tiny_qwen3vl import QWEN3VL_TOKENS
+from tiny_qwen_vl import QWEN3VL_TOKENS
 from tiny_vision import GEMMA4_TOKENS, IMAGE_TOKENS, gemma3_tokenizer, picture
 
 GEMMA3 = TowerShape("gemma3", 32, 64, 2, 2, image_size=112, patch_size=14, text_hidden=48)

@@ -22,7 +22,13 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from iterserve import LLM, SamplingParams
 from iterserve.engine.images import ImagesPrompt
 from iterserve.sampling_params import InvalidRequestError
-from tiny_qwen3vl import QWEN3VL_MARKER, QWEN3VL_PIXELS, qwen3vl_greedy, save_tiny_qwen3vl
+from tiny_qwen_vl import (
+    QWEN3VL_MARKER,
+    QWEN3VL_PIXELS,
+    qwen_vl_greedy,
+    save_tiny_qwen3vl,
+    save_tiny_qwen25vl,
+)
 from tiny_vision import (
     PATCH,
     gemma3_greedy,
@@ -192,7 +198,7 @@ def qwen3vl_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -
 @pytest.fixture(scope="module")
 def qwen3vl_references(qwen3vl_dir: Path) -> list[list[int]]:
     return [
-        qwen3vl_greedy(qwen3vl_dir, text, [picture(*s) for s in sizes], MAX_TOKENS)
+        qwen_vl_greedy(qwen3vl_dir, text, [picture(*s) for s in sizes], MAX_TOKENS)
         for text, sizes in QWEN3VL_PROMPTS
     ]
 
@@ -215,6 +221,33 @@ def test_qwen3vl_images_answer_as_transformers(
     _answers_as(qwen3vl_dir, QWEN3VL_PROMPTS, qwen3vl_references, settings)
 
 
+@pytest.fixture(scope="module")
+def qwen25vl_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return save_tiny_qwen25vl(tmp_path_factory.mktemp("qwen25vl"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen25vl_references(qwen25vl_dir: Path) -> list[list[int]]:
+    return [
+        qwen_vl_greedy(qwen25vl_dir, text, [picture(*s) for s in sizes], MAX_TOKENS)
+        for text, sizes in QWEN3VL_PROMPTS
+    ]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"max_num_batched_tokens": 5, "max_num_seqs": 3}, {"num_kv_blocks": 14, "block_size": 4}],
+    ids=["whole", "chunked", "preemption"],
+)
+def test_qwen25vl_images_answer_as_transformers(
+    qwen25vl_dir: Path, qwen25vl_references: list[list[int]], settings: dict
+) -> None:
+    """Qwen2.5-VL as its released files are: Qwen2's layers, M-RoPE's frequencies a run
+    each, a tower attending within windows on most layers (28-pixel units: the same images
+    take other grids)."""
+    _answers_as(qwen25vl_dir, QWEN3VL_PROMPTS, qwen25vl_references, settings)
+
+
 def test_qwen3vl_image_max_tokens_and_images_run_together(
     qwen3vl_dir: Path, tmp_path: Path
 ) -> None:
@@ -232,7 +265,7 @@ def test_qwen3vl_image_max_tokens_and_images_run_together(
     answer = llm.generate(
         {"prompt": text, "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False
     )[0]
-    assert answer.token_ids == qwen3vl_greedy(capped, text, [image], MAX_TOKENS)
+    assert answer.token_ids == qwen_vl_greedy(capped, text, [image], MAX_TOKENS)
     assert answer.prompt_token_ids.count(llm.engine.images.encoder.image_token_id) == 4
     together = "<|vision_start|><|image_pad|><|image_pad|><|vision_end|>"
     prompt = {"prompt": together, "multi_modal_data": {"image": [image, image]}}

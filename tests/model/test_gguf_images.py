@@ -21,7 +21,7 @@ from iterserve.sampling_params import InvalidRequestError
 from ollama_store_files import pull
 from tiny_families import gguf_metadata
 from tiny_gguf import gemma4_rope_freqs, write_gguf
-from tiny_qwen3vl import (
+from tiny_qwen_vl import (
     LLAMA_CPP_PIXELS,
     QWEN3VL_MARKER,
     save_tiny_qwen3vl,
@@ -129,7 +129,8 @@ def qwen3vl_files(
     def qwen3(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config.to_dict()))
 
-    text = _text_gguf(directory, whole, qwen3, "qwen3vl", 5e6, tower=(keys, {}))
+    base = whole.config.text_config.rope_parameters["rope_theta"]
+    text = _text_gguf(directory, whole, qwen3, "qwen3vl", base, tower=(keys, {}))
     write_qwen3vl_mmproj(out / "mmproj.gguf", whole, directory)
     return directory, text, out / "mmproj.gguf"
 

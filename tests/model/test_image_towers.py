@@ -16,7 +16,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.images import read_tower_weights
 from iterserve.model.loader import load_model
-from tiny_qwen3vl import save_tiny_qwen3vl
+from tiny_qwen_vl import save_tiny_qwen3vl, save_tiny_qwen25vl
 from tiny_vision import picture, save_tiny_gemma3, save_tiny_gemma4, save_tiny_mistral3
 
 VISION = transformers.SiglipVisionConfig(
@@ -65,7 +65,7 @@ def test_a_tower_of_other_shapes_is_refused(tmp_path: Path) -> None:
         read_tower_weights(tmp_path, _modules(), torch.float32)
 
 
-@pytest.mark.parametrize("family", ["mistral3", "gemma3", "gemma4", "qwen3vl"])
+@pytest.mark.parametrize("family", ["mistral3", "gemma3", "gemma4", "qwen3vl", "qwen25vl"])
 def test_an_images_placeholder_is_its_encodings_text(
     family: str, tmp_path: Path, tokenizer_dir: Path
 ) -> None:
@@ -76,6 +76,7 @@ def test_an_images_placeholder_is_its_encodings_text(
         "gemma3": save_tiny_gemma3,
         "gemma4": save_tiny_gemma4,
         "qwen3vl": save_tiny_qwen3vl,
+        "qwen25vl": save_tiny_qwen25vl,
     }[family]
     images = load_model(save(tmp_path, tokenizer_dir), torch.float32).images
     assert images is not None

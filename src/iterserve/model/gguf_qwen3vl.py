@@ -1,6 +1,6 @@
 """Qwen3-VL's vision projector file as llama.cpp writes it (`clip.projector_type`
 qwen3vl_merger: Qwen3-VL 2B-32B beside a `qwen3vl` GGUF), made into Qwen3-VL's image encoder
-(model/qwen3vl_images.py).
+(model/qwen_vl_images.py).
 
 The converter's own renames are undone: the patch embedding, a 3D convolution over two
 frames, stored as its two frames' 2D kernels (`v.patch_embd.weight`, `.weight.1`); the
@@ -21,7 +21,7 @@ from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.gguf_loader import read_gguf_tensor
 from iterserve.model.projector_file import ProjectorFile
-from iterserve.model.qwen3vl_images import Qwen3VLImages
+from iterserve.model.qwen_vl_images import QwenVLImages
 
 # The image's pad token (what the chat template writes between the other two), its start and
 # its end.
@@ -34,7 +34,7 @@ _DEEPSTACK = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 
 def read_qwen3vl(
     file: ProjectorFile, text: ModelConfig, tokenizer: Any, dtype: torch.dtype
-) -> Qwen3VLImages:
+) -> QwenVLImages:
     key = file.key
     if text.mrope_section is None:
         raise ModelLoadError(
@@ -77,7 +77,7 @@ def read_qwen3vl(
         image_mean=list(key("image_mean")),
         image_std=list(key("image_std")),
     )
-    images = Qwen3VLImages(config, processor, QWEN3VL_TOKENS[0], dtype)
+    images = QwenVLImages(config, processor, QWEN3VL_TOKENS[0], dtype)
 
     def name_of(hf: str, names: Any) -> str | None:
         return qwen3vl_file_name(hf, names, vision.deepstack_visual_indexes)

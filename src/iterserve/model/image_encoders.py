@@ -30,8 +30,10 @@ def load_image_encoder(
         from iterserve.model.gemma4_images import Gemma4Images
 
         return Gemma4Images.load(directory, raw, tokenizer, dtype)
-    if "Qwen3VLForConditionalGeneration" in architectures:
-        from iterserve.model.qwen3vl_images import Qwen3VLImages
+    if {"Qwen3VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"} & set(
+        architectures
+    ):
+        from iterserve.model.qwen_vl_images import QwenVLImages
 
-        return Qwen3VLImages.load(directory, raw, tokenizer, dtype)
+        return QwenVLImages.load(directory, raw, tokenizer, dtype)
     return None

@@ -209,6 +209,7 @@ _MULTIMODAL = (
     "Gemma4ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
 )
 _TEXT_MODELS = {
     "gemma3_text": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
@@ -219,9 +220,16 @@ _TEXT_MODELS = {
     # (time, height, width) are all the token's position for text, which is plain RoPE;
     # an image's tokens turn by their grid positions (ModelConfig.mrope_section).
     "qwen3_vl_text": "Qwen3ForCausalLM",
+    # Qwen2.5-VL (3B, 7B, 32B, 72B): Qwen2's layers, M-RoPE's frequencies a run each.
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
 }
-# M-RoPE's fields, taken out of the rope dict to the text config's own keys (see above).
+# M-RoPE's fields, taken out of the rope dict to the text config's own keys (see above);
+# Qwen2.5-VL's released configs name the rope's type "mrope", which is plain RoPE for text.
 _MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
+_MROPE_TYPES = ("mrope",)
+# How transformers turns each family's images whatever its config says: the split it takes
+# unless given, and whether the three positions take turns among the frequencies.
+_MROPE_DEFAULTS = {"qwen3_vl_text": ([24, 20, 20], True), "qwen2_5_vl_text": ([16, 24, 24], False)}
 # Where such a checkpoint keeps its language model's tensors (transformers 4.5x and the
 # released files: language_model.model.*, language_model.lm_head; transformers 5 in memory:
 # model.language_model.*), and the names they are read under.
@@ -230,6 +238,10 @@ _TEXT_MODEL_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
     ("lm_head.", "lm_head."),
+    # Qwen2.5-VL's released files: the language model's under the text model's own names.
+    ("model.layers.", "model.layers."),
+    ("model.embed_tokens.", "model.embed_tokens."),
+    ("model.norm.", "model.norm."),
 )
 
 
@@ -253,9 +265,12 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any] | None:
         if isinstance(rope := text.get(key), dict):
             text[key] = {k: v for k, v in rope.items() if k not in _MROPE_FIELDS}
             text |= {k: v for k, v in rope.items() if k in _MROPE_FIELDS}
-    if text.get("model_type") == "qwen3_vl_text":  # as transformers' Qwen3-VL turns images:
-        text.setdefault("mrope_section", [24, 20, 20])  # its default split
-        text["mrope_interleaved"] = True  # whatever the config says
+            for kind in ("type", "rope_type"):
+                if text[key].get(kind) in _MROPE_TYPES:
+                    text[key][kind] = "default"
+    if (mrope := _MROPE_DEFAULTS.get(text.get("model_type", ""))) is not None:
+        text.setdefault("mrope_section", mrope[0])
+        text["mrope_interleaved"] = mrope[1]
     return {**text, "architectures": [model]}
 
 

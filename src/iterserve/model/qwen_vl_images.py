@@ -1,19 +1,22 @@
-"""Images for Qwen3-VL checkpoints (HF form): Qwen3-VL's vision tower, whose patch merger
-is its projector, transformers' own module with the checkpoint's weights, and the text
-Qwen's processor gives an image in the prompt.
+"""Images for Qwen3-VL and Qwen2.5-VL checkpoints (HF form): the family's vision tower,
+whose patch merger is its projector, transformers' own module with the checkpoint's
+weights, and the text Qwen's processor gives an image in the prompt.
 
-An image keeps its aspect ratio: it is resized to multiples of 32 pixels (16-pixel patches,
-merged 2 x 2) within the processor's pixel bounds, and stands in the prompt as one
-`<|image_pad|>` a merged patch, where the chat template wrote `<|image_pad|>` between
-`<|vision_start|>` and `<|vision_end|>`. Attended causally. Two things set it apart from
-the other families (the language model does both, model/llama.py):
+An image keeps its aspect ratio: it is resized to multiples of two patches (Qwen3-VL's 16
+pixels, Qwen2.5-VL's 14, merged 2 x 2) within the processor's pixel bounds, and stands in
+the prompt as one `<|image_pad|>` a merged patch, where the chat template wrote
+`<|image_pad|>` between `<|vision_start|>` and `<|vision_end|>`. Attended causally. What
+sets these families apart (the language model does it, model/llama.py):
 
-- its tokens turn by grid positions (M-RoPE): the token at row r, column c of an image
-  whose first rotary position is p by (p, p + r, p + c), and the text after the image goes
-  on from p + max(rows, columns) (EncodedImage.grid; core/request.py PromptEmbeds);
-- DeepStack: the tower's rows from three of its middle layers, merged as the last ones
-  are, are added to the image's positions after the language model's first three layers.
-  An image's row holds them after its input row, side by side.
+- an image's tokens turn by grid positions (M-RoPE): the token at row r, column c of an
+  image whose first rotary position is p by (p, p + r, p + c), and the text after the image
+  goes on from p + max(rows, columns) (EncodedImage.grid; core/request.py PromptEmbeds);
+- Qwen3-VL's DeepStack: the tower's rows from three of its middle layers, merged as the
+  last ones are, are added to the image's positions after the language model's first three
+  layers. An image's row holds them after its input row, side by side.
+
+Qwen2.5-VL's tower attends within windows of 8 x 8 patches on most layers, the whole image
+on a few; its rows come out in the image's row order (the module puts them back).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from typing import Any
 import torch
 import transformers
 from PIL import Image
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
     smart_resize,
@@ -38,13 +44,25 @@ from iterserve.model.images import (
     read_tower_weights,
 )
 
+# Each family's whole config and its tower, by the checkpoint's architecture.
+FAMILIES: dict[str, tuple[type[Any], type[torch.nn.Module]]] = {
+    "Qwen3VLForConditionalGeneration": (
+        transformers.Qwen3VLConfig,
+        transformers.Qwen3VLVisionModel,
+    ),
+    "Qwen2_5_VLForConditionalGeneration": (
+        transformers.Qwen2_5_VLConfig,
+        Qwen2_5_VisionTransformerPretrainedModel,
+    ),
+}
 
-class Qwen3VLImages:
+
+class QwenVLImages:
     bidirectional = False
 
     def __init__(
         self,
-        config: transformers.Qwen3VLConfig,
+        config: Any,
         processor: Qwen2VLImageProcessorPil,
         marker: str,
         dtype: torch.dtype,
@@ -52,22 +70,24 @@ class Qwen3VLImages:
         self.processor = processor
         self.marker = marker
         self.image_token_id = config.image_token_id
-        self.tower = transformers.Qwen3VLVisionModel(config.vision_config).to(dtype).eval()
+        tower = next(tower for kind, tower in FAMILIES.values() if isinstance(config, kind))
+        self.tower = tower._from_config(config.vision_config).to(dtype).eval()
         self.dtype = dtype
 
     @property
     def parts(self) -> dict[str, torch.nn.Module]:
-        """The tower, merger and DeepStack mergers, where a checkpoint keeps them."""
+        """The tower and its mergers, where a checkpoint keeps them."""
         return {"visual.": self.tower}
 
     @classmethod
     def load(
         cls, directory: Path, raw: Mapping[str, Any], tokenizer: Any, dtype: torch.dtype
-    ) -> Qwen3VLImages | None:
+    ) -> QwenVLImages | None:
         """The checkpoint's tower, or None when it has no image processor to go with it."""
         if not has_image_processor(directory):
             return None
-        config = family_config(transformers.Qwen3VLConfig, raw)
+        (architecture,) = (name for name in raw.get("architectures") or [] if name in FAMILIES)
+        config = family_config(FAMILIES[architecture][0], raw)
         (marker,) = image_tokens(tokenizer, [config.image_token_id], directory)
         processor = Qwen2VLImageProcessorPil.from_pretrained(directory, local_files_only=True)
         images = cls(config, processor, marker, dtype)
@@ -79,7 +99,7 @@ class Qwen3VLImages:
         inputs = self.processor(images=[image.convert("RGB")], return_tensors="pt")
         grid_thw = inputs["image_grid_thw"]
         out = self.tower(inputs["pixel_values"].to(self.dtype), grid_thw=grid_thw)
-        rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
+        rows = torch.cat([out.pooler_output, *getattr(out, "deepstack_features", ())], dim=1)
         merge = self.processor.merge_size
         grid = (int(grid_thw[0, 1]) // merge, int(grid_thw[0, 2]) // merge)
         return EncodedImage(self.marker * len(rows), rows.contiguous(), grid)

@@ -1,10 +1,13 @@
-"""A tiny random Qwen3-VL checkpoint with its vision tower, saved as transformers saves it
-with the bundled tokenizer plus Qwen's image tokens and Qwen's Pillow image processor; and
-what transformers' own greedy generate makes of a prompt with images on it (fp32), built
-without iterserve's code."""
+"""Tiny random Qwen3-VL and Qwen2.5-VL checkpoints with their vision towers, saved with the
+bundled tokenizer plus Qwen's image tokens and Qwen's Pillow image processor (Qwen3-VL as
+transformers saves it, Qwen2.5-VL as its released files are: its language model under
+`model.*`, its tower under `visual.*`, its rope's type "mrope"); and what transformers' own
+greedy generate makes of a prompt with images on them (fp32), built without iterserve's
+code."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -12,6 +15,7 @@ import numpy as np
 import torch
 import transformers
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tiny_vision import TEXT_SHAPE, template
@@ -39,7 +43,7 @@ def save_tiny_qwen3vl(
     image, start, end = tokenizer.convert_tokens_to_ids(list(QWEN3VL_TOKENS))
     rope = {
         "rope_type": "default",
-        "rope_theta": 5e6,
+        "rope_theta": 100.0,  # a base this low turns each frequency by a grid's few positions
         "mrope_section": [6, 5, 5],
         "mrope_interleaved": True,
     }
@@ -81,12 +85,75 @@ def save_tiny_qwen3vl(
     return out
 
 
-def qwen3vl_greedy(
+def save_tiny_qwen25vl(out: Path, tokenizer_dir: Path) -> Path:
+    """Qwen2.5-VL's shape in small: Qwen2's layers (q/k/v biases) turned by M-RoPE whose
+    frequencies take a run each (a head's 16 split 4, 6, 6, as 3B's 64 are 16, 24, 24); a
+    tower of 14-pixel patches whose layers attend within windows of 4 x 4 patches, but the
+    last, which sees the whole image (window_size 56 pixels, fullatt_block_indexes [2]);
+    saved as the released files are."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3VL_TOKENS)})
+    image, start, end = tokenizer.convert_tokens_to_ids(list(QWEN3VL_TOKENS))
+    # A base this low turns each frequency by a grid's few positions (1e6's hardly would).
+    rope = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [4, 6, 6]}
+    shape = {k: v for k, v in TEXT_SHAPE.items() if k != "head_dim"}  # hidden / heads: 32
+    text = transformers.Qwen2_5_VLTextConfig(
+        **shape, vocab_size=len(tokenizer), max_position_embeddings=1024,
+        rope_parameters=rope, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    vision = transformers.Qwen2_5_VLConfig().vision_config.__class__(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+        out_hidden_size=TEXT_SHAPE["hidden_size"], window_size=56, fullatt_block_indexes=[2],
+    )  # fmt: skip
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=image,
+        vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
+    model.eval().save_pretrained(out)
+    _as_released(out)
+    tokenizer.chat_template = template(QWEN3VL_MARKER)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(
+        patch_size=14,
+        size={"shortest_edge": 2 * 28 * 28, "longest_edge": 16 * 28 * 28},
+    ).save_pretrained(out)  # CLIP's mean and deviation, as the releases'
+    return out
+
+
+def _as_released(out: Path) -> None:
+    """Rename a transformers 5 save of Qwen2.5-VL to the released files' tensor names and
+    rope spelling."""
+    tensors = load_file(out / "model.safetensors")
+    renamed = {}
+    for name, value in tensors.items():
+        for ours, theirs in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+            if name.startswith(ours):
+                name = theirs + name.removeprefix(ours)
+                break
+        renamed[name] = value
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    rope = config["text_config"].pop("rope_parameters")
+    config["text_config"]["rope_scaling"] = {
+        "type": "mrope",
+        "mrope_section": rope["mrope_section"],
+    }
+    config["text_config"]["rope_theta"] = rope["rope_theta"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def qwen_vl_greedy(
     directory: Path, text: str, images: list[Image.Image], max_tokens: int
 ) -> list[int]:
     """`text` holds <|image_pad|> once per image (between its start and end tokens); each
-    becomes a pad a merged patch, as Qwen3VLProcessor lays it out, marked as an image's
-    (mm_token_type_ids, by which transformers places the M-RoPE grid)."""
+    becomes a pad a merged patch, as Qwen's processors lay it out, marked as an image's
+    (mm_token_type_ids, by which transformers places the M-RoPE grid); the checkpoint's own
+    class (Qwen3-VL's or Qwen2.5-VL's) generates."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     pad = tokenizer.convert_tokens_to_ids(QWEN3VL_TOKENS[0])
     pixels = Qwen2VLImageProcessorPil.from_pretrained(directory)(images=images, return_tensors="pt")
@@ -95,9 +162,8 @@ def qwen3vl_greedy(
         ids += tokenizer.encode(piece, add_special_tokens=False)
         if i < len(images):
             ids += [pad] * (int(pixels["image_grid_thw"][i].prod()) // 4)
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
-        directory, dtype=torch.float32
-    )
+    whole = json.loads((directory / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, whole).from_pretrained(directory, dtype=torch.float32)
     input_ids = torch.tensor([ids])
     generated = model.generate(
         input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
