@@ -8,6 +8,7 @@ code."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -27,8 +28,12 @@ QWEN3VL_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 # 16-pixel patches merged 2 x 2: an image of up to 16 merged patches, of at least 2.
 _FACTOR = 32
 QWEN3VL_PIXELS = {"shortest_edge": 2 * _FACTOR**2, "longest_edge": 16 * _FACTOR**2}
-# llama.cpp's bounds for Qwen's towers (8 to 4,096 rows), which a projector file does not say.
-LLAMA_CPP_PIXELS = {"shortest_edge": 8 * _FACTOR**2, "longest_edge": 4096 * _FACTOR**2}
+
+
+def llama_cpp_pixels(factor: int) -> dict[str, int]:
+    """llama.cpp's bounds for Qwen's towers (8 to 4,096 rows), which a projector file does
+    not say, in pixels for rows of `factor` x `factor` (Qwen3-VL's 32, Qwen2.5-VL's 28)."""
+    return {"shortest_edge": 8 * factor**2, "longest_edge": 4096 * factor**2}
 
 
 def save_tiny_qwen3vl(
@@ -179,22 +184,19 @@ _MERGER = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
 _DEEPSTACK = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 
 
-def write_qwen3vl_mmproj(
-    path: Path, model: transformers.Qwen3VLForConditionalGeneration, directory: Path
-) -> None:
-    """The model's tower as llama.cpp's converter writes Qwen3-VL's vision projector file
-    (qwen3vl_merger: its names and metadata; the patch embedding's 3D kernel as its two
-    frames' 2D kernels; each DeepStack merger under its tower layer's number), every tensor
-    in F32."""
+def _mmproj_header(
+    path: Path, model: transformers.PreTrainedModel, directory: Path, image_size: int, kind: str
+) -> gguf.GGUFWriter:
+    """A Qwen projector file's header as llama.cpp's converter starts it (MmprojModel's keys,
+    then the projector's type); the family's own keys follow."""
     vision = model.config.vision_config
     processor = Qwen2VLImageProcessorPil.from_pretrained(directory)
     writer = gguf.GGUFWriter(path, "clip")
     writer.add_type("mmproj")
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_uint32("clip.vision.projection_dim", model.config.text_config.hidden_size)
-    side = int(vision.num_position_embeddings**0.5)
     for key, value in {
-        "image_size": side * vision.patch_size,  # the converter's, from the position grid
+        "image_size": image_size,
         "patch_size": vision.patch_size,
         "embedding_length": vision.hidden_size,
         "feed_forward_length": vision.intermediate_size,
@@ -204,7 +206,48 @@ def write_qwen3vl_mmproj(
         writer.add_uint32(f"clip.vision.{key}", value)
     writer.add_array("clip.vision.image_mean", list(processor.image_mean))
     writer.add_array("clip.vision.image_std", list(processor.image_std))
-    writer.add_string("clip.projector_type", "qwen3vl_merger")
+    writer.add_string("clip.projector_type", kind)
+    return writer
+
+
+def _add_tower(
+    writer: gguf.GGUFWriter,
+    model: transformers.PreTrainedModel,
+    name_of: Callable[[str], str],
+    split_qkv: bool = False,
+) -> None:
+    """The tower's tensors in F32 under `name_of(its name)`, the patch embedding's 3D kernel
+    ([out, in, 2 frames, p, p]) as its two frames' 2D kernels, with `split_qkv` the fused
+    q/k/v as three (Qwen2.5-VL's); then the file closed."""
+    for name, value in model.model.visual.state_dict().items():
+        data = value.detach().float().numpy()
+        if name == "patch_embed.proj.weight":
+            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(data[:, :, 0]))
+            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(data[:, :, 1]))
+            continue
+        pieces = {name: data}
+        if split_qkv and ".qkv." in name:
+            third = len(data) // 3
+            pieces = {name.replace("qkv", part): data[i * third : (i + 1) * third]
+                      for i, part in enumerate("qkv")}  # fmt: skip
+        for piece, array in pieces.items():
+            writer.add_tensor(name_of(piece), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_qwen3vl_mmproj(
+    path: Path, model: transformers.Qwen3VLForConditionalGeneration, directory: Path
+) -> None:
+    """The model's tower as llama.cpp's converter writes Qwen3-VL's vision projector file
+    (qwen3vl_merger: its names and metadata; the patch embedding's 3D kernel as its two
+    frames' 2D kernels; each DeepStack merger under its tower layer's number), every tensor
+    in F32."""
+    vision = model.config.vision_config
+    side = int(vision.num_position_embeddings**0.5)  # the converter's image size: the grid's
+    writer = _mmproj_header(path, model, directory, side * vision.patch_size, "qwen3vl_merger")
     writer.add_bool("clip.use_gelu", True)
     writer.add_uint32("clip.vision.spatial_merge_size", vision.spatial_merge_size)
     eps = model.config.text_config.rms_norm_eps
@@ -212,23 +255,39 @@ def write_qwen3vl_mmproj(
     deepstack = [i in vision.deepstack_visual_indexes for i in range(vision.depth)]
     writer.add_array("clip.vision.is_deepstack_layers", deepstack)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision.depth, 3))
-    for name, value in model.model.visual.state_dict().items():
-        data = value.detach().float().numpy()
+
+    def name_of(name: str) -> str:
         parts = name.split(".")
-        if name == "patch_embed.proj.weight":  # [out, in, 2 frames, p, p]
-            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(data[:, :, 0]))
-            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(data[:, :, 1]))
-            continue
         if parts[0] == "merger":
-            ours = ".".join((_MERGER[parts[1]], *parts[2:]))
-        elif parts[0] == "deepstack_merger_list":
+            return ".".join((_MERGER[parts[1]], *parts[2:]))
+        if parts[0] == "deepstack_merger_list":
             layer = vision.deepstack_visual_indexes[int(parts[1])]
-            ours = ".".join(("v.deepstack", str(layer), _DEEPSTACK[parts[2]], *parts[3:]))
-        else:
-            ours = names.get_name("visual." + name, try_suffixes=(".weight", ".bias"))
-        assert ours is not None, name
-        writer.add_tensor(ours, np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return ".".join(("v.deepstack", str(layer), _DEEPSTACK[parts[2]], *parts[3:]))
+        found = names.get_name("visual." + name, try_suffixes=(".weight", ".bias"))
+        assert found is not None, name
+        return found
+
+    _add_tower(writer, model, name_of)
+
+
+def write_qwen25vl_mmproj(
+    path: Path, model: transformers.Qwen2_5_VLForConditionalGeneration, directory: Path
+) -> None:
+    """The model's tower as llama.cpp's converter writes Qwen2.5-VL's vision projector file
+    (qwen2.5vl_merger: its names and metadata, the whole-image layers by their period
+    `n_wa_pattern`; the fused q/k/v split in three, the patch embedding's 3D kernel as its
+    two frames' 2D kernels), every tensor in F32."""
+    vision = model.config.vision_config
+    # The converter's default image size (the config has none).
+    writer = _mmproj_header(path, model, directory, 560, "qwen2.5vl_merger")
+    writer.add_bool("clip.use_silu", True)
+    writer.add_uint32("clip.vision.n_wa_pattern", vision.fullatt_block_indexes[0] + 1)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision.depth, 3))
+
+    def name_of(name: str) -> str:
+        found = names.get_name("visual." + name, try_suffixes=(".weight", ".bias"))
+        assert found is not None, name
+        return found
+
+    _add_tower(writer, model, name_of, split_qkv=True)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from huggingface_hub import constants
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from hub_cache import cache_repo
 from iterserve import LLM, SamplingParams
@@ -22,10 +23,12 @@ from ollama_store_files import pull
 from tiny_families import gguf_metadata
 from tiny_gguf import gemma4_rope_freqs, write_gguf
 from tiny_qwen_vl import (
-    LLAMA_CPP_PIXELS,
     QWEN3VL_MARKER,
+    llama_cpp_pixels,
     save_tiny_qwen3vl,
+    save_tiny_qwen25vl,
     write_qwen3vl_mmproj,
+    write_qwen25vl_mmproj,
 )
 from tiny_vision import (
     ollama_gemma3_tower,
@@ -121,7 +124,7 @@ def qwen3vl_files(
 ) -> tuple[Path, ...]:
     out = tmp_path_factory.mktemp("qwen3vl-gguf")
     # llama.cpp's bounds on an image, which a projector file does not say.
-    directory = save_tiny_qwen3vl(out / "hf", tokenizer_dir, LLAMA_CPP_PIXELS)
+    directory = save_tiny_qwen3vl(out / "hf", tokenizer_dir, llama_cpp_pixels(32))
     whole = transformers.Qwen3VLForConditionalGeneration.from_pretrained(directory).eval()
     section = whole.config.text_config.rope_parameters["mrope_section"]
     keys = {"rope.dimension_sections": [*section, 0], "n_deepstack_layers": 2}
@@ -135,6 +138,28 @@ def qwen3vl_files(
     return directory, text, out / "mmproj.gguf"
 
 
+@pytest.fixture(scope="module")
+def qwen25vl_files(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> tuple[Path, ...]:
+    """A Qwen2.5-VL as its released files are, and its language model as llama.cpp's
+    `qwen2vl` GGUF beside its projector file. Its processor takes llama.cpp's bounds."""
+    out = tmp_path_factory.mktemp("qwen25vl-gguf")
+    directory = save_tiny_qwen25vl(out / "hf", tokenizer_dir)
+    Qwen2VLImageProcessorPil(patch_size=14, size=llama_cpp_pixels(28)).save_pretrained(directory)
+    whole = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(directory).eval()
+    section = whole.config.text_config.rope_parameters["mrope_section"]
+    keys = {"rope.dimension_sections": [*section, 0]}
+
+    def qwen2(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config.to_dict()))
+
+    base = whole.config.text_config.rope_parameters["rope_theta"]
+    text = _text_gguf(directory, whole, qwen2, "qwen2vl", base, tower=(keys, {}))
+    write_qwen25vl_mmproj(out / "mmproj.gguf", whole, directory)
+    return directory, text, out / "mmproj.gguf"
+
+
 @pytest.mark.parametrize(
     ("family", "marker"),
     [
@@ -142,6 +167,7 @@ def qwen3vl_files(
         ("mistral3_files", "[IMG]"),
         ("gemma4_files", "<|image|>"),
         ("qwen3vl_files", QWEN3VL_MARKER),
+        ("qwen25vl_files", QWEN3VL_MARKER),
     ],
 )
 def test_a_gguf_and_its_mmproj_answer_as_the_hf_checkpoint(

@@ -226,7 +226,7 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     writer.close()
     supported = (
         "supported: exaone4, gemma2, gemma3, gemma4, gpt-oss, granite, granitemoe, lfm2, lfm2moe, "
-        "llama, mistral3, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3vl, smollm3$"
+        "llama, mistral3, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, qwen3vl, smollm3$"
     )
     with pytest.raises(ModelLoadError, match=f"'mamba' is not supported; {supported}"):
         load_model(path)

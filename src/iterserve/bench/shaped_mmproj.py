@@ -113,12 +113,12 @@ def _gemma4_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]
 
 def _qwen3vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
     """Qwen3-VL's: every tensor of transformers' tower (on the meta device), named as
-    llama.cpp's converter names it (model/gguf_qwen3vl.py reads the same names); the patch
+    llama.cpp's converter names it (model/gguf_qwen_vl.py reads the same names); the patch
     embedding's 3D kernel as its two frames' 2D kernels."""
     import torch
     import transformers
 
-    from iterserve.model.gguf_qwen3vl import qwen3vl_file_name
+    from iterserve.model.gguf_qwen_vl import qwen3vl_file_name
     from iterserve.model.projector_file import mmproj_names
 
     vision = transformers.models.qwen3_vl.Qwen3VLVisionConfig(

@@ -1,8 +1,8 @@
 """A vision projector file as llama.cpp writes one (`mmproj-*.gguf`, `--mmproj`): the tower
 and projector of the model beside it, made into the family's image encoder
 (model/images.py). Gemma 3's (`clip.projector_type` gemma3), Mistral 3's (pixtral: Ministral
-3, Mistral Small 3.1/3.2), Gemma 4 E2B's and E4B's (gemma4v) and Qwen3-VL's (qwen3vl_merger,
-model/gguf_qwen3vl.py) are read.
+3, Mistral Small 3.1/3.2), Gemma 4 E2B's and E4B's (gemma4v), Qwen3-VL's (qwen3vl_merger)
+and Qwen2.5-VL's (qwen2.5vl_merger; model/gguf_qwen_vl.py) are read.
 
 The file's tensors carry llama.cpp's names (`v.blk.N.attn_q`, `mm.input_projection`), which
 the gguf package's own map (the converter's) gives for each of transformers' names; the
@@ -35,7 +35,7 @@ from iterserve.model.gguf_loader import (
     read_gguf_header,
     unpermute_rope_rows,
 )
-from iterserve.model.gguf_qwen3vl import read_qwen3vl
+from iterserve.model.gguf_qwen_vl import read_qwen3vl, read_qwen25vl
 from iterserve.model.images import ImageEncoder
 from iterserve.model.pixtral_images import PIXTRAL_TOKENS, PixtralImages
 from iterserve.model.projector_file import ProjectorFile, mmproj_names
@@ -299,4 +299,5 @@ _READERS: dict[str, Callable[..., ImageEncoder]] = {
     "pixtral": _pixtral,
     "gemma4v": _gemma4,
     "qwen3vl_merger": read_qwen3vl,
+    "qwen2.5vl_merger": read_qwen25vl,
 }

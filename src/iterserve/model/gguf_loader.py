@@ -47,6 +47,9 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     # between an image's grid positions (ModelConfig.mrope_section). Its deepstack layers
     # (the tower's rows added after the first layers) are the projector's to say.
     "qwen3vl": "qwen3",
+    # Qwen2-VL's and Qwen2.5-VL's language model: Qwen2's layers, their M-RoPE's frequencies
+    # a run each between an image's grid positions (rope.dimension_sections).
+    "qwen2vl": "qwen2",
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
     "phi3": "phi3",
@@ -592,14 +595,18 @@ def gguf_model_config(
 
 
 def _mrope_fields(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
-    """Qwen3-VL's M-RoPE: rope.dimension_sections (time, height, width, and a fourth
-    llama.cpp keeps at 0), its frequencies taking turns (llama.cpp's IMROPE)."""
+    """Qwen-VL's M-RoPE: rope.dimension_sections (time, height, width, and a fourth
+    llama.cpp keeps at 0); Qwen3-VL's frequencies take turns (llama.cpp's IMROPE),
+    Qwen2-VL's and Qwen2.5-VL's a run each (MROPE)."""
     sections = metadata.get(f"{arch}.rope.dimension_sections")
-    if arch != "qwen3vl" or not sections:
+    if arch not in ("qwen3vl", "qwen2vl") or not sections:
         return {}
     if len(sections) < 3 or any(sections[3:]):
         raise ModelLoadError(f"GGUF rope.dimension_sections {sections}: three are read")
-    return {"mrope_section": tuple(int(n) for n in sections[:3]), "mrope_interleaved": True}
+    return {
+        "mrope_section": tuple(int(n) for n in sections[:3]),
+        "mrope_interleaved": arch == "qwen3vl",
+    }
 
 
 def _kv_heads(
