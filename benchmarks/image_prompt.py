@@ -1,7 +1,7 @@
 """A question about an image on a Gemma 3 4B-shaped GGUF with its vision projector file
 (or, with `--family mistral3`, a Ministral 3 3B-shaped one with Pixtral's; `--family
 gemma4`, a Gemma 4 E2B-shaped one with its tower's; `--family qwen3vl`, a Qwen3-VL 2B-shaped
-one with its tower's), iterserve
+one with its tower's; `--family qwen25vl`, a Qwen2.5-VL 3B-shaped one), iterserve
 against llama-server on the same two files, one server after the other.
 
 Both files are made here with random weights (iterserve.bench): the language model in
@@ -12,7 +12,7 @@ llama.cpp's converter writes it (F16). For each server: a warm-up (a text and an
 request), then in each round a question about a new image (Gemma 3's 896 x 896, Mistral's
 672 x 672, 576 merged patches: under llama.cpp's bound of 1,024 an image, so that both lay
 it out alike; Gemma 4's 768 x 768, 256 rows, llama-server held to the same budget; Qwen3-VL's
-768 x 768, 576 rows; its tower encode, then the prompt's prefill) and a text question of about
+768 x 768 and Qwen2.5-VL's 672 x 672, 576 rows; its tower encode, then the prompt's prefill) and a text question of about
 the same length (the prefill alone), streamed, 8 tokens, greedy; time to first token of
 each, their difference (what the image costs beyond its tokens), and the server's peak
 and held RSS (VmHWM, VmRSS) at the end. Then a text stream with a new image's question
@@ -20,7 +20,7 @@ sent 2 s into it: how long the stream's tokens stop while the image is encoded
 (llama-server with two slots, -np 2, so that both run).
 
     .venv/bin/python benchmarks/image_prompt.py [--rounds 3] [--engines iterserve,llama.cpp]
-        [--family gemma3|mistral3|gemma4|qwen3vl]
+        [--family gemma3|mistral3|gemma4|qwen3vl|qwen25vl]
 
 llama-server comes from benchmarks/peers/llama_cpp.sh (built if missing, ~10 minutes).
 """
@@ -112,6 +112,12 @@ FAMILIES = {
         _template("<|vision_start|><|image_pad|><|vision_end|>",
                   "<|im_start|>{{ m['role'] }}\nCONTENT<|im_end|>\n", "<|im_start|>assistant\n"),
         768,  # 24 x 24 merged patches: 576 rows
+    ),
+    "qwen25vl": Family(
+        "qwen2.5vl-3b", "qwen2.5vl_merger", ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),
+        _template("<|vision_start|><|image_pad|><|vision_end|>",
+                  "<|im_start|>{{ m['role'] }}\nCONTENT<|im_end|>\n", "<|im_start|>assistant\n"),
+        672,  # 24 x 24 merged patches of 28 pixels: 576 rows
     ),
 }  # fmt: skip
 

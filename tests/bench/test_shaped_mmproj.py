@@ -75,3 +75,18 @@ def test_the_shaped_file_reads_as_qwen3vls_tower(tmp_path: Path, tokenizer_dir: 
     # Each row: its input row, then the two DeepStack mergers' rows.
     assert encoded.rows.shape == (12, 3 * shape.text_hidden)
     assert bool(torch.isfinite(encoded.rows).all())
+
+
+def test_the_shaped_file_reads_as_qwen25vls_tower(tmp_path: Path, tokenizer_dir: Path) -> None:
+    shape = TowerShape(
+        "qwen2.5vl_merger", 32, 64, 4, 2, 560, 14, text_hidden=48, merge=2, window_period=2,
+    )  # fmt: skip
+    path = write_shaped_mmproj(tmp_path / "mmproj.gguf", shape, seed=3)
+    text = SimpleNamespace(hidden_size=shape.text_hidden, mrope_section=(4, 6, 6))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3VL_TOKENS)})
+    images = load_mmproj(path, text, tokenizer, torch.float32)  # type: ignore[arg-type]
+    assert images.tower.config.fullatt_block_indexes == [1, 3]
+    encoded = images.encode(picture(1, 112, 84))  # 4 x 3 merged patches of 28 pixels
+    assert encoded.grid == (4, 3) and encoded.rows.shape == (12, shape.text_hidden)
+    assert bool(torch.isfinite(encoded.rows).all())

@@ -201,6 +201,9 @@ PRESETS: dict[str, Shape] = {
     # Qwen3-VL-2B-Instruct's language model (its vision tower: bench/shaped_mmproj.py).
     "qwen3vl-2b": Shape("qwen3vl", "Qwen3-VL-2B-Instruct",  2048,  6144,  28,  16,   8, 128,      5e6, 262144, 1e-6,
                         qk_norm=True, vocab=151936, mrope_section=(24, 20, 20), deepstack_layers=3),
+    # Qwen2.5-VL-3B-Instruct's language model (its vision tower: bench/shaped_mmproj.py).
+    "qwen2.5vl-3b": Shape("qwen2vl", "Qwen2.5-VL-3B-Instruct", 2048, 11008, 36,  16,   2, 128,      1e6, 128000, 1e-6,
+                        qkv_bias=True, vocab=151936, mrope_section=(16, 24, 24)),
     "qwen3-reranker-0.6b": Shape("qwen3", "Qwen3-Reranker-0.6B", 1024, 3072, 28,  16,   8, 128,      1e6,  40960, 1e-6,
                         qk_norm=True, vocab=151936, reranker=True),
     # Full multi-head attention: 32 K/V heads, 16x a grouped 8B's cache a token.
@@ -546,6 +549,7 @@ def add_shape_metadata(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if shape.mrope_section is not None:
         writer.add_rope_dimension_sections([*shape.mrope_section, 0])
+    if shape.deepstack_layers:
         writer.add_num_deepstack_layers(shape.deepstack_layers)
     if shape.granite is not None:
         embedding, residual, attention, logit = shape.granite

@@ -37,6 +37,7 @@ class TowerShape:
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
     positions: int = 0  # Gemma 4's position table: positions along each side; Qwen3-VL's: all
     deepstack: tuple[int, ...] = ()  # Qwen3-VL: the layers its DeepStack mergers read
+    window_period: int = 0  # Qwen2.5-VL: every this-many-th layer sees the whole image
 
 
 GEMMA3_4B_TOWER = TowerShape("gemma3", 1152, 4304, 27, 16, 896, 14, 2560)
@@ -59,11 +60,20 @@ QWEN3VL_2B_TOWER = TowerShape(
     "qwen3vl_merger", 1024, 4096, 24, 16, 768, 16, 2048, merge=2, positions=2304,
     deepstack=(5, 11, 17),
 )  # fmt: skip
+# Qwen2.5-VL-3B's (Qwen/Qwen2.5-VL-3B-Instruct): 32 layers of 1280, 14-pixel patches merged
+# 2 x 2, windows of 112 pixels but on every eighth layer (n_wa_pattern 8), CLIP's mean and
+# deviation; the image size llama.cpp's converter writes (its default).
+QWEN25VL_3B_TOWER = TowerShape(
+    "qwen2.5vl_merger", 1280, 3420, 32, 16, 560, 14, 2048, merge=2,
+    mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711),
+    window_period=8,
+)  # fmt: skip
 TOWERS = {
     "gemma3": GEMMA3_4B_TOWER,
     "pixtral": MINISTRAL3_3B_TOWER,
     "gemma4v": GEMMA4_E2B_TOWER,
     "qwen3vl_merger": QWEN3VL_2B_TOWER,
+    "qwen2.5vl_merger": QWEN25VL_3B_TOWER,
 }
 
 
@@ -73,6 +83,8 @@ def _tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
         return _gemma4_tensors(shape)
     if shape.kind == "qwen3vl_merger":
         return _qwen3vl_tensors(shape)
+    if shape.kind == "qwen2.5vl_merger":
+        return _qwen25vl_tensors(shape)
     return _pixtral_tensors(shape) if shape.kind == "pixtral" else _gemma3_tensors(shape)
 
 
@@ -141,6 +153,45 @@ def _qwen3vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type
             continue
         matrix = len(dims) == 2 and "pos_embed" not in name
         found.append((ours, dims, np.float16 if matrix else np.float32))
+    return found
+
+
+def _qwen25vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
+    """Qwen2.5-VL's: every tensor of transformers' tower (on the meta device), named by the
+    converter's map, its fused q/k/v as three and its patch embedding's 3D kernel as its two
+    frames' 2D kernels (model/gguf_qwen_vl.py reads them so)."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    from iterserve.model.projector_file import mmproj_names
+
+    vision = transformers.Qwen2_5_VLConfig().vision_config.__class__(
+        depth=shape.layers, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_heads=shape.heads, patch_size=shape.patch_size, spatial_merge_size=shape.merge,
+        out_hidden_size=shape.text_hidden,
+    )  # fmt: skip
+    with torch.device("meta"):
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision)
+    names = mmproj_names(shape.layers)
+    found: list[tuple[str, tuple[int, ...], type]] = []
+    for name, tensor in tower.state_dict().items():
+        dims = tuple(tensor.shape)
+        if name == "patch_embed.proj.weight":  # [out, in, 2 frames, p, p]
+            frame = (dims[0], dims[1], *dims[3:])
+            found += [("v.patch_embd.weight", frame, np.float16)]
+            found += [("v.patch_embd.weight.1", frame, np.float16)]
+            continue
+        pieces = {name: dims}
+        if ".qkv." in name:
+            third = (dims[0] // 3, *dims[1:])
+            pieces = {name.replace("qkv", part): third for part in "qkv"}
+        for piece, piece_dims in pieces.items():
+            ours = names.get_name("visual." + piece, try_suffixes=(".weight", ".bias"))
+            assert ours is not None, piece
+            found.append((ours, piece_dims, np.float16 if len(piece_dims) == 2 else np.float32))
     return found
 
 
@@ -214,12 +265,15 @@ def write_shaped_mmproj(path: Path, shape: TowerShape = GEMMA3_4B_TOWER, seed: i
     kind = "clip.vision.projector_type" if shape.kind == "gemma4v" else "clip.projector_type"
     writer.add_string(kind, shape.kind)
     if shape.kind != "gemma4v":
-        writer.add_bool("clip.use_silu" if shape.kind == "pixtral" else "clip.use_gelu", True)
+        silu = shape.kind in ("pixtral", "qwen2.5vl_merger")
+        writer.add_bool("clip.use_silu" if silu else "clip.use_gelu", True)
     if shape.merge > 1:
         writer.add_uint32("clip.vision.spatial_merge_size", shape.merge)
     if shape.deepstack:
         layers = [i in shape.deepstack for i in range(shape.layers)]
         writer.add_array("clip.vision.is_deepstack_layers", layers)
+    if shape.window_period:
+        writer.add_uint32("clip.vision.n_wa_pattern", shape.window_period)
     for key, value in {
         "image_size": shape.image_size,
         "patch_size": shape.patch_size,
