@@ -23,6 +23,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 from iterserve.model.images import (
     EncodedImage,
     TowerAndProjector,
+    built_in,
     family_config,
     has_image_processor,
     image_tokens,
@@ -45,7 +46,7 @@ class Gemma3Images(TowerAndProjector):
         self.marker, end, soft = tokens
         self.image_token_id = config.image_token_id
         self.text = f"\n\n{self.marker}{soft * config.mm_tokens_per_image}{end}\n\n"
-        self.tower = transformers.SiglipVisionModel(config.vision_config).to(dtype).eval()
+        self.tower = built_in(transformers.SiglipVisionModel, config.vision_config, dtype)
         self.projector = Gemma3MultiModalProjector(config).to(dtype).eval()
         self.dtype = dtype
 

@@ -31,6 +31,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
 from iterserve.model.images import (
     EncodedImage,
     TowerAndProjector,
+    built_in,
     family_config,
     has_image_processor,
     image_tokens,
@@ -60,7 +61,7 @@ class Gemma4Images(TowerAndProjector):
         self.processor = processor
         self.marker, self.boi, self.eoi = tokens
         self.image_token_id = config.image_token_id
-        self.tower = transformers.Gemma4VisionModel(config.vision_config).to(dtype).eval()
+        self.tower = built_in(transformers.Gemma4VisionModel, config.vision_config, dtype)
         self.projector = Gemma4MultimodalEmbedder(config.vision_config, config.text_config)
         self.projector = self.projector.to(dtype).eval()
         self.dtype = dtype

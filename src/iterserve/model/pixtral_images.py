@@ -30,6 +30,7 @@ from iterserve.model.errors import ModelLoadError
 from iterserve.model.images import (
     EncodedImage,
     TowerAndProjector,
+    built_in,
     family_config,
     has_image_processor,
     read_tower_weights,
@@ -54,7 +55,7 @@ class PixtralImages(TowerAndProjector):
         self.processor = processor
         self.image_token_id = config.image_token_id
         self.merged_patch = config.vision_config.patch_size * config.spatial_merge_size
-        self.tower = transformers.PixtralVisionModel(config.vision_config).to(dtype).eval()
+        self.tower = built_in(transformers.PixtralVisionModel, config.vision_config, dtype)
         self.projector = Mistral3MultiModalProjector(config).to(dtype).eval()
         self.dtype = dtype
 

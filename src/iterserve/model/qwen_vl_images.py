@@ -38,6 +38,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 from iterserve.model.images import (
     EncodedImage,
+    built_in,
     family_config,
     has_image_processor,
     image_tokens,
@@ -71,7 +72,7 @@ class QwenVLImages:
         self.marker = marker
         self.image_token_id = config.image_token_id
         tower = next(tower for kind, tower in FAMILIES.values() if isinstance(config, kind))
-        self.tower = tower._from_config(config.vision_config).to(dtype).eval()
+        self.tower = built_in(tower, config.vision_config, dtype)
         self.dtype = dtype
 
     @property
