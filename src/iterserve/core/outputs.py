@@ -74,7 +74,7 @@ class ScheduledSeq:
     # the rows of this step's positions in place of their tokens' embeddings.
     prompt_embeds: PromptEmbeds | None = None
     # How far the rotary positions of its text tokens are from their positions
-    # (PromptEmbeds.rope_shift: after Qwen3-VL's images); the same for each of them, unless
+    # (PromptEmbeds.rope_shift: after Qwen-VL's images); the same for each of them, unless
     # `prompt_embeds` places grid tokens in this step (PromptEmbeds.grid_positions).
     rope_shift: int = 0
 

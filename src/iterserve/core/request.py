@@ -81,7 +81,7 @@ class PromptEmbeds:
     # a prompt chunk never ends inside one (core/scheduler.py), and its rows' attention
     # sees the whole span (model/attention_metadata.py).
     bidirectional: bool = False
-    # Each span's (rows, columns) where its positions turn as a grid (M-RoPE: Qwen3-VL's
+    # Each span's (rows, columns) where its positions turn as a grid (M-RoPE: Qwen-VL's
     # images): the token at row r, column c of a span whose first rotary position is p
     # turns by (p, p + r, p + c), one position a rotary component (time, height, width),
     # and the text after it goes on from p + max(rows, columns), not p + rows x columns.

@@ -38,7 +38,7 @@ class ForwardSeq:
     # Position ranges [first, end) whose tokens attend to each other both ways (an image's
     # in Gemma 3), not causally.
     attend_within: tuple[tuple[int, int], ...] = ()
-    # How far its tokens' rotary positions are from their positions (after Qwen3-VL's
+    # How far its tokens' rotary positions are from their positions (after Qwen-VL's
     # images); or each token's own (time, height, width) rotary positions, where an
     # image's grid is among them (M-RoPE: core/request.py PromptEmbeds.grid_positions).
     rope_shift: int = 0

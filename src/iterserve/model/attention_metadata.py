@@ -32,7 +32,7 @@ class SeqSpan:
     # Position ranges [first, end) whose tokens attend to each other both ways (Gemma 3's
     # images); the step then takes the torch paths, whose masks say so.
     attend_within: tuple[tuple[int, int], ...] = ()
-    # How far its rows' rotary positions are from their positions (after Qwen3-VL's
+    # How far its rows' rotary positions are from their positions (after Qwen-VL's
     # images); `grid_rotary`: its rows turn by positions of their own (an image's grid,
     # M-RoPE): the step's rotary tables are then its own rows (model/llama.py), and each
     # row of every sequence in it is at its row's position.

@@ -31,8 +31,8 @@ class EncodedImage:
     # adds rows to the stream after its first layers too (Qwen3-VL's DeepStack; each row's
     # input row first: model/llama.py `_given_parts`).
     rows: torch.Tensor
-    # (rows, columns) of its tokens where they turn by grid positions (M-RoPE: Qwen3-VL;
-    # core/request.py PromptEmbeds.grids); None: by their positions.
+    # (rows, columns) of its tokens where they turn by grid positions (M-RoPE: Qwen3-VL's,
+    # Qwen2.5-VL's; core/request.py PromptEmbeds.grids); None: by their positions.
     grid: tuple[int, int] | None = None
 
 

@@ -34,8 +34,9 @@ constexpr int64_t kRowGrain = 4;
 // (model/attention_metadata.py builds it), so a compiled graph sees one input of one dynamic
 // length rather than several of independent shapes:
 //   [S, max_blocks, block_tables (S x max_blocks), seq_lens (S), query_start_loc (S+1)]
-// and, where some sequence's rotary positions are shifted (after Qwen3-VL's images, whose
-// rows turn by grid positions), rope_shifts (S).
+// and, where some sequence's rotary positions are shifted (the text after a Qwen-VL image,
+// whose rows turn by grid positions; or a step holding such an image, where the rope tables
+// are the step's own rows and each shift puts a row at its row), rope_shifts (S).
 // Query row i of sequence s sits at position
 // seq_lens[s] - q_len + i, where q_len = query_start_loc[s+1] - query_start_loc[s], and
 // turns by that position plus its sequence's rope shift.
