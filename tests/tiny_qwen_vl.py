@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -19,7 +20,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from tiny_vision import TEXT_SHAPE, template
+from tiny_vision import TEXT_SHAPE, random_weights, template
 
 # The image's pad token (what the chat template writes between the other two), its start
 # and its end, as Qwen's tokenizer names them.
@@ -43,9 +44,7 @@ def save_tiny_qwen3vl(
     frequencies split 6, 5, 5 between time, height and width, as 2B's 64 are 24, 20, 20),
     and a tower whose first and third layers' rows are added after the language model's
     first two layers (DeepStack; the third layer gets none, as in the releases)."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3VL_TOKENS)})
-    image, start, end = tokenizer.convert_tokens_to_ids(list(QWEN3VL_TOKENS))
+    tokenizer, (image, start, end) = _qwen_tokenizer(tokenizer_dir)
     rope = {
         "rope_type": "default",
         "rope_theta": 100.0,  # a base this low turns each frequency by a grid's few positions
@@ -77,11 +76,7 @@ def save_tiny_qwen3vl(
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = transformers.Qwen3VLForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
-    model.eval().save_pretrained(out)
+    random_weights(transformers.Qwen3VLForConditionalGeneration(config)).save_pretrained(out)
     tokenizer.chat_template = template(QWEN3VL_MARKER)
     tokenizer.save_pretrained(out)
     Qwen2VLImageProcessorPil(
@@ -90,15 +85,20 @@ def save_tiny_qwen3vl(
     return out
 
 
+def _qwen_tokenizer(tokenizer_dir: Path) -> tuple[Any, list[int]]:
+    """The bundled tokenizer with Qwen's image tokens, and their ids."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3VL_TOKENS)})
+    return tokenizer, tokenizer.convert_tokens_to_ids(list(QWEN3VL_TOKENS))
+
+
 def save_tiny_qwen25vl(out: Path, tokenizer_dir: Path) -> Path:
     """Qwen2.5-VL's shape in small: Qwen2's layers (q/k/v biases) turned by M-RoPE whose
     frequencies take a run each (a head's 16 split 4, 6, 6, as 3B's 64 are 16, 24, 24); a
     tower of 14-pixel patches whose layers attend within windows of 4 x 4 patches, but the
     last, which sees the whole image (window_size 56 pixels, fullatt_block_indexes [2]);
     saved as the released files are."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3VL_TOKENS)})
-    image, start, end = tokenizer.convert_tokens_to_ids(list(QWEN3VL_TOKENS))
+    tokenizer, (image, start, end) = _qwen_tokenizer(tokenizer_dir)
     # A base this low turns each frequency by a grid's few positions (1e6's hardly would).
     rope = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [4, 6, 6]}
     shape = {k: v for k, v in TEXT_SHAPE.items() if k != "head_dim"}  # hidden / heads: 32
@@ -115,11 +115,7 @@ def save_tiny_qwen25vl(out: Path, tokenizer_dir: Path) -> Path:
         vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
-    model.eval().save_pretrained(out)
+    random_weights(transformers.Qwen2_5_VLForConditionalGeneration(config)).save_pretrained(out)
     _as_released(out)
     tokenizer.chat_template = template(QWEN3VL_MARKER)
     tokenizer.save_pretrained(out)

@@ -55,7 +55,7 @@ def template(marker: str) -> str:
     )
 
 
-def _random_weights(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+def random_weights(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.7, 1.3)
@@ -90,7 +90,7 @@ def save_tiny_mistral3(out: Path, tokenizer_dir: Path) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    _random_weights(transformers.Mistral3ForConditionalGeneration(config)).save_pretrained(out)
+    random_weights(transformers.Mistral3ForConditionalGeneration(config)).save_pretrained(out)
     tokenizer.chat_template = template(IMAGE_TOKENS[0])
     tokenizer.save_pretrained(out)
     PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=PATCH).save_pretrained(out)
@@ -130,7 +130,7 @@ def save_tiny_gemma3(out: Path, tokenizer_dir: Path) -> Path:
         image_token_index=ids[2],
     )
     torch.manual_seed(0)
-    _random_weights(transformers.Gemma3ForConditionalGeneration(config)).save_pretrained(out)
+    random_weights(transformers.Gemma3ForConditionalGeneration(config)).save_pretrained(out)
     tokenizer.chat_template = template(GEMMA3_TOKENS[0])
     processor = transformers.Gemma3Processor(
         image_processor=Gemma3ImageProcessorPil(size={"height": 112, "width": 112}),
@@ -390,7 +390,7 @@ def save_tiny_gemma4(
         eoi_token_id=ids[2],
     )
     torch.manual_seed(0)
-    model = _random_weights(transformers.Gemma4ForConditionalGeneration(config))
+    model = random_weights(transformers.Gemma4ForConditionalGeneration(config))
     with torch.no_grad():  # buffers transformers leaves at one, infinite or unset
         for layer in model.model.language_model.layers:
             layer.layer_scalar.uniform_(0.5, 1.5)
