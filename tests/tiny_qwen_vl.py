@@ -18,6 +18,7 @@ import torch
 import transformers
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tiny_vision import TEXT_SHAPE, random_weights, template
@@ -106,7 +107,7 @@ def save_tiny_qwen25vl(out: Path, tokenizer_dir: Path) -> Path:
         **shape, vocab_size=len(tokenizer), max_position_embeddings=1024,
         rope_parameters=rope, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    vision = transformers.Qwen2_5_VLConfig().vision_config.__class__(
+    vision = Qwen2_5_VLVisionConfig(
         depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
         out_hidden_size=TEXT_SHAPE["hidden_size"], window_size=56, fullatt_block_indexes=[2],
     )  # fmt: skip

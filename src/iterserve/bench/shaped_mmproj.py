@@ -9,8 +9,10 @@ Written tensor by tensor, as shaped_gguf.py writes models."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGUFWriter
@@ -124,9 +126,8 @@ def _gemma4_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]
 
 
 def _qwen3vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
-    """Qwen3-VL's: every tensor of transformers' tower (on the meta device), named as
-    llama.cpp's converter names it (model/gguf_qwen_vl.py reads the same names); the patch
-    embedding's 3D kernel as its two frames' 2D kernels."""
+    """Qwen3-VL's: named as llama.cpp's converter names them (model/gguf_qwen_vl.py reads
+    the same names), its DeepStack mergers by their tower layers."""
     import torch
     import transformers
 
@@ -142,33 +143,20 @@ def _qwen3vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type
     with torch.device("meta"):
         tower = transformers.Qwen3VLVisionModel(vision)
     names = mmproj_names(shape.layers)
-    found: list[tuple[str, tuple[int, ...], type]] = []
-    for name, tensor in tower.state_dict().items():
-        ours = qwen3vl_file_name("visual." + name, names, list(shape.deepstack))
-        assert ours is not None, name
-        dims = tuple(tensor.shape)
-        if name == "patch_embed.proj.weight":  # [out, in, 2 frames, p, p]
-            frame = (dims[0], dims[1], *dims[3:])
-            found += [(ours, frame, np.float16), (ours + ".1", frame, np.float16)]
-            continue
-        matrix = len(dims) == 2 and "pos_embed" not in name
-        found.append((ours, dims, np.float16 if matrix else np.float32))
-    return found
+    return _qwen_tensors(tower, lambda hf: qwen3vl_file_name(hf, names, list(shape.deepstack)))
 
 
 def _qwen25vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], type]]:
-    """Qwen2.5-VL's: every tensor of transformers' tower (on the meta device), named by the
-    converter's map, its fused q/k/v as three and its patch embedding's 3D kernel as its two
-    frames' 2D kernels (model/gguf_qwen_vl.py reads them so)."""
+    """Qwen2.5-VL's: named by the converter's map, its fused q/k/v as three."""
     import torch
-    import transformers
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel,
     )
 
     from iterserve.model.projector_file import mmproj_names
 
-    vision = transformers.Qwen2_5_VLConfig().vision_config.__class__(
+    vision = Qwen2_5_VLVisionConfig(
         depth=shape.layers, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
         num_heads=shape.heads, patch_size=shape.patch_size, spatial_merge_size=shape.merge,
         out_hidden_size=shape.text_hidden,
@@ -176,6 +164,19 @@ def _qwen25vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], typ
     with torch.device("meta"):
         tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision)
     names = mmproj_names(shape.layers)
+
+    def name_of(hf: str) -> str | None:
+        return names.get_name(hf, try_suffixes=(".weight", ".bias"))
+
+    return _qwen_tensors(tower, name_of, split_qkv=True)
+
+
+def _qwen_tensors(
+    tower: Any, name_of: Callable[[str], str | None], split_qkv: bool = False
+) -> list[tuple[str, tuple[int, ...], type]]:
+    """Every tensor of a Qwen tower (built on the meta device) under `name_of(visual.NAME)`:
+    the patch embedding's 3D kernel as its two frames' 2D kernels, with `split_qkv` a fused
+    q/k/v as three; matrices F16, the rest (the position table too) F32."""
     found: list[tuple[str, tuple[int, ...], type]] = []
     for name, tensor in tower.state_dict().items():
         dims = tuple(tensor.shape)
@@ -185,13 +186,13 @@ def _qwen25vl_tensors(shape: TowerShape) -> list[tuple[str, tuple[int, ...], typ
             found += [("v.patch_embd.weight.1", frame, np.float16)]
             continue
         pieces = {name: dims}
-        if ".qkv." in name:
-            third = (dims[0] // 3, *dims[1:])
-            pieces = {name.replace("qkv", part): third for part in "qkv"}
+        if split_qkv and ".qkv." in name:
+            pieces = {name.replace("qkv", part): (dims[0] // 3, *dims[1:]) for part in "qkv"}
         for piece, piece_dims in pieces.items():
-            ours = names.get_name("visual." + piece, try_suffixes=(".weight", ".bias"))
+            ours = name_of("visual." + piece)
             assert ours is not None, piece
-            found.append((ours, piece_dims, np.float16 if len(piece_dims) == 2 else np.float32))
+            matrix = len(piece_dims) == 2 and "pos_embed" not in piece
+            found.append((ours, piece_dims, np.float16 if matrix else np.float32))
     return found
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import transformers
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from iterserve.model.config import ModelConfig
@@ -69,7 +70,7 @@ def read_qwen25vl(
     period = int(file.metadata.get("clip.vision.n_wa_pattern", 0))
     if period <= 0:
         raise ModelLoadError(f"{file.path}: clip.vision.n_wa_pattern is missing")
-    vision = transformers.Qwen2_5_VLConfig().vision_config.__class__(
+    vision = Qwen2_5_VLVisionConfig(
         **shape,
         window_size=int(file.metadata.get("clip.vision.window_size", _QWEN25VL_WINDOW)),
         fullatt_block_indexes=[i for i in range(shape["depth"]) if (i + 1) % period == 0],
