@@ -426,6 +426,15 @@ GEMMA4_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Gemma 4 31B's attention layout, which 26B-A4B shares.
+_31B_ATTENTION = dict(
+    num_hidden_layers=4,
+    num_key_value_heads=2,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    layer_types=[SLIDING, FULL, SLIDING, FULL],
+    hidden_size_per_layer_input=0,
+)
 GEMMA4_SHAPES = {
     # E2B's parts: one kv head, per-layer embeddings, the last two layers reading the K/V of
     # the last earlier layer of their kind (2 and 1), their MLPs twice as wide.
@@ -440,14 +449,16 @@ GEMMA4_SHAPES = {
         tie_word_embeddings=True,
     ),
     # 31B's: full layers with fewer kv heads of their own whose keys are their values.
-    "31b": dict(
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        layer_types=[SLIDING, FULL, SLIDING, FULL],
-        hidden_size_per_layer_input=0,
-        tie_word_embeddings=False,
+    "31b": dict(**_31B_ATTENTION, tie_word_embeddings=False),
+    # 26B-A4B's: 31B's attention, and on every layer experts (GeGLU, top 2 of 8) beside the
+    # dense MLP, routed from the stream through the router's own norm and scales.
+    "26b": dict(
+        **_31B_ATTENTION,
+        tie_word_embeddings=True,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=64,
     ),
 }
 
@@ -478,4 +489,8 @@ def gemma4_model(
     with torch.no_grad():  # a buffer transformers leaves at one
         for layer in hf.model.layers:
             layer.layer_scalar.uniform_(0.5, 1.5, generator=generator)
+            if hf.config.enable_moe_block:  # scales near one, and routers that pick clearly
+                layer.router.scale.uniform_(0.5, 1.5, generator=generator)
+                layer.router.per_expert_scale.uniform_(0.5, 1.5, generator=generator)
+                layer.router.proj.weight.normal_(0.0, 2.0, generator=generator)
     return hf

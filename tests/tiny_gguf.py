@@ -48,6 +48,23 @@ _GEMMA_BLOCK = {
     "per_layer_projection": "proj",
     "post_per_layer_input_norm": "post_norm",
     "layer_scalar": "layer_output_scale",
+    # Gemma 4 26B-A4B's router (its weight, its input's scale), experts (gate and up in one
+    # stack, the per-expert scale as the down stack's), and the norms of its two MLPs, as
+    # _gemma4_state names them (gguf-py's FFN_GATE_INP, FFN_GATE_UP_EXP, FFN_DOWN_EXP,
+    # FFN_PRE_NORM_2, FFN_POST_NORM_1, FFN_POST_NORM_2)
+    "router.proj": "ffn_gate_inp",
+    "router": "ffn_gate_inp",
+    "experts.gate_up": "ffn_gate_up_exps",
+    "experts.down": "ffn_down_exps",
+    "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+    "post_feedforward_layernorm_1": "post_ffw_norm_1",
+    "post_feedforward_layernorm_2": "post_ffw_norm_2",
+}
+# Gemma 4's tensors under the names _GEMMA_BLOCK reads, as llama.cpp's converter renames them.
+_GEMMA4_RENAMES = {
+    "router.per_expert_scale": "experts.down.scale",
+    "experts.gate_up_proj": "experts.gate_up.weight",
+    "experts.down_proj": "experts.down.weight",
 }
 # gpt-oss: the sinks, the norm before the MLP (ATTN_POST_NORM), the router and the expert
 # stacks as _gpt_oss_state names them.
@@ -105,6 +122,13 @@ _TOP = {
     "model.per_layer_model_projection": "per_layer_model_proj",
     "model.per_layer_projection_norm": "per_layer_proj_norm",
 }
+
+
+def _gemma4_name(name: str) -> str:
+    for theirs, ours in _GEMMA4_RENAMES.items():
+        if name.endswith(theirs):
+            return name.removesuffix(theirs) + ours
+    return name
 
 
 def _gpt_oss_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -254,6 +278,10 @@ def _add_gemma4_shape(writer: GGUFWriter, config: Any) -> None:
     writer.add_shared_kv_layers(shared)
     writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.enable_moe_block:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.top_k_experts)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
 def gemma4_rope_freqs(config: Any) -> np.ndarray:
@@ -370,6 +398,7 @@ def write_gguf(
     block = _BLOCK
     if arch.startswith("gemma"):
         block = {**_BLOCK, **_GEMMA_BLOCK}
+        state = {_gemma4_name(name): tensor for name, tensor in state.items()}
     elif arch == "gpt-oss":
         block = {**_BLOCK, **_GPT_OSS_BLOCK}
         state = _gpt_oss_state(state)

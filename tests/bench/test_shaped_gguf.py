@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from iterserve import kernels
 from iterserve.bench.bandwidth import decode_bytes_per_token, kv_bytes_per_step
 from iterserve.bench.shaped_gguf import (
     PRESETS,
@@ -23,6 +24,7 @@ from iterserve.bench.shaped_gguf import (
 )
 from iterserve.bench.tokenizer import load_tokenizer
 from iterserve.model.gguf_loader import load_gguf, read_gguf_header
+from iterserve.model.llama import LlamaForCausalLM
 
 
 def test_the_tiny_preset_loads_with_its_shape_and_the_bundled_tokenizer(
@@ -332,4 +334,58 @@ def test_a_gemma4_body_loads_its_layers_shapes_and_per_layer_embeddings(tmp_path
     specs = tensor_specs(shape, 49152)
     table = next(spec for spec in specs if spec.name == "per_layer_token_embd.weight")
     assert decode_bytes_per_token(path) == sum(spec.nbytes for spec in specs) - table.nbytes
-    assert q4_k_m_types(table, shape) == "Q6_K"
+    # A token embedding to llama-quantize: Q6_K, where its rows are whole 256-value blocks
+    # (E2B's 35 x 256), else Q8_0 (this one's 5 x 32).
+    e2b = PRESETS["gemma4-e2b"]
+    real_table = next(s for s in tensor_specs(e2b, 262144) if s.name == table.name)
+    assert (q4_k_m_types(real_table, e2b), q4_k_m_types(table, shape)) == ("Q6_K", "Q8_0")
+
+
+def test_a_gemma4_moe_body_loads_its_experts_beside_the_dense_mlp(tmp_path: Path) -> None:
+    """Gemma 4 26B-A4B's layout (made small), as random Q4_K_M blocks: gate and up in one
+    expert stack, the router's scales, the dense MLP beside the experts; the loader reads
+    each expert's gate and up as rows of the one stack, in their blocks, and a decode step
+    reads the routed share of the stacks."""
+    shape = dataclasses.replace(
+        PRESETS["gemma4-26b-a4b"],
+        hidden=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        full_every=2,
+        full_head_dim=128,
+        full_kv_heads=1,
+        experts=4,
+        experts_used=2,
+        intermediate=256,
+        dense_intermediate=512,
+    )
+    path = write_shaped_gguf(tmp_path / "gemma4-moe.gguf", shape, blocks=q4_k_m_types)
+    metadata, tensors = read_gguf_header(path)
+    assert metadata["gemma4.feed_forward_length"] == [512, 512]
+    assert tensors["blk.0.ffn_gate_up_exps.weight"].shape == (4, 512, 256)
+    experts = sum(info.nbytes for name, info in tensors.items() if "_exps." in name)
+    assert decode_bytes_per_token(path) == sum(i.nbytes for i in tensors.values()) - experts // 2
+
+    loaded = load_gguf(path, torch.bfloat16)
+    config = loaded.config
+    assert config.architecture == "gemma4" and config.experts_beside_dense
+    assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
+    assert (config.intermediate_size, config.layer_mlp_width(0)) == (256, 512)
+    layer = "model.layers.1."
+    gate, up = (loaded.quantized[f"{layer}experts.3.{p}_proj.weight"] for p in ("gate", "up"))
+    assert gate.shape == up.shape == (256, 256) and gate.format.name == "Q4_K"
+    assert up.offset - gate.offset == gate.format.row_bytes(256) * 256
+    # The real model's down projections (704, 2112 wide) are not whole 256-value blocks:
+    # llama-quantize's fallbacks, Q4_K -> Q5_0 and Q6_K -> Q8_0.
+    real = PRESETS["gemma4-26b-a4b"]
+    specs = {spec.name: spec for spec in tensor_specs(real, 262144)}
+    down = [
+        q4_k_m_types(specs[f"blk.{i}.ffn_down{s}.weight"], real) for i, s in ((0, "_exps"), (4, ""))
+    ]
+    assert down == ["Q8_0", "Q5_0"]
+    if kernels.available():  # the experts run from those blocks in one call
+        model = LlamaForCausalLM(config, torch.bfloat16, torch.device("cpu"))
+        model.load(loaded.weights, "tiled", loaded.quantized)
+        assert model.layers[1].moe is not None and model.layers[1].moe.kernel is not None

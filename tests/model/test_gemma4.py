@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,33 @@ def test_tiled_kernels_keep_the_eager_greedy_tokens(
     assert_fast_paths_keep_the_eager_greedy_tokens(config, weights, VOCAB, fused=name == "e2b")
 
 
+@pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
+def test_the_26b_experts_in_one_call_are_the_block_op_by_op(
+    tmp_path: Path, tokenizer_dir: Path, kernel_isa: str
+) -> None:
+    """26B-A4B's experts in kernels/csrc/moe.cpp's one call (the router on its own rows, the
+    weights times each expert's scale, GeGLU) against the block op by op on the same tiled
+    kernels, on every kernel variant this CPU runs: one token, a few rows, many. (Its
+    windowed layers run whole in the C++ layer op, experts and all: the greedy tokens of
+    test_tiled_kernels_keep_the_eager_greedy_tokens.)"""
+    directory = save_checkpoint(gemma4_model("26b"), tmp_path, tokenizer_dir)
+    loaded = load_model(directory, torch.bfloat16)
+    model = LlamaForCausalLM(loaded.config, torch.bfloat16, torch.device("cpu"))
+    model.load(loaded.weights, "tiled")
+    # The windowed layers take the layer op; the full ones (keys as values) do not.
+    assert [layer.fused is not None for layer in model.layers] == [True, False, True, False]
+    generator = torch.Generator().manual_seed(0)
+    for layer in model.layers:
+        block = layer.moe
+        assert block is not None and block.kernel is not None
+        for tokens in (1, 3, 90):  # 90 x 2 pairs: past the loop that scatters a few
+            x, stream = torch.randn(2, tokens, block.hidden, generator=generator).bfloat16()
+            routed = block.router_input(stream)
+            got, want = block.run(x, None, routed), block.run_ops(x, None, routed)
+            torch.testing.assert_close(got, want, atol=0.02, rtol=0.02)
+            assert (got != want).float().mean() < 0.01
+
+
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_gguf_reads_as_its_hf_checkpoint(
     gemma4: tuple[str, transformers.PreTrainedModel],
@@ -139,7 +167,7 @@ def test_gguf_reads_as_its_hf_checkpoint(
     reference = hf
     if qtype == "Q8_0":
         reference = gemma4_model(name)
-        state = {n: loaded.weights[n] for n in loaded.weights}
+        state = _stacked_experts({n: loaded.weights[n] for n in loaded.weights})
         missing = reference.load_state_dict(state, strict=False).missing_keys
         assert missing in ([], ["lm_head.weight"])
     ours = LlamaForCausalLM(loaded.config, torch.float32, torch.device("cpu"))
@@ -155,10 +183,29 @@ def test_gguf_reads_as_its_hf_checkpoint(
     )
 
 
+def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our weights' names (each expert's projections, transformers' Gemma 4 expert stacks
+    unstacked) stacked back as transformers keeps them."""
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)_proj\.weight", name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
+    for prefix, parts in experts.items():
+        count = 1 + max(e for e, _ in parts)
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(count)]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down"] for e in range(count)])
+    return out
+
+
 @pytest.mark.parametrize(
     ("field", "message"),
     [
-        ({"enable_moe_block": True}, "26B-A4B"),
+        ({"enable_moe_block": True}, "no num_experts"),
         ({"use_bidirectional_attention": "all"}, "both ways"),
     ],
 )

@@ -18,7 +18,7 @@ from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.loader import load_model, text_model_config
 from paged_runner import PagedRunner
 from tiny_checkpoints import save_checkpoint
-from tiny_families import MINISTRAL3_ROPE, family_checkpoint, family_model
+from tiny_families import MINISTRAL3_ROPE, family_checkpoint, family_model, gemma4_model
 from tiny_gguf import write_gguf
 from tiny_vision import TEXT_SHAPE
 
@@ -72,8 +72,23 @@ def _qwen3_vl() -> transformers.PreTrainedModel:
     return transformers.Qwen3VLForConditionalGeneration(config)
 
 
+def _gemma4_26b() -> transformers.PreTrainedModel:
+    """26B-A4B's form as released: its experts in stacks under model.language_model."""
+    text = gemma4_model("26b").config
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    config = transformers.Gemma4Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None
+    )
+    return transformers.Gemma4ForConditionalGeneration(config)
+
+
 @pytest.mark.parametrize(
-    "make", [_gemma3, _ministral3, _qwen3_vl], ids=["gemma3", "ministral3", "qwen3_vl"]
+    "make",
+    [_gemma3, _ministral3, _qwen3_vl, _gemma4_26b],
+    ids=["gemma3", "ministral3", "qwen3_vl", "gemma4_26b"],
 )
 def test_a_multimodal_checkpoint_serves_its_language_model(
     make: object, tmp_path: Path, tokenizer_dir: Path
@@ -86,7 +101,7 @@ def test_a_multimodal_checkpoint_serves_its_language_model(
     directory = save_checkpoint(hf, tmp_path, tokenizer_dir)
     loaded = load_model(directory, torch.float32)
     text_type = hf.config.text_config.model_type
-    families = {"gemma3_text": "gemma3", "qwen3_vl_text": "qwen3"}
+    families = {"gemma3_text": "gemma3", "qwen3_vl_text": "qwen3", "gemma4_text": "gemma4"}
     assert loaded.config.architecture == families.get(text_type, text_type)
     assert not [n for n in loaded.weights if "vision" in n or "projector" in n]
     assert loaded.config.tie_word_embeddings == hf.config.tie_word_embeddings

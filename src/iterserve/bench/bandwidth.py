@@ -91,7 +91,7 @@ def read_bandwidth(threads: int, nbytes: int = BUFFER_BYTES, repeats: int = 10) 
 def decode_bytes_per_token(path: Path) -> int:
     """Bytes of a checkpoint's tensors (a GGUF file, or an HF directory's safetensors) one
     decode step of one sequence reads: every tensor once, but of a mixture of experts'
-    stacks (GGUF's ffn_*_exps, HF's mlp.experts) only the share of the experts a token is
+    stacks (GGUF's ffn_*_exps, HF's experts) only the share of the experts a token is
     routed to; the embedding only when it is also the head (tied, no separate head),
     since otherwise a step reads one row of it (as of Gemma 4's per-layer table). The KV
     cache a step reads is
@@ -107,7 +107,7 @@ def decode_bytes_per_token(path: Path) -> int:
     looked_up |= {"per_layer_token_embd.weight", "model.embed_tokens_per_layer.weight"}
     return round(
         sum(
-            nbytes * (routed if "_exps." in name or ".mlp.experts." in name else 1.0)
+            nbytes * (routed if "_exps." in name or ".experts." in name else 1.0)
             for name, nbytes in sizes.items()
             if name not in looked_up
         )

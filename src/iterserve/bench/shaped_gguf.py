@@ -134,6 +134,12 @@ class Shape:
     kv_shared: int = 0
     double_mlp: bool = False
     per_layer_input: int = 0
+    # Gemma 4 26B-A4B: on every layer the experts beside a dense MLP (dense_intermediate
+    # wide), each output normed (post_ffw_norm_1, _2), the experts' input by its own norm
+    # (pre_ffw_norm_2), gate and up in one stack (ffn_gate_up_exps), the router's input scale
+    # (ffn_gate_inp.scale) and a scale an expert (ffn_down_exps.scale), as llama.cpp's
+    # converter writes them.
+    experts_beside_dense: bool = False
     # Qwen3-VL: M-RoPE's split of a head's frequencies (rope.dimension_sections: time,
     # height, width) and how many layers its tower's DeepStack rows are added after.
     mrope_section: tuple[int, int, int] | None = None
@@ -272,6 +278,15 @@ PRESETS: dict[str, Shape] = {
     "gemma4-e4b": Shape("gemma4", "gemma-4-E4B-it",        2560, 10240,  42,   8,   2, 256,      1e6, 131072, 1e-6,
                         qk_norm=True, sliding_window=512, rope_local_theta=10000.0, final_softcap=30.0,
                         vocab=262144, full_every=6, full_head_dim=512, kv_shared=18, per_layer_input=256),
+    # Gemma 4's mixture of experts: on each of 30 layers 128 experts of 704, 8 a token, beside
+    # a dense MLP of 2112; five windowed layers to one full one, whose 2 kv heads of 512 are
+    # keys and values at once: 25.2B weights, 3.8B of them read a token (its text config as
+    # published copies of it give it, not re-read offline).
+    "gemma4-26b-a4b": Shape("gemma4", "gemma-4-26B-A4B-it", 2816,   704,  30,  16,   8, 256,      1e6, 262144, 1e-6,
+                        qk_norm=True, sliding_window=1024, rope_local_theta=10000.0, final_softcap=30.0,
+                        vocab=262144, full_every=6, full_head_dim=512, full_kv_heads=2,
+                        keys_as_values=True, experts=128, experts_used=8, dense_intermediate=2112,
+                        experts_beside_dense=True),
 }
 # fmt: on
 
@@ -371,6 +386,8 @@ def _mlp(blk: str, shape: Shape, layer: int) -> list[TensorSpec]:
     projections (LFM2-MoE's leading layers: dense_intermediate wide)."""
     h = shape.hidden
     specs = [TensorSpec(f"{blk}.{shape.mlp_norm}.weight", (h,), "norm")]
+    if shape.experts_beside_dense:
+        return specs + _dense_and_experts(blk, shape)
     if not shape.experts or layer < shape.leading_dense:
         # dense_intermediate: a MoE shape's dense width (LFM2-MoE's leading layers)
         return specs + _dense_projections(blk, shape, shape.layer_width(layer))
@@ -390,6 +407,24 @@ def _mlp(blk: str, shape: Shape, layer: int) -> list[TensorSpec]:
         for name, width in (("gate", i_), ("up", i_), ("down", h)):
             specs.append(TensorSpec(f"{blk}.ffn_{name}_exps.bias", (e, width), "bias"))
     return specs
+
+
+def _dense_and_experts(blk: str, shape: Shape) -> list[TensorSpec]:
+    """Gemma 4 26B-A4B's MLP block past its first norm: the dense MLP and the experts beside
+    it, with their norms and the router's scales."""
+    h, e, i_ = shape.hidden, shape.experts, shape.intermediate
+    assert shape.dense_intermediate is not None
+    return [
+        *_dense_projections(blk, shape, shape.dense_intermediate),
+        TensorSpec(f"{blk}.post_ffw_norm_1.weight", (h,), "norm"),
+        TensorSpec(f"{blk}.pre_ffw_norm_2.weight", (h,), "norm"),
+        TensorSpec(f"{blk}.ffn_gate_inp.weight", (e, h), "router"),
+        TensorSpec(f"{blk}.ffn_gate_inp.scale", (h,), "norm"),
+        TensorSpec(f"{blk}.ffn_gate_up_exps.weight", (e, 2 * i_, h), "weight"),
+        TensorSpec(f"{blk}.ffn_down_exps.weight", (e, h, i_), "weight"),
+        TensorSpec(f"{blk}.ffn_down_exps.scale", (e,), "norm"),
+        TensorSpec(f"{blk}.post_ffw_norm_2.weight", (h,), "norm"),
+    ]
 
 
 def _dense_projections(blk: str, shape: Shape, i_: int, suffix: str = "") -> list[TensorSpec]:
@@ -618,11 +653,24 @@ def random_blocks(
     return out.reshape(rows, -1)
 
 
+# llama-quantize's type for a tensor whose rows are not whole 256-value blocks (its
+# tensor_type_fallback): Gemma 4 26B-A4B's down projections, 704 and 2112 wide.
+_K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
 def q4_k_m_types(spec: TensorSpec, shape: Shape) -> str | None:
     """The type llama.cpp's Q4_K_M gives a weight (llama-quantize's rules): Q6_K for the
     head (output.weight, or the tied embedding; an untied one llama.cpp makes Q4_K) and for
     attn_v and ffn_down in the first and last eighth of the layers and every third between;
-    Q4_K elsewhere; None (as written) for norms and tables."""
+    Q4_K elsewhere; a 32-value type where a row is not whole K-quant blocks; None (as
+    written) for norms and tables."""
+    qtype = _q4_k_m_type(spec, shape)
+    if qtype is not None and spec.shape[-1] % 256:
+        return _K_QUANT_FALLBACK[qtype]
+    return qtype
+
+
+def _q4_k_m_type(spec: TensorSpec, shape: Shape) -> str | None:
     if spec.kind != "weight":
         return None
     if spec.name in ("token_embd.weight", "output.weight", "per_layer_token_embd.weight"):

@@ -68,6 +68,9 @@ class ModelConfig:
     # num_dense_layers and intermediate_size; llama.cpp's leading_dense_block_count).
     leading_dense_layers: int = 0
     dense_intermediate_size: int = 0
+    # With experts: every layer's experts run beside a dense MLP of `dense_intermediate_size`
+    # (Gemma 4 26B-A4B: each output normed, their sum normed again before the residual add).
+    experts_beside_dense: bool = False
     # How the router scores a token's experts: a softmax over all of them (Mixtral and most),
     # or each by its own sigmoid (LFM2-MoE, whose top-k weights are renormalised with an
     # epsilon of 1e-6 where norm_topk_prob says). With `expert_selection_bias`, a learned bias
@@ -152,9 +155,12 @@ class ModelConfig:
         return self.num_local_experts > 0 and index >= self.leading_dense_layers
 
     def layer_mlp_width(self, index: int) -> int:
-        """Layer `index`'s MLP width: a leading dense layer's, a KV-sharing layer's doubled
-        one (Gemma 4 E2B), else `intermediate_size` (one expert's in a layer of experts)."""
-        if self.num_local_experts and index < self.leading_dense_layers:
+        """Layer `index`'s (dense) MLP width: a leading dense layer's or the one beside the
+        experts (Gemma 4 26B-A4B), a KV-sharing layer's doubled one (Gemma 4 E2B), else
+        `intermediate_size` (one expert's in a layer of experts)."""
+        if self.num_local_experts and (
+            index < self.leading_dense_layers or self.experts_beside_dense
+        ):
             return self.dense_intermediate_size
         if self.shared_layers_double_mlp and self.layer_kv_source(index) != index:
             return 2 * self.intermediate_size

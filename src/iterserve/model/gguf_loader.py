@@ -117,7 +117,10 @@ _MOE_FAMILIES = {
     "granitemoe": "granitemoe",
     "olmoe": "olmoe",
     "lfm2moe": "lfm2_moe",
+    "gemma4": "gemma4",  # 26B-A4B: experts beside each layer's dense MLP
 }
+# Of those, the architectures whose files may also have no experts (a dense model).
+_EXPERTS_OPTIONAL = ("llama", "gemma4")
 # GGUF architectures of LFM2's hybrid layers: conv layers have no kv heads (head_count_kv 0).
 _LFM2_ARCHITECTURES = ("lfm2", "lfm2moe")
 # llama.cpp's expert_gating_func values (its llama_expert_gating_func_type) read for LFM2-MoE.
@@ -134,6 +137,10 @@ _GEMMA_BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # Gemma 4 26B-A4B's norms of its experts' input and of its two MLPs' outputs
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
     # Gemma 4's per-layer input gate, projection and norm
     "inp_gate": "per_layer_input_gate",
     "proj": "per_layer_projection",
@@ -156,7 +163,7 @@ _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # of 1/sqrt(head_dim): GGUF has no key for HF's query_pre_attn_scalar, and llama.cpp picks
 # the scale by model size exactly so.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scale)")
 # LFM2's conv layers (model/short_conv.py): blk.N.shortconv.{in_proj,conv,out_proj}.weight.
 _SHORTCONV_TENSOR = re.compile(r"blk\.(\d+)\.shortconv\.(in_proj|conv|out_proj)\.weight")
 # "SmolLM2-135M-Instruct.Q4_1", "Llama-3.1-8B-Instruct-Q4_K_M": the served name drops the quant.
@@ -471,9 +478,9 @@ def _refuse_unsupported(
     if experts and arch not in _MOE_FAMILIES:
         raise ModelLoadError(
             f"GGUF {arch!r} with experts is not supported; only Mixtral, Qwen2-MoE, Qwen3-MoE, "
-            "gpt-oss, Granite MoE, OLMoE and LFM2-MoE are"
+            "gpt-oss, Granite MoE, OLMoE, LFM2-MoE and Gemma 4 are"
         )
-    if arch in _MOE_FAMILIES and arch != "llama" and not experts:
+    if arch in _MOE_FAMILIES and arch not in _EXPERTS_OPTIONAL and not experts:
         raise ModelLoadError(f"GGUF {arch!r} file without {arch}.expert_count")
     if arch != "qwen2moe" and "blk.0.ffn_up_shexp.weight" in tensors:
         raise ModelLoadError(
@@ -481,7 +488,8 @@ def _refuse_unsupported(
             "GraniteMoeSharedForCausalLM) is not supported; Qwen2-MoE's is"
         )
     first = int(metadata.get(f"{arch}.leading_dense_block_count", 0))  # LFM2-MoE's: dense
-    if experts and f"blk.{first}.ffn_gate_exps.weight" not in tensors:
+    stacks = (f"blk.{first}.ffn_gate_{s}exps.weight" for s in ("", "up_"))
+    if experts and not any(name in tensors for name in stacks):
         raise ModelLoadError(
             "GGUF Mixtral files with one tensor per expert (blk.N.ffn_gate.E.weight, an old "
             "llama.cpp layout) are not supported; convert again to get ffn_*_exps tensors"
@@ -789,6 +797,13 @@ def _gemma4_fields(
     full_kv_heads = min(kinds[1]) if kinds[1] else kv_heads
     per_layer_size = int(metadata.get("gemma4.embedding_length_per_layer_input", 0))
     table = tensors.get("per_layer_token_embd.weight")
+    experts = {}
+    if metadata.get("gemma4.expert_count"):  # 26B-A4B: the experts beside the dense MLP
+        experts = {
+            "intermediate_size": int(metadata["gemma4.expert_feed_forward_length"]),
+            "dense_intermediate_size": widths[0],
+            "experts_beside_dense": True,
+        }
     return {
         "head_dim": head_dim,
         "num_key_value_heads": kv_heads,
@@ -805,6 +820,7 @@ def _gemma4_fields(
         "per_layer_input_size": per_layer_size,
         "per_layer_vocab_size": table.shape[0] if per_layer_size and table else 0,
         "per_layer_pad_id": int(metadata.get("tokenizer.ggml.padding_token_id", 0)),
+        **experts,
     }
 
 
@@ -834,29 +850,44 @@ def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
         names = {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES}
     elif gguf_arch == "gpt-oss":
         names = {**_BLOCK_NAMES, **_GPT_OSS_BLOCK_NAMES}
-    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == GGUF_ROUTER:
-        router = EXPERT_NAMES[_MOE_FAMILIES.get(gguf_arch, "mixtral")].router
-        return f"model.layers.{match[1]}.{router.removesuffix('.weight')}.{match[3]}"
-    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == "exp_probs_b":
-        selection = EXPERT_NAMES[_MOE_FAMILIES.get(gguf_arch, "mixtral")].selection_bias
-        if selection is None:
-            raise ModelLoadError(f"GGUF {gguf_arch} with an expert selection bias is not supported")
-        return f"model.layers.{match[1]}.{selection}"
-    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == "attn_sinks":
-        return f"model.layers.{match[1]}.self_attn.sinks"
-    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] == _LAYER_SCALE:
-        return f"model.layers.{match[1]}.layer_scalar"
-    if (match := _BLOCK_TENSOR.fullmatch(gguf_name)) and match[2] in names:
-        module = names[match[2]]
-        if gguf_arch == "phi3" and match[2] == "ffn_up":  # Phi-3's fused gate and up
-            module = "mlp.gate_up_proj"
-        return f"model.layers.{match[1]}.{module}.{match[3]}"
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match and (block := _block_tensor_name(match[2], match[3], gguf_arch, names)) is not None:
+        return f"model.layers.{match[1]}.{block}"
     if match := _SHORTCONV_TENSOR.fullmatch(gguf_name):
         return f"model.layers.{match[1]}.conv.{match[2]}.weight"
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+
+
+def _block_tensor_name(
+    tensor: str, suffix: str, gguf_arch: str, names: dict[str, str]
+) -> str | None:
+    """The HF name under model.layers.N of a block's GGUF tensor `tensor`.`suffix`, or None."""
+    experts = EXPERT_NAMES.get(_MOE_FAMILIES.get(gguf_arch, "mixtral"))
+    if tensor == GGUF_ROUTER and experts is not None:
+        if suffix == "scale" and experts.router_scale:  # Gemma 4's router's input scale
+            return experts.router_scale
+        return f"{experts.router.removesuffix('.weight')}.{suffix}"
+    if (tensor, suffix) == ("ffn_down_exps", "scale"):  # Gemma 4's scale a weight by expert
+        if experts is None or experts.expert_scales is None:
+            raise ModelLoadError(f"GGUF {gguf_arch} with scales on its experts is not supported")
+        return experts.expert_scales
+    if tensor == "exp_probs_b":
+        if experts is None or experts.selection_bias is None:
+            raise ModelLoadError(f"GGUF {gguf_arch} with an expert selection bias is not supported")
+        return experts.selection_bias
+    if tensor == "attn_sinks":
+        return "self_attn.sinks"
+    if tensor == _LAYER_SCALE:
+        return "layer_scalar"
+    if tensor in names:
+        module = names[tensor]
+        if gguf_arch == "phi3" and tensor == "ffn_up":  # Phi-3's fused gate and up
+            module = "mlp.gate_up_proj"
+        return f"{module}.{suffix}"
+    return None
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -948,8 +979,11 @@ def _load_weights(
         if (
             experts := gguf_expert_names(info.name, info.shape[0], config.architecture)
         ) is not None:
+            # Each part its stack's rows (a fused gate+up stack: two parts an expert).
+            part_shape = (info.shape[0] * info.shape[1] // len(experts), *info.shape[2:])
             for e, name in enumerate(experts):
-                weights.add(name, info.shape[1:], functools.partial(_expert, stack, info, e, dtype))
+                make = functools.partial(_expert, stack, info, e, part_shape, dtype)
+                weights.add(name, part_shape, make)
             if kept:
                 whole = GGUFBlocks(
                     info.path,
@@ -1043,6 +1077,11 @@ def _tensor(
 
 
 def _expert(
-    stack: Callable[[str], torch.Tensor], info: GGUFTensorInfo, expert: int, dtype: torch.dtype
+    stack: Callable[[str], torch.Tensor],
+    info: GGUFTensorInfo,
+    part: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    return stack(info.name)[expert].to(dtype).contiguous()
+    """Part `part` of an expert stack whose parts are `shape` each."""
+    return stack(info.name).reshape(-1, *shape)[part].to(dtype).contiguous()

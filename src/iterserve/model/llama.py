@@ -197,6 +197,12 @@ class _DecoderLayer(nn.Module):
         self.moe = (
             SparseMoeBlock(config, dtype, device) if config.layer_has_experts(index) else None
         )
+        # Gemma 4 26B-A4B: the experts beside the dense MLP, the experts on their own norm of
+        # the stream, each output normed before their sum takes the MLP's output norm.
+        beside = self.moe is not None and config.experts_beside_dense
+        self.experts_in_norm = _weight(hidden, **like) if beside else None
+        self.dense_out_norm = _weight(hidden, **like) if beside else None
+        self.experts_out_norm = _weight(hidden, **like) if beside else None
         # Beside the experts, Qwen2-MoE's shared expert (model/shared_expert.py).
         self.shared_expert = (
             SharedExpert(config, dtype, device) if config.shared_expert_intermediate_size else None
@@ -223,6 +229,9 @@ class _DecoderLayer(nn.Module):
         # With LoRA adapters on the fused path, what the layer op takes to add their deltas
         # (model/lora_model.py's LayerSlots).
         self.lora_slots: Any = None
+        # Gemma 4 26B-A4B's experts as the layer op takes them beside its dense MLP
+        # (`_beside_arguments`): tensors, formats, top-k; empty otherwise.
+        self.fused_experts: tuple[list[torch.Tensor], list[int], int] = ([], [], 0)
 
     def build(
         self,
@@ -243,7 +252,8 @@ class _DecoderLayer(nn.Module):
         if self.conv is not None:
             self.conv.build(lambda name: part(prefix + name), backend, mode)
         for name, parts in self.checkpoint_parts.items():
-            if self.moe is not None and name in ("gate_up", "down"):
+            dense_mlp = self.moe is None or self.experts_in_norm is not None
+            if name in ("gate_up", "down") and not dense_mlp:
                 continue
             self.linears[name] = Linear(
                 [part(f"{prefix}{p}.weight") for p in parts],
@@ -263,14 +273,18 @@ class _DecoderLayer(nn.Module):
             if self.conv is not None
             else [self.linears["qkv"], self.linears["o"]]
         )
-        mlp = [self.linears["gate_up"], self.linears["down"]] if self.moe is None else []
+        beside = self.experts_in_norm is not None  # Gemma 4 26B-A4B: a dense MLP too
+        dense = self.moe is None or beside
+        mlp = [self.linears["gate_up"], self.linears["down"]] if dense else []
         tiled = [*mixer, *mlp]
         if self.shared_expert is not None:
             tiled += self.shared_expert.linears()
         per_layer = [self.linears[name] for name in _PER_LAYER_INPUT if name in self.linears]
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
         fits_layer_op = self.fits_layer_ops and self.head_dim % 32 == 0 and rotated % 32 == 0
-        if self.moe is not None and (self.moe.kernel is None or self.mlp_out_norm is not None):
+        if self.moe is not None and (
+            self.moe.kernel is None or (self.mlp_out_norm is not None and not beside)
+        ):
             fits_layer_op = False
         if all(lin.backend == "tiled" for lin in tiled + per_layer) and fits_layer_op:
             args = [lin.kernel_args for lin in tiled]
@@ -282,6 +296,22 @@ class _DecoderLayer(nn.Module):
                 [len(segments) for segments, _, _ in args],
                 [bias for _, _, bias in args],
             )
+            if beside:
+                self.fused_experts = self._beside_arguments()
+
+    def _beside_arguments(self) -> tuple[list[torch.Tensor], list[int], int]:
+        """decoder_layer's experts beside the dense MLP (Gemma 4 26B-A4B): the router's
+        tiles, the gate, up and down stacks, the router's scale, the experts' scales, the
+        experts' input norm and the two outputs' norms; the stacks' formats; top-k."""
+        block = self.moe
+        assert block is not None and block.kernel is not None
+        assert block.router_scale is not None and block.expert_scales is not None
+        kernel = block.kernel
+        norms = (self.experts_in_norm, self.dense_out_norm, self.experts_out_norm)
+        assert all(norm is not None for norm in norms)
+        tensors = [kernel.router, kernel.gate, kernel.up, kernel.down, block.router_scale]
+        tensors += [block.expert_scales, *norms]  # type: ignore[list-item]
+        return tensors, list(kernel.formats), block.top_k
 
     def forward_fused(
         self,
@@ -318,6 +348,7 @@ class _DecoderLayer(nn.Module):
             self.scale,
             self.sliding_window,
             *(self.lora_slots.kernel_args() if self.lora_slots is not None else _NO_LORA),
+            *self.fused_experts,
             self.sinks,
             query_scales,
             self.value_norm,
@@ -372,17 +403,34 @@ class _DecoderLayer(nn.Module):
                 hidden, (cos, signed_sin), kv_cache, slot_mapping, step, step_kv
             )
         normed = _pre_norm(hidden, self.post_norm, self.eps)
+        if self.experts_in_norm is not None:
+            return self._dense_and_experts(normed, hidden)
         if self.moe is not None:
             if self.shared_expert is not None:  # refused under tensor parallelism
                 hidden = self.shared_expert(normed, hidden)
             if self.tp is None:
                 return self.moe(normed, hidden)
             return self.tp.all_reduce(self.moe(normed, hidden if self.tp.rank == 0 else None))
-        gate_up = linears["gate_up"](normed)
+        return self._block_out(linears["down"], self._gated(normed), hidden, self.mlp_out_norm)
+
+    def _gated(self, normed: torch.Tensor) -> torch.Tensor:
+        """The dense MLP's activations: act(gate) * up."""
+        gate_up = self.linears["gate_up"](normed)
         gate = gate_up[:, : self.intermediate]
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        act = gate.mul_(gate_up[:, self.intermediate :])
-        return self._block_out(linears["down"], act, hidden, self.mlp_out_norm)
+        return gate.mul_(gate_up[:, self.intermediate :])
+
+    def _dense_and_experts(self, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Gemma 4 26B-A4B's MLP block: the dense MLP on `normed`, the experts on their own
+        norm of the stream `hidden` (their router on its own, SparseMoeBlock.router_input),
+        each output normed, their sum normed by the MLP's output norm and added to the
+        stream, as transformers computes it."""
+        assert self.moe is not None and self.tp is None  # refused by check_shardable
+        dense = self.linears["down"](self._gated(normed))
+        dense = rms_norm(dense, self.dense_out_norm, self.eps)
+        experts = self.moe(rms_norm(hidden, self.experts_in_norm, self.eps), None, hidden)
+        both = dense.add_(rms_norm(experts, self.experts_out_norm, self.eps))
+        return rms_norm(both, self.mlp_out_norm, self.eps).add_(hidden)
 
     def _attention(
         self,
@@ -891,8 +939,10 @@ class LlamaForCausalLM(nn.Module):
             second_rows = self._rope_rows(second_tables, positions, query_scales)
         step_kv: StepKV = {}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            # decoder_layer: a dense MLP, attention (LFM2's convolution is decoder_stack's)
-            fused = layer.fused is not None and layer.moe is None and layer.conv is None
+            # decoder_layer: a dense MLP (with Gemma 4's experts beside it), attention (LFM2's
+            # convolution is decoder_stack's)
+            dense = layer.moe is None or layer.experts_in_norm is not None
+            fused = layer.fused is not None and dense and layer.conv is None
             own = None if per_layer is None else per_layer[:, layer.index]
             if step is not None and fused:
                 tables = second_tables if layer.second_rope else first_tables
@@ -1073,10 +1123,12 @@ def _output_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
 
 
 def _mlp_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
-    """A layer's gate/up (halves of its fused gate_up) and down, or its experts."""
-    if layer.moe is not None:
+    """A layer's gate/up (halves of its fused gate_up) and down, or its experts (and beside
+    them Gemma 4's dense MLP)."""
+    if layer.moe is not None and layer.experts_in_norm is None:
         shared = layer.shared_expert.targets(p) if layer.shared_expert is not None else {}
         return {**layer.moe.targets(p), **shared}
+    experts = layer.moe.targets(p) if layer.moe is not None else {}
     inter = layer.intermediate
     if c.traits.fused_checkpoint:  # Phi-3: already [gate; up]
         targets: _Targets = {f"{p}mlp.gate_up_proj.weight": (None, (2 * inter, c.hidden_size))}
@@ -1086,7 +1138,7 @@ def _mlp_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
             f"{p}mlp.up_proj.weight": (None, (inter, c.hidden_size)),
         }
     targets[f"{p}mlp.down_proj.weight"] = (None, (c.hidden_size, inter))
-    return targets
+    return {**targets, **experts}
 
 
 def _norm_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
@@ -1102,4 +1154,9 @@ def _norm_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
         targets[f"{p}post_feedforward_layernorm.weight"] = (layer.mlp_out_norm, hidden)
     else:
         targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, hidden)
+    beside = (layer.experts_in_norm, layer.dense_out_norm, layer.experts_out_norm)
+    if all(norm is not None for norm in beside):  # Gemma 4 26B-A4B's
+        names = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1")
+        for name, norm in zip((*names, "post_feedforward_layernorm_2"), beside, strict=True):
+            targets[f"{p}{name}.weight"] = (norm, hidden)
     return targets

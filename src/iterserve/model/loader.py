@@ -601,11 +601,10 @@ _GEMMA4_FULL_HEAD_DIM = 512
 def _gemma4_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     """Gemma 4's ModelConfig fields (family.py says what they are): the window pattern, the
     full layers' head size and count, keys as values, KV sharing, per-layer embeddings, the
-    sliding layers' RoPE base, the logit soft-cap. Refuses its mixture of experts."""
+    sliding layers' RoPE base, the logit soft-cap, the experts beside each dense MLP
+    (26B-A4B)."""
     if architecture != "gemma4":
         return {}
-    if raw.get("enable_moe_block"):
-        raise ModelLoadError("Gemma 4 with a mixture of experts (26B-A4B) is not supported yet")
     if raw.get("use_bidirectional_attention") == "all":  # "vision": images' tokens only
         raise ModelLoadError("gemma4 attending both ways (use_bidirectional_attention: all)")
     activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
@@ -643,6 +642,25 @@ def _gemma4_fields(architecture: str, raw: dict[str, Any], rope: dict[str, Any])
         "per_layer_input_size": per_layer,
         "per_layer_vocab_size": (raw.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
         "per_layer_pad_id": raw.get("pad_token_id") or 0,
+        **_gemma4_experts(raw),
+    }
+
+
+def _gemma4_experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 26B-A4B's experts (enable_moe_block): on every layer, beside the dense MLP
+    (`intermediate_size` wide), `num_experts` of `moe_intermediate_size`, `top_k_experts` a
+    token, the top-k weights renormalised, as its router always does."""
+    if not raw.get("enable_moe_block"):
+        return {}
+    for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+        if not raw.get(name):
+            raise ModelLoadError(f"gemma4 with enable_moe_block and no {name}")
+    return {
+        "num_local_experts": raw["num_experts"],
+        "num_experts_per_tok": raw["top_k_experts"],
+        "intermediate_size": raw["moe_intermediate_size"],
+        "dense_intermediate_size": raw["intermediate_size"],
+        "experts_beside_dense": True,
     }
 
 
@@ -871,7 +889,7 @@ def _load_safetensors(
     rename: Callable[[str], str | None] | None = None,
 ) -> LazyWeights:
     """The weights, each name after `prefix` (`model.` for a bare network's) and as `rename`
-    gives it (LFM2's). Expert stacks (gpt-oss, Granite MoE) are listed as each expert's
+    gives it (LFM2's). Expert stacks (gpt-oss, Granite MoE, Gemma 4) are listed as each expert's
     projections, each read as a slice of the file; with `mxfp4`, gpt-oss's MXFP4 stacks are
     left to safetensors_mxfp4.py."""
     weights = LazyWeights()
@@ -886,7 +904,10 @@ def _load_safetensors(
                 continue
             parts = stacks(name, stored.shape) if stacks is not None else []
             for part, part_shape, make in parts:
-                weights.add(prefix + part, part_shape, functools.partial(make, stored, dtype))
+                part_name = prefix + part
+                if rename is not None and (part_name := rename(part_name)) is None:
+                    continue
+                weights.add(part_name, part_shape, functools.partial(make, stored, dtype))
             if not parts:
                 read = functools.partial(_read_tensor, stored, dtype)
                 full_name = prefix + name
@@ -938,19 +959,25 @@ def _read_expert(
 
 # Granite MoE's checkpoint keeps a layer's experts in two stacks, each matrix [outputs,
 # inputs]: input_linear [experts, 2 x width, hidden] (gate's rows, then up's) and
-# output_linear [experts, hidden, width]; its router is router.layer.
+# output_linear [experts, hidden, width]; its router is router.layer. Gemma 4's (26B-A4B)
+# alike: experts.gate_up_proj and experts.down_proj (no .weight), beside the dense mlp.
 _GRANITE_MOE_STACK = re.compile(r"(.*\.block_sparse_moe)\.(input_linear|output_linear)\.weight")
+_GEMMA4_STACK = re.compile(r"(.*)\.experts\.(gate_up_proj|down_proj)")
+_GATE_UP_STACKS = ("input_linear", "gate_up_proj")
 
 
-def _granite_moe_experts(name: str, shape: tuple[int, ...]) -> ExpertParts:
-    """A Granite MoE expert stack as each expert's projections, each read as its expert's
-    rows of the file; [] for any other tensor."""
-    match = _GRANITE_MOE_STACK.fullmatch(name)
+def _row_stacked_experts(
+    pattern: re.Pattern[str], name: str, shape: tuple[int, ...]
+) -> ExpertParts:
+    """An expert stack of rows (`pattern`: its layer's prefix and the stack's name) as each
+    expert's projections, each read as its expert's rows of the file; [] for any other
+    tensor."""
+    match = pattern.fullmatch(name)
     if match is None:
         return []
     prefix, stack = match.groups()
     rows = {"down_proj": slice(None)}
-    if stack == "input_linear":
+    if stack in _GATE_UP_STACKS:
         width = shape[1] // 2
         rows = {"gate_proj": slice(0, width), "up_proj": slice(width, None)}
     parts = []
@@ -971,7 +998,8 @@ def _read_expert_rows(
 
 _EXPERT_STACKS: dict[str, ExpertStacks] = {
     "gpt_oss": _gpt_oss_experts,
-    "granitemoe": _granite_moe_experts,
+    "granitemoe": functools.partial(_row_stacked_experts, _GRANITE_MOE_STACK),
+    "gemma4": functools.partial(_row_stacked_experts, _GEMMA4_STACK),
 }
 
 

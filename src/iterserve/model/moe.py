@@ -1,6 +1,7 @@
 """The sparse mixture-of-experts MLP of Mixtral, Qwen3-MoE, gpt-oss, LFM2-MoE...: the one part
 of their layers that differs from a Llama (Mistral, Qwen3) layer (gpt-oss's own: biases on the
-router and experts, a clamped SwiGLU, `swiglu`).
+router and experts, a clamped SwiGLU, `gated`; Gemma 4's: its router's own input and
+scales, GeGLU experts).
 
 Each token's router logits pick its top-k experts, exactly as transformers does (`route`):
 softmax over all experts in fp32, top-k, and (Mixtral always; Qwen3-MoE where `norm_topk_prob`
@@ -43,6 +44,7 @@ from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
 from iterserve.model.host_memory import weight_buffer
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
+from iterserve.model.norms import rms_norm
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ class ExpertNames:
     down: str
     # LFM2-MoE's per-expert bias that joins the scores only to pick the top k (fp32).
     selection_bias: str | None = None
+    # Gemma 4's router: the scale of its input's norm [hidden] and a scale a weight by its
+    # expert [experts].
+    router_scale: str | None = None
+    expert_scales: str | None = None
 
     def of(self, expert: int, projection: Literal["gate", "up", "down"]) -> str:
         return self.expert.format(expert, getattr(self, projection))
@@ -107,23 +113,40 @@ EXPERT_NAMES = {
     # LFM2-MoE: Qwen3-MoE's names as model/loader.py renames its checkpoint's (feed_forward.gate,
     # feed_forward.experts.E.w1...), and its expert_bias.
     "lfm2_moe": replace(_QWEN3_MOE_NAMES, selection_bias="mlp.expert_bias"),
+    # Gemma 4 (26B-A4B): as model/loader.py unstacks its `experts.gate_up_proj` (gate's rows,
+    # then up's) and `experts.down_proj`, beside the layer's dense `mlp`.
+    "gemma4": ExpertNames(
+        router="router.proj.weight",
+        expert="experts.{}.{}.weight",
+        gate="gate_proj",
+        up="up_proj",
+        down="down_proj",
+        router_scale="router.scale",
+        expert_scales="router.per_expert_scale",
+    ),
 }
 
 # llama.cpp stores each layer's experts as one tensor per projection, [experts, rows, cols]
 # in row-major terms, and the router as ffn_gate_inp, whatever the family.
 GGUF_ROUTER = "ffn_gate_inp"
-_GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|down|up)_exps\.(weight|bias)")
+# Gemma 4's converter keeps gate and up in one stack, ffn_gate_up_exps [experts, 2 x width,
+# hidden]: each expert's gate rows, then its up rows.
+_GGUF_STACK_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|down|up|gate_up)_exps\.(weight|bias)")
 
 
 def gguf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list[str] | None:
-    """The HF names of a GGUF expert stack's experts (weights, or gpt-oss's biases), in stack
-    order, or None if `gguf_name` is not a stack."""
+    """The HF names of a GGUF expert stack's parts (weights, or gpt-oss's biases) in stack
+    order, one an expert (a fused gate+up stack: its gate, then its up, two an expert), or
+    None if `gguf_name` is not a stack."""
     match = _GGUF_STACK_NAME.fullmatch(gguf_name)
     if match is None:
         return None
     names = EXPERT_NAMES[architecture]
     name_of = names.of if match[3] == "weight" else names.bias_of
-    return [f"model.layers.{match[1]}.{name_of(e, match[2])}" for e in range(num_experts)]
+    projections = ("gate", "up") if match[2] == "gate_up" else (match[2],)
+    return [
+        f"model.layers.{match[1]}.{name_of(e, p)}" for e in range(num_experts) for p in projections
+    ]
 
 
 @dataclass(frozen=True)
@@ -175,11 +198,16 @@ def route(
     return weights, experts
 
 
-def swiglu(gate_up: torch.Tensor, width: int, clamp: tuple[float, float] | None) -> torch.Tensor:
-    """silu(gate) * up for rows [gate | up] of `width` each; with `clamp` (alpha, limit),
-    gpt-oss's form: gate clamped to <= limit, up to [-limit, limit], then
-    (up + 1) * gate * sigmoid(alpha * gate), as transformers computes it."""
+def gated(
+    gate_up: torch.Tensor, width: int, clamp: tuple[float, float] | None, gelu: bool = False
+) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] of `width` each (`gelu`: Gemma 4's GeGLU, tanh's
+    approximation); with `clamp` (alpha, limit), gpt-oss's form: gate clamped to <= limit, up
+    to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), as transformers
+    computes it."""
     gate, up = gate_up[:, :width], gate_up[:, width:]
+    if gelu:
+        return F.gelu(gate, approximate="tanh").mul_(up)
     if clamp is None:
         return F.silu(gate).mul_(up)
     alpha, limit = clamp
@@ -224,6 +252,16 @@ class SparseMoeBlock(nn.Module):
             if config.expert_selection_bias
             else None
         )
+        # Gemma 4: the router reads the residual stream (not the experts' input) through a
+        # weightless RMS norm times `router_scale` times hidden ** -0.5, and each weight is
+        # then multiplied by its expert's scale (fp32, as the weights are); GeGLU experts.
+        own_router = self.names.router_scale is not None
+        self.router_scale = _weight(hidden, **like) if own_router else None
+        self.expert_scales = (
+            _weight(self.num_experts, dtype=torch.float32, device=device) if own_router else None
+        )
+        self.eps = config.rms_norm_eps
+        self.gelu = config.traits.activation == "gelu_tanh"
         self.dtype = dtype
         self.gate_up: list[Linear] = []
         self.down: list[Linear] = []
@@ -241,6 +279,10 @@ class SparseMoeBlock(nn.Module):
         if self.selection_bias is not None:
             assert names.selection_bias is not None
             out[prefix + names.selection_bias] = (self.selection_bias, (self.num_experts,))
+        if self.router_scale is not None and self.expert_scales is not None:
+            assert names.router_scale is not None and names.expert_scales is not None
+            out[prefix + names.router_scale] = (self.router_scale, (hidden,))
+            out[prefix + names.expert_scales] = (self.expert_scales, (self.num_experts,))
         for e in range(self.num_experts):
             out[prefix + names.of(e, "gate")] = (None, (inter, hidden))
             out[prefix + names.of(e, "up")] = (None, (inter, hidden))
@@ -300,38 +342,55 @@ class SparseMoeBlock(nn.Module):
     def describe(self) -> str:
         return f"{self.num_experts} experts, top-{self.top_k}, {self.gate_up[0].describe()}"
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """x: the normed hidden states [T, hidden]; the result is `residual` (or zeros, for a
-        tensor-parallel rank other than 0) plus the weighted expert outputs."""
-        if torch.compiler.is_compiling():
-            return moe_mlp(x, residual, self.block_id)
-        return self.run(x, residual)
+    def router_input(self, stream: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's router's rows: the residual stream normed, times its scale, times
+        hidden ** -0.5, rounded step by step as transformers' are."""
+        assert self.router_scale is not None
+        return rms_norm(stream, None, self.eps) * self.router_scale * self.hidden**-0.5
 
-    def run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, stream: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: the normed hidden states [T, hidden]; the result is `residual` (or zeros, for a
+        tensor-parallel rank other than 0) plus the weighted expert outputs. `stream`: what
+        Gemma 4's router reads (`router_input`), the residual stream before the MLP."""
+        routed = None if stream is None else self.router_input(stream)
+        if torch.compiler.is_compiling():
+            return moe_mlp(x, residual, self.block_id, routed)
+        return self.run(x, residual, routed)
+
+    def run(
+        self, x: torch.Tensor, residual: torch.Tensor | None, routed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`forward`, eager: route, group the (token, expert) pairs by expert, one product
         pair per expert hit, weight, scatter onto the residual; in one C++ call where every
-        expert runs on the tiled kernels (`ExpertsKernel`), else op by op."""
+        expert runs on the tiled kernels (`ExpertsKernel`), else op by op. `routed`: the
+        router's own input rows (Gemma 4's), else x."""
         if self.kernel is not None:
-            return self.kernel(x, residual, self)
-        return self.run_ops(x, residual)
+            return self.kernel(x, residual, self, routed)
+        return self.run_ops(x, residual, routed)
 
-    def run_ops(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def run_ops(
+        self, x: torch.Tensor, residual: torch.Tensor | None, routed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`run` op by op: the reference the C++ call is checked against."""
-        logits = F.linear(x, self.router_weight, self.router_bias)
+        logits = F.linear(x if routed is None else routed, self.router_weight, self.router_bias)
         weights, experts = route(logits, self.routing, self.selection_bias)
+        if self.expert_scales is not None:
+            weights = weights * self.expert_scales[experts]
         # The step's T*k (token, expert) pairs in expert order: pair i is token i // k.
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         token_rows = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        routed = x.index_select(0, token_rows)
+        rows = x.index_select(0, token_rows)
         outputs = []
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            gate_up = self.gate_up[expert](routed[start : start + count])
-            act = swiglu(gate_up, self.intermediate, self.swiglu_clamp)
+            gate_up = self.gate_up[expert](rows[start : start + count])
+            act = gated(gate_up, self.intermediate, self.swiglu_clamp, self.gelu)
             outputs.append(self.down[expert](act))
             start += count
         # Weighted in fp32 and rounded once to the model dtype, as transformers does.
@@ -413,7 +472,11 @@ class ExpertsKernel:
         return ExpertsKernel(linears[0].ops, router, *restacked, formats, router_bias, swiglu)
 
     def __call__(
-        self, x: torch.Tensor, residual: torch.Tensor | None, block: SparseMoeBlock
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        block: SparseMoeBlock,
+        routed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         routing = block.routing
         return self.ops.experts_mlp(
@@ -433,6 +496,9 @@ class ExpertsKernel:
             routing.sigmoid,
             block.selection_bias,
             routing.scale,
+            None if routed is None else routed.contiguous(),
+            block.expert_scales,
+            block.gelu,
         )
 
 
@@ -472,12 +538,16 @@ _BLOCK_IDS = itertools.count()
 
 
 @torch.library.custom_op("iterserve::moe_mlp", mutates_args=())
-def moe_mlp(x: torch.Tensor, residual: torch.Tensor | None, block: int) -> torch.Tensor:
+def moe_mlp(
+    x: torch.Tensor, residual: torch.Tensor | None, block: int, routed: torch.Tensor | None
+) -> torch.Tensor:
     """`SparseMoeBlock.run` as one opaque op of a compiled graph: the grouping by expert has
     data-dependent shapes (and a host read of the counts), which the graph need not see."""
-    return _BLOCKS[block].run(x, residual)
+    return _BLOCKS[block].run(x, residual, routed)
 
 
 @moe_mlp.register_fake
-def _(x: torch.Tensor, residual: torch.Tensor | None, block: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor, residual: torch.Tensor | None, block: int, routed: torch.Tensor | None
+) -> torch.Tensor:
     return torch.empty_like(x)

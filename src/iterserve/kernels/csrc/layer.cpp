@@ -17,7 +17,11 @@
 // step's rows in the pool they share), and the per-layer input each layer gates into its
 // output before a scalar scales it,
 //
-//   out = (h + rms_norm((gelu(h W_plg^T) * per_layer_input) W_plp^T)) * layer_scalar.
+//   out = (h + rms_norm((gelu(h W_plg^T) * per_layer_input) W_plp^T)) * layer_scalar;
+//
+// and Gemma 4 26B-A4B's experts beside the dense MLP (decoder_layer only), each output normed,
+//
+//   out = h + rms_norm(rms_norm(mlp(rms_norm(h))) + rms_norm(experts(rms_norm(h)))).
 //
 // The projections and attention are the kernels of linear.cpp and paged_attention.cpp; what
 // this file adds is the glue between them (norms, rope, SiLU / GELU) and, above all, one dispatch
@@ -289,6 +293,14 @@ struct LayerExperts {
   bool sigmoid_scores = false;
   std::optional<Tensor> selection_bias;
   double routed_scaling = 1.0;
+  // Gemma 4 26B-A4B: the experts beside the layer's dense MLP (its gate_up and down), on
+  // their own norm of the stream, each output normed; the router on a weightless norm of the
+  // stream times `router_scale` times hidden^-0.5, each weight times its expert's scale (fp32);
+  // GeGLU experts. None: the experts are the MLP.
+  struct BesideDense {
+    Tensor experts_in_norm, dense_out_norm, experts_out_norm, router_scale, expert_scales;
+  };
+  std::optional<BesideDense> beside;
 };
 
 // One layer's weights, borrowed from an op's arguments: the projections' (qkv, o, gate_up,
@@ -468,6 +480,26 @@ Tensor attend_block(const LayerWeights& w, const Projections& project, const Ten
   return strided_view(attn, {M, q_size}, {q_size, 1});
 }
 
+// Gemma 4 26B-A4B's MLP block past the dense MLP's output `dense` (model/llama.py's
+// _dense_and_experts, rounded as it is): the experts on their own norm of the stream `mid`,
+// routed from its weightless norm times the router's scale and hidden^-0.5; each output
+// normed, their sum normed and added to the stream.
+Tensor dense_and_experts(const LayerWeights& w, const LayerExperts& e, const Tensor& dense,
+                         const Tensor& mid) {
+  const LayerExperts::BesideDense& b = *e.beside;
+  TORCH_CHECK(w.mlp_out_norm, "decoder_layer: experts beside a dense MLP take its output norm");
+  const Tensor routed =
+      rms_norm(mid, b.router_scale, w.eps).mul_(1.0 / std::sqrt(static_cast<double>(mid.size(1))));
+  const Tensor experts =
+      experts_mlp(rms_norm(mid, b.experts_in_norm, w.eps), std::nullopt, e.router, e.top_k,
+                  e.renormalize, e.gate, e.up, e.down, e.formats, std::nullopt, std::nullopt,
+                  std::nullopt, 0.0, 0.0, false, std::nullopt, 1.0, routed, b.expert_scales,
+                  /*gelu=*/true);
+  const Tensor dense_normed = rms_norm(dense, b.dense_out_norm, w.eps);
+  return rms_norm(rms_norm(experts, b.experts_out_norm, w.eps, &dense_normed), *w.mlp_out_norm,
+                  w.eps, &mid);
+}
+
 // The layer itself, rows at positions `pos`.
 Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hidden,
                  const std::vector<int64_t>& pos, const Tensor& key_cache,
@@ -488,7 +520,8 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
                     : attend_block(w, project, hidden, pos, key_cache, value_cache, slot_mapping,
                                    step, rope_cos, rope_sin);
   const Tensor mid = block_out(1, mixed, hidden, w.attn_out_norm);
-  if (const LayerExperts* e = w.experts) {
+  const LayerExperts* e = w.experts;
+  if (e != nullptr && !e->beside) {
     TORCH_CHECK(!w.mlp_out_norm, "decoder_layer: experts with a sandwich norm");
     const Tensor normed = pre_norm(mid, w.post_norm, w.eps);
     // A shared expert (Qwen2-MoE's): its output, gated row by row (before down, which a
@@ -506,7 +539,8 @@ Tensor run_layer(const LayerWeights& w, const LayerLora* lora, const Tensor& hid
   }
   const Tensor gate_up = project(2, pre_norm(mid, w.post_norm, w.eps), std::nullopt);
   const Tensor act = gated_mul(gate_up, w.gelu);
-  Tensor out = block_out(3, act, mid, w.mlp_out_norm);
+  Tensor out = e != nullptr ? dense_and_experts(w, *e, project(3, act, std::nullopt), mid)
+                            : block_out(3, act, mid, w.mlp_out_norm);
   if (w.per_layer_input != nullptr) {
     // Gemma 4: h + rms_norm((gelu(h W_plg^T) * input) W_plp^T), as model/llama.py rounds it.
     const Tensor gated = gated_mul_pairs<true>(project(4, out, std::nullopt), *w.per_layer_input);
@@ -551,6 +585,7 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                      const Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads,
                      double scale, int64_t sliding_window, at::TensorList lora,
                      c10::IntArrayRef lora_parts, const std::optional<Tensor>& lora_rows,
+                     at::TensorList experts, c10::IntArrayRef expert_formats, int64_t top_k,
                      const std::optional<Tensor>& sinks,
                      const std::optional<Tensor>& query_scales, bool value_norm,
                      bool shares_kv, const std::optional<Tensor>& per_layer_input,
@@ -600,6 +635,25 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
     TORCH_CHECK(slots.lora_first.back() == static_cast<int64_t>(lora.size()),
                 "decoder_layer: lora_parts count ", slots.lora_first.back(),
                 " slot tensors, not ", lora.size());
+  }
+  std::optional<LayerExperts> beside;
+  if (!experts.empty()) {
+    // Gemma 4 26B-A4B's: router tiles, gate, up, down stacks, the router's scale, the
+    // experts' scales, the experts' input norm, the two outputs' norms.
+    TORCH_CHECK(experts.size() == 9 && expert_formats.size() == 3 && top_k > 0,
+                "decoder_layer: experts beside the dense MLP are 9 tensors (router, gate, up, "
+                "down, router scale, expert scales, 3 norms), 3 formats and a top_k");
+    const int64_t H = hidden.size(1);
+    for (const Tensor& t : {experts[4], experts[6], experts[7], experts[8]})
+      TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == H,
+                  "decoder_layer: the router's scale and the experts' norms must be contiguous "
+                  "bf16 of the hidden size");
+    beside.emplace(LayerExperts{experts[0], experts[1], experts[2], experts[3],
+                                {expert_formats[0], expert_formats[1], expert_formats[2]},
+                                top_k, /*renormalize=*/true});
+    beside->beside = LayerExperts::BesideDense{experts[6], experts[7], experts[8], experts[4],
+                                               experts[5]};
+    w.experts = &*beside;
   }
   const std::vector<int64_t> pos = checked_positions(hidden, step, rope_cos);
   return run_layer(w, &slots, hidden, pos, key_cache, value_cache, slot_mapping, step,

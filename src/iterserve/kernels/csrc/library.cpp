@@ -53,6 +53,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor step, "
       "Tensor rope_cos, Tensor rope_sin, int num_heads, int num_kv_heads, float scale, "
       "int sliding_window, Tensor[] lora, int[] lora_parts, Tensor? lora_rows, "
+      "Tensor[] experts, int[] expert_formats, int top_k, "
       "Tensor? sinks=None, Tensor? query_scales=None, bool value_norm=False, "
       "bool shares_kv=False, Tensor? per_layer_input=None, Tensor? per_layer_norm=None, "
       "Tensor? layer_scalar=None) -> Tensor");
@@ -74,7 +75,8 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor gate, Tensor up, Tensor down, int[] formats, Tensor? router_bias=None, "
       "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0.0, "
       "float swiglu_limit=0.0, bool sigmoid_scores=False, Tensor? selection_bias=None, "
-      "float routed_scaling=1.0) -> Tensor");
+      "float routed_scaling=1.0, Tensor? router_input=None, Tensor? expert_scales=None, "
+      "bool gelu=False) -> Tensor");
   m.def(
       "short_conv(Tensor bcx, Tensor kernel, Tensor(a!) cache, Tensor slot_mapping, "
       "Tensor step) -> Tensor");

@@ -10,8 +10,8 @@
 // threads, a parallel region and a wait each: 10.4 tok/s; whole experts a thread: 11.8;
 // docs/benchmarks.md). It also lets the fused layers (layer.cpp) take a layer of experts.
 // The arithmetic is the eager block's, op for op (routing in fp32, outputs weighted in fp32
-// and rounded once, index_add onto the residual in expert order), but for SwiGLU, which is
-// the fused layer's (gated_mul; gpt-oss's clamped_swiglu).
+// and rounded once, index_add onto the residual in expert order), but for SwiGLU (GeGLU:
+// Gemma 4's), which is the fused layer's (gated_mul; gpt-oss's clamped_swiglu).
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
@@ -44,7 +44,7 @@ constexpr int64_t kFewPairs = 128;
 
 // Every expert's projections as stacks [experts, tiles, bytes a tile], one format a stack:
 // gate and up (the two segments of an expert's gate+up projection) and down; gpt-oss's
-// biases [experts, outputs] and clamped SwiGLU (limit > 0).
+// biases [experts, outputs] and clamped SwiGLU (limit > 0); Gemma 4's GeGLU.
 struct ExpertWeights {
   const Tensor& gate;
   const Tensor& up;
@@ -53,6 +53,7 @@ struct ExpertWeights {
   const std::optional<Tensor>& gate_up_bias;
   const std::optional<Tensor>& down_bias;
   double alpha, limit;
+  bool gelu;
 
   static std::optional<Tensor> row(const std::optional<Tensor>& bias, int64_t e) {
     if (!bias) return std::nullopt;
@@ -63,7 +64,7 @@ struct ExpertWeights {
                         std::nullopt);
   }
   Tensor activate(const Tensor& gate_up) const {
-    return limit > 0 ? clamped_swiglu(gate_up, alpha, limit) : gated_mul(gate_up, false);
+    return limit > 0 ? clamped_swiglu(gate_up, alpha, limit) : gated_mul(gate_up, gelu);
   }
   Tensor project_down(int64_t e, const Tensor& x) const {
     return tiled_linear(x, {down[e]}, {formats[2]}, row(down_bias, e), std::nullopt);
@@ -105,12 +106,14 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
                    const std::optional<Tensor>& gate_up_bias,
                    const std::optional<Tensor>& down_bias, double swiglu_alpha,
                    double swiglu_limit, bool sigmoid_scores,
-                   const std::optional<Tensor>& selection_bias, double routed_scaling) {
+                   const std::optional<Tensor>& selection_bias, double routed_scaling,
+                   const std::optional<Tensor>& router_input,
+                   const std::optional<Tensor>& expert_scales, bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "experts_mlp: x must be 2-D bf16 with contiguous rows");
   TORCH_CHECK(formats.size() == 3, "experts_mlp: one format each for gate, up and down");
   const ExpertWeights experts_w{gate, up, down, {formats[0], formats[1], formats[2]},
-                                gate_up_bias, down_bias, swiglu_alpha, swiglu_limit};
+                                gate_up_bias, down_bias, swiglu_alpha, swiglu_limit, gelu};
   const int64_t E = gate.size(0), T = x.size(0);
   for (const Tensor* t : {&gate, &up, &down})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == E && t->scalar_type() == at::kByte,
@@ -124,18 +127,29 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
                                   selection_bias->size(0) == E &&
                                   selection_bias->scalar_type() == at::kFloat),
               "experts_mlp: a selection bias is fp32 [", E, " experts], with sigmoid scores");
+  TORCH_CHECK(!expert_scales || (expert_scales->dim() == 1 && expert_scales->size(0) == E &&
+                                 expert_scales->scalar_type() == at::kFloat),
+              "experts_mlp: expert scales are fp32 [", E, " experts]");
+  TORCH_CHECK(!router_input || (router_input->sizes() == x.sizes() &&
+                                router_input->scalar_type() == at::kBFloat16 &&
+                                router_input->stride(1) == 1),
+              "experts_mlp: the router's input must be bf16 rows shaped as x");
 
   // Routing (`route`, above) from the logits rounded to bf16 as F.linear's are, from the
-  // router's bf16 tiles: each row summed in one order whatever the step's size.
+  // router's bf16 tiles: each row summed in one order whatever the step's size. The router
+  // reads x, or rows of its own (Gemma 4's: the stream through the router's norm); Gemma 4
+  // then multiplies each weight by its expert's scale.
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kByte &&
                   router.size(0) * kTile >= E,
               "experts_mlp: the router must be bf16 tiles [tiles, bytes] uint8 for ", E,
               " experts");
-  const Tensor logits = tiled_linear(x, {router}, {static_cast<int64_t>(Format::kBf16)},
+  const Tensor logits = tiled_linear(router_input ? *router_input : x, {router}, {static_cast<int64_t>(Format::kBf16)},
                                      router_bias, std::nullopt)
                             .narrow(1, 0, E);
-  const auto [weights, experts] = route(logits.to(at::kFloat), top_k, renormalize,
-                                       sigmoid_scores, selection_bias, routed_scaling);
+  auto [weights, experts] = route(logits.to(at::kFloat), top_k, renormalize, sigmoid_scores,
+                                  selection_bias, routed_scaling);
+  if (expert_scales)
+    weights = weights * expert_scales->index_select(0, experts.flatten()).view_as(weights);
 
   // The T*k (token, expert) pairs in expert order, stably (pair i is token i / k): each
   // expert's rows one consecutive run of the gathered activations.

@@ -111,7 +111,9 @@ at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit)
 // `formats`). gpt-oss: biases for the router (padded to its tiles' rows), gate+up [experts,
 // 2 x width] and down [experts, hidden], all bf16, and its clamped SwiGLU where
 // swiglu_limit > 0. LFM2-MoE: sigmoid scores, a selection bias (fp32 [experts]) that picks
-// the top k but does not weigh them, and a scale on the weights.
+// the top k but does not weigh them, and a scale on the weights. Gemma 4: the router's own
+// input rows (`router_input`, shaped as x), a scale a weight by its expert (`expert_scales`,
+// fp32 [experts]) and GeGLU experts (`gelu`).
 at::Tensor experts_mlp(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                        const at::Tensor& router, int64_t top_k, bool renormalize,
                        const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
@@ -122,7 +124,10 @@ at::Tensor experts_mlp(const at::Tensor& x, const std::optional<at::Tensor>& res
                        double swiglu_alpha = 0.0, double swiglu_limit = 0.0,
                        bool sigmoid_scores = false,
                        const std::optional<at::Tensor>& selection_bias = std::nullopt,
-                       double routed_scaling = 1.0);
+                       double routed_scaling = 1.0,
+                       const std::optional<at::Tensor>& router_input = std::nullopt,
+                       const std::optional<at::Tensor>& expert_scales = std::nullopt,
+                       bool gelu = false);
 
 // paged_attention.cpp: store the step's K/V into the pool, then attend every query row
 // (`softcap`: Gemma 2's attention logit soft-cap, 0: none; `sinks`: gpt-oss's attention
@@ -159,6 +164,9 @@ std::string isa();
 
 // layer.cpp: one decoder layer (its weights in segments of `weights`, its norms, its KV
 // pools), and every layer of a model in one call; the file's head says what each computes.
+// decoder_layer's `experts` (empty: none) are Gemma 4 26B-A4B's beside the dense MLP: the
+// router's bf16 tiles, the gate, up and down stacks (`expert_formats`), the router's input
+// scale, the experts' scales (fp32), the experts' input norm and the two outputs' norms.
 at::Tensor decoder_layer(
     const at::Tensor& hidden, const at::Tensor& input_norm, const at::Tensor& post_norm,
     double eps, at::TensorList weights, c10::IntArrayRef formats, c10::IntArrayRef segments,
@@ -168,7 +176,8 @@ at::Tensor decoder_layer(
     const at::Tensor& slot_mapping, const at::Tensor& step, const at::Tensor& rope_cos,
     const at::Tensor& rope_sin, int64_t num_heads, int64_t num_kv_heads, double scale,
     int64_t sliding_window, at::TensorList lora, c10::IntArrayRef lora_parts,
-    const std::optional<at::Tensor>& lora_rows, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& lora_rows, at::TensorList experts,
+    c10::IntArrayRef expert_formats, int64_t top_k, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& query_scales, bool value_norm, bool shares_kv,
     const std::optional<at::Tensor>& per_layer_input,
     const std::optional<at::Tensor>& per_layer_norm,
