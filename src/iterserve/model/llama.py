@@ -251,9 +251,10 @@ class _DecoderLayer(nn.Module):
             self.shared_expert.build(lambda name: part(prefix + name), backend, mode)
         if self.conv is not None:
             self.conv.build(lambda name: part(prefix + name), backend, mode)
+        beside = self.experts_in_norm is not None  # Gemma 4 26B-A4B: a dense MLP too
+        dense = self.moe is None or beside
         for name, parts in self.checkpoint_parts.items():
-            dense_mlp = self.moe is None or self.experts_in_norm is not None
-            if name in ("gate_up", "down") and not dense_mlp:
+            if name in ("gate_up", "down") and not dense:
                 continue
             self.linears[name] = Linear(
                 [part(f"{prefix}{p}.weight") for p in parts],
@@ -273,8 +274,6 @@ class _DecoderLayer(nn.Module):
             if self.conv is not None
             else [self.linears["qkv"], self.linears["o"]]
         )
-        beside = self.experts_in_norm is not None  # Gemma 4 26B-A4B: a dense MLP too
-        dense = self.moe is None or beside
         mlp = [self.linears["gate_up"], self.linears["down"]] if dense else []
         tiled = [*mixer, *mlp]
         if self.shared_expert is not None:
@@ -1154,9 +1153,8 @@ def _norm_targets(p: str, layer: _DecoderLayer, c: ModelConfig) -> _Targets:
         targets[f"{p}post_feedforward_layernorm.weight"] = (layer.mlp_out_norm, hidden)
     else:
         targets[f"{p}post_attention_layernorm.weight"] = (layer.post_norm, hidden)
-    beside = (layer.experts_in_norm, layer.dense_out_norm, layer.experts_out_norm)
-    if all(norm is not None for norm in beside):  # Gemma 4 26B-A4B's
-        names = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1")
-        for name, norm in zip((*names, "post_feedforward_layernorm_2"), beside, strict=True):
-            targets[f"{p}{name}.weight"] = (norm, hidden)
+    if layer.experts_in_norm is not None:  # Gemma 4 26B-A4B's, beside its experts
+        targets[f"{p}pre_feedforward_layernorm_2.weight"] = (layer.experts_in_norm, hidden)
+        targets[f"{p}post_feedforward_layernorm_1.weight"] = (layer.dense_out_norm, hidden)
+        targets[f"{p}post_feedforward_layernorm_2.weight"] = (layer.experts_out_norm, hidden)
     return targets
