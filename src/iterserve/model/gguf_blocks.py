@@ -46,6 +46,11 @@ class QuantizedBlocks(ABC):
     def nbytes(self) -> int:
         return self.shape[0] * self.format.row_bytes(self.shape[1])
 
+    @property
+    def file_order(self) -> tuple[str, int]:
+        """Where the blocks lie (file, offset), to read several in their files' order."""
+        return ("", 0)
+
     def dequantize(self) -> torch.Tensor:
         """The weights in fp32, by the `gguf` package's dequantizer (the reference)."""
         qtype = GGMLQuantizationType[self.format.name]
@@ -98,6 +103,10 @@ class GGUFBlocks(QuantizedBlocks):
         row_bytes = self.format.row_bytes(self.shape[1])
         raw = reader.read(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes)
         return raw.reshape(stop - start, row_bytes)
+
+    @property
+    def file_order(self) -> tuple[str, int]:
+        return (str(self.path), self.offset)
 
 
 def expert_slices(blocks: GGUFBlocks, count: int) -> list[GGUFBlocks]:

@@ -42,6 +42,7 @@ from iterserve import kernels
 from iterserve.model.block_formats import BF16, TILE, tile_dense
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
+from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.host_memory import weight_buffer
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
 from iterserve.model.norms import rms_norm
@@ -512,6 +513,7 @@ def _stacked_tiles(
     tiles' memory held, as they share packed mappings with the layer's other weights
     (model/host_memory.py)."""
     stacks = {}
+    pending: list[tuple[QuantizedBlocks, torch.Tensor]] = []
     for projection, experts in parts.items():
         blocks = [part.blocks for part in experts if part.blocks is not None]
         if len(blocks) < len(experts) or any(b.rows is not None for b in blocks):
@@ -522,10 +524,13 @@ def _stacked_tiles(
             return None
         stack = weight_buffer(len(blocks) * n // TILE, first.format.bytes_per_tile(k))
         stack = stack.view(len(blocks), n // TILE, -1)
-        ops = kernels.ops()
-        for e, expert in enumerate(blocks):
-            expert.tiles(ops, out=stack[e])
+        pending += [(expert, stack[e]) for e, expert in enumerate(blocks)]
         stacks[projection] = (stack, first.format.code)
+    # Read in the file's order (an expert's slices are ~1 MB; Gemma 4's stack holds each
+    # expert's gate beside its up), so the load's reader serves them from its reads ahead.
+    ops = kernels.ops()
+    for expert, out in sorted(pending, key=lambda item: item[0].file_order):
+        expert.tiles(ops, out=out)
     return stacks
 
 
