@@ -62,11 +62,11 @@ def test_a_slice_is_the_files_bytes(
 
 
 @pytest.mark.parametrize("cached", [0.0, 1.0], ids=["from-disk", "from-page-cache"])
-def test_a_loads_reader_reads_ahead_where_its_reads_go_forward(
+def test_a_reader_reading_ahead_serves_forward_reads_from_one_read(
     data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch, cached: float
 ) -> None:
-    """A load's reader (read ahead): small slices going forward through the file, as an
-    expert stack's are read, come from one read of the window; one going back or past the
+    """A load's reader reading ahead (as an expert stack's slices are read): small slices
+    going forward through the file come from one read of the window; one going back or past the
     window reads again; every slice is the file's bytes, whichever way it came."""
     path, data = data_file
     _pages_cached(monkeypatch, cached)
@@ -79,15 +79,15 @@ def test_a_loads_reader_reads_ahead_where_its_reads_go_forward(
         lambda fd, views, offset: reads.append(offset) or preadv(fd, views, offset),
     )
     slices = [(100, 1000), (1100, 3000), (9000, 50000), (70000, 8), (60000, 10), (SIZE - 5, 5)]
-    with shared_slice_reader(), file_bytes.slice_reader() as reader:
+    with shared_slice_reader(), file_bytes.slice_reader() as reader, reader.reading_ahead():
         got = [reader.read(path, offset, nbytes).tobytes() for offset, nbytes in slices]
     assert got == [data[offset : offset + nbytes] for offset, nbytes in slices]
     # The first three in one window of 64 KiB from 100; 70000 past it (a new window, forward),
     # 60000 behind it (read alone), the last from a window of its own (the file's end).
     assert len(reads) == 4
-    with file_bytes.slice_reader() as own:  # a reader outside a load reads what it is asked
-        own.read(path, 100, 1000)
-        own.read(path, 1100, 3000)
+    with file_bytes.slice_reader() as plain:  # not reading ahead: reads what it is asked
+        plain.read(path, 100, 1000)
+        plain.read(path, 1100, 3000)
     assert len(reads) == 6
 
 

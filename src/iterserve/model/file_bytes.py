@@ -13,10 +13,11 @@ until it is unmapped, so a load would hold the file beside what it built from it
   tiny file) are copied from it. A file system that refuses direct reads is read through it.
 - A direct read lands in a buffer aligned as the file's offset is within a 4 KiB block
   (GGUF aligns its tensors to 32 bytes, safetensors to 8).
-- A load's reader reads ahead where its reads go forward through a file in small steps (a
-  mixture of experts' stacks, read an expert's slice of ~1 MB at a time, in file order):
-  one read of `_WINDOW_BYTES` serves the next slices from its buffer, where each slice read
-  on its own waited on the disk once more.
+- While a mixture of experts' stacks are read (an expert's slice of ~1 MB at a time, in
+  the file's order: `SliceReader.reading_ahead`), one read of `_WINDOW_BYTES` serves the
+  next slices from its buffer, where each slice read on its own waited on the disk once
+  more. Only there: a dense model's tensors are read in the network's order, not the
+  file's, and reads ahead of them were mostly read again (a 3B's load 3.8 -> 5-9 s).
 
 Measured on an 8B Q4_K_M: docs/benchmarks.md, "Loading from a cold page cache".
 """
@@ -70,14 +71,14 @@ def _read_fully(
 
 class SliceReader:
     """A load's reads of large tensors, a slice at a time, into one buffer: `read` returns a
-    view of it that the next read overwrites. Files stay open until `close`. With
-    `read_ahead`, a small read that starts at or past the previous one's start reads
+    view of it that the next read overwrites. Files stay open until `close`. While
+    `reading_ahead`, a small read that starts at or past the previous one's start reads
     `_WINDOW_BYTES` from its offset, and the reads that fall within serve from them."""
 
-    def __init__(self, read_ahead: bool = False) -> None:
+    def __init__(self) -> None:
         self._buffer = np.empty(0, dtype=np.uint8)
         self._files: dict[Path, _OpenFile] = {}
-        self._read_ahead = read_ahead
+        self._read_ahead = False
         # The bytes read ahead: their file, their offset, and themselves (a buffer view).
         self._window: tuple[Path, int, np.ndarray] | None = None
 
@@ -99,6 +100,16 @@ class SliceReader:
             self._window = (path, offset, data)
             return data[:nbytes]
         return self._read(file, path, offset, nbytes)
+
+    @contextlib.contextmanager
+    def reading_ahead(self) -> Iterator[None]:
+        """Within, small reads going forward through a file are served from reads ahead."""
+        before, self._read_ahead = self._read_ahead, True
+        try:
+            yield
+        finally:
+            self._read_ahead = before
+            self._window = None
 
     def _read(self, file: _OpenFile, path: Path, offset: int, nbytes: int) -> np.ndarray:
         if file.direct is not None and not file.cached(offset, nbytes):
@@ -206,9 +217,8 @@ _READER: ContextVar[SliceReader | None] = ContextVar("iterserve_slice_reader", d
 
 @contextlib.contextmanager
 def shared_slice_reader() -> Iterator[None]:
-    """Within, `slice_reader` gives every caller the same reader (a model's load), which
-    reads ahead."""
-    reader = SliceReader(read_ahead=True)
+    """Within, `slice_reader` gives every caller the same reader (a model's load)."""
+    reader = SliceReader()
     token = _READER.set(reader)
     try:
         yield

@@ -42,6 +42,7 @@ from iterserve import kernels
 from iterserve.model.block_formats import BF16, TILE, tile_dense
 from iterserve.model.config import ModelConfig
 from iterserve.model.errors import ModelLoadError
+from iterserve.model.file_bytes import slice_reader
 from iterserve.model.gguf_blocks import QuantizedBlocks
 from iterserve.model.host_memory import weight_buffer
 from iterserve.model.linear import Backend, Linear, WeightMode, WeightPart
@@ -529,8 +530,9 @@ def _stacked_tiles(
     # Read in the file's order (an expert's slices are ~1 MB; Gemma 4's stack holds each
     # expert's gate beside its up), so the load's reader serves them from its reads ahead.
     ops = kernels.ops()
-    for expert, out in sorted(pending, key=lambda item: item[0].file_order):
-        expert.tiles(ops, out=out)
+    with slice_reader() as reader, reader.reading_ahead():
+        for expert, out in sorted(pending, key=lambda item: item[0].file_order):
+            expert.tiles(ops, out=out)
     return stacks
 
 
