@@ -143,8 +143,9 @@ Tensor experts_mlp(const Tensor& x, const std::optional<Tensor>& residual, const
                   router.size(0) * kTile >= E,
               "experts_mlp: the router must be bf16 tiles [tiles, bytes] uint8 for ", E,
               " experts");
-  const Tensor logits = tiled_linear(router_input ? *router_input : x, {router}, {static_cast<int64_t>(Format::kBf16)},
-                                     router_bias, std::nullopt)
+  const Tensor logits = tiled_linear(router_input ? *router_input : x, {router},
+                                     {static_cast<int64_t>(Format::kBf16)}, router_bias,
+                                     std::nullopt)
                             .narrow(1, 0, E);
   auto [weights, experts] = route(logits.to(at::kFloat), top_k, renormalize, sigmoid_scores,
                                   selection_bias, routed_scaling);
