@@ -200,6 +200,8 @@ class _DecoderLayer(nn.Module):
         # Gemma 4 26B-A4B: the experts beside the dense MLP, the experts on their own norm of
         # the stream, each output normed before their sum takes the MLP's output norm.
         beside = self.moe is not None and config.experts_beside_dense
+        # Whether the layer has a dense MLP (gate_up, down): no experts, or 26B-A4B's.
+        self.dense_mlp = self.moe is None or beside
         self.experts_in_norm = _weight(hidden, **like) if beside else None
         self.dense_out_norm = _weight(hidden, **like) if beside else None
         self.experts_out_norm = _weight(hidden, **like) if beside else None
@@ -252,9 +254,8 @@ class _DecoderLayer(nn.Module):
         if self.conv is not None:
             self.conv.build(lambda name: part(prefix + name), backend, mode)
         beside = self.experts_in_norm is not None  # Gemma 4 26B-A4B: a dense MLP too
-        dense = self.moe is None or beside
         for name, parts in self.checkpoint_parts.items():
-            if name in ("gate_up", "down") and not dense:
+            if name in ("gate_up", "down") and not self.dense_mlp:
                 continue
             self.linears[name] = Linear(
                 [part(f"{prefix}{p}.weight") for p in parts],
@@ -274,7 +275,7 @@ class _DecoderLayer(nn.Module):
             if self.conv is not None
             else [self.linears["qkv"], self.linears["o"]]
         )
-        mlp = [self.linears["gate_up"], self.linears["down"]] if dense else []
+        mlp = [self.linears["gate_up"], self.linears["down"]] if self.dense_mlp else []
         tiled = [*mixer, *mlp]
         if self.shared_expert is not None:
             tiled += self.shared_expert.linears()
@@ -940,8 +941,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # decoder_layer: a dense MLP (with Gemma 4's experts beside it), attention (LFM2's
             # convolution is decoder_stack's)
-            dense = layer.moe is None or layer.experts_in_norm is not None
-            fused = layer.fused is not None and dense and layer.conv is None
+            fused = layer.fused is not None and layer.dense_mlp and layer.conv is None
             own = None if per_layer is None else per_layer[:, layer.index]
             if step is not None and fused:
                 tables = second_tables if layer.second_rope else first_tables

@@ -117,12 +117,10 @@ EXPERT_NAMES = {
     "lfm2_moe": replace(_QWEN3_MOE_NAMES, selection_bias="mlp.expert_bias"),
     # Gemma 4 (26B-A4B): as model/loader.py unstacks its `experts.gate_up_proj` (gate's rows,
     # then up's) and `experts.down_proj`, beside the layer's dense `mlp`.
-    "gemma4": ExpertNames(
+    "gemma4": replace(
+        _QWEN3_MOE_NAMES,
         router="router.proj.weight",
         expert="experts.{}.{}.weight",
-        gate="gate_proj",
-        up="up_proj",
-        down="down_proj",
         router_scale="router.scale",
         expert_scales="router.per_expert_scale",
     ),
