@@ -1,5 +1,5 @@
-"""Host memory for a model's weights: the kernels' tiles on huge pages, and the C heap's
-freed pages given back once a load is done."""
+"""Host memory for a model's weights: the kernels' tiles on huge pages, in memory before they
+are written, and the C heap's freed pages given back once a load is done."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 # Below this a tensor gets no mapping of its own: a huge page is 2 MiB.
 _HUGE_PAGE = 2 << 20
+_SMALL_PAGE = 4096
 # A load packs its buffers into mappings of at least this much (`packed_weight_buffers`).
 _PACK_BYTES = 256 << 20
 
@@ -30,7 +31,21 @@ def weight_buffer(rows: int, row_bytes: int) -> torch.Tensor:
         return torch.empty((rows, row_bytes), dtype=torch.uint8)
     packing = _PACKING.get()
     flat = packing.take(size) if packing is not None else _huge_page_mapping(size)
+    _fault_in(flat)
     return flat.view(rows, row_bytes)
+
+
+def _fault_in(flat: torch.Tensor) -> None:
+    """Touches every page of a new buffer before anything writes it, the pages split evenly
+    among the threads. A fresh page is zeroed by the thread that first writes it (on a VM,
+    once the host has backed it, at well under a GB/s a thread). A repack writes ~1 MB at a
+    time split between the threads, and the one that met a new 2 MiB page zeroed it while the
+    other waited at the end: a quarter of a 26B MoE's load on the main thread (perf;
+    docs/benchmarks.md, "Loading big files"). Only the buffer's own pages: the rest of a
+    load's mapping stays untouched."""
+    pages = flat.numel() // _SMALL_PAGE
+    if pages:
+        torch.as_strided(flat, (pages, 64), (_SMALL_PAGE, 1)).zero_()
 
 
 @contextlib.contextmanager

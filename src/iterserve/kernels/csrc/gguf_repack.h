@@ -34,6 +34,22 @@ inline uint16_t e8m0_half_bf16_bits(uint8_t e) {
   return static_cast<uint16_t>(e < 2 ? 0x20 << e : (e - 1) << 7);
 }
 
+inline uint64_t load64(const uint8_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);
+  return w;
+}
+
+inline void store64(uint8_t* p, uint64_t w) { std::memcpy(p, &w, 8); }
+
+inline void or_bytes(uint8_t* p, uint64_t w) { store64(p, load64(p) | w); }
+
+// The 8 bits of `bits` as 8 bytes of 0 or 1, bit i in byte i.
+inline uint64_t spread_bits(uint8_t bits) {
+  const uint64_t each = (bits * 0x0101010101010101ULL) & 0x8040201008040201ULL;  // byte i: bit i
+  return ((each + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;  // nonzero -> 1
+}
+
 // 32 values from 16 bytes of nibbles: the low nibbles are inputs 0-15, the high 16-31.
 inline void split_nibbles(const uint8_t* qs, uint8_t* u) {
   for (int j = 0; j < 16; ++j) u[j] = qs[j] & 15, u[j + 16] = qs[j] >> 4;
@@ -75,7 +91,7 @@ inline void parse(Format f, const uint8_t* b, RowUnit& r) {
       uint32_t qh;
       std::memcpy(&qh, b + (has_m ? 4 : 2), 4);
       split_nibbles(b + (has_m ? 8 : 6), r.u);
-      for (int j = 0; j < 32; ++j) r.u[j] |= ((qh >> j) & 1) << 4;
+      for (int j = 0; j < 32; j += 8) or_bytes(r.u + j, spread_bits(static_cast<uint8_t>(qh >> j)) << 4);
       break;
     }
     case Format::kQ8_0:  // d, qs[32] signed
@@ -124,12 +140,13 @@ inline void parse(Format f, const uint8_t* b, RowUnit& r) {
     }
     case Format::kQ6_K: {  // ql[128], qh[64], scales[16] signed, d; value = u - 32
       const uint8_t *ql = b, *qh = b + 128;
+      constexpr uint64_t kNibbles = 0x0F0F0F0F0F0F0F0F, kCrumbs = 0x0303030303030303;
       for (int n = 0; n < 2; ++n)
         for (int s = 0; s < 4; ++s)
-          for (int l = 0; l < 32; ++l) {
-            const uint8_t low = ql[64 * n + l + 32 * (s & 1)];
-            r.u[128 * n + 32 * s + l] = static_cast<uint8_t>(
-                (s < 2 ? low & 15 : low >> 4) | (((qh[32 * n + l] >> (2 * s)) & 3) << 4));
+          for (int l = 0; l < 32; l += 8) {  // eight inputs a word
+            const uint64_t low = load64(ql + 64 * n + l + 32 * (s & 1)) >> (s < 2 ? 0 : 4);
+            const uint64_t high = load64(qh + 32 * n + l) >> (2 * s);
+            store64(r.u + 128 * n + 32 * s + l, (low & kNibbles) | (high & kCrumbs) << 4);
           }
       std::memcpy(r.sc, b + 192, 16);
       r.d = half_bits(b + 208);
@@ -172,50 +189,62 @@ inline int64_t gguf_block_bytes(Format f) {
 
 using Rows16 = RowUnit[kTile];
 
-// Value of row j's input k (of the unit), shifted right by `shift`.
-inline int value(const Rows16& r, int j, int k, int shift) { return r[j].u[k] >> shift; }
+// Row j's inputs k..k+3 (of the unit) as one word, byte i input k+i, each shifted right by
+// `shift` (at most 4) and masked by `mask`'s byte: the planes below are made four inputs at a
+// time, a byte's bits never crossing into the next (a third of a load's time was these loops
+// a byte at a time: docs/benchmarks.md, "Loading big files").
+inline uint32_t values4(const Rows16& r, int j, int k, int shift, uint32_t mask) {
+  uint32_t w;
+  std::memcpy(&w, r[j].u + k, 4);
+  return (w >> shift) & mask;
+}
+
+inline void put_word(uint8_t* out, uint32_t w) { std::memcpy(out, &w, 4); }
 
 inline void put_nibbles(const Rows16& r, int blk, int shift, uint8_t* out) {
   for (int c = 0; c < 4; ++c)
-    for (int j = 0; j < kTile; ++j)
-      for (int t = 0; t < 4; ++t) {
-        const int k = 32 * blk + 8 * c + t;
-        out[64 * c + 4 * j + t] =
-            static_cast<uint8_t>((value(r, j, k, shift) & 15) | (value(r, j, k + 4, shift) & 15) << 4);
-      }
+    for (int j = 0; j < kTile; ++j) {
+      const int k = 32 * blk + 8 * c;
+      put_word(out + 64 * c + 4 * j,
+               values4(r, j, k, shift, 0x0F0F0F0F) | values4(r, j, k + 4, shift, 0x0F0F0F0F) << 4);
+    }
 }
 
 inline void put_bits(const Rows16& r, int blk, int shift, uint8_t* out) {
-  for (int j = 0; j < kTile; ++j)
-    for (int t = 0; t < 4; ++t) {
-      int byte = 0;
-      for (int c = 0; c < 4; ++c)
-        for (int e = 0; e < 2; ++e) byte |= (value(r, j, 32 * blk + 8 * c + 4 * e + t, shift) & 1) << (2 * c + e);
-      out[4 * j + t] = static_cast<uint8_t>(byte);
-    }
+  for (int j = 0; j < kTile; ++j) {
+    uint32_t w = 0;
+    for (int c = 0; c < 4; ++c)
+      for (int e = 0; e < 2; ++e)
+        w |= values4(r, j, 32 * blk + 8 * c + 4 * e, shift, 0x01010101) << (2 * c + e);
+    put_word(out + 4 * j, w);
+  }
 }
 
 inline void put_crumbs(const Rows16& r, int blk, int shift, uint8_t* out) {
   for (int v = 0; v < 2; ++v)
-    for (int j = 0; j < kTile; ++j)
-      for (int t = 0; t < 4; ++t) {
-        int byte = 0;
-        for (int half = 0; half < 2; ++half)
-          for (int e = 0; e < 2; ++e) {
-            const int c = 2 * v + half;
-            byte |= (value(r, j, 32 * blk + 8 * c + 4 * e + t, shift) & 3) << (2 * (2 * half + e));
-          }
-        out[64 * v + 4 * j + t] = static_cast<uint8_t>(byte);
-      }
+    for (int j = 0; j < kTile; ++j) {
+      uint32_t w = 0;
+      for (int half = 0; half < 2; ++half)
+        for (int e = 0; e < 2; ++e) {
+          const int k = 32 * blk + 8 * (2 * v + half) + 4 * e;
+          w |= values4(r, j, k, shift, 0x03030303) << (2 * (2 * half + e));
+        }
+      put_word(out + 64 * v + 4 * j, w);
+    }
+}
+
+// Each byte of `w` plus `bias` (mod 256), no carry between bytes.
+inline uint32_t add_bytes(uint32_t w, int bias) {
+  const uint32_t b = 0x01010101u * static_cast<uint8_t>(bias);
+  return ((w & 0x7F7F7F7F) + (b & 0x7F7F7F7F)) ^ ((w ^ b) & 0x80808080);
 }
 
 inline void put_bytes(const Rows16& r, int blk, int bias, uint8_t* out) {
   for (int c = 0; c < 4; ++c)
     for (int e = 0; e < 2; ++e)
       for (int j = 0; j < kTile; ++j)
-        for (int t = 0; t < 4; ++t)
-          out[128 * c + 64 * e + 4 * j + t] =
-              static_cast<uint8_t>(r[j].u[32 * blk + 8 * c + 4 * e + t] + bias);
+        put_word(out + 128 * c + 64 * e + 4 * j,
+                 add_bytes(values4(r, j, 32 * blk + 8 * c + 4 * e, 0, 0xFFFFFFFF), bias));
 }
 
 inline void put_halves(const Rows16& r, bool second, uint8_t* out) {
@@ -320,15 +349,24 @@ inline void repack_tile(Format f, const uint8_t* src, int64_t ld, int64_t N, con
                         int64_t K, int64_t t, uint8_t* tile) {
   const int64_t units = K / unit_inputs(f), block_bytes = gguf_block_bytes(f);
   const int64_t unit_bytes = tile_bytes(f, K) / units;
+  const uint8_t* rows[kTile];  // each row's blocks, or null for a padding row
+  for (int j = 0; j < kTile; ++j) {
+    const int64_t row = row_of ? row_of[t * kTile + j] : t * kTile + j;
+    rows[j] = row < 0 || row >= N ? nullptr : src + row * ld;
+  }
   RowUnit parsed[kTile];
   for (int64_t u = 0; u < units; ++u) {
     for (int j = 0; j < kTile; ++j) {
-      const int64_t row = row_of ? row_of[t * kTile + j] : t * kTile + j;
-      if (row < 0 || row >= N) {
+      if (rows[j] == nullptr) {
         std::memset(&parsed[j], 0, sizeof(RowUnit));  // a padding row: d = 0, weights 0
         continue;
       }
-      parse(f, src + row * ld + u * block_bytes, parsed[j]);
+      // The file's bytes come once, from memory (a read's buffer): 16 rows are 16 streams,
+      // more than the hardware's prefetchers follow, so each row's block two ahead is asked for.
+      if (u + 2 < units)
+        for (int64_t line = 0; line < block_bytes; line += 64)
+          __builtin_prefetch(rows[j] + (u + 2) * block_bytes + line);
+      parse(f, rows[j] + u * block_bytes, parsed[j]);
     }
     pack(f, parsed, tile + u * unit_bytes);
   }
