@@ -14,13 +14,23 @@ from iterserve.model.host_memory import packed_weight_buffers, weight_buffer
 SMAPS = Path("/proc/self/smaps")
 
 
+def _mapping(address: int) -> str:
+    """smaps' lines of the mapping holding `address`."""
+    text = SMAPS.read_text()
+    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) .*?^VmFlags:[^\n]*", text, re.S | re.M):
+        if int(m.group(1), 16) <= address < int(m.group(2), 16):
+            return m.group(0)
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 def _vm_flags(address: int) -> list[str]:
     """The VmFlags of the mapping holding `address`."""
-    text = SMAPS.read_text()
-    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) .*?^VmFlags:([^\n]*)", text, re.S | re.M):
-        if int(m.group(1), 16) <= address < int(m.group(2), 16):
-            return m.group(3).split()
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return re.search(r"^VmFlags:([^\n]*)", _mapping(address), re.M).group(1).split()  # type: ignore[union-attr]
+
+
+def _rss(address: int) -> int:
+    """Bytes of the mapping holding `address` in memory (smaps' Rss)."""
+    return int(re.search(r"^Rss:\s+(\d+) kB", _mapping(address), re.M).group(1)) << 10  # type: ignore[union-attr]
 
 
 def test_a_large_buffer_is_its_own_mapping_advised_for_huge_pages() -> None:
@@ -80,15 +90,6 @@ def test_a_loads_buffers_lie_back_to_back_on_huge_pages(monkeypatch: pytest.Monk
     assert int(first[-1, -1]) == 1 and int(second[0, 0]) == 2  # neither overwrote the other
 
 
-def _mapping_rss(address: int) -> int:
-    """Bytes of the mapping holding `address` in memory (smaps' Rss)."""
-    text = SMAPS.read_text()
-    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) .*?^Rss:\s+(\d+) kB", text, re.S | re.M):
-        if int(m.group(1), 16) <= address < int(m.group(2), 16):
-            return int(m.group(3)) << 10
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def test_a_buffer_is_in_memory_when_made_and_no_more_of_its_mapping() -> None:
     """A load's buffer has its pages faulted in before anything writes it (the threads share
     the zeroing of fresh pages, where a repack left one thread to wait on the other's), and
@@ -97,5 +98,5 @@ def test_a_buffer_is_in_memory_when_made_and_no_more_of_its_mapping() -> None:
         pytest.skip("no /proc/self/smaps here")
     with packed_weight_buffers():
         tiles = weight_buffer(3, 1 << 20)  # 3 MiB, not written
-    rss = _mapping_rss(tiles.data_ptr())
+    rss = _rss(tiles.data_ptr())
     assert 3 << 20 <= rss <= 4 << 20  # on two huge pages, or 768 small ones

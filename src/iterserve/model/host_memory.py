@@ -37,12 +37,13 @@ def weight_buffer(rows: int, row_bytes: int) -> torch.Tensor:
 
 def _fault_in(flat: torch.Tensor) -> None:
     """Touches every page of a new buffer before anything writes it, the pages split evenly
-    among the threads. A fresh page is zeroed by the thread that first writes it (on a VM,
-    once the host has backed it, at well under a GB/s a thread). A repack writes ~1 MB at a
-    time split between the threads, and the one that met a new 2 MiB page zeroed it while the
-    other waited at the end: a quarter of a 26B MoE's load on the main thread (perf;
-    docs/benchmarks.md, "Loading big files"). Only the buffer's own pages: the rest of a
-    load's mapping stays untouched."""
+    among the threads. A fresh page is zeroed by the thread that first writes it, slowly on a
+    VM whose host backs a page only when the guest first touches it (one thread's first touch
+    of 16 GB: 1.4 GB/s, of memory touched before 9-10 GB/s; 2026-12-07). A repack writes
+    ~1 MB at a time split between the threads, and the one that met a new 2 MiB page zeroed
+    it while the other waited at the end: a quarter of a 26B MoE's load on the main thread
+    (perf; docs/benchmarks.md, "Loading big files"). Only the buffer's own pages: the rest of
+    a load's mapping stays untouched."""
     pages = flat.numel() // _SMALL_PAGE
     if pages:
         torch.as_strided(flat, (pages, 64), (_SMALL_PAGE, 1)).zero_()
