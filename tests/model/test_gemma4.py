@@ -98,14 +98,15 @@ def test_a_sequence_decodes_the_same_bits_alone_and_in_a_crowd(
 def test_tiled_kernels_keep_the_eager_greedy_tokens(
     gemma4: tuple[str, transformers.PreTrainedModel], tmp_path: Path, tokenizer_dir: Path
 ) -> None:
-    """The C++ layer op in bf16 against bf16 eager torch: E2B's every layer (K/V read from an
-    earlier layer's pool, normed values, per-layer inputs, the layer scalar); 31B's sliding
-    layers, its full ones (keys as values) layer by layer in torch around the paged op."""
+    """The C++ layer op in bf16 against bf16 eager torch, every layer of every shape: E2B's
+    (K/V read from an earlier layer's pool, normed values, per-layer inputs, the layer
+    scalar); 31B's and 26B-A4B's (full layers whose values are their keys, 26B-A4B's experts
+    beside the dense MLP)."""
     name, hf = gemma4
     directory = save_checkpoint(hf, tmp_path, tokenizer_dir)
     config = load_model(directory, torch.float32).config
     weights = lambda: load_model(directory, torch.float32).weights  # noqa: E731
-    assert_fast_paths_keep_the_eager_greedy_tokens(config, weights, VOCAB, fused=name == "e2b")
+    assert_fast_paths_keep_the_eager_greedy_tokens(config, weights, VOCAB, fused=True)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
@@ -115,14 +116,14 @@ def test_the_26b_experts_in_one_call_are_the_block_op_by_op(
     """26B-A4B's experts in kernels/csrc/moe.cpp's one call (the router on its own rows, the
     weights times each expert's scale, GeGLU) against the block op by op on the same tiled
     kernels, on every kernel variant this CPU runs: one token, a few rows, many. (Its
-    windowed layers run whole in the C++ layer op, experts and all: the greedy tokens of
+    layers run whole in the C++ layer op, experts and all: the greedy tokens of
     test_tiled_kernels_keep_the_eager_greedy_tokens.)"""
     directory = save_checkpoint(gemma4_model("26b"), tmp_path, tokenizer_dir)
     loaded = load_model(directory, torch.bfloat16)
     model = LlamaForCausalLM(loaded.config, torch.bfloat16, torch.device("cpu"))
     model.load(loaded.weights, "tiled")
-    # The windowed layers take the layer op; the full ones (keys as values) do not.
-    assert [layer.fused is not None for layer in model.layers] == [True, False, True, False]
+    # Every layer takes the layer op, the full ones (keys as values) too.
+    assert all(layer.fused is not None for layer in model.layers)
     generator = torch.Generator().manual_seed(0)
     for layer in model.layers:
         block = layer.moe

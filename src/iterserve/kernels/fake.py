@@ -96,6 +96,7 @@ def _decoder_layer(
     per_layer_input: torch.Tensor | None = None,
     per_layer_norm: torch.Tensor | None = None,
     layer_scalar: torch.Tensor | None = None,
+    keys_as_values: bool = False,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 

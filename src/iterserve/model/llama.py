@@ -213,11 +213,9 @@ class _DecoderLayer(nn.Module):
         # the scalar the layer's output is multiplied by.
         self.per_layer_norm = _weight(hidden, **like) if config.per_layer_input_size else None
         self.layer_scalar = _weight(1, **like) if traits.layer_scalar else None
-        # Whether the C++ layer op can run this layer at all: Gemma 4's layers each with its
-        # own attention shape, K/V of an earlier layer, normed values, per-layer input and
-        # scalar are decoder_layer's (not decoder_stack's: `_stacked`); values that are the
-        # keys (E4B's and 31B's full layers) are not.
-        self.fits_layer_ops = not self.keys_as_values
+        # Gemma 4's layers each with its own attention shape, K/V of an earlier layer, values
+        # normed or the keys themselves, per-layer input and scalar are decoder_layer's (not
+        # decoder_stack's: `_stacked`).
         self.dtype = dtype
         self.linears: dict[str, Linear] = {}
         # The whole layer as one C++ op (kernels/csrc/layer.cpp), when every part fits it:
@@ -281,7 +279,7 @@ class _DecoderLayer(nn.Module):
             tiled += self.shared_expert.linears()
         per_layer = [self.linears[name] for name in _PER_LAYER_INPUT if name in self.linears]
         # The op takes heads, and the rotated part of each, 32 dimensions at a time.
-        fits_layer_op = self.fits_layer_ops and self.head_dim % 32 == 0 and rotated % 32 == 0
+        fits_layer_op = self.head_dim % 32 == 0 and rotated % 32 == 0
         if self.moe is not None and (
             self.moe.kernel is None or (self.mlp_out_norm is not None and not beside)
         ):
@@ -356,6 +354,7 @@ class _DecoderLayer(nn.Module):
             per_layer_input,
             self.per_layer_norm,
             self.layer_scalar,
+            self.keys_as_values,
         )
 
     def forward(

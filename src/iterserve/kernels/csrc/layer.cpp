@@ -14,7 +14,8 @@
 // Ministral 3's attention temperature, each row's queries times a scale of its position; and
 // Gemma 4's (decoder_layer only): values normed per head without a weight, layers that attend
 // over an earlier layer's K/V (q alone projected, nothing stored: that layer stored this
-// step's rows in the pool they share), and the per-layer input each layer gates into its
+// step's rows in the pool they share), full layers whose values are their keys as projected
+// (q and k alone; the 31B's and 26B-A4B's), and the per-layer input each layer gates into its
 // output before a scalar scales it,
 //
 //   out = (h + rms_norm((gelu(h W_plg^T) * per_layer_input) W_plp^T)) * layer_scalar;
@@ -335,9 +336,12 @@ struct LayerWeights {
   // none: borrowed from the op's arguments.
   const float* query_scales = nullptr;
   // Gemma 4: values normed per head; no K/V of its own (the pool holds its source layer's);
-  // the per-layer input [rows, size] gated into the output, its norm, and the output's scalar.
+  // values that are the keys as projected, before their norm and rope (the full layers of the
+  // 31B and 26B-A4B: qkv then has no v); the per-layer input [rows, size] gated into the
+  // output, its norm, and the output's scalar.
   bool value_norm = false;
   bool shares_kv = false;
+  bool keys_as_values = false;
   const Tensor* per_layer_input = nullptr;
   const Tensor* per_layer_norm = nullptr;
   const Tensor* layer_scalar = nullptr;
@@ -457,12 +461,16 @@ Tensor attend_block(const LayerWeights& w, const Projections& project, const Ten
   const int64_t M = hidden.size(0), head_dim = cache_head_dim(key_cache);
   Tensor qkv = project(0, pre_norm(hidden, w.input_norm, w.eps), std::nullopt);
   const int64_t q_size = w.num_heads * head_dim, kv_size = w.num_kv_heads * head_dim;
-  // A layer reading its source layer's K/V projects q alone (Gemma 4).
+  // A layer reading its source layer's K/V projects q alone, one whose values are its keys q
+  // and k (Gemma 4).
   const int64_t own_kv_heads = w.shares_kv ? 0 : w.num_kv_heads;
-  const int64_t outputs = q_size + 2 * own_kv_heads * head_dim;
+  const int64_t outputs = q_size + (w.keys_as_values ? 1 : 2) * own_kv_heads * head_dim;
   TORCH_CHECK(qkv.size(1) == outputs, "decoder_layer: qkv has ", qkv.size(1), " outputs, not ",
               outputs);
   const int64_t heads = w.num_heads + own_kv_heads;
+  // Keys as values: the keys as they left the projection (their norm and rope are in place).
+  Tensor values = w.keys_as_values ? qkv.narrow(1, q_size, kv_size).clone() : qkv;
+  const int64_t v_first_head = w.keys_as_values ? 0 : heads;
   if (w.qk_norm && w.qk_norm->defined())
     qk_norm_inplace(qkv, w.num_heads, own_kv_heads, head_dim, *w.qk_norm, w.eps);
   rope_inplace(qkv, heads, head_dim, pos, rope_cos, rope_sin, w.query_scales, w.num_heads);
@@ -472,9 +480,9 @@ Tensor attend_block(const LayerWeights& w, const Projections& project, const Ten
                                     w.softcap, w.sinks);
     return strided_view(attn, {M, q_size}, {q_size, 1});
   }
-  if (w.value_norm) value_norm_inplace(qkv, heads, w.num_kv_heads, head_dim, w.eps);
+  if (w.value_norm) value_norm_inplace(values, v_first_head, w.num_kv_heads, head_dim, w.eps);
   const Tensor k = heads_of(qkv, q_size, w.num_kv_heads, head_dim);
-  const Tensor v = heads_of(qkv, q_size + kv_size, w.num_kv_heads, head_dim);
+  const Tensor v = heads_of(values, v_first_head * head_dim, w.num_kv_heads, head_dim);
   const Tensor attn = store_and_attend(q, k, v, key_cache, value_cache, slot_mapping, step,
                                        w.scale, w.sliding_window, w.softcap, w.sinks);
   return strided_view(attn, {M, q_size}, {q_size, 1});
@@ -590,7 +598,7 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
                      const std::optional<Tensor>& query_scales, bool value_norm,
                      bool shares_kv, const std::optional<Tensor>& per_layer_input,
                      const std::optional<Tensor>& per_layer_norm,
-                     const std::optional<Tensor>& layer_scalar) {
+                     const std::optional<Tensor>& layer_scalar, bool keys_as_values) {
   TORCH_CHECK(biases.size() == segments.size() && weights.size() == formats.size(),
               "decoder_layer: 4 projections (qkv, o, gate_up, down; 6 with a per-layer "
               "input), each with its weight segments, their formats and a bias");
@@ -605,6 +613,9 @@ Tensor decoder_layer(const Tensor& hidden, const Tensor& input_norm, const Tenso
   check_tables(w, key_cache, rope_cos, rope_sin);
   w.value_norm = value_norm;
   w.shares_kv = shares_kv;
+  w.keys_as_values = keys_as_values;
+  TORCH_CHECK(!(shares_kv && keys_as_values),
+              "decoder_layer: a layer reading another's K/V has no keys of its own");
   TORCH_CHECK(per_layer_input.has_value() == (segments.size() == 6) &&
                   per_layer_input.has_value() == per_layer_norm.has_value(),
               "decoder_layer: a per-layer input comes with its norm and its two projections");

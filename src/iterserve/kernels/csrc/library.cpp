@@ -56,7 +56,7 @@ TORCH_LIBRARY_FRAGMENT(ITERSERVE_OPS, m) {
       "Tensor[] experts, int[] expert_formats, int top_k, "
       "Tensor? sinks=None, Tensor? query_scales=None, bool value_norm=False, "
       "bool shares_kv=False, Tensor? per_layer_input=None, Tensor? per_layer_norm=None, "
-      "Tensor? layer_scalar=None) -> Tensor");
+      "Tensor? layer_scalar=None, bool keys_as_values=False) -> Tensor");
   m.def(
       "decoder_stack(Tensor hidden, Tensor slot_mapping, Tensor step, Tensor rope_cos, "
       "Tensor rope_sin, Tensor? second_rope_cos, Tensor? second_rope_sin, Tensor[] input_norms, "

@@ -181,7 +181,7 @@ at::Tensor decoder_layer(
     const std::optional<at::Tensor>& query_scales, bool value_norm, bool shares_kv,
     const std::optional<at::Tensor>& per_layer_input,
     const std::optional<at::Tensor>& per_layer_norm,
-    const std::optional<at::Tensor>& layer_scalar);
+    const std::optional<at::Tensor>& layer_scalar, bool keys_as_values);
 at::Tensor decoder_stack(
     const at::Tensor& hidden, const at::Tensor& slot_mapping, const at::Tensor& step,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin,
