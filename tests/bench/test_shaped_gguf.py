@@ -151,23 +151,34 @@ def test_a_decode_step_reads_each_layers_k_and_v_up_to_its_window(tmp_path: Path
     assert kv_bytes_per_step(path, 10) == 128 * (10 + 10)
 
 
+# A mixture-of-experts body made small: 4 experts of 256, 2 a token, beside (or before) a
+# dense MLP of 512.
+_SMALL_MOE = dict(
+    hidden=256,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=64,
+    experts=4,
+    experts_used=2,
+    intermediate=256,
+    dense_intermediate=512,
+)
+
+
+def _assert_a_step_reads_2_of_4_experts(path: Path, tensors: dict) -> None:
+    """A decode step reads every tensor but half the expert stacks (`_SMALL_MOE`'s top 2 of
+    4)."""
+    experts = sum(info.nbytes for name, info in tensors.items() if "_exps." in name)
+    assert decode_bytes_per_token(path) == sum(i.nbytes for i in tensors.values()) - experts // 2
+
+
 def test_a_qwen3_moe_body_loads_as_its_experts(tmp_path: Path) -> None:
     """A mixture-of-experts body (Qwen3-30B-A3B's layout, made small), written as random
     Q4_K_M blocks the way big_models.py --random-blocks writes it: the loader reads it as
     Qwen3-MoE with the experts in their blocks, and a decode step reads only the routed share
     of the expert stacks (8 of 128 in the real model; 2 of 4 here)."""
-    shape = dataclasses.replace(
-        PRESETS["qwen3-30b-a3b"],
-        hidden=256,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        head_dim=64,
-        experts=4,
-        experts_used=2,
-        intermediate=256,
-        dense_intermediate=512,
-    )
+    shape = dataclasses.replace(PRESETS["qwen3-30b-a3b"], **_SMALL_MOE)
     path = write_shaped_gguf(tmp_path / "moe.gguf", shape, blocks=q4_k_m_types)
     metadata, tensors = read_gguf_header(path)
     assert metadata["qwen3moe.feed_forward_length"] == 512
@@ -178,8 +189,7 @@ def test_a_qwen3_moe_body_loads_as_its_experts(tmp_path: Path) -> None:
     assert tensors["blk.0.ffn_down_exps.weight"].qtype == GGMLQuantizationType.Q4_K
     assert tensors["blk.1.ffn_down_exps.weight"].qtype == GGMLQuantizationType.Q6_K
     assert "blk.0.ffn_down.weight" not in tensors
-    experts = sum(info.nbytes for name, info in tensors.items() if "_exps." in name)
-    assert decode_bytes_per_token(path) == sum(i.nbytes for i in tensors.values()) - experts // 2
+    _assert_a_step_reads_2_of_4_experts(path, tensors)
 
     loaded = load_gguf(path, torch.bfloat16)
     config = loaded.config
@@ -348,25 +358,16 @@ def test_a_gemma4_moe_body_loads_its_experts_beside_the_dense_mlp(tmp_path: Path
     reads the routed share of the stacks."""
     shape = dataclasses.replace(
         PRESETS["gemma4-26b-a4b"],
-        hidden=256,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        head_dim=64,
+        **_SMALL_MOE,
         full_every=2,
         full_head_dim=128,
         full_kv_heads=1,
-        experts=4,
-        experts_used=2,
-        intermediate=256,
-        dense_intermediate=512,
     )
     path = write_shaped_gguf(tmp_path / "gemma4-moe.gguf", shape, blocks=q4_k_m_types)
     metadata, tensors = read_gguf_header(path)
     assert metadata["gemma4.feed_forward_length"] == [512, 512]
     assert tensors["blk.0.ffn_gate_up_exps.weight"].shape == (4, 512, 256)
-    experts = sum(info.nbytes for name, info in tensors.items() if "_exps." in name)
-    assert decode_bytes_per_token(path) == sum(i.nbytes for i in tensors.values()) - experts // 2
+    _assert_a_step_reads_2_of_4_experts(path, tensors)
 
     loaded = load_gguf(path, torch.bfloat16)
     config = loaded.config

@@ -213,9 +213,6 @@ class _DecoderLayer(nn.Module):
         # the scalar the layer's output is multiplied by.
         self.per_layer_norm = _weight(hidden, **like) if config.per_layer_input_size else None
         self.layer_scalar = _weight(1, **like) if traits.layer_scalar else None
-        # Gemma 4's layers each with its own attention shape, K/V of an earlier layer, values
-        # normed or the keys themselves, per-layer input and scalar are decoder_layer's (not
-        # decoder_stack's: `_stacked`).
         self.dtype = dtype
         self.linears: dict[str, Linear] = {}
         # The whole layer as one C++ op (kernels/csrc/layer.cpp), when every part fits it:
@@ -278,7 +275,10 @@ class _DecoderLayer(nn.Module):
         if self.shared_expert is not None:
             tiled += self.shared_expert.linears()
         per_layer = [self.linears[name] for name in _PER_LAYER_INPUT if name in self.linears]
-        # The op takes heads, and the rotated part of each, 32 dimensions at a time.
+        # The op takes heads, and the rotated part of each, 32 dimensions at a time. (Gemma 4's
+        # layers, each with its own attention shape, K/V of an earlier layer, values normed or
+        # the keys themselves, per-layer input and scalar, are decoder_layer's, not
+        # decoder_stack's: `_stacked`.)
         fits_layer_op = self.head_dim % 32 == 0 and rotated % 32 == 0
         if self.moe is not None and (
             self.moe.kernel is None or (self.mlp_out_norm is not None and not beside)
