@@ -20,9 +20,12 @@
 //   IN_CACHE=1 /tmp/stream_timing ...   # one 1024 x 2048 weight over and over: the loops' own rate
 //   SHAPES=8b /tmp/stream_timing 22 4     # an 8B's layers (218 MB each in Q4_K)
 //   SHAPES=gemma4 /tmp/stream_timing 22 24  # a hidden size of 1536 (Gemma 4 E2B, Qwen 1.5B)
+//   SHARES=1 /tmp/stream_timing 22          # each weight split as the engine splits it
+//                                           # (thread_shares.h `Shares`), not in two halves
 //
 // Format codes: blocks.h `Format` (Q4_0 10, Q8_0 14, Q4_K 22, Q6_K 24, ...).
 #include "gguf_repack.h"
+#include "thread_shares.h"
 #include "tiles.h"
 #include <omp.h>
 #include <sys/mman.h>
@@ -85,6 +88,7 @@ int main(int argc, char** argv) {
   const int reps = argc > 3 ? atoi(argv[3]) : 5;
   const int64_t M = argc > 4 ? atol(argv[4]) : 1;
   const bool in_cache = getenv("IN_CACHE") != nullptr;
+  const bool engine_shares = getenv("SHARES") != nullptr;
   using Shapes = std::vector<std::pair<int64_t, int64_t>>;  // (N, K) of qkv, o, gate_up, down
   const std::map<std::string, Shapes> bodies = {
       {"1b", {{3072, 2048}, {2048, 2048}, {16384, 2048}, {2048, 8192}}},
@@ -138,6 +142,14 @@ int main(int argc, char** argv) {
     for (const Weight& w : weights) {
       const Segment seg{format, w.data, w.tile_bytes, w.N / kTile, 0};
       const Rows& x = rows[std::find(widths.begin(), widths.end(), w.K) - widths.begin()];
+      if (engine_shares) {
+        const std::vector<Segment> segs{seg};
+        Shares shares(segs, 2, M);
+#pragma omp parallel num_threads(2)
+        shares.run(omp_get_thread_num(),
+                   [&](const LaneStep& step) { lane_step(seg, x, M, step, ep); });
+        continue;
+      }
 #pragma omp parallel num_threads(2)
       {
         const int t = omp_get_thread_num();

@@ -932,7 +932,8 @@ constexpr int64_t tile_step_count(int64_t n) { return n / NT + n % NT; }
 // 2026-12-01, avx512bf16, Zen 5, in turns): Q4_K 12.7-12.9 -> 12.0-12.4 ms, Q6_K 18.2-18.5
 // -> 16.8-17.0, Q4_0 12.2 -> 10.8-11.1, 0.97-1.0 of a plain read of the same bytes; one
 // 310 MB weight of K = 512 read at 0.76 of the plain read before and 0.89-0.95 after. One
-// tile a step (AVX2, Arm, and 3-4 rows of Q6_K) was one stream a thread already.
+// tile a step (AVX2, Arm, and 3-4 rows of Q6_K) was one stream a thread already, and on AMD
+// Zen 5 a thread's tiles go one after another, one stream a thread (`few_rows_in_lanes`).
 
 // A few rows' step: `width` tiles of segment `seg`, `lane` apart (first, first + lane, ...;
 // the segment's own tile numbers), side by side; or, at width 1, `count` tiles from `first`
@@ -960,8 +961,31 @@ ITERSERVE_INLINE void few_rows(int64_t M, F&& run) {
   }
 }
 
+// Whether a few rows' steps walk lanes (above) or a thread's tiles one after another, one
+// stream a thread. AMD Zen 5's memory serves the one stream better (2026-12-07, avx512bf16,
+// benchmarks/stream_timing.cpp SHARES=1: two threads over a 1B's 16 layers, split as the
+// engine splits them, builds in turns; share of a plain read of the same bytes, lanes -> one
+// after another): one row in spells of 44-51 GB/s Q4_K 0.84-0.93 -> 0.97-1.06, Q6_K
+// 0.84-0.92 -> 0.97-1.00, Q4_0 and Q8_0 0.94-0.99 -> 0.96-1.01, an 8B's layers Q4_K and Q6_K
+// 0.86-0.95 -> 0.98-1.01; in spells of 77-81 Q6_K 0.81 -> 0.89, Q4_0 0.80 -> 0.92; two rows
+// 0.75-0.91 -> 0.88-0.97, four 0.90-0.96 -> 0.94-0.98. In cache the lanes' four tiles a
+// step run faster (Q4_K 249 against 175 GB/s): it is the memory, not the loops' work. In
+// the engine (benchmarks/big_models.py, fresh processes in turns, batch-1 segments read in
+// spells under 60 GB/s) a 1B Q4_K_M's batch 1 44.4 -> 51.7 tok/s (medians; 0.72 -> 0.83 of
+// the readings beside them), an 8B's 9.0 -> 9.2 (0.81 -> 0.85). The lanes were measured on
+// the other cores against 4 adjacent tiles a step, not one, so they keep them.
+// ITERSERVE_LANES (0 or 1) forces either way.
+inline bool few_rows_in_lanes() {
+  static const bool on = [] {
+    if (const char* forced = std::getenv("ITERSERVE_LANES")) return forced[0] != '0';
+    return !(amd_cpu() && cpu_family() >= 26);
+  }();
+  return on;
+}
+
 // Tiles a few-row step of M rows takes at a time in a format.
 inline int few_rows_width(Format format, int64_t M) {
+  if (!few_rows_in_lanes()) return 1;
   int width = 1;
   few_rows(M, [&](auto mr) {
     constexpr int MR = decltype(mr)::value;
