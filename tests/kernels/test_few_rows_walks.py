@@ -16,6 +16,7 @@ BLOCK_FORMAT_TESTS = Path(__file__).with_name("test_block_formats.py")
 FEW_ROW_TESTS = "few_rows_step_takes_every_tile_once or products_match_dequantize"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lanes", ["0", "1"])
 def test_either_way_of_walking_a_threads_tiles(lanes: str) -> None:
     done = subprocess.run(

@@ -972,9 +972,10 @@ ITERSERVE_INLINE void few_rows(int64_t M, F&& run) {
 // step run faster (Q4_K 249 against 175 GB/s): it is the memory, not the loops' work. In
 // the engine (benchmarks/big_models.py, fresh processes in turns, batch-1 segments read in
 // spells under 60 GB/s) a 1B Q4_K_M's batch 1 44.4 -> 51.7 tok/s (medians; 0.72 -> 0.83 of
-// the readings beside them), an 8B's 9.0 -> 9.2 (0.81 -> 0.85). The lanes were measured on
-// the other cores against 4 adjacent tiles a step, not one, so they keep them.
-// ITERSERVE_LANES (0 or 1) forces either way.
+// the readings beside them), an 8B's 9.0 -> 9.2 (0.81 -> 0.85), Qwen3-30B-A3B's 18.2-19.3 ->
+// 21.2-22.2 (its experts: 48 tiles each), the bundled model's 1.06-1.10x (decode_speed.py).
+// The lanes were measured on the other cores against 4 adjacent tiles a step, not one, so
+// they keep them. ITERSERVE_LANES (0 or 1) forces either way.
 inline bool few_rows_in_lanes() {
   static const bool on = [] {
     if (const char* forced = std::getenv("ITERSERVE_LANES")) return forced[0] != '0';
