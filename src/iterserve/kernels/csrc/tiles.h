@@ -557,43 +557,14 @@ ITERSERVE_INLINE std::array<Quads, NT> decoded_chunk(const uint8_t* const* p, in
 // Intel Cascade Lake). Some AMD cores need no help with AVX-512's one or two rows, where
 // these instructions only cost issue slots (few_rows_prefetch). Into L1, or with Locality 2
 // into L2 (few_rows_units_far).
-template <typename Codec, int Units, int NT, int Locality = 3>
-ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b) {
+template <typename Codec, int NT, int Locality = 3>
+ITERSERVE_INLINE void prefetch_units(const uint8_t* const* p, int b, int64_t units) {
   constexpr int kBlocks = Codec::kInputs / kBlock;
   constexpr int64_t kLines = (Codec::kBytes + 63) / 64, kEach = (kLines + kBlocks - 1) / kBlocks;
+  const int64_t ahead = units * Codec::kBytes + b * kEach * 64;
   ITERSERVE_UNROLL for (int j = 0; j < NT; ++j)
     ITERSERVE_UNROLL for (int i = 0; i < kEach; ++i)
-      __builtin_prefetch(p[j] + Units * Codec::kBytes + (b * kEach + i) * 64, 0, Locality);
-}
-
-// How many units ahead a few rows' step prefetches: one (two from two rows on), and for the
-// small units of the 32-input formats (288-544 bytes a tile) as many as make ~2 KB. One
-// 288-byte unit ahead was too near on AMD Zen 3, AVX2 (benchmarks/stream_timing.cpp, two
-// threads over a 1B's 16 layers, builds in turns, 2026-12-04): one row of Q4_0 read at
-// 0.74-0.85 of a plain read, Q5_0 0.64-0.74, Q4_1 0.69-0.80, IQ4_NL 0.73-0.85; ~2 KB ahead,
-// 0.95-0.97, 0.87-1.01, 0.88-0.98, 0.91-0.99 (one row of Q4_0 1.06-1.25x faster, Q5_0
-// 1.19-1.53x, two rows 1.15-1.21x / 1.14-1.15x); Q8_0 (3 units) level, four rows 0.9-1.2x.
-template <typename Codec, int MR>
-constexpr int few_rows_units_ahead() {
-  constexpr int64_t kBytesAhead = 2048;
-  return static_cast<int>(std::max<int64_t>(MR == 1 ? 1 : 2, kBytesAhead / Codec::kBytes));
-}
-
-// How many units ahead a few rows' step also asks for its tiles into L2 (where
-// few_rows_prefetch_far): ~8 KB a lane, past the L1 prefetch. On an Intel Emerald Rapids
-// (benchmarks/stream_timing.cpp, two threads over a 1B's 16 layers, with and without,
-// alternating in one process, 8-20 alternations, 2026-12-05, avx512bf16) the L1 prefetch
-// alone left one row at 0.87-0.92 of a 4-lane read of the same bytes (read_probe's way) and
-// this beside it 0.92-1.0: one row Q4_K 1.05-1.07x, Q6_K 1.07-1.10x, Q5_K 1.07x, Q4_0
-// 1.05x, Q4_1 and Q5_0 1.06x, IQ4_XS 1.05x, Q8_0 1.03x, Q2_K and Q3_K level (their loops'
-// arithmetic bounds them); two rows 1.06-1.09x, four 1.03-1.06x; an 8B's layers at one row
-// Q4_K 1.05x, Q6_K 1.10x; the AVX2 build there 1.09-1.24x. 4, 16 and 32 KB ahead did as well
-// as 8.
-template <typename Codec, int MR>
-constexpr int few_rows_units_far() {
-  constexpr int64_t kBytesFar = 8192;
-  return static_cast<int>(
-      std::max<int64_t>(few_rows_units_ahead<Codec, MR>() + 1, kBytesFar / Codec::kBytes));
+      __builtin_prefetch(p[j] + ahead + i * 64, 0, Locality);
 }
 
 // Whether this is an AMD core, and its family (Zen 4: 25, Zen 5: 26): the loops' rules below
@@ -622,6 +593,60 @@ inline int cpu_family() {
 #else
   return 0;
 #endif
+}
+
+// How many units ahead a few rows' step prefetches: one (two from two rows on), and for the
+// small units of the 32-input formats (288-544 bytes a tile) as many as make ~2 KB. One
+// 288-byte unit ahead was too near on AMD Zen 3, AVX2 (benchmarks/stream_timing.cpp, two
+// threads over a 1B's 16 layers, builds in turns, 2026-12-04): one row of Q4_0 read at
+// 0.74-0.85 of a plain read, Q5_0 0.64-0.74, Q4_1 0.69-0.80, IQ4_NL 0.73-0.85; ~2 KB ahead,
+// 0.95-0.97, 0.87-1.01, 0.88-0.98, 0.91-0.99 (one row of Q4_0 1.06-1.25x faster, Q5_0
+// 1.19-1.53x, two rows 1.15-1.21x / 1.14-1.15x); Q8_0 (3 units) level, four rows 0.9-1.2x.
+// On AMD Zen 5 ~7 KB (Q4_K 3 units, Q6_K 2, Q4_0 24). Its memory reads in spells, 44-55 GB/s
+// while other tenants hold it and 82-87 when not, and one stream a thread (few_rows_in_lanes)
+// with one unit in flight kept up with the slow spells only (benchmarks/stream_timing.cpp
+// SHARES=1, two threads over a 1B's 16 layers, builds in turns, 2026-12-08, avx512bf16; the
+// share of a plain read of the same bytes, medians of ~20 runs a spell at one row, 3-7 at two
+// and four; fast spells, then slow): one row of Q4_K 0.82 -> 0.94 and 0.97 -> 0.95 (two units
+// ahead 0.91), Q6_K 0.88-0.92 -> 0.95 and 0.97 -> 0.96; two rows of Q4_K 0.81 -> 0.88 and
+// 0.96 -> 0.94; four rows of Q4_K 0.73 -> 0.80 and 0.95 -> 0.92, Q4_0 0.62 -> 0.81 and 0.86
+// -> 0.95, Q8_0 0.74 -> 0.82 and 0.93 -> 0.90; the AVX2 build level in slow spells. In the
+// engine (benchmarks/big_models.py, fresh processes in turns, batch-1 segments by the spell
+// of the readings around them): an 8B Q4_K_M 13.5 -> 15.3 tok/s in fast spells (0.72 -> 0.82
+// of the reading), ~9.9 in slow ones either way; a 1B Q4_K_M's 0.76 -> 0.80 and 0.85 ->
+// 0.84; the bundled model's batch 1 level, batch 4 1.02-1.04x (decode_speed.py).
+// ITERSERVE_PREFETCH_AHEAD (bytes) forces a distance.
+inline int64_t few_rows_bytes_ahead() {
+  static const int64_t bytes = []() -> int64_t {
+    if (const char* forced = std::getenv("ITERSERVE_PREFETCH_AHEAD")) return std::atoll(forced);
+    return amd_cpu() && cpu_family() >= 26 ? 7168 : 2048;
+  }();
+  return bytes;
+}
+
+template <typename Codec, int MR>
+inline int64_t few_rows_units_ahead() {
+  static const int64_t units =
+      std::max<int64_t>(MR == 1 ? 1 : 2, few_rows_bytes_ahead() / Codec::kBytes);
+  return units;
+}
+
+// How many units ahead a few rows' step also asks for its tiles into L2 (where
+// few_rows_prefetch_far): ~8 KB a lane, past the L1 prefetch. On an Intel Emerald Rapids
+// (benchmarks/stream_timing.cpp, two threads over a 1B's 16 layers, with and without,
+// alternating in one process, 8-20 alternations, 2026-12-05, avx512bf16) the L1 prefetch
+// alone left one row at 0.87-0.92 of a 4-lane read of the same bytes (read_probe's way) and
+// this beside it 0.92-1.0: one row Q4_K 1.05-1.07x, Q6_K 1.07-1.10x, Q5_K 1.07x, Q4_0
+// 1.05x, Q4_1 and Q5_0 1.06x, IQ4_XS 1.05x, Q8_0 1.03x, Q2_K and Q3_K level (their loops'
+// arithmetic bounds them); two rows 1.06-1.09x, four 1.03-1.06x; an 8B's layers at one row
+// Q4_K 1.05x, Q6_K 1.10x; the AVX2 build there 1.09-1.24x. 4, 16 and 32 KB ahead did as well
+// as 8.
+template <typename Codec, int MR>
+inline int64_t few_rows_units_far() {
+  constexpr int64_t kBytesFar = 8192;
+  static const int64_t units =
+      std::max<int64_t>(few_rows_units_ahead<Codec, MR>() + 1, kBytesFar / Codec::kBytes);
+  return units;
 }
 
 // Whether one- and two-row steps of a codec prefetch their tiles (prefetch_units); steps of
@@ -721,11 +746,13 @@ inline void block_tiles(const Rows& rows, int64_t m0, const uint8_t* w, int64_t 
   std::array<F16, MR * NT> unit;
   const bool prefetch = MR > 2 || few_rows_prefetch<Codec>();
   const bool far = prefetch && few_rows_prefetch_far();
+  const int64_t ahead = few_rows_units_ahead<Codec, MR>();
+  const int64_t farther = few_rows_units_far<Codec, MR>();
   // Inlined into the block loop, so that the sums stay in registers from block to block (as
   // a call the lambda kept them in memory: one-row Q4_K steps ran 1.3x slower in cache).
   auto block = [&](const uint8_t* const* p, int b, int64_t blk) ITERSERVE_INLINE_LAMBDA {
-    if (prefetch) prefetch_units<Codec, few_rows_units_ahead<Codec, MR>(), NT>(p, b);
-    if (far) prefetch_units<Codec, few_rows_units_far<Codec, MR>(), NT, 2>(p, b);
+    if (prefetch) prefetch_units<Codec, NT>(p, b, ahead);
+    if (far) prefetch_units<Codec, NT, 2>(p, b, farther);
     // Each chunk decoded as it is used.
     const auto dot = block_dots<Codec, MR, NT>(
         x, m0, blk, K, [&](auto c) { return decoded_chunk<Codec, NT>(p, b, c); });
@@ -775,7 +802,7 @@ inline void sweep_tiles(const Rows& rows, int64_t M, const uint8_t* w, int64_t s
   for (int64_t i = 0; i < M * NT; ++i) acc[i] = F16::zero();
   auto block = [&](const uint8_t* const* p, int b, int64_t blk) {
     ahead.step();
-    prefetch_units<Codec, 1, NT>(p, b);
+    prefetch_units<Codec, NT>(p, b, 1);
     const std::array<std::array<Quads, NT>, 4> q{
         decoded_chunk<Codec, NT>(p, b, std::integral_constant<int, 0>{}),
         decoded_chunk<Codec, NT>(p, b, std::integral_constant<int, 1>{}),
