@@ -610,11 +610,13 @@ inline int cpu_family() {
 // and four; fast spells, then slow): one row of Q4_K 0.82 -> 0.94 and 0.97 -> 0.95 (two units
 // ahead 0.91), Q6_K 0.88-0.92 -> 0.95 and 0.97 -> 0.96; two rows of Q4_K 0.81 -> 0.88 and
 // 0.96 -> 0.94; four rows of Q4_K 0.73 -> 0.80 and 0.95 -> 0.92, Q4_0 0.62 -> 0.81 and 0.86
-// -> 0.95, Q8_0 0.74 -> 0.82 and 0.93 -> 0.90; the AVX2 build level in slow spells. In the
-// engine (benchmarks/big_models.py, fresh processes in turns, batch-1 segments by the spell
-// of the readings around them): an 8B Q4_K_M 13.5 -> 15.3 tok/s in fast spells (0.72 -> 0.82
-// of the reading), ~9.9 in slow ones either way; a 1B Q4_K_M's 0.76 -> 0.80 and 0.85 ->
-// 0.84; the bundled model's batch 1 level, batch 4 1.02-1.04x (decode_speed.py).
+// -> 0.95, Q8_0 0.74 -> 0.82 and 0.93 -> 0.90; one row of Q5_K, Q3_K, Q2_K and IQ4_XS
+// 0.93-0.97 -> 0.96-0.98 in slow spells; the AVX2 build level in slow spells. In the engine
+// (benchmarks/big_models.py, fresh processes in turns, batch-1 segments by the spell of the
+// readings around them): an 8B Q4_K_M 13.5 -> 15.3 tok/s in fast spells (0.72 -> 0.82 of
+// the reading), ~9.9 in slow ones either way; a 1B Q4_K_M's 0.76 -> 0.80 and 0.85 -> 0.84;
+// Qwen3-30B-A3B's 22.0 -> 22.2 in slow spells; the bundled model's batch 1 level, batch 4
+// 1.02-1.04x (decode_speed.py).
 // ITERSERVE_PREFETCH_AHEAD (bytes) forces a distance.
 inline int64_t few_rows_bytes_ahead() {
   static const int64_t bytes = []() -> int64_t {
