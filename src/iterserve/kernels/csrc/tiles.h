@@ -665,6 +665,12 @@ inline int64_t few_rows_units_far() {
 //     0.94-0.98 of a plain read, and a 288-byte unit ahead is too near to help). In the
 //     engine (benchmarks/big_models.py, in turns): a 1B's Q4_K_M batch 1 1.13x in the
 //     median of 10 pairs, an 8B's neutral (6 pairs, the same mean; loops alone 0.99-1.10x).
+//     With one stream a thread and ~7 KB ahead (few_rows_bytes_ahead; 2026-12-08,
+//     stream_timing.cpp SHARES=1, in turns, medians by spell: fast, then slow) the 32-input
+//     formats gain too: one row of Q4_0 0.82 -> 0.92 and 0.94 -> 0.96 of a plain read, Q5_0
+//     0.82 -> 0.93 and 0.91 -> 0.96, IQ4_NL 0.84 -> 0.91 and 0.94 -> 0.95, Q4_1 0.86 ->
+//     0.91 and level, two rows of Q4_0 0.72 -> 0.93 and 0.88 -> 0.96; all but Q8_0, whose
+//     loop reads at 0.96-0.99 without them (one row 0.93 and 0.97 with, two 0.96 and 0.95).
 //   - The AVX2 build (one tile a step) on Zen 4 kept Q6_K's one row 1.33x faster with them
 //     and Q4_K level; on Intel Cascade Lake they made one row 1.23x faster; on AMD Zen 3, an
 //     AVX2-only core (2026-12-04, in turns), one row read at 0.87-0.97 of a plain read with
@@ -676,7 +682,7 @@ inline bool few_rows_prefetch() {
   static const bool on = [] {
     if (const char* forced = std::getenv("ITERSERVE_PREFETCH")) return forced[0] != '0';
 #if defined(CPU_CAPABILITY_AVX512)
-    if (amd_cpu()) return cpu_family() >= 26 && Codec::kInputs == 256;
+    if (amd_cpu()) return cpu_family() >= 26 && Codec::kFormat != Format::kQ8_0;
 #endif
     return true;
   }();
