@@ -595,6 +595,9 @@ inline int cpu_family() {
 #endif
 }
 
+// AMD Zen 5 or later: the core several few-row rules below were measured on apart.
+inline bool amd_zen5_or_later() { return amd_cpu() && cpu_family() >= 26; }
+
 // How many units ahead a few rows' step prefetches: one (two from two rows on), and for the
 // small units of the 32-input formats (288-544 bytes a tile) as many as make ~2 KB. One
 // 288-byte unit ahead was too near on AMD Zen 3, AVX2 (benchmarks/stream_timing.cpp, two
@@ -621,7 +624,7 @@ inline int cpu_family() {
 inline int64_t few_rows_bytes_ahead() {
   static const int64_t bytes = []() -> int64_t {
     if (const char* forced = std::getenv("ITERSERVE_PREFETCH_AHEAD")) return std::atoll(forced);
-    return amd_cpu() && cpu_family() >= 26 ? 7168 : 2048;
+    return amd_zen5_or_later() ? 7168 : 2048;
   }();
   return bytes;
 }
@@ -682,7 +685,7 @@ inline bool few_rows_prefetch() {
   static const bool on = [] {
     if (const char* forced = std::getenv("ITERSERVE_PREFETCH")) return forced[0] != '0';
 #if defined(CPU_CAPABILITY_AVX512)
-    if (amd_cpu()) return cpu_family() >= 26 && Codec::kFormat != Format::kQ8_0;
+    if (amd_cpu()) return amd_zen5_or_later() && Codec::kFormat != Format::kQ8_0;
 #endif
     return true;
   }();
@@ -1014,7 +1017,7 @@ ITERSERVE_INLINE void few_rows(int64_t M, F&& run) {
 inline bool few_rows_in_lanes() {
   static const bool on = [] {
     if (const char* forced = std::getenv("ITERSERVE_LANES")) return forced[0] != '0';
-    return !(amd_cpu() && cpu_family() >= 26);
+    return !amd_zen5_or_later();
   }();
   return on;
 }
